@@ -1,0 +1,74 @@
+"""Errors that tell the user what to do next.
+
+Every error the library raises on bad input is one of these. Each message names what was wrong
+and the fix, because the people who hit them are often 30 minutes into a compile on an
+expensive instance.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+
+class Gemma4LibError(Exception):
+    """Base class: anything the user can fix."""
+
+
+class UnknownNameError(Gemma4LibError, ValueError):
+    def __init__(self, kind: str, value: object, choices: Iterable[str]):
+        choices = list(choices)
+        super().__init__(f"unknown {kind} {value!r}; choose one of: {', '.join(choices)}")
+        self.kind, self.value, self.choices = kind, value, choices
+
+
+class PromptTooLongError(Gemma4LibError, ValueError):
+    """Prompt + new tokens do not fit the compiled context; raised before any device work."""
+
+    def __init__(self, prompt_tokens: int, max_new_tokens: int, context_length: int):
+        super().__init__(
+            f"prompt ({prompt_tokens} tokens) + max_new_tokens ({max_new_tokens}) = "
+            f"{prompt_tokens + max_new_tokens} exceeds the compiled context length {context_length}; "
+            f"shorten the prompt, lower max_new_tokens, or recompile with a larger context_length"
+        )
+        self.prompt_tokens, self.max_new_tokens, self.context_length = (
+            prompt_tokens, max_new_tokens, context_length)
+
+
+class BadPromptError(Gemma4LibError, ValueError):
+    pass
+
+
+class BatchTooLargeError(Gemma4LibError, ValueError):
+    pass
+
+
+class TensorParallelError(Gemma4LibError, ValueError):
+    pass
+
+
+class CheckpointError(Gemma4LibError, ValueError):
+    """A checkpoint folder or hub id that cannot be used as it is."""
+
+
+class GatedCheckpointError(CheckpointError):
+    pass
+
+
+class NotGemma4Error(CheckpointError):
+    pass
+
+
+class EnvironmentMismatchError(Gemma4LibError, RuntimeError):
+    """A package is missing or at a version other than the one this cookbook pins."""
+
+
+class NeuronSDKMissingError(EnvironmentMismatchError, ImportError):
+    """A Neuron-only entry point was called where the Neuron SDK is not installed."""
+
+
+class ArtifactError(Gemma4LibError, RuntimeError):
+    """A cached compile artifact is unusable (corrupt, half-written); it is rebuilt."""
+
+
+class BaselineError(Gemma4LibError, ValueError):
+    pass

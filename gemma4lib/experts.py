@@ -1,0 +1,72 @@
+"""Static-shape forms of the Gemma-4 MoE expert block.
+
+transformers' eager experts loop over the experts a batch happens to hit: a data-dependent
+Python loop that no tracer can capture. Two static replacements, same parameters, same math:
+
+- `dense`: every token runs through every expert, then the outputs are weighted by the routed
+  top-k weights (zero for unrouted experts). Static shapes, and the expert dimension splits cleanly
+  across tensor-parallel ranks. Reads all expert weights every step.
+- `selective`: gather the k routed experts' weight slices per token, then batched matmuls. Reads
+  only k experts' weights: the decode form.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+EXPERT_FORMS = ("dense", "selective")
+
+
+class StaticExperts(nn.Module):
+    """Drop-in for `Gemma4TextExperts.forward(hidden, top_k_index, top_k_weights)`."""
+
+    def __init__(self, experts: nn.Module, form: str = "dense"):
+        super().__init__()
+        if form not in EXPERT_FORMS:
+            raise ValueError(f"unknown expert form {form!r}; choose one of {EXPERT_FORMS}")
+        self.form = form
+        self.num_experts = experts.num_experts
+        self.gate_up_proj = experts.gate_up_proj  # [E, 2I, H], shared with the HF module
+        self.down_proj = experts.down_proj  # [E, H, I]
+        self.act_fn = experts.act_fn
+
+    def forward(self, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+        if self.form == "dense":
+            return self._dense(hidden, top_k_index, top_k_weights)
+        return self._selective(hidden, top_k_index, top_k_weights)
+
+    def _dense(self, hidden, top_k_index, top_k_weights):
+        # routing weight per (token, expert), zero where the expert was not chosen
+        weights = torch.zeros(hidden.shape[0], self.num_experts, dtype=top_k_weights.dtype, device=hidden.device)
+        weights = weights.scatter(1, top_k_index, top_k_weights)
+        gate_up = torch.einsum("nh,eih->nei", hidden, self.gate_up_proj)
+        gate, up = gate_up.chunk(2, dim=-1)
+        out = torch.einsum("nei,ehi->neh", self.act_fn(gate) * up, self.down_proj)
+        return torch.einsum("neh,ne->nh", out, weights.to(out.dtype))
+
+    def _selective(self, hidden, top_k_index, top_k_weights):
+        n, k = top_k_index.shape
+        flat = top_k_index.reshape(-1)
+        gate_up_w = self.gate_up_proj.index_select(0, flat)  # [n*k, 2I, H]
+        down_w = self.down_proj.index_select(0, flat)  # [n*k, H, I]
+        x = hidden.repeat_interleave(k, dim=0).unsqueeze(-1)  # [n*k, H, 1]
+        gate, up = torch.bmm(gate_up_w, x).squeeze(-1).chunk(2, dim=-1)
+        out = torch.bmm(down_w, (self.act_fn(gate) * up).unsqueeze(-1)).squeeze(-1)  # [n*k, H]
+        out = out.view(n, k, -1) * top_k_weights.to(out.dtype).unsqueeze(-1)
+        return out.sum(dim=1)
+
+
+def use_static_experts(text_model: nn.Module, form: str = "dense") -> int:
+    """Swap every layer's experts for the static form in place; returns how many were swapped."""
+    swapped = 0
+    for layer in text_model.layers:
+        experts = getattr(layer, "experts", None)
+        if experts is None:
+            continue
+        if isinstance(experts, StaticExperts):
+            experts.form = form
+        else:
+            layer.experts = StaticExperts(experts, form)
+        swapped += 1
+    return swapped

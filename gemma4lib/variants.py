@@ -1,0 +1,226 @@
+"""The five Gemma-4 variants: released text-config values, the inf2 recipe each needs, and a
+tiny configuration per variant that keeps every architectural feature for CPU tests.
+
+The real values are the released configs' (see docs/FACTS.md); the tiny ones are ours, chosen so
+every feature is exercised: PLE, KV sharing with both producer types, the double-wide MLP on
+shared layers, k_eq_v with its own global KV-head count and head_dim, a sliding window shorter
+than the test prompt, the final softcap, and for the MoE the parallel dense MLP with >= 8 experts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from .errors import UnknownNameError
+
+SOFTCAP = 30.0
+VOCAB_SIZE = 262_144
+
+
+@dataclass(frozen=True)
+class SeedFigures:
+    """What the field report measured on inf2 for this variant (for comparison only)."""
+
+    decode_tok_s: float | None = None
+    prefill_ms: float | None = None
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One member of the family: identity, real text config, and the recipe that ports it."""
+
+    name: str
+    hf_id: str
+    model_class: str
+    recipe: str  # "trace" | "tp_alias" | "model_builder"
+    tp_degree: int
+    instance_type: str
+    real_config: dict[str, Any]
+    tiny_config: dict[str, Any]
+    seed: SeedFigures
+    supported_tp: tuple[int, ...]
+    # On inf2 the 12B's sliding window overflows the fused-attention SBUF: force eager attention.
+    attn_implementation: str = "eager"
+    notes: tuple[str, ...] = field(default_factory=tuple)
+
+    @property
+    def is_moe(self) -> bool:
+        return bool(self.real_config.get("enable_moe_block"))
+
+    @property
+    def unified(self) -> bool:
+        return self.model_class.startswith("Gemma4Unified")
+
+
+def _pattern(sliding_per_full: int, n_layers: int) -> list[str]:
+    """`sliding_per_full` sliding layers then one full layer, repeated; the last layer is full."""
+    period = sliding_per_full + 1
+    return ["full_attention" if (i + 1) % period == 0 else "sliding_attention" for i in range(n_layers)]
+
+
+# Shared tiny dimensions: small enough to compile in seconds, large enough that random weights
+# (initializer_range 0.1) give varied greedy sequences.
+_TINY_COMMON = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    head_dim=16,
+    global_head_dim=32,
+    sliding_window=8,
+    vocab_size=512,
+    final_logit_softcapping=SOFTCAP,
+    initializer_range=0.1,
+    max_position_embeddings=4096,
+)
+
+VARIANTS: dict[str, Variant] = {
+    "e2b": Variant(
+        name="e2b",
+        hf_id="google/gemma-4-E2B-it",
+        model_class="Gemma4ForConditionalGeneration",
+        recipe="trace",
+        tp_degree=1,
+        instance_type="inf2.xlarge",
+        real_config=dict(
+            hidden_size=1536, num_hidden_layers=35, num_attention_heads=8, num_key_value_heads=1,
+            num_global_key_value_heads=1, head_dim=256, global_head_dim=512, intermediate_size=6144,
+            use_double_wide_mlp=True, attention_k_eq_v=False, sliding_window=512,
+            hidden_size_per_layer_input=256, num_kv_shared_layers=20, layer_types=_pattern(4, 35),
+            params_text_b=4.63, ple_table_b=2.35,
+        ),
+        tiny_config=dict(
+            _TINY_COMMON, num_hidden_layers=10, layer_types=_pattern(4, 10), num_attention_heads=4,
+            num_key_value_heads=1, hidden_size_per_layer_input=16, num_kv_shared_layers=4,
+            use_double_wide_mlp=True, attention_k_eq_v=False,
+        ),
+        seed=SeedFigures(decode_tok_s=44.0),
+        supported_tp=(1, 2),
+        notes=("PLE table stays on the host", "20 of 35 layers reuse K/V of layers 13 and 14"),
+    ),
+    "e4b": Variant(
+        name="e4b",
+        hf_id="google/gemma-4-E4B-it",
+        model_class="Gemma4ForConditionalGeneration",
+        recipe="tp_alias",
+        tp_degree=2,
+        instance_type="inf2.8xlarge",
+        real_config=dict(
+            hidden_size=2560, num_hidden_layers=42, num_attention_heads=8, num_key_value_heads=2,
+            num_global_key_value_heads=2, head_dim=256, global_head_dim=512, intermediate_size=10240,
+            use_double_wide_mlp=False, attention_k_eq_v=False, sliding_window=512,
+            hidden_size_per_layer_input=256, num_kv_shared_layers=18, layer_types=_pattern(5, 42),
+            params_text_b=7.46, ple_table_b=2.82,
+        ),
+        tiny_config=dict(
+            _TINY_COMMON, num_hidden_layers=12, layer_types=_pattern(5, 12), num_attention_heads=4,
+            num_key_value_heads=2, hidden_size_per_layer_input=16, num_kv_shared_layers=5,
+            use_double_wide_mlp=False, attention_k_eq_v=False,
+        ),
+        seed=SeedFigures(decode_tok_s=34.0),
+        supported_tp=(1, 2),
+        notes=("TP=2 leaves one KV head per rank",),
+    ),
+    "12b": Variant(
+        name="12b",
+        hf_id="google/gemma-4-12B-it",
+        model_class="Gemma4UnifiedForConditionalGeneration",
+        recipe="model_builder",
+        tp_degree=2,
+        instance_type="inf2.8xlarge",
+        real_config=dict(
+            hidden_size=3840, num_hidden_layers=48, num_attention_heads=16, num_key_value_heads=8,
+            num_global_key_value_heads=1, head_dim=256, global_head_dim=512, intermediate_size=15360,
+            attention_k_eq_v=True, sliding_window=1024, hidden_size_per_layer_input=0,
+            num_kv_shared_layers=0, layer_types=_pattern(5, 48), params_text_b=11.9,
+        ),
+        tiny_config=dict(
+            _TINY_COMMON, num_hidden_layers=6, layer_types=_pattern(5, 6), num_attention_heads=4,
+            num_key_value_heads=2, num_global_key_value_heads=1, hidden_size_per_layer_input=0,
+            num_kv_shared_layers=0, attention_k_eq_v=True,
+        ),
+        seed=SeedFigures(prefill_ms=101.0),
+        supported_tp=(1, 2, 4),
+        notes=("eager attention: the fused kernel overflows SBUF at window 1024",
+               "one global KV head: replicated under TP"),
+    ),
+    "31b": Variant(
+        name="31b",
+        hf_id="google/gemma-4-31B-it",
+        model_class="Gemma4ForConditionalGeneration",
+        recipe="model_builder",
+        tp_degree=8,
+        instance_type="inf2.24xlarge",
+        real_config=dict(
+            hidden_size=5376, num_hidden_layers=60, num_attention_heads=32, num_key_value_heads=16,
+            num_global_key_value_heads=4, head_dim=256, global_head_dim=512, intermediate_size=21504,
+            attention_k_eq_v=True, sliding_window=1024, hidden_size_per_layer_input=0,
+            num_kv_shared_layers=0, layer_types=_pattern(5, 60), params_text_b=30.7,
+        ),
+        tiny_config=dict(
+            _TINY_COMMON, num_hidden_layers=6, layer_types=_pattern(5, 6), num_attention_heads=16,
+            num_key_value_heads=8, num_global_key_value_heads=2, head_dim=8, global_head_dim=16,
+            hidden_size_per_layer_input=0, num_kv_shared_layers=0, attention_k_eq_v=True,
+        ),
+        seed=SeedFigures(prefill_ms=115.0),
+        supported_tp=(1, 2, 4, 8),
+        notes=("4 global KV heads at TP=8: replicated, not sharded",),
+    ),
+    "26b-a4b": Variant(
+        name="26b-a4b",
+        hf_id="google/gemma-4-26B-A4B-it",
+        model_class="Gemma4ForConditionalGeneration",
+        recipe="model_builder",
+        tp_degree=8,
+        instance_type="inf2.24xlarge",
+        real_config=dict(
+            hidden_size=2816, num_hidden_layers=30, num_attention_heads=16, num_key_value_heads=8,
+            num_global_key_value_heads=2, head_dim=256, global_head_dim=512, intermediate_size=2112,
+            attention_k_eq_v=True, sliding_window=1024, hidden_size_per_layer_input=0,
+            num_kv_shared_layers=0, layer_types=_pattern(5, 30), enable_moe_block=True,
+            num_experts=128, top_k_experts=8, moe_intermediate_size=704, params_text_b=25.2,
+            experts_b=22.8,
+        ),
+        tiny_config=dict(
+            _TINY_COMMON, num_hidden_layers=6, layer_types=_pattern(5, 6), num_attention_heads=8,
+            num_key_value_heads=8, num_global_key_value_heads=2, head_dim=8, global_head_dim=16,
+            hidden_size_per_layer_input=0, num_kv_shared_layers=0, attention_k_eq_v=True,
+            enable_moe_block=True, num_experts=16, top_k_experts=4, moe_intermediate_size=32,
+        ),
+        seed=SeedFigures(prefill_ms=77.0),
+        supported_tp=(1, 2, 4, 8),
+        notes=("all 128 experts are resident: A4B saves compute, not memory",),
+    ),
+}
+
+PROFILES = ("smoke", "full")
+
+
+def get_variant(name: str) -> Variant:
+    """Look a variant up by name (case-insensitive; '26b' is accepted for '26b-a4b')."""
+    key = str(name).lower().replace("_", "-")
+    key = {"26b": "26b-a4b", "26ba4b": "26b-a4b"}.get(key, key)
+    if key not in VARIANTS:
+        raise UnknownNameError("variant", name, sorted(VARIANTS))
+    return VARIANTS[key]
+
+
+def check_profile(profile: str) -> str:
+    if profile not in PROFILES:
+        raise UnknownNameError("profile", profile, list(PROFILES))
+    return profile
+
+
+def config_kwargs(variant: Variant, which: str = "tiny", **overrides: Any) -> dict[str, Any]:
+    """Keyword arguments for `Gemma4TextConfig` / `Gemma4UnifiedTextConfig` (no bookkeeping keys)."""
+    source = variant.tiny_config if which == "tiny" else variant.real_config
+    kwargs = {k: v for k, v in source.items() if not k.endswith("_b")}
+    if which != "tiny":
+        kwargs.update(vocab_size=VOCAB_SIZE, final_logit_softcapping=SOFTCAP)
+    kwargs.update(overrides)
+    if not kwargs.get("hidden_size_per_layer_input"):
+        kwargs["hidden_size_per_layer_input"] = 0
+    else:
+        kwargs.setdefault("vocab_size_per_layer_input", kwargs["vocab_size"])
+    # The config class has these fields only on the non-unified class; `unified_config` drops them.
+    kwargs.setdefault("num_global_key_value_heads", kwargs.get("num_key_value_heads"))
+    return kwargs
