@@ -167,9 +167,14 @@ class DeviceGraph(nn.Module):
                 layer.experts = StaticExperts(layer.experts, expert_form)
         self.model = model
         self.lm_head = lm_head
-        self.layout, self.shape, self.inplace = layout, shape, inplace
+        self.layout, self.shape, self.inplace, self.expert_form = layout, shape, inplace, expert_form
         self.has_ple = bool(getattr(text_model.config, "hidden_size_per_layer_input", 0))
         self.dtype = lm_head.weight.dtype
+
+    def key_parts(self) -> dict:
+        """What distinguishes this graph's program beyond config, weights and shapes (cache key)."""
+        return {"class": type(self).__qualname__, "inplace": self.inplace, "expert_form": self.expert_form,
+                "producers": [layer.producer for layer in self.layout.layers]}
 
     def example_inputs(self) -> tuple[torch.Tensor, ...]:
         """Zero inputs of the compiled shapes; every tensor distinct (aliased examples mislead export)."""

@@ -1,0 +1,148 @@
+"""`python -m gemma4lib <command>`: port, faults, bench, doctor, table.
+
+Every command prints human-readable text, or one JSON object with `--json`. Exit status is
+non-zero when a correctness check fails, so CI can gate on it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from .errors import Gemma4LibError
+from .variants import PROFILES, VARIANTS
+
+log = logging.getLogger("gemma4lib")
+
+
+def _threads(n: int | None) -> None:
+    """Benchmarks run on a fixed thread count (recorded); the shared cores make more noisy."""
+    import torch
+    torch.set_num_threads(n or int(os.environ.get("GEMMA4LIB_THREADS", "1")))
+
+
+def _add_port_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--variant", required=True, help=f"one of {', '.join(VARIANTS)}")
+    parser.add_argument("--profile", default="smoke", help=f"one of {', '.join(PROFILES)}")
+    parser.add_argument("--model", default="auto", help="auto | trained | random | checkpoint")
+    parser.add_argument("--checkpoint", help="hub id or local folder (full profile); token from HF_TOKEN")
+    parser.add_argument("--backend", default="cpu", help="cpu (AOTInductor) | eager | xla | neuron")
+    parser.add_argument("--tp", type=int, default=1, dest="tp_degree", help="tensor-parallel degree")
+    parser.add_argument("--prompt")
+    parser.add_argument("--max-new-tokens", type=int)
+    parser.add_argument("--context-length", type=int)
+    parser.add_argument("--prefill-buckets", help="comma-separated prefill lengths, e.g. 16,32,64")
+    parser.add_argument("--ring-kv", action="store_true", help="sliding layers keep only the window")
+    parser.add_argument("--decode-experts", help="MoE decode form: dense | selective")
+    parser.add_argument("--iters", type=int)
+    parser.add_argument("--warmup", type=int)
+    parser.add_argument("--seed", type=int)
+    parser.add_argument("--results-dir")
+    parser.add_argument("--threads", type=int)
+
+
+def _settings(args: argparse.Namespace):
+    from .port import PortSettings
+    fields = ["variant", "profile", "model", "checkpoint", "backend", "tp_degree", "prompt", "max_new_tokens",
+              "context_length", "decode_experts", "iters", "warmup", "seed", "results_dir"]
+    kwargs = {f: getattr(args, f) for f in fields if getattr(args, f, None) is not None}
+    if args.prefill_buckets:
+        kwargs["prefill_buckets"] = tuple(int(b) for b in args.prefill_buckets.split(","))
+    if args.ring_kv:
+        kwargs["ring_kv"] = True
+    return PortSettings(**kwargs)
+
+
+SUMMARY_KEYS = ("variant", "profile", "backend", "recipe", "tp_degree", "seq_match", "coherent", "answer",
+                "new_tokens", "prefill_ms", "decode_tok_s", "compile_s", "peak_rss_mb")
+
+
+def _print(result: dict[str, Any], as_json: bool) -> None:
+    if as_json:
+        print(json.dumps(result, default=str))
+    else:
+        for key in SUMMARY_KEYS:
+            print(f"{key:>14}: {result.get(key)}")
+
+
+def cmd_port(args: argparse.Namespace) -> int:
+    from .port import port
+    _threads(args.threads)
+    result = port(_settings(args), progress=not args.json)
+    _print(result, args.json)
+    return 0 if result["seq_match"] and result["coherent"] is not False else 1
+
+
+def cmd_faults(args: argparse.Namespace) -> int:
+    from .faults import run_fault_lab
+    _threads(args.threads)
+    report = run_fault_lab(variant=args.variant)
+    if args.json:
+        print(json.dumps(report, default=str))
+    else:
+        from .faults import format_fault_report
+        print(format_fault_report(report))
+    return 0 if report["ok"] else 1
+
+
+def cmd_doctor(args: argparse.Namespace) -> int:
+    from .doctor import format_doctor, run_doctor
+    report = run_doctor(variant=args.variant, tp=args.tp)
+    print(json.dumps(report, default=str) if args.json else format_doctor(report))
+    return 0
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from .benchmarks import run_suite
+    _threads(args.threads)
+    report = run_suite(args.suite, quick=args.quick)
+    print(json.dumps(report, default=str) if args.json else json.dumps(report, indent=2, default=str))
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m gemma4lib", description=__doc__.splitlines()[0])
+    parser.add_argument("-v", "--verbose", action="store_true")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("port", help="load → graph → compile → checks → benchmark for one variant")
+    _add_port_args(p)
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_port)
+
+    p = sub.add_parser("faults", help="run the fault lab: each field-report bug, and which check catches it")
+    p.add_argument("--variant", default=None)
+    p.add_argument("--threads", type=int)
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_faults)
+
+    p = sub.add_parser("doctor", help="check the environment against the pinned Neuron SDK 2.28 set")
+    p.add_argument("--variant")
+    p.add_argument("--tp", type=int)
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_doctor)
+
+    p = sub.add_parser("bench", help="side-by-side decode benchmarks")
+    p.add_argument("--suite", default="cpu")
+    p.add_argument("--quick", action="store_true", help="tiny models only (schema check)")
+    p.add_argument("--threads", type=int)
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_bench)
+
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                        format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    try:
+        return args.func(args)
+    except Gemma4LibError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,126 @@
+"""The CPU recipe: torch.export the device graph and compile it with AOTInductor.
+
+The result is a saved, loadable package (`graph.pt2`) in the artifact cache; a second run with the
+same key loads it instead of compiling. The K/V tensors are graph inputs that the compiled code
+updates in place, so prefill and decode (two packages) share one set of host-held buffers.
+
+Parameters are not baked into the package: they are handed to it at load time
+(`load_constants`), the way a NEFF compiled without inlined weights is loaded with a checkpoint.
+So one compile serves every model of the same architecture (random, trained, a faulty copy).
+Buffers (e.g. `layer_scalar`) are folded into the program by the compiler, so their values are
+part of the cache key.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from .artifacts import ArtifactCache, CacheEntry, make_key
+from .environment import versions
+from .graph import DeviceGraph
+
+log = logging.getLogger(__name__)
+
+RECIPE = "cpu-aotinductor"
+PACKAGE = "graph.pt2"
+# Kernel and wrapper C++ at -O1: on a 2-core machine this halves compile time for a few % of
+# run time on tiny graphs; the medium benchmarks override it (see bench.py).
+DEFAULT_COMPILER_OPTIONS = {"aot_inductor.compile_wrapper_opt_level": "O1",
+                            "aot_inductor.package_constants_in_so": False}
+
+
+def weights_fingerprint(module: nn.Module, values_of: str = "buffers") -> str:
+    """sha256 over names, shapes and dtypes of every tensor, plus the values of `values_of`
+    ("buffers": what the compiler folds into the program; "all": parameters too)."""
+    digest = hashlib.sha256()
+    params = dict(module.named_parameters())
+    state = {**params, **dict(module.named_buffers())}
+    for name in sorted(state):
+        tensor = state[name].detach()
+        digest.update(f"{name}:{tuple(tensor.shape)}:{tensor.dtype}".encode())
+        if values_of == "all" or name not in params:
+            digest.update(tensor.reshape(-1).float().contiguous().numpy().tobytes())
+    return digest.hexdigest()
+
+
+def graph_key(graph: DeviceGraph, recipe: str, options: dict[str, Any]) -> dict[str, Any]:
+    """Everything that changes the compiled program."""
+    return {
+        "recipe": recipe,
+        "config": graph.model.config.to_json_string(use_diff=False),
+        "weights": weights_fingerprint(graph),
+        "shape": graph.shape.__dict__,
+        "graph": graph.key_parts(),
+        "options": options,
+        "versions": {k: v for k, v in versions().items() if k != "git_sha"},
+    }
+
+
+@dataclass
+class CompiledStep:
+    """A loaded compiled graph: call it like the DeviceGraph it came from."""
+
+    runner: Any
+    entry: CacheEntry
+    compile_s: float  # time this call spent compiling (0.0 on a cache hit)
+    load_s: float
+    info: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def cache_hit(self) -> bool:
+        return self.entry.hit
+
+    def __call__(self, *args: torch.Tensor) -> torch.Tensor:
+        return self.runner(*args)
+
+
+def load_weights(runner: Any, graph: DeviceGraph) -> None:
+    """Hand the graph's current parameters to a package compiled without them (shared, not copied)."""
+    state = {**dict(graph.named_parameters()), **dict(graph.named_buffers())}
+    wanted = runner.get_constant_fqns()
+    missing = [name for name in wanted if name not in state]
+    if missing:
+        raise KeyError(f"compiled graph expects weights the model does not have: {missing[:5]}")
+    runner.load_constants({name: state[name].detach() for name in wanted}, check_full_update=True,
+                          user_managed=True)
+
+
+def export_graph(graph: DeviceGraph) -> torch.export.ExportedProgram:
+    """Non-strict export: strict mode silently drops the in-place K/V updates (DESIGN §2)."""
+    with torch.no_grad():
+        return torch.export.export(graph, graph.example_inputs(), strict=False)
+
+
+def compile_graph(graph: DeviceGraph, cache: ArtifactCache | None = None,
+                  options: dict[str, Any] | None = None) -> CompiledStep:
+    """Export + AOTInductor-compile `graph` (or load it from the cache) and return a callable."""
+    cache = cache or ArtifactCache()
+    options = {**DEFAULT_COMPILER_OPTIONS, **(options or {})}
+    parts = graph_key(graph, RECIPE, options)
+    key = make_key(parts)
+
+    def build(folder: Path) -> dict[str, Any]:
+        started = time.perf_counter()
+        program = export_graph(graph)
+        exported = time.perf_counter()
+        torch._inductor.aoti_compile_and_package(program, package_path=str(folder / PACKAGE),
+                                                 inductor_configs=options)
+        log.info("compiled %s graph (%s) in %.1f s", graph.shape.phase, key[:12], time.perf_counter() - started)
+        return {"export_s": exported - started, "compile_s": time.perf_counter() - started}
+
+    started = time.perf_counter()
+    entry = cache.get_or_build(key, build, describe={"recipe": RECIPE, "shape": graph.shape.__dict__})
+    compile_s = 0.0 if entry.hit else time.perf_counter() - started
+    loaded = time.perf_counter()
+    runner = torch._inductor.aoti_load_package(str(entry.file(PACKAGE)))
+    load_weights(runner, graph)
+    load_s = time.perf_counter() - loaded
+    return CompiledStep(runner, entry, compile_s, load_s, {"key": key, "recipe": RECIPE})

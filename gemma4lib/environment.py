@@ -1,0 +1,52 @@
+"""What this run ran on: package versions, git sha, machine. Recorded with every result."""
+
+from __future__ import annotations
+
+import functools
+import importlib.metadata
+import os
+import platform
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import torch
+
+TRANSFORMERS_PIN = "5.23.0"
+
+
+def package_version(name: str) -> str | None:
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+@functools.lru_cache(maxsize=1)
+def git_sha() -> str | None:
+    root = Path(__file__).resolve().parent.parent
+    try:
+        out = subprocess.run(["git", "-C", str(root), "rev-parse", "--short=12", "HEAD"],
+                             capture_output=True, text=True, timeout=5)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip() or None
+
+
+def versions() -> dict[str, Any]:
+    names = ["transformers", "gemma4lib", "torch-neuronx", "neuronx-cc", "neuronx-distributed", "torch-xla"]
+    found = {name: package_version(name) for name in names}
+    found["torch"] = torch.__version__
+    found["python"] = platform.python_version()
+    found["git_sha"] = git_sha()
+    return {k: v for k, v in found.items() if v is not None}
+
+
+def machine() -> dict[str, Any]:
+    return {
+        "platform": platform.platform(),
+        "processor": platform.machine(),
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "instance_type": os.environ.get("GEMMA4LIB_INSTANCE_TYPE") or "cpu",
+    }

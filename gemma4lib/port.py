@@ -1,0 +1,264 @@
+"""One port, end to end: load → device graph → compile → SEQ_MATCH + coherence → benchmark → record.
+
+Each stage is its own function so a notebook can show them one cell at a time; `port()` chains
+them for the command line and CI.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from . import checks
+from .artifacts import ArtifactCache
+from .bench import benchmark, peak_rss_mb
+from .environment import machine, versions
+from .errors import TensorParallelError, UnknownNameError
+from .graph import DeviceGraph, GraphShape
+from .loading import LoadedModel, build_tiny, load_checkpoint
+from .reference import reference_greedy, reference_last_logits
+from .results import write_result
+from .runtime import HostRuntime, encode_prompt, softcap
+from .variants import Variant, check_profile, get_variant
+
+log = logging.getLogger(__name__)
+
+BACKENDS = ("cpu", "eager", "xla", "neuron")
+MODEL_SOURCES = ("auto", "trained", "random", "checkpoint")
+DEFAULT_PROMPT = "What is the capital of France?"
+
+
+@dataclass
+class PortSettings:
+    """Everything a port run depends on; plain values, so a notebook's parameters cell maps onto it."""
+
+    variant: str
+    profile: str = "smoke"
+    model: str = "auto"  # smoke: the trained tiny fixture ("random" for equality-only runs); full: checkpoint
+    checkpoint: str | None = None  # hub id or local folder (full profile); default: the variant's hub id
+    backend: str = "cpu"
+    tp_degree: int = 1
+    prompt: str = DEFAULT_PROMPT
+    expect: str | None = "Paris"  # coherence: the answer must contain this
+    random_prompt_tokens: int = 20  # random weights have no tokenizer: a seeded id sequence instead
+    max_new_tokens: int = 32
+    context_length: int = 64
+    prefill_buckets: tuple[int, ...] = (32,)
+    ring_kv: bool = False
+    decode_experts: str = "dense"
+    warmup: int = 1
+    iters: int = 3
+    seed: int | None = None  # None: the variant's `tiny_seed`
+    results_dir: str | None = None
+    cache_dir: str | None = None
+
+    def __post_init__(self):
+        self.variant_spec = get_variant(self.variant)
+        check_profile(self.profile)
+        if self.backend not in BACKENDS:
+            raise UnknownNameError("backend", self.backend, BACKENDS)
+        if self.model not in MODEL_SOURCES:
+            raise UnknownNameError("model source", self.model, MODEL_SOURCES)
+        self.prefill_buckets = tuple(sorted(int(b) for b in self.prefill_buckets))
+        if self.seed is None:
+            self.seed = self.variant_spec.tiny_seed
+        if self.tp_degree not in self.variant_spec.supported_tp:
+            raise TensorParallelError(
+                f"{self.variant_spec.name} cannot run at TP={self.tp_degree}: its head and expert counts split "
+                f"evenly only for TP in {self.variant_spec.supported_tp}; pick one of those")
+
+    @property
+    def model_source(self) -> str:
+        if self.model != "auto":
+            return self.model
+        if self.profile == "full":
+            return "checkpoint"
+        from .trained import fixture_available
+        return "trained" if fixture_available(self.variant_spec.name) else "random"
+
+    def parameters(self) -> dict[str, Any]:
+        out = {k: v for k, v in asdict(self).items() if k != "variant_spec"}
+        out["model_source"] = self.model_source
+        return out
+
+
+# ---- stages ----------------------------------------------------------------------------------
+def load_model(settings: PortSettings) -> LoadedModel:
+    variant = settings.variant_spec
+    source = settings.model_source
+    if source == "checkpoint":
+        dtype = torch.bfloat16 if settings.backend == "neuron" else torch.float32
+        return load_checkpoint(variant, settings.checkpoint or variant.hf_id, dtype=dtype)
+    if source == "trained":
+        from .trained import load_trained
+        return load_trained(variant.name)
+    return build_tiny(variant, seed=settings.seed)
+
+
+def prompt_ids(model: LoadedModel, settings: PortSettings) -> list[int]:
+    """The chat-templated prompt, or a seeded random id sequence for a tokenizer-less random model."""
+    if model.tokenizer is not None:
+        return encode_prompt(model.tokenizer, settings.prompt)
+    generator = torch.Generator().manual_seed(settings.seed + 1)
+    return torch.randint(3, model.config.vocab_size, (settings.random_prompt_tokens,), generator=generator).tolist()
+
+
+def eos_ids(model: LoadedModel) -> list[int]:
+    """Stop tokens of a real tokenizer; none for random weights (they have no meaningful eos)."""
+    if model.tokenizer is None:
+        return []
+    ids = {model.tokenizer.eos_token_id}
+    turn_end = model.tokenizer.convert_tokens_to_ids("<turn|>")
+    if isinstance(turn_end, int) and turn_end != model.tokenizer.unk_token_id:
+        ids.add(turn_end)
+    return sorted(i for i in ids if i is not None)
+
+
+def decode_text(model: LoadedModel, tokens: list[int]) -> str | None:
+    if model.tokenizer is None:
+        return None
+    return model.tokenizer.decode(tokens, skip_special_tokens=True).strip()
+
+
+def build_graphs(model: LoadedModel, settings: PortSettings, inplace: bool = True
+                 ) -> tuple[dict[int, DeviceGraph], DeviceGraph]:
+    """Prefill graphs (one per bucket, all-experts-dense) and the decode graph."""
+    layout = model.layout
+    prefill = {bucket: DeviceGraph(model.text_model, model.lm_head, layout,
+                                   GraphShape(1, bucket, settings.context_length, settings.ring_kv),
+                                   inplace=inplace, expert_form="dense")
+               for bucket in settings.prefill_buckets}
+    decode = DeviceGraph(model.text_model, model.lm_head, layout,
+                         GraphShape(1, 1, settings.context_length, settings.ring_kv),
+                         inplace=inplace, expert_form=settings.decode_experts)
+    return prefill, decode
+
+
+@dataclass
+class CompiledGraphs:
+    runtime: HostRuntime
+    compile_s: float
+    cache_hits: list[bool]
+    recipe: str
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+def compile_graphs(model: LoadedModel, prefill: dict[int, DeviceGraph], decode: DeviceGraph,
+                   settings: PortSettings, progress: bool = False) -> CompiledGraphs:
+    """Compile every graph with the settings' backend and wrap them in a host runtime."""
+    kv = decode.new_kv()
+    if settings.backend == "eager":
+        runtime = HostRuntime(model, dict(prefill), decode, kv, settings.context_length)
+        return CompiledGraphs(runtime, 0.0, [], "eager")
+    if settings.backend == "cpu":
+        from tqdm.auto import tqdm
+
+        from .compile_cpu import RECIPE, compile_graph
+        cache = ArtifactCache(settings.cache_dir)
+        graphs = [*prefill.items(), ("decode", decode)]
+        compiled = {}
+        for name, graph in tqdm(graphs, desc="compile", disable=not progress, leave=False):
+            compiled[name] = compile_graph(graph, cache)
+        steps = {k: v for k, v in compiled.items() if k != "decode"}
+        runtime = HostRuntime(model, steps, compiled["decode"], kv, settings.context_length)
+        return CompiledGraphs(runtime, sum(c.compile_s for c in compiled.values()),
+                              [c.cache_hit for c in compiled.values()], RECIPE,
+                              {"artifacts": {str(k): str(c.entry.path) for k, c in compiled.items()}})
+    if settings.backend == "xla":
+        from .backends.xla import compile_graphs_xla
+        return compile_graphs_xla(model, prefill, decode, settings)
+    from .recipes import compile_graphs_neuron
+    return compile_graphs_neuron(model, prefill, decode, settings)
+
+
+def prefill_logits_error(model: LoadedModel, runtime: HostRuntime, ids: list[int]) -> float:
+    """Max |device softcapped logits - HF logits| for the last prompt token."""
+    generation = runtime.generate(ids, 1)
+    device = softcap(generation.first_logits, model.config.final_logit_softcapping)
+    return float((device - reference_last_logits(model.lm, ids)).abs().max())
+
+
+def port(settings: PortSettings, progress: bool = False) -> dict[str, Any]:
+    """Run the whole recipe and return (and, with results_dir, write) the result record."""
+    started = time.perf_counter()
+    variant: Variant = settings.variant_spec
+    torch.manual_seed(settings.seed)
+    model = load_model(settings)
+    ids = prompt_ids(model, settings)
+    eos = eos_ids(model)
+
+    if settings.tp_degree > 1:
+        from .tp import run_tp_port
+        return _finish(settings, model, ids, eos, run_tp_port(model, settings, ids, eos), started)
+
+    prefill, decode = build_graphs(model, settings)
+    compiled = compile_graphs(model, prefill, decode, settings, progress)
+    runtime = compiled.runtime
+    runtime.check_fits(ids, settings.max_new_tokens)
+    generation = runtime.generate(ids, settings.max_new_tokens, eos_token_ids=eos)
+    logits_error = prefill_logits_error(model, runtime, ids)
+    figures = benchmark(runtime, ids, settings.max_new_tokens, settings.warmup, settings.iters, progress)
+    device_run = {
+        "tokens": generation.tokens,
+        "recipe": compiled.recipe,
+        "compile_s": compiled.compile_s,
+        "cache_hits": compiled.cache_hits,
+        "prefill_logits_max_abs_diff": logits_error,
+        "bench": figures.to_dict(),
+        "prefill_ms": figures.prefill_ms,
+        "decode_tok_s": figures.decode_tok_s,
+        **compiled.info,
+    }
+    return _finish(settings, model, ids, eos, device_run, started)
+
+
+def _finish(settings: PortSettings, model: LoadedModel, ids: list[int], eos: list[int],
+            device_run: dict[str, Any], started: float) -> dict[str, Any]:
+    variant = settings.variant_spec
+    reference = reference_greedy(model.lm, ids, settings.max_new_tokens, eos)
+    coherence = checks.expect_substring(settings.expect) if settings.expect and model.tokenizer else None
+    answer, reference_answer = decode_text(model, device_run["tokens"]), decode_text(model, reference)
+    report = checks.run_checks(device_run["tokens"], reference, answer, reference_answer, coherence)
+    result = {
+        "variant": variant.name,
+        "profile": settings.profile,
+        "backend": settings.backend,
+        "recipe": device_run.get("recipe"),
+        "inf2_recipe": variant.recipe,
+        "tp_degree": settings.tp_degree,
+        "model_source": model.source,
+        "seq_match": report.seq_match,
+        "coherent": report.coherent,
+        "coherence_rule": report.coherence_rule,
+        "answer": answer,
+        "reference_answer": reference_answer,
+        "new_tokens": len(device_run["tokens"]),
+        "tokens": device_run["tokens"],
+        "reference_tokens": reference,
+        "first_mismatch": report.first_mismatch,
+        "prompt_tokens": len(ids),
+        "prefill_ms": device_run.get("prefill_ms"),
+        "decode_tok_s": device_run.get("decode_tok_s"),
+        "compile_s": device_run.get("compile_s"),
+        "peak_rss_mb": peak_rss_mb(),
+        "wall_s": time.perf_counter() - started,
+        "layout": model.layout.describe(),
+        "params": model.param_count(),
+        "parameters": settings.parameters(),
+        "versions": versions(),
+        "machine": machine(),
+        **{k: v for k, v in device_run.items() if k not in ("tokens", "recipe", "prefill_ms", "decode_tok_s",
+                                                             "compile_s")},
+    }
+    if settings.results_dir:
+        result["result_file"] = str(write_result(result, Path(settings.results_dir)))
+    return result
+
+
+def with_overrides(settings: PortSettings, **changes: Any) -> PortSettings:
+    return replace(settings, **changes)

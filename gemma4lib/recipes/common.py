@@ -1,0 +1,154 @@
+"""What the three Neuron recipes share, all of it runnable on CPU.
+
+- `KVParamModule`: a `DeviceGraph`/`RankGraph` built with `inplace=False` whose K/V buffers are
+  `nn.Parameter`s (requires_grad=False) of the module. `forward(inputs...)` returns
+  `(logits, *updated_kv)`; `aliases()` maps each K/V parameter to its output index, the
+  `input_output_aliases` that torch_neuronx / NxD take so the compiled graph writes the updated K/V
+  back into the same device buffers.
+- `AliasEmulator`: runs a `KVParamModule` on CPU the way the device runs the compiled one (outputs
+  copied back into the K/V parameters), so the host loop below is tested here.
+- `greedy_generate`: the host loop: embeddings (and PLE) looked up on the host, prefill (one graph
+  call, or the prompt token by token through the decode graph, or K/V seeded by the caller),
+  greedy decode.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from typing import Any, Callable, Sequence
+
+import torch
+from torch import nn
+
+
+
+class HostEmbedder(nn.Module):
+    """The host side of the device graph: token and PLE lookups (tables never go to a device)."""
+
+    def __init__(self, embed_tokens: nn.Module, embed_tokens_per_layer: nn.Module | None,
+                 num_layers: int, ple_dim: int):
+        super().__init__()
+        self.embed_tokens = embed_tokens
+        self.embed_tokens_per_layer = embed_tokens_per_layer
+        self.num_layers, self.ple_dim = num_layers, ple_dim
+
+    @classmethod
+    def from_text_model(cls, text_model: nn.Module) -> "HostEmbedder":
+        cfg = text_model.config
+        ple = getattr(text_model, "embed_tokens_per_layer", None)
+        return cls(copy.deepcopy(text_model.embed_tokens), copy.deepcopy(ple) if ple is not None else None,
+                   int(cfg.num_hidden_layers), int(getattr(cfg, "hidden_size_per_layer_input", 0) or 0))
+
+    @property
+    def has_ple(self) -> bool:
+        return self.embed_tokens_per_layer is not None
+
+    def inputs(self, ids: torch.Tensor, pad_to: int) -> list[torch.Tensor]:
+        """[inputs_embeds(, per_layer_inputs)] for `ids` [1, n], right-padded with zeros to `pad_to`."""
+        n = ids.shape[1]
+        emb = self.embed_tokens(ids)
+        out = [torch.nn.functional.pad(emb, (0, 0, 0, pad_to - n))]
+        if self.has_ple:
+            ple = self.embed_tokens_per_layer(ids).reshape(1, n, self.num_layers, self.ple_dim)
+            out.append(torch.nn.functional.pad(ple, (0, 0, 0, 0, 0, pad_to - n)))
+        return out
+
+
+class KVParamModule(nn.Module):
+    """A functional graph with its K/V held as parameters, ready for aliasing."""
+
+    def __init__(self, graph: nn.Module, kv: nn.ParameterList | None = None):
+        super().__init__()
+        if getattr(graph, "inplace", False):
+            raise ValueError("KVParamModule needs a graph built with inplace=False (K/V returned as outputs)")
+        self.graph = graph
+        if kv is None:
+            kv = nn.ParameterList([nn.Parameter(t, requires_grad=False) for t in graph.new_kv()])
+        self.kv = kv
+
+    @property
+    def num_inputs(self) -> int:
+        return 4 if getattr(self.graph, "has_ple", False) else 3
+
+    def forward(self, *inputs: torch.Tensor):
+        return self.graph(*inputs, *self.kv)
+
+    def aliases(self) -> dict[nn.Parameter, int]:
+        """`{kv_param: output_index}`: output 0 is the logits, then the K/V in buffer order."""
+        return {p: 1 + i for i, p in enumerate(self.kv)}
+
+    def example_inputs(self) -> tuple[torch.Tensor, ...]:
+        return tuple(self.graph.example_inputs()[: self.num_inputs])
+
+    def sharing(self, graph: nn.Module) -> "KVParamModule":
+        """Another graph (e.g. decode next to prefill) over the same K/V parameters."""
+        return KVParamModule(graph, self.kv)
+
+
+def graph_example_inputs(config: Any, shape: Any, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+    """Example inputs of a graph bucket without building it (same as `KVParamModule.example_inputs`)."""
+    t = shape.tokens
+    inputs = [torch.zeros(shape.batch, t, config.hidden_size, dtype=dtype)]
+    ple = int(getattr(config, "hidden_size_per_layer_input", 0) or 0)
+    if ple:
+        inputs.append(torch.zeros(shape.batch, t, config.num_hidden_layers, ple, dtype=dtype))
+    inputs += [torch.zeros(1, dtype=torch.long), torch.ones(1, dtype=torch.long)]
+    return tuple(inputs)
+
+
+class AliasEmulator:
+    """Call a `KVParamModule` on CPU with device aliasing semantics; returns the logits."""
+
+    def __init__(self, module: KVParamModule):
+        self.module = module
+
+    def __call__(self, *inputs: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            out = self.module(*inputs)
+            for param, new in zip(self.module.kv, out[1:]):
+                param.copy_(new)
+        return out[0]
+
+
+def first_output(out: Any) -> torch.Tensor:
+    """The logits, whether a compiled module returns a tensor or a tuple/list led by them."""
+    return out[0] if isinstance(out, (tuple, list)) else out
+
+
+def greedy_generate(decode: Callable[..., Any], host: HostEmbedder, prompt: Sequence[int], max_new_tokens: int,
+                    *, prefill: Callable[..., Any] | None = None, prefill_len: int | None = None,
+                    seeded_logits: torch.Tensor | None = None) -> dict[str, Any]:
+    """Greedy tokens from step functions that take the graph inputs and return logits.
+
+    Prefill, in order of preference: `seeded_logits` (the caller wrote the K/V, e.g. a CPU
+    prefill; these are the last prompt token's logits), a `prefill` graph of bucket `prefill_len`,
+    or the prompt fed token by token through `decode`.
+    """
+    prompt = [int(t) for t in prompt]
+    n = len(prompt)
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        if seeded_logits is not None:
+            logits, mode = seeded_logits, "seeded"
+        elif prefill is not None:
+            ids = torch.tensor([prompt])
+            logits = first_output(prefill(*host.inputs(ids, prefill_len or n), torch.tensor([0]), torch.tensor([n])))
+            mode = "graph"
+        else:
+            for position, token in enumerate(prompt):
+                logits = first_output(decode(*host.inputs(torch.tensor([[token]]), 1),
+                                             torch.tensor([position]), torch.tensor([1])))
+            mode = "decode-steps"
+        prefill_logits = logits.reshape(-1, logits.shape[-1])[0].float().clone()
+        tokens = [int(prefill_logits.argmax())]
+        t1 = time.perf_counter()
+        position = n
+        while len(tokens) < max_new_tokens:
+            out = decode(*host.inputs(torch.tensor([[tokens[-1]]]), 1), torch.tensor([position]), torch.tensor([1]))
+            tokens.append(int(first_output(out).reshape(-1, prefill_logits.shape[-1])[0].argmax()))
+            position += 1
+        t2 = time.perf_counter()
+    return {"tokens": tokens, "prefill_mode": mode, "prefill_logits": prefill_logits,
+            "prefill_s": t1 - t0, "decode_s": t2 - t1,
+            "decode_tok_s": (len(tokens) - 1) / max(t2 - t1, 1e-9)}

@@ -1,0 +1,231 @@
+"""The inf2 environment: pinned Neuron SDK 2.28 versions, lazy SDK imports, and the two fixes the
+field report needed before anything imports.
+
+Nothing here imports the Neuron SDK at module import time. The single source of truth for the
+pins is `SDK_PINS` (+ `TRANSFORMERS_PIN`); the doctor and every recipe read it.
+
+- `require(module)`: import an SDK module or raise `NeuronSDKMissingError` that names the package,
+  the pinned version and how to get it (the DLAMI venv, or the Neuron pip repository; PyPI only has
+  placeholders).
+- `install_fx_shim()`: `neuronx_distributed` imports `transformers.utils.fx.HFTracer` (its pipeline
+  tracer subclasses it), which transformers 5 removed. The shim is a one-class module installed
+  only when the real one is missing.
+- `apply_path_fix()`: `libneuronxla` locates the PJRT plugin by running the `libneuronpjrt-path`
+  console script from the venv's `bin`; a kernel started without activating the venv has no such
+  folder on PATH and the import fails ("libneuronpjrt-path" not found). Put `$VENV/bin` and
+  `/opt/aws/neuron/bin` on PATH.
+- Version checks go through `metadata_version` (importlib.metadata), so tests simulate any
+  installation by monkeypatching that one function.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.metadata
+import math
+import os
+import shlex
+import sys
+import types
+from typing import Any, Callable, MutableMapping
+
+from ..errors import EnvironmentMismatchError, NeuronSDKMissingError
+
+NEURON_SDK_RELEASE = "2.28"
+DLAMI_VENV = "aws_neuronx_venv_pytorch_2_8_nxd_inference"
+DLAMI_VENV_PATH = f"/opt/{DLAMI_VENV}"
+NEURON_PIP_INDEX = "https://pip.repos.neuron.amazonaws.com"
+NEURON_BIN = "/opt/aws/neuron/bin"
+
+# distribution name -> accepted versions (SDK 2.28). torch-neuronx ships for torch 2.8 (the DLAMI
+# venv, the seed's) and torch 2.9 (matches the CPU torch_xla lane).
+SDK_PINS: dict[str, tuple[str, ...]] = {
+    "torch-neuronx": ("2.8.0.2.12.22436", "2.9.0.2.12.22436"),
+    "neuronx-cc": ("2.23.6484.0",),
+    "neuronx-distributed": ("0.17.26814",),
+    "libneuronxla": ("2.2.15515.0",),
+}
+TRANSFORMERS_PIN = "5.23.0"
+
+# import name -> distribution name
+MODULE_TO_DIST = {
+    "torch_neuronx": "torch-neuronx",
+    "neuronx_distributed": "neuronx-distributed",
+    "libneuronxla": "libneuronxla",
+    "neuronxcc": "neuronx-cc",
+}
+
+# Compiler arguments for the decoder graphs (prefill favours compile time, decode run time).
+_COMMON_ARGS = "--model-type=transformer --auto-cast=none --enable-mixed-precision-accumulation"
+COMPILER_ARGS = {"prefill": f"{_COMMON_ARGS} -O1", "decode": f"{_COMMON_ARGS} -O2"}
+COMPILE_CACHE_ENV = "NEURON_COMPILE_CACHE_URL"
+DEFAULT_COMPILE_CACHE = "/var/tmp/neuron-compile-cache"
+
+
+def compiler_args(phase: str) -> list[str]:
+    """neuronx-cc arguments for 'prefill' or 'decode', as a list (torch_neuronx accepts both)."""
+    return shlex.split(COMPILER_ARGS[phase])
+
+
+# ---- versions -------------------------------------------------------------------------------
+
+def metadata_version(dist: str) -> str | None:
+    """Installed version of a distribution, None when absent. Tests monkeypatch this."""
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def _matches(found: str, accepted: tuple[str, ...]) -> bool:
+    base = found.split("+")[0]
+    return base in accepted
+
+
+def check_versions() -> list[dict[str, Any]]:
+    """Found vs pinned, one row per package (the SDK set, then transformers)."""
+    rows = []
+    for dist, accepted in SDK_PINS.items():
+        found = metadata_version(dist)
+        rows.append({"package": dist, "pinned": list(accepted), "found": found,
+                     "ok": found is not None and _matches(found, accepted)})
+    found = metadata_version("transformers")
+    rows.append({"package": "transformers", "pinned": [TRANSFORMERS_PIN], "found": found,
+                 "ok": found is not None and _matches(found, (TRANSFORMERS_PIN,))})
+    return rows
+
+
+def sdk_present() -> bool:
+    return all(metadata_version(d) is not None for d in ("torch-neuronx", "neuronx-distributed"))
+
+
+def how_to_get(dist: str) -> str:
+    pins = " ".join(f"{d}=={v[0]}" for d, v in SDK_PINS.items())
+    return (f"on an inf2 instance (Deep Learning AMI Neuron) run `source {DLAMI_VENV_PATH}/bin/activate` "
+            f"(venv {DLAMI_VENV}), or install from the Neuron pip repository: "
+            f"`pip install --extra-index-url {NEURON_PIP_INDEX} {pins}` (Neuron SDK {NEURON_SDK_RELEASE}; "
+            f"the PyPI packages of these names are placeholders). The CPU profile needs none of it")
+
+
+def missing_error(module: str, purpose: str = "") -> NeuronSDKMissingError:
+    dist = MODULE_TO_DIST.get(module.split(".")[0], module)
+    pin = SDK_PINS.get(dist, ("",))[0]
+    what = f"{purpose} needs" if purpose else "this needs"
+    return NeuronSDKMissingError(
+        f"{what} the Neuron SDK package {dist}{'==' + pin if pin else ''} (import {module}), which is not "
+        f"installed here; {how_to_get(dist)}")
+
+
+def require(module: str, purpose: str = "") -> types.ModuleType:
+    """Import an SDK module, applying the environment fixes first; a clear error if it is absent.
+
+    Absent means: its distribution is not installed (checked before touching PATH or sys.modules).
+    """
+    top = module.split(".")[0]
+    if top in MODULE_TO_DIST and metadata_version(MODULE_TO_DIST[top]) is None:
+        raise missing_error(module, purpose)
+    apply_path_fix()
+    if top == "neuronx_distributed":
+        install_fx_shim()
+    try:
+        return importlib.import_module(module)
+    except ImportError as exc:
+        raise EnvironmentMismatchError(
+            f"{module} is installed but failed to import ({exc}); check the versions with "
+            f"`python -m gemma4lib doctor` (pinned: Neuron SDK {NEURON_SDK_RELEASE})") from exc
+
+
+# ---- the transformers.utils.fx shim -----------------------------------------------------------
+
+FX_MODULE = "transformers.utils.fx"
+FX_PARENT = "transformers.utils"
+
+
+def _make_fx_shim() -> types.ModuleType:
+    import torch.fx
+
+    module = types.ModuleType(FX_MODULE)
+    module.__doc__ = ("gemma4lib shim: transformers 5 removed transformers.utils.fx; neuronx_distributed "
+                      "only subclasses HFTracer when it imports. Gemma-4 never goes through it.")
+
+    class HFTracer(torch.fx.Tracer):
+        """Stand-in for transformers' removed fx tracer: a plain torch.fx.Tracer."""
+
+        def __init__(self, autowrap_modules=(math,), autowrap_functions=(), **kwargs):
+            super().__init__(autowrap_modules=autowrap_modules, autowrap_functions=autowrap_functions, **kwargs)
+
+    HFTracer.__module__ = FX_MODULE
+    module.HFTracer = HFTracer
+    module.GEMMA4LIB_SHIM = True
+    return module
+
+
+def fx_shim_status(namespace: MutableMapping[str, Any] | None = None) -> str:
+    """'real' (transformers has it), 'shim' (ours is installed), 'needed', or 'no-transformers'."""
+    modules = sys.modules if namespace is None else namespace
+    existing = modules.get(FX_MODULE)
+    if existing is not None:
+        return "shim" if getattr(existing, "GEMMA4LIB_SHIM", False) else (
+            "real" if hasattr(existing, "HFTracer") else "needed")
+    if namespace is None:
+        try:
+            importlib.import_module(FX_PARENT)
+        except ImportError:
+            return "no-transformers"
+        try:
+            module = importlib.import_module(FX_MODULE)
+        except ImportError:
+            return "needed"
+        return "real" if hasattr(module, "HFTracer") else "needed"
+    return "needed" if FX_PARENT in modules else "no-transformers"
+
+
+def install_fx_shim(namespace: MutableMapping[str, Any] | None = None, *,
+                    status: Callable[..., str] = fx_shim_status) -> str:
+    """Install the shim into `namespace` (default `sys.modules`) only when needed.
+
+    Returns the status afterwards: 'real' (left alone), 'shim' (installed now or before) or
+    'no-transformers'.
+    """
+    modules = sys.modules if namespace is None else namespace
+    state = status(namespace)
+    if state != "needed":
+        return state
+    shim = _make_fx_shim()
+    modules[FX_MODULE] = shim
+    parent = modules.get(FX_PARENT)
+    if parent is not None:
+        setattr(parent, "fx", shim)
+    return "shim"
+
+
+# ---- PATH ----------------------------------------------------------------------------------
+
+def path_fix_dirs(prefix: str | None = None) -> list[str]:
+    return [os.path.join(prefix or sys.prefix, "bin"), NEURON_BIN]
+
+
+def apply_path_fix(env: MutableMapping[str, str] | None = None, prefix: str | None = None) -> dict[str, Any]:
+    """Prepend the venv's bin and /opt/aws/neuron/bin to PATH when missing (only existing folders)."""
+    env = os.environ if env is None else env
+    parts = [p for p in env.get("PATH", "").split(os.pathsep) if p]
+    added = []
+    for folder in reversed(path_fix_dirs(prefix)):
+        if folder not in parts and os.path.isdir(folder):
+            parts.insert(0, folder)
+            added.append(folder)
+    if added:
+        env["PATH"] = os.pathsep.join(parts)
+    return {"added": list(reversed(added)), "needed": path_fix_dirs(prefix),
+            "ok": all(f in parts or not os.path.isdir(f) for f in path_fix_dirs(prefix))}
+
+
+def compile_cache_dir() -> str:
+    return os.environ.get(COMPILE_CACHE_ENV, DEFAULT_COMPILE_CACHE)
+
+
+__all__ = [
+    "COMPILER_ARGS", "DLAMI_VENV", "NEURON_PIP_INDEX", "NEURON_SDK_RELEASE", "SDK_PINS", "TRANSFORMERS_PIN",
+    "apply_path_fix", "check_versions", "compiler_args", "fx_shim_status", "install_fx_shim",
+    "metadata_version", "missing_error", "require", "sdk_present",
+]

@@ -1,0 +1,154 @@
+"""Recipe 3 (12B TP=2, 31B TP=8, 26B-A4B TP=8): NxD ModelBuilder (v1), compile one rank, load
+per-rank weights.
+
+The rank graph (`tp.rank_graph.RankGraph`) is the same one the CPU gloo run executes; here its
+rank-local layers come from NxD (`NxDParallelFactory`): `ColumnParallelLinear`,
+`RowParallelLinear(input_is_parallel=True)` and `SPMDRank` for the rank. The graph is built from
+the config on the meta device with shard-size layers, so `module_cls()` never holds the full model.
+
+- Two keys, `prefill` (bucket = prefill_len tokens) and `decode` (1 token), each a
+  `BaseModelInstance` whose `get()` returns the `KVParamModule` and its `{kv_param: output_index}`
+  aliases. Both modules have the same K/V parameter names, so NxD keeps one set of K/V state
+  buffers per rank for both graphs. The NxD model routes a call by its input shapes.
+- `checkpoint_loader` returns `tp.shard.nxd_full_checkpoint`: every sharded tensor laid out so that
+  NxD's contiguous split gives back exactly our shard for each rank (K/V heads already replicated
+  per rank where KV heads < TP), plus `layer_scalar` (held as a parameter by the rank graph, so it
+  is a weight, not a traced-in constant) and `spmd_rank.rank = arange(tp)`.
+- `builder.trace(initialize_model_weights=False)` -> `torch.jit.save`; `builder.shard_checkpoint`
+  writes `tp{rank}_sharded_checkpoint.safetensors`; loading is `torch.jit.load` +
+  `nxd_model.initialize(weights_per_rank, start_rank_tensor)`.
+
+Lines that need the SDK are marked `# inf2-only`.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+from torch import nn
+
+from ..graph import GraphShape
+from ..tp.plan import TPPlan, make_plan
+from ..tp.rank_graph import build_rank_graph
+from ..tp.shard import nxd_full_checkpoint
+from . import neuron_env
+from .common import HostEmbedder, KVParamModule, graph_example_inputs, greedy_generate
+
+RECIPE = "model_builder"
+PURPOSE = "the ModelBuilder recipe (neuronx_distributed.trace.model_builder)"
+GRAPH_PREFIX = "graph."  # KVParamModule holds the rank graph as `.graph`
+SHARD_FILE = "tp{rank}_sharded_checkpoint.safetensors"
+
+
+class NxDParallelFactory:
+    """The rank-local layers from NxD (twin of `tp.rank_graph.CpuParallelFactory`).
+
+    Sizes are totals; NxD divides them by the tensor-parallel world size of `parallel_state`,
+    which ModelBuilder / parallel_model_trace initialise before building the module.
+    """
+
+    def __init__(self, tp: int, dtype: torch.dtype = torch.bfloat16):
+        layers = neuron_env.require("neuronx_distributed.parallel_layers.layers", PURPOSE)
+        self.tp, self.dtype, self._layers = tp, dtype, layers
+
+    def column(self, in_features: int, out_features_total: int, gather: bool = False) -> nn.Module:
+        return self._layers.ColumnParallelLinear(in_features, out_features_total, bias=False,
+                                                 gather_output=gather, dtype=self.dtype)
+
+    def row(self, in_features_total: int, out_features: int) -> nn.Module:
+        return self._layers.RowParallelLinear(in_features_total, out_features, bias=False,
+                                              input_is_parallel=True, dtype=self.dtype)
+
+    def replicated(self, in_features: int, out_features: int) -> nn.Module:
+        linear = nn.Linear(in_features, out_features, bias=False, dtype=self.dtype)
+        linear.weight.requires_grad_(False)
+        return linear
+
+    def rank_module(self) -> nn.Module:
+        return self._layers.SPMDRank(world_size=self.tp)
+
+
+def rank_module(config: Any, plan: TPPlan, shape: GraphShape, dtype: torch.dtype,
+                factory: Any = None) -> KVParamModule:
+    """The module one rank compiles: rank graph (NxD layers by default) + K/V parameters."""
+    factory = factory or NxDParallelFactory(plan.tp, dtype)
+    graph = build_rank_graph(config, plan, shape, factory=factory, dtype=dtype, inplace=False)
+    return KVParamModule(graph).eval()
+
+
+def bucket_shapes(context_length: int, prefill_len: int, ring: bool = False) -> dict[str, GraphShape]:
+    return {"prefill": GraphShape(1, prefill_len, context_length, ring),
+            "decode": GraphShape(1, 1, context_length, ring)}
+
+
+def nxd_checkpoint(loaded: Any, plan: TPPlan, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """The `checkpoint_loader` result: NxD-arranged full checkpoint, keyed like the compiled module."""
+    return {GRAPH_PREFIX + k: v for k, v in nxd_full_checkpoint(loaded.lm, plan, dtype=dtype).items()}
+
+
+def _instance_class():
+    model_builder = neuron_env.require("neuronx_distributed.trace.model_builder", PURPOSE)
+
+    class GraphInstance(model_builder.BaseModelInstance):
+        """One ModelBuilder key: builds the rank module, hands out its K/V aliases."""
+
+        def __init__(self, config, plan, shape, dtype):
+            self.config, self.plan, self.shape, self.dtype = config, plan, shape, dtype
+            super().__init__(module_cls=self._build, input_output_aliases={})
+
+        def _build(self):
+            return rank_module(self.config, self.plan, self.shape, self.dtype)
+
+        def get(self, bucket_rank, **kwargs):
+            return self.module, self.module.aliases()
+
+    return model_builder, GraphInstance
+
+
+def compile_model_builder(loaded: Any, tp: int, out_dir: str | Path, *, context_length: int, prefill_len: int,
+                          ring: bool = False, dtype: torch.dtype = torch.bfloat16,
+                          compiler_workdir: str | Path | None = None) -> Path:
+    """Compile prefill + decode for one rank, save the model and the per-rank shards to `out_dir`."""
+    model_builder, GraphInstance = _instance_class()
+    plan = make_plan(loaded.config, tp, loaded.variant)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    workdir = Path(compiler_workdir or out / "compiler_workdir")  # ModelBuilder.trace() wipes it: never share
+    checkpoint = nxd_checkpoint(loaded, plan, dtype)
+    builder = model_builder.ModelBuilder(router=None, tp_degree=tp, checkpoint_loader=lambda: dict(checkpoint),
+                                         compiler_workdir=str(workdir))
+    for key, shape in bucket_shapes(context_length, prefill_len, ring).items():
+        builder.add(key=key, model_instance=GraphInstance(loaded.config, plan, shape, dtype),
+                    example_inputs=[graph_example_inputs(loaded.config, shape, dtype)],
+                    compiler_args=neuron_env.COMPILER_ARGS[shape.phase])
+    traced = builder.trace(initialize_model_weights=False)  # inf2-only
+    torch.jit.save(traced, str(out / "model.pt"))  # inf2-only
+    builder.shard_checkpoint(serialize_path=str(out / "weights"))  # inf2-only
+    manifest = {"recipe": RECIPE, "variant": loaded.variant.name, "tp": tp, "context_length": context_length,
+                "prefill_len": prefill_len, "ring": ring, "dtype": str(dtype), "plan": plan.describe(),
+                "compiler_args": neuron_env.COMPILER_ARGS}
+    (out / "manifest.json").write_text(json.dumps(manifest, indent=2))
+    return out
+
+
+def load_model_builder(out_dir: str | Path, tp: int | None = None, start_rank: int = 0):
+    """`torch.jit.load` the compiled model and initialise it with the per-rank shards."""
+    neuron_env.require("torch_neuronx", PURPOSE)
+    neuron_env.require("neuronx_distributed", PURPOSE)
+    from safetensors.torch import load_file
+
+    out = Path(out_dir)
+    tp = tp or json.loads((out / "manifest.json").read_text())["tp"]
+    traced = torch.jit.load(str(out / "model.pt"))  # inf2-only
+    weights = [load_file(str(out / "weights" / SHARD_FILE.format(rank=r))) for r in range(start_rank, start_rank + tp)]
+    traced.nxd_model.initialize(weights, torch.tensor([start_rank], dtype=torch.int32))  # inf2-only
+    return traced
+
+
+def generate(traced: Any, loaded: Any, prompt: Sequence[int], max_new_tokens: int, prefill_len: int) -> dict[str, Any]:
+    """Greedy tokens from the loaded NxD model (it routes prefill/decode by input shape)."""
+    host = HostEmbedder.from_text_model(loaded.text_model)
+    return greedy_generate(traced, host, prompt, max_new_tokens, prefill=traced, prefill_len=prefill_len)

@@ -1,0 +1,67 @@
+"""Recipe 1 (E2B, one NeuronCore): `torch_neuronx.trace` of the device graph with on-device K/V.
+
+The decode graph (`DeviceGraph(inplace=False)`, one token) is wrapped in a `KVParamModule`: its K/V
+buffers are parameters of the traced module and `input_output_aliases={param: output_index}` makes
+the compiled graph update them in place on the device, so nothing but the embeddings goes in and
+the logits come out each step. Embedding and PLE tables stay on the host (2.35 B of E2B's 4.63 B
+parameters). The prompt is prefilled through the same decode graph token by token (one compiled
+graph; E2B prompts are short); `neuron_tp_alias` shows the CPU-seeded alternative.
+
+Only the lines marked `# inf2-only` need the Neuron SDK; everything else runs on CPU, where
+`AliasEmulator` stands in for the device aliasing (tests drive exactly this host loop).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+
+from ..graph import DeviceGraph, GraphShape
+from . import neuron_env
+from .common import HostEmbedder, AliasEmulator, KVParamModule, greedy_generate
+
+RECIPE = "trace"
+PURPOSE = "the E2B trace recipe (torch_neuronx.trace)"
+
+
+def build_kv_module(loaded: Any, context_length: int, *, ring: bool = False) -> KVParamModule:
+    """The module that gets traced: the one-token decode graph with its K/V as parameters."""
+    graph = DeviceGraph(loaded.text_model, loaded.lm_head, loaded.layout,
+                        GraphShape(1, 1, context_length, ring), inplace=False)
+    return KVParamModule(graph).eval()
+
+
+def compile_trace(loaded: Any, context_length: int, *, ring: bool = False, compiler_workdir: str | None = None,
+                  compiler_args: Sequence[str] | None = None):
+    """Trace and compile the decode graph for one NeuronCore; returns the TorchScript module."""
+    torch_neuronx = neuron_env.require("torch_neuronx", PURPOSE)
+    module = build_kv_module(loaded, context_length, ring=ring)
+    return torch_neuronx.trace(  # inf2-only
+        module, module.example_inputs(), input_output_aliases=module.aliases(),
+        compiler_workdir=compiler_workdir, compiler_args=list(compiler_args or neuron_env.compiler_args("decode")))
+
+
+def save(traced: Any, path: str | Path) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    torch.jit.save(traced, str(path))
+    return path
+
+
+def load(path: str | Path):
+    """Load a saved trace (importing torch_neuronx first registers the Neuron ops it holds)."""
+    neuron_env.require("torch_neuronx", PURPOSE)
+    return torch.jit.load(str(path))  # inf2-only (the artifact holds a NEFF)
+
+
+def generate(step: Any, loaded: Any, prompt: Sequence[int], max_new_tokens: int) -> dict[str, Any]:
+    """Greedy tokens: `step` is the loaded trace on inf2, or `AliasEmulator(build_kv_module(...))` on CPU."""
+    host = HostEmbedder.from_text_model(loaded.text_model)
+    return greedy_generate(step, host, prompt, max_new_tokens)
+
+
+def cpu_check(loaded: Any, prompt: Sequence[int], max_new_tokens: int, context_length: int) -> dict[str, Any]:
+    """Run the recipe's host loop on CPU over the exact module that would be traced."""
+    return generate(AliasEmulator(build_kv_module(loaded, context_length)), loaded, prompt, max_new_tokens)

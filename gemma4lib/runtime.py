@@ -1,0 +1,168 @@
+"""The host runtime: everything around the device graph.
+
+Tokens in, tokens out: the chat template, word embeddings and PLE on the host, the prefill graph
+(smallest bucket that fits), the decode loop over one compiled graph, greedy argmax on raw
+logits, and the softcap only when sampling needs real probabilities.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .errors import BadPromptError, BatchTooLargeError, PromptTooLongError
+from .loading import LoadedModel
+
+Step = Callable[..., torch.Tensor]
+
+
+def softcap(logits: torch.Tensor, cap: float | None) -> torch.Tensor:
+    """Gemma's final logit softcap, cap * tanh(logits / cap); monotonic, so greedy never needs it."""
+    return logits if not cap else cap * torch.tanh(logits / cap)
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """Greedy when temperature == 0; otherwise softcapped, tempered, nucleus-filtered sampling."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int = 0
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature <= 0.0
+
+
+def choose_token(logits: torch.Tensor, sampling: Sampling, cap: float | None,
+                 generator: torch.Generator | None = None) -> int:
+    """Next token from raw device logits `[vocab]`."""
+    if sampling.greedy:
+        return int(torch.argmax(logits))
+    probs = torch.softmax(softcap(logits.float(), cap) / sampling.temperature, dim=-1)
+    if sampling.top_p < 1.0:
+        sorted_probs, order = torch.sort(probs, descending=True)
+        keep = torch.cumsum(sorted_probs, 0) - sorted_probs < sampling.top_p
+        probs = torch.zeros_like(probs).scatter(0, order[keep], sorted_probs[keep])
+    return int(torch.multinomial(probs / probs.sum(), 1, generator=generator))
+
+
+def encode_prompt(tokenizer: Any, prompt: str, chat: bool = True) -> list[int]:
+    """Prompt text → ids, through the tokenizer's own chat template (never a hand-built one)."""
+    if not isinstance(prompt, str):
+        raise BadPromptError(f"prompt must be a string, got {type(prompt).__name__}; pass the question as text")
+    if not prompt.strip():
+        raise BadPromptError("prompt is empty; pass a question, e.g. 'What is the capital of France?'")
+    if chat and getattr(tokenizer, "chat_template", None):
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                            tokenize=True, return_dict=False)
+        return list(ids["input_ids"] if isinstance(ids, dict) else ids)
+    return list(tokenizer(prompt)["input_ids"])
+
+
+@dataclass
+class Generation:
+    prompt_ids: list[int]
+    tokens: list[int]
+    bucket: int
+    prefill_s: float
+    decode_s: list[float] = field(default_factory=list)  # one entry per decode step
+    first_logits: torch.Tensor | None = None
+
+    @property
+    def decode_tok_s(self) -> float | None:
+        total = sum(self.decode_s)
+        return len(self.decode_s) / total if total > 0 else None
+
+
+class HostRuntime:
+    """Drives compiled (or eager) prefill/decode steps that share one set of K/V buffers.
+
+    `prefill` maps a bucket length to a step; each step has the DeviceGraph calling convention
+    `step(inputs_embeds, [per_layer_inputs,] start, length, *kv) -> logits` and updates `kv` in place.
+    """
+
+    def __init__(self, model: LoadedModel, prefill: dict[int, Step], decode: Step, kv: list[torch.Tensor],
+                 context_length: int, batch: int = 1, dtype: torch.dtype = torch.float32):
+        self.model, self.prefill, self.decode, self.kv = model, dict(sorted(prefill.items())), decode, kv
+        self.context_length, self.batch, self.dtype = context_length, batch, dtype
+        config = model.config
+        self.has_ple = bool(getattr(config, "hidden_size_per_layer_input", 0))
+        self.cap = getattr(config, "final_logit_softcapping", None)
+
+    # ---- host-side embeddings -------------------------------------------------------------
+    @torch.no_grad()
+    def embed(self, ids: torch.Tensor, pad_to: int | None = None) -> list[torch.Tensor]:
+        """Word embeddings (scaled) and the PLE token-identity inputs, right-padded with zeros."""
+        text = self.model.text_model
+        parts = [text.embed_tokens(ids)]
+        if self.has_ple:
+            parts.append(text.get_per_layer_inputs(ids))
+        if pad_to is not None and pad_to > ids.shape[1]:
+            parts = [torch.cat([p, p.new_zeros(p.shape[0], pad_to - ids.shape[1], *p.shape[2:])], 1) for p in parts]
+        return [p.to(self.dtype) for p in parts]
+
+    def bucket_for(self, n_tokens: int) -> int:
+        for bucket in self.prefill:
+            if n_tokens <= bucket:
+                return bucket
+        raise PromptTooLongError(n_tokens, 0, max(self.prefill))
+
+    def check_fits(self, prompt_ids: Sequence[int], max_new_tokens: int) -> int:
+        """Raise before any device work when the request cannot fit the compiled shapes."""
+        if len(prompt_ids) == 0:
+            raise BadPromptError("prompt has no tokens; pass a non-empty prompt")
+        if len(prompt_ids) + max_new_tokens > self.context_length:
+            raise PromptTooLongError(len(prompt_ids), max_new_tokens, self.context_length)
+        return self.bucket_for(len(prompt_ids))
+
+    # ---- generation -------------------------------------------------------------------------
+    @torch.no_grad()
+    def generate(self, prompt_ids: Sequence[int] | torch.Tensor, max_new_tokens: int, *,
+                 sampling: Sampling = Sampling(), eos_token_ids: Sequence[int] = (),
+                 on_token: Callable[[int], None] | None = None) -> Generation:
+        ids = torch.as_tensor(prompt_ids, dtype=torch.long)
+        if ids.dim() == 2:
+            if ids.shape[0] > self.batch:
+                raise BatchTooLargeError(f"batch of {ids.shape[0]} prompts, but the graphs were compiled for "
+                                         f"batch {self.batch}; send at most {self.batch} at a time or recompile")
+            ids = ids[0]
+        ids_list = ids.tolist()
+        bucket = self.check_fits(ids_list, max_new_tokens)
+        generator = torch.Generator().manual_seed(sampling.seed)
+        n = len(ids_list)
+
+        started = time.perf_counter()
+        inputs = self.embed(ids[None], pad_to=bucket)
+        logits = self.prefill[bucket](*inputs, torch.tensor([0]), torch.tensor([n]), *self.kv)
+        token = choose_token(logits[0], sampling, self.cap, generator)
+        result = Generation(ids_list, [token], bucket, time.perf_counter() - started, first_logits=logits[0].clone())
+        if on_token:
+            on_token(token)
+
+        position = n
+        while len(result.tokens) < max_new_tokens and token not in eos_token_ids:
+            step_started = time.perf_counter()
+            inputs = self.embed(torch.tensor([[token]]))
+            logits = self.decode(*inputs, torch.tensor([position]), torch.tensor([1]), *self.kv)
+            token = choose_token(logits[0], sampling, self.cap, generator)
+            result.decode_s.append(time.perf_counter() - step_started)
+            result.tokens.append(token)
+            position += 1
+            if on_token:
+                on_token(token)
+        return result
+
+    def time_prefill(self, prompt_ids: Sequence[int]) -> float:
+        """Seconds for one prefill of `prompt_ids` (host embeddings included, as a user sees it)."""
+        ids = torch.as_tensor(prompt_ids, dtype=torch.long)[None]
+        bucket = self.bucket_for(ids.shape[1])
+        started = time.perf_counter()
+        with torch.no_grad():
+            inputs = self.embed(ids, pad_to=bucket)
+            self.prefill[bucket](*inputs, torch.tensor([0]), torch.tensor([ids.shape[1]]), *self.kv)
+        return time.perf_counter() - started

@@ -1,0 +1,293 @@
+"""Run every rank of a tensor-parallel plan on CPU, with real collectives, and check the tokens.
+
+One process per rank (`torch.multiprocessing`, fork by default: the children inherit the imported
+modules, so a rank starts in well under a second; spawn works too), a gloo process group set up
+through a file store in a private temporary folder (no ports), one thread per process. Each rank
+does what a NeuronCore does in the ModelBuilder recipe:
+
+1. build the rank graph skeleton from the config (meta device, shard-size layers), the same for
+   every rank: the graph is "compiled once";
+2. load *its own* shard (weights, buffers, the int32 rank tensor);
+3. run prefill then the greedy decode loop; row-parallel outputs are all-reduced and the lm_head
+   logits all-gathered through gloo.
+
+Every rank also plays host for itself (embedding and PLE lookups, argmax): all ranks see the same
+gathered logits, so they pick the same tokens; the result checks that they did. Tokens come back
+from rank 0 and are compared with transformers' greedy `generate` on the unsharded model.
+"""
+
+from __future__ import annotations
+
+import os
+import queue as queue_mod
+import tempfile
+import time
+import traceback
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+from torch import nn
+
+from ..errors import BadPromptError, PromptTooLongError, TensorParallelError
+from ..graph import DeviceGraph, GraphShape
+from .plan import TPPlan, make_plan
+from .rank_graph import build_rank_graph, load_shard, with_shape
+from .shard import iter_shards, shard_kv, shard_shapes
+from ..recipes.common import AliasEmulator, HostEmbedder, KVParamModule, greedy_generate
+
+CPU_EXECUTION = "torch.distributed gloo on CPU, one process per rank"
+
+
+@dataclass
+class RankJob:
+    """Everything a rank process needs (picklable for the spawn start method)."""
+
+    config: Any
+    plan: TPPlan
+    shards: list[dict[str, torch.Tensor]]
+    host: HostEmbedder
+    prompt: list[int]
+    max_new_tokens: int
+    context_length: int
+    prefill_len: int
+    ring: bool = False
+    baked_rank: bool = False
+    dtype: torch.dtype = torch.float32
+    # CPU-seeded prefill (the E4B recipe): per-rank K/V slices and the last prompt token's logits
+    seed_kv: list[list[torch.Tensor]] | None = None
+    seed_logits: torch.Tensor | None = None
+
+
+def _run_rank(rank: int, job: RankJob) -> dict[str, Any]:
+    from .layers import TorchDistCollectives
+
+    t0 = time.perf_counter()
+    coll = TorchDistCollectives()
+    prefill = build_rank_graph(job.config, job.plan, GraphShape(1, job.prefill_len, job.context_length, job.ring),
+                               collectives=coll, dtype=job.dtype, baked_rank=job.baked_rank)
+    missing = load_shard(prefill, job.shards[rank])
+    decode = with_shape(prefill, GraphShape(1, 1, job.context_length, job.ring))
+    kv = prefill.new_kv()
+    build_s = time.perf_counter() - t0
+
+    # the modules a compiler would get: K/V as parameters shared by prefill and decode, updated
+    # through the aliased outputs (emulated here)
+    prefill_module = KVParamModule(prefill)
+    decode_module = prefill_module.sharing(decode)
+    if job.seed_kv is not None:  # prefill happened on the host; this rank gets its K/V slice
+        with torch.no_grad():
+            for param, value in zip(prefill_module.kv, job.seed_kv[rank]):
+                param.copy_(value)
+        run = greedy_generate(AliasEmulator(decode_module), job.host, job.prompt, job.max_new_tokens,
+                              seeded_logits=job.seed_logits)
+    else:
+        run = greedy_generate(AliasEmulator(decode_module), job.host, job.prompt, job.max_new_tokens,
+                              prefill=AliasEmulator(prefill_module), prefill_len=job.prefill_len)
+    tokens, kv = run["tokens"], list(prefill_module.kv)
+    prefill_s, decode_s, prefill_logits = run["prefill_s"], run["decode_s"], run["prefill_logits"]
+    result = {"rank": rank, "tokens": tokens, "missing_keys": missing,
+              "kv_shapes": [list(t.shape) for t in kv], "prefill_mode": run["prefill_mode"],
+              "build_s": build_s, "prefill_s": prefill_s, "decode_s": decode_s}
+    if rank == 0:
+        result["prefill_logits"] = prefill_logits
+    return result
+
+
+def _worker(rank: int, world: int, init_file: str, job: RankJob, results) -> None:
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)  # 8 ranks on 2 cores: one thread each, or they thrash
+    try:
+        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+        results.put((rank, "ok", _run_rank(rank, job)))
+    except BaseException:  # report, never hang the parent
+        results.put((rank, "error", traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_ranks(job: RankJob, *, start_method: str = "fork", timeout_s: float = 300.0) -> list[dict[str, Any]]:
+    """Run all `job.plan.tp` ranks as processes joined by gloo; return their results, rank order."""
+    import torch.multiprocessing as mp
+
+    world = job.plan.tp
+    ctx = mp.get_context(start_method)
+    saved = {k: os.environ.get(k) for k in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")}
+    os.environ.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")  # inherited by spawned children
+    try:
+        with tempfile.TemporaryDirectory(prefix="gemma4lib-gloo-") as folder:
+            init_file = os.path.join(folder, "store")
+            results = ctx.Queue()
+            procs = [ctx.Process(target=_worker, args=(r, world, init_file, job, results), daemon=True)
+                     for r in range(world)]
+            for p in procs:
+                p.start()
+            collected: dict[int, dict[str, Any]] = {}
+            errors: list[str] = []
+            deadline = time.monotonic() + timeout_s
+            try:
+                while len(collected) + len(errors) < world:
+                    remaining = deadline - time.monotonic()
+                    try:
+                        rank, status, payload = results.get(timeout=min(1.0, max(remaining, 0.05)))
+                    except queue_mod.Empty:
+                        dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
+                        if dead:
+                            errors.append(f"rank processes {dead} exited without a result (exit codes "
+                                          f"{[p.exitcode for p in procs]}); with start_method='spawn' the "
+                                          f"calling script needs an `if __name__ == '__main__':` guard")
+                            break
+                        if remaining <= 0:
+                            errors.append(f"ranks timed out after {timeout_s:.0f}s")
+                            break
+                        continue
+                    if status == "ok":
+                        collected[rank] = payload
+                    else:
+                        errors.append(f"rank {rank}:\n{payload}")
+                        break  # the others are blocked in a collective: stop them
+            finally:
+                for p in procs:
+                    p.join(timeout=5 if not errors else 0.5)
+                for p in procs:  # only the processes started here
+                    if p.is_alive():
+                        p.terminate()
+                        p.join(timeout=5)
+            if errors:
+                raise RuntimeError("CPU tensor-parallel run failed: " + "\n".join(errors))
+            return [collected[r] for r in range(world)]
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def host_prefill(loaded: Any, plan: TPPlan, prompt: Sequence[int], context_length: int, prefill_len: int,
+                 ring: bool = False) -> tuple[torch.Tensor, list[list[torch.Tensor]]]:
+    """Prefill with the unsharded model on the host (CPU); return the last prompt token's logits
+    and each rank's slice of the K/V buffers (the E4B recipe's CPU-seeded prefill)."""
+    prompt = [int(t) for t in prompt]
+    graph = DeviceGraph(loaded.text_model, loaded.lm_head, loaded.layout,
+                        GraphShape(1, prefill_len, context_length, ring), inplace=True)
+    host = HostEmbedder.from_text_model(loaded.text_model)
+    kv = graph.new_kv()
+    with torch.no_grad():
+        logits = graph(*host.inputs(torch.tensor([prompt]), prefill_len), torch.tensor([0]),
+                       torch.tensor([len(prompt)]), *kv)
+    return logits[0], [shard_kv(kv, plan, r) for r in range(plan.tp)]
+
+
+def _as_list(prompt_ids: Any) -> list[int]:
+    if isinstance(prompt_ids, torch.Tensor):
+        return [int(x) for x in prompt_ids.reshape(-1).tolist()]
+    return [int(x) for x in prompt_ids]
+
+
+def first_divergence(a: Sequence[int], b: Sequence[int]) -> int | None:
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def reference_run(lm: nn.Module, prompt: list[int], max_new_tokens: int) -> tuple[list[int], torch.Tensor]:
+    """transformers' greedy tokens (eos off) and the softcapped logits of the last prompt token."""
+    ids = torch.tensor([prompt], dtype=torch.long)
+    with torch.no_grad():
+        out = lm.generate(ids, max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=None,
+                          pad_token_id=0)
+        logits = lm(ids).logits[0, -1].float()
+    return out[0, len(prompt):].tolist(), logits
+
+
+def softcap(logits: torch.Tensor, cap: float | None) -> torch.Tensor:
+    return logits if not cap else cap * torch.tanh(logits / cap)
+
+
+def run_tp_port(loaded_model: Any, tp: int, prompt_ids: Any, max_new_tokens: int, context_length: int,
+                prefill_len: int, *, baked_rank: bool = False, include_buffers: bool = True,
+                check_reference: bool = True, reference_tokens: Sequence[int] | None = None,
+                start_method: str = "fork", ring: bool = False, prefill: str = "graph",
+                timeout_s: float = 300.0) -> dict[str, Any]:
+    """Shard `loaded_model` for `tp` ranks, run them on CPU with gloo, compare with the reference.
+
+    `loaded_model` is a `loading.LoadedModel`. Returns a JSON-friendly dict: `tokens` (rank 0),
+    `seq_match` against transformers' greedy generate, `prefill_logit_max_diff` (softcapped, vs the
+    reference's last-prompt-token logits), `ranks_agree`, the plan, per-rank `shard_shapes`, the
+    recipe this stands in for, timings. `baked_rank` / `include_buffers=False` run the two faults
+    the field report met (rank read at trace time; buffers missing from the shards).
+    `prefill="cpu-seeded"` runs the E4B recipe's flow: the unsharded model prefills on the host and
+    each rank starts decoding from its slice of those K/V buffers (`prefill="graph"`: the rank
+    graphs prefill).
+    """
+    variant = loaded_model.variant
+    lm = loaded_model.lm
+    config = lm.config
+    prompt = _as_list(prompt_ids)
+    if len(prompt) > prefill_len:
+        raise BadPromptError(f"the prompt has {len(prompt)} tokens but the prefill bucket holds {prefill_len}; "
+                             f"raise prefill_len (<= context_length) or shorten the prompt")
+    if len(prompt) + max_new_tokens > context_length:
+        raise PromptTooLongError(len(prompt), max_new_tokens, context_length)
+    if tp < 2:
+        raise TensorParallelError(f"run_tp_port shards over ranks: TP must be >= 2, got {tp} "
+                                  f"(TP=1 is the single-core trace recipe)")
+    plan = make_plan(config, tp, variant)
+    dtype = next(lm.parameters()).dtype
+
+    t0 = time.perf_counter()
+    shards = list(iter_shards(lm, plan, include_buffers=include_buffers))
+    shapes = shard_shapes(plan, shards)
+    shard_s = time.perf_counter() - t0
+
+    job = RankJob(config, plan, shards, HostEmbedder.from_text_model(lm.model), prompt, max_new_tokens,
+                  context_length, prefill_len, ring, baked_rank, dtype)
+    if prefill == "cpu-seeded":
+        job.seed_logits, job.seed_kv = host_prefill(loaded_model, plan, prompt, context_length, prefill_len, ring)
+    elif prefill != "graph":
+        raise ValueError(f"unknown prefill {prefill!r}; choose 'graph' or 'cpu-seeded'")
+    t1 = time.perf_counter()
+    ranks = run_ranks(job, start_method=start_method, timeout_s=timeout_s)
+    ranks_s = time.perf_counter() - t1
+    tokens = ranks[0]["tokens"]
+
+    result: dict[str, Any] = {
+        "variant": variant.name,
+        "tp": tp,
+        "recipe": variant.recipe,
+        "executed_as": CPU_EXECUTION,
+        "prefill": prefill,
+        "tokens": tokens,
+        "ranks_agree": all(r["tokens"] == tokens for r in ranks),
+        "missing_keys": ranks[0]["missing_keys"],
+        "baked_rank": baked_rank,
+        "plan": plan.describe(),
+        "shard_shapes": shapes,
+        "kv_shapes_per_rank": ranks[0]["kv_shapes"],
+        "timings": {
+            "shard_s": round(shard_s, 3), "ranks_wall_s": round(ranks_s, 3),
+            "rank0_build_s": round(ranks[0]["build_s"], 3), "rank0_prefill_s": round(ranks[0]["prefill_s"], 3),
+            "rank0_decode_s": round(ranks[0]["decode_s"], 3),
+            "rank0_decode_tok_s": round((len(tokens) - 1) / max(ranks[0]["decode_s"], 1e-9), 2),
+        },
+        "world": {"backend": "gloo", "processes": tp, "start_method": start_method, "threads_per_process": 1},
+    }
+    reference_logits = None
+    if reference_tokens is None and check_reference:
+        t2 = time.perf_counter()
+        reference_tokens, reference_logits = reference_run(lm, prompt, max_new_tokens)
+        result["timings"]["reference_s"] = round(time.perf_counter() - t2, 3)
+    if reference_tokens is not None:
+        reference_tokens = [int(t) for t in reference_tokens]
+        result["reference_tokens"] = reference_tokens
+        result["seq_match"] = tokens == reference_tokens
+        result["first_divergence"] = first_divergence(tokens, reference_tokens)
+    if reference_logits is not None:
+        cap = getattr(config, "final_logit_softcapping", None)
+        diff = (softcap(ranks[0]["prefill_logits"].float(), cap) - reference_logits).abs().max()
+        result["prefill_logit_max_diff"] = float(diff)
+    return result

@@ -1,0 +1,273 @@
+"""Tensor-parallel sharding plans: which weight goes where, for a config and a TP degree.
+
+Hardware-agnostic. The same plan drives the CPU run (one gloo process per rank), the hand-driven
+TP=2 build (E4B) and the ModelBuilder build (12B, 31B, 26B-A4B); it is read only from the
+transformers config (through `KVLayout`), never from a device.
+
+The rules (Megatron-style, one all-reduce after attention and one after the feed-forward):
+
+- Attention: `q_proj` column-sharded by Q head (rank r owns Q heads [r*q, (r+1)*q)), `o_proj`
+  row-sharded over the same heads, output all-reduced. K/V (`k_proj`, `v_proj`) are column-sharded
+  by KV head when `kv_heads % tp == 0`; when there are fewer KV heads than ranks (31B full layers:
+  4 KV heads at TP=8; 12B full layers: 1) they are *replicated*: each rank gets the KV head its Q
+  heads read (GQA: KV head = q_head // (q_heads // kv_heads)). `q_norm`/`k_norm` act per head_dim
+  and are replicated. k_eq_v layers have no `v_proj` (V is the normed K projection), nothing extra
+  to shard. KV-shared layers own no K/V projections; their Q heads read the producer's rank-local
+  K/V, which the same rule puts on the same rank.
+- MLP: `gate_proj`/`up_proj` column, `down_proj` row (all-reduced). The MoE block's dense MLP is
+  sharded the same way.
+- MoE experts: all experts computed densely and masked to the routed top-k, split along the expert
+  dimension (rank r owns experts [r*e, (r+1)*e)), expressed as two parallel linears: `gate_up`
+  column (rows of its experts) and `down` row (all-reduced). The router is replicated (small) so
+  every rank routes identically; each rank picks its experts' columns of the routing weights with
+  the *runtime* rank tensor.
+- Per-layer-input (PLE) gate/projection and `per_layer_model_projection`: replicated (small). The
+  embedding and PLE tables never reach the device: the host looks them up.
+- lm_head (tied to the embedding, vocab x hidden): column-sharded over the vocabulary and
+  all-gathered. It is the biggest single matrix (262,144 x 5,376 = 1.4 B parameters on the 31B,
+  2.8 GB in bf16): replicated, every core would hold and read all of it every decode step; sharded
+  it costs 1/tp of that plus one all-gather of the logits. It falls back to replicated only when
+  the vocabulary does not divide by tp.
+- Norms, router, `layer_scalar`: replicated. `layer_scalar` is a buffer; the sharder carries it
+  (NxD's loader shards only parameters of parallel layers), and the rank graph holds it as a
+  parameter so a compiled graph loads it with the weights instead of baking its init value in.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any, Iterable
+
+from ..errors import TensorParallelError
+from ..kv_layout import FULL, SLIDING, KVLayout
+
+# NeuronCore counts a tensor-parallel group can span on inf2 (24 cores on an inf2.48xlarge).
+CANDIDATE_TP = (1, 2, 4, 8, 12, 16, 24)
+
+COLUMN, ROW, REPLICATE, RANK = "column", "row", "replicate", "rank"
+
+
+@dataclass(frozen=True)
+class AttentionPlan:
+    layer: int
+    layer_type: str
+    head_dim: int
+    q_heads: int
+    kv_heads: int
+    tp: int
+    kv_mode: str  # "shard" | "replicate"
+    producer: int  # the layer whose K/V this one reads (itself unless KV-shared)
+    k_eq_v: bool
+
+    @property
+    def owns_kv(self) -> bool:
+        return self.producer == self.layer
+
+    @property
+    def q_per_rank(self) -> int:
+        return self.q_heads // self.tp
+
+    @property
+    def kv_per_rank(self) -> int:
+        return self.kv_heads // self.tp if self.kv_mode == "shard" else 1
+
+    @property
+    def kv_groups_per_rank(self) -> int:
+        """`num_key_value_groups` of the rank-local attention (Q heads per local KV head)."""
+        return self.q_per_rank // self.kv_per_rank
+
+    def q_heads_of(self, rank: int) -> list[int]:
+        return list(range(rank * self.q_per_rank, (rank + 1) * self.q_per_rank))
+
+    def kv_heads_of(self, rank: int) -> list[int]:
+        if self.kv_mode == "shard":
+            return list(range(rank * self.kv_per_rank, (rank + 1) * self.kv_per_rank))
+        group = self.q_heads // self.kv_heads
+        return sorted({q // group for q in self.q_heads_of(rank)})
+
+
+@dataclass(frozen=True)
+class MoEPlan:
+    num_experts: int
+    top_k: int
+    intermediate: int
+    tp: int
+
+    @property
+    def experts_per_rank(self) -> int:
+        return self.num_experts // self.tp
+
+    def experts_of(self, rank: int) -> list[int]:
+        e = self.experts_per_rank
+        return list(range(rank * e, (rank + 1) * e))
+
+
+@dataclass(frozen=True)
+class LayerPlan:
+    index: int
+    attention: AttentionPlan
+    mlp_intermediate: int
+    moe: MoEPlan | None
+    ple: bool
+
+    @property
+    def mlp_per_rank(self) -> int:
+        return self.mlp_intermediate // self.attention.tp
+
+
+@dataclass(frozen=True)
+class ShardRule:
+    """How one checkpoint tensor is cut for a rank: `kind` and the dimension it is cut along."""
+
+    kind: str  # column | row | replicate | rank
+    dim: int | None = None
+
+
+@dataclass(frozen=True)
+class TPPlan:
+    tp: int
+    variant: str | None
+    hidden: int
+    vocab: int
+    layers: tuple[LayerPlan, ...]
+    layout: KVLayout
+    lm_head: str  # "column" | "replicate"
+    ple_on_host: bool
+
+    # ---- per-rank views -------------------------------------------------------------------
+    def rank_layout(self) -> KVLayout:
+        """The KV layout one rank sees: the same producers, with the rank-local KV-head counts."""
+        layers = tuple(replace(l, kv_heads=self.layers[l.index].attention.kv_per_rank) for l in self.layout.layers)
+        return replace(self.layout, layers=layers,
+                       num_attention_heads=self.layout.num_attention_heads // self.tp)
+
+    def attention(self, layer: int) -> AttentionPlan:
+        return self.layers[layer].attention
+
+    def rule(self, key: str) -> ShardRule:
+        """The sharding rule for a key of the rank graph's state dict."""
+        if key == "spmd_rank.rank":
+            return ShardRule(RANK, 0)
+        if key == "lm_head.weight":
+            return ShardRule(COLUMN, 0) if self.lm_head == COLUMN else ShardRule(REPLICATE)
+        parts = key.split(".")
+        if len(parts) >= 4 and parts[0] == "model" and parts[1] == "layers":
+            sub = ".".join(parts[3:])
+            if sub in ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
+                       "mlp.gate_proj.weight", "mlp.up_proj.weight", "experts.gate_up.weight"):
+                return ShardRule(COLUMN, 0)
+            if sub in ("self_attn.o_proj.weight", "mlp.down_proj.weight", "experts.down.weight"):
+                return ShardRule(ROW, 1)
+        return ShardRule(REPLICATE)
+
+    # ---- summaries ------------------------------------------------------------------------
+    def kv_modes(self) -> dict[str, str]:
+        out = {}
+        for lp in self.layers:
+            out.setdefault(lp.attention.layer_type, lp.attention.kv_mode)
+        return out
+
+    def describe(self) -> dict[str, Any]:
+        """JSON-friendly: what each rank holds (heads, experts) and how each weight kind is cut."""
+        by_type: dict[str, Any] = {}
+        for lp in self.layers:
+            a = lp.attention
+            if a.layer_type in by_type:
+                continue
+            by_type[a.layer_type] = {
+                "q_heads": a.q_heads, "kv_heads": a.kv_heads, "head_dim": a.head_dim,
+                "q_heads_per_rank": a.q_per_rank, "kv_heads_per_rank": a.kv_per_rank,
+                "kv_mode": a.kv_mode, "k_eq_v": a.k_eq_v,
+                "kv_heads_by_rank": [a.kv_heads_of(r) for r in range(self.tp)],
+            }
+        moe = next((lp.moe for lp in self.layers if lp.moe), None)
+        return {
+            "tp": self.tp,
+            "variant": self.variant,
+            "attention": by_type,
+            "mlp": {"gate_proj/up_proj": COLUMN, "down_proj": ROW,
+                    "intermediate_per_rank": sorted({lp.mlp_per_rank for lp in self.layers})},
+            "moe": None if moe is None else {
+                "num_experts": moe.num_experts, "top_k": moe.top_k, "experts_per_rank": moe.experts_per_rank,
+                "experts_by_rank": [[moe.experts_of(r)[0], moe.experts_of(r)[-1]] for r in range(self.tp)],
+                "form": "all experts dense, masked to top-k; gate_up column + down row over the expert dim",
+                "rank_source": "runtime int32 tensor (spmd_rank.rank), never a trace-time int",
+            },
+            "lm_head": self.lm_head + (" (all-gathered over the vocabulary)" if self.lm_head == COLUMN else ""),
+            "host_side": ["embed_tokens"] + (["embed_tokens_per_layer (PLE)"] if self.ple_on_host else []),
+            "replicated": ["norms", "router", "layer_scalar (buffer, carried by the sharder)",
+                           "per-layer-input gate/projection (PLE)"],
+        }
+
+
+# ---- building and validating -------------------------------------------------------------
+
+def _config_ints(config: Any) -> dict[str, Any]:
+    get = lambda name, default=0: getattr(config, name, default) or default  # noqa: E731
+    return dict(
+        hidden=int(config.hidden_size), q_heads=int(config.num_attention_heads),
+        intermediate=int(config.intermediate_size), vocab=int(config.vocab_size),
+        double_wide=bool(get("use_double_wide_mlp", False)), moe=bool(get("enable_moe_block", False)),
+        num_experts=int(get("num_experts", 0)), top_k=int(get("top_k_experts", 0)),
+        moe_intermediate=int(get("moe_intermediate_size", 0)), ple=int(get("hidden_size_per_layer_input", 0)),
+    )
+
+
+def tp_problems(config: Any, tp: int, layout: KVLayout | None = None) -> list[str]:
+    """Why `tp` cannot shard this config (empty when it can)."""
+    if tp < 1:
+        return [f"TP degree must be >= 1, got {tp}"]
+    c = _config_ints(config)
+    layout = layout or KVLayout.from_config(config)
+    problems = []
+    if c["q_heads"] % tp:
+        problems.append(f"{c['q_heads']} query heads do not split into {tp} equal parts")
+    for layer_type in (SLIDING, FULL):
+        kvs = sorted({l.kv_heads for l in layout.layers if l.layer_type == layer_type})
+        for kv in kvs:
+            if kv % tp and tp % kv:
+                problems.append(f"{layer_type} layers have {kv} KV heads: neither shardable nor replicable "
+                                f"over {tp} ranks (need kv % tp == 0 or tp % kv == 0)")
+    widths = {c["intermediate"] * (2 if c["double_wide"] and not l.owns_buffer else 1) for l in layout.layers}
+    for width in sorted(widths):
+        if width % tp:
+            problems.append(f"MLP intermediate size {width} does not split into {tp}")
+    if c["moe"]:
+        if c["num_experts"] % tp:
+            problems.append(f"{c['num_experts']} experts do not split into {tp} equal groups")
+    return problems
+
+
+def valid_tp_degrees(config: Any, candidates: Iterable[int] = CANDIDATE_TP) -> list[int]:
+    layout = KVLayout.from_config(config)
+    return [t for t in candidates if not tp_problems(config, t, layout)]
+
+
+def make_plan(config: Any, tp: int, variant: Any = None) -> TPPlan:
+    """The sharding plan for `config` at TP degree `tp`; raises `TensorParallelError` if it can't.
+
+    With a `variant` (a `variants.Variant`), `tp` must also be one of the degrees the variant's
+    recipe supports on inf2; the error names the degrees that work for this config.
+    """
+    name = getattr(variant, "name", None)
+    layout = KVLayout.from_config(config)
+    problems = tp_problems(config, tp, layout)
+    supported = tuple(getattr(variant, "supported_tp", ()) or ())
+    if variant is not None and tp not in supported and not problems:
+        problems.append(f"the {name} recipe supports TP degrees {', '.join(map(str, supported))} on inf2")
+    if problems:
+        ok = [t for t in (supported or CANDIDATE_TP) if not tp_problems(config, t, layout)]
+        label = name or "this model"
+        raise TensorParallelError(
+            f"{label} cannot use TP={tp}: {'; '.join(problems)}; use one of {', '.join(map(str, ok))}")
+    c = _config_ints(config)
+    layers = []
+    for l in layout.layers:
+        kv_mode = "shard" if (l.kv_heads % tp == 0 and l.kv_heads >= tp) else "replicate"
+        attention = AttentionPlan(l.index, l.layer_type, l.head_dim, c["q_heads"], l.kv_heads, tp, kv_mode,
+                                  l.producer, l.k_eq_v)
+        width = c["intermediate"] * (2 if c["double_wide"] and not l.owns_buffer else 1)
+        moe = MoEPlan(c["num_experts"], c["top_k"], c["moe_intermediate"], tp) if c["moe"] else None
+        layers.append(LayerPlan(l.index, attention, width, moe, bool(c["ple"])))
+    lm_head = COLUMN if c["vocab"] % tp == 0 else REPLICATE
+    return TPPlan(tp, name, c["hidden"], c["vocab"], tuple(layers), layout, lm_head, bool(c["ple"]))

@@ -1,0 +1,185 @@
+"""Per-rank checkpoints: cut the reference model's weights for one rank of a `TPPlan`.
+
+The keys are the rank graph's state-dict keys (`rank_graph.RankGraph`), so a shard loads with
+`load_state_dict` on CPU and is exactly what NxD's `initialize(weights_per_rank, ...)` takes on
+inf2. Besides the parameters a shard carries:
+
+- the buffers (`layer_scalar`, one per decoder layer), which NxD's checkpoint sharding does not
+  handle: left out, a graph keeps their init value of 1 and the model talks nonsense;
+- the rank tensor `spmd_rank.rank = [rank]` (int32), the SPMDRank convention.
+
+Embedding and PLE tables stay on the host and are not in any shard.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterator
+
+import torch
+from torch import nn
+
+from .plan import COLUMN, REPLICATE, TPPlan
+
+HOST_ONLY = ("model.embed_tokens.weight", "model.embed_tokens_per_layer.weight")
+RANK_KEY = "spmd_rank.rank"
+
+
+def _layer_key(key: str) -> tuple[int, str] | None:
+    parts = key.split(".")
+    if len(parts) >= 4 and parts[0] == "model" and parts[1] == "layers" and parts[2].isdigit():
+        return int(parts[2]), ".".join(parts[3:])
+    return None
+
+
+def _chunk(tensor: torch.Tensor, dim: int, tp: int, rank: int) -> torch.Tensor:
+    return tensor.chunk(tp, dim=dim)[rank]
+
+
+def rank_tensor(plan: TPPlan, key: str, tensor: torch.Tensor, rank: int) -> tuple[str, torch.Tensor] | None:
+    """(rank-graph key, this rank's tensor) for one reference state-dict entry; None if host-only."""
+    if key in HOST_ONLY:
+        return None
+    tp = plan.tp
+    if key == "lm_head.weight":
+        return key, (_chunk(tensor, 0, tp, rank) if plan.lm_head == COLUMN else tensor)
+    located = _layer_key(key)
+    if located is None:
+        return key, tensor
+    i, sub = located
+    attn = plan.attention(i)
+    hd = attn.head_dim
+    if sub == "self_attn.q_proj.weight":
+        heads = attn.q_heads_of(rank)
+        return key, tensor.view(attn.q_heads, hd, -1)[heads].reshape(len(heads) * hd, -1)
+    if sub in ("self_attn.k_proj.weight", "self_attn.v_proj.weight"):
+        heads = attn.kv_heads_of(rank)
+        return key, tensor.view(attn.kv_heads, hd, -1)[heads].reshape(len(heads) * hd, -1)
+    if sub == "self_attn.o_proj.weight":
+        heads = attn.q_heads_of(rank)
+        return key, tensor.view(tensor.shape[0], attn.q_heads, hd)[:, heads].reshape(tensor.shape[0], -1)
+    if sub in ("mlp.gate_proj.weight", "mlp.up_proj.weight"):
+        return key, _chunk(tensor, 0, tp, rank)
+    if sub == "mlp.down_proj.weight":
+        return key, _chunk(tensor, 1, tp, rank)
+    prefix = key[: -len(sub)]
+    moe = plan.layers[i].moe
+    if sub == "experts.gate_up_proj":  # [E, 2I, H] -> [local * 2I, H]
+        local = tensor[moe.experts_of(rank)]
+        return prefix + "experts.gate_up.weight", local.reshape(-1, tensor.shape[-1])
+    if sub == "experts.down_proj":  # [E, H, I] -> [H, local * I]
+        local = tensor[moe.experts_of(rank)]
+        return prefix + "experts.down.weight", local.permute(1, 0, 2).reshape(tensor.shape[1], -1)
+    return key, tensor
+
+
+def shard_state_dict(lm: nn.Module, plan: TPPlan, rank: int, *, include_buffers: bool = True,
+                     dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+    """This rank's checkpoint: parameters cut by the plan, buffers, and the rank tensor.
+
+    `lm` is the reference `*ForCausalLM`. `include_buffers=False` reproduces the NxD-loader fault
+    (buffers such as `layer_scalar` missing from the shards). Tensors are contiguous copies.
+    """
+    if not 0 <= rank < plan.tp:
+        raise ValueError(f"rank {rank} is outside TP={plan.tp}")
+    buffers = {name for name, _ in lm.named_buffers()}
+    out: dict[str, torch.Tensor] = {}
+    for key, tensor in lm.state_dict().items():
+        if key in buffers and not include_buffers:
+            continue
+        cut = rank_tensor(plan, key, tensor, rank)
+        if cut is None:
+            continue
+        new_key, value = cut
+        value = value.detach()
+        if dtype is not None and value.is_floating_point():
+            value = value.to(dtype)
+        out[new_key] = value.contiguous().clone()
+    out[RANK_KEY] = torch.tensor([rank], dtype=torch.int32)
+    return out
+
+
+def iter_shards(lm: nn.Module, plan: TPPlan, **kwargs: Any) -> Iterator[dict[str, torch.Tensor]]:
+    for rank in range(plan.tp):
+        yield shard_state_dict(lm, plan, rank, **kwargs)
+
+
+def shard_kv(kv: list[torch.Tensor], plan: TPPlan, rank: int) -> list[torch.Tensor]:
+    """This rank's slice of full (unsharded) K/V buffers: the KV heads the plan gives it.
+
+    `kv` is the flat [K, V] list of the producer layers (`DeviceGraph.new_kv` order), e.g. written
+    by a CPU prefill of the unsharded model; the result seeds that rank's device buffers.
+    """
+    out = []
+    for i, layer in enumerate(plan.layout.producers):
+        heads = torch.tensor(plan.attention(layer.index).kv_heads_of(rank))
+        out += [kv[2 * i].index_select(1, heads).contiguous(), kv[2 * i + 1].index_select(1, heads).contiguous()]
+    return out
+
+
+def nxd_full_checkpoint(lm: nn.Module, plan: TPPlan, *, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+    """One checkpoint that NxD's contiguous sharding cuts back into exactly our per-rank shards.
+
+    Sharded keys are the concatenation of every rank's piece along the partition dimension (for
+    replicated KV heads that is the K/V projection expanded to one copy per rank, the
+    "replicate to TP degree" layout); replicated keys are as-is; the rank key is `arange(tp)`.
+    This is what a ModelBuilder `checkpoint_loader` returns; `shard_checkpoint` then reproduces
+    `shard_state_dict(lm, plan, r)` for every r.
+    """
+    shards = list(iter_shards(lm, plan, dtype=dtype))
+    full: dict[str, torch.Tensor] = {}
+    for key, first in shards[0].items():
+        rule = plan.rule(key)
+        if rule.kind == REPLICATE:
+            full[key] = first
+        else:
+            full[key] = torch.cat([s[key] for s in shards], dim=rule.dim).contiguous()
+    return full
+
+
+def shard_shapes(plan: TPPlan, shards: list[dict[str, torch.Tensor]] | None = None,
+                 lm: nn.Module | None = None) -> dict[str, Any]:
+    """JSON-friendly per-rank summary: tensor shapes (one representative layer per kind), what
+    each rank holds (KV heads, experts), parameter counts and bytes per rank."""
+    if shards is None:
+        if lm is None:
+            raise ValueError("pass the shards or the reference model")
+        shards = list(iter_shards(lm, plan))
+    first = shards[0]
+    # one representative layer per (layer type, owns KV) kind
+    reps: dict[str, int] = {}
+    for lp in plan.layers:
+        kind = lp.attention.layer_type + ("" if lp.attention.owns_kv else " (kv-shared)")
+        reps.setdefault(kind, lp.index)
+    shapes: dict[str, Any] = {}
+    for key, value in first.items():
+        located = _layer_key(key)
+        if located is None:
+            shapes[key] = list(value.shape)
+            continue
+        i, sub = located
+        for kind, index in reps.items():
+            if index == i:
+                shapes.setdefault(f"layers[{kind}].{sub}", list(value.shape))
+    identical = all(
+        set(s) == set(first) and all(tuple(s[k].shape) == tuple(first[k].shape) for k in first) for s in shards)
+    ranks = []
+    for r, s in enumerate(shards):
+        entry: dict[str, Any] = {
+            "rank": r,
+            "rank_tensor": s[RANK_KEY].tolist() if RANK_KEY in s else None,
+            "tensors": len(s),
+            "params": int(sum(v.numel() for k, v in s.items() if k != RANK_KEY)),
+            "bytes": int(sum(v.numel() * v.element_size() for v in s.values())),
+            "kv_heads": {lp.attention.layer_type: lp.attention.kv_heads_of(r) for lp in plan.layers},
+        }
+        moe = next((lp.moe for lp in plan.layers if lp.moe), None)
+        if moe is not None:
+            entry["experts"] = [moe.experts_of(r)[0], moe.experts_of(r)[-1]]
+        entry["has_layer_scalar"] = any(k.endswith(".layer_scalar") for k in s)
+        ranks.append(entry)
+    return {"tp": plan.tp, "identical_shapes_across_ranks": identical, "shapes": shapes, "ranks": ranks,
+            "kv_modes": plan.kv_modes(), "lm_head": plan.lm_head}
+
+
+__all__ = ["HOST_ONLY", "RANK_KEY", "iter_shards", "nxd_full_checkpoint", "rank_tensor", "shard_kv", "shard_shapes",
+           "shard_state_dict"]

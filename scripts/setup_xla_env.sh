@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# Create the XLA lane's pinned environment (issue 8): torch 2.9.0 + torch-xla 2.9.0 from PyPI,
+# the project's transformers pin, and gemma4lib itself (editable, no deps), in $VENV
+# (default: <repo>/.venv-xla, kept out of the main venv and gitignored via `.venv-*/`).
+#
+#   scripts/setup_xla_env.sh            # create or verify (idempotent: exits early if pins match)
+#   VENV=/some/where scripts/setup_xla_env.sh
+#   FORCE=1 scripts/setup_xla_env.sh    # rebuild from scratch
+#
+# Then: PJRT_DEVICE=CPU .venv-xla/bin/python -m gemma4lib.backends.xla_check --variant e2b
+#       PJRT_DEVICE=CPU .venv-xla/bin/python -m pytest tests/test_xla_lane.py
+#
+# torch 2.9.0's PyPI wheel is a CUDA build: it pulls its nvidia-* wheels (~7 GB in all) and needs
+# them even to import on a machine with no GPU. torch-xla 2.9.0 matches the torch the Neuron SDK
+# 2.28 torch-neuronx 2.9.0.2.12.22436 build is made for.
+set -euo pipefail
+
+REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+VENV="${VENV:-$REPO/.venv-xla}"
+PYTHON="${PYTHON:-python3.11}"
+TORCH=2.9.0
+TORCH_XLA=2.9.0
+TRANSFORMERS=5.23.0   # same pin as pyproject.toml
+
+check() {
+  "$VENV/bin/python" - "$TORCH" "$TORCH_XLA" "$TRANSFORMERS" <<'PY' 2>/dev/null
+import sys, importlib.metadata as md
+want = dict(zip(("torch", "torch_xla", "transformers"), sys.argv[1:]))
+have = {name: md.version(name.replace("_", "-")) for name in want}
+bad = {k: (have[k], v) for k, v in want.items() if have[k].split("+")[0] != v}
+for mod in ("torch", "torch_xla", "transformers", "gemma4lib", "pytest"):
+    md.version({"torch_xla": "torch-xla"}.get(mod, mod))
+sys.exit(1 if bad else 0)
+PY
+}
+
+if [[ -z "${FORCE:-}" && -x "$VENV/bin/python" ]] && check; then
+  echo "setup_xla_env: $VENV already has torch $TORCH, torch-xla $TORCH_XLA, transformers $TRANSFORMERS"
+  exit 0
+fi
+
+start=$(date +%s)
+[[ -n "${FORCE:-}" ]] && rm -rf "$VENV"
+"$PYTHON" -m venv "$VENV"
+"$VENV/bin/python" -m pip install --quiet --upgrade pip
+"$VENV/bin/python" -m pip install --quiet \
+  "torch==$TORCH" "torch-xla==$TORCH_XLA" "transformers==$TRANSFORMERS" \
+  "tokenizers>=0.22" "safetensors>=0.4" "numpy>=1.26" "tqdm>=4.66" "psutil>=5.9" \
+  "matplotlib>=3.8" "jinja2>=3.1" "pytest>=8"
+"$VENV/bin/python" -m pip install --quiet --no-deps -e "$REPO"
+check || { echo "setup_xla_env: installed, but the pins do not check out" >&2; exit 1; }
+echo "setup_xla_env: $VENV ready in $(( $(date +%s) - start ))s ($(du -sh "$VENV" | cut -f1))"
