@@ -24,11 +24,13 @@ class UnknownNameError(Gemma4LibError, ValueError):
 class PromptTooLongError(Gemma4LibError, ValueError):
     """Prompt + new tokens do not fit the compiled context; raised before any device work."""
 
-    def __init__(self, prompt_tokens: int, max_new_tokens: int, context_length: int):
+    def __init__(self, prompt_tokens: int, max_new_tokens: int, context_length: int,
+                 limit: str = "compiled context length"):
         super().__init__(
             f"prompt ({prompt_tokens} tokens) + max_new_tokens ({max_new_tokens}) = "
-            f"{prompt_tokens + max_new_tokens} exceeds the compiled context length {context_length}; "
-            f"shorten the prompt, lower max_new_tokens, or recompile with a larger context_length"
+            f"{prompt_tokens + max_new_tokens} exceeds the {limit} {context_length}; "
+            f"shorten the prompt, lower max_new_tokens, or recompile with a larger "
+            f"{'context_length' if limit.startswith('compiled context') else 'prefill bucket'}"
         )
         self.prompt_tokens, self.max_new_tokens, self.context_length = (
             prompt_tokens, max_new_tokens, context_length)

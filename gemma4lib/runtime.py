@@ -38,17 +38,22 @@ class Sampling:
         return self.temperature <= 0.0
 
 
-def choose_token(logits: torch.Tensor, sampling: Sampling, cap: float | None,
-                 generator: torch.Generator | None = None) -> int:
-    """Next token from raw device logits `[vocab]`."""
-    if sampling.greedy:
-        return int(torch.argmax(logits))
+def sampling_probs(logits: torch.Tensor, sampling: Sampling, cap: float | None) -> torch.Tensor:
+    """The distribution sampling draws from: softcap, temperature, then the top-p nucleus."""
     probs = torch.softmax(softcap(logits.float(), cap) / sampling.temperature, dim=-1)
     if sampling.top_p < 1.0:
         sorted_probs, order = torch.sort(probs, descending=True)
         keep = torch.cumsum(sorted_probs, 0) - sorted_probs < sampling.top_p
         probs = torch.zeros_like(probs).scatter(0, order[keep], sorted_probs[keep])
-    return int(torch.multinomial(probs / probs.sum(), 1, generator=generator))
+    return probs / probs.sum()
+
+
+def choose_token(logits: torch.Tensor, sampling: Sampling, cap: float | None,
+                 generator: torch.Generator | None = None) -> int:
+    """Next token from raw device logits `[vocab]`: argmax (no softcap needed) or a sample."""
+    if sampling.greedy:
+        return int(torch.argmax(logits))
+    return int(torch.multinomial(sampling_probs(logits, sampling, cap), 1, generator=generator))
 
 
 def encode_prompt(tokenizer: Any, prompt: str, chat: bool = True) -> list[int]:
@@ -107,10 +112,11 @@ class HostRuntime:
         return [p.to(self.dtype) for p in parts]
 
     def bucket_for(self, n_tokens: int) -> int:
+        """The smallest compiled prefill length that holds the prompt."""
         for bucket in self.prefill:
             if n_tokens <= bucket:
                 return bucket
-        raise PromptTooLongError(n_tokens, 0, max(self.prefill))
+        raise PromptTooLongError(n_tokens, 0, max(self.prefill), limit="largest compiled prefill bucket")
 
     def check_fits(self, prompt_ids: Sequence[int], max_new_tokens: int) -> int:
         """Raise before any device work when the request cannot fit the compiled shapes."""

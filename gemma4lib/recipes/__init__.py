@@ -23,3 +23,99 @@ NEURON_ENTRY_POINTS = {
     "gemma4lib.recipes.neuron_tp_alias": ("compile_tp_alias", "load_tp_alias", "seed_device_kv"),
     "gemma4lib.recipes.neuron_model_builder": ("compile_model_builder", "load_model_builder", "NxDParallelFactory"),
 }
+
+
+def neuron_cache_key(model, recipe: str, tp: int, shapes: dict, compiler_args: dict, dtype) -> tuple[str, dict]:
+    """Cache key of a Neuron artifact: config, weights, recipe, TP degree, shapes, compiler
+    arguments and versions (the pinned SDK set as found, torch, transformers, gemma4lib)."""
+    from ..artifacts import make_key
+    from ..compile_cpu import weights_fingerprint
+    from ..environment import versions
+    from . import neuron_env
+
+    parts = {
+        "recipe": f"neuron-{recipe}",
+        "config": model.config.to_json_string(use_diff=False),
+        "weights": weights_fingerprint(model.lm, "all"),  # trace inlines them; the others cache the shards
+        "tp": tp,
+        "shapes": {k: [v.batch, v.tokens, v.context_length, v.ring] for k, v in sorted(shapes.items())},
+        "compiler_args": compiler_args,
+        "dtype": str(dtype),
+        "sdk": {r["package"]: r["found"] for r in neuron_env.check_versions()},
+        "versions": versions(),
+    }
+    return make_key(parts), parts
+
+
+def compile_graphs_neuron(model, prefill, decode, settings):
+    """`port.compile_graphs` for `backend="neuron"`: compile with the variant's recipe on inf2 (or
+    load the artifact from the cache when its key matches) and wrap it in the host runtime.
+    Raises `NeuronSDKMissingError` without the SDK, before any work.
+
+    TP=1: `neuron_trace` (decode graph; the prompt is prefilled through it token by token).
+    TP>1: `neuron_tp_alias` (E4B; prefill on CPU, K/V seeded into the device buffers) or
+    `neuron_model_builder` (prefill + decode keys). Artifacts live in the artifact cache
+    (`settings.cache_dir`, default `~/.cache/gemma4lib`) keyed by `neuron_cache_key`.
+    """
+    import tempfile
+    import time
+
+    from ..artifacts import ArtifactCache
+    from ..graph import GraphShape
+    from ..port import CompiledGraphs
+    from ..runtime import HostRuntime
+    from . import neuron_env
+    from .common import DeviceStep, StepwisePrefill
+
+    neuron_env.require("torch_neuronx", f"backend 'neuron' ({model.variant.name})")
+    tp = int(settings.tp_degree)
+    recipe = "trace" if tp == 1 else model.variant.recipe
+    context, ring, dtype = settings.context_length, settings.ring_kv, decode.dtype
+    n_inputs = 4 if decode.has_ple else 3
+    bucket = max(prefill)
+    shapes = {"decode": GraphShape(1, 1, context, ring)}
+    if recipe == "model_builder":
+        shapes["prefill"] = GraphShape(1, bucket, context, ring)
+    key, parts = neuron_cache_key(model, recipe, tp, shapes, neuron_env.COMPILER_ARGS, dtype)
+    cache = ArtifactCache(settings.cache_dir)
+    started = time.perf_counter()
+
+    def build(folder):
+        workdir = tempfile.mkdtemp(prefix="gemma4lib-neuron-cc-")  # never inside the cache entry
+        if recipe == "trace":
+            from . import neuron_trace
+            neuron_trace.save(neuron_trace.compile_trace(model, context, ring=ring, compiler_workdir=workdir),
+                              folder / "model.pt")
+        elif recipe == "tp_alias":
+            from . import neuron_tp_alias
+            neuron_tp_alias.compile_tp_alias(model, folder, tp=tp, context_length=context, ring=ring, dtype=dtype,
+                                             compiler_workdir=workdir)
+        else:
+            from . import neuron_model_builder
+            neuron_model_builder.compile_model_builder(model, tp, folder, context_length=context,
+                                                       prefill_len=bucket, ring=ring, dtype=dtype,
+                                                       compiler_workdir=workdir)
+        return {"recipe": recipe, "tp": tp}
+
+    entry = cache.get_or_build(key, build, describe={k: v for k, v in parts.items() if k != "config"})
+    compile_s = time.perf_counter() - started
+    host_kv = decode.new_kv()
+    if recipe == "trace":
+        from . import neuron_trace
+        step = DeviceStep(neuron_trace.load(entry.file("model.pt")), n_inputs)
+        steps = {b: StepwisePrefill(step, n_inputs) for b in prefill}
+    elif recipe == "tp_alias":
+        from ..tp.plan import make_plan
+        from . import neuron_tp_alias
+        tp_model = neuron_tp_alias.load_tp_alias(entry.path)
+        step = DeviceStep(tp_model, n_inputs)
+        plan = make_plan(model.config, tp, model.variant)
+        steps = {b: neuron_tp_alias.CpuSeededPrefill(model, plan, b, context, ring=ring, tp_model=tp_model,
+                                                     shard_folder=entry.path / "shards") for b in prefill}
+    else:
+        from . import neuron_model_builder
+        step = DeviceStep(neuron_model_builder.load_model_builder(entry.path, tp), n_inputs)
+        steps = {bucket: step}
+    runtime = HostRuntime(model, steps, step, host_kv, context, dtype=dtype)
+    return CompiledGraphs(runtime, 0.0 if entry.hit else compile_s, [entry.hit], f"neuron-{recipe}",
+                          {"artifacts": str(entry.path), "tp_degree": tp})

@@ -118,12 +118,12 @@ def first_output(out: Any) -> torch.Tensor:
 
 def greedy_generate(decode: Callable[..., Any], host: HostEmbedder, prompt: Sequence[int], max_new_tokens: int,
                     *, prefill: Callable[..., Any] | None = None, prefill_len: int | None = None,
-                    seeded_logits: torch.Tensor | None = None) -> dict[str, Any]:
+                    seeded_logits: torch.Tensor | None = None, eos_token_ids: Sequence[int] = ()) -> dict[str, Any]:
     """Greedy tokens from step functions that take the graph inputs and return logits.
 
     Prefill, in order of preference: `seeded_logits` (the caller wrote the K/V, e.g. a CPU
     prefill; these are the last prompt token's logits), a `prefill` graph of bucket `prefill_len`,
-    or the prompt fed token by token through `decode`.
+    or the prompt fed token by token through `decode`. Stops after an `eos_token_ids` token (kept).
     """
     prompt = [int(t) for t in prompt]
     n = len(prompt)
@@ -144,7 +144,8 @@ def greedy_generate(decode: Callable[..., Any], host: HostEmbedder, prompt: Sequ
         tokens = [int(prefill_logits.argmax())]
         t1 = time.perf_counter()
         position = n
-        while len(tokens) < max_new_tokens:
+        eos = set(int(t) for t in eos_token_ids)
+        while len(tokens) < max_new_tokens and tokens[-1] not in eos:
             out = decode(*host.inputs(torch.tensor([[tokens[-1]]]), 1), torch.tensor([position]), torch.tensor([1]))
             tokens.append(int(first_output(out).reshape(-1, prefill_logits.shape[-1])[0].argmax()))
             position += 1
@@ -152,3 +153,35 @@ def greedy_generate(decode: Callable[..., Any], host: HostEmbedder, prompt: Sequ
     return {"tokens": tokens, "prefill_mode": mode, "prefill_logits": prefill_logits,
             "prefill_s": t1 - t0, "decode_s": t2 - t1,
             "decode_tok_s": (len(tokens) - 1) / max(t2 - t1, 1e-9)}
+
+
+class DeviceStep:
+    """A `runtime.HostRuntime` step over a compiled module that keeps its K/V on the device.
+
+    The runtime calls `step(inputs..., start, length, *host_kv)`; the device module takes only the
+    inputs (its K/V are aliased state), so the host K/V arguments are dropped.
+    """
+
+    def __init__(self, module: Callable[..., Any], num_inputs: int):
+        self.module, self.num_inputs = module, num_inputs
+
+    def __call__(self, *args: torch.Tensor) -> torch.Tensor:
+        return first_output(self.module(*args[: self.num_inputs])).float()
+
+
+class StepwisePrefill:
+    """A prefill step made of one-token decode calls: the chunk's valid tokens one at a time.
+
+    For recipes that compile only the decode graph (one artifact, one set of device K/V).
+    """
+
+    def __init__(self, decode_step: Callable[..., torch.Tensor], num_inputs: int):
+        self.decode_step, self.num_inputs = decode_step, num_inputs
+
+    def __call__(self, *args: torch.Tensor) -> torch.Tensor:
+        inputs = args[: self.num_inputs - 2]
+        start, length = args[self.num_inputs - 2], args[self.num_inputs - 1]
+        logits = None
+        for i in range(int(length.reshape(-1)[0])):
+            logits = self.decode_step(*[x[:, i:i + 1] for x in inputs], start + i, torch.ones_like(length))
+        return logits

@@ -55,12 +55,12 @@ class NxDParallelFactory:
         self.tp, self.dtype, self._layers = tp, dtype, layers
 
     def column(self, in_features: int, out_features_total: int, gather: bool = False) -> nn.Module:
-        return self._layers.ColumnParallelLinear(in_features, out_features_total, bias=False,
-                                                 gather_output=gather, dtype=self.dtype)
+        return self._layers.ColumnParallelLinear(  # inf2-only
+            in_features, out_features_total, bias=False, gather_output=gather, dtype=self.dtype)
 
     def row(self, in_features_total: int, out_features: int) -> nn.Module:
-        return self._layers.RowParallelLinear(in_features_total, out_features, bias=False,
-                                              input_is_parallel=True, dtype=self.dtype)
+        return self._layers.RowParallelLinear(  # inf2-only
+            in_features_total, out_features, bias=False, input_is_parallel=True, dtype=self.dtype)
 
     def replicated(self, in_features: int, out_features: int) -> nn.Module:
         linear = nn.Linear(in_features, out_features, bias=False, dtype=self.dtype)
@@ -68,7 +68,7 @@ class NxDParallelFactory:
         return linear
 
     def rank_module(self) -> nn.Module:
-        return self._layers.SPMDRank(world_size=self.tp)
+        return self._layers.SPMDRank(world_size=self.tp)  # inf2-only
 
 
 def rank_module(config: Any, plan: TPPlan, shape: GraphShape, dtype: torch.dtype,

@@ -107,6 +107,31 @@ def seed_device_kv(tp_model: Any, shard_folder: str | Path, per_rank_kv: list[li
         torch_neuronx.replace_weights(module, weights)  # inf2-only
 
 
+class CpuSeededPrefill:
+    """A `runtime.HostRuntime` prefill step for this recipe: the unsharded model prefills on CPU
+    (same inputs the runtime would send to a device prefill graph), the K/V are cut per rank and
+    written into the device buffers by `seed` (default: `seed_device_kv` on `tp_model`)."""
+
+    def __init__(self, loaded: Any, plan: TPPlan, bucket: int, context_length: int, *, ring: bool = False,
+                 tp_model: Any = None, shard_folder: str | Path | None = None, seed=None):
+        from ..graph import DeviceGraph
+
+        self.plan = plan
+        self.graph = DeviceGraph(loaded.text_model, loaded.lm_head, loaded.layout,
+                                 GraphShape(1, bucket, context_length, ring), inplace=True)
+        self.seed = seed or (lambda per_rank: seed_device_kv(tp_model, shard_folder, per_rank))
+
+    def __call__(self, *args: torch.Tensor) -> torch.Tensor:
+        from ..tp.shard import shard_kv
+
+        n = 4 if self.graph.has_ple else 3
+        kv = self.graph.new_kv()
+        with torch.no_grad():
+            logits = self.graph(*args[:n], *kv)
+        self.seed([shard_kv(kv, self.plan, r) for r in range(self.plan.tp)])
+        return logits
+
+
 def generate(tp_model: Any, loaded: Any, prompt: Sequence[int], max_new_tokens: int, *, context_length: int,
              prefill_len: int, out_dir: str | Path, tp: int = 2, ring: bool = False,
              seed: str = "cpu") -> dict[str, Any]:

@@ -8,8 +8,10 @@ does what a NeuronCore does in the ModelBuilder recipe:
 1. build the rank graph skeleton from the config (meta device, shard-size layers), the same for
    every rank: the graph is "compiled once";
 2. load *its own* shard (weights, buffers, the int32 rank tensor);
-3. run prefill then the greedy decode loop; row-parallel outputs are all-reduced and the lm_head
-   logits all-gathered through gloo.
+3. run prefill then the greedy decode loop over the modules a compiler would get (K/V as
+   parameters shared by the prefill and decode graphs, updated through the aliased outputs:
+   `recipes.common.KVParamModule` + `AliasEmulator`); row-parallel outputs are all-reduced and the
+   lm_head logits all-gathered through gloo.
 
 Every rank also plays host for itself (embedding and PLE lookups, argmax): all ranks see the same
 gathered logits, so they pick the same tokens; the result checks that they did. Tokens come back
@@ -57,6 +59,7 @@ class RankJob:
     # CPU-seeded prefill (the E4B recipe): per-rank K/V slices and the last prompt token's logits
     seed_kv: list[list[torch.Tensor]] | None = None
     seed_logits: torch.Tensor | None = None
+    eos_token_ids: tuple[int, ...] = ()
 
 
 def _run_rank(rank: int, job: RankJob) -> dict[str, Any]:
@@ -68,7 +71,6 @@ def _run_rank(rank: int, job: RankJob) -> dict[str, Any]:
                                collectives=coll, dtype=job.dtype, baked_rank=job.baked_rank)
     missing = load_shard(prefill, job.shards[rank])
     decode = with_shape(prefill, GraphShape(1, 1, job.context_length, job.ring))
-    kv = prefill.new_kv()
     build_s = time.perf_counter() - t0
 
     # the modules a compiler would get: K/V as parameters shared by prefill and decode, updated
@@ -80,17 +82,18 @@ def _run_rank(rank: int, job: RankJob) -> dict[str, Any]:
             for param, value in zip(prefill_module.kv, job.seed_kv[rank]):
                 param.copy_(value)
         run = greedy_generate(AliasEmulator(decode_module), job.host, job.prompt, job.max_new_tokens,
-                              seeded_logits=job.seed_logits)
+                              seeded_logits=job.seed_logits, eos_token_ids=job.eos_token_ids)
     else:
         run = greedy_generate(AliasEmulator(decode_module), job.host, job.prompt, job.max_new_tokens,
-                              prefill=AliasEmulator(prefill_module), prefill_len=job.prefill_len)
+                              prefill=AliasEmulator(prefill_module), prefill_len=job.prefill_len,
+                              eos_token_ids=job.eos_token_ids)
     tokens, kv = run["tokens"], list(prefill_module.kv)
     prefill_s, decode_s, prefill_logits = run["prefill_s"], run["decode_s"], run["prefill_logits"]
     result = {"rank": rank, "tokens": tokens, "missing_keys": missing,
               "kv_shapes": [list(t.shape) for t in kv], "prefill_mode": run["prefill_mode"],
               "build_s": build_s, "prefill_s": prefill_s, "decode_s": decode_s}
-    if rank == 0:
-        result["prefill_logits"] = prefill_logits
+    if rank == 0:  # by value: torch's queue pickler would share the storage through a file
+        result["prefill_logits"] = prefill_logits.float().numpy().copy()  # descriptor the exiting child closes
     return result
 
 
@@ -208,9 +211,10 @@ def softcap(logits: torch.Tensor, cap: float | None) -> torch.Tensor:
     return logits if not cap else cap * torch.tanh(logits / cap)
 
 
-def run_tp_port(loaded_model: Any, tp: int, prompt_ids: Any, max_new_tokens: int, context_length: int,
-                prefill_len: int, *, baked_rank: bool = False, include_buffers: bool = True,
-                check_reference: bool = True, reference_tokens: Sequence[int] | None = None,
+def run_tp_port(loaded_model: Any, tp: Any, prompt_ids: Any, max_new_tokens: Any = None,
+                context_length: int | None = None, prefill_len: int | None = None, *, baked_rank: bool = False,
+                include_buffers: bool = True, check_reference: bool = True,
+                reference_tokens: Sequence[int] | None = None, eos_token_ids: Sequence[int] = (),
                 start_method: str = "fork", ring: bool = False, prefill: str = "graph",
                 timeout_s: float = 300.0) -> dict[str, Any]:
     """Shard `loaded_model` for `tp` ranks, run them on CPU with gloo, compare with the reference.
@@ -223,7 +227,24 @@ def run_tp_port(loaded_model: Any, tp: int, prompt_ids: Any, max_new_tokens: int
     `prefill="cpu-seeded"` runs the E4B recipe's flow: the unsharded model prefills on the host and
     each rank starts decoding from its slice of those K/V buffers (`prefill="graph"`: the rank
     graphs prefill).
+
+    Also callable as `run_tp_port(loaded_model, port_settings, prompt_ids, eos_ids)` (the port
+    pipeline's form): shapes come from the settings and the result is the pipeline's `device_run`
+    record (the pipeline runs the reference and the checks itself).
     """
+    if not isinstance(tp, int):
+        return _run_for_settings(loaded_model, tp, prompt_ids, max_new_tokens or ())
+    result, _ = _run_tp(loaded_model, tp, prompt_ids, max_new_tokens, context_length, prefill_len,
+                        baked_rank=baked_rank, include_buffers=include_buffers, check_reference=check_reference,
+                        reference_tokens=reference_tokens, eos_token_ids=eos_token_ids,
+                        start_method=start_method, ring=ring, prefill=prefill, timeout_s=timeout_s)
+    return result
+
+
+def _run_tp(loaded_model: Any, tp: int, prompt_ids: Any, max_new_tokens: int, context_length: int, prefill_len: int,
+            *, baked_rank: bool, include_buffers: bool, check_reference: bool,
+            reference_tokens: Sequence[int] | None, eos_token_ids: Sequence[int], start_method: str, ring: bool,
+            prefill: str, timeout_s: float) -> tuple[dict[str, Any], torch.Tensor]:
     variant = loaded_model.variant
     lm = loaded_model.lm
     config = lm.config
@@ -245,13 +266,15 @@ def run_tp_port(loaded_model: Any, tp: int, prompt_ids: Any, max_new_tokens: int
     shard_s = time.perf_counter() - t0
 
     job = RankJob(config, plan, shards, HostEmbedder.from_text_model(lm.model), prompt, max_new_tokens,
-                  context_length, prefill_len, ring, baked_rank, dtype)
+                  context_length, prefill_len, ring, baked_rank, dtype,
+                  eos_token_ids=tuple(int(t) for t in eos_token_ids))
     if prefill == "cpu-seeded":
         job.seed_logits, job.seed_kv = host_prefill(loaded_model, plan, prompt, context_length, prefill_len, ring)
     elif prefill != "graph":
         raise ValueError(f"unknown prefill {prefill!r}; choose 'graph' or 'cpu-seeded'")
     t1 = time.perf_counter()
     ranks = run_ranks(job, start_method=start_method, timeout_s=timeout_s)
+    ranks[0]["prefill_logits"] = torch.from_numpy(ranks[0]["prefill_logits"])
     ranks_s = time.perf_counter() - t1
     tokens = ranks[0]["tokens"]
 
@@ -290,4 +313,43 @@ def run_tp_port(loaded_model: Any, tp: int, prompt_ids: Any, max_new_tokens: int
         cap = getattr(config, "final_logit_softcapping", None)
         diff = (softcap(ranks[0]["prefill_logits"].float(), cap) - reference_logits).abs().max()
         result["prefill_logit_max_diff"] = float(diff)
-    return result
+    return result, ranks[0]["prefill_logits"]
+
+
+RECIPE = "cpu-gloo-tp"
+
+
+def _run_for_settings(loaded_model: Any, settings: Any, prompt_ids: Any, eos_token_ids: Sequence[int]) -> dict[str, Any]:
+    """`port.port()`'s TP branch: run the plan with the settings' shapes; return a `device_run` dict."""
+    prompt = _as_list(prompt_ids)
+    buckets = sorted(int(b) for b in settings.prefill_buckets)
+    bucket = next((b for b in buckets if b >= len(prompt)), None)
+    if bucket is None:
+        raise PromptTooLongError(len(prompt), 0, buckets[-1], limit="largest compiled prefill bucket")
+    out, prefill_logits = _run_tp(loaded_model, int(settings.tp_degree), prompt, int(settings.max_new_tokens),
+                                  int(settings.context_length), bucket, baked_rank=False, include_buffers=True,
+                                  check_reference=False, reference_tokens=None, eos_token_ids=eos_token_ids,
+                                  start_method="fork", ring=bool(settings.ring_kv), prefill="graph",
+                                  timeout_s=300.0)
+    from ..reference import reference_last_logits
+
+    cap = getattr(loaded_model.config, "final_logit_softcapping", None)
+    reference = reference_last_logits(loaded_model.lm, prompt)
+    timings = out["timings"]
+    return {
+        "tokens": out["tokens"],
+        "recipe": RECIPE,
+        "executed_as": out["executed_as"],
+        "compile_s": 0.0,
+        "prefill_ms": timings["rank0_prefill_s"] * 1000.0,
+        "decode_tok_s": timings["rank0_decode_tok_s"],
+        "prefill_logits_max_abs_diff": float((softcap(prefill_logits.float(), cap) - reference).abs().max()),
+        "ranks_agree": out["ranks_agree"],
+        "missing_keys": out["missing_keys"],
+        "tp_plan": out["plan"],
+        "shard_shapes": out["shard_shapes"],
+        "kv_shapes_per_rank": out["kv_shapes_per_rank"],
+        "tp_timings": timings,
+        "world": out["world"],
+        "prefill_bucket": bucket,
+    }

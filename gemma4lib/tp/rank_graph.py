@@ -63,11 +63,36 @@ class CpuParallelFactory:
         return SPMDRankParam(self.tp)
 
 
+class _Recording:
+    """Wraps a layer factory and remembers every module it made."""
+
+    def __init__(self, factory: Any):
+        self.factory, self.made = factory, []
+        self.tp, self.dtype = factory.tp, factory.dtype
+
+    def _keep(self, module: nn.Module) -> nn.Module:
+        self.made.append(module)
+        return module
+
+    def column(self, *args, **kwargs):
+        return self._keep(self.factory.column(*args, **kwargs))
+
+    def row(self, *args, **kwargs):
+        return self._keep(self.factory.row(*args, **kwargs))
+
+    def replicated(self, *args, **kwargs):
+        return self._keep(self.factory.replicated(*args, **kwargs))
+
+    def rank_module(self):
+        return self._keep(self.factory.rank_module())
+
+
 class RankGraph(DeviceGraph):
     """`DeviceGraph` for one rank of a `TPPlan`; same inputs and outputs, rank-local KV buffers."""
 
     def __init__(self, text_model: nn.Module, plan: TPPlan, shape: GraphShape, *, factory: Any,
                  inplace: bool = False, baked_rank: bool = False):
+        factory = _Recording(factory)
         hidden, vocab = plan.hidden, plan.vocab
         lm_head = (factory.column(hidden, vocab, gather=True) if plan.lm_head == COLUMN
                    else factory.replicated(hidden, vocab))
@@ -93,6 +118,9 @@ class RankGraph(DeviceGraph):
                 # init value (ones), as transformers' own init leaves it; the shard overwrites it
                 layer.layer_scalar = nn.Parameter(torch.ones(scalar.shape, dtype=factory.dtype), requires_grad=False)
         self.dtype = factory.dtype
+        # layers the factory made (at shard size, on the device the caller chose): `materialize`
+        # leaves them alone, e.g. on the meta device while NxD only needs shapes to shard.
+        self._factory_made: list[nn.Module] = factory.made
 
     def _shard_attention(self, layer: nn.Module, lp, factory) -> None:
         a = lp.attention
@@ -137,13 +165,19 @@ def lm_class_for(config: Any):
 
 
 def materialize(graph: nn.Module, config: Any, dtype: torch.dtype) -> None:
-    """Give every meta tensor left in the graph real (zero) storage; rebuild the rotary tables.
+    """Give every meta tensor of the skeleton real (zero) storage; rebuild the rotary tables.
 
     Everything that is not a rank-local layer (norms, router, PLE projections) comes from the meta
-    skeleton: zeros until a shard is loaded. Non-persistent buffers are not in any checkpoint, so
-    the rotary embedding is rebuilt from the config.
+    skeleton: zeros until a shard is loaded. Layers the factory made are left as they are.
+    Non-persistent buffers are not in any checkpoint, so the rotary embedding is rebuilt from the
+    config.
     """
+    skip = set()
+    for made in getattr(graph, "_factory_made", ()):
+        skip.update(id(m) for m in made.modules())
     for module in graph.modules():
+        if id(module) in skip:
+            continue
         for name, p in list(module._parameters.items()):
             if p is not None and p.is_meta:
                 kind = dtype if p.is_floating_point() else p.dtype

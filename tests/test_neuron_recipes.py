@@ -1,0 +1,277 @@
+"""The Neuron recipes where the Neuron SDK is absent: clean imports, documented errors, the
+environment fixes, the doctor, and the recipes' host side run on CPU over the exact modules a
+Neuron compiler would receive."""
+
+from __future__ import annotations
+
+import importlib
+import math
+import subprocess
+import sys
+import types
+
+import pytest
+import torch
+
+from gemma4lib.errors import EnvironmentMismatchError, NeuronSDKMissingError
+from gemma4lib.graph import GraphShape
+from gemma4lib.loading import build_tiny
+from gemma4lib.recipes import NEURON_ENTRY_POINTS, RECIPE_MODULES, neuron_env
+from gemma4lib.variants import get_variant
+
+SDK_MODULES = ("torch_neuronx", "neuronx_distributed", "libneuronxla", "torch_xla")
+
+
+def tiny(name):
+    v = get_variant(name)
+    return build_tiny(v, seed=v.tiny_seed)
+
+
+def prompt(name, n=20):
+    v = get_variant(name)
+    return torch.randint(3, 512, (n,), generator=torch.Generator().manual_seed(v.tiny_seed + 1)).tolist()
+
+
+def test_recipe_modules_import_without_the_sdk():
+    code = ("import sys, importlib\n"
+            f"for m in {sorted(RECIPE_MODULES.values()) + ['gemma4lib.recipes.neuron_env', 'gemma4lib.doctor']!r}:\n"
+            "    importlib.import_module(m)\n"
+            f"loaded = [m for m in {SDK_MODULES!r} if m in sys.modules]\n"
+            "assert not loaded, loaded\n"
+            "assert 'transformers.utils.fx' not in sys.modules\n"
+            "print('clean')\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and "clean" in out.stdout, out.stderr[-2000:]
+
+
+def _call(entry):
+    """Call an entry point with placeholder arguments: the SDK check must come before any use of them."""
+    placeholders = {
+        "compile_trace": lambda f: f(None, 64),
+        "load": lambda f: f("/nonexistent/model.pt"),
+        "compile_tp_alias": lambda f: f(None, "/nonexistent", context_length=64),
+        "load_tp_alias": lambda f: f("/nonexistent"),
+        "seed_device_kv": lambda f: f(None, "/nonexistent", []),
+        "compile_model_builder": lambda f: f(None, 8, "/nonexistent", context_length=64, prefill_len=32),
+        "load_model_builder": lambda f: f("/nonexistent", 8),
+        "NxDParallelFactory": lambda f: f(8),
+    }
+    return placeholders[entry.__name__](entry)
+
+
+@pytest.mark.parametrize("module,entry", [(m, e) for m, entries in NEURON_ENTRY_POINTS.items() for e in entries])
+def test_neuron_entry_points_raise_the_documented_error(module, entry):
+    if neuron_env.sdk_present():
+        pytest.skip("Neuron SDK installed")
+    fn = getattr(importlib.import_module(module), entry)
+    with pytest.raises(NeuronSDKMissingError) as info:
+        _call(fn)
+    message = str(info.value)
+    assert "Neuron SDK package" in message and "is not installed here" in message
+    assert any(dist in message for dist in neuron_env.SDK_PINS)
+    assert neuron_env.DLAMI_VENV in message and neuron_env.NEURON_PIP_INDEX in message
+    assert isinstance(info.value, ImportError)  # callers catching ImportError keep working
+
+
+def test_compile_graphs_neuron_raises_before_compiling():
+    from gemma4lib.recipes import compile_graphs_neuron
+
+    m = tiny("e2b")
+    settings = types.SimpleNamespace(tp_degree=1, cache_dir=None, context_length=64, ring_kv=False)
+    with pytest.raises(NeuronSDKMissingError, match="torch-neuronx"):
+        compile_graphs_neuron(m, {32: None}, None, settings)
+
+
+def test_installed_but_broken_sdk_is_a_mismatch_not_missing(monkeypatch):
+    monkeypatch.setattr(neuron_env, "metadata_version", lambda dist: "2.8.0.2.12.22436")
+    monkeypatch.setattr(neuron_env, "apply_path_fix", lambda *a, **k: {})
+    monkeypatch.setitem(sys.modules, "torch_neuronx", None)  # import fails although "installed"
+    with pytest.raises(EnvironmentMismatchError, match="installed but failed to import"):
+        neuron_env.require("torch_neuronx")
+
+
+# ---- versions and the doctor ---------------------------------------------------------------------
+
+def test_version_checks_against_the_pins(monkeypatch):
+    found = {"torch-neuronx": "2.9.0.2.12.22436", "neuronx-cc": "2.23.6484.0+0a1b2c3",
+             "neuronx-distributed": "0.16.0", "libneuronxla": None, "transformers": "5.23.0"}
+    monkeypatch.setattr(neuron_env, "metadata_version", found.get)
+    rows = {r["package"]: r for r in neuron_env.check_versions()}
+    assert rows["torch-neuronx"]["ok"] and rows["neuronx-cc"]["ok"] and rows["transformers"]["ok"]
+    assert not rows["neuronx-distributed"]["ok"] and not rows["libneuronxla"]["ok"]
+    assert rows["neuronx-distributed"]["pinned"] == ["0.17.26814"]
+
+
+def test_doctor_reports_the_sdk_missing():
+    from gemma4lib.doctor import format_doctor, run_doctor
+
+    if neuron_env.sdk_present():
+        pytest.skip("Neuron SDK installed")
+    report = run_doctor()
+    assert report["sdk_present"] is False and report["ok"] is False
+    assert any(r["package"] == "torch-neuronx" and r["found"] is None for r in report["versions"])
+    assert any("Neuron SDK not found" in w for w in report["warnings"])
+    text = format_doctor(report)
+    assert "torch-neuronx" in text and "missing" in text and "CPU profile only" in text
+
+
+def test_doctor_with_a_simulated_sdk(monkeypatch):
+    from gemma4lib import doctor
+
+    pins = {d: v[0] for d, v in neuron_env.SDK_PINS.items()} | {"transformers": neuron_env.TRANSFORMERS_PIN}
+    pins["neuronx-distributed"] = "0.16.0"
+    monkeypatch.setattr(neuron_env, "metadata_version", pins.get)
+    monkeypatch.setattr(doctor, "neuron_devices", lambda: {"dev_nodes": [], "devices": 6, "cores": 12,
+                                                           "neuron_ls": None, "source": "test"})
+    monkeypatch.setattr(doctor, "host_ram_bytes", lambda: 128 * 2**30)
+    report = doctor.run_doctor("31b", 8)
+    assert report["sdk_present"]
+    assert any("neuronx-distributed 0.16.0 is not the pinned 0.17.26814" in w for w in report["warnings"])
+    assert any("will likely be killed" in w and "inf2.24xlarge" in w for w in report["warnings"])
+    assert report["tp"] == {"degree": 8, "ok": True}
+    report = doctor.run_doctor("26b-a4b", 3)
+    assert not report["tp"]["ok"] and "use one of 1, 2, 4, 8" in report["tp"]["error"]
+
+
+def test_compile_peak_estimate_is_calibrated_to_the_field_report():
+    from gemma4lib.doctor import estimate_compile_peak_gb
+
+    est = estimate_compile_peak_gb("31b", 8)
+    assert abs(est["peak_gb"] - 182) / 182 < 0.05
+    assert est["smallest_instance_with_headroom"] == "inf2.24xlarge"
+    assert estimate_compile_peak_gb("e2b")["peak_gb"] > 16 * 2**30 / 1e9  # more than an inf2.xlarge holds
+
+
+# ---- the environment fixes -----------------------------------------------------------------------
+
+def test_fx_shim_installs_only_when_needed():
+    utils = types.ModuleType("transformers.utils")
+    namespace = {"transformers.utils": utils}
+    assert neuron_env.fx_shim_status(namespace) == "needed"
+    assert neuron_env.install_fx_shim(namespace) == "shim"
+    shim = namespace["transformers.utils.fx"]
+    assert utils.fx is shim and neuron_env.install_fx_shim(namespace) == "shim"  # idempotent
+
+    # the way neuronx_distributed uses it: class HFTracerWrapper(NxDTracer, HFTracer)
+    class NxDTracer(torch.fx.Tracer):
+        pass
+
+    class HFTracerWrapper(NxDTracer, shim.HFTracer):
+        def __init__(self, **config):
+            super().__init__(autowrap_modules=config["autowrap_modules"],
+                             autowrap_functions=config["autowrap_functions"])
+
+    graph = HFTracerWrapper(autowrap_modules=(math,), autowrap_functions=()).trace(torch.nn.Linear(2, 2))
+    assert [node.op for node in graph.nodes][0] == "placeholder" and "linear" in str(graph)
+
+    real = types.ModuleType("transformers.utils.fx")
+    real.HFTracer = object
+    namespace = {"transformers.utils": types.ModuleType("transformers.utils"), "transformers.utils.fx": real}
+    assert neuron_env.install_fx_shim(namespace) == "real"
+    assert namespace["transformers.utils.fx"] is real
+    assert neuron_env.install_fx_shim({}) == "no-transformers"
+
+
+def test_fx_shim_status_of_this_environment():
+    # transformers 5.23 has no transformers.utils.fx: the shim would be needed (and is not installed
+    # by merely importing the library)
+    assert neuron_env.fx_shim_status() in ("needed", "shim")
+
+
+def test_path_fix(tmp_path):
+    (tmp_path / "bin").mkdir()
+    env = {"PATH": "/usr/bin"}
+    result = neuron_env.apply_path_fix(env, prefix=str(tmp_path))
+    assert env["PATH"].split(":")[0] == str(tmp_path / "bin") and result["added"] == [str(tmp_path / "bin")]
+    assert neuron_env.apply_path_fix(env, prefix=str(tmp_path))["added"] == []  # only once
+
+
+def test_compiler_args_and_pins_are_single_sourced():
+    assert neuron_env.compiler_args("prefill")[-1] == "-O1" and neuron_env.compiler_args("decode")[-1] == "-O2"
+    assert "--enable-mixed-precision-accumulation" in neuron_env.compiler_args("decode")
+    assert neuron_env.SDK_PINS["neuronx-distributed"] == ("0.17.26814",)
+
+
+# ---- the recipes' host side on CPU ---------------------------------------------------------------
+
+@pytest.mark.parametrize("name", ["e2b", "e4b"])
+def test_trace_recipe_module_and_host_loop_on_cpu(name):
+    """The module that torch_neuronx.trace would get, driven with device aliasing emulated."""
+    from gemma4lib.recipes import neuron_trace
+    from gemma4lib.reference import reference_greedy
+
+    m = tiny(name)
+    module = neuron_trace.build_kv_module(m, 64)
+    aliases = module.aliases()
+    assert sorted(aliases.values()) == list(range(1, 1 + len(module.kv)))
+    assert all(isinstance(p, torch.nn.Parameter) and not p.requires_grad for p in aliases)
+    ids = prompt(name)
+    result = neuron_trace.cpu_check(m, ids, 16, 64)
+    assert result["prefill_mode"] == "decode-steps"
+    assert result["tokens"] == reference_greedy(m.lm, ids, 16)
+
+
+def test_host_runtime_over_device_steps():
+    """The glue `compile_graphs_neuron` puts between the runtime and a device module."""
+    from gemma4lib.recipes import neuron_trace
+    from gemma4lib.recipes.common import AliasEmulator, DeviceStep, StepwisePrefill
+    from gemma4lib.reference import reference_greedy
+    from gemma4lib.runtime import HostRuntime
+
+    m = tiny("e2b")
+    module = neuron_trace.build_kv_module(m, 64)
+    step = DeviceStep(AliasEmulator(module), module.num_inputs)
+    runtime = HostRuntime(m, {32: StepwisePrefill(step, module.num_inputs)}, step, [], 64)
+    ids = prompt("e2b")
+    assert runtime.generate(ids, 12).tokens == reference_greedy(m.lm, ids, 12)
+
+
+def test_model_builder_checkpoint_names_match_the_compiled_module():
+    """NxD matches checkpoint keys to the traced module's parameter names: check them on CPU."""
+    from gemma4lib.recipes import neuron_model_builder as mb
+    from gemma4lib.recipes.common import graph_example_inputs
+    from gemma4lib.tp import make_plan
+    from gemma4lib.tp.rank_graph import CpuParallelFactory
+
+    m = tiny("26b-a4b")
+    plan = make_plan(m.config, 8, m.variant)
+    checkpoint = mb.nxd_checkpoint(m, plan, torch.float32)
+    for key, shape in mb.bucket_shapes(64, 32).items():
+        module = mb.rank_module(m.config, plan, shape, torch.float32, factory=CpuParallelFactory(8))
+        names = {k for k in module.state_dict() if not k.startswith("kv.")}
+        assert names == set(checkpoint)
+        assert [tuple(t.shape) for t in module.example_inputs()] == \
+            [tuple(t.shape) for t in graph_example_inputs(m.config, shape, torch.float32)]
+        assert {f"kv.{i}" for i in range(len(module.kv))} == set(module.state_dict()) - names
+    assert checkpoint["graph.spmd_rank.rank"].tolist() == list(range(8))
+    assert any(k.endswith("layer_scalar") for k in checkpoint)
+
+
+def test_tp_alias_shards_roundtrip_through_safetensors(tmp_path):
+    from safetensors.torch import load_file
+
+    from gemma4lib.recipes import neuron_tp_alias
+    from gemma4lib.tp import build_rank_graph, load_shard, make_plan
+
+    m = tiny("e4b")
+    plan = make_plan(m.config, 2, m.variant)
+    paths = neuron_tp_alias.save_rank_shards(m, plan, tmp_path)
+    assert [p.name for p in paths] == ["tp0.safetensors", "tp1.safetensors"]
+    graph = build_rank_graph(m.config, plan, GraphShape(1, 1, 64))
+    assert load_shard(graph, load_file(str(paths[1]))) == []
+    assert graph.spmd_rank.rank.tolist() == [1]
+
+
+def test_neuron_cache_key_tracks_what_changes_the_artifact():
+    from gemma4lib.recipes import neuron_cache_key
+
+    m = tiny("12b")
+    shapes = {"decode": GraphShape(1, 1, 64), "prefill": GraphShape(1, 32, 64)}
+    key, parts = neuron_cache_key(m, "model_builder", 2, shapes, neuron_env.COMPILER_ARGS, torch.bfloat16)
+    assert key == neuron_cache_key(m, "model_builder", 2, shapes, neuron_env.COMPILER_ARGS, torch.bfloat16)[0]
+    assert key != neuron_cache_key(m, "model_builder", 4, shapes, neuron_env.COMPILER_ARGS, torch.bfloat16)[0]
+    other_shapes = {**shapes, "prefill": GraphShape(1, 64, 64)}
+    assert key != neuron_cache_key(m, "model_builder", 2, other_shapes, neuron_env.COMPILER_ARGS, torch.bfloat16)[0]
+    args = {**neuron_env.COMPILER_ARGS, "decode": "-O1"}
+    assert key != neuron_cache_key(m, "model_builder", 2, shapes, args, torch.bfloat16)[0]
+    assert set(parts["sdk"]) >= set(neuron_env.SDK_PINS)

@@ -1,0 +1,225 @@
+"""Tensor parallelism on CPU: every sharded plan against the unsharded model, token for token.
+
+The ranks run as real processes joined by gloo (one thread each). 8 ranks on 2 shared cores are
+bound by collective latency, so the TP=8 runs take 10-20 s each; everything else is fast.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gemma4lib.errors import TensorParallelError
+from gemma4lib.graph import DeviceGraph, GraphShape
+from gemma4lib.loading import build_tiny, text_config
+from gemma4lib.tp import (build_rank_graph, load_shard, make_plan, nxd_full_checkpoint, run_tp_port,
+                          shard_shapes, shard_state_dict, valid_tp_degrees)
+from gemma4lib.tp.plan import COLUMN, REPLICATE, ROW
+from gemma4lib.tp.shard import shard_kv
+from gemma4lib.variants import get_variant
+
+NEW_TOKENS = 16
+PROMPT_TOKENS = 20  # longer than the tiny sliding window (8)
+PREFILL_LEN = 24
+CONTEXT = 64
+CASES = [("e4b", 2), ("12b", 2), ("31b", 8), ("26b-a4b", 8)]
+
+_models: dict[str, object] = {}
+
+
+def tiny(name: str):
+    if name not in _models:
+        v = get_variant(name)
+        _models[name] = build_tiny(v, seed=v.tiny_seed)
+    return _models[name]
+
+
+def prompt(name: str) -> list[int]:
+    v = get_variant(name)
+    g = torch.Generator().manual_seed(v.tiny_seed + 1)
+    return torch.randint(3, tiny(name).config.vocab_size, (PROMPT_TOKENS,), generator=g).tolist()
+
+
+def run(name: str, tp: int, **kwargs):
+    return run_tp_port(tiny(name), tp, prompt(name), NEW_TOKENS, CONTEXT, PREFILL_LEN, **kwargs)
+
+
+# ---- the sharded runs --------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name,tp", CASES)
+def test_sharded_equals_unsharded(name, tp):
+    result = run(name, tp)
+    assert len(set(result["reference_tokens"])) > 4, "reference degenerate: the comparison would prove little"
+    assert result["seq_match"], (result["tokens"], result["reference_tokens"])
+    assert result["ranks_agree"]
+    assert result["prefill_logit_max_diff"] < 1e-2
+    assert result["missing_keys"] == []
+    assert result["recipe"] == get_variant(name).recipe
+    shapes = result["shard_shapes"]
+    assert shapes["tp"] == tp and shapes["identical_shapes_across_ranks"]
+    assert [r["rank_tensor"] for r in shapes["ranks"]] == [[r] for r in range(tp)]
+    assert all(r["has_layer_scalar"] for r in shapes["ranks"])
+
+
+def test_shard_shapes_per_rank():
+    """What each rank gets, per variant: the hard cases are KV heads < TP and experts split."""
+    # 31B tiny at TP=8: 16 Q heads -> 2 per rank; sliding 8 KV heads -> 1 each (sharded);
+    # full 2 KV heads < 8 -> replicated: ranks 0-3 read head 0, ranks 4-7 head 1.
+    m = tiny("31b")
+    plan = make_plan(m.config, 8, m.variant)
+    s = shard_shapes(plan, lm=m.lm)
+    assert s["kv_modes"] == {"sliding_attention": "shard", "full_attention": "replicate"}
+    assert [r["kv_heads"]["full_attention"] for r in s["ranks"]] == [[0]] * 4 + [[1]] * 4
+    assert [r["kv_heads"]["sliding_attention"] for r in s["ranks"]] == [[r] for r in range(8)]
+    hd, ghd, hidden = 8, 16, 64
+    assert s["shapes"]["layers[sliding_attention].self_attn.q_proj.weight"] == [2 * hd, hidden]
+    assert s["shapes"]["layers[sliding_attention].self_attn.k_proj.weight"] == [hd, hidden]
+    assert s["shapes"]["layers[full_attention].self_attn.k_proj.weight"] == [ghd, hidden]
+    assert "layers[full_attention].self_attn.v_proj.weight" not in s["shapes"]  # k_eq_v
+    assert s["shapes"]["layers[full_attention].self_attn.o_proj.weight"] == [hidden, 2 * ghd]
+    assert s["shapes"]["layers[sliding_attention].mlp.down_proj.weight"] == [hidden, 128 // 8]
+    assert s["shapes"]["lm_head.weight"] == [512 // 8, hidden]
+    assert s["shapes"]["spmd_rank.rank"] == [1]
+    # 26B-A4B tiny at TP=8: 16 experts -> 2 per rank, as two parallel linears
+    m = tiny("26b-a4b")
+    plan = make_plan(m.config, 8, m.variant)
+    s = shard_shapes(plan, lm=m.lm)
+    assert [r["experts"] for r in s["ranks"]] == [[2 * r, 2 * r + 1] for r in range(8)]
+    assert s["shapes"]["layers[sliding_attention].experts.gate_up.weight"] == [2 * 2 * 32, hidden]
+    assert s["shapes"]["layers[sliding_attention].experts.down.weight"] == [hidden, 2 * 32]
+    # 12B tiny at TP=2: one global KV head, replicated on both ranks; E4B: 2 KV heads, 1 per rank
+    m = tiny("12b")
+    s = shard_shapes(make_plan(m.config, 2, m.variant), lm=m.lm)
+    assert [r["kv_heads"]["full_attention"] for r in s["ranks"]] == [[0], [0]]
+    m = tiny("e4b")
+    s = shard_shapes(make_plan(m.config, 2, m.variant), lm=m.lm)
+    assert s["kv_modes"]["sliding_attention"] == "shard"
+    assert [r["kv_heads"]["sliding_attention"] for r in s["ranks"]] == [[0], [1]]
+    assert "layers[sliding_attention (kv-shared)].self_attn.q_proj.weight" in s["shapes"]
+    assert "layers[sliding_attention (kv-shared)].self_attn.k_proj.weight" not in s["shapes"]
+
+
+@pytest.mark.parametrize("name,tp", CASES)
+def test_shards_fit_the_rank_graph_exactly(name, tp):
+    """Every key and shape of a shard is what the (config-built) rank graph expects, and back."""
+    m = tiny(name)
+    plan = make_plan(m.config, tp, m.variant)
+    graph = build_rank_graph(m.config, plan, GraphShape(1, 1, CONTEXT))
+    expected = {k: tuple(v.shape) for k, v in graph.state_dict().items()}
+    for rank in (0, tp - 1):
+        shard = shard_state_dict(m.lm, plan, rank)
+        assert {k: tuple(v.shape) for k, v in shard.items()} == expected
+        assert shard["spmd_rank.rank"].dtype == torch.int32 and shard["spmd_rank.rank"].tolist() == [rank]
+
+
+def test_rank_graph_at_tp1_is_the_device_graph():
+    m = tiny("26b-a4b")
+    plan = make_plan(m.config, 1, m.variant)
+    shape = GraphShape(1, PREFILL_LEN, CONTEXT)
+    graph = build_rank_graph(m.config, plan, shape)
+    assert load_shard(graph, shard_state_dict(m.lm, plan, 0)) == []
+    ref = DeviceGraph(m.text_model, m.lm_head, m.layout, shape, inplace=False)
+    inputs = list(ref.example_inputs())
+    inputs[0] = torch.randn(inputs[0].shape, generator=torch.Generator().manual_seed(0))
+    inputs[2] = torch.tensor([PROMPT_TOKENS])
+    with torch.no_grad():
+        a, b = ref(*inputs), graph(*inputs)
+    assert torch.allclose(a[0], b[0], atol=1e-4)
+
+
+def test_nxd_checkpoint_splits_back_into_our_shards():
+    """ModelBuilder's contiguous split of the full checkpoint must give exactly our shards."""
+    m = tiny("31b")
+    plan = make_plan(m.config, 8, m.variant)
+    full = nxd_full_checkpoint(m.lm, plan)
+    assert full["spmd_rank.rank"].tolist() == list(range(8))
+    for rank in (0, 5):
+        shard = shard_state_dict(m.lm, plan, rank)
+        for key, value in shard.items():
+            rule = plan.rule(key)
+            if rule.kind == REPLICATE:
+                piece = full[key]
+            else:
+                assert rule.kind in (COLUMN, ROW, "rank")
+                piece = full[key].chunk(8, dim=rule.dim)[rank]
+            assert torch.equal(piece, value), key
+
+
+# ---- the field report's faults -----------------------------------------------------------------
+
+def test_baked_rank_bug_is_reproduced_and_flagged():
+    """The MoE reading the rank as a trace-time int: rank 1 weights rank 0's experts."""
+    real = run("26b-a4b", 2)
+    baked = run("26b-a4b", 2, baked_rank=True)
+    assert real["seq_match"] and real["prefill_logit_max_diff"] < 1e-2
+    assert not baked["seq_match"]
+    assert baked["prefill_logit_max_diff"] > 0.1
+    assert baked["ranks_agree"]  # the ranks agree with each other: only the reference check sees it
+
+
+def test_baked_rank_is_a_python_int_and_the_real_rank_is_data():
+    m = tiny("26b-a4b")
+    plan = make_plan(m.config, 2, m.variant)
+    shape = GraphShape(1, 1, CONTEXT)
+    baked = build_rank_graph(m.config, plan, shape, baked_rank=True)
+    real = build_rank_graph(m.config, plan, shape)
+    for graph in (baked, real):
+        load_shard(graph, shard_state_dict(m.lm, plan, 1))
+        assert graph.spmd_rank.rank.tolist() == [1]
+    assert baked.baked_rank == 0 and all(e.baked_rank == 0 for e in baked._rank_users)
+    assert real.baked_rank is None and all(e.baked_rank is None for e in real._rank_users)
+    assert isinstance(real.spmd_rank.rank, torch.nn.Parameter)
+
+
+def test_layer_scalar_missing_from_shards_is_detected():
+    result = run("12b", 2, include_buffers=False)
+    assert any(k.endswith("layer_scalar") for k in result["missing_keys"])
+    assert not any(r["has_layer_scalar"] for r in result["shard_shapes"]["ranks"])
+    assert not result["seq_match"]
+    assert result["prefill_logit_max_diff"] > 0.1
+
+
+# ---- the E4B recipe's data path ------------------------------------------------------------------
+
+def test_cpu_seeded_prefill_then_sharded_decode():
+    result = run("e4b", 2, prefill="cpu-seeded")
+    assert result["prefill"] == "cpu-seeded"
+    assert result["seq_match"] and result["ranks_agree"]
+
+
+def test_shard_kv_picks_the_rank_heads():
+    m = tiny("31b")
+    plan = make_plan(m.config, 8, m.variant)
+    kv = DeviceGraph(m.text_model, m.lm_head, m.layout, GraphShape(1, 1, CONTEXT)).new_kv()
+    kv = [torch.arange(t.numel(), dtype=t.dtype).view(t.shape) for t in kv]
+    rank5 = shard_kv(kv, plan, 5)
+    full = m.layout.producers.index(next(l for l in m.layout.producers if l.layer_type == "full_attention"))
+    assert torch.equal(rank5[2 * full], kv[2 * full][:, 1:2])  # full layers: KV head 5 // 4 = 1
+    assert torch.equal(rank5[0], kv[0][:, 5:6])  # sliding: head 5
+
+
+# ---- plans -----------------------------------------------------------------------------------
+
+def test_invalid_tp_names_the_degrees_that_work():
+    v = get_variant("26b-a4b")
+    with pytest.raises(TensorParallelError, match=r"26b-a4b cannot use TP=3: .*use one of 1, 2, 4, 8$"):
+        make_plan(text_config(v, "real"), 3, v)
+    v = get_variant("e4b")
+    with pytest.raises(TensorParallelError, match=r"e4b cannot use TP=4: .*use one of 1, 2$"):
+        make_plan(tiny("e4b").config, 4, v)
+    with pytest.raises(TensorParallelError):
+        run_tp_port(tiny("e4b"), 1, prompt("e4b"), 4, CONTEXT, PREFILL_LEN)
+
+
+def test_real_configs_plan_at_their_recipe_tp():
+    for name in ("e2b", "e4b", "12b", "31b", "26b-a4b"):
+        v = get_variant(name)
+        config = text_config(v, "real")
+        plan = make_plan(config, v.tp_degree, v)
+        assert v.tp_degree in valid_tp_degrees(config)
+        if name == "31b":  # 4 global KV heads at TP=8: replicated
+            assert plan.kv_modes() == {"sliding_attention": "shard", "full_attention": "replicate"}
+            assert plan.describe()["attention"]["full_attention"]["kv_heads_by_rank"] == [[0], [0], [1], [1],
+                                                                                         [2], [2], [3], [3]]
+        if name == "26b-a4b":
+            assert plan.describe()["moe"]["experts_per_rank"] == 16
