@@ -75,7 +75,8 @@ def cmd_port(args: argparse.Namespace) -> int:
     _threads(args.threads)
     result = port(_settings(args), progress=not args.json)
     _print(result, args.json)
-    return 0 if result["seq_match"] and result["coherent"] is not False else 1
+    clean = result["seq_match"] and result["coherent"] is not False and not result.get("xla_fallbacks")
+    return 0 if clean else 1
 
 
 def cmd_faults(args: argparse.Namespace) -> int:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -146,6 +147,7 @@ class CompiledGraphs:
     cache_hits: list[bool]
     recipe: str
     info: dict[str, Any] = field(default_factory=dict)
+    report: Callable[[], dict[str, Any]] | None = None  # backend figures gathered after the run
 
 
 def compile_graphs(model: LoadedModel, prefill: dict[int, DeviceGraph], decode: DeviceGraph,
@@ -213,6 +215,7 @@ def port(settings: PortSettings, progress: bool = False) -> dict[str, Any]:
         "prefill_ms": figures.prefill_ms,
         "decode_tok_s": figures.decode_tok_s,
         **compiled.info,
+        **(compiled.report() if compiled.report else {}),
     }
     return _finish(settings, model, ids, eos, device_run, started)
 

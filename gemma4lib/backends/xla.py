@@ -26,12 +26,23 @@ API (what ``port --backend xla`` builds on)::
   the position is graph data, never a constant), runs the graph, rebinds each K/V tensor passed in
   to its updated value (``kv[i].copy_(new)``: on XLA an IR rebinding, not a data copy), and
   materialises logits and K/V with one ``torch_xla.sync()`` (2.9's replacement for
-  ``xm.mark_step()``). It returns the logits, an XLA tensor already computed: ``.cpu()`` is a
-  transfer, no new graph.
-- Per graph it counts XLA compilations (the ``CompileTime`` metric), executions (the ``ExecuteComputation`` counter;
-  one per step, or something in the graph forced a materialisation), distinct graph hashes, and the
-  ``aten::`` CPU-fallback counters (a fallback is a graph break on inf2). The HLO text of each
-  distinct graph is written to ``hlo_dir`` as ``<graph>.<n>.hlo.txt`` with its op counts.
+  ``xm.mark_step()``), then waits for it (``xm.wait_device_ops()``: execution is asynchronous and
+  the counters below must be exact). It returns the logits, an XLA tensor already computed:
+  ``.cpu()`` is a transfer, no new graph.
+- Call `use_fast_cpu_compile()` before the first device use to turn XLA:CPU's own backend
+  optimisation off (about half the compile time; the HLO handed over and the tokens are the same).
+- Per graph it counts XLA compilations (the ``CompileTime`` metric), executions (the
+  ``ExecuteComputation`` counter; one per step, or something in the graph forced a
+  materialisation), distinct graph hashes, and the ``aten::`` CPU-fallback counters (a fallback
+  is a graph break on inf2). The HLO text of each distinct graph is written to ``hlo_dir`` as
+  ``<graph>.<n>.hlo.txt``, with its op counts.
+  torch_xla caches compiled graphs per process by graph hash: a second session over identical
+  graphs in the same process reports 0 compilations; the distinct-hash count is the same.
+- Tensor parallelism: torch_xla 2.9's multi-device CPU client (``CPU_NUM_DEVICES=N``) runs GSPMD
+  (``xr.use_spmd()`` + ``xs.mark_sharding`` on the session's device weights and K/V) but not
+  per-rank explicit collectives (``torch_xla.launch`` + ``xm.all_reduce`` aborts in XLA:CPU's
+  rendezvous: each device thread compiles its own HloModule and a channel-less all-reduce is keyed
+  by the module's unique id, so the ranks never meet).
 
 ``report()`` returns::
 
@@ -249,3 +260,31 @@ class XLASession:
             "hlo_files": list(self.hlo_files),
             "hlo_op_counts": dict(self.op_counts),
         }
+
+
+def compile_graphs_xla(model: Any, prefill: Mapping[int, nn.Module], decode: nn.Module, settings: Any):
+    """`port --backend xla`: the port's graphs, rebuilt in functional form, on the XLA device.
+
+    Returns the port's `CompiledGraphs`; its `report()` adds the lane's figures (fallbacks,
+    compilations per graph, HLO files) to the result record once generation and benchmark ran.
+    """
+    from ..artifacts import ArtifactCache
+    from ..port import CompiledGraphs, build_graphs
+    from ..runtime import HostRuntime
+
+    functional_prefill, functional_decode = build_graphs(model, settings, inplace=False)
+    graphs = {f"prefill_{bucket}": graph for bucket, graph in functional_prefill.items()}
+    graphs["decode"] = functional_decode
+    use_fast_cpu_compile()
+    hlo_dir = ArtifactCache(settings.cache_dir).root / "xla-hlo" / model.variant.name
+    session = XLASession(graphs, hlo_dir=hlo_dir)
+
+    def on_host(step):
+        def run(*args: torch.Tensor) -> torch.Tensor:
+            return step(*args).cpu()
+        return run
+
+    runtime = HostRuntime(model, {b: on_host(session.step(f"prefill_{b}")) for b in functional_prefill},
+                          on_host(session.step("decode")), session.new_kv("decode"), settings.context_length)
+    # XLA compiles lazily, on the first step of each graph: its time shows in the first prefill/decode.
+    return CompiledGraphs(runtime, 0.0, [], "torch-xla", report=session.report)
