@@ -104,7 +104,8 @@ class ArtifactCache:
         path = self.entry_dir(key)
         meta_file = path / META
         if not meta_file.is_file():
-            raise ArtifactError(f"no complete cache entry at {path}")
+            raise ArtifactError(f"no complete cache entry at {path} (never built, or its build was interrupted); "
+                                f"get_or_build compiles it again")
         try:
             meta = json.loads(meta_file.read_text())
         except json.JSONDecodeError as exc:
@@ -137,6 +138,9 @@ class ArtifactCache:
                 except ArtifactError as exc:
                     log.warning("discarding cache entry %s: %s; rebuilding", path.name, exc)
                     shutil.rmtree(path, ignore_errors=True)
+            for stale in self.root.glob(f".building-{key[:12]}-*"):  # left by a builder killed outright
+                log.info("removing %s, left by an interrupted build", stale.name)
+                shutil.rmtree(stale, ignore_errors=True)
             tmp = Path(tempfile.mkdtemp(dir=self.root, prefix=f".building-{key[:12]}-"))
             try:
                 started = time.perf_counter()

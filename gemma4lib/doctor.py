@@ -67,6 +67,34 @@ def estimate_compile_peak_gb(variant: Any, tp: int | None = None, bytes_per_para
             "calibration": SEED_MEASURED}
 
 
+def compile_ram_warning(estimate: dict[str, Any], ram: int) -> str | None:
+    """The warning for an `estimate_compile_peak_gb` result on a host with `ram` bytes (None if it fits)."""
+    peak = estimate["peak_gb"] * GB
+    if ram < peak:
+        return (f"compile of {estimate['variant']} will likely be killed: estimated peak {estimate['peak_gb']} GB "
+                f"host RAM > {ram / GB:.0f} GB here; compile on "
+                f"{estimate['smallest_instance_with_headroom'] or 'a larger host'} or add swap")
+    if ram < 1.2 * peak:
+        return (f"tight: estimated compile peak {estimate['peak_gb']} GB is within 20 % of the "
+                f"{ram / GB:.0f} GB host RAM; close other processes first")
+    return None
+
+
+def warn_low_host_ram(variant: Any, tp: int | None = None) -> str | None:
+    """Before a compile: warn (`LowHostMemoryWarning`, and the log) when this host's RAM is below or near
+    the estimated compile peak of `variant`; returns the warning text (None when it fits)."""
+    import logging
+    import warnings
+
+    from .errors import LowHostMemoryWarning
+
+    message = compile_ram_warning(estimate_compile_peak_gb(variant, tp), host_ram_bytes())
+    if message:
+        logging.getLogger(__name__).warning(message)
+        warnings.warn(message, LowHostMemoryWarning, stacklevel=2)
+    return message
+
+
 def host_ram_bytes() -> int:
     try:
         import psutil
@@ -175,15 +203,9 @@ def run_doctor(variant: str | None = None, tp: int | None = None) -> dict[str, A
             warnings.append(str(exc))
         if devices["cores"] and tp > devices["cores"]:
             warnings.append(f"TP={tp} needs {tp} NeuronCores; this host has {devices['cores']}")
-        peak = estimate["peak_gb"] * GB
-        if ram < peak:
-            warnings.append(
-                f"compile of {v.name} will likely be killed: estimated peak {estimate['peak_gb']} GB host RAM "
-                f"> {ram / GB:.0f} GB here; compile on "
-                f"{estimate['smallest_instance_with_headroom'] or 'a larger host'} or add swap")
-        elif ram < 1.2 * peak:
-            warnings.append(f"tight: estimated compile peak {estimate['peak_gb']} GB is within 20 % of the "
-                            f"{ram / GB:.0f} GB host RAM; close other processes first")
+        ram_warning = compile_ram_warning(estimate, ram)
+        if ram_warning:
+            warnings.append(ram_warning)
     report["warnings"] = warnings
     report["ok"] = sdk and not warnings
     return report

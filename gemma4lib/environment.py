@@ -22,6 +22,27 @@ def package_version(name: str) -> str | None:
         return None
 
 
+def check_transformers() -> str:
+    """Raise `EnvironmentMismatchError` when transformers is missing or older than `TRANSFORMERS_PIN`
+    (older releases lack Gemma-4's per-layer config and fail with an ImportError or silently wrong
+    shapes). Called by `loading` before it touches a Gemma-4 class. Returns the version found."""
+    from packaging.version import InvalidVersion, Version
+
+    from .errors import EnvironmentMismatchError
+
+    found = package_version("transformers")
+    fix = f"`pip install transformers=={TRANSFORMERS_PIN}` (the one version this cookbook pins, CPU and inf2 alike)"
+    if found is None:
+        raise EnvironmentMismatchError(f"transformers is not installed; {fix}")
+    try:
+        too_old = Version(found) < Version(TRANSFORMERS_PIN)
+    except InvalidVersion:
+        too_old = False
+    if too_old:
+        raise EnvironmentMismatchError(f"transformers {found} is older than the pinned {TRANSFORMERS_PIN}; {fix}")
+    return found
+
+
 @functools.lru_cache(maxsize=1)
 def git_sha() -> str | None:
     root = Path(__file__).resolve().parent.parent

@@ -26,12 +26,14 @@ class PromptTooLongError(Gemma4LibError, ValueError):
 
     def __init__(self, prompt_tokens: int, max_new_tokens: int, context_length: int,
                  limit: str = "compiled context length"):
-        super().__init__(
-            f"prompt ({prompt_tokens} tokens) + max_new_tokens ({max_new_tokens}) = "
-            f"{prompt_tokens + max_new_tokens} exceeds the {limit} {context_length}; "
-            f"shorten the prompt, lower max_new_tokens, or recompile with a larger "
-            f"{'context_length' if limit.startswith('compiled context') else 'prefill bucket'}"
-        )
+        if limit.startswith("compiled context"):
+            message = (f"prompt ({prompt_tokens} tokens) + max_new_tokens ({max_new_tokens}) = "
+                       f"{prompt_tokens + max_new_tokens} exceeds the {limit} {context_length}; "
+                       f"shorten the prompt, lower max_new_tokens, or recompile with a larger context_length")
+        else:  # a prefill bucket: only the prompt has to fit
+            message = (f"prompt ({prompt_tokens} tokens) exceeds the {limit} {context_length}; shorten the "
+                       f"prompt or recompile with a larger prefill bucket (prefill_buckets)")
+        super().__init__(message)
         self.prompt_tokens, self.max_new_tokens, self.context_length = (
             prompt_tokens, max_new_tokens, context_length)
 
@@ -60,6 +62,10 @@ class NotGemma4Error(CheckpointError):
     pass
 
 
+class VariantMismatchError(CheckpointError):
+    """A Gemma-4 config whose features (PLE, KV sharing, k_eq_v, MoE) are not the chosen variant's."""
+
+
 class EnvironmentMismatchError(Gemma4LibError, RuntimeError):
     """A package is missing or at a version other than the one this cookbook pins."""
 
@@ -74,3 +80,7 @@ class ArtifactError(Gemma4LibError, RuntimeError):
 
 class BaselineError(Gemma4LibError, ValueError):
     pass
+
+
+class LowHostMemoryWarning(UserWarning):
+    """Host RAM is below the estimated peak of the compile about to start (it may be killed)."""

@@ -168,13 +168,14 @@ class DeviceGraph(nn.Module):
         self.model = model
         self.lm_head = lm_head
         self.layout, self.shape, self.inplace, self.expert_form = layout, shape, inplace, expert_form
+        self.tags: dict[str, str] = {}  # anything else that changes the program (e.g. a fault-lab fault)
         self.has_ple = bool(getattr(text_model.config, "hidden_size_per_layer_input", 0))
         self.dtype = lm_head.weight.dtype
 
     def key_parts(self) -> dict:
         """What distinguishes this graph's program beyond config, weights and shapes (cache key)."""
         return {"class": type(self).__qualname__, "inplace": self.inplace, "expert_form": self.expert_form,
-                "producers": [layer.producer for layer in self.layout.layers]}
+                "producers": [layer.producer for layer in self.layout.layers], **self.tags}
 
     def example_inputs(self) -> tuple[torch.Tensor, ...]:
         """Zero inputs of the compiled shapes; every tensor distinct (aliased examples mislead export)."""

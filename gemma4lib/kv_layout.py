@@ -43,7 +43,8 @@ class KVLayout:
         k_eq_v = bool(getattr(config, "attention_k_eq_v", False))
         layers = []
         for i in range(n):
-            per_layer = config.per_layer_config[i]
+            # Gemma-4 configs are per-layer heterogeneous; Gemma 3's are flat (one head_dim, one KV count).
+            per_layer = config.per_layer_config[i] if hasattr(config, "per_layer_config") else config
             if modes[i] == "reuse":
                 # The last non-shared layer of the same attention type produces this layer's K/V.
                 producer = max(j for j in range(first_shared) if types[j] == types[i])

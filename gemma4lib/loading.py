@@ -17,9 +17,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from .errors import CheckpointError, GatedCheckpointError, NotGemma4Error
+from .environment import check_transformers
+from .errors import CheckpointError, GatedCheckpointError, NotGemma4Error, VariantMismatchError
 from .kv_layout import KVLayout
-from .variants import Variant, config_kwargs
+from .variants import VARIANTS, Variant, config_kwargs
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +55,7 @@ class LoadedModel:
 
 
 def _text_classes(variant: Variant):
+    check_transformers()
     if variant.unified:
         from transformers.models.gemma4_unified import Gemma4UnifiedForCausalLM, Gemma4UnifiedTextConfig
         return Gemma4UnifiedTextConfig, Gemma4UnifiedForCausalLM
@@ -100,7 +102,13 @@ def check_checkpoint_folder(path: Path) -> dict[str, Any]:
     if not config_file.is_file():
         raise CheckpointError(f"{path} has no config.json; point checkpoint at the folder that holds "
                               f"config.json, the *.safetensors weights and the tokenizer files")
-    config = json.loads(config_file.read_text())
+    try:
+        config = json.loads(config_file.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CheckpointError(f"{config_file} is not valid JSON ({exc}); the download was probably cut short: "
+                              f"download the checkpoint again") from None
+    if not isinstance(config, dict):
+        raise CheckpointError(f"{config_file} is not a JSON object; download the checkpoint again")
     model_type = config.get("model_type")
     if model_type not in GEMMA4_MODEL_TYPES:
         raise NotGemma4Error(f"{path} holds a {model_type!r} model, not Gemma-4 "
@@ -111,6 +119,57 @@ def check_checkpoint_folder(path: Path) -> dict[str, Any]:
     return config
 
 
+# Architectural features a notebook's recipe depends on: (label, config field).
+FEATURES = (("per-layer embeddings (PLE)", "hidden_size_per_layer_input"),
+            ("KV sharing", "num_kv_shared_layers"),
+            ("attention_k_eq_v", "attention_k_eq_v"),
+            ("MoE block", "enable_moe_block"))
+UNIFIED = "the unified class (gemma4_unified)"
+
+
+def _text_fields(config: Any) -> tuple[str | None, Any]:
+    """(model_type, text config) of a config object or config.json dict, multimodal or text-only."""
+    get = (lambda c, k: c.get(k)) if isinstance(config, dict) else (lambda c, k: getattr(c, k, None))
+    text = get(config, "text_config") or config
+    return get(config, "model_type"), (lambda k: get(text, k))
+
+
+def config_features(config: Any) -> dict[str, bool]:
+    """Which of `FEATURES` a config (object or config.json dict) has, plus whether it is the unified class."""
+    model_type, get = _text_fields(config)
+    out = {label: bool(get(name)) for label, name in FEATURES}
+    out[UNIFIED] = "unified" in str(model_type or "")
+    return out
+
+
+def variant_features(variant: Variant) -> dict[str, bool]:
+    out = {label: bool(variant.real_config.get(name)) for label, name in FEATURES}
+    out[UNIFIED] = variant.unified
+    return out
+
+
+def check_config_matches_variant(config: Any, variant: Variant, source: str = "the checkpoint") -> None:
+    """Raise `VariantMismatchError` when a Gemma-4 config lacks a feature the variant's notebook and
+    recipe rely on, or has one they don't handle (e.g. an E2B checkpoint loaded as the 31B)."""
+    found, wanted = config_features(config), variant_features(variant)
+    diffs = [f"{label} {'present' if found[label] else 'absent'}, but the {variant.name} "
+             f"{'has it' if wanted[label] else 'has none'}" for label in wanted if found[label] != wanted[label]]
+    if not diffs:
+        return
+    _, get = _text_fields(config)
+    same = [v.name for v in VARIANTS.values() if variant_features(v) == found]
+    sized = [n for n in same if VARIANTS[n].real_config.get("hidden_size") == get("hidden_size")]
+    guess = sized or same
+    hint = (f"it looks like {' or '.join(guess)}: use variant={guess[0]!r} (its notebook) for it, or "
+            if guess else "")
+    raise VariantMismatchError(f"{source} is not a checkpoint of variant {variant.name!r}: {'; '.join(diffs)}; {hint}"
+                               f"point checkpoint at the {variant.name} weights ({variant.hf_id})")
+
+
+def _looks_like_path(checkpoint: str) -> bool:
+    return checkpoint.startswith(("/", ".", "~")) or checkpoint.count("/") != 1
+
+
 def load_checkpoint(variant: Variant, checkpoint: str, dtype: torch.dtype = torch.bfloat16,
                     with_tokenizer: bool = True) -> LoadedModel:
     """Load a real checkpoint (hub id or folder) and keep only the text decoder.
@@ -118,12 +177,16 @@ def load_checkpoint(variant: Variant, checkpoint: str, dtype: torch.dtype = torc
     The released checkpoints are multimodal `*ForConditionalGeneration`; their text decoder lives at
     `model.language_model` with the tied LM head. The token comes from `HF_TOKEN` only.
     """
+    check_transformers()
     from transformers import AutoConfig, AutoModelForImageTextToText, AutoTokenizer
 
     path = Path(checkpoint).expanduser()
     local = path.exists()
     if local:
         check_checkpoint_folder(path)
+    elif _looks_like_path(str(checkpoint)):
+        raise CheckpointError(f"{checkpoint!r} is neither an existing folder nor a hub id (owner/name); "
+                              f"check the path, or use a hub id such as {variant.hf_id!r}")
     token = None if local else hf_token()
     try:
         config = AutoConfig.from_pretrained(str(path) if local else checkpoint, token=token)
@@ -133,9 +196,13 @@ def load_checkpoint(variant: Variant, checkpoint: str, dtype: torch.dtype = torc
                 f"could not read {checkpoint!r} from the hub without a token; the Gemma-4 checkpoints are "
                 f"gated: accept the licence on the model page, then `export HF_TOKEN=...` (never pass it "
                 f"as a notebook parameter)") from None
-        raise CheckpointError(f"could not read the config of {checkpoint!r}: {type(exc).__name__}") from None
+        raise CheckpointError(f"could not read the config of {checkpoint!r}: {type(exc).__name__}; check the id "
+                              f"and the network, and that the HF_TOKEN account accepted the model's licence"
+                              ) from None
     if config.model_type not in GEMMA4_MODEL_TYPES:
-        raise NotGemma4Error(f"{checkpoint!r} is a {config.model_type!r} model, not Gemma-4")
+        raise NotGemma4Error(f"{checkpoint!r} is a {config.model_type!r} model, not Gemma-4; pick a Gemma-4 "
+                             f"checkpoint, e.g. {variant.hf_id!r}")
+    check_config_matches_variant(config, variant, repr(checkpoint))
     source = str(path) if local else checkpoint
     log.info("loading %s (%s) in %s", source, config.model_type, dtype)
     full = AutoModelForImageTextToText.from_pretrained(

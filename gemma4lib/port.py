@@ -20,6 +20,7 @@ from .artifacts import ArtifactCache
 from .bench import benchmark, peak_rss_mb
 from .environment import machine, versions
 from .errors import TensorParallelError, UnknownNameError
+from .experts import EXPERT_FORMS
 from .graph import DeviceGraph, GraphShape
 from .loading import LoadedModel, build_tiny, load_checkpoint
 from .reference import reference_greedy, reference_last_logits
@@ -65,6 +66,8 @@ class PortSettings:
             raise UnknownNameError("backend", self.backend, BACKENDS)
         if self.model not in MODEL_SOURCES:
             raise UnknownNameError("model source", self.model, MODEL_SOURCES)
+        if self.decode_experts not in EXPERT_FORMS:
+            raise UnknownNameError("decode_experts form", self.decode_experts, EXPERT_FORMS)
         self.prefill_buckets = tuple(sorted(int(b) for b in self.prefill_buckets))
         if self.seed is None:
             self.seed = self.variant_spec.tiny_seed
@@ -72,6 +75,9 @@ class PortSettings:
             raise TensorParallelError(
                 f"{self.variant_spec.name} cannot run at TP={self.tp_degree}: its head and expert counts split "
                 f"evenly only for TP in {self.variant_spec.supported_tp}; pick one of those")
+        if self.backend == "neuron":  # one rank per NeuronCore: the instance must have enough
+            from .tp.plan import check_cores, host_instance_type
+            check_cores(self.tp_degree, host_instance_type())
 
     @property
     def model_source(self) -> str:

@@ -131,6 +131,9 @@ class HostRuntime:
     def generate(self, prompt_ids: Sequence[int] | torch.Tensor, max_new_tokens: int, *,
                  sampling: Sampling = Sampling(), eos_token_ids: Sequence[int] = (),
                  on_token: Callable[[int], None] | None = None) -> Generation:
+        if isinstance(prompt_ids, str):
+            raise BadPromptError("generate() takes token ids, not text; encode the text first with "
+                                 "encode_prompt(tokenizer, prompt)")
         ids = torch.as_tensor(prompt_ids, dtype=torch.long)
         if ids.dim() == 2:
             if ids.shape[0] > self.batch:

@@ -25,6 +25,17 @@ NEURON_ENTRY_POINTS = {
 }
 
 
+def recipe_module(recipe: str):
+    """The module of an inf2 recipe by name (`trace`, `tp_alias`, `model_builder`); importing it never
+    imports the Neuron SDK."""
+    import importlib
+
+    if recipe not in RECIPE_MODULES:
+        from ..errors import UnknownNameError
+        raise UnknownNameError("recipe", recipe, RECIPE_MODULES)
+    return importlib.import_module(RECIPE_MODULES[recipe])
+
+
 def neuron_cache_key(model, recipe: str, tp: int, shapes: dict, compiler_args: dict, dtype) -> tuple[str, dict]:
     """Cache key of a Neuron artifact: config, weights, recipe, TP degree, shapes, compiler
     arguments and versions (the pinned SDK set as found, torch, transformers, gemma4lib)."""
@@ -81,6 +92,8 @@ def compile_graphs_neuron(model, prefill, decode, settings):
     started = time.perf_counter()
 
     def build(folder):
+        from ..doctor import warn_low_host_ram
+        warn_low_host_ram(model.variant, tp)  # before the compile the kernel might kill half an hour in
         workdir = tempfile.mkdtemp(prefix="gemma4lib-neuron-cc-")  # never inside the cache entry
         if recipe == "trace":
             from . import neuron_trace

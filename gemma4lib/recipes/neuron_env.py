@@ -120,10 +120,18 @@ def require(module: str, purpose: str = "") -> types.ModuleType:
     """Import an SDK module, applying the environment fixes first; a clear error if it is absent.
 
     Absent means: its distribution is not installed (checked before touching PATH or sys.modules).
+    Installed at a version outside `SDK_PINS` raises `EnvironmentMismatchError`, also before any import.
     """
     top = module.split(".")[0]
-    if top in MODULE_TO_DIST and metadata_version(MODULE_TO_DIST[top]) is None:
-        raise missing_error(module, purpose)
+    dist = MODULE_TO_DIST.get(top)
+    if dist is not None:
+        found = metadata_version(dist)
+        if found is None:
+            raise missing_error(module, purpose)
+        if not _matches(found, SDK_PINS[dist]):  # another SDK release: fail now, not mid-compile
+            raise EnvironmentMismatchError(
+                f"{dist} {found} is installed, but this cookbook pins {' or '.join(SDK_PINS[dist])} (Neuron SDK "
+                f"{NEURON_SDK_RELEASE}; the last release with NxD Inference for inf2); {how_to_get(dist)}")
     apply_path_fix()
     if top == "neuronx_distributed":
         install_fx_shim()
