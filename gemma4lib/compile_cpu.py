@@ -51,11 +51,24 @@ def weights_fingerprint(module: nn.Module, values_of: str = "buffers") -> str:
     return digest.hexdigest()
 
 
+# Config fields that never change the compiled program: bookkeeping, init, token ids used on the host.
+_PROGRAM_NEUTRAL = {"_name_or_path", "architectures", "transformers_version", "dtype", "torch_dtype",
+                    "initializer_range", "bos_token_id", "eos_token_id", "pad_token_id", "use_cache",
+                    "output_attentions", "output_hidden_states", "return_dict", "id2label", "label2id",
+                    "_attn_implementation_autoset", "_experts_implementation"}
+
+
+def program_config(config: Any) -> dict[str, Any]:
+    """The config as the compiled program sees it (so a fixture loaded from disk and the same
+    architecture built in memory share one artifact)."""
+    return {k: v for k, v in sorted(config.to_dict().items()) if k not in _PROGRAM_NEUTRAL}
+
+
 def graph_key(graph: DeviceGraph, recipe: str, options: dict[str, Any]) -> dict[str, Any]:
     """Everything that changes the compiled program."""
     return {
         "recipe": recipe,
-        "config": graph.model.config.to_json_string(use_diff=False),
+        "config": program_config(graph.model.config),
         "weights": weights_fingerprint(graph),
         "shape": graph.shape.__dict__,
         "graph": graph.key_parts(),

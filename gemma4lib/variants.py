@@ -41,7 +41,7 @@ class Variant:
     seed: SeedFigures
     supported_tp: tuple[int, ...]
     # Seed of the tiny random model and its prompt: chosen so the 32-token greedy reference has
-    # >= 10 distinct tokens and a top-1/top-2 logit margin >= 0.035 at every step (a near-tie
+    # >= 10 distinct tokens and a top-1/top-2 logit margin >= 0.019 at every step (a near-tie
     # would let fp32 rounding, not the port, decide the comparison). See scripts/pick_tiny_seeds.py.
     tiny_seed: int
     # On inf2 the 12B's sliding window overflows the fused-attention SBUF: force eager attention.
@@ -63,6 +63,10 @@ def _pattern(sliding_per_full: int, n_layers: int) -> list[str]:
     return ["full_attention" if (i + 1) % period == 0 else "sliding_attention" for i in range(n_layers)]
 
 
+# The fixture tokenizer's size (gemma4lib/fixtures/tokenizer): random and trained tiny models of a
+# variant then have one architecture, so one compiled graph serves both (weights load at run time).
+TINY_VOCAB = 810
+
 # Shared tiny dimensions: small enough to compile in seconds, large enough that random weights
 # (initializer_range 0.1) give varied greedy sequences.
 _TINY_COMMON = dict(
@@ -71,7 +75,7 @@ _TINY_COMMON = dict(
     head_dim=16,
     global_head_dim=32,
     sliding_window=8,
-    vocab_size=512,
+    vocab_size=TINY_VOCAB,
     final_logit_softcapping=SOFTCAP,
     initializer_range=0.1,
     max_position_embeddings=4096,
@@ -99,7 +103,7 @@ VARIANTS: dict[str, Variant] = {
         ),
         seed=SeedFigures(decode_tok_s=44.0),
         supported_tp=(1, 2),
-        tiny_seed=27,
+        tiny_seed=10,
         notes=("PLE table stays on the host", "20 of 35 layers reuse K/V of layers 13 and 14"),
     ),
     "e4b": Variant(
@@ -123,7 +127,7 @@ VARIANTS: dict[str, Variant] = {
         ),
         seed=SeedFigures(decode_tok_s=34.0),
         supported_tp=(1, 2),
-        tiny_seed=51,
+        tiny_seed=8,
         notes=("TP=2 leaves one KV head per rank",),
     ),
     "12b": Variant(
@@ -146,7 +150,7 @@ VARIANTS: dict[str, Variant] = {
         ),
         seed=SeedFigures(prefill_ms=101.0),
         supported_tp=(1, 2, 4),
-        tiny_seed=0,
+        tiny_seed=38,
         notes=("eager attention: the fused kernel overflows SBUF at window 1024",
                "one global KV head: replicated under TP"),
     ),
@@ -170,7 +174,7 @@ VARIANTS: dict[str, Variant] = {
         ),
         seed=SeedFigures(prefill_ms=115.0),
         supported_tp=(1, 2, 4, 8),
-        tiny_seed=40,
+        tiny_seed=35,
         notes=("4 global KV heads at TP=8: replicated, not sharded",),
     ),
     "26b-a4b": Variant(
@@ -196,7 +200,7 @@ VARIANTS: dict[str, Variant] = {
         ),
         seed=SeedFigures(prefill_ms=77.0),
         supported_tp=(1, 2, 4, 8),
-        tiny_seed=6,
+        tiny_seed=22,
         notes=("all 128 experts are resident: A4B saves compute, not memory",),
     ),
 }

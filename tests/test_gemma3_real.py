@@ -16,3 +16,11 @@ def test_gemma3_270m_answers_paris_through_the_compiled_graph():
     result = run_gemma3_270m(max_new_tokens=8)
     assert result["seq_match"], (result["answer"], result["reference_answer"])
     assert result["coherent"] and result["answer"].startswith(" Paris"), result["answer"]
+
+
+def test_gemma3_270m_through_the_device_graph_eager():
+    """The same graph without the compiler: fast enough for every CI run."""
+    from gemma4lib.gemma3_real import run_gemma3_270m
+
+    result = run_gemma3_270m(max_new_tokens=8, backend="eager")
+    assert result["seq_match"] and result["answer"].startswith(" Paris"), result
