@@ -82,7 +82,7 @@ def cmd_port(args: argparse.Namespace) -> int:
 def cmd_faults(args: argparse.Namespace) -> int:
     from .faults import run_fault_lab
     _threads(args.threads)
-    report = run_fault_lab(variant=args.variant)
+    report = run_fault_lab(variant=args.variant, backend=args.backend)
     if args.json:
         print(json.dumps(report, default=str))
     else:
@@ -118,6 +118,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     p = sub.add_parser("faults", help="run the fault lab: each field-report bug, and which check catches it")
     p.add_argument("--variant", default=None)
+    p.add_argument("--backend", default="cpu", help="cpu (compiled, default) | eager (same graphs, no compile)")
     p.add_argument("--threads", type=int)
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_faults)

@@ -136,12 +136,14 @@ def _device_tokens(run: FaultRun, edit: Callable[[DeviceGraph], None] | None, fa
     return runtime.generate(run.ids, settings.max_new_tokens, eos_token_ids=eos_ids(model)).tokens
 
 
-def run_one(variant: str, fault: Fault | None = None, tp_degree: int = 1, cache_dir: str | None = None) -> dict:
+def run_one(variant: str, fault: Fault | None = None, tp_degree: int = 1, cache_dir: str | None = None,
+            backend: str = "cpu") -> dict:
     """Port the trained tiny `variant` with `fault` switched on (None: the clean run)."""
     from .trained import load_trained
 
     started = time.perf_counter()
-    settings = PortSettings(variant=variant, model="trained", tp_degree=tp_degree, cache_dir=cache_dir)
+    settings = PortSettings(variant=variant, model="trained", tp_degree=tp_degree, cache_dir=cache_dir,
+                            backend=backend)
     model = load_trained(variant)
     run = FaultRun(model, settings, [])
     run.ids = prompt_ids(model, settings)
@@ -166,11 +168,15 @@ def run_one(variant: str, fault: Fault | None = None, tp_degree: int = 1, cache_
     }
 
 
-def run_fault_lab(variant: str | None = None, cache_dir: str | None = None) -> dict[str, Any]:
-    """Clean runs, then every fault (optionally only those of one variant). `ok`: all caught, clean clean."""
+def run_fault_lab(variant: str | None = None, cache_dir: str | None = None, backend: str = "cpu") -> dict[str, Any]:
+    """Clean runs, then every fault (optionally only those of one variant). `ok`: all caught, clean clean.
+
+    `backend="eager"` runs the same graphs without compiling them (seconds instead of minutes).
+    """
     faults = [f for f in FAULTS if variant is None or f.variant == variant]
-    clean = [run_one(v, None, tp, cache_dir) for v, tp in sorted({(f.variant, f.tp_degree) for f in faults})]
-    runs = [run_one(f.variant, f, f.tp_degree, cache_dir) for f in faults]
+    pairs = sorted({(f.variant, f.tp_degree) for f in faults})
+    clean = [run_one(v, None, tp, cache_dir, backend) for v, tp in pairs]
+    runs = [run_one(f.variant, f, f.tp_degree, cache_dir, backend) for f in faults]
     clean_ok = all(r["seq_match"] and r["coherent"] for r in clean)
     all_caught = all(r["caught"] for r in runs)
     return {"ok": clean_ok and all_caught, "clean_ok": clean_ok, "all_caught": all_caught,

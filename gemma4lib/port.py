@@ -49,8 +49,8 @@ class PortSettings:
     expect: str | None = "Paris"  # coherence: the answer must contain this
     random_prompt_tokens: int = 20  # random weights have no tokenizer: a seeded id sequence instead
     max_new_tokens: int = 32
-    context_length: int = 64
-    prefill_buckets: tuple[int, ...] = (32,)
+    context_length: int = 128
+    prefill_buckets: tuple[int, ...] = (64,)
     ring_kv: bool = False
     decode_experts: str = "dense"
     warmup: int = 1
