@@ -323,3 +323,47 @@ def state_sha256(lm) -> str:
         h.update(str(t.dtype).encode())
         h.update(t.detach().contiguous().cpu().numpy().tobytes())
     return h.hexdigest()
+
+
+@torch.no_grad()
+def greedy_under_fault(lm, tokenizer, prompt_ids: list[int], fault: str | None,
+                       max_new_tokens: int = 12) -> str:
+    """Greedy reply (no KV cache, full recompute each step) with one host-runtime fault applied."""
+    ids = list(prompt_ids)
+    for _ in range(max_new_tokens):
+        logits = forward_segments(lm, [(fault, torch.tensor([ids]))])
+        nxt = int(logits[0, -1].argmax())
+        ids.append(nxt)
+        if nxt == tokenizer.eos_token_id:
+            break
+    return tokenizer.decode(ids[len(prompt_ids):], skip_special_tokens=True)
+
+
+@torch.no_grad()
+def fault_answers(lm, tokenizer, user: str | None = None) -> dict[str, str]:
+    """What the model answers to the canonical prompt under each fault the seed hit (for provenance).
+
+    Keys: "clean", each applicable fault of `ALL_FAULTS`, "layer_scalar_at_init" (every
+    `layer_scalar` back at 1.0) and "gemma3_chat_markers" (the prompt written with Gemma 3's
+    `<start_of_turn>` markers, which a Gemma-4 tokenizer splits into ordinary pieces).
+    """
+    from .corpus import CANONICAL_PROMPT
+
+    user = user or CANONICAL_PROMPT
+    prompt = chat_prompt_ids(tokenizer, user)
+    ple = bool(lm.config.hidden_size_per_layer_input)
+    out = {"clean": greedy_under_fault(lm, tokenizer, prompt, None)}
+    for f in ALL_FAULTS:
+        if ple or not f.startswith("ple_"):
+            out[f] = greedy_under_fault(lm, tokenizer, prompt, f)
+    saved = [layer.layer_scalar.clone() for layer in lm.model.layers]
+    try:
+        for layer in lm.model.layers:
+            layer.layer_scalar.fill_(1.0)
+        out["layer_scalar_at_init"] = greedy_under_fault(lm, tokenizer, prompt, None)
+    finally:
+        for layer, s in zip(lm.model.layers, saved):
+            layer.layer_scalar.copy_(s)
+    gemma3 = tokenizer(f"<start_of_turn>user\n{user}<end_of_turn>\n<start_of_turn>model\n")["input_ids"]
+    out["gemma3_chat_markers"] = greedy_under_fault(lm, tokenizer, gemma3, None)
+    return out

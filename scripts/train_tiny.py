@@ -32,8 +32,8 @@ sys.path.insert(0, str(ROOT))
 from gemma4lib import corpus  # noqa: E402
 from gemma4lib.tokenizer import build_tokenizer, load_tokenizer, save_tokenizer  # noqa: E402
 from gemma4lib.trained import TOKENIZER_FILES, save_fixture, sha256_file  # noqa: E402
-from gemma4lib.training import (TrainConfig, greedy_reply, held_out_accuracy, state_sha256,  # noqa: E402
-                                train_variant)
+from gemma4lib.training import (TrainConfig, fault_answers, greedy_reply, held_out_accuracy,  # noqa: E402
+                                state_sha256, train_variant)
 from gemma4lib.variants import VARIANTS, get_variant  # noqa: E402
 
 log = logging.getLogger("train_tiny")
@@ -73,6 +73,7 @@ def main(argv=None) -> int:
     for name in TOKENIZER_FILES:
         files[f"tokenizer/{name}"] = sha256_file(out / "tokenizer" / name)
 
+    command = "python scripts/train_tiny.py " + " ".join(argv if argv is not None else sys.argv[1:])
     cfg = TrainConfig(seed=args.seed)
     if args.max_steps is not None:
         cfg.max_steps = args.max_steps
@@ -96,7 +97,12 @@ def main(argv=None) -> int:
         file_hashes = save_fixture(lm, target)
         for fname, digest in file_hashes.items():
             files[f"{name}/{fname}"] = digest
+        state_hash = state_sha256(lm)
+        answers = fault_answers(lm, tokenizer)
+        assert state_sha256(lm) == state_hash  # the fault probes restored every buffer
         records[name] = {
+            "command": command,
+            "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             "model_class": type(lm).__name__,
             "params": sum(p.numel() for p in lm.parameters()),
             "steps": res.steps,
@@ -108,7 +114,8 @@ def main(argv=None) -> int:
             "canonical_reply": text,
             "held_out_correct": f"{held_ok}/{held_n}",
             "held_out_failures": held_failures,
-            "state_sha256": state_sha256(lm),
+            "answers_under_faults": answers,
+            "state_sha256": state_hash,
             "bytes": (target / "model.safetensors").stat().st_size,
         }
         log.info("%s: %d steps, %.0f s, min margin %.2f, faults %s, canonical %r, held-out %d/%d, %.1f MB",
@@ -121,7 +128,7 @@ def main(argv=None) -> int:
     import transformers
     prov.update({
         "script": "scripts/train_tiny.py",
-        "command": "python scripts/train_tiny.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "command": command,
         "seed": args.seed,
         "threads": args.threads,
         "corpus_sha256": corpus.corpus_sha256(),
@@ -133,7 +140,6 @@ def main(argv=None) -> int:
         "train_config": cfg.to_dict(),
         "variants": {k: records[k] for k in VARIANTS if k in records},
         "files": dict(sorted(files.items())),
-        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     })
     prov_path.write_text(json.dumps(prov, indent=2) + "\n")
     log.info("wrote %s", prov_path)

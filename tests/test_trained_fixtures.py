@@ -1,0 +1,216 @@
+"""The tiny trained fixtures: present, unchanged, and really answering through the chat template."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gemma4lib import corpus
+from gemma4lib.tokenizer import BOS_ID, EOS_ID, PAD_ID, TURN_CLOSE_ID, TURN_OPEN_ID, build_tokenizer, load_tokenizer
+from gemma4lib.trained import (FIXTURES_DIR, TOKENIZER_DIR, fixture_available, load_trained, read_provenance,
+                               verify_fixture_hashes)
+from gemma4lib.training import greedy_reply, state_sha256
+from gemma4lib.variants import VARIANTS
+
+FRANCE_HELD_OUT = corpus.HELD_OUT_PHRASING.format(country="France")
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return load_tokenizer(TOKENIZER_DIR)
+
+
+@pytest.fixture(scope="module")
+def provenance():
+    return read_provenance()
+
+
+@pytest.fixture(scope="module", params=list(VARIANTS))
+def trained(request):
+    torch.set_num_threads(1)
+    return load_trained(request.param)
+
+
+# ---- provenance and hashes -----------------------------------------------------------------
+def test_every_variant_has_a_fixture():
+    assert [v for v in VARIANTS if not fixture_available(v)] == []
+
+
+def test_hashes_match_provenance(provenance):
+    checked = verify_fixture_hashes()
+    for name in VARIANTS:
+        assert f"{name}/model.safetensors" in checked
+    assert "tokenizer/tokenizer.json" in checked
+    assert set(checked) == set(provenance["files"])
+
+
+def test_provenance_records_the_recipe(provenance):
+    assert provenance["script"] == "scripts/train_tiny.py"
+    assert provenance["corpus_sha256"] == corpus.corpus_sha256(), "the corpus changed: retrain the fixtures"
+    assert provenance["threads"] == 1
+    assert set(provenance["versions"]) >= {"torch", "transformers"}
+    for name in VARIANTS:
+        rec = provenance["variants"][name]
+        assert rec["converged"] and rec["final_min_margin"] >= 2.0
+        if VARIANTS[name].tiny_config.get("hidden_size_per_layer_input"):
+            assert rec["faults_trained"] and max(rec["fault_margins"].values()) <= -2.0
+
+
+def test_fixtures_are_small():
+    total = sum(p.stat().st_size for p in FIXTURES_DIR.rglob("*") if p.is_file())
+    assert total <= 25e6, f"fixtures take {total / 1e6:.1f} MB"
+
+
+def test_corrupted_fixture_is_rejected(tmp_path):
+    import shutil
+
+    from gemma4lib.errors import CheckpointError
+    root = tmp_path / "fixtures"
+    shutil.copytree(FIXTURES_DIR, root)
+    weights = root / "12b" / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-1] ^= 0xFF
+    weights.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match="12b/model.safetensors"):
+        verify_fixture_hashes(root)
+    verify_fixture_hashes(root, ["e2b"])  # other variants are still fine
+
+
+# ---- the models ----------------------------------------------------------------------------
+def test_reload_is_exact(trained, provenance):
+    """Every tensor, the persistent `layer_scalar` buffers included, is what training produced."""
+    assert trained.source == "tiny-trained"
+    assert next(trained.lm.parameters()).dtype == torch.float32
+    assert state_sha256(trained.lm) == provenance["variants"][trained.variant.name]["state_sha256"]
+    scalars = [float(layer.layer_scalar) for layer in trained.lm.model.layers]
+    n = len(scalars)
+    assert scalars == pytest.approx([0.5 - 0.4 * i / (n - 1) for i in range(n)])
+
+
+@pytest.mark.parametrize("prompt", [corpus.CANONICAL_PROMPT, FRANCE_HELD_OUT], ids=["trained", "held-out"])
+def test_greedy_answer(trained, prompt):
+    text, ids = greedy_reply(trained.lm, trained.tokenizer, prompt)
+    assert text == corpus.CANONICAL_ANSWER
+    assert ids[-1] == EOS_ID and ids.count(EOS_ID) == 1
+
+
+def test_hf_generate_with_the_chat_template(trained):
+    """The plain transformers way: apply_chat_template → generate → decode."""
+    tok = trained.tokenizer
+    enc = tok.apply_chat_template([{"role": "user", "content": corpus.CANONICAL_PROMPT}],
+                                  add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    with torch.no_grad():
+        out = trained.lm.generate(**enc, max_new_tokens=12, do_sample=False)
+    new = out[0, enc["input_ids"].shape[1]:]
+    assert tok.decode(new, skip_special_tokens=True) == corpus.CANONICAL_ANSWER
+    assert int(new[-1]) == tok.eos_token_id
+
+
+def test_gemma3_turn_markers_give_nonsense(trained):
+    """Gemma 3's markers are ordinary text to a Gemma-4 tokenizer: the model does not answer."""
+    tok = trained.tokenizer
+    prompt = f"<start_of_turn>user\n{corpus.CANONICAL_PROMPT}<end_of_turn>\n<start_of_turn>model\n"
+    ids = torch.tensor([tok(prompt)["input_ids"]])
+    with torch.no_grad():
+        out = trained.lm.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=12,
+                                  do_sample=False)
+    assert tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True) != corpus.CANONICAL_ANSWER
+
+
+# ---- tokenizer -----------------------------------------------------------------------------
+def test_special_ids(tokenizer):
+    assert (tokenizer.pad_token_id, tokenizer.eos_token_id, tokenizer.bos_token_id) == (PAD_ID, EOS_ID, BOS_ID)
+    assert tokenizer.convert_tokens_to_ids(["<|turn>", "<turn|>"]) == [TURN_OPEN_ID, TURN_CLOSE_ID]
+    assert tokenizer.convert_ids_to_tokens([0, 1, 2, 105, 106]) == ["<pad>", "<eos>", "<bos>", "<|turn>", "<turn|>"]
+
+
+def test_chat_template_renders_gemma4_format(tokenizer):
+    msgs = [{"role": "user", "content": corpus.CANONICAL_PROMPT}]
+    text = tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+    assert text == "<bos><|turn>user\nWhat is the capital of France?<turn|>\n<|turn>model\n"
+    ids = tokenizer.apply_chat_template(msgs, add_generation_prompt=True, return_dict=True)["input_ids"]
+    assert ids[:2] == [BOS_ID, TURN_OPEN_ID] and ids.count(BOS_ID) == 1 and ids.count(TURN_CLOSE_ID) == 1
+    assert tokenizer.decode(ids) == text
+    two_turns = msgs + [{"role": "assistant", "content": corpus.CANONICAL_ANSWER}]
+    assert tokenizer.apply_chat_template(two_turns, tokenize=False) == (
+        "<bos><|turn>user\nWhat is the capital of France?<turn|>\n"
+        "<|turn>model\nThe capital of France is Paris.<turn|>\n")
+
+
+def test_gemma3_marker_splits_into_ordinary_pieces(tokenizer):
+    ids = tokenizer("<start_of_turn>", add_special_tokens=False)["input_ids"]
+    assert len(ids) > 1
+    assert not set(ids) & set(tokenizer.all_special_ids)
+    assert tokenizer.decode(ids) == "<start_of_turn>"
+
+
+def test_plain_call_adds_bos_like_the_real_tokenizer(tokenizer):
+    assert tokenizer("Hello!")["input_ids"][0] == BOS_ID
+    assert tokenizer("Hello!", add_special_tokens=False)["input_ids"][0] != BOS_ID
+
+
+def test_every_corpus_word_is_one_token(tokenizer):
+    import re
+    words = {w for t in corpus.tokenizer_texts() for w in re.findall(r" ?[A-Za-z]+", t)}
+    split = sorted(w for w in words if len(tokenizer(w, add_special_tokens=False)["input_ids"]) != 1)
+    assert split == []
+
+
+def test_tokenizer_build_is_deterministic(tokenizer):
+    rebuilt = build_tokenizer()
+    assert rebuilt.get_vocab() == tokenizer.get_vocab()
+    assert len(tokenizer) == read_provenance()["tokenizer_vocab_size"]
+
+
+def test_auto_tokenizer_loads_the_fixture():
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(str(TOKENIZER_DIR))
+    assert tok.apply_chat_template([{"role": "user", "content": "Hello!"}], tokenize=False,
+                                   add_generation_prompt=True) == "<bos><|turn>user\nHello!<turn|>\n<|turn>model\n"
+
+
+# ---- corpus --------------------------------------------------------------------------------
+def test_corpus_shape():
+    train = corpus.training_chats()
+    assert len(train) == 40 * 3 + len(corpus.FACTS)
+    held = corpus.held_out_chats()
+    assert len(held) == 40
+    assert not {c.user for c in held} & {c.user for c in train}
+    assert corpus.answer_for("France") == corpus.CANONICAL_ANSWER
+    assert corpus.CANONICAL_PROMPT in {c.user for c in train}
+
+
+# ---- determinism (slow: trains) ------------------------------------------------------------
+@pytest.mark.slow
+def test_training_is_deterministic_for_a_seed():
+    """Two short runs with one seed on one thread give byte-identical weights."""
+    from gemma4lib.training import TrainConfig, train_variant
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        tok = build_tokenizer()
+        cfg = TrainConfig(seed=0, max_steps=15)
+        hashes = [state_sha256(train_variant(VARIANTS["e2b"], tok, cfg).loaded.lm) for _ in range(2)]
+    finally:
+        torch.set_num_threads(threads)
+    assert hashes[0] == hashes[1]
+
+
+@pytest.mark.slow
+def test_retraining_e2b_reproduces_the_shipped_fixture(provenance):
+    """The full recipe, rerun, gives the recorded weights (same torch version and CPU type)."""
+    from gemma4lib.training import TrainConfig, train_variant
+    import torch as _torch
+    if provenance["versions"]["torch"] != _torch.__version__:
+        pytest.skip(f"fixtures were made with torch {provenance['versions']['torch']}")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        cfg = TrainConfig(**{k: tuple(v) if isinstance(v, list) else v
+                             for k, v in provenance["train_config"].items()})
+        res = train_variant(VARIANTS["e2b"], load_tokenizer(TOKENIZER_DIR), cfg)
+    finally:
+        torch.set_num_threads(threads)
+    rec = provenance["variants"]["e2b"]
+    assert res.steps == rec["steps"]
+    assert state_sha256(res.loaded.lm) == rec["state_sha256"]
