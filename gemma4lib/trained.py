@@ -9,13 +9,13 @@ each answers "The capital of France is Paris." and stops with `<eos>`.
 
 from __future__ import annotations
 
-import hashlib
 import json
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from .artifacts import sha256_file
 from .errors import CheckpointError
 from .loading import LoadedModel, _text_classes
 from .tokenizer import load_tokenizer
@@ -32,14 +32,6 @@ SOURCE = "tiny-trained"
 def fixture_dir(variant: Variant | str, root: Path | None = None) -> Path:
     v = variant if isinstance(variant, Variant) else get_variant(variant)
     return (root or FIXTURES_DIR) / v.name
-
-
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def read_provenance(root: Path | None = None) -> dict[str, Any]:
