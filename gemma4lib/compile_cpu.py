@@ -67,6 +67,7 @@ def program_config(config: Any) -> dict[str, Any]:
 def graph_key(graph: DeviceGraph, recipe: str, options: dict[str, Any]) -> dict[str, Any]:
     """Everything that changes the compiled program."""
     return {
+        "format": 2,  # 2: artifacts record the parameters the compiler folded in
         "recipe": recipe,
         "config": program_config(graph.model.config),
         "weights": weights_fingerprint(graph),
@@ -112,25 +113,49 @@ def export_graph(graph: DeviceGraph) -> torch.export.ExportedProgram:
         return torch.export.export(graph, graph.example_inputs(), strict=False)
 
 
+def _folded_digest(graph: DeviceGraph, names: list[str]) -> str:
+    """sha256 of the values of parameters the compiler folded into the program."""
+    params = dict(graph.named_parameters())
+    digest = hashlib.sha256()
+    for name in sorted(names):
+        digest.update(name.encode())
+        digest.update(params[name].detach().reshape(-1).float().contiguous().numpy().tobytes())
+    return digest.hexdigest()
+
+
 def compile_graph(graph: DeviceGraph, cache: ArtifactCache | None = None,
                   options: dict[str, Any] | None = None) -> CompiledStep:
-    """Export + AOTInductor-compile `graph` (or load it from the cache) and return a callable."""
+    """Export + AOTInductor-compile `graph` (or load it from the cache) and return a callable.
+
+    Inductor folds some parameters into the program instead of taking them at load time (tiny
+    ones, such as an 8-wide q_norm weight). Their names and values are recorded with the artifact;
+    a model whose folded values differ gets an artifact of its own instead of silently running
+    with the values of the model that was compiled first.
+    """
     cache = cache or ArtifactCache()
     options = {**DEFAULT_COMPILER_OPTIONS, **(options or {})}
     parts = graph_key(graph, RECIPE, options)
-    key = make_key(parts)
 
     def build(folder: Path) -> dict[str, Any]:
         started = time.perf_counter()
         program = export_graph(graph)
         exported = time.perf_counter()
-        torch._inductor.aoti_compile_and_package(program, package_path=str(folder / PACKAGE),
-                                                 inductor_configs=options)
-        log.info("compiled %s graph (%s) in %.1f s", graph.shape.phase, key[:12], time.perf_counter() - started)
-        return {"export_s": exported - started, "compile_s": time.perf_counter() - started}
+        package = str(folder / PACKAGE)
+        torch._inductor.aoti_compile_and_package(program, package_path=package, inductor_configs=options)
+        loadable = set(torch._inductor.aoti_load_package(package).get_constant_fqns())
+        folded = sorted(set(dict(graph.named_parameters())) - loadable)
+        log.info("compiled %s graph in %.1f s (%d parameters folded into the program)",
+                 graph.shape.phase, time.perf_counter() - started, len(folded))
+        return {"export_s": exported - started, "compile_s": time.perf_counter() - started,
+                "folded_params": folded, "folded_digest": _folded_digest(graph, folded)}
 
     started = time.perf_counter()
+    key = make_key(parts)
     entry = cache.get_or_build(key, build, describe={"recipe": RECIPE, "shape": graph.shape.__dict__})
+    folded = entry.meta.get("folded_params", [])
+    if folded and entry.meta.get("folded_digest") != _folded_digest(graph, folded):
+        key = make_key({**parts, "folded_values": _folded_digest(graph, folded)})
+        entry = cache.get_or_build(key, build, describe={"recipe": RECIPE, "shape": graph.shape.__dict__})
     compile_s = 0.0 if entry.hit else time.perf_counter() - started
     loaded = time.perf_counter()
     runner = torch._inductor.aoti_load_package(str(entry.file(PACKAGE)))
