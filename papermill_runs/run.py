@@ -394,7 +394,9 @@ def cmd_check(args: argparse.Namespace) -> int:
         raise SystemExit(f"error: cannot read {path}: {exc}")
     profile = args.profile or data.get("profile") or "smoke"
     kind = args.machine_kind or data.get("machine_kind") or baselines.machine_kind()
-    results = data.get("results") or {}
+    raw = data.get("results") or {}
+    order = [n for n in VARIANT_NOTEBOOKS if n in raw] + sorted(n for n in raw if n not in VARIANT_NOTEBOOKS)
+    results = {n: raw[n] for n in order}  # results.json is written with sorted keys: restore the run order
     notebooks = {n: VARIANT_NOTEBOOKS.get(n, n) for n in results}
     runs = {n: r for n, r in (data.get("notebooks") or {}).items()}
     errors = {n: e for n, e in (data.get("errors") or {}).items() if results.get(n) is None}

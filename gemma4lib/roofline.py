@@ -1,0 +1,346 @@
+"""The memory roofline of batch-1 decode: bytes read per token, and the tok/s ceiling they allow.
+
+A batch-1 decode step reads every weight it uses once and the K/V buffers it attends over; it does
+almost no arithmetic per byte, so its speed is capped at
+
+    tok/s <= memory bandwidth / bytes read per step.
+
+Bytes per step are computed from shapes, never measured:
+
+- weights: every parameter that lives on the device. The word-embedding table counts once, as the
+  tied LM head that reads all of it (the host only looks up one row); the PLE token table stays on
+  the host and is not counted. MoE experts: all of them for the `dense` form, only the routed
+  top-k for the `selective` form (k / num_experts of the expert weights).
+- KV: every K/V buffer as allocated — a full-length buffer is read whole each step, masked or not;
+  a ring buffer of a sliding layer holds `sliding_window` slots.
+
+Ceilings: on CPU from this machine's measured single-thread bandwidth (`measure_bandwidth`); on
+inf2 from HBM bandwidth (`INSTANCES`, DESIGN §4). `compare()` / `plot_measured_vs_ceiling()` are
+what the notebooks' benchmark cells call.
+"""
+
+from __future__ import annotations
+
+import functools
+import statistics
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from .kv_layout import KVLayout
+
+GIB = 2**30
+GB = 1e9
+
+
+# ---- inf2 hardware (DESIGN §4) ----------------------------------------------------------------
+@dataclass(frozen=True)
+class Inf2Instance:
+    name: str
+    chips: int
+    neuron_cores: int
+    host_ram_gib: int
+    hbm_gib: int
+    hbm_gib_s: float  # aggregate HBM bandwidth of the instance
+
+    @property
+    def hbm_bytes_s(self) -> float:
+        return self.hbm_gib_s * GIB
+
+    @property
+    def per_core_bytes_s(self) -> float:
+        """HBM bandwidth per NeuronCore: a chip's 820 GiB/s shared by its 2 cores (an assumption:
+        one core is taken to reach at most its half; the chip total is the hard limit)."""
+        return self.hbm_bytes_s / self.neuron_cores
+
+    def bandwidth_bytes_s(self, cores: int | None = None) -> float:
+        """Bandwidth available to a graph sharded over `cores` NeuronCores (all when None)."""
+        if cores is None:
+            return self.hbm_bytes_s
+        return self.per_core_bytes_s * min(int(cores), self.neuron_cores)
+
+
+INSTANCES: dict[str, Inf2Instance] = {
+    "inf2.xlarge": Inf2Instance("inf2.xlarge", 1, 2, 16, 32, 820.0),
+    "inf2.8xlarge": Inf2Instance("inf2.8xlarge", 1, 2, 128, 32, 820.0),
+    "inf2.24xlarge": Inf2Instance("inf2.24xlarge", 6, 12, 384, 192, 4920.0),
+    "inf2.48xlarge": Inf2Instance("inf2.48xlarge", 12, 24, 768, 384, 9840.0),
+}
+
+
+# ---- bytes per decode step ----------------------------------------------------------------------
+@dataclass
+class ParamCounts:
+    """Parameter counts by how a decode step reads them."""
+
+    lm_head: int  # tied word embeddings: read whole by the LM head every step
+    ple_table: int  # host-only tables: the PLE token table (and untied word embeddings)
+    experts: int  # MoE expert weights (all experts)
+    other: int  # everything else on the device (attention, dense MLP, norms, router, PLE projections)
+    num_experts: int = 0
+    top_k: int = 0
+
+    @property
+    def total(self) -> int:
+        return self.lm_head + self.ple_table + self.experts + self.other
+
+    def device_params(self, experts: str = "dense") -> float:
+        """Parameters read per decode step (fractional for the selective expert form)."""
+        read_experts = self.experts
+        if experts == "selective" and self.num_experts:
+            read_experts = self.experts * self.top_k / self.num_experts
+        elif experts not in ("dense", "selective"):
+            raise ValueError(f"experts must be 'dense' or 'selective', got {experts!r}")
+        return self.lm_head + self.other + read_experts
+
+
+def count_params(lm: nn.Module) -> ParamCounts:
+    """Classify the parameters of a `*ForCausalLM` (real, random or on the meta device)."""
+    head = lm.lm_head.weight
+    embed = lm.model.embed_tokens.weight
+    lm_head = head.numel()
+    ple = experts = other = 0
+    for name, param in lm.named_parameters():  # tied tensors appear once
+        if param is head:
+            continue
+        if param is embed or "embed_tokens_per_layer" in name:  # untied embeddings: a host lookup too
+            ple += param.numel()
+        elif ".experts." in name:
+            experts += param.numel()
+        else:
+            other += param.numel()
+    config = lm.config
+    moe = bool(getattr(config, "enable_moe_block", False))
+    return ParamCounts(lm_head, ple, experts, other,
+                       int(getattr(config, "num_experts", 0) or 0) if moe else 0,
+                       int(getattr(config, "top_k_experts", 0) or 0) if moe else 0)
+
+
+def meta_model(variant: Any, which: str = "real") -> nn.Module:
+    """A variant's `*ForCausalLM` on the meta device: real shapes, no memory (cached per variant)."""
+    from .variants import get_variant
+
+    variant = get_variant(variant) if isinstance(variant, str) else variant
+    return _meta_model(variant.name, which)
+
+
+@functools.lru_cache(maxsize=16)
+def _meta_model(name: str, which: str) -> nn.Module:
+    from .loading import _text_classes, text_config
+    from .variants import get_variant
+
+    variant = get_variant(name)
+    config = text_config(variant, which)
+    _, lm_cls = _text_classes(variant)
+    with torch.device("meta"):
+        return lm_cls(config)
+
+
+@dataclass
+class DecodeBytes:
+    """Bytes one batch-1 decode step reads."""
+
+    weights: float
+    kv: float
+    experts_form: str
+    ring: bool
+    context_length: int
+    dtype_bytes: int
+    params_read: float
+    kv_full_length: float  # the same buffers at full length, for comparison
+
+    @property
+    def total(self) -> float:
+        return self.weights + self.kv
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "total": self.total}
+
+
+def kv_bytes(layout: KVLayout, context_length: int, ring: bool, dtype_bytes: int, batch: int = 1) -> int:
+    """Bytes of every K/V buffer the decode graph holds (and reads whole each step)."""
+    total = 0
+    for shape in layout.buffer_shapes(batch, context_length, ring):
+        n = 1
+        for d in shape:
+            n *= d
+        total += n * dtype_bytes
+    return total
+
+
+def decode_bytes(model: Any, *, context_length: int, ring: bool = True, experts: str = "dense",
+                 dtype_bytes: int | None = None, batch: int = 1) -> DecodeBytes:
+    """Bytes per decode step of `model`: a `LoadedModel`, a `*ForCausalLM`, or a variant name
+    (its released config, counted on the meta device; bf16 unless `dtype_bytes` says otherwise)."""
+    if isinstance(model, str):
+        lm = meta_model(model)
+        dtype_bytes = dtype_bytes or 2
+    else:
+        lm = getattr(model, "lm", model)
+        if dtype_bytes is None:
+            dtype_bytes = next(lm.parameters()).element_size()
+    counts = count_params(lm)
+    layout = KVLayout.from_config(lm.config)
+    params = counts.device_params(experts)
+    return DecodeBytes(
+        weights=params * dtype_bytes * 1.0,
+        kv=float(kv_bytes(layout, context_length, ring, dtype_bytes, batch)),
+        experts_form=experts if counts.num_experts else "none",
+        ring=ring,
+        context_length=context_length,
+        dtype_bytes=dtype_bytes,
+        params_read=params,
+        kv_full_length=float(kv_bytes(layout, context_length, False, dtype_bytes, batch)),
+    )
+
+
+def ceiling_tok_s(bytes_per_step: float, bandwidth_bytes_s: float) -> float:
+    return bandwidth_bytes_s / bytes_per_step
+
+
+# ---- this machine's bandwidth ------------------------------------------------------------------
+def measure_bandwidth(size_mb: int = 512, repeats: int = 7, threads: int | None = 1) -> dict[str, Any]:
+    """Single-thread read bandwidth of this machine, two ways, on a buffer far past the caches.
+
+    - `gemv`: fp32 matrix-vector product (`torch.mv`), the kernel shape of a batch-1 decode;
+    - `stream`: a plain sum over the same buffer.
+    Medians after one warm-up. `bandwidth_bytes_s` is the larger of the two (the stricter ceiling).
+    """
+    previous = torch.get_num_threads()
+    if threads:
+        torch.set_num_threads(threads)
+    try:
+        cols = 4096
+        rows = max(1, size_mb * 2**20 // (4 * cols))
+        matrix = torch.randn(rows, cols)
+        vector = torch.randn(cols)
+        nbytes = matrix.numel() * 4
+
+        def timed(fn) -> float:
+            fn()
+            runs = []
+            for _ in range(repeats):
+                started = time.perf_counter()
+                fn()
+                runs.append(time.perf_counter() - started)
+            return statistics.median(runs)
+
+        with torch.no_grad():
+            gemv_s = timed(lambda: torch.mv(matrix, vector))
+            stream_s = timed(lambda: matrix.sum())
+    finally:
+        torch.set_num_threads(previous)
+    gemv, stream = nbytes / gemv_s, nbytes / stream_s
+    return {
+        "gemv_gb_s": gemv / GB,
+        "stream_gb_s": stream / GB,
+        "bandwidth_bytes_s": max(gemv, stream),
+        "basis": "gemv" if gemv >= stream else "stream",
+        "buffer_mb": nbytes / 2**20,
+        "threads": threads or previous,
+        "repeats": repeats,
+    }
+
+
+# ---- measured vs ceiling (notebooks) -------------------------------------------------------------
+def compare(measured_tok_s: float, model: Any, *, device: str = "cpu", bandwidth_bytes_s: float | None = None,
+            context_length: int = 2048, ring: bool = True, experts: str = "dense", cores: int | None = None,
+            dtype_bytes: int | None = None) -> dict[str, Any]:
+    """Measured decode tok/s next to its roofline ceiling.
+
+    `device`: "cpu" (pass `bandwidth_bytes_s`, or this machine's is measured now) or an inf2
+    instance name (HBM bandwidth of `cores` NeuronCores, all when None).
+    """
+    steps = decode_bytes(model, context_length=context_length, ring=ring, experts=experts, dtype_bytes=dtype_bytes)
+    if device == "cpu":
+        if bandwidth_bytes_s is None:
+            bandwidth_bytes_s = measure_bandwidth()["bandwidth_bytes_s"]
+    else:
+        if device not in INSTANCES:
+            raise ValueError(f"unknown device {device!r}; 'cpu' or one of {sorted(INSTANCES)}")
+        bandwidth_bytes_s = bandwidth_bytes_s or INSTANCES[device].bandwidth_bytes_s(cores)
+    ceiling = ceiling_tok_s(steps.total, bandwidth_bytes_s)
+    return {
+        "device": device,
+        "measured_tok_s": measured_tok_s,
+        "ceiling_tok_s": ceiling,
+        "roofline_fraction": (measured_tok_s / ceiling) if measured_tok_s else None,
+        "bandwidth_gb_s": bandwidth_bytes_s / GB,
+        "bytes_per_step": steps.to_dict(),
+    }
+
+
+def plot_measured_vs_ceiling(rows: Sequence[dict[str, Any]], labels: Sequence[str] | None = None, ax=None):
+    """Bar chart of `compare()` rows: measured tok/s against the ceiling. Returns the axes."""
+    import matplotlib.pyplot as plt
+
+    if ax is None:
+        _, ax = plt.subplots(figsize=(max(4, 1.6 * len(rows)), 3))
+    labels = list(labels or [r.get("label", r["device"]) for r in rows])
+    xs = range(len(rows))
+    ax.bar([x - 0.2 for x in xs], [r["ceiling_tok_s"] for r in rows], width=0.4, label="ceiling (bandwidth / bytes)",
+           color="#bbbbbb")
+    ax.bar([x + 0.2 for x in xs], [r["measured_tok_s"] or 0 for r in rows], width=0.4, label="measured",
+           color="#3b7dd8")
+    for x, r in zip(xs, rows):
+        if r.get("roofline_fraction"):
+            ax.text(x + 0.2, r["measured_tok_s"], f"{r['roofline_fraction']:.0%}", ha="center", va="bottom", fontsize=8)
+    ax.set_xticks(list(xs), labels)
+    ax.set_ylabel("decode tok/s")
+    ax.legend(fontsize=8)
+    return ax
+
+
+# ---- the inf2 table (docs/ROOFLINE.md) ------------------------------------------------------------
+def inf2_table(contexts: Iterable[int] = (2048, 8192), variants: Iterable[str] | None = None,
+               dtype_bytes: int = 2) -> list[dict[str, Any]]:
+    """Per variant, per experts form and KV form: bf16 bytes/token and the tok/s ceiling on each
+    instance (all its cores) and on the recipe's own instance at its TP degree."""
+    from .variants import VARIANTS, get_variant
+
+    rows = []
+    for name in variants or VARIANTS:
+        variant = get_variant(name)
+        lm = meta_model(variant)
+        counts = count_params(lm)
+        forms = ("dense", "selective") if counts.num_experts else ("dense",)
+        for context in contexts:
+            for ring in (False, True):
+                for form in forms:
+                    steps = decode_bytes(lm, context_length=context, ring=ring, experts=form, dtype_bytes=dtype_bytes)
+                    recipe_instance = INSTANCES[variant.instance_type]
+                    row = {
+                        "variant": variant.name, "context_length": context, "kv": "ring" if ring else "full",
+                        "experts": steps.experts_form, "weights_gb": steps.weights / GB, "kv_gb": steps.kv / GB,
+                        "total_gb": steps.total / GB,
+                        "recipe": f"{variant.instance_type} TP={variant.tp_degree}",
+                        "recipe_ceiling_tok_s": ceiling_tok_s(
+                            steps.total, recipe_instance.bandwidth_bytes_s(variant.tp_degree)),
+                        "ceiling_tok_s": {},
+                        "fits_hbm": {},
+                    }
+                    for inst in INSTANCES.values():
+                        row["ceiling_tok_s"][inst.name] = ceiling_tok_s(steps.total, inst.hbm_bytes_s)
+                        # resident: ALL weights (every expert) + KV, whatever the read form
+                        resident = counts.device_params("dense") * dtype_bytes + steps.kv
+                        row["fits_hbm"][inst.name] = resident <= inst.hbm_gib * GIB
+                    rows.append(row)
+    return rows
+
+
+def format_inf2_table(rows: Sequence[dict[str, Any]]) -> str:
+    """Markdown for `inf2_table` rows."""
+    names = list(INSTANCES)
+    head = ("| variant | ctx | KV | experts | weights GB | KV GB | total GB | recipe ceiling tok/s | "
+            + " | ".join(names) + " |")
+    lines = [head, "|" + "---|" * (8 + len(names))]
+    for r in rows:
+        cells = [f"{r['ceiling_tok_s'][n]:.0f}" if r["fits_hbm"][n] else "–" for n in names]
+        lines.append(f"| {r['variant']} | {r['context_length']} | {r['kv']} | {r['experts']} | {r['weights_gb']:.2f} | "
+                     f"{r['kv_gb']:.3f} | {r['total_gb']:.2f} | {r['recipe_ceiling_tok_s']:.0f} ({r['recipe']}) | "
+                     + " | ".join(cells) + " |")
+    return "\n".join(lines)

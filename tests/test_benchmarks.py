@@ -1,0 +1,157 @@
+"""The benchmark suite's JSON (issue 6) and the roofline arithmetic. No timing is asserted."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from gemma4lib import roofline
+from gemma4lib.benchmarks import PATHS, SuiteOptions, check_targets, run_suite
+from gemma4lib.medium import MEDIUM, get_medium, medium_config
+
+NUMBER = (int, float)
+
+
+@pytest.fixture(scope="module")
+def quick_report():
+    # the --quick suite on two tiny variants (dense, MoE), graphs run uncompiled: the schema in seconds
+    options = SuiteOptions.quick(tiny_variants=("31b", "26b-a4b"), backend="eager", iters=1, bandwidth_mb=64,
+                                 tiny_new_tokens=8)
+    report = run_suite("cpu", quick=True, options=options)
+    return json.loads(json.dumps(report, default=str))  # what `bench --json` prints
+
+
+def test_quick_report_schema(quick_report):
+    r = quick_report
+    assert r["suite"] == "cpu" and r["quick"] is True and r["schema_version"] == 1
+    assert r["threads"] == torch.get_num_threads() and r["options"]["iters"] == 1
+    assert {"versions", "machine", "bandwidth", "models", "targets", "recommendation", "wall_s"} <= set(r)
+    assert {"gemv_gb_s", "stream_gb_s", "bandwidth_bytes_s"} <= set(r["bandwidth"])
+    assert [m["name"] for m in r["models"]] == ["31b", "26b-a4b"]
+    for m in r["models"]:
+        assert set(m["paths"]) == set(PATHS)
+        ours, eager, compiled = (m["paths"][p] for p in PATHS)
+        assert ours["status"] == "ok" and ours["recipe"] == "eager"
+        assert ours["tokens_match_reference"] is True and eager["tokens_match_reference"] is True
+        for path in (ours, eager):
+            assert isinstance(path["decode_tok_s"], NUMBER) and path["decode_tok_s"] > 0
+            assert len(path["decode_tok_s_runs"]) == 1  # warm-up excluded
+        assert isinstance(ours["prefill_ms"], NUMBER)
+        assert compiled["status"] == "skipped" and compiled["reason"]
+        assert m["speedup_vs_hf_eager"]["hf_eager"] == pytest.approx(1.0)
+        assert m["speedup_vs_hf_eager"]["hf_static_compile"] is None
+        b = m["bytes_per_step"]
+        assert b["total"] == pytest.approx(b["weights"] + b["kv"]) and b["kv"] > 0
+        assert m["ceiling_tok_s"] == pytest.approx(m["bandwidth"]["gb_s"] * 1e9 / b["total"])
+        assert m["roofline_fraction"]["gemma4lib"] == pytest.approx(ours["decode_tok_s"] / m["ceiling_tok_s"])
+    moe = r["models"][1]
+    assert moe["decode_experts"] == "selective" and moe["bytes_per_step"]["experts_form"] == "selective"
+    names = [t["target"] for t in r["targets"]]
+    assert any(n.startswith("31b tiny") for n in names)
+    assert all(set(t) == {"target", "value", "threshold", "met"} for t in r["targets"])
+
+
+def test_check_targets_reads_the_right_figures():
+    report = {
+        "models": [
+            {"name": "e2b", "speedup_vs_hf_eager": {"gemma4lib": 6.0}, "roofline_fraction": {}},
+            {"name": "medium-dense", "speedup_vs_hf_eager": {"gemma4lib": 1.1},
+             "roofline_fraction": {"gemma4lib": 0.8}},
+        ],
+        "ring_kv": {"ring_tok_s_4096_over_512": 0.9, "full_tok_s_4096_over_512": 0.7},
+        "experts": {"selective_over_dense_decode": None},
+    }
+    met = {t["target"]: t["met"] for t in check_targets(report)}
+    assert met == {
+        "e2b tiny: gemma4lib decode / HF eager >= 5": True,
+        "medium-dense: gemma4lib decode / HF eager >= 1.15": False,
+        "medium-dense: roofline_fraction >= 0.7": True,
+        "medium-dense: ring_tok_s_4096_over_512 >= 0.85": True,
+        "medium-moe: selective / dense decode >= 2": None,
+    }
+
+
+def test_unknown_suite_is_a_clear_error():
+    with pytest.raises(ValueError, match="benchmark suite"):
+        run_suite("gpu")
+
+
+# ---- medium configs ----------------------------------------------------------------------------
+def _meta_counts(name: str) -> roofline.ParamCounts:
+    from gemma4lib.loading import _text_classes
+    _, lm_cls = _text_classes(get_medium(name).variant)
+    with torch.device("meta"):
+        return roofline.count_params(lm_cls(medium_config(name)))
+
+
+def test_medium_configs_have_the_promised_shape():
+    dense = _meta_counts("medium-dense")
+    assert 200e6 <= dense.total <= 300e6 and dense.experts == 0
+    config = medium_config("medium-dense")
+    types = list(config.layer_types)
+    assert types.count("sliding_attention") >= 4 * types.count("full_attention") > 0
+    moe = _meta_counts("medium-moe")
+    assert moe.num_experts >= 32 and moe.experts > 0.7 * moe.total
+    assert set(MEDIUM) == {"medium-dense", "medium-moe"}
+
+
+# ---- roofline ------------------------------------------------------------------------------------
+@pytest.mark.parametrize("variant,gb", [("e2b", 4.6), ("e4b", 9.4), ("12b", 23.8), ("31b", 61.4),
+                                        ("26b-a4b", 50.5)])
+def test_bf16_weight_bytes_match_design_table(variant, gb):
+    # DESIGN §4: bf16 weights read per token (PLE table on the host)
+    steps = roofline.decode_bytes(variant, context_length=2048, ring=True)
+    assert steps.weights / 1e9 == pytest.approx(gb, rel=0.015)
+
+
+def test_selective_experts_read_only_the_routed_ones():
+    dense = roofline.decode_bytes("26b-a4b", context_length=2048, experts="dense")
+    selective = roofline.decode_bytes("26b-a4b", context_length=2048, experts="selective")
+    assert selective.weights / 1e9 == pytest.approx(7.6, rel=0.015)  # DESIGN §4
+    assert dense.weights / selective.weights > 6
+
+
+def test_ring_kv_bytes_stay_flat_with_context():
+    ring = [roofline.decode_bytes("31b", context_length=c, ring=True).kv for c in (2048, 8192)]
+    full = [roofline.decode_bytes("31b", context_length=c, ring=False).kv for c in (2048, 8192)]
+    assert full[1] == pytest.approx(4 * full[0])
+    assert ring[1] < 2 * ring[0] and ring[1] < full[1] / 3
+    # full-attention layers still grow with context; only the sliding ones stay at the window
+    assert ring[1] > ring[0]
+
+
+def test_inf2_ceiling_and_compare():
+    inst = roofline.INSTANCES["inf2.xlarge"]
+    assert inst.hbm_bytes_s == 820 * 2**30 and inst.bandwidth_bytes_s(1) == inst.hbm_bytes_s / 2
+    row = roofline.compare(30.0, "e2b", device="inf2.xlarge", cores=1, context_length=2048)
+    expected = inst.hbm_bytes_s / 2 / row["bytes_per_step"]["total"]
+    assert row["ceiling_tok_s"] == pytest.approx(expected)
+    assert row["roofline_fraction"] == pytest.approx(30.0 / expected)
+    cpu = roofline.compare(10.0, "e2b", device="cpu", bandwidth_bytes_s=20e9, context_length=512)
+    assert cpu["ceiling_tok_s"] == pytest.approx(20e9 / cpu["bytes_per_step"]["total"])
+    with pytest.raises(ValueError, match="unknown device"):
+        roofline.compare(1.0, "e2b", device="trn1.2xlarge", bandwidth_bytes_s=1.0)
+
+
+def test_inf2_table_covers_every_variant_and_form():
+    rows = roofline.inf2_table(contexts=(2048,))
+    assert {r["variant"] for r in rows} == {"e2b", "e4b", "12b", "31b", "26b-a4b"}
+    moe = [r for r in rows if r["variant"] == "26b-a4b"]
+    assert {(r["kv"], r["experts"]) for r in moe} == {("full", "dense"), ("full", "selective"),
+                                                      ("ring", "dense"), ("ring", "selective")}
+    e2b = next(r for r in rows if r["variant"] == "e2b")
+    assert e2b["fits_hbm"]["inf2.xlarge"] and not next(
+        r for r in rows if r["variant"] == "31b")["fits_hbm"]["inf2.xlarge"]
+    assert all(math.isfinite(v) for r in rows for v in r["ceiling_tok_s"].values())
+    text = roofline.format_inf2_table(rows)
+    assert text.count("\n") == len(rows) + 1
+
+
+def test_measure_bandwidth_reports_both_methods():
+    bw = roofline.measure_bandwidth(size_mb=32, repeats=2)
+    assert bw["gemv_gb_s"] > 0 and bw["stream_gb_s"] > 0
+    assert bw["bandwidth_bytes_s"] == pytest.approx(max(bw["gemv_gb_s"], bw["stream_gb_s"]) * 1e9)
+    assert bw["threads"] == 1
