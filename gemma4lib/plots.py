@@ -242,6 +242,8 @@ def trend(history: Iterable[Mapping[str, Any]], metric: str) -> Figure:
     ax = fig.add_subplot()
     for name, values in sorted(series.items()):
         ax.plot(range(1, len(values) + 1), values, marker="o", label=name)
+    from matplotlib.ticker import MaxNLocator
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_xlabel("run (oldest first)")
     ax.set_title(f"trend: {METRIC_LABELS.get(metric, metric)}", fontsize=10)
     ax.legend(fontsize=7, ncol=3)

@@ -157,18 +157,43 @@ def baseline_entry(result: Mapping[str, Any]) -> dict[str, Any]:
     return entry
 
 
+def smoothed(name: str, metric: str, current: Any, history: Iterable[Mapping[str, Any]], runs: int) -> Any:
+    """The median of `current` and the variant's last `runs - 1` correct runs in `history`.
+
+    One timing on a shared machine can be off by 2-4x; a baseline taken from a single run would
+    turn the next ordinary run into a "regression". The median of a few runs is what a run is
+    compared with instead."""
+    if current is None or runs <= 1:
+        return current
+    past = [h["metrics"][metric] for h in history
+            if h.get("variant") == name and h.get("verdict") not in ("fail", "error")
+            and isinstance(h.get("metrics"), dict) and isinstance(h["metrics"].get(metric), (int, float))]
+    values = sorted(past[-(runs - 1):] + [current])
+    mid = len(values) // 2
+    return values[mid] if len(values) % 2 else (values[mid - 1] + values[mid]) / 2
+
+
 def update_baseline(path: Path, profile: str, kind: str, results: Mapping[str, Mapping[str, Any]],
-                    verdicts: Mapping[str, "Verdict"], existing: Mapping[str, Any] | None) -> tuple[list[str], list[str]]:
-    """Write the baseline file atomically: this run's figures for every variant whose checks passed,
-    earlier entries kept for the others. Returns (updated, refused) variant names."""
+                    verdicts: Mapping[str, "Verdict"], existing: Mapping[str, Any] | None,
+                    history: Iterable[Mapping[str, Any]] = (), metrics: Iterable[str] = (),
+                    runs: int = 5) -> tuple[list[str], list[str]]:
+    """Write the baseline file atomically for every variant whose checks passed (earlier entries kept
+    for the others). Metrics are the median of this run and the last `runs - 1` correct runs in
+    `history` (pass the history *before* this run is appended). Returns (updated, refused) names."""
     variants = dict((existing or {}).get("variants") or {})
+    history = list(history)
     updated, refused = [], []
     for name, result in results.items():
         verdict = verdicts.get(name)
         if verdict is None or verdict.status in ("error", "fail"):
             refused.append(name)
             continue
-        variants[name] = baseline_entry(result)
+        entry = baseline_entry(result)
+        for metric in metrics:
+            entry[metric] = smoothed(name, metric, result.get(metric), history, runs)
+        entry["runs_in_median"] = min(runs, 1 + sum(1 for h in history if h.get("variant") == name
+                                                     and h.get("verdict") not in ("fail", "error")))
+        variants[name] = entry
         updated.append(name)
     data = {"schema": SCHEMA, "profile": profile, "machine_kind": kind,
             "updated": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),

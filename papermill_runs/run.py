@@ -20,6 +20,8 @@ check failed, a metric regressed, or a baseline is missing (unless `--allow-miss
 2 when a baseline or tolerance file is malformed or the arguments are wrong. With
 `--update-baseline`, speed regressions and missing baselines are accepted (the new figures are
 written) but failed notebooks and failed checks still exit 1, and their figures are not recorded.
+The figures written are the median of this run and the last few correct runs in the history
+(`--baseline-runs`), because one timing on a shared CPU can be off by several times.
 """
 
 from __future__ import annotations
@@ -298,14 +300,16 @@ def finish(out: Path, profile: str, kind: str, results: dict[str, Any], errors: 
     if baseline_error and not args.update_baseline:
         exit_code = 2
 
+    history_path = Path(args.history or Path("runs") / "history" / f"{profile}-{kind}.jsonl")
+    stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     updated = refused = []
     if args.update_baseline:
         present = {n: r for n, r in results.items() if r is not None}
-        updated, refused = baselines.update_baseline(path, profile, kind, present, verdicts, baseline)
+        past = [h for h in baselines.read_history(history_path)
+                if h.get("profile") == profile and h.get("machine_kind") == kind]
+        updated, refused = baselines.update_baseline(path, profile, kind, present, verdicts, baseline, past,
+                                                     metrics, args.baseline_runs)
         state += f"; updated {', '.join(updated) or 'nothing'}" + (f", refused {', '.join(refused)}" if refused else "")
-
-    history_path = Path(args.history or Path("runs") / "history" / f"{profile}-{kind}.jsonl")
-    stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     if append_history:
         baselines.append_history(history_path, [
             {"time": stamp, "profile": profile, "machine_kind": kind, "variant": name, "verdict": v.status,
@@ -414,6 +418,9 @@ def _common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--history", type=Path, help="append-only JSONL (default: runs/history/<profile>-<kind>.jsonl)")
     parser.add_argument("--update-baseline", action="store_true",
                         help="write this run's figures as the new baseline (variants whose checks passed)")
+    parser.add_argument("--baseline-runs", type=int, default=5,
+                        help="--update-baseline writes the median of this run and the last N-1 correct runs in the "
+                             "history (default 5; 1 = this run alone)")
     parser.add_argument("--allow-missing-baseline", action="store_true",
                         help="a variant without a baseline passes on its checks alone")
 

@@ -305,3 +305,16 @@ def test_failing_notebook_is_reported_with_its_cell(tmp_path):
     assert outcome["ignored_parameters"] == ["unknown"]
     assert "bad answer 42" in Path(outcome["log"]).read_text()
     assert Path(outcome["executed"]).is_file()
+
+
+def test_update_baseline_takes_the_median_of_recent_runs(tmp_path):
+    history = tmp_path / "history.jsonl"
+    past = [{"variant": "e2b", "verdict": v, "profile": PROFILE, "machine_kind": KIND,
+             "metrics": {"decode_tok_s": x, "prefill_ms": 10.0}}
+            for v, x in [("pass", 100.0), ("fail", 5.0), ("pass", 300.0), ("regression", 110.0)]]
+    baselines.append_history(history, past)
+    results_file = write_results(tmp_path, {"e2b": result(decode_tok_s=900.0)})
+    assert check(tmp_path, results_file, "--update-baseline") == 0  # "no-baseline" is accepted when writing one
+    entry = json.loads(baselines.baseline_path(PROFILE, KIND, tmp_path / "baselines").read_text())["variants"]["e2b"]
+    assert entry["decode_tok_s"] == 205.0  # median of 100, 300, 110, 900; the failed run's 5.0 is ignored
+    assert entry["runs_in_median"] == 4
