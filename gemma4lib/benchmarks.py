@@ -220,8 +220,8 @@ class GraphFactory:
         model = self.model
         if not getattr(model.config, "enable_moe_block", False):
             expert_form = "dense"  # no experts: one graph whatever the form
-        if ring and model.layout.sliding_window >= context_length:
-            ring = False  # the ring would hold the whole context: the same buffers as full length
+        if model.layout.sliding_window >= context_length:
+            ring = True  # the ring holds the whole context: the same buffers and program as full length
         key = (tokens, context_length, ring, expert_form)
         if key not in self.steps:
             graph = DeviceGraph(model.text_model, model.lm_head, model.layout,
@@ -394,7 +394,7 @@ def bench_ring_kv(model: LoadedModel, factory: GraphFactory, contexts: Sequence[
             step = graphs[(ctx, kind)]
             row[kind] = {"decode_tok_s": _median(runs[(ctx, kind)]), "runs": runs[(ctx, kind)],
                          "kv_bytes": b.kv, "bytes_per_step": b.total,
-                         "same_graph_as_full": kind == "ring" and not step.shape.ring}
+                         "same_graph_as_full": graphs[(ctx, "full")] is graphs[(ctx, "ring")]}
         row["ring_speedup"] = _ratio(row["ring"]["decode_tok_s"], row["full"]["decode_tok_s"])
         table[str(ctx)] = row
     first, last = str(contexts[0]), str(contexts[-1])
@@ -606,5 +606,76 @@ def run_suite(suite: str = "cpu", quick: bool = False, *, options: SuiteOptions 
 
 def _load_average() -> list[float] | None:
     with contextlib.suppress(OSError, AttributeError):
-        return list(os.getloadavg())
+        return [round(x, 2) for x in os.getloadavg()]
     return None
+
+
+# ---- markdown (docs/ROOFLINE.md, notebooks) --------------------------------------------------------
+def _f(value: Any, digits: int = 2, suffix: str = "") -> str:
+    if value is None:
+        return "–"
+    if isinstance(value, bool):
+        return "yes" if value else "NO"
+    return f"{value:.{digits}f}{suffix}"
+
+
+def format_report(report: dict[str, Any]) -> str:
+    """The suite's figures as markdown tables."""
+    bw = report.get("bandwidth", {})
+    lines = [f"Threads: {report.get('threads')}; bandwidth at start: GEMV {_f(bw.get('gemv_gb_s'))} GB/s, "
+             f"stream {_f(bw.get('stream_gb_s'))} GB/s; load average {report.get('load_average_start')} → "
+             f"{report.get('load_average_end')}.", "",
+             "| model | params | gemma4lib tok/s | HF eager tok/s | HF static+compile tok/s | speedup vs eager "
+             "| HF compile vs eager | bytes/step MB | bandwidth GB/s | ceiling tok/s | roofline fraction | tokens = HF |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for m in report.get("models", []):
+        p = m["paths"]
+        compiled = p["hf_static_compile"]
+        hf_compile = _f(compiled.get("decode_tok_s"), 1) if compiled.get("status") == "ok" else compiled.get("status")
+        match = p["gemma4lib"].get("tokens_match_reference")
+        lines.append(
+            f"| {m['name']} | {m['params'] / 1e6:.1f}M | {_f(p['gemma4lib'].get('decode_tok_s'), 1)} | "
+            f"{_f(p['hf_eager'].get('decode_tok_s'), 1)} | {hf_compile} | "
+            f"{_f(m['speedup_vs_hf_eager'].get('gemma4lib'), 2, 'x')} | "
+            f"{_f(m['speedup_vs_hf_eager'].get('hf_static_compile'), 2, 'x')} | "
+            f"{m['bytes_per_step']['total'] / 1e6:.1f} | {_f(m['bandwidth']['gb_s'])} | {_f(m['ceiling_tok_s'], 1)} | "
+            f"{_f(m['roofline_fraction'].get('gemma4lib'))} | {_f(match)} |")
+    ring = report.get("ring_kv")
+    if ring:
+        lines += ["", f"Ring KV ({ring['model']}, window {ring['sliding_window']}; decode steps at the end of "
+                  "the context):", "",
+                  "| context | full-length tok/s | ring tok/s | ring / full | KV MB full | KV MB ring |",
+                  "|---|---|---|---|---|---|"]
+        for ctx, row in ring["contexts"].items():
+            lines.append(f"| {ctx} | {_f(row['full']['decode_tok_s'])} | {_f(row['ring']['decode_tok_s'])} | "
+                         f"{_f(row['ring_speedup'], 2, 'x')} | {row['full']['kv_bytes'] / 1e6:.1f} | "
+                         f"{row['ring']['kv_bytes'] / 1e6:.1f} |")
+        ratios = {k: v for k, v in ring.items() if k.endswith("_over_" + next(iter(ring["contexts"])))}
+        lines += ["", ", ".join(f"{k} = {_f(v)}" for k, v in ratios.items())]
+    experts = report.get("experts")
+    if experts:
+        d, pf = experts["decode"], experts["prefill"]
+        lines += ["", f"Experts ({experts['model']}):", "",
+                  "| form | decode tok/s | bytes/step MB | tokens = HF | prefill ms (bucket "
+                  f"{experts['prefill_bucket']}) | first token = HF |", "|---|---|---|---|---|---|"]
+        for form in ("dense", "selective"):
+            lines.append(f"| {form} | {_f(d[form]['decode_tok_s'])} | {d[form]['bytes_per_step'] / 1e6:.1f} | "
+                         f"{_f(d[form]['tokens_match_reference'])} | {_f(pf[form]['prefill_ms'], 1)} | "
+                         f"{_f(pf[form]['first_token_matches_reference'])} |")
+        rec = experts["recommendation"]
+        lines += ["", f"selective / dense decode = {_f(experts['selective_over_dense_decode'])}x "
+                  f"(bytes dense / selective = {_f(experts['dense_over_selective_bytes'])}x); measured choice: "
+                  f"prefill {rec['prefill']}, decode {rec['decode']} (PortSettings default decode: "
+                  f"{rec['port_settings_default_decode']})."]
+    buckets = report.get("prefill_buckets")
+    if buckets:
+        lines += ["", f"Prefill buckets ({buckets['model']}, context {buckets['context_length']}):", "",
+                  "| bucket | prefill ms |", "|---|---|"]
+        lines += [f"| {b} | {_f(row['prefill_ms'], 1)} |" for b, row in buckets["buckets"].items()]
+        lines += ["", "| prompt tokens | bucket used | smallest that fits | tokens = HF |", "|---|---|---|---|"]
+        lines += [f"| {p['prompt_tokens']} | {p['bucket']} | {p['smallest_fitting']} | "
+                  f"{_f(p['tokens_match_reference'])} |" for p in buckets["placement"]]
+    if report.get("targets"):
+        lines += ["", "| target | value | met |", "|---|---|---|"]
+        lines += [f"| {t['target']} | {_f(t['value'])} | {_f(t['met'])} |" for t in report["targets"]]
+    return "\n".join(lines)

@@ -274,6 +274,18 @@ def compare(measured_tok_s: float, model: Any, *, device: str = "cpu", bandwidth
     }
 
 
+def rows_from_report(report: dict[str, Any], path: str = "gemma4lib") -> list[dict[str, Any]]:
+    """`compare()`-shaped rows for every model of a `benchmarks.run_suite` report (one path)."""
+    rows = []
+    for model in report.get("models", []):
+        measured = model["paths"].get(path, {}).get("decode_tok_s")
+        rows.append({"label": model["name"], "device": "cpu", "measured_tok_s": measured,
+                     "ceiling_tok_s": model["ceiling_tok_s"],
+                     "roofline_fraction": model["roofline_fraction"].get(path),
+                     "bandwidth_gb_s": model["bandwidth"]["gb_s"], "bytes_per_step": model["bytes_per_step"]})
+    return rows
+
+
 def plot_measured_vs_ceiling(rows: Sequence[dict[str, Any]], labels: Sequence[str] | None = None, ax=None):
     """Bar chart of `compare()` rows: measured tok/s against the ceiling. Returns the axes."""
     import matplotlib.pyplot as plt

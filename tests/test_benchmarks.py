@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from gemma4lib import roofline
-from gemma4lib.benchmarks import PATHS, SuiteOptions, check_targets, run_suite
+from gemma4lib.benchmarks import PATHS, SuiteOptions, check_targets, format_report, run_suite
 from gemma4lib.medium import MEDIUM, get_medium, medium_config
 
 NUMBER = (int, float)
@@ -52,6 +52,21 @@ def test_quick_report_schema(quick_report):
     names = [t["target"] for t in r["targets"]]
     assert any(n.startswith("31b tiny") for n in names)
     assert all(set(t) == {"target", "value", "threshold", "met"} for t in r["targets"])
+
+
+def test_report_rows_feed_the_notebook_plot(quick_report):
+    import matplotlib
+    matplotlib.use("Agg")
+    rows = roofline.rows_from_report(quick_report)
+    assert [r["label"] for r in rows] == ["31b", "26b-a4b"]
+    assert all(r["measured_tok_s"] > 0 and r["ceiling_tok_s"] > 0 for r in rows)
+    ax = roofline.plot_measured_vs_ceiling(rows)
+    assert len(ax.patches) == 2 * len(rows)
+
+
+def test_format_report_renders_every_model(quick_report):
+    text = format_report(quick_report)
+    assert "| 31b |" in text and "| 26b-a4b |" in text and "| target |" in text
 
 
 def test_check_targets_reads_the_right_figures():
