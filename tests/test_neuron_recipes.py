@@ -236,10 +236,15 @@ def test_model_builder_checkpoint_names_match_the_compiled_module():
     m = tiny("26b-a4b")
     plan = make_plan(m.config, 8, m.variant)
     checkpoint = mb.nxd_checkpoint(m, plan, torch.float32)
+    forms = mb.bucket_expert_forms("selective")
+    assert forms == {"prefill": "dense", "decode": "selective"}
     for key, shape in mb.bucket_shapes(64, 32).items():
-        module = mb.rank_module(m.config, plan, shape, torch.float32, factory=CpuParallelFactory(8))
+        module = mb.rank_module(m.config, plan, shape, torch.float32, factory=CpuParallelFactory(8),
+                                expert_form=forms[key])
+        assert module.graph.expert_form == forms[key]
+        assert all(e.form == forms[key] for e in module.graph._rank_users)
         names = {k for k in module.state_dict() if not k.startswith("kv.")}
-        assert names == set(checkpoint)
+        assert names == set(checkpoint)  # one checkpoint for both expert forms
         assert [tuple(t.shape) for t in module.example_inputs()] == \
             [tuple(t.shape) for t in graph_example_inputs(m.config, shape, torch.float32)]
         assert {f"kv.{i}" for i in range(len(module.kv))} == set(module.state_dict()) - names
@@ -274,4 +279,10 @@ def test_neuron_cache_key_tracks_what_changes_the_artifact():
     assert key != neuron_cache_key(m, "model_builder", 2, other_shapes, neuron_env.COMPILER_ARGS, torch.bfloat16)[0]
     args = {**neuron_env.COMPILER_ARGS, "decode": "-O1"}
     assert key != neuron_cache_key(m, "model_builder", 2, shapes, args, torch.bfloat16)[0]
+    # the decode graph's expert form: dense keeps the old key, selective is another artifact
+    assert key == neuron_cache_key(m, "model_builder", 2, shapes, neuron_env.COMPILER_ARGS, torch.bfloat16,
+                                   decode_experts="dense")[0]
+    selective, selective_parts = neuron_cache_key(m, "model_builder", 2, shapes, neuron_env.COMPILER_ARGS,
+                                                  torch.bfloat16, decode_experts="selective")
+    assert selective != key and selective_parts["decode_experts"] == "selective"
     assert set(parts["sdk"]) >= set(neuron_env.SDK_PINS)

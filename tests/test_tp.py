@@ -1,7 +1,8 @@
 """Tensor parallelism on CPU: every sharded plan against the unsharded model, token for token.
 
 The ranks run as real processes joined by gloo (one thread each). 8 ranks on 2 shared cores are
-bound by collective latency, so the TP=8 runs take 10-20 s each; everything else is fast.
+bound by collective latency, so the TP=8 runs take 10-20 s each; everything else is fast. The
+MoE expert forms (dense, selective) are also checked module by module, without gloo.
 """
 
 from __future__ import annotations
@@ -10,12 +11,15 @@ import pytest
 import torch
 
 from gemma4lib.errors import TensorParallelError
+from gemma4lib.experts import StaticExperts
 from gemma4lib.graph import DeviceGraph, GraphShape
 from gemma4lib.loading import build_tiny, text_config
 from gemma4lib.tp import (build_rank_graph, load_shard, make_plan, nxd_full_checkpoint, run_tp_port,
-                          shard_shapes, shard_state_dict, valid_tp_degrees)
+                          shard_shapes, shard_state_dict, valid_tp_degrees, with_shape)
+from gemma4lib.tp.layers import ShardedExperts
 from gemma4lib.tp.plan import COLUMN, REPLICATE, ROW
-from gemma4lib.tp.shard import shard_kv
+from gemma4lib.tp.rank_graph import CpuParallelFactory
+from gemma4lib.tp.shard import rank_tensor, shard_kv
 from gemma4lib.variants import get_variant
 
 NEW_TOKENS = 16
@@ -42,6 +46,17 @@ def prompt(name: str) -> list[int]:
 
 def run(name: str, tp: int, **kwargs):
     return run_tp_port(tiny(name), tp, prompt(name), NEW_TOKENS, CONTEXT, PREFILL_LEN, **kwargs)
+
+
+_runs: dict[tuple, dict] = {}
+
+
+def run_once(name: str, tp: int, **kwargs):
+    """`run`, remembered: several tests compare against the same (deterministic) sharded run."""
+    key = (name, tp, tuple(sorted(kwargs.items())))
+    if key not in _runs:
+        _runs[key] = run(name, tp, **kwargs)
+    return _runs[key]
 
 
 # ---- the sharded runs --------------------------------------------------------------------------
@@ -152,8 +167,8 @@ def test_nxd_checkpoint_splits_back_into_our_shards():
 
 def test_baked_rank_bug_is_reproduced_and_flagged():
     """The MoE reading the rank as a trace-time int: rank 1 weights rank 0's experts."""
-    real = run("26b-a4b", 2)
-    baked = run("26b-a4b", 2, baked_rank=True)
+    real = run_once("26b-a4b", 2)
+    baked = run_once("26b-a4b", 2, baked_rank=True)
     assert real["seq_match"] and real["prefill_logit_max_diff"] < 1e-2
     assert not baked["seq_match"]
     assert baked["prefill_logit_max_diff"] > 0.1
@@ -226,3 +241,113 @@ def test_real_configs_plan_at_their_recipe_tp():
                                                                                          [2], [2], [3], [3]]
         if name == "26b-a4b":
             assert plan.describe()["moe"]["experts_per_rank"] == 16
+
+
+# ---- MoE expert forms: selective (top-k gather) next to dense ---------------------------------------
+
+def _sharded_experts(m, plan, layer: int, rank: int, form: str, baked_rank: int | None = None):
+    """One rank's `ShardedExperts` of `layer`, filled through the sharder (the shard layout)."""
+    moe = plan.layers[layer].moe
+    factory = CpuParallelFactory(plan.tp)  # identity collectives: each rank's partial sum
+    hf = m.text_model.layers[layer].experts
+    experts = ShardedExperts(moe.num_experts, plan.hidden, moe.intermediate, plan.tp, hf.act_fn,
+                             gate_up=factory.column(plan.hidden, moe.num_experts * 2 * moe.intermediate),
+                             down=factory.row(moe.num_experts * moe.intermediate, plan.hidden),
+                             baked_rank=baked_rank, form=form)
+    prefix = f"model.layers.{layer}.experts."
+    with torch.no_grad():
+        experts.gate_up.weight.copy_(rank_tensor(plan, prefix + "gate_up_proj", hf.gate_up_proj, rank)[1])
+        experts.down.weight.copy_(rank_tensor(plan, prefix + "down_proj", hf.down_proj, rank)[1])
+    experts.current_rank = torch.tensor([rank], dtype=torch.int32)
+    return experts
+
+
+def _routes(m, tokens: int, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    c = m.config
+    hidden = torch.randn(tokens, c.hidden_size, generator=g)
+    scores = torch.randn(tokens, c.num_experts, generator=g)
+    top_k_weights, top_k_index = scores.softmax(-1).topk(c.top_k_experts, dim=-1)
+    return hidden, top_k_index, top_k_weights
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+@pytest.mark.parametrize("tokens", [1, 5])  # 1: the fused gather-multiply-reduce; 5: the bmm form
+def test_selective_sharded_experts_equal_dense_over_ranks(tp, tokens):
+    m = tiny("26b-a4b")
+    plan = make_plan(m.config, tp, m.variant)
+    layer = 1
+    hidden, index, weights = _routes(m, tokens, seed=tp * 10 + tokens)
+    owners = {int(e) // plan.layers[layer].moe.experts_per_rank for e in index.reshape(-1)}
+    assert len(owners) > 1, "the routes should span ranks, or masking is not exercised"
+    with torch.no_grad():
+        dense = [_sharded_experts(m, plan, layer, r, "dense")(hidden, index, weights) for r in range(tp)]
+        selective = [_sharded_experts(m, plan, layer, r, "selective")(hidden, index, weights) for r in range(tp)]
+        reference = StaticExperts(m.text_model.layers[layer].experts, "dense")(hidden, index, weights)
+    for r in range(tp):  # each rank's partial sum, before the all-reduce, is the same in both forms
+        assert selective[r].shape == (tokens, plan.hidden)
+        torch.testing.assert_close(selective[r], dense[r], atol=1e-5, rtol=1e-4)
+    assert sum(bool(p.abs().max() > 0) for p in selective) == len(owners)  # ranks owning no route add 0
+    torch.testing.assert_close(sum(selective), sum(dense), atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(sum(selective), reference, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("tokens", [1, 5])
+def test_selective_sharded_experts_reproduce_the_baked_rank_bug(tokens):
+    """With the rank baked in at build time, rank 1 offsets the expert ids by rank 0's: wrong, and
+    wrong in exactly the way the dense form is."""
+    m = tiny("26b-a4b")
+    plan = make_plan(m.config, 2, m.variant)
+    hidden, index, weights = _routes(m, tokens, seed=7 + tokens)
+    with torch.no_grad():
+        real = _sharded_experts(m, plan, 1, 1, "selective")(hidden, index, weights)
+        baked = _sharded_experts(m, plan, 1, 1, "selective", baked_rank=0)(hidden, index, weights)
+        baked_dense = _sharded_experts(m, plan, 1, 1, "dense", baked_rank=0)(hidden, index, weights)
+    torch.testing.assert_close(baked, baked_dense, atol=1e-5, rtol=1e-4)
+    assert (baked - real).abs().max() > 1e-2
+
+
+def test_rank_graph_selective_decode_at_tp1_is_the_device_graph():
+    """`with_shape(..., expert_form=)` gives a selective decode over the prefill graph's modules;
+    each graph runs its own form."""
+    m = tiny("26b-a4b")
+    plan = make_plan(m.config, 1, m.variant)
+    prefill = build_rank_graph(m.config, plan, GraphShape(1, PREFILL_LEN, CONTEXT))
+    load_shard(prefill, shard_state_dict(m.lm, plan, 0))
+    decode = with_shape(prefill, GraphShape(1, 1, CONTEXT), expert_form="selective")
+    assert (prefill.expert_form, decode.expert_form) == ("dense", "selective")
+    ref = DeviceGraph(m.text_model, m.lm_head, m.layout, GraphShape(1, 1, CONTEXT), inplace=False,
+                      expert_form="selective")
+    inputs = list(ref.example_inputs())
+    inputs[0] = torch.randn(inputs[0].shape, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        a, b = ref(*inputs), decode(*inputs)
+    assert all(e.form == "selective" for e in decode._rank_users)
+    torch.testing.assert_close(b[0], a[0], atol=1e-4, rtol=1e-4)
+    with torch.no_grad():
+        prefill(*prefill.example_inputs())
+    assert all(e.form == "dense" for e in prefill._rank_users)  # the shared modules follow the graph
+
+
+def test_selective_decode_at_tp2_equals_reference_and_dense():
+    dense = run_once("26b-a4b", 2)
+    selective = run_once("26b-a4b", 2, decode_experts="selective")
+    assert selective["decode_experts"] == "selective" and dense["decode_experts"] == "dense"
+    assert len(set(selective["reference_tokens"])) > 4
+    assert selective["seq_match"], (selective["tokens"], selective["reference_tokens"])
+    assert selective["ranks_agree"] and selective["missing_keys"] == []
+    assert selective["tokens"] == dense["tokens"]
+    read = selective["plan"]["moe"]["weights_read_per_rank_per_layer"]
+    assert read["dense"]["experts"] == 8 and read["selective_per_token"]["experts"] == 4
+    assert read["dense"]["params"] == 2 * read["selective_per_token"]["params"] == 8 * 3 * 32 * 64
+
+
+def test_selective_decode_with_baked_rank_is_wrong():
+    """The host prefills (right), so every wrong token comes from the baked-rank selective decode."""
+    real = run_once("26b-a4b", 2, decode_experts="selective", prefill="cpu-seeded")
+    baked = run_once("26b-a4b", 2, decode_experts="selective", prefill="cpu-seeded", baked_rank=True)
+    assert real["seq_match"], (real["tokens"], real["reference_tokens"])
+    assert not baked["seq_match"] and baked["ranks_agree"]
+    assert baked["first_divergence"] >= 1  # the first token is the host prefill's
+    baked_dense = run_once("26b-a4b", 2, prefill="cpu-seeded", baked_rank=True)
+    assert baked["tokens"] == baked_dense["tokens"]  # the same wrong answer as the dense form's

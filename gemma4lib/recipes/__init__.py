@@ -36,9 +36,11 @@ def recipe_module(recipe: str):
     return importlib.import_module(RECIPE_MODULES[recipe])
 
 
-def neuron_cache_key(model, recipe: str, tp: int, shapes: dict, compiler_args: dict, dtype) -> tuple[str, dict]:
+def neuron_cache_key(model, recipe: str, tp: int, shapes: dict, compiler_args: dict, dtype,
+                     decode_experts: str = "dense") -> tuple[str, dict]:
     """Cache key of a Neuron artifact: config, weights, recipe, TP degree, shapes, compiler
-    arguments and versions (the pinned SDK set as found, torch, transformers, gemma4lib)."""
+    arguments, the decode graph's expert form when not dense, and versions (the pinned SDK set as
+    found, torch, transformers, gemma4lib)."""
     from ..artifacts import make_key
     from ..compile_cpu import weights_fingerprint
     from ..environment import versions
@@ -55,6 +57,8 @@ def neuron_cache_key(model, recipe: str, tp: int, shapes: dict, compiler_args: d
         "sdk": {r["package"]: r["found"] for r in neuron_env.check_versions()},
         "versions": versions(),
     }
+    if decode_experts != "dense":  # only then: the keys of existing (dense) artifacts stay valid
+        parts["decode_experts"] = decode_experts
     return make_key(parts), parts
 
 
@@ -85,9 +89,14 @@ def compile_graphs_neuron(model, prefill, decode, settings):
     n_inputs = 4 if decode.has_ple else 3
     bucket = max(prefill)
     shapes = {"decode": GraphShape(1, 1, context, ring)}
+    # only the ModelBuilder recipe builds its graphs from the TP rank graph, which takes the form
+    decode_experts = "dense"
     if recipe == "model_builder":
         shapes["prefill"] = GraphShape(1, bucket, context, ring)
-    key, parts = neuron_cache_key(model, recipe, tp, shapes, neuron_env.COMPILER_ARGS, dtype)
+        if model.variant.is_moe:
+            decode_experts = getattr(settings, "decode_experts", "dense")
+    key, parts = neuron_cache_key(model, recipe, tp, shapes, neuron_env.COMPILER_ARGS, dtype,
+                                  decode_experts=decode_experts)
     cache = ArtifactCache(settings.cache_dir)
     started = time.perf_counter()
 
@@ -107,7 +116,7 @@ def compile_graphs_neuron(model, prefill, decode, settings):
             from . import neuron_model_builder
             neuron_model_builder.compile_model_builder(model, tp, folder, context_length=context,
                                                        prefill_len=bucket, ring=ring, dtype=dtype,
-                                                       compiler_workdir=workdir)
+                                                       compiler_workdir=workdir, decode_experts=decode_experts)
         return {"recipe": recipe, "tp": tp}
 
     entry = cache.get_or_build(key, build, describe={k: v for k, v in parts.items() if k != "config"})
@@ -131,4 +140,4 @@ def compile_graphs_neuron(model, prefill, decode, settings):
         steps = {bucket: step}
     runtime = HostRuntime(model, steps, step, host_kv, context, dtype=dtype)
     return CompiledGraphs(runtime, 0.0 if entry.hit else compile_s, [entry.hit], f"neuron-{recipe}",
-                          {"artifacts": str(entry.path), "tp_degree": tp})
+                          {"artifacts": str(entry.path), "tp_degree": tp, "decode_experts": decode_experts})

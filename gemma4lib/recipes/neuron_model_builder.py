@@ -10,6 +10,10 @@ the config on the meta device with shard-size layers, so `module_cls()` never ho
   `BaseModelInstance` whose `get()` returns the `KVParamModule` and its `{kv_param: output_index}`
   aliases. Both modules have the same K/V parameter names, so NxD keeps one set of K/V state
   buffers per rank for both graphs. The NxD model routes a call by its input shapes.
+- MoE (26B-A4B): the prefill graph's experts are all-experts-dense; the decode graph's take
+  `decode_experts` (`selective`: each rank gathers the routed top-k slices from its own
+  `ColumnParallelLinear`/`RowParallelLinear` weights and sums over ranks with the reduction
+  `RowParallelLinear` uses). Same parameters either way, so one checkpoint serves both graphs.
 - `checkpoint_loader` returns `tp.shard.nxd_full_checkpoint`: every sharded tensor laid out so that
   NxD's contiguous split gives back exactly our shard for each rank (K/V heads already replicated
   per rank where KV heads < TP), plus `layer_scalar` (held as a parameter by the rank graph, so it
@@ -30,6 +34,7 @@ from typing import Any, Sequence
 import torch
 from torch import nn
 
+from ..experts import EXPERT_FORMS
 from ..graph import GraphShape
 from ..tp.plan import TPPlan, make_plan
 from ..tp.rank_graph import build_rank_graph
@@ -52,7 +57,8 @@ class NxDParallelFactory:
 
     def __init__(self, tp: int, dtype: torch.dtype = torch.bfloat16):
         layers = neuron_env.require("neuronx_distributed.parallel_layers.layers", PURPOSE)
-        self.tp, self.dtype, self._layers = tp, dtype, layers
+        mappings = neuron_env.require("neuronx_distributed.parallel_layers.mappings", PURPOSE)
+        self.tp, self.dtype, self._layers, self._mappings = tp, dtype, layers, mappings
 
     def column(self, in_features: int, out_features_total: int, gather: bool = False) -> nn.Module:
         return self._layers.ColumnParallelLinear(  # inf2-only
@@ -70,18 +76,34 @@ class NxDParallelFactory:
     def rank_module(self) -> nn.Module:
         return self._layers.SPMDRank(world_size=self.tp)  # inf2-only
 
+    def all_reduce(self, x: torch.Tensor, row: nn.Module) -> torch.Tensor:
+        """The reduction `row` (a `RowParallelLinear`) applies to its partial outputs: sum over its
+        tensor-parallel group in its `reduce_dtype` (the selective experts' sum over ranks)."""
+        dtype = x.dtype
+        out = self._mappings.reduce_from_tensor_model_parallel_region(  # inf2-only
+            x.to(row.reduce_dtype), process_group=row.tensor_parallel_group)
+        return out.to(dtype)
+
 
 def rank_module(config: Any, plan: TPPlan, shape: GraphShape, dtype: torch.dtype,
-                factory: Any = None) -> KVParamModule:
+                factory: Any = None, expert_form: str = "dense") -> KVParamModule:
     """The module one rank compiles: rank graph (NxD layers by default) + K/V parameters."""
     factory = factory or NxDParallelFactory(plan.tp, dtype)
-    graph = build_rank_graph(config, plan, shape, factory=factory, dtype=dtype, inplace=False)
+    graph = build_rank_graph(config, plan, shape, factory=factory, dtype=dtype, inplace=False,
+                             expert_form=expert_form)
     return KVParamModule(graph).eval()
 
 
 def bucket_shapes(context_length: int, prefill_len: int, ring: bool = False) -> dict[str, GraphShape]:
     return {"prefill": GraphShape(1, prefill_len, context_length, ring),
             "decode": GraphShape(1, 1, context_length, ring)}
+
+
+def bucket_expert_forms(decode_experts: str = "dense") -> dict[str, str]:
+    """The experts' form per key: prefill always dense (many tokens hit every expert anyway)."""
+    if decode_experts not in EXPERT_FORMS:
+        raise ValueError(f"unknown decode_experts form {decode_experts!r}; choose one of {EXPERT_FORMS}")
+    return {"prefill": "dense", "decode": decode_experts}
 
 
 def nxd_checkpoint(loaded: Any, plan: TPPlan, dtype: torch.dtype) -> dict[str, torch.Tensor]:
@@ -95,12 +117,13 @@ def _instance_class():
     class GraphInstance(model_builder.BaseModelInstance):
         """One ModelBuilder key: builds the rank module, hands out its K/V aliases."""
 
-        def __init__(self, config, plan, shape, dtype):
+        def __init__(self, config, plan, shape, dtype, expert_form="dense"):
             self.config, self.plan, self.shape, self.dtype = config, plan, shape, dtype
+            self.expert_form = expert_form
             super().__init__(module_cls=self._build, input_output_aliases={})
 
         def _build(self):
-            return rank_module(self.config, self.plan, self.shape, self.dtype)
+            return rank_module(self.config, self.plan, self.shape, self.dtype, expert_form=self.expert_form)
 
         def get(self, bucket_rank, **kwargs):
             return self.module, self.module.aliases()
@@ -110,9 +133,13 @@ def _instance_class():
 
 def compile_model_builder(loaded: Any, tp: int, out_dir: str | Path, *, context_length: int, prefill_len: int,
                           ring: bool = False, dtype: torch.dtype = torch.bfloat16,
-                          compiler_workdir: str | Path | None = None) -> Path:
-    """Compile prefill + decode for one rank, save the model and the per-rank shards to `out_dir`."""
+                          compiler_workdir: str | Path | None = None, decode_experts: str = "dense") -> Path:
+    """Compile prefill + decode for one rank, save the model and the per-rank shards to `out_dir`.
+
+    `decode_experts`: the decode graph's MoE expert form (`dense` | `selective`); prefill is dense.
+    """
     model_builder, GraphInstance = _instance_class()
+    forms = bucket_expert_forms(decode_experts)
     plan = make_plan(loaded.config, tp, loaded.variant)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -121,14 +148,15 @@ def compile_model_builder(loaded: Any, tp: int, out_dir: str | Path, *, context_
     builder = model_builder.ModelBuilder(router=None, tp_degree=tp, checkpoint_loader=lambda: dict(checkpoint),
                                          compiler_workdir=str(workdir))
     for key, shape in bucket_shapes(context_length, prefill_len, ring).items():
-        builder.add(key=key, model_instance=GraphInstance(loaded.config, plan, shape, dtype),
+        builder.add(key=key, model_instance=GraphInstance(loaded.config, plan, shape, dtype, forms[key]),
                     example_inputs=[graph_example_inputs(loaded.config, shape, dtype)],
                     compiler_args=neuron_env.COMPILER_ARGS[shape.phase])
     traced = builder.trace(initialize_model_weights=False)  # inf2-only
     torch.jit.save(traced, str(out / "model.pt"))  # inf2-only
     builder.shard_checkpoint(serialize_path=str(out / "weights"))  # inf2-only
     manifest = {"recipe": RECIPE, "variant": loaded.variant.name, "tp": tp, "context_length": context_length,
-                "prefill_len": prefill_len, "ring": ring, "dtype": str(dtype), "plan": plan.describe(),
+                "prefill_len": prefill_len, "ring": ring, "dtype": str(dtype), "expert_forms": forms,
+                "plan": plan.describe(),
                 "compiler_args": neuron_env.COMPILER_ARGS}
     (out / "manifest.json").write_text(json.dumps(manifest, indent=2))
     return out

@@ -11,7 +11,8 @@ does what a NeuronCore does in the ModelBuilder recipe:
 3. run prefill then the greedy decode loop over the modules a compiler would get (K/V as
    parameters shared by the prefill and decode graphs, updated through the aliased outputs:
    `recipes.common.KVParamModule` + `AliasEmulator`); row-parallel outputs are all-reduced and the
-   lm_head logits all-gathered through gloo.
+   lm_head logits all-gathered through gloo. MoE prefill is always all-experts-dense; decode takes
+   `decode_experts` (`dense`, or `selective`: each rank gathers its share of the routed top-k).
 
 Every rank also plays host for itself (embedding and PLE lookups, argmax): all ranks see the same
 gathered logits, so they pick the same tokens; the result checks that they did. Tokens come back
@@ -32,6 +33,7 @@ import torch
 from torch import nn
 
 from ..errors import BadPromptError, PromptTooLongError, TensorParallelError
+from ..experts import EXPERT_FORMS
 from ..graph import DeviceGraph, GraphShape
 from .plan import TPPlan, make_plan
 from .rank_graph import build_rank_graph, load_shard, with_shape
@@ -56,6 +58,7 @@ class RankJob:
     ring: bool = False
     baked_rank: bool = False
     dtype: torch.dtype = torch.float32
+    decode_experts: str = "dense"  # the decode graph's expert form; prefill is always dense
     # CPU-seeded prefill (the E4B recipe): per-rank K/V slices and the last prompt token's logits
     seed_kv: list[list[torch.Tensor]] | None = None
     seed_logits: torch.Tensor | None = None
@@ -70,7 +73,7 @@ def _run_rank(rank: int, job: RankJob) -> dict[str, Any]:
     prefill = build_rank_graph(job.config, job.plan, GraphShape(1, job.prefill_len, job.context_length, job.ring),
                                collectives=coll, dtype=job.dtype, baked_rank=job.baked_rank)
     missing = load_shard(prefill, job.shards[rank])
-    decode = with_shape(prefill, GraphShape(1, 1, job.context_length, job.ring))
+    decode = with_shape(prefill, GraphShape(1, 1, job.context_length, job.ring), expert_form=job.decode_experts)
     build_s = time.perf_counter() - t0
 
     # the modules a compiler would get: K/V as parameters shared by prefill and decode, updated
@@ -216,7 +219,7 @@ def run_tp_port(loaded_model: Any, tp: Any, prompt_ids: Any, max_new_tokens: Any
                 include_buffers: bool = True, check_reference: bool = True,
                 reference_tokens: Sequence[int] | None = None, eos_token_ids: Sequence[int] = (),
                 start_method: str = "fork", ring: bool = False, prefill: str = "graph",
-                timeout_s: float = 300.0) -> dict[str, Any]:
+                decode_experts: str = "dense", timeout_s: float = 300.0) -> dict[str, Any]:
     """Shard `loaded_model` for `tp` ranks, run them on CPU with gloo, compare with the reference.
 
     `loaded_model` is a `loading.LoadedModel`. Returns a JSON-friendly dict: `tokens` (rank 0),
@@ -226,7 +229,9 @@ def run_tp_port(loaded_model: Any, tp: Any, prompt_ids: Any, max_new_tokens: Any
     the field report met (rank read at trace time; buffers missing from the shards).
     `prefill="cpu-seeded"` runs the E4B recipe's flow: the unsharded model prefills on the host and
     each rank starts decoding from its slice of those K/V buffers (`prefill="graph"`: the rank
-    graphs prefill).
+    graphs prefill). `decode_experts="selective"` makes the decode graph gather the routed top-k
+    experts from each rank's shard instead of running all its experts (MoE only; prefill stays
+    dense).
 
     Also callable as `run_tp_port(loaded_model, port_settings, prompt_ids, eos_ids)` (the port
     pipeline's form): shapes come from the settings and the result is the pipeline's `device_run`
@@ -237,14 +242,15 @@ def run_tp_port(loaded_model: Any, tp: Any, prompt_ids: Any, max_new_tokens: Any
     result, _ = _run_tp(loaded_model, tp, prompt_ids, max_new_tokens, context_length, prefill_len,
                         baked_rank=baked_rank, include_buffers=include_buffers, check_reference=check_reference,
                         reference_tokens=reference_tokens, eos_token_ids=eos_token_ids,
-                        start_method=start_method, ring=ring, prefill=prefill, timeout_s=timeout_s)
+                        start_method=start_method, ring=ring, prefill=prefill, decode_experts=decode_experts,
+                        timeout_s=timeout_s)
     return result
 
 
 def _run_tp(loaded_model: Any, tp: int, prompt_ids: Any, max_new_tokens: int, context_length: int, prefill_len: int,
             *, baked_rank: bool, include_buffers: bool, check_reference: bool,
             reference_tokens: Sequence[int] | None, eos_token_ids: Sequence[int], start_method: str, ring: bool,
-            prefill: str, timeout_s: float) -> tuple[dict[str, Any], torch.Tensor]:
+            prefill: str, timeout_s: float, decode_experts: str = "dense") -> tuple[dict[str, Any], torch.Tensor]:
     variant = loaded_model.variant
     lm = loaded_model.lm
     config = lm.config
@@ -257,6 +263,8 @@ def _run_tp(loaded_model: Any, tp: int, prompt_ids: Any, max_new_tokens: int, co
     if tp < 2:
         raise TensorParallelError(f"run_tp_port shards over ranks: TP must be >= 2, got {tp} "
                                   f"(TP=1 is the single-core trace recipe)")
+    if decode_experts not in EXPERT_FORMS:
+        raise ValueError(f"unknown decode_experts form {decode_experts!r}; choose one of {EXPERT_FORMS}")
     plan = make_plan(config, tp, variant)
     dtype = next(lm.parameters()).dtype
 
@@ -266,7 +274,7 @@ def _run_tp(loaded_model: Any, tp: int, prompt_ids: Any, max_new_tokens: int, co
     shard_s = time.perf_counter() - t0
 
     job = RankJob(config, plan, shards, HostEmbedder.from_text_model(lm.model), prompt, max_new_tokens,
-                  context_length, prefill_len, ring, baked_rank, dtype,
+                  context_length, prefill_len, ring, baked_rank, dtype, decode_experts=decode_experts,
                   eos_token_ids=tuple(int(t) for t in eos_token_ids))
     if prefill == "cpu-seeded":
         job.seed_logits, job.seed_kv = host_prefill(loaded_model, plan, prompt, context_length, prefill_len, ring)
@@ -288,6 +296,7 @@ def _run_tp(loaded_model: Any, tp: int, prompt_ids: Any, max_new_tokens: int, co
         "ranks_agree": all(r["tokens"] == tokens for r in ranks),
         "missing_keys": ranks[0]["missing_keys"],
         "baked_rank": baked_rank,
+        "decode_experts": decode_experts,
         "plan": plan.describe(),
         "shard_shapes": shapes,
         "kv_shapes_per_rank": ranks[0]["kv_shapes"],
@@ -330,7 +339,7 @@ def _run_for_settings(loaded_model: Any, settings: Any, prompt_ids: Any, eos_tok
                                   int(settings.context_length), bucket, baked_rank=False, include_buffers=True,
                                   check_reference=False, reference_tokens=None, eos_token_ids=eos_token_ids,
                                   start_method="fork", ring=bool(settings.ring_kv), prefill="graph",
-                                  timeout_s=300.0)
+                                  timeout_s=300.0, decode_experts=getattr(settings, "decode_experts", "dense"))
     from ..reference import reference_last_logits
 
     cap = getattr(loaded_model.config, "final_logit_softcapping", None)

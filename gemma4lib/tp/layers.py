@@ -8,10 +8,17 @@ one for one:
   the partial outputs are all-reduced.
 - `SPMDRankParam` ~ `SPMDRank`: the rank as an int32 *parameter* loaded from the rank's shard, so
   one compiled graph serves every rank.
-- `ShardedExperts`: the MoE experts as all-experts-dense math over this rank's experts, built from
-  one `ColumnShard` and one `RowShard`; the routing-weight columns of the local experts are picked
-  with the runtime rank tensor. `baked_rank=<int>` reproduces the field report's bug: the rank read
-  as a Python int when the graph was built, i.e. rank 0's slice on every rank.
+- `ShardedExperts`: the MoE experts of this rank (expert-parallel: `E/tp` consecutive experts),
+  held as one `ColumnShard` (`gate_up`) and one `RowShard` (`down`), in two static forms like
+  `experts.StaticExperts`:
+  - `dense`: every local expert runs on every token, weighted by this rank's routing-weight
+    columns (picked with the runtime rank tensor); reads all the rank's expert weights.
+  - `selective`: the routed top-k expert ids are shifted by `rank * E/tp` and masked to the local
+    range; the k (clamped) local slices are gathered straight from the shard weights and weighted by
+    routing weight x valid, then all-reduced the way the `RowShard` reduces. Reads k slices per
+    token per rank, whatever E/tp is: the decode form.
+  `baked_rank=<int>` reproduces the field report's bug in both forms: the rank read as a Python
+  int when the graph was built, i.e. rank 0's slice on every rank.
 
 Collectives are a small object (`Collectives`): identity for one process, `torch.distributed`
 for the CPU gloo run. Modules keep it as a plain attribute, not a submodule.
@@ -19,9 +26,13 @@ for the CPU gloo run. Modules keep it as a plain attribute, not a submodule.
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from ..experts import EXPERT_FORMS
 
 
 class Collectives:
@@ -105,36 +116,72 @@ class SPMDRankParam(nn.Module):
 class ShardedExperts(nn.Module):
     """Drop-in for the experts' `forward(hidden, top_k_index, top_k_weights)` on one rank.
 
-    y = sum_e w_e * down_e(act(gate_e x) * up_e x)  =  down_local( [w_e * act(gate_e x) * up_e x]_e )
+    dense:     y = sum_e w_e * down_e(act(gate_e x) * up_e x)  =  down_local( [w_e * act(gate_e x) * up_e x]_e )
     summed over ranks: the routing weight is folded in before the down projection, so the whole
     expert block is one column-parallel and one row-parallel linear.
+
+    selective: the same sum over the k routed experts only, each rank contributing the ones it holds
+    (valid = the expert id falls in this rank's range); the weight slices are indexed out of the two
+    linears' `.weight` (NxD's parallel linears hold theirs in the same [out, in] layout), so the
+    checkpoint and the sharding are the same for both forms.
+
+    `all_reduce` is the selective form's sum over ranks; by default the `RowShard`'s collectives
+    (the rank graph passes its factory's, which for NxD is `RowParallelLinear`'s reduction).
     """
 
     def __init__(self, num_experts: int, hidden: int, intermediate: int, tp: int, act_fn, *,
-                 gate_up: nn.Module, down: nn.Module, baked_rank: int | None = None):
+                 gate_up: nn.Module, down: nn.Module, baked_rank: int | None = None, form: str = "dense",
+                 all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None):
         super().__init__()
         if num_experts % tp:
             raise ValueError(f"{num_experts} experts do not split over {tp} ranks")
+        if form not in EXPERT_FORMS:
+            raise ValueError(f"unknown expert form {form!r}; choose one of {EXPERT_FORMS}")
         self.num_experts, self.tp, self.local = num_experts, tp, num_experts // tp
         self.hidden, self.intermediate = hidden, intermediate
         self.act_fn = act_fn
         self.gate_up = gate_up  # [local * 2I, H] rows: expert-major, gate then up
         self.down = down  # [H, local * I] columns: expert-major
         self.baked_rank = baked_rank
+        self.form = form  # the rank graph sets it per forward (prefill and decode share this module)
+        self.all_reduce = all_reduce
         self.current_rank: torch.Tensor | None = None  # set by the rank graph for each forward
+
+    def _rank(self) -> torch.Tensor:
+        if self.current_rank is None:
+            raise RuntimeError("ShardedExperts ran outside a rank graph: no rank tensor was provided")
+        return self.current_rank.reshape(1).to(torch.long)
 
     def local_weights(self, weights: torch.Tensor) -> torch.Tensor:
         """This rank's columns of the [tokens, experts] routing weights."""
         if self.baked_rank is not None:  # the bug: a Python int frozen into the graph
             start = self.baked_rank * self.local
             return weights[:, start:start + self.local]
-        if self.current_rank is None:
-            raise RuntimeError("ShardedExperts ran outside a rank graph: no rank tensor was provided")
         n = weights.shape[0]
-        rank = self.current_rank.reshape(1).to(torch.long)
-        return weights.view(n, self.tp, self.local).index_select(1, rank).reshape(n, self.local)
+        return weights.view(n, self.tp, self.local).index_select(1, self._rank()).reshape(n, self.local)
+
+    def local_routes(self, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, dtype: torch.dtype
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(local expert index clamped into [0, local), routing weight x valid), both [tokens, k]."""
+        if self.baked_rank is not None:  # the bug again: rank 0's offset on every rank
+            offset: int | torch.Tensor = self.baked_rank * self.local
+        else:
+            offset = self._rank() * self.local
+        index = top_k_index - offset
+        valid = (index >= 0) & (index < self.local)
+        return index.clamp(0, self.local - 1), top_k_weights.to(dtype) * valid.to(dtype)
+
+    def _reduce(self, x: torch.Tensor) -> torch.Tensor:
+        if self.all_reduce is not None:
+            return self.all_reduce(x)
+        return self.down.collectives.all_reduce(x)
 
     def forward(self, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+        if self.form == "selective":
+            return self._selective(hidden, top_k_index, top_k_weights)
+        return self._dense(hidden, top_k_index, top_k_weights)
+
+    def _dense(self, hidden, top_k_index, top_k_weights):
         n = hidden.shape[0]
         weights = torch.zeros(n, self.num_experts, dtype=top_k_weights.dtype, device=hidden.device)
         weights = weights.scatter(1, top_k_index, top_k_weights)
@@ -144,3 +191,25 @@ class ShardedExperts(nn.Module):
         gate, up = gate_up.view(n, self.local, 2 * self.intermediate).chunk(2, dim=-1)
         inner = self.act_fn(gate) * up * local.unsqueeze(-1)  # [n, local, I]
         return self.down(inner.reshape(1, n, self.local * self.intermediate))[0]
+
+    def _selective(self, hidden, top_k_index, top_k_weights):
+        n, k = top_k_index.shape
+        index, scale = self.local_routes(top_k_index, top_k_weights, hidden.dtype)  # [n, k]
+        gate_up_w = self.gate_up.weight.view(self.local, 2 * self.intermediate, self.hidden)  # [local, 2I, H]
+        down_w = self.down.weight.view(self.hidden, self.local, self.intermediate)  # [H, local, I]
+        if n == 1:
+            # One token (decode): gather-multiply-reduce, the fused form of StaticExperts._selective_one;
+            # the routing weight (zero for another rank's expert) is folded in before the down slices.
+            x, flat = hidden[0], index[0]
+            gate, up = (gate_up_w[flat] * x).sum(-1).chunk(2, dim=-1)  # [k, I] each
+            inner = self.act_fn(gate) * up * scale[0].unsqueeze(-1)  # [k, I]
+            out = (down_w[:, flat] * inner).sum((-1, -2))  # [H]: over k and I at once
+            return self._reduce(out.unsqueeze(0))
+        flat = index.reshape(-1)
+        gu = gate_up_w.index_select(0, flat)  # [n*k, 2I, H]
+        dw = down_w.index_select(1, flat).permute(1, 0, 2)  # [n*k, H, I]
+        x = hidden.repeat_interleave(k, dim=0).unsqueeze(-1)  # [n*k, H, 1]
+        gate, up = torch.bmm(gu, x).squeeze(-1).chunk(2, dim=-1)
+        inner = self.act_fn(gate) * up * scale.reshape(-1, 1)  # [n*k, I]
+        out = torch.bmm(dw, inner.unsqueeze(-1)).squeeze(-1)  # [n*k, H]
+        return self._reduce(out.view(n, k, self.hidden).sum(dim=1))

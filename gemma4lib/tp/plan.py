@@ -16,11 +16,12 @@ The rules (Megatron-style, one all-reduce after attention and one after the feed
   K/V, which the same rule puts on the same rank.
 - MLP: `gate_proj`/`up_proj` column, `down_proj` row (all-reduced). The MoE block's dense MLP is
   sharded the same way.
-- MoE experts: all experts computed densely and masked to the routed top-k, split along the expert
-  dimension (rank r owns experts [r*e, (r+1)*e)), expressed as two parallel linears: `gate_up`
-  column (rows of its experts) and `down` row (all-reduced). The router is replicated (small) so
-  every rank routes identically; each rank picks its experts' columns of the routing weights with
-  the *runtime* rank tensor.
+- MoE experts: split along the expert dimension (rank r owns experts [r*e, (r+1)*e)), expressed
+  as two parallel linears: `gate_up` column (rows of its experts) and `down` row (all-reduced).
+  The router is replicated (small) so every rank routes identically. Two forms over the same
+  shards: `dense` computes all of the rank's experts and picks its columns of the routing weights
+  with the *runtime* rank tensor (reads e experts per rank); `selective` gathers the routed top-k
+  from the rank's shard, masked to the ids the rank owns (reads k expert slices per rank per token).
 - Per-layer-input (PLE) gate/projection and `per_layer_model_projection`: replicated (small). The
   embedding and PLE tables never reach the device: the host looks them up.
 - lm_head (tied to the embedding, vocab x hidden): column-sharded over the vocabulary and
@@ -102,6 +103,20 @@ class MoEPlan:
     def experts_of(self, rank: int) -> list[int]:
         e = self.experts_per_rank
         return list(range(rank * e, (rank + 1) * e))
+
+    def expert_params(self, hidden: int) -> int:
+        """Weights of one expert: gate and up [I, H] each, down [H, I]."""
+        return 3 * self.intermediate * hidden
+
+    def weights_read_per_rank(self, hidden: int) -> dict[str, dict[str, int]]:
+        """Expert weights one rank reads per layer and step, per form (elements; x dtype size for bytes).
+
+        dense: all its experts, whatever the token count; selective: k gathered slices per token
+        (clamped, so k even when fewer of the routed experts are this rank's).
+        """
+        one = self.expert_params(hidden)
+        return {"dense": {"experts": self.experts_per_rank, "params": self.experts_per_rank * one},
+                "selective_per_token": {"experts": self.top_k, "params": self.top_k * one}}
 
 
 @dataclass(frozen=True)
@@ -192,7 +207,9 @@ class TPPlan:
             "moe": None if moe is None else {
                 "num_experts": moe.num_experts, "top_k": moe.top_k, "experts_per_rank": moe.experts_per_rank,
                 "experts_by_rank": [[moe.experts_of(r)[0], moe.experts_of(r)[-1]] for r in range(self.tp)],
-                "form": "all experts dense, masked to top-k; gate_up column + down row over the expert dim",
+                "form": "gate_up column + down row over the expert dim; dense: all local experts, masked to "
+                        "top-k; selective: the routed top-k gathered from the local shard, masked to its ids",
+                "weights_read_per_rank_per_layer": moe.weights_read_per_rank(self.hidden),
                 "rank_source": "runtime int32 tensor (spmd_rank.rank), never a trace-time int",
             },
             "lm_head": self.lm_head + (" (all-gathered over the vocabulary)" if self.lm_head == COLUMN else ""),

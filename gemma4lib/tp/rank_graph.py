@@ -13,14 +13,18 @@ never touched):
   `num_key_value_groups` the rank-local Q-per-KV count. transformers' own attention forward runs
   unchanged: it reshapes with -1 heads.
 - MLP: `gate_proj`/`up_proj` column, `down_proj` row.
-- MoE experts: `layers.ShardedExperts` (this rank's experts, rank-sliced routing weights).
+- MoE experts: `layers.ShardedExperts` (this rank's experts), in the graph's `expert_form`:
+  `dense` (rank-sliced routing weights over all local experts) or `selective` (the routed top-k
+  gathered from the local shard, masked to this rank's experts, all-reduced). The form belongs to
+  the graph, not the module: `with_shape` graphs share their modules, so a dense prefill and a
+  selective decode run over one set of weights (the rank graph sets the form each forward).
 - `layer_scalar`: a buffer in transformers, a parameter here, so a compiled graph takes it from the
   checkpoint like any weight instead of freezing its init value.
 - lm_head: column shard over the vocabulary, all-gathered.
 
 `baked_rank=True` builds the deliberately broken variant from the field report: the MoE reads the
 rank as a Python int while the graph is built (it is 0 then: the single compiled rank), so every
-rank weights rank 0's experts.
+rank weights rank 0's experts (dense) or offsets the routed expert ids by rank 0's (selective).
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..experts import EXPERT_FORMS
 from ..graph import DeviceGraph, GraphShape, _shallow_clone
 from .layers import Collectives, ColumnShard, RowShard, ShardedExperts, SPMDRankParam
 from .plan import COLUMN, TPPlan
@@ -62,6 +67,10 @@ class CpuParallelFactory:
     def rank_module(self) -> nn.Module:
         return SPMDRankParam(self.tp)
 
+    def all_reduce(self, x: torch.Tensor, row: nn.Module) -> torch.Tensor:
+        """The sum over ranks that `row` (a row-parallel layer this factory made) applies."""
+        return row.collectives.all_reduce(x)
+
 
 class _Recording:
     """Wraps a layer factory and remembers every module it made."""
@@ -86,17 +95,25 @@ class _Recording:
     def rank_module(self):
         return self._keep(self.factory.rank_module())
 
+    def all_reduce_for(self, row: nn.Module):
+        """`x -> factory.all_reduce(x, row)`, or None for a factory without one (then the experts
+        fall back to `row.collectives`)."""
+        reduce = getattr(self.factory, "all_reduce", None)
+        return None if reduce is None else (lambda x: reduce(x, row))
+
 
 class RankGraph(DeviceGraph):
     """`DeviceGraph` for one rank of a `TPPlan`; same inputs and outputs, rank-local KV buffers."""
 
     def __init__(self, text_model: nn.Module, plan: TPPlan, shape: GraphShape, *, factory: Any,
-                 inplace: bool = False, baked_rank: bool = False):
+                 inplace: bool = False, baked_rank: bool = False, expert_form: str = "dense"):
+        if expert_form not in EXPERT_FORMS:
+            raise ValueError(f"unknown expert form {expert_form!r}; choose one of {EXPERT_FORMS}")
         factory = _Recording(factory)
         hidden, vocab = plan.hidden, plan.vocab
         lm_head = (factory.column(hidden, vocab, gather=True) if plan.lm_head == COLUMN
                    else factory.replicated(hidden, vocab))
-        super().__init__(text_model, lm_head, plan.rank_layout(), shape, inplace=inplace, expert_form="dense")
+        super().__init__(text_model, lm_head, plan.rank_layout(), shape, inplace=inplace, expert_form=expert_form)
         self.plan = plan
         self.spmd_rank = factory.rank_module()
         # The bug, when asked for: the rank read as a Python int while the graph is built.
@@ -106,11 +123,12 @@ class RankGraph(DeviceGraph):
             self._shard_attention(layer, lp, factory)
             self._shard_mlp(layer, lp, factory)
             if lp.moe is not None and getattr(layer, "experts", None) is not None:
+                down = factory.row(lp.moe.num_experts * lp.moe.intermediate, hidden)
                 experts = ShardedExperts(
                     lp.moe.num_experts, hidden, lp.moe.intermediate, plan.tp, layer.experts.act_fn,
                     gate_up=factory.column(hidden, lp.moe.num_experts * 2 * lp.moe.intermediate),
-                    down=factory.row(lp.moe.num_experts * lp.moe.intermediate, hidden),
-                    baked_rank=self.baked_rank)
+                    down=down, baked_rank=self.baked_rank, form=expert_form,
+                    all_reduce=factory.all_reduce_for(down))
                 layer.experts = experts
                 self._rank_users.append(experts)
             scalar = layer._buffers.pop("layer_scalar", None)
@@ -148,6 +166,7 @@ class RankGraph(DeviceGraph):
         rank = self.spmd_rank.get_rank()  # a tensor (a loaded parameter), never a Python int
         for module in self._rank_users:
             module.current_rank = rank
+            module.form = self.expert_form  # shared with `with_shape` siblings: this graph's form
         try:
             return super().forward(inputs_embeds, *args)
         finally:
@@ -193,15 +212,17 @@ def materialize(graph: nn.Module, config: Any, dtype: torch.dtype) -> None:
 
 def build_rank_graph(config: Any, plan: TPPlan, shape: GraphShape, *, factory: Any = None,
                      collectives: Collectives | None = None, dtype: torch.dtype = torch.float32,
-                     inplace: bool = False, baked_rank: bool = False) -> RankGraph:
+                     inplace: bool = False, baked_rank: bool = False, expert_form: str = "dense") -> RankGraph:
     """A rank graph skeleton from the config: rank-local layers at shard size, zeros elsewhere.
 
-    Load a shard into it with `load_shard`. `factory` defaults to the CPU layers.
+    Load a shard into it with `load_shard`. `factory` defaults to the CPU layers. `expert_form`:
+    the MoE experts' form (`dense` | `selective`); the shard is the same for both.
     """
     factory = factory or CpuParallelFactory(plan.tp, collectives, dtype)
     with torch.device("meta"):
         lm = lm_class_for(config)(config)
-    graph = RankGraph(lm.model, plan, shape, factory=factory, inplace=inplace, baked_rank=baked_rank)
+    graph = RankGraph(lm.model, plan, shape, factory=factory, inplace=inplace, baked_rank=baked_rank,
+                      expert_form=expert_form)
     materialize(graph, config, dtype)
     for p in graph.parameters():
         p.requires_grad_(False)
@@ -219,8 +240,14 @@ def load_shard(graph: nn.Module, shard: dict[str, torch.Tensor]) -> list[str]:
     return sorted(result.missing_keys)
 
 
-def with_shape(graph: RankGraph, shape: GraphShape) -> RankGraph:
-    """The same rank graph (shared weights) for other static shapes, e.g. decode next to prefill."""
+def with_shape(graph: RankGraph, shape: GraphShape, expert_form: str | None = None) -> RankGraph:
+    """The same rank graph (shared weights) for other static shapes, e.g. decode next to prefill;
+    `expert_form` (default: the graph's) lets the decode graph gather the top-k experts while the
+    prefill graph stays dense."""
+    if expert_form is not None and expert_form not in EXPERT_FORMS:
+        raise ValueError(f"unknown expert form {expert_form!r}; choose one of {EXPERT_FORMS}")
     other = copy.copy(graph)  # a new __dict__ sharing the submodule and parameter dicts
     other.shape = shape
+    if expert_form is not None:
+        other.expert_form = expert_form
     return other
