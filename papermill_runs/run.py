@@ -1,4 +1,4 @@
-"""`python -m papermill_runs run|check`: execute the notebooks headless and judge the results.
+"""`python -m papermill_runs run|check|bench`: execute the notebooks headless and judge the results.
 
     python -m papermill_runs run --profile smoke [--variant e2b --variant 12b] [--out runs/smoke]
                                  [--update-baseline] [--allow-missing-baseline] [--timeout-per-cell 900]
@@ -13,7 +13,8 @@ each notebook writes, judges it against `baselines/<profile>/<machine-kind>.json
 OUT: `notebooks/` (executed), `logs/`, `results/`, `results.json`, `summary.md`, `summary.csv`
 and PNG plots. It appends one line per variant to the history file and prints the table.
 
-`check` re-judges an existing `results.json` without executing anything.
+`check` re-judges an existing `results.json` without executing anything. `bench` judges a
+`python -m gemma4lib bench --json` report against its baseline, as ratios (see `bench.py`).
 
 Exit status: 0 when every notebook ran and every variant passed; 1 when a notebook failed, a
 check failed, a metric regressed, or a baseline is missing (unless `--allow-missing-baseline`);
@@ -40,7 +41,7 @@ from typing import Any
 from gemma4lib.artifacts import atomic_write_json
 from gemma4lib.errors import BaselineError
 
-from . import baselines, report
+from . import baselines, bench, report
 
 log = logging.getLogger("papermill_runs")
 
@@ -442,6 +443,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", help="where to write the summary (default: next to results.json)")
     _common(p)
     p.set_defaults(func=cmd_check)
+    bench.add_parser(sub)
     return parser
 
 

@@ -318,3 +318,229 @@ def test_update_baseline_takes_the_median_of_recent_runs(tmp_path):
     entry = json.loads(baselines.baseline_path(PROFILE, KIND, tmp_path / "baselines").read_text())["variants"]["e2b"]
     assert entry["decode_tok_s"] == 205.0  # median of 100, 300, 110, 900; the failed run's 5.0 is ignored
     assert entry["runs_in_median"] == 4
+
+
+# ---- `bench`: a benchmark-suite report judged as ratios ---------------------------------------------
+
+from papermill_runs import bench  # noqa: E402
+
+
+def model_block(name, ours=6.0, compile_ratio=1.5, roofline=0.4, hf_compile_status="ok"):
+    """One `models[]` entry as `benchmarks.bench_model` writes it (only the fields bench.py reads, plus tok/s)."""
+    paths = {"gemma4lib": {"status": "ok", "decode_tok_s": 60.0 * ours, "tokens_match_reference": True},
+             "hf_eager": {"status": "ok", "decode_tok_s": 60.0, "tokens_match_reference": True},
+             "hf_static_compile": {"status": "ok", "decode_tok_s": 60.0 * compile_ratio, "tokens_match_reference": True}}
+    if hf_compile_status != "ok":
+        paths["hf_static_compile"] = {"status": hf_compile_status, "reason": "quick mode (torch.compile takes minutes)"}
+        compile_ratio = None
+    return {"name": name, "params": 1_000_000, "paths": paths,
+            "speedup_vs_hf_eager": {"gemma4lib": ours, "hf_eager": 1.0, "hf_static_compile": compile_ratio},
+            "roofline_fraction": {"gemma4lib": roofline, "hf_eager": roofline / ours, "hf_static_compile": None}}
+
+
+def bench_report(**changes):
+    """A minimal valid `python -m gemma4lib bench --suite cpu --json` report: two models and every section."""
+    report = {
+        "schema_version": 1, "suite": "cpu", "quick": False, "threads": 1, "versions": {"git_sha": "abc123"},
+        "machine": {"processor": "x86_64", "instance_type": "cpu"},
+        "bandwidth": {"gemv_gb_s": 9.5, "stream_gb_s": 8.0, "bandwidth_bytes_s": 9.5e9},
+        "models": [model_block("e2b"), model_block("medium-dense", ours=1.3, compile_ratio=1.1, roofline=0.75)],
+        "ring_kv": {"model": "medium-dense", "sliding_window": 512, "contexts": {
+            str(ctx): {"full": {"decode_tok_s": 100.0 * 512 / ctx}, "ring": {"decode_tok_s": 100.0 - ctx / 512},
+                       "ring_speedup": (100.0 - ctx / 512) / (100.0 * 512 / ctx)} for ctx in (512, 1024, 2048, 4096)},
+            "ring_tok_s_4096_over_512": 0.92 / 0.98, "full_tok_s_4096_over_512": 0.125},
+        "experts": {"model": "medium-moe", "selective_over_dense_decode": 2.5,
+                    "decode": {f: {"decode_tok_s": 10.0, "tokens_match_reference": True} for f in ("dense", "selective")},
+                    "prefill": {f: {"prefill_ms": 5.0, "first_token_matches_reference": True}
+                                for f in ("dense", "selective")}},
+        "prefill_buckets": {"model": "medium-dense", "context_length": 512, "placement": [
+            {"prompt_tokens": n, "bucket": b, "smallest_fitting": b, "tokens_match_reference": True}
+            for n, b in ((1, 16), (17, 64), (65, 256))]},
+        "targets": [{"target": "e2b tiny: gemma4lib decode / HF eager >= 5", "value": 6.0, "threshold": 5.0, "met": True},
+                    {"target": "medium-moe: selective / dense decode >= 2", "value": 1.4, "threshold": 2.0, "met": False}],
+    }
+    report.update(changes)
+    return report
+
+
+def bench_cli(tmp_path: Path, report, *extra: str) -> int:
+    path = tmp_path / "bench.json"
+    path.write_text(report if isinstance(report, str) else json.dumps(report))
+    return run.main(["bench", "--report", str(path), "--baseline-dir", str(tmp_path / "baselines"),
+                     "--machine-kind", KIND, "--out", str(tmp_path / "out"), *extra])
+
+
+def bench_verdicts(tmp_path: Path) -> dict:
+    return json.loads((tmp_path / "out" / bench.VERDICT_FILE).read_text())["verdicts"]
+
+
+def test_bench_figures_are_ratios_and_exact_checks():
+    subjects = bench.figures(bench_report())
+    assert list(subjects) == ["e2b", "medium-dense", "ring_kv", "experts", "prefill_buckets"]
+    assert subjects["e2b"]["metrics"] == {"speedup_vs_hf_eager": 6.0, "speedup_hf_compile_vs_eager": 1.5,
+                                          "roofline_fraction": 0.4}
+    assert subjects["e2b"]["checks"] == {f"{p}.tokens_match_reference": True
+                                         for p in ("gemma4lib", "hf_eager", "hf_static_compile")}
+    assert subjects["ring_kv"]["metrics"] == {"ring_tok_s_4096_over_512": pytest.approx(0.92 / 0.98),
+                                              "ring_speedup_at_4096": pytest.approx(92.0 / 12.5)}
+    assert subjects["experts"]["metrics"] == {"selective_over_dense_decode": 2.5}
+    assert set(subjects["experts"]["checks"]) == {"dense.tokens_match_reference", "selective.tokens_match_reference",
+                                                  "dense.first_token_matches_reference",
+                                                  "selective.first_token_matches_reference"}
+    assert subjects["prefill_buckets"] == {**subjects["prefill_buckets"], "metrics": {},
+                                           "checks": {"smallest_bucket_used": True, "tokens_match_reference": True}}
+    # a skipped HF path is recorded, not checked, and its ratio is simply absent
+    quick = bench.figures(bench_report(models=[model_block("e2b", hf_compile_status="skipped")]))["e2b"]
+    assert "hf_static_compile.tokens_match_reference" not in quick["checks"]
+    assert quick["metrics"]["speedup_hf_compile_vs_eager"] is None
+    assert quick["info"]["paths"]["hf_static_compile"].startswith("skipped: quick mode")
+
+
+def test_bench_rules_are_the_bench_profile_only():
+    tolerances = baselines.load_tolerances("bench")
+    assert bench.judge_subject("e2b", bench.figures(bench_report())["e2b"], None, tolerances).status == "no-baseline"
+    entry = {"seq_match": True, "speedup_vs_hf_eager": 6.0, "speedup_hf_compile_vs_eager": 1.5, "roofline_fraction": 0.4}
+    verdict = bench.judge_subject("e2b", bench.figures(bench_report())["e2b"], entry, tolerances)
+    assert verdict.status == "pass", verdict.reasons
+    assert [c.metric for c in verdict.metrics] == ["speedup_vs_hf_eager", "speedup_hf_compile_vs_eager",
+                                                   "roofline_fraction"]  # no prefill_ms / decode_tok_s
+    assert [c.limit for c in verdict.metrics] == pytest.approx([6.0 * 0.65, 1.5 * 0.65, 0.4 * 0.65])
+    ring = bench.rule_for("ring_tok_s_8192_over_1024", tolerances["metrics"])
+    assert ring == {"direction": "higher_is_better", "rel_tol": 0.35, "abs_tol": 0.0, "gate": True}
+    assert bench.rule_for("speedup_hf_compile_vs_eager", tolerances["metrics"])["gate"] is False
+    with pytest.raises(BaselineError, match="no rule for bench metric 'decode_tok_s_ratio'"):
+        bench.rule_for("decode_tok_s_ratio", tolerances["metrics"])
+
+
+def test_bench_update_baseline_then_equal_report_passes(tmp_path, capsys):
+    assert bench_cli(tmp_path, bench_report()) == 1  # no baseline yet
+    assert "no-baseline" in capsys.readouterr().out
+    assert bench_cli(tmp_path, bench_report(), "--update-baseline") == 0
+    path = baselines.baseline_path("bench", KIND, tmp_path / "baselines")
+    data = baselines.load_baseline(path, "bench", KIND, ["speedup_vs_hf_eager"])  # the notebook baselines' format
+    assert set(data["variants"]) == {"e2b", "medium-dense", "ring_kv", "experts", "prefill_buckets"}
+    assert data["variants"]["medium-dense"]["speedup_vs_hf_eager"] == 1.3
+    assert data["variants"]["ring_kv"]["ring_speedup_at_4096"] == pytest.approx(7.36)
+    assert (data["git_sha"], data["threads"], data["bandwidth"]["gemv_gb_s"]) == ("abc123", 1, 9.5)
+    assert not list(path.parent.glob(".*.tmp")), "atomic write left a temporary file"
+    capsys.readouterr()
+    assert bench_cli(tmp_path, bench_report()) == 0
+    out = capsys.readouterr().out
+    assert "| e2b | speedup_vs_hf_eager | 6 | 6 | ok (limit 3.9) |" in out
+    assert "| experts | selective.tokens_match_reference | true | exact | ok |" in out
+    assert {v["status"] for v in bench_verdicts(tmp_path).values()} == {"pass"}
+
+
+def test_bench_ratio_half_the_baseline_is_a_regression(tmp_path, capsys):
+    assert bench_cli(tmp_path, bench_report(), "--update-baseline") == 0
+    slower = bench_report()
+    slower["models"][0] = model_block("e2b", ours=3.0)
+    slower["experts"]["selective_over_dense_decode"] = 1.25
+    capsys.readouterr()
+    assert bench_cli(tmp_path, slower) == 1
+    out = capsys.readouterr().out
+    assert "| e2b | speedup_vs_hf_eager | 3 | 6 | REGRESSION |" in out
+    verdicts = bench_verdicts(tmp_path)
+    assert verdicts["e2b"]["status"] == "regression" and verdicts["experts"]["status"] == "regression"
+    assert verdicts["medium-dense"]["status"] == "pass"
+    assert "speedup_vs_hf_eager 3 < limit 3.9 (baseline 6, +50% worse)" in verdicts["e2b"]["reasons"]
+    # HF's own compile / eager ratio halving is reported, never a regression of this project
+    hf_slower = bench_report()
+    hf_slower["models"][0] = model_block("e2b", compile_ratio=0.75)
+    assert bench_cli(tmp_path, hf_slower) == 0
+    assert "worse (informational)" in capsys.readouterr().out
+    # --update-baseline accepts the slower ratios
+    assert bench_cli(tmp_path, slower, "--update-baseline") == 0
+    assert bench_cli(tmp_path, slower) == 0
+
+
+@pytest.mark.parametrize("break_it, check", [
+    (lambda r: r["models"][0]["paths"]["gemma4lib"].update(tokens_match_reference=False), "gemma4lib.tokens_match_reference"),
+    (lambda r: r["models"][0]["paths"]["hf_eager"].update(tokens_match_reference=False), "hf_eager.tokens_match_reference"),
+    (lambda r: r["models"][0]["paths"].update(gemma4lib={"status": "error", "error": "RuntimeError: boom"}),
+     "gemma4lib.tokens_match_reference is not recorded: the gemma4lib path did not run (error: RuntimeError: boom)"),
+])
+def test_bench_token_mismatch_fails_even_when_updating(tmp_path, capsys, break_it, check):
+    broken = bench_report()
+    break_it(broken)
+    broken["models"] = broken["models"][:1]
+    for key in ("ring_kv", "experts", "prefill_buckets"):
+        broken.pop(key)
+    assert bench_cli(tmp_path, broken, "--allow-missing-baseline") == 1
+    assert bench_cli(tmp_path, broken, "--update-baseline") == 1
+    assert "| e2b | fail |" in capsys.readouterr().out
+    assert not baselines.baseline_path("bench", KIND, tmp_path / "baselines").exists(), "a failed subject was written"
+    assert any(check in r for r in bench_verdicts(tmp_path)["e2b"]["reasons"])
+
+
+def test_bench_failed_subject_keeps_its_earlier_entry(tmp_path):
+    assert bench_cli(tmp_path, bench_report(), "--update-baseline") == 0
+    broken = bench_report()
+    broken["experts"]["decode"]["selective"]["tokens_match_reference"] = False
+    broken["experts"]["selective_over_dense_decode"] = 9.0
+    broken["prefill_buckets"]["placement"][1]["bucket"] = 256
+    broken["models"][0] = model_block("e2b", ours=7.0)
+    broken.pop("ring_kv")
+    assert bench_cli(tmp_path, broken, "--update-baseline") == 1
+    verdicts = bench_verdicts(tmp_path)
+    assert verdicts["experts"]["reasons"] == ["selective.tokens_match_reference is false"]
+    assert verdicts["prefill_buckets"]["reasons"] == [
+        "smallest_bucket_used is false: 17 tokens took bucket 256, smallest fitting 64"]
+    variants = json.loads(baselines.baseline_path("bench", KIND, tmp_path / "baselines").read_text())["variants"]
+    assert variants["experts"]["selective_over_dense_decode"] == 2.5  # refused: the earlier entry stays
+    assert variants["e2b"]["speedup_vs_hf_eager"] == 7.0  # passed: updated
+    assert "ring_kv" in variants  # absent from the report: kept
+    assert json.loads((tmp_path / "out" / bench.VERDICT_FILE).read_text())["absent"] == ["ring_kv"]
+
+
+def test_bench_missing_baseline_fails_unless_allowed(tmp_path, capsys):
+    assert bench_cli(tmp_path, bench_report()) == 1
+    assert bench_cli(tmp_path, bench_report(), "--allow-missing-baseline") == 0
+    assert not baselines.baseline_path("bench", KIND, tmp_path / "baselines").exists()
+    assert {v["status"] for v in bench_verdicts(tmp_path).values()} == {"no-baseline"}
+
+
+@pytest.mark.parametrize("content, words", [
+    ("{not json", "unreadable"),
+    ("[]", "not a JSON object"),
+    (json.dumps(bench_report(models="e2b")), "models must be a list"),
+    (json.dumps(bench_report(models=[{"name": "e2b"}])), "paths must be a dict"),
+    (json.dumps(bench_report(models=[{**model_block("e2b"), "speedup_vs_hf_eager": {"gemma4lib": "fast"}}])),
+     "speedup_vs_hf_eager.gemma4lib must be a finite number"),
+    (json.dumps(bench_report(models=[], ring_kv=None, experts=None, prefill_buckets=None)), "no models"),
+])
+def test_bench_malformed_report_exits_2(tmp_path, capsys, content, words):
+    assert bench_cli(tmp_path, content, "--allow-missing-baseline") == 2
+    assert words in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
+def test_bench_malformed_baseline_or_tolerances_exit_2(tmp_path, capsys):
+    path = baselines.baseline_path("bench", KIND, tmp_path / "baselines")
+    path.parent.mkdir(parents=True)
+    path.write_text('{"schema": 1, "profile": "bench"')
+    assert bench_cli(tmp_path, bench_report(), "--allow-missing-baseline") == 2
+    assert "not valid JSON" in capsys.readouterr().err
+    assert bench_cli(tmp_path, bench_report(), "--update-baseline") == 0  # replaced, as `run` does
+    assert bench_cli(tmp_path, bench_report()) == 0
+    tolerances = tmp_path / "t.json"
+    data = json.loads(baselines.TOLERANCES_FILE.read_text())
+    del data["profiles"]["bench"]
+    tolerances.write_text(json.dumps(data))
+    assert bench_cli(tmp_path, bench_report(), "--tolerances", str(tolerances)) == 2
+    assert "no rule for bench metric" in capsys.readouterr().err
+
+
+def test_bench_targets_are_printed_but_never_gate(tmp_path, capsys):
+    assert bench_cli(tmp_path, bench_report(), "--update-baseline") == 0
+    capsys.readouterr()
+    unmet = bench_report(targets=[{"target": "medium-dense: roofline_fraction >= 0.7", "value": 0.1,
+                                   "threshold": 0.7, "met": False}])
+    assert bench_cli(tmp_path, unmet) == 0
+    out = capsys.readouterr().out
+    assert "| medium-dense: roofline_fraction >= 0.7 | 0.1 | 0.7 | NOT MET |" in out
+    assert json.loads((tmp_path / "out" / bench.VERDICT_FILE).read_text())["targets"] == unmet["targets"]
+    met = bench_report()
+    met["models"][0]["paths"]["gemma4lib"]["tokens_match_reference"] = False
+    assert bench_cli(tmp_path, met) == 1  # all targets but one met: the mismatch still fails
+    assert "| e2b tiny: gemma4lib decode / HF eager >= 5 | 6 | 5 | met |" in capsys.readouterr().out
