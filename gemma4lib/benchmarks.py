@@ -56,7 +56,9 @@ MEDIUM_MODELS = ("medium-dense", "medium-moe")
 PATHS = ("gemma4lib", "hf_eager", "hf_static_compile")
 SCHEMA_VERSION = 1
 
-# What this measurements recommend for decode (see `recommendation` in the suite output).
+# What the measurements recommend (docs/ROOFLINE.md; `recommendation` in the suite output), and what
+# `PortSettings` defaults to. Prefill stays dense although short CPU prompts measured faster selective:
+# the gathered slices grow with tokens x k, and the dense form is the one that shards over TP ranks.
 RECOMMENDED_RING_KV = True
 RECOMMENDED_DECODE_EXPERTS = "selective"
 RECOMMENDED_PREFILL_EXPERTS = "dense"
@@ -273,6 +275,7 @@ def bench_model(name: str, model: LoadedModel, factory: GraphFactory, *, context
     bandwidth = [measure_bandwidth(bandwidth_mb)]
     reference = reference_greedy(lm, prompt, new_tokens)
     result: dict[str, Any] = {"name": name, "params": model.param_count(), "source": model.source,
+                              "reference_distinct_tokens": len(set(reference)),
                               "context_length": context_length, "prefill_bucket": bucket,
                               "prompt_tokens": len(prompt), "new_tokens": new_tokens, "ring_kv": ring,
                               "decode_experts": decode_form if is_moe else None, "threads": torch.get_num_threads()}
@@ -349,6 +352,10 @@ def bench_model(name: str, model: LoadedModel, factory: GraphFactory, *, context
                         path[key].clear()
     bandwidth.append(measure_bandwidth(bandwidth_mb))
 
+    if runtime is not None and paths["gemma4lib"]["status"] == "ok":
+        # the strong check where a random model's greedy tokens vary little: prefill logits themselves
+        from .port import prefill_logits_error
+        paths["gemma4lib"]["prefill_logits_max_abs_diff"] = prefill_logits_error(model, runtime, list(prompt))
     for path in paths.values():
         if "decode_tok_s_runs" in path:
             path["decode_tok_s"] = _median(path["decode_tok_s_runs"])
@@ -626,8 +633,9 @@ def format_report(report: dict[str, Any]) -> str:
              f"stream {_f(bw.get('stream_gb_s'))} GB/s; load average {report.get('load_average_start')} → "
              f"{report.get('load_average_end')}.", "",
              "| model | params | gemma4lib tok/s | HF eager tok/s | HF static+compile tok/s | speedup vs eager "
-             "| HF compile vs eager | bytes/step MB | bandwidth GB/s | ceiling tok/s | roofline fraction | tokens = HF |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| HF compile vs eager | bytes/step MB | bandwidth GB/s | ceiling tok/s | roofline fraction | tokens = HF "
+             "| prefill logits Δ |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for m in report.get("models", []):
         p = m["paths"]
         compiled = p["hf_static_compile"]
@@ -639,7 +647,8 @@ def format_report(report: dict[str, Any]) -> str:
             f"{_f(m['speedup_vs_hf_eager'].get('gemma4lib'), 2, 'x')} | "
             f"{_f(m['speedup_vs_hf_eager'].get('hf_static_compile'), 2, 'x')} | "
             f"{m['bytes_per_step']['total'] / 1e6:.1f} | {_f(m['bandwidth']['gb_s'])} | {_f(m['ceiling_tok_s'], 1)} | "
-            f"{_f(m['roofline_fraction'].get('gemma4lib'))} | {_f(match)} |")
+            f"{_f(m['roofline_fraction'].get('gemma4lib'))} | {_f(match)} | "
+            f"{_f(p['gemma4lib'].get('prefill_logits_max_abs_diff'), 6)} |")
     ring = report.get("ring_kv")
     if ring:
         lines += ["", f"Ring KV ({ring['model']}, window {ring['sliding_window']}; decode steps at the end of "

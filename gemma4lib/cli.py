@@ -37,7 +37,8 @@ def _add_port_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-new-tokens", type=int)
     parser.add_argument("--context-length", type=int)
     parser.add_argument("--prefill-buckets", help="comma-separated prefill lengths, e.g. 16,32,64")
-    parser.add_argument("--ring-kv", action="store_true", help="sliding layers keep only the window")
+    parser.add_argument("--ring-kv", action=argparse.BooleanOptionalAction, default=None,
+                        help="sliding layers keep only their window of K/V (default; --no-ring-kv: full length)")
     parser.add_argument("--decode-experts", help="MoE decode form: dense | selective")
     parser.add_argument("--iters", type=int)
     parser.add_argument("--warmup", type=int)
@@ -53,8 +54,8 @@ def _settings(args: argparse.Namespace):
     kwargs = {f: getattr(args, f) for f in fields if getattr(args, f, None) is not None}
     if args.prefill_buckets:
         kwargs["prefill_buckets"] = tuple(int(b) for b in args.prefill_buckets.split(","))
-    if args.ring_kv:
-        kwargs["ring_kv"] = True
+    if args.ring_kv is not None:
+        kwargs["ring_kv"] = args.ring_kv
     return PortSettings(**kwargs)
 
 

@@ -104,9 +104,29 @@ def medium_config(name: str):
     return text_config(spec.variant, "tiny", **spec.overrides)
 
 
+@torch.no_grad()
+def temper_attention(text_model: torch.nn.Module) -> int:
+    """Scale every q_norm/k_norm weight to head_dim**-0.25, so random attention scores have unit variance.
+
+    Gemma-4 attends with scaling 1.0 and lets the learnt q/k norm weights set the temperature. At
+    their init value (ones) a random model's scores q.k have a standard deviation of sqrt(head_dim)
+    (11-16 here): softmax is then one-hot, picked among near-equal scores by rounding, and fp32
+    against fp64 logits drift by ~1.0 within 20 tokens. Greedy tokens of two correct implementations
+    would then disagree, and the benchmark's token check would mean nothing. Returns the norms scaled."""
+    scaled = 0
+    for layer in text_model.layers:
+        attn = layer.self_attn
+        for norm in (getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)):
+            if norm is not None and getattr(norm, "weight", None) is not None:
+                norm.weight.fill_(norm.weight.numel() ** -0.25)
+                scaled += 1
+    return scaled
+
+
 def build_medium(name: str, seed: int | None = None, dtype: torch.dtype = torch.float32) -> LoadedModel:
     """A seeded random medium model (a `LoadedModel`, like `build_tiny`'s)."""
     spec = get_medium(name)
     model = build_tiny(spec.variant, seed=spec.seed if seed is None else seed, dtype=dtype, **spec.overrides)
+    temper_attention(model.text_model)
     model.source = f"medium-random({name}, seed={spec.seed if seed is None else seed})"
     return model

@@ -26,19 +26,13 @@ from .bench import BenchFigures, peak_rss_mb
 from .environment import machine, versions
 from .kv_layout import FULL, SLIDING, KVLayout
 from .loading import LoadedModel, text_config
+from .roofline import INSTANCES, compare, measure_bandwidth
 from .variants import VARIANTS, Variant, get_variant
 
 GIB = 1024 ** 3
 GB = 1e9
 BF16_BYTES = 2
 HBM_PER_CORE_GIB = 16
-# inf2 instances: (chips, NeuronCores, host RAM GiB, HBM GiB, HBM GiB/s) — AWS's published figures.
-INSTANCES = {
-    "inf2.xlarge": (1, 2, 16, 32, 820),
-    "inf2.8xlarge": (1, 2, 128, 32, 820),
-    "inf2.24xlarge": (6, 12, 384, 192, 4920),
-    "inf2.48xlarge": (12, 24, 768, 384, 9840),
-}
 # A hand-built prompt in Gemma 3's turn format: not Gemma-4 tokens (see `equality_is_not_enough`).
 GEMMA3_STYLE_PROMPT = "<start_of_turn>user\n{prompt}<end_of_turn>\n<start_of_turn>model\n"
 
@@ -146,7 +140,8 @@ def recipe_table() -> Table:
     """Which inf2 recipe carries which variant, on what, and what the field report measured."""
     rows = []
     for v in VARIANTS.values():
-        chips, cores, host, _, _ = INSTANCES[v.instance_type]
+        inst = INSTANCES[v.instance_type]
+        cores, host = inst.neuron_cores, inst.host_ram_gib
         seed = (f"~{v.seed.decode_tok_s:.0f} tok/s decode" if v.seed.decode_tok_s else
                 f"prefill ~{v.seed.prefill_ms:.0f} ms")
         rows.append([v.name, v.recipe, v.tp_degree, v.instance_type, f"{cores} cores, {host} GiB host RAM", seed])
@@ -213,20 +208,6 @@ def memory_rows() -> list[dict[str, Any]]:
                      "host_gb": b["host_gb"] / v.tp_degree if b["host_gb"] else 0.0,
                      "capacity_gb": HBM_PER_CORE_GIB * GIB / GB})
     return rows
-
-
-def roofline(variant: Variant | str, tp: int | None = None) -> dict[str, Any]:
-    """Batch-1 decode is bandwidth bound: tok/s <= HBM bandwidth of the cores used / bytes read per token.
-
-    The bandwidth share is the chip's bandwidth times the fraction of its cores in use (KV-cache
-    reads are ignored, so this is an upper bound)."""
-    v = variant if isinstance(variant, Variant) else get_variant(variant)
-    tp = tp or v.tp_degree
-    chips, cores, _, _, bandwidth = INSTANCES[v.instance_type]
-    per_core = bandwidth / cores * GIB / GB  # GB/s
-    read = device_bytes(v)["decode_read_gb"]
-    return {"variant": v.name, "tp": tp, "bandwidth_gb_s": per_core * tp, "read_gb_per_token": read,
-            "ceiling_tok_s": per_core * tp / read, "field_report_tok_s": v.seed.decode_tok_s}
 
 
 # ---- one model ------------------------------------------------------------------------------
@@ -594,19 +575,56 @@ def side_by_side(report: checks.CheckReport, device_tokens: Sequence[int] = (),
                  "PASS (equality only)" if report.passed else "FAIL")
 
 
-def bench_table(figures: BenchFigures, variant: Variant | str, profile: str = "smoke") -> Table:
-    v = variant if isinstance(variant, Variant) else get_variant(variant)
-    roof = roofline(v)
+def measured_vs_ceiling(model: LoadedModel, settings: Any, figures: BenchFigures) -> dict[str, Any]:
+    """This run's decode tok/s against the bandwidth ceiling of the machine it ran on.
+
+    Batch-1 decode reads every device weight and K/V buffer once per token, so
+    bandwidth / bytes-per-step caps it. On CPU the bandwidth is measured now (streaming read and
+    GEMV over a buffer far past the caches, with the benchmark's thread count); on inf2 it is the
+    HBM bandwidth of the `tp_degree` NeuronCores the recipe uses. The bytes come from the loaded
+    model's shapes and the compiled K/V form (ring or full length) and expert form."""
+    v = settings.variant_spec
+    experts = settings.decode_experts if v.is_moe else "dense"
+    common = dict(context_length=settings.context_length, ring=settings.ring_kv, experts=experts)
+    if settings.backend == "neuron":
+        row = compare(figures.decode_tok_s, model, device=v.instance_type, cores=settings.tp_degree, **common)
+    else:
+        bandwidth = measure_bandwidth(size_mb=256, threads=figures.threads)
+        row = compare(figures.decode_tok_s, model, device="cpu", bandwidth_bytes_s=bandwidth["bandwidth_bytes_s"],
+                      **common)
+        row["bandwidth"] = bandwidth
+    row["label"] = f"this run ({settings.profile})"
+    released = compare(v.seed.decode_tok_s, v.name, device=v.instance_type, cores=v.tp_degree, context_length=2048,
+                       ring=True, experts="selective" if v.is_moe else "dense")
+    released["label"] = f"released {v.name.upper()}, {v.instance_type} TP={v.tp_degree} (field report)"
+    row["released_inf2"] = released
+    return row
+
+
+def bench_table(figures: BenchFigures, settings: Any, ceiling: Mapping[str, Any]) -> Table:
+    """Median timings next to the bandwidth ceiling here and, for the released model, on inf2."""
+    v = settings.variant_spec
+    released = ceiling["released_inf2"]
+
+    def roof(row: Mapping[str, Any], source: str) -> str:
+        b = row["bytes_per_step"]
+        return (f"{row['ceiling_tok_s']:,.0f} tok/s = {row['bandwidth_gb_s']:.1f} GB/s ({source}) / "
+                f"{b['total'] / 1e6:,.1f} MB per step ({b['weights'] / 1e6:,.1f} weights + {b['kv'] / 1e6:,.1f} K/V)")
+
     rows = [["prefill (median ms)", f"{figures.prefill_ms:.3f}",
-             f"~{v.seed.prefill_ms:.0f} ms" if v.seed.prefill_ms else "—"],
+             f"~{v.seed.prefill_ms:.0f} ms (field report)" if v.seed.prefill_ms else "—"],
             ["decode (median tok/s)", f"{figures.decode_tok_s:.1f}",
-             f"~{v.seed.decode_tok_s:.0f} tok/s" if v.seed.decode_tok_s else "—"],
-            ["bandwidth ceiling on inf2 (released model)", "—",
-             f"{roof['ceiling_tok_s']:.0f} tok/s ({roof['read_gb_per_token']:.1f} GB per token over "
-             f"{roof['bandwidth_gb_s']:.0f} GB/s)"],
+             f"~{v.seed.decode_tok_s:.0f} tok/s (field report)" if v.seed.decode_tok_s else "—"],
+            ["decode ceiling (bandwidth / bytes per step)",
+             roof(ceiling, "HBM of the cores in use" if settings.backend == "neuron" else "measured now"),
+             roof(released, "HBM")],
+            ["fraction of the ceiling reached", f"{ceiling['roofline_fraction']:.0%}",
+             f"{released['roofline_fraction']:.0%} (field report)" if released["roofline_fraction"] else "—"],
             ["timed runs / warm-up / threads", f"{figures.iters} / {figures.warmup} / {figures.threads}", ""]]
-    return Table(["", f"this run ({profile})", f"{v.instance_type}, TP={v.tp_degree}"], rows,
-                 "benchmark (tiny smoke figures are not comparable with inf2's)" if profile == "smoke" else "benchmark")
+    title = "benchmark" if settings.profile != "smoke" else \
+        "benchmark (a tiny model on a CPU: compare with earlier smoke runs, not with inf2)"
+    return Table(["", f"this run ({settings.profile}, {settings.backend})",
+                  f"released model on {v.instance_type}, TP={v.tp_degree}, 2,048 context"], rows, title)
 
 
 def record(settings: Any, model: LoadedModel, ids: Sequence[int], compiled: Any, device_tokens: Sequence[int],

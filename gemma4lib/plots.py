@@ -133,6 +133,35 @@ def kv_layout(layout: Any, title: str = "") -> Figure:
     return fig
 
 
+def measured_vs_ceiling(rows: Sequence[Mapping[str, Any]], title: str = "decode: measured vs bandwidth ceiling"
+                        ) -> Figure:
+    """Decode tok/s against its roofline ceiling, one pair of bars per row.
+
+    `rows`: `roofline.compare()` dicts (`label`, `ceiling_tok_s`, `measured_tok_s`, `roofline_fraction`).
+    The axis is logarithmic: a tiny model on a CPU and a released model on inf2 differ by 100x."""
+    rows = [r for r in rows if r.get("ceiling_tok_s")]
+    if not rows:
+        return _empty("no ceilings to show")
+    fig = Figure(figsize=(8, 0.9 + 0.7 * len(rows)))
+    ax = fig.add_subplot()
+    ys = range(len(rows))
+    ax.barh([y + 0.2 for y in ys], [r["ceiling_tok_s"] for r in rows], height=0.4, color=UNKNOWN,
+            label="ceiling: bandwidth / bytes per step")
+    measured = [r.get("measured_tok_s") or 0.0 for r in rows]
+    ax.barh([y - 0.2 for y in ys], measured, height=0.4, color=SLIDING_COLOUR, label="measured")
+    for y, r, m in zip(ys, rows, measured):
+        if m:
+            fraction = r.get("roofline_fraction") or m / r["ceiling_tok_s"]
+            ax.text(m, y - 0.2, f" {m:,.1f} tok/s ({fraction:.0%})", va="center", fontsize=7)
+    ax.set_yticks(list(ys), [r.get("label", r.get("device", "")) for r in rows], fontsize=8)
+    ax.set_xscale("log")
+    ax.set_xlabel("decode tok/s (log scale)")
+    ax.set_title(title, fontsize=10)
+    ax.legend(fontsize=7, loc="lower right")
+    fig.tight_layout()
+    return fig
+
+
 def memory_budget(rows: Sequence[Mapping[str, Any]], title: str = "bf16 weights per NeuronCore") -> Figure:
     """Per-core weight bytes of each variant at its TP degree against the 16 GiB a core has.
 

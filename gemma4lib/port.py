@@ -51,8 +51,8 @@ class PortSettings:
     max_new_tokens: int = 32
     context_length: int = 128
     prefill_buckets: tuple[int, ...] = (64,)
-    ring_kv: bool = False
-    decode_experts: str = "dense"
+    ring_kv: bool = True  # sliding layers hold only their window: flat decode cost with context (docs/ROOFLINE.md)
+    decode_experts: str = "selective"  # MoE decode reads the k routed experts; prefill stays dense (measured)
     warmup: int = 1
     iters: int = 3
     seed: int | None = None  # None: the variant's `tiny_seed`

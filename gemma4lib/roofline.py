@@ -15,8 +15,8 @@ Bytes per step are computed from shapes, never measured:
   a ring buffer of a sliding layer holds `sliding_window` slots.
 
 Ceilings: on CPU from this machine's measured single-thread bandwidth (`measure_bandwidth`); on
-inf2 from HBM bandwidth (`INSTANCES`, DESIGN §4). `compare()` / `plot_measured_vs_ceiling()` are
-what the notebooks' benchmark cells call.
+inf2 from HBM bandwidth (`INSTANCES`, DESIGN §4). `compare()` is what the notebooks' benchmark cells
+call; `plots.measured_vs_ceiling()` draws its rows.
 """
 
 from __future__ import annotations
@@ -88,13 +88,18 @@ class ParamCounts:
     def total(self) -> int:
         return self.lm_head + self.ple_table + self.experts + self.other
 
-    def device_params(self, experts: str = "dense") -> float:
-        """Parameters read per decode step (fractional for the selective expert form)."""
+    def device_params(self, experts: str = "dense", tp: int = 1) -> float:
+        """Parameters read per decode step, summed over `tp` ranks (fractional for selective experts).
+
+        Selective experts on expert-parallel ranks (each holds `num_experts / tp` experts; the
+        tensor-parallel rank graph) gather a static `top_k` slices on *every* rank, routed there or
+        not (`tp.layers.ShardedExperts`), so the ranks together read `tp * top_k` expert slices, not
+        `top_k`: fewer bytes than dense only while `top_k < num_experts / tp`."""
+        if experts not in ("dense", "selective"):
+            raise ValueError(f"experts must be 'dense' or 'selective', got {experts!r}")
         read_experts = self.experts
         if experts == "selective" and self.num_experts:
-            read_experts = self.experts * self.top_k / self.num_experts
-        elif experts not in ("dense", "selective"):
-            raise ValueError(f"experts must be 'dense' or 'selective', got {experts!r}")
+            read_experts = self.experts * self.top_k * max(1, tp) / self.num_experts
         return self.lm_head + self.other + read_experts
 
 
@@ -173,9 +178,12 @@ def kv_bytes(layout: KVLayout, context_length: int, ring: bool, dtype_bytes: int
 
 
 def decode_bytes(model: Any, *, context_length: int, ring: bool = True, experts: str = "dense",
-                 dtype_bytes: int | None = None, batch: int = 1) -> DecodeBytes:
+                 dtype_bytes: int | None = None, batch: int = 1, tp: int = 1) -> DecodeBytes:
     """Bytes per decode step of `model`: a `LoadedModel`, a `*ForCausalLM`, or a variant name
-    (its released config, counted on the meta device; bf16 unless `dtype_bytes` says otherwise)."""
+    (its released config, counted on the meta device; bf16 unless `dtype_bytes` says otherwise).
+
+    `tp`: the ranks the step is sharded over. Only selective experts depend on it (see
+    `ParamCounts.device_params`); K/V heads replicated across ranks are not counted twice."""
     if isinstance(model, str):
         lm = meta_model(model)
         dtype_bytes = dtype_bytes or 2
@@ -185,7 +193,7 @@ def decode_bytes(model: Any, *, context_length: int, ring: bool = True, experts:
             dtype_bytes = next(lm.parameters()).element_size()
     counts = count_params(lm)
     layout = KVLayout.from_config(lm.config)
-    params = counts.device_params(experts)
+    params = counts.device_params(experts, tp)
     return DecodeBytes(
         weights=params * dtype_bytes * 1.0,
         kv=float(kv_bytes(layout, context_length, ring, dtype_bytes, batch)),
@@ -255,7 +263,9 @@ def compare(measured_tok_s: float, model: Any, *, device: str = "cpu", bandwidth
     `device`: "cpu" (pass `bandwidth_bytes_s`, or this machine's is measured now) or an inf2
     instance name (HBM bandwidth of `cores` NeuronCores, all when None).
     """
-    steps = decode_bytes(model, context_length=context_length, ring=ring, experts=experts, dtype_bytes=dtype_bytes)
+    tp = 1 if device == "cpu" or cores is None else int(cores)
+    steps = decode_bytes(model, context_length=context_length, ring=ring, experts=experts, dtype_bytes=dtype_bytes,
+                         tp=tp)
     if device == "cpu":
         if bandwidth_bytes_s is None:
             bandwidth_bytes_s = measure_bandwidth()["bandwidth_bytes_s"]
@@ -286,27 +296,6 @@ def rows_from_report(report: dict[str, Any], path: str = "gemma4lib") -> list[di
     return rows
 
 
-def plot_measured_vs_ceiling(rows: Sequence[dict[str, Any]], labels: Sequence[str] | None = None, ax=None):
-    """Bar chart of `compare()` rows: measured tok/s against the ceiling. Returns the axes."""
-    import matplotlib.pyplot as plt
-
-    if ax is None:
-        _, ax = plt.subplots(figsize=(max(4, 1.6 * len(rows)), 3))
-    labels = list(labels or [r.get("label", r["device"]) for r in rows])
-    xs = range(len(rows))
-    ax.bar([x - 0.2 for x in xs], [r["ceiling_tok_s"] for r in rows], width=0.4, label="ceiling (bandwidth / bytes)",
-           color="#bbbbbb")
-    ax.bar([x + 0.2 for x in xs], [r["measured_tok_s"] or 0 for r in rows], width=0.4, label="measured",
-           color="#3b7dd8")
-    for x, r in zip(xs, rows):
-        if r.get("roofline_fraction"):
-            ax.text(x + 0.2, r["measured_tok_s"], f"{r['roofline_fraction']:.0%}", ha="center", va="bottom", fontsize=8)
-    ax.set_xticks(list(xs), labels)
-    ax.set_ylabel("decode tok/s")
-    ax.legend(fontsize=8)
-    return ax
-
-
 # ---- the inf2 table (docs/ROOFLINE.md) ------------------------------------------------------------
 def inf2_table(contexts: Iterable[int] = (2048, 8192), variants: Iterable[str] | None = None,
                dtype_bytes: int = 2) -> list[dict[str, Any]]:
@@ -324,14 +313,17 @@ def inf2_table(contexts: Iterable[int] = (2048, 8192), variants: Iterable[str] |
             for ring in (False, True):
                 for form in forms:
                     steps = decode_bytes(lm, context_length=context, ring=ring, experts=form, dtype_bytes=dtype_bytes)
+                    on_ranks = decode_bytes(lm, context_length=context, ring=ring, experts=form,
+                                            dtype_bytes=dtype_bytes, tp=variant.tp_degree)
                     recipe_instance = INSTANCES[variant.instance_type]
                     row = {
                         "variant": variant.name, "context_length": context, "kv": "ring" if ring else "full",
                         "experts": steps.experts_form, "weights_gb": steps.weights / GB, "kv_gb": steps.kv / GB,
                         "total_gb": steps.total / GB,
                         "recipe": f"{variant.instance_type} TP={variant.tp_degree}",
+                        "recipe_gb": on_ranks.total / GB,
                         "recipe_ceiling_tok_s": ceiling_tok_s(
-                            steps.total, recipe_instance.bandwidth_bytes_s(variant.tp_degree)),
+                            on_ranks.total, recipe_instance.bandwidth_bytes_s(variant.tp_degree)),
                         "ceiling_tok_s": {},
                         "fits_hbm": {},
                     }
@@ -347,12 +339,13 @@ def inf2_table(contexts: Iterable[int] = (2048, 8192), variants: Iterable[str] |
 def format_inf2_table(rows: Sequence[dict[str, Any]]) -> str:
     """Markdown for `inf2_table` rows."""
     names = list(INSTANCES)
-    head = ("| variant | ctx | KV | experts | weights GB | KV GB | total GB | recipe ceiling tok/s | "
+    head = ("| variant | ctx | KV | experts | weights GB | KV GB | total GB | recipe reads GB | recipe ceiling tok/s | "
             + " | ".join(names) + " |")
-    lines = [head, "|" + "---|" * (8 + len(names))]
+    lines = [head, "|" + "---|" * (9 + len(names))]
     for r in rows:
         cells = [f"{r['ceiling_tok_s'][n]:.0f}" if r["fits_hbm"][n] else "–" for n in names]
         lines.append(f"| {r['variant']} | {r['context_length']} | {r['kv']} | {r['experts']} | {r['weights_gb']:.2f} | "
-                     f"{r['kv_gb']:.3f} | {r['total_gb']:.2f} | {r['recipe_ceiling_tok_s']:.0f} ({r['recipe']}) | "
+                     f"{r['kv_gb']:.3f} | {r['total_gb']:.2f} | {r['recipe_gb']:.2f} | "
+                     f"{r['recipe_ceiling_tok_s']:.0f} ({r['recipe']}) | "
                      + " | ".join(cells) + " |")
     return "\n".join(lines)

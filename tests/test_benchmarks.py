@@ -55,13 +55,13 @@ def test_quick_report_schema(quick_report):
 
 
 def test_report_rows_feed_the_notebook_plot(quick_report):
-    import matplotlib
-    matplotlib.use("Agg")
+    from gemma4lib import plots
     rows = roofline.rows_from_report(quick_report)
     assert [r["label"] for r in rows] == ["31b", "26b-a4b"]
     assert all(r["measured_tok_s"] > 0 and r["ceiling_tok_s"] > 0 for r in rows)
-    ax = roofline.plot_measured_vs_ceiling(rows)
+    ax = plots.measured_vs_ceiling(rows).axes[0]
     assert len(ax.patches) == 2 * len(rows)
+    assert [t.get_text() for t in ax.get_yticklabels()] == ["31b", "26b-a4b"]
 
 
 def test_format_report_renders_every_model(quick_report):
@@ -129,6 +129,19 @@ def test_selective_experts_read_only_the_routed_ones():
     assert dense.weights / selective.weights > 6
 
 
+def test_selective_experts_on_expert_parallel_ranks_read_k_per_rank():
+    counts = roofline.count_params(roofline.meta_model("26b-a4b"))  # 128 experts, top-8
+    shared = counts.lm_head + counts.other
+    # TP=8: 16 experts per rank, each rank gathers 8 slices whether routed there or not: 64 of 128
+    assert counts.device_params("selective", tp=8) - shared == pytest.approx(counts.experts * 64 / 128)
+    assert counts.device_params("selective", tp=1) - shared == pytest.approx(counts.experts * 8 / 128)
+    # TP=16: 8 experts per rank and 8 gathered: as many bytes as dense (selective stops paying off)
+    assert counts.device_params("selective", tp=16) == pytest.approx(counts.device_params("dense"))
+    row = roofline.compare(None, "26b-a4b", device="inf2.24xlarge", cores=8, context_length=2048,
+                           experts="selective")
+    assert row["bytes_per_step"]["weights"] == pytest.approx(counts.device_params("selective", tp=8) * 2)
+
+
 def test_ring_kv_bytes_stay_flat_with_context():
     ring = [roofline.decode_bytes("31b", context_length=c, ring=True).kv for c in (2048, 8192)]
     full = [roofline.decode_bytes("31b", context_length=c, ring=False).kv for c in (2048, 8192)]
@@ -170,3 +183,11 @@ def test_measure_bandwidth_reports_both_methods():
     assert bw["gemv_gb_s"] > 0 and bw["stream_gb_s"] > 0
     assert bw["bandwidth_bytes_s"] == pytest.approx(max(bw["gemv_gb_s"], bw["stream_gb_s"]) * 1e9)
     assert bw["threads"] == 1
+
+
+def test_port_defaults_are_the_measured_recommendation():
+    from gemma4lib.benchmarks import RECOMMENDED_DECODE_EXPERTS, RECOMMENDED_RING_KV
+    from gemma4lib.port import PortSettings
+    settings = PortSettings(variant="26b-a4b")
+    assert settings.ring_kv is RECOMMENDED_RING_KV
+    assert settings.decode_experts == RECOMMENDED_DECODE_EXPERTS
