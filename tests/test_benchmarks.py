@@ -191,3 +191,23 @@ def test_port_defaults_are_the_measured_recommendation():
     settings = PortSettings(variant="26b-a4b")
     assert settings.ring_kv is RECOMMENDED_RING_KV
     assert settings.decode_experts == RECOMMENDED_DECODE_EXPERTS
+
+
+def test_tempered_random_attention_is_numerically_stable():
+    # a narrow medium-dense: same head sizes (128 sliding, 256 global) and attention scaling 1.0
+    import copy
+
+    from gemma4lib.loading import build_tiny
+    from gemma4lib.medium import temper_attention
+    spec = get_medium("medium-dense")
+    overrides = dict(spec.overrides, hidden_size=256, intermediate_size=512, num_hidden_layers=12,
+                     layer_types=spec.overrides["layer_types"][:12], vocab_size=512)
+    model = build_tiny(spec.variant, seed=1, **overrides)  # untempered: fp32 and fp64 logits differ by ~1.0
+    assert temper_attention(model.text_model) == 2 * 12
+    q_norm = model.text_model.layers[0].self_attn.q_norm.weight
+    assert torch.allclose(q_norm, torch.full_like(q_norm, q_norm.numel() ** -0.25))
+    ids = torch.randint(0, 512, (1, 48), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        single = model.lm(ids).logits[0]
+        double = copy.deepcopy(model.lm).double()(ids).logits[0].float()
+    assert (single - double).abs().max() < 1e-4  # tempered: ~6e-6
