@@ -142,7 +142,7 @@ def measured_vs_ceiling(rows: Sequence[Mapping[str, Any]], title: str = "decode:
     rows = [r for r in rows if r.get("ceiling_tok_s")]
     if not rows:
         return _empty("no ceilings to show")
-    fig = Figure(figsize=(8, 0.9 + 0.7 * len(rows)))
+    fig = Figure(figsize=(9, 1.1 + 0.7 * len(rows)))
     ax = fig.add_subplot()
     ys = range(len(rows))
     ax.barh([y + 0.2 for y in ys], [r["ceiling_tok_s"] for r in rows], height=0.4, color=UNKNOWN,
@@ -154,10 +154,13 @@ def measured_vs_ceiling(rows: Sequence[Mapping[str, Any]], title: str = "decode:
             fraction = r.get("roofline_fraction") or m / r["ceiling_tok_s"]
             ax.text(m, y - 0.2, f" {m:,.1f} tok/s ({fraction:.0%})", va="center", fontsize=7)
     ax.set_yticks(list(ys), [r.get("label", r.get("device", "")) for r in rows], fontsize=8)
+    ax.invert_yaxis()  # first row on top
     ax.set_xscale("log")
+    values = [v for r in rows for v in (r["ceiling_tok_s"], r.get("measured_tok_s")) if v]
+    ax.set_xlim(min(values) / 3, max(values) * 4)  # room for the labels right of the bars
     ax.set_xlabel("decode tok/s (log scale)")
     ax.set_title(title, fontsize=10)
-    ax.legend(fontsize=7, loc="lower right")
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     fig.tight_layout()
     return fig
 
