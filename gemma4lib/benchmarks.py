@@ -31,7 +31,7 @@ import signal
 import statistics
 import time
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 import torch
@@ -43,7 +43,9 @@ from .environment import machine, versions
 from .errors import UnknownNameError
 from .graph import DeviceGraph, GraphShape
 from .loading import LoadedModel, build_tiny
-from .reference import reference_greedy
+from .medium import build_medium, get_medium
+from .port import PortSettings, prefill_logits_error
+from .reference import random_prompt, reference_greedy
 from .roofline import GB, decode_bytes, measure_bandwidth
 from .runtime import HostRuntime
 from .variants import VARIANTS
@@ -133,12 +135,6 @@ class _Deadline:
 def _in_main_thread() -> bool:
     import threading
     return threading.current_thread() is threading.main_thread()
-
-
-def random_prompt(vocab_size: int, n: int, seed: int) -> list[int]:
-    """A seeded id sequence (random weights have no tokenizer); ids >= 3 avoid pad/eos/bos."""
-    generator = torch.Generator().manual_seed(seed)
-    return torch.randint(3, vocab_size, (n,), generator=generator).tolist()
 
 
 # ---- Hugging Face paths ----------------------------------------------------------------------
@@ -354,7 +350,6 @@ def bench_model(name: str, model: LoadedModel, factory: GraphFactory, *, context
 
     if runtime is not None and paths["gemma4lib"]["status"] == "ok":
         # the strong check where a random model's greedy tokens vary little: prefill logits themselves
-        from .port import prefill_logits_error
         paths["gemma4lib"]["prefill_logits_max_abs_diff"] = prefill_logits_error(model, runtime, list(prompt))
     for path in paths.values():
         if "decode_tok_s_runs" in path:
@@ -455,14 +450,9 @@ def bench_experts(model: LoadedModel, factory: GraphFactory, *, context_length: 
         "selective_over_dense_decode": _ratio(decode["selective"]["decode_tok_s"], decode["dense"]["decode_tok_s"]),
         "dense_over_selective_bytes": _ratio(decode["dense"]["bytes_per_step"], decode["selective"]["bytes_per_step"]),
         "recommendation": {"decode": faster_decode, "prefill": faster_prefill,
-                           "port_settings_default_decode": _port_default_decode_experts()},
+                           "port_settings_default_decode": PortSettings.decode_experts},
         "graphs": factory.compile_report(),
     }
-
-
-def _port_default_decode_experts() -> str:
-    from .port import PortSettings
-    return PortSettings.__dataclass_fields__["decode_experts"].default
 
 
 def bench_prefill_buckets(model: LoadedModel, factory: GraphFactory, *, context_length: int,
@@ -526,12 +516,10 @@ def _load(name: str) -> LoadedModel:
     if name in VARIANTS:
         variant = VARIANTS[name]
         return build_tiny(variant, seed=variant.tiny_seed)
-    from .medium import build_medium
     return build_medium(name)
 
 
 def _medium_prompt(name: str, model: LoadedModel, options: SuiteOptions) -> list[int]:
-    from .medium import get_medium
     return random_prompt(model.config.vocab_size, options.medium_prompt_tokens, get_medium(name).prompt_seed)
 
 

@@ -23,7 +23,7 @@ from .errors import TensorParallelError, UnknownNameError
 from .experts import EXPERT_FORMS
 from .graph import DeviceGraph, GraphShape
 from .loading import LoadedModel, build_tiny, load_checkpoint
-from .reference import reference_greedy, reference_last_logits
+from .reference import random_prompt, reference_greedy, reference_last_logits
 from .results import write_result
 from .runtime import HostRuntime, encode_prompt, softcap
 from .variants import Variant, check_profile, get_variant
@@ -111,8 +111,7 @@ def prompt_ids(model: LoadedModel, settings: PortSettings) -> list[int]:
     """The chat-templated prompt, or a seeded random id sequence for a tokenizer-less random model."""
     if model.tokenizer is not None:
         return encode_prompt(model.tokenizer, settings.prompt)
-    generator = torch.Generator().manual_seed(settings.seed + 1)
-    return torch.randint(3, model.config.vocab_size, (settings.random_prompt_tokens,), generator=generator).tolist()
+    return random_prompt(model.config.vocab_size, settings.random_prompt_tokens, settings.seed + 1)
 
 
 def eos_ids(model: LoadedModel) -> list[int]:

@@ -8,6 +8,12 @@ import torch
 from torch import nn
 
 
+def random_prompt(vocab_size: int, n: int, seed: int) -> list[int]:
+    """A seeded prompt for a model without a tokenizer; ids >= 3 avoid pad, eos and bos."""
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(3, vocab_size, (n,), generator=generator).tolist()
+
+
 @torch.no_grad()
 def reference_greedy(lm: nn.Module, prompt_ids: Sequence[int], max_new_tokens: int,
                      eos_token_ids: Sequence[int] = ()) -> list[int]:

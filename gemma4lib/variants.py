@@ -57,7 +57,7 @@ class Variant:
         return self.model_class.startswith("Gemma4Unified")
 
 
-def _pattern(sliding_per_full: int, n_layers: int) -> list[str]:
+def sliding_pattern(sliding_per_full: int, n_layers: int) -> list[str]:
     """`sliding_per_full` sliding layers then one full layer, repeated; the last layer is full."""
     period = sliding_per_full + 1
     return ["full_attention" if (i + 1) % period == 0 else "sliding_attention" for i in range(n_layers)]
@@ -93,11 +93,11 @@ VARIANTS: dict[str, Variant] = {
             hidden_size=1536, num_hidden_layers=35, num_attention_heads=8, num_key_value_heads=1,
             num_global_key_value_heads=1, head_dim=256, global_head_dim=512, intermediate_size=6144,
             use_double_wide_mlp=True, attention_k_eq_v=False, sliding_window=512,
-            hidden_size_per_layer_input=256, num_kv_shared_layers=20, layer_types=_pattern(4, 35),
+            hidden_size_per_layer_input=256, num_kv_shared_layers=20, layer_types=sliding_pattern(4, 35),
             params_text_b=4.63, ple_table_b=2.35,
         ),
         tiny_config=dict(
-            _TINY_COMMON, num_hidden_layers=10, layer_types=_pattern(4, 10), num_attention_heads=4,
+            _TINY_COMMON, num_hidden_layers=10, layer_types=sliding_pattern(4, 10), num_attention_heads=4,
             num_key_value_heads=1, hidden_size_per_layer_input=16, num_kv_shared_layers=4,
             use_double_wide_mlp=True, attention_k_eq_v=False,
         ),
@@ -117,11 +117,11 @@ VARIANTS: dict[str, Variant] = {
             hidden_size=2560, num_hidden_layers=42, num_attention_heads=8, num_key_value_heads=2,
             num_global_key_value_heads=2, head_dim=256, global_head_dim=512, intermediate_size=10240,
             use_double_wide_mlp=False, attention_k_eq_v=False, sliding_window=512,
-            hidden_size_per_layer_input=256, num_kv_shared_layers=18, layer_types=_pattern(5, 42),
+            hidden_size_per_layer_input=256, num_kv_shared_layers=18, layer_types=sliding_pattern(5, 42),
             params_text_b=7.46, ple_table_b=2.82,
         ),
         tiny_config=dict(
-            _TINY_COMMON, num_hidden_layers=12, layer_types=_pattern(5, 12), num_attention_heads=4,
+            _TINY_COMMON, num_hidden_layers=12, layer_types=sliding_pattern(5, 12), num_attention_heads=4,
             num_key_value_heads=2, hidden_size_per_layer_input=16, num_kv_shared_layers=5,
             use_double_wide_mlp=False, attention_k_eq_v=False,
         ),
@@ -141,10 +141,10 @@ VARIANTS: dict[str, Variant] = {
             hidden_size=3840, num_hidden_layers=48, num_attention_heads=16, num_key_value_heads=8,
             num_global_key_value_heads=1, head_dim=256, global_head_dim=512, intermediate_size=15360,
             attention_k_eq_v=True, sliding_window=1024, hidden_size_per_layer_input=0,
-            num_kv_shared_layers=0, layer_types=_pattern(5, 48), params_text_b=11.9,
+            num_kv_shared_layers=0, layer_types=sliding_pattern(5, 48), params_text_b=11.9,
         ),
         tiny_config=dict(
-            _TINY_COMMON, num_hidden_layers=6, layer_types=_pattern(5, 6), num_attention_heads=4,
+            _TINY_COMMON, num_hidden_layers=6, layer_types=sliding_pattern(5, 6), num_attention_heads=4,
             num_key_value_heads=2, num_global_key_value_heads=1, hidden_size_per_layer_input=0,
             num_kv_shared_layers=0, attention_k_eq_v=True,
         ),
@@ -165,10 +165,10 @@ VARIANTS: dict[str, Variant] = {
             hidden_size=5376, num_hidden_layers=60, num_attention_heads=32, num_key_value_heads=16,
             num_global_key_value_heads=4, head_dim=256, global_head_dim=512, intermediate_size=21504,
             attention_k_eq_v=True, sliding_window=1024, hidden_size_per_layer_input=0,
-            num_kv_shared_layers=0, layer_types=_pattern(5, 60), params_text_b=30.7,
+            num_kv_shared_layers=0, layer_types=sliding_pattern(5, 60), params_text_b=30.7,
         ),
         tiny_config=dict(
-            _TINY_COMMON, num_hidden_layers=6, layer_types=_pattern(5, 6), num_attention_heads=16,
+            _TINY_COMMON, num_hidden_layers=6, layer_types=sliding_pattern(5, 6), num_attention_heads=16,
             num_key_value_heads=8, num_global_key_value_heads=2, head_dim=8, global_head_dim=16,
             hidden_size_per_layer_input=0, num_kv_shared_layers=0, attention_k_eq_v=True,
         ),
@@ -188,12 +188,12 @@ VARIANTS: dict[str, Variant] = {
             hidden_size=2816, num_hidden_layers=30, num_attention_heads=16, num_key_value_heads=8,
             num_global_key_value_heads=2, head_dim=256, global_head_dim=512, intermediate_size=2112,
             attention_k_eq_v=True, sliding_window=1024, hidden_size_per_layer_input=0,
-            num_kv_shared_layers=0, layer_types=_pattern(5, 30), enable_moe_block=True,
+            num_kv_shared_layers=0, layer_types=sliding_pattern(5, 30), enable_moe_block=True,
             num_experts=128, top_k_experts=8, moe_intermediate_size=704, params_text_b=25.2,
             experts_b=22.8,
         ),
         tiny_config=dict(
-            _TINY_COMMON, num_hidden_layers=6, layer_types=_pattern(5, 6), num_attention_heads=8,
+            _TINY_COMMON, num_hidden_layers=6, layer_types=sliding_pattern(5, 6), num_attention_heads=8,
             num_key_value_heads=8, num_global_key_value_heads=2, head_dim=8, global_head_dim=16,
             hidden_size_per_layer_input=0, num_kv_shared_layers=0, attention_k_eq_v=True,
             enable_moe_block=True, num_experts=16, top_k_experts=4, moe_intermediate_size=32,
