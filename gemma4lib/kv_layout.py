@@ -76,6 +76,13 @@ class KVLayout:
             shapes += [shape, shape]
         return shapes
 
+    def buffer_bytes(self, context_length: int, ring: bool, dtype_bytes: int, batch: int = 1,
+                     every_layer: bool = False) -> int:
+        """Bytes of the K/V buffers (`buffer_shapes`); `every_layer`: as if no layer shared its K/V."""
+        layers = self.layers if every_layer else self.producers
+        return sum(2 * batch * layer.kv_heads * self.slots(layer.layer_type, context_length, ring) * layer.head_dim
+                   for layer in layers) * dtype_bytes
+
     def describe(self) -> dict[str, Any]:
         """A JSON-friendly summary for notebooks and results files."""
         return {

@@ -26,11 +26,9 @@ from .bench import BenchFigures, peak_rss_mb
 from .environment import machine, versions
 from .kv_layout import FULL, SLIDING, KVLayout
 from .loading import LoadedModel, text_config
-from .roofline import INSTANCES, compare, measure_bandwidth
+from .roofline import GB, GIB, INSTANCES, compare, measure_bandwidth
 from .variants import VARIANTS, Variant, get_variant
 
-GIB = 1024 ** 3
-GB = 1e9
 BF16_BYTES = 2
 HBM_PER_CORE_GIB = 16
 # A hand-built prompt in Gemma 3's turn format: not Gemma-4 tokens (see `equality_is_not_enough`).
@@ -156,15 +154,12 @@ def device_bytes(variant: Variant | str) -> dict[str, float]:
     c = v.real_config
     total = _gb(c["params_text_b"])
     host = _gb(c.get("ple_table_b") or 0.0)
-    embed = c["hidden_size"] * 262_144 * BF16_BYTES / GB  # word embeddings: looked up on the host too,
-    # but tied to the lm_head, so the matrix is on the device anyway
-    device = total - host
+    device = total - host  # the word embeddings are tied to the lm_head, so they stay on the device
     read = device
     if c.get("enable_moe_block"):
         experts = _gb(c["experts_b"])
         read = device - experts + experts * c["top_k_experts"] / c["num_experts"]
-    return {"total_gb": total, "host_gb": host, "device_gb": device, "decode_read_gb": read,
-            "embedding_gb": embed}
+    return {"total_gb": total, "host_gb": host, "device_gb": device, "decode_read_gb": read}
 
 
 def effective_size(variant: Variant | str) -> Table:
@@ -280,10 +275,8 @@ def kv_cache_bytes(layout: KVLayout, context_length: int, dtype_bytes: int = BF1
                    ring: bool = False) -> dict[str, float]:
     """K/V buffer bytes for producers only (what the port allocates) and for every layer (a cache that
     ignored sharing), batch 1."""
-    def size(layers):
-        return sum(2 * l.kv_heads * layout.slots(l.layer_type, context_length, ring) * l.head_dim * dtype_bytes
-                   for l in layers)
-    return {"producers_only_mb": size(layout.producers) / 2 ** 20, "every_layer_mb": size(layout.layers) / 2 ** 20}
+    return {"producers_only_mb": layout.buffer_bytes(context_length, ring, dtype_bytes) / 2 ** 20,
+            "every_layer_mb": layout.buffer_bytes(context_length, ring, dtype_bytes, every_layer=True) / 2 ** 20}
 
 
 def kv_sharing_real(variant: Variant | str, context_length: int = 2048) -> Table:

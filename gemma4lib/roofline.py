@@ -10,7 +10,8 @@ Bytes per step are computed from shapes, never measured:
 - weights: every parameter that lives on the device. The word-embedding table counts once, as the
   tied LM head that reads all of it (the host only looks up one row); the PLE token table stays on
   the host and is not counted. MoE experts: all of them for the `dense` form, only the routed
-  top-k for the `selective` form (k / num_experts of the expert weights).
+  top-k for the `selective` form (k / num_experts of the expert weights on one device; k per rank
+  on expert-parallel TP ranks, see `ParamCounts.device_params`).
 - KV: every K/V buffer as allocated — a full-length buffer is read whole each step, masked or not;
   a ring buffer of a sliding layer holds `sliding_window` slots.
 
@@ -166,17 +167,6 @@ class DecodeBytes:
         return {**asdict(self), "total": self.total}
 
 
-def kv_bytes(layout: KVLayout, context_length: int, ring: bool, dtype_bytes: int, batch: int = 1) -> int:
-    """Bytes of every K/V buffer the decode graph holds (and reads whole each step)."""
-    total = 0
-    for shape in layout.buffer_shapes(batch, context_length, ring):
-        n = 1
-        for d in shape:
-            n *= d
-        total += n * dtype_bytes
-    return total
-
-
 def decode_bytes(model: Any, *, context_length: int, ring: bool = True, experts: str = "dense",
                  dtype_bytes: int | None = None, batch: int = 1, tp: int = 1) -> DecodeBytes:
     """Bytes per decode step of `model`: a `LoadedModel`, a `*ForCausalLM`, or a variant name
@@ -196,13 +186,13 @@ def decode_bytes(model: Any, *, context_length: int, ring: bool = True, experts:
     params = counts.device_params(experts, tp)
     return DecodeBytes(
         weights=params * dtype_bytes * 1.0,
-        kv=float(kv_bytes(layout, context_length, ring, dtype_bytes, batch)),
+        kv=float(layout.buffer_bytes(context_length, ring, dtype_bytes, batch)),
         experts_form=experts if counts.num_experts else "none",
         ring=ring,
         context_length=context_length,
         dtype_bytes=dtype_bytes,
         params_read=params,
-        kv_full_length=float(kv_bytes(layout, context_length, False, dtype_bytes, batch)),
+        kv_full_length=float(layout.buffer_bytes(context_length, False, dtype_bytes, batch)),
     )
 
 
@@ -327,10 +317,10 @@ def inf2_table(contexts: Iterable[int] = (2048, 8192), variants: Iterable[str] |
                         "ceiling_tok_s": {},
                         "fits_hbm": {},
                     }
+                    # resident: ALL weights (every expert) + KV, whatever the read form
+                    resident = counts.device_params("dense") * dtype_bytes + steps.kv
                     for inst in INSTANCES.values():
                         row["ceiling_tok_s"][inst.name] = ceiling_tok_s(steps.total, inst.hbm_bytes_s)
-                        # resident: ALL weights (every expert) + KV, whatever the read form
-                        resident = counts.device_params("dense") * dtype_bytes + steps.kv
                         row["fits_hbm"][inst.name] = resident <= inst.hbm_gib * GIB
                     rows.append(row)
     return rows

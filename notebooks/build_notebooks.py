@@ -19,7 +19,8 @@ from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
-from gemma4lib.notebook import INSTANCES, device_bytes  # noqa: E402
+from gemma4lib.notebook import device_bytes  # noqa: E402
+from gemma4lib.roofline import INSTANCES  # noqa: E402
 from gemma4lib.recipes.neuron_env import DLAMI_VENV, NEURON_SDK_RELEASE, SDK_PINS, TRANSFORMERS_PIN  # noqa: E402
 from gemma4lib.variants import VARIANTS  # noqa: E402
 
