@@ -239,6 +239,18 @@ class Verdict:
         return self.status == "pass"
 
 
+def tolerated_statuses(allow_missing: bool, update: bool) -> set[str]:
+    """Verdicts besides "pass" that do not fail a run: a missing baseline when that is allowed or one
+    is being written, a regression when the baseline is being rewritten. "fail" and "error" never."""
+    return ({"no-baseline"} if allow_missing or update else set()) | ({"regression"} if update else set())
+
+
+def exit_code(verdicts: Mapping[str, Verdict], allow_missing: bool, update: bool) -> int:
+    """0 when every verdict passed or is tolerated (`tolerated_statuses`), else 1."""
+    tolerated = {"pass"} | tolerated_statuses(allow_missing, update)
+    return 0 if all(v.status in tolerated for v in verdicts.values()) else 1
+
+
 def worst(statuses: Iterable[str]) -> str:
     return max(statuses, key=STATUS_ORDER.index, default="pass")
 

@@ -247,14 +247,6 @@ def judge_report(subjects: Mapping[str, Mapping[str, Any]], baseline: Mapping[st
     return {name: judge_subject(name, subject, entries.get(name), tolerances) for name, subject in subjects.items()}
 
 
-def exit_code(verdicts: Mapping[str, baselines.Verdict], allow_missing: bool, update: bool) -> int:
-    """0 when every verdict passed or is tolerated (`no-baseline` when allowed or updating, `regression`
-    when updating); 1 otherwise. A `fail` is never tolerated."""
-    tolerated = {"pass"} | ({"no-baseline"} if allow_missing or update else set()) \
-        | ({"regression"} if update else set())
-    return 0 if all(v.status in tolerated for v in verdicts.values()) else 1
-
-
 # ---- the baseline ------------------------------------------------------------------------------------
 
 def context(report: Mapping[str, Any]) -> dict[str, Any]:
@@ -367,7 +359,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         log.warning("replacing the malformed bench baseline: %s", exc)
         baseline, state = None, "MALFORMED, replaced (--update-baseline)"
     verdicts = judge_report(subjects, baseline, tolerances)
-    code = exit_code(verdicts, args.allow_missing_baseline, args.update_baseline)
+    code = baselines.exit_code(verdicts, args.allow_missing_baseline, args.update_baseline)
     notes = []
     if baseline is not None and baseline.get("threads") not in (None, report.get("threads")):
         notes.append(f"the baseline was measured on {baseline['threads']} thread(s), this report on "

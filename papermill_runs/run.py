@@ -287,14 +287,7 @@ def finish(out: Path, profile: str, kind: str, results: dict[str, Any], errors: 
             if verdict.status == "no-baseline":
                 verdict.reasons = [f"baseline unusable: {baseline_error}"]
 
-    exit_code = 0
-    for name, verdict in verdicts.items():
-        if verdict.status in ("error", "fail"):
-            exit_code = 1
-        elif verdict.status == "regression" and not args.update_baseline:
-            exit_code = 1
-        elif verdict.status == "no-baseline" and not (args.allow_missing_baseline or args.update_baseline):
-            exit_code = 1
+    exit_code = baselines.exit_code(verdicts, args.allow_missing_baseline, args.update_baseline)
     overview = runs.get("overview")
     if overview and overview.get("status") != "ok":
         exit_code = 1
@@ -329,8 +322,7 @@ def finish(out: Path, profile: str, kind: str, results: dict[str, Any], errors: 
         **meta, "history_file": str(history_path), "tolerances": tolerances, "notebooks": runs,
         "results": results, "errors": errors, "verdicts": {n: v.to_dict() for n, v in verdicts.items()},
         **(extra or {})})
-    tolerated = (["no-baseline"] if args.allow_missing_baseline or args.update_baseline else []) + \
-        (["regression"] if args.update_baseline else [])
+    tolerated = sorted(baselines.tolerated_statuses(args.allow_missing_baseline, args.update_baseline))
     table, failures = report.write_summary(out, results, verdicts, meta, runs, tolerated)
     if overview and overview.get("status") != "ok":
         failures += ("\n" if failures else "") + f"ERROR: {overview['notebook']}: {overview.get('error')}\n" \
