@@ -46,28 +46,32 @@ class StaticExperts(nn.Module):
         return torch.einsum("neh,ne->nh", out, weights.to(out.dtype))
 
     def _selective(self, hidden, top_k_index, top_k_weights):
-        n, k = top_k_index.shape
-        flat = top_k_index.reshape(-1)
-        if n == 1:
-            return self._selective_one(hidden, flat, top_k_weights)
-        gate_up_w = self.gate_up_proj.index_select(0, flat)  # [n*k, 2I, H]
-        down_w = self.down_proj.index_select(0, flat)  # [n*k, H, I]
-        x = hidden.repeat_interleave(k, dim=0).unsqueeze(-1)  # [n*k, H, 1]
-        gate, up = torch.bmm(gate_up_w, x).squeeze(-1).chunk(2, dim=-1)
-        out = torch.bmm(down_w, (self.act_fn(gate) * up).unsqueeze(-1)).squeeze(-1)  # [n*k, H]
-        out = out.view(n, k, -1) * top_k_weights.to(out.dtype).unsqueeze(-1)
-        return out.sum(dim=1)
+        return gathered_experts(self.gate_up_proj, self.down_proj, hidden, top_k_index, top_k_weights, self.act_fn)
 
-    def _selective_one(self, hidden, flat, top_k_weights):
-        # One token (decode): gather-multiply-reduce, which a compiler fuses into one pass over the
-        # k routed slices (AOTInductor reads each once; index_select + bmm reads them ~3x). Measured
-        # ~1.4x faster than the bmm form on the MoE medium config's expert block (docs/ROOFLINE.md).
+
+def gathered_experts(gate_up: torch.Tensor, down: torch.Tensor, hidden: torch.Tensor, index: torch.Tensor,
+                     weights: torch.Tensor, act_fn) -> torch.Tensor:
+    """sum_j weights[:, j] * expert_{index[:, j]}(hidden): only the k routed experts' slices are read.
+
+    `gate_up` [E, 2I, H] and `down` [E, H, I] (any strides: a tensor-parallel rank passes views of its
+    shard); `index`, `weights` [tokens, k]. One token (decode) takes a gather-multiply-reduce, which a
+    compiler fuses into one pass over the k routed slices (AOTInductor reads each once; index_select +
+    bmm reads them ~3x; measured ~1.4x faster on the MoE medium config's expert block)."""
+    n, k = index.shape
+    flat = index.reshape(-1)
+    if n == 1:
         x = hidden[0]
-        gate_up = (self.gate_up_proj[flat] * x).sum(-1)  # [k, 2I]
-        gate, up = gate_up.chunk(2, dim=-1)
-        inner = self.act_fn(gate) * up  # [k, I]
-        out = (self.down_proj[flat] * inner.unsqueeze(1)).sum(-1)  # [k, H]
-        return (out * top_k_weights[0].to(out.dtype).unsqueeze(-1)).sum(0, keepdim=True)
+        gate, up = (gate_up[flat] * x).sum(-1).chunk(2, dim=-1)  # [k, I] each
+        inner = act_fn(gate) * up
+        out = (down[flat] * inner.unsqueeze(1)).sum(-1)  # [k, H]
+        return (out * weights[0].to(out.dtype).unsqueeze(-1)).sum(0, keepdim=True)
+    gate_up_w = gate_up.index_select(0, flat)  # [n*k, 2I, H]
+    down_w = down.index_select(0, flat)  # [n*k, H, I]
+    x = hidden.repeat_interleave(k, dim=0).unsqueeze(-1)  # [n*k, H, 1]
+    gate, up = torch.bmm(gate_up_w, x).squeeze(-1).chunk(2, dim=-1)
+    out = torch.bmm(down_w, (act_fn(gate) * up).unsqueeze(-1)).squeeze(-1)  # [n*k, H]
+    out = out.view(n, k, -1) * weights.to(out.dtype).unsqueeze(-1)
+    return out.sum(dim=1)
 
 
 def use_static_experts(text_model: nn.Module, form: str = "dense") -> int:

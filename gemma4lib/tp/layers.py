@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..experts import EXPERT_FORMS
+from ..experts import EXPERT_FORMS, gathered_experts
 
 
 class Collectives:
@@ -193,23 +193,8 @@ class ShardedExperts(nn.Module):
         return self.down(inner.reshape(1, n, self.local * self.intermediate))[0]
 
     def _selective(self, hidden, top_k_index, top_k_weights):
-        n, k = top_k_index.shape
         index, scale = self.local_routes(top_k_index, top_k_weights, hidden.dtype)  # [n, k]
-        gate_up_w = self.gate_up.weight.view(self.local, 2 * self.intermediate, self.hidden)  # [local, 2I, H]
-        down_w = self.down.weight.view(self.hidden, self.local, self.intermediate)  # [H, local, I]
-        if n == 1:
-            # One token (decode): gather-multiply-reduce, the fused form of StaticExperts._selective_one;
-            # the routing weight (zero for another rank's expert) is folded in before the down slices.
-            x, flat = hidden[0], index[0]
-            gate, up = (gate_up_w[flat] * x).sum(-1).chunk(2, dim=-1)  # [k, I] each
-            inner = self.act_fn(gate) * up * scale[0].unsqueeze(-1)  # [k, I]
-            out = (down_w[:, flat] * inner).sum((-1, -2))  # [H]: over k and I at once
-            return self._reduce(out.unsqueeze(0))
-        flat = index.reshape(-1)
-        gu = gate_up_w.index_select(0, flat)  # [n*k, 2I, H]
-        dw = down_w.index_select(1, flat).permute(1, 0, 2)  # [n*k, H, I]
-        x = hidden.repeat_interleave(k, dim=0).unsqueeze(-1)  # [n*k, H, 1]
-        gate, up = torch.bmm(gu, x).squeeze(-1).chunk(2, dim=-1)
-        inner = self.act_fn(gate) * up * scale.reshape(-1, 1)  # [n*k, I]
-        out = torch.bmm(dw, inner.unsqueeze(-1)).squeeze(-1)  # [n*k, H]
-        return self._reduce(out.view(n, k, self.hidden).sum(dim=1))
+        # the shard's weights seen per local expert: [local, 2I, H] and [local, H, I] (a strided view)
+        gate_up_w = self.gate_up.weight.view(self.local, 2 * self.intermediate, self.hidden)
+        down_w = self.down.weight.view(self.hidden, self.local, self.intermediate).permute(1, 0, 2)
+        return self._reduce(gathered_experts(gate_up_w, down_w, hidden, index, scale, self.act_fn))
