@@ -3,25 +3,15 @@
 `run_doctor(variant=None, tp=None)` returns a JSON-friendly report; `format_doctor(report)` renders
 it as text. It checks, without importing the Neuron SDK:
 
-- versions found vs the pinned Neuron SDK 2.28 set and transformers (`recipes.neuron_env`);
+- the inf2 environment this cookbook expects (`recipes.neuron_env`: the DLAMI, its venv, Python and
+  the pinned SDK 2.28 set) against this machine, and says what differs;
 - Neuron devices and NeuronCores (`neuron-ls --json-output` when present, else `/dev/neuron*`);
 - the `transformers.utils.fx` shim `neuronx_distributed` needs under transformers 5 (the recipes
   install it when they import NxD; the doctor only reports whether it will be needed);
 - the PATH fix for the `libneuronpjrt-path` import error;
-- host RAM against an estimate of the compile's peak for the chosen variant and TP degree, with a
-  warning *before* a compile that the kernel would kill half an hour in.
-
-The compile-peak estimate (`estimate_compile_peak_gb`), bf16 weights:
-
-- ModelBuilder (12B, 31B, 26B-A4B): 3 x the text weights. While sharding, the host holds the
-  module ModelBuilder builds, the checkpoint the loader returns and the per-rank shards it writes,
-  each the size of the model. Calibration: 31B -> 3 x 61.4 GB = 184 GB; the field report measured
-  a 182 GB peak. TP does not change it (every rank's shard is cut from the full checkpoint).
-- trace / hand-driven TP (E2B, E4B): the host model (text weights including the PLE tables) plus
-  2 x the weights that go to the device (traced-in HLO constants and the NEFF). E2B: 9.3 + 2 x 4.6
-  = 18.5 GB, more than an inf2.xlarge's 16 GiB: compile on a bigger host.
-It is an estimate from the weights alone (compiler working memory comes on top for big graphs);
-the warning fires when the host's total RAM is below it, a note when within 20 %.
+- the per-core memory plan of every variant (`memory_plan`): weights + K/V + working memory per
+  NeuronCore, and the compile's host RAM, with a warning *before* a compile that the kernel would
+  kill half an hour in.
 """
 
 from __future__ import annotations
@@ -35,36 +25,23 @@ import subprocess
 import sys
 from typing import Any
 
+from .hardware import GB, dmi_instance_type, host_ram_bytes, smallest_instance
+from .memory_plan import (COMPILE_CALIBRATION, DEFAULT_CONTEXT, HOST_HEADROOM, compile_peak_gb, format_plan_table,
+                          neuron_recipe, plan_table)
 from .recipes import neuron_env
-
-GB = 1e9
-GIB = 2**30
-
-# bf16 bytes that live on the device per variant (DESIGN §4): PLE on host; all experts for the MoE.
-DEVICE_WEIGHTS_GB = {"e2b": 4.6, "e4b": 9.4, "12b": 23.8, "31b": 61.4, "26b-a4b": 50.5}
-INSTANCE_RAM_GIB = {"inf2.xlarge": 16, "inf2.8xlarge": 128, "inf2.24xlarge": 384, "inf2.48xlarge": 768}
-MODEL_BUILDER_COPIES = 3
-SEED_MEASURED = {"variant": "31b", "tp": 8, "peak_gb": 182.0}
 
 
 def estimate_compile_peak_gb(variant: Any, tp: int | None = None, bytes_per_param: int = 2) -> dict[str, Any]:
-    """Estimated peak host RAM (GB) of compiling `variant` with its recipe; see the module docstring."""
+    """Estimated peak host RAM (GB) of compiling `variant` with its recipe at `tp` (`memory_plan`)."""
     from .variants import get_variant
 
     v = get_variant(variant) if isinstance(variant, str) else variant
-    model_gb = float(v.real_config["params_text_b"]) * bytes_per_param
-    device_gb = DEVICE_WEIGHTS_GB[v.name] * bytes_per_param / 2
-    if v.recipe == "model_builder":
-        peak = MODEL_BUILDER_COPIES * model_gb
-        basis = f"{MODEL_BUILDER_COPIES} x text weights (module + checkpoint + per-rank shards)"
-    else:
-        peak = model_gb + 2 * device_gb
-        basis = "host model + 2 x device weights (HLO constants + NEFF)"
-    fits = [name for name, gib in INSTANCE_RAM_GIB.items() if gib * GIB >= 1.2 * peak * GB]
-    return {"variant": v.name, "recipe": v.recipe, "tp": tp or v.tp_degree, "peak_gb": round(peak, 1),
-            "model_gb": round(model_gb, 1), "device_gb": round(device_gb, 1), "basis": basis,
-            "smallest_instance_with_headroom": fits[0] if fits else None,
-            "calibration": SEED_MEASURED}
+    tp = tp or v.tp_degree
+    recipe = neuron_recipe(v, tp)
+    peak, basis = compile_peak_gb(v, recipe, bytes_per_param)
+    host = smallest_instance(tp, peak * HOST_HEADROOM)
+    return {"variant": v.name, "recipe": recipe, "tp": tp, "peak_gb": round(peak, 1), "basis": basis,
+            "smallest_instance_with_headroom": host.name if host else None, "calibration": COMPILE_CALIBRATION}
 
 
 def compile_ram_warning(estimate: dict[str, Any], ram: int) -> str | None:
@@ -74,7 +51,7 @@ def compile_ram_warning(estimate: dict[str, Any], ram: int) -> str | None:
         return (f"compile of {estimate['variant']} will likely be killed: estimated peak {estimate['peak_gb']} GB "
                 f"host RAM > {ram / GB:.0f} GB here; compile on "
                 f"{estimate['smallest_instance_with_headroom'] or 'a larger host'} or add swap")
-    if ram < 1.2 * peak:
+    if ram < HOST_HEADROOM * peak:
         return (f"tight: estimated compile peak {estimate['peak_gb']} GB is within 20 % of the "
                 f"{ram / GB:.0f} GB host RAM; close other processes first")
     return None
@@ -95,23 +72,32 @@ def warn_low_host_ram(variant: Any, tp: int | None = None) -> str | None:
     return message
 
 
-def host_ram_bytes() -> int:
-    try:
-        import psutil
+def expected_environment() -> dict[str, Any]:
+    """The inf2 environment this cookbook is written for, and the lines that make it."""
+    return {"dlami": neuron_env.DLAMI, "ssm_parameter": neuron_env.DLAMI_SSM_PARAMETER,
+            "venv": neuron_env.DLAMI_VENV_PATH, "python": neuron_env.INF2_PYTHON,
+            "neuron_sdk": neuron_env.NEURON_SDK_RELEASE,
+            "pins": {d: v[0] for d, v in neuron_env.SDK_PINS.items()} | {"transformers": neuron_env.TRANSFORMERS_PIN},
+            "install": neuron_env.install_lines()}
 
-        return int(psutil.virtual_memory().total)
-    except ImportError:  # pragma: no cover - psutil is a dependency
-        return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
 
-
-def instance_type() -> str | None:
-    """The EC2 instance type from DMI (no network), None elsewhere."""
-    try:
-        with open("/sys/devices/virtual/dmi/id/product_name") as handle:
-            name = handle.read().strip()
-        return name if name.startswith(("inf", "trn")) else None
-    except OSError:
-        return None
+def differences(devices: dict[str, Any], versions: list[dict[str, Any]]) -> list[str]:
+    """Why this machine is not the expected inf2 environment (empty when it is)."""
+    found = []
+    python = ".".join(platform.python_version_tuple()[:2])
+    if python != neuron_env.INF2_PYTHON:
+        found.append(f"Python {python} here; the inf2 venv is Python {neuron_env.INF2_PYTHON}")
+    if os.path.realpath(sys.prefix) != os.path.realpath(neuron_env.DLAMI_VENV_PATH):
+        found.append(f"running from {sys.prefix}, not {neuron_env.DLAMI_VENV_PATH}")
+    instance = dmi_instance_type()
+    if instance is None or not instance.startswith("inf2"):
+        found.append(f"not an inf2 instance ({instance or 'no EC2 instance type in DMI'})")
+    if devices["cores"] == 0:
+        found.append("no Neuron devices (/dev/neuron*)")
+    for row in versions:
+        if not row["ok"]:
+            found.append(f"{row['package']} {row['found'] or 'missing'} (pinned {' or '.join(row['pinned'])})")
+    return found
 
 
 def neuron_devices() -> dict[str, Any]:
@@ -145,8 +131,10 @@ def _path_report() -> dict[str, Any]:
                    f"(the recipes apply it in-process)"}
 
 
-def run_doctor(variant: str | None = None, tp: int | None = None) -> dict[str, Any]:
-    """The report: versions, devices, fixes, RAM vs compile peak, plus warnings and a verdict."""
+def run_doctor(variant: str | None = None, tp: int | None = None,
+               context_length: int = DEFAULT_CONTEXT) -> dict[str, Any]:
+    """The report: expected environment vs this machine, devices, fixes, the memory plan of every
+    variant, RAM vs compile peak for `variant`, plus warnings and a verdict."""
     warnings: list[str] = []
     versions = neuron_env.check_versions()
     sdk = neuron_env.sdk_present()
@@ -160,9 +148,11 @@ def run_doctor(variant: str | None = None, tp: int | None = None) -> dict[str, A
     shim = neuron_env.fx_shim_status()
     path = _path_report()
     ram = host_ram_bytes()
+    plans = plan_table(context_length)
     report: dict[str, Any] = {
         "python": platform.python_version(), "platform": platform.platform(), "torch": torch_version,
-        "instance_type": instance_type(), "neuron_sdk_release": neuron_env.NEURON_SDK_RELEASE,
+        "instance_type": dmi_instance_type(), "neuron_sdk_release": neuron_env.NEURON_SDK_RELEASE,
+        "expected": expected_environment(), "differences": differences(devices, versions),
         "sdk_present": sdk, "versions": versions, "devices": devices,
         "fx_shim": {"status": shim,
                     "meaning": {"real": "transformers provides transformers.utils.fx: no shim",
@@ -171,6 +161,8 @@ def run_doctor(variant: str | None = None, tp: int | None = None) -> dict[str, A
                                           "before importing neuronx_distributed",
                                 "no-transformers": "transformers is not installed"}[shim]},
         "path": path, "host_ram_gb": round(ram / GB, 1),
+        "memory_plan": {"context_length": context_length, "plans": [p.to_dict() for p in plans],
+                        "table": format_plan_table(plans)},
     }
     if not sdk:
         warnings.append("Neuron SDK not found (CPU profile only); " + neuron_env.how_to_get("torch-neuronx"))
@@ -183,12 +175,14 @@ def run_doctor(variant: str | None = None, tp: int | None = None) -> dict[str, A
         if not path["ok"]:
             warnings.append("PATH lacks the venv/Neuron bin folders (libneuronpjrt-path import error): "
                             + path["fix"])
+        python = ".".join(platform.python_version_tuple()[:2])
+        if python != neuron_env.INF2_PYTHON:
+            warnings.append(f"Python {python}: use the {neuron_env.DLAMI_VENV} venv (Python {neuron_env.INF2_PYTHON})")
     if not next(r for r in versions if r["package"] == "transformers")["ok"]:
         warnings.append(f"transformers must be {neuron_env.TRANSFORMERS_PIN} (CPU and inf2 alike)")
     if variant is not None:
         from .errors import TensorParallelError
-        from .loading import text_config
-        from .tp.plan import make_plan
+        from .memory_plan import plan_core_memory, require_neuron_tp
         from .variants import get_variant
 
         v = get_variant(variant)
@@ -196,11 +190,16 @@ def run_doctor(variant: str | None = None, tp: int | None = None) -> dict[str, A
         estimate = estimate_compile_peak_gb(v, tp)
         report["compile_estimate"] = estimate
         try:
-            make_plan(text_config(v, "real"), tp, v)
+            require_neuron_tp(v, tp, dmi_instance_type())
             report["tp"] = {"degree": tp, "ok": True}
         except TensorParallelError as exc:
             report["tp"] = {"degree": tp, "ok": False, "error": str(exc)}
             warnings.append(str(exc))
+        else:
+            plan = plan_core_memory(v, tp, instance=dmi_instance_type(), context_length=context_length)
+            report["plan"] = plan.to_dict()
+            if not plan.fits:
+                warnings.append(plan.summary())
         if devices["cores"] and tp > devices["cores"]:
             warnings.append(f"TP={tp} needs {tp} NeuronCores; this host has {devices['cores']}")
         ram_warning = compile_ram_warning(estimate, ram)
@@ -212,8 +211,15 @@ def run_doctor(variant: str | None = None, tp: int | None = None) -> dict[str, A
 
 
 def format_doctor(report: dict[str, Any]) -> str:
+    e = report["expected"]
     lines = [f"gemma4lib doctor — Neuron SDK {report['neuron_sdk_release']} target",
-             f"python {report['python']}, torch {report['torch']}, {report['platform']}"]
+             f"expected: {e['dlami']} (SSM {e['ssm_parameter']}), venv {e['venv']}, Python {e['python']}",
+             "  " + ", ".join(f"{k} {v}" for k, v in e["pins"].items()),
+             "  set-up: " + " && ".join(e["install"]),
+             f"this machine: python {report['python']}, torch {report['torch']}, {report['platform']}"]
+    if report["differences"]:
+        lines.append("not the inf2 environment because:")
+        lines += [f"  - {d}" for d in report["differences"]]
     if report.get("instance_type"):
         lines.append(f"instance: {report['instance_type']}")
     lines.append("versions (found / pinned):")
@@ -228,6 +234,10 @@ def format_doctor(report: dict[str, Any]) -> str:
     else:
         lines.append("PATH fix: " + ("ok" if report["path"]["ok"] else "missing — " + report["path"]["fix"]))
     lines.append(f"host RAM: {report['host_ram_gb']} GB")
+    m = report["memory_plan"]
+    lines.append(f"memory plan per NeuronCore (bf16, context {m['context_length']}, ring K/V; working memory is "
+                 f"an allowance, unverified on inf2):")
+    lines += ["  " + row for row in m["table"].splitlines()]
     if "compile_estimate" in report:
         e = report["compile_estimate"]
         lines.append(f"compile peak estimate for {e['variant']} ({e['recipe']}, TP={e['tp']}): {e['peak_gb']} GB "

@@ -38,6 +38,10 @@ class PromptTooLongError(Gemma4LibError, ValueError):
             prompt_tokens, max_new_tokens, context_length)
 
 
+class SettingsError(Gemma4LibError, ValueError):
+    """A setting of the wrong type or out of range (e.g. max_new_tokens=0), refused before any work."""
+
+
 class BadPromptError(Gemma4LibError, ValueError):
     pass
 
@@ -48,6 +52,11 @@ class BatchTooLargeError(Gemma4LibError, ValueError):
 
 class TensorParallelError(Gemma4LibError, ValueError):
     pass
+
+
+class DeviceMemoryError(Gemma4LibError, ValueError):
+    """A configuration whose weights, K/V and working memory do not fit the device (or the compile
+    host); raised when the settings are made, before anything is loaded."""
 
 
 class CheckpointError(Gemma4LibError, ValueError):

@@ -19,7 +19,7 @@ from . import checks
 from .artifacts import ArtifactCache
 from .bench import benchmark, peak_rss_mb
 from .environment import machine, versions
-from .errors import TensorParallelError, UnknownNameError
+from .errors import SettingsError, TensorParallelError, UnknownNameError
 from .experts import EXPERT_FORMS
 from .graph import DeviceGraph, GraphShape
 from .loading import LoadedModel, build_tiny, load_checkpoint
@@ -33,6 +33,27 @@ log = logging.getLogger(__name__)
 BACKENDS = ("cpu", "eager", "xla", "neuron")
 MODEL_SOURCES = ("auto", "trained", "random", "checkpoint")
 DEFAULT_PROMPT = "What is the capital of France?"
+
+
+# Integer settings and their smallest allowed value.
+_COUNTS = {"tp_degree": 1, "max_new_tokens": 1, "context_length": 2, "random_prompt_tokens": 1, "warmup": 0,
+           "iters": 1}
+
+
+def _as_tuple(value: Any) -> tuple:
+    return tuple(value) if isinstance(value, (list, tuple)) else (value,)
+
+
+def whole_number(name: str, value: Any, minimum: int) -> int:
+    """`value` as an int >= `minimum`; digit strings (a CLI or environment value) are accepted."""
+    if isinstance(value, str) and value.strip().isdigit():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise SettingsError(f"{name} must be a whole number, got {value!r} ({type(value).__name__}); "
+                            f"pass e.g. {name}={max(minimum, 1)}")
+    if value < minimum:
+        raise SettingsError(f"{name} must be at least {minimum}, got {value}")
+    return value
 
 
 @dataclass
@@ -68,16 +89,40 @@ class PortSettings:
             raise UnknownNameError("model source", self.model, MODEL_SOURCES)
         if self.decode_experts not in EXPERT_FORMS:
             raise UnknownNameError("decode_experts form", self.decode_experts, EXPERT_FORMS)
-        self.prefill_buckets = tuple(sorted(int(b) for b in self.prefill_buckets))
+        for name, minimum in _COUNTS.items():
+            setattr(self, name, whole_number(name, getattr(self, name), minimum))
+        self.prefill_buckets = tuple(sorted(whole_number("prefill_buckets", b, 1) for b in _as_tuple(self.prefill_buckets)))
+        if not self.prefill_buckets:
+            raise SettingsError("prefill_buckets is empty; give at least one compiled prompt length, e.g. (64,)")
+        if self.prefill_buckets[-1] > self.context_length:
+            raise SettingsError(f"prefill bucket {self.prefill_buckets[-1]} is longer than context_length "
+                                f"{self.context_length}; use buckets <= context_length")
         if self.seed is None:
             self.seed = self.variant_spec.tiny_seed
         if self.tp_degree not in self.variant_spec.supported_tp:
             raise TensorParallelError(
                 f"{self.variant_spec.name} cannot run at TP={self.tp_degree}: its head and expert counts split "
                 f"evenly only for TP in {self.variant_spec.supported_tp}; pick one of those")
-        if self.backend == "neuron":  # one rank per NeuronCore: the instance must have enough
-            from .tp.plan import check_cores, host_instance_type
-            check_cores(self.tp_degree, host_instance_type())
+        if self.tp_degree > 1 and self.backend not in ("cpu", "neuron"):
+            raise TensorParallelError(
+                f"TP={self.tp_degree} runs on backend 'cpu' (one gloo process per rank) or 'neuron' (NeuronCores); "
+                f"backend {self.backend!r} compiles one device: use tp_degree=1 or another backend")
+        if self.backend == "neuron":
+            self._check_neuron()
+
+    def _check_neuron(self) -> None:
+        """Before anything is loaded: the TP degree and memory fit inf2, and the SDK is here."""
+        from .hardware import host_instance_type
+        from .memory_plan import require_fit, require_neuron_tp
+        from .recipes import neuron_env
+
+        instance = host_instance_type()
+        if self.profile == "full":  # the released model: weights + K/V must fit each core
+            require_fit(self.variant_spec, self.tp_degree, instance=instance, context_length=self.context_length,
+                        ring=self.ring_kv)
+        else:  # tiny models fit anywhere; the degree must still be one inf2 can run
+            require_neuron_tp(self.variant_spec, self.tp_degree, instance)
+        neuron_env.require_sdk(f"backend 'neuron' ({self.variant_spec.name})")
 
     @property
     def model_source(self) -> str:
@@ -199,7 +244,7 @@ def port(settings: PortSettings, progress: bool = False) -> dict[str, Any]:
     ids = prompt_ids(model, settings)
     eos = eos_ids(model)
 
-    if settings.tp_degree > 1:
+    if settings.tp_degree > 1 and settings.backend == "cpu":  # the TP plan's ranks as CPU processes (gloo)
         from .tp import run_tp_port
         return _finish(settings, model, ids, eos, run_tp_port(model, settings, ids, eos), started)
 

@@ -16,7 +16,7 @@ Bytes per step are computed from shapes, never measured:
   a ring buffer of a sliding layer holds `sliding_window` slots.
 
 Ceilings: on CPU from this machine's measured single-thread bandwidth (`measure_bandwidth`); on
-inf2 from HBM bandwidth (`INSTANCES`, DESIGN §4). `compare()` is what the notebooks' benchmark cells
+inf2 from HBM bandwidth (`hardware.INSTANCES`). `compare()` is what the notebooks' benchmark cells
 call; `plots.measured_vs_ceiling()` draws its rows.
 """
 
@@ -34,43 +34,7 @@ from torch import nn
 
 from .kv_layout import KVLayout
 
-GIB = 2**30
-GB = 1e9
-
-
-# ---- inf2 hardware (DESIGN §4) ----------------------------------------------------------------
-@dataclass(frozen=True)
-class Inf2Instance:
-    name: str
-    chips: int
-    neuron_cores: int
-    host_ram_gib: int
-    hbm_gib: int
-    hbm_gib_s: float  # aggregate HBM bandwidth of the instance
-
-    @property
-    def hbm_bytes_s(self) -> float:
-        return self.hbm_gib_s * GIB
-
-    @property
-    def per_core_bytes_s(self) -> float:
-        """HBM bandwidth per NeuronCore: a chip's 820 GiB/s shared by its 2 cores (an assumption:
-        one core is taken to reach at most its half; the chip total is the hard limit)."""
-        return self.hbm_bytes_s / self.neuron_cores
-
-    def bandwidth_bytes_s(self, cores: int | None = None) -> float:
-        """Bandwidth available to a graph sharded over `cores` NeuronCores (all when None)."""
-        if cores is None:
-            return self.hbm_bytes_s
-        return self.per_core_bytes_s * min(int(cores), self.neuron_cores)
-
-
-INSTANCES: dict[str, Inf2Instance] = {
-    "inf2.xlarge": Inf2Instance("inf2.xlarge", 1, 2, 16, 32, 820.0),
-    "inf2.8xlarge": Inf2Instance("inf2.8xlarge", 1, 2, 128, 32, 820.0),
-    "inf2.24xlarge": Inf2Instance("inf2.24xlarge", 6, 12, 384, 192, 4920.0),
-    "inf2.48xlarge": Inf2Instance("inf2.48xlarge", 12, 24, 768, 384, 9840.0),
-}
+from .hardware import GB, GIB, INSTANCES, Inf2Instance  # noqa: F401  (re-exported for callers)
 
 
 # ---- bytes per decode step ----------------------------------------------------------------------

@@ -33,7 +33,7 @@ class Variant:
     name: str
     hf_id: str
     model_class: str
-    recipe: str  # "trace" | "tp_alias" | "model_builder"
+    recipe: str  # the inf2 recipe at the variant's TP degree: "trace" | "model_builder"
     tp_degree: int
     instance_type: str
     real_config: dict[str, Any]
@@ -110,7 +110,7 @@ VARIANTS: dict[str, Variant] = {
         name="e4b",
         hf_id="google/gemma-4-E4B-it",
         model_class="Gemma4ForConditionalGeneration",
-        recipe="tp_alias",
+        recipe="model_builder",
         tp_degree=2,
         instance_type="inf2.8xlarge",
         real_config=dict(

@@ -29,9 +29,10 @@ import pytest
 from gemma4lib import artifacts, doctor, environment
 from gemma4lib.artifacts import ArtifactCache, atomic_write_json
 from gemma4lib.errors import (ArtifactError, BadPromptError, BaselineError, BatchTooLargeError, CheckpointError,
-                              EnvironmentMismatchError, GatedCheckpointError, LowHostMemoryWarning,
-                              NeuronSDKMissingError, NotGemma4Error, PromptTooLongError, TensorParallelError,
-                              UnknownNameError, VariantMismatchError)
+                              DeviceMemoryError, EnvironmentMismatchError, GatedCheckpointError, LowHostMemoryWarning,
+                              NeuronSDKMissingError, NotGemma4Error, PromptTooLongError, SettingsError,
+                              TensorParallelError, UnknownNameError, VariantMismatchError)
+from gemma4lib.memory_plan import require_fit, require_neuron_tp
 from gemma4lib.loading import build_tiny, check_config_matches_variant, load_checkpoint, text_config
 from gemma4lib.port import PortSettings
 from gemma4lib.recipes import neuron_env, recipe_module
@@ -258,7 +259,7 @@ CASES = [
     Case("unknown model source", lambda c: PortSettings(variant="e2b", model="pretrained"), UnknownNameError,
          "choose one of: auto, trained, random, checkpoint"),
     Case("unknown recipe", lambda c: recipe_module("nxdi"), UnknownNameError,
-         "unknown recipe 'nxdi'; choose one of: trace, tp_alias, model_builder"),
+         "unknown recipe 'nxdi'; choose one of: trace, model_builder"),
     Case("unknown MoE decode form", lambda c: PortSettings(variant="26b-a4b", decode_experts="sparse"),
          UnknownNameError, "unknown decode_experts form 'sparse'; choose one of: dense, selective"),
     # tensor parallelism
@@ -270,7 +271,35 @@ CASES = [
     Case("more ranks than the instance has NeuronCores (12B TP=4 on inf2.8xlarge)",
          lambda c: (c.mp.setenv("GEMMA4LIB_INSTANCE_TYPE", "inf2.8xlarge"),
                     PortSettings(variant="12b", backend="neuron", tp_degree=4)),
-         TensorParallelError, "use tp_degree <= 2 or run on an inf2.24xlarge (12 cores)"),
+         TensorParallelError, "TP=4 needs 4 NeuronCores and an inf2.8xlarge has 2; use tp_degree 1 or 2 on "
+                              "inf2.8xlarge"),
+    Case("TP degree the Neuron runtime does not run on inf2 (31B at TP=12)",
+         lambda c: require_neuron_tp(get_variant("31b"), 12, "inf2.48xlarge"), TensorParallelError,
+         "TP=12 is not a degree the Neuron runtime supports on inf2 (1, 2, 4, 8, 24)"),
+    Case("released 12B on one NeuronCore (backend neuron, full profile, TP=1)",
+         lambda c: (c.mp.setenv("GEMMA4LIB_INSTANCE_TYPE", "inf2.8xlarge"),
+                    PortSettings(variant="12b", profile="full", backend="neuron", tp_degree=1)),
+         DeviceMemoryError, "exceed a NeuronCore's 16 GiB; use TP=2 on inf2.8xlarge"),
+    Case("released 31B at TP=4 (weights + K/V + working memory over 16 GiB)",
+         lambda c: require_fit(get_variant("31b"), 4, instance="inf2.24xlarge", context_length=2048, ring=True),
+         DeviceMemoryError, "does not fit: 14.3 GiB of weights"),
+    Case("backend neuron without the SDK: refused by the settings, before any load",
+         lambda c: (versions_found(c), PortSettings(variant="e2b", backend="neuron")), NeuronSDKMissingError,
+         "backend 'neuron' (e2b) needs the Neuron SDK package torch-neuronx"),
+    Case("tensor parallelism on a one-device backend (eager, TP=2)",
+         lambda c: PortSettings(variant="e4b", backend="eager", tp_degree=2), TensorParallelError,
+         "backend 'eager' compiles one device: use tp_degree=1 or another backend"),
+    # settings
+    Case("max_new_tokens of 0", lambda c: PortSettings(variant="e2b", max_new_tokens=0), SettingsError,
+         "max_new_tokens must be at least 1, got 0"),
+    Case("max_new_tokens negative", lambda c: PortSettings(variant="e2b", max_new_tokens=-3), SettingsError,
+         "max_new_tokens must be at least 1, got -3"),
+    Case("TP degree that is not a number", lambda c: PortSettings(variant="e2b", tp_degree="two"), SettingsError,
+         "tp_degree must be a whole number, got 'two' (str); pass e.g. tp_degree=1"),
+    Case("context length as a float", lambda c: PortSettings(variant="e2b", context_length=128.0), SettingsError,
+         "context_length must be a whole number, got 128.0 (float)"),
+    Case("prefill bucket longer than the context", lambda c: PortSettings(variant="e2b", prefill_buckets=(256,)),
+         SettingsError, "prefill bucket 256 is longer than context_length 128; use buckets <= context_length"),
     # prompts and shapes
     Case("prompt + max_new_tokens > compiled context", lambda c: runtime().generate(list(range(3, 15)), 30),
          PromptTooLongError, "shorten the prompt, lower max_new_tokens, or recompile with a larger context_length"),
@@ -338,7 +367,7 @@ CASES = [
          lambda c: (versions_found(c, **{**SDK_228, "torch-neuronx": "2.5.1.2.4.0"}),
                     neuron_env.require("torch_neuronx")),
          EnvironmentMismatchError, "torch-neuronx 2.5.1.2.4.0 is installed, but this cookbook pins "
-                                   "2.8.0.2.12.22436 or 2.9.0.2.12.22436"),
+                                   "2.9.0.2.12.22436"),
     Case("neuronx-distributed at another version",
          lambda c: (versions_found(c, **{**SDK_228, "neuronx-distributed": "0.16.0"}),
                     neuron_env.require("neuronx_distributed.trace")),
@@ -512,6 +541,7 @@ def test_low_ram_warning_comes_before_the_neuron_compile(tmp_path, monkeypatch):
     import tempfile
 
     monkeypatch.delenv("GEMMA4LIB_INSTANCE_TYPE", raising=False)
+    monkeypatch.setattr(neuron_env, "require_sdk", lambda *a, **k: None)
     settings = PortSettings(variant="e2b", backend="neuron", context_length=32, prefill_buckets=(16,),
                             cache_dir=str(tmp_path / "cache"))
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # the compiler workdir lands here, not in /tmp
@@ -524,7 +554,7 @@ def test_low_ram_warning_comes_before_the_neuron_compile(tmp_path, monkeypatch):
         raise RuntimeError("stop here: no Neuron compiler on this machine")
 
     monkeypatch.setattr(neuron_trace, "compile_trace", compiler)
-    with pytest.warns(LowHostMemoryWarning, match=r"estimated peak 18\.5 GB host RAM > 4 GB here") as caught:
+    with pytest.warns(LowHostMemoryWarning, match=r"estimated peak 13\.8 GB host RAM > 4 GB here") as caught:
         with pytest.raises(RuntimeError, match="stop here"):
             compile_graphs_neuron(model, {16: None}, decode, settings)
     assert caught and events == ["compile"]
@@ -532,10 +562,16 @@ def test_low_ram_warning_comes_before_the_neuron_compile(tmp_path, monkeypatch):
 
 
 def test_doctor_reports_the_ram_estimate(monkeypatch):
+    """E2B's trace keeps its weights out of the NEFF, so its compile fits the inf2.xlarge it runs on;
+    the 12B's ModelBuilder compile does not fit a 16 GiB host, and the doctor says where it does."""
     monkeypatch.setattr(doctor, "host_ram_bytes", lambda: 16 * 2**30)
     report = doctor.run_doctor("e2b")
-    assert report["compile_estimate"]["peak_gb"] == 18.5
-    assert any("estimated peak 18.5 GB host RAM > 17 GB here" in w for w in report["warnings"])
+    assert report["compile_estimate"]["peak_gb"] == 13.8
+    assert report["compile_estimate"]["smallest_instance_with_headroom"] == "inf2.xlarge"
+    assert not any("peak" in w for w in report["warnings"])
+    report = doctor.run_doctor("12b")
+    assert any("estimated peak 71.4 GB host RAM > 17 GB here; compile on inf2.8xlarge" in w
+               for w in report["warnings"])
 
 
 # ---- papermill: a notebook failing mid-way ------------------------------------------------------

@@ -83,7 +83,7 @@ def test_compile_graphs_neuron_raises_before_compiling():
 
 
 def test_installed_but_broken_sdk_is_a_mismatch_not_missing(monkeypatch):
-    monkeypatch.setattr(neuron_env, "metadata_version", lambda dist: "2.8.0.2.12.22436")
+    monkeypatch.setattr(neuron_env, "metadata_version", lambda dist: "2.9.0.2.12.22436")
     monkeypatch.setattr(neuron_env, "apply_path_fix", lambda *a, **k: {})
     monkeypatch.setitem(sys.modules, "torch_neuronx", None)  # import fails although "installed"
     with pytest.raises(EnvironmentMismatchError, match="installed but failed to import"):
@@ -130,7 +130,7 @@ def test_doctor_with_a_simulated_sdk(monkeypatch):
     assert any("will likely be killed" in w and "inf2.24xlarge" in w for w in report["warnings"])
     assert report["tp"] == {"degree": 8, "ok": True}
     report = doctor.run_doctor("26b-a4b", 3)
-    assert not report["tp"]["ok"] and "use one of 1, 2, 4, 8" in report["tp"]["error"]
+    assert not report["tp"]["ok"] and "use tp_degree 1 or 2 or 4 or 8" in report["tp"]["error"]
 
 
 def test_compile_peak_estimate_is_calibrated_to_the_field_report():
@@ -139,7 +139,10 @@ def test_compile_peak_estimate_is_calibrated_to_the_field_report():
     est = estimate_compile_peak_gb("31b", 8)
     assert abs(est["peak_gb"] - 182) / 182 < 0.05
     assert est["smallest_instance_with_headroom"] == "inf2.24xlarge"
-    assert estimate_compile_peak_gb("e2b")["peak_gb"] > 16 * 2**30 / 1e9  # more than an inf2.xlarge holds
+    # E2B's trace keeps the weights out of the NEFF: the host model + one device copy fit an inf2.xlarge
+    e2b = estimate_compile_peak_gb("e2b")
+    assert e2b["recipe"] == "trace" and e2b["peak_gb"] < 16 * 2**30 / 1e9
+    assert e2b["smallest_instance_with_headroom"] == "inf2.xlarge"
 
 
 # ---- the environment fixes -----------------------------------------------------------------------
@@ -250,21 +253,6 @@ def test_model_builder_checkpoint_names_match_the_compiled_module():
         assert {f"kv.{i}" for i in range(len(module.kv))} == set(module.state_dict()) - names
     assert checkpoint["graph.spmd_rank.rank"].tolist() == list(range(8))
     assert any(k.endswith("layer_scalar") for k in checkpoint)
-
-
-def test_tp_alias_shards_roundtrip_through_safetensors(tmp_path):
-    from safetensors.torch import load_file
-
-    from gemma4lib.recipes import neuron_tp_alias
-    from gemma4lib.tp import build_rank_graph, load_shard, make_plan
-
-    m = tiny("e4b")
-    plan = make_plan(m.config, 2, m.variant)
-    paths = neuron_tp_alias.save_rank_shards(m, plan, tmp_path)
-    assert [p.name for p in paths] == ["tp0.safetensors", "tp1.safetensors"]
-    graph = build_rank_graph(m.config, plan, GraphShape(1, 1, 64))
-    assert load_shard(graph, load_file(str(paths[1]))) == []
-    assert graph.spmd_rank.rank.tolist() == [1]
 
 
 def test_neuron_cache_key_tracks_what_changes_the_artifact():

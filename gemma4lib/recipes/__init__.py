@@ -1,10 +1,13 @@
 """The Neuron recipes: thin adapters that hand the device graph to a Neuron compiler.
 
-| recipe          | module                  | variants              | compiler API                              |
-|-----------------|-------------------------|-----------------------|-------------------------------------------|
-| `trace`         | `neuron_trace`          | E2B (TP=1)            | `torch_neuronx.trace` + K/V aliases       |
-| `tp_alias`      | `neuron_tp_alias`       | E4B (TP=2)            | NxD `parallel_model_trace`, CPU-seeded prefill |
-| `model_builder` | `neuron_model_builder`  | 12B, 31B, 26B-A4B     | NxD `ModelBuilder` v1, `SPMDRank`         |
+| recipe          | module                  | variants                    | compiler API                        |
+|-----------------|-------------------------|-----------------------------|-------------------------------------|
+| `trace`         | `neuron_trace`          | E2B (TP=1)                  | `torch_neuronx.trace` + K/V aliases |
+| `model_builder` | `neuron_model_builder`  | E4B, 12B, 31B, 26B-A4B; any variant at TP > 1 | NxD `ModelBuilder` v1, `SPMDRank` |
+
+`memory_plan.neuron_recipe(variant, tp)` picks one. NxD's `parallel_model_trace` (one process per
+rank) is unsupported since SDK 2.27, so no recipe uses it: ModelBuilder compiles one rank in one
+process at every TP degree. Hand-driven TP stays what the E4B notebook teaches on CPU (gloo ranks).
 
 Importing any of them never imports the Neuron SDK (targets SDK 2.28, see `neuron_env`); calling
 a Neuron-only entry point without it raises `NeuronSDKMissingError` saying what to install. The
@@ -13,20 +16,18 @@ host loops, the modules handed to the compilers and the sharded data paths all r
 
 RECIPE_MODULES = {
     "trace": "gemma4lib.recipes.neuron_trace",
-    "tp_alias": "gemma4lib.recipes.neuron_tp_alias",
     "model_builder": "gemma4lib.recipes.neuron_model_builder",
 }
 
 # Neuron-only entry points per module (each raises NeuronSDKMissingError without the SDK)
 NEURON_ENTRY_POINTS = {
     "gemma4lib.recipes.neuron_trace": ("compile_trace", "load"),
-    "gemma4lib.recipes.neuron_tp_alias": ("compile_tp_alias", "load_tp_alias", "seed_device_kv"),
     "gemma4lib.recipes.neuron_model_builder": ("compile_model_builder", "load_model_builder", "NxDParallelFactory"),
 }
 
 
 def recipe_module(recipe: str):
-    """The module of an inf2 recipe by name (`trace`, `tp_alias`, `model_builder`); importing it never
+    """The module of an inf2 recipe by name (`trace`, `model_builder`); importing it never
     imports the Neuron SDK."""
     import importlib
 
@@ -63,20 +64,21 @@ def neuron_cache_key(model, recipe: str, tp: int, shapes: dict, compiler_args: d
 
 
 def compile_graphs_neuron(model, prefill, decode, settings):
-    """`port.compile_graphs` for `backend="neuron"`: compile with the variant's recipe on inf2 (or
-    load the artifact from the cache when its key matches) and wrap it in the host runtime.
-    Raises `NeuronSDKMissingError` without the SDK, before any work.
+    """`port.compile_graphs` for `backend="neuron"`: compile with the recipe `neuron_recipe` picks
+    for the variant and TP degree (or load the artifact from the cache when its key matches) and
+    wrap it in the host runtime. Raises `NeuronSDKMissingError` without the SDK, before any work.
 
-    TP=1: `neuron_trace` (decode graph; the prompt is prefilled through it token by token).
-    TP>1: `neuron_tp_alias` (E4B; prefill on CPU, K/V seeded into the device buffers) or
-    `neuron_model_builder` (prefill + decode keys). Artifacts live in the artifact cache
-    (`settings.cache_dir`, default `~/.cache/gemma4lib`) keyed by `neuron_cache_key`.
+    `trace` (E2B, TP=1): the decode graph; the prompt is prefilled through it token by token.
+    `model_builder` (every other variant, and any TP > 1): prefill + decode keys over one set of
+    K/V states. Artifacts live in the artifact cache (`settings.cache_dir`) keyed by
+    `neuron_cache_key`.
     """
     import tempfile
     import time
 
     from ..artifacts import ArtifactCache
     from ..graph import GraphShape
+    from ..memory_plan import neuron_recipe
     from ..port import CompiledGraphs
     from ..runtime import HostRuntime
     from . import neuron_env
@@ -84,17 +86,16 @@ def compile_graphs_neuron(model, prefill, decode, settings):
 
     neuron_env.require("torch_neuronx", f"backend 'neuron' ({model.variant.name})")
     tp = int(settings.tp_degree)
-    recipe = "trace" if tp == 1 else model.variant.recipe
+    recipe = neuron_recipe(model.variant, tp)
     context, ring, dtype = settings.context_length, settings.ring_kv, decode.dtype
     n_inputs = 4 if decode.has_ple else 3
     bucket = max(prefill)
     shapes = {"decode": GraphShape(1, 1, context, ring)}
-    # only the ModelBuilder recipe builds its graphs from the TP rank graph, which takes the form
-    decode_experts = "dense"
+    decode_experts = "dense"  # only the ModelBuilder recipe builds the rank graph, which takes the form
     if recipe == "model_builder":
         shapes["prefill"] = GraphShape(1, bucket, context, ring)
         if model.variant.is_moe:
-            decode_experts = getattr(settings, "decode_experts", "dense")
+            decode_experts = settings.decode_experts
     key, parts = neuron_cache_key(model, recipe, tp, shapes, neuron_env.COMPILER_ARGS, dtype,
                                   decode_experts=decode_experts)
     cache = ArtifactCache(settings.cache_dir)
@@ -108,10 +109,6 @@ def compile_graphs_neuron(model, prefill, decode, settings):
             from . import neuron_trace
             neuron_trace.save(neuron_trace.compile_trace(model, context, ring=ring, compiler_workdir=workdir),
                               folder / "model.pt")
-        elif recipe == "tp_alias":
-            from . import neuron_tp_alias
-            neuron_tp_alias.compile_tp_alias(model, folder, tp=tp, context_length=context, ring=ring, dtype=dtype,
-                                             compiler_workdir=workdir)
         else:
             from . import neuron_model_builder
             neuron_model_builder.compile_model_builder(model, tp, folder, context_length=context,
@@ -126,14 +123,6 @@ def compile_graphs_neuron(model, prefill, decode, settings):
         from . import neuron_trace
         step = DeviceStep(neuron_trace.load(entry.file("model.pt")), n_inputs)
         steps = {b: StepwisePrefill(step, n_inputs) for b in prefill}
-    elif recipe == "tp_alias":
-        from ..tp.plan import make_plan
-        from . import neuron_tp_alias
-        tp_model = neuron_tp_alias.load_tp_alias(entry.path)
-        step = DeviceStep(tp_model, n_inputs)
-        plan = make_plan(model.config, tp, model.variant)
-        steps = {b: neuron_tp_alias.CpuSeededPrefill(model, plan, b, context, ring=ring, tp_model=tp_model,
-                                                     shard_folder=entry.path / "shards") for b in prefill}
     else:
         from . import neuron_model_builder
         step = DeviceStep(neuron_model_builder.load_model_builder(entry.path, tp), n_inputs)

@@ -29,23 +29,48 @@ import sys
 import types
 from typing import Any, Callable, MutableMapping
 
+from ..environment import TRANSFORMERS_PIN as TRANSFORMERS_VERSION
 from ..errors import EnvironmentMismatchError, NeuronSDKMissingError
 
 NEURON_SDK_RELEASE = "2.28"
-DLAMI_VENV = "aws_neuronx_venv_pytorch_2_8_nxd_inference"
+# The one inf2 environment this cookbook names (SDK 2.28 DLAMI documentation and its release
+# manifest): transformers 5.23.0 needs Python >= 3.11, and of the 2.28 DLAMIs only the Ubuntu 24.04
+# one has it (Python 3.12, torch 2.9 venvs). The Ubuntu 22.04 DLAMI's venvs are Python 3.10 and the
+# AL2023 DLAMIs ship no PyTorch 2.9 environment.
+DLAMI = "Deep Learning AMI Neuron (Ubuntu 24.04)"
+DLAMI_SSM_PARAMETER = "/aws/service/neuron/dlami/multi-framework/ubuntu-24.04/latest/image_id"
+DLAMI_VENV = "aws_neuronx_venv_pytorch_2_9_nxd_inference"
 DLAMI_VENV_PATH = f"/opt/{DLAMI_VENV}"
+INF2_PYTHON = "3.12"
 NEURON_PIP_INDEX = "https://pip.repos.neuron.amazonaws.com"
 NEURON_BIN = "/opt/aws/neuron/bin"
 
-# distribution name -> accepted versions (SDK 2.28). torch-neuronx ships for torch 2.8 (the DLAMI
-# venv, the seed's) and torch 2.9 (matches the CPU torch_xla lane).
+# distribution name -> accepted versions (SDK 2.28 release manifest). torch-neuronx for torch 2.9,
+# the torch of the Ubuntu 24.04 venv and of the CPU torch_xla lane.
 SDK_PINS: dict[str, tuple[str, ...]] = {
-    "torch-neuronx": ("2.8.0.2.12.22436", "2.9.0.2.12.22436"),
+    "torch-neuronx": ("2.9.0.2.12.22436",),
     "neuronx-cc": ("2.23.6484.0",),
     "neuronx-distributed": ("0.17.26814",),
     "libneuronxla": ("2.2.15515.0",),
 }
-TRANSFORMERS_PIN = "5.23.0"
+TRANSFORMERS_PIN = TRANSFORMERS_VERSION
+# What the SDK packages constrain in the venv the project installs into (checked by
+# scripts/check_inf2_resolves.sh): torch-neuronx 2.9.0.x is built against torch 2.9.0 and
+# torch-xla 2.9.0; the 2.28 docs support numpy 2.x and >= 1.21.6.
+SDK_CONSTRAINTS: dict[str, str] = {"torch": "==2.9.0", "torch-xla": "==2.9.0", "numpy": ">=1.21.6"}
+# Installed in the DLAMI venv, not used by this cookbook: it pins transformers 4.57.*, so pip
+# reports a conflict when transformers 5.23.0 goes in. Nothing here imports it.
+UNUSED_IN_VENV = {"neuronx-distributed-inference": "0.8.16251"}
+
+
+def install_lines() -> list[str]:
+    """The shell lines that make the inf2 environment, in a clone of this repository on an instance
+    started from `DLAMI`. The venv's torch, torch-xla and SDK packages stay as they are: gemma4lib
+    does not depend on torch, so pip leaves them alone."""
+    return [f"source {DLAMI_VENV_PATH}/bin/activate",
+            f"export PATH=$VIRTUAL_ENV/bin:{NEURON_BIN}:$PATH",
+            'pip install -e ".[notebooks]"']
+
 
 # import name -> distribution name
 MODULE_TO_DIST = {
@@ -101,10 +126,10 @@ def sdk_present() -> bool:
 
 def how_to_get(dist: str) -> str:
     pins = " ".join(f"{d}=={v[0]}" for d, v in SDK_PINS.items())
-    return (f"on an inf2 instance (Deep Learning AMI Neuron) run `source {DLAMI_VENV_PATH}/bin/activate` "
-            f"(venv {DLAMI_VENV}), or install from the Neuron pip repository: "
-            f"`pip install --extra-index-url {NEURON_PIP_INDEX} {pins}` (Neuron SDK {NEURON_SDK_RELEASE}; "
-            f"the PyPI packages of these names are placeholders). The CPU profile needs none of it")
+    return (f"on an inf2 instance started from the {DLAMI} (SDK {NEURON_SDK_RELEASE}) run "
+            f"`source {DLAMI_VENV_PATH}/bin/activate` (Python {INF2_PYTHON}), or install from the Neuron pip "
+            f"repository: `pip install --extra-index-url {NEURON_PIP_INDEX} {pins}` (the PyPI packages of "
+            f"these names are placeholders). The CPU profile needs none of it")
 
 
 def missing_error(module: str, purpose: str = "") -> NeuronSDKMissingError:
@@ -116,6 +141,24 @@ def missing_error(module: str, purpose: str = "") -> NeuronSDKMissingError:
         f"installed here; {how_to_get(dist)}")
 
 
+def _check_installed(dist: str, module: str, purpose: str) -> None:
+    """Raise when `dist` is absent or outside `SDK_PINS`; reads metadata only, imports nothing."""
+    found = metadata_version(dist)
+    if found is None:
+        raise missing_error(module, purpose)
+    if not _matches(found, SDK_PINS[dist]):  # another SDK release: fail now, not mid-compile
+        raise EnvironmentMismatchError(
+            f"{dist} {found} is installed, but this cookbook pins {' or '.join(SDK_PINS[dist])} (Neuron SDK "
+            f"{NEURON_SDK_RELEASE}; the last release with NxD Inference for inf2); {how_to_get(dist)}")
+
+
+def require_sdk(purpose: str = "") -> None:
+    """Check, without importing anything, that the pinned SDK packages the recipes call are
+    installed: the early check `PortSettings(backend="neuron")` makes before any load."""
+    for module in ("torch_neuronx", "neuronx_distributed"):
+        _check_installed(MODULE_TO_DIST[module], module, purpose)
+
+
 def require(module: str, purpose: str = "") -> types.ModuleType:
     """Import an SDK module, applying the environment fixes first; a clear error if it is absent.
 
@@ -125,13 +168,7 @@ def require(module: str, purpose: str = "") -> types.ModuleType:
     top = module.split(".")[0]
     dist = MODULE_TO_DIST.get(top)
     if dist is not None:
-        found = metadata_version(dist)
-        if found is None:
-            raise missing_error(module, purpose)
-        if not _matches(found, SDK_PINS[dist]):  # another SDK release: fail now, not mid-compile
-            raise EnvironmentMismatchError(
-                f"{dist} {found} is installed, but this cookbook pins {' or '.join(SDK_PINS[dist])} (Neuron SDK "
-                f"{NEURON_SDK_RELEASE}; the last release with NxD Inference for inf2); {how_to_get(dist)}")
+        _check_installed(dist, module, purpose)
     apply_path_fix()
     if top == "neuronx_distributed":
         install_fx_shim()
@@ -233,7 +270,7 @@ def compile_cache_dir() -> str:
 
 
 __all__ = [
-    "COMPILER_ARGS", "DLAMI_VENV", "NEURON_PIP_INDEX", "NEURON_SDK_RELEASE", "SDK_PINS", "TRANSFORMERS_PIN",
-    "apply_path_fix", "check_versions", "compiler_args", "fx_shim_status", "install_fx_shim",
-    "metadata_version", "missing_error", "require", "sdk_present",
+    "COMPILER_ARGS", "DLAMI", "DLAMI_VENV", "INF2_PYTHON", "NEURON_PIP_INDEX", "NEURON_SDK_RELEASE", "SDK_CONSTRAINTS",
+    "SDK_PINS", "TRANSFORMERS_PIN", "apply_path_fix", "check_versions", "compiler_args", "fx_shim_status",
+    "install_fx_shim", "install_lines", "metadata_version", "missing_error", "require", "require_sdk", "sdk_present",
 ]

@@ -1,5 +1,5 @@
-"""Recipe 3 (12B TP=2, 31B TP=8, 26B-A4B TP=8): NxD ModelBuilder (v1), compile one rank, load
-per-rank weights.
+"""Recipe 2 (E4B TP=2, 12B TP=2, 31B TP=8, 26B-A4B TP=8; any variant at TP > 1): NxD ModelBuilder
+(v1), compile one rank, load per-rank weights.
 
 The rank graph (`tp.rank_graph.RankGraph`) is the same one the CPU gloo run executes; here its
 rank-local layers come from NxD (`NxDParallelFactory`): `ColumnParallelLinear`,
@@ -10,6 +10,12 @@ the config on the meta device with shard-size layers, so `module_cls()` never ho
   `BaseModelInstance` whose `get()` returns the `KVParamModule` and its `{kv_param: output_index}`
   aliases. Both modules have the same K/V parameter names, so NxD keeps one set of K/V state
   buffers per rank for both graphs. The NxD model routes a call by its input shapes.
+- The decode key is the priority model (`priority_model_idx=0`): NxD compiles it first, lets the
+  compiler choose the weights' on-device layout for it, and applies that layout to the prefill
+  graph too. Decode reads every weight once per token, so its layout is the one worth optimising
+  (NxD Inference does the same for its token-generation model).
+- PLE models (E4B): the per-layer inputs are a fourth input computed on the host, like the
+  embeddings; the PLE projections are replicated on every rank.
 - MoE (26B-A4B): the prefill graph's experts are all-experts-dense; the decode graph's take
   `decode_experts` (`selective`: each rank gathers the routed top-k slices from its own
   `ColumnParallelLinear`/`RowParallelLinear` weights and sums over ranks with the reduction
@@ -46,6 +52,8 @@ RECIPE = "model_builder"
 PURPOSE = "the ModelBuilder recipe (neuronx_distributed.trace.model_builder)"
 GRAPH_PREFIX = "graph."  # KVParamModule holds the rank graph as `.graph`
 SHARD_FILE = "tp{rank}_sharded_checkpoint.safetensors"
+# Weight layout optimisation: the decode key's only bucket (index 0) sets the layout; prefill follows.
+PRIORITY = {"prefill": None, "decode": 0}
 
 
 class NxDParallelFactory:
@@ -150,7 +158,7 @@ def compile_model_builder(loaded: Any, tp: int, out_dir: str | Path, *, context_
     for key, shape in bucket_shapes(context_length, prefill_len, ring).items():
         builder.add(key=key, model_instance=GraphInstance(loaded.config, plan, shape, dtype, forms[key]),
                     example_inputs=[graph_example_inputs(loaded.config, shape, dtype)],
-                    compiler_args=neuron_env.COMPILER_ARGS[shape.phase])
+                    compiler_args=neuron_env.COMPILER_ARGS[shape.phase], priority_model_idx=PRIORITY[key])
     traced = builder.trace(initialize_model_weights=False)  # inf2-only
     torch.jit.save(traced, str(out / "model.pt"))  # inf2-only
     builder.shard_checkpoint(serialize_path=str(out / "weights"))  # inf2-only

@@ -5,7 +5,13 @@ buffers are parameters of the traced module and `input_output_aliases={param: ou
 the compiled graph update them in place on the device, so nothing but the embeddings goes in and
 the logits come out each step. Embedding and PLE tables stay on the host (2.35 B of E2B's 4.63 B
 parameters). The prompt is prefilled through the same decode graph token by token (one compiled
-graph; E2B prompts are short); `neuron_tp_alias` shows the CPU-seeded alternative.
+graph; E2B prompts are short).
+
+The weights are not inlined into the NEFF (`inline_weights_to_neff=False`): the compile host then
+holds the model and one copy of the device weights, not also the weights baked into the HLO and the
+NEFF, which is what lets an inf2.xlarge (16 GiB) compile E2B (`memory_plan.compile_peak_gb`). The
+price is one call after loading: `torch_neuronx.move_trace_to_device`, without which the separated
+weights would be copied from the host on every call.
 
 Only the lines marked `# inf2-only` need the Neuron SDK; everything else runs on CPU, where
 `AliasEmulator` stands in for the device aliasing (tests drive exactly this host loop).
@@ -39,7 +45,7 @@ def compile_trace(loaded: Any, context_length: int, *, ring: bool = False, compi
     torch_neuronx = neuron_env.require("torch_neuronx", PURPOSE)
     module = build_kv_module(loaded, context_length, ring=ring)
     return torch_neuronx.trace(  # inf2-only
-        module, module.example_inputs(), input_output_aliases=module.aliases(),
+        module, module.example_inputs(), input_output_aliases=module.aliases(), inline_weights_to_neff=False,
         compiler_workdir=compiler_workdir, compiler_args=list(compiler_args or neuron_env.compiler_args("decode")))
 
 
@@ -50,10 +56,13 @@ def save(traced: Any, path: str | Path) -> Path:
     return path
 
 
-def load(path: str | Path):
-    """Load a saved trace (importing torch_neuronx first registers the Neuron ops it holds)."""
-    neuron_env.require("torch_neuronx", PURPOSE)
-    return torch.jit.load(str(path))  # inf2-only (the artifact holds a NEFF)
+def load(path: str | Path, core: int = 0):
+    """Load a saved trace onto NeuronCore `core`, weights included (importing torch_neuronx first
+    registers the Neuron ops the artifact holds)."""
+    torch_neuronx = neuron_env.require("torch_neuronx", PURPOSE)
+    traced = torch.jit.load(str(path))  # inf2-only (the artifact holds a NEFF)
+    torch_neuronx.move_trace_to_device(traced, core)  # inf2-only: separated weights go to HBM once
+    return traced
 
 
 def generate(step: Any, loaded: Any, prompt: Sequence[int], max_new_tokens: int) -> dict[str, Any]:

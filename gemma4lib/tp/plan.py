@@ -40,12 +40,12 @@ from dataclasses import dataclass, replace
 from typing import Any, Iterable
 
 from ..errors import TensorParallelError
+from ..hardware import NEURON_TP_DEGREES
 from ..kv_layout import FULL, SLIDING, KVLayout
 
-# NeuronCore counts a tensor-parallel group can span on inf2 (24 cores on an inf2.48xlarge).
-CANDIDATE_TP = (1, 2, 4, 8, 12, 16, 24)
-# NeuronCores per inf2 instance (DESIGN §4): one rank per core, so TP can be at most this.
-INSTANCE_CORES = {"inf2.xlarge": 2, "inf2.8xlarge": 2, "inf2.24xlarge": 12, "inf2.48xlarge": 24}
+# The degrees worth offering: those the Neuron runtime supports on inf2 (the CPU gloo runner could
+# run others, but a plan nobody can deploy teaches nothing).
+CANDIDATE_TP = NEURON_TP_DEGREES
 
 COLUMN, ROW, REPLICATE, RANK = "column", "row", "replicate", "rank"
 
@@ -255,26 +255,6 @@ def tp_problems(config: Any, tp: int, layout: KVLayout | None = None) -> list[st
         if c["num_experts"] % tp:
             problems.append(f"{c['num_experts']} experts do not split into {tp} equal groups")
     return problems
-
-
-def host_instance_type() -> str | None:
-    """This host's instance type: `$GEMMA4LIB_INSTANCE_TYPE`, else EC2's DMI name (None off inf2/trn)."""
-    import os
-
-    from ..doctor import instance_type
-
-    return os.environ.get("GEMMA4LIB_INSTANCE_TYPE") or instance_type()
-
-
-def check_cores(tp: int, instance_type: str | None) -> None:
-    """Raise `TensorParallelError` when `tp` ranks need more NeuronCores than `instance_type` has
-    (unknown instance types are not checked)."""
-    cores = INSTANCE_CORES.get(instance_type or "")
-    if cores is not None and tp > cores:
-        bigger = next((name for name, n in INSTANCE_CORES.items() if n >= tp), None)
-        raise TensorParallelError(
-            f"TP={tp} needs {tp} NeuronCores, but an {instance_type} has {cores}; use tp_degree <= {cores} "
-            f"or run on " + (f"an {bigger} ({INSTANCE_CORES[bigger]} cores)" if bigger else "a larger instance"))
 
 
 def valid_tp_degrees(config: Any, candidates: Iterable[int] = CANDIDATE_TP) -> list[int]:
