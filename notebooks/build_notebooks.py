@@ -19,9 +19,10 @@ from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
-from gemma4lib.notebook import device_bytes  # noqa: E402
 from gemma4lib.roofline import INSTANCES  # noqa: E402
-from gemma4lib.recipes.neuron_env import DLAMI_VENV, NEURON_SDK_RELEASE, SDK_PINS, TRANSFORMERS_PIN  # noqa: E402
+from gemma4lib.memory_plan import plan_core_memory  # noqa: E402
+from gemma4lib.recipes.neuron_env import (DLAMI, DLAMI_VENV, INF2_PYTHON, NEURON_SDK_RELEASE, SDK_PINS,  # noqa: E402
+                                          TRANSFORMERS_PIN)
 from gemma4lib.variants import VARIANTS  # noqa: E402
 
 KERNELSPEC = {"name": "python3", "display_name": "Python 3", "language": "python"}
@@ -72,7 +73,8 @@ def code(text: str, tags: list[str] | None = None):
 
 def sdk_line() -> str:
     pins = ", ".join(f"{name} {versions[0]}" for name, versions in SDK_PINS.items())
-    return f"Neuron SDK {NEURON_SDK_RELEASE} (`{DLAMI_VENV}`: {pins}) + transformers {TRANSFORMERS_PIN}"
+    return (f"{DLAMI}, venv `{DLAMI_VENV}` (Python {INF2_PYTHON}), Neuron SDK {NEURON_SDK_RELEASE}: {pins}; "
+            f"+ transformers {TRANSFORMERS_PIN}")
 
 
 def runs_on(name: str) -> str:
@@ -80,8 +82,7 @@ def runs_on(name: str) -> str:
     inst = INSTANCES[v.instance_type]
     chips, cores, host_ram, hbm, bandwidth = (inst.chips, inst.neuron_cores, inst.host_ram_gib, inst.hbm_gib,
                                              inst.hbm_gib_s)
-    b = device_bytes(v)
-    per_core = b["device_gb"] / v.tp_degree
+    plan = plan_core_memory(v, context_length=2048)
     host_note = HOST_RAM_NOTE.get(name, "the model is loaded in bf16 on the host before it is compiled")
     return f"""
 ### Runs on
@@ -90,8 +91,8 @@ def runs_on(name: str) -> str:
 |---|---|---|
 | machine | `{v.instance_type}`: {chips} Inferentia2 chip(s), {cores} NeuronCores, {hbm} GiB HBM, {bandwidth:,.0f} GiB/s | any x86-64 or arm64 machine; two shared cores are enough |
 | TP degree | {v.tp_degree} ({v.recipe} recipe) | 1 for the port; a CPU run with one process per rank shows TP |
-| memory per core | 16 GiB HBM; ~{per_core:.1f} GB of bf16 weights per core | a few MB |
-| host RAM for the compile | {host_ram} GiB on the instance; {host_note} | under 2 GiB |
+| memory per core (computed, `python -m gemma4lib doctor`) | {plan.weights_gib:.1f} GiB bf16 weights + {plan.kv_gib:.2f} GiB K/V at 2,048 tokens + {plan.working_gib:.0f} GiB working allowance (unverified on inf2) = {plan.total_gib:.1f} of 16 GiB HBM | a few MB |
+| host RAM for the compile | {host_ram} GiB on the instance; ~{plan.compile_peak_gb:.0f} GB estimated ({plan.compile_basis}); {host_note} | under 2 GiB |
 | software | {sdk_line()} | torch 2.13 (CPU), transformers {TRANSFORMERS_PIN}, AOTInductor as the compiler |
 | model | `{v.hf_id}` (bf16, gated: `HF_TOKEN` from the environment) | a tiny trained model of the same architecture: {SMOKE_MODEL[name]} |
 """
@@ -238,11 +239,10 @@ def graph_cells(name: str) -> list:
     recipe_note = {
         "trace": "On inf2, E2B's recipe hands these graphs to `torch_neuronx.trace` on one NeuronCore, with "
                  "the K/V buffers held as parameters and aliased to the outputs that update them.",
-        "tp_alias": "On inf2, E4B's recipe traces one graph per rank with hand-driven tensor parallelism "
-                    "(two ranks) and seeds the device K/V from a CPU prefill.",
         "model_builder": "On inf2 this variant goes through NxD `ModelBuilder`: one rank is compiled, the "
-                         "weights are sharded per rank from a checkpoint loader, and the rank number is a "
-                         "runtime tensor.",
+                         "weights are sharded per rank from a checkpoint loader, the rank number is a "
+                         "runtime tensor, and the decode graph is the priority model whose weight layout "
+                         "the compiler optimises.",
     }[v.recipe]
     return [
         md(f"""
@@ -483,6 +483,13 @@ core before any K/V or compiler scratch space, and decode would read all of it t
 share of the HBM bandwidth. The field report split it over the two cores of an `inf2.8xlarge`
 (TP=2) with a hand-driven tensor-parallel recipe: half the weights per core, twice the bandwidth. With 8 Q heads and 2 KV heads per
 layer, each rank takes 4 Q heads and exactly one KV head, so the KV heads are sharded, not copied.
+
+That hand-driven recipe traced every rank with NxD's `parallel_model_trace`, which the Neuron SDK
+no longer supports since release 2.27 (it starts one process per rank, and each of them re-imports
+the SDK without the fixes this cookbook installs). So on inf2 this notebook compiles E4B with NxD
+`ModelBuilder` at TP=2, the same recipe as the 12B, 31B and 26B-A4B: one process, prefill and
+decode on the device over one set of K/V states. Hand-driven TP stays what this notebook *teaches*,
+on the CPU below, because there every step of it is visible.
 """),
         code("""
 nb.tp_fit("e4b")
@@ -707,8 +714,9 @@ TAKEAWAYS = {
 - E4B is E2B at twice the size: the same host-side PLE and KV sharing, now over two cores.
 - With 2 KV heads and TP=2 each rank holds exactly one KV head: GQA splits cleanly here. It will
   not for the 12B, 31B and 26B-A4B global layers.
-- The hand-driven TP recipe builds all ranks in one process; that is fine at 2 ranks and is what
-  failed at 31B (see `04_31b`).
+- Hand-driven TP is the clearest way to see tensor parallelism; on inf2 E4B compiles with
+  `ModelBuilder` like the bigger variants, because the per-rank tracer it needed is no longer
+  supported (SDK 2.27+) and ran out of memory at 31B (see `04_31b`).
 """,
     "12b": """
 ## Takeaways
@@ -874,10 +882,11 @@ Each step was forced by a model that the previous step could not carry:
 
 1. `torch_neuronx.trace` of the real forward on one core (E2B): proves PLE and KV sharing
    compile at all.
-2. Hand-driven tensor parallelism with aliased on-device K/V and a CPU-seeded prefill (E4B): two
-   cores. It builds every rank in one process, which ran out of memory at 31B.
-3. NxD `ModelBuilder` (12B, 31B, 26B-A4B): compile one rank, shard the weights per rank. This is
-   what carries the 31B at TP=8 and, with static experts and a runtime rank, the MoE.
+2. Hand-driven tensor parallelism with aliased on-device K/V and a CPU-seeded prefill (the field
+   report's E4B): two cores. Its per-rank tracer ran out of memory at 31B and is unsupported since
+   SDK 2.27, so this cookbook teaches it on CPU and compiles E4B with step 3 on inf2.
+3. NxD `ModelBuilder` (E4B, 12B, 31B, 26B-A4B): compile one rank, shard the weights per rank. This
+   is what carries the 31B at TP=8 and, with static experts and a runtime rank, the MoE.
 """),
         code("""
 nb.recipe_table()

@@ -542,7 +542,7 @@ def test_low_ram_warning_comes_before_the_neuron_compile(tmp_path, monkeypatch):
 
     monkeypatch.delenv("GEMMA4LIB_INSTANCE_TYPE", raising=False)
     monkeypatch.setattr(neuron_env, "require_sdk", lambda *a, **k: None)
-    settings = PortSettings(variant="e2b", backend="neuron", context_length=32, prefill_buckets=(16,),
+    settings = PortSettings(variant="e2b", profile="full", backend="neuron", context_length=32, prefill_buckets=(16,),
                             cache_dir=str(tmp_path / "cache"))
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # the compiler workdir lands here, not in /tmp
     events = []

@@ -274,3 +274,95 @@ def test_neuron_cache_key_tracks_what_changes_the_artifact():
                                                   torch.bfloat16, decode_experts="selective")
     assert selective != key and selective_parts["decode_experts"] == "selective"
     assert set(parts["sdk"]) >= set(neuron_env.SDK_PINS)
+
+
+# ---- dispatch and the ModelBuilder calls, with the SDK stood in by recording fakes -----------------
+
+class _Recorder:
+    """Stands in for `neuronx_distributed.trace.model_builder`: records what the recipe asks of it."""
+
+    def __init__(self):
+        self.calls = []
+        recorder = self
+
+        class BaseModelInstance:
+            def __init__(self, module_cls, input_output_aliases):
+                self.module_cls, self.input_output_aliases = module_cls, input_output_aliases
+
+        class ModelBuilder:
+            def __init__(self, router, tp_degree, checkpoint_loader, compiler_workdir=None):
+                recorder.calls.append(("init", {"router": router, "tp_degree": tp_degree,
+                                                "checkpoint": checkpoint_loader()}))
+
+            def add(self, key, model_instance, example_inputs, compiler_args=None, bucket_config=None,
+                    priority_model_idx=None):
+                recorder.calls.append(("add", {"key": key, "inputs": [tuple(t.shape) for t in example_inputs[0]],
+                                               "compiler_args": compiler_args, "priority": priority_model_idx}))
+
+            def trace(self, initialize_model_weights=True, dry_run=False):
+                recorder.calls.append(("trace", {"initialize_model_weights": initialize_model_weights}))
+                raise RuntimeError("stop: no Neuron compiler here")
+
+        self.module = types.SimpleNamespace(BaseModelInstance=BaseModelInstance, ModelBuilder=ModelBuilder)
+
+
+@pytest.mark.parametrize("name", ["e4b", "26b-a4b"])
+def test_model_builder_recipe_calls(name, tmp_path, monkeypatch):
+    """E4B now goes through ModelBuilder like the big variants: two keys over one set of K/V states,
+    PLE as a fourth host input, the decode key as the priority model (weight layout optimisation)."""
+    from gemma4lib.recipes import neuron_model_builder
+
+    recorder = _Recorder()
+    monkeypatch.setattr(neuron_env, "require", lambda module, purpose="": recorder.module)
+    model = tiny(name)
+    with pytest.raises(RuntimeError, match="stop: no Neuron compiler here"):
+        neuron_model_builder.compile_model_builder(model, 2, tmp_path, context_length=64, prefill_len=16,
+                                                   decode_experts="selective" if model.variant.is_moe else "dense")
+    kinds = [kind for kind, _ in recorder.calls]
+    assert kinds == ["init", "add", "add", "trace"]
+    init, prefill, decode, trace = (args for _, args in recorder.calls)
+    assert init["tp_degree"] == 2 and init["router"] is None
+    assert init["checkpoint"]["graph.spmd_rank.rank"].tolist() == [0, 1]
+    assert (prefill["key"], prefill["priority"]) == ("prefill", None)
+    assert (decode["key"], decode["priority"]) == ("decode", 0)
+    hidden = model.config.hidden_size
+    expected_decode = [(1, 1, hidden)]
+    if name == "e4b":  # the per-layer inputs are computed on the host and passed in
+        expected_decode.append((1, 1, model.config.num_hidden_layers, model.config.hidden_size_per_layer_input))
+    assert decode["inputs"] == expected_decode + [(1,), (1,)]
+    assert prefill["inputs"][0] == (1, 16, hidden)
+    assert "-O2" in decode["compiler_args"] and "-O1" in prefill["compiler_args"]
+    assert trace == {"initialize_model_weights": False}
+
+
+@pytest.mark.parametrize("name,tp,recipe", [("e2b", 1, "trace"), ("e2b", 2, "model_builder"),
+                                            ("e4b", 2, "model_builder"), ("12b", 2, "model_builder"),
+                                            ("31b", 8, "model_builder")])
+def test_backend_neuron_uses_the_neuron_recipe_at_every_tp(name, tp, recipe, monkeypatch):
+    """`port(backend="neuron")` never falls back to the CPU gloo runner: at TP > 1 it compiles with
+    ModelBuilder, and what ran is named by the record's recipe."""
+    from gemma4lib import port as port_module
+    from gemma4lib.memory_plan import neuron_recipe
+    from gemma4lib.recipes import neuron_model_builder, neuron_trace
+    from gemma4lib.tp import cpu_gloo
+
+    assert neuron_recipe(get_variant(name), tp) == recipe
+    monkeypatch.setenv("GEMMA4LIB_INSTANCE_TYPE", "inf2.24xlarge")
+    monkeypatch.setattr(neuron_env, "require_sdk", lambda *a, **k: None)
+    monkeypatch.setattr(neuron_env, "require", lambda *a, **k: None)
+    monkeypatch.setattr(cpu_gloo, "run_tp_port", lambda *a, **k: pytest.fail("ran on CPU gloo ranks"))
+    reached = []
+
+    def stopper(label):
+        def compile_stub(*args, **kwargs):
+            reached.append(label)
+            raise RuntimeError("stop: compile reached")
+        return compile_stub
+
+    monkeypatch.setattr(neuron_model_builder, "compile_model_builder", stopper("mb"))
+    monkeypatch.setattr(neuron_trace, "compile_trace", stopper("trace"))
+    settings = port_module.PortSettings(variant=name, model="random", backend="neuron", tp_degree=tp,
+                                        cache_dir=None)
+    with pytest.raises(RuntimeError, match="stop: compile reached"):
+        port_module.port(settings)
+    assert reached[0] == ("trace" if recipe == "trace" else "mb")
