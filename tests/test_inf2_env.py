@@ -31,7 +31,6 @@ def test_requires_python_admits_the_inf2_venv_and_refuses_3_10():
 def test_one_venv_is_named_everywhere():
     readme = (ROOT / "README.md").read_text()
     assert neuron_env.DLAMI_VENV in readme and neuron_env.DLAMI in readme
-    assert "activate" not in readme.split("pytorch_2_8")[-1].split("\n")[0]  # named only as the venv not to use
     assert "source /opt/aws_neuronx_venv_pytorch_2_8" not in readme
     for notebook in sorted((ROOT / "notebooks").glob("0[1-5]_*.ipynb")):
         text = notebook.read_text()
