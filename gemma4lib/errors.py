@@ -27,8 +27,9 @@ class PromptTooLongError(Gemma4LibError, ValueError):
     def __init__(self, prompt_tokens: int, max_new_tokens: int, context_length: int,
                  limit: str = "compiled context length"):
         if limit.startswith("compiled context"):
-            message = (f"prompt ({prompt_tokens} tokens) + max_new_tokens ({max_new_tokens}) = "
-                       f"{prompt_tokens + max_new_tokens} exceeds the {limit} {context_length}; "
+            message = (f"prompt ({prompt_tokens} tokens) + max_new_tokens ({max_new_tokens}) need "
+                       f"{prompt_tokens + max_new_tokens - 1} K/V positions (the last new token is never fed "
+                       f"back), more than the {limit} {context_length}; "
                        f"shorten the prompt, lower max_new_tokens, or recompile with a larger context_length")
         else:  # a prefill bucket: only the prompt has to fit
             message = (f"prompt ({prompt_tokens} tokens) exceeds the {limit} {context_length}; shorten the "

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from .errors import BadPromptError, BatchTooLargeError, PromptTooLongError
+from .errors import BadPromptError, BatchTooLargeError, PromptTooLongError, SettingsError
 from .loading import LoadedModel
 
 Step = Callable[..., torch.Tensor]
@@ -32,6 +32,13 @@ class Sampling:
     temperature: float = 0.0
     top_p: float = 1.0
     seed: int = 0
+
+    def __post_init__(self):
+        if not 0.0 <= float(self.temperature) < float("inf"):
+            raise SettingsError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
+        if not 0.0 < float(self.top_p) <= 1.0:
+            raise SettingsError(f"top_p must be in (0, 1], got {self.top_p}; 1.0 keeps the whole distribution, "
+                                f"a small value such as 0.1 keeps only the most likely tokens")
 
     @property
     def greedy(self) -> bool:
@@ -119,10 +126,21 @@ class HostRuntime:
         raise PromptTooLongError(n_tokens, 0, max(self.prefill), limit="largest compiled prefill bucket")
 
     def check_fits(self, prompt_ids: Sequence[int], max_new_tokens: int) -> int:
-        """Raise before any device work when the request cannot fit the compiled shapes."""
+        """Raise before any device work when the request cannot fit the compiled shapes.
+
+        The K/V buffers hold the prompt and every new token but the last, which is never fed back:
+        `len(prompt) + max_new_tokens - 1` positions must fit the compiled context.
+        """
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+            raise SettingsError(f"max_new_tokens must be a whole number >= 1, got {max_new_tokens!r}")
         if len(prompt_ids) == 0:
             raise BadPromptError("prompt has no tokens; pass a non-empty prompt")
-        if len(prompt_ids) + max_new_tokens > self.context_length:
+        vocab = int(self.model.config.vocab_size)
+        outside = sorted({int(t) for t in prompt_ids if not 0 <= int(t) < vocab})
+        if outside:
+            raise BadPromptError(f"token ids {outside[:5]} are outside this model's vocabulary (0..{vocab - 1}); "
+                                 f"encode the text with this model's tokenizer (encode_prompt)")
+        if len(prompt_ids) + max_new_tokens - 1 > self.context_length:
             raise PromptTooLongError(len(prompt_ids), max_new_tokens, self.context_length)
         return self.bucket_for(len(prompt_ids))
 

@@ -37,7 +37,7 @@ from gemma4lib.loading import build_tiny, check_config_matches_variant, load_che
 from gemma4lib.port import PortSettings
 from gemma4lib.recipes import neuron_env, recipe_module
 from gemma4lib.results import read_result, write_result
-from gemma4lib.runtime import HostRuntime, encode_prompt
+from gemma4lib.runtime import HostRuntime, Sampling, encode_prompt
 from gemma4lib.tp.plan import make_plan
 from gemma4lib.trained import FIXTURES_DIR, sha256_file, verify_fixture_hashes
 from gemma4lib.variants import get_variant
@@ -303,6 +303,19 @@ CASES = [
     # prompts and shapes
     Case("prompt + max_new_tokens > compiled context", lambda c: runtime().generate(list(range(3, 15)), 30),
          PromptTooLongError, "shorten the prompt, lower max_new_tokens, or recompile with a larger context_length"),
+    Case("one token past the compiled context (12 + 22 - 1 = 33 > 32)",
+         lambda c: runtime().generate(list(range(3, 15)), 22), PromptTooLongError,
+         "need 33 K/V positions (the last new token is never fed back), more than the compiled context length 32"),
+    Case("max_new_tokens of 0 at generate()", lambda c: runtime().generate([5, 6, 7], 0), SettingsError,
+         "max_new_tokens must be a whole number >= 1, got 0"),
+    Case("token ids outside the vocabulary", lambda c: runtime().generate([5, 6, 900_000], 4), BadPromptError,
+         "token ids [900000] are outside this model's vocabulary (0..809); encode the text with this model's"),
+    Case("negative token id", lambda c: runtime().generate([-1, 6], 4), BadPromptError,
+         "token ids [-1] are outside this model's vocabulary"),
+    Case("top_p of 0 (an empty nucleus)", lambda c: Sampling(temperature=0.7, top_p=0.0), SettingsError,
+         "top_p must be in (0, 1], got 0.0"),
+    Case("negative temperature", lambda c: Sampling(temperature=-1.0), SettingsError,
+         "temperature must be >= 0 (0 = greedy), got -1.0"),
     Case("prompt longer than the largest prefill bucket", lambda c: runtime().generate(list(range(3, 23)), 2),
          PromptTooLongError, "shorten the prompt or recompile with a larger prefill bucket (prefill_buckets)"),
     Case("empty prompt", lambda c: encode_prompt(tokenizer(), "   "), BadPromptError,
@@ -673,3 +686,22 @@ def test_hf_token_never_appears_in_errors_logs_or_results(tmp_path, monkeypatch,
     assert result["seq_match"] is True and len(texts) > 8
     leaks = [t[:200] for t in texts if SENTINEL in t]
     assert not leaks, leaks
+
+
+def test_check_fits_is_exact_at_the_context_boundary():
+    """The longest request `check_fits` accepts really runs, and equals the reference: prompt +
+    max_new_tokens - 1 positions fill the context exactly (the last token is never written)."""
+    from gemma4lib.graph import DeviceGraph, GraphShape
+    from gemma4lib.reference import reference_greedy
+
+    model = build_tiny(get_variant("e2b"), seed=get_variant("e2b").tiny_seed)
+    context, prompt = 24, list(range(3, 15))
+    prefill = DeviceGraph(model.text_model, model.lm_head, model.layout, GraphShape(1, 16, context, False))
+    decode = DeviceGraph(model.text_model, model.lm_head, model.layout, GraphShape(1, 1, context, False))
+    rt = HostRuntime(model, {16: prefill}, decode, decode.new_kv(), context_length=context)
+    longest = context - len(prompt) + 1
+    generation = rt.generate(prompt, longest)
+    assert len(generation.tokens) == longest
+    assert generation.tokens == reference_greedy(model.lm, prompt, longest, [])
+    with pytest.raises(PromptTooLongError):
+        rt.check_fits(prompt, longest + 1)

@@ -258,7 +258,7 @@ def _run_tp(loaded_model: Any, tp: int, prompt_ids: Any, max_new_tokens: int, co
     if len(prompt) > prefill_len:
         raise BadPromptError(f"the prompt has {len(prompt)} tokens but the prefill bucket holds {prefill_len}; "
                              f"raise prefill_len (<= context_length) or shorten the prompt")
-    if len(prompt) + max_new_tokens > context_length:
+    if len(prompt) + max_new_tokens - 1 > context_length:  # the last new token is never fed back
         raise PromptTooLongError(len(prompt), max_new_tokens, context_length)
     if tp < 2:
         raise TensorParallelError(f"run_tp_port shards over ranks: TP must be >= 2, got {tp} "
