@@ -26,6 +26,7 @@ from torch import nn
 from .artifacts import ArtifactCache, CacheEntry, make_key
 from .environment import versions
 from .graph import DeviceGraph
+from .program_key import program_config, program_digest, weights_fingerprint
 
 log = logging.getLogger(__name__)
 
@@ -42,38 +43,13 @@ DEFAULT_COMPILER_OPTIONS = {"aot_inductor.compile_wrapper_opt_level": "O1",
                             "realize_opcount_threshold": 8}
 
 
-def weights_fingerprint(module: nn.Module, values_of: str = "buffers") -> str:
-    """sha256 over names, shapes and dtypes of every tensor, plus the values of `values_of`
-    ("buffers": what the compiler folds into the program; "all": parameters too)."""
-    digest = hashlib.sha256()
-    params = dict(module.named_parameters())
-    state = {**params, **dict(module.named_buffers())}
-    for name in sorted(state):
-        tensor = state[name].detach()
-        digest.update(f"{name}:{tuple(tensor.shape)}:{tensor.dtype}".encode())
-        if values_of == "all" or name not in params:
-            digest.update(tensor.reshape(-1).float().contiguous().numpy().tobytes())
-    return digest.hexdigest()
-
-
-# Config fields that never change the compiled program: bookkeeping, init, token ids used on the host.
-_PROGRAM_NEUTRAL = {"_name_or_path", "architectures", "transformers_version", "dtype", "torch_dtype",
-                    "initializer_range", "bos_token_id", "eos_token_id", "pad_token_id", "use_cache",
-                    "output_attentions", "output_hidden_states", "return_dict", "id2label", "label2id",
-                    "_attn_implementation_autoset", "_experts_implementation"}
-
-
-def program_config(config: Any) -> dict[str, Any]:
-    """The config as the compiled program sees it (so a fixture loaded from disk and the same
-    architecture built in memory share one artifact)."""
-    return {k: v for k, v in sorted(config.to_dict().items()) if k not in _PROGRAM_NEUTRAL}
-
-
-def graph_key(graph: DeviceGraph, recipe: str, options: dict[str, Any]) -> dict[str, Any]:
-    """Everything that changes the compiled program."""
+def graph_key(graph: DeviceGraph, recipe: str, options: dict[str, Any],
+              program: torch.export.ExportedProgram) -> dict[str, Any]:
+    """Everything that changes the compiled program: above all the exported program itself."""
     return {
-        "format": 2,  # 2: artifacts record the parameters the compiler folded in
+        "format": 3,  # 3: keyed by the exported program's digest
         "recipe": recipe,
+        "program": program_digest(program),
         "config": program_config(graph.model.config),
         "weights": weights_fingerprint(graph),
         "shape": graph.shape.__dict__,
@@ -139,19 +115,20 @@ def compile_graph(graph: DeviceGraph, cache: ArtifactCache | None = None,
     """
     cache = cache or ArtifactCache()
     options = {**DEFAULT_COMPILER_OPTIONS, **(options or {})}
-    parts = graph_key(graph, RECIPE, options)
+    export_started = time.perf_counter()
+    program = export_graph(graph)  # every time: the key is what the compiler would receive
+    export_s = time.perf_counter() - export_started
+    parts = graph_key(graph, RECIPE, options, program)
 
     def build(folder: Path) -> dict[str, Any]:
         started = time.perf_counter()
-        program = export_graph(graph)
-        exported = time.perf_counter()
         package = str(folder / PACKAGE)
         torch._inductor.aoti_compile_and_package(program, package_path=package, inductor_configs=options)
         loadable = set(torch._inductor.aoti_load_package(package).get_constant_fqns())
         folded = sorted(set(dict(graph.named_parameters())) - loadable)
         log.info("compiled %s graph in %.1f s (%d parameters folded into the program)",
                  graph.shape.phase, time.perf_counter() - started, len(folded))
-        return {"export_s": exported - started, "compile_s": time.perf_counter() - started,
+        return {"export_s": export_s, "compile_s": time.perf_counter() - started,
                 "folded_params": folded, "folded_digest": _folded_digest(graph, folded)}
 
     started = time.perf_counter()
@@ -166,4 +143,4 @@ def compile_graph(graph: DeviceGraph, cache: ArtifactCache | None = None,
     runner = torch._inductor.aoti_load_package(str(entry.file(PACKAGE)))
     load_weights(runner, graph)
     load_s = time.perf_counter() - loaded
-    return CompiledStep(runner, entry, compile_s, load_s, {"key": key, "recipe": RECIPE})
+    return CompiledStep(runner, entry, compile_s, load_s, {"key": key, "recipe": RECIPE, "export_s": export_s})

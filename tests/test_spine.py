@@ -121,8 +121,8 @@ class _Forbidden:
 def test_prompt_too_long_fails_before_any_device_work():
     model = build_tiny(VARIANTS["12b"])
     runtime = HostRuntime(model, {16: _Forbidden()}, _Forbidden(), [], context_length=24)
-    with pytest.raises(PromptTooLongError, match="exceeds the compiled context length 24"):
-        runtime.generate(list(range(3, 19)), max_new_tokens=9)
+    with pytest.raises(PromptTooLongError, match="more than the compiled context length 24"):
+        runtime.generate(list(range(3, 19)), max_new_tokens=10)
     with pytest.raises(PromptTooLongError, match="largest compiled prefill bucket 16"):
         runtime.generate(list(range(3, 20)), max_new_tokens=2)
 
@@ -133,14 +133,45 @@ def test_second_compile_is_a_cache_hit_and_a_config_change_misses(ports):
     assert again.cache_hit and again.compile_s == 0.0
     # The same weights at another compiled length: a different key, so no stale artifact is used.
     other = DeviceGraph(port.model.text_model, port.model.lm_head, port.model.layout, GraphShape(1, 1, 48))
-    assert make_key(graph_key(other, "cpu-aotinductor", {})) != make_key(graph_key(port.decode, "cpu-aotinductor", {}))
+    assert _key(other, {}) != _key(port.decode, {})
     changed = build_tiny(VARIANTS["12b"], sliding_window=4)
     graph = DeviceGraph(changed.text_model, changed.lm_head, changed.layout, port.decode.shape)
     from gemma4lib.artifacts import ArtifactCache
-    from gemma4lib.compile_cpu import DEFAULT_COMPILER_OPTIONS, RECIPE
+    from gemma4lib.compile_cpu import DEFAULT_COMPILER_OPTIONS
     cache = ArtifactCache()
-    assert cache.lookup(make_key(graph_key(graph, RECIPE, DEFAULT_COMPILER_OPTIONS))) is None
-    assert cache.lookup(make_key(graph_key(port.decode, RECIPE, DEFAULT_COMPILER_OPTIONS))) is not None
+    assert cache.lookup(_key(graph, DEFAULT_COMPILER_OPTIONS)) is None
+    assert cache.lookup(_key(port.decode, DEFAULT_COMPILER_OPTIONS)) is not None
+
+
+def _key(graph, options):
+    from gemma4lib.compile_cpu import RECIPE, export_graph
+
+    return make_key(graph_key(graph, RECIPE, options, export_graph(graph)))
+
+
+def test_a_tagless_edit_to_the_graph_code_misses_the_cache(ports, monkeypatch):
+    """The key is the exported program's digest: a change to what the graph computes, made with no
+    tag and no config change (here the masked-out score raised from the dtype's minimum to -1e4, the
+    kind of edit a developer makes to `graph.py`), misses the cache instead of serving the old
+    program."""
+    from gemma4lib import graph as graph_module
+    from gemma4lib.artifacts import ArtifactCache
+    from gemma4lib.compile_cpu import DEFAULT_COMPILER_OPTIONS
+
+    port = ports.get("e2b")
+    stored = compile_graph(port.decode)
+    assert stored.cache_hit and stored.info["key"] == _key(port.decode, DEFAULT_COMPILER_OPTIONS)
+    def softer_mask(allowed, dtype):
+        zero = torch.zeros((), dtype=dtype, device=allowed.device)
+        return torch.where(allowed, zero, torch.full((), -1e4, dtype=dtype, device=allowed.device))
+
+    monkeypatch.setattr(graph_module, "additive_mask", softer_mask)
+    assert not port.decode.tags  # nothing but the code changes
+    edited = _key(port.decode, DEFAULT_COMPILER_OPTIONS)
+    assert edited != stored.info["key"]
+    assert ArtifactCache().lookup(edited) is None
+    monkeypatch.undo()
+    assert _key(port.decode, DEFAULT_COMPILER_OPTIONS) == stored.info["key"]  # deterministic, not random
 
 
 def test_weights_are_loaded_not_baked(ports):

@@ -40,10 +40,11 @@ def recipe_module(recipe: str):
 def neuron_cache_key(model, recipe: str, tp: int, shapes: dict, compiler_args: dict, dtype,
                      decode_experts: str = "dense") -> tuple[str, dict]:
     """Cache key of a Neuron artifact: config, weights, recipe, TP degree, shapes, compiler
-    arguments, the decode graph's expert form when not dense, and versions (the pinned SDK set as
-    found, torch, transformers, gemma4lib)."""
+    arguments, the decode graph's expert form when not dense, the source of the library modules that
+    shape the graph (the rank graph holds NxD layers, so its program cannot be exported here to be
+    digested as the CPU key does) and versions (the pinned SDK set as found, torch, transformers)."""
     from ..artifacts import make_key
-    from ..compile_cpu import weights_fingerprint
+    from ..program_key import source_digest, weights_fingerprint
     from ..environment import versions
     from . import neuron_env
 
@@ -55,6 +56,7 @@ def neuron_cache_key(model, recipe: str, tp: int, shapes: dict, compiler_args: d
         "shapes": {k: [v.batch, v.tokens, v.context_length, v.ring] for k, v in sorted(shapes.items())},
         "compiler_args": compiler_args,
         "dtype": str(dtype),
+        "graph_source": source_digest(),
         "sdk": {r["package"]: r["found"] for r in neuron_env.check_versions()},
         "versions": versions(),
     }
