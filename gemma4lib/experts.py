@@ -50,28 +50,54 @@ class StaticExperts(nn.Module):
 
 
 def gathered_experts(gate_up: torch.Tensor, down: torch.Tensor, hidden: torch.Tensor, index: torch.Tensor,
-                     weights: torch.Tensor, act_fn) -> torch.Tensor:
+                     weights: torch.Tensor, act_fn, *, down_expert_dim: int = 0) -> torch.Tensor:
     """sum_j weights[:, j] * expert_{index[:, j]}(hidden): only the k routed experts' slices are read.
 
-    `gate_up` [E, 2I, H] and `down` [E, H, I] (any strides: a tensor-parallel rank passes views of its
-    shard); `index`, `weights` [tokens, k]. One token (decode) takes a gather-multiply-reduce, which a
-    compiler fuses into one pass over the k routed slices (AOTInductor reads each once; index_select +
-    bmm reads them ~3x; measured ~1.4x faster on the MoE medium config's expert block)."""
+    `gate_up` [E, 2I, H]; `down` [E, H, I], or with `down_expert_dim=1` [H, E, I] (a tensor-parallel
+    rank's row-parallel shard [H, E*I] viewed per expert without moving it); `index`, `weights`
+    [tokens, k]. One token (decode) takes a gather-multiply-reduce, which a compiler fuses into one
+    pass over the k routed slices (AOTInductor reads each once; index_select + bmm reads them ~3x;
+    measured ~1.4x faster on the MoE medium config's expert block).
+
+    Every gather indexes the *leading* dimension of the stored weight (or of a reshape of it, which
+    moves no bytes), so each gathered slice is contiguous memory. Anything else costs a copy of the
+    whole weight per step under XLA: a permuted view lowers to a transpose before the gather, and
+    XLA's gather canonicalisation transposes the whole operand of a gather along an inner
+    dimension (seen in XLA:CPU's optimised HLO). `backends.hlo_audit` flags both."""
+    if down_expert_dim not in (0, 1):
+        raise ValueError(f"down_expert_dim must be 0 ([E, H, I]) or 1 ([H, E, I]), "
+                         f"got {down_expert_dim}")
     n, k = index.shape
     flat = index.reshape(-1)
+    if down_expert_dim == 1:
+        down_slices = _gather_inner_experts(down, flat)  # [n*k, H, I]
     if n == 1:
         x = hidden[0]
         gate, up = (gate_up[flat] * x).sum(-1).chunk(2, dim=-1)  # [k, I] each
         inner = act_fn(gate) * up
-        out = (down[flat] * inner.unsqueeze(1)).sum(-1)  # [k, H]
+        down_k = down[flat] if down_expert_dim == 0 else down_slices  # [k, H, I]
+        out = (down_k * inner.unsqueeze(1)).sum(-1)  # [k, H]
         return (out * weights[0].to(out.dtype).unsqueeze(-1)).sum(0, keepdim=True)
     gate_up_w = gate_up.index_select(0, flat)  # [n*k, 2I, H]
-    down_w = down.index_select(0, flat)  # [n*k, H, I]
+    down_w = down.index_select(0, flat) if down_expert_dim == 0 else down_slices  # [n*k, H, I]
     x = hidden.repeat_interleave(k, dim=0).unsqueeze(-1)  # [n*k, H, 1]
     gate, up = torch.bmm(gate_up_w, x).squeeze(-1).chunk(2, dim=-1)
     out = torch.bmm(down_w, (act_fn(gate) * up).unsqueeze(-1)).squeeze(-1)  # [n*k, H]
     out = out.view(n, k, -1) * weights.to(out.dtype).unsqueeze(-1)
     return out.sum(dim=1)
+
+
+def _gather_inner_experts(weight: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+    """Slices `weight[:, e, :]` for each id in `experts` from a [H, E, I] weight: [len, H, I].
+
+    Read as rows of its [H*E, I] reshape (row h*E + e holds weight[h, e, :]): one gather along the
+    leading dimension of contiguous I-element rows, H rows per expert, no transpose of the weight.
+    """
+    rows_per_h, experts_total, width = weight.shape
+    h = torch.arange(rows_per_h, device=weight.device) * experts_total  # [H]
+    rows = (experts.unsqueeze(1) + h.unsqueeze(0)).reshape(-1)  # [len*H]: expert-major
+    picked = weight.reshape(rows_per_h * experts_total, width).index_select(0, rows)
+    return picked.view(experts.shape[0], rows_per_h, width)
 
 
 def use_static_experts(text_model: nn.Module, form: str = "dense") -> int:

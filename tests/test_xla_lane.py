@@ -95,3 +95,133 @@ def test_shape_leak_is_caught_by_the_compile_count(xla_lane):
     assert result["xla_graph_hashes"]["decode"] == steps
     assert not result["one_compile_per_shape"]
     assert result["xla_fallback_ops"].get("aten::_local_scalar_dense", 0) >= steps  # the int() read
+
+
+# ---- the HLO byte audit (issue 12): what each decode graph reads, next to the roofline ----------
+
+from gemma4lib.backends import hlo_audit  # noqa: E402  (imports without torch_xla)
+
+_audit_models: dict[str, object] = {}
+
+
+def _audit_model(name: str):
+    if name not in _audit_models:
+        _audit_models[name] = hlo_audit._tiny(name)
+    return _audit_models[name]
+
+
+def _expert_slice_bytes(model) -> int:
+    """One expert's gate, up and down weights, in bytes (from the config, not the HLO)."""
+    c = model.config
+    return 3 * c.moe_intermediate_size * c.hidden_size * model.lm_head.weight.element_size()
+
+
+def _moe_layers(model) -> int:
+    layers = model.text_model.layers
+    return sum(1 for layer in layers if getattr(layer, "experts", None) is not None)
+
+
+@pytest.mark.parametrize("variant,form", hlo_audit.SINGLE,
+                         ids=[f"{v}-{f}" for v, f in hlo_audit.SINGLE])
+def test_hlo_audit_single_device_decode(xla_lane, variant, form):
+    model = _audit_model(variant)
+    audit, row = hlo_audit.audit_single(model, form)
+    table = hlo_audit.format_table([row])
+    assert row.weights_delta == row.expected_delta, table
+    assert row.kv_delta == 0 and row.kv_read > 0, table
+    assert row.flagged == [], table  # no weight is transposed or copied except into a dot
+    if not getattr(model.config, "enable_moe_block", False):
+        assert row.expected_delta == 0 and row.experts_size == 0
+        return
+    c = model.config
+    assert row.expected_delta == -_moe_layers(model) * (c.num_experts - c.top_k_experts) * 4
+    if form == "dense":
+        assert row.experts_read == row.experts_size
+    else:  # k slices per MoE layer, gathered straight from the [E, ...] parameters
+        assert row.experts_read == _moe_layers(model) * c.top_k_experts * _expert_slice_bytes(model)
+        for p, role in zip(audit.params, audit.roles):
+            if role == hlo_audit.EXPERT:
+                assert p.partial_ops and all(op.startswith("gather") for op in p.partial_ops)
+                assert p.read_bytes < p.bytes and not p.relayouts
+
+
+@pytest.mark.parametrize("variant,tp,form", hlo_audit.TENSOR_PARALLEL,
+                         ids=[f"{v}-tp{t}-{f}" for v, t, f in hlo_audit.TENSOR_PARALLEL])
+def test_hlo_audit_rank_graph_decode(xla_lane, variant, tp, form):
+    model = _audit_model(variant)
+    audit, row = hlo_audit.audit_rank(model, tp, form)
+    table = hlo_audit.format_table([row])
+    assert row.weights_delta == row.expected_delta, table
+    assert row.kv_delta == 0 and row.kv_read > 0, table
+    assert row.flagged == [], table
+    assert row.ok
+    # one rank's program, collectives included, over the rank group {0..tp-1}
+    group = "replica_groups={{" + ",".join(map(str, range(tp))) + "}}"
+    assert "all-reduce(" in audit.hlo_text and group in audit.hlo_text
+    if getattr(model.config, "enable_moe_block", False):
+        local = model.config.num_experts // tp
+        per_rank = _moe_layers(model) * _expert_slice_bytes(model)
+        assert row.experts_size == local * per_rank  # the rank holds its E/tp experts
+        expected = (model.config.top_k_experts if form == "selective" else local) * per_rank
+        assert row.experts_read == expected, table
+
+
+def _permuted_view(self, hidden, index, scale):
+    """The rank graph's first selective gather: a permuted view of the whole down shard, indexed."""
+    from gemma4lib.experts import gathered_experts
+
+    gate_up_w = self.gate_up.weight.view(self.local, 2 * self.intermediate, self.hidden)
+    down_w = self.down.weight.view(self.hidden, self.local, self.intermediate).permute(1, 0, 2)
+    return gathered_experts(gate_up_w, down_w, hidden, index, scale, self.act_fn)
+
+
+def _inner_dim_gather(self, hidden, index, scale):
+    """No permute, but the gather runs along the down shard's inner (expert) dimension."""
+    gate_up_w = self.gate_up.weight.view(self.local, 2 * self.intermediate, self.hidden)
+    down_w = self.down.weight.view(self.hidden, self.local, self.intermediate)
+    x, flat = hidden[0], index.reshape(-1)
+    gate, up = (gate_up_w[flat] * x).sum(-1).chunk(2, dim=-1)
+    inner = self.act_fn(gate) * up  # [k, I]
+    out = (down_w.index_select(1, flat) * inner.unsqueeze(0)).sum(-1).t()  # [k, H]
+    return (out * scale[0].unsqueeze(-1)).sum(0, keepdim=True)
+
+
+@pytest.mark.parametrize("bad_gather", [_permuted_view, _inner_dim_gather],
+                         ids=lambda f: f.__name__)
+def test_hlo_audit_flags_a_whole_shard_copy(xla_lane, monkeypatch, bad_gather):
+    """Two ways to gather the down shard that copy all of it every step under XLA (a transpose
+    before the gather; XLA's canonicalisation of an inner-dimension gather): the audit must flag
+    every layer's `down` weight and the row must fail. Same numbers as the real gather."""
+    import torch
+    from gemma4lib.tp.layers import ShardedExperts
+
+    model = _audit_model("26b-a4b")
+    real = ShardedExperts._selective
+
+    def patched(self, hidden, top_k_index, top_k_weights):
+        index, scale = self.local_routes(top_k_index, top_k_weights, hidden.dtype)
+        return self._reduce(bad_gather(self, hidden, index, scale))
+
+    # on CPU first: the bad form computes what the real one does (it is only the bytes that differ)
+    from gemma4lib.graph import GraphShape
+    from gemma4lib.tp import build_rank_graph, load_shard, make_plan, shard_state_dict
+    plan = make_plan(model.config, 8, model.variant)
+    graph = build_rank_graph(model.config, plan, GraphShape(1, 1, hlo_audit.CONTEXT),
+                             expert_form="selective")
+    load_shard(graph, shard_state_dict(model.lm, plan, 1))
+    experts = graph._rank_users[0]
+    experts.current_rank = graph.spmd_rank.get_rank()
+    g = torch.Generator().manual_seed(3)
+    hidden = torch.randn(1, plan.hidden, generator=g)
+    top_k_index = torch.tensor([[2, 9, 3, 14]])  # rank 1 holds experts 2 and 3 of the 16
+    top_k_weights = torch.rand(1, 4, generator=g)
+    with torch.no_grad():
+        expected = real(experts, hidden, top_k_index, top_k_weights)
+        torch.testing.assert_close(patched(experts, hidden, top_k_index, top_k_weights), expected)
+    assert expected.abs().max() > 0
+
+    monkeypatch.setattr(ShardedExperts, "_selective", patched)
+    audit, row = hlo_audit.audit_rank(model, 8, "selective")
+    layers = _moe_layers(model)
+    assert row.flagged_experts == [f"model.layers.{i}.experts.down.weight" for i in range(layers)]
+    assert not row.ok and row.weights_delta != row.expected_delta

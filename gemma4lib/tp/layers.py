@@ -14,7 +14,8 @@ one for one:
   - `dense`: every local expert runs on every token, weighted by this rank's routing-weight
     columns (picked with the runtime rank tensor); reads all the rank's expert weights.
   - `selective`: the routed top-k expert ids are shifted by `rank * E/tp` and masked to the local
-    range; the k (clamped) local slices are gathered straight from the shard weights and weighted by
+    range; the k (clamped) local slices are gathered straight from the shard weights (no permuted
+    view of the whole shard: `backends.hlo_audit` checks the lowered HLO) and weighted by
     routing weight x valid, then all-reduced the way the `RowShard` reduces. Reads k slices per
     token per rank, whatever E/tp is: the decode form.
   `baked_rank=<int>` reproduces the field report's bug in both forms: the rank read as a Python
@@ -194,7 +195,10 @@ class ShardedExperts(nn.Module):
 
     def _selective(self, hidden, top_k_index, top_k_weights):
         index, scale = self.local_routes(top_k_index, top_k_weights, hidden.dtype)  # [n, k]
-        # the shard's weights seen per local expert: [local, 2I, H] and [local, H, I] (a strided view)
+        # the shard's weights seen per local expert, without moving a byte: gate_up [local, 2I, H]
+        # and down [H, local, I]. The down view is gathered along its expert dim (1): a permuted
+        # view would make XLA transpose the whole shard every step before the gather.
         gate_up_w = self.gate_up.weight.view(self.local, 2 * self.intermediate, self.hidden)
-        down_w = self.down.weight.view(self.hidden, self.local, self.intermediate).permute(1, 0, 2)
-        return self._reduce(gathered_experts(gate_up_w, down_w, hidden, index, scale, self.act_fn))
+        down_w = self.down.weight.view(self.hidden, self.local, self.intermediate)
+        return self._reduce(gathered_experts(gate_up_w, down_w, hidden, index, scale, self.act_fn,
+                                             down_expert_dim=1))
