@@ -17,6 +17,25 @@ from torch import nn
 
 EXPERT_FORMS = ("dense", "selective")
 
+# How tensor-parallel ranks share the experts (`tp.plan.MoEPlan`):
+# - "experts": rank r holds E/tp whole experts. Static shapes make every rank gather k slices per
+#   token, routed to it or not, so the ranks together read tp * k experts' bytes.
+# - "intermediate": rank r holds a 1/tp slice (along the expert's intermediate dimension) of
+#   every expert. The k slices a rank gathers are exactly its share of the k routed experts, so
+#   the ranks together read k experts' bytes, and no rank needs to know which rank it is.
+EXPERT_SPLITS = ("experts", "intermediate")
+
+
+def default_expert_split(num_experts: int, intermediate: int, tp: int) -> str | None:
+    """The split a plan uses when none is asked for: "intermediate" when the expert intermediate
+    size divides by `tp` (the selective decode then reads k experts' bytes over all ranks, not
+    tp * k), else "experts" when the expert count does, else None (no even split)."""
+    if tp >= 1 and intermediate and intermediate % tp == 0:
+        return "intermediate"
+    if tp >= 1 and num_experts and num_experts % tp == 0:
+        return "experts"
+    return None
+
 
 class StaticExperts(nn.Module):
     """Drop-in for `Gemma4TextExperts.forward(hidden, top_k_index, top_k_weights)`."""

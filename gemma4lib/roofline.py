@@ -10,8 +10,9 @@ Bytes per step are computed from shapes, never measured:
 - weights: every parameter that lives on the device. The word-embedding table counts once, as the
   tied LM head that reads all of it (the host only looks up one row); the PLE token table stays on
   the host and is not counted. MoE experts: all of them for the `dense` form, only the routed
-  top-k for the `selective` form (k / num_experts of the expert weights on one device; k per rank
-  on expert-parallel TP ranks, see `ParamCounts.device_params`).
+  top-k for the `selective` form: k / num_experts of the expert weights on one device and on TP
+  ranks that each hold a slice of every expert (the intermediate split); k slices *per rank* on
+  ranks that each hold whole experts (the expert split), see `ParamCounts.device_params`.
 - KV: every K/V buffer as allocated — a full-length buffer is read whole each step, masked or not;
   a ring buffer of a sliding layer holds `sliding_window` slots.
 
@@ -32,6 +33,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .experts import EXPERT_SPLITS, default_expert_split
 from .kv_layout import KVLayout
 
 from .hardware import GB, GIB, INSTANCES, Inf2Instance  # noqa: F401  (re-exported for callers)
@@ -48,23 +50,41 @@ class ParamCounts:
     other: int  # everything else on the device (attention, dense MLP, norms, router, PLE projections)
     num_experts: int = 0
     top_k: int = 0
+    moe_intermediate: int = 0  # per expert
 
     @property
     def total(self) -> int:
         return self.lm_head + self.ple_table + self.experts + self.other
 
-    def device_params(self, experts: str = "dense", tp: int = 1) -> float:
+    def expert_split(self, tp: int = 1, expert_split: str | None = None) -> str | None:
+        """The split a TP plan uses at `tp` (`experts.default_expert_split` unless given); None
+        for a dense model."""
+        if not self.num_experts:
+            return None
+        if expert_split is not None:
+            if expert_split not in EXPERT_SPLITS:
+                raise ValueError(f"expert_split must be one of {EXPERT_SPLITS}, got {expert_split!r}")
+            return expert_split
+        return default_expert_split(self.num_experts, self.moe_intermediate, max(1, tp))
+
+    def device_params(self, experts: str = "dense", tp: int = 1,
+                      expert_split: str | None = None) -> float:
         """Parameters read per decode step, summed over `tp` ranks (fractional for selective experts).
 
-        Selective experts on expert-parallel ranks (each holds `num_experts / tp` experts; the
-        tensor-parallel rank graph) gather a static `top_k` slices on *every* rank, routed there or
-        not (`tp.layers.ShardedExperts`), so the ranks together read `tp * top_k` expert slices, not
-        `top_k`: fewer bytes than dense only while `top_k < num_experts / tp`."""
+        Selective experts read `top_k / num_experts` of the expert weights on one device, and on
+        TP ranks that each hold a 1/tp slice of every expert (`expert_split="intermediate"`, the
+        default where it divides): each rank gathers k slices of 1/tp of an expert, k experts in
+        all. On ranks that each hold `num_experts / tp` whole experts (`"experts"`), a static
+        `top_k` slices are gathered on *every* rank, routed there or not
+        (`tp.layers.ShardedExperts`), so the ranks together read `tp * top_k` expert slices:
+        fewer bytes than dense only while `top_k < num_experts / tp`."""
         if experts not in ("dense", "selective"):
             raise ValueError(f"experts must be 'dense' or 'selective', got {experts!r}")
         read_experts = self.experts
         if experts == "selective" and self.num_experts:
-            read_experts = self.experts * self.top_k * max(1, tp) / self.num_experts
+            split = self.expert_split(tp, expert_split)
+            slices = self.top_k * (max(1, tp) if split == "experts" else 1)
+            read_experts = self.experts * slices / self.num_experts  # repeats count, as gathers read
         return self.lm_head + self.other + read_experts
 
 
@@ -87,7 +107,8 @@ def count_params(lm: nn.Module) -> ParamCounts:
     moe = bool(getattr(config, "enable_moe_block", False))
     return ParamCounts(lm_head, ple, experts, other,
                        int(getattr(config, "num_experts", 0) or 0) if moe else 0,
-                       int(getattr(config, "top_k_experts", 0) or 0) if moe else 0)
+                       int(getattr(config, "top_k_experts", 0) or 0) if moe else 0,
+                       int(getattr(config, "moe_intermediate_size", 0) or 0) if moe else 0)
 
 
 def meta_model(variant: Any, which: str = "real") -> nn.Module:
@@ -122,6 +143,8 @@ class DecodeBytes:
     dtype_bytes: int
     params_read: float
     kv_full_length: float  # the same buffers at full length, for comparison
+    tp: int = 1
+    expert_split: str | None = None  # MoE on TP ranks: "intermediate" | "experts"
 
     @property
     def total(self) -> float:
@@ -132,12 +155,14 @@ class DecodeBytes:
 
 
 def decode_bytes(model: Any, *, context_length: int, ring: bool = True, experts: str = "dense",
-                 dtype_bytes: int | None = None, batch: int = 1, tp: int = 1) -> DecodeBytes:
+                 dtype_bytes: int | None = None, batch: int = 1, tp: int = 1,
+                 expert_split: str | None = None) -> DecodeBytes:
     """Bytes per decode step of `model`: a `LoadedModel`, a `*ForCausalLM`, or a variant name
     (its released config, counted on the meta device; bf16 unless `dtype_bytes` says otherwise).
 
-    `tp`: the ranks the step is sharded over. Only selective experts depend on it (see
-    `ParamCounts.device_params`); K/V heads replicated across ranks are not counted twice."""
+    `tp`: the ranks the step is sharded over. Only selective experts depend on it, and only under
+    the expert split (`expert_split`, default: the TP plan's; see `ParamCounts.device_params`);
+    K/V heads replicated across ranks are not counted twice."""
     if isinstance(model, str):
         lm = meta_model(model)
         dtype_bytes = dtype_bytes or 2
@@ -147,7 +172,7 @@ def decode_bytes(model: Any, *, context_length: int, ring: bool = True, experts:
             dtype_bytes = next(lm.parameters()).element_size()
     counts = count_params(lm)
     layout = KVLayout.from_config(lm.config)
-    params = counts.device_params(experts, tp)
+    params = counts.device_params(experts, tp, expert_split)
     return DecodeBytes(
         weights=params * dtype_bytes * 1.0,
         kv=float(layout.buffer_bytes(context_length, ring, dtype_bytes, batch)),
@@ -157,6 +182,8 @@ def decode_bytes(model: Any, *, context_length: int, ring: bool = True, experts:
         dtype_bytes=dtype_bytes,
         params_read=params,
         kv_full_length=float(layout.buffer_bytes(context_length, False, dtype_bytes, batch)),
+        tp=tp,
+        expert_split=counts.expert_split(tp, expert_split),
     )
 
 
@@ -211,15 +238,16 @@ def measure_bandwidth(size_mb: int = 512, repeats: int = 7, threads: int | None 
 # ---- measured vs ceiling (notebooks) -------------------------------------------------------------
 def compare(measured_tok_s: float, model: Any, *, device: str = "cpu", bandwidth_bytes_s: float | None = None,
             context_length: int = 2048, ring: bool = True, experts: str = "dense", cores: int | None = None,
-            dtype_bytes: int | None = None) -> dict[str, Any]:
+            dtype_bytes: int | None = None, expert_split: str | None = None) -> dict[str, Any]:
     """Measured decode tok/s next to its roofline ceiling.
 
     `device`: "cpu" (pass `bandwidth_bytes_s`, or this machine's is measured now) or an inf2
-    instance name (HBM bandwidth of `cores` NeuronCores, all when None).
+    instance name (HBM bandwidth of `cores` NeuronCores, all when None). `expert_split`: the TP
+    plan's MoE split on those cores (default: the plan's default).
     """
     tp = 1 if device == "cpu" or cores is None else int(cores)
     steps = decode_bytes(model, context_length=context_length, ring=ring, experts=experts, dtype_bytes=dtype_bytes,
-                         tp=tp)
+                         tp=tp, expert_split=expert_split)
     if device == "cpu":
         if bandwidth_bytes_s is None:
             bandwidth_bytes_s = measure_bandwidth()["bandwidth_bytes_s"]
@@ -254,7 +282,12 @@ def rows_from_report(report: dict[str, Any], path: str = "gemma4lib") -> list[di
 def inf2_table(contexts: Iterable[int] = (2048, 8192), variants: Iterable[str] | None = None,
                dtype_bytes: int = 2) -> list[dict[str, Any]]:
     """Per variant, per experts form and KV form: bf16 bytes/token and the tok/s ceiling on each
-    instance (all its cores) and on the recipe's own instance at its TP degree."""
+    instance (all its cores) and on the recipe's own instance at its TP degree.
+
+    MoE selective rows come once per expert split the recipe's TP degree allows, the plan's
+    default first (the intermediate split for the 26B-A4B at TP=8) and the expert split after it
+    for comparison; only the recipe columns differ between them (the rest is the ideal, k routed
+    experts' bytes)."""
     from .variants import VARIANTS, get_variant
 
     rows = []
@@ -262,22 +295,27 @@ def inf2_table(contexts: Iterable[int] = (2048, 8192), variants: Iterable[str] |
         variant = get_variant(name)
         lm = meta_model(variant)
         counts = count_params(lm)
-        forms = ("dense", "selective") if counts.num_experts else ("dense",)
+        tp = variant.tp_degree
+        forms: list[tuple[str, str | None]] = [("dense", counts.expert_split(tp))]
+        if counts.num_experts:
+            forms += [("selective", split) for split in _splits_at(counts, tp)]
         for context in contexts:
             for ring in (False, True):
-                for form in forms:
-                    steps = decode_bytes(lm, context_length=context, ring=ring, experts=form, dtype_bytes=dtype_bytes)
+                for form, split in forms:
+                    steps = decode_bytes(lm, context_length=context, ring=ring, experts=form,
+                                         dtype_bytes=dtype_bytes)
                     on_ranks = decode_bytes(lm, context_length=context, ring=ring, experts=form,
-                                            dtype_bytes=dtype_bytes, tp=variant.tp_degree)
+                                            dtype_bytes=dtype_bytes, tp=tp, expert_split=split)
                     recipe_instance = INSTANCES[variant.instance_type]
                     row = {
                         "variant": variant.name, "context_length": context, "kv": "ring" if ring else "full",
-                        "experts": steps.experts_form, "weights_gb": steps.weights / GB, "kv_gb": steps.kv / GB,
+                        "experts": steps.experts_form, "expert_split": split,
+                        "weights_gb": steps.weights / GB, "kv_gb": steps.kv / GB,
                         "total_gb": steps.total / GB,
-                        "recipe": f"{variant.instance_type} TP={variant.tp_degree}",
+                        "recipe": f"{variant.instance_type} TP={tp}",
                         "recipe_gb": on_ranks.total / GB,
                         "recipe_ceiling_tok_s": ceiling_tok_s(
-                            on_ranks.total, recipe_instance.bandwidth_bytes_s(variant.tp_degree)),
+                            on_ranks.total, recipe_instance.bandwidth_bytes_s(tp)),
                         "ceiling_tok_s": {},
                         "fits_hbm": {},
                     }
@@ -290,6 +328,17 @@ def inf2_table(contexts: Iterable[int] = (2048, 8192), variants: Iterable[str] |
     return rows
 
 
+def _splits_at(counts: ParamCounts, tp: int) -> list[str]:
+    """The expert splits possible at `tp`, the plan's default first."""
+    default = counts.expert_split(tp)
+    possible = [s for s, n in (("intermediate", counts.moe_intermediate), ("experts", counts.num_experts))
+                if n and n % tp == 0]
+    return [default] + [s for s in possible if s != default] if default else possible
+
+
+_SPLIT_LABEL = {"experts": "expert", "intermediate": "intermediate"}
+
+
 def format_inf2_table(rows: Sequence[dict[str, Any]]) -> str:
     """Markdown for `inf2_table` rows."""
     names = list(INSTANCES)
@@ -298,7 +347,10 @@ def format_inf2_table(rows: Sequence[dict[str, Any]]) -> str:
     lines = [head, "|" + "---|" * (9 + len(names))]
     for r in rows:
         cells = [f"{r['ceiling_tok_s'][n]:.0f}" if r["fits_hbm"][n] else "–" for n in names]
-        lines.append(f"| {r['variant']} | {r['context_length']} | {r['kv']} | {r['experts']} | {r['weights_gb']:.2f} | "
+        experts = r["experts"]
+        if experts == "selective" and r.get("expert_split"):
+            experts += f" ({_SPLIT_LABEL.get(r['expert_split'], r['expert_split'])} split)"
+        lines.append(f"| {r['variant']} | {r['context_length']} | {r['kv']} | {experts} | {r['weights_gb']:.2f} | "
                      f"{r['kv_gb']:.3f} | {r['total_gb']:.2f} | {r['recipe_gb']:.2f} | "
                      f"{r['recipe_ceiling_tok_s']:.0f} ({r['recipe']}) | "
                      + " | ".join(cells) + " |")

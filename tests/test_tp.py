@@ -2,7 +2,9 @@
 
 The ranks run as real processes joined by gloo (one thread each). 8 ranks on 2 shared cores are
 bound by collective latency, so the TP=8 runs take 10-20 s each; everything else is fast. The
-MoE expert forms (dense, selective) are also checked module by module, without gloo.
+MoE expert forms (dense, selective) are also checked module by module, without gloo, in both
+expert splits: each rank a 1/tp slice of every expert (`intermediate`, the plan's default where it
+divides) or E/tp whole experts (`experts`, the first form).
 """
 
 from __future__ import annotations
@@ -74,6 +76,39 @@ def test_sharded_equals_unsharded(name, tp):
     assert shapes["tp"] == tp and shapes["identical_shapes_across_ranks"]
     assert [r["rank_tensor"] for r in shapes["ranks"]] == [[r] for r in range(tp)]
     assert all(r["has_layer_scalar"] for r in shapes["ranks"])
+    # the MoE default: a slice of every expert per rank (16 experts x 32 -> 32 / tp per rank)
+    assert result["expert_split"] == ("intermediate" if get_variant(name).is_moe else None)
+
+
+# (TP, expert split, decode form); the default split's dense decode at TP=8 is in CASES above
+MOE_CASES = [(2, "intermediate", "dense"), (2, "intermediate", "selective"),
+             (8, "intermediate", "selective"), (8, "experts", "dense")]
+
+
+@pytest.mark.parametrize("tp,split,form", MOE_CASES, ids=[f"tp{t}-{s}-{f}" for t, s, f in MOE_CASES])
+def test_moe_sharded_equals_unsharded_in_both_splits(tp, split, form):
+    result = run_once("26b-a4b", tp, expert_split=split, decode_experts=form)
+    assert result["expert_split"] == split and result["decode_experts"] == form
+    assert len(set(result["reference_tokens"])) > 4
+    assert result["seq_match"], (result["tokens"], result["reference_tokens"])
+    assert result["ranks_agree"] and result["missing_keys"] == []
+    assert result["prefill_logit_max_diff"] < 1e-2
+    moe = result["plan"]["moe"]
+    assert moe["split"] == split
+    if split == "intermediate":  # every rank: all 16 experts, 32 / tp columns of each
+        assert moe["experts_per_rank"] == 16 and moe["intermediate_per_rank"] == 32 // tp
+        assert moe["intermediate_by_rank"] == [[r * 32 // tp, (r + 1) * 32 // tp] for r in range(tp)]
+        assert moe["weights_read_per_rank_per_layer"]["selective_per_token"]["params"] == \
+            4 * 3 * (32 // tp) * 64  # k slices of 1/tp of an expert: the rank's share of k experts
+        assert moe["rank_source"].startswith("not read")
+    else:
+        assert moe["experts_per_rank"] == 16 // tp and moe["intermediate_per_rank"] == 32
+
+
+def test_moe_intermediate_split_selective_equals_dense_tokens():
+    dense = run_once("26b-a4b", 2, expert_split="intermediate", decode_experts="dense")
+    selective = run_once("26b-a4b", 2, expert_split="intermediate", decode_experts="selective")
+    assert selective["tokens"] == dense["tokens"] == dense["reference_tokens"]
 
 
 def test_shard_shapes_per_rank():
@@ -98,13 +133,27 @@ def test_shard_shapes_per_rank():
     assert plan.lm_head == ("column" if vocab % 8 == 0 else "replicate")
     assert s["shapes"]["lm_head.weight"] == ([vocab // 8, hidden] if vocab % 8 == 0 else [vocab, hidden])
     assert s["shapes"]["spmd_rank.rank"] == [1]
-    # 26B-A4B tiny at TP=8: 16 experts -> 2 per rank, as two parallel linears
+    # 26B-A4B tiny at TP=8, expert split: 16 experts -> 2 per rank, as two parallel linears
     m = tiny("26b-a4b")
-    plan = make_plan(m.config, 8, m.variant)
+    plan = make_plan(m.config, 8, m.variant, expert_split="experts")
     s = shard_shapes(plan, lm=m.lm)
+    assert s["expert_split"] == "experts"
     assert [r["experts"] for r in s["ranks"]] == [[2 * r, 2 * r + 1] for r in range(8)]
+    assert [r["expert_intermediate"] for r in s["ranks"]] == [[0, 32]] * 8
     assert s["shapes"]["layers[sliding_attention].experts.gate_up.weight"] == [2 * 2 * 32, hidden]
     assert s["shapes"]["layers[sliding_attention].experts.down.weight"] == [hidden, 2 * 32]
+    # intermediate split (the default): all 16 experts, 32 / 8 = 4 intermediate columns of each;
+    # the tensors have the same shapes (and bytes) as the expert split's
+    plan = make_plan(m.config, 8, m.variant)
+    s = shard_shapes(plan, lm=m.lm)
+    assert s["expert_split"] == "intermediate"
+    assert [r["experts"] for r in s["ranks"]] == [[0, 15]] * 8
+    assert [r["expert_intermediate"] for r in s["ranks"]] == [[4 * r, 4 * r + 4] for r in range(8)]
+    assert s["shapes"]["layers[sliding_attention].experts.gate_up.weight"] == [16 * 2 * 4, hidden]
+    assert s["shapes"]["layers[sliding_attention].experts.down.weight"] == [hidden, 16 * 4]
+    by_split = {split: shard_shapes(make_plan(m.config, 8, m.variant, expert_split=split), lm=m.lm)
+                for split in ("experts", "intermediate")}
+    assert by_split["experts"]["ranks"][3]["bytes"] == by_split["intermediate"]["ranks"][3]["bytes"]
     # 12B tiny at TP=2: one global KV head, replicated on both ranks; E4B: 2 KV heads, 1 per rank
     m = tiny("12b")
     s = shard_shapes(make_plan(m.config, 2, m.variant), lm=m.lm)
@@ -145,13 +194,15 @@ def test_rank_graph_at_tp1_is_the_device_graph():
     assert torch.allclose(a[0], b[0], atol=1e-4)
 
 
-def test_nxd_checkpoint_splits_back_into_our_shards():
+@pytest.mark.parametrize("name,tp,split", [("31b", 8, None), ("26b-a4b", 8, "intermediate"),
+                                           ("26b-a4b", 8, "experts"), ("26b-a4b", 2, "intermediate")])
+def test_nxd_checkpoint_splits_back_into_our_shards(name, tp, split):
     """ModelBuilder's contiguous split of the full checkpoint must give exactly our shards."""
-    m = tiny("31b")
-    plan = make_plan(m.config, 8, m.variant)
+    m = tiny(name)
+    plan = make_plan(m.config, tp, m.variant, expert_split=split)
     full = nxd_full_checkpoint(m.lm, plan)
-    assert full["spmd_rank.rank"].tolist() == list(range(8))
-    for rank in (0, 5):
+    assert full["spmd_rank.rank"].tolist() == list(range(tp))
+    for rank in sorted({0, max(tp - 3, 0), tp - 1}):
         shard = shard_state_dict(m.lm, plan, rank)
         for key, value in shard.items():
             rule = plan.rule(key)
@@ -159,17 +210,39 @@ def test_nxd_checkpoint_splits_back_into_our_shards():
                 piece = full[key]
             else:
                 assert rule.kind in (COLUMN, ROW, "rank")
-                piece = full[key].chunk(8, dim=rule.dim)[rank]
+                piece = full[key].chunk(tp, dim=rule.dim)[rank]
             assert torch.equal(piece, value), key
+
+
+def test_nxd_checkpoint_is_rank_major_under_the_intermediate_split():
+    """Checked against HF's own [E, 2I, H] / [E, H, I] tensors, not through the sharder: NxD's
+    contiguous block r of the full checkpoint is rank r's gate rows and up rows of *every* expert
+    (gate_up) and its intermediate columns of every expert (down)."""
+    m = tiny("26b-a4b")
+    tp, E, I, H = 8, 16, 32, 64
+    i = I // tp
+    plan = make_plan(m.config, tp, m.variant)
+    full = nxd_full_checkpoint(m.lm, plan)
+    hf = m.text_model.layers[2].experts
+    gate_up, down = full["model.layers.2.experts.gate_up.weight"], full["model.layers.2.experts.down.weight"]
+    assert gate_up.shape == (E * 2 * I, H) and down.shape == (H, E * I)
+    assert not torch.equal(gate_up, hf.gate_up_proj.reshape(-1, H))  # not HF's layout
+    for r in (0, 5):
+        block = gate_up.chunk(tp, dim=0)[r].view(E, 2 * i, H)
+        assert torch.equal(block[:, :i], hf.gate_up_proj[:, r * i:(r + 1) * i])  # gate rows
+        assert torch.equal(block[:, i:], hf.gate_up_proj[:, I + r * i:I + (r + 1) * i])  # up rows
+        cols = down.chunk(tp, dim=1)[r].view(H, E, i)
+        assert torch.equal(cols, hf.down_proj[:, :, r * i:(r + 1) * i].permute(1, 0, 2))
 
 
 # ---- the field report's faults -----------------------------------------------------------------
 
 def test_baked_rank_bug_is_reproduced_and_flagged():
     """The MoE reading the rank as a trace-time int: rank 1 weights rank 0's experts."""
-    real = run_once("26b-a4b", 2)
+    real = run_once("26b-a4b", 2, expert_split="experts")
     baked = run_once("26b-a4b", 2, baked_rank=True)
     assert real["seq_match"] and real["prefill_logit_max_diff"] < 1e-2
+    assert baked["expert_split"] == "experts"  # the bug's form, even though it is not the default
     assert not baked["seq_match"]
     assert baked["prefill_logit_max_diff"] > 0.1
     assert baked["ranks_agree"]  # the ranks agree with each other: only the reference check sees it
@@ -177,7 +250,7 @@ def test_baked_rank_bug_is_reproduced_and_flagged():
 
 def test_baked_rank_is_a_python_int_and_the_real_rank_is_data():
     m = tiny("26b-a4b")
-    plan = make_plan(m.config, 2, m.variant)
+    plan = make_plan(m.config, 2, m.variant, expert_split="experts")
     shape = GraphShape(1, 1, CONTEXT)
     baked = build_rank_graph(m.config, plan, shape, baked_rank=True)
     real = build_rank_graph(m.config, plan, shape)
@@ -187,6 +260,17 @@ def test_baked_rank_is_a_python_int_and_the_real_rank_is_data():
     assert baked.baked_rank == 0 and all(e.baked_rank == 0 for e in baked._rank_users)
     assert real.baked_rank is None and all(e.baked_rank is None for e in real._rank_users)
     assert isinstance(real.spmd_rank.rank, torch.nn.Parameter)
+
+
+def test_intermediate_split_has_no_rank_to_bake_in():
+    """Under the intermediate split the expert math never reads the rank: asking for the field
+    report's bug there is an error, not a silently correct run."""
+    m = tiny("26b-a4b")
+    plan = make_plan(m.config, 2, m.variant, expert_split="intermediate")
+    with pytest.raises(ValueError, match="never reads the rank"):
+        build_rank_graph(m.config, plan, GraphShape(1, 1, CONTEXT), baked_rank=True)
+    with pytest.raises(ValueError, match="never reads the rank"):  # refused before any rank starts
+        run("26b-a4b", 2, baked_rank=True, expert_split="intermediate")
 
 
 def test_layer_scalar_missing_from_shards_is_detected():
@@ -239,21 +323,43 @@ def test_real_configs_plan_at_their_recipe_tp():
             assert plan.kv_modes() == {"sliding_attention": "shard", "full_attention": "replicate"}
             assert plan.describe()["attention"]["full_attention"]["kv_heads_by_rank"] == [[0], [0], [1], [1],
                                                                                          [2], [2], [3], [3]]
-        if name == "26b-a4b":
-            assert plan.describe()["moe"]["experts_per_rank"] == 16
+        if name == "26b-a4b":  # default: a 704 / 8 = 88-column slice of all 128 experts per rank
+            moe = plan.describe()["moe"]
+            assert (moe["split"], moe["experts_per_rank"], moe["intermediate_per_rank"]) == \
+                ("intermediate", 128, 88)
+            assert moe["intermediate_by_rank"][7] == [616, 704]
+            moe = make_plan(config, 8, v, expert_split="experts").describe()["moe"]
+            assert (moe["split"], moe["experts_per_rank"], moe["intermediate_per_rank"]) == \
+                ("experts", 16, 704)
+
+
+def test_expert_split_is_validated():
+    from gemma4lib.experts import default_expert_split
+
+    v = get_variant("26b-a4b")
+    config = text_config(v, "real")
+    with pytest.raises(TensorParallelError, match="unknown expert_split 'rows'"):
+        make_plan(config, 8, v, expert_split="rows")
+    with pytest.raises(TensorParallelError, match="128 experts do not split into 3 equal groups and "
+                                                  "the experts' intermediate size 704 does not split"):
+        make_plan(config, 3)
+    # 704 = 2^6 x 11, 128 = 2^7: the default falls back to the expert split only past TP=64
+    assert [default_expert_split(128, 704, t) for t in (1, 8, 64, 128, 3)] == \
+        ["intermediate", "intermediate", "intermediate", "experts", None]
+    assert make_plan(tiny("31b").config, 8, expert_split="intermediate").expert_split is None  # dense
 
 
 # ---- MoE expert forms: selective (top-k gather) next to dense ---------------------------------------
 
 def _sharded_experts(m, plan, layer: int, rank: int, form: str, baked_rank: int | None = None):
-    """One rank's `ShardedExperts` of `layer`, filled through the sharder (the shard layout)."""
+    """One rank's `ShardedExperts` of `layer` (the plan's split), filled through the sharder."""
     moe = plan.layers[layer].moe
     factory = CpuParallelFactory(plan.tp)  # identity collectives: each rank's partial sum
     hf = m.text_model.layers[layer].experts
     experts = ShardedExperts(moe.num_experts, plan.hidden, moe.intermediate, plan.tp, hf.act_fn,
                              gate_up=factory.column(plan.hidden, moe.num_experts * 2 * moe.intermediate),
                              down=factory.row(moe.num_experts * moe.intermediate, plan.hidden),
-                             baked_rank=baked_rank, form=form)
+                             baked_rank=baked_rank, form=form, split=moe.split)
     prefix = f"model.layers.{layer}.experts."
     with torch.no_grad():
         experts.gate_up.weight.copy_(rank_tensor(plan, prefix + "gate_up_proj", hf.gate_up_proj, rank)[1])
@@ -271,15 +377,19 @@ def _routes(m, tokens: int, seed: int):
     return hidden, top_k_index, top_k_weights
 
 
-@pytest.mark.parametrize("tp", [2, 4])
+@pytest.mark.parametrize("split", ["experts", "intermediate"])
+@pytest.mark.parametrize("tp", [2, 4, 8])
 @pytest.mark.parametrize("tokens", [1, 5])  # 1: the fused gather-multiply-reduce; 5: the bmm form
-def test_selective_sharded_experts_equal_dense_over_ranks(tp, tokens):
+def test_selective_sharded_experts_equal_dense_over_ranks(tp, tokens, split):
     m = tiny("26b-a4b")
-    plan = make_plan(m.config, tp, m.variant)
+    plan = make_plan(m.config, tp, m.variant, expert_split=split)
     layer = 1
     hidden, index, weights = _routes(m, tokens, seed=tp * 10 + tokens)
-    owners = {int(e) // plan.layers[layer].moe.experts_per_rank for e in index.reshape(-1)}
-    assert len(owners) > 1, "the routes should span ranks, or masking is not exercised"
+    if split == "experts":
+        owners = {int(e) // plan.layers[layer].moe.experts_per_rank for e in index.reshape(-1)}
+        assert len(owners) > 1, "the routes should span ranks, or masking is not exercised"
+    else:  # every rank holds a slice of every routed expert: every rank adds to the sum
+        owners = set(range(tp))
     with torch.no_grad():
         dense = [_sharded_experts(m, plan, layer, r, "dense")(hidden, index, weights) for r in range(tp)]
         selective = [_sharded_experts(m, plan, layer, r, "selective")(hidden, index, weights) for r in range(tp)]
@@ -297,7 +407,7 @@ def test_selective_sharded_experts_reproduce_the_baked_rank_bug(tokens):
     """With the rank baked in at build time, rank 1 offsets the expert ids by rank 0's: wrong, and
     wrong in exactly the way the dense form is."""
     m = tiny("26b-a4b")
-    plan = make_plan(m.config, 2, m.variant)
+    plan = make_plan(m.config, 2, m.variant, expert_split="experts")
     hidden, index, weights = _routes(m, tokens, seed=7 + tokens)
     with torch.no_grad():
         real = _sharded_experts(m, plan, 1, 1, "selective")(hidden, index, weights)
@@ -330,8 +440,8 @@ def test_rank_graph_selective_decode_at_tp1_is_the_device_graph():
 
 
 def test_selective_decode_at_tp2_equals_reference_and_dense():
-    dense = run_once("26b-a4b", 2)
-    selective = run_once("26b-a4b", 2, decode_experts="selective")
+    dense = run_once("26b-a4b", 2, expert_split="experts")
+    selective = run_once("26b-a4b", 2, decode_experts="selective", expert_split="experts")
     assert selective["decode_experts"] == "selective" and dense["decode_experts"] == "dense"
     assert len(set(selective["reference_tokens"])) > 4
     assert selective["seq_match"], (selective["tokens"], selective["reference_tokens"])
@@ -344,7 +454,7 @@ def test_selective_decode_at_tp2_equals_reference_and_dense():
 
 def test_selective_decode_with_baked_rank_is_wrong():
     """The host prefills (right), so every wrong token comes from the baked-rank selective decode."""
-    real = run_once("26b-a4b", 2, decode_experts="selective", prefill="cpu-seeded")
+    real = run_once("26b-a4b", 2, decode_experts="selective", prefill="cpu-seeded", expert_split="experts")
     baked = run_once("26b-a4b", 2, decode_experts="selective", prefill="cpu-seeded", baked_rank=True)
     assert real["seq_match"], (real["tokens"], real["reference_tokens"])
     assert not baked["seq_match"] and baked["ranks_agree"]

@@ -443,8 +443,15 @@ def _reset_collective_token(device: str) -> None:
 CONTEXT = 64  # the lane's context length (xla_check.run_variant)
 SINGLE = (("e2b", "dense"), ("e4b", "dense"), ("12b", "dense"), ("31b", "dense"),
           ("26b-a4b", "dense"), ("26b-a4b", "selective"))
-TENSOR_PARALLEL = (("12b", 2, "dense"), ("31b", 8, "dense"), ("26b-a4b", 8, "dense"),
-                   ("26b-a4b", 8, "selective"), ("26b-a4b", 2, "selective"))
+# (variant, TP, expert form, expert split): the MoE rank graphs in both splits. The intermediate
+# split (each rank a 1/tp slice of every expert; the plan's default) must read k / num_experts of
+# a rank's expert bytes when selective; the expert split (E/tp whole experts per rank) reads k
+# whole-expert slices per rank, routed there or not.
+TENSOR_PARALLEL = (("12b", 2, "dense", None), ("31b", 8, "dense", None),
+                   ("26b-a4b", 8, "dense", "experts"), ("26b-a4b", 8, "selective", "experts"),
+                   ("26b-a4b", 2, "selective", "experts"),
+                   ("26b-a4b", 8, "dense", "intermediate"), ("26b-a4b", 8, "selective", "intermediate"),
+                   ("26b-a4b", 2, "dense", "intermediate"), ("26b-a4b", 2, "selective", "intermediate"))
 
 
 @dataclass
@@ -452,8 +459,9 @@ class AuditRow:
     """One decode graph's audited bytes next to the roofline's, for the table and the tests.
 
     For a rank graph every rank runs the same program on same-shaped weights, so the ranks
-    together read `tp` x one rank's bytes. `roofline.decode_bytes(tp=)` counts the model once
-    (plus `tp` x top-k expert slices for the selective form): what the plan *replicates* — norms,
+    together read `tp` x one rank's bytes. `roofline.decode_bytes(tp=, expert_split=)` counts the
+    model once (selective experts: k routed experts' bytes under the intermediate split, `tp` x k
+    whole-expert slices under the expert split): what the plan *replicates* — norms,
     router, PLE projections, `layer_scalar`, K/V heads when there are fewer than ranks, the LM
     head when the vocabulary does not divide by `tp` (the tiny models' 810) — is read by every
     rank and is the expected difference, `replicated` (from the rank graph's own parameter sizes,
@@ -483,6 +491,7 @@ class AuditRow:
     expected_delta: int
     flagged: list[str]
     flagged_experts: list[str]
+    expert_split: str | None = None  # MoE rank graphs: "intermediate" | "experts"
 
     @property
     def weights_delta(self) -> float:
@@ -540,10 +549,10 @@ def audit_single(model: Any, form: str = "dense", device: Any = None
                        -router_scale_unread(model))
 
 
-def audit_rank(model: Any, tp: int, form: str = "dense", rank: int = 1, device: Any = None
-               ) -> tuple[GraphAudit, AuditRow]:
+def audit_rank(model: Any, tp: int, form: str = "dense", rank: int = 1, device: Any = None,
+               expert_split: str | None = None) -> tuple[GraphAudit, AuditRow]:
     """Rank `rank` of `model`'s TP rank graph (its shard loaded), lowered with
-    `XlaLoweringCollectives`."""
+    `XlaLoweringCollectives`. `expert_split`: the MoE split (default: the plan's)."""
     import torch_xla
 
     from ..graph import GraphShape
@@ -552,7 +561,7 @@ def audit_rank(model: Any, tp: int, form: str = "dense", rank: int = 1, device: 
     from .xla import to_device
 
     device = device or torch_xla.device()
-    plan = make_plan(model.config, tp, model.variant)
+    plan = make_plan(model.config, tp, model.variant, expert_split=expert_split)
     shape = GraphShape(1, 1, CONTEXT)
     graph = build_rank_graph(model.config, plan, shape, collectives=XlaLoweringCollectives(tp),
                              expert_form=form)
@@ -567,14 +576,18 @@ def audit_rank(model: Any, tp: int, form: str = "dense", rank: int = 1, device: 
     dtype_bytes = model.lm_head.weight.element_size()
     replicated = tp * rank_nonexpert - (counts.lm_head + counts.other) * dtype_bytes
     rank_kv = sum(t.numel() * t.element_size() for t in graph.new_kv())
-    rb = decode_bytes(model, context_length=CONTEXT, ring=False, experts=form, tp=tp)
+    rb = decode_bytes(model, context_length=CONTEXT, ring=False, experts=form, tp=tp,
+                      expert_split=plan.expert_split)
     replicated_kv = tp * rank_kv - int(rb.kv)
     graph = to_device({"decode": graph}, device)["decode"]
     inputs, kv = _split_inputs(graph, [t.to(device) for t in graph.example_inputs()])
     name = model.variant.name
-    audit = audit_graph(graph, inputs, kv, f"{name} TP={tp} rank {rank} decode ({form})")
-    return audit, _row(name, form, tp, rank, audit, rb.weights, rb.kv, replicated, replicated_kv,
-                       -tp * router_scale_unread(model))
+    split = f", {plan.expert_split} split" if plan.expert_split else ""
+    audit = audit_graph(graph, inputs, kv, f"{name} TP={tp} rank {rank} decode ({form}{split})")
+    row = _row(name, form, tp, rank, audit, rb.weights, rb.kv, replicated, replicated_kv,
+               -tp * router_scale_unread(model))
+    row.expert_split = plan.expert_split
+    return audit, row
 
 
 def _split_inputs(graph: Any, tensors: list[Any]) -> tuple[list[Any], list[Any]]:
@@ -596,7 +609,8 @@ def _row(variant: str, form: str, tp: int, rank: int | None, audit: GraphAudit, 
 
 
 def audit_all(single: Sequence[tuple[str, str]] = SINGLE,
-              tensor_parallel: Sequence[tuple[str, int, str]] = TENSOR_PARALLEL) -> list[AuditRow]:
+              tensor_parallel: Sequence[tuple[str, int, str, str | None]] = TENSOR_PARALLEL
+              ) -> list[AuditRow]:
     """Every listed decode graph of the tiny variants, audited (one tiny model per variant)."""
     models: dict[str, Any] = {}
     rows = []
@@ -604,10 +618,10 @@ def audit_all(single: Sequence[tuple[str, str]] = SINGLE,
         model = models.setdefault(variant, _tiny(variant))
         rows.append(audit_single(model, form)[1])
         log.info("audited %s %s: %s", variant, form, rows[-1])
-    for variant, tp, form in tensor_parallel:
+    for variant, tp, form, split in tensor_parallel:
         model = models.setdefault(variant, _tiny(variant))
-        rows.append(audit_rank(model, tp, form)[1])
-        log.info("audited %s TP=%d %s: %s", variant, tp, form, rows[-1])
+        rows.append(audit_rank(model, tp, form, expert_split=split)[1])
+        log.info("audited %s TP=%d %s (%s split): %s", variant, tp, form, split, rows[-1])
     return rows
 
 
@@ -620,8 +634,11 @@ def format_table(rows: Sequence[AuditRow]) -> str:
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in rows:
         experts = f"{r.experts_read:,} / {r.experts_size:,}" if r.experts_size else "–"
+        form = r.form if r.experts_size else "–"
+        if r.experts_size and r.expert_split:
+            form += f", {'expert' if r.expert_split == 'experts' else r.expert_split} split"
         lines.append(
-            f"| {r.variant} | {r.graph} | {r.form if r.experts_size else '–'} | {r.hlo_params} "
+            f"| {r.variant} | {r.graph} | {form} | {r.hlo_params} "
             f"| {r.weights_read:,} | {r.tp * r.weights_read:,} | {r.roofline_weights:,.0f} "
             f"| {r.replicated_weights:,} | {r.weights_delta:,.0f} ({r.expected_delta:,}) "
             f"| {experts} | {r.kv_read:,} | {r.tp * r.kv_read:,} "

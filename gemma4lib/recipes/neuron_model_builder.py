@@ -16,14 +16,20 @@ the config on the meta device with shard-size layers, so `module_cls()` never ho
   (NxD Inference does the same for its token-generation model).
 - PLE models (E4B): the per-layer inputs are a fourth input computed on the host, like the
   embeddings; the PLE projections are replicated on every rank.
-- MoE (26B-A4B): the prefill graph's experts are all-experts-dense; the decode graph's take
-  `decode_experts` (`selective`: each rank gathers the routed top-k slices from its own
-  `ColumnParallelLinear`/`RowParallelLinear` weights and sums over ranks with the reduction
-  `RowParallelLinear` uses). Same parameters either way, so one checkpoint serves both graphs.
+- MoE (26B-A4B): the plan's `expert_split` decides what a rank holds. By default (TP=8: the
+  experts' intermediate size 704 splits into 8 x 88) every rank holds a 1/tp slice of every
+  expert: gate/up rows in its `ColumnParallelLinear`, down columns in its `RowParallelLinear`,
+  one all-reduce; `expert_split="experts"` gives each rank E/tp whole experts instead (the first
+  form, kept for comparison: its selective decode reads tp x k slices over all ranks, not k). The
+  prefill graph's experts are all-experts-dense; the decode graph's take `decode_experts`
+  (`selective`: each rank gathers the routed top-k slices from its own parallel linears' weights
+  and sums over ranks with the reduction `RowParallelLinear` uses). Same parameters either way,
+  so one checkpoint serves both graphs.
 - `checkpoint_loader` returns `tp.shard.nxd_full_checkpoint`: every sharded tensor laid out so that
   NxD's contiguous split gives back exactly our shard for each rank (K/V heads already replicated
-  per rank where KV heads < TP), plus `layer_scalar` (held as a parameter by the rank graph, so it
-  is a weight, not a traced-in constant) and `spmd_rank.rank = arange(tp)`.
+  per rank where KV heads < TP; the fused expert weights rank-major under the intermediate split),
+  plus `layer_scalar` (held as a parameter by the rank graph, so it is a weight, not a traced-in
+  constant) and `spmd_rank.rank = arange(tp)`.
 - `builder.trace(initialize_model_weights=False)` -> `torch.jit.save`; `builder.shard_checkpoint`
   writes `tp{rank}_sharded_checkpoint.safetensors`; loading is `torch.jit.load` +
   `nxd_model.initialize(weights_per_rank, start_rank_tensor)`.
@@ -141,14 +147,17 @@ def _instance_class():
 
 def compile_model_builder(loaded: Any, tp: int, out_dir: str | Path, *, context_length: int, prefill_len: int,
                           ring: bool = False, dtype: torch.dtype = torch.bfloat16,
-                          compiler_workdir: str | Path | None = None, decode_experts: str = "dense") -> Path:
+                          compiler_workdir: str | Path | None = None, decode_experts: str = "dense",
+                          expert_split: str | None = None) -> Path:
     """Compile prefill + decode for one rank, save the model and the per-rank shards to `out_dir`.
 
     `decode_experts`: the decode graph's MoE expert form (`dense` | `selective`); prefill is dense.
+    `expert_split`: how the ranks share the MoE experts (`intermediate` | `experts`; default: the
+    plan's, the intermediate split where it divides).
     """
     model_builder, GraphInstance = _instance_class()
     forms = bucket_expert_forms(decode_experts)
-    plan = make_plan(loaded.config, tp, loaded.variant)
+    plan = make_plan(loaded.config, tp, loaded.variant, expert_split=expert_split)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     workdir = Path(compiler_workdir or out / "compiler_workdir")  # ModelBuilder.trace() wipes it: never share
@@ -157,15 +166,16 @@ def compile_model_builder(loaded: Any, tp: int, out_dir: str | Path, *, context_
     builder = model_builder.ModelBuilder(  # inf2-only
         router=None, tp_degree=tp, checkpoint_loader=lambda: dict(checkpoint), compiler_workdir=str(workdir))
     for key, shape in bucket_shapes(context_length, prefill_len, ring).items():
-        builder.add(key=key,  # inf2-only model_instance=GraphInstance(loaded.config, plan, shape, dtype, forms[key]),
-                    example_inputs=[graph_example_inputs(loaded.config, shape, dtype)],
-                    compiler_args=neuron_env.COMPILER_ARGS[shape.phase], priority_model_idx=PRIORITY[key])
+        builder.add(  # inf2-only
+            key=key, model_instance=GraphInstance(loaded.config, plan, shape, dtype, forms[key]),
+            example_inputs=[graph_example_inputs(loaded.config, shape, dtype)],
+            compiler_args=neuron_env.COMPILER_ARGS[shape.phase], priority_model_idx=PRIORITY[key])
     traced = builder.trace(initialize_model_weights=False)  # inf2-only
     torch.jit.save(traced, str(out / "model.pt"))  # inf2-only
     builder.shard_checkpoint(serialize_path=str(out / "weights"))  # inf2-only
     manifest = {"recipe": RECIPE, "variant": loaded.variant.name, "tp": tp, "context_length": context_length,
                 "prefill_len": prefill_len, "ring": ring, "dtype": str(dtype), "expert_forms": forms,
-                "plan": plan.describe(),
+                "expert_split": plan.expert_split, "plan": plan.describe(),
                 "compiler_args": neuron_env.COMPILER_ARGS}
     (out / "manifest.json").write_text(json.dumps(manifest, indent=2))
     return out

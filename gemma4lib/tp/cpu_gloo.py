@@ -219,7 +219,8 @@ def run_tp_port(loaded_model: Any, tp: Any, prompt_ids: Any, max_new_tokens: Any
                 include_buffers: bool = True, check_reference: bool = True,
                 reference_tokens: Sequence[int] | None = None, eos_token_ids: Sequence[int] = (),
                 start_method: str = "fork", ring: bool = False, prefill: str = "graph",
-                decode_experts: str = "dense", timeout_s: float = 300.0) -> dict[str, Any]:
+                decode_experts: str = "dense", timeout_s: float = 300.0,
+                expert_split: str | None = None) -> dict[str, Any]:
     """Shard `loaded_model` for `tp` ranks, run them on CPU with gloo, compare with the reference.
 
     `loaded_model` is a `loading.LoadedModel`. Returns a JSON-friendly dict: `tokens` (rank 0),
@@ -231,7 +232,9 @@ def run_tp_port(loaded_model: Any, tp: Any, prompt_ids: Any, max_new_tokens: Any
     each rank starts decoding from its slice of those K/V buffers (`prefill="graph"`: the rank
     graphs prefill). `decode_experts="selective"` makes the decode graph gather the routed top-k
     experts from each rank's shard instead of running all its experts (MoE only; prefill stays
-    dense).
+    dense). `expert_split` ("intermediate" | "experts"; MoE only): how the ranks share the
+    experts; None takes the plan's default (the intermediate split where it divides), except with
+    `baked_rank`, whose bug only the expert split can have (the intermediate split reads no rank).
 
     Also callable as `run_tp_port(loaded_model, port_settings, prompt_ids, eos_ids)` (the port
     pipeline's form): shapes come from the settings and the result is the pipeline's `device_run`
@@ -243,14 +246,15 @@ def run_tp_port(loaded_model: Any, tp: Any, prompt_ids: Any, max_new_tokens: Any
                         baked_rank=baked_rank, include_buffers=include_buffers, check_reference=check_reference,
                         reference_tokens=reference_tokens, eos_token_ids=eos_token_ids,
                         start_method=start_method, ring=ring, prefill=prefill, decode_experts=decode_experts,
-                        timeout_s=timeout_s)
+                        timeout_s=timeout_s, expert_split=expert_split)
     return result
 
 
 def _run_tp(loaded_model: Any, tp: int, prompt_ids: Any, max_new_tokens: int, context_length: int, prefill_len: int,
             *, baked_rank: bool, include_buffers: bool, check_reference: bool,
             reference_tokens: Sequence[int] | None, eos_token_ids: Sequence[int], start_method: str, ring: bool,
-            prefill: str, timeout_s: float, decode_experts: str = "dense") -> tuple[dict[str, Any], torch.Tensor]:
+            prefill: str, timeout_s: float, decode_experts: str = "dense",
+            expert_split: str | None = None) -> tuple[dict[str, Any], torch.Tensor]:
     variant = loaded_model.variant
     lm = loaded_model.lm
     config = lm.config
@@ -265,7 +269,12 @@ def _run_tp(loaded_model: Any, tp: int, prompt_ids: Any, max_new_tokens: int, co
                                   f"(TP=1 is the single-core trace recipe)")
     if decode_experts not in EXPERT_FORMS:
         raise ValueError(f"unknown decode_experts form {decode_experts!r}; choose one of {EXPERT_FORMS}")
-    plan = make_plan(config, tp, variant)
+    if baked_rank and expert_split is None:
+        expert_split = "experts"  # the form the field report's bug lives in
+    plan = make_plan(config, tp, variant, expert_split=expert_split)
+    if baked_rank and plan.expert_split == "intermediate":
+        raise ValueError("baked_rank: the intermediate split never reads the rank, so there is no "
+                         "rank to bake in; the field report's bug needs expert_split='experts'")
     dtype = next(lm.parameters()).dtype
 
     t0 = time.perf_counter()
@@ -297,6 +306,7 @@ def _run_tp(loaded_model: Any, tp: int, prompt_ids: Any, max_new_tokens: int, co
         "missing_keys": ranks[0]["missing_keys"],
         "baked_rank": baked_rank,
         "decode_experts": decode_experts,
+        "expert_split": plan.expert_split,
         "plan": plan.describe(),
         "shard_shapes": shapes,
         "kv_shapes_per_rank": ranks[0]["kv_shapes"],

@@ -8,18 +8,21 @@ one for one:
   the partial outputs are all-reduced.
 - `SPMDRankParam` ~ `SPMDRank`: the rank as an int32 *parameter* loaded from the rank's shard, so
   one compiled graph serves every rank.
-- `ShardedExperts`: the MoE experts of this rank (expert-parallel: `E/tp` consecutive experts),
-  held as one `ColumnShard` (`gate_up`) and one `RowShard` (`down`), in two static forms like
-  `experts.StaticExperts`:
-  - `dense`: every local expert runs on every token, weighted by this rank's routing-weight
-    columns (picked with the runtime rank tensor); reads all the rank's expert weights.
-  - `selective`: the routed top-k expert ids are shifted by `rank * E/tp` and masked to the local
-    range; the k (clamped) local slices are gathered straight from the shard weights (no permuted
-    view of the whole shard: `backends.hlo_audit` checks the lowered HLO) and weighted by
-    routing weight x valid, then all-reduced the way the `RowShard` reduces. Reads k slices per
-    token per rank, whatever E/tp is: the decode form.
-  `baked_rank=<int>` reproduces the field report's bug in both forms: the rank read as a Python
-  int when the graph was built, i.e. rank 0's slice on every rank.
+- `ShardedExperts`: the MoE experts of this rank, held as one `ColumnShard` (`gate_up`) and one
+  `RowShard` (`down`), cut one of two ways (`split`, chosen by the TP plan):
+  - `"intermediate"`: a 1/tp slice of every expert's intermediate dimension (gate/up rows, down
+    columns). `dense` runs every expert's slice on every token, weighted by the routing weights;
+    `selective` gathers the k routed experts' slices (the same k ids on every rank, nothing to
+    mask) and all-reduces. The k slices are exactly this rank's share of the routed experts.
+    Nothing here reads the rank.
+  - `"experts"`: `E/tp` consecutive whole experts. `dense` runs all of them, weighted by this
+    rank's routing-weight columns (picked with the runtime rank tensor); `selective` shifts the
+    routed ids by `rank * E/tp`, masks them to the local range and gathers the k (clamped)
+    slices: k slices per token per rank whatever E/tp is, routed here or not.
+  Either way the slices are gathered straight from the shard weights (no permuted view of the
+  whole shard: `backends.hlo_audit` checks the lowered HLO). `baked_rank=<int>` reproduces the
+  field report's bug in the expert split: the rank read as a Python int when the graph was
+  built, i.e. rank 0's slice on every rank.
 
 Collectives are a small object (`Collectives`): identity for one process, `torch.distributed`
 for the CPU gloo run. Modules keep it as a plain attribute, not a submodule.
@@ -33,7 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..experts import EXPERT_FORMS, gathered_experts
+from ..experts import EXPERT_FORMS, EXPERT_SPLITS, gathered_experts
 
 
 class Collectives:
@@ -119,30 +122,46 @@ class ShardedExperts(nn.Module):
 
     dense:     y = sum_e w_e * down_e(act(gate_e x) * up_e x)  =  down_local( [w_e * act(gate_e x) * up_e x]_e )
     summed over ranks: the routing weight is folded in before the down projection, so the whole
-    expert block is one column-parallel and one row-parallel linear.
+    expert block is one column-parallel and one row-parallel linear. Under the intermediate split
+    the sum over ranks is the sum over each expert's intermediate slices (act is elementwise, so
+    slicing the intermediate dimension is exact); under the expert split, over its experts.
 
-    selective: the same sum over the k routed experts only, each rank contributing the ones it holds
-    (valid = the expert id falls in this rank's range); the weight slices are indexed out of the two
-    linears' `.weight` (NxD's parallel linears hold theirs in the same [out, in] layout), so the
-    checkpoint and the sharding are the same for both forms.
+    selective: the same sum over the k routed experts only. Expert split: each rank contributes
+    the ones it holds (valid = the expert id falls in this rank's range). Intermediate split:
+    every rank contributes its slice of each of the k. The weight slices are indexed out of the
+    two linears' `.weight` (NxD's parallel linears hold theirs in the same [out, in] layout), so
+    the checkpoint and the sharding are the same for both forms.
 
-    `all_reduce` is the selective form's sum over ranks; by default the `RowShard`'s collectives
-    (the rank graph passes its factory's, which for NxD is `RowParallelLinear`'s reduction).
+    `intermediate` is the unsharded per-expert width; `self.intermediate` the width this rank
+    holds of each of its `self.local` experts. `all_reduce` is the selective form's sum over
+    ranks; by default the `RowShard`'s collectives (the rank graph passes its factory's, which for
+    NxD is `RowParallelLinear`'s reduction).
     """
 
     def __init__(self, num_experts: int, hidden: int, intermediate: int, tp: int, act_fn, *,
                  gate_up: nn.Module, down: nn.Module, baked_rank: int | None = None, form: str = "dense",
-                 all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None):
+                 all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                 split: str = "experts"):
         super().__init__()
-        if num_experts % tp:
+        if split not in EXPERT_SPLITS:
+            raise ValueError(f"unknown expert split {split!r}; choose one of {EXPERT_SPLITS}")
+        if split == "experts" and num_experts % tp:
             raise ValueError(f"{num_experts} experts do not split over {tp} ranks")
+        if split == "intermediate" and intermediate % tp:
+            raise ValueError(f"expert intermediate size {intermediate} does not split over {tp} ranks")
+        if split == "intermediate" and baked_rank is not None:
+            raise ValueError("the intermediate split never reads the rank: there is no rank to bake "
+                             "in (the field report's bug lives in the expert split)")
         if form not in EXPERT_FORMS:
             raise ValueError(f"unknown expert form {form!r}; choose one of {EXPERT_FORMS}")
-        self.num_experts, self.tp, self.local = num_experts, tp, num_experts // tp
-        self.hidden, self.intermediate = hidden, intermediate
+        self.split, self.num_experts, self.tp = split, num_experts, tp
+        by_inner = split == "intermediate"
+        self.local = num_experts if by_inner else num_experts // tp  # experts held (whole or sliced)
+        self.hidden = hidden
+        self.intermediate = intermediate // tp if by_inner else intermediate  # width held per expert
         self.act_fn = act_fn
-        self.gate_up = gate_up  # [local * 2I, H] rows: expert-major, gate then up
-        self.down = down  # [H, local * I] columns: expert-major
+        self.gate_up = gate_up  # [local * 2i, H] rows: expert-major, gate then up
+        self.down = down  # [H, local * i] columns: expert-major
         self.baked_rank = baked_rank
         self.form = form  # the rank graph sets it per forward (prefill and decode share this module)
         self.all_reduce = all_reduce
@@ -154,7 +173,10 @@ class ShardedExperts(nn.Module):
         return self.current_rank.reshape(1).to(torch.long)
 
     def local_weights(self, weights: torch.Tensor) -> torch.Tensor:
-        """This rank's columns of the [tokens, experts] routing weights."""
+        """This rank's columns of the [tokens, experts] routing weights (all of them under the
+        intermediate split: every rank holds a slice of every expert)."""
+        if self.split == "intermediate":
+            return weights
         if self.baked_rank is not None:  # the bug: a Python int frozen into the graph
             start = self.baked_rank * self.local
             return weights[:, start:start + self.local]
@@ -163,7 +185,11 @@ class ShardedExperts(nn.Module):
 
     def local_routes(self, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, dtype: torch.dtype
                      ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(local expert index clamped into [0, local), routing weight x valid), both [tokens, k]."""
+        """(local expert index clamped into [0, local), routing weight x valid), both [tokens, k].
+
+        Intermediate split: the routed ids and weights as they are (every id is held here)."""
+        if self.split == "intermediate":
+            return top_k_index, top_k_weights.to(dtype)
         if self.baked_rank is not None:  # the bug again: rank 0's offset on every rank
             offset: int | torch.Tensor = self.baked_rank * self.local
         else:

@@ -16,12 +16,22 @@ The rules (Megatron-style, one all-reduce after attention and one after the feed
   K/V, which the same rule puts on the same rank.
 - MLP: `gate_proj`/`up_proj` column, `down_proj` row (all-reduced). The MoE block's dense MLP is
   sharded the same way.
-- MoE experts: split along the expert dimension (rank r owns experts [r*e, (r+1)*e)), expressed
-  as two parallel linears: `gate_up` column (rows of its experts) and `down` row (all-reduced).
-  The router is replicated (small) so every rank routes identically. Two forms over the same
-  shards: `dense` computes all of the rank's experts and picks its columns of the routing weights
-  with the *runtime* rank tensor (reads e experts per rank); `selective` gathers the routed top-k
-  from the rank's shard, masked to the ids the rank owns (reads k expert slices per rank per token).
+- MoE experts, two splits (`expert_split`), both as two parallel linears over the fused
+  weights: `gate_up` column (its rows) and `down` row (its columns, all-reduced). The router is
+  replicated (small) so every rank routes identically. Two forms over the same shards: `dense`
+  (every held expert on every token, weighted by the routing weights) and `selective` (gather the
+  routed top-k from the shard: the decode form).
+  * `"intermediate"` (the default wherever `moe_intermediate_size % tp == 0`; 26B-A4B at TP=8:
+    704 / 8 = 88): rank r holds columns [r*i, (r+1)*i) of every expert's intermediate dimension
+    (gate and up rows, down columns). Selective: every rank gathers the same k routed ids, and
+    those k slices are exactly its share of the routed experts: the ranks together read k
+    experts' bytes per token. Nothing in the expert math depends on the rank.
+  * `"experts"` (what the recipe did first; kept and tested): rank r owns experts
+    [r*e, (r+1)*e). Dense picks the rank's columns of the routing weights with the *runtime*
+    rank tensor; selective gathers k slices from the rank's shard masked to the ids it owns, so
+    with static shapes every rank reads k slices whether routed there or not: tp * k in total
+    (64 of 128 experts per token on the 26B-A4B at TP=8).
+  Either way a rank holds 1/tp of the expert bytes, in tensors of the same shapes.
 - Per-layer-input (PLE) gate/projection and `per_layer_model_projection`: replicated (small). The
   embedding and PLE tables never reach the device: the host looks them up.
 - lm_head (tied to the embedding, vocab x hidden): column-sharded over the vocabulary and
@@ -40,6 +50,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Iterable
 
 from ..errors import TensorParallelError
+from ..experts import EXPERT_SPLITS, default_expert_split
 from ..hardware import NEURON_TP_DEGREES
 from ..kv_layout import FULL, SLIDING, KVLayout
 
@@ -91,30 +102,47 @@ class AttentionPlan:
 
 @dataclass(frozen=True)
 class MoEPlan:
+    """How one MoE layer's experts are cut over `tp` ranks (`split`: see the module docstring)."""
+
     num_experts: int
     top_k: int
-    intermediate: int
+    intermediate: int  # per expert, unsharded
     tp: int
+    split: str = "experts"  # "experts" | "intermediate"
 
     @property
     def experts_per_rank(self) -> int:
-        return self.num_experts // self.tp
+        """Experts a rank holds (a slice of each for the intermediate split)."""
+        return self.num_experts if self.split == "intermediate" else self.num_experts // self.tp
+
+    @property
+    def intermediate_per_rank(self) -> int:
+        """Intermediate width a rank holds of each of its experts."""
+        return self.intermediate // self.tp if self.split == "intermediate" else self.intermediate
 
     def experts_of(self, rank: int) -> list[int]:
+        if self.split == "intermediate":
+            return list(range(self.num_experts))
         e = self.experts_per_rank
         return list(range(rank * e, (rank + 1) * e))
 
+    def intermediate_of(self, rank: int) -> tuple[int, int]:
+        """[start, stop) of the intermediate columns a rank holds of each of its experts."""
+        i = self.intermediate_per_rank
+        return (rank * i, (rank + 1) * i) if self.split == "intermediate" else (0, i)
+
     def expert_params(self, hidden: int) -> int:
-        """Weights of one expert: gate and up [I, H] each, down [H, I]."""
+        """Weights of one whole expert: gate and up [I, H] each, down [H, I]."""
         return 3 * self.intermediate * hidden
 
     def weights_read_per_rank(self, hidden: int) -> dict[str, dict[str, int]]:
-        """Expert weights one rank reads per layer and step, per form (elements; x dtype size for bytes).
+        """Expert weights one rank reads per layer and step, per form (elements; x dtype size for
+        bytes). `experts`: how many expert slices, each `3 * intermediate_per_rank * hidden`.
 
-        dense: all its experts, whatever the token count; selective: k gathered slices per token
-        (clamped, so k even when fewer of the routed experts are this rank's).
+        dense: all it holds, whatever the token count; selective: k slices per token (on the
+        expert split clamped, so k even when fewer of the routed experts are this rank's).
         """
-        one = self.expert_params(hidden)
+        one = 3 * self.intermediate_per_rank * hidden
         return {"dense": {"experts": self.experts_per_rank, "params": self.experts_per_rank * one},
                 "selective_per_token": {"experts": self.top_k, "params": self.top_k * one}}
 
@@ -161,6 +189,17 @@ class TPPlan:
     def attention(self, layer: int) -> AttentionPlan:
         return self.layers[layer].attention
 
+    @property
+    def moe(self) -> MoEPlan | None:
+        """The MoE layers' plan (all MoE layers share one), None for a dense model."""
+        return next((lp.moe for lp in self.layers if lp.moe), None)
+
+    @property
+    def expert_split(self) -> str | None:
+        """"experts" | "intermediate" for an MoE model, None for a dense one."""
+        moe = self.moe
+        return None if moe is None else moe.split
+
     def rule(self, key: str) -> ShardRule:
         """The sharding rule for a key of the rank graph's state dict."""
         if key == "spmd_rank.rank":
@@ -197,7 +236,7 @@ class TPPlan:
                 "kv_mode": a.kv_mode, "k_eq_v": a.k_eq_v,
                 "kv_heads_by_rank": [a.kv_heads_of(r) for r in range(self.tp)],
             }
-        moe = next((lp.moe for lp in self.layers if lp.moe), None)
+        moe = self.moe
         return {
             "tp": self.tp,
             "variant": self.variant,
@@ -205,18 +244,33 @@ class TPPlan:
             "mlp": {"gate_proj/up_proj": COLUMN, "down_proj": ROW,
                     "intermediate_per_rank": sorted({lp.mlp_per_rank for lp in self.layers})},
             "moe": None if moe is None else {
-                "num_experts": moe.num_experts, "top_k": moe.top_k, "experts_per_rank": moe.experts_per_rank,
+                "num_experts": moe.num_experts, "top_k": moe.top_k, "split": moe.split,
+                "experts_per_rank": moe.experts_per_rank,
+                "intermediate_per_rank": moe.intermediate_per_rank,
                 "experts_by_rank": [[moe.experts_of(r)[0], moe.experts_of(r)[-1]] for r in range(self.tp)],
-                "form": "gate_up column + down row over the expert dim; dense: all local experts, masked to "
-                        "top-k; selective: the routed top-k gathered from the local shard, masked to its ids",
+                "intermediate_by_rank": [list(moe.intermediate_of(r)) for r in range(self.tp)],
+                "form": _SPLIT_FORMS[moe.split],
                 "weights_read_per_rank_per_layer": moe.weights_read_per_rank(self.hidden),
-                "rank_source": "runtime int32 tensor (spmd_rank.rank), never a trace-time int",
+                "rank_source": ("not read: every rank runs the same expert math on its slices"
+                                if moe.split == "intermediate" else
+                                "runtime int32 tensor (spmd_rank.rank), never a trace-time int"),
             },
             "lm_head": self.lm_head + (" (all-gathered over the vocabulary)" if self.lm_head == COLUMN else ""),
             "host_side": ["embed_tokens"] + (["embed_tokens_per_layer (PLE)"] if self.ple_on_host else []),
             "replicated": ["norms", "router", "layer_scalar (buffer, carried by the sharder)",
                            "per-layer-input gate/projection (PLE)"],
         }
+
+
+_SPLIT_FORMS = {
+    "experts": "each rank holds E/tp whole experts: gate_up column + down row over the expert dim; "
+               "dense: all local experts, masked to top-k with the runtime rank; selective: the "
+               "routed top-k gathered from the local shard, masked to its ids (k slices per rank)",
+    "intermediate": "each rank holds a 1/tp slice of every expert's intermediate dim: gate/up "
+                    "column-sharded and down row-sharded per expert, one all-reduce; dense: all "
+                    "experts' local slices weighted by the routing weights; selective: the k routed "
+                    "experts' local slices (the same k ids on every rank, no masking)",
+}
 
 
 # ---- building and validating -------------------------------------------------------------
@@ -232,8 +286,10 @@ def _config_ints(config: Any) -> dict[str, Any]:
     )
 
 
-def tp_problems(config: Any, tp: int, layout: KVLayout | None = None) -> list[str]:
-    """Why `tp` cannot shard this config (empty when it can)."""
+def tp_problems(config: Any, tp: int, layout: KVLayout | None = None,
+                expert_split: str | None = None) -> list[str]:
+    """Why `tp` cannot shard this config (empty when it can). `expert_split` None: either
+    split of the MoE experts will do."""
     if tp < 1:
         return [f"TP degree must be >= 1, got {tp}"]
     c = _config_ints(config)
@@ -252,9 +308,23 @@ def tp_problems(config: Any, tp: int, layout: KVLayout | None = None) -> list[st
         if width % tp:
             problems.append(f"MLP intermediate size {width} does not split into {tp}")
     if c["moe"]:
-        if c["num_experts"] % tp:
-            problems.append(f"{c['num_experts']} experts do not split into {tp} equal groups")
+        problems += _expert_split_problems(c, tp, expert_split)
     return problems
+
+
+def _expert_split_problems(c: dict[str, Any], tp: int, expert_split: str | None) -> list[str]:
+    experts = f"{c['num_experts']} experts do not split into {tp} equal groups"
+    inner = f"the experts' intermediate size {c['moe_intermediate']} does not split into {tp}"
+    if expert_split is None:
+        ok = default_expert_split(c["num_experts"], c["moe_intermediate"], tp) is not None
+        return [] if ok else [f"{experts} and {inner}"]
+    if expert_split not in EXPERT_SPLITS:
+        return [f"unknown expert_split {expert_split!r}; choose one of {', '.join(EXPERT_SPLITS)}"]
+    if expert_split == "experts" and c["num_experts"] % tp:
+        return [experts]
+    if expert_split == "intermediate" and c["moe_intermediate"] % tp:
+        return [inner]
+    return []
 
 
 def valid_tp_degrees(config: Any, candidates: Iterable[int] = CANDIDATE_TP) -> list[int]:
@@ -262,31 +332,37 @@ def valid_tp_degrees(config: Any, candidates: Iterable[int] = CANDIDATE_TP) -> l
     return [t for t in candidates if not tp_problems(config, t, layout)]
 
 
-def make_plan(config: Any, tp: int, variant: Any = None) -> TPPlan:
+def make_plan(config: Any, tp: int, variant: Any = None, expert_split: str | None = None) -> TPPlan:
     """The sharding plan for `config` at TP degree `tp`; raises `TensorParallelError` if it can't.
 
     With a `variant` (a `variants.Variant`), `tp` must also be one of the degrees the variant's
     recipe supports on inf2; the error names the degrees that work for this config.
+    `expert_split` (MoE only): "intermediate" | "experts"; None picks `default_expert_split`
+    (the intermediate split wherever it divides). Ignored for a dense model.
     """
     name = getattr(variant, "name", None)
     layout = KVLayout.from_config(config)
-    problems = tp_problems(config, tp, layout)
+    c = _config_ints(config)
+    if not c["moe"]:
+        expert_split = None
+    problems = tp_problems(config, tp, layout, expert_split)
     supported = tuple(getattr(variant, "supported_tp", ()) or ())
     if variant is not None and tp not in supported and not problems:
         problems.append(f"the {name} recipe supports TP degrees {', '.join(map(str, supported))} on inf2")
     if problems:
-        ok = [t for t in (supported or CANDIDATE_TP) if not tp_problems(config, t, layout)]
+        ok = [t for t in (supported or CANDIDATE_TP) if not tp_problems(config, t, layout, expert_split)]
         label = name or "this model"
         raise TensorParallelError(
             f"{label} cannot use TP={tp}: {'; '.join(problems)}; use one of {', '.join(map(str, ok))}")
-    c = _config_ints(config)
+    split = expert_split or default_expert_split(c["num_experts"], c["moe_intermediate"], tp)
     layers = []
     for l in layout.layers:
         kv_mode = "shard" if (l.kv_heads % tp == 0 and l.kv_heads >= tp) else "replicate"
         attention = AttentionPlan(l.index, l.layer_type, l.head_dim, c["q_heads"], l.kv_heads, tp, kv_mode,
                                   l.producer, l.k_eq_v)
         width = c["intermediate"] * (2 if c["double_wide"] and not l.owns_buffer else 1)
-        moe = MoEPlan(c["num_experts"], c["top_k"], c["moe_intermediate"], tp) if c["moe"] else None
+        moe = (MoEPlan(c["num_experts"], c["top_k"], c["moe_intermediate"], tp, split)
+               if c["moe"] else None)
         layers.append(LayerPlan(l.index, attention, width, moe, bool(c["ple"])))
     lm_head = COLUMN if c["vocab"] % tp == 0 else REPLICATE
     return TPPlan(tp, name, c["hidden"], c["vocab"], tuple(layers), layout, lm_head, bool(c["ple"]))

@@ -13,9 +13,11 @@ never touched):
   `num_key_value_groups` the rank-local Q-per-KV count. transformers' own attention forward runs
   unchanged: it reshapes with -1 heads.
 - MLP: `gate_proj`/`up_proj` column, `down_proj` row.
-- MoE experts: `layers.ShardedExperts` (this rank's experts), in the graph's `expert_form`:
-  `dense` (rank-sliced routing weights over all local experts) or `selective` (the routed top-k
-  gathered from the local shard, masked to this rank's experts, all-reduced). The form belongs to
+- MoE experts: `layers.ShardedExperts`, cut by the plan's `expert_split` (`intermediate`: a 1/tp
+  slice of every expert; `experts`: E/tp whole experts), in the graph's `expert_form`: `dense`
+  (every held expert, weighted by the routing weights; the expert split picks this rank's columns
+  with the runtime rank) or `selective` (the routed top-k gathered from the local shard; the
+  expert split masks them to this rank's experts; all-reduced). The form belongs to
   the graph, not the module: `with_shape` graphs share their modules, so a dense prefill and a
   selective decode run over one set of weights (the rank graph sets the form each forward).
 - `layer_scalar`: a buffer in transformers, a parameter here, so a compiled graph takes it from the
@@ -25,6 +27,7 @@ never touched):
 `baked_rank=True` builds the deliberately broken variant from the field report: the MoE reads the
 rank as a Python int while the graph is built (it is 0 then: the single compiled rank), so every
 rank weights rank 0's experts (dense) or offsets the routed expert ids by rank 0's (selective).
+Only the expert split reads the rank; asking for the bug under the intermediate split is an error.
 """
 
 from __future__ import annotations
@@ -128,7 +131,7 @@ class RankGraph(DeviceGraph):
                     lp.moe.num_experts, hidden, lp.moe.intermediate, plan.tp, layer.experts.act_fn,
                     gate_up=factory.column(hidden, lp.moe.num_experts * 2 * lp.moe.intermediate),
                     down=down, baked_rank=self.baked_rank, form=expert_form,
-                    all_reduce=factory.all_reduce_for(down))
+                    all_reduce=factory.all_reduce_for(down), split=lp.moe.split)
                 layer.experts = experts
                 self._rank_users.append(experts)
             scalar = layer._buffers.pop("layer_scalar", None)

@@ -18,7 +18,7 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 
-from .plan import COLUMN, REPLICATE, TPPlan
+from .plan import COLUMN, REPLICATE, MoEPlan, TPPlan
 
 HOST_ONLY = ("model.embed_tokens.weight", "model.embed_tokens_per_layer.weight")
 RANK_KEY = "spmd_rank.rank"
@@ -63,13 +63,34 @@ def rank_tensor(plan: TPPlan, key: str, tensor: torch.Tensor, rank: int) -> tupl
         return key, _chunk(tensor, 1, tp, rank)
     prefix = key[: -len(sub)]
     moe = plan.layers[i].moe
-    if sub == "experts.gate_up_proj":  # [E, 2I, H] -> [local * 2I, H]
-        local = tensor[moe.experts_of(rank)]
-        return prefix + "experts.gate_up.weight", local.reshape(-1, tensor.shape[-1])
-    if sub == "experts.down_proj":  # [E, H, I] -> [H, local * I]
-        local = tensor[moe.experts_of(rank)]
-        return prefix + "experts.down.weight", local.permute(1, 0, 2).reshape(tensor.shape[1], -1)
+    if sub == "experts.gate_up_proj":  # [E, 2I, H] -> [experts held * 2i, H]
+        return prefix + "experts.gate_up.weight", _expert_gate_up(moe, tensor, rank)
+    if sub == "experts.down_proj":  # [E, H, I] -> [H, experts held * i]
+        return prefix + "experts.down.weight", _expert_down(moe, tensor, rank)
     return key, tensor
+
+
+def _expert_gate_up(moe: MoEPlan, tensor: torch.Tensor, rank: int) -> torch.Tensor:
+    """A rank's rows of the fused gate/up weights, expert-major, each expert's gate rows then its
+    up rows: the layout `ShardedExperts` views as [experts held, 2i, H].
+
+    Expert split: its whole experts. Intermediate split: rows [r*i, (r+1)*i) of every expert's
+    gate *and* of its up (they sit I rows apart in [E, 2I, H], so the two are cut separately)."""
+    local = tensor[moe.experts_of(rank)]  # [held, 2I, H]
+    if moe.split == "intermediate":
+        start, stop = moe.intermediate_of(rank)
+        gate, up = local.chunk(2, dim=1)
+        local = torch.cat([gate[:, start:stop], up[:, start:stop]], dim=1)  # [E, 2i, H]
+    return local.reshape(-1, tensor.shape[-1])
+
+
+def _expert_down(moe: MoEPlan, tensor: torch.Tensor, rank: int) -> torch.Tensor:
+    """A rank's columns of the down weights, [H, held * i] expert-major (column e*i + j is
+    expert e's intermediate column start + j): what its row-parallel linear multiplies the
+    [tokens, held * i] activations by."""
+    start, stop = moe.intermediate_of(rank)
+    local = tensor[moe.experts_of(rank)][:, :, start:stop]  # [held, H, i]
+    return local.permute(1, 0, 2).reshape(tensor.shape[1], -1)
 
 
 def shard_state_dict(lm: nn.Module, plan: TPPlan, rank: int, *, include_buffers: bool = True,
@@ -124,6 +145,16 @@ def nxd_full_checkpoint(lm: nn.Module, plan: TPPlan, *, dtype: torch.dtype | Non
     "replicate to TP degree" layout); replicated keys are as-is; the rank key is `arange(tp)`.
     This is what a ModelBuilder `checkpoint_loader` returns; `shard_checkpoint` then reproduces
     `shard_state_dict(lm, plan, r)` for every r.
+
+    The MoE experts are where this is not the HF layout. NxD's `ColumnParallelLinear` gives rank r
+    the r-th contiguous block of the fused gate/up rows, `RowParallelLinear` the r-th block of the
+    down columns. With the expert split, HF's expert-major [E * 2I, H] already is that layout
+    (block r = experts [r*E/tp, (r+1)*E/tp)). With the intermediate split a rank needs rows
+    [r*i, (r+1)*i) of *every* expert's gate and up, which in HF's layout are E * 2 runs spread
+    over the whole tensor; so the full checkpoint is laid out *rank-major*: block r holds, expert
+    by expert, rank r's gate rows then its up rows ([E, 2i, H] flattened), and the down weight's
+    column block r holds rank r's [H, E, i] flattened. NxD's plain contiguous cut then hands each
+    rank its 1/tp of every expert; the HF layout is never what the device loads.
     """
     shards = list(iter_shards(lm, plan, dtype=dtype))
     full: dict[str, torch.Tensor] = {}
@@ -172,13 +203,14 @@ def shard_shapes(plan: TPPlan, shards: list[dict[str, torch.Tensor]] | None = No
             "bytes": int(sum(v.numel() * v.element_size() for v in s.values())),
             "kv_heads": {lp.attention.layer_type: lp.attention.kv_heads_of(r) for lp in plan.layers},
         }
-        moe = next((lp.moe for lp in plan.layers if lp.moe), None)
+        moe = plan.moe
         if moe is not None:
             entry["experts"] = [moe.experts_of(r)[0], moe.experts_of(r)[-1]]
+            entry["expert_intermediate"] = list(moe.intermediate_of(r))  # [start, stop)
         entry["has_layer_scalar"] = any(k.endswith(".layer_scalar") for k in s)
         ranks.append(entry)
     return {"tp": plan.tp, "identical_shapes_across_ranks": identical, "shapes": shapes, "ranks": ranks,
-            "kv_modes": plan.kv_modes(), "lm_head": plan.lm_head}
+            "kv_modes": plan.kv_modes(), "lm_head": plan.lm_head, "expert_split": plan.expert_split}
 
 
 __all__ = ["HOST_ONLY", "RANK_KEY", "iter_shards", "nxd_full_checkpoint", "rank_tensor", "shard_kv", "shard_shapes",
