@@ -132,14 +132,41 @@ def test_selective_experts_read_only_the_routed_ones():
 def test_selective_experts_on_expert_parallel_ranks_read_k_per_rank():
     counts = roofline.count_params(roofline.meta_model("26b-a4b"))  # 128 experts, top-8
     shared = counts.lm_head + counts.other
-    # TP=8: 16 experts per rank, each rank gathers 8 slices whether routed there or not: 64 of 128
-    assert counts.device_params("selective", tp=8) - shared == pytest.approx(counts.experts * 64 / 128)
+    # expert split at TP=8: 16 whole experts per rank, each rank gathers 8 slices whether routed
+    # there or not: 64 of 128
+    assert counts.device_params("selective", tp=8, expert_split="experts") - shared == \
+        pytest.approx(counts.experts * 64 / 128)
     assert counts.device_params("selective", tp=1) - shared == pytest.approx(counts.experts * 8 / 128)
     # TP=16: 8 experts per rank and 8 gathered: as many bytes as dense (selective stops paying off)
-    assert counts.device_params("selective", tp=16) == pytest.approx(counts.device_params("dense"))
+    assert counts.device_params("selective", tp=16, expert_split="experts") == \
+        pytest.approx(counts.device_params("dense"))
     row = roofline.compare(None, "26b-a4b", device="inf2.24xlarge", cores=8, context_length=2048,
-                           experts="selective")
-    assert row["bytes_per_step"]["weights"] == pytest.approx(counts.device_params("selective", tp=8) * 2)
+                           experts="selective", expert_split="experts")
+    assert row["bytes_per_step"]["weights"] == \
+        pytest.approx(counts.device_params("selective", tp=8, expert_split="experts") * 2)
+
+
+def test_selective_experts_on_intermediate_split_ranks_read_k_in_total():
+    """Each rank a 1/8 slice of every expert (704 / 8 = 88 columns): its 8 gathered slices are its
+    share of the 8 routed experts, so the ranks together read 8 of 128, as one device would."""
+    counts = roofline.count_params(roofline.meta_model("26b-a4b"))
+    shared = counts.lm_head + counts.other
+    assert counts.moe_intermediate == 704 and counts.expert_split(8) == "intermediate"
+    for tp in (2, 8, 16):
+        assert counts.device_params("selective", tp=tp) == pytest.approx(counts.device_params("selective"))
+        assert counts.device_params("selective", tp=tp, expert_split="intermediate") - shared == \
+            pytest.approx(counts.experts * 8 / 128)
+    assert counts.device_params("dense", tp=8) == counts.device_params("dense", tp=8, expert_split="experts")
+    with pytest.raises(ValueError, match="expert_split"):
+        counts.device_params("selective", tp=8, expert_split="rows")
+    steps = roofline.decode_bytes("26b-a4b", context_length=2048, experts="selective", tp=8)
+    assert steps.expert_split == "intermediate" and steps.weights / 1e9 == pytest.approx(7.65, rel=0.01)
+    row = roofline.compare(None, "26b-a4b", device="inf2.24xlarge", cores=8, context_length=2048,
+                           experts="selective")  # the plan's default split
+    assert row["bytes_per_step"]["expert_split"] == "intermediate"
+    # the recipe's ceiling on inf2.24xlarge at TP=8 (8 cores x 410 GiB/s): ~450 tok/s, was ~126
+    assert 430 < row["ceiling_tok_s"] < 460
+    assert roofline.decode_bytes("e2b", context_length=512).expert_split is None
 
 
 def test_ring_kv_bytes_stay_flat_with_context():
@@ -176,6 +203,13 @@ def test_inf2_table_covers_every_variant_and_form():
     assert all(math.isfinite(v) for r in rows for v in r["ceiling_tok_s"].values())
     text = roofline.format_inf2_table(rows)
     assert text.count("\n") == len(rows) + 1
+    # the MoE selective rows: the recipe's split (intermediate) first, the expert split to compare
+    ring = [r for r in moe if r["kv"] == "ring" and r["experts"] == "selective"]
+    assert [r["expert_split"] for r in ring] == ["intermediate", "experts"]
+    assert ring[0]["recipe_gb"] == pytest.approx(ring[0]["total_gb"])  # k experts in total
+    assert ring[1]["recipe_gb"] > 3 * ring[0]["recipe_gb"]  # tp x k slices
+    assert 430 < ring[0]["recipe_ceiling_tok_s"] < 460 and 120 < ring[1]["recipe_ceiling_tok_s"] < 130
+    assert "selective (intermediate split)" in text and "selective (expert split)" in text
 
 
 def test_measure_bandwidth_reports_both_methods():
