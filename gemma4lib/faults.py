@@ -132,7 +132,7 @@ def _device_tokens(run: FaultRun, edit: Callable[[DeviceGraph], None] | None, fa
     if edit is not None:
         for graph in (*prefill.values(), decode):
             edit(graph)
-    runtime = compile_graphs(model, prefill, decode, settings).runtime
+    runtime = compile_graphs(model, settings, graphs=(prefill, decode)).runtime
     return runtime.generate(run.ids, settings.max_new_tokens, eos_token_ids=eos_ids(model)).tokens
 
 

@@ -16,7 +16,8 @@ from typing import Any
 import torch
 
 from . import checks
-from .artifacts import ArtifactCache
+from . import backends
+from .backends.base import CompiledGraphs, Graphs
 from .bench import benchmark, peak_rss_mb
 from .environment import machine, versions
 from .errors import SettingsError, TensorParallelError, UnknownNameError
@@ -176,56 +177,16 @@ def decode_text(model: LoadedModel, tokens: list[int]) -> str | None:
     return model.tokenizer.decode(tokens, skip_special_tokens=True).strip()
 
 
-def build_graphs(model: LoadedModel, settings: PortSettings, inplace: bool = True
-                 ) -> tuple[dict[int, DeviceGraph], DeviceGraph]:
+def build_graphs(model: LoadedModel, settings: PortSettings, inplace: bool = True) -> Graphs:
     """Prefill graphs (one per bucket, all-experts-dense) and the decode graph."""
-    layout = model.layout
-    prefill = {bucket: DeviceGraph(model.text_model, model.lm_head, layout,
-                                   GraphShape(1, bucket, settings.context_length, settings.ring_kv),
-                                   inplace=inplace, expert_form="dense")
-               for bucket in settings.prefill_buckets}
-    decode = DeviceGraph(model.text_model, model.lm_head, layout,
-                         GraphShape(1, 1, settings.context_length, settings.ring_kv),
-                         inplace=inplace, expert_form=settings.decode_experts)
-    return prefill, decode
+    return backends.device_graphs(model, settings, inplace)
 
 
-@dataclass
-class CompiledGraphs:
-    runtime: HostRuntime
-    compile_s: float
-    cache_hits: list[bool]
-    recipe: str
-    info: dict[str, Any] = field(default_factory=dict)
-    report: Callable[[], dict[str, Any]] | None = None  # backend figures gathered after the run
-
-
-def compile_graphs(model: LoadedModel, prefill: dict[int, DeviceGraph], decode: DeviceGraph,
-                   settings: PortSettings, progress: bool = False) -> CompiledGraphs:
-    """Compile every graph with the settings' backend and wrap them in a host runtime."""
-    kv = decode.new_kv()
-    if settings.backend == "eager":
-        runtime = HostRuntime(model, dict(prefill), decode, kv, settings.context_length)
-        return CompiledGraphs(runtime, 0.0, [], "eager")
-    if settings.backend == "cpu":
-        from tqdm.auto import tqdm
-
-        from .compile_cpu import RECIPE, compile_graph
-        cache = ArtifactCache(settings.cache_dir)
-        graphs = [*prefill.items(), ("decode", decode)]
-        compiled = {}
-        for name, graph in tqdm(graphs, desc="compile", disable=not progress, leave=False):
-            compiled[name] = compile_graph(graph, cache)
-        steps = {k: v for k, v in compiled.items() if k != "decode"}
-        runtime = HostRuntime(model, steps, compiled["decode"], kv, settings.context_length)
-        return CompiledGraphs(runtime, sum(c.compile_s for c in compiled.values()),
-                              [c.cache_hit for c in compiled.values()], RECIPE,
-                              {"artifacts": {str(k): str(c.entry.path) for k, c in compiled.items()}})
-    if settings.backend == "xla":
-        from .backends.xla import compile_graphs_xla
-        return compile_graphs_xla(model, prefill, decode, settings)
-    from .recipes import compile_graphs_neuron
-    return compile_graphs_neuron(model, prefill, decode, settings)
+def compile_graphs(model: LoadedModel, settings: PortSettings, *, graphs: Graphs | None = None,
+                   progress: bool = False) -> CompiledGraphs:
+    """Compile the device graphs with the settings' backend (`backends`) and wrap them in a host
+    runtime; `graphs` hands over prebuilt prefill and decode graphs (`cpu` and `eager` only)."""
+    return backends.compile_graphs(model, settings, graphs=graphs, progress=progress)
 
 
 def prefill_logits_error(model: LoadedModel, runtime: HostRuntime, ids: list[int]) -> float:
@@ -248,8 +209,7 @@ def port(settings: PortSettings, progress: bool = False) -> dict[str, Any]:
         from .tp import run_tp_port
         return _finish(settings, model, ids, eos, run_tp_port(model, settings, ids, eos), started)
 
-    prefill, decode = build_graphs(model, settings)
-    compiled = compile_graphs(model, prefill, decode, settings, progress)
+    compiled = compile_graphs(model, settings, progress=progress)
     runtime = compiled.runtime
     runtime.check_fits(ids, settings.max_new_tokens)
     generation = runtime.generate(ids, settings.max_new_tokens, eos_token_ids=eos)

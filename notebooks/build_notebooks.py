@@ -270,7 +270,7 @@ graph. The packages go into an artifact cache keyed by everything that changes t
 a second run loads them in a second instead of compiling again. {recipe_note}
 """),
         code("""
-compiled = compile_graphs(model, prefill, decode, s, progress=True)
+compiled = compile_graphs(model, s, graphs=(prefill, decode), progress=True)
 nb.describe_compile(compiled)
 """),
     ]
@@ -920,7 +920,7 @@ hand-built one both pass SEQ_MATCH, and only the coherence check tells them apar
         code("""
 demo = PortSettings(variant=demo_variant, backend="eager", prompt=prompt, expect=expect, max_new_tokens=16)
 demo_model = load_model(demo)
-demo_graphs = compile_graphs(demo_model, *build_graphs(demo_model, demo), demo)
+demo_graphs = compile_graphs(demo_model, demo)
 equality_demo = nb.equality_is_not_enough(demo_model, demo_graphs.runtime, demo)
 equality_demo
 """),

@@ -157,7 +157,8 @@ def compile_model_builder(loaded: Any, tp: int, out_dir: str | Path, *, context_
     builder = model_builder.ModelBuilder(  # inf2-only
         router=None, tp_degree=tp, checkpoint_loader=lambda: dict(checkpoint), compiler_workdir=str(workdir))
     for key, shape in bucket_shapes(context_length, prefill_len, ring).items():
-        builder.add(key=key,  # inf2-only model_instance=GraphInstance(loaded.config, plan, shape, dtype, forms[key]),
+        builder.add(  # inf2-only
+                    key=key, model_instance=GraphInstance(loaded.config, plan, shape, dtype, forms[key]),
                     example_inputs=[graph_example_inputs(loaded.config, shape, dtype)],
                     compiler_args=neuron_env.COMPILER_ARGS[shape.phase], priority_model_idx=PRIORITY[key])
     traced = builder.trace(initialize_model_weights=False)  # inf2-only
