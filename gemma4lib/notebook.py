@@ -598,11 +598,13 @@ def side_by_side(report: checks.CheckReport, device_tokens: Any = (),
                  "PASS (equality only)" if report.passed else "FAIL")
 
 
-def run_witness(settings: Any) -> dict[str, Any]:
+def run_witness(settings: Any, compiled: Any = None) -> dict[str, Any]:
     """The random-weights witness of this port (`port.run_witness`): the same variant, shapes and
-    compiled programs with seeded random weights, checked for SEQ_MATCH and LOGITS_MATCH."""
+    compiled programs with seeded random weights, checked for SEQ_MATCH and LOGITS_MATCH. With
+    the trained run's `compiled` graphs it also says whether it ran the very same artifacts."""
     from .port import run_witness as _run
-    return _run(settings)
+    artifacts = (getattr(compiled, "info", None) or {}).get("artifacts")
+    return _run(settings, artifacts=artifacts)
 
 
 def witness_table(witness: Mapping[str, Any] | None) -> Table:

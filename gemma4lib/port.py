@@ -307,13 +307,21 @@ def witness_record(model: LoadedModel, settings: PortSettings, ids: list[int],
     return out
 
 
-def run_witness(settings: PortSettings, *, progress: bool = False) -> dict[str, Any]:
-    """Run the random-weights witness of `settings`' variant and return its record."""
+def run_witness(settings: PortSettings, *, progress: bool = False,
+                artifacts: dict[str, str] | None = None) -> dict[str, Any]:
+    """Run the random-weights witness of `settings`' variant and return its record.
+
+    `artifacts`: the trained run's compiled artifacts; `same_programs` then says whether the
+    witness ran the very same ones (not when the compiler folded a parameter whose values differ
+    between the two models into the program: 31B's and 26B-A4B's tiny q/k norms)."""
     w = witness_settings(settings)
     model = load_model(w)
     ids = prompt_ids(model, w)
     device_run = run_device(model, w, ids, [], progress=progress, bench=False)
-    return witness_record(model, w, ids, device_run)
+    record = witness_record(model, w, ids, device_run)
+    if artifacts and record.get("artifacts"):
+        record["same_programs"] = record["artifacts"] == artifacts
+    return record
 
 
 def port(settings: PortSettings, progress: bool = False) -> dict[str, Any]:
@@ -324,9 +332,9 @@ def port(settings: PortSettings, progress: bool = False) -> dict[str, Any]:
     ids = prompt_ids(model, settings)
     eos = eos_ids(model)
     device_run = run_device(model, settings, ids, eos, progress=progress)
-    witness = run_witness(settings, progress=progress) if settings.wants_witness else None
-    if witness is not None and device_run.get("artifacts") and witness.get("artifacts"):
-        witness["same_programs"] = witness["artifacts"] == device_run["artifacts"]
+    witness = None
+    if settings.wants_witness:
+        witness = run_witness(settings, progress=progress, artifacts=device_run.get("artifacts"))
     return record_run(settings, model, ids, eos, device_run, started, witness)
 
 

@@ -328,7 +328,7 @@ token: the witness's SEQ_MATCH and LOGITS_MATCH are the sensitive checks, the tr
 coherence the meaningful one. It runs in the smoke profile.
 """),
         code("""
-witness = nb.run_witness(s) if s.wants_witness else None
+witness = nb.run_witness(s, compiled) if s.wants_witness else None
 nb.witness_table(witness)
 """),
     ]

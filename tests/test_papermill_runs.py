@@ -189,6 +189,16 @@ def test_committed_baselines_are_well_formed():
         assert data["variants"], path
 
 
+def test_committed_smoke_baseline_requires_logits_match_and_the_witness(tolerances):
+    """A smoke record without per-step logits or without its witness fails against it."""
+    path = baselines.baseline_path(PROFILE, "cpu-x86_64")
+    entries = json.loads(path.read_text())["variants"]
+    for name, entry in entries.items():
+        assert entry["logits_match"] is True and entry["witness"]["seq_match"] is True, name
+        verdict = baselines.judge(name, result(name, logits_match=None, witness=None), entry, tolerances)
+        assert verdict.status == "fail" and len(verdict.reasons) >= 2, verdict.reasons
+
+
 # ---- the CLI, on a synthetic results.json --------------------------------------------------------
 
 def write_results(folder: Path, results: dict, notebooks: dict | None = None) -> Path:
