@@ -211,7 +211,7 @@ def run_device(model: LoadedModel, settings: PortSettings, ids: list[int], eos: 
     """Build, compile and run the device graphs; the `device_run` part of the record.
 
     `step_logits` (raw logits of every generated token, for LOGITS_MATCH) rides along as a tensor;
-    `_finish` takes it out before the record is written. `edit` changes the built graphs before
+    `record_run` takes it out before the record is written. `edit` changes the built graphs before
     they are compiled and `baked_rank` bakes the TP rank in at trace time (the fault lab's hooks).
     """
     if settings.tp_degree > 1:
