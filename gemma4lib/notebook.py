@@ -2,9 +2,10 @@
 
 The notebooks call the port's stages themselves (`gemma4lib.port`); what lives here is what a
 notebook shows between them: tables of the model's special features, the arithmetic behind the
-tensor-parallel layout, the two checks side by side, the result record, the demonstrations of
-each variant's pitfall, and an optional chat widget. Everything returns plain data or a `Table`
-(HTML in Jupyter, aligned text in logs and executed notebooks read as text).
+tensor-parallel layout, the three checks side by side (and the random-weights witness's), the
+result record, the demonstrations of each variant's pitfall, and an optional chat widget.
+Everything returns plain data or a `Table` (HTML in Jupyter, aligned text in logs and executed
+notebooks read as text).
 """
 
 from __future__ import annotations
@@ -545,27 +546,87 @@ def answer_text(model: LoadedModel, tokens: Sequence[int]) -> str | None:
     return model.tokenizer.decode(list(tokens), skip_special_tokens=True).strip()
 
 
-def check(model: LoadedModel, settings: Any, device_tokens: Sequence[int], reference_tokens: Sequence[int]
-          ) -> checks.CheckReport:
-    coherence = checks.expect_substring(settings.expect) if settings.expect and model.tokenizer else None
-    return checks.run_checks(device_tokens, reference_tokens, answer_text(model, device_tokens),
-                             answer_text(model, reference_tokens), coherence)
+def _tokens(device: Any) -> list[int]:
+    """Tokens of a `runtime.Generation` or a plain token list."""
+    return list(getattr(device, "tokens", device))
 
 
-def side_by_side(report: checks.CheckReport, device_tokens: Sequence[int] = (),
+def check(model: LoadedModel, settings: Any, device: Any, reference_tokens: Sequence[int],
+          prompt_ids: Sequence[int] | None = None) -> checks.CheckReport:
+    """SEQ_MATCH, LOGITS_MATCH and coherence of one device run.
+
+    `device` is the `Generation` from `runtime.generate(..., keep_logits=True)` (its per-step
+    logits make LOGITS_MATCH possible) or, for SEQ_MATCH and coherence only, a token list."""
+    tokens = _tokens(device)
+    coherence = None
+    if settings.expect and model.tokenizer:
+        coherence = checks.expect_substring(settings.expect)
+    step_logits = getattr(device, "step_logits", None)
+    prompt = prompt_ids if prompt_ids is not None else getattr(device, "prompt_ids", None)
+    logits = None
+    if step_logits is not None and prompt is not None:
+        logits = checks.check_logits(model.lm, list(prompt), tokens, step_logits)
+    return checks.run_checks(tokens, reference_tokens, answer_text(model, tokens),
+                             answer_text(model, reference_tokens), coherence, logits)
+
+
+def _logits_cells(logits: checks.LogitsCheck | None) -> list[str]:
+    if logits is None:
+        return ["not checked (no per-step logits: generate with keep_logits=True)", ""]
+    worst = ("prefill" if logits.worst_position == 0 else f"decode step {logits.worst_position}")
+    return [f"{logits.passed}: max |Δ| {logits.max_err:.3g} (at {worst}) "
+            f"{'<=' if logits.passed else '>'} {logits.tolerance:.3g}",
+            f"tolerance = max({logits.factor:g} × the reference's own spread {logits.spread:.3g} "
+            f"[vs a {logits.precise_dtype} copy], {logits.floor:g})"]
+
+
+def side_by_side(report: checks.CheckReport, device_tokens: Any = (),
                  reference_tokens: Sequence[int] = ()) -> Table:
-    """SEQ_MATCH and coherence in one table: the device's answer next to the reference's."""
+    """The three checks in one table: the device's answer next to the reference's, SEQ_MATCH,
+    LOGITS_MATCH (every generated position, with the tolerance it was held to) and coherence."""
     rows = [
         ["answer", report.answer, report.reference_answer],
-        ["tokens", list(device_tokens), list(reference_tokens)],
+        ["tokens", _tokens(device_tokens), list(reference_tokens)],
         ["SEQ_MATCH (tokens equal)", report.seq_match, "" if report.first_mismatch is None
          else f"first mismatch at token {report.first_mismatch}"],
+        ["LOGITS_MATCH (logits at every position)", *_logits_cells(report.logits)],
         ["coherent" + (f" ({report.coherence_rule})" if report.coherence_rule else ""),
          "not checked (random weights)" if report.coherent is None else report.coherent, ""],
     ]
     return Table(["", "device", "reference (host fp32)"], rows,
                  "PASS" if report.passed and report.coherent is not None else
                  "PASS (equality only)" if report.passed else "FAIL")
+
+
+def run_witness(settings: Any, compiled: Any = None) -> dict[str, Any]:
+    """The random-weights witness of this port (`port.run_witness`): the same variant, shapes and
+    compiled programs with seeded random weights, checked for SEQ_MATCH and LOGITS_MATCH. With
+    the trained run's `compiled` graphs it also says whether it ran the very same artifacts."""
+    from .port import run_witness as _run
+    artifacts = (getattr(compiled, "info", None) or {}).get("artifacts")
+    return _run(settings, artifacts=artifacts)
+
+
+def witness_table(witness: Mapping[str, Any] | None) -> Table:
+    """The witness's checks: a random model has near-ties where the trained one has margins of
+    several logits, so a logit error the trained run absorbs changes the witness's tokens."""
+    if not witness:
+        return Table(["note"], [["no witness for this run (it runs in smoke runs of a trained "
+                                 "fixture)"]], "witness: skipped")
+    rows = [
+        ["model", witness.get("model_source"),
+         f"seed {witness.get('seed')}, {witness.get('prompt_tokens')} prompt tokens, "
+         f"{witness.get('new_tokens')} generated"],
+        ["smallest top-1 − top-2 reference margin",
+         f"{witness.get('reference_min_margin') or 0:.3g}",
+         "the trained model's margins are several logits"],
+        ["SEQ_MATCH", witness.get("seq_match"), "" if witness.get("first_mismatch") is None
+         else f"first mismatch at token {witness.get('first_mismatch')}"],
+        ["LOGITS_MATCH", witness.get("logits_match"), witness.get("logits_explain") or ""],
+        ["same compiled programs as the trained run", witness.get("same_programs", "—"), ""],
+    ]
+    return Table(["", "witness", ""], rows,
+                 "witness: PASS" if witness.get("passed") else "witness: FAIL")
 
 
 def measured_vs_ceiling(model: LoadedModel, settings: Any, figures: BenchFigures) -> dict[str, Any]:
@@ -620,15 +681,17 @@ def bench_table(figures: BenchFigures, settings: Any, ceiling: Mapping[str, Any]
                   f"released model on {v.instance_type}, TP={v.tp_degree}, 2,048 context"], rows, title)
 
 
-def record(settings: Any, model: LoadedModel, ids: Sequence[int], compiled: Any, device_tokens: Sequence[int],
+def record(settings: Any, model: LoadedModel, ids: Sequence[int], compiled: Any, device_tokens: Any,
            reference_tokens: Sequence[int], report: checks.CheckReport, figures: BenchFigures,
-           results_path: str | Path | None, started: float | None = None, extra: Mapping[str, Any] | None = None
+           results_path: str | Path | None, started: float | None = None,
+           extra: Mapping[str, Any] | None = None, witness: Mapping[str, Any] | None = None
            ) -> dict[str, Any]:
-    """The run's record, with the same keys as `gemma4lib.port.port()`'s; written atomically to
-    `results_path` (JSON) when given."""
+    """The run's record, with the same keys as `gemma4lib.port.port()`'s (the three checks, and
+    the witness's when given); written atomically to `results_path` (JSON) when given."""
     from .port import prefill_logits_error
 
     v = settings.variant_spec
+    device_tokens = _tokens(device_tokens)
     result = {
         "variant": v.name,
         "profile": settings.profile,
@@ -638,6 +701,7 @@ def record(settings: Any, model: LoadedModel, ids: Sequence[int], compiled: Any,
         "tp_degree": settings.tp_degree,
         "model_source": model.source,
         "seq_match": report.seq_match,
+        "logits_match": report.logits_match,
         "coherent": report.coherent,
         "coherence_rule": report.coherence_rule,
         "answer": report.answer,
@@ -646,6 +710,7 @@ def record(settings: Any, model: LoadedModel, ids: Sequence[int], compiled: Any,
         "tokens": list(device_tokens),
         "reference_tokens": list(reference_tokens),
         "first_mismatch": report.first_mismatch,
+        **(report.logits.record() if report.logits else {}),
         "prompt_tokens": len(ids),
         "prefill_ms": figures.prefill_ms,
         "decode_tok_s": figures.decode_tok_s,
@@ -664,6 +729,10 @@ def record(settings: Any, model: LoadedModel, ids: Sequence[int], compiled: Any,
         **(compiled.report() if callable(getattr(compiled, "report", None)) else {}),
         **_tables_to_dicts(dict(extra or {})),
     }
+    if witness:
+        result["witness"] = dict(witness)
+    result["failed_checks"] = checks.failed_checks(result)
+    result["checks_passed"] = not result["failed_checks"]
     if results_path:
         result["result_file"] = str(Path(results_path))
         atomic_write_json(Path(results_path), result)
@@ -696,11 +765,13 @@ def load_results(folder: str | Path) -> dict[str, dict[str, Any]]:
 
 
 def results_table(results: Mapping[str, Mapping[str, Any]]) -> Table:
-    rows = [[r.get("variant"), r.get("recipe"), r.get("tp_degree"), r.get("seq_match"), r.get("coherent"),
+    rows = [[r.get("variant"), r.get("recipe"), r.get("tp_degree"), r.get("seq_match"),
+             r.get("logits_match"), r.get("coherent"), (r.get("witness") or {}).get("passed"),
              r.get("compile_s"), r.get("prefill_ms"), r.get("decode_tok_s"), r.get("answer")]
             for r in results.values()]
-    return Table(["variant", "recipe", "TP", "seq_match", "coherent", "compile s", "prefill ms", "decode tok/s",
-                  "answer"], rows, "the last recorded run of each variant" if rows else
+    return Table(["variant", "recipe", "TP", "seq_match", "logits_match", "coherent", "witness",
+                  "compile s", "prefill ms", "decode tok/s", "answer"], rows,
+                 "the last recorded run of each variant" if rows else
                  "no results recorded yet: run the variant notebooks (or `python -m papermill_runs run`) first")
 
 

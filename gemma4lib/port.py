@@ -1,7 +1,10 @@
-"""One port, end to end: load → device graph → compile → SEQ_MATCH + coherence → benchmark → record.
+"""One port, end to end: load → device graph → compile → the three checks → benchmark → record.
 
 Each stage is its own function so a notebook can show them one cell at a time; `port()` chains
-them for the command line and CI.
+them for the command line and CI. The checks (`checks.py`): SEQ_MATCH, LOGITS_MATCH (every
+generated position against the reference's logits for the same tokens) and coherence; smoke runs
+of a trained fixture also run a seeded random-weights witness of the same architecture through the
+same compiled programs, whose near-ties turn any logit error into a different token.
 """
 
 from __future__ import annotations
@@ -24,10 +27,10 @@ from .errors import SettingsError, TensorParallelError, UnknownNameError
 from .experts import EXPERT_FORMS
 from .graph import DeviceGraph, GraphShape
 from .loading import LoadedModel, build_tiny, load_checkpoint
-from .reference import random_prompt, reference_greedy, reference_last_logits
+from .reference import random_prompt, reference_greedy, reference_last_logits, teacher_forced_logits
 from .results import write_result
 from .runtime import HostRuntime, encode_prompt, softcap
-from .variants import Variant, check_profile, get_variant
+from .variants import check_profile, get_variant
 
 log = logging.getLogger(__name__)
 
@@ -80,6 +83,8 @@ class PortSettings:
     seed: int | None = None  # None: the variant's `tiny_seed`
     results_dir: str | None = None
     cache_dir: str | None = None
+    # the random-weights witness: None = on for smoke runs of a trained fixture, off otherwise
+    witness: bool | None = None
 
     def __post_init__(self):
         self.variant_spec = get_variant(self.variant)
@@ -133,6 +138,13 @@ class PortSettings:
             return "checkpoint"
         from .trained import fixture_available
         return "trained" if fixture_available(self.variant_spec.name) else "random"
+
+    @property
+    def wants_witness(self) -> bool:
+        """Whether `port` also runs the random-weights witness (None: for smoke + trained)."""
+        if self.witness is not None:
+            return bool(self.witness)
+        return self.profile == "smoke" and self.model_source == "trained"
 
     def parameters(self) -> dict[str, Any]:
         out = {k: v for k, v in asdict(self).items() if k != "variant_spec"}
@@ -196,47 +208,152 @@ def prefill_logits_error(model: LoadedModel, runtime: HostRuntime, ids: list[int
     return float((device - reference_last_logits(model.lm, ids)).abs().max())
 
 
+GraphEdit = Callable[[DeviceGraph], None]
+
+
+def run_device(model: LoadedModel, settings: PortSettings, ids: list[int], eos: list[int], *,
+               progress: bool = False, bench: bool = True, edit: GraphEdit | None = None,
+               baked_rank: bool = False) -> dict[str, Any]:
+    """Build, compile and run the device graphs; the `device_run` part of the record.
+
+    `step_logits` (raw logits of every generated token, for LOGITS_MATCH) rides along as a tensor;
+    `record_run` takes it out before the record is written. `edit` changes the built graphs before
+    they are compiled and `baked_rank` bakes the TP rank in at trace time (the fault lab's hooks).
+    """
+    if backends.backend_for(settings) == "gloo":  # the TP plan's ranks as CPU processes
+        from .tp import run_tp_port
+        if edit is not None:
+            raise ValueError("graph edits apply to the single-device graphs (tp_degree 1)")
+        return run_tp_port(model, settings, ids, eos, baked_rank=baked_rank)
+
+    graphs = None
+    if edit is not None:  # the fault lab's hook: the graphs are built here, edited, then compiled
+        graphs = build_graphs(model, settings)
+        for graph in (*graphs[0].values(), graphs[1]):
+            edit(graph)
+    compiled = compile_graphs(model, settings, graphs=graphs, progress=progress)
+    runtime = compiled.runtime
+    runtime.check_fits(ids, settings.max_new_tokens)
+    generation = runtime.generate(ids, settings.max_new_tokens, eos_token_ids=eos, keep_logits=True)
+    device_run: dict[str, Any] = {
+        "tokens": generation.tokens,
+        "step_logits": generation.step_logits,
+        "recipe": compiled.recipe,
+        "compile_s": compiled.compile_s,
+        "cache_hits": compiled.cache_hits,
+        "prefill_logits_max_abs_diff": prefill_logits_error(model, runtime, ids),
+        **compiled.info,
+    }
+    if bench:
+        figures = benchmark(runtime, ids, settings.max_new_tokens, settings.warmup, settings.iters,
+                            progress)
+        device_run.update(bench=figures.to_dict(), prefill_ms=figures.prefill_ms,
+                          decode_tok_s=figures.decode_tok_s)
+    if compiled.report:
+        device_run.update(compiled.report())
+    return device_run
+
+
+def judge_run(model: LoadedModel, settings: PortSettings, ids: list[int], eos: list[int],
+              tokens: list[int], step_logits: torch.Tensor | None
+              ) -> tuple[checks.CheckReport, list[int]]:
+    """The three checks of one device run against the host reference; (report, reference tokens)."""
+    reference = reference_greedy(model.lm, ids, settings.max_new_tokens, eos)
+    coherence = None
+    if settings.expect and model.tokenizer:
+        coherence = checks.expect_substring(settings.expect)
+    logits = None
+    if step_logits is not None:
+        logits = checks.check_logits(model.lm, ids, tokens, step_logits)
+        if not logits.passed:
+            log.warning("%s", logits.explain())
+    report = checks.run_checks(tokens, reference, decode_text(model, tokens),
+                               decode_text(model, reference), coherence, logits)
+    return report, reference
+
+
+def reference_margin(model: LoadedModel, ids: list[int], tokens: list[int]) -> float | None:
+    """The smallest top-1 minus top-2 reference logit over the generated positions: how close
+    to a tie the model came (a witness wants small margins: any logit error flips a token)."""
+    if not tokens:
+        return None
+    top2 = teacher_forced_logits(model.lm, ids, tokens).topk(2, dim=-1).values
+    return float((top2[:, 0] - top2[:, 1]).min())
+
+
+def witness_settings(settings: PortSettings) -> PortSettings:
+    """The witness: the same variant, shapes and backend, with seeded random weights (so the same
+    compiled programs: parameters are loaded at run time, and the buffers the compiler folds in,
+    such as `layer_scalar`, hold the same values in the random and the trained tiny models)."""
+    return replace(settings, model="random", witness=False, results_dir=None)
+
+
+def witness_record(model: LoadedModel, settings: PortSettings, ids: list[int],
+                   device_run: dict[str, Any]) -> dict[str, Any]:
+    """The witness's part of the record: its SEQ_MATCH and LOGITS_MATCH (it has no coherence)."""
+    tokens = device_run["tokens"]
+    report, reference = judge_run(model, settings, ids, [], tokens, device_run.get("step_logits"))
+    out = {
+        "model_source": model.source,
+        "seed": settings.seed,
+        "prompt_tokens": len(ids),
+        "new_tokens": len(tokens),
+        "distinct_tokens": len(set(tokens)),
+        "seq_match": report.seq_match,
+        "first_mismatch": report.first_mismatch,
+        "logits_match": report.logits_match,
+        **(report.logits.record() if report.logits else {}),
+        "reference_min_margin": reference_margin(model, ids, reference),
+        "tokens": tokens,
+        "reference_tokens": reference,
+        "recipe": device_run.get("recipe"),
+        "cache_hits": device_run.get("cache_hits"),
+        "artifacts": device_run.get("artifacts"),
+    }
+    out["passed"] = report.seq_match and report.logits_match is not False
+    return out
+
+
+def run_witness(settings: PortSettings, *, progress: bool = False,
+                artifacts: dict[str, str] | None = None) -> dict[str, Any]:
+    """Run the random-weights witness of `settings`' variant and return its record.
+
+    `artifacts`: the trained run's compiled artifacts; `same_programs` then says whether the
+    witness ran the very same ones (not when the compiler folded a parameter whose values differ
+    between the two models into the program: 31B's and 26B-A4B's tiny q/k norms)."""
+    w = witness_settings(settings)
+    model = load_model(w)
+    ids = prompt_ids(model, w)
+    device_run = run_device(model, w, ids, [], progress=progress, bench=False)
+    record = witness_record(model, w, ids, device_run)
+    if artifacts and record.get("artifacts"):
+        record["same_programs"] = record["artifacts"] == artifacts
+    return record
+
+
 def port(settings: PortSettings, progress: bool = False) -> dict[str, Any]:
     """Run the whole recipe and return (and, with results_dir, write) the result record."""
     started = time.perf_counter()
-    variant: Variant = settings.variant_spec
     torch.manual_seed(settings.seed)
     model = load_model(settings)
     ids = prompt_ids(model, settings)
     eos = eos_ids(model)
-
-    if settings.tp_degree > 1 and settings.backend == "cpu":  # the TP plan's ranks as CPU processes (gloo)
-        from .tp import run_tp_port
-        return _finish(settings, model, ids, eos, run_tp_port(model, settings, ids, eos), started)
-
-    compiled = compile_graphs(model, settings, progress=progress)
-    runtime = compiled.runtime
-    runtime.check_fits(ids, settings.max_new_tokens)
-    generation = runtime.generate(ids, settings.max_new_tokens, eos_token_ids=eos)
-    logits_error = prefill_logits_error(model, runtime, ids)
-    figures = benchmark(runtime, ids, settings.max_new_tokens, settings.warmup, settings.iters, progress)
-    device_run = {
-        "tokens": generation.tokens,
-        "recipe": compiled.recipe,
-        "compile_s": compiled.compile_s,
-        "cache_hits": compiled.cache_hits,
-        "prefill_logits_max_abs_diff": logits_error,
-        "bench": figures.to_dict(),
-        "prefill_ms": figures.prefill_ms,
-        "decode_tok_s": figures.decode_tok_s,
-        **compiled.info,
-        **(compiled.report() if compiled.report else {}),
-    }
-    return _finish(settings, model, ids, eos, device_run, started)
+    device_run = run_device(model, settings, ids, eos, progress=progress)
+    witness = None
+    if settings.wants_witness:
+        witness = run_witness(settings, progress=progress, artifacts=device_run.get("artifacts"))
+    return record_run(settings, model, ids, eos, device_run, started, witness)
 
 
-def _finish(settings: PortSettings, model: LoadedModel, ids: list[int], eos: list[int],
-            device_run: dict[str, Any], started: float) -> dict[str, Any]:
+def record_run(settings: PortSettings, model: LoadedModel, ids: list[int], eos: list[int],
+               device_run: dict[str, Any], started: float, witness: dict[str, Any] | None = None
+               ) -> dict[str, Any]:
+    """The run record: the device run judged by the three checks (plus the witness's record when
+    given), with `failed_checks`, the one verdict the CLI, papermill and the fault lab apply."""
     variant = settings.variant_spec
-    reference = reference_greedy(model.lm, ids, settings.max_new_tokens, eos)
-    coherence = checks.expect_substring(settings.expect) if settings.expect and model.tokenizer else None
-    answer, reference_answer = decode_text(model, device_run["tokens"]), decode_text(model, reference)
-    report = checks.run_checks(device_run["tokens"], reference, answer, reference_answer, coherence)
+    device_run = dict(device_run)
+    step_logits = device_run.pop("step_logits", None)
+    report, reference = judge_run(model, settings, ids, eos, device_run["tokens"], step_logits)
     result = {
         "variant": variant.name,
         "profile": settings.profile,
@@ -246,14 +363,16 @@ def _finish(settings: PortSettings, model: LoadedModel, ids: list[int], eos: lis
         "tp_degree": settings.tp_degree,
         "model_source": model.source,
         "seq_match": report.seq_match,
+        "logits_match": report.logits_match,
         "coherent": report.coherent,
         "coherence_rule": report.coherence_rule,
-        "answer": answer,
-        "reference_answer": reference_answer,
+        "answer": report.answer,
+        "reference_answer": report.reference_answer,
         "new_tokens": len(device_run["tokens"]),
         "tokens": device_run["tokens"],
         "reference_tokens": reference,
         "first_mismatch": report.first_mismatch,
+        **(report.logits.record() if report.logits else {}),
         "prompt_tokens": len(ids),
         "prefill_ms": device_run.get("prefill_ms"),
         "decode_tok_s": device_run.get("decode_tok_s"),
@@ -268,9 +387,16 @@ def _finish(settings: PortSettings, model: LoadedModel, ids: list[int], eos: lis
         **{k: v for k, v in device_run.items() if k not in ("tokens", "recipe", "prefill_ms", "decode_tok_s",
                                                              "compile_s")},
     }
+    if witness is not None:
+        result["witness"] = witness
+    result["failed_checks"] = checks.failed_checks(result)
+    result["checks_passed"] = not result["failed_checks"]
     if settings.results_dir:
         result["result_file"] = str(write_result(result, Path(settings.results_dir)))
     return result
+
+
+_finish = record_run  # the name port()'s branches used before the record grew the witness
 
 
 def with_overrides(settings: PortSettings, **changes: Any) -> PortSettings:

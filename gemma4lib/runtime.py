@@ -84,6 +84,9 @@ class Generation:
     prefill_s: float
     decode_s: list[float] = field(default_factory=list)  # one entry per decode step
     first_logits: torch.Tensor | None = None
+    # raw device logits of every generated token (prefill's, then each decode step's), `[n, vocab]`;
+    # kept only when asked (`generate(keep_logits=True)`): LOGITS_MATCH compares them per step
+    step_logits: torch.Tensor | None = None
 
     @property
     def decode_tok_s(self) -> float | None:
@@ -148,7 +151,8 @@ class HostRuntime:
     @torch.no_grad()
     def generate(self, prompt_ids: Sequence[int] | torch.Tensor, max_new_tokens: int, *,
                  sampling: Sampling = Sampling(), eos_token_ids: Sequence[int] = (),
-                 on_token: Callable[[int], None] | None = None) -> Generation:
+                 on_token: Callable[[int], None] | None = None,
+                 keep_logits: bool = False) -> Generation:
         if isinstance(prompt_ids, str):
             raise BadPromptError("generate() takes token ids, not text; encode the text first with "
                                  "encode_prompt(tokenizer, prompt)")
@@ -168,6 +172,7 @@ class HostRuntime:
         logits = self.prefill[bucket](*inputs, torch.tensor([0]), torch.tensor([n]), *self.kv)
         token = choose_token(logits[0], sampling, self.cap, generator)
         result = Generation(ids_list, [token], bucket, time.perf_counter() - started, first_logits=logits[0].clone())
+        kept = [result.first_logits] if keep_logits else None
         if on_token:
             on_token(token)
 
@@ -178,10 +183,14 @@ class HostRuntime:
             logits = self.decode(*inputs, torch.tensor([position]), torch.tensor([1]), *self.kv)
             token = choose_token(logits[0], sampling, self.cap, generator)
             result.decode_s.append(time.perf_counter() - step_started)
+            if kept is not None:  # after the timing: keeping them is the check's cost, not decode's
+                kept.append(logits[0].float().clone())
             result.tokens.append(token)
             position += 1
             if on_token:
                 on_token(token)
+        if kept is not None:
+            result.step_logits = torch.stack([k.float() for k in kept])
         return result
 
     def time_prefill(self, prompt_ids: Sequence[int]) -> float:

@@ -118,12 +118,14 @@ def first_output(out: Any) -> torch.Tensor:
 
 def greedy_generate(decode: Callable[..., Any], host: HostEmbedder, prompt: Sequence[int], max_new_tokens: int,
                     *, prefill: Callable[..., Any] | None = None, prefill_len: int | None = None,
-                    seeded_logits: torch.Tensor | None = None, eos_token_ids: Sequence[int] = ()) -> dict[str, Any]:
+                    seeded_logits: torch.Tensor | None = None, eos_token_ids: Sequence[int] = (),
+                    keep_logits: bool = False) -> dict[str, Any]:
     """Greedy tokens from step functions that take the graph inputs and return logits.
 
     Prefill, in order of preference: `seeded_logits` (the caller wrote the K/V, e.g. a CPU
     prefill; these are the last prompt token's logits), a `prefill` graph of bucket `prefill_len`,
     or the prompt fed token by token through `decode`. Stops after an `eos_token_ids` token (kept).
+    `keep_logits`: also return `step_logits`, every generated token's raw logits (LOGITS_MATCH).
     """
     prompt = [int(t) for t in prompt]
     n = len(prompt)
@@ -142,17 +144,24 @@ def greedy_generate(decode: Callable[..., Any], host: HostEmbedder, prompt: Sequ
             mode = "decode-steps"
         prefill_logits = logits.reshape(-1, logits.shape[-1])[0].float().clone()
         tokens = [int(prefill_logits.argmax())]
+        kept = [prefill_logits] if keep_logits else None
         t1 = time.perf_counter()
         position = n
         eos = set(int(t) for t in eos_token_ids)
         while len(tokens) < max_new_tokens and tokens[-1] not in eos:
             out = decode(*host.inputs(torch.tensor([[tokens[-1]]]), 1), torch.tensor([position]), torch.tensor([1]))
-            tokens.append(int(first_output(out).reshape(-1, prefill_logits.shape[-1])[0].argmax()))
+            row = first_output(out).reshape(-1, prefill_logits.shape[-1])[0]
+            tokens.append(int(row.argmax()))
+            if kept is not None:
+                kept.append(row.float().clone())
             position += 1
         t2 = time.perf_counter()
-    return {"tokens": tokens, "prefill_mode": mode, "prefill_logits": prefill_logits,
-            "prefill_s": t1 - t0, "decode_s": t2 - t1,
-            "decode_tok_s": (len(tokens) - 1) / max(t2 - t1, 1e-9)}
+    out = {"tokens": tokens, "prefill_mode": mode, "prefill_logits": prefill_logits,
+           "prefill_s": t1 - t0, "decode_s": t2 - t1,
+           "decode_tok_s": (len(tokens) - 1) / max(t2 - t1, 1e-9)}
+    if kept is not None:
+        out["step_logits"] = torch.stack(kept)
+    return out
 
 
 class DeviceStep:
