@@ -46,7 +46,8 @@ from ..tp.plan import TPPlan, make_plan
 from ..tp.rank_graph import build_rank_graph
 from ..tp.shard import nxd_full_checkpoint
 from . import neuron_env
-from .common import HostEmbedder, KVParamModule, graph_example_inputs, greedy_generate
+from ..embedder import HostEmbedder
+from .common import KVParamModule, graph_example_inputs, greedy_generate
 
 RECIPE = "model_builder"
 PURPOSE = "the ModelBuilder recipe (neuronx_distributed.trace.model_builder)"

@@ -38,7 +38,8 @@ from ..graph import DeviceGraph, GraphShape
 from .plan import TPPlan, make_plan
 from .rank_graph import build_rank_graph, load_shard, with_shape
 from .shard import iter_shards, shard_kv, shard_shapes
-from ..recipes.common import AliasEmulator, HostEmbedder, KVParamModule, greedy_generate
+from ..embedder import HostEmbedder
+from ..recipes.common import AliasEmulator, KVParamModule, greedy_generate
 
 CPU_EXECUTION = "torch.distributed gloo on CPU, one process per rank"
 
@@ -279,7 +280,7 @@ def _run_tp(loaded_model: Any, tp: int, prompt_ids: Any, max_new_tokens: int, co
     shapes = shard_shapes(plan, shards)
     shard_s = time.perf_counter() - t0
 
-    job = RankJob(config, plan, shards, HostEmbedder.from_text_model(lm.model), prompt, max_new_tokens,
+    job = RankJob(config, plan, shards, HostEmbedder.from_text_model(lm.model, copy_tables=True), prompt, max_new_tokens,
                   context_length, prefill_len, ring, baked_rank, dtype, decode_experts=decode_experts,
                   eos_token_ids=tuple(int(t) for t in eos_token_ids), keep_logits=keep_logits)
     if prefill == "cpu-seeded":
