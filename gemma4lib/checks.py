@@ -227,6 +227,28 @@ def run_checks(device: Sequence[int], reference: Sequence[int], answer: str | No
                        logits)
 
 
+def answer_text(tokenizer: Any, tokens: Sequence[int]) -> str | None:
+    """The decoded answer a person reads (special tokens dropped); None without a tokenizer."""
+    if tokenizer is None:
+        return None
+    return tokenizer.decode(list(tokens), skip_special_tokens=True).strip()
+
+
+def evaluate(lm: Any, tokenizer: Any, prompt_ids: Sequence[int], tokens: Sequence[int],
+             reference: Sequence[int], *, expect: str | None = None,
+             step_logits: Any = None) -> CheckReport:
+    """The three checks of one device run, built in one place for every caller.
+
+    SEQ_MATCH: `tokens` against the host reference's `reference`. LOGITS_MATCH: when the run kept
+    its per-step logits (`step_logits`), against `lm`'s teacher-forced logits for the same tokens.
+    Coherence: the answer contains `expect`, when there is a tokenizer to read it with.
+    """
+    coherence = expect_substring(expect) if expect and tokenizer is not None else None
+    logits = check_logits(lm, list(prompt_ids), list(tokens), step_logits) if step_logits is not None else None
+    return run_checks(list(tokens), list(reference), answer_text(tokenizer, tokens), answer_text(tokenizer, reference),
+                      coherence, logits)
+
+
 # ---- the verdict of a run record -----------------------------------------------------------------
 
 def failed_checks(record: Mapping[str, Any]) -> list[str]:

@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import html
 import json
-import sys
-import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,8 +21,8 @@ import torch
 
 from . import checks
 from .artifacts import atomic_write_json
-from .bench import BenchFigures, peak_rss_mb
-from .environment import machine, versions
+from .bench import BenchFigures
+from .record import build_record
 from .kv_layout import FULL, SLIDING, KVLayout
 from .loading import LoadedModel, text_config
 from .roofline import GB, GIB, INSTANCES, compare, measure_bandwidth
@@ -495,7 +493,6 @@ def equality_is_not_enough(model: LoadedModel, runtime: Any, settings: Any) -> T
         return Table(["note"], [["random weights have no tokenizer and no meaningful answer: this demonstration "
                                  "needs the trained fixture (or a real checkpoint)"]], "skipped")
     eos = eos_ids(model)
-    coherence = checks.expect_substring(settings.expect) if settings.expect else None
     rows = []
     from .port import prompt_ids
     for label, ids in (("tokenizer's chat template", prompt_ids(model, settings)),
@@ -503,8 +500,8 @@ def equality_is_not_enough(model: LoadedModel, runtime: Any, settings: Any) -> T
         n = min(settings.max_new_tokens, runtime.context_length - len(ids))
         device = runtime.generate(ids, n, eos_token_ids=eos).tokens
         reference = reference_greedy(model.lm, ids, n, eos)
-        answer = answer_text(model, device)
-        report = checks.run_checks(device, reference, answer, answer_text(model, reference), coherence)
+        report = checks.evaluate(model.lm, model.tokenizer, ids, device, reference, expect=settings.expect)
+        answer = report.answer
         rows.append([label, len(ids), report.seq_match, report.coherent, answer])
     return Table(["prompt", "prompt tokens", "SEQ_MATCH", "coherent", "device answer"], rows,
                  "device == reference proves the compiler faithful, not the input right")
@@ -541,9 +538,7 @@ def describe_compile(compiled: Any) -> Table:
 # ---- checks, benchmark, record --------------------------------------------------------------
 
 def answer_text(model: LoadedModel, tokens: Sequence[int]) -> str | None:
-    if model.tokenizer is None:
-        return None
-    return model.tokenizer.decode(list(tokens), skip_special_tokens=True).strip()
+    return checks.answer_text(model.tokenizer, tokens)
 
 
 def _tokens(device: Any) -> list[int]:
@@ -557,17 +552,10 @@ def check(model: LoadedModel, settings: Any, device: Any, reference_tokens: Sequ
 
     `device` is the `Generation` from `runtime.generate(..., keep_logits=True)` (its per-step
     logits make LOGITS_MATCH possible) or, for SEQ_MATCH and coherence only, a token list."""
-    tokens = _tokens(device)
-    coherence = None
-    if settings.expect and model.tokenizer:
-        coherence = checks.expect_substring(settings.expect)
     step_logits = getattr(device, "step_logits", None)
     prompt = prompt_ids if prompt_ids is not None else getattr(device, "prompt_ids", None)
-    logits = None
-    if step_logits is not None and prompt is not None:
-        logits = checks.check_logits(model.lm, list(prompt), tokens, step_logits)
-    return checks.run_checks(tokens, reference_tokens, answer_text(model, tokens),
-                             answer_text(model, reference_tokens), coherence, logits)
+    return checks.evaluate(model.lm, model.tokenizer, prompt or [], _tokens(device), reference_tokens,
+                           expect=settings.expect, step_logits=step_logits if prompt is not None else None)
 
 
 def _logits_cells(logits: checks.LogitsCheck | None) -> list[str]:
@@ -686,53 +674,24 @@ def record(settings: Any, model: LoadedModel, ids: Sequence[int], compiled: Any,
            results_path: str | Path | None, started: float | None = None,
            extra: Mapping[str, Any] | None = None, witness: Mapping[str, Any] | None = None
            ) -> dict[str, Any]:
-    """The run's record, with the same keys as `gemma4lib.port.port()`'s (the three checks, and
-    the witness's when given); written atomically to `results_path` (JSON) when given."""
+    """The run's record (`record.build_record`, the builder `port()` uses too), written atomically
+    to `results_path` (JSON) when given; `extra` (the notebook's demonstrations) rides along."""
     from .port import prefill_logits_error
 
-    v = settings.variant_spec
-    device_tokens = _tokens(device_tokens)
-    result = {
-        "variant": v.name,
-        "profile": settings.profile,
-        "backend": settings.backend,
+    figures_run = {
+        "tokens": _tokens(device_tokens),
         "recipe": compiled.recipe,
-        "inf2_recipe": v.recipe,
-        "tp_degree": settings.tp_degree,
-        "model_source": model.source,
-        "seq_match": report.seq_match,
-        "logits_match": report.logits_match,
-        "coherent": report.coherent,
-        "coherence_rule": report.coherence_rule,
-        "answer": report.answer,
-        "reference_answer": report.reference_answer,
-        "new_tokens": len(device_tokens),
-        "tokens": list(device_tokens),
-        "reference_tokens": list(reference_tokens),
-        "first_mismatch": report.first_mismatch,
-        **(report.logits.record() if report.logits else {}),
-        "prompt_tokens": len(ids),
-        "prefill_ms": figures.prefill_ms,
-        "decode_tok_s": figures.decode_tok_s,
         "compile_s": compiled.compile_s,
         "cache_hits": compiled.cache_hits,
         "prefill_logits_max_abs_diff": prefill_logits_error(model, compiled.runtime, ids),
         "bench": figures.to_dict(),
-        "peak_rss_mb": peak_rss_mb(),
-        "wall_s": None if started is None else time.perf_counter() - started,
-        "layout": model.layout.describe(),
-        "params": model.param_count(),
-        "parameters": settings.parameters(),
-        "versions": versions(),
-        "machine": {**machine(), "python": sys.executable},
+        "prefill_ms": figures.prefill_ms,
+        "decode_tok_s": figures.decode_tok_s,
         **dict(compiled.info),
         **(compiled.report() if callable(getattr(compiled, "report", None)) else {}),
-        **_tables_to_dicts(dict(extra or {})),
     }
-    if witness:
-        result["witness"] = dict(witness)
-    result["failed_checks"] = checks.failed_checks(result)
-    result["checks_passed"] = not result["failed_checks"]
+    result = build_record(settings, model, list(ids), figures_run, report, list(reference_tokens), started=started,
+                          witness=witness, extra=_tables_to_dicts(dict(extra or {})))
     if results_path:
         result["result_file"] = str(Path(results_path))
         atomic_write_json(Path(results_path), result)

@@ -21,8 +21,8 @@ import torch
 from . import checks
 from . import backends
 from .backends.base import CompiledGraphs, Graphs
-from .bench import benchmark, peak_rss_mb
-from .environment import machine, versions
+from .bench import benchmark
+from .record import build_record
 from .graph import DeviceGraph
 from .loading import LoadedModel, build_tiny, load_checkpoint
 from .reference import random_prompt, reference_greedy, reference_last_logits, teacher_forced_logits
@@ -68,9 +68,8 @@ def eos_ids(model: LoadedModel) -> list[int]:
 
 
 def decode_text(model: LoadedModel, tokens: list[int]) -> str | None:
-    if model.tokenizer is None:
-        return None
-    return model.tokenizer.decode(tokens, skip_special_tokens=True).strip()
+    """The answer text of `tokens` (None for a tokenizer-less random model)."""
+    return checks.answer_text(model.tokenizer, tokens)
 
 
 def build_graphs(model: LoadedModel, settings: PortSettings, inplace: bool = True) -> Graphs:
@@ -143,16 +142,10 @@ def judge_run(model: LoadedModel, settings: PortSettings, ids: list[int], eos: l
               ) -> tuple[checks.CheckReport, list[int]]:
     """The three checks of one device run against the host reference; (report, reference tokens)."""
     reference = reference_greedy(model.lm, ids, settings.max_new_tokens, eos)
-    coherence = None
-    if settings.expect and model.tokenizer:
-        coherence = checks.expect_substring(settings.expect)
-    logits = None
-    if step_logits is not None:
-        logits = checks.check_logits(model.lm, ids, tokens, step_logits)
-        if not logits.passed:
-            log.warning("%s", logits.explain())
-    report = checks.run_checks(tokens, reference, decode_text(model, tokens),
-                               decode_text(model, reference), coherence, logits)
+    report = checks.evaluate(model.lm, model.tokenizer, ids, tokens, reference, expect=settings.expect,
+                             step_logits=step_logits)
+    if report.logits is not None and not report.logits.passed:
+        log.warning("%s", report.logits.explain())
     return report, reference
 
 
@@ -234,50 +227,9 @@ def record_run(settings: PortSettings, model: LoadedModel, ids: list[int], eos: 
                ) -> dict[str, Any]:
     """The run record: the device run judged by the three checks (plus the witness's record when
     given), with `failed_checks`, the one verdict the CLI, papermill and the fault lab apply."""
-    variant = settings.variant_spec
-    device_run = dict(device_run)
-    step_logits = device_run.pop("step_logits", None)
+    step_logits = device_run.get("step_logits")
     report, reference = judge_run(model, settings, ids, eos, device_run["tokens"], step_logits)
-    result = {
-        "variant": variant.name,
-        "profile": settings.profile,
-        "backend": settings.backend,
-        "recipe": device_run.get("recipe"),
-        "inf2_recipe": variant.recipe,
-        "tp_degree": settings.tp_degree,
-        "model_source": model.source,
-        "seq_match": report.seq_match,
-        "logits_match": report.logits_match,
-        "coherent": report.coherent,
-        "coherence_rule": report.coherence_rule,
-        "answer": report.answer,
-        "reference_answer": report.reference_answer,
-        "new_tokens": len(device_run["tokens"]),
-        "tokens": device_run["tokens"],
-        "reference_tokens": reference,
-        "first_mismatch": report.first_mismatch,
-        **(report.logits.record() if report.logits else {}),
-        "prompt_tokens": len(ids),
-        "prefill_ms": device_run.get("prefill_ms"),
-        "decode_tok_s": device_run.get("decode_tok_s"),
-        "compile_s": device_run.get("compile_s"),
-        "peak_rss_mb": peak_rss_mb(),
-        "wall_s": time.perf_counter() - started,
-        "layout": model.layout.describe(),
-        "params": model.param_count(),
-        "parameters": settings.parameters(),
-        "versions": versions(),
-        "machine": machine(),
-        **{k: v for k, v in device_run.items() if k not in ("tokens", "recipe", "prefill_ms", "decode_tok_s",
-                                                             "compile_s")},
-    }
-    if witness is not None:
-        result["witness"] = witness
-    result["failed_checks"] = checks.failed_checks(result)
-    result["checks_passed"] = not result["failed_checks"]
+    result = build_record(settings, model, ids, device_run, report, reference, started=started, witness=witness)
     if settings.results_dir:
         result["result_file"] = str(write_result(result, Path(settings.results_dir)))
     return result
-
-
-_finish = record_run  # the name port()'s branches used before the record grew the witness
