@@ -32,7 +32,7 @@ EXPECTED = "Paris"
 
 GEMMA3_270M = Variant(
     name="gemma3-270m", hf_id="google/gemma-3-270m", model_class="Gemma3ForCausalLM", recipe="trace",
-    tp_degree=1, instance_type="inf2.xlarge", real_config={}, tiny_config={}, seed=None, supported_tp=(1,),
+    tp_degree=1, instance_type="inf2.xlarge", real_config={}, tiny_config={}, field_report=None, supported_tp=(1,),
     tiny_seed=0, notes=("a real trained Gemma (3, base) through the Gemma-4 device graph",))
 
 

@@ -139,9 +139,10 @@ def recipe_table() -> Table:
     for v in VARIANTS.values():
         inst = INSTANCES[v.instance_type]
         cores, host = inst.neuron_cores, inst.host_ram_gib
-        seed = (f"~{v.seed.decode_tok_s:.0f} tok/s decode" if v.seed.decode_tok_s else
-                f"prefill ~{v.seed.prefill_ms:.0f} ms")
-        rows.append([v.name, v.recipe, v.tp_degree, v.instance_type, f"{cores} cores, {host} GiB host RAM", seed])
+        reported = (f"~{v.field_report.decode_tok_s:.0f} tok/s decode" if v.field_report.decode_tok_s else
+                    f"prefill ~{v.field_report.prefill_ms:.0f} ms")
+        rows.append([v.name, v.recipe, v.tp_degree, v.instance_type, f"{cores} cores, {host} GiB host RAM",
+                     reported])
     return Table(["variant", "recipe", "TP", "instance", "instance has", "field report"], rows,
                  "the recipe escalates with the model")
 
@@ -636,7 +637,7 @@ def measured_vs_ceiling(model: LoadedModel, settings: Any, figures: BenchFigures
                       **common)
         row["bandwidth"] = bandwidth
     row["label"] = f"this run ({settings.profile})"
-    released = compare(v.seed.decode_tok_s, v.name, device=v.instance_type, cores=v.tp_degree, context_length=2048,
+    released = compare(v.field_report.decode_tok_s, v.name, device=v.instance_type, cores=v.tp_degree, context_length=2048,
                        ring=True, experts="selective" if v.is_moe else "dense")
     released["label"] = f"released {v.name.upper()}, {v.instance_type} TP={v.tp_degree} (field report)"
     row["released_inf2"] = released
@@ -654,9 +655,9 @@ def bench_table(figures: BenchFigures, settings: Any, ceiling: Mapping[str, Any]
                 f"{b['total'] / 1e6:,.1f} MB per step ({b['weights'] / 1e6:,.1f} weights + {b['kv'] / 1e6:,.1f} K/V)")
 
     rows = [["prefill (median ms)", f"{figures.prefill_ms:.3f}",
-             f"~{v.seed.prefill_ms:.0f} ms (field report)" if v.seed.prefill_ms else "—"],
+             f"~{v.field_report.prefill_ms:.0f} ms (field report)" if v.field_report.prefill_ms else "—"],
             ["decode (median tok/s)", f"{figures.decode_tok_s:.1f}",
-             f"~{v.seed.decode_tok_s:.0f} tok/s (field report)" if v.seed.decode_tok_s else "—"],
+             f"~{v.field_report.decode_tok_s:.0f} tok/s (field report)" if v.field_report.decode_tok_s else "—"],
             ["decode ceiling (bandwidth / bytes per step)",
              roof(ceiling, "HBM of the cores in use" if settings.backend == "neuron" else "measured now"),
              roof(released, "HBM")],
