@@ -104,10 +104,9 @@ def run_device(model: LoadedModel, settings: PortSettings, ids: list[int], eos: 
     they are compiled and `baked_rank` bakes the TP rank in at trace time (the fault lab's hooks).
     """
     if backends.backend_for(settings) == "gloo":  # the TP plan's ranks as CPU processes
-        from .tp import run_tp_port
         if edit is not None:
             raise ValueError("graph edits apply to the single-device graphs (tp_degree 1)")
-        return run_tp_port(model, settings, ids, eos, baked_rank=baked_rank)
+        return backends.get_backend("gloo").run_device(model, settings, ids, eos, baked_rank=baked_rank)
 
     graphs = None
     if edit is not None:  # the fault lab's hook: the graphs are built here, edited, then compiled

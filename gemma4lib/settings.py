@@ -90,10 +90,10 @@ class PortSettings:
             raise TensorParallelError(
                 f"{self.variant_spec.name} cannot run at TP={self.tp_degree}: its head and expert counts split "
                 f"evenly only for TP in {self.variant_spec.supported_tp}; pick one of those")
-        if self.tp_degree > 1 and self.backend not in ("cpu", "neuron"):
+        if self.tp_degree > 1 and self.backend == "xla":
             raise TensorParallelError(
-                f"TP={self.tp_degree} runs on backend 'cpu' (one gloo process per rank) or 'neuron' (NeuronCores); "
-                f"backend {self.backend!r} compiles one device: use tp_degree=1 or another backend")
+                f"TP={self.tp_degree} runs on backend 'cpu' or 'eager' (one gloo process per rank) or 'neuron' "
+                f"(NeuronCores); the xla lane compiles one device: use tp_degree=1 there")
         if self.backend == "neuron":
             self._check_neuron()
 

@@ -286,9 +286,9 @@ CASES = [
     Case("backend neuron without the SDK: refused by the settings, before any load",
          lambda c: (versions_found(c), PortSettings(variant="e2b", backend="neuron")), NeuronSDKMissingError,
          "backend 'neuron' (e2b) needs the Neuron SDK package torch-neuronx"),
-    Case("tensor parallelism on a one-device backend (eager, TP=2)",
-         lambda c: PortSettings(variant="e4b", backend="eager", tp_degree=2), TensorParallelError,
-         "backend 'eager' compiles one device: use tp_degree=1 or another backend"),
+    Case("tensor parallelism on the one-device XLA lane (TP=2)",
+         lambda c: PortSettings(variant="e4b", backend="xla", tp_degree=2), TensorParallelError,
+         "the xla lane compiles one device: use tp_degree=1 there"),
     # settings
     Case("max_new_tokens of 0", lambda c: PortSettings(variant="e2b", max_new_tokens=0), SettingsError,
          "max_new_tokens must be at least 1, got 0"),

@@ -3,7 +3,8 @@
 A backend module exposes `compile(model, settings, *, graphs=None, progress=False)` returning
 `CompiledGraphs`. `graphs` lets a caller hand over prefill and decode graphs it built itself (the
 fault lab injects faults into them); only backends that compile the in-place graph form accept
-them (`cpu`, `eager`).
+them (`cpu`, `eager`). The exception is `gloo`, whose generations live inside its rank processes:
+it offers `run_device` instead, and `port.run_device` calls it.
 """
 
 from __future__ import annotations
@@ -51,8 +52,9 @@ class CompiledGraphs:
 
 
 def backend_for(settings: PortSettings) -> str:
-    """The backend module a setting selects: `gloo` for the CPU at TP > 1, else `settings.backend`."""
-    if settings.backend == "cpu" and int(settings.tp_degree) > 1:
+    """The backend module a setting selects: `gloo` for the CPU backends at TP > 1 (the ranks run
+    the rank graph uncompiled), else `settings.backend`."""
+    if settings.backend in ("cpu", "eager") and int(settings.tp_degree) > 1:
         return "gloo"
     return settings.backend
 
