@@ -21,7 +21,7 @@ import torch
 
 from . import checks
 from .artifacts import atomic_write_json
-from .bench import BenchFigures
+from .benchmarks.timing import BenchFigures
 from .record import build_record
 from .kv_layout import FULL, SLIDING, KVLayout
 from .loading import LoadedModel, text_config

@@ -21,7 +21,7 @@ import torch
 from . import checks
 from . import backends
 from .backends.base import CompiledGraphs, Graphs
-from .bench import benchmark
+from .benchmarks.timing import benchmark
 from .record import build_record
 from .graph import DeviceGraph
 from .loading import LoadedModel, build_tiny, load_checkpoint

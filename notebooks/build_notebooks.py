@@ -167,7 +167,7 @@ import time
 import torch
 
 from gemma4lib import notebook as nb, plots
-from gemma4lib.bench import benchmark
+from gemma4lib.benchmarks.timing import benchmark
 from gemma4lib.port import PortSettings, build_graphs, compile_graphs, eos_ids, load_model, prompt_ids
 from gemma4lib.reference import reference_greedy
 

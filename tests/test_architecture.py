@@ -86,8 +86,27 @@ def test_gemma4lib_has_no_import_cycles():
 def test_nothing_below_port_imports_it():
     graph = import_graph()
     importers = sorted(name for name, targets in graph.items() if "gemma4lib.port" in targets)
-    allowed = {"gemma4lib.cli", "gemma4lib.faults", "gemma4lib.notebook", "gemma4lib.benchmarks"}
+    allowed = {"gemma4lib.cli", "gemma4lib.faults", "gemma4lib.notebook", "gemma4lib.benchmarks.suite"}
     assert set(importers) <= allowed, importers
+
+
+def reachable(graph: dict[str, set[str]], start: str) -> set[str]:
+    """Every module `start` imports, directly or through others."""
+    seen: set[str] = set()
+    todo = [start]
+    while todo:
+        for nxt in graph[todo.pop()] - seen:
+            seen.add(nxt)
+            todo.append(nxt)
+    return seen
+
+
+def test_benchmark_timing_sits_below_port():
+    # `port` times its runs with `benchmarks.timing`; only the suite compares against `port`
+    graph = import_graph()
+    for module in ("gemma4lib.benchmarks.timing", "gemma4lib.benchmarks.hf", "gemma4lib.benchmarks.report"):
+        assert "gemma4lib.port" not in reachable(graph, module), module
+    assert "gemma4lib.port" in reachable(graph, "gemma4lib.benchmarks.suite")
 
 
 def test_hardware_facts_are_a_leaf():

@@ -185,12 +185,44 @@ def test_measure_bandwidth_reports_both_methods():
     assert bw["threads"] == 1
 
 
-def test_port_defaults_are_the_measured_recommendation():
-    from gemma4lib.benchmarks import RECOMMENDED_DECODE_EXPERTS, RECOMMENDED_RING_KV
-    from gemma4lib.port import PortSettings
+def test_recommendation_is_what_a_port_runs_by_default(quick_report):
+    # the suite states PortSettings' defaults (read from them), and its models ran with them
+    from gemma4lib.backends.base import PREFILL_EXPERTS
+    from gemma4lib.settings import PortSettings
     settings = PortSettings(variant="26b-a4b")
-    assert settings.ring_kv is RECOMMENDED_RING_KV
-    assert settings.decode_experts == RECOMMENDED_DECODE_EXPERTS
+    assert quick_report["recommendation"] == {"ring_kv": settings.ring_kv, "decode_experts": settings.decode_experts,
+                                             "prefill_experts": PREFILL_EXPERTS}
+    assert all(m["ring_kv"] is settings.ring_kv for m in quick_report["models"])
+    moe = next(m for m in quick_report["models"] if m["name"] == "26b-a4b")
+    assert moe["decode_experts"] == settings.decode_experts
+
+
+def test_experts_choice_is_the_measured_winner():
+    # dense vs selective on a tiny MoE (graphs eager): the report names the faster form, and renders it so
+    from gemma4lib.benchmarks.suite import GraphFactory, bench_experts, load_bench_model
+    from gemma4lib.reference import random_prompt
+    from gemma4lib.settings import PortSettings
+    model = load_bench_model("26b-a4b")
+    prompt = random_prompt(model.config.vocab_size, 12, 3)
+    experts = bench_experts(model, GraphFactory(model, "eager"), context_length=64, bucket=16, prompt=prompt,
+                            new_tokens=4, warmup=0, iters=1)
+    decode, prefill, choice = experts["decode"], experts["prefill"], experts["recommendation"]
+    assert choice["decode"] == max(decode, key=lambda form: decode[form]["decode_tok_s"])
+    assert choice["prefill"] == min(prefill, key=lambda form: prefill[form]["prefill_ms"])
+    assert choice["port_settings_default_decode"] == PortSettings(variant="26b-a4b").decode_experts
+    assert all(row["tokens_match_reference"] for row in decode.values())
+    text = format_report({"experts": {"model": "26b-a4b", **experts}})
+    assert f"measured choice: prefill {choice['prefill']}, decode {choice['decode']}" in text
+
+
+def test_importing_port_does_not_load_the_suite():
+    # port times its runs with benchmarks.timing; the suite (which imports port) loads only when asked for
+    import subprocess
+    import sys
+    code = ("import sys, gemma4lib.port, gemma4lib.benchmarks.timing; "
+            "assert 'gemma4lib.benchmarks.suite' not in sys.modules; "
+            "from gemma4lib.benchmarks import run_suite; assert 'gemma4lib.benchmarks.suite' in sys.modules")
+    subprocess.run([sys.executable, "-c", code], check=True)
 
 
 def test_tempered_random_attention_is_numerically_stable():

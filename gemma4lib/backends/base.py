@@ -33,6 +33,11 @@ BACKEND_MODULES = {
 
 Graphs = tuple[dict[int, DeviceGraph], DeviceGraph]
 
+# Prefill computes every expert (the dense form) whatever `decode_experts` says. Short CPU prompts
+# measured faster selective, but the gathered slices grow with tokens x k, and the dense form is the
+# one that shards over TP ranks (docs/ROOFLINE.md; the benchmark suite reports this as its recommendation).
+PREFILL_EXPERTS = "dense"
+
 
 @dataclass
 class CompiledGraphs:
@@ -72,17 +77,21 @@ def compile_graphs(model: LoadedModel, settings: PortSettings, *, graphs: Graphs
     return get_backend(backend_for(settings)).compile(model, settings, graphs=graphs, progress=progress)
 
 
+def device_graph(model: LoadedModel, shape: GraphShape, expert_form: str, inplace: bool = True) -> DeviceGraph:
+    """One device graph over the model's own modules (not copies: a compiled graph takes the model's
+    current weights at load time); `device_graphs` and the benchmark suite's graph cache build with it."""
+    return DeviceGraph(model.text_model, model.lm_head, model.layout, shape, inplace=inplace,
+                       expert_form=expert_form)
+
+
 def device_graphs(model: LoadedModel, settings: PortSettings, inplace: bool = True) -> Graphs:
     """Prefill graphs (one per bucket; MoE experts all-dense) and the decode graph (the settings'
     expert form), over the model's own modules: the graphs every single-device backend compiles."""
-    layout = model.layout
-    prefill = {bucket: DeviceGraph(model.text_model, model.lm_head, layout,
-                                   GraphShape(1, bucket, settings.context_length, settings.ring_kv),
-                                   inplace=inplace, expert_form="dense")
+    prefill = {bucket: device_graph(model, GraphShape(1, bucket, settings.context_length, settings.ring_kv),
+                                    PREFILL_EXPERTS, inplace)
                for bucket in settings.prefill_buckets}
-    decode = DeviceGraph(model.text_model, model.lm_head, layout,
-                         GraphShape(1, 1, settings.context_length, settings.ring_kv),
-                         inplace=inplace, expert_form=settings.decode_experts)
+    decode = device_graph(model, GraphShape(1, 1, settings.context_length, settings.ring_kv),
+                          settings.decode_experts, inplace)
     return prefill, decode
 
 

@@ -19,36 +19,48 @@ Method: one thread (recorded), warm-up runs excluded, medians over `iters` runs,
 one model are measured interleaved (A, B, C, A, B, C, ...) so load from other processes on the
 shared cores hits them alike — compare ratios within one run, not absolute figures across runs.
 Decode tok/s of HF paths is timed per step with a logits processor (prefill excluded), like the
-runtime's own per-step timing. Timings are never asserted in tests.
+runtime's own per-step timing (`benchmarks.hf`). Timings are never asserted in tests.
+
+The graphs come from the backend layer's constructor and compilers (`backends.base.device_graph`,
+`compile_cpu.compile_graph`); `GraphFactory` only caches them by shape, so the runtime, the ring
+sweep and the experts comparison share one graph per shape. The recommendation the report states
+is `PortSettings`' defaults (and the backends' prefill expert form), read from them, not restated.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import signal
 import statistics
+import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 import torch
-from transformers import LogitsProcessor
 
-from .artifacts import ArtifactCache
-from .bench import peak_rss_mb
-from .environment import machine, versions
-from .errors import UnknownNameError
-from .graph import DeviceGraph, GraphShape
-from .loading import LoadedModel, build_tiny
-from .medium import build_medium, get_medium
-from .port import PortSettings, prefill_logits_error
-from .reference import random_prompt, reference_greedy
-from .roofline import GB, decode_bytes, measure_bandwidth
-from .runtime import HostRuntime
-from .variants import VARIANTS
+from ..artifacts import ArtifactCache
+from ..backends.base import PREFILL_EXPERTS, device_graph
+from ..backends.eager import COMPILER as EAGER_COMPILER
+from ..compile_cpu import RECIPE as CPU_RECIPE
+from ..compile_cpu import compile_graph
+from ..environment import machine, versions
+from ..errors import UnknownNameError
+from ..graph import DeviceGraph, GraphShape
+from ..loading import LoadedModel, build_tiny
+from ..medium import build_medium, get_medium
+from ..port import prefill_logits_error
+from ..reference import random_prompt, reference_greedy
+from ..roofline import GB, decode_bytes, measure_bandwidth
+from ..runtime import HostRuntime
+from ..settings import PortSettings
+from ..variants import VARIANTS
+from .hf import hf_generate, hf_static_compile_kwargs
+from .timing import peak_rss_mb, time_decode_steps
 
 log = logging.getLogger(__name__)
 
@@ -58,12 +70,14 @@ MEDIUM_MODELS = ("medium-dense", "medium-moe")
 PATHS = ("gemma4lib", "hf_eager", "hf_static_compile")
 SCHEMA_VERSION = 1
 
-# What the measurements recommend (docs/ROOFLINE.md; `recommendation` in the suite output), and what
-# `PortSettings` defaults to. Prefill stays dense although short CPU prompts measured faster selective:
-# the gathered slices grow with tokens x k, and the dense form is the one that shards over TP ranks.
-RECOMMENDED_RING_KV = True
-RECOMMENDED_DECODE_EXPERTS = "selective"
-RECOMMENDED_PREFILL_EXPERTS = "dense"
+
+def recommendation() -> dict[str, Any]:
+    """What the measurements recommend (docs/ROOFLINE.md), which is what a port runs by default: read
+    from `PortSettings`' field defaults and the backends' prefill form, so the report cannot state a
+    recommendation the library does not follow."""
+    defaults = {f.name: f.default for f in dataclasses.fields(PortSettings)}
+    return {"ring_kv": defaults["ring_kv"], "decode_experts": defaults["decode_experts"],
+            "prefill_experts": PREFILL_EXPERTS}
 
 
 @dataclass
@@ -95,6 +109,7 @@ class SuiteOptions:
 
     @classmethod
     def quick(cls, **changes: Any) -> "SuiteOptions":
+        """Tiny models only, two timed runs, no torch.compile: the report's schema in minutes, not figures."""
         base = cls(medium_models=(), warmup=1, iters=2, hf_compile=False, bandwidth_mb=256,
                    sections=("models",))
         return replace(base, **changes)
@@ -133,56 +148,13 @@ class _Deadline:
 
 
 def _in_main_thread() -> bool:
-    import threading
     return threading.current_thread() is threading.main_thread()
 
 
-# ---- Hugging Face paths ----------------------------------------------------------------------
-class _StepClock(LogitsProcessor):
-    """A logits processor that only records when each generation step's logits arrive."""
-
-    def __init__(self):
-        self.stamps: list[float] = []
-
-    def __call__(self, input_ids, scores):
-        self.stamps.append(time.perf_counter())
-        return scores
-
-    def decode_tok_s(self) -> float | None:
-        if len(self.stamps) < 2:
-            return None
-        return (len(self.stamps) - 1) / (self.stamps[-1] - self.stamps[0])
-
-
-def hf_generate(lm: torch.nn.Module, prompt: Sequence[int], new_tokens: int, **kwargs: Any
-                ) -> tuple[list[int], float | None, float]:
-    """Greedy `generate` of exactly `new_tokens`; returns (tokens, decode tok/s, wall s)."""
-    from transformers import LogitsProcessorList
-
-    ids = torch.as_tensor(list(prompt), dtype=torch.long)[None]
-    clock = _StepClock()
-    started = time.perf_counter()
-    with torch.no_grad():
-        out = lm.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
-                          min_new_tokens=new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0,
-                          logits_processor=LogitsProcessorList([clock]), **kwargs)
-    wall = time.perf_counter() - started
-    return out[0, ids.shape[1]:].tolist(), clock.decode_tok_s(), wall
-
-
-def hf_static_compile_kwargs() -> dict[str, Any]:
-    """transformers' own route: a static cache and its auto-compile of the forward, opted in on CPU."""
-    from transformers import CompileConfig
-
-    config = CompileConfig(fullgraph=False, dynamic=False, mode="default")
-    config._compile_all_devices = True  # auto-compile is off for CPU unless asked for
-    return {"cache_implementation": "static", "compile_config": config}
-
-
-# ---- the project's path ---------------------------------------------------------------------
+# ---- the project's path: graphs from the backend layer, cached by shape ----------------------------
 @dataclass
 class Step:
-    """One compiled (or eager) graph with where it came from."""
+    """One compiled (or eager) graph with where it came from (what the report's `graphs` lists)."""
 
     fn: Callable[..., torch.Tensor]
     shape: GraphShape
@@ -198,23 +170,47 @@ class Step:
                 "cache_hit": self.cache_hit}
 
 
+def _compiled_step(graph: DeviceGraph, cache: ArtifactCache | None) -> Step:
+    """Backend `cpu`'s compiler (AOTInductor through the artifact cache), with its cost recorded."""
+    compiled = compile_graph(graph, cache)
+    return Step(compiled, graph.shape, graph.expert_form, compiled.compile_s,
+                compiled.entry.meta.get("compile_s", compiled.entry.meta.get("build_s")), compiled.cache_hit, graph)
+
+
+def _eager_step(graph: DeviceGraph, cache: ArtifactCache | None) -> Step:
+    """Backend `eager`: the graph as built (tests get the suite's schema in seconds)."""
+    return Step(graph, graph.shape, graph.expert_form, graph=graph)
+
+
+# backend -> (the name the report gives its compiler, how a graph becomes a Step)
+_COMPILERS: dict[str, tuple[str, Callable[[DeviceGraph, ArtifactCache | None], Step]]] = {
+    "cpu": (CPU_RECIPE, _compiled_step),
+    "eager": (EAGER_COMPILER, _eager_step),
+}
+
+
 class GraphFactory:
-    """Builds and compiles (or loads from the artifact cache) each graph once per model."""
+    """A cache of one model's device graphs keyed by shape.
+
+    Graphs are built with `backends.base.device_graph` and compiled by backend `cpu`'s compiler or
+    run eager, as a port would; this class adds only the cache, so the runtime of each model, the
+    ring sweep and the experts comparison reuse a graph (and report its compile once) instead of
+    compiling one per use.
+    """
 
     def __init__(self, model: LoadedModel, backend: str = "cpu", cache: ArtifactCache | None = None):
-        if backend not in ("cpu", "eager"):
-            raise UnknownNameError("bench backend", backend, ("cpu", "eager"))
+        if backend not in _COMPILERS:
+            raise UnknownNameError("bench backend", backend, tuple(_COMPILERS))
         self.model, self.backend, self.cache = model, backend, cache
         self.steps: dict[tuple, Step] = {}
 
     @property
     def recipe(self) -> str:
-        if self.backend == "eager":
-            return "eager"
-        from .compile_cpu import RECIPE
-        return RECIPE
+        """The compiler's name as a port's record gives it (`cpu-aotinductor`, `eager`)."""
+        return _COMPILERS[self.backend][0]
 
     def get(self, tokens: int, context_length: int, ring: bool, expert_form: str = "dense") -> Step:
+        """The graph of this shape, built and compiled on first use."""
         model = self.model
         if not getattr(model.config, "enable_moe_block", False):
             expert_form = "dense"  # no experts: one graph whatever the form
@@ -222,40 +218,21 @@ class GraphFactory:
             ring = True  # the ring holds the whole context: the same buffers and program as full length
         key = (tokens, context_length, ring, expert_form)
         if key not in self.steps:
-            graph = DeviceGraph(model.text_model, model.lm_head, model.layout,
-                                GraphShape(1, tokens, context_length, ring), inplace=True, expert_form=expert_form)
-            if self.backend == "eager":
-                self.steps[key] = Step(graph, graph.shape, expert_form, graph=graph)
-            else:
-                from .compile_cpu import compile_graph
-                compiled = compile_graph(graph, self.cache)
-                self.steps[key] = Step(compiled, graph.shape, expert_form, compiled.compile_s,
-                                       compiled.entry.meta.get("compile_s", compiled.entry.meta.get("build_s")),
-                                       compiled.cache_hit, graph)
+            graph = device_graph(model, GraphShape(1, tokens, context_length, ring), expert_form)
+            self.steps[key] = _COMPILERS[self.backend][1](graph, self.cache)
         return self.steps[key]
 
     def runtime(self, context_length: int, buckets: Iterable[int], ring: bool, decode_form: str,
-                prefill_form: str = "dense") -> HostRuntime:
+                prefill_form: str = PREFILL_EXPERTS) -> HostRuntime:
+        """A host runtime over cached graphs: one decode graph and a prefill graph per bucket."""
         decode = self.get(1, context_length, ring, decode_form)
         prefill = {b: self.get(b, context_length, ring, prefill_form).fn for b in buckets}
         kv = decode.graph.new_kv()
         return HostRuntime(self.model, prefill, decode.fn, kv, context_length)
 
     def compile_report(self) -> list[dict[str, Any]]:
+        """Every graph built so far, in build order."""
         return [step.describe() for step in self.steps.values()]
-
-
-@torch.no_grad()
-def time_decode_steps(model: LoadedModel, step: Step, positions: Sequence[int], token: int = 5) -> float:
-    """Decode tok/s of `step` over the given positions, as the runtime's decode loop runs it
-    (host embedding + step + greedy argmax), on fresh buffers (timing does not depend on contents)."""
-    runtime = HostRuntime(model, {}, step.fn, step.graph.new_kv(), step.shape.context_length)
-    started = time.perf_counter()
-    for position in positions:
-        inputs = runtime.embed(torch.tensor([[token]]))
-        logits = step.fn(*inputs, torch.tensor([position]), torch.tensor([1]), *runtime.kv)
-        token = int(torch.argmax(logits[0]))
-    return len(positions) / (time.perf_counter() - started)
 
 
 # ---- one model, three paths --------------------------------------------------------------------
@@ -266,7 +243,7 @@ def bench_model(name: str, model: LoadedModel, factory: GraphFactory, *, context
     lm = model.lm
     is_moe = bool(getattr(model.config, "enable_moe_block", False))
     decode_form = decode_form if is_moe else "dense"
-    ring = RECOMMENDED_RING_KV
+    ring = recommendation()["ring_kv"]
 
     bandwidth = [measure_bandwidth(bandwidth_mb)]
     reference = reference_greedy(lm, prompt, new_tokens)
@@ -400,13 +377,17 @@ def bench_ring_kv(model: LoadedModel, factory: GraphFactory, contexts: Sequence[
         row["ring_speedup"] = _ratio(row["ring"]["decode_tok_s"], row["full"]["decode_tok_s"])
         table[str(ctx)] = row
     first, last = str(contexts[0]), str(contexts[-1])
+
+    def longest_over_shortest(kind: str) -> float | None:
+        return _ratio(table[last][kind]["decode_tok_s"], table[first][kind]["decode_tok_s"])
+
     return {
         "contexts": table,
         "steps_per_run": steps,
         "sliding_window": model.layout.sliding_window,
         "graphs": factory.compile_report(),
-        f"ring_tok_s_{last}_over_{first}": _ratio(table[last]["ring"]["decode_tok_s"], table[first]["ring"]["decode_tok_s"]),
-        f"full_tok_s_{last}_over_{first}": _ratio(table[last]["full"]["decode_tok_s"], table[first]["full"]["decode_tok_s"]),
+        f"ring_tok_s_{last}_over_{first}": longest_over_shortest("ring"),
+        f"full_tok_s_{last}_over_{first}": longest_over_shortest("full"),
     }
 
 
@@ -414,9 +395,11 @@ def bench_experts(model: LoadedModel, factory: GraphFactory, *, context_length: 
                   prompt: Sequence[int], new_tokens: int, warmup: int, iters: int) -> dict[str, Any]:
     """Dense vs selective experts: decode tok/s + bytes/step (and token equality), prefill ms."""
     reference = reference_greedy(model.lm, prompt, new_tokens)
+    recommended = recommendation()
+    ring = recommended["ring_kv"]
     forms = ("dense", "selective")
-    runtimes = {form: factory.runtime(context_length, (bucket,), RECOMMENDED_RING_KV, form, "dense") for form in forms}
-    prefill_steps = {form: factory.get(bucket, context_length, RECOMMENDED_RING_KV, form) for form in forms}
+    runtimes = {form: factory.runtime(context_length, (bucket,), ring, form, PREFILL_EXPERTS) for form in forms}
+    prefill_steps = {form: factory.get(bucket, context_length, ring, form) for form in forms}
     decode_runs: dict[str, list[float]] = {f: [] for f in forms}
     prefill_runs: dict[str, list[float]] = {f: [] for f in forms}
     match: dict[str, bool] = {}
@@ -436,7 +419,7 @@ def bench_experts(model: LoadedModel, factory: GraphFactory, *, context_length: 
                 prefill_runs[form].append(prefill_s * 1000)
     decode = {}
     for form in forms:
-        b = decode_bytes(model, context_length=context_length, ring=RECOMMENDED_RING_KV, experts=form)
+        b = decode_bytes(model, context_length=context_length, ring=ring, experts=form)
         decode[form] = {"decode_tok_s": _median(decode_runs[form]), "runs": decode_runs[form],
                         "bytes_per_step": b.total, "weight_bytes": b.weights, "tokens_match_reference": match[form]}
     prefill = {form: {"prefill_ms": _median(prefill_runs[form]), "runs": prefill_runs[form],
@@ -450,7 +433,7 @@ def bench_experts(model: LoadedModel, factory: GraphFactory, *, context_length: 
         "selective_over_dense_decode": _ratio(decode["selective"]["decode_tok_s"], decode["dense"]["decode_tok_s"]),
         "dense_over_selective_bytes": _ratio(decode["dense"]["bytes_per_step"], decode["selective"]["bytes_per_step"]),
         "recommendation": {"decode": faster_decode, "prefill": faster_prefill,
-                           "port_settings_default_decode": PortSettings.decode_experts},
+                           "port_settings_default_decode": recommended["decode_experts"]},
         "graphs": factory.compile_report(),
     }
 
@@ -459,7 +442,7 @@ def bench_prefill_buckets(model: LoadedModel, factory: GraphFactory, *, context_
                           buckets: Sequence[int], check_tokens: int, warmup: int, iters: int,
                           seed: int = 11) -> dict[str, Any]:
     """Prefill ms per bucket (a prompt filling it), and which bucket prompts of other lengths take."""
-    runtime = factory.runtime(context_length, buckets, RECOMMENDED_RING_KV, "dense")
+    runtime = factory.runtime(context_length, buckets, recommendation()["ring_kv"], "dense")
     vocab = model.config.vocab_size
     runs: dict[int, list[float]] = {b: [] for b in buckets}
     for i in range(warmup + iters):
@@ -473,9 +456,10 @@ def bench_prefill_buckets(model: LoadedModel, factory: GraphFactory, *, context_
     for n in lengths:
         prompt = random_prompt(vocab, n, seed + n)
         generation = runtime.generate(prompt, check_tokens)
+        reference = reference_greedy(model.lm, prompt, check_tokens)
         placement.append({"prompt_tokens": n, "bucket": generation.bucket,
                           "smallest_fitting": min(b for b in buckets if b >= n),
-                          "tokens_match_reference": generation.tokens == reference_greedy(model.lm, prompt, check_tokens)})
+                          "tokens_match_reference": generation.tokens == reference})
     return {
         "context_length": context_length,
         "buckets": {str(b): {"prefill_ms": _median(runs[b]), "runs": runs[b]} for b in buckets},
@@ -512,7 +496,8 @@ def check_targets(report: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 # ---- the suite ------------------------------------------------------------------------------------
-def _load(name: str) -> LoadedModel:
+def load_bench_model(name: str) -> LoadedModel:
+    """A suite model by name: a tiny variant at its seed, or a medium config (`medium.py`)."""
     if name in VARIANTS:
         variant = VARIANTS[name]
         return build_tiny(variant, seed=variant.tiny_seed)
@@ -529,6 +514,7 @@ def run_suite(suite: str = "cpu", quick: bool = False, *, options: SuiteOptions 
     if suite not in SUITES:
         raise UnknownNameError("benchmark suite", suite, SUITES)
     options = options or (SuiteOptions.quick() if quick else SuiteOptions())
+    recommended = recommendation()
     say = progress or (lambda message: log.info("%s", message))
     started = time.perf_counter()
     report: dict[str, Any] = {
@@ -544,7 +530,7 @@ def run_suite(suite: str = "cpu", quick: bool = False, *, options: SuiteOptions 
 
     def model_and_factory(name: str) -> tuple[LoadedModel, GraphFactory]:
         if name not in loaded:
-            loaded[name] = _load(name)
+            loaded[name] = load_bench_model(name)
             factories[name] = GraphFactory(loaded[name], options.backend)
         return loaded[name], factories[name]
 
@@ -557,7 +543,7 @@ def run_suite(suite: str = "cpu", quick: bool = False, *, options: SuiteOptions 
                 name, model, factory, context_length=options.tiny_context, bucket=options.tiny_bucket, prompt=prompt,
                 new_tokens=options.tiny_new_tokens, warmup=options.warmup, iters=options.iters,
                 hf_compile=options.hf_compile, hf_compile_timeout_s=options.hf_compile_timeout_s,
-                bandwidth_mb=options.bandwidth_mb, decode_form=RECOMMENDED_DECODE_EXPERTS))
+                bandwidth_mb=options.bandwidth_mb, decode_form=recommended["decode_experts"]))
             loaded.pop(name), factories.pop(name)
         for name in options.medium_models:
             say(f"medium {name}")
@@ -568,7 +554,7 @@ def run_suite(suite: str = "cpu", quick: bool = False, *, options: SuiteOptions 
                 prompt=prompt, new_tokens=options.medium_new_tokens, warmup=options.warmup,
                 iters=options.medium_iters, hf_compile=options.hf_compile,
                 hf_compile_timeout_s=options.hf_compile_timeout_s, bandwidth_mb=options.bandwidth_mb,
-                decode_form=RECOMMENDED_DECODE_EXPERTS))
+                decode_form=recommended["decode_experts"]))
             torch._dynamo.reset()
 
     if "medium-dense" in options.medium_models:
@@ -591,8 +577,7 @@ def run_suite(suite: str = "cpu", quick: bool = False, *, options: SuiteOptions 
             new_tokens=options.medium_new_tokens, warmup=options.warmup, iters=options.medium_iters)}
 
     report["targets"] = check_targets(report)
-    report["recommendation"] = {"ring_kv": RECOMMENDED_RING_KV, "decode_experts": RECOMMENDED_DECODE_EXPERTS,
-                                "prefill_experts": RECOMMENDED_PREFILL_EXPERTS}
+    report["recommendation"] = recommended
     report["load_average_end"] = _load_average()
     report["peak_rss_mb"] = peak_rss_mb()
     report["wall_s"] = time.perf_counter() - started
@@ -603,76 +588,3 @@ def _load_average() -> list[float] | None:
     with contextlib.suppress(OSError, AttributeError):
         return [round(x, 2) for x in os.getloadavg()]
     return None
-
-
-# ---- markdown (docs/ROOFLINE.md, notebooks) --------------------------------------------------------
-def _f(value: Any, digits: int = 2, suffix: str = "") -> str:
-    if value is None:
-        return "–"
-    if isinstance(value, bool):
-        return "yes" if value else "NO"
-    return f"{value:.{digits}f}{suffix}"
-
-
-def format_report(report: dict[str, Any]) -> str:
-    """The suite's figures as markdown tables."""
-    bw = report.get("bandwidth", {})
-    lines = [f"Threads: {report.get('threads')}; bandwidth at start: GEMV {_f(bw.get('gemv_gb_s'))} GB/s, "
-             f"stream {_f(bw.get('stream_gb_s'))} GB/s; load average {report.get('load_average_start')} → "
-             f"{report.get('load_average_end')}.", "",
-             "| model | params | gemma4lib tok/s | HF eager tok/s | HF static+compile tok/s | speedup vs eager "
-             "| HF compile vs eager | bytes/step MB | bandwidth GB/s | ceiling tok/s | roofline fraction | tokens = HF "
-             "| prefill logits Δ |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    for m in report.get("models", []):
-        p = m["paths"]
-        compiled = p["hf_static_compile"]
-        hf_compile = _f(compiled.get("decode_tok_s"), 1) if compiled.get("status") == "ok" else compiled.get("status")
-        match = p["gemma4lib"].get("tokens_match_reference")
-        lines.append(
-            f"| {m['name']} | {m['params'] / 1e6:.1f}M | {_f(p['gemma4lib'].get('decode_tok_s'), 1)} | "
-            f"{_f(p['hf_eager'].get('decode_tok_s'), 1)} | {hf_compile} | "
-            f"{_f(m['speedup_vs_hf_eager'].get('gemma4lib'), 2, 'x')} | "
-            f"{_f(m['speedup_vs_hf_eager'].get('hf_static_compile'), 2, 'x')} | "
-            f"{m['bytes_per_step']['total'] / 1e6:.1f} | {_f(m['bandwidth']['gb_s'])} | {_f(m['ceiling_tok_s'], 1)} | "
-            f"{_f(m['roofline_fraction'].get('gemma4lib'))} | {_f(match)} | "
-            f"{_f(p['gemma4lib'].get('prefill_logits_max_abs_diff'), 6)} |")
-    ring = report.get("ring_kv")
-    if ring:
-        lines += ["", f"Ring KV ({ring['model']}, window {ring['sliding_window']}; decode steps at the end of "
-                  "the context):", "",
-                  "| context | full-length tok/s | ring tok/s | ring / full | KV MB full | KV MB ring |",
-                  "|---|---|---|---|---|---|"]
-        for ctx, row in ring["contexts"].items():
-            lines.append(f"| {ctx} | {_f(row['full']['decode_tok_s'])} | {_f(row['ring']['decode_tok_s'])} | "
-                         f"{_f(row['ring_speedup'], 2, 'x')} | {row['full']['kv_bytes'] / 1e6:.1f} | "
-                         f"{row['ring']['kv_bytes'] / 1e6:.1f} |")
-        ratios = {k: v for k, v in ring.items() if k.endswith("_over_" + next(iter(ring["contexts"])))}
-        lines += ["", ", ".join(f"{k} = {_f(v)}" for k, v in ratios.items())]
-    experts = report.get("experts")
-    if experts:
-        d, pf = experts["decode"], experts["prefill"]
-        lines += ["", f"Experts ({experts['model']}):", "",
-                  "| form | decode tok/s | bytes/step MB | tokens = HF | prefill ms (bucket "
-                  f"{experts['prefill_bucket']}) | first token = HF |", "|---|---|---|---|---|---|"]
-        for form in ("dense", "selective"):
-            lines.append(f"| {form} | {_f(d[form]['decode_tok_s'])} | {d[form]['bytes_per_step'] / 1e6:.1f} | "
-                         f"{_f(d[form]['tokens_match_reference'])} | {_f(pf[form]['prefill_ms'], 1)} | "
-                         f"{_f(pf[form]['first_token_matches_reference'])} |")
-        rec = experts["recommendation"]
-        lines += ["", f"selective / dense decode = {_f(experts['selective_over_dense_decode'])}x "
-                  f"(bytes dense / selective = {_f(experts['dense_over_selective_bytes'])}x); measured choice: "
-                  f"prefill {rec['prefill']}, decode {rec['decode']} (PortSettings default decode: "
-                  f"{rec['port_settings_default_decode']})."]
-    buckets = report.get("prefill_buckets")
-    if buckets:
-        lines += ["", f"Prefill buckets ({buckets['model']}, context {buckets['context_length']}):", "",
-                  "| bucket | prefill ms |", "|---|---|"]
-        lines += [f"| {b} | {_f(row['prefill_ms'], 1)} |" for b, row in buckets["buckets"].items()]
-        lines += ["", "| prompt tokens | bucket used | smallest that fits | tokens = HF |", "|---|---|---|---|"]
-        lines += [f"| {p['prompt_tokens']} | {p['bucket']} | {p['smallest_fitting']} | "
-                  f"{_f(p['tokens_match_reference'])} |" for p in buckets["placement"]]
-    if report.get("targets"):
-        lines += ["", "| target | value | met |", "|---|---|---|"]
-        lines += [f"| {t['target']} | {_f(t['value'])} | {_f(t['met'])} |" for t in report["targets"]]
-    return "\n".join(lines)
