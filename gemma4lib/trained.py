@@ -101,11 +101,6 @@ def save_fixture(lm: torch.nn.Module, path: Path) -> dict[str, str]:
     return {name: sha256_file(path / name) for name in MODEL_FILES}
 
 
-def available_fixtures(root: Path | None = None) -> list[str]:
-    root = root or FIXTURES_DIR
-    return [name for name in VARIANTS if (root / name / "model.safetensors").is_file()]
-
-
 def fixture_available(variant_name: str | Variant, root: Path | None = None) -> bool:
     """Whether a trained fixture (weights and tokenizer) is present for the variant."""
     root = root or FIXTURES_DIR
