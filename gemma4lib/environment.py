@@ -12,7 +12,30 @@ from typing import Any
 
 import torch
 
-TRANSFORMERS_PIN = "5.23.0"
+
+def _transformers_pin() -> str:
+    """The exact transformers version this project pins. pyproject.toml is the one place it is
+    written: read it from the installed distribution's metadata, or, for a source tree that was
+    never installed, from the pyproject.toml beside the package."""
+    from packaging.requirements import Requirement
+
+    try:
+        requires = importlib.metadata.requires("gemma4lib") or []
+    except importlib.metadata.PackageNotFoundError:
+        import tomllib
+
+        pyproject = Path(__file__).resolve().parent.parent / "pyproject.toml"
+        requires = tomllib.loads(pyproject.read_text())["project"]["dependencies"] if pyproject.is_file() else []
+    for text in requires:
+        req = Requirement(text)
+        pinned = [s.version for s in req.specifier if s.operator == "=="]
+        if req.name == "transformers" and req.marker is None and len(pinned) == 1:
+            return pinned[0]
+    raise RuntimeError("gemma4lib's metadata has no exact transformers pin (`transformers==X` in pyproject.toml); "
+                       "reinstall it: pip install -e .")
+
+
+TRANSFORMERS_PIN = _transformers_pin()
 
 
 def package_version(name: str) -> str | None:
