@@ -89,7 +89,8 @@ def load_weights(runner: Any, graph: DeviceGraph) -> None:
 
 
 def export_graph(graph: DeviceGraph) -> torch.export.ExportedProgram:
-    """Non-strict export: strict mode silently drops the in-place K/V updates (DESIGN §2)."""
+    """Non-strict export: strict mode silently drops the in-place K/V updates (no error, only a
+    warning about side effects, and wrong logits)."""
     with torch.no_grad():
         return torch.export.export(graph, graph.example_inputs(), strict=False)
 

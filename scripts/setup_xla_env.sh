@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Create the XLA lane's pinned environment (issue 8): torch 2.9.0 + torch-xla 2.9.0 from PyPI,
-# the project's transformers pin, and gemma4lib itself (editable, no deps), in $VENV
+# Create the XLA lane's pinned environment (README, "Environments"): torch 2.9.0 + torch-xla 2.9.0
+# from PyPI, the project's transformers pin, and gemma4lib itself (editable, no deps), in $VENV
 # (default: <repo>/.venv-xla, kept out of the main venv and gitignored via `.venv-*/`).
 #
 #   scripts/setup_xla_env.sh            # create or verify (idempotent: exits early if pins match)

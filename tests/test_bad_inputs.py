@@ -1,4 +1,4 @@
-"""Bad inputs and faults (issue 7): each is met with a clear error that says what to do, and no damage.
+"""Bad inputs and faults: each is met with a clear error that says what to do, and no damage.
 
 `CASES` is the table: one row per bad input or fault, with the call that triggers it, the exact
 error type (or warning category, or a logged WARNING) and a fragment of the message that tells the

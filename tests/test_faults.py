@@ -1,4 +1,5 @@
-"""The fault lab (issue 3): every field-report bug is caught, by the check the report predicts.
+"""The fault lab (`gemma4lib.faults`): every field-report bug is caught, by the check the report
+predicts.
 
 Runs through the compiled CPU recipe, like `python -m gemma4lib faults`: the clean E2B graphs are
 shared with the other tests through the artifact cache; the two device-side faults compile their

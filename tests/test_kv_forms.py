@@ -1,5 +1,6 @@
-"""The decode-side forms of issue 6 against the HF reference: ring KV far past the sliding window,
-selective experts (== dense == HF), and prefill buckets (smallest that fits, padding masked).
+"""The decode-side forms (README, "Speed"; docs/ROOFLINE.md) against the HF reference: ring KV far
+past the sliding window, selective experts (== dense == HF), and prefill buckets (smallest that
+fits, padding masked).
 
 Most checks run the device graphs eagerly (the exact module that is exported and compiled; seconds
 on the tiny models); one runs the compiled AOTInductor graphs of the MoE tiny with both new forms.

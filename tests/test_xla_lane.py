@@ -1,4 +1,5 @@
-"""The XLA lane (issue 8): every tiny variant's prefill + decode graphs through torch_xla on CPU.
+"""The XLA lane (README, "Environments"): every tiny variant's prefill + decode graphs through
+torch_xla on CPU.
 
 Runs in the lane's environment (``scripts/setup_xla_env.sh``)::
 
@@ -97,7 +98,7 @@ def test_shape_leak_is_caught_by_the_compile_count(xla_lane):
     assert result["xla_fallback_ops"].get("aten::_local_scalar_dense", 0) >= steps  # the int() read
 
 
-# ---- the HLO byte audit (issue 12): what each decode graph reads, next to the roofline ----------
+# ---- the HLO byte audit (README, "Environments"): what each decode graph reads ------------------
 
 from gemma4lib.backends import hlo_audit  # noqa: E402  (imports without torch_xla)
 
