@@ -114,3 +114,59 @@ def test_the_xla_lane_installs_the_pins_it_reads():
                         f"torch-xla{neuron_env.SDK_CONSTRAINTS['torch-xla']}"]
     assert reqs[2:] == project["dependencies"] + [r for r in project["optional-dependencies"]["test"]
                                                   if r.startswith("pytest")]
+
+
+# ---- scripts/run_tests.sh: the marker default and the cache ---------------------------------------
+
+def _run_tests_sh(tmp_path: Path, *args: str, cache: str | None = None) -> list[str]:
+    """Run scripts/run_tests.sh against a stand-in venv whose `python` records what it was given:
+    [GEMMA4LIB_CACHE, *argv]. setup_env.sh finds the venv present; whatever it asks that python
+    to do is recorded and overwritten by the last call, the script's pytest."""
+    venv = tmp_path / "venv"
+    (venv / "bin").mkdir(parents=True, exist_ok=True)
+    record = tmp_path / "record"
+    python = venv / "bin" / "python"
+    python.write_text(f"#!/bin/sh\nprintf '%s\\0' \"$GEMMA4LIB_CACHE\" \"$@\" > '{record}'\n")
+    python.chmod(0o755)
+    env = {k: v for k, v in os.environ.items() if k != "GEMMA4LIB_CACHE"}
+    env["GEMMA4LIB_VENV"] = str(venv)
+    if cache is not None:
+        env["GEMMA4LIB_CACHE"] = cache
+    subprocess.run(["bash", str(ROOT / "scripts" / "run_tests.sh"), *args], env=env, check=True,
+                   capture_output=True, text=True, timeout=60)
+    return record.read_text().split("\0")[:-1]
+
+
+@pytest.mark.parametrize("args,pytest_args", [
+    ((), ["-m", "not slow"]),
+    (("-q",), ["-m", "not slow", "-q"]),
+    (("-q", "-ra", "tests/test_readme.py"), ["-m", "not slow", "-q", "-ra", "tests/test_readme.py"]),
+    (("-q", "-m", "slow"), ["-q", "-m", "slow"]),
+    (("-mslow",), ["-mslow"]),
+    (("-m", "slow or not slow", "-x"), ["-m", "slow or not slow", "-x"]),
+])
+def test_run_tests_keeps_slow_out_unless_markers_are_chosen(tmp_path, args, pytest_args):
+    cache, *argv = _run_tests_sh(tmp_path, *args)
+    assert argv == ["-m", "pytest", *pytest_args]
+    assert cache == str(ROOT / ".cache" / "gemma4lib-tests")
+
+
+def test_run_tests_keeps_a_cache_the_caller_chose(tmp_path):
+    cache, *argv = _run_tests_sh(tmp_path, "-q", cache=str(tmp_path / "mine"))
+    assert cache == str(tmp_path / "mine") and argv[-1] == "-q"
+
+
+def test_the_test_cache_is_in_the_gitignored_folder():
+    done = subprocess.run(["git", "-C", str(ROOT), "check-ignore", "-q", ".cache/gemma4lib-tests/x"])
+    if done.returncode == 128:
+        pytest.skip("not a git checkout")
+    assert done.returncode == 0, ".cache/ must be gitignored: run_tests.sh keeps compiled graphs there"
+
+
+def test_this_session_never_uses_the_users_cache():
+    """tests/conftest.py: a temporary cache for the session, or the one the caller named."""
+    from gemma4lib.artifacts import default_cache_dir
+
+    chosen = os.environ.get("GEMMA4LIB_CACHE")
+    assert chosen and default_cache_dir() == Path(chosen)
+    assert default_cache_dir() != Path.home() / ".cache" / "gemma4lib"
