@@ -170,3 +170,31 @@ def test_this_session_never_uses_the_users_cache():
     chosen = os.environ.get("GEMMA4LIB_CACHE")
     assert chosen and default_cache_dir() == Path(chosen)
     assert default_cache_dir() != Path.home() / ".cache" / "gemma4lib"
+
+
+# ---- no warning a newcomer must puzzle over ----------------------------------------------------------
+
+def test_a_papermill_kernel_starts_without_the_tcp_warning(tmp_path):
+    """papermill_runs runs its kernels over IPC: ipykernel's "running over TCP without encryption"
+    warning (printed by the kernel process itself, hence the subprocess) never appears."""
+    import nbformat
+    from nbformat.v4 import new_code_cell, new_notebook
+
+    folder = tmp_path / "nbs"
+    folder.mkdir()
+    notebook = new_notebook(cells=[new_code_cell("print('ok', 6 * 7)")])
+    notebook.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    nbformat.write(notebook, str(folder / "tiny.ipynb"))
+    script = (
+        "import json, sys\nfrom pathlib import Path\nfrom papermill_runs import run\n"
+        "tmp = Path(sys.argv[1])\n"
+        "with run.patched_environ(run.kernel_environment(run.kernelspec_dir(tmp / 'jupyter'))):\n"
+        "    outcome = run.execute('tiny', 'tiny.ipynb', tmp / 'out', {}, 120, notebook_dir=tmp / 'nbs')\n"
+        "print(json.dumps({'status': outcome['status'], 'error': outcome.get('error')}))\n")
+    done = subprocess.run([sys.executable, "-c", script, str(tmp_path)], cwd=ROOT, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert '"status": "ok"' in done.stdout, done.stdout + done.stderr
+    assert "ok 42" in (tmp_path / "out" / "notebooks" / "tiny.ipynb").read_text()
+    output = done.stdout + done.stderr + (tmp_path / "out" / "logs" / "tiny.log").read_text()
+    assert "without encryption" not in output and "WARNING" not in output, output
