@@ -6,22 +6,15 @@ They are measurements to record and compare as ratios within one run, never asse
 
 from __future__ import annotations
 
-import resource
 import statistics
-import sys
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
 import torch
 from tqdm.auto import tqdm
 
+from .environment import peak_rss_mb  # noqa: F401  (re-exported: the run record reads it)
 from .runtime import HostRuntime
-
-
-def peak_rss_mb() -> float:
-    """Peak resident memory of this process so far, in MiB."""
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return peak / 1024 / (1024 if sys.platform == "darwin" else 1)
 
 
 @dataclass

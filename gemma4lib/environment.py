@@ -6,7 +6,9 @@ import functools
 import importlib.metadata
 import os
 import platform
+import resource
 import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -94,3 +96,9 @@ def machine() -> dict[str, Any]:
         "torch_threads": torch.get_num_threads(),
         "instance_type": os.environ.get("GEMMA4LIB_INSTANCE_TYPE") or "cpu",
     }
+
+
+def peak_rss_mb() -> float:
+    """Peak resident memory of this process so far, in MiB."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak / 1024 / (1024 if sys.platform == "darwin" else 1)

@@ -32,7 +32,7 @@ EXPECTED = "Paris"
 
 GEMMA3_270M = Variant(
     name="gemma3-270m", hf_id="google/gemma-3-270m", model_class="Gemma3ForCausalLM", recipe="trace",
-    tp_degree=1, instance_type="inf2.xlarge", real_config={}, tiny_config={}, seed=None, supported_tp=(1,),
+    tp_degree=1, instance_type="inf2.xlarge", real_config={}, tiny_config={}, field_report=None, supported_tp=(1,),
     tiny_seed=0, notes=("a real trained Gemma (3, base) through the Gemma-4 device graph",))
 
 
@@ -83,7 +83,8 @@ def load_gemma3_270m(cache_dir: Path | None = None) -> LoadedModel:
 
 def run_gemma3_270m(max_new_tokens: int = 8, context_length: int = 64, prefill_len: int = 16,
                     backend: str = "cpu", cache_dir: Path | None = None) -> dict:
-    """Gemma 3 270M through the compiled device graph vs HF greedy: SEQ_MATCH and ' Paris'."""
+    """Gemma 3 270M through the compiled device graph vs HF greedy: SEQ_MATCH, LOGITS_MATCH and
+    ' Paris'."""
     import time
 
     from . import checks
@@ -107,13 +108,15 @@ def run_gemma3_270m(max_new_tokens: int = 8, context_length: int = 64, prefill_l
         steps, compile_s = graphs, 0.0
     compiled = time.perf_counter()
     runtime = HostRuntime(model, {prefill_len: steps[prefill_len]}, steps[1], graphs[1].new_kv(), context_length)
-    generation = runtime.generate(ids, max_new_tokens)
+    generation = runtime.generate(ids, max_new_tokens, keep_logits=True)
     reference = reference_greedy(model.lm, ids, max_new_tokens)
     answer = model.tokenizer.decode(generation.tokens)
+    logits = checks.check_logits(model.lm, ids, generation.tokens, generation.step_logits)
     report = checks.run_checks(generation.tokens, reference, answer, model.tokenizer.decode(reference),
-                               lambda text: text.startswith(" " + EXPECTED))
+                               lambda text: text.startswith(" " + EXPECTED), logits)
     return {"model": GEMMA3_270M.name, "backend": backend, "seq_match": report.seq_match,
-            "coherent": report.coherent, "answer": answer, "reference_answer": report.reference_answer,
+            "coherent": report.coherent, **logits.record(),
+            "answer": answer, "reference_answer": report.reference_answer,
             "load_s": loaded - started, "compile_s": compile_s, "graph_build_s": compiled - loaded,
             "decode_tok_s": generation.decode_tok_s, "prefill_ms": generation.prefill_s * 1000,
             "total_s": time.perf_counter() - started}

@@ -169,6 +169,7 @@ class DeviceGraph(nn.Module):
         self.lm_head = lm_head
         self.layout, self.shape, self.inplace, self.expert_form = layout, shape, inplace, expert_form
         self.tags: dict[str, str] = {}  # anything else that changes the program (e.g. a fault-lab fault)
+        self.kv_class: type[ExplicitKV] = ExplicitKV  # the cache's class (the fault lab swaps it)
         self.has_ple = bool(getattr(text_model.config, "hidden_size_per_layer_input", 0))
         self.dtype = lm_head.weight.dtype
 
@@ -199,7 +200,7 @@ class DeviceGraph(nn.Module):
             per_layer_inputs, (start, length, *kv) = None, args
         producers = self.layout.producers
         buffers = {layer.index: (kv[2 * i], kv[2 * i + 1]) for i, layer in enumerate(producers)}
-        cache = ExplicitKV(buffers, self.shape, start, length, self.inplace)
+        cache = self.kv_class(buffers, self.shape, start, length, self.inplace)
         masks = build_masks(self.layout, self.shape, start, length, inputs_embeds.dtype)
         position_ids = (start + torch.arange(self.shape.tokens, device=start.device))[None].expand(
             inputs_embeds.shape[0], -1)

@@ -2,17 +2,16 @@
 
 The notebooks call the port's stages themselves (`gemma4lib.port`); what lives here is what a
 notebook shows between them: tables of the model's special features, the arithmetic behind the
-tensor-parallel layout, the two checks side by side, the result record, the demonstrations of
-each variant's pitfall, and an optional chat widget. Everything returns plain data or a `Table`
-(HTML in Jupyter, aligned text in logs and executed notebooks read as text).
+tensor-parallel layout, the three checks side by side (and the random-weights witness's), the
+result record, the demonstrations of each variant's pitfall, and an optional chat widget.
+Everything returns plain data or a `Table` (HTML in Jupyter, aligned text in logs and executed
+notebooks read as text).
 """
 
 from __future__ import annotations
 
 import html
 import json
-import sys
-import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,8 +21,8 @@ import torch
 
 from . import checks
 from .artifacts import atomic_write_json
-from .bench import BenchFigures, peak_rss_mb
-from .environment import machine, versions
+from .bench import BenchFigures
+from .record import build_record
 from .kv_layout import FULL, SLIDING, KVLayout
 from .loading import LoadedModel, text_config
 from .roofline import GB, GIB, INSTANCES, compare, measure_bandwidth
@@ -140,9 +139,10 @@ def recipe_table() -> Table:
     for v in VARIANTS.values():
         inst = INSTANCES[v.instance_type]
         cores, host = inst.neuron_cores, inst.host_ram_gib
-        seed = (f"~{v.seed.decode_tok_s:.0f} tok/s decode" if v.seed.decode_tok_s else
-                f"prefill ~{v.seed.prefill_ms:.0f} ms")
-        rows.append([v.name, v.recipe, v.tp_degree, v.instance_type, f"{cores} cores, {host} GiB host RAM", seed])
+        reported = (f"~{v.field_report.decode_tok_s:.0f} tok/s decode" if v.field_report.decode_tok_s else
+                    f"prefill ~{v.field_report.prefill_ms:.0f} ms")
+        rows.append([v.name, v.recipe, v.tp_degree, v.instance_type, f"{cores} cores, {host} GiB host RAM",
+                     reported])
     return Table(["variant", "recipe", "TP", "instance", "instance has", "field report"], rows,
                  "the recipe escalates with the model")
 
@@ -494,7 +494,6 @@ def equality_is_not_enough(model: LoadedModel, runtime: Any, settings: Any) -> T
         return Table(["note"], [["random weights have no tokenizer and no meaningful answer: this demonstration "
                                  "needs the trained fixture (or a real checkpoint)"]], "skipped")
     eos = eos_ids(model)
-    coherence = checks.expect_substring(settings.expect) if settings.expect else None
     rows = []
     from .port import prompt_ids
     for label, ids in (("tokenizer's chat template", prompt_ids(model, settings)),
@@ -502,8 +501,8 @@ def equality_is_not_enough(model: LoadedModel, runtime: Any, settings: Any) -> T
         n = min(settings.max_new_tokens, runtime.context_length - len(ids))
         device = runtime.generate(ids, n, eos_token_ids=eos).tokens
         reference = reference_greedy(model.lm, ids, n, eos)
-        answer = answer_text(model, device)
-        report = checks.run_checks(device, reference, answer, answer_text(model, reference), coherence)
+        report = checks.evaluate(model.lm, model.tokenizer, ids, device, reference, expect=settings.expect)
+        answer = report.answer
         rows.append([label, len(ids), report.seq_match, report.coherent, answer])
     return Table(["prompt", "prompt tokens", "SEQ_MATCH", "coherent", "device answer"], rows,
                  "device == reference proves the compiler faithful, not the input right")
@@ -540,32 +539,83 @@ def describe_compile(compiled: Any) -> Table:
 # ---- checks, benchmark, record --------------------------------------------------------------
 
 def answer_text(model: LoadedModel, tokens: Sequence[int]) -> str | None:
-    if model.tokenizer is None:
-        return None
-    return model.tokenizer.decode(list(tokens), skip_special_tokens=True).strip()
+    return checks.answer_text(model.tokenizer, tokens)
 
 
-def check(model: LoadedModel, settings: Any, device_tokens: Sequence[int], reference_tokens: Sequence[int]
-          ) -> checks.CheckReport:
-    coherence = checks.expect_substring(settings.expect) if settings.expect and model.tokenizer else None
-    return checks.run_checks(device_tokens, reference_tokens, answer_text(model, device_tokens),
-                             answer_text(model, reference_tokens), coherence)
+def _tokens(device: Any) -> list[int]:
+    """Tokens of a `runtime.Generation` or a plain token list."""
+    return list(getattr(device, "tokens", device))
 
 
-def side_by_side(report: checks.CheckReport, device_tokens: Sequence[int] = (),
+def check(model: LoadedModel, settings: Any, device: Any, reference_tokens: Sequence[int],
+          prompt_ids: Sequence[int] | None = None) -> checks.CheckReport:
+    """SEQ_MATCH, LOGITS_MATCH and coherence of one device run.
+
+    `device` is the `Generation` from `runtime.generate(..., keep_logits=True)` (its per-step
+    logits make LOGITS_MATCH possible) or, for SEQ_MATCH and coherence only, a token list."""
+    step_logits = getattr(device, "step_logits", None)
+    prompt = prompt_ids if prompt_ids is not None else getattr(device, "prompt_ids", None)
+    return checks.evaluate(model.lm, model.tokenizer, prompt or [], _tokens(device), reference_tokens,
+                           expect=settings.expect, step_logits=step_logits if prompt is not None else None)
+
+
+def _logits_cells(logits: checks.LogitsCheck | None) -> list[str]:
+    if logits is None:
+        return ["not checked (no per-step logits: generate with keep_logits=True)", ""]
+    worst = ("prefill" if logits.worst_position == 0 else f"decode step {logits.worst_position}")
+    return [f"{logits.passed}: max |Δ| {logits.max_err:.3g} (at {worst}) "
+            f"{'<=' if logits.passed else '>'} {logits.tolerance:.3g}",
+            f"tolerance = max({logits.factor:g} × the reference's own spread {logits.spread:.3g} "
+            f"[vs a {logits.precise_dtype} copy], {logits.floor:g})"]
+
+
+def side_by_side(report: checks.CheckReport, device_tokens: Any = (),
                  reference_tokens: Sequence[int] = ()) -> Table:
-    """SEQ_MATCH and coherence in one table: the device's answer next to the reference's."""
+    """The three checks in one table: the device's answer next to the reference's, SEQ_MATCH,
+    LOGITS_MATCH (every generated position, with the tolerance it was held to) and coherence."""
     rows = [
         ["answer", report.answer, report.reference_answer],
-        ["tokens", list(device_tokens), list(reference_tokens)],
+        ["tokens", _tokens(device_tokens), list(reference_tokens)],
         ["SEQ_MATCH (tokens equal)", report.seq_match, "" if report.first_mismatch is None
          else f"first mismatch at token {report.first_mismatch}"],
+        ["LOGITS_MATCH (logits at every position)", *_logits_cells(report.logits)],
         ["coherent" + (f" ({report.coherence_rule})" if report.coherence_rule else ""),
          "not checked (random weights)" if report.coherent is None else report.coherent, ""],
     ]
     return Table(["", "device", "reference (host fp32)"], rows,
                  "PASS" if report.passed and report.coherent is not None else
                  "PASS (equality only)" if report.passed else "FAIL")
+
+
+def run_witness(settings: Any, compiled: Any = None) -> dict[str, Any]:
+    """The random-weights witness of this port (`port.run_witness`): the same variant, shapes and
+    compiled programs with seeded random weights, checked for SEQ_MATCH and LOGITS_MATCH. With
+    the trained run's `compiled` graphs it also says whether it ran the very same artifacts."""
+    from .port import run_witness as _run
+    artifacts = (getattr(compiled, "info", None) or {}).get("artifacts")
+    return _run(settings, artifacts=artifacts)
+
+
+def witness_table(witness: Mapping[str, Any] | None) -> Table:
+    """The witness's checks: a random model has near-ties where the trained one has margins of
+    several logits, so a logit error the trained run absorbs changes the witness's tokens."""
+    if not witness:
+        return Table(["note"], [["no witness for this run (it runs in smoke runs of a trained "
+                                 "fixture)"]], "witness: skipped")
+    rows = [
+        ["model", witness.get("model_source"),
+         f"seed {witness.get('seed')}, {witness.get('prompt_tokens')} prompt tokens, "
+         f"{witness.get('new_tokens')} generated"],
+        ["smallest top-1 − top-2 reference margin",
+         f"{witness.get('reference_min_margin') or 0:.3g}",
+         "the trained model's margins are several logits"],
+        ["SEQ_MATCH", witness.get("seq_match"), "" if witness.get("first_mismatch") is None
+         else f"first mismatch at token {witness.get('first_mismatch')}"],
+        ["LOGITS_MATCH", witness.get("logits_match"), witness.get("logits_explain") or ""],
+        ["same compiled programs as the trained run", witness.get("same_programs", "—"), ""],
+    ]
+    return Table(["", "witness", ""], rows,
+                 "witness: PASS" if witness.get("passed") else "witness: FAIL")
 
 
 def measured_vs_ceiling(model: LoadedModel, settings: Any, figures: BenchFigures) -> dict[str, Any]:
@@ -587,7 +637,7 @@ def measured_vs_ceiling(model: LoadedModel, settings: Any, figures: BenchFigures
                       **common)
         row["bandwidth"] = bandwidth
     row["label"] = f"this run ({settings.profile})"
-    released = compare(v.seed.decode_tok_s, v.name, device=v.instance_type, cores=v.tp_degree, context_length=2048,
+    released = compare(v.field_report.decode_tok_s, v.name, device=v.instance_type, cores=v.tp_degree, context_length=2048,
                        ring=True, experts="selective" if v.is_moe else "dense")
     released["label"] = f"released {v.name.upper()}, {v.instance_type} TP={v.tp_degree} (field report)"
     row["released_inf2"] = released
@@ -605,9 +655,9 @@ def bench_table(figures: BenchFigures, settings: Any, ceiling: Mapping[str, Any]
                 f"{b['total'] / 1e6:,.1f} MB per step ({b['weights'] / 1e6:,.1f} weights + {b['kv'] / 1e6:,.1f} K/V)")
 
     rows = [["prefill (median ms)", f"{figures.prefill_ms:.3f}",
-             f"~{v.seed.prefill_ms:.0f} ms (field report)" if v.seed.prefill_ms else "—"],
+             f"~{v.field_report.prefill_ms:.0f} ms (field report)" if v.field_report.prefill_ms else "—"],
             ["decode (median tok/s)", f"{figures.decode_tok_s:.1f}",
-             f"~{v.seed.decode_tok_s:.0f} tok/s (field report)" if v.seed.decode_tok_s else "—"],
+             f"~{v.field_report.decode_tok_s:.0f} tok/s (field report)" if v.field_report.decode_tok_s else "—"],
             ["decode ceiling (bandwidth / bytes per step)",
              roof(ceiling, "HBM of the cores in use" if settings.backend == "neuron" else "measured now"),
              roof(released, "HBM")],
@@ -620,50 +670,29 @@ def bench_table(figures: BenchFigures, settings: Any, ceiling: Mapping[str, Any]
                   f"released model on {v.instance_type}, TP={v.tp_degree}, 2,048 context"], rows, title)
 
 
-def record(settings: Any, model: LoadedModel, ids: Sequence[int], compiled: Any, device_tokens: Sequence[int],
+def record(settings: Any, model: LoadedModel, ids: Sequence[int], compiled: Any, device_tokens: Any,
            reference_tokens: Sequence[int], report: checks.CheckReport, figures: BenchFigures,
-           results_path: str | Path | None, started: float | None = None, extra: Mapping[str, Any] | None = None
+           results_path: str | Path | None, started: float | None = None,
+           extra: Mapping[str, Any] | None = None, witness: Mapping[str, Any] | None = None
            ) -> dict[str, Any]:
-    """The run's record, with the same keys as `gemma4lib.port.port()`'s; written atomically to
-    `results_path` (JSON) when given."""
+    """The run's record (`record.build_record`, the builder `port()` uses too), written atomically
+    to `results_path` (JSON) when given; `extra` (the notebook's demonstrations) rides along."""
     from .port import prefill_logits_error
 
-    v = settings.variant_spec
-    result = {
-        "variant": v.name,
-        "profile": settings.profile,
-        "backend": settings.backend,
+    figures_run = {
+        "tokens": _tokens(device_tokens),
         "recipe": compiled.recipe,
-        "inf2_recipe": v.recipe,
-        "tp_degree": settings.tp_degree,
-        "model_source": model.source,
-        "seq_match": report.seq_match,
-        "coherent": report.coherent,
-        "coherence_rule": report.coherence_rule,
-        "answer": report.answer,
-        "reference_answer": report.reference_answer,
-        "new_tokens": len(device_tokens),
-        "tokens": list(device_tokens),
-        "reference_tokens": list(reference_tokens),
-        "first_mismatch": report.first_mismatch,
-        "prompt_tokens": len(ids),
-        "prefill_ms": figures.prefill_ms,
-        "decode_tok_s": figures.decode_tok_s,
         "compile_s": compiled.compile_s,
         "cache_hits": compiled.cache_hits,
         "prefill_logits_max_abs_diff": prefill_logits_error(model, compiled.runtime, ids),
         "bench": figures.to_dict(),
-        "peak_rss_mb": peak_rss_mb(),
-        "wall_s": None if started is None else time.perf_counter() - started,
-        "layout": model.layout.describe(),
-        "params": model.param_count(),
-        "parameters": settings.parameters(),
-        "versions": versions(),
-        "machine": {**machine(), "python": sys.executable},
+        "prefill_ms": figures.prefill_ms,
+        "decode_tok_s": figures.decode_tok_s,
         **dict(compiled.info),
         **(compiled.report() if callable(getattr(compiled, "report", None)) else {}),
-        **_tables_to_dicts(dict(extra or {})),
     }
+    result = build_record(settings, model, list(ids), figures_run, report, list(reference_tokens), started=started,
+                          witness=witness, extra=_tables_to_dicts(dict(extra or {})))
     if results_path:
         result["result_file"] = str(Path(results_path))
         atomic_write_json(Path(results_path), result)
@@ -696,11 +725,13 @@ def load_results(folder: str | Path) -> dict[str, dict[str, Any]]:
 
 
 def results_table(results: Mapping[str, Mapping[str, Any]]) -> Table:
-    rows = [[r.get("variant"), r.get("recipe"), r.get("tp_degree"), r.get("seq_match"), r.get("coherent"),
+    rows = [[r.get("variant"), r.get("recipe"), r.get("tp_degree"), r.get("seq_match"),
+             r.get("logits_match"), r.get("coherent"), (r.get("witness") or {}).get("passed"),
              r.get("compile_s"), r.get("prefill_ms"), r.get("decode_tok_s"), r.get("answer")]
             for r in results.values()]
-    return Table(["variant", "recipe", "TP", "seq_match", "coherent", "compile s", "prefill ms", "decode tok/s",
-                  "answer"], rows, "the last recorded run of each variant" if rows else
+    return Table(["variant", "recipe", "TP", "seq_match", "logits_match", "coherent", "witness",
+                  "compile s", "prefill ms", "decode tok/s", "answer"], rows,
+                 "the last recorded run of each variant" if rows else
                  "no results recorded yet: run the variant notebooks (or `python -m papermill_runs run`) first")
 
 

@@ -13,6 +13,8 @@ from typing import Any
 
 from matplotlib.figure import Figure
 
+from .checks import failed_checks
+
 OK, BAD, UNKNOWN = "#2e7d32", "#c62828", "#9e9e9e"
 SLIDING_COLOUR, FULL_COLOUR = "#64b5f6", "#ef6c00"
 METRIC_LABELS = {
@@ -192,15 +194,15 @@ def memory_budget(rows: Sequence[Mapping[str, Any]], title: str = "bf16 weights 
 
 def family_metrics(results: Mapping[str, Mapping[str, Any]] | Sequence[Mapping[str, Any]],
                    metrics: Sequence[str] = ("prefill_ms", "decode_tok_s", "compile_s")) -> Figure:
-    """One bar chart per metric, one bar per variant; bar colour = correctness (green: SEQ_MATCH
-    and coherent, red: a check failed, grey: not checked)."""
+    """One bar chart per metric, one bar per variant; bar colour = correctness (green: every check
+    passed, red: a check failed, grey: not checked)."""
     rows = [r for r in _as_list(results) if r.get("variant")]
     if not rows:
         return _empty("no results yet: run the variant notebooks (or papermill_runs) first")
     fig = Figure(figsize=(4 * len(metrics), 3))
     names = [r["variant"] for r in rows]
-    colours = [_status_colour(bool(r.get("seq_match")) and r.get("coherent") is not False
-                              if r.get("seq_match") is not None else None) for r in rows]
+    colours = [_status_colour(not failed_checks(r) if r.get("seq_match") is not None else None)
+               for r in rows]
     for i, metric in enumerate(metrics):
         ax = fig.add_subplot(1, len(metrics), i + 1)
         values = [float(r.get(metric) or 0.0) for r in rows]
@@ -208,29 +210,33 @@ def family_metrics(results: Mapping[str, Mapping[str, Any]] | Sequence[Mapping[s
         ax.set_title(METRIC_LABELS.get(metric, metric), fontsize=9)
         ax.tick_params(axis="x", labelsize=8)
     profile = rows[0].get("profile", "")
-    fig.suptitle(f"last run ({profile} profile): bar colour = both checks passed", fontsize=10)
+    fig.suptitle(f"last run ({profile} profile): bar colour = every check passed", fontsize=10)
     fig.tight_layout()
     return fig
 
 
 def checks_grid(results: Mapping[str, Mapping[str, Any]] | Sequence[Mapping[str, Any]]) -> Figure:
-    """Variants × (SEQ_MATCH, coherent): the two checks side by side, because neither implies the other."""
+    """Variants × (SEQ_MATCH, LOGITS_MATCH, coherent, witness): the checks side by side, because
+    none implies the others."""
     rows = [r for r in _as_list(results) if r.get("variant")]
     if not rows:
         return _empty("no results yet")
-    checks = ("seq_match", "coherent")
-    fig = Figure(figsize=(1.2 * len(rows) + 2, 1.8))
+    checks = ("seq_match", "logits_match", "coherent", "witness")
+    labels = ["SEQ_MATCH", "LOGITS_MATCH", "coherent", "witness"]
+    fig = Figure(figsize=(1.2 * len(rows) + 2, 2.4))
     ax = fig.add_subplot()
     for x, r in enumerate(rows):
         for y, check in enumerate(checks):
             value = r.get(check)
+            if check == "witness":  # its SEQ_MATCH and LOGITS_MATCH; n/a when it did not run
+                value = None if not value else value.get("passed")
             ax.add_patch(_box(x, len(checks) - 1 - y, _status_colour(value)))
             ax.text(x + 0.5, len(checks) - 0.5 - y, {True: "yes", False: "NO"}.get(value, "n/a"),
                     ha="center", va="center", color="white", fontsize=8)
     ax.set_xlim(0, len(rows))
     ax.set_ylim(0, len(checks))
     ax.set_xticks([i + 0.5 for i in range(len(rows))], [r["variant"] for r in rows], fontsize=8)
-    ax.set_yticks([i + 0.5 for i in range(len(checks))], list(reversed(["SEQ_MATCH", "coherent"])), fontsize=8)
+    ax.set_yticks([i + 0.5 for i in range(len(checks))], list(reversed(labels)), fontsize=8)
     ax.set_title("device == reference, and the answer makes sense", fontsize=10)
     return fig
 

@@ -19,7 +19,7 @@ VOCAB_SIZE = 262_144
 
 
 @dataclass(frozen=True)
-class SeedFigures:
+class FieldReportFigures:
     """What the field report (the earlier inf2 port this cookbook builds on; README, "The family
     at a glance") measured on inf2 for this variant, for comparison only. No copy of the report
     ships in the repository: these figures are its record here."""
@@ -40,7 +40,7 @@ class Variant:
     instance_type: str
     real_config: dict[str, Any]
     tiny_config: dict[str, Any]
-    seed: SeedFigures
+    field_report: FieldReportFigures
     supported_tp: tuple[int, ...]
     # Seed of the tiny random model and its prompt: chosen so the 32-token greedy reference has
     # >= 10 distinct tokens and a top-1/top-2 logit margin >= 0.019 at every step (a near-tie
@@ -103,7 +103,7 @@ VARIANTS: dict[str, Variant] = {
             num_key_value_heads=1, hidden_size_per_layer_input=16, num_kv_shared_layers=4,
             use_double_wide_mlp=True, attention_k_eq_v=False,
         ),
-        seed=SeedFigures(decode_tok_s=44.0),
+        field_report=FieldReportFigures(decode_tok_s=44.0),
         supported_tp=(1, 2),
         tiny_seed=10,
         notes=("PLE table stays on the host", "20 of 35 layers reuse K/V of layers 13 and 14"),
@@ -127,7 +127,7 @@ VARIANTS: dict[str, Variant] = {
             num_key_value_heads=2, hidden_size_per_layer_input=16, num_kv_shared_layers=5,
             use_double_wide_mlp=False, attention_k_eq_v=False,
         ),
-        seed=SeedFigures(decode_tok_s=34.0),
+        field_report=FieldReportFigures(decode_tok_s=34.0),
         supported_tp=(1, 2),
         tiny_seed=8,
         notes=("TP=2 leaves one KV head per rank",),
@@ -150,7 +150,7 @@ VARIANTS: dict[str, Variant] = {
             num_key_value_heads=2, num_global_key_value_heads=1, hidden_size_per_layer_input=0,
             num_kv_shared_layers=0, attention_k_eq_v=True,
         ),
-        seed=SeedFigures(prefill_ms=101.0),
+        field_report=FieldReportFigures(prefill_ms=101.0),
         supported_tp=(1, 2, 4),
         tiny_seed=38,
         notes=("eager attention: the fused kernel overflows SBUF at window 1024",
@@ -174,7 +174,7 @@ VARIANTS: dict[str, Variant] = {
             num_key_value_heads=8, num_global_key_value_heads=2, head_dim=8, global_head_dim=16,
             hidden_size_per_layer_input=0, num_kv_shared_layers=0, attention_k_eq_v=True,
         ),
-        seed=SeedFigures(prefill_ms=115.0),
+        field_report=FieldReportFigures(prefill_ms=115.0),
         supported_tp=(1, 2, 4, 8),
         tiny_seed=35,
         notes=("4 global KV heads at TP=8: replicated, not sharded",),
@@ -200,7 +200,7 @@ VARIANTS: dict[str, Variant] = {
             hidden_size_per_layer_input=0, num_kv_shared_layers=0, attention_k_eq_v=True,
             enable_moe_block=True, num_experts=16, top_k_experts=4, moe_intermediate_size=32,
         ),
-        seed=SeedFigures(prefill_ms=77.0),
+        field_report=FieldReportFigures(prefill_ms=77.0),
         supported_tp=(1, 2, 4, 8),
         tiny_seed=22,
         notes=("all 128 experts are resident: A4B saves compute, not memory",),

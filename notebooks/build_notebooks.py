@@ -270,7 +270,7 @@ graph. The packages go into an artifact cache keyed by everything that changes t
 a second run loads them in a second instead of compiling again. {recipe_note}
 """),
         code("""
-compiled = compile_graphs(model, prefill, decode, s, progress=True)
+compiled = compile_graphs(model, s, progress=True)  # each backend builds the graph form its compiler needs
 nb.describe_compile(compiled)
 """),
     ]
@@ -283,9 +283,11 @@ def check_cells() -> list:
 
 The host runtime embeds the prompt, runs the smallest prefill bucket that fits, then loops the
 decode graph one token at a time with greedy argmax until `<eos>`/`<turn|>` or `max_new_tokens`.
+`keep_logits=True` also keeps the raw logits of every step, for the logit check below.
 """),
         code("""
-generation = compiled.runtime.generate(ids, s.max_new_tokens, eos_token_ids=eos_ids(model))
+generation = compiled.runtime.generate(ids, s.max_new_tokens, eos_token_ids=eos_ids(model),
+                                       keep_logits=True)
 nb.answer_text(model, generation.tokens)
 """),
         md("""
@@ -298,17 +300,36 @@ reference = reference_greedy(model.lm, ids, s.max_new_tokens, eos_ids(model))
 nb.answer_text(model, reference)
 """),
         md("""
-## 6. SEQ_MATCH and coherence, side by side
+## 6. SEQ_MATCH, LOGITS_MATCH and coherence, side by side
 
-Two checks, because neither implies the other. **SEQ_MATCH** (the device's tokens equal the
-reference's, one for one) shows the compiled graph is faithful to transformers' forward.
-**Coherence** (the answer contains "Paris") shows that what both of them computed is right. A
-fault upstream of both, like a mangled chat prompt or wrong PLE inputs, passes the first check and
-fails only the second.
+Three checks, because none implies the others. **SEQ_MATCH** (the device's tokens equal the
+reference's, one for one) shows the compiled graph is faithful to transformers' forward, as far
+as tokens can show it: this model answers with margins of several logits, so an error of 0.1 in
+every logit leaves every token alone. **LOGITS_MATCH** compares the device's logits at every
+generated position, prefill and each decode step, with the reference's logits for the same
+tokens (one forward over prompt + device tokens), within a tolerance taken from the reference's
+own rounding on that sequence: 8 × the largest difference between the reference and a float64
+copy of itself, never below 1e-5. **Coherence** (the answer contains "Paris") shows that what
+both of them computed is right. A fault upstream of both, like a mangled chat prompt or wrong PLE
+inputs, passes both equality checks and fails only the last.
 """),
         code("""
-report = nb.check(model, s, generation.tokens, reference)
+report = nb.check(model, s, generation, reference)
 nb.side_by_side(report, generation.tokens, reference)
+"""),
+        md("""
+### The witness
+
+The same compiled programs also run a seeded random-weights model of this architecture (the
+weights are handed to the compiled program at load time; the buffers the compiler folds in,
+such as `layer_scalar`, hold the same values in both tiny models). Random weights have near-ties
+where the trained model has margins of several logits, so any logit error turns into another
+token: the witness's SEQ_MATCH and LOGITS_MATCH are the sensitive checks, the trained model's
+coherence the meaningful one. It runs in the smoke profile.
+"""),
+        code("""
+witness = nb.run_witness(s, compiled) if s.wants_witness else None
+nb.witness_table(witness)
 """),
     ]
 
@@ -339,14 +360,16 @@ nb.bench_table(figures, s, ceiling)
         md("""
 ## 8. Record
 
-One JSON file per run: settings, both checks, tokens, timings, the K/V layout, package versions,
-git commit and machine, plus what the demonstrations found. It is written atomically to
-`results_path`; `papermill_runs` collects these files and compares them with the baselines.
+One JSON file per run: settings, the three checks (and the witness's), tokens, timings, the K/V
+layout, package versions, git commit and machine, plus what the demonstrations found. It is
+written atomically to `results_path`; `papermill_runs` collects these files and compares them
+with the baselines.
 """),
         code("""
 result = nb.record(s, model, ids, compiled, generation.tokens, reference, report, figures, results_path,
-                   started, extra={"demos": demos, "roofline": ceiling})
-{k: result[k] for k in ("variant", "recipe", "seq_match", "coherent", "prefill_ms", "decode_tok_s", "compile_s")}
+                   started, extra={"demos": demos, "roofline": ceiling}, witness=witness)
+{k: result.get(k) for k in ("variant", "recipe", "seq_match", "logits_match", "coherent",
+                            "checks_passed", "prefill_ms", "decode_tok_s", "compile_s")}
 """),
         md("""
 ## 9. Plots
@@ -894,8 +917,8 @@ nb.recipe_table()
         md("""
 ## The last run
 
-The newest record of each variant in `results_dir`: both checks, and the benchmark figures. In
-the smoke profile these are tiny models on a CPU; the bar colour says whether both checks passed.
+The newest record of each variant in `results_dir`: the checks, and the benchmark figures. In
+the smoke profile these are tiny models on a CPU; the bar colour says whether every check passed.
 """),
         code("""
 results = nb.load_results(results_dir)
@@ -920,7 +943,7 @@ hand-built one both pass SEQ_MATCH, and only the coherence check tells them apar
         code("""
 demo = PortSettings(variant=demo_variant, backend="eager", prompt=prompt, expect=expect, max_new_tokens=16)
 demo_model = load_model(demo)
-demo_graphs = compile_graphs(demo_model, *build_graphs(demo_model, demo), demo)
+demo_graphs = compile_graphs(demo_model, demo)
 equality_demo = nb.equality_is_not_enough(demo_model, demo_graphs.runtime, demo)
 equality_demo
 """),

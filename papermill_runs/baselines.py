@@ -8,7 +8,8 @@ regression, and whether the metric gates the verdict or is only reported.
 Verdicts, worst first:
 
 - `error`: the notebook failed (or wrote no record);
-- `fail`: a correctness check failed (SEQ_MATCH, coherence, logits, the answer changed);
+- `fail`: a correctness check failed (SEQ_MATCH, LOGITS_MATCH, coherence, the witness's
+  SEQ_MATCH or LOGITS_MATCH, the prefill logits bound, the answer changed);
 - `regression`: a gated metric is worse than its baseline beyond tolerance;
 - `no-baseline`: nothing to compare with (no file, or no entry for the variant). It fails the run
   unless `--allow-missing-baseline` (or `--update-baseline`, which writes one);
@@ -40,8 +41,9 @@ SCHEMA = 1
 LOWER, HIGHER = "lower_is_better", "higher_is_better"
 STATUS_ORDER = ("pass", "no-baseline", "regression", "fail", "error")
 # what a baseline entry keeps of a result
-BASELINE_KEYS = ("seq_match", "coherent", "answer", "model_source", "recipe", "tp_degree", "new_tokens",
-                 "prefill_ms", "decode_tok_s", "compile_s", "peak_rss_mb", "prefill_logits_max_abs_diff")
+BASELINE_KEYS = ("seq_match", "logits_match", "coherent", "answer", "model_source", "recipe",
+                 "tp_degree", "new_tokens", "prefill_ms", "decode_tok_s", "compile_s",
+                 "peak_rss_mb", "prefill_logits_max_abs_diff", "logits_max_err", "logits_tolerance")
 
 
 def machine_kind() -> str:
@@ -110,6 +112,10 @@ def _check_entry(name: str, entry: Any, metrics: Iterable[str]) -> list[str]:
         problems.append(f"variants.{name}.seq_match must be true or false")
     if entry.get("coherent") not in (True, False, None):
         problems.append(f"variants.{name}.coherent must be true, false or null")
+    if entry.get("logits_match") not in (True, False, None):
+        problems.append(f"variants.{name}.logits_match must be true, false or null")
+    if entry.get("witness") is not None and not isinstance(entry.get("witness"), dict):
+        problems.append(f"variants.{name}.witness must be an object or null")
     for metric in metrics:
         value = entry.get(metric)
         if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0):
@@ -152,6 +158,9 @@ def load_baseline(path: Path, profile: str, kind: str, metrics: Iterable[str] = 
 
 def baseline_entry(result: Mapping[str, Any]) -> dict[str, Any]:
     entry = {k: result.get(k) for k in BASELINE_KEYS}
+    witness = result.get("witness")
+    entry["witness"] = None if not witness else {k: witness.get(k)
+                                                 for k in ("seq_match", "logits_match")}
     entry["git_sha"] = (result.get("versions") or {}).get("git_sha")
     entry["recorded"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     return entry
@@ -285,6 +294,21 @@ def correctness_problems(result: Mapping[str, Any], entry: Mapping[str, Any] | N
         elif coherent is None and entry is not None and entry.get("coherent") is True:
             problems.append(f"coherence not checked (model source {result.get('model_source')!r}) although the "
                             f"baseline was coherent: is the trained fixture missing?")
+    if rules.get("logits_match", True):
+        if result.get("logits_match") is False:
+            problems.append(str(result.get("logits_explain") or "LOGITS_MATCH failed"))
+        elif result.get("logits_match") is None and (entry or {}).get("logits_match") is True:
+            problems.append("LOGITS_MATCH not checked (the record has no per-step logits) although "
+                            "the baseline checked it")
+    witness = result.get("witness")
+    if rules.get("witness", True):
+        for key, name in (("seq_match", "SEQ_MATCH"), ("logits_match", "LOGITS_MATCH")):
+            if witness and witness.get(key) is False:
+                detail = (f" (first mismatch at token {witness.get('first_mismatch')})"
+                          if key == "seq_match" else f": {witness.get('logits_explain')}")
+                problems.append(f"witness {name} failed{detail}")
+        if not witness and entry is not None and entry.get("witness"):
+            problems.append("the random-weights witness did not run although the baseline ran it")
     atol = rules.get("prefill_logits_max_abs_diff")
     diff = result.get("prefill_logits_max_abs_diff")
     if atol is not None and diff is not None and diff > atol:

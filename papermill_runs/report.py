@@ -13,8 +13,8 @@ from gemma4lib.artifacts import atomic_write_text
 
 from .baselines import Verdict
 
-COLUMNS = ("notebook", "variant", "recipe", "TP", "seq_match", "coherent", "compile s", "prefill ms",
-           "decode tok/s", "verdict")
+COLUMNS = ("notebook", "variant", "recipe", "TP", "seq_match", "logits_match", "logit err / tol",
+           "coherent", "witness", "compile s", "prefill ms", "decode tok/s", "verdict")
 PLOT_METRICS = ("prefill_ms", "decode_tok_s", "compile_s")
 
 
@@ -28,13 +28,24 @@ def _fmt(value: Any, digits: int = 3) -> str:
     return str(value)
 
 
+def _witness(record: Mapping[str, Any]) -> str:
+    """The witness's two checks in one cell ("—" when it did not run)."""
+    w = record.get("witness")
+    if not w:
+        return "—"
+    return "pass" if w.get("seq_match") and w.get("logits_match") is not False else "FAIL"
+
+
 def summary_rows(results: Mapping[str, Mapping[str, Any] | None], verdicts: Mapping[str, Verdict]
                  ) -> list[list[str]]:
     rows = []
     for name, verdict in verdicts.items():
         r = results.get(name) or {}
+        err = "—" if r.get("logits_max_err") is None else \
+            f"{_fmt(r.get('logits_max_err'), 2)} / {_fmt(r.get('logits_tolerance'), 2)}"
         rows.append([verdict.notebook or "", name, _fmt(r.get("recipe")), _fmt(r.get("tp_degree")),
-                     _fmt(r.get("seq_match")), _fmt(r.get("coherent")), _fmt(r.get("compile_s")),
+                     _fmt(r.get("seq_match")), _fmt(r.get("logits_match")), err,
+                     _fmt(r.get("coherent")), _witness(r), _fmt(r.get("compile_s")),
                      _fmt(r.get("prefill_ms")), _fmt(r.get("decode_tok_s")), verdict.status])
     return rows
 

@@ -72,7 +72,7 @@ class _Ports:
             settings = PortSettings(variant=variant, model=model, **overrides)
             loaded = load_model(settings)
             prefill, decode = build_graphs(loaded, settings)
-            compiled = compile_graphs(loaded, prefill, decode, settings)
+            compiled = compile_graphs(loaded, settings, graphs=(prefill, decode))
             self._done[key] = Ported(settings, loaded, prompt_ids(loaded, settings), prefill, decode, compiled)
         return self._done[key]
 

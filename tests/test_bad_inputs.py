@@ -546,9 +546,10 @@ def test_crash_mid_write_keeps_the_old_file(tmp_path, monkeypatch, writer):
 
 
 def test_low_ram_warning_comes_before_the_neuron_compile(tmp_path, monkeypatch):
-    """`compile_graphs_neuron` warns (with the estimate) before it hands anything to the compiler."""
+    """The `neuron` backend warns (with the estimate) before it hands anything to the compiler."""
     from gemma4lib.graph import DeviceGraph, GraphShape
-    from gemma4lib.recipes import compile_graphs_neuron, neuron_trace
+    from gemma4lib.backends import neuron
+    from gemma4lib.recipes import neuron_trace
 
     model = build_tiny(get_variant("e2b"))
     decode = DeviceGraph(model.text_model, model.lm_head, model.layout, GraphShape(1, 1, 32))
@@ -570,7 +571,7 @@ def test_low_ram_warning_comes_before_the_neuron_compile(tmp_path, monkeypatch):
     monkeypatch.setattr(neuron_trace, "compile_trace", compiler)
     with pytest.warns(LowHostMemoryWarning, match=r"estimated peak 13\.8 GB host RAM > 4 GB here") as caught:
         with pytest.raises(RuntimeError, match="stop here"):
-            compile_graphs_neuron(model, {16: None}, decode, settings)
+            neuron.compile(model, settings)
     assert caught and events == ["compile"]
     assert not list((tmp_path / "cache").glob(".building-*")) and not list((tmp_path / "cache").glob("*/meta.json"))
 

@@ -73,13 +73,14 @@ def test_neuron_entry_points_raise_the_documented_error(module, entry):
     assert isinstance(info.value, ImportError)  # callers catching ImportError keep working
 
 
-def test_compile_graphs_neuron_raises_before_compiling():
-    from gemma4lib.recipes import compile_graphs_neuron
+def test_neuron_backend_raises_before_compiling():
+    from gemma4lib.backends import neuron
 
     m = tiny("e2b")
-    settings = types.SimpleNamespace(tp_degree=1, cache_dir=None, context_length=64, ring_kv=False)
+    settings = types.SimpleNamespace(tp_degree=1, cache_dir=None, context_length=64, ring_kv=False,
+                                     prefill_buckets=(32,), decode_experts="dense")
     with pytest.raises(NeuronSDKMissingError, match="torch-neuronx"):
-        compile_graphs_neuron(m, {32: None}, None, settings)
+        neuron.compile(m, settings)
 
 
 def test_installed_but_broken_sdk_is_a_mismatch_not_missing(monkeypatch):
@@ -215,7 +216,7 @@ def test_trace_recipe_module_and_host_loop_on_cpu(name):
 
 
 def test_host_runtime_over_device_steps():
-    """The glue `compile_graphs_neuron` puts between the runtime and a device module."""
+    """The glue the `neuron` backend puts between the runtime and a device module."""
     from gemma4lib.recipes import neuron_trace
     from gemma4lib.recipes.common import AliasEmulator, DeviceStep, StepwisePrefill
     from gemma4lib.reference import reference_greedy
@@ -256,7 +257,7 @@ def test_model_builder_checkpoint_names_match_the_compiled_module():
 
 
 def test_neuron_cache_key_tracks_what_changes_the_artifact():
-    from gemma4lib.recipes import neuron_cache_key
+    from gemma4lib.backends.neuron import neuron_cache_key
 
     m = tiny("12b")
     shapes = {"decode": GraphShape(1, 1, 64), "prefill": GraphShape(1, 32, 64)}

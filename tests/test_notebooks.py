@@ -142,7 +142,8 @@ def test_every_notebook_is_in_the_readme_table():
 
 def test_all_notebooks_run_headless_in_the_smoke_profile(tmp_path):
     """`python -m papermill_runs run --profile smoke` over all six notebooks: exit 0, and every variant's
-    record has SEQ_MATCH true and (with the trained fixtures) coherence true. Speed is not judged here
+    record has SEQ_MATCH and LOGITS_MATCH true and (with the trained fixtures) coherence true and a
+    random-weights witness whose two checks passed. Speed is not judged here
     (an empty baseline folder, --allow-missing-baseline): the machine is shared with the other tests.
     Compiled graphs come from the shared artifact cache when another test or run built them."""
     from gemma4lib.trained import fixture_available
@@ -158,8 +159,10 @@ def test_all_notebooks_run_headless_in_the_smoke_profile(tmp_path):
     for name, file in pm_run.VARIANT_NOTEBOOKS.items():
         record = json.loads((out / "results" / f"{name}.json").read_text())
         assert record["seq_match"] is True, f"{file}: {record.get('first_mismatch')}"
+        assert record["logits_match"] is True, f"{file}: {record.get('logits_explain')}"
         if fixture_available(name):
             assert record["coherent"] is True, f"{file}: {record.get('answer')!r}"
+            assert record["witness"]["passed"] is True, f"{file}: {record['witness']}"
         assert (out / "notebooks" / file).is_file()
     overview = json.loads((out / "results" / "overview.json").read_text())
     assert sorted(overview["variants_found"]) == sorted(pm_run.VARIANT_NOTEBOOKS)

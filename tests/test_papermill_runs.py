@@ -25,9 +25,17 @@ def result(variant="e2b", **changes):
         "answer": "The capital of France is Paris.", "first_mismatch": None, "new_tokens": 8,
         "prefill_ms": 10.0, "decode_tok_s": 200.0, "compile_s": 0.0, "peak_rss_mb": 500.0,
         "prefill_logits_max_abs_diff": 1e-5, "versions": {"git_sha": "abc"},
+        "logits_match": True, "logits_max_err": 4e-6, "logits_tolerance": 4.7e-5,
+        "witness": {"seq_match": True, "logits_match": True, "first_mismatch": None,
+                    "passed": True},
     }
     base.update(changes)
     return base
+
+
+LOGITS_FAILED = ("LOGITS_MATCH failed: max |device - reference| 0.121 at decode step 5, sequence "
+                 "position 20 (token id 377) > tolerance 4.68e-05 = max(8 x spread 5.86e-06 "
+                 "[float64 reference], floor 1e-05)")
 
 
 @pytest.fixture
@@ -84,6 +92,13 @@ def test_informational_metric_never_fails(tolerances):
     ({"prefill_logits_max_abs_diff": 0.5}, "prefill logits"),
     ({"answer": "The capital of France is Lyon. Paris"}, "answer changed"),
     ({"coherent": None, "model_source": "tiny-random(seed=27)"}, "coherence not checked"),
+    ({"logits_match": False, "logits_explain": LOGITS_FAILED}, "at decode step 5"),
+    ({"logits_match": None}, "LOGITS_MATCH not checked"),
+    ({"witness": {"seq_match": False, "logits_match": True, "first_mismatch": 0}},
+     "witness SEQ_MATCH failed (first mismatch at token 0)"),
+    ({"witness": {"seq_match": True, "logits_match": False, "logits_explain": LOGITS_FAILED}},
+     "witness LOGITS_MATCH failed: LOGITS_MATCH failed"),
+    ({"witness": None}, "witness did not run"),
 ])
 def test_correctness_failure_fails_even_when_fast(tolerances, changes, words):
     entry = baselines.baseline_entry(result())
@@ -95,6 +110,22 @@ def test_correctness_failure_fails_even_when_fast(tolerances, changes, words):
 def test_correctness_is_judged_without_a_baseline(tolerances):
     assert baselines.judge("e2b", result(), None, tolerances).status == "no-baseline"
     assert baselines.judge("e2b", result(seq_match=False), None, tolerances).status == "fail"
+    assert baselines.judge("e2b", result(logits_match=False), None, tolerances).status == "fail"
+    broken_witness = result(witness={"seq_match": False})
+    assert baselines.judge("e2b", broken_witness, None, tolerances).status == "fail"
+
+
+def test_logits_match_passes_where_the_tokens_do_and_explains_itself(tolerances):
+    """Tokens, answer and the prefill bound all fine; only the per-step logits are off: a fail that
+    says where, how far, and against which tolerance."""
+    entry = baselines.baseline_entry(result())
+    assert entry["logits_match"] is True
+    assert entry["witness"] == {"seq_match": True, "logits_match": True}
+    off = result(logits_match=False, logits_explain=LOGITS_FAILED, logits_max_err=0.121)
+    verdict = baselines.judge("e2b", off, entry, tolerances)
+    assert verdict.status == "fail" and verdict.reasons == [LOGITS_FAILED]
+    rows = summary_rows({"e2b": result(logits_match=False, logits_max_err=0.121)}, {"e2b": verdict})
+    assert rows[0][4:9] == ["true", "false", "0.12 / 4.7e-05", "true", "pass"]
 
 
 def test_missing_record_is_an_error(tolerances):
@@ -158,6 +189,16 @@ def test_committed_baselines_are_well_formed():
         assert data["variants"], path
 
 
+def test_committed_smoke_baseline_requires_logits_match_and_the_witness(tolerances):
+    """A smoke record without per-step logits or without its witness fails against it."""
+    path = baselines.baseline_path(PROFILE, "cpu-x86_64")
+    entries = json.loads(path.read_text())["variants"]
+    for name, entry in entries.items():
+        assert entry["logits_match"] is True and entry["witness"]["seq_match"] is True, name
+        verdict = baselines.judge(name, result(name, logits_match=None, witness=None), entry, tolerances)
+        assert verdict.status == "fail" and len(verdict.reasons) >= 2, verdict.reasons
+
+
 # ---- the CLI, on a synthetic results.json --------------------------------------------------------
 
 def write_results(folder: Path, results: dict, notebooks: dict | None = None) -> Path:
@@ -182,7 +223,8 @@ def test_cli_pass_then_tightened_baseline_fails(tmp_path, capsys):
     assert "e2b" in out and "pass" in out
     summary = (results_file.parent / "summary.md").read_text()
     assert "| 03_12b.ipynb | 12b |" in summary
-    assert (results_file.parent / "summary.csv").read_text().startswith("notebook,variant,recipe,TP,seq_match")
+    assert (results_file.parent / "summary.csv").read_text().startswith(
+        "notebook,variant,recipe,TP,seq_match,logits_match,logit err / tol,coherent,witness")
 
     # someone raises the bar past what was measured: the same figures are now a regression
     tight = copy.deepcopy(good)

@@ -262,17 +262,19 @@ class XLASession:
         }
 
 
-def compile_graphs_xla(model: Any, prefill: Mapping[int, nn.Module], decode: nn.Module, settings: Any):
-    """`port --backend xla`: the port's graphs, rebuilt in functional form, on the XLA device.
+def compile(model: Any, settings: Any, *, graphs: Any = None, progress: bool = False):
+    """Backend `xla` (`port --backend xla`): the port's graphs, built in functional form, on the XLA
+    device.
 
     Returns the port's `CompiledGraphs`; its `report()` adds the lane's figures (fallbacks,
     compilations per graph, HLO files) to the result record once generation and benchmark ran.
     """
     from ..artifacts import ArtifactCache
-    from ..port import CompiledGraphs, build_graphs
     from ..runtime import HostRuntime
+    from .base import CompiledGraphs, device_graphs, refuse_graphs
 
-    functional_prefill, functional_decode = build_graphs(model, settings, inplace=False)
+    refuse_graphs(graphs, "xla")
+    functional_prefill, functional_decode = device_graphs(model, settings, inplace=False)
     graphs = {f"prefill_{bucket}": graph for bucket, graph in functional_prefill.items()}
     graphs["decode"] = functional_decode
     use_fast_cpu_compile()

@@ -46,7 +46,8 @@ from ..tp.plan import TPPlan, make_plan
 from ..tp.rank_graph import build_rank_graph
 from ..tp.shard import nxd_full_checkpoint
 from . import neuron_env
-from .common import HostEmbedder, KVParamModule, graph_example_inputs, greedy_generate
+from ..embedder import HostEmbedder
+from .common import KVParamModule, graph_example_inputs, greedy_generate
 
 RECIPE = "model_builder"
 PURPOSE = "the ModelBuilder recipe (neuronx_distributed.trace.model_builder)"
@@ -153,10 +154,12 @@ def compile_model_builder(loaded: Any, tp: int, out_dir: str | Path, *, context_
     out.mkdir(parents=True, exist_ok=True)
     workdir = Path(compiler_workdir or out / "compiler_workdir")  # ModelBuilder.trace() wipes it: never share
     checkpoint = nxd_checkpoint(loaded, plan, dtype)
-    builder = model_builder.ModelBuilder(router=None, tp_degree=tp, checkpoint_loader=lambda: dict(checkpoint),
-                                         compiler_workdir=str(workdir))
+    # The builder's constructor and `add` are inf2-only too; tests drive them through a recording fake.
+    builder = model_builder.ModelBuilder(  # inf2-only
+        router=None, tp_degree=tp, checkpoint_loader=lambda: dict(checkpoint), compiler_workdir=str(workdir))
     for key, shape in bucket_shapes(context_length, prefill_len, ring).items():
-        builder.add(key=key, model_instance=GraphInstance(loaded.config, plan, shape, dtype, forms[key]),
+        builder.add(  # inf2-only
+                    key=key, model_instance=GraphInstance(loaded.config, plan, shape, dtype, forms[key]),
                     example_inputs=[graph_example_inputs(loaded.config, shape, dtype)],
                     compiler_args=neuron_env.COMPILER_ARGS[shape.phase], priority_model_idx=PRIORITY[key])
     traced = builder.trace(initialize_model_weights=False)  # inf2-only

@@ -26,7 +26,8 @@ import torch
 
 from ..graph import DeviceGraph, GraphShape
 from . import neuron_env
-from .common import HostEmbedder, AliasEmulator, KVParamModule, greedy_generate
+from ..embedder import HostEmbedder
+from .common import AliasEmulator, KVParamModule, greedy_generate
 
 RECIPE = "trace"
 PURPOSE = "the E2B trace recipe (torch_neuronx.trace)"

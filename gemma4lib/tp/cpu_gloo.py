@@ -38,7 +38,8 @@ from ..graph import DeviceGraph, GraphShape
 from .plan import TPPlan, make_plan
 from .rank_graph import build_rank_graph, load_shard, with_shape
 from .shard import iter_shards, shard_kv, shard_shapes
-from ..recipes.common import AliasEmulator, HostEmbedder, KVParamModule, greedy_generate
+from ..embedder import HostEmbedder
+from ..recipes.common import AliasEmulator, KVParamModule, greedy_generate
 
 CPU_EXECUTION = "torch.distributed gloo on CPU, one process per rank"
 
@@ -63,6 +64,7 @@ class RankJob:
     seed_kv: list[list[torch.Tensor]] | None = None
     seed_logits: torch.Tensor | None = None
     eos_token_ids: tuple[int, ...] = ()
+    keep_logits: bool = False  # rank 0 returns every generated token's logits (LOGITS_MATCH)
 
 
 def _run_rank(rank: int, job: RankJob) -> dict[str, Any]:
@@ -85,11 +87,12 @@ def _run_rank(rank: int, job: RankJob) -> dict[str, Any]:
             for param, value in zip(prefill_module.kv, job.seed_kv[rank]):
                 param.copy_(value)
         run = greedy_generate(AliasEmulator(decode_module), job.host, job.prompt, job.max_new_tokens,
-                              seeded_logits=job.seed_logits, eos_token_ids=job.eos_token_ids)
+                              seeded_logits=job.seed_logits, eos_token_ids=job.eos_token_ids,
+                              keep_logits=job.keep_logits)
     else:
         run = greedy_generate(AliasEmulator(decode_module), job.host, job.prompt, job.max_new_tokens,
                               prefill=AliasEmulator(prefill_module), prefill_len=job.prefill_len,
-                              eos_token_ids=job.eos_token_ids)
+                              eos_token_ids=job.eos_token_ids, keep_logits=job.keep_logits)
     tokens, kv = run["tokens"], list(prefill_module.kv)
     prefill_s, decode_s, prefill_logits = run["prefill_s"], run["decode_s"], run["prefill_logits"]
     result = {"rank": rank, "tokens": tokens, "missing_keys": missing,
@@ -97,6 +100,8 @@ def _run_rank(rank: int, job: RankJob) -> dict[str, Any]:
               "build_s": build_s, "prefill_s": prefill_s, "decode_s": decode_s}
     if rank == 0:  # by value: torch's queue pickler would share the storage through a file
         result["prefill_logits"] = prefill_logits.float().numpy().copy()  # descriptor the exiting child closes
+        if "step_logits" in run:
+            result["step_logits"] = run["step_logits"].float().numpy().copy()
     return result
 
 
@@ -238,7 +243,8 @@ def run_tp_port(loaded_model: Any, tp: Any, prompt_ids: Any, max_new_tokens: Any
     record (the pipeline runs the reference and the checks itself).
     """
     if not isinstance(tp, int):
-        return _run_for_settings(loaded_model, tp, prompt_ids, max_new_tokens or ())
+        return _run_for_settings(loaded_model, tp, prompt_ids, max_new_tokens or (),
+                                 baked_rank=baked_rank)
     result, _ = _run_tp(loaded_model, tp, prompt_ids, max_new_tokens, context_length, prefill_len,
                         baked_rank=baked_rank, include_buffers=include_buffers, check_reference=check_reference,
                         reference_tokens=reference_tokens, eos_token_ids=eos_token_ids,
@@ -250,7 +256,8 @@ def run_tp_port(loaded_model: Any, tp: Any, prompt_ids: Any, max_new_tokens: Any
 def _run_tp(loaded_model: Any, tp: int, prompt_ids: Any, max_new_tokens: int, context_length: int, prefill_len: int,
             *, baked_rank: bool, include_buffers: bool, check_reference: bool,
             reference_tokens: Sequence[int] | None, eos_token_ids: Sequence[int], start_method: str, ring: bool,
-            prefill: str, timeout_s: float, decode_experts: str = "dense") -> tuple[dict[str, Any], torch.Tensor]:
+            prefill: str, timeout_s: float, decode_experts: str = "dense", keep_logits: bool = False
+            ) -> tuple[dict[str, Any], torch.Tensor]:
     variant = loaded_model.variant
     lm = loaded_model.lm
     config = lm.config
@@ -273,9 +280,9 @@ def _run_tp(loaded_model: Any, tp: int, prompt_ids: Any, max_new_tokens: int, co
     shapes = shard_shapes(plan, shards)
     shard_s = time.perf_counter() - t0
 
-    job = RankJob(config, plan, shards, HostEmbedder.from_text_model(lm.model), prompt, max_new_tokens,
+    job = RankJob(config, plan, shards, HostEmbedder.from_text_model(lm.model, copy_tables=True), prompt, max_new_tokens,
                   context_length, prefill_len, ring, baked_rank, dtype, decode_experts=decode_experts,
-                  eos_token_ids=tuple(int(t) for t in eos_token_ids))
+                  eos_token_ids=tuple(int(t) for t in eos_token_ids), keep_logits=keep_logits)
     if prefill == "cpu-seeded":
         job.seed_logits, job.seed_kv = host_prefill(loaded_model, plan, prompt, context_length, prefill_len, ring)
     elif prefill != "graph":
@@ -283,6 +290,8 @@ def _run_tp(loaded_model: Any, tp: int, prompt_ids: Any, max_new_tokens: int, co
     t1 = time.perf_counter()
     ranks = run_ranks(job, start_method=start_method, timeout_s=timeout_s)
     ranks[0]["prefill_logits"] = torch.from_numpy(ranks[0]["prefill_logits"])
+    if "step_logits" in ranks[0]:
+        ranks[0]["step_logits"] = torch.from_numpy(ranks[0]["step_logits"])
     ranks_s = time.perf_counter() - t1
     tokens = ranks[0]["tokens"]
 
@@ -322,24 +331,31 @@ def _run_tp(loaded_model: Any, tp: int, prompt_ids: Any, max_new_tokens: int, co
         cap = getattr(config, "final_logit_softcapping", None)
         diff = (softcap(ranks[0]["prefill_logits"].float(), cap) - reference_logits).abs().max()
         result["prefill_logit_max_diff"] = float(diff)
+    if keep_logits:
+        result["step_logits"] = ranks[0].get("step_logits")
     return result, ranks[0]["prefill_logits"]
 
 
 RECIPE = "cpu-gloo-tp"
 
 
-def _run_for_settings(loaded_model: Any, settings: Any, prompt_ids: Any, eos_token_ids: Sequence[int]) -> dict[str, Any]:
-    """`port.port()`'s TP branch: run the plan with the settings' shapes; return a `device_run` dict."""
+def _run_for_settings(loaded_model: Any, settings: Any, prompt_ids: Any,
+                      eos_token_ids: Sequence[int], baked_rank: bool = False) -> dict[str, Any]:
+    """`port.port()`'s TP branch: run the plan with the settings' shapes; return a `device_run`
+    dict (with `step_logits` for LOGITS_MATCH; `baked_rank`: the fault lab's rank fault)."""
     prompt = _as_list(prompt_ids)
     buckets = sorted(int(b) for b in settings.prefill_buckets)
     bucket = next((b for b in buckets if b >= len(prompt)), None)
     if bucket is None:
         raise PromptTooLongError(len(prompt), 0, buckets[-1], limit="largest compiled prefill bucket")
     out, prefill_logits = _run_tp(loaded_model, int(settings.tp_degree), prompt, int(settings.max_new_tokens),
-                                  int(settings.context_length), bucket, baked_rank=False, include_buffers=True,
+                                  int(settings.context_length), bucket, baked_rank=baked_rank,
+                                  include_buffers=True,
                                   check_reference=False, reference_tokens=None, eos_token_ids=eos_token_ids,
                                   start_method="fork", ring=bool(settings.ring_kv), prefill="graph",
-                                  timeout_s=300.0, decode_experts=getattr(settings, "decode_experts", "dense"))
+                                  timeout_s=300.0,
+                                  decode_experts=getattr(settings, "decode_experts", "dense"),
+                                  keep_logits=True)
     from ..reference import reference_last_logits
 
     cap = getattr(loaded_model.config, "final_logit_softcapping", None)
@@ -347,6 +363,7 @@ def _run_for_settings(loaded_model: Any, settings: Any, prompt_ids: Any, eos_tok
     timings = out["timings"]
     return {
         "tokens": out["tokens"],
+        "step_logits": out.get("step_logits"),
         "recipe": RECIPE,
         "executed_as": out["executed_as"],
         "compile_s": 0.0,
