@@ -94,7 +94,7 @@ class SuiteOptions:
     sections: tuple[str, ...] = ("models", "ring_kv", "experts", "prefill_buckets")
 
     @classmethod
-    def quick(cls, **changes: Any) -> "SuiteOptions":
+    def quick(cls, **changes: Any) -> SuiteOptions:
         base = cls(medium_models=(), warmup=1, iters=2, hf_compile=False, bandwidth_mb=256,
                    sections=("models",))
         return replace(base, **changes)
@@ -405,8 +405,10 @@ def bench_ring_kv(model: LoadedModel, factory: GraphFactory, contexts: Sequence[
         "steps_per_run": steps,
         "sliding_window": model.layout.sliding_window,
         "graphs": factory.compile_report(),
-        f"ring_tok_s_{last}_over_{first}": _ratio(table[last]["ring"]["decode_tok_s"], table[first]["ring"]["decode_tok_s"]),
-        f"full_tok_s_{last}_over_{first}": _ratio(table[last]["full"]["decode_tok_s"], table[first]["full"]["decode_tok_s"]),
+        f"ring_tok_s_{last}_over_{first}": _ratio(table[last]["ring"]["decode_tok_s"],
+                                                  table[first]["ring"]["decode_tok_s"]),
+        f"full_tok_s_{last}_over_{first}": _ratio(table[last]["full"]["decode_tok_s"],
+                                                  table[first]["full"]["decode_tok_s"]),
     }
 
 
@@ -475,7 +477,8 @@ def bench_prefill_buckets(model: LoadedModel, factory: GraphFactory, *, context_
         generation = runtime.generate(prompt, check_tokens)
         placement.append({"prompt_tokens": n, "bucket": generation.bucket,
                           "smallest_fitting": min(b for b in buckets if b >= n),
-                          "tokens_match_reference": generation.tokens == reference_greedy(model.lm, prompt, check_tokens)})
+                          "tokens_match_reference":
+                              generation.tokens == reference_greedy(model.lm, prompt, check_tokens)})
     return {
         "context_length": context_length,
         "buckets": {str(b): {"prefill_ms": _median(runs[b]), "runs": runs[b]} for b in buckets},

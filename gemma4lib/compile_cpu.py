@@ -21,7 +21,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch import nn
 
 from .artifacts import ArtifactCache, CacheEntry, make_key
 from .environment import versions

@@ -94,7 +94,7 @@ def structural_problems(variant: Variant, tp: int, instance: str | None) -> list
     return problems
 
 
-def _hint(options: list["CoreMemoryPlan"]) -> str:
+def _hint(options: list[CoreMemoryPlan]) -> str:
     return ", ".join(f"TP={p.tp} on {p.instance}" for p in options[:4]) if options else "a shorter context_length"
 
 

@@ -19,7 +19,7 @@ from .artifacts import sha256_file
 from .errors import CheckpointError
 from .loading import LoadedModel, _text_classes
 from .tokenizer import load_tokenizer
-from .variants import VARIANTS, Variant, get_variant
+from .variants import Variant, get_variant
 
 FIXTURES_DIR = Path(__file__).resolve().parent / "fixtures"
 TOKENIZER_DIR = FIXTURES_DIR / "tokenizer"

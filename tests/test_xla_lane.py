@@ -140,7 +140,7 @@ def test_hlo_audit_single_device_decode(xla_lane, variant, form):
         assert row.experts_read == row.experts_size
     else:  # k slices per MoE layer, gathered straight from the [E, ...] parameters
         assert row.experts_read == _moe_layers(model) * c.top_k_experts * _expert_slice_bytes(model)
-        for p, role in zip(audit.params, audit.roles):
+        for p, role in zip(audit.params, audit.roles, strict=True):
             if role == hlo_audit.EXPERT:
                 assert p.partial_ops and all(op.startswith("gather") for op in p.partial_ops)
                 assert p.read_bytes < p.bytes and not p.relayouts
@@ -194,6 +194,7 @@ def test_hlo_audit_flags_a_whole_shard_copy(xla_lane, monkeypatch, bad_gather):
     before the gather; XLA's canonicalisation of an inner-dimension gather): the audit must flag
     every layer's `down` weight and the row must fail. Same numbers as the real gather."""
     import torch
+
     from gemma4lib.tp.layers import ShardedExperts
 
     model = _audit_model("26b-a4b")
