@@ -1,4 +1,4 @@
-"""`python -m gemma4lib <command>`: port, faults, bench, doctor, table.
+"""`python -m gemma4lib <command>`: port, faults, doctor, bench.
 
 Every command prints human-readable text, or one JSON object with `--json`. Exit status is
 non-zero when a correctness check fails (`port`: SEQ_MATCH, LOGITS_MATCH or coherence, or the

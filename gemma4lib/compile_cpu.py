@@ -21,7 +21,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch import nn
 
 from .artifacts import ArtifactCache, CacheEntry, make_key
 from .environment import versions
@@ -89,7 +88,8 @@ def load_weights(runner: Any, graph: DeviceGraph) -> None:
 
 
 def export_graph(graph: DeviceGraph) -> torch.export.ExportedProgram:
-    """Non-strict export: strict mode silently drops the in-place K/V updates (DESIGN §2)."""
+    """Non-strict export: strict mode silently drops the in-place K/V updates (no error, only a
+    warning about side effects, and wrong logits)."""
     with torch.no_grad():
         return torch.export.export(graph, graph.example_inputs(), strict=False)
 

@@ -88,10 +88,6 @@ def held_out_chats() -> list[Chat]:
             for c, cap in COUNTRIES]
 
 
-def held_out_prompts() -> list[str]:
-    return [c.user for c in held_out_chats()]
-
-
 def tokenizer_texts() -> list[str]:
     """The text the tokenizer's BPE merges are learnt from (the training chats only)."""
     return [t for chat in training_chats() for t in (chat.user, chat.reply)]

@@ -26,8 +26,15 @@ import sys
 from typing import Any
 
 from .hardware import GB, dmi_instance_type, host_ram_bytes, smallest_instance
-from .memory_plan import (COMPILE_CALIBRATION, DEFAULT_CONTEXT, HOST_HEADROOM, compile_peak_gb, format_plan_table,
-                          neuron_recipe, plan_table)
+from .memory_plan import (
+    COMPILE_CALIBRATION,
+    DEFAULT_CONTEXT,
+    HOST_HEADROOM,
+    compile_peak_gb,
+    format_plan_table,
+    neuron_recipe,
+    plan_table,
+)
 from .recipes import neuron_env
 
 

@@ -98,18 +98,3 @@ def _gather_inner_experts(weight: torch.Tensor, experts: torch.Tensor) -> torch.
     rows = (experts.unsqueeze(1) + h.unsqueeze(0)).reshape(-1)  # [len*H]: expert-major
     picked = weight.reshape(rows_per_h * experts_total, width).index_select(0, rows)
     return picked.view(experts.shape[0], rows_per_h, width)
-
-
-def use_static_experts(text_model: nn.Module, form: str = "dense") -> int:
-    """Swap every layer's experts for the static form in place; returns how many were swapped."""
-    swapped = 0
-    for layer in text_model.layers:
-        experts = getattr(layer, "experts", None)
-        if experts is None:
-            continue
-        if isinstance(experts, StaticExperts):
-            experts.form = form
-        else:
-            layer.experts = StaticExperts(experts, form)
-        swapped += 1
-    return swapped

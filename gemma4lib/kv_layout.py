@@ -35,7 +35,7 @@ class KVLayout:
     num_attention_heads: int
 
     @classmethod
-    def from_config(cls, config: Any) -> "KVLayout":
+    def from_config(cls, config: Any) -> KVLayout:
         n = config.num_hidden_layers
         types = list(config.layer_types)
         modes = list(getattr(config, "kv_sharing_modes", [None] * n))
@@ -88,9 +88,9 @@ class KVLayout:
         return {
             "producers": [layer.index for layer in self.producers],
             "consumers": {str(layer.index): layer.producer for layer in self.consumers},
-            "kv_heads": {t: sorted({l.kv_heads for l in self.layers if l.layer_type == t})
+            "kv_heads": {t: sorted({layer.kv_heads for layer in self.layers if layer.layer_type == t})
                          for t in (SLIDING, FULL)},
-            "head_dim": {t: sorted({l.head_dim for l in self.layers if l.layer_type == t})
+            "head_dim": {t: sorted({layer.head_dim for layer in self.layers if layer.layer_type == t})
                          for t in (SLIDING, FULL)},
             "sliding_window": self.sliding_window,
         }

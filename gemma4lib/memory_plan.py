@@ -14,9 +14,9 @@ What is computed and what is assumed:
 - host RAM for the compile: an estimate from the weights alone. ModelBuilder holds three copies of
   the text weights at its peak (the module it builds, the checkpoint the loader returns and the
   per-rank shards it writes); 3 x 61.4 GB = 184 GB for the 31B against the field report's measured
-  182 GB. The trace recipe compiles with `inline_weights_to_neff=False`, so it holds the host model
-  plus one copy of the device weights (no weights baked into the HLO or the NEFF). Unverified on
-  inf2 except the 31B calibration.
+  182 GB (the earlier inf2 port; README, "The family at a glance"). The trace recipe compiles with
+  `inline_weights_to_neff=False`, so it holds the host model plus one copy of the device weights (no
+  weights baked into the HLO or the NEFF). Unverified on inf2 except the 31B calibration.
 """
 
 from __future__ import annotations
@@ -94,7 +94,7 @@ def structural_problems(variant: Variant, tp: int, instance: str | None) -> list
     return problems
 
 
-def _hint(options: list["CoreMemoryPlan"]) -> str:
+def _hint(options: list[CoreMemoryPlan]) -> str:
     return ", ".join(f"TP={p.tp} on {p.instance}" for p in options[:4]) if options else "a shorter context_length"
 
 

@@ -761,13 +761,3 @@ def chat(runtime: Any, model: LoadedModel, settings: Any):
 
     button.on_click(ask)
     return widgets.VBox([widgets.HBox([box, button]), out])
-
-
-def widgets_available() -> bool:
-    try:
-        import ipywidgets  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-

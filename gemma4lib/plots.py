@@ -151,7 +151,7 @@ def measured_vs_ceiling(rows: Sequence[Mapping[str, Any]], title: str = "decode:
             label="ceiling: bandwidth / bytes per step")
     measured = [r.get("measured_tok_s") or 0.0 for r in rows]
     ax.barh([y - 0.2 for y in ys], measured, height=0.4, color=SLIDING_COLOUR, label="measured")
-    for y, r, m in zip(ys, rows, measured):
+    for y, r, m in zip(ys, rows, measured, strict=True):
         if m:
             fraction = r.get("roofline_fraction") or m / r["ceiling_tok_s"]
             ax.text(m, y - 0.2, f" {m:,.1f} tok/s ({fraction:.0%})", va="center", fontsize=7)
@@ -254,7 +254,7 @@ def baseline_comparison(rows: Sequence[Mapping[str, Any]], metric: str) -> Figur
            label="baseline")
     ax.bar([x + 0.2 for x in xs], [r["value"] for r in rows], width=0.4,
            color=[BAD if r.get("verdict") == "regression" else OK for r in rows], label="this run")
-    for x, r in zip(xs, rows):
+    for x, r in zip(xs, rows, strict=True):
         if r.get("limit") is not None:
             ax.plot([x - 0.4, x + 0.4], [r["limit"], r["limit"]], color=BAD, linestyle="--", linewidth=1)
     ax.set_xticks(list(xs), [r["variant"] for r in rows], fontsize=8)

@@ -78,7 +78,8 @@ class PortSettings:
             raise UnknownNameError("decode_experts form", self.decode_experts, EXPERT_FORMS)
         for name, minimum in _COUNTS.items():
             setattr(self, name, whole_number(name, getattr(self, name), minimum))
-        self.prefill_buckets = tuple(sorted(whole_number("prefill_buckets", b, 1) for b in _as_tuple(self.prefill_buckets)))
+        buckets = _as_tuple(self.prefill_buckets)
+        self.prefill_buckets = tuple(sorted(whole_number("prefill_buckets", b, 1) for b in buckets))
         if not self.prefill_buckets:
             raise SettingsError("prefill_buckets is empty; give at least one compiled prompt length, e.g. (64,)")
         if self.prefill_buckets[-1] > self.context_length:

@@ -19,7 +19,7 @@ from .artifacts import sha256_file
 from .errors import CheckpointError
 from .loading import LoadedModel, _text_classes
 from .tokenizer import load_tokenizer
-from .variants import VARIANTS, Variant, get_variant
+from .variants import Variant, get_variant
 
 FIXTURES_DIR = Path(__file__).resolve().parent / "fixtures"
 TOKENIZER_DIR = FIXTURES_DIR / "tokenizer"
@@ -99,11 +99,6 @@ def save_fixture(lm: torch.nn.Module, path: Path) -> dict[str, str]:
     if changed:
         raise CheckpointError(f"fixture {path} reloads with different values for {changed}")
     return {name: sha256_file(path / name) for name in MODEL_FILES}
-
-
-def available_fixtures(root: Path | None = None) -> list[str]:
-    root = root or FIXTURES_DIR
-    return [name for name in VARIANTS if (root / name / "model.safetensors").is_file()]
 
 
 def fixture_available(variant_name: str | Variant, root: Path | None = None) -> bool:

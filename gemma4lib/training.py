@@ -29,8 +29,9 @@ import hashlib
 import logging
 import math
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -239,7 +240,8 @@ def train_variant(variant: Variant, tokenizer, cfg: TrainConfig | None = None,
             # the clean batch, then `fault_rows` different chats under each fault (a fresh draw each step)
             rows = torch.randperm(n, generator=gen)[: k_rows * len(faults)]
             subs = [rows[k * k_rows : (k + 1) * k_rows] for k in range(len(faults))]
-            segments = [(None, batch.input_ids)] + [(f, batch.input_ids[sub]) for f, sub in zip(faults, subs)]
+            segments = [(None, batch.input_ids)] + [(f, batch.input_ids[sub])
+                                                    for f, sub in zip(faults, subs, strict=True)]
             logits = forward_segments(lm, segments)
         else:
             logits = lm(input_ids=batch.input_ids, use_cache=False).logits
@@ -362,7 +364,7 @@ def fault_answers(lm, tokenizer, user: str | None = None) -> dict[str, str]:
             layer.layer_scalar.fill_(1.0)
         out["layer_scalar_at_init"] = greedy_under_fault(lm, tokenizer, prompt, None)
     finally:
-        for layer, s in zip(lm.model.layers, saved):
+        for layer, s in zip(lm.model.layers, saved, strict=True):
             layer.layer_scalar.copy_(s)
     gemma3 = tokenizer(f"<start_of_turn>user\n{user}<end_of_turn>\n<start_of_turn>model\n")["input_ids"]
     out["gemma3_chat_markers"] = greedy_under_fault(lm, tokenizer, gemma3, None)

@@ -1,9 +1,9 @@
 """The five Gemma-4 variants: released text-config values, the inf2 recipe each needs, and a
 tiny configuration per variant that keeps every architectural feature for CPU tests.
 
-The real values are the released configs' (see docs/FACTS.md); the tiny ones are ours, chosen so
-every feature is exercised: PLE, KV sharing with both producer types, the double-wide MLP on
-shared layers, k_eq_v with its own global KV-head count and head_dim, a sliding window shorter
+The real values are the released configs' (each hub id's `config.json`); the tiny ones are ours,
+chosen so every feature is exercised: PLE, KV sharing with both producer types, the double-wide MLP
+on shared layers, k_eq_v with its own global KV-head count and head_dim, a sliding window shorter
 than the test prompt, the final softcap, and for the MoE the parallel dense MLP with >= 8 experts.
 """
 
@@ -20,7 +20,9 @@ VOCAB_SIZE = 262_144
 
 @dataclass(frozen=True)
 class FieldReportFigures:
-    """What the field report measured on inf2 for this variant (for comparison only)."""
+    """What the field report (the earlier inf2 port this cookbook builds on; README, "The family
+    at a glance") measured on inf2 for this variant, for comparison only. No copy of the report
+    ships in the repository: these figures are its record here."""
 
     decode_tok_s: float | None = None
     prefill_ms: float | None = None

@@ -148,6 +148,18 @@ def kernel_environment(jupyter_dir: Path) -> dict[str, str]:
     }
 
 
+def kernel_transport(socket_dir: Path) -> dict[str, Any]:
+    """papermill's `config=` for the kernel's connection: on Linux and macOS the kernel and papermill
+    talk over IPC (Unix sockets in `socket_dir`, a private folder), so nothing listens on a TCP port.
+    ipykernel warns for every kernel on TCP that its traffic is unencrypted; with IPC there is
+    neither the exposure nor the warning. Elsewhere (no Unix sockets) the default TCP on 127.0.0.1."""
+    from traitlets.config import Config
+
+    if os.name != "posix":
+        return {}
+    return {"config": Config({"KernelManager": {"transport": "ipc", "ip": str(socket_dir / "kernel")}})}
+
+
 class patched_environ:
     def __init__(self, values: dict[str, str]):
         self.values, self.saved = values, {}
@@ -230,9 +242,11 @@ def execute(name: str, file: str, out: Path, params: dict[str, Any], timeout: in
             handle.write(f"# parameters this notebook does not declare (ignored): {unknown}\n")
         handle.flush()
         try:
-            pm.execute_notebook(str(source), str(executed), parameters=params, kernel_name=KERNEL_NAME,
-                                cwd=str(notebook_dir), execution_timeout=timeout, log_output=True,
-                                stdout_file=handle, stderr_file=handle, progress_bar=False)
+            with tempfile.TemporaryDirectory(prefix="gemma4lib-kernel-") as sockets:
+                pm.execute_notebook(str(source), str(executed), parameters=params, kernel_name=KERNEL_NAME,
+                                    cwd=str(notebook_dir), execution_timeout=timeout, log_output=True,
+                                    stdout_file=handle, stderr_file=handle, progress_bar=False,
+                                    **kernel_transport(Path(sockets)))
         except Exception as exc:  # noqa: BLE001 - PapermillExecutionError, CellTimeoutError, kernel death
             cell = failed_cell(executed) or {}
             if not cell and getattr(exc, "source", None) is not None:

@@ -1,4 +1,4 @@
-"""Bad inputs and faults (issue 7): each is met with a clear error that says what to do, and no damage.
+"""Bad inputs and faults: each is met with a clear error that says what to do, and no damage.
 
 `CASES` is the table: one row per bad input or fault, with the call that triggers it, the exact
 error type (or warning category, or a logged WARNING) and a fragment of the message that tells the
@@ -370,10 +370,11 @@ CASES = [
     Case("transformers older than the pin",
          lambda c: (transformers_version(c, "5.13.0"), build_tiny(get_variant("e2b"))),
          EnvironmentMismatchError,
-         "transformers 5.13.0 is older than the pinned 5.23.0; `pip install transformers==5.23.0`"),
+         f"transformers 5.13.0 is older than the pinned {environment.TRANSFORMERS_PIN}; "
+         f"`pip install transformers=={environment.TRANSFORMERS_PIN}`"),
     Case("transformers absent",
          lambda c: (transformers_version(c, None), load_checkpoint(get_variant("e2b"), "google/gemma-4-E2B-it")),
-         EnvironmentMismatchError, "`pip install transformers==5.23.0`"),
+         EnvironmentMismatchError, f"`pip install transformers=={environment.TRANSFORMERS_PIN}`"),
     Case("Neuron SDK absent", sdk_absent, NeuronSDKMissingError,
          f"run `source /opt/{neuron_env.DLAMI_VENV}/bin/activate`"),
     Case("torch-neuronx at another version",

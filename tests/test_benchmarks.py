@@ -1,4 +1,4 @@
-"""The benchmark suite's JSON (issue 6) and the roofline arithmetic. No timing is asserted."""
+"""The benchmark suite's JSON (README, "Speed") and the roofline arithmetic. No timing asserted."""
 
 from __future__ import annotations
 
@@ -117,7 +117,7 @@ def test_medium_configs_have_the_promised_shape():
 @pytest.mark.parametrize("variant,gb", [("e2b", 4.6), ("e4b", 9.4), ("12b", 23.8), ("31b", 61.4),
                                         ("26b-a4b", 50.5)])
 def test_bf16_weight_bytes_match_design_table(variant, gb):
-    # DESIGN §4: bf16 weights read per token (PLE table on the host)
+    # bf16 weights read per token (PLE table on the host): docs/ROOFLINE.md, "inf2: bytes per token"
     steps = roofline.decode_bytes(variant, context_length=2048, ring=True)
     assert steps.weights / 1e9 == pytest.approx(gb, rel=0.015)
 
@@ -125,7 +125,7 @@ def test_bf16_weight_bytes_match_design_table(variant, gb):
 def test_selective_experts_read_only_the_routed_ones():
     dense = roofline.decode_bytes("26b-a4b", context_length=2048, experts="dense")
     selective = roofline.decode_bytes("26b-a4b", context_length=2048, experts="selective")
-    assert selective.weights / 1e9 == pytest.approx(7.6, rel=0.015)  # DESIGN §4
+    assert selective.weights / 1e9 == pytest.approx(7.6, rel=0.015)  # docs/ROOFLINE.md
     assert dense.weights / selective.weights > 6
 
 

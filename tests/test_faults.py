@@ -1,4 +1,4 @@
-"""The fault lab (issues 3 and 13): every fault is caught by `port`'s own verdict on the default
+"""The fault lab (`gemma4lib.faults`): every fault is caught by `port`'s own verdict on the default
 trained run (SEQ_MATCH, LOGITS_MATCH, coherence, and the random-weights witness's SEQ_MATCH and
 LOGITS_MATCH), compiled and eager, by the checks the lab predicts.
 

@@ -7,9 +7,16 @@ from __future__ import annotations
 
 import pytest
 
-from gemma4lib.backends.hlo_audit import (AuditRow, array_dims, audit_hlo, entry_instructions,
-                                          format_table, gather_slices_contiguous, parse_instruction,
-                                          type_bytes)
+from gemma4lib.backends.hlo_audit import (
+    AuditRow,
+    array_dims,
+    audit_hlo,
+    entry_instructions,
+    format_table,
+    gather_slices_contiguous,
+    parse_instruction,
+    type_bytes,
+)
 
 
 def module(body: str, params: str = "") -> str:

@@ -95,7 +95,7 @@ def test_installed_but_broken_sdk_is_a_mismatch_not_missing(monkeypatch):
 
 def test_version_checks_against_the_pins(monkeypatch):
     found = {"torch-neuronx": "2.9.0.2.12.22436", "neuronx-cc": "2.23.6484.0+0a1b2c3",
-             "neuronx-distributed": "0.16.0", "libneuronxla": None, "transformers": "5.23.0"}
+             "neuronx-distributed": "0.16.0", "libneuronxla": None, "transformers": neuron_env.TRANSFORMERS_PIN}
     monkeypatch.setattr(neuron_env, "metadata_version", found.get)
     rows = {r["package"]: r for r in neuron_env.check_versions()}
     assert rows["torch-neuronx"]["ok"] and rows["neuronx-cc"]["ok"] and rows["transformers"]["ok"]

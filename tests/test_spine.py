@@ -1,4 +1,4 @@
-"""The spine (issue 2): one device graph, compiled on CPU, checked against HF for all five variants."""
+"""The spine: one device graph, compiled on CPU, checked against HF for all five variants."""
 
 from __future__ import annotations
 

@@ -163,7 +163,7 @@ def test_nxd_checkpoint_splits_back_into_our_shards():
             assert torch.equal(piece, value), key
 
 
-# ---- the field report's faults -----------------------------------------------------------------
+# ---- the field report's TP faults (gemma4lib.faults) ---------------------------------------------
 
 def test_baked_rank_bug_is_reproduced_and_flagged():
     """The MoE reading the rank as a trace-time int: rank 1 weights rank 0's experts."""

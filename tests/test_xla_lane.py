@@ -1,4 +1,5 @@
-"""The XLA lane (issue 8): every tiny variant's prefill + decode graphs through torch_xla on CPU.
+"""The XLA lane (README, "Environments"): every tiny variant's prefill + decode graphs through
+torch_xla on CPU.
 
 Runs in the lane's environment (``scripts/setup_xla_env.sh``)::
 
@@ -97,7 +98,7 @@ def test_shape_leak_is_caught_by_the_compile_count(xla_lane):
     assert result["xla_fallback_ops"].get("aten::_local_scalar_dense", 0) >= steps  # the int() read
 
 
-# ---- the HLO byte audit (issue 12): what each decode graph reads, next to the roofline ----------
+# ---- the HLO byte audit (README, "Environments"): what each decode graph reads ------------------
 
 from gemma4lib.backends import hlo_audit  # noqa: E402  (imports without torch_xla)
 
@@ -139,7 +140,7 @@ def test_hlo_audit_single_device_decode(xla_lane, variant, form):
         assert row.experts_read == row.experts_size
     else:  # k slices per MoE layer, gathered straight from the [E, ...] parameters
         assert row.experts_read == _moe_layers(model) * c.top_k_experts * _expert_slice_bytes(model)
-        for p, role in zip(audit.params, audit.roles):
+        for p, role in zip(audit.params, audit.roles, strict=True):
             if role == hlo_audit.EXPERT:
                 assert p.partial_ops and all(op.startswith("gather") for op in p.partial_ops)
                 assert p.read_bytes < p.bytes and not p.relayouts
@@ -193,6 +194,7 @@ def test_hlo_audit_flags_a_whole_shard_copy(xla_lane, monkeypatch, bad_gather):
     before the gather; XLA's canonicalisation of an inner-dimension gather): the audit must flag
     every layer's `down` weight and the row must fail. Same numbers as the real gather."""
     import torch
+
     from gemma4lib.tp.layers import ShardedExperts
 
     model = _audit_model("26b-a4b")

@@ -52,8 +52,9 @@ import logging
 import os
 import re
 import sys
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Sequence
+from typing import Any
 
 log = logging.getLogger(__name__)
 
@@ -374,14 +375,14 @@ class GraphAudit:
     hlo_text: str = ""
 
     def read(self, *roles: str) -> int:
-        return sum(p.read_bytes for p, r in zip(self.params, self.roles) if r in roles)
+        return sum(p.read_bytes for p, r in zip(self.params, self.roles, strict=True) if r in roles)
 
     def size(self, *roles: str) -> int:
-        return sum(p.bytes for p, r in zip(self.params, self.roles) if r in roles)
+        return sum(p.bytes for p, r in zip(self.params, self.roles, strict=True) if r in roles)
 
     def flagged(self, *roles: str) -> list[str]:
         """Names of the flagged parameters (of `roles`, or all)."""
-        return [n or p.name for p, r, n in zip(self.params, self.roles, self.names)
+        return [n or p.name for p, r, n in zip(self.params, self.roles, self.names, strict=True)
                 if p.flagged and (not roles or r in roles)]
 
 
@@ -403,7 +404,7 @@ def audit_graph(graph: Any, inputs: Sequence[Any], kv: Sequence[Any], label: str
     params = audit_hlo(text)
     if len(params) != len(ids):
         raise RuntimeError(f"{label}: {len(params)} HLO parameters but {len(ids)} device data")
-    for p, t in zip(params, tensors):  # the order must agree, or every name below is wrong
+    for p, t in zip(params, tensors, strict=True):  # the order must agree, or every name below is wrong
         if p.shape != tuple(t.shape):
             raise RuntimeError(f"{label}: parameter {p.number} is {p.type}, "
                                f"device data {tuple(t.shape)}")

@@ -60,12 +60,12 @@ import copy
 import os
 import re
 from collections import Counter
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 import torch
 from torch import nn
-
 
 # The XLA:CPU backend's own optimisation is irrelevant to what the lane checks (the HLO the front
 # end emits, fallbacks, compile counts, tokens) and halves its compile time on this machine.
@@ -151,7 +151,7 @@ def to_device(graphs: Mapping[str, nn.Module], device) -> dict[str, nn.Module]:
     memo: dict[int, Any] = {}
     for graph in graphs.values():
         for module in graph.modules():
-            for name, tensor in list(module._parameters.items()) + list(module._buffers.items()):
+            for tensor in list(module._parameters.values()) + list(module._buffers.values()):
                 if tensor is None or id(tensor) in memo:
                     continue
                 moved = tensor.detach().to(device)
@@ -218,7 +218,7 @@ class XLASession:
             self.hashes[name].append(graph_hash)
             self._save_hlo(name, len(self.hashes[name]) - 1, torch_xla._XLAC._get_xla_tensors_hlo(outputs))
         with torch.no_grad():
-            for old, new in zip(kv, new_kv):
+            for old, new in zip(kv, new_kv, strict=True):
                 old.copy_(new)
         torch_xla.sync()
         import torch_xla.core.xla_model as xm

@@ -126,8 +126,8 @@ def run_variant(variant: str, *, decode_steps: int = 16, prompt_tokens: int = 20
 
 
 def _versions() -> dict[str, str]:
-    import transformers
     import torch_xla
+    import transformers
     return {"torch": torch.__version__, "torch_xla": torch_xla.__version__,
             "transformers": transformers.__version__}
 

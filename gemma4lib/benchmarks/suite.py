@@ -108,7 +108,7 @@ class SuiteOptions:
     sections: tuple[str, ...] = ("models", "ring_kv", "experts", "prefill_buckets")
 
     @classmethod
-    def quick(cls, **changes: Any) -> "SuiteOptions":
+    def quick(cls, **changes: Any) -> SuiteOptions:
         """Tiny models only, two timed runs, no torch.compile: the report's schema in minutes, not figures."""
         base = cls(medium_models=(), warmup=1, iters=2, hf_compile=False, bandwidth_mb=256,
                    sections=("models",))

@@ -265,10 +265,6 @@ def apply_path_fix(env: MutableMapping[str, str] | None = None, prefix: str | No
             "ok": all(f in parts or not os.path.isdir(f) for f in path_fix_dirs(prefix))}
 
 
-def compile_cache_dir() -> str:
-    return os.environ.get(COMPILE_CACHE_ENV, DEFAULT_COMPILE_CACHE)
-
-
 __all__ = [
     "COMPILER_ARGS", "DLAMI", "DLAMI_VENV", "INF2_PYTHON", "NEURON_PIP_INDEX", "NEURON_SDK_RELEASE", "SDK_CONSTRAINTS",
     "SDK_PINS", "TRANSFORMERS_PIN", "apply_path_fix", "check_versions", "compiler_args", "fx_shim_status",
