@@ -50,7 +50,7 @@ def seq_match(device: Sequence[int], reference: Sequence[int]) -> bool:
 
 def first_mismatch(device: Sequence[int], reference: Sequence[int]) -> int | None:
     """Index of the first differing token (or the shorter length), None when equal."""
-    for i, (a, b) in enumerate(zip(device, reference)):
+    for i, (a, b) in enumerate(zip(device, reference, strict=False)):
         if a != b:
             return i
     return None if len(device) == len(reference) else min(len(device), len(reference))

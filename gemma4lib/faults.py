@@ -44,8 +44,17 @@ from .checks import failure_reasons
 from .graph import DeviceGraph, ExplicitKV, _shallow_clone
 from .kv_layout import FULL, SLIDING, KVLayout
 from .loading import LoadedModel
-from .port import (GraphEdit, PortSettings, eos_ids, load_model, prompt_ids, record_run, run_device,
-                   witness_record, witness_settings)
+from .port import (
+    GraphEdit,
+    PortSettings,
+    eos_ids,
+    load_model,
+    prompt_ids,
+    record_run,
+    run_device,
+    witness_record,
+    witness_settings,
+)
 
 log = logging.getLogger(__name__)
 
@@ -131,9 +140,9 @@ def one_layer_scalar_at_init(run: FaultRun, layer_index: int = ONE_SCALAR_LAYER)
 def wrong_kv_producer(run: FaultRun) -> GraphEdit:
     """Sliding-window consumers read the first sliding layer's K/V instead of the last one's."""
     layout = run.model.layout
-    consumer = next(l for l in layout.consumers if l.layer_type == SLIDING)
+    consumer = next(lay for lay in layout.consumers if lay.layer_type == SLIDING)
     right = consumer.producer
-    wrong = next(l.index for l in layout.producers if l.layer_type == consumer.layer_type and l.index != right)
+    wrong = next(lay.index for lay in layout.producers if lay.layer_type == consumer.layer_type and lay.index != right)
 
     def edit(graph: DeviceGraph) -> None:
         for index, stores in ((right, False), (wrong, True)):

@@ -22,9 +22,9 @@ import torch
 from . import checks
 from .artifacts import atomic_write_json
 from .benchmarks.timing import BenchFigures
-from .record import build_record
 from .kv_layout import FULL, SLIDING, KVLayout
 from .loading import LoadedModel, text_config
+from .record import build_record
 from .roofline import GB, GIB, INSTANCES, compare, measure_bandwidth
 from .variants import VARIANTS, Variant, get_variant
 
@@ -45,7 +45,7 @@ class Table:
     title: str = ""
 
     @classmethod
-    def from_dict(cls, data: Mapping[str, Any], title: str = "", key: str = "", value: str = "") -> "Table":
+    def from_dict(cls, data: Mapping[str, Any], title: str = "", key: str = "", value: str = "") -> Table:
         return cls([key or "", value or ""], [[k, v] for k, v in data.items()], title)
 
     @staticmethod
@@ -59,7 +59,7 @@ class Table:
     def __str__(self) -> str:
         cells = [[self._cell(c) for c in row] for row in self.rows]
         widths = [max([len(str(h))] + [len(r[i]) for r in cells]) for i, h in enumerate(self.columns)]
-        line = lambda row: "  ".join(str(c).ljust(w) for c, w in zip(row, widths)).rstrip()  # noqa: E731
+        line = lambda row: "  ".join(str(c).ljust(w) for c, w in zip(row, widths, strict=False)).rstrip()  # noqa: E731
         out = ([self.title] if self.title else []) + [line(self.columns), line(["-" * w for w in widths])]
         return "\n".join(out + [line(r) for r in cells])
 
@@ -264,9 +264,9 @@ def ple_on_host_check(model: LoadedModel, ids: Sequence[int]) -> dict[str, Any]:
 def kv_sharing_report(model_or_layout: LoadedModel | KVLayout) -> Table:
     """Every layer: attention type, KV heads, head_dim, and whose K/V buffer it reads."""
     layout = model_or_layout.layout if isinstance(model_or_layout, LoadedModel) else model_or_layout
-    rows = [[l.index, l.layer_type.replace("_attention", ""), l.kv_heads, l.head_dim,
-             "own buffer" if l.owns_buffer else f"reads layer {l.producer}", "yes" if l.k_eq_v else ""]
-            for l in layout.layers]
+    rows = [[lay.index, lay.layer_type.replace("_attention", ""), lay.kv_heads, lay.head_dim,
+             "own buffer" if lay.owns_buffer else f"reads layer {lay.producer}", "yes" if lay.k_eq_v else ""]
+            for lay in layout.layers]
     return Table(["layer", "type", "KV heads", "head_dim", "K/V", "k_eq_v"], rows,
                  f"{len(layout.producers)} of {len(layout.layers)} layers own a K/V buffer")
 
@@ -284,12 +284,13 @@ def kv_sharing_real(variant: Variant | str, context_length: int = 2048) -> Table
     layout = real_layout(v)
     sizes = kv_cache_bytes(layout, context_length)
     by_type = {}
-    for l in layout.consumers:
-        by_type.setdefault(l.layer_type.replace("_attention", ""), set()).add(l.producer)
+    for lay in layout.consumers:
+        by_type.setdefault(lay.layer_type.replace("_attention", ""), set()).add(lay.producer)
     return Table.from_dict({
         "layers": len(layout.layers),
         "layers with their own K/V": len(layout.producers),
-        "KV-shared layers": f"{len(layout.consumers)} (read {', '.join(f'{t} → {sorted(p)}' for t, p in by_type.items())})",
+        "KV-shared layers": f"{len(layout.consumers)} (read "
+                            f"{', '.join(f'{t} → {sorted(p)}' for t, p in by_type.items())})",
         f"K/V buffers at {context_length} tokens, bf16": f"{sizes['producers_only_mb']:.0f} MiB",
         "the same if every layer had its own": f"{sizes['every_layer_mb']:.0f} MiB",
     }, f"released {v.name.upper()}: KV sharing", "", "")
@@ -412,7 +413,7 @@ def tp_runs_table(runs: Mapping[str, Mapping[str, Any]], expect: str | None = "P
 
 def moe_report(model: LoadedModel) -> Table:
     """The MoE block of the first layer, piece by piece, and the released model's expert budget."""
-    layer = next(l for l in model.text_model.layers if getattr(l, "experts", None) is not None)
+    layer = next(lay for lay in model.text_model.layers if getattr(lay, "experts", None) is not None)
     c = model.config
     experts = layer.experts
     rows = [
@@ -429,7 +430,8 @@ def moe_report(model: LoadedModel) -> Table:
     real = model.variant.real_config
     b = device_bytes(model.variant)
     rows.append([f"released {model.variant.name.upper()}",
-                 f"{real['num_experts']} experts, top-{real['top_k_experts']}: expert weights {real['experts_b']}B params "
+                 f"{real['num_experts']} experts, top-{real['top_k_experts']}: "
+                 f"expert weights {real['experts_b']}B params "
                  f"({_gb(real['experts_b']):.1f} GB bf16) all resident; a token reads "
                  f"{real['top_k_experts']}/{real['num_experts']} of them → {b['decode_read_gb']:.1f} GB per decode "
                  f"step instead of {b['device_gb']:.1f} GB"])
@@ -520,7 +522,7 @@ def describe_graphs(prefill: Mapping[int, Any], decode: Any) -> Table:
         kv_bytes = sum(t.numel() * t.element_size() for t in inputs[len(inputs) - n_kv:])
         rows.append([name, graph.shape.tokens, graph.shape.context_length, str(head), n_kv,
                      f"{kv_bytes / 2 ** 10:.1f} KiB", graph.expert_form if any(
-                         getattr(l, "experts", None) is not None for l in graph.model.layers) else "—",
+                         getattr(lay, "experts", None) is not None for lay in graph.model.layers) else "—",
                      getattr(graph.model, "embed_tokens_per_layer", None) is None])
     return Table(["graph", "tokens", "context", "inputs (embeds, [PLE], start, length)", "K/V tensors", "K/V bytes",
                   "experts", "no embedding tables inside"], rows, "the device graphs (static shapes)")
@@ -637,7 +639,8 @@ def measured_vs_ceiling(model: LoadedModel, settings: Any, figures: BenchFigures
                       **common)
         row["bandwidth"] = bandwidth
     row["label"] = f"this run ({settings.profile})"
-    released = compare(v.field_report.decode_tok_s, v.name, device=v.instance_type, cores=v.tp_degree, context_length=2048,
+    released = compare(v.field_report.decode_tok_s, v.name, device=v.instance_type, cores=v.tp_degree,
+                       context_length=2048,
                        ring=True, experts="selective" if v.is_moe else "dense")
     released["label"] = f"released {v.name.upper()}, {v.instance_type} TP={v.tp_degree} (field report)"
     row["released_inf2"] = released
@@ -741,6 +744,7 @@ def chat(runtime: Any, model: LoadedModel, settings: Any):
     """A small chat box (ipywidgets) over the compiled runtime: type a question, read the streamed answer.
     Returns the widget; the notebooks only build it when `interactive` is True."""
     import ipywidgets as widgets
+
     from .port import eos_ids
     from .runtime import encode_prompt
 

@@ -18,13 +18,12 @@ from typing import Any
 
 import torch
 
-from . import checks
-from . import backends
+from . import backends, checks
 from .backends.base import CompiledGraphs, Graphs
 from .benchmarks.timing import benchmark
-from .record import build_record
 from .graph import DeviceGraph
 from .loading import LoadedModel, build_tiny, load_checkpoint
+from .record import build_record
 from .reference import random_prompt, reference_greedy, reference_last_logits, teacher_forced_logits
 from .results import write_result
 from .runtime import HostRuntime, encode_prompt, softcap

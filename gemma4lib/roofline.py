@@ -32,9 +32,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from .kv_layout import KVLayout
-
 from .hardware import GB, GIB, INSTANCES, Inf2Instance  # noqa: F401  (re-exported for callers)
+from .kv_layout import KVLayout
 
 
 # ---- bytes per decode step ----------------------------------------------------------------------

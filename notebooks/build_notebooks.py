@@ -19,10 +19,9 @@ from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
-from gemma4lib.roofline import INSTANCES  # noqa: E402
 from gemma4lib.memory_plan import plan_core_memory  # noqa: E402
-from gemma4lib.recipes.neuron_env import (DLAMI, DLAMI_VENV, INF2_PYTHON, NEURON_SDK_RELEASE, SDK_PINS,  # noqa: E402
-                                          TRANSFORMERS_PIN)
+from gemma4lib.recipes.neuron_env import DLAMI, DLAMI_VENV, INF2_PYTHON, NEURON_SDK_RELEASE, SDK_PINS, TRANSFORMERS_PIN  # noqa: E402
+from gemma4lib.roofline import INSTANCES  # noqa: E402
 from gemma4lib.variants import VARIANTS  # noqa: E402
 
 KERNELSPEC = {"name": "python3", "display_name": "Python 3", "language": "python"}

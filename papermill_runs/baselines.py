@@ -65,7 +65,8 @@ def baseline_path(profile: str, kind: str, root: Path | None = None) -> Path:
 def _merge(base: Mapping[str, Any], override: Mapping[str, Any]) -> dict[str, Any]:
     out = dict(base)
     for key, value in override.items():
-        out[key] = _merge(out[key], value) if isinstance(value, Mapping) and isinstance(out.get(key), Mapping) else value
+        nested = isinstance(value, Mapping) and isinstance(out.get(key), Mapping)
+        out[key] = _merge(out[key], value) if nested else value
     return out
 
 
@@ -79,7 +80,8 @@ def load_tolerances(profile: str, path: Path | None = None) -> dict[str, Any]:
     except (OSError, json.JSONDecodeError) as exc:
         raise BaselineError(f"tolerance file {path} is not valid JSON: {exc}") from None
     if not isinstance(data, dict) or data.get("schema") != SCHEMA or not isinstance(data.get("default"), dict):
-        raise BaselineError(f"tolerance file {path} must be an object with \"schema\": {SCHEMA} and a \"default\" block")
+        raise BaselineError(f"tolerance file {path} must be an object with \"schema\": {SCHEMA} "
+                            f"and a \"default\" block")
     merged = _merge(data["default"], (data.get("profiles") or {}).get(profile) or {})
     problems = []
     for name, rule in (merged.get("metrics") or {}).items():
@@ -183,7 +185,7 @@ def smoothed(name: str, metric: str, current: Any, history: Iterable[Mapping[str
 
 
 def update_baseline(path: Path, profile: str, kind: str, results: Mapping[str, Mapping[str, Any]],
-                    verdicts: Mapping[str, "Verdict"], existing: Mapping[str, Any] | None,
+                    verdicts: Mapping[str, Verdict], existing: Mapping[str, Any] | None,
                     history: Iterable[Mapping[str, Any]] = (), metrics: Iterable[str] = (),
                     runs: int = 5) -> tuple[list[str], list[str]]:
     """Write the baseline file atomically for every variant whose checks passed (earlier entries kept

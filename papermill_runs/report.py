@@ -52,7 +52,7 @@ def summary_rows(results: Mapping[str, Mapping[str, Any] | None], verdicts: Mapp
 
 def text_table(rows: Sequence[Sequence[str]], columns: Sequence[str] = COLUMNS) -> str:
     widths = [max([len(c)] + [len(r[i]) for r in rows]) for i, c in enumerate(columns)]
-    line = lambda cells: "  ".join(c.ljust(w) for c, w in zip(cells, widths)).rstrip()  # noqa: E731
+    line = lambda cells: "  ".join(c.ljust(w) for c, w in zip(cells, widths, strict=False)).rstrip()  # noqa: E731
     return "\n".join([line(columns), line(["-" * w for w in widths])] + [line(r) for r in rows])
 
 
@@ -66,7 +66,7 @@ def csv_text(rows: Sequence[Sequence[str]], verdicts: Mapping[str, Verdict], col
     buffer = io.StringIO()
     writer = csv.writer(buffer, lineterminator="\n")
     writer.writerow([*columns, "reasons"])
-    for row, verdict in zip(rows, verdicts.values()):
+    for row, verdict in zip(rows, verdicts.values(), strict=True):
         writer.writerow([*row, " | ".join(verdict.reasons)])
     return buffer.getvalue()
 

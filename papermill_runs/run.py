@@ -93,7 +93,8 @@ def selected(names: Sequence[str] | None) -> list[str]:
             if key == "all":
                 return [*VARIANT_NOTEBOOKS, "overview"]
             if key not in VARIANT_NOTEBOOKS and key != "overview":
-                raise SystemExit(f"error: unknown variant {raw!r}; choose from {', '.join([*VARIANT_NOTEBOOKS, 'overview'])}")
+                choices = ", ".join([*VARIANT_NOTEBOOKS, "overview"])
+                raise SystemExit(f"error: unknown variant {raw!r}; choose from {choices}")
             if key not in wanted:
                 wanted.append(key)
     return [k for k in [*VARIANT_NOTEBOOKS, "overview"] if k in wanted]
@@ -402,7 +403,7 @@ def cmd_check(args: argparse.Namespace) -> int:
     try:
         data = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError) as exc:
-        raise SystemExit(f"error: cannot read {path}: {exc}")
+        raise SystemExit(f"error: cannot read {path}: {exc}") from None
     profile = args.profile or data.get("profile") or "smoke"
     kind = args.machine_kind or data.get("machine_kind") or baselines.machine_kind()
     raw = data.get("results") or {}
@@ -437,7 +438,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("run", help="execute the notebooks, judge, report")
     p.add_argument("--profile", default="smoke", choices=["smoke", "full"])
-    p.add_argument("--variant", action="append", help="e2b, e4b, 12b, 31b, 26b-a4b, overview (repeat or comma-separate)")
+    p.add_argument("--variant", action="append",
+                   help="e2b, e4b, 12b, 31b, 26b-a4b, overview (repeat or comma-separate)")
     p.add_argument("--out", help="output folder (default: runs/<profile>)")
     p.add_argument("--timeout-per-cell", type=int, default=1800, help="seconds one cell may run (default 1800)")
     p.add_argument("-p", "--param", action="append", metavar="KEY=VALUE", help="notebook parameter override")

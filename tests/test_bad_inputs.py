@@ -28,12 +28,26 @@ import pytest
 
 from gemma4lib import artifacts, doctor, environment
 from gemma4lib.artifacts import ArtifactCache, atomic_write_json
-from gemma4lib.errors import (ArtifactError, BadPromptError, BaselineError, BatchTooLargeError, CheckpointError,
-                              DeviceMemoryError, EnvironmentMismatchError, GatedCheckpointError, LowHostMemoryWarning,
-                              NeuronSDKMissingError, NotGemma4Error, PromptTooLongError, SettingsError,
-                              TensorParallelError, UnknownNameError, VariantMismatchError)
-from gemma4lib.memory_plan import require_fit, require_neuron_tp
+from gemma4lib.errors import (
+    ArtifactError,
+    BadPromptError,
+    BaselineError,
+    BatchTooLargeError,
+    CheckpointError,
+    DeviceMemoryError,
+    EnvironmentMismatchError,
+    GatedCheckpointError,
+    LowHostMemoryWarning,
+    NeuronSDKMissingError,
+    NotGemma4Error,
+    PromptTooLongError,
+    SettingsError,
+    TensorParallelError,
+    UnknownNameError,
+    VariantMismatchError,
+)
 from gemma4lib.loading import build_tiny, check_config_matches_variant, load_checkpoint, text_config
+from gemma4lib.memory_plan import require_fit, require_neuron_tp
 from gemma4lib.port import PortSettings
 from gemma4lib.recipes import neuron_env, recipe_module
 from gemma4lib.results import read_result, write_result
@@ -547,12 +561,10 @@ def test_crash_mid_write_keeps_the_old_file(tmp_path, monkeypatch, writer):
 
 def test_low_ram_warning_comes_before_the_neuron_compile(tmp_path, monkeypatch):
     """The `neuron` backend warns (with the estimate) before it hands anything to the compiler."""
-    from gemma4lib.graph import DeviceGraph, GraphShape
     from gemma4lib.backends import neuron
     from gemma4lib.recipes import neuron_trace
 
     model = build_tiny(get_variant("e2b"))
-    decode = DeviceGraph(model.text_model, model.lm_head, model.layout, GraphShape(1, 1, 32))
     import tempfile
 
     monkeypatch.delenv("GEMMA4LIB_INSTANCE_TYPE", raising=False)

@@ -4,18 +4,17 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import VARIANT_NAMES
 
 from gemma4lib import checks
-from gemma4lib.compile_cpu import compile_graph, graph_key
 from gemma4lib.artifacts import make_key
+from gemma4lib.compile_cpu import compile_graph, graph_key
 from gemma4lib.errors import PromptTooLongError
 from gemma4lib.graph import DeviceGraph, GraphShape
 from gemma4lib.loading import build_tiny
 from gemma4lib.reference import reference_greedy, reference_last_logits
 from gemma4lib.runtime import HostRuntime, Sampling, choose_token, sampling_probs, softcap
 from gemma4lib.variants import VARIANTS
-
-from conftest import VARIANT_NAMES
 
 NEW_TOKENS = 32
 # fp32 CPU: compiled kernels sum in a different order than HF's eager ops. Measured max |diff|
@@ -103,13 +102,13 @@ def test_tiny_builds_are_identical():
 
 def test_tiny_configs_keep_every_feature():
     e2b = build_tiny(VARIANTS["e2b"]).layout
-    assert e2b.consumers and {l.layer_type for l in e2b.consumers} == {"sliding_attention", "full_attention"}
+    assert e2b.consumers and {lay.layer_type for lay in e2b.consumers} == {"sliding_attention", "full_attention"}
     assert build_tiny(VARIANTS["e2b"]).config.use_double_wide_mlp
     for name in ("12b", "31b", "26b-a4b"):
         layout = build_tiny(VARIANTS[name]).layout
-        full = [l for l in layout.layers if l.layer_type == "full_attention"]
-        sliding = [l for l in layout.layers if l.layer_type == "sliding_attention"]
-        assert all(l.k_eq_v for l in full) and not any(l.k_eq_v for l in sliding)
+        full = [lay for lay in layout.layers if lay.layer_type == "full_attention"]
+        sliding = [lay for lay in layout.layers if lay.layer_type == "sliding_attention"]
+        assert all(lay.k_eq_v for lay in full) and not any(lay.k_eq_v for lay in sliding)
         assert full[0].kv_heads < sliding[0].kv_heads and full[0].head_dim > sliding[0].head_dim
     moe = build_tiny(VARIANTS["26b-a4b"]).config
     assert moe.num_experts >= 8 and moe.top_k_experts >= 2 and moe.enable_moe_block
@@ -122,8 +121,8 @@ def test_kv_sharing_consumers_read_the_producer_buffer():
     graph = DeviceGraph(model.text_model, model.lm_head, layout, shape)
     # buffers exist for producers only
     assert len(graph.new_kv()) == 2 * len(layout.producers) < 2 * len(layout.layers)
-    consumer = next(l for l in layout.consumers if l.layer_type == "sliding_attention")
-    producer_slot = [l.index for l in layout.producers].index(consumer.producer)
+    consumer = next(lay for lay in layout.consumers if lay.layer_type == "sliding_attention")
+    producer_slot = [lay.index for lay in layout.producers].index(consumer.producer)
 
     captured = []
     hook = graph.model.layers[consumer.index].self_attn.register_forward_hook(

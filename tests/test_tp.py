@@ -14,8 +14,17 @@ from gemma4lib.errors import TensorParallelError
 from gemma4lib.experts import StaticExperts
 from gemma4lib.graph import DeviceGraph, GraphShape
 from gemma4lib.loading import build_tiny, text_config
-from gemma4lib.tp import (build_rank_graph, load_shard, make_plan, nxd_full_checkpoint, run_tp_port,
-                          shard_shapes, shard_state_dict, valid_tp_degrees, with_shape)
+from gemma4lib.tp import (
+    build_rank_graph,
+    load_shard,
+    make_plan,
+    nxd_full_checkpoint,
+    run_tp_port,
+    shard_shapes,
+    shard_state_dict,
+    valid_tp_degrees,
+    with_shape,
+)
 from gemma4lib.tp.layers import ShardedExperts
 from gemma4lib.tp.plan import COLUMN, REPLICATE, ROW
 from gemma4lib.tp.rank_graph import CpuParallelFactory
@@ -211,7 +220,7 @@ def test_shard_kv_picks_the_rank_heads():
     kv = DeviceGraph(m.text_model, m.lm_head, m.layout, GraphShape(1, 1, CONTEXT)).new_kv()
     kv = [torch.arange(t.numel(), dtype=t.dtype).view(t.shape) for t in kv]
     rank5 = shard_kv(kv, plan, 5)
-    full = m.layout.producers.index(next(l for l in m.layout.producers if l.layer_type == "full_attention"))
+    full = m.layout.producers.index(next(lay for lay in m.layout.producers if lay.layer_type == "full_attention"))
     assert torch.equal(rank5[2 * full], kv[2 * full][:, 1:2])  # full layers: KV head 5 // 4 = 1
     assert torch.equal(rank5[0], kv[0][:, 5:6])  # sliding: head 5
 

@@ -1,9 +1,8 @@
 """The Neuron recipes: thin adapters that hand the device graph to a Neuron compiler.
 
-| recipe          | module                  | variants                    | compiler API                        |
-|-----------------|-------------------------|-----------------------------|-------------------------------------|
-| `trace`         | `neuron_trace`          | E2B (TP=1)                  | `torch_neuronx.trace` + K/V aliases |
-| `model_builder` | `neuron_model_builder`  | E4B, 12B, 31B, 26B-A4B; any variant at TP > 1 | NxD `ModelBuilder` v1, `SPMDRank` |
+- `trace` (`neuron_trace`): E2B at TP=1; `torch_neuronx.trace` with the K/V as aliased state.
+- `model_builder` (`neuron_model_builder`): E4B, 12B, 31B, 26B-A4B, and any variant at TP > 1;
+  NxD `ModelBuilder` v1 with the rank as an `SPMDRank` tensor.
 
 `memory_plan.neuron_recipe(variant, tp)` picks one. NxD's `parallel_model_trace` (one process per
 rank) is unsupported since SDK 2.27, so no recipe uses it: ModelBuilder compiles one rank in one

@@ -16,14 +16,14 @@
 from __future__ import annotations
 
 import time
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 from torch import nn
 
 from ..embedder import HostEmbedder
 from ..runtime import decode_loop
-
 
 
 class KVParamModule(nn.Module):
@@ -52,7 +52,7 @@ class KVParamModule(nn.Module):
     def example_inputs(self) -> tuple[torch.Tensor, ...]:
         return tuple(self.graph.example_inputs()[: self.num_inputs])
 
-    def sharing(self, graph: nn.Module) -> "KVParamModule":
+    def sharing(self, graph: nn.Module) -> KVParamModule:
         """Another graph (e.g. decode next to prefill) over the same K/V parameters."""
         return KVParamModule(graph, self.kv)
 
@@ -77,7 +77,7 @@ class AliasEmulator:
     def __call__(self, *inputs: torch.Tensor) -> torch.Tensor:
         with torch.no_grad():
             out = self.module(*inputs)
-            for param, new in zip(self.module.kv, out[1:]):
+            for param, new in zip(self.module.kv, out[1:], strict=True):
                 param.copy_(new)
         return out[0]
 

@@ -27,7 +27,8 @@ import os
 import shlex
 import sys
 import types
-from typing import Any, Callable, MutableMapping
+from collections.abc import Callable, MutableMapping
+from typing import Any
 
 from ..environment import TRANSFORMERS_PIN as TRANSFORMERS_VERSION
 from ..errors import EnvironmentMismatchError, NeuronSDKMissingError
@@ -240,7 +241,7 @@ def install_fx_shim(namespace: MutableMapping[str, Any] | None = None, *,
     modules[FX_MODULE] = shim
     parent = modules.get(FX_PARENT)
     if parent is not None:
-        setattr(parent, "fx", shim)
+        parent.fx = shim
     return "shim"
 
 

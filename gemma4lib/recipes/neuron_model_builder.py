@@ -34,19 +34,20 @@ Lines that need the SDK are marked `# inf2-only`.
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 from torch import nn
 
+from ..embedder import HostEmbedder
 from ..experts import EXPERT_FORMS
 from ..graph import GraphShape
 from ..tp.plan import TPPlan, make_plan
 from ..tp.rank_graph import build_rank_graph
 from ..tp.shard import nxd_full_checkpoint
 from . import neuron_env
-from ..embedder import HostEmbedder
 from .common import KVParamModule, graph_example_inputs, greedy_generate
 
 RECIPE = "model_builder"

@@ -19,14 +19,15 @@ Only the lines marked `# inf2-only` need the Neuron SDK; everything else runs on
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 
+from ..embedder import HostEmbedder
 from ..graph import DeviceGraph, GraphShape
 from . import neuron_env
-from ..embedder import HostEmbedder
 from .common import AliasEmulator, KVParamModule, greedy_generate
 
 RECIPE = "trace"

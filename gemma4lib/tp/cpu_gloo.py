@@ -26,20 +26,21 @@ import queue as queue_mod
 import tempfile
 import time
 import traceback
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 from torch import nn
 
+from ..embedder import HostEmbedder
 from ..errors import BadPromptError, PromptTooLongError, TensorParallelError
 from ..experts import EXPERT_FORMS
 from ..graph import DeviceGraph, GraphShape
+from ..recipes.common import AliasEmulator, KVParamModule, greedy_generate
 from .plan import TPPlan, make_plan
 from .rank_graph import build_rank_graph, load_shard, with_shape
 from .shard import iter_shards, shard_kv, shard_shapes
-from ..embedder import HostEmbedder
-from ..recipes.common import AliasEmulator, KVParamModule, greedy_generate
 
 CPU_EXECUTION = "torch.distributed gloo on CPU, one process per rank"
 
@@ -84,7 +85,7 @@ def _run_rank(rank: int, job: RankJob) -> dict[str, Any]:
     decode_module = prefill_module.sharing(decode)
     if job.seed_kv is not None:  # prefill happened on the host; this rank gets its K/V slice
         with torch.no_grad():
-            for param, value in zip(prefill_module.kv, job.seed_kv[rank]):
+            for param, value in zip(prefill_module.kv, job.seed_kv[rank], strict=True):
                 param.copy_(value)
         run = greedy_generate(AliasEmulator(decode_module), job.host, job.prompt, job.max_new_tokens,
                               seeded_logits=job.seed_logits, eos_token_ids=job.eos_token_ids,
@@ -199,7 +200,7 @@ def _as_list(prompt_ids: Any) -> list[int]:
 
 
 def first_divergence(a: Sequence[int], b: Sequence[int]) -> int | None:
-    for i, (x, y) in enumerate(zip(a, b)):
+    for i, (x, y) in enumerate(zip(a, b, strict=False)):
         if x != y:
             return i
     return None if len(a) == len(b) else min(len(a), len(b))
@@ -280,7 +281,8 @@ def _run_tp(loaded_model: Any, tp: int, prompt_ids: Any, max_new_tokens: int, co
     shapes = shard_shapes(plan, shards)
     shard_s = time.perf_counter() - t0
 
-    job = RankJob(config, plan, shards, HostEmbedder.from_text_model(lm.model, copy_tables=True), prompt, max_new_tokens,
+    host = HostEmbedder.from_text_model(lm.model, copy_tables=True)
+    job = RankJob(config, plan, shards, host, prompt, max_new_tokens,
                   context_length, prefill_len, ring, baked_rank, dtype, decode_experts=decode_experts,
                   eos_token_ids=tuple(int(t) for t in eos_token_ids), keep_logits=keep_logits)
     if prefill == "cpu-seeded":

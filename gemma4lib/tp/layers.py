@@ -27,7 +27,7 @@ for the CPU gloo run. Modules keep it as a plain attribute, not a submodule.
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F

@@ -36,8 +36,9 @@ The rules (Megatron-style, one all-reduce after attention and one after the feed
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, replace
-from typing import Any, Iterable
+from typing import Any
 
 from ..errors import TensorParallelError
 from ..hardware import NEURON_TP_DEGREES
@@ -154,7 +155,8 @@ class TPPlan:
     # ---- per-rank views -------------------------------------------------------------------
     def rank_layout(self) -> KVLayout:
         """The KV layout one rank sees: the same producers, with the rank-local KV-head counts."""
-        layers = tuple(replace(l, kv_heads=self.layers[l.index].attention.kv_per_rank) for l in self.layout.layers)
+        layers = tuple(replace(lay, kv_heads=self.layers[lay.index].attention.kv_per_rank)
+                       for lay in self.layout.layers)
         return replace(self.layout, layers=layers,
                        num_attention_heads=self.layout.num_attention_heads // self.tp)
 
@@ -242,12 +244,12 @@ def tp_problems(config: Any, tp: int, layout: KVLayout | None = None) -> list[st
     if c["q_heads"] % tp:
         problems.append(f"{c['q_heads']} query heads do not split into {tp} equal parts")
     for layer_type in (SLIDING, FULL):
-        kvs = sorted({l.kv_heads for l in layout.layers if l.layer_type == layer_type})
+        kvs = sorted({lay.kv_heads for lay in layout.layers if lay.layer_type == layer_type})
         for kv in kvs:
             if kv % tp and tp % kv:
                 problems.append(f"{layer_type} layers have {kv} KV heads: neither shardable nor replicable "
                                 f"over {tp} ranks (need kv % tp == 0 or tp % kv == 0)")
-    widths = {c["intermediate"] * (2 if c["double_wide"] and not l.owns_buffer else 1) for l in layout.layers}
+    widths = {c["intermediate"] * (2 if c["double_wide"] and not lay.owns_buffer else 1) for lay in layout.layers}
     for width in sorted(widths):
         if width % tp:
             problems.append(f"MLP intermediate size {width} does not split into {tp}")
@@ -281,12 +283,12 @@ def make_plan(config: Any, tp: int, variant: Any = None) -> TPPlan:
             f"{label} cannot use TP={tp}: {'; '.join(problems)}; use one of {', '.join(map(str, ok))}")
     c = _config_ints(config)
     layers = []
-    for l in layout.layers:
-        kv_mode = "shard" if (l.kv_heads % tp == 0 and l.kv_heads >= tp) else "replicate"
-        attention = AttentionPlan(l.index, l.layer_type, l.head_dim, c["q_heads"], l.kv_heads, tp, kv_mode,
-                                  l.producer, l.k_eq_v)
-        width = c["intermediate"] * (2 if c["double_wide"] and not l.owns_buffer else 1)
+    for lay in layout.layers:
+        kv_mode = "shard" if (lay.kv_heads % tp == 0 and lay.kv_heads >= tp) else "replicate"
+        attention = AttentionPlan(lay.index, lay.layer_type, lay.head_dim, c["q_heads"], lay.kv_heads, tp, kv_mode,
+                                  lay.producer, lay.k_eq_v)
+        width = c["intermediate"] * (2 if c["double_wide"] and not lay.owns_buffer else 1)
         moe = MoEPlan(c["num_experts"], c["top_k"], c["moe_intermediate"], tp) if c["moe"] else None
-        layers.append(LayerPlan(l.index, attention, width, moe, bool(c["ple"])))
+        layers.append(LayerPlan(lay.index, attention, width, moe, bool(c["ple"])))
     lm_head = COLUMN if c["vocab"] % tp == 0 else REPLICATE
     return TPPlan(tp, name, c["hidden"], c["vocab"], tuple(layers), layout, lm_head, bool(c["ple"]))

@@ -119,7 +119,7 @@ class RankGraph(DeviceGraph):
         # The bug, when asked for: the rank read as a Python int while the graph is built.
         self.baked_rank = int(self.spmd_rank.get_rank().reshape(-1)[0]) if baked_rank else None
         self._rank_users: list[nn.Module] = []
-        for layer, lp in zip(self.model.layers, plan.layers):
+        for layer, lp in zip(self.model.layers, plan.layers, strict=True):
             self._shard_attention(layer, lp, factory)
             self._shard_mlp(layer, lp, factory)
             if lp.moe is not None and getattr(layer, "experts", None) is not None:

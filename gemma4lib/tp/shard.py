@@ -13,7 +13,8 @@ Embedding and PLE tables stay on the host and are not in any shard.
 
 from __future__ import annotations
 
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 from torch import nn
