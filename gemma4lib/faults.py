@@ -1,5 +1,5 @@
-"""The fault lab: the field report's bugs and graph-level faults, each switchable, each run through
-the real port and judged by `port`'s own verdict (`checks.failed_checks`).
+"""The fault lab: the field report's bugs (README, "The family at a glance") and graph-level faults,
+each switchable, each run through the real port and judged by `port`'s own verdict (`checks.failed_checks`).
 
 Every fault is off unless asked for. Each run is the default smoke port of the trained fixture:
 SEQ_MATCH, LOGITS_MATCH and coherence on the trained model, plus SEQ_MATCH and LOGITS_MATCH on

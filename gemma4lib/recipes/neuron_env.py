@@ -1,5 +1,5 @@
 """The inf2 environment: pinned Neuron SDK 2.28 versions, lazy SDK imports, and the two fixes the
-field report needed before anything imports.
+field report (README, "The family at a glance") needed before anything imports.
 
 Nothing here imports the Neuron SDK at module import time. The single source of truth for the
 pins is `SDK_PINS` (+ `TRANSFORMERS_PIN`); the doctor and every recipe read it.

@@ -232,7 +232,7 @@ def run_tp_port(loaded_model: Any, tp: Any, prompt_ids: Any, max_new_tokens: Any
     `seq_match` against transformers' greedy generate, `prefill_logit_max_diff` (softcapped, vs the
     reference's last-prompt-token logits), `ranks_agree`, the plan, per-rank `shard_shapes`, the
     recipe this stands in for, timings. `baked_rank` / `include_buffers=False` run the two faults
-    the field report met (rank read at trace time; buffers missing from the shards).
+    the field report (README) met (rank read at trace time; buffers missing from the shards).
     `prefill="cpu-seeded"` runs the E4B recipe's flow: the unsharded model prefills on the host and
     each rank starts decoding from its slice of those K/V buffers (`prefill="graph"`: the rank
     graphs prefill). `decode_experts="selective"` makes the decode graph gather the routed top-k

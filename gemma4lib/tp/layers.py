@@ -18,7 +18,7 @@ one for one:
     view of the whole shard: `backends.hlo_audit` checks the lowered HLO) and weighted by
     routing weight x valid, then all-reduced the way the `RowShard` reduces. Reads k slices per
     token per rank, whatever E/tp is: the decode form.
-  `baked_rank=<int>` reproduces the field report's bug in both forms: the rank read as a Python
+  `baked_rank=<int>` reproduces the field report's bug (README) in both forms: the rank read as a Python
   int when the graph was built, i.e. rank 0's slice on every rank.
 
 Collectives are a small object (`Collectives`): identity for one process, `torch.distributed`

@@ -22,7 +22,7 @@ never touched):
   checkpoint like any weight instead of freezing its init value.
 - lm_head: column shard over the vocabulary, all-gathered.
 
-`baked_rank=True` builds the deliberately broken variant from the field report: the MoE reads the
+`baked_rank=True` builds the deliberately broken variant from the field report (README): the MoE reads the
 rank as a Python int while the graph is built (it is 0 then: the single compiled rank), so every
 rank weights rank 0's experts (dense) or offsets the routed expert ids by rank 0's (selective).
 """
