@@ -858,7 +858,7 @@ results_path = "../runs/notebooks/overview.json"
 import torch
 
 from gemma4lib import notebook as nb, plots
-from gemma4lib.port import PortSettings, build_graphs, compile_graphs, load_model
+from gemma4lib.port import PortSettings, compile_graphs, load_model
 
 torch.set_num_threads(threads)
 """),
