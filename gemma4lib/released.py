@@ -35,7 +35,8 @@ AUDIO_VARIANTS = ("e2b", "e4b", "12b")
 # The released generation_config stops on <eos> and on <turn|> (the end of the model's turn).
 EOS_IDS = [1, 106]
 # Bookkeeping of the text config that a released text_config does not carry.
-_TEXT_CONFIG_DROP = ("architectures", "_name_or_path", "dtype", "torch_dtype", "transformers_version")
+_TEXT_CONFIG_DROP = ("architectures", "_name_or_path", "dtype", "torch_dtype",
+                     "transformers_version")
 
 
 def _sub_configs(variant: Variant, hidden_size: int) -> tuple[Any, Any | None]:
@@ -43,7 +44,8 @@ def _sub_configs(variant: Variant, hidden_size: int) -> tuple[Any, Any | None]:
     check_transformers()
     with_audio = variant.name in AUDIO_VARIANTS
     if variant.unified:
-        from transformers.models.gemma4_unified import Gemma4UnifiedAudioConfig, Gemma4UnifiedVisionConfig
+        from transformers.models.gemma4_unified import (Gemma4UnifiedAudioConfig,
+                                                        Gemma4UnifiedVisionConfig)
 
         vision = Gemma4UnifiedVisionConfig(patch_size=4, pooling_kernel_size=2, mm_embed_dim=32,
                                            mm_posemb_size=16, output_proj_dims=hidden_size)
@@ -52,8 +54,8 @@ def _sub_configs(variant: Variant, hidden_size: int) -> tuple[Any, Any | None]:
     from transformers import Gemma4AudioConfig, Gemma4VisionConfig
 
     vision = Gemma4VisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                num_attention_heads=2, num_key_value_heads=2, head_dim=16, patch_size=4,
-                                position_embedding_size=64)
+                                num_attention_heads=2, num_key_value_heads=2, head_dim=16,
+                                patch_size=4, position_embedding_size=64)
     audio = (Gemma4AudioConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
                                subsampling_conv_channels=[8, 4], output_proj_dims=32)
              if with_audio else None)
@@ -95,16 +97,17 @@ def build_released_model(variant: Variant | str, text_lm: nn.Module, seed: int =
     full.model.language_model.load_state_dict(text_lm.model.state_dict(), strict=True)
     full.tie_weights()
     if not torch.equal(full.lm_head.weight, text_lm.lm_head.weight):
-        raise CheckpointError("the LM head of the released layout is not the text model's (tied) head")
+        raise CheckpointError("the released layout's LM head is not the text model's (tied) head")
     return full.eval()
 
 
-def save_released_layout(variant: Variant | str, folder: str | Path, text_lm: nn.Module, tokenizer: Any,
-                         seed: int = 0) -> Path:
-    """Write `folder` as a released Gemma-4 checkpoint: config.json (multimodal, with text, vision and
-    audio sub-configs), generation_config.json, model.safetensors and the tokenizer files.
+def save_released_layout(variant: Variant | str, folder: str | Path, text_lm: nn.Module,
+                         tokenizer: Any, seed: int = 0) -> Path:
+    """Write `folder` as a released Gemma-4 checkpoint: config.json (multimodal, with text, vision
+    and audio sub-configs), generation_config.json, model.safetensors and the tokenizer files.
 
-    Returns the folder; `port(PortSettings(variant, profile="full", checkpoint=str(folder)))` loads it.
+    Returns the folder, which
+    `port(PortSettings(variant, profile="full", checkpoint=str(folder)))` loads.
     """
     variant = variant if isinstance(variant, Variant) else get_variant(variant)
     folder = Path(folder)

@@ -44,7 +44,8 @@ class _Folders:
     def get(self, variant: str) -> Path:
         if variant not in self._done:
             trained = load_trained(variant)
-            self._done[variant] = save_released_layout(variant, self.root / variant, trained.lm, trained.tokenizer)
+            self._done[variant] = save_released_layout(variant, self.root / variant, trained.lm,
+                                                       trained.tokenizer)
         return self._done[variant]
 
 
@@ -64,7 +65,8 @@ def test_folder_has_the_released_layout(released, variant):
     config = json.loads((folder / "config.json").read_text())
     assert config["architectures"] == [spec.model_class]
     assert config["model_type"] == ("gemma4_unified" if spec.unified else "gemma4")
-    assert config["text_config"]["model_type"] == ("gemma4_unified_text" if spec.unified else "gemma4_text")
+    text_type = "gemma4_unified_text" if spec.unified else "gemma4_text"
+    assert config["text_config"]["model_type"] == text_type
     assert config["vision_config"] is not None
     assert (config.get("audio_config") is not None) == (variant in AUDIO_VARIANTS)
     from safetensors import safe_open
@@ -74,9 +76,10 @@ def test_folder_has_the_released_layout(released, variant):
     assert any(n.startswith("model.language_model.layers.0.") for n in names)
     assert any(n.startswith(("model.vision_tower.", "model.embed_vision.")) for n in names)
     assert not any(n.startswith("lm_head") for n in names), "the LM head is tied: not stored"
-    assert any(n.endswith("layer_scalar") for n in names), "layer_scalar buffers must be in the checkpoint"
-    assert {"tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json"} <= {
-        p.name for p in folder.iterdir()}
+    assert any(n.endswith("layer_scalar") for n in names), "layer_scalar must be in the checkpoint"
+    files = {p.name for p in folder.iterdir()}
+    assert {"tokenizer.json", "tokenizer_config.json", "chat_template.jinja",
+            "generation_config.json"} <= files
 
 
 def test_folder_is_deterministic(released, tmp_path):
@@ -94,14 +97,16 @@ def test_loader_returns_the_trained_decoder(released, variant):
     got, want = loaded.lm.state_dict(), trained.lm.state_dict()
     assert got.keys() == want.keys()
     assert [k for k in want if not torch.equal(got[k], want[k])] == []
-    assert loaded.tokenizer.chat_template and loaded.tokenizer.convert_tokens_to_ids("<turn|>") == 106
+    assert loaded.tokenizer.chat_template
+    assert loaded.tokenizer.convert_tokens_to_ids("<turn|>") == 106
 
     # Same program as the smoke profile's trained port: one artifact serves both.
     settings = PortSettings(variant=variant)
 
     def keys(model) -> list[str]:
         prefill, decode = build_graphs(model, settings)
-        return [make_key(graph_key(g, RECIPE, DEFAULT_COMPILER_OPTIONS)) for g in (*prefill.values(), decode)]
+        graphs = (*prefill.values(), decode)
+        return [make_key(graph_key(g, RECIPE, DEFAULT_COMPILER_OPTIONS)) for g in graphs]
 
     assert keys(loaded) == keys(trained)
 
