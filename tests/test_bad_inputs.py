@@ -7,7 +7,8 @@ published, the next run rebuilds, ...). Faults that have no error of their own (
 once, a crash mid-write, a leaked token) are tested below the table.
 
 Everything here is fast and needs neither network, nor Neuron SDK, nor a compile: versions are
-simulated through the metadata lookups, hub calls through a monkeypatched `AutoConfig`, compiles
+simulated through the metadata lookups, hub calls through a monkeypatched `AutoConfig` or download
+(or an endpoint that cannot resolve: no network for real), compiles
 through fake build functions on a `tmp_path` artifact cache, notebooks through a fake papermill.
 """
 
@@ -894,3 +895,29 @@ def test_no_network_fails_fast_with_the_real_endpoint(monkeypatch):
     with pytest.raises(HubUnreachableError, match="No network"):
         load_checkpoint(get_variant("e2b"), HUB_ID)
     assert time.perf_counter() - started < 8.0
+
+
+def _hub_cache_with(tmp_path: Path, monkeypatch, folder: Path) -> None:
+    """A local hub cache holding `folder` as HUB_ID's snapshot (what a past download leaves)."""
+    from huggingface_hub import constants
+
+    cache = tmp_path / "hub"
+    repo = cache / ("models--" + HUB_ID.replace("/", "--"))
+    commit = "0" * 40
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text(commit)
+    shutil.copytree(folder, repo / "snapshots" / commit)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
+
+
+@pytest.mark.parametrize("how", ["HF_HUB_OFFLINE", "unreachable"])
+def test_hub_id_loads_from_the_local_cache_without_network(tmp_path, monkeypatch, caplog, how):
+    """Offline (or with the hub out of reach) a hub id loads when a past download is cached."""
+    ctx = Ctx(tmp_path, monkeypatch)
+    _hub_cache_with(tmp_path, monkeypatch, released_folder(ctx))
+    offline_mode(ctx) if how == "HF_HUB_OFFLINE" else no_network(ctx)
+    with caplog.at_level(logging.WARNING, logger="gemma4lib"):
+        loaded = load_checkpoint(get_variant("e2b"), HUB_ID, torch.float32)
+    assert loaded.source == HUB_ID and type(loaded.lm).__name__ == "Gemma4ForCausalLM"
+    assert loaded.tokenizer.convert_tokens_to_ids("<turn|>") == 106
+    assert "loading google/gemma-4-E2B-it from the local hub cache" in caplog.text
