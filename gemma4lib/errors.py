@@ -65,7 +65,11 @@ class CheckpointError(Gemma4LibError, ValueError):
 
 
 class GatedCheckpointError(CheckpointError):
-    pass
+    """The hub answered, but the gated repository needs a token (or an account with access)."""
+
+
+class HubUnreachableError(CheckpointError):
+    """No connection to the hub (no network, or offline mode) and the checkpoint is not cached."""
 
 
 class NotGemma4Error(CheckpointError):

@@ -7,7 +7,8 @@ published, the next run rebuilds, ...). Faults that have no error of their own (
 once, a crash mid-write, a leaked token) are tested below the table.
 
 Everything here is fast and needs neither network, nor Neuron SDK, nor a compile: versions are
-simulated through the metadata lookups, hub calls through a monkeypatched `AutoConfig`, compiles
+simulated through the metadata lookups, hub calls through a monkeypatched `AutoConfig` or download
+(or an endpoint that cannot resolve: no network for real), compiles
 through fake build functions on a `tmp_path` artifact cache, notebooks through a fake papermill.
 """
 
@@ -25,8 +26,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
-from gemma4lib import artifacts, doctor, environment
+from gemma4lib import artifacts, doctor, environment, loading
 from gemma4lib.artifacts import ArtifactCache, atomic_write_json
 from gemma4lib.errors import (
     ArtifactError,
@@ -37,6 +39,7 @@ from gemma4lib.errors import (
     DeviceMemoryError,
     EnvironmentMismatchError,
     GatedCheckpointError,
+    HubUnreachableError,
     LowHostMemoryWarning,
     NeuronSDKMissingError,
     NotGemma4Error,
@@ -108,11 +111,19 @@ def tokenizer():
     return _TOKENIZER[0]
 
 
+def hub_up(ctx: Ctx) -> None:
+    """The hub answers the connection probe (what a machine with network sees); not offline."""
+    ctx.mp.delenv("HF_HUB_OFFLINE", raising=False)
+    ctx.mp.delenv("TRANSFORMERS_OFFLINE", raising=False)
+    ctx.mp.setattr(loading, "probe_hub", lambda *a, **k: None)
+
+
 def hub_config_fails(ctx: Ctx, token: str | None) -> None:
-    """No network: the hub answers every config request with an error (echoing the token, as a
+    """The hub is up but answers every config request with an error (echoing the token, as a
     careless HTTP error might: it must still never reach the user)."""
     import transformers
 
+    hub_up(ctx)
     if token is None:
         ctx.mp.delenv("HF_TOKEN", raising=False)
     else:
@@ -127,6 +138,7 @@ def hub_config_fails(ctx: Ctx, token: str | None) -> None:
 def hub_returns(ctx: Ctx, config) -> None:
     import transformers
 
+    hub_up(ctx)
     ctx.mp.setattr(transformers.AutoConfig, "from_pretrained", lambda *a, **k: config)
 
 
@@ -143,6 +155,119 @@ def checkpoint_folder(ctx: Ctx, config: dict | str | None, weights: bool = True)
 def e2b_shaped_folder(ctx: Ctx) -> Path:
     """A local folder holding an E2B-shaped Gemma-4 config (PLE, KV sharing, no k_eq_v)."""
     return checkpoint_folder(ctx, text_config(get_variant("e2b"), "tiny").to_json_string())
+
+
+HUB_ID = "google/gemma-4-E2B-it"
+
+
+def hub_download_raises(ctx: Ctx, error: BaseException, token: str | None = None) -> None:
+    """The hub is up; huggingface_hub's download (under transformers' own error handling) raises `error`."""
+    import transformers.utils.hub as hf_hub
+
+    hub_up(ctx)
+    if token is None:
+        ctx.mp.delenv("HF_TOKEN", raising=False)
+    else:
+        ctx.mp.setenv("HF_TOKEN", token)
+
+    def download(*args, **kwargs):
+        raise error
+
+    ctx.mp.setattr(hf_hub, "hf_hub_download", download)
+
+
+def http_error(cls, status: int):
+    """A huggingface_hub HTTP error as the hub raises it (with its response)."""
+    import httpx2
+
+    url = f"https://huggingface.co/{HUB_ID}/resolve/main/config.json"
+    response = httpx2.Response(status, request=httpx2.Request("GET", url))
+    return cls(f"{status} Client Error for url {url}", response=response)
+
+
+def gated_hub(ctx: Ctx, token: str | None) -> None:
+    from huggingface_hub.errors import GatedRepoError
+
+    hub_download_raises(ctx, http_error(GatedRepoError, 401 if token is None else 403), token)
+
+
+def download_cut(ctx: Ctx) -> None:
+    """The probe got through, then the download lost the network (huggingface_hub's own wording)."""
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    error = LocalEntryNotFoundError("An error happened while trying to locate the file on the Hub")
+    error.__cause__ = ConnectionError("[Errno 101] Network is unreachable")
+    hub_download_raises(ctx, error)
+
+
+def no_network(ctx: Ctx) -> None:
+    """A hub endpoint that cannot resolve (RFC 2606 `.invalid`): the real probe fails for real."""
+    ctx.mp.delenv("HF_HUB_OFFLINE", raising=False)
+    ctx.mp.delenv("TRANSFORMERS_OFFLINE", raising=False)
+    ctx.mp.setattr(loading, "hub_endpoint", lambda: "https://hub-endpoint.invalid")
+
+
+def offline_mode(ctx: Ctx) -> None:
+    """HF_HUB_OFFLINE=1: no probe, no download attempt, only the local hub cache."""
+    ctx.mp.setenv("HF_HUB_OFFLINE", "1")
+
+    def probe(*args, **kwargs):
+        raise AssertionError("offline mode must not touch the network")
+
+    ctx.mp.setattr(loading, "probe_hub", probe)
+
+
+def released_folder(ctx: Ctx, variant: str = "e2b") -> Path:
+    """A released-layout checkpoint: the trained tiny decoder inside the multimodal class."""
+    from gemma4lib.released import save_released_layout
+    from gemma4lib.trained import load_trained
+
+    trained = load_trained(variant)
+    return save_released_layout(variant, ctx.tmp / f"released-{variant}", trained.lm, trained.tokenizer)
+
+
+def edit_config(folder: Path, edit: Callable[[dict], None]) -> Path:
+    config = json.loads((folder / "config.json").read_text())
+    edit(config)
+    (folder / "config.json").write_text(json.dumps(config, indent=2))
+    return folder
+
+
+def hidden_size_edited(ctx: Ctx) -> Path:
+    return edit_config(released_folder(ctx), lambda c: c["text_config"].update(hidden_size=96))
+
+
+def layers_edited(ctx: Ctx) -> Path:
+    """One more layer in config.json than the weights have (its per-layer settings no longer fit)."""
+    def edit(config: dict) -> None:
+        text = config["text_config"]
+        text["num_hidden_layers"] += 2
+        text["layer_types"] += ["sliding_attention", "full_attention"]
+    return edit_config(released_folder(ctx), edit)
+
+
+def tensor_dropped(ctx: Ctx) -> Path:
+    """A checkpoint missing one decoder tensor (a shard lost in the download)."""
+    from safetensors.torch import load_file, save_file
+
+    folder = released_folder(ctx)
+    weights = folder / "model.safetensors"
+    state = load_file(str(weights))
+    del state["model.language_model.layers.3.mlp.up_proj.weight"]
+    save_file(state, str(weights), metadata={"format": "pt"})
+    return folder
+
+
+def text_only_folder(ctx: Ctx, variant: str, tokenizer_files: bool = True) -> Path:
+    """What `save_pretrained` of a `*ForCausalLM` writes: model_type gemma4_text / gemma4_unified_text."""
+    from gemma4lib.trained import load_trained
+
+    trained = load_trained(variant)
+    folder = ctx.tmp / f"text-{variant}"
+    trained.lm.save_pretrained(str(folder))
+    if tokenizer_files:
+        trained.tokenizer.save_pretrained(str(folder))
+    return folder
 
 
 def versions_found(ctx: Ctx, **found: str | None) -> None:
@@ -349,6 +474,38 @@ CASES = [
     Case("hub checkpoint unreadable with a token",
          lambda c: (hub_config_fails(c, SENTINEL), load_checkpoint(get_variant("e2b"), "google/gemma-4-E2B-it")),
          CheckpointError, "check the id and the network, and that the HF_TOKEN account accepted the model's licence"),
+    Case("gated checkpoint, the hub's own GatedRepoError, no token",
+         lambda c: (gated_hub(c, None), load_checkpoint(get_variant("e2b"), HUB_ID)),
+         GatedCheckpointError, "accept the licence on the model page, then `export HF_TOKEN=...`"),
+    Case("gated checkpoint, token of an account without access",
+         lambda c: (gated_hub(c, SENTINEL), load_checkpoint(get_variant("e2b"), HUB_ID)),
+         GatedCheckpointError, "the HF_TOKEN account has no access to 'google/gemma-4-E2B-it'"),
+    Case("hub unreachable (the endpoint does not resolve)",
+         lambda c: (no_network(c), load_checkpoint(get_variant("e2b"), HUB_ID)), HubUnreachableError,
+         "download it on a machine with access (`hf download google/gemma-4-E2B-it --local-dir <folder>`), "
+         "copy the folder over and point checkpoint= at it; or set HF_ENDPOINT"),
+    Case("HF_HUB_OFFLINE set, checkpoint not cached",
+         lambda c: (offline_mode(c), load_checkpoint(get_variant("e2b"), HUB_ID)), HubUnreachableError,
+         "HF_HUB_OFFLINE is set, and it is not in the local hub cache"),
+    Case("network lost after the probe",
+         lambda c: (download_cut(c), load_checkpoint(get_variant("e2b"), HUB_ID)), HubUnreachableError,
+         "the download failed on the network"),
+    Case("config.json hidden_size edited (weights disagree)",
+         lambda c: load_checkpoint(get_variant("e2b"), str(hidden_size_edited(c)), torch.float32),
+         CheckpointError, "model.language_model.embed_tokens.weight is [810, 64] in the weights but [810, 96] by "
+                          "config.json (the weights have hidden_size 64, config.json says 96)"),
+    Case("config.json layer count edited",
+         lambda c: load_checkpoint(get_variant("e2b"), str(layers_edited(c)), torch.float32), CheckpointError,
+         "); download the checkpoint again, or fix config.json"),
+    Case("checkpoint missing a decoder tensor",
+         lambda c: load_checkpoint(get_variant("e2b"), str(tensor_dropped(c)), torch.float32), CheckpointError,
+         "lacks 1 tensors of the text decoder (e.g. model.language_model.layers.3.mlp.up_proj.weight)"),
+    Case("text-only 12B folder for the 31B notebook",
+         lambda c: load_checkpoint(get_variant("31b"), str(text_only_folder(c, "12b"))), VariantMismatchError,
+         "it looks like 12b: use variant='12b'"),
+    Case("text-only folder without tokenizer files",
+         lambda c: load_checkpoint(get_variant("e2b"), str(text_only_folder(c, "e2b", False)), torch.float32),
+         CheckpointError, "the folder needs the released tokenizer files (tokenizer.json"),
     Case("checkpoint path that does not exist",
          lambda c: load_checkpoint(get_variant("e2b"), str(c.tmp / "no" / "such-folder")), CheckpointError,
          "is neither an existing folder nor a hub id (owner/name); check the path"),
@@ -719,3 +876,61 @@ def test_check_fits_is_exact_at_the_context_boundary():
     assert generation.tokens == reference_greedy(model.lm, prompt, longest, [])
     with pytest.raises(PromptTooLongError):
         rt.check_fits(prompt, longest + 1)
+
+
+# ---- checkpoints that load ------------------------------------------------------------------------
+
+@pytest.mark.parametrize("variant", ["e2b", "12b"])
+def test_text_only_checkpoint_folder_loads(tmp_path, monkeypatch, variant):
+    """A consistent `gemma4_text` / `gemma4_unified_text` folder loads as the `*ForCausalLM` itself."""
+    from gemma4lib.trained import load_trained
+
+    folder = text_only_folder(Ctx(tmp_path, monkeypatch), variant)
+    config = json.loads((folder / "config.json").read_text())
+    assert config["model_type"] == ("gemma4_unified_text" if variant == "12b" else "gemma4_text")
+    loaded = load_checkpoint(get_variant(variant), str(folder), torch.float32)
+    trained = load_trained(variant)
+    assert type(loaded.lm) is type(trained.lm)
+    got, want = loaded.lm.state_dict(), trained.lm.state_dict()
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+    assert loaded.tokenizer.convert_tokens_to_ids("<|turn>") == 105
+
+
+def test_no_network_fails_fast_with_the_real_endpoint(monkeypatch):
+    """Where the hub cannot be reached (this machine, most CI runners), a hub id fails within a few
+    seconds with `HubUnreachableError`, not after huggingface_hub's retries as a token problem."""
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.delenv("TRANSFORMERS_OFFLINE", raising=False)
+    monkeypatch.delenv("HF_TOKEN", raising=False)
+    if loading.probe_hub() is None:
+        pytest.skip(f"{loading.hub_endpoint()} is reachable from here")
+    started = time.perf_counter()
+    with pytest.raises(HubUnreachableError, match="No network"):
+        load_checkpoint(get_variant("e2b"), HUB_ID)
+    assert time.perf_counter() - started < 8.0
+
+
+def _hub_cache_with(tmp_path: Path, monkeypatch, folder: Path) -> None:
+    """A local hub cache holding `folder` as HUB_ID's snapshot (what a past download leaves)."""
+    from huggingface_hub import constants
+
+    cache = tmp_path / "hub"
+    repo = cache / ("models--" + HUB_ID.replace("/", "--"))
+    commit = "0" * 40
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text(commit)
+    shutil.copytree(folder, repo / "snapshots" / commit)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
+
+
+@pytest.mark.parametrize("how", ["HF_HUB_OFFLINE", "unreachable"])
+def test_hub_id_loads_from_the_local_cache_without_network(tmp_path, monkeypatch, caplog, how):
+    """Offline (or with the hub out of reach) a hub id loads when a past download is cached."""
+    ctx = Ctx(tmp_path, monkeypatch)
+    _hub_cache_with(tmp_path, monkeypatch, released_folder(ctx))
+    offline_mode(ctx) if how == "HF_HUB_OFFLINE" else no_network(ctx)
+    with caplog.at_level(logging.WARNING, logger="gemma4lib"):
+        loaded = load_checkpoint(get_variant("e2b"), HUB_ID, torch.float32)
+    assert loaded.source == HUB_ID and type(loaded.lm).__name__ == "Gemma4ForCausalLM"
+    assert loaded.tokenizer.convert_tokens_to_ids("<turn|>") == 106
+    assert "loading google/gemma-4-E2B-it from the local hub cache" in caplog.text
