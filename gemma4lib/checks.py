@@ -58,8 +58,10 @@ def first_mismatch(device: Sequence[int], reference: Sequence[int]) -> int | Non
 
 def expect_substring(expected: str, case_sensitive: bool = False) -> Coherence:
     """Coherent when the answer contains `expected` (e.g. 'Paris')."""
+
     def predicate(answer: str) -> bool:
         return expected in answer if case_sensitive else expected.lower() in answer.lower()
+
     predicate.__name__ = f"contains({expected!r})"
     return predicate
 
@@ -67,14 +69,15 @@ def expect_substring(expected: str, case_sensitive: bool = False) -> Coherence:
 def expect_exact(expected: str) -> Coherence:
     def predicate(answer: str) -> bool:
         return answer.strip() == expected.strip()
+
     predicate.__name__ = f"equals({expected!r})"
     return predicate
 
 
 # ---- LOGITS_MATCH --------------------------------------------------------------------------------
 
-def logits_tolerance(spread: float, factor: float = LOGITS_FACTOR,
-                     floor: float = LOGITS_FLOOR) -> float:
+
+def logits_tolerance(spread: float, factor: float = LOGITS_FACTOR, floor: float = LOGITS_FLOOR) -> float:
     """Allowed max |device - reference| when the reference's own rounding moves it by `spread`."""
     return max(factor * spread, floor)
 
@@ -119,8 +122,10 @@ class LogitsCheck:
 
     @property
     def rule(self) -> str:
-        return (f"max(|device - reference|) <= max({self.factor:g} x spread, {self.floor:g}); "
-                f"spread = max |reference - {self.precise_dtype} reference| = {self.spread:.3g}")
+        return (
+            f"max(|device - reference|) <= max({self.factor:g} x spread, {self.floor:g}); "
+            f"spread = max |reference - {self.precise_dtype} reference| = {self.spread:.3g}"
+        )
 
     def _where(self, position: int) -> str:
         step = "prefill (last prompt token)" if position == 0 else f"decode step {position}"
@@ -129,15 +134,16 @@ class LogitsCheck:
     def explain(self) -> str:
         """One sentence: what was compared, the worst error, the tolerance and its origin."""
         head = "LOGITS_MATCH passed" if self.passed else "LOGITS_MATCH failed"
-        text = (f"{head}: max |device - reference| {self.max_err:.3g} at "
-                f"{self._where(self.worst_position)} (token id {self.worst_token_id}) "
-                f"{'<=' if self.passed else '>'} tolerance {self.tolerance:.3g} = "
-                f"max({self.factor:g} x spread {self.spread:.3g} [{self.precise_dtype} reference], "
-                f"floor {self.floor:g})")
+        text = (
+            f"{head}: max |device - reference| {self.max_err:.3g} at "
+            f"{self._where(self.worst_position)} (token id {self.worst_token_id}) "
+            f"{'<=' if self.passed else '>'} tolerance {self.tolerance:.3g} = "
+            f"max({self.factor:g} x spread {self.spread:.3g} [{self.precise_dtype} reference], "
+            f"floor {self.floor:g})"
+        )
         first = self.first_failure
         if not self.passed and first is not None and first != self.worst_position:
-            text += (f"; first over the tolerance at {self._where(first)} "
-                     f"({self.step_errors[first]:.3g})")
+            text += f"; first over the tolerance at {self._where(first)} ({self.step_errors[first]:.3g})"
         return text
 
     def record(self) -> dict[str, Any]:
@@ -158,16 +164,25 @@ class LogitsCheck:
         }
 
 
-def compare_logits(device_raw: torch.Tensor, reference: torch.Tensor, spread: float,
-                   cap: float | None, prompt_tokens: int, precise_dtype: str = "float64",
-                   factor: float = LOGITS_FACTOR, floor: float = LOGITS_FLOOR) -> LogitsCheck:
+def compare_logits(
+    device_raw: torch.Tensor,
+    reference: torch.Tensor,
+    spread: float,
+    cap: float | None,
+    prompt_tokens: int,
+    precise_dtype: str = "float64",
+    factor: float = LOGITS_FACTOR,
+    floor: float = LOGITS_FLOOR,
+) -> LogitsCheck:
     """LOGITS_MATCH from the device's raw step logits `[n, vocab]` (the graph leaves the softcap
     off) and the reference's softcapped ones for the same tokens: both compared softcapped."""
     import torch
 
     if device_raw.shape != reference.shape:
-        raise ValueError(f"device logits {tuple(device_raw.shape)} and reference logits "
-                         f"{tuple(reference.shape)} cover different steps")
+        raise ValueError(
+            f"device logits {tuple(device_raw.shape)} and reference logits "
+            f"{tuple(reference.shape)} cover different steps"
+        )
     device = device_raw.to(torch.float64)
     if cap:
         device = cap * torch.tanh(device / cap)
@@ -177,15 +192,25 @@ def compare_logits(device_raw: torch.Tensor, reference: torch.Tensor, spread: fl
     tolerance = logits_tolerance(spread, factor, floor)
     over = (per_step > tolerance).nonzero()
     max_err = float(per_step[worst])
-    return LogitsCheck(passed=max_err <= tolerance, max_err=max_err, tolerance=tolerance,
-                       spread=float(spread), precise_dtype=precise_dtype, factor=factor,
-                       floor=floor, worst_position=worst, worst_token_id=int(worst_ids[worst]),
-                       first_failure=int(over[0]) if len(over) else None,
-                       prompt_tokens=prompt_tokens, step_errors=per_step.tolist())
+    return LogitsCheck(
+        passed=max_err <= tolerance,
+        max_err=max_err,
+        tolerance=tolerance,
+        spread=float(spread),
+        precise_dtype=precise_dtype,
+        factor=factor,
+        floor=floor,
+        worst_position=worst,
+        worst_token_id=int(worst_ids[worst]),
+        first_failure=int(over[0]) if len(over) else None,
+        prompt_tokens=prompt_tokens,
+        step_errors=per_step.tolist(),
+    )
 
 
-def check_logits(lm: torch.nn.Module, prompt_ids: Sequence[int], tokens: Sequence[int],
-                 device_raw: torch.Tensor) -> LogitsCheck:
+def check_logits(
+    lm: torch.nn.Module, prompt_ids: Sequence[int], tokens: Sequence[int], device_raw: torch.Tensor
+) -> LogitsCheck:
     """Teacher-force `tokens` through the reference, measure its spread on those rows, compare."""
     from .reference import logits_spread, teacher_forced_logits
 
@@ -193,11 +218,11 @@ def check_logits(lm: torch.nn.Module, prompt_ids: Sequence[int], tokens: Sequenc
     reference = teacher_forced_logits(lm, prompt_ids, tokens)
     spread, precise = logits_spread(lm, prompt_ids, tokens, reference)
     cap = getattr(lm.config, "final_logit_softcapping", None)
-    return compare_logits(device_raw[: len(tokens)], reference, spread, cap, len(prompt_ids),
-                          precise)
+    return compare_logits(device_raw[: len(tokens)], reference, spread, cap, len(prompt_ids), precise)
 
 
 # ---- one report per run --------------------------------------------------------------------------
+
 
 @dataclass(frozen=True)
 class CheckReport:
@@ -218,13 +243,24 @@ class CheckReport:
         return self.seq_match and self.coherent is not False and self.logits_match is not False
 
 
-def run_checks(device: Sequence[int], reference: Sequence[int], answer: str | None,
-               reference_answer: str | None, coherence: Coherence | None,
-               logits: LogitsCheck | None = None) -> CheckReport:
+def run_checks(
+    device: Sequence[int],
+    reference: Sequence[int],
+    answer: str | None,
+    reference_answer: str | None,
+    coherence: Coherence | None,
+    logits: LogitsCheck | None = None,
+) -> CheckReport:
     coherent = None if coherence is None or answer is None else bool(coherence(answer))
-    return CheckReport(seq_match(device, reference), coherent, answer, reference_answer,
-                       first_mismatch(device, reference), getattr(coherence, "__name__", None),
-                       logits)
+    return CheckReport(
+        seq_match(device, reference),
+        coherent,
+        answer,
+        reference_answer,
+        first_mismatch(device, reference),
+        getattr(coherence, "__name__", None),
+        logits,
+    )
 
 
 def answer_text(tokenizer: Any, tokens: Sequence[int]) -> str | None:
@@ -234,9 +270,16 @@ def answer_text(tokenizer: Any, tokens: Sequence[int]) -> str | None:
     return tokenizer.decode(list(tokens), skip_special_tokens=True).strip()
 
 
-def evaluate(lm: Any, tokenizer: Any, prompt_ids: Sequence[int], tokens: Sequence[int],
-             reference: Sequence[int], *, expect: str | None = None,
-             step_logits: Any = None) -> CheckReport:
+def evaluate(
+    lm: Any,
+    tokenizer: Any,
+    prompt_ids: Sequence[int],
+    tokens: Sequence[int],
+    reference: Sequence[int],
+    *,
+    expect: str | None = None,
+    step_logits: Any = None,
+) -> CheckReport:
     """The three checks of one device run, built in one place for every caller.
 
     SEQ_MATCH: `tokens` against the host reference's `reference`. LOGITS_MATCH: when the run kept
@@ -245,11 +288,18 @@ def evaluate(lm: Any, tokenizer: Any, prompt_ids: Sequence[int], tokens: Sequenc
     """
     coherence = expect_substring(expect) if expect and tokenizer is not None else None
     logits = check_logits(lm, list(prompt_ids), list(tokens), step_logits) if step_logits is not None else None
-    return run_checks(list(tokens), list(reference), answer_text(tokenizer, tokens), answer_text(tokenizer, reference),
-                      coherence, logits)
+    return run_checks(
+        list(tokens),
+        list(reference),
+        answer_text(tokenizer, tokens),
+        answer_text(tokenizer, reference),
+        coherence,
+        logits,
+    )
 
 
 # ---- the verdict of a run record -----------------------------------------------------------------
+
 
 def failed_checks(record: Mapping[str, Any]) -> list[str]:
     """Names of the checks a run record failed: seq_match, logits_match, coherence, and the
@@ -257,8 +307,7 @@ def failed_checks(record: Mapping[str, Any]) -> list[str]:
     own = (("seq_match", "seq_match"), ("logits_match", "logits_match"), ("coherence", "coherent"))
     failed = [name for name, key in own if record.get(key) is False]
     witness = record.get("witness") or {}
-    failed += [f"witness.{name}" for name in ("seq_match", "logits_match")
-               if witness.get(name) is False]
+    failed += [f"witness.{name}" for name in ("seq_match", "logits_match") if witness.get(name) is False]
     return failed
 
 

@@ -19,8 +19,9 @@ from torch import nn
 class HostEmbedder(nn.Module):
     """Token and PLE lookups on the host, right-padded to a compiled prefill length."""
 
-    def __init__(self, embed_tokens: nn.Module, embed_tokens_per_layer: nn.Module | None,
-                 num_layers: int, ple_dim: int):
+    def __init__(
+        self, embed_tokens: nn.Module, embed_tokens_per_layer: nn.Module | None, num_layers: int, ple_dim: int
+    ):
         super().__init__()
         self.embed_tokens = embed_tokens
         self.embed_tokens_per_layer = embed_tokens_per_layer
@@ -41,8 +42,9 @@ class HostEmbedder(nn.Module):
         return self.embed_tokens_per_layer is not None
 
     @torch.no_grad()
-    def inputs(self, ids: torch.Tensor, pad_to: int | None = None,
-               dtype: torch.dtype | None = None) -> list[torch.Tensor]:
+    def inputs(
+        self, ids: torch.Tensor, pad_to: int | None = None, dtype: torch.dtype | None = None
+    ) -> list[torch.Tensor]:
         """[inputs_embeds(, per_layer_inputs)] for `ids` [batch, n], zero-padded to `pad_to` tokens."""
         batch, n = ids.shape
         parts = [self.embed_tokens(ids)]

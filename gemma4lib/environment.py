@@ -33,8 +33,10 @@ def _transformers_pin() -> str:
         pinned = [s.version for s in req.specifier if s.operator == "=="]
         if req.name == "transformers" and req.marker is None and len(pinned) == 1:
             return pinned[0]
-    raise RuntimeError("gemma4lib's metadata has no exact transformers pin (`transformers==X` in pyproject.toml); "
-                       "reinstall it: pip install -e .")
+    raise RuntimeError(
+        "gemma4lib's metadata has no exact transformers pin (`transformers==X` in pyproject.toml); "
+        "reinstall it: pip install -e ."
+    )
 
 
 TRANSFORMERS_PIN = _transformers_pin()
@@ -104,8 +106,9 @@ def cpu_type() -> dict[str, Any]:
 def git_sha() -> str | None:
     root = Path(__file__).resolve().parent.parent
     try:
-        out = subprocess.run(["git", "-C", str(root), "rev-parse", "--short=12", "HEAD"],
-                             capture_output=True, text=True, timeout=5)
+        out = subprocess.run(
+            ["git", "-C", str(root), "rev-parse", "--short=12", "HEAD"], capture_output=True, text=True, timeout=5
+        )
     except (OSError, subprocess.SubprocessError):
         return None
     return out.stdout.strip() or None

@@ -118,10 +118,12 @@ def layer_scalar_at_init(run: FaultRun) -> GraphEdit:
 
     This is what happens when a loader shards parameters but not buffers.
     """
+
     def edit(graph: DeviceGraph) -> None:
         for layer in graph.model.layers:
             layer._buffers["layer_scalar"] = torch.ones_like(layer.layer_scalar)
         graph.tags["fault"] = "layer_scalar_at_init"
+
     return edit
 
 
@@ -130,10 +132,12 @@ ONE_SCALAR_LAYER = 5  # its scalar 0.28 -> 1 moves the trained logits by ~0.1 an
 
 def one_layer_scalar_at_init(run: FaultRun, layer_index: int = ONE_SCALAR_LAYER) -> GraphEdit:
     """One layer's `layer_scalar` left at 1 on the device (a loader that missed one buffer)."""
+
     def edit(graph: DeviceGraph) -> None:
         layer = graph.model.layers[layer_index]
         layer._buffers["layer_scalar"] = torch.ones_like(layer.layer_scalar)
         graph.tags["fault"] = f"layer_scalar_at_init[{layer_index}]"
+
     return edit
 
 
@@ -150,6 +154,7 @@ def wrong_kv_producer(run: FaultRun) -> GraphEdit:
             layer.self_attn = _shallow_clone(layer.self_attn)
             layer.self_attn.store_full_length_kv = stores
         graph.tags["fault"] = f"kv_producer_{wrong}_for_{right}"
+
     return edit
 
 
@@ -168,23 +173,28 @@ class MaskWindowLayout(KVLayout):
 
 def _shift_mask_window(graph: DeviceGraph, delta: int, tag: str) -> None:
     layout = graph.layout
-    graph.layout = MaskWindowLayout(layout.layers, layout.sliding_window + delta,
-                                    layout.num_attention_heads, buffer_window=layout.sliding_window)
+    graph.layout = MaskWindowLayout(
+        layout.layers, layout.sliding_window + delta, layout.num_attention_heads, buffer_window=layout.sliding_window
+    )
     graph.tags["fault"] = tag
 
 
 def sliding_window_off_by_one(run: FaultRun) -> GraphEdit:
     """The device's sliding mask keeps keys with q - k <= window (one too many) in every graph."""
+
     def edit(graph: DeviceGraph) -> None:
         _shift_mask_window(graph, +1, "sliding_window+1")
+
     return edit
 
 
 def decode_mask_window_short(run: FaultRun) -> GraphEdit:
     """Only the decode graph's sliding mask drops the oldest key of the window (window - 1)."""
+
     def edit(graph: DeviceGraph) -> None:
         if graph.shape.phase == "decode":
             _shift_mask_window(graph, -1, "decode_sliding_window-1")
+
     return edit
 
 
@@ -208,6 +218,7 @@ def rope_theta_swapped(run: FaultRun) -> GraphEdit:
             rotary._buffers[name] = _retheta(getattr(rotary, name), theta[layer_type], theta[other])
         graph.model.rotary_emb = rotary
         graph.tags["fault"] = "rope_theta_swapped"
+
     return edit
 
 
@@ -223,10 +234,12 @@ class AheadDecodeWrite(ExplicitKV):
 
 def decode_kv_write_ahead(run: FaultRun) -> GraphEdit:
     """Only the decode graph writes each token's K/V one slot ahead of its position."""
+
     def edit(graph: DeviceGraph) -> None:
         if graph.shape.phase == "decode":
             graph.kv_class = AheadDecodeWrite
             graph.tags["fault"] = "decode_kv_write_ahead"
+
     return edit
 
 
@@ -235,30 +248,81 @@ def baked_tp_rank(run: FaultRun) -> None:
 
 
 FAULTS: tuple[Fault, ...] = (
-    Fault("gemma3_chat_tokens", "chat prompt hand-built with Gemma 3's <start_of_turn> text",
-          "e2b", ("coherence",), gemma3_chat_prompt, PROMPT),
-    Fault("embedding_scale", "word-embedding scale missing on host and reference",
-          "e2b", ("coherence",), embedding_scale_unwired, HOST),
-    Fault("ple_scale", "PLE scale missing on host and reference",
-          "e2b", ("coherence",), ple_scale_unwired, HOST),
-    Fault("layer_scalar_at_init", "layer_scalar buffers left at init in the device weights",
-          "e2b", ("seq_match", "logits_match"), layer_scalar_at_init),
-    Fault("one_layer_scalar_at_init",
-          f"layer {ONE_SCALAR_LAYER}'s layer_scalar left at init in the device weights",
-          "e2b", ("logits_match",), one_layer_scalar_at_init),
-    Fault("wrong_kv_producer", "a KV-sharing consumer reads the wrong producer",
-          "e2b", ("seq_match", "logits_match"), wrong_kv_producer),
-    Fault("sliding_window_off_by_one", "device sliding-window masks keep one key too many",
-          "e2b", ("logits_match",), sliding_window_off_by_one),
-    Fault("rope_theta_swapped", "RoPE theta swapped between sliding and full layers on the device",
-          "e2b", ("logits_match",), rope_theta_swapped),
-    Fault("decode_kv_write_ahead", "decode graph writes each token's K/V one slot ahead",
-          "e2b", ("logits_match",), decode_kv_write_ahead),
-    Fault("decode_mask_window_short", "decode graph's sliding mask drops the window's oldest key",
-          "e2b", ("logits_match",), decode_mask_window_short),
-    Fault("baked_tp_rank",
-          "tensor-parallel rank read at trace time (MoE experts of rank 0 everywhere)",
-          "26b-a4b", ("seq_match",), baked_tp_rank, TP, tp_degree=2),
+    Fault(
+        "gemma3_chat_tokens",
+        "chat prompt hand-built with Gemma 3's <start_of_turn> text",
+        "e2b",
+        ("coherence",),
+        gemma3_chat_prompt,
+        PROMPT,
+    ),
+    Fault(
+        "embedding_scale",
+        "word-embedding scale missing on host and reference",
+        "e2b",
+        ("coherence",),
+        embedding_scale_unwired,
+        HOST,
+    ),
+    Fault("ple_scale", "PLE scale missing on host and reference", "e2b", ("coherence",), ple_scale_unwired, HOST),
+    Fault(
+        "layer_scalar_at_init",
+        "layer_scalar buffers left at init in the device weights",
+        "e2b",
+        ("seq_match", "logits_match"),
+        layer_scalar_at_init,
+    ),
+    Fault(
+        "one_layer_scalar_at_init",
+        f"layer {ONE_SCALAR_LAYER}'s layer_scalar left at init in the device weights",
+        "e2b",
+        ("logits_match",),
+        one_layer_scalar_at_init,
+    ),
+    Fault(
+        "wrong_kv_producer",
+        "a KV-sharing consumer reads the wrong producer",
+        "e2b",
+        ("seq_match", "logits_match"),
+        wrong_kv_producer,
+    ),
+    Fault(
+        "sliding_window_off_by_one",
+        "device sliding-window masks keep one key too many",
+        "e2b",
+        ("logits_match",),
+        sliding_window_off_by_one,
+    ),
+    Fault(
+        "rope_theta_swapped",
+        "RoPE theta swapped between sliding and full layers on the device",
+        "e2b",
+        ("logits_match",),
+        rope_theta_swapped,
+    ),
+    Fault(
+        "decode_kv_write_ahead",
+        "decode graph writes each token's K/V one slot ahead",
+        "e2b",
+        ("logits_match",),
+        decode_kv_write_ahead,
+    ),
+    Fault(
+        "decode_mask_window_short",
+        "decode graph's sliding mask drops the window's oldest key",
+        "e2b",
+        ("logits_match",),
+        decode_mask_window_short,
+    ),
+    Fault(
+        "baked_tp_rank",
+        "tensor-parallel rank read at trace time (MoE experts of rank 0 everywhere)",
+        "26b-a4b",
+        ("seq_match",),
+        baked_tp_rank,
+        TP,
+        tp_degree=2,
+    ),
 )
 
 
@@ -267,14 +331,23 @@ def get_fault(name: str) -> Fault:
         if fault.name == name:
             return fault
     from .errors import UnknownNameError
+
     raise UnknownNameError("fault", name, tuple(f.name for f in FAULTS))
 
 
 # ---- running them ----------------------------------------------------------------------------
 # what the lab reports of each run's (and its witness's) LOGITS_MATCH
-LOGITS_KEYS = ("logits_max_err", "logits_tolerance", "logits_worst_position", "logits_worst_phase",
-               "logits_prefill_max_err", "logits_decode_max_err", "logits_explain")
+LOGITS_KEYS = (
+    "logits_max_err",
+    "logits_tolerance",
+    "logits_worst_position",
+    "logits_worst_phase",
+    "logits_prefill_max_err",
+    "logits_decode_max_err",
+    "logits_explain",
+)
 WITNESS_KEYS = ("seq_match", "first_mismatch", "reference_min_margin", "logits_match", *LOGITS_KEYS)
+
 
 def _witness(fault: Fault | None, settings: PortSettings) -> dict[str, Any]:
     """The random-weights witness, with the fault when it lives where the witness runs too
@@ -284,66 +357,80 @@ def _witness(fault: Fault | None, settings: PortSettings) -> dict[str, Any]:
     run = FaultRun(model, w, prompt_ids(model, w))
     shared = fault is not None and fault.scope in (DEVICE, TP)
     edit = fault.apply(run) if shared else None
-    device_run = run_device(model, w, run.ids, [], bench=False, edit=edit,
-                            baked_rank=fault is not None and fault.scope == TP)
+    device_run = run_device(
+        model, w, run.ids, [], bench=False, edit=edit, baked_rank=fault is not None and fault.scope == TP
+    )
     return witness_record(model, w, run.ids, device_run)
 
 
-def run_one(variant: str, fault: Fault | None = None, tp_degree: int = 1,
-            cache_dir: str | None = None, backend: str = "cpu") -> dict[str, Any]:
+def run_one(
+    variant: str, fault: Fault | None = None, tp_degree: int = 1, cache_dir: str | None = None, backend: str = "cpu"
+) -> dict[str, Any]:
     """Port the trained tiny `variant` with `fault` switched on (None: the clean run), witness
     included, and judge it with `port`'s own verdict."""
     started = time.perf_counter()
-    settings = PortSettings(variant=variant, model="trained", tp_degree=tp_degree,
-                            cache_dir=cache_dir, backend=backend)
+    settings = PortSettings(variant=variant, model="trained", tp_degree=tp_degree, cache_dir=cache_dir, backend=backend)
     model = load_model(settings)
     run = FaultRun(model, settings, prompt_ids(model, settings))
     edit = fault.apply(run) if fault else None
     eos = eos_ids(model)
-    device_run = run_device(model, settings, run.ids, eos, bench=False, edit=edit,
-                            baked_rank=fault is not None and fault.scope == TP)
+    device_run = run_device(
+        model, settings, run.ids, eos, bench=False, edit=edit, baked_rank=fault is not None and fault.scope == TP
+    )
     witness = _witness(fault, settings)
     record = record_run(settings, model, run.ids, eos, device_run, started, witness)
     failed = record["failed_checks"]
     as_predicted = True
     if fault is not None:
         predicted = set(fault.caught_by)
-        as_predicted = (set(failed) == predicted if fault.shared_with_reference
-                        else predicted <= set(failed))
+        as_predicted = set(failed) == predicted if fault.shared_with_reference else predicted <= set(failed)
     return {
         "fault": fault.name if fault else "clean",
         "description": fault.description if fault else "no fault",
-        "variant": variant, "tp_degree": tp_degree, "backend": backend,
+        "variant": variant,
+        "tp_degree": tp_degree,
+        "backend": backend,
         "scope": fault.scope if fault else None,
-        "seq_match": record["seq_match"], "logits_match": record["logits_match"],
+        "seq_match": record["seq_match"],
+        "logits_match": record["logits_match"],
         "coherent": record["coherent"],
-        "caught": bool(failed), "caught_by": failed, "reasons": failure_reasons(record),
-        "predicted_checks": list(fault.caught_by) if fault else [], "as_predicted": as_predicted,
+        "caught": bool(failed),
+        "caught_by": failed,
+        "reasons": failure_reasons(record),
+        "predicted_checks": list(fault.caught_by) if fault else [],
+        "as_predicted": as_predicted,
         **{k: record.get(k) for k in LOGITS_KEYS},
         "witness": {k: witness.get(k) for k in WITNESS_KEYS},
-        "answer": record["answer"], "reference_answer": record["reference_answer"],
+        "answer": record["answer"],
+        "reference_answer": record["reference_answer"],
         "seconds": round(time.perf_counter() - started, 1),
     }
 
 
-def run_fault_lab(variant: str | None = None, cache_dir: str | None = None, backend: str = "cpu",
-                  faults: list[str] | None = None) -> dict[str, Any]:
+def run_fault_lab(
+    variant: str | None = None, cache_dir: str | None = None, backend: str = "cpu", faults: list[str] | None = None
+) -> dict[str, Any]:
     """Clean runs, then every fault (optionally only those of one variant, or the named ones).
     `ok`: the clean runs pass every check and every fault is caught.
 
     `backend="eager"` runs the same graphs without compiling them (seconds instead of minutes).
     """
     named = None if faults is None else {get_fault(name).name for name in faults}
-    chosen = [f for f in FAULTS if (variant is None or f.variant == variant)
-              and (named is None or f.name in named)]
+    chosen = [f for f in FAULTS if (variant is None or f.variant == variant) and (named is None or f.name in named)]
     pairs = sorted({(f.variant, f.tp_degree) for f in chosen})
     clean = [run_one(v, None, tp, cache_dir, backend) for v, tp in pairs]
     runs = [run_one(f.variant, f, f.tp_degree, cache_dir, backend) for f in chosen]
     clean_ok = all(not r["caught"] and r["coherent"] for r in clean)
     all_caught = all(r["caught"] for r in runs)
-    return {"ok": clean_ok and all_caught, "clean_ok": clean_ok, "all_caught": all_caught,
-            "all_as_predicted": all(r["as_predicted"] for r in runs), "backend": backend,
-            "clean": clean, "faults": runs}
+    return {
+        "ok": clean_ok and all_caught,
+        "clean_ok": clean_ok,
+        "all_caught": all_caught,
+        "all_as_predicted": all(r["as_predicted"] for r in runs),
+        "backend": backend,
+        "clean": clean,
+        "faults": runs,
+    }
 
 
 def _err(value: Any) -> str:
@@ -353,8 +440,10 @@ def _err(value: Any) -> str:
 def format_fault_report(report: dict[str, Any]) -> str:
     """A table: each run's checks, the logit error it caused against its tolerance (trained
     run and witness), and which checks caught it."""
-    head = (f"{'run':<26} {'variant':<8} {'TP':>2}  {'SEQ':<5} {'LOGITS':<6} {'coher':<5} "
-            f"{'logit err / tol':<17} {'witness err / tol':<17} {'caught by':<40} answer")
+    head = (
+        f"{'run':<26} {'variant':<8} {'TP':>2}  {'SEQ':<5} {'LOGITS':<6} {'coher':<5} "
+        f"{'logit err / tol':<17} {'witness err / tol':<17} {'caught by':<40} answer"
+    )
     rows = [head]
     for r in report["clean"] + report["faults"]:
         w = r["witness"]
@@ -363,8 +452,11 @@ def format_fault_report(report: dict[str, Any]) -> str:
             f"{str(r['logits_match']):<6} {str(r['coherent']):<5} "
             f"{_err(r['logits_max_err']) + ' / ' + _err(r['logits_tolerance']):<17} "
             f"{_err(w.get('logits_max_err')) + ' / ' + _err(w.get('logits_tolerance')):<17} "
-            f"{(', '.join(r['caught_by']) or '-'):<40} {(r['answer'] or '')[:40]!r}")
-    rows.append(f"ok={report['ok']} (clean runs pass: {report['clean_ok']}, every fault caught: "
-                f"{report['all_caught']}, each by the predicted checks: "
-                f"{report['all_as_predicted']}; backend {report['backend']})")
+            f"{(', '.join(r['caught_by']) or '-'):<40} {(r['answer'] or '')[:40]!r}"
+        )
+    rows.append(
+        f"ok={report['ok']} (clean runs pass: {report['clean_ok']}, every fault caught: "
+        f"{report['all_caught']}, each by the predicted checks: "
+        f"{report['all_as_predicted']}; backend {report['backend']})"
+    )
     return "\n".join(rows)

@@ -60,8 +60,10 @@ def _text_classes(variant: Variant):
     check_transformers()
     if variant.unified:
         from transformers.models.gemma4_unified import Gemma4UnifiedForCausalLM, Gemma4UnifiedTextConfig
+
         return Gemma4UnifiedTextConfig, Gemma4UnifiedForCausalLM
     from transformers import Gemma4ForCausalLM, Gemma4TextConfig
+
     return Gemma4TextConfig, Gemma4ForCausalLM
 
 
@@ -81,8 +83,9 @@ def _seed_layer_scalars(lm: nn.Module, seed: int) -> None:
         layer.layer_scalar.fill_(0.5 - 0.4 * i / max(1, len(layers) - 1))
 
 
-def build_random(variant: Variant, which: str = "tiny", seed: int = 0,
-                 dtype: torch.dtype = torch.float32, **overrides: Any) -> LoadedModel:
+def build_random(
+    variant: Variant, which: str = "tiny", seed: int = 0, dtype: torch.dtype = torch.float32, **overrides: Any
+) -> LoadedModel:
     """A seeded random-weight model of the variant's 'tiny' or 'real' text config (plus overrides,
     e.g. fewer layers); identical across builds."""
     config_cls, lm_cls = _text_classes(variant)
@@ -105,8 +108,7 @@ def build_random(variant: Variant, which: str = "tiny", seed: int = 0,
     return LoadedModel(variant, lm.eval(), None, f"{label}(seed={seed})")
 
 
-def build_tiny(variant: Variant, seed: int = 0, dtype: torch.dtype = torch.float32,
-               **overrides: Any) -> LoadedModel:
+def build_tiny(variant: Variant, seed: int = 0, dtype: torch.dtype = torch.float32, **overrides: Any) -> LoadedModel:
     """A seeded random-weight tiny model with every feature of `variant`; identical across
     builds."""
     return build_random(variant, "tiny", seed, dtype, **overrides)
@@ -121,31 +123,41 @@ def check_checkpoint_folder(path: Path) -> dict[str, Any]:
     """Validate a local checkpoint folder before any heavy loading; return its config dict."""
     config_file = path / "config.json"
     if not config_file.is_file():
-        raise CheckpointError(f"{path} has no config.json; point checkpoint at the folder that "
-                              f"holds config.json, the *.safetensors weights and the tokenizer "
-                              f"files")
+        raise CheckpointError(
+            f"{path} has no config.json; point checkpoint at the folder that "
+            f"holds config.json, the *.safetensors weights and the tokenizer "
+            f"files"
+        )
     try:
         config = json.loads(config_file.read_text())
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise CheckpointError(f"{config_file} is not valid JSON ({exc}); the download was probably "
-                              f"cut short: download the checkpoint again") from None
+        raise CheckpointError(
+            f"{config_file} is not valid JSON ({exc}); the download was probably "
+            f"cut short: download the checkpoint again"
+        ) from None
     if not isinstance(config, dict):
         raise CheckpointError(f"{config_file} is not a JSON object; download the checkpoint again")
     model_type = config.get("model_type")
     if model_type not in GEMMA4_MODEL_TYPES:
-        raise NotGemma4Error(f"{path} holds a {model_type!r} model, not Gemma-4 "
-                             f"(model_type one of {GEMMA4_MODEL_TYPES}); pick a Gemma-4 checkpoint")
+        raise NotGemma4Error(
+            f"{path} holds a {model_type!r} model, not Gemma-4 "
+            f"(model_type one of {GEMMA4_MODEL_TYPES}); pick a Gemma-4 checkpoint"
+        )
     if not any(path.glob("*.safetensors")):
-        raise CheckpointError(f"{path} has no *.safetensors weights; download the full checkpoint "
-                              f"(e.g. `hf download <id> --local-dir {path}`)")
+        raise CheckpointError(
+            f"{path} has no *.safetensors weights; download the full checkpoint "
+            f"(e.g. `hf download <id> --local-dir {path}`)"
+        )
     return config
 
 
 # Architectural features a notebook's recipe depends on: (label, config field).
-FEATURES = (("per-layer embeddings (PLE)", "hidden_size_per_layer_input"),
-            ("KV sharing", "num_kv_shared_layers"),
-            ("attention_k_eq_v", "attention_k_eq_v"),
-            ("MoE block", "enable_moe_block"))
+FEATURES = (
+    ("per-layer embeddings (PLE)", "hidden_size_per_layer_input"),
+    ("KV sharing", "num_kv_shared_layers"),
+    ("attention_k_eq_v", "attention_k_eq_v"),
+    ("MoE block", "enable_moe_block"),
+)
 UNIFIED = "the unified class (gemma4_unified)"
 
 
@@ -174,25 +186,28 @@ def variant_features(variant: Variant) -> dict[str, bool]:
     return out
 
 
-def check_config_matches_variant(config: Any, variant: Variant,
-                                 source: str = "the checkpoint") -> None:
+def check_config_matches_variant(config: Any, variant: Variant, source: str = "the checkpoint") -> None:
     """Raise `VariantMismatchError` when a Gemma-4 config lacks a feature the variant's notebook and
     recipe rely on, or has one they don't handle (e.g. an E2B checkpoint loaded as the 31B)."""
     found, wanted = config_features(config), variant_features(variant)
-    diffs = [f"{label} {'present' if found[label] else 'absent'}, but the {variant.name} "
-             f"{'has it' if wanted[label] else 'has none'}"
-             for label in wanted if found[label] != wanted[label]]
+    diffs = [
+        f"{label} {'present' if found[label] else 'absent'}, but the {variant.name} "
+        f"{'has it' if wanted[label] else 'has none'}"
+        for label in wanted
+        if found[label] != wanted[label]
+    ]
     if not diffs:
         return
     _, get = _text_fields(config)
     same = [v.name for v in VARIANTS.values() if variant_features(v) == found]
     sized = [n for n in same if VARIANTS[n].real_config.get("hidden_size") == get("hidden_size")]
     guess = sized or same
-    hint = (f"it looks like {' or '.join(guess)}: use variant={guess[0]!r} (its notebook) for it, "
-            f"or " if guess else "")
-    raise VariantMismatchError(f"{source} is not a checkpoint of variant {variant.name!r}: "
-                               f"{'; '.join(diffs)}; {hint}point checkpoint at the {variant.name} "
-                               f"weights ({variant.hf_id})")
+    hint = f"it looks like {' or '.join(guess)}: use variant={guess[0]!r} (its notebook) for it, or " if guess else ""
+    raise VariantMismatchError(
+        f"{source} is not a checkpoint of variant {variant.name!r}: "
+        f"{'; '.join(diffs)}; {hint}point checkpoint at the {variant.name} "
+        f"weights ({variant.hf_id})"
+    )
 
 
 def _looks_like_path(checkpoint: str) -> bool:
@@ -276,8 +291,7 @@ def _is_connection_error(exc: BaseException) -> bool:
     """Whether a hub failure was the network (not an answer from the hub)."""
     from huggingface_hub.errors import LocalEntryNotFoundError, OfflineModeIsEnabled
 
-    network = (LocalEntryNotFoundError, OfflineModeIsEnabled, ConnectionError, socket.gaierror,
-               TimeoutError)
+    network = (LocalEntryNotFoundError, OfflineModeIsEnabled, ConnectionError, socket.gaierror, TimeoutError)
     names = ("ConnectError", "ConnectTimeout", "NetworkError", "ProxyError")
     return any(isinstance(e, network) or type(e).__name__ in names for e in _chain(exc))
 
@@ -293,13 +307,15 @@ def _unreachable(checkpoint: str, reason: str) -> HubUnreachableError:
         f"cannot load {checkpoint!r} from the Hugging Face hub: {reason}, and it is not in the "
         f"local hub cache. No network (or offline mode) here: download it on a machine with access "
         f"(`hf download {checkpoint} --local-dir <folder>`), copy the folder over and point "
-        f"checkpoint= at it; or set HF_ENDPOINT to a hub mirror you can reach")
+        f"checkpoint= at it; or set HF_ENDPOINT to a hub mirror you can reach"
+    )
 
 
 def _inconsistent_config(checkpoint: str, exc: BaseException) -> CheckpointError:
     first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-    return CheckpointError(f"config.json of {checkpoint!r} is inconsistent ({first}); download the "
-                           f"checkpoint again, or fix config.json")
+    return CheckpointError(
+        f"config.json of {checkpoint!r} is inconsistent ({first}); download the checkpoint again, or fix config.json"
+    )
 
 
 def _read_config(checkpoint: str, local: bool, hub: dict[str, Any], offline_reason: str | None):
@@ -313,9 +329,9 @@ def _read_config(checkpoint: str, local: bool, hub: dict[str, Any], offline_reas
         raise _inconsistent_config(checkpoint, exc) from None
     except OSError as exc:
         if local:
-            raise CheckpointError(f"could not read the config of {checkpoint!r} "
-                                  f"({type(exc).__name__}); download the checkpoint again"
-                                  ) from None
+            raise CheckpointError(
+                f"could not read the config of {checkpoint!r} ({type(exc).__name__}); download the checkpoint again"
+            ) from None
         if offline_reason is not None or _is_connection_error(exc):
             reason = offline_reason or "the download failed on the network"
             raise _unreachable(checkpoint, reason) from None
@@ -323,15 +339,19 @@ def _read_config(checkpoint: str, local: bool, hub: dict[str, Any], offline_reas
             raise GatedCheckpointError(
                 f"the HF_TOKEN account has no access to {checkpoint!r} (a gated repository): "
                 f"accept the licence on the model page with that account, or use a token of an "
-                f"account that did") from None
+                f"account that did"
+            ) from None
         if token is None:  # gated repo without a token (the hub answers 401 for every Gemma-4 id)
             raise GatedCheckpointError(
                 f"could not read {checkpoint!r} from the hub without a token; the Gemma-4 "
                 f"checkpoints are gated: accept the licence on the model page, then "
-                f"`export HF_TOKEN=...` (never pass it as a notebook parameter)") from None
-        raise CheckpointError(f"could not read the config of {checkpoint!r}: {type(exc).__name__}; "
-                              f"check the id and the network, and that the HF_TOKEN account "
-                              f"accepted the model's licence") from None
+                f"`export HF_TOKEN=...` (never pass it as a notebook parameter)"
+            ) from None
+        raise CheckpointError(
+            f"could not read the config of {checkpoint!r}: {type(exc).__name__}; "
+            f"check the id and the network, and that the HF_TOKEN account "
+            f"accepted the model's licence"
+        ) from None
 
 
 # ---- weights that disagree with config.json ------------------------------------------------------
@@ -340,8 +360,10 @@ def conditional_class(variant: Variant):
     check_transformers()
     if variant.unified:
         from transformers.models.gemma4_unified import Gemma4UnifiedForConditionalGeneration
+
         return Gemma4UnifiedForConditionalGeneration
     from transformers import Gemma4ForConditionalGeneration
+
     return Gemma4ForConditionalGeneration
 
 
@@ -369,41 +391,44 @@ def checkpoint_shapes(folder: Path) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def shape_disagreements(model_cls: type, config: Any, shapes: dict[str, tuple[int, ...]]
-                        ) -> list[tuple[str, tuple[int, ...], tuple[int, ...]]]:
+def shape_disagreements(
+    model_cls: type, config: Any, shapes: dict[str, tuple[int, ...]]
+) -> list[tuple[str, tuple[int, ...], tuple[int, ...]]]:
     """(name, shape in the weights, shape config.json implies) for every tensor that differs."""
     with torch.device("meta"):
         model = model_cls(config)
     expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
-    out = [(k, shapes[k], expected[k]) for k in sorted(expected)
-           if k in shapes and shapes[k] != expected[k]]
+    out = [(k, shapes[k], expected[k]) for k in sorted(expected) if k in shapes and shapes[k] != expected[k]]
     # the embedding first: its shape names hidden_size and vocab_size directly
     return sorted(out, key=lambda d: (not d[0].endswith("embed_tokens.weight"), d[0]))
 
 
-def _shape_error(checkpoint: str, model_cls: type, config: Any, folder: Path | None
-                 ) -> CheckpointError:
-    fix = ("config.json was edited or belongs to another checkpoint: download the checkpoint again "
-           "(or restore its config.json)")
+def _shape_error(checkpoint: str, model_cls: type, config: Any, folder: Path | None) -> CheckpointError:
+    fix = (
+        "config.json was edited or belongs to another checkpoint: download the checkpoint again "
+        "(or restore its config.json)"
+    )
     diffs = shape_disagreements(model_cls, config, checkpoint_shapes(folder)) if folder else []
     if not diffs:
-        return CheckpointError(f"the weights of {checkpoint!r} do not have the shapes its "
-                               f"config.json implies (transformers' LOAD REPORT above lists them); "
-                               f"{fix}")
+        return CheckpointError(
+            f"the weights of {checkpoint!r} do not have the shapes its "
+            f"config.json implies (transformers' LOAD REPORT above lists them); "
+            f"{fix}"
+        )
     name, got, wanted = diffs[0]
     hint = ""
     if name.endswith("embed_tokens.weight") and len(got) == 2:
         _, get = _text_fields(config)
         if got[1] != wanted[1]:
-            hint = (f" (the weights have hidden_size {got[1]}, config.json says "
-                    f"{get('hidden_size')})")
+            hint = f" (the weights have hidden_size {got[1]}, config.json says {get('hidden_size')})"
         elif got[0] != wanted[0]:
-            hint = (f" (the weights have vocab_size {got[0]}, config.json says "
-                    f"{get('vocab_size')})")
+            hint = f" (the weights have vocab_size {got[0]}, config.json says {get('vocab_size')})"
     more = f" and {len(diffs) - 1} more tensors" if len(diffs) > 1 else ""
-    return CheckpointError(f"config.json of {checkpoint!r} disagrees with its weights: {name} is "
-                           f"{list(got)} in the weights but {list(wanted)} by config.json"
-                           f"{hint}{more}; {fix}")
+    return CheckpointError(
+        f"config.json of {checkpoint!r} disagrees with its weights: {name} is "
+        f"{list(got)} in the weights but {list(wanted)} by config.json"
+        f"{hint}{more}; {fix}"
+    )
 
 
 def _check_loading_info(info: dict[str, Any], checkpoint: str, text_prefix: str) -> None:
@@ -416,21 +441,31 @@ def _check_loading_info(info: dict[str, Any], checkpoint: str, text_prefix: str)
             f"{checkpoint!r} lacks {len(text_missing)} tensors of the text decoder "
             f"(e.g. {text_missing[0]}) that its config.json asks for; transformers would fill them "
             f"with random values. The download is incomplete or config.json belongs to another "
-            f"checkpoint: download the checkpoint again")
+            f"checkpoint: download the checkpoint again"
+        )
     if missing:
-        log.warning("%s: %d tensors outside the text decoder are missing (unused by the port): %s",
-                    checkpoint, len(missing), missing[:3])
+        log.warning(
+            "%s: %d tensors outside the text decoder are missing (unused by the port): %s",
+            checkpoint,
+            len(missing),
+            missing[:3],
+        )
     unexpected = sorted(info.get("unexpected_keys") or ())
     if unexpected:
-        log.warning("%s: %d tensors in the checkpoint are not part of the model: %s",
-                    checkpoint, len(unexpected), unexpected[:3])
+        log.warning(
+            "%s: %d tensors in the checkpoint are not part of the model: %s",
+            checkpoint,
+            len(unexpected),
+            unexpected[:3],
+        )
 
 
 TEXT_MODEL_TYPES = ("gemma4_text", "gemma4_unified_text")
 
 
-def _load_text_lm(variant: Variant, config: Any, checkpoint: str, local: bool, dtype: torch.dtype,
-                  hub: dict[str, Any]) -> nn.Module:
+def _load_text_lm(
+    variant: Variant, config: Any, checkpoint: str, local: bool, dtype: torch.dtype, hub: dict[str, Any]
+) -> nn.Module:
     """The `*ForCausalLM` of a text-only folder, or the text decoder of a released multimodal
     one."""
     text_only = config.model_type in TEXT_MODEL_TYPES
@@ -443,9 +478,9 @@ def _load_text_lm(variant: Variant, config: Any, checkpoint: str, local: bool, d
         model_cls, loader = conditional_class(variant), AutoModelForImageTextToText
         text_prefix = "model.language_model."
     try:
-        model, info = loader.from_pretrained(checkpoint, dtype=dtype,
-                                             attn_implementation=variant.attn_implementation,
-                                             output_loading_info=True, **hub)
+        model, info = loader.from_pretrained(
+            checkpoint, dtype=dtype, attn_implementation=variant.attn_implementation, output_loading_info=True, **hub
+        )
     except RuntimeError as exc:
         if "mismatch" not in str(exc):
             raise
@@ -463,14 +498,17 @@ def _load_tokenizer(checkpoint: str, hub: dict[str, Any]):
     try:
         return AutoTokenizer.from_pretrained(checkpoint, **hub)
     except (OSError, ValueError, TypeError) as exc:
-        raise CheckpointError(f"could not load the tokenizer of {checkpoint!r} "
-                              f"({type(exc).__name__}); the folder needs the released tokenizer "
-                              f"files (tokenizer.json, tokenizer_config.json, "
-                              f"chat_template.jinja): download the checkpoint again") from None
+        raise CheckpointError(
+            f"could not load the tokenizer of {checkpoint!r} "
+            f"({type(exc).__name__}); the folder needs the released tokenizer "
+            f"files (tokenizer.json, tokenizer_config.json, "
+            f"chat_template.jinja): download the checkpoint again"
+        ) from None
 
 
-def load_checkpoint(variant: Variant, checkpoint: str, dtype: torch.dtype = torch.bfloat16,
-                    with_tokenizer: bool = True) -> LoadedModel:
+def load_checkpoint(
+    variant: Variant, checkpoint: str, dtype: torch.dtype = torch.bfloat16, with_tokenizer: bool = True
+) -> LoadedModel:
     """Load a real checkpoint (hub id or folder) and keep only the text decoder.
 
     The released checkpoints are multimodal `*ForConditionalGeneration`; their text decoder lives at
@@ -485,9 +523,11 @@ def load_checkpoint(variant: Variant, checkpoint: str, dtype: torch.dtype = torc
     if local:
         check_checkpoint_folder(path)
     elif _looks_like_path(str(checkpoint)):
-        raise CheckpointError(f"{checkpoint!r} is neither an existing folder nor a hub id "
-                              f"(owner/name); check the path, or use a hub id such as "
-                              f"{variant.hf_id!r}")
+        raise CheckpointError(
+            f"{checkpoint!r} is neither an existing folder nor a hub id "
+            f"(owner/name); check the path, or use a hub id such as "
+            f"{variant.hf_id!r}"
+        )
     source = str(path) if local else checkpoint
     offline_reason, hub = None, {}
     if not local:
@@ -495,11 +535,12 @@ def load_checkpoint(variant: Variant, checkpoint: str, dtype: torch.dtype = torc
         hub = {"token": hf_token(), "local_files_only": offline_reason is not None}
     config = _read_config(source, local, hub, offline_reason)
     if offline_reason is not None:
-        log.warning("hub unreachable (%s): loading %s from the local hub cache", offline_reason,
-                    source)
+        log.warning("hub unreachable (%s): loading %s from the local hub cache", offline_reason, source)
     if config.model_type not in GEMMA4_MODEL_TYPES:
-        raise NotGemma4Error(f"{checkpoint!r} is a {config.model_type!r} model, not Gemma-4; pick "
-                             f"a Gemma-4 checkpoint, e.g. {variant.hf_id!r}")
+        raise NotGemma4Error(
+            f"{checkpoint!r} is a {config.model_type!r} model, not Gemma-4; pick "
+            f"a Gemma-4 checkpoint, e.g. {variant.hf_id!r}"
+        )
     check_config_matches_variant(config, variant, repr(checkpoint))
     log.info("loading %s (%s) in %s", source, config.model_type, dtype)
     lm = _load_text_lm(variant, config, source, local, dtype, hub)

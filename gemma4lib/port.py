@@ -31,8 +31,21 @@ from .settings import BACKENDS, DEFAULT_PROMPT, MODEL_SOURCES, PortSettings
 
 log = logging.getLogger(__name__)
 
-__all__ = ["BACKENDS", "DEFAULT_PROMPT", "MODEL_SOURCES", "PortSettings", "build_graphs", "compile_graphs",
-           "decode_text", "eos_ids", "load_model", "port", "prompt_ids", "record_run", "run_device"]
+__all__ = [
+    "BACKENDS",
+    "DEFAULT_PROMPT",
+    "MODEL_SOURCES",
+    "PortSettings",
+    "build_graphs",
+    "compile_graphs",
+    "decode_text",
+    "eos_ids",
+    "load_model",
+    "port",
+    "prompt_ids",
+    "record_run",
+    "run_device",
+]
 
 
 # ---- stages ----------------------------------------------------------------------------------
@@ -44,6 +57,7 @@ def load_model(settings: PortSettings) -> LoadedModel:
         return load_checkpoint(variant, settings.checkpoint or variant.hf_id, dtype=dtype)
     if source == "trained":
         from .trained import load_trained
+
         return load_trained(variant.name)
     return build_tiny(variant, seed=settings.seed)
 
@@ -76,8 +90,9 @@ def build_graphs(model: LoadedModel, settings: PortSettings, inplace: bool = Tru
     return backends.device_graphs(model, settings, inplace)
 
 
-def compile_graphs(model: LoadedModel, settings: PortSettings, *, graphs: Graphs | None = None,
-                   progress: bool = False) -> CompiledGraphs:
+def compile_graphs(
+    model: LoadedModel, settings: PortSettings, *, graphs: Graphs | None = None, progress: bool = False
+) -> CompiledGraphs:
     """Compile the device graphs with the settings' backend (`backends`) and wrap them in a host
     runtime; `graphs` hands over prebuilt prefill and decode graphs (`cpu` and `eager` only)."""
     return backends.compile_graphs(model, settings, graphs=graphs, progress=progress)
@@ -93,9 +108,17 @@ def prefill_logits_error(model: LoadedModel, runtime: HostRuntime, ids: list[int
 GraphEdit = Callable[[DeviceGraph], None]
 
 
-def run_device(model: LoadedModel, settings: PortSettings, ids: list[int], eos: list[int], *,
-               progress: bool = False, bench: bool = True, edit: GraphEdit | None = None,
-               baked_rank: bool = False) -> dict[str, Any]:
+def run_device(
+    model: LoadedModel,
+    settings: PortSettings,
+    ids: list[int],
+    eos: list[int],
+    *,
+    progress: bool = False,
+    bench: bool = True,
+    edit: GraphEdit | None = None,
+    baked_rank: bool = False,
+) -> dict[str, Any]:
     """Build, compile and run the device graphs; the `device_run` part of the record.
 
     `step_logits` (raw logits of every generated token, for LOGITS_MATCH) rides along as a tensor;
@@ -126,22 +149,26 @@ def run_device(model: LoadedModel, settings: PortSettings, ids: list[int], eos: 
         **compiled.info,
     }
     if bench:
-        figures = benchmark(runtime, ids, settings.max_new_tokens, settings.warmup, settings.iters,
-                            progress)
-        device_run.update(bench=figures.to_dict(), prefill_ms=figures.prefill_ms,
-                          decode_tok_s=figures.decode_tok_s)
+        figures = benchmark(runtime, ids, settings.max_new_tokens, settings.warmup, settings.iters, progress)
+        device_run.update(bench=figures.to_dict(), prefill_ms=figures.prefill_ms, decode_tok_s=figures.decode_tok_s)
     if compiled.report:
         device_run.update(compiled.report())
     return device_run
 
 
-def judge_run(model: LoadedModel, settings: PortSettings, ids: list[int], eos: list[int],
-              tokens: list[int], step_logits: torch.Tensor | None
-              ) -> tuple[checks.CheckReport, list[int]]:
+def judge_run(
+    model: LoadedModel,
+    settings: PortSettings,
+    ids: list[int],
+    eos: list[int],
+    tokens: list[int],
+    step_logits: torch.Tensor | None,
+) -> tuple[checks.CheckReport, list[int]]:
     """The three checks of one device run against the host reference; (report, reference tokens)."""
     reference = reference_greedy(model.lm, ids, settings.max_new_tokens, eos)
-    report = checks.evaluate(model.lm, model.tokenizer, ids, tokens, reference, expect=settings.expect,
-                             step_logits=step_logits)
+    report = checks.evaluate(
+        model.lm, model.tokenizer, ids, tokens, reference, expect=settings.expect, step_logits=step_logits
+    )
     if report.logits is not None and not report.logits.passed:
         log.warning("%s", report.logits.explain())
     return report, reference
@@ -163,8 +190,9 @@ def witness_settings(settings: PortSettings) -> PortSettings:
     return replace(settings, model="random", witness=False, results_dir=None)
 
 
-def witness_record(model: LoadedModel, settings: PortSettings, ids: list[int],
-                   device_run: dict[str, Any]) -> dict[str, Any]:
+def witness_record(
+    model: LoadedModel, settings: PortSettings, ids: list[int], device_run: dict[str, Any]
+) -> dict[str, Any]:
     """The witness's part of the record: its SEQ_MATCH and LOGITS_MATCH (it has no coherence)."""
     tokens = device_run["tokens"]
     report, reference = judge_run(model, settings, ids, [], tokens, device_run.get("step_logits"))
@@ -189,8 +217,9 @@ def witness_record(model: LoadedModel, settings: PortSettings, ids: list[int],
     return out
 
 
-def run_witness(settings: PortSettings, *, progress: bool = False,
-                artifacts: dict[str, str] | None = None) -> dict[str, Any]:
+def run_witness(
+    settings: PortSettings, *, progress: bool = False, artifacts: dict[str, str] | None = None
+) -> dict[str, Any]:
     """Run the random-weights witness of `settings`' variant and return its record.
 
     `artifacts`: the trained run's compiled artifacts; `same_programs` then says whether the
@@ -220,9 +249,15 @@ def port(settings: PortSettings, progress: bool = False) -> dict[str, Any]:
     return record_run(settings, model, ids, eos, device_run, started, witness)
 
 
-def record_run(settings: PortSettings, model: LoadedModel, ids: list[int], eos: list[int],
-               device_run: dict[str, Any], started: float, witness: dict[str, Any] | None = None
-               ) -> dict[str, Any]:
+def record_run(
+    settings: PortSettings,
+    model: LoadedModel,
+    ids: list[int],
+    eos: list[int],
+    device_run: dict[str, Any],
+    started: float,
+    witness: dict[str, Any] | None = None,
+) -> dict[str, Any]:
     """The run record: the device run judged by the three checks (plus the witness's record when
     given), with `failed_checks`, the one verdict the CLI, papermill and the fault lab apply."""
     step_logits = device_run.get("step_logits")

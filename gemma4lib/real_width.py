@@ -112,8 +112,7 @@ def plan_bytes(name: str, dtype: torch.dtype | None = None, **overrides: Any) ->
     return count * torch.finfo(dtype).bits // 8
 
 
-def build_real_width(name: str, seed: int = 0, dtype: torch.dtype | None = None,
-                     **overrides: Any) -> LoadedModel:
+def build_real_width(name: str, seed: int = 0, dtype: torch.dtype | None = None, **overrides: Any) -> LoadedModel:
     """A seeded random model of the variant's released widths, `LAYER_PLANS` layers, tempered."""
     variant: Variant = get_variant(name)
     dtype = dtype or PLAN_DTYPES.get(variant.name, torch.float32)
@@ -124,8 +123,13 @@ def build_real_width(name: str, seed: int = 0, dtype: torch.dtype | None = None,
         temper_residual(model.text_model, residual_gain(model.config))
     layers = model.config.num_hidden_layers
     model.source = f"real-width-random({variant.name}, {layers} layers, seed={seed})"
-    log.info("built %s in %.1f s (%.2f B parameters, %s)", model.source,
-             time.perf_counter() - started, model.param_count() / 1e9, dtype)
+    log.info(
+        "built %s in %.1f s (%.2f B parameters, %s)",
+        model.source,
+        time.perf_counter() - started,
+        model.param_count() / 1e9,
+        dtype,
+    )
     return model
 
 
@@ -162,26 +166,34 @@ class RealWidthReport:
     @property
     def matching_prefix(self) -> int:
         """Tokens equal to the reference before the first difference."""
-        return next((i for i, (a, b) in enumerate(zip(self.tokens, self.reference, strict=False)) if a != b),
-                    min(len(self.tokens), len(self.reference)))
+        return next(
+            (i for i, (a, b) in enumerate(zip(self.tokens, self.reference, strict=False)) if a != b),
+            min(len(self.tokens), len(self.reference)),
+        )
 
     def to_dict(self) -> dict[str, Any]:
-        return {**asdict(self), "seq_match": self.seq_match,
-                "matching_prefix": self.matching_prefix}
+        return {**asdict(self), "seq_match": self.seq_match, "matching_prefix": self.matching_prefix}
 
 
-def _hf_logits(model: LoadedModel, prompt: list[int], new_tokens: int
-               ) -> tuple[list[int], torch.Tensor, torch.Tensor]:
+def _hf_logits(model: LoadedModel, prompt: list[int], new_tokens: int) -> tuple[list[int], torch.Tensor, torch.Tensor]:
     """HF greedy tokens, its per-step logits, and one full forward's logits at those positions."""
     ids = torch.tensor([prompt])
     with torch.no_grad():
-        out = model.lm.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
-                                do_sample=False, eos_token_id=None, pad_token_id=0, use_cache=True,
-                                output_logits=True, return_dict_in_generate=True)
-        tokens = out.sequences[0, len(prompt):].tolist()
+        out = model.lm.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=new_tokens,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+            use_cache=True,
+            output_logits=True,
+            return_dict_in_generate=True,
+        )
+        tokens = out.sequences[0, len(prompt) :].tolist()
         incremental = torch.stack([step[0].float() for step in out.logits])
         full_ids = out.sequences[:, :-1]
-        full = model.lm(full_ids).logits[0, len(prompt) - 1:].float()
+        full = model.lm(full_ids).logits[0, len(prompt) - 1 :].float()
     return tokens, incremental, full
 
 
@@ -199,10 +211,16 @@ def forced_logits(runtime: HostRuntime, prompt: list[int], tokens: list[int]) ->
     return torch.stack(out).float()
 
 
-def check_real_width(model: LoadedModel, new_tokens: int = 8, prompt_tokens: int = 12,
-                     context_length: int = 32, bucket: int = 16, compile_decode: bool = False,
-                     cache: ArtifactCache | None = None, prompt_seed: int | None = None
-                     ) -> RealWidthReport:
+def check_real_width(
+    model: LoadedModel,
+    new_tokens: int = 8,
+    prompt_tokens: int = 12,
+    context_length: int = 32,
+    bucket: int = 16,
+    compile_decode: bool = False,
+    cache: ArtifactCache | None = None,
+    prompt_seed: int | None = None,
+) -> RealWidthReport:
     """Greedy tokens and logits of the device graph (prefill eager; decode eager or AOTInductor)
     against HF at the model's own widths."""
     timings: dict[str, float] = {}
@@ -217,8 +235,7 @@ def check_real_width(model: LoadedModel, new_tokens: int = 8, prompt_tokens: int
     dtype = model.lm_head.weight.dtype
     text, head = model.text_model, model.lm_head
     prefill = DeviceGraph(text, head, layout, GraphShape(1, bucket, context_length, True))
-    decode_graph = DeviceGraph(text, head, layout, GraphShape(1, 1, context_length, True),
-                               expert_form="selective")
+    decode_graph = DeviceGraph(text, head, layout, GraphShape(1, 1, context_length, True), expert_form="selective")
     decode, recipe, compile_s, hit = decode_graph, "eager", 0.0, None
     if compile_decode:
         started = time.perf_counter()
@@ -233,8 +250,7 @@ def check_real_width(model: LoadedModel, new_tokens: int = 8, prompt_tokens: int
         captured.append(logits[0].float().clone())
         return logits
 
-    runtime = HostRuntime(model, {bucket: prefill}, decode_step, decode_graph.new_kv(),
-                          context_length, dtype=dtype)
+    runtime = HostRuntime(model, {bucket: prefill}, decode_step, decode_graph.new_kv(), context_length, dtype=dtype)
     started = time.perf_counter()
     with torch.no_grad():
         generation = runtime.generate(prompt, new_tokens)
@@ -242,21 +258,39 @@ def check_real_width(model: LoadedModel, new_tokens: int = 8, prompt_tokens: int
     if generation.tokens == reference:
         device = torch.stack([generation.first_logits.float(), *captured[: new_tokens - 1]])
     else:  # feed the reference's tokens, so every position is compared on the same input
-        forced = HostRuntime(model, {bucket: prefill}, decode, decode_graph.new_kv(),
-                             context_length, dtype=dtype)
+        forced = HostRuntime(model, {bucket: prefill}, decode, decode_graph.new_kv(), context_length, dtype=dtype)
         device = forced_logits(forced, prompt, reference)
     device = softcap(device, model.config.final_logit_softcapping)
     diff = float((device - full).abs().max())
     spread = float((incremental - full).abs().max())
     top2 = full.topk(2, dim=-1).values
     margins = [round(float(m), 6) for m in top2[:, 0] - top2[:, 1]]
-    report = RealWidthReport(model.variant.name, str(dtype).replace("torch.", ""),
-                             model.config.num_hidden_layers, model.param_count(), prompt,
-                             generation.tokens, reference, diff,
-                             float((device[0] - full[0]).abs().max()), spread, margins,
-                             device.argmax(-1).tolist(), recipe, compile_s, hit, timings)
-    log.info("real width %s: seq_match=%s, logits diff %.2e (HF spread %.2e), %s", report.variant,
-             report.seq_match, diff, spread, timings)
+    report = RealWidthReport(
+        model.variant.name,
+        str(dtype).replace("torch.", ""),
+        model.config.num_hidden_layers,
+        model.param_count(),
+        prompt,
+        generation.tokens,
+        reference,
+        diff,
+        float((device[0] - full[0]).abs().max()),
+        spread,
+        margins,
+        device.argmax(-1).tolist(),
+        recipe,
+        compile_s,
+        hit,
+        timings,
+    )
+    log.info(
+        "real width %s: seq_match=%s, logits diff %.2e (HF spread %.2e), %s",
+        report.variant,
+        report.seq_match,
+        diff,
+        spread,
+        timings,
+    )
     return report
 
 
@@ -271,11 +305,9 @@ def main(argv: list[str] | None = None) -> int:
     import argparse
     import json
 
-    parser = argparse.ArgumentParser(prog="python -m gemma4lib.real_width",
-                                     description=main.__doc__)
+    parser = argparse.ArgumentParser(prog="python -m gemma4lib.real_width", description=main.__doc__)
     parser.add_argument("variant", choices=sorted(LAYER_PLANS))
-    parser.add_argument("--compile", action="store_true",
-                        help="compile the decode graph with AOTInductor")
+    parser.add_argument("--compile", action="store_true", help="compile the decode graph with AOTInductor")
     parser.add_argument("--new-tokens", type=int, default=8)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=1)

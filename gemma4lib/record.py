@@ -29,10 +29,18 @@ RECORD_SCHEMA = 2
 _PLACED = ("tokens", "step_logits", "recipe", "prefill_ms", "decode_tok_s", "compile_s")
 
 
-def build_record(settings: PortSettings, model: LoadedModel, ids: list[int], device_run: Mapping[str, Any],
-                 report: checks.CheckReport, reference: list[int], *, started: float | None = None,
-                 witness: Mapping[str, Any] | None = None, extra: Mapping[str, Any] | None = None
-                 ) -> dict[str, Any]:
+def build_record(
+    settings: PortSettings,
+    model: LoadedModel,
+    ids: list[int],
+    device_run: Mapping[str, Any],
+    report: checks.CheckReport,
+    reference: list[int],
+    *,
+    started: float | None = None,
+    witness: Mapping[str, Any] | None = None,
+    extra: Mapping[str, Any] | None = None,
+) -> dict[str, Any]:
     """The record of one run: settings, model, the three checks, figures, environment, verdict."""
     variant = settings.variant_spec
     tokens = list(device_run["tokens"])

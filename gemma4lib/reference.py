@@ -26,14 +26,22 @@ def random_prompt(vocab_size: int, n: int, seed: int) -> list[int]:
 
 
 @torch.no_grad()
-def reference_greedy(lm: nn.Module, prompt_ids: Sequence[int], max_new_tokens: int,
-                     eos_token_ids: Sequence[int] = ()) -> list[int]:
+def reference_greedy(
+    lm: nn.Module, prompt_ids: Sequence[int], max_new_tokens: int, eos_token_ids: Sequence[int] = ()
+) -> list[int]:
     """Greedy tokens from `lm.generate` with the dynamic cache; eos switched off when none is given."""
     ids = torch.as_tensor(list(prompt_ids), dtype=torch.long)[None]
     eos = list(eos_token_ids) or None
-    out = lm.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False,
-                      eos_token_id=eos, pad_token_id=0, use_cache=True)
-    tokens = out[0, ids.shape[1]:].tolist()
+    out = lm.generate(
+        ids,
+        attention_mask=torch.ones_like(ids),
+        max_new_tokens=max_new_tokens,
+        do_sample=False,
+        eos_token_id=eos,
+        pad_token_id=0,
+        use_cache=True,
+    )
+    tokens = out[0, ids.shape[1] :].tolist()
     if eos:  # generate pads after eos when stopping early in a batch; keep up to and including eos
         for i, token in enumerate(tokens):
             if token in eos:
@@ -49,8 +57,7 @@ def reference_last_logits(lm: nn.Module, prompt_ids: Sequence[int]) -> torch.Ten
 
 
 @torch.no_grad()
-def teacher_forced_logits(lm: nn.Module, prompt_ids: Sequence[int], tokens: Sequence[int]
-                          ) -> torch.Tensor:
+def teacher_forced_logits(lm: nn.Module, prompt_ids: Sequence[int], tokens: Sequence[int]) -> torch.Tensor:
     """HF's softcapped logits for each of `tokens` given everything before it: one forward over
     prompt + tokens[:-1]; row i is what predicted tokens[i] (row 0: the last prompt token's).
 
@@ -59,7 +66,7 @@ def teacher_forced_logits(lm: nn.Module, prompt_ids: Sequence[int], tokens: Sequ
         raise ValueError("teacher forcing needs at least one generated token")
     ids = torch.as_tensor([*prompt_ids, *tokens[:-1]], dtype=torch.long)[None]
     logits = lm(ids, attention_mask=torch.ones_like(ids)).logits[0]
-    return logits[len(prompt_ids) - 1:].to(torch.float64)
+    return logits[len(prompt_ids) - 1 :].to(torch.float64)
 
 
 def precise_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -69,8 +76,9 @@ def precise_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 @torch.no_grad()
-def logits_spread(lm: nn.Module, prompt_ids: Sequence[int], tokens: Sequence[int],
-                  reference: torch.Tensor | None = None) -> tuple[float, str]:
+def logits_spread(
+    lm: nn.Module, prompt_ids: Sequence[int], tokens: Sequence[int], reference: torch.Tensor | None = None
+) -> tuple[float, str]:
     """Max |HF logits in the model's dtype − HF logits of a higher-precision copy| over the same
     teacher-forced rows (softcapped both). Returns (spread, the copy's dtype name).
 

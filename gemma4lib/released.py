@@ -35,8 +35,7 @@ AUDIO_VARIANTS = ("e2b", "e4b", "12b")
 # The released generation_config stops on <eos> and on <turn|> (the end of the model's turn).
 EOS_IDS = [1, 106]
 # Bookkeeping of the text config that a released text_config does not carry.
-_TEXT_CONFIG_DROP = ("architectures", "_name_or_path", "dtype", "torch_dtype",
-                     "transformers_version")
+_TEXT_CONFIG_DROP = ("architectures", "_name_or_path", "dtype", "torch_dtype", "transformers_version")
 
 
 def _sub_configs(variant: Variant, hidden_size: int) -> tuple[Any, Any | None]:
@@ -46,18 +45,34 @@ def _sub_configs(variant: Variant, hidden_size: int) -> tuple[Any, Any | None]:
     if variant.unified:
         from transformers.models.gemma4_unified import Gemma4UnifiedAudioConfig, Gemma4UnifiedVisionConfig
 
-        vision = Gemma4UnifiedVisionConfig(patch_size=4, pooling_kernel_size=2, mm_embed_dim=32,
-                                           mm_posemb_size=16, output_proj_dims=hidden_size)
+        vision = Gemma4UnifiedVisionConfig(
+            patch_size=4, pooling_kernel_size=2, mm_embed_dim=32, mm_posemb_size=16, output_proj_dims=hidden_size
+        )
         audio = Gemma4UnifiedAudioConfig(audio_embed_dim=16) if with_audio else None
         return vision, audio
     from transformers import Gemma4AudioConfig, Gemma4VisionConfig
 
-    vision = Gemma4VisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                num_attention_heads=2, num_key_value_heads=2, head_dim=16,
-                                patch_size=4, position_embedding_size=64)
-    audio = (Gemma4AudioConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
-                               subsampling_conv_channels=[8, 4], output_proj_dims=32)
-             if with_audio else None)
+    vision = Gemma4VisionConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        head_dim=16,
+        patch_size=4,
+        position_embedding_size=64,
+    )
+    audio = (
+        Gemma4AudioConfig(
+            hidden_size=32,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            subsampling_conv_channels=[8, 4],
+            output_proj_dims=32,
+        )
+        if with_audio
+        else None
+    )
     return vision, audio
 
 
@@ -85,8 +100,10 @@ def build_released_model(variant: Variant | str, text_lm: nn.Module, seed: int =
     variant = variant if isinstance(variant, Variant) else get_variant(variant)
     lm_class_name = type(text_lm).__name__
     if variant.unified != lm_class_name.startswith("Gemma4Unified"):
-        raise CheckpointError(f"a {lm_class_name} cannot go inside the {variant.name} checkpoint "
-                              f"({variant.model_class}); pass the {variant.name} text model")
+        raise CheckpointError(
+            f"a {lm_class_name} cannot go inside the {variant.name} checkpoint "
+            f"({variant.model_class}); pass the {variant.name} text model"
+        )
     config = released_config(variant, text_lm.config)
     dtype = next(text_lm.parameters()).dtype
     with torch.random.fork_rng():
@@ -100,8 +117,9 @@ def build_released_model(variant: Variant | str, text_lm: nn.Module, seed: int =
     return full.eval()
 
 
-def save_released_layout(variant: Variant | str, folder: str | Path, text_lm: nn.Module,
-                         tokenizer: Any, seed: int = 0) -> Path:
+def save_released_layout(
+    variant: Variant | str, folder: str | Path, text_lm: nn.Module, tokenizer: Any, seed: int = 0
+) -> Path:
     """Write `folder` as a released Gemma-4 checkpoint: config.json (multimodal, with text, vision
     and audio sub-configs), generation_config.json, model.safetensors and the tokenizer files.
 
@@ -117,6 +135,5 @@ def save_released_layout(variant: Variant | str, folder: str | Path, text_lm: nn
     full.generation_config.bos_token_id = 2
     full.save_pretrained(str(folder), safe_serialization=True)
     tokenizer.save_pretrained(str(folder))
-    log.info("wrote a %s checkpoint in the released layout (%s) to %s",
-             variant.name, variant.model_class, folder)
+    log.info("wrote a %s checkpoint in the released layout (%s) to %s", variant.name, variant.model_class, folder)
     return folder

@@ -84,9 +84,14 @@ def count_params(lm: nn.Module) -> ParamCounts:
             other += param.numel()
     config = lm.config
     moe = bool(getattr(config, "enable_moe_block", False))
-    return ParamCounts(lm_head, ple, experts, other,
-                       int(getattr(config, "num_experts", 0) or 0) if moe else 0,
-                       int(getattr(config, "top_k_experts", 0) or 0) if moe else 0)
+    return ParamCounts(
+        lm_head,
+        ple,
+        experts,
+        other,
+        int(getattr(config, "num_experts", 0) or 0) if moe else 0,
+        int(getattr(config, "top_k_experts", 0) or 0) if moe else 0,
+    )
 
 
 def meta_model(variant: Any, which: str = "real") -> nn.Module:
@@ -130,8 +135,16 @@ class DecodeBytes:
         return {**asdict(self), "total": self.total}
 
 
-def decode_bytes(model: Any, *, context_length: int, ring: bool = True, experts: str = "dense",
-                 dtype_bytes: int | None = None, batch: int = 1, tp: int = 1) -> DecodeBytes:
+def decode_bytes(
+    model: Any,
+    *,
+    context_length: int,
+    ring: bool = True,
+    experts: str = "dense",
+    dtype_bytes: int | None = None,
+    batch: int = 1,
+    tp: int = 1,
+) -> DecodeBytes:
     """Bytes per decode step of `model`: a `LoadedModel`, a `*ForCausalLM`, or a variant name
     (its released config, counted on the meta device; bf16 unless `dtype_bytes` says otherwise).
 
@@ -208,17 +221,27 @@ def measure_bandwidth(size_mb: int = 512, repeats: int = 7, threads: int | None 
 
 
 # ---- measured vs ceiling (notebooks) -------------------------------------------------------------
-def compare(measured_tok_s: float, model: Any, *, device: str = "cpu", bandwidth_bytes_s: float | None = None,
-            context_length: int = 2048, ring: bool = True, experts: str = "dense", cores: int | None = None,
-            dtype_bytes: int | None = None) -> dict[str, Any]:
+def compare(
+    measured_tok_s: float,
+    model: Any,
+    *,
+    device: str = "cpu",
+    bandwidth_bytes_s: float | None = None,
+    context_length: int = 2048,
+    ring: bool = True,
+    experts: str = "dense",
+    cores: int | None = None,
+    dtype_bytes: int | None = None,
+) -> dict[str, Any]:
     """Measured decode tok/s next to its roofline ceiling.
 
     `device`: "cpu" (pass `bandwidth_bytes_s`, or this machine's is measured now) or an inf2
     instance name (HBM bandwidth of `cores` NeuronCores, all when None).
     """
     tp = 1 if device == "cpu" or cores is None else int(cores)
-    steps = decode_bytes(model, context_length=context_length, ring=ring, experts=experts, dtype_bytes=dtype_bytes,
-                         tp=tp)
+    steps = decode_bytes(
+        model, context_length=context_length, ring=ring, experts=experts, dtype_bytes=dtype_bytes, tp=tp
+    )
     if device == "cpu":
         if bandwidth_bytes_s is None:
             bandwidth_bytes_s = measure_bandwidth()["bandwidth_bytes_s"]
@@ -242,16 +265,24 @@ def rows_from_report(report: dict[str, Any], path: str = "gemma4lib") -> list[di
     rows = []
     for model in report.get("models", []):
         measured = model["paths"].get(path, {}).get("decode_tok_s")
-        rows.append({"label": model["name"], "device": "cpu", "measured_tok_s": measured,
-                     "ceiling_tok_s": model["ceiling_tok_s"],
-                     "roofline_fraction": model["roofline_fraction"].get(path),
-                     "bandwidth_gb_s": model["bandwidth"]["gb_s"], "bytes_per_step": model["bytes_per_step"]})
+        rows.append(
+            {
+                "label": model["name"],
+                "device": "cpu",
+                "measured_tok_s": measured,
+                "ceiling_tok_s": model["ceiling_tok_s"],
+                "roofline_fraction": model["roofline_fraction"].get(path),
+                "bandwidth_gb_s": model["bandwidth"]["gb_s"],
+                "bytes_per_step": model["bytes_per_step"],
+            }
+        )
     return rows
 
 
 # ---- the inf2 table (docs/ROOFLINE.md) ------------------------------------------------------------
-def inf2_table(contexts: Iterable[int] = (2048, 8192), variants: Iterable[str] | None = None,
-               dtype_bytes: int = 2) -> list[dict[str, Any]]:
+def inf2_table(
+    contexts: Iterable[int] = (2048, 8192), variants: Iterable[str] | None = None, dtype_bytes: int = 2
+) -> list[dict[str, Any]]:
     """Per variant, per experts form and KV form: bf16 bytes/token and the tok/s ceiling on each
     instance (all its cores) and on the recipe's own instance at its TP degree."""
     from .variants import VARIANTS, get_variant
@@ -266,17 +297,28 @@ def inf2_table(contexts: Iterable[int] = (2048, 8192), variants: Iterable[str] |
             for ring in (False, True):
                 for form in forms:
                     steps = decode_bytes(lm, context_length=context, ring=ring, experts=form, dtype_bytes=dtype_bytes)
-                    on_ranks = decode_bytes(lm, context_length=context, ring=ring, experts=form,
-                                            dtype_bytes=dtype_bytes, tp=variant.tp_degree)
+                    on_ranks = decode_bytes(
+                        lm,
+                        context_length=context,
+                        ring=ring,
+                        experts=form,
+                        dtype_bytes=dtype_bytes,
+                        tp=variant.tp_degree,
+                    )
                     recipe_instance = INSTANCES[variant.instance_type]
                     row = {
-                        "variant": variant.name, "context_length": context, "kv": "ring" if ring else "full",
-                        "experts": steps.experts_form, "weights_gb": steps.weights / GB, "kv_gb": steps.kv / GB,
+                        "variant": variant.name,
+                        "context_length": context,
+                        "kv": "ring" if ring else "full",
+                        "experts": steps.experts_form,
+                        "weights_gb": steps.weights / GB,
+                        "kv_gb": steps.kv / GB,
                         "total_gb": steps.total / GB,
                         "recipe": f"{variant.instance_type} TP={variant.tp_degree}",
                         "recipe_gb": on_ranks.total / GB,
                         "recipe_ceiling_tok_s": ceiling_tok_s(
-                            on_ranks.total, recipe_instance.bandwidth_bytes_s(variant.tp_degree)),
+                            on_ranks.total, recipe_instance.bandwidth_bytes_s(variant.tp_degree)
+                        ),
                         "ceiling_tok_s": {},
                         "fits_hbm": {},
                     }
@@ -292,13 +334,17 @@ def inf2_table(contexts: Iterable[int] = (2048, 8192), variants: Iterable[str] |
 def format_inf2_table(rows: Sequence[dict[str, Any]]) -> str:
     """Markdown for `inf2_table` rows."""
     names = list(INSTANCES)
-    head = ("| variant | ctx | KV | experts | weights GB | KV GB | total GB | recipe reads GB | recipe ceiling tok/s | "
-            + " | ".join(names) + " |")
+    head = (
+        "| variant | ctx | KV | experts | weights GB | KV GB | total GB | recipe reads GB | recipe ceiling tok/s | "
+        + " | ".join(names)
+        + " |"
+    )
     lines = [head, "|" + "---|" * (9 + len(names))]
     for r in rows:
         cells = [f"{r['ceiling_tok_s'][n]:.0f}" if r["fits_hbm"][n] else "–" for n in names]
-        lines.append(f"| {r['variant']} | {r['context_length']} | {r['kv']} | {r['experts']} | {r['weights_gb']:.2f} | "
-                     f"{r['kv_gb']:.3f} | {r['total_gb']:.2f} | {r['recipe_gb']:.2f} | "
-                     f"{r['recipe_ceiling_tok_s']:.0f} ({r['recipe']}) | "
-                     + " | ".join(cells) + " |")
+        lines.append(
+            f"| {r['variant']} | {r['context_length']} | {r['kv']} | {r['experts']} | {r['weights_gb']:.2f} | "
+            f"{r['kv_gb']:.3f} | {r['total_gb']:.2f} | {r['recipe_gb']:.2f} | "
+            f"{r['recipe_ceiling_tok_s']:.0f} ({r['recipe']}) | " + " | ".join(cells) + " |"
+        )
     return "\n".join(lines)

@@ -38,8 +38,10 @@ class Sampling:
         if not 0.0 <= float(self.temperature) < float("inf"):
             raise SettingsError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
         if not 0.0 < float(self.top_p) <= 1.0:
-            raise SettingsError(f"top_p must be in (0, 1], got {self.top_p}; 1.0 keeps the whole distribution, "
-                                f"a small value such as 0.1 keeps only the most likely tokens")
+            raise SettingsError(
+                f"top_p must be in (0, 1], got {self.top_p}; 1.0 keeps the whole distribution, "
+                f"a small value such as 0.1 keeps only the most likely tokens"
+            )
 
     @property
     def greedy(self) -> bool:
@@ -56,8 +58,9 @@ def sampling_probs(logits: torch.Tensor, sampling: Sampling, cap: float | None) 
     return probs / probs.sum()
 
 
-def choose_token(logits: torch.Tensor, sampling: Sampling, cap: float | None,
-                 generator: torch.Generator | None = None) -> int:
+def choose_token(
+    logits: torch.Tensor, sampling: Sampling, cap: float | None, generator: torch.Generator | None = None
+) -> int:
     """Next token from raw device logits `[vocab]`: argmax (no softcap needed) or a sample."""
     if sampling.greedy:
         return int(torch.argmax(logits))
@@ -71,8 +74,9 @@ def encode_prompt(tokenizer: Any, prompt: str, chat: bool = True) -> list[int]:
     if not prompt.strip():
         raise BadPromptError("prompt is empty; pass a question, e.g. 'What is the capital of France?'")
     if chat and getattr(tokenizer, "chat_template", None):
-        ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
-                                            tokenize=True, return_dict=False)
+        ids = tokenizer.apply_chat_template(
+            [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True, return_dict=False
+        )
         return list(ids["input_ids"] if isinstance(ids, dict) else ids)
     return list(tokenizer(prompt)["input_ids"])
 
@@ -106,11 +110,20 @@ class DecodeRun:
 
 
 @torch.no_grad()
-def decode_loop(step: Callable[[list[torch.Tensor], torch.Tensor], torch.Tensor],
-                embed: Callable[[torch.Tensor], list[torch.Tensor]], first_logits: torch.Tensor, position: int,
-                max_new_tokens: int, *, sampling: Sampling | None = None, cap: float | None = None,
-                eos_token_ids: Sequence[int] = (), on_token: Callable[[int], None] | None = None,
-                keep_logits: bool = False, generator: torch.Generator | None = None) -> DecodeRun:
+def decode_loop(
+    step: Callable[[list[torch.Tensor], torch.Tensor], torch.Tensor],
+    embed: Callable[[torch.Tensor], list[torch.Tensor]],
+    first_logits: torch.Tensor,
+    position: int,
+    max_new_tokens: int,
+    *,
+    sampling: Sampling | None = None,
+    cap: float | None = None,
+    eos_token_ids: Sequence[int] = (),
+    on_token: Callable[[int], None] | None = None,
+    keep_logits: bool = False,
+    generator: torch.Generator | None = None,
+) -> DecodeRun:
     """The one host decode loop: pick a token from the logits, embed it on the host, run one
     decode step at the next position, until `max_new_tokens` or an eos token (kept).
 
@@ -148,8 +161,16 @@ class HostRuntime:
     `step(inputs_embeds, [per_layer_inputs,] start, length, *kv) -> logits` and updates `kv` in place.
     """
 
-    def __init__(self, model: LoadedModel, prefill: dict[int, Step], decode: Step, kv: list[torch.Tensor],
-                 context_length: int, batch: int = 1, dtype: torch.dtype = torch.float32):
+    def __init__(
+        self,
+        model: LoadedModel,
+        prefill: dict[int, Step],
+        decode: Step,
+        kv: list[torch.Tensor],
+        context_length: int,
+        batch: int = 1,
+        dtype: torch.dtype = torch.float32,
+    ):
         self.model, self.prefill, self.decode, self.kv = model, dict(sorted(prefill.items())), decode, kv
         self.context_length, self.batch, self.dtype = context_length, batch, dtype
         self.embedder = HostEmbedder.from_text_model(model.text_model)
@@ -180,26 +201,37 @@ class HostRuntime:
         vocab = int(self.model.config.vocab_size)
         outside = sorted({int(t) for t in prompt_ids if not 0 <= int(t) < vocab})
         if outside:
-            raise BadPromptError(f"token ids {outside[:5]} are outside this model's vocabulary (0..{vocab - 1}); "
-                                 f"encode the text with this model's tokenizer (encode_prompt)")
+            raise BadPromptError(
+                f"token ids {outside[:5]} are outside this model's vocabulary (0..{vocab - 1}); "
+                f"encode the text with this model's tokenizer (encode_prompt)"
+            )
         if len(prompt_ids) + max_new_tokens - 1 > self.context_length:
             raise PromptTooLongError(len(prompt_ids), max_new_tokens, self.context_length)
         return self.bucket_for(len(prompt_ids))
 
     # ---- generation -------------------------------------------------------------------------
     @torch.no_grad()
-    def generate(self, prompt_ids: Sequence[int] | torch.Tensor, max_new_tokens: int, *,
-                 sampling: Sampling = Sampling(), eos_token_ids: Sequence[int] = (),
-                 on_token: Callable[[int], None] | None = None,
-                 keep_logits: bool = False) -> Generation:
+    def generate(
+        self,
+        prompt_ids: Sequence[int] | torch.Tensor,
+        max_new_tokens: int,
+        *,
+        sampling: Sampling = Sampling(),
+        eos_token_ids: Sequence[int] = (),
+        on_token: Callable[[int], None] | None = None,
+        keep_logits: bool = False,
+    ) -> Generation:
         if isinstance(prompt_ids, str):
-            raise BadPromptError("generate() takes token ids, not text; encode the text first with "
-                                 "encode_prompt(tokenizer, prompt)")
+            raise BadPromptError(
+                "generate() takes token ids, not text; encode the text first with encode_prompt(tokenizer, prompt)"
+            )
         ids = torch.as_tensor(prompt_ids, dtype=torch.long)
         if ids.dim() == 2:
             if ids.shape[0] > self.batch:
-                raise BatchTooLargeError(f"batch of {ids.shape[0]} prompts, but the graphs were compiled for "
-                                         f"batch {self.batch}; send at most {self.batch} at a time or recompile")
+                raise BatchTooLargeError(
+                    f"batch of {ids.shape[0]} prompts, but the graphs were compiled for "
+                    f"batch {self.batch}; send at most {self.batch} at a time or recompile"
+                )
             ids = ids[0]
         ids_list = ids.tolist()
         bucket = self.check_fits(ids_list, max_new_tokens)
@@ -211,9 +243,19 @@ class HostRuntime:
         first = self.prefill[bucket](*inputs, torch.tensor([0]), torch.tensor([n]), *self.kv)[0]
         prefill_s = time.perf_counter() - started
         one = torch.tensor([1])
-        run = decode_loop(lambda inputs, position: self.decode(*inputs, position, one, *self.kv)[0], self.embed,
-                          first, n, max_new_tokens, sampling=sampling, cap=self.cap, eos_token_ids=eos_token_ids,
-                          on_token=on_token, keep_logits=keep_logits, generator=generator)
+        run = decode_loop(
+            lambda inputs, position: self.decode(*inputs, position, one, *self.kv)[0],
+            self.embed,
+            first,
+            n,
+            max_new_tokens,
+            sampling=sampling,
+            cap=self.cap,
+            eos_token_ids=eos_token_ids,
+            on_token=on_token,
+            keep_logits=keep_logits,
+            generator=generator,
+        )
         return Generation(ids_list, run.tokens, bucket, prefill_s, run.step_s, first.clone(), run.step_logits)
 
     def time_prefill(self, prompt_ids: Sequence[int]) -> float:

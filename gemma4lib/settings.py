@@ -21,8 +21,7 @@ DEFAULT_PROMPT = "What is the capital of France?"
 
 
 # Integer settings and their smallest allowed value.
-_COUNTS = {"tp_degree": 1, "max_new_tokens": 1, "context_length": 2, "random_prompt_tokens": 1, "warmup": 0,
-           "iters": 1}
+_COUNTS = {"tp_degree": 1, "max_new_tokens": 1, "context_length": 2, "random_prompt_tokens": 1, "warmup": 0, "iters": 1}
 
 
 def _as_tuple(value: Any) -> tuple:
@@ -34,8 +33,9 @@ def whole_number(name: str, value: Any, minimum: int) -> int:
     if isinstance(value, str) and value.strip().isdigit():
         value = int(value)
     if isinstance(value, bool) or not isinstance(value, int):
-        raise SettingsError(f"{name} must be a whole number, got {value!r} ({type(value).__name__}); "
-                            f"pass e.g. {name}={max(minimum, 1)}")
+        raise SettingsError(
+            f"{name} must be a whole number, got {value!r} ({type(value).__name__}); pass e.g. {name}={max(minimum, 1)}"
+        )
     if value < minimum:
         raise SettingsError(f"{name} must be at least {minimum}, got {value}")
     return value
@@ -83,18 +83,22 @@ class PortSettings:
         if not self.prefill_buckets:
             raise SettingsError("prefill_buckets is empty; give at least one compiled prompt length, e.g. (64,)")
         if self.prefill_buckets[-1] > self.context_length:
-            raise SettingsError(f"prefill bucket {self.prefill_buckets[-1]} is longer than context_length "
-                                f"{self.context_length}; use buckets <= context_length")
+            raise SettingsError(
+                f"prefill bucket {self.prefill_buckets[-1]} is longer than context_length "
+                f"{self.context_length}; use buckets <= context_length"
+            )
         if self.seed is None:
             self.seed = self.variant_spec.tiny_seed
         if self.tp_degree not in self.variant_spec.supported_tp:
             raise TensorParallelError(
                 f"{self.variant_spec.name} cannot run at TP={self.tp_degree}: its head and expert counts split "
-                f"evenly only for TP in {self.variant_spec.supported_tp}; pick one of those")
+                f"evenly only for TP in {self.variant_spec.supported_tp}; pick one of those"
+            )
         if self.tp_degree > 1 and self.backend == "xla":
             raise TensorParallelError(
                 f"TP={self.tp_degree} runs on backend 'cpu' or 'eager' (one gloo process per rank) or 'neuron' "
-                f"(NeuronCores); the xla lane compiles one device: use tp_degree=1 there")
+                f"(NeuronCores); the xla lane compiles one device: use tp_degree=1 there"
+            )
         if self.backend == "neuron":
             self._check_neuron()
 
@@ -106,8 +110,13 @@ class PortSettings:
 
         instance = host_instance_type()
         if self.profile == "full":  # the released model: weights + K/V must fit each core
-            require_fit(self.variant_spec, self.tp_degree, instance=instance, context_length=self.context_length,
-                        ring=self.ring_kv)
+            require_fit(
+                self.variant_spec,
+                self.tp_degree,
+                instance=instance,
+                context_length=self.context_length,
+                ring=self.ring_kv,
+            )
         else:  # tiny models fit anywhere; the degree must still be one inf2 can run
             require_neuron_tp(self.variant_spec, self.tp_degree, instance)
         neuron_env.require_sdk(f"backend 'neuron' ({self.variant_spec.name})")
@@ -119,6 +128,7 @@ class PortSettings:
         if self.profile == "full":
             return "checkpoint"
         from .trained import fixture_available
+
         return "trained" if fixture_available(self.variant_spec.name) else "random"
 
     @property

@@ -70,17 +70,25 @@ def code(text: str, tags: list[str] | None = None):
 
 # ---- shared blocks ------------------------------------------------------------------------------
 
+
 def sdk_line() -> str:
     pins = ", ".join(f"{name} {versions[0]}" for name, versions in SDK_PINS.items())
-    return (f"{DLAMI}, venv `{DLAMI_VENV}` (Python {INF2_PYTHON}), Neuron SDK {NEURON_SDK_RELEASE}: {pins}; "
-            f"+ transformers {TRANSFORMERS_PIN}")
+    return (
+        f"{DLAMI}, venv `{DLAMI_VENV}` (Python {INF2_PYTHON}), Neuron SDK {NEURON_SDK_RELEASE}: {pins}; "
+        f"+ transformers {TRANSFORMERS_PIN}"
+    )
 
 
 def runs_on(name: str) -> str:
     v = VARIANTS[name]
     inst = INSTANCES[v.instance_type]
-    chips, cores, host_ram, hbm, bandwidth = (inst.chips, inst.neuron_cores, inst.host_ram_gib, inst.hbm_gib,
-                                             inst.hbm_gib_s)
+    chips, cores, host_ram, hbm, bandwidth = (
+        inst.chips,
+        inst.neuron_cores,
+        inst.host_ram_gib,
+        inst.hbm_gib,
+        inst.hbm_gib_s,
+    )
     plan = plan_core_memory(v, context_length=2048)
     host_note = HOST_RAM_NOTE.get(name, "the model is loaded in bf16 on the host before it is compiled")
     return f"""
@@ -100,11 +108,18 @@ def runs_on(name: str) -> str:
 def parameters_cell(name: str, extra: str = "") -> object:
     v = VARIANTS[name]
     context, buckets = 128, "[64]"  # the library's smoke shapes: the artifact cache is shared with its tests
-    experts = 'decode_experts = "selective"  # MoE decode: "selective" (the k routed experts) or "dense" (all)\n' \
-        if v.is_moe else ""
-    tp_demo = (f"tp_demo = {TP_DEMO[name]}  # ranks in the CPU tensor-parallel demonstration (0: skip)\n"
-               if TP_DEMO[name] else "")
-    return code(f"""
+    experts = (
+        'decode_experts = "selective"  # MoE decode: "selective" (the k routed experts) or "dense" (all)\n'
+        if v.is_moe
+        else ""
+    )
+    tp_demo = (
+        f"tp_demo = {TP_DEMO[name]}  # ranks in the CPU tensor-parallel demonstration (0: skip)\n"
+        if TP_DEMO[name]
+        else ""
+    )
+    return code(
+        f"""
 variant = "{name}"
 profile = "smoke"  # "smoke": tiny model on CPU; "full": the real checkpoint on inf2
 model = "auto"  # smoke: the tiny trained fixture; "random" for equality-only runs
@@ -122,7 +137,10 @@ iters = 3
 threads = 1  # torch threads for the benchmark (recorded with it)
 {tp_demo}results_path = "../runs/notebooks/{name}.json"
 interactive = False  # True: show the chat box at the end (needs a live Jupyter front end)
-""" + extra, tags=["parameters"])
+"""
+        + extra,
+        tags=["parameters"],
+    )
 
 
 def parameters_intro(name: str) -> object:
@@ -196,8 +214,14 @@ nb.show_settings(s)
 
 def load_cells(name: str) -> list:
     v = VARIANTS[name]
-    unified = ("The 12B ships as `Gemma4UnifiedForConditionalGeneration`, the multimodal class without "
-               "separate vision or audio encoders; its text decoder is taken out the same way. ") if v.unified else ""
+    unified = (
+        (
+            "The 12B ships as `Gemma4UnifiedForConditionalGeneration`, the multimodal class without "
+            "separate vision or audio encoders; its text decoder is taken out the same way. "
+        )
+        if v.unified
+        else ""
+    )
     return [
         md(f"""
 ## 1. Load the model
@@ -230,18 +254,18 @@ def graph_cells(name: str) -> list:
     v = VARIANTS[name]
     extra = {
         "e2b": " For E2B there are two host-side inputs: the scaled word embeddings and the PLE inputs, "
-               "one 16-wide vector per layer per token in the tiny model (256-wide in the real one).",
+        "one 16-wide vector per layer per token in the tiny model (256-wide in the real one).",
         "e4b": " As for E2B, the PLE inputs arrive as a graph input computed on the host.",
         "26b-a4b": " The experts are swapped for a static form here: prefill always computes all experts "
-                   "and masks them to the routed top-k; decode uses `decode_experts`.",
+        "and masks them to the routed top-k; decode uses `decode_experts`.",
     }.get(name, "")
     recipe_note = {
         "trace": "On inf2, E2B's recipe hands these graphs to `torch_neuronx.trace` on one NeuronCore, with "
-                 "the K/V buffers held as parameters and aliased to the outputs that update them.",
+        "the K/V buffers held as parameters and aliased to the outputs that update them.",
         "model_builder": "On inf2 this variant goes through NxD `ModelBuilder`: one rank is compiled, the "
-                         "weights are sharded per rank from a checkpoint loader, the rank number is a "
-                         "runtime tensor, and the decode graph is the priority model whose weight layout "
-                         "the compiler optimises.",
+        "weights are sharded per rank from a checkpoint loader, the rank number is a "
+        "runtime tensor, and the decode graph is the priority model whose weight layout "
+        "the compiler optimises.",
     }[v.recipe]
     return [
         md(f"""
@@ -400,14 +424,18 @@ if interactive:
 
 def tp_demo_cells(name: str, intro: str, prefill: str = "graph", baked_rank: bool = False) -> list:
     args = (f', prefill="{prefill}"' if prefill != "graph" else "") + (", with_baked_rank=True" if baked_rank else "")
-    return [md(intro), code(f"""
+    return [
+        md(intro),
+        code(f"""
 if tp_demo:
     demos["tp_cpu"] = nb.tp_demo(model, ids, s, tp_demo{args})
     display(demos["tp_cpu"])
-""")]
+"""),
+    ]
 
 
 # ---- per-variant features -------------------------------------------------------------------------
+
 
 def features_e2b() -> list:
     return [
@@ -519,12 +547,16 @@ nb.tp_fit("e4b")
         code("""
 nb.kv_heads_under_tp("e4b", 2)
 """),
-    ] + tp_demo_cells("e4b", """
+    ] + tp_demo_cells(
+        "e4b",
+        """
 The same sharding plan, run for real on CPU: one process per rank, each holding only its shard,
 talking through gloo collectives. Like the E4B recipe on inf2, the prompt is prefilled by the
 unsharded model on the host and every rank starts decoding from its slice of that K/V
 ("CPU-seeded prefill"). The tokens must equal the reference's.
-""", prefill="cpu-seeded")
+""",
+        prefill="cpu-seeded",
+    )
 
 
 def features_12b() -> list:
@@ -573,10 +605,13 @@ nb.kv_heads_under_tp("12b", 2)
         code("""
 nb.tp_fit("12b")
 """),
-    ] + tp_demo_cells("12b", """
+    ] + tp_demo_cells(
+        "12b",
+        """
 The tiny model has the same shape of problem (1 global KV head, 2 sliding ones), so a CPU run at
 TP=2 exercises the replicated global head and the sharded sliding heads together:
-""")
+""",
+    )
 
 
 def features_31b() -> list:
@@ -613,10 +648,13 @@ global heads must be replicated as well:
         code("""
 nb.kv_heads_under_tp("31b", tp_demo or 4, config=model.config)
 """),
-    ] + tp_demo_cells("31b", """
+    ] + tp_demo_cells(
+        "31b",
+        """
 And run, one process per rank, each rank holding only its shard and its copies of the global KV
 heads:
-""")
+""",
+    )
 
 
 def features_26b() -> list:
@@ -671,7 +709,9 @@ nb.tp_fit("26b-a4b")
         code("""
 nb.kv_heads_under_tp("26b-a4b", 8)
 """),
-    ] + tp_demo_cells("26b-a4b", """
+    ] + tp_demo_cells(
+        "26b-a4b",
+        """
 ### The rank must be a runtime value
 
 Under TP each rank computes its own slice of the experts and must pick the matching columns of
@@ -680,11 +720,12 @@ a Python integer, baked into the single-rank `ModelBuilder` trace as 0, so every
 experts with rank 0's routing weights. Device output was empty while the CPU and the unit tests
 were fine. The library reads the rank from an int32 tensor that each rank loads with its weights.
 The cell runs the sharded model both ways on CPU:
-""", baked_rank=True)
+""",
+        baked_rank=True,
+    )
 
 
-FEATURES = {"e2b": features_e2b, "e4b": features_e4b, "12b": features_12b, "31b": features_31b,
-            "26b-a4b": features_26b}
+FEATURES = {"e2b": features_e2b, "e4b": features_e4b, "12b": features_12b, "31b": features_31b, "26b-a4b": features_26b}
 
 INTRO = {
     "e2b": """
@@ -803,19 +844,27 @@ demos["equality_is_not_enough"]
 """),
         ]
     cells += bench_record_cells(name)
-    cells.append(md(TAKEAWAYS[name] + f"""
+    cells.append(
+        md(
+            TAKEAWAYS[name]
+            + f"""
 To run the real thing, see the parameters cell: `profile="full"`, `backend="neuron"`,
 `tp_degree={v.tp_degree}`, and a checkpoint. Everything above runs unchanged.
-"""))
+"""
+        )
+    )
     return cells
 
 
 # ---- overview -----------------------------------------------------------------------------------
 
+
 def overview_cells() -> list:
     rows = "\n".join(
         f"| [{f}]({f}) | {v.upper()} | `{VARIANTS[v].instance_type}` | {VARIANTS[v].tp_degree} | {VARIANTS[v].recipe} |"
-        for f, v in NOTEBOOKS.items() if v)
+        for f, v in NOTEBOOKS.items()
+        if v
+    )
     return [
         md(f"""
 # Gemma-4 on AWS Inferentia2: the family at a glance
@@ -844,7 +893,8 @@ wrong. The other notebooks port one variant each, step by step.
 its own output folder). The last section uses `demo_variant`'s tiny model on the CPU, whatever the
 profile.
 """),
-        code("""
+        code(
+            """
 profile = "smoke"
 results_dir = "../runs/notebooks"  # where the variant notebooks wrote their JSON records
 demo_variant = "e2b"  # tiny model used by the "equality is not enough" demonstration
@@ -852,7 +902,9 @@ prompt = "What is the capital of France?"
 expect = "Paris"
 threads = 1
 results_path = "../runs/notebooks/overview.json"
-""", tags=["parameters"]),
+""",
+            tags=["parameters"],
+        ),
         code("""
 %matplotlib inline
 import torch
@@ -969,6 +1021,7 @@ overview["variants_found"]
 
 
 # ---- writing ----------------------------------------------------------------------------------
+
 
 def build(name: str | None):
     nb = new_notebook(cells=overview_cells() if name is None else variant_notebook(name))

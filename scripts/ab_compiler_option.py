@@ -53,10 +53,21 @@ def main() -> None:
         for side in ("a", "b"):
             runs[side].append(time_decode_steps(model, steps[side], positions))
     medians = {side: statistics.median(r) for side, r in runs.items()}
-    print(json.dumps({"model": args.model, "option": args.option, "a": values["a"], "b": values["b"],
-                      "context": args.context, "decode_tok_s": medians,
-                      "ms_per_step": {side: 1000 / t for side, t in medians.items()},
-                      "a_over_b": medians["a"] / medians["b"], "runs": runs}))
+    print(
+        json.dumps(
+            {
+                "model": args.model,
+                "option": args.option,
+                "a": values["a"],
+                "b": values["b"],
+                "context": args.context,
+                "decode_tok_s": medians,
+                "ms_per_step": {side: 1000 / t for side, t in medians.items()},
+                "a_over_b": medians["a"] / medians["b"],
+                "runs": runs,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -102,22 +102,30 @@ def test_unknown_fault_name_is_an_error(capsys):
 
 # ---- the verdict the command line applies to a port record ------------------------------------
 
+
 def _record(**changes):
-    record = {"seq_match": True, "logits_match": True, "coherent": True,
-              "witness": {"seq_match": True, "logits_match": True}}
+    record = {
+        "seq_match": True,
+        "logits_match": True,
+        "coherent": True,
+        "witness": {"seq_match": True, "logits_match": True},
+    }
     record.update(changes)
     return record
 
 
-@pytest.mark.parametrize("changes, failed", [
-    ({}, []),
-    ({"logits_match": False, "logits_explain": "LOGITS_MATCH failed: ..."}, ["logits_match"]),
-    ({"seq_match": False}, ["seq_match"]),
-    ({"coherent": False}, ["coherence"]),
-    ({"witness": {"seq_match": False, "logits_match": True}}, ["witness.seq_match"]),
-    ({"witness": {"seq_match": True, "logits_match": False}}, ["witness.logits_match"]),
-    ({"coherent": None, "witness": None}, []),
-])
+@pytest.mark.parametrize(
+    "changes, failed",
+    [
+        ({}, []),
+        ({"logits_match": False, "logits_explain": "LOGITS_MATCH failed: ..."}, ["logits_match"]),
+        ({"seq_match": False}, ["seq_match"]),
+        ({"coherent": False}, ["coherence"]),
+        ({"witness": {"seq_match": False, "logits_match": True}}, ["witness.seq_match"]),
+        ({"witness": {"seq_match": True, "logits_match": False}}, ["witness.logits_match"]),
+        ({"coherent": None, "witness": None}, []),
+    ],
+)
 def test_port_exit_code_requires_every_check(changes, failed):
     record = _record(**changes)
     assert checks.failed_checks(record) == failed

@@ -43,8 +43,7 @@ class _Folders:
     def get(self, variant: str) -> Path:
         if variant not in self._done:
             trained = load_trained(variant)
-            self._done[variant] = save_released_layout(variant, self.root / variant, trained.lm,
-                                                       trained.tokenizer)
+            self._done[variant] = save_released_layout(variant, self.root / variant, trained.lm, trained.tokenizer)
         return self._done[variant]
 
 
@@ -77,8 +76,7 @@ def test_folder_has_the_released_layout(released, variant):
     assert not any(n.startswith("lm_head") for n in names), "the LM head is tied: not stored"
     assert any(n.endswith("layer_scalar") for n in names), "layer_scalar must be in the checkpoint"
     files = {p.name for p in folder.iterdir()}
-    assert {"tokenizer.json", "tokenizer_config.json", "chat_template.jinja",
-            "generation_config.json"} <= files
+    assert {"tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json"} <= files
 
 
 def test_folder_is_deterministic(released, tmp_path):
@@ -109,15 +107,20 @@ def test_loader_returns_the_trained_decoder(released, variant):
 
     assert keys(loaded) == keys(trained)
 
+
 @pytest.mark.parametrize("variant", VARIANT_NAMES)
 def test_full_profile_port_on_cpu(released, variant):
     folder = released.get(variant)
-    settings = PortSettings(variant=variant, profile="full", checkpoint=str(folder), backend="cpu",
-                            warmup=0, iters=1)
+    settings = PortSettings(variant=variant, profile="full", checkpoint=str(folder), backend="cpu", warmup=0, iters=1)
     assert settings.model_source == "checkpoint"
     result = port(settings)
-    log.info("%s full: cache hits %s, compile %.1f s, wall %.1f s", variant, result["cache_hits"],
-             result["compile_s"], result["wall_s"])
+    log.info(
+        "%s full: cache hits %s, compile %.1f s, wall %.1f s",
+        variant,
+        result["cache_hits"],
+        result["compile_s"],
+        result["wall_s"],
+    )
     assert result["model_source"] == str(folder)
     assert result["profile"] == "full" and result["recipe"] == RECIPE
     assert result["seq_match"] is True, f"first mismatch at {result['first_mismatch']}"

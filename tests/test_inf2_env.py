@@ -45,7 +45,8 @@ def test_transformers_pin_refuses_the_python_3_10_venv():
     with pytest.raises(script.DoesNotResolve, match="3.10"):
         script.resolve([f"transformers=={neuron_env.TRANSFORMERS_PIN}"], python="3.10", extra=("--no-deps",))
     assert script.resolve([f"transformers=={neuron_env.TRANSFORMERS_PIN}"], extra=("--no-deps",)) == {
-        "transformers": neuron_env.TRANSFORMERS_PIN}
+        "transformers": neuron_env.TRANSFORMERS_PIN
+    }
 
 
 def test_the_check_reads_every_runtime_dependency_and_the_sdk_constraints():

@@ -40,19 +40,23 @@ def _prompt(model, n: int = PROMPT, seed: int | None = None) -> list[int]:
     return torch.randint(3, model.config.vocab_size, (n,), generator=generator).tolist()
 
 
-def _runtime(model, *, ring: bool, buckets=(32,), decode_form: str = "dense", context: int = CONTEXT,
-             record: list | None = None) -> HostRuntime:
+def _runtime(
+    model, *, ring: bool, buckets=(32,), decode_form: str = "dense", context: int = CONTEXT, record: list | None = None
+) -> HostRuntime:
     def graph(tokens, form):
-        return DeviceGraph(model.text_model, model.lm_head, model.layout, GraphShape(1, tokens, context, ring),
-                           expert_form=form)
+        return DeviceGraph(
+            model.text_model, model.lm_head, model.layout, GraphShape(1, tokens, context, ring), expert_form=form
+        )
 
     decode = graph(1, decode_form)
     step = decode
     if record is not None:
+
         def step(*args):
             logits = decode(*args)
             record.append(logits[0].clone())
             return logits
+
     prefill = {b: graph(b, "dense") for b in buckets}
     return HostRuntime(model, prefill, step, decode.new_kv(), context)
 
@@ -67,11 +71,19 @@ def _hf_logits(model, prompt: list[int], new_tokens: int) -> tuple[list[int], to
     the port (a wrong mask or slot) shows up at O(1).
     """
     ids = torch.tensor([prompt])
-    out = model.lm.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, do_sample=False,
-                            eos_token_id=None, pad_token_id=0, output_logits=True, return_dict_in_generate=True)
-    tokens = out.sequences[0, len(prompt):].tolist()
+    out = model.lm.generate(
+        ids,
+        attention_mask=torch.ones_like(ids),
+        max_new_tokens=new_tokens,
+        do_sample=False,
+        eos_token_id=None,
+        pad_token_id=0,
+        output_logits=True,
+        return_dict_in_generate=True,
+    )
+    tokens = out.sequences[0, len(prompt) :].tolist()
     logits = torch.stack([step[0].float() for step in out.logits])
-    no_cache = model.lm(out.sequences[:, :-1]).logits[0, len(prompt) - 1:].float()
+    no_cache = model.lm(out.sequences[:, :-1]).logits[0, len(prompt) - 1 :].float()
     spread = float((logits - no_cache).abs().max())
     return tokens, logits, 1e-3 + 2 * spread
 

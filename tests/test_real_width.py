@@ -52,8 +52,15 @@ def test_plan_keeps_the_released_widths(variant):
     real = VARIANTS[variant].real_config
     config = plan_config(variant)
     assert config.vocab_size == VOCAB_SIZE == 262_144 and config.final_logit_softcapping == 30.0
-    for field in ("hidden_size", "intermediate_size", "num_attention_heads", "sliding_window",
-                  "hidden_size_per_layer_input", "attention_k_eq_v", "use_double_wide_mlp"):
+    for field in (
+        "hidden_size",
+        "intermediate_size",
+        "num_attention_heads",
+        "sliding_window",
+        "hidden_size_per_layer_input",
+        "attention_k_eq_v",
+        "use_double_wide_mlp",
+    ):
         if field in real:
             assert getattr(config, field) == real[field], field
     layout = KVLayout.from_config(config)
@@ -101,13 +108,13 @@ def _run(variant: str, compiled: bool) -> Report:
     needed = plan_bytes(variant) * 1.15
     available = psutil.virtual_memory().available
     if available < needed:
-        pytest.skip(f"{variant} at real widths needs ~{needed / 1e9:.1f} GB free, "
-                    f"{available / 1e9:.1f} GB here")
+        pytest.skip(f"{variant} at real widths needs ~{needed / 1e9:.1f} GB free, {available / 1e9:.1f} GB here")
     command = [sys.executable, "-m", "gemma4lib.real_width", variant]
     command += ["--compile"] if compiled else []
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-    done = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env,
-                          cwd=str(Path(__file__).resolve().parents[1]))
+    done = subprocess.run(
+        command, capture_output=True, text=True, timeout=600, env=env, cwd=str(Path(__file__).resolve().parents[1])
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     report = Report(json.loads(done.stdout.strip().splitlines()[-1]))
     log.info("real width %s: %s", variant, {k: v for k, v in report.data.items() if k != "prompt"})
@@ -145,14 +152,16 @@ def _check(variant: str, compiled: bool) -> None:
     (_assert_bf16 if dtype == torch.bfloat16 else _assert_fp32)(report)
 
 
-@pytest.mark.parametrize("variant,compiled", CI_CHECKS,
-                         ids=[f"{v}-{'compiled' if c else 'eager'}" for v, c in CI_CHECKS])
+@pytest.mark.parametrize(
+    "variant,compiled", CI_CHECKS, ids=[f"{v}-{'compiled' if c else 'eager'}" for v, c in CI_CHECKS]
+)
 def test_real_width_device_graph_matches_hf(variant, compiled):
     _check(variant, compiled)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("variant,compiled", SLOW_CHECKS,
-                         ids=[f"{v}-{'compiled' if c else 'eager'}" for v, c in SLOW_CHECKS])
+@pytest.mark.parametrize(
+    "variant,compiled", SLOW_CHECKS, ids=[f"{v}-{'compiled' if c else 'eager'}" for v, c in SLOW_CHECKS]
+)
 def test_real_width_device_graph_matches_hf_slow(variant, compiled):
     _check(variant, compiled)

@@ -23,8 +23,12 @@ PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
 def _files() -> list[Path]:
     """Tracked files and new ones git does not ignore (what a commit would carry)."""
     try:
-        out = subprocess.run(["git", "-C", str(ROOT), "ls-files", "-co", "--exclude-standard", "-z"],
-                             capture_output=True, text=True, check=True).stdout
+        out = subprocess.run(
+            ["git", "-C", str(ROOT), "ls-files", "-co", "--exclude-standard", "-z"],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
     except (OSError, subprocess.CalledProcessError):
         pytest.skip("not a git checkout: the pin check reads the files git would commit")
     return [ROOT / name for name in out.split("\0") if name and (ROOT / name).is_file()]
@@ -38,10 +42,14 @@ def _version_pattern(version: str) -> re.Pattern:
 def _python_literals(path: Path) -> list[str]:
     """Every string constant of a module except docstrings (prose), f-string parts included."""
     tree = ast.parse(path.read_text(), filename=str(path))
-    docstrings = {id(node.value) for node in ast.walk(tree)
-                  if isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant)}
-    return [node.value for node in ast.walk(tree)
-            if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings]
+    docstrings = {
+        id(node.value) for node in ast.walk(tree) if isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant)
+    }
+    return [
+        node.value
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings
+    ]
 
 
 def _shell_code(path: Path) -> list[str]:
@@ -106,17 +114,26 @@ def test_the_pin_check_finds_a_copy(tmp_path):
 def test_the_xla_lane_installs_the_pins_it_reads():
     """scripts/setup_xla_env.sh reads its pins (pyproject.toml, neuron_env.SDK_CONSTRAINTS) instead
     of copying them; --print-pins shows what it would install."""
-    done = subprocess.run(["bash", str(ROOT / "scripts" / "setup_xla_env.sh"), "--print-pins"],
-                          capture_output=True, text=True, env={**os.environ, "PYTHON": sys.executable}, check=True)
+    done = subprocess.run(
+        ["bash", str(ROOT / "scripts" / "setup_xla_env.sh"), "--print-pins"],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHON": sys.executable},
+        check=True,
+    )
     reqs = done.stdout.split()
     project = PYPROJECT["project"]
-    assert reqs[:2] == [f"torch{neuron_env.SDK_CONSTRAINTS['torch']}",
-                        f"torch-xla{neuron_env.SDK_CONSTRAINTS['torch-xla']}"]
-    assert reqs[2:] == project["dependencies"] + [r for r in project["optional-dependencies"]["test"]
-                                                  if r.startswith("pytest")]
+    assert reqs[:2] == [
+        f"torch{neuron_env.SDK_CONSTRAINTS['torch']}",
+        f"torch-xla{neuron_env.SDK_CONSTRAINTS['torch-xla']}",
+    ]
+    assert reqs[2:] == project["dependencies"] + [
+        r for r in project["optional-dependencies"]["test"] if r.startswith("pytest")
+    ]
 
 
 # ---- scripts/run_tests.sh: the marker default and the cache ---------------------------------------
+
 
 def _run_tests_sh(tmp_path: Path, *args: str, cache: str | None = None) -> list[str]:
     """Run scripts/run_tests.sh against a stand-in venv whose `python` records what it was given:
@@ -132,19 +149,28 @@ def _run_tests_sh(tmp_path: Path, *args: str, cache: str | None = None) -> list[
     env["GEMMA4LIB_VENV"] = str(venv)
     if cache is not None:
         env["GEMMA4LIB_CACHE"] = cache
-    subprocess.run(["bash", str(ROOT / "scripts" / "run_tests.sh"), *args], env=env, check=True,
-                   capture_output=True, text=True, timeout=60)
+    subprocess.run(
+        ["bash", str(ROOT / "scripts" / "run_tests.sh"), *args],
+        env=env,
+        check=True,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     return record.read_text().split("\0")[:-1]
 
 
-@pytest.mark.parametrize("args,pytest_args", [
-    ((), ["-m", "not slow"]),
-    (("-q",), ["-m", "not slow", "-q"]),
-    (("-q", "-ra", "tests/test_readme.py"), ["-m", "not slow", "-q", "-ra", "tests/test_readme.py"]),
-    (("-q", "-m", "slow"), ["-q", "-m", "slow"]),
-    (("-mslow",), ["-mslow"]),
-    (("-m", "slow or not slow", "-x"), ["-m", "slow or not slow", "-x"]),
-])
+@pytest.mark.parametrize(
+    "args,pytest_args",
+    [
+        ((), ["-m", "not slow"]),
+        (("-q",), ["-m", "not slow", "-q"]),
+        (("-q", "-ra", "tests/test_readme.py"), ["-m", "not slow", "-q", "-ra", "tests/test_readme.py"]),
+        (("-q", "-m", "slow"), ["-q", "-m", "slow"]),
+        (("-mslow",), ["-mslow"]),
+        (("-m", "slow or not slow", "-x"), ["-m", "slow or not slow", "-x"]),
+    ],
+)
 def test_run_tests_keeps_slow_out_unless_markers_are_chosen(tmp_path, args, pytest_args):
     cache, *argv = _run_tests_sh(tmp_path, *args)
     assert argv == ["-m", "pytest", *pytest_args]
@@ -174,6 +200,7 @@ def test_this_session_never_uses_the_users_cache():
 
 # ---- no warning a newcomer must puzzle over ----------------------------------------------------------
 
+
 def test_a_papermill_kernel_starts_without_the_tcp_warning(tmp_path):
     """papermill_runs runs its kernels over IPC: ipykernel's "running over TCP without encryption"
     warning (printed by the kernel process itself, hence the subprocess) never appears."""
@@ -190,9 +217,11 @@ def test_a_papermill_kernel_starts_without_the_tcp_warning(tmp_path):
         "tmp = Path(sys.argv[1])\n"
         "with run.patched_environ(run.kernel_environment(run.kernelspec_dir(tmp / 'jupyter'))):\n"
         "    outcome = run.execute('tiny', 'tiny.ipynb', tmp / 'out', {}, 120, notebook_dir=tmp / 'nbs')\n"
-        "print(json.dumps({'status': outcome['status'], 'error': outcome.get('error')}))\n")
-    done = subprocess.run([sys.executable, "-c", script, str(tmp_path)], cwd=ROOT, capture_output=True, text=True,
-                          timeout=300)
+        "print(json.dumps({'status': outcome['status'], 'error': outcome.get('error')}))\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script, str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=300
+    )
     assert done.returncode == 0, done.stderr
     assert '"status": "ok"' in done.stdout, done.stdout + done.stderr
     assert "ok 42" in (tmp_path / "out" / "notebooks" / "tiny.ipynb").read_text()

@@ -33,7 +33,8 @@ def test_compiled_graph_reproduces_hf_greedy(ports, variant):
 
     assert len(set(reference)) >= 8, f"reference repeats itself ({len(set(reference))} distinct tokens)"
     assert checks.seq_match(generation.tokens, reference), (
-        f"first mismatch at {checks.first_mismatch(generation.tokens, reference)}")
+        f"first mismatch at {checks.first_mismatch(generation.tokens, reference)}"
+    )
     device_logits = softcap(generation.first_logits, port.model.config.final_logit_softcapping)
     hf_logits = reference_last_logits(port.model.lm, port.ids)
     assert torch.allclose(device_logits, hf_logits, atol=PREFILL_LOGITS_ATOL, rtol=0)
@@ -46,6 +47,7 @@ def test_compiled_graph_reproduces_hf_greedy(ports, variant):
 
 
 # ---- LOGITS_MATCH on synthetic logits: the rule, the softcap, a failure that explains itself ----
+
 
 def _rows(n: int = 4, vocab: int = 50, seed: int = 0) -> torch.Tensor:
     generator = torch.Generator().manual_seed(seed)
@@ -96,8 +98,9 @@ def test_tiny_builds_are_identical():
     assert state_a.keys() == state_b.keys()
     assert all(torch.equal(state_a[k], state_b[k]) for k in state_a)
     c = build_tiny(VARIANTS["e2b"], seed=4)
-    assert not torch.equal(state_a["model.layers.0.self_attn.q_proj.weight"],
-                           c.lm.state_dict()["model.layers.0.self_attn.q_proj.weight"])
+    assert not torch.equal(
+        state_a["model.layers.0.self_attn.q_proj.weight"], c.lm.state_dict()["model.layers.0.self_attn.q_proj.weight"]
+    )
 
 
 def test_tiny_configs_keep_every_feature():
@@ -126,14 +129,15 @@ def test_kv_sharing_consumers_read_the_producer_buffer():
 
     captured = []
     hook = graph.model.layers[consumer.index].self_attn.register_forward_hook(
-        lambda module, args, output: captured.append(output[0].detach().clone()))
+        lambda module, args, output: captured.append(output[0].detach().clone())
+    )
     ids = torch.tensor([[5, 9, 11, 3, 7]])
     embeds, ple = model.text_model.embed_tokens(ids), model.text_model.get_per_layer_inputs(ids)
 
     def decode_last(kv):
         for pos in range(ids.shape[1]):
             with torch.no_grad():
-                graph(embeds[:, pos:pos + 1], ple[:, pos:pos + 1], torch.tensor([pos]), torch.tensor([1]), *kv)
+                graph(embeds[:, pos : pos + 1], ple[:, pos : pos + 1], torch.tensor([pos]), torch.tensor([1]), *kv)
         return captured[-1]
 
     clean = decode_last(graph.new_kv())
@@ -142,7 +146,7 @@ def test_kv_sharing_consumers_read_the_producer_buffer():
     captured.clear()
     for pos in range(ids.shape[1] - 1):
         with torch.no_grad():
-            graph(embeds[:, pos:pos + 1], ple[:, pos:pos + 1], torch.tensor([pos]), torch.tensor([1]), *kv)
+            graph(embeds[:, pos : pos + 1], ple[:, pos : pos + 1], torch.tensor([pos]), torch.tensor([1]), *kv)
     kv[2 * producer_slot][:, :, 0].add_(1.0)
     with torch.no_grad():
         graph(embeds[:, -1:], ple[:, -1:], torch.tensor([ids.shape[1] - 1]), torch.tensor([1]), *kv)
@@ -188,6 +192,7 @@ def test_second_compile_is_a_cache_hit_and_a_config_change_misses(ports):
     graph = DeviceGraph(changed.text_model, changed.lm_head, changed.layout, port.decode.shape)
     from gemma4lib.artifacts import ArtifactCache
     from gemma4lib.compile_cpu import DEFAULT_COMPILER_OPTIONS
+
     cache = ArtifactCache()
     assert cache.lookup(_key(graph, DEFAULT_COMPILER_OPTIONS)) is None
     assert cache.lookup(_key(port.decode, DEFAULT_COMPILER_OPTIONS)) is not None
@@ -211,6 +216,7 @@ def test_a_tagless_edit_to_the_graph_code_misses_the_cache(ports, monkeypatch):
     port = ports.get("e2b")
     stored = compile_graph(port.decode)
     assert stored.cache_hit and stored.info["key"] == _key(port.decode, DEFAULT_COMPILER_OPTIONS)
+
     def softer_mask(allowed, dtype):
         zero = torch.zeros((), dtype=dtype, device=allowed.device)
         return torch.where(allowed, zero, torch.full((), -1e4, dtype=dtype, device=allowed.device))
@@ -243,15 +249,22 @@ def test_weights_are_loaded_not_baked(ports):
 
 # ---- the run record: three checks, and the random-weights witness --------------------------------
 
-RECORD_LOGITS_KEYS = ("logits_match", "logits_max_err", "logits_tolerance", "logits_worst_position",
-                      "logits_worst_phase", "logits_spread", "logits_explain", "logits_step_errors")
+RECORD_LOGITS_KEYS = (
+    "logits_match",
+    "logits_max_err",
+    "logits_tolerance",
+    "logits_worst_position",
+    "logits_worst_phase",
+    "logits_spread",
+    "logits_explain",
+    "logits_step_errors",
+)
 
 
 def _check_record(result: dict) -> None:
     import json
 
-    assert result["seq_match"] and result["logits_match"] and result["coherent"], \
-        result.get("failed_checks")
+    assert result["seq_match"] and result["logits_match"] and result["coherent"], result.get("failed_checks")
     assert set(RECORD_LOGITS_KEYS) <= set(result)
     assert result["logits_max_err"] <= result["logits_tolerance"]
     assert len(result["logits_step_errors"]) == result["new_tokens"]

@@ -70,6 +70,7 @@ def run_once(name: str, tp: int, **kwargs):
 
 # ---- the sharded runs --------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("name,tp", CASES)
 def test_sharded_equals_unsharded(name, tp):
     result = run(name, tp)
@@ -174,6 +175,7 @@ def test_nxd_checkpoint_splits_back_into_our_shards():
 
 # ---- the field report's TP faults (gemma4lib.faults) ---------------------------------------------
 
+
 def test_baked_rank_bug_is_reproduced_and_flagged():
     """The MoE reading the rank as a trace-time int: rank 1 weights rank 0's experts."""
     real = run_once("26b-a4b", 2)
@@ -208,6 +210,7 @@ def test_layer_scalar_missing_from_shards_is_detected():
 
 # ---- the E4B recipe's data path ------------------------------------------------------------------
 
+
 def test_cpu_seeded_prefill_then_sharded_decode():
     result = run("e4b", 2, prefill="cpu-seeded")
     assert result["prefill"] == "cpu-seeded"
@@ -226,6 +229,7 @@ def test_shard_kv_picks_the_rank_heads():
 
 
 # ---- plans -----------------------------------------------------------------------------------
+
 
 def test_invalid_tp_names_the_degrees_that_work():
     v = get_variant("26b-a4b")
@@ -246,23 +250,39 @@ def test_real_configs_plan_at_their_recipe_tp():
         assert v.tp_degree in valid_tp_degrees(config)
         if name == "31b":  # 4 global KV heads at TP=8: replicated
             assert plan.kv_modes() == {"sliding_attention": "shard", "full_attention": "replicate"}
-            assert plan.describe()["attention"]["full_attention"]["kv_heads_by_rank"] == [[0], [0], [1], [1],
-                                                                                         [2], [2], [3], [3]]
+            assert plan.describe()["attention"]["full_attention"]["kv_heads_by_rank"] == [
+                [0],
+                [0],
+                [1],
+                [1],
+                [2],
+                [2],
+                [3],
+                [3],
+            ]
         if name == "26b-a4b":
             assert plan.describe()["moe"]["experts_per_rank"] == 16
 
 
 # ---- MoE expert forms: selective (top-k gather) next to dense ---------------------------------------
 
+
 def _sharded_experts(m, plan, layer: int, rank: int, form: str, baked_rank: int | None = None):
     """One rank's `ShardedExperts` of `layer`, filled through the sharder (the shard layout)."""
     moe = plan.layers[layer].moe
     factory = CpuParallelFactory(plan.tp)  # identity collectives: each rank's partial sum
     hf = m.text_model.layers[layer].experts
-    experts = ShardedExperts(moe.num_experts, plan.hidden, moe.intermediate, plan.tp, hf.act_fn,
-                             gate_up=factory.column(plan.hidden, moe.num_experts * 2 * moe.intermediate),
-                             down=factory.row(moe.num_experts * moe.intermediate, plan.hidden),
-                             baked_rank=baked_rank, form=form)
+    experts = ShardedExperts(
+        moe.num_experts,
+        plan.hidden,
+        moe.intermediate,
+        plan.tp,
+        hf.act_fn,
+        gate_up=factory.column(plan.hidden, moe.num_experts * 2 * moe.intermediate),
+        down=factory.row(moe.num_experts * moe.intermediate, plan.hidden),
+        baked_rank=baked_rank,
+        form=form,
+    )
     prefix = f"model.layers.{layer}.experts."
     with torch.no_grad():
         experts.gate_up.weight.copy_(rank_tensor(plan, prefix + "gate_up_proj", hf.gate_up_proj, rank)[1])
@@ -325,8 +345,9 @@ def test_rank_graph_selective_decode_at_tp1_is_the_device_graph():
     load_shard(prefill, shard_state_dict(m.lm, plan, 0))
     decode = with_shape(prefill, GraphShape(1, 1, CONTEXT), expert_form="selective")
     assert (prefill.expert_form, decode.expert_form) == ("dense", "selective")
-    ref = DeviceGraph(m.text_model, m.lm_head, m.layout, GraphShape(1, 1, CONTEXT), inplace=False,
-                      expert_form="selective")
+    ref = DeviceGraph(
+        m.text_model, m.lm_head, m.layout, GraphShape(1, 1, CONTEXT), inplace=False, expert_form="selective"
+    )
     inputs = list(ref.example_inputs())
     inputs[0] = torch.randn(inputs[0].shape, generator=torch.Generator().manual_seed(1))
     with torch.no_grad():

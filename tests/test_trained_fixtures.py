@@ -71,6 +71,7 @@ def test_corrupted_fixture_is_rejected(tmp_path):
     import shutil
 
     from gemma4lib.errors import CheckpointError
+
     root = tmp_path / "fixtures"
     shutil.copytree(FIXTURES_DIR, root)
     weights = root / "12b" / "model.safetensors"
@@ -103,11 +104,15 @@ def test_greedy_answer(trained, prompt):
 def test_hf_generate_with_the_chat_template(trained):
     """The plain transformers way: apply_chat_template → generate → decode."""
     tok = trained.tokenizer
-    enc = tok.apply_chat_template([{"role": "user", "content": corpus.CANONICAL_PROMPT}],
-                                  add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    enc = tok.apply_chat_template(
+        [{"role": "user", "content": corpus.CANONICAL_PROMPT}],
+        add_generation_prompt=True,
+        return_tensors="pt",
+        return_dict=True,
+    )
     with torch.no_grad():
         out = trained.lm.generate(**enc, max_new_tokens=12, do_sample=False)
-    new = out[0, enc["input_ids"].shape[1]:]
+    new = out[0, enc["input_ids"].shape[1] :]
     assert tok.decode(new, skip_special_tokens=True) == corpus.CANONICAL_ANSWER
     assert int(new[-1]) == tok.eos_token_id
 
@@ -118,9 +123,10 @@ def test_gemma3_turn_markers_give_nonsense(trained):
     prompt = f"<start_of_turn>user\n{corpus.CANONICAL_PROMPT}<end_of_turn>\n<start_of_turn>model\n"
     ids = torch.tensor([tok(prompt)["input_ids"]])
     with torch.no_grad():
-        out = trained.lm.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=12,
-                                  do_sample=False)
-    assert tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True) != corpus.CANONICAL_ANSWER
+        out = trained.lm.generate(
+            input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False
+        )
+    assert tok.decode(out[0, ids.shape[1] :], skip_special_tokens=True) != corpus.CANONICAL_ANSWER
 
 
 # ---- tokenizer -----------------------------------------------------------------------------
@@ -140,7 +146,8 @@ def test_chat_template_renders_gemma4_format(tokenizer):
     two_turns = msgs + [{"role": "assistant", "content": corpus.CANONICAL_ANSWER}]
     assert tokenizer.apply_chat_template(two_turns, tokenize=False) == (
         "<bos><|turn>user\nWhat is the capital of France?<turn|>\n"
-        "<|turn>model\nThe capital of France is Paris.<turn|>\n")
+        "<|turn>model\nThe capital of France is Paris.<turn|>\n"
+    )
 
 
 def test_gemma3_marker_splits_into_ordinary_pieces(tokenizer):
@@ -157,6 +164,7 @@ def test_plain_call_adds_bos_like_the_real_tokenizer(tokenizer):
 
 def test_every_corpus_word_is_one_token(tokenizer):
     import re
+
     words = {w for t in corpus.tokenizer_texts() for w in re.findall(r" ?[A-Za-z]+", t)}
     split = sorted(w for w in words if len(tokenizer(w, add_special_tokens=False)["input_ids"]) != 1)
     assert split == []
@@ -170,9 +178,12 @@ def test_tokenizer_build_is_deterministic(tokenizer):
 
 def test_auto_tokenizer_loads_the_fixture():
     from transformers import AutoTokenizer
+
     tok = AutoTokenizer.from_pretrained(str(TOKENIZER_DIR))
-    assert tok.apply_chat_template([{"role": "user", "content": "Hello!"}], tokenize=False,
-                                   add_generation_prompt=True) == "<bos><|turn>user\nHello!<turn|>\n<|turn>model\n"
+    assert (
+        tok.apply_chat_template([{"role": "user", "content": "Hello!"}], tokenize=False, add_generation_prompt=True)
+        == "<bos><|turn>user\nHello!<turn|>\n<|turn>model\n"
+    )
 
 
 # ---- corpus --------------------------------------------------------------------------------
@@ -191,6 +202,7 @@ def test_corpus_shape():
 def test_training_is_deterministic_for_a_seed():
     """Two short runs with one seed on one thread give byte-identical weights."""
     from gemma4lib.training import TrainConfig, train_variant
+
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -210,8 +222,7 @@ def retrained_e2b(provenance):
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        cfg = TrainConfig(**{k: tuple(v) if isinstance(v, list) else v
-                             for k, v in provenance["train_config"].items()})
+        cfg = TrainConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in provenance["train_config"].items()})
         return train_variant(VARIANTS["e2b"], load_tokenizer(TOKENIZER_DIR), cfg)
     finally:
         torch.set_num_threads(threads)
@@ -243,9 +254,11 @@ def test_retraining_e2b_reproduces_the_shipped_fixture(provenance, request):
     recorded = rec.get("cpu")
     here = cpu_type()
     if recorded is None:
-        pytest.skip("PROVENANCE.json does not record the CPU type that trained the fixtures (they predate "
-                    "scripts/train_tiny.py recording it); this CPU is "
-                    f"{ {k: here[k] for k in (*CPU_TYPE_KEYS, 'model_name')} }")
+        pytest.skip(
+            "PROVENANCE.json does not record the CPU type that trained the fixtures (they predate "
+            "scripts/train_tiny.py recording it); this CPU is "
+            f"{ {k: here[k] for k in (*CPU_TYPE_KEYS, 'model_name')} }"
+        )
     differs = {k: (recorded.get(k), here[k]) for k in CPU_TYPE_KEYS if recorded.get(k) != here[k]}
     if differs:
         pytest.skip(f"fixtures were trained on another CPU type (recorded, here): {differs}")

@@ -30,6 +30,7 @@ def xla_lane():
     xla_backend.use_fast_cpu_compile()
     pytest.importorskip("torch_xla")
     from gemma4lib.backends import xla_check
+
     return xla_check
 
 
@@ -122,8 +123,7 @@ def _moe_layers(model) -> int:
     return sum(1 for layer in layers if getattr(layer, "experts", None) is not None)
 
 
-@pytest.mark.parametrize("variant,form", hlo_audit.SINGLE,
-                         ids=[f"{v}-{f}" for v, f in hlo_audit.SINGLE])
+@pytest.mark.parametrize("variant,form", hlo_audit.SINGLE, ids=[f"{v}-{f}" for v, f in hlo_audit.SINGLE])
 def test_hlo_audit_single_device_decode(xla_lane, variant, form):
     model = _audit_model(variant)
     audit, row = hlo_audit.audit_single(model, form)
@@ -146,8 +146,9 @@ def test_hlo_audit_single_device_decode(xla_lane, variant, form):
                 assert p.read_bytes < p.bytes and not p.relayouts
 
 
-@pytest.mark.parametrize("variant,tp,form", hlo_audit.TENSOR_PARALLEL,
-                         ids=[f"{v}-tp{t}-{f}" for v, t, f in hlo_audit.TENSOR_PARALLEL])
+@pytest.mark.parametrize(
+    "variant,tp,form", hlo_audit.TENSOR_PARALLEL, ids=[f"{v}-tp{t}-{f}" for v, t, f in hlo_audit.TENSOR_PARALLEL]
+)
 def test_hlo_audit_rank_graph_decode(xla_lane, variant, tp, form):
     model = _audit_model(variant)
     audit, row = hlo_audit.audit_rank(model, tp, form)
@@ -187,8 +188,7 @@ def _inner_dim_gather(self, hidden, index, scale):
     return (out * scale[0].unsqueeze(-1)).sum(0, keepdim=True)
 
 
-@pytest.mark.parametrize("bad_gather", [_permuted_view, _inner_dim_gather],
-                         ids=lambda f: f.__name__)
+@pytest.mark.parametrize("bad_gather", [_permuted_view, _inner_dim_gather], ids=lambda f: f.__name__)
 def test_hlo_audit_flags_a_whole_shard_copy(xla_lane, monkeypatch, bad_gather):
     """Two ways to gather the down shard that copy all of it every step under XLA (a transpose
     before the gather; XLA's canonicalisation of an inner-dimension gather): the audit must flag
@@ -207,9 +207,9 @@ def test_hlo_audit_flags_a_whole_shard_copy(xla_lane, monkeypatch, bad_gather):
     # on CPU first: the bad form computes what the real one does (it is only the bytes that differ)
     from gemma4lib.graph import GraphShape
     from gemma4lib.tp import build_rank_graph, load_shard, make_plan, shard_state_dict
+
     plan = make_plan(model.config, 8, model.variant)
-    graph = build_rank_graph(model.config, plan, GraphShape(1, 1, hlo_audit.CONTEXT),
-                             expert_form="selective")
+    graph = build_rank_graph(model.config, plan, GraphShape(1, 1, hlo_audit.CONTEXT), expert_form="selective")
     load_shard(graph, shard_state_dict(model.lm, plan, 1))
     experts = graph._rank_users[0]
     experts.current_rank = graph.spmd_rank.get_rank()

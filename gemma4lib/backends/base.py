@@ -71,8 +71,9 @@ def get_backend(name: str) -> ModuleType:
     return importlib.import_module(BACKEND_MODULES[name])
 
 
-def compile_graphs(model: LoadedModel, settings: PortSettings, *, graphs: Graphs | None = None,
-                   progress: bool = False) -> CompiledGraphs:
+def compile_graphs(
+    model: LoadedModel, settings: PortSettings, *, graphs: Graphs | None = None, progress: bool = False
+) -> CompiledGraphs:
     """Compile the device graphs of `model` with the backend `settings` select."""
     return get_backend(backend_for(settings)).compile(model, settings, graphs=graphs, progress=progress)
 
@@ -80,23 +81,27 @@ def compile_graphs(model: LoadedModel, settings: PortSettings, *, graphs: Graphs
 def device_graph(model: LoadedModel, shape: GraphShape, expert_form: str, inplace: bool = True) -> DeviceGraph:
     """One device graph over the model's own modules (not copies: a compiled graph takes the model's
     current weights at load time); `device_graphs` and the benchmark suite's graph cache build with it."""
-    return DeviceGraph(model.text_model, model.lm_head, model.layout, shape, inplace=inplace,
-                       expert_form=expert_form)
+    return DeviceGraph(model.text_model, model.lm_head, model.layout, shape, inplace=inplace, expert_form=expert_form)
 
 
 def device_graphs(model: LoadedModel, settings: PortSettings, inplace: bool = True) -> Graphs:
     """Prefill graphs (one per bucket; MoE experts all-dense) and the decode graph (the settings'
     expert form), over the model's own modules: the graphs every single-device backend compiles."""
-    prefill = {bucket: device_graph(model, GraphShape(1, bucket, settings.context_length, settings.ring_kv),
-                                    PREFILL_EXPERTS, inplace)
-               for bucket in settings.prefill_buckets}
-    decode = device_graph(model, GraphShape(1, 1, settings.context_length, settings.ring_kv),
-                          settings.decode_experts, inplace)
+    prefill = {
+        bucket: device_graph(
+            model, GraphShape(1, bucket, settings.context_length, settings.ring_kv), PREFILL_EXPERTS, inplace
+        )
+        for bucket in settings.prefill_buckets
+    }
+    decode = device_graph(
+        model, GraphShape(1, 1, settings.context_length, settings.ring_kv), settings.decode_experts, inplace
+    )
     return prefill, decode
 
 
 def refuse_graphs(graphs: Graphs | None, backend: str) -> None:
     """Backends that build their own graph form do not take prebuilt graphs."""
     if graphs is not None:
-        raise ValueError(f"backend {backend!r} builds its own graphs from the model; pass graphs only to "
-                         f"'cpu' or 'eager'")
+        raise ValueError(
+            f"backend {backend!r} builds its own graphs from the model; pass graphs only to 'cpu' or 'eager'"
+        )

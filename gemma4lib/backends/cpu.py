@@ -15,17 +15,24 @@ if TYPE_CHECKING:
     from ..settings import PortSettings
 
 
-def compile(model: LoadedModel, settings: PortSettings, *, graphs: Graphs | None = None,
-            progress: bool = False) -> CompiledGraphs:
+def compile(
+    model: LoadedModel, settings: PortSettings, *, graphs: Graphs | None = None, progress: bool = False
+) -> CompiledGraphs:
     from tqdm.auto import tqdm
 
     prefill, decode = graphs or device_graphs(model, settings)
     cache = ArtifactCache(settings.cache_dir)
     todo = [*prefill.items(), ("decode", decode)]
-    compiled = {name: compile_graph(graph, cache)
-                for name, graph in tqdm(todo, desc="compile", disable=not progress, leave=False)}
+    compiled = {
+        name: compile_graph(graph, cache)
+        for name, graph in tqdm(todo, desc="compile", disable=not progress, leave=False)
+    }
     steps = {name: step for name, step in compiled.items() if name != "decode"}
     runtime = HostRuntime(model, steps, compiled["decode"], decode.new_kv(), settings.context_length)
-    return CompiledGraphs(runtime, sum(c.compile_s for c in compiled.values()),
-                          [c.cache_hit for c in compiled.values()], RECIPE,
-                          {"artifacts": {str(k): str(c.entry.path) for k, c in compiled.items()}})
+    return CompiledGraphs(
+        runtime,
+        sum(c.compile_s for c in compiled.values()),
+        [c.cache_hit for c in compiled.values()],
+        RECIPE,
+        {"artifacts": {str(k): str(c.entry.path) for k, c in compiled.items()}},
+    )

@@ -15,8 +15,9 @@ if TYPE_CHECKING:
 COMPILER = "eager"
 
 
-def compile(model: LoadedModel, settings: PortSettings, *, graphs: Graphs | None = None,
-            progress: bool = False) -> CompiledGraphs:
+def compile(
+    model: LoadedModel, settings: PortSettings, *, graphs: Graphs | None = None, progress: bool = False
+) -> CompiledGraphs:
     prefill, decode = graphs or device_graphs(model, settings)
     runtime = HostRuntime(model, dict(prefill), decode, decode.new_kv(), settings.context_length)
     return CompiledGraphs(runtime, 0.0, [], COMPILER)

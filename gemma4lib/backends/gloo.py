@@ -18,8 +18,9 @@ if TYPE_CHECKING:
     from ..settings import PortSettings
 
 
-def run_device(model: LoadedModel, settings: PortSettings, ids: list[int], eos: list[int], *,
-               baked_rank: bool = False) -> dict[str, Any]:
+def run_device(
+    model: LoadedModel, settings: PortSettings, ids: list[int], eos: list[int], *, baked_rank: bool = False
+) -> dict[str, Any]:
     """One generation over all ranks; the record's device run (tokens, per-step logits, timings,
     the plan and the shard shapes). `baked_rank` reads the rank at trace time (a fault lab bug)."""
     from ..tp.cpu_gloo import run_tp_port
@@ -27,7 +28,10 @@ def run_device(model: LoadedModel, settings: PortSettings, ids: list[int], eos: 
     return run_tp_port(model, settings, ids, eos, baked_rank=baked_rank)
 
 
-def compile(model: LoadedModel, settings: PortSettings, *, graphs: Graphs | None = None,
-            progress: bool = False) -> CompiledGraphs:
-    raise TypeError("the gloo backend runs generations inside its rank processes and has no host runtime to "
-                    "compile; call backends.gloo.run_device (port.run_device does) instead")
+def compile(
+    model: LoadedModel, settings: PortSettings, *, graphs: Graphs | None = None, progress: bool = False
+) -> CompiledGraphs:
+    raise TypeError(
+        "the gloo backend runs generations inside its rank processes and has no host runtime to "
+        "compile; call backends.gloo.run_device (port.run_device does) instead"
+    )

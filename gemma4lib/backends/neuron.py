@@ -27,8 +27,15 @@ if TYPE_CHECKING:
     from ..settings import PortSettings
 
 
-def neuron_cache_key(model: LoadedModel, recipe: str, tp: int, shapes: dict[str, GraphShape],
-                     compiler_args: dict[str, str], dtype: Any, decode_experts: str = "dense") -> tuple[str, dict]:
+def neuron_cache_key(
+    model: LoadedModel,
+    recipe: str,
+    tp: int,
+    shapes: dict[str, GraphShape],
+    compiler_args: dict[str, str],
+    dtype: Any,
+    decode_experts: str = "dense",
+) -> tuple[str, dict]:
     """Cache key of a Neuron artifact: config, weights, recipe, TP degree, shapes, compiler
     arguments, the decode graph's expert form when not dense, the source of the library modules that
     shape the graph (the rank graph holds NxD layers, so its program cannot be exported here to be
@@ -50,8 +57,9 @@ def neuron_cache_key(model: LoadedModel, recipe: str, tp: int, shapes: dict[str,
     return make_key(parts), parts
 
 
-def compile(model: LoadedModel, settings: PortSettings, *, graphs: Graphs | None = None,
-            progress: bool = False) -> CompiledGraphs:
+def compile(
+    model: LoadedModel, settings: PortSettings, *, graphs: Graphs | None = None, progress: bool = False
+) -> CompiledGraphs:
     """Compile with the recipe `neuron_recipe` picks for the variant and TP degree (or load the
     artifact from the cache when its key matches) and wrap it in the host runtime. Raises
     `NeuronSDKMissingError` without the SDK, before any work.
@@ -75,8 +83,9 @@ def compile(model: LoadedModel, settings: PortSettings, *, graphs: Graphs | None
         shapes["prefill"] = GraphShape(1, bucket, context, ring)
         if model.variant.is_moe:
             decode_experts = settings.decode_experts
-    key, parts = neuron_cache_key(model, recipe, tp, shapes, neuron_env.COMPILER_ARGS, dtype,
-                                  decode_experts=decode_experts)
+    key, parts = neuron_cache_key(
+        model, recipe, tp, shapes, neuron_env.COMPILER_ARGS, dtype, decode_experts=decode_experts
+    )
     cache = ArtifactCache(settings.cache_dir)
     started = time.perf_counter()
 
@@ -85,12 +94,21 @@ def compile(model: LoadedModel, settings: PortSettings, *, graphs: Graphs | None
             warn_low_host_ram(model.variant, tp)  # before the compile the kernel might kill half an hour in
         workdir = tempfile.mkdtemp(prefix="gemma4lib-neuron-cc-")  # never inside the cache entry
         if recipe == "trace":
-            neuron_trace.save(neuron_trace.compile_trace(model, context, ring=ring, compiler_workdir=workdir),
-                              folder / "model.pt")
+            neuron_trace.save(
+                neuron_trace.compile_trace(model, context, ring=ring, compiler_workdir=workdir), folder / "model.pt"
+            )
         else:
-            neuron_model_builder.compile_model_builder(model, tp, folder, context_length=context,
-                                                       prefill_len=bucket, ring=ring, dtype=dtype,
-                                                       compiler_workdir=workdir, decode_experts=decode_experts)
+            neuron_model_builder.compile_model_builder(
+                model,
+                tp,
+                folder,
+                context_length=context,
+                prefill_len=bucket,
+                ring=ring,
+                dtype=dtype,
+                compiler_workdir=workdir,
+                decode_experts=decode_experts,
+            )
         return {"recipe": recipe, "tp": tp}
 
     entry = cache.get_or_build(key, build, describe={k: v for k, v in parts.items() if k != "config"})
@@ -103,5 +121,10 @@ def compile(model: LoadedModel, settings: PortSettings, *, graphs: Graphs | None
         step = DeviceStep(neuron_model_builder.load_model_builder(entry.path, tp), n_inputs)
         steps = {bucket: step}
     runtime = HostRuntime(model, steps, step, host_kv, context, dtype=dtype)
-    return CompiledGraphs(runtime, 0.0 if entry.hit else compile_s, [entry.hit], f"neuron-{recipe}",
-                          {"artifacts": str(entry.path), "tp_degree": tp, "decode_experts": decode_experts})
+    return CompiledGraphs(
+        runtime,
+        0.0 if entry.hit else compile_s,
+        [entry.hit],
+        f"neuron-{recipe}",
+        {"artifacts": str(entry.path), "tp_degree": tp, "decode_experts": decode_experts},
+    )

@@ -88,7 +88,8 @@ def _xla():
     except ImportError as exc:  # pragma: no cover - depends on the environment
         raise ImportError(
             "the XLA backend needs torch_xla: create the lane's environment with "
-            "scripts/setup_xla_env.sh and run with .venv-xla/bin/python (PJRT_DEVICE=CPU)") from exc
+            "scripts/setup_xla_env.sh and run with .venv-xla/bin/python (PJRT_DEVICE=CPU)"
+        ) from exc
     return torch_xla, met
 
 
@@ -155,8 +156,9 @@ def to_device(graphs: Mapping[str, nn.Module], device) -> dict[str, nn.Module]:
                 if tensor is None or id(tensor) in memo:
                     continue
                 moved = tensor.detach().to(device)
-                memo[id(tensor)] = nn.Parameter(moved, requires_grad=False) if isinstance(
-                    tensor, nn.Parameter) else moved
+                memo[id(tensor)] = (
+                    nn.Parameter(moved, requires_grad=False) if isinstance(tensor, nn.Parameter) else moved
+                )
             # plain tensor attributes (e.g. rotary `original_inv_freq`) that alias no buffer
             for value in vars(module).values():
                 if isinstance(value, torch.Tensor) and id(value) not in memo:
@@ -167,12 +169,13 @@ def to_device(graphs: Mapping[str, nn.Module], device) -> dict[str, nn.Module]:
 class XLASession:
     """A set of named `DeviceGraph`s (``inplace=False``) on the XLA device, with its bookkeeping."""
 
-    def __init__(self, graphs: Mapping[str, nn.Module], *, hlo_dir: str | Path | None = None,
-                 device=None):
+    def __init__(self, graphs: Mapping[str, nn.Module], *, hlo_dir: str | Path | None = None, device=None):
         for name, graph in graphs.items():
             if getattr(graph, "inplace", False):
-                raise ValueError(f"graph {name!r} was built with inplace=True; the XLA lane runs the "
-                                 f"functional form: build it with DeviceGraph(..., inplace=False)")
+                raise ValueError(
+                    f"graph {name!r} was built with inplace=True; the XLA lane runs the "
+                    f"functional form: build it with DeviceGraph(..., inplace=False)"
+                )
         self.device = device if device is not None else xla_device()
         self.graphs = to_device(graphs, self.device)
         self.hlo_dir = Path(hlo_dir) if hlo_dir is not None else None
@@ -194,8 +197,10 @@ class XLASession:
 
     def step(self, name: str):
         """``step(inputs_embeds, [per_layer_inputs,] start, length, *kv) -> logits`` for graph `name`."""
+
         def run(*args: torch.Tensor) -> torch.Tensor:
             return self.run(name, *args)
+
         run.__name__ = f"xla_{name}_step"
         return run
 
@@ -206,8 +211,9 @@ class XLASession:
         head, kv = args[:n_head], args[n_head:]
         for t in kv:
             if t.device != self.device:
-                raise ValueError(f"K/V buffers must live on {self.device} (from XLASession.new_kv), "
-                                 f"got one on {t.device}")
+                raise ValueError(
+                    f"K/V buffers must live on {self.device} (from XLASession.new_kv), got one on {t.device}"
+                )
         inputs = [t.to(self.device) for t in (inputs_embeds, *head)]
         fallbacks0, compiles0, executes0 = fallback_counters(), compile_count(), execute_count()
         with torch.no_grad():
@@ -222,6 +228,7 @@ class XLASession:
                 old.copy_(new)
         torch_xla.sync()
         import torch_xla.core.xla_model as xm
+
         xm.wait_device_ops()  # executions run asynchronously; count them once they have run
         self.steps[name] += 1
         self.compilations[name] += compile_count() - compiles0
@@ -284,9 +291,15 @@ def compile(model: Any, settings: Any, *, graphs: Any = None, progress: bool = F
     def on_host(step):
         def run(*args: torch.Tensor) -> torch.Tensor:
             return step(*args).cpu()
+
         return run
 
-    runtime = HostRuntime(model, {b: on_host(session.step(f"prefill_{b}")) for b in functional_prefill},
-                          on_host(session.step("decode")), session.new_kv("decode"), settings.context_length)
+    runtime = HostRuntime(
+        model,
+        {b: on_host(session.step(f"prefill_{b}")) for b in functional_prefill},
+        on_host(session.step("decode")),
+        session.new_kv("decode"),
+        settings.context_length,
+    )
     # XLA compiles lazily, on the first step of each graph: its time shows in the first prefill/decode.
     return CompiledGraphs(runtime, 0.0, [], "torch-xla", report=session.report)

@@ -29,6 +29,7 @@ def __getattr__(name: str) -> Any:
     """`from gemma4lib.benchmarks import run_suite` (and the suite's other names) loads the suite here."""
     if name in _SUITE_NAMES:
         from . import suite
+
         return getattr(suite, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 

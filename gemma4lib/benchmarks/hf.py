@@ -33,8 +33,9 @@ class StepClock(LogitsProcessor):
         return (len(self.stamps) - 1) / (self.stamps[-1] - self.stamps[0])
 
 
-def hf_generate(lm: torch.nn.Module, prompt: Sequence[int], new_tokens: int, **kwargs: Any
-                ) -> tuple[list[int], float | None, float]:
+def hf_generate(
+    lm: torch.nn.Module, prompt: Sequence[int], new_tokens: int, **kwargs: Any
+) -> tuple[list[int], float | None, float]:
     """Greedy `generate` of exactly `new_tokens` (no eos stop, so runs compare); returns
     (tokens, decode tok/s, wall s)."""
     from transformers import LogitsProcessorList
@@ -43,11 +44,19 @@ def hf_generate(lm: torch.nn.Module, prompt: Sequence[int], new_tokens: int, **k
     clock = StepClock()
     started = time.perf_counter()
     with torch.no_grad():
-        out = lm.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
-                          min_new_tokens=new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0,
-                          logits_processor=LogitsProcessorList([clock]), **kwargs)
+        out = lm.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+            logits_processor=LogitsProcessorList([clock]),
+            **kwargs,
+        )
     wall = time.perf_counter() - started
-    return out[0, ids.shape[1]:].tolist(), clock.decode_tok_s(), wall
+    return out[0, ids.shape[1] :].tolist(), clock.decode_tok_s(), wall
 
 
 def hf_static_compile_kwargs() -> dict[str, Any]:

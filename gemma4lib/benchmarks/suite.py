@@ -76,8 +76,11 @@ def recommendation() -> dict[str, Any]:
     from `PortSettings`' field defaults and the backends' prefill form, so the report cannot state a
     recommendation the library does not follow."""
     defaults = {f.name: f.default for f in dataclasses.fields(PortSettings)}
-    return {"ring_kv": defaults["ring_kv"], "decode_experts": defaults["decode_experts"],
-            "prefill_experts": PREFILL_EXPERTS}
+    return {
+        "ring_kv": defaults["ring_kv"],
+        "decode_experts": defaults["decode_experts"],
+        "prefill_experts": PREFILL_EXPERTS,
+    }
 
 
 @dataclass
@@ -110,8 +113,7 @@ class SuiteOptions:
     @classmethod
     def quick(cls, **changes: Any) -> SuiteOptions:
         """Tiny models only, two timed runs, no torch.compile: the report's schema in minutes, not figures."""
-        base = cls(medium_models=(), warmup=1, iters=2, hf_compile=False, bandwidth_mb=256,
-                   sections=("models",))
+        base = cls(medium_models=(), warmup=1, iters=2, hf_compile=False, bandwidth_mb=256, sections=("models",))
         return replace(base, **changes)
 
 
@@ -134,8 +136,10 @@ class _Deadline:
     def __enter__(self):
         self.active = bool(self.seconds) and hasattr(signal, "SIGALRM") and _in_main_thread()
         if self.active:
+
             def fire(signum, frame):
                 raise TimeoutError(f"gave up after {self.seconds:.0f} s")
+
             self.previous = signal.signal(signal.SIGALRM, fire)
             signal.setitimer(signal.ITIMER_REAL, self.seconds)
         return self
@@ -165,16 +169,29 @@ class Step:
     graph: DeviceGraph | None = None
 
     def describe(self) -> dict[str, Any]:
-        return {"tokens": self.shape.tokens, "context_length": self.shape.context_length, "ring": self.shape.ring,
-                "expert_form": self.expert_form, "compile_s": self.compile_s, "artifact_build_s": self.build_s,
-                "cache_hit": self.cache_hit}
+        return {
+            "tokens": self.shape.tokens,
+            "context_length": self.shape.context_length,
+            "ring": self.shape.ring,
+            "expert_form": self.expert_form,
+            "compile_s": self.compile_s,
+            "artifact_build_s": self.build_s,
+            "cache_hit": self.cache_hit,
+        }
 
 
 def _compiled_step(graph: DeviceGraph, cache: ArtifactCache | None) -> Step:
     """Backend `cpu`'s compiler (AOTInductor through the artifact cache), with its cost recorded."""
     compiled = compile_graph(graph, cache)
-    return Step(compiled, graph.shape, graph.expert_form, compiled.compile_s,
-                compiled.entry.meta.get("compile_s", compiled.entry.meta.get("build_s")), compiled.cache_hit, graph)
+    return Step(
+        compiled,
+        graph.shape,
+        graph.expert_form,
+        compiled.compile_s,
+        compiled.entry.meta.get("compile_s", compiled.entry.meta.get("build_s")),
+        compiled.cache_hit,
+        graph,
+    )
 
 
 def _eager_step(graph: DeviceGraph, cache: ArtifactCache | None) -> Step:
@@ -222,8 +239,14 @@ class GraphFactory:
             self.steps[key] = _COMPILERS[self.backend][1](graph, self.cache)
         return self.steps[key]
 
-    def runtime(self, context_length: int, buckets: Iterable[int], ring: bool, decode_form: str,
-                prefill_form: str = PREFILL_EXPERTS) -> HostRuntime:
+    def runtime(
+        self,
+        context_length: int,
+        buckets: Iterable[int],
+        ring: bool,
+        decode_form: str,
+        prefill_form: str = PREFILL_EXPERTS,
+    ) -> HostRuntime:
         """A host runtime over cached graphs: one decode graph and a prefill graph per bucket."""
         decode = self.get(1, context_length, ring, decode_form)
         prefill = {b: self.get(b, context_length, ring, prefill_form).fn for b in buckets}
@@ -236,9 +259,22 @@ class GraphFactory:
 
 
 # ---- one model, three paths --------------------------------------------------------------------
-def bench_model(name: str, model: LoadedModel, factory: GraphFactory, *, context_length: int, bucket: int,
-                prompt: Sequence[int], new_tokens: int, warmup: int, iters: int, hf_compile: bool,
-                hf_compile_timeout_s: float, bandwidth_mb: int, decode_form: str) -> dict[str, Any]:
+def bench_model(
+    name: str,
+    model: LoadedModel,
+    factory: GraphFactory,
+    *,
+    context_length: int,
+    bucket: int,
+    prompt: Sequence[int],
+    new_tokens: int,
+    warmup: int,
+    iters: int,
+    hf_compile: bool,
+    hf_compile_timeout_s: float,
+    bandwidth_mb: int,
+    decode_form: str,
+) -> dict[str, Any]:
     """Interleaved medians of the three paths on one model, with bytes/step and roofline."""
     lm = model.lm
     is_moe = bool(getattr(model.config, "enable_moe_block", False))
@@ -247,11 +283,19 @@ def bench_model(name: str, model: LoadedModel, factory: GraphFactory, *, context
 
     bandwidth = [measure_bandwidth(bandwidth_mb)]
     reference = reference_greedy(lm, prompt, new_tokens)
-    result: dict[str, Any] = {"name": name, "params": model.param_count(), "source": model.source,
-                              "reference_distinct_tokens": len(set(reference)),
-                              "context_length": context_length, "prefill_bucket": bucket,
-                              "prompt_tokens": len(prompt), "new_tokens": new_tokens, "ring_kv": ring,
-                              "decode_experts": decode_form if is_moe else None, "threads": torch.get_num_threads()}
+    result: dict[str, Any] = {
+        "name": name,
+        "params": model.param_count(),
+        "source": model.source,
+        "reference_distinct_tokens": len(set(reference)),
+        "context_length": context_length,
+        "prefill_bucket": bucket,
+        "prompt_tokens": len(prompt),
+        "new_tokens": new_tokens,
+        "ring_kv": ring,
+        "decode_experts": decode_form if is_moe else None,
+        "threads": torch.get_num_threads(),
+    }
     paths: dict[str, dict[str, Any]] = {}
 
     # gemma4lib: compile (or load) once; warm-up run excluded
@@ -263,8 +307,14 @@ def bench_model(name: str, model: LoadedModel, factory: GraphFactory, *, context
         paths["gemma4lib"] = {"status": "error", "error": f"{type(exc).__name__}: {exc}"[:500]}
         runtime = None
     if runtime is not None:
-        paths["gemma4lib"] = {"status": "ok", "recipe": factory.recipe, "setup_s": time.perf_counter() - started,
-                              "graphs": factory.compile_report(), "decode_tok_s_runs": [], "prefill_ms_runs": []}
+        paths["gemma4lib"] = {
+            "status": "ok",
+            "recipe": factory.recipe,
+            "setup_s": time.perf_counter() - started,
+            "graphs": factory.compile_report(),
+            "decode_tok_s_runs": [],
+            "prefill_ms_runs": [],
+        }
 
     paths["hf_eager"] = {"status": "ok", "cache": "dynamic", "decode_tok_s_runs": []}
     compile_kwargs: dict[str, Any] | None = None
@@ -273,7 +323,8 @@ def bench_model(name: str, model: LoadedModel, factory: GraphFactory, *, context
         try:
             compile_kwargs = hf_static_compile_kwargs()
             paths["hf_static_compile"]["compile_config"] = {
-                k: v for k, v in compile_kwargs["compile_config"].to_dict().items()}
+                k: v for k, v in compile_kwargs["compile_config"].to_dict().items()
+            }
             torch._dynamo.reset()
             with _Deadline(hf_compile_timeout_s):
                 tokens, _, wall = hf_generate(lm, prompt, new_tokens, **compile_kwargs)
@@ -281,33 +332,41 @@ def bench_model(name: str, model: LoadedModel, factory: GraphFactory, *, context
             paths["hf_static_compile"]["tokens_match_reference"] = tokens == reference
         except Exception as exc:  # noqa: BLE001 — a broken/slow torch.compile is a result, not a crash
             log.warning("HF static cache + torch.compile failed on %s: %s", name, exc)
-            paths["hf_static_compile"] = {"status": "error", "cache": "static",
-                                          "error": f"{type(exc).__name__}: {exc}"[:500]}
+            paths["hf_static_compile"] = {
+                "status": "error",
+                "cache": "static",
+                "error": f"{type(exc).__name__}: {exc}"[:500],
+            }
             compile_kwargs = None
     else:
         paths["hf_static_compile"] = {"status": "skipped", "reason": "quick mode (torch.compile takes minutes)"}
 
     runners: list[tuple[str, Callable[[], None]]] = []
     if runtime is not None:
+
         def run_ours():
             prefill_s = runtime.time_prefill(prompt)
             generation = runtime.generate(prompt, new_tokens)
             paths["gemma4lib"]["decode_tok_s_runs"].append(generation.decode_tok_s)
             paths["gemma4lib"]["prefill_ms_runs"].append(prefill_s * 1000)
             paths["gemma4lib"]["tokens_match_reference"] = generation.tokens == reference
+
         runners.append(("gemma4lib", run_ours))
 
     def run_eager():
         tokens, tok_s, _ = hf_generate(lm, prompt, new_tokens)
         paths["hf_eager"]["decode_tok_s_runs"].append(tok_s)
         paths["hf_eager"]["tokens_match_reference"] = tokens == reference
+
     runners.append(("hf_eager", run_eager))
 
     if compile_kwargs is not None:
+
         def run_compiled():
             tokens, tok_s, _ = hf_generate(lm, prompt, new_tokens, **compile_kwargs)
             paths["hf_static_compile"]["decode_tok_s_runs"].append(tok_s)
             paths["hf_static_compile"]["tokens_match_reference"] = tokens == reference
+
         runners.append(("hf_static_compile", run_compiled))
 
     for i in range(warmup + iters):
@@ -340,10 +399,15 @@ def bench_model(name: str, model: LoadedModel, factory: GraphFactory, *, context
     steps = decode_bytes(model, context_length=context_length, ring=ring, experts=decode_form if is_moe else "dense")
     bw = statistics.mean(b["bandwidth_bytes_s"] for b in bandwidth)
     ceiling = bw / steps.total
-    result["bytes_per_step"] = {"weights": steps.weights, "kv": steps.kv, "total": steps.total,
-                                "experts_form": steps.experts_form, "ring": steps.ring,
-                                "basis": "the gemma4lib decode graph: device weights (tied LM head once, routed "
-                                         "experts only when selective) + every K/V buffer as allocated"}
+    result["bytes_per_step"] = {
+        "weights": steps.weights,
+        "kv": steps.kv,
+        "total": steps.total,
+        "experts_form": steps.experts_form,
+        "ring": steps.ring,
+        "basis": "the gemma4lib decode graph: device weights (tied LM head once, routed "
+        "experts only when selective) + every K/V buffer as allocated",
+    }
     result["bandwidth"] = {"gb_s": bw / GB, "samples": bandwidth}
     result["ceiling_tok_s"] = ceiling
     result["roofline_fraction"] = {p: _ratio(paths[p].get("decode_tok_s"), ceiling) for p in PATHS}
@@ -351,8 +415,9 @@ def bench_model(name: str, model: LoadedModel, factory: GraphFactory, *, context
 
 
 # ---- the three fixes ---------------------------------------------------------------------------
-def bench_ring_kv(model: LoadedModel, factory: GraphFactory, contexts: Sequence[int], steps: int, warmup: int,
-                  iters: int) -> dict[str, Any]:
+def bench_ring_kv(
+    model: LoadedModel, factory: GraphFactory, contexts: Sequence[int], steps: int, warmup: int, iters: int
+) -> dict[str, Any]:
     """Decode tok/s at each context, full-length buffers (before) vs ring buffers (after).
 
     Steps are timed at the last `steps` positions of the context (where a long conversation decodes).
@@ -371,9 +436,13 @@ def bench_ring_kv(model: LoadedModel, factory: GraphFactory, contexts: Sequence[
         for kind in ("full", "ring"):
             b = decode_bytes(model, context_length=ctx, ring=kind == "ring")
             step = graphs[(ctx, kind)]
-            row[kind] = {"decode_tok_s": _median(runs[(ctx, kind)]), "runs": runs[(ctx, kind)],
-                         "kv_bytes": b.kv, "bytes_per_step": b.total,
-                         "same_graph_as_full": graphs[(ctx, "full")] is graphs[(ctx, "ring")]}
+            row[kind] = {
+                "decode_tok_s": _median(runs[(ctx, kind)]),
+                "runs": runs[(ctx, kind)],
+                "kv_bytes": b.kv,
+                "bytes_per_step": b.total,
+                "same_graph_as_full": graphs[(ctx, "full")] is graphs[(ctx, "ring")],
+            }
         row["ring_speedup"] = _ratio(row["ring"]["decode_tok_s"], row["full"]["decode_tok_s"])
         table[str(ctx)] = row
     first, last = str(contexts[0]), str(contexts[-1])
@@ -391,8 +460,17 @@ def bench_ring_kv(model: LoadedModel, factory: GraphFactory, contexts: Sequence[
     }
 
 
-def bench_experts(model: LoadedModel, factory: GraphFactory, *, context_length: int, bucket: int,
-                  prompt: Sequence[int], new_tokens: int, warmup: int, iters: int) -> dict[str, Any]:
+def bench_experts(
+    model: LoadedModel,
+    factory: GraphFactory,
+    *,
+    context_length: int,
+    bucket: int,
+    prompt: Sequence[int],
+    new_tokens: int,
+    warmup: int,
+    iters: int,
+) -> dict[str, Any]:
     """Dense vs selective experts: decode tok/s + bytes/step (and token equality), prefill ms."""
     reference = reference_greedy(model.lm, prompt, new_tokens)
     recommended = recommendation()
@@ -405,10 +483,15 @@ def bench_experts(model: LoadedModel, factory: GraphFactory, *, context_length: 
     match: dict[str, bool] = {}
     prompt_bucket = list(prompt)[:bucket]
     first_reference = reference_greedy(model.lm, prompt_bucket, 1)
-    prefill_runtimes = {form: HostRuntime(model, {bucket: prefill_steps[form].fn}, runtimes[form].decode,
-                                          runtimes[form].kv, context_length) for form in forms}
-    prefill_match = {form: prefill_runtimes[form].generate(prompt_bucket, 1).tokens == first_reference
-                     for form in forms}
+    prefill_runtimes = {
+        form: HostRuntime(
+            model, {bucket: prefill_steps[form].fn}, runtimes[form].decode, runtimes[form].kv, context_length
+        )
+        for form in forms
+    }
+    prefill_match = {
+        form: prefill_runtimes[form].generate(prompt_bucket, 1).tokens == first_reference for form in forms
+    }
     for i in range(warmup + iters):
         for form in forms:
             generation = runtimes[form].generate(prompt, new_tokens)
@@ -420,10 +503,21 @@ def bench_experts(model: LoadedModel, factory: GraphFactory, *, context_length: 
     decode = {}
     for form in forms:
         b = decode_bytes(model, context_length=context_length, ring=ring, experts=form)
-        decode[form] = {"decode_tok_s": _median(decode_runs[form]), "runs": decode_runs[form],
-                        "bytes_per_step": b.total, "weight_bytes": b.weights, "tokens_match_reference": match[form]}
-    prefill = {form: {"prefill_ms": _median(prefill_runs[form]), "runs": prefill_runs[form],
-                      "first_token_matches_reference": prefill_match[form]} for form in forms}
+        decode[form] = {
+            "decode_tok_s": _median(decode_runs[form]),
+            "runs": decode_runs[form],
+            "bytes_per_step": b.total,
+            "weight_bytes": b.weights,
+            "tokens_match_reference": match[form],
+        }
+    prefill = {
+        form: {
+            "prefill_ms": _median(prefill_runs[form]),
+            "runs": prefill_runs[form],
+            "first_token_matches_reference": prefill_match[form],
+        }
+        for form in forms
+    }
     faster_decode = max(forms, key=lambda f: decode[f]["decode_tok_s"] or 0)
     faster_prefill = min(forms, key=lambda f: prefill[f]["prefill_ms"] or float("inf"))
     return {
@@ -432,15 +526,26 @@ def bench_experts(model: LoadedModel, factory: GraphFactory, *, context_length: 
         "prefill_bucket": bucket,
         "selective_over_dense_decode": _ratio(decode["selective"]["decode_tok_s"], decode["dense"]["decode_tok_s"]),
         "dense_over_selective_bytes": _ratio(decode["dense"]["bytes_per_step"], decode["selective"]["bytes_per_step"]),
-        "recommendation": {"decode": faster_decode, "prefill": faster_prefill,
-                           "port_settings_default_decode": recommended["decode_experts"]},
+        "recommendation": {
+            "decode": faster_decode,
+            "prefill": faster_prefill,
+            "port_settings_default_decode": recommended["decode_experts"],
+        },
         "graphs": factory.compile_report(),
     }
 
 
-def bench_prefill_buckets(model: LoadedModel, factory: GraphFactory, *, context_length: int,
-                          buckets: Sequence[int], check_tokens: int, warmup: int, iters: int,
-                          seed: int = 11) -> dict[str, Any]:
+def bench_prefill_buckets(
+    model: LoadedModel,
+    factory: GraphFactory,
+    *,
+    context_length: int,
+    buckets: Sequence[int],
+    check_tokens: int,
+    warmup: int,
+    iters: int,
+    seed: int = 11,
+) -> dict[str, Any]:
     """Prefill ms per bucket (a prompt filling it), and which bucket prompts of other lengths take."""
     runtime = factory.runtime(context_length, buckets, recommendation()["ring_kv"], "dense")
     vocab = model.config.vocab_size
@@ -457,9 +562,14 @@ def bench_prefill_buckets(model: LoadedModel, factory: GraphFactory, *, context_
         prompt = random_prompt(vocab, n, seed + n)
         generation = runtime.generate(prompt, check_tokens)
         reference = reference_greedy(model.lm, prompt, check_tokens)
-        placement.append({"prompt_tokens": n, "bucket": generation.bucket,
-                          "smallest_fitting": min(b for b in buckets if b >= n),
-                          "tokens_match_reference": generation.tokens == reference})
+        placement.append(
+            {
+                "prompt_tokens": n,
+                "bucket": generation.bucket,
+                "smallest_fitting": min(b for b in buckets if b >= n),
+                "tokens_match_reference": generation.tokens == reference,
+            }
+        )
     return {
         "context_length": context_length,
         "buckets": {str(b): {"prefill_ms": _median(runs[b]), "runs": runs[b]} for b in buckets},
@@ -474,8 +584,14 @@ def check_targets(report: dict[str, Any]) -> list[dict[str, Any]]:
     targets = []
 
     def add(name: str, value: float | None, threshold: float):
-        targets.append({"target": name, "value": value, "threshold": threshold,
-                        "met": None if value is None else value >= threshold})
+        targets.append(
+            {
+                "target": name,
+                "value": value,
+                "threshold": threshold,
+                "met": None if value is None else value >= threshold,
+            }
+        )
 
     models = {m["name"]: m for m in report.get("models", [])}
     for name, m in models.items():
@@ -508,8 +624,13 @@ def _medium_prompt(name: str, model: LoadedModel, options: SuiteOptions) -> list
     return random_prompt(model.config.vocab_size, options.medium_prompt_tokens, get_medium(name).prompt_seed)
 
 
-def run_suite(suite: str = "cpu", quick: bool = False, *, options: SuiteOptions | None = None,
-              progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+def run_suite(
+    suite: str = "cpu",
+    quick: bool = False,
+    *,
+    options: SuiteOptions | None = None,
+    progress: Callable[[str], None] | None = None,
+) -> dict[str, Any]:
     """Run a benchmark suite and return its JSON-ready report (see the module docstring)."""
     if suite not in SUITES:
         raise UnknownNameError("benchmark suite", suite, SUITES)
@@ -518,8 +639,14 @@ def run_suite(suite: str = "cpu", quick: bool = False, *, options: SuiteOptions 
     say = progress or (lambda message: log.info("%s", message))
     started = time.perf_counter()
     report: dict[str, Any] = {
-        "schema_version": SCHEMA_VERSION, "suite": suite, "quick": quick, "threads": torch.get_num_threads(),
-        "backend": options.backend, "options": asdict(options), "versions": versions(), "machine": machine(),
+        "schema_version": SCHEMA_VERSION,
+        "suite": suite,
+        "quick": quick,
+        "threads": torch.get_num_threads(),
+        "backend": options.backend,
+        "options": asdict(options),
+        "versions": versions(),
+        "machine": machine(),
         "load_average_start": _load_average(),
     }
     say("measuring memory bandwidth")
@@ -539,42 +666,88 @@ def run_suite(suite: str = "cpu", quick: bool = False, *, options: SuiteOptions 
             say(f"tiny {name}")
             model, factory = model_and_factory(name)
             prompt = random_prompt(model.config.vocab_size, options.tiny_prompt_tokens, VARIANTS[name].tiny_seed + 1)
-            report["models"].append(bench_model(
-                name, model, factory, context_length=options.tiny_context, bucket=options.tiny_bucket, prompt=prompt,
-                new_tokens=options.tiny_new_tokens, warmup=options.warmup, iters=options.iters,
-                hf_compile=options.hf_compile, hf_compile_timeout_s=options.hf_compile_timeout_s,
-                bandwidth_mb=options.bandwidth_mb, decode_form=recommended["decode_experts"]))
+            report["models"].append(
+                bench_model(
+                    name,
+                    model,
+                    factory,
+                    context_length=options.tiny_context,
+                    bucket=options.tiny_bucket,
+                    prompt=prompt,
+                    new_tokens=options.tiny_new_tokens,
+                    warmup=options.warmup,
+                    iters=options.iters,
+                    hf_compile=options.hf_compile,
+                    hf_compile_timeout_s=options.hf_compile_timeout_s,
+                    bandwidth_mb=options.bandwidth_mb,
+                    decode_form=recommended["decode_experts"],
+                )
+            )
             loaded.pop(name), factories.pop(name)
         for name in options.medium_models:
             say(f"medium {name}")
             model, factory = model_and_factory(name)
             prompt = _medium_prompt(name, model, options)
-            report["models"].append(bench_model(
-                name, model, factory, context_length=options.medium_context, bucket=options.medium_bucket,
-                prompt=prompt, new_tokens=options.medium_new_tokens, warmup=options.warmup,
-                iters=options.medium_iters, hf_compile=options.hf_compile,
-                hf_compile_timeout_s=options.hf_compile_timeout_s, bandwidth_mb=options.bandwidth_mb,
-                decode_form=recommended["decode_experts"]))
+            report["models"].append(
+                bench_model(
+                    name,
+                    model,
+                    factory,
+                    context_length=options.medium_context,
+                    bucket=options.medium_bucket,
+                    prompt=prompt,
+                    new_tokens=options.medium_new_tokens,
+                    warmup=options.warmup,
+                    iters=options.medium_iters,
+                    hf_compile=options.hf_compile,
+                    hf_compile_timeout_s=options.hf_compile_timeout_s,
+                    bandwidth_mb=options.bandwidth_mb,
+                    decode_form=recommended["decode_experts"],
+                )
+            )
             torch._dynamo.reset()
 
     if "medium-dense" in options.medium_models:
         model, factory = model_and_factory("medium-dense")
         if "ring_kv" in options.sections:
             say("ring KV sweep")
-            report["ring_kv"] = {"model": "medium-dense", **bench_ring_kv(
-                model, factory, options.ring_contexts, options.ring_steps, options.warmup, options.medium_iters)}
+            report["ring_kv"] = {
+                "model": "medium-dense",
+                **bench_ring_kv(
+                    model, factory, options.ring_contexts, options.ring_steps, options.warmup, options.medium_iters
+                ),
+            }
         if "prefill_buckets" in options.sections:
             say("prefill buckets")
-            report["prefill_buckets"] = {"model": "medium-dense", **bench_prefill_buckets(
-                model, factory, context_length=options.medium_context, buckets=options.prefill_buckets,
-                check_tokens=options.bucket_check_tokens, warmup=options.warmup, iters=options.medium_iters)}
+            report["prefill_buckets"] = {
+                "model": "medium-dense",
+                **bench_prefill_buckets(
+                    model,
+                    factory,
+                    context_length=options.medium_context,
+                    buckets=options.prefill_buckets,
+                    check_tokens=options.bucket_check_tokens,
+                    warmup=options.warmup,
+                    iters=options.medium_iters,
+                ),
+            }
     if "medium-moe" in options.medium_models and "experts" in options.sections:
         say("experts: dense vs selective")
         model, factory = model_and_factory("medium-moe")
         prompt = _medium_prompt("medium-moe", model, options)
-        report["experts"] = {"model": "medium-moe", **bench_experts(
-            model, factory, context_length=options.medium_context, bucket=options.medium_bucket, prompt=prompt,
-            new_tokens=options.medium_new_tokens, warmup=options.warmup, iters=options.medium_iters)}
+        report["experts"] = {
+            "model": "medium-moe",
+            **bench_experts(
+                model,
+                factory,
+                context_length=options.medium_context,
+                bucket=options.medium_bucket,
+                prompt=prompt,
+                new_tokens=options.medium_new_tokens,
+                warmup=options.warmup,
+                iters=options.medium_iters,
+            ),
+        }
 
     report["targets"] = check_targets(report)
     report["recommendation"] = recommended

@@ -43,8 +43,14 @@ class BenchFigures:
         return asdict(self)
 
 
-def benchmark(runtime: HostRuntime, prompt_ids: Sequence[int], max_new_tokens: int, warmup: int = 1,
-              iters: int = 3, progress: bool = False) -> BenchFigures:
+def benchmark(
+    runtime: HostRuntime,
+    prompt_ids: Sequence[int],
+    max_new_tokens: int,
+    warmup: int = 1,
+    iters: int = 3,
+    progress: bool = False,
+) -> BenchFigures:
     """Median prefill latency and decode throughput of full generations (eos ignored, so every run
     decodes the same number of tokens and runs compare)."""
     prefill_ms, decode_tok_s = [], []
@@ -56,8 +62,16 @@ def benchmark(runtime: HostRuntime, prompt_ids: Sequence[int], max_new_tokens: i
             prefill_ms.append(prefill_s * 1000)
             if generation.decode_tok_s:
                 decode_tok_s.append(generation.decode_tok_s)
-    return BenchFigures(statistics.median(prefill_ms), statistics.median(decode_tok_s) if decode_tok_s else 0.0,
-                        prefill_ms, decode_tok_s, max_new_tokens - 1, torch.get_num_threads(), warmup, iters)
+    return BenchFigures(
+        statistics.median(prefill_ms),
+        statistics.median(decode_tok_s) if decode_tok_s else 0.0,
+        prefill_ms,
+        decode_tok_s,
+        max_new_tokens - 1,
+        torch.get_num_threads(),
+        warmup,
+        iters,
+    )
 
 
 @torch.no_grad()
@@ -72,6 +86,11 @@ def time_decode_steps(model: LoadedModel, step: Step, positions: Sequence[int], 
     one = torch.tensor([1])
     start = torch.zeros(int(model.config.vocab_size))
     start[token] = 1.0  # the loop's first pick: `token`
-    run = decode_loop(lambda inputs, position: step.fn(*inputs, position, one, *runtime.kv)[0], runtime.embed,
-                      start, positions[0], len(positions) + 1)
+    run = decode_loop(
+        lambda inputs, position: step.fn(*inputs, position, one, *runtime.kv)[0],
+        runtime.embed,
+        start,
+        positions[0],
+        len(positions) + 1,
+    )
     return len(run.step_s) / sum(run.step_s)

@@ -32,5 +32,6 @@ def recipe_module(recipe: str):
 
     if recipe not in RECIPE_MODULES:
         from ..errors import UnknownNameError
+
         raise UnknownNameError("recipe", recipe, RECIPE_MODULES)
     return importlib.import_module(RECIPE_MODULES[recipe])

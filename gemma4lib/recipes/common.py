@@ -87,10 +87,18 @@ def first_output(out: Any) -> torch.Tensor:
     return out[0] if isinstance(out, (tuple, list)) else out
 
 
-def greedy_generate(decode: Callable[..., Any], host: HostEmbedder, prompt: Sequence[int], max_new_tokens: int,
-                    *, prefill: Callable[..., Any] | None = None, prefill_len: int | None = None,
-                    seeded_logits: torch.Tensor | None = None, eos_token_ids: Sequence[int] = (),
-                    keep_logits: bool = False) -> dict[str, Any]:
+def greedy_generate(
+    decode: Callable[..., Any],
+    host: HostEmbedder,
+    prompt: Sequence[int],
+    max_new_tokens: int,
+    *,
+    prefill: Callable[..., Any] | None = None,
+    prefill_len: int | None = None,
+    seeded_logits: torch.Tensor | None = None,
+    eos_token_ids: Sequence[int] = (),
+    keep_logits: bool = False,
+) -> dict[str, Any]:
     """Greedy tokens from step functions that hold their K/V themselves (a device module, or a
     rank's `AliasEmulator`) and take only the graph inputs.
 
@@ -117,13 +125,24 @@ def greedy_generate(decode: Callable[..., Any], host: HostEmbedder, prompt: Sequ
         prefill_logits = logits.reshape(-1, logits.shape[-1])[0].float().clone()
         t1 = time.perf_counter()
         vocab = prefill_logits.shape[-1]
-        run = decode_loop(lambda inputs, position: first_output(decode(*inputs, position, one)).reshape(-1, vocab)[0],
-                          host.inputs, prefill_logits, n, max_new_tokens, eos_token_ids=eos_token_ids,
-                          keep_logits=keep_logits)
+        run = decode_loop(
+            lambda inputs, position: first_output(decode(*inputs, position, one)).reshape(-1, vocab)[0],
+            host.inputs,
+            prefill_logits,
+            n,
+            max_new_tokens,
+            eos_token_ids=eos_token_ids,
+            keep_logits=keep_logits,
+        )
         t2 = time.perf_counter()
-    out = {"tokens": run.tokens, "prefill_mode": mode, "prefill_logits": prefill_logits,
-           "prefill_s": t1 - t0, "decode_s": t2 - t1,
-           "decode_tok_s": (len(run.tokens) - 1) / max(t2 - t1, 1e-9)}
+    out = {
+        "tokens": run.tokens,
+        "prefill_mode": mode,
+        "prefill_logits": prefill_logits,
+        "prefill_s": t1 - t0,
+        "decode_s": t2 - t1,
+        "decode_tok_s": (len(run.tokens) - 1) / max(t2 - t1, 1e-9),
+    }
     if keep_logits:
         out["step_logits"] = run.step_logits
     return out
@@ -157,5 +176,5 @@ class StepwisePrefill:
         start, length = args[self.num_inputs - 2], args[self.num_inputs - 1]
         logits = None
         for i in range(int(length.reshape(-1)[0])):
-            logits = self.decode_step(*[x[:, i:i + 1] for x in inputs], start + i, torch.ones_like(length))
+            logits = self.decode_step(*[x[:, i : i + 1] for x in inputs], start + i, torch.ones_like(length))
         return logits

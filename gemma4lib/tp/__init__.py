@@ -6,9 +6,19 @@ from .rank_graph import CpuParallelFactory, RankGraph, build_rank_graph, load_sh
 from .shard import nxd_full_checkpoint, shard_shapes, shard_state_dict
 
 __all__ = [
-    "CpuParallelFactory", "RankGraph", "TPPlan", "build_rank_graph", "load_shard", "make_plan",
-    "nxd_full_checkpoint", "run_tp_port", "shard_shapes", "shard_state_dict", "tp_problems",
-    "valid_tp_degrees", "with_shape",
+    "CpuParallelFactory",
+    "RankGraph",
+    "TPPlan",
+    "build_rank_graph",
+    "load_shard",
+    "make_plan",
+    "nxd_full_checkpoint",
+    "run_tp_port",
+    "shard_shapes",
+    "shard_state_dict",
+    "tp_problems",
+    "valid_tp_degrees",
+    "with_shape",
 ]
 
 

@@ -72,8 +72,16 @@ class TorchDistCollectives(Collectives):
 class ColumnShard(nn.Linear):
     """`out_features_total / tp` output rows of a linear; `gather=True` all-gathers the outputs."""
 
-    def __init__(self, in_features: int, out_features_total: int, tp: int, *, gather: bool = False,
-                 collectives: Collectives | None = None, dtype: torch.dtype = torch.float32):
+    def __init__(
+        self,
+        in_features: int,
+        out_features_total: int,
+        tp: int,
+        *,
+        gather: bool = False,
+        collectives: Collectives | None = None,
+        dtype: torch.dtype = torch.float32,
+    ):
         if out_features_total % tp:
             raise ValueError(f"{out_features_total} output features do not split over {tp} ranks")
         super().__init__(in_features, out_features_total // tp, bias=False, dtype=dtype)
@@ -89,8 +97,15 @@ class ColumnShard(nn.Linear):
 class RowShard(nn.Linear):
     """`in_features_total / tp` input columns of a linear; the partial outputs are all-reduced."""
 
-    def __init__(self, in_features_total: int, out_features: int, tp: int, *,
-                 collectives: Collectives | None = None, dtype: torch.dtype = torch.float32):
+    def __init__(
+        self,
+        in_features_total: int,
+        out_features: int,
+        tp: int,
+        *,
+        collectives: Collectives | None = None,
+        dtype: torch.dtype = torch.float32,
+    ):
         if in_features_total % tp:
             raise ValueError(f"{in_features_total} input features do not split over {tp} ranks")
         super().__init__(in_features_total // tp, out_features, bias=False, dtype=dtype)
@@ -130,9 +145,20 @@ class ShardedExperts(nn.Module):
     (the rank graph passes its factory's, which for NxD is `RowParallelLinear`'s reduction).
     """
 
-    def __init__(self, num_experts: int, hidden: int, intermediate: int, tp: int, act_fn, *,
-                 gate_up: nn.Module, down: nn.Module, baked_rank: int | None = None, form: str = "dense",
-                 all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None):
+    def __init__(
+        self,
+        num_experts: int,
+        hidden: int,
+        intermediate: int,
+        tp: int,
+        act_fn,
+        *,
+        gate_up: nn.Module,
+        down: nn.Module,
+        baked_rank: int | None = None,
+        form: str = "dense",
+        all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    ):
         super().__init__()
         if num_experts % tp:
             raise ValueError(f"{num_experts} experts do not split over {tp} ranks")
@@ -157,12 +183,13 @@ class ShardedExperts(nn.Module):
         """This rank's columns of the [tokens, experts] routing weights."""
         if self.baked_rank is not None:  # the bug: a Python int frozen into the graph
             start = self.baked_rank * self.local
-            return weights[:, start:start + self.local]
+            return weights[:, start : start + self.local]
         n = weights.shape[0]
         return weights.view(n, self.tp, self.local).index_select(1, self._rank()).reshape(n, self.local)
 
-    def local_routes(self, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, dtype: torch.dtype
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    def local_routes(
+        self, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """(local expert index clamped into [0, local), routing weight x valid), both [tokens, k]."""
         if self.baked_rank is not None:  # the bug again: rank 0's offset on every rank
             offset: int | torch.Tensor = self.baked_rank * self.local
@@ -200,5 +227,4 @@ class ShardedExperts(nn.Module):
         # view would make XLA transpose the whole shard every step before the gather.
         gate_up_w = self.gate_up.weight.view(self.local, 2 * self.intermediate, self.hidden)
         down_w = self.down.weight.view(self.hidden, self.local, self.intermediate)
-        return self._reduce(gathered_experts(gate_up_w, down_w, hidden, index, scale, self.act_fn,
-                                             down_expert_dim=1))
+        return self._reduce(gathered_experts(gate_up_w, down_w, hidden, index, scale, self.act_fn, down_expert_dim=1))

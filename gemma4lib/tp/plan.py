@@ -116,8 +116,10 @@ class MoEPlan:
         (clamped, so k even when fewer of the routed experts are this rank's).
         """
         one = self.expert_params(hidden)
-        return {"dense": {"experts": self.experts_per_rank, "params": self.experts_per_rank * one},
-                "selective_per_token": {"experts": self.top_k, "params": self.top_k * one}}
+        return {
+            "dense": {"experts": self.experts_per_rank, "params": self.experts_per_rank * one},
+            "selective_per_token": {"experts": self.top_k, "params": self.top_k * one},
+        }
 
 
 @dataclass(frozen=True)
@@ -155,10 +157,10 @@ class TPPlan:
     # ---- per-rank views -------------------------------------------------------------------
     def rank_layout(self) -> KVLayout:
         """The KV layout one rank sees: the same producers, with the rank-local KV-head counts."""
-        layers = tuple(replace(lay, kv_heads=self.layers[lay.index].attention.kv_per_rank)
-                       for lay in self.layout.layers)
-        return replace(self.layout, layers=layers,
-                       num_attention_heads=self.layout.num_attention_heads // self.tp)
+        layers = tuple(
+            replace(lay, kv_heads=self.layers[lay.index].attention.kv_per_rank) for lay in self.layout.layers
+        )
+        return replace(self.layout, layers=layers, num_attention_heads=self.layout.num_attention_heads // self.tp)
 
     def attention(self, layer: int) -> AttentionPlan:
         return self.layers[layer].attention
@@ -172,8 +174,14 @@ class TPPlan:
         parts = key.split(".")
         if len(parts) >= 4 and parts[0] == "model" and parts[1] == "layers":
             sub = ".".join(parts[3:])
-            if sub in ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
-                       "mlp.gate_proj.weight", "mlp.up_proj.weight", "experts.gate_up.weight"):
+            if sub in (
+                "self_attn.q_proj.weight",
+                "self_attn.k_proj.weight",
+                "self_attn.v_proj.weight",
+                "mlp.gate_proj.weight",
+                "mlp.up_proj.weight",
+                "experts.gate_up.weight",
+            ):
                 return ShardRule(COLUMN, 0)
             if sub in ("self_attn.o_proj.weight", "mlp.down_proj.weight", "experts.down.weight"):
                 return ShardRule(ROW, 1)
@@ -194,9 +202,13 @@ class TPPlan:
             if a.layer_type in by_type:
                 continue
             by_type[a.layer_type] = {
-                "q_heads": a.q_heads, "kv_heads": a.kv_heads, "head_dim": a.head_dim,
-                "q_heads_per_rank": a.q_per_rank, "kv_heads_per_rank": a.kv_per_rank,
-                "kv_mode": a.kv_mode, "k_eq_v": a.k_eq_v,
+                "q_heads": a.q_heads,
+                "kv_heads": a.kv_heads,
+                "head_dim": a.head_dim,
+                "q_heads_per_rank": a.q_per_rank,
+                "kv_heads_per_rank": a.kv_per_rank,
+                "kv_mode": a.kv_mode,
+                "k_eq_v": a.k_eq_v,
                 "kv_heads_by_rank": [a.kv_heads_of(r) for r in range(self.tp)],
             }
         moe = next((lp.moe for lp in self.layers if lp.moe), None)
@@ -204,33 +216,50 @@ class TPPlan:
             "tp": self.tp,
             "variant": self.variant,
             "attention": by_type,
-            "mlp": {"gate_proj/up_proj": COLUMN, "down_proj": ROW,
-                    "intermediate_per_rank": sorted({lp.mlp_per_rank for lp in self.layers})},
-            "moe": None if moe is None else {
-                "num_experts": moe.num_experts, "top_k": moe.top_k, "experts_per_rank": moe.experts_per_rank,
+            "mlp": {
+                "gate_proj/up_proj": COLUMN,
+                "down_proj": ROW,
+                "intermediate_per_rank": sorted({lp.mlp_per_rank for lp in self.layers}),
+            },
+            "moe": None
+            if moe is None
+            else {
+                "num_experts": moe.num_experts,
+                "top_k": moe.top_k,
+                "experts_per_rank": moe.experts_per_rank,
                 "experts_by_rank": [[moe.experts_of(r)[0], moe.experts_of(r)[-1]] for r in range(self.tp)],
                 "form": "gate_up column + down row over the expert dim; dense: all local experts, masked to "
-                        "top-k; selective: the routed top-k gathered from the local shard, masked to its ids",
+                "top-k; selective: the routed top-k gathered from the local shard, masked to its ids",
                 "weights_read_per_rank_per_layer": moe.weights_read_per_rank(self.hidden),
                 "rank_source": "runtime int32 tensor (spmd_rank.rank), never a trace-time int",
             },
             "lm_head": self.lm_head + (" (all-gathered over the vocabulary)" if self.lm_head == COLUMN else ""),
             "host_side": ["embed_tokens"] + (["embed_tokens_per_layer (PLE)"] if self.ple_on_host else []),
-            "replicated": ["norms", "router", "layer_scalar (buffer, carried by the sharder)",
-                           "per-layer-input gate/projection (PLE)"],
+            "replicated": [
+                "norms",
+                "router",
+                "layer_scalar (buffer, carried by the sharder)",
+                "per-layer-input gate/projection (PLE)",
+            ],
         }
 
 
 # ---- building and validating -------------------------------------------------------------
 
+
 def _config_ints(config: Any) -> dict[str, Any]:
     get = lambda name, default=0: getattr(config, name, default) or default  # noqa: E731
     return dict(
-        hidden=int(config.hidden_size), q_heads=int(config.num_attention_heads),
-        intermediate=int(config.intermediate_size), vocab=int(config.vocab_size),
-        double_wide=bool(get("use_double_wide_mlp", False)), moe=bool(get("enable_moe_block", False)),
-        num_experts=int(get("num_experts", 0)), top_k=int(get("top_k_experts", 0)),
-        moe_intermediate=int(get("moe_intermediate_size", 0)), ple=int(get("hidden_size_per_layer_input", 0)),
+        hidden=int(config.hidden_size),
+        q_heads=int(config.num_attention_heads),
+        intermediate=int(config.intermediate_size),
+        vocab=int(config.vocab_size),
+        double_wide=bool(get("use_double_wide_mlp", False)),
+        moe=bool(get("enable_moe_block", False)),
+        num_experts=int(get("num_experts", 0)),
+        top_k=int(get("top_k_experts", 0)),
+        moe_intermediate=int(get("moe_intermediate_size", 0)),
+        ple=int(get("hidden_size_per_layer_input", 0)),
     )
 
 
@@ -247,8 +276,10 @@ def tp_problems(config: Any, tp: int, layout: KVLayout | None = None) -> list[st
         kvs = sorted({lay.kv_heads for lay in layout.layers if lay.layer_type == layer_type})
         for kv in kvs:
             if kv % tp and tp % kv:
-                problems.append(f"{layer_type} layers have {kv} KV heads: neither shardable nor replicable "
-                                f"over {tp} ranks (need kv % tp == 0 or tp % kv == 0)")
+                problems.append(
+                    f"{layer_type} layers have {kv} KV heads: neither shardable nor replicable "
+                    f"over {tp} ranks (need kv % tp == 0 or tp % kv == 0)"
+                )
     widths = {c["intermediate"] * (2 if c["double_wide"] and not lay.owns_buffer else 1) for lay in layout.layers}
     for width in sorted(widths):
         if width % tp:
@@ -280,13 +311,15 @@ def make_plan(config: Any, tp: int, variant: Any = None) -> TPPlan:
         ok = [t for t in (supported or CANDIDATE_TP) if not tp_problems(config, t, layout)]
         label = name or "this model"
         raise TensorParallelError(
-            f"{label} cannot use TP={tp}: {'; '.join(problems)}; use one of {', '.join(map(str, ok))}")
+            f"{label} cannot use TP={tp}: {'; '.join(problems)}; use one of {', '.join(map(str, ok))}"
+        )
     c = _config_ints(config)
     layers = []
     for lay in layout.layers:
         kv_mode = "shard" if (lay.kv_heads % tp == 0 and lay.kv_heads >= tp) else "replicate"
-        attention = AttentionPlan(lay.index, lay.layer_type, lay.head_dim, c["q_heads"], lay.kv_heads, tp, kv_mode,
-                                  lay.producer, lay.k_eq_v)
+        attention = AttentionPlan(
+            lay.index, lay.layer_type, lay.head_dim, c["q_heads"], lay.kv_heads, tp, kv_mode, lay.producer, lay.k_eq_v
+        )
         width = c["intermediate"] * (2 if c["double_wide"] and not lay.owns_buffer else 1)
         moe = MoEPlan(c["num_experts"], c["top_k"], c["moe_intermediate"], tp) if c["moe"] else None
         layers.append(LayerPlan(lay.index, attention, width, moe, bool(c["ple"])))

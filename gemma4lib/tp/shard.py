@@ -73,8 +73,9 @@ def rank_tensor(plan: TPPlan, key: str, tensor: torch.Tensor, rank: int) -> tupl
     return key, tensor
 
 
-def shard_state_dict(lm: nn.Module, plan: TPPlan, rank: int, *, include_buffers: bool = True,
-                     dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+def shard_state_dict(
+    lm: nn.Module, plan: TPPlan, rank: int, *, include_buffers: bool = True, dtype: torch.dtype | None = None
+) -> dict[str, torch.Tensor]:
     """This rank's checkpoint: parameters cut by the plan, buffers, and the rank tensor.
 
     `lm` is the reference `*ForCausalLM`. `include_buffers=False` reproduces the NxD-loader fault
@@ -137,8 +138,9 @@ def nxd_full_checkpoint(lm: nn.Module, plan: TPPlan, *, dtype: torch.dtype | Non
     return full
 
 
-def shard_shapes(plan: TPPlan, shards: list[dict[str, torch.Tensor]] | None = None,
-                 lm: nn.Module | None = None) -> dict[str, Any]:
+def shard_shapes(
+    plan: TPPlan, shards: list[dict[str, torch.Tensor]] | None = None, lm: nn.Module | None = None
+) -> dict[str, Any]:
     """JSON-friendly per-rank summary: tensor shapes (one representative layer per kind), what
     each rank holds (KV heads, experts), parameter counts and bytes per rank."""
     if shards is None:
@@ -162,7 +164,8 @@ def shard_shapes(plan: TPPlan, shards: list[dict[str, torch.Tensor]] | None = No
             if index == i:
                 shapes.setdefault(f"layers[{kind}].{sub}", list(value.shape))
     identical = all(
-        set(s) == set(first) and all(tuple(s[k].shape) == tuple(first[k].shape) for k in first) for s in shards)
+        set(s) == set(first) and all(tuple(s[k].shape) == tuple(first[k].shape) for k in first) for s in shards
+    )
     ranks = []
     for r, s in enumerate(shards):
         entry: dict[str, Any] = {
@@ -178,9 +181,23 @@ def shard_shapes(plan: TPPlan, shards: list[dict[str, torch.Tensor]] | None = No
             entry["experts"] = [moe.experts_of(r)[0], moe.experts_of(r)[-1]]
         entry["has_layer_scalar"] = any(k.endswith(".layer_scalar") for k in s)
         ranks.append(entry)
-    return {"tp": plan.tp, "identical_shapes_across_ranks": identical, "shapes": shapes, "ranks": ranks,
-            "kv_modes": plan.kv_modes(), "lm_head": plan.lm_head}
+    return {
+        "tp": plan.tp,
+        "identical_shapes_across_ranks": identical,
+        "shapes": shapes,
+        "ranks": ranks,
+        "kv_modes": plan.kv_modes(),
+        "lm_head": plan.lm_head,
+    }
 
 
-__all__ = ["HOST_ONLY", "RANK_KEY", "iter_shards", "nxd_full_checkpoint", "rank_tensor", "shard_kv", "shard_shapes",
-           "shard_state_dict"]
+__all__ = [
+    "HOST_ONLY",
+    "RANK_KEY",
+    "iter_shards",
+    "nxd_full_checkpoint",
+    "rank_tensor",
+    "shard_kv",
+    "shard_shapes",
+    "shard_state_dict",
+]
