@@ -193,9 +193,13 @@ def test_this_session_never_uses_the_users_cache():
     """tests/conftest.py: a temporary cache for the session, or the one the caller named."""
     from gemma4lib.artifacts import default_cache_dir
 
+    import conftest
+
     chosen = os.environ.get("GEMMA4LIB_CACHE")
     assert chosen and default_cache_dir() == Path(chosen)
-    assert default_cache_dir() != Path.home() / ".cache" / "gemma4lib"
+    if conftest._SESSION_CACHE is not None:  # no folder named by the caller: a temporary one, never the user's
+        assert chosen == conftest._SESSION_CACHE
+        assert default_cache_dir() != Path.home() / ".cache" / "gemma4lib"
 
 
 # ---- no warning a newcomer must puzzle over ----------------------------------------------------------
