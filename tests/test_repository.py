@@ -191,9 +191,9 @@ def test_the_test_cache_is_in_the_gitignored_folder():
 
 def test_this_session_never_uses_the_users_cache():
     """tests/conftest.py: a temporary cache for the session, or the one the caller named."""
-    from gemma4lib.artifacts import default_cache_dir
-
     import conftest
+
+    from gemma4lib.artifacts import default_cache_dir
 
     chosen = os.environ.get("GEMMA4LIB_CACHE")
     assert chosen and default_cache_dir() == Path(chosen)
