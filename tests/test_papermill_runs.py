@@ -106,6 +106,22 @@ def test_slower_than_tolerance_is_a_regression(tolerances):
     assert verdict.status == "regression" and "prefill_ms" in verdict.reasons[0]
 
 
+def test_logits_are_judged_by_logits_match_not_a_fixed_bound(tolerances):
+    """A correct port of another model can differ from the reference's prefill logits by more than
+    any constant tuned to our tiny models (2.37e-3 was measured on a correct random E4B of other
+    dimensions); LOGITS_MATCH's tolerance comes from the reference's own spread on that model."""
+    entry = baselines.baseline_entry(result())
+    correct = baselines.judge("e2b", result(prefill_logits_max_abs_diff=2.37e-3, logits_match=True), entry, tolerances)
+    assert correct.status == "pass", correct.reasons
+    wrong = baselines.judge(
+        "e2b",
+        result(prefill_logits_max_abs_diff=2.37e-3, logits_match=False, logits_explain=LOGITS_FAILED),
+        entry,
+        tolerances,
+    )
+    assert wrong.status == "fail"
+
+
 def test_informational_metric_never_fails(tolerances):
     entry = baselines.baseline_entry(result(compile_s=30.0))
     verdict = baselines.judge("e2b", result(compile_s=900.0), entry, tolerances)
@@ -118,7 +134,6 @@ def test_informational_metric_never_fails(tolerances):
     [
         ({"seq_match": False, "first_mismatch": 3}, "SEQ_MATCH failed (first mismatch at token 3)"),
         ({"coherent": False, "answer": "Athens"}, "incoherent"),
-        ({"prefill_logits_max_abs_diff": 0.5}, "prefill logits"),
         ({"answer": "The capital of France is Lyon. Paris"}, "answer changed"),
         ({"coherent": None, "model_source": "tiny-random(seed=27)"}, "coherence not checked"),
         ({"logits_match": False, "logits_explain": LOGITS_FAILED}, "at decode step 5"),
