@@ -42,6 +42,7 @@ from gemma4lib.artifacts import atomic_write_json
 from gemma4lib.errors import BaselineError
 
 from . import baselines, bench, report
+from .judge import judge_results
 
 log = logging.getLogger("papermill_runs")
 
@@ -361,18 +362,18 @@ def finish(
     except BaselineError as exc:
         baseline_error = str(exc)
         state = "MALFORMED" + (", replaced (--update-baseline)" if args.update_baseline else "")
-    verdicts = baselines.judge_all(results, baseline, tolerances, notebooks, errors)
-    if baseline_error:
-        for verdict in verdicts.values():
-            if verdict.status == "no-baseline":
-                verdict.reasons = [f"baseline unusable: {baseline_error}"]
-
-    exit_code = baselines.exit_code(verdicts, args.allow_missing_baseline, args.update_baseline)
-    overview = runs.get("overview")
-    if overview and overview.get("status") != "ok":
-        exit_code = 1
-    if baseline_error and not args.update_baseline:
-        exit_code = 2
+    judgement = judge_results(
+        results,
+        baseline,
+        tolerances,
+        notebooks=notebooks,
+        errors=errors,
+        runs=runs,
+        baseline_error=baseline_error,
+        allow_missing_baseline=args.allow_missing_baseline,
+        updating_baseline=args.update_baseline,
+    )
+    verdicts, exit_code = judgement.verdicts, judgement.exit_code
 
     history_path = Path(args.history or Path("runs") / "history" / f"{profile}-{kind}.jsonl")
     stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
@@ -434,6 +435,7 @@ def finish(
     )
     tolerated = sorted(baselines.tolerated_statuses(args.allow_missing_baseline, args.update_baseline))
     table, failures = report.write_summary(out, results, verdicts, meta, runs, tolerated)
+    overview = runs.get("overview")
     if overview and overview.get("status") != "ok":
         failures += (
             ("\n" if failures else "") + f"ERROR: {overview['notebook']}: {overview.get('error')}\n"

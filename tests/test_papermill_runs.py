@@ -772,3 +772,23 @@ def test_bench_targets_are_printed_but_never_gate(tmp_path, capsys):
     met["models"][0]["paths"]["gemma4lib"]["tokens_match_reference"] = False
     assert bench_cli(tmp_path, met) == 1  # all targets but one met: the mismatch still fails
     assert "| e2b tiny: gemma4lib decode / HF eager >= 5 | 6 | 5 | met |" in capsys.readouterr().out
+
+
+def test_the_judge_is_pure(tolerances, tmp_path, monkeypatch):
+    """papermill_runs.judge decides pass/fail from its arguments alone: no file read or written."""
+    from papermill_runs.judge import judge_results
+
+    monkeypatch.chdir(tmp_path)
+    entry = baselines.baseline_entry(result())
+    baseline = {"variants": {"e2b": entry}}
+    passed = judge_results({"e2b": result()}, baseline, tolerances, notebooks={}, errors={}, runs={})
+    assert passed.exit_code == 0 and passed.verdicts["e2b"].status == "pass"
+    failed = judge_results(
+        {"e2b": result(seq_match=False, first_mismatch=1)}, baseline, tolerances, notebooks={}, errors={}, runs={}
+    )
+    assert failed.exit_code == 1 and failed.verdicts["e2b"].status == "fail"
+    unreadable = judge_results(
+        {"e2b": result()}, None, tolerances, notebooks={}, errors={}, runs={}, baseline_error="torn write"
+    )
+    assert unreadable.exit_code == 2 and unreadable.verdicts["e2b"].reasons == ["baseline unusable: torn write"]
+    assert list(tmp_path.iterdir()) == []
