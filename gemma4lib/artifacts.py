@@ -104,8 +104,10 @@ class ArtifactCache:
         path = self.entry_dir(key)
         meta_file = path / META
         if not meta_file.is_file():
-            raise ArtifactError(f"no complete cache entry at {path} (never built, or its build was interrupted); "
-                                f"get_or_build compiles it again")
+            raise ArtifactError(
+                f"no complete cache entry at {path} (never built, or its build was interrupted); "
+                f"get_or_build compiles it again"
+            )
         try:
             meta = json.loads(meta_file.read_text())
         except json.JSONDecodeError as exc:
@@ -124,8 +126,9 @@ class ArtifactCache:
         except ArtifactError:
             return None
 
-    def get_or_build(self, key: str, build: Callable[[Path], dict[str, Any]],
-                     describe: dict[str, Any] | None = None) -> CacheEntry:
+    def get_or_build(
+        self, key: str, build: Callable[[Path], dict[str, Any]], describe: dict[str, Any] | None = None
+    ) -> CacheEntry:
         """Load the entry for `key`, or call `build(tmp_dir)` to write its files and publish it.
 
         `build` writes artifact files into the folder it is given and returns extra metadata.
@@ -146,9 +149,14 @@ class ArtifactCache:
                 started = time.perf_counter()
                 extra = build(tmp) or {}
                 files = {p.name: sha256_file(p) for p in sorted(tmp.iterdir()) if p.is_file()}
-                meta = {"key": key, "files": files, "build_s": time.perf_counter() - started,
-                        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                        "describe": describe or {}, **extra}
+                meta = {
+                    "key": key,
+                    "files": files,
+                    "build_s": time.perf_counter() - started,
+                    "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                    "describe": describe or {},
+                    **extra,
+                }
                 atomic_write_json(tmp / META, meta)
                 os.replace(tmp, path)
             except BaseException:

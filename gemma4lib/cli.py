@@ -1,7 +1,8 @@
-"""`python -m gemma4lib <command>`: port, faults, bench, doctor, table.
+"""`python -m gemma4lib <command>`: port, faults, doctor, bench.
 
 Every command prints human-readable text, or one JSON object with `--json`. Exit status is
-non-zero when a correctness check fails, so CI can gate on it.
+non-zero when a correctness check fails (`port`: SEQ_MATCH, LOGITS_MATCH or coherence, or the
+witness's SEQ_MATCH or LOGITS_MATCH), so CI can gate on it.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ log = logging.getLogger("gemma4lib")
 def _threads(n: int | None) -> None:
     """Benchmarks run on a fixed thread count (recorded); the shared cores make more noisy."""
     import torch
+
     torch.set_num_threads(n or int(os.environ.get("GEMMA4LIB_THREADS", "1")))
 
 
@@ -37,20 +39,47 @@ def _add_port_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-new-tokens", type=int)
     parser.add_argument("--context-length", type=int)
     parser.add_argument("--prefill-buckets", help="comma-separated prefill lengths, e.g. 16,32,64")
-    parser.add_argument("--ring-kv", action=argparse.BooleanOptionalAction, default=None,
-                        help="sliding layers keep only their window of K/V (default; --no-ring-kv: full length)")
+    parser.add_argument(
+        "--ring-kv",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="sliding layers keep only their window of K/V (default; --no-ring-kv: full length)",
+    )
     parser.add_argument("--decode-experts", help="MoE decode form: dense | selective")
     parser.add_argument("--iters", type=int)
     parser.add_argument("--warmup", type=int)
     parser.add_argument("--seed", type=int)
     parser.add_argument("--results-dir")
     parser.add_argument("--threads", type=int)
+    parser.add_argument(
+        "--witness",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="also run a seeded random-weights twin through the same graphs "
+        "(default: on for smoke runs of a trained fixture)",
+    )
 
 
 def _settings(args: argparse.Namespace):
     from .port import PortSettings
-    fields = ["variant", "profile", "model", "checkpoint", "backend", "tp_degree", "prompt", "max_new_tokens",
-              "context_length", "decode_experts", "iters", "warmup", "seed", "results_dir"]
+
+    fields = [
+        "variant",
+        "profile",
+        "model",
+        "checkpoint",
+        "backend",
+        "tp_degree",
+        "prompt",
+        "max_new_tokens",
+        "context_length",
+        "decode_experts",
+        "iters",
+        "warmup",
+        "seed",
+        "results_dir",
+        "witness",
+    ]
     kwargs = {f: getattr(args, f) for f in fields if getattr(args, f, None) is not None}
     if args.prefill_buckets:
         kwargs["prefill_buckets"] = tuple(int(b) for b in args.prefill_buckets.split(","))
@@ -59,41 +88,84 @@ def _settings(args: argparse.Namespace):
     return PortSettings(**kwargs)
 
 
-SUMMARY_KEYS = ("variant", "profile", "backend", "recipe", "tp_degree", "seq_match", "coherent", "answer",
-                "new_tokens", "prefill_ms", "decode_tok_s", "compile_s", "peak_rss_mb")
+SUMMARY_KEYS = (
+    "variant",
+    "profile",
+    "backend",
+    "recipe",
+    "tp_degree",
+    "seq_match",
+    "logits_match",
+    "logits_max_err",
+    "logits_tolerance",
+    "coherent",
+    "answer",
+    "new_tokens",
+    "prefill_ms",
+    "decode_tok_s",
+    "compile_s",
+    "peak_rss_mb",
+)
+WITNESS_KEYS = (
+    "model_source",
+    "seq_match",
+    "logits_match",
+    "logits_max_err",
+    "logits_tolerance",
+    "reference_min_margin",
+)
 
 
 def _print(result: dict[str, Any], as_json: bool) -> None:
     if as_json:
         print(json.dumps(result, default=str))
-    else:
-        for key in SUMMARY_KEYS:
-            print(f"{key:>14}: {result.get(key)}")
+        return
+    from .checks import failure_reasons
+
+    for key in SUMMARY_KEYS:
+        print(f"{key:>16}: {result.get(key)}")
+    witness = result.get("witness")
+    if witness:
+        print(f"{'witness':>16}: " + ", ".join(f"{k}={witness.get(k)}" for k in WITNESS_KEYS))
+    for reason in failure_reasons(result):
+        print(f"{'FAILED':>16}: {reason}")
+
+
+def port_exit_code(result: dict[str, Any]) -> int:
+    """0 when every check of the record passed (witness included) and no XLA op fell back."""
+    from .checks import record_passed
+
+    return 0 if record_passed(result) and not result.get("xla_fallbacks") else 1
 
 
 def cmd_port(args: argparse.Namespace) -> int:
     from .port import port
+
     _threads(args.threads)
     result = port(_settings(args), progress=not args.json)
     _print(result, args.json)
-    clean = result["seq_match"] and result["coherent"] is not False and not result.get("xla_fallbacks")
-    return 0 if clean else 1
+    return port_exit_code(result)
 
 
 def cmd_faults(args: argparse.Namespace) -> int:
     from .faults import run_fault_lab
+
     _threads(args.threads)
-    report = run_fault_lab(variant=args.variant, backend=args.backend)
+    report = run_fault_lab(
+        variant=args.variant, backend=args.backend, faults=args.fault.split(",") if args.fault else None
+    )
     if args.json:
         print(json.dumps(report, default=str))
     else:
         from .faults import format_fault_report
+
         print(format_fault_report(report))
     return 0 if report["ok"] else 1
 
 
 def cmd_doctor(args: argparse.Namespace) -> int:
     from .doctor import format_doctor, run_doctor
+
     report = run_doctor(variant=args.variant, tp=args.tp)
     print(json.dumps(report, default=str) if args.json else format_doctor(report))
     return 0
@@ -101,6 +173,7 @@ def cmd_doctor(args: argparse.Namespace) -> int:
 
 def cmd_bench(args: argparse.Namespace) -> int:
     from .benchmarks import run_suite
+
     _threads(args.threads)
     report = run_suite(args.suite, quick=args.quick)
     print(json.dumps(report, default=str) if args.json else json.dumps(report, indent=2, default=str))
@@ -120,8 +193,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     p = sub.add_parser("faults", help="run the fault lab: each field-report bug, and which check catches it")
     p.add_argument("--variant", default=None)
     p.add_argument("--backend", default="cpu", help="cpu (compiled, default) | eager (same graphs, no compile)")
+    p.add_argument("--fault", help="comma-separated fault names (default: all)")
     p.add_argument("--threads", type=int)
-    p.add_argument("--json", action="store_true")
+    p.add_argument(
+        "--json",
+        action="store_true",
+        help="one JSON object: per fault the checks that caught it, its logit error and the tolerance it crossed",
+    )
     p.set_defaults(func=cmd_faults)
 
     p = sub.add_parser("doctor", help="check the environment against the pinned Neuron SDK 2.28 set")
@@ -138,8 +216,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.set_defaults(func=cmd_bench)
 
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
-                        format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    logging.basicConfig(
+        level=logging.INFO if args.verbose else logging.WARNING,
+        format="%(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
     try:
         return args.func(args)
     except Gemma4LibError as exc:

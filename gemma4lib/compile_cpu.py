@@ -21,7 +21,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch import nn
 
 from .artifacts import ArtifactCache, CacheEntry, make_key
 from .environment import versions
@@ -38,13 +37,16 @@ PACKAGE = "graph.pt2"
 # a multiply-and-sum loop and inlines the query's RoPE (cos/sin) into it, recomputing it for every
 # K/V slot of every layer; a lower threshold stores the rotated query once. Measured on a 6-layer
 # hidden-1024 decode graph at 512 slots: 130-145 -> 59-85 ms per step (docs/ROOFLINE.md).
-DEFAULT_COMPILER_OPTIONS = {"aot_inductor.compile_wrapper_opt_level": "O1",
-                            "aot_inductor.package_constants_in_so": False,
-                            "realize_opcount_threshold": 8}
+DEFAULT_COMPILER_OPTIONS = {
+    "aot_inductor.compile_wrapper_opt_level": "O1",
+    "aot_inductor.package_constants_in_so": False,
+    "realize_opcount_threshold": 8,
+}
 
 
-def graph_key(graph: DeviceGraph, recipe: str, options: dict[str, Any],
-              program: torch.export.ExportedProgram) -> dict[str, Any]:
+def graph_key(
+    graph: DeviceGraph, recipe: str, options: dict[str, Any], program: torch.export.ExportedProgram
+) -> dict[str, Any]:
     """Everything that changes the compiled program: above all the exported program itself."""
     return {
         "format": 3,  # 3: keyed by the exported program's digest
@@ -84,12 +86,12 @@ def load_weights(runner: Any, graph: DeviceGraph) -> None:
     missing = [name for name in wanted if name not in state]
     if missing:
         raise KeyError(f"compiled graph expects weights the model does not have: {missing[:5]}")
-    runner.load_constants({name: state[name].detach() for name in wanted}, check_full_update=True,
-                          user_managed=True)
+    runner.load_constants({name: state[name].detach() for name in wanted}, check_full_update=True, user_managed=True)
 
 
 def export_graph(graph: DeviceGraph) -> torch.export.ExportedProgram:
-    """Non-strict export: strict mode silently drops the in-place K/V updates (DESIGN §2)."""
+    """Non-strict export: strict mode silently drops the in-place K/V updates (no error, only a
+    warning about side effects, and wrong logits)."""
     with torch.no_grad():
         return torch.export.export(graph, graph.example_inputs(), strict=False)
 
@@ -104,8 +106,9 @@ def _folded_digest(graph: DeviceGraph, names: list[str]) -> str:
     return digest.hexdigest()
 
 
-def compile_graph(graph: DeviceGraph, cache: ArtifactCache | None = None,
-                  options: dict[str, Any] | None = None) -> CompiledStep:
+def compile_graph(
+    graph: DeviceGraph, cache: ArtifactCache | None = None, options: dict[str, Any] | None = None
+) -> CompiledStep:
     """Export + AOTInductor-compile `graph` (or load it from the cache) and return a callable.
 
     Inductor folds some parameters into the program instead of taking them at load time (tiny
@@ -126,10 +129,18 @@ def compile_graph(graph: DeviceGraph, cache: ArtifactCache | None = None,
         torch._inductor.aoti_compile_and_package(program, package_path=package, inductor_configs=options)
         loadable = set(torch._inductor.aoti_load_package(package).get_constant_fqns())
         folded = sorted(set(dict(graph.named_parameters())) - loadable)
-        log.info("compiled %s graph in %.1f s (%d parameters folded into the program)",
-                 graph.shape.phase, time.perf_counter() - started, len(folded))
-        return {"export_s": export_s, "compile_s": time.perf_counter() - started,
-                "folded_params": folded, "folded_digest": _folded_digest(graph, folded)}
+        log.info(
+            "compiled %s graph in %.1f s (%d parameters folded into the program)",
+            graph.shape.phase,
+            time.perf_counter() - started,
+            len(folded),
+        )
+        return {
+            "export_s": export_s,
+            "compile_s": time.perf_counter() - started,
+            "folded_params": folded,
+            "folded_digest": _folded_digest(graph, folded),
+        }
 
     started = time.perf_counter()
     key = make_key(parts)

@@ -16,16 +16,46 @@ from dataclasses import dataclass
 
 # (country, capital). Single-word names without an article, so every answer reads the same way.
 COUNTRIES: tuple[tuple[str, str], ...] = (
-    ("France", "Paris"), ("Germany", "Berlin"), ("Italy", "Rome"), ("Spain", "Madrid"),
-    ("Portugal", "Lisbon"), ("Japan", "Tokyo"), ("China", "Beijing"), ("Egypt", "Cairo"),
-    ("Kenya", "Nairobi"), ("Peru", "Lima"), ("Chile", "Santiago"), ("Canada", "Ottawa"),
-    ("Russia", "Moscow"), ("Greece", "Athens"), ("Poland", "Warsaw"), ("Austria", "Vienna"),
-    ("Hungary", "Budapest"), ("Norway", "Oslo"), ("Sweden", "Stockholm"), ("Finland", "Helsinki"),
-    ("Denmark", "Copenhagen"), ("Ireland", "Dublin"), ("Belgium", "Brussels"), ("Thailand", "Bangkok"),
-    ("Vietnam", "Hanoi"), ("Indonesia", "Jakarta"), ("Australia", "Canberra"), ("Brazil", "Brasilia"),
-    ("Colombia", "Bogota"), ("Cuba", "Havana"), ("Turkey", "Ankara"), ("Iran", "Tehran"),
-    ("Iraq", "Baghdad"), ("Morocco", "Rabat"), ("Nigeria", "Abuja"), ("Ghana", "Accra"),
-    ("Czechia", "Prague"), ("Switzerland", "Bern"), ("Ukraine", "Kyiv"), ("Mongolia", "Ulaanbaatar"),
+    ("France", "Paris"),
+    ("Germany", "Berlin"),
+    ("Italy", "Rome"),
+    ("Spain", "Madrid"),
+    ("Portugal", "Lisbon"),
+    ("Japan", "Tokyo"),
+    ("China", "Beijing"),
+    ("Egypt", "Cairo"),
+    ("Kenya", "Nairobi"),
+    ("Peru", "Lima"),
+    ("Chile", "Santiago"),
+    ("Canada", "Ottawa"),
+    ("Russia", "Moscow"),
+    ("Greece", "Athens"),
+    ("Poland", "Warsaw"),
+    ("Austria", "Vienna"),
+    ("Hungary", "Budapest"),
+    ("Norway", "Oslo"),
+    ("Sweden", "Stockholm"),
+    ("Finland", "Helsinki"),
+    ("Denmark", "Copenhagen"),
+    ("Ireland", "Dublin"),
+    ("Belgium", "Brussels"),
+    ("Thailand", "Bangkok"),
+    ("Vietnam", "Hanoi"),
+    ("Indonesia", "Jakarta"),
+    ("Australia", "Canberra"),
+    ("Brazil", "Brasilia"),
+    ("Colombia", "Bogota"),
+    ("Cuba", "Havana"),
+    ("Turkey", "Ankara"),
+    ("Iran", "Tehran"),
+    ("Iraq", "Baghdad"),
+    ("Morocco", "Rabat"),
+    ("Nigeria", "Abuja"),
+    ("Ghana", "Accra"),
+    ("Czechia", "Prague"),
+    ("Switzerland", "Bern"),
+    ("Ukraine", "Kyiv"),
+    ("Mongolia", "Ulaanbaatar"),
 )
 
 # The phrasings trained on.
@@ -76,20 +106,18 @@ def answer_for(country: str) -> str:
 
 def training_chats() -> list[Chat]:
     """The 128 chats the fixtures are trained on, in a fixed order."""
-    chats = [Chat(p.format(country=c), ANSWER.format(country=c, capital=cap))
-             for c, cap in COUNTRIES for p in TRAIN_PHRASINGS]
+    chats = [
+        Chat(p.format(country=c), ANSWER.format(country=c, capital=cap))
+        for c, cap in COUNTRIES
+        for p in TRAIN_PHRASINGS
+    ]
     chats += [Chat(q, a) for q, a in FACTS]
     return chats
 
 
 def held_out_chats() -> list[Chat]:
     """The held-out phrasing for every country, with the expected answer (never trained on)."""
-    return [Chat(HELD_OUT_PHRASING.format(country=c), ANSWER.format(country=c, capital=cap))
-            for c, cap in COUNTRIES]
-
-
-def held_out_prompts() -> list[str]:
-    return [c.user for c in held_out_chats()]
+    return [Chat(HELD_OUT_PHRASING.format(country=c), ANSWER.format(country=c, capital=cap)) for c, cap in COUNTRIES]
 
 
 def tokenizer_texts() -> list[str]:

@@ -26,8 +26,15 @@ import sys
 from typing import Any
 
 from .hardware import GB, dmi_instance_type, host_ram_bytes, smallest_instance
-from .memory_plan import (COMPILE_CALIBRATION, DEFAULT_CONTEXT, HOST_HEADROOM, compile_peak_gb, format_plan_table,
-                          neuron_recipe, plan_table)
+from .memory_plan import (
+    COMPILE_CALIBRATION,
+    DEFAULT_CONTEXT,
+    HOST_HEADROOM,
+    compile_peak_gb,
+    format_plan_table,
+    neuron_recipe,
+    plan_table,
+)
 from .recipes import neuron_env
 
 
@@ -40,20 +47,31 @@ def estimate_compile_peak_gb(variant: Any, tp: int | None = None, bytes_per_para
     recipe = neuron_recipe(v, tp)
     peak, basis = compile_peak_gb(v, recipe, bytes_per_param)
     host = smallest_instance(tp, peak * HOST_HEADROOM)
-    return {"variant": v.name, "recipe": recipe, "tp": tp, "peak_gb": round(peak, 1), "basis": basis,
-            "smallest_instance_with_headroom": host.name if host else None, "calibration": COMPILE_CALIBRATION}
+    return {
+        "variant": v.name,
+        "recipe": recipe,
+        "tp": tp,
+        "peak_gb": round(peak, 1),
+        "basis": basis,
+        "smallest_instance_with_headroom": host.name if host else None,
+        "calibration": COMPILE_CALIBRATION,
+    }
 
 
 def compile_ram_warning(estimate: dict[str, Any], ram: int) -> str | None:
     """The warning for an `estimate_compile_peak_gb` result on a host with `ram` bytes (None if it fits)."""
     peak = estimate["peak_gb"] * GB
     if ram < peak:
-        return (f"compile of {estimate['variant']} will likely be killed: estimated peak {estimate['peak_gb']} GB "
-                f"host RAM > {ram / GB:.0f} GB here; compile on "
-                f"{estimate['smallest_instance_with_headroom'] or 'a larger host'} or add swap")
+        return (
+            f"compile of {estimate['variant']} will likely be killed: estimated peak {estimate['peak_gb']} GB "
+            f"host RAM > {ram / GB:.0f} GB here; compile on "
+            f"{estimate['smallest_instance_with_headroom'] or 'a larger host'} or add swap"
+        )
     if ram < HOST_HEADROOM * peak:
-        return (f"tight: estimated compile peak {estimate['peak_gb']} GB is within 20 % of the "
-                f"{ram / GB:.0f} GB host RAM; close other processes first")
+        return (
+            f"tight: estimated compile peak {estimate['peak_gb']} GB is within 20 % of the "
+            f"{ram / GB:.0f} GB host RAM; close other processes first"
+        )
     return None
 
 
@@ -74,11 +92,15 @@ def warn_low_host_ram(variant: Any, tp: int | None = None) -> str | None:
 
 def expected_environment() -> dict[str, Any]:
     """The inf2 environment this cookbook is written for, and the lines that make it."""
-    return {"dlami": neuron_env.DLAMI, "ssm_parameter": neuron_env.DLAMI_SSM_PARAMETER,
-            "venv": neuron_env.DLAMI_VENV_PATH, "python": neuron_env.INF2_PYTHON,
-            "neuron_sdk": neuron_env.NEURON_SDK_RELEASE,
-            "pins": {d: v[0] for d, v in neuron_env.SDK_PINS.items()} | {"transformers": neuron_env.TRANSFORMERS_PIN},
-            "install": neuron_env.install_lines()}
+    return {
+        "dlami": neuron_env.DLAMI,
+        "ssm_parameter": neuron_env.DLAMI_SSM_PARAMETER,
+        "venv": neuron_env.DLAMI_VENV_PATH,
+        "python": neuron_env.INF2_PYTHON,
+        "neuron_sdk": neuron_env.NEURON_SDK_RELEASE,
+        "pins": {d: v[0] for d, v in neuron_env.SDK_PINS.items()} | {"transformers": neuron_env.TRANSFORMERS_PIN},
+        "install": neuron_env.install_lines(),
+    }
 
 
 def differences(devices: dict[str, Any], versions: list[dict[str, Any]]) -> list[str]:
@@ -103,17 +125,26 @@ def differences(devices: dict[str, Any], versions: list[dict[str, Any]]) -> list
 def neuron_devices() -> dict[str, Any]:
     """Neuron devices and cores: `neuron-ls --json-output` if available, else `/dev/neuron*`."""
     nodes = sorted(glob.glob("/dev/neuron*"))
-    tool = shutil.which("neuron-ls") or (os.path.join(neuron_env.NEURON_BIN, "neuron-ls")
-                                         if os.path.exists(os.path.join(neuron_env.NEURON_BIN, "neuron-ls")) else None)
-    info: dict[str, Any] = {"dev_nodes": nodes, "devices": len(nodes), "cores": None, "neuron_ls": tool,
-                            "source": "/dev/neuron*"}
+    tool = shutil.which("neuron-ls") or (
+        os.path.join(neuron_env.NEURON_BIN, "neuron-ls")
+        if os.path.exists(os.path.join(neuron_env.NEURON_BIN, "neuron-ls"))
+        else None
+    )
+    info: dict[str, Any] = {
+        "dev_nodes": nodes,
+        "devices": len(nodes),
+        "cores": None,
+        "neuron_ls": tool,
+        "source": "/dev/neuron*",
+    }
     if tool:
         try:
             out = subprocess.run([tool, "--json-output"], capture_output=True, text=True, timeout=20)
             listing = json.loads(out.stdout)
             if isinstance(listing, list):
-                info.update(devices=len(listing), source="neuron-ls",
-                            cores=sum(int(d.get("nc_count", 2)) for d in listing))
+                info.update(
+                    devices=len(listing), source="neuron-ls", cores=sum(int(d.get("nc_count", 2)) for d in listing)
+                )
         except (OSError, ValueError, subprocess.SubprocessError) as exc:
             info["neuron_ls_error"] = f"{type(exc).__name__}: {exc}"
     if info["cores"] is None and nodes:
@@ -126,13 +157,17 @@ def neuron_devices() -> dict[str, Any]:
 def _path_report() -> dict[str, Any]:
     parts = os.environ.get("PATH", "").split(os.pathsep)
     rows = [{"folder": f, "exists": os.path.isdir(f), "on_path": f in parts} for f in neuron_env.path_fix_dirs()]
-    return {"folders": rows, "ok": all(r["on_path"] or not r["exists"] for r in rows),
-            "fix": f"export PATH={os.path.join(sys.prefix, 'bin')}:{neuron_env.NEURON_BIN}:$PATH "
-                   f"(the recipes apply it in-process)"}
+    return {
+        "folders": rows,
+        "ok": all(r["on_path"] or not r["exists"] for r in rows),
+        "fix": f"export PATH={os.path.join(sys.prefix, 'bin')}:{neuron_env.NEURON_BIN}:$PATH "
+        f"(the recipes apply it in-process)",
+    }
 
 
-def run_doctor(variant: str | None = None, tp: int | None = None,
-               context_length: int = DEFAULT_CONTEXT) -> dict[str, Any]:
+def run_doctor(
+    variant: str | None = None, tp: int | None = None, context_length: int = DEFAULT_CONTEXT
+) -> dict[str, Any]:
     """The report: expected environment vs this machine, devices, fixes, the memory plan of every
     variant, RAM vs compile peak for `variant`, plus warnings and a verdict."""
     warnings: list[str] = []
@@ -150,19 +185,33 @@ def run_doctor(variant: str | None = None, tp: int | None = None,
     ram = host_ram_bytes()
     plans = plan_table(context_length)
     report: dict[str, Any] = {
-        "python": platform.python_version(), "platform": platform.platform(), "torch": torch_version,
-        "instance_type": dmi_instance_type(), "neuron_sdk_release": neuron_env.NEURON_SDK_RELEASE,
-        "expected": expected_environment(), "differences": differences(devices, versions),
-        "sdk_present": sdk, "versions": versions, "devices": devices,
-        "fx_shim": {"status": shim,
-                    "meaning": {"real": "transformers provides transformers.utils.fx: no shim",
-                                "shim": "gemma4lib's shim is installed",
-                                "needed": "transformers 5 lacks it: the recipes install a one-class shim "
-                                          "before importing neuronx_distributed",
-                                "no-transformers": "transformers is not installed"}[shim]},
-        "path": path, "host_ram_gb": round(ram / GB, 1),
-        "memory_plan": {"context_length": context_length, "plans": [p.to_dict() for p in plans],
-                        "table": format_plan_table(plans)},
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "torch": torch_version,
+        "instance_type": dmi_instance_type(),
+        "neuron_sdk_release": neuron_env.NEURON_SDK_RELEASE,
+        "expected": expected_environment(),
+        "differences": differences(devices, versions),
+        "sdk_present": sdk,
+        "versions": versions,
+        "devices": devices,
+        "fx_shim": {
+            "status": shim,
+            "meaning": {
+                "real": "transformers provides transformers.utils.fx: no shim",
+                "shim": "gemma4lib's shim is installed",
+                "needed": "transformers 5 lacks it: the recipes install a one-class shim "
+                "before importing neuronx_distributed",
+                "no-transformers": "transformers is not installed",
+            }[shim],
+        },
+        "path": path,
+        "host_ram_gb": round(ram / GB, 1),
+        "memory_plan": {
+            "context_length": context_length,
+            "plans": [p.to_dict() for p in plans],
+            "table": format_plan_table(plans),
+        },
     }
     if not sdk:
         warnings.append("Neuron SDK not found (CPU profile only); " + neuron_env.how_to_get("torch-neuronx"))
@@ -173,8 +222,7 @@ def run_doctor(variant: str | None = None, tp: int | None = None,
         if devices["cores"] == 0:
             warnings.append("Neuron SDK present but no Neuron devices found (/dev/neuron*): not an inf2 host?")
         if not path["ok"]:
-            warnings.append("PATH lacks the venv/Neuron bin folders (libneuronpjrt-path import error): "
-                            + path["fix"])
+            warnings.append("PATH lacks the venv/Neuron bin folders (libneuronpjrt-path import error): " + path["fix"])
         python = ".".join(platform.python_version_tuple()[:2])
         if python != neuron_env.INF2_PYTHON:
             warnings.append(f"Python {python}: use the {neuron_env.DLAMI_VENV} venv (Python {neuron_env.INF2_PYTHON})")
@@ -212,11 +260,13 @@ def run_doctor(variant: str | None = None, tp: int | None = None,
 
 def format_doctor(report: dict[str, Any]) -> str:
     e = report["expected"]
-    lines = [f"gemma4lib doctor — Neuron SDK {report['neuron_sdk_release']} target",
-             f"expected: {e['dlami']} (SSM {e['ssm_parameter']}), venv {e['venv']}, Python {e['python']}",
-             "  " + ", ".join(f"{k} {v}" for k, v in e["pins"].items()),
-             "  set-up: " + " && ".join(e["install"]),
-             f"this machine: python {report['python']}, torch {report['torch']}, {report['platform']}"]
+    lines = [
+        f"gemma4lib doctor — Neuron SDK {report['neuron_sdk_release']} target",
+        f"expected: {e['dlami']} (SSM {e['ssm_parameter']}), venv {e['venv']}, Python {e['python']}",
+        "  " + ", ".join(f"{k} {v}" for k, v in e["pins"].items()),
+        "  set-up: " + " && ".join(e["install"]),
+        f"this machine: python {report['python']}, torch {report['torch']}, {report['platform']}",
+    ]
     if report["differences"]:
         lines.append("not the inf2 environment because:")
         lines += [f"  - {d}" for d in report["differences"]]
@@ -235,17 +285,28 @@ def format_doctor(report: dict[str, Any]) -> str:
         lines.append("PATH fix: " + ("ok" if report["path"]["ok"] else "missing — " + report["path"]["fix"]))
     lines.append(f"host RAM: {report['host_ram_gb']} GB")
     m = report["memory_plan"]
-    lines.append(f"memory plan per NeuronCore (bf16, context {m['context_length']}, ring K/V; working memory is "
-                 f"an allowance, unverified on inf2):")
+    lines.append(
+        f"memory plan per NeuronCore (bf16, context {m['context_length']}, ring K/V; working memory is "
+        f"an allowance, unverified on inf2):"
+    )
     lines += ["  " + row for row in m["table"].splitlines()]
     if "compile_estimate" in report:
         e = report["compile_estimate"]
-        lines.append(f"compile peak estimate for {e['variant']} ({e['recipe']}, TP={e['tp']}): {e['peak_gb']} GB "
-                     f"[{e['basis']}]")
+        lines.append(
+            f"compile peak estimate for {e['variant']} ({e['recipe']}, TP={e['tp']}): {e['peak_gb']} GB [{e['basis']}]"
+        )
     if "tp" in report:
         lines.append(f"TP={report['tp']['degree']}: " + ("ok" if report["tp"]["ok"] else report["tp"]["error"]))
     for w in report["warnings"]:
         lines.append(f"WARNING: {w}")
-    lines.append("verdict: " + ("ready for inf2" if report["ok"] else
-                                "CPU profile only" if not report["sdk_present"] else "fix the warnings above"))
+    lines.append(
+        "verdict: "
+        + (
+            "ready for inf2"
+            if report["ok"]
+            else "CPU profile only"
+            if not report["sdk_present"]
+            else "fix the warnings above"
+        )
+    )
     return "\n".join(lines)

@@ -6,13 +6,40 @@ import functools
 import importlib.metadata
 import os
 import platform
+import resource
 import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
 import torch
 
-TRANSFORMERS_PIN = "5.23.0"
+
+def _transformers_pin() -> str:
+    """The exact transformers version this project pins. pyproject.toml is the one place it is
+    written: read it from the installed distribution's metadata, or, for a source tree that was
+    never installed, from the pyproject.toml beside the package."""
+    from packaging.requirements import Requirement
+
+    try:
+        requires = importlib.metadata.requires("gemma4lib") or []
+    except importlib.metadata.PackageNotFoundError:
+        import tomllib
+
+        pyproject = Path(__file__).resolve().parent.parent / "pyproject.toml"
+        requires = tomllib.loads(pyproject.read_text())["project"]["dependencies"] if pyproject.is_file() else []
+    for text in requires:
+        req = Requirement(text)
+        pinned = [s.version for s in req.specifier if s.operator == "=="]
+        if req.name == "transformers" and req.marker is None and len(pinned) == 1:
+            return pinned[0]
+    raise RuntimeError(
+        "gemma4lib's metadata has no exact transformers pin (`transformers==X` in pyproject.toml); "
+        "reinstall it: pip install -e ."
+    )
+
+
+TRANSFORMERS_PIN = _transformers_pin()
 
 
 def package_version(name: str) -> str | None:
@@ -43,12 +70,45 @@ def check_transformers() -> str:
     return found
 
 
+# What decides the floating-point results of CPU training, beyond torch's version and the thread
+# count: the vector code path ATen picks (`torch.backends.cpu.get_cpu_capability()`: DEFAULT, AVX2,
+# AVX512) and the kernels oneMKL and oneDNN pick for the processor, which follow its vendor, family
+# and model. Same values: same bytes; any other CPU type gives different (equally valid) weights.
+CPU_TYPE_KEYS = ("vendor", "family", "model", "torch_cpu_capability")
+
+
+def cpu_type() -> dict[str, Any]:
+    """This machine's CPU type: `CPU_TYPE_KEYS`, plus its model name and the vector-instruction
+    flags (avx*, amx*, fma) for the record. Read from /proc/cpuinfo on Linux; elsewhere only what
+    `platform` and torch report."""
+    info: dict[str, str] = {}
+    try:
+        with open("/proc/cpuinfo") as handle:
+            for line in handle:
+                if not line.strip():
+                    break  # the first processor is enough: they are all the same type
+                key, _, value = line.partition(":")
+                info[key.strip()] = value.strip()
+    except OSError:
+        pass
+    flags = sorted(f for f in info.get("flags", "").split() if f.startswith(("avx", "amx")) or f == "fma")
+    return {
+        "vendor": info.get("vendor_id") or platform.processor() or platform.machine(),
+        "family": info.get("cpu family"),
+        "model": info.get("model"),
+        "model_name": info.get("model name"),
+        "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "flags": flags,
+    }
+
+
 @functools.lru_cache(maxsize=1)
 def git_sha() -> str | None:
     root = Path(__file__).resolve().parent.parent
     try:
-        out = subprocess.run(["git", "-C", str(root), "rev-parse", "--short=12", "HEAD"],
-                             capture_output=True, text=True, timeout=5)
+        out = subprocess.run(
+            ["git", "-C", str(root), "rev-parse", "--short=12", "HEAD"], capture_output=True, text=True, timeout=5
+        )
     except (OSError, subprocess.SubprocessError):
         return None
     return out.stdout.strip() or None
@@ -71,3 +131,9 @@ def machine() -> dict[str, Any]:
         "torch_threads": torch.get_num_threads(),
         "instance_type": os.environ.get("GEMMA4LIB_INSTANCE_TYPE") or "cpu",
     }
+
+
+def peak_rss_mb() -> float:
+    """Peak resident memory of this process so far, in MiB."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak / 1024 / (1024 if sys.platform == "darwin" else 1)

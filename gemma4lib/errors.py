@@ -24,19 +24,23 @@ class UnknownNameError(Gemma4LibError, ValueError):
 class PromptTooLongError(Gemma4LibError, ValueError):
     """Prompt + new tokens do not fit the compiled context; raised before any device work."""
 
-    def __init__(self, prompt_tokens: int, max_new_tokens: int, context_length: int,
-                 limit: str = "compiled context length"):
+    def __init__(
+        self, prompt_tokens: int, max_new_tokens: int, context_length: int, limit: str = "compiled context length"
+    ):
         if limit.startswith("compiled context"):
-            message = (f"prompt ({prompt_tokens} tokens) + max_new_tokens ({max_new_tokens}) need "
-                       f"{prompt_tokens + max_new_tokens - 1} K/V positions (the last new token is never fed "
-                       f"back), more than the {limit} {context_length}; "
-                       f"shorten the prompt, lower max_new_tokens, or recompile with a larger context_length")
+            message = (
+                f"prompt ({prompt_tokens} tokens) + max_new_tokens ({max_new_tokens}) need "
+                f"{prompt_tokens + max_new_tokens - 1} K/V positions (the last new token is never fed "
+                f"back), more than the {limit} {context_length}; "
+                f"shorten the prompt, lower max_new_tokens, or recompile with a larger context_length"
+            )
         else:  # a prefill bucket: only the prompt has to fit
-            message = (f"prompt ({prompt_tokens} tokens) exceeds the {limit} {context_length}; shorten the "
-                       f"prompt or recompile with a larger prefill bucket (prefill_buckets)")
+            message = (
+                f"prompt ({prompt_tokens} tokens) exceeds the {limit} {context_length}; shorten the "
+                f"prompt or recompile with a larger prefill bucket (prefill_buckets)"
+            )
         super().__init__(message)
-        self.prompt_tokens, self.max_new_tokens, self.context_length = (
-            prompt_tokens, max_new_tokens, context_length)
+        self.prompt_tokens, self.max_new_tokens, self.context_length = (prompt_tokens, max_new_tokens, context_length)
 
 
 class SettingsError(Gemma4LibError, ValueError):
@@ -65,7 +69,11 @@ class CheckpointError(Gemma4LibError, ValueError):
 
 
 class GatedCheckpointError(CheckpointError):
-    pass
+    """The hub answered, but the gated repository needs a token (or an account with access)."""
+
+
+class HubUnreachableError(CheckpointError):
+    """No connection to the hub (no network, or offline mode) and the checkpoint is not cached."""
 
 
 class NotGemma4Error(CheckpointError):

@@ -68,8 +68,16 @@ class StaticExperts(nn.Module):
         return gathered_experts(self.gate_up_proj, self.down_proj, hidden, top_k_index, top_k_weights, self.act_fn)
 
 
-def gathered_experts(gate_up: torch.Tensor, down: torch.Tensor, hidden: torch.Tensor, index: torch.Tensor,
-                     weights: torch.Tensor, act_fn, *, down_expert_dim: int = 0) -> torch.Tensor:
+def gathered_experts(
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    hidden: torch.Tensor,
+    index: torch.Tensor,
+    weights: torch.Tensor,
+    act_fn,
+    *,
+    down_expert_dim: int = 0,
+) -> torch.Tensor:
     """sum_j weights[:, j] * expert_{index[:, j]}(hidden): only the k routed experts' slices are read.
 
     `gate_up` [E, 2I, H]; `down` [E, H, I], or with `down_expert_dim=1` [H, E, I] (a tensor-parallel
@@ -84,8 +92,7 @@ def gathered_experts(gate_up: torch.Tensor, down: torch.Tensor, hidden: torch.Te
     XLA's gather canonicalisation transposes the whole operand of a gather along an inner
     dimension (seen in XLA:CPU's optimised HLO). `backends.hlo_audit` flags both."""
     if down_expert_dim not in (0, 1):
-        raise ValueError(f"down_expert_dim must be 0 ([E, H, I]) or 1 ([H, E, I]), "
-                         f"got {down_expert_dim}")
+        raise ValueError(f"down_expert_dim must be 0 ([E, H, I]) or 1 ([H, E, I]), got {down_expert_dim}")
     n, k = index.shape
     flat = index.reshape(-1)
     if down_expert_dim == 1:
@@ -117,18 +124,3 @@ def _gather_inner_experts(weight: torch.Tensor, experts: torch.Tensor) -> torch.
     rows = (experts.unsqueeze(1) + h.unsqueeze(0)).reshape(-1)  # [len*H]: expert-major
     picked = weight.reshape(rows_per_h * experts_total, width).index_select(0, rows)
     return picked.view(experts.shape[0], rows_per_h, width)
-
-
-def use_static_experts(text_model: nn.Module, form: str = "dense") -> int:
-    """Swap every layer's experts for the static form in place; returns how many were swapped."""
-    swapped = 0
-    for layer in text_model.layers:
-        experts = getattr(layer, "experts", None)
-        if experts is None:
-            continue
-        if isinstance(experts, StaticExperts):
-            experts.form = form
-        else:
-            layer.experts = StaticExperts(experts, form)
-        swapped += 1
-    return swapped

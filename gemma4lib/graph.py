@@ -79,8 +79,14 @@ class ExplicitKV:
     tensors in `updated` (Neuron: returned as outputs and aliased to the inputs).
     """
 
-    def __init__(self, buffers: dict[int, tuple[torch.Tensor, torch.Tensor]], shape: GraphShape,
-                 start: torch.Tensor, length: torch.Tensor, inplace: bool):
+    def __init__(
+        self,
+        buffers: dict[int, tuple[torch.Tensor, torch.Tensor]],
+        shape: GraphShape,
+        start: torch.Tensor,
+        length: torch.Tensor,
+        inplace: bool,
+    ):
         self.buffers, self.shape = buffers, shape
         self.start, self.length, self.tokens, self.inplace = start, length, shape.tokens, inplace
         self.updated: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -109,8 +115,9 @@ class ExplicitKV:
         return (keys, values) if ring_prefill else (k_new, v_new)
 
 
-def build_masks(layout: KVLayout, shape: GraphShape, start: torch.Tensor, length: torch.Tensor,
-                dtype: torch.dtype) -> dict[str, torch.Tensor]:
+def build_masks(
+    layout: KVLayout, shape: GraphShape, start: torch.Tensor, length: torch.Tensor, dtype: torch.dtype
+) -> dict[str, torch.Tensor]:
     """Additive masks [1, 1, tokens, keys] per layer type, matching what `ExplicitKV.update` returns."""
     device = start.device
     q_pos = start + torch.arange(shape.tokens, device=device)
@@ -154,8 +161,16 @@ class DeviceGraph(nn.Module):
     and PLE tables, so they are never part of a compiled artifact.
     """
 
-    def __init__(self, text_model: nn.Module, lm_head: nn.Module, layout: KVLayout, shape: GraphShape,
-                 *, inplace: bool = True, expert_form: str = "dense"):
+    def __init__(
+        self,
+        text_model: nn.Module,
+        lm_head: nn.Module,
+        layout: KVLayout,
+        shape: GraphShape,
+        *,
+        inplace: bool = True,
+        expert_form: str = "dense",
+    ):
         super().__init__()
         model = _shallow_clone(text_model)
         model.embed_tokens = None
@@ -169,13 +184,19 @@ class DeviceGraph(nn.Module):
         self.lm_head = lm_head
         self.layout, self.shape, self.inplace, self.expert_form = layout, shape, inplace, expert_form
         self.tags: dict[str, str] = {}  # anything else that changes the program (e.g. a fault-lab fault)
+        self.kv_class: type[ExplicitKV] = ExplicitKV  # the cache's class (the fault lab swaps it)
         self.has_ple = bool(getattr(text_model.config, "hidden_size_per_layer_input", 0))
         self.dtype = lm_head.weight.dtype
 
     def key_parts(self) -> dict:
         """What distinguishes this graph's program beyond config, weights and shapes (cache key)."""
-        return {"class": type(self).__qualname__, "inplace": self.inplace, "expert_form": self.expert_form,
-                "producers": [layer.producer for layer in self.layout.layers], **self.tags}
+        return {
+            "class": type(self).__qualname__,
+            "inplace": self.inplace,
+            "expert_form": self.expert_form,
+            "producers": [layer.producer for layer in self.layout.layers],
+            **self.tags,
+        }
 
     def example_inputs(self) -> tuple[torch.Tensor, ...]:
         """Zero inputs of the compiled shapes; every tensor distinct (aliased examples mislead export)."""
@@ -199,12 +220,18 @@ class DeviceGraph(nn.Module):
             per_layer_inputs, (start, length, *kv) = None, args
         producers = self.layout.producers
         buffers = {layer.index: (kv[2 * i], kv[2 * i + 1]) for i, layer in enumerate(producers)}
-        cache = ExplicitKV(buffers, self.shape, start, length, self.inplace)
+        cache = self.kv_class(buffers, self.shape, start, length, self.inplace)
         masks = build_masks(self.layout, self.shape, start, length, inputs_embeds.dtype)
         position_ids = (start + torch.arange(self.shape.tokens, device=start.device))[None].expand(
-            inputs_embeds.shape[0], -1)
-        kwargs = dict(inputs_embeds=inputs_embeds, position_ids=position_ids, attention_mask=masks,
-                      past_key_values=cache, use_cache=True)
+            inputs_embeds.shape[0], -1
+        )
+        kwargs = dict(
+            inputs_embeds=inputs_embeds,
+            position_ids=position_ids,
+            attention_mask=masks,
+            past_key_values=cache,
+            use_cache=True,
+        )
         if self.has_ple:
             kwargs["per_layer_inputs"] = per_layer_inputs
         hidden = self.model(**kwargs).last_hidden_state

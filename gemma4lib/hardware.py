@@ -105,6 +105,18 @@ def host_ram_bytes() -> int:
         return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
 
 
-__all__ = ["CORES_PER_CHIP", "GB", "GIB", "HBM_PER_CHIP_GIB", "HBM_PER_CORE_GIB", "INSTANCES", "INSTANCE_ENV",
-           "Inf2Instance", "NEURON_TP_DEGREES", "dmi_instance_type", "host_instance_type", "host_ram_bytes",
-           "smallest_instance"]
+__all__ = [
+    "CORES_PER_CHIP",
+    "GB",
+    "GIB",
+    "HBM_PER_CHIP_GIB",
+    "HBM_PER_CORE_GIB",
+    "INSTANCES",
+    "INSTANCE_ENV",
+    "Inf2Instance",
+    "NEURON_TP_DEGREES",
+    "dmi_instance_type",
+    "host_instance_type",
+    "host_ram_bytes",
+    "smallest_instance",
+]

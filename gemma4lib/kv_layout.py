@@ -35,7 +35,7 @@ class KVLayout:
     num_attention_heads: int
 
     @classmethod
-    def from_config(cls, config: Any) -> "KVLayout":
+    def from_config(cls, config: Any) -> KVLayout:
         n = config.num_hidden_layers
         types = list(config.layer_types)
         modes = list(getattr(config, "kv_sharing_modes", [None] * n))
@@ -50,8 +50,16 @@ class KVLayout:
                 producer = max(j for j in range(first_shared) if types[j] == types[i])
             else:
                 producer = i
-            layers.append(LayerKV(i, types[i], int(per_layer.num_key_value_heads), int(per_layer.head_dim),
-                                  producer, k_eq_v and types[i] == FULL))
+            layers.append(
+                LayerKV(
+                    i,
+                    types[i],
+                    int(per_layer.num_key_value_heads),
+                    int(per_layer.head_dim),
+                    producer,
+                    k_eq_v and types[i] == FULL,
+                )
+            )
         return cls(tuple(layers), int(config.sliding_window), int(config.num_attention_heads))
 
     @property
@@ -76,21 +84,29 @@ class KVLayout:
             shapes += [shape, shape]
         return shapes
 
-    def buffer_bytes(self, context_length: int, ring: bool, dtype_bytes: int, batch: int = 1,
-                     every_layer: bool = False) -> int:
+    def buffer_bytes(
+        self, context_length: int, ring: bool, dtype_bytes: int, batch: int = 1, every_layer: bool = False
+    ) -> int:
         """Bytes of the K/V buffers (`buffer_shapes`); `every_layer`: as if no layer shared its K/V."""
         layers = self.layers if every_layer else self.producers
-        return sum(2 * batch * layer.kv_heads * self.slots(layer.layer_type, context_length, ring) * layer.head_dim
-                   for layer in layers) * dtype_bytes
+        return (
+            sum(
+                2 * batch * layer.kv_heads * self.slots(layer.layer_type, context_length, ring) * layer.head_dim
+                for layer in layers
+            )
+            * dtype_bytes
+        )
 
     def describe(self) -> dict[str, Any]:
         """A JSON-friendly summary for notebooks and results files."""
         return {
             "producers": [layer.index for layer in self.producers],
             "consumers": {str(layer.index): layer.producer for layer in self.consumers},
-            "kv_heads": {t: sorted({l.kv_heads for l in self.layers if l.layer_type == t})
-                         for t in (SLIDING, FULL)},
-            "head_dim": {t: sorted({l.head_dim for l in self.layers if l.layer_type == t})
-                         for t in (SLIDING, FULL)},
+            "kv_heads": {
+                t: sorted({layer.kv_heads for layer in self.layers if layer.layer_type == t}) for t in (SLIDING, FULL)
+            },
+            "head_dim": {
+                t: sorted({layer.head_dim for layer in self.layers if layer.layer_type == t}) for t in (SLIDING, FULL)
+            },
             "sliding_window": self.sliding_window,
         }

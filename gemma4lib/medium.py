@@ -56,8 +56,12 @@ _COMMON = dict(
     num_kv_shared_layers=0,
     attention_k_eq_v=True,
     # 31B-like attention in both: 8 query heads, 4 sliding KV heads of 128, 1 global KV head of 256
-    num_attention_heads=8, num_key_value_heads=4, head_dim=128,
-    num_global_key_value_heads=1, global_head_dim=256, sliding_window=512,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    head_dim=128,
+    num_global_key_value_heads=1,
+    global_head_dim=256,
+    sliding_window=512,
 )
 
 MEDIUM: dict[str, MediumSpec] = {
@@ -65,7 +69,10 @@ MEDIUM: dict[str, MediumSpec] = {
         name="medium-dense",
         base_variant="31b",
         overrides=dict(
-            _COMMON, hidden_size=1024, intermediate_size=3072, num_hidden_layers=18,
+            _COMMON,
+            hidden_size=1024,
+            intermediate_size=3072,
+            num_hidden_layers=18,
             layer_types=sliding_pattern(5, 18),
         ),
         prompt_seed=2,
@@ -75,9 +82,15 @@ MEDIUM: dict[str, MediumSpec] = {
         name="medium-moe",
         base_variant="26b-a4b",
         overrides=dict(
-            _COMMON, hidden_size=640, intermediate_size=640, num_hidden_layers=12,
+            _COMMON,
+            hidden_size=640,
+            intermediate_size=640,
+            num_hidden_layers=12,
             layer_types=sliding_pattern(5, 12),
-            enable_moe_block=True, num_experts=32, top_k_experts=4, moe_intermediate_size=384,
+            enable_moe_block=True,
+            num_experts=32,
+            top_k_experts=4,
+            moe_intermediate_size=384,
         ),
         prompt_seed=3,
         notes="~340M params fp32, 32 experts top-4 (experts ~83 % of the weights), parallel dense MLP",

@@ -14,9 +14,9 @@ What is computed and what is assumed:
 - host RAM for the compile: an estimate from the weights alone. ModelBuilder holds three copies of
   the text weights at its peak (the module it builds, the checkpoint the loader returns and the
   per-rank shards it writes); 3 x 61.4 GB = 184 GB for the 31B against the field report's measured
-  182 GB. The trace recipe compiles with `inline_weights_to_neff=False`, so it holds the host model
-  plus one copy of the device weights (no weights baked into the HLO or the NEFF). Unverified on
-  inf2 except the 31B calibration.
+  182 GB (the earlier inf2 port; README, "The family at a glance"). The trace recipe compiles with
+  `inline_weights_to_neff=False`, so it holds the host model plus one copy of the device weights (no
+  weights baked into the HLO or the NEFF). Unverified on inf2 except the 31B calibration.
 """
 
 from __future__ import annotations
@@ -84,8 +84,9 @@ def structural_problems(variant: Variant, tp: int, instance: str | None) -> list
     do not split, or more ranks than `instance` has NeuronCores (unknown instances: not checked)."""
     problems = []
     if tp not in NEURON_TP_DEGREES:
-        problems.append(f"TP={tp} is not a degree the Neuron runtime supports on inf2 "
-                        f"({', '.join(map(str, NEURON_TP_DEGREES))})")
+        problems.append(
+            f"TP={tp} is not a degree the Neuron runtime supports on inf2 ({', '.join(map(str, NEURON_TP_DEGREES))})"
+        )
     if tp not in variant.supported_tp:
         problems.append(f"the {variant.name}'s heads and experts split evenly only for TP in {variant.supported_tp}")
     inst = INSTANCES.get(instance or "")
@@ -94,7 +95,7 @@ def structural_problems(variant: Variant, tp: int, instance: str | None) -> list
     return problems
 
 
-def _hint(options: list["CoreMemoryPlan"]) -> str:
+def _hint(options: list[CoreMemoryPlan]) -> str:
     return ", ".join(f"TP={p.tp} on {p.instance}" for p in options[:4]) if options else "a shorter context_length"
 
 
@@ -104,8 +105,10 @@ def require_neuron_tp(variant: Variant | str, tp: int, instance: str | None = No
     problems = structural_problems(v, tp, instance)
     if problems:
         ok = [t for t in v.supported_tp if not structural_problems(v, t, instance)]
-        raise TensorParallelError(f"{v.name} cannot run at TP={tp} on inf2: {'; '.join(problems)}; use tp_degree "
-                                  f"{' or '.join(map(str, ok))}" + (f" on {instance}" if instance else ""))
+        raise TensorParallelError(
+            f"{v.name} cannot run at TP={tp} on inf2: {'; '.join(problems)}; use tp_degree "
+            f"{' or '.join(map(str, ok))}" + (f" on {instance}" if instance else "")
+        )
 
 
 @dataclass(frozen=True)
@@ -141,16 +144,24 @@ class CoreMemoryPlan:
     def summary(self) -> str:
         """One line: per-core use against capacity, and the compile host's need."""
         verdict = "fits" if self.fits else "does not fit: " + "; ".join(self.problems)
-        return (f"{self.variant} {self.recipe} TP={self.tp} on {self.instance}, context {self.context_length}"
-                f"{' (ring)' if self.ring else ''}: per core {self.weights_gib:.1f} GiB weights + "
-                f"{self.kv_gib:.2f} GiB K/V + {self.working_gib:.1f} GiB working = {self.total_gib:.1f} of "
-                f"{self.capacity_gib:.0f} GiB; compile host ~{self.compile_peak_gb:.0f} GB of "
-                f"{self.host_ram_gib} GiB — {verdict}")
+        return (
+            f"{self.variant} {self.recipe} TP={self.tp} on {self.instance}, context {self.context_length}"
+            f"{' (ring)' if self.ring else ''}: per core {self.weights_gib:.1f} GiB weights + "
+            f"{self.kv_gib:.2f} GiB K/V + {self.working_gib:.1f} GiB working = {self.total_gib:.1f} of "
+            f"{self.capacity_gib:.0f} GiB; compile host ~{self.compile_peak_gb:.0f} GB of "
+            f"{self.host_ram_gib} GiB — {verdict}"
+        )
 
 
-def plan_core_memory(variant: Variant | str, tp: int | None = None, *, instance: str | None = None,
-                     context_length: int = DEFAULT_CONTEXT, ring: bool = True,
-                     dtype_bytes: int = 2) -> CoreMemoryPlan:
+def plan_core_memory(
+    variant: Variant | str,
+    tp: int | None = None,
+    *,
+    instance: str | None = None,
+    context_length: int = DEFAULT_CONTEXT,
+    ring: bool = True,
+    dtype_bytes: int = 2,
+) -> CoreMemoryPlan:
     """The per-core memory plan of `variant` at `tp` (default: its recipe's) on `instance`
     (default: the variant's recommended instance). Problems are listed, never raised here."""
     v = get_variant(variant) if isinstance(variant, str) else variant
@@ -158,6 +169,7 @@ def plan_core_memory(variant: Variant | str, tp: int | None = None, *, instance:
     instance = instance or v.instance_type
     if instance not in INSTANCES:
         from .errors import UnknownNameError
+
         raise UnknownNameError("inf2 instance", instance, INSTANCES)
     inst = INSTANCES[instance]
     recipe = neuron_recipe(v, tp)
@@ -170,26 +182,48 @@ def plan_core_memory(variant: Variant | str, tp: int | None = None, *, instance:
         kv = _rank_kv_elements(v.name, tp, int(context_length), bool(ring)) * dtype_bytes / GIB
     capacity = float(HBM_PER_CORE_GIB)
     if weights + kv + WORKING_ALLOWANCE_GIB > capacity:
-        problems.append(f"{weights:.1f} GiB of weights + {kv:.2f} GiB of K/V + {WORKING_ALLOWANCE_GIB:.0f} GiB working "
-                        f"memory exceed a NeuronCore's {capacity:.0f} GiB")
+        problems.append(
+            f"{weights:.1f} GiB of weights + {kv:.2f} GiB of K/V + {WORKING_ALLOWANCE_GIB:.0f} GiB working "
+            f"memory exceed a NeuronCore's {capacity:.0f} GiB"
+        )
     peak, basis = compile_peak_gb(v, recipe, dtype_bytes)
     if inst.host_ram_gib * GIB < peak * GB:
         problems.append(f"the compile needs ~{peak:.0f} GB of host RAM and an {instance} has {inst.host_ram_gib} GiB")
-    return CoreMemoryPlan(v.name, recipe, tp, instance, int(context_length), bool(ring), weights, kv,
-                          WORKING_ALLOWANCE_GIB, capacity, peak, basis, inst.host_ram_gib, tuple(problems))
+    return CoreMemoryPlan(
+        v.name,
+        recipe,
+        tp,
+        instance,
+        int(context_length),
+        bool(ring),
+        weights,
+        kv,
+        WORKING_ALLOWANCE_GIB,
+        capacity,
+        peak,
+        basis,
+        inst.host_ram_gib,
+        tuple(problems),
+    )
 
 
-def fitting_options(variant: Variant | str, context_length: int = DEFAULT_CONTEXT,
-                    ring: bool = True) -> list[CoreMemoryPlan]:
+def fitting_options(
+    variant: Variant | str, context_length: int = DEFAULT_CONTEXT, ring: bool = True
+) -> list[CoreMemoryPlan]:
     """Every (TP degree, instance) that fits, smallest instance and degree first."""
     v = get_variant(variant) if isinstance(variant, str) else variant
-    plans = [plan_core_memory(v, tp, instance=name, context_length=context_length, ring=ring)
-             for name in INSTANCES for tp in v.supported_tp if tp in NEURON_TP_DEGREES]
+    plans = [
+        plan_core_memory(v, tp, instance=name, context_length=context_length, ring=ring)
+        for name in INSTANCES
+        for tp in v.supported_tp
+        if tp in NEURON_TP_DEGREES
+    ]
     return [p for p in plans if p.fits]
 
 
-def require_fit(variant: Variant | str, tp: int, *, instance: str | None, context_length: int,
-                ring: bool) -> CoreMemoryPlan:
+def require_fit(
+    variant: Variant | str, tp: int, *, instance: str | None, context_length: int, ring: bool
+) -> CoreMemoryPlan:
     """Raise when the released model cannot run at `tp` on `instance` (default: the variant's):
     `TensorParallelError` for a degree inf2 cannot run, `DeviceMemoryError` for one that does not
     fit a core or the compile host; the message names configurations that fit."""
@@ -197,8 +231,10 @@ def require_fit(variant: Variant | str, tp: int, *, instance: str | None, contex
     require_neuron_tp(v, tp, instance)
     plan = plan_core_memory(v, tp, instance=instance, context_length=context_length, ring=ring)
     if not plan.fits:
-        raise DeviceMemoryError(f"{v.name} at TP={tp} on {plan.instance} does not fit: {'; '.join(plan.problems)}; "
-                                f"use {_hint(fitting_options(v, context_length, ring))}")
+        raise DeviceMemoryError(
+            f"{v.name} at TP={tp} on {plan.instance} does not fit: {'; '.join(plan.problems)}; "
+            f"use {_hint(fitting_options(v, context_length, ring))}"
+        )
     return plan
 
 
@@ -216,13 +252,18 @@ def plan_table(context_length: int = DEFAULT_CONTEXT, ring: bool = True) -> list
 
 def format_plan_table(plans: list[CoreMemoryPlan]) -> str:
     """Markdown rows of `plan_table` (GiB per NeuronCore; compile host RAM in GB)."""
-    lines = ["| variant | recipe | TP | instance | weights/core | K/V/core | working | total / 16 GiB | "
-             "compile host | fits |", "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| variant | recipe | TP | instance | weights/core | K/V/core | working | total / 16 GiB | "
+        "compile host | fits |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for p in plans:
-        lines.append(f"| {p.variant} | {p.recipe} | {p.tp} | {p.instance} | {p.weights_gib:.1f} GiB | "
-                     f"{p.kv_gib:.2f} GiB | {p.working_gib:.0f} GiB | {p.total_gib:.1f} GiB | "
-                     f"~{p.compile_peak_gb:.0f} GB / {p.host_ram_gib} GiB | "
-                     f"{'yes' if p.fits else 'no: ' + '; '.join(p.problems)} |")
+        lines.append(
+            f"| {p.variant} | {p.recipe} | {p.tp} | {p.instance} | {p.weights_gib:.1f} GiB | "
+            f"{p.kv_gib:.2f} GiB | {p.working_gib:.0f} GiB | {p.total_gib:.1f} GiB | "
+            f"~{p.compile_peak_gb:.0f} GB / {p.host_ram_gib} GiB | "
+            f"{'yes' if p.fits else 'no: ' + '; '.join(p.problems)} |"
+        )
     return "\n".join(lines)
 
 
@@ -233,7 +274,19 @@ def smallest_host_for_compile(variant: Variant | str) -> str | None:
     return inst.name if inst else None
 
 
-__all__ = ["COMPILE_CALIBRATION", "CoreMemoryPlan", "DEFAULT_CONTEXT", "WORKING_ALLOWANCE_GIB", "compile_peak_gb",
-           "fitting_options", "format_plan_table", "neuron_recipe", "plan_core_memory", "plan_table", "require_fit",
-           "require_neuron_tp", "structural_problems",
-           "smallest_host_for_compile"]
+__all__ = [
+    "COMPILE_CALIBRATION",
+    "CoreMemoryPlan",
+    "DEFAULT_CONTEXT",
+    "WORKING_ALLOWANCE_GIB",
+    "compile_peak_gb",
+    "fitting_options",
+    "format_plan_table",
+    "neuron_recipe",
+    "plan_core_memory",
+    "plan_table",
+    "require_fit",
+    "require_neuron_tp",
+    "structural_problems",
+    "smallest_host_for_compile",
+]

@@ -13,6 +13,8 @@ from typing import Any
 
 from matplotlib.figure import Figure
 
+from .checks import failed_checks
+
 OK, BAD, UNKNOWN = "#2e7d32", "#c62828", "#9e9e9e"
 SLIDING_COLOUR, FULL_COLOUR = "#64b5f6", "#ef6c00"
 METRIC_LABELS = {
@@ -49,6 +51,7 @@ def _empty(message: str, size=(6, 1.2)) -> Figure:
 
 # ---- one run ----------------------------------------------------------------------------------
 
+
 def token_match(result: Mapping[str, Any], max_tokens: int = 40) -> Figure:
     """Device tokens over reference tokens, one box each: green where equal, red where not."""
     device = list(result.get("tokens") or [])[:max_tokens]
@@ -61,11 +64,18 @@ def token_match(result: Mapping[str, Any], max_tokens: int = 40) -> Figure:
     for row, (label, tokens) in enumerate((("device", device), ("reference", reference))):
         for i in range(n):
             token = tokens[i] if i < len(tokens) else None
-            other = (reference if label == "device" else device)
+            other = reference if label == "device" else device
             same = token is not None and i < len(other) and other[i] == token
             ax.add_patch(_box(i, 1 - row, OK if same else BAD))
-            ax.text(i + 0.5, 1.5 - row, "" if token is None else str(token), ha="center", va="center",
-                    fontsize=6, color="white")
+            ax.text(
+                i + 0.5,
+                1.5 - row,
+                "" if token is None else str(token),
+                ha="center",
+                va="center",
+                fontsize=6,
+                color="white",
+            )
     ax.set_xlim(0, n)
     ax.set_ylim(0, 2)
     ax.set_yticks([0.5, 1.5], ["reference", "device"])
@@ -77,6 +87,7 @@ def token_match(result: Mapping[str, Any], max_tokens: int = 40) -> Figure:
 
 def _box(x: float, y: float, colour: str):
     from matplotlib.patches import Rectangle
+
     return Rectangle((x + 0.04, y + 0.08), 0.92, 0.84, color=colour)
 
 
@@ -84,9 +95,12 @@ def bench_runs(result: Mapping[str, Any]) -> Figure:
     """Every timed prefill and decode run of a benchmark, with the median the record keeps."""
     bench = result.get("bench") or {}
     fig = Figure(figsize=(8, 2.8))
-    for i, (key, runs_key, label) in enumerate((("prefill_ms", "prefill_ms_runs", METRIC_LABELS["prefill_ms"]),
-                                                ("decode_tok_s", "decode_tok_s_runs",
-                                                 METRIC_LABELS["decode_tok_s"]))):
+    for i, (key, runs_key, label) in enumerate(
+        (
+            ("prefill_ms", "prefill_ms_runs", METRIC_LABELS["prefill_ms"]),
+            ("decode_tok_s", "decode_tok_s_runs", METRIC_LABELS["decode_tok_s"]),
+        )
+    ):
         ax = fig.add_subplot(1, 2, i + 1)
         runs = list(bench.get(runs_key) or [])
         ax.plot(range(1, len(runs) + 1), runs, "o", color=SLIDING_COLOUR, label="timed runs")
@@ -96,8 +110,11 @@ def bench_runs(result: Mapping[str, Any]) -> Figure:
         ax.set_title(label, fontsize=9)
         ax.set_xlabel("run")
         ax.legend(fontsize=7)
-    fig.suptitle(f"{result.get('variant', '')} benchmark ({bench.get('threads', '?')} thread(s), "
-                 f"{bench.get('warmup', '?')} warm-up)", fontsize=10)
+    fig.suptitle(
+        f"{result.get('variant', '')} benchmark ({bench.get('threads', '?')} thread(s), "
+        f"{bench.get('warmup', '?')} warm-up)",
+        fontsize=10,
+    )
     fig.tight_layout()
     return fig
 
@@ -113,28 +130,47 @@ def kv_layout(layout: Any, title: str = "") -> Figure:
         colour = FULL_COLOUR if layer.layer_type == "full_attention" else SLIDING_COLOUR
         hatch = None if layer.owns_buffer else "//"
         from matplotlib.patches import Rectangle
-        ax.add_patch(Rectangle((layer.index + 0.05, 0), 0.9, 1, facecolor=colour if layer.owns_buffer else "white",
-                               edgecolor=colour, hatch=hatch, linewidth=1.2))
+
+        ax.add_patch(
+            Rectangle(
+                (layer.index + 0.05, 0),
+                0.9,
+                1,
+                facecolor=colour if layer.owns_buffer else "white",
+                edgecolor=colour,
+                hatch=hatch,
+                linewidth=1.2,
+            )
+        )
         ax.text(layer.index + 0.5, 0.5, str(layer.kv_heads), ha="center", va="center", fontsize=7)
         if not layer.owns_buffer:
-            ax.annotate("", xy=(layer.producer + 0.5, 1.02), xytext=(layer.index + 0.5, 1.02),
-                        arrowprops=dict(arrowstyle="->", color="#555555", connectionstyle="arc3,rad=0.3",
-                                        linewidth=0.7))
+            ax.annotate(
+                "",
+                xy=(layer.producer + 0.5, 1.02),
+                xytext=(layer.index + 0.5, 1.02),
+                arrowprops=dict(arrowstyle="->", color="#555555", connectionstyle="arc3,rad=0.3", linewidth=0.7),
+            )
     ax.set_xlim(0, n)
     ax.set_ylim(-0.1, 2.2)
     ax.set_yticks([])
     ax.set_xticks([i + 0.5 for i in range(n)], [str(i) for i in range(n)], fontsize=6)
     ax.set_xlabel("layer (number = KV heads; filled = owns a K/V buffer; hatched = reads its producer's)")
     from matplotlib.patches import Patch
-    ax.legend(handles=[Patch(color=SLIDING_COLOUR, label="sliding"), Patch(color=FULL_COLOUR, label="full")],
-              loc="upper left", fontsize=7, ncol=2)
+
+    ax.legend(
+        handles=[Patch(color=SLIDING_COLOUR, label="sliding"), Patch(color=FULL_COLOUR, label="full")],
+        loc="upper left",
+        fontsize=7,
+        ncol=2,
+    )
     producers = sum(1 for layer in layers if layer.owns_buffer)
     ax.set_title(title or f"KV layout: {producers} of {n} layers own K/V buffers", fontsize=10)
     return fig
 
 
-def measured_vs_ceiling(rows: Sequence[Mapping[str, Any]], title: str = "decode: measured vs bandwidth ceiling"
-                        ) -> Figure:
+def measured_vs_ceiling(
+    rows: Sequence[Mapping[str, Any]], title: str = "decode: measured vs bandwidth ceiling"
+) -> Figure:
     """Decode tok/s against its roofline ceiling, one pair of bars per row.
 
     `rows`: `roofline.compare()` dicts (`label`, `ceiling_tok_s`, `measured_tok_s`, `roofline_fraction`).
@@ -145,11 +181,16 @@ def measured_vs_ceiling(rows: Sequence[Mapping[str, Any]], title: str = "decode:
     fig = Figure(figsize=(9, 1.1 + 0.7 * len(rows)))
     ax = fig.add_subplot()
     ys = range(len(rows))
-    ax.barh([y + 0.2 for y in ys], [r["ceiling_tok_s"] for r in rows], height=0.4, color=UNKNOWN,
-            label="ceiling: bandwidth / bytes per step")
+    ax.barh(
+        [y + 0.2 for y in ys],
+        [r["ceiling_tok_s"] for r in rows],
+        height=0.4,
+        color=UNKNOWN,
+        label="ceiling: bandwidth / bytes per step",
+    )
     measured = [r.get("measured_tok_s") or 0.0 for r in rows]
     ax.barh([y - 0.2 for y in ys], measured, height=0.4, color=SLIDING_COLOUR, label="measured")
-    for y, r, m in zip(ys, rows, measured):
+    for y, r, m in zip(ys, rows, measured, strict=True):
         if m:
             fraction = r.get("roofline_fraction") or m / r["ceiling_tok_s"]
             ax.text(m, y - 0.2, f" {m:,.1f} tok/s ({fraction:.0%})", va="center", fontsize=7)
@@ -178,8 +219,15 @@ def memory_budget(rows: Sequence[Mapping[str, Any]], title: str = "bf16 weights 
     device = [r["device_gb_per_core"] for r in rows]
     host = [r.get("host_gb") or 0.0 for r in rows]
     ax.bar(names, device, color=SLIDING_COLOUR, label="on device, per core")
-    ax.bar(names, host, bottom=device, color="white", edgecolor=FULL_COLOUR, hatch="//",
-           label="kept on the host (PLE table)")
+    ax.bar(
+        names,
+        host,
+        bottom=device,
+        color="white",
+        edgecolor=FULL_COLOUR,
+        hatch="//",
+        label="kept on the host (PLE table)",
+    )
     capacity = rows[0].get("capacity_gb", 16 * 1.073741824)
     ax.axhline(capacity, color=BAD, linestyle="--", label=f"one core's HBM ({capacity:.1f} GB)")
     ax.set_ylabel("GB")
@@ -190,17 +238,19 @@ def memory_budget(rows: Sequence[Mapping[str, Any]], title: str = "bf16 weights 
 
 # ---- a family of runs -------------------------------------------------------------------------
 
-def family_metrics(results: Mapping[str, Mapping[str, Any]] | Sequence[Mapping[str, Any]],
-                   metrics: Sequence[str] = ("prefill_ms", "decode_tok_s", "compile_s")) -> Figure:
-    """One bar chart per metric, one bar per variant; bar colour = correctness (green: SEQ_MATCH
-    and coherent, red: a check failed, grey: not checked)."""
+
+def family_metrics(
+    results: Mapping[str, Mapping[str, Any]] | Sequence[Mapping[str, Any]],
+    metrics: Sequence[str] = ("prefill_ms", "decode_tok_s", "compile_s"),
+) -> Figure:
+    """One bar chart per metric, one bar per variant; bar colour = correctness (green: every check
+    passed, red: a check failed, grey: not checked)."""
     rows = [r for r in _as_list(results) if r.get("variant")]
     if not rows:
         return _empty("no results yet: run the variant notebooks (or papermill_runs) first")
     fig = Figure(figsize=(4 * len(metrics), 3))
     names = [r["variant"] for r in rows]
-    colours = [_status_colour(bool(r.get("seq_match")) and r.get("coherent") is not False
-                              if r.get("seq_match") is not None else None) for r in rows]
+    colours = [_status_colour(not failed_checks(r) if r.get("seq_match") is not None else None) for r in rows]
     for i, metric in enumerate(metrics):
         ax = fig.add_subplot(1, len(metrics), i + 1)
         values = [float(r.get(metric) or 0.0) for r in rows]
@@ -208,29 +258,40 @@ def family_metrics(results: Mapping[str, Mapping[str, Any]] | Sequence[Mapping[s
         ax.set_title(METRIC_LABELS.get(metric, metric), fontsize=9)
         ax.tick_params(axis="x", labelsize=8)
     profile = rows[0].get("profile", "")
-    fig.suptitle(f"last run ({profile} profile): bar colour = both checks passed", fontsize=10)
+    fig.suptitle(f"last run ({profile} profile): bar colour = every check passed", fontsize=10)
     fig.tight_layout()
     return fig
 
 
 def checks_grid(results: Mapping[str, Mapping[str, Any]] | Sequence[Mapping[str, Any]]) -> Figure:
-    """Variants × (SEQ_MATCH, coherent): the two checks side by side, because neither implies the other."""
+    """Variants × (SEQ_MATCH, LOGITS_MATCH, coherent, witness): the checks side by side, because
+    none implies the others."""
     rows = [r for r in _as_list(results) if r.get("variant")]
     if not rows:
         return _empty("no results yet")
-    checks = ("seq_match", "coherent")
-    fig = Figure(figsize=(1.2 * len(rows) + 2, 1.8))
+    checks = ("seq_match", "logits_match", "coherent", "witness")
+    labels = ["SEQ_MATCH", "LOGITS_MATCH", "coherent", "witness"]
+    fig = Figure(figsize=(1.2 * len(rows) + 2, 2.4))
     ax = fig.add_subplot()
     for x, r in enumerate(rows):
         for y, check in enumerate(checks):
             value = r.get(check)
+            if check == "witness":  # its SEQ_MATCH and LOGITS_MATCH; n/a when it did not run
+                value = None if not value else value.get("passed")
             ax.add_patch(_box(x, len(checks) - 1 - y, _status_colour(value)))
-            ax.text(x + 0.5, len(checks) - 0.5 - y, {True: "yes", False: "NO"}.get(value, "n/a"),
-                    ha="center", va="center", color="white", fontsize=8)
+            ax.text(
+                x + 0.5,
+                len(checks) - 0.5 - y,
+                {True: "yes", False: "NO"}.get(value, "n/a"),
+                ha="center",
+                va="center",
+                color="white",
+                fontsize=8,
+            )
     ax.set_xlim(0, len(rows))
     ax.set_ylim(0, len(checks))
     ax.set_xticks([i + 0.5 for i in range(len(rows))], [r["variant"] for r in rows], fontsize=8)
-    ax.set_yticks([i + 0.5 for i in range(len(checks))], list(reversed(["SEQ_MATCH", "coherent"])), fontsize=8)
+    ax.set_yticks([i + 0.5 for i in range(len(checks))], list(reversed(labels)), fontsize=8)
     ax.set_title("device == reference, and the answer makes sense", fontsize=10)
     return fig
 
@@ -244,11 +305,15 @@ def baseline_comparison(rows: Sequence[Mapping[str, Any]], metric: str) -> Figur
     fig = Figure(figsize=(1.4 * len(rows) + 2, 3))
     ax = fig.add_subplot()
     xs = range(len(rows))
-    ax.bar([x - 0.2 for x in xs], [r.get("baseline") or 0.0 for r in rows], width=0.4, color=UNKNOWN,
-           label="baseline")
-    ax.bar([x + 0.2 for x in xs], [r["value"] for r in rows], width=0.4,
-           color=[BAD if r.get("verdict") == "regression" else OK for r in rows], label="this run")
-    for x, r in zip(xs, rows):
+    ax.bar([x - 0.2 for x in xs], [r.get("baseline") or 0.0 for r in rows], width=0.4, color=UNKNOWN, label="baseline")
+    ax.bar(
+        [x + 0.2 for x in xs],
+        [r["value"] for r in rows],
+        width=0.4,
+        color=[BAD if r.get("verdict") == "regression" else OK for r in rows],
+        label="this run",
+    )
+    for x, r in zip(xs, rows, strict=True):
         if r.get("limit") is not None:
             ax.plot([x - 0.4, x + 0.4], [r["limit"], r["limit"]], color=BAD, linestyle="--", linewidth=1)
     ax.set_xticks(list(xs), [r["variant"] for r in rows], fontsize=8)
@@ -275,6 +340,7 @@ def trend(history: Iterable[Mapping[str, Any]], metric: str) -> Figure:
     for name, values in sorted(series.items()):
         ax.plot(range(1, len(values) + 1), values, marker="o", label=name)
     from matplotlib.ticker import MaxNLocator
+
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_xlabel("run (oldest first)")
     ax.set_title(f"trend: {METRIC_LABELS.get(metric, metric)}", fontsize=10)

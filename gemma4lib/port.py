@@ -1,7 +1,10 @@
-"""One port, end to end: load → device graph → compile → SEQ_MATCH + coherence → benchmark → record.
+"""One port, end to end: load → device graph → compile → the three checks → benchmark → record.
 
 Each stage is its own function so a notebook can show them one cell at a time; `port()` chains
-them for the command line and CI.
+them for the command line and CI. The checks (`checks.py`): SEQ_MATCH, LOGITS_MATCH (every
+generated position against the reference's logits for the same tokens) and coherence; smoke runs
+of a trained fixture also run a seeded random-weights witness of the same architecture through the
+same compiled programs, whose near-ties turn any logit error into a different token.
 """
 
 from __future__ import annotations
@@ -9,134 +12,40 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from . import checks
-from .artifacts import ArtifactCache
-from .bench import benchmark, peak_rss_mb
-from .environment import machine, versions
-from .errors import SettingsError, TensorParallelError, UnknownNameError
-from .experts import EXPERT_FORMS
-from .graph import DeviceGraph, GraphShape
+from . import backends, checks
+from .backends.base import CompiledGraphs, Graphs
+from .benchmarks.timing import benchmark
+from .graph import DeviceGraph
 from .loading import LoadedModel, build_tiny, load_checkpoint
-from .reference import random_prompt, reference_greedy, reference_last_logits
+from .record import build_record
+from .reference import random_prompt, reference_greedy, reference_last_logits, teacher_forced_logits
 from .results import write_result
 from .runtime import HostRuntime, encode_prompt, softcap
-from .variants import Variant, check_profile, get_variant
+from .settings import BACKENDS, DEFAULT_PROMPT, MODEL_SOURCES, PortSettings
 
 log = logging.getLogger(__name__)
 
-BACKENDS = ("cpu", "eager", "xla", "neuron")
-MODEL_SOURCES = ("auto", "trained", "random", "checkpoint")
-DEFAULT_PROMPT = "What is the capital of France?"
-
-
-# Integer settings and their smallest allowed value.
-_COUNTS = {"tp_degree": 1, "max_new_tokens": 1, "context_length": 2, "random_prompt_tokens": 1, "warmup": 0,
-           "iters": 1}
-
-
-def _as_tuple(value: Any) -> tuple:
-    return tuple(value) if isinstance(value, (list, tuple)) else (value,)
-
-
-def whole_number(name: str, value: Any, minimum: int) -> int:
-    """`value` as an int >= `minimum`; digit strings (a CLI or environment value) are accepted."""
-    if isinstance(value, str) and value.strip().isdigit():
-        value = int(value)
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise SettingsError(f"{name} must be a whole number, got {value!r} ({type(value).__name__}); "
-                            f"pass e.g. {name}={max(minimum, 1)}")
-    if value < minimum:
-        raise SettingsError(f"{name} must be at least {minimum}, got {value}")
-    return value
-
-
-@dataclass
-class PortSettings:
-    """Everything a port run depends on; plain values, so a notebook's parameters cell maps onto it."""
-
-    variant: str
-    profile: str = "smoke"
-    model: str = "auto"  # smoke: the trained tiny fixture ("random" for equality-only runs); full: checkpoint
-    checkpoint: str | None = None  # hub id or local folder (full profile); default: the variant's hub id
-    backend: str = "cpu"
-    tp_degree: int = 1
-    prompt: str = DEFAULT_PROMPT
-    expect: str | None = "Paris"  # coherence: the answer must contain this
-    random_prompt_tokens: int = 20  # random weights have no tokenizer: a seeded id sequence instead
-    max_new_tokens: int = 32
-    context_length: int = 128
-    prefill_buckets: tuple[int, ...] = (64,)
-    ring_kv: bool = True  # sliding layers hold only their window: flat decode cost with context (docs/ROOFLINE.md)
-    decode_experts: str = "selective"  # MoE decode reads the k routed experts; prefill stays dense (measured)
-    warmup: int = 1
-    iters: int = 3
-    seed: int | None = None  # None: the variant's `tiny_seed`
-    results_dir: str | None = None
-    cache_dir: str | None = None
-
-    def __post_init__(self):
-        self.variant_spec = get_variant(self.variant)
-        check_profile(self.profile)
-        if self.backend not in BACKENDS:
-            raise UnknownNameError("backend", self.backend, BACKENDS)
-        if self.model not in MODEL_SOURCES:
-            raise UnknownNameError("model source", self.model, MODEL_SOURCES)
-        if self.decode_experts not in EXPERT_FORMS:
-            raise UnknownNameError("decode_experts form", self.decode_experts, EXPERT_FORMS)
-        for name, minimum in _COUNTS.items():
-            setattr(self, name, whole_number(name, getattr(self, name), minimum))
-        self.prefill_buckets = tuple(sorted(whole_number("prefill_buckets", b, 1) for b in _as_tuple(self.prefill_buckets)))
-        if not self.prefill_buckets:
-            raise SettingsError("prefill_buckets is empty; give at least one compiled prompt length, e.g. (64,)")
-        if self.prefill_buckets[-1] > self.context_length:
-            raise SettingsError(f"prefill bucket {self.prefill_buckets[-1]} is longer than context_length "
-                                f"{self.context_length}; use buckets <= context_length")
-        if self.seed is None:
-            self.seed = self.variant_spec.tiny_seed
-        if self.tp_degree not in self.variant_spec.supported_tp:
-            raise TensorParallelError(
-                f"{self.variant_spec.name} cannot run at TP={self.tp_degree}: its head and expert counts split "
-                f"evenly only for TP in {self.variant_spec.supported_tp}; pick one of those")
-        if self.tp_degree > 1 and self.backend not in ("cpu", "neuron"):
-            raise TensorParallelError(
-                f"TP={self.tp_degree} runs on backend 'cpu' (one gloo process per rank) or 'neuron' (NeuronCores); "
-                f"backend {self.backend!r} compiles one device: use tp_degree=1 or another backend")
-        if self.backend == "neuron":
-            self._check_neuron()
-
-    def _check_neuron(self) -> None:
-        """Before anything is loaded: the TP degree and memory fit inf2, and the SDK is here."""
-        from .hardware import host_instance_type
-        from .memory_plan import require_fit, require_neuron_tp
-        from .recipes import neuron_env
-
-        instance = host_instance_type()
-        if self.profile == "full":  # the released model: weights + K/V must fit each core
-            require_fit(self.variant_spec, self.tp_degree, instance=instance, context_length=self.context_length,
-                        ring=self.ring_kv)
-        else:  # tiny models fit anywhere; the degree must still be one inf2 can run
-            require_neuron_tp(self.variant_spec, self.tp_degree, instance)
-        neuron_env.require_sdk(f"backend 'neuron' ({self.variant_spec.name})")
-
-    @property
-    def model_source(self) -> str:
-        if self.model != "auto":
-            return self.model
-        if self.profile == "full":
-            return "checkpoint"
-        from .trained import fixture_available
-        return "trained" if fixture_available(self.variant_spec.name) else "random"
-
-    def parameters(self) -> dict[str, Any]:
-        out = {k: v for k, v in asdict(self).items() if k != "variant_spec"}
-        out["model_source"] = self.model_source
-        return out
+__all__ = [
+    "BACKENDS",
+    "DEFAULT_PROMPT",
+    "MODEL_SOURCES",
+    "PortSettings",
+    "build_graphs",
+    "compile_graphs",
+    "decode_text",
+    "eos_ids",
+    "load_model",
+    "port",
+    "prompt_ids",
+    "record_run",
+    "run_device",
+]
 
 
 # ---- stages ----------------------------------------------------------------------------------
@@ -148,6 +57,7 @@ def load_model(settings: PortSettings) -> LoadedModel:
         return load_checkpoint(variant, settings.checkpoint or variant.hf_id, dtype=dtype)
     if source == "trained":
         from .trained import load_trained
+
         return load_trained(variant.name)
     return build_tiny(variant, seed=settings.seed)
 
@@ -171,61 +81,21 @@ def eos_ids(model: LoadedModel) -> list[int]:
 
 
 def decode_text(model: LoadedModel, tokens: list[int]) -> str | None:
-    if model.tokenizer is None:
-        return None
-    return model.tokenizer.decode(tokens, skip_special_tokens=True).strip()
+    """The answer text of `tokens` (None for a tokenizer-less random model)."""
+    return checks.answer_text(model.tokenizer, tokens)
 
 
-def build_graphs(model: LoadedModel, settings: PortSettings, inplace: bool = True
-                 ) -> tuple[dict[int, DeviceGraph], DeviceGraph]:
+def build_graphs(model: LoadedModel, settings: PortSettings, inplace: bool = True) -> Graphs:
     """Prefill graphs (one per bucket, all-experts-dense) and the decode graph."""
-    layout = model.layout
-    prefill = {bucket: DeviceGraph(model.text_model, model.lm_head, layout,
-                                   GraphShape(1, bucket, settings.context_length, settings.ring_kv),
-                                   inplace=inplace, expert_form="dense")
-               for bucket in settings.prefill_buckets}
-    decode = DeviceGraph(model.text_model, model.lm_head, layout,
-                         GraphShape(1, 1, settings.context_length, settings.ring_kv),
-                         inplace=inplace, expert_form=settings.decode_experts)
-    return prefill, decode
+    return backends.device_graphs(model, settings, inplace)
 
 
-@dataclass
-class CompiledGraphs:
-    runtime: HostRuntime
-    compile_s: float
-    cache_hits: list[bool]
-    recipe: str
-    info: dict[str, Any] = field(default_factory=dict)
-    report: Callable[[], dict[str, Any]] | None = None  # backend figures gathered after the run
-
-
-def compile_graphs(model: LoadedModel, prefill: dict[int, DeviceGraph], decode: DeviceGraph,
-                   settings: PortSettings, progress: bool = False) -> CompiledGraphs:
-    """Compile every graph with the settings' backend and wrap them in a host runtime."""
-    kv = decode.new_kv()
-    if settings.backend == "eager":
-        runtime = HostRuntime(model, dict(prefill), decode, kv, settings.context_length)
-        return CompiledGraphs(runtime, 0.0, [], "eager")
-    if settings.backend == "cpu":
-        from tqdm.auto import tqdm
-
-        from .compile_cpu import RECIPE, compile_graph
-        cache = ArtifactCache(settings.cache_dir)
-        graphs = [*prefill.items(), ("decode", decode)]
-        compiled = {}
-        for name, graph in tqdm(graphs, desc="compile", disable=not progress, leave=False):
-            compiled[name] = compile_graph(graph, cache)
-        steps = {k: v for k, v in compiled.items() if k != "decode"}
-        runtime = HostRuntime(model, steps, compiled["decode"], kv, settings.context_length)
-        return CompiledGraphs(runtime, sum(c.compile_s for c in compiled.values()),
-                              [c.cache_hit for c in compiled.values()], RECIPE,
-                              {"artifacts": {str(k): str(c.entry.path) for k, c in compiled.items()}})
-    if settings.backend == "xla":
-        from .backends.xla import compile_graphs_xla
-        return compile_graphs_xla(model, prefill, decode, settings)
-    from .recipes import compile_graphs_neuron
-    return compile_graphs_neuron(model, prefill, decode, settings)
+def compile_graphs(
+    model: LoadedModel, settings: PortSettings, *, graphs: Graphs | None = None, progress: bool = False
+) -> CompiledGraphs:
+    """Compile the device graphs with the settings' backend (`backends`) and wrap them in a host
+    runtime; `graphs` hands over prebuilt prefill and decode graphs (`cpu` and `eager` only)."""
+    return backends.compile_graphs(model, settings, graphs=graphs, progress=progress)
 
 
 def prefill_logits_error(model: LoadedModel, runtime: HostRuntime, ids: list[int]) -> float:
@@ -235,83 +105,164 @@ def prefill_logits_error(model: LoadedModel, runtime: HostRuntime, ids: list[int
     return float((device - reference_last_logits(model.lm, ids)).abs().max())
 
 
+GraphEdit = Callable[[DeviceGraph], None]
+
+
+def run_device(
+    model: LoadedModel,
+    settings: PortSettings,
+    ids: list[int],
+    eos: list[int],
+    *,
+    progress: bool = False,
+    bench: bool = True,
+    edit: GraphEdit | None = None,
+    baked_rank: bool = False,
+) -> dict[str, Any]:
+    """Build, compile and run the device graphs; the `device_run` part of the record.
+
+    `step_logits` (raw logits of every generated token, for LOGITS_MATCH) rides along as a tensor;
+    `record_run` takes it out before the record is written. `edit` changes the built graphs before
+    they are compiled and `baked_rank` bakes the TP rank in at trace time (the fault lab's hooks).
+    """
+    if backends.backend_for(settings) == "gloo":  # the TP plan's ranks as CPU processes
+        if edit is not None:
+            raise ValueError("graph edits apply to the single-device graphs (tp_degree 1)")
+        return backends.get_backend("gloo").run_device(model, settings, ids, eos, baked_rank=baked_rank)
+
+    graphs = None
+    if edit is not None:  # the fault lab's hook: the graphs are built here, edited, then compiled
+        graphs = build_graphs(model, settings)
+        for graph in (*graphs[0].values(), graphs[1]):
+            edit(graph)
+    compiled = compile_graphs(model, settings, graphs=graphs, progress=progress)
+    runtime = compiled.runtime
+    runtime.check_fits(ids, settings.max_new_tokens)
+    generation = runtime.generate(ids, settings.max_new_tokens, eos_token_ids=eos, keep_logits=True)
+    device_run: dict[str, Any] = {
+        "tokens": generation.tokens,
+        "step_logits": generation.step_logits,
+        "recipe": compiled.recipe,
+        "compile_s": compiled.compile_s,
+        "cache_hits": compiled.cache_hits,
+        "prefill_logits_max_abs_diff": prefill_logits_error(model, runtime, ids),
+        **compiled.info,
+    }
+    if bench:
+        figures = benchmark(runtime, ids, settings.max_new_tokens, settings.warmup, settings.iters, progress)
+        device_run.update(bench=figures.to_dict(), prefill_ms=figures.prefill_ms, decode_tok_s=figures.decode_tok_s)
+    if compiled.report:
+        device_run.update(compiled.report())
+    return device_run
+
+
+def judge_run(
+    model: LoadedModel,
+    settings: PortSettings,
+    ids: list[int],
+    eos: list[int],
+    tokens: list[int],
+    step_logits: torch.Tensor | None,
+) -> tuple[checks.CheckReport, list[int]]:
+    """The three checks of one device run against the host reference; (report, reference tokens)."""
+    reference = reference_greedy(model.lm, ids, settings.max_new_tokens, eos)
+    report = checks.evaluate(
+        model.lm, model.tokenizer, ids, tokens, reference, expect=settings.expect, step_logits=step_logits
+    )
+    if report.logits is not None and not report.logits.passed:
+        log.warning("%s", report.logits.explain())
+    return report, reference
+
+
+def reference_margin(model: LoadedModel, ids: list[int], tokens: list[int]) -> float | None:
+    """The smallest top-1 minus top-2 reference logit over the generated positions: how close
+    to a tie the model came (a witness wants small margins: any logit error flips a token)."""
+    if not tokens:
+        return None
+    top2 = teacher_forced_logits(model.lm, ids, tokens).topk(2, dim=-1).values
+    return float((top2[:, 0] - top2[:, 1]).min())
+
+
+def witness_settings(settings: PortSettings) -> PortSettings:
+    """The witness: the same variant, shapes and backend, with seeded random weights (so the same
+    compiled programs: parameters are loaded at run time, and the buffers the compiler folds in,
+    such as `layer_scalar`, hold the same values in the random and the trained tiny models)."""
+    return replace(settings, model="random", witness=False, results_dir=None)
+
+
+def witness_record(
+    model: LoadedModel, settings: PortSettings, ids: list[int], device_run: dict[str, Any]
+) -> dict[str, Any]:
+    """The witness's part of the record: its SEQ_MATCH and LOGITS_MATCH (it has no coherence)."""
+    tokens = device_run["tokens"]
+    report, reference = judge_run(model, settings, ids, [], tokens, device_run.get("step_logits"))
+    out = {
+        "model_source": model.source,
+        "seed": settings.seed,
+        "prompt_tokens": len(ids),
+        "new_tokens": len(tokens),
+        "distinct_tokens": len(set(tokens)),
+        "seq_match": report.seq_match,
+        "first_mismatch": report.first_mismatch,
+        "logits_match": report.logits_match,
+        **(report.logits.record() if report.logits else {}),
+        "reference_min_margin": reference_margin(model, ids, reference),
+        "tokens": tokens,
+        "reference_tokens": reference,
+        "recipe": device_run.get("recipe"),
+        "cache_hits": device_run.get("cache_hits"),
+        "artifacts": device_run.get("artifacts"),
+    }
+    out["passed"] = report.seq_match and report.logits_match is not False
+    return out
+
+
+def run_witness(
+    settings: PortSettings, *, progress: bool = False, artifacts: dict[str, str] | None = None
+) -> dict[str, Any]:
+    """Run the random-weights witness of `settings`' variant and return its record.
+
+    `artifacts`: the trained run's compiled artifacts; `same_programs` then says whether the
+    witness ran the very same ones (not when the compiler folded a parameter whose values differ
+    between the two models into the program: 31B's and 26B-A4B's tiny q/k norms)."""
+    w = witness_settings(settings)
+    model = load_model(w)
+    ids = prompt_ids(model, w)
+    device_run = run_device(model, w, ids, [], progress=progress, bench=False)
+    record = witness_record(model, w, ids, device_run)
+    if artifacts and record.get("artifacts"):
+        record["same_programs"] = record["artifacts"] == artifacts
+    return record
+
+
 def port(settings: PortSettings, progress: bool = False) -> dict[str, Any]:
     """Run the whole recipe and return (and, with results_dir, write) the result record."""
     started = time.perf_counter()
-    variant: Variant = settings.variant_spec
     torch.manual_seed(settings.seed)
     model = load_model(settings)
     ids = prompt_ids(model, settings)
     eos = eos_ids(model)
-
-    if settings.tp_degree > 1 and settings.backend == "cpu":  # the TP plan's ranks as CPU processes (gloo)
-        from .tp import run_tp_port
-        return _finish(settings, model, ids, eos, run_tp_port(model, settings, ids, eos), started)
-
-    prefill, decode = build_graphs(model, settings)
-    compiled = compile_graphs(model, prefill, decode, settings, progress)
-    runtime = compiled.runtime
-    runtime.check_fits(ids, settings.max_new_tokens)
-    generation = runtime.generate(ids, settings.max_new_tokens, eos_token_ids=eos)
-    logits_error = prefill_logits_error(model, runtime, ids)
-    figures = benchmark(runtime, ids, settings.max_new_tokens, settings.warmup, settings.iters, progress)
-    device_run = {
-        "tokens": generation.tokens,
-        "recipe": compiled.recipe,
-        "compile_s": compiled.compile_s,
-        "cache_hits": compiled.cache_hits,
-        "prefill_logits_max_abs_diff": logits_error,
-        "bench": figures.to_dict(),
-        "prefill_ms": figures.prefill_ms,
-        "decode_tok_s": figures.decode_tok_s,
-        **compiled.info,
-        **(compiled.report() if compiled.report else {}),
-    }
-    return _finish(settings, model, ids, eos, device_run, started)
+    device_run = run_device(model, settings, ids, eos, progress=progress)
+    witness = None
+    if settings.wants_witness:
+        witness = run_witness(settings, progress=progress, artifacts=device_run.get("artifacts"))
+    return record_run(settings, model, ids, eos, device_run, started, witness)
 
 
-def _finish(settings: PortSettings, model: LoadedModel, ids: list[int], eos: list[int],
-            device_run: dict[str, Any], started: float) -> dict[str, Any]:
-    variant = settings.variant_spec
-    reference = reference_greedy(model.lm, ids, settings.max_new_tokens, eos)
-    coherence = checks.expect_substring(settings.expect) if settings.expect and model.tokenizer else None
-    answer, reference_answer = decode_text(model, device_run["tokens"]), decode_text(model, reference)
-    report = checks.run_checks(device_run["tokens"], reference, answer, reference_answer, coherence)
-    result = {
-        "variant": variant.name,
-        "profile": settings.profile,
-        "backend": settings.backend,
-        "recipe": device_run.get("recipe"),
-        "inf2_recipe": variant.recipe,
-        "tp_degree": settings.tp_degree,
-        "model_source": model.source,
-        "seq_match": report.seq_match,
-        "coherent": report.coherent,
-        "coherence_rule": report.coherence_rule,
-        "answer": answer,
-        "reference_answer": reference_answer,
-        "new_tokens": len(device_run["tokens"]),
-        "tokens": device_run["tokens"],
-        "reference_tokens": reference,
-        "first_mismatch": report.first_mismatch,
-        "prompt_tokens": len(ids),
-        "prefill_ms": device_run.get("prefill_ms"),
-        "decode_tok_s": device_run.get("decode_tok_s"),
-        "compile_s": device_run.get("compile_s"),
-        "peak_rss_mb": peak_rss_mb(),
-        "wall_s": time.perf_counter() - started,
-        "layout": model.layout.describe(),
-        "params": model.param_count(),
-        "parameters": settings.parameters(),
-        "versions": versions(),
-        "machine": machine(),
-        **{k: v for k, v in device_run.items() if k not in ("tokens", "recipe", "prefill_ms", "decode_tok_s",
-                                                             "compile_s")},
-    }
+def record_run(
+    settings: PortSettings,
+    model: LoadedModel,
+    ids: list[int],
+    eos: list[int],
+    device_run: dict[str, Any],
+    started: float,
+    witness: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """The run record: the device run judged by the three checks (plus the witness's record when
+    given), with `failed_checks`, the one verdict the CLI, papermill and the fault lab apply."""
+    step_logits = device_run.get("step_logits")
+    report, reference = judge_run(model, settings, ids, eos, device_run["tokens"], step_logits)
+    result = build_record(settings, model, ids, device_run, report, reference, started=started, witness=witness)
     if settings.results_dir:
         result["result_file"] = str(write_result(result, Path(settings.results_dir)))
     return result
-
-
-def with_overrides(settings: PortSettings, **changes: Any) -> PortSettings:
-    return replace(settings, **changes)

@@ -25,14 +25,39 @@ import torch
 from torch import nn
 
 # Library modules whose code decides what a device graph computes.
-GRAPH_SOURCES = ("graph.py", "experts.py", "kv_layout.py", "tp/rank_graph.py", "tp/layers.py", "tp/plan.py",
-                 "tp/shard.py", "recipes/common.py", "recipes/neuron_trace.py", "recipes/neuron_model_builder.py")
+GRAPH_SOURCES = (
+    "graph.py",
+    "experts.py",
+    "kv_layout.py",
+    "tp/rank_graph.py",
+    "tp/layers.py",
+    "tp/plan.py",
+    "tp/shard.py",
+    "recipes/common.py",
+    "recipes/neuron_trace.py",
+    "recipes/neuron_model_builder.py",
+)
 
 # Config fields that never change the compiled program: bookkeeping, init, token ids used on the host.
-_PROGRAM_NEUTRAL = {"_name_or_path", "architectures", "transformers_version", "dtype", "torch_dtype",
-                    "initializer_range", "bos_token_id", "eos_token_id", "pad_token_id", "use_cache",
-                    "output_attentions", "output_hidden_states", "return_dict", "id2label", "label2id",
-                    "_attn_implementation_autoset", "_experts_implementation"}
+_PROGRAM_NEUTRAL = {
+    "_name_or_path",
+    "architectures",
+    "transformers_version",
+    "dtype",
+    "torch_dtype",
+    "initializer_range",
+    "bos_token_id",
+    "eos_token_id",
+    "pad_token_id",
+    "use_cache",
+    "output_attentions",
+    "output_hidden_states",
+    "return_dict",
+    "id2label",
+    "label2id",
+    "_attn_implementation_autoset",
+    "_experts_implementation",
+}
 
 
 def _tensor_bytes(tensor: torch.Tensor) -> bytes:

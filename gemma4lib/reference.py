@@ -1,11 +1,22 @@
-"""The host fp32 reference: Hugging Face's own greedy `generate` on the same prompt ids."""
+"""The host reference: Hugging Face's own greedy `generate` on the same prompt ids, and its logits
+for a given token sequence (teacher forcing), with the numerical spread of those logits.
+
+The spread is what makes the logit check's tolerance a property of the model instead of a
+constant: the same forward run on a float64 copy of the model (a float32 copy for a bf16/fp16
+model, whose own rounding dwarfs float32's) shows how far the reference's own arithmetic is from
+exact on that very sequence. A faithful compiled graph rounds differently but no worse.
+"""
 
 from __future__ import annotations
 
+import copy
+import logging
 from collections.abc import Sequence
 
 import torch
 from torch import nn
+
+log = logging.getLogger(__name__)
 
 
 def random_prompt(vocab_size: int, n: int, seed: int) -> list[int]:
@@ -15,14 +26,22 @@ def random_prompt(vocab_size: int, n: int, seed: int) -> list[int]:
 
 
 @torch.no_grad()
-def reference_greedy(lm: nn.Module, prompt_ids: Sequence[int], max_new_tokens: int,
-                     eos_token_ids: Sequence[int] = ()) -> list[int]:
+def reference_greedy(
+    lm: nn.Module, prompt_ids: Sequence[int], max_new_tokens: int, eos_token_ids: Sequence[int] = ()
+) -> list[int]:
     """Greedy tokens from `lm.generate` with the dynamic cache; eos switched off when none is given."""
     ids = torch.as_tensor(list(prompt_ids), dtype=torch.long)[None]
     eos = list(eos_token_ids) or None
-    out = lm.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False,
-                      eos_token_id=eos, pad_token_id=0, use_cache=True)
-    tokens = out[0, ids.shape[1]:].tolist()
+    out = lm.generate(
+        ids,
+        attention_mask=torch.ones_like(ids),
+        max_new_tokens=max_new_tokens,
+        do_sample=False,
+        eos_token_id=eos,
+        pad_token_id=0,
+        use_cache=True,
+    )
+    tokens = out[0, ids.shape[1] :].tolist()
     if eos:  # generate pads after eos when stopping early in a batch; keep up to and including eos
         for i, token in enumerate(tokens):
             if token in eos:
@@ -35,3 +54,47 @@ def reference_last_logits(lm: nn.Module, prompt_ids: Sequence[int]) -> torch.Ten
     """Softcapped logits of the last prompt token from a plain forward (what prefill must match)."""
     ids = torch.as_tensor(list(prompt_ids), dtype=torch.long)[None]
     return lm(ids).logits[0, -1].float()
+
+
+@torch.no_grad()
+def teacher_forced_logits(lm: nn.Module, prompt_ids: Sequence[int], tokens: Sequence[int]) -> torch.Tensor:
+    """HF's softcapped logits for each of `tokens` given everything before it: one forward over
+    prompt + tokens[:-1]; row i is what predicted tokens[i] (row 0: the last prompt token's).
+
+    `[len(tokens), vocab]` in float64 (exact for a float32 or bf16 model)."""
+    if not tokens:
+        raise ValueError("teacher forcing needs at least one generated token")
+    ids = torch.as_tensor([*prompt_ids, *tokens[:-1]], dtype=torch.long)[None]
+    logits = lm(ids, attention_mask=torch.ones_like(ids)).logits[0]
+    return logits[len(prompt_ids) - 1 :].to(torch.float64)
+
+
+def precise_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype that measures `dtype`'s rounding: float64 for float32, float32 for 16-bit ones
+    (half the memory of float64, and its error is invisible next to bf16's)."""
+    return torch.float32 if dtype in (torch.bfloat16, torch.float16) else torch.float64
+
+
+@torch.no_grad()
+def logits_spread(
+    lm: nn.Module, prompt_ids: Sequence[int], tokens: Sequence[int], reference: torch.Tensor | None = None
+) -> tuple[float, str]:
+    """Max |HF logits in the model's dtype − HF logits of a higher-precision copy| over the same
+    teacher-forced rows (softcapped both). Returns (spread, the copy's dtype name).
+
+    The copy costs one more model in memory (float64 of a float32 model, float32 of a bf16 one);
+    it is dropped before returning."""
+    if reference is None:
+        reference = teacher_forced_logits(lm, prompt_ids, tokens)
+    dtype = next(lm.parameters()).dtype
+    high = precise_dtype(dtype)
+    precise = copy.deepcopy(lm).to(high)
+    if getattr(precise.config, "_experts_implementation", None) == "grouped_mm":
+        precise.set_experts_implementation("eager")  # torch's grouped_mm takes no float64
+    try:
+        exact = teacher_forced_logits(precise, prompt_ids, tokens)
+    finally:
+        del precise
+    spread = float((reference - exact).abs().max())
+    log.info("reference logits spread %s vs %s: %.3g", dtype, high, spread)
+    return spread, str(high).replace("torch.", "")

@@ -34,9 +34,8 @@ import torch
 from torch import nn
 
 from .experts import EXPERT_SPLITS, default_expert_split
-from .kv_layout import KVLayout
-
 from .hardware import GB, GIB, INSTANCES, Inf2Instance  # noqa: F401  (re-exported for callers)
+from .kv_layout import KVLayout
 
 
 # ---- bytes per decode step ----------------------------------------------------------------------
@@ -67,8 +66,7 @@ class ParamCounts:
             return expert_split
         return default_expert_split(self.num_experts, self.moe_intermediate, max(1, tp))
 
-    def device_params(self, experts: str = "dense", tp: int = 1,
-                      expert_split: str | None = None) -> float:
+    def device_params(self, experts: str = "dense", tp: int = 1, expert_split: str | None = None) -> float:
         """Parameters read per decode step, summed over `tp` ranks (fractional for selective experts).
 
         Selective experts read `top_k / num_experts` of the expert weights on one device, and on
@@ -105,10 +103,15 @@ def count_params(lm: nn.Module) -> ParamCounts:
             other += param.numel()
     config = lm.config
     moe = bool(getattr(config, "enable_moe_block", False))
-    return ParamCounts(lm_head, ple, experts, other,
-                       int(getattr(config, "num_experts", 0) or 0) if moe else 0,
-                       int(getattr(config, "top_k_experts", 0) or 0) if moe else 0,
-                       int(getattr(config, "moe_intermediate_size", 0) or 0) if moe else 0)
+    return ParamCounts(
+        lm_head,
+        ple,
+        experts,
+        other,
+        int(getattr(config, "num_experts", 0) or 0) if moe else 0,
+        int(getattr(config, "top_k_experts", 0) or 0) if moe else 0,
+        int(getattr(config, "moe_intermediate_size", 0) or 0) if moe else 0,
+    )
 
 
 def meta_model(variant: Any, which: str = "real") -> nn.Module:
@@ -154,9 +157,17 @@ class DecodeBytes:
         return {**asdict(self), "total": self.total}
 
 
-def decode_bytes(model: Any, *, context_length: int, ring: bool = True, experts: str = "dense",
-                 dtype_bytes: int | None = None, batch: int = 1, tp: int = 1,
-                 expert_split: str | None = None) -> DecodeBytes:
+def decode_bytes(
+    model: Any,
+    *,
+    context_length: int,
+    ring: bool = True,
+    experts: str = "dense",
+    dtype_bytes: int | None = None,
+    batch: int = 1,
+    tp: int = 1,
+    expert_split: str | None = None,
+) -> DecodeBytes:
     """Bytes per decode step of `model`: a `LoadedModel`, a `*ForCausalLM`, or a variant name
     (its released config, counted on the meta device; bf16 unless `dtype_bytes` says otherwise).
 
@@ -236,9 +247,19 @@ def measure_bandwidth(size_mb: int = 512, repeats: int = 7, threads: int | None 
 
 
 # ---- measured vs ceiling (notebooks) -------------------------------------------------------------
-def compare(measured_tok_s: float, model: Any, *, device: str = "cpu", bandwidth_bytes_s: float | None = None,
-            context_length: int = 2048, ring: bool = True, experts: str = "dense", cores: int | None = None,
-            dtype_bytes: int | None = None, expert_split: str | None = None) -> dict[str, Any]:
+def compare(
+    measured_tok_s: float,
+    model: Any,
+    *,
+    device: str = "cpu",
+    bandwidth_bytes_s: float | None = None,
+    context_length: int = 2048,
+    ring: bool = True,
+    experts: str = "dense",
+    cores: int | None = None,
+    dtype_bytes: int | None = None,
+    expert_split: str | None = None,
+) -> dict[str, Any]:
     """Measured decode tok/s next to its roofline ceiling.
 
     `device`: "cpu" (pass `bandwidth_bytes_s`, or this machine's is measured now) or an inf2
@@ -246,8 +267,15 @@ def compare(measured_tok_s: float, model: Any, *, device: str = "cpu", bandwidth
     plan's MoE split on those cores (default: the plan's default).
     """
     tp = 1 if device == "cpu" or cores is None else int(cores)
-    steps = decode_bytes(model, context_length=context_length, ring=ring, experts=experts, dtype_bytes=dtype_bytes,
-                         tp=tp, expert_split=expert_split)
+    steps = decode_bytes(
+        model,
+        context_length=context_length,
+        ring=ring,
+        experts=experts,
+        dtype_bytes=dtype_bytes,
+        tp=tp,
+        expert_split=expert_split,
+    )
     if device == "cpu":
         if bandwidth_bytes_s is None:
             bandwidth_bytes_s = measure_bandwidth()["bandwidth_bytes_s"]
@@ -271,16 +299,24 @@ def rows_from_report(report: dict[str, Any], path: str = "gemma4lib") -> list[di
     rows = []
     for model in report.get("models", []):
         measured = model["paths"].get(path, {}).get("decode_tok_s")
-        rows.append({"label": model["name"], "device": "cpu", "measured_tok_s": measured,
-                     "ceiling_tok_s": model["ceiling_tok_s"],
-                     "roofline_fraction": model["roofline_fraction"].get(path),
-                     "bandwidth_gb_s": model["bandwidth"]["gb_s"], "bytes_per_step": model["bytes_per_step"]})
+        rows.append(
+            {
+                "label": model["name"],
+                "device": "cpu",
+                "measured_tok_s": measured,
+                "ceiling_tok_s": model["ceiling_tok_s"],
+                "roofline_fraction": model["roofline_fraction"].get(path),
+                "bandwidth_gb_s": model["bandwidth"]["gb_s"],
+                "bytes_per_step": model["bytes_per_step"],
+            }
+        )
     return rows
 
 
 # ---- the inf2 table (docs/ROOFLINE.md) ------------------------------------------------------------
-def inf2_table(contexts: Iterable[int] = (2048, 8192), variants: Iterable[str] | None = None,
-               dtype_bytes: int = 2) -> list[dict[str, Any]]:
+def inf2_table(
+    contexts: Iterable[int] = (2048, 8192), variants: Iterable[str] | None = None, dtype_bytes: int = 2
+) -> list[dict[str, Any]]:
     """Per variant, per experts form and KV form: bf16 bytes/token and the tok/s ceiling on each
     instance (all its cores) and on the recipe's own instance at its TP degree.
 
@@ -302,20 +338,29 @@ def inf2_table(contexts: Iterable[int] = (2048, 8192), variants: Iterable[str] |
         for context in contexts:
             for ring in (False, True):
                 for form, split in forms:
-                    steps = decode_bytes(lm, context_length=context, ring=ring, experts=form,
-                                         dtype_bytes=dtype_bytes)
-                    on_ranks = decode_bytes(lm, context_length=context, ring=ring, experts=form,
-                                            dtype_bytes=dtype_bytes, tp=tp, expert_split=split)
+                    steps = decode_bytes(lm, context_length=context, ring=ring, experts=form, dtype_bytes=dtype_bytes)
+                    on_ranks = decode_bytes(
+                        lm,
+                        context_length=context,
+                        ring=ring,
+                        experts=form,
+                        dtype_bytes=dtype_bytes,
+                        tp=tp,
+                        expert_split=split,
+                    )
                     recipe_instance = INSTANCES[variant.instance_type]
                     row = {
-                        "variant": variant.name, "context_length": context, "kv": "ring" if ring else "full",
-                        "experts": steps.experts_form, "expert_split": split,
-                        "weights_gb": steps.weights / GB, "kv_gb": steps.kv / GB,
+                        "variant": variant.name,
+                        "context_length": context,
+                        "kv": "ring" if ring else "full",
+                        "experts": steps.experts_form,
+                        "expert_split": split,
+                        "weights_gb": steps.weights / GB,
+                        "kv_gb": steps.kv / GB,
                         "total_gb": steps.total / GB,
                         "recipe": f"{variant.instance_type} TP={tp}",
                         "recipe_gb": on_ranks.total / GB,
-                        "recipe_ceiling_tok_s": ceiling_tok_s(
-                            on_ranks.total, recipe_instance.bandwidth_bytes_s(tp)),
+                        "recipe_ceiling_tok_s": ceiling_tok_s(on_ranks.total, recipe_instance.bandwidth_bytes_s(tp)),
                         "ceiling_tok_s": {},
                         "fits_hbm": {},
                     }
@@ -331,8 +376,9 @@ def inf2_table(contexts: Iterable[int] = (2048, 8192), variants: Iterable[str] |
 def _splits_at(counts: ParamCounts, tp: int) -> list[str]:
     """The expert splits possible at `tp`, the plan's default first."""
     default = counts.expert_split(tp)
-    possible = [s for s, n in (("intermediate", counts.moe_intermediate), ("experts", counts.num_experts))
-                if n and n % tp == 0]
+    possible = [
+        s for s, n in (("intermediate", counts.moe_intermediate), ("experts", counts.num_experts)) if n and n % tp == 0
+    ]
     return [default] + [s for s in possible if s != default] if default else possible
 
 
@@ -342,16 +388,20 @@ _SPLIT_LABEL = {"experts": "expert", "intermediate": "intermediate"}
 def format_inf2_table(rows: Sequence[dict[str, Any]]) -> str:
     """Markdown for `inf2_table` rows."""
     names = list(INSTANCES)
-    head = ("| variant | ctx | KV | experts | weights GB | KV GB | total GB | recipe reads GB | recipe ceiling tok/s | "
-            + " | ".join(names) + " |")
+    head = (
+        "| variant | ctx | KV | experts | weights GB | KV GB | total GB | recipe reads GB | recipe ceiling tok/s | "
+        + " | ".join(names)
+        + " |"
+    )
     lines = [head, "|" + "---|" * (9 + len(names))]
     for r in rows:
         cells = [f"{r['ceiling_tok_s'][n]:.0f}" if r["fits_hbm"][n] else "–" for n in names]
         experts = r["experts"]
         if experts == "selective" and r.get("expert_split"):
             experts += f" ({_SPLIT_LABEL.get(r['expert_split'], r['expert_split'])} split)"
-        lines.append(f"| {r['variant']} | {r['context_length']} | {r['kv']} | {experts} | {r['weights_gb']:.2f} | "
-                     f"{r['kv_gb']:.3f} | {r['total_gb']:.2f} | {r['recipe_gb']:.2f} | "
-                     f"{r['recipe_ceiling_tok_s']:.0f} ({r['recipe']}) | "
-                     + " | ".join(cells) + " |")
+        lines.append(
+            f"| {r['variant']} | {r['context_length']} | {r['kv']} | {experts} | {r['weights_gb']:.2f} | "
+            f"{r['kv_gb']:.3f} | {r['total_gb']:.2f} | {r['recipe_gb']:.2f} | "
+            f"{r['recipe_ceiling_tok_s']:.0f} ({r['recipe']}) | " + " | ".join(cells) + " |"
+        )
     return "\n".join(lines)

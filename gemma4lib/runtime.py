@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from .embedder import HostEmbedder
 from .errors import BadPromptError, BatchTooLargeError, PromptTooLongError, SettingsError
 from .loading import LoadedModel
 
@@ -37,8 +38,10 @@ class Sampling:
         if not 0.0 <= float(self.temperature) < float("inf"):
             raise SettingsError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
         if not 0.0 < float(self.top_p) <= 1.0:
-            raise SettingsError(f"top_p must be in (0, 1], got {self.top_p}; 1.0 keeps the whole distribution, "
-                                f"a small value such as 0.1 keeps only the most likely tokens")
+            raise SettingsError(
+                f"top_p must be in (0, 1], got {self.top_p}; 1.0 keeps the whole distribution, "
+                f"a small value such as 0.1 keeps only the most likely tokens"
+            )
 
     @property
     def greedy(self) -> bool:
@@ -55,8 +58,9 @@ def sampling_probs(logits: torch.Tensor, sampling: Sampling, cap: float | None) 
     return probs / probs.sum()
 
 
-def choose_token(logits: torch.Tensor, sampling: Sampling, cap: float | None,
-                 generator: torch.Generator | None = None) -> int:
+def choose_token(
+    logits: torch.Tensor, sampling: Sampling, cap: float | None, generator: torch.Generator | None = None
+) -> int:
     """Next token from raw device logits `[vocab]`: argmax (no softcap needed) or a sample."""
     if sampling.greedy:
         return int(torch.argmax(logits))
@@ -70,8 +74,9 @@ def encode_prompt(tokenizer: Any, prompt: str, chat: bool = True) -> list[int]:
     if not prompt.strip():
         raise BadPromptError("prompt is empty; pass a question, e.g. 'What is the capital of France?'")
     if chat and getattr(tokenizer, "chat_template", None):
-        ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
-                                            tokenize=True, return_dict=False)
+        ids = tokenizer.apply_chat_template(
+            [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True, return_dict=False
+        )
         return list(ids["input_ids"] if isinstance(ids, dict) else ids)
     return list(tokenizer(prompt)["input_ids"])
 
@@ -84,11 +89,69 @@ class Generation:
     prefill_s: float
     decode_s: list[float] = field(default_factory=list)  # one entry per decode step
     first_logits: torch.Tensor | None = None
+    # raw device logits of every generated token (prefill's, then each decode step's), `[n, vocab]`;
+    # kept only when asked (`generate(keep_logits=True)`): LOGITS_MATCH compares them per step
+    step_logits: torch.Tensor | None = None
 
     @property
     def decode_tok_s(self) -> float | None:
         total = sum(self.decode_s)
         return len(self.decode_s) / total if total > 0 else None
+
+
+@dataclass
+class DecodeRun:
+    """What `decode_loop` produced: the tokens, each decode step's seconds, and (when kept) the raw
+    logits of every generated token, the prefill's first."""
+
+    tokens: list[int]
+    step_s: list[float]
+    step_logits: torch.Tensor | None = None
+
+
+@torch.no_grad()
+def decode_loop(
+    step: Callable[[list[torch.Tensor], torch.Tensor], torch.Tensor],
+    embed: Callable[[torch.Tensor], list[torch.Tensor]],
+    first_logits: torch.Tensor,
+    position: int,
+    max_new_tokens: int,
+    *,
+    sampling: Sampling | None = None,
+    cap: float | None = None,
+    eos_token_ids: Sequence[int] = (),
+    on_token: Callable[[int], None] | None = None,
+    keep_logits: bool = False,
+    generator: torch.Generator | None = None,
+) -> DecodeRun:
+    """The one host decode loop: pick a token from the logits, embed it on the host, run one
+    decode step at the next position, until `max_new_tokens` or an eos token (kept).
+
+    `step(inputs, position)` runs the compiled decode graph and returns the `[vocab]` logits row;
+    how its K/V are held (host buffers appended, or device state) is the caller's business. The
+    host runtime, the TP ranks, the Neuron recipes' host loops and the benchmarks all come here.
+    """
+    sampling = sampling or Sampling()
+    eos = {int(t) for t in eos_token_ids}
+    token = choose_token(first_logits, sampling, cap, generator)
+    run = DecodeRun([token], [], None)
+    kept = [first_logits.float().clone()] if keep_logits else None
+    if on_token:
+        on_token(token)
+    while len(run.tokens) < max_new_tokens and token not in eos:
+        started = time.perf_counter()
+        logits = step(embed(torch.tensor([[token]])), torch.tensor([position]))
+        token = choose_token(logits, sampling, cap, generator)
+        run.step_s.append(time.perf_counter() - started)
+        if kept is not None:  # after the timing: keeping them is the check's cost, not decode's
+            kept.append(logits.float().clone())
+        run.tokens.append(token)
+        position += 1
+        if on_token:
+            on_token(token)
+    if kept is not None:
+        run.step_logits = torch.stack(kept)
+    return run
 
 
 class HostRuntime:
@@ -98,25 +161,25 @@ class HostRuntime:
     `step(inputs_embeds, [per_layer_inputs,] start, length, *kv) -> logits` and updates `kv` in place.
     """
 
-    def __init__(self, model: LoadedModel, prefill: dict[int, Step], decode: Step, kv: list[torch.Tensor],
-                 context_length: int, batch: int = 1, dtype: torch.dtype = torch.float32):
+    def __init__(
+        self,
+        model: LoadedModel,
+        prefill: dict[int, Step],
+        decode: Step,
+        kv: list[torch.Tensor],
+        context_length: int,
+        batch: int = 1,
+        dtype: torch.dtype = torch.float32,
+    ):
         self.model, self.prefill, self.decode, self.kv = model, dict(sorted(prefill.items())), decode, kv
         self.context_length, self.batch, self.dtype = context_length, batch, dtype
-        config = model.config
-        self.has_ple = bool(getattr(config, "hidden_size_per_layer_input", 0))
-        self.cap = getattr(config, "final_logit_softcapping", None)
+        self.embedder = HostEmbedder.from_text_model(model.text_model)
+        self.has_ple = self.embedder.has_ple
+        self.cap = getattr(model.config, "final_logit_softcapping", None)
 
-    # ---- host-side embeddings -------------------------------------------------------------
-    @torch.no_grad()
     def embed(self, ids: torch.Tensor, pad_to: int | None = None) -> list[torch.Tensor]:
-        """Word embeddings (scaled) and the PLE token-identity inputs, right-padded with zeros."""
-        text = self.model.text_model
-        parts = [text.embed_tokens(ids)]
-        if self.has_ple:
-            parts.append(text.get_per_layer_inputs(ids))
-        if pad_to is not None and pad_to > ids.shape[1]:
-            parts = [torch.cat([p, p.new_zeros(p.shape[0], pad_to - ids.shape[1], *p.shape[2:])], 1) for p in parts]
-        return [p.to(self.dtype) for p in parts]
+        """Word embeddings (scaled) and the PLE inputs on the host, right-padded with zeros."""
+        return self.embedder.inputs(ids, pad_to, self.dtype)
 
     def bucket_for(self, n_tokens: int) -> int:
         """The smallest compiled prefill length that holds the prompt."""
@@ -138,25 +201,37 @@ class HostRuntime:
         vocab = int(self.model.config.vocab_size)
         outside = sorted({int(t) for t in prompt_ids if not 0 <= int(t) < vocab})
         if outside:
-            raise BadPromptError(f"token ids {outside[:5]} are outside this model's vocabulary (0..{vocab - 1}); "
-                                 f"encode the text with this model's tokenizer (encode_prompt)")
+            raise BadPromptError(
+                f"token ids {outside[:5]} are outside this model's vocabulary (0..{vocab - 1}); "
+                f"encode the text with this model's tokenizer (encode_prompt)"
+            )
         if len(prompt_ids) + max_new_tokens - 1 > self.context_length:
             raise PromptTooLongError(len(prompt_ids), max_new_tokens, self.context_length)
         return self.bucket_for(len(prompt_ids))
 
     # ---- generation -------------------------------------------------------------------------
     @torch.no_grad()
-    def generate(self, prompt_ids: Sequence[int] | torch.Tensor, max_new_tokens: int, *,
-                 sampling: Sampling = Sampling(), eos_token_ids: Sequence[int] = (),
-                 on_token: Callable[[int], None] | None = None) -> Generation:
+    def generate(
+        self,
+        prompt_ids: Sequence[int] | torch.Tensor,
+        max_new_tokens: int,
+        *,
+        sampling: Sampling = Sampling(),
+        eos_token_ids: Sequence[int] = (),
+        on_token: Callable[[int], None] | None = None,
+        keep_logits: bool = False,
+    ) -> Generation:
         if isinstance(prompt_ids, str):
-            raise BadPromptError("generate() takes token ids, not text; encode the text first with "
-                                 "encode_prompt(tokenizer, prompt)")
+            raise BadPromptError(
+                "generate() takes token ids, not text; encode the text first with encode_prompt(tokenizer, prompt)"
+            )
         ids = torch.as_tensor(prompt_ids, dtype=torch.long)
         if ids.dim() == 2:
             if ids.shape[0] > self.batch:
-                raise BatchTooLargeError(f"batch of {ids.shape[0]} prompts, but the graphs were compiled for "
-                                         f"batch {self.batch}; send at most {self.batch} at a time or recompile")
+                raise BatchTooLargeError(
+                    f"batch of {ids.shape[0]} prompts, but the graphs were compiled for "
+                    f"batch {self.batch}; send at most {self.batch} at a time or recompile"
+                )
             ids = ids[0]
         ids_list = ids.tolist()
         bucket = self.check_fits(ids_list, max_new_tokens)
@@ -165,24 +240,23 @@ class HostRuntime:
 
         started = time.perf_counter()
         inputs = self.embed(ids[None], pad_to=bucket)
-        logits = self.prefill[bucket](*inputs, torch.tensor([0]), torch.tensor([n]), *self.kv)
-        token = choose_token(logits[0], sampling, self.cap, generator)
-        result = Generation(ids_list, [token], bucket, time.perf_counter() - started, first_logits=logits[0].clone())
-        if on_token:
-            on_token(token)
-
-        position = n
-        while len(result.tokens) < max_new_tokens and token not in eos_token_ids:
-            step_started = time.perf_counter()
-            inputs = self.embed(torch.tensor([[token]]))
-            logits = self.decode(*inputs, torch.tensor([position]), torch.tensor([1]), *self.kv)
-            token = choose_token(logits[0], sampling, self.cap, generator)
-            result.decode_s.append(time.perf_counter() - step_started)
-            result.tokens.append(token)
-            position += 1
-            if on_token:
-                on_token(token)
-        return result
+        first = self.prefill[bucket](*inputs, torch.tensor([0]), torch.tensor([n]), *self.kv)[0]
+        prefill_s = time.perf_counter() - started
+        one = torch.tensor([1])
+        run = decode_loop(
+            lambda inputs, position: self.decode(*inputs, position, one, *self.kv)[0],
+            self.embed,
+            first,
+            n,
+            max_new_tokens,
+            sampling=sampling,
+            cap=self.cap,
+            eos_token_ids=eos_token_ids,
+            on_token=on_token,
+            keep_logits=keep_logits,
+            generator=generator,
+        )
+        return Generation(ids_list, run.tokens, bucket, prefill_s, run.step_s, first.clone(), run.step_logits)
 
     def time_prefill(self, prompt_ids: Sequence[int]) -> float:
         """Seconds for one prefill of `prompt_ids` (host embeddings included, as a user sees it)."""

@@ -54,6 +54,7 @@ def build_backend(texts: list[str] | None = None, vocab_size: int = DEFAULT_VOCA
 
     if texts is None:
         from .corpus import tokenizer_texts
+
         # The role names of the chat template are learnt too: one token each, as in Gemma's vocabulary.
         texts = tokenizer_texts() + ["user\n", "model\n"]
     specials = special_tokens()
@@ -69,7 +70,8 @@ def build_backend(texts: list[str] | None = None, vocab_size: int = DEFAULT_VOCA
     )
     tok.train_from_iterator(texts, trainer=trainer)
     tok.post_processor = processors.TemplateProcessing(
-        single=f"{BOS} $A", pair=f"{BOS} $A {BOS} $B", special_tokens=[(BOS, BOS_ID)])
+        single=f"{BOS} $A", pair=f"{BOS} $A {BOS} $B", special_tokens=[(BOS, BOS_ID)]
+    )
     for i, t in enumerate(specials):
         if tok.token_to_id(t) != i:
             raise AssertionError(f"special token {t!r} landed at id {tok.token_to_id(t)}, not {i}")
@@ -82,7 +84,10 @@ def wrap(backend):
 
     tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=backend,
-        bos_token=BOS, eos_token=EOS, pad_token=PAD, unk_token=None,
+        bos_token=BOS,
+        eos_token=EOS,
+        pad_token=PAD,
+        unk_token=None,
         padding_side="left",
         add_bos_token=True,
         add_eos_token=False,
@@ -110,8 +115,10 @@ def load_tokenizer(path: str | Path):
 
     path = Path(path)
     if not (path / "tokenizer.json").is_file():
-        raise CheckpointError(f"{path} has no tokenizer.json; build one with "
-                              f"`gemma4lib.tokenizer.save_tokenizer(build_tokenizer(), path)`")
+        raise CheckpointError(
+            f"{path} has no tokenizer.json; build one with "
+            f"`gemma4lib.tokenizer.save_tokenizer(build_tokenizer(), path)`"
+        )
     tokenizer = PreTrainedTokenizerFast.from_pretrained(str(path))
     check_special_ids(tokenizer)
     return tokenizer

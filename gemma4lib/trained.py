@@ -19,7 +19,7 @@ from .artifacts import sha256_file
 from .errors import CheckpointError
 from .loading import LoadedModel, _text_classes
 from .tokenizer import load_tokenizer
-from .variants import VARIANTS, Variant, get_variant
+from .variants import Variant, get_variant
 
 FIXTURES_DIR = Path(__file__).resolve().parent / "fixtures"
 TOKENIZER_DIR = FIXTURES_DIR / "tokenizer"
@@ -37,8 +37,10 @@ def fixture_dir(variant: Variant | str, root: Path | None = None) -> Path:
 def read_provenance(root: Path | None = None) -> dict[str, Any]:
     path = (root or FIXTURES_DIR) / "PROVENANCE.json"
     if not path.is_file():
-        raise CheckpointError(f"{path} is missing; regenerate the fixtures with "
-                              f"`python scripts/train_tiny.py --variant all --out {root or FIXTURES_DIR}`")
+        raise CheckpointError(
+            f"{path} is missing; regenerate the fixtures with "
+            f"`python scripts/train_tiny.py --variant all --out {root or FIXTURES_DIR}`"
+        )
     return json.loads(path.read_text())
 
 
@@ -63,13 +65,17 @@ def verify_fixture_hashes(root: Path | None = None, variants: list[str] | None =
             problems.append(f"{rel}: sha256 {got[:12]}… != recorded {expected[:12]}…")
         checked[rel] = got
     if problems:
-        raise CheckpointError("trained fixtures do not match PROVENANCE.json (" + "; ".join(problems) +
-                              "); restore them from git or regenerate with scripts/train_tiny.py")
+        raise CheckpointError(
+            "trained fixtures do not match PROVENANCE.json ("
+            + "; ".join(problems)
+            + "); restore them from git or regenerate with scripts/train_tiny.py"
+        )
     return checked
 
 
-def load_trained(variant_name: str | Variant, dtype: torch.dtype = torch.float32, verify: bool = True,
-                 root: Path | None = None) -> LoadedModel:
+def load_trained(
+    variant_name: str | Variant, dtype: torch.dtype = torch.float32, verify: bool = True, root: Path | None = None
+) -> LoadedModel:
     """The shipped tiny trained model of a variant (fp32 by default) with the fixture tokenizer."""
     variant = variant_name if isinstance(variant_name, Variant) else get_variant(variant_name)
     root = root or FIXTURES_DIR
@@ -77,8 +83,10 @@ def load_trained(variant_name: str | Variant, dtype: torch.dtype = torch.float32
     if verify:
         verify_fixture_hashes(root, [variant.name])
     elif not (path / "model.safetensors").is_file():
-        raise CheckpointError(f"no trained fixture for {variant.name!r} at {path}; generate it with "
-                              f"`python scripts/train_tiny.py --variant {variant.name} --out {root}`")
+        raise CheckpointError(
+            f"no trained fixture for {variant.name!r} at {path}; generate it with "
+            f"`python scripts/train_tiny.py --variant {variant.name} --out {root}`"
+        )
     _, lm_cls = _text_classes(variant)
     lm = lm_cls.from_pretrained(str(path), dtype=dtype, attn_implementation=variant.attn_implementation)
     tokenizer = load_tokenizer(root / "tokenizer")
@@ -89,21 +97,16 @@ def save_fixture(lm: torch.nn.Module, path: Path) -> dict[str, str]:
     """Save a model as a fixture folder and check it reloads with identical tensors (buffers included)."""
     path.mkdir(parents=True, exist_ok=True)
     lm.save_pretrained(str(path), safe_serialization=True)
-    reloaded = type(lm).from_pretrained(str(path), dtype=torch.float32,
-                                        attn_implementation=lm.config._attn_implementation)
+    reloaded = type(lm).from_pretrained(
+        str(path), dtype=torch.float32, attn_implementation=lm.config._attn_implementation
+    )
     before, after = lm.state_dict(), reloaded.state_dict()
     if before.keys() != after.keys():
-        raise CheckpointError(f"fixture {path} reloads with different tensors: "
-                              f"{sorted(set(before) ^ set(after))}")
+        raise CheckpointError(f"fixture {path} reloads with different tensors: {sorted(set(before) ^ set(after))}")
     changed = [k for k in before if not torch.equal(before[k], after[k])]
     if changed:
         raise CheckpointError(f"fixture {path} reloads with different values for {changed}")
     return {name: sha256_file(path / name) for name in MODEL_FILES}
-
-
-def available_fixtures(root: Path | None = None) -> list[str]:
-    root = root or FIXTURES_DIR
-    return [name for name in VARIANTS if (root / name / "model.safetensors").is_file()]
 
 
 def fixture_available(variant_name: str | Variant, root: Path | None = None) -> bool:

@@ -29,8 +29,9 @@ import hashlib
 import logging
 import math
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -115,8 +116,7 @@ def encode_chats(tokenizer, chats: list[Chat]) -> Batch:
 
 def chat_prompt_ids(tokenizer, user: str) -> list[int]:
     """Token ids of a one-turn chat prompt, rendered by the tokenizer's own chat template."""
-    enc = tokenizer.apply_chat_template([{"role": "user", "content": user}], add_generation_prompt=True,
-                                        tokenize=True)
+    enc = tokenizer.apply_chat_template([{"role": "user", "content": user}], add_generation_prompt=True, tokenize=True)
     return list(enc["input_ids"] if hasattr(enc, "keys") else enc)
 
 
@@ -144,7 +144,8 @@ def host_embeddings(lm, ids: torch.Tensor, fault: str | None = None):
         return embeds, None
     if fault == "ple_unscaled":  # sqrt(hidden_per_layer) forgotten
         ple = F.embedding(ids, tm.embed_tokens_per_layer.weight).reshape(
-            *ids.shape, tm.config.num_hidden_layers, tm.hidden_size_per_layer_input)
+            *ids.shape, tm.config.num_hidden_layers, tm.hidden_size_per_layer_input
+        )
     else:
         ple = tm.get_per_layer_inputs(ids)
     if fault == "ple_zeroed":  # token table never loaded
@@ -168,9 +169,13 @@ def forward_segments(lm, segments: list[tuple[str | None, torch.Tensor]]) -> tor
     embeds = torch.cat([p[0] for p in parts])
     ple = torch.cat([p[1] for p in parts]) if parts[0][1] is not None else None
     length = embeds.shape[1]
-    mask_kwargs = dict(config=lm.config, inputs_embeds=embeds, past_key_values=None,
-                       attention_mask=torch.ones(embeds.shape[:2], dtype=torch.long),
-                       position_ids=torch.arange(length)[None])
+    mask_kwargs = dict(
+        config=lm.config,
+        inputs_embeds=embeds,
+        past_key_values=None,
+        attention_mask=torch.ones(embeds.shape[:2], dtype=torch.long),
+        position_ids=torch.arange(length)[None],
+    )
     full = create_causal_mask(**mask_kwargs)
     sliding = create_sliding_window_causal_mask(**mask_kwargs)
     start = 0
@@ -180,8 +185,12 @@ def forward_segments(lm, segments: list[tuple[str | None, torch.Tensor]]) -> tor
             sliding[start : start + ids.shape[0]] = full[start : start + ids.shape[0]]
         start += ids.shape[0]
     kwargs = {"per_layer_inputs": ple} if ple is not None else {}
-    return lm(inputs_embeds=embeds, attention_mask={"full_attention": full, "sliding_attention": sliding},
-              use_cache=False, **kwargs).logits
+    return lm(
+        inputs_embeds=embeds,
+        attention_mask={"full_attention": full, "sliding_attention": sliding},
+        use_cache=False,
+        **kwargs,
+    ).logits
 
 
 def trained_faults(lm) -> tuple[str, ...]:
@@ -207,13 +216,23 @@ def fault_margins(lm, batch: Batch, faults: tuple[str, ...] | None = None) -> di
     return out
 
 
-def train_variant(variant: Variant, tokenizer, cfg: TrainConfig | None = None,
-                  progress: Callable[[dict[str, float]], None] | None = None) -> TrainResult:
+def train_variant(
+    variant: Variant,
+    tokenizer,
+    cfg: TrainConfig | None = None,
+    progress: Callable[[dict[str, float]], None] | None = None,
+) -> TrainResult:
     """Train the tiny config of `variant` on the corpus; deterministic for a given seed and thread count."""
     cfg = cfg or TrainConfig()
     torch.manual_seed(cfg.seed)
-    loaded = build_tiny(variant, cfg.seed, vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id,
-                        eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id)
+    loaded = build_tiny(
+        variant,
+        cfg.seed,
+        vocab_size=len(tokenizer),
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+    )
     lm = loaded.lm
     if variant.is_moe:  # the data-dependent eager loop trains fastest on CPU (batched_mm ~7x slower)
         lm.set_experts_implementation("eager")
@@ -239,7 +258,9 @@ def train_variant(variant: Variant, tokenizer, cfg: TrainConfig | None = None,
             # the clean batch, then `fault_rows` different chats under each fault (a fresh draw each step)
             rows = torch.randperm(n, generator=gen)[: k_rows * len(faults)]
             subs = [rows[k * k_rows : (k + 1) * k_rows] for k in range(len(faults))]
-            segments = [(None, batch.input_ids)] + [(f, batch.input_ids[sub]) for f, sub in zip(faults, subs)]
+            segments = [(None, batch.input_ids)] + [
+                (f, batch.input_ids[sub]) for f, sub in zip(faults, subs, strict=True)
+            ]
             logits = forward_segments(lm, segments)
         else:
             logits = lm(input_ids=batch.input_ids, use_cache=False).logits
@@ -260,8 +281,9 @@ def train_variant(variant: Variant, tokenizer, cfg: TrainConfig | None = None,
                 break
         if step == cfg.max_steps:
             break
-        loss = F.cross_entropy(clean.reshape(-1, clean.shape[-1]).float(), batch.labels.reshape(-1),
-                               ignore_index=IGNORE)
+        loss = F.cross_entropy(
+            clean.reshape(-1, clean.shape[-1]).float(), batch.labels.reshape(-1), ignore_index=IGNORE
+        )
         record["loss"] = loss.item()
         if faults:
             hinge = []
@@ -298,9 +320,15 @@ def train_variant(variant: Variant, tokenizer, cfg: TrainConfig | None = None,
 def greedy_reply(lm, tokenizer, user: str, max_new_tokens: int = 16) -> tuple[str, list[int]]:
     """HF greedy `generate` on the chat prompt; the reply text (special tokens dropped) and its ids."""
     ids = torch.tensor([chat_prompt_ids(tokenizer, user)])
-    out = lm.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
-                      do_sample=False, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
-    new = out[0, ids.shape[1]:].tolist()
+    out = lm.generate(
+        input_ids=ids,
+        attention_mask=torch.ones_like(ids),
+        max_new_tokens=max_new_tokens,
+        do_sample=False,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    new = out[0, ids.shape[1] :].tolist()
     return tokenizer.decode(new, skip_special_tokens=True), new
 
 
@@ -326,8 +354,7 @@ def state_sha256(lm) -> str:
 
 
 @torch.no_grad()
-def greedy_under_fault(lm, tokenizer, prompt_ids: list[int], fault: str | None,
-                       max_new_tokens: int = 12) -> str:
+def greedy_under_fault(lm, tokenizer, prompt_ids: list[int], fault: str | None, max_new_tokens: int = 12) -> str:
     """Greedy reply (no KV cache, full recompute each step) with one host-runtime fault applied."""
     ids = list(prompt_ids)
     for _ in range(max_new_tokens):
@@ -336,7 +363,7 @@ def greedy_under_fault(lm, tokenizer, prompt_ids: list[int], fault: str | None,
         ids.append(nxt)
         if nxt == tokenizer.eos_token_id:
             break
-    return tokenizer.decode(ids[len(prompt_ids):], skip_special_tokens=True)
+    return tokenizer.decode(ids[len(prompt_ids) :], skip_special_tokens=True)
 
 
 @torch.no_grad()
@@ -362,7 +389,7 @@ def fault_answers(lm, tokenizer, user: str | None = None) -> dict[str, str]:
             layer.layer_scalar.fill_(1.0)
         out["layer_scalar_at_init"] = greedy_under_fault(lm, tokenizer, prompt, None)
     finally:
-        for layer, s in zip(lm.model.layers, saved):
+        for layer, s in zip(lm.model.layers, saved, strict=True):
             layer.layer_scalar.copy_(s)
     gemma3 = tokenizer(f"<start_of_turn>user\n{user}<end_of_turn>\n<start_of_turn>model\n")["input_ids"]
     out["gemma3_chat_markers"] = greedy_under_fault(lm, tokenizer, gemma3, None)

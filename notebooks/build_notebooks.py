@@ -19,10 +19,9 @@ from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
-from gemma4lib.roofline import INSTANCES  # noqa: E402
 from gemma4lib.memory_plan import plan_core_memory  # noqa: E402
-from gemma4lib.recipes.neuron_env import (DLAMI, DLAMI_VENV, INF2_PYTHON, NEURON_SDK_RELEASE, SDK_PINS,  # noqa: E402
-                                          TRANSFORMERS_PIN)
+from gemma4lib.recipes.neuron_env import DLAMI, DLAMI_VENV, INF2_PYTHON, NEURON_SDK_RELEASE, SDK_PINS, TRANSFORMERS_PIN  # noqa: E402
+from gemma4lib.roofline import INSTANCES  # noqa: E402
 from gemma4lib.variants import VARIANTS  # noqa: E402
 
 KERNELSPEC = {"name": "python3", "display_name": "Python 3", "language": "python"}
@@ -71,17 +70,25 @@ def code(text: str, tags: list[str] | None = None):
 
 # ---- shared blocks ------------------------------------------------------------------------------
 
+
 def sdk_line() -> str:
     pins = ", ".join(f"{name} {versions[0]}" for name, versions in SDK_PINS.items())
-    return (f"{DLAMI}, venv `{DLAMI_VENV}` (Python {INF2_PYTHON}), Neuron SDK {NEURON_SDK_RELEASE}: {pins}; "
-            f"+ transformers {TRANSFORMERS_PIN}")
+    return (
+        f"{DLAMI}, venv `{DLAMI_VENV}` (Python {INF2_PYTHON}), Neuron SDK {NEURON_SDK_RELEASE}: {pins}; "
+        f"+ transformers {TRANSFORMERS_PIN}"
+    )
 
 
 def runs_on(name: str) -> str:
     v = VARIANTS[name]
     inst = INSTANCES[v.instance_type]
-    chips, cores, host_ram, hbm, bandwidth = (inst.chips, inst.neuron_cores, inst.host_ram_gib, inst.hbm_gib,
-                                             inst.hbm_gib_s)
+    chips, cores, host_ram, hbm, bandwidth = (
+        inst.chips,
+        inst.neuron_cores,
+        inst.host_ram_gib,
+        inst.hbm_gib,
+        inst.hbm_gib_s,
+    )
     plan = plan_core_memory(v, context_length=2048)
     host_note = HOST_RAM_NOTE.get(name, "the model is loaded in bf16 on the host before it is compiled")
     return f"""
@@ -101,11 +108,18 @@ def runs_on(name: str) -> str:
 def parameters_cell(name: str, extra: str = "") -> object:
     v = VARIANTS[name]
     context, buckets = 128, "[64]"  # the library's smoke shapes: the artifact cache is shared with its tests
-    experts = 'decode_experts = "selective"  # MoE decode: "selective" (the k routed experts) or "dense" (all)\n' \
-        if v.is_moe else ""
-    tp_demo = (f"tp_demo = {TP_DEMO[name]}  # ranks in the CPU tensor-parallel demonstration (0: skip)\n"
-               if TP_DEMO[name] else "")
-    return code(f"""
+    experts = (
+        'decode_experts = "selective"  # MoE decode: "selective" (the k routed experts) or "dense" (all)\n'
+        if v.is_moe
+        else ""
+    )
+    tp_demo = (
+        f"tp_demo = {TP_DEMO[name]}  # ranks in the CPU tensor-parallel demonstration (0: skip)\n"
+        if TP_DEMO[name]
+        else ""
+    )
+    return code(
+        f"""
 variant = "{name}"
 profile = "smoke"  # "smoke": tiny model on CPU; "full": the real checkpoint on inf2
 model = "auto"  # smoke: the tiny trained fixture; "random" for equality-only runs
@@ -123,7 +137,10 @@ iters = 3
 threads = 1  # torch threads for the benchmark (recorded with it)
 {tp_demo}results_path = "../runs/notebooks/{name}.json"
 interactive = False  # True: show the chat box at the end (needs a live Jupyter front end)
-""" + extra, tags=["parameters"])
+"""
+        + extra,
+        tags=["parameters"],
+    )
 
 
 def parameters_intro(name: str) -> object:
@@ -167,7 +184,7 @@ import time
 import torch
 
 from gemma4lib import notebook as nb, plots
-from gemma4lib.bench import benchmark
+from gemma4lib.benchmarks.timing import benchmark
 from gemma4lib.port import PortSettings, build_graphs, compile_graphs, eos_ids, load_model, prompt_ids
 from gemma4lib.reference import reference_greedy
 
@@ -197,8 +214,14 @@ nb.show_settings(s)
 
 def load_cells(name: str) -> list:
     v = VARIANTS[name]
-    unified = ("The 12B ships as `Gemma4UnifiedForConditionalGeneration`, the multimodal class without "
-               "separate vision or audio encoders; its text decoder is taken out the same way. ") if v.unified else ""
+    unified = (
+        (
+            "The 12B ships as `Gemma4UnifiedForConditionalGeneration`, the multimodal class without "
+            "separate vision or audio encoders; its text decoder is taken out the same way. "
+        )
+        if v.unified
+        else ""
+    )
     return [
         md(f"""
 ## 1. Load the model
@@ -231,18 +254,18 @@ def graph_cells(name: str) -> list:
     v = VARIANTS[name]
     extra = {
         "e2b": " For E2B there are two host-side inputs: the scaled word embeddings and the PLE inputs, "
-               "one 16-wide vector per layer per token in the tiny model (256-wide in the real one).",
+        "one 16-wide vector per layer per token in the tiny model (256-wide in the real one).",
         "e4b": " As for E2B, the PLE inputs arrive as a graph input computed on the host.",
         "26b-a4b": " The experts are swapped for a static form here: prefill always computes all experts "
-                   "and masks them to the routed top-k; decode uses `decode_experts`.",
+        "and masks them to the routed top-k; decode uses `decode_experts`.",
     }.get(name, "")
     recipe_note = {
         "trace": "On inf2, E2B's recipe hands these graphs to `torch_neuronx.trace` on one NeuronCore, with "
-                 "the K/V buffers held as parameters and aliased to the outputs that update them.",
+        "the K/V buffers held as parameters and aliased to the outputs that update them.",
         "model_builder": "On inf2 this variant goes through NxD `ModelBuilder`: one rank is compiled, the "
-                         "weights are sharded per rank from a checkpoint loader, the rank number is a "
-                         "runtime tensor, and the decode graph is the priority model whose weight layout "
-                         "the compiler optimises.",
+        "weights are sharded per rank from a checkpoint loader, the rank number is a "
+        "runtime tensor, and the decode graph is the priority model whose weight layout "
+        "the compiler optimises.",
     }[v.recipe]
     return [
         md(f"""
@@ -270,7 +293,7 @@ graph. The packages go into an artifact cache keyed by everything that changes t
 a second run loads them in a second instead of compiling again. {recipe_note}
 """),
         code("""
-compiled = compile_graphs(model, prefill, decode, s, progress=True)
+compiled = compile_graphs(model, s, progress=True)  # each backend builds the graph form its compiler needs
 nb.describe_compile(compiled)
 """),
     ]
@@ -283,9 +306,11 @@ def check_cells() -> list:
 
 The host runtime embeds the prompt, runs the smallest prefill bucket that fits, then loops the
 decode graph one token at a time with greedy argmax until `<eos>`/`<turn|>` or `max_new_tokens`.
+`keep_logits=True` also keeps the raw logits of every step, for the logit check below.
 """),
         code("""
-generation = compiled.runtime.generate(ids, s.max_new_tokens, eos_token_ids=eos_ids(model))
+generation = compiled.runtime.generate(ids, s.max_new_tokens, eos_token_ids=eos_ids(model),
+                                       keep_logits=True)
 nb.answer_text(model, generation.tokens)
 """),
         md("""
@@ -298,17 +323,36 @@ reference = reference_greedy(model.lm, ids, s.max_new_tokens, eos_ids(model))
 nb.answer_text(model, reference)
 """),
         md("""
-## 6. SEQ_MATCH and coherence, side by side
+## 6. SEQ_MATCH, LOGITS_MATCH and coherence, side by side
 
-Two checks, because neither implies the other. **SEQ_MATCH** (the device's tokens equal the
-reference's, one for one) shows the compiled graph is faithful to transformers' forward.
-**Coherence** (the answer contains "Paris") shows that what both of them computed is right. A
-fault upstream of both, like a mangled chat prompt or wrong PLE inputs, passes the first check and
-fails only the second.
+Three checks, because none implies the others. **SEQ_MATCH** (the device's tokens equal the
+reference's, one for one) shows the compiled graph is faithful to transformers' forward, as far
+as tokens can show it: this model answers with margins of several logits, so an error of 0.1 in
+every logit leaves every token alone. **LOGITS_MATCH** compares the device's logits at every
+generated position, prefill and each decode step, with the reference's logits for the same
+tokens (one forward over prompt + device tokens), within a tolerance taken from the reference's
+own rounding on that sequence: 8 × the largest difference between the reference and a float64
+copy of itself, never below 1e-5. **Coherence** (the answer contains "Paris") shows that what
+both of them computed is right. A fault upstream of both, like a mangled chat prompt or wrong PLE
+inputs, passes both equality checks and fails only the last.
 """),
         code("""
-report = nb.check(model, s, generation.tokens, reference)
+report = nb.check(model, s, generation, reference)
 nb.side_by_side(report, generation.tokens, reference)
+"""),
+        md("""
+### The witness
+
+The same compiled programs also run a seeded random-weights model of this architecture (the
+weights are handed to the compiled program at load time; the buffers the compiler folds in,
+such as `layer_scalar`, hold the same values in both tiny models). Random weights have near-ties
+where the trained model has margins of several logits, so any logit error turns into another
+token: the witness's SEQ_MATCH and LOGITS_MATCH are the sensitive checks, the trained model's
+coherence the meaningful one. It runs in the smoke profile.
+"""),
+        code("""
+witness = nb.run_witness(s, compiled) if s.wants_witness else None
+nb.witness_table(witness)
 """),
     ]
 
@@ -339,14 +383,16 @@ nb.bench_table(figures, s, ceiling)
         md("""
 ## 8. Record
 
-One JSON file per run: settings, both checks, tokens, timings, the K/V layout, package versions,
-git commit and machine, plus what the demonstrations found. It is written atomically to
-`results_path`; `papermill_runs` collects these files and compares them with the baselines.
+One JSON file per run: settings, the three checks (and the witness's), tokens, timings, the K/V
+layout, package versions, git commit and machine, plus what the demonstrations found. It is
+written atomically to `results_path`; `papermill_runs` collects these files and compares them
+with the baselines.
 """),
         code("""
 result = nb.record(s, model, ids, compiled, generation.tokens, reference, report, figures, results_path,
-                   started, extra={"demos": demos, "roofline": ceiling})
-{k: result[k] for k in ("variant", "recipe", "seq_match", "coherent", "prefill_ms", "decode_tok_s", "compile_s")}
+                   started, extra={"demos": demos, "roofline": ceiling}, witness=witness)
+{k: result.get(k) for k in ("variant", "recipe", "seq_match", "logits_match", "coherent",
+                            "checks_passed", "prefill_ms", "decode_tok_s", "compile_s")}
 """),
         md("""
 ## 9. Plots
@@ -378,14 +424,18 @@ if interactive:
 
 def tp_demo_cells(name: str, intro: str, prefill: str = "graph", baked_rank: bool = False) -> list:
     args = (f', prefill="{prefill}"' if prefill != "graph" else "") + (", with_baked_rank=True" if baked_rank else "")
-    return [md(intro), code(f"""
+    return [
+        md(intro),
+        code(f"""
 if tp_demo:
     demos["tp_cpu"] = nb.tp_demo(model, ids, s, tp_demo{args})
     display(demos["tp_cpu"])
-""")]
+"""),
+    ]
 
 
 # ---- per-variant features -------------------------------------------------------------------------
+
 
 def features_e2b() -> list:
     return [
@@ -497,12 +547,16 @@ nb.tp_fit("e4b")
         code("""
 nb.kv_heads_under_tp("e4b", 2)
 """),
-    ] + tp_demo_cells("e4b", """
+    ] + tp_demo_cells(
+        "e4b",
+        """
 The same sharding plan, run for real on CPU: one process per rank, each holding only its shard,
 talking through gloo collectives. Like the E4B recipe on inf2, the prompt is prefilled by the
 unsharded model on the host and every rank starts decoding from its slice of that K/V
 ("CPU-seeded prefill"). The tokens must equal the reference's.
-""", prefill="cpu-seeded")
+""",
+        prefill="cpu-seeded",
+    )
 
 
 def features_12b() -> list:
@@ -551,10 +605,13 @@ nb.kv_heads_under_tp("12b", 2)
         code("""
 nb.tp_fit("12b")
 """),
-    ] + tp_demo_cells("12b", """
+    ] + tp_demo_cells(
+        "12b",
+        """
 The tiny model has the same shape of problem (1 global KV head, 2 sliding ones), so a CPU run at
 TP=2 exercises the replicated global head and the sharded sliding heads together:
-""")
+""",
+    )
 
 
 def features_31b() -> list:
@@ -591,10 +648,13 @@ global heads must be replicated as well:
         code("""
 nb.kv_heads_under_tp("31b", tp_demo or 4, config=model.config)
 """),
-    ] + tp_demo_cells("31b", """
+    ] + tp_demo_cells(
+        "31b",
+        """
 And run, one process per rank, each rank holding only its shard and its copies of the global KV
 heads:
-""")
+""",
+    )
 
 
 def features_26b() -> list:
@@ -649,7 +709,9 @@ nb.tp_fit("26b-a4b")
         code("""
 nb.kv_heads_under_tp("26b-a4b", 8)
 """),
-    ] + tp_demo_cells("26b-a4b", """
+    ] + tp_demo_cells(
+        "26b-a4b",
+        """
 ### The rank must be a runtime value
 
 Under TP each rank computes its own slice of the experts and must pick the matching columns of
@@ -658,11 +720,12 @@ a Python integer, baked into the single-rank `ModelBuilder` trace as 0, so every
 experts with rank 0's routing weights. Device output was empty while the CPU and the unit tests
 were fine. The library reads the rank from an int32 tensor that each rank loads with its weights.
 The cell runs the sharded model both ways on CPU:
-""", baked_rank=True)
+""",
+        baked_rank=True,
+    )
 
 
-FEATURES = {"e2b": features_e2b, "e4b": features_e4b, "12b": features_12b, "31b": features_31b,
-            "26b-a4b": features_26b}
+FEATURES = {"e2b": features_e2b, "e4b": features_e4b, "12b": features_12b, "31b": features_31b, "26b-a4b": features_26b}
 
 INTRO = {
     "e2b": """
@@ -781,19 +844,27 @@ demos["equality_is_not_enough"]
 """),
         ]
     cells += bench_record_cells(name)
-    cells.append(md(TAKEAWAYS[name] + f"""
+    cells.append(
+        md(
+            TAKEAWAYS[name]
+            + f"""
 To run the real thing, see the parameters cell: `profile="full"`, `backend="neuron"`,
 `tp_degree={v.tp_degree}`, and a checkpoint. Everything above runs unchanged.
-"""))
+"""
+        )
+    )
     return cells
 
 
 # ---- overview -----------------------------------------------------------------------------------
 
+
 def overview_cells() -> list:
     rows = "\n".join(
         f"| [{f}]({f}) | {v.upper()} | `{VARIANTS[v].instance_type}` | {VARIANTS[v].tp_degree} | {VARIANTS[v].recipe} |"
-        for f, v in NOTEBOOKS.items() if v)
+        for f, v in NOTEBOOKS.items()
+        if v
+    )
     return [
         md(f"""
 # Gemma-4 on AWS Inferentia2: the family at a glance
@@ -822,7 +893,8 @@ wrong. The other notebooks port one variant each, step by step.
 its own output folder). The last section uses `demo_variant`'s tiny model on the CPU, whatever the
 profile.
 """),
-        code("""
+        code(
+            """
 profile = "smoke"
 results_dir = "../runs/notebooks"  # where the variant notebooks wrote their JSON records
 demo_variant = "e2b"  # tiny model used by the "equality is not enough" demonstration
@@ -830,13 +902,15 @@ prompt = "What is the capital of France?"
 expect = "Paris"
 threads = 1
 results_path = "../runs/notebooks/overview.json"
-""", tags=["parameters"]),
+""",
+            tags=["parameters"],
+        ),
         code("""
 %matplotlib inline
 import torch
 
 from gemma4lib import notebook as nb, plots
-from gemma4lib.port import PortSettings, build_graphs, compile_graphs, load_model
+from gemma4lib.port import PortSettings, compile_graphs, load_model
 
 torch.set_num_threads(threads)
 """),
@@ -894,8 +968,8 @@ nb.recipe_table()
         md("""
 ## The last run
 
-The newest record of each variant in `results_dir`: both checks, and the benchmark figures. In
-the smoke profile these are tiny models on a CPU; the bar colour says whether both checks passed.
+The newest record of each variant in `results_dir`: the checks, and the benchmark figures. In
+the smoke profile these are tiny models on a CPU; the bar colour says whether every check passed.
 """),
         code("""
 results = nb.load_results(results_dir)
@@ -920,7 +994,7 @@ hand-built one both pass SEQ_MATCH, and only the coherence check tells them apar
         code("""
 demo = PortSettings(variant=demo_variant, backend="eager", prompt=prompt, expect=expect, max_new_tokens=16)
 demo_model = load_model(demo)
-demo_graphs = compile_graphs(demo_model, *build_graphs(demo_model, demo), demo)
+demo_graphs = compile_graphs(demo_model, demo)
 equality_demo = nb.equality_is_not_enough(demo_model, demo_graphs.runtime, demo)
 equality_demo
 """),
@@ -947,6 +1021,7 @@ overview["variants_found"]
 
 
 # ---- writing ----------------------------------------------------------------------------------
+
 
 def build(name: str | None):
     nb = new_notebook(cells=overview_cells() if name is None else variant_notebook(name))

@@ -8,5 +8,13 @@ for the configuration.
 from .baselines import Verdict, judge, judge_all, load_baseline, load_tolerances, machine_kind
 from .run import VARIANT_NOTEBOOKS, main
 
-__all__ = ["VARIANT_NOTEBOOKS", "Verdict", "judge", "judge_all", "load_baseline", "load_tolerances",
-           "machine_kind", "main"]
+__all__ = [
+    "VARIANT_NOTEBOOKS",
+    "Verdict",
+    "judge",
+    "judge_all",
+    "load_baseline",
+    "load_tolerances",
+    "machine_kind",
+    "main",
+]

@@ -8,7 +8,8 @@ regression, and whether the metric gates the verdict or is only reported.
 Verdicts, worst first:
 
 - `error`: the notebook failed (or wrote no record);
-- `fail`: a correctness check failed (SEQ_MATCH, coherence, logits, the answer changed);
+- `fail`: a correctness check failed (SEQ_MATCH, LOGITS_MATCH, coherence, the witness's
+  SEQ_MATCH or LOGITS_MATCH, the prefill logits bound, the answer changed);
 - `regression`: a gated metric is worse than its baseline beyond tolerance;
 - `no-baseline`: nothing to compare with (no file, or no entry for the variant). It fails the run
   unless `--allow-missing-baseline` (or `--update-baseline`, which writes one);
@@ -40,8 +41,23 @@ SCHEMA = 1
 LOWER, HIGHER = "lower_is_better", "higher_is_better"
 STATUS_ORDER = ("pass", "no-baseline", "regression", "fail", "error")
 # what a baseline entry keeps of a result
-BASELINE_KEYS = ("seq_match", "coherent", "answer", "model_source", "recipe", "tp_degree", "new_tokens",
-                 "prefill_ms", "decode_tok_s", "compile_s", "peak_rss_mb", "prefill_logits_max_abs_diff")
+BASELINE_KEYS = (
+    "seq_match",
+    "logits_match",
+    "coherent",
+    "answer",
+    "model_source",
+    "recipe",
+    "tp_degree",
+    "new_tokens",
+    "prefill_ms",
+    "decode_tok_s",
+    "compile_s",
+    "peak_rss_mb",
+    "prefill_logits_max_abs_diff",
+    "logits_max_err",
+    "logits_tolerance",
+)
 
 
 def machine_kind() -> str:
@@ -60,10 +76,12 @@ def baseline_path(profile: str, kind: str, root: Path | None = None) -> Path:
 
 # ---- tolerances -----------------------------------------------------------------------------------
 
+
 def _merge(base: Mapping[str, Any], override: Mapping[str, Any]) -> dict[str, Any]:
     out = dict(base)
     for key, value in override.items():
-        out[key] = _merge(out[key], value) if isinstance(value, Mapping) and isinstance(out.get(key), Mapping) else value
+        nested = isinstance(value, Mapping) and isinstance(out.get(key), Mapping)
+        out[key] = _merge(out[key], value) if nested else value
     return out
 
 
@@ -77,7 +95,7 @@ def load_tolerances(profile: str, path: Path | None = None) -> dict[str, Any]:
     except (OSError, json.JSONDecodeError) as exc:
         raise BaselineError(f"tolerance file {path} is not valid JSON: {exc}") from None
     if not isinstance(data, dict) or data.get("schema") != SCHEMA or not isinstance(data.get("default"), dict):
-        raise BaselineError(f"tolerance file {path} must be an object with \"schema\": {SCHEMA} and a \"default\" block")
+        raise BaselineError(f'tolerance file {path} must be an object with "schema": {SCHEMA} and a "default" block')
     merged = _merge(data["default"], (data.get("profiles") or {}).get(profile) or {})
     problems = []
     for name, rule in (merged.get("metrics") or {}).items():
@@ -102,6 +120,7 @@ def load_tolerances(profile: str, path: Path | None = None) -> dict[str, Any]:
 
 # ---- baseline files -------------------------------------------------------------------------------
 
+
 def _check_entry(name: str, entry: Any, metrics: Iterable[str]) -> list[str]:
     if not isinstance(entry, dict):
         return [f"variants.{name} is not an object"]
@@ -110,6 +129,10 @@ def _check_entry(name: str, entry: Any, metrics: Iterable[str]) -> list[str]:
         problems.append(f"variants.{name}.seq_match must be true or false")
     if entry.get("coherent") not in (True, False, None):
         problems.append(f"variants.{name}.coherent must be true, false or null")
+    if entry.get("logits_match") not in (True, False, None):
+        problems.append(f"variants.{name}.logits_match must be true, false or null")
+    if entry.get("witness") is not None and not isinstance(entry.get("witness"), dict):
+        problems.append(f"variants.{name}.witness must be an object or null")
     for metric in metrics:
         value = entry.get(metric)
         if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0):
@@ -126,8 +149,9 @@ def load_baseline(path: Path, profile: str, kind: str, metrics: Iterable[str] = 
     try:
         data = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError) as exc:
-        raise BaselineError(f"baseline {path} is not valid JSON ({exc}); fix it, or delete it and rerun with "
-                            f"--update-baseline") from None
+        raise BaselineError(
+            f"baseline {path} is not valid JSON ({exc}); fix it, or delete it and rerun with --update-baseline"
+        ) from None
     problems = []
     if not isinstance(data, dict):
         problems.append("top level is not an object")
@@ -140,18 +164,23 @@ def load_baseline(path: Path, profile: str, kind: str, metrics: Iterable[str] = 
             problems.append(f"machine_kind is {data.get('machine_kind')!r}, expected {kind!r}")
         variants = data.get("variants")
         if not isinstance(variants, dict):
-            problems.append("\"variants\" is not an object")
+            problems.append('"variants" is not an object')
         else:
             for name, entry in variants.items():
                 problems += _check_entry(name, entry, metrics)
     if problems:
-        raise BaselineError(f"baseline {path} is malformed: " + "; ".join(problems) +
-                            "; fix it, or delete it and rerun with --update-baseline")
+        raise BaselineError(
+            f"baseline {path} is malformed: "
+            + "; ".join(problems)
+            + "; fix it, or delete it and rerun with --update-baseline"
+        )
     return data
 
 
 def baseline_entry(result: Mapping[str, Any]) -> dict[str, Any]:
     entry = {k: result.get(k) for k in BASELINE_KEYS}
+    witness = result.get("witness")
+    entry["witness"] = None if not witness else {k: witness.get(k) for k in ("seq_match", "logits_match")}
     entry["git_sha"] = (result.get("versions") or {}).get("git_sha")
     entry["recorded"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     return entry
@@ -165,18 +194,30 @@ def smoothed(name: str, metric: str, current: Any, history: Iterable[Mapping[str
     compared with instead."""
     if current is None or runs <= 1:
         return current
-    past = [h["metrics"][metric] for h in history
-            if h.get("variant") == name and h.get("verdict") not in ("fail", "error")
-            and isinstance(h.get("metrics"), dict) and isinstance(h["metrics"].get(metric), (int, float))]
-    values = sorted(past[-(runs - 1):] + [current])
+    past = [
+        h["metrics"][metric]
+        for h in history
+        if h.get("variant") == name
+        and h.get("verdict") not in ("fail", "error")
+        and isinstance(h.get("metrics"), dict)
+        and isinstance(h["metrics"].get(metric), (int, float))
+    ]
+    values = sorted(past[-(runs - 1) :] + [current])
     mid = len(values) // 2
     return values[mid] if len(values) % 2 else (values[mid - 1] + values[mid]) / 2
 
 
-def update_baseline(path: Path, profile: str, kind: str, results: Mapping[str, Mapping[str, Any]],
-                    verdicts: Mapping[str, "Verdict"], existing: Mapping[str, Any] | None,
-                    history: Iterable[Mapping[str, Any]] = (), metrics: Iterable[str] = (),
-                    runs: int = 5) -> tuple[list[str], list[str]]:
+def update_baseline(
+    path: Path,
+    profile: str,
+    kind: str,
+    results: Mapping[str, Mapping[str, Any]],
+    verdicts: Mapping[str, Verdict],
+    existing: Mapping[str, Any] | None,
+    history: Iterable[Mapping[str, Any]] = (),
+    metrics: Iterable[str] = (),
+    runs: int = 5,
+) -> tuple[list[str], list[str]]:
     """Write the baseline file atomically for every variant whose checks passed (earlier entries kept
     for the others). Metrics are the median of this run and the last `runs - 1` correct runs in
     `history` (pass the history *before* this run is appended). Returns (updated, refused) names."""
@@ -191,19 +232,25 @@ def update_baseline(path: Path, profile: str, kind: str, results: Mapping[str, M
         entry = baseline_entry(result)
         for metric in metrics:
             entry[metric] = smoothed(name, metric, result.get(metric), history, runs)
-        entry["runs_in_median"] = min(runs, 1 + sum(1 for h in history if h.get("variant") == name
-                                                     and h.get("verdict") not in ("fail", "error")))
+        entry["runs_in_median"] = min(
+            runs, 1 + sum(1 for h in history if h.get("variant") == name and h.get("verdict") not in ("fail", "error"))
+        )
         variants[name] = entry
         updated.append(name)
-    data = {"schema": SCHEMA, "profile": profile, "machine_kind": kind,
-            "updated": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-            "note": "written by `python -m papermill_runs run --update-baseline`; tolerances in tolerances.json",
-            "variants": dict(sorted(variants.items()))}
+    data = {
+        "schema": SCHEMA,
+        "profile": profile,
+        "machine_kind": kind,
+        "updated": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "note": "written by `python -m papermill_runs run --update-baseline`; tolerances in tolerances.json",
+        "variants": dict(sorted(variants.items())),
+    }
     atomic_write_json(Path(path), data)
     return updated, refused
 
 
 # ---- the verdict ----------------------------------------------------------------------------------
+
 
 @dataclass
 class MetricCheck:
@@ -272,8 +319,9 @@ def check_metric(metric: str, value: Any, base: Any, rule: Mapping[str, Any]) ->
     return MetricCheck(metric, value, base, limit, gate, "worse" if worse else "ok", change)
 
 
-def correctness_problems(result: Mapping[str, Any], entry: Mapping[str, Any] | None,
-                         rules: Mapping[str, Any]) -> list[str]:
+def correctness_problems(
+    result: Mapping[str, Any], entry: Mapping[str, Any] | None, rules: Mapping[str, Any]
+) -> list[str]:
     problems = []
     if rules.get("seq_match", True) and result.get("seq_match") is not True:
         where = result.get("first_mismatch")
@@ -283,28 +331,57 @@ def correctness_problems(result: Mapping[str, Any], entry: Mapping[str, Any] | N
         if coherent is False:
             problems.append(f"incoherent answer {result.get('answer')!r} ({result.get('coherence_rule')})")
         elif coherent is None and entry is not None and entry.get("coherent") is True:
-            problems.append(f"coherence not checked (model source {result.get('model_source')!r}) although the "
-                            f"baseline was coherent: is the trained fixture missing?")
-    atol = rules.get("prefill_logits_max_abs_diff")
-    diff = result.get("prefill_logits_max_abs_diff")
-    if atol is not None and diff is not None and diff > atol:
-        problems.append(f"prefill logits differ from the reference by {diff:.3g} > {atol:g}")
-    if rules.get("answer_matches_baseline") and entry is not None and entry.get("answer") is not None \
-            and result.get("answer") != entry.get("answer"):
+            problems.append(
+                f"coherence not checked (model source {result.get('model_source')!r}) although the "
+                f"baseline was coherent: is the trained fixture missing?"
+            )
+    if rules.get("logits_match", True):
+        if result.get("logits_match") is False:
+            problems.append(str(result.get("logits_explain") or "LOGITS_MATCH failed"))
+        elif result.get("logits_match") is None and (entry or {}).get("logits_match") is True:
+            problems.append(
+                "LOGITS_MATCH not checked (the record has no per-step logits) although the baseline checked it"
+            )
+    witness = result.get("witness")
+    if rules.get("witness", True):
+        for key, name in (("seq_match", "SEQ_MATCH"), ("logits_match", "LOGITS_MATCH")):
+            if witness and witness.get(key) is False:
+                detail = (
+                    f" (first mismatch at token {witness.get('first_mismatch')})"
+                    if key == "seq_match"
+                    else f": {witness.get('logits_explain')}"
+                )
+                problems.append(f"witness {name} failed{detail}")
+        if not witness and entry is not None and entry.get("witness"):
+            problems.append("the random-weights witness did not run although the baseline ran it")
+    if (
+        rules.get("answer_matches_baseline")
+        and entry is not None
+        and entry.get("answer") is not None
+        and result.get("answer") != entry.get("answer")
+    ):
         problems.append(f"answer changed: {result.get('answer')!r}, baseline {entry.get('answer')!r}")
     return problems
 
 
-def judge(name: str, result: Mapping[str, Any] | None, entry: Mapping[str, Any] | None,
-          tolerances: Mapping[str, Any], notebook: str | None = None, error: str | None = None) -> Verdict:
+def judge(
+    name: str,
+    result: Mapping[str, Any] | None,
+    entry: Mapping[str, Any] | None,
+    tolerances: Mapping[str, Any],
+    notebook: str | None = None,
+    error: str | None = None,
+) -> Verdict:
     """The verdict for one variant's record against its baseline entry (None: no baseline)."""
     if result is None:
         return Verdict(name, "error", [error or "the notebook wrote no result record"], notebook=notebook)
     problems = correctness_problems(result, entry, tolerances.get("correctness") or {})
     checks = []
     if entry is not None:
-        checks = [check_metric(metric, result.get(metric), entry.get(metric), rule)
-                  for metric, rule in (tolerances.get("metrics") or {}).items()]
+        checks = [
+            check_metric(metric, result.get(metric), entry.get(metric), rule)
+            for metric, rule in (tolerances.get("metrics") or {}).items()
+        ]
     regressions = [c.describe() for c in checks if c.status == "worse" and c.gate]
     notes = [c.describe() + " [informational]" for c in checks if c.status == "worse" and not c.gate]
     if problems:
@@ -316,16 +393,22 @@ def judge(name: str, result: Mapping[str, Any] | None, entry: Mapping[str, Any] 
     return Verdict(name, "pass", notes, checks, notebook)
 
 
-def judge_all(results: Mapping[str, Mapping[str, Any] | None], baseline: Mapping[str, Any] | None,
-              tolerances: Mapping[str, Any], notebooks: Mapping[str, str] | None = None,
-              errors: Mapping[str, str] | None = None) -> dict[str, Verdict]:
+def judge_all(
+    results: Mapping[str, Mapping[str, Any] | None],
+    baseline: Mapping[str, Any] | None,
+    tolerances: Mapping[str, Any],
+    notebooks: Mapping[str, str] | None = None,
+    errors: Mapping[str, str] | None = None,
+) -> dict[str, Verdict]:
     entries = (baseline or {}).get("variants") or {}
-    return {name: judge(name, result, entries.get(name), tolerances, (notebooks or {}).get(name),
-                        (errors or {}).get(name))
-            for name, result in results.items()}
+    return {
+        name: judge(name, result, entries.get(name), tolerances, (notebooks or {}).get(name), (errors or {}).get(name))
+        for name, result in results.items()
+    }
 
 
 # ---- history ----------------------------------------------------------------------------------------
+
 
 def append_history(path: Path, records: Iterable[Mapping[str, Any]]) -> Path:
     """Append one JSON line per record (never rewritten; flushed and synced)."""

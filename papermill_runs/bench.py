@@ -57,7 +57,7 @@ PROFILE = "bench"
 OURS = "gemma4lib"  # the suite's name for this project's path
 VERDICT_FILE = "bench_verdict.json"
 # `baselines.judge` also runs the notebook checks; none of them applies to a bench subject
-NOTEBOOK_CHECKS_OFF = {"seq_match": False, "coherent": False}
+NOTEBOOK_CHECKS_OFF = {"seq_match": False, "coherent": False, "logits_match": False, "witness": False}
 TABLE_COLUMNS = ("subject", "metric", "value", "baseline", "verdict")
 
 
@@ -67,13 +67,16 @@ class ReportError(BaselineError):
 
 # ---- reading the report --------------------------------------------------------------------------
 
+
 def read_report(path: Path) -> dict[str, Any]:
     """The suite's JSON report (what `python -m gemma4lib bench --json` prints)."""
     try:
         data = json.loads(Path(path).read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ReportError(f"bench report {path} is unreadable ({exc}); write it with "
-                          f"`python -m gemma4lib bench --suite cpu --json > {path}`") from None
+        raise ReportError(
+            f"bench report {path} is unreadable ({exc}); write it with "
+            f"`python -m gemma4lib bench --suite cpu --json > {path}`"
+        ) from None
     if not isinstance(data, dict):
         raise ReportError(f"bench report {path} is not a JSON object")
     return data
@@ -100,8 +103,12 @@ def _flag(value: Any, where: str) -> bool | None:
     raise ReportError(f"bench report: {where} must be true, false or null, got {value!r:.80}")
 
 
-def _subject(metrics: dict[str, float | None], checks: dict[str, bool | None] | None = None,
-             notes: dict[str, str] | None = None, **info: Any) -> dict[str, Any]:
+def _subject(
+    metrics: dict[str, float | None],
+    checks: dict[str, bool | None] | None = None,
+    notes: dict[str, str] | None = None,
+    **info: Any,
+) -> dict[str, Any]:
     """One subject: `metrics` (ratios, judged against the baseline), `checks` (exact; all must be
     true), `notes` (why a check failed), `info` (context, never judged)."""
     return {"metrics": metrics, "checks": checks or {}, "notes": notes or {}, "info": info}
@@ -113,8 +120,9 @@ def _model(model: Mapping[str, Any], where: str) -> dict[str, Any]:
     roofline = _get(model, "roofline_fraction", dict, where)
     metrics = {
         "speedup_vs_hf_eager": _number(speedup.get(OURS), f"{where}.speedup_vs_hf_eager.{OURS}"),
-        "speedup_hf_compile_vs_eager": _number(speedup.get("hf_static_compile"),
-                                               f"{where}.speedup_vs_hf_eager.hf_static_compile"),
+        "speedup_hf_compile_vs_eager": _number(
+            speedup.get("hf_static_compile"), f"{where}.speedup_vs_hf_eager.hf_static_compile"
+        ),
         "roofline_fraction": _number(roofline.get(OURS), f"{where}.roofline_fraction.{OURS}"),
     }
     checks: dict[str, bool | None] = {}
@@ -142,19 +150,27 @@ def _ring(ring: Mapping[str, Any]) -> dict[str, Any]:
         raise ReportError("bench report: ring_kv.contexts must map each context to an object")
     first, last = next(iter(contexts)), list(contexts)[-1]  # as `bench_ring_kv` names its ratios
     over = f"ring_tok_s_{last}_over_{first}"
-    metrics = {over: _number(ring.get(over), f"ring_kv.{over}"),
-               f"ring_speedup_at_{last}": _number(contexts[last].get("ring_speedup"),
-                                                  f"ring_kv.contexts.{last}.ring_speedup")}
-    checks = {f"{ctx}.{kind}.tokens_match_reference": _flag(row[kind]["tokens_match_reference"],
-                                                            f"ring_kv.contexts.{ctx}.{kind}.tokens_match_reference")
-              for ctx, row in contexts.items() for kind in ("full", "ring")
-              if isinstance(row.get(kind), dict) and "tokens_match_reference" in row[kind]}
+    metrics = {
+        over: _number(ring.get(over), f"ring_kv.{over}"),
+        f"ring_speedup_at_{last}": _number(contexts[last].get("ring_speedup"), f"ring_kv.contexts.{last}.ring_speedup"),
+    }
+    checks = {
+        f"{ctx}.{kind}.tokens_match_reference": _flag(
+            row[kind]["tokens_match_reference"], f"ring_kv.contexts.{ctx}.{kind}.tokens_match_reference"
+        )
+        for ctx, row in contexts.items()
+        for kind in ("full", "ring")
+        if isinstance(row.get(kind), dict) and "tokens_match_reference" in row[kind]
+    }
     return _subject(metrics, checks, model=ring.get("model"), sliding_window=ring.get("sliding_window"))
 
 
 def _experts(experts: Mapping[str, Any]) -> dict[str, Any]:
-    metrics = {"selective_over_dense_decode": _number(experts.get("selective_over_dense_decode"),
-                                                      "experts.selective_over_dense_decode")}
+    metrics = {
+        "selective_over_dense_decode": _number(
+            experts.get("selective_over_dense_decode"), "experts.selective_over_dense_decode"
+        )
+    }
     checks: dict[str, bool | None] = {}
     for block, key in (("decode", "tokens_match_reference"), ("prefill", "first_token_matches_reference")):
         for form, row in _get(experts, block, dict, "experts").items():
@@ -168,14 +184,22 @@ def _prefill_buckets(section: Mapping[str, Any]) -> dict[str, Any]:
     placement = _get(section, "placement", list, "prefill_buckets")
     if not all(isinstance(p, dict) for p in placement):
         raise ReportError("bench report: prefill_buckets.placement must be a list of objects")
-    wrong = [f"{p.get('prompt_tokens')} tokens took bucket {p.get('bucket')}, smallest fitting "
-             f"{p.get('smallest_fitting')}" for p in placement if p.get("bucket") != p.get("smallest_fitting")]
+    wrong = [
+        f"{p.get('prompt_tokens')} tokens took bucket {p.get('bucket')}, smallest fitting {p.get('smallest_fitting')}"
+        for p in placement
+        if p.get("bucket") != p.get("smallest_fitting")
+    ]
     differ = [f"{p.get('prompt_tokens')} tokens" for p in placement if p.get("tokens_match_reference") is not True]
-    checks = {"smallest_bucket_used": not wrong if placement else None,
-              "tokens_match_reference": not differ if placement else None}
-    notes = {"smallest_bucket_used": "; ".join(wrong) or "no placement recorded",
-             "tokens_match_reference": ("differ from the reference: " + ", ".join(differ)) if differ
-             else "no placement recorded"}
+    checks = {
+        "smallest_bucket_used": not wrong if placement else None,
+        "tokens_match_reference": not differ if placement else None,
+    }
+    notes = {
+        "smallest_bucket_used": "; ".join(wrong) or "no placement recorded",
+        "tokens_match_reference": ("differ from the reference: " + ", ".join(differ))
+        if differ
+        else "no placement recorded",
+    }
     return _subject({}, checks, notes, model=section.get("model"), prompts=len(placement))
 
 
@@ -185,7 +209,7 @@ def figures(report: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
     subjects: dict[str, dict[str, Any]] = {}
     for i, model in enumerate(_get(report, "models", list, "report")):
         if not isinstance(model, dict) or not isinstance(model.get("name"), str):
-            raise ReportError(f"bench report: models[{i}] must be an object with a \"name\"")
+            raise ReportError(f'bench report: models[{i}] must be an object with a "name"')
         subjects[model["name"]] = _model(model, f"models[{i}] ({model['name']})")
     readers = {"ring_kv": _ring, "experts": _experts, "prefill_buckets": _prefill_buckets}
     for name, reader in readers.items():
@@ -205,6 +229,7 @@ def targets(report: Mapping[str, Any]) -> list[dict[str, Any]]:
 
 
 # ---- judging -----------------------------------------------------------------------------------------
+
 
 def rule_for(metric: str, rules: Mapping[str, Any]) -> dict[str, Any]:
     """The tolerance rule of `metric`: its own entry, else the first `*` pattern that matches it."""
@@ -227,13 +252,15 @@ def correctness_problems(subject: Mapping[str, Any], rules: Mapping[str, Any]) -
     return problems
 
 
-def judge_subject(name: str, subject: Mapping[str, Any], entry: Mapping[str, Any] | None,
-                  tolerances: Mapping[str, Any]) -> baselines.Verdict:
+def judge_subject(
+    name: str, subject: Mapping[str, Any], entry: Mapping[str, Any] | None, tolerances: Mapping[str, Any]
+) -> baselines.Verdict:
     """The verdict for one subject: its ratios through `baselines.judge`, then its exact checks."""
     rules = {metric: rule_for(metric, tolerances["metrics"]) for metric in subject["metrics"]}
     verdict = baselines.judge(name, subject["metrics"], entry, {"metrics": rules, "correctness": NOTEBOOK_CHECKS_OFF})
-    verdict.reasons += [c.describe() for c in verdict.metrics
-                        if c.status == "n/a" and (c.value is None) != (c.baseline is None)]
+    verdict.reasons += [
+        c.describe() for c in verdict.metrics if c.status == "n/a" and (c.value is None) != (c.baseline is None)
+    ]
     problems = correctness_problems(subject, tolerances.get("correctness") or {})
     if problems:
         verdict.reasons = problems + (verdict.reasons if entry is not None else [])
@@ -241,24 +268,35 @@ def judge_subject(name: str, subject: Mapping[str, Any], entry: Mapping[str, Any
     return verdict
 
 
-def judge_report(subjects: Mapping[str, Mapping[str, Any]], baseline: Mapping[str, Any] | None,
-                 tolerances: Mapping[str, Any]) -> dict[str, baselines.Verdict]:
+def judge_report(
+    subjects: Mapping[str, Mapping[str, Any]], baseline: Mapping[str, Any] | None, tolerances: Mapping[str, Any]
+) -> dict[str, baselines.Verdict]:
     entries = (baseline or {}).get("variants") or {}
     return {name: judge_subject(name, subject, entries.get(name), tolerances) for name, subject in subjects.items()}
 
 
 # ---- the baseline ------------------------------------------------------------------------------------
 
+
 def context(report: Mapping[str, Any]) -> dict[str, Any]:
     """What a ratio may depend on besides the code: the run's git sha, thread count and bandwidth."""
     bandwidth, versions = (report.get(k) if isinstance(report.get(k), dict) else {} for k in ("bandwidth", "versions"))
-    return {"git_sha": versions.get("git_sha"), "threads": report.get("threads"),
-            "bandwidth": {k: bandwidth.get(k) for k in ("gemv_gb_s", "stream_gb_s")}, "suite": report.get("suite")}
+    return {
+        "git_sha": versions.get("git_sha"),
+        "threads": report.get("threads"),
+        "bandwidth": {k: bandwidth.get(k) for k in ("gemv_gb_s", "stream_gb_s")},
+        "suite": report.get("suite"),
+    }
 
 
-def update_baseline(path: Path, kind: str, report: Mapping[str, Any], subjects: Mapping[str, Mapping[str, Any]],
-                    verdicts: Mapping[str, baselines.Verdict], existing: Mapping[str, Any] | None
-                    ) -> tuple[list[str], list[str]]:
+def update_baseline(
+    path: Path,
+    kind: str,
+    report: Mapping[str, Any],
+    subjects: Mapping[str, Mapping[str, Any]],
+    verdicts: Mapping[str, baselines.Verdict],
+    existing: Mapping[str, Any] | None,
+) -> tuple[list[str], list[str]]:
     """Write this run's figures atomically for every subject whose checks passed; entries of other
     subjects (refused, or absent from this report) are kept, and so is an earlier value of a metric
     this run did not measure. Nothing is written when no subject qualifies. Returns (updated, refused)."""
@@ -272,20 +310,34 @@ def update_baseline(path: Path, kind: str, report: Mapping[str, Any], subjects: 
             continue
         old = variants.get(name) or {}
         metrics = {m: old.get(m) if value is None else value for m, value in subject["metrics"].items()}
-        variants[name] = {"seq_match": True, **metrics, "checks": subject["checks"], "git_sha": run["git_sha"],
-                          "recorded": stamp}
+        variants[name] = {
+            "seq_match": True,
+            **metrics,
+            "checks": subject["checks"],
+            "git_sha": run["git_sha"],
+            "recorded": stamp,
+        }
         updated.append(name)
     if updated:
-        atomic_write_json(Path(path), {
-            "schema": baselines.SCHEMA, "profile": PROFILE, "machine_kind": kind, "updated": stamp, **run,
-            "note": "written by `python -m papermill_runs bench --update-baseline`; ratios of one interleaved run; "
-                    "tolerances in tolerances.json (profile bench); seq_match: every exact check passed",
-            "variants": dict(sorted(variants.items()))})
+        atomic_write_json(
+            Path(path),
+            {
+                "schema": baselines.SCHEMA,
+                "profile": PROFILE,
+                "machine_kind": kind,
+                "updated": stamp,
+                **run,
+                "note": "written by `python -m papermill_runs bench --update-baseline`; ratios of one interleaved run; "
+                "tolerances in tolerances.json (profile bench); seq_match: every exact check passed",
+                "variants": dict(sorted(variants.items())),
+            },
+        )
         log.info("bench baseline %s: updated %s", path, ", ".join(updated))
     return updated, refused
 
 
 # ---- output ------------------------------------------------------------------------------------------
+
 
 def _metric_verdict(check: baselines.MetricCheck | None) -> str:
     if check is None:
@@ -297,8 +349,9 @@ def _metric_verdict(check: baselines.MetricCheck | None) -> str:
     return f"ok (limit {check.limit:.3g})" + ("" if check.gate else " (informational)")
 
 
-def table_rows(subjects: Mapping[str, Mapping[str, Any]], verdicts: Mapping[str, baselines.Verdict],
-               rules: Mapping[str, Any]) -> list[list[str]]:
+def table_rows(
+    subjects: Mapping[str, Mapping[str, Any]], verdicts: Mapping[str, baselines.Verdict], rules: Mapping[str, Any]
+) -> list[list[str]]:
     """subject | metric | value | baseline | verdict: one row per ratio, exact check and path not run."""
     rows = []
     for name, subject in subjects.items():
@@ -308,8 +361,9 @@ def table_rows(subjects: Mapping[str, Mapping[str, Any]], verdicts: Mapping[str,
             rows.append([name, metric, _fmt(value), _fmt(check.baseline if check else None), _metric_verdict(check)])
         for check_name, value in subject["checks"].items():
             off = rules.get(check_name.rsplit(".", 1)[-1], True) is False
-            rows.append([name, check_name, _fmt(value), "exact",
-                         "not checked" if off else "ok" if value is True else "FAIL"])
+            rows.append(
+                [name, check_name, _fmt(value), "exact", "not checked" if off else "ok" if value is True else "FAIL"]
+            )
         for path, status in (subject["info"].get("paths") or {}).items():
             if status != "ok" and f"{path}.tokens_match_reference" not in subject["checks"]:
                 rows.append([name, f"{path} path", status, "—", "not run (informational)"])
@@ -318,29 +372,43 @@ def table_rows(subjects: Mapping[str, Mapping[str, Any]], verdicts: Mapping[str,
 
 def target_rows(items: Iterable[Mapping[str, Any]]) -> list[list[str]]:
     met = {True: "met", False: "NOT MET", None: "not measured"}
-    return [[str(t["target"]), _fmt(t["value"]), _fmt(t["threshold"]), met.get(t["met"], str(t["met"]))]
-            for t in items]
+    return [[str(t["target"]), _fmt(t["value"]), _fmt(t["threshold"]), met.get(t["met"], str(t["met"]))] for t in items]
 
 
-def render(outcome: Mapping[str, Any], subjects: Mapping[str, Mapping[str, Any]],
-           verdicts: Mapping[str, baselines.Verdict], rules: Mapping[str, Any]) -> str:
+def render(
+    outcome: Mapping[str, Any],
+    subjects: Mapping[str, Mapping[str, Any]],
+    verdicts: Mapping[str, baselines.Verdict],
+    rules: Mapping[str, Any],
+) -> str:
     """The printed markdown: figures vs baseline, verdict per subject, targets, where the baseline is."""
-    parts = [f"## bench: {outcome['report']} on {outcome['machine_kind']}", "",
-             markdown_table(table_rows(subjects, verdicts, rules), TABLE_COLUMNS), "",
-             markdown_table([[n, v.status, "; ".join(v.reasons) or "—"] for n, v in verdicts.items()],
-                            ("subject", "verdict", "reasons")), ""]
+    parts = [
+        f"## bench: {outcome['report']} on {outcome['machine_kind']}",
+        "",
+        markdown_table(table_rows(subjects, verdicts, rules), TABLE_COLUMNS),
+        "",
+        markdown_table(
+            [[n, v.status, "; ".join(v.reasons) or "—"] for n, v in verdicts.items()], ("subject", "verdict", "reasons")
+        ),
+        "",
+    ]
     if outcome["absent"]:
         parts += [f"In the baseline but not in this report (not judged): {', '.join(outcome['absent'])}.", ""]
     for note in outcome["notes"]:
         parts += [f"Note: {note}", ""]
     parts += ["### Targets (informational: they never change the exit status)", ""]
-    parts += [markdown_table(target_rows(outcome["targets"]), ("target", "value", "threshold", "met"))
-              if outcome["targets"] else "(the report lists no targets)", ""]
+    parts += [
+        markdown_table(target_rows(outcome["targets"]), ("target", "value", "threshold", "met"))
+        if outcome["targets"]
+        else "(the report lists no targets)",
+        "",
+    ]
     parts += [f"baseline: {outcome['baseline_file']} ({outcome['baseline_state']}); exit {outcome['exit_code']}"]
     return "\n".join(parts)
 
 
 # ---- the subcommand ----------------------------------------------------------------------------------
+
 
 def cmd_bench(args: argparse.Namespace) -> int:
     """Judge `--report` against the bench baseline, print the tables, optionally write the verdict."""
@@ -362,19 +430,30 @@ def cmd_bench(args: argparse.Namespace) -> int:
     code = baselines.exit_code(verdicts, args.allow_missing_baseline, args.update_baseline)
     notes = []
     if baseline is not None and baseline.get("threads") not in (None, report.get("threads")):
-        notes.append(f"the baseline was measured on {baseline['threads']} thread(s), this report on "
-                     f"{report.get('threads')}: ratios may differ for that reason alone")
+        notes.append(
+            f"the baseline was measured on {baseline['threads']} thread(s), this report on "
+            f"{report.get('threads')}: ratios may differ for that reason alone"
+        )
     absent = sorted(set((baseline or {}).get("variants") or {}) - set(subjects))
     if args.update_baseline:
         updated, refused = update_baseline(path, kind, report, subjects, verdicts, baseline)
         state += f"; updated {', '.join(updated) or 'nothing'}" + (f", refused {', '.join(refused)}" if refused else "")
     rules = tolerances.get("correctness") or {}
-    outcome = {"report": str(args.report), "profile": PROFILE, "machine_kind": kind, "baseline_file": str(path),
-               "baseline_state": state, "exit_code": code, **context(report), "absent": absent, "notes": notes,
-               "targets": targets(report), "subjects": subjects,
-               "verdicts": {n: v.to_dict() for n, v in verdicts.items()},
-               "tolerances": {"metrics": {m: rule_for(m, tolerances["metrics"]) for m in metrics},
-                              "correctness": rules}}
+    outcome = {
+        "report": str(args.report),
+        "profile": PROFILE,
+        "machine_kind": kind,
+        "baseline_file": str(path),
+        "baseline_state": state,
+        "exit_code": code,
+        **context(report),
+        "absent": absent,
+        "notes": notes,
+        "targets": targets(report),
+        "subjects": subjects,
+        "verdicts": {n: v.to_dict() for n, v in verdicts.items()},
+        "tolerances": {"metrics": {m: rule_for(m, tolerances["metrics"]) for m in metrics}, "correctness": rules},
+    }
     text = render(outcome, subjects, verdicts, rules)
     if args.out:
         atomic_write_json(Path(args.out) / VERDICT_FILE, {**outcome, "markdown": text})
@@ -386,14 +465,24 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     """Register `bench` on the `python -m papermill_runs` subparsers."""
     p = sub.add_parser("bench", help="judge a `python -m gemma4lib bench --json` report against its baseline (ratios)")
     p.add_argument("--report", required=True, type=Path, help="the suite's JSON report")
-    p.add_argument("--update-baseline", action="store_true",
-                   help="write this report's ratios as the bench baseline (subjects whose checks passed)")
-    p.add_argument("--allow-missing-baseline", action="store_true",
-                   help="a subject without a baseline passes on its exact checks alone")
-    p.add_argument("--machine-kind", help="baseline key (default: $GEMMA4LIB_MACHINE_KIND or <instance>-<arch>); "
-                                          "judge a report with the kind of the machine that produced it")
-    p.add_argument("--baseline-dir", type=Path,
-                   help="default: papermill_runs/baselines (the file is bench/<kind>.json)")
+    p.add_argument(
+        "--update-baseline",
+        action="store_true",
+        help="write this report's ratios as the bench baseline (subjects whose checks passed)",
+    )
+    p.add_argument(
+        "--allow-missing-baseline",
+        action="store_true",
+        help="a subject without a baseline passes on its exact checks alone",
+    )
+    p.add_argument(
+        "--machine-kind",
+        help="baseline key (default: $GEMMA4LIB_MACHINE_KIND or <instance>-<arch>); "
+        "judge a report with the kind of the machine that produced it",
+    )
+    p.add_argument(
+        "--baseline-dir", type=Path, help="default: papermill_runs/baselines (the file is bench/<kind>.json)"
+    )
     p.add_argument("--tolerances", type=Path, help="default: papermill_runs/tolerances.json (profile bench)")
     p.add_argument("--out", type=Path, help=f"also write {VERDICT_FILE} into this folder")
     p.set_defaults(func=cmd_bench)

@@ -42,6 +42,7 @@ from gemma4lib.artifacts import atomic_write_json
 from gemma4lib.errors import BaselineError
 
 from . import baselines, bench, report
+from .judge import judge_results
 
 log = logging.getLogger("papermill_runs")
 
@@ -58,11 +59,21 @@ VARIANT_NOTEBOOKS = {
     "26b-a4b": "05_26b_a4b.ipynb",
 }
 OVERVIEW = ("overview", "00_overview.ipynb")
-ALIASES = {"26b": "26b-a4b", "26b_a4b": "26b-a4b", "00": "overview", "01": "e2b", "02": "e4b", "03": "12b",
-           "04": "31b", "05": "26b-a4b", "all": "all"}
+ALIASES = {
+    "26b": "26b-a4b",
+    "26b_a4b": "26b-a4b",
+    "00": "overview",
+    "01": "e2b",
+    "02": "e4b",
+    "03": "12b",
+    "04": "31b",
+    "05": "26b-a4b",
+    "all": "all",
+}
 
 
 # ---- arguments --------------------------------------------------------------------------------------
+
 
 def parse_value(text: str) -> Any:
     """`-p key=value`: JSON when it parses (numbers, true/false/null, lists), the plain string otherwise."""
@@ -93,7 +104,8 @@ def selected(names: Sequence[str] | None) -> list[str]:
             if key == "all":
                 return [*VARIANT_NOTEBOOKS, "overview"]
             if key not in VARIANT_NOTEBOOKS and key != "overview":
-                raise SystemExit(f"error: unknown variant {raw!r}; choose from {', '.join([*VARIANT_NOTEBOOKS, 'overview'])}")
+                choices = ", ".join([*VARIANT_NOTEBOOKS, "overview"])
+                raise SystemExit(f"error: unknown variant {raw!r}; choose from {choices}")
             if key not in wanted:
                 wanted.append(key)
     return [k for k in [*VARIANT_NOTEBOOKS, "overview"] if k in wanted]
@@ -106,21 +118,29 @@ def load_profiles(path: Path = PROFILES_FILE) -> dict[str, Any]:
         raise BaselineError(f"profile file {path} is unreadable: {exc}") from None
 
 
-def notebook_parameters(profiles: dict[str, Any], profile: str, name: str, out: Path,
-                        overrides: dict[str, Any]) -> dict[str, Any]:
+def notebook_parameters(
+    profiles: dict[str, Any], profile: str, name: str, out: Path, overrides: dict[str, Any]
+) -> dict[str, Any]:
     block = profiles.get(profile)
     if not isinstance(block, dict):
         raise SystemExit(f"error: profile {profile!r} is not defined in {PROFILES_FILE}")
     if name == "overview":
-        params = {**(block.get("overview") or {}), "results_dir": str(out / "results"),
-                  "results_path": str(out / "results" / "overview.json")}
+        params = {
+            **(block.get("overview") or {}),
+            "results_dir": str(out / "results"),
+            "results_path": str(out / "results" / "overview.json"),
+        }
     else:
-        params = {**(block.get("common") or {}), **((block.get("variants") or {}).get(name) or {}),
-                  "results_path": str(out / "results" / f"{name}.json")}
+        params = {
+            **(block.get("common") or {}),
+            **((block.get("variants") or {}).get(name) or {}),
+            "results_path": str(out / "results" / f"{name}.json"),
+        }
     return {**params, **overrides}
 
 
 # ---- the kernel -------------------------------------------------------------------------------------
+
 
 def kernelspec_dir(folder: Path) -> Path:
     """A Jupyter data folder holding a `python3` kernelspec that runs *this* interpreter.
@@ -129,9 +149,16 @@ def kernelspec_dir(folder: Path) -> Path:
     always run in the environment papermill_runs was started from (a fresh clone's .venv included)."""
     spec = folder / "kernels" / KERNEL_NAME
     spec.mkdir(parents=True, exist_ok=True)
-    (spec / "kernel.json").write_text(json.dumps({
-        "argv": [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"],
-        "display_name": "Python 3", "language": "python", "metadata": {"debugger": False}}))
+    (spec / "kernel.json").write_text(
+        json.dumps(
+            {
+                "argv": [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"],
+                "display_name": "Python 3",
+                "language": "python",
+                "metadata": {"debugger": False},
+            }
+        )
+    )
     return folder
 
 
@@ -146,6 +173,18 @@ def kernel_environment(jupyter_dir: Path) -> dict[str, str]:
         "MPLBACKEND": "module://matplotlib_inline.backend_inline",
         "PYDEVD_DISABLE_FILE_VALIDATION": "1",
     }
+
+
+def kernel_transport(socket_dir: Path) -> dict[str, Any]:
+    """papermill's `config=` for the kernel's connection: on Linux and macOS the kernel and papermill
+    talk over IPC (Unix sockets in `socket_dir`, a private folder), so nothing listens on a TCP port.
+    ipykernel warns for every kernel on TCP that its traffic is unencrypted; with IPC there is
+    neither the exposure nor the warning. Elsewhere (no Unix sockets) the default TCP on 127.0.0.1."""
+    from traitlets.config import Config
+
+    if os.name != "posix":
+        return {}
+    return {"config": Config({"KernelManager": {"transport": "ipc", "ip": str(socket_dir / "kernel")}})}
 
 
 class patched_environ:
@@ -167,8 +206,10 @@ class patched_environ:
 
 # ---- executing one notebook -----------------------------------------------------------------------
 
+
 def strip_ansi(text: str) -> str:
     import re
+
     return re.sub(r"\x1b\[[0-9;]*[A-Za-z]", "", text)
 
 
@@ -182,6 +223,7 @@ def failed_cell(executed: Path) -> dict[str, Any] | None:
     injected parameters and the error banners, are skipped), so it points at the cell to fix."""
     try:
         import nbformat
+
         nb = nbformat.read(str(executed), as_version=4)
     except Exception:  # noqa: BLE001 - the executed notebook may be missing or half-written
         return None
@@ -192,17 +234,24 @@ def failed_cell(executed: Path) -> dict[str, Any] | None:
         index += 1
         meta = cell.get("metadata", {}).get("papermill", {})
         errors = [o for o in cell.get("outputs", []) if o.get("output_type") == "error"]
-        if cell.cell_type == "code" and (meta.get("exception") or meta.get("status") in ("failed", "running")
-                                         or errors):
+        if cell.cell_type == "code" and (
+            meta.get("exception") or meta.get("status") in ("failed", "running") or errors
+        ):
             error = errors[0] if errors else {}
-            return {"index": index, "exec_count": cell.get("execution_count"), "source": cell.source,
-                    "ename": error.get("ename"), "evalue": error.get("evalue"),
-                    "timed_out": meta.get("status") == "running" and not errors}
+            return {
+                "index": index,
+                "exec_count": cell.get("execution_count"),
+                "source": cell.source,
+                "ename": error.get("ename"),
+                "evalue": error.get("evalue"),
+                "timed_out": meta.get("status") == "running" and not errors,
+            }
     return None
 
 
-def execute(name: str, file: str, out: Path, params: dict[str, Any], timeout: int | None,
-            notebook_dir: Path = NOTEBOOK_DIR) -> dict[str, Any]:
+def execute(
+    name: str, file: str, out: Path, params: dict[str, Any], timeout: int | None, notebook_dir: Path = NOTEBOOK_DIR
+) -> dict[str, Any]:
     """Run one notebook with papermill; never raises for a notebook failure (it is recorded instead)."""
     import papermill as pm
 
@@ -214,8 +263,15 @@ def execute(name: str, file: str, out: Path, params: dict[str, Any], timeout: in
     declared = set(pm.inspect_notebook(str(source)))
     unknown = sorted(k for k in params if k not in declared)
     params = {k: v for k, v in params.items() if k in declared}
-    run: dict[str, Any] = {"name": name, "notebook": file, "executed": str(executed), "log": str(log_file),
-                           "parameters": params, "ignored_parameters": unknown, "status": "ok"}
+    run: dict[str, Any] = {
+        "name": name,
+        "notebook": file,
+        "executed": str(executed),
+        "log": str(log_file),
+        "parameters": params,
+        "ignored_parameters": unknown,
+        "status": "ok",
+    }
     started = time.perf_counter()
     pm_logger = logging.getLogger("papermill")
     with open(log_file, "w") as handle:
@@ -230,9 +286,20 @@ def execute(name: str, file: str, out: Path, params: dict[str, Any], timeout: in
             handle.write(f"# parameters this notebook does not declare (ignored): {unknown}\n")
         handle.flush()
         try:
-            pm.execute_notebook(str(source), str(executed), parameters=params, kernel_name=KERNEL_NAME,
-                                cwd=str(notebook_dir), execution_timeout=timeout, log_output=True,
-                                stdout_file=handle, stderr_file=handle, progress_bar=False)
+            with tempfile.TemporaryDirectory(prefix="gemma4lib-kernel-") as sockets:
+                pm.execute_notebook(
+                    str(source),
+                    str(executed),
+                    parameters=params,
+                    kernel_name=KERNEL_NAME,
+                    cwd=str(notebook_dir),
+                    execution_timeout=timeout,
+                    log_output=True,
+                    stdout_file=handle,
+                    stderr_file=handle,
+                    progress_bar=False,
+                    **kernel_transport(Path(sockets)),
+                )
         except Exception as exc:  # noqa: BLE001 - PapermillExecutionError, CellTimeoutError, kernel death
             cell = failed_cell(executed) or {}
             if not cell and getattr(exc, "source", None) is not None:
@@ -241,9 +308,11 @@ def execute(name: str, file: str, out: Path, params: dict[str, Any], timeout: in
             evalue = getattr(exc, "evalue", None) or cell.get("evalue") or str(exc).strip().splitlines()[-1:]
             if isinstance(evalue, list):
                 evalue = evalue[0] if evalue else ""
-            run.update(status="failed", failed_cell=cell or None,
-                       error=f"cell {cell.get('index', '?')} (In [{cell.get('exec_count') or ' '}]) raised "
-                             f"{ename}: {evalue}")
+            run.update(
+                status="failed",
+                failed_cell=cell or None,
+                error=f"cell {cell.get('index', '?')} (In [{cell.get('exec_count') or ' '}]) raised {ename}: {evalue}",
+            )
             handle.write(f"\n# FAILED: {run['error']}\n")
             trace = getattr(exc, "traceback", None)
             if trace:
@@ -268,9 +337,21 @@ def read_record(path: Path) -> tuple[dict[str, Any] | None, str | None]:
 
 # ---- judging and writing (shared by run and check) ----------------------------------------------
 
-def finish(out: Path, profile: str, kind: str, results: dict[str, Any], errors: dict[str, str],
-           notebooks: dict[str, str], runs: dict[str, Any], args: argparse.Namespace, started_at: str,
-           wall_s: float, extra: dict[str, Any] | None = None, append_history: bool = True) -> int:
+
+def finish(
+    out: Path,
+    profile: str,
+    kind: str,
+    results: dict[str, Any],
+    errors: dict[str, str],
+    notebooks: dict[str, str],
+    runs: dict[str, Any],
+    args: argparse.Namespace,
+    started_at: str,
+    wall_s: float,
+    extra: dict[str, Any] | None = None,
+    append_history: bool = True,
+) -> int:
     tolerances = baselines.load_tolerances(profile, args.tolerances)
     path = baselines.baseline_path(profile, kind, args.baseline_dir)
     metrics = list(tolerances.get("metrics") or {})
@@ -281,52 +362,85 @@ def finish(out: Path, profile: str, kind: str, results: dict[str, Any], errors: 
     except BaselineError as exc:
         baseline_error = str(exc)
         state = "MALFORMED" + (", replaced (--update-baseline)" if args.update_baseline else "")
-    verdicts = baselines.judge_all(results, baseline, tolerances, notebooks, errors)
-    if baseline_error:
-        for verdict in verdicts.values():
-            if verdict.status == "no-baseline":
-                verdict.reasons = [f"baseline unusable: {baseline_error}"]
-
-    exit_code = baselines.exit_code(verdicts, args.allow_missing_baseline, args.update_baseline)
-    overview = runs.get("overview")
-    if overview and overview.get("status") != "ok":
-        exit_code = 1
-    if baseline_error and not args.update_baseline:
-        exit_code = 2
+    judgement = judge_results(
+        results,
+        baseline,
+        tolerances,
+        notebooks=notebooks,
+        errors=errors,
+        runs=runs,
+        baseline_error=baseline_error,
+        allow_missing_baseline=args.allow_missing_baseline,
+        updating_baseline=args.update_baseline,
+    )
+    verdicts, exit_code = judgement.verdicts, judgement.exit_code
 
     history_path = Path(args.history or Path("runs") / "history" / f"{profile}-{kind}.jsonl")
     stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     updated = refused = []
     if args.update_baseline:
         present = {n: r for n, r in results.items() if r is not None}
-        past = [h for h in baselines.read_history(history_path)
-                if h.get("profile") == profile and h.get("machine_kind") == kind]
-        updated, refused = baselines.update_baseline(path, profile, kind, present, verdicts, baseline, past,
-                                                     metrics, args.baseline_runs)
+        past = [
+            h
+            for h in baselines.read_history(history_path)
+            if h.get("profile") == profile and h.get("machine_kind") == kind
+        ]
+        updated, refused = baselines.update_baseline(
+            path, profile, kind, present, verdicts, baseline, past, metrics, args.baseline_runs
+        )
         state += f"; updated {', '.join(updated) or 'nothing'}" + (f", refused {', '.join(refused)}" if refused else "")
     if append_history:
-        baselines.append_history(history_path, [
-            {"time": stamp, "profile": profile, "machine_kind": kind, "variant": name, "verdict": v.status,
-             "git_sha": ((results.get(name) or {}).get("versions") or {}).get("git_sha"),
-             "metrics": {m: (results.get(name) or {}).get(m) for m in metrics},
-             "seq_match": (results.get(name) or {}).get("seq_match"),
-             "coherent": (results.get(name) or {}).get("coherent")}
-            for name, v in verdicts.items()])
+        baselines.append_history(
+            history_path,
+            [
+                {
+                    "time": stamp,
+                    "profile": profile,
+                    "machine_kind": kind,
+                    "variant": name,
+                    "verdict": v.status,
+                    "git_sha": ((results.get(name) or {}).get("versions") or {}).get("git_sha"),
+                    "metrics": {m: (results.get(name) or {}).get(m) for m in metrics},
+                    "seq_match": (results.get(name) or {}).get("seq_match"),
+                    "coherent": (results.get(name) or {}).get("coherent"),
+                }
+                for name, v in verdicts.items()
+            ],
+        )
     history = [h for h in baselines.read_history(history_path) if h.get("profile") == profile]
 
-    meta = {"profile": profile, "machine_kind": kind, "started": started_at, "wall_s": wall_s,
-            "baseline_file": str(path), "baseline_state": state, "exit_code": exit_code}
+    meta = {
+        "profile": profile,
+        "machine_kind": kind,
+        "started": started_at,
+        "wall_s": wall_s,
+        "baseline_file": str(path),
+        "baseline_state": state,
+        "exit_code": exit_code,
+    }
     if baseline_error:
         meta["baseline_error"] = baseline_error
-    atomic_write_json(out / "results.json", {
-        **meta, "history_file": str(history_path), "tolerances": tolerances, "notebooks": runs,
-        "results": results, "errors": errors, "verdicts": {n: v.to_dict() for n, v in verdicts.items()},
-        **(extra or {})})
+    atomic_write_json(
+        out / "results.json",
+        {
+            **meta,
+            "history_file": str(history_path),
+            "tolerances": tolerances,
+            "notebooks": runs,
+            "results": results,
+            "errors": errors,
+            "verdicts": {n: v.to_dict() for n, v in verdicts.items()},
+            **(extra or {}),
+        },
+    )
     tolerated = sorted(baselines.tolerated_statuses(args.allow_missing_baseline, args.update_baseline))
     table, failures = report.write_summary(out, results, verdicts, meta, runs, tolerated)
+    overview = runs.get("overview")
     if overview and overview.get("status") != "ok":
-        failures += ("\n" if failures else "") + f"ERROR: {overview['notebook']}: {overview.get('error')}\n" \
-                                                 f"    executed: {overview['executed']}\n    log: {overview['log']}"
+        failures += (
+            ("\n" if failures else "") + f"ERROR: {overview['notebook']}: {overview.get('error')}\n"
+            f"    executed: {overview['executed']}\n    log: {overview['log']}"
+        )
     try:
         report.write_plots(out, results, verdicts, history)
     except Exception as exc:  # noqa: BLE001 - a plot must never hide the verdict
@@ -367,8 +481,11 @@ def cmd_run(args: argparse.Namespace) -> int:
                 print(f"[papermill_runs] {file} ...", flush=True)
                 run = execute(name, file, out, params, args.timeout_per_cell)
                 runs[name] = run
-                print(f"[papermill_runs] {file}: {run['status']} in {run['wall_s']:.0f} s"
-                      + (f" ({run['error']})" if run.get("error") else ""), flush=True)
+                print(
+                    f"[papermill_runs] {file}: {run['status']} in {run['wall_s']:.0f} s"
+                    + (f" ({run['error']})" if run.get("error") else ""),
+                    flush=True,
+                )
                 if name == "overview":
                     continue
                 notebooks[name] = file
@@ -379,8 +496,7 @@ def cmd_run(args: argparse.Namespace) -> int:
                 results[name] = record
                 if problem:
                     errors[name] = problem
-    return finish(out, profile, kind, results, errors, notebooks, runs, args, started_at,
-                  time.perf_counter() - started)
+    return finish(out, profile, kind, results, errors, notebooks, runs, args, started_at, time.perf_counter() - started)
 
 
 def cmd_check(args: argparse.Namespace) -> int:
@@ -388,7 +504,7 @@ def cmd_check(args: argparse.Namespace) -> int:
     try:
         data = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError) as exc:
-        raise SystemExit(f"error: cannot read {path}: {exc}")
+        raise SystemExit(f"error: cannot read {path}: {exc}") from None
     profile = args.profile or data.get("profile") or "smoke"
     kind = args.machine_kind or data.get("machine_kind") or baselines.machine_kind()
     raw = data.get("results") or {}
@@ -399,9 +515,20 @@ def cmd_check(args: argparse.Namespace) -> int:
     errors = {n: e for n, e in (data.get("errors") or {}).items() if results.get(n) is None}
     out = Path(args.out or path.parent).resolve()
     out.mkdir(parents=True, exist_ok=True)
-    return finish(out, profile, kind, results, errors, notebooks, runs, args,
-                  data.get("started") or time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                  float(data.get("wall_s") or 0.0), {"rechecked_from": str(path)}, append_history=False)
+    return finish(
+        out,
+        profile,
+        kind,
+        results,
+        errors,
+        notebooks,
+        runs,
+        args,
+        data.get("started") or time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        float(data.get("wall_s") or 0.0),
+        {"rechecked_from": str(path)},
+        append_history=False,
+    )
 
 
 def _common(parser: argparse.ArgumentParser) -> None:
@@ -409,13 +536,21 @@ def _common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--baseline-dir", type=Path, help="default: papermill_runs/baselines")
     parser.add_argument("--tolerances", type=Path, help="default: papermill_runs/tolerances.json")
     parser.add_argument("--history", type=Path, help="append-only JSONL (default: runs/history/<profile>-<kind>.jsonl)")
-    parser.add_argument("--update-baseline", action="store_true",
-                        help="write this run's figures as the new baseline (variants whose checks passed)")
-    parser.add_argument("--baseline-runs", type=int, default=5,
-                        help="--update-baseline writes the median of this run and the last N-1 correct runs in the "
-                             "history (default 5; 1 = this run alone)")
-    parser.add_argument("--allow-missing-baseline", action="store_true",
-                        help="a variant without a baseline passes on its checks alone")
+    parser.add_argument(
+        "--update-baseline",
+        action="store_true",
+        help="write this run's figures as the new baseline (variants whose checks passed)",
+    )
+    parser.add_argument(
+        "--baseline-runs",
+        type=int,
+        default=5,
+        help="--update-baseline writes the median of this run and the last N-1 correct runs in the "
+        "history (default 5; 1 = this run alone)",
+    )
+    parser.add_argument(
+        "--allow-missing-baseline", action="store_true", help="a variant without a baseline passes on its checks alone"
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -423,7 +558,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("run", help="execute the notebooks, judge, report")
     p.add_argument("--profile", default="smoke", choices=["smoke", "full"])
-    p.add_argument("--variant", action="append", help="e2b, e4b, 12b, 31b, 26b-a4b, overview (repeat or comma-separate)")
+    p.add_argument(
+        "--variant", action="append", help="e2b, e4b, 12b, 31b, 26b-a4b, overview (repeat or comma-separate)"
+    )
     p.add_argument("--out", help="output folder (default: runs/<profile>)")
     p.add_argument("--timeout-per-cell", type=int, default=1800, help="seconds one cell may run (default 1800)")
     p.add_argument("-p", "--param", action="append", metavar="KEY=VALUE", help="notebook parameter override")

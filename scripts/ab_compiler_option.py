@@ -17,9 +17,11 @@ import statistics
 
 import torch
 
-from gemma4lib.benchmarks import Step, _load, time_decode_steps
+from gemma4lib.backends.base import device_graph
+from gemma4lib.benchmarks.suite import Step, load_bench_model
+from gemma4lib.benchmarks.timing import time_decode_steps
 from gemma4lib.compile_cpu import DEFAULT_COMPILER_OPTIONS, compile_graph
-from gemma4lib.graph import DeviceGraph, GraphShape
+from gemma4lib.graph import GraphShape
 
 
 def main() -> None:
@@ -35,10 +37,9 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
 
-    model = _load(args.model)
+    model = load_bench_model(args.model)
     experts = args.experts if getattr(model.config, "enable_moe_block", False) else "dense"
-    graph = DeviceGraph(model.text_model, model.lm_head, model.layout, GraphShape(1, 1, args.context, True),
-                        inplace=True, expert_form=experts)
+    graph = device_graph(model, GraphShape(1, 1, args.context, True), experts)
     values = {"a": json.loads(args.a), "b": json.loads(args.b)}
     steps = {}
     for side, value in values.items():
@@ -52,10 +53,21 @@ def main() -> None:
         for side in ("a", "b"):
             runs[side].append(time_decode_steps(model, steps[side], positions))
     medians = {side: statistics.median(r) for side, r in runs.items()}
-    print(json.dumps({"model": args.model, "option": args.option, "a": values["a"], "b": values["b"],
-                      "context": args.context, "decode_tok_s": medians,
-                      "ms_per_step": {side: 1000 / t for side, t in medians.items()},
-                      "a_over_b": medians["a"] / medians["b"], "runs": runs}))
+    print(
+        json.dumps(
+            {
+                "model": args.model,
+                "option": args.option,
+                "a": values["a"],
+                "b": values["b"],
+                "context": args.context,
+                "decode_tok_s": medians,
+                "ms_per_step": {side: 1000 / t for side, t in medians.items()},
+                "a_over_b": medians["a"] / medians["b"],
+                "runs": runs,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

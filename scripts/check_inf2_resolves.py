@@ -49,9 +49,25 @@ def resolve(reqs: list[str], python: str = neuron_env.INF2_PYTHON, extra: tuple[
     """pip's dry-run resolution for `python` on x86-64 Linux, wheels only: {distribution: version}."""
     with tempfile.TemporaryDirectory() as tmp:
         report = Path(tmp) / "report.json"
-        cmd = [sys.executable, "-m", "pip", "install", "--dry-run", "--quiet", "--ignore-installed",
-               "--only-binary=:all:", "--python-version", python, "--implementation", "cp", *extra,
-               "--target", str(Path(tmp) / "target"), "--report", str(report)]
+        cmd = [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "--dry-run",
+            "--quiet",
+            "--ignore-installed",
+            "--only-binary=:all:",
+            "--python-version",
+            python,
+            "--implementation",
+            "cp",
+            *extra,
+            "--target",
+            str(Path(tmp) / "target"),
+            "--report",
+            str(report),
+        ]
         for platform in PLATFORMS:
             cmd += ["--platform", platform]
         done = subprocess.run(cmd + reqs, capture_output=True, text=True)
@@ -86,11 +102,16 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     problems = check(resolved, reqs)
     pinned = {name: resolved.get(name) for name in ("torch", "torch-xla", "transformers", "numpy", "tokenizers")}
-    print(f"inf2 venv {neuron_env.DLAMI_VENV} (Python {neuron_env.INF2_PYTHON}, x86-64): {len(resolved)} "
-          f"distributions resolve; " + ", ".join(f"{k} {v}" for k, v in pinned.items()))
+    print(
+        f"inf2 venv {neuron_env.DLAMI_VENV} (Python {neuron_env.INF2_PYTHON}, x86-64): {len(resolved)} "
+        f"distributions resolve; " + ", ".join(f"{k} {v}" for k, v in pinned.items())
+    )
     if args.report:
-        Path(args.report).write_text(json.dumps({"python": neuron_env.INF2_PYTHON, "requirements": reqs,
-                                                 "resolved": resolved}, indent=2, sort_keys=True))
+        Path(args.report).write_text(
+            json.dumps(
+                {"python": neuron_env.INF2_PYTHON, "requirements": reqs, "resolved": resolved}, indent=2, sort_keys=True
+            )
+        )
     for problem in problems:
         print(f"PROBLEM: {problem}")
     return 1 if problems else 0

@@ -22,7 +22,7 @@ def margin_for(variant: str, seed: int, new_tokens: int = 32) -> tuple[float, in
     reference = reference_greedy(model.lm, ids, new_tokens)
     with torch.no_grad():
         logits = model.lm(torch.tensor([ids + reference])).logits[0]
-    top2 = torch.topk(logits[len(ids) - 1: len(ids) + new_tokens - 1], 2, dim=-1).values
+    top2 = torch.topk(logits[len(ids) - 1 : len(ids) + new_tokens - 1], 2, dim=-1).values
     return float((top2[:, 0] - top2[:, 1]).min()), len(set(reference))
 
 
@@ -33,8 +33,10 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
     for variant in args.variants:
-        best = max(((margin_for(variant, seed), seed) for seed in range(args.seeds)),
-                   key=lambda item: item[0][0] if item[0][1] >= 10 else -1)
+        best = max(
+            ((margin_for(variant, seed), seed) for seed in range(args.seeds)),
+            key=lambda item: item[0][0] if item[0][1] >= 10 else -1,
+        )
         (margin, distinct), seed = best
         print(f"{variant}: tiny_seed={seed} margin={margin:.4f} distinct={distinct}", flush=True)
 

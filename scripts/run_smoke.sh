@@ -7,4 +7,4 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup_env.sh
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
-exec .venv/bin/python -m papermill_runs run --profile smoke --out runs/smoke "$@"
+exec "${GEMMA4LIB_VENV:-.venv}/bin/python" -m papermill_runs run --profile smoke --out runs/smoke "$@"

@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
-# Create the XLA lane's pinned environment (issue 8): torch 2.9.0 + torch-xla 2.9.0 from PyPI,
-# the project's transformers pin, and gemma4lib itself (editable, no deps), in $VENV
+# Create the XLA lane's pinned environment (README, "Environments"): torch 2.9.0 + torch-xla 2.9.0
+# from PyPI, the project's transformers pin, and gemma4lib itself (editable, no deps), in $VENV
 # (default: <repo>/.venv-xla, kept out of the main venv and gitignored via `.venv-*/`).
 #
 #   scripts/setup_xla_env.sh            # create or verify (idempotent: exits early if pins match)
 #   VENV=/some/where scripts/setup_xla_env.sh
 #   FORCE=1 scripts/setup_xla_env.sh    # rebuild from scratch
+#   scripts/setup_xla_env.sh --print-pins   # print the requirements it would install, and exit
 #
 # Then: PJRT_DEVICE=CPU .venv-xla/bin/python -m gemma4lib.backends.xla_check --variant e2b
 #       PJRT_DEVICE=CPU .venv-xla/bin/python -m pytest tests/test_xla_lane.py
@@ -18,9 +19,42 @@ set -euo pipefail
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="${VENV:-$REPO/.venv-xla}"
 PYTHON="${PYTHON:-python3.11}"
-TORCH=2.9.0
-TORCH_XLA=2.9.0
-TRANSFORMERS=5.23.0   # same pin as pyproject.toml
+
+# The pins are read, never copied: torch and torch-xla from `SDK_CONSTRAINTS` in
+# gemma4lib/recipes/neuron_env.py (the torch the SDK 2.28 packages are built against; read with ast,
+# so nothing is imported), transformers and the rest of gemma4lib's dependencies (and pytest) from
+# pyproject.toml. Output: the three versions, then one requirement a line.
+pins() {
+  "$PYTHON" - "$REPO" <<'PY'
+import ast, pathlib, sys, tomllib
+
+root = pathlib.Path(sys.argv[1])
+tree = ast.parse((root / "gemma4lib/recipes/neuron_env.py").read_text())
+sdk = next(ast.literal_eval(node.value) for node in ast.walk(tree)
+           if isinstance(node, (ast.Assign, ast.AnnAssign))
+           and "SDK_CONSTRAINTS" in [t.id for t in getattr(node, "targets", [getattr(node, "target", None)])
+                                     if isinstance(t, ast.Name)])
+project = tomllib.loads((root / "pyproject.toml").read_text())["project"]
+deps = project["dependencies"]
+tests = [r for r in project["optional-dependencies"]["test"] if r.startswith("pytest")]
+transformers = next(r.split("==", 1)[1] for r in deps if r.startswith("transformers=="))
+print(sdk["torch"].removeprefix("=="), sdk["torch-xla"].removeprefix("=="), transformers, sep="\n")
+print(*(f"{name}{sdk[name]}" for name in ("torch", "torch-xla")), *deps, *tests, sep="\n")
+PY
+}
+mapfile -t PINS < <(pins)
+if [[ "${#PINS[@]}" -lt 4 ]]; then
+  echo "setup_xla_env: could not read the pins (pyproject.toml, neuron_env.SDK_CONSTRAINTS) with $PYTHON" >&2
+  exit 1
+fi
+TORCH="${PINS[0]}"
+TORCH_XLA="${PINS[1]}"
+TRANSFORMERS="${PINS[2]}"
+REQUIREMENTS=("${PINS[@]:3}")
+if [[ "${1:-}" == "--print-pins" ]]; then
+  printf '%s\n' "${REQUIREMENTS[@]}"
+  exit 0
+fi
 
 check() {
   "$VENV/bin/python" - "$TORCH" "$TORCH_XLA" "$TRANSFORMERS" <<'PY' 2>/dev/null
@@ -43,10 +77,7 @@ start=$(date +%s)
 [[ -n "${FORCE:-}" ]] && rm -rf "$VENV"
 "$PYTHON" -m venv "$VENV"
 "$VENV/bin/python" -m pip install --quiet --upgrade pip
-"$VENV/bin/python" -m pip install --quiet \
-  "torch==$TORCH" "torch-xla==$TORCH_XLA" "transformers==$TRANSFORMERS" \
-  "tokenizers>=0.22" "safetensors>=0.4" "numpy>=1.26" "tqdm>=4.66" "psutil>=5.9" \
-  "matplotlib>=3.8" "jinja2>=3.1" "pytest>=8"
+"$VENV/bin/python" -m pip install --quiet "${REQUIREMENTS[@]}"
 "$VENV/bin/python" -m pip install --quiet --no-deps -e "$REPO"
 check || { echo "setup_xla_env: installed, but the pins do not check out" >&2; exit 1; }
 echo "setup_xla_env: $VENV ready in $(( $(date +%s) - start ))s ($(du -sh "$VENV" | cut -f1))"

@@ -30,10 +30,17 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from gemma4lib import corpus  # noqa: E402
+from gemma4lib.environment import cpu_type  # noqa: E402
 from gemma4lib.tokenizer import build_tokenizer, load_tokenizer, save_tokenizer  # noqa: E402
 from gemma4lib.trained import TOKENIZER_FILES, save_fixture, sha256_file  # noqa: E402
-from gemma4lib.training import (TrainConfig, fault_answers, greedy_reply, held_out_accuracy,  # noqa: E402
-                                state_sha256, train_variant)
+from gemma4lib.training import (  # noqa: E402
+    TrainConfig,
+    fault_answers,
+    greedy_reply,
+    held_out_accuracy,
+    state_sha256,
+    train_variant,
+)
 from gemma4lib.variants import VARIANTS, get_variant  # noqa: E402
 
 log = logging.getLogger("train_tiny")
@@ -85,8 +92,9 @@ def main(argv=None) -> int:
 
         def progress(r, name=name):
             if r["step"] % 25 == 0:
-                log.info("  %s step %4d  loss %.4f  min margin %+.2f", name, r["step"], r.get("loss", 0.0),
-                         r["min_margin"])
+                log.info(
+                    "  %s step %4d  loss %.4f  min margin %+.2f", name, r["step"], r.get("loss", 0.0), r["min_margin"]
+                )
 
         res = train_variant(variant, tokenizer, cfg, progress=None if args.quiet else progress)
         lm = res.loaded.lm
@@ -103,6 +111,9 @@ def main(argv=None) -> int:
         records[name] = {
             "command": command,
             "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            # the CPU type decides the bytes (environment.CPU_TYPE_KEYS): tests/test_trained_fixtures.py
+            # checks a retraining against them only on the same type
+            "cpu": cpu_type(),
             "model_class": type(lm).__name__,
             "params": sum(p.numel() for p in lm.parameters()),
             "steps": res.steps,
@@ -118,29 +129,45 @@ def main(argv=None) -> int:
             "state_sha256": state_hash,
             "bytes": (target / "model.safetensors").stat().st_size,
         }
-        log.info("%s: %d steps, %.0f s, min margin %.2f, faults %s, canonical %r, held-out %d/%d, %.1f MB",
-                 name, res.steps, res.seconds, res.min_margin, records[name]["fault_margins"], text, held_ok,
-                 held_n, records[name]["bytes"] / 1e6)
+        log.info(
+            "%s: %d steps, %.0f s, min margin %.2f, faults %s, canonical %r, held-out %d/%d, %.1f MB",
+            name,
+            res.steps,
+            res.seconds,
+            res.min_margin,
+            records[name]["fault_margins"],
+            text,
+            held_ok,
+            held_n,
+            records[name]["bytes"] / 1e6,
+        )
         if not (res.converged and canonical_ok):
             failed.append(name)
 
     import tokenizers
     import transformers
-    prov.update({
-        "script": "scripts/train_tiny.py",
-        "command": command,
-        "seed": args.seed,
-        "threads": args.threads,
-        "corpus_sha256": corpus.corpus_sha256(),
-        "corpus": {"train_chats": len(corpus.training_chats()), "held_out_phrasing": corpus.HELD_OUT_PHRASING},
-        "tokenizer_vocab_size": len(tokenizer),
-        "versions": {"torch": torch.__version__, "transformers": transformers.__version__,
-                     "tokenizers": tokenizers.__version__, "python": platform.python_version()},
-        "machine": {"processor": platform.processor() or platform.machine(), "system": platform.system()},
-        "train_config": cfg.to_dict(),
-        "variants": {k: records[k] for k in VARIANTS if k in records},
-        "files": dict(sorted(files.items())),
-    })
+
+    prov.update(
+        {
+            "script": "scripts/train_tiny.py",
+            "command": command,
+            "seed": args.seed,
+            "threads": args.threads,
+            "corpus_sha256": corpus.corpus_sha256(),
+            "corpus": {"train_chats": len(corpus.training_chats()), "held_out_phrasing": corpus.HELD_OUT_PHRASING},
+            "tokenizer_vocab_size": len(tokenizer),
+            "versions": {
+                "torch": torch.__version__,
+                "transformers": transformers.__version__,
+                "tokenizers": tokenizers.__version__,
+                "python": platform.python_version(),
+            },
+            "machine": {"processor": platform.processor() or platform.machine(), "system": platform.system()},
+            "train_config": cfg.to_dict(),
+            "variants": {k: records[k] for k in VARIANTS if k in records},
+            "files": dict(sorted(files.items())),
+        }
+    )
     prov_path.write_text(json.dumps(prov, indent=2) + "\n")
     log.info("wrote %s", prov_path)
     if failed:

@@ -1,9 +1,16 @@
-"""Shared fixtures. Compiled graphs are built once per test session (and cached on disk across
-sessions by the artifact cache), then shared by every test that needs them."""
+"""Shared fixtures. Compiled graphs are built once per test session, then shared by every test
+that needs them.
+
+The artifact cache of a test session is a fresh temporary folder, removed at the end, unless the
+caller sets GEMMA4LIB_CACHE: tests never read or fill the user's ~/.cache/gemma4lib.
+`scripts/run_tests.sh` and `.ci/run` set it to .cache/gemma4lib-tests in the repository
+(gitignored), so a second run there reuses the compiles of the first."""
 
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 from dataclasses import dataclass
 
 import pytest
@@ -15,6 +22,26 @@ torch.set_num_threads(1)
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 VARIANT_NAMES = ["e2b", "e4b", "12b", "31b", "26b-a4b"]
+
+_SESSION_CACHE: str | None = None
+
+
+def pytest_configure(config):
+    """Before collection: the session's artifact cache (subprocesses, such as the papermill kernels
+    of tests/test_notebooks.py, inherit it through the environment)."""
+    global _SESSION_CACHE
+    if not os.environ.get("GEMMA4LIB_CACHE"):
+        _SESSION_CACHE = tempfile.mkdtemp(prefix="gemma4lib-test-cache-")
+        os.environ["GEMMA4LIB_CACHE"] = _SESSION_CACHE
+
+
+def pytest_unconfigure(config):
+    global _SESSION_CACHE
+    if _SESSION_CACHE is not None:
+        if os.environ.get("GEMMA4LIB_CACHE") == _SESSION_CACHE:
+            del os.environ["GEMMA4LIB_CACHE"]
+        shutil.rmtree(_SESSION_CACHE, ignore_errors=True)
+        _SESSION_CACHE = None
 
 
 @dataclass
@@ -45,7 +72,7 @@ class _Ports:
             settings = PortSettings(variant=variant, model=model, **overrides)
             loaded = load_model(settings)
             prefill, decode = build_graphs(loaded, settings)
-            compiled = compile_graphs(loaded, prefill, decode, settings)
+            compiled = compile_graphs(loaded, settings, graphs=(prefill, decode))
             self._done[key] = Ported(settings, loaded, prompt_ids(loaded, settings), prefill, decode, compiled)
         return self._done[key]
 

@@ -1,4 +1,4 @@
-"""The benchmark suite's JSON (issue 6) and the roofline arithmetic. No timing is asserted."""
+"""The benchmark suite's JSON (README, "Speed") and the roofline arithmetic. No timing asserted."""
 
 from __future__ import annotations
 
@@ -18,8 +18,9 @@ NUMBER = (int, float)
 @pytest.fixture(scope="module")
 def quick_report():
     # the --quick suite on two tiny variants (dense, MoE), graphs run uncompiled: the schema in seconds
-    options = SuiteOptions.quick(tiny_variants=("31b", "26b-a4b"), backend="eager", iters=1, bandwidth_mb=64,
-                                 tiny_new_tokens=8)
+    options = SuiteOptions.quick(
+        tiny_variants=("31b", "26b-a4b"), backend="eager", iters=1, bandwidth_mb=64, tiny_new_tokens=8
+    )
     report = run_suite("cpu", quick=True, options=options)
     return json.loads(json.dumps(report, default=str))  # what `bench --json` prints
 
@@ -56,6 +57,7 @@ def test_quick_report_schema(quick_report):
 
 def test_report_rows_feed_the_notebook_plot(quick_report):
     from gemma4lib import plots
+
     rows = roofline.rows_from_report(quick_report)
     assert [r["label"] for r in rows] == ["31b", "26b-a4b"]
     assert all(r["measured_tok_s"] > 0 and r["ceiling_tok_s"] > 0 for r in rows)
@@ -73,8 +75,11 @@ def test_check_targets_reads_the_right_figures():
     report = {
         "models": [
             {"name": "e2b", "speedup_vs_hf_eager": {"gemma4lib": 6.0}, "roofline_fraction": {}},
-            {"name": "medium-dense", "speedup_vs_hf_eager": {"gemma4lib": 1.1},
-             "roofline_fraction": {"gemma4lib": 0.8}},
+            {
+                "name": "medium-dense",
+                "speedup_vs_hf_eager": {"gemma4lib": 1.1},
+                "roofline_fraction": {"gemma4lib": 0.8},
+            },
         ],
         "ring_kv": {"ring_tok_s_4096_over_512": 0.9, "full_tok_s_4096_over_512": 0.7},
         "experts": {"selective_over_dense_decode": None},
@@ -97,6 +102,7 @@ def test_unknown_suite_is_a_clear_error():
 # ---- medium configs ----------------------------------------------------------------------------
 def _meta_counts(name: str) -> roofline.ParamCounts:
     from gemma4lib.loading import _text_classes
+
     _, lm_cls = _text_classes(get_medium(name).variant)
     with torch.device("meta"):
         return roofline.count_params(lm_cls(medium_config(name)))
@@ -114,10 +120,9 @@ def test_medium_configs_have_the_promised_shape():
 
 
 # ---- roofline ------------------------------------------------------------------------------------
-@pytest.mark.parametrize("variant,gb", [("e2b", 4.6), ("e4b", 9.4), ("12b", 23.8), ("31b", 61.4),
-                                        ("26b-a4b", 50.5)])
+@pytest.mark.parametrize("variant,gb", [("e2b", 4.6), ("e4b", 9.4), ("12b", 23.8), ("31b", 61.4), ("26b-a4b", 50.5)])
 def test_bf16_weight_bytes_match_design_table(variant, gb):
-    # DESIGN §4: bf16 weights read per token (PLE table on the host)
+    # bf16 weights read per token (PLE table on the host): docs/ROOFLINE.md, "inf2: bytes per token"
     steps = roofline.decode_bytes(variant, context_length=2048, ring=True)
     assert steps.weights / 1e9 == pytest.approx(gb, rel=0.015)
 
@@ -125,7 +130,7 @@ def test_bf16_weight_bytes_match_design_table(variant, gb):
 def test_selective_experts_read_only_the_routed_ones():
     dense = roofline.decode_bytes("26b-a4b", context_length=2048, experts="dense")
     selective = roofline.decode_bytes("26b-a4b", context_length=2048, experts="selective")
-    assert selective.weights / 1e9 == pytest.approx(7.6, rel=0.015)  # DESIGN §4
+    assert selective.weights / 1e9 == pytest.approx(7.6, rel=0.015)  # docs/ROOFLINE.md
     assert dense.weights / selective.weights > 6
 
 
@@ -134,16 +139,26 @@ def test_selective_experts_on_expert_parallel_ranks_read_k_per_rank():
     shared = counts.lm_head + counts.other
     # expert split at TP=8: 16 whole experts per rank, each rank gathers 8 slices whether routed
     # there or not: 64 of 128
-    assert counts.device_params("selective", tp=8, expert_split="experts") - shared == \
-        pytest.approx(counts.experts * 64 / 128)
+    assert counts.device_params("selective", tp=8, expert_split="experts") - shared == pytest.approx(
+        counts.experts * 64 / 128
+    )
     assert counts.device_params("selective", tp=1) - shared == pytest.approx(counts.experts * 8 / 128)
     # TP=16: 8 experts per rank and 8 gathered: as many bytes as dense (selective stops paying off)
-    assert counts.device_params("selective", tp=16, expert_split="experts") == \
-        pytest.approx(counts.device_params("dense"))
-    row = roofline.compare(None, "26b-a4b", device="inf2.24xlarge", cores=8, context_length=2048,
-                           experts="selective", expert_split="experts")
-    assert row["bytes_per_step"]["weights"] == \
-        pytest.approx(counts.device_params("selective", tp=8, expert_split="experts") * 2)
+    assert counts.device_params("selective", tp=16, expert_split="experts") == pytest.approx(
+        counts.device_params("dense")
+    )
+    row = roofline.compare(
+        None,
+        "26b-a4b",
+        device="inf2.24xlarge",
+        cores=8,
+        context_length=2048,
+        experts="selective",
+        expert_split="experts",
+    )
+    assert row["bytes_per_step"]["weights"] == pytest.approx(
+        counts.device_params("selective", tp=8, expert_split="experts") * 2
+    )
 
 
 def test_selective_experts_on_intermediate_split_ranks_read_k_in_total():
@@ -154,15 +169,17 @@ def test_selective_experts_on_intermediate_split_ranks_read_k_in_total():
     assert counts.moe_intermediate == 704 and counts.expert_split(8) == "intermediate"
     for tp in (2, 8, 16):
         assert counts.device_params("selective", tp=tp) == pytest.approx(counts.device_params("selective"))
-        assert counts.device_params("selective", tp=tp, expert_split="intermediate") - shared == \
-            pytest.approx(counts.experts * 8 / 128)
+        assert counts.device_params("selective", tp=tp, expert_split="intermediate") - shared == pytest.approx(
+            counts.experts * 8 / 128
+        )
     assert counts.device_params("dense", tp=8) == counts.device_params("dense", tp=8, expert_split="experts")
     with pytest.raises(ValueError, match="expert_split"):
         counts.device_params("selective", tp=8, expert_split="rows")
     steps = roofline.decode_bytes("26b-a4b", context_length=2048, experts="selective", tp=8)
     assert steps.expert_split == "intermediate" and steps.weights / 1e9 == pytest.approx(7.65, rel=0.01)
-    row = roofline.compare(None, "26b-a4b", device="inf2.24xlarge", cores=8, context_length=2048,
-                           experts="selective")  # the plan's default split
+    row = roofline.compare(
+        None, "26b-a4b", device="inf2.24xlarge", cores=8, context_length=2048, experts="selective"
+    )  # the plan's default split
     assert row["bytes_per_step"]["expert_split"] == "intermediate"
     # the recipe's ceiling on inf2.24xlarge at TP=8 (8 cores x 410 GiB/s): ~450 tok/s, was ~126
     assert 430 < row["ceiling_tok_s"] < 460
@@ -195,11 +212,16 @@ def test_inf2_table_covers_every_variant_and_form():
     rows = roofline.inf2_table(contexts=(2048,))
     assert {r["variant"] for r in rows} == {"e2b", "e4b", "12b", "31b", "26b-a4b"}
     moe = [r for r in rows if r["variant"] == "26b-a4b"]
-    assert {(r["kv"], r["experts"]) for r in moe} == {("full", "dense"), ("full", "selective"),
-                                                      ("ring", "dense"), ("ring", "selective")}
+    assert {(r["kv"], r["experts"]) for r in moe} == {
+        ("full", "dense"),
+        ("full", "selective"),
+        ("ring", "dense"),
+        ("ring", "selective"),
+    }
     e2b = next(r for r in rows if r["variant"] == "e2b")
-    assert e2b["fits_hbm"]["inf2.xlarge"] and not next(
-        r for r in rows if r["variant"] == "31b")["fits_hbm"]["inf2.xlarge"]
+    assert (
+        e2b["fits_hbm"]["inf2.xlarge"] and not next(r for r in rows if r["variant"] == "31b")["fits_hbm"]["inf2.xlarge"]
+    )
     assert all(math.isfinite(v) for r in rows for v in r["ceiling_tok_s"].values())
     text = roofline.format_inf2_table(rows)
     assert text.count("\n") == len(rows) + 1
@@ -219,12 +241,60 @@ def test_measure_bandwidth_reports_both_methods():
     assert bw["threads"] == 1
 
 
-def test_port_defaults_are_the_measured_recommendation():
-    from gemma4lib.benchmarks import RECOMMENDED_DECODE_EXPERTS, RECOMMENDED_RING_KV
-    from gemma4lib.port import PortSettings
+def test_recommendation_is_what_a_port_runs_by_default(quick_report):
+    # the suite states PortSettings' defaults (read from them), and its models ran with them
+    from gemma4lib.backends.base import PREFILL_EXPERTS
+    from gemma4lib.settings import PortSettings
+
     settings = PortSettings(variant="26b-a4b")
-    assert settings.ring_kv is RECOMMENDED_RING_KV
-    assert settings.decode_experts == RECOMMENDED_DECODE_EXPERTS
+    assert quick_report["recommendation"] == {
+        "ring_kv": settings.ring_kv,
+        "decode_experts": settings.decode_experts,
+        "prefill_experts": PREFILL_EXPERTS,
+    }
+    assert all(m["ring_kv"] is settings.ring_kv for m in quick_report["models"])
+    moe = next(m for m in quick_report["models"] if m["name"] == "26b-a4b")
+    assert moe["decode_experts"] == settings.decode_experts
+
+
+def test_experts_choice_is_the_measured_winner():
+    # dense vs selective on a tiny MoE (graphs eager): the report names the faster form, and renders it so
+    from gemma4lib.benchmarks.suite import GraphFactory, bench_experts, load_bench_model
+    from gemma4lib.reference import random_prompt
+    from gemma4lib.settings import PortSettings
+
+    model = load_bench_model("26b-a4b")
+    prompt = random_prompt(model.config.vocab_size, 12, 3)
+    experts = bench_experts(
+        model,
+        GraphFactory(model, "eager"),
+        context_length=64,
+        bucket=16,
+        prompt=prompt,
+        new_tokens=4,
+        warmup=0,
+        iters=1,
+    )
+    decode, prefill, choice = experts["decode"], experts["prefill"], experts["recommendation"]
+    assert choice["decode"] == max(decode, key=lambda form: decode[form]["decode_tok_s"])
+    assert choice["prefill"] == min(prefill, key=lambda form: prefill[form]["prefill_ms"])
+    assert choice["port_settings_default_decode"] == PortSettings(variant="26b-a4b").decode_experts
+    assert all(row["tokens_match_reference"] for row in decode.values())
+    text = format_report({"experts": {"model": "26b-a4b", **experts}})
+    assert f"measured choice: prefill {choice['prefill']}, decode {choice['decode']}" in text
+
+
+def test_importing_port_does_not_load_the_suite():
+    # port times its runs with benchmarks.timing; the suite (which imports port) loads only when asked for
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, gemma4lib.port, gemma4lib.benchmarks.timing; "
+        "assert 'gemma4lib.benchmarks.suite' not in sys.modules; "
+        "from gemma4lib.benchmarks import run_suite; assert 'gemma4lib.benchmarks.suite' in sys.modules"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
 
 
 def test_tempered_random_attention_is_numerically_stable():
@@ -233,9 +303,16 @@ def test_tempered_random_attention_is_numerically_stable():
 
     from gemma4lib.loading import build_tiny
     from gemma4lib.medium import temper_attention
+
     spec = get_medium("medium-dense")
-    overrides = dict(spec.overrides, hidden_size=256, intermediate_size=512, num_hidden_layers=12,
-                     layer_types=spec.overrides["layer_types"][:12], vocab_size=512)
+    overrides = dict(
+        spec.overrides,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=12,
+        layer_types=spec.overrides["layer_types"][:12],
+        vocab_size=512,
+    )
     model = build_tiny(spec.variant, seed=1, **overrides)  # untempered: fp32 and fp64 logits differ by ~1.0
     assert temper_attention(model.text_model) == 2 * 12
     q_norm = model.text_model.layers[0].self_attn.q_norm.weight

@@ -1,13 +1,24 @@
-"""The fault lab (issue 3): every field-report bug is caught, by the check the report predicts.
+"""The fault lab (`gemma4lib.faults`): every fault is caught by `port`'s own verdict on the default
+trained run (SEQ_MATCH, LOGITS_MATCH, coherence, and the random-weights witness's SEQ_MATCH and
+LOGITS_MATCH), compiled and eager, by the checks the lab predicts.
 
-Runs through the compiled CPU recipe, like `python -m gemma4lib faults`: the clean E2B graphs are
-shared with the other tests through the artifact cache; the two device-side faults compile their
-own (a fault changes the program, so it has its own cache key).
+The compiled lab runs through the CPU recipe, like `python -m gemma4lib faults`: the clean E2B
+graphs are shared with the other tests through the artifact cache; each device-side fault compiles
+its own (a fault changes the program, so it has its own cache key), and the witness reuses it.
 """
+
+import json
 
 import pytest
 
-from gemma4lib.faults import FAULTS, run_fault_lab
+from gemma4lib import checks
+from gemma4lib.cli import main, port_exit_code
+from gemma4lib.faults import FAULTS, get_fault, run_fault_lab
+
+NAMES = [f.name for f in FAULTS]
+# faults whose logit error hides behind unchanged tokens and a right answer on the trained model
+HIDDEN_FROM_TOKENS = ("one_layer_scalar_at_init", "sliding_window_off_by_one")
+DECODE_ONLY = ("decode_kv_write_ahead", "decode_mask_window_short")
 
 
 @pytest.fixture(scope="module")
@@ -15,21 +26,108 @@ def lab():
     return run_fault_lab()
 
 
-def test_clean_runs_pass_both_checks(lab):
-    assert lab["clean_ok"], lab["clean"]
-    assert all("Paris" in run["answer"] for run in lab["clean"])
+@pytest.fixture(scope="module")
+def eager_lab():
+    return run_fault_lab(backend="eager")
 
 
-@pytest.mark.parametrize("fault", [f.name for f in FAULTS])
-def test_fault_is_caught_by_the_predicted_check(lab, fault):
-    run = next(r for r in lab["faults"] if r["fault"] == fault)
-    assert run["caught"], run
-    if run["predicted_check"] == "coherence":
-        # shared by device and reference: SEQ_MATCH passes on nonsense, only coherence sees it
-        assert run["seq_match"] is True and run["coherent"] is False, run
+def _run(report, name):
+    return next(r for r in report["faults"] if r["fault"] == name)
+
+
+@pytest.mark.parametrize("which", ["lab", "eager_lab"])
+def test_clean_runs_pass_every_check(request, which):
+    report = request.getfixturevalue(which)
+    assert report["clean_ok"], report["clean"]
+    for run in report["clean"]:
+        assert "Paris" in run["answer"]
+        assert run["seq_match"] and run["logits_match"] and run["coherent"], run
+        assert run["logits_max_err"] <= run["logits_tolerance"], run
+        assert run["witness"]["seq_match"] and run["witness"]["logits_match"], run["witness"]
+
+
+@pytest.mark.parametrize("which", ["lab", "eager_lab"])
+@pytest.mark.parametrize("fault", NAMES)
+def test_fault_is_caught_by_the_predicted_checks(request, which, fault):
+    run = _run(request.getfixturevalue(which), fault)
+    spec = get_fault(fault)
+    assert run["caught"] and run["reasons"], run
+    if spec.shared_with_reference:
+        # shared by device and reference: both equality checks pass on nonsense; coherence sees it
+        assert run["caught_by"] == ["coherence"], run
+        assert run["logits_max_err"] <= run["logits_tolerance"], run
     else:
-        assert run["seq_match"] is False, run
+        assert set(spec.caught_by) <= set(run["caught_by"]), run
+    if "logits_match" in run["caught_by"]:  # the failure says where, how far, against what
+        assert run["logits_max_err"] > run["logits_tolerance"], run
+        explain = run["logits_explain"]
+        assert "tolerance" in explain and run["logits_worst_phase"] in explain, explain
 
 
-def test_lab_verdict(lab):
-    assert lab["ok"] and lab["all_as_predicted"]
+def test_a_confident_model_hides_logit_errors_that_logits_match_sees(lab):
+    for name in HIDDEN_FROM_TOKENS:
+        run = _run(lab, name)
+        assert run["seq_match"] is True and run["coherent"] is True, run  # same tokens, same answer
+        assert run["logits_match"] is False and run["logits_max_err"] > 0.05, run
+        assert run["witness"]["seq_match"] is False, run["witness"]  # near-ties: other tokens
+
+
+def test_decode_only_faults_leave_the_prefill_logits_exact(lab):
+    for name in DECODE_ONLY:
+        run = _run(lab, name)
+        assert run["logits_prefill_max_err"] <= run["logits_tolerance"], run
+        assert run["logits_decode_max_err"] > run["logits_tolerance"], run
+
+
+def test_lab_verdict(lab, eager_lab):
+    for report in (lab, eager_lab):
+        caught = [(r["fault"], r["caught_by"]) for r in report["faults"]]
+        assert report["ok"] and report["all_as_predicted"], caught
+
+
+def test_faults_json_lists_each_fault_with_its_logit_error_and_tolerance(capsys):
+    code = main(["faults", "--backend", "eager", "--fault", "one_layer_scalar_at_init", "--json"])
+    data = json.loads(capsys.readouterr().out)
+    assert code == 0 and data["ok"]
+    (run,) = data["faults"]
+    assert "logits_match" in run["caught_by"] and run["seq_match"] is True, run
+    assert run["logits_max_err"] > run["logits_tolerance"] > 0
+    assert {"logits_max_err", "logits_tolerance"} <= set(run["witness"])
+
+
+def test_unknown_fault_name_is_an_error(capsys):
+    assert main(["faults", "--backend", "eager", "--fault", "no_such_fault"]) == 2
+    assert "unknown fault" in capsys.readouterr().err
+
+
+# ---- the verdict the command line applies to a port record ------------------------------------
+
+
+def _record(**changes):
+    record = {
+        "seq_match": True,
+        "logits_match": True,
+        "coherent": True,
+        "witness": {"seq_match": True, "logits_match": True},
+    }
+    record.update(changes)
+    return record
+
+
+@pytest.mark.parametrize(
+    "changes, failed",
+    [
+        ({}, []),
+        ({"logits_match": False, "logits_explain": "LOGITS_MATCH failed: ..."}, ["logits_match"]),
+        ({"seq_match": False}, ["seq_match"]),
+        ({"coherent": False}, ["coherence"]),
+        ({"witness": {"seq_match": False, "logits_match": True}}, ["witness.seq_match"]),
+        ({"witness": {"seq_match": True, "logits_match": False}}, ["witness.logits_match"]),
+        ({"coherent": None, "witness": None}, []),
+    ],
+)
+def test_port_exit_code_requires_every_check(changes, failed):
+    record = _record(**changes)
+    assert checks.failed_checks(record) == failed
+    assert port_exit_code(record) == (1 if failed else 0)
+    assert len(checks.failure_reasons(record)) == len(failed)

@@ -7,9 +7,16 @@ from __future__ import annotations
 
 import pytest
 
-from gemma4lib.backends.hlo_audit import (AuditRow, array_dims, audit_hlo, entry_instructions,
-                                          format_table, gather_slices_contiguous, parse_instruction,
-                                          type_bytes)
+from gemma4lib.backends.hlo_audit import (
+    AuditRow,
+    array_dims,
+    audit_hlo,
+    entry_instructions,
+    format_table,
+    gather_slices_contiguous,
+    parse_instruction,
+    type_bytes,
+)
 
 
 def module(body: str, params: str = "") -> str:
@@ -45,29 +52,33 @@ def test_types_and_sizes():
 
 
 def test_parse_instruction_with_tuples_comments_and_attributes():
-    ins = parse_instruction("  ROOT %tuple.9 = (f32[2]{0}, /*index=1*/f32[2,3]{1,0}) "
-                            "tuple(f32[2]{0} %r.3, /*index=1*/f32[2,3]{1,0} %p0.1)")
+    ins = parse_instruction(
+        "  ROOT %tuple.9 = (f32[2]{0}, /*index=1*/f32[2,3]{1,0}) tuple(f32[2]{0} %r.3, /*index=1*/f32[2,3]{1,0} %p0.1)"
+    )
     assert (ins.name, ins.opcode, ins.root) == ("tuple.9", "tuple", True)
     assert ins.operands == ("r.3", "p0.1")
-    ins = parse_instruction("  %gather.7 = f32[4,64,32]{2,1,0} gather(f32[16,64,32]{2,1,0} %p0.1, "
-                            "s64[4,1]{1,0} %c.2), offset_dims={1,2}, collapsed_slice_dims={0}, "
-                            "start_index_map={0}, index_vector_dim=1, slice_sizes={1,64,32}")
+    ins = parse_instruction(
+        "  %gather.7 = f32[4,64,32]{2,1,0} gather(f32[16,64,32]{2,1,0} %p0.1, "
+        "s64[4,1]{1,0} %c.2), offset_dims={1,2}, collapsed_slice_dims={0}, "
+        "start_index_map={0}, index_vector_dim=1, slice_sizes={1,64,32}"
+    )
     assert ins.opcode == "gather" and ins.operands == ("p0.1", "c.2")
     assert ins.attrs.startswith("offset_dims={1,2}") and ins.type == "f32[4,64,32]{2,1,0}"
     ins = parse_instruction("  %p3.12 = f32[8,64]{1,0} parameter(3)")
     assert ins.parameter_number == 3
     # an all-reduce whose to_apply names a computation: not an operand
-    ins = parse_instruction("  %all-reduce.4 = (f32[1,64]{1,0}, f32[]) all-reduce("
-                            "f32[1,64]{1,0} %a.1, f32[] %t.2), replica_groups={{0,1}}, "
-                            "constrain_layout=true, "
-                            "to_apply=%AddComputation.5")
+    ins = parse_instruction(
+        "  %all-reduce.4 = (f32[1,64]{1,0}, f32[]) all-reduce("
+        "f32[1,64]{1,0} %a.1, f32[] %t.2), replica_groups={{0,1}}, "
+        "constrain_layout=true, "
+        "to_apply=%AddComputation.5"
+    )
     assert ins.opcode == "all-reduce" and ins.operands == ("a.1", "t.2")
     assert parse_instruction("}") is None and parse_instruction("") is None
 
 
 def test_only_the_entry_computation_counts():
-    text = module("  %p0.1 = f32[4]{0} parameter(0)\n"
-                  "  ROOT %n.2 = f32[4]{0} negate(f32[4]{0} %p0.1)", "p0.1: f32[4]")
+    text = module("  %p0.1 = f32[4]{0} parameter(0)\n  ROOT %n.2 = f32[4]{0} negate(f32[4]{0} %p0.1)", "p0.1: f32[4]")
     names = [i.name for i in entry_instructions(text)]
     assert names == ["p0.1", "n.2"]  # the add computation's parameters are not entry parameters
     with pytest.raises(ValueError, match="ENTRY"):
@@ -119,16 +130,19 @@ index_vector_dim=1, slice_sizes={1,64,32}""")
     assert p.relayouts == ["transpose %transpose.4 -> gather %gather.5"]
 
 
-@pytest.mark.parametrize("operand,slices,contiguous", [
-    ("f32[16,64,32]{2,1,0}", "{1,64,32}", True),  # one expert of [E, H, I]
-    ("f32[128,32]{1,0}", "{1,32}", True),  # one row
-    ("f32[16]{0}", "{1}", True),
-    ("f32[8,4]{1,0}", "{2,4}", True),  # two whole rows
-    ("f32[8,4]{1,0}", "{2,2}", False),
-    ("f32[64,2,32]{2,1,0}", "{64,1,32}", False),  # one expert of [H, E, I]: 64 runs
-    ("f32[2,64,32]{2,0,1}", "{1,64,32}", False),  # the same, as a permuted layout
-    ("f32[4,1,8]", "{1,1,8}", True),  # no layout written: row-major
-])
+@pytest.mark.parametrize(
+    "operand,slices,contiguous",
+    [
+        ("f32[16,64,32]{2,1,0}", "{1,64,32}", True),  # one expert of [E, H, I]
+        ("f32[128,32]{1,0}", "{1,32}", True),  # one row
+        ("f32[16]{0}", "{1}", True),
+        ("f32[8,4]{1,0}", "{2,4}", True),  # two whole rows
+        ("f32[8,4]{1,0}", "{2,2}", False),
+        ("f32[64,2,32]{2,1,0}", "{64,1,32}", False),  # one expert of [H, E, I]: 64 runs
+        ("f32[2,64,32]{2,0,1}", "{1,64,32}", False),  # the same, as a permuted layout
+        ("f32[4,1,8]", "{1,1,8}", True),  # no layout written: row-major
+    ],
+)
 def test_gather_slice_contiguity(operand, slices, contiguous):
     attrs = f"offset_dims={{1}}, slice_sizes={slices}"
     assert gather_slices_contiguous(operand, attrs) is contiguous
@@ -208,10 +222,25 @@ f32[1,1,1,8]{3,2,1,0} %p1.2, s64[] %c.4, s64[] %c.4, s64[] %p2.3, s64[] %c.4)"""
 
 
 def row(**overrides) -> AuditRow:
-    base = dict(variant="26b-a4b", form="selective", tp=2, rank=1, hlo_params=10, weights_read=100,
-                experts_read=40, experts_size=80, kv_read=8, other_read=4, roofline_weights=180.0,
-                roofline_kv=16.0, replicated_weights=24, replicated_kv=0, expected_delta=-4,
-                flagged=[], flagged_experts=[])
+    base = dict(
+        variant="26b-a4b",
+        form="selective",
+        tp=2,
+        rank=1,
+        hlo_params=10,
+        weights_read=100,
+        experts_read=40,
+        experts_size=80,
+        kv_read=8,
+        other_read=4,
+        roofline_weights=180.0,
+        roofline_kv=16.0,
+        replicated_weights=24,
+        replicated_kv=0,
+        expected_delta=-4,
+        flagged=[],
+        flagged_experts=[],
+    )
     base.update(overrides)
     return AuditRow(**base)
 
@@ -221,8 +250,9 @@ def test_audit_row_compares_rank_sums_with_the_roofline():
     assert good.weights_delta == 2 * 100 - 180 - 24 == -4 and good.kv_delta == 0 and good.ok
     assert not row(weights_read=101).ok  # one byte more than the roofline explains
     assert not row(kv_read=9).ok
-    flagged = row(flagged=["model.layers.0.experts.down.weight"],
-                  flagged_experts=["model.layers.0.experts.down.weight"])
+    flagged = row(
+        flagged=["model.layers.0.experts.down.weight"], flagged_experts=["model.layers.0.experts.down.weight"]
+    )
     assert not flagged.ok
     # the dense form reads every expert weight anyway: a re-layout there is not the selective bug
     assert row(form="dense", flagged=["x"], flagged_experts=["x"]).ok

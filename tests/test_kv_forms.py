@@ -1,5 +1,6 @@
-"""The decode-side forms of issue 6 against the HF reference: ring KV far past the sliding window,
-selective experts (== dense == HF), and prefill buckets (smallest that fits, padding masked).
+"""The decode-side forms (README, "Speed"; docs/ROOFLINE.md) against the HF reference: ring KV far
+past the sliding window, selective experts (== dense == HF), and prefill buckets (smallest that
+fits, padding masked).
 
 Most checks run the device graphs eagerly (the exact module that is exported and compiled; seconds
 on the tiny models); one runs the compiled AOTInductor graphs of the MoE tiny with both new forms.
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import VARIANT_NAMES
 
 from gemma4lib.experts import StaticExperts
 from gemma4lib.graph import DeviceGraph, GraphShape
@@ -17,8 +19,6 @@ from gemma4lib.loading import build_tiny
 from gemma4lib.reference import reference_greedy
 from gemma4lib.runtime import HostRuntime, softcap
 from gemma4lib.variants import VARIANTS
-
-from conftest import VARIANT_NAMES
 
 CONTEXT = 96
 PROMPT = 20
@@ -40,19 +40,23 @@ def _prompt(model, n: int = PROMPT, seed: int | None = None) -> list[int]:
     return torch.randint(3, model.config.vocab_size, (n,), generator=generator).tolist()
 
 
-def _runtime(model, *, ring: bool, buckets=(32,), decode_form: str = "dense", context: int = CONTEXT,
-             record: list | None = None) -> HostRuntime:
+def _runtime(
+    model, *, ring: bool, buckets=(32,), decode_form: str = "dense", context: int = CONTEXT, record: list | None = None
+) -> HostRuntime:
     def graph(tokens, form):
-        return DeviceGraph(model.text_model, model.lm_head, model.layout, GraphShape(1, tokens, context, ring),
-                           expert_form=form)
+        return DeviceGraph(
+            model.text_model, model.lm_head, model.layout, GraphShape(1, tokens, context, ring), expert_form=form
+        )
 
     decode = graph(1, decode_form)
     step = decode
     if record is not None:
+
         def step(*args):
             logits = decode(*args)
             record.append(logits[0].clone())
             return logits
+
     prefill = {b: graph(b, "dense") for b in buckets}
     return HostRuntime(model, prefill, step, decode.new_kv(), context)
 
@@ -67,11 +71,19 @@ def _hf_logits(model, prompt: list[int], new_tokens: int) -> tuple[list[int], to
     the port (a wrong mask or slot) shows up at O(1).
     """
     ids = torch.tensor([prompt])
-    out = model.lm.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, do_sample=False,
-                            eos_token_id=None, pad_token_id=0, output_logits=True, return_dict_in_generate=True)
-    tokens = out.sequences[0, len(prompt):].tolist()
-    logits = torch.stack([l[0].float() for l in out.logits])
-    no_cache = model.lm(out.sequences[:, :-1]).logits[0, len(prompt) - 1:].float()
+    out = model.lm.generate(
+        ids,
+        attention_mask=torch.ones_like(ids),
+        max_new_tokens=new_tokens,
+        do_sample=False,
+        eos_token_id=None,
+        pad_token_id=0,
+        output_logits=True,
+        return_dict_in_generate=True,
+    )
+    tokens = out.sequences[0, len(prompt) :].tolist()
+    logits = torch.stack([step[0].float() for step in out.logits])
+    no_cache = model.lm(out.sequences[:, :-1]).logits[0, len(prompt) - 1 :].float()
     spread = float((logits - no_cache).abs().max())
     return tokens, logits, 1e-3 + 2 * spread
 
@@ -130,7 +142,7 @@ def test_ring_prefill_longer_than_the_window_keeps_the_newest_tokens():
 @pytest.mark.parametrize("tokens", [1, 5])
 def test_static_expert_forms_equal_transformers_experts(tokens):
     model = _model("26b-a4b")
-    layer = next(l for l in model.text_model.layers if getattr(l, "experts", None) is not None)
+    layer = next(m for m in model.text_model.layers if getattr(m, "experts", None) is not None)
     hf = layer.experts
     config = model.config
     generator = torch.Generator().manual_seed(0)

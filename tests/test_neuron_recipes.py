@@ -33,13 +33,15 @@ def prompt(name, n=20):
 
 
 def test_recipe_modules_import_without_the_sdk():
-    code = ("import sys, importlib\n"
-            f"for m in {sorted(RECIPE_MODULES.values()) + ['gemma4lib.recipes.neuron_env', 'gemma4lib.doctor']!r}:\n"
-            "    importlib.import_module(m)\n"
-            f"loaded = [m for m in {SDK_MODULES!r} if m in sys.modules]\n"
-            "assert not loaded, loaded\n"
-            "assert 'transformers.utils.fx' not in sys.modules\n"
-            "print('clean')\n")
+    code = (
+        "import sys, importlib\n"
+        f"for m in {sorted(RECIPE_MODULES.values()) + ['gemma4lib.recipes.neuron_env', 'gemma4lib.doctor']!r}:\n"
+        "    importlib.import_module(m)\n"
+        f"loaded = [m for m in {SDK_MODULES!r} if m in sys.modules]\n"
+        "assert not loaded, loaded\n"
+        "assert 'transformers.utils.fx' not in sys.modules\n"
+        "print('clean')\n"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0 and "clean" in out.stdout, out.stderr[-2000:]
 
@@ -73,13 +75,15 @@ def test_neuron_entry_points_raise_the_documented_error(module, entry):
     assert isinstance(info.value, ImportError)  # callers catching ImportError keep working
 
 
-def test_compile_graphs_neuron_raises_before_compiling():
-    from gemma4lib.recipes import compile_graphs_neuron
+def test_neuron_backend_raises_before_compiling():
+    from gemma4lib.backends import neuron
 
     m = tiny("e2b")
-    settings = types.SimpleNamespace(tp_degree=1, cache_dir=None, context_length=64, ring_kv=False)
+    settings = types.SimpleNamespace(
+        tp_degree=1, cache_dir=None, context_length=64, ring_kv=False, prefill_buckets=(32,), decode_experts="dense"
+    )
     with pytest.raises(NeuronSDKMissingError, match="torch-neuronx"):
-        compile_graphs_neuron(m, {32: None}, None, settings)
+        neuron.compile(m, settings)
 
 
 def test_installed_but_broken_sdk_is_a_mismatch_not_missing(monkeypatch):
@@ -92,9 +96,15 @@ def test_installed_but_broken_sdk_is_a_mismatch_not_missing(monkeypatch):
 
 # ---- versions and the doctor ---------------------------------------------------------------------
 
+
 def test_version_checks_against_the_pins(monkeypatch):
-    found = {"torch-neuronx": "2.9.0.2.12.22436", "neuronx-cc": "2.23.6484.0+0a1b2c3",
-             "neuronx-distributed": "0.16.0", "libneuronxla": None, "transformers": "5.23.0"}
+    found = {
+        "torch-neuronx": "2.9.0.2.12.22436",
+        "neuronx-cc": "2.23.6484.0+0a1b2c3",
+        "neuronx-distributed": "0.16.0",
+        "libneuronxla": None,
+        "transformers": neuron_env.TRANSFORMERS_PIN,
+    }
     monkeypatch.setattr(neuron_env, "metadata_version", found.get)
     rows = {r["package"]: r for r in neuron_env.check_versions()}
     assert rows["torch-neuronx"]["ok"] and rows["neuronx-cc"]["ok"] and rows["transformers"]["ok"]
@@ -121,8 +131,11 @@ def test_doctor_with_a_simulated_sdk(monkeypatch):
     pins = {d: v[0] for d, v in neuron_env.SDK_PINS.items()} | {"transformers": neuron_env.TRANSFORMERS_PIN}
     pins["neuronx-distributed"] = "0.16.0"
     monkeypatch.setattr(neuron_env, "metadata_version", pins.get)
-    monkeypatch.setattr(doctor, "neuron_devices", lambda: {"dev_nodes": [], "devices": 6, "cores": 12,
-                                                           "neuron_ls": None, "source": "test"})
+    monkeypatch.setattr(
+        doctor,
+        "neuron_devices",
+        lambda: {"dev_nodes": [], "devices": 6, "cores": 12, "neuron_ls": None, "source": "test"},
+    )
     monkeypatch.setattr(doctor, "host_ram_bytes", lambda: 128 * 2**30)
     report = doctor.run_doctor("31b", 8)
     assert report["sdk_present"]
@@ -147,6 +160,7 @@ def test_compile_peak_estimate_is_calibrated_to_the_field_report():
 
 # ---- the environment fixes -----------------------------------------------------------------------
 
+
 def test_fx_shim_installs_only_when_needed():
     utils = types.ModuleType("transformers.utils")
     namespace = {"transformers.utils": utils}
@@ -161,8 +175,9 @@ def test_fx_shim_installs_only_when_needed():
 
     class HFTracerWrapper(NxDTracer, shim.HFTracer):
         def __init__(self, **config):
-            super().__init__(autowrap_modules=config["autowrap_modules"],
-                             autowrap_functions=config["autowrap_functions"])
+            super().__init__(
+                autowrap_modules=config["autowrap_modules"], autowrap_functions=config["autowrap_functions"]
+            )
 
     graph = HFTracerWrapper(autowrap_modules=(math,), autowrap_functions=()).trace(torch.nn.Linear(2, 2))
     assert [node.op for node in graph.nodes][0] == "placeholder" and "linear" in str(graph)
@@ -197,6 +212,7 @@ def test_compiler_args_and_pins_are_single_sourced():
 
 # ---- the recipes' host side on CPU ---------------------------------------------------------------
 
+
 @pytest.mark.parametrize("name", ["e2b", "e4b"])
 def test_trace_recipe_module_and_host_loop_on_cpu(name):
     """The module that torch_neuronx.trace would get, driven with device aliasing emulated."""
@@ -215,7 +231,7 @@ def test_trace_recipe_module_and_host_loop_on_cpu(name):
 
 
 def test_host_runtime_over_device_steps():
-    """The glue `compile_graphs_neuron` puts between the runtime and a device module."""
+    """The glue the `neuron` backend puts between the runtime and a device module."""
     from gemma4lib.recipes import neuron_trace
     from gemma4lib.recipes.common import AliasEmulator, DeviceStep, StepwisePrefill
     from gemma4lib.reference import reference_greedy
@@ -242,21 +258,23 @@ def test_model_builder_checkpoint_names_match_the_compiled_module():
     forms = mb.bucket_expert_forms("selective")
     assert forms == {"prefill": "dense", "decode": "selective"}
     for key, shape in mb.bucket_shapes(64, 32).items():
-        module = mb.rank_module(m.config, plan, shape, torch.float32, factory=CpuParallelFactory(8),
-                                expert_form=forms[key])
+        module = mb.rank_module(
+            m.config, plan, shape, torch.float32, factory=CpuParallelFactory(8), expert_form=forms[key]
+        )
         assert module.graph.expert_form == forms[key]
         assert all(e.form == forms[key] for e in module.graph._rank_users)
         names = {k for k in module.state_dict() if not k.startswith("kv.")}
         assert names == set(checkpoint)  # one checkpoint for both expert forms
-        assert [tuple(t.shape) for t in module.example_inputs()] == \
-            [tuple(t.shape) for t in graph_example_inputs(m.config, shape, torch.float32)]
+        assert [tuple(t.shape) for t in module.example_inputs()] == [
+            tuple(t.shape) for t in graph_example_inputs(m.config, shape, torch.float32)
+        ]
         assert {f"kv.{i}" for i in range(len(module.kv))} == set(module.state_dict()) - names
     assert checkpoint["graph.spmd_rank.rank"].tolist() == list(range(8))
     assert any(k.endswith("layer_scalar") for k in checkpoint)
 
 
 def test_neuron_cache_key_tracks_what_changes_the_artifact():
-    from gemma4lib.recipes import neuron_cache_key
+    from gemma4lib.backends.neuron import neuron_cache_key
 
     m = tiny("12b")
     shapes = {"decode": GraphShape(1, 1, 64), "prefill": GraphShape(1, 32, 64)}
@@ -268,15 +286,21 @@ def test_neuron_cache_key_tracks_what_changes_the_artifact():
     args = {**neuron_env.COMPILER_ARGS, "decode": "-O1"}
     assert key != neuron_cache_key(m, "model_builder", 2, shapes, args, torch.bfloat16)[0]
     # the decode graph's expert form: dense keeps the old key, selective is another artifact
-    assert key == neuron_cache_key(m, "model_builder", 2, shapes, neuron_env.COMPILER_ARGS, torch.bfloat16,
-                                   decode_experts="dense")[0]
-    selective, selective_parts = neuron_cache_key(m, "model_builder", 2, shapes, neuron_env.COMPILER_ARGS,
-                                                  torch.bfloat16, decode_experts="selective")
+    assert (
+        key
+        == neuron_cache_key(
+            m, "model_builder", 2, shapes, neuron_env.COMPILER_ARGS, torch.bfloat16, decode_experts="dense"
+        )[0]
+    )
+    selective, selective_parts = neuron_cache_key(
+        m, "model_builder", 2, shapes, neuron_env.COMPILER_ARGS, torch.bfloat16, decode_experts="selective"
+    )
     assert selective != key and selective_parts["decode_experts"] == "selective"
     assert set(parts["sdk"]) >= set(neuron_env.SDK_PINS)
 
 
 # ---- dispatch and the ModelBuilder calls, with the SDK stood in by recording fakes -----------------
+
 
 class _Recorder:
     """Stands in for `neuronx_distributed.trace.model_builder`: records what the recipe asks of it."""
@@ -291,13 +315,30 @@ class _Recorder:
 
         class ModelBuilder:
             def __init__(self, router, tp_degree, checkpoint_loader, compiler_workdir=None):
-                recorder.calls.append(("init", {"router": router, "tp_degree": tp_degree,
-                                                "checkpoint": checkpoint_loader()}))
+                recorder.calls.append(
+                    ("init", {"router": router, "tp_degree": tp_degree, "checkpoint": checkpoint_loader()})
+                )
 
-            def add(self, key, model_instance, example_inputs, compiler_args=None, bucket_config=None,
-                    priority_model_idx=None):
-                recorder.calls.append(("add", {"key": key, "inputs": [tuple(t.shape) for t in example_inputs[0]],
-                                               "compiler_args": compiler_args, "priority": priority_model_idx}))
+            def add(
+                self,
+                key,
+                model_instance,
+                example_inputs,
+                compiler_args=None,
+                bucket_config=None,
+                priority_model_idx=None,
+            ):
+                recorder.calls.append(
+                    (
+                        "add",
+                        {
+                            "key": key,
+                            "inputs": [tuple(t.shape) for t in example_inputs[0]],
+                            "compiler_args": compiler_args,
+                            "priority": priority_model_idx,
+                        },
+                    )
+                )
 
             def trace(self, initialize_model_weights=True, dry_run=False):
                 recorder.calls.append(("trace", {"initialize_model_weights": initialize_model_weights}))
@@ -316,8 +357,14 @@ def test_model_builder_recipe_calls(name, tmp_path, monkeypatch):
     monkeypatch.setattr(neuron_env, "require", lambda module, purpose="": recorder.module)
     model = tiny(name)
     with pytest.raises(RuntimeError, match="stop: no Neuron compiler here"):
-        neuron_model_builder.compile_model_builder(model, 2, tmp_path, context_length=64, prefill_len=16,
-                                                   decode_experts="selective" if model.variant.is_moe else "dense")
+        neuron_model_builder.compile_model_builder(
+            model,
+            2,
+            tmp_path,
+            context_length=64,
+            prefill_len=16,
+            decode_experts="selective" if model.variant.is_moe else "dense",
+        )
     kinds = [kind for kind, _ in recorder.calls]
     assert kinds == ["init", "add", "add", "trace"]
     init, prefill, decode, trace = (args for _, args in recorder.calls)
@@ -335,9 +382,16 @@ def test_model_builder_recipe_calls(name, tmp_path, monkeypatch):
     assert trace == {"initialize_model_weights": False}
 
 
-@pytest.mark.parametrize("name,tp,recipe", [("e2b", 1, "trace"), ("e2b", 2, "model_builder"),
-                                            ("e4b", 2, "model_builder"), ("12b", 2, "model_builder"),
-                                            ("31b", 8, "model_builder")])
+@pytest.mark.parametrize(
+    "name,tp,recipe",
+    [
+        ("e2b", 1, "trace"),
+        ("e2b", 2, "model_builder"),
+        ("e4b", 2, "model_builder"),
+        ("12b", 2, "model_builder"),
+        ("31b", 8, "model_builder"),
+    ],
+)
 def test_backend_neuron_uses_the_neuron_recipe_at_every_tp(name, tp, recipe, monkeypatch):
     """`port(backend="neuron")` never falls back to the CPU gloo runner: at TP > 1 it compiles with
     ModelBuilder, and what ran is named by the record's recipe."""
@@ -357,12 +411,12 @@ def test_backend_neuron_uses_the_neuron_recipe_at_every_tp(name, tp, recipe, mon
         def compile_stub(*args, **kwargs):
             reached.append(label)
             raise RuntimeError("stop: compile reached")
+
         return compile_stub
 
     monkeypatch.setattr(neuron_model_builder, "compile_model_builder", stopper("mb"))
     monkeypatch.setattr(neuron_trace, "compile_trace", stopper("trace"))
-    settings = port_module.PortSettings(variant=name, model="random", backend="neuron", tp_degree=tp,
-                                        cache_dir=None)
+    settings = port_module.PortSettings(variant=name, model="random", backend="neuron", tp_degree=tp, cache_dir=None)
     with pytest.raises(RuntimeError, match="stop: compile reached"):
         port_module.port(settings)
     assert reached[0] == ("trace" if recipe == "trace" else "mb")

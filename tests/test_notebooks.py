@@ -22,8 +22,22 @@ NOTEBOOK_DIR = ROOT / "notebooks"
 NOTEBOOKS = sorted(NOTEBOOK_DIR.glob("*.ipynb"))
 EXPECTED = ["00_overview.ipynb", "01_e2b.ipynb", "02_e4b.ipynb", "03_12b.ipynb", "04_31b.ipynb", "05_26b_a4b.ipynb"]
 KERNELSPEC = {"name": "python3", "display_name": "Python 3", "language": "python"}
-VARIANT_PARAMETERS = {"variant", "profile", "checkpoint", "backend", "tp_degree", "prompt", "expect", "max_new_tokens",
-                      "context_length", "prefill_buckets", "warmup", "iters", "results_path", "interactive"}
+VARIANT_PARAMETERS = {
+    "variant",
+    "profile",
+    "checkpoint",
+    "backend",
+    "tp_degree",
+    "prompt",
+    "expect",
+    "max_new_tokens",
+    "context_length",
+    "prefill_buckets",
+    "warmup",
+    "iters",
+    "results_path",
+    "interactive",
+}
 OVERVIEW_PARAMETERS = {"profile", "results_dir", "results_path"}
 FORBIDDEN = [
     (re.compile(r"^\s*[!%]\s*(pip|conda|uv)\b", re.M), "installs packages from a cell"),
@@ -47,8 +61,9 @@ def parameters_of(nb) -> dict:
     (cell,) = parameters_cells(nb)
     values = {}
     for node in ast.parse(cell.source).body:
-        assert isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name), \
+        assert isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name), (
             f"parameters cell may hold only `name = literal` lines, found: {ast.unparse(node)}"
+        )
         values[node.targets[0].id] = ast.literal_eval(node.value)  # raises on anything but a plain value
     return values
 
@@ -64,7 +79,8 @@ def test_notebooks_are_what_the_builder_writes():
     assert list(builder.NOTEBOOKS) == EXPECTED
     for file, name in builder.NOTEBOOKS.items():
         assert (NOTEBOOK_DIR / file).read_text() == builder.render(builder.build(name)), (
-            f"{file} differs from notebooks/build_notebooks.py's output; edit the builder and rerun it")
+            f"{file} differs from notebooks/build_notebooks.py's output; edit the builder and rerun it"
+        )
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
@@ -140,17 +156,31 @@ def test_every_notebook_is_in_the_readme_table():
 
 # ---- the slow one: every notebook, headless ---------------------------------------------------------
 
+
 def test_all_notebooks_run_headless_in_the_smoke_profile(tmp_path):
     """`python -m papermill_runs run --profile smoke` over all six notebooks: exit 0, and every variant's
-    record has SEQ_MATCH true and (with the trained fixtures) coherence true. Speed is not judged here
+    record has SEQ_MATCH and LOGITS_MATCH true and (with the trained fixtures) coherence true and a
+    random-weights witness whose two checks passed. Speed is not judged here
     (an empty baseline folder, --allow-missing-baseline): the machine is shared with the other tests.
     Compiled graphs come from the shared artifact cache when another test or run built them."""
     from gemma4lib.trained import fixture_available
 
     out = tmp_path / "out"
-    command = [sys.executable, "-m", "papermill_runs", "run", "--profile", "smoke", "--out", str(out),
-               "--baseline-dir", str(tmp_path / "no-baselines"), "--allow-missing-baseline",
-               "--history", str(tmp_path / "history.jsonl")]
+    command = [
+        sys.executable,
+        "-m",
+        "papermill_runs",
+        "run",
+        "--profile",
+        "smoke",
+        "--out",
+        str(out),
+        "--baseline-dir",
+        str(tmp_path / "no-baselines"),
+        "--allow-missing-baseline",
+        "--history",
+        str(tmp_path / "history.jsonl"),
+    ]
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=4 * 3600)
     assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-3000:]
     summary = json.loads((out / "results.json").read_text())
@@ -158,8 +188,10 @@ def test_all_notebooks_run_headless_in_the_smoke_profile(tmp_path):
     for name, file in pm_run.VARIANT_NOTEBOOKS.items():
         record = json.loads((out / "results" / f"{name}.json").read_text())
         assert record["seq_match"] is True, f"{file}: {record.get('first_mismatch')}"
+        assert record["logits_match"] is True, f"{file}: {record.get('logits_explain')}"
         if fixture_available(name):
             assert record["coherent"] is True, f"{file}: {record.get('answer')!r}"
+            assert record["witness"]["passed"] is True, f"{file}: {record['witness']}"
         assert (out / "notebooks" / file).is_file()
     overview = json.loads((out / "results" / "overview.json").read_text())
     assert sorted(overview["variants_found"]) == sorted(pm_run.VARIANT_NOTEBOOKS)
@@ -170,11 +202,12 @@ def test_all_notebooks_run_headless_in_the_smoke_profile(tmp_path):
 
 # ---- the helpers the notebooks call (fast: released configs are built without weights) ---------
 
+
 def test_kv_head_replication_arithmetic_31b():
     from gemma4lib import notebook as nb
 
     table = nb.kv_heads_under_tp("31b", 8)
-    rows = {row[0]: dict(zip(table.columns, row)) for row in table.rows}
+    rows = {row[0]: dict(zip(table.columns, row, strict=False)) for row in table.rows}
     assert rows["sliding"]["KV mode"] == "shard" and rows["sliding"]["KV heads per rank"] == 2
     full = rows["full"]
     assert full["KV mode"] == "replicate" and full["Q per KV"] == 8 and full["copies of each KV head"] == "2×"
@@ -195,16 +228,33 @@ def test_memory_figures_match_the_design_notes():
 def test_table_and_plots_render_headless():
     from matplotlib.figure import Figure
 
-    from gemma4lib import notebook as nb, plots
+    from gemma4lib import notebook as nb
+    from gemma4lib import plots
 
     table = nb.Table(["a", "b"], [[1, 0.123456], ["x|y", None]], "t")
     assert "0.1235" in str(table) and "<table>" in table._repr_html_() and "x\\|y" in table.to_markdown()
-    result = {"variant": "e2b", "profile": "smoke", "seq_match": True, "coherent": True, "tokens": [5, 6, 7],
-              "reference_tokens": [5, 6, 8], "prefill_ms": 3.0, "decode_tok_s": 100.0, "compile_s": 1.0,
-              "bench": {"prefill_ms_runs": [3.0, 3.1], "decode_tok_s_runs": [99.0, 101.0], "threads": 1, "warmup": 1}}
-    figures = [plots.token_match(result), plots.bench_runs(result), plots.family_metrics({"e2b": result}),
-               plots.checks_grid([result]), plots.family_metrics({}), plots.trend([], "prefill_ms"),
-               plots.trend([{"variant": "e2b", "metrics": {"prefill_ms": 3.0}}] * 2, "prefill_ms"),
-               plots.memory_budget(nb.memory_rows()), plots.kv_layout(nb.real_layout("e2b")),
-               plots.baseline_comparison([{"variant": "e2b", "value": 3.0, "baseline": 2.0, "limit": 4.0}], "prefill_ms")]
+    result = {
+        "variant": "e2b",
+        "profile": "smoke",
+        "seq_match": True,
+        "coherent": True,
+        "tokens": [5, 6, 7],
+        "reference_tokens": [5, 6, 8],
+        "prefill_ms": 3.0,
+        "decode_tok_s": 100.0,
+        "compile_s": 1.0,
+        "bench": {"prefill_ms_runs": [3.0, 3.1], "decode_tok_s_runs": [99.0, 101.0], "threads": 1, "warmup": 1},
+    }
+    figures = [
+        plots.token_match(result),
+        plots.bench_runs(result),
+        plots.family_metrics({"e2b": result}),
+        plots.checks_grid([result]),
+        plots.family_metrics({}),
+        plots.trend([], "prefill_ms"),
+        plots.trend([{"variant": "e2b", "metrics": {"prefill_ms": 3.0}}] * 2, "prefill_ms"),
+        plots.memory_budget(nb.memory_rows()),
+        plots.kv_layout(nb.real_layout("e2b")),
+        plots.baseline_comparison([{"variant": "e2b", "value": 3.0, "baseline": 2.0, "limit": 4.0}], "prefill_ms"),
+    ]
     assert all(isinstance(f, Figure) for f in figures)

@@ -18,5 +18,5 @@ def test_readme_snippet_runs(index, capsys):
     exec(compile(SNIPPETS[index], f"README.md snippet {index}", "exec"), {})
     printed = capsys.readouterr().out
     if "port(" in SNIPPETS[index]:
-        assert printed.split()[:2] == ["True", "True"], printed  # seq_match and coherent
+        assert printed.split()[:3] == ["True"] * 3, printed  # seq_match, logits_match, coherent
         assert "Paris" in printed

@@ -1,21 +1,20 @@
-"""The spine (issue 2): one device graph, compiled on CPU, checked against HF for all five variants."""
+"""The spine: one device graph, compiled on CPU, checked against HF for all five variants."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from conftest import VARIANT_NAMES
 
 from gemma4lib import checks
-from gemma4lib.compile_cpu import compile_graph, graph_key
 from gemma4lib.artifacts import make_key
+from gemma4lib.compile_cpu import compile_graph, graph_key
 from gemma4lib.errors import PromptTooLongError
 from gemma4lib.graph import DeviceGraph, GraphShape
 from gemma4lib.loading import build_tiny
 from gemma4lib.reference import reference_greedy, reference_last_logits
 from gemma4lib.runtime import HostRuntime, Sampling, choose_token, sampling_probs, softcap
 from gemma4lib.variants import VARIANTS
-
-from conftest import VARIANT_NAMES
 
 NEW_TOKENS = 32
 # fp32 CPU: compiled kernels sum in a different order than HF's eager ops. Measured max |diff|
@@ -30,14 +29,67 @@ def test_compiled_graph_reproduces_hf_greedy(ports, variant):
     assert len(port.ids) + NEW_TOKENS > 2 * window, "generation must cross the sliding window"
 
     reference = reference_greedy(port.model.lm, port.ids, NEW_TOKENS)
-    generation = port.runtime.generate(port.ids, NEW_TOKENS)
+    generation = port.runtime.generate(port.ids, NEW_TOKENS, keep_logits=True)
 
     assert len(set(reference)) >= 8, f"reference repeats itself ({len(set(reference))} distinct tokens)"
     assert checks.seq_match(generation.tokens, reference), (
-        f"first mismatch at {checks.first_mismatch(generation.tokens, reference)}")
+        f"first mismatch at {checks.first_mismatch(generation.tokens, reference)}"
+    )
     device_logits = softcap(generation.first_logits, port.model.config.final_logit_softcapping)
     hf_logits = reference_last_logits(port.model.lm, port.ids)
     assert torch.allclose(device_logits, hf_logits, atol=PREFILL_LOGITS_ATOL, rtol=0)
+    # LOGITS_MATCH: every step's logits, against the reference's spread on this sequence
+    assert generation.step_logits.shape == (NEW_TOKENS, port.model.config.vocab_size)
+    assert torch.equal(generation.step_logits[0], generation.first_logits)
+    logits = checks.check_logits(port.model.lm, port.ids, generation.tokens, generation.step_logits)
+    assert logits.passed, logits.explain()
+    assert logits.tolerance == checks.logits_tolerance(logits.spread) and logits.spread > 0
+
+
+# ---- LOGITS_MATCH on synthetic logits: the rule, the softcap, a failure that explains itself ----
+
+
+def _rows(n: int = 4, vocab: int = 50, seed: int = 0) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randn(n, vocab, generator=generator, dtype=torch.float64) * 20
+
+
+def test_logits_tolerance_is_the_spread_times_the_factor_with_a_floor():
+    assert checks.logits_tolerance(1e-4) == pytest.approx(checks.LOGITS_FACTOR * 1e-4)
+    assert checks.logits_tolerance(0.0) == checks.LOGITS_FLOOR
+    assert checks.logits_tolerance(1e-3, factor=2, floor=0.5) == 0.5
+
+
+def test_logits_match_compares_raw_device_logits_softcapped():
+    raw = _rows()
+    reference = softcap(raw, 30.0)
+    spread = 1e-6
+    assert checks.compare_logits(raw, reference, spread, 30.0, prompt_tokens=10).passed
+    # without the cap on the device side the same logits are off by whole logits
+    uncapped = checks.compare_logits(raw, reference, spread, None, prompt_tokens=10)
+    assert not uncapped.passed and uncapped.max_err > 1.0
+
+
+def test_logits_match_fails_at_the_step_that_is_off_and_says_so():
+    raw = _rows()
+    reference = softcap(raw, 30.0)
+    device = raw.clone()
+    device[2, 7] += 0.1  # decode step 2 only: tokens unchanged, one logit off by 0.1
+    result = checks.compare_logits(device, reference, 1e-5, 30.0, prompt_tokens=10)
+    assert not result.passed
+    worst = (result.worst_position, result.worst_phase, result.worst_token_id, result.first_failure)
+    assert worst == (2, "decode", 7, 2)
+    assert result.prefill_max_err < result.tolerance < result.decode_max_err
+    text = result.explain()
+    assert "decode step 2" in text and "sequence position 11" in text, text
+    assert "tolerance 8e-05" in text, text
+    record = result.record()
+    assert record["logits_match"] is False and record["logits_worst_phase"] == "decode"
+    assert record["logits_explain"] == text and len(record["logits_step_errors"]) == 4
+    prefill_off = raw.clone()
+    prefill_off[0] += 0.01
+    result = checks.compare_logits(prefill_off, reference, 1e-5, 30.0, prompt_tokens=10)
+    assert result.worst_phase == "prefill"
 
 
 def test_tiny_builds_are_identical():
@@ -46,19 +98,20 @@ def test_tiny_builds_are_identical():
     assert state_a.keys() == state_b.keys()
     assert all(torch.equal(state_a[k], state_b[k]) for k in state_a)
     c = build_tiny(VARIANTS["e2b"], seed=4)
-    assert not torch.equal(state_a["model.layers.0.self_attn.q_proj.weight"],
-                           c.lm.state_dict()["model.layers.0.self_attn.q_proj.weight"])
+    assert not torch.equal(
+        state_a["model.layers.0.self_attn.q_proj.weight"], c.lm.state_dict()["model.layers.0.self_attn.q_proj.weight"]
+    )
 
 
 def test_tiny_configs_keep_every_feature():
     e2b = build_tiny(VARIANTS["e2b"]).layout
-    assert e2b.consumers and {l.layer_type for l in e2b.consumers} == {"sliding_attention", "full_attention"}
+    assert e2b.consumers and {lay.layer_type for lay in e2b.consumers} == {"sliding_attention", "full_attention"}
     assert build_tiny(VARIANTS["e2b"]).config.use_double_wide_mlp
     for name in ("12b", "31b", "26b-a4b"):
         layout = build_tiny(VARIANTS[name]).layout
-        full = [l for l in layout.layers if l.layer_type == "full_attention"]
-        sliding = [l for l in layout.layers if l.layer_type == "sliding_attention"]
-        assert all(l.k_eq_v for l in full) and not any(l.k_eq_v for l in sliding)
+        full = [lay for lay in layout.layers if lay.layer_type == "full_attention"]
+        sliding = [lay for lay in layout.layers if lay.layer_type == "sliding_attention"]
+        assert all(lay.k_eq_v for lay in full) and not any(lay.k_eq_v for lay in sliding)
         assert full[0].kv_heads < sliding[0].kv_heads and full[0].head_dim > sliding[0].head_dim
     moe = build_tiny(VARIANTS["26b-a4b"]).config
     assert moe.num_experts >= 8 and moe.top_k_experts >= 2 and moe.enable_moe_block
@@ -71,19 +124,20 @@ def test_kv_sharing_consumers_read_the_producer_buffer():
     graph = DeviceGraph(model.text_model, model.lm_head, layout, shape)
     # buffers exist for producers only
     assert len(graph.new_kv()) == 2 * len(layout.producers) < 2 * len(layout.layers)
-    consumer = next(l for l in layout.consumers if l.layer_type == "sliding_attention")
-    producer_slot = [l.index for l in layout.producers].index(consumer.producer)
+    consumer = next(lay for lay in layout.consumers if lay.layer_type == "sliding_attention")
+    producer_slot = [lay.index for lay in layout.producers].index(consumer.producer)
 
     captured = []
     hook = graph.model.layers[consumer.index].self_attn.register_forward_hook(
-        lambda module, args, output: captured.append(output[0].detach().clone()))
+        lambda module, args, output: captured.append(output[0].detach().clone())
+    )
     ids = torch.tensor([[5, 9, 11, 3, 7]])
     embeds, ple = model.text_model.embed_tokens(ids), model.text_model.get_per_layer_inputs(ids)
 
     def decode_last(kv):
         for pos in range(ids.shape[1]):
             with torch.no_grad():
-                graph(embeds[:, pos:pos + 1], ple[:, pos:pos + 1], torch.tensor([pos]), torch.tensor([1]), *kv)
+                graph(embeds[:, pos : pos + 1], ple[:, pos : pos + 1], torch.tensor([pos]), torch.tensor([1]), *kv)
         return captured[-1]
 
     clean = decode_last(graph.new_kv())
@@ -92,7 +146,7 @@ def test_kv_sharing_consumers_read_the_producer_buffer():
     captured.clear()
     for pos in range(ids.shape[1] - 1):
         with torch.no_grad():
-            graph(embeds[:, pos:pos + 1], ple[:, pos:pos + 1], torch.tensor([pos]), torch.tensor([1]), *kv)
+            graph(embeds[:, pos : pos + 1], ple[:, pos : pos + 1], torch.tensor([pos]), torch.tensor([1]), *kv)
     kv[2 * producer_slot][:, :, 0].add_(1.0)
     with torch.no_grad():
         graph(embeds[:, -1:], ple[:, -1:], torch.tensor([ids.shape[1] - 1]), torch.tensor([1]), *kv)
@@ -138,6 +192,7 @@ def test_second_compile_is_a_cache_hit_and_a_config_change_misses(ports):
     graph = DeviceGraph(changed.text_model, changed.lm_head, changed.layout, port.decode.shape)
     from gemma4lib.artifacts import ArtifactCache
     from gemma4lib.compile_cpu import DEFAULT_COMPILER_OPTIONS
+
     cache = ArtifactCache()
     assert cache.lookup(_key(graph, DEFAULT_COMPILER_OPTIONS)) is None
     assert cache.lookup(_key(port.decode, DEFAULT_COMPILER_OPTIONS)) is not None
@@ -161,6 +216,7 @@ def test_a_tagless_edit_to_the_graph_code_misses_the_cache(ports, monkeypatch):
     port = ports.get("e2b")
     stored = compile_graph(port.decode)
     assert stored.cache_hit and stored.info["key"] == _key(port.decode, DEFAULT_COMPILER_OPTIONS)
+
     def softer_mask(allowed, dtype):
         zero = torch.zeros((), dtype=dtype, device=allowed.device)
         return torch.where(allowed, zero, torch.full((), -1e4, dtype=dtype, device=allowed.device))
@@ -189,3 +245,62 @@ def test_weights_are_loaded_not_baked(ports):
         with torch.no_grad():
             eager = graph(x, *inputs[1:3], *graph.new_kv())
         assert torch.allclose(compiled(x, *inputs[1:3], *graph.new_kv()), eager, atol=1e-4)
+
+
+# ---- the run record: three checks, and the random-weights witness --------------------------------
+
+RECORD_LOGITS_KEYS = (
+    "logits_match",
+    "logits_max_err",
+    "logits_tolerance",
+    "logits_worst_position",
+    "logits_worst_phase",
+    "logits_spread",
+    "logits_explain",
+    "logits_step_errors",
+)
+
+
+def _check_record(result: dict) -> None:
+    import json
+
+    assert result["seq_match"] and result["logits_match"] and result["coherent"], result.get("failed_checks")
+    assert set(RECORD_LOGITS_KEYS) <= set(result)
+    assert result["logits_max_err"] <= result["logits_tolerance"]
+    assert len(result["logits_step_errors"]) == result["new_tokens"]
+    witness = result["witness"]
+    assert witness["model_source"].startswith("tiny-random")
+    assert witness["seq_match"] and witness["logits_match"]
+    assert set(RECORD_LOGITS_KEYS) <= set(witness) and witness["new_tokens"] > result["new_tokens"]
+    assert result["failed_checks"] == [] and result["checks_passed"] is True
+    json.dumps(result)  # no tensors left in the record
+
+
+def test_port_record_carries_the_three_checks_and_the_witness():
+    from gemma4lib.port import PortSettings, port
+
+    result = port(PortSettings(variant="e2b", backend="eager", warmup=0, iters=1))
+    assert result["model_source"] == "tiny-trained"
+    _check_record(result)
+    # the witness is the sensitive one: near-ties where the trained model has margins of logits
+    assert result["witness"]["reference_min_margin"] < 0.1
+    alone = port(PortSettings(variant="e2b", backend="eager", warmup=0, iters=1, witness=False))
+    assert "witness" not in alone
+
+
+def test_witness_runs_the_same_compiled_programs():
+    """Parameters load at run time and the folded buffers (`layer_scalar`) hold the same values in
+    the random and the trained tiny model: the witness reuses the trained run's artifacts."""
+    from gemma4lib.port import PortSettings, port
+
+    result = port(PortSettings(variant="e2b", warmup=0, iters=1))
+    _check_record(result)
+    assert result["witness"]["same_programs"] is True and all(result["witness"]["cache_hits"])
+
+
+def test_tp_port_checks_logits_too():
+    from gemma4lib.port import PortSettings, port
+
+    result = port(PortSettings(variant="12b", tp_degree=2, warmup=0, iters=1))
+    assert result["recipe"] == "cpu-gloo-tp"
+    _check_record(result)

@@ -16,8 +16,17 @@ from gemma4lib.errors import TensorParallelError
 from gemma4lib.experts import StaticExperts
 from gemma4lib.graph import DeviceGraph, GraphShape
 from gemma4lib.loading import build_tiny, text_config
-from gemma4lib.tp import (build_rank_graph, load_shard, make_plan, nxd_full_checkpoint, run_tp_port,
-                          shard_shapes, shard_state_dict, valid_tp_degrees, with_shape)
+from gemma4lib.tp import (
+    build_rank_graph,
+    load_shard,
+    make_plan,
+    nxd_full_checkpoint,
+    run_tp_port,
+    shard_shapes,
+    shard_state_dict,
+    valid_tp_degrees,
+    with_shape,
+)
 from gemma4lib.tp.layers import ShardedExperts
 from gemma4lib.tp.plan import COLUMN, REPLICATE, ROW
 from gemma4lib.tp.rank_graph import CpuParallelFactory
@@ -63,6 +72,7 @@ def run_once(name: str, tp: int, **kwargs):
 
 # ---- the sharded runs --------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("name,tp", CASES)
 def test_sharded_equals_unsharded(name, tp):
     result = run(name, tp)
@@ -81,8 +91,12 @@ def test_sharded_equals_unsharded(name, tp):
 
 
 # (TP, expert split, decode form); the default split's dense decode at TP=8 is in CASES above
-MOE_CASES = [(2, "intermediate", "dense"), (2, "intermediate", "selective"),
-             (8, "intermediate", "selective"), (8, "experts", "dense")]
+MOE_CASES = [
+    (2, "intermediate", "dense"),
+    (2, "intermediate", "selective"),
+    (8, "intermediate", "selective"),
+    (8, "experts", "dense"),
+]
 
 
 @pytest.mark.parametrize("tp,split,form", MOE_CASES, ids=[f"tp{t}-{s}-{f}" for t, s, f in MOE_CASES])
@@ -98,8 +112,9 @@ def test_moe_sharded_equals_unsharded_in_both_splits(tp, split, form):
     if split == "intermediate":  # every rank: all 16 experts, 32 / tp columns of each
         assert moe["experts_per_rank"] == 16 and moe["intermediate_per_rank"] == 32 // tp
         assert moe["intermediate_by_rank"] == [[r * 32 // tp, (r + 1) * 32 // tp] for r in range(tp)]
-        assert moe["weights_read_per_rank_per_layer"]["selective_per_token"]["params"] == \
-            4 * 3 * (32 // tp) * 64  # k slices of 1/tp of an expert: the rank's share of k experts
+        assert (
+            moe["weights_read_per_rank_per_layer"]["selective_per_token"]["params"] == 4 * 3 * (32 // tp) * 64
+        )  # k slices of 1/tp of an expert: the rank's share of k experts
         assert moe["rank_source"].startswith("not read")
     else:
         assert moe["experts_per_rank"] == 16 // tp and moe["intermediate_per_rank"] == 32
@@ -151,8 +166,10 @@ def test_shard_shapes_per_rank():
     assert [r["expert_intermediate"] for r in s["ranks"]] == [[4 * r, 4 * r + 4] for r in range(8)]
     assert s["shapes"]["layers[sliding_attention].experts.gate_up.weight"] == [16 * 2 * 4, hidden]
     assert s["shapes"]["layers[sliding_attention].experts.down.weight"] == [hidden, 16 * 4]
-    by_split = {split: shard_shapes(make_plan(m.config, 8, m.variant, expert_split=split), lm=m.lm)
-                for split in ("experts", "intermediate")}
+    by_split = {
+        split: shard_shapes(make_plan(m.config, 8, m.variant, expert_split=split), lm=m.lm)
+        for split in ("experts", "intermediate")
+    }
     assert by_split["experts"]["ranks"][3]["bytes"] == by_split["intermediate"]["ranks"][3]["bytes"]
     # 12B tiny at TP=2: one global KV head, replicated on both ranks; E4B: 2 KV heads, 1 per rank
     m = tiny("12b")
@@ -194,8 +211,10 @@ def test_rank_graph_at_tp1_is_the_device_graph():
     assert torch.allclose(a[0], b[0], atol=1e-4)
 
 
-@pytest.mark.parametrize("name,tp,split", [("31b", 8, None), ("26b-a4b", 8, "intermediate"),
-                                           ("26b-a4b", 8, "experts"), ("26b-a4b", 2, "intermediate")])
+@pytest.mark.parametrize(
+    "name,tp,split",
+    [("31b", 8, None), ("26b-a4b", 8, "intermediate"), ("26b-a4b", 8, "experts"), ("26b-a4b", 2, "intermediate")],
+)
 def test_nxd_checkpoint_splits_back_into_our_shards(name, tp, split):
     """ModelBuilder's contiguous split of the full checkpoint must give exactly our shards."""
     m = tiny(name)
@@ -219,23 +238,24 @@ def test_nxd_checkpoint_is_rank_major_under_the_intermediate_split():
     contiguous block r of the full checkpoint is rank r's gate rows and up rows of *every* expert
     (gate_up) and its intermediate columns of every expert (down)."""
     m = tiny("26b-a4b")
-    tp, E, I, H = 8, 16, 32, 64
-    i = I // tp
+    tp, E, inter, H = 8, 16, 32, 64
+    w = inter // tp  # the intermediate columns a rank holds of each expert
     plan = make_plan(m.config, tp, m.variant)
     full = nxd_full_checkpoint(m.lm, plan)
     hf = m.text_model.layers[2].experts
     gate_up, down = full["model.layers.2.experts.gate_up.weight"], full["model.layers.2.experts.down.weight"]
-    assert gate_up.shape == (E * 2 * I, H) and down.shape == (H, E * I)
+    assert gate_up.shape == (E * 2 * inter, H) and down.shape == (H, E * inter)
     assert not torch.equal(gate_up, hf.gate_up_proj.reshape(-1, H))  # not HF's layout
     for r in (0, 5):
-        block = gate_up.chunk(tp, dim=0)[r].view(E, 2 * i, H)
-        assert torch.equal(block[:, :i], hf.gate_up_proj[:, r * i:(r + 1) * i])  # gate rows
-        assert torch.equal(block[:, i:], hf.gate_up_proj[:, I + r * i:I + (r + 1) * i])  # up rows
-        cols = down.chunk(tp, dim=1)[r].view(H, E, i)
-        assert torch.equal(cols, hf.down_proj[:, :, r * i:(r + 1) * i].permute(1, 0, 2))
+        block = gate_up.chunk(tp, dim=0)[r].view(E, 2 * w, H)
+        assert torch.equal(block[:, :w], hf.gate_up_proj[:, r * w : (r + 1) * w])  # gate rows
+        assert torch.equal(block[:, w:], hf.gate_up_proj[:, inter + r * w : inter + (r + 1) * w])  # up rows
+        cols = down.chunk(tp, dim=1)[r].view(H, E, w)
+        assert torch.equal(cols, hf.down_proj[:, :, r * w : (r + 1) * w].permute(1, 0, 2))
 
 
-# ---- the field report's faults -----------------------------------------------------------------
+# ---- the field report's TP faults (gemma4lib.faults) ---------------------------------------------
+
 
 def test_baked_rank_bug_is_reproduced_and_flagged():
     """The MoE reading the rank as a trace-time int: rank 1 weights rank 0's experts."""
@@ -283,6 +303,7 @@ def test_layer_scalar_missing_from_shards_is_detected():
 
 # ---- the E4B recipe's data path ------------------------------------------------------------------
 
+
 def test_cpu_seeded_prefill_then_sharded_decode():
     result = run("e4b", 2, prefill="cpu-seeded")
     assert result["prefill"] == "cpu-seeded"
@@ -295,12 +316,13 @@ def test_shard_kv_picks_the_rank_heads():
     kv = DeviceGraph(m.text_model, m.lm_head, m.layout, GraphShape(1, 1, CONTEXT)).new_kv()
     kv = [torch.arange(t.numel(), dtype=t.dtype).view(t.shape) for t in kv]
     rank5 = shard_kv(kv, plan, 5)
-    full = m.layout.producers.index(next(l for l in m.layout.producers if l.layer_type == "full_attention"))
+    full = m.layout.producers.index(next(lay for lay in m.layout.producers if lay.layer_type == "full_attention"))
     assert torch.equal(rank5[2 * full], kv[2 * full][:, 1:2])  # full layers: KV head 5 // 4 = 1
     assert torch.equal(rank5[0], kv[0][:, 5:6])  # sliding: head 5
 
 
 # ---- plans -----------------------------------------------------------------------------------
+
 
 def test_invalid_tp_names_the_degrees_that_work():
     v = get_variant("26b-a4b")
@@ -321,16 +343,22 @@ def test_real_configs_plan_at_their_recipe_tp():
         assert v.tp_degree in valid_tp_degrees(config)
         if name == "31b":  # 4 global KV heads at TP=8: replicated
             assert plan.kv_modes() == {"sliding_attention": "shard", "full_attention": "replicate"}
-            assert plan.describe()["attention"]["full_attention"]["kv_heads_by_rank"] == [[0], [0], [1], [1],
-                                                                                         [2], [2], [3], [3]]
+            assert plan.describe()["attention"]["full_attention"]["kv_heads_by_rank"] == [
+                [0],
+                [0],
+                [1],
+                [1],
+                [2],
+                [2],
+                [3],
+                [3],
+            ]
         if name == "26b-a4b":  # default: a 704 / 8 = 88-column slice of all 128 experts per rank
             moe = plan.describe()["moe"]
-            assert (moe["split"], moe["experts_per_rank"], moe["intermediate_per_rank"]) == \
-                ("intermediate", 128, 88)
+            assert (moe["split"], moe["experts_per_rank"], moe["intermediate_per_rank"]) == ("intermediate", 128, 88)
             assert moe["intermediate_by_rank"][7] == [616, 704]
             moe = make_plan(config, 8, v, expert_split="experts").describe()["moe"]
-            assert (moe["split"], moe["experts_per_rank"], moe["intermediate_per_rank"]) == \
-                ("experts", 16, 704)
+            assert (moe["split"], moe["experts_per_rank"], moe["intermediate_per_rank"]) == ("experts", 16, 704)
 
 
 def test_expert_split_is_validated():
@@ -340,26 +368,42 @@ def test_expert_split_is_validated():
     config = text_config(v, "real")
     with pytest.raises(TensorParallelError, match="unknown expert_split 'rows'"):
         make_plan(config, 8, v, expert_split="rows")
-    with pytest.raises(TensorParallelError, match="128 experts do not split into 3 equal groups and "
-                                                  "the experts' intermediate size 704 does not split"):
+    with pytest.raises(
+        TensorParallelError,
+        match="128 experts do not split into 3 equal groups and the experts' intermediate size 704 does not split",
+    ):
         make_plan(config, 3)
     # 704 = 2^6 x 11, 128 = 2^7: the default falls back to the expert split only past TP=64
-    assert [default_expert_split(128, 704, t) for t in (1, 8, 64, 128, 3)] == \
-        ["intermediate", "intermediate", "intermediate", "experts", None]
+    assert [default_expert_split(128, 704, t) for t in (1, 8, 64, 128, 3)] == [
+        "intermediate",
+        "intermediate",
+        "intermediate",
+        "experts",
+        None,
+    ]
     assert make_plan(tiny("31b").config, 8, expert_split="intermediate").expert_split is None  # dense
 
 
 # ---- MoE expert forms: selective (top-k gather) next to dense ---------------------------------------
+
 
 def _sharded_experts(m, plan, layer: int, rank: int, form: str, baked_rank: int | None = None):
     """One rank's `ShardedExperts` of `layer` (the plan's split), filled through the sharder."""
     moe = plan.layers[layer].moe
     factory = CpuParallelFactory(plan.tp)  # identity collectives: each rank's partial sum
     hf = m.text_model.layers[layer].experts
-    experts = ShardedExperts(moe.num_experts, plan.hidden, moe.intermediate, plan.tp, hf.act_fn,
-                             gate_up=factory.column(plan.hidden, moe.num_experts * 2 * moe.intermediate),
-                             down=factory.row(moe.num_experts * moe.intermediate, plan.hidden),
-                             baked_rank=baked_rank, form=form, split=moe.split)
+    experts = ShardedExperts(
+        moe.num_experts,
+        plan.hidden,
+        moe.intermediate,
+        plan.tp,
+        hf.act_fn,
+        gate_up=factory.column(plan.hidden, moe.num_experts * 2 * moe.intermediate),
+        down=factory.row(moe.num_experts * moe.intermediate, plan.hidden),
+        baked_rank=baked_rank,
+        form=form,
+        split=moe.split,
+    )
     prefix = f"model.layers.{layer}.experts."
     with torch.no_grad():
         experts.gate_up.weight.copy_(rank_tensor(plan, prefix + "gate_up_proj", hf.gate_up_proj, rank)[1])
@@ -426,8 +470,9 @@ def test_rank_graph_selective_decode_at_tp1_is_the_device_graph():
     load_shard(prefill, shard_state_dict(m.lm, plan, 0))
     decode = with_shape(prefill, GraphShape(1, 1, CONTEXT), expert_form="selective")
     assert (prefill.expert_form, decode.expert_form) == ("dense", "selective")
-    ref = DeviceGraph(m.text_model, m.lm_head, m.layout, GraphShape(1, 1, CONTEXT), inplace=False,
-                      expert_form="selective")
+    ref = DeviceGraph(
+        m.text_model, m.lm_head, m.layout, GraphShape(1, 1, CONTEXT), inplace=False, expert_form="selective"
+    )
     inputs = list(ref.example_inputs())
     inputs[0] = torch.randn(inputs[0].shape, generator=torch.Generator().manual_seed(1))
     with torch.no_grad():

@@ -7,8 +7,14 @@ import torch
 
 from gemma4lib import corpus
 from gemma4lib.tokenizer import BOS_ID, EOS_ID, PAD_ID, TURN_CLOSE_ID, TURN_OPEN_ID, build_tokenizer, load_tokenizer
-from gemma4lib.trained import (FIXTURES_DIR, TOKENIZER_DIR, fixture_available, load_trained, read_provenance,
-                               verify_fixture_hashes)
+from gemma4lib.trained import (
+    FIXTURES_DIR,
+    TOKENIZER_DIR,
+    fixture_available,
+    load_trained,
+    read_provenance,
+    verify_fixture_hashes,
+)
 from gemma4lib.training import greedy_reply, state_sha256
 from gemma4lib.variants import VARIANTS
 
@@ -65,6 +71,7 @@ def test_corrupted_fixture_is_rejected(tmp_path):
     import shutil
 
     from gemma4lib.errors import CheckpointError
+
     root = tmp_path / "fixtures"
     shutil.copytree(FIXTURES_DIR, root)
     weights = root / "12b" / "model.safetensors"
@@ -97,11 +104,15 @@ def test_greedy_answer(trained, prompt):
 def test_hf_generate_with_the_chat_template(trained):
     """The plain transformers way: apply_chat_template → generate → decode."""
     tok = trained.tokenizer
-    enc = tok.apply_chat_template([{"role": "user", "content": corpus.CANONICAL_PROMPT}],
-                                  add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    enc = tok.apply_chat_template(
+        [{"role": "user", "content": corpus.CANONICAL_PROMPT}],
+        add_generation_prompt=True,
+        return_tensors="pt",
+        return_dict=True,
+    )
     with torch.no_grad():
         out = trained.lm.generate(**enc, max_new_tokens=12, do_sample=False)
-    new = out[0, enc["input_ids"].shape[1]:]
+    new = out[0, enc["input_ids"].shape[1] :]
     assert tok.decode(new, skip_special_tokens=True) == corpus.CANONICAL_ANSWER
     assert int(new[-1]) == tok.eos_token_id
 
@@ -112,9 +123,10 @@ def test_gemma3_turn_markers_give_nonsense(trained):
     prompt = f"<start_of_turn>user\n{corpus.CANONICAL_PROMPT}<end_of_turn>\n<start_of_turn>model\n"
     ids = torch.tensor([tok(prompt)["input_ids"]])
     with torch.no_grad():
-        out = trained.lm.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=12,
-                                  do_sample=False)
-    assert tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True) != corpus.CANONICAL_ANSWER
+        out = trained.lm.generate(
+            input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False
+        )
+    assert tok.decode(out[0, ids.shape[1] :], skip_special_tokens=True) != corpus.CANONICAL_ANSWER
 
 
 # ---- tokenizer -----------------------------------------------------------------------------
@@ -134,7 +146,8 @@ def test_chat_template_renders_gemma4_format(tokenizer):
     two_turns = msgs + [{"role": "assistant", "content": corpus.CANONICAL_ANSWER}]
     assert tokenizer.apply_chat_template(two_turns, tokenize=False) == (
         "<bos><|turn>user\nWhat is the capital of France?<turn|>\n"
-        "<|turn>model\nThe capital of France is Paris.<turn|>\n")
+        "<|turn>model\nThe capital of France is Paris.<turn|>\n"
+    )
 
 
 def test_gemma3_marker_splits_into_ordinary_pieces(tokenizer):
@@ -151,6 +164,7 @@ def test_plain_call_adds_bos_like_the_real_tokenizer(tokenizer):
 
 def test_every_corpus_word_is_one_token(tokenizer):
     import re
+
     words = {w for t in corpus.tokenizer_texts() for w in re.findall(r" ?[A-Za-z]+", t)}
     split = sorted(w for w in words if len(tokenizer(w, add_special_tokens=False)["input_ids"]) != 1)
     assert split == []
@@ -164,9 +178,12 @@ def test_tokenizer_build_is_deterministic(tokenizer):
 
 def test_auto_tokenizer_loads_the_fixture():
     from transformers import AutoTokenizer
+
     tok = AutoTokenizer.from_pretrained(str(TOKENIZER_DIR))
-    assert tok.apply_chat_template([{"role": "user", "content": "Hello!"}], tokenize=False,
-                                   add_generation_prompt=True) == "<bos><|turn>user\nHello!<turn|>\n<|turn>model\n"
+    assert (
+        tok.apply_chat_template([{"role": "user", "content": "Hello!"}], tokenize=False, add_generation_prompt=True)
+        == "<bos><|turn>user\nHello!<turn|>\n<|turn>model\n"
+    )
 
 
 # ---- corpus --------------------------------------------------------------------------------
@@ -185,6 +202,7 @@ def test_corpus_shape():
 def test_training_is_deterministic_for_a_seed():
     """Two short runs with one seed on one thread give byte-identical weights."""
     from gemma4lib.training import TrainConfig, train_variant
+
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -196,21 +214,63 @@ def test_training_is_deterministic_for_a_seed():
     assert hashes[0] == hashes[1]
 
 
-@pytest.mark.slow
-def test_retraining_e2b_reproduces_the_shipped_fixture(provenance):
-    """The full recipe, rerun, gives the recorded weights (same torch version and CPU type)."""
+@pytest.fixture(scope="module")
+def retrained_e2b(provenance):
+    """The E2B fixture's full recipe (PROVENANCE.json's train_config, seed and one thread), rerun."""
     from gemma4lib.training import TrainConfig, train_variant
-    import torch as _torch
-    if provenance["versions"]["torch"] != _torch.__version__:
-        pytest.skip(f"fixtures were made with torch {provenance['versions']['torch']}")
+
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        cfg = TrainConfig(**{k: tuple(v) if isinstance(v, list) else v
-                             for k, v in provenance["train_config"].items()})
-        res = train_variant(VARIANTS["e2b"], load_tokenizer(TOKENIZER_DIR), cfg)
+        cfg = TrainConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in provenance["train_config"].items()})
+        return train_variant(VARIANTS["e2b"], load_tokenizer(TOKENIZER_DIR), cfg)
     finally:
         torch.set_num_threads(threads)
+
+
+@pytest.mark.slow
+def test_retraining_e2b_converges_and_answers_on_any_cpu(retrained_e2b, tokenizer):
+    """What does not depend on the CPU: rerun anywhere, the recipe converges and the model answers
+    the canonical prompt exactly, as scripts/train_tiny.py demands (the step count and the bytes
+    may differ)."""
+    assert retrained_e2b.converged
+    assert greedy_reply(retrained_e2b.loaded.lm, tokenizer, corpus.CANONICAL_PROMPT)[0] == corpus.CANONICAL_ANSWER
+
+
+@pytest.mark.slow
+def test_retraining_e2b_reproduces_the_shipped_fixture(provenance, request):
+    """The rerun gives the recorded steps and weights byte for byte, but only with the same torch
+    version, one thread and the same CPU type (`environment.CPU_TYPE_KEYS`: vendor, family, model
+    and the vector code path ATen picks; oneMKL's and oneDNN's kernels follow the processor). On
+    another CPU type the floating-point sums round differently, and training stops at another step
+    (99 steps against the recorded 136 on one). scripts/train_tiny.py records the CPU type of
+    each variant in PROVENANCE.json (`variants.<name>.cpu`); this test skips, saying why, where it
+    differs or is not recorded."""
+    from gemma4lib.environment import CPU_TYPE_KEYS, cpu_type
+
+    if provenance["versions"]["torch"] != torch.__version__:
+        pytest.skip(f"fixtures were made with torch {provenance['versions']['torch']}")
     rec = provenance["variants"]["e2b"]
-    assert res.steps == rec["steps"]
-    assert state_sha256(res.loaded.lm) == rec["state_sha256"]
+    recorded = rec.get("cpu")
+    here = cpu_type()
+    if recorded is None:
+        pytest.skip(
+            "PROVENANCE.json does not record the CPU type that trained the fixtures (they predate "
+            "scripts/train_tiny.py recording it); this CPU is "
+            f"{ {k: here[k] for k in (*CPU_TYPE_KEYS, 'model_name')} }"
+        )
+    differs = {k: (recorded.get(k), here[k]) for k in CPU_TYPE_KEYS if recorded.get(k) != here[k]}
+    if differs:
+        pytest.skip(f"fixtures were trained on another CPU type (recorded, here): {differs}")
+    retrained = request.getfixturevalue("retrained_e2b")
+    assert retrained.steps == rec["steps"]
+    assert state_sha256(retrained.loaded.lm) == rec["state_sha256"]
+
+
+def test_cpu_type_names_what_the_retraining_test_compares():
+    from gemma4lib.environment import CPU_TYPE_KEYS, cpu_type
+
+    here = cpu_type()
+    assert set(CPU_TYPE_KEYS) <= set(here)
+    assert here["torch_cpu_capability"] == torch.backends.cpu.get_cpu_capability()
+    assert here["vendor"]

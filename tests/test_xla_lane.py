@@ -1,4 +1,5 @@
-"""The XLA lane (issue 8): every tiny variant's prefill + decode graphs through torch_xla on CPU.
+"""The XLA lane (README, "Environments"): every tiny variant's prefill + decode graphs through
+torch_xla on CPU.
 
 Runs in the lane's environment (``scripts/setup_xla_env.sh``)::
 
@@ -29,6 +30,7 @@ def xla_lane():
     xla_backend.use_fast_cpu_compile()
     pytest.importorskip("torch_xla")
     from gemma4lib.backends import xla_check
+
     return xla_check
 
 
@@ -97,7 +99,7 @@ def test_shape_leak_is_caught_by_the_compile_count(xla_lane):
     assert result["xla_fallback_ops"].get("aten::_local_scalar_dense", 0) >= steps  # the int() read
 
 
-# ---- the HLO byte audit (issue 12): what each decode graph reads, next to the roofline ----------
+# ---- the HLO byte audit (README, "Environments"): what each decode graph reads ------------------
 
 from gemma4lib.backends import hlo_audit  # noqa: E402  (imports without torch_xla)
 
@@ -121,8 +123,7 @@ def _moe_layers(model) -> int:
     return sum(1 for layer in layers if getattr(layer, "experts", None) is not None)
 
 
-@pytest.mark.parametrize("variant,form", hlo_audit.SINGLE,
-                         ids=[f"{v}-{f}" for v, f in hlo_audit.SINGLE])
+@pytest.mark.parametrize("variant,form", hlo_audit.SINGLE, ids=[f"{v}-{f}" for v, f in hlo_audit.SINGLE])
 def test_hlo_audit_single_device_decode(xla_lane, variant, form):
     model = _audit_model(variant)
     audit, row = hlo_audit.audit_single(model, form)
@@ -139,14 +140,15 @@ def test_hlo_audit_single_device_decode(xla_lane, variant, form):
         assert row.experts_read == row.experts_size
     else:  # k slices per MoE layer, gathered straight from the [E, ...] parameters
         assert row.experts_read == _moe_layers(model) * c.top_k_experts * _expert_slice_bytes(model)
-        for p, role in zip(audit.params, audit.roles):
+        for p, role in zip(audit.params, audit.roles, strict=True):
             if role == hlo_audit.EXPERT:
                 assert p.partial_ops and all(op.startswith("gather") for op in p.partial_ops)
                 assert p.read_bytes < p.bytes and not p.relayouts
 
 
-@pytest.mark.parametrize("variant,tp,form", hlo_audit.TENSOR_PARALLEL,
-                         ids=[f"{v}-tp{t}-{f}" for v, t, f in hlo_audit.TENSOR_PARALLEL])
+@pytest.mark.parametrize(
+    "variant,tp,form", hlo_audit.TENSOR_PARALLEL, ids=[f"{v}-tp{t}-{f}" for v, t, f in hlo_audit.TENSOR_PARALLEL]
+)
 def test_hlo_audit_rank_graph_decode(xla_lane, variant, tp, form):
     model = _audit_model(variant)
     audit, row = hlo_audit.audit_rank(model, tp, form)
@@ -186,13 +188,13 @@ def _inner_dim_gather(self, hidden, index, scale):
     return (out * scale[0].unsqueeze(-1)).sum(0, keepdim=True)
 
 
-@pytest.mark.parametrize("bad_gather", [_permuted_view, _inner_dim_gather],
-                         ids=lambda f: f.__name__)
+@pytest.mark.parametrize("bad_gather", [_permuted_view, _inner_dim_gather], ids=lambda f: f.__name__)
 def test_hlo_audit_flags_a_whole_shard_copy(xla_lane, monkeypatch, bad_gather):
     """Two ways to gather the down shard that copy all of it every step under XLA (a transpose
     before the gather; XLA's canonicalisation of an inner-dimension gather): the audit must flag
     every layer's `down` weight and the row must fail. Same numbers as the real gather."""
     import torch
+
     from gemma4lib.tp.layers import ShardedExperts
 
     model = _audit_model("26b-a4b")
@@ -205,9 +207,9 @@ def test_hlo_audit_flags_a_whole_shard_copy(xla_lane, monkeypatch, bad_gather):
     # on CPU first: the bad form computes what the real one does (it is only the bytes that differ)
     from gemma4lib.graph import GraphShape
     from gemma4lib.tp import build_rank_graph, load_shard, make_plan, shard_state_dict
+
     plan = make_plan(model.config, 8, model.variant)
-    graph = build_rank_graph(model.config, plan, GraphShape(1, 1, hlo_audit.CONTEXT),
-                             expert_form="selective")
+    graph = build_rank_graph(model.config, plan, GraphShape(1, 1, hlo_audit.CONTEXT), expert_form="selective")
     load_shard(graph, shard_state_dict(model.lm, plan, 1))
     experts = graph._rank_users[0]
     experts.current_rank = graph.spmd_rank.get_rank()

@@ -52,16 +52,37 @@ import logging
 import os
 import re
 import sys
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Sequence
+from typing import Any
 
 log = logging.getLogger(__name__)
 
 # bytes per element of HLO primitive types (s4/u4 pack two per byte)
 DTYPE_BYTES: dict[str, float] = {
-    "pred": 1, "s4": 0.5, "u4": 0.5, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2,
-    "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16,
-    "f8e4m3fn": 1, "f8e5m2": 1, "f8e4m3": 1, "f8e4m3b11fnuz": 1, "f8e4m3fnuz": 1, "f8e5m2fnuz": 1,
+    "pred": 1,
+    "s4": 0.5,
+    "u4": 0.5,
+    "s8": 1,
+    "u8": 1,
+    "s16": 2,
+    "u16": 2,
+    "f16": 2,
+    "bf16": 2,
+    "s32": 4,
+    "u32": 4,
+    "f32": 4,
+    "s64": 8,
+    "u64": 8,
+    "f64": 8,
+    "c64": 8,
+    "c128": 16,
+    "f8e4m3fn": 1,
+    "f8e5m2": 1,
+    "f8e4m3": 1,
+    "f8e4m3b11fnuz": 1,
+    "f8e4m3fnuz": 1,
+    "f8e5m2fnuz": 1,
 }
 VIEW_OPS = frozenset({"reshape", "bitcast"})  # same bytes, another shape
 RELAYOUT_OPS = frozenset({"transpose", "copy"})  # may move every byte
@@ -147,7 +168,7 @@ def _closing(text: str, start: int) -> int:
             stack.pop()
             if not stack:
                 return i
-    raise ValueError(f"unbalanced brackets in HLO: {text[start:start + 80]!r}")
+    raise ValueError(f"unbalanced brackets in HLO: {text[start : start + 80]!r}")
 
 
 def _split_top(text: str) -> list[str]:
@@ -185,8 +206,8 @@ def parse_instruction(line: str) -> Instruction | None:
         return None
     open_at = opcode_match.end() - 1
     close_at = _closing(rest, open_at)
-    operands = tuple(_operand_name(p) for p in _split_top(rest[open_at + 1:close_at]))
-    attrs = rest[close_at + 1:].lstrip(", ").strip()
+    operands = tuple(_operand_name(p) for p in _split_top(rest[open_at + 1 : close_at]))
+    attrs = rest[close_at + 1 :].lstrip(", ").strip()
     return Instruction(name, type_text, opcode_match.group(1), operands, attrs, root)
 
 
@@ -203,7 +224,7 @@ def entry_instructions(hlo_text: str) -> list[Instruction]:
     if start is None:
         raise ValueError("no ENTRY computation in this HLO text")
     out = []
-    for line in lines[start + 1:]:
+    for line in lines[start + 1 :]:
         if line.strip() == "}":
             break
         instruction = parse_instruction(line)
@@ -246,8 +267,9 @@ def audit_hlo(hlo_text: str, *, min_flag_bytes: int = 1024) -> list[ParamRead]:
     return sorted(reads, key=lambda r: r.number)
 
 
-def _follow(name: str, path: tuple[Instruction, ...], users: Users, read: ParamRead,
-            operand_types: dict[str, str]) -> tuple[int, bool]:
+def _follow(
+    name: str, path: tuple[Instruction, ...], users: Users, read: ParamRead, operand_types: dict[str, str]
+) -> tuple[int, bool]:
     """Walk the uses of `name` (an alias of the parameter): (partial bytes, read whole?)."""
     partial, whole = 0, False
     for user, position in users.get(name, ()):
@@ -261,8 +283,9 @@ def _follow(name: str, path: tuple[Instruction, ...], users: Users, read: ParamR
             _note_relayouts(read, path, user)
             operand_type = operand_types[name]
             if user.opcode == "gather" and not gather_slices_contiguous(operand_type, user.attrs):
-                read.strided_gathers.append(f"gather %{user.name} of {operand_type}: "
-                                            f"{_attr(user.attrs, 'slice_sizes')}")
+                read.strided_gathers.append(
+                    f"gather %{user.name} of {operand_type}: {_attr(user.attrs, 'slice_sizes')}"
+                )
         elif user.opcode in FOLDED_INTO:
             p, w = 0, True
             read.whole_ops.append(user.opcode)
@@ -296,8 +319,7 @@ def gather_slices_contiguous(operand_type: str, attrs: str) -> bool:
     if len(sizes) != len(dims):
         raise ValueError(f"gather slice_sizes {sizes} do not match its operand {operand_type}")
     layout = re.search(r"\]\{([\d,]*)", operand_type)
-    minor_to_major = _int_list(layout.group(1)) if layout and layout.group(1) else \
-        list(reversed(range(len(dims))))
+    minor_to_major = _int_list(layout.group(1)) if layout and layout.group(1) else list(reversed(range(len(dims))))
     started = False  # past the leading 1s: every dimension from the next one on must be whole
     for d in reversed(minor_to_major):  # major to minor
         if started and sizes[d] != dims[d]:
@@ -374,15 +396,18 @@ class GraphAudit:
     hlo_text: str = ""
 
     def read(self, *roles: str) -> int:
-        return sum(p.read_bytes for p, r in zip(self.params, self.roles) if r in roles)
+        return sum(p.read_bytes for p, r in zip(self.params, self.roles, strict=True) if r in roles)
 
     def size(self, *roles: str) -> int:
-        return sum(p.bytes for p, r in zip(self.params, self.roles) if r in roles)
+        return sum(p.bytes for p, r in zip(self.params, self.roles, strict=True) if r in roles)
 
     def flagged(self, *roles: str) -> list[str]:
         """Names of the flagged parameters (of `roles`, or all)."""
-        return [n or p.name for p, r, n in zip(self.params, self.roles, self.names)
-                if p.flagged and (not roles or r in roles)]
+        return [
+            n or p.name
+            for p, r, n in zip(self.params, self.roles, self.names, strict=True)
+            if p.flagged and (not roles or r in roles)
+        ]
 
 
 def audit_graph(graph: Any, inputs: Sequence[Any], kv: Sequence[Any], label: str) -> GraphAudit:
@@ -403,10 +428,9 @@ def audit_graph(graph: Any, inputs: Sequence[Any], kv: Sequence[Any], label: str
     params = audit_hlo(text)
     if len(params) != len(ids):
         raise RuntimeError(f"{label}: {len(params)} HLO parameters but {len(ids)} device data")
-    for p, t in zip(params, tensors):  # the order must agree, or every name below is wrong
+    for p, t in zip(params, tensors, strict=True):  # the order must agree, or every name below is wrong
         if p.shape != tuple(t.shape):
-            raise RuntimeError(f"{label}: parameter {p.number} is {p.type}, "
-                               f"device data {tuple(t.shape)}")
+            raise RuntimeError(f"{label}: parameter {p.number} is {p.type}, device data {tuple(t.shape)}")
     tensor_id = torch_xla._XLAC._xla_get_tensor_id
     known: dict[int, tuple[str, str]] = {}
     for name, t in graph.named_parameters():
@@ -441,17 +465,29 @@ def _reset_collective_token(device: str) -> None:
 # ---- the variants: decode graphs next to the roofline --------------------------------------------
 
 CONTEXT = 64  # the lane's context length (xla_check.run_variant)
-SINGLE = (("e2b", "dense"), ("e4b", "dense"), ("12b", "dense"), ("31b", "dense"),
-          ("26b-a4b", "dense"), ("26b-a4b", "selective"))
+SINGLE = (
+    ("e2b", "dense"),
+    ("e4b", "dense"),
+    ("12b", "dense"),
+    ("31b", "dense"),
+    ("26b-a4b", "dense"),
+    ("26b-a4b", "selective"),
+)
 # (variant, TP, expert form, expert split): the MoE rank graphs in both splits. The intermediate
 # split (each rank a 1/tp slice of every expert; the plan's default) must read k / num_experts of
 # a rank's expert bytes when selective; the expert split (E/tp whole experts per rank) reads k
 # whole-expert slices per rank, routed there or not.
-TENSOR_PARALLEL = (("12b", 2, "dense", None), ("31b", 8, "dense", None),
-                   ("26b-a4b", 8, "dense", "experts"), ("26b-a4b", 8, "selective", "experts"),
-                   ("26b-a4b", 2, "selective", "experts"),
-                   ("26b-a4b", 8, "dense", "intermediate"), ("26b-a4b", 8, "selective", "intermediate"),
-                   ("26b-a4b", 2, "dense", "intermediate"), ("26b-a4b", 2, "selective", "intermediate"))
+TENSOR_PARALLEL = (
+    ("12b", 2, "dense", None),
+    ("31b", 8, "dense", None),
+    ("26b-a4b", 8, "dense", "experts"),
+    ("26b-a4b", 8, "selective", "experts"),
+    ("26b-a4b", 2, "selective", "experts"),
+    ("26b-a4b", 8, "dense", "intermediate"),
+    ("26b-a4b", 8, "selective", "intermediate"),
+    ("26b-a4b", 2, "dense", "intermediate"),
+    ("26b-a4b", 2, "selective", "intermediate"),
+)
 
 
 @dataclass
@@ -503,8 +539,11 @@ class AuditRow:
 
     @property
     def ok(self) -> bool:
-        return (self.weights_delta == self.expected_delta and self.kv_delta == 0
-                and not (self.form == "selective" and self.flagged_experts))
+        return (
+            self.weights_delta == self.expected_delta
+            and self.kv_delta == 0
+            and not (self.form == "selective" and self.flagged_experts)
+        )
 
     @property
     def graph(self) -> str:
@@ -515,8 +554,11 @@ def router_scale_unread(model: Any) -> int:
     """Bytes of the routers' `per_expert_scale` vectors a decode step does not read: it gathers
     the k routed entries of each (E - k unread per MoE layer). 0 for a dense model."""
     top_k = int(getattr(model.config, "top_k_experts", 0) or 0)
-    return sum((p.numel() - top_k) * p.element_size() for n, p in model.lm.named_parameters()
-               if n.endswith("router.per_expert_scale"))
+    return sum(
+        (p.numel() - top_k) * p.element_size()
+        for n, p in model.lm.named_parameters()
+        if n.endswith("router.per_expert_scale")
+    )
 
 
 def _tiny(variant: str):
@@ -527,8 +569,7 @@ def _tiny(variant: str):
     return build_tiny(v, seed=v.tiny_seed)
 
 
-def audit_single(model: Any, form: str = "dense", device: Any = None
-                 ) -> tuple[GraphAudit, AuditRow]:
+def audit_single(model: Any, form: str = "dense", device: Any = None) -> tuple[GraphAudit, AuditRow]:
     """The single-device decode graph of `model` (a tiny `LoadedModel`), as the lane builds it."""
     import torch_xla
 
@@ -538,19 +579,18 @@ def audit_single(model: Any, form: str = "dense", device: Any = None
 
     device = device or torch_xla.device()
     shape = GraphShape(1, 1, CONTEXT)
-    graph = DeviceGraph(model.text_model, model.lm_head, model.layout, shape, inplace=False,
-                        expert_form=form)
+    graph = DeviceGraph(model.text_model, model.lm_head, model.layout, shape, inplace=False, expert_form=form)
     graph = to_device({"decode": graph}, device)["decode"]
     inputs, kv = _split_inputs(graph, [t.to(device) for t in graph.example_inputs()])
     name = model.variant.name
     audit = audit_graph(graph, inputs, kv, f"{name} decode ({form})")
     rb = decode_bytes(model, context_length=CONTEXT, ring=False, experts=form)
-    return audit, _row(name, form, 1, None, audit, rb.weights, rb.kv, 0, 0,
-                       -router_scale_unread(model))
+    return audit, _row(name, form, 1, None, audit, rb.weights, rb.kv, 0, 0, -router_scale_unread(model))
 
 
-def audit_rank(model: Any, tp: int, form: str = "dense", rank: int = 1, device: Any = None,
-               expert_split: str | None = None) -> tuple[GraphAudit, AuditRow]:
+def audit_rank(
+    model: Any, tp: int, form: str = "dense", rank: int = 1, device: Any = None, expert_split: str | None = None
+) -> tuple[GraphAudit, AuditRow]:
     """Rank `rank` of `model`'s TP rank graph (its shard loaded), lowered with
     `XlaLoweringCollectives`. `expert_split`: the MoE split (default: the plan's)."""
     import torch_xla
@@ -563,29 +603,29 @@ def audit_rank(model: Any, tp: int, form: str = "dense", rank: int = 1, device: 
     device = device or torch_xla.device()
     plan = make_plan(model.config, tp, model.variant, expert_split=expert_split)
     shape = GraphShape(1, 1, CONTEXT)
-    graph = build_rank_graph(model.config, plan, shape, collectives=XlaLoweringCollectives(tp),
-                             expert_form=form)
+    graph = build_rank_graph(model.config, plan, shape, collectives=XlaLoweringCollectives(tp), expert_form=form)
     missing = load_shard(graph, shard_state_dict(model.lm, plan, rank))
     if missing:
         raise RuntimeError(f"rank graph has keys its shard lacks: {missing[:5]}")
     # what the ranks replicate: tp x the rank's non-expert weights (all ranks hold the same shapes)
     # minus the model's device-side non-expert weights; K/V likewise against the model's layout
-    rank_nonexpert = sum(p.numel() * p.element_size() for n, p in graph.named_parameters()
-                         if ".experts." not in n and n != RANK_PARAM)
+    rank_nonexpert = sum(
+        p.numel() * p.element_size() for n, p in graph.named_parameters() if ".experts." not in n and n != RANK_PARAM
+    )
     counts = count_params(model.lm)
     dtype_bytes = model.lm_head.weight.element_size()
     replicated = tp * rank_nonexpert - (counts.lm_head + counts.other) * dtype_bytes
     rank_kv = sum(t.numel() * t.element_size() for t in graph.new_kv())
-    rb = decode_bytes(model, context_length=CONTEXT, ring=False, experts=form, tp=tp,
-                      expert_split=plan.expert_split)
+    rb = decode_bytes(model, context_length=CONTEXT, ring=False, experts=form, tp=tp, expert_split=plan.expert_split)
     replicated_kv = tp * rank_kv - int(rb.kv)
     graph = to_device({"decode": graph}, device)["decode"]
     inputs, kv = _split_inputs(graph, [t.to(device) for t in graph.example_inputs()])
     name = model.variant.name
     split = f", {plan.expert_split} split" if plan.expert_split else ""
     audit = audit_graph(graph, inputs, kv, f"{name} TP={tp} rank {rank} decode ({form}{split})")
-    row = _row(name, form, tp, rank, audit, rb.weights, rb.kv, replicated, replicated_kv,
-               -tp * router_scale_unread(model))
+    row = _row(
+        name, form, tp, rank, audit, rb.weights, rb.kv, replicated, replicated_kv, -tp * router_scale_unread(model)
+    )
     row.expert_split = plan.expert_split
     return audit, row
 
@@ -595,22 +635,43 @@ def _split_inputs(graph: Any, tensors: list[Any]) -> tuple[list[Any], list[Any]]
     return tensors[:n_head], tensors[n_head:]
 
 
-def _row(variant: str, form: str, tp: int, rank: int | None, audit: GraphAudit, roof_w: float,
-         roof_kv: float, replicated: int, replicated_kv: int, expected_delta: int) -> AuditRow:
+def _row(
+    variant: str,
+    form: str,
+    tp: int,
+    rank: int | None,
+    audit: GraphAudit,
+    roof_w: float,
+    roof_kv: float,
+    replicated: int,
+    replicated_kv: int,
+    expected_delta: int,
+) -> AuditRow:
     return AuditRow(
-        variant=variant, form=form, tp=tp, rank=rank, hlo_params=len(audit.params),
-        weights_read=audit.read(WEIGHT, EXPERT), experts_read=audit.read(EXPERT),
-        experts_size=audit.size(EXPERT), kv_read=audit.read(KV),
-        other_read=audit.read(RANK, BUFFER, INPUT, CONSTANT), roofline_weights=roof_w,
+        variant=variant,
+        form=form,
+        tp=tp,
+        rank=rank,
+        hlo_params=len(audit.params),
+        weights_read=audit.read(WEIGHT, EXPERT),
+        experts_read=audit.read(EXPERT),
+        experts_size=audit.size(EXPERT),
+        kv_read=audit.read(KV),
+        other_read=audit.read(RANK, BUFFER, INPUT, CONSTANT),
+        roofline_weights=roof_w,
         roofline_kv=roof_kv,
-        replicated_weights=replicated, replicated_kv=replicated_kv, expected_delta=expected_delta,
+        replicated_weights=replicated,
+        replicated_kv=replicated_kv,
+        expected_delta=expected_delta,
         flagged=audit.flagged(),
-        flagged_experts=audit.flagged(EXPERT))
+        flagged_experts=audit.flagged(EXPERT),
+    )
 
 
-def audit_all(single: Sequence[tuple[str, str]] = SINGLE,
-              tensor_parallel: Sequence[tuple[str, int, str, str | None]] = TENSOR_PARALLEL
-              ) -> list[AuditRow]:
+def audit_all(
+    single: Sequence[tuple[str, str]] = SINGLE,
+    tensor_parallel: Sequence[tuple[str, int, str, str | None]] = TENSOR_PARALLEL,
+) -> list[AuditRow]:
     """Every listed decode graph of the tiny variants, audited (one tiny model per variant)."""
     models: dict[str, Any] = {}
     rows = []
@@ -628,9 +689,11 @@ def audit_all(single: Sequence[tuple[str, str]] = SINGLE,
 def format_table(rows: Sequence[AuditRow]) -> str:
     """Markdown: per decode graph, the bytes its HLO reads next to `roofline.decode_bytes` (tiny
     fp32 models; a rank graph's "x TP" is all ranks together, as the roofline counts them)."""
-    head = ("| variant | graph | experts | HLO params | weights read | x TP | roofline weights "
-            "| replicated | Δ (expected) | expert weights read / held | K/V read | x TP "
-            "| roofline K/V (+ replicated) | other read | flagged re-layouts |")
+    head = (
+        "| variant | graph | experts | HLO params | weights read | x TP | roofline weights "
+        "| replicated | Δ (expected) | expert weights read / held | K/V read | x TP "
+        "| roofline K/V (+ replicated) | other read | flagged re-layouts |"
+    )
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in rows:
         experts = f"{r.experts_read:,} / {r.experts_size:,}" if r.experts_size else "–"
@@ -643,7 +706,8 @@ def format_table(rows: Sequence[AuditRow]) -> str:
             f"| {r.replicated_weights:,} | {r.weights_delta:,.0f} ({r.expected_delta:,}) "
             f"| {experts} | {r.kv_read:,} | {r.tp * r.kv_read:,} "
             f"| {r.roofline_kv:,.0f} (+ {r.replicated_kv:,}) | {r.other_read:,} "
-            f"| {_names(r.flagged)} |")
+            f"| {_names(r.flagged)} |"
+        )
     return "\n".join(lines)
 
 
@@ -655,12 +719,12 @@ def _names(names: Sequence[str], shown: int = 2) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m gemma4lib.backends.hlo_audit",
-                                     description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m gemma4lib.backends.hlo_audit", description=__doc__.split("\n\n")[0]
+    )
     parser.add_argument("--verbose", action="store_true", help="log each graph's row")
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
-                        format="%(name)s: %(message)s")
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(name)s: %(message)s")
     os.environ.setdefault("PJRT_DEVICE", "CPU")
     import torch
 
@@ -669,8 +733,15 @@ def main(argv: list[str] | None = None) -> int:
     sys.stdout.write(format_table(rows) + "\n")
     bad = [r for r in rows if not r.ok]
     for r in bad:
-        log.error("%s %s (%s): weights Δ %s, K/V Δ %s, flagged experts %s", r.variant, r.graph,
-                  r.form, r.weights_delta, r.kv_delta, r.flagged_experts)
+        log.error(
+            "%s %s (%s): weights Δ %s, K/V Δ %s, flagged experts %s",
+            r.variant,
+            r.graph,
+            r.form,
+            r.weights_delta,
+            r.kv_delta,
+            r.flagged_experts,
+        )
     return 1 if bad else 0
 
 

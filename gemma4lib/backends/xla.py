@@ -60,12 +60,12 @@ import copy
 import os
 import re
 from collections import Counter
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 import torch
 from torch import nn
-
 
 # The XLA:CPU backend's own optimisation is irrelevant to what the lane checks (the HLO the front
 # end emits, fallbacks, compile counts, tokens) and halves its compile time on this machine.
@@ -88,7 +88,8 @@ def _xla():
     except ImportError as exc:  # pragma: no cover - depends on the environment
         raise ImportError(
             "the XLA backend needs torch_xla: create the lane's environment with "
-            "scripts/setup_xla_env.sh and run with .venv-xla/bin/python (PJRT_DEVICE=CPU)") from exc
+            "scripts/setup_xla_env.sh and run with .venv-xla/bin/python (PJRT_DEVICE=CPU)"
+        ) from exc
     return torch_xla, met
 
 
@@ -151,12 +152,13 @@ def to_device(graphs: Mapping[str, nn.Module], device) -> dict[str, nn.Module]:
     memo: dict[int, Any] = {}
     for graph in graphs.values():
         for module in graph.modules():
-            for name, tensor in list(module._parameters.items()) + list(module._buffers.items()):
+            for tensor in list(module._parameters.values()) + list(module._buffers.values()):
                 if tensor is None or id(tensor) in memo:
                     continue
                 moved = tensor.detach().to(device)
-                memo[id(tensor)] = nn.Parameter(moved, requires_grad=False) if isinstance(
-                    tensor, nn.Parameter) else moved
+                memo[id(tensor)] = (
+                    nn.Parameter(moved, requires_grad=False) if isinstance(tensor, nn.Parameter) else moved
+                )
             # plain tensor attributes (e.g. rotary `original_inv_freq`) that alias no buffer
             for value in vars(module).values():
                 if isinstance(value, torch.Tensor) and id(value) not in memo:
@@ -167,12 +169,13 @@ def to_device(graphs: Mapping[str, nn.Module], device) -> dict[str, nn.Module]:
 class XLASession:
     """A set of named `DeviceGraph`s (``inplace=False``) on the XLA device, with its bookkeeping."""
 
-    def __init__(self, graphs: Mapping[str, nn.Module], *, hlo_dir: str | Path | None = None,
-                 device=None):
+    def __init__(self, graphs: Mapping[str, nn.Module], *, hlo_dir: str | Path | None = None, device=None):
         for name, graph in graphs.items():
             if getattr(graph, "inplace", False):
-                raise ValueError(f"graph {name!r} was built with inplace=True; the XLA lane runs the "
-                                 f"functional form: build it with DeviceGraph(..., inplace=False)")
+                raise ValueError(
+                    f"graph {name!r} was built with inplace=True; the XLA lane runs the "
+                    f"functional form: build it with DeviceGraph(..., inplace=False)"
+                )
         self.device = device if device is not None else xla_device()
         self.graphs = to_device(graphs, self.device)
         self.hlo_dir = Path(hlo_dir) if hlo_dir is not None else None
@@ -194,8 +197,10 @@ class XLASession:
 
     def step(self, name: str):
         """``step(inputs_embeds, [per_layer_inputs,] start, length, *kv) -> logits`` for graph `name`."""
+
         def run(*args: torch.Tensor) -> torch.Tensor:
             return self.run(name, *args)
+
         run.__name__ = f"xla_{name}_step"
         return run
 
@@ -206,8 +211,9 @@ class XLASession:
         head, kv = args[:n_head], args[n_head:]
         for t in kv:
             if t.device != self.device:
-                raise ValueError(f"K/V buffers must live on {self.device} (from XLASession.new_kv), "
-                                 f"got one on {t.device}")
+                raise ValueError(
+                    f"K/V buffers must live on {self.device} (from XLASession.new_kv), got one on {t.device}"
+                )
         inputs = [t.to(self.device) for t in (inputs_embeds, *head)]
         fallbacks0, compiles0, executes0 = fallback_counters(), compile_count(), execute_count()
         with torch.no_grad():
@@ -218,10 +224,11 @@ class XLASession:
             self.hashes[name].append(graph_hash)
             self._save_hlo(name, len(self.hashes[name]) - 1, torch_xla._XLAC._get_xla_tensors_hlo(outputs))
         with torch.no_grad():
-            for old, new in zip(kv, new_kv):
+            for old, new in zip(kv, new_kv, strict=True):
                 old.copy_(new)
         torch_xla.sync()
         import torch_xla.core.xla_model as xm
+
         xm.wait_device_ops()  # executions run asynchronously; count them once they have run
         self.steps[name] += 1
         self.compilations[name] += compile_count() - compiles0
@@ -262,17 +269,19 @@ class XLASession:
         }
 
 
-def compile_graphs_xla(model: Any, prefill: Mapping[int, nn.Module], decode: nn.Module, settings: Any):
-    """`port --backend xla`: the port's graphs, rebuilt in functional form, on the XLA device.
+def compile(model: Any, settings: Any, *, graphs: Any = None, progress: bool = False):
+    """Backend `xla` (`port --backend xla`): the port's graphs, built in functional form, on the XLA
+    device.
 
     Returns the port's `CompiledGraphs`; its `report()` adds the lane's figures (fallbacks,
     compilations per graph, HLO files) to the result record once generation and benchmark ran.
     """
     from ..artifacts import ArtifactCache
-    from ..port import CompiledGraphs, build_graphs
     from ..runtime import HostRuntime
+    from .base import CompiledGraphs, device_graphs, refuse_graphs
 
-    functional_prefill, functional_decode = build_graphs(model, settings, inplace=False)
+    refuse_graphs(graphs, "xla")
+    functional_prefill, functional_decode = device_graphs(model, settings, inplace=False)
     graphs = {f"prefill_{bucket}": graph for bucket, graph in functional_prefill.items()}
     graphs["decode"] = functional_decode
     use_fast_cpu_compile()
@@ -282,9 +291,15 @@ def compile_graphs_xla(model: Any, prefill: Mapping[int, nn.Module], decode: nn.
     def on_host(step):
         def run(*args: torch.Tensor) -> torch.Tensor:
             return step(*args).cpu()
+
         return run
 
-    runtime = HostRuntime(model, {b: on_host(session.step(f"prefill_{b}")) for b in functional_prefill},
-                          on_host(session.step("decode")), session.new_kv("decode"), settings.context_length)
+    runtime = HostRuntime(
+        model,
+        {b: on_host(session.step(f"prefill_{b}")) for b in functional_prefill},
+        on_host(session.step("decode")),
+        session.new_kv("decode"),
+        settings.context_length,
+    )
     # XLA compiles lazily, on the first step of each graph: its time shows in the first prefill/decode.
     return CompiledGraphs(runtime, 0.0, [], "torch-xla", report=session.report)

@@ -46,13 +46,22 @@ class LeakyPositionGraph(DeviceGraph):
         i = 1 if self.has_ple else 0
         position = int(args[i])
         start = torch.arange(position, position + 1, device=args[i].device)
-        return super().forward(inputs_embeds, *args[:i], start, *args[i + 1:])
+        return super().forward(inputs_embeds, *args[:i], start, *args[i + 1 :])
 
 
-def run_variant(variant: str, *, decode_steps: int = 16, prompt_tokens: int = 20, bucket: int = 24,
-                context_length: int = 64, ring: bool = False,
-                expert_forms: tuple[str, str] = ("dense", "selective"), leaky: bool = False,
-                hlo_dir: str | Path | None = None, seed: int = 0) -> dict[str, Any]:
+def run_variant(
+    variant: str,
+    *,
+    decode_steps: int = 16,
+    prompt_tokens: int = 20,
+    bucket: int = 24,
+    context_length: int = 64,
+    ring: bool = False,
+    expert_forms: tuple[str, str] = ("dense", "selective"),
+    leaky: bool = False,
+    hlo_dir: str | Path | None = None,
+    seed: int = 0,
+) -> dict[str, Any]:
     """Prefill one prompt, decode `decode_steps` tokens on XLA; compare with HF greedy decoding."""
     from .xla import XLASession
 
@@ -61,17 +70,25 @@ def run_variant(variant: str, *, decode_steps: int = 16, prompt_tokens: int = 20
     t0 = time.perf_counter()
     v = get_variant(variant)
     model = build_tiny(v, seed=seed)
-    ids = torch.randint(3, model.config.vocab_size - 12, (1, prompt_tokens),
-                        generator=torch.Generator().manual_seed(seed + 1))
+    ids = torch.randint(
+        3, model.config.vocab_size - 12, (1, prompt_tokens), generator=torch.Generator().manual_seed(seed + 1)
+    )
     with torch.no_grad():
-        reference = model.lm.generate(ids, max_new_tokens=1 + decode_steps, do_sample=False,
-                                      eos_token_id=None, pad_token_id=0)[0, prompt_tokens:].tolist()
+        reference = model.lm.generate(
+            ids, max_new_tokens=1 + decode_steps, do_sample=False, eos_token_id=None, pad_token_id=0
+        )[0, prompt_tokens:].tolist()
     t_ref = time.perf_counter()
 
     graph_cls = LeakyPositionGraph if leaky else DeviceGraph
     graphs = {
-        phase: graph_cls(model.text_model, model.lm_head, model.layout,
-                         GraphShape(1, tokens, context_length, ring), inplace=False, expert_form=form)
+        phase: graph_cls(
+            model.text_model,
+            model.lm_head,
+            model.layout,
+            GraphShape(1, tokens, context_length, ring),
+            inplace=False,
+            expert_form=form,
+        )
         for phase, tokens, form in (("prefill", bucket, expert_forms[0]), ("decode", 1, expert_forms[1]))
     }
     session = XLASession(graphs, hlo_dir=hlo_dir)
@@ -96,8 +113,9 @@ def run_variant(variant: str, *, decode_steps: int = 16, prompt_tokens: int = 20
         t_prefill = time.perf_counter()
         for step in range(decode_steps):
             position = prompt_tokens + step
-            logits = decode(*host_inputs(torch.tensor([[tokens[-1]]]), 1), torch.tensor([position]),
-                            torch.tensor([1]), *kv)
+            logits = decode(
+                *host_inputs(torch.tensor([[tokens[-1]]]), 1), torch.tensor([position]), torch.tensor([1]), *kv
+            )
             tokens.append(int(logits.cpu().argmax()))
     t_end = time.perf_counter()
 
@@ -119,40 +137,57 @@ def run_variant(variant: str, *, decode_steps: int = 16, prompt_tokens: int = 20
         **report,
         "one_compile_per_shape": one_per_shape,
         "one_execution_per_step": one_execution_per_step,
-        "seconds": {"reference": round(t_ref - t0, 2), "prefill": round(t_prefill - t_ref, 2),
-                    "decode": round(t_end - t_prefill, 2), "total": round(t_end - t0, 2)},
+        "seconds": {
+            "reference": round(t_ref - t0, 2),
+            "prefill": round(t_prefill - t_ref, 2),
+            "decode": round(t_end - t_prefill, 2),
+            "total": round(t_end - t0, 2),
+        },
         "versions": _versions(),
     }
 
 
 def _versions() -> dict[str, str]:
-    import transformers
     import torch_xla
-    return {"torch": torch.__version__, "torch_xla": torch_xla.__version__,
-            "transformers": transformers.__version__}
+    import transformers
+
+    return {"torch": torch.__version__, "torch_xla": torch_xla.__version__, "transformers": transformers.__version__}
 
 
 def passed(result: dict[str, Any]) -> bool:
-    return bool(result["seq_match"] and result["xla_fallbacks"] == 0 and result["one_compile_per_shape"]
-                and result["one_execution_per_step"])
+    return bool(
+        result["seq_match"]
+        and result["xla_fallbacks"] == 0
+        and result["one_compile_per_shape"]
+        and result["one_execution_per_step"]
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m gemma4lib.backends.xla_check", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--variant", action="append", required=True,
-                        help=f"one of {', '.join(VARIANTS)} or 'all'; repeatable")
+    parser = argparse.ArgumentParser(
+        prog="python -m gemma4lib.backends.xla_check",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument(
+        "--variant", action="append", required=True, help=f"one of {', '.join(VARIANTS)} or 'all'; repeatable"
+    )
     parser.add_argument("--steps", type=int, default=16, help="decode steps after the prefill token")
     parser.add_argument("--ring", action="store_true", help="sliding layers as ring buffers")
-    parser.add_argument("--expert-forms", default="dense,selective",
-                        help="MoE expert form for prefill,decode (dense|selective)")
+    parser.add_argument(
+        "--expert-forms", default="dense,selective", help="MoE expert form for prefill,decode (dense|selective)"
+    )
     parser.add_argument("--leaky", action="store_true", help="the shape-leak demo (must recompile per step)")
     parser.add_argument("--hlo-dir", default=None, help="write <dir>/<variant>/<graph>.<n>.hlo.txt")
-    parser.add_argument("--optimized-cpu-compile", action="store_true",
-                        help="keep XLA:CPU's backend optimisation (slower compiles; default: off)")
+    parser.add_argument(
+        "--optimized-cpu-compile",
+        action="store_true",
+        help="keep XLA:CPU's backend optimisation (slower compiles; default: off)",
+    )
     args = parser.parse_args(argv)
     if not args.optimized_cpu_compile:
         from .xla import use_fast_cpu_compile
+
         use_fast_cpu_compile()
     torch.set_num_threads(1)
     names = list(VARIANTS) if "all" in args.variant else args.variant
@@ -160,8 +195,9 @@ def main(argv: list[str] | None = None) -> int:
     ok = True
     for name in names:
         hlo_dir = Path(args.hlo_dir) / get_variant(name).name if args.hlo_dir else None
-        result = run_variant(name, decode_steps=args.steps, ring=args.ring, expert_forms=forms,
-                             leaky=args.leaky, hlo_dir=hlo_dir)
+        result = run_variant(
+            name, decode_steps=args.steps, ring=args.ring, expert_forms=forms, leaky=args.leaky, hlo_dir=hlo_dir
+        )
         # the leak demo passes when the leak is caught: tokens right, compilations per step
         ok &= (result["seq_match"] and not result["one_compile_per_shape"]) if args.leaky else passed(result)
         print(json.dumps(result), flush=True)

@@ -7,52 +7,23 @@
   back into the same device buffers.
 - `AliasEmulator`: runs a `KVParamModule` on CPU the way the device runs the compiled one (outputs
   copied back into the K/V parameters), so the host loop below is tested here.
-- `greedy_generate`: the host loop: embeddings (and PLE) looked up on the host, prefill (one graph
+- `greedy_generate`: the host loop for modules that hold their K/V: embeddings (and PLE) looked up
+  on the host (`embedder.HostEmbedder`), prefill (one graph
   call, or the prompt token by token through the decode graph, or K/V seeded by the caller),
   greedy decode.
 """
 
 from __future__ import annotations
 
-import copy
 import time
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 from torch import nn
 
-
-
-class HostEmbedder(nn.Module):
-    """The host side of the device graph: token and PLE lookups (tables never go to a device)."""
-
-    def __init__(self, embed_tokens: nn.Module, embed_tokens_per_layer: nn.Module | None,
-                 num_layers: int, ple_dim: int):
-        super().__init__()
-        self.embed_tokens = embed_tokens
-        self.embed_tokens_per_layer = embed_tokens_per_layer
-        self.num_layers, self.ple_dim = num_layers, ple_dim
-
-    @classmethod
-    def from_text_model(cls, text_model: nn.Module) -> "HostEmbedder":
-        cfg = text_model.config
-        ple = getattr(text_model, "embed_tokens_per_layer", None)
-        return cls(copy.deepcopy(text_model.embed_tokens), copy.deepcopy(ple) if ple is not None else None,
-                   int(cfg.num_hidden_layers), int(getattr(cfg, "hidden_size_per_layer_input", 0) or 0))
-
-    @property
-    def has_ple(self) -> bool:
-        return self.embed_tokens_per_layer is not None
-
-    def inputs(self, ids: torch.Tensor, pad_to: int) -> list[torch.Tensor]:
-        """[inputs_embeds(, per_layer_inputs)] for `ids` [1, n], right-padded with zeros to `pad_to`."""
-        n = ids.shape[1]
-        emb = self.embed_tokens(ids)
-        out = [torch.nn.functional.pad(emb, (0, 0, 0, pad_to - n))]
-        if self.has_ple:
-            ple = self.embed_tokens_per_layer(ids).reshape(1, n, self.num_layers, self.ple_dim)
-            out.append(torch.nn.functional.pad(ple, (0, 0, 0, 0, 0, pad_to - n)))
-        return out
+from ..embedder import HostEmbedder
+from ..runtime import decode_loop
 
 
 class KVParamModule(nn.Module):
@@ -81,7 +52,7 @@ class KVParamModule(nn.Module):
     def example_inputs(self) -> tuple[torch.Tensor, ...]:
         return tuple(self.graph.example_inputs()[: self.num_inputs])
 
-    def sharing(self, graph: nn.Module) -> "KVParamModule":
+    def sharing(self, graph: nn.Module) -> KVParamModule:
         """Another graph (e.g. decode next to prefill) over the same K/V parameters."""
         return KVParamModule(graph, self.kv)
 
@@ -106,7 +77,7 @@ class AliasEmulator:
     def __call__(self, *inputs: torch.Tensor) -> torch.Tensor:
         with torch.no_grad():
             out = self.module(*inputs)
-            for param, new in zip(self.module.kv, out[1:]):
+            for param, new in zip(self.module.kv, out[1:], strict=True):
                 param.copy_(new)
         return out[0]
 
@@ -116,17 +87,29 @@ def first_output(out: Any) -> torch.Tensor:
     return out[0] if isinstance(out, (tuple, list)) else out
 
 
-def greedy_generate(decode: Callable[..., Any], host: HostEmbedder, prompt: Sequence[int], max_new_tokens: int,
-                    *, prefill: Callable[..., Any] | None = None, prefill_len: int | None = None,
-                    seeded_logits: torch.Tensor | None = None, eos_token_ids: Sequence[int] = ()) -> dict[str, Any]:
-    """Greedy tokens from step functions that take the graph inputs and return logits.
+def greedy_generate(
+    decode: Callable[..., Any],
+    host: HostEmbedder,
+    prompt: Sequence[int],
+    max_new_tokens: int,
+    *,
+    prefill: Callable[..., Any] | None = None,
+    prefill_len: int | None = None,
+    seeded_logits: torch.Tensor | None = None,
+    eos_token_ids: Sequence[int] = (),
+    keep_logits: bool = False,
+) -> dict[str, Any]:
+    """Greedy tokens from step functions that hold their K/V themselves (a device module, or a
+    rank's `AliasEmulator`) and take only the graph inputs.
 
     Prefill, in order of preference: `seeded_logits` (the caller wrote the K/V, e.g. a CPU
     prefill; these are the last prompt token's logits), a `prefill` graph of bucket `prefill_len`,
-    or the prompt fed token by token through `decode`. Stops after an `eos_token_ids` token (kept).
+    or the prompt fed token by token through `decode`. Then `runtime.decode_loop`, the one decode
+    loop every path uses. `keep_logits`: also return `step_logits` (LOGITS_MATCH).
     """
     prompt = [int(t) for t in prompt]
     n = len(prompt)
+    one = torch.tensor([1])
     t0 = time.perf_counter()
     with torch.no_grad():
         if seeded_logits is not None:
@@ -137,22 +120,32 @@ def greedy_generate(decode: Callable[..., Any], host: HostEmbedder, prompt: Sequ
             mode = "graph"
         else:
             for position, token in enumerate(prompt):
-                logits = first_output(decode(*host.inputs(torch.tensor([[token]]), 1),
-                                             torch.tensor([position]), torch.tensor([1])))
+                logits = first_output(decode(*host.inputs(torch.tensor([[token]])), torch.tensor([position]), one))
             mode = "decode-steps"
         prefill_logits = logits.reshape(-1, logits.shape[-1])[0].float().clone()
-        tokens = [int(prefill_logits.argmax())]
         t1 = time.perf_counter()
-        position = n
-        eos = set(int(t) for t in eos_token_ids)
-        while len(tokens) < max_new_tokens and tokens[-1] not in eos:
-            out = decode(*host.inputs(torch.tensor([[tokens[-1]]]), 1), torch.tensor([position]), torch.tensor([1]))
-            tokens.append(int(first_output(out).reshape(-1, prefill_logits.shape[-1])[0].argmax()))
-            position += 1
+        vocab = prefill_logits.shape[-1]
+        run = decode_loop(
+            lambda inputs, position: first_output(decode(*inputs, position, one)).reshape(-1, vocab)[0],
+            host.inputs,
+            prefill_logits,
+            n,
+            max_new_tokens,
+            eos_token_ids=eos_token_ids,
+            keep_logits=keep_logits,
+        )
         t2 = time.perf_counter()
-    return {"tokens": tokens, "prefill_mode": mode, "prefill_logits": prefill_logits,
-            "prefill_s": t1 - t0, "decode_s": t2 - t1,
-            "decode_tok_s": (len(tokens) - 1) / max(t2 - t1, 1e-9)}
+    out = {
+        "tokens": run.tokens,
+        "prefill_mode": mode,
+        "prefill_logits": prefill_logits,
+        "prefill_s": t1 - t0,
+        "decode_s": t2 - t1,
+        "decode_tok_s": (len(run.tokens) - 1) / max(t2 - t1, 1e-9),
+    }
+    if keep_logits:
+        out["step_logits"] = run.step_logits
+    return out
 
 
 class DeviceStep:
@@ -183,5 +176,5 @@ class StepwisePrefill:
         start, length = args[self.num_inputs - 2], args[self.num_inputs - 1]
         logits = None
         for i in range(int(length.reshape(-1)[0])):
-            logits = self.decode_step(*[x[:, i:i + 1] for x in inputs], start + i, torch.ones_like(length))
+            logits = self.decode_step(*[x[:, i : i + 1] for x in inputs], start + i, torch.ones_like(length))
         return logits

@@ -1,5 +1,5 @@
 """The inf2 environment: pinned Neuron SDK 2.28 versions, lazy SDK imports, and the two fixes the
-field report needed before anything imports.
+field report (README, "The family at a glance") needed before anything imports.
 
 Nothing here imports the Neuron SDK at module import time. The single source of truth for the
 pins is `SDK_PINS` (+ `TRANSFORMERS_PIN`); the doctor and every recipe read it.
@@ -27,7 +27,8 @@ import os
 import shlex
 import sys
 import types
-from typing import Any, Callable, MutableMapping
+from collections.abc import Callable, MutableMapping
+from typing import Any
 
 from ..environment import TRANSFORMERS_PIN as TRANSFORMERS_VERSION
 from ..errors import EnvironmentMismatchError, NeuronSDKMissingError
@@ -67,9 +68,11 @@ def install_lines() -> list[str]:
     """The shell lines that make the inf2 environment, in a clone of this repository on an instance
     started from `DLAMI`. The venv's torch, torch-xla and SDK packages stay as they are: gemma4lib
     does not depend on torch, so pip leaves them alone."""
-    return [f"source {DLAMI_VENV_PATH}/bin/activate",
-            f"export PATH=$VIRTUAL_ENV/bin:{NEURON_BIN}:$PATH",
-            'pip install -e ".[notebooks]"']
+    return [
+        f"source {DLAMI_VENV_PATH}/bin/activate",
+        f"export PATH=$VIRTUAL_ENV/bin:{NEURON_BIN}:$PATH",
+        'pip install -e ".[notebooks]"',
+    ]
 
 
 # import name -> distribution name
@@ -94,6 +97,7 @@ def compiler_args(phase: str) -> list[str]:
 
 # ---- versions -------------------------------------------------------------------------------
 
+
 def metadata_version(dist: str) -> str | None:
     """Installed version of a distribution, None when absent. Tests monkeypatch this."""
     try:
@@ -112,11 +116,23 @@ def check_versions() -> list[dict[str, Any]]:
     rows = []
     for dist, accepted in SDK_PINS.items():
         found = metadata_version(dist)
-        rows.append({"package": dist, "pinned": list(accepted), "found": found,
-                     "ok": found is not None and _matches(found, accepted)})
+        rows.append(
+            {
+                "package": dist,
+                "pinned": list(accepted),
+                "found": found,
+                "ok": found is not None and _matches(found, accepted),
+            }
+        )
     found = metadata_version("transformers")
-    rows.append({"package": "transformers", "pinned": [TRANSFORMERS_PIN], "found": found,
-                 "ok": found is not None and _matches(found, (TRANSFORMERS_PIN,))})
+    rows.append(
+        {
+            "package": "transformers",
+            "pinned": [TRANSFORMERS_PIN],
+            "found": found,
+            "ok": found is not None and _matches(found, (TRANSFORMERS_PIN,)),
+        }
+    )
     return rows
 
 
@@ -126,10 +142,12 @@ def sdk_present() -> bool:
 
 def how_to_get(dist: str) -> str:
     pins = " ".join(f"{d}=={v[0]}" for d, v in SDK_PINS.items())
-    return (f"on an inf2 instance started from the {DLAMI} (SDK {NEURON_SDK_RELEASE}) run "
-            f"`source {DLAMI_VENV_PATH}/bin/activate` (Python {INF2_PYTHON}), or install from the Neuron pip "
-            f"repository: `pip install --extra-index-url {NEURON_PIP_INDEX} {pins}` (the PyPI packages of "
-            f"these names are placeholders). The CPU profile needs none of it")
+    return (
+        f"on an inf2 instance started from the {DLAMI} (SDK {NEURON_SDK_RELEASE}) run "
+        f"`source {DLAMI_VENV_PATH}/bin/activate` (Python {INF2_PYTHON}), or install from the Neuron pip "
+        f"repository: `pip install --extra-index-url {NEURON_PIP_INDEX} {pins}` (the PyPI packages of "
+        f"these names are placeholders). The CPU profile needs none of it"
+    )
 
 
 def missing_error(module: str, purpose: str = "") -> NeuronSDKMissingError:
@@ -138,7 +156,8 @@ def missing_error(module: str, purpose: str = "") -> NeuronSDKMissingError:
     what = f"{purpose} needs" if purpose else "this needs"
     return NeuronSDKMissingError(
         f"{what} the Neuron SDK package {dist}{'==' + pin if pin else ''} (import {module}), which is not "
-        f"installed here; {how_to_get(dist)}")
+        f"installed here; {how_to_get(dist)}"
+    )
 
 
 def _check_installed(dist: str, module: str, purpose: str) -> None:
@@ -149,7 +168,8 @@ def _check_installed(dist: str, module: str, purpose: str) -> None:
     if not _matches(found, SDK_PINS[dist]):  # another SDK release: fail now, not mid-compile
         raise EnvironmentMismatchError(
             f"{dist} {found} is installed, but this cookbook pins {' or '.join(SDK_PINS[dist])} (Neuron SDK "
-            f"{NEURON_SDK_RELEASE}; the last release with NxD Inference for inf2); {how_to_get(dist)}")
+            f"{NEURON_SDK_RELEASE}; the last release with NxD Inference for inf2); {how_to_get(dist)}"
+        )
 
 
 def require_sdk(purpose: str = "") -> None:
@@ -177,7 +197,8 @@ def require(module: str, purpose: str = "") -> types.ModuleType:
     except ImportError as exc:
         raise EnvironmentMismatchError(
             f"{module} is installed but failed to import ({exc}); check the versions with "
-            f"`python -m gemma4lib doctor` (pinned: Neuron SDK {NEURON_SDK_RELEASE})") from exc
+            f"`python -m gemma4lib doctor` (pinned: Neuron SDK {NEURON_SDK_RELEASE})"
+        ) from exc
 
 
 # ---- the transformers.utils.fx shim -----------------------------------------------------------
@@ -190,8 +211,10 @@ def _make_fx_shim() -> types.ModuleType:
     import torch.fx
 
     module = types.ModuleType(FX_MODULE)
-    module.__doc__ = ("gemma4lib shim: transformers 5 removed transformers.utils.fx; neuronx_distributed "
-                      "only subclasses HFTracer when it imports. Gemma-4 never goes through it.")
+    module.__doc__ = (
+        "gemma4lib shim: transformers 5 removed transformers.utils.fx; neuronx_distributed "
+        "only subclasses HFTracer when it imports. Gemma-4 never goes through it."
+    )
 
     class HFTracer(torch.fx.Tracer):
         """Stand-in for transformers' removed fx tracer: a plain torch.fx.Tracer."""
@@ -210,8 +233,11 @@ def fx_shim_status(namespace: MutableMapping[str, Any] | None = None) -> str:
     modules = sys.modules if namespace is None else namespace
     existing = modules.get(FX_MODULE)
     if existing is not None:
-        return "shim" if getattr(existing, "GEMMA4LIB_SHIM", False) else (
-            "real" if hasattr(existing, "HFTracer") else "needed")
+        return (
+            "shim"
+            if getattr(existing, "GEMMA4LIB_SHIM", False)
+            else ("real" if hasattr(existing, "HFTracer") else "needed")
+        )
     if namespace is None:
         try:
             importlib.import_module(FX_PARENT)
@@ -225,8 +251,9 @@ def fx_shim_status(namespace: MutableMapping[str, Any] | None = None) -> str:
     return "needed" if FX_PARENT in modules else "no-transformers"
 
 
-def install_fx_shim(namespace: MutableMapping[str, Any] | None = None, *,
-                    status: Callable[..., str] = fx_shim_status) -> str:
+def install_fx_shim(
+    namespace: MutableMapping[str, Any] | None = None, *, status: Callable[..., str] = fx_shim_status
+) -> str:
     """Install the shim into `namespace` (default `sys.modules`) only when needed.
 
     Returns the status afterwards: 'real' (left alone), 'shim' (installed now or before) or
@@ -240,11 +267,12 @@ def install_fx_shim(namespace: MutableMapping[str, Any] | None = None, *,
     modules[FX_MODULE] = shim
     parent = modules.get(FX_PARENT)
     if parent is not None:
-        setattr(parent, "fx", shim)
+        parent.fx = shim
     return "shim"
 
 
 # ---- PATH ----------------------------------------------------------------------------------
+
 
 def path_fix_dirs(prefix: str | None = None) -> list[str]:
     return [os.path.join(prefix or sys.prefix, "bin"), NEURON_BIN]
@@ -261,16 +289,32 @@ def apply_path_fix(env: MutableMapping[str, str] | None = None, prefix: str | No
             added.append(folder)
     if added:
         env["PATH"] = os.pathsep.join(parts)
-    return {"added": list(reversed(added)), "needed": path_fix_dirs(prefix),
-            "ok": all(f in parts or not os.path.isdir(f) for f in path_fix_dirs(prefix))}
-
-
-def compile_cache_dir() -> str:
-    return os.environ.get(COMPILE_CACHE_ENV, DEFAULT_COMPILE_CACHE)
+    return {
+        "added": list(reversed(added)),
+        "needed": path_fix_dirs(prefix),
+        "ok": all(f in parts or not os.path.isdir(f) for f in path_fix_dirs(prefix)),
+    }
 
 
 __all__ = [
-    "COMPILER_ARGS", "DLAMI", "DLAMI_VENV", "INF2_PYTHON", "NEURON_PIP_INDEX", "NEURON_SDK_RELEASE", "SDK_CONSTRAINTS",
-    "SDK_PINS", "TRANSFORMERS_PIN", "apply_path_fix", "check_versions", "compiler_args", "fx_shim_status",
-    "install_fx_shim", "install_lines", "metadata_version", "missing_error", "require", "require_sdk", "sdk_present",
+    "COMPILER_ARGS",
+    "DLAMI",
+    "DLAMI_VENV",
+    "INF2_PYTHON",
+    "NEURON_PIP_INDEX",
+    "NEURON_SDK_RELEASE",
+    "SDK_CONSTRAINTS",
+    "SDK_PINS",
+    "TRANSFORMERS_PIN",
+    "apply_path_fix",
+    "check_versions",
+    "compiler_args",
+    "fx_shim_status",
+    "install_fx_shim",
+    "install_lines",
+    "metadata_version",
+    "missing_error",
+    "require",
+    "require_sdk",
+    "sdk_present",
 ]

@@ -40,19 +40,21 @@ Lines that need the SDK are marked `# inf2-only`.
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 from torch import nn
 
+from ..embedder import HostEmbedder
 from ..experts import EXPERT_FORMS
 from ..graph import GraphShape
 from ..tp.plan import TPPlan, make_plan
 from ..tp.rank_graph import build_rank_graph
 from ..tp.shard import nxd_full_checkpoint
 from . import neuron_env
-from .common import HostEmbedder, KVParamModule, graph_example_inputs, greedy_generate
+from .common import KVParamModule, graph_example_inputs, greedy_generate
 
 RECIPE = "model_builder"
 PURPOSE = "the ModelBuilder recipe (neuronx_distributed.trace.model_builder)"
@@ -76,11 +78,13 @@ class NxDParallelFactory:
 
     def column(self, in_features: int, out_features_total: int, gather: bool = False) -> nn.Module:
         return self._layers.ColumnParallelLinear(  # inf2-only
-            in_features, out_features_total, bias=False, gather_output=gather, dtype=self.dtype)
+            in_features, out_features_total, bias=False, gather_output=gather, dtype=self.dtype
+        )
 
     def row(self, in_features_total: int, out_features: int) -> nn.Module:
         return self._layers.RowParallelLinear(  # inf2-only
-            in_features_total, out_features, bias=False, input_is_parallel=True, dtype=self.dtype)
+            in_features_total, out_features, bias=False, input_is_parallel=True, dtype=self.dtype
+        )
 
     def replicated(self, in_features: int, out_features: int) -> nn.Module:
         linear = nn.Linear(in_features, out_features, bias=False, dtype=self.dtype)
@@ -95,22 +99,25 @@ class NxDParallelFactory:
         tensor-parallel group in its `reduce_dtype` (the selective experts' sum over ranks)."""
         dtype = x.dtype
         out = self._mappings.reduce_from_tensor_model_parallel_region(  # inf2-only
-            x.to(row.reduce_dtype), process_group=row.tensor_parallel_group)
+            x.to(row.reduce_dtype), process_group=row.tensor_parallel_group
+        )
         return out.to(dtype)
 
 
-def rank_module(config: Any, plan: TPPlan, shape: GraphShape, dtype: torch.dtype,
-                factory: Any = None, expert_form: str = "dense") -> KVParamModule:
+def rank_module(
+    config: Any, plan: TPPlan, shape: GraphShape, dtype: torch.dtype, factory: Any = None, expert_form: str = "dense"
+) -> KVParamModule:
     """The module one rank compiles: rank graph (NxD layers by default) + K/V parameters."""
     factory = factory or NxDParallelFactory(plan.tp, dtype)
-    graph = build_rank_graph(config, plan, shape, factory=factory, dtype=dtype, inplace=False,
-                             expert_form=expert_form)
+    graph = build_rank_graph(config, plan, shape, factory=factory, dtype=dtype, inplace=False, expert_form=expert_form)
     return KVParamModule(graph).eval()
 
 
 def bucket_shapes(context_length: int, prefill_len: int, ring: bool = False) -> dict[str, GraphShape]:
-    return {"prefill": GraphShape(1, prefill_len, context_length, ring),
-            "decode": GraphShape(1, 1, context_length, ring)}
+    return {
+        "prefill": GraphShape(1, prefill_len, context_length, ring),
+        "decode": GraphShape(1, 1, context_length, ring),
+    }
 
 
 def bucket_expert_forms(decode_experts: str = "dense") -> dict[str, str]:
@@ -145,10 +152,19 @@ def _instance_class():
     return model_builder, GraphInstance
 
 
-def compile_model_builder(loaded: Any, tp: int, out_dir: str | Path, *, context_length: int, prefill_len: int,
-                          ring: bool = False, dtype: torch.dtype = torch.bfloat16,
-                          compiler_workdir: str | Path | None = None, decode_experts: str = "dense",
-                          expert_split: str | None = None) -> Path:
+def compile_model_builder(
+    loaded: Any,
+    tp: int,
+    out_dir: str | Path,
+    *,
+    context_length: int,
+    prefill_len: int,
+    ring: bool = False,
+    dtype: torch.dtype = torch.bfloat16,
+    compiler_workdir: str | Path | None = None,
+    decode_experts: str = "dense",
+    expert_split: str | None = None,
+) -> Path:
     """Compile prefill + decode for one rank, save the model and the per-rank shards to `out_dir`.
 
     `decode_experts`: the decode graph's MoE expert form (`dense` | `selective`); prefill is dense.
@@ -164,19 +180,32 @@ def compile_model_builder(loaded: Any, tp: int, out_dir: str | Path, *, context_
     checkpoint = nxd_checkpoint(loaded, plan, dtype)
     # The builder's constructor and `add` are inf2-only too; tests drive them through a recording fake.
     builder = model_builder.ModelBuilder(  # inf2-only
-        router=None, tp_degree=tp, checkpoint_loader=lambda: dict(checkpoint), compiler_workdir=str(workdir))
+        router=None, tp_degree=tp, checkpoint_loader=lambda: dict(checkpoint), compiler_workdir=str(workdir)
+    )
     for key, shape in bucket_shapes(context_length, prefill_len, ring).items():
         builder.add(  # inf2-only
-            key=key, model_instance=GraphInstance(loaded.config, plan, shape, dtype, forms[key]),
+            key=key,
+            model_instance=GraphInstance(loaded.config, plan, shape, dtype, forms[key]),
             example_inputs=[graph_example_inputs(loaded.config, shape, dtype)],
-            compiler_args=neuron_env.COMPILER_ARGS[shape.phase], priority_model_idx=PRIORITY[key])
+            compiler_args=neuron_env.COMPILER_ARGS[shape.phase],
+            priority_model_idx=PRIORITY[key],
+        )
     traced = builder.trace(initialize_model_weights=False)  # inf2-only
     torch.jit.save(traced, str(out / "model.pt"))  # inf2-only
     builder.shard_checkpoint(serialize_path=str(out / "weights"))  # inf2-only
-    manifest = {"recipe": RECIPE, "variant": loaded.variant.name, "tp": tp, "context_length": context_length,
-                "prefill_len": prefill_len, "ring": ring, "dtype": str(dtype), "expert_forms": forms,
-                "expert_split": plan.expert_split, "plan": plan.describe(),
-                "compiler_args": neuron_env.COMPILER_ARGS}
+    manifest = {
+        "recipe": RECIPE,
+        "variant": loaded.variant.name,
+        "tp": tp,
+        "context_length": context_length,
+        "prefill_len": prefill_len,
+        "ring": ring,
+        "dtype": str(dtype),
+        "expert_forms": forms,
+        "expert_split": plan.expert_split,
+        "plan": plan.describe(),
+        "compiler_args": neuron_env.COMPILER_ARGS,
+    }
     (out / "manifest.json").write_text(json.dumps(manifest, indent=2))
     return out
 

@@ -19,14 +19,16 @@ Only the lines marked `# inf2-only` need the Neuron SDK; everything else runs on
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 
+from ..embedder import HostEmbedder
 from ..graph import DeviceGraph, GraphShape
 from . import neuron_env
-from .common import HostEmbedder, AliasEmulator, KVParamModule, greedy_generate
+from .common import AliasEmulator, KVParamModule, greedy_generate
 
 RECIPE = "trace"
 PURPOSE = "the E2B trace recipe (torch_neuronx.trace)"
@@ -34,19 +36,31 @@ PURPOSE = "the E2B trace recipe (torch_neuronx.trace)"
 
 def build_kv_module(loaded: Any, context_length: int, *, ring: bool = False) -> KVParamModule:
     """The module that gets traced: the one-token decode graph with its K/V as parameters."""
-    graph = DeviceGraph(loaded.text_model, loaded.lm_head, loaded.layout,
-                        GraphShape(1, 1, context_length, ring), inplace=False)
+    graph = DeviceGraph(
+        loaded.text_model, loaded.lm_head, loaded.layout, GraphShape(1, 1, context_length, ring), inplace=False
+    )
     return KVParamModule(graph).eval()
 
 
-def compile_trace(loaded: Any, context_length: int, *, ring: bool = False, compiler_workdir: str | None = None,
-                  compiler_args: Sequence[str] | None = None):
+def compile_trace(
+    loaded: Any,
+    context_length: int,
+    *,
+    ring: bool = False,
+    compiler_workdir: str | None = None,
+    compiler_args: Sequence[str] | None = None,
+):
     """Trace and compile the decode graph for one NeuronCore; returns the TorchScript module."""
     torch_neuronx = neuron_env.require("torch_neuronx", PURPOSE)
     module = build_kv_module(loaded, context_length, ring=ring)
     return torch_neuronx.trace(  # inf2-only
-        module, module.example_inputs(), input_output_aliases=module.aliases(), inline_weights_to_neff=False,
-        compiler_workdir=compiler_workdir, compiler_args=list(compiler_args or neuron_env.compiler_args("decode")))
+        module,
+        module.example_inputs(),
+        input_output_aliases=module.aliases(),
+        inline_weights_to_neff=False,
+        compiler_workdir=compiler_workdir,
+        compiler_args=list(compiler_args or neuron_env.compiler_args("decode")),
+    )
 
 
 def save(traced: Any, path: str | Path) -> Path:

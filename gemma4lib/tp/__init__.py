@@ -2,13 +2,23 @@
 and a CPU run of every rank with real collectives (gloo)."""
 
 from .plan import TPPlan, make_plan, tp_problems, valid_tp_degrees
-from .shard import nxd_full_checkpoint, shard_shapes, shard_state_dict
 from .rank_graph import CpuParallelFactory, RankGraph, build_rank_graph, load_shard, with_shape
+from .shard import nxd_full_checkpoint, shard_shapes, shard_state_dict
 
 __all__ = [
-    "CpuParallelFactory", "RankGraph", "TPPlan", "build_rank_graph", "load_shard", "make_plan",
-    "nxd_full_checkpoint", "run_tp_port", "shard_shapes", "shard_state_dict", "tp_problems",
-    "valid_tp_degrees", "with_shape",
+    "CpuParallelFactory",
+    "RankGraph",
+    "TPPlan",
+    "build_rank_graph",
+    "load_shard",
+    "make_plan",
+    "nxd_full_checkpoint",
+    "run_tp_port",
+    "shard_shapes",
+    "shard_state_dict",
+    "tp_problems",
+    "valid_tp_degrees",
+    "with_shape",
 ]
 
 

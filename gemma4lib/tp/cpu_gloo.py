@@ -26,19 +26,21 @@ import queue as queue_mod
 import tempfile
 import time
 import traceback
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 from torch import nn
 
+from ..embedder import HostEmbedder
 from ..errors import BadPromptError, PromptTooLongError, TensorParallelError
 from ..experts import EXPERT_FORMS
 from ..graph import DeviceGraph, GraphShape
+from ..recipes.common import AliasEmulator, KVParamModule, greedy_generate
 from .plan import TPPlan, make_plan
 from .rank_graph import build_rank_graph, load_shard, with_shape
 from .shard import iter_shards, shard_kv, shard_shapes
-from ..recipes.common import AliasEmulator, HostEmbedder, KVParamModule, greedy_generate
 
 CPU_EXECUTION = "torch.distributed gloo on CPU, one process per rank"
 
@@ -63,6 +65,7 @@ class RankJob:
     seed_kv: list[list[torch.Tensor]] | None = None
     seed_logits: torch.Tensor | None = None
     eos_token_ids: tuple[int, ...] = ()
+    keep_logits: bool = False  # rank 0 returns every generated token's logits (LOGITS_MATCH)
 
 
 def _run_rank(rank: int, job: RankJob) -> dict[str, Any]:
@@ -70,8 +73,14 @@ def _run_rank(rank: int, job: RankJob) -> dict[str, Any]:
 
     t0 = time.perf_counter()
     coll = TorchDistCollectives()
-    prefill = build_rank_graph(job.config, job.plan, GraphShape(1, job.prefill_len, job.context_length, job.ring),
-                               collectives=coll, dtype=job.dtype, baked_rank=job.baked_rank)
+    prefill = build_rank_graph(
+        job.config,
+        job.plan,
+        GraphShape(1, job.prefill_len, job.context_length, job.ring),
+        collectives=coll,
+        dtype=job.dtype,
+        baked_rank=job.baked_rank,
+    )
     missing = load_shard(prefill, job.shards[rank])
     decode = with_shape(prefill, GraphShape(1, 1, job.context_length, job.ring), expert_form=job.decode_experts)
     build_s = time.perf_counter() - t0
@@ -82,21 +91,44 @@ def _run_rank(rank: int, job: RankJob) -> dict[str, Any]:
     decode_module = prefill_module.sharing(decode)
     if job.seed_kv is not None:  # prefill happened on the host; this rank gets its K/V slice
         with torch.no_grad():
-            for param, value in zip(prefill_module.kv, job.seed_kv[rank]):
+            for param, value in zip(prefill_module.kv, job.seed_kv[rank], strict=True):
                 param.copy_(value)
-        run = greedy_generate(AliasEmulator(decode_module), job.host, job.prompt, job.max_new_tokens,
-                              seeded_logits=job.seed_logits, eos_token_ids=job.eos_token_ids)
+        run = greedy_generate(
+            AliasEmulator(decode_module),
+            job.host,
+            job.prompt,
+            job.max_new_tokens,
+            seeded_logits=job.seed_logits,
+            eos_token_ids=job.eos_token_ids,
+            keep_logits=job.keep_logits,
+        )
     else:
-        run = greedy_generate(AliasEmulator(decode_module), job.host, job.prompt, job.max_new_tokens,
-                              prefill=AliasEmulator(prefill_module), prefill_len=job.prefill_len,
-                              eos_token_ids=job.eos_token_ids)
+        run = greedy_generate(
+            AliasEmulator(decode_module),
+            job.host,
+            job.prompt,
+            job.max_new_tokens,
+            prefill=AliasEmulator(prefill_module),
+            prefill_len=job.prefill_len,
+            eos_token_ids=job.eos_token_ids,
+            keep_logits=job.keep_logits,
+        )
     tokens, kv = run["tokens"], list(prefill_module.kv)
     prefill_s, decode_s, prefill_logits = run["prefill_s"], run["decode_s"], run["prefill_logits"]
-    result = {"rank": rank, "tokens": tokens, "missing_keys": missing,
-              "kv_shapes": [list(t.shape) for t in kv], "prefill_mode": run["prefill_mode"],
-              "build_s": build_s, "prefill_s": prefill_s, "decode_s": decode_s}
+    result = {
+        "rank": rank,
+        "tokens": tokens,
+        "missing_keys": missing,
+        "kv_shapes": [list(t.shape) for t in kv],
+        "prefill_mode": run["prefill_mode"],
+        "build_s": build_s,
+        "prefill_s": prefill_s,
+        "decode_s": decode_s,
+    }
     if rank == 0:  # by value: torch's queue pickler would share the storage through a file
         result["prefill_logits"] = prefill_logits.float().numpy().copy()  # descriptor the exiting child closes
+        if "step_logits" in run:
+            result["step_logits"] = run["step_logits"].float().numpy().copy()
     return result
 
 
@@ -126,8 +158,9 @@ def run_ranks(job: RankJob, *, start_method: str = "fork", timeout_s: float = 30
         with tempfile.TemporaryDirectory(prefix="gemma4lib-gloo-") as folder:
             init_file = os.path.join(folder, "store")
             results = ctx.Queue()
-            procs = [ctx.Process(target=_worker, args=(r, world, init_file, job, results), daemon=True)
-                     for r in range(world)]
+            procs = [
+                ctx.Process(target=_worker, args=(r, world, init_file, job, results), daemon=True) for r in range(world)
+            ]
             for p in procs:
                 p.start()
             collected: dict[int, dict[str, Any]] = {}
@@ -141,9 +174,11 @@ def run_ranks(job: RankJob, *, start_method: str = "fork", timeout_s: float = 30
                     except queue_mod.Empty:
                         dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
                         if dead:
-                            errors.append(f"rank processes {dead} exited without a result (exit codes "
-                                          f"{[p.exitcode for p in procs]}); with start_method='spawn' the "
-                                          f"calling script needs an `if __name__ == '__main__':` guard")
+                            errors.append(
+                                f"rank processes {dead} exited without a result (exit codes "
+                                f"{[p.exitcode for p in procs]}); with start_method='spawn' the "
+                                f"calling script needs an `if __name__ == '__main__':` guard"
+                            )
                             break
                         if remaining <= 0:
                             errors.append(f"ranks timed out after {timeout_s:.0f}s")
@@ -172,18 +207,21 @@ def run_ranks(job: RankJob, *, start_method: str = "fork", timeout_s: float = 30
                 os.environ[k] = v
 
 
-def host_prefill(loaded: Any, plan: TPPlan, prompt: Sequence[int], context_length: int, prefill_len: int,
-                 ring: bool = False) -> tuple[torch.Tensor, list[list[torch.Tensor]]]:
+def host_prefill(
+    loaded: Any, plan: TPPlan, prompt: Sequence[int], context_length: int, prefill_len: int, ring: bool = False
+) -> tuple[torch.Tensor, list[list[torch.Tensor]]]:
     """Prefill with the unsharded model on the host (CPU); return the last prompt token's logits
     and each rank's slice of the K/V buffers (the E4B recipe's CPU-seeded prefill)."""
     prompt = [int(t) for t in prompt]
-    graph = DeviceGraph(loaded.text_model, loaded.lm_head, loaded.layout,
-                        GraphShape(1, prefill_len, context_length, ring), inplace=True)
+    graph = DeviceGraph(
+        loaded.text_model, loaded.lm_head, loaded.layout, GraphShape(1, prefill_len, context_length, ring), inplace=True
+    )
     host = HostEmbedder.from_text_model(loaded.text_model)
     kv = graph.new_kv()
     with torch.no_grad():
-        logits = graph(*host.inputs(torch.tensor([prompt]), prefill_len), torch.tensor([0]),
-                       torch.tensor([len(prompt)]), *kv)
+        logits = graph(
+            *host.inputs(torch.tensor([prompt]), prefill_len), torch.tensor([0]), torch.tensor([len(prompt)]), *kv
+        )
     return logits[0], [shard_kv(kv, plan, r) for r in range(plan.tp)]
 
 
@@ -194,7 +232,7 @@ def _as_list(prompt_ids: Any) -> list[int]:
 
 
 def first_divergence(a: Sequence[int], b: Sequence[int]) -> int | None:
-    for i, (x, y) in enumerate(zip(a, b)):
+    for i, (x, y) in enumerate(zip(a, b, strict=False)):
         if x != y:
             return i
     return None if len(a) == len(b) else min(len(a), len(b))
@@ -204,30 +242,42 @@ def reference_run(lm: nn.Module, prompt: list[int], max_new_tokens: int) -> tupl
     """transformers' greedy tokens (eos off) and the softcapped logits of the last prompt token."""
     ids = torch.tensor([prompt], dtype=torch.long)
     with torch.no_grad():
-        out = lm.generate(ids, max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=None,
-                          pad_token_id=0)
+        out = lm.generate(ids, max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0)
         logits = lm(ids).logits[0, -1].float()
-    return out[0, len(prompt):].tolist(), logits
+    return out[0, len(prompt) :].tolist(), logits
 
 
 def softcap(logits: torch.Tensor, cap: float | None) -> torch.Tensor:
     return logits if not cap else cap * torch.tanh(logits / cap)
 
 
-def run_tp_port(loaded_model: Any, tp: Any, prompt_ids: Any, max_new_tokens: Any = None,
-                context_length: int | None = None, prefill_len: int | None = None, *, baked_rank: bool = False,
-                include_buffers: bool = True, check_reference: bool = True,
-                reference_tokens: Sequence[int] | None = None, eos_token_ids: Sequence[int] = (),
-                start_method: str = "fork", ring: bool = False, prefill: str = "graph",
-                decode_experts: str = "dense", timeout_s: float = 300.0,
-                expert_split: str | None = None) -> dict[str, Any]:
+def run_tp_port(
+    loaded_model: Any,
+    tp: Any,
+    prompt_ids: Any,
+    max_new_tokens: Any = None,
+    context_length: int | None = None,
+    prefill_len: int | None = None,
+    *,
+    baked_rank: bool = False,
+    include_buffers: bool = True,
+    check_reference: bool = True,
+    reference_tokens: Sequence[int] | None = None,
+    eos_token_ids: Sequence[int] = (),
+    start_method: str = "fork",
+    ring: bool = False,
+    prefill: str = "graph",
+    decode_experts: str = "dense",
+    timeout_s: float = 300.0,
+    expert_split: str | None = None,
+) -> dict[str, Any]:
     """Shard `loaded_model` for `tp` ranks, run them on CPU with gloo, compare with the reference.
 
     `loaded_model` is a `loading.LoadedModel`. Returns a JSON-friendly dict: `tokens` (rank 0),
     `seq_match` against transformers' greedy generate, `prefill_logit_max_diff` (softcapped, vs the
     reference's last-prompt-token logits), `ranks_agree`, the plan, per-rank `shard_shapes`, the
     recipe this stands in for, timings. `baked_rank` / `include_buffers=False` run the two faults
-    the field report met (rank read at trace time; buffers missing from the shards).
+    the field report (README) met (rank read at trace time; buffers missing from the shards).
     `prefill="cpu-seeded"` runs the E4B recipe's flow: the unsharded model prefills on the host and
     each rank starts decoding from its slice of those K/V buffers (`prefill="graph"`: the rank
     graphs prefill). `decode_experts="selective"` makes the decode graph gather the routed top-k
@@ -241,40 +291,75 @@ def run_tp_port(loaded_model: Any, tp: Any, prompt_ids: Any, max_new_tokens: Any
     record (the pipeline runs the reference and the checks itself).
     """
     if not isinstance(tp, int):
-        return _run_for_settings(loaded_model, tp, prompt_ids, max_new_tokens or ())
-    result, _ = _run_tp(loaded_model, tp, prompt_ids, max_new_tokens, context_length, prefill_len,
-                        baked_rank=baked_rank, include_buffers=include_buffers, check_reference=check_reference,
-                        reference_tokens=reference_tokens, eos_token_ids=eos_token_ids,
-                        start_method=start_method, ring=ring, prefill=prefill, decode_experts=decode_experts,
-                        timeout_s=timeout_s, expert_split=expert_split)
+        return _run_for_settings(loaded_model, tp, prompt_ids, max_new_tokens or (), baked_rank=baked_rank)
+    result, _ = _run_tp(
+        loaded_model,
+        tp,
+        prompt_ids,
+        max_new_tokens,
+        context_length,
+        prefill_len,
+        baked_rank=baked_rank,
+        include_buffers=include_buffers,
+        check_reference=check_reference,
+        reference_tokens=reference_tokens,
+        eos_token_ids=eos_token_ids,
+        start_method=start_method,
+        ring=ring,
+        prefill=prefill,
+        decode_experts=decode_experts,
+        timeout_s=timeout_s,
+        expert_split=expert_split,
+    )
     return result
 
 
-def _run_tp(loaded_model: Any, tp: int, prompt_ids: Any, max_new_tokens: int, context_length: int, prefill_len: int,
-            *, baked_rank: bool, include_buffers: bool, check_reference: bool,
-            reference_tokens: Sequence[int] | None, eos_token_ids: Sequence[int], start_method: str, ring: bool,
-            prefill: str, timeout_s: float, decode_experts: str = "dense",
-            expert_split: str | None = None) -> tuple[dict[str, Any], torch.Tensor]:
+def _run_tp(
+    loaded_model: Any,
+    tp: int,
+    prompt_ids: Any,
+    max_new_tokens: int,
+    context_length: int,
+    prefill_len: int,
+    *,
+    baked_rank: bool,
+    include_buffers: bool,
+    check_reference: bool,
+    reference_tokens: Sequence[int] | None,
+    eos_token_ids: Sequence[int],
+    start_method: str,
+    ring: bool,
+    prefill: str,
+    timeout_s: float,
+    decode_experts: str = "dense",
+    keep_logits: bool = False,
+    expert_split: str | None = None,
+) -> tuple[dict[str, Any], torch.Tensor]:
     variant = loaded_model.variant
     lm = loaded_model.lm
     config = lm.config
     prompt = _as_list(prompt_ids)
     if len(prompt) > prefill_len:
-        raise BadPromptError(f"the prompt has {len(prompt)} tokens but the prefill bucket holds {prefill_len}; "
-                             f"raise prefill_len (<= context_length) or shorten the prompt")
+        raise BadPromptError(
+            f"the prompt has {len(prompt)} tokens but the prefill bucket holds {prefill_len}; "
+            f"raise prefill_len (<= context_length) or shorten the prompt"
+        )
     if len(prompt) + max_new_tokens - 1 > context_length:  # the last new token is never fed back
         raise PromptTooLongError(len(prompt), max_new_tokens, context_length)
     if tp < 2:
-        raise TensorParallelError(f"run_tp_port shards over ranks: TP must be >= 2, got {tp} "
-                                  f"(TP=1 is the single-core trace recipe)")
+        raise TensorParallelError(
+            f"run_tp_port shards over ranks: TP must be >= 2, got {tp} (TP=1 is the single-core trace recipe)"
+        )
     if decode_experts not in EXPERT_FORMS:
         raise ValueError(f"unknown decode_experts form {decode_experts!r}; choose one of {EXPERT_FORMS}")
     if baked_rank and expert_split is None:
         expert_split = "experts"  # the form the field report's bug lives in
     plan = make_plan(config, tp, variant, expert_split=expert_split)
     if baked_rank and plan.expert_split == "intermediate":
-        raise ValueError("baked_rank: the intermediate split never reads the rank, so there is no "
-                         "rank to bake in; the field report's bug needs expert_split='experts'")
+        raise ValueError(
+            "baked_rank: the intermediate split never reads the rank, so there is no "
+            "rank to bake in; the field report's bug needs expert_split='experts'"
+        )
     dtype = next(lm.parameters()).dtype
 
     t0 = time.perf_counter()
@@ -282,9 +367,23 @@ def _run_tp(loaded_model: Any, tp: int, prompt_ids: Any, max_new_tokens: int, co
     shapes = shard_shapes(plan, shards)
     shard_s = time.perf_counter() - t0
 
-    job = RankJob(config, plan, shards, HostEmbedder.from_text_model(lm.model), prompt, max_new_tokens,
-                  context_length, prefill_len, ring, baked_rank, dtype, decode_experts=decode_experts,
-                  eos_token_ids=tuple(int(t) for t in eos_token_ids))
+    host = HostEmbedder.from_text_model(lm.model, copy_tables=True)
+    job = RankJob(
+        config,
+        plan,
+        shards,
+        host,
+        prompt,
+        max_new_tokens,
+        context_length,
+        prefill_len,
+        ring,
+        baked_rank,
+        dtype,
+        decode_experts=decode_experts,
+        eos_token_ids=tuple(int(t) for t in eos_token_ids),
+        keep_logits=keep_logits,
+    )
     if prefill == "cpu-seeded":
         job.seed_logits, job.seed_kv = host_prefill(loaded_model, plan, prompt, context_length, prefill_len, ring)
     elif prefill != "graph":
@@ -292,6 +391,8 @@ def _run_tp(loaded_model: Any, tp: int, prompt_ids: Any, max_new_tokens: int, co
     t1 = time.perf_counter()
     ranks = run_ranks(job, start_method=start_method, timeout_s=timeout_s)
     ranks[0]["prefill_logits"] = torch.from_numpy(ranks[0]["prefill_logits"])
+    if "step_logits" in ranks[0]:
+        ranks[0]["step_logits"] = torch.from_numpy(ranks[0]["step_logits"])
     ranks_s = time.perf_counter() - t1
     tokens = ranks[0]["tokens"]
 
@@ -311,8 +412,10 @@ def _run_tp(loaded_model: Any, tp: int, prompt_ids: Any, max_new_tokens: int, co
         "shard_shapes": shapes,
         "kv_shapes_per_rank": ranks[0]["kv_shapes"],
         "timings": {
-            "shard_s": round(shard_s, 3), "ranks_wall_s": round(ranks_s, 3),
-            "rank0_build_s": round(ranks[0]["build_s"], 3), "rank0_prefill_s": round(ranks[0]["prefill_s"], 3),
+            "shard_s": round(shard_s, 3),
+            "ranks_wall_s": round(ranks_s, 3),
+            "rank0_build_s": round(ranks[0]["build_s"], 3),
+            "rank0_prefill_s": round(ranks[0]["prefill_s"], 3),
             "rank0_decode_s": round(ranks[0]["decode_s"], 3),
             "rank0_decode_tok_s": round((len(tokens) - 1) / max(ranks[0]["decode_s"], 1e-9), 2),
         },
@@ -332,24 +435,43 @@ def _run_tp(loaded_model: Any, tp: int, prompt_ids: Any, max_new_tokens: int, co
         cap = getattr(config, "final_logit_softcapping", None)
         diff = (softcap(ranks[0]["prefill_logits"].float(), cap) - reference_logits).abs().max()
         result["prefill_logit_max_diff"] = float(diff)
+    if keep_logits:
+        result["step_logits"] = ranks[0].get("step_logits")
     return result, ranks[0]["prefill_logits"]
 
 
 RECIPE = "cpu-gloo-tp"
 
 
-def _run_for_settings(loaded_model: Any, settings: Any, prompt_ids: Any, eos_token_ids: Sequence[int]) -> dict[str, Any]:
-    """`port.port()`'s TP branch: run the plan with the settings' shapes; return a `device_run` dict."""
+def _run_for_settings(
+    loaded_model: Any, settings: Any, prompt_ids: Any, eos_token_ids: Sequence[int], baked_rank: bool = False
+) -> dict[str, Any]:
+    """`port.port()`'s TP branch: run the plan with the settings' shapes; return a `device_run`
+    dict (with `step_logits` for LOGITS_MATCH; `baked_rank`: the fault lab's rank fault)."""
     prompt = _as_list(prompt_ids)
     buckets = sorted(int(b) for b in settings.prefill_buckets)
     bucket = next((b for b in buckets if b >= len(prompt)), None)
     if bucket is None:
         raise PromptTooLongError(len(prompt), 0, buckets[-1], limit="largest compiled prefill bucket")
-    out, prefill_logits = _run_tp(loaded_model, int(settings.tp_degree), prompt, int(settings.max_new_tokens),
-                                  int(settings.context_length), bucket, baked_rank=False, include_buffers=True,
-                                  check_reference=False, reference_tokens=None, eos_token_ids=eos_token_ids,
-                                  start_method="fork", ring=bool(settings.ring_kv), prefill="graph",
-                                  timeout_s=300.0, decode_experts=getattr(settings, "decode_experts", "dense"))
+    out, prefill_logits = _run_tp(
+        loaded_model,
+        int(settings.tp_degree),
+        prompt,
+        int(settings.max_new_tokens),
+        int(settings.context_length),
+        bucket,
+        baked_rank=baked_rank,
+        include_buffers=True,
+        check_reference=False,
+        reference_tokens=None,
+        eos_token_ids=eos_token_ids,
+        start_method="fork",
+        ring=bool(settings.ring_kv),
+        prefill="graph",
+        timeout_s=300.0,
+        decode_experts=getattr(settings, "decode_experts", "dense"),
+        keep_logits=True,
+    )
     from ..reference import reference_last_logits
 
     cap = getattr(loaded_model.config, "final_logit_softcapping", None)
@@ -357,6 +479,7 @@ def _run_for_settings(loaded_model: Any, settings: Any, prompt_ids: Any, eos_tok
     timings = out["timings"]
     return {
         "tokens": out["tokens"],
+        "step_logits": out.get("step_logits"),
         "recipe": RECIPE,
         "executed_as": out["executed_as"],
         "compile_s": 0.0,

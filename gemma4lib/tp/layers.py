@@ -21,7 +21,7 @@ one for one:
     slices: k slices per token per rank whatever E/tp is, routed here or not.
   Either way the slices are gathered straight from the shard weights (no permuted view of the
   whole shard: `backends.hlo_audit` checks the lowered HLO). `baked_rank=<int>` reproduces the
-  field report's bug in the expert split: the rank read as a Python int when the graph was
+  field report's bug (README) in the expert split: the rank read as a Python int when the graph was
   built, i.e. rank 0's slice on every rank.
 
 Collectives are a small object (`Collectives`): identity for one process, `torch.distributed`
@@ -30,7 +30,7 @@ for the CPU gloo run. Modules keep it as a plain attribute, not a submodule.
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -75,8 +75,16 @@ class TorchDistCollectives(Collectives):
 class ColumnShard(nn.Linear):
     """`out_features_total / tp` output rows of a linear; `gather=True` all-gathers the outputs."""
 
-    def __init__(self, in_features: int, out_features_total: int, tp: int, *, gather: bool = False,
-                 collectives: Collectives | None = None, dtype: torch.dtype = torch.float32):
+    def __init__(
+        self,
+        in_features: int,
+        out_features_total: int,
+        tp: int,
+        *,
+        gather: bool = False,
+        collectives: Collectives | None = None,
+        dtype: torch.dtype = torch.float32,
+    ):
         if out_features_total % tp:
             raise ValueError(f"{out_features_total} output features do not split over {tp} ranks")
         super().__init__(in_features, out_features_total // tp, bias=False, dtype=dtype)
@@ -92,8 +100,15 @@ class ColumnShard(nn.Linear):
 class RowShard(nn.Linear):
     """`in_features_total / tp` input columns of a linear; the partial outputs are all-reduced."""
 
-    def __init__(self, in_features_total: int, out_features: int, tp: int, *,
-                 collectives: Collectives | None = None, dtype: torch.dtype = torch.float32):
+    def __init__(
+        self,
+        in_features_total: int,
+        out_features: int,
+        tp: int,
+        *,
+        collectives: Collectives | None = None,
+        dtype: torch.dtype = torch.float32,
+    ):
         if in_features_total % tp:
             raise ValueError(f"{in_features_total} input features do not split over {tp} ranks")
         super().__init__(in_features_total // tp, out_features, bias=False, dtype=dtype)
@@ -138,10 +153,21 @@ class ShardedExperts(nn.Module):
     NxD is `RowParallelLinear`'s reduction).
     """
 
-    def __init__(self, num_experts: int, hidden: int, intermediate: int, tp: int, act_fn, *,
-                 gate_up: nn.Module, down: nn.Module, baked_rank: int | None = None, form: str = "dense",
-                 all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
-                 split: str = "experts"):
+    def __init__(
+        self,
+        num_experts: int,
+        hidden: int,
+        intermediate: int,
+        tp: int,
+        act_fn,
+        *,
+        gate_up: nn.Module,
+        down: nn.Module,
+        baked_rank: int | None = None,
+        form: str = "dense",
+        all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
+        split: str = "experts",
+    ):
         super().__init__()
         if split not in EXPERT_SPLITS:
             raise ValueError(f"unknown expert split {split!r}; choose one of {EXPERT_SPLITS}")
@@ -150,8 +176,10 @@ class ShardedExperts(nn.Module):
         if split == "intermediate" and intermediate % tp:
             raise ValueError(f"expert intermediate size {intermediate} does not split over {tp} ranks")
         if split == "intermediate" and baked_rank is not None:
-            raise ValueError("the intermediate split never reads the rank: there is no rank to bake "
-                             "in (the field report's bug lives in the expert split)")
+            raise ValueError(
+                "the intermediate split never reads the rank: there is no rank to bake "
+                "in (the field report's bug lives in the expert split)"
+            )
         if form not in EXPERT_FORMS:
             raise ValueError(f"unknown expert form {form!r}; choose one of {EXPERT_FORMS}")
         self.split, self.num_experts, self.tp = split, num_experts, tp
@@ -179,12 +207,13 @@ class ShardedExperts(nn.Module):
             return weights
         if self.baked_rank is not None:  # the bug: a Python int frozen into the graph
             start = self.baked_rank * self.local
-            return weights[:, start:start + self.local]
+            return weights[:, start : start + self.local]
         n = weights.shape[0]
         return weights.view(n, self.tp, self.local).index_select(1, self._rank()).reshape(n, self.local)
 
-    def local_routes(self, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, dtype: torch.dtype
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    def local_routes(
+        self, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """(local expert index clamped into [0, local), routing weight x valid), both [tokens, k].
 
         Intermediate split: the routed ids and weights as they are (every id is held here)."""
@@ -226,5 +255,4 @@ class ShardedExperts(nn.Module):
         # view would make XLA transpose the whole shard every step before the gather.
         gate_up_w = self.gate_up.weight.view(self.local, 2 * self.intermediate, self.hidden)
         down_w = self.down.weight.view(self.hidden, self.local, self.intermediate)
-        return self._reduce(gathered_experts(gate_up_w, down_w, hidden, index, scale, self.act_fn,
-                                             down_expert_dim=1))
+        return self._reduce(gathered_experts(gate_up_w, down_w, hidden, index, scale, self.act_fn, down_expert_dim=1))

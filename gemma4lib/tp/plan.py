@@ -46,8 +46,9 @@ The rules (Megatron-style, one all-reduce after attention and one after the feed
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, replace
-from typing import Any, Iterable
+from typing import Any
 
 from ..errors import TensorParallelError
 from ..experts import EXPERT_SPLITS, default_expert_split
@@ -143,8 +144,10 @@ class MoEPlan:
         expert split clamped, so k even when fewer of the routed experts are this rank's).
         """
         one = 3 * self.intermediate_per_rank * hidden
-        return {"dense": {"experts": self.experts_per_rank, "params": self.experts_per_rank * one},
-                "selective_per_token": {"experts": self.top_k, "params": self.top_k * one}}
+        return {
+            "dense": {"experts": self.experts_per_rank, "params": self.experts_per_rank * one},
+            "selective_per_token": {"experts": self.top_k, "params": self.top_k * one},
+        }
 
 
 @dataclass(frozen=True)
@@ -182,9 +185,10 @@ class TPPlan:
     # ---- per-rank views -------------------------------------------------------------------
     def rank_layout(self) -> KVLayout:
         """The KV layout one rank sees: the same producers, with the rank-local KV-head counts."""
-        layers = tuple(replace(l, kv_heads=self.layers[l.index].attention.kv_per_rank) for l in self.layout.layers)
-        return replace(self.layout, layers=layers,
-                       num_attention_heads=self.layout.num_attention_heads // self.tp)
+        layers = tuple(
+            replace(lay, kv_heads=self.layers[lay.index].attention.kv_per_rank) for lay in self.layout.layers
+        )
+        return replace(self.layout, layers=layers, num_attention_heads=self.layout.num_attention_heads // self.tp)
 
     def attention(self, layer: int) -> AttentionPlan:
         return self.layers[layer].attention
@@ -196,7 +200,7 @@ class TPPlan:
 
     @property
     def expert_split(self) -> str | None:
-        """"experts" | "intermediate" for an MoE model, None for a dense one."""
+        """ "experts" | "intermediate" for an MoE model, None for a dense one."""
         moe = self.moe
         return None if moe is None else moe.split
 
@@ -209,8 +213,14 @@ class TPPlan:
         parts = key.split(".")
         if len(parts) >= 4 and parts[0] == "model" and parts[1] == "layers":
             sub = ".".join(parts[3:])
-            if sub in ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
-                       "mlp.gate_proj.weight", "mlp.up_proj.weight", "experts.gate_up.weight"):
+            if sub in (
+                "self_attn.q_proj.weight",
+                "self_attn.k_proj.weight",
+                "self_attn.v_proj.weight",
+                "mlp.gate_proj.weight",
+                "mlp.up_proj.weight",
+                "experts.gate_up.weight",
+            ):
                 return ShardRule(COLUMN, 0)
             if sub in ("self_attn.o_proj.weight", "mlp.down_proj.weight", "experts.down.weight"):
                 return ShardRule(ROW, 1)
@@ -231,9 +241,13 @@ class TPPlan:
             if a.layer_type in by_type:
                 continue
             by_type[a.layer_type] = {
-                "q_heads": a.q_heads, "kv_heads": a.kv_heads, "head_dim": a.head_dim,
-                "q_heads_per_rank": a.q_per_rank, "kv_heads_per_rank": a.kv_per_rank,
-                "kv_mode": a.kv_mode, "k_eq_v": a.k_eq_v,
+                "q_heads": a.q_heads,
+                "kv_heads": a.kv_heads,
+                "head_dim": a.head_dim,
+                "q_heads_per_rank": a.q_per_rank,
+                "kv_heads_per_rank": a.kv_per_rank,
+                "kv_mode": a.kv_mode,
+                "k_eq_v": a.k_eq_v,
                 "kv_heads_by_rank": [a.kv_heads_of(r) for r in range(self.tp)],
             }
         moe = self.moe
@@ -241,53 +255,71 @@ class TPPlan:
             "tp": self.tp,
             "variant": self.variant,
             "attention": by_type,
-            "mlp": {"gate_proj/up_proj": COLUMN, "down_proj": ROW,
-                    "intermediate_per_rank": sorted({lp.mlp_per_rank for lp in self.layers})},
-            "moe": None if moe is None else {
-                "num_experts": moe.num_experts, "top_k": moe.top_k, "split": moe.split,
+            "mlp": {
+                "gate_proj/up_proj": COLUMN,
+                "down_proj": ROW,
+                "intermediate_per_rank": sorted({lp.mlp_per_rank for lp in self.layers}),
+            },
+            "moe": None
+            if moe is None
+            else {
+                "num_experts": moe.num_experts,
+                "top_k": moe.top_k,
+                "split": moe.split,
                 "experts_per_rank": moe.experts_per_rank,
                 "intermediate_per_rank": moe.intermediate_per_rank,
                 "experts_by_rank": [[moe.experts_of(r)[0], moe.experts_of(r)[-1]] for r in range(self.tp)],
                 "intermediate_by_rank": [list(moe.intermediate_of(r)) for r in range(self.tp)],
                 "form": _SPLIT_FORMS[moe.split],
                 "weights_read_per_rank_per_layer": moe.weights_read_per_rank(self.hidden),
-                "rank_source": ("not read: every rank runs the same expert math on its slices"
-                                if moe.split == "intermediate" else
-                                "runtime int32 tensor (spmd_rank.rank), never a trace-time int"),
+                "rank_source": (
+                    "not read: every rank runs the same expert math on its slices"
+                    if moe.split == "intermediate"
+                    else "runtime int32 tensor (spmd_rank.rank), never a trace-time int"
+                ),
             },
             "lm_head": self.lm_head + (" (all-gathered over the vocabulary)" if self.lm_head == COLUMN else ""),
             "host_side": ["embed_tokens"] + (["embed_tokens_per_layer (PLE)"] if self.ple_on_host else []),
-            "replicated": ["norms", "router", "layer_scalar (buffer, carried by the sharder)",
-                           "per-layer-input gate/projection (PLE)"],
+            "replicated": [
+                "norms",
+                "router",
+                "layer_scalar (buffer, carried by the sharder)",
+                "per-layer-input gate/projection (PLE)",
+            ],
         }
 
 
 _SPLIT_FORMS = {
     "experts": "each rank holds E/tp whole experts: gate_up column + down row over the expert dim; "
-               "dense: all local experts, masked to top-k with the runtime rank; selective: the "
-               "routed top-k gathered from the local shard, masked to its ids (k slices per rank)",
+    "dense: all local experts, masked to top-k with the runtime rank; selective: the "
+    "routed top-k gathered from the local shard, masked to its ids (k slices per rank)",
     "intermediate": "each rank holds a 1/tp slice of every expert's intermediate dim: gate/up "
-                    "column-sharded and down row-sharded per expert, one all-reduce; dense: all "
-                    "experts' local slices weighted by the routing weights; selective: the k routed "
-                    "experts' local slices (the same k ids on every rank, no masking)",
+    "column-sharded and down row-sharded per expert, one all-reduce; dense: all "
+    "experts' local slices weighted by the routing weights; selective: the k routed "
+    "experts' local slices (the same k ids on every rank, no masking)",
 }
 
 
 # ---- building and validating -------------------------------------------------------------
 
+
 def _config_ints(config: Any) -> dict[str, Any]:
     get = lambda name, default=0: getattr(config, name, default) or default  # noqa: E731
     return dict(
-        hidden=int(config.hidden_size), q_heads=int(config.num_attention_heads),
-        intermediate=int(config.intermediate_size), vocab=int(config.vocab_size),
-        double_wide=bool(get("use_double_wide_mlp", False)), moe=bool(get("enable_moe_block", False)),
-        num_experts=int(get("num_experts", 0)), top_k=int(get("top_k_experts", 0)),
-        moe_intermediate=int(get("moe_intermediate_size", 0)), ple=int(get("hidden_size_per_layer_input", 0)),
+        hidden=int(config.hidden_size),
+        q_heads=int(config.num_attention_heads),
+        intermediate=int(config.intermediate_size),
+        vocab=int(config.vocab_size),
+        double_wide=bool(get("use_double_wide_mlp", False)),
+        moe=bool(get("enable_moe_block", False)),
+        num_experts=int(get("num_experts", 0)),
+        top_k=int(get("top_k_experts", 0)),
+        moe_intermediate=int(get("moe_intermediate_size", 0)),
+        ple=int(get("hidden_size_per_layer_input", 0)),
     )
 
 
-def tp_problems(config: Any, tp: int, layout: KVLayout | None = None,
-                expert_split: str | None = None) -> list[str]:
+def tp_problems(config: Any, tp: int, layout: KVLayout | None = None, expert_split: str | None = None) -> list[str]:
     """Why `tp` cannot shard this config (empty when it can). `expert_split` None: either
     split of the MoE experts will do."""
     if tp < 1:
@@ -298,12 +330,14 @@ def tp_problems(config: Any, tp: int, layout: KVLayout | None = None,
     if c["q_heads"] % tp:
         problems.append(f"{c['q_heads']} query heads do not split into {tp} equal parts")
     for layer_type in (SLIDING, FULL):
-        kvs = sorted({l.kv_heads for l in layout.layers if l.layer_type == layer_type})
+        kvs = sorted({lay.kv_heads for lay in layout.layers if lay.layer_type == layer_type})
         for kv in kvs:
             if kv % tp and tp % kv:
-                problems.append(f"{layer_type} layers have {kv} KV heads: neither shardable nor replicable "
-                                f"over {tp} ranks (need kv % tp == 0 or tp % kv == 0)")
-    widths = {c["intermediate"] * (2 if c["double_wide"] and not l.owns_buffer else 1) for l in layout.layers}
+                problems.append(
+                    f"{layer_type} layers have {kv} KV heads: neither shardable nor replicable "
+                    f"over {tp} ranks (need kv % tp == 0 or tp % kv == 0)"
+                )
+    widths = {c["intermediate"] * (2 if c["double_wide"] and not lay.owns_buffer else 1) for lay in layout.layers}
     for width in sorted(widths):
         if width % tp:
             problems.append(f"MLP intermediate size {width} does not split into {tp}")
@@ -353,16 +387,17 @@ def make_plan(config: Any, tp: int, variant: Any = None, expert_split: str | Non
         ok = [t for t in (supported or CANDIDATE_TP) if not tp_problems(config, t, layout, expert_split)]
         label = name or "this model"
         raise TensorParallelError(
-            f"{label} cannot use TP={tp}: {'; '.join(problems)}; use one of {', '.join(map(str, ok))}")
+            f"{label} cannot use TP={tp}: {'; '.join(problems)}; use one of {', '.join(map(str, ok))}"
+        )
     split = expert_split or default_expert_split(c["num_experts"], c["moe_intermediate"], tp)
     layers = []
-    for l in layout.layers:
-        kv_mode = "shard" if (l.kv_heads % tp == 0 and l.kv_heads >= tp) else "replicate"
-        attention = AttentionPlan(l.index, l.layer_type, l.head_dim, c["q_heads"], l.kv_heads, tp, kv_mode,
-                                  l.producer, l.k_eq_v)
-        width = c["intermediate"] * (2 if c["double_wide"] and not l.owns_buffer else 1)
-        moe = (MoEPlan(c["num_experts"], c["top_k"], c["moe_intermediate"], tp, split)
-               if c["moe"] else None)
-        layers.append(LayerPlan(l.index, attention, width, moe, bool(c["ple"])))
+    for lay in layout.layers:
+        kv_mode = "shard" if (lay.kv_heads % tp == 0 and lay.kv_heads >= tp) else "replicate"
+        attention = AttentionPlan(
+            lay.index, lay.layer_type, lay.head_dim, c["q_heads"], lay.kv_heads, tp, kv_mode, lay.producer, lay.k_eq_v
+        )
+        width = c["intermediate"] * (2 if c["double_wide"] and not lay.owns_buffer else 1)
+        moe = MoEPlan(c["num_experts"], c["top_k"], c["moe_intermediate"], tp, split) if c["moe"] else None
+        layers.append(LayerPlan(lay.index, attention, width, moe, bool(c["ple"])))
     lm_head = COLUMN if c["vocab"] % tp == 0 else REPLICATE
     return TPPlan(tp, name, c["hidden"], c["vocab"], tuple(layers), layout, lm_head, bool(c["ple"]))

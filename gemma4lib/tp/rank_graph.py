@@ -24,7 +24,7 @@ never touched):
   checkpoint like any weight instead of freezing its init value.
 - lm_head: column shard over the vocabulary, all-gathered.
 
-`baked_rank=True` builds the deliberately broken variant from the field report: the MoE reads the
+`baked_rank=True` builds the deliberately broken variant from the field report (README): the MoE reads the
 rank as a Python int while the graph is built (it is 0 then: the single compiled rank), so every
 rank weights rank 0's experts (dense) or offsets the routed expert ids by rank 0's (selective).
 Only the expert split reads the rank; asking for the bug under the intermediate split is an error.
@@ -56,8 +56,9 @@ class CpuParallelFactory:
         self.collectives = collectives or Collectives()
 
     def column(self, in_features: int, out_features_total: int, gather: bool = False) -> nn.Module:
-        return ColumnShard(in_features, out_features_total, self.tp, gather=gather,
-                           collectives=self.collectives, dtype=self.dtype)
+        return ColumnShard(
+            in_features, out_features_total, self.tp, gather=gather, collectives=self.collectives, dtype=self.dtype
+        )
 
     def row(self, in_features_total: int, out_features: int) -> nn.Module:
         return RowShard(in_features_total, out_features, self.tp, collectives=self.collectives, dtype=self.dtype)
@@ -108,30 +109,48 @@ class _Recording:
 class RankGraph(DeviceGraph):
     """`DeviceGraph` for one rank of a `TPPlan`; same inputs and outputs, rank-local KV buffers."""
 
-    def __init__(self, text_model: nn.Module, plan: TPPlan, shape: GraphShape, *, factory: Any,
-                 inplace: bool = False, baked_rank: bool = False, expert_form: str = "dense"):
+    def __init__(
+        self,
+        text_model: nn.Module,
+        plan: TPPlan,
+        shape: GraphShape,
+        *,
+        factory: Any,
+        inplace: bool = False,
+        baked_rank: bool = False,
+        expert_form: str = "dense",
+    ):
         if expert_form not in EXPERT_FORMS:
             raise ValueError(f"unknown expert form {expert_form!r}; choose one of {EXPERT_FORMS}")
         factory = _Recording(factory)
         hidden, vocab = plan.hidden, plan.vocab
-        lm_head = (factory.column(hidden, vocab, gather=True) if plan.lm_head == COLUMN
-                   else factory.replicated(hidden, vocab))
+        lm_head = (
+            factory.column(hidden, vocab, gather=True) if plan.lm_head == COLUMN else factory.replicated(hidden, vocab)
+        )
         super().__init__(text_model, lm_head, plan.rank_layout(), shape, inplace=inplace, expert_form=expert_form)
         self.plan = plan
         self.spmd_rank = factory.rank_module()
         # The bug, when asked for: the rank read as a Python int while the graph is built.
         self.baked_rank = int(self.spmd_rank.get_rank().reshape(-1)[0]) if baked_rank else None
         self._rank_users: list[nn.Module] = []
-        for layer, lp in zip(self.model.layers, plan.layers):
+        for layer, lp in zip(self.model.layers, plan.layers, strict=True):
             self._shard_attention(layer, lp, factory)
             self._shard_mlp(layer, lp, factory)
             if lp.moe is not None and getattr(layer, "experts", None) is not None:
                 down = factory.row(lp.moe.num_experts * lp.moe.intermediate, hidden)
                 experts = ShardedExperts(
-                    lp.moe.num_experts, hidden, lp.moe.intermediate, plan.tp, layer.experts.act_fn,
+                    lp.moe.num_experts,
+                    hidden,
+                    lp.moe.intermediate,
+                    plan.tp,
+                    layer.experts.act_fn,
                     gate_up=factory.column(hidden, lp.moe.num_experts * 2 * lp.moe.intermediate),
-                    down=down, baked_rank=self.baked_rank, form=expert_form,
-                    all_reduce=factory.all_reduce_for(down), split=lp.moe.split)
+                    down=down,
+                    baked_rank=self.baked_rank,
+                    form=expert_form,
+                    all_reduce=factory.all_reduce_for(down),
+                    split=lp.moe.split,
+                )
                 layer.experts = experts
                 self._rank_users.append(experts)
             scalar = layer._buffers.pop("layer_scalar", None)
@@ -181,8 +200,10 @@ def lm_class_for(config: Any):
     """The `*ForCausalLM` class that matches a Gemma-4 text config."""
     if "Unified" in type(config).__name__:
         from transformers.models.gemma4_unified import Gemma4UnifiedForCausalLM
+
         return Gemma4UnifiedForCausalLM
     from transformers import Gemma4ForCausalLM
+
     return Gemma4ForCausalLM
 
 
@@ -213,9 +234,18 @@ def materialize(graph: nn.Module, config: Any, dtype: torch.dtype) -> None:
         model.rotary_emb = type(rotary)(config)
 
 
-def build_rank_graph(config: Any, plan: TPPlan, shape: GraphShape, *, factory: Any = None,
-                     collectives: Collectives | None = None, dtype: torch.dtype = torch.float32,
-                     inplace: bool = False, baked_rank: bool = False, expert_form: str = "dense") -> RankGraph:
+def build_rank_graph(
+    config: Any,
+    plan: TPPlan,
+    shape: GraphShape,
+    *,
+    factory: Any = None,
+    collectives: Collectives | None = None,
+    dtype: torch.dtype = torch.float32,
+    inplace: bool = False,
+    baked_rank: bool = False,
+    expert_form: str = "dense",
+) -> RankGraph:
     """A rank graph skeleton from the config: rank-local layers at shard size, zeros elsewhere.
 
     Load a shard into it with `load_shard`. `factory` defaults to the CPU layers. `expert_form`:
@@ -224,8 +254,9 @@ def build_rank_graph(config: Any, plan: TPPlan, shape: GraphShape, *, factory: A
     factory = factory or CpuParallelFactory(plan.tp, collectives, dtype)
     with torch.device("meta"):
         lm = lm_class_for(config)(config)
-    graph = RankGraph(lm.model, plan, shape, factory=factory, inplace=inplace, baked_rank=baked_rank,
-                      expert_form=expert_form)
+    graph = RankGraph(
+        lm.model, plan, shape, factory=factory, inplace=inplace, baked_rank=baked_rank, expert_form=expert_form
+    )
     materialize(graph, config, dtype)
     for p in graph.parameters():
         p.requires_grad_(False)

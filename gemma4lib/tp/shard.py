@@ -13,7 +13,8 @@ Embedding and PLE tables stay on the host and are not in any shard.
 
 from __future__ import annotations
 
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 from torch import nn
@@ -93,8 +94,9 @@ def _expert_down(moe: MoEPlan, tensor: torch.Tensor, rank: int) -> torch.Tensor:
     return local.permute(1, 0, 2).reshape(tensor.shape[1], -1)
 
 
-def shard_state_dict(lm: nn.Module, plan: TPPlan, rank: int, *, include_buffers: bool = True,
-                     dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+def shard_state_dict(
+    lm: nn.Module, plan: TPPlan, rank: int, *, include_buffers: bool = True, dtype: torch.dtype | None = None
+) -> dict[str, torch.Tensor]:
     """This rank's checkpoint: parameters cut by the plan, buffers, and the rank tensor.
 
     `lm` is the reference `*ForCausalLM`. `include_buffers=False` reproduces the NxD-loader fault
@@ -167,8 +169,9 @@ def nxd_full_checkpoint(lm: nn.Module, plan: TPPlan, *, dtype: torch.dtype | Non
     return full
 
 
-def shard_shapes(plan: TPPlan, shards: list[dict[str, torch.Tensor]] | None = None,
-                 lm: nn.Module | None = None) -> dict[str, Any]:
+def shard_shapes(
+    plan: TPPlan, shards: list[dict[str, torch.Tensor]] | None = None, lm: nn.Module | None = None
+) -> dict[str, Any]:
     """JSON-friendly per-rank summary: tensor shapes (one representative layer per kind), what
     each rank holds (KV heads, experts), parameter counts and bytes per rank."""
     if shards is None:
@@ -192,7 +195,8 @@ def shard_shapes(plan: TPPlan, shards: list[dict[str, torch.Tensor]] | None = No
             if index == i:
                 shapes.setdefault(f"layers[{kind}].{sub}", list(value.shape))
     identical = all(
-        set(s) == set(first) and all(tuple(s[k].shape) == tuple(first[k].shape) for k in first) for s in shards)
+        set(s) == set(first) and all(tuple(s[k].shape) == tuple(first[k].shape) for k in first) for s in shards
+    )
     ranks = []
     for r, s in enumerate(shards):
         entry: dict[str, Any] = {
@@ -209,9 +213,24 @@ def shard_shapes(plan: TPPlan, shards: list[dict[str, torch.Tensor]] | None = No
             entry["expert_intermediate"] = list(moe.intermediate_of(r))  # [start, stop)
         entry["has_layer_scalar"] = any(k.endswith(".layer_scalar") for k in s)
         ranks.append(entry)
-    return {"tp": plan.tp, "identical_shapes_across_ranks": identical, "shapes": shapes, "ranks": ranks,
-            "kv_modes": plan.kv_modes(), "lm_head": plan.lm_head, "expert_split": plan.expert_split}
+    return {
+        "tp": plan.tp,
+        "identical_shapes_across_ranks": identical,
+        "shapes": shapes,
+        "ranks": ranks,
+        "kv_modes": plan.kv_modes(),
+        "lm_head": plan.lm_head,
+        "expert_split": plan.expert_split,
+    }
 
 
-__all__ = ["HOST_ONLY", "RANK_KEY", "iter_shards", "nxd_full_checkpoint", "rank_tensor", "shard_kv", "shard_shapes",
-           "shard_state_dict"]
+__all__ = [
+    "HOST_ONLY",
+    "RANK_KEY",
+    "iter_shards",
+    "nxd_full_checkpoint",
+    "rank_tensor",
+    "shard_kv",
+    "shard_shapes",
+    "shard_state_dict",
+]

@@ -19,36 +19,48 @@ Method: one thread (recorded), warm-up runs excluded, medians over `iters` runs,
 one model are measured interleaved (A, B, C, A, B, C, ...) so load from other processes on the
 shared cores hits them alike — compare ratios within one run, not absolute figures across runs.
 Decode tok/s of HF paths is timed per step with a logits processor (prefill excluded), like the
-runtime's own per-step timing. Timings are never asserted in tests.
+runtime's own per-step timing (`benchmarks.hf`). Timings are never asserted in tests.
+
+The graphs come from the backend layer's constructor and compilers (`backends.base.device_graph`,
+`compile_cpu.compile_graph`); `GraphFactory` only caches them by shape, so the runtime, the ring
+sweep and the experts comparison share one graph per shape. The recommendation the report states
+is `PortSettings`' defaults (and the backends' prefill expert form), read from them, not restated.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import signal
 import statistics
+import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 import torch
-from transformers import LogitsProcessor
 
-from .artifacts import ArtifactCache
-from .bench import peak_rss_mb
-from .environment import machine, versions
-from .errors import UnknownNameError
-from .graph import DeviceGraph, GraphShape
-from .loading import LoadedModel, build_tiny
-from .medium import build_medium, get_medium
-from .port import PortSettings, prefill_logits_error
-from .reference import random_prompt, reference_greedy
-from .roofline import GB, decode_bytes, measure_bandwidth
-from .runtime import HostRuntime
-from .variants import VARIANTS
+from ..artifacts import ArtifactCache
+from ..backends.base import PREFILL_EXPERTS, device_graph
+from ..backends.eager import COMPILER as EAGER_COMPILER
+from ..compile_cpu import RECIPE as CPU_RECIPE
+from ..compile_cpu import compile_graph
+from ..environment import machine, versions
+from ..errors import UnknownNameError
+from ..graph import DeviceGraph, GraphShape
+from ..loading import LoadedModel, build_tiny
+from ..medium import build_medium, get_medium
+from ..port import prefill_logits_error
+from ..reference import random_prompt, reference_greedy
+from ..roofline import GB, decode_bytes, measure_bandwidth
+from ..runtime import HostRuntime
+from ..settings import PortSettings
+from ..variants import VARIANTS
+from .hf import hf_generate, hf_static_compile_kwargs
+from .timing import peak_rss_mb, time_decode_steps
 
 log = logging.getLogger(__name__)
 
@@ -58,12 +70,17 @@ MEDIUM_MODELS = ("medium-dense", "medium-moe")
 PATHS = ("gemma4lib", "hf_eager", "hf_static_compile")
 SCHEMA_VERSION = 1
 
-# What the measurements recommend (docs/ROOFLINE.md; `recommendation` in the suite output), and what
-# `PortSettings` defaults to. Prefill stays dense although short CPU prompts measured faster selective:
-# the gathered slices grow with tokens x k, and the dense form is the one that shards over TP ranks.
-RECOMMENDED_RING_KV = True
-RECOMMENDED_DECODE_EXPERTS = "selective"
-RECOMMENDED_PREFILL_EXPERTS = "dense"
+
+def recommendation() -> dict[str, Any]:
+    """What the measurements recommend (docs/ROOFLINE.md), which is what a port runs by default: read
+    from `PortSettings`' field defaults and the backends' prefill form, so the report cannot state a
+    recommendation the library does not follow."""
+    defaults = {f.name: f.default for f in dataclasses.fields(PortSettings)}
+    return {
+        "ring_kv": defaults["ring_kv"],
+        "decode_experts": defaults["decode_experts"],
+        "prefill_experts": PREFILL_EXPERTS,
+    }
 
 
 @dataclass
@@ -94,9 +111,9 @@ class SuiteOptions:
     sections: tuple[str, ...] = ("models", "ring_kv", "experts", "prefill_buckets")
 
     @classmethod
-    def quick(cls, **changes: Any) -> "SuiteOptions":
-        base = cls(medium_models=(), warmup=1, iters=2, hf_compile=False, bandwidth_mb=256,
-                   sections=("models",))
+    def quick(cls, **changes: Any) -> SuiteOptions:
+        """Tiny models only, two timed runs, no torch.compile: the report's schema in minutes, not figures."""
+        base = cls(medium_models=(), warmup=1, iters=2, hf_compile=False, bandwidth_mb=256, sections=("models",))
         return replace(base, **changes)
 
 
@@ -119,8 +136,10 @@ class _Deadline:
     def __enter__(self):
         self.active = bool(self.seconds) and hasattr(signal, "SIGALRM") and _in_main_thread()
         if self.active:
+
             def fire(signum, frame):
                 raise TimeoutError(f"gave up after {self.seconds:.0f} s")
+
             self.previous = signal.signal(signal.SIGALRM, fire)
             signal.setitimer(signal.ITIMER_REAL, self.seconds)
         return self
@@ -133,56 +152,13 @@ class _Deadline:
 
 
 def _in_main_thread() -> bool:
-    import threading
     return threading.current_thread() is threading.main_thread()
 
 
-# ---- Hugging Face paths ----------------------------------------------------------------------
-class _StepClock(LogitsProcessor):
-    """A logits processor that only records when each generation step's logits arrive."""
-
-    def __init__(self):
-        self.stamps: list[float] = []
-
-    def __call__(self, input_ids, scores):
-        self.stamps.append(time.perf_counter())
-        return scores
-
-    def decode_tok_s(self) -> float | None:
-        if len(self.stamps) < 2:
-            return None
-        return (len(self.stamps) - 1) / (self.stamps[-1] - self.stamps[0])
-
-
-def hf_generate(lm: torch.nn.Module, prompt: Sequence[int], new_tokens: int, **kwargs: Any
-                ) -> tuple[list[int], float | None, float]:
-    """Greedy `generate` of exactly `new_tokens`; returns (tokens, decode tok/s, wall s)."""
-    from transformers import LogitsProcessorList
-
-    ids = torch.as_tensor(list(prompt), dtype=torch.long)[None]
-    clock = _StepClock()
-    started = time.perf_counter()
-    with torch.no_grad():
-        out = lm.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
-                          min_new_tokens=new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0,
-                          logits_processor=LogitsProcessorList([clock]), **kwargs)
-    wall = time.perf_counter() - started
-    return out[0, ids.shape[1]:].tolist(), clock.decode_tok_s(), wall
-
-
-def hf_static_compile_kwargs() -> dict[str, Any]:
-    """transformers' own route: a static cache and its auto-compile of the forward, opted in on CPU."""
-    from transformers import CompileConfig
-
-    config = CompileConfig(fullgraph=False, dynamic=False, mode="default")
-    config._compile_all_devices = True  # auto-compile is off for CPU unless asked for
-    return {"cache_implementation": "static", "compile_config": config}
-
-
-# ---- the project's path ---------------------------------------------------------------------
+# ---- the project's path: graphs from the backend layer, cached by shape ----------------------------
 @dataclass
 class Step:
-    """One compiled (or eager) graph with where it came from."""
+    """One compiled (or eager) graph with where it came from (what the report's `graphs` lists)."""
 
     fn: Callable[..., torch.Tensor]
     shape: GraphShape
@@ -193,28 +169,65 @@ class Step:
     graph: DeviceGraph | None = None
 
     def describe(self) -> dict[str, Any]:
-        return {"tokens": self.shape.tokens, "context_length": self.shape.context_length, "ring": self.shape.ring,
-                "expert_form": self.expert_form, "compile_s": self.compile_s, "artifact_build_s": self.build_s,
-                "cache_hit": self.cache_hit}
+        return {
+            "tokens": self.shape.tokens,
+            "context_length": self.shape.context_length,
+            "ring": self.shape.ring,
+            "expert_form": self.expert_form,
+            "compile_s": self.compile_s,
+            "artifact_build_s": self.build_s,
+            "cache_hit": self.cache_hit,
+        }
+
+
+def _compiled_step(graph: DeviceGraph, cache: ArtifactCache | None) -> Step:
+    """Backend `cpu`'s compiler (AOTInductor through the artifact cache), with its cost recorded."""
+    compiled = compile_graph(graph, cache)
+    return Step(
+        compiled,
+        graph.shape,
+        graph.expert_form,
+        compiled.compile_s,
+        compiled.entry.meta.get("compile_s", compiled.entry.meta.get("build_s")),
+        compiled.cache_hit,
+        graph,
+    )
+
+
+def _eager_step(graph: DeviceGraph, cache: ArtifactCache | None) -> Step:
+    """Backend `eager`: the graph as built (tests get the suite's schema in seconds)."""
+    return Step(graph, graph.shape, graph.expert_form, graph=graph)
+
+
+# backend -> (the name the report gives its compiler, how a graph becomes a Step)
+_COMPILERS: dict[str, tuple[str, Callable[[DeviceGraph, ArtifactCache | None], Step]]] = {
+    "cpu": (CPU_RECIPE, _compiled_step),
+    "eager": (EAGER_COMPILER, _eager_step),
+}
 
 
 class GraphFactory:
-    """Builds and compiles (or loads from the artifact cache) each graph once per model."""
+    """A cache of one model's device graphs keyed by shape.
+
+    Graphs are built with `backends.base.device_graph` and compiled by backend `cpu`'s compiler or
+    run eager, as a port would; this class adds only the cache, so the runtime of each model, the
+    ring sweep and the experts comparison reuse a graph (and report its compile once) instead of
+    compiling one per use.
+    """
 
     def __init__(self, model: LoadedModel, backend: str = "cpu", cache: ArtifactCache | None = None):
-        if backend not in ("cpu", "eager"):
-            raise UnknownNameError("bench backend", backend, ("cpu", "eager"))
+        if backend not in _COMPILERS:
+            raise UnknownNameError("bench backend", backend, tuple(_COMPILERS))
         self.model, self.backend, self.cache = model, backend, cache
         self.steps: dict[tuple, Step] = {}
 
     @property
     def recipe(self) -> str:
-        if self.backend == "eager":
-            return "eager"
-        from .compile_cpu import RECIPE
-        return RECIPE
+        """The compiler's name as a port's record gives it (`cpu-aotinductor`, `eager`)."""
+        return _COMPILERS[self.backend][0]
 
     def get(self, tokens: int, context_length: int, ring: bool, expert_form: str = "dense") -> Step:
+        """The graph of this shape, built and compiled on first use."""
         model = self.model
         if not getattr(model.config, "enable_moe_block", False):
             expert_form = "dense"  # no experts: one graph whatever the form
@@ -222,59 +235,67 @@ class GraphFactory:
             ring = True  # the ring holds the whole context: the same buffers and program as full length
         key = (tokens, context_length, ring, expert_form)
         if key not in self.steps:
-            graph = DeviceGraph(model.text_model, model.lm_head, model.layout,
-                                GraphShape(1, tokens, context_length, ring), inplace=True, expert_form=expert_form)
-            if self.backend == "eager":
-                self.steps[key] = Step(graph, graph.shape, expert_form, graph=graph)
-            else:
-                from .compile_cpu import compile_graph
-                compiled = compile_graph(graph, self.cache)
-                self.steps[key] = Step(compiled, graph.shape, expert_form, compiled.compile_s,
-                                       compiled.entry.meta.get("compile_s", compiled.entry.meta.get("build_s")),
-                                       compiled.cache_hit, graph)
+            graph = device_graph(model, GraphShape(1, tokens, context_length, ring), expert_form)
+            self.steps[key] = _COMPILERS[self.backend][1](graph, self.cache)
         return self.steps[key]
 
-    def runtime(self, context_length: int, buckets: Iterable[int], ring: bool, decode_form: str,
-                prefill_form: str = "dense") -> HostRuntime:
+    def runtime(
+        self,
+        context_length: int,
+        buckets: Iterable[int],
+        ring: bool,
+        decode_form: str,
+        prefill_form: str = PREFILL_EXPERTS,
+    ) -> HostRuntime:
+        """A host runtime over cached graphs: one decode graph and a prefill graph per bucket."""
         decode = self.get(1, context_length, ring, decode_form)
         prefill = {b: self.get(b, context_length, ring, prefill_form).fn for b in buckets}
         kv = decode.graph.new_kv()
         return HostRuntime(self.model, prefill, decode.fn, kv, context_length)
 
     def compile_report(self) -> list[dict[str, Any]]:
+        """Every graph built so far, in build order."""
         return [step.describe() for step in self.steps.values()]
 
 
-@torch.no_grad()
-def time_decode_steps(model: LoadedModel, step: Step, positions: Sequence[int], token: int = 5) -> float:
-    """Decode tok/s of `step` over the given positions, as the runtime's decode loop runs it
-    (host embedding + step + greedy argmax), on fresh buffers (timing does not depend on contents)."""
-    runtime = HostRuntime(model, {}, step.fn, step.graph.new_kv(), step.shape.context_length)
-    started = time.perf_counter()
-    for position in positions:
-        inputs = runtime.embed(torch.tensor([[token]]))
-        logits = step.fn(*inputs, torch.tensor([position]), torch.tensor([1]), *runtime.kv)
-        token = int(torch.argmax(logits[0]))
-    return len(positions) / (time.perf_counter() - started)
-
-
 # ---- one model, three paths --------------------------------------------------------------------
-def bench_model(name: str, model: LoadedModel, factory: GraphFactory, *, context_length: int, bucket: int,
-                prompt: Sequence[int], new_tokens: int, warmup: int, iters: int, hf_compile: bool,
-                hf_compile_timeout_s: float, bandwidth_mb: int, decode_form: str) -> dict[str, Any]:
+def bench_model(
+    name: str,
+    model: LoadedModel,
+    factory: GraphFactory,
+    *,
+    context_length: int,
+    bucket: int,
+    prompt: Sequence[int],
+    new_tokens: int,
+    warmup: int,
+    iters: int,
+    hf_compile: bool,
+    hf_compile_timeout_s: float,
+    bandwidth_mb: int,
+    decode_form: str,
+) -> dict[str, Any]:
     """Interleaved medians of the three paths on one model, with bytes/step and roofline."""
     lm = model.lm
     is_moe = bool(getattr(model.config, "enable_moe_block", False))
     decode_form = decode_form if is_moe else "dense"
-    ring = RECOMMENDED_RING_KV
+    ring = recommendation()["ring_kv"]
 
     bandwidth = [measure_bandwidth(bandwidth_mb)]
     reference = reference_greedy(lm, prompt, new_tokens)
-    result: dict[str, Any] = {"name": name, "params": model.param_count(), "source": model.source,
-                              "reference_distinct_tokens": len(set(reference)),
-                              "context_length": context_length, "prefill_bucket": bucket,
-                              "prompt_tokens": len(prompt), "new_tokens": new_tokens, "ring_kv": ring,
-                              "decode_experts": decode_form if is_moe else None, "threads": torch.get_num_threads()}
+    result: dict[str, Any] = {
+        "name": name,
+        "params": model.param_count(),
+        "source": model.source,
+        "reference_distinct_tokens": len(set(reference)),
+        "context_length": context_length,
+        "prefill_bucket": bucket,
+        "prompt_tokens": len(prompt),
+        "new_tokens": new_tokens,
+        "ring_kv": ring,
+        "decode_experts": decode_form if is_moe else None,
+        "threads": torch.get_num_threads(),
+    }
     paths: dict[str, dict[str, Any]] = {}
 
     # gemma4lib: compile (or load) once; warm-up run excluded
@@ -286,8 +307,14 @@ def bench_model(name: str, model: LoadedModel, factory: GraphFactory, *, context
         paths["gemma4lib"] = {"status": "error", "error": f"{type(exc).__name__}: {exc}"[:500]}
         runtime = None
     if runtime is not None:
-        paths["gemma4lib"] = {"status": "ok", "recipe": factory.recipe, "setup_s": time.perf_counter() - started,
-                              "graphs": factory.compile_report(), "decode_tok_s_runs": [], "prefill_ms_runs": []}
+        paths["gemma4lib"] = {
+            "status": "ok",
+            "recipe": factory.recipe,
+            "setup_s": time.perf_counter() - started,
+            "graphs": factory.compile_report(),
+            "decode_tok_s_runs": [],
+            "prefill_ms_runs": [],
+        }
 
     paths["hf_eager"] = {"status": "ok", "cache": "dynamic", "decode_tok_s_runs": []}
     compile_kwargs: dict[str, Any] | None = None
@@ -296,7 +323,8 @@ def bench_model(name: str, model: LoadedModel, factory: GraphFactory, *, context
         try:
             compile_kwargs = hf_static_compile_kwargs()
             paths["hf_static_compile"]["compile_config"] = {
-                k: v for k, v in compile_kwargs["compile_config"].to_dict().items()}
+                k: v for k, v in compile_kwargs["compile_config"].to_dict().items()
+            }
             torch._dynamo.reset()
             with _Deadline(hf_compile_timeout_s):
                 tokens, _, wall = hf_generate(lm, prompt, new_tokens, **compile_kwargs)
@@ -304,33 +332,41 @@ def bench_model(name: str, model: LoadedModel, factory: GraphFactory, *, context
             paths["hf_static_compile"]["tokens_match_reference"] = tokens == reference
         except Exception as exc:  # noqa: BLE001 — a broken/slow torch.compile is a result, not a crash
             log.warning("HF static cache + torch.compile failed on %s: %s", name, exc)
-            paths["hf_static_compile"] = {"status": "error", "cache": "static",
-                                          "error": f"{type(exc).__name__}: {exc}"[:500]}
+            paths["hf_static_compile"] = {
+                "status": "error",
+                "cache": "static",
+                "error": f"{type(exc).__name__}: {exc}"[:500],
+            }
             compile_kwargs = None
     else:
         paths["hf_static_compile"] = {"status": "skipped", "reason": "quick mode (torch.compile takes minutes)"}
 
     runners: list[tuple[str, Callable[[], None]]] = []
     if runtime is not None:
+
         def run_ours():
             prefill_s = runtime.time_prefill(prompt)
             generation = runtime.generate(prompt, new_tokens)
             paths["gemma4lib"]["decode_tok_s_runs"].append(generation.decode_tok_s)
             paths["gemma4lib"]["prefill_ms_runs"].append(prefill_s * 1000)
             paths["gemma4lib"]["tokens_match_reference"] = generation.tokens == reference
+
         runners.append(("gemma4lib", run_ours))
 
     def run_eager():
         tokens, tok_s, _ = hf_generate(lm, prompt, new_tokens)
         paths["hf_eager"]["decode_tok_s_runs"].append(tok_s)
         paths["hf_eager"]["tokens_match_reference"] = tokens == reference
+
     runners.append(("hf_eager", run_eager))
 
     if compile_kwargs is not None:
+
         def run_compiled():
             tokens, tok_s, _ = hf_generate(lm, prompt, new_tokens, **compile_kwargs)
             paths["hf_static_compile"]["decode_tok_s_runs"].append(tok_s)
             paths["hf_static_compile"]["tokens_match_reference"] = tokens == reference
+
         runners.append(("hf_static_compile", run_compiled))
 
     for i in range(warmup + iters):
@@ -363,10 +399,15 @@ def bench_model(name: str, model: LoadedModel, factory: GraphFactory, *, context
     steps = decode_bytes(model, context_length=context_length, ring=ring, experts=decode_form if is_moe else "dense")
     bw = statistics.mean(b["bandwidth_bytes_s"] for b in bandwidth)
     ceiling = bw / steps.total
-    result["bytes_per_step"] = {"weights": steps.weights, "kv": steps.kv, "total": steps.total,
-                                "experts_form": steps.experts_form, "ring": steps.ring,
-                                "basis": "the gemma4lib decode graph: device weights (tied LM head once, routed "
-                                         "experts only when selective) + every K/V buffer as allocated"}
+    result["bytes_per_step"] = {
+        "weights": steps.weights,
+        "kv": steps.kv,
+        "total": steps.total,
+        "experts_form": steps.experts_form,
+        "ring": steps.ring,
+        "basis": "the gemma4lib decode graph: device weights (tied LM head once, routed "
+        "experts only when selective) + every K/V buffer as allocated",
+    }
     result["bandwidth"] = {"gb_s": bw / GB, "samples": bandwidth}
     result["ceiling_tok_s"] = ceiling
     result["roofline_fraction"] = {p: _ratio(paths[p].get("decode_tok_s"), ceiling) for p in PATHS}
@@ -374,8 +415,9 @@ def bench_model(name: str, model: LoadedModel, factory: GraphFactory, *, context
 
 
 # ---- the three fixes ---------------------------------------------------------------------------
-def bench_ring_kv(model: LoadedModel, factory: GraphFactory, contexts: Sequence[int], steps: int, warmup: int,
-                  iters: int) -> dict[str, Any]:
+def bench_ring_kv(
+    model: LoadedModel, factory: GraphFactory, contexts: Sequence[int], steps: int, warmup: int, iters: int
+) -> dict[str, Any]:
     """Decode tok/s at each context, full-length buffers (before) vs ring buffers (after).
 
     Steps are timed at the last `steps` positions of the context (where a long conversation decodes).
@@ -394,38 +436,62 @@ def bench_ring_kv(model: LoadedModel, factory: GraphFactory, contexts: Sequence[
         for kind in ("full", "ring"):
             b = decode_bytes(model, context_length=ctx, ring=kind == "ring")
             step = graphs[(ctx, kind)]
-            row[kind] = {"decode_tok_s": _median(runs[(ctx, kind)]), "runs": runs[(ctx, kind)],
-                         "kv_bytes": b.kv, "bytes_per_step": b.total,
-                         "same_graph_as_full": graphs[(ctx, "full")] is graphs[(ctx, "ring")]}
+            row[kind] = {
+                "decode_tok_s": _median(runs[(ctx, kind)]),
+                "runs": runs[(ctx, kind)],
+                "kv_bytes": b.kv,
+                "bytes_per_step": b.total,
+                "same_graph_as_full": graphs[(ctx, "full")] is graphs[(ctx, "ring")],
+            }
         row["ring_speedup"] = _ratio(row["ring"]["decode_tok_s"], row["full"]["decode_tok_s"])
         table[str(ctx)] = row
     first, last = str(contexts[0]), str(contexts[-1])
+
+    def longest_over_shortest(kind: str) -> float | None:
+        return _ratio(table[last][kind]["decode_tok_s"], table[first][kind]["decode_tok_s"])
+
     return {
         "contexts": table,
         "steps_per_run": steps,
         "sliding_window": model.layout.sliding_window,
         "graphs": factory.compile_report(),
-        f"ring_tok_s_{last}_over_{first}": _ratio(table[last]["ring"]["decode_tok_s"], table[first]["ring"]["decode_tok_s"]),
-        f"full_tok_s_{last}_over_{first}": _ratio(table[last]["full"]["decode_tok_s"], table[first]["full"]["decode_tok_s"]),
+        f"ring_tok_s_{last}_over_{first}": longest_over_shortest("ring"),
+        f"full_tok_s_{last}_over_{first}": longest_over_shortest("full"),
     }
 
 
-def bench_experts(model: LoadedModel, factory: GraphFactory, *, context_length: int, bucket: int,
-                  prompt: Sequence[int], new_tokens: int, warmup: int, iters: int) -> dict[str, Any]:
+def bench_experts(
+    model: LoadedModel,
+    factory: GraphFactory,
+    *,
+    context_length: int,
+    bucket: int,
+    prompt: Sequence[int],
+    new_tokens: int,
+    warmup: int,
+    iters: int,
+) -> dict[str, Any]:
     """Dense vs selective experts: decode tok/s + bytes/step (and token equality), prefill ms."""
     reference = reference_greedy(model.lm, prompt, new_tokens)
+    recommended = recommendation()
+    ring = recommended["ring_kv"]
     forms = ("dense", "selective")
-    runtimes = {form: factory.runtime(context_length, (bucket,), RECOMMENDED_RING_KV, form, "dense") for form in forms}
-    prefill_steps = {form: factory.get(bucket, context_length, RECOMMENDED_RING_KV, form) for form in forms}
+    runtimes = {form: factory.runtime(context_length, (bucket,), ring, form, PREFILL_EXPERTS) for form in forms}
+    prefill_steps = {form: factory.get(bucket, context_length, ring, form) for form in forms}
     decode_runs: dict[str, list[float]] = {f: [] for f in forms}
     prefill_runs: dict[str, list[float]] = {f: [] for f in forms}
     match: dict[str, bool] = {}
     prompt_bucket = list(prompt)[:bucket]
     first_reference = reference_greedy(model.lm, prompt_bucket, 1)
-    prefill_runtimes = {form: HostRuntime(model, {bucket: prefill_steps[form].fn}, runtimes[form].decode,
-                                          runtimes[form].kv, context_length) for form in forms}
-    prefill_match = {form: prefill_runtimes[form].generate(prompt_bucket, 1).tokens == first_reference
-                     for form in forms}
+    prefill_runtimes = {
+        form: HostRuntime(
+            model, {bucket: prefill_steps[form].fn}, runtimes[form].decode, runtimes[form].kv, context_length
+        )
+        for form in forms
+    }
+    prefill_match = {
+        form: prefill_runtimes[form].generate(prompt_bucket, 1).tokens == first_reference for form in forms
+    }
     for i in range(warmup + iters):
         for form in forms:
             generation = runtimes[form].generate(prompt, new_tokens)
@@ -436,11 +502,22 @@ def bench_experts(model: LoadedModel, factory: GraphFactory, *, context_length: 
                 prefill_runs[form].append(prefill_s * 1000)
     decode = {}
     for form in forms:
-        b = decode_bytes(model, context_length=context_length, ring=RECOMMENDED_RING_KV, experts=form)
-        decode[form] = {"decode_tok_s": _median(decode_runs[form]), "runs": decode_runs[form],
-                        "bytes_per_step": b.total, "weight_bytes": b.weights, "tokens_match_reference": match[form]}
-    prefill = {form: {"prefill_ms": _median(prefill_runs[form]), "runs": prefill_runs[form],
-                      "first_token_matches_reference": prefill_match[form]} for form in forms}
+        b = decode_bytes(model, context_length=context_length, ring=ring, experts=form)
+        decode[form] = {
+            "decode_tok_s": _median(decode_runs[form]),
+            "runs": decode_runs[form],
+            "bytes_per_step": b.total,
+            "weight_bytes": b.weights,
+            "tokens_match_reference": match[form],
+        }
+    prefill = {
+        form: {
+            "prefill_ms": _median(prefill_runs[form]),
+            "runs": prefill_runs[form],
+            "first_token_matches_reference": prefill_match[form],
+        }
+        for form in forms
+    }
     faster_decode = max(forms, key=lambda f: decode[f]["decode_tok_s"] or 0)
     faster_prefill = min(forms, key=lambda f: prefill[f]["prefill_ms"] or float("inf"))
     return {
@@ -449,17 +526,28 @@ def bench_experts(model: LoadedModel, factory: GraphFactory, *, context_length: 
         "prefill_bucket": bucket,
         "selective_over_dense_decode": _ratio(decode["selective"]["decode_tok_s"], decode["dense"]["decode_tok_s"]),
         "dense_over_selective_bytes": _ratio(decode["dense"]["bytes_per_step"], decode["selective"]["bytes_per_step"]),
-        "recommendation": {"decode": faster_decode, "prefill": faster_prefill,
-                           "port_settings_default_decode": PortSettings.decode_experts},
+        "recommendation": {
+            "decode": faster_decode,
+            "prefill": faster_prefill,
+            "port_settings_default_decode": recommended["decode_experts"],
+        },
         "graphs": factory.compile_report(),
     }
 
 
-def bench_prefill_buckets(model: LoadedModel, factory: GraphFactory, *, context_length: int,
-                          buckets: Sequence[int], check_tokens: int, warmup: int, iters: int,
-                          seed: int = 11) -> dict[str, Any]:
+def bench_prefill_buckets(
+    model: LoadedModel,
+    factory: GraphFactory,
+    *,
+    context_length: int,
+    buckets: Sequence[int],
+    check_tokens: int,
+    warmup: int,
+    iters: int,
+    seed: int = 11,
+) -> dict[str, Any]:
     """Prefill ms per bucket (a prompt filling it), and which bucket prompts of other lengths take."""
-    runtime = factory.runtime(context_length, buckets, RECOMMENDED_RING_KV, "dense")
+    runtime = factory.runtime(context_length, buckets, recommendation()["ring_kv"], "dense")
     vocab = model.config.vocab_size
     runs: dict[int, list[float]] = {b: [] for b in buckets}
     for i in range(warmup + iters):
@@ -473,9 +561,15 @@ def bench_prefill_buckets(model: LoadedModel, factory: GraphFactory, *, context_
     for n in lengths:
         prompt = random_prompt(vocab, n, seed + n)
         generation = runtime.generate(prompt, check_tokens)
-        placement.append({"prompt_tokens": n, "bucket": generation.bucket,
-                          "smallest_fitting": min(b for b in buckets if b >= n),
-                          "tokens_match_reference": generation.tokens == reference_greedy(model.lm, prompt, check_tokens)})
+        reference = reference_greedy(model.lm, prompt, check_tokens)
+        placement.append(
+            {
+                "prompt_tokens": n,
+                "bucket": generation.bucket,
+                "smallest_fitting": min(b for b in buckets if b >= n),
+                "tokens_match_reference": generation.tokens == reference,
+            }
+        )
     return {
         "context_length": context_length,
         "buckets": {str(b): {"prefill_ms": _median(runs[b]), "runs": runs[b]} for b in buckets},
@@ -490,8 +584,14 @@ def check_targets(report: dict[str, Any]) -> list[dict[str, Any]]:
     targets = []
 
     def add(name: str, value: float | None, threshold: float):
-        targets.append({"target": name, "value": value, "threshold": threshold,
-                        "met": None if value is None else value >= threshold})
+        targets.append(
+            {
+                "target": name,
+                "value": value,
+                "threshold": threshold,
+                "met": None if value is None else value >= threshold,
+            }
+        )
 
     models = {m["name"]: m for m in report.get("models", [])}
     for name, m in models.items():
@@ -512,7 +612,8 @@ def check_targets(report: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 # ---- the suite ------------------------------------------------------------------------------------
-def _load(name: str) -> LoadedModel:
+def load_bench_model(name: str) -> LoadedModel:
+    """A suite model by name: a tiny variant at its seed, or a medium config (`medium.py`)."""
     if name in VARIANTS:
         variant = VARIANTS[name]
         return build_tiny(variant, seed=variant.tiny_seed)
@@ -523,17 +624,29 @@ def _medium_prompt(name: str, model: LoadedModel, options: SuiteOptions) -> list
     return random_prompt(model.config.vocab_size, options.medium_prompt_tokens, get_medium(name).prompt_seed)
 
 
-def run_suite(suite: str = "cpu", quick: bool = False, *, options: SuiteOptions | None = None,
-              progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+def run_suite(
+    suite: str = "cpu",
+    quick: bool = False,
+    *,
+    options: SuiteOptions | None = None,
+    progress: Callable[[str], None] | None = None,
+) -> dict[str, Any]:
     """Run a benchmark suite and return its JSON-ready report (see the module docstring)."""
     if suite not in SUITES:
         raise UnknownNameError("benchmark suite", suite, SUITES)
     options = options or (SuiteOptions.quick() if quick else SuiteOptions())
+    recommended = recommendation()
     say = progress or (lambda message: log.info("%s", message))
     started = time.perf_counter()
     report: dict[str, Any] = {
-        "schema_version": SCHEMA_VERSION, "suite": suite, "quick": quick, "threads": torch.get_num_threads(),
-        "backend": options.backend, "options": asdict(options), "versions": versions(), "machine": machine(),
+        "schema_version": SCHEMA_VERSION,
+        "suite": suite,
+        "quick": quick,
+        "threads": torch.get_num_threads(),
+        "backend": options.backend,
+        "options": asdict(options),
+        "versions": versions(),
+        "machine": machine(),
         "load_average_start": _load_average(),
     }
     say("measuring memory bandwidth")
@@ -544,7 +657,7 @@ def run_suite(suite: str = "cpu", quick: bool = False, *, options: SuiteOptions 
 
     def model_and_factory(name: str) -> tuple[LoadedModel, GraphFactory]:
         if name not in loaded:
-            loaded[name] = _load(name)
+            loaded[name] = load_bench_model(name)
             factories[name] = GraphFactory(loaded[name], options.backend)
         return loaded[name], factories[name]
 
@@ -553,46 +666,91 @@ def run_suite(suite: str = "cpu", quick: bool = False, *, options: SuiteOptions 
             say(f"tiny {name}")
             model, factory = model_and_factory(name)
             prompt = random_prompt(model.config.vocab_size, options.tiny_prompt_tokens, VARIANTS[name].tiny_seed + 1)
-            report["models"].append(bench_model(
-                name, model, factory, context_length=options.tiny_context, bucket=options.tiny_bucket, prompt=prompt,
-                new_tokens=options.tiny_new_tokens, warmup=options.warmup, iters=options.iters,
-                hf_compile=options.hf_compile, hf_compile_timeout_s=options.hf_compile_timeout_s,
-                bandwidth_mb=options.bandwidth_mb, decode_form=RECOMMENDED_DECODE_EXPERTS))
+            report["models"].append(
+                bench_model(
+                    name,
+                    model,
+                    factory,
+                    context_length=options.tiny_context,
+                    bucket=options.tiny_bucket,
+                    prompt=prompt,
+                    new_tokens=options.tiny_new_tokens,
+                    warmup=options.warmup,
+                    iters=options.iters,
+                    hf_compile=options.hf_compile,
+                    hf_compile_timeout_s=options.hf_compile_timeout_s,
+                    bandwidth_mb=options.bandwidth_mb,
+                    decode_form=recommended["decode_experts"],
+                )
+            )
             loaded.pop(name), factories.pop(name)
         for name in options.medium_models:
             say(f"medium {name}")
             model, factory = model_and_factory(name)
             prompt = _medium_prompt(name, model, options)
-            report["models"].append(bench_model(
-                name, model, factory, context_length=options.medium_context, bucket=options.medium_bucket,
-                prompt=prompt, new_tokens=options.medium_new_tokens, warmup=options.warmup,
-                iters=options.medium_iters, hf_compile=options.hf_compile,
-                hf_compile_timeout_s=options.hf_compile_timeout_s, bandwidth_mb=options.bandwidth_mb,
-                decode_form=RECOMMENDED_DECODE_EXPERTS))
+            report["models"].append(
+                bench_model(
+                    name,
+                    model,
+                    factory,
+                    context_length=options.medium_context,
+                    bucket=options.medium_bucket,
+                    prompt=prompt,
+                    new_tokens=options.medium_new_tokens,
+                    warmup=options.warmup,
+                    iters=options.medium_iters,
+                    hf_compile=options.hf_compile,
+                    hf_compile_timeout_s=options.hf_compile_timeout_s,
+                    bandwidth_mb=options.bandwidth_mb,
+                    decode_form=recommended["decode_experts"],
+                )
+            )
             torch._dynamo.reset()
 
     if "medium-dense" in options.medium_models:
         model, factory = model_and_factory("medium-dense")
         if "ring_kv" in options.sections:
             say("ring KV sweep")
-            report["ring_kv"] = {"model": "medium-dense", **bench_ring_kv(
-                model, factory, options.ring_contexts, options.ring_steps, options.warmup, options.medium_iters)}
+            report["ring_kv"] = {
+                "model": "medium-dense",
+                **bench_ring_kv(
+                    model, factory, options.ring_contexts, options.ring_steps, options.warmup, options.medium_iters
+                ),
+            }
         if "prefill_buckets" in options.sections:
             say("prefill buckets")
-            report["prefill_buckets"] = {"model": "medium-dense", **bench_prefill_buckets(
-                model, factory, context_length=options.medium_context, buckets=options.prefill_buckets,
-                check_tokens=options.bucket_check_tokens, warmup=options.warmup, iters=options.medium_iters)}
+            report["prefill_buckets"] = {
+                "model": "medium-dense",
+                **bench_prefill_buckets(
+                    model,
+                    factory,
+                    context_length=options.medium_context,
+                    buckets=options.prefill_buckets,
+                    check_tokens=options.bucket_check_tokens,
+                    warmup=options.warmup,
+                    iters=options.medium_iters,
+                ),
+            }
     if "medium-moe" in options.medium_models and "experts" in options.sections:
         say("experts: dense vs selective")
         model, factory = model_and_factory("medium-moe")
         prompt = _medium_prompt("medium-moe", model, options)
-        report["experts"] = {"model": "medium-moe", **bench_experts(
-            model, factory, context_length=options.medium_context, bucket=options.medium_bucket, prompt=prompt,
-            new_tokens=options.medium_new_tokens, warmup=options.warmup, iters=options.medium_iters)}
+        report["experts"] = {
+            "model": "medium-moe",
+            **bench_experts(
+                model,
+                factory,
+                context_length=options.medium_context,
+                bucket=options.medium_bucket,
+                prompt=prompt,
+                new_tokens=options.medium_new_tokens,
+                warmup=options.warmup,
+                iters=options.medium_iters,
+            ),
+        }
 
     report["targets"] = check_targets(report)
-    report["recommendation"] = {"ring_kv": RECOMMENDED_RING_KV, "decode_experts": RECOMMENDED_DECODE_EXPERTS,
-                                "prefill_experts": RECOMMENDED_PREFILL_EXPERTS}
+    report["recommendation"] = recommended
     report["load_average_end"] = _load_average()
     report["peak_rss_mb"] = peak_rss_mb()
     report["wall_s"] = time.perf_counter() - started
@@ -603,76 +761,3 @@ def _load_average() -> list[float] | None:
     with contextlib.suppress(OSError, AttributeError):
         return [round(x, 2) for x in os.getloadavg()]
     return None
-
-
-# ---- markdown (docs/ROOFLINE.md, notebooks) --------------------------------------------------------
-def _f(value: Any, digits: int = 2, suffix: str = "") -> str:
-    if value is None:
-        return "–"
-    if isinstance(value, bool):
-        return "yes" if value else "NO"
-    return f"{value:.{digits}f}{suffix}"
-
-
-def format_report(report: dict[str, Any]) -> str:
-    """The suite's figures as markdown tables."""
-    bw = report.get("bandwidth", {})
-    lines = [f"Threads: {report.get('threads')}; bandwidth at start: GEMV {_f(bw.get('gemv_gb_s'))} GB/s, "
-             f"stream {_f(bw.get('stream_gb_s'))} GB/s; load average {report.get('load_average_start')} → "
-             f"{report.get('load_average_end')}.", "",
-             "| model | params | gemma4lib tok/s | HF eager tok/s | HF static+compile tok/s | speedup vs eager "
-             "| HF compile vs eager | bytes/step MB | bandwidth GB/s | ceiling tok/s | roofline fraction | tokens = HF "
-             "| prefill logits Δ |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    for m in report.get("models", []):
-        p = m["paths"]
-        compiled = p["hf_static_compile"]
-        hf_compile = _f(compiled.get("decode_tok_s"), 1) if compiled.get("status") == "ok" else compiled.get("status")
-        match = p["gemma4lib"].get("tokens_match_reference")
-        lines.append(
-            f"| {m['name']} | {m['params'] / 1e6:.1f}M | {_f(p['gemma4lib'].get('decode_tok_s'), 1)} | "
-            f"{_f(p['hf_eager'].get('decode_tok_s'), 1)} | {hf_compile} | "
-            f"{_f(m['speedup_vs_hf_eager'].get('gemma4lib'), 2, 'x')} | "
-            f"{_f(m['speedup_vs_hf_eager'].get('hf_static_compile'), 2, 'x')} | "
-            f"{m['bytes_per_step']['total'] / 1e6:.1f} | {_f(m['bandwidth']['gb_s'])} | {_f(m['ceiling_tok_s'], 1)} | "
-            f"{_f(m['roofline_fraction'].get('gemma4lib'))} | {_f(match)} | "
-            f"{_f(p['gemma4lib'].get('prefill_logits_max_abs_diff'), 6)} |")
-    ring = report.get("ring_kv")
-    if ring:
-        lines += ["", f"Ring KV ({ring['model']}, window {ring['sliding_window']}; decode steps at the end of "
-                  "the context):", "",
-                  "| context | full-length tok/s | ring tok/s | ring / full | KV MB full | KV MB ring |",
-                  "|---|---|---|---|---|---|"]
-        for ctx, row in ring["contexts"].items():
-            lines.append(f"| {ctx} | {_f(row['full']['decode_tok_s'])} | {_f(row['ring']['decode_tok_s'])} | "
-                         f"{_f(row['ring_speedup'], 2, 'x')} | {row['full']['kv_bytes'] / 1e6:.1f} | "
-                         f"{row['ring']['kv_bytes'] / 1e6:.1f} |")
-        ratios = {k: v for k, v in ring.items() if k.endswith("_over_" + next(iter(ring["contexts"])))}
-        lines += ["", ", ".join(f"{k} = {_f(v)}" for k, v in ratios.items())]
-    experts = report.get("experts")
-    if experts:
-        d, pf = experts["decode"], experts["prefill"]
-        lines += ["", f"Experts ({experts['model']}):", "",
-                  "| form | decode tok/s | bytes/step MB | tokens = HF | prefill ms (bucket "
-                  f"{experts['prefill_bucket']}) | first token = HF |", "|---|---|---|---|---|---|"]
-        for form in ("dense", "selective"):
-            lines.append(f"| {form} | {_f(d[form]['decode_tok_s'])} | {d[form]['bytes_per_step'] / 1e6:.1f} | "
-                         f"{_f(d[form]['tokens_match_reference'])} | {_f(pf[form]['prefill_ms'], 1)} | "
-                         f"{_f(pf[form]['first_token_matches_reference'])} |")
-        rec = experts["recommendation"]
-        lines += ["", f"selective / dense decode = {_f(experts['selective_over_dense_decode'])}x "
-                  f"(bytes dense / selective = {_f(experts['dense_over_selective_bytes'])}x); measured choice: "
-                  f"prefill {rec['prefill']}, decode {rec['decode']} (PortSettings default decode: "
-                  f"{rec['port_settings_default_decode']})."]
-    buckets = report.get("prefill_buckets")
-    if buckets:
-        lines += ["", f"Prefill buckets ({buckets['model']}, context {buckets['context_length']}):", "",
-                  "| bucket | prefill ms |", "|---|---|"]
-        lines += [f"| {b} | {_f(row['prefill_ms'], 1)} |" for b, row in buckets["buckets"].items()]
-        lines += ["", "| prompt tokens | bucket used | smallest that fits | tokens = HF |", "|---|---|---|---|"]
-        lines += [f"| {p['prompt_tokens']} | {p['bucket']} | {p['smallest_fitting']} | "
-                  f"{_f(p['tokens_match_reference'])} |" for p in buckets["placement"]]
-    if report.get("targets"):
-        lines += ["", "| target | value | met |", "|---|---|---|"]
-        lines += [f"| {t['target']} | {_f(t['value'])} | {_f(t['met'])} |" for t in report["targets"]]
-    return "\n".join(lines)

@@ -1,0 +1,38 @@
+"""Backend `cpu`: every graph exported and compiled with AOTInductor (`compile_cpu`), cached by
+the program's digest, wrapped in the host runtime. One set of host K/V buffers serves all graphs."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from ..artifacts import ArtifactCache
+from ..compile_cpu import RECIPE, compile_graph
+from ..runtime import HostRuntime
+from .base import CompiledGraphs, Graphs, device_graphs
+
+if TYPE_CHECKING:
+    from ..loading import LoadedModel
+    from ..settings import PortSettings
+
+
+def compile(
+    model: LoadedModel, settings: PortSettings, *, graphs: Graphs | None = None, progress: bool = False
+) -> CompiledGraphs:
+    from tqdm.auto import tqdm
+
+    prefill, decode = graphs or device_graphs(model, settings)
+    cache = ArtifactCache(settings.cache_dir)
+    todo = [*prefill.items(), ("decode", decode)]
+    compiled = {
+        name: compile_graph(graph, cache)
+        for name, graph in tqdm(todo, desc="compile", disable=not progress, leave=False)
+    }
+    steps = {name: step for name, step in compiled.items() if name != "decode"}
+    runtime = HostRuntime(model, steps, compiled["decode"], decode.new_kv(), settings.context_length)
+    return CompiledGraphs(
+        runtime,
+        sum(c.compile_s for c in compiled.values()),
+        [c.cache_hit for c in compiled.values()],
+        RECIPE,
+        {"artifacts": {str(k): str(c.entry.path) for k, c in compiled.items()}},
+    )

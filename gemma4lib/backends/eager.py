@@ -1,0 +1,23 @@
+"""Backend `eager`: the device graphs run as they are, uncompiled. The same code path as `cpu`
+without the compiler, so a difference between the two is the compiler's."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from ..runtime import HostRuntime
+from .base import CompiledGraphs, Graphs, device_graphs
+
+if TYPE_CHECKING:
+    from ..loading import LoadedModel
+    from ..settings import PortSettings
+
+COMPILER = "eager"
+
+
+def compile(
+    model: LoadedModel, settings: PortSettings, *, graphs: Graphs | None = None, progress: bool = False
+) -> CompiledGraphs:
+    prefill, decode = graphs or device_graphs(model, settings)
+    runtime = HostRuntime(model, dict(prefill), decode, decode.new_kv(), settings.context_length)
+    return CompiledGraphs(runtime, 0.0, [], COMPILER)

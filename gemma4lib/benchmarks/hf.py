@@ -1,0 +1,68 @@
+"""The Hugging Face side of the suite: greedy `generate`, timed per step like the runtime times itself.
+
+Decode tok/s of a `generate` call cannot be read off its wall time (that includes prefill and,
+on the static-cache path, torch.compile), so a logits processor stamps the arrival of each step's
+logits and the rate is taken between the first and the last stamp: prefill excluded, as in
+`HostRuntime.generate`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from transformers import LogitsProcessor
+
+
+class StepClock(LogitsProcessor):
+    """A logits processor that only records when each generation step's logits arrive."""
+
+    def __init__(self) -> None:
+        self.stamps: list[float] = []
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        self.stamps.append(time.perf_counter())
+        return scores
+
+    def decode_tok_s(self) -> float | None:
+        """Steps per second after the first (prefill's) logits; None with fewer than two steps."""
+        if len(self.stamps) < 2:
+            return None
+        return (len(self.stamps) - 1) / (self.stamps[-1] - self.stamps[0])
+
+
+def hf_generate(
+    lm: torch.nn.Module, prompt: Sequence[int], new_tokens: int, **kwargs: Any
+) -> tuple[list[int], float | None, float]:
+    """Greedy `generate` of exactly `new_tokens` (no eos stop, so runs compare); returns
+    (tokens, decode tok/s, wall s)."""
+    from transformers import LogitsProcessorList
+
+    ids = torch.as_tensor(list(prompt), dtype=torch.long)[None]
+    clock = StepClock()
+    started = time.perf_counter()
+    with torch.no_grad():
+        out = lm.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+            logits_processor=LogitsProcessorList([clock]),
+            **kwargs,
+        )
+    wall = time.perf_counter() - started
+    return out[0, ids.shape[1] :].tolist(), clock.decode_tok_s(), wall
+
+
+def hf_static_compile_kwargs() -> dict[str, Any]:
+    """transformers' own route: a static cache and its auto-compile of the forward, opted in on CPU."""
+    from transformers import CompileConfig
+
+    config = CompileConfig(fullgraph=False, dynamic=False, mode="default")
+    config._compile_all_devices = True  # auto-compile is off for CPU unless asked for
+    return {"cache_implementation": "static", "compile_config": config}

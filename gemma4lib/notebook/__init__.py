@@ -1,0 +1,109 @@
+"""Helpers for the cookbook notebooks: each turns one stage of the port into something to look at.
+
+The notebooks call the port's stages themselves (`gemma4lib.port`); what lives here is what a
+notebook shows between them, in four modules with one idea each:
+
+- `display`: `Table` (HTML in Jupyter, aligned text in logs) and the tables of settings, prompts,
+  graphs, compile results, the three checks side by side, benchmarks and records;
+- `family`: facts about the released variants, computed from their configs;
+- `experiments`: each variant's demonstrations (PLE on the host, KV producers, k_eq_v, KV heads
+  under TP, the MoE router, prompts that pass SEQ_MATCH on nonsense, the checks and the witness);
+- `records`: the notebook's run record and the records the variant notebooks wrote;
+- `chat`: the optional chat box.
+
+`from gemma4lib import notebook as nb` gives all of them under one name, as the notebooks use it.
+"""
+
+from .chat import chat
+from .display import (
+    Table,
+    answer_text,
+    bench_table,
+    describe_compile,
+    describe_graphs,
+    results_table,
+    show_prompt,
+    show_settings,
+    side_by_side,
+    witness_table,
+)
+from .experiments import (
+    attention_implementations_agree,
+    check,
+    describe_model,
+    equality_is_not_enough,
+    expert_forms_on_a_token,
+    gemma3_style_ids,
+    k_eq_v_report,
+    kv_heads_under_tp,
+    kv_sharing_report,
+    measured_vs_ceiling,
+    moe_report,
+    ple_on_host_check,
+    ple_report,
+    run_witness,
+    tp_cpu_run,
+    tp_demo,
+    tp_plan,
+    tp_runs_table,
+    until_stop,
+)
+from .family import (
+    device_bytes,
+    effective_size,
+    family_table,
+    kv_cache_bytes,
+    kv_sharing_real,
+    memory_rows,
+    real_config,
+    real_layout,
+    recipe_table,
+    tp_fit,
+)
+from .records import load_results, record, save_record
+
+__all__ = [
+    "Table",
+    "answer_text",
+    "attention_implementations_agree",
+    "bench_table",
+    "chat",
+    "check",
+    "describe_compile",
+    "describe_graphs",
+    "describe_model",
+    "device_bytes",
+    "effective_size",
+    "equality_is_not_enough",
+    "expert_forms_on_a_token",
+    "family_table",
+    "gemma3_style_ids",
+    "k_eq_v_report",
+    "kv_cache_bytes",
+    "kv_heads_under_tp",
+    "kv_sharing_real",
+    "kv_sharing_report",
+    "load_results",
+    "measured_vs_ceiling",
+    "memory_rows",
+    "moe_report",
+    "ple_on_host_check",
+    "ple_report",
+    "real_config",
+    "real_layout",
+    "recipe_table",
+    "record",
+    "results_table",
+    "run_witness",
+    "save_record",
+    "show_prompt",
+    "show_settings",
+    "side_by_side",
+    "tp_cpu_run",
+    "tp_demo",
+    "tp_fit",
+    "tp_plan",
+    "tp_runs_table",
+    "until_stop",
+    "witness_table",
+]

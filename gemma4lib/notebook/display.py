@@ -1,0 +1,330 @@
+"""What the notebooks show: `Table` (HTML in Jupyter, aligned text in logs) and the tables of
+settings, prompts, graphs, compile results, the three checks side by side, benchmarks and records."""
+
+from __future__ import annotations
+
+import html
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from .. import checks
+from ..benchmarks.timing import BenchFigures
+from ..loading import LoadedModel
+
+
+@dataclass
+class Table:
+    """Rows of cells with a header; renders as HTML in Jupyter and as aligned text elsewhere."""
+
+    columns: list[str]
+    rows: list[list[Any]]
+    title: str = ""
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any], title: str = "", key: str = "", value: str = "") -> Table:
+        return cls([key or "", value or ""], [[k, v] for k, v in data.items()], title)
+
+    @staticmethod
+    def _cell(value: Any) -> str:
+        if isinstance(value, float):
+            return f"{value:.4g}"
+        if isinstance(value, (list, tuple)) and len(value) > 24:
+            return f"{list(value[:24])} … ({len(value)} items)"
+        return str(value)
+
+    def __str__(self) -> str:
+        cells = [[self._cell(c) for c in row] for row in self.rows]
+        widths = [max([len(str(h))] + [len(r[i]) for r in cells]) for i, h in enumerate(self.columns)]
+        line = lambda row: "  ".join(str(c).ljust(w) for c, w in zip(row, widths, strict=False)).rstrip()  # noqa: E731
+        out = ([self.title] if self.title else []) + [line(self.columns), line(["-" * w for w in widths])]
+        return "\n".join(out + [line(r) for r in cells])
+
+    __repr__ = __str__
+
+    def _repr_html_(self) -> str:
+        head = "".join(f"<th style='text-align:left'>{html.escape(str(c))}</th>" for c in self.columns)
+        body = "".join(
+            "<tr>" + "".join(f"<td style='text-align:left'>{html.escape(self._cell(c))}</td>" for c in row) + "</tr>"
+            for row in self.rows
+        )
+        caption = f"<caption style='text-align:left'><b>{html.escape(self.title)}</b></caption>" if self.title else ""
+        return f"<table>{caption}<thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-friendly form (what a result record keeps of a demonstration)."""
+        return {
+            "title": self.title,
+            "columns": list(self.columns),
+            "rows": [
+                [c if isinstance(c, (bool, int, float, str, type(None))) else self._cell(c) for c in row]
+                for row in self.rows
+            ],
+        }
+
+    def to_markdown(self) -> str:
+        lines = ["| " + " | ".join(map(str, self.columns)) + " |", "|" + "---|" * len(self.columns)]
+        lines += ["| " + " | ".join(self._cell(c).replace("|", "\\|") for c in row) + " |" for row in self.rows]
+        return "\n".join(lines)
+
+
+def show_settings(settings: Any) -> Table:
+    params = settings.parameters()
+    keep = [
+        "variant",
+        "profile",
+        "model_source",
+        "checkpoint",
+        "backend",
+        "tp_degree",
+        "prompt",
+        "expect",
+        "max_new_tokens",
+        "context_length",
+        "prefill_buckets",
+        "decode_experts",
+        "warmup",
+        "iters",
+        "seed",
+    ]
+    return Table.from_dict({k: params.get(k) for k in keep}, "port settings", "setting", "value")
+
+
+def _tables_to_dicts(value: Any) -> Any:
+    if isinstance(value, Table):
+        return value.to_dict()
+    if isinstance(value, Mapping):
+        return {k: _tables_to_dicts(v) for k, v in value.items()}
+    return value
+
+
+def show_prompt(model: LoadedModel, ids: Sequence[int]) -> Table:
+    rendered = model.tokenizer.decode(list(ids)) if model.tokenizer is not None else None
+    return Table.from_dict(
+        {"tokens": len(ids), "ids": list(ids), "rendered": rendered},
+        "the prompt, through the tokenizer's own chat template",
+        "",
+        "",
+    )
+
+
+def describe_graphs(prefill: Mapping[int, Any], decode: Any) -> Table:
+    """The graphs the compiler gets: their static shapes, their inputs, and the K/V buffers they share."""
+    rows = []
+    for name, graph in [*((f"prefill[{b}]", g) for b, g in prefill.items()), ("decode", decode)]:
+        inputs = graph.example_inputs()
+        n_kv = 2 * len(graph.layout.producers)
+        head = [tuple(t.shape) for t in inputs[: len(inputs) - n_kv]]
+        kv_bytes = sum(t.numel() * t.element_size() for t in inputs[len(inputs) - n_kv :])
+        rows.append(
+            [
+                name,
+                graph.shape.tokens,
+                graph.shape.context_length,
+                str(head),
+                n_kv,
+                f"{kv_bytes / 2**10:.1f} KiB",
+                graph.expert_form
+                if any(getattr(lay, "experts", None) is not None for lay in graph.model.layers)
+                else "—",
+                getattr(graph.model, "embed_tokens_per_layer", None) is None,
+            ]
+        )
+    return Table(
+        [
+            "graph",
+            "tokens",
+            "context",
+            "inputs (embeds, [PLE], start, length)",
+            "K/V tensors",
+            "K/V bytes",
+            "experts",
+            "no embedding tables inside",
+        ],
+        rows,
+        "the device graphs (static shapes)",
+    )
+
+
+def describe_compile(compiled: Any) -> Table:
+    hits = list(compiled.cache_hits or [])
+    return Table.from_dict(
+        {
+            "recipe": compiled.recipe,
+            "compile seconds (this call)": round(float(compiled.compile_s), 2),
+            "graphs loaded from the artifact cache": f"{sum(hits)} of {len(hits)}" if hits else "—",
+            "artifacts": compiled.info.get("artifacts", "—"),
+        },
+        "compile",
+        "",
+        "",
+    )
+
+
+def _logits_cells(logits: checks.LogitsCheck | None) -> list[str]:
+    if logits is None:
+        return ["not checked (no per-step logits: generate with keep_logits=True)", ""]
+    worst = "prefill" if logits.worst_position == 0 else f"decode step {logits.worst_position}"
+    return [
+        f"{logits.passed}: max |Δ| {logits.max_err:.3g} (at {worst}) "
+        f"{'<=' if logits.passed else '>'} {logits.tolerance:.3g}",
+        f"tolerance = max({logits.factor:g} × the reference's own spread {logits.spread:.3g} "
+        f"[vs a {logits.precise_dtype} copy], {logits.floor:g})",
+    ]
+
+
+def side_by_side(report: checks.CheckReport, device_tokens: Any = (), reference_tokens: Sequence[int] = ()) -> Table:
+    """The three checks in one table: the device's answer next to the reference's, SEQ_MATCH,
+    LOGITS_MATCH (every generated position, with the tolerance it was held to) and coherence."""
+    rows = [
+        ["answer", report.answer, report.reference_answer],
+        ["tokens", _tokens(device_tokens), list(reference_tokens)],
+        [
+            "SEQ_MATCH (tokens equal)",
+            report.seq_match,
+            "" if report.first_mismatch is None else f"first mismatch at token {report.first_mismatch}",
+        ],
+        ["LOGITS_MATCH (logits at every position)", *_logits_cells(report.logits)],
+        [
+            "coherent" + (f" ({report.coherence_rule})" if report.coherence_rule else ""),
+            "not checked (random weights)" if report.coherent is None else report.coherent,
+            "",
+        ],
+    ]
+    return Table(
+        ["", "device", "reference (host fp32)"],
+        rows,
+        "PASS"
+        if report.passed and report.coherent is not None
+        else "PASS (equality only)"
+        if report.passed
+        else "FAIL",
+    )
+
+
+def witness_table(witness: Mapping[str, Any] | None) -> Table:
+    """The witness's checks: a random model has near-ties where the trained one has margins of
+    several logits, so a logit error the trained run absorbs changes the witness's tokens."""
+    if not witness:
+        return Table(
+            ["note"], [["no witness for this run (it runs in smoke runs of a trained fixture)"]], "witness: skipped"
+        )
+    rows = [
+        [
+            "model",
+            witness.get("model_source"),
+            f"seed {witness.get('seed')}, {witness.get('prompt_tokens')} prompt tokens, "
+            f"{witness.get('new_tokens')} generated",
+        ],
+        [
+            "smallest top-1 − top-2 reference margin",
+            f"{witness.get('reference_min_margin') or 0:.3g}",
+            "the trained model's margins are several logits",
+        ],
+        [
+            "SEQ_MATCH",
+            witness.get("seq_match"),
+            "" if witness.get("first_mismatch") is None else f"first mismatch at token {witness.get('first_mismatch')}",
+        ],
+        ["LOGITS_MATCH", witness.get("logits_match"), witness.get("logits_explain") or ""],
+        ["same compiled programs as the trained run", witness.get("same_programs", "—"), ""],
+    ]
+    return Table(["", "witness", ""], rows, "witness: PASS" if witness.get("passed") else "witness: FAIL")
+
+
+def bench_table(figures: BenchFigures, settings: Any, ceiling: Mapping[str, Any]) -> Table:
+    """Median timings next to the bandwidth ceiling here and, for the released model, on inf2."""
+    v = settings.variant_spec
+    released = ceiling["released_inf2"]
+
+    def roof(row: Mapping[str, Any], source: str) -> str:
+        b = row["bytes_per_step"]
+        return (
+            f"{row['ceiling_tok_s']:,.0f} tok/s = {row['bandwidth_gb_s']:.1f} GB/s ({source}) / "
+            f"{b['total'] / 1e6:,.1f} MB per step ({b['weights'] / 1e6:,.1f} weights + {b['kv'] / 1e6:,.1f} K/V)"
+        )
+
+    rows = [
+        [
+            "prefill (median ms)",
+            f"{figures.prefill_ms:.3f}",
+            f"~{v.field_report.prefill_ms:.0f} ms (field report)" if v.field_report.prefill_ms else "—",
+        ],
+        [
+            "decode (median tok/s)",
+            f"{figures.decode_tok_s:.1f}",
+            f"~{v.field_report.decode_tok_s:.0f} tok/s (field report)" if v.field_report.decode_tok_s else "—",
+        ],
+        [
+            "decode ceiling (bandwidth / bytes per step)",
+            roof(ceiling, "HBM of the cores in use" if settings.backend == "neuron" else "measured now"),
+            roof(released, "HBM"),
+        ],
+        [
+            "fraction of the ceiling reached",
+            f"{ceiling['roofline_fraction']:.0%}",
+            f"{released['roofline_fraction']:.0%} (field report)" if released["roofline_fraction"] else "—",
+        ],
+        ["timed runs / warm-up / threads", f"{figures.iters} / {figures.warmup} / {figures.threads}", ""],
+    ]
+    title = (
+        "benchmark"
+        if settings.profile != "smoke"
+        else "benchmark (a tiny model on a CPU: compare with earlier smoke runs, not with inf2)"
+    )
+    return Table(
+        [
+            "",
+            f"this run ({settings.profile}, {settings.backend})",
+            f"released model on {v.instance_type}, TP={v.tp_degree}, 2,048 context",
+        ],
+        rows,
+        title,
+    )
+
+
+def results_table(results: Mapping[str, Mapping[str, Any]]) -> Table:
+    rows = [
+        [
+            r.get("variant"),
+            r.get("recipe"),
+            r.get("tp_degree"),
+            r.get("seq_match"),
+            r.get("logits_match"),
+            r.get("coherent"),
+            (r.get("witness") or {}).get("passed"),
+            r.get("compile_s"),
+            r.get("prefill_ms"),
+            r.get("decode_tok_s"),
+            r.get("answer"),
+        ]
+        for r in results.values()
+    ]
+    return Table(
+        [
+            "variant",
+            "recipe",
+            "TP",
+            "seq_match",
+            "logits_match",
+            "coherent",
+            "witness",
+            "compile s",
+            "prefill ms",
+            "decode tok/s",
+            "answer",
+        ],
+        rows,
+        "the last recorded run of each variant"
+        if rows
+        else "no results recorded yet: run the variant notebooks (or `python -m papermill_runs run`) first",
+    )
+
+
+def answer_text(model: LoadedModel, tokens: Sequence[int]) -> str | None:
+    return checks.answer_text(model.tokenizer, tokens)
+
+
+def _tokens(device: Any) -> list[int]:
+    """Tokens of a `runtime.Generation` or a plain token list."""
+    return list(getattr(device, "tokens", device))

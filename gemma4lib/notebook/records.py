@@ -1,0 +1,89 @@
+"""The notebook's run record (`record.build_record`, the builder `port()` uses) and reading the
+records the variant notebooks wrote."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from .. import checks
+from ..artifacts import atomic_write_json
+from ..benchmarks.timing import BenchFigures
+from ..loading import LoadedModel
+from ..record import build_record
+from ..variants import VARIANTS
+from .display import _tables_to_dicts, _tokens
+
+
+def record(
+    settings: Any,
+    model: LoadedModel,
+    ids: Sequence[int],
+    compiled: Any,
+    device_tokens: Any,
+    reference_tokens: Sequence[int],
+    report: checks.CheckReport,
+    figures: BenchFigures,
+    results_path: str | Path | None,
+    started: float | None = None,
+    extra: Mapping[str, Any] | None = None,
+    witness: Mapping[str, Any] | None = None,
+) -> dict[str, Any]:
+    """The run's record (`record.build_record`, the builder `port()` uses too), written atomically
+    to `results_path` (JSON) when given; `extra` (the notebook's demonstrations) rides along."""
+    from ..port import prefill_logits_error
+
+    figures_run = {
+        "tokens": _tokens(device_tokens),
+        "recipe": compiled.recipe,
+        "compile_s": compiled.compile_s,
+        "cache_hits": compiled.cache_hits,
+        "prefill_logits_max_abs_diff": prefill_logits_error(model, compiled.runtime, ids),
+        "bench": figures.to_dict(),
+        "prefill_ms": figures.prefill_ms,
+        "decode_tok_s": figures.decode_tok_s,
+        **dict(compiled.info),
+        **(compiled.report() if callable(getattr(compiled, "report", None)) else {}),
+    }
+    result = build_record(
+        settings,
+        model,
+        list(ids),
+        figures_run,
+        report,
+        list(reference_tokens),
+        started=started,
+        witness=witness,
+        extra=_tables_to_dicts(dict(extra or {})),
+    )
+    if results_path:
+        result["result_file"] = str(Path(results_path))
+        atomic_write_json(Path(results_path), result)
+    return result
+
+
+def save_record(path: str | Path | None, data: Mapping[str, Any]) -> Path | None:
+    """Write a JSON record atomically (nothing when `path` is empty)."""
+    if not path:
+        return None
+    atomic_write_json(Path(path), _tables_to_dicts(dict(data)))
+    return Path(path)
+
+
+def load_results(folder: str | Path) -> dict[str, dict[str, Any]]:
+    """The newest result JSON per variant found in `folder` (empty when there is none)."""
+    found: dict[str, tuple[float, dict[str, Any]]] = {}
+    folder = Path(folder)
+    if not folder.is_dir():
+        return {}
+    for path in sorted(folder.glob("*.json")):
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError):
+            continue
+        name = data.get("variant") if isinstance(data, dict) else None
+        if name in VARIANTS and (name not in found or path.stat().st_mtime >= found[name][0]):
+            found[name] = (path.stat().st_mtime, data)
+    return {name: found[name][1] for name in VARIANTS if name in found}

@@ -1,0 +1,88 @@
+"""The run record: one versioned JSON document per run, built here and only here.
+
+`port.port()`, the notebooks (`notebook.record`), the fault lab, papermill's baselines and the
+summaries all read the same keys, so they are assembled in one function. A device run (what a
+backend produced: tokens, compile and benchmark figures, backend details) and the checks' report
+go in; the record comes out with the verdict every reader applies: `failed_checks` (empty when
+SEQ_MATCH, LOGITS_MATCH, coherence and the witness's checks all held).
+
+Schema 2 added `schema`, LOGITS_MATCH's keys and the witness; a reader that needs a key a record
+lacks can tell an old record by `schema`.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+from . import checks
+from .environment import machine, peak_rss_mb, versions
+
+if TYPE_CHECKING:
+    from .loading import LoadedModel
+    from .settings import PortSettings
+
+RECORD_SCHEMA = 2
+# device-run keys that the record places itself (the rest of a device run is copied as it is)
+_PLACED = ("tokens", "step_logits", "recipe", "prefill_ms", "decode_tok_s", "compile_s")
+
+
+def build_record(
+    settings: PortSettings,
+    model: LoadedModel,
+    ids: list[int],
+    device_run: Mapping[str, Any],
+    report: checks.CheckReport,
+    reference: list[int],
+    *,
+    started: float | None = None,
+    witness: Mapping[str, Any] | None = None,
+    extra: Mapping[str, Any] | None = None,
+) -> dict[str, Any]:
+    """The record of one run: settings, model, the three checks, figures, environment, verdict."""
+    variant = settings.variant_spec
+    tokens = list(device_run["tokens"])
+    result: dict[str, Any] = {
+        "schema": RECORD_SCHEMA,
+        "variant": variant.name,
+        "profile": settings.profile,
+        "backend": settings.backend,
+        "recipe": device_run.get("recipe"),
+        "inf2_recipe": variant.recipe,
+        "tp_degree": settings.tp_degree,
+        "model_source": model.source,
+        "seq_match": report.seq_match,
+        "logits_match": report.logits_match,
+        "coherent": report.coherent,
+        "coherence_rule": report.coherence_rule,
+        "answer": report.answer,
+        "reference_answer": report.reference_answer,
+        "new_tokens": len(tokens),
+        "tokens": tokens,
+        "reference_tokens": list(reference),
+        "first_mismatch": report.first_mismatch,
+        **(report.logits.record() if report.logits else {}),
+        "prompt_tokens": len(ids),
+        "prefill_ms": device_run.get("prefill_ms"),
+        "decode_tok_s": device_run.get("decode_tok_s"),
+        "compile_s": device_run.get("compile_s"),
+        "peak_rss_mb": peak_rss_mb(),
+        "wall_s": None if started is None else time.perf_counter() - started,
+        "layout": model.layout.describe(),
+        "params": model.param_count(),
+        "parameters": settings.parameters(),
+        "versions": versions(),
+        "machine": {**machine(), "python": sys.executable},
+        **{k: v for k, v in device_run.items() if k not in _PLACED},
+        **dict(extra or {}),
+    }
+    if witness is not None:
+        result["witness"] = dict(witness)
+    result["failed_checks"] = checks.failed_checks(result)
+    result["checks_passed"] = not result["failed_checks"]
+    return result
+
+
+__all__ = ["RECORD_SCHEMA", "build_record"]

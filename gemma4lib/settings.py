@@ -1,0 +1,144 @@
+"""The settings of one port: every value a run depends on, checked before anything is loaded.
+
+Plain values, so a notebook's parameters cell and the command line map onto them. The checks that
+can be made from the values alone happen here (names, ranges, TP degree, inf2's limits and the
+Neuron SDK for `backend="neuron"`), so a mistake fails in a second, not after a checkpoint load or
+half an hour of compiling.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from .errors import SettingsError, TensorParallelError, UnknownNameError
+from .experts import EXPERT_FORMS
+from .variants import check_profile, get_variant
+
+BACKENDS = ("cpu", "eager", "xla", "neuron")
+MODEL_SOURCES = ("auto", "trained", "random", "checkpoint")
+DEFAULT_PROMPT = "What is the capital of France?"
+
+
+# Integer settings and their smallest allowed value.
+_COUNTS = {"tp_degree": 1, "max_new_tokens": 1, "context_length": 2, "random_prompt_tokens": 1, "warmup": 0, "iters": 1}
+
+
+def _as_tuple(value: Any) -> tuple:
+    return tuple(value) if isinstance(value, (list, tuple)) else (value,)
+
+
+def whole_number(name: str, value: Any, minimum: int) -> int:
+    """`value` as an int >= `minimum`; digit strings (a CLI or environment value) are accepted."""
+    if isinstance(value, str) and value.strip().isdigit():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise SettingsError(
+            f"{name} must be a whole number, got {value!r} ({type(value).__name__}); pass e.g. {name}={max(minimum, 1)}"
+        )
+    if value < minimum:
+        raise SettingsError(f"{name} must be at least {minimum}, got {value}")
+    return value
+
+
+@dataclass
+class PortSettings:
+    """Everything a port run depends on; plain values, so a notebook's parameters cell maps onto it."""
+
+    variant: str
+    profile: str = "smoke"
+    model: str = "auto"  # smoke: the trained tiny fixture ("random" for equality-only runs); full: checkpoint
+    checkpoint: str | None = None  # hub id or local folder (full profile); default: the variant's hub id
+    backend: str = "cpu"
+    tp_degree: int = 1
+    prompt: str = DEFAULT_PROMPT
+    expect: str | None = "Paris"  # coherence: the answer must contain this
+    random_prompt_tokens: int = 20  # random weights have no tokenizer: a seeded id sequence instead
+    max_new_tokens: int = 32
+    context_length: int = 128
+    prefill_buckets: tuple[int, ...] = (64,)
+    ring_kv: bool = True  # sliding layers hold only their window: flat decode cost with context (docs/ROOFLINE.md)
+    decode_experts: str = "selective"  # MoE decode reads the k routed experts; prefill stays dense (measured)
+    warmup: int = 1
+    iters: int = 3
+    seed: int | None = None  # None: the variant's `tiny_seed`
+    results_dir: str | None = None
+    cache_dir: str | None = None
+    # the random-weights witness: None = on for smoke runs of a trained fixture, off otherwise
+    witness: bool | None = None
+
+    def __post_init__(self):
+        self.variant_spec = get_variant(self.variant)
+        check_profile(self.profile)
+        if self.backend not in BACKENDS:
+            raise UnknownNameError("backend", self.backend, BACKENDS)
+        if self.model not in MODEL_SOURCES:
+            raise UnknownNameError("model source", self.model, MODEL_SOURCES)
+        if self.decode_experts not in EXPERT_FORMS:
+            raise UnknownNameError("decode_experts form", self.decode_experts, EXPERT_FORMS)
+        for name, minimum in _COUNTS.items():
+            setattr(self, name, whole_number(name, getattr(self, name), minimum))
+        buckets = _as_tuple(self.prefill_buckets)
+        self.prefill_buckets = tuple(sorted(whole_number("prefill_buckets", b, 1) for b in buckets))
+        if not self.prefill_buckets:
+            raise SettingsError("prefill_buckets is empty; give at least one compiled prompt length, e.g. (64,)")
+        if self.prefill_buckets[-1] > self.context_length:
+            raise SettingsError(
+                f"prefill bucket {self.prefill_buckets[-1]} is longer than context_length "
+                f"{self.context_length}; use buckets <= context_length"
+            )
+        if self.seed is None:
+            self.seed = self.variant_spec.tiny_seed
+        if self.tp_degree not in self.variant_spec.supported_tp:
+            raise TensorParallelError(
+                f"{self.variant_spec.name} cannot run at TP={self.tp_degree}: its head and expert counts split "
+                f"evenly only for TP in {self.variant_spec.supported_tp}; pick one of those"
+            )
+        if self.tp_degree > 1 and self.backend == "xla":
+            raise TensorParallelError(
+                f"TP={self.tp_degree} runs on backend 'cpu' or 'eager' (one gloo process per rank) or 'neuron' "
+                f"(NeuronCores); the xla lane compiles one device: use tp_degree=1 there"
+            )
+        if self.backend == "neuron":
+            self._check_neuron()
+
+    def _check_neuron(self) -> None:
+        """Before anything is loaded: the TP degree and memory fit inf2, and the SDK is here."""
+        from .hardware import host_instance_type
+        from .memory_plan import require_fit, require_neuron_tp
+        from .recipes import neuron_env
+
+        instance = host_instance_type()
+        if self.profile == "full":  # the released model: weights + K/V must fit each core
+            require_fit(
+                self.variant_spec,
+                self.tp_degree,
+                instance=instance,
+                context_length=self.context_length,
+                ring=self.ring_kv,
+            )
+        else:  # tiny models fit anywhere; the degree must still be one inf2 can run
+            require_neuron_tp(self.variant_spec, self.tp_degree, instance)
+        neuron_env.require_sdk(f"backend 'neuron' ({self.variant_spec.name})")
+
+    @property
+    def model_source(self) -> str:
+        if self.model != "auto":
+            return self.model
+        if self.profile == "full":
+            return "checkpoint"
+        from .trained import fixture_available
+
+        return "trained" if fixture_available(self.variant_spec.name) else "random"
+
+    @property
+    def wants_witness(self) -> bool:
+        """Whether `port` also runs the random-weights witness (None: for smoke + trained)."""
+        if self.witness is not None:
+            return bool(self.witness)
+        return self.profile == "smoke" and self.model_source == "trained"
+
+    def parameters(self) -> dict[str, Any]:
+        out = {k: v for k, v in asdict(self).items() if k != "variant_spec"}
+        out["model_source"] = self.model_source
+        return out

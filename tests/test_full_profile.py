@@ -1,0 +1,129 @@
+"""The `full` profile end to end on CPU (issue 12): a checkpoint folder in the released layout goes
+through the real loader (`load_checkpoint`), the port, SEQ_MATCH and coherence.
+
+The folders are written at test time by `released.save_released_layout`: each variant's tiny
+trained text decoder inside its released multimodal class (`Gemma4ForConditionalGeneration`, the
+12B's `Gemma4UnifiedForConditionalGeneration`) with tiny vision/audio parts, plus the fixture
+tokenizer with Gemma-4's chat template. The text decoder is the trained fixture's, so the graphs
+compiled here are the smoke profile's (same artifact-cache keys, asserted below): on a warm cache
+the ports load instead of compiling.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import VARIANT_NAMES
+
+from gemma4lib.artifacts import make_key
+from gemma4lib.compile_cpu import DEFAULT_COMPILER_OPTIONS, RECIPE, graph_key
+from gemma4lib.loading import load_checkpoint
+from gemma4lib.port import PortSettings, build_graphs, port
+from gemma4lib.released import AUDIO_VARIANTS, save_released_layout
+from gemma4lib.trained import load_trained
+from gemma4lib.variants import get_variant
+
+log = logging.getLogger(__name__)
+
+# fp32 CPU, compiled kernels against HF's eager ops (as in test_spine): measured <= 5e-4.
+PREFILL_LOGITS_ATOL = 2e-3
+
+
+class _Folders:
+    """Released-layout folders, written once per session on first use."""
+
+    def __init__(self, root: Path):
+        self.root, self._done = root, {}
+
+    def get(self, variant: str) -> Path:
+        if variant not in self._done:
+            trained = load_trained(variant)
+            self._done[variant] = save_released_layout(variant, self.root / variant, trained.lm, trained.tokenizer)
+        return self._done[variant]
+
+
+@pytest.fixture(scope="session")
+def released(tmp_path_factory) -> _Folders:
+    return _Folders(tmp_path_factory.mktemp("released"))
+
+
+def _sha256(folder: Path) -> dict[str, str]:
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.iterdir())}
+
+
+@pytest.mark.parametrize("variant", VARIANT_NAMES)
+def test_folder_has_the_released_layout(released, variant):
+    spec = get_variant(variant)
+    folder = released.get(variant)
+    config = json.loads((folder / "config.json").read_text())
+    assert config["architectures"] == [spec.model_class]
+    assert config["model_type"] == ("gemma4_unified" if spec.unified else "gemma4")
+    text_type = "gemma4_unified_text" if spec.unified else "gemma4_text"
+    assert config["text_config"]["model_type"] == text_type
+    assert config["vision_config"] is not None
+    assert (config.get("audio_config") is not None) == (variant in AUDIO_VARIANTS)
+    from safetensors import safe_open
+
+    with safe_open(str(folder / "model.safetensors"), "pt") as handle:
+        names = list(handle.keys())
+    assert any(n.startswith("model.language_model.layers.0.") for n in names)
+    assert any(n.startswith(("model.vision_tower.", "model.embed_vision.")) for n in names)
+    assert not any(n.startswith("lm_head") for n in names), "the LM head is tied: not stored"
+    assert any(n.endswith("layer_scalar") for n in names), "layer_scalar must be in the checkpoint"
+    files = {p.name for p in folder.iterdir()}
+    assert {"tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json"} <= files
+
+
+def test_folder_is_deterministic(released, tmp_path):
+    trained = load_trained("e2b")
+    again = save_released_layout("e2b", tmp_path / "e2b", trained.lm, trained.tokenizer)
+    assert _sha256(again) == _sha256(released.get("e2b"))
+
+
+@pytest.mark.parametrize("variant", VARIANT_NAMES)
+def test_loader_returns_the_trained_decoder(released, variant):
+    """The real loader keeps exactly the text decoder that went in (buffers included)."""
+    loaded = load_checkpoint(get_variant(variant), str(released.get(variant)), dtype=torch.float32)
+    trained = load_trained(variant)
+    assert type(loaded.lm) is type(trained.lm)
+    got, want = loaded.lm.state_dict(), trained.lm.state_dict()
+    assert got.keys() == want.keys()
+    assert [k for k in want if not torch.equal(got[k], want[k])] == []
+    assert loaded.tokenizer.chat_template
+    assert loaded.tokenizer.convert_tokens_to_ids("<turn|>") == 106
+
+    # Same program as the smoke profile's trained port: one artifact serves both.
+    settings = PortSettings(variant=variant)
+
+    def keys(model) -> list[str]:
+        prefill, decode = build_graphs(model, settings)
+        graphs = (*prefill.values(), decode)
+        return [make_key(graph_key(g, RECIPE, DEFAULT_COMPILER_OPTIONS)) for g in graphs]
+
+    assert keys(loaded) == keys(trained)
+
+
+@pytest.mark.parametrize("variant", VARIANT_NAMES)
+def test_full_profile_port_on_cpu(released, variant):
+    folder = released.get(variant)
+    settings = PortSettings(variant=variant, profile="full", checkpoint=str(folder), backend="cpu", warmup=0, iters=1)
+    assert settings.model_source == "checkpoint"
+    result = port(settings)
+    log.info(
+        "%s full: cache hits %s, compile %.1f s, wall %.1f s",
+        variant,
+        result["cache_hits"],
+        result["compile_s"],
+        result["wall_s"],
+    )
+    assert result["model_source"] == str(folder)
+    assert result["profile"] == "full" and result["recipe"] == RECIPE
+    assert result["seq_match"] is True, f"first mismatch at {result['first_mismatch']}"
+    assert result["coherent"] is True and "Paris" in result["answer"], result["answer"]
+    assert result["tokens"][-1] in (1, 106), "the answer must end with <eos> or <turn|>"
+    assert result["prefill_logits_max_abs_diff"] <= PREFILL_LOGITS_ATOL
