@@ -701,7 +701,14 @@ demos["expert_forms"]
 About 4B parameters are active per token, but any token may route to any expert, so all 128
 experts (22.8B parameters) stay resident. The 26B-A4B needs the same `inf2.24xlarge` and TP=8 as
 the 31B. What top-8 routing can save is bandwidth, if decode reads only the routed experts (the
-selective form).
+selective form), and under TP that depends on how the experts are split over the 8 ranks. With 16
+whole experts per rank, static shapes make every rank gather 8 slices per token whether routed
+there or not: 64 of the 128 experts are read, a ceiling of ~126 tok/s on `inf2.24xlarge`. The TP
+plan instead gives every rank a 1/8 slice of *every* expert (704 / 8 = 88 intermediate columns:
+gate/up column-sharded and down row-sharded per expert, one all-reduce), so the 8 slices a rank
+gathers are exactly its share of the 8 routed experts: 8 experts' bytes per token over all ranks,
+a ceiling of ~446 tok/s (`docs/ROOFLINE.md`; a bound from bytes, not yet measured on inf2). Each
+rank holds 1/8 of the expert bytes either way.
 """),
         code("""
 nb.tp_fit("26b-a4b")
@@ -714,12 +721,14 @@ nb.kv_heads_under_tp("26b-a4b", 8)
         """
 ### The rank must be a runtime value
 
-Under TP each rank computes its own slice of the experts and must pick the matching columns of
-the routing weights. In the field report that slice was chosen with a rank read while tracing:
-a Python integer, baked into the single-rank `ModelBuilder` trace as 0, so every rank weighted its
-experts with rank 0's routing weights. Device output was empty while the CPU and the unit tests
-were fine. The library reads the rank from an int32 tensor that each rank loads with its weights.
-The cell runs the sharded model both ways on CPU:
+When each rank holds whole experts (the field report's form, still available as
+`expert_split="experts"`), it must pick the matching columns of the routing weights. In the field
+report that slice was chosen with a rank read while tracing: a Python integer, baked into the
+single-rank `ModelBuilder` trace as 0, so every rank weighted its experts with rank 0's routing
+weights. Device output was empty while the CPU and the unit tests were fine. In that form the
+library reads the rank from an int32 tensor that each rank loads with its weights; in the default
+form (a slice of every expert per rank) the expert math never reads the rank at all. The cell runs
+the sharded model (default form) and the baked-rank bug (whole experts per rank) on CPU:
 """,
         baked_rank=True,
     )

@@ -260,3 +260,18 @@ def test_audit_row_compares_rank_sums_with_the_roofline():
     lines = table.splitlines()
     assert len(lines) == 4 and lines[0].count("|") == lines[1].count("|") == lines[2].count("|")
     assert "rank 1 of TP=2" in lines[2] and "| decode |" in lines[3]
+
+
+def test_audit_table_names_the_expert_split():
+    """The MoE rank graphs are audited in both splits; the table says which one a row is."""
+    inner = row(expert_split="intermediate", experts_read=20)
+    whole = row(expert_split="experts")
+    lines = format_table([inner, whole, row(expert_split=None)]).splitlines()
+    assert "| selective, intermediate split |" in lines[2]
+    assert "| selective, expert split |" in lines[3]
+    assert "| selective |" in lines[4]
+    from gemma4lib.backends.hlo_audit import TENSOR_PARALLEL
+
+    moe = {(tp, form, split) for variant, tp, form, split in TENSOR_PARALLEL if variant == "26b-a4b"}
+    assert {(tp, form, "intermediate") for tp in (2, 8) for form in ("dense", "selective")} <= moe
+    assert (8, "selective", "experts") in moe  # the first form stays audited next to it

@@ -361,6 +361,24 @@ def test_real_configs_plan_at_their_recipe_tp():
             assert (moe["split"], moe["experts_per_rank"], moe["intermediate_per_rank"]) == ("experts", 16, 704)
 
 
+def test_memory_plan_counts_the_same_expert_bytes_per_rank_in_either_split():
+    """The released 26B-A4B on the meta device: a rank's shard is the same size whether it holds
+    16 whole experts or 1/8 of all 128, and the memory plan counts that size."""
+    from gemma4lib.memory_plan import _rank_params, plan_core_memory
+    from gemma4lib.roofline import count_params, meta_model
+
+    v = get_variant("26b-a4b")
+    lm = meta_model(v)
+    sizes = {}
+    for split in ("experts", "intermediate"):
+        shard = shard_state_dict(lm, make_plan(lm.config, 8, v, expert_split=split), 3)
+        sizes[split] = sum(t.numel() for k, t in shard.items() if k != "spmd_rank.rank")
+        experts = sum(t.numel() for k, t in shard.items() if ".experts." in k)
+        assert experts == count_params(lm).experts // 8
+    assert sizes["experts"] == sizes["intermediate"] == _rank_params("26b-a4b", 8)
+    assert plan_core_memory("26b-a4b", 8).fits
+
+
 def test_expert_split_is_validated():
     from gemma4lib.experts import default_expert_split
 

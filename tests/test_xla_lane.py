@@ -147,25 +147,41 @@ def test_hlo_audit_single_device_decode(xla_lane, variant, form):
 
 
 @pytest.mark.parametrize(
-    "variant,tp,form", hlo_audit.TENSOR_PARALLEL, ids=[f"{v}-tp{t}-{f}" for v, t, f in hlo_audit.TENSOR_PARALLEL]
+    "variant,tp,form,split",
+    hlo_audit.TENSOR_PARALLEL,
+    ids=[f"{v}-tp{t}-{f}" + (f"-{s}" if s else "") for v, t, f, s in hlo_audit.TENSOR_PARALLEL],
 )
-def test_hlo_audit_rank_graph_decode(xla_lane, variant, tp, form):
+def test_hlo_audit_rank_graph_decode(xla_lane, variant, tp, form, split):
     model = _audit_model(variant)
-    audit, row = hlo_audit.audit_rank(model, tp, form)
+    audit, row = hlo_audit.audit_rank(model, tp, form, expert_split=split)
     table = hlo_audit.format_table([row])
     assert row.weights_delta == row.expected_delta, table
     assert row.kv_delta == 0 and row.kv_read > 0, table
     assert row.flagged == [], table
     assert row.ok
+    assert row.expert_split == split
     # one rank's program, collectives included, over the rank group {0..tp-1}
     group = "replica_groups={{" + ",".join(map(str, range(tp))) + "}}"
     assert "all-reduce(" in audit.hlo_text and group in audit.hlo_text
-    if getattr(model.config, "enable_moe_block", False):
-        local = model.config.num_experts // tp
-        per_rank = _moe_layers(model) * _expert_slice_bytes(model)
-        assert row.experts_size == local * per_rank  # the rank holds its E/tp experts
-        expected = (model.config.top_k_experts if form == "selective" else local) * per_rank
-        assert row.experts_read == expected, table
+    if not getattr(model.config, "enable_moe_block", False):
+        return
+    c = model.config
+    whole = _moe_layers(model) * _expert_slice_bytes(model)  # one whole expert, every MoE layer
+    assert row.experts_size == c.num_experts * whole // tp  # either split: 1/tp of the expert bytes
+    if form == "dense":
+        assert row.experts_read == row.experts_size, table
+    elif split == "experts":  # k whole-expert slices on every rank, routed there or not
+        assert row.experts_read == c.top_k_experts * whole, table
+    else:  # k slices of 1/tp of an expert: k / num_experts of what the rank holds
+        assert row.experts_read * c.num_experts == c.top_k_experts * row.experts_size, table
+        assert tp * row.experts_read == c.top_k_experts * whole, table  # k experts over all ranks
+    if form == "selective":  # gathered straight from the shard weights, nothing re-laid out
+        for p, role in zip(audit.params, audit.roles, strict=True):
+            if role == hlo_audit.EXPERT:
+                assert p.partial_ops and all(op.startswith("gather") for op in p.partial_ops), table
+                assert not p.relayouts and not p.strided_gathers, table
+                if split == "intermediate":  # (the expert split at TP=8 gathers 4 of 2 held experts)
+                    assert p.read_bytes * c.num_experts == c.top_k_experts * p.bytes, table
 
 
 def _permuted_view(self, hidden, index, scale):
@@ -188,11 +204,13 @@ def _inner_dim_gather(self, hidden, index, scale):
     return (out * scale[0].unsqueeze(-1)).sum(0, keepdim=True)
 
 
+@pytest.mark.parametrize("split", ["experts", "intermediate"])
 @pytest.mark.parametrize("bad_gather", [_permuted_view, _inner_dim_gather], ids=lambda f: f.__name__)
-def test_hlo_audit_flags_a_whole_shard_copy(xla_lane, monkeypatch, bad_gather):
+def test_hlo_audit_flags_a_whole_shard_copy(xla_lane, monkeypatch, bad_gather, split):
     """Two ways to gather the down shard that copy all of it every step under XLA (a transpose
     before the gather; XLA's canonicalisation of an inner-dimension gather): the audit must flag
-    every layer's `down` weight and the row must fail. Same numbers as the real gather."""
+    every layer's `down` weight and the row must fail, in either expert split. Same numbers as
+    the real gather."""
     import torch
 
     from gemma4lib.tp.layers import ShardedExperts
@@ -208,14 +226,14 @@ def test_hlo_audit_flags_a_whole_shard_copy(xla_lane, monkeypatch, bad_gather):
     from gemma4lib.graph import GraphShape
     from gemma4lib.tp import build_rank_graph, load_shard, make_plan, shard_state_dict
 
-    plan = make_plan(model.config, 8, model.variant)
+    plan = make_plan(model.config, 8, model.variant, expert_split=split)
     graph = build_rank_graph(model.config, plan, GraphShape(1, 1, hlo_audit.CONTEXT), expert_form="selective")
     load_shard(graph, shard_state_dict(model.lm, plan, 1))
     experts = graph._rank_users[0]
     experts.current_rank = graph.spmd_rank.get_rank()
     g = torch.Generator().manual_seed(3)
     hidden = torch.randn(1, plan.hidden, generator=g)
-    top_k_index = torch.tensor([[2, 9, 3, 14]])  # rank 1 holds experts 2 and 3 of the 16
+    top_k_index = torch.tensor([[2, 9, 3, 14]])  # expert split: rank 1 holds experts 2 and 3 of the 16
     top_k_weights = torch.rand(1, 4, generator=g)
     with torch.no_grad():
         expected = real(experts, hidden, top_k_index, top_k_weights)
@@ -223,7 +241,7 @@ def test_hlo_audit_flags_a_whole_shard_copy(xla_lane, monkeypatch, bad_gather):
     assert expected.abs().max() > 0
 
     monkeypatch.setattr(ShardedExperts, "_selective", patched)
-    audit, row = hlo_audit.audit_rank(model, 8, "selective")
+    audit, row = hlo_audit.audit_rank(model, 8, "selective", expert_split=split)
     layers = _moe_layers(model)
     assert row.flagged_experts == [f"model.layers.{i}.experts.down.weight" for i in range(layers)]
     assert not row.ok and row.weights_delta != row.expected_delta

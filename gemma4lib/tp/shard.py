@@ -77,7 +77,7 @@ def _expert_gate_up(moe: MoEPlan, tensor: torch.Tensor, rank: int) -> torch.Tens
 
     Expert split: its whole experts. Intermediate split: rows [r*i, (r+1)*i) of every expert's
     gate *and* of its up (they sit I rows apart in [E, 2I, H], so the two are cut separately)."""
-    local = tensor[moe.experts_of(rank)]  # [held, 2I, H]
+    local = _held_experts(moe, tensor, rank)  # [held, 2I, H]
     if moe.split == "intermediate":
         start, stop = moe.intermediate_of(rank)
         gate, up = local.chunk(2, dim=1)
@@ -90,8 +90,15 @@ def _expert_down(moe: MoEPlan, tensor: torch.Tensor, rank: int) -> torch.Tensor:
     expert e's intermediate column start + j): what its row-parallel linear multiplies the
     [tokens, held * i] activations by."""
     start, stop = moe.intermediate_of(rank)
-    local = tensor[moe.experts_of(rank)][:, :, start:stop]  # [held, H, i]
+    local = _held_experts(moe, tensor, rank)[:, :, start:stop]  # [held, H, i]
     return local.permute(1, 0, 2).reshape(tensor.shape[1], -1)
+
+
+def _held_experts(moe: MoEPlan, tensor: torch.Tensor, rank: int) -> torch.Tensor:
+    """The experts a rank holds (a consecutive range), as a view: no copy of a 1 GB bf16 layer of
+    the released 26B-A4B's experts before the cut."""
+    held = moe.experts_of(rank)
+    return tensor[held[0] : held[-1] + 1]
 
 
 def shard_state_dict(
