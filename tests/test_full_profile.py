@@ -21,7 +21,7 @@ import torch
 from conftest import VARIANT_NAMES
 
 from gemma4lib.artifacts import make_key
-from gemma4lib.compile_cpu import DEFAULT_COMPILER_OPTIONS, RECIPE, graph_key
+from gemma4lib.compile_cpu import DEFAULT_COMPILER_OPTIONS, RECIPE, export_graph, graph_key
 from gemma4lib.loading import load_checkpoint
 from gemma4lib.port import PortSettings, build_graphs, port
 from gemma4lib.released import AUDIO_VARIANTS, save_released_layout
@@ -97,13 +97,14 @@ def test_loader_returns_the_trained_decoder(released, variant):
     assert loaded.tokenizer.chat_template
     assert loaded.tokenizer.convert_tokens_to_ids("<turn|>") == 106
 
-    # Same program as the smoke profile's trained port: one artifact serves both.
+    # Same program as the smoke profile's trained port: one artifact serves both (the keys hold the
+    # exported programs themselves).
     settings = PortSettings(variant=variant)
 
     def keys(model) -> list[str]:
         prefill, decode = build_graphs(model, settings)
         graphs = (*prefill.values(), decode)
-        return [make_key(graph_key(g, RECIPE, DEFAULT_COMPILER_OPTIONS)) for g in graphs]
+        return [make_key(graph_key(g, RECIPE, DEFAULT_COMPILER_OPTIONS, export_graph(g))) for g in graphs]
 
     assert keys(loaded) == keys(trained)
 
