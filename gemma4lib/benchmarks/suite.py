@@ -661,49 +661,46 @@ def run_suite(
             factories[name] = GraphFactory(loaded[name], options.backend)
         return loaded[name], factories[name]
 
+    def bench_sized(
+        name: str, prompt: list[int], context_length: int, bucket: int, new_tokens: int, iters: int
+    ) -> None:
+        """One model's three paths at one set of sizes, appended to the report."""
+        model, factory = model_and_factory(name)
+        report["models"].append(
+            bench_model(
+                name,
+                model,
+                factory,
+                context_length=context_length,
+                bucket=bucket,
+                prompt=prompt,
+                new_tokens=new_tokens,
+                warmup=options.warmup,
+                iters=iters,
+                hf_compile=options.hf_compile,
+                hf_compile_timeout_s=options.hf_compile_timeout_s,
+                bandwidth_mb=options.bandwidth_mb,
+                decode_form=recommended["decode_experts"],
+            )
+        )
+
     if "models" in options.sections:
         for name in options.tiny_variants:
             say(f"tiny {name}")
-            model, factory = model_and_factory(name)
+            model, _ = model_and_factory(name)
             prompt = random_prompt(model.config.vocab_size, options.tiny_prompt_tokens, VARIANTS[name].tiny_seed + 1)
-            report["models"].append(
-                bench_model(
-                    name,
-                    model,
-                    factory,
-                    context_length=options.tiny_context,
-                    bucket=options.tiny_bucket,
-                    prompt=prompt,
-                    new_tokens=options.tiny_new_tokens,
-                    warmup=options.warmup,
-                    iters=options.iters,
-                    hf_compile=options.hf_compile,
-                    hf_compile_timeout_s=options.hf_compile_timeout_s,
-                    bandwidth_mb=options.bandwidth_mb,
-                    decode_form=recommended["decode_experts"],
-                )
-            )
+            bench_sized(name, prompt, options.tiny_context, options.tiny_bucket, options.tiny_new_tokens, options.iters)
             loaded.pop(name), factories.pop(name)
         for name in options.medium_models:
             say(f"medium {name}")
-            model, factory = model_and_factory(name)
-            prompt = _medium_prompt(name, model, options)
-            report["models"].append(
-                bench_model(
-                    name,
-                    model,
-                    factory,
-                    context_length=options.medium_context,
-                    bucket=options.medium_bucket,
-                    prompt=prompt,
-                    new_tokens=options.medium_new_tokens,
-                    warmup=options.warmup,
-                    iters=options.medium_iters,
-                    hf_compile=options.hf_compile,
-                    hf_compile_timeout_s=options.hf_compile_timeout_s,
-                    bandwidth_mb=options.bandwidth_mb,
-                    decode_form=recommended["decode_experts"],
-                )
+            model, _ = model_and_factory(name)
+            bench_sized(
+                name,
+                _medium_prompt(name, model, options),
+                options.medium_context,
+                options.medium_bucket,
+                options.medium_new_tokens,
+                options.medium_iters,
             )
             torch._dynamo.reset()
 
