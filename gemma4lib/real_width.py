@@ -34,7 +34,7 @@ from .compile_cpu import compile_graph
 from .graph import DeviceGraph, GraphShape
 from .loading import LoadedModel, build_random, text_config
 from .medium import temper_attention
-from .reference import random_prompt
+from .reference import random_prompt, teacher_forced_logits
 from .runtime import HostRuntime, softcap
 from .variants import Variant, get_variant
 
@@ -192,8 +192,7 @@ def _hf_logits(model: LoadedModel, prompt: list[int], new_tokens: int) -> tuple[
         )
         tokens = out.sequences[0, len(prompt) :].tolist()
         incremental = torch.stack([step[0].float() for step in out.logits])
-        full_ids = out.sequences[:, :-1]
-        full = model.lm(full_ids).logits[0, len(prompt) - 1 :].float()
+        full = teacher_forced_logits(model.lm, prompt, tokens).float()
     return tokens, incremental, full
 
 
