@@ -28,7 +28,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from .errors import DeviceMemoryError, TensorParallelError
-from .hardware import GB, GIB, HBM_PER_CORE_GIB, INSTANCES, NEURON_TP_DEGREES, smallest_instance
+from .hardware import GB, GIB, HBM_PER_CORE_GIB, INSTANCES, NEURON_TP_DEGREES
 from .variants import Variant, get_variant
 
 WORKING_ALLOWANCE_GIB = 2.0
@@ -269,13 +269,6 @@ def format_plan_table(plans: list[CoreMemoryPlan]) -> str:
     return "\n".join(lines)
 
 
-def smallest_host_for_compile(variant: Variant | str) -> str | None:
-    v = get_variant(variant) if isinstance(variant, str) else variant
-    peak, _ = compile_peak_gb(v, neuron_recipe(v, v.tp_degree))
-    inst = smallest_instance(v.tp_degree, peak * HOST_HEADROOM)
-    return inst.name if inst else None
-
-
 __all__ = [
     "COMPILE_CALIBRATION",
     "CoreMemoryPlan",
@@ -290,5 +283,4 @@ __all__ = [
     "require_fit",
     "require_neuron_tp",
     "structural_problems",
-    "smallest_host_for_compile",
 ]

@@ -59,9 +59,6 @@ TRANSFORMERS_PIN = TRANSFORMERS_VERSION
 # scripts/check_inf2_resolves.sh): torch-neuronx 2.9.0.x is built against torch 2.9.0 and
 # torch-xla 2.9.0; the 2.28 docs support numpy 2.x and >= 1.21.6.
 SDK_CONSTRAINTS: dict[str, str] = {"torch": "==2.9.0", "torch-xla": "==2.9.0", "numpy": ">=1.21.6"}
-# Installed in the DLAMI venv, not used by this cookbook: it pins transformers 4.57.*, so pip
-# reports a conflict when transformers 5.23.0 goes in. Nothing here imports it.
-UNUSED_IN_VENV = {"neuronx-distributed-inference": "0.8.16251"}
 
 
 def install_lines() -> list[str]:
@@ -86,8 +83,6 @@ MODULE_TO_DIST = {
 # Compiler arguments for the decoder graphs (prefill favours compile time, decode run time).
 _COMMON_ARGS = "--model-type=transformer --auto-cast=none --enable-mixed-precision-accumulation"
 COMPILER_ARGS = {"prefill": f"{_COMMON_ARGS} -O1", "decode": f"{_COMMON_ARGS} -O2"}
-COMPILE_CACHE_ENV = "NEURON_COMPILE_CACHE_URL"
-DEFAULT_COMPILE_CACHE = "/var/tmp/neuron-compile-cache"
 
 
 def compiler_args(phase: str) -> list[str]:
