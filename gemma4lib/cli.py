@@ -92,7 +92,7 @@ SUMMARY_KEYS = (
     "variant",
     "profile",
     "backend",
-    "recipe",
+    "compiler",
     "tp_degree",
     "seq_match",
     "logits_match",

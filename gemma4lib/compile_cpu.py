@@ -154,4 +154,4 @@ def compile_graph(
     runner = torch._inductor.aoti_load_package(str(entry.file(PACKAGE)))
     load_weights(runner, graph)
     load_s = time.perf_counter() - loaded
-    return CompiledStep(runner, entry, compile_s, load_s, {"key": key, "recipe": RECIPE, "export_s": export_s})
+    return CompiledStep(runner, entry, compile_s, load_s, {"key": key, "compiler": RECIPE, "export_s": export_s})

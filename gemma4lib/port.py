@@ -142,7 +142,7 @@ def run_device(
     device_run: dict[str, Any] = {
         "tokens": generation.tokens,
         "step_logits": generation.step_logits,
-        "recipe": compiled.recipe,
+        "compiler": compiled.compiler,
         "compile_s": compiled.compile_s,
         "cache_hits": compiled.cache_hits,
         "prefill_logits_max_abs_diff": prefill_logits_error(model, runtime, ids),
@@ -209,7 +209,7 @@ def witness_record(
         "reference_min_margin": reference_margin(model, ids, reference),
         "tokens": tokens,
         "reference_tokens": reference,
-        "recipe": device_run.get("recipe"),
+        "compiler": device_run.get("compiler"),
         "cache_hits": device_run.get("cache_hits"),
         "artifacts": device_run.get("artifacts"),
     }

@@ -239,7 +239,7 @@ def check_real_width(
     if compile_decode:
         started = time.perf_counter()
         compiled = compile_graph(decode_graph, cache)
-        decode, recipe, hit = compiled, compiled.info["recipe"], compiled.cache_hit
+        decode, recipe, hit = compiled, compiled.info["compiler"], compiled.cache_hit
         compile_s = time.perf_counter() - started
         timings["compile_and_load_s"] = compile_s
     captured: list[torch.Tensor] = []

@@ -7,7 +7,8 @@ go in; the record comes out with the verdict every reader applies: `failed_check
 SEQ_MATCH, LOGITS_MATCH, coherence and the witness's checks all held).
 
 Schema 2 added `schema`, LOGITS_MATCH's keys and the witness; a reader that needs a key a record
-lacks can tell an old record by `schema`.
+lacks can tell an old record by `schema`. Schema 3 renamed the compiler's key from `recipe` to
+`compiler`: "recipe" now means only the inf2 recipe (`inf2_recipe`).
 """
 
 from __future__ import annotations
@@ -24,9 +25,9 @@ if TYPE_CHECKING:
     from .loading import LoadedModel
     from .settings import PortSettings
 
-RECORD_SCHEMA = 2
+RECORD_SCHEMA = 3
 # device-run keys that the record places itself (the rest of a device run is copied as it is)
-_PLACED = ("tokens", "step_logits", "recipe", "prefill_ms", "decode_tok_s", "compile_s")
+_PLACED = ("tokens", "step_logits", "compiler", "prefill_ms", "decode_tok_s", "compile_s")
 
 
 def build_record(
@@ -49,7 +50,7 @@ def build_record(
         "variant": variant.name,
         "profile": settings.profile,
         "backend": settings.backend,
-        "recipe": device_run.get("recipe"),
+        "compiler": device_run.get("compiler"),
         "inf2_recipe": variant.recipe,
         "tp_degree": settings.tp_degree,
         "model_source": model.source,

@@ -391,7 +391,7 @@ with the baselines.
         code("""
 result = nb.record(s, model, ids, compiled, generation.tokens, reference, report, figures, results_path,
                    started, extra={"demos": demos, "roofline": ceiling}, witness=witness)
-{k: result.get(k) for k in ("variant", "recipe", "seq_match", "logits_match", "coherent",
+{k: result.get(k) for k in ("variant", "compiler", "seq_match", "logits_match", "coherent",
                             "checks_passed", "prefill_ms", "decode_tok_s", "compile_s")}
 """),
         md("""

@@ -47,7 +47,7 @@ BASELINE_KEYS = (
     "coherent",
     "answer",
     "model_source",
-    "recipe",
+    "compiler",
     "tp_degree",
     "new_tokens",
     "prefill_ms",

@@ -16,7 +16,7 @@ from .baselines import Verdict
 COLUMNS = (
     "notebook",
     "variant",
-    "recipe",
+    "compiler",
     "TP",
     "seq_match",
     "logits_match",
@@ -62,7 +62,7 @@ def summary_rows(results: Mapping[str, Mapping[str, Any] | None], verdicts: Mapp
             [
                 verdict.notebook or "",
                 name,
-                _fmt(r.get("recipe")),
+                _fmt(r.get("compiler")),
                 _fmt(r.get("tp_degree")),
                 _fmt(r.get("seq_match")),
                 _fmt(r.get("logits_match")),

@@ -1027,7 +1027,7 @@ def _record(variant: str) -> dict:
     return {
         "variant": variant,
         "profile": "smoke",
-        "recipe": "cpu-aotinductor",
+        "compiler": "cpu-aotinductor",
         "tp_degree": 1,
         "model_source": "tiny-trained",
         "seq_match": True,

@@ -35,7 +35,7 @@ def test_quick_report_schema(quick_report):
     for m in r["models"]:
         assert set(m["paths"]) == set(PATHS)
         ours, eager, compiled = (m["paths"][p] for p in PATHS)
-        assert ours["status"] == "ok" and ours["recipe"] == "eager"
+        assert ours["status"] == "ok" and ours["compiler"] == "eager"
         assert ours["tokens_match_reference"] is True and eager["tokens_match_reference"] is True
         for path in (ours, eager):
             assert isinstance(path["decode_tok_s"], NUMBER) and path["decode_tok_s"] > 0

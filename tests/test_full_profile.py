@@ -123,7 +123,7 @@ def test_full_profile_port_on_cpu(released, variant):
         result["wall_s"],
     )
     assert result["model_source"] == str(folder)
-    assert result["profile"] == "full" and result["recipe"] == RECIPE
+    assert result["profile"] == "full" and result["compiler"] == RECIPE
     assert result["seq_match"] is True, f"first mismatch at {result['first_mismatch']}"
     assert result["coherent"] is True and "Paris" in result["answer"], result["answer"]
     assert result["tokens"][-1] in (1, 106), "the answer must end with <eos> or <turn|>"

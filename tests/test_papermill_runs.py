@@ -22,7 +22,7 @@ def result(variant="e2b", **changes):
     base = {
         "variant": variant,
         "profile": PROFILE,
-        "recipe": "cpu-aotinductor",
+        "compiler": "cpu-aotinductor",
         "tp_degree": 1,
         "model_source": "tiny-trained",
         "seq_match": True,
@@ -302,7 +302,7 @@ def test_cli_pass_then_tightened_baseline_fails(tmp_path, capsys):
     assert (
         (results_file.parent / "summary.csv")
         .read_text()
-        .startswith("notebook,variant,recipe,TP,seq_match,logits_match,logit err / tol,coherent,witness")
+        .startswith("notebook,variant,compiler,TP,seq_match,logits_match,logit err / tol,coherent,witness")
     )
 
     # someone raises the bar past what was measured: the same figures are now a regression

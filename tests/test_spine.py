@@ -302,5 +302,5 @@ def test_tp_port_checks_logits_too():
     from gemma4lib.port import PortSettings, port
 
     result = port(PortSettings(variant="12b", tp_degree=2, warmup=0, iters=1))
-    assert result["recipe"] == "cpu-gloo-tp"
+    assert result["compiler"] == "cpu-gloo-tp"
     _check_record(result)

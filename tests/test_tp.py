@@ -81,7 +81,7 @@ def test_sharded_equals_unsharded(name, tp):
     assert result["ranks_agree"]
     assert result["prefill_logit_max_diff"] < 1e-2
     assert result["missing_keys"] == []
-    assert result["recipe"] == get_variant(name).recipe
+    assert result["inf2_recipe"] == get_variant(name).recipe
     shapes = result["shard_shapes"]
     assert shapes["tp"] == tp and shapes["identical_shapes_across_ranks"]
     assert [r["rank_tensor"] for r in shapes["ranks"]] == [[r] for r in range(tp)]

@@ -50,11 +50,6 @@ class CompiledGraphs:
     info: dict[str, Any] = field(default_factory=dict)
     report: Callable[[], dict[str, Any]] | None = None  # backend figures gathered after the run
 
-    @property
-    def recipe(self) -> str:
-        """The record's historical name for `compiler`."""
-        return self.compiler
-
 
 def backend_for(settings: PortSettings) -> str:
     """The backend module a setting selects: `gloo` for the CPU backends at TP > 1 (the ranks run

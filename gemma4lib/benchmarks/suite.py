@@ -222,7 +222,7 @@ class GraphFactory:
         self.steps: dict[tuple, Step] = {}
 
     @property
-    def recipe(self) -> str:
+    def compiler(self) -> str:
         """The compiler's name as a port's record gives it (`cpu-aotinductor`, `eager`)."""
         return _COMPILERS[self.backend][0]
 
@@ -309,7 +309,7 @@ def bench_model(
     if runtime is not None:
         paths["gemma4lib"] = {
             "status": "ok",
-            "recipe": factory.recipe,
+            "compiler": factory.compiler,
             "setup_s": time.perf_counter() - started,
             "graphs": factory.compile_report(),
             "decode_tok_s_runs": [],

@@ -150,7 +150,7 @@ def describe_compile(compiled: Any) -> Table:
     hits = list(compiled.cache_hits or [])
     return Table.from_dict(
         {
-            "recipe": compiled.recipe,
+            "compiler": compiled.compiler,
             "compile seconds (this call)": round(float(compiled.compile_s), 2),
             "graphs loaded from the artifact cache": f"{sum(hits)} of {len(hits)}" if hits else "—",
             "artifacts": compiled.info.get("artifacts", "—"),
@@ -287,7 +287,7 @@ def results_table(results: Mapping[str, Mapping[str, Any]]) -> Table:
     rows = [
         [
             r.get("variant"),
-            r.get("recipe"),
+            r.get("compiler"),
             r.get("tp_degree"),
             r.get("seq_match"),
             r.get("logits_match"),
@@ -303,7 +303,7 @@ def results_table(results: Mapping[str, Mapping[str, Any]]) -> Table:
     return Table(
         [
             "variant",
-            "recipe",
+            "compiler",
             "TP",
             "seq_match",
             "logits_match",

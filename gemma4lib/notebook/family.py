@@ -82,7 +82,7 @@ def recipe_table() -> Table:
         )
         rows.append([v.name, v.recipe, v.tp_degree, v.instance_type, f"{cores} cores, {host} GiB host RAM", reported])
     return Table(
-        ["variant", "recipe", "TP", "instance", "instance has", "field report"],
+        ["variant", "inf2 recipe", "TP", "instance", "instance has", "field report"],
         rows,
         "the recipe escalates with the model",
     )

@@ -37,7 +37,7 @@ def record(
 
     figures_run = {
         "tokens": _tokens(device_tokens),
-        "recipe": compiled.recipe,
+        "compiler": compiled.compiler,
         "compile_s": compiled.compile_s,
         "cache_hits": compiled.cache_hits,
         "prefill_logits_max_abs_diff": prefill_logits_error(model, compiled.runtime, ids),

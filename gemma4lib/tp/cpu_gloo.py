@@ -399,7 +399,7 @@ def _run_tp(
     result: dict[str, Any] = {
         "variant": variant.name,
         "tp": tp,
-        "recipe": variant.recipe,
+        "inf2_recipe": variant.recipe,
         "executed_as": CPU_EXECUTION,
         "prefill": prefill,
         "tokens": tokens,
@@ -480,7 +480,7 @@ def _run_for_settings(
     return {
         "tokens": out["tokens"],
         "step_logits": out.get("step_logits"),
-        "recipe": RECIPE,
+        "compiler": RECIPE,
         "executed_as": out["executed_as"],
         "compile_s": 0.0,
         "prefill_ms": timings["rank0_prefill_s"] * 1000.0,
