@@ -96,6 +96,20 @@ def export_graph(graph: DeviceGraph) -> torch.export.ExportedProgram:
         return torch.export.export(graph, graph.example_inputs(), strict=False)
 
 
+def package_program(program: torch.export.ExportedProgram, package_path: str, options: dict[str, Any]) -> str:
+    """AOTInductor: compile the exported program to C++ and write it as one loadable package
+    (`.pt2`). The notebooks show these lines; `compile_graph` runs them on a cache miss."""
+    return torch._inductor.aoti_compile_and_package(program, package_path=package_path, inductor_configs=options)
+
+
+def load_package(package_path: str, graph: DeviceGraph) -> Any:
+    """Load a package and hand it the graph's weights (it was compiled without them), ready to call
+    like the graph."""
+    runner = torch._inductor.aoti_load_package(package_path)
+    load_weights(runner, graph)
+    return runner
+
+
 def _folded_digest(graph: DeviceGraph, names: list[str]) -> str:
     """sha256 of the values of parameters the compiler folded into the program."""
     params = dict(graph.named_parameters())
@@ -126,7 +140,7 @@ def compile_graph(
     def build(folder: Path) -> dict[str, Any]:
         started = time.perf_counter()
         package = str(folder / PACKAGE)
-        torch._inductor.aoti_compile_and_package(program, package_path=package, inductor_configs=options)
+        package_program(program, package, options)
         loadable = set(torch._inductor.aoti_load_package(package).get_constant_fqns())
         folded = sorted(set(dict(graph.named_parameters())) - loadable)
         log.info(
@@ -151,7 +165,6 @@ def compile_graph(
         entry = cache.get_or_build(key, build, describe={"recipe": RECIPE, "shape": graph.shape.__dict__})
     compile_s = 0.0 if entry.hit else time.perf_counter() - started
     loaded = time.perf_counter()
-    runner = torch._inductor.aoti_load_package(str(entry.file(PACKAGE)))
-    load_weights(runner, graph)
+    runner = load_package(str(entry.file(PACKAGE)), graph)
     load_s = time.perf_counter() - loaded
     return CompiledStep(runner, entry, compile_s, load_s, {"key": key, "compiler": RECIPE, "export_s": export_s})

@@ -1,0 +1,166 @@
+# ---
+# jupyter:
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+#   language_info:
+#     name: python
+# ---
+
+# %% [markdown]
+# # Gemma-4 on AWS Inferentia2: the family at a glance
+#
+# Five Gemma-4 text decoders, one accelerator, one way of porting them. This notebook is the map:
+# what the five share, where they differ, how the porting recipe had to grow as the models did,
+# the results of the last run, and why a port that reproduces its reference exactly can still be
+# wrong. The other notebooks port one variant each, step by step.
+#
+# | notebook | variant | instance | TP | recipe |
+# |---|---|---|---|---|
+# | [01_e2b.ipynb](01_e2b.ipynb) | E2B | `inf2.xlarge` | 1 | trace |
+# | [02_e4b.ipynb](02_e4b.ipynb) | E4B | `inf2.8xlarge` | 2 | model_builder |
+# | [03_12b.ipynb](03_12b.ipynb) | 12B | `inf2.8xlarge` | 2 | model_builder |
+# | [04_31b.ipynb](04_31b.ipynb) | 31B | `inf2.24xlarge` | 8 | model_builder |
+# | [05_26b_a4b.ipynb](05_26b_a4b.ipynb) | 26B-A4B | `inf2.24xlarge` | 8 | model_builder |
+#
+# ### Runs on
+#
+# | | `full` profile | `smoke` profile |
+# |---|---|---|
+# | machine | `inf2.xlarge` to `inf2.24xlarge`, per variant (table above) | any CPU |
+# | software | Deep Learning AMI Neuron (Ubuntu 24.04), venv `aws_neuronx_venv_pytorch_2_9_nxd_inference` (Python 3.12), Neuron SDK 2.28: torch-neuronx 2.9.0.2.12.22436, neuronx-cc 2.23.6484.0, neuronx-distributed 0.17.26814, libneuronxla 2.2.15515.0; + transformers 5.23.0 | torch 2.13 (CPU), transformers 5.23.0 |
+# | this notebook | reads the records the variant notebooks wrote; loads no large model | same, plus a tiny model for the last section |
+
+# %% [markdown]
+# ## Parameters
+#
+# `results_dir` is where the variant notebooks wrote their records (`papermill_runs` points it at
+# its own output folder). The last section uses `demo_variant`'s tiny model on the CPU, whatever the
+# profile.
+
+# %% tags=["parameters"]
+profile = "smoke"
+results_dir = "../runs/notebooks"  # where the variant notebooks wrote their JSON records
+demo_variant = "e2b"  # tiny model used by the "equality is not enough" demonstration
+prompt = "What is the capital of France?"
+expect = "Paris"
+threads = 1
+results_path = "../runs/notebooks/overview.json"
+
+# %%
+# %matplotlib inline
+import torch
+
+from gemma4lib import notebook as nb, plots
+from gemma4lib.port import PortSettings, compile_graphs, load_model
+
+torch.set_num_threads(threads)
+
+# %% [markdown]
+# ## The family
+#
+# All five share a skeleton: a 262,144-token vocabulary with the embedding tied to the LM head,
+# embeddings scaled by √hidden, grouped-query attention with five sliding-window layers for each
+# global one, head_dim 256 on sliding layers and 512 on global ones, and a final logit softcap of
+# 30. The differences are in the columns on the right.
+
+# %%
+nb.family_table()
+
+# %% [markdown]
+# ## The shared serving shape
+#
+# Every port has the same moving parts, and so does every notebook:
+#
+# 1. **Host side**: tokenizer and chat template, word embeddings (and PLE inputs), greedy argmax,
+#    the softcap only when sampling needs probabilities.
+# 2. **Device side**: a prefill graph per prompt-length bucket and one decode graph, both with
+#    static shapes and explicit K/V buffers that live on the device between calls.
+# 3. **Checks**: the device's tokens against transformers' greedy output on the host in fp32
+#    (SEQ_MATCH), and the answer against what a sensible answer contains (coherence).
+#
+# The device graph is written once, wraps transformers' own modules, and is compiled by whichever
+# compiler the machine has: AOTInductor on a CPU, the Neuron compiler on inf2. Re-implementing the
+# decoder by hand would make the port drift from the reference it is checked against.
+#
+# ## Memory decides the hardware
+#
+# bf16 weights per NeuronCore at each variant's TP degree, against the 16 GiB a core has. E2B's
+# hatched part is the PLE table, which stays on the host.
+
+# %%
+plots.memory_budget(nb.memory_rows())
+
+# %% [markdown]
+# ## The recipe escalates with the model
+#
+# Each step was forced by a model that the previous step could not carry:
+#
+# 1. `torch_neuronx.trace` of the real forward on one core (E2B): proves PLE and KV sharing
+#    compile at all.
+# 2. Hand-driven tensor parallelism with aliased on-device K/V and a CPU-seeded prefill (the field
+#    report's E4B): two cores. Its per-rank tracer ran out of memory at 31B and is unsupported since
+#    SDK 2.27, so this cookbook teaches it on CPU and compiles E4B with step 3 on inf2.
+# 3. NxD `ModelBuilder` (E4B, 12B, 31B, 26B-A4B): compile one rank, shard the weights per rank. This
+#    is what carries the 31B at TP=8 and, with static experts and a runtime rank, the MoE.
+
+# %%
+nb.recipe_table()
+
+# %% [markdown]
+# ## The last run
+#
+# The newest record of each variant in `results_dir`: the checks, and the benchmark figures. In
+# the smoke profile these are tiny models on a CPU; the bar colour says whether every check passed.
+
+# %%
+results = nb.load_results(results_dir)
+nb.results_table(results)
+
+# %%
+plots.checks_grid(results)
+
+# %%
+plots.family_metrics(results)
+
+# %% [markdown]
+# ## Why equality is not enough
+#
+# SEQ_MATCH compares the device with a reference that runs the same input through the same
+# weights. Anything wrong *before* that point (the prompt, the embedding scale, the PLE wiring)
+# is wrong in both, and they still agree. The field report met this in every port; the 31B's
+# version was a chat prompt written by hand in Gemma 3's format. Here it is on a tiny model, with
+# the graphs run eagerly (no compile) so the cell is quick: the correct template and the
+# hand-built one both pass SEQ_MATCH, and only the coherence check tells them apart.
+
+# %%
+demo = PortSettings(variant=demo_variant, backend="eager", prompt=prompt, expect=expect, max_new_tokens=16)
+demo_model = load_model(demo)
+demo_graphs = compile_graphs(demo_model, demo)
+equality_demo = nb.equality_is_not_enough(demo_model, demo_graphs.runtime, demo)
+equality_demo
+
+# %% [markdown]
+# The overview records what it showed, so a headless run keeps it with the variant records.
+
+# %%
+overview = {
+    "notebook": "00_overview",
+    "kind": "overview",
+    "profile": profile,
+    "variants_found": sorted(results),
+    "equality_demo": equality_demo.to_dict(),
+}
+nb.save_record(results_path, overview)
+overview["variants_found"]
+
+# %% [markdown]
+# ## Four things to keep
+#
+# 1. Trace the real forward. What breaks vendor graph builders (KV sharing, routing) often traces
+#    as ordinary data flow.
+# 2. Let the recipe grow with the model, and move to compile-one-rank before the all-ranks
+#    approach runs out of memory.
+# 3. "Effective" and "active" sizes describe compute. Memory has to hold everything.
+# 4. Equal to the reference is necessary and not sufficient: always check the answer too.

@@ -1,0 +1,548 @@
+# ---
+# jupyter:
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+#   language_info:
+#     name: python
+# ---
+
+# %% [markdown]
+# # Gemma-4 E2B: per-layer embeddings on the host, and layers that borrow their K/V
+#
+# E2B is the smallest of the five and the one where the architecture is hardest to port: two of
+# its features, per-layer embeddings and cross-layer KV sharing, are exactly what the vendor graph
+# builders cannot express. This notebook ports it the way the field report did on one NeuronCore,
+# by tracing transformers' real forward, and checks the result two ways.
+#
+# ### Runs on
+#
+# | | `full` profile (inf2) | `smoke` profile (any CPU) |
+# |---|---|---|
+# | machine | `inf2.xlarge`: 1 Inferentia2 chip(s), 2 NeuronCores, 32 GiB HBM, 820 GiB/s | any x86-64 or arm64 machine; two shared cores are enough |
+# | TP degree | 1 (trace recipe) | 1 for the port; a CPU run with one process per rank shows TP |
+# | memory per core (computed, `python -m gemma4lib doctor`) | 4.2 GiB bf16 weights + 0.02 GiB K/V at 2,048 tokens + 2 GiB working allowance (unverified on inf2) = 6.3 of 16 GiB HBM | a few MB |
+# | host RAM for the compile | 16 GiB on the instance; ~14 GB estimated (host model + one copy of the device weights (weights not inlined into the NEFF)); the model is loaded in bf16 on the host before it is compiled | under 2 GiB |
+# | software | Deep Learning AMI Neuron (Ubuntu 24.04), venv `aws_neuronx_venv_pytorch_2_9_nxd_inference` (Python 3.12), Neuron SDK 2.28: torch-neuronx 2.9.0.2.12.22436, neuronx-cc 2.23.6484.0, neuronx-distributed 0.17.26814, libneuronxla 2.2.15515.0; + transformers 5.23.0 | torch 2.13 (CPU), transformers 5.23.0, AOTInductor as the compiler |
+# | model | `google/gemma-4-E2B-it` (bf16, gated: `HF_TOKEN` from the environment) | a tiny trained model of the same architecture: PLE + KV sharing (10 layers, 4 KV-shared) |
+
+# %% [markdown]
+# ## Parameters
+#
+# The next cell is the notebook's only input. It is tagged `parameters`, so
+# [papermill](https://papermill.readthedocs.io) can replace any value from the command line; its
+# defaults run the `smoke` profile on this machine's CPU. On an `inf2.xlarge` with the Neuron SDK,
+# the same notebook runs the real model:
+#
+# ```
+# papermill notebooks/01_e2b.ipynb out.ipynb -y "{profile: full, backend: neuron, tp_degree: 1,
+#     checkpoint: google/gemma-4-E2B-it, context_length: 1024, prefill_buckets: [128]}"
+# ```
+#
+# `python -m papermill_runs run --profile full` does the same for every notebook (the full profile's
+# values live in `papermill_runs/profiles.json`). The Hugging Face token is read from `HF_TOKEN`
+# in the environment; it is never a parameter, so it never lands in an executed notebook.
+
+# %% tags=["parameters"]
+variant = "e2b"
+profile = "smoke"  # "smoke": tiny model on CPU; "full": the real checkpoint on inf2
+model = "auto"  # smoke: the tiny trained fixture; "random" for equality-only runs
+checkpoint = None  # full: a hub id or local folder, e.g. "google/gemma-4-E2B-it"
+backend = "cpu"  # full: "neuron"
+tp_degree = 1  # full: 1
+prompt = "What is the capital of France?"
+expect = "Paris"  # coherence: the answer must contain this
+max_new_tokens = 32
+context_length = 128  # the compiled K/V length
+prefill_buckets = [64]  # compiled prompt lengths
+ring_kv = True  # sliding layers keep only their window of K/V (a ring); False: full-length buffers
+warmup = 1
+iters = 3
+threads = 1  # torch threads for the benchmark (recorded with it)
+results_path = "../runs/notebooks/e2b.json"
+interactive = False  # True: show the chat box at the end (needs a live Jupyter front end)
+
+# %% [markdown]
+# ## Setup
+#
+# One thread for torch: the benchmark figures are recorded with their thread count, and on a
+# shared machine more threads mostly measure the neighbours. `demos` collects what the
+# demonstration cells find; it is saved in the run's record next to the metrics.
+
+# %%
+# %matplotlib inline
+import time
+
+import torch
+
+from IPython.display import display
+
+from gemma4lib import checks, notebook as nb, plots
+from gemma4lib.backends.base import PREFILL_EXPERTS
+from gemma4lib.benchmarks.timing import benchmark
+from gemma4lib.graph import DeviceGraph, GraphShape
+from gemma4lib.port import PortSettings, compile_graphs, eos_ids, load_model, prompt_ids
+from gemma4lib.reference import logits_spread, reference_greedy, teacher_forced_logits
+
+torch.set_num_threads(threads)
+started = time.perf_counter()
+demos = {}
+
+# %% [markdown]
+# `PortSettings` gathers every value a port depends on and checks them before anything is loaded:
+# an unknown variant, profile or backend, or a TP degree whose heads do not split evenly, fails
+# here with a message that says what to pick instead, not thirty minutes into a compile.
+
+# %%
+s = PortSettings(
+    variant=variant,
+    profile=profile,
+    model=model,
+    checkpoint=checkpoint,
+    backend=backend,
+    tp_degree=tp_degree,
+    prompt=prompt,
+    expect=expect,
+    max_new_tokens=max_new_tokens,
+    context_length=context_length,
+    prefill_buckets=tuple(prefill_buckets),
+    ring_kv=ring_kv,
+    warmup=warmup,
+    iters=iters,
+)
+nb.show_settings(s)
+
+# %% [markdown]
+# ## 1. Load the model
+#
+# The released checkpoint is a multimodal `*ForConditionalGeneration`. The port needs only its
+# text decoder and the tied LM head, so the loader keeps `model.language_model` as a
+# `*ForCausalLM`. That one module plays two roles from here on: it is the **reference**
+# (transformers' own forward, run on the host in fp32) and the **source of the weights** that the
+# device graph is built from. In the smoke profile it is the tiny trained fixture: same
+# architecture, a few MB, trained on a small synthetic chat corpus so that it really answers the
+# question.
+
+# %%
+model = load_model(s)
+nb.describe_model(model)
+
+# %% [markdown]
+# The prompt goes through the tokenizer's own chat template. Gemma-4 marks turns with
+# `<|turn>` and `<turn|>` (ids 105 and 106); a template written by hand is the classic way to
+# feed the model a prompt it was never trained on.
+
+# %%
+ids = prompt_ids(model, s)
+nb.show_prompt(model, ids)
+
+# %% [markdown]
+# ### The host side: embeddings looked up before the device
+#
+# The device never sees token ids. The host looks them up in transformers' own tables and hands the
+# graph the result: `embed_tokens` is Gemma's scaled embedding (it multiplies by √hidden inside, so
+# nothing is left to forget), and on the E models `get_per_layer_inputs` gives the per-layer
+# embeddings (PLE), `[batch, tokens, layers, ple_dim]`. transformers' forward accepts both as
+# `inputs_embeds=` and `per_layer_inputs=`. Keeping the lookups on the host keeps the 262,144-row
+# tables off the device, where they would take memory and bandwidth for a few rows read per token.
+
+# %%
+prompt_tensor = torch.tensor([ids])
+text_model = model.text_model  # transformers' Gemma-4 text model: embedding tables, layers, final norm
+has_ple = getattr(text_model, "embed_tokens_per_layer", None) is not None
+with torch.no_grad():
+    inputs_embeds = text_model.embed_tokens(prompt_tensor)  # [1, tokens, hidden], already × √hidden
+    per_layer_inputs = text_model.get_per_layer_inputs(prompt_tensor) if has_ple else None
+{
+    "inputs_embeds": tuple(inputs_embeds.shape),
+    "per_layer_inputs": per_layer_inputs is not None and tuple(per_layer_inputs.shape),
+}
+
+# %% [markdown]
+# ## What makes E2B different
+#
+# ### Per-layer embeddings (PLE), kept on the host
+#
+# Besides the usual word embedding, every token looks up a second, much larger table that holds a
+# small vector **for each decoder layer** (256 numbers per layer in the released model). Each layer
+# mixes its slice into the residual stream. The table is a lookup, not a matrix multiply, and in the
+# released E2B it is half of all text parameters: shipping it to the accelerator would spend most
+# of a core's memory on rows that are read a handful at a time.
+
+# %%
+nb.ple_report(model)
+
+# %% [markdown]
+# transformers lets the caller compute both inputs outside the model (`embed_tokens(ids)` and
+# `get_per_layer_inputs(ids)`) and pass them as `inputs_embeds=` and `per_layer_inputs=`. The port
+# does exactly that on the host. The cell below runs the reference both ways and compares the
+# logits: they are bit-identical, so moving the lookup costs nothing in accuracy.
+
+# %%
+# the reference twice: from token ids, and from the host-side inputs computed above
+with torch.no_grad():
+    from_ids = model.lm(input_ids=prompt_tensor).logits
+    from_host = model.lm(inputs_embeds=inputs_embeds, per_layer_inputs=per_layer_inputs).logits
+diff = float((from_ids - from_host).abs().max())
+demos["ple_on_host"] = {
+    "max_abs_logit_diff": diff,
+    "identical": diff == 0.0,
+    "host_inputs": {"inputs_embeds": tuple(inputs_embeds.shape), "per_layer_inputs": tuple(per_layer_inputs.shape)},
+}
+demos["ple_on_host"]
+
+# %% [markdown]
+# ### "Effective" size is an accounting, not a smaller model
+#
+# "E2B" means about two billion parameters do matrix work; the PLE table is the rest. The
+# transformers Gemma-4 code has no MatFormer fields (those belonged to Gemma 3n), so nothing is
+# sliced away at load time. Budget memory for what the device actually holds.
+
+# %%
+nb.effective_size("e2b")
+
+# %% [markdown]
+# ### Layers that borrow their K/V
+#
+# The last layers of E2B compute no keys or values of their own: each reads the K/V of the last
+# earlier layer of the same attention type (sliding or full). Only the producer layers need cache
+# buffers. This is the feature the vendor graph builders cannot express, yet it traces without
+# trouble: in transformers' forward the borrowed K/V is an ordinary data dependency. Here is the
+# tiny model's layout, then the same arithmetic for the released model.
+
+# %%
+# From the config alone: the last `num_kv_shared_layers` layers borrow, each from the last earlier
+# layer of its own attention type. The library's K/V layout must agree (the assert).
+config = model.config
+first_shared = config.num_hidden_layers - config.num_kv_shared_layers
+last_of_type = {
+    kind: max(i for i in range(first_shared) if config.layer_types[i] == kind) for kind in set(config.layer_types)
+}
+borrows_from = {i: last_of_type[config.layer_types[i]] for i in range(first_shared, config.num_hidden_layers)}
+assert borrows_from == {lay.index: lay.producer for lay in model.layout.layers if not lay.owns_buffer}
+print(f"layers {first_shared}..{config.num_hidden_layers - 1} borrow K/V: {borrows_from}")
+nb.kv_sharing_report(model)
+
+# %%
+plots.kv_layout(model.layout)
+
+# %%
+nb.kv_sharing_real("e2b", context_length=2048)
+
+# %%
+plots.kv_layout(nb.real_layout("e2b"), "released E2B: who owns K/V, who borrows it")
+
+# %% [markdown]
+# ## 2. Build the device graph
+#
+# The device graph is transformers' own decoder forward with three things changed: the K/V cache
+# is a set of explicit, fixed-size buffers written at a position that arrives as a tensor (so one
+# compiled decode graph serves every step), the attention masks are built from that position and
+# passed in, and the embedding tables stay outside (their lookups happen on the host). The final
+# logit softcap is left off: `30·tanh(x/30)` is monotonic, so greedy argmax does not need it. For E2B there are two host-side inputs: the scaled word embeddings and the PLE inputs, one 16-wide vector per layer per token in the tiny model (256-wide in the real one).
+#
+# Without the explicit buffers the stock static cache branches on a Python integer, and the graph
+# would be valid for a single position only.
+
+# %%
+# One prefill graph per compiled prompt length (bucket) and one decode graph (one token), all
+# wrapping the model's own modules: nothing is copied, the compiled program gets the weights at load.
+prefill = {
+    bucket: DeviceGraph(
+        model.text_model,
+        model.lm_head,
+        model.layout,  # which layers own a K/V buffer, with how many heads and what head_dim
+        GraphShape(batch=1, tokens=bucket, context_length=s.context_length, ring=s.ring_kv),
+        expert_form=PREFILL_EXPERTS,  # MoE only: prefill computes every expert
+    )
+    for bucket in s.prefill_buckets
+}
+decode = DeviceGraph(
+    model.text_model,
+    model.lm_head,
+    model.layout,
+    GraphShape(batch=1, tokens=1, context_length=s.context_length, ring=s.ring_kv),
+    expert_form=s.decode_experts,
+)
+example = decode.example_inputs()  # what a compiler traces with
+print("decode graph inputs:", [tuple(t.shape) for t in example])
+nb.describe_graphs(prefill, decode)
+
+# %% [markdown]
+# ## 3. Compile
+#
+# In the smoke profile the compiler is PyTorch's own: `torch.export` (non-strict: strict mode
+# silently drops the in-place K/V updates) and AOTInductor, which writes a loadable package per
+# graph. The packages go into an artifact cache keyed by everything that changes the program, so
+# a second run loads them in a second instead of compiling again. On inf2, E2B's recipe hands these graphs to `torch_neuronx.trace` on one NeuronCore, with the K/V buffers held as parameters and aliased to the outputs that update them.
+
+# %%
+# The CPU compiler. These functions are gemma4lib.compile_cpu's own lines, copied here to be read
+# (tests/test_notebooks.py fails if a copy and the library differ):
+# library: gemma4lib.compile_cpu
+import torch
+
+from gemma4lib.compile_cpu import DEFAULT_COMPILER_OPTIONS, load_weights
+
+
+def export_graph(graph):
+    with torch.no_grad():
+        return torch.export.export(graph, graph.example_inputs(), strict=False)
+
+
+def package_program(program, package_path, options):
+    return torch._inductor.aoti_compile_and_package(program, package_path=package_path, inductor_configs=options)
+
+
+def load_package(package_path, graph):
+    runner = torch._inductor.aoti_load_package(package_path)
+    load_weights(runner, graph)
+    return runner
+
+
+program = export_graph(decode)  # a few seconds: the program AOTInductor would compile, and the cache's key
+inputs_written = program.graph_signature.user_inputs_to_mutate
+print(f"exported decode graph: {len(program.graph.nodes)} nodes; {len(inputs_written)} K/V inputs written in place")
+DEFAULT_COMPILER_OPTIONS
+
+# %%
+# The inf2 compile, E2B's trace recipe: gemma4lib.recipes.neuron_trace's own lines (a test keeps the
+# copies equal). Defining them runs anywhere; only `torch_neuronx` calls need the Neuron SDK.
+# library: gemma4lib.recipes.neuron_trace
+import torch
+
+from gemma4lib.graph import DeviceGraph, GraphShape
+from gemma4lib.recipes import neuron_env
+from gemma4lib.recipes.common import KVParamModule
+from gemma4lib.recipes.neuron_trace import PURPOSE
+
+
+def build_kv_module(loaded, context_length, *, ring=False):
+    graph = DeviceGraph(
+        loaded.text_model, loaded.lm_head, loaded.layout, GraphShape(1, 1, context_length, ring), inplace=False
+    )
+    return KVParamModule(graph).eval()
+
+
+def compile_trace(loaded, context_length, *, ring=False, compiler_workdir=None, compiler_args=None):
+    torch_neuronx = neuron_env.require("torch_neuronx", PURPOSE)
+    module = build_kv_module(loaded, context_length, ring=ring)
+    return torch_neuronx.trace(  # inf2-only
+        module,
+        module.example_inputs(),
+        input_output_aliases=module.aliases(),
+        inline_weights_to_neff=False,
+        compiler_workdir=compiler_workdir,
+        compiler_args=list(compiler_args or neuron_env.compiler_args("decode")),
+    )
+
+
+def load(path, core=0):
+    torch_neuronx = neuron_env.require("torch_neuronx", PURPOSE)
+    traced = torch.jit.load(str(path))  # inf2-only (the artifact holds a NEFF)
+    torch_neuronx.move_trace_to_device(traced, core)  # inf2-only: separated weights go to HBM once
+    return traced
+
+
+# What torch_neuronx.trace receives, built here on the CPU: the decode graph with its K/V as
+# parameters, each aliased to the output that carries its update.
+module = build_kv_module(model, s.context_length, ring=s.ring_kv)
+print(
+    f"{len(module.aliases())} K/V parameters aliased to outputs; example inputs:",
+    [tuple(t.shape) for t in module.example_inputs()],
+)
+
+# %%
+if backend == "neuron":
+    # inf2: compile_trace and load above, the artifact cached like the CPU packages, then the host runtime over it.
+    # Neuron builds its own graph form (K/V as aliased parameters) from the model.
+    compiled = compile_graphs(model, s, progress=True)
+elif tp_degree == 1:
+    # CPU: the graphs built above; export_graph -> package_program (only on a cache miss) -> load_package
+    # for each, then the host runtime over the compiled steps and one shared set of K/V buffers.
+    compiled = compile_graphs(model, s, graphs=(prefill, decode), progress=True)
+else:
+    compiled = compile_graphs(model, s, progress=True)  # CPU at TP > 1: one process per rank (gloo)
+nb.describe_compile(compiled)
+
+# %% [markdown]
+# ## 4. Generate on the device
+#
+# This is the whole serving loop. The host embeds the prompt and runs the smallest prefill graph
+# that holds it: one call fills the K/V buffers for every prompt position and returns the logits of
+# the last one. Then the decode graph runs once per new token, at the next position, until
+# `<eos>`/`<turn|>` or `max_new_tokens`. The position and the prompt length are tensors, not Python
+# numbers: that is what lets one compiled decode graph serve every step. The raw logits of every
+# step are kept for the logit check. `runtime.generate` (used by the benchmark and the chat box) is
+# this loop with timing and sampling added.
+
+# %%
+runtime, eos = compiled.runtime, eos_ids(model)
+bucket = runtime.check_fits(ids, s.max_new_tokens)  # the smallest compiled prompt length that holds the prompt
+one = torch.tensor([1])
+tokens, step_logits = [], []
+with torch.no_grad():
+    # prefill: the whole prompt at once, zero-padded to the bucket; writes K/V at positions 0..n-1
+    inputs = runtime.embed(torch.tensor([ids]), pad_to=bucket)  # [inputs_embeds(, per_layer_inputs)]
+    logits = runtime.prefill[bucket](*inputs, torch.tensor([0]), torch.tensor([len(ids)]), *runtime.kv)[0]
+    while True:
+        step_logits.append(logits.float().clone())  # kept for LOGITS_MATCH
+        tokens.append(int(logits.argmax()))  # greedy: the softcap is monotonic, argmax does not need it
+        if len(tokens) == s.max_new_tokens or tokens[-1] in eos:
+            break
+        # decode: the last token at the next position; the graph writes its K/V into the buffers
+        position = torch.tensor([len(ids) + len(tokens) - 1])
+        logits = runtime.decode(*runtime.embed(torch.tensor([[tokens[-1]]])), position, one, *runtime.kv)[0]
+step_logits = torch.stack(step_logits)
+nb.answer_text(model, tokens)
+
+# %% [markdown]
+# ## 5. The reference
+#
+# The same prompt through transformers' `generate` on the host in fp32, greedy, same stop tokens.
+
+# %%
+reference = reference_greedy(model.lm, ids, s.max_new_tokens, eos_ids(model))
+nb.answer_text(model, reference)
+
+# %% [markdown]
+# ## 6. SEQ_MATCH, LOGITS_MATCH and coherence, side by side
+#
+# Three checks, because none implies the others. **SEQ_MATCH** (the device's tokens equal the
+# reference's, one for one) shows the compiled graph is faithful to transformers' forward, as far
+# as tokens can show it: this model answers with margins of several logits, so an error of 0.1 in
+# every logit leaves every token alone. **LOGITS_MATCH** compares the device's logits at every
+# generated position, prefill and each decode step, with the reference's logits for the same
+# tokens (one forward over prompt + device tokens), within a tolerance taken from the reference's
+# own rounding on that sequence: 8 × the largest difference between the reference and a float64
+# copy of itself, never below 1e-5. **Coherence** (the answer contains "Paris") shows that what
+# both of them computed is right. A fault upstream of both, like a mangled chat prompt or wrong PLE
+# inputs, passes both equality checks and fails only the last.
+
+# %%
+# LOGITS_MATCH: the reference's logits for the very tokens the device chose (one teacher-forced
+# forward over prompt + device tokens), and how far the reference moves when run in float64.
+ref_logits = teacher_forced_logits(model.lm, ids, tokens)
+spread, precise = logits_spread(model.lm, ids, tokens, ref_logits)
+cap = model.config.final_logit_softcapping  # the graph leaves it off; the comparison applies it
+logits_check = checks.compare_logits(step_logits, ref_logits, spread, cap, len(ids), precise)
+# coherence: the answer must contain `expect` (only a model with a tokenizer has an answer to read)
+coherence = checks.expect_substring(s.expect) if s.expect and model.tokenizer is not None else None
+answer, reference_answer = checks.answer_text(model.tokenizer, tokens), checks.answer_text(model.tokenizer, reference)
+report = checks.run_checks(tokens, reference, answer, reference_answer, coherence, logits_check)  # + SEQ_MATCH
+print(f"SEQ_MATCH {report.seq_match}  LOGITS_MATCH {report.logits_match}  coherent {report.coherent}")
+print(logits_check.explain())
+nb.side_by_side(report, tokens, reference)
+
+# %% [markdown]
+# ### The witness
+#
+# The same compiled programs also run a seeded random-weights model of this architecture (the
+# weights are handed to the compiled program at load time; the buffers the compiler folds in,
+# such as `layer_scalar`, hold the same values in both tiny models). Random weights have near-ties
+# where the trained model has margins of several logits, so any logit error turns into another
+# token: the witness's SEQ_MATCH and LOGITS_MATCH are the sensitive checks, the trained model's
+# coherence the meaningful one. It runs in the smoke profile.
+
+# %%
+witness = nb.run_witness(s, compiled) if s.wants_witness else None
+nb.witness_table(witness)
+
+# %% [markdown]
+# ## 7. Benchmark
+#
+# Median prefill latency and decode throughput over `iters` full generations after `warmup`
+# untimed ones.
+#
+# Batch-1 decode does almost no arithmetic per byte: every step reads each device weight and
+# every K/V buffer once, so no implementation can beat *bandwidth ÷ bytes per step*. That ceiling
+# is how to judge a decode figure. Here it is computed from this model's shapes and the forms it was
+# compiled with (ring or full-length K/V, selective or dense experts), over the bandwidth of the
+# machine that ran it: measured a moment ago on a CPU, the HBM of the cores in use on inf2. The
+# right-hand column does the same for the released model on its inf2 instance, next to the field
+# report's figure. A tiny model on a CPU sits far below its ceiling: its few MB of weights stay in
+# cache and a fixed per-step cost dominates. Compare smoke figures with earlier smoke runs
+# (papermill_runs does), never with inf2.
+
+# %%
+figures = benchmark(compiled.runtime, ids, s.max_new_tokens, s.warmup, s.iters)
+ceiling = nb.measured_vs_ceiling(model, s, figures)
+nb.bench_table(figures, s, ceiling)
+
+# %% [markdown]
+# ## 8. Record
+#
+# One JSON file per run: settings, the three checks (and the witness's), tokens, timings, the K/V
+# layout, package versions, git commit and machine, plus what the demonstrations found. It is
+# written atomically to `results_path`; `papermill_runs` collects these files and compares them
+# with the baselines.
+
+# %%
+result = nb.record(
+    s,
+    model,
+    ids,
+    compiled,
+    tokens,
+    reference,
+    report,
+    figures,
+    results_path,
+    started,
+    extra={"demos": demos, "roofline": ceiling},
+    witness=witness,
+)
+{
+    k: result.get(k)
+    for k in (
+        "variant",
+        "compiler",
+        "seq_match",
+        "logits_match",
+        "coherent",
+        "checks_passed",
+        "prefill_ms",
+        "decode_tok_s",
+        "compile_s",
+    )
+}
+
+# %% [markdown]
+# ## 9. Plots
+#
+# Token by token, device over reference (green where equal); every timed benchmark run; and
+# decode against its ceiling, this run's and the released model's on inf2.
+
+# %%
+plots.token_match(result)
+
+# %%
+plots.bench_runs(result)
+
+# %%
+plots.measured_vs_ceiling([ceiling, ceiling["released_inf2"]])
+
+# %% [markdown]
+# ## 10. Chat (optional)
+#
+# With `interactive = True` and a live Jupyter front end this cell shows a text box that sends
+# your question through the compiled graphs. Run headless (papermill, CI) it does nothing.
+
+# %%
+if interactive:
+    display(nb.chat(compiled.runtime, model, s))
+
+# %% [markdown]
+# ## Takeaways
+#
+# - Keep the PLE table on the host: it is half of E2B's parameters and it is only ever indexed.
+#   Passing `inputs_embeds` and `per_layer_inputs` gives bit-identical results.
+# - KV sharing needs no special handling when the real forward is traced; only producer layers
+#   get buffers (15 of 35 in the released model).
+# - Check SEQ_MATCH **and** the answer. The original "gibberish" endpoint that started this work
+#   loaded a real model and wired the PLE path and embedding scale wrongly: a text check catches
+#   that, an equality check cannot.
+#
+# To run the real thing, see the parameters cell: `profile="full"`, `backend="neuron"`,
+# `tp_degree=1`, and a checkpoint. Everything above runs unchanged.

@@ -1,0 +1,600 @@
+# ---
+# jupyter:
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+#   language_info:
+#     name: python
+# ---
+
+# %% [markdown]
+# # Gemma-4 E4B: the same tricks at twice the size, split over two cores
+#
+# E4B is E2B widened: the same per-layer embeddings and KV sharing, twice the weights. It no
+# longer fits comfortably on one NeuronCore, so this is where tensor parallelism enters, and with it
+# the question of how the KV heads are split.
+#
+# ### Runs on
+#
+# | | `full` profile (inf2) | `smoke` profile (any CPU) |
+# |---|---|---|
+# | machine | `inf2.8xlarge`: 1 Inferentia2 chip(s), 2 NeuronCores, 32 GiB HBM, 820 GiB/s | any x86-64 or arm64 machine; two shared cores are enough |
+# | TP degree | 2 (model_builder recipe) | 1 for the port; a CPU run with one process per rank shows TP |
+# | memory per core (computed, `python -m gemma4lib doctor`) | 4.4 GiB bf16 weights + 0.03 GiB K/V at 2,048 tokens + 2 GiB working allowance (unverified on inf2) = 6.4 of 16 GiB HBM | a few MB |
+# | host RAM for the compile | 128 GiB on the instance; ~45 GB estimated (3 x text weights (module + checkpoint + shards)); the model is loaded in bf16 on the host before it is compiled | under 2 GiB |
+# | software | Deep Learning AMI Neuron (Ubuntu 24.04), venv `aws_neuronx_venv_pytorch_2_9_nxd_inference` (Python 3.12), Neuron SDK 2.28: torch-neuronx 2.9.0.2.12.22436, neuronx-cc 2.23.6484.0, neuronx-distributed 0.17.26814, libneuronxla 2.2.15515.0; + transformers 5.23.0 | torch 2.13 (CPU), transformers 5.23.0, AOTInductor as the compiler |
+# | model | `google/gemma-4-E4B-it` (bf16, gated: `HF_TOKEN` from the environment) | a tiny trained model of the same architecture: PLE + KV sharing (12 layers, 5 KV-shared) |
+
+# %% [markdown]
+# ## Parameters
+#
+# The next cell is the notebook's only input. It is tagged `parameters`, so
+# [papermill](https://papermill.readthedocs.io) can replace any value from the command line; its
+# defaults run the `smoke` profile on this machine's CPU. On an `inf2.8xlarge` with the Neuron SDK,
+# the same notebook runs the real model:
+#
+# ```
+# papermill notebooks/02_e4b.ipynb out.ipynb -y "{profile: full, backend: neuron, tp_degree: 2,
+#     checkpoint: google/gemma-4-E4B-it, context_length: 1024, prefill_buckets: [128], tp_demo: 0}"
+# ```
+#
+# `python -m papermill_runs run --profile full` does the same for every notebook (the full profile's
+# values live in `papermill_runs/profiles.json`). The Hugging Face token is read from `HF_TOKEN`
+# in the environment; it is never a parameter, so it never lands in an executed notebook.
+
+# %% tags=["parameters"]
+variant = "e4b"
+profile = "smoke"  # "smoke": tiny model on CPU; "full": the real checkpoint on inf2
+model = "auto"  # smoke: the tiny trained fixture; "random" for equality-only runs
+checkpoint = None  # full: a hub id or local folder, e.g. "google/gemma-4-E4B-it"
+backend = "cpu"  # full: "neuron"
+tp_degree = 1  # full: 2
+prompt = "What is the capital of France?"
+expect = "Paris"  # coherence: the answer must contain this
+max_new_tokens = 32
+context_length = 128  # the compiled K/V length
+prefill_buckets = [64]  # compiled prompt lengths
+ring_kv = True  # sliding layers keep only their window of K/V (a ring); False: full-length buffers
+warmup = 1
+iters = 3
+threads = 1  # torch threads for the benchmark (recorded with it)
+tp_demo = 2  # ranks in the CPU tensor-parallel demonstration (0: skip)
+results_path = "../runs/notebooks/e4b.json"
+interactive = False  # True: show the chat box at the end (needs a live Jupyter front end)
+
+# %% [markdown]
+# ## Setup
+#
+# One thread for torch: the benchmark figures are recorded with their thread count, and on a
+# shared machine more threads mostly measure the neighbours. `demos` collects what the
+# demonstration cells find; it is saved in the run's record next to the metrics.
+
+# %%
+# %matplotlib inline
+import time
+
+import torch
+
+from IPython.display import display
+
+from gemma4lib import checks, notebook as nb, plots
+from gemma4lib.backends.base import PREFILL_EXPERTS
+from gemma4lib.benchmarks.timing import benchmark
+from gemma4lib.graph import DeviceGraph, GraphShape
+from gemma4lib.port import PortSettings, compile_graphs, eos_ids, load_model, prompt_ids
+from gemma4lib.reference import logits_spread, reference_greedy, teacher_forced_logits
+
+torch.set_num_threads(threads)
+started = time.perf_counter()
+demos = {}
+
+# %% [markdown]
+# `PortSettings` gathers every value a port depends on and checks them before anything is loaded:
+# an unknown variant, profile or backend, or a TP degree whose heads do not split evenly, fails
+# here with a message that says what to pick instead, not thirty minutes into a compile.
+
+# %%
+s = PortSettings(
+    variant=variant,
+    profile=profile,
+    model=model,
+    checkpoint=checkpoint,
+    backend=backend,
+    tp_degree=tp_degree,
+    prompt=prompt,
+    expect=expect,
+    max_new_tokens=max_new_tokens,
+    context_length=context_length,
+    prefill_buckets=tuple(prefill_buckets),
+    ring_kv=ring_kv,
+    warmup=warmup,
+    iters=iters,
+)
+nb.show_settings(s)
+
+# %% [markdown]
+# ## 1. Load the model
+#
+# The released checkpoint is a multimodal `*ForConditionalGeneration`. The port needs only its
+# text decoder and the tied LM head, so the loader keeps `model.language_model` as a
+# `*ForCausalLM`. That one module plays two roles from here on: it is the **reference**
+# (transformers' own forward, run on the host in fp32) and the **source of the weights** that the
+# device graph is built from. In the smoke profile it is the tiny trained fixture: same
+# architecture, a few MB, trained on a small synthetic chat corpus so that it really answers the
+# question.
+
+# %%
+model = load_model(s)
+nb.describe_model(model)
+
+# %% [markdown]
+# The prompt goes through the tokenizer's own chat template. Gemma-4 marks turns with
+# `<|turn>` and `<turn|>` (ids 105 and 106); a template written by hand is the classic way to
+# feed the model a prompt it was never trained on.
+
+# %%
+ids = prompt_ids(model, s)
+nb.show_prompt(model, ids)
+
+# %% [markdown]
+# ### The host side: embeddings looked up before the device
+#
+# The device never sees token ids. The host looks them up in transformers' own tables and hands the
+# graph the result: `embed_tokens` is Gemma's scaled embedding (it multiplies by √hidden inside, so
+# nothing is left to forget), and on the E models `get_per_layer_inputs` gives the per-layer
+# embeddings (PLE), `[batch, tokens, layers, ple_dim]`. transformers' forward accepts both as
+# `inputs_embeds=` and `per_layer_inputs=`. Keeping the lookups on the host keeps the 262,144-row
+# tables off the device, where they would take memory and bandwidth for a few rows read per token.
+
+# %%
+prompt_tensor = torch.tensor([ids])
+text_model = model.text_model  # transformers' Gemma-4 text model: embedding tables, layers, final norm
+has_ple = getattr(text_model, "embed_tokens_per_layer", None) is not None
+with torch.no_grad():
+    inputs_embeds = text_model.embed_tokens(prompt_tensor)  # [1, tokens, hidden], already × √hidden
+    per_layer_inputs = text_model.get_per_layer_inputs(prompt_tensor) if has_ple else None
+{
+    "inputs_embeds": tuple(inputs_embeds.shape),
+    "per_layer_inputs": per_layer_inputs is not None and tuple(per_layer_inputs.shape),
+}
+
+# %% [markdown]
+# ## What makes E4B different
+#
+# E4B has E2B's architecture at a larger width: per-layer embeddings, KV-shared layers, and 2 KV
+# heads per layer instead of 1. The PLE table is again kept on the host.
+
+# %%
+nb.ple_report(model)
+
+# %%
+# the reference twice: from token ids, and from the host-side inputs computed above
+with torch.no_grad():
+    from_ids = model.lm(input_ids=prompt_tensor).logits
+    from_host = model.lm(inputs_embeds=inputs_embeds, per_layer_inputs=per_layer_inputs).logits
+diff = float((from_ids - from_host).abs().max())
+demos["ple_on_host"] = {
+    "max_abs_logit_diff": diff,
+    "identical": diff == 0.0,
+    "host_inputs": {"inputs_embeds": tuple(inputs_embeds.shape), "per_layer_inputs": tuple(per_layer_inputs.shape)},
+}
+demos["ple_on_host"]
+
+# %% [markdown]
+# The KV-sharing consumers read the buffers of the last non-shared sliding and full layers
+# (22 and 23 in the released model).
+
+# %%
+# From the config alone: the last `num_kv_shared_layers` layers borrow, each from the last earlier
+# layer of its own attention type. The library's K/V layout must agree (the assert).
+config = model.config
+first_shared = config.num_hidden_layers - config.num_kv_shared_layers
+last_of_type = {
+    kind: max(i for i in range(first_shared) if config.layer_types[i] == kind) for kind in set(config.layer_types)
+}
+borrows_from = {i: last_of_type[config.layer_types[i]] for i in range(first_shared, config.num_hidden_layers)}
+assert borrows_from == {lay.index: lay.producer for lay in model.layout.layers if not lay.owns_buffer}
+print(f"layers {first_shared}..{config.num_hidden_layers - 1} borrow K/V: {borrows_from}")
+nb.kv_sharing_report(model)
+
+# %%
+nb.kv_sharing_real("e4b", context_length=2048)
+
+# %%
+plots.kv_layout(nb.real_layout("e4b"), "released E4B: who owns K/V, who borrows it")
+
+# %% [markdown]
+# ### Why two cores, and what happens to the KV heads
+#
+# Without its PLE table E4B still holds about 9.3 GB of bf16 weights, more than half of one 16 GiB
+# core before any K/V or compiler scratch space, and decode would read all of it through one core's
+# share of the HBM bandwidth. The field report split it over the two cores of an `inf2.8xlarge`
+# (TP=2) with a hand-driven tensor-parallel recipe: half the weights per core, twice the bandwidth. With 8 Q heads and 2 KV heads per
+# layer, each rank takes 4 Q heads and exactly one KV head, so the KV heads are sharded, not copied.
+#
+# That hand-driven recipe traced every rank with NxD's `parallel_model_trace`, which the Neuron SDK
+# no longer supports since release 2.27 (it starts one process per rank, and each of them re-imports
+# the SDK without the fixes this cookbook installs). So on inf2 this notebook compiles E4B with NxD
+# `ModelBuilder` at TP=2, the same recipe as the 12B, 31B and 26B-A4B: one process, prefill and
+# decode on the device over one set of K/V states. Hand-driven TP stays what this notebook *teaches*,
+# on the CPU below, because there every step of it is visible.
+
+# %%
+nb.tp_fit("e4b")
+
+# %%
+nb.kv_heads_under_tp("e4b", 2)
+
+# %% [markdown]
+# The same sharding plan, run for real on CPU: one process per rank, each holding only its shard,
+# talking through gloo collectives. Like the E4B recipe on inf2, the prompt is prefilled by the
+# unsharded model on the host and every rank starts decoding from its slice of that K/V
+# ("CPU-seeded prefill"). The tokens must equal the reference's.
+
+# %%
+if tp_demo:
+    demos["tp_cpu"] = nb.tp_demo(model, ids, s, tp_demo, prefill="cpu-seeded")
+    display(demos["tp_cpu"])
+
+# %% [markdown]
+# ## 2. Build the device graph
+#
+# The device graph is transformers' own decoder forward with three things changed: the K/V cache
+# is a set of explicit, fixed-size buffers written at a position that arrives as a tensor (so one
+# compiled decode graph serves every step), the attention masks are built from that position and
+# passed in, and the embedding tables stay outside (their lookups happen on the host). The final
+# logit softcap is left off: `30·tanh(x/30)` is monotonic, so greedy argmax does not need it. As for E2B, the PLE inputs arrive as a graph input computed on the host.
+#
+# Without the explicit buffers the stock static cache branches on a Python integer, and the graph
+# would be valid for a single position only.
+
+# %%
+# One prefill graph per compiled prompt length (bucket) and one decode graph (one token), all
+# wrapping the model's own modules: nothing is copied, the compiled program gets the weights at load.
+prefill = {
+    bucket: DeviceGraph(
+        model.text_model,
+        model.lm_head,
+        model.layout,  # which layers own a K/V buffer, with how many heads and what head_dim
+        GraphShape(batch=1, tokens=bucket, context_length=s.context_length, ring=s.ring_kv),
+        expert_form=PREFILL_EXPERTS,  # MoE only: prefill computes every expert
+    )
+    for bucket in s.prefill_buckets
+}
+decode = DeviceGraph(
+    model.text_model,
+    model.lm_head,
+    model.layout,
+    GraphShape(batch=1, tokens=1, context_length=s.context_length, ring=s.ring_kv),
+    expert_form=s.decode_experts,
+)
+example = decode.example_inputs()  # what a compiler traces with
+print("decode graph inputs:", [tuple(t.shape) for t in example])
+nb.describe_graphs(prefill, decode)
+
+# %% [markdown]
+# ## 3. Compile
+#
+# In the smoke profile the compiler is PyTorch's own: `torch.export` (non-strict: strict mode
+# silently drops the in-place K/V updates) and AOTInductor, which writes a loadable package per
+# graph. The packages go into an artifact cache keyed by everything that changes the program, so
+# a second run loads them in a second instead of compiling again. On inf2 this variant goes through NxD `ModelBuilder`: one rank is compiled, the weights are sharded per rank from a checkpoint loader, the rank number is a runtime tensor, and the decode graph is the priority model whose weight layout the compiler optimises.
+
+# %%
+# The CPU compiler. These functions are gemma4lib.compile_cpu's own lines, copied here to be read
+# (tests/test_notebooks.py fails if a copy and the library differ):
+# library: gemma4lib.compile_cpu
+import torch
+
+from gemma4lib.compile_cpu import DEFAULT_COMPILER_OPTIONS, load_weights
+
+
+def export_graph(graph):
+    with torch.no_grad():
+        return torch.export.export(graph, graph.example_inputs(), strict=False)
+
+
+def package_program(program, package_path, options):
+    return torch._inductor.aoti_compile_and_package(program, package_path=package_path, inductor_configs=options)
+
+
+def load_package(package_path, graph):
+    runner = torch._inductor.aoti_load_package(package_path)
+    load_weights(runner, graph)
+    return runner
+
+
+program = export_graph(decode)  # a few seconds: the program AOTInductor would compile, and the cache's key
+inputs_written = program.graph_signature.user_inputs_to_mutate
+print(f"exported decode graph: {len(program.graph.nodes)} nodes; {len(inputs_written)} K/V inputs written in place")
+DEFAULT_COMPILER_OPTIONS
+
+# %%
+# The inf2 compile, NxD ModelBuilder: gemma4lib.recipes.neuron_model_builder's own lines (a test keeps
+# the copies equal). Defining them runs anywhere; the lines marked inf2-only need the Neuron SDK.
+# library: gemma4lib.recipes.neuron_model_builder
+import json
+from pathlib import Path
+
+import torch
+
+from gemma4lib.recipes import neuron_env
+from gemma4lib.recipes.common import graph_example_inputs
+from gemma4lib.recipes.neuron_model_builder import (
+    PRIORITY,
+    PURPOSE,
+    RECIPE,
+    SHARD_FILE,
+    _instance_class,
+    bucket_expert_forms,
+    bucket_shapes,
+    nxd_checkpoint,
+)
+from gemma4lib.tp.plan import make_plan
+
+
+def compile_model_builder(
+    loaded,
+    tp,
+    out_dir,
+    *,
+    context_length,
+    prefill_len,
+    ring=False,
+    dtype=torch.bfloat16,
+    compiler_workdir=None,
+    decode_experts="dense",
+    expert_split=None,
+):
+    model_builder, GraphInstance = _instance_class()
+    forms = bucket_expert_forms(decode_experts)
+    plan = make_plan(loaded.config, tp, loaded.variant, expert_split=expert_split)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    workdir = Path(compiler_workdir or out / "compiler_workdir")  # ModelBuilder.trace() wipes it: never share
+    checkpoint = nxd_checkpoint(loaded, plan, dtype)
+    # The builder's constructor and `add` are inf2-only too; tests drive them through a recording fake.
+    builder = model_builder.ModelBuilder(  # inf2-only
+        router=None, tp_degree=tp, checkpoint_loader=lambda: dict(checkpoint), compiler_workdir=str(workdir)
+    )
+    for key, shape in bucket_shapes(context_length, prefill_len, ring).items():
+        builder.add(  # inf2-only
+            key=key,
+            model_instance=GraphInstance(loaded.config, plan, shape, dtype, forms[key]),
+            example_inputs=[graph_example_inputs(loaded.config, shape, dtype)],
+            compiler_args=neuron_env.COMPILER_ARGS[shape.phase],
+            priority_model_idx=PRIORITY[key],
+        )
+    traced = builder.trace(initialize_model_weights=False)  # inf2-only
+    torch.jit.save(traced, str(out / "model.pt"))  # inf2-only
+    builder.shard_checkpoint(serialize_path=str(out / "weights"))  # inf2-only
+    manifest = {
+        "recipe": RECIPE,
+        "variant": loaded.variant.name,
+        "tp": tp,
+        "context_length": context_length,
+        "prefill_len": prefill_len,
+        "ring": ring,
+        "dtype": str(dtype),
+        "expert_forms": forms,
+        "expert_split": plan.expert_split,
+        "plan": plan.describe(),
+        "compiler_args": neuron_env.COMPILER_ARGS,
+    }
+    (out / "manifest.json").write_text(json.dumps(manifest, indent=2))
+    return out
+
+
+def load_model_builder(out_dir, tp=None, start_rank=0):
+    neuron_env.require("torch_neuronx", PURPOSE)
+    neuron_env.require("neuronx_distributed", PURPOSE)
+    from safetensors.torch import load_file
+
+    out = Path(out_dir)
+    tp = tp or json.loads((out / "manifest.json").read_text())["tp"]
+    traced = torch.jit.load(str(out / "model.pt"))  # inf2-only
+    weights = [load_file(str(out / "weights" / SHARD_FILE.format(rank=r))) for r in range(start_rank, start_rank + tp)]
+    traced.nxd_model.initialize(weights, torch.tensor([start_rank], dtype=torch.int32))  # inf2-only
+    return traced
+
+
+# The two keys ModelBuilder compiles (decode first: it is the priority model whose weight layout
+# the compiler optimises), and each key's expert form; shown here without compiling.
+{
+    key: (shape, bucket_expert_forms(s.decode_experts)[key])
+    for key, shape in bucket_shapes(s.context_length, max(s.prefill_buckets), s.ring_kv).items()
+}
+
+# %%
+if backend == "neuron":
+    # inf2: compile_model_builder and load_model_builder above, the artifact cached like the CPU packages, then the host runtime over it.
+    # Neuron builds its own graph form (K/V as aliased parameters) from the model.
+    compiled = compile_graphs(model, s, progress=True)
+elif tp_degree == 1:
+    # CPU: the graphs built above; export_graph -> package_program (only on a cache miss) -> load_package
+    # for each, then the host runtime over the compiled steps and one shared set of K/V buffers.
+    compiled = compile_graphs(model, s, graphs=(prefill, decode), progress=True)
+else:
+    compiled = compile_graphs(model, s, progress=True)  # CPU at TP > 1: one process per rank (gloo)
+nb.describe_compile(compiled)
+
+# %% [markdown]
+# ## 4. Generate on the device
+#
+# This is the whole serving loop. The host embeds the prompt and runs the smallest prefill graph
+# that holds it: one call fills the K/V buffers for every prompt position and returns the logits of
+# the last one. Then the decode graph runs once per new token, at the next position, until
+# `<eos>`/`<turn|>` or `max_new_tokens`. The position and the prompt length are tensors, not Python
+# numbers: that is what lets one compiled decode graph serve every step. The raw logits of every
+# step are kept for the logit check. `runtime.generate` (used by the benchmark and the chat box) is
+# this loop with timing and sampling added.
+
+# %%
+runtime, eos = compiled.runtime, eos_ids(model)
+bucket = runtime.check_fits(ids, s.max_new_tokens)  # the smallest compiled prompt length that holds the prompt
+one = torch.tensor([1])
+tokens, step_logits = [], []
+with torch.no_grad():
+    # prefill: the whole prompt at once, zero-padded to the bucket; writes K/V at positions 0..n-1
+    inputs = runtime.embed(torch.tensor([ids]), pad_to=bucket)  # [inputs_embeds(, per_layer_inputs)]
+    logits = runtime.prefill[bucket](*inputs, torch.tensor([0]), torch.tensor([len(ids)]), *runtime.kv)[0]
+    while True:
+        step_logits.append(logits.float().clone())  # kept for LOGITS_MATCH
+        tokens.append(int(logits.argmax()))  # greedy: the softcap is monotonic, argmax does not need it
+        if len(tokens) == s.max_new_tokens or tokens[-1] in eos:
+            break
+        # decode: the last token at the next position; the graph writes its K/V into the buffers
+        position = torch.tensor([len(ids) + len(tokens) - 1])
+        logits = runtime.decode(*runtime.embed(torch.tensor([[tokens[-1]]])), position, one, *runtime.kv)[0]
+step_logits = torch.stack(step_logits)
+nb.answer_text(model, tokens)
+
+# %% [markdown]
+# ## 5. The reference
+#
+# The same prompt through transformers' `generate` on the host in fp32, greedy, same stop tokens.
+
+# %%
+reference = reference_greedy(model.lm, ids, s.max_new_tokens, eos_ids(model))
+nb.answer_text(model, reference)
+
+# %% [markdown]
+# ## 6. SEQ_MATCH, LOGITS_MATCH and coherence, side by side
+#
+# Three checks, because none implies the others. **SEQ_MATCH** (the device's tokens equal the
+# reference's, one for one) shows the compiled graph is faithful to transformers' forward, as far
+# as tokens can show it: this model answers with margins of several logits, so an error of 0.1 in
+# every logit leaves every token alone. **LOGITS_MATCH** compares the device's logits at every
+# generated position, prefill and each decode step, with the reference's logits for the same
+# tokens (one forward over prompt + device tokens), within a tolerance taken from the reference's
+# own rounding on that sequence: 8 × the largest difference between the reference and a float64
+# copy of itself, never below 1e-5. **Coherence** (the answer contains "Paris") shows that what
+# both of them computed is right. A fault upstream of both, like a mangled chat prompt or wrong PLE
+# inputs, passes both equality checks and fails only the last.
+
+# %%
+# LOGITS_MATCH: the reference's logits for the very tokens the device chose (one teacher-forced
+# forward over prompt + device tokens), and how far the reference moves when run in float64.
+ref_logits = teacher_forced_logits(model.lm, ids, tokens)
+spread, precise = logits_spread(model.lm, ids, tokens, ref_logits)
+cap = model.config.final_logit_softcapping  # the graph leaves it off; the comparison applies it
+logits_check = checks.compare_logits(step_logits, ref_logits, spread, cap, len(ids), precise)
+# coherence: the answer must contain `expect` (only a model with a tokenizer has an answer to read)
+coherence = checks.expect_substring(s.expect) if s.expect and model.tokenizer is not None else None
+answer, reference_answer = checks.answer_text(model.tokenizer, tokens), checks.answer_text(model.tokenizer, reference)
+report = checks.run_checks(tokens, reference, answer, reference_answer, coherence, logits_check)  # + SEQ_MATCH
+print(f"SEQ_MATCH {report.seq_match}  LOGITS_MATCH {report.logits_match}  coherent {report.coherent}")
+print(logits_check.explain())
+nb.side_by_side(report, tokens, reference)
+
+# %% [markdown]
+# ### The witness
+#
+# The same compiled programs also run a seeded random-weights model of this architecture (the
+# weights are handed to the compiled program at load time; the buffers the compiler folds in,
+# such as `layer_scalar`, hold the same values in both tiny models). Random weights have near-ties
+# where the trained model has margins of several logits, so any logit error turns into another
+# token: the witness's SEQ_MATCH and LOGITS_MATCH are the sensitive checks, the trained model's
+# coherence the meaningful one. It runs in the smoke profile.
+
+# %%
+witness = nb.run_witness(s, compiled) if s.wants_witness else None
+nb.witness_table(witness)
+
+# %% [markdown]
+# ## 7. Benchmark
+#
+# Median prefill latency and decode throughput over `iters` full generations after `warmup`
+# untimed ones.
+#
+# Batch-1 decode does almost no arithmetic per byte: every step reads each device weight and
+# every K/V buffer once, so no implementation can beat *bandwidth ÷ bytes per step*. That ceiling
+# is how to judge a decode figure. Here it is computed from this model's shapes and the forms it was
+# compiled with (ring or full-length K/V, selective or dense experts), over the bandwidth of the
+# machine that ran it: measured a moment ago on a CPU, the HBM of the cores in use on inf2. The
+# right-hand column does the same for the released model on its inf2 instance, next to the field
+# report's figure. A tiny model on a CPU sits far below its ceiling: its few MB of weights stay in
+# cache and a fixed per-step cost dominates. Compare smoke figures with earlier smoke runs
+# (papermill_runs does), never with inf2.
+
+# %%
+figures = benchmark(compiled.runtime, ids, s.max_new_tokens, s.warmup, s.iters)
+ceiling = nb.measured_vs_ceiling(model, s, figures)
+nb.bench_table(figures, s, ceiling)
+
+# %% [markdown]
+# ## 8. Record
+#
+# One JSON file per run: settings, the three checks (and the witness's), tokens, timings, the K/V
+# layout, package versions, git commit and machine, plus what the demonstrations found. It is
+# written atomically to `results_path`; `papermill_runs` collects these files and compares them
+# with the baselines.
+
+# %%
+result = nb.record(
+    s,
+    model,
+    ids,
+    compiled,
+    tokens,
+    reference,
+    report,
+    figures,
+    results_path,
+    started,
+    extra={"demos": demos, "roofline": ceiling},
+    witness=witness,
+)
+{
+    k: result.get(k)
+    for k in (
+        "variant",
+        "compiler",
+        "seq_match",
+        "logits_match",
+        "coherent",
+        "checks_passed",
+        "prefill_ms",
+        "decode_tok_s",
+        "compile_s",
+    )
+}
+
+# %% [markdown]
+# ## 9. Plots
+#
+# Token by token, device over reference (green where equal); every timed benchmark run; and
+# decode against its ceiling, this run's and the released model's on inf2.
+
+# %%
+plots.token_match(result)
+
+# %%
+plots.bench_runs(result)
+
+# %%
+plots.measured_vs_ceiling([ceiling, ceiling["released_inf2"]])
+
+# %% [markdown]
+# ## 10. Chat (optional)
+#
+# With `interactive = True` and a live Jupyter front end this cell shows a text box that sends
+# your question through the compiled graphs. Run headless (papermill, CI) it does nothing.
+
+# %%
+if interactive:
+    display(nb.chat(compiled.runtime, model, s))
+
+# %% [markdown]
+# ## Takeaways
+#
+# - E4B is E2B at twice the size: the same host-side PLE and KV sharing, now over two cores.
+# - With 2 KV heads and TP=2 each rank holds exactly one KV head: GQA splits cleanly here. It will
+#   not for the 12B, 31B and 26B-A4B global layers.
+# - Hand-driven TP is the clearest way to see tensor parallelism; on inf2 E4B compiles with
+#   `ModelBuilder` like the bigger variants, because the per-rank tracer it needed is no longer
+#   supported (SDK 2.27+) and ran out of memory at 31B (see `04_31b`).
+#
+# To run the real thing, see the parameters cell: `profile="full"`, `backend="neuron"`,
+# `tp_degree=2`, and a checkpoint. Everything above runs unchanged.
