@@ -49,7 +49,6 @@ threads = 1
 results_path = "../runs/notebooks/overview.json"
 
 # %%
-# %matplotlib inline
 import torch
 
 from gemma4lib import notebook as nb, plots

@@ -71,7 +71,6 @@ interactive = False  # True: show the chat box at the end (needs a live Jupyter 
 # demonstration cells find; it is saved in the run's record next to the metrics.
 
 # %%
-# %matplotlib inline
 import time
 
 import torch
@@ -355,7 +354,8 @@ print(
 
 # %%
 if backend == "neuron":
-    # inf2: compile_trace and load above, the artifact cached like the CPU packages, then the host runtime over it.
+    # inf2: compile_trace and load above; the artifact is cached like the CPU packages,
+    # then wrapped in the same host runtime.
     # Neuron builds its own graph form (K/V as aliased parameters) from the model.
     compiled = compile_graphs(model, s, progress=True)
 elif tp_degree == 1:

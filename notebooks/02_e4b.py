@@ -71,7 +71,6 @@ interactive = False  # True: show the chat box at the end (needs a live Jupyter 
 # demonstration cells find; it is saved in the run's record next to the metrics.
 
 # %%
-# %matplotlib inline
 import time
 
 import torch
@@ -408,7 +407,8 @@ def load_model_builder(out_dir, tp=None, start_rank=0):
 
 # %%
 if backend == "neuron":
-    # inf2: compile_model_builder and load_model_builder above, the artifact cached like the CPU packages, then the host runtime over it.
+    # inf2: compile_model_builder and load_model_builder above; the artifact is cached like the CPU packages,
+    # then wrapped in the same host runtime.
     # Neuron builds its own graph form (K/V as aliased parameters) from the model.
     compiled = compile_graphs(model, s, progress=True)
 elif tp_degree == 1:

@@ -72,7 +72,6 @@ interactive = False  # True: show the chat box at the end (needs a live Jupyter 
 # demonstration cells find; it is saved in the run's record next to the metrics.
 
 # %%
-# %matplotlib inline
 import time
 
 import torch
@@ -176,6 +175,11 @@ with torch.no_grad():
 # sharding plan or a weight loader that expects a `v_proj` everywhere breaks here.
 
 # %%
+# Read it off the model itself: which layers are full attention, and which have no v_proj.
+full_layers = [i for i, kind in enumerate(model.config.layer_types) if kind == "full_attention"]
+no_v_proj = [i for i, layer in enumerate(model.text_model.layers) if getattr(layer.self_attn, "v_proj", None) is None]
+print(f"full-attention layers {full_layers}; layers without v_proj {no_v_proj}")
+assert no_v_proj == full_layers  # k_eq_v: exactly the full layers take V from K
 nb.k_eq_v_report(model)
 
 # %% [markdown]
@@ -384,7 +388,8 @@ def load_model_builder(out_dir, tp=None, start_rank=0):
 
 # %%
 if backend == "neuron":
-    # inf2: compile_model_builder and load_model_builder above, the artifact cached like the CPU packages, then the host runtime over it.
+    # inf2: compile_model_builder and load_model_builder above; the artifact is cached like the CPU packages,
+    # then wrapped in the same host runtime.
     # Neuron builds its own graph form (K/V as aliased parameters) from the model.
     compiled = compile_graphs(model, s, progress=True)
 elif tp_degree == 1:

@@ -72,7 +72,6 @@ interactive = False  # True: show the chat box at the end (needs a live Jupyter 
 # demonstration cells find; it is saved in the run's record next to the metrics.
 
 # %%
-# %matplotlib inline
 import time
 
 import torch
@@ -182,7 +181,17 @@ nb.tp_fit("31b")
 # released config.
 
 # %%
+# The arithmetic, from the released config: rank r owns Q heads r*q_per_rank .. (r+1)*q_per_rank - 1,
+# and Q head q reads KV head q // q_per_kv. Whatever KV heads those are, rank r must hold.
+real, tp = s.variant_spec.real_config, s.variant_spec.tp_degree
+q_heads, kv_heads = real["num_attention_heads"], real["num_global_key_value_heads"]
+q_per_kv, q_per_rank = q_heads // kv_heads, q_heads // tp
+kv_on_rank = [sorted({q // q_per_kv for q in range(r * q_per_rank, (r + 1) * q_per_rank)}) for r in range(tp)]
+print(f"{q_heads} Q heads, {kv_heads} global KV heads, TP={tp}: global KV head(s) held by each rank {kv_on_rank}")
 demos["kv_heads_tp8"] = nb.kv_heads_under_tp("31b", 8)
+table = demos["kv_heads_tp8"]
+by_rank = {row[0]: dict(zip(table.columns, row, strict=True))["KV head(s) on rank 0..N-1"] for row in table.rows}
+assert by_rank["full"] == str(kv_on_rank)  # the library's TP plan agrees with the arithmetic
 demos["kv_heads_tp8"]
 
 # %% [markdown]
@@ -372,7 +381,8 @@ def load_model_builder(out_dir, tp=None, start_rank=0):
 
 # %%
 if backend == "neuron":
-    # inf2: compile_model_builder and load_model_builder above, the artifact cached like the CPU packages, then the host runtime over it.
+    # inf2: compile_model_builder and load_model_builder above; the artifact is cached like the CPU packages,
+    # then wrapped in the same host runtime.
     # Neuron builds its own graph form (K/V as aliased parameters) from the model.
     compiled = compile_graphs(model, s, progress=True)
 elif tp_degree == 1:

@@ -73,7 +73,6 @@ interactive = False  # True: show the chat box at the end (needs a live Jupyter 
 # demonstration cells find; it is saved in the run's record next to the metrics.
 
 # %%
-# %matplotlib inline
 import time
 
 import torch
@@ -176,6 +175,24 @@ with torch.no_grad():
 nb.moe_report(model)
 
 # %% [markdown]
+# The router, line by line, on one token of the tiny model (the last prompt token's embedding stands
+# in for the residual a layer would pass it). The cell repeats transformers' arithmetic and checks
+# that it picked the same experts with the same weights as the model's own router module.
+
+# %%
+layer = next(lay for lay in model.text_model.layers if getattr(lay, "router", None) is not None)
+router, k = layer.router, model.config.top_k_experts
+with torch.no_grad():
+    h = inputs_embeds[0, -1:]  # [1, hidden]
+    x = router.norm(h) * router.scale * router.scalar_root_size  # RMSNorm, learnt scale, × hidden^-0.5
+    probs = torch.softmax(router.proj(x), dim=-1, dtype=torch.float32)  # one probability per expert
+    weights, chosen = torch.topk(probs, k=k, dim=-1)  # keep the k best
+    weights = weights / weights.sum(dim=-1, keepdim=True) * router.per_expert_scale[chosen]  # renormalise, scale
+    _, their_weights, their_chosen = router(h)
+assert torch.equal(chosen, their_chosen) and torch.allclose(weights, their_weights)
+print(f"{model.config.num_experts} experts, top-{k}: chosen {chosen[0].tolist()}, weights {weights[0].tolist()}")
+
+# %% [markdown]
 # ### Static experts
 #
 # transformers' eager expert loop visits only the experts a batch happens to route to: a
@@ -212,6 +229,49 @@ demos["expert_forms"]
 # gathers are exactly its share of the 8 routed experts: 8 experts' bytes per token over all ranks,
 # a ceiling of ~446 tok/s (`docs/ROOFLINE.md`; a bound from bytes, not yet measured on inf2). Each
 # rank holds 1/8 of the expert bytes either way.
+
+# %%
+# Where "7.6 GB per decode step" comes from: the released model's expert weights, one expert's share,
+# and what a token reads when only its k routed experts are fetched next to every other weight.
+real, v = s.variant_spec.real_config, s.variant_spec
+sizes = nb.device_bytes(v)
+experts_gb = real["experts_b"] * 2  # bf16: 2 bytes a parameter, billions of parameters -> GB
+per_expert_gb = experts_gb / real["num_experts"]
+other_gb = sizes["device_gb"] - experts_gb  # attention, the shared dense MLPs, norms, router: read every step
+step_gb = other_gb + real["top_k_experts"] * per_expert_gb
+print(f"experts {experts_gb:.1f} GB, one expert {per_expert_gb:.3f} GB, everything else {other_gb:.1f} GB")
+print(
+    f"a decode step reads {other_gb:.1f} + {real['top_k_experts']} x {per_expert_gb:.3f} = {step_gb:.2f} GB "
+    f"(library: {sizes['decode_read_gb']:.2f} GB), not all {sizes['device_gb']:.1f} GB"
+)
+
+# %% [markdown]
+# Under TP the split decides what is read. The cell asks the roofline for the bytes of one decode step
+# at TP=8 on `inf2.24xlarge` (2,048 context, ring K/V, selective experts) for both ways of sharing the
+# experts. With whole experts per rank, each of the 8 ranks gathers k = 8 expert slices from its own
+# 16 experts whatever the router chose (static shapes), so 64 experts' worth of bytes are read per
+# token: the old figure of about 27,880 MB per step. With a slice of every expert per rank, the 8
+# slices a rank gathers are its 1/8 of the 8 routed experts, and the whole step reads about what one
+# device would: about 7,900 MB (7.65 GB of weights + the K/V).
+
+# %%
+from gemma4lib.roofline import compare
+
+for split in ("experts", "intermediate"):
+    row = compare(
+        None,
+        v.name,
+        device=v.instance_type,
+        cores=v.tp_degree,
+        context_length=2048,
+        ring=True,
+        experts="selective",
+        expert_split=split,
+    )
+    print(
+        f"{split:>12} split: {row['bytes_per_step']['total'] / 1e6:>9,.0f} MB per step, "
+        f"ceiling {row['ceiling_tok_s']:,.0f} tok/s on {v.instance_type}"
+    )
 
 # %%
 nb.tp_fit("26b-a4b")
@@ -407,7 +467,8 @@ def load_model_builder(out_dir, tp=None, start_rank=0):
 
 # %%
 if backend == "neuron":
-    # inf2: compile_model_builder and load_model_builder above, the artifact cached like the CPU packages, then the host runtime over it.
+    # inf2: compile_model_builder and load_model_builder above; the artifact is cached like the CPU packages,
+    # then wrapped in the same host runtime.
     # Neuron builds its own graph form (K/V as aliased parameters) from the model.
     compiled = compile_graphs(model, s, progress=True)
 elif tp_degree == 1:
