@@ -14,7 +14,13 @@
 # Five Gemma-4 text decoders, one accelerator, one way of porting them. This notebook is the map:
 # what the five share, where they differ, how the porting recipe had to grow as the models did,
 # the results of the last run, and why a port that reproduces its reference exactly can still be
-# wrong. The other notebooks port one variant each, step by step.
+# wrong. The other notebooks port one variant each, step by step; this one ports nothing.
+#
+# **It reads the other notebooks' records.** Each variant notebook ends by writing one JSON run
+# record (its checks, timings, versions) into `runs/notebooks/`; the results section below loads
+# the newest record of each variant from there (`results_dir`). Run the variant notebooks first,
+# or let `python -m papermill_runs run --profile smoke` run all six in order. A variant that has not
+# run yet is simply missing from the tables.
 #
 # | notebook | variant | instance | TP | recipe |
 # |---|---|---|---|---|
@@ -110,7 +116,8 @@ nb.recipe_table()
 # %% [markdown]
 # ## The last run
 #
-# The newest record of each variant in `results_dir`: the checks, and the benchmark figures. In
+# The newest record each variant notebook wrote to `results_dir` (this notebook measures none of
+# it): the checks, and the benchmark figures. In
 # the smoke profile these are tiny models on a CPU; the bar colour says whether every check passed.
 
 # %%

@@ -35,9 +35,16 @@
 # the same notebook runs the real model:
 #
 # ```
-# papermill notebooks/02_e4b.ipynb out.ipynb -y "{profile: full, backend: neuron, tp_degree: 2,
+# mkdir -p runs
+# GEMMA4LIB_CACHE=$PWD/.cache/gemma4lib papermill notebooks/02_e4b.ipynb runs/02_e4b.ipynb --cwd notebooks \
+#     -y "{profile: full, backend: neuron, tp_degree: 2,
 #     checkpoint: google/gemma-4-E4B-it, context_length: 1024, prefill_buckets: [128], tp_demo: 0}"
 # ```
+#
+# Run it from the repository root and it writes only inside the repository, in gitignored folders:
+# the executed notebook in `runs/`, the run record at `results_path` (`runs/notebooks/`, relative to
+# `--cwd notebooks`, the folder the notebook runs in), and the compiled graphs in `.cache/gemma4lib`
+# (without `GEMMA4LIB_CACHE` they go to `~/.cache/gemma4lib`).
 #
 # `python -m papermill_runs run --profile full` does the same for every notebook (the full profile's
 # values live in `papermill_runs/profiles.json`). The Hugging Face token is read from `HF_TOKEN`
@@ -155,7 +162,7 @@ with torch.no_grad():
     per_layer_inputs = text_model.get_per_layer_inputs(prompt_tensor) if has_ple else None
 {
     "inputs_embeds": tuple(inputs_embeds.shape),
-    "per_layer_inputs": per_layer_inputs is not None and tuple(per_layer_inputs.shape),
+    "per_layer_inputs": None if per_layer_inputs is None else tuple(per_layer_inputs.shape),
 }
 
 # %% [markdown]
@@ -243,7 +250,8 @@ if tp_demo:
 # is a set of explicit, fixed-size buffers written at a position that arrives as a tensor (so one
 # compiled decode graph serves every step), the attention masks are built from that position and
 # passed in, and the embedding tables stay outside (their lookups happen on the host). The final
-# logit softcap is left off: `30·tanh(x/30)` is monotonic, so greedy argmax does not need it. As for E2B, the PLE inputs arrive as a graph input computed on the host.
+# logit softcap is left off: `30·tanh(x/30)` is monotonic, so greedy argmax does not need it. As
+# for E2B, the PLE inputs arrive as a graph input computed on the host.
 #
 # Without the explicit buffers the stock static cache branches on a Python integer, and the graph
 # would be valid for a single position only.
@@ -278,7 +286,23 @@ nb.describe_graphs(prefill, decode)
 # In the smoke profile the compiler is PyTorch's own: `torch.export` (non-strict: strict mode
 # silently drops the in-place K/V updates) and AOTInductor, which writes a loadable package per
 # graph. The packages go into an artifact cache keyed by everything that changes the program, so
-# a second run loads them in a second instead of compiling again. On inf2 this variant goes through NxD `ModelBuilder`: one rank is compiled, the weights are sharded per rank from a checkpoint loader, the rank number is a runtime tensor, and the decode graph is the priority model whose weight layout the compiler optimises.
+# a second run loads them in a second instead of compiling again.
+#
+# On inf2 this variant goes through NxD `ModelBuilder`: one rank is compiled, the weights are
+# sharded per rank from a checkpoint loader, the rank number is a runtime tensor, and the decode
+# graph is the priority model whose weight layout the compiler optimises.
+#
+# The first cell below shows the CPU compiler's three steps as the library runs them:
+# `export_graph` (non-strict `torch.export`), `package_program` (AOTInductor compiles the program
+# and writes a `.pt2` package, only on a cache miss) and `load_package` (loads it and hands it the
+# weights, which the package does not hold). The second shows the inf2 recipe's own lines, marked
+# `# inf2-only` where they need the Neuron SDK; on a CPU it only builds what the compiler would
+# receive. Both are copies of the library's functions that a test keeps equal to them. The third
+# compiles with whichever the `backend` parameter picks.
+#
+# The compiled packages and NEFFs go to `~/.cache/gemma4lib` by default, shared by every notebook and
+# run on the machine; set `GEMMA4LIB_CACHE` (before starting Jupyter or papermill) to keep them
+# elsewhere, for example inside the repository's gitignored `.cache/` folder.
 
 # %%
 # The CPU compiler. These functions are gemma4lib.compile_cpu's own lines, copied here to be read
@@ -304,10 +328,11 @@ def load_package(package_path, graph):
     return runner
 
 
-program = export_graph(decode)  # a few seconds: the program AOTInductor would compile, and the cache's key
-inputs_written = program.graph_signature.user_inputs_to_mutate
-print(f"exported decode graph: {len(program.graph.nodes)} nodes; {len(inputs_written)} K/V inputs written in place")
-DEFAULT_COMPILER_OPTIONS
+if backend == "cpu":  # what AOTInductor receives, and what the artifact cache is keyed by (a few seconds)
+    program = export_graph(decode)
+    kv_writes = [n for n in program.graph.nodes if n.op == "call_function" and "copy_" in str(n.target)]
+    print(f"exported decode graph: {len(program.graph.nodes)} nodes, {len(kv_writes)} in-place K/V writes kept")
+    print("AOTInductor options:", DEFAULT_COMPILER_OPTIONS)
 
 # %%
 # The inf2 compile, NxD ModelBuilder: gemma4lib.recipes.neuron_model_builder's own lines (a test keeps
@@ -581,6 +606,11 @@ plots.measured_vs_ceiling([ceiling, ceiling["released_inf2"]])
 #
 # With `interactive = True` and a live Jupyter front end this cell shows a text box that sends
 # your question through the compiled graphs. Run headless (papermill, CI) it does nothing.
+#
+# In the smoke profile the model is the tiny trained fixture: it was trained on a few hundred short
+# chats about capital cities and knows nothing else. Ask it for the capital of a country ("What is
+# the capital of Japan?"); anything else gets a confident capital or nonsense back. That is the
+# fixture's limit, not the port's: the full profile's real checkpoint answers like the released model.
 
 # %%
 if interactive:

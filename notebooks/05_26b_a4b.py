@@ -36,9 +36,16 @@
 # the same notebook runs the real model:
 #
 # ```
-# papermill notebooks/05_26b_a4b.ipynb out.ipynb -y "{profile: full, backend: neuron, tp_degree: 8,
+# mkdir -p runs
+# GEMMA4LIB_CACHE=$PWD/.cache/gemma4lib papermill notebooks/05_26b_a4b.ipynb runs/05_26b_a4b.ipynb --cwd notebooks \
+#     -y "{profile: full, backend: neuron, tp_degree: 8,
 #     checkpoint: google/gemma-4-26B-A4B-it, context_length: 1024, prefill_buckets: [128], tp_demo: 0}"
 # ```
+#
+# Run it from the repository root and it writes only inside the repository, in gitignored folders:
+# the executed notebook in `runs/`, the run record at `results_path` (`runs/notebooks/`, relative to
+# `--cwd notebooks`, the folder the notebook runs in), and the compiled graphs in `.cache/gemma4lib`
+# (without `GEMMA4LIB_CACHE` they go to `~/.cache/gemma4lib`).
 #
 # `python -m papermill_runs run --profile full` does the same for every notebook (the full profile's
 # values live in `papermill_runs/profiles.json`). The Hugging Face token is read from `HF_TOKEN`
@@ -158,7 +165,7 @@ with torch.no_grad():
     per_layer_inputs = text_model.get_per_layer_inputs(prompt_tensor) if has_ple else None
 {
     "inputs_embeds": tuple(inputs_embeds.shape),
-    "per_layer_inputs": per_layer_inputs is not None and tuple(per_layer_inputs.shape),
+    "per_layer_inputs": None if per_layer_inputs is None else tuple(per_layer_inputs.shape),
 }
 
 # %% [markdown]
@@ -290,6 +297,41 @@ nb.kv_heads_under_tp("26b-a4b", 8)
 # library reads the rank from an int32 tensor that each rank loads with its weights; in the default
 # form (a slice of every expert per rank) the expert math never reads the rank at all. The cell runs
 # the sharded model (default form) and the baked-rank bug (whole experts per rank) on CPU:
+#
+# First the bug on its own, in a few lines of torch. Each rank of a whole-experts split keeps the
+# routing weights of its own experts: columns `rank * E/ranks` onward. Read the rank as a Python
+# number while tracing (`int(rank)`) and the tracer records the number it saw, rank 0, as a constant
+# (it warns, once, and carries on); keep it a tensor and the slice stays part of the program.
+
+# %%
+import warnings
+
+ranks, n_experts = tp_demo or 2, model.config.num_experts
+per_rank = n_experts // ranks
+routing = torch.arange(2.0 * n_experts).reshape(2, n_experts)  # two tokens' weights, one column per expert
+
+
+def my_columns_baked(weights, rank):  # the field report's form: the rank becomes a Python int
+    start = int(rank) * per_rank
+    return weights[:, start : start + per_rank]
+
+
+def my_columns_runtime(weights, rank):  # the rank stays data: one program serves every rank
+    return weights.index_select(-1, rank * per_rank + torch.arange(per_rank))
+
+
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    traced = {
+        f.__name__: torch.jit.trace(f, (routing, torch.tensor(0))) for f in (my_columns_baked, my_columns_runtime)
+    }
+last = torch.tensor(ranks - 1)
+for name, program in traced.items():
+    right = torch.equal(program(routing, last), routing[:, (ranks - 1) * per_rank : ranks * per_rank])
+    got = "its own experts' weights" if right else "rank 0's experts' weights, baked in"
+    print(f"{name}: traced at rank 0, run as rank {ranks - 1}: {got}")
+tracer_warnings = [w for w in caught if issubclass(w.category, torch.jit.TracerWarning)]
+print(f"{len(tracer_warnings)} tracer warning(s), all from my_columns_baked: {tracer_warnings[0].message}")
 
 # %%
 if tp_demo:
@@ -303,7 +345,9 @@ if tp_demo:
 # is a set of explicit, fixed-size buffers written at a position that arrives as a tensor (so one
 # compiled decode graph serves every step), the attention masks are built from that position and
 # passed in, and the embedding tables stay outside (their lookups happen on the host). The final
-# logit softcap is left off: `30·tanh(x/30)` is monotonic, so greedy argmax does not need it. The experts are swapped for a static form here: prefill always computes all experts and masks them to the routed top-k; decode uses `decode_experts`.
+# logit softcap is left off: `30·tanh(x/30)` is monotonic, so greedy argmax does not need it. The
+# experts are swapped for a static form here: prefill always computes all experts and masks them
+# to the routed top-k; decode uses `decode_experts`.
 #
 # Without the explicit buffers the stock static cache branches on a Python integer, and the graph
 # would be valid for a single position only.
@@ -338,7 +382,23 @@ nb.describe_graphs(prefill, decode)
 # In the smoke profile the compiler is PyTorch's own: `torch.export` (non-strict: strict mode
 # silently drops the in-place K/V updates) and AOTInductor, which writes a loadable package per
 # graph. The packages go into an artifact cache keyed by everything that changes the program, so
-# a second run loads them in a second instead of compiling again. On inf2 this variant goes through NxD `ModelBuilder`: one rank is compiled, the weights are sharded per rank from a checkpoint loader, the rank number is a runtime tensor, and the decode graph is the priority model whose weight layout the compiler optimises.
+# a second run loads them in a second instead of compiling again.
+#
+# On inf2 this variant goes through NxD `ModelBuilder`: one rank is compiled, the weights are
+# sharded per rank from a checkpoint loader, the rank number is a runtime tensor, and the decode
+# graph is the priority model whose weight layout the compiler optimises.
+#
+# The first cell below shows the CPU compiler's three steps as the library runs them:
+# `export_graph` (non-strict `torch.export`), `package_program` (AOTInductor compiles the program
+# and writes a `.pt2` package, only on a cache miss) and `load_package` (loads it and hands it the
+# weights, which the package does not hold). The second shows the inf2 recipe's own lines, marked
+# `# inf2-only` where they need the Neuron SDK; on a CPU it only builds what the compiler would
+# receive. Both are copies of the library's functions that a test keeps equal to them. The third
+# compiles with whichever the `backend` parameter picks.
+#
+# The compiled packages and NEFFs go to `~/.cache/gemma4lib` by default, shared by every notebook and
+# run on the machine; set `GEMMA4LIB_CACHE` (before starting Jupyter or papermill) to keep them
+# elsewhere, for example inside the repository's gitignored `.cache/` folder.
 
 # %%
 # The CPU compiler. These functions are gemma4lib.compile_cpu's own lines, copied here to be read
@@ -364,10 +424,11 @@ def load_package(package_path, graph):
     return runner
 
 
-program = export_graph(decode)  # a few seconds: the program AOTInductor would compile, and the cache's key
-inputs_written = program.graph_signature.user_inputs_to_mutate
-print(f"exported decode graph: {len(program.graph.nodes)} nodes; {len(inputs_written)} K/V inputs written in place")
-DEFAULT_COMPILER_OPTIONS
+if backend == "cpu":  # what AOTInductor receives, and what the artifact cache is keyed by (a few seconds)
+    program = export_graph(decode)
+    kv_writes = [n for n in program.graph.nodes if n.op == "call_function" and "copy_" in str(n.target)]
+    print(f"exported decode graph: {len(program.graph.nodes)} nodes, {len(kv_writes)} in-place K/V writes kept")
+    print("AOTInductor options:", DEFAULT_COMPILER_OPTIONS)
 
 # %%
 # The inf2 compile, NxD ModelBuilder: gemma4lib.recipes.neuron_model_builder's own lines (a test keeps
@@ -641,6 +702,11 @@ plots.measured_vs_ceiling([ceiling, ceiling["released_inf2"]])
 #
 # With `interactive = True` and a live Jupyter front end this cell shows a text box that sends
 # your question through the compiled graphs. Run headless (papermill, CI) it does nothing.
+#
+# In the smoke profile the model is the tiny trained fixture: it was trained on a few hundred short
+# chats about capital cities and knows nothing else. Ask it for the capital of a country ("What is
+# the capital of Japan?"); anything else gets a confident capital or nonsense back. That is the
+# fixture's limit, not the port's: the full profile's real checkpoint answers like the released model.
 
 # %%
 if interactive:

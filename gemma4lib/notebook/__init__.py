@@ -6,8 +6,8 @@ notebook shows between them, in four modules with one idea each:
 - `display`: `Table` (HTML in Jupyter, aligned text in logs) and the tables of settings, prompts,
   graphs, compile results, the three checks side by side, benchmarks and records;
 - `family`: facts about the released variants, computed from their configs;
-- `experiments`: each variant's demonstrations (PLE on the host, KV producers, k_eq_v, KV heads
-  under TP, the MoE router, prompts that pass SEQ_MATCH on nonsense, the checks and the witness);
+- `experiments`: the tables beside each variant's own cells (PLE, KV producers, k_eq_v, KV heads
+  under TP, the MoE block and expert forms, prompts that pass SEQ_MATCH on nonsense, the witness);
 - `records`: the notebook's run record and the records the variant notebooks wrote;
 - `chat`: the optional chat box.
 
@@ -29,7 +29,6 @@ from .display import (
 )
 from .experiments import (
     attention_implementations_agree,
-    check,
     describe_model,
     equality_is_not_enough,
     expert_forms_on_a_token,
@@ -39,7 +38,6 @@ from .experiments import (
     kv_sharing_report,
     measured_vs_ceiling,
     moe_report,
-    ple_on_host_check,
     ple_report,
     run_witness,
     tp_cpu_run,
@@ -68,7 +66,6 @@ __all__ = [
     "attention_implementations_agree",
     "bench_table",
     "chat",
-    "check",
     "describe_compile",
     "describe_graphs",
     "describe_model",
@@ -87,7 +84,6 @@ __all__ = [
     "measured_vs_ceiling",
     "memory_rows",
     "moe_report",
-    "ple_on_host_check",
     "ple_report",
     "real_config",
     "real_layout",

@@ -1,6 +1,7 @@
-"""Each variant's demonstrations: PLE on the host, KV producers, k_eq_v, KV heads under TP, the MoE
-router and expert forms, prompts that pass SEQ_MATCH on nonsense, the checks and the witness, and
-the measured decode against its ceiling."""
+"""What the variant notebooks show beside their own code: tables of PLE, KV producers, k_eq_v and KV
+heads under TP, the MoE block and its expert forms, prompts that pass SEQ_MATCH on nonsense, the
+witness, and the measured decode against its ceiling. The steps a learner copies (host embeddings,
+PLE on the host, the router, the checks) are code in the notebooks' cells, not functions here."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from ..kv_layout import FULL, SLIDING, KVLayout
 from ..loading import LoadedModel
 from ..roofline import GB, compare, measure_bandwidth
 from ..variants import Variant, get_variant
-from .display import Table, _tokens, answer_text
+from .display import Table, answer_text
 from .family import _gb, device_bytes, real_config
 
 BF16_BYTES = 2
@@ -79,25 +80,6 @@ def ple_report(model: LoadedModel) -> Table:
         rows,
         "per-layer embeddings: looked up on the host, never compiled into the device graph",
     )
-
-
-@torch.no_grad()
-def ple_on_host_check(model: LoadedModel, ids: Sequence[int]) -> dict[str, Any]:
-    """Run the reference twice: from token ids, and from embeddings + PLE inputs computed outside the
-    model (what the host runtime does). The logits must be identical."""
-    x = torch.as_tensor(list(ids))[None]
-    text = model.text_model
-    from_ids = model.lm(input_ids=x).logits
-    kwargs = {"inputs_embeds": text.embed_tokens(x)}
-    if getattr(model.config, "hidden_size_per_layer_input", 0):
-        kwargs["per_layer_inputs"] = text.get_per_layer_inputs(x)
-    from_host = model.lm(**kwargs).logits
-    diff = float((from_ids - from_host).abs().max())
-    return {
-        "max_abs_logit_diff": diff,
-        "identical": diff == 0.0,
-        "host_inputs": {k: tuple(v.shape) for k, v in kwargs.items()},
-    }
 
 
 def kv_sharing_report(model_or_layout: LoadedModel | KVLayout) -> Table:
@@ -432,30 +414,6 @@ def equality_is_not_enough(model: LoadedModel, runtime: Any, settings: Any) -> T
         ["prompt", "prompt tokens", "SEQ_MATCH", "coherent", "device answer"],
         rows,
         "device == reference proves the compiler faithful, not the input right",
-    )
-
-
-def check(
-    model: LoadedModel,
-    settings: Any,
-    device: Any,
-    reference_tokens: Sequence[int],
-    prompt_ids: Sequence[int] | None = None,
-) -> checks.CheckReport:
-    """SEQ_MATCH, LOGITS_MATCH and coherence of one device run.
-
-    `device` is the `Generation` from `runtime.generate(..., keep_logits=True)` (its per-step
-    logits make LOGITS_MATCH possible) or, for SEQ_MATCH and coherence only, a token list."""
-    step_logits = getattr(device, "step_logits", None)
-    prompt = prompt_ids if prompt_ids is not None else getattr(device, "prompt_ids", None)
-    return checks.evaluate(
-        model.lm,
-        model.tokenizer,
-        prompt or [],
-        _tokens(device),
-        reference_tokens,
-        expect=settings.expect,
-        step_logits=step_logits if prompt is not None else None,
     )
 
 
