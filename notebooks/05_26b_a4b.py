@@ -197,7 +197,8 @@ with torch.no_grad():
     weights = weights / weights.sum(dim=-1, keepdim=True) * router.per_expert_scale[chosen]  # renormalise, scale
     _, their_weights, their_chosen = router(h)
 assert torch.equal(chosen, their_chosen) and torch.allclose(weights, their_weights)
-print(f"{model.config.num_experts} experts, top-{k}: chosen {chosen[0].tolist()}, weights {weights[0].tolist()}")
+shown = ", ".join(f"{w:.3f}" for w in weights[0].tolist())
+print(f"{model.config.num_experts} experts, top-{k}: chosen {chosen[0].tolist()}, weights {shown}")
 
 # %% [markdown]
 # ### Static experts
