@@ -78,6 +78,7 @@ start=$(date +%s)
 "$PYTHON" -m venv "$VENV"
 "$VENV/bin/python" -m pip install --quiet --upgrade pip
 "$VENV/bin/python" -m pip install --quiet "${REQUIREMENTS[@]}"
-"$VENV/bin/python" -m pip install --quiet --no-deps -e "$REPO"
+# (the filter: setuptools' editable-install banner, see setup_env.sh)
+PYTHONWARNINGS="ignore:Editable installation:UserWarning" "$VENV/bin/python" -m pip install --quiet --no-deps -e "$REPO"
 check || { echo "setup_xla_env: installed, but the pins do not check out" >&2; exit 1; }
 echo "setup_xla_env: $VENV ready in $(( $(date +%s) - start ))s ($(du -sh "$VENV" | cut -f1))"
