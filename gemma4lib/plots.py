@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from matplotlib.figure import Figure
-from matplotlib.ticker import MaxNLocator
+from matplotlib.ticker import FuncFormatter, MaxNLocator
 
 from .checks import failed_checks
 from .formatting import format_number, token_labels, with_unit
@@ -26,6 +26,9 @@ METRIC_LABELS = {
     "compile_s": "compile (s)",
     "peak_rss_mb": "peak host RSS (MiB)",
 }
+
+
+NUMBER_TICKS = FuncFormatter(lambda value, _pos: format_number(float(value)))  # 2,500 rather than 2500
 
 
 def save(fig: Figure, path: str | Path, dpi: int = 110) -> Path:
@@ -90,7 +93,8 @@ def token_match(result: Mapping[str, Any], tokenizer: Any = None, max_tokens: in
     ax.set_xlim(0, n)
     ax.set_ylim(0, 2)
     ax.set_yticks([0.5, 1.5], ["reference", "device"])
-    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    step = max(1, n // 20)  # one index per box, thinned past 20 tokens
+    ax.set_xticks([i + 0.5 for i in range(0, n, step)], [str(i) for i in range(0, n, step)], fontsize=7)
     ax.set_xlabel("generated token index" + ("" if tokenizer is not None else " (token ids)"))
     verdict = "SEQ_MATCH" if result.get("seq_match") else "MISMATCH"
     ax.set_title(f"{result.get('variant', '')}: {verdict} ({len(device)} device / {len(reference)} reference tokens)")
@@ -121,6 +125,7 @@ def bench_runs(result: Mapping[str, Any]) -> Figure:
             ax.axhline(median, color=FULL_COLOUR, label=f"median {with_unit(median, METRIC_UNITS[key])}")
         ax.set_title(label, fontsize=9)
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.yaxis.set_major_formatter(NUMBER_TICKS)
         ax.set_xlabel("run")
         ax.legend(fontsize=7)
     fig.suptitle(
@@ -223,7 +228,7 @@ def measured_vs_ceiling(
     return fig
 
 
-NOT_MEASURED = "no measured decode tok/s here (no inf2 run; the field report has none): computed ceiling only"
+NOT_MEASURED = "no measured decode tok/s (no inf2 run here, none in the field report):\ncomputed ceiling only"
 
 
 def memory_budget(rows: Sequence[Mapping[str, Any]], title: str = "bf16 weights per NeuronCore") -> Figure:
@@ -275,6 +280,7 @@ def family_metrics(
         ax = fig.add_subplot(1, len(metrics), i + 1)
         values = [float(r.get(metric) or 0.0) for r in rows]
         ax.bar(names, values, color=colours)
+        ax.yaxis.set_major_formatter(NUMBER_TICKS)
         ax.set_title(METRIC_LABELS.get(metric, metric), fontsize=9)
         ax.tick_params(axis="x", labelsize=8)
         for x, value in enumerate(values):

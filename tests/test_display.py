@@ -93,10 +93,12 @@ def test_record_summary_writes_units_checks_and_the_cache():
     assert dict(compiled_now.rows)["compile_s"] == "12.3 s"
 
 
-def test_results_table_formats_timings():
-    table = nb.results_table({"e2b": RESULT})
+def test_results_table_formats_timings_and_says_whose_records_it_reads():
+    table = nb.results_table({"e2b": {**RESULT, "result_file": "/tmp/e2b.json"}})
     row = dict(zip(table.columns, table.rows[0], strict=True))
     assert row["prefill"] == "2.6 ms" and row["decode"] == "2,110 tok/s" and "cached" in row["compile"]
+    assert "records the variant notebooks wrote" in str(table) and "/tmp/e2b.json" in str(table)
+    assert not nb.results_table({}).note
 
 
 def test_bench_runs_has_integer_run_axes_and_legends_with_units():

@@ -160,7 +160,7 @@ def describe_compile(compiled: Any) -> Table:
                 {"compile_s": float(compiled.compile_s), "cache_hits": hits}, ["compile_s"]
             )["compile_s"],
             "graphs loaded from the artifact cache": f"{sum(hits)} of {len(hits)}" if hits else "—",
-            "artifacts": "\n".join(f"{k}: {v}" for k, v in artifacts.items())
+            "artifacts": "; ".join(f"{k}: {v}" for k, v in artifacts.items())
             if isinstance(artifacts, Mapping)
             else format_value(artifacts),
         },
@@ -326,7 +326,17 @@ def results_table(results: Mapping[str, Mapping[str, Any]]) -> Table:
         "the last recorded run of each variant"
         if rows
         else "no results recorded yet: run the variant notebooks (or `python -m papermill_runs run`) first",
+        _records_note(results),
     )
+
+
+def _records_note(results: Mapping[str, Mapping[str, Any]]) -> str:
+    """Where the rows come from: the records the variant notebooks wrote, not this notebook's runs."""
+    files = [str(r["result_file"]) for r in results.values() if r.get("result_file")]
+    if not results:
+        return ""
+    where = f": {', '.join(files)}" if files else ""
+    return f"read from the records the variant notebooks wrote (nothing here ran them){where}"
 
 
 def _timings(result: Mapping[str, Any]) -> list[str]:
