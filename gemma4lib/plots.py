@@ -12,17 +12,23 @@ from pathlib import Path
 from typing import Any
 
 from matplotlib.figure import Figure
+from matplotlib.ticker import FuncFormatter, MaxNLocator
 
 from .checks import failed_checks
+from .formatting import format_number, token_labels, with_unit
 
 OK, BAD, UNKNOWN = "#2e7d32", "#c62828", "#9e9e9e"
 SLIDING_COLOUR, FULL_COLOUR = "#64b5f6", "#ef6c00"
+METRIC_UNITS = {"prefill_ms": "ms", "decode_tok_s": "tok/s", "compile_s": "s", "peak_rss_mb": "MiB"}
 METRIC_LABELS = {
     "prefill_ms": "prefill (ms, lower is better)",
     "decode_tok_s": "decode (tok/s, higher is better)",
     "compile_s": "compile (s)",
     "peak_rss_mb": "peak host RSS (MiB)",
 }
+
+
+NUMBER_TICKS = FuncFormatter(lambda value, _pos: format_number(float(value)))  # 2,500 rather than 2500
 
 
 def save(fig: Figure, path: str | Path, dpi: int = 110) -> Path:
@@ -52,34 +58,44 @@ def _empty(message: str, size=(6, 1.2)) -> Figure:
 # ---- one run ----------------------------------------------------------------------------------
 
 
-def token_match(result: Mapping[str, Any], max_tokens: int = 40) -> Figure:
-    """Device tokens over reference tokens, one box each: green where equal, red where not."""
+def token_match(result: Mapping[str, Any], tokenizer: Any = None, max_tokens: int = 40) -> Figure:
+    """Device tokens over reference tokens, one box each: green where equal, red where not.
+
+    With `tokenizer` (a `LoadedModel` or its `.tokenizer`) each box shows the token's text
+    (`Paris`, `<eos>`, bytes as `⟨E2 80⟩`); without one, its id."""
+    tokenizer = getattr(tokenizer, "tokenizer", tokenizer)
     device = list(result.get("tokens") or [])[:max_tokens]
     reference = list(result.get("reference_tokens") or [])[:max_tokens]
     n = max(len(device), len(reference))
     if not n:
         return _empty("no tokens recorded")
-    fig = Figure(figsize=(max(6.0, 0.36 * n), 1.9))
+    labels = {"device": token_labels(tokenizer, device), "reference": token_labels(tokenizer, reference)}
+    longest = max(len(t) for ts in labels.values() for t in ts)
+    vertical = longest > 4  # words do not fit a box side by side: write them upwards
+    fig = Figure(figsize=(max(6.0, 0.36 * n), 1.9 + (0.07 * min(longest, 14) if vertical else 0)))
     ax = fig.add_subplot()
     for row, (label, tokens) in enumerate((("device", device), ("reference", reference))):
+        other = reference if label == "device" else device
         for i in range(n):
             token = tokens[i] if i < len(tokens) else None
-            other = reference if label == "device" else device
             same = token is not None and i < len(other) and other[i] == token
             ax.add_patch(_box(i, 1 - row, OK if same else BAD))
             ax.text(
                 i + 0.5,
                 1.5 - row,
-                "" if token is None else str(token),
+                "" if token is None else labels[label][i],
                 ha="center",
                 va="center",
                 fontsize=6,
                 color="white",
+                rotation=90 if vertical else 0,
             )
     ax.set_xlim(0, n)
     ax.set_ylim(0, 2)
     ax.set_yticks([0.5, 1.5], ["reference", "device"])
-    ax.set_xlabel("generated token index")
+    step = max(1, n // 20)  # one index per box, thinned past 20 tokens
+    ax.set_xticks([i + 0.5 for i in range(0, n, step)], [str(i) for i in range(0, n, step)], fontsize=7)
+    ax.set_xlabel("generated token index" + ("" if tokenizer is not None else " (token ids)"))
     verdict = "SEQ_MATCH" if result.get("seq_match") else "MISMATCH"
     ax.set_title(f"{result.get('variant', '')}: {verdict} ({len(device)} device / {len(reference)} reference tokens)")
     return fig
@@ -106,8 +122,10 @@ def bench_runs(result: Mapping[str, Any]) -> Figure:
         ax.plot(range(1, len(runs) + 1), runs, "o", color=SLIDING_COLOUR, label="timed runs")
         median = result.get(key, bench.get(key))
         if median is not None:
-            ax.axhline(median, color=FULL_COLOUR, label=f"median {median:.3g}")
+            ax.axhline(median, color=FULL_COLOUR, label=f"median {with_unit(median, METRIC_UNITS[key])}")
         ax.set_title(label, fontsize=9)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.yaxis.set_major_formatter(NUMBER_TICKS)
         ax.set_xlabel("run")
         ax.legend(fontsize=7)
     fig.suptitle(
@@ -190,20 +208,27 @@ def measured_vs_ceiling(
     )
     measured = [r.get("measured_tok_s") or 0.0 for r in rows]
     ax.barh([y - 0.2 for y in ys], measured, height=0.4, color=SLIDING_COLOUR, label="measured")
+    values = [v for r in rows for v in (r["ceiling_tok_s"], r.get("measured_tok_s")) if v]
+    low = min(values) / 3
     for y, r, m in zip(ys, rows, measured, strict=True):
+        ax.text(r["ceiling_tok_s"], y + 0.2, f" {with_unit(r['ceiling_tok_s'], 'tok/s')}", va="center", fontsize=7)
         if m:
             fraction = r.get("roofline_fraction") or m / r["ceiling_tok_s"]
-            ax.text(m, y - 0.2, f" {m:,.1f} tok/s ({fraction:.0%})", va="center", fontsize=7)
+            ax.text(m, y - 0.2, f" {with_unit(m, 'tok/s')} ({fraction:.0%})", va="center", fontsize=7)
+        else:
+            ax.text(low, y - 0.2, f" {r.get('note') or NOT_MEASURED}", va="center", fontsize=7, style="italic")
     ax.set_yticks(list(ys), [r.get("label", r.get("device", "")) for r in rows], fontsize=8)
     ax.invert_yaxis()  # first row on top
     ax.set_xscale("log")
-    values = [v for r in rows for v in (r["ceiling_tok_s"], r.get("measured_tok_s")) if v]
-    ax.set_xlim(min(values) / 3, max(values) * 4)  # room for the labels right of the bars
+    ax.set_xlim(low, max(values) * 4)  # room for the labels right of the bars
     ax.set_xlabel("decode tok/s (log scale)")
     ax.set_title(title, fontsize=10)
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     fig.tight_layout()
     return fig
+
+
+NOT_MEASURED = "no measured decode tok/s (no inf2 run here, none in the field report):\ncomputed ceiling only"
 
 
 def memory_budget(rows: Sequence[Mapping[str, Any]], title: str = "bf16 weights per NeuronCore") -> Figure:
@@ -255,8 +280,26 @@ def family_metrics(
         ax = fig.add_subplot(1, len(metrics), i + 1)
         values = [float(r.get(metric) or 0.0) for r in rows]
         ax.bar(names, values, color=colours)
+        ax.yaxis.set_major_formatter(NUMBER_TICKS)
         ax.set_title(METRIC_LABELS.get(metric, metric), fontsize=9)
         ax.tick_params(axis="x", labelsize=8)
+        for x, value in enumerate(values):
+            if value:
+                ax.text(x, value, format_number(value), ha="center", va="bottom", fontsize=7)
+        if metric == "compile_s" and not any(values):
+            cached = all(r.get("cache_hits") and all(r["cache_hits"]) for r in rows)
+            ax.set_yticks([])
+            ax.text(
+                0.5,
+                0.5,
+                "cached: every graph came from\nthe artifact cache (0 s compile)"
+                if cached
+                else "no compile time recorded",
+                ha="center",
+                va="center",
+                transform=ax.transAxes,
+                fontsize=9,
+            )
     profile = rows[0].get("profile", "")
     fig.suptitle(f"last run ({profile} profile): bar colour = every check passed", fontsize=10)
     fig.tight_layout()
@@ -339,8 +382,6 @@ def trend(history: Iterable[Mapping[str, Any]], metric: str) -> Figure:
     ax = fig.add_subplot()
     for name, values in sorted(series.items()):
         ax.plot(range(1, len(values) + 1), values, marker="o", label=name)
-    from matplotlib.ticker import MaxNLocator
-
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_xlabel("run (oldest first)")
     ax.set_title(f"trend: {METRIC_LABELS.get(metric, metric)}", fontsize=10)

@@ -9,11 +9,13 @@ notebook shows between them, in four modules with one idea each:
 - `experiments`: the tables beside each variant's own cells (PLE, KV producers, k_eq_v, KV heads
   under TP, the MoE block and expert forms, prompts that pass SEQ_MATCH on nonsense, the witness);
 - `records`: the notebook's run record and the records the variant notebooks wrote;
+- `gemma4lib.formatting` (re-exported): figures, shapes and tokens written as people write them;
 - `chat`: the optional chat box.
 
 `from gemma4lib import notebook as nb` gives all of them under one name, as the notebooks use it.
 """
 
+from ..formatting import format_number, readable_tokens, token_labels, with_unit
 from .chat import chat
 from .display import (
     Table,
@@ -21,6 +23,7 @@ from .display import (
     bench_table,
     describe_compile,
     describe_graphs,
+    record_summary,
     results_table,
     show_prompt,
     show_settings,
@@ -74,6 +77,7 @@ __all__ = [
     "equality_is_not_enough",
     "expert_forms_on_a_token",
     "family_table",
+    "format_number",
     "gemma3_style_ids",
     "k_eq_v_report",
     "kv_cache_bytes",
@@ -85,21 +89,25 @@ __all__ = [
     "memory_rows",
     "moe_report",
     "ple_report",
+    "readable_tokens",
     "real_config",
     "real_layout",
     "recipe_table",
     "record",
+    "record_summary",
     "results_table",
     "run_witness",
     "save_record",
     "show_prompt",
     "show_settings",
     "side_by_side",
+    "token_labels",
     "tp_cpu_run",
     "tp_demo",
     "tp_fit",
     "tp_plan",
     "tp_runs_table",
     "until_stop",
+    "with_unit",
     "witness_table",
 ]

@@ -10,6 +10,7 @@ from typing import Any
 
 from .. import checks
 from ..benchmarks.timing import BenchFigures
+from ..formatting import format_shape, format_value, headline, with_unit
 from ..loading import LoadedModel
 
 
@@ -20,6 +21,7 @@ class Table:
     columns: list[str]
     rows: list[list[Any]]
     title: str = ""
+    note: str = ""  # one line under the table (what to read into it, or why a cell is odd)
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any], title: str = "", key: str = "", value: str = "") -> Table:
@@ -27,18 +29,14 @@ class Table:
 
     @staticmethod
     def _cell(value: Any) -> str:
-        if isinstance(value, float):
-            return f"{value:.4g}"
-        if isinstance(value, (list, tuple)) and len(value) > 24:
-            return f"{list(value[:24])} … ({len(value)} items)"
-        return str(value)
+        return format_value(value)
 
     def __str__(self) -> str:
         cells = [[self._cell(c) for c in row] for row in self.rows]
         widths = [max([len(str(h))] + [len(r[i]) for r in cells]) for i, h in enumerate(self.columns)]
         line = lambda row: "  ".join(str(c).ljust(w) for c, w in zip(row, widths, strict=False)).rstrip()  # noqa: E731
         out = ([self.title] if self.title else []) + [line(self.columns), line(["-" * w for w in widths])]
-        return "\n".join(out + [line(r) for r in cells])
+        return "\n".join(out + [line(r) for r in cells] + ([self.note] if self.note else []))
 
     __repr__ = __str__
 
@@ -49,12 +47,14 @@ class Table:
             for row in self.rows
         )
         caption = f"<caption style='text-align:left'><b>{html.escape(self.title)}</b></caption>" if self.title else ""
-        return f"<table>{caption}<thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+        note = f"<p style='text-align:left'><i>{html.escape(self.note)}</i></p>" if self.note else ""
+        return f"<table>{caption}<thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>{note}"
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-friendly form (what a result record keeps of a demonstration)."""
         return {
             "title": self.title,
+            **({"note": self.note} if self.note else {}),
             "columns": list(self.columns),
             "rows": [
                 [c if isinstance(c, (bool, int, float, str, type(None))) else self._cell(c) for c in row]
@@ -65,10 +65,11 @@ class Table:
     def to_markdown(self) -> str:
         lines = ["| " + " | ".join(map(str, self.columns)) + " |", "|" + "---|" * len(self.columns)]
         lines += ["| " + " | ".join(self._cell(c).replace("|", "\\|") for c in row) + " |" for row in self.rows]
-        return "\n".join(lines)
+        return "\n".join(lines + (["", self.note] if self.note else []))
 
 
 def show_settings(settings: Any) -> Table:
+    """The settings a port depends on; `decode_experts` only for the MoE, where it means something."""
     params = settings.parameters()
     keep = [
         "variant",
@@ -82,11 +83,14 @@ def show_settings(settings: Any) -> Table:
         "max_new_tokens",
         "context_length",
         "prefill_buckets",
+        "ring_kv",
         "decode_experts",
         "warmup",
         "iters",
         "seed",
     ]
+    if not settings.variant_spec.is_moe:
+        keep.remove("decode_experts")
     return Table.from_dict({k: params.get(k) for k in keep}, "port settings", "setting", "value")
 
 
@@ -114,14 +118,14 @@ def describe_graphs(prefill: Mapping[int, Any], decode: Any) -> Table:
     for name, graph in [*((f"prefill[{b}]", g) for b, g in prefill.items()), ("decode", decode)]:
         inputs = graph.example_inputs()
         n_kv = 2 * len(graph.layout.producers)
-        head = [tuple(t.shape) for t in inputs[: len(inputs) - n_kv]]
+        head = ", ".join(format_shape(t.shape) for t in inputs[: len(inputs) - n_kv])
         kv_bytes = sum(t.numel() * t.element_size() for t in inputs[len(inputs) - n_kv :])
         rows.append(
             [
                 name,
                 graph.shape.tokens,
                 graph.shape.context_length,
-                str(head),
+                head,
                 n_kv,
                 f"{kv_bytes / 2**10:.1f} KiB",
                 graph.expert_form
@@ -148,12 +152,17 @@ def describe_graphs(prefill: Mapping[int, Any], decode: Any) -> Table:
 
 def describe_compile(compiled: Any) -> Table:
     hits = list(compiled.cache_hits or [])
+    artifacts = compiled.info.get("artifacts")
     return Table.from_dict(
         {
             "compiler": compiled.compiler,
-            "compile seconds (this call)": round(float(compiled.compile_s), 2),
+            "compile time (this call)": headline(
+                {"compile_s": float(compiled.compile_s), "cache_hits": hits}, ["compile_s"]
+            )["compile_s"],
             "graphs loaded from the artifact cache": f"{sum(hits)} of {len(hits)}" if hits else "—",
-            "artifacts": compiled.info.get("artifacts", "—"),
+            "artifacts": "; ".join(f"{k}: {v}" for k, v in artifacts.items())
+            if isinstance(artifacts, Mapping)
+            else format_value(artifacts),
         },
         "compile",
         "",
@@ -240,19 +249,20 @@ def bench_table(figures: BenchFigures, settings: Any, ceiling: Mapping[str, Any]
     def roof(row: Mapping[str, Any], source: str) -> str:
         b = row["bytes_per_step"]
         return (
-            f"{row['ceiling_tok_s']:,.0f} tok/s = {row['bandwidth_gb_s']:.1f} GB/s ({source}) / "
-            f"{b['total'] / 1e6:,.1f} MB per step ({b['weights'] / 1e6:,.1f} weights + {b['kv'] / 1e6:,.1f} K/V)"
+            f"{with_unit(row['ceiling_tok_s'], 'tok/s')} = {with_unit(row['bandwidth_gb_s'], 'GB/s')} ({source}) / "
+            f"{with_unit(b['total'] / 1e6, 'MB')} per step "
+            f"({with_unit(b['weights'] / 1e6, 'MB')} weights + {with_unit(b['kv'] / 1e6, 'MB')} K/V)"
         )
 
     rows = [
         [
-            "prefill (median ms)",
-            f"{figures.prefill_ms:.3f}",
+            "prefill (median)",
+            with_unit(figures.prefill_ms, "ms"),
             f"~{v.field_report.prefill_ms:.0f} ms (field report)" if v.field_report.prefill_ms else "—",
         ],
         [
-            "decode (median tok/s)",
-            f"{figures.decode_tok_s:.1f}",
+            "decode (median)",
+            with_unit(figures.decode_tok_s, "tok/s"),
             f"~{v.field_report.decode_tok_s:.0f} tok/s (field report)" if v.field_report.decode_tok_s else "—",
         ],
         [
@@ -293,9 +303,7 @@ def results_table(results: Mapping[str, Mapping[str, Any]]) -> Table:
             r.get("logits_match"),
             r.get("coherent"),
             (r.get("witness") or {}).get("passed"),
-            r.get("compile_s"),
-            r.get("prefill_ms"),
-            r.get("decode_tok_s"),
+            *_timings(r),
             r.get("answer"),
         ]
         for r in results.values()
@@ -309,16 +317,51 @@ def results_table(results: Mapping[str, Mapping[str, Any]]) -> Table:
             "logits_match",
             "coherent",
             "witness",
-            "compile s",
-            "prefill ms",
-            "decode tok/s",
+            "compile",
+            "prefill",
+            "decode",
             "answer",
         ],
         rows,
         "the last recorded run of each variant"
         if rows
         else "no results recorded yet: run the variant notebooks (or `python -m papermill_runs run`) first",
+        _records_note(results),
     )
+
+
+def _records_note(results: Mapping[str, Mapping[str, Any]]) -> str:
+    """Where the rows come from: the records the variant notebooks wrote, not this notebook's runs."""
+    files = [str(r["result_file"]) for r in results.values() if r.get("result_file")]
+    if not results:
+        return ""
+    where = f": {', '.join(files)}" if files else ""
+    return f"read from the records the variant notebooks wrote (nothing here ran them){where}"
+
+
+def _timings(result: Mapping[str, Any]) -> list[str]:
+    return list(headline(result, ["compile_s", "prefill_ms", "decode_tok_s"]).values())
+
+
+RECORD_HEADLINE = (
+    "variant",
+    "compiler",
+    "seq_match",
+    "logits_match",
+    "coherent",
+    "checks_passed",
+    "prefill_ms",
+    "decode_tok_s",
+    "compile_s",
+)
+
+
+def record_summary(result: Mapping[str, Any], keys: Sequence[str] = RECORD_HEADLINE) -> Table:
+    """A run record's headline keys as people read them (`2.6 ms`, `2,110 tok/s`, `yes`/`NO`);
+    the record itself keeps the raw figures, and `result_file` says where it was written."""
+    rows = [[k, v] for k, v in headline(result, keys).items()]
+    where = result.get("result_file")
+    return Table(["key", "value"], rows, "the run record (headline keys)", f"written to {where}" if where else "")
 
 
 def answer_text(model: LoadedModel, tokens: Sequence[int]) -> str | None:

@@ -47,7 +47,7 @@ def family_table() -> Table:
                 "yes" if c.get("attention_k_eq_v") else "—",
                 f"{c['num_experts']} / top-{c['top_k_experts']}" if c.get("enable_moe_block") else "—",
                 c["params_text_b"],
-                v.model_class.replace("ForConditionalGeneration", "…"),
+                v.model_class,
             ]
         )
     return Table(
