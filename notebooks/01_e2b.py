@@ -518,20 +518,7 @@ result = nb.record(
     extra={"demos": demos, "roofline": ceiling},
     witness=witness,
 )
-{
-    k: result.get(k)
-    for k in (
-        "variant",
-        "compiler",
-        "seq_match",
-        "logits_match",
-        "coherent",
-        "checks_passed",
-        "prefill_ms",
-        "decode_tok_s",
-        "compile_s",
-    )
-}
+nb.record_summary(result)
 
 # %% [markdown]
 # ## 9. Plots
@@ -540,7 +527,7 @@ result = nb.record(
 # decode against its ceiling, this run's and the released model's on inf2.
 
 # %%
-plots.token_match(result)
+plots.token_match(result, model)
 
 # %%
 plots.bench_runs(result)
