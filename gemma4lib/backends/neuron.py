@@ -67,8 +67,8 @@ def compile(
 
     `model_builder` (the default, every variant and TP degree): prefill + decode keys over one set
     of K/V states; the prompt is one device call per bucket. `trace` (TP=1, on request): the decode
-    graph alone; the prompt is prefilled through it token by token. Artifacts live in the artifact cache (`settings.cache_dir`) keyed by
-    `neuron_cache_key`.
+    graph alone; the prompt is prefilled through it token by token. Artifacts live in the artifact
+    cache (`settings.cache_dir`) keyed by `neuron_cache_key`.
     """
     refuse_graphs(graphs, "neuron")
     neuron_env.require("torch_neuronx", f"backend 'neuron' ({model.variant.name})")
