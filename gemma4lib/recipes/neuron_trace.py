@@ -42,7 +42,7 @@ from . import neuron_env
 from .common import AliasEmulator, KVParamModule, greedy_generate
 
 RECIPE = "trace"
-PURPOSE = "the E2B trace recipe (torch_neuronx.trace)"
+PURPOSE = "the one-core trace recipe (torch_neuronx.trace)"
 
 
 def build_kv_module(loaded: Any, context_length: int, *, ring: bool = False) -> KVParamModule:
