@@ -36,15 +36,17 @@ from .memory_plan import (
     plan_table,
 )
 from .recipes import neuron_env
+from .variants import get_variant
 
 
-def estimate_compile_peak_gb(variant: Any, tp: int | None = None, bytes_per_param: int = 2) -> dict[str, Any]:
-    """Estimated peak host RAM (GB) of compiling `variant` with its recipe at `tp` (`memory_plan`)."""
-    from .variants import get_variant
-
+def estimate_compile_peak_gb(
+    variant: Any, tp: int | None = None, bytes_per_param: int = 2, recipe: str | None = None
+) -> dict[str, Any]:
+    """Estimated peak host RAM (GB) of compiling `variant` with `recipe` (default: `neuron_recipe`'s)
+    at `tp` (`memory_plan`)."""
     v = get_variant(variant) if isinstance(variant, str) else variant
     tp = tp or v.tp_degree
-    recipe = neuron_recipe(v, tp)
+    recipe = neuron_recipe(v, tp, recipe)
     peak, basis = compile_peak_gb(v, recipe, bytes_per_param)
     host = smallest_instance(tp, peak * HOST_HEADROOM)
     return {
@@ -62,10 +64,18 @@ def compile_ram_warning(estimate: dict[str, Any], ram: int) -> str | None:
     """The warning for an `estimate_compile_peak_gb` result on a host with `ram` bytes (None if it fits)."""
     peak = estimate["peak_gb"] * GB
     if ram < peak:
+        trace = ""
+        if estimate["recipe"] == "model_builder" and estimate["tp"] == 1:
+            lean = compile_peak_gb(get_variant(estimate["variant"]), "trace")[0]
+            if lean * GB <= ram:
+                trace = (
+                    f", or neuron_recipe='trace' (~{lean:.1f} GB; the prompt then runs through the decode "
+                    "graph one token per device step)"
+                )
         return (
             f"compile of {estimate['variant']} will likely be killed: estimated peak {estimate['peak_gb']} GB "
             f"host RAM > {ram / GB:.0f} GB here; compile on "
-            f"{estimate['smallest_instance_with_headroom'] or 'a larger host'} or add swap"
+            f"{estimate['smallest_instance_with_headroom'] or 'a larger host'} or add swap{trace}"
         )
     if ram < HOST_HEADROOM * peak:
         return (
@@ -75,15 +85,15 @@ def compile_ram_warning(estimate: dict[str, Any], ram: int) -> str | None:
     return None
 
 
-def warn_low_host_ram(variant: Any, tp: int | None = None) -> str | None:
+def warn_low_host_ram(variant: Any, tp: int | None = None, recipe: str | None = None) -> str | None:
     """Before a compile: warn (`LowHostMemoryWarning`, and the log) when this host's RAM is below or near
-    the estimated compile peak of `variant`; returns the warning text (None when it fits)."""
+    the estimated compile peak of `variant` with `recipe`; returns the warning text (None when it fits)."""
     import logging
     import warnings
 
     from .errors import LowHostMemoryWarning
 
-    message = compile_ram_warning(estimate_compile_peak_gb(variant, tp), host_ram_bytes())
+    message = compile_ram_warning(estimate_compile_peak_gb(variant, tp, recipe=recipe), host_ram_bytes())
     if message:
         logging.getLogger(__name__).warning(message)
         warnings.warn(message, LowHostMemoryWarning, stacklevel=2)
@@ -231,7 +241,6 @@ def run_doctor(
     if variant is not None:
         from .errors import TensorParallelError
         from .memory_plan import plan_core_memory, require_neuron_tp
-        from .variants import get_variant
 
         v = get_variant(variant)
         tp = tp or v.tp_degree

@@ -20,6 +20,10 @@ GB = 1e9
 CORES_PER_CHIP = 2
 HBM_PER_CHIP_GIB = 32
 HBM_PER_CORE_GIB = HBM_PER_CHIP_GIB // CORES_PER_CHIP  # 16: what one tensor-parallel rank can hold
+# Dense bf16/fp16 matmul peak of one Inferentia2 chip, AWS's published figure (190 TFLOPS), split
+# evenly over its two NeuronCores. A datasheet peak, unverified here: prefill estimates use it as a floor.
+BF16_TFLOPS_PER_CHIP = 190.0
+BF16_FLOPS_PER_CORE = BF16_TFLOPS_PER_CHIP * 1e12 / CORES_PER_CHIP
 
 # Tensor-parallel degrees the Neuron runtime supports on Inferentia2: "Inf2: 1, 2, 4, 8, and 24"
 # (NxD Inference feature guide, SDK 2.28). 12 is not among them, though an inf2.24xlarge has 12 cores.
@@ -106,6 +110,8 @@ def host_ram_bytes() -> int:
 
 
 __all__ = [
+    "BF16_FLOPS_PER_CORE",
+    "BF16_TFLOPS_PER_CHIP",
     "CORES_PER_CHIP",
     "GB",
     "GIB",

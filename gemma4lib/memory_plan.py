@@ -19,6 +19,12 @@ What is computed and what is assumed:
   182 GB (the earlier inf2 port; README, "The family at a glance"). The trace recipe compiles with
   `inline_weights_to_neff=False`, so it holds the host model plus one copy of the device weights (no
   weights baked into the HLO or the NEFF). Unverified on inf2 except the 31B calibration.
+
+The compile needs no NeuronCore, so it may run on a larger host than the one that serves: a plan
+names `compile_host`, the run instance when its RAM holds the estimate, else the smallest inf2 size
+that does (same Inferentia2 chip, so its artifacts load on the run instance). E2B's ModelBuilder
+compile (~28 GB) is the case: compile on an inf2.8xlarge, serve on the inf2.xlarge, or pick the
+trace recipe, whose compile fits the inf2.xlarge (`neuron_recipe`).
 """
 
 from __future__ import annotations
@@ -27,8 +33,8 @@ import functools
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from .errors import DeviceMemoryError, TensorParallelError
-from .hardware import GB, GIB, HBM_PER_CORE_GIB, INSTANCES, NEURON_TP_DEGREES
+from .errors import DeviceMemoryError, TensorParallelError, UnknownNameError
+from .hardware import GB, GIB, HBM_PER_CORE_GIB, INSTANCES, NEURON_TP_DEGREES, smallest_instance
 from .variants import Variant, get_variant
 
 WORKING_ALLOWANCE_GIB = 2.0
@@ -38,11 +44,28 @@ HOST_HEADROOM = 1.2  # a compile host should have 20 % more RAM than the estimat
 DEFAULT_CONTEXT = 2048
 
 
-def neuron_recipe(variant: Variant, tp: int) -> str:
-    """The Neuron recipe a variant uses at a TP degree: `trace` for a single core where the
-    variant's recipe is the trace (E2B), ModelBuilder everywhere else (the supported path at every
-    degree since SDK 2.27)."""
-    return "trace" if tp == 1 and variant.recipe == "trace" else "model_builder"
+NEURON_RECIPES = ("model_builder", "trace")
+
+
+def neuron_recipe(variant: Variant, tp: int, requested: str | None = None) -> str:
+    """The Neuron recipe for `variant` at `tp`: ModelBuilder unless `requested` says otherwise.
+
+    ModelBuilder is the supported path at every degree since SDK 2.27, TP=1 included (E2B): its
+    prefill key runs the prompt on the device in one pass over the K/V states the decode key
+    shares. `trace` (`torch_neuronx.trace` of the decode graph alone) stays selectable at TP=1 as
+    the simplest lesson: one graph, K/V aliased by hand, and a compile that fits an inf2.xlarge's
+    16 GiB of host RAM (ModelBuilder's does not, `compile_peak_gb`). Its cost: the prompt goes
+    through the decode graph one device step per token."""
+    if requested is None:
+        return "model_builder"
+    if requested not in NEURON_RECIPES:
+        raise UnknownNameError("neuron recipe", requested, NEURON_RECIPES)
+    if requested == "trace" and tp != 1:
+        raise TensorParallelError(
+            f"the trace recipe compiles one NeuronCore; {variant.name} at TP={tp} needs "
+            f"neuron_recipe='model_builder' (or tp_degree=1)"
+        )
+    return requested
 
 
 @functools.lru_cache(maxsize=64)
@@ -131,6 +154,7 @@ class CoreMemoryPlan:
     compile_basis: str
     host_ram_gib: int
     problems: tuple[str, ...] = field(default_factory=tuple)
+    compile_host: str | None = None  # where the compile fits: the run instance, or a larger inf2 size
 
     @property
     def total_gib(self) -> float:
@@ -143,6 +167,11 @@ class CoreMemoryPlan:
     def to_dict(self) -> dict[str, Any]:
         return {**asdict(self), "problems": list(self.problems), "total_gib": self.total_gib, "fits": self.fits}
 
+    def _compile_elsewhere(self) -> str:
+        if self.compile_host in (None, self.instance):
+            return ""
+        return f" (compile on an {self.compile_host}, serve on the {self.instance})"
+
     def summary(self) -> str:
         """One line: per-core use against capacity, and the compile host's need."""
         verdict = "fits" if self.fits else "does not fit: " + "; ".join(self.problems)
@@ -151,7 +180,7 @@ class CoreMemoryPlan:
             f"{' (ring)' if self.ring else ''}: per core {self.weights_gib:.1f} GiB weights + "
             f"{self.kv_gib:.2f} GiB K/V + {self.working_gib:.1f} GiB working = {self.total_gib:.1f} of "
             f"{self.capacity_gib:.0f} GiB; compile host ~{self.compile_peak_gb:.0f} GB of "
-            f"{self.host_ram_gib} GiB — {verdict}"
+            f"{self.host_ram_gib} GiB{self._compile_elsewhere()} — {verdict}"
         )
 
 
@@ -163,18 +192,18 @@ def plan_core_memory(
     context_length: int = DEFAULT_CONTEXT,
     ring: bool = True,
     dtype_bytes: int = 2,
+    recipe: str | None = None,
 ) -> CoreMemoryPlan:
     """The per-core memory plan of `variant` at `tp` (default: its recipe's) on `instance`
-    (default: the variant's recommended instance). Problems are listed, never raised here."""
+    (default: the variant's recommended instance) with `recipe` (default: `neuron_recipe`'s).
+    Problems are listed, never raised here."""
     v = get_variant(variant) if isinstance(variant, str) else variant
     tp = int(tp or v.tp_degree)
     instance = instance or v.instance_type
     if instance not in INSTANCES:
-        from .errors import UnknownNameError
-
         raise UnknownNameError("inf2 instance", instance, INSTANCES)
     inst = INSTANCES[instance]
-    recipe = neuron_recipe(v, tp)
+    recipe = neuron_recipe(v, tp, recipe)
     problems = structural_problems(v, tp, instance)
     if problems and tp not in v.supported_tp:  # no plan can be cut: report what we know
         weights = kv = 0.0
@@ -189,8 +218,12 @@ def plan_core_memory(
             f"memory exceed a NeuronCore's {capacity:.0f} GiB"
         )
     peak, basis = compile_peak_gb(v, recipe, dtype_bytes)
-    if inst.host_ram_gib * GIB < peak * GB:
-        problems.append(f"the compile needs ~{peak:.0f} GB of host RAM and an {instance} has {inst.host_ram_gib} GiB")
+    compile_host: str | None = instance
+    if inst.host_ram_gib * GIB < peak * GB:  # the compile needs no NeuronCore: a larger inf2 can do it
+        larger = smallest_instance(1, peak * HOST_HEADROOM)
+        compile_host = larger.name if larger else None
+        if larger is None:
+            problems.append(f"the compile needs ~{peak:.0f} GB of host RAM, more than any inf2 size has")
     return CoreMemoryPlan(
         v.name,
         recipe,
@@ -206,13 +239,15 @@ def plan_core_memory(
         basis,
         inst.host_ram_gib,
         tuple(problems),
+        compile_host,
     )
 
 
 def fitting_options(
     variant: Variant | str, context_length: int = DEFAULT_CONTEXT, ring: bool = True
 ) -> list[CoreMemoryPlan]:
-    """Every (TP degree, instance) that fits, smallest instance and degree first."""
+    """Every (TP degree, instance) that fits: those that also compile on the instance first, then
+    those whose compile needs a larger host; smallest instance and degree first within each."""
     v = get_variant(variant) if isinstance(variant, str) else variant
     plans = [
         plan_core_memory(v, tp, instance=name, context_length=context_length, ring=ring)
@@ -220,18 +255,25 @@ def fitting_options(
         for tp in v.supported_tp
         if tp in NEURON_TP_DEGREES
     ]
-    return [p for p in plans if p.fits]
+    fitting = [p for p in plans if p.fits]
+    return sorted(fitting, key=lambda p: p.compile_host != p.instance)  # stable: size order kept
 
 
 def require_fit(
-    variant: Variant | str, tp: int, *, instance: str | None, context_length: int, ring: bool
+    variant: Variant | str,
+    tp: int,
+    *,
+    instance: str | None,
+    context_length: int,
+    ring: bool,
+    recipe: str | None = None,
 ) -> CoreMemoryPlan:
     """Raise when the released model cannot run at `tp` on `instance` (default: the variant's):
     `TensorParallelError` for a degree inf2 cannot run, `DeviceMemoryError` for one that does not
     fit a core or the compile host; the message names configurations that fit."""
     v = get_variant(variant) if isinstance(variant, str) else variant
     require_neuron_tp(v, tp, instance)
-    plan = plan_core_memory(v, tp, instance=instance, context_length=context_length, ring=ring)
+    plan = plan_core_memory(v, tp, instance=instance, context_length=context_length, ring=ring, recipe=recipe)
     if not plan.fits:
         raise DeviceMemoryError(
             f"{v.name} at TP={tp} on {plan.instance} does not fit: {'; '.join(plan.problems)}; "
@@ -263,7 +305,7 @@ def format_plan_table(plans: list[CoreMemoryPlan]) -> str:
         lines.append(
             f"| {p.variant} | {p.recipe} | {p.tp} | {p.instance} | {p.weights_gib:.1f} GiB | "
             f"{p.kv_gib:.2f} GiB | {p.working_gib:.0f} GiB | {p.total_gib:.1f} GiB | "
-            f"~{p.compile_peak_gb:.0f} GB / {p.host_ram_gib} GiB | "
+            f"~{p.compile_peak_gb:.0f} GB / {p.host_ram_gib} GiB{p._compile_elsewhere()} | "
             f"{'yes' if p.fits else 'no: ' + '; '.join(p.problems)} |"
         )
     return "\n".join(lines)
@@ -273,6 +315,7 @@ __all__ = [
     "COMPILE_CALIBRATION",
     "CoreMemoryPlan",
     "DEFAULT_CONTEXT",
+    "NEURON_RECIPES",
     "WORKING_ALLOWANCE_GIB",
     "compile_peak_gb",
     "fitting_options",

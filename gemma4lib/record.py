@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from . import checks
 from .environment import machine, peak_rss_mb, versions
+from .memory_plan import neuron_recipe
 
 if TYPE_CHECKING:
     from .loading import LoadedModel
@@ -51,7 +52,7 @@ def build_record(
         "profile": settings.profile,
         "backend": settings.backend,
         "compiler": device_run.get("compiler"),
-        "inf2_recipe": variant.recipe,
+        "inf2_recipe": neuron_recipe(variant, settings.tp_degree, getattr(settings, "neuron_recipe", None)),
         "tp_degree": settings.tp_degree,
         "model_source": model.source,
         "seq_match": report.seq_match,

@@ -59,6 +59,9 @@ class PortSettings:
     prefill_buckets: tuple[int, ...] = (64,)
     ring_kv: bool = True  # sliding layers hold only their window: flat decode cost with context (docs/ROOFLINE.md)
     decode_experts: str = "selective"  # MoE decode reads the k routed experts; prefill stays dense (measured)
+    # backend 'neuron': None = ModelBuilder (prefill + decode keys); "trace" (TP=1 only) = the decode
+    # graph alone, the prompt prefilled token by token (memory_plan.neuron_recipe)
+    neuron_recipe: str | None = None
     warmup: int = 1
     iters: int = 3
     seed: int | None = None  # None: the variant's `tiny_seed`
@@ -99,6 +102,10 @@ class PortSettings:
                 f"TP={self.tp_degree} runs on backend 'cpu' or 'eager' (one gloo process per rank) or 'neuron' "
                 f"(NeuronCores); the xla lane compiles one device: use tp_degree=1 there"
             )
+        if self.neuron_recipe is not None or self.backend == "neuron":
+            from .memory_plan import neuron_recipe
+
+            neuron_recipe(self.variant_spec, self.tp_degree, self.neuron_recipe)  # unknown name, or trace at TP > 1
         if self.backend == "neuron":
             self._check_neuron()
 
@@ -116,6 +123,7 @@ class PortSettings:
                 instance=instance,
                 context_length=self.context_length,
                 ring=self.ring_kv,
+                recipe=self.neuron_recipe,
             )
         else:  # tiny models fit anywhere; the degree must still be one inf2 can run
             require_neuron_tp(self.variant_spec, self.tp_degree, instance)

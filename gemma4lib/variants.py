@@ -35,7 +35,7 @@ class Variant:
     name: str
     hf_id: str
     model_class: str
-    recipe: str  # the inf2 recipe at the variant's TP degree: "trace" | "model_builder"
+    recipe: str  # the default inf2 recipe at the variant's TP degree (`memory_plan.neuron_recipe`)
     tp_degree: int
     instance_type: str
     real_config: dict[str, Any]
@@ -88,7 +88,7 @@ VARIANTS: dict[str, Variant] = {
         name="e2b",
         hf_id="google/gemma-4-E2B-it",
         model_class="Gemma4ForConditionalGeneration",
-        recipe="trace",
+        recipe="model_builder",
         tp_degree=1,
         instance_type="inf2.xlarge",
         real_config=dict(

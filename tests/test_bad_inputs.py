@@ -990,6 +990,7 @@ def test_low_ram_warning_comes_before_the_neuron_compile(tmp_path, monkeypatch):
         context_length=32,
         prefill_buckets=(16,),
         cache_dir=str(tmp_path / "cache"),
+        neuron_recipe="trace",
     )
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # the compiler workdir lands here, not in /tmp
     events = []
@@ -1009,13 +1010,14 @@ def test_low_ram_warning_comes_before_the_neuron_compile(tmp_path, monkeypatch):
 
 
 def test_doctor_reports_the_ram_estimate(monkeypatch):
-    """E2B's trace keeps its weights out of the NEFF, so its compile fits the inf2.xlarge it runs on;
-    the 12B's ModelBuilder compile does not fit a 16 GiB host, and the doctor says where it does."""
+    """E2B's ModelBuilder compile (its default) does not fit the 16 GiB inf2.xlarge it runs on: the
+    doctor says where it does, and that the trace recipe's compile (weights kept out of the NEFF)
+    fits here; the 12B's ModelBuilder compile does not fit a 16 GiB host either."""
     monkeypatch.setattr(doctor, "host_ram_bytes", lambda: 16 * 2**30)
     report = doctor.run_doctor("e2b")
-    assert report["compile_estimate"]["peak_gb"] == 13.8
-    assert report["compile_estimate"]["smallest_instance_with_headroom"] == "inf2.xlarge"
-    assert not any("peak" in w for w in report["warnings"])
+    assert report["compile_estimate"]["recipe"] == "model_builder"
+    assert report["compile_estimate"]["smallest_instance_with_headroom"] == "inf2.8xlarge"
+    assert any("compile on inf2.8xlarge" in w and "neuron_recipe='trace' (~13.8 GB" in w for w in report["warnings"])
     report = doctor.run_doctor("12b")
     assert any("estimated peak 71.4 GB host RAM > 17 GB here; compile on inf2.8xlarge" in w for w in report["warnings"])
 

@@ -152,10 +152,14 @@ def test_compile_peak_estimate_is_calibrated_to_the_field_report():
     est = estimate_compile_peak_gb("31b", 8)
     assert abs(est["peak_gb"] - 182) / 182 < 0.05
     assert est["smallest_instance_with_headroom"] == "inf2.24xlarge"
-    # E2B's trace keeps the weights out of the NEFF: the host model + one device copy fit an inf2.xlarge
-    e2b = estimate_compile_peak_gb("e2b")
+    # E2B's trace keeps the weights out of the NEFF: the host model + one device copy fit an inf2.xlarge;
+    # its default ModelBuilder compile needs a larger host
+    e2b = estimate_compile_peak_gb("e2b", recipe="trace")
     assert e2b["recipe"] == "trace" and e2b["peak_gb"] < 16 * 2**30 / 1e9
     assert e2b["smallest_instance_with_headroom"] == "inf2.xlarge"
+    e2b_mb = estimate_compile_peak_gb("e2b")
+    assert e2b_mb["recipe"] == "model_builder" and e2b_mb["peak_gb"] > 16 * 2**30 / 1e9
+    assert e2b_mb["smallest_instance_with_headroom"] == "inf2.8xlarge"
 
 
 # ---- the environment fixes -----------------------------------------------------------------------
@@ -347,10 +351,11 @@ class _Recorder:
         self.module = types.SimpleNamespace(BaseModelInstance=BaseModelInstance, ModelBuilder=ModelBuilder)
 
 
-@pytest.mark.parametrize("name", ["e4b", "26b-a4b"])
-def test_model_builder_recipe_calls(name, tmp_path, monkeypatch):
-    """E4B now goes through ModelBuilder like the big variants: two keys over one set of K/V states,
-    PLE as a fourth host input, the decode key as the priority model (weight layout optimisation)."""
+@pytest.mark.parametrize("name,tp", [("e2b", 1), ("e4b", 2), ("26b-a4b", 2)])
+def test_model_builder_recipe_calls(name, tp, tmp_path, monkeypatch):
+    """E2B (TP=1) and E4B go through ModelBuilder like the big variants: two keys over one set of K/V
+    states, PLE as a fourth host input, the decode key as the priority model (weight layout
+    optimisation)."""
     from gemma4lib.recipes import neuron_model_builder
 
     recorder = _Recorder()
@@ -359,7 +364,7 @@ def test_model_builder_recipe_calls(name, tmp_path, monkeypatch):
     with pytest.raises(RuntimeError, match="stop: no Neuron compiler here"):
         neuron_model_builder.compile_model_builder(
             model,
-            2,
+            tp,
             tmp_path,
             context_length=64,
             prefill_len=16,
@@ -368,13 +373,13 @@ def test_model_builder_recipe_calls(name, tmp_path, monkeypatch):
     kinds = [kind for kind, _ in recorder.calls]
     assert kinds == ["init", "add", "add", "trace"]
     init, prefill, decode, trace = (args for _, args in recorder.calls)
-    assert init["tp_degree"] == 2 and init["router"] is None
-    assert init["checkpoint"]["graph.spmd_rank.rank"].tolist() == [0, 1]
+    assert init["tp_degree"] == tp and init["router"] is None
+    assert init["checkpoint"]["graph.spmd_rank.rank"].tolist() == list(range(tp))
     assert (prefill["key"], prefill["priority"]) == ("prefill", None)
     assert (decode["key"], decode["priority"]) == ("decode", 0)
     hidden = model.config.hidden_size
     expected_decode = [(1, 1, hidden)]
-    if name == "e4b":  # the per-layer inputs are computed on the host and passed in
+    if name in ("e2b", "e4b"):  # the per-layer inputs are computed on the host and passed in
         expected_decode.append((1, 1, model.config.num_hidden_layers, model.config.hidden_size_per_layer_input))
     assert decode["inputs"] == expected_decode + [(1,), (1,)]
     assert prefill["inputs"][0] == (1, 16, hidden)
@@ -385,7 +390,7 @@ def test_model_builder_recipe_calls(name, tmp_path, monkeypatch):
 @pytest.mark.parametrize(
     "name,tp,recipe",
     [
-        ("e2b", 1, "trace"),
+        ("e2b", 1, "model_builder"),
         ("e2b", 2, "model_builder"),
         ("e4b", 2, "model_builder"),
         ("12b", 2, "model_builder"),
@@ -420,3 +425,115 @@ def test_backend_neuron_uses_the_neuron_recipe_at_every_tp(name, tp, recipe, mon
     with pytest.raises(RuntimeError, match="stop: compile reached"):
         port_module.port(settings)
     assert reached[0] == ("trace" if recipe == "trace" else "mb")
+
+
+def test_trace_recipe_stays_selectable_at_tp_1(monkeypatch):
+    """`neuron_recipe="trace"` reaches `torch_neuronx.trace`; it is refused at TP > 1 and by name."""
+    from gemma4lib import port as port_module
+    from gemma4lib.errors import TensorParallelError, UnknownNameError
+    from gemma4lib.memory_plan import neuron_recipe
+    from gemma4lib.recipes import neuron_model_builder, neuron_trace
+
+    e2b = get_variant("e2b")
+    assert neuron_recipe(e2b, 1) == "model_builder" and neuron_recipe(e2b, 1, "trace") == "trace"
+    with pytest.raises(TensorParallelError, match="neuron_recipe='model_builder'"):
+        port_module.PortSettings(variant="e2b", model="random", tp_degree=2, neuron_recipe="trace")
+    with pytest.raises(UnknownNameError):
+        port_module.PortSettings(variant="e2b", model="random", neuron_recipe="parallel_model_trace")
+    monkeypatch.setenv("GEMMA4LIB_INSTANCE_TYPE", "inf2.xlarge")
+    monkeypatch.setattr(neuron_env, "require_sdk", lambda *a, **k: None)
+    monkeypatch.setattr(neuron_env, "require", lambda *a, **k: None)
+    reached = []
+
+    def stop(label):
+        def compile_stub(*args, **kwargs):
+            reached.append(label)
+            raise RuntimeError("stop: compile reached")
+
+        return compile_stub
+
+    monkeypatch.setattr(neuron_model_builder, "compile_model_builder", stop("mb"))
+    monkeypatch.setattr(neuron_trace, "compile_trace", stop("trace"))
+    for requested, label in ((None, "mb"), ("trace", "trace")):
+        settings = port_module.PortSettings(
+            variant="e2b", model="random", backend="neuron", cache_dir=None, neuron_recipe=requested
+        )
+        with pytest.raises(RuntimeError, match="stop: compile reached"):
+            port_module.port(settings)
+        assert reached[-1] == label
+
+
+def test_e2b_model_builder_prefill_and_decode_share_kv_on_cpu():
+    """E2B's ModelBuilder modules at TP=1 (CPU layers for NxD's), loaded from the checkpoint the
+    loader returns: one prefill call of the prompt writes the K/V that the decode module reads
+    (one set of parameters), and the tokens equal the reference's."""
+    from gemma4lib.recipes import neuron_model_builder as mb
+    from gemma4lib.recipes.common import AliasEmulator, greedy_generate
+    from gemma4lib.reference import reference_greedy
+    from gemma4lib.tp import make_plan
+    from gemma4lib.tp.rank_graph import CpuParallelFactory
+
+    m = tiny("e2b")
+    plan = make_plan(m.config, 1, m.variant)
+    checkpoint = mb.nxd_checkpoint(m, plan, torch.float32)
+    shapes = mb.bucket_shapes(64, 32)
+    modules = {
+        key: mb.rank_module(m.config, plan, shape, torch.float32, factory=CpuParallelFactory(1))
+        for key, shape in shapes.items()
+    }
+    decode = modules["prefill"].sharing(modules["decode"].graph)
+    for module in (modules["prefill"], decode):
+        missing, unexpected = module.load_state_dict(checkpoint, strict=False)
+        assert not unexpected and all(k.startswith("kv.") for k in missing)
+    assert all(a is b for a, b in zip(decode.kv, modules["prefill"].kv, strict=True))
+    assert decode.num_inputs == 4  # PLE is a host input, as for E4B
+    from gemma4lib.embedder import HostEmbedder
+
+    ids = prompt("e2b")
+    result = greedy_generate(
+        AliasEmulator(decode),
+        HostEmbedder.from_text_model(m.text_model),
+        ids,
+        16,
+        prefill=AliasEmulator(modules["prefill"]),
+        prefill_len=32,
+    )
+    assert result["prefill_mode"] == "graph"
+    assert result["tokens"] == reference_greedy(m.lm, ids, 16)
+
+
+def test_e2b_memory_plan_names_where_each_recipe_compiles():
+    """ModelBuilder's compile of E2B does not fit an inf2.xlarge's host RAM, the trace's does: the
+    plan still fits (compile elsewhere, same chip) and says so."""
+    from gemma4lib.hardware import GB, GIB, INSTANCES
+    from gemma4lib.memory_plan import plan_core_memory
+
+    mb = plan_core_memory("e2b")
+    assert mb.recipe == "model_builder" and mb.instance == "inf2.xlarge" and mb.fits
+    assert mb.compile_peak_gb * GB > INSTANCES["inf2.xlarge"].host_ram_gib * GIB
+    assert mb.compile_host not in (None, "inf2.xlarge") and "compile on an" in mb.summary()
+    trace = plan_core_memory("e2b", recipe="trace")
+    assert trace.recipe == "trace" and trace.compile_host == "inf2.xlarge" and trace.fits
+    assert trace.compile_peak_gb < mb.compile_peak_gb and "compile on an" not in trace.summary()
+    assert trace.weights_gib == mb.weights_gib  # same device weights per core either way
+
+
+def test_prefill_estimate_from_flops_and_bytes():
+    """The computed floor of a prefill call: compute at the datasheet peak vs bytes at HBM speed,
+    and what token-by-token decode steps would cost instead (E2B's trace recipe)."""
+    from gemma4lib import roofline
+    from gemma4lib.hardware import BF16_FLOPS_PER_CORE, INSTANCES
+
+    e2b = roofline.prefill_estimate("e2b", 128)
+    assert e2b.compute_ms == pytest.approx(e2b.flops / BF16_FLOPS_PER_CORE * 1e3)
+    assert e2b.memory_ms == pytest.approx(e2b.bytes / INSTANCES["inf2.xlarge"].bandwidth_bytes_s(1) * 1e3)
+    assert e2b.expected_ms == max(e2b.compute_ms, e2b.memory_ms)
+    longer = roofline.prefill_estimate("e2b", 512)
+    assert 3.5 < longer.flops / e2b.flops < 4.5 and longer.bytes == e2b.bytes  # weights read once per call
+    assert e2b.stepwise_ms == pytest.approx(128 * 1e3 / get_variant("e2b").field_report.decode_tok_s)
+    assert e2b.stepwise_ms > 50 * e2b.expected_ms
+    rows = roofline.prefill_table(128)
+    assert {r["variant"] for r in rows} >= {"e2b", "12b", "31b", "26b-a4b"}
+    reported = [r for r in rows if r["field_report_prefill_ms"]]
+    assert reported and all(r["expected_ms"] < r["field_report_prefill_ms"] for r in reported)  # a floor
+    assert "e2b" in roofline.format_prefill_table(rows)

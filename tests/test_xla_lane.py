@@ -245,3 +245,50 @@ def test_hlo_audit_flags_a_whole_shard_copy(xla_lane, monkeypatch, bad_gather, s
     layers = _moe_layers(model)
     assert row.flagged_experts == [f"model.layers.{i}.experts.down.weight" for i in range(layers)]
     assert not row.ok and row.weights_delta != row.expected_delta
+
+
+def test_e2b_model_builder_pair_at_tp1_on_xla(xla_lane, tmp_path):
+    """E2B's ModelBuilder recipe at TP=1: the rank graphs of its prefill and decode keys (CPU layers
+    for NxD's, weights from the recipe's checkpoint) through torch_xla over ONE set of K/V buffers,
+    as the two keys share one set of aliased states on the device: the prompt in one prefill call,
+    then decode steps that read the K/V it wrote; one compile per shape, tokens equal HF greedy."""
+    import torch
+
+    from gemma4lib.backends.xla import XLASession
+    from gemma4lib.loading import build_tiny
+    from gemma4lib.recipes import neuron_model_builder as mb
+    from gemma4lib.tp import make_plan
+    from gemma4lib.tp.rank_graph import build_rank_graph, load_shard
+    from gemma4lib.variants import get_variant
+
+    v = get_variant("e2b")
+    model = build_tiny(v, seed=v.tiny_seed)
+    plan = make_plan(model.config, 1, v)
+    weights = {k.removeprefix(mb.GRAPH_PREFIX): t for k, t in mb.nxd_checkpoint(model, plan, torch.float32).items()}
+    graphs = {}
+    for key, shape in mb.bucket_shapes(64, 24).items():
+        graphs[key] = build_rank_graph(model.config, plan, shape)
+        assert load_shard(graphs[key], weights) == []
+    session = XLASession(graphs, hlo_dir=tmp_path)
+    prefill, decode = session.step("prefill"), session.step("decode")
+    kv = session.new_kv("decode")  # the one set both keys alias
+    ids = torch.randint(3, model.config.vocab_size - 12, (1, 20), generator=torch.Generator().manual_seed(1))
+    steps = 8
+    with torch.no_grad():
+        reference = model.lm.generate(ids, max_new_tokens=1 + steps, do_sample=False, eos_token_id=None)[0, 20:]
+        text = model.text_model
+
+        def host(token_ids, pad_to):
+            n = token_ids.shape[1]
+            embeds = torch.nn.functional.pad(text.embed_tokens(token_ids), (0, 0, 0, pad_to - n))
+            ple = torch.nn.functional.pad(text.get_per_layer_inputs(token_ids), (0, 0, 0, 0, 0, pad_to - n))
+            return embeds, ple
+
+        tokens = [int(prefill(*host(ids, 24), torch.tensor([0]), torch.tensor([20]), *kv).cpu().argmax())]
+        for i in range(steps):
+            logits = decode(*host(torch.tensor([[tokens[-1]]]), 1), torch.tensor([20 + i]), torch.tensor([1]), *kv)
+            tokens.append(int(logits.cpu().argmax()))
+    report = session.report()
+    assert tokens == reference.tolist()
+    assert report["xla_compilations"] == {"prefill": 1, "decode": 1}
+    assert report["xla_steps"] == {"prefill": 1, "decode": steps}

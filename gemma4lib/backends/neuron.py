@@ -1,5 +1,6 @@
 """Backend `neuron`: the device graphs compiled for inf2 by the recipe `memory_plan.neuron_recipe`
-picks (`recipes.neuron_trace` for E2B on one core, `recipes.neuron_model_builder` everywhere else),
+picks (`recipes.neuron_model_builder` by default, TP=1 included; `recipes.neuron_trace` on one core
+when `PortSettings.neuron_recipe="trace"`),
 cached in the artifact cache, wrapped in the host runtime. Needs the Neuron SDK (checked before
 any work); everything but the compiler calls runs on CPU in the tests.
 """
@@ -64,16 +65,16 @@ def compile(
     artifact from the cache when its key matches) and wrap it in the host runtime. Raises
     `NeuronSDKMissingError` without the SDK, before any work.
 
-    `trace` (E2B, TP=1): the decode graph; the prompt is prefilled through it token by token.
-    `model_builder` (every other variant, and any TP > 1): prefill + decode keys over one set of
-    K/V states. Artifacts live in the artifact cache (`settings.cache_dir`) keyed by
-    `neuron_cache_key`.
+    `model_builder` (the default, every variant and TP degree): prefill + decode keys over one set
+    of K/V states; the prompt is one device call per bucket. `trace` (TP=1, on request): the decode
+    graph alone; the prompt is prefilled through it token by token. Artifacts live in the artifact
+    cache (`settings.cache_dir`) keyed by `neuron_cache_key`.
     """
     refuse_graphs(graphs, "neuron")
     neuron_env.require("torch_neuronx", f"backend 'neuron' ({model.variant.name})")
     prefill, decode = device_graphs(model, settings, inplace=False)  # shapes and host K/V only
     tp = int(settings.tp_degree)
-    recipe = neuron_recipe(model.variant, tp)
+    recipe = neuron_recipe(model.variant, tp, getattr(settings, "neuron_recipe", None))
     context, ring, dtype = settings.context_length, settings.ring_kv, decode.dtype
     n_inputs = 4 if decode.has_ple else 3
     bucket = max(prefill)
@@ -91,7 +92,7 @@ def compile(
 
     def build(folder: Path) -> dict[str, Any]:
         if settings.profile == "full":  # the estimate is the released model's; tiny smoke models fit anywhere
-            warn_low_host_ram(model.variant, tp)  # before the compile the kernel might kill half an hour in
+            warn_low_host_ram(model.variant, tp, recipe)  # before the compile the kernel might kill half an hour in
         workdir = tempfile.mkdtemp(prefix="gemma4lib-neuron-cc-")  # never inside the cache entry
         if recipe == "trace":
             neuron_trace.save(

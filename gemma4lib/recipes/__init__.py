@@ -1,10 +1,13 @@
 """The Neuron recipes: thin adapters that hand the device graph to a Neuron compiler.
 
-- `trace` (`neuron_trace`): E2B at TP=1; `torch_neuronx.trace` with the K/V as aliased state.
-- `model_builder` (`neuron_model_builder`): E4B, 12B, 31B, 26B-A4B, and any variant at TP > 1;
-  NxD `ModelBuilder` v1 with the rank as an `SPMDRank` tensor.
+- `model_builder` (`neuron_model_builder`): every variant at every TP degree, E2B at TP=1 included;
+  NxD `ModelBuilder` v1, a prefill key and a decode key over one set of aliased K/V states, the
+  rank as an `SPMDRank` tensor.
+- `trace` (`neuron_trace`): TP=1 on request (`PortSettings.neuron_recipe="trace"`), the simplest
+  lesson; `torch_neuronx.trace` of the decode graph with the K/V as aliased state, the prompt
+  prefilled through it one token per device step.
 
-`memory_plan.neuron_recipe(variant, tp)` picks one. NxD's `parallel_model_trace` (one process per
+`memory_plan.neuron_recipe(variant, tp, requested)` picks one. NxD's `parallel_model_trace` (one process per
 rank) is unsupported since SDK 2.27, so no recipe uses it: ModelBuilder compiles one rank in one
 process at every TP degree. Hand-driven TP stays what the E4B notebook teaches on CPU (gloo ranks).
 

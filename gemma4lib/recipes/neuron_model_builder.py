@@ -1,5 +1,9 @@
-"""Recipe 2 (E4B TP=2, 12B TP=2, 31B TP=8, 26B-A4B TP=8; any variant at TP > 1): NxD ModelBuilder
-(v1), compile one rank, load per-rank weights.
+"""The recipe of every variant (E2B TP=1, E4B TP=2, 12B TP=2, 31B TP=8, 26B-A4B TP=8; any supported
+degree): NxD ModelBuilder (v1), compile one rank, load per-rank weights.
+
+At TP=1 (E2B) the same code compiles one core: the parallel layers hold whole weights, every
+collective is over a group of one, and what the recipe adds over `neuron_trace` is the prefill key
+sharing the decode key's K/V states, so the prompt is one device call per bucket.
 
 The rank graph (`tp.rank_graph.RankGraph`) is the same one the CPU gloo run executes; here its
 rank-local layers come from NxD (`NxDParallelFactory`): `ColumnParallelLinear`,
@@ -14,7 +18,7 @@ the config on the meta device with shard-size layers, so `module_cls()` never ho
   compiler choose the weights' on-device layout for it, and applies that layout to the prefill
   graph too. Decode reads every weight once per token, so its layout is the one worth optimising
   (NxD Inference does the same for its token-generation model).
-- PLE models (E4B): the per-layer inputs are a fourth input computed on the host, like the
+- PLE models (E2B, E4B): the per-layer inputs are a fourth input computed on the host, like the
   embeddings; the PLE projections are replicated on every rank.
 - MoE (26B-A4B): the plan's `expert_split` decides what a rank holds. By default (TP=8: the
   experts' intermediate size 704 splits into 8 x 88) every rank holds a 1/tp slice of every

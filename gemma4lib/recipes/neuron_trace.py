@@ -1,11 +1,22 @@
-"""Recipe 1 (E2B, one NeuronCore): `torch_neuronx.trace` of the device graph with on-device K/V.
+"""The simplest recipe (one NeuronCore, on request): `torch_neuronx.trace` of the decode graph with
+on-device K/V.
+
+What it teaches: a compiled graph can own state. One graph, one `torch_neuronx.trace` call, the K/V
+aliased by hand; nothing of NxD. What it costs: `torch_neuronx.trace` compiles one graph per call
+(SDK 2.28 signature: one `func`, one `example_inputs`; `input_output_aliases` marks that module's own
+parameters as state), and nothing in it aliases one traced module's state to another's, which is
+what ModelBuilder's keys do. A separately traced prefill graph would hold its own K/V copy, so the
+prompt runs through the decode graph one token per device step: a 128-token prompt is
+128 steps (~3 s at the field report's 44 tok/s for E2B), against one bucketed call (~11 ms
+computed, `roofline.prefill_estimate`) in the ModelBuilder recipe, which E2B uses by default
+(`memory_plan.neuron_recipe`). Its compile is also the one that fits an inf2.xlarge's 16 GiB host
+(~14 GB against ModelBuilder's ~28 GB, `memory_plan.compile_peak_gb`).
 
 The decode graph (`DeviceGraph(inplace=False)`, one token) is wrapped in a `KVParamModule`: its K/V
 buffers are parameters of the traced module and `input_output_aliases={param: output_index}` makes
 the compiled graph update them in place on the device, so nothing but the embeddings goes in and
 the logits come out each step. Embedding and PLE tables stay on the host (2.35 B of E2B's 4.63 B
-parameters). The prompt is prefilled through the same decode graph token by token (one compiled
-graph; E2B prompts are short).
+parameters). The prompt is prefilled through the same decode graph token by token.
 
 The weights are not inlined into the NEFF (`inline_weights_to_neff=False`): the compile host then
 holds the model and one copy of the device weights, not also the weights baked into the HLO and the
@@ -31,7 +42,7 @@ from . import neuron_env
 from .common import AliasEmulator, KVParamModule, greedy_generate
 
 RECIPE = "trace"
-PURPOSE = "the E2B trace recipe (torch_neuronx.trace)"
+PURPOSE = "the one-core trace recipe (torch_neuronx.trace)"
 
 
 def build_kv_module(loaded: Any, context_length: int, *, ring: bool = False) -> KVParamModule:

@@ -348,7 +348,7 @@ def _run_tp(
         raise PromptTooLongError(len(prompt), max_new_tokens, context_length)
     if tp < 2:
         raise TensorParallelError(
-            f"run_tp_port shards over ranks: TP must be >= 2, got {tp} (TP=1 is the single-core trace recipe)"
+            f"run_tp_port shards over ranks: TP must be >= 2, got {tp} (TP=1 runs one device: no ranks to shard over)"
         )
     if decode_experts not in EXPERT_FORMS:
         raise ValueError(f"unknown decode_experts form {decode_experts!r}; choose one of {EXPERT_FORMS}")
