@@ -24,7 +24,7 @@
 #
 # | notebook | variant | instance | TP | recipe |
 # |---|---|---|---|---|
-# | [01_e2b.ipynb](01_e2b.ipynb) | E2B | `inf2.xlarge` | 1 | trace |
+# | [01_e2b.ipynb](01_e2b.ipynb) | E2B | `inf2.xlarge` | 1 | model_builder (trace selectable) |
 # | [02_e4b.ipynb](02_e4b.ipynb) | E4B | `inf2.8xlarge` | 2 | model_builder |
 # | [03_12b.ipynb](03_12b.ipynb) | 12B | `inf2.8xlarge` | 2 | model_builder |
 # | [04_31b.ipynb](04_31b.ipynb) | 31B | `inf2.24xlarge` | 8 | model_builder |
@@ -102,13 +102,16 @@ plots.memory_budget(nb.memory_rows())
 #
 # Each step was forced by a model that the previous step could not carry:
 #
-# 1. `torch_neuronx.trace` of the real forward on one core (E2B): proves PLE and KV sharing
-#    compile at all.
+# 1. `torch_neuronx.trace` of the real forward on one core (the field report's E2B): proves PLE
+#    and KV sharing compile at all. It compiles one graph, so the prompt goes through the decode
+#    graph one token at a time; it stays selectable for E2B (`neuron_recipe="trace"`), whose default
+#    is now step 3 at TP=1.
 # 2. Hand-driven tensor parallelism with aliased on-device K/V and a CPU-seeded prefill (the field
 #    report's E4B): two cores. Its per-rank tracer ran out of memory at 31B and is unsupported since
 #    SDK 2.27, so this cookbook teaches it on CPU and compiles E4B with step 3 on inf2.
-# 3. NxD `ModelBuilder` (E4B, 12B, 31B, 26B-A4B): compile one rank, shard the weights per rank. This
-#    is what carries the 31B at TP=8 and, with static experts and a runtime rank, the MoE.
+# 3. NxD `ModelBuilder` (every variant; E2B at TP=1): a prefill graph and a decode graph over one
+#    set of K/V states, one rank compiled and the weights sharded per rank. This is what carries the
+#    31B at TP=8 and, with static experts and a runtime rank, the MoE.
 
 # %%
 nb.recipe_table()

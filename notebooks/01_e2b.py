@@ -21,9 +21,9 @@
 # | | `full` profile (inf2) | `smoke` profile (any CPU) |
 # |---|---|---|
 # | machine | `inf2.xlarge`: 1 Inferentia2 chip(s), 2 NeuronCores, 32 GiB HBM, 820 GiB/s | any x86-64 or arm64 machine; two shared cores are enough |
-# | TP degree | 1 (trace recipe) | 1 for the port; a CPU run with one process per rank shows TP |
+# | TP degree | 1 (NxD ModelBuilder; the one-graph `torch_neuronx.trace` recipe is selectable) | 1 for the port; a CPU run with one process per rank shows TP |
 # | memory per core (computed, `python -m gemma4lib doctor`) | 4.2 GiB bf16 weights + 0.02 GiB K/V at 2,048 tokens + 2 GiB working allowance (unverified on inf2) = 6.3 of 16 GiB HBM | a few MB |
-# | host RAM for the compile | 16 GiB on the instance; ~14 GB estimated (host model + one copy of the device weights (weights not inlined into the NEFF)); the model is loaded in bf16 on the host before it is compiled | under 2 GiB |
+# | host RAM for the compile | ~28 GB estimated for ModelBuilder (computed: 3 × the text weights, the rule calibrated on the field report's 31B): more than the inf2.xlarge's 16 GiB, so compile on an inf2.8xlarge (same chip, no NeuronCore needed) and serve on the inf2.xlarge, or pick `neuron_recipe="trace"` (~14 GB, fits; the prompt then runs token by token) | under 2 GiB |
 # | software | Deep Learning AMI Neuron (Ubuntu 24.04), venv `aws_neuronx_venv_pytorch_2_9_nxd_inference` (Python 3.12), Neuron SDK 2.28: torch-neuronx 2.9.0.2.12.22436, neuronx-cc 2.23.6484.0, neuronx-distributed 0.17.26814, libneuronxla 2.2.15515.0; + transformers 5.23.0 | torch 2.13 (CPU), transformers 5.23.0, AOTInductor as the compiler |
 # | model | `google/gemma-4-E2B-it` (bf16, gated: `HF_TOKEN` from the environment) | a tiny trained model of the same architecture: PLE + KV sharing (10 layers, 4 KV-shared) |
 
@@ -58,6 +58,7 @@ model = "auto"  # smoke: the tiny trained fixture; "random" for equality-only ru
 checkpoint = None  # full: a hub id or local folder, e.g. "google/gemma-4-E2B-it"
 backend = "cpu"  # full: "neuron"
 tp_degree = 1  # full: 1
+neuron_recipe = None  # full: None = NxD ModelBuilder (the prompt in one device pass); "trace" = one graph
 prompt = "What is the capital of France?"
 expect = "Paris"  # coherence: the answer must contain this
 max_new_tokens = 32
@@ -108,6 +109,7 @@ s = PortSettings(
     checkpoint=checkpoint,
     backend=backend,
     tp_degree=tp_degree,
+    neuron_recipe=neuron_recipe,
     prompt=prompt,
     expect=expect,
     max_new_tokens=max_new_tokens,
@@ -285,16 +287,25 @@ nb.describe_graphs(prefill, decode)
 # graph. The packages go into an artifact cache keyed by everything that changes the program, so
 # a second run loads them in a second instead of compiling again.
 #
-# On inf2, E2B's recipe hands these graphs to `torch_neuronx.trace` on one NeuronCore, with the
-# K/V buffers held as parameters and aliased to the outputs that update them.
+# On inf2, E2B compiles with NxD `ModelBuilder` at TP=1, like the larger variants: one prefill graph
+# and one decode graph over a single set of K/V states that stay on the NeuronCore, so a 128-token
+# prompt is one device call (~10 ms computed from FLOP and byte counts, unverified; see
+# `docs/ROOFLINE.md`) rather than 128 decode steps (~3 s at the field report's 44 tok/s).
+#
+# The field report's recipe, `torch_neuronx.trace` of the decode graph with the K/V buffers held as
+# parameters and aliased to the outputs that update them, is still here as the simplest lesson
+# (`neuron_recipe="trace"`): one graph that owns its state, no NxD at all. What it costs: a traced
+# graph cannot share that state with a second graph, so the prompt goes through the decode graph one
+# token at a time. It also compiles in half the host RAM, which is why it fits an inf2.xlarge.
 #
 # The first cell below shows the CPU compiler's three steps as the library runs them:
 # `export_graph` (non-strict `torch.export`), `package_program` (AOTInductor compiles the program
 # and writes a `.pt2` package, only on a cache miss) and `load_package` (loads it and hands it the
 # weights, which the package does not hold). The second shows the inf2 recipe's own lines, marked
 # `# inf2-only` where they need the Neuron SDK; on a CPU it only builds what the compiler would
-# receive. Both are copies of the library's functions that a test keeps equal to them. The third
-# compiles with whichever the `backend` parameter picks.
+# receive. The third shows the one-graph trace recipe the same way. All are copies of the library's
+# functions that a test keeps equal to them. The last compiles with whichever the `backend` and
+# `neuron_recipe` parameters pick.
 #
 # The compiled packages and NEFFs go to `~/.cache/gemma4lib` by default, shared by every notebook and
 # run on the machine; set `GEMMA4LIB_CACHE` (before starting Jupyter or papermill) to keep them
@@ -331,8 +342,104 @@ if backend == "cpu":  # what AOTInductor receives, and what the artifact cache i
     print("AOTInductor options:", DEFAULT_COMPILER_OPTIONS)
 
 # %%
-# The inf2 compile, E2B's trace recipe: gemma4lib.recipes.neuron_trace's own lines (a test keeps the
-# copies equal). Defining them runs anywhere; only `torch_neuronx` calls need the Neuron SDK.
+# The inf2 compile, NxD ModelBuilder: gemma4lib.recipes.neuron_model_builder's own lines (a test keeps
+# the copies equal). Defining them runs anywhere; the lines marked inf2-only need the Neuron SDK.
+# library: gemma4lib.recipes.neuron_model_builder
+import json
+from pathlib import Path
+
+import torch
+
+from gemma4lib.recipes import neuron_env
+from gemma4lib.recipes.common import graph_example_inputs
+from gemma4lib.recipes.neuron_model_builder import (
+    PRIORITY,
+    PURPOSE,
+    RECIPE,
+    SHARD_FILE,
+    _instance_class,
+    bucket_expert_forms,
+    bucket_shapes,
+    nxd_checkpoint,
+)
+from gemma4lib.tp.plan import make_plan
+
+
+def compile_model_builder(
+    loaded,
+    tp,
+    out_dir,
+    *,
+    context_length,
+    prefill_len,
+    ring=False,
+    dtype=torch.bfloat16,
+    compiler_workdir=None,
+    decode_experts="dense",
+    expert_split=None,
+):
+    model_builder, GraphInstance = _instance_class()
+    forms = bucket_expert_forms(decode_experts)
+    plan = make_plan(loaded.config, tp, loaded.variant, expert_split=expert_split)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    workdir = Path(compiler_workdir or out / "compiler_workdir")  # ModelBuilder.trace() wipes it: never share
+    checkpoint = nxd_checkpoint(loaded, plan, dtype)
+    # The builder's constructor and `add` are inf2-only too; tests drive them through a recording fake.
+    builder = model_builder.ModelBuilder(  # inf2-only
+        router=None, tp_degree=tp, checkpoint_loader=lambda: dict(checkpoint), compiler_workdir=str(workdir)
+    )
+    for key, shape in bucket_shapes(context_length, prefill_len, ring).items():
+        builder.add(  # inf2-only
+            key=key,
+            model_instance=GraphInstance(loaded.config, plan, shape, dtype, forms[key]),
+            example_inputs=[graph_example_inputs(loaded.config, shape, dtype)],
+            compiler_args=neuron_env.COMPILER_ARGS[shape.phase],
+            priority_model_idx=PRIORITY[key],
+        )
+    traced = builder.trace(initialize_model_weights=False)  # inf2-only
+    torch.jit.save(traced, str(out / "model.pt"))  # inf2-only
+    builder.shard_checkpoint(serialize_path=str(out / "weights"))  # inf2-only
+    manifest = {
+        "recipe": RECIPE,
+        "variant": loaded.variant.name,
+        "tp": tp,
+        "context_length": context_length,
+        "prefill_len": prefill_len,
+        "ring": ring,
+        "dtype": str(dtype),
+        "expert_forms": forms,
+        "expert_split": plan.expert_split,
+        "plan": plan.describe(),
+        "compiler_args": neuron_env.COMPILER_ARGS,
+    }
+    (out / "manifest.json").write_text(json.dumps(manifest, indent=2))
+    return out
+
+
+def load_model_builder(out_dir, tp=None, start_rank=0):
+    neuron_env.require("torch_neuronx", PURPOSE)
+    neuron_env.require("neuronx_distributed", PURPOSE)
+    from safetensors.torch import load_file
+
+    out = Path(out_dir)
+    tp = tp or json.loads((out / "manifest.json").read_text())["tp"]
+    traced = torch.jit.load(str(out / "model.pt"))  # inf2-only
+    weights = [load_file(str(out / "weights" / SHARD_FILE.format(rank=r))) for r in range(start_rank, start_rank + tp)]
+    traced.nxd_model.initialize(weights, torch.tensor([start_rank], dtype=torch.int32))  # inf2-only
+    return traced
+
+
+# The two keys ModelBuilder compiles (decode first: it is the priority model whose weight layout
+# the compiler optimises), and each key's expert form; shown here without compiling.
+{
+    key: (shape, bucket_expert_forms(s.decode_experts)[key])
+    for key, shape in bucket_shapes(s.context_length, max(s.prefill_buckets), s.ring_kv).items()
+}
+
+# %%
+# The one-graph lesson, neuron_recipe="trace": gemma4lib.recipes.neuron_trace's own lines (a test keeps
+# the copies equal). Defining them runs anywhere; only `torch_neuronx` calls need the Neuron SDK.
 # library: gemma4lib.recipes.neuron_trace
 import torch
 
@@ -379,7 +486,8 @@ print(
 
 # %%
 if backend == "neuron":
-    # inf2: compile_trace and load above; the artifact is cached like the CPU packages,
+    # inf2: compile_model_builder and load_model_builder above (compile_trace and load with
+    # neuron_recipe="trace"); the artifact is cached like the CPU packages,
     # then wrapped in the same host runtime.
     # Neuron builds its own graph form (K/V as aliased parameters) from the model.
     compiled = compile_graphs(model, s, progress=True)
@@ -557,6 +665,9 @@ if interactive:
 #   Passing `inputs_embeds` and `per_layer_inputs` gives bit-identical results.
 # - KV sharing needs no special handling when the real forward is traced; only producer layers
 #   get buffers (15 of 35 in the released model).
+# - On inf2, compile with `ModelBuilder` at TP=1: a prefill key and a decode key over one set of
+#   K/V states put the whole prompt on the device in one call. The one-graph trace teaches the
+#   aliasing with nothing else in the way, and pays for it with one device step per prompt token.
 # - Check SEQ_MATCH **and** the answer. The original "gibberish" endpoint that started this work
 #   loaded a real model and wired the PLE path and embedding scale wrongly: a text check catches
 #   that, an equality check cannot.
