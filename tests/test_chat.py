@@ -38,6 +38,7 @@ def test_enter_sends_and_the_answer_streams(e2b):
     assert len(visible) >= 3 and len(answers) == len(visible), shown
     assert "Paris" not in answers[0] and answers[-1] == chatbox.answer.value
 
+
 def test_the_button_sends_too_and_an_empty_box_asks_the_settings_prompt(e2b):
     chatbox = ChatBox(e2b.runtime, e2b.model, e2b.settings)
     chatbox.button.click()
@@ -72,3 +73,11 @@ def test_chat_returns_the_widget(e2b):
     import ipywidgets as widgets
 
     assert isinstance(chat(e2b.runtime, e2b.model, e2b.settings), widgets.VBox)
+
+
+def test_a_failure_in_the_callback_shows_a_line_instead_of_vanishing(e2b):
+    """An exception in a widget callback never reaches the notebook: the box must say what went wrong."""
+    chatbox = ChatBox(e2b.runtime, "auto", e2b.settings)  # `model` rebound to its parameter string
+    chatbox.box.value = "What is the capital of France?"
+    press_enter(chatbox.box)
+    assert chatbox.answer.value.startswith("<b>error:</b>") and "load_model" in chatbox.answer.value

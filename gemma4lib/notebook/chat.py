@@ -4,12 +4,15 @@ compiled graphs through the one host decode loop (`runtime.decode_loop`'s `on_to
 from __future__ import annotations
 
 import html
+import logging
 import warnings
 from typing import Any
 
 from ..errors import Gemma4LibError
 from ..loading import LoadedModel
 from .display import answer_text
+
+logger = logging.getLogger(__name__)
 
 
 def prompt_limit(runtime: Any) -> int:
@@ -64,6 +67,9 @@ class ChatBox:
         except Gemma4LibError as error:
             self._show("can't ask:", str(error))
             return None
+        except AttributeError as error:  # e.g. `model` rebound to its parameter string by re-running that cell
+            self._show("error:", f"{error}; pass the loaded model (load_model(settings)) to nb.chat")
+            return None
         limit = prompt_limit(self.runtime)
         if len(ids) > limit:
             self._show("can't ask:", too_long_line(len(ids), limit))
@@ -80,6 +86,10 @@ class ChatBox:
             self.runtime.generate(ids, n, eos_token_ids=eos_ids(self.model), on_token=on_token)
         except Gemma4LibError as error:  # anything the user can fix: one line, not a traceback
             self._show("can't ask:", str(error))
+            return None
+        except Exception as error:  # a widget callback's exception is otherwise lost: the box would just stay blank
+            logger.exception("chat: generation failed")
+            self._show("error:", f"{type(error).__name__}: {error}")
             return None
         return answer_text(self.model, pieces)
 
