@@ -7,8 +7,9 @@ so Run All never writes outputs into the committed .ipynb files. GEMMA4LIB_CACHE
 kernels, so with a warm cache every graph is a cache hit. Screenshots go to runs/browser/.
 
 Needs Debian's chromium and chromium-driver and the `browser` extra: `bash scripts/setup_browser.sh`.
-Marked `browser`; scripts/run_tests.sh leaves it out unless asked (`-m browser`), and it skips, saying
-why, where no browser is installed."""
+Marked `browser`: it skips, saying why, where no browser is installed, so the default
+`scripts/run_tests.sh` passes there; `.ci/run` installs the browser and runs it as a step of its own
+after the main suite (which leaves it out), when the compile cache is warm."""
 
 from __future__ import annotations
 
@@ -121,11 +122,17 @@ class Lab:
         self.log.close()
 
 
+def _committed_notebooks() -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted((ROOT / "notebooks").glob("*.ipynb"))}
+
+
 @pytest.fixture(scope="module")
 def lab(tmp_path_factory):
+    before = _committed_notebooks()
     server = Lab(tmp_path_factory.mktemp("lab"))
     yield server
     server.stop()
+    assert _committed_notebooks() == before, "the browser run changed a committed notebook; it must use its copy"
 
 
 @pytest.fixture(scope="module")
