@@ -278,6 +278,15 @@ def test_run_all_then_ask_the_chat_box(lab, browser, name):
 
     box = _wait(browser, f"{name} chat box shown", CHAT_TIMEOUT_S, chat_input)
     _scroll_to(browser, chat_index)
+    # every text the answer line shows, as the page sees it: streamed means several, growing
+    browser.execute_script(
+        "const out = window.jupyterapp.shell.currentWidget.content.widgets[arguments[0]].node;"
+        "window.chatTexts = [];"
+        "new MutationObserver(() => { const n = out.querySelector('.widget-html');"
+        "  if (n && n.textContent !== window.chatTexts.at(-1)) window.chatTexts.push(n.textContent); })"
+        ".observe(out, {subtree: true, childList: true, characterData: true});",
+        chat_index,
+    )
     box.click()
     box.send_keys(QUESTION)
     box.send_keys(Keys.ENTER)
@@ -293,5 +302,10 @@ def test_run_all_then_ask_the_chat_box(lab, browser, name):
 
     text = _wait(browser, f"{name} chat answer containing {ANSWER!r}", CHAT_TIMEOUT_S, answer)
     assert text.startswith("model:"), text
+    seen = [t for t in browser.execute_script("return window.chatTexts;") if t.startswith("model:")]
+    assert len(seen) >= 3 and ANSWER not in seen[0], f"the answer did not stream, the page showed only {seen}"
     _shot(browser, f"{name}-chat")
-    print(f"{name}: Run All {run_all_s:.0f} s, {len(plot_cells)} plot cells rendered, chat answered {text!r}")
+    print(
+        f"{name}: Run All {run_all_s:.0f} s, {len(plot_cells)} plot cells rendered, "
+        f"chat answered {text!r} in {len(seen)} streamed updates"
+    )
