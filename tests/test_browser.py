@@ -255,7 +255,11 @@ def test_run_all_then_ask_the_chat_box(lab, browser, name):
         for c in plot_cells
         if not c["images"] or not any("image/" in m for o in c["outputs"] for m in o["mimes"])
     ]
-    assert not blank, f"{name}: plot cells {blank} rendered no image"
+    assert not blank, f"{name}: plot cells {blank} rendered no image: " + "; ".join(
+        f"{c['index']}: {c['images']} images, outputs {[(o['type'], o['mimes']) for o in c['outputs']]}"
+        for c in plot_cells
+        if c["index"] in blank
+    )
     assert sum(c["images"] for c in cells) >= len(plot_cells)
     _scroll_to(browser, plot_cells[-1]["index"])
     _shot(browser, f"{name}-run-all")
