@@ -13,6 +13,7 @@ from typing import Any
 
 from .errors import SettingsError, TensorParallelError, UnknownNameError
 from .experts import EXPERT_FORMS
+from .quant import WEIGHT_FORMS
 from .variants import check_profile, get_variant
 
 BACKENDS = ("cpu", "eager", "xla", "neuron")
@@ -59,6 +60,8 @@ class PortSettings:
     prefill_buckets: tuple[int, ...] = (64,)
     ring_kv: bool = True  # sliding layers hold only their window: flat decode cost with context (docs/ROOFLINE.md)
     decode_experts: str = "selective"  # MoE decode reads the k routed experts; prefill stays dense (measured)
+    # "bf16"/"fp32": full precision (the backend's dtype); "int8": weight-only int8 linears (quant.py)
+    weights: str = "bf16"
     warmup: int = 1
     iters: int = 3
     seed: int | None = None  # None: the variant's `tiny_seed`
@@ -76,6 +79,8 @@ class PortSettings:
             raise UnknownNameError("model source", self.model, MODEL_SOURCES)
         if self.decode_experts not in EXPERT_FORMS:
             raise UnknownNameError("decode_experts form", self.decode_experts, EXPERT_FORMS)
+        if self.weights not in WEIGHT_FORMS:
+            raise UnknownNameError("weights form", self.weights, WEIGHT_FORMS)
         for name, minimum in _COUNTS.items():
             setattr(self, name, whole_number(name, getattr(self, name), minimum))
         buckets = _as_tuple(self.prefill_buckets)
@@ -98,6 +103,12 @@ class PortSettings:
             raise TensorParallelError(
                 f"TP={self.tp_degree} runs on backend 'cpu' or 'eager' (one gloo process per rank) or 'neuron' "
                 f"(NeuronCores); the xla lane compiles one device: use tp_degree=1 there"
+            )
+        if self.weights == "int8" and (self.tp_degree > 1 or self.backend not in ("cpu", "eager", "xla")):
+            raise SettingsError(
+                f"weights='int8' runs on backend 'cpu', 'eager' or 'xla' at tp_degree 1 so far (got backend "
+                f"{self.backend!r}, tp_degree {self.tp_degree}); the TP rank graph and the Neuron recipes "
+                f"take full-precision weights: use weights='bf16' there"
             )
         if self.backend == "neuron":
             self._check_neuron()
