@@ -1,0 +1,129 @@
+"""Weight-only int8 (`gemma4lib.quant`, `PortSettings(weights="int8")`).
+
+The device graph with int8 weights is checked against the quantized model's own host reference
+(the fp32 model with `q * scale` substituted), so SEQ_MATCH and LOGITS_MATCH stay exact checks;
+the error int8 adds against full precision is measured and bounded separately here."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from conftest import VARIANT_NAMES
+from torch import nn
+
+from gemma4lib.errors import SettingsError, UnknownNameError
+from gemma4lib.graph import DeviceGraph, GraphShape
+from gemma4lib.quant import Int8Linear, dequantize, quantize, round_model_weights, target_linears
+
+# Largest |int8 - full precision| softcapped logit the trained tiny fixtures may show over 12
+# greedy tokens (teacher-forced on the full-precision tokens). Measured 0.22-0.74 (e4b/31b 0.22,
+# 26b-a4b 0.63, e2b 0.67, 12b 0.74; their hidden size is 64, so each row has 64 weights to share
+# one scale): the bound leaves ~35 % headroom and is ~7 % of their smallest logit range (11-14).
+TINY_LOGIT_ERROR_BOUND = 1.0
+
+
+def test_quantize_is_per_row_within_half_a_step_and_idempotent():
+    torch.manual_seed(0)
+    weight = torch.randn(3, 16, 40)
+    weight[1, 5] = 0.0  # an all-zero row: scale 1, q 0
+    q, scale = quantize(weight)
+    assert q.dtype == torch.int8 and scale.shape == (3, 16)
+    assert int(q.abs().max()) == 127
+    assert torch.all(q[1, 5] == 0) and float(scale[1, 5]) == 1.0
+    rounded = dequantize(q, scale)
+    assert torch.all((weight - rounded).abs() <= scale.unsqueeze(-1) / 2 * (1 + 1e-6))
+    q2, scale2 = quantize(rounded)  # the host reference's weights give the device graph the same int8
+    assert torch.equal(q2, q)
+    assert torch.allclose(scale2, scale, rtol=1e-6, atol=0)
+
+
+def test_weights_setting_is_validated():
+    from gemma4lib.port import PortSettings
+
+    assert PortSettings("e2b").weights == "bf16"
+    with pytest.raises(UnknownNameError, match="weights form 'int4'"):
+        PortSettings("e2b", weights="int4")
+    with pytest.raises(SettingsError, match="tp_degree 1"):
+        PortSettings("e4b", weights="int8", tp_degree=2)
+
+
+def _tiny(variant: str):
+    from gemma4lib.loading import build_tiny
+    from gemma4lib.variants import get_variant
+
+    spec = get_variant(variant)
+    return build_tiny(spec, seed=spec.tiny_seed)
+
+
+def test_int8_graph_holds_int8_weights_and_leaves_the_host_model_alone():
+    model = _tiny("26b-a4b")
+    shape = GraphShape(1, 1, 32, True)
+    full = DeviceGraph(model.text_model, model.lm_head, model.layout, shape, expert_form="selective")
+    int8 = DeviceGraph(model.text_model, model.lm_head, model.layout, shape, expert_form="selective", weights="int8")
+    for layer, host in zip(int8.model.layers, model.text_model.layers, strict=True):
+        swapped = list(target_linears(layer))  # only nn.Linear children are yielded: none are left
+        assert not swapped
+        assert isinstance(layer.self_attn.q_proj, Int8Linear) and isinstance(layer.mlp.down_proj, Int8Linear)
+        assert layer.experts.gate_up_proj.dtype == torch.int8 and layer.experts.down_scale is not None
+        assert isinstance(host.self_attn.q_proj, nn.Linear) and host.experts.gate_up_proj.dtype == torch.float32
+    assert int8.key_parts() != full.key_parts()
+    assert "weights" not in full.key_parts()  # full-precision cache keys are unchanged
+
+    def device_bytes(graph: DeviceGraph) -> int:
+        return sum(p.numel() * p.element_size() for n, p in graph.named_parameters() if "layers." in n)
+
+    assert device_bytes(int8) < 0.4 * device_bytes(full)
+
+
+def test_int8_changes_the_compiled_program_key():
+    from gemma4lib.compile_cpu import RECIPE, export_graph, graph_key
+
+    model = _tiny("e2b")
+    shape = GraphShape(1, 1, 16, True)
+    keys = {}
+    for weights in ("bf16", "int8"):
+        graph = DeviceGraph(model.text_model, model.lm_head, model.layout, shape, weights=weights)
+        keys[weights] = graph_key(graph, RECIPE, {}, export_graph(graph))
+    assert keys["int8"]["program"] != keys["bf16"]["program"]
+    assert keys["int8"]["weights"] != keys["bf16"]["weights"]
+
+
+@pytest.mark.parametrize("variant", VARIANT_NAMES)
+def test_int8_port_matches_its_own_reference_and_answers_paris(variant):
+    """Eager backend: the int8 graphs against the rounded host model, all three checks."""
+    from gemma4lib.port import PortSettings, port
+
+    record = port(PortSettings(variant, backend="eager", weights="int8", warmup=0, iters=1, witness=False))
+    assert record["parameters"]["weights"] == "int8"
+    assert record["failed_checks"] == [], record["failed_checks"]
+    assert record["seq_match"] and record["logits_match"] and record["coherent"]
+
+
+def test_int8_compiled_moe_port_passes_with_its_witness():
+    """AOTInductor (backend cpu): the int8 decode with selective experts, the dense-expert prefill
+    and the random-weights witness through the same programs."""
+    from gemma4lib.port import PortSettings, port
+
+    record = port(PortSettings("26b-a4b", backend="cpu", weights="int8", warmup=0, iters=1))
+    assert record["failed_checks"] == [], record["failed_checks"]
+    assert record["witness"]["passed"]
+
+
+@pytest.mark.parametrize("variant", VARIANT_NAMES)
+def test_int8_logit_error_against_full_precision_is_bounded(variant):
+    from gemma4lib.port import PortSettings, load_model, prompt_ids
+    from gemma4lib.reference import reference_greedy, teacher_forced_logits
+
+    settings = PortSettings(variant, backend="eager")
+    model = load_model(settings)
+    ids = prompt_ids(model, settings)
+    tokens = reference_greedy(model.lm, ids, 12)
+    rounded = copy.deepcopy(model.lm)
+    weight_error = round_model_weights(rounded)
+    assert 0 < max(weight_error.values()) <= 0.5 / 127 * (1 + 1e-6)
+    error = float(
+        (teacher_forced_logits(rounded, ids, tokens) - teacher_forced_logits(model.lm, ids, tokens)).abs().max()
+    )
+    assert 0 < error <= TINY_LOGIT_ERROR_BOUND
