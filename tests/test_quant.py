@@ -127,3 +127,28 @@ def test_int8_logit_error_against_full_precision_is_bounded(variant):
         (teacher_forced_logits(rounded, ids, tokens) - teacher_forced_logits(model.lm, ids, tokens)).abs().max()
     )
     assert 0 < error <= TINY_LOGIT_ERROR_BOUND
+
+
+@pytest.mark.parametrize("variant", VARIANT_NAMES)
+def test_roofline_int8_bytes_count_exactly_what_quant_quantizes(variant):
+    from gemma4lib import roofline
+    from gemma4lib.quant import quantized_count
+
+    lm = roofline.meta_model(variant)
+    counts = roofline.count_params(lm)
+    assert counts.linear + counts.experts == quantized_count(lm)
+    bf16 = roofline.decode_bytes(variant, context_length=2048)
+    int8 = roofline.decode_bytes(variant, context_length=2048, weight_format="int8")
+    scales = 4 * (counts.linear_rows + counts.expert_rows)
+    assert bf16.weights - int8.weights == (counts.linear + counts.experts) * (2 - 1) - scales
+    assert int8.kv == bf16.kv
+
+
+def test_inf2_table_has_the_int8_columns():
+    from gemma4lib import roofline
+
+    rows = roofline.inf2_table(contexts=(2048,), variants=("26b-a4b",))
+    for row in rows:
+        assert row["int8_recipe_gb"] < row["recipe_gb"]
+        assert row["int8_recipe_ceiling_tok_s"] > row["recipe_ceiling_tok_s"]
+    assert "int8: recipe ceiling tok/s" in roofline.format_inf2_table(rows)
