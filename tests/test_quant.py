@@ -152,3 +152,37 @@ def test_inf2_table_has_the_int8_columns():
         assert row["int8_recipe_gb"] < row["recipe_gb"]
         assert row["int8_recipe_ceiling_tok_s"] > row["recipe_ceiling_tok_s"]
     assert "int8: recipe ceiling tok/s" in roofline.format_inf2_table(rows)
+
+
+@pytest.mark.parametrize("variant", ["12b", "26b-a4b"])
+def test_bench_int8_section_reports_ratios_and_errors(variant):
+    """The suite's int8 entry on a tiny model, eager (the figures come from the CPU run; here the schema
+    and the exactness against the int8 model's own reference)."""
+    from gemma4lib.benchmarks.report import format_report
+    from gemma4lib.benchmarks.suite import GraphFactory, bench_int8, load_bench_model
+    from gemma4lib.reference import random_prompt
+
+    model = load_bench_model(variant)
+    prompt = random_prompt(model.config.vocab_size, 12, 3)
+    row = bench_int8(
+        model,
+        GraphFactory(model, "eager"),
+        context_length=32,
+        bucket=16,
+        prompt=prompt,
+        new_tokens=6,
+        warmup=0,
+        iters=1,
+        decode_form="selective",
+    )
+    assert row["int8"]["tokens_match_own_reference"] and row["full"]["tokens_match_own_reference"]
+    assert row["logits_max_abs_diff_vs_own_reference"] < 1e-3 < row["logits_max_abs_error_vs_full"]
+    assert row["full_over_int8_bytes"] > 1.5  # fp32 tiny model: linears 4 -> 1 byte, LM head unchanged
+    assert row["int8_over_full_decode"] is not None
+    assert "Weight-only int8" in format_report({"int8": [{"model": variant, **row}], "models": []})
+
+
+def test_bench_cli_rejects_an_unknown_section():
+    from gemma4lib.cli import main
+
+    assert main(["bench", "--sections", "int9"]) == 2
