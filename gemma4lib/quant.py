@@ -29,6 +29,7 @@ separately (`benchmarks.suite`'s `int8` section, `tests/test_quant.py`).
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Iterator
 
 import torch
@@ -49,6 +50,8 @@ QMAX = 127
 ATTENTION_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP_LINEARS = ("gate_proj", "up_proj", "down_proj")
 EXPERT_WEIGHTS = ("gate_up_proj", "down_proj")
+# The same linears' weights by state-dict name (any prefix): the roofline's counts and the NxD checkpoint.
+LINEAR_WEIGHT_NAME = re.compile(r"\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj)\.weight$")
 
 
 def check_weights(weights: str) -> str:
@@ -158,6 +161,7 @@ def quantized_count(lm: nn.Module) -> int:
 
 __all__ = [
     "FULL_PRECISION",
+    "LINEAR_WEIGHT_NAME",
     "Int8Linear",
     "WEIGHT_FORMS",
     "check_weights",

@@ -27,7 +27,6 @@ call; `plots.measured_vs_ceiling()` draws its rows.
 from __future__ import annotations
 
 import functools
-import re
 import statistics
 import time
 from collections.abc import Iterable, Sequence
@@ -40,6 +39,7 @@ from torch import nn
 from .experts import EXPERT_SPLITS, default_expert_split
 from .hardware import GB, GIB, INSTANCES, Inf2Instance  # noqa: F401  (re-exported for callers)
 from .kv_layout import KVLayout
+from .quant import LINEAR_WEIGHT_NAME
 
 
 # ---- bytes per decode step ----------------------------------------------------------------------
@@ -120,10 +120,6 @@ class ParamCounts:
         return self.lm_head + self.other + read_experts
 
 
-# The linears int8 applies to (`quant.target_linears`), by parameter name.
-_INT8_LINEAR = re.compile(r"\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj)\.weight$")
-
-
 def count_params(lm: nn.Module) -> ParamCounts:
     """Classify the parameters of a `*ForCausalLM` (real, random or on the meta device)."""
     head = lm.lm_head.weight
@@ -140,7 +136,7 @@ def count_params(lm: nn.Module) -> ParamCounts:
             expert_rows += param.numel() // param.shape[-1]
         else:
             other += param.numel()
-            if _INT8_LINEAR.search(name):
+            if LINEAR_WEIGHT_NAME.search(name):
                 linear += param.numel()
                 linear_rows += param.shape[0]
     config = lm.config

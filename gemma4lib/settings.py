@@ -104,14 +104,30 @@ class PortSettings:
                 f"TP={self.tp_degree} runs on backend 'cpu' or 'eager' (one gloo process per rank) or 'neuron' "
                 f"(NeuronCores); the xla lane compiles one device: use tp_degree=1 there"
             )
-        if self.weights == "int8" and (self.tp_degree > 1 or self.backend not in ("cpu", "eager", "xla")):
-            raise SettingsError(
-                f"weights='int8' runs on backend 'cpu', 'eager' or 'xla' at tp_degree 1 so far (got backend "
-                f"{self.backend!r}, tp_degree {self.tp_degree}); the TP rank graph and the Neuron recipes "
-                f"take full-precision weights: use weights='bf16' there"
-            )
+        if self.weights == "int8":
+            self._check_int8()
         if self.backend == "neuron":
             self._check_neuron()
+
+    def _check_int8(self) -> None:
+        """Where weight-only int8 is built: the single-device graph (cpu, eager, xla at TP=1) and
+        the Neuron ModelBuilder recipe (NxD's quantized layers); not the CPU gloo rank graph, nor
+        E2B's trace recipe."""
+        if self.backend == "neuron":
+            from .memory_plan import neuron_recipe
+
+            recipe = neuron_recipe(self.variant_spec, self.tp_degree)
+            if recipe != "model_builder":
+                raise SettingsError(
+                    f"weights='int8' on backend 'neuron' uses the ModelBuilder recipe (NxD's quantized layers); "
+                    f"{self.variant_spec.name} at TP={self.tp_degree} compiles with {recipe!r}: pick a TP degree "
+                    f"that uses ModelBuilder, or weights='bf16'"
+                )
+        elif self.tp_degree > 1:
+            raise SettingsError(
+                f"weights='int8' at tp_degree {self.tp_degree} runs on backend 'neuron' only: the CPU gloo rank "
+                f"graph takes full-precision weights; use tp_degree=1 on backend {self.backend!r}, or weights='bf16'"
+            )
 
     def _check_neuron(self) -> None:
         """Before anything is loaded: the TP degree and memory fit inf2, and the SDK is here."""

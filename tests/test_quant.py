@@ -186,3 +186,76 @@ def test_bench_cli_rejects_an_unknown_section():
     from gemma4lib.cli import main
 
     assert main(["bench", "--sections", "int9"]) == 2
+
+
+# ---- inf2: the ModelBuilder recipe with NxD's quantized layers (SDK stood in by fakes) ------------
+
+
+def test_int8_settings_pick_the_recipes_that_build_it():
+    from gemma4lib.port import PortSettings
+
+    with pytest.raises(SettingsError, match="ModelBuilder"):
+        PortSettings("e2b", backend="neuron", weights="int8")  # TP=1: the trace recipe
+    with pytest.raises(SettingsError, match="gloo"):
+        PortSettings("31b", backend="cpu", weights="int8", tp_degree=8)
+
+
+@pytest.mark.parametrize("variant,tp", [("12b", 2), ("26b-a4b", 8)])
+def test_model_builder_int8_converts_exactly_the_checkpoints_int8_weights(variant, tp, monkeypatch):
+    """NxD's `convert` gets the per-channel int8 config and include patterns; the modules those
+    patterns select in the rank module are exactly the ones whose weights the checkpoint holds as
+    int8 with a scale (NxD matches checkpoint keys to module parameters by name)."""
+    import fnmatch
+    import types
+
+    from gemma4lib.recipes import neuron_env
+    from gemma4lib.recipes import neuron_model_builder as mb
+    from gemma4lib.tp import make_plan
+    from gemma4lib.tp.layers import ColumnShard, RowShard
+    from gemma4lib.tp.rank_graph import CpuParallelFactory
+
+    calls = []
+    per_channel = {"quantization_type": "per_channel_symmetric", "quantized_dtype": torch.int8}
+    fakes = {
+        "neuronx_distributed.quantization.quantization_config": types.SimpleNamespace(
+            get_default_per_channel_custom_qconfig_dict=lambda: dict(per_channel)
+        ),
+        "neuronx_distributed.quantization.quantize": types.SimpleNamespace(
+            convert=lambda module, **kwargs: calls.append(kwargs) or module
+        ),
+    }
+    monkeypatch.setattr(neuron_env, "require", lambda name, purpose="": fakes[name])
+    model = _tiny(variant)
+    plan = make_plan(model.config, tp, model.variant)
+    shape = mb.bucket_shapes(32, 16)["decode"]
+    module = mb.rank_module(model.config, plan, shape, torch.float32, CpuParallelFactory(tp), "selective", "int8")
+    assert calls == [{"q_config": per_channel, "inplace": True, "include": list(mb.INT8_INCLUDE)}]
+    selected = {
+        name
+        for name, sub in module.named_modules()
+        if any(fnmatch.fnmatch(name, pattern) for pattern in mb.INT8_INCLUDE)
+    }
+    assert selected and all(isinstance(module.get_submodule(n), (ColumnShard, RowShard)) for n in selected)
+
+    full = mb.nxd_checkpoint(model, plan, torch.float32)
+    int8 = mb.nxd_checkpoint(model, plan, torch.float32, "int8")
+    quantized = {k for k, v in int8.items() if v.dtype == torch.int8}
+    assert quantized == {f"{n}.weight" for n in selected}
+    assert set(int8) == set(full) | {k[: -len("weight")] + "scale" for k in quantized}
+    for key in quantized:
+        scale = int8[key[: -len("weight")] + "scale"]
+        assert scale.shape == (full[key].shape[0], 1) and scale.dtype == torch.float32
+        assert torch.allclose(int8[key].float() * scale, full[key], atol=float(scale.max()) / 2 * 1.001, rtol=0)
+    assert all(int8[k].dtype == torch.float32 for k in full if ".experts." in k)  # experts stay full precision
+
+
+def test_neuron_cache_key_tracks_int8():
+    from gemma4lib.backends.neuron import neuron_cache_key
+    from gemma4lib.recipes import neuron_env
+
+    model = _tiny("12b")
+    shapes = {"decode": GraphShape(1, 1, 64), "prefill": GraphShape(1, 32, 64)}
+    args = ("model_builder", 2, shapes, neuron_env.COMPILER_ARGS, torch.bfloat16)
+    full, parts = neuron_cache_key(model, *args)
+    int8, int8_parts = neuron_cache_key(model, *args, weights="int8")
+    assert int8 != full and int8_parts["weight_format"] == "int8" and "weight_format" not in parts
