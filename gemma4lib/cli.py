@@ -46,6 +46,7 @@ def _add_port_args(parser: argparse.ArgumentParser) -> None:
         help="sliding layers keep only their window of K/V (default; --no-ring-kv: full length)",
     )
     parser.add_argument("--decode-experts", help="MoE decode form: dense | selective")
+    parser.add_argument("--weights", help="bf16 | fp32 (full precision, the default) | int8 (weight-only)")
     parser.add_argument("--iters", type=int)
     parser.add_argument("--warmup", type=int)
     parser.add_argument("--seed", type=int)
@@ -74,6 +75,7 @@ def _settings(args: argparse.Namespace):
         "max_new_tokens",
         "context_length",
         "decode_experts",
+        "weights",
         "iters",
         "warmup",
         "seed",

@@ -259,3 +259,15 @@ def test_neuron_cache_key_tracks_int8():
     full, parts = neuron_cache_key(model, *args)
     int8, int8_parts = neuron_cache_key(model, *args, weights="int8")
     assert int8 != full and int8_parts["weight_format"] == "int8" and "weight_format" not in parts
+
+
+def test_port_cli_takes_weights(capsys):
+    import json
+
+    from gemma4lib.cli import main
+
+    assert main(["port", "--variant", "e2b", "--weights", "int4"]) == 2
+    assert "weights form 'int4'" in capsys.readouterr().err
+    argv = ["port", "--variant", "e2b", "--backend", "eager", "--weights", "int8", "--iters", "1", "--warmup", "0"]
+    assert main([*argv, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["parameters"]["weights"] == "int8"
