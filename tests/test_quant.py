@@ -271,3 +271,22 @@ def test_port_cli_takes_weights(capsys):
     argv = ["port", "--variant", "e2b", "--backend", "eager", "--weights", "int8", "--iters", "1", "--warmup", "0"]
     assert main([*argv, "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["parameters"]["weights"] == "int8"
+
+
+@pytest.mark.parametrize("tokens", [1, 5])
+def test_int8_expert_forms_equal_transformers_experts_with_rounded_weights(tokens):
+    from gemma4lib.experts import StaticExperts
+
+    model = _tiny("26b-a4b")
+    round_model_weights(model.lm)
+    layer = next(m for m in model.text_model.layers if getattr(m, "experts", None) is not None)
+    config = model.config
+    generator = torch.Generator().manual_seed(0)
+    hidden = torch.randn(tokens, config.hidden_size, generator=generator)
+    scores = torch.randn(tokens, config.num_experts, generator=generator).softmax(-1)
+    weights, index = scores.topk(config.top_k_experts, dim=-1)
+    expected = layer.experts(hidden, index, weights)
+    for form in ("dense", "selective"):
+        experts = StaticExperts(layer.experts, form, int8=True)
+        assert experts.gate_up_proj.dtype == torch.int8
+        assert torch.allclose(experts(hidden, index, weights), expected, atol=1e-5, rtol=1e-5), form
