@@ -45,7 +45,7 @@ def test_weights_setting_is_validated():
     assert PortSettings("e2b").weights == "bf16"
     with pytest.raises(UnknownNameError, match="weights form 'int4'"):
         PortSettings("e2b", weights="int4")
-    with pytest.raises(SettingsError, match="tp_degree 1"):
+    with pytest.raises(SettingsError, match="use tp_degree=1"):
         PortSettings("e4b", weights="int8", tp_degree=2)
 
 
