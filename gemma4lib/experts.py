@@ -72,11 +72,11 @@ class StaticExperts(nn.Module):
         # routing weight per (token, expert), zero where the expert was not chosen
         weights = torch.zeros(hidden.shape[0], self.num_experts, dtype=top_k_weights.dtype, device=hidden.device)
         weights = weights.scatter(1, top_k_index, top_k_weights)
-        gate_up = torch.einsum("nh,eih->nei", hidden, self.gate_up_proj.to(hidden.dtype))
+        gate_up = torch.einsum("nh,eih->nei", hidden, _as(self.gate_up_proj, hidden.dtype))
         if self.gate_up_scale is not None:
             gate_up = gate_up * self.gate_up_scale.to(gate_up.dtype)
         gate, up = gate_up.chunk(2, dim=-1)
-        out = torch.einsum("nei,ehi->neh", self.act_fn(gate) * up, self.down_proj.to(hidden.dtype))
+        out = torch.einsum("nei,ehi->neh", self.act_fn(gate) * up, _as(self.down_proj, hidden.dtype))
         if self.down_scale is not None:
             out = out * self.down_scale.to(out.dtype)
         return torch.einsum("neh,ne->nh", out, weights.to(out.dtype))
@@ -134,18 +134,18 @@ def gathered_experts(
         down_slices = _gather_inner_experts(down, flat)  # [n*k, H, I]
     if n == 1:
         x = hidden[0]
-        gate_up_k = (gate_up[flat].to(dtype) * x).sum(-1)  # [k, 2I]
+        gate_up_k = (_as(gate_up[flat], dtype) * x).sum(-1)  # [k, 2I]
         if gate_up_scale is not None:
             gate_up_k = gate_up_k * gate_up_scale[flat].to(dtype)
         gate, up = gate_up_k.chunk(2, dim=-1)  # [k, I] each
         inner = act_fn(gate) * up
         down_k = down[flat] if down_expert_dim == 0 else down_slices  # [k, H, I]
-        out = (down_k.to(dtype) * inner.unsqueeze(1)).sum(-1)  # [k, H]
+        out = (_as(down_k, dtype) * inner.unsqueeze(1)).sum(-1)  # [k, H]
         if down_scale is not None:
             out = out * down_scale[flat].to(dtype)
         return (out * weights[0].to(out.dtype).unsqueeze(-1)).sum(0, keepdim=True)
-    gate_up_w = gate_up.index_select(0, flat).to(dtype)  # [n*k, 2I, H]
-    down_w = (down.index_select(0, flat) if down_expert_dim == 0 else down_slices).to(dtype)  # [n*k, H, I]
+    gate_up_w = _as(gate_up.index_select(0, flat), dtype)  # [n*k, 2I, H]
+    down_w = _as(down.index_select(0, flat) if down_expert_dim == 0 else down_slices, dtype)  # [n*k, H, I]
     x = hidden.repeat_interleave(k, dim=0).unsqueeze(-1)  # [n*k, H, 1]
     gate_up_nk = torch.bmm(gate_up_w, x).squeeze(-1)  # [n*k, 2I]
     if gate_up_scale is not None:
@@ -156,6 +156,12 @@ def gathered_experts(
         out = out * down_scale.index_select(0, flat).to(dtype)
     out = out.view(n, k, -1) * weights.to(out.dtype).unsqueeze(-1)
     return out.sum(dim=1)
+
+
+def _as(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`tensor` cast to `dtype` (int8 weights), with no cast op at all when it already is: the
+    full-precision graphs keep the exact program (and cache key) they had before int8."""
+    return tensor if tensor.dtype == dtype else tensor.to(dtype)
 
 
 def _gather_inner_experts(weight: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
