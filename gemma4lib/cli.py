@@ -15,7 +15,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from .errors import Gemma4LibError
+from .errors import Gemma4LibError, UnknownNameError
 from .variants import PROFILES, VARIANTS
 
 log = logging.getLogger("gemma4lib")
@@ -46,6 +46,7 @@ def _add_port_args(parser: argparse.ArgumentParser) -> None:
         help="sliding layers keep only their window of K/V (default; --no-ring-kv: full length)",
     )
     parser.add_argument("--decode-experts", help="MoE decode form: dense | selective")
+    parser.add_argument("--weights", help="bf16 | fp32 (full precision, the default) | int8 (weight-only)")
     parser.add_argument("--iters", type=int)
     parser.add_argument("--warmup", type=int)
     parser.add_argument("--seed", type=int)
@@ -74,6 +75,7 @@ def _settings(args: argparse.Namespace):
         "max_new_tokens",
         "context_length",
         "decode_experts",
+        "weights",
         "iters",
         "warmup",
         "seed",
@@ -172,10 +174,20 @@ def cmd_doctor(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
+    from dataclasses import replace
+
     from .benchmarks import run_suite
+    from .benchmarks.suite import SECTIONS, SuiteOptions
 
     _threads(args.threads)
-    report = run_suite(args.suite, quick=args.quick)
+    options = None
+    if args.sections:
+        sections = tuple(name.strip() for name in args.sections.split(",") if name.strip())
+        unknown = [name for name in sections if name not in SECTIONS]
+        if unknown:
+            raise UnknownNameError("bench section", unknown[0], SECTIONS)
+        options = replace(SuiteOptions.quick() if args.quick else SuiteOptions(), sections=sections)
+    report = run_suite(args.suite, quick=args.quick, options=options)
     print(json.dumps(report, default=str) if args.json else json.dumps(report, indent=2, default=str))
     return 0
 
@@ -211,6 +223,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p = sub.add_parser("bench", help="side-by-side decode benchmarks")
     p.add_argument("--suite", default="cpu")
     p.add_argument("--quick", action="store_true", help="tiny models only (schema check)")
+    p.add_argument("--sections", help="comma-separated parts to run (default: all), e.g. int8 or models,experts")
     p.add_argument("--threads", type=int)
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_bench)

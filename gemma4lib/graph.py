@@ -28,6 +28,7 @@ from torch import nn
 
 from .experts import StaticExperts
 from .kv_layout import SLIDING, KVLayout
+from .quant import Int8Linear, check_weights, target_linears
 
 
 @dataclass(frozen=True)
@@ -150,6 +151,16 @@ def _shallow_clone(module: nn.Module) -> nn.Module:
     return clone
 
 
+def _int8_linears(layer: nn.Module) -> None:
+    """Swap a cloned layer's attention and MLP linears for `quant.Int8Linear`s (the attention and MLP
+    modules are cloned first, so the host model keeps its own)."""
+    for parent_name in ("self_attn", "mlp"):
+        if getattr(layer, parent_name, None) is not None:
+            setattr(layer, parent_name, _shallow_clone(getattr(layer, parent_name)))
+    for parent, name in list(target_linears(layer)):
+        setattr(parent, name, Int8Linear.from_linear(getattr(parent, name)))
+
+
 class DeviceGraph(nn.Module):
     """Prefill or decode over explicit K/V buffers; the pure core every recipe compiles.
 
@@ -170,8 +181,10 @@ class DeviceGraph(nn.Module):
         *,
         inplace: bool = True,
         expert_form: str = "dense",
+        weights: str = "bf16",
     ):
         super().__init__()
+        int8 = check_weights(weights) == "int8"
         model = _shallow_clone(text_model)
         model.embed_tokens = None
         if getattr(model, "embed_tokens_per_layer", None) is not None:
@@ -179,10 +192,13 @@ class DeviceGraph(nn.Module):
         model.layers = nn.ModuleList([_shallow_clone(layer) for layer in text_model.layers])
         for layer in model.layers:
             if getattr(layer, "experts", None) is not None:
-                layer.experts = StaticExperts(layer.experts, expert_form)
+                layer.experts = StaticExperts(layer.experts, expert_form, int8=int8)
+            if int8:
+                _int8_linears(layer)
         self.model = model
         self.lm_head = lm_head
         self.layout, self.shape, self.inplace, self.expert_form = layout, shape, inplace, expert_form
+        self.weights = weights
         self.tags: dict[str, str] = {}  # anything else that changes the program (e.g. a fault-lab fault)
         self.kv_class: type[ExplicitKV] = ExplicitKV  # the cache's class (the fault lab swaps it)
         self.has_ple = bool(getattr(text_model.config, "hidden_size_per_layer_input", 0))
@@ -195,6 +211,8 @@ class DeviceGraph(nn.Module):
             "inplace": self.inplace,
             "expert_form": self.expert_form,
             "producers": [layer.producer for layer in self.layout.layers],
+            # only when quantized: full-precision keys stay as they were (warm caches stay valid)
+            **({"weights": self.weights} if self.weights == "int8" else {}),
             **self.tags,
         }
 

@@ -23,6 +23,7 @@ from .backends.base import CompiledGraphs, Graphs
 from .benchmarks.timing import benchmark
 from .graph import DeviceGraph
 from .loading import LoadedModel, build_tiny, load_checkpoint
+from .quant import round_model_weights
 from .record import build_record
 from .reference import random_prompt, reference_greedy, reference_last_logits, teacher_forced_logits
 from .results import write_result
@@ -50,6 +51,16 @@ __all__ = [
 
 # ---- stages ----------------------------------------------------------------------------------
 def load_model(settings: PortSettings) -> LoadedModel:
+    """The model of `settings`; with `weights="int8"` its quantized weights are rounded in place to
+    `q * scale` (`quant.round_model_weights`), so the host reference the checks use is the quantized
+    model's own and the int8 device graph must reproduce it exactly."""
+    model = _load_full_precision(settings)
+    if settings.weights == "int8":
+        round_model_weights(model.lm)
+    return model
+
+
+def _load_full_precision(settings: PortSettings) -> LoadedModel:
     variant = settings.variant_spec
     source = settings.model_source
     if source == "checkpoint":

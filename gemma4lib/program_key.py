@@ -28,6 +28,7 @@ from torch import nn
 GRAPH_SOURCES = (
     "graph.py",
     "experts.py",
+    "quant.py",
     "kv_layout.py",
     "tp/rank_graph.py",
     "tp/layers.py",

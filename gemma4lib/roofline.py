@@ -15,6 +15,9 @@ Bytes per step are computed from shapes, never measured:
   ranks that each hold whole experts (the expert split), see `ParamCounts.device_params`.
 - KV: every K/V buffer as allocated — a full-length buffer is read whole each step, masked or not;
   a ring buffer of a sliding layer holds `sliding_window` slots.
+- `weight_format="int8"` (`quant.py`): the attention and dense-MLP linears and the experts at one
+  byte per weight plus one fp32 scale per output channel; the tied LM head, norms, router and PLE
+  projections stay at `dtype_bytes`. The K/V stays at `dtype_bytes` too.
 
 Ceilings: on CPU from this machine's measured single-thread bandwidth (`measure_bandwidth`); on
 inf2 from HBM bandwidth (`hardware.INSTANCES`). `compare()` is what the notebooks' benchmark cells
@@ -36,6 +39,7 @@ from torch import nn
 from .experts import EXPERT_SPLITS, default_expert_split
 from .hardware import GB, GIB, INSTANCES, Inf2Instance  # noqa: F401  (re-exported for callers)
 from .kv_layout import KVLayout
+from .quant import LINEAR_WEIGHT_NAME
 
 
 # ---- bytes per decode step ----------------------------------------------------------------------
@@ -50,10 +54,40 @@ class ParamCounts:
     num_experts: int = 0
     top_k: int = 0
     moe_intermediate: int = 0  # per expert
+    linear: int = 0  # the part of `other` int8 applies to (attention and dense-MLP projections)
+    linear_rows: int = 0  # their output channels: one int8 scale each
+    expert_rows: int = 0  # output channels of all experts' weights (E * (2I + H) per layer)
 
     @property
     def total(self) -> int:
         return self.lm_head + self.ple_table + self.experts + self.other
+
+    def read_fraction(self, experts: str = "dense", tp: int = 1, expert_split: str | None = None) -> float:
+        """The share of the expert weights one decode step reads, summed over `tp` ranks
+        (`device_params`): 1 for dense, k / E (or tp * k / E under the expert split) for selective."""
+        if not self.experts:
+            return 0.0
+        return (self.device_params(experts, tp, expert_split) - self.lm_head - self.other) / self.experts
+
+    def device_bytes(
+        self,
+        experts: str = "dense",
+        tp: int = 1,
+        expert_split: str | None = None,
+        dtype_bytes: int = 2,
+        weight_format: str = "bf16",
+    ) -> float:
+        """Weight bytes read per decode step, summed over `tp` ranks. `weight_format="int8"`: the
+        quantized weights at one byte each plus a 4-byte scale per output channel (`quant.py`).
+        Scales are counted once: on TP ranks a row-parallel weight's scales (o_proj, down_proj)
+        are replicated per rank, which this leaves out (under 5 % of those weights' bytes even for
+        the 26B-A4B's 88-wide expert slices at TP=8, under 2 % of a step)."""
+        params = self.device_params(experts, tp, expert_split)
+        if weight_format != "int8":
+            return params * dtype_bytes
+        share = self.read_fraction(experts, tp, expert_split)
+        full = (self.lm_head + self.other - self.linear) * dtype_bytes
+        return full + self.linear + 4 * self.linear_rows + share * (self.experts + 4 * self.expert_rows)
 
     def expert_split(self, tp: int = 1, expert_split: str | None = None) -> str | None:
         """The split a TP plan uses at `tp` (`experts.default_expert_split` unless given); None
@@ -91,7 +125,7 @@ def count_params(lm: nn.Module) -> ParamCounts:
     head = lm.lm_head.weight
     embed = lm.model.embed_tokens.weight
     lm_head = head.numel()
-    ple = experts = other = 0
+    ple = experts = other = linear = linear_rows = expert_rows = 0
     for name, param in lm.named_parameters():  # tied tensors appear once
         if param is head:
             continue
@@ -99,8 +133,12 @@ def count_params(lm: nn.Module) -> ParamCounts:
             ple += param.numel()
         elif ".experts." in name:
             experts += param.numel()
+            expert_rows += param.numel() // param.shape[-1]
         else:
             other += param.numel()
+            if LINEAR_WEIGHT_NAME.search(name):
+                linear += param.numel()
+                linear_rows += param.shape[0]
     config = lm.config
     moe = bool(getattr(config, "enable_moe_block", False))
     return ParamCounts(
@@ -111,6 +149,9 @@ def count_params(lm: nn.Module) -> ParamCounts:
         int(getattr(config, "num_experts", 0) or 0) if moe else 0,
         int(getattr(config, "top_k_experts", 0) or 0) if moe else 0,
         int(getattr(config, "moe_intermediate_size", 0) or 0) if moe else 0,
+        linear,
+        linear_rows,
+        expert_rows,
     )
 
 
@@ -148,6 +189,7 @@ class DecodeBytes:
     kv_full_length: float  # the same buffers at full length, for comparison
     tp: int = 1
     expert_split: str | None = None  # MoE on TP ranks: "intermediate" | "experts"
+    weight_format: str = "bf16"  # "int8": quantized linears and experts (quant.py)
 
     @property
     def total(self) -> float:
@@ -167,9 +209,11 @@ def decode_bytes(
     batch: int = 1,
     tp: int = 1,
     expert_split: str | None = None,
+    weight_format: str = "bf16",
 ) -> DecodeBytes:
     """Bytes per decode step of `model`: a `LoadedModel`, a `*ForCausalLM`, or a variant name
     (its released config, counted on the meta device; bf16 unless `dtype_bytes` says otherwise).
+    `weight_format="int8"`: weight-only int8 (`ParamCounts.device_bytes`); K/V at `dtype_bytes`.
 
     `tp`: the ranks the step is sharded over. Only selective experts depend on it, and only under
     the expert split (`expert_split`, default: the TP plan's; see `ParamCounts.device_params`);
@@ -185,7 +229,7 @@ def decode_bytes(
     layout = KVLayout.from_config(lm.config)
     params = counts.device_params(experts, tp, expert_split)
     return DecodeBytes(
-        weights=params * dtype_bytes * 1.0,
+        weights=float(counts.device_bytes(experts, tp, expert_split, dtype_bytes, weight_format)),
         kv=float(layout.buffer_bytes(context_length, ring, dtype_bytes, batch)),
         experts_form=experts if counts.num_experts else "none",
         ring=ring,
@@ -195,6 +239,7 @@ def decode_bytes(
         kv_full_length=float(layout.buffer_bytes(context_length, False, dtype_bytes, batch)),
         tp=tp,
         expert_split=counts.expert_split(tp, expert_split),
+        weight_format=weight_format,
     )
 
 
@@ -318,7 +363,8 @@ def inf2_table(
     contexts: Iterable[int] = (2048, 8192), variants: Iterable[str] | None = None, dtype_bytes: int = 2
 ) -> list[dict[str, Any]]:
     """Per variant, per experts form and KV form: bf16 bytes/token and the tok/s ceiling on each
-    instance (all its cores) and on the recipe's own instance at its TP degree.
+    instance (all its cores) and on the recipe's own instance at its TP degree; the recipe's
+    bytes and ceiling again with weight-only int8 (`int8_recipe_*`; K/V stays bf16).
 
     MoE selective rows come once per expert split the recipe's TP degree allows, the plan's
     default first (the intermediate split for the 26B-A4B at TP=8) and the expert split after it
@@ -348,6 +394,16 @@ def inf2_table(
                         tp=tp,
                         expert_split=split,
                     )
+                    int8_on_ranks = decode_bytes(
+                        lm,
+                        context_length=context,
+                        ring=ring,
+                        experts=form,
+                        dtype_bytes=dtype_bytes,
+                        tp=tp,
+                        expert_split=split,
+                        weight_format="int8",
+                    )
                     recipe_instance = INSTANCES[variant.instance_type]
                     row = {
                         "variant": variant.name,
@@ -361,6 +417,11 @@ def inf2_table(
                         "recipe": f"{variant.instance_type} TP={tp}",
                         "recipe_gb": on_ranks.total / GB,
                         "recipe_ceiling_tok_s": ceiling_tok_s(on_ranks.total, recipe_instance.bandwidth_bytes_s(tp)),
+                        # weight-only int8 (computed from shapes, unmeasured on inf2): same recipe and cores
+                        "int8_recipe_gb": int8_on_ranks.total / GB,
+                        "int8_recipe_ceiling_tok_s": ceiling_tok_s(
+                            int8_on_ranks.total, recipe_instance.bandwidth_bytes_s(tp)
+                        ),
                         "ceiling_tok_s": {},
                         "fits_hbm": {},
                     }
@@ -390,10 +451,9 @@ def format_inf2_table(rows: Sequence[dict[str, Any]]) -> str:
     names = list(INSTANCES)
     head = (
         "| variant | ctx | KV | experts | weights GB | KV GB | total GB | recipe reads GB | recipe ceiling tok/s | "
-        + " | ".join(names)
-        + " |"
+        "int8: recipe reads GB | int8: recipe ceiling tok/s | " + " | ".join(names) + " |"
     )
-    lines = [head, "|" + "---|" * (9 + len(names))]
+    lines = [head, "|" + "---|" * (11 + len(names))]
     for r in rows:
         cells = [f"{r['ceiling_tok_s'][n]:.0f}" if r["fits_hbm"][n] else "–" for n in names]
         experts = r["experts"]
@@ -402,7 +462,8 @@ def format_inf2_table(rows: Sequence[dict[str, Any]]) -> str:
         lines.append(
             f"| {r['variant']} | {r['context_length']} | {r['kv']} | {experts} | {r['weights_gb']:.2f} | "
             f"{r['kv_gb']:.3f} | {r['total_gb']:.2f} | {r['recipe_gb']:.2f} | "
-            f"{r['recipe_ceiling_tok_s']:.0f} ({r['recipe']}) | " + " | ".join(cells) + " |"
+            f"{r['recipe_ceiling_tok_s']:.0f} ({r['recipe']}) | {r['int8_recipe_gb']:.2f} | "
+            f"{r['int8_recipe_ceiling_tok_s']:.0f} | " + " | ".join(cells) + " |"
         )
     return "\n".join(lines)
 

@@ -13,6 +13,7 @@ from typing import Any
 
 from .errors import SettingsError, TensorParallelError, UnknownNameError
 from .experts import EXPERT_FORMS
+from .quant import WEIGHT_FORMS
 from .variants import check_profile, get_variant
 
 BACKENDS = ("cpu", "eager", "xla", "neuron")
@@ -62,6 +63,8 @@ class PortSettings:
     # backend 'neuron': None = ModelBuilder (prefill + decode keys); "trace" (TP=1 only) = the decode
     # graph alone, the prompt prefilled token by token (memory_plan.neuron_recipe)
     neuron_recipe: str | None = None
+    # "bf16"/"fp32": full precision (the backend's dtype); "int8": weight-only int8 linears (quant.py)
+    weights: str = "bf16"
     warmup: int = 1
     iters: int = 3
     seed: int | None = None  # None: the variant's `tiny_seed`
@@ -79,6 +82,8 @@ class PortSettings:
             raise UnknownNameError("model source", self.model, MODEL_SOURCES)
         if self.decode_experts not in EXPERT_FORMS:
             raise UnknownNameError("decode_experts form", self.decode_experts, EXPERT_FORMS)
+        if self.weights not in WEIGHT_FORMS:
+            raise UnknownNameError("weights form", self.weights, WEIGHT_FORMS)
         for name, minimum in _COUNTS.items():
             setattr(self, name, whole_number(name, getattr(self, name), minimum))
         buckets = _as_tuple(self.prefill_buckets)
@@ -106,8 +111,30 @@ class PortSettings:
             from .memory_plan import neuron_recipe
 
             neuron_recipe(self.variant_spec, self.tp_degree, self.neuron_recipe)  # unknown name, or trace at TP > 1
+        if self.weights == "int8":
+            self._check_int8()
         if self.backend == "neuron":
             self._check_neuron()
+
+    def _check_int8(self) -> None:
+        """Where weight-only int8 is built: the single-device graph (cpu, eager, xla at TP=1) and
+        the Neuron ModelBuilder recipe (NxD's quantized layers); not the CPU gloo rank graph, nor
+        the one-graph trace recipe."""
+        if self.backend == "neuron":
+            from .memory_plan import neuron_recipe
+
+            recipe = neuron_recipe(self.variant_spec, self.tp_degree, self.neuron_recipe)
+            if recipe != "model_builder":
+                raise SettingsError(
+                    f"weights='int8' on backend 'neuron' uses the ModelBuilder recipe (NxD's quantized layers); "
+                    f"{self.variant_spec.name} at TP={self.tp_degree} compiles with {recipe!r}: drop "
+                    f"neuron_recipe={self.neuron_recipe!r} (ModelBuilder is the default), or use weights='bf16'"
+                )
+        elif self.tp_degree > 1:
+            raise SettingsError(
+                f"weights='int8' at tp_degree {self.tp_degree} runs on backend 'neuron' only: the CPU gloo rank "
+                f"graph takes full-precision weights; use tp_degree=1 on backend {self.backend!r}, or weights='bf16'"
+            )
 
     def _check_neuron(self) -> None:
         """Before anything is loaded: the TP degree and memory fit inf2, and the SDK is here."""

@@ -73,23 +73,35 @@ def compile_graphs(
     return get_backend(backend_for(settings)).compile(model, settings, graphs=graphs, progress=progress)
 
 
-def device_graph(model: LoadedModel, shape: GraphShape, expert_form: str, inplace: bool = True) -> DeviceGraph:
+def device_graph(
+    model: LoadedModel, shape: GraphShape, expert_form: str, inplace: bool = True, weights: str = "bf16"
+) -> DeviceGraph:
     """One device graph over the model's own modules (not copies: a compiled graph takes the model's
-    current weights at load time); `device_graphs` and the benchmark suite's graph cache build with it."""
-    return DeviceGraph(model.text_model, model.lm_head, model.layout, shape, inplace=inplace, expert_form=expert_form)
+    current weights at load time; with `weights="int8"` it holds int8 copies of the linears, made
+    now); `device_graphs` and the benchmark suite's graph cache build with it."""
+    return DeviceGraph(
+        model.text_model,
+        model.lm_head,
+        model.layout,
+        shape,
+        inplace=inplace,
+        expert_form=expert_form,
+        weights=weights,
+    )
 
 
 def device_graphs(model: LoadedModel, settings: PortSettings, inplace: bool = True) -> Graphs:
     """Prefill graphs (one per bucket; MoE experts all-dense) and the decode graph (the settings'
     expert form), over the model's own modules: the graphs every single-device backend compiles."""
+    weights = settings.weights
     prefill = {
         bucket: device_graph(
-            model, GraphShape(1, bucket, settings.context_length, settings.ring_kv), PREFILL_EXPERTS, inplace
+            model, GraphShape(1, bucket, settings.context_length, settings.ring_kv), PREFILL_EXPERTS, inplace, weights
         )
         for bucket in settings.prefill_buckets
     }
     decode = device_graph(
-        model, GraphShape(1, 1, settings.context_length, settings.ring_kv), settings.decode_experts, inplace
+        model, GraphShape(1, 1, settings.context_length, settings.ring_kv), settings.decode_experts, inplace, weights
     )
     return prefill, decode
 

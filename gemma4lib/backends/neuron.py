@@ -36,11 +36,13 @@ def neuron_cache_key(
     compiler_args: dict[str, str],
     dtype: Any,
     decode_experts: str = "dense",
+    weights: str = "bf16",
 ) -> tuple[str, dict]:
     """Cache key of a Neuron artifact: config, weights, recipe, TP degree, shapes, compiler
-    arguments, the decode graph's expert form when not dense, the source of the library modules that
-    shape the graph (the rank graph holds NxD layers, so its program cannot be exported here to be
-    digested as the CPU key does) and versions (the pinned SDK set as found, torch, transformers)."""
+    arguments, the decode graph's expert form when not dense, the weight format when int8, the
+    source of the library modules that shape the graph (the rank graph holds NxD layers, so its
+    program cannot be exported here to be digested as the CPU key does) and versions (the pinned
+    SDK set as found, torch, transformers)."""
     parts = {
         "recipe": f"neuron-{recipe}",
         "config": model.config.to_json_string(use_diff=False),
@@ -55,6 +57,8 @@ def neuron_cache_key(
     }
     if decode_experts != "dense":  # only then: the keys of existing (dense) artifacts stay valid
         parts["decode_experts"] = decode_experts
+    if weights == "int8":  # likewise: full-precision keys stay as they were
+        parts["weight_format"] = weights
     return make_key(parts), parts
 
 
@@ -85,7 +89,14 @@ def compile(
         if model.variant.is_moe:
             decode_experts = settings.decode_experts
     key, parts = neuron_cache_key(
-        model, recipe, tp, shapes, neuron_env.COMPILER_ARGS, dtype, decode_experts=decode_experts
+        model,
+        recipe,
+        tp,
+        shapes,
+        neuron_env.COMPILER_ARGS,
+        dtype,
+        decode_experts=decode_experts,
+        weights=settings.weights,
     )
     cache = ArtifactCache(settings.cache_dir)
     started = time.perf_counter()
@@ -109,6 +120,7 @@ def compile(
                 dtype=dtype,
                 compiler_workdir=workdir,
                 decode_experts=decode_experts,
+                weights=settings.weights,
             )
         return {"recipe": recipe, "tp": tp}
 
@@ -127,5 +139,5 @@ def compile(
         0.0 if entry.hit else compile_s,
         [entry.hit],
         f"neuron-{recipe}",
-        {"artifacts": str(entry.path), "tp_degree": tp, "decode_experts": decode_experts},
+        {"artifacts": str(entry.path), "tp_degree": tp, "decode_experts": decode_experts, "weights": settings.weights},
     )

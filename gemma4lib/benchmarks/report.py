@@ -109,6 +109,25 @@ def format_report(report: dict[str, Any]) -> str:
             f"| {p['prompt_tokens']} | {p['bucket']} | {p['smallest_fitting']} | {_f(p['tokens_match_reference'])} |"
             for p in buckets["placement"]
         ]
+    # int8: weight-only int8 against the same model's full-precision graphs
+    if report.get("int8"):
+        lines += [
+            "",
+            "Weight-only int8 vs full precision (same run, interleaved):",
+            "",
+            "| model | full tok/s | int8 tok/s | int8 / full | bytes/step MB full -> int8 | max logit error vs full "
+            "| vs own reference | tokens = own reference | tokens = full reference |",
+            "|---|---|---|---|---|---|---|---|---|",
+        ]
+        for row in report["int8"]:
+            full, int8 = row["full"], row["int8"]
+            lines.append(
+                f"| {row['model']} | {_f(full['decode_tok_s'])} | {_f(int8['decode_tok_s'])} | "
+                f"{_f(row['int8_over_full_decode'], 2, 'x')} | {full['bytes_per_step'] / 1e6:.1f} -> "
+                f"{int8['bytes_per_step'] / 1e6:.1f} | {row['logits_max_abs_error_vs_full']:.3g} | "
+                f"{row['logits_max_abs_diff_vs_own_reference']:.2g} | {_f(int8['tokens_match_own_reference'])} | "
+                f"{_f(row['int8_tokens_equal_full_reference'])} |"
+            )
     # targets: the figures, met or not
     if report.get("targets"):
         lines += ["", "| target | value | met |", "|---|---|---|"]

@@ -13,7 +13,9 @@ on the five tiny variants and the two medium configs (`medium.py`), and measures
 memory bandwidth in the same run, so every model gets `bytes_per_step` (computed from shapes,
 `roofline.py`) and `roofline_fraction = tok/s / (bandwidth / bytes_per_step)`. It also reports the
 three decode-side fixes: ring KV at 512-4,096 context (before/after), dense vs selective experts
-(decode and prefill), and prefill ms per bucket. `targets` checks the issue's figures.
+(decode and prefill), and prefill ms per bucket; and weight-only int8 against the same model's
+full-precision graphs (`int8`: decode tok/s, bytes per step, their ratios, the logit error against
+the full-precision reference). `targets` checks the issue's figures.
 
 Method: one thread (recorded), warm-up runs excluded, medians over `iters` runs, and the paths of
 one model are measured interleaved (A, B, C, A, B, C, ...) so load from other processes on the
@@ -30,6 +32,7 @@ is `PortSettings`' defaults (and the backends' prefill expert form), read from t
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import logging
 import os
@@ -54,9 +57,10 @@ from ..graph import DeviceGraph, GraphShape
 from ..loading import LoadedModel, build_tiny
 from ..medium import build_medium, get_medium
 from ..port import prefill_logits_error
-from ..reference import random_prompt, reference_greedy
+from ..quant import round_model_weights
+from ..reference import random_prompt, reference_greedy, teacher_forced_logits
 from ..roofline import GB, decode_bytes, measure_bandwidth
-from ..runtime import HostRuntime
+from ..runtime import HostRuntime, softcap
 from ..settings import PortSettings
 from ..variants import VARIANTS
 from .hf import hf_generate, hf_static_compile_kwargs
@@ -69,6 +73,7 @@ TINY_VARIANTS = tuple(VARIANTS)
 MEDIUM_MODELS = ("medium-dense", "medium-moe")
 PATHS = ("gemma4lib", "hf_eager", "hf_static_compile")
 SCHEMA_VERSION = 1
+SECTIONS = ("models", "ring_kv", "experts", "prefill_buckets", "int8")
 
 
 def recommendation() -> dict[str, Any]:
@@ -108,7 +113,7 @@ class SuiteOptions:
     hf_compile: bool = True
     hf_compile_timeout_s: float = 1800.0
     bandwidth_mb: int = 512
-    sections: tuple[str, ...] = ("models", "ring_kv", "experts", "prefill_buckets")
+    sections: tuple[str, ...] = SECTIONS
 
     @classmethod
     def quick(cls, **changes: Any) -> SuiteOptions:
@@ -215,10 +220,12 @@ class GraphFactory:
     compiling one per use.
     """
 
-    def __init__(self, model: LoadedModel, backend: str = "cpu", cache: ArtifactCache | None = None):
+    def __init__(
+        self, model: LoadedModel, backend: str = "cpu", cache: ArtifactCache | None = None, weights: str = "bf16"
+    ):
         if backend not in _COMPILERS:
             raise UnknownNameError("bench backend", backend, tuple(_COMPILERS))
-        self.model, self.backend, self.cache = model, backend, cache
+        self.model, self.backend, self.cache, self.weights = model, backend, cache, weights
         self.steps: dict[tuple, Step] = {}
 
     @property
@@ -235,7 +242,7 @@ class GraphFactory:
             ring = True  # the ring holds the whole context: the same buffers and program as full length
         key = (tokens, context_length, ring, expert_form)
         if key not in self.steps:
-            graph = device_graph(model, GraphShape(1, tokens, context_length, ring), expert_form)
+            graph = device_graph(model, GraphShape(1, tokens, context_length, ring), expert_form, weights=self.weights)
             self.steps[key] = _COMPILERS[self.backend][1](graph, self.cache)
         return self.steps[key]
 
@@ -535,6 +542,86 @@ def bench_experts(
     }
 
 
+def int8_model(model: LoadedModel) -> LoadedModel:
+    """A copy of `model` whose quantized weights are rounded to `q * scale`: the int8 graphs'
+    weight source and their own host reference (`quant.round_model_weights`)."""
+    lm = copy.deepcopy(model.lm)
+    round_model_weights(lm)
+    return dataclasses.replace(model, lm=lm, source=f"{model.source}+int8")
+
+
+def bench_int8(
+    model: LoadedModel,
+    factory: GraphFactory,
+    *,
+    context_length: int,
+    bucket: int,
+    prompt: Sequence[int],
+    new_tokens: int,
+    warmup: int,
+    iters: int,
+    decode_form: str,
+) -> dict[str, Any]:
+    """Weight-only int8 against the same model's full-precision graphs, interleaved in one run:
+    decode tok/s and bytes per step of each, their ratios, and the int8 logit error.
+
+    `logits_max_abs_error_vs_full`: the int8 graph's softcapped logits at every generated position
+    against the full-precision HF model's, teacher-forced on the int8 tokens (the cost of int8);
+    `logits_max_abs_diff_vs_own_reference`: the same against the rounded host model (the compiler's
+    faithfulness: SEQ_MATCH is judged against this reference)."""
+    is_moe = bool(getattr(model.config, "enable_moe_block", False))
+    form = decode_form if is_moe else "dense"
+    ring = recommendation()["ring_kv"]
+    quantized = int8_model(model)
+    int8_factory = GraphFactory(quantized, factory.backend, factory.cache, weights="int8")
+    factories = {"full": factory, "int8": int8_factory}
+    runtimes = {k: f.runtime(context_length, (bucket,), ring, form, PREFILL_EXPERTS) for k, f in factories.items()}
+    references = {"full": reference_greedy(model.lm, prompt, new_tokens)}
+    references["int8"] = reference_greedy(quantized.lm, prompt, new_tokens)
+    runs: dict[str, list[float]] = {k: [] for k in runtimes}
+    generations = {}
+    for i in range(warmup + iters):
+        for kind, runtime in runtimes.items():
+            generation = runtime.generate(prompt, new_tokens, keep_logits=i == 0)
+            generations.setdefault(kind, generation)
+            if i >= warmup:
+                runs[kind].append(generation.decode_tok_s)
+    int8_run = generations["int8"]
+    cap = model.config.final_logit_softcapping
+    device = softcap(int8_run.step_logits, cap).double()
+    vs_full = teacher_forced_logits(model.lm, prompt, int8_run.tokens)
+    vs_own = teacher_forced_logits(quantized.lm, prompt, int8_run.tokens)
+    out: dict[str, Any] = {"decode_experts": form if is_moe else None, "context_length": context_length}
+    for kind in runtimes:
+        b = decode_bytes(
+            model,
+            context_length=context_length,
+            ring=ring,
+            experts=form,
+            weight_format="int8" if kind == "int8" else "bf16",
+        )
+        tokens = generations[kind].tokens
+        out[kind] = {
+            "decode_tok_s": _median(runs[kind]),
+            "runs": runs[kind],
+            "bytes_per_step": b.total,
+            "weight_bytes": b.weights,
+            "tokens_match_own_reference": tokens == references[kind],
+        }
+    full_tokens, int8_tokens = references["full"], generations["int8"].tokens
+    agree = next((i for i, (a, b) in enumerate(zip(full_tokens, int8_tokens, strict=False)) if a != b), None)
+    out.update(
+        int8_over_full_decode=_ratio(out["int8"]["decode_tok_s"], out["full"]["decode_tok_s"]),
+        full_over_int8_bytes=_ratio(out["full"]["bytes_per_step"], out["int8"]["bytes_per_step"]),
+        logits_max_abs_error_vs_full=float((device - vs_full).abs().max()),
+        logits_max_abs_diff_vs_own_reference=float((device - vs_own).abs().max()),
+        int8_tokens_equal_full_reference=agree is None,
+        first_token_differing_from_full=agree,
+        graphs={kind: f.compile_report() for kind, f in factories.items()},
+    )
+    return out
+
+
 def bench_prefill_buckets(
     model: LoadedModel,
     factory: GraphFactory,
@@ -745,6 +832,30 @@ def run_suite(
                 iters=options.medium_iters,
             ),
         }
+
+    if "int8" in options.sections:
+        report["int8"] = []
+        for name in options.medium_models:
+            say(f"int8 {name}: weight-only int8 vs full precision")
+            model, factory = model_and_factory(name)
+            report["int8"].append(
+                {
+                    "model": name,
+                    **bench_int8(
+                        model,
+                        factory,
+                        context_length=options.medium_context,
+                        bucket=options.medium_bucket,
+                        prompt=_medium_prompt(name, model, options),
+                        new_tokens=options.medium_new_tokens,
+                        warmup=options.warmup,
+                        iters=options.medium_iters,
+                        decode_form=recommended["decode_experts"],
+                    ),
+                }
+            )
+            loaded.pop(name), factories.pop(name)
+            torch._dynamo.reset()
 
     report["targets"] = check_targets(report)
     report["recommendation"] = recommended

@@ -34,6 +34,20 @@ the config on the meta device with shard-size layers, so `module_cls()` never ho
   per rank where KV heads < TP; the fused expert weights rank-major under the intermediate split),
   plus `layer_scalar` (held as a parameter by the rank graph, so it is a weight, not a traced-in
   constant) and `spmd_rank.rank = arange(tp)`.
+- `weights="int8"` (weight-only int8, `quant.py`): NxD 0.17's own quantized layers. After the
+  rank module is built, `neuronx_distributed.quantization.quantize.convert` (per-channel config
+  `get_default_per_channel_custom_qconfig_dict()`: int8, symmetric, scale per output channel,
+  no activation quantization) swaps the attention and dense-MLP `ColumnParallelLinear` /
+  `RowParallelLinear` for `QuantizedColumnParallel` / `QuantizedRowParallel`; their forward casts
+  the int8 weight, multiplies, and scales the output, the order `quant.Int8Linear` uses on CPU.
+  The checkpoint holds those weights as int8 plus `<name>.scale` `[out, 1]` fp32 (NxD shards a
+  column-parallel layer's scale with its rows and replicates a row-parallel one's).
+  The MoE experts stay bf16 on inf2: `ShardedExperts`' selective decode indexes the parallel
+  linears' `.weight` directly (an int8 tensor after `convert`, whose scales it would not apply),
+  and NxD's per-channel scale of the row-parallel fused `down` `[H, E * I]` is one per hidden row
+  over all experts, not per expert as on CPU. Quantizing them needs an int8 gather in
+  `tp.layers.ShardedExperts` and a CPU twin of the quantized parallel layers to test it against.
+  Unverified on inf2: the int8 path is driven here by recording fakes only.
 - `builder.trace(initialize_model_weights=False)` -> `torch.jit.save`; `builder.shard_checkpoint`
   writes `tp{rank}_sharded_checkpoint.safetensors`; loading is `torch.jit.load` +
   `nxd_model.initialize(weights_per_rank, start_rank_tensor)`.
@@ -54,6 +68,7 @@ from torch import nn
 from ..embedder import HostEmbedder
 from ..experts import EXPERT_FORMS
 from ..graph import GraphShape
+from ..quant import LINEAR_WEIGHT_NAME, check_weights, quantize
 from ..tp.plan import TPPlan, make_plan
 from ..tp.rank_graph import build_rank_graph
 from ..tp.shard import nxd_full_checkpoint
@@ -66,6 +81,9 @@ GRAPH_PREFIX = "graph."  # KVParamModule holds the rank graph as `.graph`
 SHARD_FILE = "tp{rank}_sharded_checkpoint.safetensors"
 # Weight layout optimisation: the decode key's only bucket (index 0) sets the layout; prefill follows.
 PRIORITY = {"prefill": None, "decode": 0}
+# weights="int8": the modules NxD's `convert` swaps for its quantized parallel layers (fnmatch
+# patterns over the rank module's names; the same linears as `quant.target_linears`, not the experts).
+INT8_INCLUDE = ("*.self_attn.[qkvo]_proj", "*.mlp.gate_proj", "*.mlp.up_proj", "*.mlp.down_proj")
 
 
 class NxDParallelFactory:
@@ -109,12 +127,42 @@ class NxDParallelFactory:
 
 
 def rank_module(
-    config: Any, plan: TPPlan, shape: GraphShape, dtype: torch.dtype, factory: Any = None, expert_form: str = "dense"
+    config: Any,
+    plan: TPPlan,
+    shape: GraphShape,
+    dtype: torch.dtype,
+    factory: Any = None,
+    expert_form: str = "dense",
+    weights: str = "bf16",
 ) -> KVParamModule:
-    """The module one rank compiles: rank graph (NxD layers by default) + K/V parameters."""
+    """The module one rank compiles: rank graph (NxD layers by default) + K/V parameters; with
+    `weights="int8"` its attention and dense-MLP parallel linears become NxD's quantized ones."""
     factory = factory or NxDParallelFactory(plan.tp, dtype)
     graph = build_rank_graph(config, plan, shape, factory=factory, dtype=dtype, inplace=False, expert_form=expert_form)
-    return KVParamModule(graph).eval()
+    module = KVParamModule(graph).eval()
+    if check_weights(weights) == "int8":
+        quantize_nxd(module)
+    return module
+
+
+def quantize_nxd(module: nn.Module) -> nn.Module:
+    """NxD's weight-only int8 (per-channel, symmetric) over the `INT8_INCLUDE` linears, in place."""
+    config = neuron_env.require("neuronx_distributed.quantization.quantization_config", PURPOSE)
+    quantize_module = neuron_env.require("neuronx_distributed.quantization.quantize", PURPOSE)
+    q_config = config.get_default_per_channel_custom_qconfig_dict()  # inf2-only
+    return quantize_module.convert(module, q_config=q_config, inplace=True, include=list(INT8_INCLUDE))  # inf2-only
+
+
+def int8_checkpoint(checkpoint: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The checkpoint NxD's quantized layers load: each `INT8_INCLUDE` weight as int8 and its
+    `.scale` `[out, 1]` fp32 (`quant.quantize`, per output row of the full, NxD-arranged weight)."""
+    out = dict(checkpoint)
+    for key, tensor in checkpoint.items():
+        if LINEAR_WEIGHT_NAME.search(key):
+            q, scale = quantize(tensor)
+            out[key] = q
+            out[key[: -len("weight")] + "scale"] = scale.unsqueeze(-1)
+    return out
 
 
 def bucket_shapes(context_length: int, prefill_len: int, ring: bool = False) -> dict[str, GraphShape]:
@@ -131,9 +179,11 @@ def bucket_expert_forms(decode_experts: str = "dense") -> dict[str, str]:
     return {"prefill": "dense", "decode": decode_experts}
 
 
-def nxd_checkpoint(loaded: Any, plan: TPPlan, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """The `checkpoint_loader` result: NxD-arranged full checkpoint, keyed like the compiled module."""
-    return {GRAPH_PREFIX + k: v for k, v in nxd_full_checkpoint(loaded.lm, plan, dtype=dtype).items()}
+def nxd_checkpoint(loaded: Any, plan: TPPlan, dtype: torch.dtype, weights: str = "bf16") -> dict[str, torch.Tensor]:
+    """The `checkpoint_loader` result: NxD-arranged full checkpoint, keyed like the compiled module
+    (`weights="int8"`: the quantized linears as int8 + scales, `int8_checkpoint`)."""
+    checkpoint = {GRAPH_PREFIX + k: v for k, v in nxd_full_checkpoint(loaded.lm, plan, dtype=dtype).items()}
+    return int8_checkpoint(checkpoint) if check_weights(weights) == "int8" else checkpoint
 
 
 def _instance_class():
@@ -142,13 +192,15 @@ def _instance_class():
     class GraphInstance(model_builder.BaseModelInstance):
         """One ModelBuilder key: builds the rank module, hands out its K/V aliases."""
 
-        def __init__(self, config, plan, shape, dtype, expert_form="dense"):
+        def __init__(self, config, plan, shape, dtype, expert_form="dense", weights="bf16"):
             self.config, self.plan, self.shape, self.dtype = config, plan, shape, dtype
-            self.expert_form = expert_form
+            self.expert_form, self.weights = expert_form, weights
             super().__init__(module_cls=self._build, input_output_aliases={})
 
         def _build(self):
-            return rank_module(self.config, self.plan, self.shape, self.dtype, expert_form=self.expert_form)
+            return rank_module(
+                self.config, self.plan, self.shape, self.dtype, expert_form=self.expert_form, weights=self.weights
+            )
 
         def get(self, bucket_rank, **kwargs):
             return self.module, self.module.aliases()
@@ -168,12 +220,14 @@ def compile_model_builder(
     compiler_workdir: str | Path | None = None,
     decode_experts: str = "dense",
     expert_split: str | None = None,
+    weights: str = "bf16",
 ) -> Path:
     """Compile prefill + decode for one rank, save the model and the per-rank shards to `out_dir`.
 
     `decode_experts`: the decode graph's MoE expert form (`dense` | `selective`); prefill is dense.
     `expert_split`: how the ranks share the MoE experts (`intermediate` | `experts`; default: the
     plan's, the intermediate split where it divides).
+    `weights`: "int8" quantizes the attention and dense-MLP linears with NxD's layers (module docstring).
     """
     model_builder, GraphInstance = _instance_class()
     forms = bucket_expert_forms(decode_experts)
@@ -181,7 +235,7 @@ def compile_model_builder(
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     workdir = Path(compiler_workdir or out / "compiler_workdir")  # ModelBuilder.trace() wipes it: never share
-    checkpoint = nxd_checkpoint(loaded, plan, dtype)
+    checkpoint = nxd_checkpoint(loaded, plan, dtype, weights)
     # The builder's constructor and `add` are inf2-only too; tests drive them through a recording fake.
     builder = model_builder.ModelBuilder(  # inf2-only
         router=None, tp_degree=tp, checkpoint_loader=lambda: dict(checkpoint), compiler_workdir=str(workdir)
@@ -189,7 +243,7 @@ def compile_model_builder(
     for key, shape in bucket_shapes(context_length, prefill_len, ring).items():
         builder.add(  # inf2-only
             key=key,
-            model_instance=GraphInstance(loaded.config, plan, shape, dtype, forms[key]),
+            model_instance=GraphInstance(loaded.config, plan, shape, dtype, forms[key], weights),
             example_inputs=[graph_example_inputs(loaded.config, shape, dtype)],
             compiler_args=neuron_env.COMPILER_ARGS[shape.phase],
             priority_model_idx=PRIORITY[key],
@@ -207,6 +261,7 @@ def compile_model_builder(
         "dtype": str(dtype),
         "expert_forms": forms,
         "expert_split": plan.expert_split,
+        "weights": weights,
         "plan": plan.describe(),
         "compiler_args": neuron_env.COMPILER_ARGS,
     }
