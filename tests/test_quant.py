@@ -195,7 +195,7 @@ def test_int8_settings_pick_the_recipes_that_build_it():
     from gemma4lib.port import PortSettings
 
     with pytest.raises(SettingsError, match="ModelBuilder"):
-        PortSettings("e2b", backend="neuron", weights="int8")  # TP=1: the trace recipe
+        PortSettings("e2b", backend="neuron", weights="int8", neuron_recipe="trace")  # the one-graph recipe
     with pytest.raises(SettingsError, match="gloo"):
         PortSettings("31b", backend="cpu", weights="int8", tp_degree=8)
 
