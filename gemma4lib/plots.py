@@ -31,6 +31,27 @@ METRIC_LABELS = {
 NUMBER_TICKS = FuncFormatter(lambda value, _pos: format_number(float(value)))  # 2,500 rather than 2500
 
 
+def show_figures_inline() -> bool:
+    """Make IPython draw a returned `Figure` as a PNG. These plots build `Figure` objects directly
+    (no pyplot, so no global state and nothing drawn twice); without this a notebook cell whose
+    last value is a figure would show `<Figure size ...>` as text, since only pyplot's inline
+    backend registers the formatter. True when an IPython shell is running and now draws them."""
+    try:
+        from IPython import get_ipython
+        from IPython.core.pylabtools import print_figure
+    except ImportError:
+        return False
+    shell = get_ipython()
+    if shell is None:
+        return False
+    png = shell.display_formatter.formatters["image/png"]
+    png.for_type(Figure, lambda fig: print_figure(fig, "png", bbox_inches="tight"))
+    return True
+
+
+show_figures_inline()
+
+
 def save(fig: Figure, path: str | Path, dpi: int = 110) -> Path:
     """Write `fig` as an image (format from the suffix) and return the path."""
     path = Path(path)

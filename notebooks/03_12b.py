@@ -58,6 +58,7 @@ model = "auto"  # smoke: the tiny trained fixture; "random" for equality-only ru
 checkpoint = None  # full: a hub id or local folder, e.g. "google/gemma-4-12B-it"
 backend = "cpu"  # full: "neuron"
 tp_degree = 1  # full: 2
+weights = "bf16"  # "bf16"/"fp32": full precision; "int8": weight-only int8 linears and experts
 prompt = "What is the capital of France?"
 expect = "Paris"  # coherence: the answer must contain this
 max_new_tokens = 32
@@ -109,6 +110,7 @@ s = PortSettings(
     checkpoint=checkpoint,
     backend=backend,
     tp_degree=tp_degree,
+    weights=weights,
     prompt=prompt,
     expect=expect,
     max_new_tokens=max_new_tokens,
@@ -246,6 +248,7 @@ prefill = {
         model.layout,  # which layers own a K/V buffer, with how many heads and what head_dim
         GraphShape(batch=1, tokens=bucket, context_length=s.context_length, ring=s.ring_kv),
         expert_form=PREFILL_EXPERTS,  # MoE only: prefill computes every expert
+        weights=s.weights,  # "int8": the linears held as int8 with per-channel scales
     )
     for bucket in s.prefill_buckets
 }
@@ -255,6 +258,7 @@ decode = DeviceGraph(
     model.layout,
     GraphShape(batch=1, tokens=1, context_length=s.context_length, ring=s.ring_kv),
     expert_form=s.decode_experts,
+    weights=s.weights,
 )
 example = decode.example_inputs()  # what a compiler traces with
 print("decode graph inputs:", [tuple(t.shape) for t in example])
@@ -350,6 +354,7 @@ def compile_model_builder(
     compiler_workdir=None,
     decode_experts="dense",
     expert_split=None,
+    weights="bf16",
 ):
     model_builder, GraphInstance = _instance_class()
     forms = bucket_expert_forms(decode_experts)
@@ -357,7 +362,7 @@ def compile_model_builder(
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     workdir = Path(compiler_workdir or out / "compiler_workdir")  # ModelBuilder.trace() wipes it: never share
-    checkpoint = nxd_checkpoint(loaded, plan, dtype)
+    checkpoint = nxd_checkpoint(loaded, plan, dtype, weights)
     # The builder's constructor and `add` are inf2-only too; tests drive them through a recording fake.
     builder = model_builder.ModelBuilder(  # inf2-only
         router=None, tp_degree=tp, checkpoint_loader=lambda: dict(checkpoint), compiler_workdir=str(workdir)
@@ -365,7 +370,7 @@ def compile_model_builder(
     for key, shape in bucket_shapes(context_length, prefill_len, ring).items():
         builder.add(  # inf2-only
             key=key,
-            model_instance=GraphInstance(loaded.config, plan, shape, dtype, forms[key]),
+            model_instance=GraphInstance(loaded.config, plan, shape, dtype, forms[key], weights),
             example_inputs=[graph_example_inputs(loaded.config, shape, dtype)],
             compiler_args=neuron_env.COMPILER_ARGS[shape.phase],
             priority_model_idx=PRIORITY[key],
@@ -383,6 +388,7 @@ def compile_model_builder(
         "dtype": str(dtype),
         "expert_forms": forms,
         "expert_split": plan.expert_split,
+        "weights": weights,
         "plan": plan.describe(),
         "compiler_args": neuron_env.COMPILER_ARGS,
     }

@@ -209,8 +209,8 @@ def test_library_copies_in_cells_equal_the_library(path):
         assert library is not None, f"{path.name} cell {i}: {module_name} has no {function.name}; update the cell"
         (expected,) = ast.parse(inspect.getsource(library)).body
         assert _normalised(function) == _normalised(expected), (
-            f"{path.name} cell {i}: {function.name} differs from {module_name}.{function.name}; copy the "
-            f"library's lines into notebooks/{path.stem}.py and run {SYNC_COMMAND.format(stem=path.stem)}"
+            f"{path.name} cell {i}: {function.name} differs from {module_name}.{function.name}; run "
+            f".venv/bin/python scripts/sync_notebook_copies.py {path.stem} (re-copies the library's lines)"
         )
 
 
@@ -333,11 +333,23 @@ def test_all_notebooks_run_headless_in_the_smoke_profile(tmp_path):
             assert record["coherent"] is True, f"{file}: {record.get('answer')!r}"
             assert record["witness"]["passed"] is True, f"{file}: {record['witness']}"
         assert (out / "notebooks" / file).is_file()
+        executed = load(out / "notebooks" / file)
+        plot_cells = [c for c in executed.cells if c.cell_type == "code" and _last_line(c).startswith("plots.")]
+        blank = [_last_line(c) for c in plot_cells if not _has_image(c)]
+        assert plot_cells and not blank, f"{file}: plot cells drew no image: {blank}"
     overview = json.loads((out / "results" / "overview.json").read_text())
     assert sorted(overview["variants_found"]) == sorted(pm_run.VARIANT_NOTEBOOKS)
     for name in ("summary.md", "summary.csv", "family_metrics.png", "checks.png", "trend_decode_tok_s.png"):
         assert (out / name).is_file(), name
     assert "decode tok/s" in done.stdout and "verdict" in done.stdout
+
+
+def _last_line(cell) -> str:
+    return cell.source.strip().split("\n")[-1]
+
+
+def _has_image(cell) -> bool:
+    return any("image/png" in (output.get("data") or {}) for output in cell.get("outputs", []))
 
 
 # ---- the helpers the notebooks call (fast: released configs are built without weights) ---------
