@@ -58,7 +58,7 @@ def test_grouped_equals_eager_on_random_inputs(q_heads, kv_heads, tokens, window
     module = _Module(d, q_heads // kv_heads).eval()
     expected = eager_attention_forward(module, query, key, value, mask, scaling=0.3, softcap=softcap)
     got = attention.grouped_attention_forward(module, query, key, value, mask, scaling=0.3, softcap=softcap)
-    for name, e, g in zip(("output", "weights"), expected, got):
+    for name, e, g in zip(("output", "weights"), expected, got, strict=True):
         assert g.shape == e.shape, name
         torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-6, msg=name)
 
@@ -132,7 +132,7 @@ def test_device_graph_grouped_equals_eager(variant, monkeypatch):
         spread = (eager[0] - precise[0]).abs().max().item()
         err = (grouped[0] - eager[0]).abs().max().item()
         assert err <= logits_tolerance(spread), f"{shape}: |grouped - eager| {err:.3g}, fp32 spread {spread:.3g}"
-        for e, g in zip(eager[1], grouped[1]):
+        for e, g in zip(eager[1], grouped[1], strict=True):
             torch.testing.assert_close(g, e, rtol=1e-4, atol=logits_tolerance(spread), msg=f"{shape} K/V")
     assert calls, "the grouped graph never called the grouped attention"
     assert models[torch.float32].text_model.config._attn_implementation == "eager"  # the host keeps its own
