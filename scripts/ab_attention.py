@@ -7,7 +7,9 @@ Every (form, context) decode graph is compiled with the CPU recipe (or loaded fr
 cache), then timed at the last `--steps` positions of its context, one thread, in rounds that
 visit every graph in turn so load from other processes hits them alike. Prints one JSON line: the
 median tok/s per form and context, each form's longest/shortest context ratio (the bench's
-`ring_tok_s_4096_over_512`) and grouped/eager per context, with every round's figures.
+`ring_tok_s_4096_over_512`), grouped/eager per context, and each form's roofline fraction at the
+shortest context (tok/s over bandwidth / bytes per step, the bandwidth measured as the bench does,
+before and after the rounds), with every round's figures.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from gemma4lib.benchmarks.suite import Step, load_bench_model
 from gemma4lib.benchmarks.timing import time_decode_steps
 from gemma4lib.compile_cpu import compile_graph
 from gemma4lib.graph import DeviceGraph, GraphShape
+from gemma4lib.roofline import decode_bytes, measure_bandwidth
 
 
 def main() -> None:
@@ -42,14 +45,17 @@ def main() -> None:
                 model.text_model, model.lm_head, model.layout, GraphShape(1, 1, ctx, True), attention=form
             )
             steps[(form, ctx)] = Step(compile_graph(graph), graph.shape, "dense", graph=graph)
+    bandwidth = [measure_bandwidth()["bandwidth_bytes_s"]]
     runs: dict[tuple[str, int], list[float]] = {key: [] for key in steps}
     for key, step in steps.items():  # warm-up
         time_decode_steps(model, step, range(key[1] - args.steps - 1, key[1] - 1))
     for _ in range(args.rounds):
         for key, step in steps.items():
             runs[key].append(time_decode_steps(model, step, range(key[1] - args.steps - 1, key[1] - 1)))
+    bandwidth.append(measure_bandwidth()["bandwidth_bytes_s"])
     median = {key: statistics.median(r) for key, r in runs.items()}
     first, last = args.contexts[0], args.contexts[-1]
+    ceiling = statistics.mean(bandwidth) / decode_bytes(model, context_length=first, ring=True).total
     print(
         json.dumps(
             {
@@ -61,6 +67,8 @@ def main() -> None:
                 "grouped_over_eager": {
                     ctx: median[(attention.GROUPED, ctx)] / median[(attention.EAGER, ctx)] for ctx in args.contexts
                 },
+                "bandwidth_gb_s": [b / 1e9 for b in bandwidth],
+                f"roofline_fraction_at_{first}": {form: median[(form, first)] / ceiling for form in attention.FORMS},
                 "runs": {f"{form}@{ctx}": r for (form, ctx), r in runs.items()},
             }
         )
