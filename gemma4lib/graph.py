@@ -11,6 +11,9 @@ port changes only what it must:
 - the attention masks are built here from that position and passed in as
   `{"full_attention": ..., "sliding_attention": ...}`;
 - MoE experts are swapped for a static form (`experts.StaticExperts`);
+- attention is transformers' eager math with each K/V head's query group as matrix rows
+  (`attention.GROUPED`; `attention="eager"` keeps transformers' own), so a one-token decode is a
+  matrix product per K/V head rather than a matrix-vector product per query head;
 - the final logit softcap is left off (monotonic: greedy argmax is unchanged; the host applies it
   when sampling needs probabilities).
 
@@ -26,6 +29,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from . import attention as attention_forms
 from .experts import StaticExperts
 from .kv_layout import SLIDING, KVLayout
 from .quant import Int8Linear, check_weights, target_linears
@@ -182,6 +186,7 @@ class DeviceGraph(nn.Module):
         inplace: bool = True,
         expert_form: str = "dense",
         weights: str = "bf16",
+        attention: str = attention_forms.GROUPED,
     ):
         super().__init__()
         int8 = check_weights(weights) == "int8"
@@ -190,15 +195,18 @@ class DeviceGraph(nn.Module):
         if getattr(model, "embed_tokens_per_layer", None) is not None:
             model.embed_tokens_per_layer = None
         model.layers = nn.ModuleList([_shallow_clone(layer) for layer in text_model.layers])
+        attn_config = attention_forms.graph_config(text_model.config, attention)
         for layer in model.layers:
             if getattr(layer, "experts", None) is not None:
                 layer.experts = StaticExperts(layer.experts, expert_form, int8=int8)
             if int8:
                 _int8_linears(layer)
+            layer.self_attn = _shallow_clone(layer.self_attn)
+            layer.self_attn.config = attn_config
         self.model = model
         self.lm_head = lm_head
         self.layout, self.shape, self.inplace, self.expert_form = layout, shape, inplace, expert_form
-        self.weights = weights
+        self.weights, self.attention = weights, attention
         self.tags: dict[str, str] = {}  # anything else that changes the program (e.g. a fault-lab fault)
         self.kv_class: type[ExplicitKV] = ExplicitKV  # the cache's class (the fault lab swaps it)
         self.has_ple = bool(getattr(text_model.config, "hidden_size_per_layer_input", 0))
@@ -210,6 +218,7 @@ class DeviceGraph(nn.Module):
             "class": type(self).__qualname__,
             "inplace": self.inplace,
             "expert_form": self.expert_form,
+            "attention": self.attention,
             "producers": [layer.producer for layer in self.layout.layers],
             # only when quantized: full-precision keys stay as they were (warm caches stay valid)
             **({"weights": self.weights} if self.weights == "int8" else {}),
