@@ -384,26 +384,10 @@ def inf2_table(
         for context in contexts:
             for ring in (False, True):
                 for form, split in forms:
-                    steps = decode_bytes(lm, context_length=context, ring=ring, experts=form, dtype_bytes=dtype_bytes)
-                    on_ranks = decode_bytes(
-                        lm,
-                        context_length=context,
-                        ring=ring,
-                        experts=form,
-                        dtype_bytes=dtype_bytes,
-                        tp=tp,
-                        expert_split=split,
-                    )
-                    int8_on_ranks = decode_bytes(
-                        lm,
-                        context_length=context,
-                        ring=ring,
-                        experts=form,
-                        dtype_bytes=dtype_bytes,
-                        tp=tp,
-                        expert_split=split,
-                        weight_format="int8",
-                    )
+                    shape = dict(context_length=context, ring=ring, experts=form, dtype_bytes=dtype_bytes)
+                    steps = decode_bytes(lm, **shape)
+                    on_ranks = decode_bytes(lm, **shape, tp=tp, expert_split=split)
+                    int8_on_ranks = decode_bytes(lm, **shape, tp=tp, expert_split=split, weight_format="int8")
                     recipe_instance = INSTANCES[variant.instance_type]
                     row = {
                         "variant": variant.name,
