@@ -290,5 +290,8 @@ def test_e2b_model_builder_pair_at_tp1_on_xla(xla_lane, tmp_path):
             tokens.append(int(logits.cpu().argmax()))
     report = session.report()
     assert tokens == reference.tolist()
-    assert report["xla_compilations"] == {"prefill": 1, "decode": 1}
+    # at most one compile per key: none when an earlier test in this process compiled the same HLO
+    # (torch_xla caches it), and never one per decode step
+    assert set(report["xla_compilations"]) == {"prefill", "decode"}
+    assert all(n <= 1 for n in report["xla_compilations"].values()), report["xla_compilations"]
     assert report["xla_steps"] == {"prefill": 1, "decode": steps}
