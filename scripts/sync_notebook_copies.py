@@ -29,11 +29,11 @@ def plain_copy(function) -> str:
     """The library function's source without docstring or annotations; body comments kept."""
     source = inspect.getsource(function)
     lines = source.splitlines()
-    node = ast.parse(source).body[0]
-    body = node.body
+    header = ast.parse(source).body[0]
+    body = header.body
     if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
         body = body[1:]
-    header = ast.parse(source).body[0]
+    first = body[0].lineno  # read before the header is cut down to its signature below
     header.body, header.returns, header.decorator_list = [ast.Pass()], None, []
     for arg in [*header.args.posonlyargs, *header.args.args, *header.args.kwonlyargs]:
         arg.annotation = None
@@ -41,7 +41,6 @@ def plain_copy(function) -> str:
         if arg is not None:
             arg.annotation = None
     signature = ast.unparse(header).splitlines()[0]
-    first = body[0].lineno
     # comments just above the first statement that survives (after a removed docstring) stay too
     while first > 1 and lines[first - 2].strip().startswith("#"):
         first -= 1
@@ -70,6 +69,8 @@ def sync(path: Path) -> bool:
         return False
     path.write_text(new)
     subprocess.run([sys.executable, "-m", "ruff", "format", "--quiet", str(path)], check=True)
+    if path.read_text() == text:  # the copy differed only in line wrapping, which the formatter restores
+        return False
     subprocess.run([sys.executable, "-m", "jupytext", "--update", "--to", "ipynb", "--quiet", str(path)], check=True)
     return True
 
