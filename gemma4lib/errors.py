@@ -76,6 +76,11 @@ class HubUnreachableError(CheckpointError):
     """No connection to the hub (no network, or offline mode) and the checkpoint is not cached."""
 
 
+class MissingChatTemplateError(CheckpointError):
+    """A tokenizer without a chat template asked to encode a chat prompt: as plain text the model
+    would see no turn markers and answer nonsense that the device reproduces faithfully."""
+
+
 class NotGemma4Error(CheckpointError):
     pass
 
@@ -94,6 +99,25 @@ class NeuronSDKMissingError(EnvironmentMismatchError, ImportError):
 
 class ArtifactError(Gemma4LibError, RuntimeError):
     """A cached compile artifact is unusable (corrupt, half-written); it is rebuilt."""
+
+
+class CacheLocationError(Gemma4LibError, RuntimeError):
+    """The artifact cache folder cannot be used (a file, read-only, not creatable, full); the
+    message names GEMMA4LIB_CACHE and how to point it somewhere usable."""
+
+
+class CacheSpaceError(CacheLocationError):
+    """Too little free space (or no inodes) for the package about to be compiled; raised before the
+    compile, not as an abort while it is written."""
+
+
+class CacheLockError(Gemma4LibError, TimeoutError):
+    """Another process has held a cache key's build lock for longer than the wait limit."""
+
+
+class BundleError(Gemma4LibError, ValueError):
+    """An exported bundle (`python -m gemma4lib export`) that does not fit this run: another
+    variant, shapes, TP degree, checkpoint or package versions; raised before any device work."""
 
 
 class BaselineError(Gemma4LibError, ValueError):

@@ -146,6 +146,14 @@ def build_masks(
     return masks
 
 
+def layer_types_in_order(config) -> list[str]:
+    """The attention types in order of first use. transformers' text model iterates
+    `set(config.layer_types)` to build one RoPE table per type; a set's order follows PYTHONHASHSEED,
+    and so did the exported program's code, its digest and the cache key (half of all fresh
+    processes recompiled). A list in layer order gives every process the same program."""
+    return list(dict.fromkeys(config.layer_types))
+
+
 def _shallow_clone(module: nn.Module) -> nn.Module:
     """A new module object sharing parameters and buffers, with its own child/param/buffer dicts."""
     clone = copy.copy(module)
@@ -191,6 +199,7 @@ class DeviceGraph(nn.Module):
         super().__init__()
         int8 = check_weights(weights) == "int8"
         model = _shallow_clone(text_model)
+        model.unique_layer_types = layer_types_in_order(text_model.config)
         model.embed_tokens = None
         if getattr(model, "embed_tokens_per_layer", None) is not None:
             model.embed_tokens_per_layer = None

@@ -7,6 +7,7 @@ source of the device graph's weights.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -19,10 +20,14 @@ from typing import Any
 import torch
 from torch import nn
 
+from .checkpoint_identity import folder_identity
 from .environment import check_transformers
 from .errors import CheckpointError, GatedCheckpointError, HubUnreachableError, NotGemma4Error, VariantMismatchError
 from .kv_layout import KVLayout
+from .program_key import declare_identity
+from .tokenizer import require_chat_template
 from .variants import VARIANTS, Variant, config_kwargs
+from .weight_files import check_weight_files
 
 log = logging.getLogger(__name__)
 
@@ -105,6 +110,8 @@ def build_random(
             lm.init_weights()  # transformers' own init of every parameter and buffer, then tying
     _seed_layer_scalars(lm, seed)
     label = "tiny-random" if which == "tiny" else f"{which}-random"
+    built_from = hashlib.sha256(f"{config.to_json_string(use_diff=False)}:{dtype}".encode()).hexdigest()[:16]
+    declare_identity(lm, f"{label}(seed={seed}):{built_from}")
     return LoadedModel(variant, lm.eval(), None, f"{label}(seed={seed})")
 
 
@@ -488,6 +495,16 @@ def _load_text_lm(
         raise _shape_error(checkpoint, model_cls, config, folder) from None
     except ValueError as exc:  # no model can be built from config.json (e.g. layer count edited)
         raise _inconsistent_config(checkpoint, exc) from None
+    except Exception as exc:
+        if type(exc).__name__ != "SafetensorError":
+            raise
+        folder = _weights_folder(checkpoint, local, hub)
+        if folder is not None:
+            check_weight_files(folder, checkpoint)  # names the file
+        raise CheckpointError(
+            f"a weights file of {checkpoint!r} is truncated or unreadable ({exc}); download the checkpoint "
+            f"again (e.g. `hf download {checkpoint} --force-download`)"
+        ) from None
     _check_loading_info(info, checkpoint, text_prefix)
     return model if text_only else extract_text_lm(variant, model)
 
@@ -542,9 +559,17 @@ def load_checkpoint(
             f"a Gemma-4 checkpoint, e.g. {variant.hf_id!r}"
         )
     check_config_matches_variant(config, variant, repr(checkpoint))
+    if local:  # a truncated file is named now, not as a bare SafetensorError after the load began
+        check_weight_files(path, checkpoint)
     log.info("loading %s (%s) in %s", source, config.model_type, dtype)
+    tokenizer = None
+    if with_tokenizer:  # before the weights: a tokenizer that cannot chat fails in a second
+        tokenizer = _load_tokenizer(source, hub)
+        require_chat_template(tokenizer, repr(checkpoint))
     lm = _load_text_lm(variant, config, source, local, dtype, hub)
-    tokenizer = _load_tokenizer(source, hub) if with_tokenizer else None
+    folder = _weights_folder(source, local, hub)
+    if folder is not None:  # the files' own digests: no weight is hashed as float32 per compile
+        declare_identity(lm, f"{folder_identity(folder)}:{dtype}")
     return LoadedModel(variant, lm.eval(), tokenizer, source)
 
 

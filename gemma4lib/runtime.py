@@ -17,6 +17,7 @@ import torch
 from .embedder import HostEmbedder
 from .errors import BadPromptError, BatchTooLargeError, PromptTooLongError, SettingsError
 from .loading import LoadedModel
+from .tokenizer import require_chat_template
 
 Step = Callable[..., torch.Tensor]
 
@@ -73,7 +74,8 @@ def encode_prompt(tokenizer: Any, prompt: str, chat: bool = True) -> list[int]:
         raise BadPromptError(f"prompt must be a string, got {type(prompt).__name__}; pass the question as text")
     if not prompt.strip():
         raise BadPromptError("prompt is empty; pass a question, e.g. 'What is the capital of France?'")
-    if chat and getattr(tokenizer, "chat_template", None):
+    if chat:  # never silently as plain text: the model would see no turn markers
+        require_chat_template(tokenizer)
         ids = tokenizer.apply_chat_template(
             [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True, return_dict=False
         )

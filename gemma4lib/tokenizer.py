@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .errors import CheckpointError
+from .errors import CheckpointError, MissingChatTemplateError
 
 PAD, EOS, BOS, TURN_OPEN, TURN_CLOSE = "<pad>", "<eos>", "<bos>", "<|turn>", "<turn|>"
 PAD_ID, EOS_ID, BOS_ID, TURN_OPEN_ID, TURN_CLOSE_ID = 0, 1, 2, 105, 106
@@ -132,3 +132,15 @@ def check_special_ids(tokenizer) -> None:
         raise CheckpointError(f"tokenizer special ids {got} differ from Gemma-4's {expected}")
     if (tokenizer.pad_token_id, tokenizer.eos_token_id, tokenizer.bos_token_id) != (PAD_ID, EOS_ID, BOS_ID):
         raise CheckpointError("tokenizer pad/eos/bos are not <pad>/<eos>/<bos>")
+
+
+def require_chat_template(tokenizer, source: str = "this tokenizer") -> None:
+    """Refuse a tokenizer that cannot render Gemma-4's chat format (no `chat_template`)."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise MissingChatTemplateError(
+            f"{source} has no chat template (chat_template.jinja, or chat_template in tokenizer_config.json); "
+            f"without it a chat prompt would be sent as plain text, with no <|turn> markers: the model answers "
+            f"nonsense and the device reproduces it, so SEQ_MATCH passes on garbage. Download the checkpoint's "
+            f"chat_template.jinja again (e.g. `hf download <hub id> chat_template.jinja --local-dir <folder>`), "
+            f"or for a base model encode a completion prompt with encode_prompt(..., chat=False)"
+        )

@@ -18,6 +18,7 @@ import torch
 from .artifacts import sha256_file
 from .errors import CheckpointError
 from .loading import LoadedModel, _text_classes
+from .program_key import declare_identity
 from .tokenizer import load_tokenizer
 from .variants import Variant, get_variant
 
@@ -90,6 +91,8 @@ def load_trained(
     _, lm_cls = _text_classes(variant)
     lm = lm_cls.from_pretrained(str(path), dtype=dtype, attn_implementation=variant.attn_implementation)
     tokenizer = load_tokenizer(root / "tokenizer")
+    weights = sha256_file(path / "model.safetensors")  # 3-6 MB: the hash PROVENANCE.json records
+    declare_identity(lm, f"fixture:{variant.name}:{weights}:{dtype}")
     return LoadedModel(variant, lm.eval(), tokenizer, SOURCE)
 
 

@@ -43,6 +43,7 @@ from gemma4lib.errors import BaselineError
 
 from . import baselines, bench, report
 from .judge import judge_results
+from .parameters import check_overrides, coerce, declared_parameters
 
 log = logging.getLogger("papermill_runs")
 
@@ -260,9 +261,9 @@ def execute(
     log_file = out / "logs" / (Path(file).stem + ".log")
     executed.parent.mkdir(parents=True, exist_ok=True)
     log_file.parent.mkdir(parents=True, exist_ok=True)
-    declared = set(pm.inspect_notebook(str(source)))
+    declared = declared_parameters(source)  # ast, not pm.inspect_notebook (it skips lines it cannot parse)
     unknown = sorted(k for k in params if k not in declared)
-    params = {k: v for k, v in params.items() if k in declared}
+    params = {k: coerce(k, v, declared[k])[0] for k, v in params.items() if k in declared}
     run: dict[str, Any] = {
         "name": name,
         "notebook": file,
@@ -461,6 +462,10 @@ def cmd_run(args: argparse.Namespace) -> int:
     out = Path(args.out or Path("runs") / profile).resolve()
     names = selected(args.variant)
     overrides = parse_overrides(args.param or [])
+    files = [OVERVIEW[1] if name == "overview" else VARIANT_NOTEBOOKS[name] for name in names]
+    overrides, notes = check_overrides(overrides, [NOTEBOOK_DIR / f for f in files])  # before any notebook runs
+    for note in notes:
+        print(f"[papermill_runs] note: {note}", flush=True)
     profiles = load_profiles()
     baselines.load_tolerances(profile, args.tolerances)  # a broken tolerance file fails before any work
     (out / "results").mkdir(parents=True, exist_ok=True)

@@ -17,7 +17,7 @@ from ..doctor import warn_low_host_ram
 from ..environment import versions
 from ..graph import GraphShape
 from ..memory_plan import neuron_recipe
-from ..program_key import source_digest, weights_fingerprint
+from ..program_key import source_digest, weights_identity
 from ..recipes import neuron_env, neuron_model_builder, neuron_trace
 from ..recipes.common import DeviceStep, StepwisePrefill
 from ..runtime import HostRuntime
@@ -46,7 +46,9 @@ def neuron_cache_key(
     parts = {
         "recipe": f"neuron-{recipe}",
         "config": model.config.to_json_string(use_diff=False),
-        "weights": weights_fingerprint(model.lm, "all"),  # trace inlines them; the others cache the shards
+        # trace inlines them, the others cache the shards: the loader's declared identity (the
+        # checkpoint's file digests) while the weights are as loaded, never a float32 pass over all
+        "weights": weights_identity(model.lm),
         "tp": tp,
         "shapes": {k: [v.batch, v.tokens, v.context_length, v.ring] for k, v in sorted(shapes.items())},
         "compiler_args": compiler_args,
