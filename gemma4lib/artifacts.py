@@ -108,20 +108,21 @@ class CacheEntry:
 
 class ArtifactCache:
     """The cache at `root` (default: `default_cache_dir()`); `layers` are read-only folders of
-    entries looked up first (an exported bundle); `offline=True` refuses to build (a bundle run)."""
+    entries looked up first (an exported bundle); `refuse_build(key)`, when given, is the error
+    raised instead of building a missing key (a run from a bundle never compiles)."""
 
     def __init__(
         self,
         root: Path | str | None = None,
         *,
         layers: tuple[Path, ...] = (),
-        offline: str | None = None,
+        refuse_build: Callable[[str], Exception] | None = None,
         lock_wait_s: float | None = None,
     ):
         self.origin = "cache_dir" if root else (CACHE_ENV if os.environ.get(CACHE_ENV) else "the default location")
         self.root = Path(root) if root else default_cache_dir()
         self.layers = tuple(Path(p) for p in layers)
-        self.offline = offline  # why nothing may be built (None: building allowed)
+        self.refuse_build = refuse_build
         self.lock_wait_s = lock_wait_s
 
     def entry_dir(self, key: str) -> Path:
@@ -232,8 +233,8 @@ class ArtifactCache:
         found = self.lookup(key)  # no lock, no write: a warm read-only cache serves hits
         if found is not None:
             return found
-        if self.offline:
-            raise ArtifactError(f"no artifact for key {key[:24]}: {self.offline}")
+        if self.refuse_build is not None:
+            raise self.refuse_build(key)
         with self._lock(key):
             path = self.entry_dir(key)
             if path.exists():

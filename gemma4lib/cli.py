@@ -1,4 +1,4 @@
-"""`python -m gemma4lib <command>`: port, faults, doctor, bench.
+"""`python -m gemma4lib <command>`: port, export, faults, doctor, bench.
 
 Every command prints human-readable text, or one JSON object with `--json`. Exit status is
 non-zero when a correctness check fails (`port`: SEQ_MATCH, LOGITS_MATCH or coherence, or the
@@ -51,6 +51,9 @@ def _add_port_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--warmup", type=int)
     parser.add_argument("--seed", type=int)
     parser.add_argument("--results-dir")
+    parser.add_argument(
+        "--artifacts", help="run from a bundle folder written by `export` (no compile; mismatches are errors)"
+    )
     parser.add_argument("--threads", type=int)
     parser.add_argument(
         "--witness",
@@ -81,6 +84,7 @@ def _settings(args: argparse.Namespace):
         "seed",
         "results_dir",
         "witness",
+        "artifacts",
     ]
     kwargs = {f: getattr(args, f) for f in fields if getattr(args, f, None) is not None}
     if args.prefill_buckets:
@@ -149,6 +153,16 @@ def cmd_port(args: argparse.Namespace) -> int:
     return port_exit_code(result)
 
 
+def cmd_export(args: argparse.Namespace) -> int:
+    from .export import export_bundle
+
+    _threads(args.threads)
+    manifest = export_bundle(_settings(args), args.out, progress=not args.json)
+    summary = {"out": args.out, **{k: manifest[k] for k in ("settings", "compiler", "models", "entries")}}
+    print(json.dumps(summary, default=str) if args.json else json.dumps(summary, indent=2, default=str))
+    return 0
+
+
 def cmd_faults(args: argparse.Namespace) -> int:
     from .faults import run_fault_lab
 
@@ -201,6 +215,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     _add_port_args(p)
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_port)
+
+    p = sub.add_parser("export", help="compile a port once and write it as a bundle that `port --artifacts` runs")
+    _add_port_args(p)
+    p.add_argument("--out", required=True, help="the bundle folder (new, empty, or an earlier bundle)")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_export)
 
     p = sub.add_parser("faults", help="run the fault lab: each field-report bug, and which check catches it")
     p.add_argument("--variant", default=None)

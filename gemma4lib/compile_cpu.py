@@ -110,6 +110,18 @@ def load_package(package_path: str, graph: DeviceGraph) -> Any:
     return runner
 
 
+# The compiled code itself: a few MB for the tiny graphs (measured 3.0-3.4 MB for E2B's two packages
+# with ~3 MB of weights), allowed generously.
+PACKAGE_CODE_BYTES = 32 << 20
+
+
+def package_bytes_estimate(graph: DeviceGraph) -> int:
+    """What a package of `graph` may take on disk: its weights (an upper bound: most are handed over
+    at load time) plus the compiled code; checked against the free space before compiling."""
+    state = {**dict(graph.named_parameters()), **dict(graph.named_buffers())}
+    return sum(t.numel() * t.element_size() for t in state.values()) + PACKAGE_CODE_BYTES
+
+
 def _folded_digest(graph: DeviceGraph, names: list[str]) -> str:
     """sha256 of the values of parameters the compiler folded into the program."""
     params = dict(graph.named_parameters())
@@ -158,11 +170,12 @@ def compile_graph(
 
     started = time.perf_counter()
     key = make_key(parts)
-    entry = cache.get_or_build(key, build, describe={"recipe": RECIPE, "shape": graph.shape.__dict__})
+    describe, need = {"recipe": RECIPE, "shape": graph.shape.__dict__}, package_bytes_estimate(graph)
+    entry = cache.get_or_build(key, build, describe=describe, need_bytes=need)
     folded = entry.meta.get("folded_params", [])
     if folded and entry.meta.get("folded_digest") != _folded_digest(graph, folded):
         key = make_key({**parts, "folded_values": _folded_digest(graph, folded)})
-        entry = cache.get_or_build(key, build, describe={"recipe": RECIPE, "shape": graph.shape.__dict__})
+        entry = cache.get_or_build(key, build, describe=describe, need_bytes=need)
     compile_s = 0.0 if entry.hit else time.perf_counter() - started
     loaded = time.perf_counter()
     runner = load_package(str(entry.file(PACKAGE)), graph)

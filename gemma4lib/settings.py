@@ -72,6 +72,8 @@ class PortSettings:
     cache_dir: str | None = None
     # the random-weights witness: None = on for smoke runs of a trained fixture, off otherwise
     witness: bool | None = None
+    # a bundle folder written by `python -m gemma4lib export`: run its compiled graphs, never compile
+    artifacts: str | None = None
 
     def __post_init__(self):
         self.variant_spec = get_variant(self.variant)
@@ -115,6 +117,10 @@ class PortSettings:
             self._check_int8()
         if self.backend == "neuron":
             self._check_neuron()
+        if self.artifacts:
+            from .bundle import check_settings
+
+            check_settings(self)  # shapes, formats, versions, machine: before anything loads
 
     def _check_int8(self) -> None:
         """Where weight-only int8 is built: the single-device graph (cpu, eager, xla at TP=1) and

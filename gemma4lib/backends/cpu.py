@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from ..artifacts import ArtifactCache
+from ..bundle import cache_for
 from ..compile_cpu import RECIPE, compile_graph
 from ..runtime import HostRuntime
 from .base import CompiledGraphs, Graphs, device_graphs
@@ -21,7 +21,7 @@ def compile(
     from tqdm.auto import tqdm
 
     prefill, decode = graphs or device_graphs(model, settings)
-    cache = ArtifactCache(settings.cache_dir)
+    cache = cache_for(settings, model)  # with settings.artifacts: the bundle's entries, never a compile
     todo = [*prefill.items(), ("decode", decode)]
     compiled = {
         name: compile_graph(graph, cache)

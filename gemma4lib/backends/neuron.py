@@ -12,7 +12,10 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ..artifacts import ArtifactCache, make_key
+import torch
+
+from ..artifacts import make_key
+from ..bundle import cache_for
 from ..doctor import warn_low_host_ram
 from ..environment import versions
 from ..graph import GraphShape
@@ -100,7 +103,7 @@ def compile(
         decode_experts=decode_experts,
         weights=settings.weights,
     )
-    cache = ArtifactCache(settings.cache_dir)
+    cache = cache_for(settings, model)  # with settings.artifacts: the bundle's NEFFs and shards, never a compile
     started = time.perf_counter()
 
     def build(folder: Path) -> dict[str, Any]:
@@ -126,7 +129,11 @@ def compile(
             )
         return {"recipe": recipe, "tp": tp}
 
-    entry = cache.get_or_build(key, build, describe={k: v for k, v in parts.items() if k != "config"})
+    # the entry holds the weights (the shards, or a NEFF with them inlined): the free-space check's estimate
+    shard_bytes = model.param_count() * torch.empty((), dtype=dtype).element_size()
+    entry = cache.get_or_build(
+        key, build, describe={k: v for k, v in parts.items() if k != "config"}, need_bytes=shard_bytes
+    )
     compile_s = time.perf_counter() - started
     host_kv = decode.new_kv()
     if recipe == "trace":

@@ -1,0 +1,202 @@
+"""A compiled port that travels: a bundle folder of cache entries plus a manifest that says what
+they were compiled for.
+
+`python -m gemma4lib export --variant V [port flags] --out DIR` (`gemma4lib.export`) writes it;
+`PortSettings(artifacts=DIR)` / `port --artifacts DIR` runs from it: the bundle's entries are a
+read-only layer in front of the artifact cache, nothing is compiled (a graph the bundle lacks is a
+`BundleError`, never a compile) and nothing is written, so `compile_s` is 0. The layout:
+
+    DIR/manifest.json          what the entries were compiled for (below)
+    DIR/entries/<key[:24]>/    cache entries as the artifact cache holds them: meta.json with the
+                               checksums, and the programs (CPU: AOTInductor `graph.pt2`;
+                               inf2: the ModelBuilder `model.pt` with its NEFFs and the per-rank
+                               shards in `weights/`, or the trace recipe's `model.pt`)
+
+What invalidates a bundle, each checked before any device work, with what differs named:
+another variant, backend or recipe, TP degree, prefill buckets, context length, ring K/V, decode
+expert form, weight format (the settings, when they are made); another torch, transformers,
+Python or gemma4lib version, or on inf2 another Neuron SDK package version; on CPU a CPU without
+the vector instructions the packages were built for; another checkpoint (its identity, the
+loader's declaration: file digests, not a pass over the weights). Beyond the manifest, each graph
+is still found by its full cache key, so a change the manifest does not name (the library's graph
+code, a compiler option) is a `BundleError` too, never a wrong program.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from .artifacts import ArtifactCache
+from .environment import versions
+from .errors import BundleError
+from .program_key import weights_identity
+
+if TYPE_CHECKING:
+    from .loading import LoadedModel
+    from .settings import PortSettings
+
+FORMAT = 1
+MANIFEST = "manifest.json"
+ENTRIES = "entries"
+# Settings a compiled program depends on (the rest, e.g. the prompt or max_new_tokens, are run time).
+SHAPE_FIELDS = ("variant", "backend", "tp_degree", "prefill_buckets", "context_length", "ring_kv", "decode_experts")
+FORMAT_FIELDS = ("weights", "neuron_recipe")
+# Versions that change a compiled program; git_sha does not (the graph source is in the keys).
+VERSION_FIELDS = ("torch", "transformers", "python", "gemma4lib", "torch-neuronx", "neuronx-cc", "neuronx-distributed")
+CPU_LEVELS = ("DEFAULT", "VSX", "ZVECTOR", "AVX2", "AVX512")  # torch.backends.cpu.get_cpu_capability()
+
+
+def program_versions() -> dict[str, str]:
+    found = versions()
+    return {k: str(found[k]) for k in VERSION_FIELDS if k in found}
+
+
+def machine_facts(backend: str) -> dict[str, Any]:
+    """What the compiled code needs from the machine: the CPU's vector level (AOTInductor builds
+    for it), or the Neuron instance type."""
+    facts: dict[str, Any] = {"processor": platform.machine()}
+    if backend == "neuron":  # inf2-only: a NEFF is built for one NeuronCore generation
+        from .hardware import host_instance_type
+
+        facts["instance_type"] = host_instance_type()
+    else:
+        facts["cpu_capability"] = torch.backends.cpu.get_cpu_capability()
+    return facts
+
+
+def settings_facts(settings: PortSettings) -> dict[str, Any]:
+    facts = {name: getattr(settings, name) for name in (*SHAPE_FIELDS, *FORMAT_FIELDS)}
+    facts["prefill_buckets"] = list(facts["prefill_buckets"])
+    return facts
+
+
+def read_manifest(folder: Path | str) -> dict[str, Any]:
+    """The manifest of the bundle at `folder`; `BundleError` when there is none or it is unreadable."""
+    path = Path(folder).expanduser() / MANIFEST
+    if not path.is_file():
+        raise BundleError(
+            f"{Path(folder)} is not a compiled-port bundle (no {MANIFEST}); write one with "
+            f"`python -m gemma4lib export --variant <v> --out {folder}`, or drop artifacts= to compile"
+        )
+    try:
+        manifest = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, ValueError, OSError) as exc:
+        raise BundleError(f"{path} is unreadable ({exc}); export the bundle again") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        raise BundleError(
+            f"{path} has format {manifest.get('format') if isinstance(manifest, dict) else '?'}, this library "
+            f"reads format {FORMAT}; export the bundle again with this version"
+        )
+    return manifest
+
+
+def _differences(wanted: dict[str, Any], found: dict[str, Any]) -> list[str]:
+    return [
+        f"{k}: bundle {wanted.get(k)!r}, this run {found.get(k)!r}" for k in wanted if wanted.get(k) != found.get(k)
+    ]
+
+
+def _cpu_level(name: str | None) -> int:
+    return CPU_LEVELS.index(name) if name in CPU_LEVELS else 0
+
+
+def check_settings(settings: PortSettings) -> dict[str, Any]:
+    """Before anything loads: the bundle was compiled for these shapes and formats, with these
+    package versions, for this kind of machine. Returns the manifest."""
+    folder = settings.artifacts
+    manifest = read_manifest(folder)
+    fix = "export a bundle for this run (`python -m gemma4lib export ... --out DIR`), or drop artifacts= to compile"
+    differ = _differences(manifest.get("settings", {}), settings_facts(settings))
+    if differ:
+        raise BundleError(f"the bundle {folder} was compiled for other settings ({'; '.join(differ)}); {fix}")
+    differ = _differences(manifest.get("versions", {}), program_versions())
+    if differ:
+        raise BundleError(
+            f"the bundle {folder} was compiled with other package versions ({'; '.join(differ)}): its programs "
+            f"would not load or would differ; install those versions, or {fix}"
+        )
+    machine = manifest.get("machine", {})
+    here = machine_facts(settings.backend)
+    if machine.get("processor") != here["processor"]:
+        raise BundleError(
+            f"the bundle {folder} was built for {machine.get('processor')}, this is {here['processor']}; {fix}"
+        )
+    if settings.backend != "neuron" and _cpu_level(machine.get("cpu_capability")) > _cpu_level(here["cpu_capability"]):
+        raise BundleError(
+            f"the bundle {folder} was compiled for {machine.get('cpu_capability')} vector instructions, this CPU has "
+            f"{here['cpu_capability']}; {fix}"
+        )
+    return manifest
+
+
+def check_model(settings: PortSettings, model: LoadedModel) -> None:
+    """After loading, before device work: the model is the checkpoint the bundle was exported from
+    (or its witness). Uses the loader's declared identity, no pass over the weights."""
+    manifest = read_manifest(settings.artifacts)
+    known = {role: block.get("identity") for role, block in manifest.get("models", {}).items()}
+    identity = weights_identity(model.lm)
+    if identity not in known.values():
+        exported = "; ".join(f"{role}: {manifest['models'][role].get('source')}" for role in known)
+        raise BundleError(
+            f"the bundle {settings.artifacts} was exported from other weights ({exported}), this run loads "
+            f"{model.source} (identity {identity[:40]}...); on inf2 the shards and inlined weights would be "
+            f"another model's. Export a bundle from this checkpoint, or point checkpoint= at the exported one"
+        )
+
+
+def cache_for(settings: PortSettings, model: LoadedModel | None = None) -> ArtifactCache:
+    """The artifact cache a backend compiles into; with `settings.artifacts` the bundle in front of it,
+    building refused (after the model check, when a model is given)."""
+    if not getattr(settings, "artifacts", None):
+        return ArtifactCache(settings.cache_dir)
+    if model is not None:
+        check_model(settings, model)
+    folder = Path(settings.artifacts).expanduser()
+
+    def refuse(key: str) -> BundleError:
+        return BundleError(
+            f"the bundle {folder} has no compiled graph for key {key[:24]}: this run's program differs from the "
+            f"exported one although the manifest matches (the library's graph code, a compiler option, a graph "
+            f"edit); export the bundle again from this version, or drop artifacts= to compile"
+        )
+
+    return ArtifactCache(settings.cache_dir, layers=(folder / ENTRIES,), refuse_build=refuse)
+
+
+def manifest_for(settings: PortSettings, models: dict[str, LoadedModel], compilers: dict[str, str]) -> dict[str, Any]:
+    """The manifest of a bundle exported from `settings` (models: role -> loaded model)."""
+    manifest: dict[str, Any] = {
+        "format": FORMAT,
+        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "settings": settings_facts(settings),
+        "profile": settings.profile,
+        "compiler": compilers,
+        "dtype": {role: str(m.lm_head.weight.dtype) for role, m in models.items()},
+        "versions": program_versions(),
+        "machine": machine_facts(settings.backend),
+        "models": {role: {"source": m.source, "identity": weights_identity(m.lm)} for role, m in models.items()},
+    }
+    if settings.backend == "neuron":  # inf2-only facts: the SDK set found and the compiler arguments
+        from .recipes import neuron_env
+
+        manifest["sdk"] = {r["package"]: r["found"] for r in neuron_env.check_versions()}
+        manifest["compiler_args"] = neuron_env.COMPILER_ARGS
+    return manifest
+
+
+__all__ = [
+    "ENTRIES",
+    "FORMAT",
+    "MANIFEST",
+    "cache_for",
+    "check_model",
+    "check_settings",
+    "manifest_for",
+    "read_manifest",
+]

@@ -1,0 +1,151 @@
+"""Compiled ports that travel (issue 21, finding 2), and the port-twice check of issue 20.
+
+`python -m gemma4lib export --variant e2b --out DIR` in a fresh process (PYTHONHASHSEED=0, the
+session's cache: a copy when the suite compiled E2B already), then `port --artifacts DIR` in
+another (PYTHONHASHSEED=1) with an empty GEMMA4LIB_CACHE: no compile, every graph a hit, all checks
+pass, and nothing is written to that cache. Then (marker `slow`) a plain `port` (PYTHONHASHSEED=2) on the session
+cache hits too: the key is the same in every process. The mismatch rows need no device work: each
+is refused when the settings are made or before the compile.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from gemma4lib import bundle
+from gemma4lib.errors import BundleError
+from gemma4lib.port import PortSettings, compile_graphs, load_model
+
+QUICK = ["--iters", "1", "--warmup", "0"]
+
+
+def gemma4lib_cli(*args: str, seed: int, cache: str | None = None) -> dict:
+    env = {**os.environ, "PYTHONHASHSEED": str(seed), "OMP_NUM_THREADS": "1"}
+    if cache is not None:
+        env["GEMMA4LIB_CACHE"] = cache
+    done = subprocess.run(
+        [sys.executable, "-m", "gemma4lib", *args, "--json"], env=env, capture_output=True, text=True, timeout=900
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("bundle") / "e2b"
+    summary = gemma4lib_cli("export", "--variant", "e2b", "--out", str(out), seed=0)
+    assert summary["entries"] and set(summary["models"]) == {"model", "witness"}
+    return out
+
+
+def test_port_from_the_bundle_compiles_nothing_and_passes(exported, tmp_path):
+    empty = tmp_path / "empty-cache"
+    result = gemma4lib_cli("port", "--variant", "e2b", "--artifacts", str(exported), *QUICK, seed=1, cache=str(empty))
+    assert result["seq_match"] and result["logits_match"] and result["coherent"], result.get("failed_checks")
+    assert result["compile_s"] == 0 and result["cache_hits"] and all(result["cache_hits"])
+    witness = result["witness"]
+    assert witness["seq_match"] and witness["logits_match"] and all(witness["cache_hits"])
+    assert all(str(exported) in path for path in result["artifacts"].values()), result["artifacts"]
+    assert not empty.exists(), "a run from a bundle wrote into the cache"
+
+
+@pytest.mark.slow
+def test_a_second_port_in_a_fresh_process_under_another_seed_hits(exported):
+    """The export (seed 0) compiled or found E2B's graphs in the session cache; a port under seed 2
+    finds every one of them (before the fix about half of all seeds recompiled). Slow: the port
+    from the bundle above (seed 1) already shows a fresh process under another seed hitting."""
+    result = gemma4lib_cli("port", "--variant", "e2b", *QUICK, "--no-witness", seed=2)
+    assert result["cache_hits"] and all(result["cache_hits"]) and result["compile_s"] == 0
+    assert result["seq_match"] and result["logits_match"] and result["coherent"]
+
+
+def _edited_copy(exported: Path, tmp_path: Path, edit) -> str:
+    copy = tmp_path / "edited"
+    shutil.copytree(exported, copy)
+    manifest = json.loads((copy / bundle.MANIFEST).read_text())
+    edit(manifest, copy)
+    (copy / bundle.MANIFEST).write_text(json.dumps(manifest))
+    return str(copy)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "fragment"),
+    [
+        ({"context_length": 256}, "context_length: bundle 128, this run 256"),
+        ({"prefill_buckets": (32,)}, "prefill_buckets: bundle [64], this run [32]"),
+        ({"ring_kv": False}, "ring_kv: bundle True, this run False"),
+        ({"weights": "int8"}, "weights: bundle 'bf16', this run 'int8'"),
+        ({"variant": "e4b"}, "variant: bundle 'e2b', this run 'e4b'"),
+    ],
+)
+def test_other_settings_are_refused_when_the_settings_are_made(exported, overrides, fragment):
+    settings = {"variant": "e2b", **overrides}
+    with pytest.raises(BundleError, match="compiled for other settings") as info:
+        PortSettings(**settings, artifacts=str(exported))
+    assert fragment in str(info.value)
+
+
+def test_other_versions_or_machine_are_refused(exported, tmp_path):
+    def older_torch(manifest, folder):
+        manifest["versions"]["torch"] = "2.9.0"
+
+    with pytest.raises(BundleError, match="torch: bundle '2.9.0'"):
+        PortSettings(variant="e2b", artifacts=_edited_copy(exported, tmp_path / "a", older_torch))
+
+    def arm(manifest, folder):
+        manifest["machine"]["processor"] = "aarch64"
+
+    with pytest.raises(BundleError, match="built for aarch64"):
+        PortSettings(variant="e2b", artifacts=_edited_copy(exported, tmp_path / "b", arm))
+
+
+def _no_compile(monkeypatch):
+    from gemma4lib import compile_cpu
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a run from a bundle compiled")
+
+    monkeypatch.setattr(compile_cpu, "package_program", refuse)
+
+
+def test_another_checkpoint_is_refused_before_device_work(exported, monkeypatch):
+    _no_compile(monkeypatch)
+    settings = PortSettings(variant="e2b", model="random", seed=3, witness=False, artifacts=str(exported))
+    with pytest.raises(BundleError, match="exported from other weights"):
+        compile_graphs(load_model(settings), settings)
+
+
+def test_a_graph_missing_from_the_bundle_is_an_error_not_a_compile(exported, tmp_path):
+    """A key the bundle lacks (its program differs although the manifest matches) is refused, never
+    compiled: the cache behind the bundle (empty here) may hold it, nothing else."""
+    removed = []
+
+    def drop_decode(manifest, folder):
+        for name in list(manifest["entries"]):
+            meta = json.loads((folder / "entries" / name / "meta.json").read_text())
+            if meta["describe"]["shape"]["tokens"] == 1:
+                removed.append(meta["key"])
+                shutil.rmtree(folder / "entries" / name)
+
+    empty = str(tmp_path / "empty-cache")
+    settings = PortSettings(variant="e2b", cache_dir=empty, artifacts=_edited_copy(exported, tmp_path, drop_decode))
+    cache = bundle.cache_for(settings)
+    assert len(removed) == 1 and cache.lookup(removed[0]) is None
+    with pytest.raises(BundleError, match="has no compiled graph for key"):
+        cache.get_or_build(removed[0], lambda folder: pytest.fail("a run from a bundle compiled"))
+    assert not Path(empty).exists()
+
+
+def test_a_folder_that_is_not_a_bundle(tmp_path):
+    with pytest.raises(BundleError, match="is not a compiled-port bundle"):
+        PortSettings(variant="e2b", artifacts=str(tmp_path))
+    (tmp_path / bundle.MANIFEST).write_bytes(b"\xff\xfe")
+    with pytest.raises(BundleError, match="unreadable"):
+        PortSettings(variant="e2b", artifacts=str(tmp_path))
