@@ -57,7 +57,7 @@ def _fix_hint() -> str:
 
 
 def _gib(n: float) -> str:
-    return f"{n / (1 << 30):.2f} GiB"
+    return f"{n / (1 << 30):.2f} GiB" if n >= 1 << 30 else f"{n / (1 << 20):.1f} MiB"
 
 
 def sha256_file(path: Path) -> str:
