@@ -21,9 +21,9 @@ import pytest
 from conftest import VARIANT_NAMES
 
 CHILD = """
-import json, sys
+import json, os, sys
 import torch
-torch.set_num_threads(1)
+torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 from gemma4lib.artifacts import make_key
 from gemma4lib.compile_cpu import DEFAULT_COMPILER_OPTIONS, RECIPE, export_graph, graph_key
 from gemma4lib.port import PortSettings, build_graphs, load_model
@@ -41,13 +41,20 @@ print(json.dumps(out))
 """
 
 
-def keys_under_seeds(variants: list[str], seeds: list[int]) -> dict[int, dict]:
-    """Run the children side by side (two cores), one per hash seed."""
+def keys_under_seeds(variants: list[str], seeds: list[int], tmp_path) -> dict[int, dict]:
+    """Run the children side by side (two cores), one per hash seed; each also in its own working
+    folder and every other one with two threads (neither may reach the key)."""
     children = {}
-    for seed in seeds:
-        env = {**os.environ, "PYTHONHASHSEED": str(seed), "OMP_NUM_THREADS": "1"}
+    for i, seed in enumerate(seeds):
+        env = {**os.environ, "PYTHONHASHSEED": str(seed), "OMP_NUM_THREADS": str(1 + i % 2)}
+        cwd = tmp_path / f"seed-{seed}"
+        cwd.mkdir()
         children[seed] = subprocess.Popen(
-            [sys.executable, "-c", CHILD, ",".join(variants)], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+            [sys.executable, "-c", CHILD, ",".join(variants)],
+            env=env,
+            cwd=cwd,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
         )
     out = {}
     for seed, child in children.items():
@@ -57,8 +64,8 @@ def keys_under_seeds(variants: list[str], seeds: list[int]) -> dict[int, dict]:
     return out
 
 
-def assert_same_keys(variants: list[str], seeds: list[int]) -> None:
-    runs = keys_under_seeds(variants, seeds)
+def assert_same_keys(variants: list[str], seeds: list[int], tmp_path) -> None:
+    runs = keys_under_seeds(variants, seeds, tmp_path)
     orders = {tuple(run["set_order"]) for run in runs.values()}
     assert len(orders) > 1, f"the seeds {seeds} gave one set order {orders}: the check would not see the bug"
     first = runs[seeds[0]]["keys"]
@@ -69,10 +76,10 @@ def assert_same_keys(variants: list[str], seeds: list[int]) -> None:
         assert not differ, f"PYTHONHASHSEED={seed} gives other keys than {seeds[0]} for {differ}"
 
 
-def test_program_key_is_the_same_under_every_hash_seed():
-    assert_same_keys(["e2b", "12b"], [0, 1])
+def test_program_key_is_the_same_under_every_hash_seed(tmp_path):
+    assert_same_keys(["e2b", "12b"], [0, 1], tmp_path)
 
 
 @pytest.mark.slow
-def test_program_key_is_the_same_under_every_hash_seed_every_variant():
-    assert_same_keys(VARIANT_NAMES, [0, 1, 2, 3])
+def test_program_key_is_the_same_under_every_hash_seed_every_variant(tmp_path):
+    assert_same_keys(VARIANT_NAMES, [0, 1, 2, 3], tmp_path)
