@@ -127,7 +127,15 @@ def check_settings(settings: PortSettings) -> dict[str, Any]:
         raise BundleError(
             f"the bundle {folder} was built for {machine.get('processor')}, this is {here['processor']}; {fix}"
         )
-    if settings.backend != "neuron" and _cpu_level(machine.get("cpu_capability")) > _cpu_level(here["cpu_capability"]):
+    if settings.backend == "neuron":  # inf2-only: a NEFF runs on the NeuronCore generation it was built for
+        family = str(machine.get("instance_type") or "").partition(".")[0]
+        if family and family != str(here.get("instance_type") or "").partition(".")[0]:
+            raise BundleError(
+                f"the bundle {folder} was compiled on {machine.get('instance_type')}, this is "
+                f"{here.get('instance_type')}: another instance family (another NeuronCore generation) cannot "
+                f"run its NEFFs; compile on this family, or {fix}"
+            )
+    elif _cpu_level(machine.get("cpu_capability")) > _cpu_level(here["cpu_capability"]):
         raise BundleError(
             f"the bundle {folder} was compiled for {machine.get('cpu_capability')} vector instructions, this CPU has "
             f"{here['cpu_capability']}; {fix}"

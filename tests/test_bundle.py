@@ -149,3 +149,61 @@ def test_a_folder_that_is_not_a_bundle(tmp_path):
     (tmp_path / bundle.MANIFEST).write_bytes(b"\xff\xfe")
     with pytest.raises(BundleError, match="unreadable"):
         PortSettings(variant="e2b", artifacts=str(tmp_path))
+
+
+def test_a_neuron_bundle_carries_the_model_and_its_shards(tmp_path, monkeypatch):
+    """inf2, with the SDK's two calls stood in: `export` on the compile host copies the ModelBuilder
+    entry (model.pt, the per-rank shards in weights/); a run from the bundle on the serving host
+    loads that entry with no compile, and another instance family is refused."""
+    from gemma4lib.backends import neuron
+    from gemma4lib.export import export_bundle
+    from gemma4lib.recipes import neuron_env, neuron_model_builder
+
+    pins = {
+        dist: next(iter(accepted)) if isinstance(accepted, (set, tuple, list)) else accepted
+        for dist, accepted in neuron_env.SDK_PINS.items()
+    }
+    monkeypatch.setattr(neuron_env, "metadata_version", lambda dist: pins.get(dist))
+    monkeypatch.setattr(neuron_env, "require_sdk", lambda *a, **k: None)
+    monkeypatch.setattr(neuron_env, "require", lambda *a, **k: None)
+    monkeypatch.setenv("GEMMA4LIB_INSTANCE_TYPE", "inf2.8xlarge")  # the compile host
+    compiled, loaded = [], []
+
+    def fake_compile(model, tp, out, **kwargs):
+        compiled.append(tp)
+        (out / "model.pt").write_bytes(b"NEFF-holding TorchScript")
+        (out / "weights").mkdir()
+        for rank in range(tp):
+            (out / "weights" / f"tp{rank}_sharded_checkpoint.safetensors").write_bytes(b"shard %d" % rank)
+
+    monkeypatch.setattr(neuron_model_builder, "compile_model_builder", fake_compile)
+    monkeypatch.setattr(
+        neuron_model_builder, "load_model_builder", lambda path, tp: loaded.append(Path(path)) or (lambda *a: a[0])
+    )
+    settings = PortSettings(variant="12b", model="random", backend="neuron", tp_degree=2, cache_dir=str(tmp_path / "c"))
+    manifest = export_bundle(settings, tmp_path / "bundle")
+    assert compiled == [2] and manifest["sdk"] and manifest["machine"]["instance_type"] == "inf2.8xlarge"
+    (entry,) = (tmp_path / "bundle" / "entries").iterdir()
+    assert sorted(p.name for p in (entry / "weights").iterdir()) == [
+        "tp0_sharded_checkpoint.safetensors",
+        "tp1_sharded_checkpoint.safetensors",
+    ]
+
+    monkeypatch.setenv("GEMMA4LIB_INSTANCE_TYPE", "inf2.xlarge")  # the serving host
+    loaded.clear()  # the export loaded its compile once too
+    monkeypatch.setattr(neuron_model_builder, "compile_model_builder", lambda *a, **k: pytest.fail("compiled"))
+    served = PortSettings(
+        variant="12b",
+        model="random",
+        backend="neuron",
+        tp_degree=2,
+        cache_dir=str(tmp_path / "empty"),
+        artifacts=str(tmp_path / "bundle"),
+    )
+    result = neuron.compile(load_model(served), served)
+    assert result.cache_hits == [True] and result.compile_s == 0 and loaded == [entry]
+    assert not (tmp_path / "empty").exists()
+
+    monkeypatch.setenv("GEMMA4LIB_INSTANCE_TYPE", "trn1.2xlarge")
+    with pytest.raises(BundleError, match="instance family"):
+        bundle.check_settings(served)
