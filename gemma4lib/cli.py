@@ -52,6 +52,9 @@ def _add_port_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int)
     parser.add_argument("--results-dir")
     parser.add_argument("--threads", type=int)
+    parser.add_argument("--draft", help="assistant: Gemma-4's own MTP assistant drafts, the target verifies")
+    parser.add_argument("--draft-tokens", type=int, help="drafts per verify step k (default 4 with --draft)")
+    parser.add_argument("--assistant-checkpoint", help="full profile: the assistant's hub id or local folder")
     parser.add_argument(
         "--witness",
         action=argparse.BooleanOptionalAction,
@@ -81,6 +84,9 @@ def _settings(args: argparse.Namespace):
         "seed",
         "results_dir",
         "witness",
+        "draft",
+        "draft_tokens",
+        "assistant_checkpoint",
     ]
     kwargs = {f: getattr(args, f) for f in fields if getattr(args, f, None) is not None}
     if args.prefill_buckets:
@@ -107,6 +113,11 @@ SUMMARY_KEYS = (
     "decode_tok_s",
     "compile_s",
     "peak_rss_mb",
+    "draft",
+    "draft_tokens",
+    "accepted_per_step",
+    "hf_assisted_match",
+    "speedup_with_draft",
 )
 WITNESS_KEYS = (
     "model_source",
