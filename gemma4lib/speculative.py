@@ -317,6 +317,7 @@ def run_device_drafted(
         "compiler": "cpu-aotinductor" if settings.backend == "cpu" else "eager",
         "compile_s": compiled.compile_s,
         "cache_hits": compiled.cache_hits,
+        "prefill_ms": generation.prefill_s * 1000,  # one run (the plain path's benchmark takes medians)
         "draft": settings.draft,
         "draft_tokens": settings.draft_tokens,
         "assistant_source": assistant.source,
