@@ -43,15 +43,15 @@ class _Drafted:
     def __init__(self):
         self._done: dict[str, tuple] = {}
 
-    def get(self, variant: str):
-        if variant not in self._done:
-            settings = PortSettings(variant=variant, backend="eager", draft="assistant", draft_tokens=K)
+    def get(self, variant: str, ring: bool = True):
+        if (variant, ring) not in self._done:
+            settings = PortSettings(variant=variant, backend="eager", draft="assistant", draft_tokens=K, ring_kv=ring)
             model = load_model(settings)
             assistant = load_assistant(model, settings)
             graphs = build_draft_graphs(model, assistant, settings)
             runtime = DraftedRuntime(model, compile_draft_graphs(graphs, settings), graphs.new_kv(), K)
-            self._done[variant] = (settings, model, assistant, graphs, runtime, prompt_ids(model, settings))
-        return self._done[variant]
+            self._done[variant, ring] = (settings, model, assistant, graphs, runtime, prompt_ids(model, settings))
+        return self._done[variant, ring]
 
 
 @pytest.fixture(scope="module")
@@ -79,6 +79,15 @@ def test_drafting_equals_plain_greedy_across_the_window(drafted, variant):
     assert generation.accepted_per_step > 1.0  # the trained assistant drafts what the target says
     assert sum(generation.emitted) == len(generation.tokens) - 1
     assert hf_steps >= 1
+
+
+def test_drafting_over_full_length_buffers(drafted):
+    """Without rings the rejected drafts' slots are simply overwritten by the next verify."""
+    settings, model, assistant, graphs, runtime, ids = drafted.get("e2b", ring=False)
+    assert graphs.layout.slots(SLIDING, settings.context_length, False) == settings.context_length
+    generation = runtime.generate(ids, LONG)
+    _checked(model, ids, generation, reference_greedy(model.lm, ids, LONG))
+    assert generation.accepted_per_step > 1.0
 
 
 @pytest.mark.parametrize("variant", DONE_WHEN)
