@@ -33,6 +33,7 @@ from gemma4lib.speculative import (
 )
 
 DONE_WHEN = ["e2b", "31b", "26b-a4b"]
+ALL = [*DONE_WHEN, "e4b", "12b"]
 K = 4
 LONG = 24  # eos ignored: prompt (~16 tokens) + 24 crosses the tiny window (8) several times
 
@@ -65,7 +66,7 @@ def _checked(model, ids, generation, reference):
     assert report.logits_match, report.logits.explain()
 
 
-@pytest.mark.parametrize("variant", DONE_WHEN)
+@pytest.mark.parametrize("variant", ALL)
 def test_drafting_equals_plain_greedy_across_the_window(drafted, variant):
     settings, model, assistant, graphs, runtime, ids = drafted.get(variant)
     window = model.config.sliding_window
@@ -221,7 +222,7 @@ def test_an_assistant_of_another_target_is_refused():
 def test_every_variant_knows_its_assistant():
     assert assistant_spec("e2b").hub_id == "google/gemma-4-E2B-it-assistant" and assistant_spec("e2b").verified
     assert assistant_spec("12b").model_class == "Gemma4UnifiedAssistantForCausalLM"
-    assert {assistant_spec(v).model_class for v in DONE_WHEN} == {"Gemma4AssistantForCausalLM"}
+    assert {assistant_spec(v).model_class for v in ("e2b", "e4b", "31b", "26b-a4b")} == {"Gemma4AssistantForCausalLM"}
 
 
 def test_the_draft_graph_never_writes_the_kv(drafted):
