@@ -252,3 +252,25 @@ def test_drafting_compiled_with_aotinductor_is_exact():
     assert hf_assisted(model.lm, assistant.model, ids, settings.max_new_tokens, eos)[0] == reference_greedy(
         model.lm, ids, settings.max_new_tokens, eos
     )
+
+
+@pytest.mark.slow
+def test_retraining_the_e2b_assistant_gives_the_shipped_weights():
+    """One thread, seeded: the same bytes on the CPU type that trained the fixture."""
+    from gemma4lib.assistant import assistant_dir, load_assistant_folder
+    from gemma4lib.assistant_training import AssistantTrainConfig, train_assistant
+    from gemma4lib.environment import cpu_type
+    from gemma4lib.trained import load_trained, read_provenance
+
+    recorded = read_provenance()["assistants"]["e2b"]
+    if recorded["cpu"] != cpu_type():
+        pytest.skip(f"trained on {recorded['cpu'].get('model_name')}; bytes differ across CPU types")
+    torch.use_deterministic_algorithms(True)
+    try:
+        config = AssistantTrainConfig(**recorded["train_config"])
+        trained = train_assistant(load_trained("e2b"), config).assistant.state_dict()
+    finally:
+        torch.use_deterministic_algorithms(False)
+    shipped = load_assistant_folder(assistant_dir("e2b"), "e2b").state_dict()
+    assert trained.keys() == shipped.keys()
+    assert [k for k in trained if not torch.equal(trained[k], shipped[k])] == []
