@@ -308,6 +308,8 @@ def failed_checks(record: Mapping[str, Any]) -> list[str]:
     failed = [name for name, key in own if record.get(key) is False]
     witness = record.get("witness") or {}
     failed += [f"witness.{name}" for name in ("seq_match", "logits_match") if witness.get(name) is False]
+    if record.get("draft") and record.get("hf_assisted_match") is False:  # drafting: == HF's assisted generate
+        failed.append("hf_assisted_match")
     return failed
 
 
@@ -321,6 +323,8 @@ def failure_reasons(record: Mapping[str, Any]) -> list[str]:
             reasons.append(f"{prefix}SEQ_MATCH failed{at}")
         if run.get("logits_match") is False:
             reasons.append(prefix + str(run.get("logits_explain") or "LOGITS_MATCH failed"))
+    if record.get("draft") and record.get("hf_assisted_match") is False:
+        reasons.append("tokens differ from transformers' generate(assistant_model=...) with the same assistant")
     if record.get("coherent") is False:
         rule = record.get("coherence_rule")
         reasons.append(f"incoherent answer {record.get('answer')!r} ({rule})")

@@ -55,6 +55,9 @@ def _add_port_args(parser: argparse.ArgumentParser) -> None:
         "--artifacts", help="run from a bundle folder written by `export` (no compile; mismatches are errors)"
     )
     parser.add_argument("--threads", type=int)
+    parser.add_argument("--draft", help="assistant: Gemma-4's own MTP assistant drafts, the target verifies")
+    parser.add_argument("--draft-tokens", type=int, help="drafts per verify step k (default 4 with --draft)")
+    parser.add_argument("--assistant-checkpoint", help="full profile: the assistant's hub id or local folder")
     parser.add_argument(
         "--witness",
         action=argparse.BooleanOptionalAction,
@@ -85,6 +88,9 @@ def _settings(args: argparse.Namespace):
         "results_dir",
         "witness",
         "artifacts",
+        "draft",
+        "draft_tokens",
+        "assistant_checkpoint",
     ]
     kwargs = {f: getattr(args, f) for f in fields if getattr(args, f, None) is not None}
     if args.prefill_buckets:
@@ -111,6 +117,11 @@ SUMMARY_KEYS = (
     "decode_tok_s",
     "compile_s",
     "peak_rss_mb",
+    "draft",
+    "draft_tokens",
+    "accepted_per_step",
+    "hf_assisted_match",
+    "speedup_with_draft",
 )
 WITNESS_KEYS = (
     "model_source",

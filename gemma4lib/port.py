@@ -136,6 +136,12 @@ def run_device(
     `record_run` takes it out before the record is written. `edit` changes the built graphs before
     they are compiled and `baked_rank` bakes the TP rank in at trace time (the fault lab's hooks).
     """
+    if settings.draft is not None:  # the assistant drafts, the target verifies k + 1 (speculative.py)
+        from .speculative import run_device_drafted
+
+        if edit is not None or baked_rank:
+            raise ValueError("graph edits and baked ranks apply to the plain decode graphs (draft=None)")
+        return run_device_drafted(model, settings, ids, eos, progress=progress, bench=bench)
     if backends.backend_for(settings) == "gloo":  # the TP plan's ranks as CPU processes
         if edit is not None:
             raise ValueError("graph edits apply to the single-device graphs (tp_degree 1)")

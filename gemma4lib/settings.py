@@ -74,6 +74,10 @@ class PortSettings:
     witness: bool | None = None
     # a bundle folder written by `python -m gemma4lib export`: run its compiled graphs, never compile
     artifacts: str | None = None
+    # drafting with Gemma-4's own MTP assistant (`speculative.py`): None = plain decode; "assistant"
+    draft: str | None = None
+    draft_tokens: int | None = None  # drafts per verify step (k); None with a draft: 4
+    assistant_checkpoint: str | None = None  # full profile: hub id or folder; default the variant's own
 
     def __post_init__(self):
         self.variant_spec = get_variant(self.variant)
@@ -115,12 +119,27 @@ class PortSettings:
             neuron_recipe(self.variant_spec, self.tp_degree, self.neuron_recipe)  # unknown name, or trace at TP > 1
         if self.weights == "int8":
             self._check_int8()
+        self._check_draft()  # before the SDK check: a recipe that cannot draft is refused anywhere
         if self.backend == "neuron":
             self._check_neuron()
         if self.artifacts:
             from .bundle import check_settings
 
             check_settings(self)  # shapes, formats, versions, machine: before anything loads
+
+    def _check_draft(self) -> None:
+        """k >= 1, and only with a draft; where drafting runs (`speculative.check_draft`)."""
+        if self.draft is None:
+            if self.draft_tokens is not None:
+                raise SettingsError(
+                    f"draft_tokens={self.draft_tokens!r} needs a drafter: pass draft='assistant' "
+                    f"(CLI --draft assistant), or leave draft_tokens unset"
+                )
+            return
+        self.draft_tokens = whole_number("draft_tokens", 4 if self.draft_tokens is None else self.draft_tokens, 1)
+        from .speculative import check_draft
+
+        check_draft(self)
 
     def _check_int8(self) -> None:
         """Where weight-only int8 is built: the single-device graph (cpu, eager, xla at TP=1) and

@@ -73,7 +73,7 @@ TINY_VARIANTS = tuple(VARIANTS)
 MEDIUM_MODELS = ("medium-dense", "medium-moe")
 PATHS = ("gemma4lib", "hf_eager", "hf_static_compile")
 SCHEMA_VERSION = 1
-SECTIONS = ("models", "ring_kv", "experts", "prefill_buckets", "int8")
+SECTIONS = ("models", "ring_kv", "experts", "prefill_buckets", "int8", "mtp")
 
 
 def recommendation() -> dict[str, Any]:
@@ -856,6 +856,12 @@ def run_suite(
             )
             loaded.pop(name), factories.pop(name)
             torch._dynamo.reset()
+
+    if "mtp" in options.sections:  # drafting with the assistant vs plain decode (benchmarks/mtp.py)
+        from .mtp import bench_mtp
+
+        say("mtp: decode with and without the assistant's drafts")
+        report["mtp"] = bench_mtp(backend=options.backend, warmup=options.warmup, iters=options.iters)
 
     report["targets"] = check_targets(report)
     report["recommendation"] = recommended

@@ -1,0 +1,197 @@
+"""Device graphs for drafting with Gemma-4's own assistant: draft one token, verify k + 1.
+
+- `TargetGraph` is the target's device graph (`graph.DeviceGraph`'s forward, the same explicit K/V)
+  that also returns the final hidden state, which the assistant takes as input. As a prefill it
+  returns the last valid token's logits and hidden state; as the *verify* graph (k + 1 tokens at
+  `start`, `every_position=True`) it returns them for every position.
+- `DraftGraph` is the assistant's forward over the target's K/V buffers: one token at the constant
+  position of the last seen token, as transformers' `SinglePositionMultiTokenCandidateGenerator`
+  drafts. It reads the K/V buffers and never writes them.
+
+What the draft sees (`draft_masks`): the K/V of every *committed* position before the last seen
+token `p` (full layers: all of them; sliding layers: the `sliding_window + 1` positions before `p`,
+as transformers' assistant masks them: its bidirectional window is inclusive, distance <= window). A
+verify step writes the K/V of all k + 1 tokens; after a partial acceptance the rejected drafts'
+slots hold stale K/V. The target never reads them: the next verify starts at the first rejected
+position and overwrites them before attending (its causal mask never reaches past its query).
+The draft masks them out (transformers' own generator lets its assistant see some of them; see
+docs in `speculative.py`).
+
+Ring buffers: a sliding layer's ring must hold the window *plus k + 1* slots (`RoomyLayout`, room =
+k + 1). A verify writes up to k positions past what will be committed; with only `sliding_window`
+slots those writes would overwrite positions the next step's window still needs (and the draft
+reads one position further back than the target). With window + k + 1 slots, every slot a
+rejected token overwrote is claimed by `slot_positions` as a position older than any mask admits
+(worst case, nothing accepted: stale position s + k is claimed as s - window - 1, and the next
+draft reads back to s - window), so the masks exclude it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from .graph import DeviceGraph, GraphShape, _shallow_clone, additive_mask, build_masks, slot_positions
+from .kv_layout import SLIDING, KVLayout
+
+
+@dataclass(frozen=True)
+class RoomyLayout(KVLayout):
+    """The target's layout with `room` extra slots in each sliding ring (room = draft tokens k + 1)."""
+
+    room: int = 0
+
+    @classmethod
+    def around(cls, layout: KVLayout, room: int) -> RoomyLayout:
+        return cls(layout.layers, layout.sliding_window, layout.num_attention_heads, int(room))
+
+    def slots(self, layer_type: str, context_length: int, ring: bool) -> int:
+        if layer_type == SLIDING and ring:
+            return min(self.sliding_window + self.room, context_length)
+        return context_length
+
+
+class TargetGraph(DeviceGraph):
+    """The target's forward returning `(logits, hidden)`: of the last valid token `[b, vocab]`,
+    `[b, hidden]` (prefill), or of every position `[b, tokens, vocab]`, `[b, tokens, hidden]`
+    (`every_position=True`: the verify graph). Same inputs and K/V handling as `DeviceGraph`."""
+
+    def __init__(self, *args, every_position: bool = False, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.every_position = every_position
+
+    def key_parts(self) -> dict:
+        return {**super().key_parts(), "every_position": self.every_position}
+
+    def forward(self, inputs_embeds: torch.Tensor, *args: torch.Tensor):
+        if self.has_ple:
+            per_layer_inputs, start, length, *kv = args
+        else:
+            per_layer_inputs, (start, length, *kv) = None, args
+        producers = self.layout.producers
+        buffers = {layer.index: (kv[2 * i], kv[2 * i + 1]) for i, layer in enumerate(producers)}
+        cache = self.kv_class(buffers, self.shape, start, length, self.inplace)
+        masks = build_masks(self.layout, self.shape, start, length, inputs_embeds.dtype)
+        position_ids = (start + torch.arange(self.shape.tokens, device=start.device))[None].expand(
+            inputs_embeds.shape[0], -1
+        )
+        kwargs = dict(
+            inputs_embeds=inputs_embeds,
+            position_ids=position_ids,
+            attention_mask=masks,
+            past_key_values=cache,
+            use_cache=True,
+        )
+        if self.has_ple:
+            kwargs["per_layer_inputs"] = per_layer_inputs
+        hidden = self.model(**kwargs).last_hidden_state
+        if self.every_position:
+            out = (self.lm_head(hidden).float(), hidden)
+        else:
+            last = hidden.index_select(1, length - 1)
+            out = (self.lm_head(last)[:, 0, :].float(), last[:, 0, :])
+        if self.inplace:
+            return out
+        return (*out, *[t for layer in producers for t in cache.updated[layer.index]])
+
+
+def draft_masks(
+    layout: KVLayout, shape: GraphShape, position: torch.Tensor, dtype: torch.dtype
+) -> dict[str, torch.Tensor]:
+    """Additive masks `[1, 1, 1, slots]` for a draft at the last seen token's `position` p: slots
+    holding committed positions < p (sliding: also >= p - 1 - window). See the module docstring."""
+    masks = {}
+    for layer_type in sorted({layer.layer_type for layer in layout.layers}):
+        slots = layout.slots(layer_type, shape.context_length, shape.ring)
+        k_pos = slot_positions(position - 1, slots)
+        allowed = k_pos >= 0
+        if layer_type == SLIDING:
+            allowed = allowed & (k_pos >= position - 1 - layout.sliding_window)
+        masks[layer_type] = additive_mask(allowed[None, :], dtype)[None, None]
+    return masks
+
+
+def ordered_logits(masked_embedding: nn.Module, hidden: torch.Tensor, lm_head_weight: torch.Tensor) -> torch.Tensor:
+    """transformers' `Gemma4AssistantMaskedEmbedder` (score only the top centroids' tokens) with the
+    fill value kept a tensor (its `.item()` would end the graph): same scores, same argmax."""
+    batch, seq = hidden.shape[:2]
+    top_k = masked_embedding.centroid_intermediate_top_k
+    per_centroid = masked_embedding.vocab_size_per_centroid
+    _, top = torch.topk(masked_embedding.centroids(hidden), k=top_k, dim=-1)
+    canonical = masked_embedding.token_ordering.long().view(masked_embedding.num_centroids, per_centroid)[top]
+    flat = canonical.reshape(-1)
+    selected = lm_head_weight[flat].view(batch, seq, top_k * per_centroid, hidden.shape[-1])
+    scores = (hidden.unsqueeze(-2) @ selected.transpose(-1, -2)).squeeze(-2)
+    fill = (scores.min() - 1.0).to(hidden.dtype)
+    out = fill.expand(batch, seq, masked_embedding.vocab_size).clone()
+    return out.scatter(-1, canonical.view(batch, seq, -1), scores)
+
+
+class DraftGraph(nn.Module):
+    """One assistant step: `forward(inputs_embeds [b, 1, 2 * target_hidden], position [1], *kv)` ->
+    `(logits [b, vocab], projected hidden [b, target_hidden])`. `kv` is the target's flat K/V list
+    (every producer, as the target graphs take it); the graph reads the buffers of `read_layers`.
+
+    transformers' `Gemma4AssistantForCausalLM.forward` builds its masks from a 2-D padding mask over
+    the shared K/V's length; over position-indexed (and ring) buffers the masks come from the
+    position instead (`draft_masks`), and the rest of the forward is the assistant's own modules.
+    """
+
+    def __init__(
+        self, assistant: nn.Module, layout: KVLayout, shape: GraphShape, read_layers: dict[str, int], **_: object
+    ):
+        super().__init__()
+        self.model = _shallow_clone(assistant.model)
+        self.model.embed_tokens = None  # its input is the projected target embedding, never a token id
+        self.pre_projection, self.post_projection = assistant.pre_projection, assistant.post_projection
+        self.lm_head = assistant.lm_head
+        self.masked_embedding = assistant.masked_embedding
+        self.layout, self.shape, self.read_layers = layout, shape, dict(read_layers)
+        order = [layer.index for layer in layout.producers]
+        self.kv_index = {t: order.index(i) for t, i in self.read_layers.items()}
+        self.backbone = int(assistant.config.backbone_hidden_size)
+        self.dtype = self.pre_projection.weight.dtype
+        self.inplace = True  # reads the K/V, never writes them
+        self.tags: dict[str, str] = {}
+
+    def key_parts(self) -> dict:
+        return {
+            "class": type(self).__qualname__,
+            "read_layers": self.read_layers,
+            "ordered_embeddings": self.masked_embedding is not None,
+            "buffers": [list(s) for s in self.buffer_shapes()],
+            **self.tags,
+        }
+
+    def buffer_shapes(self) -> list[tuple[int, ...]]:
+        return self.layout.buffer_shapes(self.shape.batch, self.shape.context_length, self.shape.ring)
+
+    def example_inputs(self) -> tuple[torch.Tensor, ...]:
+        inputs = [
+            torch.zeros(self.shape.batch, 1, 2 * self.backbone, dtype=self.dtype),
+            torch.zeros(1, dtype=torch.long),
+        ]
+        inputs += [torch.zeros(s, dtype=self.dtype) for s in self.buffer_shapes()]
+        return tuple(inputs)
+
+    def forward(self, inputs_embeds: torch.Tensor, position: torch.Tensor, *kv: torch.Tensor):
+        shared = {t: (kv[2 * i], kv[2 * i + 1]) for t, i in self.kv_index.items()}
+        masks = draft_masks(self.layout, self.shape, position, inputs_embeds.dtype)
+        hidden = self.pre_projection(inputs_embeds)
+        out = self.model(
+            inputs_embeds=hidden,
+            attention_mask=masks,
+            position_ids=position[None].expand(inputs_embeds.shape[0], 1),
+            shared_kv_states=shared,
+            use_cache=False,
+        ).last_hidden_state
+        if self.masked_embedding is not None:
+            logits = ordered_logits(self.masked_embedding, out, self.lm_head.weight)
+        else:
+            logits = self.lm_head(out)
+        return logits[:, 0, :].float(), self.post_projection(out)[:, 0, :]
+
+
+__all__ = ["DraftGraph", "RoomyLayout", "TargetGraph", "draft_masks", "ordered_logits"]

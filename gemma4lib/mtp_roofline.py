@@ -1,0 +1,102 @@
+"""What drafting could do to inf2's batch-1 ceiling: computed from shapes, unverified.
+
+Decode is bandwidth bound: a plain step reads the weights and the K/V once for one token. A
+drafted round reads them once in the verify step (k + 1 tokens at once; MoE: the union of the
+experts the k + 1 tokens route to) plus k assistant steps, and emits `accepted_per_step` tokens.
+So the drafted ceiling is `accepted_per_step * bandwidth / (verify bytes + k * assistant bytes)`,
+and drafting pays off once `accepted_per_step` exceeds `break_even_accepted`.
+
+No released assistant config is available offline, so the assistant's bytes come from a stated
+assumption (`ASSUMED_ASSISTANT`): its layers at the target's width with the target's attention
+and MLP shapes but no K/V projections, ordered embeddings (2,048 centroids, top 32 scored), and
+the K/V of the two target layers it reads. Graph-call overhead (k + 1 calls per round; 13 to
+190 us each on inf2 depending on the SDK, DESIGN.md) and compute are left out. Every figure here
+is computed, unverified on inf2.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+from .hardware import INSTANCES
+from .kv_layout import FULL, SLIDING, KVLayout
+from .roofline import GB, count_params, decode_bytes, meta_model
+
+ASSUMED_ASSISTANT = {"layers": 4, "num_centroids": 2048, "centroid_top_k": 32}
+STATUS = "computed, unverified: assistant bytes from an assumed shape (ASSUMED_ASSISTANT), call overhead left out"
+
+
+def assistant_bytes(lm: Any, context_length: int, ring: bool = True, dtype_bytes: int = 2) -> float:
+    """Bytes one assistant step reads under `ASSUMED_ASSISTANT` (see the module docstring)."""
+    cfg = lm.config
+    hidden, vocab = int(cfg.hidden_size), int(cfg.vocab_size)
+    layer = lm.model.layers[0]
+    attn = layer.self_attn
+    per_layer = attn.q_proj.weight.numel() + attn.o_proj.weight.numel() + sum(p.numel() for p in layer.mlp.parameters())
+    layers = ASSUMED_ASSISTANT["layers"] * per_layer
+    projections = 2 * hidden * hidden + hidden * hidden  # pre (2H -> H) and post (H -> H)
+    per_centroid = vocab // ASSUMED_ASSISTANT["num_centroids"]
+    embeddings = (ASSUMED_ASSISTANT["num_centroids"] + ASSUMED_ASSISTANT["centroid_top_k"] * per_centroid) * hidden
+    layout = KVLayout.from_config(cfg)
+    read = {t: max(x.index for x in layout.producers if x.layer_type == t) for t in (SLIDING, FULL)}
+    kv = 0
+    for t, index in read.items():
+        producer = layout.layers[index]
+        kv += 2 * producer.kv_heads * producer.head_dim * layout.slots(t, context_length, ring)
+    return float((layers + projections + embeddings + kv) * dtype_bytes)
+
+
+def verify_bytes(lm: Any, context_length: int, k: int, ring: bool = True, dtype_bytes: int = 2) -> float:
+    """Bytes of one target step over k + 1 tokens: the weights once (MoE: at most (k + 1) * top_k
+    distinct experts), the K/V once."""
+    counts = count_params(lm)
+    step = decode_bytes(lm, context_length=context_length, ring=ring, experts="dense", dtype_bytes=dtype_bytes)
+    if not counts.num_experts:
+        return step.total
+    share = min(1.0, (k + 1) * counts.top_k / counts.num_experts)
+    return (counts.lm_head + counts.other + share * counts.experts) * dtype_bytes + step.kv
+
+
+def draft_effect(
+    variant: str, accepted_per_step: float | None, k: int = 4, context_length: int = 2048, ring: bool = True
+) -> dict[str, Any]:
+    """One variant's computed drafted ceiling on its recipe's instance, next to the plain one."""
+    from .variants import get_variant
+
+    v = get_variant(variant)
+    lm = meta_model(v)
+    counts = count_params(lm)
+    form = "selective" if counts.num_experts else "dense"
+    plain = decode_bytes(lm, context_length=context_length, ring=ring, experts=form, dtype_bytes=2).total
+    verify, draft = verify_bytes(lm, context_length, k, ring), assistant_bytes(lm, context_length, ring)
+    round_bytes = verify + k * draft
+    bandwidth = INSTANCES[v.instance_type].bandwidth_bytes_s(v.tp_degree)
+    row: dict[str, Any] = {
+        "variant": v.name,
+        "status": STATUS,
+        "recipe": f"{v.instance_type} TP={v.tp_degree}",
+        "draft_tokens": k,
+        "context_length": context_length,
+        "plain_step_gb": plain / GB,
+        "verify_step_gb": verify / GB,
+        "assistant_step_gb": draft / GB,
+        "round_gb": round_bytes / GB,
+        "plain_ceiling_tok_s": bandwidth / plain,
+        "break_even_accepted": round_bytes / plain,
+        "accepted_per_step": accepted_per_step,
+    }
+    if accepted_per_step:
+        row["drafted_ceiling_tok_s"] = accepted_per_step * bandwidth / round_bytes
+        row["computed_speedup"] = row["drafted_ceiling_tok_s"] / row["plain_ceiling_tok_s"]
+    return row
+
+
+def draft_table(accepted: dict[str, float | None], k: int = 4, variants: Iterable[str] | None = None) -> list[dict]:
+    """`draft_effect` per variant, with each variant's measured acceptance where there is one."""
+    from .variants import VARIANTS
+
+    return [draft_effect(name, accepted.get(name), k) for name in (variants or VARIANTS)]
+
+
+__all__ = ["ASSUMED_ASSISTANT", "STATUS", "assistant_bytes", "draft_effect", "draft_table", "verify_bytes"]

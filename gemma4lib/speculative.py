@@ -1,0 +1,367 @@
+"""Greedy-exact drafting: the assistant drafts k tokens on the device, the target verifies them in
+one step of k + 1 tokens, the host keeps the drafts up to the first disagreement plus the target's
+own next token.
+
+Why it is exact: every kept token is the target's argmax given the tokens before it (a kept draft
+equals the target's prediction at its position; the bonus token is the target's prediction), so the
+tokens are the target's plain greedy tokens whatever the drafts were. Only the speed depends on
+the assistant: each verify step emits 1 + (drafts accepted) tokens.
+
+The loop follows transformers' `_assisted_decoding` with `SinglePositionMultiTokenCandidateGenerator`:
+prefill, the first token from the prefill's logits; then per round up to
+`min(k, max_new_tokens - generated - 1)` drafts from the last seen token's position, a verify of
+`[last token, drafts...]` at that position, acceptance, eos cut. One difference, on purpose: over
+the shared K/V, transformers' assistant also sees some rejected drafts' stale K/V (its slice keeps
+the verify step's whole output for sliding layers, and one stale slot of full layers); ours masks
+every uncommitted slot (`drafting.draft_masks`). Tokens are equal either way; acceptance may differ,
+and both are recorded (`accepted_per_step`, `hf_accepted_per_step`).
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from .drafting import DraftGraph, RoomyLayout, TargetGraph
+from .embedder import HostEmbedder
+from .errors import SettingsError
+from .graph import GraphShape
+
+if TYPE_CHECKING:
+    from .assistant import LoadedAssistant
+    from .loading import LoadedModel
+    from .settings import PortSettings
+
+log = logging.getLogger(__name__)
+
+DRAFT_KINDS = ("assistant",)
+DRAFT_BACKENDS = ("cpu", "eager")
+
+
+def check_draft(settings: PortSettings) -> None:
+    """Refuse what drafting does not run on, before anything is loaded."""
+    if settings.draft is None:
+        return
+    if settings.draft not in DRAFT_KINDS:
+        from .errors import UnknownNameError
+
+        raise UnknownNameError("draft", settings.draft, DRAFT_KINDS)
+    if settings.backend == "neuron":
+        from .memory_plan import neuron_recipe
+
+        recipe = neuron_recipe(settings.variant_spec, settings.tp_degree, settings.neuron_recipe)
+        if recipe == "trace":
+            raise SettingsError(
+                "draft='assistant' needs the draft, verify and prefill graphs over one set of device K/V "
+                "states; the one-graph trace recipe has a single decode graph: use the ModelBuilder recipe "
+                "(neuron_recipe=None) or draft=None"
+            )
+    if settings.backend not in DRAFT_BACKENDS:
+        raise SettingsError(
+            f"draft='assistant' runs on backends {DRAFT_BACKENDS} so far; on backend {settings.backend!r} the "
+            f"draft and verify graphs are not built yet: use backend='cpu' or 'eager', or draft=None"
+        )
+    if settings.tp_degree > 1:
+        raise SettingsError(
+            f"draft='assistant' runs at tp_degree 1 (the single-device graphs); got {settings.tp_degree}: "
+            f"use tp_degree=1 or draft=None"
+        )
+
+
+@dataclass
+class DraftGraphs:
+    """The graphs of drafted generation over one set of K/V buffers (`layout`: rings with room for k)."""
+
+    prefill: dict[int, TargetGraph]
+    verify: TargetGraph
+    draft: DraftGraph
+    layout: RoomyLayout
+    draft_tokens: int
+
+    def all(self) -> list[tuple[str, Any]]:
+        return [*((f"prefill{b}", g) for b, g in self.prefill.items()), ("verify", self.verify), ("draft", self.draft)]
+
+    def new_kv(self) -> list[torch.Tensor]:
+        return self.verify.new_kv()
+
+
+def build_draft_graphs(model: LoadedModel, assistant: LoadedAssistant, settings: PortSettings) -> DraftGraphs:
+    """Prefill (one per bucket, returning the last hidden state too), verify (k + 1 tokens, every
+    position) and draft graphs, sharing one K/V layout."""
+    from .backends.base import PREFILL_EXPERTS
+
+    k = int(settings.draft_tokens)
+    layout = RoomyLayout.around(model.layout, k + 1)  # why k + 1: `drafting` module docstring
+    ctx, ring = settings.context_length, settings.ring_kv
+
+    def target(tokens: int, experts: str, every: bool) -> TargetGraph:
+        return TargetGraph(
+            model.text_model,
+            model.lm_head,
+            layout,
+            GraphShape(1, tokens, ctx, ring),
+            expert_form=experts,
+            weights=settings.weights,
+            every_position=every,
+        )
+
+    prefill = {b: target(b, PREFILL_EXPERTS, False) for b in settings.prefill_buckets}
+    # verify is a short prefill: the dense experts (a gathered top-k of k + 1 tokens is the prefill
+    # trade-off again; the dense form is the one that shards)
+    verify = target(k + 1, PREFILL_EXPERTS, True)
+    draft = DraftGraph(assistant.model, layout, GraphShape(1, 1, ctx, ring), assistant.read_layers)
+    return DraftGraphs(prefill, verify, draft, layout, k)
+
+
+@dataclass
+class CompiledDraft:
+    prefill: dict[int, Callable[..., Any]]
+    verify: Callable[..., Any]
+    draft: Callable[..., Any]
+    compile_s: float = 0.0
+    cache_hits: list[bool] = field(default_factory=list)
+    artifacts: dict[str, str] = field(default_factory=dict)
+
+
+def compile_draft_graphs(graphs: DraftGraphs, settings: PortSettings) -> CompiledDraft:
+    """`cpu`: each graph through torch.export + AOTInductor (cached like the others); `eager`: as is."""
+    if settings.backend == "eager":
+        return CompiledDraft(dict(graphs.prefill), graphs.verify, graphs.draft)
+    from .artifacts import ArtifactCache
+    from .compile_cpu import compile_graph
+
+    cache = ArtifactCache(settings.cache_dir)
+    steps = {name: compile_graph(graph, cache) for name, graph in graphs.all()}
+    prefill = {b: steps[f"prefill{b}"] for b in graphs.prefill}
+    return CompiledDraft(
+        prefill,
+        steps["verify"],
+        steps["draft"],
+        sum(s.compile_s for s in steps.values()),
+        [s.cache_hit for s in steps.values()],
+        {name: str(s.entry.path) for name, s in steps.items()},
+    )
+
+
+@dataclass
+class DraftedGeneration:
+    prompt_ids: list[int]
+    tokens: list[int]
+    accepted: list[int]  # drafts accepted at each verify step
+    emitted: list[int]  # tokens kept at each verify step (accepted + the target's own, eos/budget cut)
+    drafted: list[int]  # drafts proposed at each verify step
+    step_logits: torch.Tensor  # raw target logits that chose each token, [n, vocab]
+    prefill_s: float
+    round_s: list[float]  # draft + verify seconds of each round
+
+    @property
+    def accepted_per_step(self) -> float | None:
+        """Mean tokens emitted per target verify step (1 = no draft ever accepted)."""
+        return sum(self.emitted) / len(self.emitted) if self.emitted else None
+
+    @property
+    def decode_tok_s(self) -> float | None:
+        total = sum(self.round_s)
+        return (len(self.tokens) - 1) / total if total > 0 else None
+
+
+class DraftedRuntime:
+    """Host side of drafted generation over compiled prefill/verify/draft steps and their K/V."""
+
+    def __init__(self, model: LoadedModel, steps: CompiledDraft, kv: list[torch.Tensor], draft_tokens: int):
+        self.model, self.steps, self.kv, self.k = model, steps, kv, int(draft_tokens)
+        self.embedder = HostEmbedder.from_text_model(model.text_model)
+        self.dtype = torch.float32
+
+    def embed(self, ids: torch.Tensor, pad_to: int | None = None) -> list[torch.Tensor]:
+        return self.embedder.inputs(ids, pad_to, self.dtype)
+
+    @torch.no_grad()
+    def generate(
+        self,
+        prompt_ids: Sequence[int],
+        max_new_tokens: int,
+        *,
+        eos_token_ids: Sequence[int] = (),
+        drafter: Callable[[int, torch.Tensor, int, int], list[int]] | None = None,
+    ) -> DraftedGeneration:
+        """Greedy generation with drafts. `drafter(token, hidden, position, n)` replaces the assistant
+        (tests: a drafter that is always wrong or always right); None = the draft graph."""
+        ids = list(prompt_ids)
+        bucket = min(b for b in self.steps.prefill if b >= len(ids))
+        eos = {int(t) for t in eos_token_ids}
+        started = time.perf_counter()
+        logits, hidden = self.steps.prefill[bucket](
+            *self.embed(torch.tensor([ids]), pad_to=bucket), torch.tensor([0]), torch.tensor([len(ids)]), *self.kv
+        )
+        prefill_s = time.perf_counter() - started
+        token = int(torch.argmax(logits[0]))
+        tokens, kept = [token], [logits[0].float().clone()]
+        position, last_hidden = len(ids), hidden[0].clone()
+        accepted, emitted, drafted, round_s = [], [], [], []
+        draft = drafter or self._draft
+        while len(tokens) < max_new_tokens and token not in eos:
+            started = time.perf_counter()
+            n = min(self.k, max_new_tokens - len(tokens) - 1)
+            drafts = draft(token, last_hidden, position, n) if n > 0 else []
+            chunk = torch.tensor([[token, *drafts]])
+            v_logits, v_hidden = self.steps.verify(
+                *self.embed(chunk, pad_to=self.k + 1),
+                torch.tensor([position]),
+                torch.tensor([len(drafts) + 1]),
+                *self.kv,
+            )
+            predicted = torch.argmax(v_logits[0, : len(drafts) + 1], dim=-1).tolist()
+            round_s.append(time.perf_counter() - started)
+            n_ok = 0
+            while n_ok < len(drafts) and drafts[n_ok] == predicted[n_ok]:
+                n_ok += 1
+            new = predicted[: n_ok + 1]  # the accepted drafts are the target's own predictions
+            for i, t in enumerate(new):
+                tokens.append(int(t))
+                kept.append(v_logits[0, i].float().clone())
+                if t in eos or len(tokens) >= max_new_tokens:
+                    new = new[: i + 1]
+                    break
+            accepted.append(n_ok)
+            emitted.append(len(new))
+            drafted.append(len(drafts))
+            position += n_ok + 1
+            last_hidden = v_hidden[0, n_ok].clone()
+            token = tokens[-1]
+        return DraftedGeneration(ids, tokens, accepted, emitted, drafted, torch.stack(kept), prefill_s, round_s)
+
+    def _draft(self, token: int, hidden: torch.Tensor, position: int, n: int) -> list[int]:
+        """n assistant steps from the last seen token at `position` (constant), feeding back its
+        own token and projected hidden state."""
+        out = []
+        pos = torch.tensor([position])
+        for _ in range(n):
+            embedding = self.embed(torch.tensor([[token]]))[0]
+            x = torch.cat([embedding, hidden[None, None].to(embedding.dtype)], dim=-1)
+            logits, hidden = self.steps.draft(x, pos, *self.kv)
+            token, hidden = int(torch.argmax(logits[0])), hidden[0]
+            out.append(token)
+        return out
+
+
+@torch.no_grad()
+def hf_assisted(
+    lm: torch.nn.Module, assistant: torch.nn.Module, prompt_ids: Sequence[int], max_new_tokens: int, eos: Sequence[int]
+) -> tuple[list[int], int]:
+    """transformers' own `generate(assistant_model=...)` (greedy): its tokens and the number of
+    target verify steps it ran (target forward calls after the prefill)."""
+    ids = torch.as_tensor(list(prompt_ids), dtype=torch.long)[None]
+    calls = []
+    hook = lm.register_forward_pre_hook(lambda *_: calls.append(1))
+    try:
+        out = lm.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            eos_token_id=list(eos) or None,
+            pad_token_id=0,
+            assistant_model=assistant,
+        )
+    finally:
+        hook.remove()
+    tokens = out[0, ids.shape[1] :].tolist()
+    for i, t in enumerate(tokens):
+        if t in set(eos):
+            tokens = tokens[: i + 1]
+            break
+    return tokens, len(calls) - 1
+
+
+def time_decode(run: Callable[[], Any], warmup: int, iters: int) -> list[float]:
+    """decode tok/s of `iters` runs after `warmup` (each run returns an object with `decode_tok_s`)."""
+    figures = []
+    for i in range(warmup + iters):
+        rate = run().decode_tok_s
+        if i >= warmup and rate:
+            figures.append(rate)
+    return figures
+
+
+def run_device_drafted(
+    model: LoadedModel,
+    settings: PortSettings,
+    ids: list[int],
+    eos: list[int],
+    *,
+    progress: bool = False,
+    bench: bool = True,
+) -> dict[str, Any]:
+    """The `device_run` of a drafted port: the drafted generation (its tokens and per-token logits
+    go through the usual three checks), transformers' assisted generate with the same assistant,
+    and decode tok/s with and without drafting from this one run (the plain graphs compiled too)."""
+    from . import backends
+    from .assistant import load_assistant
+
+    assistant = load_assistant(model, settings)
+    graphs = build_draft_graphs(model, assistant, settings)
+    compiled = compile_draft_graphs(graphs, settings)
+    runtime = DraftedRuntime(model, compiled, graphs.new_kv(), settings.draft_tokens)
+    generation = runtime.generate(ids, settings.max_new_tokens, eos_token_ids=eos)
+    hf_tokens, hf_steps = hf_assisted(model.lm, assistant.model, ids, settings.max_new_tokens, eos)
+    device_run: dict[str, Any] = {
+        "tokens": generation.tokens,
+        "step_logits": generation.step_logits,
+        "compiler": "cpu-aotinductor" if settings.backend == "cpu" else "eager",
+        "compile_s": compiled.compile_s,
+        "cache_hits": compiled.cache_hits,
+        "prefill_ms": generation.prefill_s * 1000,  # one run (the plain path's benchmark takes medians)
+        "draft": settings.draft,
+        "draft_tokens": settings.draft_tokens,
+        "assistant_source": assistant.source,
+        "assistant_reads_layers": assistant.read_layers,
+        "sliding_ring_slots": graphs.layout.slots("sliding_attention", settings.context_length, settings.ring_kv),
+        "verify_steps": len(generation.emitted),
+        "accepted_per_step": generation.accepted_per_step,
+        "drafts_accepted": generation.accepted,
+        "hf_assisted_tokens": hf_tokens,
+        "hf_assisted_match": hf_tokens == generation.tokens,
+        "hf_verify_steps": hf_steps,
+        "hf_accepted_per_step": (len(hf_tokens) - 1) / hf_steps if hf_steps else None,
+        "artifacts": compiled.artifacts or None,
+    }
+    if bench:
+        plain = backends.compile_graphs(model, settings, progress=progress).runtime
+        n = settings.max_new_tokens  # eos ignored: both decode the same number of tokens
+        drafted_runs = time_decode(lambda: runtime.generate(ids, n), settings.warmup, settings.iters)
+        plain_runs = time_decode(lambda: plain.generate(ids, n), settings.warmup, settings.iters)
+        timed = runtime.generate(ids, n)
+        with_draft = statistics.median(drafted_runs) if drafted_runs else None
+        without = statistics.median(plain_runs) if plain_runs else None
+        device_run.update(
+            decode_tok_s=with_draft,
+            decode_tok_s_with_draft=with_draft,
+            decode_tok_s_without_draft=without,
+            speedup_with_draft=with_draft / without if with_draft and without else None,
+            bench_accepted_per_step=timed.accepted_per_step,
+            decode_tok_s_runs={"with_draft": drafted_runs, "without_draft": plain_runs},
+            bench_tokens=n,
+        )
+    return device_run
+
+
+__all__ = [
+    "DRAFT_BACKENDS",
+    "DRAFT_KINDS",
+    "CompiledDraft",
+    "DraftGraphs",
+    "DraftedGeneration",
+    "DraftedRuntime",
+    "build_draft_graphs",
+    "check_draft",
+    "compile_draft_graphs",
+    "hf_assisted",
+    "run_device_drafted",
+]

@@ -1,0 +1,276 @@
+"""Drafting with Gemma-4's own assistant: greedy-exact whatever the drafts, on the same K/V.
+
+Eager graphs (the device graphs uncompiled) keep this file cheap; the AOTInductor-compiled run is
+`slow`. Each drafted run is checked like a plain one: SEQ_MATCH against the host reference,
+LOGITS_MATCH at every kept token, coherence, and equality with transformers' assisted generate.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gemma4lib import checks
+from gemma4lib.assistant import (
+    assistant_spec,
+    build_tiny_assistant,
+    check_pair,
+    load_assistant,
+    read_layers,
+    store_for_assistant,
+)
+from gemma4lib.drafting import DraftGraph, RoomyLayout, ordered_logits
+from gemma4lib.errors import CheckpointError, SettingsError, UnknownNameError
+from gemma4lib.graph import GraphShape
+from gemma4lib.kv_layout import FULL, SLIDING
+from gemma4lib.port import PortSettings, eos_ids, load_model, port, prompt_ids
+from gemma4lib.reference import reference_greedy
+from gemma4lib.speculative import (
+    DraftedRuntime,
+    build_draft_graphs,
+    compile_draft_graphs,
+    hf_assisted,
+)
+
+DONE_WHEN = ["e2b", "31b", "26b-a4b"]
+ALL = [*DONE_WHEN, "e4b", "12b"]
+K = 4
+LONG = 24  # eos ignored: prompt (~16 tokens) + 24 crosses the tiny window (8) several times
+
+
+class _Drafted:
+    """One eager drafted runtime per variant (trained target + its trained assistant), reused."""
+
+    def __init__(self):
+        self._done: dict[str, tuple] = {}
+
+    def get(self, variant: str, ring: bool = True):
+        if (variant, ring) not in self._done:
+            settings = PortSettings(variant=variant, backend="eager", draft="assistant", draft_tokens=K, ring_kv=ring)
+            model = load_model(settings)
+            assistant = load_assistant(model, settings)
+            graphs = build_draft_graphs(model, assistant, settings)
+            runtime = DraftedRuntime(model, compile_draft_graphs(graphs, settings), graphs.new_kv(), K)
+            self._done[variant, ring] = (settings, model, assistant, graphs, runtime, prompt_ids(model, settings))
+        return self._done[variant, ring]
+
+
+@pytest.fixture(scope="module")
+def drafted() -> _Drafted:
+    return _Drafted()
+
+
+def _checked(model, ids, generation, reference):
+    report = checks.evaluate(model.lm, None, ids, generation.tokens, reference, step_logits=generation.step_logits)
+    assert report.seq_match, (generation.tokens, reference)
+    assert report.logits_match, report.logits.explain()
+
+
+@pytest.mark.parametrize("variant", ALL)
+def test_drafting_equals_plain_greedy_across_the_window(drafted, variant):
+    settings, model, assistant, graphs, runtime, ids = drafted.get(variant)
+    window = model.config.sliding_window
+    assert len(ids) + LONG > 3 * window
+    assert graphs.layout.slots(SLIDING, settings.context_length, True) == window + K + 1  # room for k rejected
+    reference = reference_greedy(model.lm, ids, LONG)
+    generation = runtime.generate(ids, LONG)
+    _checked(model, ids, generation, reference)
+    hf_tokens, hf_steps = hf_assisted(model.lm, assistant.model, ids, LONG, [])
+    assert hf_tokens == generation.tokens
+    assert generation.accepted_per_step > 1.0  # the trained assistant drafts what the target says
+    assert sum(generation.emitted) == len(generation.tokens) - 1
+    assert hf_steps >= 1
+
+
+def test_drafting_over_full_length_buffers(drafted):
+    """Without rings the rejected drafts' slots are simply overwritten by the next verify."""
+    settings, model, assistant, graphs, runtime, ids = drafted.get("e2b", ring=False)
+    assert graphs.layout.slots(SLIDING, settings.context_length, False) == settings.context_length
+    generation = runtime.generate(ids, LONG)
+    _checked(model, ids, generation, reference_greedy(model.lm, ids, LONG))
+    assert generation.accepted_per_step > 1.0
+
+
+@pytest.mark.parametrize("variant", DONE_WHEN)
+def test_an_always_wrong_draft_is_still_exact(drafted, variant):
+    _, model, _, _, runtime, ids = drafted.get(variant)
+    reference = reference_greedy(model.lm, ids, LONG)
+    vocab = model.config.vocab_size
+
+    def wrong(token, hidden, position, n):  # the token after `position` is reference[position - len(ids) + 1]
+        at = position - len(ids) + 1
+        return [(reference[min(at + i, len(reference) - 1)] + 1) % vocab for i in range(n)]
+
+    generation = runtime.generate(ids, LONG, drafter=wrong)
+    _checked(model, ids, generation, reference)
+    assert set(generation.accepted) == {0} and generation.accepted_per_step == 1.0
+
+
+@pytest.mark.parametrize("variant", DONE_WHEN)
+def test_an_always_right_draft_keeps_every_draft(drafted, variant):
+    _, model, _, _, runtime, ids = drafted.get(variant)
+    reference = reference_greedy(model.lm, ids, LONG)
+
+    def right(token, hidden, position, n):
+        at = position - len(ids) + 1
+        return reference[at : at + n]
+
+    generation = runtime.generate(ids, LONG, drafter=right)
+    _checked(model, ids, generation, reference)
+    assert generation.accepted == generation.drafted  # every draft kept
+    assert generation.accepted[0] == K and len(generation.emitted) == -(-(LONG - 1) // (K + 1))
+
+
+def test_the_draft_graph_is_the_assistants_forward(drafted):
+    """First round after the prefill, where transformers' masks and ours select the same K/V: the
+    draft graph's logits equal `Gemma4AssistantForCausalLM.forward` on the target's shared K/V."""
+    _, model, assistant, graphs, runtime, ids = drafted.get("e2b")
+    with torch.no_grad():
+        out = model.lm.model(torch.tensor([ids]), use_cache=False, return_shared_kv_states=True)
+        hidden = out.last_hidden_state[:, -1:]
+        token = int(model.lm.lm_head(hidden).argmax(-1))
+        embedding = model.lm.model.embed_tokens(torch.tensor([[token]]))
+        x = torch.cat([embedding, hidden], -1)
+        theirs = assistant.model(
+            inputs_embeds=x,
+            attention_mask=torch.ones(1, len(ids) + 1, dtype=torch.long),
+            position_ids=torch.tensor([[len(ids)]]),
+            shared_kv_states=out.shared_kv_states,
+        )
+        runtime.generate(ids, 1)  # prefill fills the K/V buffers
+        logits, projected = graphs.draft(x, torch.tensor([len(ids)]), *runtime.kv)
+    torch.testing.assert_close(logits[0], theirs.logits[0, -1].float(), rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(projected[0], theirs.last_hidden_state[0, -1], rtol=1e-4, atol=1e-4)
+
+
+def test_the_assistant_reads_the_last_producer_of_each_type():
+    settings = PortSettings(variant="e2b", model="random", draft="assistant")
+    model = load_model(settings)
+    layers = store_for_assistant(model.lm)
+    modes = model.config.kv_sharing_modes  # a KV-sharing target: transformers marks the same layers "store"
+    stored = {model.config.layer_types[i]: i for i, mode in enumerate(modes) if mode == "store"}
+    assert layers == read_layers(model.layout) == stored == {SLIDING: 5, FULL: 4}
+    assert [model.lm.model.layers[i].self_attn.store_full_length_kv for i in (4, 5)] == [True, True]
+
+
+def test_ordered_embeddings_match_transformers():
+    """The centroid-sliced vocabulary (`use_ordered_embeddings`) without its `.item()`: same logits."""
+    from transformers.models.gemma4_assistant.modeling_gemma4_assistant import Gemma4AssistantMaskedEmbedder
+
+    model = load_model(PortSettings(variant="e2b", model="random"))
+    config = build_tiny_assistant(model.config, "e2b").config
+    config.num_centroids, config.centroid_intermediate_top_k = 10, 3  # vocab 810 = 10 x 81
+    torch.manual_seed(0)
+    embedder = Gemma4AssistantMaskedEmbedder(config)
+    embedder.token_ordering.copy_(torch.randperm(810))
+    hidden, weight = torch.randn(1, 1, 32), torch.randn(810, 32)
+    with torch.no_grad():
+        torch.testing.assert_close(ordered_logits(embedder, hidden, weight), embedder(hidden, weight))
+
+
+def test_port_with_the_assistant_passes_its_checks():
+    result = port(PortSettings(variant="e2b", backend="eager", draft="assistant", draft_tokens=K, iters=1, warmup=0))
+    assert result["checks_passed"], result["failed_checks"]
+    assert result["seq_match"] and result["logits_match"] and result["coherent"]
+    assert result["hf_assisted_match"] and result["accepted_per_step"] > 1.0
+    assert result["draft"] == "assistant" and result["draft_tokens"] == K
+    assert result["decode_tok_s_with_draft"] > 0 and result["decode_tok_s_without_draft"] > 0
+    assert result["witness"]["seq_match"] and result["witness"]["logits_match"]
+
+
+def test_a_mismatch_with_assisted_generate_fails_the_record():
+    record = {"seq_match": True, "logits_match": True, "coherent": True, "draft": "assistant"}
+    assert checks.failed_checks({**record, "hf_assisted_match": True}) == []
+    assert checks.failed_checks({**record, "hf_assisted_match": False}) == ["hf_assisted_match"]
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, words",
+    [
+        (dict(draft="assistant", draft_tokens=0), SettingsError, "at least 1"),
+        (dict(draft_tokens=4), SettingsError, "draft='assistant'"),
+        (dict(draft="medusa"), UnknownNameError, "assistant"),
+        (dict(draft="assistant", backend="neuron", neuron_recipe="trace"), SettingsError, "ModelBuilder"),
+        (dict(draft="assistant", backend="xla"), SettingsError, "not built yet"),
+        (dict(draft="assistant", tp_degree=2), SettingsError, "tp_degree 1"),
+    ],
+)
+def test_bad_draft_settings_say_what_to_do(kwargs, error, words):
+    with pytest.raises(error, match=words):
+        PortSettings(variant="e2b", **kwargs)
+
+
+def test_a_draft_without_an_assistant_says_how_to_train_one(monkeypatch, tmp_path):
+    import gemma4lib.assistant as assistant_module
+
+    settings = PortSettings(variant="e2b", draft="assistant")
+    model = load_model(settings)
+    monkeypatch.setattr(assistant_module, "assistant_dir", lambda variant, root=None: tmp_path / "missing")
+    with pytest.raises(CheckpointError, match="train_assistants.py --variant e2b"):
+        load_assistant(model, settings)
+
+
+def test_an_assistant_of_another_target_is_refused():
+    settings = PortSettings(variant="e2b", model="random", draft="assistant")
+    model = load_model(settings)
+    other = build_tiny_assistant(load_model(PortSettings(variant="31b", model="random")).config, "31b")
+    with pytest.raises(SettingsError, match="cannot attend over this target's K/V"):
+        check_pair(model.config, other.config)
+    check_pair(model.config, build_tiny_assistant(model.config, "e2b").config)  # its own: accepted
+
+
+def test_every_variant_knows_its_assistant():
+    assert assistant_spec("e2b").hub_id == "google/gemma-4-E2B-it-assistant" and assistant_spec("e2b").verified
+    assert assistant_spec("12b").model_class == "Gemma4UnifiedAssistantForCausalLM"
+    assert {assistant_spec(v).model_class for v in ("e2b", "e4b", "31b", "26b-a4b")} == {"Gemma4AssistantForCausalLM"}
+
+
+def test_the_draft_graph_never_writes_the_kv(drafted):
+    _, model, _, graphs, runtime, ids = drafted.get("31b")
+    runtime.generate(ids, 3)
+    before = [t.clone() for t in runtime.kv]
+    x = torch.randn(1, 1, 2 * model.config.hidden_size)
+    graphs.draft(x, torch.tensor([len(ids) + 2]), *runtime.kv)
+    assert all(torch.equal(a, b) for a, b in zip(before, runtime.kv, strict=True))
+    assert isinstance(graphs.draft, DraftGraph) and isinstance(graphs.layout, RoomyLayout)
+    assert graphs.draft.shape == GraphShape(1, 1, graphs.verify.shape.context_length, True)
+
+
+@pytest.mark.slow
+def test_drafting_compiled_with_aotinductor_is_exact():
+    """The cpu backend: prefill, verify and draft graphs through torch.export + AOTInductor."""
+    settings = PortSettings(variant="e2b", backend="cpu", draft="assistant", draft_tokens=K)
+    model = load_model(settings)
+    assistant = load_assistant(model, settings)
+    graphs = build_draft_graphs(model, assistant, settings)
+    runtime = DraftedRuntime(model, compile_draft_graphs(graphs, settings), graphs.new_kv(), K)
+    ids = prompt_ids(model, settings)
+    eos = eos_ids(model)
+    reference = reference_greedy(model.lm, ids, LONG)
+    generation = runtime.generate(ids, LONG)
+    _checked(model, ids, generation, reference)
+    assert hf_assisted(model.lm, assistant.model, ids, settings.max_new_tokens, eos)[0] == reference_greedy(
+        model.lm, ids, settings.max_new_tokens, eos
+    )
+
+
+@pytest.mark.slow
+def test_retraining_the_e2b_assistant_gives_the_shipped_weights():
+    """One thread, seeded: the same bytes on the CPU type that trained the fixture."""
+    from gemma4lib.assistant import assistant_dir, load_assistant_folder
+    from gemma4lib.assistant_training import AssistantTrainConfig, train_assistant
+    from gemma4lib.environment import cpu_type
+    from gemma4lib.trained import load_trained, read_provenance
+
+    recorded = read_provenance()["assistants"]["e2b"]
+    if recorded["cpu"] != cpu_type():
+        pytest.skip(f"trained on {recorded['cpu'].get('model_name')}; bytes differ across CPU types")
+    torch.use_deterministic_algorithms(True)
+    try:
+        config = AssistantTrainConfig(**recorded["train_config"])
+        trained = train_assistant(load_trained("e2b"), config).assistant.state_dict()
+    finally:
+        torch.use_deterministic_algorithms(False)
+    shipped = load_assistant_folder(assistant_dir("e2b"), "e2b").state_dict()
+    assert trained.keys() == shipped.keys()
+    assert [k for k in trained if not torch.equal(trained[k], shipped[k])] == []
