@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -132,27 +133,28 @@ def _folded_digest(graph: DeviceGraph, names: list[str]) -> str:
     return digest.hexdigest()
 
 
-def compile_graph(
-    graph: DeviceGraph, cache: ArtifactCache | None = None, options: dict[str, Any] | None = None
-) -> CompiledStep:
-    """Export + AOTInductor-compile `graph` (or load it from the cache) and return a callable.
+def cache_package(
+    graph: DeviceGraph,
+    program: torch.export.ExportedProgram,
+    cache: ArtifactCache,
+    options: dict[str, Any],
+    compile_package: Callable[[torch.export.ExportedProgram, str], Any],
+    export_s: float = 0.0,
+) -> CacheEntry:
+    """The artifact-cache entry of `program`'s package, keyed by `graph_key`; on a miss
+    `compile_package(program, package_path)` writes it (the notebooks pass AOTInductor's own call).
 
     Inductor folds some parameters into the program instead of taking them at load time (tiny
     ones, such as an 8-wide q_norm weight). Their names and values are recorded with the artifact;
     a model whose folded values differ gets an artifact of its own instead of silently running
     with the values of the model that was compiled first.
     """
-    cache = cache or ArtifactCache()
-    options = {**DEFAULT_COMPILER_OPTIONS, **(options or {})}
-    export_started = time.perf_counter()
-    program = export_graph(graph)  # every time: the key is what the compiler would receive
-    export_s = time.perf_counter() - export_started
     parts = graph_key(graph, RECIPE, options, program)
 
     def build(folder: Path) -> dict[str, Any]:
         started = time.perf_counter()
         package = str(folder / PACKAGE)
-        package_program(program, package, options)
+        compile_package(program, package)
         loadable = set(torch._inductor.aoti_load_package(package).get_constant_fqns())
         folded = sorted(set(dict(graph.named_parameters())) - loadable)
         log.info(
@@ -168,16 +170,32 @@ def compile_graph(
             "folded_digest": _folded_digest(graph, folded),
         }
 
-    started = time.perf_counter()
-    key = make_key(parts)
     describe, need = {"recipe": RECIPE, "shape": graph.shape.__dict__}, package_bytes_estimate(graph)
-    entry = cache.get_or_build(key, build, describe=describe, need_bytes=need)
+    entry = cache.get_or_build(make_key(parts), build, describe=describe, need_bytes=need)
     folded = entry.meta.get("folded_params", [])
     if folded and entry.meta.get("folded_digest") != _folded_digest(graph, folded):
         key = make_key({**parts, "folded_values": _folded_digest(graph, folded)})
         entry = cache.get_or_build(key, build, describe=describe, need_bytes=need)
+    return entry
+
+
+def compile_graph(
+    graph: DeviceGraph, cache: ArtifactCache | None = None, options: dict[str, Any] | None = None
+) -> CompiledStep:
+    """Export + AOTInductor-compile `graph` (or load it from the cache) and return a callable:
+    `export_graph` -> `cache_package` (`package_program` on a miss) -> `load_package`, the steps
+    the notebooks' compile cell runs line by line."""
+    cache = cache or ArtifactCache()
+    options = {**DEFAULT_COMPILER_OPTIONS, **(options or {})}
+    export_started = time.perf_counter()
+    program = export_graph(graph)  # every time: the key is what the compiler would receive
+    export_s = time.perf_counter() - export_started
+    started = time.perf_counter()
+    entry = cache_package(
+        graph, program, cache, options, lambda prog, path: package_program(prog, path, options), export_s
+    )
     compile_s = 0.0 if entry.hit else time.perf_counter() - started
     loaded = time.perf_counter()
     runner = load_package(str(entry.file(PACKAGE)), graph)
     load_s = time.perf_counter() - loaded
-    return CompiledStep(runner, entry, compile_s, load_s, {"key": key, "compiler": RECIPE, "export_s": export_s})
+    return CompiledStep(runner, entry, compile_s, load_s, {"key": entry.key, "compiler": RECIPE, "export_s": export_s})

@@ -26,6 +26,7 @@ class FieldReportFigures:
 
     decode_tok_s: float | None = None
     prefill_ms: float | None = None
+    recipe: str | None = None  # the recipe the field report measured with, where it is not ModelBuilder
 
 
 @dataclass(frozen=True)
@@ -120,7 +121,7 @@ VARIANTS: dict[str, Variant] = {
             use_double_wide_mlp=True,
             attention_k_eq_v=False,
         ),
-        field_report=FieldReportFigures(decode_tok_s=44.0),
+        field_report=FieldReportFigures(decode_tok_s=44.0, recipe="torch_neuronx.trace"),
         supported_tp=(1, 2),
         tiny_seed=10,
         notes=("PLE table stays on the host", "20 of 35 layers reuse K/V of layers 13 and 14"),
@@ -161,7 +162,7 @@ VARIANTS: dict[str, Variant] = {
             use_double_wide_mlp=False,
             attention_k_eq_v=False,
         ),
-        field_report=FieldReportFigures(decode_tok_s=34.0),
+        field_report=FieldReportFigures(decode_tok_s=34.0, recipe="hand-driven TP"),
         supported_tp=(1, 2),
         tiny_seed=8,
         notes=("TP=2 leaves one KV head per rank",),

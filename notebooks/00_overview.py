@@ -82,8 +82,10 @@ nb.family_table()
 #    the softcap only when sampling needs probabilities.
 # 2. **Device side**: a prefill graph per prompt-length bucket and one decode graph, both with
 #    static shapes and explicit K/V buffers that live on the device between calls.
-# 3. **Checks**: the device's tokens against transformers' greedy output on the host in fp32
-#    (SEQ_MATCH), and the answer against what a sensible answer contains (coherence).
+# 3. **Checks**, three of them: the device's tokens against transformers' greedy output on the
+#    host (SEQ_MATCH; fp32 in the smoke profile, the checkpoint's bf16 on inf2), the device's logits
+#    at every step against the reference's within its own numerical spread (LOGITS_MATCH), and the
+#    answer against what a sensible answer contains (coherence).
 #
 # The device graph is written once, wraps transformers' own modules, and is compiled by whichever
 # compiler the machine has: AOTInductor on a CPU, the Neuron compiler on inf2. Re-implementing the

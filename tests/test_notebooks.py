@@ -1,14 +1,15 @@
-"""The committed notebooks: each the copy of its jupytext source (notebooks/NN_name.py), outputs
+"""The committed notebooks: each the copy of its jupytext source (notebooks/NN_name.py), the variant
+notebooks generated from notebooks/parts/ (generating again changes nothing), at most 35 cells, outputs
 stripped, one plain `parameters` cell, one kernelspec, the shared skeleton, the recipe's real calls in
-the cells (copies of library functions equal to the library's), nothing that installs, prompts or
-leaks; listed in the README; and, in the slow test, every one of them executed headless in the smoke
-profile with both checks true."""
+the cells (public library names only, every function a cell defines used), nothing that installs,
+prompts or leaks; listed in the README; the decode-loop cell equal to `runtime.decode_loop`; and every
+one of them executed headless in the smoke profile with the checks true and the same programs, tokens
+and logits as `port()`'s for the same settings."""
 
 from __future__ import annotations
 
 import ast
-import importlib
-import inspect
+import importlib.util
 import json
 import re
 import subprocess
@@ -82,33 +83,48 @@ VARIANT_SECTIONS = [  # the skeleton every variant notebook follows, in this ord
     "## Setup",
     "## 1. Load the model",
     "### The host side",
-    "## What makes",
+    "## What makes",  # the variant's lesson, right after the load
     "## 2. Build the device graph",
     "## 3. Compile",
     "## 4. Generate on the device",
     "## 5. The reference",
     "## 6. SEQ_MATCH, LOGITS_MATCH and coherence",
-    "## 7. Benchmark",
-    "## 8. Record",
-    "## 9. Plots",
+    "## 7. Sampling, streaming and a conversation",
+    "## 8. Benchmark",
+    "## 9. Record",
+    "## 10. Plots",
 ]
+MAX_CELLS = 35
 # Calls a learner must find in the cells themselves, not behind a helper.
 REAL_CALLS = [
     "text_model.embed_tokens(",
     "DeviceGraph(",
     ".example_inputs()",
     "torch.export.export(",
-    "aoti_compile_and_package(",
+    "torch._inductor.aoti_compile_and_package(",
+    "torch._inductor.aoti_load_package(",
+    "compile_cpu.load_weights(",
+    "HostRuntime(",
     "runtime.prefill[bucket](",
     "runtime.decode(",
     "checks.compare_logits(",
     "checks.expect_substring(",
+    "apply_chat_template(history",  # the conversation: the template over the whole history
+    "Sampling(temperature=temperature, top_p=top_p",
+    "decode_loop(",
+    "on_token=",
 ]
 NEURON_CALLS = {
-    "trace": ["torch_neuronx.trace(", "input_output_aliases=", "move_trace_to_device("],
-    "model_builder": ["ModelBuilder(", "builder.add(", "builder.trace(", "builder.shard_checkpoint(", ".initialize("],
+    "trace": ["torch_neuronx.trace(", "input_output_aliases=module.aliases()", "move_trace_to_device("],
+    "model_builder": [
+        "ModelBuilder(",
+        "builder.add(",
+        "priority_model_idx=",
+        "builder.trace(initialize_model_weights=False)",
+        "builder.shard_checkpoint(",
+        "nxd_model.initialize(",
+    ],
 }
-LIBRARY_MARK = re.compile(r"^# library: ([\w.]+)$", re.M)
 
 
 def variant_notebooks() -> list[Path]:
@@ -151,7 +167,9 @@ def test_variant_notebooks_follow_the_skeleton(path):
     assert params < setup, f"{path.name}: the parameters cell comes before the setup"
     record = [c.source for c in nb.cells if c.cell_type == "code" and "nb.record(" in c.source]
     assert len(record) == 1, f"{path.name}: one cell writes the run record"
-    assert 'extra={"demos": demos, "roofline": ceiling}' in record[0] and "witness=witness" in record[0]
+    assert 'extra={"demos": demos, "roofline": ceiling, "step_logits_sha256"' in record[0]
+    assert "witness=witness" in record[0]
+    assert len(nb.cells) <= MAX_CELLS, f"{path.name} has {len(nb.cells)} cells; at most {MAX_CELLS}"
 
 
 @pytest.mark.parametrize("path", variant_notebooks(), ids=lambda p: p.name)
@@ -163,64 +181,133 @@ def test_the_cells_show_the_real_calls(path):
     text = code_text(nb)
     variant = VARIANTS[parameters_of(nb)["variant"]]
     wanted = REAL_CALLS + NEURON_CALLS[neuron_recipe(variant, variant.tp_degree)]
+    if "neuron_recipe" in parameters_of(nb):  # E2B: the one-graph trace recipe is selectable too
+        wanted += NEURON_CALLS["trace"]
     if variant.real_config.get("hidden_size_per_layer_input"):
-        wanted += ["get_per_layer_inputs(", "per_layer_inputs=per_layer_inputs"]
+        wanted += ["get_per_layer_inputs("]
+    if variant.name == "e2b":  # its lesson runs the reference from the host-side inputs
+        wanted += ["per_layer_inputs=per_layer_inputs"]
     missing = [call for call in wanted if call not in text]
     assert not missing, f"{path.name}: no cell shows {missing}"
-    guarded = [c.source for c in nb.cells if c.cell_type == "code" and 'if backend == "neuron":' in c.source]
-    assert guarded, f'{path.name}: the inf2 step sits in a cell guarded by `if backend == "neuron":`'
+    guarded = [c.source for c in nb.cells if c.cell_type == "code" and c.source.startswith('if backend == "neuron"')]
+    assert guarded, f'{path.name}: the inf2 step sits in a cell guarded by `if backend == "neuron" ...:`'
+    assert all("ModelBuilder(" in c or "torch_neuronx.trace(" in c for c in guarded)
 
 
-def _normalised(function: ast.FunctionDef) -> str:
-    """A function's AST without its docstring and annotations: what it does, not how it is documented."""
-    node = ast.parse(ast.unparse(function)).body[0]
-    body = node.body
-    if body and isinstance(body[0], ast.Expr) and isinstance(getattr(body[0], "value", None), ast.Constant):
-        body = body[1:]
-    node.body, node.returns = body, None
-    for arg in [*node.args.posonlyargs, *node.args.args, *node.args.kwonlyargs, node.args.vararg, node.args.kwarg]:
-        if arg is not None:
-            arg.annotation = None
-    return ast.dump(node)
+def _generator():
+    spec = importlib.util.spec_from_file_location("generate_notebooks", ROOT / "scripts" / "generate_notebooks.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
-def library_copies(path: Path) -> list[tuple[int, str, ast.FunctionDef]]:
-    """(cell index, module, function) for every function a `# library: <module>` cell defines."""
-    copies = []
-    for i, cell in enumerate(load(path).cells):
-        mark = LIBRARY_MARK.search(cell.source) if cell.cell_type == "code" else None
-        if mark:
-            source = "\n".join(line for line in cell.source.splitlines() if not line.lstrip().startswith("%"))
-            functions = [n for n in ast.parse(source).body if isinstance(n, ast.FunctionDef)]
-            assert functions, f"{path.name} cell {i} names {mark.group(1)} but defines no function"
-            copies += [(i, mark.group(1), f) for f in functions]
-    return copies
-
-
-@pytest.mark.parametrize("path", variant_notebooks(), ids=lambda p: p.name)
-def test_library_copies_in_cells_equal_the_library(path):
-    """A cell that shows a library function's lines (`# library: module`, then `def name(...)`) must
-    hold exactly that function's code, so the cell cannot drift from what the port runs."""
-    copies = library_copies(path)
-    assert {m for _, m, _ in copies} >= {"gemma4lib.compile_cpu"}, f"{path.name} shows no compiler lines"
-    for i, module_name, function in copies:
-        module = importlib.import_module(module_name)
-        library = getattr(module, function.name, None)
-        assert library is not None, f"{path.name} cell {i}: {module_name} has no {function.name}; update the cell"
-        (expected,) = ast.parse(inspect.getsource(library)).body
-        assert _normalised(function) == _normalised(expected), (
-            f"{path.name} cell {i}: {function.name} differs from {module_name}.{function.name}; run "
-            f".venv/bin/python scripts/sync_notebook_copies.py {path.stem} (re-copies the library's lines)"
+def test_generating_the_variant_notebooks_again_changes_nothing():
+    """notebooks/0[1-5]_*.py are generated from notebooks/parts/ (skeleton + the variant's parts)."""
+    generator = _generator()
+    stems = generator.variant_stems()
+    assert stems == [p.stem for p in variant_notebooks()], "one notebooks/parts/NN_name.py per variant notebook"
+    for stem in stems:
+        committed = (NOTEBOOK_DIR / f"{stem}.py").read_text()
+        assert generator.render(stem) == committed, (
+            f"notebooks/{stem}.py differs from what notebooks/parts/ generate; edit the parts and run "
+            ".venv/bin/python scripts/generate_notebooks.py"
         )
 
 
-def test_library_copy_check_can_fail():
-    """The comparison sees a changed argument, not only a changed name."""
-    from gemma4lib import compile_cpu
+def test_the_generator_refuses_a_missing_or_unused_part(tmp_path, monkeypatch):
+    generator = _generator()
+    monkeypatch.setattr(generator, "PARTS", tmp_path)
+    (tmp_path / "01_x.py").write_text("# -- part: a --\nfilled\n# -- part: b --\nunused\n")
+    monkeypatch.setattr(generator, "SKELETON", tmp_path / "skeleton.py")
+    (tmp_path / "skeleton.py").write_text("x = '{{a}}'\n")
+    with pytest.raises(SystemExit, match="never uses"):
+        generator.render("01_x")
+    (tmp_path / "skeleton.py").write_text("x = '{{a}}'\n{{b}}\n{{c}}\n")
+    with pytest.raises(SystemExit, match="no part 'c'"):
+        generator.render("01_x")
+    (tmp_path / "skeleton.py").write_text("x = '{{a}}'\n{{b}}\n")
+    assert generator.render("01_x") == "x = 'filled'\nunused\n"
 
-    (library,) = ast.parse(inspect.getsource(compile_cpu.export_graph)).body
-    changed = ast.parse(inspect.getsource(compile_cpu.export_graph).replace("strict=False", "strict=True")).body[0]
-    assert _normalised(library) != _normalised(changed)
+
+def _code_tree(nb) -> ast.Module:
+    source = "\n".join(
+        "\n".join(line for line in c.source.splitlines() if not line.lstrip().startswith("%"))
+        for c in nb.cells
+        if c.cell_type == "code"
+    )
+    return ast.parse(source)
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+def test_every_function_a_cell_defines_is_used_and_no_private_library_name(path):
+    """A function shown in a cell is the one the notebook calls (no copies that never run), and the
+    cells use gemma4lib's public names only, so a learner's copy of a cell runs as it stands."""
+    tree = _code_tree(load(path))
+    defined = [n.name for n in ast.walk(tree) if isinstance(n, ast.FunctionDef)]
+    used = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)}
+    unused = sorted(set(defined) - used)
+    assert not unused, f"{path.name} defines functions it never uses: {unused}"
+    from_library = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("gemma4lib"):
+            private = [a.name for a in node.names if a.name.startswith("_")]
+            assert not private, f"{path.name} imports private names {private} from {node.module}"
+            from_library.update({a.asname or a.name: node.module for a in node.names})
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in from_library:
+            assert not node.attr.startswith("_"), f"{path.name} uses the private {node.value.id}.{node.attr}"
+
+
+def test_the_private_name_check_can_fail(tmp_path):
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [
+        nbformat.v4.new_code_cell("from gemma4lib.recipes import neuron_model_builder as mb\nmb._instance_class()")
+    ]
+    nbformat.write(nb, str(tmp_path / "x.ipynb"))
+    with pytest.raises(AssertionError, match="private"):
+        test_every_function_a_cell_defines_is_used_and_no_private_library_name(tmp_path / "x.ipynb")
+
+
+def test_02_shards_by_hand_and_all_reduces():
+    """The TP lesson is in 02's cells: column shards (rows of q/k/v, gate/up), row shards (columns of
+    o_proj, down_proj), partial outputs summed (the all-reduce), checked against the unsharded layer."""
+    text = code_text(load(NOTEBOOK_DIR / "02_e4b.ipynb"))
+    for line in [
+        "wq[mine_q], wk[mine_kv], wv[mine_kv]",
+        "F.linear(heads, wo[:, mine_q])",
+        "gate[mine]",
+        "F.linear(inner, down[:, mine])",
+        "attn_tp = torch.stack(partials).sum(0)",
+        "mlp_tp = torch.stack(partials).sum(0)",
+        "torch.testing.assert_close(attn_tp, attn_hf",
+        "torch.testing.assert_close(mlp_tp, mlp_hf",
+    ]:
+        assert line in text, f"02_e4b has no cell line {line!r}"
+
+
+def _decode_cell(nb) -> str:
+    (cell,) = [c.source for c in nb.cells if c.cell_type == "code" and "tokens, step_logits = [], []" in c.source]
+    return cell
+
+
+@pytest.mark.parametrize("path", variant_notebooks(), ids=lambda p: p.name)
+def test_the_decode_loop_cell_equals_runtime_decode_loop(path, ports):
+    """The notebook's own loop (its cell, executed here over a compiled runtime) gives exactly the
+    tokens and logits of `runtime.generate`, which runs `runtime.decode_loop`."""
+    import torch
+
+    from gemma4lib import notebook as nb_helpers
+    from gemma4lib.port import eos_ids
+
+    variant = parameters_of(load(path))["variant"]
+    port = ports.get(variant)
+    namespace = {"torch": torch, "runtime": port.runtime, "ids": port.ids, "s": port.settings, "model": port.model}
+    namespace.update(eos_ids=eos_ids, nb=nb_helpers)
+    exec(compile(_decode_cell(load(path)), f"{path.name}[decode loop]", "exec"), namespace)
+    eos = eos_ids(port.model)
+    generation = port.runtime.generate(port.ids, port.settings.max_new_tokens, eos_token_ids=eos, keep_logits=True)
+    assert namespace["tokens"] == generation.tokens
+    assert torch.equal(namespace["step_logits"], generation.step_logits)
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
@@ -333,6 +420,7 @@ def test_all_notebooks_run_headless_in_the_smoke_profile(tmp_path):
             assert record["coherent"] is True, f"{file}: {record.get('answer')!r}"
             assert record["witness"]["passed"] is True, f"{file}: {record['witness']}"
         assert (out / "notebooks" / file).is_file()
+        _same_as_port(name, file, record)
         executed = load(out / "notebooks" / file)
         plot_cells = [c for c in executed.cells if c.cell_type == "code" and _last_line(c).startswith("plots.")]
         blank = [_last_line(c) for c in plot_cells if not _has_image(c)]
@@ -342,6 +430,35 @@ def test_all_notebooks_run_headless_in_the_smoke_profile(tmp_path):
     for name in ("summary.md", "summary.csv", "family_metrics.png", "checks.png", "trend_decode_tok_s.png"):
         assert (out / name).is_file(), name
     assert "decode tok/s" in done.stdout and "verdict" in done.stdout
+
+
+def _same_as_port(name: str, file: str, record: dict) -> None:
+    """What the notebook's cells ran equals what `port()` runs for the same settings: the same
+    compiled programs (artifact keys), tokens and step logits (sha256 of their float32 bytes)."""
+    import torch
+
+    from gemma4lib import notebook as nb_helpers
+    from gemma4lib.port import PortSettings, eos_ids, load_model, prompt_ids, run_device
+
+    values = parameters_of(load(NOTEBOOK_DIR / file))
+    keys = ("variant", "model", "weights", "max_new_tokens", "context_length", "ring_kv", "decode_experts")
+    chosen = {k: values[k] for k in keys if k in values}
+    settings = PortSettings(**chosen, prompt=values["prompt"], prefill_buckets=tuple(values["prefill_buckets"]))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(values["threads"])  # the notebook's thread count: the same kernels, the same bits
+    try:
+        model = load_model(settings)
+        ids = prompt_ids(model, settings)
+        run = run_device(model, settings, ids, eos_ids(model), bench=False)
+    finally:
+        torch.set_num_threads(threads)
+    if not values.get("tp_demo"):
+        # Known gap (notes/nb.md): where the lesson runs the gloo TP demo before the compile cell
+        # (02-05), the cache keys come out different from port()'s although tokens and logits below are
+        # bit-identical; without the demo (01, and 02's cells run without it) the keys are port()'s.
+        assert record["artifacts"] == run["artifacts"], f"{file}: its cells compiled other programs than port()"
+    assert record["tokens"] == run["tokens"], f"{file}: tokens differ from port()'s"
+    assert record["step_logits_sha256"] == nb_helpers.tensor_digest(run["step_logits"]), f"{file}: logits differ"
 
 
 def _last_line(cell) -> str:
@@ -410,3 +527,64 @@ def test_table_and_plots_render_headless():
         plots.baseline_comparison([{"variant": "e2b", "value": 3.0, "baseline": 2.0, "limit": 4.0}], "prefill_ms"),
     ]
     assert all(isinstance(f, Figure) for f in figures)
+
+
+def _cell_starting(nb, prefix: str) -> str:
+    (cell,) = [c.source for c in nb.cells if c.cell_type == "code" and c.source.startswith(prefix)]
+    return cell
+
+
+@pytest.mark.parametrize(
+    "path", [NOTEBOOK_DIR / "02_e4b.ipynb", NOTEBOOK_DIR / "05_26b_a4b.ipynb"], ids=lambda p: p.name
+)
+def test_the_model_builder_cell_makes_the_recipes_calls(path, tmp_path, monkeypatch):
+    """The inf2 cell (run here against a recording stand-in for NxD's model_builder, up to `trace`)
+    asks ModelBuilder for exactly what `recipes.neuron_model_builder.compile_model_builder`, the
+    function `port(backend="neuron")` runs, asks for: the same checkpoint, keys, example inputs,
+    compiler arguments and priorities."""
+    import dataclasses
+
+    import torch
+    from test_neuron_recipes import _Recorder
+
+    from gemma4lib import notebook as nb_helpers
+    from gemma4lib.artifacts import ArtifactCache
+    from gemma4lib.backends.base import CompiledGraphs
+    from gemma4lib.port import PortSettings, build_graphs, load_model
+    from gemma4lib.recipes import neuron_env, neuron_model_builder
+    from gemma4lib.runtime import HostRuntime
+
+    values = parameters_of(load(path))
+    tp = 2
+    settings = PortSettings(
+        variant=values["variant"], tp_degree=tp, decode_experts=values.get("decode_experts", "dense")
+    )
+    model = load_model(dataclasses.replace(settings, tp_degree=1))
+    _, decode = build_graphs(model, dataclasses.replace(settings, tp_degree=1))
+    runs = []
+    for run in ("cell", "library"):
+        recorder = _Recorder()
+        monkeypatch.setattr(neuron_env, "require", lambda module, purpose="", r=recorder: r.module)
+        with pytest.raises(RuntimeError, match="stop: no Neuron compiler here"):
+            if run == "cell":
+                namespace = dict(backend="neuron", s=settings, model=model, decode=decode, torch=torch, nb=nb_helpers)
+                namespace.update(time=__import__("time"), cache=ArtifactCache(tmp_path / "cache"), has_ple=False)
+                namespace.update(HostRuntime=HostRuntime, CompiledGraphs=CompiledGraphs)
+                cell = _cell_starting(load(path), 'if backend == "neuron" and s.neuron_recipe != "trace"')
+                exec(compile(cell, f"{path.name}[ModelBuilder cell]", "exec"), namespace)
+            else:
+                experts = settings.decode_experts if model.variant.is_moe else "dense"
+                neuron_model_builder.compile_model_builder(
+                    model, tp, tmp_path / "lib", context_length=settings.context_length,
+                    prefill_len=max(settings.prefill_buckets), ring=settings.ring_kv, decode_experts=experts,
+                )  # fmt: skip
+        runs.append(recorder.calls)
+    cell_calls, library_calls = runs
+    assert [kind for kind, _ in cell_calls] == [kind for kind, _ in library_calls] == ["init", "add", "add", "trace"]
+    for (kind, ours), (_, theirs) in zip(cell_calls, library_calls, strict=True):
+        if kind == "init":
+            assert ours["tp_degree"] == theirs["tp_degree"] and ours["router"] is theirs["router"]
+            assert ours["checkpoint"].keys() == theirs["checkpoint"].keys()
+            assert all(torch.equal(ours["checkpoint"][k], theirs["checkpoint"][k]) for k in ours["checkpoint"])
+        else:
+            assert ours == theirs, f"{kind}: the cell asked {ours}, the recipe {theirs}"

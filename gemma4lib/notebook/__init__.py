@@ -61,7 +61,7 @@ from .family import (
     recipe_table,
     tp_fit,
 )
-from .records import load_results, record, save_record
+from .records import load_results, record, save_record, tensor_digest
 
 __all__ = [
     "Table",
@@ -98,6 +98,7 @@ __all__ = [
     "results_table",
     "run_witness",
     "save_record",
+    "tensor_digest",
     "show_prompt",
     "show_settings",
     "side_by_side",

@@ -201,7 +201,7 @@ def side_by_side(report: checks.CheckReport, device_tokens: Any = (), reference_
         ],
     ]
     return Table(
-        ["", "device", "reference (host fp32)"],
+        ["", "device", "reference (host: fp32 smoke, bf16 on inf2)"],
         rows,
         "PASS"
         if report.passed and report.coherent is not None

@@ -460,6 +460,8 @@ def measured_vs_ceiling(model: LoadedModel, settings: Any, figures: BenchFigures
         experts="selective" if v.is_moe else "dense",
     )
     source = "field report" if v.field_report.decode_tok_s is not None else "computed ceiling only"
+    if v.field_report.decode_tok_s is not None and v.field_report.recipe:  # not the ModelBuilder this port runs
+        source = f"field report, its {v.field_report.recipe} recipe"
     released["label"] = f"released {v.name.upper()}, {v.instance_type} TP={v.tp_degree} ({source})"
     if v.field_report.decode_tok_s is None:
         released["note"] = "no decode tok/s measured: no inf2 here, and the field report gives prefill only"

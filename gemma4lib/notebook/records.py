@@ -3,10 +3,13 @@ records the variant notebooks wrote."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
+
+import torch
 
 from .. import checks
 from ..artifacts import atomic_write_json
@@ -87,3 +90,9 @@ def load_results(folder: str | Path) -> dict[str, dict[str, Any]]:
         if name in VARIANTS and (name not in found or path.stat().st_mtime >= found[name][0]):
             found[name] = (path.stat().st_mtime, data)
     return {name: found[name][1] for name in VARIANTS if name in found}
+
+
+def tensor_digest(tensor: torch.Tensor) -> str:
+    """sha256 of a tensor's float32 bytes: what a record keeps of the step logits, so a test can
+    check that the notebook's cells computed exactly what `port()` computes for the same settings."""
+    return hashlib.sha256(tensor.detach().float().contiguous().numpy().tobytes()).hexdigest()

@@ -186,7 +186,9 @@ def nxd_checkpoint(loaded: Any, plan: TPPlan, dtype: torch.dtype, weights: str =
     return int8_checkpoint(checkpoint) if check_weights(weights) == "int8" else checkpoint
 
 
-def _instance_class():
+def instance_class():
+    """NxD's `model_builder` module and the `BaseModelInstance` subclass one key is built from
+    (defined here because its base class comes from the SDK)."""
     model_builder = neuron_env.require("neuronx_distributed.trace.model_builder", PURPOSE)
 
     class GraphInstance(model_builder.BaseModelInstance):
@@ -229,7 +231,7 @@ def compile_model_builder(
     plan's, the intermediate split where it divides).
     `weights`: "int8" quantizes the attention and dense-MLP linears with NxD's layers (module docstring).
     """
-    model_builder, GraphInstance = _instance_class()
+    model_builder, GraphInstance = instance_class()
     forms = bucket_expert_forms(decode_experts)
     plan = make_plan(loaded.config, tp, loaded.variant, expert_split=expert_split)
     out = Path(out_dir)
@@ -287,3 +289,6 @@ def generate(traced: Any, loaded: Any, prompt: Sequence[int], max_new_tokens: in
     """Greedy tokens from the loaded NxD model (it routes prefill/decode by input shape)."""
     host = HostEmbedder.from_text_model(loaded.text_model)
     return greedy_generate(traced, host, prompt, max_new_tokens, prefill=traced, prefill_len=prefill_len)
+
+
+_instance_class = instance_class  # the old name, for callers that still use it

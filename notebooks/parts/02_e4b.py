@@ -1,0 +1,182 @@
+# The parts of 02_e4b.ipynb that are E4B's own; scripts/generate_notebooks.py fills them into skeleton.py.
+# -- part: variant --
+e4b
+# -- part: hub --
+google/gemma-4-E4B-it
+# -- part: tp --
+2
+# -- part: instance --
+inf2.8xlarge
+# -- part: header --
+# # Gemma-4 E4B: tensor parallelism by hand, over two cores
+#
+# E4B is E2B widened: the same per-layer embeddings and KV sharing, twice the weights. This is where
+# tensor parallelism (TP) enters. **You will learn** what TP does to one decoder layer, by doing it
+# by hand: the attention and the MLP split into column and row shards over two ranks, each rank's
+# partial output, and the all-reduce (a sum) that puts them back together, checked equal to the
+# unsharded layer; then the same plan run by this project's rank graph, one process per rank. On
+# inf2 the port compiles at TP=2 with NxD `ModelBuilder`.
+#
+# ### Runs on
+#
+# | | `full` profile (inf2) | `smoke` profile (any CPU) |
+# |---|---|---|
+# | machine | `inf2.8xlarge`: 1 Inferentia2 chip, 2 NeuronCores, 32 GiB HBM, 820 GB/s | any x86-64 or arm64 machine; two shared cores are enough |
+# | TP degree | 2 (NxD ModelBuilder) | 1 for the port; the lesson splits one layer over 2 ranks by hand, then runs 2 ranks as CPU processes (gloo) |
+# | memory per core (computed, `python -m gemma4lib doctor`) | 4.4 GiB bf16 weights + 0.03 GiB K/V at 2,048 tokens + 2 GiB working allowance (unverified on inf2) = 6.4 of 16 GiB HBM | a few MB |
+# | host RAM for the compile | 128 GiB on the instance; ~45 GB estimated (3 × the text weights: module + checkpoint + shards); the model is loaded in bf16 on the host before it is compiled | under 2 GiB |
+# | time per decode step | ~29 ms measured by the field report (34 tok/s, with its hand-driven TP recipe, `parallel_model_trace`); ≥ 10.6 ms computed from bandwidth ÷ bytes per step at TP=2 | ~2.2 ms measured (445 tok/s, smoke baseline of 2026-11-29, one thread of a shared 2-core CPU) |
+# | software | Deep Learning AMI Neuron (Ubuntu 24.04), venv `aws_neuronx_venv_pytorch_2_9_nxd_inference` (Python 3.12), Neuron SDK 2.28: torch-neuronx 2.9.0.2.12.22436, neuronx-cc 2.23.6484.0, neuronx-distributed 0.17.26814, libneuronxla 2.2.15515.0; + transformers 5.23.0 | torch 2.13 (CPU), transformers 5.23.0, AOTInductor as the compiler |
+# | model | `google/gemma-4-E4B-it` (bf16, gated: `HF_TOKEN` from the environment) | a tiny trained model of the same architecture: PLE + KV sharing (12 layers, 5 KV-shared) |
+# -- part: parameters --
+tp_demo = 2  # ranks of the rank-graph run on CPU processes (0: skip)
+# -- part: settings --
+# -- part: lesson --
+# %% [markdown]
+# ## What makes E4B different
+#
+# Its architecture is E2B's (PLE on the host, KV-shared layers; 01_e2b shows both) at a larger
+# width, with 2 KV heads per layer instead of 1. Without its PLE table it holds about 9.4 GB
+# (8.7 GiB) of bf16 weights: with the 2 GiB working allowance that fits one 16 GiB NeuronCore. The
+# reason for two cores is bandwidth: batch-1 decode reads every weight once per token, and one core
+# reads through its half of the chip's 820 GB/s. Split over the two cores of an `inf2.8xlarge`
+# (TP=2), each core reads half the weights and the step takes about half the time. With 8 Q heads and
+# 2 KV heads per layer, each rank takes 4 Q heads and exactly one KV head: sharded, not copied.
+#
+# The field report did this with a hand-driven recipe, NxD's `parallel_model_trace`, which starts one
+# process per rank (each re-imports the SDK, without the fixes this cookbook installs) and is no
+# longer supported since SDK 2.27. So on inf2 this notebook compiles with `ModelBuilder` at TP=2, the
+# recipe of the 12B, 31B and 26B-A4B: one process, one rank compiled, the weights sharded per rank.
+# What TP *is* stays this notebook's lesson, done by hand below.
+
+# %%
+display(nb.tp_fit("e4b"))
+nb.kv_heads_under_tp("e4b", 2)
+
+# %% [markdown]
+# ### The attention block, split by hand
+#
+# Take one full-attention layer of the loaded model (in the full profile the real checkpoint's, at
+# real width: 2,560 hidden, 8 Q heads of 512). Attention heads are independent until the output
+# projection, so TP cuts along heads:
+#
+# - **column shards** of `q_proj`, `k_proj`, `v_proj`: rank `r` holds the weight *rows* of its heads
+#   (4 Q heads and their one KV head on E4B) and computes their attention with no communication;
+# - a **row shard** of `o_proj`: rank `r` holds the weight *columns* that read its heads' outputs, so
+#   its product is a partial sum of the layer's output;
+# - the **all-reduce**: every rank adds up all ranks' partials and has the full output. Here the
+#   ranks are a loop and the all-reduce is a `sum`; on inf2 NxD's `ColumnParallelLinear` and
+#   `RowParallelLinear` hold the shards and the all-reduce is a collective between the NeuronCores.
+#
+# The cell checks the sharded result against the same arithmetic unsharded and against
+# transformers' own attention module.
+
+# %%
+import torch.nn.functional as F
+from transformers.models.gemma4.modeling_gemma4 import apply_rotary_pos_emb
+
+tp = s.variant_spec.tp_degree  # 2, as on the inf2.8xlarge
+index = model.config.layer_types.index("full_attention")  # one full-attention layer that owns its K/V
+layer = text_model.layers[index]
+attn, mlp = layer.self_attn, layer.mlp
+tol = {"rtol": 1e-4, "atol": 1e-5} if inputs_embeds.dtype == torch.float32 else {"rtol": 2e-2, "atol": 2e-2}
+with torch.no_grad():
+    x = layer.input_layernorm(inputs_embeds)  # [1, T, hidden]: what the layer's attention reads
+    T = x.shape[1]
+    cos, sin = text_model.rotary_emb(x, torch.arange(T)[None], "full_attention")
+    causal = torch.full((T, T), float("-inf")).triu(1).to(x.dtype)
+
+
+def heads_attention(x, wq, wk, wv):  # causal attention of the heads whose weight rows wq, wk, wv hold
+    shape = (1, T, -1, attn.head_dim)
+    q = apply_rotary_pos_emb(attn.q_norm(F.linear(x, wq).view(shape)), cos, sin, unsqueeze_dim=2).transpose(1, 2)
+    k = apply_rotary_pos_emb(attn.k_norm(F.linear(x, wk).view(shape)), cos, sin, unsqueeze_dim=2).transpose(1, 2)
+    v = attn.v_norm(F.linear(x, wv).view(shape)).transpose(1, 2)
+    group = q.shape[1] // k.shape[1]  # Q heads per KV head (GQA): Q head i reads KV head i // group
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    scores = torch.softmax(q @ k.transpose(-1, -2) * attn.scaling + causal, dim=-1, dtype=torch.float32)
+    return (scores.to(v.dtype) @ v).transpose(1, 2).reshape(1, T, -1)  # [1, T, heads × head_dim]
+
+
+with torch.no_grad():
+    wq, wk, wv, wo = attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight, attn.o_proj.weight
+    q_rows, kv_rows = wq.shape[0] // tp, wk.shape[0] // tp  # whole heads per rank
+    partials = []
+    for rank in range(tp):
+        mine_q, mine_kv = slice(rank * q_rows, (rank + 1) * q_rows), slice(rank * kv_rows, (rank + 1) * kv_rows)
+        heads = heads_attention(x, wq[mine_q], wk[mine_kv], wv[mine_kv])  # column shards: this rank's heads
+        partials.append(F.linear(heads, wo[:, mine_q]))  # row shard of o_proj: a partial sum, [1, T, hidden]
+    attn_tp = torch.stack(partials).sum(0)  # the all-reduce: the sum of every rank's partial output
+    attn_one = F.linear(heads_attention(x, wq, wk, wv), wo)  # unsharded, the same arithmetic
+    attn_hf = attn(x, (cos, sin), causal[None, None], {})[0]  # transformers' own attention module
+torch.testing.assert_close(attn_tp, attn_one, **tol)
+torch.testing.assert_close(attn_tp, attn_hf, **tol)
+demos["tp_by_hand_attention"] = {
+    "layer": index,
+    "ranks": tp,
+    "q_rows_per_rank": q_rows,
+    "kv_rows_per_rank": kv_rows,
+    "max_abs_diff_vs_unsharded": float((attn_tp - attn_one).abs().max()),
+    "max_abs_diff_vs_transformers": float((attn_tp - attn_hf).abs().max()),
+}
+demos["tp_by_hand_attention"]
+
+# %% [markdown]
+# ### The MLP, split by hand
+#
+# `down(act(gate(h)) × up(h))`: `gate_proj` and `up_proj` are column shards (rank `r` computes its
+# slice of the intermediate activations, no communication: the activation is elementwise),
+# `down_proj` a row shard (its product is a partial sum), then one all-reduce. One all-reduce per
+# attention block and one per MLP: that is all the communication TP adds to a decoder layer.
+
+# %%
+with torch.no_grad():
+    h = layer.pre_feedforward_layernorm(inputs_embeds)  # what the layer's MLP reads (here: from the embeddings)
+    gate, up, down = mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight
+    rows = gate.shape[0] // tp  # intermediate columns per rank
+    partials = []
+    for rank in range(tp):
+        mine = slice(rank * rows, (rank + 1) * rows)
+        inner = mlp.act_fn(F.linear(h, gate[mine])) * F.linear(h, up[mine])  # column shards: [1, T, rows]
+        partials.append(F.linear(inner, down[:, mine]))  # row shard: a partial sum, [1, T, hidden]
+    mlp_tp = torch.stack(partials).sum(0)  # the all-reduce
+    mlp_hf = mlp(h)  # transformers' own MLP, unsharded
+torch.testing.assert_close(mlp_tp, mlp_hf, **tol)
+demos["tp_by_hand_mlp"] = {"intermediate_per_rank": rows, "max_abs_diff": float((mlp_tp - mlp_hf).abs().max())}
+demos["tp_by_hand_mlp"]
+
+# %% [markdown]
+# ### The same plan, run by the rank graph
+#
+# `gemma4lib.tp` does the above for every layer: `tp.plan` decides which rows and columns (and K/V
+# heads) each rank holds, `tp.shard` cuts the checkpoint per rank, and `tp.rank_graph` swaps the
+# model's linears for shards and all-reduces after each row shard; it is the module that ModelBuilder
+# compiles on inf2, there with NxD's parallel layers. Here it runs for real on CPU: `tp_demo`
+# processes, each holding only its shard, talking through gloo collectives. As on inf2, the prompt
+# is prefilled by the unsharded model on the host and every rank starts decoding from its slice of
+# that K/V ("CPU-seeded prefill"). The tokens must equal the reference's. The full profile skips this
+# run (`tp_demo: 0`): the by-hand layer above is its TP lesson, at real width.
+
+# %%
+if tp_demo:
+    demos["tp_cpu"] = nb.tp_demo(model, ids, s, tp_demo, prefill="cpu-seeded")
+    display(demos["tp_cpu"])
+# -- part: graph_note --
+# As for E2B, the PLE inputs arrive as a graph input computed on the host.
+# -- part: compile_note --
+# at TP=2: one rank compiled (the rank graph with NxD's parallel layers), the weights sharded per
+# rank, the rank number a runtime tensor, and the decode graph the priority model whose weight layout
+# the compiler optimises. The calls and each argument:
+# -- part: neuron_trace --
+# -- part: after_checks --
+# -- part: plot_note --
+# The released model's measured bar is the field report's 34 tok/s, measured with its hand-driven
+# TP recipe (`parallel_model_trace`), not with the ModelBuilder recipe this notebook compiles.
+# -- part: takeaways --
+# - TP cuts a decoder layer along heads (attention) and intermediate columns (MLP): column shards
+#   need no communication, each row shard ends in an all-reduce, two per layer.
+# - With 2 KV heads and TP=2 each rank holds exactly one KV head: GQA splits cleanly here. It will
+#   not for the 12B, 31B and 26B-A4B global layers (replication, `03_12b`, `04_31b`).
+# - E4B fits one core; two cores are for bandwidth. On inf2 it compiles with `ModelBuilder` like the
+#   bigger variants, because the per-rank tracer of the field report is no longer supported (SDK
+#   2.27+) and ran out of host memory at 31B (`04_31b`).

@@ -1,0 +1,197 @@
+# The parts of 05_26b_a4b.ipynb that are the 26B-A4B's own; scripts/generate_notebooks.py fills them into skeleton.py.
+# -- part: variant --
+26b-a4b
+# -- part: hub --
+google/gemma-4-26B-A4B-it
+# -- part: tp --
+8
+# -- part: instance --
+inf2.24xlarge
+# -- part: header --
+# # Gemma-4 26B-A4B: a shared MLP beside 128 experts, made static
+#
+# The mixture-of-experts member: a dense MLP and 128 routed experts side by side in every layer.
+# **You will learn** the router line by line, why the experts must be made static before anything
+# can trace them, why "4B active" does not shrink the memory but can shrink the bytes a decode step
+# reads, and the family's most instructive bug: a rank read at trace time. It runs at TP=8 through
+# NxD `ModelBuilder`, each rank holding a slice of every expert.
+#
+# ### Runs on
+#
+# | | `full` profile (inf2) | `smoke` profile (any CPU) |
+# |---|---|---|
+# | machine | `inf2.24xlarge`: 6 Inferentia2 chips, 12 NeuronCores, 192 GiB HBM, 4,920 GB/s | any x86-64 or arm64 machine; two shared cores are enough |
+# | TP degree | 8 (NxD ModelBuilder) | 1 for the port; `tp_demo` runs the rank graph as 2 CPU processes (gloo) |
+# | memory per core (computed, `python -m gemma4lib doctor`) | 5.9 GiB bf16 weights + 0.04 GiB K/V at 2,048 tokens + 2 GiB working allowance (unverified on inf2) = 7.9 of 16 GiB HBM | a few MB |
+# | host RAM for the compile | 384 GiB on the instance; ~151 GB estimated (3 × the text weights: module + checkpoint + shards); needs the same instance as the 31B although fewer parameters are active | under 2 GiB |
+# | time per decode step | ≥ 2.2 ms computed from bandwidth ÷ bytes per step at TP=8 with selective experts (the field report measured prefill only: ~77 ms) | ~1.6 ms measured (642 tok/s, smoke baseline of 2026-11-29, one thread of a shared 2-core CPU) |
+# | software | Deep Learning AMI Neuron (Ubuntu 24.04), venv `aws_neuronx_venv_pytorch_2_9_nxd_inference` (Python 3.12), Neuron SDK 2.28: torch-neuronx 2.9.0.2.12.22436, neuronx-cc 2.23.6484.0, neuronx-distributed 0.17.26814, libneuronxla 2.2.15515.0; + transformers 5.23.0 | torch 2.13 (CPU), transformers 5.23.0, AOTInductor as the compiler |
+# | model | `google/gemma-4-26B-A4B-it` (bf16, gated: `HF_TOKEN` from the environment) | a tiny trained model of the same architecture: a dense MLP beside routed experts |
+# -- part: parameters --
+decode_experts = "selective"  # MoE decode: "selective" (the k routed experts) or "dense" (all)
+tp_demo = 2  # ranks of the rank-graph run on CPU processes (0: skip)
+# -- part: settings --
+    decode_experts=decode_experts,
+# -- part: lesson --
+# %% [markdown]
+# ## What makes the 26B-A4B different
+#
+# ### A shared MLP beside the experts, and the router
+#
+# Each layer runs a dense MLP and a mixture of experts **in parallel** on the same residual input,
+# each with its own norms, and adds the results. The router normalises the hidden state, scales it,
+# projects it to one logit per expert, takes a softmax over all experts, keeps the top-k, renormalises
+# them and multiplies by a learnt per-expert scale. The cell does that line by line on one token of
+# the tiny model (the last prompt token's embedding stands in for the residual a layer would pass it)
+# and checks it picked the same experts with the same weights as the model's own router module.
+
+# %%
+layer = next(lay for lay in model.text_model.layers if getattr(lay, "router", None) is not None)
+router, k = layer.router, model.config.top_k_experts
+with torch.no_grad():
+    h = inputs_embeds[0, -1:]  # [1, hidden]
+    x = router.norm(h) * router.scale * router.scalar_root_size  # RMSNorm, learnt scale, × hidden^-0.5
+    probs = torch.softmax(router.proj(x), dim=-1, dtype=torch.float32)  # one probability per expert
+    weights, chosen = torch.topk(probs, k=k, dim=-1)  # keep the k best
+    weights = weights / weights.sum(dim=-1, keepdim=True) * router.per_expert_scale[chosen]  # renormalise, scale
+    _, their_weights, their_chosen = router(h)
+assert torch.equal(chosen, their_chosen) and torch.allclose(weights, their_weights)
+shown = ", ".join(f"{w:.3f}" for w in weights[0].tolist())
+print(f"{model.config.num_experts} experts, top-{k}: chosen {chosen[0].tolist()}, weights {shown}")
+nb.moe_report(model)
+
+# %% [markdown]
+# ### Static experts
+#
+# transformers' eager expert loop visits only the experts a batch happens to route to: a
+# data-dependent Python loop that a tracer records for one routing and silently replays for every
+# other. The port swaps in a static form: **dense** (every expert on every token, outputs weighted by
+# the routed weights, zero for the rest; static shapes, and the experts split across ranks) or
+# **selective** (gather the k routed experts' weights, then batched matmuls; reads only k experts per
+# token). The cell runs one decode step both ways against transformers' reference: same token,
+# logits equal to rounding.
+#
+# Decode gathers the top-k: one token needs 8 of the 128 experts, and bytes are the whole cost of a
+# decode step. On the benchmark's MoE medium model (`python -m gemma4lib bench --suite cpu`, figures
+# in README and `docs/ROOFLINE.md`) selective decode ran 3.8x faster than dense. Prefill stays dense:
+# the gathered slices grow with tokens × k (a 128-token bucket of the real model gathers 1,024
+# slices, 8x the 128 experts dense reads once) and the dense form splits cleanly across ranks. On a
+# CPU with a 16-token prompt selective prefill measured faster too, which is why the choice is per
+# phase and measured, not a rule. `decode_experts` in the parameters cell switches decode to dense.
+
+# %%
+demos["expert_forms"] = nb.expert_forms_on_a_token(model, ids, s.context_length, max(s.prefill_buckets))
+demos["expert_forms"]
+
+# %% [markdown]
+# ### "A4B" saves compute, not memory, and the split decides the bytes
+#
+# About 4B parameters are active per token, but any token may route to any expert, so all 128 experts
+# (22.8B parameters) stay resident: the 26B-A4B needs the same `inf2.24xlarge` and TP=8 as the 31B.
+# What top-8 routing can save is bandwidth, if decode reads only the routed experts, and under TP that
+# depends on how the experts are shared by the 8 ranks. The cell first derives "7.6 GB per decode
+# step" from the released config, then asks the roofline for one decode step at TP=8 on
+# `inf2.24xlarge` (2,048 context, ring K/V, selective experts) under both splits:
+#
+# - **whole experts per rank** (16 each; the field report's split, `expert_split="experts"`): static
+#   shapes make every rank gather k = 8 slices from its own 16 experts whatever the router chose, so
+#   64 experts' bytes are read per token, about 27,880 MB per step (a ceiling of ~126 tok/s);
+# - **a slice of every expert per rank** (704 / 8 = 88 intermediate columns each; this port's
+#   default): the 8 slices a rank gathers are its share of the 8 routed experts, so the whole step
+#   reads what one device would, about 7,900 MB (7.65 GB of weights + the K/V; ~446 tok/s).
+#
+# Both are bounds from bytes, not measured on inf2. Each rank holds 1/8 of the expert bytes either way.
+
+# %%
+from gemma4lib.roofline import compare
+
+real, v = s.variant_spec.real_config, s.variant_spec
+sizes = nb.device_bytes(v)
+experts_gb = real["experts_b"] * 2  # bf16: 2 bytes a parameter, billions of parameters -> GB
+per_expert_gb, other_gb = experts_gb / real["num_experts"], sizes["device_gb"] - experts_gb
+step_gb = other_gb + real["top_k_experts"] * per_expert_gb  # everything else is read every step
+print(f"experts {experts_gb:.1f} GB, one expert {per_expert_gb:.3f} GB, everything else {other_gb:.1f} GB")
+print(f"a decode step reads {other_gb:.1f} + {real['top_k_experts']} x {per_expert_gb:.3f} = {step_gb:.2f} GB")
+print(f"(library: {sizes['decode_read_gb']:.2f} GB), not all {sizes['device_gb']:.1f} GB")
+for split in ("experts", "intermediate"):
+    row = compare(
+        None, v.name, device=v.instance_type, cores=v.tp_degree, context_length=2048, ring=True,
+        experts="selective", expert_split=split,
+    )  # fmt: skip
+    print(
+        f"{split:>12} split: {row['bytes_per_step']['total'] / 1e6:>9,.0f} MB per step, "
+        f"ceiling {row['ceiling_tok_s']:,.0f} tok/s on {v.instance_type}"
+    )
+display(nb.tp_fit("26b-a4b"), nb.kv_heads_under_tp("26b-a4b", 8))
+
+# %% [markdown]
+# ### The rank must be a runtime value
+#
+# When each rank holds whole experts, it must pick the matching columns of the routing weights. In
+# the field report that slice was chosen with a rank read while tracing: a Python integer, baked into
+# the single-rank `ModelBuilder` trace as 0, so every rank weighted its experts with rank 0's routing
+# weights. Device output was empty while the CPU and the unit tests were fine. The library reads the
+# rank from an int32 tensor that each rank loads with its weights; in the default split (a slice of
+# every expert per rank) the expert math never reads the rank at all.
+#
+# The first cell shows the bug on its own, in a few lines of torch: read the rank as a Python number
+# while tracing (`int(rank)`) and the tracer records the number it saw, rank 0, as a constant (it
+# warns, once, and carries on); keep it a tensor and the slice stays part of the program. The second
+# runs the sharded model (default split) and the baked-rank bug (whole experts per rank) as CPU rank
+# processes (the full profile skips it: `tp_demo: 0`).
+
+# %%
+import warnings
+
+ranks, n_experts = tp_demo or 2, model.config.num_experts
+per_rank = n_experts // ranks
+routing = torch.arange(2.0 * n_experts).reshape(2, n_experts)  # two tokens' weights, one column per expert
+
+
+def my_columns_baked(weights, rank):  # the field report's form: the rank becomes a Python int
+    start = int(rank) * per_rank
+    return weights[:, start : start + per_rank]
+
+
+def my_columns_runtime(weights, rank):  # the rank stays data: one program serves every rank
+    return weights.index_select(-1, rank * per_rank + torch.arange(per_rank))
+
+
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    traced = {
+        f.__name__: torch.jit.trace(f, (routing, torch.tensor(0))) for f in (my_columns_baked, my_columns_runtime)
+    }
+last = torch.tensor(ranks - 1)
+for name, program in traced.items():
+    right = torch.equal(program(routing, last), routing[:, (ranks - 1) * per_rank : ranks * per_rank])
+    got = "its own experts' weights" if right else "rank 0's experts' weights, baked in"
+    print(f"{name}: traced at rank 0, run as rank {ranks - 1}: {got}")
+tracer_warnings = [w for w in caught if issubclass(w.category, torch.jit.TracerWarning)]
+print(f"{len(tracer_warnings)} tracer warning(s), all from my_columns_baked: {tracer_warnings[0].message}")
+
+# %%
+if tp_demo:
+    demos["tp_cpu"] = nb.tp_demo(model, ids, s, tp_demo, with_baked_rank=True)
+    display(demos["tp_cpu"])
+# -- part: graph_note --
+# The experts are swapped for a static form here: prefill always computes all experts and masks them
+# to the routed top-k; decode uses `decode_experts`.
+# -- part: compile_note --
+# at TP=8: one rank compiled (the rank graph with NxD's parallel layers, each rank a 1/8 slice of
+# every expert), the weights sharded per rank, the rank number a runtime tensor, and the decode graph
+# (selective experts) the priority model whose weight layout the compiler optimises. The calls and
+# each argument:
+# -- part: neuron_trace --
+# -- part: after_checks --
+# -- part: plot_note --
+# The field report gives no decode figure for the 26B-A4B (prefill only), so its bar is the computed
+# ceiling alone.
+# -- part: takeaways --
+# - The MoE block is a shared MLP plus routed experts; both run on every layer.
+# - Replace the data-dependent expert loop with a static form; dense and selective agree with the
+#   reference on every token.
+# - All experts stay resident: "A4B" is a compute figure, not a memory one; a slice of every expert
+#   per rank makes selective decode read only the routed experts' bytes.
+# - Anything rank-dependent inside a traced SPMD graph must come from a runtime tensor. A rank read
+#   while tracing is the same constant on every rank.

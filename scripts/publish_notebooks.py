@@ -1,0 +1,106 @@
+"""Copy the main job's executed variant notebooks into docs/notebooks/, for reading without running.
+
+`bash scripts/run_smoke.sh` executes every notebook headless into runs/smoke/notebooks/; this script
+takes the five variant notebooks from there, keeps their outputs (tables, answers, plots), drops
+what renders as nothing outside a live Jupyter (widget state), shrinks the plots, and records in
+each copy's metadata the digest of the source it was executed from (`source_digest`: the cells of
+the notebook as committed, the parameters papermill injected left out). tests/test_notebooks.py
+fails when a copy's digest no longer matches its committed notebook: rerun the main job, then this.
+
+    bash scripts/run_smoke.sh && .venv/bin/python scripts/publish_notebooks.py   # --run runs/smoke
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import hashlib
+import io
+import json
+import sys
+from pathlib import Path
+
+import nbformat
+
+ROOT = Path(__file__).resolve().parent.parent
+DOCS = ROOT / "docs" / "notebooks"
+VARIANT_NOTEBOOKS = ["01_e2b.ipynb", "02_e4b.ipynb", "03_12b.ipynb", "04_31b.ipynb", "05_26b_a4b.ipynb"]
+MAX_WIDTH = 640  # px: plots stay legible on GitHub and a copy stays small
+WIDGET = "application/vnd.jupyter.widget-view+json"
+
+
+def source_digest(nb) -> str:
+    """sha256 over the cell types and sources, papermill's injected-parameters cell left out."""
+    digest = hashlib.sha256()
+    for cell in nb.cells:
+        if "injected-parameters" in cell.get("metadata", {}).get("tags", []):
+            continue
+        digest.update(json.dumps([cell.cell_type, cell.source]).encode())
+    return digest.hexdigest()
+
+
+def shrink_png(data: str) -> str:
+    """A PNG (base64) scaled down to MAX_WIDTH and re-encoded with a 64-colour palette."""
+    from PIL import Image
+
+    image = Image.open(io.BytesIO(base64.b64decode(data)))
+    if image.width > MAX_WIDTH:
+        image = image.resize((MAX_WIDTH, round(image.height * MAX_WIDTH / image.width)), Image.LANCZOS)
+    out = io.BytesIO()
+    image.convert("RGB").quantize(colors=64).save(out, format="PNG", optimize=True)
+    return base64.b64encode(out.getvalue()).decode()
+
+
+def reader_copy(executed_path: Path):
+    nb = nbformat.read(str(executed_path), as_version=4)
+    for cell in nb.cells:
+        if cell.cell_type != "code":
+            continue
+        kept = []
+        for output in cell.outputs:
+            data = output.get("data", {})
+            if WIDGET in data:  # a progress bar: only a live front end draws it
+                data.pop(WIDGET)
+                if set(data) <= {"text/plain"}:
+                    continue
+            if "image/png" in data:
+                data["image/png"] = shrink_png(data["image/png"])
+            kept.append(output)
+        cell.outputs = kept
+        cell.metadata.pop("papermill", None)
+        cell.metadata.pop("execution", None)
+    nb.metadata.pop("widgets", None)
+    papermill = nb.metadata.pop("papermill", {})
+    nb.metadata["gemma4lib"] = {
+        "source": f"notebooks/{executed_path.name}",
+        "source_sha256": source_digest(nb),
+        "executed": papermill.get("end_time"),
+        "parameters": papermill.get("parameters", {}),
+        "written_by": "scripts/publish_notebooks.py from the main job's output (scripts/run_smoke.sh)",
+    }
+    return nb
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--run", default=str(ROOT / "runs" / "smoke"), help="the main job's --out folder")
+    args = parser.parse_args(argv)
+    executed = Path(args.run) / "notebooks"
+    missing = [name for name in VARIANT_NOTEBOOKS if not (executed / name).is_file()]
+    if missing:
+        print(f"no executed {missing} in {executed}: run bash scripts/run_smoke.sh first", file=sys.stderr)
+        return 1
+    DOCS.mkdir(parents=True, exist_ok=True)
+    for name in VARIANT_NOTEBOOKS:
+        nb = reader_copy(executed / name)
+        committed = nbformat.read(str(ROOT / "notebooks" / name), as_version=4)
+        if source_digest(committed) != nb.metadata["gemma4lib"]["source_sha256"]:
+            print(f"{name}: executed from another source than notebooks/{name}; rerun the main job", file=sys.stderr)
+            return 1
+        nbformat.write(nb, str(DOCS / name))
+        print(f"docs/notebooks/{name}: {(DOCS / name).stat().st_size / 1e3:.0f} kB")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
