@@ -57,7 +57,9 @@ Lines that need the SDK are marked `# inf2-only`.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -72,7 +74,7 @@ from ..quant import LINEAR_WEIGHT_NAME, check_weights, quantize
 from ..tp.plan import TPPlan, make_plan
 from ..tp.rank_graph import build_rank_graph
 from ..tp.shard import nxd_full_checkpoint
-from . import neuron_env
+from . import cores, neuron_env
 from .common import KVParamModule, graph_example_inputs, greedy_generate
 
 RECIPE = "model_builder"
@@ -146,11 +148,45 @@ def rank_module(
 
 
 def quantize_nxd(module: nn.Module) -> nn.Module:
-    """NxD's weight-only int8 (per-channel, symmetric) over the `INT8_INCLUDE` linears, in place."""
+    """NxD's weight-only int8 (per-channel, symmetric) over the `INT8_INCLUDE` linears, in place;
+    the quantized row-parallel layers then reduce in float32 (`reduce_rows_in_float32`)."""
     config = neuron_env.require("neuronx_distributed.quantization.quantization_config", PURPOSE)
     quantize_module = neuron_env.require("neuronx_distributed.quantization.quantize", PURPOSE)
+    layers = neuron_env.require("neuronx_distributed.quantization.quantization_layers", PURPOSE)
+    mappings = neuron_env.require("neuronx_distributed.parallel_layers.mappings", PURPOSE)
     q_config = config.get_default_per_channel_custom_qconfig_dict()  # inf2-only
-    return quantize_module.convert(module, q_config=q_config, inplace=True, include=list(INT8_INCLUDE))  # inf2-only
+    module = quantize_module.convert(module, q_config=q_config, inplace=True, include=list(INT8_INCLUDE))  # inf2-only
+    reduce_rows_in_float32(module, layers.QuantizedRowParallel, mappings)
+    return module
+
+
+def reduce_rows_in_float32(module: nn.Module, row_cls: type, mappings: Any) -> int:
+    """Make every `row_cls` layer (NxD's `QuantizedRowParallel`) sum its ranks' partial outputs in
+    float32, as `RowParallelLinear` does (`reduce_dtype`, float32 by default), instead of in the
+    activations' bf16 (NxD v2.28.0 `quantization/quantization_layers.py`: its forward calls
+    `reduce_from_tensor_model_parallel_region(output_)` on the bf16 output). Then int8 at TP > 1
+    rounds like the bf16 rank graph whose TP checks pass, and the host reference (HF on the
+    int8-rounded weights) is checked with the same tolerance at every degree. The layer keeps its
+    name (so the checkpoint's keys are unchanged); its own reduction is switched off and done
+    around its forward. Returns how many layers changed."""
+    changed = 0
+    for layer in module.modules():
+        if isinstance(layer, row_cls) and getattr(layer, "reduce_output", False):
+            layer.reduce_output = False
+            layer.forward = _float32_reduction(layer.forward, layer, mappings)
+            changed += 1
+    return changed
+
+
+def _float32_reduction(forward: Any, layer: nn.Module, mappings: Any) -> Any:
+    def reduced(x: torch.Tensor) -> torch.Tensor:
+        partial = forward(x)
+        total = mappings.reduce_from_tensor_model_parallel_region(  # inf2-only (a group of tp ranks)
+            partial.to(torch.float32), process_group=layer.tensor_parallel_group
+        )
+        return total.to(partial.dtype)
+
+    return reduced
 
 
 def int8_checkpoint(checkpoint: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -248,7 +284,11 @@ def compile_model_builder(
             compiler_args=neuron_env.COMPILER_ARGS[shape.phase],
             priority_model_idx=PRIORITY[key],
         )
-    traced = builder.trace(initialize_model_weights=False)  # inf2-only
+    # NxD v2.28.0 `trace/model_builder.py` writes `{key}_{rank}.hlo` (and `_optimized.hlo`) by
+    # relative path while it applies the decode key's weight layout to the prefill key: run it
+    # in a directory of its own (a read-only or shared current directory would break it)
+    with tempfile.TemporaryDirectory(prefix="gemma4lib-nxd-trace-") as scratch, contextlib.chdir(scratch):
+        traced = builder.trace(initialize_model_weights=False)  # inf2-only
     torch.jit.save(traced, str(out / "model.pt"))  # inf2-only
     builder.shard_checkpoint(serialize_path=str(out / "weights"))  # inf2-only
     manifest = {
@@ -277,13 +317,23 @@ def load_model_builder(out_dir: str | Path, tp: int | None = None, start_rank: i
 
     out = Path(out_dir)
     tp = tp or json.loads((out / "manifest.json").read_text())["tp"]
+    label = f"the ModelBuilder model from {out}"
+    cores.check_free(start_rank, tp, label)  # before any device memory is taken
     traced = torch.jit.load(str(out / "model.pt"))  # inf2-only
     weights = [load_file(str(out / "weights" / SHARD_FILE.format(rank=r))) for r in range(start_rank, start_rank + tp)]
     traced.nxd_model.initialize(weights, torch.tensor([start_rank], dtype=torch.int32))  # inf2-only
-    return traced
+    return cores.claim(traced, start_rank, tp, label)
 
 
-def generate(traced: Any, loaded: Any, prompt: Sequence[int], max_new_tokens: int, prefill_len: int) -> dict[str, Any]:
-    """Greedy tokens from the loaded NxD model (it routes prefill/decode by input shape)."""
+def generate(
+    traced: Any,
+    loaded: Any,
+    prompt: Sequence[int],
+    max_new_tokens: int,
+    prefill_len: int,
+    dtype: torch.dtype = torch.bfloat16,
+) -> dict[str, Any]:
+    """Greedy tokens from the loaded NxD model (it routes prefill/decode by input shape);
+    `dtype`: the one `compile_model_builder` compiled for (the host embeddings are cast to it)."""
     host = HostEmbedder.from_text_model(loaded.text_model)
-    return greedy_generate(traced, host, prompt, max_new_tokens, prefill=traced, prefill_len=prefill_len)
+    return greedy_generate(traced, host, prompt, max_new_tokens, prefill=traced, prefill_len=prefill_len, dtype=dtype)

@@ -38,7 +38,7 @@ import torch
 
 from ..embedder import HostEmbedder
 from ..graph import DeviceGraph, GraphShape
-from . import neuron_env
+from . import cores, neuron_env
 from .common import AliasEmulator, KVParamModule, greedy_generate
 
 RECIPE = "trace"
@@ -85,15 +85,17 @@ def load(path: str | Path, core: int = 0):
     """Load a saved trace onto NeuronCore `core`, weights included (importing torch_neuronx first
     registers the Neuron ops the artifact holds)."""
     torch_neuronx = neuron_env.require("torch_neuronx", PURPOSE)
+    label = f"the traced decode graph from {path}"
+    cores.check_free(core, 1, label)  # before any device memory is taken
     traced = torch.jit.load(str(path))  # inf2-only (the artifact holds a NEFF)
     torch_neuronx.move_trace_to_device(traced, core)  # inf2-only: separated weights go to HBM once
-    return traced
+    return cores.claim(traced, core, 1, label)
 
 
 def generate(step: Any, loaded: Any, prompt: Sequence[int], max_new_tokens: int) -> dict[str, Any]:
     """Greedy tokens: `step` is the loaded trace on inf2, or `AliasEmulator(build_kv_module(...))` on CPU."""
     host = HostEmbedder.from_text_model(loaded.text_model)
-    return greedy_generate(step, host, prompt, max_new_tokens)
+    return greedy_generate(step, host, prompt, max_new_tokens, dtype=loaded.lm_head.weight.dtype)
 
 
 def cpu_check(loaded: Any, prompt: Sequence[int], max_new_tokens: int, context_length: int) -> dict[str, Any]:
