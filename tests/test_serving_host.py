@@ -155,3 +155,26 @@ def test_the_plan_is_within_15_percent_of_the_measured_host_side(tmp_path):
     for ratio in out["plan_over_measured"]:
         assert abs(ratio - 1) <= PLAN_TOLERANCE, out
     assert abs(out["plan_over_fit"] - 1) <= PLAN_TOLERANCE, out
+
+
+def test_readme_before_you_start_figures_are_the_plans():
+    """The README's "Before you start on inf2": its table is `first_day`'s, its E2B figures are the
+    serving-host plan's, and its "within 1 %" is the recorded measurement's."""
+    from pathlib import Path
+
+    from gemma4lib.first_day import first_day_table, format_first_day
+
+    root = Path(__file__).resolve().parent.parent
+    readme = (root / "README.md").read_text()
+    block = readme.split("<!-- first-day:begin -->\n", 1)[1].split("\n<!-- first-day:end -->", 1)[0]
+    assert block == format_first_day(first_day_table())
+    for cell in block.splitlines()[2:]:  # every figure says what it rests on
+        figures = cell.split(" | ")[2:]
+        assert all(("computed" in f or "field report" in f or "unverified" in f) for f in figures), cell
+    e2b = serving_host_plan("e2b", 1, "inf2.xlarge")
+    for figure in (f"~{e2b.peak_gb:.1f} GB of {e2b.available_gb:.1f} GB", f"the {e2b.model_gb:.1f} GB bf16 host"):
+        assert figure in " ".join(readme.split()), figure
+    record = json.loads((root / "docs" / "measurements" / "serving_host_e2b.json").read_text())
+    assert "within 1 % of this machine's measured peak" in " ".join(readme.split())
+    assert all(abs(r - 1) <= 0.01 for r in record["plan_over_measured"]), record["plan_over_measured"]
+    assert abs(record["plan_over_fit"] - 1) <= PLAN_TOLERANCE
