@@ -127,6 +127,7 @@ def _counts(name: str, tp: int, overrides_key: tuple) -> dict[str, int]:
 
     from .kv_layout import KVLayout
     from .loading import _text_classes
+    from .quant import LINEAR_WEIGHT_NAME
     from .roofline import count_params
     from .tp.plan import make_plan
     from .tp.shard import RANK_KEY, shard_state_dict
@@ -141,7 +142,12 @@ def _counts(name: str, tp: int, overrides_key: tuple) -> dict[str, int]:
     counts = count_params(lm)
     buffers = sum(b.numel() for b in lm.buffers())
     plan = make_plan(lm.config, tp, variant)
-    shard = sum(t.numel() for k, t in shard_state_dict(lm, plan, 0).items() if k != RANK_KEY)
+    tensors = {k: t for k, t in shard_state_dict(lm, plan, 0).items() if k != RANK_KEY}
+    shard = sum(t.numel() for t in tensors.values())
+    # int8 (NxD's quantized linears): 1 byte per element + an fp32 scale per row, in bytes
+    int8_linears = {k: t for k, t in tensors.items() if LINEAR_WEIGHT_NAME.search(k)}
+    linear_elements = sum(t.numel() for t in int8_linears.values())
+    int8_saving = linear_elements, sum(t.shape[0] for t in int8_linears.values())
     layout = KVLayout.from_config(lm.config)
     # per-token K/V elements of every producer layer at full width (HF's dynamic cache)
     kv_per_token = sum(2 * layer.kv_heads * layer.head_dim for layer in layout.producers)
@@ -150,6 +156,8 @@ def _counts(name: str, tp: int, overrides_key: tuple) -> dict[str, int]:
         "buffers": buffers,
         "tables": counts.lm_head + counts.ple_table,  # token embeddings (the tied head) + PLE
         "shard": shard,
+        "shard_linear": int8_saving[0],
+        "shard_linear_rows": int8_saving[1],
         "kv_per_token": kv_per_token,
         "vocab": int(config.vocab_size),
         "hidden": int(config.hidden_size),
@@ -183,12 +191,15 @@ def serving_host_plan(
     prompt_tokens: int = PROMPT_TOKENS,
     new_tokens: int = NEW_TOKENS,
     dtype_bytes: int = 2,
+    weights: str = "bf16",
     layer_overrides: dict[str, Any] | None = None,
 ) -> ServingHostPlan:
     """The serving host's plan for `variant` at `tp` (default: its recipe's) on `instance`
     (default: the variant's), for the full profile's shapes. `layer_overrides` (e.g.
     `num_hidden_layers`, `layer_types`) plans a reduced-depth model: how the plan is checked
-    against a measurement on a machine that cannot hold the released one."""
+    against a measurement on a machine that cannot hold the released one. `weights="int8"`: the
+    shards hold the quantized linears at 1 byte plus a scale per row; the host model stays in its
+    load dtype (the int8-rounded weights, `quant.round_model_weights`)."""
     v = get_variant(variant) if isinstance(variant, str) else variant
     tp = int(tp or v.tp_degree)
     instance = instance or v.instance_type
@@ -199,6 +210,9 @@ def serving_host_plan(
     kv = _host_kv_elements(v.name, key, int(context_length), bool(ring))
     tokens = int(prompt_tokens) + int(new_tokens)
     model = (c["params"] + c["buffers"]) * dtype_bytes
+    shard_bytes = c["shard"] * dtype_bytes
+    if weights == "int8":
+        shard_bytes += c["shard_linear"] * (1 - dtype_bytes) + 4 * c["shard_linear_rows"]
     # generate: its dynamic cache over every token, the prompt's logits (bf16, and their float32
     # copy: measured 0.21 GB at a 128-token prompt) and a few [vocab] rows per step
     reference = c["kv_per_token"] * tokens * dtype_bytes + int(prompt_tokens) * c["vocab"] * 6 + 4 * c["vocab"] * 4
@@ -218,7 +232,7 @@ def serving_host_plan(
         model / GB,
         c["tables"] * dtype_bytes / GB,
         kv * dtype_bytes / GB,
-        c["shard"] * tp * dtype_bytes / GB,
+        shard_bytes * tp / GB,
         reference / GB,
         spread / GB,
         INSTANCES[instance].host_ram_gib,

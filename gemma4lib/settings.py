@@ -164,6 +164,7 @@ class PortSettings:
                 ring=self.ring_kv,
                 prompt_tokens=self.prefill_buckets[-1],
                 new_tokens=self.max_new_tokens,
+                weights=self.weights,
             )
         else:  # tiny models fit anywhere; the degree must still be one inf2 can run
             require_neuron_tp(self.variant_spec, self.tp_degree, instance)

@@ -40,6 +40,11 @@ def test_int8_is_counted_at_one_byte_plus_a_scale_per_row():
     counts = count_params(meta_model("e2b"))  # at TP=1 the rank holds every linear whole
     full = rank_weight_bytes("e2b", 1)
     assert rank_weight_bytes("e2b", 1, "int8") == full - counts.linear + 4 * counts.linear_rows
+    from gemma4lib.serving_host import serving_host_plan
+
+    for weights in ("bf16", "int8"):  # the serving host reads the same shards the cores get
+        shards = serving_host_plan("31b", 4, "inf2.24xlarge", weights=weights).shards_gb
+        assert shards == pytest.approx(rank_weight_bytes("31b", 4, weights) * 4 / 1e9)
 
 
 def test_int8_port_settings_pass_where_bf16_is_refused(monkeypatch):

@@ -40,6 +40,10 @@ the config on the meta device with shard-size layers, so `module_cls()` never ho
   no activation quantization) swaps the attention and dense-MLP `ColumnParallelLinear` /
   `RowParallelLinear` for `QuantizedColumnParallel` / `QuantizedRowParallel`; their forward casts
   the int8 weight, multiplies, and scales the output, the order `quant.Int8Linear` uses on CPU.
+  `QuantizedRowParallel` would then all-reduce its partial outputs in bf16 (NxD v2.28.0
+  `quantization/quantization_layers.py`), where `RowParallelLinear` casts them to float32 first;
+  `reduce_rows_in_float32` gives it `RowParallelLinear`'s float32 sum, so int8 at TP > 1 rounds
+  like the bf16 rank graph and is checked against the same host reference and tolerance.
   The checkpoint holds those weights as int8 plus `<name>.scale` `[out, 1]` fp32 (NxD shards a
   column-parallel layer's scale with its rows and replicates a row-parallel one's).
   The MoE experts stay bf16 on inf2: `ShardedExperts`' selective decode indexes the parallel
