@@ -10,7 +10,6 @@ library's side of each call.
 from __future__ import annotations
 
 import gc
-import json
 import os
 import types
 from pathlib import Path
@@ -102,38 +101,41 @@ def test_compiler_workdir_is_removed_after_success_and_kept_after_failure():
     Path(failed).rmdir()
 
 
-def test_model_builder_traces_in_a_directory_of_its_own(tmp_path, monkeypatch):
-    """NxD v2.28.0 writes `{key}_{rank}.hlo` by relative path in `trace()`: it must not land in
-    (or fail on) the caller's current directory."""
+def _neuron_compile(tmp_path, monkeypatch, seen):
+    """`backends.neuron.compile` of a tiny E2B with the inf2-only calls stood in: the compile
+    records its current directory and writes a relative `.hlo` as NxD's trace does; the load returns
+    a fresh module."""
+    from gemma4lib.backends import neuron
+    from gemma4lib.port import PortSettings, load_model
     from gemma4lib.recipes import neuron_model_builder
 
+    monkeypatch.setenv("GEMMA4LIB_INSTANCE_TYPE", "inf2.xlarge")
+    monkeypatch.setattr(neuron_env, "require_sdk", lambda *a, **k: None)
+    monkeypatch.setattr(neuron_env, "require", lambda *a, **k: None)
+
+    def fake_compile(model, tp, folder, **kwargs):
+        seen.setdefault("cwd", []).append(os.getcwd())
+        Path("decode_0.hlo").write_text("hlo")  # NxD v2.28.0 writes this by relative path
+        Path(folder, "model.pt").write_text("neff")
+
+    monkeypatch.setattr(neuron_model_builder, "compile_model_builder", fake_compile)
+    monkeypatch.setattr(neuron_model_builder, "load_model_builder", lambda path, tp: _Loaded())
+    settings = PortSettings("e2b", model="random", backend="neuron", cache_dir=str(tmp_path / "cache"))
+    model = load_model(settings)
+    return lambda: neuron.compile(model, settings)
+
+
+def test_the_compile_runs_in_a_directory_of_its_own(tmp_path, monkeypatch):
+    """NxD v2.28.0 writes `{key}_{rank}.hlo` by relative path in `trace()`: it must not land in
+    (or fail on) the caller's current directory."""
     seen = {}
-
-    class BaseModelInstance:
-        def __init__(self, module_cls, input_output_aliases):
-            pass
-
-    class ModelBuilder:
-        def __init__(self, router, tp_degree, checkpoint_loader, compiler_workdir=None):
-            seen["workdir"] = compiler_workdir
-
-        def add(self, **kwargs):
-            pass
-
-        def trace(self, initialize_model_weights=True):
-            seen["cwd"] = os.getcwd()
-            Path("decode_0.hlo").write_text("hlo")  # what NxD's weight-layout pass does
-            raise RuntimeError("stop: no compiler")
-
-    fake = types.SimpleNamespace(BaseModelInstance=BaseModelInstance, ModelBuilder=ModelBuilder)
-    monkeypatch.setattr(neuron_env, "require", lambda *a, **k: fake)
     monkeypatch.chdir(tmp_path)
-    with pytest.raises(RuntimeError, match="stop"):
-        neuron_model_builder.compile_model_builder(
-            build_tiny(get_variant("e2b")), 1, tmp_path / "out", context_length=32, prefill_len=16
-        )
+    compiled = _neuron_compile(tmp_path, monkeypatch, seen)()
     assert os.getcwd() == str(tmp_path) and not list(tmp_path.glob("*.hlo"))
-    assert seen["cwd"] != str(tmp_path) and not Path(seen["cwd"]).exists()  # its own, removed
+    (cwd,) = seen["cwd"]
+    assert cwd != str(tmp_path) and not Path(cwd).exists()  # its own, removed
+    assert compiled.compiler == "neuron-model_builder"
+    cores.release_all()
 
 
 # ---- finding 6: a second model on the same cores ------------------------------------------------------
@@ -153,33 +155,16 @@ def test_a_second_load_on_busy_cores_is_refused_until_the_first_is_released():
     assert cores.held() == []
 
 
-def test_load_model_builder_claims_its_cores(tmp_path, monkeypatch):
-    """The ModelBuilder load path: checked before `torch.jit.load`, claimed after `initialize`."""
-    from safetensors.torch import save_file
-
-    from gemma4lib.recipes import neuron_model_builder
-
+def test_compiling_again_while_the_first_model_lives_is_refused(tmp_path, monkeypatch):
+    """A notebook's compile cell run twice: the second load would put a second copy on the cores."""
     cores.release_all()
-    (tmp_path / "weights").mkdir()
-    (tmp_path / "manifest.json").write_text(json.dumps({"tp": 2}))
-    for rank in range(2):
-        save_file({"w": torch.zeros(2)}, str(tmp_path / "weights" / f"tp{rank}_sharded_checkpoint.safetensors"))
-    initialized = []
-
-    class Traced(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.nxd_model = types.SimpleNamespace(initialize=lambda weights, rank: initialized.append(len(weights)))
-
-    monkeypatch.setattr(neuron_env, "require", lambda *a, **k: None)
-    monkeypatch.setattr(torch.jit, "load", lambda path: Traced())
-    model = neuron_model_builder.load_model_builder(tmp_path)
-    with pytest.raises(NeuronCoresBusyError):
-        neuron_model_builder.load_model_builder(tmp_path)
-    assert initialized == [2]  # the refused load never reached the device
-    del model
+    compile_again = _neuron_compile(tmp_path, monkeypatch, {})
+    first = compile_again()
+    with pytest.raises(NeuronCoresBusyError, match="e2b \\(model_builder, TP=1\\).*del compiled"):
+        compile_again()
+    del first
     gc.collect()
-    assert neuron_model_builder.load_model_builder(tmp_path) is not None
+    assert compile_again().cache_hits == [True]  # released: loads (from the cache) again
     cores.release_all()
 
 

@@ -23,7 +23,7 @@ from ..environment import versions
 from ..graph import GraphShape
 from ..memory_plan import neuron_recipe
 from ..program_key import source_digest, weights_fingerprint
-from ..recipes import neuron_env, neuron_model_builder, neuron_trace
+from ..recipes import cores, neuron_env, neuron_model_builder, neuron_trace
 from ..recipes.common import DeviceStep, StepwisePrefill, check_host_tables
 from ..runtime import HostRuntime
 from .base import CompiledGraphs, Graphs, device_graph, refuse_graphs
@@ -47,6 +47,16 @@ def compiler_workdir() -> Iterator[str]:
         log.error("compile failed: the compiler's work directory is kept for inspection at %s", workdir)
         raise
     shutil.rmtree(workdir, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def own_directory() -> Iterator[str]:
+    """Run the compile in a fresh current directory, removed afterwards: NxD v2.28.0
+    `trace/model_builder.py` writes `{key}_{rank}.hlo` and `{key}_{rank}_optimized.hlo` by relative
+    path while it applies the decode key's weight layout to the prefill key, so a read-only current
+    directory, or two compiles sharing one, would break it."""
+    with tempfile.TemporaryDirectory(prefix="gemma4lib-neuron-cwd-") as scratch, contextlib.chdir(scratch):
+        yield scratch
 
 
 def neuron_cache_key(
@@ -130,7 +140,7 @@ def compile(
     def build(folder: Path) -> dict[str, Any]:
         if settings.profile == "full":  # the estimate is the released model's; tiny smoke models fit anywhere
             warn_low_host_ram(model.variant, tp, recipe)  # before the compile the kernel might kill half an hour in
-        with compiler_workdir() as workdir:  # never inside the cache entry; removed when the compile succeeds
+        with compiler_workdir() as workdir, own_directory():  # workdir never inside the cache entry
             _compile(folder, workdir)
         return {"recipe": recipe, "tp": tp}
 
@@ -157,11 +167,15 @@ def compile(
     compile_s = time.perf_counter() - started
     host_kv = decode.new_kv()
     vocab = int(model.config.vocab_size)
+    label = f"{model.variant.name} ({recipe}, TP={tp}) from {entry.path}"
+    cores.check_free(0, tp, label)  # a model an earlier call loaded and still referenced: refuse, before the device
     if recipe == "trace":
-        step = DeviceStep(neuron_trace.load(entry.file("model.pt")), n_inputs, vocab)
+        loaded = neuron_trace.load(entry.file("model.pt"))
+        step = DeviceStep(cores.claim(loaded, 0, tp, label), n_inputs, vocab)
         steps = {b: StepwisePrefill(step, n_inputs) for b in buckets}
     else:
-        step = DeviceStep(neuron_model_builder.load_model_builder(entry.path, tp), n_inputs, vocab)
+        loaded = neuron_model_builder.load_model_builder(entry.path, tp)
+        step = DeviceStep(cores.claim(loaded, 0, tp, label), n_inputs, vocab)
         steps = {bucket: step}
     check_host_tables(HostEmbedder.from_text_model(model.text_model))  # the compile left the host tables whole
     runtime = HostRuntime(model, steps, step, host_kv, context, dtype=dtype)

@@ -61,9 +61,7 @@ Lines that need the SDK are marked `# inf2-only`.
 
 from __future__ import annotations
 
-import contextlib
 import json
-import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -78,7 +76,7 @@ from ..quant import LINEAR_WEIGHT_NAME, check_weights, quantize
 from ..tp.plan import TPPlan, make_plan
 from ..tp.rank_graph import build_rank_graph
 from ..tp.shard import nxd_full_checkpoint
-from . import cores, neuron_env
+from . import neuron_env
 from .common import KVParamModule, graph_example_inputs, greedy_generate
 
 RECIPE = "model_builder"
@@ -288,11 +286,7 @@ def compile_model_builder(
             compiler_args=neuron_env.COMPILER_ARGS[shape.phase],
             priority_model_idx=PRIORITY[key],
         )
-    # NxD v2.28.0 `trace/model_builder.py` writes `{key}_{rank}.hlo` (and `_optimized.hlo`) by
-    # relative path while it applies the decode key's weight layout to the prefill key: run it
-    # in a directory of its own (a read-only or shared current directory would break it)
-    with tempfile.TemporaryDirectory(prefix="gemma4lib-nxd-trace-") as scratch, contextlib.chdir(scratch):
-        traced = builder.trace(initialize_model_weights=False)  # inf2-only
+    traced = builder.trace(initialize_model_weights=False)  # inf2-only
     torch.jit.save(traced, str(out / "model.pt"))  # inf2-only
     builder.shard_checkpoint(serialize_path=str(out / "weights"))  # inf2-only
     manifest = {
@@ -321,12 +315,10 @@ def load_model_builder(out_dir: str | Path, tp: int | None = None, start_rank: i
 
     out = Path(out_dir)
     tp = tp or json.loads((out / "manifest.json").read_text())["tp"]
-    label = f"the ModelBuilder model from {out}"
-    cores.check_free(start_rank, tp, label)  # before any device memory is taken
     traced = torch.jit.load(str(out / "model.pt"))  # inf2-only
     weights = [load_file(str(out / "weights" / SHARD_FILE.format(rank=r))) for r in range(start_rank, start_rank + tp)]
     traced.nxd_model.initialize(weights, torch.tensor([start_rank], dtype=torch.int32))  # inf2-only
-    return cores.claim(traced, start_rank, tp, label)
+    return traced
 
 
 def generate(

@@ -38,7 +38,7 @@ import torch
 
 from ..embedder import HostEmbedder
 from ..graph import DeviceGraph, GraphShape
-from . import cores, neuron_env
+from . import neuron_env
 from .common import AliasEmulator, KVParamModule, greedy_generate
 
 RECIPE = "trace"
@@ -85,11 +85,9 @@ def load(path: str | Path, core: int = 0):
     """Load a saved trace onto NeuronCore `core`, weights included (importing torch_neuronx first
     registers the Neuron ops the artifact holds)."""
     torch_neuronx = neuron_env.require("torch_neuronx", PURPOSE)
-    label = f"the traced decode graph from {path}"
-    cores.check_free(core, 1, label)  # before any device memory is taken
     traced = torch.jit.load(str(path))  # inf2-only (the artifact holds a NEFF)
     torch_neuronx.move_trace_to_device(traced, core)  # inf2-only: separated weights go to HBM once
-    return cores.claim(traced, core, 1, label)
+    return traced
 
 
 def generate(step: Any, loaded: Any, prompt: Sequence[int], max_new_tokens: int) -> dict[str, Any]:
