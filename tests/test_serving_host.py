@@ -172,7 +172,17 @@ def test_readme_before_you_start_figures_are_the_plans():
         figures = cell.split(" | ")[2:]
         assert all(("computed" in f or "field report" in f or "unverified" in f) for f in figures), cell
     e2b = serving_host_plan("e2b", 1, "inf2.xlarge")
-    for figure in (f"~{e2b.peak_gb:.1f} GB of {e2b.available_gb:.1f} GB", f"the {e2b.model_gb:.1f} GB bf16 host"):
+    from gemma4lib.memory_plan import compile_peak_gb
+
+    compile_gb = compile_peak_gb(get_variant("e2b"), "model_builder")[0]
+    figures = (
+        f"~{e2b.peak_gb:.1f} GB of {e2b.available_gb:.1f} GB",
+        f"the {e2b.model_gb:.1f} GB bf16 host",
+        f"{e2b.host_tables_gb:.1f} GB of embedding and PLE tables",
+        f"~{e2b.spread_gb:.1f} GB, not a second model",
+        f"compile needs ~{compile_gb:.0f} GB of host RAM",
+    )
+    for figure in figures:
         assert figure in " ".join(readme.split()), figure
     record = json.loads((root / "docs" / "measurements" / "serving_host_e2b.json").read_text())
     assert "within 1 % of this machine's measured peak" in " ".join(readme.split())
