@@ -11,7 +11,9 @@ it as text. It checks, without importing the Neuron SDK:
 - the PATH fix for the `libneuronpjrt-path` import error;
 - the per-core memory plan of every variant (`memory_plan`): weights + K/V + working memory per
   NeuronCore, and the compile's host RAM, with a warning *before* a compile that the kernel would
-  kill half an hour in.
+  kill half an hour in;
+- the serving host's plan (`serving_host`): the host model, its tables, the shards read for the
+  cores, the host reference and the logit spread against the instance's RAM.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import subprocess
 import sys
 from typing import Any
 
-from .hardware import GB, dmi_instance_type, host_ram_bytes, smallest_instance
+from .hardware import GB, dmi_instance_type, host_instance_type, host_ram_bytes, smallest_instance
 from .memory_plan import (
     COMPILE_CALIBRATION,
     DEFAULT_CONTEXT,
@@ -36,6 +38,7 @@ from .memory_plan import (
     plan_table,
 )
 from .recipes import neuron_env
+from .serving_host import format_serving_host, serving_host_plan, serving_host_table
 from .variants import get_variant
 
 
@@ -222,6 +225,7 @@ def run_doctor(
             "plans": [p.to_dict() for p in plans],
             "table": format_plan_table(plans),
         },
+        "serving_host_table": format_serving_host(serving_host_table()),
     }
     if not sdk:
         warnings.append("Neuron SDK not found (CPU profile only); " + neuron_env.how_to_get("torch-neuronx"))
@@ -257,6 +261,10 @@ def run_doctor(
             report["plan"] = plan.to_dict()
             if not plan.fits:
                 warnings.append(plan.summary())
+            serving = serving_host_plan(v, tp, host_instance_type(), context_length=context_length)
+            report["serving_host"] = {**serving.to_dict(), "summary": serving.summary()}
+            if not serving.fits:
+                warnings.append(serving.summary() + "; " + "; ".join(serving.problems))
         if devices["cores"] and tp > devices["cores"]:
             warnings.append(f"TP={tp} needs {tp} NeuronCores; this host has {devices['cores']}")
         ram_warning = compile_ram_warning(estimate, ram)
@@ -299,6 +307,13 @@ def format_doctor(report: dict[str, Any]) -> str:
         f"an allowance, unverified on inf2):"
     )
     lines += ["  " + row for row in m["table"].splitlines()]
+    lines.append(
+        "serving host per variant (bf16, prompt 128 + 64 new tokens; computed from the configs, the process "
+        "base measured on CPU, unverified on inf2):"
+    )
+    lines += ["  " + row for row in report["serving_host_table"].splitlines()]
+    if "serving_host" in report:
+        lines.append(report["serving_host"]["summary"])
     if "compile_estimate" in report:
         e = report["compile_estimate"]
         lines.append(

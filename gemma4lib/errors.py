@@ -124,5 +124,20 @@ class BaselineError(Gemma4LibError, ValueError):
     pass
 
 
+class DeviceOutputError(Gemma4LibError, RuntimeError):
+    """A compiled module's first call returned something other than the logits the host loop
+    expects (another type, or the K/V copied back to the host every step)."""
+
+
+class HostTablesMovedError(Gemma4LibError, RuntimeError):
+    """The host embedder's tables are no longer usable host tensors after the compile or load
+    (moved to a device or freed), so the next lookup would fail or run off the host."""
+
+
+class NeuronCoresBusyError(Gemma4LibError, RuntimeError):
+    """A model is already loaded on these NeuronCores and still referenced: loading a second copy
+    would need twice the device memory."""
+
+
 class LowHostMemoryWarning(UserWarning):
     """Host RAM is below the estimated peak of the compile about to start (it may be killed)."""

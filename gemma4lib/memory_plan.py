@@ -10,7 +10,8 @@ of every expert: the plan's default): the shards have the same shapes.
 
 What is computed and what is assumed:
 
-- weights and K/V per core: computed exactly from the released configs, bf16;
+- weights and K/V per core: computed exactly from the released configs, bf16 (`weights="int8"`: the
+  linears NxD quantizes at 1 byte plus an fp32 scale per output row, `rank_weight_bytes`);
 - working memory per core: `WORKING_ALLOWANCE_GIB`, an allowance, not a measurement (the Neuron
   runtime's reservation, the program's instructions, activations and scratch). Unverified on inf2;
 - host RAM for the compile: an estimate from the weights alone. ModelBuilder holds three copies of
@@ -35,6 +36,8 @@ from typing import Any
 
 from .errors import DeviceMemoryError, TensorParallelError, UnknownNameError
 from .hardware import GB, GIB, HBM_PER_CORE_GIB, INSTANCES, NEURON_TP_DEGREES, smallest_instance
+from .quant import LINEAR_WEIGHT_NAME
+from .serving_host import ServingHostPlan, format_serving_host, serving_host_plan, serving_host_table
 from .variants import Variant, get_variant
 
 WORKING_ALLOWANCE_GIB = 2.0
@@ -71,15 +74,33 @@ def neuron_recipe(variant: Variant, tp: int, requested: str | None = None) -> st
 @functools.lru_cache(maxsize=64)
 def _rank_params(name: str, tp: int) -> int:
     """Parameter elements one rank holds (its shard), counted on the meta device; host tables excluded."""
+    return sum(n for n, _ in _rank_tensors(name, tp).values())
+
+
+@functools.lru_cache(maxsize=64)
+def _rank_tensors(name: str, tp: int) -> dict[str, tuple[int, int]]:
+    """(elements, rows) of every tensor in one rank's shard (meta device), host tables excluded."""
     from .roofline import meta_model
     from .tp.plan import make_plan
     from .tp.shard import RANK_KEY, shard_state_dict
 
     variant = get_variant(name)
     lm = meta_model(variant)
-    plan = make_plan(lm.config, tp, variant)
-    shard = shard_state_dict(lm, plan, 0)
-    return sum(t.numel() for k, t in shard.items() if k != RANK_KEY)
+    shard = shard_state_dict(lm, make_plan(lm.config, tp, variant), 0)
+    return {k: (t.numel(), t.shape[0] if t.dim() else 1) for k, t in shard.items() if k != RANK_KEY}
+
+
+def rank_weight_bytes(variant: Variant | str, tp: int, weights: str = "bf16", dtype_bytes: int = 2) -> int:
+    """Bytes of one rank's weights. `weights="int8"`: the attention and dense-MLP linears NxD's
+    `convert` quantizes (`recipes.neuron_model_builder.INT8_INCLUDE`, the same names as
+    `quant.LINEAR_WEIGHT_NAME`) at 1 byte per element plus one fp32 scale per output row of the
+    rank's shard (a column-parallel scale is cut with its rows, a row-parallel one is replicated:
+    `[out, 1]` either way); everything else (norms, the LM head, MoE experts) at `dtype_bytes`."""
+    v = get_variant(variant) if isinstance(variant, str) else variant
+    tensors = _rank_tensors(v.name, tp)
+    if weights != "int8":
+        return sum(n for n, _ in tensors.values()) * dtype_bytes
+    return sum(n + 4 * rows if LINEAR_WEIGHT_NAME.search(k) else n * dtype_bytes for k, (n, rows) in tensors.items())
 
 
 @functools.lru_cache(maxsize=64)
@@ -155,6 +176,7 @@ class CoreMemoryPlan:
     host_ram_gib: int
     problems: tuple[str, ...] = field(default_factory=tuple)
     compile_host: str | None = None  # where the compile fits: the run instance, or a larger inf2 size
+    weight_format: str = "bf16"  # "int8": the quantized linears counted at 1 byte + a scale per row
 
     @property
     def total_gib(self) -> float:
@@ -177,7 +199,8 @@ class CoreMemoryPlan:
         verdict = "fits" if self.fits else "does not fit: " + "; ".join(self.problems)
         return (
             f"{self.variant} {self.recipe} TP={self.tp} on {self.instance}, context {self.context_length}"
-            f"{' (ring)' if self.ring else ''}: per core {self.weights_gib:.1f} GiB weights + "
+            f"{' (ring)' if self.ring else ''}: per core {self.weights_gib:.1f} GiB "
+            f"{'int8 ' if self.weight_format == 'int8' else ''}weights + "
             f"{self.kv_gib:.2f} GiB K/V + {self.working_gib:.1f} GiB working = {self.total_gib:.1f} of "
             f"{self.capacity_gib:.0f} GiB; compile host ~{self.compile_peak_gb:.0f} GB of "
             f"{self.host_ram_gib} GiB{self._compile_elsewhere()} — {verdict}"
@@ -193,9 +216,11 @@ def plan_core_memory(
     ring: bool = True,
     dtype_bytes: int = 2,
     recipe: str | None = None,
+    weights: str = "bf16",
 ) -> CoreMemoryPlan:
     """The per-core memory plan of `variant` at `tp` (default: its recipe's) on `instance`
-    (default: the variant's recommended instance) with `recipe` (default: `neuron_recipe`'s).
+    (default: the variant's recommended instance) with `recipe` (default: `neuron_recipe`'s);
+    `weights="int8"` counts the quantized linears at their int8 bytes (`rank_weight_bytes`).
     Problems are listed, never raised here."""
     v = get_variant(variant) if isinstance(variant, str) else variant
     tp = int(tp or v.tp_degree)
@@ -206,15 +231,15 @@ def plan_core_memory(
     recipe = neuron_recipe(v, tp, recipe)
     problems = structural_problems(v, tp, instance)
     if problems and tp not in v.supported_tp:  # no plan can be cut: report what we know
-        weights = kv = 0.0
+        weights_gib = kv = 0.0
     else:
-        params = _rank_params(v.name, tp)
-        weights = params * dtype_bytes / GIB
+        weights_gib = rank_weight_bytes(v, tp, weights, dtype_bytes) / GIB
         kv = _rank_kv_elements(v.name, tp, int(context_length), bool(ring)) * dtype_bytes / GIB
     capacity = float(HBM_PER_CORE_GIB)
-    if weights + kv + WORKING_ALLOWANCE_GIB > capacity:
+    if weights_gib + kv + WORKING_ALLOWANCE_GIB > capacity:
         problems.append(
-            f"{weights:.1f} GiB of weights + {kv:.2f} GiB of K/V + {WORKING_ALLOWANCE_GIB:.0f} GiB working "
+            f"{weights_gib:.1f} GiB of {'int8 ' if weights == 'int8' else ''}weights + {kv:.2f} GiB of K/V + "
+            f"{WORKING_ALLOWANCE_GIB:.0f} GiB working "
             f"memory exceed a NeuronCore's {capacity:.0f} GiB"
         )
     peak, basis = compile_peak_gb(v, recipe, dtype_bytes)
@@ -231,7 +256,7 @@ def plan_core_memory(
         instance,
         int(context_length),
         bool(ring),
-        weights,
+        weights_gib,
         kv,
         WORKING_ALLOWANCE_GIB,
         capacity,
@@ -240,17 +265,18 @@ def plan_core_memory(
         inst.host_ram_gib,
         tuple(problems),
         compile_host,
+        weights,
     )
 
 
 def fitting_options(
-    variant: Variant | str, context_length: int = DEFAULT_CONTEXT, ring: bool = True
+    variant: Variant | str, context_length: int = DEFAULT_CONTEXT, ring: bool = True, weights: str = "bf16"
 ) -> list[CoreMemoryPlan]:
     """Every (TP degree, instance) that fits: those that also compile on the instance first, then
     those whose compile needs a larger host; smallest instance and degree first within each."""
     v = get_variant(variant) if isinstance(variant, str) else variant
     plans = [
-        plan_core_memory(v, tp, instance=name, context_length=context_length, ring=ring)
+        plan_core_memory(v, tp, instance=name, context_length=context_length, ring=ring, weights=weights)
         for name in INSTANCES
         for tp in v.supported_tp
         if tp in NEURON_TP_DEGREES
@@ -267,17 +293,20 @@ def require_fit(
     context_length: int,
     ring: bool,
     recipe: str | None = None,
+    weights: str = "bf16",
 ) -> CoreMemoryPlan:
     """Raise when the released model cannot run at `tp` on `instance` (default: the variant's):
     `TensorParallelError` for a degree inf2 cannot run, `DeviceMemoryError` for one that does not
     fit a core or the compile host; the message names configurations that fit."""
     v = get_variant(variant) if isinstance(variant, str) else variant
     require_neuron_tp(v, tp, instance)
-    plan = plan_core_memory(v, tp, instance=instance, context_length=context_length, ring=ring, recipe=recipe)
+    plan = plan_core_memory(
+        v, tp, instance=instance, context_length=context_length, ring=ring, recipe=recipe, weights=weights
+    )
     if not plan.fits:
         raise DeviceMemoryError(
             f"{v.name} at TP={tp} on {plan.instance} does not fit: {'; '.join(plan.problems)}; "
-            f"use {_hint(fitting_options(v, context_length, ring))}"
+            f"use {_hint(fitting_options(v, context_length, ring, weights))}"
         )
     return plan
 
@@ -314,16 +343,21 @@ def format_plan_table(plans: list[CoreMemoryPlan]) -> str:
 __all__ = [
     "COMPILE_CALIBRATION",
     "CoreMemoryPlan",
+    "ServingHostPlan",
     "DEFAULT_CONTEXT",
     "NEURON_RECIPES",
     "WORKING_ALLOWANCE_GIB",
     "compile_peak_gb",
     "fitting_options",
     "format_plan_table",
+    "format_serving_host",
     "neuron_recipe",
     "plan_core_memory",
     "plan_table",
+    "rank_weight_bytes",
     "require_fit",
     "require_neuron_tp",
+    "serving_host_plan",
+    "serving_host_table",
     "structural_problems",
 ]

@@ -2,19 +2,20 @@
 for a given token sequence (teacher forcing), with the numerical spread of those logits.
 
 The spread is what makes the logit check's tolerance a property of the model instead of a
-constant: the same forward run on a float64 copy of the model (a float32 copy for a bf16/fp16
-model, whose own rounding dwarfs float32's) shows how far the reference's own arithmetic is from
+constant: the same forward run in float64 (float32 for a bf16/fp16 model, whose own rounding
+dwarfs float32's), one module widened at a time, shows how far the reference's own arithmetic is from
 exact on that very sequence. A faithful compiled graph rounds differently but no worse.
 """
 
 from __future__ import annotations
 
-import copy
 import logging
 from collections.abc import Sequence
 
 import torch
 from torch import nn
+
+from .upcast import upcast_forward
 
 log = logging.getLogger(__name__)
 
@@ -79,22 +80,19 @@ def precise_dtype(dtype: torch.dtype) -> torch.dtype:
 def logits_spread(
     lm: nn.Module, prompt_ids: Sequence[int], tokens: Sequence[int], reference: torch.Tensor | None = None
 ) -> tuple[float, str]:
-    """Max |HF logits in the model's dtype − HF logits of a higher-precision copy| over the same
-    teacher-forced rows (softcapped both). Returns (spread, the copy's dtype name).
+    """Max |HF logits in the model's dtype − HF logits of the same forward in a higher precision|
+    over the same teacher-forced rows (softcapped both). Returns (spread, the precise dtype name).
 
-    The copy costs one more model in memory (float64 of a float32 model, float32 of a bf16 one);
-    it is dropped before returning."""
+    The precise forward widens one module at a time (`upcast.upcast_forward`), not a deep copy of
+    the model: its extra host memory is one widened module, an LM-head block and the activations,
+    not a second model (float32 of bf16 is 2x the model's bytes, which no inf2.xlarge host holds
+    next to the released E2B)."""
     if reference is None:
         reference = teacher_forced_logits(lm, prompt_ids, tokens)
     dtype = next(lm.parameters()).dtype
     high = precise_dtype(dtype)
-    precise = copy.deepcopy(lm).to(high)
-    if getattr(precise.config, "_experts_implementation", None) == "grouped_mm":
-        precise.set_experts_implementation("eager")  # torch's grouped_mm takes no float64
-    try:
-        exact = teacher_forced_logits(precise, prompt_ids, tokens)
-    finally:
-        del precise
+    with upcast_forward(lm, high):
+        exact = teacher_forced_logits(lm, prompt_ids, tokens)
     spread = float((reference - exact).abs().max())
     log.info("reference logits spread %s vs %s: %.3g", dtype, high, spread)
     return spread, str(high).replace("torch.", "")

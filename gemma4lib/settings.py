@@ -162,7 +162,8 @@ class PortSettings:
             )
 
     def _check_neuron(self) -> None:
-        """Before anything is loaded: the TP degree and memory fit inf2, and the SDK is here."""
+        """Before anything is loaded: the TP degree, the cores' and the serving host's memory fit inf2,
+        and the SDK is here."""
         from .hardware import host_instance_type
         from .memory_plan import require_fit, require_neuron_tp
         from .recipes import neuron_env
@@ -176,6 +177,19 @@ class PortSettings:
                 context_length=self.context_length,
                 ring=self.ring_kv,
                 recipe=self.neuron_recipe,
+                weights=self.weights,
+            )
+            from .serving_host import require_serving_host
+
+            require_serving_host(  # the host that serves and checks: model, shards, reference, spread
+                self.variant_spec,
+                self.tp_degree,
+                instance,
+                context_length=self.context_length,
+                ring=self.ring_kv,
+                prompt_tokens=self.prefill_buckets[-1],
+                new_tokens=self.max_new_tokens,
+                weights=self.weights,
             )
         else:  # tiny models fit anywhere; the degree must still be one inf2 can run
             require_neuron_tp(self.variant_spec, self.tp_degree, instance)

@@ -137,7 +137,18 @@ def notebook_parameters(
             **((block.get("variants") or {}).get(name) or {}),
             "results_path": str(out / "results" / f"{name}.json"),
         }
-    return {**params, **overrides}
+    return resolve_threads({**params, **overrides})
+
+
+def resolve_threads(params: dict[str, Any]) -> dict[str, Any]:
+    """`threads: "auto"` (the full profile's) becomes this machine's physical core count: the host
+    reference of a big variant should not run on one core of a 48-core host. Smoke runs keep 1
+    (benchmarks here are timed on one thread, the cores are shared)."""
+    if params.get("threads") == "auto":
+        from gemma4lib.hardware import host_threads
+
+        params = {**params, "threads": host_threads()}
+    return params
 
 
 # ---- the kernel -------------------------------------------------------------------------------------

@@ -223,6 +223,11 @@ def test_model_builder_int8_converts_exactly_the_checkpoints_int8_weights(varian
         "neuronx_distributed.quantization.quantize": types.SimpleNamespace(
             convert=lambda module, **kwargs: calls.append(kwargs) or module
         ),
+        # the fake convert swaps nothing: no QuantizedRowParallel for `reduce_rows_in_float32` to find
+        "neuronx_distributed.quantization.quantization_layers": types.SimpleNamespace(
+            QuantizedRowParallel=type("QuantizedRowParallel", (torch.nn.Module,), {})
+        ),
+        "neuronx_distributed.parallel_layers.mappings": types.SimpleNamespace(),
     }
     monkeypatch.setattr(neuron_env, "require", lambda name, purpose="": fakes[name])
     model = _tiny(variant)

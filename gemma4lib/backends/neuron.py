@@ -7,8 +7,12 @@ any work); everything but the compiler calls runs on CPU in the tests.
 
 from __future__ import annotations
 
+import contextlib
+import logging
+import shutil
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -17,18 +21,45 @@ import torch
 from ..artifacts import make_key
 from ..bundle import cache_for
 from ..doctor import warn_low_host_ram
+from ..embedder import HostEmbedder
 from ..environment import versions
 from ..graph import GraphShape
 from ..memory_plan import neuron_recipe
 from ..program_key import source_digest, weights_identity
-from ..recipes import neuron_env, neuron_model_builder, neuron_trace
-from ..recipes.common import DeviceStep, StepwisePrefill
+from ..recipes import cores, neuron_env, neuron_model_builder, neuron_trace
+from ..recipes.common import DeviceStep, StepwisePrefill, check_host_tables
 from ..runtime import HostRuntime
-from .base import CompiledGraphs, Graphs, device_graphs, refuse_graphs
+from .base import CompiledGraphs, Graphs, device_graph, refuse_graphs
 
 if TYPE_CHECKING:
     from ..loading import LoadedModel
     from ..settings import PortSettings
+
+
+log = logging.getLogger(__name__)
+
+
+@contextlib.contextmanager
+def compiler_workdir() -> Iterator[str]:
+    """A fresh compiler work directory (ModelBuilder wipes its own: never share one), removed when
+    the compile succeeds; kept, and its path logged, when it fails (the compiler's logs are there)."""
+    workdir = tempfile.mkdtemp(prefix="gemma4lib-neuron-cc-")
+    try:
+        yield workdir
+    except BaseException:
+        log.error("compile failed: the compiler's work directory is kept for inspection at %s", workdir)
+        raise
+    shutil.rmtree(workdir, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def own_directory() -> Iterator[str]:
+    """Run the compile in a fresh current directory, removed afterwards: NxD v2.28.0
+    `trace/model_builder.py` writes `{key}_{rank}.hlo` and `{key}_{rank}_optimized.hlo` by relative
+    path while it applies the decode key's weight layout to the prefill key, so a read-only current
+    directory, or two compiles sharing one, would break it."""
+    with tempfile.TemporaryDirectory(prefix="gemma4lib-neuron-cwd-") as scratch, contextlib.chdir(scratch):
+        yield scratch
 
 
 def neuron_cache_key(
@@ -81,12 +112,17 @@ def compile(
     """
     refuse_graphs(graphs, "neuron")
     neuron_env.require("torch_neuronx", f"backend 'neuron' ({model.variant.name})")
-    prefill, decode = device_graphs(model, settings, inplace=False)  # shapes and host K/V only
+    context, ring = settings.context_length, settings.ring_kv
+    # dtype, PLE and host K/V only: built in full precision over the model's own modules (no copy).
+    # NxD quantizes its own layers for weights="int8"; an int8 DeviceGraph here would re-quantize
+    # the whole host model per bucket just to read shapes.
+    decode = device_graph(model, GraphShape(1, 1, context, ring), "dense", inplace=False)
     tp = int(settings.tp_degree)
     recipe = neuron_recipe(model.variant, tp, getattr(settings, "neuron_recipe", None))
-    context, ring, dtype = settings.context_length, settings.ring_kv, decode.dtype
+    dtype = decode.dtype
     n_inputs = 4 if decode.has_ple else 3
-    bucket = max(prefill)
+    buckets = tuple(settings.prefill_buckets)
+    bucket = max(buckets)
     shapes = {"decode": GraphShape(1, 1, context, ring)}
     decode_experts = "dense"  # only the ModelBuilder recipe builds the rank graph, which takes the form
     if recipe == "model_builder":
@@ -109,7 +145,11 @@ def compile(
     def build(folder: Path) -> dict[str, Any]:
         if settings.profile == "full":  # the estimate is the released model's; tiny smoke models fit anywhere
             warn_low_host_ram(model.variant, tp, recipe)  # before the compile the kernel might kill half an hour in
-        workdir = tempfile.mkdtemp(prefix="gemma4lib-neuron-cc-")  # never inside the cache entry
+        with compiler_workdir() as workdir, own_directory():  # workdir never inside the cache entry
+            _compile(folder, workdir)
+        return {"recipe": recipe, "tp": tp}
+
+    def _compile(folder: Path, workdir: str) -> None:
         if recipe == "trace":
             neuron_trace.save(
                 neuron_trace.compile_trace(model, context, ring=ring, compiler_workdir=workdir), folder / "model.pt"
@@ -127,7 +167,6 @@ def compile(
                 decode_experts=decode_experts,
                 weights=settings.weights,
             )
-        return {"recipe": recipe, "tp": tp}
 
     # the entry holds the weights (the shards, or a NEFF with them inlined): the free-space check's estimate
     shard_bytes = model.param_count() * torch.empty((), dtype=dtype).element_size()
@@ -136,12 +175,18 @@ def compile(
     )
     compile_s = time.perf_counter() - started
     host_kv = decode.new_kv()
+    vocab = int(model.config.vocab_size)
+    label = f"{model.variant.name} ({recipe}, TP={tp}) from {entry.path}"
+    cores.check_free(0, tp, label)  # a model an earlier call loaded and still referenced: refuse, before the device
     if recipe == "trace":
-        step = DeviceStep(neuron_trace.load(entry.file("model.pt")), n_inputs)
-        steps = {b: StepwisePrefill(step, n_inputs) for b in prefill}
+        loaded = neuron_trace.load(entry.file("model.pt"))
+        step = DeviceStep(cores.claim(loaded, 0, tp, label), n_inputs, vocab)
+        steps = {b: StepwisePrefill(step, n_inputs) for b in buckets}
     else:
-        step = DeviceStep(neuron_model_builder.load_model_builder(entry.path, tp), n_inputs)
+        loaded = neuron_model_builder.load_model_builder(entry.path, tp)
+        step = DeviceStep(cores.claim(loaded, 0, tp, label), n_inputs, vocab)
         steps = {bucket: step}
+    check_host_tables(HostEmbedder.from_text_model(model.text_model))  # the compile left the host tables whole
     runtime = HostRuntime(model, steps, step, host_kv, context, dtype=dtype)
     return CompiledGraphs(
         runtime,

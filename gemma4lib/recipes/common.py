@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from ..embedder import HostEmbedder
+from ..errors import DeviceOutputError, HostTablesMovedError
 from ..runtime import decode_loop
 
 
@@ -98,9 +99,13 @@ def greedy_generate(
     seeded_logits: torch.Tensor | None = None,
     eos_token_ids: Sequence[int] = (),
     keep_logits: bool = False,
+    dtype: torch.dtype | None = None,
 ) -> dict[str, Any]:
     """Greedy tokens from step functions that hold their K/V themselves (a device module, or a
     rank's `AliasEmulator`) and take only the graph inputs.
+
+    `dtype`: the dtype the graphs were compiled for; the host embeddings are cast to it (a model
+    loaded in float32 and compiled in bf16 would otherwise hand the device float32 inputs).
 
     Prefill, in order of preference: `seeded_logits` (the caller wrote the K/V, e.g. a CPU
     prefill; these are the last prompt token's logits), a `prefill` graph of bucket `prefill_len`,
@@ -110,24 +115,28 @@ def greedy_generate(
     prompt = [int(t) for t in prompt]
     n = len(prompt)
     one = torch.tensor([1])
+
+    def embed(ids: torch.Tensor, pad_to: int | None = None) -> list[torch.Tensor]:
+        return host.inputs(ids, pad_to, dtype=dtype)
+
     t0 = time.perf_counter()
     with torch.no_grad():
         if seeded_logits is not None:
             logits, mode = seeded_logits, "seeded"
         elif prefill is not None:
             ids = torch.tensor([prompt])
-            logits = first_output(prefill(*host.inputs(ids, prefill_len or n), torch.tensor([0]), torch.tensor([n])))
+            logits = first_output(prefill(*embed(ids, prefill_len or n), torch.tensor([0]), torch.tensor([n])))
             mode = "graph"
         else:
             for position, token in enumerate(prompt):
-                logits = first_output(decode(*host.inputs(torch.tensor([[token]])), torch.tensor([position]), one))
+                logits = first_output(decode(*embed(torch.tensor([[token]])), torch.tensor([position]), one))
             mode = "decode-steps"
         prefill_logits = logits.reshape(-1, logits.shape[-1])[0].float().clone()
         t1 = time.perf_counter()
         vocab = prefill_logits.shape[-1]
         run = decode_loop(
             lambda inputs, position: first_output(decode(*inputs, position, one)).reshape(-1, vocab)[0],
-            host.inputs,
+            embed,
             prefill_logits,
             n,
             max_new_tokens,
@@ -148,18 +157,66 @@ def greedy_generate(
     return out
 
 
+def check_first_output(out: Any, vocab: int | None = None) -> None:
+    """The first call's output, checked: the logits as a tensor (last dim `vocab` when given),
+    alone. A tuple with more tensors means the module hands its K/V back every step (a copy of all
+    of it to the host per token: a silent slowdown) — the aliased K/V should stay on the device."""
+    logits = first_output(out)
+    if not isinstance(logits, torch.Tensor):
+        raise DeviceOutputError(
+            f"the compiled module returned {type(out).__name__} led by {type(logits).__name__}, not the logits "
+            "tensor: recompile (the artifact is not this recipe's) or check what the traced module returns"
+        )
+    if vocab is not None and logits.shape[-1] != vocab:
+        raise DeviceOutputError(
+            f"the compiled module's first output has shape {tuple(logits.shape)}, not [..., {vocab}] logits: "
+            "the artifact was compiled for another model or output order; clear its cache entry and recompile"
+        )
+    extra = [t for t in (out[1:] if isinstance(out, (tuple, list)) else ()) if isinstance(t, torch.Tensor)]
+    if extra:
+        mb = sum(t.numel() * t.element_size() for t in extra) / 1e6
+        raise DeviceOutputError(
+            f"the compiled module returns {len(extra)} tensors after the logits ({mb:.1f} MB copied to the host "
+            "every step): its K/V are outputs, not aliased device state; trace with input_output_aliases "
+            "mapping every K/V parameter (KVParamModule.aliases) so they stay on the device"
+        )
+
+
+def check_host_tables(host: HostEmbedder) -> None:
+    """After the compile or load: the embedder's tables are still host tensors with their storage
+    (a compiler that moved or freed weights shared with the device module, e.g. the tied
+    `lm_head`/`embed_tokens`, would make the next lookup fail or cross to the device)."""
+    for name in ("embed_tokens", "embed_tokens_per_layer"):
+        table = getattr(host, name, None)
+        weight = getattr(table, "weight", None)
+        if table is None or weight is None:
+            continue
+        if weight.device.type != "cpu" or weight.numel() == 0 or weight.untyped_storage().nbytes() == 0:
+            raise HostTablesMovedError(
+                f"the host {name} table is on {weight.device} with {weight.untyped_storage().nbytes()} bytes of "
+                "storage after the compile: the compiler moved or freed a weight the host embedder shares; keep "
+                "the host model out of the traced module (the recipes build it from the config) and reload it"
+            )
+
+
 class DeviceStep:
     """A `runtime.HostRuntime` step over a compiled module that keeps its K/V on the device.
 
     The runtime calls `step(inputs..., start, length, *host_kv)`; the device module takes only the
-    inputs (its K/V are aliased state), so the host K/V arguments are dropped.
+    inputs (its K/V are aliased state), so the host K/V arguments are dropped. The first call's
+    output is checked (`check_first_output`), so a wrong artifact fails with a named error there.
     """
 
-    def __init__(self, module: Callable[..., Any], num_inputs: int):
-        self.module, self.num_inputs = module, num_inputs
+    def __init__(self, module: Callable[..., Any], num_inputs: int, vocab: int | None = None):
+        self.module, self.num_inputs, self.vocab = module, num_inputs, vocab
+        self.checked = False
 
     def __call__(self, *args: torch.Tensor) -> torch.Tensor:
-        return first_output(self.module(*args[: self.num_inputs])).float()
+        out = self.module(*args[: self.num_inputs])
+        if not self.checked:
+            check_first_output(out, self.vocab)
+            self.checked = True
+        return first_output(out).float()
 
 
 class StepwisePrefill:

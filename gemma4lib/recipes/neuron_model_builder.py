@@ -40,6 +40,10 @@ the config on the meta device with shard-size layers, so `module_cls()` never ho
   no activation quantization) swaps the attention and dense-MLP `ColumnParallelLinear` /
   `RowParallelLinear` for `QuantizedColumnParallel` / `QuantizedRowParallel`; their forward casts
   the int8 weight, multiplies, and scales the output, the order `quant.Int8Linear` uses on CPU.
+  `QuantizedRowParallel` would then all-reduce its partial outputs in bf16 (NxD v2.28.0
+  `quantization/quantization_layers.py`), where `RowParallelLinear` casts them to float32 first;
+  `reduce_rows_in_float32` gives it `RowParallelLinear`'s float32 sum, so int8 at TP > 1 rounds
+  like the bf16 rank graph and is checked against the same host reference and tolerance.
   The checkpoint holds those weights as int8 plus `<name>.scale` `[out, 1]` fp32 (NxD shards a
   column-parallel layer's scale with its rows and replicates a row-parallel one's).
   The MoE experts stay bf16 on inf2: `ShardedExperts`' selective decode indexes the parallel
@@ -146,11 +150,45 @@ def rank_module(
 
 
 def quantize_nxd(module: nn.Module) -> nn.Module:
-    """NxD's weight-only int8 (per-channel, symmetric) over the `INT8_INCLUDE` linears, in place."""
+    """NxD's weight-only int8 (per-channel, symmetric) over the `INT8_INCLUDE` linears, in place;
+    the quantized row-parallel layers then reduce in float32 (`reduce_rows_in_float32`)."""
     config = neuron_env.require("neuronx_distributed.quantization.quantization_config", PURPOSE)
     quantize_module = neuron_env.require("neuronx_distributed.quantization.quantize", PURPOSE)
+    layers = neuron_env.require("neuronx_distributed.quantization.quantization_layers", PURPOSE)
+    mappings = neuron_env.require("neuronx_distributed.parallel_layers.mappings", PURPOSE)
     q_config = config.get_default_per_channel_custom_qconfig_dict()  # inf2-only
-    return quantize_module.convert(module, q_config=q_config, inplace=True, include=list(INT8_INCLUDE))  # inf2-only
+    module = quantize_module.convert(module, q_config=q_config, inplace=True, include=list(INT8_INCLUDE))  # inf2-only
+    reduce_rows_in_float32(module, layers.QuantizedRowParallel, mappings)
+    return module
+
+
+def reduce_rows_in_float32(module: nn.Module, row_cls: type, mappings: Any) -> int:
+    """Make every `row_cls` layer (NxD's `QuantizedRowParallel`) sum its ranks' partial outputs in
+    float32, as `RowParallelLinear` does (`reduce_dtype`, float32 by default), instead of in the
+    activations' bf16 (NxD v2.28.0 `quantization/quantization_layers.py`: its forward calls
+    `reduce_from_tensor_model_parallel_region(output_)` on the bf16 output). Then int8 at TP > 1
+    rounds like the bf16 rank graph whose TP checks pass, and the host reference (HF on the
+    int8-rounded weights) is checked with the same tolerance at every degree. The layer keeps its
+    name (so the checkpoint's keys are unchanged); its own reduction is switched off and done
+    around its forward. Returns how many layers changed."""
+    changed = 0
+    for layer in module.modules():
+        if isinstance(layer, row_cls) and getattr(layer, "reduce_output", False):
+            layer.reduce_output = False
+            layer.forward = _float32_reduction(layer.forward, layer, mappings)
+            changed += 1
+    return changed
+
+
+def _float32_reduction(forward: Any, layer: nn.Module, mappings: Any) -> Any:
+    def reduced(x: torch.Tensor) -> torch.Tensor:
+        partial = forward(x)
+        total = mappings.reduce_from_tensor_model_parallel_region(  # inf2-only (a group of tp ranks)
+            partial.to(torch.float32), process_group=layer.tensor_parallel_group
+        )
+        return total.to(partial.dtype)
+
+    return reduced
 
 
 def int8_checkpoint(checkpoint: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -285,10 +323,15 @@ def load_model_builder(out_dir: str | Path, tp: int | None = None, start_rank: i
     return traced
 
 
-def generate(traced: Any, loaded: Any, prompt: Sequence[int], max_new_tokens: int, prefill_len: int) -> dict[str, Any]:
-    """Greedy tokens from the loaded NxD model (it routes prefill/decode by input shape)."""
+def generate(
+    traced: Any,
+    loaded: Any,
+    prompt: Sequence[int],
+    max_new_tokens: int,
+    prefill_len: int,
+    dtype: torch.dtype = torch.bfloat16,
+) -> dict[str, Any]:
+    """Greedy tokens from the loaded NxD model (it routes prefill/decode by input shape);
+    `dtype`: the one `compile_model_builder` compiled for (the host embeddings are cast to it)."""
     host = HostEmbedder.from_text_model(loaded.text_model)
-    return greedy_generate(traced, host, prompt, max_new_tokens, prefill=traced, prefill_len=prefill_len)
-
-
-_instance_class = instance_class  # the old name, for callers that still use it
+    return greedy_generate(traced, host, prompt, max_new_tokens, prefill=traced, prefill_len=prefill_len, dtype=dtype)

@@ -93,7 +93,7 @@ def load(path: str | Path, core: int = 0):
 def generate(step: Any, loaded: Any, prompt: Sequence[int], max_new_tokens: int) -> dict[str, Any]:
     """Greedy tokens: `step` is the loaded trace on inf2, or `AliasEmulator(build_kv_module(...))` on CPU."""
     host = HostEmbedder.from_text_model(loaded.text_model)
-    return greedy_generate(step, host, prompt, max_new_tokens)
+    return greedy_generate(step, host, prompt, max_new_tokens, dtype=loaded.lm_head.weight.dtype)
 
 
 def cpu_check(loaded: Any, prompt: Sequence[int], max_new_tokens: int, context_length: int) -> dict[str, Any]:

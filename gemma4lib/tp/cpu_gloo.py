@@ -101,6 +101,7 @@ def _run_rank(rank: int, job: RankJob) -> dict[str, Any]:
             seeded_logits=job.seed_logits,
             eos_token_ids=job.eos_token_ids,
             keep_logits=job.keep_logits,
+            dtype=job.dtype,
         )
     else:
         run = greedy_generate(
@@ -112,6 +113,7 @@ def _run_rank(rank: int, job: RankJob) -> dict[str, Any]:
             prefill_len=job.prefill_len,
             eos_token_ids=job.eos_token_ids,
             keep_logits=job.keep_logits,
+            dtype=job.dtype,
         )
     tokens, kv = run["tokens"], list(prefill_module.kv)
     prefill_s, decode_s, prefill_logits = run["prefill_s"], run["decode_s"], run["prefill_logits"]
