@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..artifacts import ArtifactCache, make_key
+from ..batch_runtime import RowStepwisePrefill
 from ..doctor import warn_low_host_ram
 from ..environment import versions
 from ..graph import GraphShape
@@ -82,10 +83,11 @@ def compile(
     context, ring, dtype = settings.context_length, settings.ring_kv, decode.dtype
     n_inputs = 4 if decode.has_ple else 3
     bucket = max(prefill)
-    shapes = {"decode": GraphShape(1, 1, context, ring)}
+    batch = decode.shape.batch  # settings.batch_size: every key takes that many rows
+    shapes = {"decode": GraphShape(batch, 1, context, ring)}
     decode_experts = "dense"  # only the ModelBuilder recipe builds the rank graph, which takes the form
     if recipe == "model_builder":
-        shapes["prefill"] = GraphShape(1, bucket, context, ring)
+        shapes["prefill"] = GraphShape(batch, bucket, context, ring)
         if model.variant.is_moe:
             decode_experts = settings.decode_experts
     key, parts = neuron_cache_key(
@@ -107,7 +109,8 @@ def compile(
         workdir = tempfile.mkdtemp(prefix="gemma4lib-neuron-cc-")  # never inside the cache entry
         if recipe == "trace":
             neuron_trace.save(
-                neuron_trace.compile_trace(model, context, ring=ring, compiler_workdir=workdir), folder / "model.pt"
+                neuron_trace.compile_trace(model, context, ring=ring, compiler_workdir=workdir, batch=batch),
+                folder / "model.pt",
             )
         else:
             neuron_model_builder.compile_model_builder(
@@ -121,6 +124,7 @@ def compile(
                 compiler_workdir=workdir,
                 decode_experts=decode_experts,
                 weights=settings.weights,
+                batch=batch,
             )
         return {"recipe": recipe, "tp": tp}
 
@@ -129,11 +133,12 @@ def compile(
     host_kv = decode.new_kv()
     if recipe == "trace":
         step = DeviceStep(neuron_trace.load(entry.file("model.pt")), n_inputs)
-        steps = {b: StepwisePrefill(step, n_inputs) for b in prefill}
+        prefill_form = StepwisePrefill if batch == 1 else RowStepwisePrefill
+        steps = {b: prefill_form(step, n_inputs) for b in prefill}
     else:
         step = DeviceStep(neuron_model_builder.load_model_builder(entry.path, tp), n_inputs)
         steps = {bucket: step}
-    runtime = HostRuntime(model, steps, step, host_kv, context, dtype=dtype)
+    runtime = HostRuntime(model, steps, step, host_kv, context, batch=batch, dtype=dtype)
     return CompiledGraphs(
         runtime,
         0.0 if entry.hit else compile_s,
