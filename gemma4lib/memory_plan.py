@@ -155,6 +155,7 @@ class CoreMemoryPlan:
     host_ram_gib: int
     problems: tuple[str, ...] = field(default_factory=tuple)
     compile_host: str | None = None  # where the compile fits: the run instance, or a larger inf2 size
+    batch: int = 1  # rows served at once: K/V is held per row, `kv_gib` counts all of them
 
     @property
     def total_gib(self) -> float:
@@ -177,7 +178,7 @@ class CoreMemoryPlan:
         verdict = "fits" if self.fits else "does not fit: " + "; ".join(self.problems)
         return (
             f"{self.variant} {self.recipe} TP={self.tp} on {self.instance}, context {self.context_length}"
-            f"{' (ring)' if self.ring else ''}: per core {self.weights_gib:.1f} GiB weights + "
+            f"{' (ring)' if self.ring else ''}{f', batch {self.batch}' if self.batch > 1 else ''}: per core {self.weights_gib:.1f} GiB weights + "
             f"{self.kv_gib:.2f} GiB K/V + {self.working_gib:.1f} GiB working = {self.total_gib:.1f} of "
             f"{self.capacity_gib:.0f} GiB; compile host ~{self.compile_peak_gb:.0f} GB of "
             f"{self.host_ram_gib} GiB{self._compile_elsewhere()} — {verdict}"
@@ -193,10 +194,11 @@ def plan_core_memory(
     ring: bool = True,
     dtype_bytes: int = 2,
     recipe: str | None = None,
+    batch: int = 1,
 ) -> CoreMemoryPlan:
     """The per-core memory plan of `variant` at `tp` (default: its recipe's) on `instance`
-    (default: the variant's recommended instance) with `recipe` (default: `neuron_recipe`'s).
-    Problems are listed, never raised here."""
+    (default: the variant's recommended instance) with `recipe` (default: `neuron_recipe`'s),
+    serving `batch` rows (K/V x batch). Problems are listed, never raised here."""
     v = get_variant(variant) if isinstance(variant, str) else variant
     tp = int(tp or v.tp_degree)
     instance = instance or v.instance_type
@@ -210,7 +212,7 @@ def plan_core_memory(
     else:
         params = _rank_params(v.name, tp)
         weights = params * dtype_bytes / GIB
-        kv = _rank_kv_elements(v.name, tp, int(context_length), bool(ring)) * dtype_bytes / GIB
+        kv = _rank_kv_elements(v.name, tp, int(context_length), bool(ring)) * dtype_bytes * int(batch) / GIB
     capacity = float(HBM_PER_CORE_GIB)
     if weights + kv + WORKING_ALLOWANCE_GIB > capacity:
         problems.append(
@@ -240,17 +242,18 @@ def plan_core_memory(
         inst.host_ram_gib,
         tuple(problems),
         compile_host,
+        int(batch),
     )
 
 
 def fitting_options(
-    variant: Variant | str, context_length: int = DEFAULT_CONTEXT, ring: bool = True
+    variant: Variant | str, context_length: int = DEFAULT_CONTEXT, ring: bool = True, batch: int = 1
 ) -> list[CoreMemoryPlan]:
     """Every (TP degree, instance) that fits: those that also compile on the instance first, then
     those whose compile needs a larger host; smallest instance and degree first within each."""
     v = get_variant(variant) if isinstance(variant, str) else variant
     plans = [
-        plan_core_memory(v, tp, instance=name, context_length=context_length, ring=ring)
+        plan_core_memory(v, tp, instance=name, context_length=context_length, ring=ring, batch=batch)
         for name in INSTANCES
         for tp in v.supported_tp
         if tp in NEURON_TP_DEGREES
@@ -267,17 +270,21 @@ def require_fit(
     context_length: int,
     ring: bool,
     recipe: str | None = None,
+    batch: int = 1,
 ) -> CoreMemoryPlan:
     """Raise when the released model cannot run at `tp` on `instance` (default: the variant's):
     `TensorParallelError` for a degree inf2 cannot run, `DeviceMemoryError` for one that does not
     fit a core or the compile host; the message names configurations that fit."""
     v = get_variant(variant) if isinstance(variant, str) else variant
     require_neuron_tp(v, tp, instance)
-    plan = plan_core_memory(v, tp, instance=instance, context_length=context_length, ring=ring, recipe=recipe)
+    plan = plan_core_memory(
+        v, tp, instance=instance, context_length=context_length, ring=ring, recipe=recipe, batch=batch
+    )
     if not plan.fits:
+        at = f" with batch {batch}" if batch > 1 else ""
         raise DeviceMemoryError(
-            f"{v.name} at TP={tp} on {plan.instance} does not fit: {'; '.join(plan.problems)}; "
-            f"use {_hint(fitting_options(v, context_length, ring))}"
+            f"{v.name} at TP={tp} on {plan.instance}{at} does not fit: {'; '.join(plan.problems)}; "
+            f"use {_hint(fitting_options(v, context_length, ring, batch))}"
         )
     return plan
 

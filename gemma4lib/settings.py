@@ -195,6 +195,7 @@ class PortSettings:
                 context_length=self.context_length,
                 ring=self.ring_kv,
                 recipe=self.neuron_recipe,
+                batch=self.batch_size,
             )
         else:  # tiny models fit anywhere; the degree must still be one inf2 can run
             require_neuron_tp(self.variant_spec, self.tp_degree, instance)
