@@ -173,12 +173,15 @@ class CoreMemoryPlan:
             return ""
         return f" (compile on an {self.compile_host}, serve on the {self.instance})"
 
+    def _batch_note(self) -> str:
+        return f", batch {self.batch}" if self.batch > 1 else ""
+
     def summary(self) -> str:
         """One line: per-core use against capacity, and the compile host's need."""
         verdict = "fits" if self.fits else "does not fit: " + "; ".join(self.problems)
         return (
             f"{self.variant} {self.recipe} TP={self.tp} on {self.instance}, context {self.context_length}"
-            f"{' (ring)' if self.ring else ''}{f', batch {self.batch}' if self.batch > 1 else ''}: per core {self.weights_gib:.1f} GiB weights + "
+            f"{' (ring)' if self.ring else ''}{self._batch_note()}: per core {self.weights_gib:.1f} GiB weights + "
             f"{self.kv_gib:.2f} GiB K/V + {self.working_gib:.1f} GiB working = {self.total_gib:.1f} of "
             f"{self.capacity_gib:.0f} GiB; compile host ~{self.compile_peak_gb:.0f} GB of "
             f"{self.host_ram_gib} GiB{self._compile_elsewhere()} — {verdict}"
