@@ -163,3 +163,39 @@ def test_tp_ranks_run_the_batched_rank_graphs():
     record = port(settings)
     assert len(record["rows"]) == 2 and record["ranks_agree"]
     assert all(r["seq_match"] and r["logits_match"] and r["coherent"] for r in record["rows"]), record["rows"]
+
+
+def test_bench_batch_section_schema_and_its_papermill_verdict():
+    """The bench's batch sweep on a tiny model, eager (schema and checks; figures only in the suite)."""
+    from gemma4lib.benchmarks.batch import bench_batch_model
+    from gemma4lib.loading import build_tiny
+    from gemma4lib.variants import get_variant
+    from papermill_runs import bench as pm_bench
+
+    model = build_tiny(get_variant("e2b"))
+    section = bench_batch_model(
+        "tiny-e2b",
+        model,
+        backend="eager",
+        batch_sizes=(1, 2),
+        context_length=32,
+        new_tokens=6,
+        warmup=0,
+        iters=1,
+        bandwidth_mb=16,
+    )
+    assert [r["batch"] for r in section["rows"]] == [1, 2] and section["tokens_match_reference"]
+    row = section["rows"][1]
+    assert row["prompt_lengths"][0] != row["prompt_lengths"][1] and row["fraction_of_gemv"] > 0
+    assert isinstance(section["bandwidth_moved"], bool)
+    subjects = pm_bench.figures({"models": [], "batch": [section]})
+    subject = subjects["batch:tiny-e2b"]
+    assert subject["checks"] == {"tokens_match_reference": True}
+    assert set(subject["metrics"]) == {"speedup_b8_over_b1", "batch_min_over_hf"}
+    tolerances = pm_bench.baselines.load_tolerances(pm_bench.PROFILE)
+    verdict = pm_bench.judge_subject("batch:tiny-e2b", subject, None, tolerances)
+    assert verdict.status != "fail", verdict.reasons
+    broken = pm_bench.judge_subject(
+        "batch:tiny-e2b", {**subject, "checks": {"tokens_match_reference": False}}, None, tolerances
+    )
+    assert broken.status == "fail"

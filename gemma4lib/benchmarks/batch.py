@@ -28,7 +28,7 @@ from ..batch_runtime import generate_batch
 from ..compile_cpu import compile_graph
 from ..graph import GraphShape
 from ..loading import LoadedModel
-from ..reference import random_prompt
+from ..reference import random_prompt, reference_greedy
 from ..roofline import GB, measure_bandwidth
 from ..runtime import HostRuntime
 from .hf import StepClock
@@ -106,8 +106,11 @@ def bench_batch_model(
     form = decode_form if getattr(model.config, "enable_moe_block", False) else "dense"
     dtype_bytes = next(model.lm.parameters()).element_size()
     rows = []
+    # the prompts of batch b are the first b of the largest batch's: one reference per prompt
+    all_prompts = batch_prompts(model, max(batch_sizes), prompt_tokens, seed)
+    references = [reference_greedy(model.lm, p, new_tokens) for p in all_prompts]
     for b in batch_sizes:
-        prompts = batch_prompts(model, b, prompt_tokens, seed)
+        prompts = all_prompts[:b]
         decode, decode_graph = _decode_step(model, GraphShape(b, 1, context_length, True), form, backend, cache)
         prefill = device_graph(model, GraphShape(b, bucket, context_length, True), "dense")
         runtime = HostRuntime(model, {bucket: prefill}, decode, decode_graph.new_kv(), context_length, batch=b)
@@ -133,6 +136,7 @@ def bench_batch_model(
                 "hf_eager_tok_s": statistics.median(hf_tok_s) if hf_tok_s else None,
                 "hf_eager_tok_s_runs": hf_tok_s,
                 "over_hf": (total / statistics.median(hf_tok_s)) if total and hf_tok_s else None,
+                "rows_match_reference": [r.tokens == ref for r, ref in zip(generation.rows, references, strict=False)],
                 "rows_equal_hf": [
                     mine == theirs
                     for mine, theirs in zip(
@@ -166,6 +170,7 @@ def bench_batch_model(
         "bandwidth_after": after,
         "bandwidth_moved": any(moved.values()),
         "rows": rows,
+        "tokens_match_reference": all(all(r["rows_match_reference"]) for r in rows),
         "speedup_b8_over_b1": (b8 / b1) if b1 and b8 else None,
         "min_over_hf": min((r["over_hf"] for r in rows if r["over_hf"]), default=None),
     }
