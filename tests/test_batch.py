@@ -199,3 +199,42 @@ def test_bench_batch_section_schema_and_its_papermill_verdict():
         "batch:tiny-e2b", {**subject, "checks": {"tokens_match_reference": False}}, None, tolerances
     )
     assert broken.status == "fail"
+
+
+def test_batch_ceilings_count_weights_once_and_kv_and_selective_experts_per_row():
+    from gemma4lib.batch_roofline import batch_ceilings, batch_decode_bytes
+    from gemma4lib.roofline import decode_bytes
+
+    one = decode_bytes("e2b", context_length=2048)
+    four = batch_decode_bytes("e2b", 4, context_length=2048, dtype_bytes=2)
+    assert four["weights"] == one.weights and four["kv"] == 4 * one.kv
+    moe1 = batch_decode_bytes("26b-a4b", 1, context_length=2048, experts="selective", dtype_bytes=2)
+    moe2 = batch_decode_bytes("26b-a4b", 2, context_length=2048, experts="selective", dtype_bytes=2)
+    dense = batch_decode_bytes("26b-a4b", 1, context_length=2048, experts="dense", dtype_bytes=2)
+    per_row = moe2["weights"] - moe1["weights"]  # k experts' slices per row (128 experts, top-8)
+    assert 0 < per_row < dense["weights"] - moe1["weights"]
+    rows = batch_ceilings("e2b", (1, 4, 16))
+    for row in rows:  # the field report's measurements sit under the computed ceiling
+        assert row["field_report_tok_s"] <= row["ceiling_tok_s"] <= row["compute_ceiling_tok_s"]
+    assert rows[2]["ceiling_tok_s"] > 10 * rows[0]["ceiling_tok_s"]
+
+
+def test_memory_plan_counts_kv_per_row_and_refuses_a_batch_that_does_not_fit():
+    from gemma4lib.errors import DeviceMemoryError
+    from gemma4lib.memory_plan import plan_core_memory, require_fit
+
+    one = plan_core_memory("e2b", 1, context_length=8192, ring=False)
+    many = plan_core_memory("e2b", 1, context_length=8192, ring=False, batch=32)
+    assert many.kv_gib == pytest.approx(32 * one.kv_gib) and "batch 32" in many.summary()
+    with pytest.raises(DeviceMemoryError, match="with batch 512"):
+        require_fit("e2b", 1, instance="inf2.xlarge", context_length=8192, ring=False, batch=512)
+
+
+def test_tok_s_vs_batch_plot_draws_measured_and_computed():
+    from gemma4lib.batch_roofline import batch_ceilings
+    from gemma4lib.plots_batch import tok_s_vs_batch
+
+    measured = {"model": "m", "rows": [{"batch": 1, "gemma4lib_tok_s": 10.0, "hf_eager_tok_s": 8.0}]}
+    fig = tok_s_vs_batch(measured, batch_ceilings("e2b", (1, 4, 16)))
+    labels = [line.get_label() for line in fig.axes[0].get_lines()]
+    assert any("CPU" in label for label in labels) and any("field report" in label for label in labels)
