@@ -238,3 +238,8 @@ def test_tok_s_vs_batch_plot_draws_measured_and_computed():
     fig = tok_s_vs_batch(measured, batch_ceilings("e2b", (1, 4, 16)))
     labels = [line.get_label() for line in fig.axes[0].get_lines()]
     assert any("CPU" in label for label in labels) and any("field report" in label for label in labels)
+
+
+def test_a_batched_runtime_points_single_prompt_generation_to_generate_batch(compiled_e2b):
+    with pytest.raises(SettingsError, match="generate_batch"):
+        compiled_e2b.runtime.generate([5, 6, 7], 3)
