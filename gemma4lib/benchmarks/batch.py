@@ -5,11 +5,12 @@ Per model and batch size: B random prompts of different lengths, this project's 
 batch B (compiled by the suite's backend; prefill runs the same batched prefill graph uncompiled,
 it is not timed), `batch_runtime.generate_batch` timed per decode step (eos off, every row
 decodes `new_tokens`), and HF `generate` on the same prompts left-padded with an attention mask,
-timed by its own step clock. The step's bytes come from `batch_roofline.batch_decode_bytes` (the
-weights once, per-row selective experts, K/V x B), so each figure also reads as the bandwidth it
-drew (steps/s x bytes/step) and its fraction of the machine's stream and GEMV bandwidth, measured
-before and after the model (best of several repeats); `bandwidth_moved` flags a model whose two
-measurements differ by more than `BANDWIDTH_TOLERANCE` (the neighbours changed the machine under it).
+timed by its own step clock; the two are timed interleaved (ours, HF, ours, HF, ...). The step's
+bytes come from `batch_roofline.batch_decode_bytes` (the weights once, per-row selective experts,
+K/V x B), so each figure also reads as the bandwidth it drew (steps/s x bytes/step) and its
+fraction of the machine's stream and GEMV bandwidth, measured before and after the model (best of
+several repeats); `bandwidth_moved` flags a model whose two measurements differ by more than
+`BANDWIDTH_TOLERANCE` (the neighbours changed the machine under it).
 
 `speedup_b8_over_b1`: total tok/s at B=8 over B=1, this project's graphs.
 """
@@ -114,12 +115,14 @@ def bench_batch_model(
         decode, decode_graph = _decode_step(model, GraphShape(b, 1, context_length, True), form, backend, cache)
         prefill = device_graph(model, GraphShape(b, bucket, context_length, True), "dense")
         runtime = HostRuntime(model, {bucket: prefill}, decode, decode_graph.new_kv(), context_length, batch=b)
-        ours = []
-        for i in range(warmup + iters):
+        ours, hf = [], []
+        for _ in range(warmup):
             generation = generate_batch(runtime, prompts, new_tokens)
-            if i >= warmup and generation.decode_tok_s:
+        for _ in range(iters):  # interleaved (ours, HF, ours, HF): load hits both sides of the ratio alike
+            generation = generate_batch(runtime, prompts, new_tokens)
+            if generation.decode_tok_s:
                 ours.append(generation.decode_tok_s)
-        hf = [hf_batch_generate(model.lm, prompts, new_tokens) for _ in range(iters)]
+            hf.append(hf_batch_generate(model.lm, prompts, new_tokens))
         hf_tok_s = [h["decode_tok_s"] for h in hf if h["decode_tok_s"]]
         steps = batch_decode_bytes(
             model.lm, b, context_length=context_length, ring=True, experts=form, dtype_bytes=dtype_bytes
