@@ -36,6 +36,8 @@ def _add_port_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--backend", default="cpu", help="cpu (AOTInductor) | eager | xla | neuron")
     parser.add_argument("--tp", type=int, default=1, dest="tp_degree", help="tensor-parallel degree")
     parser.add_argument("--prompt")
+    parser.add_argument("--batch", type=int, dest="batch_size", help="rows per batch (default 1): B different prompts")
+    parser.add_argument("--prompts", help="the batch's prompts, separated by '|' (default: B capital questions)")
     parser.add_argument("--max-new-tokens", type=int)
     parser.add_argument("--context-length", type=int)
     parser.add_argument("--prefill-buckets", help="comma-separated prefill lengths, e.g. 16,32,64")
@@ -91,8 +93,11 @@ def _settings(args: argparse.Namespace):
         "draft",
         "draft_tokens",
         "assistant_checkpoint",
+        "batch_size",
     ]
     kwargs = {f: getattr(args, f) for f in fields if getattr(args, f, None) is not None}
+    if getattr(args, "prompts", None):
+        kwargs["prompts"] = tuple(p.strip() for p in args.prompts.split("|"))
     if args.prefill_buckets:
         kwargs["prefill_buckets"] = tuple(int(b) for b in args.prefill_buckets.split(","))
     if args.ring_kv is not None:
@@ -141,6 +146,11 @@ def _print(result: dict[str, Any], as_json: bool) -> None:
 
     for key in SUMMARY_KEYS:
         print(f"{key:>16}: {result.get(key)}")
+    for row in result.get("rows") or ():
+        print(
+            f"{'row ' + str(row['row']):>16}: seq_match={row['seq_match']} logits_match={row['logits_match']} "
+            f"coherent={row['coherent']} answer={row['answer']!r}"
+        )
     witness = result.get("witness")
     if witness:
         print(f"{'witness':>16}: " + ", ".join(f"{k}={witness.get(k)}" for k in WITNESS_KEYS))

@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from . import attention as attention_forms
+from . import batch_graph
 from .experts import StaticExperts
 from .kv_layout import SLIDING, KVLayout
 from .quant import Int8Linear, check_weights, target_linears
@@ -218,6 +219,8 @@ class DeviceGraph(nn.Module):
         self.weights, self.attention = weights, attention
         self.tags: dict[str, str] = {}  # anything else that changes the program (e.g. a fault-lab fault)
         self.kv_class: type[ExplicitKV] = ExplicitKV  # the cache's class (the fault lab swaps it)
+        if shape.batch > 1:  # one start/length per row (batch_graph.py); batch-1 programs unchanged
+            self.kv_class = batch_graph.RowKV
         self.has_ple = bool(getattr(text_model.config, "hidden_size_per_layer_input", 0))
         self.dtype = lm_head.weight.dtype
 
@@ -241,7 +244,7 @@ class DeviceGraph(nn.Module):
         inputs = [torch.zeros(b, t, cfg.hidden_size, dtype=self.dtype)]
         if self.has_ple:
             inputs.append(torch.zeros(b, t, cfg.num_hidden_layers, cfg.hidden_size_per_layer_input, dtype=self.dtype))
-        inputs += [torch.zeros(1, dtype=torch.long), torch.ones(1, dtype=torch.long)]
+        inputs += [torch.zeros(b, dtype=torch.long), torch.ones(b, dtype=torch.long)]  # one per row
         inputs += self.new_kv()
         return tuple(inputs)
 
@@ -257,10 +260,16 @@ class DeviceGraph(nn.Module):
         producers = self.layout.producers
         buffers = {layer.index: (kv[2 * i], kv[2 * i + 1]) for i, layer in enumerate(producers)}
         cache = self.kv_class(buffers, self.shape, start, length, self.inplace)
-        masks = build_masks(self.layout, self.shape, start, length, inputs_embeds.dtype)
-        position_ids = (start + torch.arange(self.shape.tokens, device=start.device))[None].expand(
-            inputs_embeds.shape[0], -1
+        rows = self.shape.batch > 1
+        masks = (batch_graph.build_row_masks if rows else build_masks)(
+            self.layout, self.shape, start, length, inputs_embeds.dtype
         )
+        if rows:
+            position_ids = batch_graph.row_positions(start, self.shape.tokens)
+        else:
+            position_ids = (start + torch.arange(self.shape.tokens, device=start.device))[None].expand(
+                inputs_embeds.shape[0], -1
+            )
         kwargs = dict(
             inputs_embeds=inputs_embeds,
             position_ids=position_ids,
@@ -271,7 +280,8 @@ class DeviceGraph(nn.Module):
         if self.has_ple:
             kwargs["per_layer_inputs"] = per_layer_inputs
         hidden = self.model(**kwargs).last_hidden_state
-        last = hidden.index_select(1, length - 1)  # the last valid token of a right-padded chunk
+        # the last valid token of a right-padded chunk (per row in a batch)
+        last = batch_graph.last_valid(hidden, length) if rows else hidden.index_select(1, length - 1)
         logits = self.lm_head(last)[:, 0, :].float()
         if self.inplace:
             return logits

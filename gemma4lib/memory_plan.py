@@ -177,6 +177,7 @@ class CoreMemoryPlan:
     problems: tuple[str, ...] = field(default_factory=tuple)
     compile_host: str | None = None  # where the compile fits: the run instance, or a larger inf2 size
     weight_format: str = "bf16"  # "int8": the quantized linears counted at 1 byte + a scale per row
+    batch: int = 1  # rows served at once: K/V is held per row, `kv_gib` counts all of them
 
     @property
     def total_gib(self) -> float:
@@ -194,12 +195,15 @@ class CoreMemoryPlan:
             return ""
         return f" (compile on an {self.compile_host}, serve on the {self.instance})"
 
+    def _batch_note(self) -> str:
+        return f", batch {self.batch}" if self.batch > 1 else ""
+
     def summary(self) -> str:
         """One line: per-core use against capacity, and the compile host's need."""
         verdict = "fits" if self.fits else "does not fit: " + "; ".join(self.problems)
         return (
             f"{self.variant} {self.recipe} TP={self.tp} on {self.instance}, context {self.context_length}"
-            f"{' (ring)' if self.ring else ''}: per core {self.weights_gib:.1f} GiB "
+            f"{' (ring)' if self.ring else ''}{self._batch_note()}: per core {self.weights_gib:.1f} GiB "
             f"{'int8 ' if self.weight_format == 'int8' else ''}weights + "
             f"{self.kv_gib:.2f} GiB K/V + {self.working_gib:.1f} GiB working = {self.total_gib:.1f} of "
             f"{self.capacity_gib:.0f} GiB; compile host ~{self.compile_peak_gb:.0f} GB of "
@@ -217,11 +221,12 @@ def plan_core_memory(
     dtype_bytes: int = 2,
     recipe: str | None = None,
     weights: str = "bf16",
+    batch: int = 1,
 ) -> CoreMemoryPlan:
     """The per-core memory plan of `variant` at `tp` (default: its recipe's) on `instance`
-    (default: the variant's recommended instance) with `recipe` (default: `neuron_recipe`'s);
-    `weights="int8"` counts the quantized linears at their int8 bytes (`rank_weight_bytes`).
-    Problems are listed, never raised here."""
+    (default: the variant's recommended instance) with `recipe` (default: `neuron_recipe`'s),
+    serving `batch` rows (K/V x batch); `weights="int8"` counts the quantized linears at their
+    int8 bytes (`rank_weight_bytes`). Problems are listed, never raised here."""
     v = get_variant(variant) if isinstance(variant, str) else variant
     tp = int(tp or v.tp_degree)
     instance = instance or v.instance_type
@@ -234,7 +239,7 @@ def plan_core_memory(
         weights_gib = kv = 0.0
     else:
         weights_gib = rank_weight_bytes(v, tp, weights, dtype_bytes) / GIB
-        kv = _rank_kv_elements(v.name, tp, int(context_length), bool(ring)) * dtype_bytes / GIB
+        kv = _rank_kv_elements(v.name, tp, int(context_length), bool(ring)) * dtype_bytes * int(batch) / GIB
     capacity = float(HBM_PER_CORE_GIB)
     if weights_gib + kv + WORKING_ALLOWANCE_GIB > capacity:
         problems.append(
@@ -266,17 +271,24 @@ def plan_core_memory(
         tuple(problems),
         compile_host,
         weights,
+        int(batch),
     )
 
 
 def fitting_options(
-    variant: Variant | str, context_length: int = DEFAULT_CONTEXT, ring: bool = True, weights: str = "bf16"
+    variant: Variant | str,
+    context_length: int = DEFAULT_CONTEXT,
+    ring: bool = True,
+    weights: str = "bf16",
+    batch: int = 1,
 ) -> list[CoreMemoryPlan]:
     """Every (TP degree, instance) that fits: those that also compile on the instance first, then
     those whose compile needs a larger host; smallest instance and degree first within each."""
     v = get_variant(variant) if isinstance(variant, str) else variant
     plans = [
-        plan_core_memory(v, tp, instance=name, context_length=context_length, ring=ring, weights=weights)
+        plan_core_memory(
+            v, tp, instance=name, context_length=context_length, ring=ring, weights=weights, batch=batch
+        )
         for name in INSTANCES
         for tp in v.supported_tp
         if tp in NEURON_TP_DEGREES
@@ -294,6 +306,7 @@ def require_fit(
     ring: bool,
     recipe: str | None = None,
     weights: str = "bf16",
+    batch: int = 1,
 ) -> CoreMemoryPlan:
     """Raise when the released model cannot run at `tp` on `instance` (default: the variant's):
     `TensorParallelError` for a degree inf2 cannot run, `DeviceMemoryError` for one that does not
@@ -301,12 +314,20 @@ def require_fit(
     v = get_variant(variant) if isinstance(variant, str) else variant
     require_neuron_tp(v, tp, instance)
     plan = plan_core_memory(
-        v, tp, instance=instance, context_length=context_length, ring=ring, recipe=recipe, weights=weights
+        v,
+        tp,
+        instance=instance,
+        context_length=context_length,
+        ring=ring,
+        recipe=recipe,
+        weights=weights,
+        batch=batch,
     )
     if not plan.fits:
+        at = f" with batch {batch}" if batch > 1 else ""
         raise DeviceMemoryError(
-            f"{v.name} at TP={tp} on {plan.instance} does not fit: {'; '.join(plan.problems)}; "
-            f"use {_hint(fitting_options(v, context_length, ring, weights))}"
+            f"{v.name} at TP={tp} on {plan.instance}{at} does not fit: {'; '.join(plan.problems)}; "
+            f"use {_hint(fitting_options(v, context_length, ring, weights, batch))}"
         )
     return plan
 

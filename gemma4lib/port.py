@@ -257,6 +257,10 @@ def port(settings: PortSettings, progress: bool = False) -> dict[str, Any]:
     started = time.perf_counter()
     torch.manual_seed(settings.seed)
     model = load_model(settings)
+    if settings.batch_size > 1:  # B prompts through batched graphs, every row judged (batch_port.py)
+        from .batch_port import port_batch
+
+        return port_batch(settings, model, eos_ids(model), started, load=load_model, progress=progress)
     ids = prompt_ids(model, settings)
     eos = eos_ids(model)
     device_run = run_device(model, settings, ids, eos, progress=progress)

@@ -35,6 +35,7 @@ from torch import nn
 # Library modules whose code decides what a device graph computes.
 GRAPH_SOURCES = (
     "graph.py",
+    "batch_graph.py",
     "attention.py",
     "experts.py",
     "quant.py",

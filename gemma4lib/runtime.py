@@ -227,6 +227,11 @@ class HostRuntime:
             raise BadPromptError(
                 "generate() takes token ids, not text; encode the text first with encode_prompt(tokenizer, prompt)"
             )
+        if self.batch > 1:  # the graphs take `batch` rows: batch_runtime.generate_batch feeds them
+            raise SettingsError(
+                f"this runtime's graphs were compiled for batch {self.batch}; generate with "
+                f"gemma4lib.batch_runtime.generate_batch(runtime, [prompt_ids, ...], max_new_tokens)"
+            )
         ids = torch.as_tensor(prompt_ids, dtype=torch.long)
         if ids.dim() == 2:
             if ids.shape[0] > self.batch:

@@ -22,7 +22,15 @@ DEFAULT_PROMPT = "What is the capital of France?"
 
 
 # Integer settings and their smallest allowed value.
-_COUNTS = {"tp_degree": 1, "max_new_tokens": 1, "context_length": 2, "random_prompt_tokens": 1, "warmup": 0, "iters": 1}
+_COUNTS = {
+    "batch_size": 1,
+    "tp_degree": 1,
+    "max_new_tokens": 1,
+    "context_length": 2,
+    "random_prompt_tokens": 1,
+    "warmup": 0,
+    "iters": 1,
+}
 
 
 def _as_tuple(value: Any) -> tuple:
@@ -78,6 +86,12 @@ class PortSettings:
     draft: str | None = None
     draft_tokens: int | None = None  # drafts per verify step (k); None with a draft: 4
     assistant_checkpoint: str | None = None  # full profile: hub id or folder; default the variant's own
+    # batch_size > 1: that many prompts of different lengths through one set of batched graphs
+    # (batch_graph.py, batch_runtime.py). `prompts`/`expects`: one per row (fewer prompts than
+    # batch_size leave spare rows); None = `batch_prompts.capital_questions(batch_size)`.
+    batch_size: int = 1
+    prompts: tuple[str, ...] | None = None
+    expects: tuple[str | None, ...] | None = None
 
     def __post_init__(self):
         self.variant_spec = get_variant(self.variant)
@@ -103,6 +117,7 @@ class PortSettings:
             )
         if self.seed is None:
             self.seed = self.variant_spec.tiny_seed
+        self._check_batch()
         if self.tp_degree not in self.variant_spec.supported_tp:
             raise TensorParallelError(
                 f"{self.variant_spec.name} cannot run at TP={self.tp_degree}: its head and expert counts split "
@@ -141,6 +156,35 @@ class PortSettings:
 
         check_draft(self)
 
+    def _check_batch(self) -> None:
+        """The batch's prompts: at most `batch_size`, none empty, one expectation per prompt."""
+        from .errors import BadPromptError, BatchTooLargeError
+
+        if self.prompts is not None:
+            self.prompts = _as_tuple(self.prompts)
+            if len(self.prompts) > self.batch_size:
+                raise BatchTooLargeError(
+                    f"{len(self.prompts)} prompts for batch_size {self.batch_size}; pass at most "
+                    f"{self.batch_size} prompts or raise batch_size to {len(self.prompts)}"
+                )
+            for i, prompt in enumerate(self.prompts):
+                if not isinstance(prompt, str) or not prompt.strip():
+                    raise BadPromptError(f"prompt {i} of the batch is empty or not text ({prompt!r}); pass a question")
+        if self.expects is not None:
+            self.expects = _as_tuple(self.expects)
+            rows = len(self.prompts) if self.prompts is not None else self.batch_size
+            if len(self.expects) != rows:
+                raise SettingsError(f"{len(self.expects)} expects for {rows} prompts; give one per prompt (None: none)")
+
+    def batch_rows(self) -> tuple[tuple[str, str | None], ...]:
+        """The batch's (prompt, expected answer) rows: `prompts`/`expects`, or B capital questions."""
+        from .batch_prompts import capital_questions
+
+        if self.prompts is None:
+            return capital_questions(self.batch_size)
+        expects = self.expects if self.expects is not None else (None,) * len(self.prompts)
+        return tuple(zip(self.prompts, expects, strict=True))
+
     def _check_int8(self) -> None:
         """Where weight-only int8 is built: the single-device graph (cpu, eager, xla at TP=1) and
         the Neuron ModelBuilder recipe (NxD's quantized layers); not the CPU gloo rank graph, nor
@@ -178,6 +222,7 @@ class PortSettings:
                 ring=self.ring_kv,
                 recipe=self.neuron_recipe,
                 weights=self.weights,
+                batch=self.batch_size,
             )
             from .serving_host import require_serving_host
 

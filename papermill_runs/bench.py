@@ -17,7 +17,10 @@ Per subject this judges:
 - `ring_kv`: ring tok/s at the longest context over the shortest (`ring_tok_s_<long>_over_<short>`,
   named as the suite names it) and ring / full-length buffers at the longest (`ring_speedup_at_<long>`);
 - `experts`: `selective_over_dense_decode`, and both forms' token checks;
-- `prefill_buckets`: correctness only (each prompt took the smallest bucket that fits, and matched).
+- `prefill_buckets`: correctness only (each prompt took the smallest bucket that fits, and matched);
+- `batch:<model>` (one per model of the `batch` section): `speedup_b8_over_b1` (total decode tok/s at
+  B=8 over B=1), `batch_min_over_hf` (the smallest ratio over HF generate across B), and that every
+  row at every B reproduced its own reference.
 
 Rules come from the `bench` profile of `tolerances.json`; only the rules named by a subject's metrics
 apply (exactly, or by a `*` pattern), so the notebook metrics of the `default` block never do. Metrics
@@ -203,6 +206,22 @@ def _prefill_buckets(section: Mapping[str, Any]) -> dict[str, Any]:
     return _subject({}, checks, notes, model=section.get("model"), prompts=len(placement))
 
 
+def _batch(section: Mapping[str, Any], where: str) -> dict[str, Any]:
+    """A model's batch sweep (`gemma4lib.benchmarks.batch`): the B=8 / B=1 total decode ratio and the
+    smallest ratio over HF generate across B; every row of every B must equal its own reference."""
+    metrics = {
+        "speedup_b8_over_b1": _number(section.get("speedup_b8_over_b1"), f"{where}.speedup_b8_over_b1"),
+        "batch_min_over_hf": _number(section.get("min_over_hf"), f"{where}.min_over_hf"),
+    }
+    checks = {"tokens_match_reference": _flag(section.get("tokens_match_reference"), f"{where}.tokens_match_reference")}
+    return _subject(
+        metrics,
+        checks,
+        model=section.get("model"),
+        bandwidth_moved=section.get("bandwidth_moved"),
+    )
+
+
 def figures(report: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
     """One entry per subject of the suite report (models by name, then `ring_kv`, `experts`,
     `prefill_buckets` when present); raises `ReportError` when the report lacks the suite's fields."""
@@ -215,8 +234,12 @@ def figures(report: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
     for name, reader in readers.items():
         if report.get(name) is not None:
             subjects[name] = reader(_get(report, name, dict, "report"))
+    for i, section in enumerate(report.get("batch") or []):
+        if not isinstance(section, dict) or not isinstance(section.get("model"), str):
+            raise ReportError(f'bench report: batch[{i}] must be an object with a "model"')
+        subjects[f"batch:{section['model']}"] = _batch(section, f"batch[{i}] ({section['model']})")
     if not subjects:
-        raise ReportError("bench report has no models and no ring_kv/experts/prefill_buckets section")
+        raise ReportError("bench report has no models and no ring_kv/experts/prefill_buckets/batch section")
     return subjects
 
 

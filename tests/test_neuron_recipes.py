@@ -387,6 +387,22 @@ def test_model_builder_recipe_calls(name, tp, tmp_path, monkeypatch):
     assert trace == {"initialize_model_weights": False}
 
 
+def test_model_builder_recipe_calls_with_a_batch(tmp_path, monkeypatch):
+    """A batch of 3: both keys' example inputs carry 3 rows and one start/length per row."""
+    from gemma4lib.recipes import neuron_model_builder
+
+    recorder = _Recorder()
+    monkeypatch.setattr(neuron_env, "require", lambda module, purpose="": recorder.module)
+    model = tiny("e2b")
+    with pytest.raises(RuntimeError, match="stop: no Neuron compiler here"):
+        neuron_model_builder.compile_model_builder(model, 1, tmp_path, context_length=64, prefill_len=16, batch=3)
+    _, prefill, decode, _ = (args for _, args in recorder.calls)
+    cfg = model.config
+    ple = (3, 1, cfg.num_hidden_layers, cfg.hidden_size_per_layer_input)
+    assert decode["inputs"] == [(3, 1, cfg.hidden_size), ple, (3,), (3,)]
+    assert prefill["inputs"][0] == (3, 16, cfg.hidden_size) and prefill["inputs"][-2:] == [(3,), (3,)]
+
+
 @pytest.mark.parametrize(
     "name,tp,recipe",
     [

@@ -295,3 +295,60 @@ def test_e2b_model_builder_pair_at_tp1_on_xla(xla_lane, tmp_path):
     assert set(report["xla_compilations"]) == {"prefill", "decode"}
     assert all(n <= 1 for n in report["xla_compilations"].values()), report["xla_compilations"]
     assert report["xla_steps"] == {"prefill": 1, "decode": steps}
+
+
+@pytest.mark.parametrize("variant,form", [("e2b", "dense"), ("26b-a4b", "selective")])
+def test_hlo_audit_batched_decode_reads_the_batch_roofline_bytes(xla_lane, variant, form):
+    """Batch 3: the weights once (the selective experts' k slices per row), the K/V of every row."""
+    model = _audit_model(variant)
+    audit, row = hlo_audit.audit_single(model, form, batch=3)
+    table = hlo_audit.format_table([row])
+    assert row.batch == 3 and "batch 3" in table
+    assert row.weights_delta == row.expected_delta, table
+    assert row.kv_delta == 0 and row.kv_read > 0, table
+    assert row.flagged == [], table
+    if form == "selective":
+        c = model.config
+        assert row.experts_read == 3 * _moe_layers(model) * c.top_k_experts * _expert_slice_bytes(model), table
+
+
+def test_batched_rows_on_xla_match_their_references(xla_lane):
+    """Three capital questions (16, 17, 16 tokens) through the batched graphs of the trained E2B
+    fixture on XLA (trained: no near-ties, so exact tokens are a fair ask): 0 fallbacks, one
+    compilation per graph, every row equal to its own reference and answering its capital."""
+    from gemma4lib.batch_prompts import capital_questions
+    from gemma4lib.batch_runtime import generate_batch
+    from gemma4lib.graph import DeviceGraph, GraphShape
+    from gemma4lib.reference import reference_greedy
+    from gemma4lib.runtime import HostRuntime, encode_prompt
+    from gemma4lib.trained import load_trained
+
+    model = load_trained("e2b")
+    shape = dict(context_length=48, ring=True)
+    graphs = {
+        "prefill": DeviceGraph(
+            model.text_model, model.lm_head, model.layout, GraphShape(3, 24, **shape), inplace=False
+        ),
+        "decode": DeviceGraph(model.text_model, model.lm_head, model.layout, GraphShape(3, 1, **shape), inplace=False),
+    }
+    session = xla_backend.XLASession(graphs)
+
+    def on_host(step):
+        return lambda *args: step(*args).cpu()
+
+    runtime = HostRuntime(
+        model,
+        {24: on_host(session.step("prefill"))},
+        on_host(session.step("decode")),
+        session.new_kv("decode"),
+        48,
+        batch=3,
+    )
+    questions = capital_questions(3)
+    prompts = [encode_prompt(model.tokenizer, q) for q, _ in questions]
+    generation = generate_batch(runtime, prompts, 12)
+    report = session.report()
+    assert report["xla_fallbacks"] == 0 and report["xla_compilations"] == {"prefill": 1, "decode": 1}, report
+    for ids, row, (_, capital) in zip(prompts, generation.rows, questions, strict=True):
+        assert row.tokens == reference_greedy(model.lm, ids, 12)
+        assert capital in model.tokenizer.decode(row.tokens)

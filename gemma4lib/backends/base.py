@@ -94,14 +94,23 @@ def device_graphs(model: LoadedModel, settings: PortSettings, inplace: bool = Tr
     """Prefill graphs (one per bucket; MoE experts all-dense) and the decode graph (the settings'
     expert form), over the model's own modules: the graphs every single-device backend compiles."""
     weights = settings.weights
+    batch = int(getattr(settings, "batch_size", 1))  # one graph set per batch size (batch_graph.py)
     prefill = {
         bucket: device_graph(
-            model, GraphShape(1, bucket, settings.context_length, settings.ring_kv), PREFILL_EXPERTS, inplace, weights
+            model,
+            GraphShape(batch, bucket, settings.context_length, settings.ring_kv),
+            PREFILL_EXPERTS,
+            inplace,
+            weights,
         )
         for bucket in settings.prefill_buckets
     }
     decode = device_graph(
-        model, GraphShape(1, 1, settings.context_length, settings.ring_kv), settings.decode_experts, inplace, weights
+        model,
+        GraphShape(batch, 1, settings.context_length, settings.ring_kv),
+        settings.decode_experts,
+        inplace,
+        weights,
     )
     return prefill, decode
 

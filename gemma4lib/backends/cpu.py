@@ -28,7 +28,9 @@ def compile(
         for name, graph in tqdm(todo, desc="compile", disable=not progress, leave=False)
     }
     steps = {name: step for name, step in compiled.items() if name != "decode"}
-    runtime = HostRuntime(model, steps, compiled["decode"], decode.new_kv(), settings.context_length)
+    runtime = HostRuntime(
+        model, steps, compiled["decode"], decode.new_kv(), settings.context_length, batch=decode.shape.batch
+    )
     return CompiledGraphs(
         runtime,
         sum(c.compile_s for c in compiled.values()),

@@ -19,5 +19,7 @@ def compile(
     model: LoadedModel, settings: PortSettings, *, graphs: Graphs | None = None, progress: bool = False
 ) -> CompiledGraphs:
     prefill, decode = graphs or device_graphs(model, settings)
-    runtime = HostRuntime(model, dict(prefill), decode, decode.new_kv(), settings.context_length)
+    runtime = HostRuntime(
+        model, dict(prefill), decode, decode.new_kv(), settings.context_length, batch=decode.shape.batch
+    )
     return CompiledGraphs(runtime, 0.0, [], COMPILER)

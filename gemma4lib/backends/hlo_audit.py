@@ -528,6 +528,7 @@ class AuditRow:
     flagged: list[str]
     flagged_experts: list[str]
     expert_split: str | None = None  # MoE rank graphs: "intermediate" | "experts"
+    batch: int = 1  # rows of the decode graph (batch_graph.py)
 
     @property
     def weights_delta(self) -> float:
@@ -547,13 +548,16 @@ class AuditRow:
 
     @property
     def graph(self) -> str:
-        return "decode" if self.rank is None else f"rank {self.rank} of TP={self.tp}"
+        if self.rank is not None:
+            return f"rank {self.rank} of TP={self.tp}"
+        return "decode" if self.batch == 1 else f"decode, batch {self.batch}"
 
 
-def router_scale_unread(model: Any) -> int:
+def router_scale_unread(model: Any, rows: int = 1) -> int:
     """Bytes of the routers' `per_expert_scale` vectors a decode step does not read: it gathers
-    the k routed entries of each (E - k unread per MoE layer). 0 for a dense model."""
-    top_k = int(getattr(model.config, "top_k_experts", 0) or 0)
+    the k routed entries of each (E - k unread per MoE layer; `rows` rows of a batch gather k each,
+    E - rows x k, negative once the gathers read more entries than the vector holds). 0 for a dense model."""
+    top_k = int(getattr(model.config, "top_k_experts", 0) or 0) * int(rows)
     return sum(
         (p.numel() - top_k) * p.element_size()
         for n, p in model.lm.named_parameters()
@@ -569,8 +573,10 @@ def _tiny(variant: str):
     return build_tiny(v, seed=v.tiny_seed)
 
 
-def audit_single(model: Any, form: str = "dense", device: Any = None) -> tuple[GraphAudit, AuditRow]:
-    """The single-device decode graph of `model` (a tiny `LoadedModel`), as the lane builds it."""
+def audit_single(model: Any, form: str = "dense", device: Any = None, batch: int = 1) -> tuple[GraphAudit, AuditRow]:
+    """The single-device decode graph of `model` (a tiny `LoadedModel`), as the lane builds it;
+    `batch` rows: compared with `batch_roofline.batch_decode_bytes` (weights once, selective
+    experts per row, K/V per row)."""
     import torch_xla
 
     from ..graph import DeviceGraph, GraphShape
@@ -578,14 +584,24 @@ def audit_single(model: Any, form: str = "dense", device: Any = None) -> tuple[G
     from .xla import to_device
 
     device = device or torch_xla.device()
-    shape = GraphShape(1, 1, CONTEXT)
+    shape = GraphShape(batch, 1, CONTEXT)
     graph = DeviceGraph(model.text_model, model.lm_head, model.layout, shape, inplace=False, expert_form=form)
     graph = to_device({"decode": graph}, device)["decode"]
     inputs, kv = _split_inputs(graph, [t.to(device) for t in graph.example_inputs()])
     name = model.variant.name
-    audit = audit_graph(graph, inputs, kv, f"{name} decode ({form})")
-    rb = decode_bytes(model, context_length=CONTEXT, ring=False, experts=form)
-    return audit, _row(name, form, 1, None, audit, rb.weights, rb.kv, 0, 0, -router_scale_unread(model))
+    at = f", batch {batch}" if batch > 1 else ""
+    audit = audit_graph(graph, inputs, kv, f"{name} decode ({form}{at})")
+    if batch > 1:
+        from ..batch_roofline import batch_decode_bytes
+
+        bb = batch_decode_bytes(model, batch, context_length=CONTEXT, ring=False, experts=form)
+        weights, kv_bytes = bb["weights"], bb["kv"]
+    else:
+        rb = decode_bytes(model, context_length=CONTEXT, ring=False, experts=form)
+        weights, kv_bytes = rb.weights, rb.kv
+    row = _row(name, form, 1, None, audit, weights, kv_bytes, 0, 0, -router_scale_unread(model, batch))
+    row.batch = batch
+    return audit, row
 
 
 def audit_rank(
@@ -723,6 +739,9 @@ def main(argv: list[str] | None = None) -> int:
         prog="python -m gemma4lib.backends.hlo_audit", description=__doc__.split("\n\n")[0]
     )
     parser.add_argument("--verbose", action="store_true", help="log each graph's row")
+    parser.add_argument(
+        "--batch", type=int, default=1, help="also audit the single-device decode graphs at this batch size"
+    )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(name)s: %(message)s")
     os.environ.setdefault("PJRT_DEVICE", "CPU")
@@ -730,6 +749,10 @@ def main(argv: list[str] | None = None) -> int:
 
     torch.set_num_threads(1)
     rows = audit_all()
+    if args.batch > 1:
+        models: dict[str, Any] = {}
+        for variant, form in SINGLE:
+            rows.append(audit_single(models.setdefault(variant, _tiny(variant)), form, batch=args.batch)[1])
     sys.stdout.write(format_table(rows) + "\n")
     bad = [r for r in rows if not r.ok]
     for r in bad:

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ..artifacts import make_key
+from ..batch_runtime import RowStepwisePrefill
 from ..bundle import cache_for
 from ..doctor import warn_low_host_ram
 from ..embedder import HostEmbedder
@@ -123,10 +124,11 @@ def compile(
     n_inputs = 4 if decode.has_ple else 3
     buckets = tuple(settings.prefill_buckets)
     bucket = max(buckets)
-    shapes = {"decode": GraphShape(1, 1, context, ring)}
+    batch = decode.shape.batch  # settings.batch_size: every key takes that many rows
+    shapes = {"decode": GraphShape(batch, 1, context, ring)}
     decode_experts = "dense"  # only the ModelBuilder recipe builds the rank graph, which takes the form
     if recipe == "model_builder":
-        shapes["prefill"] = GraphShape(1, bucket, context, ring)
+        shapes["prefill"] = GraphShape(batch, bucket, context, ring)
         if model.variant.is_moe:
             decode_experts = settings.decode_experts
     key, parts = neuron_cache_key(
@@ -152,7 +154,8 @@ def compile(
     def _compile(folder: Path, workdir: str) -> None:
         if recipe == "trace":
             neuron_trace.save(
-                neuron_trace.compile_trace(model, context, ring=ring, compiler_workdir=workdir), folder / "model.pt"
+                neuron_trace.compile_trace(model, context, ring=ring, compiler_workdir=workdir, batch=batch),
+                folder / "model.pt",
             )
         else:
             neuron_model_builder.compile_model_builder(
@@ -166,6 +169,7 @@ def compile(
                 compiler_workdir=workdir,
                 decode_experts=decode_experts,
                 weights=settings.weights,
+                batch=batch,
             )
 
     # the entry holds the weights (the shards, or a NEFF with them inlined): the free-space check's estimate
@@ -181,13 +185,14 @@ def compile(
     if recipe == "trace":
         loaded = neuron_trace.load(entry.file("model.pt"))
         step = DeviceStep(cores.claim(loaded, 0, tp, label), n_inputs, vocab)
-        steps = {b: StepwisePrefill(step, n_inputs) for b in buckets}
+        prefill_form = StepwisePrefill if batch == 1 else RowStepwisePrefill
+        steps = {b: prefill_form(step, n_inputs) for b in buckets}
     else:
         loaded = neuron_model_builder.load_model_builder(entry.path, tp)
         step = DeviceStep(cores.claim(loaded, 0, tp, label), n_inputs, vocab)
         steps = {bucket: step}
     check_host_tables(HostEmbedder.from_text_model(model.text_model))  # the compile left the host tables whole
-    runtime = HostRuntime(model, steps, step, host_kv, context, dtype=dtype)
+    runtime = HostRuntime(model, steps, step, host_kv, context, batch=batch, dtype=dtype)
     return CompiledGraphs(
         runtime,
         0.0 if entry.hit else compile_s,

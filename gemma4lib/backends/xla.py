@@ -300,6 +300,7 @@ def compile(model: Any, settings: Any, *, graphs: Any = None, progress: bool = F
         on_host(session.step("decode")),
         session.new_kv("decode"),
         settings.context_length,
+        batch=functional_decode.shape.batch,
     )
     # XLA compiles lazily, on the first step of each graph: its time shows in the first prefill/decode.
     return CompiledGraphs(runtime, 0.0, [], "torch-xla", report=session.report)

@@ -73,7 +73,7 @@ TINY_VARIANTS = tuple(VARIANTS)
 MEDIUM_MODELS = ("medium-dense", "medium-moe")
 PATHS = ("gemma4lib", "hf_eager", "hf_static_compile")
 SCHEMA_VERSION = 1
-SECTIONS = ("models", "ring_kv", "experts", "prefill_buckets", "int8", "mtp")
+SECTIONS = ("models", "ring_kv", "experts", "prefill_buckets", "int8", "batch", "mtp")
 
 
 def recommendation() -> dict[str, Any]:
@@ -114,6 +114,11 @@ class SuiteOptions:
     hf_compile_timeout_s: float = 1800.0
     bandwidth_mb: int = 512
     sections: tuple[str, ...] = SECTIONS
+    # the batch section (benchmarks/batch.py): batched decode graphs next to HF generate
+    batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16)
+    batch_context: int = 128
+    batch_new_tokens: int = 16
+    batch_iters: int = 2
 
     @classmethod
     def quick(cls, **changes: Any) -> SuiteOptions:
@@ -695,6 +700,10 @@ def check_targets(report: dict[str, Any]) -> list[dict[str, Any]]:
     experts = report.get("experts")
     if experts:
         add("medium-moe: selective / dense decode >= 2", experts.get("selective_over_dense_decode"), 2.0)
+    for batch in report.get("batch") or ():
+        if batch["model"] == "medium-dense":
+            add("medium-dense: batch speedup_b8_over_b1 >= 5", batch.get("speedup_b8_over_b1"), 5.0)
+            add("medium-dense: batched decode / HF generate >= 1.2 at every B", batch.get("min_over_hf"), 1.2)
     return targets
 
 
@@ -856,6 +865,31 @@ def run_suite(
             )
             loaded.pop(name), factories.pop(name)
             torch._dynamo.reset()
+
+    if "batch" in options.sections:
+        from .batch import bench_batch_model
+
+        report["batch"] = []
+        for name in options.medium_models:
+            say(f"batch {name}: B = {options.batch_sizes}")
+            model, _ = model_and_factory(name)
+            report["batch"].append(
+                bench_batch_model(
+                    name,
+                    model,
+                    backend=options.backend,
+                    batch_sizes=options.batch_sizes,
+                    context_length=options.batch_context,
+                    bucket=options.medium_bucket,
+                    prompt_tokens=options.medium_prompt_tokens,
+                    new_tokens=options.batch_new_tokens,
+                    warmup=options.warmup,
+                    iters=options.batch_iters,
+                    decode_form=recommended["decode_experts"],
+                    bandwidth_mb=options.bandwidth_mb,
+                )
+            )
+            loaded.pop(name), factories.pop(name)
 
     if "mtp" in options.sections:  # drafting with the assistant vs plain decode (benchmarks/mtp.py)
         from .mtp import bench_mtp

@@ -65,7 +65,8 @@ def graph_example_inputs(config: Any, shape: Any, dtype: torch.dtype) -> tuple[t
     ple = int(getattr(config, "hidden_size_per_layer_input", 0) or 0)
     if ple:
         inputs.append(torch.zeros(shape.batch, t, config.num_hidden_layers, ple, dtype=dtype))
-    inputs += [torch.zeros(1, dtype=torch.long), torch.ones(1, dtype=torch.long)]
+    b = shape.batch  # start and length: one value per row (batch_graph.py)
+    inputs += [torch.zeros(b, dtype=torch.long), torch.ones(b, dtype=torch.long)]
     return tuple(inputs)
 
 

@@ -203,10 +203,11 @@ def int8_checkpoint(checkpoint: dict[str, torch.Tensor]) -> dict[str, torch.Tens
     return out
 
 
-def bucket_shapes(context_length: int, prefill_len: int, ring: bool = False) -> dict[str, GraphShape]:
+def bucket_shapes(context_length: int, prefill_len: int, ring: bool = False, batch: int = 1) -> dict[str, GraphShape]:
+    """The ModelBuilder keys' static shapes; `batch` rows in both (start/length one per row)."""
     return {
-        "prefill": GraphShape(1, prefill_len, context_length, ring),
-        "decode": GraphShape(1, 1, context_length, ring),
+        "prefill": GraphShape(batch, prefill_len, context_length, ring),
+        "decode": GraphShape(batch, 1, context_length, ring),
     }
 
 
@@ -261,6 +262,7 @@ def compile_model_builder(
     decode_experts: str = "dense",
     expert_split: str | None = None,
     weights: str = "bf16",
+    batch: int = 1,
 ) -> Path:
     """Compile prefill + decode for one rank, save the model and the per-rank shards to `out_dir`.
 
@@ -268,6 +270,7 @@ def compile_model_builder(
     `expert_split`: how the ranks share the MoE experts (`intermediate` | `experts`; default: the
     plan's, the intermediate split where it divides).
     `weights`: "int8" quantizes the attention and dense-MLP linears with NxD's layers (module docstring).
+    `batch`: rows per call in both keys (per-row start/length and K/V rows, `batch_graph.py`).
     """
     model_builder, GraphInstance = instance_class()
     forms = bucket_expert_forms(decode_experts)
@@ -280,7 +283,7 @@ def compile_model_builder(
     builder = model_builder.ModelBuilder(  # inf2-only
         router=None, tp_degree=tp, checkpoint_loader=lambda: dict(checkpoint), compiler_workdir=str(workdir)
     )
-    for key, shape in bucket_shapes(context_length, prefill_len, ring).items():
+    for key, shape in bucket_shapes(context_length, prefill_len, ring, batch).items():
         builder.add(  # inf2-only
             key=key,
             model_instance=GraphInstance(loaded.config, plan, shape, dtype, forms[key], weights),
@@ -298,6 +301,7 @@ def compile_model_builder(
         "context_length": context_length,
         "prefill_len": prefill_len,
         "ring": ring,
+        "batch": batch,
         "dtype": str(dtype),
         "expert_forms": forms,
         "expert_split": plan.expert_split,

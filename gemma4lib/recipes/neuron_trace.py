@@ -45,10 +45,11 @@ RECIPE = "trace"
 PURPOSE = "the one-core trace recipe (torch_neuronx.trace)"
 
 
-def build_kv_module(loaded: Any, context_length: int, *, ring: bool = False) -> KVParamModule:
-    """The module that gets traced: the one-token decode graph with its K/V as parameters."""
+def build_kv_module(loaded: Any, context_length: int, *, ring: bool = False, batch: int = 1) -> KVParamModule:
+    """The module that gets traced: the one-token decode graph with its K/V as parameters
+    (`batch` rows: one token per row, each at its own position)."""
     graph = DeviceGraph(
-        loaded.text_model, loaded.lm_head, loaded.layout, GraphShape(1, 1, context_length, ring), inplace=False
+        loaded.text_model, loaded.lm_head, loaded.layout, GraphShape(batch, 1, context_length, ring), inplace=False
     )
     return KVParamModule(graph).eval()
 
@@ -60,10 +61,11 @@ def compile_trace(
     ring: bool = False,
     compiler_workdir: str | None = None,
     compiler_args: Sequence[str] | None = None,
+    batch: int = 1,
 ):
     """Trace and compile the decode graph for one NeuronCore; returns the TorchScript module."""
     torch_neuronx = neuron_env.require("torch_neuronx", PURPOSE)
-    module = build_kv_module(loaded, context_length, ring=ring)
+    module = build_kv_module(loaded, context_length, ring=ring, batch=batch)
     return torch_neuronx.trace(  # inf2-only
         module,
         module.example_inputs(),

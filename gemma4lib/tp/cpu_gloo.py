@@ -66,6 +66,9 @@ class RankJob:
     seed_logits: torch.Tensor | None = None
     eos_token_ids: tuple[int, ...] = ()
     keep_logits: bool = False  # rank 0 returns every generated token's logits (LOGITS_MATCH)
+    # a batch (batch_runtime.generate_rows): B prompts through batched rank graphs (`prompt` unused)
+    prompts: list[list[int]] | None = None
+    batch: int = 1
 
 
 def _run_rank(rank: int, job: RankJob) -> dict[str, Any]:
@@ -76,19 +79,21 @@ def _run_rank(rank: int, job: RankJob) -> dict[str, Any]:
     prefill = build_rank_graph(
         job.config,
         job.plan,
-        GraphShape(1, job.prefill_len, job.context_length, job.ring),
+        GraphShape(job.batch, job.prefill_len, job.context_length, job.ring),
         collectives=coll,
         dtype=job.dtype,
         baked_rank=job.baked_rank,
     )
     missing = load_shard(prefill, job.shards[rank])
-    decode = with_shape(prefill, GraphShape(1, 1, job.context_length, job.ring), expert_form=job.decode_experts)
+    decode = with_shape(prefill, GraphShape(job.batch, 1, job.context_length, job.ring), expert_form=job.decode_experts)
     build_s = time.perf_counter() - t0
 
     # the modules a compiler would get: K/V as parameters shared by prefill and decode, updated
     # through the aliased outputs (emulated here)
     prefill_module = KVParamModule(prefill)
     decode_module = prefill_module.sharing(decode)
+    if job.prompts is not None:
+        return _run_rank_rows(rank, job, prefill_module, decode_module, missing, build_s)
     if job.seed_kv is not None:  # prefill happened on the host; this rank gets its K/V slice
         with torch.no_grad():
             for param, value in zip(prefill_module.kv, job.seed_kv[rank], strict=True):
@@ -131,6 +136,38 @@ def _run_rank(rank: int, job: RankJob) -> dict[str, Any]:
         result["prefill_logits"] = prefill_logits.float().numpy().copy()  # descriptor the exiting child closes
         if "step_logits" in run:
             result["step_logits"] = run["step_logits"].float().numpy().copy()
+    return result
+
+
+def _run_rank_rows(
+    rank: int, job: RankJob, prefill_module: KVParamModule, decode_module: KVParamModule, missing, build_s: float
+) -> dict[str, Any]:
+    """A rank's batched generation: every row through the batched rank graphs (`generate_rows`)."""
+    from ..batch_runtime import generate_rows
+
+    run = generate_rows(
+        AliasEmulator(prefill_module),
+        AliasEmulator(decode_module),
+        job.host.inputs,
+        job.prompts,
+        job.max_new_tokens,
+        batch=job.batch,
+        bucket=job.prefill_len,
+        eos_token_ids=job.eos_token_ids,
+        keep_logits=job.keep_logits and rank == 0,
+    )
+    result = {
+        "rank": rank,
+        "rows_tokens": [row.tokens for row in run.rows],
+        "missing_keys": missing,
+        "kv_shapes": [list(t.shape) for t in prefill_module.kv],
+        "build_s": build_s,
+        "prefill_s": run.prefill_s,
+        "decode_s": sum(run.step_s),
+        "decode_tokens": sum(run.step_tokens),
+    }
+    if rank == 0 and job.keep_logits:  # by value (see _run_rank)
+        result["rows_logits"] = [row.step_logits.float().numpy().copy() for row in run.rows]
     return result
 
 
@@ -495,5 +532,68 @@ def _run_for_settings(
         "kv_shapes_per_rank": out["kv_shapes_per_rank"],
         "tp_timings": timings,
         "world": out["world"],
+        "prefill_bucket": bucket,
+    }
+
+
+def run_tp_batch(
+    loaded_model: Any, settings: Any, prompts: Sequence[Sequence[int]], eos_token_ids: Sequence[int]
+) -> dict[str, Any]:
+    """`batch_port`'s TP branch: B prompts through the batched rank graphs on gloo ranks; the
+    device run with `rows` (tokens and per-step logits of each row, from rank 0)."""
+    from ..batch_runtime import check_rows, pick_bucket
+
+    rows = [_as_list(p) for p in prompts]
+    batch, context, max_new = int(settings.batch_size), int(settings.context_length), int(settings.max_new_tokens)
+    check_rows(rows, batch)
+    for ids in rows:
+        if len(ids) + max_new - 1 > context:
+            raise PromptTooLongError(len(ids), max_new, context)
+    bucket = pick_bucket(settings.prefill_buckets, rows)
+    lm = loaded_model.lm
+    tp = int(settings.tp_degree)
+    plan = make_plan(lm.config, tp, loaded_model.variant)
+    shards = list(iter_shards(lm, plan, include_buffers=True))
+    job = RankJob(
+        lm.config,
+        plan,
+        shards,
+        HostEmbedder.from_text_model(lm.model, copy_tables=True),
+        rows[0],
+        max_new,
+        context,
+        bucket,
+        bool(settings.ring_kv),
+        False,
+        next(lm.parameters()).dtype,
+        decode_experts=getattr(settings, "decode_experts", "dense"),
+        eos_token_ids=tuple(int(t) for t in eos_token_ids),
+        keep_logits=True,
+        prompts=rows,
+        batch=batch,
+    )
+    t0 = time.perf_counter()
+    ranks = run_ranks(job, start_method="fork", timeout_s=300.0)
+    wall = time.perf_counter() - t0
+    rank0 = ranks[0]
+    tok_s = rank0["decode_tokens"] / max(rank0["decode_s"], 1e-9)
+    return {
+        "rows": [
+            {"tokens": tokens, "step_logits": torch.from_numpy(logits)}
+            for tokens, logits in zip(rank0["rows_tokens"], rank0["rows_logits"], strict=True)
+        ],
+        "compiler": RECIPE,
+        "executed_as": CPU_EXECUTION,
+        "compile_s": 0.0,
+        "prefill_ms": rank0["prefill_s"] * 1000.0,
+        "decode_tok_s": tok_s,
+        "decode_tok_s_per_row": tok_s / len(rows),
+        "ranks_agree": all(r["rows_tokens"] == rank0["rows_tokens"] for r in ranks),
+        "missing_keys": rank0["missing_keys"],
+        "tp_plan": plan.describe(),
+        "shard_shapes": shard_shapes(plan, shards),
+        "kv_shapes_per_rank": rank0["kv_shapes"],
+        "tp_timings": {"ranks_wall_s": round(wall, 3), "rank0_decode_s": round(rank0["decode_s"], 3)},
+        "world": {"backend": "gloo", "processes": tp, "start_method": "fork", "threads_per_process": 1},
         "prefill_bucket": bucket,
     }

@@ -1,0 +1,245 @@
+"""A batch of different prompts through the same device graphs: every row equals its own batch-1
+reference (tokens and logits), rows stop at their own eos, ring buffers hold per row across the
+window, bad batches fail early and clearly. One compiled (AOTInductor) batch-3 E2B graph set per
+session; the rest runs the same graphs eagerly."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gemma4lib.batch_runtime import RowStepwisePrefill, generate_batch
+from gemma4lib.checks import check_logits
+from gemma4lib.errors import BadPromptError, BatchTooLargeError, SettingsError
+from gemma4lib.graph import DeviceGraph, GraphShape
+from gemma4lib.reference import random_prompt, reference_greedy
+from gemma4lib.runtime import HostRuntime
+
+BATCH, CONTEXT, BUCKET, NEW = 3, 32, 16, 14
+LENGTHS = (12, 5, 9)  # different lengths; 12 + 14 - 1 > the tiny window of 8: the rings wrap
+
+
+def _prompts(model, lengths=LENGTHS):
+    return [random_prompt(model.config.vocab_size, n, 100 + n) for n in lengths]
+
+
+@pytest.fixture(scope="module")
+def compiled_e2b(ports):
+    """The batch-3 E2B graphs (ring K/V), compiled once with AOTInductor."""
+    return ports.get("e2b", batch_size=BATCH, context_length=CONTEXT, prefill_buckets=(BUCKET,), max_new_tokens=NEW)
+
+
+def _assert_rows_match(model, prompts, generation, new=NEW, eos=()):
+    assert len(generation.rows) == len(prompts)
+    for ids, row in zip(prompts, generation.rows, strict=True):
+        reference = reference_greedy(model.lm, ids, new, eos)
+        assert row.tokens == reference, f"row of {len(ids)} tokens: {row.tokens} != {reference}"
+        logits = check_logits(model.lm, ids, row.tokens, row.step_logits)
+        assert logits.passed, logits.explain()
+
+
+def test_compiled_rows_equal_their_own_reference_across_the_window(compiled_e2b):
+    p = compiled_e2b
+    assert p.model.layout.sliding_window < LENGTHS[0] + NEW - 1  # the ring wraps in row 0
+    assert p.decode.shape.batch == BATCH and p.runtime.batch == BATCH
+    prompts = _prompts(p.model)
+    generation = generate_batch(p.runtime, prompts, NEW, keep_logits=True)
+    _assert_rows_match(p.model, prompts, generation)
+    assert generation.decode_tok_s and generation.step_tokens == [BATCH] * (NEW - 1)
+
+
+def test_a_row_that_ends_early_stops_while_the_others_go_on(compiled_e2b):
+    p = compiled_e2b
+    prompts = _prompts(p.model)
+    free = generate_batch(p.runtime, prompts, NEW)
+    eos = [free.rows[1].tokens[3]]  # row 1 emits it at its 4th token
+    generation = generate_batch(p.runtime, prompts, NEW, eos_token_ids=eos, keep_logits=True)
+    row1 = generation.rows[1].tokens
+    assert row1[-1] == eos[0] and len(row1) <= 4
+    assert max(len(r.tokens) for r in generation.rows) > len(row1)  # someone went on
+    _assert_rows_match(p.model, prompts, generation, eos=eos)
+
+
+def test_fewer_prompts_than_the_batch_fill_spare_rows(compiled_e2b):
+    p = compiled_e2b
+    prompts = _prompts(p.model, (7, 10))
+    generation = generate_batch(p.runtime, prompts, 6, keep_logits=True)
+    _assert_rows_match(p.model, prompts, generation, new=6)
+
+
+def test_bad_batches_fail_before_device_work(compiled_e2b):
+    p = compiled_e2b
+    prompts = _prompts(p.model, (5, 6, 7, 8))
+    with pytest.raises(BatchTooLargeError, match="compiled for batch 3"):
+        generate_batch(p.runtime, prompts, 4)
+    with pytest.raises(BadPromptError, match="prompt 1 of the batch has no tokens"):
+        generate_batch(p.runtime, [prompts[0], []], 4)
+    with pytest.raises(BatchTooLargeError, match="at most 2 prompts"):
+        from gemma4lib.port import PortSettings
+
+        PortSettings(variant="e2b", batch_size=2, prompts=("a?", "b?", "c?"))
+
+
+def test_settings_refuse_an_empty_prompt_and_mismatched_expects():
+    from gemma4lib.port import PortSettings
+
+    with pytest.raises(BadPromptError, match="prompt 1 of the batch is empty"):
+        PortSettings(variant="e2b", batch_size=2, prompts=("What is the capital of France?", "  "))
+    with pytest.raises(SettingsError, match="one per prompt"):
+        PortSettings(variant="e2b", batch_size=2, prompts=("a?", "b?"), expects=("A",))
+    rows = PortSettings(variant="e2b", batch_size=4).batch_rows()
+    assert len({p for p, _ in rows}) == 4 and rows[0] == ("What is the capital of France?", "Paris")
+
+
+def _eager_runtime(model, batch, form, ring=True, context=CONTEXT):
+    pre = DeviceGraph(model.text_model, model.lm_head, model.layout, GraphShape(batch, BUCKET, context, ring))
+    dec = DeviceGraph(
+        model.text_model, model.lm_head, model.layout, GraphShape(batch, 1, context, ring), expert_form=form
+    )
+    return HostRuntime(model, {BUCKET: pre}, dec, dec.new_kv(), context, batch=batch)
+
+
+@pytest.mark.parametrize("variant", ["26b-a4b", "31b"])
+def test_eager_batch_moe_selective_and_k_eq_v_rows(variant):
+    from gemma4lib.loading import build_tiny
+    from gemma4lib.variants import get_variant
+
+    model = build_tiny(get_variant(variant))
+    prompts = _prompts(model)
+    generation = generate_batch(_eager_runtime(model, BATCH, "selective"), prompts, NEW, keep_logits=True)
+    _assert_rows_match(model, prompts, generation)
+
+
+def test_trace_recipe_prefills_rows_of_different_lengths_step_by_step():
+    """The trace recipe's batched decode module (K/V as aliased parameters), emulated on CPU."""
+    from gemma4lib.loading import build_tiny
+    from gemma4lib.recipes import neuron_trace
+    from gemma4lib.recipes.common import AliasEmulator, DeviceStep
+    from gemma4lib.variants import get_variant
+
+    model = build_tiny(get_variant("e2b"))
+    module = neuron_trace.build_kv_module(model, CONTEXT, ring=True, batch=BATCH)
+    assert [tuple(t.shape) for t in module.example_inputs()[2:]] == [(BATCH,), (BATCH,)]
+    step = DeviceStep(AliasEmulator(module), module.num_inputs)
+    runtime = HostRuntime(model, {BUCKET: RowStepwisePrefill(step, module.num_inputs)}, step, [], CONTEXT, batch=BATCH)
+    prompts = _prompts(model)
+    generation = generate_batch(runtime, prompts, NEW, keep_logits=True)
+    _assert_rows_match(model, prompts, generation)
+
+
+def test_model_builder_buckets_take_one_start_and_length_per_row():
+    from gemma4lib.loading import build_tiny
+    from gemma4lib.recipes import neuron_model_builder as mb
+    from gemma4lib.recipes.common import graph_example_inputs
+    from gemma4lib.variants import get_variant
+
+    model = build_tiny(get_variant("e2b"))
+    for key, shape in mb.bucket_shapes(64, 32, batch=4).items():
+        inputs = graph_example_inputs(model.config, shape, torch.float32)
+        assert inputs[0].shape[0] == 4 and [tuple(t.shape) for t in inputs[-2:]] == [(4,), (4,)], key
+
+
+def test_port_record_has_one_checked_entry_per_row():
+    """The smoke port at batch 2 (eager: the same graphs as cpu, uncompiled)."""
+    from gemma4lib.port import PortSettings, port
+
+    record = port(PortSettings(variant="e2b", backend="eager", batch_size=2, max_new_tokens=12, iters=1, warmup=0))
+    assert record["batch_size"] == 2 and len(record["rows"]) == 2
+    for row, capital in zip(record["rows"], ("Paris", "Berlin"), strict=True):
+        assert row["seq_match"] and row["logits_match"] and row["coherent"], row
+        assert capital in row["answer"]
+    assert record["seq_match"] and record["logits_match"] and record["checks_passed"]
+    assert record["decode_tok_s"] == pytest.approx(2 * record["decode_tok_s_per_row"])
+    assert record["witness"]["seq_match"] and len(record["witness"]["rows"]) == 2
+
+
+def test_tp_ranks_run_the_batched_rank_graphs():
+    """E4B at TP=2 on gloo ranks, batch 2: each row against its own reference."""
+    from gemma4lib.port import PortSettings, port
+
+    settings = PortSettings(
+        variant="e4b", tp_degree=2, batch_size=2, max_new_tokens=10, context_length=32, prefill_buckets=(32,)
+    )
+    record = port(settings)
+    assert len(record["rows"]) == 2 and record["ranks_agree"]
+    assert all(r["seq_match"] and r["logits_match"] and r["coherent"] for r in record["rows"]), record["rows"]
+
+
+def test_bench_batch_section_schema_and_its_papermill_verdict():
+    """The bench's batch sweep on a tiny model, eager (schema and checks; figures only in the suite)."""
+    from gemma4lib.benchmarks.batch import bench_batch_model
+    from gemma4lib.loading import build_tiny
+    from gemma4lib.variants import get_variant
+    from papermill_runs import bench as pm_bench
+
+    model = build_tiny(get_variant("e2b"))
+    section = bench_batch_model(
+        "tiny-e2b",
+        model,
+        backend="eager",
+        batch_sizes=(1, 2),
+        context_length=32,
+        new_tokens=6,
+        warmup=0,
+        iters=1,
+        bandwidth_mb=16,
+    )
+    assert [r["batch"] for r in section["rows"]] == [1, 2] and section["tokens_match_reference"]
+    row = section["rows"][1]
+    assert row["prompt_lengths"][0] != row["prompt_lengths"][1] and row["fraction_of_gemv"] > 0
+    assert isinstance(section["bandwidth_moved"], bool)
+    subjects = pm_bench.figures({"models": [], "batch": [section]})
+    subject = subjects["batch:tiny-e2b"]
+    assert subject["checks"] == {"tokens_match_reference": True}
+    assert set(subject["metrics"]) == {"speedup_b8_over_b1", "batch_min_over_hf"}
+    tolerances = pm_bench.baselines.load_tolerances(pm_bench.PROFILE)
+    verdict = pm_bench.judge_subject("batch:tiny-e2b", subject, None, tolerances)
+    assert verdict.status != "fail", verdict.reasons
+    broken = pm_bench.judge_subject(
+        "batch:tiny-e2b", {**subject, "checks": {"tokens_match_reference": False}}, None, tolerances
+    )
+    assert broken.status == "fail"
+
+
+def test_batch_ceilings_count_weights_once_and_kv_and_selective_experts_per_row():
+    from gemma4lib.batch_roofline import batch_ceilings, batch_decode_bytes
+    from gemma4lib.roofline import decode_bytes
+
+    one = decode_bytes("e2b", context_length=2048)
+    four = batch_decode_bytes("e2b", 4, context_length=2048, dtype_bytes=2)
+    assert four["weights"] == one.weights and four["kv"] == 4 * one.kv
+    moe1 = batch_decode_bytes("26b-a4b", 1, context_length=2048, experts="selective", dtype_bytes=2)
+    moe2 = batch_decode_bytes("26b-a4b", 2, context_length=2048, experts="selective", dtype_bytes=2)
+    dense = batch_decode_bytes("26b-a4b", 1, context_length=2048, experts="dense", dtype_bytes=2)
+    per_row = moe2["weights"] - moe1["weights"]  # k experts' slices per row (128 experts, top-8)
+    assert 0 < per_row < dense["weights"] - moe1["weights"]
+    rows = batch_ceilings("e2b", (1, 4, 16))
+    for row in rows:  # the field report's measurements sit under the computed ceiling
+        assert row["field_report_tok_s"] <= row["ceiling_tok_s"] <= row["compute_ceiling_tok_s"]
+    assert rows[2]["ceiling_tok_s"] > 10 * rows[0]["ceiling_tok_s"]
+
+
+def test_memory_plan_counts_kv_per_row_and_refuses_a_batch_that_does_not_fit():
+    from gemma4lib.errors import DeviceMemoryError
+    from gemma4lib.memory_plan import plan_core_memory, require_fit
+
+    one = plan_core_memory("e2b", 1, context_length=8192, ring=False)
+    many = plan_core_memory("e2b", 1, context_length=8192, ring=False, batch=32)
+    assert many.kv_gib == pytest.approx(32 * one.kv_gib) and "batch 32" in many.summary()
+    with pytest.raises(DeviceMemoryError, match="with batch 512"):
+        require_fit("e2b", 1, instance="inf2.xlarge", context_length=8192, ring=False, batch=512)
+
+
+def test_tok_s_vs_batch_plot_draws_measured_and_computed():
+    from gemma4lib.batch_roofline import batch_ceilings
+    from gemma4lib.plots_batch import tok_s_vs_batch
+
+    measured = {"model": "m", "rows": [{"batch": 1, "gemma4lib_tok_s": 10.0, "hf_eager_tok_s": 8.0}]}
+    fig = tok_s_vs_batch(measured, batch_ceilings("e2b", (1, 4, 16)))
+    labels = [line.get_label() for line in fig.axes[0].get_lines()]
+    assert any("CPU" in label for label in labels) and any("field report" in label for label in labels)
+
+
+def test_a_batched_runtime_points_single_prompt_generation_to_generate_batch(compiled_e2b):
+    with pytest.raises(SettingsError, match="generate_batch"):
+        compiled_e2b.runtime.generate([5, 6, 7], 3)
