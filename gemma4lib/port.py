@@ -20,15 +20,15 @@ import torch
 
 from . import backends, checks
 from .backends.base import CompiledGraphs, Graphs
-from .benchmarks.timing import benchmark
-from .graph import DeviceGraph
-from .loading import LoadedModel, build_tiny, load_checkpoint
-from .quant import round_model_weights
+from .device.graph import DeviceGraph
+from .device.quant import round_model_weights
+from .models.loading import LoadedModel, build_tiny, load_checkpoint
 from .record import build_record
 from .reference import random_prompt, reference_greedy, reference_last_logits, teacher_forced_logits
 from .results import write_result
 from .runtime import HostRuntime, encode_prompt, softcap
 from .settings import BACKENDS, DEFAULT_PROMPT, MODEL_SOURCES, PortSettings
+from .timing import benchmark
 
 log = logging.getLogger(__name__)
 
@@ -67,7 +67,7 @@ def _load_full_precision(settings: PortSettings) -> LoadedModel:
         dtype = torch.bfloat16 if settings.backend == "neuron" else torch.float32
         return load_checkpoint(variant, settings.checkpoint or variant.hf_id, dtype=dtype)
     if source == "trained":
-        from .trained import load_trained
+        from .models.trained import load_trained
 
         return load_trained(variant.name)
     return build_tiny(variant, seed=settings.seed)

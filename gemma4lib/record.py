@@ -20,10 +20,10 @@ from typing import TYPE_CHECKING, Any
 
 from . import checks
 from .environment import machine, peak_rss_mb, versions
-from .memory_plan import neuron_recipe
+from .inf2.memory_plan import neuron_recipe
 
 if TYPE_CHECKING:
-    from .loading import LoadedModel
+    from .models.loading import LoadedModel
     from .settings import PortSettings
 
 RECORD_SCHEMA = 3

@@ -14,9 +14,9 @@ from typing import Any
 
 import torch
 
-from .embedder import HostEmbedder
+from .device.embedder import HostEmbedder
 from .errors import BadPromptError, BatchTooLargeError, PromptTooLongError, SettingsError
-from .loading import LoadedModel
+from .models.loading import LoadedModel
 
 Step = Callable[..., torch.Tensor]
 

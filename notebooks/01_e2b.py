@@ -86,10 +86,11 @@ import torch
 
 from IPython.display import display
 
-from gemma4lib import checks, notebook as nb, plots
+from gemma4lib import checks, notebook as nb
+from gemma4lib.notebook import plots
 from gemma4lib.backends.base import PREFILL_EXPERTS
-from gemma4lib.benchmarks.timing import benchmark
-from gemma4lib.graph import DeviceGraph, GraphShape
+from gemma4lib.timing import benchmark
+from gemma4lib.device.graph import DeviceGraph, GraphShape
 from gemma4lib.port import PortSettings, compile_graphs, eos_ids, load_model, prompt_ids
 from gemma4lib.reference import logits_spread, reference_greedy, teacher_forced_logits
 
@@ -316,12 +317,12 @@ nb.describe_graphs(prefill, decode)
 # elsewhere, for example inside the repository's gitignored `.cache/` folder.
 
 # %%
-# The CPU compiler. These functions are gemma4lib.compile_cpu's own lines, copied here to be read
+# The CPU compiler. These functions are gemma4lib.backends.compile_cpu's own lines, copied here to be read
 # (tests/test_notebooks.py fails if a copy and the library differ):
-# library: gemma4lib.compile_cpu
+# library: gemma4lib.backends.compile_cpu
 import torch
 
-from gemma4lib.compile_cpu import DEFAULT_COMPILER_OPTIONS, load_weights
+from gemma4lib.backends.compile_cpu import DEFAULT_COMPILER_OPTIONS, load_weights
 
 
 def export_graph(graph):
@@ -449,7 +450,7 @@ def load_model_builder(out_dir, tp=None, start_rank=0):
 # library: gemma4lib.recipes.neuron_trace
 import torch
 
-from gemma4lib.graph import DeviceGraph, GraphShape
+from gemma4lib.device.graph import DeviceGraph, GraphShape
 from gemma4lib.recipes import neuron_env
 from gemma4lib.recipes.common import KVParamModule
 from gemma4lib.recipes.neuron_trace import PURPOSE

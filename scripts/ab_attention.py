@@ -20,12 +20,12 @@ import statistics
 
 import torch
 
-from gemma4lib import attention
+from gemma4lib.backends.compile_cpu import compile_graph
 from gemma4lib.benchmarks.suite import Step, load_bench_model
-from gemma4lib.benchmarks.timing import time_decode_steps
-from gemma4lib.compile_cpu import compile_graph
-from gemma4lib.graph import DeviceGraph, GraphShape
-from gemma4lib.roofline import decode_bytes, measure_bandwidth
+from gemma4lib.device import attention
+from gemma4lib.device.graph import DeviceGraph, GraphShape
+from gemma4lib.inf2.roofline import decode_bytes, measure_bandwidth
+from gemma4lib.timing import time_decode_steps
 
 
 def main() -> None:

@@ -6,7 +6,7 @@
 Both graphs come from the artifact cache when they were compiled before (a medium graph takes 1-3
 minutes to compile here). One thread; rounds alternate A, B, A, B, ... so load from other processes
 hits both alike; the medians and the ratio are printed as one JSON line. This is how the
-`realize_opcount_threshold` default in `gemma4lib/compile_cpu.py` was chosen (docs/ROOFLINE.md).
+`realize_opcount_threshold` default in `gemma4lib/backends/compile_cpu.py` was chosen (docs/ROOFLINE.md).
 """
 
 from __future__ import annotations
@@ -18,10 +18,10 @@ import statistics
 import torch
 
 from gemma4lib.backends.base import device_graph
+from gemma4lib.backends.compile_cpu import DEFAULT_COMPILER_OPTIONS, compile_graph
 from gemma4lib.benchmarks.suite import Step, load_bench_model
-from gemma4lib.benchmarks.timing import time_decode_steps
-from gemma4lib.compile_cpu import DEFAULT_COMPILER_OPTIONS, compile_graph
-from gemma4lib.graph import GraphShape
+from gemma4lib.device.graph import GraphShape
+from gemma4lib.timing import time_decode_steps
 
 
 def main() -> None:

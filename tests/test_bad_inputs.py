@@ -28,7 +28,7 @@ from typing import Any
 import pytest
 import torch
 
-from gemma4lib import artifacts, doctor, environment, loading
+from gemma4lib import artifacts, environment
 from gemma4lib.artifacts import ArtifactCache, atomic_write_json
 from gemma4lib.errors import (
     ArtifactError,
@@ -49,15 +49,17 @@ from gemma4lib.errors import (
     UnknownNameError,
     VariantMismatchError,
 )
-from gemma4lib.loading import build_tiny, check_config_matches_variant, load_checkpoint, text_config
-from gemma4lib.memory_plan import require_fit, require_neuron_tp
+from gemma4lib.inf2 import doctor
+from gemma4lib.inf2.memory_plan import require_fit, require_neuron_tp
+from gemma4lib.models import loading
+from gemma4lib.models.loading import build_tiny, check_config_matches_variant, load_checkpoint, text_config
+from gemma4lib.models.trained import FIXTURES_DIR, sha256_file, verify_fixture_hashes
+from gemma4lib.models.variants import get_variant
 from gemma4lib.port import PortSettings
 from gemma4lib.recipes import neuron_env, recipe_module
 from gemma4lib.results import read_result, write_result
 from gemma4lib.runtime import HostRuntime, Sampling, encode_prompt
 from gemma4lib.tp.plan import make_plan
-from gemma4lib.trained import FIXTURES_DIR, sha256_file, verify_fixture_hashes
-from gemma4lib.variants import get_variant
 from papermill_runs import baselines
 from papermill_runs import run as pm_run
 
@@ -108,7 +110,7 @@ _TOKENIZER: list[Any] = []
 
 def tokenizer():
     if not _TOKENIZER:
-        from gemma4lib.tokenizer import load_tokenizer
+        from gemma4lib.models.tokenizer import load_tokenizer
 
         _TOKENIZER.append(load_tokenizer(FIXTURES_DIR / "tokenizer"))
     return _TOKENIZER[0]
@@ -222,8 +224,8 @@ def offline_mode(ctx: Ctx) -> None:
 
 def released_folder(ctx: Ctx, variant: str = "e2b") -> Path:
     """A released-layout checkpoint: the trained tiny decoder inside the multimodal class."""
-    from gemma4lib.released import save_released_layout
-    from gemma4lib.trained import load_trained
+    from gemma4lib.models.released import save_released_layout
+    from gemma4lib.models.trained import load_trained
 
     trained = load_trained(variant)
     return save_released_layout(variant, ctx.tmp / f"released-{variant}", trained.lm, trained.tokenizer)
@@ -265,7 +267,7 @@ def tensor_dropped(ctx: Ctx) -> Path:
 
 def text_only_folder(ctx: Ctx, variant: str, tokenizer_files: bool = True) -> Path:
     """What `save_pretrained` of a `*ForCausalLM` writes: model_type gemma4_text / gemma4_unified_text."""
-    from gemma4lib.trained import load_trained
+    from gemma4lib.models.trained import load_trained
 
     trained = load_trained(variant)
     folder = ctx.tmp / f"text-{variant}"
@@ -1185,7 +1187,7 @@ def test_hf_token_never_appears_in_errors_logs_or_results(tmp_path, monkeypatch,
 def test_check_fits_is_exact_at_the_context_boundary():
     """The longest request `check_fits` accepts really runs, and equals the reference: prompt +
     max_new_tokens - 1 positions fill the context exactly (the last token is never written)."""
-    from gemma4lib.graph import DeviceGraph, GraphShape
+    from gemma4lib.device.graph import DeviceGraph, GraphShape
     from gemma4lib.reference import reference_greedy
 
     model = build_tiny(get_variant("e2b"), seed=get_variant("e2b").tiny_seed)
@@ -1207,7 +1209,7 @@ def test_check_fits_is_exact_at_the_context_boundary():
 @pytest.mark.parametrize("variant", ["e2b", "12b"])
 def test_text_only_checkpoint_folder_loads(tmp_path, monkeypatch, variant):
     """A consistent `gemma4_text` / `gemma4_unified_text` folder loads as the `*ForCausalLM` itself."""
-    from gemma4lib.trained import load_trained
+    from gemma4lib.models.trained import load_trained
 
     folder = text_only_folder(Ctx(tmp_path, monkeypatch), variant)
     config = json.loads((folder / "config.json").read_text())

@@ -8,9 +8,10 @@ import math
 import pytest
 import torch
 
-from gemma4lib import roofline
-from gemma4lib.benchmarks import PATHS, SuiteOptions, check_targets, format_report, run_suite
-from gemma4lib.medium import MEDIUM, get_medium, medium_config
+from gemma4lib.benchmarks.report import format_report
+from gemma4lib.benchmarks.suite import PATHS, SuiteOptions, check_targets, run_suite
+from gemma4lib.inf2 import roofline
+from gemma4lib.models.medium import MEDIUM, get_medium, medium_config
 
 NUMBER = (int, float)
 
@@ -56,7 +57,7 @@ def test_quick_report_schema(quick_report):
 
 
 def test_report_rows_feed_the_notebook_plot(quick_report):
-    from gemma4lib import plots
+    from gemma4lib.notebook import plots
 
     rows = roofline.rows_from_report(quick_report)
     assert [r["label"] for r in rows] == ["31b", "26b-a4b"]
@@ -101,7 +102,7 @@ def test_unknown_suite_is_a_clear_error():
 
 # ---- medium configs ----------------------------------------------------------------------------
 def _meta_counts(name: str) -> roofline.ParamCounts:
-    from gemma4lib.loading import _text_classes
+    from gemma4lib.models.loading import _text_classes
 
     _, lm_cls = _text_classes(get_medium(name).variant)
     with torch.device("meta"):
@@ -290,7 +291,7 @@ def test_importing_port_does_not_load_the_suite():
     import sys
 
     code = (
-        "import sys, gemma4lib.port, gemma4lib.benchmarks.timing; "
+        "import sys, gemma4lib.port, gemma4lib.timing; "
         "assert 'gemma4lib.benchmarks.suite' not in sys.modules; "
         "from gemma4lib.benchmarks import run_suite; assert 'gemma4lib.benchmarks.suite' in sys.modules"
     )
@@ -301,8 +302,8 @@ def test_tempered_random_attention_is_numerically_stable():
     # a narrow medium-dense: same head sizes (128 sliding, 256 global) and attention scaling 1.0
     import copy
 
-    from gemma4lib.loading import build_tiny
-    from gemma4lib.medium import temper_attention
+    from gemma4lib.models.loading import build_tiny
+    from gemma4lib.models.medium import temper_attention
 
     spec = get_medium("medium-dense")
     overrides = dict(

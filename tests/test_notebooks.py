@@ -156,8 +156,8 @@ def test_variant_notebooks_follow_the_skeleton(path):
 
 @pytest.mark.parametrize("path", variant_notebooks(), ids=lambda p: p.name)
 def test_the_cells_show_the_real_calls(path):
-    from gemma4lib.memory_plan import neuron_recipe
-    from gemma4lib.variants import VARIANTS
+    from gemma4lib.inf2.memory_plan import neuron_recipe
+    from gemma4lib.models.variants import VARIANTS
 
     nb = load(path)
     text = code_text(nb)
@@ -202,7 +202,7 @@ def test_library_copies_in_cells_equal_the_library(path):
     """A cell that shows a library function's lines (`# library: module`, then `def name(...)`) must
     hold exactly that function's code, so the cell cannot drift from what the port runs."""
     copies = library_copies(path)
-    assert {m for _, m, _ in copies} >= {"gemma4lib.compile_cpu"}, f"{path.name} shows no compiler lines"
+    assert {m for _, m, _ in copies} >= {"gemma4lib.backends.compile_cpu"}, f"{path.name} shows no compiler lines"
     for i, module_name, function in copies:
         module = importlib.import_module(module_name)
         library = getattr(module, function.name, None)
@@ -216,7 +216,7 @@ def test_library_copies_in_cells_equal_the_library(path):
 
 def test_library_copy_check_can_fail():
     """The comparison sees a changed argument, not only a changed name."""
-    from gemma4lib import compile_cpu
+    from gemma4lib.backends import compile_cpu
 
     (library,) = ast.parse(inspect.getsource(compile_cpu.export_graph)).body
     changed = ast.parse(inspect.getsource(compile_cpu.export_graph).replace("strict=False", "strict=True")).body[0]
@@ -303,7 +303,7 @@ def test_all_notebooks_run_headless_in_the_smoke_profile(tmp_path):
     random-weights witness whose two checks passed. Speed is not judged here
     (an empty baseline folder, --allow-missing-baseline): the machine is shared with the other tests.
     Compiled graphs come from the shared artifact cache when another test or run built them."""
-    from gemma4lib.trained import fixture_available
+    from gemma4lib.models.trained import fixture_available
 
     out = tmp_path / "out"
     command = [
@@ -381,7 +381,7 @@ def test_table_and_plots_render_headless():
     from matplotlib.figure import Figure
 
     from gemma4lib import notebook as nb
-    from gemma4lib import plots
+    from gemma4lib.notebook import plots
 
     table = nb.Table(["a", "b"], [[1, 0.123456], ["x|y", None]], "t")
     assert "0.1235" in str(table) and "<table>" in table._repr_html_() and "x\\|y" in table.to_markdown()

@@ -15,11 +15,11 @@ from dataclasses import dataclass, field
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
+from ..device.graph import DeviceGraph, GraphShape
 from ..errors import UnknownNameError
-from ..graph import DeviceGraph, GraphShape
 
 if TYPE_CHECKING:  # type names only: nothing below `port` imports it at run time
-    from ..loading import LoadedModel
+    from ..models.loading import LoadedModel
     from ..runtime import HostRuntime
     from ..settings import PortSettings
 

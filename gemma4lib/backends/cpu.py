@@ -6,12 +6,12 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from ..artifacts import ArtifactCache
-from ..compile_cpu import RECIPE, compile_graph
 from ..runtime import HostRuntime
 from .base import CompiledGraphs, Graphs, device_graphs
+from .compile_cpu import RECIPE, compile_graph
 
 if TYPE_CHECKING:
-    from ..loading import LoadedModel
+    from ..models.loading import LoadedModel
     from ..settings import PortSettings
 
 

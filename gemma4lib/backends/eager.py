@@ -9,7 +9,7 @@ from ..runtime import HostRuntime
 from .base import CompiledGraphs, Graphs, device_graphs
 
 if TYPE_CHECKING:
-    from ..loading import LoadedModel
+    from ..models.loading import LoadedModel
     from ..settings import PortSettings
 
 COMPILER = "eager"

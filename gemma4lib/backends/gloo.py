@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 from .base import CompiledGraphs, Graphs
 
 if TYPE_CHECKING:
-    from ..loading import LoadedModel
+    from ..models.loading import LoadedModel
     from ..settings import PortSettings
 
 

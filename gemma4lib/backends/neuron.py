@@ -13,18 +13,18 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..artifacts import ArtifactCache, make_key
-from ..doctor import warn_low_host_ram
+from ..device.graph import GraphShape
 from ..environment import versions
-from ..graph import GraphShape
-from ..memory_plan import neuron_recipe
-from ..program_key import source_digest, weights_fingerprint
+from ..inf2.doctor import warn_low_host_ram
+from ..inf2.memory_plan import neuron_recipe
 from ..recipes import neuron_env, neuron_model_builder, neuron_trace
 from ..recipes.common import DeviceStep, StepwisePrefill
 from ..runtime import HostRuntime
 from .base import CompiledGraphs, Graphs, device_graphs, refuse_graphs
+from .program_key import source_digest, weights_fingerprint
 
 if TYPE_CHECKING:
-    from ..loading import LoadedModel
+    from ..models.loading import LoadedModel
     from ..settings import PortSettings
 
 

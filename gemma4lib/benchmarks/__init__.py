@@ -17,8 +17,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..timing import BenchFigures, benchmark, peak_rss_mb, time_decode_steps
 from .report import format_report
-from .timing import BenchFigures, benchmark, peak_rss_mb, time_decode_steps
 
 _SUITE_NAMES = ("PATHS", "SuiteOptions", "check_targets", "run_suite")
 

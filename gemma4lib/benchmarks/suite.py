@@ -48,23 +48,23 @@ import torch
 
 from ..artifacts import ArtifactCache
 from ..backends.base import PREFILL_EXPERTS, device_graph
+from ..backends.compile_cpu import RECIPE as CPU_RECIPE
+from ..backends.compile_cpu import compile_graph
 from ..backends.eager import COMPILER as EAGER_COMPILER
-from ..compile_cpu import RECIPE as CPU_RECIPE
-from ..compile_cpu import compile_graph
+from ..device.graph import DeviceGraph, GraphShape
+from ..device.quant import round_model_weights
 from ..environment import machine, versions
 from ..errors import UnknownNameError
-from ..graph import DeviceGraph, GraphShape
-from ..loading import LoadedModel, build_tiny
-from ..medium import build_medium, get_medium
+from ..inf2.roofline import GB, decode_bytes, measure_bandwidth
+from ..models.loading import LoadedModel, build_tiny
+from ..models.medium import build_medium, get_medium
+from ..models.variants import VARIANTS
 from ..port import prefill_logits_error
-from ..quant import round_model_weights
 from ..reference import random_prompt, reference_greedy, teacher_forced_logits
-from ..roofline import GB, decode_bytes, measure_bandwidth
 from ..runtime import HostRuntime, softcap
 from ..settings import PortSettings
-from ..variants import VARIANTS
+from ..timing import peak_rss_mb, time_decode_steps
 from .hf import hf_generate, hf_static_compile_kwargs
-from .timing import peak_rss_mb, time_decode_steps
 
 log = logging.getLogger(__name__)
 

@@ -9,13 +9,12 @@ notebook shows between them, in four modules with one idea each:
 - `experiments`: the tables beside each variant's own cells (PLE, KV producers, k_eq_v, KV heads
   under TP, the MoE block and expert forms, prompts that pass SEQ_MATCH on nonsense, the witness);
 - `records`: the notebook's run record and the records the variant notebooks wrote;
-- `gemma4lib.formatting` (re-exported): figures, shapes and tokens written as people write them;
+- `gemma4lib.notebook.formatting` (re-exported): figures, shapes and tokens written as people write them;
 - `chat`: the optional chat box.
 
 `from gemma4lib import notebook as nb` gives all of them under one name, as the notebooks use it.
 """
 
-from ..formatting import format_number, readable_tokens, token_labels, with_unit
 from .chat import chat
 from .display import (
     Table,
@@ -61,6 +60,7 @@ from .family import (
     recipe_table,
     tp_fit,
 )
+from .formatting import format_number, readable_tokens, token_labels, with_unit
 from .records import load_results, record, save_record
 
 __all__ = [

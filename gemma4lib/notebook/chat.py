@@ -9,7 +9,7 @@ import warnings
 from typing import Any
 
 from ..errors import Gemma4LibError
-from ..loading import LoadedModel
+from ..models.loading import LoadedModel
 from .display import answer_text
 
 logger = logging.getLogger(__name__)

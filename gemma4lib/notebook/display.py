@@ -9,9 +9,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from .. import checks
-from ..benchmarks.timing import BenchFigures
-from ..formatting import format_shape, format_value, headline, with_unit
-from ..loading import LoadedModel
+from ..models.loading import LoadedModel
+from ..timing import BenchFigures
+from .formatting import format_shape, format_value, headline, with_unit
 
 
 @dataclass

@@ -11,14 +11,14 @@ from typing import Any
 import torch
 
 from .. import checks
-from ..benchmarks.timing import BenchFigures
-from ..formatting import readable_tokens
-from ..kv_layout import FULL, SLIDING, KVLayout
-from ..loading import LoadedModel
-from ..roofline import GB, compare, measure_bandwidth
-from ..variants import Variant, get_variant
+from ..device.kv_layout import FULL, SLIDING, KVLayout
+from ..inf2.roofline import GB, compare, measure_bandwidth
+from ..models.loading import LoadedModel
+from ..models.variants import Variant, get_variant
+from ..timing import BenchFigures
 from .display import Table, answer_text
 from .family import _gb, device_bytes, real_config
+from .formatting import readable_tokens
 
 BF16_BYTES = 2
 # A hand-built prompt in Gemma 3's turn format: not Gemma-4 tokens (see `equality_is_not_enough`).
@@ -331,7 +331,7 @@ def expert_forms_on_a_token(model: LoadedModel, ids: Sequence[int], context_leng
     """Prefill the prompt, then run ONE decode step three ways on copies of the same K/V: transformers'
     eager reference, all-experts-dense (masked to the top-k), and selective (gather the top-k). Same
     token, logits equal to rounding."""
-    from ..graph import DeviceGraph, GraphShape
+    from ..device.graph import DeviceGraph, GraphShape
     from ..runtime import HostRuntime
 
     layout = model.layout

@@ -6,11 +6,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from ..hardware import HBM_PER_CORE_GIB
-from ..kv_layout import FULL, KVLayout
-from ..loading import text_config
-from ..roofline import GB, GIB, INSTANCES
-from ..variants import VARIANTS, Variant, get_variant
+from ..device.kv_layout import FULL, KVLayout
+from ..inf2.hardware import HBM_PER_CORE_GIB
+from ..inf2.roofline import GB, GIB, INSTANCES
+from ..models.loading import text_config
+from ..models.variants import VARIANTS, Variant, get_variant
 from .display import Table
 
 BF16_BYTES = 2

@@ -10,10 +10,10 @@ from typing import Any
 
 from .. import checks
 from ..artifacts import atomic_write_json
-from ..benchmarks.timing import BenchFigures
-from ..loading import LoadedModel
+from ..models.loading import LoadedModel
+from ..models.variants import VARIANTS
 from ..record import build_record
-from ..variants import VARIANTS
+from ..timing import BenchFigures
 from .display import _tables_to_dicts, _tokens
 
 

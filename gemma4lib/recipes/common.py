@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..embedder import HostEmbedder
+from ..device.embedder import HostEmbedder
 from ..runtime import decode_loop
 
 

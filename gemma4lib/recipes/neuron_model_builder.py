@@ -65,10 +65,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..embedder import HostEmbedder
-from ..experts import EXPERT_FORMS
-from ..graph import GraphShape
-from ..quant import LINEAR_WEIGHT_NAME, check_weights, quantize
+from ..device.embedder import HostEmbedder
+from ..device.experts import EXPERT_FORMS
+from ..device.graph import GraphShape
+from ..device.quant import LINEAR_WEIGHT_NAME, check_weights, quantize
 from ..tp.plan import TPPlan, make_plan
 from ..tp.rank_graph import build_rank_graph
 from ..tp.shard import nxd_full_checkpoint

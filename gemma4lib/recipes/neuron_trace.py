@@ -36,8 +36,8 @@ from typing import Any
 
 import torch
 
-from ..embedder import HostEmbedder
-from ..graph import DeviceGraph, GraphShape
+from ..device.embedder import HostEmbedder
+from ..device.graph import DeviceGraph, GraphShape
 from . import neuron_env
 from .common import AliasEmulator, KVParamModule, greedy_generate
 

@@ -33,10 +33,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..embedder import HostEmbedder
+from ..device.embedder import HostEmbedder
+from ..device.experts import EXPERT_FORMS
+from ..device.graph import DeviceGraph, GraphShape
 from ..errors import BadPromptError, PromptTooLongError, TensorParallelError
-from ..experts import EXPERT_FORMS
-from ..graph import DeviceGraph, GraphShape
 from ..recipes.common import AliasEmulator, KVParamModule, greedy_generate
 from .plan import TPPlan, make_plan
 from .rank_graph import build_rank_graph, load_shard, with_shape

@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..experts import EXPERT_FORMS, EXPERT_SPLITS, gathered_experts
+from ..device.experts import EXPERT_FORMS, EXPERT_SPLITS, gathered_experts
 
 
 class Collectives:

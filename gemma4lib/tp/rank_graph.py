@@ -38,8 +38,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..experts import EXPERT_FORMS
-from ..graph import DeviceGraph, GraphShape, _shallow_clone
+from ..device.experts import EXPERT_FORMS
+from ..device.graph import DeviceGraph, GraphShape, _shallow_clone
 from .layers import Collectives, ColumnShard, RowShard, ShardedExperts, SPMDRankParam
 from .plan import COLUMN, TPPlan
 

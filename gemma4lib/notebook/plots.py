@@ -14,7 +14,7 @@ from typing import Any
 from matplotlib.figure import Figure
 from matplotlib.ticker import FuncFormatter, MaxNLocator
 
-from .checks import failed_checks
+from ..checks import failed_checks
 from .formatting import format_number, token_labels, with_unit
 
 OK, BAD, UNKNOWN = "#2e7d32", "#c62828", "#9e9e9e"

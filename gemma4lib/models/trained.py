@@ -15,13 +15,13 @@ from typing import Any
 
 import torch
 
-from .artifacts import sha256_file
-from .errors import CheckpointError
+from ..artifacts import sha256_file
+from ..errors import CheckpointError
 from .loading import LoadedModel, _text_classes
 from .tokenizer import load_tokenizer
 from .variants import Variant, get_variant
 
-FIXTURES_DIR = Path(__file__).resolve().parent / "fixtures"
+FIXTURES_DIR = Path(__file__).resolve().parent.parent / "fixtures"
 TOKENIZER_DIR = FIXTURES_DIR / "tokenizer"
 PROVENANCE_FILE = FIXTURES_DIR / "PROVENANCE.json"
 MODEL_FILES = ("config.json", "generation_config.json", "model.safetensors")

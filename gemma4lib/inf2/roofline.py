@@ -36,10 +36,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from .experts import EXPERT_SPLITS, default_expert_split
+from ..device.experts import EXPERT_SPLITS, default_expert_split
+from ..device.kv_layout import KVLayout
+from ..device.quant import LINEAR_WEIGHT_NAME
 from .hardware import GB, GIB, INSTANCES, Inf2Instance  # noqa: F401  (re-exported for callers)
-from .kv_layout import KVLayout
-from .quant import LINEAR_WEIGHT_NAME
 
 
 # ---- bytes per decode step ----------------------------------------------------------------------
@@ -157,7 +157,7 @@ def count_params(lm: nn.Module) -> ParamCounts:
 
 def meta_model(variant: Any, which: str = "real") -> nn.Module:
     """A variant's `*ForCausalLM` on the meta device: real shapes, no memory (cached per variant)."""
-    from .variants import get_variant
+    from ..models.variants import get_variant
 
     variant = get_variant(variant) if isinstance(variant, str) else variant
     return _meta_model(variant.name, which)
@@ -165,8 +165,8 @@ def meta_model(variant: Any, which: str = "real") -> nn.Module:
 
 @functools.lru_cache(maxsize=16)
 def _meta_model(name: str, which: str) -> nn.Module:
-    from .loading import _text_classes, text_config
-    from .variants import get_variant
+    from ..models.loading import _text_classes, text_config
+    from ..models.variants import get_variant
 
     variant = get_variant(name)
     config = text_config(variant, which)
@@ -370,7 +370,7 @@ def inf2_table(
     default first (the intermediate split for the 26B-A4B at TP=8) and the expert split after it
     for comparison; only the recipe columns differ between them (the rest is the ideal, k routed
     experts' bytes)."""
-    from .variants import VARIANTS, get_variant
+    from ..models.variants import VARIANTS, get_variant
 
     rows = []
     for name in variants or VARIANTS:
@@ -512,8 +512,8 @@ def prefill_estimate(
     """`PrefillEstimate` of `variant` (name or `Variant`; released config on the meta device) at its
     recipe's TP degree and instance unless given. Basis: `hardware.BF16_FLOPS_PER_CORE` (AWS's 190
     TFLOPS per chip over its 2 cores) and `Inf2Instance.bandwidth_bytes_s(tp)`; unverified on inf2."""
+    from ..models.variants import get_variant
     from .hardware import BF16_FLOPS_PER_CORE
-    from .variants import get_variant
 
     v = get_variant(variant) if isinstance(variant, str) else variant
     tp = int(tp or v.tp_degree)
@@ -539,7 +539,7 @@ def prefill_estimate(
 
 def prefill_table(tokens: int = 128, context_length: int = 2048) -> list[dict[str, Any]]:
     """`prefill_estimate` of every variant at its recipe's TP, beside the field report's figures."""
-    from .variants import VARIANTS
+    from ..models.variants import VARIANTS
 
     rows = []
     for v in VARIANTS.values():

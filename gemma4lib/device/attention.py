@@ -24,7 +24,7 @@ import torch
 from torch import nn
 from transformers import AttentionInterface
 
-from .errors import UnknownNameError
+from ..errors import UnknownNameError
 
 GROUPED = "gemma4lib_grouped"
 EAGER = "eager"

@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .errors import UnknownNameError
+from ..errors import UnknownNameError
 
 log = logging.getLogger(__name__)
 

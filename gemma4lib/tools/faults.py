@@ -40,11 +40,11 @@ from typing import Any
 
 import torch
 
-from .checks import failure_reasons
-from .graph import DeviceGraph, ExplicitKV, _shallow_clone
-from .kv_layout import FULL, SLIDING, KVLayout
-from .loading import LoadedModel
-from .port import (
+from ..checks import failure_reasons
+from ..device.graph import DeviceGraph, ExplicitKV, _shallow_clone
+from ..device.kv_layout import FULL, SLIDING, KVLayout
+from ..models.loading import LoadedModel
+from ..port import (
     GraphEdit,
     PortSettings,
     eos_ids,
@@ -330,7 +330,7 @@ def get_fault(name: str) -> Fault:
     for fault in FAULTS:
         if fault.name == name:
             return fault
-    from .errors import UnknownNameError
+    from ..errors import UnknownNameError
 
     raise UnknownNameError("fault", name, tuple(f.name for f in FAULTS))
 

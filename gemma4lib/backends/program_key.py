@@ -26,11 +26,11 @@ from torch import nn
 
 # Library modules whose code decides what a device graph computes.
 GRAPH_SOURCES = (
-    "graph.py",
-    "attention.py",
-    "experts.py",
-    "quant.py",
-    "kv_layout.py",
+    "device/graph.py",
+    "device/attention.py",
+    "device/experts.py",
+    "device/quant.py",
+    "device/kv_layout.py",
     "tp/rank_graph.py",
     "tp/layers.py",
     "tp/plan.py",
@@ -108,7 +108,7 @@ def program_digest(program: torch.export.ExportedProgram) -> str:
 
 def source_digest(files: tuple[str, ...] = GRAPH_SOURCES) -> str:
     """sha256 of the library source files that shape the device graphs."""
-    root = Path(__file__).resolve().parent
+    root = Path(__file__).resolve().parent.parent  # gemma4lib/
     digest = hashlib.sha256()
     for name in files:
         digest.update(name.encode())

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from .errors import UnknownNameError
+from ..errors import UnknownNameError
 
 SOFTCAP = 30.0
 VOCAB_SIZE = 262_144

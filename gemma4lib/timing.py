@@ -18,12 +18,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 from tqdm.auto import tqdm
 
-from ..environment import peak_rss_mb  # noqa: F401  (re-exported with the other figures)
-from ..runtime import HostRuntime, decode_loop
+from .environment import peak_rss_mb  # noqa: F401  (re-exported with the other figures)  # noqa: F401  (re-exported with the other figures)
+from .runtime import HostRuntime, decode_loop
 
 if TYPE_CHECKING:  # type names only: the suite sits above `port`, this module below it
-    from ..loading import LoadedModel
-    from .suite import Step
+    from .benchmarks.suite import Step
+    from .models.loading import LoadedModel
 
 
 @dataclass

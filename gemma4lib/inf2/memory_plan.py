@@ -33,9 +33,9 @@ import functools
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from .errors import DeviceMemoryError, TensorParallelError, UnknownNameError
+from ..errors import DeviceMemoryError, TensorParallelError, UnknownNameError
+from ..models.variants import Variant, get_variant
 from .hardware import GB, GIB, HBM_PER_CORE_GIB, INSTANCES, NEURON_TP_DEGREES, smallest_instance
-from .variants import Variant, get_variant
 
 WORKING_ALLOWANCE_GIB = 2.0
 MODEL_BUILDER_COPIES = 3  # module + loader checkpoint + per-rank shards at the compile's peak
@@ -71,9 +71,9 @@ def neuron_recipe(variant: Variant, tp: int, requested: str | None = None) -> st
 @functools.lru_cache(maxsize=64)
 def _rank_params(name: str, tp: int) -> int:
     """Parameter elements one rank holds (its shard), counted on the meta device; host tables excluded."""
+    from ..tp.plan import make_plan
+    from ..tp.shard import RANK_KEY, shard_state_dict
     from .roofline import meta_model
-    from .tp.plan import make_plan
-    from .tp.shard import RANK_KEY, shard_state_dict
 
     variant = get_variant(name)
     lm = meta_model(variant)
@@ -84,8 +84,8 @@ def _rank_params(name: str, tp: int) -> int:
 
 @functools.lru_cache(maxsize=64)
 def _rank_kv_elements(name: str, tp: int, context_length: int, ring: bool) -> int:
+    from ..tp.plan import make_plan
     from .roofline import meta_model
-    from .tp.plan import make_plan
 
     variant = get_variant(name)
     plan = make_plan(meta_model(variant).config, tp, variant)
@@ -284,7 +284,7 @@ def require_fit(
 
 def plan_table(context_length: int = DEFAULT_CONTEXT, ring: bool = True) -> list[CoreMemoryPlan]:
     """Each variant at its recipe's TP on its instance, plus the next smaller TP (to show why not)."""
-    from .variants import VARIANTS
+    from ..models.variants import VARIANTS
 
     plans = []
     for v in VARIANTS.values():

@@ -20,8 +20,8 @@ from pathlib import Path
 
 import torch
 
-from .artifacts import default_cache_dir
-from .errors import EnvironmentMismatchError
+from ..artifacts import default_cache_dir
+from ..errors import EnvironmentMismatchError
 from .loading import LoadedModel
 from .variants import Variant
 
@@ -103,12 +103,12 @@ def run_gemma3_270m(
     ' Paris'."""
     import time
 
-    from . import checks
-    from .artifacts import ArtifactCache
-    from .compile_cpu import compile_graph
-    from .graph import DeviceGraph, GraphShape
-    from .reference import reference_greedy
-    from .runtime import HostRuntime, encode_prompt
+    from .. import checks
+    from ..artifacts import ArtifactCache
+    from ..backends.compile_cpu import compile_graph
+    from ..device.graph import DeviceGraph, GraphShape
+    from ..reference import reference_greedy
+    from ..runtime import HostRuntime, encode_prompt
 
     started = time.perf_counter()
     model = load_gemma3_270m(cache_dir)

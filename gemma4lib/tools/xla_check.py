@@ -1,8 +1,8 @@
 """Run a tiny variant's prefill + decode graphs on the XLA lane against the host greedy reference.
 
-    PJRT_DEVICE=CPU .venv-xla/bin/python -m gemma4lib.backends.xla_check --variant e2b
-    PJRT_DEVICE=CPU .venv-xla/bin/python -m gemma4lib.backends.xla_check --variant all --hlo-dir artifacts/xla
-    PJRT_DEVICE=CPU .venv-xla/bin/python -m gemma4lib.backends.xla_check --variant e2b --leaky   # the leak demo
+    PJRT_DEVICE=CPU .venv-xla/bin/python -m gemma4lib.tools.xla_check --variant e2b
+    PJRT_DEVICE=CPU .venv-xla/bin/python -m gemma4lib.tools.xla_check --variant all --hlo-dir artifacts/xla
+    PJRT_DEVICE=CPU .venv-xla/bin/python -m gemma4lib.tools.xla_check --variant e2b --leaky   # the leak demo
 
 Prints one JSON object per variant (one per line): ``seq_match`` (prefill token + every decode token
 equal to transformers' greedy `generate` on the host fp32 model), ``xla_fallbacks``,
@@ -27,9 +27,9 @@ from typing import Any
 
 import torch
 
-from ..graph import DeviceGraph, GraphShape
-from ..loading import build_tiny
-from ..variants import VARIANTS, get_variant
+from ..device.graph import DeviceGraph, GraphShape
+from ..models.loading import build_tiny
+from ..models.variants import VARIANTS, get_variant
 
 
 class LeakyPositionGraph(DeviceGraph):
@@ -63,7 +63,7 @@ def run_variant(
     seed: int = 0,
 ) -> dict[str, Any]:
     """Prefill one prompt, decode `decode_steps` tokens on XLA; compare with HF greedy decoding."""
-    from .xla import XLASession
+    from ..backends.xla import XLASession
 
     if prompt_tokens + 1 + decode_steps > context_length or prompt_tokens > bucket:
         raise ValueError("prompt + decode steps must fit context_length, and the prompt the bucket")
@@ -165,7 +165,7 @@ def passed(result: dict[str, Any]) -> bool:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m gemma4lib.backends.xla_check",
+        prog="python -m gemma4lib.tools.xla_check",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -186,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     if not args.optimized_cpu_compile:
-        from .xla import use_fast_cpu_compile
+        from ..backends.xla import use_fast_cpu_compile
 
         use_fast_cpu_compile()
     torch.set_num_threads(1)

@@ -22,9 +22,9 @@ from typing import Any
 
 import torch
 
-from .artifacts import ArtifactCache, CacheEntry, make_key
-from .environment import versions
-from .graph import DeviceGraph
+from ..artifacts import ArtifactCache, CacheEntry, make_key
+from ..device.graph import DeviceGraph
+from ..environment import versions
 from .program_key import program_config, program_digest, weights_fingerprint
 
 log = logging.getLogger(__name__)

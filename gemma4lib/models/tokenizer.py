@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .errors import CheckpointError
+from ..errors import CheckpointError
 
 PAD, EOS, BOS, TURN_OPEN, TURN_CLOSE = "<pad>", "<eos>", "<bos>", "<|turn>", "<turn|>"
 PAD_ID, EOS_ID, BOS_ID, TURN_OPEN_ID, TURN_CLOSE_ID = 0, 1, 2, 105, 106
@@ -117,7 +117,7 @@ def load_tokenizer(path: str | Path):
     if not (path / "tokenizer.json").is_file():
         raise CheckpointError(
             f"{path} has no tokenizer.json; build one with "
-            f"`gemma4lib.tokenizer.save_tokenizer(build_tokenizer(), path)`"
+            f"`gemma4lib.models.tokenizer.save_tokenizer(build_tokenizer(), path)`"
         )
     tokenizer = PreTrainedTokenizerFast.from_pretrained(str(path))
     check_special_ids(tokenizer)

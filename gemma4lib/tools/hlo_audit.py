@@ -38,7 +38,7 @@ Two halves:
   tensors, and set the figures next to `roofline.decode_bytes` for the same model, expert form
   and TP degree.
 
-    PJRT_DEVICE=CPU .venv-xla/bin/python -m gemma4lib.backends.hlo_audit   # the markdown table
+    PJRT_DEVICE=CPU .venv-xla/bin/python -m gemma4lib.tools.hlo_audit   # the markdown table
 
 Exit status 1 when a graph's audited bytes differ from the roofline's or a selective graph
 re-lays-out an expert weight.
@@ -562,8 +562,8 @@ def router_scale_unread(model: Any) -> int:
 
 
 def _tiny(variant: str):
-    from ..loading import build_tiny
-    from ..variants import get_variant
+    from ..models.loading import build_tiny
+    from ..models.variants import get_variant
 
     v = get_variant(variant)
     return build_tiny(v, seed=v.tiny_seed)
@@ -573,9 +573,9 @@ def audit_single(model: Any, form: str = "dense", device: Any = None) -> tuple[G
     """The single-device decode graph of `model` (a tiny `LoadedModel`), as the lane builds it."""
     import torch_xla
 
-    from ..graph import DeviceGraph, GraphShape
-    from ..roofline import decode_bytes
-    from .xla import to_device
+    from ..backends.xla import to_device
+    from ..device.graph import DeviceGraph, GraphShape
+    from ..inf2.roofline import decode_bytes
 
     device = device or torch_xla.device()
     shape = GraphShape(1, 1, CONTEXT)
@@ -595,10 +595,10 @@ def audit_rank(
     `XlaLoweringCollectives`. `expert_split`: the MoE split (default: the plan's)."""
     import torch_xla
 
-    from ..graph import GraphShape
-    from ..roofline import count_params, decode_bytes
+    from ..backends.xla import to_device
+    from ..device.graph import GraphShape
+    from ..inf2.roofline import count_params, decode_bytes
     from ..tp import build_rank_graph, load_shard, make_plan, shard_state_dict
-    from .xla import to_device
 
     device = device or torch_xla.device()
     plan = make_plan(model.config, tp, model.variant, expert_split=expert_split)
@@ -719,9 +719,7 @@ def _names(names: Sequence[str], shown: int = 2) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m gemma4lib.backends.hlo_audit", description=__doc__.split("\n\n")[0]
-    )
+    parser = argparse.ArgumentParser(prog="python -m gemma4lib.tools.hlo_audit", description=__doc__.split("\n\n")[0])
     parser.add_argument("--verbose", action="store_true", help="log each graph's row")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(name)s: %(message)s")

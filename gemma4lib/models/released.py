@@ -23,8 +23,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from .environment import check_transformers
-from .errors import CheckpointError
+from ..environment import check_transformers
+from ..errors import CheckpointError
 from .loading import conditional_class
 from .variants import Variant, get_variant
 

@@ -19,9 +19,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from .environment import check_transformers
-from .errors import CheckpointError, GatedCheckpointError, HubUnreachableError, NotGemma4Error, VariantMismatchError
-from .kv_layout import KVLayout
+from ..device.kv_layout import KVLayout
+from ..environment import check_transformers
+from ..errors import CheckpointError, GatedCheckpointError, HubUnreachableError, NotGemma4Error, VariantMismatchError
 from .variants import VARIANTS, Variant, config_kwargs
 
 log = logging.getLogger(__name__)

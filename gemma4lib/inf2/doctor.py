@@ -25,6 +25,8 @@ import subprocess
 import sys
 from typing import Any
 
+from ..models.variants import get_variant
+from ..recipes import neuron_env
 from .hardware import GB, dmi_instance_type, host_ram_bytes, smallest_instance
 from .memory_plan import (
     COMPILE_CALIBRATION,
@@ -35,8 +37,6 @@ from .memory_plan import (
     neuron_recipe,
     plan_table,
 )
-from .recipes import neuron_env
-from .variants import get_variant
 
 
 def estimate_compile_peak_gb(
@@ -91,7 +91,7 @@ def warn_low_host_ram(variant: Any, tp: int | None = None, recipe: str | None = 
     import logging
     import warnings
 
-    from .errors import LowHostMemoryWarning
+    from ..errors import LowHostMemoryWarning
 
     message = compile_ram_warning(estimate_compile_peak_gb(variant, tp, recipe=recipe), host_ram_bytes())
     if message:
@@ -239,7 +239,7 @@ def run_doctor(
     if not next(r for r in versions if r["package"] == "transformers")["ok"]:
         warnings.append(f"transformers must be {neuron_env.TRANSFORMERS_PIN} (CPU and inf2 alike)")
     if variant is not None:
-        from .errors import TensorParallelError
+        from ..errors import TensorParallelError
         from .memory_plan import plan_core_memory, require_neuron_tp
 
         v = get_variant(variant)

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from .errors import UnknownNameError
+from ..errors import UnknownNameError
 from .loading import LoadedModel, build_tiny, text_config
 from .variants import VARIANTS, Variant, sliding_pattern
 

@@ -29,13 +29,13 @@ from typing import Any
 
 import torch
 
-from .artifacts import ArtifactCache
-from .compile_cpu import compile_graph
-from .graph import DeviceGraph, GraphShape
+from ..artifacts import ArtifactCache
+from ..backends.compile_cpu import compile_graph
+from ..device.graph import DeviceGraph, GraphShape
+from ..reference import random_prompt, teacher_forced_logits
+from ..runtime import HostRuntime, softcap
 from .loading import LoadedModel, build_random, text_config
 from .medium import temper_attention
-from .reference import random_prompt, teacher_forced_logits
-from .runtime import HostRuntime, softcap
 from .variants import Variant, get_variant
 
 log = logging.getLogger(__name__)
@@ -294,7 +294,7 @@ def check_real_width(
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m gemma4lib.real_width VARIANT [--compile]`: one check in a process of its own, the
+    """`python -m gemma4lib.models.real_width VARIANT [--compile]`: one check in a process of its own, the
     report as JSON on stdout.
 
     Its own process because the weights are GBs and an AOTInductor package loaded with user-managed
@@ -304,7 +304,7 @@ def main(argv: list[str] | None = None) -> int:
     import argparse
     import json
 
-    parser = argparse.ArgumentParser(prog="python -m gemma4lib.real_width", description=main.__doc__)
+    parser = argparse.ArgumentParser(prog="python -m gemma4lib.models.real_width", description=main.__doc__)
     parser.add_argument("variant", choices=sorted(LAYER_PLANS))
     parser.add_argument("--compile", action="store_true", help="compile the decode graph with AOTInductor")
     parser.add_argument("--new-tokens", type=int, default=8)
