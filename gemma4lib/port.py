@@ -19,7 +19,8 @@ from typing import Any
 import torch
 
 from . import backends, checks
-from .backends.base import CompiledGraphs, Graphs
+from .backends.base import CompiledGraphs
+from .device.build import Graphs, device_graphs
 from .device.graph import DeviceGraph
 from .device.quant import round_model_weights
 from .models.loading import LoadedModel, build_tiny, load_checkpoint
@@ -98,7 +99,7 @@ def decode_text(model: LoadedModel, tokens: list[int]) -> str | None:
 
 def build_graphs(model: LoadedModel, settings: PortSettings, inplace: bool = True) -> Graphs:
     """Prefill graphs (one per bucket, all-experts-dense) and the decode graph."""
-    return backends.device_graphs(model, settings, inplace)
+    return device_graphs(model, settings, inplace)
 
 
 def compile_graphs(

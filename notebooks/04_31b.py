@@ -88,7 +88,7 @@ from IPython.display import display
 
 from gemma4lib import checks, notebook as nb
 from gemma4lib.notebook import plots
-from gemma4lib.backends.base import PREFILL_EXPERTS
+from gemma4lib.device.build import PREFILL_EXPERTS
 from gemma4lib.timing import benchmark
 from gemma4lib.device.graph import DeviceGraph, GraphShape
 from gemma4lib.port import PortSettings, compile_graphs, eos_ids, load_model, prompt_ids

@@ -244,7 +244,7 @@ def test_measure_bandwidth_reports_both_methods():
 
 def test_recommendation_is_what_a_port_runs_by_default(quick_report):
     # the suite states PortSettings' defaults (read from them), and its models ran with them
-    from gemma4lib.backends.base import PREFILL_EXPERTS
+    from gemma4lib.device.build import PREFILL_EXPERTS
     from gemma4lib.settings import PortSettings
 
     settings = PortSettings(variant="26b-a4b")

@@ -18,6 +18,6 @@ ranks through `gloo`); `compile_graphs(model, settings)` calls it. Modules are i
 selected: `xla` and `neuron` need their own environments.
 """
 
-from .base import BACKEND_MODULES, CompiledGraphs, backend_for, compile_graphs, device_graphs, get_backend
+from .base import BACKEND_MODULES, CompiledGraphs, backend_for, compile_graphs, get_backend
 
-__all__ = ["BACKEND_MODULES", "CompiledGraphs", "backend_for", "compile_graphs", "device_graphs", "get_backend"]
+__all__ = ["BACKEND_MODULES", "CompiledGraphs", "backend_for", "compile_graphs", "get_backend"]

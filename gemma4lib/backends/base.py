@@ -1,4 +1,4 @@
-"""The contract every backend module fulfils, the registry, and the device graphs they build.
+"""The contract every backend module fulfils, and the registry (the graphs come from `device.build`).
 
 A backend module exposes `compile(model, settings, *, graphs=None, progress=False)` returning
 `CompiledGraphs`. `graphs` lets a caller hand over prefill and decode graphs it built itself (the
@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
-from ..device.graph import DeviceGraph, GraphShape
+from ..device.build import Graphs
 from ..errors import UnknownNameError
 
 if TYPE_CHECKING:  # type names only: nothing below `port` imports it at run time
@@ -30,13 +30,6 @@ BACKEND_MODULES = {
     "neuron": "gemma4lib.backends.neuron",
     "gloo": "gemma4lib.backends.gloo",
 }
-
-Graphs = tuple[dict[int, DeviceGraph], DeviceGraph]
-
-# Prefill computes every expert (the dense form) whatever `decode_experts` says. Short CPU prompts
-# measured faster selective, but the gathered slices grow with tokens x k, and the dense form is the
-# one that shards over TP ranks (docs/ROOFLINE.md; the benchmark suite reports this as its recommendation).
-PREFILL_EXPERTS = "dense"
 
 
 @dataclass
@@ -71,39 +64,6 @@ def compile_graphs(
 ) -> CompiledGraphs:
     """Compile the device graphs of `model` with the backend `settings` select."""
     return get_backend(backend_for(settings)).compile(model, settings, graphs=graphs, progress=progress)
-
-
-def device_graph(
-    model: LoadedModel, shape: GraphShape, expert_form: str, inplace: bool = True, weights: str = "bf16"
-) -> DeviceGraph:
-    """One device graph over the model's own modules (not copies: a compiled graph takes the model's
-    current weights at load time; with `weights="int8"` it holds int8 copies of the linears, made
-    now); `device_graphs` and the benchmark suite's graph cache build with it."""
-    return DeviceGraph(
-        model.text_model,
-        model.lm_head,
-        model.layout,
-        shape,
-        inplace=inplace,
-        expert_form=expert_form,
-        weights=weights,
-    )
-
-
-def device_graphs(model: LoadedModel, settings: PortSettings, inplace: bool = True) -> Graphs:
-    """Prefill graphs (one per bucket; MoE experts all-dense) and the decode graph (the settings'
-    expert form), over the model's own modules: the graphs every single-device backend compiles."""
-    weights = settings.weights
-    prefill = {
-        bucket: device_graph(
-            model, GraphShape(1, bucket, settings.context_length, settings.ring_kv), PREFILL_EXPERTS, inplace, weights
-        )
-        for bucket in settings.prefill_buckets
-    }
-    decode = device_graph(
-        model, GraphShape(1, 1, settings.context_length, settings.ring_kv), settings.decode_experts, inplace, weights
-    )
-    return prefill, decode
 
 
 def refuse_graphs(graphs: Graphs | None, backend: str) -> None:

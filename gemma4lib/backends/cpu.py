@@ -6,8 +6,9 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from ..artifacts import ArtifactCache
+from ..device.build import Graphs, device_graphs
 from ..runtime import HostRuntime
-from .base import CompiledGraphs, Graphs, device_graphs
+from .base import CompiledGraphs
 from .compile_cpu import RECIPE, compile_graph
 
 if TYPE_CHECKING:

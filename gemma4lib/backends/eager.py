@@ -5,8 +5,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from ..device.build import Graphs, device_graphs
 from ..runtime import HostRuntime
-from .base import CompiledGraphs, Graphs, device_graphs
+from .base import CompiledGraphs
 
 if TYPE_CHECKING:
     from ..models.loading import LoadedModel

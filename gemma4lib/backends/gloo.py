@@ -11,7 +11,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from .base import CompiledGraphs, Graphs
+from ..device.build import Graphs
+from .base import CompiledGraphs
 
 if TYPE_CHECKING:
     from ..models.loading import LoadedModel

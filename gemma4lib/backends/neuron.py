@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..artifacts import ArtifactCache, make_key
+from ..device.build import Graphs, device_graphs
 from ..device.graph import GraphShape
 from ..environment import versions
 from ..inf2.doctor import warn_low_host_ram
@@ -20,7 +21,7 @@ from ..inf2.memory_plan import neuron_recipe
 from ..recipes import neuron_env, neuron_model_builder, neuron_trace
 from ..recipes.common import DeviceStep, StepwisePrefill
 from ..runtime import HostRuntime
-from .base import CompiledGraphs, Graphs, device_graphs, refuse_graphs
+from .base import CompiledGraphs, refuse_graphs
 from .program_key import source_digest, weights_fingerprint
 
 if TYPE_CHECKING:

@@ -277,8 +277,9 @@ def compile(model: Any, settings: Any, *, graphs: Any = None, progress: bool = F
     compilations per graph, HLO files) to the result record once generation and benchmark ran.
     """
     from ..artifacts import ArtifactCache
+    from ..device.build import device_graphs
     from ..runtime import HostRuntime
-    from .base import CompiledGraphs, device_graphs, refuse_graphs
+    from .base import CompiledGraphs, refuse_graphs
 
     refuse_graphs(graphs, "xla")
     functional_prefill, functional_decode = device_graphs(model, settings, inplace=False)

@@ -47,10 +47,10 @@ from typing import Any
 import torch
 
 from ..artifacts import ArtifactCache
-from ..backends.base import PREFILL_EXPERTS, device_graph
 from ..backends.compile_cpu import RECIPE as CPU_RECIPE
 from ..backends.compile_cpu import compile_graph
 from ..backends.eager import COMPILER as EAGER_COMPILER
+from ..device.build import PREFILL_EXPERTS, device_graph
 from ..device.graph import DeviceGraph, GraphShape
 from ..device.quant import round_model_weights
 from ..environment import machine, versions
