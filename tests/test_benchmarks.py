@@ -285,15 +285,15 @@ def test_experts_choice_is_the_measured_winner():
     assert f"measured choice: prefill {choice['prefill']}, decode {choice['decode']}" in text
 
 
-def test_importing_port_does_not_load_the_suite():
-    # port times its runs with benchmarks.timing; the suite (which imports port) loads only when asked for
+def test_importing_port_does_not_load_the_benchmarks():
+    # port times its runs with gemma4lib.timing; the benchmarks package (whose suite imports port) sits above it
     import subprocess
     import sys
 
     code = (
         "import sys, gemma4lib.port, gemma4lib.timing; "
-        "assert 'gemma4lib.benchmarks.suite' not in sys.modules; "
-        "from gemma4lib.benchmarks import run_suite; assert 'gemma4lib.benchmarks.suite' in sys.modules"
+        "assert not [m for m in sys.modules if m.startswith('gemma4lib.benchmarks')], sorted(sys.modules); "
+        "from gemma4lib.benchmarks.suite import run_suite; assert 'gemma4lib.port' in sys.modules"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
 

@@ -340,7 +340,7 @@ def compare(
 
 
 def rows_from_report(report: dict[str, Any], path: str = "gemma4lib") -> list[dict[str, Any]]:
-    """`compare()`-shaped rows for every model of a `benchmarks.run_suite` report (one path)."""
+    """`compare()`-shaped rows for every model of a `benchmarks.suite.run_suite` report (one path)."""
     rows = []
     for model in report.get("models", []):
         measured = model["paths"].get(path, {}).get("decode_tok_s")
