@@ -11,12 +11,12 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from .backends.base import SELECTABLE as BACKENDS
 from .device.experts import EXPERT_FORMS
 from .device.quant import WEIGHT_FORMS
 from .errors import SettingsError, TensorParallelError, UnknownNameError
 from .models.variants import check_profile, get_variant
 
-BACKENDS = ("cpu", "eager", "xla", "neuron")
 MODEL_SOURCES = ("auto", "trained", "random", "checkpoint")
 DEFAULT_PROMPT = "What is the capital of France?"
 

@@ -18,11 +18,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 from tqdm.auto import tqdm
 
-from .environment import peak_rss_mb  # noqa: F401  (re-exported with the other figures)  # noqa: F401  (re-exported with the other figures)
+from .environment import peak_rss_mb  # noqa: F401  (re-exported with the other figures)
 from .runtime import HostRuntime, decode_loop
 
-if TYPE_CHECKING:  # type names only: the suite sits above `port`, this module below it
-    from .benchmarks.suite import Step
+if TYPE_CHECKING:  # type names only
+    from .benchmarks.suite import BenchGraph  # the suite sits above `port`, this module below it
     from .models.loading import LoadedModel
 
 
@@ -75,7 +75,7 @@ def benchmark(
 
 
 @torch.no_grad()
-def time_decode_steps(model: LoadedModel, step: Step, positions: Sequence[int], token: int = 5) -> float:
+def time_decode_steps(model: LoadedModel, step: BenchGraph, positions: Sequence[int], token: int = 5) -> float:
     """Decode tok/s of `step` over consecutive `positions`, through the runtime's own decode loop
     (host embedding + step + greedy argmax), on fresh buffers: timing does not depend on their
     contents, so any position of a long context can be timed without filling it first."""

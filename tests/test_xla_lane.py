@@ -101,7 +101,7 @@ def test_shape_leak_is_caught_by_the_compile_count(xla_lane):
 
 # ---- the HLO byte audit (README, "Environments"): what each decode graph reads ------------------
 
-from gemma4lib.tools import hlo_audit  # noqa: E402  (imports without torch_xla)  # noqa: E402  (imports without torch_xla)
+from gemma4lib.tools import hlo_audit  # noqa: E402  (imports without torch_xla)
 
 _audit_models: dict[str, object] = {}
 

@@ -21,7 +21,7 @@ from ..inf2.memory_plan import neuron_recipe
 from ..recipes import neuron_env, neuron_model_builder, neuron_trace
 from ..recipes.common import DeviceStep, StepwisePrefill
 from ..runtime import HostRuntime
-from .base import CompiledGraphs, refuse_graphs
+from .base import CompiledGraphs, refuse_graphs, runner
 from .program_key import source_digest, weights_fingerprint
 
 if TYPE_CHECKING:
@@ -142,3 +142,6 @@ def compile(
         f"neuron-{recipe}",
         {"artifacts": str(entry.path), "tp_degree": tp, "decode_experts": decode_experts, "weights": settings.weights},
     )
+
+
+run = runner(compile)  # inf2-only (through `compile`)

@@ -304,3 +304,20 @@ def compile(model: Any, settings: Any, *, graphs: Any = None, progress: bool = F
     )
     # XLA compiles lazily, on the first step of each graph: its time shows in the first prefill/decode.
     return CompiledGraphs(runtime, 0.0, [], "torch-xla", report=session.report)
+
+
+def run(
+    model: Any,
+    settings: Any,
+    ids: list[int],
+    eos: list[int],
+    *,
+    graphs: Any = None,
+    progress: bool = False,
+    bench: bool = True,
+):
+    """One device run on the XLA device: `compile`, then `run_compiled`."""
+    from .base import run_compiled
+
+    compiled = compile(model, settings, graphs=graphs, progress=progress)
+    return run_compiled(compiled, model, settings, ids, eos, progress=progress, bench=bench)

@@ -23,7 +23,7 @@ shared cores hits them alike — compare ratios within one run, not absolute fig
 Decode tok/s of HF paths is timed per step with a logits processor (prefill excluded), like the
 runtime's own per-step timing (`benchmarks.hf`). Timings are never asserted in tests.
 
-The graphs come from the backend layer's constructor and compilers (`backends.base.device_graph`,
+The graphs come from the backend layer's constructor and compilers (`device.build.device_graph`,
 `compile_cpu.compile_graph`); `GraphFactory` only caches them by shape, so the runtime, the ring
 sweep and the experts comparison share one graph per shape. The recommendation the report states
 is `PortSettings`' defaults (and the backends' prefill expert form), read from them, not restated.
@@ -47,9 +47,7 @@ from typing import Any
 import torch
 
 from ..artifacts import ArtifactCache
-from ..backends.compile_cpu import RECIPE as CPU_RECIPE
-from ..backends.compile_cpu import compile_graph
-from ..backends.eager import COMPILER as EAGER_COMPILER
+from ..backends.base import GRAPH_BACKENDS, get_backend, prefill_logits_error
 from ..device.build import PREFILL_EXPERTS, device_graph
 from ..device.graph import DeviceGraph, GraphShape
 from ..device.quant import round_model_weights
@@ -59,7 +57,6 @@ from ..inf2.roofline import GB, decode_bytes, measure_bandwidth
 from ..models.loading import LoadedModel, build_tiny
 from ..models.medium import build_medium, get_medium
 from ..models.variants import VARIANTS
-from ..port import prefill_logits_error
 from ..reference import random_prompt, reference_greedy, teacher_forced_logits
 from ..runtime import HostRuntime, softcap
 from ..settings import PortSettings
@@ -162,7 +159,7 @@ def _in_main_thread() -> bool:
 
 # ---- the project's path: graphs from the backend layer, cached by shape ----------------------------
 @dataclass
-class Step:
+class BenchGraph:
     """One compiled (or eager) graph with where it came from (what the report's `graphs` lists)."""
 
     fn: Callable[..., torch.Tensor]
@@ -185,36 +182,10 @@ class Step:
         }
 
 
-def _compiled_step(graph: DeviceGraph, cache: ArtifactCache | None) -> Step:
-    """Backend `cpu`'s compiler (AOTInductor through the artifact cache), with its cost recorded."""
-    compiled = compile_graph(graph, cache)
-    return Step(
-        compiled,
-        graph.shape,
-        graph.expert_form,
-        compiled.compile_s,
-        compiled.entry.meta.get("compile_s", compiled.entry.meta.get("build_s")),
-        compiled.cache_hit,
-        graph,
-    )
-
-
-def _eager_step(graph: DeviceGraph, cache: ArtifactCache | None) -> Step:
-    """Backend `eager`: the graph as built (tests get the suite's schema in seconds)."""
-    return Step(graph, graph.shape, graph.expert_form, graph=graph)
-
-
-# backend -> (the name the report gives its compiler, how a graph becomes a Step)
-_COMPILERS: dict[str, tuple[str, Callable[[DeviceGraph, ArtifactCache | None], Step]]] = {
-    "cpu": (CPU_RECIPE, _compiled_step),
-    "eager": (EAGER_COMPILER, _eager_step),
-}
-
-
 class GraphFactory:
     """A cache of one model's device graphs keyed by shape.
 
-    Graphs are built with `backends.base.device_graph` and compiled by backend `cpu`'s compiler or
+    Graphs are built with `device.build.device_graph` and compiled by backend `cpu`'s compiler or
     run eager, as a port would; this class adds only the cache, so the runtime of each model, the
     ring sweep and the experts comparison reuse a graph (and report its compile once) instead of
     compiling one per use.
@@ -223,17 +194,17 @@ class GraphFactory:
     def __init__(
         self, model: LoadedModel, backend: str = "cpu", cache: ArtifactCache | None = None, weights: str = "bf16"
     ):
-        if backend not in _COMPILERS:
-            raise UnknownNameError("bench backend", backend, tuple(_COMPILERS))
+        if backend not in GRAPH_BACKENDS:
+            raise UnknownNameError("bench backend", backend, GRAPH_BACKENDS)
         self.model, self.backend, self.cache, self.weights = model, backend, cache, weights
-        self.steps: dict[tuple, Step] = {}
+        self.steps: dict[tuple, BenchGraph] = {}
 
     @property
     def compiler(self) -> str:
         """The compiler's name as a port's record gives it (`cpu-aotinductor`, `eager`)."""
-        return _COMPILERS[self.backend][0]
+        return get_backend(self.backend).COMPILER
 
-    def get(self, tokens: int, context_length: int, ring: bool, expert_form: str = "dense") -> Step:
+    def get(self, tokens: int, context_length: int, ring: bool, expert_form: str = "dense") -> BenchGraph:
         """The graph of this shape, built and compiled on first use."""
         model = self.model
         if not getattr(model.config, "enable_moe_block", False):
@@ -243,7 +214,10 @@ class GraphFactory:
         key = (tokens, context_length, ring, expert_form)
         if key not in self.steps:
             graph = device_graph(model, GraphShape(1, tokens, context_length, ring), expert_form, weights=self.weights)
-            self.steps[key] = _COMPILERS[self.backend][1](graph, self.cache)
+            one = get_backend(self.backend).compile_one(graph, self.cache)
+            self.steps[key] = BenchGraph(
+                one.fn, graph.shape, graph.expert_form, one.compile_s, one.build_s, one.cache_hit, graph
+            )
         return self.steps[key]
 
     def runtime(

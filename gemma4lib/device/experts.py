@@ -118,7 +118,7 @@ def gathered_experts(
     moves no bytes), so each gathered slice is contiguous memory. Anything else costs a copy of the
     whole weight per step under XLA: a permuted view lowers to a transpose before the gather, and
     XLA's gather canonicalisation transposes the whole operand of a gather along an inner
-    dimension (seen in XLA:CPU's optimised HLO). `backends.hlo_audit` flags both.
+    dimension (seen in XLA:CPU's optimised HLO). `tools.hlo_audit` flags both.
 
     int8 weights (`quant`): pass their per-output-channel scales, `gate_up_scale [E, 2I]` and
     `down_scale [E, H]` (`down_expert_dim=0` only); the k routed experts' scales are gathered with

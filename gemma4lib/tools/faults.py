@@ -40,18 +40,20 @@ from typing import Any
 
 import torch
 
+from ..backends import gloo
+from ..backends.base import DeviceRun, backend_for, get_backend
 from ..checks import failure_reasons
 from ..device.graph import DeviceGraph, ExplicitKV, _shallow_clone
 from ..device.kv_layout import FULL, SLIDING, KVLayout
+from ..errors import TensorParallelError
 from ..models.loading import LoadedModel
 from ..port import (
-    GraphEdit,
     PortSettings,
+    build_graphs,
     eos_ids,
     load_model,
     prompt_ids,
     record_run,
-    run_device,
     witness_record,
     witness_settings,
 )
@@ -67,6 +69,9 @@ GEMMA3_CHAT = "<bos><start_of_turn>user\n{prompt}<end_of_turn>\n<start_of_turn>m
 # weight change to the witness would also void the margins its seed was chosen for: with the
 # embedding scale unwired, the compiled witness flips a near-tie at token 24.)
 PROMPT, HOST, DEVICE, TP = "prompt", "host", "device", "tp"
+
+
+GraphEdit = Callable[[DeviceGraph], None]
 
 
 @dataclass
@@ -335,6 +340,39 @@ def get_fault(name: str) -> Fault:
     raise UnknownNameError("fault", name, tuple(f.name for f in FAULTS))
 
 
+# ---- the lab's backend: the settings' own, with the fault installed -------------------------
+@dataclass
+class FaultyBackend:
+    """The backend `settings` select, with a fault installed where it lives: a graph edit applied
+    to the built graphs before they compile (single device), or the TP rank baked in at trace
+    time (the gloo ranks). `port` itself has no hook for either."""
+
+    edit: GraphEdit | None = None
+    baked_rank: bool = False
+
+    def run(self, model: LoadedModel, settings: PortSettings, ids: list[int], eos: list[int]) -> DeviceRun:
+        name = backend_for(settings)
+        if name == "gloo":
+            if self.edit is not None:
+                raise TensorParallelError("graph edits apply to the single-device graphs; run them at tp_degree 1")
+            from ..tp.cpu_gloo import run_tp_port
+
+            return gloo.as_device_run(run_tp_port(model, settings, ids, eos, baked_rank=self.baked_rank))
+        graphs = None
+        if self.edit is not None:
+            graphs = build_graphs(model, settings)
+            for graph in (*graphs[0].values(), graphs[1]):
+                self.edit(graph)
+        return get_backend(name).run(model, settings, ids, eos, graphs=graphs, bench=False)
+
+
+def _backend_for_fault(fault: Fault | None, run: FaultRun, shared: bool = True) -> FaultyBackend:
+    """The lab's backend for `run`: the fault installed when it lives where this run runs."""
+    if fault is None or not shared:
+        return FaultyBackend()
+    return FaultyBackend(edit=fault.apply(run), baked_rank=fault.scope == TP)
+
+
 # ---- running them ----------------------------------------------------------------------------
 # what the lab reports of each run's (and its witness's) LOGITS_MATCH
 LOGITS_KEYS = (
@@ -356,10 +394,7 @@ def _witness(fault: Fault | None, settings: PortSettings) -> dict[str, Any]:
     model = load_model(w)
     run = FaultRun(model, w, prompt_ids(model, w))
     shared = fault is not None and fault.scope in (DEVICE, TP)
-    edit = fault.apply(run) if shared else None
-    device_run = run_device(
-        model, w, run.ids, [], bench=False, edit=edit, baked_rank=fault is not None and fault.scope == TP
-    )
+    device_run = _backend_for_fault(fault, run, shared).run(model, w, run.ids, [])
     return witness_record(model, w, run.ids, device_run)
 
 
@@ -372,11 +407,8 @@ def run_one(
     settings = PortSettings(variant=variant, model="trained", tp_degree=tp_degree, cache_dir=cache_dir, backend=backend)
     model = load_model(settings)
     run = FaultRun(model, settings, prompt_ids(model, settings))
-    edit = fault.apply(run) if fault else None
     eos = eos_ids(model)
-    device_run = run_device(
-        model, settings, run.ids, eos, bench=False, edit=edit, baked_rank=fault is not None and fault.scope == TP
-    )
+    device_run = _backend_for_fault(fault, run).run(model, settings, run.ids, eos)
     witness = _witness(fault, settings)
     record = record_run(settings, model, run.ids, eos, device_run, started, witness)
     failed = record["failed_checks"]

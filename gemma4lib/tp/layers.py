@@ -20,7 +20,7 @@ one for one:
     routed ids by `rank * E/tp`, masks them to the local range and gathers the k (clamped)
     slices: k slices per token per rank whatever E/tp is, routed here or not.
   Either way the slices are gathered straight from the shard weights (no permuted view of the
-  whole shard: `backends.hlo_audit` checks the lowered HLO). `baked_rank=<int>` reproduces the
+  whole shard: `tools.hlo_audit` checks the lowered HLO). `baked_rank=<int>` reproduces the
   field report's bug (README) in the expert split: the rank read as a Python int when the graph was
   built, i.e. rank 0's slice on every rank.
 
