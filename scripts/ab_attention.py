@@ -21,7 +21,7 @@ import statistics
 import torch
 
 from gemma4lib.backends.compile_cpu import compile_graph
-from gemma4lib.benchmarks.suite import Step, load_bench_model
+from gemma4lib.benchmarks.suite import BenchGraph, load_bench_model
 from gemma4lib.device import attention
 from gemma4lib.device.graph import DeviceGraph, GraphShape
 from gemma4lib.inf2.roofline import decode_bytes, measure_bandwidth
@@ -38,13 +38,13 @@ def main() -> None:
     torch.set_num_threads(1)
 
     model = load_bench_model(args.model)
-    steps: dict[tuple[str, int], Step] = {}
+    steps: dict[tuple[str, int], BenchGraph] = {}
     for form in attention.FORMS:
         for ctx in args.contexts:
             graph = DeviceGraph(
                 model.text_model, model.lm_head, model.layout, GraphShape(1, 1, ctx, True), attention=form
             )
-            steps[(form, ctx)] = Step(compile_graph(graph), graph.shape, "dense", graph=graph)
+            steps[(form, ctx)] = BenchGraph(compile_graph(graph), graph.shape, "dense", graph=graph)
     bandwidth = [measure_bandwidth()["bandwidth_bytes_s"]]
     runs: dict[tuple[str, int], list[float]] = {key: [] for key in steps}
     for key, step in steps.items():  # warm-up

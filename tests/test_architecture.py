@@ -147,3 +147,16 @@ def test_the_top_level_is_a_short_table_of_contents():
 
 def test_hardware_facts_are_a_leaf():
     assert import_graph()["gemma4lib.inf2.hardware"] == set()
+
+
+def test_a_variant_has_one_home():
+    # the MoE member's name is written in the variants table; every list of variants derives from it
+    repo = ROOT.parent
+    code = [
+        p
+        for d in ("gemma4lib", "papermill_runs", "scripts")
+        for p in (repo / d).rglob("*")
+        if p.suffix in (".py", ".sh")
+    ]
+    naming = sorted(str(p.relative_to(repo)) for p in code if "26b-a4b" in p.read_text())
+    assert naming == ["gemma4lib/models/variants.py"]

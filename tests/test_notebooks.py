@@ -18,12 +18,13 @@ from pathlib import Path
 import nbformat
 import pytest
 
+from gemma4lib.models.variants import VARIANTS
 from papermill_runs import run as pm_run
 
 ROOT = Path(__file__).resolve().parent.parent
 NOTEBOOK_DIR = ROOT / "notebooks"
 NOTEBOOKS = sorted(NOTEBOOK_DIR.glob("*.ipynb"))
-EXPECTED = ["00_overview.ipynb", "01_e2b.ipynb", "02_e4b.ipynb", "03_12b.ipynb", "04_31b.ipynb", "05_26b_a4b.ipynb"]
+EXPECTED = sorted([pm_run.OVERVIEW[1], *(v.notebook for v in VARIANTS.values())])  # one per variant
 KERNELSPEC = {"name": "python3", "display_name": "Python 3", "language": "python"}
 VARIANT_PARAMETERS = {
     "variant",

@@ -17,9 +17,10 @@ import pytest
 
 from gemma4lib.backends import xla as xla_backend
 from gemma4lib.backends.xla import hlo_op_counts
+from gemma4lib.models.variants import VARIANTS
 
 HAS_XLA = importlib.util.find_spec("torch_xla") is not None
-VARIANT_NAMES = ("e2b", "e4b", "12b", "31b", "26b-a4b")
+VARIANT_NAMES = tuple(VARIANTS)
 DECODE_STEPS = 16
 
 

@@ -35,6 +35,7 @@ from typing import Any
 
 from ..errors import DeviceMemoryError, TensorParallelError, UnknownNameError
 from ..models.variants import Variant, get_variant
+from ..recipes import RECIPE_MODULES
 from .hardware import GB, GIB, HBM_PER_CORE_GIB, INSTANCES, NEURON_TP_DEGREES, smallest_instance
 
 WORKING_ALLOWANCE_GIB = 2.0
@@ -44,11 +45,12 @@ HOST_HEADROOM = 1.2  # a compile host should have 20 % more RAM than the estimat
 DEFAULT_CONTEXT = 2048
 
 
-NEURON_RECIPES = ("model_builder", "trace")
+NEURON_RECIPES = tuple(RECIPE_MODULES)
 
 
 def neuron_recipe(variant: Variant, tp: int, requested: str | None = None) -> str:
-    """The Neuron recipe for `variant` at `tp`: ModelBuilder unless `requested` says otherwise.
+    """The Neuron recipe for `variant` at `tp`: the variant's own (`Variant.recipe`, ModelBuilder for
+    every variant) unless `requested` says otherwise.
 
     ModelBuilder is the supported path at every degree since SDK 2.27, TP=1 included (E2B): its
     prefill key runs the prompt on the device in one pass over the K/V states the decode key
@@ -57,7 +59,7 @@ def neuron_recipe(variant: Variant, tp: int, requested: str | None = None) -> st
     16 GiB of host RAM (ModelBuilder's does not, `compile_peak_gb`). Its cost: the prompt goes
     through the decode graph one device step per token."""
     if requested is None:
-        return "model_builder"
+        return variant.recipe
     if requested not in NEURON_RECIPES:
         raise UnknownNameError("neuron recipe", requested, NEURON_RECIPES)
     if requested == "trace" and tp != 1:

@@ -24,7 +24,7 @@ import torch
 
 from ..errors import UnknownNameError
 from .loading import LoadedModel, build_tiny, text_config
-from .variants import VARIANTS, Variant, sliding_pattern
+from .variants import MOE_VARIANT, VARIANTS, Variant, sliding_pattern
 
 
 @dataclass(frozen=True)
@@ -80,7 +80,7 @@ MEDIUM: dict[str, MediumSpec] = {
     ),
     "medium-moe": MediumSpec(
         name="medium-moe",
-        base_variant="26b-a4b",
+        base_variant=MOE_VARIANT,
         overrides=dict(
             _COMMON,
             hidden_size=640,

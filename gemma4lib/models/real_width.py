@@ -36,23 +36,19 @@ from ..reference import random_prompt, teacher_forced_logits
 from ..runtime import HostRuntime, softcap
 from .loading import LoadedModel, build_random, text_config
 from .medium import temper_attention
-from .variants import Variant, get_variant
+from .variants import VARIANTS, Variant, get_variant
 
 log = logging.getLogger(__name__)
 
 S, F = "sliding_attention", "full_attention"
 
-# Layer count per variant (every width stays the released one). E2B: one 4+1 period, then a
+# Layer count per variant (every width stays the released one; `Variant.real_width_layers`). E2B: one 4+1 period, then a
 # KV-shared sliding and full layer (producers 3 and 4). E4B: sliding, full, then the two shared.
 # 12B / 31B: one sliding and one full layer. 26B-A4B: one full (k_eq_v) layer with the 128-expert
 # block: its experts are 3.0 GB per layer at fp32, a second layer would pass 9 GB.
 LAYER_PLANS: dict[str, dict[str, Any]] = {
-    "e2b": dict(num_hidden_layers=7, layer_types=[S, S, S, S, F, S, F], num_kv_shared_layers=2),
-    "e4b": dict(num_hidden_layers=4, layer_types=[S, F, S, F], num_kv_shared_layers=2),
-    "12b": dict(num_hidden_layers=2, layer_types=[S, F]),
-    "31b": dict(num_hidden_layers=2, layer_types=[S, F]),
-    "26b-a4b": dict(num_hidden_layers=1, layer_types=[F]),
-}
+    v.name: v.real_width_layers for v in VARIANTS.values()
+}  # `Variant.real_width_layers`
 PLAN_DTYPES: dict[str, torch.dtype] = {"31b": torch.bfloat16}
 # Prompt seed per plan (`reference.random_prompt`); 31B: seed 1 falls into a one-token loop.
 PROMPT_SEEDS: dict[str, int] = {"31b": 2}

@@ -49,14 +49,35 @@ class Variant:
     # On inf2 the 12B's sliding window overflows the fused-attention SBUF: force eager attention.
     attn_implementation: str = "eager"
     notes: tuple[str, ...] = field(default_factory=tuple)
+    # Its notebook in notebooks/ (papermill_runs and the notebook tests read it from here); its
+    # two-digit prefix is also a name `get_variant` accepts.
+    notebook: str = ""
+    aliases: tuple[str, ...] = ()  # other names `get_variant` (and `papermill_runs --variant`) accept
+    # The real-width layer plan (`models.real_width`): the released widths, a few layers.
+    real_width_layers: dict[str, Any] = field(default_factory=dict)
+    # Rank graphs the HLO byte audit lowers (`tools.hlo_audit`): (TP degree, expert form, expert split).
+    audit_tp: tuple[tuple[int, str, str | None], ...] = ()
 
     @property
     def is_moe(self) -> bool:
         return bool(self.real_config.get("enable_moe_block"))
 
     @property
+    def expert_forms(self) -> tuple[str, ...]:
+        """The decode expert forms a port can pick (`PortSettings.decode_experts`): MoE has two."""
+        return ("dense", "selective") if self.is_moe else ("dense",)
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        """Every name the variant answers to: its own, its aliases, its notebook's number."""
+        return (self.name, *self.aliases, *((self.notebook[:2],) if self.notebook else ()))
+
+    @property
     def unified(self) -> bool:
         return self.model_class.startswith("Gemma4Unified")
+
+
+_S, _F = "sliding_attention", "full_attention"
 
 
 def sliding_pattern(sliding_per_full: int, n_layers: int) -> list[str]:
@@ -124,6 +145,8 @@ VARIANTS: dict[str, Variant] = {
         supported_tp=(1, 2),
         tiny_seed=10,
         notes=("PLE table stays on the host", "20 of 35 layers reuse K/V of layers 13 and 14"),
+        notebook="01_e2b.ipynb",
+        real_width_layers=dict(num_hidden_layers=7, layer_types=[_S, _S, _S, _S, _F, _S, _F], num_kv_shared_layers=2),
     ),
     "e4b": Variant(
         name="e4b",
@@ -165,6 +188,8 @@ VARIANTS: dict[str, Variant] = {
         supported_tp=(1, 2),
         tiny_seed=8,
         notes=("TP=2 leaves one KV head per rank",),
+        notebook="02_e4b.ipynb",
+        real_width_layers=dict(num_hidden_layers=4, layer_types=[_S, _F, _S, _F], num_kv_shared_layers=2),
     ),
     "12b": Variant(
         name="12b",
@@ -207,6 +232,9 @@ VARIANTS: dict[str, Variant] = {
             "eager attention: the fused kernel overflows SBUF at window 1024",
             "one global KV head: replicated under TP",
         ),
+        notebook="03_12b.ipynb",
+        real_width_layers=dict(num_hidden_layers=2, layer_types=[_S, _F]),
+        audit_tp=((2, "dense", None),),
     ),
     "31b": Variant(
         name="31b",
@@ -248,6 +276,9 @@ VARIANTS: dict[str, Variant] = {
         supported_tp=(1, 2, 4, 8),
         tiny_seed=35,
         notes=("4 global KV heads at TP=8: replicated, not sharded",),
+        notebook="04_31b.ipynb",
+        real_width_layers=dict(num_hidden_layers=2, layer_types=[_S, _F]),
+        audit_tp=((8, "dense", None),),
     ),
     "26b-a4b": Variant(
         name="26b-a4b",
@@ -298,17 +329,43 @@ VARIANTS: dict[str, Variant] = {
         supported_tp=(1, 2, 4, 8),
         tiny_seed=22,
         notes=("all 128 experts are resident: A4B saves compute, not memory",),
+        notebook="05_26b_a4b.ipynb",
+        aliases=("26b", "26ba4b"),
+        real_width_layers=dict(num_hidden_layers=1, layer_types=[_F]),
+        audit_tp=(
+            (8, "dense", "experts"),
+            (8, "selective", "experts"),
+            (2, "selective", "experts"),
+            (8, "dense", "intermediate"),
+            (8, "selective", "intermediate"),
+            (2, "dense", "intermediate"),
+            (2, "selective", "intermediate"),
+        ),
     ),
 }
 
 PROFILES = ("smoke", "full")
 
 
+def _key(name: str) -> str:
+    return str(name).strip().lower().replace("_", "-")
+
+
+# every accepted name -> the variant's own (case and `_`/`-` do not matter)
+ALIASES = {_key(alias): v.name for v in VARIANTS.values() for alias in v.names}
+# the family's mixture-of-experts member (the expert forms, the expert split, the MoE faults)
+MOE_VARIANT = next(v.name for v in VARIANTS.values() if v.is_moe)
+
+
+def variant_name(name: str) -> str | None:
+    """The variant `name` stands for (its own name, an alias or its notebook's number), or None."""
+    return ALIASES.get(_key(name))
+
+
 def get_variant(name: str) -> Variant:
-    """Look a variant up by name (case-insensitive; '26b' is accepted for '26b-a4b')."""
-    key = str(name).lower().replace("_", "-")
-    key = {"26b": "26b-a4b", "26ba4b": "26b-a4b"}.get(key, key)
-    if key not in VARIANTS:
+    """Look a variant up by any of its names (`Variant.names`; case-insensitive, `_` for `-`)."""
+    key = variant_name(name)
+    if key is None:
         raise UnknownNameError("variant", name, sorted(VARIANTS))
     return VARIANTS[key]
 

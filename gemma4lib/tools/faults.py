@@ -47,6 +47,7 @@ from ..device.graph import DeviceGraph, ExplicitKV, _shallow_clone
 from ..device.kv_layout import FULL, SLIDING, KVLayout
 from ..errors import TensorParallelError
 from ..models.loading import LoadedModel
+from ..models.variants import MOE_VARIANT
 from ..port import (
     PortSettings,
     build_graphs,
@@ -322,7 +323,7 @@ FAULTS: tuple[Fault, ...] = (
     Fault(
         "baked_tp_rank",
         "tensor-parallel rank read at trace time (MoE experts of rank 0 everywhere)",
-        "26b-a4b",
+        MOE_VARIANT,  # the rank bug lives in the experts' split
         ("seq_match",),
         baked_tp_rank,
         TP,

@@ -56,6 +56,8 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..models.variants import VARIANTS
+
 log = logging.getLogger(__name__)
 
 # bytes per element of HLO primitive types (s4/u4 pack two per byte)
@@ -465,29 +467,13 @@ def _reset_collective_token(device: str) -> None:
 # ---- the variants: decode graphs next to the roofline --------------------------------------------
 
 CONTEXT = 64  # the lane's context length (xla_check.run_variant)
-SINGLE = (
-    ("e2b", "dense"),
-    ("e4b", "dense"),
-    ("12b", "dense"),
-    ("31b", "dense"),
-    ("26b-a4b", "dense"),
-    ("26b-a4b", "selective"),
-)
-# (variant, TP, expert form, expert split): the MoE rank graphs in both splits. The intermediate
-# split (each rank a 1/tp slice of every expert; the plan's default) must read k / num_experts of
-# a rank's expert bytes when selective; the expert split (E/tp whole experts per rank) reads k
-# whole-expert slices per rank, routed there or not.
-TENSOR_PARALLEL = (
-    ("12b", 2, "dense", None),
-    ("31b", 8, "dense", None),
-    ("26b-a4b", 8, "dense", "experts"),
-    ("26b-a4b", 8, "selective", "experts"),
-    ("26b-a4b", 2, "selective", "experts"),
-    ("26b-a4b", 8, "dense", "intermediate"),
-    ("26b-a4b", 8, "selective", "intermediate"),
-    ("26b-a4b", 2, "dense", "intermediate"),
-    ("26b-a4b", 2, "selective", "intermediate"),
-)
+# (variant, expert form): every variant's decode graph, the MoE in both expert forms (`Variant.expert_forms`)
+SINGLE = tuple((v.name, form) for v in VARIANTS.values() for form in v.expert_forms)
+# (variant, TP, expert form, expert split), from `Variant.audit_tp`: the MoE rank graphs in both
+# splits. The intermediate split (each rank a 1/tp slice of every expert; the plan's default) must
+# read k / num_experts of a rank's expert bytes when selective; the expert split (E/tp whole experts
+# per rank) reads k whole-expert slices per rank, routed there or not.
+TENSOR_PARALLEL = tuple((v.name, *row) for v in VARIANTS.values() for row in v.audit_tp)
 
 
 @dataclass
