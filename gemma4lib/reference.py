@@ -16,6 +16,8 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
+from .errors import SettingsError
+
 log = logging.getLogger(__name__)
 
 
@@ -63,7 +65,7 @@ def teacher_forced_logits(lm: nn.Module, prompt_ids: Sequence[int], tokens: Sequ
 
     `[len(tokens), vocab]` in float64 (exact for a float32 or bf16 model)."""
     if not tokens:
-        raise ValueError("teacher forcing needs at least one generated token")
+        raise SettingsError("teacher forcing needs at least one generated token; pass the tokens the device generated")
     ids = torch.as_tensor([*prompt_ids, *tokens[:-1]], dtype=torch.long)[None]
     logits = lm(ids, attention_mask=torch.ones_like(ids)).logits[0]
     return logits[len(prompt_ids) - 1 :].to(torch.float64)

@@ -19,6 +19,7 @@ import torch
 from tqdm.auto import tqdm
 
 from .environment import peak_rss_mb  # noqa: F401  (re-exported with the other figures)
+from .errors import SettingsError
 from .runtime import HostRuntime, decode_loop
 
 if TYPE_CHECKING:  # type names only
@@ -81,7 +82,9 @@ def time_decode_steps(model: LoadedModel, step: BenchGraph, positions: Sequence[
     contents, so any position of a long context can be timed without filling it first."""
     positions = list(positions)
     if positions != list(range(positions[0], positions[0] + len(positions))):
-        raise ValueError("time_decode_steps times consecutive positions, as decoding visits them")
+        raise SettingsError(
+            "time_decode_steps times consecutive positions, as decoding visits them: pass e.g. range(start, stop)"
+        )
     runtime = HostRuntime(model, {}, step.fn, step.graph.new_kv(), step.shape.context_length)
     one = torch.tensor([1])
     start = torch.zeros(int(model.config.vocab_size))

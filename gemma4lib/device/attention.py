@@ -24,7 +24,7 @@ import torch
 from torch import nn
 from transformers import AttentionInterface
 
-from ..errors import UnknownNameError
+from ..errors import GraphFormError, UnknownNameError
 
 GROUPED = "gemma4lib_grouped"
 EAGER = "eager"
@@ -52,7 +52,7 @@ def grouped_attention_forward(
     b, q_heads, t, d = query.shape
     kv_heads, slots = key.shape[1], key.shape[2]
     if q_heads % kv_heads:
-        raise ValueError(
+        raise GraphFormError(
             f"grouped attention needs query heads ({q_heads}) to be a multiple of K/V heads ({kv_heads}); "
             f"build the graph with attention={EAGER!r} for this layout"
         )

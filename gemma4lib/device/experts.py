@@ -15,6 +15,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..errors import GraphFormError, UnknownNameError
+
 EXPERT_FORMS = ("dense", "selective")
 
 # How tensor-parallel ranks share the experts (`tp.plan.MoEPlan`):
@@ -46,7 +48,7 @@ class StaticExperts(nn.Module):
     def __init__(self, experts: nn.Module, form: str = "dense", int8: bool = False):
         super().__init__()
         if form not in EXPERT_FORMS:
-            raise ValueError(f"unknown expert form {form!r}; choose one of {EXPERT_FORMS}")
+            raise UnknownNameError("expert form", form, EXPERT_FORMS)
         self.form = form
         self.num_experts = experts.num_experts
         self.act_fn = experts.act_fn
@@ -124,9 +126,9 @@ def gathered_experts(
     `down_scale [E, H]` (`down_expert_dim=0` only); the k routed experts' scales are gathered with
     their weights and applied after each product."""
     if down_expert_dim not in (0, 1):
-        raise ValueError(f"down_expert_dim must be 0 ([E, H, I]) or 1 ([H, E, I]), got {down_expert_dim}")
+        raise UnknownNameError("down_expert_dim", down_expert_dim, ("0 ([E, H, I])", "1 ([H, E, I])"))
     if down_scale is not None and down_expert_dim != 0:
-        raise ValueError("int8 expert scales are supported for the [E, H, I] down layout (down_expert_dim=0)")
+        raise GraphFormError("int8 expert scales are supported for the [E, H, I] down layout: pass down_expert_dim=0")
     n, k = index.shape
     flat = index.reshape(-1)
     dtype = hidden.dtype

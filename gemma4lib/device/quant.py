@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..errors import UnknownNameError
+from ..errors import GraphFormError, UnknownNameError
 
 log = logging.getLogger(__name__)
 
@@ -92,7 +92,10 @@ class Int8Linear(nn.Module):
     def __init__(self, q: torch.Tensor, scale: torch.Tensor):
         super().__init__()
         if q.dtype != torch.int8 or q.dim() != 2 or scale.shape != q.shape[:1]:
-            raise ValueError(f"Int8Linear needs int8 [out, in] and scale [out]; got {q.dtype} {tuple(q.shape)}")
+            raise GraphFormError(
+                f"Int8Linear needs int8 [out, in] and scale [out]; got {q.dtype} {tuple(q.shape)}: "
+                "make them with quant.quantize"
+            )
         self.weight = _param(q)
         self.scale = _param(scale.float())
         self.out_features, self.in_features = q.shape
@@ -100,7 +103,10 @@ class Int8Linear(nn.Module):
     @classmethod
     def from_linear(cls, linear: nn.Linear) -> Int8Linear:
         if linear.bias is not None:
-            raise ValueError("Int8Linear covers bias-free linears (every Gemma-4 projection is one)")
+            raise GraphFormError(
+                "Int8Linear covers bias-free linears (every Gemma-4 projection is one); "
+                "keep this linear in full precision"
+            )
         return cls(*quantize(linear.weight))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -39,6 +39,7 @@ from torch import nn
 from ..device.experts import EXPERT_SPLITS, default_expert_split
 from ..device.kv_layout import KVLayout
 from ..device.quant import LINEAR_WEIGHT_NAME
+from ..errors import UnknownNameError
 from .hardware import GB, GIB, INSTANCES, Inf2Instance  # noqa: F401  (re-exported for callers)
 
 
@@ -96,7 +97,7 @@ class ParamCounts:
             return None
         if expert_split is not None:
             if expert_split not in EXPERT_SPLITS:
-                raise ValueError(f"expert_split must be one of {EXPERT_SPLITS}, got {expert_split!r}")
+                raise UnknownNameError("expert_split", expert_split, EXPERT_SPLITS)
             return expert_split
         return default_expert_split(self.num_experts, self.moe_intermediate, max(1, tp))
 
@@ -111,7 +112,7 @@ class ParamCounts:
         (`tp.layers.ShardedExperts`), so the ranks together read `tp * top_k` expert slices:
         fewer bytes than dense only while `top_k < num_experts / tp`."""
         if experts not in ("dense", "selective"):
-            raise ValueError(f"experts must be 'dense' or 'selective', got {experts!r}")
+            raise UnknownNameError("experts form", experts, ("dense", "selective"))
         read_experts = self.experts
         if experts == "selective" and self.num_experts:
             split = self.expert_split(tp, expert_split)
@@ -326,7 +327,7 @@ def compare(
             bandwidth_bytes_s = measure_bandwidth()["bandwidth_bytes_s"]
     else:
         if device not in INSTANCES:
-            raise ValueError(f"unknown device {device!r}; 'cpu' or one of {sorted(INSTANCES)}")
+            raise UnknownNameError("device", device, ["cpu", *sorted(INSTANCES)])
         bandwidth_bytes_s = bandwidth_bytes_s or INSTANCES[device].bandwidth_bytes_s(cores)
     ceiling = ceiling_tok_s(steps.total, bandwidth_bytes_s)
     return {

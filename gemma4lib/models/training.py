@@ -36,6 +36,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from ..errors import UnknownNameError
 from .corpus import Chat, held_out_chats, training_chats
 from .loading import LoadedModel, build_tiny
 from .variants import Variant
@@ -164,7 +165,7 @@ def forward_segments(lm, segments: list[tuple[str | None, torch.Tensor]]) -> tor
 
     unknown = {f for f, _ in segments} - set(ALL_FAULTS) - {None}
     if unknown:
-        raise ValueError(f"unknown faults {sorted(unknown)}; known: {ALL_FAULTS}")
+        raise UnknownNameError("training fault", sorted(unknown), ALL_FAULTS)
     parts = [host_embeddings(lm, ids, f) for f, ids in segments]
     embeds = torch.cat([p[0] for p in parts])
     ple = torch.cat([p[1] for p in parts]) if parts[0][1] is not None else None

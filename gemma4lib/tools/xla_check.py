@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from ..device.graph import DeviceGraph, GraphShape
+from ..errors import SettingsError
 from ..models.loading import build_tiny
 from ..models.variants import VARIANTS, get_variant
 
@@ -66,7 +67,10 @@ def run_variant(
     from ..backends.xla import XLASession
 
     if prompt_tokens + 1 + decode_steps > context_length or prompt_tokens > bucket:
-        raise ValueError("prompt + decode steps must fit context_length, and the prompt the bucket")
+        raise SettingsError(
+            "prompt + decode steps must fit context_length, and the prompt the bucket: "
+            "lower steps or prompt_len, or raise context_length"
+        )
     t0 = time.perf_counter()
     v = get_variant(variant)
     model = build_tiny(v, seed=seed)
