@@ -32,7 +32,7 @@ import torch
 from ..artifacts import ArtifactCache
 from ..backends.compile_cpu import compile_graph
 from ..device.graph import DeviceGraph, GraphShape
-from ..reference import random_prompt, teacher_forced_logits
+from ..reference import hf_greedy, random_prompt, teacher_forced_logits
 from ..runtime import HostRuntime, softcap
 from .loading import LoadedModel, build_random, text_config
 from .medium import temper_attention
@@ -173,21 +173,8 @@ class RealWidthReport:
 
 def _hf_logits(model: LoadedModel, prompt: list[int], new_tokens: int) -> tuple[list[int], torch.Tensor, torch.Tensor]:
     """HF greedy tokens, its per-step logits, and one full forward's logits at those positions."""
-    ids = torch.tensor([prompt])
+    tokens, incremental = hf_greedy(model.lm, prompt, new_tokens, keep_logits=True)
     with torch.no_grad():
-        out = model.lm.generate(
-            ids,
-            attention_mask=torch.ones_like(ids),
-            max_new_tokens=new_tokens,
-            do_sample=False,
-            eos_token_id=None,
-            pad_token_id=0,
-            use_cache=True,
-            output_logits=True,
-            return_dict_in_generate=True,
-        )
-        tokens = out.sequences[0, len(prompt) :].tolist()
-        incremental = torch.stack([step[0].float() for step in out.logits])
         full = teacher_forced_logits(model.lm, prompt, tokens).float()
     return tokens, incremental, full
 
