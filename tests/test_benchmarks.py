@@ -10,7 +10,7 @@ import torch
 
 from gemma4lib.benchmarks.report import format_report
 from gemma4lib.benchmarks.suite import PATHS, SuiteOptions, check_targets, run_suite
-from gemma4lib.inf2 import roofline
+from gemma4lib.inf2 import bandwidth, params, roofline
 from gemma4lib.models.medium import MEDIUM, get_medium, medium_config
 
 NUMBER = (int, float)
@@ -101,12 +101,12 @@ def test_unknown_suite_is_a_clear_error():
 
 
 # ---- medium configs ----------------------------------------------------------------------------
-def _meta_counts(name: str) -> roofline.ParamCounts:
+def _meta_counts(name: str) -> params.ParamCounts:
     from gemma4lib.models.loading import _text_classes
 
     _, lm_cls = _text_classes(get_medium(name).variant)
     with torch.device("meta"):
-        return roofline.count_params(lm_cls(medium_config(name)))
+        return params.count_params(lm_cls(medium_config(name)))
 
 
 def test_medium_configs_have_the_promised_shape():
@@ -136,7 +136,7 @@ def test_selective_experts_read_only_the_routed_ones():
 
 
 def test_selective_experts_on_expert_parallel_ranks_read_k_per_rank():
-    counts = roofline.count_params(roofline.meta_model("26b-a4b"))  # 128 experts, top-8
+    counts = params.count_params(params.meta_model("26b-a4b"))  # 128 experts, top-8
     shared = counts.lm_head + counts.other
     # expert split at TP=8: 16 whole experts per rank, each rank gathers 8 slices whether routed
     # there or not: 64 of 128
@@ -165,7 +165,7 @@ def test_selective_experts_on_expert_parallel_ranks_read_k_per_rank():
 def test_selective_experts_on_intermediate_split_ranks_read_k_in_total():
     """Each rank a 1/8 slice of every expert (704 / 8 = 88 columns): its 8 gathered slices are its
     share of the 8 routed experts, so the ranks together read 8 of 128, as one device would."""
-    counts = roofline.count_params(roofline.meta_model("26b-a4b"))
+    counts = params.count_params(params.meta_model("26b-a4b"))
     shared = counts.lm_head + counts.other
     assert counts.moe_intermediate == 704 and counts.expert_split(8) == "intermediate"
     for tp in (2, 8, 16):
@@ -236,7 +236,7 @@ def test_inf2_table_covers_every_variant_and_form():
 
 
 def test_measure_bandwidth_reports_both_methods():
-    bw = roofline.measure_bandwidth(size_mb=32, repeats=2)
+    bw = bandwidth.measure_bandwidth(size_mb=32, repeats=2)
     assert bw["gemv_gb_s"] > 0 and bw["stream_gb_s"] > 0
     assert bw["bandwidth_bytes_s"] == pytest.approx(max(bw["gemv_gb_s"], bw["stream_gb_s"]) * 1e9)
     assert bw["threads"] == 1

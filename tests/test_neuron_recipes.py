@@ -521,19 +521,19 @@ def test_e2b_memory_plan_names_where_each_recipe_compiles():
 def test_prefill_estimate_from_flops_and_bytes():
     """The computed floor of a prefill call: compute at the datasheet peak vs bytes at HBM speed,
     and what token-by-token decode steps would cost instead (E2B's trace recipe)."""
-    from gemma4lib.inf2 import roofline
+    from gemma4lib.inf2 import prefill
     from gemma4lib.inf2.hardware import BF16_FLOPS_PER_CORE, INSTANCES
 
-    e2b = roofline.prefill_estimate("e2b", 128)
+    e2b = prefill.prefill_estimate("e2b", 128)
     assert e2b.compute_ms == pytest.approx(e2b.flops / BF16_FLOPS_PER_CORE * 1e3)
     assert e2b.memory_ms == pytest.approx(e2b.bytes / INSTANCES["inf2.xlarge"].bandwidth_bytes_s(1) * 1e3)
     assert e2b.expected_ms == max(e2b.compute_ms, e2b.memory_ms)
-    longer = roofline.prefill_estimate("e2b", 512)
+    longer = prefill.prefill_estimate("e2b", 512)
     assert 3.5 < longer.flops / e2b.flops < 4.5 and longer.bytes == e2b.bytes  # weights read once per call
     assert e2b.stepwise_ms == pytest.approx(128 * 1e3 / get_variant("e2b").field_report.decode_tok_s)
     assert e2b.stepwise_ms > 50 * e2b.expected_ms
-    rows = roofline.prefill_table(128)
+    rows = prefill.prefill_table(128)
     assert {r["variant"] for r in rows} >= {"e2b", "12b", "31b", "26b-a4b"}
     reported = [r for r in rows if r["field_report_prefill_ms"]]
     assert reported and all(r["expected_ms"] < r["field_report_prefill_ms"] for r in reported)  # a floor
-    assert "e2b" in roofline.format_prefill_table(rows)
+    assert "e2b" in prefill.format_prefill_table(rows)

@@ -132,10 +132,10 @@ def test_int8_logit_error_against_full_precision_is_bounded(variant):
 @pytest.mark.parametrize("variant", VARIANT_NAMES)
 def test_roofline_int8_bytes_count_exactly_what_quant_quantizes(variant):
     from gemma4lib.device.quant import quantized_count
-    from gemma4lib.inf2 import roofline
+    from gemma4lib.inf2 import params, roofline
 
-    lm = roofline.meta_model(variant)
-    counts = roofline.count_params(lm)
+    lm = params.meta_model(variant)
+    counts = params.count_params(lm)
     assert counts.linear + counts.experts == quantized_count(lm)
     bf16 = roofline.decode_bytes(variant, context_length=2048)
     int8 = roofline.decode_bytes(variant, context_length=2048, weight_format="int8")

@@ -365,7 +365,7 @@ def test_memory_plan_counts_the_same_expert_bytes_per_rank_in_either_split():
     """The released 26B-A4B on the meta device: a rank's shard is the same size whether it holds
     16 whole experts or 1/8 of all 128, and the memory plan counts that size."""
     from gemma4lib.inf2.memory_plan import _rank_params, plan_core_memory
-    from gemma4lib.inf2.roofline import count_params, meta_model
+    from gemma4lib.inf2.params import count_params, meta_model
 
     v = get_variant("26b-a4b")
     lm = meta_model(v)

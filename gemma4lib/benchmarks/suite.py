@@ -53,7 +53,8 @@ from ..device.graph import DeviceGraph, GraphShape
 from ..device.quant import round_model_weights
 from ..environment import machine, versions
 from ..errors import UnknownNameError
-from ..inf2.roofline import GB, decode_bytes, measure_bandwidth
+from ..inf2.bandwidth import measure_bandwidth
+from ..inf2.roofline import GB, decode_bytes
 from ..models.loading import LoadedModel, build_tiny
 from ..models.medium import build_medium, get_medium
 from ..models.variants import VARIANTS

@@ -75,7 +75,7 @@ def _rank_params(name: str, tp: int) -> int:
     """Parameter elements one rank holds (its shard), counted on the meta device; host tables excluded."""
     from ..tp.plan import make_plan
     from ..tp.shard import RANK_KEY, shard_state_dict
-    from .roofline import meta_model
+    from .params import meta_model
 
     variant = get_variant(name)
     lm = meta_model(variant)
@@ -87,7 +87,7 @@ def _rank_params(name: str, tp: int) -> int:
 @functools.lru_cache(maxsize=64)
 def _rank_kv_elements(name: str, tp: int, context_length: int, ring: bool) -> int:
     from ..tp.plan import make_plan
-    from .roofline import meta_model
+    from .params import meta_model
 
     variant = get_variant(name)
     plan = make_plan(meta_model(variant).config, tp, variant)
@@ -96,7 +96,7 @@ def _rank_kv_elements(name: str, tp: int, context_length: int, ring: bool) -> in
 
 def compile_peak_gb(variant: Variant, recipe: str, dtype_bytes: int = 2) -> tuple[float, str]:
     """Estimated peak host RAM (GB) of compiling `variant` with `recipe`, and how it was reckoned."""
-    from .roofline import count_params, meta_model
+    from .params import count_params, meta_model
 
     counts = count_params(meta_model(variant))
     model_gb = counts.total * dtype_bytes / GB

@@ -12,7 +12,8 @@ import torch
 
 from .. import checks
 from ..device.kv_layout import FULL, SLIDING, KVLayout
-from ..inf2.roofline import GB, compare, measure_bandwidth
+from ..inf2.bandwidth import measure_bandwidth
+from ..inf2.roofline import GB, compare
 from ..models.loading import LoadedModel
 from ..models.variants import Variant, get_variant
 from ..timing import BenchFigures

@@ -583,7 +583,8 @@ def audit_rank(
 
     from ..backends.xla import to_device
     from ..device.graph import GraphShape
-    from ..inf2.roofline import count_params, decode_bytes
+    from ..inf2.params import count_params
+    from ..inf2.roofline import decode_bytes
     from ..tp import build_rank_graph, load_shard, make_plan, shard_state_dict
 
     device = device or torch_xla.device()
