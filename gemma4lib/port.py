@@ -21,7 +21,8 @@ from . import backends, checks
 from .backends.base import CompiledGraphs, DeviceRun
 from .device.build import Graphs, device_graphs
 from .device.quant import round_model_weights
-from .models.loading import LoadedModel, build_tiny, load_checkpoint
+from .models.checkpoint import load_checkpoint
+from .models.loading import LoadedModel, build_tiny
 from .record import build_record
 from .reference import random_prompt, reference_greedy, teacher_forced_logits
 from .results import write_result

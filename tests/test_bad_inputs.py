@@ -51,8 +51,10 @@ from gemma4lib.errors import (
 )
 from gemma4lib.inf2 import doctor
 from gemma4lib.inf2.memory_plan import require_fit, require_neuron_tp
-from gemma4lib.models import loading
-from gemma4lib.models.loading import build_tiny, check_config_matches_variant, load_checkpoint, text_config
+from gemma4lib.models import checkpoint as checkpoint_module
+from gemma4lib.models import hub
+from gemma4lib.models.checkpoint import check_config_matches_variant, load_checkpoint
+from gemma4lib.models.loading import build_tiny, text_config
 from gemma4lib.models.trained import FIXTURES_DIR, sha256_file, verify_fixture_hashes
 from gemma4lib.models.variants import get_variant
 from gemma4lib.port import PortSettings
@@ -120,7 +122,7 @@ def hub_up(ctx: Ctx) -> None:
     """The hub answers the connection probe (what a machine with network sees); not offline."""
     ctx.mp.delenv("HF_HUB_OFFLINE", raising=False)
     ctx.mp.delenv("TRANSFORMERS_OFFLINE", raising=False)
-    ctx.mp.setattr(loading, "probe_hub", lambda *a, **k: None)
+    ctx.mp.setattr(checkpoint_module, "probe_hub", lambda *a, **k: None)
 
 
 def hub_config_fails(ctx: Ctx, token: str | None) -> None:
@@ -209,7 +211,7 @@ def no_network(ctx: Ctx) -> None:
     """A hub endpoint that cannot resolve (RFC 2606 `.invalid`): the real probe fails for real."""
     ctx.mp.delenv("HF_HUB_OFFLINE", raising=False)
     ctx.mp.delenv("TRANSFORMERS_OFFLINE", raising=False)
-    ctx.mp.setattr(loading, "hub_endpoint", lambda: "https://hub-endpoint.invalid")
+    ctx.mp.setattr(hub, "hub_endpoint", lambda: "https://hub-endpoint.invalid")
 
 
 def offline_mode(ctx: Ctx) -> None:
@@ -219,7 +221,7 @@ def offline_mode(ctx: Ctx) -> None:
     def probe(*args, **kwargs):
         raise AssertionError("offline mode must not touch the network")
 
-    ctx.mp.setattr(loading, "probe_hub", probe)
+    ctx.mp.setattr(checkpoint_module, "probe_hub", probe)
 
 
 def released_folder(ctx: Ctx, variant: str = "e2b") -> Path:
@@ -1228,8 +1230,8 @@ def test_no_network_fails_fast_with_the_real_endpoint(monkeypatch):
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
     monkeypatch.delenv("TRANSFORMERS_OFFLINE", raising=False)
     monkeypatch.delenv("HF_TOKEN", raising=False)
-    if loading.probe_hub() is None:
-        pytest.skip(f"{loading.hub_endpoint()} is reachable from here")
+    if hub.probe_hub() is None:
+        pytest.skip(f"{hub.hub_endpoint()} is reachable from here")
     started = time.perf_counter()
     with pytest.raises(HubUnreachableError, match="No network"):
         load_checkpoint(get_variant("e2b"), HUB_ID)

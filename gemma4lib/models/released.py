@@ -6,7 +6,7 @@ text decoder sits at `model.language_model`, next to vision (and on some variant
 cookbook never runs. Nothing can be downloaded here or in CI, so `save_released_layout` builds that
 folder offline: the given text LM (e.g. a tiny trained fixture, so "Paris" is a real answer) inside
 the multimodal class with tiny seeded vision/audio parts, saved with `save_pretrained`, plus a
-tokenizer with the Gemma-4 chat template. The real loader (`loading.load_checkpoint`) then walks the
+tokenizer with the Gemma-4 chat template. The real loader (`checkpoint.load_checkpoint`) then walks the
 same path it walks for `google/gemma-4-*-it`.
 
 Which parts each variant carries follows the released `config.json` files: vision on all five;
@@ -25,7 +25,7 @@ from torch import nn
 
 from ..environment import check_transformers
 from ..errors import CheckpointError
-from .loading import conditional_class
+from .checkpoint import conditional_class
 from .variants import Variant, get_variant
 
 log = logging.getLogger(__name__)
