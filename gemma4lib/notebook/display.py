@@ -4,7 +4,7 @@ settings, prompts, graphs, compile results, the three checks side by side, bench
 from __future__ import annotations
 
 import html
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -371,3 +371,14 @@ def answer_text(model: LoadedModel, tokens: Sequence[int]) -> str | None:
 def _tokens(device: Any) -> list[int]:
     """Tokens of a `runtime.Generation` or a plain token list."""
     return list(getattr(device, "tokens", device))
+
+
+def until_stop(tokens: Sequence[int], stop: Iterable[int]) -> list[int]:
+    """`tokens` up to and including the first stop token."""
+    stop = set(stop)
+    out = []
+    for token in tokens:
+        out.append(token)
+        if token in stop:
+            break
+    return out

@@ -200,3 +200,6 @@ def kv_cache_bytes(
         "producers_only_mb": layout.buffer_bytes(context_length, ring, dtype_bytes) / 2**20,
         "every_layer_mb": layout.buffer_bytes(context_length, ring, dtype_bytes, every_layer=True) / 2**20,
     }
+
+
+BF16_BYTES = 2
