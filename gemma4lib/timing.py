@@ -23,7 +23,7 @@ from .errors import SettingsError
 from .runtime import HostRuntime, decode_loop
 
 if TYPE_CHECKING:  # type names only
-    from .benchmarks.suite import BenchGraph  # the suite sits above `port`, this module below it
+    from .benchmarks.graphs import BenchGraph  # the suite sits above `port`, this module below it
     from .models.loading import LoadedModel
 
 

@@ -21,7 +21,8 @@ import statistics
 import torch
 
 from gemma4lib.backends.compile_cpu import compile_graph
-from gemma4lib.benchmarks.suite import BenchGraph, load_bench_model
+from gemma4lib.benchmarks.graphs import BenchGraph
+from gemma4lib.benchmarks.suite import load_bench_model
 from gemma4lib.device import attention
 from gemma4lib.device.graph import DeviceGraph, GraphShape
 from gemma4lib.inf2.bandwidth import measure_bandwidth

@@ -8,8 +8,10 @@ import math
 import pytest
 import torch
 
+from gemma4lib.benchmarks.paths import PATHS
 from gemma4lib.benchmarks.report import format_report
-from gemma4lib.benchmarks.suite import PATHS, SuiteOptions, check_targets, run_suite
+from gemma4lib.benchmarks.suite import SuiteOptions, run_suite
+from gemma4lib.benchmarks.targets import check_targets
 from gemma4lib.inf2 import bandwidth, params, roofline
 from gemma4lib.models.medium import MEDIUM, get_medium, medium_config
 
@@ -260,7 +262,9 @@ def test_recommendation_is_what_a_port_runs_by_default(quick_report):
 
 def test_experts_choice_is_the_measured_winner():
     # dense vs selective on a tiny MoE (graphs eager): the report names the faster form, and renders it so
-    from gemma4lib.benchmarks.suite import GraphFactory, bench_experts, load_bench_model
+    from gemma4lib.benchmarks.fixes import bench_experts
+    from gemma4lib.benchmarks.graphs import GraphFactory
+    from gemma4lib.benchmarks.suite import load_bench_model
     from gemma4lib.reference import random_prompt
     from gemma4lib.settings import PortSettings
 
