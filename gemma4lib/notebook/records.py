@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .. import checks
 from ..artifacts import atomic_write_json
@@ -17,9 +17,12 @@ from ..record import build_record
 from ..timing import BenchFigures
 from .display import _tables_to_dicts, _tokens
 
+if TYPE_CHECKING:  # type names only
+    from ..settings import PortSettings
+
 
 def record(
-    settings: Any,
+    settings: PortSettings,
     model: LoadedModel,
     ids: Sequence[int],
     compiled: CompiledGraphs,

@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..inf2.bandwidth import measure_bandwidth
 from ..inf2.roofline import compare
 from ..models.loading import LoadedModel
 from ..timing import BenchFigures
 
+if TYPE_CHECKING:  # type names only
+    from ..settings import PortSettings
 
-def measured_vs_ceiling(model: LoadedModel, settings: Any, figures: BenchFigures) -> dict[str, Any]:
+
+def measured_vs_ceiling(model: LoadedModel, settings: PortSettings, figures: BenchFigures) -> dict[str, Any]:
     """This run's decode tok/s against the bandwidth ceiling of the machine it ran on.
 
     Batch-1 decode reads every device weight and K/V buffer once per token, so

@@ -4,12 +4,15 @@
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..models.loading import LoadedModel
 from ..models.variants import Variant, get_variant
 from .display import Table, answer_text, until_stop
 from .family import BF16_BYTES, real_config
+
+if TYPE_CHECKING:  # type names only
+    from ..settings import PortSettings
 
 
 def tp_plan(variant: Variant | str, tp: int | None = None, config: Any = None) -> Any:
@@ -92,7 +95,7 @@ def tp_cpu_run(
 def tp_demo(
     model: LoadedModel,
     ids: Sequence[int],
-    settings: Any,
+    settings: PortSettings,
     tp: int,
     prefill: str = "graph",
     with_baked_rank: bool = False,

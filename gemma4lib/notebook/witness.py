@@ -3,12 +3,17 @@ nonsense, and the random-weights witness whose near-ties turn a logit error into
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .. import checks
 from ..models.loading import LoadedModel
 from .display import Table, until_stop
 from .formatting import readable_tokens
+
+if TYPE_CHECKING:  # type names only
+    from ..backends.base import CompiledGraphs
+    from ..runtime import HostRuntime
+    from ..settings import PortSettings
 
 # A hand-built prompt in Gemma 3's turn format: not Gemma-4 tokens (see `equality_is_not_enough`).
 GEMMA3_STYLE_PROMPT = "<start_of_turn>user\n{prompt}<end_of_turn>\n<start_of_turn>model\n"
@@ -20,7 +25,7 @@ def gemma3_style_ids(model: LoadedModel, prompt: str) -> list[int]:
     return list(model.tokenizer(GEMMA3_STYLE_PROMPT.format(prompt=prompt))["input_ids"])
 
 
-def equality_is_not_enough(model: LoadedModel, runtime: Any, settings: Any) -> Table:
+def equality_is_not_enough(model: LoadedModel, runtime: HostRuntime, settings: PortSettings) -> Table:
     """The same question through the real chat template and through a hand-built Gemma-3-style one,
     each run on the device graph and on the reference. Both prompts give SEQ_MATCH; only one answer
     makes sense."""
@@ -61,7 +66,7 @@ def equality_is_not_enough(model: LoadedModel, runtime: Any, settings: Any) -> T
     )
 
 
-def run_witness(settings: Any, compiled: Any = None) -> dict[str, Any]:
+def run_witness(settings: PortSettings, compiled: CompiledGraphs | None = None) -> dict[str, Any]:
     """The random-weights witness of this port (`port.run_witness`): the same variant, shapes and
     compiled programs with seeded random weights, checked for SEQ_MATCH and LOGITS_MATCH. With
     the trained run's `compiled` graphs it also says whether it ran the very same artifacts."""
