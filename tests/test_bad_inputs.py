@@ -434,7 +434,7 @@ CASES = [
         "unknown recipe",
         lambda c: recipe_module("nxdi"),
         UnknownNameError,
-        "unknown recipe 'nxdi'; choose one of: trace, model_builder",
+        "unknown recipe 'nxdi'; choose one of: model_builder, trace",
     ),
     Case(
         "unknown MoE decode form",
