@@ -26,6 +26,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from .errors import GraphFormError
+
 if TYPE_CHECKING:  # torch is imported where logits are compared: the record verdict needs none
     import torch
 
@@ -179,7 +181,7 @@ def compare_logits(
     import torch
 
     if device_raw.shape != reference.shape:
-        raise ValueError(
+        raise GraphFormError(
             f"device logits {tuple(device_raw.shape)} and reference logits "
             f"{tuple(reference.shape)} cover different steps"
         )

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from .errors import Gemma4LibError, UnknownNameError
-from .variants import PROFILES, VARIANTS
+from .models.variants import PROFILES, VARIANTS
 
 log = logging.getLogger("gemma4lib")
 
@@ -185,7 +185,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def cmd_faults(args: argparse.Namespace) -> int:
-    from .faults import run_fault_lab
+    from .tools.faults import run_fault_lab
 
     _threads(args.threads)
     report = run_fault_lab(
@@ -194,14 +194,14 @@ def cmd_faults(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(report, default=str))
     else:
-        from .faults import format_fault_report
+        from .tools.faults import format_fault_report
 
         print(format_fault_report(report))
     return 0 if report["ok"] else 1
 
 
 def cmd_doctor(args: argparse.Namespace) -> int:
-    from .doctor import format_doctor, run_doctor
+    from .inf2.doctor import format_doctor, run_doctor
 
     report = run_doctor(variant=args.variant, tp=args.tp)
     print(json.dumps(report, default=str) if args.json else format_doctor(report))
@@ -211,8 +211,7 @@ def cmd_doctor(args: argparse.Namespace) -> int:
 def cmd_bench(args: argparse.Namespace) -> int:
     from dataclasses import replace
 
-    from .benchmarks import run_suite
-    from .benchmarks.suite import SECTIONS, SuiteOptions
+    from .benchmarks.suite import SECTIONS, SuiteOptions, run_suite
 
     _threads(args.threads)
     options = None

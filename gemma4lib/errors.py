@@ -47,6 +47,11 @@ class SettingsError(Gemma4LibError, ValueError):
     """A setting of the wrong type or out of range (e.g. max_new_tokens=0), refused before any work."""
 
 
+class GraphFormError(Gemma4LibError, ValueError):
+    """A graph, tensor or layout of the wrong form handed to a step that needs another (e.g. the
+    in-place graph to a functional compiler); the message names the form to build."""
+
+
 class BadPromptError(Gemma4LibError, ValueError):
     pass
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -19,15 +18,15 @@ from typing import Any
 import torch
 
 from . import backends, checks
-from .backends.base import CompiledGraphs, Graphs
-from .benchmarks.timing import benchmark
-from .graph import DeviceGraph
-from .loading import LoadedModel, build_tiny, load_checkpoint
-from .quant import round_model_weights
+from .backends.base import CompiledGraphs, DeviceRun
+from .device.build import Graphs, device_graphs
+from .device.quant import round_model_weights
+from .models.checkpoint import load_checkpoint
+from .models.loading import LoadedModel, build_tiny
 from .record import build_record
-from .reference import random_prompt, reference_greedy, reference_last_logits, teacher_forced_logits
+from .reference import random_prompt, reference_greedy, teacher_forced_logits
 from .results import write_result
-from .runtime import HostRuntime, encode_prompt, softcap
+from .runtime import encode_prompt
 from .settings import BACKENDS, DEFAULT_PROMPT, MODEL_SOURCES, PortSettings
 
 log = logging.getLogger(__name__)
@@ -39,7 +38,6 @@ __all__ = [
     "PortSettings",
     "build_graphs",
     "compile_graphs",
-    "decode_text",
     "eos_ids",
     "load_model",
     "port",
@@ -67,7 +65,7 @@ def _load_full_precision(settings: PortSettings) -> LoadedModel:
         dtype = torch.bfloat16 if settings.backend == "neuron" else torch.float32
         return load_checkpoint(variant, settings.checkpoint or variant.hf_id, dtype=dtype)
     if source == "trained":
-        from .trained import load_trained
+        from .models.trained import load_trained
 
         return load_trained(variant.name)
     return build_tiny(variant, seed=settings.seed)
@@ -91,14 +89,9 @@ def eos_ids(model: LoadedModel) -> list[int]:
     return sorted(i for i in ids if i is not None)
 
 
-def decode_text(model: LoadedModel, tokens: list[int]) -> str | None:
-    """The answer text of `tokens` (None for a tokenizer-less random model)."""
-    return checks.answer_text(model.tokenizer, tokens)
-
-
 def build_graphs(model: LoadedModel, settings: PortSettings, inplace: bool = True) -> Graphs:
     """Prefill graphs (one per bucket, all-experts-dense) and the decode graph."""
-    return backends.device_graphs(model, settings, inplace)
+    return device_graphs(model, settings, inplace)
 
 
 def compile_graphs(
@@ -109,16 +102,6 @@ def compile_graphs(
     return backends.compile_graphs(model, settings, graphs=graphs, progress=progress)
 
 
-def prefill_logits_error(model: LoadedModel, runtime: HostRuntime, ids: list[int]) -> float:
-    """Max |device softcapped logits - HF logits| for the last prompt token."""
-    generation = runtime.generate(ids, 1)
-    device = softcap(generation.first_logits, model.config.final_logit_softcapping)
-    return float((device - reference_last_logits(model.lm, ids)).abs().max())
-
-
-GraphEdit = Callable[[DeviceGraph], None]
-
-
 def run_device(
     model: LoadedModel,
     settings: PortSettings,
@@ -127,50 +110,15 @@ def run_device(
     *,
     progress: bool = False,
     bench: bool = True,
-    edit: GraphEdit | None = None,
-    baked_rank: bool = False,
-) -> dict[str, Any]:
-    """Build, compile and run the device graphs; the `device_run` part of the record.
-
-    `step_logits` (raw logits of every generated token, for LOGITS_MATCH) rides along as a tensor;
-    `record_run` takes it out before the record is written. `edit` changes the built graphs before
-    they are compiled and `baked_rank` bakes the TP rank in at trace time (the fault lab's hooks).
-    """
-    if settings.draft is not None:  # the assistant drafts, the target verifies k + 1 (speculative.py)
+) -> DeviceRun:
+    """Build, compile and run the device graphs with the settings' backend (every backend has a
+    `run`: `backends.base`): the device part of the record, with the per-step logits LOGITS_MATCH needs.
+    With a draft, the assistant drafts and the target verifies k + 1 at a time (`speculative`)."""
+    if settings.draft is not None:
         from .speculative import run_device_drafted
 
-        if edit is not None or baked_rank:
-            raise ValueError("graph edits and baked ranks apply to the plain decode graphs (draft=None)")
         return run_device_drafted(model, settings, ids, eos, progress=progress, bench=bench)
-    if backends.backend_for(settings) == "gloo":  # the TP plan's ranks as CPU processes
-        if edit is not None:
-            raise ValueError("graph edits apply to the single-device graphs (tp_degree 1)")
-        return backends.get_backend("gloo").run_device(model, settings, ids, eos, baked_rank=baked_rank)
-
-    graphs = None
-    if edit is not None:  # the fault lab's hook: the graphs are built here, edited, then compiled
-        graphs = build_graphs(model, settings)
-        for graph in (*graphs[0].values(), graphs[1]):
-            edit(graph)
-    compiled = compile_graphs(model, settings, graphs=graphs, progress=progress)
-    runtime = compiled.runtime
-    runtime.check_fits(ids, settings.max_new_tokens)
-    generation = runtime.generate(ids, settings.max_new_tokens, eos_token_ids=eos, keep_logits=True)
-    device_run: dict[str, Any] = {
-        "tokens": generation.tokens,
-        "step_logits": generation.step_logits,
-        "compiler": compiled.compiler,
-        "compile_s": compiled.compile_s,
-        "cache_hits": compiled.cache_hits,
-        "prefill_logits_max_abs_diff": prefill_logits_error(model, runtime, ids),
-        **compiled.info,
-    }
-    if bench:
-        figures = benchmark(runtime, ids, settings.max_new_tokens, settings.warmup, settings.iters, progress)
-        device_run.update(bench=figures.to_dict(), prefill_ms=figures.prefill_ms, decode_tok_s=figures.decode_tok_s)
-    if compiled.report:
-        device_run.update(compiled.report())
-    return device_run
+    return backends.run_device(model, settings, ids, eos, progress=progress, bench=bench)
 
 
 def judge_run(
@@ -207,12 +155,10 @@ def witness_settings(settings: PortSettings) -> PortSettings:
     return replace(settings, model="random", witness=False, results_dir=None)
 
 
-def witness_record(
-    model: LoadedModel, settings: PortSettings, ids: list[int], device_run: dict[str, Any]
-) -> dict[str, Any]:
+def witness_record(model: LoadedModel, settings: PortSettings, ids: list[int], device_run: DeviceRun) -> dict[str, Any]:
     """The witness's part of the record: its SEQ_MATCH and LOGITS_MATCH (it has no coherence)."""
-    tokens = device_run["tokens"]
-    report, reference = judge_run(model, settings, ids, [], tokens, device_run.get("step_logits"))
+    tokens = device_run.tokens
+    report, reference = judge_run(model, settings, ids, [], tokens, device_run.step_logits)
     out = {
         "model_source": model.source,
         "seed": settings.seed,
@@ -226,9 +172,9 @@ def witness_record(
         "reference_min_margin": reference_margin(model, ids, reference),
         "tokens": tokens,
         "reference_tokens": reference,
-        "compiler": device_run.get("compiler"),
-        "cache_hits": device_run.get("cache_hits"),
-        "artifacts": device_run.get("artifacts"),
+        "compiler": device_run.compiler,
+        "cache_hits": device_run.cache_hits,
+        "artifacts": device_run.artifacts,
     }
     out["passed"] = report.seq_match and report.logits_match is not False
     return out
@@ -266,7 +212,7 @@ def port(settings: PortSettings, progress: bool = False) -> dict[str, Any]:
     device_run = run_device(model, settings, ids, eos, progress=progress)
     witness = None
     if settings.wants_witness:
-        witness = run_witness(settings, progress=progress, artifacts=device_run.get("artifacts"))
+        witness = run_witness(settings, progress=progress, artifacts=device_run.artifacts)
     return record_run(settings, model, ids, eos, device_run, started, witness)
 
 
@@ -275,14 +221,13 @@ def record_run(
     model: LoadedModel,
     ids: list[int],
     eos: list[int],
-    device_run: dict[str, Any],
+    device_run: DeviceRun,
     started: float,
     witness: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The run record: the device run judged by the three checks (plus the witness's record when
     given), with `failed_checks`, the one verdict the CLI, papermill and the fault lab apply."""
-    step_logits = device_run.get("step_logits")
-    report, reference = judge_run(model, settings, ids, eos, device_run["tokens"], step_logits)
+    report, reference = judge_run(model, settings, ids, eos, device_run.tokens, device_run.step_logits)
     result = build_record(settings, model, ids, device_run, report, reference, started=started, witness=witness)
     if settings.results_dir:
         result["result_file"] = str(write_result(result, Path(settings.results_dir)))

@@ -2,7 +2,7 @@
 
 `port.port()`, the notebooks (`notebook.record`), the fault lab, papermill's baselines and the
 summaries all read the same keys, so they are assembled in one function. A device run (what a
-backend produced: tokens, compile and benchmark figures, backend details) and the checks' report
+backend produced, `backends.DeviceRun`: tokens, compile and benchmark figures, backend details) and the checks' report
 go in; the record comes out with the verdict every reader applies: `failed_checks` (empty when
 SEQ_MATCH, LOGITS_MATCH, coherence and the witness's checks all held).
 
@@ -20,22 +20,21 @@ from typing import TYPE_CHECKING, Any
 
 from . import checks
 from .environment import machine, peak_rss_mb, versions
-from .memory_plan import neuron_recipe
+from .inf2.memory_plan import neuron_recipe
 
 if TYPE_CHECKING:
-    from .loading import LoadedModel
+    from .backends.base import DeviceRun
+    from .models.loading import LoadedModel
     from .settings import PortSettings
 
 RECORD_SCHEMA = 3
-# device-run keys that the record places itself (the rest of a device run is copied as it is)
-_PLACED = ("tokens", "step_logits", "compiler", "prefill_ms", "decode_tok_s", "compile_s")
 
 
 def build_record(
     settings: PortSettings,
     model: LoadedModel,
     ids: list[int],
-    device_run: Mapping[str, Any],
+    device_run: DeviceRun,
     report: checks.CheckReport,
     reference: list[int],
     *,
@@ -45,13 +44,13 @@ def build_record(
 ) -> dict[str, Any]:
     """The record of one run: settings, model, the three checks, figures, environment, verdict."""
     variant = settings.variant_spec
-    tokens = list(device_run["tokens"])
+    tokens = list(device_run.tokens)
     result: dict[str, Any] = {
         "schema": RECORD_SCHEMA,
         "variant": variant.name,
         "profile": settings.profile,
         "backend": settings.backend,
-        "compiler": device_run.get("compiler"),
+        "compiler": device_run.compiler,
         "inf2_recipe": neuron_recipe(variant, settings.tp_degree, getattr(settings, "neuron_recipe", None)),
         "tp_degree": settings.tp_degree,
         "model_source": model.source,
@@ -67,9 +66,9 @@ def build_record(
         "first_mismatch": report.first_mismatch,
         **(report.logits.record() if report.logits else {}),
         "prompt_tokens": len(ids),
-        "prefill_ms": device_run.get("prefill_ms"),
-        "decode_tok_s": device_run.get("decode_tok_s"),
-        "compile_s": device_run.get("compile_s"),
+        "prefill_ms": device_run.prefill_ms,
+        "decode_tok_s": device_run.decode_tok_s,
+        "compile_s": device_run.compile_s,
         "peak_rss_mb": peak_rss_mb(),
         "wall_s": None if started is None else time.perf_counter() - started,
         "layout": model.layout.describe(),
@@ -77,7 +76,7 @@ def build_record(
         "parameters": settings.parameters(),
         "versions": versions(),
         "machine": {**machine(), "python": sys.executable},
-        **{k: v for k, v in device_run.items() if k not in _PLACED},
+        **device_run.record_fields(),
         **dict(extra or {}),
     }
     if witness is not None:

@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import nn
 
+from .errors import SettingsError
 from .upcast import upcast_forward
 
 log = logging.getLogger(__name__)
@@ -27,12 +29,28 @@ def random_prompt(vocab_size: int, n: int, seed: int) -> list[int]:
 
 
 @torch.no_grad()
-def reference_greedy(
-    lm: nn.Module, prompt_ids: Sequence[int], max_new_tokens: int, eos_token_ids: Sequence[int] = ()
-) -> list[int]:
-    """Greedy tokens from `lm.generate` with the dynamic cache; eos switched off when none is given."""
+def hf_greedy(
+    lm: nn.Module,
+    prompt_ids: Sequence[int],
+    max_new_tokens: int,
+    eos_token_ids: Sequence[int] = (),
+    *,
+    exact: bool = False,
+    keep_logits: bool = False,
+    **generate_kwargs: Any,
+) -> tuple[list[int], torch.Tensor | None]:
+    """Hugging Face's greedy `generate` on `prompt_ids`, the one call every HF-side path makes (the
+    reference, the real-width check, the benchmark's HF paths): (tokens, per-step logits or None).
+
+    eos switched off when none is given; `exact`: exactly `max_new_tokens` (the benchmark's runs
+    compare); `keep_logits`: the raw logits of every step, float32 [new_tokens, vocab];
+    `generate_kwargs` go to `generate` (a logits processor, a static cache)."""
     ids = torch.as_tensor(list(prompt_ids), dtype=torch.long)[None]
     eos = list(eos_token_ids) or None
+    if exact:
+        generate_kwargs["min_new_tokens"] = max_new_tokens
+    if keep_logits:
+        generate_kwargs.update(output_logits=True, return_dict_in_generate=True)
     out = lm.generate(
         ids,
         attention_mask=torch.ones_like(ids),
@@ -41,13 +59,23 @@ def reference_greedy(
         eos_token_id=eos,
         pad_token_id=0,
         use_cache=True,
+        **generate_kwargs,
     )
-    tokens = out[0, ids.shape[1] :].tolist()
+    sequences = out.sequences if keep_logits else out
+    tokens = sequences[0, ids.shape[1] :].tolist()
+    logits = torch.stack([step[0].float() for step in out.logits]) if keep_logits else None
     if eos:  # generate pads after eos when stopping early in a batch; keep up to and including eos
         for i, token in enumerate(tokens):
             if token in eos:
-                return tokens[: i + 1]
-    return tokens
+                return tokens[: i + 1], None if logits is None else logits[: i + 1]
+    return tokens, logits
+
+
+def reference_greedy(
+    lm: nn.Module, prompt_ids: Sequence[int], max_new_tokens: int, eos_token_ids: Sequence[int] = ()
+) -> list[int]:
+    """Greedy tokens from `lm.generate` with the dynamic cache; eos switched off when none is given."""
+    return hf_greedy(lm, prompt_ids, max_new_tokens, eos_token_ids)[0]
 
 
 @torch.no_grad()
@@ -64,7 +92,7 @@ def teacher_forced_logits(lm: nn.Module, prompt_ids: Sequence[int], tokens: Sequ
 
     `[len(tokens), vocab]` in float64 (exact for a float32 or bf16 model)."""
     if not tokens:
-        raise ValueError("teacher forcing needs at least one generated token")
+        raise SettingsError("teacher forcing needs at least one generated token; pass the tokens the device generated")
     ids = torch.as_tensor([*prompt_ids, *tokens[:-1]], dtype=torch.long)[None]
     logits = lm(ids, attention_mask=torch.ones_like(ids)).logits[0]
     return logits[len(prompt_ids) - 1 :].to(torch.float64)

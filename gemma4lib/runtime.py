@@ -14,10 +14,10 @@ from typing import Any
 
 import torch
 
-from .embedder import HostEmbedder
+from .device.embedder import HostEmbedder
 from .errors import BadPromptError, BatchTooLargeError, PromptTooLongError, SettingsError
-from .loading import LoadedModel
-from .tokenizer import require_chat_template
+from .models.loading import LoadedModel
+from .models.tokenizer import require_chat_template
 
 Step = Callable[..., torch.Tensor]
 

@@ -11,12 +11,12 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from .backends.base import SELECTABLE as BACKENDS
+from .device.experts import EXPERT_FORMS
+from .device.quant import WEIGHT_FORMS
 from .errors import SettingsError, TensorParallelError, UnknownNameError
-from .experts import EXPERT_FORMS
-from .quant import WEIGHT_FORMS
-from .variants import check_profile, get_variant
+from .models.variants import check_profile, get_variant
 
-BACKENDS = ("cpu", "eager", "xla", "neuron")
 MODEL_SOURCES = ("auto", "trained", "random", "checkpoint")
 DEFAULT_PROMPT = "What is the capital of France?"
 
@@ -129,7 +129,7 @@ class PortSettings:
                 f"(NeuronCores); the xla lane compiles one device: use tp_degree=1 there"
             )
         if self.neuron_recipe is not None or self.backend == "neuron":
-            from .memory_plan import neuron_recipe
+            from .inf2.memory_plan import neuron_recipe
 
             neuron_recipe(self.variant_spec, self.tp_degree, self.neuron_recipe)  # unknown name, or trace at TP > 1
         if self.weights == "int8":
@@ -190,7 +190,7 @@ class PortSettings:
         the Neuron ModelBuilder recipe (NxD's quantized layers); not the CPU gloo rank graph, nor
         the one-graph trace recipe."""
         if self.backend == "neuron":
-            from .memory_plan import neuron_recipe
+            from .inf2.memory_plan import neuron_recipe
 
             recipe = neuron_recipe(self.variant_spec, self.tp_degree, self.neuron_recipe)
             if recipe != "model_builder":
@@ -208,8 +208,8 @@ class PortSettings:
     def _check_neuron(self) -> None:
         """Before anything is loaded: the TP degree, the cores' and the serving host's memory fit inf2,
         and the SDK is here."""
-        from .hardware import host_instance_type
-        from .memory_plan import require_fit, require_neuron_tp
+        from .inf2.hardware import host_instance_type
+        from .inf2.memory_plan import require_fit, require_neuron_tp
         from .recipes import neuron_env
 
         instance = host_instance_type()
@@ -246,7 +246,7 @@ class PortSettings:
             return self.model
         if self.profile == "full":
             return "checkpoint"
-        from .trained import fixture_available
+        from .models.trained import fixture_available
 
         return "trained" if fixture_available(self.variant_spec.name) else "random"
 

@@ -57,7 +57,8 @@ results_path = "../runs/notebooks/overview.json"
 # %%
 import torch
 
-from gemma4lib import notebook as nb, plots
+from gemma4lib import notebook as nb
+from gemma4lib.notebook import plots
 from gemma4lib.port import PortSettings, compile_graphs, load_model
 
 torch.set_num_threads(threads)

@@ -264,8 +264,9 @@ def rule_for(metric: str, rules: Mapping[str, Any]) -> dict[str, Any]:
     raise BaselineError(f"tolerances: no rule for bench metric {metric!r}; add it to profiles.{PROFILE}.metrics")
 
 
-def correctness_problems(subject: Mapping[str, Any], rules: Mapping[str, Any]) -> list[str]:
-    """Every check that is not exactly true (a check is switched off by its last name in `rules`)."""
+def failed_bench_checks(subject: Mapping[str, Any], rules: Mapping[str, Any]) -> list[str]:
+    """Every bench check that is not exactly true (a check is switched off by its last name in `rules`);
+    the notebook records' counterpart is `baselines.correctness_problems`."""
     problems = []
     for check, value in subject["checks"].items():
         if value is True or rules.get(check.rsplit(".", 1)[-1], True) is False:
@@ -284,7 +285,7 @@ def judge_subject(
     verdict.reasons += [
         c.describe() for c in verdict.metrics if c.status == "n/a" and (c.value is None) != (c.baseline is None)
     ]
-    problems = correctness_problems(subject, tolerances.get("correctness") or {})
+    problems = failed_bench_checks(subject, tolerances.get("correctness") or {})
     if problems:
         verdict.reasons = problems + (verdict.reasons if entry is not None else [])
         verdict.status = "fail"

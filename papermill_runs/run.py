@@ -40,6 +40,8 @@ from typing import Any
 
 from gemma4lib.artifacts import atomic_write_json
 from gemma4lib.errors import BaselineError
+from gemma4lib.models.variants import ALIASES as variant_aliases
+from gemma4lib.models.variants import VARIANTS
 
 from . import baselines, bench, report
 from .judge import judge_results
@@ -52,25 +54,10 @@ REPO_ROOT = PACKAGE_DIR.parent
 NOTEBOOK_DIR = REPO_ROOT / "notebooks"
 PROFILES_FILE = PACKAGE_DIR / "profiles.json"
 KERNEL_NAME = "python3"
-VARIANT_NOTEBOOKS = {
-    "e2b": "01_e2b.ipynb",
-    "e4b": "02_e4b.ipynb",
-    "12b": "03_12b.ipynb",
-    "31b": "04_31b.ipynb",
-    "26b-a4b": "05_26b_a4b.ipynb",
-}
+VARIANT_NOTEBOOKS = {v.name: v.notebook for v in VARIANTS.values()}  # `Variant.notebook`
 OVERVIEW = ("overview", "00_overview.ipynb")
-ALIASES = {
-    "26b": "26b-a4b",
-    "26b_a4b": "26b-a4b",
-    "00": "overview",
-    "01": "e2b",
-    "02": "e4b",
-    "03": "12b",
-    "04": "31b",
-    "05": "26b-a4b",
-    "all": "all",
-}
+# every variant's names (`Variant.names`: aliases, notebook number), the overview's number, and "all"
+ALIASES = {**variant_aliases, OVERVIEW[1][:2]: "overview", "all": "all"}
 
 
 # ---- arguments --------------------------------------------------------------------------------------
@@ -101,7 +88,7 @@ def selected(names: Sequence[str] | None) -> list[str]:
     wanted = []
     for item in names:
         for raw in item.split(","):
-            key = ALIASES.get(raw.strip().lower(), raw.strip().lower())
+            key = ALIASES.get(raw.strip().lower().replace("_", "-"), raw.strip().lower())
             if key == "all":
                 return [*VARIANT_NOTEBOOKS, "overview"]
             if key not in VARIANT_NOTEBOOKS and key != "overview":
@@ -574,9 +561,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("run", help="execute the notebooks, judge, report")
     p.add_argument("--profile", default="smoke", choices=["smoke", "full"])
-    p.add_argument(
-        "--variant", action="append", help="e2b, e4b, 12b, 31b, 26b-a4b, overview (repeat or comma-separate)"
-    )
+    p.add_argument("--variant", action="append", help=f"{', '.join(VARIANTS)}, overview (repeat or comma-separate)")
     p.add_argument("--out", help="output folder (default: runs/<profile>)")
     p.add_argument("--timeout-per-cell", type=int, default=1800, help="seconds one cell may run (default 1800)")
     p.add_argument("-p", "--param", action="append", metavar="KEY=VALUE", help="notebook parameter override")

@@ -20,12 +20,14 @@ import statistics
 
 import torch
 
-from gemma4lib import attention
-from gemma4lib.benchmarks.suite import Step, load_bench_model
-from gemma4lib.benchmarks.timing import time_decode_steps
-from gemma4lib.compile_cpu import compile_graph
-from gemma4lib.graph import DeviceGraph, GraphShape
-from gemma4lib.roofline import decode_bytes, measure_bandwidth
+from gemma4lib.backends.compile_cpu import compile_graph
+from gemma4lib.benchmarks.graphs import BenchGraph
+from gemma4lib.benchmarks.suite import load_bench_model
+from gemma4lib.device import attention
+from gemma4lib.device.graph import DeviceGraph, GraphShape
+from gemma4lib.inf2.bandwidth import measure_bandwidth
+from gemma4lib.inf2.roofline import decode_bytes
+from gemma4lib.timing import time_decode_steps
 
 
 def main() -> None:
@@ -38,13 +40,13 @@ def main() -> None:
     torch.set_num_threads(1)
 
     model = load_bench_model(args.model)
-    steps: dict[tuple[str, int], Step] = {}
+    steps: dict[tuple[str, int], BenchGraph] = {}
     for form in attention.FORMS:
         for ctx in args.contexts:
             graph = DeviceGraph(
                 model.text_model, model.lm_head, model.layout, GraphShape(1, 1, ctx, True), attention=form
             )
-            steps[(form, ctx)] = Step(compile_graph(graph), graph.shape, "dense", graph=graph)
+            steps[(form, ctx)] = BenchGraph(compile_graph(graph), graph.shape, "dense", graph=graph)
     bandwidth = [measure_bandwidth()["bandwidth_bytes_s"]]
     runs: dict[tuple[str, int], list[float]] = {key: [] for key in steps}
     for key, step in steps.items():  # warm-up

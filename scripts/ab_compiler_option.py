@@ -1,12 +1,12 @@
 """A/B one Inductor option on a decode graph: compile it both ways, time them interleaved.
 
     .venv/bin/python scripts/ab_compiler_option.py                       # realize_opcount_threshold 8 vs 30
-    .venv/bin/python scripts/ab_compiler_option.py --option max_autotune --a true --b false --model 26b-a4b
+    .venv/bin/python scripts/ab_compiler_option.py --option max_autotune --a true --b false --model medium-moe
 
 Both graphs come from the artifact cache when they were compiled before (a medium graph takes 1-3
 minutes to compile here). One thread; rounds alternate A, B, A, B, ... so load from other processes
 hits both alike; the medians and the ratio are printed as one JSON line. This is how the
-`realize_opcount_threshold` default in `gemma4lib/compile_cpu.py` was chosen (docs/ROOFLINE.md).
+`realize_opcount_threshold` default in `gemma4lib/backends/compile_cpu.py` was chosen (docs/ROOFLINE.md).
 """
 
 from __future__ import annotations
@@ -17,11 +17,12 @@ import statistics
 
 import torch
 
-from gemma4lib.backends.base import device_graph
-from gemma4lib.benchmarks.suite import Step, load_bench_model
-from gemma4lib.benchmarks.timing import time_decode_steps
-from gemma4lib.compile_cpu import DEFAULT_COMPILER_OPTIONS, compile_graph
-from gemma4lib.graph import GraphShape
+from gemma4lib.backends.compile_cpu import DEFAULT_COMPILER_OPTIONS, compile_graph
+from gemma4lib.benchmarks.graphs import BenchGraph
+from gemma4lib.benchmarks.suite import load_bench_model
+from gemma4lib.device.build import device_graph
+from gemma4lib.device.graph import GraphShape
+from gemma4lib.timing import time_decode_steps
 
 
 def main() -> None:
@@ -44,7 +45,7 @@ def main() -> None:
     steps = {}
     for side, value in values.items():
         compiled = compile_graph(graph, options={**DEFAULT_COMPILER_OPTIONS, args.option: value})
-        steps[side] = Step(compiled, graph.shape, experts, graph=graph)
+        steps[side] = BenchGraph(compiled, graph.shape, experts, graph=graph)
     positions = list(range(args.context - args.steps, args.context))
     runs: dict[str, list[float]] = {"a": [], "b": []}
     for side in ("a", "b"):  # warm-up

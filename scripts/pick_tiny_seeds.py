@@ -10,9 +10,9 @@ import argparse
 
 import torch
 
+from gemma4lib.models.variants import VARIANTS
 from gemma4lib.port import PortSettings, load_model, prompt_ids
 from gemma4lib.reference import reference_greedy
-from gemma4lib.variants import VARIANTS
 
 
 def margin_for(variant: str, seed: int, new_tokens: int = 32) -> tuple[float, int]:

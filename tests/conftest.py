@@ -16,12 +16,14 @@ from dataclasses import dataclass
 import pytest
 import torch
 
+from gemma4lib.models.variants import VARIANTS
+
 # One thread: the CPU numerics (and the seeds chosen for the tiny models) assume it, and the two
 # cores of a CI machine are shared with the notebook kernels.
 torch.set_num_threads(1)
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-VARIANT_NAMES = ["e2b", "e4b", "12b", "31b", "26b-a4b"]
+VARIANT_NAMES = list(VARIANTS)  # the variants table, in its order
 
 _SESSION_CACHE: str | None = None
 

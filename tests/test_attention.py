@@ -1,4 +1,4 @@
-"""The device graph's grouped attention (`gemma4lib.attention`) against transformers' eager attention.
+"""The device graph's grouped attention (`gemma4lib.device.attention`) against transformers' eager attention.
 
 Three levels: the attention function alone on random tensors (GQA groups, decode and prefill,
 causal / sliding / fully-masked rows, softcap); every tiny variant's device graph in both forms
@@ -17,14 +17,14 @@ from conftest import VARIANT_NAMES
 from transformers import AttentionInterface
 from transformers.models.gemma4.modeling_gemma4 import eager_attention_forward
 
-from gemma4lib import attention
+from gemma4lib.backends.compile_cpu import export_graph
+from gemma4lib.backends.program_key import program_digest
 from gemma4lib.checks import logits_tolerance
-from gemma4lib.compile_cpu import export_graph
+from gemma4lib.device import attention
+from gemma4lib.device.graph import DeviceGraph, GraphShape, additive_mask, slot_positions
 from gemma4lib.errors import UnknownNameError
-from gemma4lib.graph import DeviceGraph, GraphShape, additive_mask, slot_positions
-from gemma4lib.loading import build_tiny
-from gemma4lib.program_key import program_digest
-from gemma4lib.variants import VARIANTS
+from gemma4lib.models.loading import build_tiny
+from gemma4lib.models.variants import VARIANTS
 
 
 class _Module(torch.nn.Module):

@@ -28,7 +28,7 @@ from typing import Any
 import pytest
 import torch
 
-from gemma4lib import artifacts, doctor, environment, loading
+from gemma4lib import artifacts, environment
 from gemma4lib.artifacts import ArtifactCache, atomic_write_json
 from gemma4lib.errors import (
     ArtifactError,
@@ -49,15 +49,19 @@ from gemma4lib.errors import (
     UnknownNameError,
     VariantMismatchError,
 )
-from gemma4lib.loading import build_tiny, check_config_matches_variant, load_checkpoint, text_config
-from gemma4lib.memory_plan import require_fit, require_neuron_tp
+from gemma4lib.inf2 import doctor
+from gemma4lib.inf2.memory_plan import require_fit, require_neuron_tp
+from gemma4lib.models import checkpoint as checkpoint_module
+from gemma4lib.models import hub
+from gemma4lib.models.checkpoint import check_config_matches_variant, load_checkpoint
+from gemma4lib.models.loading import build_tiny, text_config
+from gemma4lib.models.trained import FIXTURES_DIR, sha256_file, verify_fixture_hashes
+from gemma4lib.models.variants import get_variant
 from gemma4lib.port import PortSettings
 from gemma4lib.recipes import neuron_env, recipe_module
 from gemma4lib.results import read_result, write_result
 from gemma4lib.runtime import HostRuntime, Sampling, encode_prompt
 from gemma4lib.tp.plan import make_plan
-from gemma4lib.trained import FIXTURES_DIR, sha256_file, verify_fixture_hashes
-from gemma4lib.variants import get_variant
 from papermill_runs import baselines
 from papermill_runs import run as pm_run
 
@@ -108,7 +112,7 @@ _TOKENIZER: list[Any] = []
 
 def tokenizer():
     if not _TOKENIZER:
-        from gemma4lib.tokenizer import load_tokenizer
+        from gemma4lib.models.tokenizer import load_tokenizer
 
         _TOKENIZER.append(load_tokenizer(FIXTURES_DIR / "tokenizer"))
     return _TOKENIZER[0]
@@ -118,7 +122,7 @@ def hub_up(ctx: Ctx) -> None:
     """The hub answers the connection probe (what a machine with network sees); not offline."""
     ctx.mp.delenv("HF_HUB_OFFLINE", raising=False)
     ctx.mp.delenv("TRANSFORMERS_OFFLINE", raising=False)
-    ctx.mp.setattr(loading, "probe_hub", lambda *a, **k: None)
+    ctx.mp.setattr(checkpoint_module, "probe_hub", lambda *a, **k: None)
 
 
 def hub_config_fails(ctx: Ctx, token: str | None) -> None:
@@ -207,7 +211,7 @@ def no_network(ctx: Ctx) -> None:
     """A hub endpoint that cannot resolve (RFC 2606 `.invalid`): the real probe fails for real."""
     ctx.mp.delenv("HF_HUB_OFFLINE", raising=False)
     ctx.mp.delenv("TRANSFORMERS_OFFLINE", raising=False)
-    ctx.mp.setattr(loading, "hub_endpoint", lambda: "https://hub-endpoint.invalid")
+    ctx.mp.setattr(hub, "hub_endpoint", lambda: "https://hub-endpoint.invalid")
 
 
 def offline_mode(ctx: Ctx) -> None:
@@ -217,13 +221,13 @@ def offline_mode(ctx: Ctx) -> None:
     def probe(*args, **kwargs):
         raise AssertionError("offline mode must not touch the network")
 
-    ctx.mp.setattr(loading, "probe_hub", probe)
+    ctx.mp.setattr(checkpoint_module, "probe_hub", probe)
 
 
 def released_folder(ctx: Ctx, variant: str = "e2b") -> Path:
     """A released-layout checkpoint: the trained tiny decoder inside the multimodal class."""
-    from gemma4lib.released import save_released_layout
-    from gemma4lib.trained import load_trained
+    from gemma4lib.models.released import save_released_layout
+    from gemma4lib.models.trained import load_trained
 
     trained = load_trained(variant)
     return save_released_layout(variant, ctx.tmp / f"released-{variant}", trained.lm, trained.tokenizer)
@@ -265,7 +269,7 @@ def tensor_dropped(ctx: Ctx) -> Path:
 
 def text_only_folder(ctx: Ctx, variant: str, tokenizer_files: bool = True) -> Path:
     """What `save_pretrained` of a `*ForCausalLM` writes: model_type gemma4_text / gemma4_unified_text."""
-    from gemma4lib.trained import load_trained
+    from gemma4lib.models.trained import load_trained
 
     trained = load_trained(variant)
     folder = ctx.tmp / f"text-{variant}"
@@ -430,7 +434,7 @@ CASES = [
         "unknown recipe",
         lambda c: recipe_module("nxdi"),
         UnknownNameError,
-        "unknown recipe 'nxdi'; choose one of: trace, model_builder",
+        "unknown recipe 'nxdi'; choose one of: model_builder, trace",
     ),
     Case(
         "unknown MoE decode form",
@@ -1185,7 +1189,7 @@ def test_hf_token_never_appears_in_errors_logs_or_results(tmp_path, monkeypatch,
 def test_check_fits_is_exact_at_the_context_boundary():
     """The longest request `check_fits` accepts really runs, and equals the reference: prompt +
     max_new_tokens - 1 positions fill the context exactly (the last token is never written)."""
-    from gemma4lib.graph import DeviceGraph, GraphShape
+    from gemma4lib.device.graph import DeviceGraph, GraphShape
     from gemma4lib.reference import reference_greedy
 
     model = build_tiny(get_variant("e2b"), seed=get_variant("e2b").tiny_seed)
@@ -1207,7 +1211,7 @@ def test_check_fits_is_exact_at_the_context_boundary():
 @pytest.mark.parametrize("variant", ["e2b", "12b"])
 def test_text_only_checkpoint_folder_loads(tmp_path, monkeypatch, variant):
     """A consistent `gemma4_text` / `gemma4_unified_text` folder loads as the `*ForCausalLM` itself."""
-    from gemma4lib.trained import load_trained
+    from gemma4lib.models.trained import load_trained
 
     folder = text_only_folder(Ctx(tmp_path, monkeypatch), variant)
     config = json.loads((folder / "config.json").read_text())
@@ -1226,8 +1230,8 @@ def test_no_network_fails_fast_with_the_real_endpoint(monkeypatch):
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
     monkeypatch.delenv("TRANSFORMERS_OFFLINE", raising=False)
     monkeypatch.delenv("HF_TOKEN", raising=False)
-    if loading.probe_hub() is None:
-        pytest.skip(f"{loading.hub_endpoint()} is reachable from here")
+    if hub.probe_hub() is None:
+        pytest.skip(f"{hub.hub_endpoint()} is reachable from here")
     started = time.perf_counter()
     with pytest.raises(HubUnreachableError, match="No network"):
         load_checkpoint(get_variant("e2b"), HUB_ID)

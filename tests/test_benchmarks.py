@@ -8,9 +8,12 @@ import math
 import pytest
 import torch
 
-from gemma4lib import roofline
-from gemma4lib.benchmarks import PATHS, SuiteOptions, check_targets, format_report, run_suite
-from gemma4lib.medium import MEDIUM, get_medium, medium_config
+from gemma4lib.benchmarks.paths import PATHS
+from gemma4lib.benchmarks.report import format_report
+from gemma4lib.benchmarks.suite import SuiteOptions, run_suite
+from gemma4lib.benchmarks.targets import check_targets
+from gemma4lib.inf2 import bandwidth, params, roofline
+from gemma4lib.models.medium import MEDIUM, get_medium, medium_config
 
 NUMBER = (int, float)
 
@@ -56,7 +59,7 @@ def test_quick_report_schema(quick_report):
 
 
 def test_report_rows_feed_the_notebook_plot(quick_report):
-    from gemma4lib import plots
+    from gemma4lib.notebook import plots
 
     rows = roofline.rows_from_report(quick_report)
     assert [r["label"] for r in rows] == ["31b", "26b-a4b"]
@@ -100,12 +103,12 @@ def test_unknown_suite_is_a_clear_error():
 
 
 # ---- medium configs ----------------------------------------------------------------------------
-def _meta_counts(name: str) -> roofline.ParamCounts:
-    from gemma4lib.loading import _text_classes
+def _meta_counts(name: str) -> params.ParamCounts:
+    from gemma4lib.models.loading import _text_classes
 
     _, lm_cls = _text_classes(get_medium(name).variant)
     with torch.device("meta"):
-        return roofline.count_params(lm_cls(medium_config(name)))
+        return params.count_params(lm_cls(medium_config(name)))
 
 
 def test_medium_configs_have_the_promised_shape():
@@ -135,7 +138,7 @@ def test_selective_experts_read_only_the_routed_ones():
 
 
 def test_selective_experts_on_expert_parallel_ranks_read_k_per_rank():
-    counts = roofline.count_params(roofline.meta_model("26b-a4b"))  # 128 experts, top-8
+    counts = params.count_params(params.meta_model("26b-a4b"))  # 128 experts, top-8
     shared = counts.lm_head + counts.other
     # expert split at TP=8: 16 whole experts per rank, each rank gathers 8 slices whether routed
     # there or not: 64 of 128
@@ -164,7 +167,7 @@ def test_selective_experts_on_expert_parallel_ranks_read_k_per_rank():
 def test_selective_experts_on_intermediate_split_ranks_read_k_in_total():
     """Each rank a 1/8 slice of every expert (704 / 8 = 88 columns): its 8 gathered slices are its
     share of the 8 routed experts, so the ranks together read 8 of 128, as one device would."""
-    counts = roofline.count_params(roofline.meta_model("26b-a4b"))
+    counts = params.count_params(params.meta_model("26b-a4b"))
     shared = counts.lm_head + counts.other
     assert counts.moe_intermediate == 704 and counts.expert_split(8) == "intermediate"
     for tp in (2, 8, 16):
@@ -235,7 +238,7 @@ def test_inf2_table_covers_every_variant_and_form():
 
 
 def test_measure_bandwidth_reports_both_methods():
-    bw = roofline.measure_bandwidth(size_mb=32, repeats=2)
+    bw = bandwidth.measure_bandwidth(size_mb=32, repeats=2)
     assert bw["gemv_gb_s"] > 0 and bw["stream_gb_s"] > 0
     assert bw["bandwidth_bytes_s"] == pytest.approx(max(bw["gemv_gb_s"], bw["stream_gb_s"]) * 1e9)
     assert bw["threads"] == 1
@@ -243,7 +246,7 @@ def test_measure_bandwidth_reports_both_methods():
 
 def test_recommendation_is_what_a_port_runs_by_default(quick_report):
     # the suite states PortSettings' defaults (read from them), and its models ran with them
-    from gemma4lib.backends.base import PREFILL_EXPERTS
+    from gemma4lib.device.build import PREFILL_EXPERTS
     from gemma4lib.settings import PortSettings
 
     settings = PortSettings(variant="26b-a4b")
@@ -259,7 +262,9 @@ def test_recommendation_is_what_a_port_runs_by_default(quick_report):
 
 def test_experts_choice_is_the_measured_winner():
     # dense vs selective on a tiny MoE (graphs eager): the report names the faster form, and renders it so
-    from gemma4lib.benchmarks.suite import GraphFactory, bench_experts, load_bench_model
+    from gemma4lib.benchmarks.fixes import bench_experts
+    from gemma4lib.benchmarks.graphs import GraphFactory
+    from gemma4lib.benchmarks.suite import load_bench_model
     from gemma4lib.reference import random_prompt
     from gemma4lib.settings import PortSettings
 
@@ -284,15 +289,15 @@ def test_experts_choice_is_the_measured_winner():
     assert f"measured choice: prefill {choice['prefill']}, decode {choice['decode']}" in text
 
 
-def test_importing_port_does_not_load_the_suite():
-    # port times its runs with benchmarks.timing; the suite (which imports port) loads only when asked for
+def test_importing_port_does_not_load_the_benchmarks():
+    # port times its runs with gemma4lib.timing; the benchmarks package (whose suite imports port) sits above it
     import subprocess
     import sys
 
     code = (
-        "import sys, gemma4lib.port, gemma4lib.benchmarks.timing; "
-        "assert 'gemma4lib.benchmarks.suite' not in sys.modules; "
-        "from gemma4lib.benchmarks import run_suite; assert 'gemma4lib.benchmarks.suite' in sys.modules"
+        "import sys, gemma4lib.port, gemma4lib.timing; "
+        "assert not [m for m in sys.modules if m.startswith('gemma4lib.benchmarks')], sorted(sys.modules); "
+        "from gemma4lib.benchmarks.suite import run_suite; assert 'gemma4lib.port' in sys.modules"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
 
@@ -301,8 +306,8 @@ def test_tempered_random_attention_is_numerically_stable():
     # a narrow medium-dense: same head sizes (128 sliding, 256 global) and attention scaling 1.0
     import copy
 
-    from gemma4lib.loading import build_tiny
-    from gemma4lib.medium import temper_attention
+    from gemma4lib.models.loading import build_tiny
+    from gemma4lib.models.medium import temper_attention
 
     spec = get_medium("medium-dense")
     overrides = dict(

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from gemma4lib import formatting, plots
 from gemma4lib import notebook as nb
+from gemma4lib.notebook import formatting, plots
 from gemma4lib.port import PortSettings
 
 FIXTURE_TOKENIZER = Path(__file__).resolve().parents[1] / "gemma4lib" / "fixtures" / "tokenizer"
@@ -130,7 +130,7 @@ def test_ceiling_plot_says_why_a_row_has_no_measured_bar():
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    from gemma4lib.tokenizer import load_tokenizer
+    from gemma4lib.models.tokenizer import load_tokenizer
 
     return load_tokenizer(FIXTURE_TOKENIZER)
 

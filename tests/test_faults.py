@@ -1,4 +1,4 @@
-"""The fault lab (`gemma4lib.faults`): every fault is caught by `port`'s own verdict on the default
+"""The fault lab (`gemma4lib.tools.faults`): every fault is caught by `port`'s own verdict on the default
 trained run (SEQ_MATCH, LOGITS_MATCH, coherence, and the random-weights witness's SEQ_MATCH and
 LOGITS_MATCH), compiled and eager, by the checks the lab predicts.
 
@@ -13,7 +13,7 @@ import pytest
 
 from gemma4lib import checks
 from gemma4lib.cli import main, port_exit_code
-from gemma4lib.faults import FAULTS, get_fault, run_fault_lab
+from gemma4lib.tools.faults import FAULTS, get_fault, run_fault_lab
 
 NAMES = [f.name for f in FAULTS]
 # faults whose logit error hides behind unchanged tokens and a right answer on the trained model

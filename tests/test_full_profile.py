@@ -21,12 +21,12 @@ import torch
 from conftest import VARIANT_NAMES
 
 from gemma4lib.artifacts import make_key
-from gemma4lib.compile_cpu import DEFAULT_COMPILER_OPTIONS, RECIPE, export_graph, graph_key
-from gemma4lib.loading import load_checkpoint
+from gemma4lib.backends.compile_cpu import DEFAULT_COMPILER_OPTIONS, RECIPE, export_graph, graph_key
+from gemma4lib.models.checkpoint import load_checkpoint
+from gemma4lib.models.released import AUDIO_VARIANTS, save_released_layout
+from gemma4lib.models.trained import load_trained
+from gemma4lib.models.variants import get_variant
 from gemma4lib.port import PortSettings, build_graphs, port
-from gemma4lib.released import AUDIO_VARIANTS, save_released_layout
-from gemma4lib.trained import load_trained
-from gemma4lib.variants import get_variant
 
 log = logging.getLogger(__name__)
 

@@ -13,12 +13,12 @@ import pytest
 import torch
 from conftest import VARIANT_NAMES
 
-from gemma4lib.experts import StaticExperts
-from gemma4lib.graph import DeviceGraph, GraphShape
-from gemma4lib.loading import build_tiny
+from gemma4lib.device.experts import StaticExperts
+from gemma4lib.device.graph import DeviceGraph, GraphShape
+from gemma4lib.models.loading import build_tiny
+from gemma4lib.models.variants import VARIANTS
 from gemma4lib.reference import reference_greedy
 from gemma4lib.runtime import HostRuntime, softcap
-from gemma4lib.variants import VARIANTS
 
 CONTEXT = 96
 PROMPT = 20

@@ -13,11 +13,11 @@ import types
 import pytest
 import torch
 
+from gemma4lib.device.graph import GraphShape
 from gemma4lib.errors import EnvironmentMismatchError, NeuronSDKMissingError
-from gemma4lib.graph import GraphShape
-from gemma4lib.loading import build_tiny
+from gemma4lib.models.loading import build_tiny
+from gemma4lib.models.variants import get_variant
 from gemma4lib.recipes import NEURON_ENTRY_POINTS, RECIPE_MODULES, neuron_env
-from gemma4lib.variants import get_variant
 
 SDK_MODULES = ("torch_neuronx", "neuronx_distributed", "libneuronxla", "torch_xla")
 
@@ -35,7 +35,7 @@ def prompt(name, n=20):
 def test_recipe_modules_import_without_the_sdk():
     code = (
         "import sys, importlib\n"
-        f"for m in {sorted(RECIPE_MODULES.values()) + ['gemma4lib.recipes.neuron_env', 'gemma4lib.doctor']!r}:\n"
+        f"for m in {sorted(RECIPE_MODULES.values()) + ['gemma4lib.recipes.neuron_env', 'gemma4lib.inf2.doctor']!r}:\n"
         "    importlib.import_module(m)\n"
         f"loaded = [m for m in {SDK_MODULES!r} if m in sys.modules]\n"
         "assert not loaded, loaded\n"
@@ -113,7 +113,7 @@ def test_version_checks_against_the_pins(monkeypatch):
 
 
 def test_doctor_reports_the_sdk_missing():
-    from gemma4lib.doctor import format_doctor, run_doctor
+    from gemma4lib.inf2.doctor import format_doctor, run_doctor
 
     if neuron_env.sdk_present():
         pytest.skip("Neuron SDK installed")
@@ -126,7 +126,7 @@ def test_doctor_reports_the_sdk_missing():
 
 
 def test_doctor_with_a_simulated_sdk(monkeypatch):
-    from gemma4lib import doctor
+    from gemma4lib.inf2 import doctor
 
     pins = {d: v[0] for d, v in neuron_env.SDK_PINS.items()} | {"transformers": neuron_env.TRANSFORMERS_PIN}
     pins["neuronx-distributed"] = "0.16.0"
@@ -147,7 +147,7 @@ def test_doctor_with_a_simulated_sdk(monkeypatch):
 
 
 def test_compile_peak_estimate_is_calibrated_to_the_field_report():
-    from gemma4lib.doctor import estimate_compile_peak_gb
+    from gemma4lib.inf2.doctor import estimate_compile_peak_gb
 
     est = estimate_compile_peak_gb("31b", 8)
     assert abs(est["peak_gb"] - 182) / 182 < 0.05
@@ -417,7 +417,7 @@ def test_backend_neuron_uses_the_neuron_recipe_at_every_tp(name, tp, recipe, mon
     """`port(backend="neuron")` never falls back to the CPU gloo runner: at TP > 1 it compiles with
     ModelBuilder, and what ran is named by the record's recipe."""
     from gemma4lib import port as port_module
-    from gemma4lib.memory_plan import neuron_recipe
+    from gemma4lib.inf2.memory_plan import neuron_recipe
     from gemma4lib.recipes import neuron_model_builder, neuron_trace
     from gemma4lib.tp import cpu_gloo
 
@@ -447,7 +447,7 @@ def test_trace_recipe_stays_selectable_at_tp_1(monkeypatch):
     """`neuron_recipe="trace"` reaches `torch_neuronx.trace`; it is refused at TP > 1 and by name."""
     from gemma4lib import port as port_module
     from gemma4lib.errors import TensorParallelError, UnknownNameError
-    from gemma4lib.memory_plan import neuron_recipe
+    from gemma4lib.inf2.memory_plan import neuron_recipe
     from gemma4lib.recipes import neuron_model_builder, neuron_trace
 
     e2b = get_variant("e2b")
@@ -503,7 +503,7 @@ def test_e2b_model_builder_prefill_and_decode_share_kv_on_cpu():
         assert not unexpected and all(k.startswith("kv.") for k in missing)
     assert all(a is b for a, b in zip(decode.kv, modules["prefill"].kv, strict=True))
     assert decode.num_inputs == 4  # PLE is a host input, as for E4B
-    from gemma4lib.embedder import HostEmbedder
+    from gemma4lib.device.embedder import HostEmbedder
 
     ids = prompt("e2b")
     result = greedy_generate(
@@ -521,8 +521,8 @@ def test_e2b_model_builder_prefill_and_decode_share_kv_on_cpu():
 def test_e2b_memory_plan_names_where_each_recipe_compiles():
     """ModelBuilder's compile of E2B does not fit an inf2.xlarge's host RAM, the trace's does: the
     plan still fits (compile elsewhere, same chip) and says so."""
-    from gemma4lib.hardware import GB, GIB, INSTANCES
-    from gemma4lib.memory_plan import plan_core_memory
+    from gemma4lib.inf2.hardware import GB, GIB, INSTANCES
+    from gemma4lib.inf2.memory_plan import plan_core_memory
 
     mb = plan_core_memory("e2b")
     assert mb.recipe == "model_builder" and mb.instance == "inf2.xlarge" and mb.fits
@@ -537,19 +537,19 @@ def test_e2b_memory_plan_names_where_each_recipe_compiles():
 def test_prefill_estimate_from_flops_and_bytes():
     """The computed floor of a prefill call: compute at the datasheet peak vs bytes at HBM speed,
     and what token-by-token decode steps would cost instead (E2B's trace recipe)."""
-    from gemma4lib import roofline
-    from gemma4lib.hardware import BF16_FLOPS_PER_CORE, INSTANCES
+    from gemma4lib.inf2 import prefill
+    from gemma4lib.inf2.hardware import BF16_FLOPS_PER_CORE, INSTANCES
 
-    e2b = roofline.prefill_estimate("e2b", 128)
+    e2b = prefill.prefill_estimate("e2b", 128)
     assert e2b.compute_ms == pytest.approx(e2b.flops / BF16_FLOPS_PER_CORE * 1e3)
     assert e2b.memory_ms == pytest.approx(e2b.bytes / INSTANCES["inf2.xlarge"].bandwidth_bytes_s(1) * 1e3)
     assert e2b.expected_ms == max(e2b.compute_ms, e2b.memory_ms)
-    longer = roofline.prefill_estimate("e2b", 512)
+    longer = prefill.prefill_estimate("e2b", 512)
     assert 3.5 < longer.flops / e2b.flops < 4.5 and longer.bytes == e2b.bytes  # weights read once per call
     assert e2b.stepwise_ms == pytest.approx(128 * 1e3 / get_variant("e2b").field_report.decode_tok_s)
     assert e2b.stepwise_ms > 50 * e2b.expected_ms
-    rows = roofline.prefill_table(128)
+    rows = prefill.prefill_table(128)
     assert {r["variant"] for r in rows} >= {"e2b", "12b", "31b", "26b-a4b"}
     reported = [r for r in rows if r["field_report_prefill_ms"]]
     assert reported and all(r["expected_ms"] < r["field_report_prefill_ms"] for r in reported)  # a floor
-    assert "e2b" in roofline.format_prefill_table(rows)
+    assert "e2b" in prefill.format_prefill_table(rows)

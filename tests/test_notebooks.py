@@ -19,12 +19,13 @@ from pathlib import Path
 import nbformat
 import pytest
 
+from gemma4lib.models.variants import VARIANTS
 from papermill_runs import run as pm_run
 
 ROOT = Path(__file__).resolve().parent.parent
 NOTEBOOK_DIR = ROOT / "notebooks"
 NOTEBOOKS = sorted(NOTEBOOK_DIR.glob("*.ipynb"))
-EXPECTED = ["00_overview.ipynb", "01_e2b.ipynb", "02_e4b.ipynb", "03_12b.ipynb", "04_31b.ipynb", "05_26b_a4b.ipynb"]
+EXPECTED = sorted([pm_run.OVERVIEW[1], *(v.notebook for v in VARIANTS.values())])  # one per variant
 KERNELSPEC = {"name": "python3", "display_name": "Python 3", "language": "python"}
 VARIANT_PARAMETERS = {
     "variant",
@@ -174,8 +175,8 @@ def test_variant_notebooks_follow_the_skeleton(path):
 
 @pytest.mark.parametrize("path", variant_notebooks(), ids=lambda p: p.name)
 def test_the_cells_show_the_real_calls(path):
-    from gemma4lib.memory_plan import neuron_recipe
-    from gemma4lib.variants import VARIANTS
+    from gemma4lib.inf2.memory_plan import neuron_recipe
+    from gemma4lib.models.variants import VARIANTS
 
     nb = load(path)
     text = code_text(nb)
@@ -390,7 +391,7 @@ def test_all_notebooks_run_headless_in_the_smoke_profile(tmp_path):
     random-weights witness whose two checks passed. Speed is not judged here
     (an empty baseline folder, --allow-missing-baseline): the machine is shared with the other tests.
     Compiled graphs come from the shared artifact cache when another test or run built them."""
-    from gemma4lib.trained import fixture_available
+    from gemma4lib.models.trained import fixture_available
 
     out = tmp_path / "out"
     command = [
@@ -498,7 +499,7 @@ def test_table_and_plots_render_headless():
     from matplotlib.figure import Figure
 
     from gemma4lib import notebook as nb
-    from gemma4lib import plots
+    from gemma4lib.notebook import plots
 
     table = nb.Table(["a", "b"], [[1, 0.123456], ["x|y", None]], "t")
     assert "0.1235" in str(table) and "<table>" in table._repr_html_() and "x\\|y" in table.to_markdown()

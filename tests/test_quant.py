@@ -1,4 +1,4 @@
-"""Weight-only int8 (`gemma4lib.quant`, `PortSettings(weights="int8")`).
+"""Weight-only int8 (`gemma4lib.device.quant`, `PortSettings(weights="int8")`).
 
 The device graph with int8 weights is checked against the quantized model's own host reference
 (the fp32 model with `q * scale` substituted), so SEQ_MATCH and LOGITS_MATCH stay exact checks;
@@ -13,9 +13,9 @@ import torch
 from conftest import VARIANT_NAMES
 from torch import nn
 
+from gemma4lib.device.graph import DeviceGraph, GraphShape
+from gemma4lib.device.quant import Int8Linear, dequantize, quantize, round_model_weights, target_linears
 from gemma4lib.errors import SettingsError, UnknownNameError
-from gemma4lib.graph import DeviceGraph, GraphShape
-from gemma4lib.quant import Int8Linear, dequantize, quantize, round_model_weights, target_linears
 
 # Largest |int8 - full precision| softcapped logit the trained tiny fixtures may show over 12
 # greedy tokens (teacher-forced on the full-precision tokens). Measured 0.22-0.74 (e4b/31b 0.22,
@@ -50,8 +50,8 @@ def test_weights_setting_is_validated():
 
 
 def _tiny(variant: str):
-    from gemma4lib.loading import build_tiny
-    from gemma4lib.variants import get_variant
+    from gemma4lib.models.loading import build_tiny
+    from gemma4lib.models.variants import get_variant
 
     spec = get_variant(variant)
     return build_tiny(spec, seed=spec.tiny_seed)
@@ -78,7 +78,7 @@ def test_int8_graph_holds_int8_weights_and_leaves_the_host_model_alone():
 
 
 def test_int8_changes_the_compiled_program_key():
-    from gemma4lib.compile_cpu import RECIPE, export_graph, graph_key
+    from gemma4lib.backends.compile_cpu import RECIPE, export_graph, graph_key
 
     model = _tiny("e2b")
     shape = GraphShape(1, 1, 16, True)
@@ -131,11 +131,11 @@ def test_int8_logit_error_against_full_precision_is_bounded(variant):
 
 @pytest.mark.parametrize("variant", VARIANT_NAMES)
 def test_roofline_int8_bytes_count_exactly_what_quant_quantizes(variant):
-    from gemma4lib import roofline
-    from gemma4lib.quant import quantized_count
+    from gemma4lib.device.quant import quantized_count
+    from gemma4lib.inf2 import params, roofline
 
-    lm = roofline.meta_model(variant)
-    counts = roofline.count_params(lm)
+    lm = params.meta_model(variant)
+    counts = params.count_params(lm)
     assert counts.linear + counts.experts == quantized_count(lm)
     bf16 = roofline.decode_bytes(variant, context_length=2048)
     int8 = roofline.decode_bytes(variant, context_length=2048, weight_format="int8")
@@ -145,7 +145,7 @@ def test_roofline_int8_bytes_count_exactly_what_quant_quantizes(variant):
 
 
 def test_inf2_table_has_the_int8_columns():
-    from gemma4lib import roofline
+    from gemma4lib.inf2 import roofline
 
     rows = roofline.inf2_table(contexts=(2048,), variants=("26b-a4b",))
     for row in rows:
@@ -158,8 +158,10 @@ def test_inf2_table_has_the_int8_columns():
 def test_bench_int8_section_reports_ratios_and_errors(variant):
     """The suite's int8 entry on a tiny model, eager (the figures come from the CPU run; here the schema
     and the exactness against the int8 model's own reference)."""
+    from gemma4lib.benchmarks.fixes import bench_int8
+    from gemma4lib.benchmarks.graphs import GraphFactory
     from gemma4lib.benchmarks.report import format_report
-    from gemma4lib.benchmarks.suite import GraphFactory, bench_int8, load_bench_model
+    from gemma4lib.benchmarks.suite import load_bench_model
     from gemma4lib.reference import random_prompt
 
     model = load_bench_model(variant)
@@ -280,7 +282,7 @@ def test_port_cli_takes_weights(capsys):
 
 @pytest.mark.parametrize("tokens", [1, 5])
 def test_int8_expert_forms_equal_transformers_experts_with_rounded_weights(tokens):
-    from gemma4lib.experts import StaticExperts
+    from gemma4lib.device.experts import StaticExperts
 
     model = _tiny("26b-a4b")
     round_model_weights(model.lm)

@@ -11,7 +11,7 @@ a warm cache saves the compile):
 - slow: E4B eager (~25 s, 5.7 GB), 31B in bfloat16 (fp32 does not fit 8 GB even at one layer;
   ~45 s, 5.3 GB), and the compiled decode graphs of E2B (compile ~25 s) and 26B-A4B (~15 s).
 
-Each check runs in a process of its own (`python -m gemma4lib.real_width`), so the GBs of weights
+Each check runs in a process of its own (`python -m gemma4lib.models.real_width`), so the GBs of weights
 are returned when it ends, and skips, saying why, where the machine has less free memory than the
 plan needs.
 """
@@ -30,9 +30,9 @@ import pytest
 import torch
 from conftest import VARIANT_NAMES
 
-from gemma4lib.kv_layout import FULL, SLIDING, KVLayout
-from gemma4lib.real_width import LAYER_PLANS, PLAN_DTYPES, plan_bytes, plan_config
-from gemma4lib.variants import VARIANTS, VOCAB_SIZE
+from gemma4lib.device.kv_layout import FULL, SLIDING, KVLayout
+from gemma4lib.models.real_width import LAYER_PLANS, PLAN_DTYPES, plan_bytes, plan_config
+from gemma4lib.models.variants import VARIANTS, VOCAB_SIZE
 
 log = logging.getLogger(__name__)
 
@@ -87,7 +87,7 @@ def test_plan_keeps_the_released_widths(variant):
 
 @dataclass
 class Report:
-    """The JSON a `python -m gemma4lib.real_width` run prints, with the report's helpers."""
+    """The JSON a `python -m gemma4lib.models.real_width` run prints, with the report's helpers."""
 
     data: dict
 
@@ -109,7 +109,7 @@ def _run(variant: str, compiled: bool) -> Report:
     available = psutil.virtual_memory().available
     if available < needed:
         pytest.skip(f"{variant} at real widths needs ~{needed / 1e9:.1f} GB free, {available / 1e9:.1f} GB here")
-    command = [sys.executable, "-m", "gemma4lib.real_width", variant]
+    command = [sys.executable, "-m", "gemma4lib.models.real_width", variant]
     command += ["--compile"] if compiled else []
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
     done = subprocess.run(

@@ -8,13 +8,13 @@ from conftest import VARIANT_NAMES
 
 from gemma4lib import checks
 from gemma4lib.artifacts import make_key
-from gemma4lib.compile_cpu import compile_graph, graph_key
+from gemma4lib.backends.compile_cpu import compile_graph, graph_key
+from gemma4lib.device.graph import DeviceGraph, GraphShape
 from gemma4lib.errors import PromptTooLongError
-from gemma4lib.graph import DeviceGraph, GraphShape
-from gemma4lib.loading import build_tiny
+from gemma4lib.models.loading import build_tiny
+from gemma4lib.models.variants import VARIANTS
 from gemma4lib.reference import reference_greedy, reference_last_logits
 from gemma4lib.runtime import HostRuntime, Sampling, choose_token, sampling_probs, softcap
-from gemma4lib.variants import VARIANTS
 
 NEW_TOKENS = 32
 # fp32 CPU: compiled kernels sum in a different order than HF's eager ops. Measured max |diff|
@@ -191,7 +191,7 @@ def test_second_compile_is_a_cache_hit_and_a_config_change_misses(ports):
     changed = build_tiny(VARIANTS["12b"], sliding_window=4)
     graph = DeviceGraph(changed.text_model, changed.lm_head, changed.layout, port.decode.shape)
     from gemma4lib.artifacts import ArtifactCache
-    from gemma4lib.compile_cpu import DEFAULT_COMPILER_OPTIONS
+    from gemma4lib.backends.compile_cpu import DEFAULT_COMPILER_OPTIONS
 
     cache = ArtifactCache()
     assert cache.lookup(_key(graph, DEFAULT_COMPILER_OPTIONS)) is None
@@ -199,7 +199,7 @@ def test_second_compile_is_a_cache_hit_and_a_config_change_misses(ports):
 
 
 def _key(graph, options):
-    from gemma4lib.compile_cpu import RECIPE, export_graph
+    from gemma4lib.backends.compile_cpu import RECIPE, export_graph
 
     return make_key(graph_key(graph, RECIPE, options, export_graph(graph)))
 
@@ -209,9 +209,9 @@ def test_a_tagless_edit_to_the_graph_code_misses_the_cache(ports, monkeypatch):
     tag and no config change (here the masked-out score raised from the dtype's minimum to -1e4, the
     kind of edit a developer makes to `graph.py`), misses the cache instead of serving the old
     program."""
-    from gemma4lib import graph as graph_module
     from gemma4lib.artifacts import ArtifactCache
-    from gemma4lib.compile_cpu import DEFAULT_COMPILER_OPTIONS
+    from gemma4lib.backends.compile_cpu import DEFAULT_COMPILER_OPTIONS
+    from gemma4lib.device import graph as graph_module
 
     port = ports.get("e2b")
     stored = compile_graph(port.decode)
@@ -234,7 +234,7 @@ def test_weights_are_loaded_not_baked(ports):
     """One compile serves another model of the same architecture: the parameters come at load time,
     and any the compiler folded into the program (31b's 8-wide q_norm/k_norm) are checked, so a
     model with other values gets its own artifact instead of the first model's numbers."""
-    from gemma4lib.trained import load_trained
+    from gemma4lib.models.trained import load_trained
 
     port = ports.get("31b")
     for other in (build_tiny(VARIANTS["31b"], seed=123), load_trained("31b")):

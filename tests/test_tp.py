@@ -12,10 +12,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from gemma4lib.device.experts import StaticExperts
+from gemma4lib.device.graph import DeviceGraph, GraphShape
 from gemma4lib.errors import TensorParallelError
-from gemma4lib.experts import StaticExperts
-from gemma4lib.graph import DeviceGraph, GraphShape
-from gemma4lib.loading import build_tiny, text_config
+from gemma4lib.models.loading import build_tiny, text_config
+from gemma4lib.models.variants import get_variant
 from gemma4lib.tp import (
     build_rank_graph,
     load_shard,
@@ -31,7 +32,6 @@ from gemma4lib.tp.layers import ShardedExperts
 from gemma4lib.tp.plan import COLUMN, REPLICATE, ROW
 from gemma4lib.tp.rank_graph import CpuParallelFactory
 from gemma4lib.tp.shard import rank_tensor, shard_kv
-from gemma4lib.variants import get_variant
 
 NEW_TOKENS = 16
 PROMPT_TOKENS = 20  # longer than the tiny sliding window (8)
@@ -254,7 +254,7 @@ def test_nxd_checkpoint_is_rank_major_under_the_intermediate_split():
         assert torch.equal(cols, hf.down_proj[:, :, r * w : (r + 1) * w].permute(1, 0, 2))
 
 
-# ---- the field report's TP faults (gemma4lib.faults) ---------------------------------------------
+# ---- the field report's TP faults (gemma4lib.tools.faults) ---------------------------------------------
 
 
 def test_baked_rank_bug_is_reproduced_and_flagged():
@@ -364,8 +364,8 @@ def test_real_configs_plan_at_their_recipe_tp():
 def test_memory_plan_counts_the_same_expert_bytes_per_rank_in_either_split():
     """The released 26B-A4B on the meta device: a rank's shard is the same size whether it holds
     16 whole experts or 1/8 of all 128, and the memory plan counts that size."""
-    from gemma4lib.memory_plan import _rank_params, plan_core_memory
-    from gemma4lib.roofline import count_params, meta_model
+    from gemma4lib.inf2.memory_plan import _rank_params, plan_core_memory
+    from gemma4lib.inf2.params import count_params, meta_model
 
     v = get_variant("26b-a4b")
     lm = meta_model(v)
@@ -380,7 +380,7 @@ def test_memory_plan_counts_the_same_expert_bytes_per_rank_in_either_split():
 
 
 def test_expert_split_is_validated():
-    from gemma4lib.experts import default_expert_split
+    from gemma4lib.device.experts import default_expert_split
 
     v = get_variant("26b-a4b")
     config = text_config(v, "real")

@@ -17,9 +17,10 @@ import pytest
 
 from gemma4lib.backends import xla as xla_backend
 from gemma4lib.backends.xla import hlo_op_counts
+from gemma4lib.models.variants import VARIANTS
 
 HAS_XLA = importlib.util.find_spec("torch_xla") is not None
-VARIANT_NAMES = ("e2b", "e4b", "12b", "31b", "26b-a4b")
+VARIANT_NAMES = tuple(VARIANTS)
 DECODE_STEPS = 16
 
 
@@ -29,7 +30,7 @@ def xla_lane():
     os.environ.setdefault("PJRT_DEVICE", "CPU")
     xla_backend.use_fast_cpu_compile()
     pytest.importorskip("torch_xla")
-    from gemma4lib.backends import xla_check
+    from gemma4lib.tools import xla_check
 
     return xla_check
 
@@ -101,7 +102,7 @@ def test_shape_leak_is_caught_by_the_compile_count(xla_lane):
 
 # ---- the HLO byte audit (README, "Environments"): what each decode graph reads ------------------
 
-from gemma4lib.backends import hlo_audit  # noqa: E402  (imports without torch_xla)
+from gemma4lib.tools import hlo_audit  # noqa: E402  (imports without torch_xla)
 
 _audit_models: dict[str, object] = {}
 
@@ -186,7 +187,7 @@ def test_hlo_audit_rank_graph_decode(xla_lane, variant, tp, form, split):
 
 def _permuted_view(self, hidden, index, scale):
     """The rank graph's first selective gather: a permuted view of the whole down shard, indexed."""
-    from gemma4lib.experts import gathered_experts
+    from gemma4lib.device.experts import gathered_experts
 
     gate_up_w = self.gate_up.weight.view(self.local, 2 * self.intermediate, self.hidden)
     down_w = self.down.weight.view(self.hidden, self.local, self.intermediate).permute(1, 0, 2)
@@ -223,7 +224,7 @@ def test_hlo_audit_flags_a_whole_shard_copy(xla_lane, monkeypatch, bad_gather, s
         return self._reduce(bad_gather(self, hidden, index, scale))
 
     # on CPU first: the bad form computes what the real one does (it is only the bytes that differ)
-    from gemma4lib.graph import GraphShape
+    from gemma4lib.device.graph import GraphShape
     from gemma4lib.tp import build_rank_graph, load_shard, make_plan, shard_state_dict
 
     plan = make_plan(model.config, 8, model.variant, expert_split=split)
@@ -255,11 +256,11 @@ def test_e2b_model_builder_pair_at_tp1_on_xla(xla_lane, tmp_path):
     import torch
 
     from gemma4lib.backends.xla import XLASession
-    from gemma4lib.loading import build_tiny
+    from gemma4lib.models.loading import build_tiny
+    from gemma4lib.models.variants import get_variant
     from gemma4lib.recipes import neuron_model_builder as mb
     from gemma4lib.tp import make_plan
     from gemma4lib.tp.rank_graph import build_rank_graph, load_shard
-    from gemma4lib.variants import get_variant
 
     v = get_variant("e2b")
     model = build_tiny(v, seed=v.tiny_seed)

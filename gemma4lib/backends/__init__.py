@@ -13,11 +13,33 @@ Neuron), so a caller never hands a backend graphs it would ignore or rebuild.
 | `neuron` | `backends.neuron`  | the inf2 recipes in `recipes/` (trace, ModelBuilder) | inf2       |
 | `gloo`   | `backends.gloo`    | none: one CPU process per TP rank, gloo collectives | any CPU (TP > 1) |
 
+The table is `base.BACKENDS`, the one registry (`settings.BACKENDS` is its selectable part).
 `backend_for(settings)` names the module a setting selects (`cpu` at TP > 1 runs the TP plan's
-ranks through `gloo`); `compile_graphs(model, settings)` calls it. Modules are imported only when
-selected: `xla` and `neuron` need their own environments.
+ranks through `gloo`); `run_device(model, settings, ids, eos)` runs it: every backend has a `run`
+returning a `DeviceRun`. Modules are imported only when selected: `xla` and `neuron` need their own
+environments.
 """
 
-from .base import BACKEND_MODULES, CompiledGraphs, backend_for, compile_graphs, device_graphs, get_backend
+from .base import (
+    BACKENDS,
+    Backend,
+    CompiledGraphs,
+    DeviceRun,
+    backend_for,
+    compile_graphs,
+    device_run_of,
+    get_backend,
+    run_device,
+)
 
-__all__ = ["BACKEND_MODULES", "CompiledGraphs", "backend_for", "compile_graphs", "device_graphs", "get_backend"]
+__all__ = [
+    "BACKENDS",
+    "Backend",
+    "CompiledGraphs",
+    "DeviceRun",
+    "backend_for",
+    "compile_graphs",
+    "device_run_of",
+    "get_backend",
+    "run_device",
+]

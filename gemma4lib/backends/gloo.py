@@ -3,35 +3,68 @@
 What `cpu` and `eager` select at TP > 1. Each rank builds the rank graph from the config, loads
 only its own shard, and runs prefill and the decode loop with real collectives, as a NeuronCore
 does in the ModelBuilder recipe (`tp.cpu_gloo`). A generation lives inside the rank processes, so
-this backend has no host runtime to hand back: it runs a whole device run (`run_device`) instead
-of `compile`.
+this backend has no host runtime to hand back: its `run` is the whole device run, and it has no
+`compile`.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from .base import CompiledGraphs, Graphs
+from ..errors import TensorParallelError
+from .base import DeviceRun, refuse_graphs
 
 if TYPE_CHECKING:
-    from ..loading import LoadedModel
+    from ..device.build import Graphs
+    from ..models.loading import LoadedModel
     from ..settings import PortSettings
 
+# the keys of `tp.cpu_gloo`'s result that DeviceRun holds in its own fields
+_FIELDS = (
+    "tokens",
+    "step_logits",
+    "compiler",
+    "compile_s",
+    "prefill_ms",
+    "decode_tok_s",
+    "prefill_logits_max_abs_diff",
+)
 
-def run_device(
-    model: LoadedModel, settings: PortSettings, ids: list[int], eos: list[int], *, baked_rank: bool = False
-) -> dict[str, Any]:
-    """One generation over all ranks; the record's device run (tokens, per-step logits, timings,
-    the plan and the shard shapes). `baked_rank` reads the rank at trace time (a fault lab bug)."""
+
+def as_device_run(result: dict[str, Any]) -> DeviceRun:
+    """`tp.cpu_gloo`'s run result as a `DeviceRun` (the plan, shard shapes, timings as details)."""
+    return DeviceRun(
+        tokens=list(result["tokens"]),
+        compiler=result["compiler"],
+        compile_s=result["compile_s"],
+        prefill_logits_max_abs_diff=result["prefill_logits_max_abs_diff"],
+        prefill_ms=result["prefill_ms"],
+        decode_tok_s=result["decode_tok_s"],
+        details={k: v for k, v in result.items() if k not in _FIELDS},
+        step_logits=result.get("step_logits"),
+    )
+
+
+def run(
+    model: LoadedModel,
+    settings: PortSettings,
+    ids: list[int],
+    eos: list[int],
+    *,
+    graphs: Graphs | None = None,
+    progress: bool = False,
+    bench: bool = True,
+) -> DeviceRun:
+    """One generation over all ranks: tokens, per-step logits, rank 0's timings, the plan and the
+    shard shapes (the ranks time their own prefill and decode; `bench` has nothing to add)."""
     from ..tp.cpu_gloo import run_tp_port
 
-    return run_tp_port(model, settings, ids, eos, baked_rank=baked_rank)
+    refuse_graphs(graphs, "gloo")
+    return as_device_run(run_tp_port(model, settings, ids, eos))
 
 
-def compile(
-    model: LoadedModel, settings: PortSettings, *, graphs: Graphs | None = None, progress: bool = False
-) -> CompiledGraphs:
-    raise TypeError(
-        "the gloo backend runs generations inside its rank processes and has no host runtime to "
-        "compile; call backends.gloo.run_device (port.run_device does) instead"
+def compile(model: Any, settings: Any, *, graphs: Any = None, progress: bool = False) -> Any:
+    raise TensorParallelError(
+        "at tp_degree > 1 the cpu and eager backends run the ranks as processes (backend gloo), which "
+        "hand no runtime back to compile; run the port with port.run_device (or port.port), or set tp_degree=1"
     )

@@ -21,19 +21,20 @@ import torch
 from ..artifacts import make_key
 from ..batch_runtime import RowStepwisePrefill
 from ..bundle import cache_for
-from ..doctor import warn_low_host_ram
-from ..embedder import HostEmbedder
+from ..device.build import Graphs, device_graph
+from ..device.embedder import HostEmbedder
+from ..device.graph import GraphShape
 from ..environment import versions
-from ..graph import GraphShape
-from ..memory_plan import neuron_recipe
-from ..program_key import source_digest, weights_identity
+from ..inf2.doctor import warn_low_host_ram
+from ..inf2.memory_plan import neuron_recipe
 from ..recipes import cores, neuron_env, neuron_model_builder, neuron_trace
 from ..recipes.common import DeviceStep, StepwisePrefill, check_host_tables
 from ..runtime import HostRuntime
-from .base import CompiledGraphs, Graphs, device_graph, refuse_graphs
+from .base import CompiledGraphs, refuse_graphs, runner
+from .program_key import source_digest, weights_identity
 
 if TYPE_CHECKING:
-    from ..loading import LoadedModel
+    from ..models.loading import LoadedModel
     from ..settings import PortSettings
 
 
@@ -200,3 +201,6 @@ def compile(
         f"neuron-{recipe}",
         {"artifacts": str(entry.path), "tp_degree": tp, "decode_experts": decode_experts, "weights": settings.weights},
     )
+
+
+run = runner(compile)  # inf2-only (through `compile`)

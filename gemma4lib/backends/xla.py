@@ -67,6 +67,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..errors import GraphFormError
+
 # The XLA:CPU backend's own optimisation is irrelevant to what the lane checks (the HLO the front
 # end emits, fallbacks, compile counts, tokens) and halves its compile time on this machine.
 FAST_CPU_COMPILE_FLAGS = ("--xla_backend_optimization_level=0", "--xla_llvm_disable_expensive_passes=true")
@@ -172,7 +174,7 @@ class XLASession:
     def __init__(self, graphs: Mapping[str, nn.Module], *, hlo_dir: str | Path | None = None, device=None):
         for name, graph in graphs.items():
             if getattr(graph, "inplace", False):
-                raise ValueError(
+                raise GraphFormError(
                     f"graph {name!r} was built with inplace=True; the XLA lane runs the "
                     f"functional form: build it with DeviceGraph(..., inplace=False)"
                 )
@@ -211,7 +213,7 @@ class XLASession:
         head, kv = args[:n_head], args[n_head:]
         for t in kv:
             if t.device != self.device:
-                raise ValueError(
+                raise GraphFormError(
                     f"K/V buffers must live on {self.device} (from XLASession.new_kv), got one on {t.device}"
                 )
         inputs = [t.to(self.device) for t in (inputs_embeds, *head)]
@@ -277,8 +279,9 @@ def compile(model: Any, settings: Any, *, graphs: Any = None, progress: bool = F
     compilations per graph, HLO files) to the result record once generation and benchmark ran.
     """
     from ..artifacts import ArtifactCache
+    from ..device.build import device_graphs
     from ..runtime import HostRuntime
-    from .base import CompiledGraphs, device_graphs, refuse_graphs
+    from .base import CompiledGraphs, refuse_graphs
 
     refuse_graphs(graphs, "xla")
     functional_prefill, functional_decode = device_graphs(model, settings, inplace=False)
@@ -304,3 +307,20 @@ def compile(model: Any, settings: Any, *, graphs: Any = None, progress: bool = F
     )
     # XLA compiles lazily, on the first step of each graph: its time shows in the first prefill/decode.
     return CompiledGraphs(runtime, 0.0, [], "torch-xla", report=session.report)
+
+
+def run(
+    model: Any,
+    settings: Any,
+    ids: list[int],
+    eos: list[int],
+    *,
+    graphs: Any = None,
+    progress: bool = False,
+    bench: bool = True,
+):
+    """One device run on the XLA device: `compile`, then `run_compiled`."""
+    from .base import run_compiled
+
+    compiled = compile(model, settings, graphs=graphs, progress=progress)
+    return run_compiled(compiled, model, settings, ids, eos, progress=progress, bench=bench)

@@ -15,6 +15,8 @@ from typing import Any
 import torch
 from transformers import LogitsProcessor
 
+from ..reference import hf_greedy
+
 
 class StepClock(LogitsProcessor):
     """A logits processor that only records when each generation step's logits arrive."""
@@ -40,23 +42,11 @@ def hf_generate(
     (tokens, decode tok/s, wall s)."""
     from transformers import LogitsProcessorList
 
-    ids = torch.as_tensor(list(prompt), dtype=torch.long)[None]
     clock = StepClock()
     started = time.perf_counter()
-    with torch.no_grad():
-        out = lm.generate(
-            ids,
-            attention_mask=torch.ones_like(ids),
-            max_new_tokens=new_tokens,
-            min_new_tokens=new_tokens,
-            do_sample=False,
-            eos_token_id=None,
-            pad_token_id=0,
-            logits_processor=LogitsProcessorList([clock]),
-            **kwargs,
-        )
+    tokens, _ = hf_greedy(lm, prompt, new_tokens, exact=True, logits_processor=LogitsProcessorList([clock]), **kwargs)
     wall = time.perf_counter() - started
-    return out[0, ids.shape[1] :].tolist(), clock.decode_tok_s(), wall
+    return tokens, clock.decode_tok_s(), wall
 
 
 def hf_static_compile_kwargs() -> dict[str, Any]:

@@ -1,21 +1,32 @@
 """Helpers for the cookbook notebooks: each turns one stage of the port into something to look at.
 
 The notebooks call the port's stages themselves (`gemma4lib.port`); what lives here is what a
-notebook shows between them, in four modules with one idea each:
+notebook shows between them, one idea per module:
 
 - `display`: `Table` (HTML in Jupyter, aligned text in logs) and the tables of settings, prompts,
   graphs, compile results, the three checks side by side, benchmarks and records;
 - `family`: facts about the released variants, computed from their configs;
-- `experiments`: the tables beside each variant's own cells (PLE, KV producers, k_eq_v, KV heads
-  under TP, the MoE block and expert forms, prompts that pass SEQ_MATCH on nonsense, the witness);
+- `architecture`: what makes a variant different (PLE, KV producers, k_eq_v, attention forms, the
+  MoE block and its expert forms);
+- `tensor_parallel`: the TP plan, KV heads per rank, the CPU ranks' runs side by side;
+- `witness`: prompts that pass SEQ_MATCH on nonsense, and the random-weights witness;
+- `speed`: the measured decode against its ceiling;
 - `records`: the notebook's run record and the records the variant notebooks wrote;
-- `gemma4lib.formatting` (re-exported): figures, shapes and tokens written as people write them;
+- `formatting`: figures, shapes and tokens written as people write them; `plots`: the figures;
 - `chat`: the optional chat box.
 
 `from gemma4lib import notebook as nb` gives all of them under one name, as the notebooks use it.
 """
 
-from ..formatting import format_number, readable_tokens, token_labels, with_unit
+from .architecture import (
+    attention_implementations_agree,
+    describe_model,
+    expert_forms_on_a_token,
+    k_eq_v_report,
+    kv_sharing_report,
+    moe_report,
+    ple_report,
+)
 from .chat import chat
 from .display import (
     Table,
@@ -28,26 +39,8 @@ from .display import (
     show_prompt,
     show_settings,
     side_by_side,
-    witness_table,
-)
-from .experiments import (
-    attention_implementations_agree,
-    describe_model,
-    equality_is_not_enough,
-    expert_forms_on_a_token,
-    gemma3_style_ids,
-    k_eq_v_report,
-    kv_heads_under_tp,
-    kv_sharing_report,
-    measured_vs_ceiling,
-    moe_report,
-    ple_report,
-    run_witness,
-    tp_cpu_run,
-    tp_demo,
-    tp_plan,
-    tp_runs_table,
     until_stop,
+    witness_table,
 )
 from .family import (
     device_bytes,
@@ -61,7 +54,11 @@ from .family import (
     recipe_table,
     tp_fit,
 )
+from .formatting import format_number, readable_tokens, token_labels, with_unit
 from .records import load_results, record, save_record, tensor_digest
+from .speed import measured_vs_ceiling
+from .tensor_parallel import kv_heads_under_tp, tp_cpu_run, tp_demo, tp_plan, tp_runs_table
+from .witness import equality_is_not_enough, gemma3_style_ids, run_witness
 
 __all__ = [
     "Table",

@@ -6,11 +6,15 @@ from __future__ import annotations
 import html
 import logging
 import warnings
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..errors import Gemma4LibError
-from ..loading import LoadedModel
+from ..models.loading import LoadedModel
 from .display import answer_text
+
+if TYPE_CHECKING:  # type names only
+    from ..runtime import HostRuntime
+    from ..settings import PortSettings
 
 logger = logging.getLogger(__name__)
 
@@ -36,7 +40,7 @@ class ChatBox:
     The widgets are plain attributes (`box`, `button`, `answer`, `widget`) so a test drives it without a
     browser: set `box.value`, call `send()`, read `answer.value`."""
 
-    def __init__(self, runtime: Any, model: LoadedModel, settings: Any):
+    def __init__(self, runtime: HostRuntime, model: LoadedModel, settings: PortSettings):
         import ipywidgets as widgets
 
         self.runtime, self.model, self.settings = runtime, model, settings
@@ -94,7 +98,7 @@ class ChatBox:
         return answer_text(self.model, pieces)
 
 
-def chat(runtime: Any, model: LoadedModel, settings: Any):
+def chat(runtime: HostRuntime, model: LoadedModel, settings: PortSettings):
     """A small chat box (ipywidgets) over the compiled runtime: type a question, press Enter, read the
     answer as it is generated. Returns the widget; the notebooks only build it when `interactive` is True."""
     return ChatBox(runtime, model, settings).widget

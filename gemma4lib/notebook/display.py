@@ -4,14 +4,17 @@ settings, prompts, graphs, compile results, the three checks side by side, bench
 from __future__ import annotations
 
 import html
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .. import checks
-from ..benchmarks.timing import BenchFigures
-from ..formatting import format_shape, format_value, headline, with_unit
-from ..loading import LoadedModel
+from ..models.loading import LoadedModel
+from ..timing import BenchFigures
+from .formatting import format_shape, format_value, headline, with_unit
+
+if TYPE_CHECKING:  # type names only
+    from ..settings import PortSettings
 
 
 @dataclass
@@ -68,7 +71,7 @@ class Table:
         return "\n".join(lines + (["", self.note] if self.note else []))
 
 
-def show_settings(settings: Any) -> Table:
+def show_settings(settings: PortSettings) -> Table:
     """The settings a port depends on; `decode_experts` only for the MoE, where it means something."""
     params = settings.parameters()
     keep = [
@@ -241,7 +244,7 @@ def witness_table(witness: Mapping[str, Any] | None) -> Table:
     return Table(["", "witness", ""], rows, "witness: PASS" if witness.get("passed") else "witness: FAIL")
 
 
-def bench_table(figures: BenchFigures, settings: Any, ceiling: Mapping[str, Any]) -> Table:
+def bench_table(figures: BenchFigures, settings: PortSettings, ceiling: Mapping[str, Any]) -> Table:
     """Median timings next to the bandwidth ceiling here and, for the released model, on inf2."""
     v = settings.variant_spec
     released = ceiling["released_inf2"]
@@ -371,3 +374,14 @@ def answer_text(model: LoadedModel, tokens: Sequence[int]) -> str | None:
 def _tokens(device: Any) -> list[int]:
     """Tokens of a `runtime.Generation` or a plain token list."""
     return list(getattr(device, "tokens", device))
+
+
+def until_stop(tokens: Sequence[int], stop: Iterable[int]) -> list[int]:
+    """`tokens` up to and including the first stop token."""
+    stop = set(stop)
+    out = []
+    for token in tokens:
+        out.append(token)
+        if token in stop:
+            break
+    return out

@@ -6,11 +6,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from ..hardware import HBM_PER_CORE_GIB
-from ..kv_layout import FULL, KVLayout
-from ..loading import text_config
-from ..roofline import GB, GIB, INSTANCES
-from ..variants import VARIANTS, Variant, get_variant
+from ..device.kv_layout import FULL, KVLayout
+from ..inf2.hardware import HBM_PER_CORE_GIB
+from ..inf2.roofline import GB, GIB, INSTANCES
+from ..models.loading import text_config
+from ..models.variants import VARIANTS, Variant, get_variant
 from .display import Table
 
 BF16_BYTES = 2
@@ -200,3 +200,6 @@ def kv_cache_bytes(
         "producers_only_mb": layout.buffer_bytes(context_length, ring, dtype_bytes) / 2**20,
         "every_layer_mb": layout.buffer_bytes(context_length, ring, dtype_bytes, every_layer=True) / 2**20,
     }
+
+
+BF16_BYTES = 2

@@ -7,24 +7,28 @@ import hashlib
 import json
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from .. import checks
 from ..artifacts import atomic_write_json
-from ..benchmarks.timing import BenchFigures
-from ..loading import LoadedModel
+from ..backends.base import CompiledGraphs, device_run_of
+from ..models.loading import LoadedModel
+from ..models.variants import VARIANTS
 from ..record import build_record
-from ..variants import VARIANTS
+from ..timing import BenchFigures
 from .display import _tables_to_dicts, _tokens
+
+if TYPE_CHECKING:  # type names only
+    from ..settings import PortSettings
 
 
 def record(
-    settings: Any,
+    settings: PortSettings,
     model: LoadedModel,
     ids: Sequence[int],
-    compiled: Any,
+    compiled: CompiledGraphs,
     device_tokens: Any,
     reference_tokens: Sequence[int],
     report: checks.CheckReport,
@@ -36,25 +40,12 @@ def record(
 ) -> dict[str, Any]:
     """The run's record (`record.build_record`, the builder `port()` uses too), written atomically
     to `results_path` (JSON) when given; `extra` (the notebook's demonstrations) rides along."""
-    from ..port import prefill_logits_error
-
-    figures_run = {
-        "tokens": _tokens(device_tokens),
-        "compiler": compiled.compiler,
-        "compile_s": compiled.compile_s,
-        "cache_hits": compiled.cache_hits,
-        "prefill_logits_max_abs_diff": prefill_logits_error(model, compiled.runtime, ids),
-        "bench": figures.to_dict(),
-        "prefill_ms": figures.prefill_ms,
-        "decode_tok_s": figures.decode_tok_s,
-        **dict(compiled.info),
-        **(compiled.report() if callable(getattr(compiled, "report", None)) else {}),
-    }
+    device_run = device_run_of(compiled, model, list(ids), _tokens(device_tokens), figures=figures)
     result = build_record(
         settings,
         model,
         list(ids),
-        figures_run,
+        device_run,
         report,
         list(reference_tokens),
         started=started,

@@ -16,9 +16,10 @@ a Neuron-only entry point without it raises `NeuronSDKMissingError` saying what 
 host loops, the modules handed to the compilers and the sharded data paths all run on CPU.
 """
 
+# the one list of inf2 recipes (`memory_plan.NEURON_RECIPES` is its names; a variant's default is `Variant.recipe`)
 RECIPE_MODULES = {
-    "trace": "gemma4lib.recipes.neuron_trace",
     "model_builder": "gemma4lib.recipes.neuron_model_builder",
+    "trace": "gemma4lib.recipes.neuron_trace",
 }
 
 # Neuron-only entry points per module (each raises NeuronSDKMissingError without the SDK)

@@ -22,8 +22,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..embedder import HostEmbedder
-from ..errors import DeviceOutputError, HostTablesMovedError
+from ..device.embedder import HostEmbedder
+from ..errors import DeviceOutputError, GraphFormError, HostTablesMovedError
 from ..runtime import decode_loop
 
 
@@ -33,7 +33,10 @@ class KVParamModule(nn.Module):
     def __init__(self, graph: nn.Module, kv: nn.ParameterList | None = None):
         super().__init__()
         if getattr(graph, "inplace", False):
-            raise ValueError("KVParamModule needs a graph built with inplace=False (K/V returned as outputs)")
+            raise GraphFormError(
+                "KVParamModule needs the functional graph form (K/V returned as outputs): build it with "
+                "DeviceGraph(..., inplace=False)"
+            )
         self.graph = graph
         if kv is None:
             kv = nn.ParameterList([nn.Parameter(t, requires_grad=False) for t in graph.new_kv()])

@@ -69,10 +69,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..embedder import HostEmbedder
-from ..experts import EXPERT_FORMS
-from ..graph import GraphShape
-from ..quant import LINEAR_WEIGHT_NAME, check_weights, quantize
+from ..device.embedder import HostEmbedder
+from ..device.experts import EXPERT_FORMS
+from ..device.graph import GraphShape
+from ..device.quant import LINEAR_WEIGHT_NAME, check_weights, quantize
+from ..errors import UnknownNameError
 from ..tp.plan import TPPlan, make_plan
 from ..tp.rank_graph import build_rank_graph
 from ..tp.shard import nxd_full_checkpoint
@@ -214,7 +215,7 @@ def bucket_shapes(context_length: int, prefill_len: int, ring: bool = False, bat
 def bucket_expert_forms(decode_experts: str = "dense") -> dict[str, str]:
     """The experts' form per key: prefill always dense (many tokens hit every expert anyway)."""
     if decode_experts not in EXPERT_FORMS:
-        raise ValueError(f"unknown decode_experts form {decode_experts!r}; choose one of {EXPERT_FORMS}")
+        raise UnknownNameError("decode_experts form", decode_experts, EXPERT_FORMS)
     return {"prefill": "dense", "decode": decode_experts}
 
 

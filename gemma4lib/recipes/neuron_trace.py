@@ -8,7 +8,7 @@ parameters as state), and nothing in it aliases one traced module's state to ano
 what ModelBuilder's keys do. A separately traced prefill graph would hold its own K/V copy, so the
 prompt runs through the decode graph one token per device step: a 128-token prompt is
 128 steps (~3 s at the field report's 44 tok/s for E2B), against one bucketed call (~11 ms
-computed, `roofline.prefill_estimate`) in the ModelBuilder recipe, which E2B uses by default
+computed, `inf2.prefill.prefill_estimate`) in the ModelBuilder recipe, which E2B uses by default
 (`memory_plan.neuron_recipe`). Its compile is also the one that fits an inf2.xlarge's 16 GiB host
 (~14 GB against ModelBuilder's ~28 GB, `memory_plan.compile_peak_gb`).
 
@@ -36,8 +36,8 @@ from typing import Any
 
 import torch
 
-from ..embedder import HostEmbedder
-from ..graph import DeviceGraph, GraphShape
+from ..device.embedder import HostEmbedder
+from ..device.graph import DeviceGraph, GraphShape
 from . import neuron_env
 from .common import AliasEmulator, KVParamModule, greedy_generate
 

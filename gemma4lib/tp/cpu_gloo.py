@@ -33,10 +33,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..embedder import HostEmbedder
-from ..errors import BadPromptError, PromptTooLongError, TensorParallelError
-from ..experts import EXPERT_FORMS
-from ..graph import DeviceGraph, GraphShape
+from ..device.embedder import HostEmbedder
+from ..device.experts import EXPERT_FORMS
+from ..device.graph import DeviceGraph, GraphShape
+from ..errors import BadPromptError, PromptTooLongError, TensorParallelError, UnknownNameError
 from ..recipes.common import AliasEmulator, KVParamModule, greedy_generate
 from .plan import TPPlan, make_plan
 from .rank_graph import build_rank_graph, load_shard, with_shape
@@ -390,12 +390,12 @@ def _run_tp(
             f"run_tp_port shards over ranks: TP must be >= 2, got {tp} (TP=1 runs one device: no ranks to shard over)"
         )
     if decode_experts not in EXPERT_FORMS:
-        raise ValueError(f"unknown decode_experts form {decode_experts!r}; choose one of {EXPERT_FORMS}")
+        raise UnknownNameError("decode_experts form", decode_experts, EXPERT_FORMS)
     if baked_rank and expert_split is None:
         expert_split = "experts"  # the form the field report's bug lives in
     plan = make_plan(config, tp, variant, expert_split=expert_split)
     if baked_rank and plan.expert_split == "intermediate":
-        raise ValueError(
+        raise TensorParallelError(
             "baked_rank: the intermediate split never reads the rank, so there is no "
             "rank to bake in; the field report's bug needs expert_split='experts'"
         )
@@ -426,7 +426,7 @@ def _run_tp(
     if prefill == "cpu-seeded":
         job.seed_logits, job.seed_kv = host_prefill(loaded_model, plan, prompt, context_length, prefill_len, ring)
     elif prefill != "graph":
-        raise ValueError(f"unknown prefill {prefill!r}; choose 'graph' or 'cpu-seeded'")
+        raise UnknownNameError("prefill", prefill, ("graph", "cpu-seeded"))
     t1 = time.perf_counter()
     ranks = run_ranks(job, start_method=start_method, timeout_s=timeout_s)
     ranks[0]["prefill_logits"] = torch.from_numpy(ranks[0]["prefill_logits"])

@@ -20,7 +20,7 @@ one for one:
     routed ids by `rank * E/tp`, masks them to the local range and gathers the k (clamped)
     slices: k slices per token per rank whatever E/tp is, routed here or not.
   Either way the slices are gathered straight from the shard weights (no permuted view of the
-  whole shard: `backends.hlo_audit` checks the lowered HLO). `baked_rank=<int>` reproduces the
+  whole shard: `tools.hlo_audit` checks the lowered HLO). `baked_rank=<int>` reproduces the
   field report's bug (README) in the expert split: the rank read as a Python int when the graph was
   built, i.e. rank 0's slice on every rank.
 
@@ -36,7 +36,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..experts import EXPERT_FORMS, EXPERT_SPLITS, gathered_experts
+from ..device.experts import EXPERT_FORMS, EXPERT_SPLITS, gathered_experts
+from ..errors import TensorParallelError, UnknownNameError
 
 
 class Collectives:
@@ -86,7 +87,9 @@ class ColumnShard(nn.Linear):
         dtype: torch.dtype = torch.float32,
     ):
         if out_features_total % tp:
-            raise ValueError(f"{out_features_total} output features do not split over {tp} ranks")
+            raise TensorParallelError(
+                f"{out_features_total} output features do not split over {tp} ranks; pick a TP degree that divides them"
+            )
         super().__init__(in_features, out_features_total // tp, bias=False, dtype=dtype)
         self.weight.requires_grad_(False)
         self.tp, self.gather = tp, gather
@@ -110,7 +113,9 @@ class RowShard(nn.Linear):
         dtype: torch.dtype = torch.float32,
     ):
         if in_features_total % tp:
-            raise ValueError(f"{in_features_total} input features do not split over {tp} ranks")
+            raise TensorParallelError(
+                f"{in_features_total} input features do not split over {tp} ranks; pick a TP degree that divides them"
+            )
         super().__init__(in_features_total // tp, out_features, bias=False, dtype=dtype)
         self.weight.requires_grad_(False)
         self.tp = tp
@@ -170,18 +175,22 @@ class ShardedExperts(nn.Module):
     ):
         super().__init__()
         if split not in EXPERT_SPLITS:
-            raise ValueError(f"unknown expert split {split!r}; choose one of {EXPERT_SPLITS}")
+            raise UnknownNameError("expert split", split, EXPERT_SPLITS)
         if split == "experts" and num_experts % tp:
-            raise ValueError(f"{num_experts} experts do not split over {tp} ranks")
+            raise TensorParallelError(
+                f"{num_experts} experts do not split over {tp} ranks; use expert_split='intermediate'"
+            )
         if split == "intermediate" and intermediate % tp:
-            raise ValueError(f"expert intermediate size {intermediate} does not split over {tp} ranks")
+            raise TensorParallelError(
+                f"expert intermediate size {intermediate} does not split over {tp} ranks; use expert_split='experts'"
+            )
         if split == "intermediate" and baked_rank is not None:
-            raise ValueError(
+            raise TensorParallelError(
                 "the intermediate split never reads the rank: there is no rank to bake "
                 "in (the field report's bug lives in the expert split)"
             )
         if form not in EXPERT_FORMS:
-            raise ValueError(f"unknown expert form {form!r}; choose one of {EXPERT_FORMS}")
+            raise UnknownNameError("expert form", form, EXPERT_FORMS)
         self.split, self.num_experts, self.tp = split, num_experts, tp
         by_inner = split == "intermediate"
         self.local = num_experts if by_inner else num_experts // tp  # experts held (whole or sliced)

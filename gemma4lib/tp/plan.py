@@ -50,10 +50,10 @@ from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from typing import Any
 
+from ..device.experts import EXPERT_SPLITS, default_expert_split
+from ..device.kv_layout import FULL, SLIDING, KVLayout
 from ..errors import TensorParallelError
-from ..experts import EXPERT_SPLITS, default_expert_split
-from ..hardware import NEURON_TP_DEGREES
-from ..kv_layout import FULL, SLIDING, KVLayout
+from ..inf2.hardware import NEURON_TP_DEGREES
 
 # The degrees worth offering: those the Neuron runtime supports on inf2 (the CPU gloo runner could
 # run others, but a plan nobody can deploy teaches nothing).

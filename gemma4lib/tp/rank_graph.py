@@ -38,8 +38,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..experts import EXPERT_FORMS
-from ..graph import DeviceGraph, GraphShape, _shallow_clone
+from ..device.experts import EXPERT_FORMS
+from ..device.graph import DeviceGraph, GraphShape, _shallow_clone
+from ..errors import UnknownNameError
 from .layers import Collectives, ColumnShard, RowShard, ShardedExperts, SPMDRankParam
 from .plan import COLUMN, TPPlan
 
@@ -121,7 +122,7 @@ class RankGraph(DeviceGraph):
         expert_form: str = "dense",
     ):
         if expert_form not in EXPERT_FORMS:
-            raise ValueError(f"unknown expert form {expert_form!r}; choose one of {EXPERT_FORMS}")
+            raise UnknownNameError("expert form", expert_form, EXPERT_FORMS)
         factory = _Recording(factory)
         hidden, vocab = plan.hidden, plan.vocab
         lm_head = (
@@ -279,7 +280,7 @@ def with_shape(graph: RankGraph, shape: GraphShape, expert_form: str | None = No
     `expert_form` (default: the graph's) lets the decode graph gather the top-k experts while the
     prefill graph stays dense."""
     if expert_form is not None and expert_form not in EXPERT_FORMS:
-        raise ValueError(f"unknown expert form {expert_form!r}; choose one of {EXPERT_FORMS}")
+        raise UnknownNameError("expert form", expert_form, EXPERT_FORMS)
     other = copy.copy(graph)  # a new __dict__ sharing the submodule and parameter dicts
     other.shape = shape
     if expert_form is not None:

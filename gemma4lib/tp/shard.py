@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..errors import SettingsError, TensorParallelError
 from .plan import COLUMN, REPLICATE, MoEPlan, TPPlan
 
 HOST_ONLY = ("model.embed_tokens.weight", "model.embed_tokens_per_layer.weight")
@@ -110,7 +111,7 @@ def shard_state_dict(
     (buffers such as `layer_scalar` missing from the shards). Tensors are contiguous copies.
     """
     if not 0 <= rank < plan.tp:
-        raise ValueError(f"rank {rank} is outside TP={plan.tp}")
+        raise TensorParallelError(f"rank {rank} is outside TP={plan.tp}; ranks are 0 .. {plan.tp - 1}")
     buffers = {name for name, _ in lm.named_buffers()}
     out: dict[str, torch.Tensor] = {}
     for key, tensor in lm.state_dict().items():
@@ -183,7 +184,7 @@ def shard_shapes(
     each rank holds (KV heads, experts), parameter counts and bytes per rank."""
     if shards is None:
         if lm is None:
-            raise ValueError("pass the shards or the reference model")
+            raise SettingsError("pass the shards or the reference model (lm=...) to compare against")
         shards = list(iter_shards(lm, plan))
     first = shards[0]
     # one representative layer per (layer type, owns KV) kind

@@ -1,0 +1,201 @@
+"""The CPU recipe: torch.export the device graph and compile it with AOTInductor.
+
+The result is a saved, loadable package (`graph.pt2`) in the artifact cache; a second run with the
+same key loads it instead of compiling. The K/V tensors are graph inputs that the compiled code
+updates in place, so prefill and decode (two packages) share one set of host-held buffers.
+
+Parameters are not baked into the package: they are handed to it at load time
+(`load_constants`), the way a NEFF compiled without inlined weights is loaded with a checkpoint.
+So one compile serves every model of the same architecture (random, trained, a faulty copy).
+Buffers (e.g. `layer_scalar`) are folded into the program by the compiler, so their values are
+part of the cache key.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..artifacts import ArtifactCache, CacheEntry, make_key
+from ..device.graph import DeviceGraph
+from ..environment import versions
+from .program_key import program_config, program_digest, weights_fingerprint
+
+log = logging.getLogger(__name__)
+
+RECIPE = "cpu-aotinductor"
+PACKAGE = "graph.pt2"
+# Kernel and wrapper C++ at -O1: on a 2-core machine this halves compile time for a few % of
+# run time on tiny graphs.
+# realize_opcount_threshold 8 (default 30): Inductor lowers a one-query attention matmul on CPU to
+# a multiply-and-sum loop and inlines the query's RoPE (cos/sin) into it, recomputing it for every
+# K/V slot of every layer; a lower threshold stores the rotated query once. Measured on a 6-layer
+# hidden-1024 decode graph at 512 slots: 130-145 -> 59-85 ms per step (docs/ROOFLINE.md).
+DEFAULT_COMPILER_OPTIONS = {
+    "aot_inductor.compile_wrapper_opt_level": "O1",
+    "aot_inductor.package_constants_in_so": False,
+    "realize_opcount_threshold": 8,
+}
+
+
+def graph_key(
+    graph: DeviceGraph, recipe: str, options: dict[str, Any], program: torch.export.ExportedProgram
+) -> dict[str, Any]:
+    """Everything that changes the compiled program: above all the exported program itself."""
+    return {
+        "format": 3,  # 3: keyed by the exported program's digest
+        "recipe": recipe,
+        "program": program_digest(program),
+        "config": program_config(graph.model.config),
+        "weights": weights_fingerprint(graph),
+        "shape": graph.shape.__dict__,
+        "graph": graph.key_parts(),
+        "options": options,
+        "versions": {k: v for k, v in versions().items() if k != "git_sha"},
+    }
+
+
+@dataclass
+class CompiledStep:
+    """A loaded compiled graph: call it like the DeviceGraph it came from."""
+
+    runner: Any
+    entry: CacheEntry
+    compile_s: float  # time this call spent compiling (0.0 on a cache hit)
+    load_s: float
+    info: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def cache_hit(self) -> bool:
+        return self.entry.hit
+
+    def __call__(self, *args: torch.Tensor) -> torch.Tensor:
+        return self.runner(*args)
+
+
+def load_weights(runner: Any, graph: DeviceGraph) -> None:
+    """Hand the graph's current parameters to a package compiled without them (shared, not copied)."""
+    state = {**dict(graph.named_parameters()), **dict(graph.named_buffers())}
+    wanted = runner.get_constant_fqns()
+    missing = [name for name in wanted if name not in state]
+    if missing:
+        raise KeyError(f"compiled graph expects weights the model does not have: {missing[:5]}")
+    runner.load_constants({name: state[name].detach() for name in wanted}, check_full_update=True, user_managed=True)
+
+
+def export_graph(graph: DeviceGraph) -> torch.export.ExportedProgram:
+    """Non-strict export: strict mode silently drops the in-place K/V updates (no error, only a
+    warning about side effects, and wrong logits)."""
+    with torch.no_grad():
+        return torch.export.export(graph, graph.example_inputs(), strict=False)
+
+
+def package_program(program: torch.export.ExportedProgram, package_path: str, options: dict[str, Any]) -> str:
+    """AOTInductor: compile the exported program to C++ and write it as one loadable package
+    (`.pt2`). The notebooks show these lines; `compile_graph` runs them on a cache miss."""
+    return torch._inductor.aoti_compile_and_package(program, package_path=package_path, inductor_configs=options)
+
+
+def load_package(package_path: str, graph: DeviceGraph) -> Any:
+    """Load a package and hand it the graph's weights (it was compiled without them), ready to call
+    like the graph."""
+    runner = torch._inductor.aoti_load_package(package_path)
+    load_weights(runner, graph)
+    return runner
+
+
+# The compiled code itself: a few MB for the tiny graphs (measured 3.0-3.4 MB for E2B's two packages
+# with ~3 MB of weights), allowed generously.
+PACKAGE_CODE_BYTES = 32 << 20
+
+
+def package_bytes_estimate(graph: DeviceGraph) -> int:
+    """What a package of `graph` may take on disk: its weights (an upper bound: most are handed over
+    at load time) plus the compiled code; checked against the free space before compiling."""
+    state = {**dict(graph.named_parameters()), **dict(graph.named_buffers())}
+    return sum(t.numel() * t.element_size() for t in state.values()) + PACKAGE_CODE_BYTES
+
+
+def _folded_digest(graph: DeviceGraph, names: list[str]) -> str:
+    """sha256 of the values of parameters the compiler folded into the program."""
+    params = dict(graph.named_parameters())
+    digest = hashlib.sha256()
+    for name in sorted(names):
+        digest.update(name.encode())
+        digest.update(params[name].detach().reshape(-1).float().contiguous().numpy().tobytes())
+    return digest.hexdigest()
+
+
+def cache_package(
+    graph: DeviceGraph,
+    program: torch.export.ExportedProgram,
+    cache: ArtifactCache,
+    options: dict[str, Any],
+    compile_package: Callable[[torch.export.ExportedProgram, str], Any],
+    export_s: float = 0.0,
+) -> CacheEntry:
+    """The artifact-cache entry of `program`'s package, keyed by `graph_key`; on a miss
+    `compile_package(program, package_path)` writes it (the notebooks pass AOTInductor's own call).
+
+    Inductor folds some parameters into the program instead of taking them at load time (tiny
+    ones, such as an 8-wide q_norm weight). Their names and values are recorded with the artifact;
+    a model whose folded values differ gets an artifact of its own instead of silently running
+    with the values of the model that was compiled first.
+    """
+    parts = graph_key(graph, RECIPE, options, program)
+
+    def build(folder: Path) -> dict[str, Any]:
+        started = time.perf_counter()
+        package = str(folder / PACKAGE)
+        compile_package(program, package)
+        loadable = set(torch._inductor.aoti_load_package(package).get_constant_fqns())
+        folded = sorted(set(dict(graph.named_parameters())) - loadable)
+        log.info(
+            "compiled %s graph in %.1f s (%d parameters folded into the program)",
+            graph.shape.phase,
+            time.perf_counter() - started,
+            len(folded),
+        )
+        return {
+            "export_s": export_s,
+            "compile_s": time.perf_counter() - started,
+            "folded_params": folded,
+            "folded_digest": _folded_digest(graph, folded),
+        }
+
+    describe, need = {"recipe": RECIPE, "shape": graph.shape.__dict__}, package_bytes_estimate(graph)
+    entry = cache.get_or_build(make_key(parts), build, describe=describe, need_bytes=need)
+    folded = entry.meta.get("folded_params", [])
+    if folded and entry.meta.get("folded_digest") != _folded_digest(graph, folded):
+        key = make_key({**parts, "folded_values": _folded_digest(graph, folded)})
+        entry = cache.get_or_build(key, build, describe=describe, need_bytes=need)
+    return entry
+
+
+def compile_graph(
+    graph: DeviceGraph, cache: ArtifactCache | None = None, options: dict[str, Any] | None = None
+) -> CompiledStep:
+    """Export + AOTInductor-compile `graph` (or load it from the cache) and return a callable:
+    `export_graph` -> `cache_package` (`package_program` on a miss) -> `load_package`, the steps
+    the notebooks' compile cell runs line by line."""
+    cache = cache or ArtifactCache()
+    options = {**DEFAULT_COMPILER_OPTIONS, **(options or {})}
+    export_started = time.perf_counter()
+    program = export_graph(graph)  # every time: the key is what the compiler would receive
+    export_s = time.perf_counter() - export_started
+    started = time.perf_counter()
+    entry = cache_package(
+        graph, program, cache, options, lambda prog, path: package_program(prog, path, options), export_s
+    )
+    compile_s = 0.0 if entry.hit else time.perf_counter() - started
+    loaded = time.perf_counter()
+    runner = load_package(str(entry.file(PACKAGE)), graph)
+    load_s = time.perf_counter() - loaded
+    return CompiledStep(runner, entry, compile_s, load_s, {"key": entry.key, "compiler": RECIPE, "export_s": export_s})

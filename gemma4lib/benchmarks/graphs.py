@@ -1,0 +1,99 @@
+"""The project's path in the benchmarks: device graphs from the backend layer, compiled one by one
+(`compile_one` of a backend that takes graphs) and cached by shape, so every bench reuses a graph."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..artifacts import ArtifactCache
+from ..backends.base import GRAPH_BACKENDS, get_backend
+from ..device.build import PREFILL_EXPERTS, device_graph
+from ..device.graph import DeviceGraph, GraphShape
+from ..errors import UnknownNameError
+from ..models.loading import LoadedModel
+from ..runtime import HostRuntime
+
+
+@dataclass
+class BenchGraph:
+    """One compiled (or eager) graph with where it came from (what the report's `graphs` lists)."""
+
+    fn: Callable[..., torch.Tensor]
+    shape: GraphShape
+    expert_form: str
+    compile_s: float = 0.0  # seconds this run spent compiling (0 on a cache hit)
+    build_s: float | None = None  # seconds the artifact took to compile when it was built
+    cache_hit: bool | None = None
+    graph: DeviceGraph | None = None
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "tokens": self.shape.tokens,
+            "context_length": self.shape.context_length,
+            "ring": self.shape.ring,
+            "expert_form": self.expert_form,
+            "compile_s": self.compile_s,
+            "artifact_build_s": self.build_s,
+            "cache_hit": self.cache_hit,
+        }
+
+
+class GraphFactory:
+    """A cache of one model's device graphs keyed by shape.
+
+    Graphs are built with `device.build.device_graph` and compiled by backend `cpu`'s compiler or
+    run eager, as a port would; this class adds only the cache, so the runtime of each model, the
+    ring sweep and the experts comparison reuse a graph (and report its compile once) instead of
+    compiling one per use.
+    """
+
+    def __init__(
+        self, model: LoadedModel, backend: str = "cpu", cache: ArtifactCache | None = None, weights: str = "bf16"
+    ):
+        if backend not in GRAPH_BACKENDS:
+            raise UnknownNameError("bench backend", backend, GRAPH_BACKENDS)
+        self.model, self.backend, self.cache, self.weights = model, backend, cache, weights
+        self.steps: dict[tuple, BenchGraph] = {}
+
+    @property
+    def compiler(self) -> str:
+        """The compiler's name as a port's record gives it (`cpu-aotinductor`, `eager`)."""
+        return get_backend(self.backend).COMPILER
+
+    def get(self, tokens: int, context_length: int, ring: bool, expert_form: str = "dense") -> BenchGraph:
+        """The graph of this shape, built and compiled on first use."""
+        model = self.model
+        if not getattr(model.config, "enable_moe_block", False):
+            expert_form = "dense"  # no experts: one graph whatever the form
+        if model.layout.sliding_window >= context_length:
+            ring = True  # the ring holds the whole context: the same buffers and program as full length
+        key = (tokens, context_length, ring, expert_form)
+        if key not in self.steps:
+            graph = device_graph(model, GraphShape(1, tokens, context_length, ring), expert_form, weights=self.weights)
+            one = get_backend(self.backend).compile_one(graph, self.cache)
+            self.steps[key] = BenchGraph(
+                one.fn, graph.shape, graph.expert_form, one.compile_s, one.build_s, one.cache_hit, graph
+            )
+        return self.steps[key]
+
+    def runtime(
+        self,
+        context_length: int,
+        buckets: Iterable[int],
+        ring: bool,
+        decode_form: str,
+        prefill_form: str = PREFILL_EXPERTS,
+    ) -> HostRuntime:
+        """A host runtime over cached graphs: one decode graph and a prefill graph per bucket."""
+        decode = self.get(1, context_length, ring, decode_form)
+        prefill = {b: self.get(b, context_length, ring, prefill_form).fn for b in buckets}
+        kv = decode.graph.new_kv()
+        return HostRuntime(self.model, prefill, decode.fn, kv, context_length)
+
+    def compile_report(self) -> list[dict[str, Any]]:
+        """Every graph built so far, in build order."""
+        return [step.describe() for step in self.steps.values()]

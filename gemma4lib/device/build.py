@@ -1,0 +1,64 @@
+"""The device graphs a port compiles: prefill graphs (one per bucket) and the decode graph.
+
+Built over the model's own modules, so every single-device backend (`cpu`, `eager`, `xla`,
+`neuron`) and the benchmark suite take their graphs from here and nothing else decides their shapes.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from .graph import DeviceGraph, GraphShape
+
+if TYPE_CHECKING:  # type names only
+    from ..models.loading import LoadedModel
+    from ..settings import PortSettings
+
+Graphs = tuple[dict[int, DeviceGraph], DeviceGraph]
+
+# Prefill computes every expert (the dense form) whatever `decode_experts` says. Short CPU prompts
+# measured faster selective, but the gathered slices grow with tokens x k, and the dense form is the
+# one that shards over TP ranks (docs/ROOFLINE.md; the benchmark suite reports this as its recommendation).
+PREFILL_EXPERTS = "dense"
+
+
+def device_graph(
+    model: LoadedModel, shape: GraphShape, expert_form: str, inplace: bool = True, weights: str = "bf16"
+) -> DeviceGraph:
+    """One device graph over the model's own modules (not copies: a compiled graph takes the model's
+    current weights at load time; with `weights="int8"` it holds int8 copies of the linears, made
+    now); `device_graphs` and the benchmark suite's graph cache build with it."""
+    return DeviceGraph(
+        model.text_model,
+        model.lm_head,
+        model.layout,
+        shape,
+        inplace=inplace,
+        expert_form=expert_form,
+        weights=weights,
+    )
+
+
+def device_graphs(model: LoadedModel, settings: PortSettings, inplace: bool = True) -> Graphs:
+    """Prefill graphs (one per bucket; MoE experts all-dense) and the decode graph (the settings'
+    expert form), over the model's own modules: the graphs every single-device backend compiles."""
+    weights = settings.weights
+    batch = int(getattr(settings, "batch_size", 1))  # one graph set per batch size (batch_graph.py)
+    prefill = {
+        bucket: device_graph(
+            model,
+            GraphShape(batch, bucket, settings.context_length, settings.ring_kv),
+            PREFILL_EXPERTS,
+            inplace,
+            weights,
+        )
+        for bucket in settings.prefill_buckets
+    }
+    decode = device_graph(
+        model,
+        GraphShape(batch, 1, settings.context_length, settings.ring_kv),
+        settings.decode_experts,
+        inplace,
+        weights,
+    )
+    return prefill, decode

@@ -1,0 +1,336 @@
+"""`python -m gemma4lib doctor`: is this machine ready to compile and run a Gemma-4 port on inf2?
+
+`run_doctor(variant=None, tp=None)` returns a JSON-friendly report; `format_doctor(report)` renders
+it as text. It checks, without importing the Neuron SDK:
+
+- the inf2 environment this cookbook expects (`recipes.neuron_env`: the DLAMI, its venv, Python and
+  the pinned SDK 2.28 set) against this machine, and says what differs;
+- Neuron devices and NeuronCores (`neuron-ls --json-output` when present, else `/dev/neuron*`);
+- the `transformers.utils.fx` shim `neuronx_distributed` needs under transformers 5 (the recipes
+  install it when they import NxD; the doctor only reports whether it will be needed);
+- the PATH fix for the `libneuronpjrt-path` import error;
+- the per-core memory plan of every variant (`memory_plan`): weights + K/V + working memory per
+  NeuronCore, and the compile's host RAM, with a warning *before* a compile that the kernel would
+  kill half an hour in;
+- the serving host's plan (`serving_host`): the host model, its tables, the shards read for the
+  cores, the host reference and the logit spread against the instance's RAM.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+from typing import Any
+
+from ..models.variants import get_variant
+from ..recipes import neuron_env
+from .hardware import GB, dmi_instance_type, host_instance_type, host_ram_bytes, smallest_instance
+from .memory_plan import (
+    COMPILE_CALIBRATION,
+    DEFAULT_CONTEXT,
+    HOST_HEADROOM,
+    compile_peak_gb,
+    format_plan_table,
+    neuron_recipe,
+    plan_table,
+)
+from .serving_host import format_serving_host, serving_host_plan, serving_host_table
+
+
+def estimate_compile_peak_gb(
+    variant: Any, tp: int | None = None, bytes_per_param: int = 2, recipe: str | None = None
+) -> dict[str, Any]:
+    """Estimated peak host RAM (GB) of compiling `variant` with `recipe` (default: `neuron_recipe`'s)
+    at `tp` (`memory_plan`)."""
+    v = get_variant(variant) if isinstance(variant, str) else variant
+    tp = tp or v.tp_degree
+    recipe = neuron_recipe(v, tp, recipe)
+    peak, basis = compile_peak_gb(v, recipe, bytes_per_param)
+    host = smallest_instance(tp, peak * HOST_HEADROOM)
+    return {
+        "variant": v.name,
+        "recipe": recipe,
+        "tp": tp,
+        "peak_gb": round(peak, 1),
+        "basis": basis,
+        "smallest_instance_with_headroom": host.name if host else None,
+        "calibration": COMPILE_CALIBRATION,
+    }
+
+
+def compile_ram_warning(estimate: dict[str, Any], ram: int) -> str | None:
+    """The warning for an `estimate_compile_peak_gb` result on a host with `ram` bytes (None if it fits)."""
+    peak = estimate["peak_gb"] * GB
+    if ram < peak:
+        trace = ""
+        if estimate["recipe"] == "model_builder" and estimate["tp"] == 1:
+            lean = compile_peak_gb(get_variant(estimate["variant"]), "trace")[0]
+            if lean * GB <= ram:
+                trace = (
+                    f", or neuron_recipe='trace' (~{lean:.1f} GB; the prompt then runs through the decode "
+                    "graph one token per device step)"
+                )
+        return (
+            f"compile of {estimate['variant']} will likely be killed: estimated peak {estimate['peak_gb']} GB "
+            f"host RAM > {ram / GB:.0f} GB here; compile on "
+            f"{estimate['smallest_instance_with_headroom'] or 'a larger host'} or add swap{trace}"
+        )
+    if ram < HOST_HEADROOM * peak:
+        return (
+            f"tight: estimated compile peak {estimate['peak_gb']} GB is within 20 % of the "
+            f"{ram / GB:.0f} GB host RAM; close other processes first"
+        )
+    return None
+
+
+def warn_low_host_ram(variant: Any, tp: int | None = None, recipe: str | None = None) -> str | None:
+    """Before a compile: warn (`LowHostMemoryWarning`, and the log) when this host's RAM is below or near
+    the estimated compile peak of `variant` with `recipe`; returns the warning text (None when it fits)."""
+    import logging
+    import warnings
+
+    from ..errors import LowHostMemoryWarning
+
+    message = compile_ram_warning(estimate_compile_peak_gb(variant, tp, recipe=recipe), host_ram_bytes())
+    if message:
+        logging.getLogger(__name__).warning(message)
+        warnings.warn(message, LowHostMemoryWarning, stacklevel=2)
+    return message
+
+
+def expected_environment() -> dict[str, Any]:
+    """The inf2 environment this cookbook is written for, and the lines that make it."""
+    return {
+        "dlami": neuron_env.DLAMI,
+        "ssm_parameter": neuron_env.DLAMI_SSM_PARAMETER,
+        "venv": neuron_env.DLAMI_VENV_PATH,
+        "python": neuron_env.INF2_PYTHON,
+        "neuron_sdk": neuron_env.NEURON_SDK_RELEASE,
+        "pins": {d: v[0] for d, v in neuron_env.SDK_PINS.items()} | {"transformers": neuron_env.TRANSFORMERS_PIN},
+        "install": neuron_env.install_lines(),
+    }
+
+
+def differences(devices: dict[str, Any], versions: list[dict[str, Any]]) -> list[str]:
+    """Why this machine is not the expected inf2 environment (empty when it is)."""
+    found = []
+    python = ".".join(platform.python_version_tuple()[:2])
+    if python != neuron_env.INF2_PYTHON:
+        found.append(f"Python {python} here; the inf2 venv is Python {neuron_env.INF2_PYTHON}")
+    if os.path.realpath(sys.prefix) != os.path.realpath(neuron_env.DLAMI_VENV_PATH):
+        found.append(f"running from {sys.prefix}, not {neuron_env.DLAMI_VENV_PATH}")
+    instance = dmi_instance_type()
+    if instance is None or not instance.startswith("inf2"):
+        found.append(f"not an inf2 instance ({instance or 'no EC2 instance type in DMI'})")
+    if devices["cores"] == 0:
+        found.append("no Neuron devices (/dev/neuron*)")
+    for row in versions:
+        if not row["ok"]:
+            found.append(f"{row['package']} {row['found'] or 'missing'} (pinned {' or '.join(row['pinned'])})")
+    return found
+
+
+def neuron_devices() -> dict[str, Any]:
+    """Neuron devices and cores: `neuron-ls --json-output` if available, else `/dev/neuron*`."""
+    nodes = sorted(glob.glob("/dev/neuron*"))
+    tool = shutil.which("neuron-ls") or (
+        os.path.join(neuron_env.NEURON_BIN, "neuron-ls")
+        if os.path.exists(os.path.join(neuron_env.NEURON_BIN, "neuron-ls"))
+        else None
+    )
+    info: dict[str, Any] = {
+        "dev_nodes": nodes,
+        "devices": len(nodes),
+        "cores": None,
+        "neuron_ls": tool,
+        "source": "/dev/neuron*",
+    }
+    if tool:
+        try:
+            out = subprocess.run([tool, "--json-output"], capture_output=True, text=True, timeout=20)
+            listing = json.loads(out.stdout)
+            if isinstance(listing, list):
+                info.update(
+                    devices=len(listing), source="neuron-ls", cores=sum(int(d.get("nc_count", 2)) for d in listing)
+                )
+        except (OSError, ValueError, subprocess.SubprocessError) as exc:
+            info["neuron_ls_error"] = f"{type(exc).__name__}: {exc}"
+    if info["cores"] is None and nodes:
+        info["cores"] = 2 * len(nodes)  # inf2: two NeuronCore-v2 per device
+    if info["cores"] is None:
+        info["cores"] = 0
+    return info
+
+
+def _path_report() -> dict[str, Any]:
+    parts = os.environ.get("PATH", "").split(os.pathsep)
+    rows = [{"folder": f, "exists": os.path.isdir(f), "on_path": f in parts} for f in neuron_env.path_fix_dirs()]
+    return {
+        "folders": rows,
+        "ok": all(r["on_path"] or not r["exists"] for r in rows),
+        "fix": f"export PATH={os.path.join(sys.prefix, 'bin')}:{neuron_env.NEURON_BIN}:$PATH "
+        f"(the recipes apply it in-process)",
+    }
+
+
+def run_doctor(
+    variant: str | None = None, tp: int | None = None, context_length: int = DEFAULT_CONTEXT
+) -> dict[str, Any]:
+    """The report: expected environment vs this machine, devices, fixes, the memory plan of every
+    variant, RAM vs compile peak for `variant`, plus warnings and a verdict."""
+    warnings: list[str] = []
+    versions = neuron_env.check_versions()
+    sdk = neuron_env.sdk_present()
+    try:
+        import torch
+
+        torch_version = torch.__version__
+    except ImportError:  # pragma: no cover
+        torch_version = None
+    devices = neuron_devices()
+    shim = neuron_env.fx_shim_status()
+    path = _path_report()
+    ram = host_ram_bytes()
+    plans = plan_table(context_length)
+    report: dict[str, Any] = {
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "torch": torch_version,
+        "instance_type": dmi_instance_type(),
+        "neuron_sdk_release": neuron_env.NEURON_SDK_RELEASE,
+        "expected": expected_environment(),
+        "differences": differences(devices, versions),
+        "sdk_present": sdk,
+        "versions": versions,
+        "devices": devices,
+        "fx_shim": {
+            "status": shim,
+            "meaning": {
+                "real": "transformers provides transformers.utils.fx: no shim",
+                "shim": "gemma4lib's shim is installed",
+                "needed": "transformers 5 lacks it: the recipes install a one-class shim "
+                "before importing neuronx_distributed",
+                "no-transformers": "transformers is not installed",
+            }[shim],
+        },
+        "path": path,
+        "host_ram_gb": round(ram / GB, 1),
+        "memory_plan": {
+            "context_length": context_length,
+            "plans": [p.to_dict() for p in plans],
+            "table": format_plan_table(plans),
+        },
+        "serving_host_table": format_serving_host(serving_host_table()),
+    }
+    if not sdk:
+        warnings.append("Neuron SDK not found (CPU profile only); " + neuron_env.how_to_get("torch-neuronx"))
+    else:
+        bad = [r for r in versions if not r["ok"]]
+        for row in bad:
+            warnings.append(f"{row['package']} {row['found']} is not the pinned {'/'.join(row['pinned'])}")
+        if devices["cores"] == 0:
+            warnings.append("Neuron SDK present but no Neuron devices found (/dev/neuron*): not an inf2 host?")
+        if not path["ok"]:
+            warnings.append("PATH lacks the venv/Neuron bin folders (libneuronpjrt-path import error): " + path["fix"])
+        python = ".".join(platform.python_version_tuple()[:2])
+        if python != neuron_env.INF2_PYTHON:
+            warnings.append(f"Python {python}: use the {neuron_env.DLAMI_VENV} venv (Python {neuron_env.INF2_PYTHON})")
+    if not next(r for r in versions if r["package"] == "transformers")["ok"]:
+        warnings.append(f"transformers must be {neuron_env.TRANSFORMERS_PIN} (CPU and inf2 alike)")
+    if variant is not None:
+        from ..errors import TensorParallelError
+        from .memory_plan import plan_core_memory, require_neuron_tp
+
+        v = get_variant(variant)
+        tp = tp or v.tp_degree
+        estimate = estimate_compile_peak_gb(v, tp)
+        report["compile_estimate"] = estimate
+        try:
+            require_neuron_tp(v, tp, dmi_instance_type())
+            report["tp"] = {"degree": tp, "ok": True}
+        except TensorParallelError as exc:
+            report["tp"] = {"degree": tp, "ok": False, "error": str(exc)}
+            warnings.append(str(exc))
+        else:
+            plan = plan_core_memory(v, tp, instance=dmi_instance_type(), context_length=context_length)
+            report["plan"] = plan.to_dict()
+            if not plan.fits:
+                warnings.append(plan.summary())
+            serving = serving_host_plan(v, tp, host_instance_type(), context_length=context_length)
+            report["serving_host"] = {**serving.to_dict(), "summary": serving.summary()}
+            if not serving.fits:
+                warnings.append(serving.summary() + "; " + "; ".join(serving.problems))
+        if devices["cores"] and tp > devices["cores"]:
+            warnings.append(f"TP={tp} needs {tp} NeuronCores; this host has {devices['cores']}")
+        ram_warning = compile_ram_warning(estimate, ram)
+        if ram_warning:
+            warnings.append(ram_warning)
+    report["warnings"] = warnings
+    report["ok"] = sdk and not warnings
+    return report
+
+
+def format_doctor(report: dict[str, Any]) -> str:
+    e = report["expected"]
+    lines = [
+        f"gemma4lib doctor — Neuron SDK {report['neuron_sdk_release']} target",
+        f"expected: {e['dlami']} (SSM {e['ssm_parameter']}), venv {e['venv']}, Python {e['python']}",
+        "  " + ", ".join(f"{k} {v}" for k, v in e["pins"].items()),
+        "  set-up: " + " && ".join(e["install"]),
+        f"this machine: python {report['python']}, torch {report['torch']}, {report['platform']}",
+    ]
+    if report["differences"]:
+        lines.append("not the inf2 environment because:")
+        lines += [f"  - {d}" for d in report["differences"]]
+    if report.get("instance_type"):
+        lines.append(f"instance: {report['instance_type']}")
+    lines.append("versions (found / pinned):")
+    for row in report["versions"]:
+        mark = "ok " if row["ok"] else ("-- " if row["found"] is None else "!! ")
+        lines.append(f"  {mark}{row['package']:<22} {row['found'] or 'missing':<22} {' or '.join(row['pinned'])}")
+    d = report["devices"]
+    lines.append(f"neuron devices: {d['devices']} ({d['cores']} NeuronCores) via {d['source']}")
+    lines.append(f"transformers.utils.fx: {report['fx_shim']['status']} — {report['fx_shim']['meaning']}")
+    if not report["sdk_present"]:
+        lines.append("PATH fix: not needed without the Neuron SDK")
+    else:
+        lines.append("PATH fix: " + ("ok" if report["path"]["ok"] else "missing — " + report["path"]["fix"]))
+    lines.append(f"host RAM: {report['host_ram_gb']} GB")
+    m = report["memory_plan"]
+    lines.append(
+        f"memory plan per NeuronCore (bf16, context {m['context_length']}, ring K/V; working memory is "
+        f"an allowance, unverified on inf2):"
+    )
+    lines += ["  " + row for row in m["table"].splitlines()]
+    lines.append(
+        "serving host per variant (bf16, prompt 128 + 64 new tokens; computed from the configs, the process "
+        "base measured on CPU, unverified on inf2):"
+    )
+    lines += ["  " + row for row in report["serving_host_table"].splitlines()]
+    if "serving_host" in report:
+        lines.append(report["serving_host"]["summary"])
+    if "compile_estimate" in report:
+        e = report["compile_estimate"]
+        lines.append(
+            f"compile peak estimate for {e['variant']} ({e['recipe']}, TP={e['tp']}): {e['peak_gb']} GB [{e['basis']}]"
+        )
+    if "tp" in report:
+        lines.append(f"TP={report['tp']['degree']}: " + ("ok" if report["tp"]["ok"] else report["tp"]["error"]))
+    for w in report["warnings"]:
+        lines.append(f"WARNING: {w}")
+    lines.append(
+        "verdict: "
+        + (
+            "ready for inf2"
+            if report["ok"]
+            else "CPU profile only"
+            if not report["sdk_present"]
+            else "fix the warnings above"
+        )
+    )
+    return "\n".join(lines)

@@ -1,0 +1,386 @@
+"""Will a port fit on inf2? A plan per NeuronCore and for the compile host, computed from shapes.
+
+On inf2 every tensor-parallel rank is one NeuronCore with 16 GiB of HBM. What a rank holds is
+known before anything is loaded: its shard of the weights (the same cut `tp.shard` makes, counted
+on a meta-device model of the released config), its K/V buffers at the compiled context (KV heads
+replicated where a layer has fewer than the TP degree), and working memory. A configuration that
+cannot fit is refused when the settings are made, not half an hour into a compile. MoE experts
+count 1/tp of their bytes per rank whichever way the plan splits them (whole experts, or a slice
+of every expert: the plan's default): the shards have the same shapes.
+
+What is computed and what is assumed:
+
+- weights and K/V per core: computed exactly from the released configs, bf16 (`weights="int8"`: the
+  linears NxD quantizes at 1 byte plus an fp32 scale per output row, `rank_weight_bytes`);
+- working memory per core: `WORKING_ALLOWANCE_GIB`, an allowance, not a measurement (the Neuron
+  runtime's reservation, the program's instructions, activations and scratch). Unverified on inf2;
+- host RAM for the compile: an estimate from the weights alone. ModelBuilder holds three copies of
+  the text weights at its peak (the module it builds, the checkpoint the loader returns and the
+  per-rank shards it writes); 3 x 61.4 GB = 184 GB for the 31B against the field report's measured
+  182 GB (the earlier inf2 port; README, "The family at a glance"). The trace recipe compiles with
+  `inline_weights_to_neff=False`, so it holds the host model plus one copy of the device weights (no
+  weights baked into the HLO or the NEFF). Unverified on inf2 except the 31B calibration.
+
+The compile needs no NeuronCore, so it may run on a larger host than the one that serves: a plan
+names `compile_host`, the run instance when its RAM holds the estimate, else the smallest inf2 size
+that does (same Inferentia2 chip, so its artifacts load on the run instance). E2B's ModelBuilder
+compile (~28 GB) is the case: compile on an inf2.8xlarge, serve on the inf2.xlarge, or pick the
+trace recipe, whose compile fits the inf2.xlarge (`neuron_recipe`).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from ..errors import DeviceMemoryError, TensorParallelError, UnknownNameError
+from ..models.variants import Variant, get_variant
+from ..recipes import RECIPE_MODULES
+from .hardware import GB, GIB, HBM_PER_CORE_GIB, INSTANCES, NEURON_TP_DEGREES, smallest_instance
+from ..device.quant import LINEAR_WEIGHT_NAME
+from ..serving_host import ServingHostPlan, format_serving_host, serving_host_plan, serving_host_table
+
+WORKING_ALLOWANCE_GIB = 2.0
+MODEL_BUILDER_COPIES = 3  # module + loader checkpoint + per-rank shards at the compile's peak
+COMPILE_CALIBRATION = {"variant": "31b", "tp": 8, "measured_peak_gb": 182.0, "source": "field report"}
+HOST_HEADROOM = 1.2  # a compile host should have 20 % more RAM than the estimated peak
+DEFAULT_CONTEXT = 2048
+
+
+NEURON_RECIPES = tuple(RECIPE_MODULES)
+
+
+def neuron_recipe(variant: Variant, tp: int, requested: str | None = None) -> str:
+    """The Neuron recipe for `variant` at `tp`: the variant's own (`Variant.recipe`, ModelBuilder for
+    every variant) unless `requested` says otherwise.
+
+    ModelBuilder is the supported path at every degree since SDK 2.27, TP=1 included (E2B): its
+    prefill key runs the prompt on the device in one pass over the K/V states the decode key
+    shares. `trace` (`torch_neuronx.trace` of the decode graph alone) stays selectable at TP=1 as
+    the simplest lesson: one graph, K/V aliased by hand, and a compile that fits an inf2.xlarge's
+    16 GiB of host RAM (ModelBuilder's does not, `compile_peak_gb`). Its cost: the prompt goes
+    through the decode graph one device step per token."""
+    if requested is None:
+        return variant.recipe
+    if requested not in NEURON_RECIPES:
+        raise UnknownNameError("neuron recipe", requested, NEURON_RECIPES)
+    if requested == "trace" and tp != 1:
+        raise TensorParallelError(
+            f"the trace recipe compiles one NeuronCore; {variant.name} at TP={tp} needs "
+            f"neuron_recipe='model_builder' (or tp_degree=1)"
+        )
+    return requested
+
+
+@functools.lru_cache(maxsize=64)
+def _rank_params(name: str, tp: int) -> int:
+    """Parameter elements one rank holds (its shard), counted on the meta device; host tables excluded."""
+    return sum(n for n, _ in _rank_tensors(name, tp).values())
+
+
+@functools.lru_cache(maxsize=64)
+def _rank_tensors(name: str, tp: int) -> dict[str, tuple[int, int]]:
+    """(elements, rows) of every tensor in one rank's shard (meta device), host tables excluded."""
+    from ..tp.plan import make_plan
+    from ..tp.shard import RANK_KEY, shard_state_dict
+    from .params import meta_model
+
+    variant = get_variant(name)
+    lm = meta_model(variant)
+    shard = shard_state_dict(lm, make_plan(lm.config, tp, variant), 0)
+    return {k: (t.numel(), t.shape[0] if t.dim() else 1) for k, t in shard.items() if k != RANK_KEY}
+
+
+def rank_weight_bytes(variant: Variant | str, tp: int, weights: str = "bf16", dtype_bytes: int = 2) -> int:
+    """Bytes of one rank's weights. `weights="int8"`: the attention and dense-MLP linears NxD's
+    `convert` quantizes (`recipes.neuron_model_builder.INT8_INCLUDE`, the same names as
+    `quant.LINEAR_WEIGHT_NAME`) at 1 byte per element plus one fp32 scale per output row of the
+    rank's shard (a column-parallel scale is cut with its rows, a row-parallel one is replicated:
+    `[out, 1]` either way); everything else (norms, the LM head, MoE experts) at `dtype_bytes`."""
+    v = get_variant(variant) if isinstance(variant, str) else variant
+    tensors = _rank_tensors(v.name, tp)
+    if weights != "int8":
+        return sum(n for n, _ in tensors.values()) * dtype_bytes
+    return sum(n + 4 * rows if LINEAR_WEIGHT_NAME.search(k) else n * dtype_bytes for k, (n, rows) in tensors.items())
+
+
+@functools.lru_cache(maxsize=64)
+def _rank_kv_elements(name: str, tp: int, context_length: int, ring: bool) -> int:
+    from ..tp.plan import make_plan
+    from .params import meta_model
+
+    variant = get_variant(name)
+    plan = make_plan(meta_model(variant).config, tp, variant)
+    return int(plan.rank_layout().buffer_bytes(context_length, ring, 1, 1))
+
+
+def compile_peak_gb(variant: Variant, recipe: str, dtype_bytes: int = 2) -> tuple[float, str]:
+    """Estimated peak host RAM (GB) of compiling `variant` with `recipe`, and how it was reckoned."""
+    from .params import count_params, meta_model
+
+    counts = count_params(meta_model(variant))
+    model_gb = counts.total * dtype_bytes / GB
+    device_gb = counts.device_params("dense") * dtype_bytes / GB
+    if recipe == "model_builder":
+        return MODEL_BUILDER_COPIES * model_gb, f"{MODEL_BUILDER_COPIES} x text weights (module + checkpoint + shards)"
+    return model_gb + device_gb, "host model + one copy of the device weights (weights not inlined into the NEFF)"
+
+
+def structural_problems(variant: Variant, tp: int, instance: str | None) -> list[str]:
+    """Why `tp` cannot run on inf2 whatever the memory: not a runtime degree, heads or experts that
+    do not split, or more ranks than `instance` has NeuronCores (unknown instances: not checked)."""
+    problems = []
+    if tp not in NEURON_TP_DEGREES:
+        problems.append(
+            f"TP={tp} is not a degree the Neuron runtime supports on inf2 ({', '.join(map(str, NEURON_TP_DEGREES))})"
+        )
+    if tp not in variant.supported_tp:
+        problems.append(f"the {variant.name}'s heads and experts split evenly only for TP in {variant.supported_tp}")
+    inst = INSTANCES.get(instance or "")
+    if inst is not None and tp > inst.neuron_cores:
+        problems.append(f"TP={tp} needs {tp} NeuronCores and an {instance} has {inst.neuron_cores}")
+    return problems
+
+
+def _hint(options: list[CoreMemoryPlan]) -> str:
+    return ", ".join(f"TP={p.tp} on {p.instance}" for p in options[:4]) if options else "a shorter context_length"
+
+
+def require_neuron_tp(variant: Variant | str, tp: int, instance: str | None = None) -> None:
+    """Raise `TensorParallelError` when `tp` cannot run on inf2 (see `structural_problems`)."""
+    v = get_variant(variant) if isinstance(variant, str) else variant
+    problems = structural_problems(v, tp, instance)
+    if problems:
+        ok = [t for t in v.supported_tp if not structural_problems(v, t, instance)]
+        raise TensorParallelError(
+            f"{v.name} cannot run at TP={tp} on inf2: {'; '.join(problems)}; use tp_degree "
+            f"{' or '.join(map(str, ok))}" + (f" on {instance}" if instance else "")
+        )
+
+
+@dataclass(frozen=True)
+class CoreMemoryPlan:
+    """What one NeuronCore holds for a port, and what the compile host needs."""
+
+    variant: str
+    recipe: str
+    tp: int
+    instance: str
+    context_length: int
+    ring: bool
+    weights_gib: float
+    kv_gib: float
+    working_gib: float
+    capacity_gib: float
+    compile_peak_gb: float
+    compile_basis: str
+    host_ram_gib: int
+    problems: tuple[str, ...] = field(default_factory=tuple)
+    compile_host: str | None = None  # where the compile fits: the run instance, or a larger inf2 size
+    weight_format: str = "bf16"  # "int8": the quantized linears counted at 1 byte + a scale per row
+    batch: int = 1  # rows served at once: K/V is held per row, `kv_gib` counts all of them
+
+    @property
+    def total_gib(self) -> float:
+        return self.weights_gib + self.kv_gib + self.working_gib
+
+    @property
+    def fits(self) -> bool:
+        return not self.problems
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "problems": list(self.problems), "total_gib": self.total_gib, "fits": self.fits}
+
+    def _compile_elsewhere(self) -> str:
+        if self.compile_host in (None, self.instance):
+            return ""
+        return f" (compile on an {self.compile_host}, serve on the {self.instance})"
+
+    def _batch_note(self) -> str:
+        return f", batch {self.batch}" if self.batch > 1 else ""
+
+    def summary(self) -> str:
+        """One line: per-core use against capacity, and the compile host's need."""
+        verdict = "fits" if self.fits else "does not fit: " + "; ".join(self.problems)
+        return (
+            f"{self.variant} {self.recipe} TP={self.tp} on {self.instance}, context {self.context_length}"
+            f"{' (ring)' if self.ring else ''}{self._batch_note()}: per core {self.weights_gib:.1f} GiB "
+            f"{'int8 ' if self.weight_format == 'int8' else ''}weights + "
+            f"{self.kv_gib:.2f} GiB K/V + {self.working_gib:.1f} GiB working = {self.total_gib:.1f} of "
+            f"{self.capacity_gib:.0f} GiB; compile host ~{self.compile_peak_gb:.0f} GB of "
+            f"{self.host_ram_gib} GiB{self._compile_elsewhere()} — {verdict}"
+        )
+
+
+def plan_core_memory(
+    variant: Variant | str,
+    tp: int | None = None,
+    *,
+    instance: str | None = None,
+    context_length: int = DEFAULT_CONTEXT,
+    ring: bool = True,
+    dtype_bytes: int = 2,
+    recipe: str | None = None,
+    weights: str = "bf16",
+    batch: int = 1,
+) -> CoreMemoryPlan:
+    """The per-core memory plan of `variant` at `tp` (default: its recipe's) on `instance`
+    (default: the variant's recommended instance) with `recipe` (default: `neuron_recipe`'s),
+    serving `batch` rows (K/V x batch); `weights="int8"` counts the quantized linears at their
+    int8 bytes (`rank_weight_bytes`). Problems are listed, never raised here."""
+    v = get_variant(variant) if isinstance(variant, str) else variant
+    tp = int(tp or v.tp_degree)
+    instance = instance or v.instance_type
+    if instance not in INSTANCES:
+        raise UnknownNameError("inf2 instance", instance, INSTANCES)
+    inst = INSTANCES[instance]
+    recipe = neuron_recipe(v, tp, recipe)
+    problems = structural_problems(v, tp, instance)
+    if problems and tp not in v.supported_tp:  # no plan can be cut: report what we know
+        weights_gib = kv = 0.0
+    else:
+        weights_gib = rank_weight_bytes(v, tp, weights, dtype_bytes) / GIB
+        kv = _rank_kv_elements(v.name, tp, int(context_length), bool(ring)) * dtype_bytes * int(batch) / GIB
+    capacity = float(HBM_PER_CORE_GIB)
+    if weights_gib + kv + WORKING_ALLOWANCE_GIB > capacity:
+        problems.append(
+            f"{weights_gib:.1f} GiB of {'int8 ' if weights == 'int8' else ''}weights + {kv:.2f} GiB of K/V + "
+            f"{WORKING_ALLOWANCE_GIB:.0f} GiB working "
+            f"memory exceed a NeuronCore's {capacity:.0f} GiB"
+        )
+    peak, basis = compile_peak_gb(v, recipe, dtype_bytes)
+    compile_host: str | None = instance
+    if inst.host_ram_gib * GIB < peak * GB:  # the compile needs no NeuronCore: a larger inf2 can do it
+        larger = smallest_instance(1, peak * HOST_HEADROOM)
+        compile_host = larger.name if larger else None
+        if larger is None:
+            problems.append(f"the compile needs ~{peak:.0f} GB of host RAM, more than any inf2 size has")
+    return CoreMemoryPlan(
+        v.name,
+        recipe,
+        tp,
+        instance,
+        int(context_length),
+        bool(ring),
+        weights_gib,
+        kv,
+        WORKING_ALLOWANCE_GIB,
+        capacity,
+        peak,
+        basis,
+        inst.host_ram_gib,
+        tuple(problems),
+        compile_host,
+        weights,
+        int(batch),
+    )
+
+
+def fitting_options(
+    variant: Variant | str,
+    context_length: int = DEFAULT_CONTEXT,
+    ring: bool = True,
+    weights: str = "bf16",
+    batch: int = 1,
+) -> list[CoreMemoryPlan]:
+    """Every (TP degree, instance) that fits: those that also compile on the instance first, then
+    those whose compile needs a larger host; smallest instance and degree first within each."""
+    v = get_variant(variant) if isinstance(variant, str) else variant
+    plans = [
+        plan_core_memory(
+            v, tp, instance=name, context_length=context_length, ring=ring, weights=weights, batch=batch
+        )
+        for name in INSTANCES
+        for tp in v.supported_tp
+        if tp in NEURON_TP_DEGREES
+    ]
+    fitting = [p for p in plans if p.fits]
+    return sorted(fitting, key=lambda p: p.compile_host != p.instance)  # stable: size order kept
+
+
+def require_fit(
+    variant: Variant | str,
+    tp: int,
+    *,
+    instance: str | None,
+    context_length: int,
+    ring: bool,
+    recipe: str | None = None,
+    weights: str = "bf16",
+    batch: int = 1,
+) -> CoreMemoryPlan:
+    """Raise when the released model cannot run at `tp` on `instance` (default: the variant's):
+    `TensorParallelError` for a degree inf2 cannot run, `DeviceMemoryError` for one that does not
+    fit a core or the compile host; the message names configurations that fit."""
+    v = get_variant(variant) if isinstance(variant, str) else variant
+    require_neuron_tp(v, tp, instance)
+    plan = plan_core_memory(
+        v,
+        tp,
+        instance=instance,
+        context_length=context_length,
+        ring=ring,
+        recipe=recipe,
+        weights=weights,
+        batch=batch,
+    )
+    if not plan.fits:
+        at = f" with batch {batch}" if batch > 1 else ""
+        raise DeviceMemoryError(
+            f"{v.name} at TP={tp} on {plan.instance}{at} does not fit: {'; '.join(plan.problems)}; "
+            f"use {_hint(fitting_options(v, context_length, ring, weights, batch))}"
+        )
+    return plan
+
+
+def plan_table(context_length: int = DEFAULT_CONTEXT, ring: bool = True) -> list[CoreMemoryPlan]:
+    """Each variant at its recipe's TP on its instance, plus the next smaller TP (to show why not)."""
+    from ..models.variants import VARIANTS
+
+    plans = []
+    for v in VARIANTS.values():
+        degrees = [t for t in v.supported_tp if t in NEURON_TP_DEGREES and t <= v.tp_degree]
+        for tp in sorted({v.tp_degree, *degrees[-2:]}):
+            plans.append(plan_core_memory(v, tp, context_length=context_length, ring=ring))
+    return plans
+
+
+def format_plan_table(plans: list[CoreMemoryPlan]) -> str:
+    """Markdown rows of `plan_table` (GiB per NeuronCore; compile host RAM in GB)."""
+    lines = [
+        "| variant | recipe | TP | instance | weights/core | K/V/core | working | total / 16 GiB | "
+        "compile host | fits |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for p in plans:
+        lines.append(
+            f"| {p.variant} | {p.recipe} | {p.tp} | {p.instance} | {p.weights_gib:.1f} GiB | "
+            f"{p.kv_gib:.2f} GiB | {p.working_gib:.0f} GiB | {p.total_gib:.1f} GiB | "
+            f"~{p.compile_peak_gb:.0f} GB / {p.host_ram_gib} GiB{p._compile_elsewhere()} | "
+            f"{'yes' if p.fits else 'no: ' + '; '.join(p.problems)} |"
+        )
+    return "\n".join(lines)
+
+
+__all__ = [
+    "COMPILE_CALIBRATION",
+    "CoreMemoryPlan",
+    "ServingHostPlan",
+    "DEFAULT_CONTEXT",
+    "NEURON_RECIPES",
+    "WORKING_ALLOWANCE_GIB",
+    "compile_peak_gb",
+    "fitting_options",
+    "format_plan_table",
+    "format_serving_host",
+    "neuron_recipe",
+    "plan_core_memory",
+    "plan_table",
+    "rank_weight_bytes",
+    "require_fit",
+    "require_neuron_tp",
+    "serving_host_plan",
+    "serving_host_table",
+    "structural_problems",
+]

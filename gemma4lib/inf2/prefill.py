@@ -1,0 +1,137 @@
+"""One prefill pass on inf2, computed: FLOPs of a prompt pass and the time the NeuronCores' peak allows.
+
+Prefill is compute-bound where decode is memory-bound; these figures are computed from shapes and
+the hardware table (`hardware.INSTANCES`), never measured here, and say so where they are shown
+(docs/ROOFLINE.md).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from torch import nn
+
+from ..device.kv_layout import KVLayout
+from .hardware import GB, INSTANCES
+from .params import count_params, meta_model
+from .roofline import decode_bytes
+
+
+@dataclass
+class PrefillEstimate:
+    """The floor of one bucketed prefill call on inf2, from FLOP and byte counts (computed, never
+    measured): the matmuls at the chip's datasheet bf16 peak, the weights and K/V read once at the
+    cores' HBM bandwidth, whichever takes longer. Collectives, the host's embedding lookup and the
+    call overhead are left out, so a measurement can only be slower."""
+
+    variant: str
+    tokens: int
+    tp: int
+    instance: str
+    flops: float
+    bytes: float
+    compute_ms: float
+    memory_ms: float
+    stepwise_ms: float | None  # the same prompt as one-token decode steps at the field report's tok/s
+
+    @property
+    def expected_ms(self) -> float:
+        return max(self.compute_ms, self.memory_ms)
+
+    @property
+    def bound(self) -> str:
+        return "compute" if self.compute_ms >= self.memory_ms else "memory"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "expected_ms": self.expected_ms, "bound": self.bound}
+
+
+def prefill_flops(lm: nn.Module, tokens: int, context_length: int, ring: bool = True) -> float:
+    """FLOPs of one prefill call of `tokens` tokens (batch 1), as the prefill graph computes them:
+    every device matmul for every token (MoE experts all, the prefill form is dense), the LM head for
+    the last token only, and each layer's attention over its keys (the buffer's slots; a ring layer
+    attends over its old slots plus the new chunk)."""
+    counts = count_params(lm)
+    layout = KVLayout.from_config(lm.config)
+    heads = layout.num_attention_heads
+    matmul = 2.0 * tokens * (counts.other + counts.experts) + 2.0 * counts.lm_head
+    attention = 0.0
+    for layer in layout.layers:
+        slots = layout.slots(layer.layer_type, context_length, ring)
+        keys = slots + tokens if slots < context_length else slots
+        attention += 4.0 * tokens * keys * heads * layer.head_dim  # QK^T and AV
+    return matmul + attention
+
+
+def prefill_estimate(
+    variant: Any,
+    tokens: int = 128,
+    *,
+    tp: int | None = None,
+    instance: str | None = None,
+    context_length: int = 2048,
+    ring: bool = True,
+    dtype_bytes: int = 2,
+) -> PrefillEstimate:
+    """`PrefillEstimate` of `variant` (name or `Variant`; released config on the meta device) at its
+    recipe's TP degree and instance unless given. Basis: `hardware.BF16_FLOPS_PER_CORE` (AWS's 190
+    TFLOPS per chip over its 2 cores) and `Inf2Instance.bandwidth_bytes_s(tp)`; unverified on inf2."""
+    from ..models.variants import get_variant
+    from .hardware import BF16_FLOPS_PER_CORE
+
+    v = get_variant(variant) if isinstance(variant, str) else variant
+    tp = int(tp or v.tp_degree)
+    inst = INSTANCES[instance or v.instance_type]
+    lm = meta_model(v)
+    flops = prefill_flops(lm, tokens, context_length, ring)
+    steps = decode_bytes(lm, context_length=context_length, ring=ring, experts="dense", dtype_bytes=dtype_bytes)
+    compute_s = flops / (BF16_FLOPS_PER_CORE * tp)
+    memory_s = steps.total / inst.bandwidth_bytes_s(tp)
+    decode = v.field_report.decode_tok_s
+    return PrefillEstimate(
+        v.name,
+        int(tokens),
+        tp,
+        inst.name,
+        flops,
+        steps.total,
+        compute_s * 1e3,
+        memory_s * 1e3,
+        tokens * 1e3 / decode if decode else None,
+    )
+
+
+def prefill_table(tokens: int = 128, context_length: int = 2048) -> list[dict[str, Any]]:
+    """`prefill_estimate` of every variant at its recipe's TP, beside the field report's figures."""
+    from ..models.variants import VARIANTS
+
+    rows = []
+    for v in VARIANTS.values():
+        row = prefill_estimate(v, tokens, context_length=context_length).to_dict()
+        row["field_report_prefill_ms"] = v.field_report.prefill_ms
+        row["field_report_decode_tok_s"] = v.field_report.decode_tok_s
+        rows.append(row)
+    return rows
+
+
+def format_prefill_table(rows: Sequence[dict[str, Any]]) -> str:
+    """Markdown for `prefill_table` rows."""
+    lines = [
+        "| variant | recipe | tokens | TFLOP | GB read | compute ms | memory ms | computed floor ms | "
+        "field report | as decode steps (trace recipe) |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        measured = f"prefill {r['field_report_prefill_ms']:.0f} ms" if r["field_report_prefill_ms"] else "–"
+        if r["field_report_decode_tok_s"]:
+            measured = f"decode {r['field_report_decode_tok_s']:.0f} tok/s" if measured == "–" else measured
+        # the trace recipe (one core only) feeds the prompt through the decode graph, one step a token
+        stepwise = f"{r['stepwise_ms']:,.0f} ms" if r["stepwise_ms"] and r["tp"] == 1 else "–"
+        lines.append(
+            f"| {r['variant']} | {r['instance']} TP={r['tp']} | {r['tokens']} | {r['flops'] / 1e12:.2f} | "
+            f"{r['bytes'] / GB:.2f} | {r['compute_ms']:.1f} | {r['memory_ms']:.1f} | "
+            f"{r['expected_ms']:.1f} ({r['bound']}) | {measured} | {stepwise} |"
+        )
+    return "\n".join(lines)

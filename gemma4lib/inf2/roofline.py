@@ -1,0 +1,279 @@
+"""The memory roofline of batch-1 decode: bytes read per token, and the tok/s ceiling they allow.
+
+A batch-1 decode step reads every weight it uses once and the K/V buffers it attends over; it does
+almost no arithmetic per byte, so its speed is capped at
+
+    tok/s <= memory bandwidth / bytes read per step.
+
+Bytes per step are computed from shapes, never measured:
+
+- weights: every parameter that lives on the device. The word-embedding table counts once, as the
+  tied LM head that reads all of it (the host only looks up one row); the PLE token table stays on
+  the host and is not counted. MoE experts: all of them for the `dense` form, only the routed
+  top-k for the `selective` form: k / num_experts of the expert weights on one device and on TP
+  ranks that each hold a slice of every expert (the intermediate split); k slices *per rank* on
+  ranks that each hold whole experts (the expert split), see `ParamCounts.device_params`.
+- KV: every K/V buffer as allocated — a full-length buffer is read whole each step, masked or not;
+  a ring buffer of a sliding layer holds `sliding_window` slots.
+- `weight_format="int8"` (`quant.py`): the attention and dense-MLP linears and the experts at one
+  byte per weight plus one fp32 scale per output channel; the tied LM head, norms, router and PLE
+  projections stay at `dtype_bytes`. The K/V stays at `dtype_bytes` too.
+
+Ceilings: on CPU from this machine's measured single-thread bandwidth (`bandwidth.measure_bandwidth`);
+on inf2 from HBM bandwidth (`hardware.INSTANCES`). Parameter counts are `params`, one prefill pass
+on inf2 (computed FLOPs) is `prefill`. `compare()` is what the notebooks' benchmark cells
+call; `plots.measured_vs_ceiling()` draws its rows.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from ..device.kv_layout import KVLayout
+from ..errors import UnknownNameError
+from .bandwidth import measure_bandwidth
+from .hardware import GB, GIB, INSTANCES, Inf2Instance  # noqa: F401  (re-exported for callers)
+from .params import ParamCounts, count_params, meta_model
+
+# ---- bytes per decode step ----------------------------------------------------------------------
+
+
+@dataclass
+class DecodeBytes:
+    """Bytes one batch-1 decode step reads."""
+
+    weights: float
+    kv: float
+    experts_form: str
+    ring: bool
+    context_length: int
+    dtype_bytes: int
+    params_read: float
+    kv_full_length: float  # the same buffers at full length, for comparison
+    tp: int = 1
+    expert_split: str | None = None  # MoE on TP ranks: "intermediate" | "experts"
+    weight_format: str = "bf16"  # "int8": quantized linears and experts (quant.py)
+
+    @property
+    def total(self) -> float:
+        return self.weights + self.kv
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "total": self.total}
+
+
+def decode_bytes(
+    model: Any,
+    *,
+    context_length: int,
+    ring: bool = True,
+    experts: str = "dense",
+    dtype_bytes: int | None = None,
+    batch: int = 1,
+    tp: int = 1,
+    expert_split: str | None = None,
+    weight_format: str = "bf16",
+) -> DecodeBytes:
+    """Bytes per decode step of `model`: a `LoadedModel`, a `*ForCausalLM`, or a variant name
+    (its released config, counted on the meta device; bf16 unless `dtype_bytes` says otherwise).
+    `weight_format="int8"`: weight-only int8 (`ParamCounts.device_bytes`); K/V at `dtype_bytes`.
+
+    `tp`: the ranks the step is sharded over. Only selective experts depend on it, and only under
+    the expert split (`expert_split`, default: the TP plan's; see `ParamCounts.device_params`);
+    K/V heads replicated across ranks are not counted twice."""
+    if isinstance(model, str):
+        lm = meta_model(model)
+        dtype_bytes = dtype_bytes or 2
+    else:
+        lm = getattr(model, "lm", model)
+        if dtype_bytes is None:
+            dtype_bytes = next(lm.parameters()).element_size()
+    counts = count_params(lm)
+    layout = KVLayout.from_config(lm.config)
+    params = counts.device_params(experts, tp, expert_split)
+    return DecodeBytes(
+        weights=float(counts.device_bytes(experts, tp, expert_split, dtype_bytes, weight_format)),
+        kv=float(layout.buffer_bytes(context_length, ring, dtype_bytes, batch)),
+        experts_form=experts if counts.num_experts else "none",
+        ring=ring,
+        context_length=context_length,
+        dtype_bytes=dtype_bytes,
+        params_read=params,
+        kv_full_length=float(layout.buffer_bytes(context_length, False, dtype_bytes, batch)),
+        tp=tp,
+        expert_split=counts.expert_split(tp, expert_split),
+        weight_format=weight_format,
+    )
+
+
+def ceiling_tok_s(bytes_per_step: float, bandwidth_bytes_s: float) -> float:
+    return bandwidth_bytes_s / bytes_per_step
+
+
+# ---- this machine's bandwidth ------------------------------------------------------------------
+
+
+# ---- measured vs ceiling (notebooks) -------------------------------------------------------------
+def compare(
+    measured_tok_s: float,
+    model: Any,
+    *,
+    device: str = "cpu",
+    bandwidth_bytes_s: float | None = None,
+    context_length: int = 2048,
+    ring: bool = True,
+    experts: str = "dense",
+    cores: int | None = None,
+    dtype_bytes: int | None = None,
+    expert_split: str | None = None,
+) -> dict[str, Any]:
+    """Measured decode tok/s next to its roofline ceiling.
+
+    `device`: "cpu" (pass `bandwidth_bytes_s`, or this machine's is measured now) or an inf2
+    instance name (HBM bandwidth of `cores` NeuronCores, all when None). `expert_split`: the TP
+    plan's MoE split on those cores (default: the plan's default).
+    """
+    tp = 1 if device == "cpu" or cores is None else int(cores)
+    steps = decode_bytes(
+        model,
+        context_length=context_length,
+        ring=ring,
+        experts=experts,
+        dtype_bytes=dtype_bytes,
+        tp=tp,
+        expert_split=expert_split,
+    )
+    if device == "cpu":
+        if bandwidth_bytes_s is None:
+            bandwidth_bytes_s = measure_bandwidth()["bandwidth_bytes_s"]
+    else:
+        if device not in INSTANCES:
+            raise UnknownNameError("device", device, ["cpu", *sorted(INSTANCES)])
+        bandwidth_bytes_s = bandwidth_bytes_s or INSTANCES[device].bandwidth_bytes_s(cores)
+    ceiling = ceiling_tok_s(steps.total, bandwidth_bytes_s)
+    return {
+        "device": device,
+        "measured_tok_s": measured_tok_s,
+        "ceiling_tok_s": ceiling,
+        "roofline_fraction": (measured_tok_s / ceiling) if measured_tok_s else None,
+        "bandwidth_gb_s": bandwidth_bytes_s / GB,
+        "bytes_per_step": steps.to_dict(),
+    }
+
+
+def rows_from_report(report: dict[str, Any], path: str = "gemma4lib") -> list[dict[str, Any]]:
+    """`compare()`-shaped rows for every model of a `benchmarks.suite.run_suite` report (one path)."""
+    rows = []
+    for model in report.get("models", []):
+        measured = model["paths"].get(path, {}).get("decode_tok_s")
+        rows.append(
+            {
+                "label": model["name"],
+                "device": "cpu",
+                "measured_tok_s": measured,
+                "ceiling_tok_s": model["ceiling_tok_s"],
+                "roofline_fraction": model["roofline_fraction"].get(path),
+                "bandwidth_gb_s": model["bandwidth"]["gb_s"],
+                "bytes_per_step": model["bytes_per_step"],
+            }
+        )
+    return rows
+
+
+# ---- the inf2 table (docs/ROOFLINE.md) ------------------------------------------------------------
+def inf2_table(
+    contexts: Iterable[int] = (2048, 8192), variants: Iterable[str] | None = None, dtype_bytes: int = 2
+) -> list[dict[str, Any]]:
+    """Per variant, per experts form and KV form: bf16 bytes/token and the tok/s ceiling on each
+    instance (all its cores) and on the recipe's own instance at its TP degree; the recipe's
+    bytes and ceiling again with weight-only int8 (`int8_recipe_*`; K/V stays bf16).
+
+    MoE selective rows come once per expert split the recipe's TP degree allows, the plan's
+    default first (the intermediate split for the 26B-A4B at TP=8) and the expert split after it
+    for comparison; only the recipe columns differ between them (the rest is the ideal, k routed
+    experts' bytes)."""
+    from ..models.variants import VARIANTS, get_variant
+
+    rows = []
+    for name in variants or VARIANTS:
+        variant = get_variant(name)
+        lm = meta_model(variant)
+        counts = count_params(lm)
+        tp = variant.tp_degree
+        forms: list[tuple[str, str | None]] = [("dense", counts.expert_split(tp))]
+        if counts.num_experts:
+            forms += [("selective", split) for split in _splits_at(counts, tp)]
+        for context in contexts:
+            for ring in (False, True):
+                for form, split in forms:
+                    shape = dict(context_length=context, ring=ring, experts=form, dtype_bytes=dtype_bytes)
+                    steps = decode_bytes(lm, **shape)
+                    on_ranks = decode_bytes(lm, **shape, tp=tp, expert_split=split)
+                    int8_on_ranks = decode_bytes(lm, **shape, tp=tp, expert_split=split, weight_format="int8")
+                    recipe_instance = INSTANCES[variant.instance_type]
+                    row = {
+                        "variant": variant.name,
+                        "context_length": context,
+                        "kv": "ring" if ring else "full",
+                        "experts": steps.experts_form,
+                        "expert_split": split,
+                        "weights_gb": steps.weights / GB,
+                        "kv_gb": steps.kv / GB,
+                        "total_gb": steps.total / GB,
+                        "recipe": f"{variant.instance_type} TP={tp}",
+                        "recipe_gb": on_ranks.total / GB,
+                        "recipe_ceiling_tok_s": ceiling_tok_s(on_ranks.total, recipe_instance.bandwidth_bytes_s(tp)),
+                        # weight-only int8 (computed from shapes, unmeasured on inf2): same recipe and cores
+                        "int8_recipe_gb": int8_on_ranks.total / GB,
+                        "int8_recipe_ceiling_tok_s": ceiling_tok_s(
+                            int8_on_ranks.total, recipe_instance.bandwidth_bytes_s(tp)
+                        ),
+                        "ceiling_tok_s": {},
+                        "fits_hbm": {},
+                    }
+                    # resident: ALL weights (every expert) + KV, whatever the read form
+                    resident = counts.device_params("dense") * dtype_bytes + steps.kv
+                    for inst in INSTANCES.values():
+                        row["ceiling_tok_s"][inst.name] = ceiling_tok_s(steps.total, inst.hbm_bytes_s)
+                        row["fits_hbm"][inst.name] = resident <= inst.hbm_gib * GIB
+                    rows.append(row)
+    return rows
+
+
+def _splits_at(counts: ParamCounts, tp: int) -> list[str]:
+    """The expert splits possible at `tp`, the plan's default first."""
+    default = counts.expert_split(tp)
+    possible = [
+        s for s, n in (("intermediate", counts.moe_intermediate), ("experts", counts.num_experts)) if n and n % tp == 0
+    ]
+    return [default] + [s for s in possible if s != default] if default else possible
+
+
+_SPLIT_LABEL = {"experts": "expert", "intermediate": "intermediate"}
+
+
+def format_inf2_table(rows: Sequence[dict[str, Any]]) -> str:
+    """Markdown for `inf2_table` rows."""
+    names = list(INSTANCES)
+    head = (
+        "| variant | ctx | KV | experts | weights GB | KV GB | total GB | recipe reads GB | recipe ceiling tok/s | "
+        "int8: recipe reads GB | int8: recipe ceiling tok/s | " + " | ".join(names) + " |"
+    )
+    lines = [head, "|" + "---|" * (11 + len(names))]
+    for r in rows:
+        cells = [f"{r['ceiling_tok_s'][n]:.0f}" if r["fits_hbm"][n] else "–" for n in names]
+        experts = r["experts"]
+        if experts == "selective" and r.get("expert_split"):
+            experts += f" ({_SPLIT_LABEL.get(r['expert_split'], r['expert_split'])} split)"
+        lines.append(
+            f"| {r['variant']} | {r['context_length']} | {r['kv']} | {experts} | {r['weights_gb']:.2f} | "
+            f"{r['kv_gb']:.3f} | {r['total_gb']:.2f} | {r['recipe_gb']:.2f} | "
+            f"{r['recipe_ceiling_tok_s']:.0f} ({r['recipe']}) | {r['int8_recipe_gb']:.2f} | "
+            f"{r['int8_recipe_ceiling_tok_s']:.0f} | " + " | ".join(cells) + " |"
+        )
+    return "\n".join(lines)
+
+
+# ---- one prefill pass on inf2 (computed) --------------------------------------------------------

@@ -1,0 +1,146 @@
+"""A small tokenizer with Gemma-4's special tokens, ids and chat template, for the tiny trained models.
+
+No Gemma-4 tokenizer ships in any package (the real one comes with the checkpoint from the hub),
+so the tiny trained fixtures use this stand-in. What it shares with the real one is what the
+cookbook's host runtime depends on:
+
+- special tokens at the real ids: `<pad>` 0, `<eos>` 1, `<bos>` 2, `<|turn>` 105, `<turn|>` 106
+  (ids 3..104 are filler special tokens `<unused3>` ... `<unused104>`);
+- `<bos>` added by plain `tokenizer(text)` (as the real tokenizer does), not by the chat template's
+  tokenization (`apply_chat_template` renders `<bos>` itself and encodes without special tokens);
+- the chat template: `<bos><|turn>user\n{msg}<turn|>\n<|turn>model\n` with a generation prompt;
+- Gemma 3's `<start_of_turn>` / `<end_of_turn>` are NOT special: written into a prompt they split
+  into several ordinary pieces, exactly the failure the real tokenizer shows.
+
+The ordinary vocabulary is a byte-level BPE learnt from the synthetic corpus until no merge is left
+(810 tokens with the default corpus: 107 specials, 256 bytes, 447 merges), so every corpus word is
+one token and any text at all still encodes (byte fallback).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ..errors import CheckpointError, MissingChatTemplateError
+
+PAD, EOS, BOS, TURN_OPEN, TURN_CLOSE = "<pad>", "<eos>", "<bos>", "<|turn>", "<turn|>"
+PAD_ID, EOS_ID, BOS_ID, TURN_OPEN_ID, TURN_CLOSE_ID = 0, 1, 2, 105, 106
+DEFAULT_VOCAB_SIZE = 1024
+
+# Gemma-4's format. Assistant turns are written with role "model"; contents are stripped.
+CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for message in messages %}"
+    "{% set role = 'model' if message['role'] == 'assistant' else message['role'] %}"
+    "{{ '<|turn>' + role + '\\n' + (message['content'] | trim) + '<turn|>\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|turn>model\\n' }}{% endif %}"
+)
+
+
+def special_tokens() -> list[str]:
+    """Special tokens in id order: index == id (0..106)."""
+    tokens = [PAD, EOS, BOS] + [f"<unused{i}>" for i in range(3, TURN_OPEN_ID)] + [TURN_OPEN, TURN_CLOSE]
+    assert tokens.index(TURN_OPEN) == TURN_OPEN_ID and tokens.index(TURN_CLOSE) == TURN_CLOSE_ID
+    return tokens
+
+
+def build_backend(texts: list[str] | None = None, vocab_size: int = DEFAULT_VOCAB_SIZE):
+    """The raw `tokenizers.Tokenizer`: byte-level BPE trained on `texts` (default: the corpus).
+
+    `vocab_size` is a cap; with the default corpus the merges run out first (810 tokens).
+    """
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    if texts is None:
+        from .corpus import tokenizer_texts
+
+        # The role names of the chat template are learnt too: one token each, as in Gemma's vocabulary.
+        texts = tokenizer_texts() + ["user\n", "model\n"]
+    specials = special_tokens()
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        min_frequency=1,
+        show_progress=False,
+        special_tokens=[AddedToken(t, special=True, normalized=False) for t in specials],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tok.train_from_iterator(texts, trainer=trainer)
+    tok.post_processor = processors.TemplateProcessing(
+        single=f"{BOS} $A", pair=f"{BOS} $A {BOS} $B", special_tokens=[(BOS, BOS_ID)]
+    )
+    for i, t in enumerate(specials):
+        if tok.token_to_id(t) != i:
+            raise AssertionError(f"special token {t!r} landed at id {tok.token_to_id(t)}, not {i}")
+    return tok
+
+
+def wrap(backend):
+    """Wrap a backend tokenizer as a transformers fast tokenizer with the Gemma-4 chat template."""
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        bos_token=BOS,
+        eos_token=EOS,
+        pad_token=PAD,
+        unk_token=None,
+        padding_side="left",
+        add_bos_token=True,
+        add_eos_token=False,
+        model_max_length=4096,
+        chat_template=CHAT_TEMPLATE,
+    )
+    return tokenizer
+
+
+def build_tokenizer(vocab_size: int = DEFAULT_VOCAB_SIZE, texts: list[str] | None = None):
+    """A deterministic tokenizer for the tiny trained models (same corpus → same vocabulary)."""
+    return wrap(build_backend(texts, vocab_size))
+
+
+def save_tokenizer(tokenizer, path: str | Path) -> Path:
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    tokenizer.save_pretrained(str(path))
+    return path
+
+
+def load_tokenizer(path: str | Path):
+    """Load a tokenizer saved by `save_tokenizer` (or the shipped fixture's) and check its specials."""
+    from transformers import PreTrainedTokenizerFast
+
+    path = Path(path)
+    if not (path / "tokenizer.json").is_file():
+        raise CheckpointError(
+            f"{path} has no tokenizer.json; build one with "
+            f"`gemma4lib.models.tokenizer.save_tokenizer(build_tokenizer(), path)`"
+        )
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(str(path))
+    check_special_ids(tokenizer)
+    return tokenizer
+
+
+def check_special_ids(tokenizer) -> None:
+    """Raise if the Gemma-4 special tokens are not at their real ids."""
+    expected = {PAD: PAD_ID, EOS: EOS_ID, BOS: BOS_ID, TURN_OPEN: TURN_OPEN_ID, TURN_CLOSE: TURN_CLOSE_ID}
+    got = {t: tokenizer.convert_tokens_to_ids(t) for t in expected}
+    if got != expected:
+        raise CheckpointError(f"tokenizer special ids {got} differ from Gemma-4's {expected}")
+    if (tokenizer.pad_token_id, tokenizer.eos_token_id, tokenizer.bos_token_id) != (PAD_ID, EOS_ID, BOS_ID):
+        raise CheckpointError("tokenizer pad/eos/bos are not <pad>/<eos>/<bos>")
+
+
+def require_chat_template(tokenizer, source: str = "this tokenizer") -> None:
+    """Refuse a tokenizer that cannot render Gemma-4's chat format (no `chat_template`)."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise MissingChatTemplateError(
+            f"{source} has no chat template (chat_template.jinja, or chat_template in tokenizer_config.json); "
+            f"without it a chat prompt would be sent as plain text, with no <|turn> markers: the model answers "
+            f"nonsense and the device reproduces it, so SEQ_MATCH passes on garbage. Download the checkpoint's "
+            f"chat_template.jinja again (e.g. `hf download <hub id> chat_template.jinja --local-dir <folder>`), "
+            f"or for a base model encode a completion prompt with encode_prompt(..., chat=False)"
+        )

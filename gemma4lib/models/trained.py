@@ -1,0 +1,122 @@
+"""The tiny trained Gemma-4 fixtures shipped with the library: load them, check their hashes.
+
+`gemma4lib/fixtures/<variant>/` holds a small model of each variant's tiny architecture trained
+on the synthetic chat corpus (`scripts/train_tiny.py`); `gemma4lib/fixtures/tokenizer/` the shared
+tokenizer with Gemma-4's special tokens and chat template; `PROVENANCE.json` how they were made
+and the sha256 of every file. Asked "What is the capital of France?" through the chat template,
+each answers "The capital of France is Paris." and stops with `<eos>`.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..artifacts import sha256_file
+from ..errors import CheckpointError
+from .loading import LoadedModel, _text_classes
+from .program_key import declare_identity
+from .tokenizer import load_tokenizer
+from .variants import Variant, get_variant
+
+FIXTURES_DIR = Path(__file__).resolve().parent.parent / "fixtures"
+TOKENIZER_DIR = FIXTURES_DIR / "tokenizer"
+PROVENANCE_FILE = FIXTURES_DIR / "PROVENANCE.json"
+MODEL_FILES = ("config.json", "generation_config.json", "model.safetensors")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
+SOURCE = "tiny-trained"
+
+
+def fixture_dir(variant: Variant | str, root: Path | None = None) -> Path:
+    v = variant if isinstance(variant, Variant) else get_variant(variant)
+    return (root or FIXTURES_DIR) / v.name
+
+
+def read_provenance(root: Path | None = None) -> dict[str, Any]:
+    path = (root or FIXTURES_DIR) / "PROVENANCE.json"
+    if not path.is_file():
+        raise CheckpointError(
+            f"{path} is missing; regenerate the fixtures with "
+            f"`python scripts/train_tiny.py --variant all --out {root or FIXTURES_DIR}`"
+        )
+    return json.loads(path.read_text())
+
+
+def verify_fixture_hashes(root: Path | None = None, variants: list[str] | None = None) -> dict[str, str]:
+    """Check every recorded file's sha256 against PROVENANCE.json; return {relative path: sha256}.
+
+    Raises `CheckpointError` naming each missing or changed file.
+    """
+    root = root or FIXTURES_DIR
+    recorded: dict[str, str] = read_provenance(root)["files"]
+    wanted = None if variants is None else {get_variant(v).name for v in variants} | {"tokenizer"}
+    problems, checked = [], {}
+    for rel, expected in sorted(recorded.items()):
+        if wanted is not None and rel.split("/", 1)[0] not in wanted:
+            continue
+        path = root / rel
+        if not path.is_file():
+            problems.append(f"{rel}: missing")
+            continue
+        got = sha256_file(path)
+        if got != expected:
+            problems.append(f"{rel}: sha256 {got[:12]}… != recorded {expected[:12]}…")
+        checked[rel] = got
+    if problems:
+        raise CheckpointError(
+            "trained fixtures do not match PROVENANCE.json ("
+            + "; ".join(problems)
+            + "); restore them from git or regenerate with scripts/train_tiny.py"
+        )
+    return checked
+
+
+def load_trained(
+    variant_name: str | Variant, dtype: torch.dtype = torch.float32, verify: bool = True, root: Path | None = None
+) -> LoadedModel:
+    """The shipped tiny trained model of a variant (fp32 by default) with the fixture tokenizer."""
+    variant = variant_name if isinstance(variant_name, Variant) else get_variant(variant_name)
+    root = root or FIXTURES_DIR
+    path = fixture_dir(variant, root)
+    if verify:
+        verify_fixture_hashes(root, [variant.name])
+    elif not (path / "model.safetensors").is_file():
+        raise CheckpointError(
+            f"no trained fixture for {variant.name!r} at {path}; generate it with "
+            f"`python scripts/train_tiny.py --variant {variant.name} --out {root}`"
+        )
+    _, lm_cls = _text_classes(variant)
+    lm = lm_cls.from_pretrained(str(path), dtype=dtype, attn_implementation=variant.attn_implementation)
+    tokenizer = load_tokenizer(root / "tokenizer")
+    weights = sha256_file(path / "model.safetensors")  # 3-6 MB: the hash PROVENANCE.json records
+    declare_identity(lm, f"fixture:{variant.name}:{weights}:{dtype}")
+    return LoadedModel(variant, lm.eval(), tokenizer, SOURCE)
+
+
+def save_fixture(lm: torch.nn.Module, path: Path) -> dict[str, str]:
+    """Save a model as a fixture folder and check it reloads with identical tensors (buffers included)."""
+    path.mkdir(parents=True, exist_ok=True)
+    lm.save_pretrained(str(path), safe_serialization=True)
+    reloaded = type(lm).from_pretrained(
+        str(path), dtype=torch.float32, attn_implementation=lm.config._attn_implementation
+    )
+    before, after = lm.state_dict(), reloaded.state_dict()
+    if before.keys() != after.keys():
+        raise CheckpointError(f"fixture {path} reloads with different tensors: {sorted(set(before) ^ set(after))}")
+    changed = [k for k in before if not torch.equal(before[k], after[k])]
+    if changed:
+        raise CheckpointError(f"fixture {path} reloads with different values for {changed}")
+    return {name: sha256_file(path / name) for name in MODEL_FILES}
+
+
+def fixture_available(variant_name: str | Variant, root: Path | None = None) -> bool:
+    """Whether a trained fixture (weights and tokenizer) is present for the variant."""
+    root = root or FIXTURES_DIR
+    try:
+        path = fixture_dir(variant_name, root)
+    except Exception:
+        return False
+    return (path / "model.safetensors").is_file() and (root / "tokenizer" / "tokenizer.json").is_file()

@@ -1,0 +1,1 @@
+"""Commands that inspect or break a port: the fault lab, the HLO byte audit, the XLA shape check."""
