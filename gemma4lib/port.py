@@ -115,7 +115,7 @@ def run_device(
     `run`: `backends.base`): the device part of the record, with the per-step logits LOGITS_MATCH needs.
     With a draft, the assistant drafts and the target verifies k + 1 at a time (`speculative`)."""
     if settings.draft is not None:
-        from .speculative import run_device_drafted
+        from .serving.speculative import run_device_drafted
 
         return run_device_drafted(model, settings, ids, eos, progress=progress, bench=bench)
     return backends.run_device(model, settings, ids, eos, progress=progress, bench=bench)
@@ -204,7 +204,7 @@ def port(settings: PortSettings, progress: bool = False) -> dict[str, Any]:
     torch.manual_seed(settings.seed)
     model = load_model(settings)
     if settings.batch_size > 1:  # B prompts through batched graphs, every row judged (batch_port.py)
-        from .batch_port import port_batch
+        from .serving.batch_port import port_batch
 
         return port_batch(settings, model, eos_ids(model), started, load=load_model, progress=progress)
     ids = prompt_ids(model, settings)

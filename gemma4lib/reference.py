@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from .errors import SettingsError
-from .upcast import upcast_forward
+from .models.upcast import upcast_forward
 
 log = logging.getLogger(__name__)
 

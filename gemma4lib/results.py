@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .artifacts import atomic_write_json
+from .cache.artifacts import atomic_write_json
 
 
 def result_filename(result: dict[str, Any]) -> str:

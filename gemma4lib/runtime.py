@@ -230,7 +230,7 @@ class HostRuntime:
         if self.batch > 1:  # the graphs take `batch` rows: batch_runtime.generate_batch feeds them
             raise SettingsError(
                 f"this runtime's graphs were compiled for batch {self.batch}; generate with "
-                f"gemma4lib.batch_runtime.generate_batch(runtime, [prompt_ids, ...], max_new_tokens)"
+                f"gemma4lib.serving.batch_runtime.generate_batch(runtime, [prompt_ids, ...], max_new_tokens)"
             )
         ids = torch.as_tensor(prompt_ids, dtype=torch.long)
         if ids.dim() == 2:

@@ -138,7 +138,7 @@ class PortSettings:
         if self.backend == "neuron":
             self._check_neuron()
         if self.artifacts:
-            from .bundle import check_settings
+            from .cache.bundle import check_settings
 
             check_settings(self)  # shapes, formats, versions, machine: before anything loads
 
@@ -152,7 +152,7 @@ class PortSettings:
                 )
             return
         self.draft_tokens = whole_number("draft_tokens", 4 if self.draft_tokens is None else self.draft_tokens, 1)
-        from .speculative import check_draft
+        from .serving.speculative import check_draft
 
         check_draft(self)
 
@@ -178,7 +178,7 @@ class PortSettings:
 
     def batch_rows(self) -> tuple[tuple[str, str | None], ...]:
         """The batch's (prompt, expected answer) rows: `prompts`/`expects`, or B capital questions."""
-        from .batch_prompts import capital_questions
+        from .serving.batch_prompts import capital_questions
 
         if self.prompts is None:
             return capital_questions(self.batch_size)
@@ -224,7 +224,7 @@ class PortSettings:
                 weights=self.weights,
                 batch=self.batch_size,
             )
-            from .serving_host import require_serving_host
+            from .inf2.serving_host import require_serving_host
 
             require_serving_host(  # the host that serves and checks: model, shards, reference, spread
                 self.variant_spec,

@@ -93,10 +93,10 @@ import torch
 from IPython.display import display
 
 from gemma4lib import checks, compile_cpu, notebook as nb, plots
-from gemma4lib.artifacts import ArtifactCache
+from gemma4lib.cache.artifacts import ArtifactCache
 from gemma4lib.backends.base import PREFILL_EXPERTS, CompiledGraphs
-from gemma4lib.benchmarks.timing import benchmark
-from gemma4lib.graph import DeviceGraph, GraphShape
+from gemma4lib.timing import benchmark
+from gemma4lib.device.graph import DeviceGraph, GraphShape
 from gemma4lib.port import PortSettings, eos_ids, load_model, prompt_ids
 from gemma4lib.reference import logits_spread, reference_greedy, teacher_forced_logits
 from gemma4lib.runtime import HostRuntime, Sampling, decode_loop

@@ -93,10 +93,10 @@ import torch
 from IPython.display import display
 
 from gemma4lib import checks, compile_cpu, notebook as nb, plots
-from gemma4lib.artifacts import ArtifactCache
+from gemma4lib.cache.artifacts import ArtifactCache
 from gemma4lib.backends.base import PREFILL_EXPERTS, CompiledGraphs
-from gemma4lib.benchmarks.timing import benchmark
-from gemma4lib.graph import DeviceGraph, GraphShape
+from gemma4lib.timing import benchmark
+from gemma4lib.device.graph import DeviceGraph, GraphShape
 from gemma4lib.port import PortSettings, eos_ids, load_model, prompt_ids
 from gemma4lib.reference import logits_spread, reference_greedy, teacher_forced_logits
 from gemma4lib.runtime import HostRuntime, Sampling, decode_loop
@@ -225,7 +225,7 @@ demos["expert_forms"]
 # Both are bounds from bytes, not measured on inf2. Each rank holds 1/8 of the expert bytes either way.
 
 # %%
-from gemma4lib.roofline import compare
+from gemma4lib.inf2.roofline import compare
 
 real, v = s.variant_spec.real_config, s.variant_spec
 sizes = nb.device_bytes(v)

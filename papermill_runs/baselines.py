@@ -30,7 +30,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from gemma4lib.artifacts import atomic_write_json
+from gemma4lib.cache.artifacts import atomic_write_json
 from gemma4lib.errors import BaselineError
 
 PACKAGE_DIR = Path(__file__).resolve().parent

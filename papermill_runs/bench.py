@@ -48,7 +48,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-from gemma4lib.artifacts import atomic_write_json
+from gemma4lib.cache.artifacts import atomic_write_json
 from gemma4lib.errors import BaselineError
 
 from . import baselines

@@ -8,7 +8,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from gemma4lib.artifacts import atomic_write_text
+from gemma4lib.cache.artifacts import atomic_write_text
 from gemma4lib.notebook import plots
 
 from .baselines import Verdict

@@ -38,7 +38,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from gemma4lib.artifacts import atomic_write_json
+from gemma4lib.cache.artifacts import atomic_write_json
 from gemma4lib.errors import BaselineError
 from gemma4lib.models.variants import ALIASES as variant_aliases
 from gemma4lib.models.variants import VARIANTS
@@ -132,7 +132,7 @@ def resolve_threads(params: dict[str, Any]) -> dict[str, Any]:
     reference of a big variant should not run on one core of a 48-core host. Smoke runs keep 1
     (benchmarks here are timed on one thread, the cores are shared)."""
     if params.get("threads") == "auto":
-        from gemma4lib.hardware import host_threads
+        from gemma4lib.inf2.hardware import host_threads
 
         params = {**params, "threads": host_threads()}
     return params

@@ -103,7 +103,13 @@ def test_gemma4lib_has_no_import_cycles():
 
 # The layers above `port`: they run ports (the command line, the fault lab, the benchmark suite,
 # the notebook helpers). Everything else is below `port` and must not reach it.
-ABOVE_PORT = ("gemma4lib.cli", "gemma4lib.cache.export", "gemma4lib.tools.faults", "gemma4lib.benchmarks", "gemma4lib.notebook")
+ABOVE_PORT = (
+    "gemma4lib.cli",
+    "gemma4lib.cache.export",
+    "gemma4lib.tools.faults",
+    "gemma4lib.benchmarks",
+    "gemma4lib.notebook",
+)
 
 
 def above_port(module: str) -> bool:

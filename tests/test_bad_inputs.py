@@ -28,8 +28,9 @@ from typing import Any
 import pytest
 import torch
 
-from gemma4lib import artifacts, environment
-from gemma4lib.artifacts import ArtifactCache, atomic_write_json
+from gemma4lib import environment
+from gemma4lib.cache import artifacts
+from gemma4lib.cache.artifacts import ArtifactCache, atomic_write_json
 from gemma4lib.errors import (
     ArtifactError,
     BadPromptError,

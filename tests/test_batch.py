@@ -8,12 +8,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gemma4lib.batch_runtime import RowStepwisePrefill, generate_batch
 from gemma4lib.checks import check_logits
+from gemma4lib.device.graph import DeviceGraph, GraphShape
 from gemma4lib.errors import BadPromptError, BatchTooLargeError, SettingsError
-from gemma4lib.graph import DeviceGraph, GraphShape
 from gemma4lib.reference import random_prompt, reference_greedy
 from gemma4lib.runtime import HostRuntime
+from gemma4lib.serving.batch_runtime import RowStepwisePrefill, generate_batch
 
 BATCH, CONTEXT, BUCKET, NEW = 3, 32, 16, 14
 LENGTHS = (12, 5, 9)  # different lengths; 12 + 14 - 1 > the tiny window of 8: the rings wrap
@@ -101,8 +101,8 @@ def _eager_runtime(model, batch, form, ring=True, context=CONTEXT):
 
 @pytest.mark.parametrize("variant", ["26b-a4b", "31b"])
 def test_eager_batch_moe_selective_and_k_eq_v_rows(variant):
-    from gemma4lib.loading import build_tiny
-    from gemma4lib.variants import get_variant
+    from gemma4lib.models.loading import build_tiny
+    from gemma4lib.models.variants import get_variant
 
     model = build_tiny(get_variant(variant))
     prompts = _prompts(model)
@@ -112,10 +112,10 @@ def test_eager_batch_moe_selective_and_k_eq_v_rows(variant):
 
 def test_trace_recipe_prefills_rows_of_different_lengths_step_by_step():
     """The trace recipe's batched decode module (K/V as aliased parameters), emulated on CPU."""
-    from gemma4lib.loading import build_tiny
+    from gemma4lib.models.loading import build_tiny
+    from gemma4lib.models.variants import get_variant
     from gemma4lib.recipes import neuron_trace
     from gemma4lib.recipes.common import AliasEmulator, DeviceStep
-    from gemma4lib.variants import get_variant
 
     model = build_tiny(get_variant("e2b"))
     module = neuron_trace.build_kv_module(model, CONTEXT, ring=True, batch=BATCH)
@@ -128,10 +128,10 @@ def test_trace_recipe_prefills_rows_of_different_lengths_step_by_step():
 
 
 def test_model_builder_buckets_take_one_start_and_length_per_row():
-    from gemma4lib.loading import build_tiny
+    from gemma4lib.models.loading import build_tiny
+    from gemma4lib.models.variants import get_variant
     from gemma4lib.recipes import neuron_model_builder as mb
     from gemma4lib.recipes.common import graph_example_inputs
-    from gemma4lib.variants import get_variant
 
     model = build_tiny(get_variant("e2b"))
     for key, shape in mb.bucket_shapes(64, 32, batch=4).items():
@@ -168,8 +168,8 @@ def test_tp_ranks_run_the_batched_rank_graphs():
 def test_bench_batch_section_schema_and_its_papermill_verdict():
     """The bench's batch sweep on a tiny model, eager (schema and checks; figures only in the suite)."""
     from gemma4lib.benchmarks.batch import bench_batch_model
-    from gemma4lib.loading import build_tiny
-    from gemma4lib.variants import get_variant
+    from gemma4lib.models.loading import build_tiny
+    from gemma4lib.models.variants import get_variant
     from papermill_runs import bench as pm_bench
 
     model = build_tiny(get_variant("e2b"))
@@ -202,8 +202,8 @@ def test_bench_batch_section_schema_and_its_papermill_verdict():
 
 
 def test_batch_ceilings_count_weights_once_and_kv_and_selective_experts_per_row():
-    from gemma4lib.batch_roofline import batch_ceilings, batch_decode_bytes
-    from gemma4lib.roofline import decode_bytes
+    from gemma4lib.inf2.batch_roofline import batch_ceilings, batch_decode_bytes
+    from gemma4lib.inf2.roofline import decode_bytes
 
     one = decode_bytes("e2b", context_length=2048)
     four = batch_decode_bytes("e2b", 4, context_length=2048, dtype_bytes=2)
@@ -221,7 +221,7 @@ def test_batch_ceilings_count_weights_once_and_kv_and_selective_experts_per_row(
 
 def test_memory_plan_counts_kv_per_row_and_refuses_a_batch_that_does_not_fit():
     from gemma4lib.errors import DeviceMemoryError
-    from gemma4lib.memory_plan import plan_core_memory, require_fit
+    from gemma4lib.inf2.memory_plan import plan_core_memory, require_fit
 
     one = plan_core_memory("e2b", 1, context_length=8192, ring=False)
     many = plan_core_memory("e2b", 1, context_length=8192, ring=False, batch=32)
@@ -231,8 +231,8 @@ def test_memory_plan_counts_kv_per_row_and_refuses_a_batch_that_does_not_fit():
 
 
 def test_tok_s_vs_batch_plot_draws_measured_and_computed():
-    from gemma4lib.batch_roofline import batch_ceilings
-    from gemma4lib.plots_batch import tok_s_vs_batch
+    from gemma4lib.inf2.batch_roofline import batch_ceilings
+    from gemma4lib.notebook.plots_batch import tok_s_vs_batch
 
     measured = {"model": "m", "rows": [{"batch": 1, "gemma4lib_tok_s": 10.0, "hf_eager_tok_s": 8.0}]}
     fig = tok_s_vs_batch(measured, batch_ceilings("e2b", (1, 4, 16)))

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from gemma4lib import bundle
+from gemma4lib.cache import bundle
 from gemma4lib.errors import BundleError
 from gemma4lib.port import PortSettings, compile_graphs, load_model
 
@@ -107,7 +107,7 @@ def test_other_versions_or_machine_are_refused(exported, tmp_path):
 
 
 def _no_compile(monkeypatch):
-    from gemma4lib import compile_cpu
+    from gemma4lib.backends import compile_cpu
 
     def refuse(*args, **kwargs):
         raise AssertionError("a run from a bundle compiled")
@@ -156,7 +156,7 @@ def test_a_neuron_bundle_carries_the_model_and_its_shards(tmp_path, monkeypatch)
     entry (model.pt, the per-rank shards in weights/); a run from the bundle on the serving host
     loads that entry with no compile, and another instance family is refused."""
     from gemma4lib.backends import neuron
-    from gemma4lib.export import export_bundle
+    from gemma4lib.cache.export import export_bundle
     from gemma4lib.recipes import neuron_env, neuron_model_builder
 
     pins = {

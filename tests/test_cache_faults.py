@@ -26,8 +26,9 @@ from typing import Any
 
 import pytest
 
-from gemma4lib import artifacts, cache_lock
-from gemma4lib.artifacts import ArtifactCache
+from gemma4lib.cache import artifacts
+from gemma4lib.cache import lock as cache_lock
+from gemma4lib.cache.artifacts import ArtifactCache
 from gemma4lib.errors import (
     CacheLocationError,
     CacheLockError,
@@ -35,9 +36,9 @@ from gemma4lib.errors import (
     CheckpointError,
     MissingChatTemplateError,
 )
-from gemma4lib.loading import load_checkpoint
+from gemma4lib.models.checkpoint import load_checkpoint
+from gemma4lib.models.variants import get_variant
 from gemma4lib.runtime import encode_prompt
-from gemma4lib.variants import get_variant
 from papermill_runs import run as pm_run
 from papermill_runs.parameters import check_overrides
 
@@ -212,7 +213,7 @@ HOLDER = textwrap.dedent(
     """
     import sys, time
     from pathlib import Path
-    from gemma4lib.artifacts import ArtifactCache
+    from gemma4lib.cache.artifacts import ArtifactCache
     def build(folder):
         print("holding", flush=True)
         time.sleep(float(sys.argv[3]))
@@ -280,8 +281,8 @@ _RELEASED: dict[str, Path] = {}
 
 def released_copy(ctx: Ctx) -> Path:
     """A copy of a released-layout E2B folder (the trained tiny decoder), built once per session."""
-    from gemma4lib.released import save_released_layout
-    from gemma4lib.trained import load_trained
+    from gemma4lib.models.released import save_released_layout
+    from gemma4lib.models.trained import load_trained
 
     if "e2b" not in _RELEASED:
         trained = load_trained("e2b")
@@ -311,7 +312,7 @@ def no_chat_template(ctx: Ctx) -> None:
 
 
 def chat_prompt_without_template(ctx: Ctx) -> None:
-    from gemma4lib.trained import load_trained
+    from gemma4lib.models.trained import load_trained
 
     tokenizer = load_trained("e2b").tokenizer
     tokenizer.chat_template = None

@@ -11,7 +11,11 @@ import pytest
 import torch
 
 from gemma4lib import checks
-from gemma4lib.assistant import (
+from gemma4lib.device.drafting import DraftGraph, RoomyLayout, ordered_logits
+from gemma4lib.device.graph import GraphShape
+from gemma4lib.device.kv_layout import FULL, SLIDING
+from gemma4lib.errors import CheckpointError, SettingsError, UnknownNameError
+from gemma4lib.models.assistant import (
     assistant_spec,
     build_tiny_assistant,
     check_pair,
@@ -19,18 +23,9 @@ from gemma4lib.assistant import (
     read_layers,
     store_for_assistant,
 )
-from gemma4lib.drafting import DraftGraph, RoomyLayout, ordered_logits
-from gemma4lib.errors import CheckpointError, SettingsError, UnknownNameError
-from gemma4lib.graph import GraphShape
-from gemma4lib.kv_layout import FULL, SLIDING
 from gemma4lib.port import PortSettings, eos_ids, load_model, port, prompt_ids
 from gemma4lib.reference import reference_greedy
-from gemma4lib.speculative import (
-    DraftedRuntime,
-    build_draft_graphs,
-    compile_draft_graphs,
-    hf_assisted,
-)
+from gemma4lib.serving.speculative import DraftedRuntime, build_draft_graphs, compile_draft_graphs, hf_assisted
 
 DONE_WHEN = ["e2b", "31b", "26b-a4b"]
 ALL = [*DONE_WHEN, "e4b", "12b"]
@@ -201,7 +196,7 @@ def test_bad_draft_settings_say_what_to_do(kwargs, error, words):
 
 
 def test_a_draft_without_an_assistant_says_how_to_train_one(monkeypatch, tmp_path):
-    import gemma4lib.assistant as assistant_module
+    import gemma4lib.models.assistant as assistant_module
 
     settings = PortSettings(variant="e2b", draft="assistant")
     model = load_model(settings)
@@ -257,10 +252,10 @@ def test_drafting_compiled_with_aotinductor_is_exact():
 @pytest.mark.slow
 def test_retraining_the_e2b_assistant_gives_the_shipped_weights():
     """One thread, seeded: the same bytes on the CPU type that trained the fixture."""
-    from gemma4lib.assistant import assistant_dir, load_assistant_folder
-    from gemma4lib.assistant_training import AssistantTrainConfig, train_assistant
     from gemma4lib.environment import cpu_type
-    from gemma4lib.trained import load_trained, read_provenance
+    from gemma4lib.models.assistant import assistant_dir, load_assistant_folder
+    from gemma4lib.models.assistant_training import AssistantTrainConfig, train_assistant
+    from gemma4lib.models.trained import load_trained, read_provenance
 
     recorded = read_provenance()["assistants"]["e2b"]
     if recorded["cpu"] != cpu_type():

@@ -20,8 +20,8 @@ import pytest
 import torch
 from conftest import VARIANT_NAMES
 
-from gemma4lib.artifacts import make_key
 from gemma4lib.backends.compile_cpu import DEFAULT_COMPILER_OPTIONS, RECIPE, export_graph, graph_key
+from gemma4lib.cache.artifacts import make_key
 from gemma4lib.models.checkpoint import load_checkpoint
 from gemma4lib.models.released import AUDIO_VARIANTS, save_released_layout
 from gemma4lib.models.trained import load_trained

@@ -18,19 +18,19 @@ import pytest
 import torch
 from torch import nn
 
-from gemma4lib.embedder import HostEmbedder
+from gemma4lib.device.embedder import HostEmbedder
 from gemma4lib.errors import DeviceMemoryError, DeviceOutputError, HostTablesMovedError, NeuronCoresBusyError
-from gemma4lib.loading import build_tiny
-from gemma4lib.memory_plan import plan_core_memory, rank_weight_bytes
+from gemma4lib.inf2.memory_plan import plan_core_memory, rank_weight_bytes
+from gemma4lib.models.loading import build_tiny
+from gemma4lib.models.variants import get_variant
 from gemma4lib.recipes import cores, neuron_env
 from gemma4lib.recipes.common import DeviceStep, check_first_output, check_host_tables, greedy_generate
-from gemma4lib.variants import get_variant
 
 
 # ---- finding 4: int8 at its bytes; no host re-quantization for shapes -----------------------------
 def test_int8_is_counted_at_one_byte_plus_a_scale_per_row():
     """31B at TP=4: bf16 does not fit a core (14.3 GiB + K/V + working memory), int8 does."""
-    from gemma4lib.roofline import count_params, meta_model
+    from gemma4lib.inf2.params import count_params, meta_model
 
     bf16 = plan_core_memory("31b", 4, instance="inf2.24xlarge")
     int8 = plan_core_memory("31b", 4, instance="inf2.24xlarge", weights="int8")
@@ -39,7 +39,7 @@ def test_int8_is_counted_at_one_byte_plus_a_scale_per_row():
     counts = count_params(meta_model("e2b"))  # at TP=1 the rank holds every linear whole
     full = rank_weight_bytes("e2b", 1)
     assert rank_weight_bytes("e2b", 1, "int8") == full - counts.linear + 4 * counts.linear_rows
-    from gemma4lib.serving_host import serving_host_plan
+    from gemma4lib.inf2.serving_host import serving_host_plan
 
     for weights in ("bf16", "int8"):  # the serving host reads the same shards the cores get
         shards = serving_host_plan("31b", 4, "inf2.24xlarge", weights=weights).shards_gb
@@ -59,8 +59,8 @@ def test_int8_port_settings_pass_where_bf16_is_refused(monkeypatch):
 
 def test_neuron_backend_builds_no_int8_graph_on_the_host(monkeypatch):
     """weights="int8": NxD quantizes its own layers; the backend's shape-only graph stays full precision."""
-    from gemma4lib import graph as graph_module
     from gemma4lib import port as port_module
+    from gemma4lib.device import graph as graph_module
     from gemma4lib.recipes import neuron_model_builder
 
     built = []
@@ -215,7 +215,7 @@ def test_host_loop_passes_embeddings_in_the_compiled_dtype():
 
 # ---- finding 10: threads from the machine ---------------------------------------------------------------
 def test_full_profile_threads_come_from_the_machine(tmp_path):
-    from gemma4lib.hardware import host_threads
+    from gemma4lib.inf2.hardware import host_threads
     from papermill_runs.run import load_profiles, notebook_parameters
 
     profiles = load_profiles()

@@ -549,8 +549,8 @@ def test_the_model_builder_cell_makes_the_recipes_calls(path, tmp_path, monkeypa
     from test_neuron_recipes import _Recorder
 
     from gemma4lib import notebook as nb_helpers
-    from gemma4lib.artifacts import ArtifactCache
     from gemma4lib.backends.base import CompiledGraphs
+    from gemma4lib.cache.artifacts import ArtifactCache
     from gemma4lib.port import PortSettings, build_graphs, load_model
     from gemma4lib.recipes import neuron_env, neuron_model_builder
     from gemma4lib.runtime import HostRuntime

@@ -24,8 +24,8 @@ CHILD = """
 import json, os, sys
 import torch
 torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
-from gemma4lib.artifacts import make_key
-from gemma4lib.compile_cpu import DEFAULT_COMPILER_OPTIONS, RECIPE, export_graph, graph_key
+from gemma4lib.cache.artifacts import make_key
+from gemma4lib.backends.compile_cpu import DEFAULT_COMPILER_OPTIONS, RECIPE, export_graph, graph_key
 from gemma4lib.port import PortSettings, build_graphs, load_model
 
 out = {"keys": {}, "set_order": None}

@@ -193,7 +193,7 @@ def test_this_session_never_uses_the_users_cache():
     """tests/conftest.py: a temporary cache for the session, or the one the caller named."""
     import conftest
 
-    from gemma4lib.artifacts import default_cache_dir
+    from gemma4lib.cache.artifacts import default_cache_dir
 
     chosen = os.environ.get("GEMMA4LIB_CACHE")
     assert chosen and default_cache_dir() == Path(chosen)

@@ -17,12 +17,12 @@ import pytest
 import torch
 from conftest import VARIANT_NAMES
 
-from gemma4lib import upcast
 from gemma4lib.errors import DeviceMemoryError
-from gemma4lib.loading import build_tiny
+from gemma4lib.inf2.serving_host import format_serving_host, serving_host_options, serving_host_plan
+from gemma4lib.models import upcast
+from gemma4lib.models.loading import build_tiny
+from gemma4lib.models.variants import get_variant
 from gemma4lib.reference import logits_spread, precise_dtype, random_prompt, teacher_forced_logits
-from gemma4lib.serving_host import format_serving_host, serving_host_options, serving_host_plan
-from gemma4lib.variants import get_variant
 
 # What the issue allows: logits_spread's extra peak host RSS on a bf16 model, over the model's bytes.
 SPREAD_EXTRA_LIMIT = 0.5
@@ -126,7 +126,7 @@ def test_a_host_too_small_is_refused_naming_one_that_fits():
 def test_port_settings_refuse_a_serving_host_that_cannot_hold_the_model(monkeypatch):
     """Backend neuron, full profile: the 12B's cores fit on an inf2.xlarge's two NeuronCores at
     TP=2, its 24 GB host model does not fit 16 GiB: refused before loading, naming the 8xlarge."""
-    from gemma4lib.memory_plan import plan_core_memory
+    from gemma4lib.inf2.memory_plan import plan_core_memory
     from gemma4lib.settings import PortSettings
 
     monkeypatch.setenv("GEMMA4LIB_INSTANCE_TYPE", "inf2.xlarge")
@@ -137,7 +137,7 @@ def test_port_settings_refuse_a_serving_host_that_cannot_hold_the_model(monkeypa
 
 
 def test_doctor_prints_the_serving_host_of_e2b_on_an_inf2_xlarge(monkeypatch):
-    from gemma4lib.doctor import format_doctor, run_doctor
+    from gemma4lib.inf2.doctor import format_doctor, run_doctor
 
     monkeypatch.delenv("GEMMA4LIB_INSTANCE_TYPE", raising=False)
     text = format_doctor(run_doctor("e2b"))
@@ -162,7 +162,7 @@ def test_readme_before_you_start_figures_are_the_plans():
     serving-host plan's, and its "within 1 %" is the recorded measurement's."""
     from pathlib import Path
 
-    from gemma4lib.first_day import first_day_table, format_first_day
+    from gemma4lib.inf2.first_day import first_day_table, format_first_day
 
     root = Path(__file__).resolve().parent.parent
     readme = (root / "README.md").read_text()
@@ -172,7 +172,7 @@ def test_readme_before_you_start_figures_are_the_plans():
         figures = cell.split(" | ")[2:]
         assert all(("computed" in f or "field report" in f or "unverified" in f) for f in figures), cell
     e2b = serving_host_plan("e2b", 1, "inf2.xlarge")
-    from gemma4lib.memory_plan import compile_peak_gb
+    from gemma4lib.inf2.memory_plan import compile_peak_gb
 
     compile_gb = compile_peak_gb(get_variant("e2b"), "model_builder")[0]
     figures = (

@@ -7,8 +7,8 @@ import torch
 from conftest import VARIANT_NAMES
 
 from gemma4lib import checks
-from gemma4lib.artifacts import make_key
 from gemma4lib.backends.compile_cpu import compile_graph, graph_key
+from gemma4lib.cache.artifacts import make_key
 from gemma4lib.device.graph import DeviceGraph, GraphShape
 from gemma4lib.errors import PromptTooLongError
 from gemma4lib.models.loading import build_tiny
@@ -190,8 +190,8 @@ def test_second_compile_is_a_cache_hit_and_a_config_change_misses(ports):
     assert _key(other, {}) != _key(port.decode, {})
     changed = build_tiny(VARIANTS["12b"], sliding_window=4)
     graph = DeviceGraph(changed.text_model, changed.lm_head, changed.layout, port.decode.shape)
-    from gemma4lib.artifacts import ArtifactCache
     from gemma4lib.backends.compile_cpu import DEFAULT_COMPILER_OPTIONS
+    from gemma4lib.cache.artifacts import ArtifactCache
 
     cache = ArtifactCache()
     assert cache.lookup(_key(graph, DEFAULT_COMPILER_OPTIONS)) is None
@@ -209,8 +209,8 @@ def test_a_tagless_edit_to_the_graph_code_misses_the_cache(ports, monkeypatch):
     tag and no config change (here the masked-out score raised from the dtype's minimum to -1e4, the
     kind of edit a developer makes to `graph.py`), misses the cache instead of serving the old
     program."""
-    from gemma4lib.artifacts import ArtifactCache
     from gemma4lib.backends.compile_cpu import DEFAULT_COMPILER_OPTIONS
+    from gemma4lib.cache.artifacts import ArtifactCache
     from gemma4lib.device import graph as graph_module
 
     port = ports.get("e2b")

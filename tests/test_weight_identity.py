@@ -16,12 +16,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from gemma4lib import program_key
-from gemma4lib.checkpoint_identity import file_digest, folder_identity
-from gemma4lib.graph import GraphShape
-from gemma4lib.loading import build_tiny
+from gemma4lib.backends import program_key
+from gemma4lib.device.graph import GraphShape
+from gemma4lib.models.checkpoint_identity import file_digest, folder_identity
+from gemma4lib.models.loading import build_tiny
+from gemma4lib.models.variants import get_variant
 from gemma4lib.recipes import neuron_env
-from gemma4lib.variants import get_variant
 
 SHAPES = {"decode": GraphShape(1, 1, 64), "prefill": GraphShape(1, 32, 64)}
 
@@ -83,7 +83,7 @@ def test_a_hub_snapshot_is_named_by_its_blobs_and_a_folder_hashed_once(tmp_path,
     os.symlink(blobs / digest, snapshot / "model.safetensors")
     calls = []
 
-    import gemma4lib.checkpoint_identity as ci
+    import gemma4lib.models.checkpoint_identity as ci
 
     original = ci.sha256_file
     monkeypatch.setattr(ci, "sha256_file", lambda p: calls.append(p) or original(p))

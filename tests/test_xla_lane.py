@@ -317,12 +317,12 @@ def test_batched_rows_on_xla_match_their_references(xla_lane):
     """Three capital questions (16, 17, 16 tokens) through the batched graphs of the trained E2B
     fixture on XLA (trained: no near-ties, so exact tokens are a fair ask): 0 fallbacks, one
     compilation per graph, every row equal to its own reference and answering its capital."""
-    from gemma4lib.batch_prompts import capital_questions
-    from gemma4lib.batch_runtime import generate_batch
-    from gemma4lib.graph import DeviceGraph, GraphShape
+    from gemma4lib.device.graph import DeviceGraph, GraphShape
+    from gemma4lib.models.trained import load_trained
     from gemma4lib.reference import reference_greedy
     from gemma4lib.runtime import HostRuntime, encode_prompt
-    from gemma4lib.trained import load_trained
+    from gemma4lib.serving.batch_prompts import capital_questions
+    from gemma4lib.serving.batch_runtime import generate_batch
 
     model = load_trained("e2b")
     shape = dict(context_length=48, ring=True)

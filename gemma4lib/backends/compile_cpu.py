@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from ..artifacts import ArtifactCache, CacheEntry, make_key
+from ..cache.artifacts import ArtifactCache, CacheEntry, make_key
 from ..device.graph import DeviceGraph
 from ..environment import versions
 from .program_key import program_config, program_digest, weights_fingerprint

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from ..artifacts import ArtifactCache
-from ..bundle import cache_for
+from ..cache.artifacts import ArtifactCache
+from ..cache.bundle import cache_for
 from ..device.build import Graphs, device_graphs
 from ..runtime import HostRuntime
 from .base import CompiledGraph, CompiledGraphs, runner

@@ -10,7 +10,7 @@ from ..runtime import HostRuntime
 from .base import CompiledGraph, CompiledGraphs, runner
 
 if TYPE_CHECKING:
-    from ..artifacts import ArtifactCache
+    from ..cache.artifacts import ArtifactCache
     from ..device.graph import DeviceGraph
     from ..models.loading import LoadedModel
     from ..settings import PortSettings

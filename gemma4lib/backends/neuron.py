@@ -18,9 +18,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..artifacts import make_key
-from ..batch_runtime import RowStepwisePrefill
-from ..bundle import cache_for
+from ..cache.artifacts import make_key
+from ..cache.bundle import cache_for
 from ..device.build import Graphs, device_graph
 from ..device.embedder import HostEmbedder
 from ..device.graph import GraphShape
@@ -30,6 +29,7 @@ from ..inf2.memory_plan import neuron_recipe
 from ..recipes import cores, neuron_env, neuron_model_builder, neuron_trace
 from ..recipes.common import DeviceStep, StepwisePrefill, check_host_tables
 from ..runtime import HostRuntime
+from ..serving.batch_runtime import RowStepwisePrefill
 from .base import CompiledGraphs, refuse_graphs, runner
 from .program_key import source_digest, weights_identity
 

@@ -278,7 +278,7 @@ def compile(model: Any, settings: Any, *, graphs: Any = None, progress: bool = F
     Returns the port's `CompiledGraphs`; its `report()` adds the lane's figures (fallbacks,
     compilations per graph, HLO files) to the result record once generation and benchmark ran.
     """
-    from ..artifacts import ArtifactCache
+    from ..cache.artifacts import ArtifactCache
     from ..device.build import device_graphs
     from ..runtime import HostRuntime
     from .base import CompiledGraphs, refuse_graphs

@@ -23,15 +23,16 @@ from typing import Any
 
 import torch
 
-from ..backends.base import device_graph
-from ..batch_roofline import batch_decode_bytes
-from ..batch_runtime import generate_batch
-from ..compile_cpu import compile_graph
-from ..graph import GraphShape
-from ..loading import LoadedModel
+from ..backends.compile_cpu import compile_graph
+from ..device.build import device_graph
+from ..device.graph import GraphShape
+from ..inf2.bandwidth import measure_bandwidth
+from ..inf2.batch_roofline import batch_decode_bytes
+from ..inf2.roofline import GB
+from ..models.loading import LoadedModel
 from ..reference import random_prompt, reference_greedy
-from ..roofline import GB, measure_bandwidth
 from ..runtime import HostRuntime
+from ..serving.batch_runtime import generate_batch
 from .hf import StepClock
 
 BATCH_SIZES = (1, 2, 4, 8, 16)

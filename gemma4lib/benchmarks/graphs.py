@@ -9,8 +9,8 @@ from typing import Any
 
 import torch
 
-from ..artifacts import ArtifactCache
 from ..backends.base import GRAPH_BACKENDS, get_backend
+from ..cache.artifacts import ArtifactCache
 from ..device.build import PREFILL_EXPERTS, device_graph
 from ..device.graph import DeviceGraph, GraphShape
 from ..errors import UnknownNameError

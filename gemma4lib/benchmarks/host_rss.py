@@ -47,7 +47,7 @@ def _build(variant: str, overrides: dict[str, Any], folder: Path) -> None:
     import torch
     from safetensors.torch import save_file
 
-    from ..real_width import build_real_width
+    from ..models.real_width import build_real_width
     from ..tp.plan import make_plan
     from ..tp.shard import shard_state_dict
 
@@ -72,11 +72,11 @@ def _serve(variant: str, folder: Path, context_length: int, prompt_tokens: int, 
     import torch
     from safetensors.torch import load_file
 
-    from ..host_memory import measure_peak, rss_bytes
-    from ..kv_layout import KVLayout
-    from ..loading import load_checkpoint
+    from ..device.kv_layout import KVLayout
+    from ..inf2.host_memory import measure_peak, rss_bytes
+    from ..models.checkpoint import load_checkpoint
+    from ..models.variants import get_variant
     from ..reference import logits_spread, random_prompt, reference_greedy, teacher_forced_logits
-    from ..variants import get_variant
 
     torch.set_num_threads(1)
     base = rss_bytes()
@@ -117,9 +117,9 @@ def _spread(variant: str, overrides: dict[str, Any], prompt_tokens: int, new_tok
     gives the very logits of one whole float32 LM head on the real vocabulary."""
     import torch
 
-    from .. import upcast
-    from ..host_memory import measure_peak
-    from ..real_width import build_real_width
+    from ..inf2.host_memory import measure_peak
+    from ..models import upcast
+    from ..models.real_width import build_real_width
     from ..reference import logits_spread, random_prompt, teacher_forced_logits
 
     torch.set_num_threads(1)
@@ -165,7 +165,7 @@ def measure_serving(
     variant: str = "e2b", context_length: int = 1024, prompt_tokens: int = 128, new_tokens: int = 64
 ) -> dict[str, Any]:
     """Both depths measured and planned, the per-layer fit, and the released plan it is held to."""
-    from ..serving_host import serving_host_plan
+    from ..inf2.serving_host import serving_host_plan
 
     shapes = dict(context_length=context_length, prompt_tokens=prompt_tokens, new_tokens=new_tokens)
     rows = []

@@ -19,10 +19,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from ..mtp_roofline import STATUS, draft_table
+from ..inf2.mtp_roofline import STATUS, draft_table
 from ..port import PortSettings, eos_ids, load_model, prompt_ids
 from ..reference import reference_greedy
-from ..speculative import run_device_drafted
+from ..serving.speculative import run_device_drafted
 
 MTP_VARIANTS = ("e2b", "31b", "26b-a4b")
 

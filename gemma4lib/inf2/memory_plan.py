@@ -34,12 +34,12 @@ import functools
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from ..device.quant import LINEAR_WEIGHT_NAME
 from ..errors import DeviceMemoryError, TensorParallelError, UnknownNameError
 from ..models.variants import Variant, get_variant
 from ..recipes import RECIPE_MODULES
 from .hardware import GB, GIB, HBM_PER_CORE_GIB, INSTANCES, NEURON_TP_DEGREES, smallest_instance
-from ..device.quant import LINEAR_WEIGHT_NAME
-from ..serving_host import ServingHostPlan, format_serving_host, serving_host_plan, serving_host_table
+from .serving_host import ServingHostPlan, format_serving_host, serving_host_plan, serving_host_table
 
 WORKING_ALLOWANCE_GIB = 2.0
 MODEL_BUILDER_COPIES = 3  # module + loader checkpoint + per-rank shards at the compile's peak
@@ -288,9 +288,7 @@ def fitting_options(
     those whose compile needs a larger host; smallest instance and degree first within each."""
     v = get_variant(variant) if isinstance(variant, str) else variant
     plans = [
-        plan_core_memory(
-            v, tp, instance=name, context_length=context_length, ring=ring, weights=weights, batch=batch
-        )
+        plan_core_memory(v, tp, instance=name, context_length=context_length, ring=ring, weights=weights, batch=batch)
         for name in INSTANCES
         for tp in v.supported_tp
         if tp in NEURON_TP_DEGREES

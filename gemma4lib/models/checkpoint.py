@@ -7,7 +7,6 @@ agree with the config; then the text-only language model (`extract_text_lm`) and
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 from pathlib import Path
@@ -16,15 +15,15 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..checkpoint_identity import folder_identity
+from ..backends.program_key import declare_identity
 from ..environment import check_transformers
 from ..errors import CheckpointError, GatedCheckpointError, NotGemma4Error, VariantMismatchError
-from ..program_key import declare_identity
-from ..weight_files import check_weight_files
+from .checkpoint_identity import folder_identity
 from .hub import _is_connection_error, _is_gated, _unreachable, hf_token, hub_offline, probe_hub
 from .loading import LoadedModel, _text_classes
 from .tokenizer import require_chat_template
 from .variants import VARIANTS, Variant
+from .weight_files import check_weight_files
 
 log = logging.getLogger(__name__)
 

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from ..artifacts import default_cache_dir
+from ..cache.artifacts import default_cache_dir
 from ..errors import EnvironmentMismatchError
 from .loading import LoadedModel
 from .variants import Variant
@@ -104,8 +104,8 @@ def run_gemma3_270m(
     import time
 
     from .. import checks
-    from ..artifacts import ArtifactCache
     from ..backends.compile_cpu import compile_graph
+    from ..cache.artifacts import ArtifactCache
     from ..device.graph import DeviceGraph, GraphShape
     from ..reference import reference_greedy
     from ..runtime import HostRuntime, encode_prompt

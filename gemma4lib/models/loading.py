@@ -15,9 +15,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..backends.program_key import declare_identity
 from ..device.kv_layout import KVLayout
 from ..environment import check_transformers
-from ..program_key import declare_identity
 from .variants import Variant, config_kwargs
 
 

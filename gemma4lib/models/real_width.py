@@ -29,8 +29,8 @@ from typing import Any
 
 import torch
 
-from ..artifacts import ArtifactCache
 from ..backends.compile_cpu import compile_graph
+from ..cache.artifacts import ArtifactCache
 from ..device.graph import DeviceGraph, GraphShape
 from ..reference import hf_greedy, random_prompt, teacher_forced_logits
 from ..runtime import HostRuntime, softcap

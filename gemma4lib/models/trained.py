@@ -15,10 +15,10 @@ from typing import Any
 
 import torch
 
-from ..artifacts import sha256_file
+from ..backends.program_key import declare_identity
+from ..cache.artifacts import sha256_file
 from ..errors import CheckpointError
 from .loading import LoadedModel, _text_classes
-from .program_key import declare_identity
 from .tokenizer import load_tokenizer
 from .variants import Variant, get_variant
 

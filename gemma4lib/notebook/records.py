@@ -12,8 +12,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from .. import checks
-from ..artifacts import atomic_write_json
 from ..backends.base import CompiledGraphs, device_run_of
+from ..cache.artifacts import atomic_write_json
 from ..models.loading import LoadedModel
 from ..models.variants import VARIANTS
 from ..record import build_record

@@ -578,7 +578,7 @@ def audit_single(model: Any, form: str = "dense", device: Any = None, batch: int
     at = f", batch {batch}" if batch > 1 else ""
     audit = audit_graph(graph, inputs, kv, f"{name} decode ({form}{at})")
     if batch > 1:
-        from ..batch_roofline import batch_decode_bytes
+        from ..inf2.batch_roofline import batch_decode_bytes
 
         bb = batch_decode_bytes(model, batch, context_length=CONTEXT, ring=False, experts=form)
         weights, kv_bytes = bb["weights"], bb["kv"]

@@ -143,7 +143,7 @@ def _run_rank_rows(
     rank: int, job: RankJob, prefill_module: KVParamModule, decode_module: KVParamModule, missing, build_s: float
 ) -> dict[str, Any]:
     """A rank's batched generation: every row through the batched rank graphs (`generate_rows`)."""
-    from ..batch_runtime import generate_rows
+    from ..serving.batch_runtime import generate_rows
 
     run = generate_rows(
         AliasEmulator(prefill_module),
@@ -541,7 +541,7 @@ def run_tp_batch(
 ) -> dict[str, Any]:
     """`batch_port`'s TP branch: B prompts through the batched rank graphs on gloo ranks; the
     device run with `rows` (tokens and per-step logits of each row, from rank 0)."""
-    from ..batch_runtime import check_rows, pick_bucket
+    from ..serving.batch_runtime import check_rows, pick_bucket
 
     rows = [_as_list(p) for p in prompts]
     batch, context, max_new = int(settings.batch_size), int(settings.context_length), int(settings.max_new_tokens)

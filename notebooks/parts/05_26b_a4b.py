@@ -103,7 +103,7 @@ demos["expert_forms"]
 # Both are bounds from bytes, not measured on inf2. Each rank holds 1/8 of the expert bytes either way.
 
 # %%
-from gemma4lib.roofline import compare
+from gemma4lib.inf2.roofline import compare
 
 real, v = s.variant_spec.real_config, s.variant_spec
 sizes = nb.device_bytes(v)

@@ -19,9 +19,10 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
+from ..device.kv_layout import FULL, SLIDING, KVLayout
 from .hardware import INSTANCES
-from .kv_layout import FULL, SLIDING, KVLayout
-from .roofline import GB, count_params, decode_bytes, meta_model
+from .params import count_params, meta_model
+from .roofline import GB, decode_bytes
 
 ASSUMED_ASSISTANT = {"layers": 4, "num_centroids": 2048, "centroid_top_k": 32}
 STATUS = "computed, unverified: assistant bytes from an assumed shape (ASSUMED_ASSISTANT), call overhead left out"
@@ -62,7 +63,7 @@ def draft_effect(
     variant: str, accepted_per_step: float | None, k: int = 4, context_length: int = 2048, ring: bool = True
 ) -> dict[str, Any]:
     """One variant's computed drafted ceiling on its recipe's instance, next to the plain one."""
-    from .variants import get_variant
+    from ..models.variants import get_variant
 
     v = get_variant(variant)
     lm = meta_model(v)
@@ -94,7 +95,7 @@ def draft_effect(
 
 def draft_table(accepted: dict[str, float | None], k: int = 4, variants: Iterable[str] | None = None) -> list[dict]:
     """`draft_effect` per variant, with each variant's measured acceptance where there is one."""
-    from .variants import VARIANTS
+    from ..models.variants import VARIANTS
 
     return [draft_effect(name, accepted.get(name), k) for name in (variants or VARIANTS)]
 

@@ -22,15 +22,15 @@ from typing import Any
 
 import torch
 
-from . import backends, checks
+from .. import backends, checks
+from ..models.loading import LoadedModel
+from ..record import build_record
+from ..reference import random_prompt, reference_greedy
+from ..results import write_result
+from ..runtime import encode_prompt
+from ..settings import PortSettings
 from .batch_prompts import random_prompt_lengths
 from .batch_runtime import BatchGeneration, generate_batch
-from .loading import LoadedModel
-from .record import build_record
-from .reference import random_prompt, reference_greedy
-from .results import write_result
-from .runtime import encode_prompt
-from .settings import PortSettings
 
 log = logging.getLogger(__name__)
 
@@ -91,7 +91,7 @@ def run_device_batch(
     """Compile the batched graphs with the settings' backend and generate every row; the device run
     with `rows` (tokens and per-step logits per row)."""
     if backends.backend_for(settings) == "gloo":
-        from .tp.cpu_gloo import run_tp_batch
+        from ..tp.cpu_gloo import run_tp_batch
 
         return run_tp_batch(model, settings, prompts, eos)
     compiled = backends.compile_graphs(model, settings, progress=progress)

@@ -29,7 +29,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from .errors import CacheLocationError, CacheLockError
+from ..errors import CacheLocationError, CacheLockError
 
 log = logging.getLogger(__name__)
 

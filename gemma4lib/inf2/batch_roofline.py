@@ -23,9 +23,10 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+from ..device.kv_layout import KVLayout
 from .hardware import BF16_FLOPS_PER_CORE, GB, INSTANCES
-from .kv_layout import KVLayout
-from .roofline import count_params, decode_bytes, meta_model
+from .params import count_params, meta_model
+from .roofline import decode_bytes
 
 # The field report's author, the same two-graph E2B design on an inf2.xlarge (DESIGN.md §3): total
 # decode tok/s by batch size. Measured by them on inf2, not by this project.
@@ -89,7 +90,7 @@ def batch_ceilings(
     """Per batch size: bytes per step (bf16 unless `dtype_bytes`), the memory and compute ceilings
     and their minimum, on the variant's recipe (its instance, its TP degree's cores). `experts`:
     default selective for a MoE."""
-    from .variants import get_variant
+    from ..models.variants import get_variant
 
     v = get_variant(variant) if isinstance(variant, str) else variant
     lm = meta_model(v)
@@ -131,7 +132,7 @@ def batch_table(
     variants: Iterable[str] | None = None, batches: Iterable[int] = BATCHES, context_length: int = 2048
 ) -> list[dict[str, Any]]:
     """`batch_ceilings` of every variant (ring K/V), one row per (variant, batch)."""
-    from .variants import VARIANTS
+    from ..models.variants import VARIANTS
 
     return [
         row for name in variants or VARIANTS for row in batch_ceilings(name, batches, context_length=context_length)

@@ -12,7 +12,7 @@ locks its key (`cache_lock`: the holder is reported while a second run waits, an
 Before a build the folder must be writable and hold the package's estimated size
 (`CacheLocationError`, `CacheSpaceError`, both naming GEMMA4LIB_CACHE); there is no silent
 uncached fallback, because an uncached Neuron port recompiles for an hour on every run.
-A bundle (`gemma4lib.bundle`) is a read-only layer in front of the cache.
+A bundle (`gemma4lib.cache.bundle`) is a read-only layer in front of the cache.
 """
 
 from __future__ import annotations
@@ -31,8 +31,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .cache_lock import build_lock
-from .errors import ArtifactError, CacheLocationError, CacheSpaceError
+from ..errors import ArtifactError, CacheLocationError, CacheSpaceError
+from .lock import build_lock
 
 log = logging.getLogger(__name__)
 

@@ -8,7 +8,7 @@ is the canonical "What is the capital of France?".
 
 from __future__ import annotations
 
-from .corpus import COUNTRIES, TRAIN_PHRASINGS
+from ..models.corpus import COUNTRIES, TRAIN_PHRASINGS
 
 # row i asks phrasing _PHRASING_ORDER[i % 3]: "What is..." (7 words), "Which city is..." (8), "Tell me..." (7)
 _PHRASING_ORDER = (0, 2, 1)

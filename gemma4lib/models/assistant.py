@@ -28,8 +28,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from .errors import CheckpointError, SettingsError
-from .kv_layout import FULL, SLIDING, KVLayout
+from ..device.kv_layout import FULL, SLIDING, KVLayout
+from ..errors import CheckpointError, SettingsError
 from .variants import Variant, get_variant
 
 log = logging.getLogger(__name__)

@@ -28,15 +28,15 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .drafting import DraftGraph, RoomyLayout, TargetGraph
-from .embedder import HostEmbedder
-from .errors import SettingsError
-from .graph import GraphShape
+from ..device.drafting import DraftGraph, RoomyLayout, TargetGraph
+from ..device.embedder import HostEmbedder
+from ..device.graph import GraphShape
+from ..errors import SettingsError
 
 if TYPE_CHECKING:
-    from .assistant import LoadedAssistant
-    from .loading import LoadedModel
-    from .settings import PortSettings
+    from ..models.assistant import LoadedAssistant
+    from ..models.loading import LoadedModel
+    from ..settings import PortSettings
 
 log = logging.getLogger(__name__)
 
@@ -49,11 +49,11 @@ def check_draft(settings: PortSettings) -> None:
     if settings.draft is None:
         return
     if settings.draft not in DRAFT_KINDS:
-        from .errors import UnknownNameError
+        from ..errors import UnknownNameError
 
         raise UnknownNameError("draft", settings.draft, DRAFT_KINDS)
     if settings.backend == "neuron":
-        from .memory_plan import neuron_recipe
+        from ..inf2.memory_plan import neuron_recipe
 
         recipe = neuron_recipe(settings.variant_spec, settings.tp_degree, settings.neuron_recipe)
         if recipe == "trace":
@@ -94,7 +94,7 @@ class DraftGraphs:
 def build_draft_graphs(model: LoadedModel, assistant: LoadedAssistant, settings: PortSettings) -> DraftGraphs:
     """Prefill (one per bucket, returning the last hidden state too), verify (k + 1 tokens, every
     position) and draft graphs, sharing one K/V layout."""
-    from .backends.base import PREFILL_EXPERTS
+    from ..device.build import PREFILL_EXPERTS
 
     k = int(settings.draft_tokens)
     layout = RoomyLayout.around(model.layout, k + 1)  # why k + 1: `drafting` module docstring
@@ -133,8 +133,8 @@ def compile_draft_graphs(graphs: DraftGraphs, settings: PortSettings) -> Compile
     """`cpu`: each graph through torch.export + AOTInductor (cached like the others); `eager`: as is."""
     if settings.backend == "eager":
         return CompiledDraft(dict(graphs.prefill), graphs.verify, graphs.draft)
-    from .artifacts import ArtifactCache
-    from .compile_cpu import compile_graph
+    from ..backends.compile_cpu import compile_graph
+    from ..cache.artifacts import ArtifactCache
 
     cache = ArtifactCache(settings.cache_dir)
     steps = {name: compile_graph(graph, cache) for name, graph in graphs.all()}
@@ -302,8 +302,8 @@ def run_device_drafted(
     """The `device_run` of a drafted port: the drafted generation (its tokens and per-token logits
     go through the usual three checks), transformers' assisted generate with the same assistant,
     and decode tok/s with and without drafting from this one run (the plain graphs compiled too)."""
-    from . import backends
-    from .assistant import load_assistant
+    from .. import backends
+    from ..models.assistant import load_assistant
 
     assistant = load_assistant(model, settings)
     graphs = build_draft_graphs(model, assistant, settings)

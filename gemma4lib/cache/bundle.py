@@ -1,7 +1,7 @@
 """A compiled port that travels: a bundle folder of cache entries plus a manifest that says what
 they were compiled for.
 
-`python -m gemma4lib export --variant V [port flags] --out DIR` (`gemma4lib.export`) writes it;
+`python -m gemma4lib export --variant V [port flags] --out DIR` (`gemma4lib.cache.export`) writes it;
 `PortSettings(artifacts=DIR)` / `port --artifacts DIR` runs from it: the bundle's entries are a
 read-only layer in front of the artifact cache, nothing is compiled (a graph the bundle lacks is a
 `BundleError`, never a compile) and nothing is written, so `compile_s` is 0. The layout:
@@ -32,14 +32,14 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ..backends.program_key import weights_identity
+from ..environment import versions
+from ..errors import BundleError
 from .artifacts import ArtifactCache
-from .environment import versions
-from .errors import BundleError
-from .program_key import weights_identity
 
 if TYPE_CHECKING:
-    from .loading import LoadedModel
-    from .settings import PortSettings
+    from ..models.loading import LoadedModel
+    from ..settings import PortSettings
 
 FORMAT = 1
 MANIFEST = "manifest.json"
@@ -62,7 +62,7 @@ def machine_facts(backend: str) -> dict[str, Any]:
     for it), or the Neuron instance type."""
     facts: dict[str, Any] = {"processor": platform.machine()}
     if backend == "neuron":  # inf2-only: a NEFF is built for one NeuronCore generation
-        from .hardware import host_instance_type
+        from ..inf2.hardware import host_instance_type
 
         facts["instance_type"] = host_instance_type()
     else:
@@ -191,7 +191,7 @@ def manifest_for(settings: PortSettings, models: dict[str, LoadedModel], compile
         "models": {role: {"source": m.source, "identity": weights_identity(m.lm)} for role, m in models.items()},
     }
     if settings.backend == "neuron":  # inf2-only facts: the SDK set found and the compiler arguments
-        from .recipes import neuron_env
+        from ..recipes import neuron_env
 
         manifest["sdk"] = {r["package"]: r["found"] for r in neuron_env.check_versions()}
         manifest["compiler_args"] = neuron_env.COMPILER_ARGS

@@ -1,4 +1,4 @@
-"""`python -m gemma4lib export`: compile a port once and write it as a bundle (`gemma4lib.bundle`).
+"""`python -m gemma4lib export`: compile a port once and write it as a bundle (`gemma4lib.cache.bundle`).
 
 The compile runs exactly as `port` would (the same backend, the same cache, so a warm cache makes
 the export a copy), for the model of the settings and, when the port runs one, its random-weights
@@ -16,10 +16,10 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from ..errors import BundleError
+from ..port import PortSettings, compile_graphs, load_model, witness_settings
 from .artifacts import atomic_write_json
 from .bundle import ENTRIES, MANIFEST, manifest_for
-from .errors import BundleError
-from .port import PortSettings, compile_graphs, load_model, witness_settings
 
 log = logging.getLogger(__name__)
 

@@ -27,10 +27,10 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from ..device.graph import additive_mask
+from ..device.kv_layout import FULL, SLIDING
 from .assistant import build_tiny_assistant, store_for_assistant
 from .corpus import held_out_chats, training_chats
-from .graph import additive_mask
-from .kv_layout import FULL, SLIDING
 from .loading import LoadedModel
 from .training import IGNORE, encode_chats
 

@@ -20,8 +20,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .errors import BadPromptError, BatchTooLargeError
-from .runtime import Generation
+from ..errors import BadPromptError, BatchTooLargeError
+from ..runtime import Generation
 
 # step(inputs..., start [B], length [B]) -> logits [B, vocab] (K/V held by the caller)
 RowStep = Callable[..., torch.Tensor]
@@ -163,7 +163,7 @@ class RowStepwisePrefill:
 
 def pick_bucket(buckets: Sequence[int], prompts: Sequence[Sequence[int]]) -> int:
     """The smallest bucket that holds the longest prompt of the batch."""
-    from .errors import PromptTooLongError
+    from ..errors import PromptTooLongError
 
     longest = max(len(ids) for ids in prompts)
     for bucket in sorted(buckets):

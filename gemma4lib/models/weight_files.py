@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .errors import CheckpointError
+from ..errors import CheckpointError
 
 
 def check_weight_files(folder: Path, checkpoint: str | None = None) -> None:

@@ -32,9 +32,9 @@ import functools
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from .errors import DeviceMemoryError, UnknownNameError
+from ..errors import DeviceMemoryError, UnknownNameError
+from ..models.variants import Variant, get_variant
 from .hardware import GB, GIB, INSTANCES
-from .variants import Variant, get_variant
 
 # Measured on the CPU lane (python 3.11, torch 2.13, transformers 5.23, 2026-12-01): RSS after the
 # checkpoint's load call with its weights still unread: 0.43-0.44 GB (benchmarks/host_rss.py).
@@ -112,7 +112,7 @@ class ServingHostPlan:
 
 
 def _text_config(variant: Variant, layers: int | None, layer_overrides: dict[str, Any] | None):
-    from .loading import text_config
+    from ..models.loading import text_config
 
     overrides = dict(layer_overrides or {})
     if layers is not None:
@@ -125,13 +125,13 @@ def _counts(name: str, tp: int, overrides_key: tuple) -> dict[str, int]:
     """Element counts of a (possibly reduced-depth) released text model, on the meta device."""
     import torch
 
-    from .kv_layout import KVLayout
-    from .loading import _text_classes
-    from .quant import LINEAR_WEIGHT_NAME
-    from .roofline import count_params
-    from .tp.plan import make_plan
-    from .tp.shard import RANK_KEY, shard_state_dict
-    from .upcast import LINEAR_BLOCK_ROWS, widest_module_bytes
+    from ..device.kv_layout import KVLayout
+    from ..device.quant import LINEAR_WEIGHT_NAME
+    from ..models.loading import _text_classes
+    from ..models.upcast import LINEAR_BLOCK_ROWS, widest_module_bytes
+    from ..tp.plan import make_plan
+    from ..tp.shard import RANK_KEY, shard_state_dict
+    from .params import count_params
 
     variant = get_variant(name)
     overrides = {k: (list(v) if isinstance(v, tuple) else v) for k, v in overrides_key}
@@ -169,8 +169,8 @@ def _counts(name: str, tp: int, overrides_key: tuple) -> dict[str, int]:
 
 @functools.lru_cache(maxsize=64)
 def _host_kv_elements(name: str, overrides_key: tuple, context_length: int, ring: bool) -> int:
-    from .kv_layout import KVLayout
-    from .roofline import meta_model
+    from ..device.kv_layout import KVLayout
+    from .params import meta_model
 
     variant = get_variant(name)
     if overrides_key:
@@ -281,7 +281,7 @@ def format_serving_host(plans: list[ServingHostPlan]) -> str:
 
 def serving_host_table() -> list[ServingHostPlan]:
     """Each variant at its recipe's TP on its recommended instance."""
-    from .variants import VARIANTS
+    from ..models.variants import VARIANTS
 
     return [serving_host_plan(v) for v in VARIANTS.values()]
 

@@ -18,7 +18,7 @@ import os
 import re
 from pathlib import Path
 
-from .artifacts import atomic_write_json, default_cache_dir, sha256_file
+from ..cache.artifacts import atomic_write_json, default_cache_dir, sha256_file
 
 log = logging.getLogger(__name__)
 
