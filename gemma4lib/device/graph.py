@@ -202,11 +202,6 @@ class DeviceGraph(nn.Module):
         model = _shallow_clone(text_model)
         model.unique_layer_types = layer_types_in_order(text_model.config)
         model.embed_tokens = None
-        # transformers computes the RoPE tables in the order of a set of layer-type strings, which
-        # follows the process's hash seed: the exported program, and its cache key, would differ
-        # between processes (a notebook kernel and the test that compiled the same graph)
-        if isinstance(getattr(model, "unique_layer_types", None), set):
-            model.unique_layer_types = sorted(model.unique_layer_types)
         if getattr(model, "embed_tokens_per_layer", None) is not None:
             model.embed_tokens_per_layer = None
         model.layers = nn.ModuleList([_shallow_clone(layer) for layer in text_model.layers])
