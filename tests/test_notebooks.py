@@ -453,13 +453,9 @@ def _same_as_port(name: str, file: str, record: dict) -> None:
         run = run_device(model, settings, ids, eos_ids(model), bench=False)
     finally:
         torch.set_num_threads(threads)
-    if not values.get("tp_demo"):
-        # Known gap (notes/nb.md): where the lesson runs the gloo TP demo before the compile cell
-        # (02-05), the cache keys come out different from port()'s although tokens and logits below are
-        # bit-identical; without the demo (01, and 02's cells run without it) the keys are port()'s.
-        assert record["artifacts"] == run["artifacts"], f"{file}: its cells compiled other programs than port()"
-    assert record["tokens"] == run["tokens"], f"{file}: tokens differ from port()'s"
-    assert record["step_logits_sha256"] == nb_helpers.tensor_digest(run["step_logits"]), f"{file}: logits differ"
+    assert record["artifacts"] == run.artifacts, f"{file}: its cells compiled other programs than port()"
+    assert record["tokens"] == run.tokens, f"{file}: tokens differ from port()'s"
+    assert record["step_logits_sha256"] == nb_helpers.tensor_digest(run.step_logits), f"{file}: logits differ"
 
 
 def _last_line(cell) -> str:

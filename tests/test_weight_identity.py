@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from gemma4lib.backends import program_key
 from gemma4lib.device.graph import GraphShape
+from gemma4lib.models import weights_identity
 from gemma4lib.models.checkpoint_identity import file_digest, folder_identity
 from gemma4lib.models.loading import build_tiny
 from gemma4lib.models.variants import get_variant
@@ -39,10 +39,10 @@ def test_a_declared_model_is_keyed_without_reading_its_weights(monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("every weight was hashed although the loader declared them")
 
-    monkeypatch.setattr(program_key, "weights_fingerprint", refuse)
+    monkeypatch.setattr(weights_identity, "weights_fingerprint", refuse)
     assert neuron_key(model) == first
     assert neuron_key(build_tiny(get_variant("12b"))) == first  # a fresh load of the same weights
-    assert program_key.weights_identity(model.lm).startswith("declared:tiny-random(seed=0)")
+    assert weights_identity.weights_identity(model.lm).startswith("declared:tiny-random(seed=0)")
 
 
 @pytest.mark.parametrize("edit", ["in place", "through .data", "replaced", "a buffer"])
@@ -60,15 +60,15 @@ def test_any_edit_of_the_weights_changes_the_key(edit):
             layer.mlp.down_proj.weight = torch.nn.Parameter(weight.detach().clone() * 2, requires_grad=False)
         else:
             layer.layer_scalar.fill_(0.25)
-    assert program_key.declared_identity(model.lm) is None
+    assert weights_identity.declared_identity(model.lm) is None
     after = neuron_key(model)
-    assert after != before and program_key.weights_identity(model.lm).startswith("bytes:")
+    assert after != before and weights_identity.weights_identity(model.lm).startswith("bytes:")
     assert neuron_key(model) == after  # remembered: the second call reads no weight again
 
 
 def test_another_seed_is_another_identity():
-    a = program_key.weights_identity(build_tiny(get_variant("e2b"), seed=0).lm)
-    b = program_key.weights_identity(build_tiny(get_variant("e2b"), seed=1).lm)
+    a = weights_identity.weights_identity(build_tiny(get_variant("e2b"), seed=0).lm)
+    b = weights_identity.weights_identity(build_tiny(get_variant("e2b"), seed=1).lm)
     assert a != b
 
 

@@ -18,7 +18,7 @@ The graphs themselves come from `device.build`.
 from __future__ import annotations
 
 import importlib
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
@@ -101,6 +101,16 @@ class DeviceRun:
     details: dict[str, Any] = field(default_factory=dict)  # the backend's own JSON-able figures
     step_logits: torch.Tensor | None = field(default=None, repr=False)
 
+    @classmethod
+    def from_fields(cls, fields: Mapping[str, Any]) -> DeviceRun:
+        """A device run from a runner that gathers its figures as named fields (the batch and the
+        drafted runs): the known fields by name, the rest kept as the backend's details."""
+        rest = dict(fields)
+        known = {name: rest.pop(name) for name in _RUN_FIELDS if name in rest}
+        if not isinstance(known.get("bench"), (BenchFigures, type(None))):
+            rest["bench"] = known.pop("bench")  # a runner's own figures (a dict): recorded as they are
+        return cls(**known, details=rest)
+
     @property
     def artifacts(self) -> dict[str, str] | None:
         """The compiled artifacts' paths (backends with an artifact cache), to compare two runs' programs."""
@@ -114,6 +124,19 @@ class DeviceRun:
         if self.bench is not None:
             out["bench"] = self.bench.to_dict()
         return {**out, **self.details}
+
+
+_RUN_FIELDS = (
+    "tokens",
+    "compiler",
+    "compile_s",
+    "prefill_logits_max_abs_diff",
+    "cache_hits",
+    "bench",
+    "prefill_ms",
+    "decode_tok_s",
+    "step_logits",
+)
 
 
 def backend_for(settings: PortSettings) -> str:

@@ -26,7 +26,8 @@ import torch
 from ..cache.artifacts import ArtifactCache, CacheEntry, make_key
 from ..device.graph import DeviceGraph
 from ..environment import versions
-from .program_key import program_config, program_digest, weights_fingerprint
+from ..models.weights_identity import weights_fingerprint
+from .program_key import program_config, program_digest
 
 log = logging.getLogger(__name__)
 

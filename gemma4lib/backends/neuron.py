@@ -26,12 +26,13 @@ from ..device.graph import GraphShape
 from ..environment import versions
 from ..inf2.doctor import warn_low_host_ram
 from ..inf2.memory_plan import neuron_recipe
+from ..models.weights_identity import weights_identity
 from ..recipes import cores, neuron_env, neuron_model_builder, neuron_trace
 from ..recipes.common import DeviceStep, StepwisePrefill, check_host_tables
 from ..runtime import HostRuntime
 from ..serving.batch_runtime import RowStepwisePrefill
 from .base import CompiledGraphs, refuse_graphs, runner
-from .program_key import source_digest, weights_identity
+from .program_key import source_digest
 
 if TYPE_CHECKING:
     from ..models.loading import LoadedModel

@@ -11,16 +11,11 @@ people it misleads are the graph's own developers. So:
   another transformers version; parameter *values* do not (they are loaded at run time).
 - `source_digest()`: the source files of the library modules that shape the graph, for backends
   whose compiler input cannot be produced on this machine (Neuron: the rank graph holds NxD layers).
-- `weights_fingerprint(module)`: names, shapes and dtypes of every tensor, plus the raw bytes of
-  the ones a compiler folds into the program (the buffers: small).
-- `weights_identity(lm)`: which weights a model holds, for keys of artifacts that contain them (a
-  Neuron NEFF with inlined weights, the per-rank shards). Not every weight hashed as float32 on
-  every compile (~124 GB through sha256 for the 31B, an 11 GB temporary for its embedding): the
-  loader declares what it loaded (the checkpoint's file digests, the fixture's recorded hashes,
-  the random seed) with `declare_identity`, and that stands as long as no tensor was replaced or
-  edited since (a stamp of each tensor's storage, version counter and a few sampled values). A
-  model without a valid declaration is hashed once, as raw bytes, and the digest remembered for
-  that stamp.
+- `weights_fingerprint(module)` (in `models.weights_identity`): names, shapes and dtypes of every
+  tensor, plus the raw bytes of the ones a compiler folds into the program (the buffers: small).
+- `weights_identity(lm)` (in `models.weights_identity`): which weights a model holds, for keys of
+  artifacts that contain them (a Neuron NEFF with inlined weights, the per-rank shards), without
+  hashing every weight as float32 on every compile: the loader's declaration while it stands.
 """
 
 from __future__ import annotations
@@ -30,7 +25,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch import nn
+
+from ..models.weights_identity import tensor_bytes
 
 # Library modules whose code decides what a device graph computes.
 GRAPH_SOURCES = (
@@ -71,79 +67,6 @@ _PROGRAM_NEUTRAL = {
 }
 
 
-SAMPLES_PER_TENSOR = 16  # values read per tensor for the stamp: an edit of a whole tensor moves them
-
-_IDENTITY_ATTR = "_gemma4lib_weights_identity"  # (identity, stamp) set by declare_identity
-_HASHED_ATTR = "_gemma4lib_weights_hashed"  # (digest, stamp) remembered by weights_identity
-
-
-def _tensor_bytes(tensor: torch.Tensor) -> memoryview:
-    """The tensor's own bytes (no float32 copy; bf16 and int8 included), zero-copy when contiguous."""
-    flat = tensor.detach().contiguous().reshape(-1)
-    return memoryview(flat.view(torch.uint8).numpy()) if flat.numel() else memoryview(b"")
-
-
-def _state(module: nn.Module) -> dict[str, torch.Tensor]:
-    return {**dict(module.named_parameters()), **dict(module.named_buffers())}
-
-
-def weights_fingerprint(module: nn.Module, values_of: str = "buffers") -> str:
-    """sha256 over names, shapes and dtypes of every tensor, plus the raw bytes of `values_of`
-    ("buffers": what the compiler folds into the program; "all": parameters too)."""
-    digest = hashlib.sha256()
-    params = dict(module.named_parameters())
-    state = _state(module)
-    for name in sorted(state):
-        tensor = state[name].detach()
-        digest.update(f"{name}:{tuple(tensor.shape)}:{tensor.dtype}".encode())
-        if values_of == "all" or name not in params:
-            digest.update(_tensor_bytes(tensor))
-    return digest.hexdigest()
-
-
-def weights_stamp(module: nn.Module) -> str:
-    """Cheap evidence that no tensor changed: per tensor its name, shape, dtype, storage address,
-    version counter (bumped by in-place ops) and a few evenly spaced values (an edit through
-    `.data`, which bypasses the counter, still moves them). Reads ~16 values per tensor."""
-    digest = hashlib.sha256()
-    for name, tensor in sorted(_state(module).items()):
-        tensor = tensor.detach()
-        digest.update(f"{name}:{tuple(tensor.shape)}:{tensor.dtype}:{tensor.data_ptr()}:{tensor._version}".encode())
-        flat = tensor.reshape(-1)
-        if flat.numel():
-            index = torch.linspace(0, flat.numel() - 1, min(SAMPLES_PER_TENSOR, flat.numel())).long()
-            digest.update(_tensor_bytes(flat[index]))
-    return digest.hexdigest()
-
-
-def declare_identity(module: nn.Module, identity: str) -> None:
-    """Record what the loader loaded (e.g. the checkpoint's file digests); `weights_identity`
-    returns it while the weights stay as loaded."""
-    object.__setattr__(module, _IDENTITY_ATTR, (identity, weights_stamp(module)))
-
-
-def declared_identity(module: nn.Module) -> str | None:
-    """The declared identity if the weights are still as loaded, else None."""
-    declared = getattr(module, _IDENTITY_ATTR, None)
-    if declared is None or declared[1] != weights_stamp(module):
-        return None
-    return declared[0]
-
-
-def weights_identity(module: nn.Module) -> str:
-    """Which weights `module` holds: the loader's declaration while it stands, else the raw bytes of
-    every tensor hashed once and remembered until a tensor changes (see the module docstring)."""
-    declared = declared_identity(module)
-    if declared is not None:
-        return f"declared:{declared}"
-    stamp = weights_stamp(module)
-    hashed = getattr(module, _HASHED_ATTR, None)
-    if hashed is None or hashed[1] != stamp:
-        hashed = (f"bytes:{weights_fingerprint(module, 'all')}", stamp)
-        object.__setattr__(module, _HASHED_ATTR, hashed)
-    return hashed[0]
-
-
 def program_config(config: Any) -> dict[str, Any]:
     """The config as the compiled program sees it (so a fixture loaded from disk and the same
     architecture built in memory share one artifact)."""
@@ -164,7 +87,7 @@ def program_digest(program: torch.export.ExportedProgram) -> str:
         digest.update(f"constant {name}".encode())
         if isinstance(value, torch.Tensor):
             digest.update(f"{tuple(value.shape)}:{value.dtype}".encode())
-            digest.update(_tensor_bytes(value))
+            digest.update(tensor_bytes(value))
         else:
             digest.update(repr(value).encode())
     return digest.hexdigest()
@@ -180,14 +103,4 @@ def source_digest(files: tuple[str, ...] = GRAPH_SOURCES) -> str:
     return digest.hexdigest()
 
 
-__all__ = [
-    "GRAPH_SOURCES",
-    "declare_identity",
-    "declared_identity",
-    "program_config",
-    "program_digest",
-    "source_digest",
-    "weights_fingerprint",
-    "weights_identity",
-    "weights_stamp",
-]
+__all__ = ["GRAPH_SOURCES", "program_config", "program_digest", "source_digest"]

@@ -32,9 +32,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..backends.program_key import weights_identity
 from ..environment import versions
 from ..errors import BundleError
+from ..models.weights_identity import weights_identity
 from .artifacts import ArtifactCache
 
 if TYPE_CHECKING:

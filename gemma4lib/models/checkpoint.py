@@ -15,7 +15,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..backends.program_key import declare_identity
 from ..environment import check_transformers
 from ..errors import CheckpointError, GatedCheckpointError, NotGemma4Error, VariantMismatchError
 from .checkpoint_identity import folder_identity
@@ -24,6 +23,7 @@ from .loading import LoadedModel, _text_classes
 from .tokenizer import require_chat_template
 from .variants import VARIANTS, Variant
 from .weight_files import check_weight_files
+from .weights_identity import declare_identity
 
 log = logging.getLogger(__name__)
 

@@ -15,10 +15,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..backends.program_key import declare_identity
 from ..device.kv_layout import KVLayout
 from ..environment import check_transformers
 from .variants import Variant, config_kwargs
+from .weights_identity import declare_identity
 
 
 @dataclass

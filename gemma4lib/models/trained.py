@@ -15,12 +15,12 @@ from typing import Any
 
 import torch
 
-from ..backends.program_key import declare_identity
 from ..cache.artifacts import sha256_file
 from ..errors import CheckpointError
 from .loading import LoadedModel, _text_classes
 from .tokenizer import load_tokenizer
 from .variants import Variant, get_variant
+from .weights_identity import declare_identity
 
 FIXTURES_DIR = Path(__file__).resolve().parent.parent / "fixtures"
 TOKENIZER_DIR = FIXTURES_DIR / "tokenizer"

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from .. import backends, checks
+from ..backends.base import DeviceRun
 from ..models.loading import LoadedModel
 from ..record import build_record
 from ..reference import random_prompt, reference_greedy
@@ -243,8 +244,9 @@ def port_batch(
         "coherent": _all([r["coherent"] for r in records]),
         "decode_tok_s_per_row": device_run.get("decode_tok_s_per_row"),
     }
+    run = DeviceRun.from_fields(device_run)
     result = build_record(
-        settings, model, rows[0][0], device_run, report0, reference0, started=started, witness=witness, extra=extra
+        settings, model, rows[0][0], run, report0, reference0, started=started, witness=witness, extra=extra
     )
     if settings.results_dir:
         result["result_file"] = str(write_result(result, Path(settings.results_dir)))

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ..backends.base import DeviceRun
 from ..device.drafting import DraftGraph, RoomyLayout, TargetGraph
 from ..device.embedder import HostEmbedder
 from ..device.graph import GraphShape
@@ -298,7 +299,7 @@ def run_device_drafted(
     *,
     progress: bool = False,
     bench: bool = True,
-) -> dict[str, Any]:
+) -> DeviceRun:
     """The `device_run` of a drafted port: the drafted generation (its tokens and per-token logits
     go through the usual three checks), transformers' assisted generate with the same assistant,
     and decode tok/s with and without drafting from this one run (the plain graphs compiled too)."""
@@ -349,7 +350,7 @@ def run_device_drafted(
             decode_tok_s_runs={"with_draft": drafted_runs, "without_draft": plain_runs},
             bench_tokens=n,
         )
-    return device_run
+    return DeviceRun.from_fields(device_run)
 
 
 __all__ = [
