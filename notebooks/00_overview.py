@@ -37,6 +37,17 @@
 # | machine | `inf2.xlarge` to `inf2.24xlarge`, per variant (table above) | any CPU |
 # | software | Deep Learning AMI Neuron (Ubuntu 24.04), venv `aws_neuronx_venv_pytorch_2_9_nxd_inference` (Python 3.12), Neuron SDK 2.28: torch-neuronx 2.9.0.2.12.22436, neuronx-cc 2.23.6484.0, neuronx-distributed 0.17.26814, libneuronxla 2.2.15515.0; + transformers 5.23.0 | torch 2.13 (CPU), transformers 5.23.0 |
 # | this notebook | reads the records the variant notebooks wrote; loads no large model | same, plus a tiny model for the last section |
+#
+# ### Before you start on inf2
+#
+# Everything a first day needs before the first cell runs is in the README's "Before you start on
+# inf2": the instance and DLAMI per variant, accepting the model licence and exporting `HF_TOKEN`
+# *before* JupyterLab starts (a kernel inherits its environment when it starts),
+# `bash scripts/lab.sh --neuron` to open these notebooks on the Neuron venv's kernel without touching its
+# torch or SDK packages, the disk and the time of each step (each marked computed, field report or
+# unverified), and a troubleshooting table. `python -m gemma4lib doctor --variant e2b` prints the
+# plan of both memories that decide a run: the NeuronCores' HBM and the serving host's RAM (the
+# model, the host tables, the weight shards at load time and the reference the checks run).
 
 # %% [markdown]
 # ## Parameters

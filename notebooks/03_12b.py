@@ -25,6 +25,7 @@
 # | TP degree | 2 (NxD ModelBuilder) | 1 for the port; `tp_demo` runs the TP=2 rank graph as 2 CPU processes (gloo) |
 # | memory per core (computed, `python -m gemma4lib doctor`) | 11.1 GiB bf16 weights + 0.19 GiB K/V at 2,048 tokens + 2 GiB working allowance (unverified on inf2) = 13.3 of 16 GiB HBM | a few MB |
 # | host RAM for the compile | 128 GiB on the instance; ~71 GB estimated (3 × the text weights: module + checkpoint + shards); the model is loaded in bf16 on the host before it is compiled | under 2 GiB |
+# | serving host RAM (computed, `python -m gemma4lib doctor`; unverified on inf2) | ~48.5 GB peak of 136.4 GB usable on the inf2.8xlarge: the bf16 model 23.8 GB (host tables 2.0) + 24.2 GB at the peak step + 0.5 GB process; the logit check widens one module at a time, never a second model | under 2 GiB |
 # | time per decode step | ≥ 27 ms computed from bandwidth ÷ bytes per step at TP=2 (the field report measured prefill only: ~101 ms) | ~1.1 ms measured (885 tok/s, smoke baseline of 2026-11-29, one thread of a shared 2-core CPU) |
 # | software | Deep Learning AMI Neuron (Ubuntu 24.04), venv `aws_neuronx_venv_pytorch_2_9_nxd_inference` (Python 3.12), Neuron SDK 2.28: torch-neuronx 2.9.0.2.12.22436, neuronx-cc 2.23.6484.0, neuronx-distributed 0.17.26814, libneuronxla 2.2.15515.0; + transformers 5.23.0 | torch 2.13 (CPU), transformers 5.23.0, AOTInductor as the compiler |
 # | model | `google/gemma-4-12B-it` (bf16, gated: `HF_TOKEN` from the environment) | a tiny trained model of the same architecture: k_eq_v, one global KV head |

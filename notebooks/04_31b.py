@@ -25,6 +25,7 @@
 # | TP degree | 8 (NxD ModelBuilder) | 1 for the port; `tp_demo` runs the rank graph as 4 CPU processes (gloo) |
 # | memory per core (computed, `python -m gemma4lib doctor`) | 7.2 GiB bf16 weights + 0.14 GiB K/V at 2,048 tokens + 2 GiB working allowance (unverified on inf2) = 9.3 of 16 GiB HBM | a few MB |
 # | host RAM for the compile | 384 GiB on the instance; ~184 GB estimated (3 × the text weights: module + checkpoint + shards); the field report's compile peaked at 182 GB of host RAM | under 2 GiB |
+# | serving host RAM (computed, `python -m gemma4lib doctor`; unverified on inf2) | ~124.4 GB peak of 411.2 GB usable on the inf2.24xlarge: the bf16 model 61.4 GB (host tables 2.8) + 62.6 GB at the peak step + 0.5 GB process; the logit check widens one module at a time, never a second model | under 2 GiB |
 # | time per decode step | ≥ 18 ms computed from bandwidth ÷ bytes per step at TP=8 (the field report measured prefill only: ~115 ms) | ~0.85 ms measured (1,178 tok/s, smoke baseline of 2026-11-29, one thread of a shared 2-core CPU) |
 # | software | Deep Learning AMI Neuron (Ubuntu 24.04), venv `aws_neuronx_venv_pytorch_2_9_nxd_inference` (Python 3.12), Neuron SDK 2.28: torch-neuronx 2.9.0.2.12.22436, neuronx-cc 2.23.6484.0, neuronx-distributed 0.17.26814, libneuronxla 2.2.15515.0; + transformers 5.23.0 | torch 2.13 (CPU), transformers 5.23.0, AOTInductor as the compiler |
 # | model | `google/gemma-4-31B-it` (bf16, gated: `HF_TOKEN` from the environment) | a tiny trained model of the same architecture: 16 Q heads, 8 sliding and 2 global KV heads |

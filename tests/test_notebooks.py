@@ -585,3 +585,17 @@ def test_the_model_builder_cell_makes_the_recipes_calls(path, tmp_path, monkeypa
             assert all(torch.equal(ours["checkpoint"][k], theirs["checkpoint"][k]) for k in ours["checkpoint"])
         else:
             assert ours == theirs, f"{kind}: the cell asked {ours}, the recipe {theirs}"
+
+
+@pytest.mark.parametrize("path", variant_notebooks(), ids=lambda p: p.name)
+def test_runs_on_states_the_serving_host_plan(path):
+    """Each variant's "Runs on" gives the serving host's planned peak (`memory_plan.serving_host_plan`)
+    at its TP degree on its instance, so the figure a reader sees is the one `doctor` and
+    `PortSettings` use."""
+    from gemma4lib.inf2.memory_plan import serving_host_plan
+
+    variant = VARIANTS[parameters_of(load(path))["variant"]]
+    plan = serving_host_plan(variant, variant.tp_degree, variant.instance_type)
+    text = "\n".join(c.source for c in load(path).cells if c.cell_type == "markdown")
+    (row,) = [line for line in text.splitlines() if line.startswith("| serving host RAM")]
+    assert f"~{plan.peak_gb:.1f} GB peak of {plan.available_gb:.1f} GB usable on the {plan.instance}" in row
