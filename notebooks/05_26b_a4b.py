@@ -93,9 +93,12 @@ import time
 import torch
 from IPython.display import display
 
-from gemma4lib import checks, compile_cpu, notebook as nb, plots
+from gemma4lib import checks, notebook as nb
+from gemma4lib.backends import compile_cpu
+from gemma4lib.backends.base import CompiledGraphs
 from gemma4lib.cache.artifacts import ArtifactCache
-from gemma4lib.backends.base import PREFILL_EXPERTS, CompiledGraphs
+from gemma4lib.device.build import PREFILL_EXPERTS
+from gemma4lib.notebook import plots
 from gemma4lib.timing import benchmark
 from gemma4lib.device.graph import DeviceGraph, GraphShape
 from gemma4lib.port import PortSettings, eos_ids, load_model, prompt_ids

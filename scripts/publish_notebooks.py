@@ -51,6 +51,16 @@ def shrink_png(data: str) -> str:
     return base64.b64encode(out.getvalue()).decode()
 
 
+def _without_local_paths(output):
+    """The output with this clone's absolute path written as `.` (a reader's copy names no machine)."""
+    for key, value in list(output.get("data", {}).items()):
+        if key.startswith("text/") and isinstance(value, str):
+            output["data"][key] = value.replace(str(ROOT), ".")
+    if isinstance(output.get("text"), str):
+        output["text"] = output["text"].replace(str(ROOT), ".")
+    return output
+
+
 def reader_copy(executed_path: Path):
     nb = nbformat.read(str(executed_path), as_version=4)
     for cell in nb.cells:
@@ -65,8 +75,10 @@ def reader_copy(executed_path: Path):
                     continue
             if "image/png" in data:
                 data["image/png"] = shrink_png(data["image/png"])
-            kept.append(output)
+            kept.append(_without_local_paths(output))
         cell.outputs = kept
+        if "injected-parameters" in cell.metadata.get("tags", []):
+            cell.source = cell.source.replace(str(ROOT), ".")
         cell.metadata.pop("papermill", None)
         cell.metadata.pop("execution", None)
     nb.metadata.pop("widgets", None)
@@ -75,7 +87,10 @@ def reader_copy(executed_path: Path):
         "source": f"notebooks/{executed_path.name}",
         "source_sha256": source_digest(nb),
         "executed": papermill.get("end_time"),
-        "parameters": papermill.get("parameters", {}),
+        "parameters": {
+            k: v.replace(str(ROOT), ".") if isinstance(v, str) else v
+            for k, v in papermill.get("parameters", {}).items()
+        },
         "written_by": "scripts/publish_notebooks.py from the main job's output (scripts/run_smoke.sh)",
     }
     return nb
