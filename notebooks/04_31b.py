@@ -375,8 +375,9 @@ nb.describe_compile(compiled)
 # %% [markdown]
 # ## 4. Generate on the device
 #
-# The whole serving loop, batch 1 (one conversation at a time; batching comes from another branch
-# of this project). The host embeds the prompt and runs the smallest prefill graph that holds it:
+# The whole serving loop, batch 1 (one conversation at a time; `PortSettings(batch_size=B)` runs B
+# prompts through batched graphs of this same design, each row checked against its own reference:
+# the README's "More than one token per step"). The host embeds the prompt and runs the smallest prefill graph that holds it:
 # one call fills the K/V buffers for every prompt position and returns the logits of the last one.
 # Then the decode graph runs once per new token, at the next position, until `<eos>`/`<turn|>` or
 # `max_new_tokens`. Position and prompt length are tensors, not Python numbers: that is what lets one

@@ -8,6 +8,7 @@ is the canonical "What is the capital of France?".
 
 from __future__ import annotations
 
+from ..errors import SettingsError
 from ..models.corpus import COUNTRIES, TRAIN_PHRASINGS
 
 # row i asks phrasing _PHRASING_ORDER[i % 3]: "What is..." (7 words), "Which city is..." (8), "Tell me..." (7)
@@ -17,7 +18,10 @@ _PHRASING_ORDER = (0, 2, 1)
 def capital_questions(batch_size: int) -> tuple[tuple[str, str], ...]:
     """`batch_size` (prompt, expected capital) pairs, a different country in every row (up to 40)."""
     if not 1 <= batch_size <= len(COUNTRIES):
-        raise ValueError(f"there are {len(COUNTRIES)} capital questions; batch_size {batch_size} needs prompts=")
+        raise SettingsError(
+            f"the default batch holds at most {len(COUNTRIES)} capital questions, not {batch_size}; pass "
+            f"your own prompts=(...) (and expects=) for a batch of {batch_size}"
+        )
     pairs = []
     for i in range(batch_size):
         country, capital = COUNTRIES[i]
