@@ -160,15 +160,19 @@ def _run_tests_sh(tmp_path: Path, *args: str, cache: str | None = None) -> list[
     return record.read_text().split("\0")[:-1]
 
 
+TWO_WORKERS = ["-n", "2", "--dist", "loadfile"]  # run_tests.sh's default: pytest-xdist, a file per worker
+
+
 @pytest.mark.parametrize(
     "args,pytest_args",
     [
-        ((), ["-m", "not slow"]),
-        (("-q",), ["-m", "not slow", "-q"]),
-        (("-q", "-ra", "tests/test_readme.py"), ["-m", "not slow", "-q", "-ra", "tests/test_readme.py"]),
-        (("-q", "-m", "slow"), ["-q", "-m", "slow"]),
-        (("-mslow",), ["-mslow"]),
-        (("-m", "slow or not slow", "-x"), ["-m", "slow or not slow", "-x"]),
+        ((), [*TWO_WORKERS, "-m", "not slow"]),
+        (("-q",), [*TWO_WORKERS, "-m", "not slow", "-q"]),
+        (("-q", "-ra", "tests/test_readme.py"), [*TWO_WORKERS, "-m", "not slow", "-q", "-ra", "tests/test_readme.py"]),
+        (("-q", "-m", "slow"), [*TWO_WORKERS, "-q", "-m", "slow"]),
+        (("-mslow",), [*TWO_WORKERS, "-mslow"]),
+        (("-m", "slow or not slow", "-x"), [*TWO_WORKERS, "-m", "slow or not slow", "-x"]),
+        (("-n", "0", "-q"), ["-m", "not slow", "-n", "0", "-q"]),
     ],
 )
 def test_run_tests_keeps_slow_out_unless_markers_are_chosen(tmp_path, args, pytest_args):

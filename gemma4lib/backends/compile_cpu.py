@@ -169,6 +169,9 @@ def cache_package(
             "compile_s": time.perf_counter() - started,
             "folded_params": folded,
             "folded_digest": _folded_digest(graph, folded),
+            # the program's own key: an entry for other folded values sits at another key, but holds
+            # the same program (which of the two a model gets depends on who compiled first)
+            "program_key": make_key(parts),
         }
 
     describe, need = {"recipe": RECIPE, "shape": graph.shape.__dict__}, package_bytes_estimate(graph)

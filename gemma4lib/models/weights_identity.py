@@ -56,7 +56,9 @@ def weights_stamp(module: nn.Module) -> str:
         digest.update(f"{name}:{tuple(tensor.shape)}:{tensor.dtype}:{tensor.data_ptr()}:{tensor._version}".encode())
         flat = tensor.reshape(-1)
         if flat.numel():
-            index = torch.linspace(0, flat.numel() - 1, min(SAMPLES_PER_TENSOR, flat.numel())).long()
+            count = min(SAMPLES_PER_TENSOR, flat.numel())  # evenly spaced, in integers: a float32
+            # linspace rounds the last index of a 400M-element table past its end
+            index = torch.arange(count, dtype=torch.int64) * (flat.numel() - 1) // max(count - 1, 1)
             digest.update(tensor_bytes(flat[index]))
     return digest.hexdigest()
 
