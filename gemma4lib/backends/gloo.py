@@ -19,31 +19,6 @@ if TYPE_CHECKING:
     from ..models.loading import LoadedModel
     from ..settings import PortSettings
 
-# the keys of `tp.cpu_gloo`'s result that DeviceRun holds in its own fields
-_FIELDS = (
-    "tokens",
-    "step_logits",
-    "compiler",
-    "compile_s",
-    "prefill_ms",
-    "decode_tok_s",
-    "prefill_logits_max_abs_diff",
-)
-
-
-def as_device_run(result: dict[str, Any]) -> DeviceRun:
-    """`tp.cpu_gloo`'s run result as a `DeviceRun` (the plan, shard shapes, timings as details)."""
-    return DeviceRun(
-        tokens=list(result["tokens"]),
-        compiler=result["compiler"],
-        compile_s=result["compile_s"],
-        prefill_logits_max_abs_diff=result["prefill_logits_max_abs_diff"],
-        prefill_ms=result["prefill_ms"],
-        decode_tok_s=result["decode_tok_s"],
-        details={k: v for k, v in result.items() if k not in _FIELDS},
-        step_logits=result.get("step_logits"),
-    )
-
 
 def run(
     model: LoadedModel,
@@ -60,7 +35,7 @@ def run(
     from ..tp.cpu_gloo import run_tp_port
 
     refuse_graphs(graphs, "gloo")
-    return as_device_run(run_tp_port(model, settings, ids, eos))
+    return DeviceRun.from_fields(run_tp_port(model, settings, ids, eos))  # plan, shards, timings: details
 
 
 def compile(model: Any, settings: Any, *, graphs: Any = None, progress: bool = False) -> Any:

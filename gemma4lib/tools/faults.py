@@ -40,7 +40,6 @@ from typing import Any
 
 import torch
 
-from ..backends import gloo
 from ..backends.base import DeviceRun, backend_for, get_backend
 from ..checks import failure_reasons
 from ..device.graph import DeviceGraph, ExplicitKV, _shallow_clone
@@ -358,7 +357,7 @@ class FaultyBackend:
                 raise TensorParallelError("graph edits apply to the single-device graphs; run them at tp_degree 1")
             from ..tp.cpu_gloo import run_tp_port
 
-            return gloo.as_device_run(run_tp_port(model, settings, ids, eos, baked_rank=self.baked_rank))
+            return DeviceRun.from_fields(run_tp_port(model, settings, ids, eos, baked_rank=self.baked_rank))
         graphs = None
         if self.edit is not None:
             graphs = build_graphs(model, settings)
