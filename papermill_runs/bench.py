@@ -222,6 +222,21 @@ def _batch(section: Mapping[str, Any], where: str) -> dict[str, Any]:
     )
 
 
+def _mtp(row: Mapping[str, Any], where: str) -> dict[str, Any]:
+    """A variant's drafted decode (`gemma4lib.benchmarks.mtp`): decode tok/s with the assistant over
+    without, from one run, and the tokens emitted per verify step; the drafted tokens must equal the
+    plain reference and transformers' assisted generate."""
+    metrics = {
+        "speedup_with_draft": _number(row.get("speedup_with_draft"), f"{where}.speedup_with_draft"),
+        "bench_accepted_per_step": _number(row.get("bench_accepted_per_step"), f"{where}.bench_accepted_per_step"),
+    }
+    checks = {
+        "tokens_match_reference": _flag(row.get("tokens_equal_reference"), f"{where}.tokens_equal_reference"),
+        "hf_assisted_match": _flag(row.get("hf_assisted_match"), f"{where}.hf_assisted_match"),
+    }
+    return _subject(metrics, checks, draft_tokens=row.get("draft_tokens"))
+
+
 def figures(report: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
     """One entry per subject of the suite report (models by name, then `ring_kv`, `experts`,
     `prefill_buckets` when present); raises `ReportError` when the report lacks the suite's fields."""
@@ -238,8 +253,13 @@ def figures(report: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
         if not isinstance(section, dict) or not isinstance(section.get("model"), str):
             raise ReportError(f'bench report: batch[{i}] must be an object with a "model"')
         subjects[f"batch:{section['model']}"] = _batch(section, f"batch[{i}] ({section['model']})")
+    mtp = report.get("mtp")
+    for i, row in enumerate(_get(report, "mtp", dict, "report").get("rows") or [] if mtp is not None else []):
+        if not isinstance(row, dict) or not isinstance(row.get("variant"), str):
+            raise ReportError(f'bench report: mtp.rows[{i}] must be an object with a "variant"')
+        subjects[f"mtp:{row['variant']}"] = _mtp(row, f"mtp.rows[{i}] ({row['variant']})")
     if not subjects:
-        raise ReportError("bench report has no models and no ring_kv/experts/prefill_buckets/batch section")
+        raise ReportError("bench report has no models and no ring_kv/experts/prefill_buckets/batch/mtp section")
     return subjects
 
 

@@ -327,3 +327,25 @@ def test_tempered_random_attention_is_numerically_stable():
         single = model.lm(ids).logits[0]
         double = copy.deepcopy(model.lm).double()(ids).logits[0].float()
     assert (single - double).abs().max() < 1e-4  # tempered: ~6e-6
+
+
+def test_mtp_section_runs_and_feeds_the_judge():
+    """The suite's mtp section end to end on the uncompiled graphs (seconds): each row's figures come
+    from one drafted run, its tokens equal the plain reference and transformers' assisted generate,
+    and the papermill judge reads the row as an `mtp:<variant>` subject."""
+    from gemma4lib.benchmarks.mtp import bench_mtp
+    from papermill_runs import bench as bench_judge
+
+    section = bench_mtp(("e2b",), backend="eager", warmup=0, iters=1, new_tokens=8)
+    (row,) = section["rows"]
+    assert row["variant"] == "e2b" and row["draft_tokens"] == 4
+    assert row["tokens_equal_reference"] is True and row["hf_assisted_match"] is True
+    assert row["accepted_per_step"] > 1 and row["bench_accepted_per_step"] >= 1
+    with_draft, without = row["decode_tok_s_with_draft"], row["decode_tok_s_without_draft"]
+    assert with_draft > 0 and without > 0 and row["speedup_with_draft"] == pytest.approx(with_draft / without)
+    computed = {r["variant"]: r for r in section["inf2_computed"]}
+    assert computed["e2b"]["accepted_per_step"] == row["bench_accepted_per_step"]
+    assert computed["e2b"]["status"] == section["inf2_status"] and "computed_speedup" in computed["e2b"]
+    subject = bench_judge.figures({"models": [], "mtp": section})["mtp:e2b"]
+    assert subject["metrics"]["speedup_with_draft"] == row["speedup_with_draft"]
+    assert subject["checks"] == {"tokens_match_reference": True, "hf_assisted_match": True}

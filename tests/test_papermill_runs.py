@@ -792,3 +792,33 @@ def test_the_judge_is_pure(tolerances, tmp_path, monkeypatch):
     )
     assert unreadable.exit_code == 2 and unreadable.verdicts["e2b"].reasons == ["baseline unusable: torn write"]
     assert list(tmp_path.iterdir()) == []
+
+
+def mtp_row(variant="e2b", speedup=0.8, accepted=1.8, **changes):
+    row = {
+        "variant": variant,
+        "draft_tokens": 4,
+        "tokens_equal_reference": True,
+        "hf_assisted_match": True,
+        "speedup_with_draft": speedup,
+        "bench_accepted_per_step": accepted,
+    }
+    return {**row, **changes}
+
+
+def test_bench_mtp_rows_are_judged_subjects(tmp_path, capsys):
+    report = bench_report(mtp={"rows": [mtp_row(), mtp_row("31b", 0.3, 1.2)]})
+    subjects = bench.figures(report)
+    assert subjects["mtp:e2b"]["metrics"] == {"speedup_with_draft": 0.8, "bench_accepted_per_step": 1.8}
+    assert subjects["mtp:31b"]["checks"] == {"tokens_match_reference": True, "hf_assisted_match": True}
+    assert bench_cli(tmp_path, report, "--update-baseline") == 0
+    # acceptance is deterministic: a drop past 10% is a regression; a drafted run unequal to HF's fails
+    worse = bench_report(mtp={"rows": [mtp_row(accepted=1.5), mtp_row("31b", 0.3, 1.2, hf_assisted_match=False)]})
+    capsys.readouterr()
+    assert bench_cli(tmp_path, worse) == 1
+    verdicts = bench_verdicts(tmp_path)
+    assert verdicts["mtp:e2b"]["status"] == "regression"
+    assert verdicts["mtp:31b"]["status"] == "fail"
+    assert any("hf_assisted_match is false" in r for r in verdicts["mtp:31b"]["reasons"])
+    with pytest.raises(bench.ReportError, match=r"mtp.rows\[0\] must be an object"):
+        bench.figures(bench_report(mtp={"rows": [{"speedup_with_draft": 1.0}]}))

@@ -52,7 +52,8 @@ def bench_mtp(
         )
         model = load_model(settings)
         ids, eos = prompt_ids(model, settings), eos_ids(model)
-        run = run_device_drafted(model, settings, ids, eos)
+        device = run_device_drafted(model, settings, ids, eos)
+        run = {**device.record_fields(), "tokens": device.tokens, "compile_s": device.compile_s}
         rows.append(
             {
                 "variant": name,
