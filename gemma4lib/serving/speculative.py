@@ -42,7 +42,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 DRAFT_KINDS = ("assistant",)
-DRAFT_BACKENDS = ("cpu", "eager")
+DRAFT_BACKENDS = ("cpu", "eager", "neuron")  # neuron: the ModelBuilder recipe's drafting keys
 
 
 def check_draft(settings: PortSettings) -> None:
