@@ -162,3 +162,17 @@ def test_backend_neuron_drafting_reaches_the_drafting_compile(monkeypatch):
     with pytest.raises(RuntimeError, match="stop: compile reached"):
         port_module.port(settings)
     assert reached[0]["draft_tokens"] == K and reached[0]["buckets"] == tuple(settings.prefill_buckets)
+
+
+def test_the_memory_plan_counts_the_assistant_per_core():
+    from gemma4lib.inf2.memory_plan import plan_core_memory
+    from gemma4lib.inf2.mtp_roofline import assistant_rank_bytes
+    from gemma4lib.inf2.params import meta_model
+
+    plain, drafted = plan_core_memory("31b"), plan_core_memory("31b", draft_tokens=K)
+    assert plain.assistant_gib == 0.0 and drafted.weights_gib == plain.weights_gib
+    assert drafted.assistant_gib == pytest.approx(assistant_rank_bytes(meta_model("31b"), 8) / 2**30)
+    assert drafted.kv_gib > plain.kv_gib  # the rings' k + 1 extra slots
+    assert drafted.total_gib == pytest.approx(plain.total_gib + drafted.assistant_gib + drafted.kv_gib - plain.kv_gib)
+    # the split parts shrink with TP, the replicated scoring table does not
+    assert assistant_rank_bytes(meta_model("31b"), 8) < assistant_rank_bytes(meta_model("31b"), 4)
