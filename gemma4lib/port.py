@@ -115,7 +115,7 @@ def run_device(
     `run`: `backends.base`): the device part of the record, with the per-step logits LOGITS_MATCH needs.
     With a draft, the assistant drafts and the target verifies k + 1 at a time (`speculative`)."""
     if settings.draft is not None:
-        from .serving.speculative import run_device_drafted
+        from .serving.drafted_run import run_device_drafted
 
         return run_device_drafted(model, settings, ids, eos, progress=progress, bench=bench)
     return backends.run_device(model, settings, ids, eos, progress=progress, bench=bench)

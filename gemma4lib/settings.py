@@ -223,6 +223,7 @@ class PortSettings:
                 recipe=self.neuron_recipe,
                 weights=self.weights,
                 batch=self.batch_size,
+                draft_tokens=self.draft_tokens if self.draft else None,
             )
             from .inf2.serving_host import require_serving_host
 

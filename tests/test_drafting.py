@@ -187,7 +187,6 @@ def test_a_mismatch_with_assisted_generate_fails_the_record():
         (dict(draft="medusa"), UnknownNameError, "assistant"),
         (dict(draft="assistant", backend="neuron", neuron_recipe="trace"), SettingsError, "ModelBuilder"),
         (dict(draft="assistant", backend="xla"), SettingsError, "not built yet"),
-        (dict(draft="assistant", tp_degree=2), SettingsError, "tp_degree 1"),
     ],
 )
 def test_bad_draft_settings_say_what_to_do(kwargs, error, words):

@@ -180,10 +180,11 @@ class CoreMemoryPlan:
     compile_host: str | None = None  # where the compile fits: the run instance, or a larger inf2 size
     weight_format: str = "bf16"  # "int8": the quantized linears counted at 1 byte + a scale per row
     batch: int = 1  # rows served at once: K/V is held per row, `kv_gib` counts all of them
+    assistant_gib: float = 0.0  # with draft_tokens: the MTP assistant's weights on this core (assumed shape)
 
     @property
     def total_gib(self) -> float:
-        return self.weights_gib + self.kv_gib + self.working_gib
+        return self.weights_gib + self.kv_gib + self.working_gib + self.assistant_gib
 
     @property
     def fits(self) -> bool:
@@ -224,11 +225,14 @@ def plan_core_memory(
     recipe: str | None = None,
     weights: str = "bf16",
     batch: int = 1,
+    draft_tokens: int | None = None,
 ) -> CoreMemoryPlan:
     """The per-core memory plan of `variant` at `tp` (default: its recipe's) on `instance`
     (default: the variant's recommended instance) with `recipe` (default: `neuron_recipe`'s),
     serving `batch` rows (K/V x batch); `weights="int8"` counts the quantized linears at their
-    int8 bytes (`rank_weight_bytes`). Problems are listed, never raised here."""
+    int8 bytes (`rank_weight_bytes`); `draft_tokens` (drafting with the MTP assistant) adds the
+    assistant's weights per core (`mtp_roofline.assistant_rank_bytes`, an assumed shape) and the
+    sliding rings' k + 1 extra slots. Problems are listed, never raised here."""
     v = get_variant(variant) if isinstance(variant, str) else variant
     tp = int(tp or v.tp_degree)
     instance = instance or v.instance_type
@@ -242,10 +246,18 @@ def plan_core_memory(
     else:
         weights_gib = rank_weight_bytes(v, tp, weights, dtype_bytes) / GIB
         kv = _rank_kv_elements(v.name, tp, int(context_length), bool(ring)) * dtype_bytes * int(batch) / GIB
+    assistant_gib = 0.0
+    if draft_tokens and weights_gib:
+        assistant_gib, kv = _draft_extra_gib(v, tp, int(context_length), bool(ring), int(draft_tokens), dtype_bytes)
+        kv = (
+            kv * int(batch)
+            + _rank_kv_elements(v.name, tp, int(context_length), bool(ring)) * dtype_bytes * int(batch) / GIB
+        )
     capacity = float(HBM_PER_CORE_GIB)
-    if weights_gib + kv + WORKING_ALLOWANCE_GIB > capacity:
+    if weights_gib + kv + WORKING_ALLOWANCE_GIB + assistant_gib > capacity:
         problems.append(
             f"{weights_gib:.1f} GiB of {'int8 ' if weights == 'int8' else ''}weights + {kv:.2f} GiB of K/V + "
+            f"{f'{assistant_gib:.2f} GiB of assistant weights + ' if assistant_gib else ''}"
             f"{WORKING_ALLOWANCE_GIB:.0f} GiB working "
             f"memory exceed a NeuronCore's {capacity:.0f} GiB"
         )
@@ -274,7 +286,21 @@ def plan_core_memory(
         compile_host,
         weights,
         int(batch),
+        assistant_gib,
     )
+
+
+def _draft_extra_gib(v: Variant, tp: int, context: int, ring: bool, k: int, dtype_bytes: int) -> tuple[float, float]:
+    """(assistant weights, extra K/V of the roomy rings) per core in GiB, for k draft tokens."""
+    from ..device.drafting import RoomyLayout
+    from ..tp.plan import make_plan
+    from .mtp_roofline import assistant_rank_bytes
+    from .params import meta_model
+
+    lm = meta_model(v)
+    layout = make_plan(lm.config, tp, v).rank_layout()
+    extra = RoomyLayout.around(layout, k + 1).buffer_bytes(context, ring, 1) - layout.buffer_bytes(context, ring, 1)
+    return assistant_rank_bytes(lm, tp, dtype_bytes) / GIB, extra * dtype_bytes / GIB
 
 
 def fitting_options(
@@ -307,10 +333,12 @@ def require_fit(
     recipe: str | None = None,
     weights: str = "bf16",
     batch: int = 1,
+    draft_tokens: int | None = None,
 ) -> CoreMemoryPlan:
     """Raise when the released model cannot run at `tp` on `instance` (default: the variant's):
     `TensorParallelError` for a degree inf2 cannot run, `DeviceMemoryError` for one that does not
-    fit a core or the compile host; the message names configurations that fit."""
+    fit a core or the compile host (with `draft_tokens`: the assistant's weights too); the message
+    names configurations that fit."""
     v = get_variant(variant) if isinstance(variant, str) else variant
     require_neuron_tp(v, tp, instance)
     plan = plan_core_memory(
@@ -322,6 +350,7 @@ def require_fit(
         recipe=recipe,
         weights=weights,
         batch=batch,
+        draft_tokens=draft_tokens,
     )
     if not plan.fits:
         at = f" with batch {batch}" if batch > 1 else ""

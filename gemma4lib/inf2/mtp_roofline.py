@@ -48,6 +48,21 @@ def assistant_bytes(lm: Any, context_length: int, ring: bool = True, dtype_bytes
     return float((layers + projections + embeddings + kv) * dtype_bytes)
 
 
+def assistant_rank_bytes(lm: Any, tp: int, dtype_bytes: int = 2) -> float:
+    """Bytes of the assistant's weights one NeuronCore holds under `ASSUMED_ASSISTANT`, cut as
+    `tp.draft_rank_graph` cuts it: q/o projections and the MLP 1/tp a rank; pre/post projections,
+    norms and, with ordered embeddings (assumed), the whole scoring table and centroids replicated
+    (`ordered_logits` indexes any row). Computed, unverified."""
+    cfg = lm.config
+    hidden, vocab = int(cfg.hidden_size), int(cfg.vocab_size)
+    layer = lm.model.layers[0]
+    attn = layer.self_attn
+    per_layer = attn.q_proj.weight.numel() + attn.o_proj.weight.numel() + sum(p.numel() for p in layer.mlp.parameters())
+    split = ASSUMED_ASSISTANT["layers"] * per_layer / tp
+    replicated = 2 * hidden * hidden + hidden * hidden + (vocab + ASSUMED_ASSISTANT["num_centroids"]) * hidden
+    return float((split + replicated) * dtype_bytes)
+
+
 def verify_bytes(lm: Any, context_length: int, k: int, ring: bool = True, dtype_bytes: int = 2) -> float:
     """Bytes of one target step over k + 1 tokens: the weights once (MoE: at most (k + 1) * top_k
     distinct experts), the K/V once."""
@@ -100,4 +115,12 @@ def draft_table(accepted: dict[str, float | None], k: int = 4, variants: Iterabl
     return [draft_effect(name, accepted.get(name), k) for name in (variants or VARIANTS)]
 
 
-__all__ = ["ASSUMED_ASSISTANT", "STATUS", "assistant_bytes", "draft_effect", "draft_table", "verify_bytes"]
+__all__ = [
+    "ASSUMED_ASSISTANT",
+    "STATUS",
+    "assistant_bytes",
+    "assistant_rank_bytes",
+    "draft_effect",
+    "draft_table",
+    "verify_bytes",
+]

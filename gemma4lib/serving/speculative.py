@@ -42,7 +42,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 DRAFT_KINDS = ("assistant",)
-DRAFT_BACKENDS = ("cpu", "eager")
+DRAFT_BACKENDS = ("cpu", "eager", "neuron")  # neuron: the ModelBuilder recipe's drafting keys
 
 
 def check_draft(settings: PortSettings) -> None:
@@ -67,11 +67,6 @@ def check_draft(settings: PortSettings) -> None:
         raise SettingsError(
             f"draft='assistant' runs on backends {DRAFT_BACKENDS} so far; on backend {settings.backend!r} the "
             f"draft and verify graphs are not built yet: use backend='cpu' or 'eager', or draft=None"
-        )
-    if settings.tp_degree > 1:
-        raise SettingsError(
-            f"draft='assistant' runs at tp_degree 1 (the single-device graphs); got {settings.tp_degree}: "
-            f"use tp_degree=1 or draft=None"
         )
 
 
@@ -179,6 +174,22 @@ class DraftedRuntime:
         self.model, self.steps, self.kv, self.k = model, steps, kv, int(draft_tokens)
         self.embedder = HostEmbedder.from_text_model(model.text_model)
         self.dtype = torch.float32
+
+    @classmethod
+    def over(
+        cls,
+        embedder: HostEmbedder,
+        steps: CompiledDraft,
+        kv: list[torch.Tensor],
+        draft_tokens: int,
+        dtype=torch.float32,
+    ) -> DraftedRuntime:
+        """The same loop over steps that hold their K/V themselves (gloo ranks, ModelBuilder keys):
+        only the host embedder is needed, and the dtype the steps were compiled for."""
+        runtime = cls.__new__(cls)
+        runtime.model, runtime.steps, runtime.kv, runtime.k = None, steps, list(kv), int(draft_tokens)
+        runtime.embedder, runtime.dtype = embedder, dtype
+        return runtime
 
     def embed(self, ids: torch.Tensor, pad_to: int | None = None) -> list[torch.Tensor]:
         return self.embedder.inputs(ids, pad_to, self.dtype)

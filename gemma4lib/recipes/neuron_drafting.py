@@ -1,0 +1,199 @@
+"""Drafting in the ModelBuilder recipe: prefill, verify and draft keys over the one set of K/V states.
+
+The keys (`tp.draft_rank_graph.draft_key_shapes`): `prefill<bucket>` (the target's rank graph over
+the prompt, returning the last token's logits and hidden state), `verify` (k + 1 tokens at an
+offset, logits and hidden states at every position) and `draft` (the assistant's step over the
+rank's shard of the target's K/V). There is no decode key: the verify key is the per-step target
+graph. Every key's module is a `DraftingRankModule` built with NxD's parallel layers
+(`NxDParallelFactory`), so all hold the same parameters (`target.*`, `assistant.*`, `kv.*`). What
+that buys, from NxD v2.28.0 `trace/model_builder.py` and `trace/trace.py`:
+
+- `shard_checkpoint` shards with the *first* key's module and `preprocess_checkpoint` drops every
+  checkpoint key that module lacks: the assistant's weights survive only because every key holds them.
+- The K/V states: `build_state_initializer` allocates the states named by the first key's metaneff
+  (its aliased inputs, `INPUT_STATE`), and each key binds states by name. A key that only reads a
+  state has no way to say so in v1: a parameter it does not alias would be a *weight*
+  (`INPUT_WEIGHT`), looked up in the checkpoint. So the draft key aliases every K/V parameter to an
+  output that is that parameter, unchanged: the same states as the other keys, never written
+  (`DraftingRankModule.forward`). Whether the compiler elides the identity write-back (it should:
+  the output buffer is the input buffer) is unverified on inf2.
+- Routing: `NxDModel.forward(inputs: List[Tensor])` picks the key by the input shapes, so no two
+  keys may share them (a prefill bucket of k + 1 tokens would collide with verify: refused). The
+  saved executor is traced with one key's arity, and the draft key takes two inputs where the
+  target keys take three or four, so the host calls `traced.nxd_model.forward([...])` directly
+  (`NxDKeyStep`).
+- Weight layout: no key is the priority model. NxD lays out the priority key's weights for it and
+  transforms the checkpoint on load with a program built from that key's weights only; the
+  assistant's (draft key) and the target's (other keys) are never all in one key, and what that
+  transform does to weights outside its program is not documented. So drafting compiles without
+  the layout optimisation (a cost on inf2, unmeasured).
+
+Compiler arguments: prefill keys the prefill set (-O1), verify and draft the decode set (-O2): they
+are the per-step graphs. The host loop is `speculative.DraftedRuntime` over `NxDKeyStep`s. The
+assistant's checkpoint: `tp.draft_rank_graph.assistant_nxd_full`, laid out so NxD's contiguous
+cut gives each rank `assistant_shard(rank)`. Lines that need the SDK are marked `# inf2-only`.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..device.graph import GraphShape
+from ..errors import SettingsError
+from ..tp.draft_rank_graph import assistant_nxd_full, build_drafting_modules, draft_key_shapes
+from ..tp.plan import TPPlan, make_plan
+from ..tp.shard import nxd_full_checkpoint
+from . import neuron_env
+from .common import graph_example_inputs
+
+RECIPE = "model_builder-drafting"
+PURPOSE = "drafting in the ModelBuilder recipe (neuronx_distributed.trace.model_builder)"
+
+
+def drafting_shapes(context_length: int, buckets: tuple[int, ...], k: int, ring: bool) -> dict[str, GraphShape]:
+    """The keys' shapes; a prefill bucket of k + 1 tokens would route like verify: refused."""
+    if k + 1 in buckets:
+        raise SettingsError(
+            f"a prefill bucket of {k + 1} tokens has the verify key's input shapes (draft_tokens={k} verifies "
+            f"{k + 1} tokens) and NxD routes keys by shape: pick other prefill_buckets or another draft_tokens"
+        )
+    return draft_key_shapes(context_length, tuple(sorted(buckets)), k, ring)
+
+
+def key_example_inputs(config: Any, name: str, shape: GraphShape, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+    """A key's example inputs: the target graph's for prefill/verify; `(inputs_embeds [1, 1, 2H],
+    position [1])` for the draft key."""
+    if name == "draft":
+        return (torch.zeros(1, 1, 2 * int(config.hidden_size), dtype=dtype), torch.zeros(1, dtype=torch.long))
+    return graph_example_inputs(config, shape, dtype)
+
+
+def key_compiler_args(name: str) -> str:
+    return neuron_env.COMPILER_ARGS["prefill" if name.startswith("prefill") else "decode"]
+
+
+def drafting_checkpoint(loaded: Any, assistant: Any, plan: TPPlan, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """The `checkpoint_loader` result: target and assistant, NxD-arranged, keyed like the modules."""
+    checkpoint = {"target." + k: v for k, v in nxd_full_checkpoint(loaded.lm, plan, dtype=dtype).items()}
+    checkpoint.update({"assistant." + k: v for k, v in assistant_nxd_full(assistant.model, plan, dtype=dtype).items()})
+    return checkpoint
+
+
+def key_module(config, assistant_config, plan, read_layers, shapes, k, name, dtype, factory=None):
+    """The module one key compiles (`NxDParallelFactory` by default; tests pass the CPU factory)."""
+    if factory is None:
+        from .neuron_model_builder import NxDParallelFactory
+
+        factory = NxDParallelFactory(plan.tp, dtype)
+    modules = build_drafting_modules(
+        config, assistant_config, plan, read_layers, shapes, k, factory=factory, dtype=dtype
+    )
+    return modules[name].eval()
+
+
+def instance_class():
+    """NxD's `model_builder` module and the `BaseModelInstance` subclass for one drafting key."""
+    model_builder = neuron_env.require("neuronx_distributed.trace.model_builder", PURPOSE)
+
+    class DraftingInstance(model_builder.BaseModelInstance):
+        def __init__(self, config, assistant_config, plan, read_layers, shapes, k, name, dtype):
+            self.args = (config, assistant_config, plan, read_layers, shapes, k, name, dtype)
+            super().__init__(module_cls=self._build, input_output_aliases={})
+
+        def _build(self):
+            return key_module(*self.args)
+
+        def get(self, bucket_rank, **kwargs):
+            return self.module, self.module.aliases()
+
+    return model_builder, DraftingInstance
+
+
+def compile_drafting(
+    loaded: Any,
+    assistant: Any,
+    tp: int,
+    out_dir: str | Path,
+    *,
+    context_length: int,
+    buckets: tuple[int, ...],
+    draft_tokens: int,
+    ring: bool = False,
+    dtype: torch.dtype = torch.bfloat16,
+    compiler_workdir: str | Path | None = None,
+) -> Path:
+    """Compile every drafting key for one rank; save the model and the per-rank shards to `out_dir`."""
+    model_builder, DraftingInstance = instance_class()
+    k = int(draft_tokens)
+    shapes = drafting_shapes(context_length, tuple(buckets), k, ring)
+    plan = make_plan(loaded.config, tp, loaded.variant)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    workdir = Path(compiler_workdir or out / "compiler_workdir")
+    checkpoint = drafting_checkpoint(loaded, assistant, plan, dtype)
+    builder = model_builder.ModelBuilder(  # inf2-only
+        router=None, tp_degree=tp, checkpoint_loader=lambda: dict(checkpoint), compiler_workdir=str(workdir)
+    )
+    for name, shape in shapes.items():
+        builder.add(  # inf2-only
+            key=name,
+            model_instance=DraftingInstance(
+                loaded.config, assistant.model.config, plan, dict(assistant.read_layers), shapes, k, name, dtype
+            ),
+            example_inputs=[key_example_inputs(loaded.config, name, shape, dtype)],
+            compiler_args=key_compiler_args(name),
+            priority_model_idx=None,  # see the module docstring: no weight layout optimisation
+        )
+    traced = builder.trace(initialize_model_weights=False)  # inf2-only
+    torch.jit.save(traced, str(out / "model.pt"))  # inf2-only
+    builder.shard_checkpoint(serialize_path=str(out / "weights"))  # inf2-only
+    manifest = {
+        "recipe": RECIPE,
+        "variant": loaded.variant.name,
+        "tp": tp,
+        "keys": {n: [s.tokens, s.context_length, s.ring] for n, s in shapes.items()},
+        "draft_tokens": k,
+        "dtype": str(dtype),
+        "assistant_reads_layers": dict(assistant.read_layers),
+        "plan": plan.describe(),
+    }
+    (out / "manifest.json").write_text(json.dumps(manifest, indent=2))
+    return out
+
+
+class NxDKeyStep:
+    """A `DraftedRuntime` step over the loaded NxD model: the key is routed by the input shapes;
+    the K/V stay on the device as states, so the host passes only the inputs and gets
+    `(logits, hidden)`."""
+
+    def __init__(self, traced: Any, num_inputs: int):
+        self.traced, self.num_inputs = traced, num_inputs
+
+    def __call__(self, *args: torch.Tensor):
+        out = self.traced.nxd_model.forward(list(args[: self.num_inputs]))  # inf2-only
+        return out[0].float(), out[1]
+
+
+def drafting_steps(traced: Any, buckets: tuple[int, ...], has_ple: bool):
+    """The `CompiledDraft` of a loaded drafting model (prefill per bucket, verify, draft)."""
+    from ..serving.speculative import CompiledDraft
+
+    n = 4 if has_ple else 3
+    return CompiledDraft({int(b): NxDKeyStep(traced, n) for b in buckets}, NxDKeyStep(traced, n), NxDKeyStep(traced, 2))
+
+
+__all__ = [
+    "NxDKeyStep",
+    "compile_drafting",
+    "drafting_checkpoint",
+    "drafting_shapes",
+    "drafting_steps",
+    "instance_class",
+    "key_compiler_args",
+    "key_example_inputs",
+    "key_module",
+]

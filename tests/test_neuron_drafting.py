@@ -1,0 +1,178 @@
+"""Drafting in the ModelBuilder recipe with the SDK stood in: the keys, their example inputs, the K/V
+states every key aliases, the checkpoint with the assistant, and the keys' modules run on CPU
+(CPU layers for NxD's) through the host loop that drives them on inf2."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+
+from gemma4lib.errors import SettingsError
+from gemma4lib.models.assistant import load_assistant
+from gemma4lib.port import PortSettings, load_model, prompt_ids
+from gemma4lib.recipes import neuron_drafting, neuron_env
+from gemma4lib.reference import reference_greedy
+from gemma4lib.tp import make_plan
+from gemma4lib.tp.draft_rank_graph import KVDraftStep
+from gemma4lib.tp.rank_graph import CpuParallelFactory
+
+K = 4
+
+
+def _pair(variant):
+    settings = PortSettings(variant=variant, draft="assistant", draft_tokens=K)
+    model = load_model(settings)
+    return settings, model, load_assistant(model, settings)
+
+
+class _Recorder:
+    """Stands in for `neuronx_distributed.trace.model_builder`."""
+
+    def __init__(self):
+        self.calls = []
+        recorder = self
+
+        class BaseModelInstance:
+            def __init__(self, module_cls, input_output_aliases):
+                self.module_cls, self.input_output_aliases = module_cls, input_output_aliases
+
+        class ModelBuilder:
+            def __init__(self, router, tp_degree, checkpoint_loader, compiler_workdir=None):
+                recorder.calls.append(("init", {"tp_degree": tp_degree, "checkpoint": checkpoint_loader()}))
+
+            def add(self, key, model_instance, example_inputs, compiler_args=None, priority_model_idx=None):
+                inputs = [tuple(t.shape) for t in example_inputs[0]]
+                recorder.calls.append(
+                    (
+                        "add",
+                        {
+                            "key": key,
+                            "instance": model_instance,
+                            "inputs": inputs,
+                            "compiler_args": compiler_args,
+                            "priority": priority_model_idx,
+                        },
+                    )
+                )
+
+            def trace(self, initialize_model_weights=True):
+                recorder.calls.append(("trace", {"initialize_model_weights": initialize_model_weights}))
+                raise RuntimeError("stop: no Neuron compiler here")
+
+        self.module = types.SimpleNamespace(BaseModelInstance=BaseModelInstance, ModelBuilder=ModelBuilder)
+
+
+@pytest.mark.parametrize("variant,tp", [("e4b", 2), ("26b-a4b", 2)])
+def test_model_builder_drafting_keys(variant, tp, tmp_path, monkeypatch):
+    settings, model, assistant = _pair(variant)
+    recorder = _Recorder()
+    monkeypatch.setattr(neuron_env, "require", lambda module, purpose="": recorder.module)
+    with pytest.raises(RuntimeError, match="stop: no Neuron compiler here"):
+        neuron_drafting.compile_drafting(
+            model, assistant, tp, tmp_path, context_length=128, buckets=(64,), draft_tokens=K, ring=True
+        )
+    kinds = [kind for kind, _ in recorder.calls]
+    assert kinds == ["init", "add", "add", "add", "trace"]
+    init, *adds, trace = (args for _, args in recorder.calls)
+    assert [a["key"] for a in adds] == ["prefill64", "verify", "draft"]
+    assert all(a["priority"] is None for a in adds) and trace == {"initialize_model_weights": False}
+    hidden = model.config.hidden_size
+    by_key = {a["key"]: a for a in adds}
+    assert by_key["draft"]["inputs"] == [(1, 1, 2 * hidden), (1,)]
+    assert by_key["verify"]["inputs"][0] == (1, K + 1, hidden) and by_key["prefill64"]["inputs"][0] == (1, 64, hidden)
+    assert "-O2" in by_key["verify"]["compiler_args"] and "-O1" in by_key["prefill64"]["compiler_args"]
+    # every key's module (CPU layers for NxD's, same shapes) has the checkpoint's names plus the K/V
+    # states, and aliases the same K/V parameters to outputs 2.. (the draft key: unchanged)
+    checkpoint = init["checkpoint"]
+    assert any(k.startswith("assistant.model.layers.") for k in checkpoint) and init["tp_degree"] == tp
+    for a in adds:
+        config, aconfig, plan, read_layers, shapes, k, name, dtype = a["instance"].args
+        module = neuron_drafting.key_module(
+            config, aconfig, plan, read_layers, shapes, k, name, torch.float32, factory=CpuParallelFactory(tp)
+        )
+        names = set(module.state_dict())
+        assert {n for n in names if not n.startswith("kv.")} == set(checkpoint)
+        assert sorted(module.aliases().values()) == list(range(2, 2 + len(module.kv)))
+        assert {f"kv.{i}" for i in range(len(module.kv))} <= names
+
+
+def test_the_drafting_keys_run_on_cpu_from_the_nxd_checkpoint():
+    """E2B at TP=1: the keys' modules loaded from the checkpoint the loader returns, driven by the
+    host loop: tokens equal the reference, drafts accepted."""
+    settings, model, assistant = _pair("e2b")
+    plan = make_plan(model.config, 1, model.variant)
+    checkpoint = neuron_drafting.drafting_checkpoint(model, assistant, plan, torch.float32)
+    shapes = neuron_drafting.drafting_shapes(128, (64,), K, True)
+    modules = neuron_drafting.build_drafting_modules(
+        model.config, assistant.model.config, plan, assistant.read_layers, shapes, K, factory=CpuParallelFactory(1)
+    )
+    missing, unexpected = modules["verify"].load_state_dict(checkpoint, strict=False)
+    assert not unexpected and all(m.startswith("kv.") for m in missing)
+    from gemma4lib.device.embedder import HostEmbedder
+    from gemma4lib.serving.speculative import CompiledDraft, DraftedRuntime
+
+    steps = CompiledDraft(
+        {64: KVDraftStep(modules["prefill64"])}, KVDraftStep(modules["verify"]), KVDraftStep(modules["draft"])
+    )
+    runtime = DraftedRuntime.over(HostEmbedder.from_text_model(model.text_model), steps, [], K)
+    ids = prompt_ids(model, settings)
+    generation = runtime.generate(ids, 24)
+    assert generation.tokens == reference_greedy(model.lm, ids, 24)
+    assert generation.accepted_per_step > 1.0
+
+
+def test_the_host_calls_the_key_by_its_inputs():
+    calls = []
+    traced = types.SimpleNamespace(
+        nxd_model=types.SimpleNamespace(
+            forward=lambda inputs: calls.append(inputs) or (torch.ones(1, 8), torch.zeros(1, 4))
+        )
+    )
+    steps = neuron_drafting.drafting_steps(traced, (64,), has_ple=True)
+    logits, hidden = steps.draft(torch.zeros(1, 1, 8), torch.tensor([3]))
+    steps.verify(*[torch.zeros(1)] * 4, torch.zeros(2))  # host K/V arguments (none here) are dropped
+    assert [len(c) for c in calls] == [2, 4] and logits.dtype == torch.float32
+
+
+def test_a_prefill_bucket_shaped_like_verify_is_refused():
+    with pytest.raises(SettingsError, match="routes keys by shape"):
+        neuron_drafting.drafting_shapes(128, (K + 1, 64), K, True)
+
+
+def test_backend_neuron_drafting_reaches_the_drafting_compile(monkeypatch):
+    from gemma4lib import port as port_module
+    from gemma4lib.recipes import neuron_model_builder
+
+    monkeypatch.setenv("GEMMA4LIB_INSTANCE_TYPE", "inf2.8xlarge")
+    monkeypatch.setattr(neuron_env, "require_sdk", lambda *a, **k: None)
+    monkeypatch.setattr(neuron_env, "require", lambda *a, **k: None)
+    monkeypatch.setattr(neuron_model_builder, "compile_model_builder", lambda *a, **k: pytest.fail("plain keys"))
+    reached = []
+
+    def stop(*args, **kwargs):
+        reached.append(kwargs)
+        raise RuntimeError("stop: compile reached")
+
+    monkeypatch.setattr(neuron_drafting, "compile_drafting", stop)
+    settings = PortSettings(
+        variant="e4b", backend="neuron", tp_degree=2, draft="assistant", draft_tokens=K, cache_dir=None
+    )
+    with pytest.raises(RuntimeError, match="stop: compile reached"):
+        port_module.port(settings)
+    assert reached[0]["draft_tokens"] == K and reached[0]["buckets"] == tuple(settings.prefill_buckets)
+
+
+def test_the_memory_plan_counts_the_assistant_per_core():
+    from gemma4lib.inf2.memory_plan import plan_core_memory
+    from gemma4lib.inf2.mtp_roofline import assistant_rank_bytes
+    from gemma4lib.inf2.params import meta_model
+
+    plain, drafted = plan_core_memory("31b"), plan_core_memory("31b", draft_tokens=K)
+    assert plain.assistant_gib == 0.0 and drafted.weights_gib == plain.weights_gib
+    assert drafted.assistant_gib == pytest.approx(assistant_rank_bytes(meta_model("31b"), 8) / 2**30)
+    assert drafted.kv_gib > plain.kv_gib  # the rings' k + 1 extra slots
+    assert drafted.total_gib == pytest.approx(plain.total_gib + drafted.assistant_gib + drafted.kv_gib - plain.kv_gib)
+    # the split parts shrink with TP, the replicated scoring table does not
+    assert assistant_rank_bytes(meta_model("31b"), 8) < assistant_rank_bytes(meta_model("31b"), 4)
