@@ -29,6 +29,10 @@ API (what ``port --backend xla`` builds on)::
   ``xm.mark_step()``), then waits for it (``xm.wait_device_ops()``: execution is asynchronous and
   the counters below must be exact). It returns the logits, an XLA tensor already computed:
   ``.cpu()`` is a transfer, no new graph.
+- Drafting (`serving.speculative`, backend xla) puts its prefill, verify and draft graphs in one
+  session: `drafting.TargetGraph` returns logits and hidden states before its K/V (a step returns
+  them as a tuple); `drafting.DraftGraph` reads the K/V and writes none (``writes_kv = False``)
+  and takes its position alone before them (``inputs_before_kv = 2``).
 - Call `use_fast_cpu_compile()` before the first device use to turn XLA:CPU's own backend
   optimisation off (about half the compile time; the HLO handed over and the tokens are the same).
 - Per graph it counts XLA compilations (the ``CompileTime`` metric), executions (the

@@ -4,6 +4,7 @@
   that also returns the final hidden state, which the assistant takes as input. As a prefill it
   returns the last valid token's logits and hidden state; as the *verify* graph (k + 1 tokens at
   `start`, `every_position=True`) it returns them for every position.
+  MoE: its experts in the form that reads fewer bytes for k + 1 tokens (`verify_expert_form`).
 - `DraftGraph` is the assistant's forward over the target's K/V buffers: one token at the constant
   position of the last seen token, as transformers' `SinglePositionMultiTokenCandidateGenerator`
   drafts. It reads the K/V buffers and never writes them.
