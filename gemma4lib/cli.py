@@ -60,6 +60,7 @@ def _add_port_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--draft", help="assistant: Gemma-4's own MTP assistant drafts, the target verifies")
     parser.add_argument("--draft-tokens", type=int, help="drafts per verify step k (default 4 with --draft)")
     parser.add_argument("--assistant-checkpoint", help="full profile: the assistant's hub id or local folder")
+    parser.add_argument("--verify-experts", help="MoE verify with --draft: dense | selective (default: fewer bytes)")
     parser.add_argument(
         "--witness",
         action=argparse.BooleanOptionalAction,
@@ -93,6 +94,7 @@ def _settings(args: argparse.Namespace):
         "draft",
         "draft_tokens",
         "assistant_checkpoint",
+        "verify_experts",
         "batch_size",
     ]
     kwargs = {f: getattr(args, f) for f in fields if getattr(args, f, None) is not None}

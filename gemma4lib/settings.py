@@ -86,6 +86,8 @@ class PortSettings:
     draft: str | None = None
     draft_tokens: int | None = None  # drafts per verify step (k); None with a draft: 4
     assistant_checkpoint: str | None = None  # full profile: hub id or folder; default the variant's own
+    # MoE verify graph: None = routed experts gathered when that reads less than all (drafting.verify_expert_form)
+    verify_experts: str | None = None
     # batch_size > 1: that many prompts of different lengths through one set of batched graphs
     # (batch_graph.py, batch_runtime.py). `prompts`/`expects`: one per row (fewer prompts than
     # batch_size leave spare rows); None = `batch_prompts.capital_questions(batch_size)`.
@@ -144,16 +146,17 @@ class PortSettings:
 
     def _check_draft(self) -> None:
         """k >= 1, and only with a draft; where drafting runs (`speculative.check_draft`)."""
+        from .serving.speculative import check_draft
+
         if self.draft is None:
             if self.draft_tokens is not None:
                 raise SettingsError(
                     f"draft_tokens={self.draft_tokens!r} needs a drafter: pass draft='assistant' "
                     f"(CLI --draft assistant), or leave draft_tokens unset"
                 )
+            check_draft(self)  # (verify_experts without a draft)
             return
         self.draft_tokens = whole_number("draft_tokens", 4 if self.draft_tokens is None else self.draft_tokens, 1)
-        from .serving.speculative import check_draft
-
         check_draft(self)
 
     def _check_batch(self) -> None:

@@ -39,15 +39,23 @@ class _Drafted:
     def __init__(self):
         self._done: dict[str, tuple] = {}
 
-    def get(self, variant: str, ring: bool = True):
-        if (variant, ring) not in self._done:
-            settings = PortSettings(variant=variant, backend="eager", draft="assistant", draft_tokens=K, ring_kv=ring)
+    def get(self, variant: str, ring: bool = True, verify_experts: str | None = None):
+        if (variant, ring, verify_experts) not in self._done:
+            settings = PortSettings(
+                variant=variant,
+                backend="eager",
+                draft="assistant",
+                draft_tokens=K,
+                ring_kv=ring,
+                verify_experts=verify_experts,
+            )
             model = load_model(settings)
             assistant = load_assistant(model, settings)
             graphs = build_draft_graphs(model, assistant, settings)
             runtime = DraftedRuntime(model, compile_draft_graphs(graphs, settings), graphs.new_kv(), K)
-            self._done[variant, ring] = (settings, model, assistant, graphs, runtime, prompt_ids(model, settings))
-        return self._done[variant, ring]
+            key = (variant, ring, verify_experts)
+            self._done[key] = (settings, model, assistant, graphs, runtime, prompt_ids(model, settings))
+        return self._done[variant, ring, verify_experts]
 
 
 @pytest.fixture(scope="module")
@@ -186,7 +194,9 @@ def test_a_mismatch_with_assisted_generate_fails_the_record():
         (dict(draft_tokens=4), SettingsError, "draft='assistant'"),
         (dict(draft="medusa"), UnknownNameError, "assistant"),
         (dict(draft="assistant", backend="neuron", neuron_recipe="trace"), SettingsError, "ModelBuilder"),
-        (dict(draft="assistant", backend="xla"), SettingsError, "not built yet"),
+        (dict(verify_experts="selective"), SettingsError, "draft='assistant'"),
+        (dict(draft="assistant", verify_experts="sparse"), UnknownNameError, "selective"),
+        (dict(draft="assistant", verify_experts="dense", tp_degree=2), SettingsError, "rank graphs"),
     ],
 )
 def test_bad_draft_settings_say_what_to_do(kwargs, error, words):
@@ -217,6 +227,47 @@ def test_every_variant_knows_its_assistant():
     assert assistant_spec("e2b").hub_id == "google/gemma-4-E2B-it-assistant" and assistant_spec("e2b").verified
     assert assistant_spec("12b").model_class == "Gemma4UnifiedAssistantForCausalLM"
     assert {assistant_spec(v).model_class for v in ("e2b", "e4b", "31b", "26b-a4b")} == {"Gemma4AssistantForCausalLM"}
+
+
+@pytest.mark.parametrize("form", ["dense", "selective"])
+def test_the_moe_verify_in_either_expert_form_is_exact(drafted, form):
+    """26B-A4B: the verify graph with all experts or with each of its k + 1 tokens' routed experts
+    gathered gives the plain greedy tokens (and transformers' assisted ones) across the window."""
+    _, model, assistant, graphs, runtime, ids = drafted.get("26b-a4b", verify_experts=form)
+    assert graphs.verify.expert_form == form
+    reference = reference_greedy(model.lm, ids, LONG)
+    generation = runtime.generate(ids, LONG)
+    _checked(model, ids, generation, reference)
+    assert hf_assisted(model.lm, assistant.model, ids, LONG, [])[0] == generation.tokens
+    assert generation.accepted_per_step > 1.0
+
+
+def test_the_verify_gathers_the_routed_experts_when_that_reads_less():
+    """(k + 1) x top_k gathered slices against all E experts: the tiny MoE (16 experts, top 4)
+    gathers at k <= 2, the released 26B-A4B (128, top 8) up to k = 14; dense models stay dense."""
+    from gemma4lib.device.drafting import verify_expert_form
+    from gemma4lib.inf2.params import meta_model
+
+    tiny = load_model(PortSettings(variant="26b-a4b", model="random")).config
+    assert (tiny.num_experts, tiny.top_k_experts) == (16, 4)
+    assert [verify_expert_form(tiny, k) for k in (1, 2, 3, 4)] == ["selective", "selective", "dense", "dense"]
+    assert verify_expert_form(tiny, 4, "selective") == "selective"
+    released = meta_model("26b-a4b").config
+    assert [verify_expert_form(released, k) for k in (4, 14, 15)] == ["selective", "selective", "dense"]
+    assert verify_expert_form(load_model(PortSettings(variant="e2b", model="random")).config, 1) == "dense"
+
+
+def test_the_mtp_roofline_counts_the_verify_form_drafting_builds():
+    """`verify_bytes` of the released 26B-A4B at k = 4: the selective verify's 5 x 8 expert slices a
+    layer, i.e. 40/128 of the expert bytes on top of the rest; the dense form all of them."""
+    from gemma4lib.inf2.mtp_roofline import draft_effect, verify_bytes
+    from gemma4lib.inf2.params import count_params, meta_model
+
+    lm = meta_model("26b-a4b")
+    counts = count_params(lm)
+    selective, dense = verify_bytes(lm, 2048, 4), verify_bytes(lm, 2048, 4, experts="dense")
+    assert dense - selective == pytest.approx((1 - 40 / 128) * counts.experts * 2)
+    assert draft_effect("26b-a4b", None)["verify_experts"] == "selective"
 
 
 def test_the_draft_graph_never_writes_the_kv(drafted):

@@ -353,3 +353,95 @@ def test_batched_rows_on_xla_match_their_references(xla_lane):
     for ids, row, (_, capital) in zip(prompts, generation.rows, questions, strict=True):
         assert row.tokens == reference_greedy(model.lm, ids, 12)
         assert capital in model.tokenizer.decode(row.tokens)
+
+
+# ---- drafting with Gemma-4's own assistant (docs/DRAFTING.md) on the XLA lane -------------------
+
+DRAFT_K = 4
+
+
+@pytest.mark.parametrize("variant", ["e2b", "26b-a4b"])
+def test_drafted_port_on_xla(xla_lane, variant):
+    """`port(backend="xla", draft="assistant")`: the prefill, verify (k + 1 tokens, logits at every
+    position) and draft graphs through torch_xla over one set of device K/V, trained target and
+    assistant: greedy-exact like on cpu, 0 fallbacks, one compilation per graph over every verify step."""
+    from gemma4lib.port import PortSettings, port
+
+    witness = variant == "e2b"  # (the witness runs the same graphs again: once is enough for the lane)
+    settings = PortSettings(
+        variant=variant, backend="xla", draft="assistant", draft_tokens=DRAFT_K, iters=1, warmup=0, witness=witness
+    )
+    result = port(settings)
+    assert result["checks_passed"], result["failed_checks"]
+    assert result["seq_match"] and result["logits_match"] and result["coherent"]
+    assert result["hf_assisted_match"] and result["accepted_per_step"] > 1.0
+    assert result["compiler"] == "torch-xla"
+    assert not witness or (result["witness"]["seq_match"] and result["witness"]["logits_match"])
+    assert result["xla_fallbacks"] == 0, result["xla_fallback_ops"]
+    graphs = {"prefill64", "verify", "draft"}
+    assert result["xla_compilations"] == dict.fromkeys(graphs, 1), result["xla_compilations"]
+    assert result["xla_graph_hashes"] == dict.fromkeys(graphs, 1)
+    assert result["xla_steps"]["verify"] > 1 and result["xla_executions"] == result["xla_steps"]
+    # the tiny MoE (16 experts, top 4): 5 tokens x 4 routed slices would read more than all 16
+    assert result["verify_experts"] == (None if variant == "e2b" else "dense")
+
+
+@pytest.mark.parametrize("k", [2, 4])
+def test_drafted_26b_selective_verify_on_xla_is_exact(xla_lane, k):
+    """The MoE's selective verify (each of the k + 1 tokens' routed experts gathered, the tokens as
+    rows): the default at k = 2 (3 x 4 slices < 16 experts), asked for at k = 4; tokens and logits
+    equal the plain greedy reference over a prompt that crosses the sliding window."""
+    from gemma4lib import checks
+    from gemma4lib.models.assistant import load_assistant
+    from gemma4lib.port import PortSettings, load_model, prompt_ids
+    from gemma4lib.reference import reference_greedy
+    from gemma4lib.serving.speculative import DraftedRuntime, build_draft_graphs, compile_draft_graphs
+
+    asked = None if k == 2 else "selective"
+    settings = PortSettings(variant="26b-a4b", backend="xla", draft="assistant", draft_tokens=k, verify_experts=asked)
+    model = load_model(settings)
+    graphs = build_draft_graphs(model, load_assistant(model, settings), settings)
+    assert graphs.verify.expert_form == "selective" and not graphs.verify.inplace
+    compiled = compile_draft_graphs(graphs, settings)
+    runtime = DraftedRuntime(model, compiled, compiled.new_kv(), k)
+    ids = prompt_ids(model, settings)
+    steps = 24
+    assert len(ids) + steps > 3 * model.config.sliding_window
+    generation = runtime.generate(ids, steps)
+    reference = reference_greedy(model.lm, ids, steps)
+    report = checks.evaluate(model.lm, None, ids, generation.tokens, reference, step_logits=generation.step_logits)
+    assert report.seq_match, (generation.tokens, reference)
+    assert report.logits_match, report.logits.explain()
+    assert generation.accepted_per_step > 1.0
+    figures = compiled.report()
+    assert figures["xla_fallbacks"] == 0, figures["xla_fallback_ops"]
+    # the selective verify is this test's own graph; the prefill and draft graphs (weights are data)
+    # may already be compiled in this process by the port test (torch_xla caches by graph hash)
+    compilations = figures["xla_compilations"]
+    assert compilations["verify"] == 1 and set(compilations) == {"prefill64", "verify", "draft"}, compilations
+    assert all(n <= 1 for n in compilations.values()) and set(figures["xla_graph_hashes"].values()) == {1}
+
+
+@pytest.mark.parametrize(
+    "variant,form,k", hlo_audit.VERIFY, ids=[f"{v}-{f or 'default'}-k{k}" for v, f, k in hlo_audit.VERIFY]
+)
+def test_hlo_audit_verify_graph_reads_the_mtp_roofline_bytes(xla_lane, variant, form, k):
+    """Drafting's verify graph (k + 1 tokens) reads `mtp_roofline.verify_bytes`: the weights and K/V
+    once; MoE dense all experts, selective (k + 1) x top_k gathered slices a layer."""
+    model = _audit_model(variant)
+    audit, row = hlo_audit.audit_verify(model, form, k)
+    table = hlo_audit.format_table([row])
+    assert row.ok and row.tokens == k + 1 and f"verify, {k + 1} tokens" in table, table
+    assert row.weights_delta == row.expected_delta and row.kv_delta == 0 and row.kv_read > 0, table
+    assert row.flagged == [], table
+    if not getattr(model.config, "enable_moe_block", False):
+        return
+    c = model.config
+    slices = _moe_layers(model) * _expert_slice_bytes(model)  # one expert in every MoE layer
+    if row.form == "dense":
+        assert row.experts_read == row.experts_size == c.num_experts * slices, table
+    else:
+        assert row.experts_read == (k + 1) * c.top_k_experts * slices, table
+    # the default form is the one that reads fewer expert bytes
+    if form is None:
+        assert row.experts_read == min((k + 1) * c.top_k_experts, c.num_experts) * slices, table

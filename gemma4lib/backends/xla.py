@@ -29,6 +29,10 @@ API (what ``port --backend xla`` builds on)::
   ``xm.mark_step()``), then waits for it (``xm.wait_device_ops()``: execution is asynchronous and
   the counters below must be exact). It returns the logits, an XLA tensor already computed:
   ``.cpu()`` is a transfer, no new graph.
+- Drafting (`serving.speculative`, backend xla) puts its prefill, verify and draft graphs in one
+  session: `drafting.TargetGraph` returns logits and hidden states before its K/V (a step returns
+  them as a tuple); `drafting.DraftGraph` reads the K/V and writes none (``writes_kv = False``)
+  and takes its position alone before them (``inputs_before_kv = 2``).
 - Call `use_fast_cpu_compile()` before the first device use to turn XLA:CPU's own backend
   optimisation off (about half the compile time; the HLO handed over and the tokens are the same).
 - Per graph it counts XLA compilations (the ``CompileTime`` metric), executions (the
@@ -173,7 +177,7 @@ class XLASession:
 
     def __init__(self, graphs: Mapping[str, nn.Module], *, hlo_dir: str | Path | None = None, device=None):
         for name, graph in graphs.items():
-            if getattr(graph, "inplace", False):
+            if getattr(graph, "inplace", False) and getattr(graph, "writes_kv", True):
                 raise GraphFormError(
                     f"graph {name!r} was built with inplace=True; the XLA lane runs the "
                     f"functional form: build it with DeviceGraph(..., inplace=False)"
@@ -198,7 +202,9 @@ class XLASession:
         return kv
 
     def step(self, name: str):
-        """``step(inputs_embeds, [per_layer_inputs,] start, length, *kv) -> logits`` for graph `name`."""
+        """``step(inputs_embeds, [per_layer_inputs,] start, length, *kv) -> logits`` for graph `name`
+        (a graph with more outputs before its K/V, e.g. `drafting.TargetGraph`'s logits and hidden
+        states, returns them as a tuple; see `run`)."""
 
         def run(*args: torch.Tensor) -> torch.Tensor:
             return self.run(name, *args)
@@ -206,10 +212,15 @@ class XLASession:
         run.__name__ = f"xla_{name}_step"
         return run
 
-    def run(self, name: str, inputs_embeds: torch.Tensor, *args: torch.Tensor) -> torch.Tensor:
+    def run(self, name: str, inputs_embeds: torch.Tensor, *args: torch.Tensor) -> Any:
+        """One step. A graph's inputs after `inputs_embeds` are `[ple,] start, length` then the K/V,
+        unless it says otherwise (`inputs_before_kv`, counting `inputs_embeds`: the draft graph's
+        is 2, its position); its outputs are what it computes, then the updated K/V, unless it
+        writes none (`writes_kv = False`: the draft graph only reads them)."""
         torch_xla, _ = _xla()
         graph = self.graphs[name]
-        n_head = 3 if graph.has_ple else 2  # [ple,] start, length
+        n_head = getattr(graph, "inputs_before_kv", None)
+        n_head = (3 if graph.has_ple else 2) if n_head is None else n_head - 1  # [ple,] start, length
         head, kv = args[:n_head], args[n_head:]
         for t in kv:
             if t.device != self.device:
@@ -219,14 +230,17 @@ class XLASession:
         inputs = [t.to(self.device) for t in (inputs_embeds, *head)]
         fallbacks0, compiles0, executes0 = fallback_counters(), compile_count(), execute_count()
         with torch.no_grad():
-            logits, *new_kv = graph(*inputs, *kv)
-        outputs = [logits, *new_kv]
+            outputs = graph(*inputs, *kv)
+        outputs = list(outputs) if isinstance(outputs, (tuple, list)) else [outputs]
+        writes = getattr(graph, "writes_kv", True)
+        n_results = len(outputs) - (len(kv) if writes else 0)
+        results, new_kv = outputs[:n_results], outputs[n_results:]
         graph_hash = torch_xla._XLAC._get_graph_hash(outputs).hex()
         if graph_hash not in self.hashes[name]:
             self.hashes[name].append(graph_hash)
             self._save_hlo(name, len(self.hashes[name]) - 1, torch_xla._XLAC._get_xla_tensors_hlo(outputs))
         with torch.no_grad():
-            for old, new in zip(kv, new_kv, strict=True):
+            for old, new in zip(kv if writes else (), new_kv, strict=True):
                 old.copy_(new)
         torch_xla.sync()
         import torch_xla.core.xla_model as xm
@@ -238,7 +252,7 @@ class XLASession:
         for op, n in fallback_counters().items():
             if n > fallbacks0.get(op, 0):
                 self.fallbacks[name][op] += n - fallbacks0.get(op, 0)
-        return logits
+        return results[0] if len(results) == 1 else tuple(results)
 
     def _save_hlo(self, name: str, index: int, text: str) -> None:
         if index == 0:

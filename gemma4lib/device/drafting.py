@@ -4,6 +4,7 @@
   that also returns the final hidden state, which the assistant takes as input. As a prefill it
   returns the last valid token's logits and hidden state; as the *verify* graph (k + 1 tokens at
   `start`, `every_position=True`) it returns them for every position.
+  MoE: its experts in the form that reads fewer bytes for k + 1 tokens (`verify_expert_form`).
 - `DraftGraph` is the assistant's forward over the target's K/V buffers: one token at the constant
   position of the last seen token, as transformers' `SinglePositionMultiTokenCandidateGenerator`
   drafts. It reads the K/V buffers and never writes them.
@@ -33,7 +34,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .graph import DeviceGraph, GraphShape, _shallow_clone, additive_mask, build_masks, slot_positions
+from .graph import DeviceGraph, GraphShape, _shallow_clone, additive_mask, slot_positions
 from .kv_layout import SLIDING, KVLayout
 
 
@@ -66,27 +67,7 @@ class TargetGraph(DeviceGraph):
         return {**super().key_parts(), "every_position": self.every_position}
 
     def forward(self, inputs_embeds: torch.Tensor, *args: torch.Tensor):
-        if self.has_ple:
-            per_layer_inputs, start, length, *kv = args
-        else:
-            per_layer_inputs, (start, length, *kv) = None, args
-        producers = self.layout.producers
-        buffers = {layer.index: (kv[2 * i], kv[2 * i + 1]) for i, layer in enumerate(producers)}
-        cache = self.kv_class(buffers, self.shape, start, length, self.inplace)
-        masks = build_masks(self.layout, self.shape, start, length, inputs_embeds.dtype)
-        position_ids = (start + torch.arange(self.shape.tokens, device=start.device))[None].expand(
-            inputs_embeds.shape[0], -1
-        )
-        kwargs = dict(
-            inputs_embeds=inputs_embeds,
-            position_ids=position_ids,
-            attention_mask=masks,
-            past_key_values=cache,
-            use_cache=True,
-        )
-        if self.has_ple:
-            kwargs["per_layer_inputs"] = per_layer_inputs
-        hidden = self.model(**kwargs).last_hidden_state
+        hidden, length, cache = self._hidden(inputs_embeds, *args)
         if self.every_position:
             out = (self.lm_head(hidden).float(), hidden)
         else:
@@ -94,7 +75,21 @@ class TargetGraph(DeviceGraph):
             out = (self.lm_head(last)[:, 0, :].float(), last[:, 0, :])
         if self.inplace:
             return out
-        return (*out, *[t for layer in producers for t in cache.updated[layer.index]])
+        return (*out, *self._updated_kv(cache))
+
+
+def verify_expert_form(config, draft_tokens: int, asked: str | None = None) -> str:
+    """The verify graph's MoE expert form: `asked`, else "selective" when gathering the routed
+    experts of its k + 1 tokens ((k + 1) x top_k slices a layer, repeats included: the batch
+    decode's gather with the tokens as rows) reads fewer bytes than all E experts, else "dense"
+    (and "dense" for a model without experts: its graphs keep their programs).
+    `mtp_roofline.verify_bytes` counts the bytes of the form this picks."""
+    if asked is not None:
+        return asked
+    experts = int(getattr(config, "num_experts", 0) or 0) if getattr(config, "enable_moe_block", False) else 0
+    if experts and (int(draft_tokens) + 1) * int(config.top_k_experts) < experts:
+        return "selective"
+    return "dense"
 
 
 def draft_masks(
@@ -154,6 +149,8 @@ class DraftGraph(nn.Module):
         self.backbone = int(assistant.config.backbone_hidden_size)
         self.dtype = self.pre_projection.weight.dtype
         self.inplace = True  # reads the K/V, never writes them
+        self.writes_kv = False  # (the XLA session: no K/V outputs to rebind)
+        self.inputs_before_kv = 2  # inputs_embeds, position
         self.tags: dict[str, str] = {}
 
     def key_parts(self) -> dict:
@@ -194,4 +191,4 @@ class DraftGraph(nn.Module):
         return logits[:, 0, :].float(), self.post_projection(out)[:, 0, :]
 
 
-__all__ = ["DraftGraph", "RoomyLayout", "TargetGraph", "draft_masks", "ordered_logits"]
+__all__ = ["DraftGraph", "RoomyLayout", "TargetGraph", "draft_masks", "ordered_logits", "verify_expert_form"]

@@ -253,6 +253,21 @@ class DeviceGraph(nn.Module):
         return [torch.zeros(s, dtype=self.dtype) for s in shapes]
 
     def forward(self, inputs_embeds: torch.Tensor, *args: torch.Tensor):
+        hidden, length, cache = self._hidden(inputs_embeds, *args)
+        # the last valid token of a right-padded chunk (per row in a batch)
+        rows = self.shape.batch > 1
+        last = batch_graph.last_valid(hidden, length) if rows else hidden.index_select(1, length - 1)
+        logits = self.lm_head(last)[:, 0, :].float()
+        if self.inplace:
+            return logits
+        return (logits, *self._updated_kv(cache))
+
+    def _hidden(
+        self, inputs_embeds: torch.Tensor, *args: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, ExplicitKV]:
+        """The text model over the K/V: its final hidden states `[b, tokens, hidden]`, the valid
+        lengths, and the cache (`_updated_kv` reads the new K/V from it). Shared by every graph
+        that runs the target (`drafting.TargetGraph` too), so they trace the same ops."""
         if self.has_ple:
             per_layer_inputs, start, length, *kv = args
         else:
@@ -279,10 +294,8 @@ class DeviceGraph(nn.Module):
         )
         if self.has_ple:
             kwargs["per_layer_inputs"] = per_layer_inputs
-        hidden = self.model(**kwargs).last_hidden_state
-        # the last valid token of a right-padded chunk (per row in a batch)
-        last = batch_graph.last_valid(hidden, length) if rows else hidden.index_select(1, length - 1)
-        logits = self.lm_head(last)[:, 0, :].float()
-        if self.inplace:
-            return logits
-        return (logits, *[t for layer in producers for t in cache.updated[layer.index]])
+        return self.model(**kwargs).last_hidden_state, length, cache
+
+    def _updated_kv(self, cache: ExplicitKV) -> list[torch.Tensor]:
+        """The updated K/V tensors in input order (the functional form's outputs after the logits)."""
+        return [t for layer in self.layout.producers for t in cache.updated[layer.index]]

@@ -1,8 +1,12 @@
 """What drafting could do to inf2's batch-1 ceiling: computed from shapes, unverified.
 
 Decode is bandwidth bound: a plain step reads the weights and the K/V once for one token. A
-drafted round reads them once in the verify step (k + 1 tokens at once; MoE: the union of the
-experts the k + 1 tokens route to) plus k assistant steps, and emits `accepted_per_step` tokens.
+drafted round reads them once in the verify step (k + 1 tokens at once; MoE: the experts as the
+verify graph reads them, `drafting.verify_expert_form`: the (k + 1) x top_k routed slices gathered
+when that is less than all E experts, else all of them) plus k assistant steps, and emits
+`accepted_per_step` tokens. The K/V are the drafted graphs' own (`drafting.RoomyLayout`: rings of
+window + k + 1 slots). `tools.hlo_audit.audit_verify` checks the verify graph's HLO reads
+`verify_bytes`.
 So the drafted ceiling is `accepted_per_step * bandwidth / (verify bytes + k * assistant bytes)`,
 and drafting pays off once `accepted_per_step` exceeds `break_even_accepted`.
 
@@ -19,6 +23,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
+from ..device.drafting import RoomyLayout, verify_expert_form
 from ..device.kv_layout import FULL, SLIDING, KVLayout
 from .hardware import INSTANCES
 from .params import count_params, meta_model
@@ -28,8 +33,9 @@ ASSUMED_ASSISTANT = {"layers": 4, "num_centroids": 2048, "centroid_top_k": 32}
 STATUS = "computed, unverified: assistant bytes from an assumed shape (ASSUMED_ASSISTANT), call overhead left out"
 
 
-def assistant_bytes(lm: Any, context_length: int, ring: bool = True, dtype_bytes: int = 2) -> float:
-    """Bytes one assistant step reads under `ASSUMED_ASSISTANT` (see the module docstring)."""
+def assistant_bytes(lm: Any, context_length: int, ring: bool = True, dtype_bytes: int = 2, k: int = 4) -> float:
+    """Bytes one assistant step reads under `ASSUMED_ASSISTANT` (see the module docstring); the K/V
+    of the two layers it reads, in the drafted rings (window + k + 1 slots)."""
     cfg = lm.config
     hidden, vocab = int(cfg.hidden_size), int(cfg.vocab_size)
     layer = lm.model.layers[0]
@@ -39,7 +45,7 @@ def assistant_bytes(lm: Any, context_length: int, ring: bool = True, dtype_bytes
     projections = 2 * hidden * hidden + hidden * hidden  # pre (2H -> H) and post (H -> H)
     per_centroid = vocab // ASSUMED_ASSISTANT["num_centroids"]
     embeddings = (ASSUMED_ASSISTANT["num_centroids"] + ASSUMED_ASSISTANT["centroid_top_k"] * per_centroid) * hidden
-    layout = KVLayout.from_config(cfg)
+    layout = RoomyLayout.around(KVLayout.from_config(cfg), k + 1)
     read = {t: max(x.index for x in layout.producers if x.layer_type == t) for t in (SLIDING, FULL)}
     kv = 0
     for t, index in read.items():
@@ -63,15 +69,22 @@ def assistant_rank_bytes(lm: Any, tp: int, dtype_bytes: int = 2) -> float:
     return float((split + replicated) * dtype_bytes)
 
 
-def verify_bytes(lm: Any, context_length: int, k: int, ring: bool = True, dtype_bytes: int = 2) -> float:
-    """Bytes of one target step over k + 1 tokens: the weights once (MoE: at most (k + 1) * top_k
-    distinct experts), the K/V once."""
+def verify_bytes(
+    lm: Any, context_length: int, k: int, ring: bool = True, dtype_bytes: int = 2, experts: str | None = None
+) -> float:
+    """Bytes of one target verify step over k + 1 tokens, as the verify graph reads them: the
+    weights once, the K/V buffers once (rings of window + k + 1 slots); MoE experts in the form
+    `drafting.verify_expert_form` picks (or `experts`): dense reads all E, selective gathers
+    (k + 1) x top_k slices per layer, repeats included (more than dense once (k + 1) x top_k >= E,
+    which is why the default then is dense)."""
     counts = count_params(lm)
-    step = decode_bytes(lm, context_length=context_length, ring=ring, experts="dense", dtype_bytes=dtype_bytes)
-    if not counts.num_experts:
-        return step.total
-    share = min(1.0, (k + 1) * counts.top_k / counts.num_experts)
-    return (counts.lm_head + counts.other + share * counts.experts) * dtype_bytes + step.kv
+    weights = counts.lm_head + counts.other
+    kv = RoomyLayout.around(KVLayout.from_config(lm.config), k + 1).buffer_bytes(context_length, ring, dtype_bytes)
+    if counts.num_experts:
+        form = verify_expert_form(lm.config, k, experts)
+        share = 1.0 if form == "dense" else (k + 1) * counts.top_k / counts.num_experts
+        weights += share * counts.experts
+    return float(weights * dtype_bytes + kv)
 
 
 def draft_effect(
@@ -85,7 +98,7 @@ def draft_effect(
     counts = count_params(lm)
     form = "selective" if counts.num_experts else "dense"
     plain = decode_bytes(lm, context_length=context_length, ring=ring, experts=form, dtype_bytes=2).total
-    verify, draft = verify_bytes(lm, context_length, k, ring), assistant_bytes(lm, context_length, ring)
+    verify, draft = verify_bytes(lm, context_length, k, ring), assistant_bytes(lm, context_length, ring, k=k)
     round_bytes = verify + k * draft
     bandwidth = INSTANCES[v.instance_type].bandwidth_bytes_s(v.tp_degree)
     row: dict[str, Any] = {
@@ -96,6 +109,7 @@ def draft_effect(
         "context_length": context_length,
         "plain_step_gb": plain / GB,
         "verify_step_gb": verify / GB,
+        "verify_experts": verify_expert_form(lm.config, k) if counts.num_experts else None,
         "assistant_step_gb": draft / GB,
         "round_gb": round_bytes / GB,
         "plain_ceiling_tok_s": bandwidth / plain,

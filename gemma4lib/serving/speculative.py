@@ -29,8 +29,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ..backends.base import DeviceRun
-from ..device.drafting import DraftGraph, RoomyLayout, TargetGraph
+from ..device.drafting import DraftGraph, RoomyLayout, TargetGraph, verify_expert_form
 from ..device.embedder import HostEmbedder
+from ..device.experts import EXPERT_FORMS
 from ..device.graph import GraphShape
 from ..errors import SettingsError
 
@@ -42,17 +43,33 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 DRAFT_KINDS = ("assistant",)
-DRAFT_BACKENDS = ("cpu", "eager", "neuron")  # neuron: the ModelBuilder recipe's drafting keys
+DRAFT_BACKENDS = ("cpu", "eager", "xla", "neuron")  # neuron: the ModelBuilder recipe's drafting keys
 
 
 def check_draft(settings: PortSettings) -> None:
     """Refuse what drafting does not run on, before anything is loaded."""
     if settings.draft is None:
+        if getattr(settings, "verify_experts", None) is not None:
+            raise SettingsError(
+                f"verify_experts={settings.verify_experts!r} sets the verify graph's MoE expert form, which only "
+                f"drafting builds: pass draft='assistant' too, or leave verify_experts unset"
+            )
         return
+    if getattr(settings, "verify_experts", None) not in (None, *EXPERT_FORMS):
+        from ..errors import UnknownNameError
+
+        raise UnknownNameError("verify_experts form", settings.verify_experts, EXPERT_FORMS)
     if settings.draft not in DRAFT_KINDS:
         from ..errors import UnknownNameError
 
         raise UnknownNameError("draft", settings.draft, DRAFT_KINDS)
+    rank_graphs = settings.tp_degree > 1 or settings.backend == "neuron"
+    if getattr(settings, "verify_experts", None) is not None and rank_graphs:
+        raise SettingsError(
+            f"verify_experts={settings.verify_experts!r} chooses the expert form of the single-device verify "
+            f"graph; the rank graphs (tp_degree {settings.tp_degree}, backend {settings.backend!r}) verify with "
+            f"the dense experts: leave verify_experts unset there"
+        )
     if settings.backend == "neuron":
         from ..inf2.memory_plan import neuron_recipe
 
@@ -89,10 +106,12 @@ class DraftGraphs:
 
 def build_draft_graphs(model: LoadedModel, assistant: LoadedAssistant, settings: PortSettings) -> DraftGraphs:
     """Prefill (one per bucket, returning the last hidden state too), verify (k + 1 tokens, every
-    position) and draft graphs, sharing one K/V layout."""
+    position) and draft graphs, sharing one K/V layout. Backend `xla` builds the functional form
+    (`inplace=False`: the updated K/V are outputs), the others the in-place one."""
     from ..device.build import PREFILL_EXPERTS
 
     k = int(settings.draft_tokens)
+    inplace = settings.backend != "xla"
     layout = RoomyLayout.around(model.layout, k + 1)  # why k + 1: `drafting` module docstring
     ctx, ring = settings.context_length, settings.ring_kv
 
@@ -105,12 +124,13 @@ def build_draft_graphs(model: LoadedModel, assistant: LoadedAssistant, settings:
             expert_form=experts,
             weights=settings.weights,
             every_position=every,
+            inplace=inplace,
         )
 
     prefill = {b: target(b, PREFILL_EXPERTS, False) for b in settings.prefill_buckets}
-    # verify is a short prefill: the dense experts (a gathered top-k of k + 1 tokens is the prefill
-    # trade-off again; the dense form is the one that shards)
-    verify = target(k + 1, PREFILL_EXPERTS, True)
+    # MoE: the k + 1 tokens' routed experts gathered (B x k slices with the tokens as rows) when
+    # that reads fewer bytes than all experts, else dense (`verify_expert_form`; the roofline agrees)
+    verify = target(k + 1, verify_expert_form(model.config, k, getattr(settings, "verify_experts", None)), True)
     draft = DraftGraph(assistant.model, layout, GraphShape(1, 1, ctx, ring), assistant.read_layers)
     return DraftGraphs(prefill, verify, draft, layout, k)
 
@@ -123,12 +143,17 @@ class CompiledDraft:
     compile_s: float = 0.0
     cache_hits: list[bool] = field(default_factory=list)
     artifacts: dict[str, str] = field(default_factory=dict)
+    new_kv: Callable[[], list[torch.Tensor]] | None = None  # K/V where the steps want them (xla: on the device)
+    report: Callable[[], dict[str, Any]] | None = None  # the backend's after-run figures (xla: fallbacks, compiles)
 
 
 def compile_draft_graphs(graphs: DraftGraphs, settings: PortSettings) -> CompiledDraft:
-    """`cpu`: each graph through torch.export + AOTInductor (cached like the others); `eager`: as is."""
+    """`cpu`: each graph through torch.export + AOTInductor (cached like the others); `eager`: as is;
+    `xla`: one `XLASession` over every graph (compiled on first use, K/V on the device)."""
     if settings.backend == "eager":
-        return CompiledDraft(dict(graphs.prefill), graphs.verify, graphs.draft)
+        return CompiledDraft(dict(graphs.prefill), graphs.verify, graphs.draft, new_kv=graphs.new_kv)
+    if settings.backend == "xla":
+        return _on_xla(graphs, settings)
     from ..backends.compile_cpu import compile_graph
     from ..cache.artifacts import ArtifactCache
 
@@ -142,6 +167,36 @@ def compile_draft_graphs(graphs: DraftGraphs, settings: PortSettings) -> Compile
         sum(s.compile_s for s in steps.values()),
         [s.cache_hit for s in steps.values()],
         {name: str(s.entry.path) for name, s in steps.items()},
+        new_kv=graphs.new_kv,
+    )
+
+
+def _on_xla(graphs: DraftGraphs, settings: PortSettings) -> CompiledDraft:
+    """The drafted graphs through torch_xla (`backends.xla.XLASession`): one K/V set on the device
+    that the prefill and verify steps rebind and the draft step reads; each step's outputs come back
+    to the host (the host loop picks tokens and builds the next inputs)."""
+    from ..backends.xla import XLASession, use_fast_cpu_compile
+    from ..cache.artifacts import ArtifactCache
+
+    use_fast_cpu_compile()
+    variant = settings.variant_spec.name
+    hlo_dir = ArtifactCache(settings.cache_dir).root / "xla-hlo" / variant / f"draft-k{graphs.draft_tokens}"
+    session = XLASession(dict(graphs.all()), hlo_dir=hlo_dir)
+
+    def on_host(name: str) -> Callable[..., Any]:
+        step = session.step(name)
+
+        def run(*args: torch.Tensor) -> tuple[torch.Tensor, ...]:
+            return tuple(t.cpu() for t in step(*args))
+
+        return run
+
+    return CompiledDraft(
+        {b: on_host(f"prefill{b}") for b in graphs.prefill},
+        on_host("verify"),
+        on_host("draft"),
+        new_kv=lambda: session.new_kv("verify"),
+        report=session.report,
     )
 
 
@@ -320,13 +375,13 @@ def run_device_drafted(
     assistant = load_assistant(model, settings)
     graphs = build_draft_graphs(model, assistant, settings)
     compiled = compile_draft_graphs(graphs, settings)
-    runtime = DraftedRuntime(model, compiled, graphs.new_kv(), settings.draft_tokens)
+    runtime = DraftedRuntime(model, compiled, compiled.new_kv(), settings.draft_tokens)
     generation = runtime.generate(ids, settings.max_new_tokens, eos_token_ids=eos)
     hf_tokens, hf_steps = hf_assisted(model.lm, assistant.model, ids, settings.max_new_tokens, eos)
     device_run: dict[str, Any] = {
         "tokens": generation.tokens,
         "step_logits": generation.step_logits,
-        "compiler": "cpu-aotinductor" if settings.backend == "cpu" else "eager",
+        "compiler": {"cpu": "cpu-aotinductor", "xla": "torch-xla"}.get(settings.backend, "eager"),
         "compile_s": compiled.compile_s,
         "cache_hits": compiled.cache_hits,
         "prefill_ms": generation.prefill_s * 1000,  # one run (the plain path's benchmark takes medians)
@@ -334,6 +389,7 @@ def run_device_drafted(
         "draft_tokens": settings.draft_tokens,
         "assistant_source": assistant.source,
         "assistant_reads_layers": assistant.read_layers,
+        "verify_experts": graphs.verify.expert_form if getattr(model.config, "enable_moe_block", False) else None,
         "sliding_ring_slots": graphs.layout.slots("sliding_attention", settings.context_length, settings.ring_kv),
         "verify_steps": len(generation.emitted),
         "accepted_per_step": generation.accepted_per_step,
@@ -347,8 +403,10 @@ def run_device_drafted(
     if bench:
         plain = backends.compile_graphs(model, settings, progress=progress).runtime
         n = settings.max_new_tokens  # eos ignored: both decode the same number of tokens
+        # xla compiles each graph on its first call: at least one untimed run of the plain graphs
+        warmup = max(1, settings.warmup) if settings.backend == "xla" else settings.warmup
         drafted_runs = time_decode(lambda: runtime.generate(ids, n), settings.warmup, settings.iters)
-        plain_runs = time_decode(lambda: plain.generate(ids, n), settings.warmup, settings.iters)
+        plain_runs = time_decode(lambda: plain.generate(ids, n), warmup, settings.iters)
         timed = runtime.generate(ids, n)
         with_draft = statistics.median(drafted_runs) if drafted_runs else None
         without = statistics.median(plain_runs) if plain_runs else None
@@ -361,6 +419,8 @@ def run_device_drafted(
             decode_tok_s_runs={"with_draft": drafted_runs, "without_draft": plain_runs},
             bench_tokens=n,
         )
+    if compiled.report:  # after the benchmark: the backend counts what the whole run did
+        device_run.update(compiled.report())
     return DeviceRun.from_fields(device_run)
 
 

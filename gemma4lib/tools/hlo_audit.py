@@ -36,7 +36,8 @@ Two halves:
   variant's decode graph — single device, or one rank of its tensor-parallel rank graph with
   `XlaLoweringCollectives` — without executing it, name each HLO parameter from the module's own
   tensors, and set the figures next to `roofline.decode_bytes` for the same model, expert form
-  and TP degree.
+  and TP degree. `audit_verify` does the same for drafting's verify graph (k + 1 tokens) against
+  `mtp_roofline.verify_bytes`.
 
     PJRT_DEVICE=CPU .venv-xla/bin/python -m gemma4lib.tools.hlo_audit   # the markdown table
 
@@ -474,6 +475,14 @@ SINGLE = tuple((v.name, form) for v in VARIANTS.values() for form in v.expert_fo
 # read k / num_experts of a rank's expert bytes when selective; the expert split (E/tp whole experts
 # per rank) reads k whole-expert slices per rank, routed there or not.
 TENSOR_PARALLEL = tuple((v.name, *row) for v in VARIANTS.values() for row in v.audit_tp)
+# (variant, expert form, drafts k): drafting's verify graph (k + 1 tokens) next to
+# `mtp_roofline.verify_bytes`; form None: the one drafting picks (`drafting.verify_expert_form`:
+# the tiny MoE's 16 experts, top 4, gather fewer bytes than dense at k = 2, more at k = 4)
+VERIFY = (
+    (next(v.name for v in VARIANTS.values() if not v.is_moe), None, 4),
+    *((v.name, form, k) for v in VARIANTS.values() if v.is_moe for form, k in ((None, 4), ("selective", 4), (None, 2))),
+)
+VERIFY_DRAFTS = 4
 
 
 @dataclass
@@ -515,6 +524,7 @@ class AuditRow:
     flagged_experts: list[str]
     expert_split: str | None = None  # MoE rank graphs: "intermediate" | "experts"
     batch: int = 1  # rows of the decode graph (batch_graph.py)
+    tokens: int = 1  # query tokens: 1 for decode, k + 1 for drafting's verify graph (`audit_verify`)
 
     @property
     def weights_delta(self) -> float:
@@ -536,6 +546,8 @@ class AuditRow:
     def graph(self) -> str:
         if self.rank is not None:
             return f"rank {self.rank} of TP={self.tp}"
+        if self.tokens > 1:
+            return f"verify, {self.tokens} tokens"
         return "decode" if self.batch == 1 else f"decode, batch {self.batch}"
 
 
@@ -587,6 +599,41 @@ def audit_single(model: Any, form: str = "dense", device: Any = None, batch: int
         weights, kv_bytes = rb.weights, rb.kv
     row = _row(name, form, 1, None, audit, weights, kv_bytes, 0, 0, -router_scale_unread(model, batch))
     row.batch = batch
+    return audit, row
+
+
+def audit_verify(
+    model: Any, form: str | None = None, draft_tokens: int = VERIFY_DRAFTS, device: Any = None
+) -> tuple[GraphAudit, AuditRow]:
+    """Drafting's verify graph of `model` (`drafting.TargetGraph`: k + 1 tokens at an offset, logits
+    and hidden states at every position, the drafted K/V layout), next to
+    `mtp_roofline.verify_bytes` for the same expert form (`form` None: the one drafting picks,
+    `drafting.verify_expert_form`). The router's `per_expert_scale` is gathered for each of the
+    k + 1 tokens (`router_scale_unread` with the tokens as rows)."""
+    import torch_xla
+
+    from ..backends.xla import to_device
+    from ..device.drafting import RoomyLayout, TargetGraph, verify_expert_form
+    from ..device.graph import GraphShape
+    from ..inf2.mtp_roofline import verify_bytes
+
+    device = device or torch_xla.device()
+    k = int(draft_tokens)
+    form = verify_expert_form(model.config, k, form)
+    layout = RoomyLayout.around(model.layout, k + 1)
+    shape = GraphShape(1, k + 1, CONTEXT)
+    graph = TargetGraph(
+        model.text_model, model.lm_head, layout, shape, inplace=False, expert_form=form, every_position=True
+    )
+    graph = to_device({"verify": graph}, device)["verify"]
+    inputs, kv = _split_inputs(graph, [t.to(device) for t in graph.example_inputs()])
+    name = model.variant.name
+    audit = audit_graph(graph, inputs, kv, f"{name} verify ({form}, {k + 1} tokens)")
+    dtype_bytes = model.lm_head.weight.element_size()
+    kv_bytes = layout.buffer_bytes(CONTEXT, False, dtype_bytes)
+    weights = verify_bytes(model.lm, CONTEXT, k, ring=False, dtype_bytes=dtype_bytes, experts=form) - kv_bytes
+    row = _row(name, form, 1, None, audit, weights, kv_bytes, 0, 0, -router_scale_unread(model, k + 1))
+    row.tokens = k + 1
     return audit, row
 
 
@@ -674,8 +721,10 @@ def _row(
 def audit_all(
     single: Sequence[tuple[str, str]] = SINGLE,
     tensor_parallel: Sequence[tuple[str, int, str, str | None]] = TENSOR_PARALLEL,
+    verify: Sequence[tuple[str, str | None, int]] = VERIFY,
 ) -> list[AuditRow]:
-    """Every listed decode graph of the tiny variants, audited (one tiny model per variant)."""
+    """Every listed decode graph of the tiny variants, and drafting's verify graphs, audited (one
+    tiny model per variant)."""
     models: dict[str, Any] = {}
     rows = []
     for variant, form in single:
@@ -686,6 +735,10 @@ def audit_all(
         model = models.setdefault(variant, _tiny(variant))
         rows.append(audit_rank(model, tp, form, expert_split=split)[1])
         log.info("audited %s TP=%d %s (%s split): %s", variant, tp, form, split, rows[-1])
+    for variant, form, k in verify:
+        model = models.setdefault(variant, _tiny(variant))
+        rows.append(audit_verify(model, form, k)[1])
+        log.info("audited %s verify %s: %s", variant, form, rows[-1])
     return rows
 
 
