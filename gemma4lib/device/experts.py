@@ -8,6 +8,13 @@ Python loop that no tracer can capture. Two static replacements, same parameters
   across tensor-parallel ranks. Reads all expert weights every step.
 - `selective`: gather the k routed experts' weight slices per token, then batched matmuls. Reads
   only k experts' weights: the decode form.
+
+A batch of B rows decoding one token each gathers per row: B x k slices, a routed expert that two
+rows share read twice. Once B x k reaches the experts a device holds, the dense form reads each of
+them once and no more bytes, so a batched graph asked for `selective` runs `dense` from there
+(`read_form`: a static choice from B, k and E, in the graph's cache key). A union of the rows'
+routed experts under the static bound min(B x k, E) would read exactly as many slices (below E the
+bound is B x k; padding fills it with other experts), so it saves nothing this choice does not.
 """
 
 from __future__ import annotations
@@ -26,6 +33,15 @@ EXPERT_FORMS = ("dense", "selective")
 #   every expert. The k slices a rank gathers are exactly its share of the k routed experts, so
 #   the ranks together read k experts' bytes, and no rank needs to know which rank it is.
 EXPERT_SPLITS = ("experts", "intermediate")
+
+
+def read_form(form: str, rows: int, top_k: int, experts_held: int) -> str:
+    """The form a graph of `rows` tokens per call runs when `form` is asked for: `selective` gathers
+    rows x k slices, so from rows x k >= `experts_held` (the experts this device or rank holds) the
+    dense form, which reads each held expert once, reads no more (module doc)."""
+    if form == "selective" and experts_held and rows * top_k >= experts_held:
+        return "dense"
+    return form
 
 
 def default_expert_split(num_experts: int, intermediate: int, tp: int) -> str | None:
