@@ -128,6 +128,12 @@ def test_a_moe_batch_at_b_x_k_of_e_reads_its_experts_densely_with_rows_exact():
     assert {layer.experts.form for layer in graph.model.layers} == {"dense"}
     prompts = _prompts(model, (12, 5, 9, 7))
     _assert_rows_match(model, prompts, generate_batch(runtime, prompts, NEW, keep_logits=True))
+    # built for one CPU thread (cpu/eager backends): dense's E/k x more products must pay for themselves
+    from gemma4lib.device.experts import CPU_THREAD_FLOP_PER_BYTE, read_form
+
+    assert read_form("selective", 8, 4, 32, CPU_THREAD_FLOP_PER_BYTE, 4) == "selective"  # medium-moe, fp32
+    assert read_form("selective", 8, 4, 32, None, 4) == read_form("selective", 8, 4, 32, 1000.0, 4) == "dense"
+    assert read_form("selective", 7, 4, 32, None, 4) == "selective"
     for split, batch, read in (("experts", 2, "dense"), ("intermediate", 2, "selective")):
         plan = make_plan(model.config, 2, model.variant, expert_split=split)  # 8 experts per rank / 16 sliced
         prefill = build_rank_graph(model.config, plan, GraphShape(batch, BUCKET, CONTEXT), expert_form="dense")

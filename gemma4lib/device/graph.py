@@ -196,8 +196,11 @@ class DeviceGraph(nn.Module):
         expert_form: str = "dense",
         weights: str = "bf16",
         attention: str = attention_forms.GROUPED,
+        compute_balance: float | None = None,
     ):
         super().__init__()
+        # the target's FLOPs per byte, for a batched MoE's expert form (`experts.read_form`); None: bytes decide
+        self.compute_balance, self.expert_element = compute_balance, lm_head.weight.element_size()
         int8 = check_weights(weights) == "int8"
         model = _shallow_clone(text_model)
         model.unique_layer_types = layer_types_in_order(text_model.config)
@@ -251,7 +254,8 @@ class DeviceGraph(nn.Module):
         top_k, held = self.expert_routing
         if self.shape.batch == 1:
             return self.expert_form
-        return read_form(self.expert_form, self.shape.batch * self.shape.tokens, top_k, held)
+        rows = self.shape.batch * self.shape.tokens
+        return read_form(self.expert_form, rows, top_k, held, self.compute_balance, self.expert_element)
 
     def example_inputs(self) -> tuple[torch.Tensor, ...]:
         """Zero inputs of the compiled shapes; every tensor distinct (aliased examples mislead export)."""

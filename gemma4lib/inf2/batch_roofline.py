@@ -45,8 +45,11 @@ def batch_decode_bytes(
     dtype_bytes: int | None = None,
     tp: int = 1,
     expert_split: str | None = None,
+    experts_read: str | None = None,
 ) -> dict[str, float]:
-    """Bytes one decode step of `batch` rows reads, as the batched graph reads them (module doc)."""
+    """Bytes one decode step of `batch` rows reads, as the batched graph reads them (module doc).
+    `experts_read`: the form the graph runs (`DeviceGraph.experts_read`) when it is not the bytes
+    rule's (a graph built for one CPU thread keeps gathering per row past the bound)."""
     lm = meta_model(model) if isinstance(model, str) else getattr(model, "lm", model)
     one = decode_bytes(
         lm,
@@ -62,7 +65,8 @@ def batch_decode_bytes(
     if experts == "selective" and counts.num_experts and batch > 1:
         # k x s slices of E per row (s = tp under the expert split), all E once past the bound
         per_row = counts.read_fraction("selective", tp, expert_split)
-        weights += (min(batch * per_row, 1.0) - per_row) * counts.experts * one.dtype_bytes
+        read = {"selective": batch * per_row, "dense": 1.0}.get(experts_read or "", min(batch * per_row, 1.0))
+        weights += (read - per_row) * counts.experts * one.dtype_bytes
     return {"weights": weights, "kv": one.kv * batch, "total": weights + one.kv * batch, "batch": float(batch)}
 
 
