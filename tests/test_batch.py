@@ -110,6 +110,36 @@ def test_eager_batch_moe_selective_and_k_eq_v_rows(variant):
     _assert_rows_match(model, prompts, generation)
 
 
+def test_a_moe_batch_at_b_x_k_of_e_reads_its_experts_densely_with_rows_exact():
+    """Tiny 26B-A4B: 16 experts, top-4. Batch 3 gathers 12 slices per layer (selective, per row);
+    batch 4 would gather 16 = E, so its graph reads every expert once (dense), says so in its key,
+    and every row still equals its own reference. The TP rank graphs decide per rank's experts."""
+    from gemma4lib.models.loading import build_tiny
+    from gemma4lib.models.variants import get_variant
+    from gemma4lib.tp import build_rank_graph, make_plan, with_shape
+
+    model = build_tiny(get_variant("26b-a4b"))
+    dec3 = _eager_runtime(model, 3, "selective").decode
+    assert dec3.experts_read == "selective" and "experts_read" not in dec3.key_parts()
+    runtime = _eager_runtime(model, 4, "selective")
+    graph = runtime.decode
+    assert graph.expert_form == "selective" and graph.experts_read == "dense"
+    assert graph.key_parts()["experts_read"] == "dense"
+    assert {layer.experts.form for layer in graph.model.layers} == {"dense"}
+    prompts = _prompts(model, (12, 5, 9, 7))
+    _assert_rows_match(model, prompts, generate_batch(runtime, prompts, NEW, keep_logits=True))
+    # built for one CPU thread (cpu/eager backends): dense's E/k x more products must pay for themselves
+    from gemma4lib.device.experts import CPU_THREAD_FLOP_PER_BYTE, read_form
+
+    assert read_form("selective", 8, 4, 32, CPU_THREAD_FLOP_PER_BYTE, 4) == "selective"  # medium-moe, fp32
+    assert read_form("selective", 8, 4, 32, None, 4) == read_form("selective", 8, 4, 32, 1000.0, 4) == "dense"
+    assert read_form("selective", 7, 4, 32, None, 4) == "selective"
+    for split, batch, read in (("experts", 2, "dense"), ("intermediate", 2, "selective")):
+        plan = make_plan(model.config, 2, model.variant, expert_split=split)  # 8 experts per rank / 16 sliced
+        prefill = build_rank_graph(model.config, plan, GraphShape(batch, BUCKET, CONTEXT), expert_form="dense")
+        assert with_shape(prefill, GraphShape(batch, 1, CONTEXT), expert_form="selective").experts_read == read
+
+
 def test_trace_recipe_prefills_rows_of_different_lengths_step_by_step():
     """The trace recipe's batched decode module (K/V as aliased parameters), emulated on CPU."""
     from gemma4lib.models.loading import build_tiny
@@ -213,6 +243,15 @@ def test_batch_ceilings_count_weights_once_and_kv_and_selective_experts_per_row(
     dense = batch_decode_bytes("26b-a4b", 1, context_length=2048, experts="dense", dtype_bytes=2)
     per_row = moe2["weights"] - moe1["weights"]  # k experts' slices per row (128 experts, top-8)
     assert 0 < per_row < dense["weights"] - moe1["weights"]
+    # from B x k >= E (16 x 8 = 128 experts; at TP=8 per rank too) the graph reads each expert once
+    for tp in (1, 8):
+        at = dict(context_length=2048, dtype_bytes=2, tp=tp)
+        below = batch_decode_bytes("26b-a4b", 8, experts="selective", **at)
+        assert below["weights"] < batch_decode_bytes("26b-a4b", 8, experts="dense", **at)["weights"]
+        for b in (16, 32):
+            assert batch_decode_bytes("26b-a4b", b, experts="selective", **at) == batch_decode_bytes(
+                "26b-a4b", b, experts="dense", **at
+            )
     rows = batch_ceilings("e2b", (1, 4, 16))
     for row in rows:  # the field report's measurements sit under the computed ceiling
         assert row["field_report_tok_s"] <= row["ceiling_tok_s"] <= row["compute_ceiling_tok_s"]

@@ -298,19 +298,44 @@ def test_e2b_model_builder_pair_at_tp1_on_xla(xla_lane, tmp_path):
     assert report["xla_steps"] == {"prefill": 1, "decode": steps}
 
 
-@pytest.mark.parametrize("variant,form", [("e2b", "dense"), ("26b-a4b", "selective")])
-def test_hlo_audit_batched_decode_reads_the_batch_roofline_bytes(xla_lane, variant, form):
-    """Batch 3: the weights once (the selective experts' k slices per row), the K/V of every row."""
+@pytest.mark.parametrize(
+    "variant,form,batch", [("e2b", "dense", 3), ("26b-a4b", "selective", 3), ("26b-a4b", "selective", 4)]
+)
+def test_hlo_audit_batched_decode_reads_the_batch_roofline_bytes(xla_lane, variant, form, batch):
+    """Batch 3: the weights once (the selective experts' k slices per row), the K/V of every row.
+    Batch 4 of the tiny MoE (16 experts, top-4): 4 x 4 = E, so the graph reads every expert once."""
     model = _audit_model(variant)
-    audit, row = hlo_audit.audit_single(model, form, batch=3)
+    audit, row = hlo_audit.audit_single(model, form, batch=batch)
     table = hlo_audit.format_table([row])
-    assert row.batch == 3 and "batch 3" in table
+    assert row.batch == batch and f"batch {batch}" in table
     assert row.weights_delta == row.expected_delta, table
     assert row.kv_delta == 0 and row.kv_read > 0, table
     assert row.flagged == [], table
     if form == "selective":
         c = model.config
-        assert row.experts_read == 3 * _moe_layers(model) * c.top_k_experts * _expert_slice_bytes(model), table
+        slices = min(batch * c.top_k_experts, c.num_experts)
+        assert row.experts_read == _moe_layers(model) * slices * _expert_slice_bytes(model), table
+        assert row.read_form == (None if batch * c.top_k_experts < c.num_experts else "dense"), table
+
+
+@pytest.mark.parametrize(
+    "variant,tp,form,split,read",
+    [
+        ("31b", 8, "dense", None, None),
+        ("26b-a4b", 2, "selective", "intermediate", None),
+        ("26b-a4b", 2, "selective", "experts", "dense"),
+    ],
+)
+def test_hlo_audit_batched_rank_graphs_read_the_batch_roofline_bytes_per_rank(xla_lane, variant, tp, form, split, read):
+    """Rank graphs at batch 2: tp x a rank's bytes = `batch_decode_bytes(tp=)` + what the plan
+    replicates. The expert split's rank holds 8 of 16 experts: 2 rows x top-4 = 8 reads them densely."""
+    model = _audit_model(variant)
+    audit, row = hlo_audit.audit_rank(model, tp, form, expert_split=split, batch=2)
+    table = hlo_audit.format_table([row])
+    assert row.batch == 2 and "batch 2" in table and row.read_form == read, table
+    assert row.weights_delta == row.expected_delta, table
+    assert row.kv_delta == 0 and row.kv_read > 0, table
+    assert row.ok, table
 
 
 def test_batched_rows_on_xla_match_their_references(xla_lane):

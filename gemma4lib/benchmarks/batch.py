@@ -6,7 +6,8 @@ batch B (compiled by the suite's backend; prefill runs the same batched prefill 
 it is not timed), `batch_runtime.generate_batch` timed per decode step (eos off, every row
 decodes `new_tokens`), and HF `generate` on the same prompts left-padded with an attention mask,
 timed by its own step clock; the two are timed interleaved (ours, HF, ours, HF, ...). The step's
-bytes come from `batch_roofline.batch_decode_bytes` (the weights once, per-row selective experts,
+bytes come from `batch_roofline.batch_decode_bytes` (the weights once, the selective experts as the
+graph reads them: per row, or each once past B x k >= E where the graph's `experts_read` is dense;
 K/V x B), so each figure also reads as the bandwidth it drew (steps/s x bytes/step) and its
 fraction of the machine's stream and GEMV bandwidth, measured before and after the model (best of
 several repeats); `bandwidth_moved` flags a model whose two measurements differ by more than
@@ -24,7 +25,7 @@ from typing import Any
 import torch
 
 from ..backends.compile_cpu import compile_graph
-from ..device.build import device_graph
+from ..device.build import cpu_balance, device_graph
 from ..device.graph import GraphShape
 from ..inf2.bandwidth import measure_bandwidth
 from ..inf2.batch_roofline import batch_decode_bytes
@@ -82,7 +83,7 @@ def hf_batch_generate(lm: torch.nn.Module, prompts: Sequence[Sequence[int]], new
 
 
 def _decode_step(model: LoadedModel, shape: GraphShape, form: str, backend: str, cache) -> Any:
-    graph = device_graph(model, shape, form)
+    graph = device_graph(model, shape, form, compute_balance=cpu_balance(backend))
     return (compile_graph(graph, cache) if backend == "cpu" else graph), graph
 
 
@@ -125,8 +126,15 @@ def bench_batch_model(
                 ours.append(generation.decode_tok_s)
             hf.append(hf_batch_generate(model.lm, prompts, new_tokens))
         hf_tok_s = [h["decode_tok_s"] for h in hf if h["decode_tok_s"]]
+        read = decode_graph.experts_read
         steps = batch_decode_bytes(
-            model.lm, b, context_length=context_length, ring=True, experts=form, dtype_bytes=dtype_bytes
+            model.lm,
+            b,
+            context_length=context_length,
+            ring=True,
+            experts=form,
+            dtype_bytes=dtype_bytes,
+            experts_read=read,
         )
         total = statistics.median(ours) if ours else None
         drawn = None if total is None else total / b * steps["total"] / GB  # GB/s the step rate draws
@@ -147,6 +155,7 @@ def bench_batch_model(
                         [r.tokens for r in generation.rows], hf[-1]["tokens"] if hf else [], strict=False
                     )
                 ],
+                "experts_read": read if form != "dense" else None,
                 "bytes_per_step_gb": steps["total"] / GB,
                 "drawn_gb_s": drawn,
             }

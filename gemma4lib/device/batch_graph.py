@@ -68,7 +68,7 @@ def build_row_masks(
 class RowKV:
     """`graph.ExplicitKV` with one start and one length per row: each row writes its own slots.
 
-    Decode scatters each row's new K/V into slot `start[b] % slots` of its own row; prefill keeps,
+    Decode writes each row's new K/V into slot `start[b] % slots` of its own row; prefill keeps,
     per row and slot, the newest valid chunk token that maps there (or the old contents). The same
     constructor and `update` contract as `ExplicitKV` (kept free of `graph.py`: no import cycle).
     """
@@ -90,8 +90,15 @@ class RowKV:
     def _write(self, old: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
         b, heads, slots, dim = old.shape
         if self.tokens == 1:
-            slot = torch.remainder(self.start, slots).view(b, 1, 1, 1).expand(b, heads, 1, dim)
-            return old.scatter_(2, slot, new) if self.inplace else old.scatter(2, slot, new)
+            # old[row, head, slot[row]] = new[row, head, 0]: an index_put, which Inductor performs in
+            # place on the K/V input; a scatter was lowered as a copy of the whole buffer every step
+            # (54 ms of a 254 ms medium-dense step at B=8, context 512: docs/ROOFLINE.md)
+            rows = torch.arange(b, device=old.device).view(b, 1)
+            heads_at = torch.arange(heads, device=old.device).view(1, heads)
+            slot = torch.remainder(self.start, slots).view(b, 1)
+            index = (rows, heads_at, slot)
+            value = new[:, :, 0, :]
+            return old.index_put_(index, value) if self.inplace else old.index_put(index, value)
         s = torch.arange(slots, device=old.device)
         last = (self.length - 1)[:, None]  # [B, 1]
         src = last - torch.remainder(self.start[:, None] + last - s[None, :], slots)  # [B, S]

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from .experts import CPU_THREAD_FLOP_PER_BYTE
 from .graph import DeviceGraph, GraphShape
 
 if TYPE_CHECKING:  # type names only
@@ -23,11 +24,17 @@ PREFILL_EXPERTS = "dense"
 
 
 def device_graph(
-    model: LoadedModel, shape: GraphShape, expert_form: str, inplace: bool = True, weights: str = "bf16"
+    model: LoadedModel,
+    shape: GraphShape,
+    expert_form: str,
+    inplace: bool = True,
+    weights: str = "bf16",
+    compute_balance: float | None = None,
 ) -> DeviceGraph:
     """One device graph over the model's own modules (not copies: a compiled graph takes the model's
     current weights at load time; with `weights="int8"` it holds int8 copies of the linears, made
-    now); `device_graphs` and the benchmark suite's graph cache build with it."""
+    now); `device_graphs` and the benchmark suite's graph cache build with it. `compute_balance`:
+    the target's FLOPs per byte, for a batched MoE's expert form (`experts.read_form`)."""
     return DeviceGraph(
         model.text_model,
         model.lm_head,
@@ -36,7 +43,14 @@ def device_graph(
         inplace=inplace,
         expert_form=expert_form,
         weights=weights,
+        compute_balance=compute_balance,
     )
+
+
+def cpu_balance(backend: str) -> float | None:
+    """The compute balance a backend's graphs are built for: one CPU thread's for `cpu` and `eager`
+    (they run here), None (bytes decide) for the rest, the stand-ins for inf2 included."""
+    return CPU_THREAD_FLOP_PER_BYTE if backend in ("cpu", "eager") else None
 
 
 def device_graphs(model: LoadedModel, settings: PortSettings, inplace: bool = True) -> Graphs:
@@ -60,5 +74,6 @@ def device_graphs(model: LoadedModel, settings: PortSettings, inplace: bool = Tr
         settings.decode_experts,
         inplace,
         weights,
+        cpu_balance(settings.backend),
     )
     return prefill, decode

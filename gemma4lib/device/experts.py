@@ -8,6 +8,15 @@ Python loop that no tracer can capture. Two static replacements, same parameters
   across tensor-parallel ranks. Reads all expert weights every step.
 - `selective`: gather the k routed experts' weight slices per token, then batched matmuls. Reads
   only k experts' weights: the decode form.
+
+A batch of B rows decoding one token each gathers per row: B x k slices, a routed expert that two
+rows share read twice. Once B x k reaches the experts a device holds, the dense form reads each of
+them once and no more bytes, so a batched graph asked for `selective` runs `dense` from there
+(`read_form`: a static choice from B, k and E, in the graph's cache key) — unless the graph is
+built for a target whose compute is scarce (one CPU thread), where dense's E/k x more products
+cost more time than the bytes they save (`read_form(flop_per_byte=)`). A union of the rows'
+routed experts under the static bound min(B x k, E) would read exactly as many slices (below E the
+bound is B x k; padding fills it with other experts), so it saves nothing this choice does not.
 """
 
 from __future__ import annotations
@@ -26,6 +35,40 @@ EXPERT_FORMS = ("dense", "selective")
 #   every expert. The k slices a rank gathers are exactly its share of the k routed experts, so
 #   the ranks together read k experts' bytes, and no rank needs to know which rank it is.
 EXPERT_SPLITS = ("experts", "intermediate")
+
+
+# One CPU thread's FLOPs per byte of read bandwidth, for `read_form`: its small-M matmuls run
+# ~20-35 GFLOP/s against ~15 GB/s stream on the shared 2-core machine
+# (docs/measurements/profile_decode_medium-dense.json, `small_m`). Measured, rounded, and fixed: it
+# picks a program, so it must not move from run to run.
+CPU_THREAD_FLOP_PER_BYTE = 2.0
+
+
+def read_form(
+    form: str,
+    rows: int,
+    top_k: int,
+    experts_held: int,
+    flop_per_byte: float | None = None,
+    element_bytes: int = 2,
+) -> str:
+    """The form a graph of `rows` tokens per call runs when `form` is asked for: `selective` gathers
+    rows x k slices, so from rows x k >= `experts_held` (the experts this device or rank holds) the
+    dense form, which reads each held expert once, reads no more (module doc).
+
+    But dense multiplies every row by every expert: rows x E expert products where selective does
+    rows x k. Where compute is scarce (`flop_per_byte`: the target's FLOPs per byte of bandwidth,
+    e.g. `CPU_THREAD_FLOP_PER_BYTE`), dense is chosen only if its step time, max(bytes, FLOPs / balance)
+    per slice, is no longer than selective's. None: compute is free (inf2), bytes decide."""
+    if form != "selective" or not experts_held or rows * top_k < experts_held:
+        return form
+    if flop_per_byte is None:
+        return "dense"
+
+    def step(slices: int, flop_per_weight: float) -> float:
+        return slices * max(1.0, flop_per_weight / (element_bytes * flop_per_byte))
+
+    return "dense" if step(experts_held, 2.0 * rows) <= step(rows * top_k, 2.0) else form
 
 
 def default_expert_split(num_experts: int, intermediate: int, tp: int) -> str | None:

@@ -31,7 +31,7 @@ from torch import nn
 
 from . import attention as attention_forms
 from . import batch_graph
-from .experts import StaticExperts
+from .experts import StaticExperts, read_form
 from .kv_layout import SLIDING, KVLayout
 from .quant import Int8Linear, check_weights, target_linears
 
@@ -196,8 +196,11 @@ class DeviceGraph(nn.Module):
         expert_form: str = "dense",
         weights: str = "bf16",
         attention: str = attention_forms.GROUPED,
+        compute_balance: float | None = None,
     ):
         super().__init__()
+        # the target's FLOPs per byte, for a batched MoE's expert form (`experts.read_form`); None: bytes decide
+        self.compute_balance, self.expert_element = compute_balance, lm_head.weight.element_size()
         int8 = check_weights(weights) == "int8"
         model = _shallow_clone(text_model)
         model.unique_layer_types = layer_types_in_order(text_model.config)
@@ -206,9 +209,13 @@ class DeviceGraph(nn.Module):
             model.embed_tokens_per_layer = None
         model.layers = nn.ModuleList([_shallow_clone(layer) for layer in text_model.layers])
         attn_config = attention_forms.graph_config(text_model.config, attention)
+        cfg = text_model.config
+        # (top-k, experts held): a batched selective decode reads densely from B x k >= E (`read_form`)
+        self.expert_routing = (int(getattr(cfg, "top_k_experts", 0) or 0), int(getattr(cfg, "num_experts", 0) or 0))
+        self.shape, self.expert_form = shape, expert_form
         for layer in model.layers:
             if getattr(layer, "experts", None) is not None:
-                layer.experts = StaticExperts(layer.experts, expert_form, int8=int8)
+                layer.experts = StaticExperts(layer.experts, self.experts_read, int8=int8)
             if int8:
                 _int8_linears(layer)
             layer.self_attn = _shallow_clone(layer.self_attn)
@@ -234,8 +241,21 @@ class DeviceGraph(nn.Module):
             "producers": [layer.producer for layer in self.layout.layers],
             # only when quantized: full-precision keys stay as they were (warm caches stay valid)
             **({"weights": self.weights} if self.weights == "int8" else {}),
+            # only when a batch changes it: every other graph's key stays as it was
+            **({"experts_read": self.experts_read} if self.experts_read != self.expert_form else {}),
             **self.tags,
         }
+
+    @property
+    def experts_read(self) -> str:
+        """The expert form this graph runs: `expert_form`, except a batched selective graph whose
+        B x tokens x k reaches the experts held, which reads them densely (`experts.read_form`).
+        Batch-1 graphs always run the form asked for (their programs do not move)."""
+        top_k, held = self.expert_routing
+        if self.shape.batch == 1:
+            return self.expert_form
+        rows = self.shape.batch * self.shape.tokens
+        return read_form(self.expert_form, rows, top_k, held, self.compute_balance, self.expert_element)
 
     def example_inputs(self) -> tuple[torch.Tensor, ...]:
         """Zero inputs of the compiled shapes; every tensor distinct (aliased examples mislead export)."""

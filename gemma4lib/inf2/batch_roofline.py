@@ -8,9 +8,9 @@ computes B tokens, so
 Bytes per step at B (computed from shapes, `roofline.decode_bytes` for the batch-1 parts):
 - weights: once, whatever B — except the MoE's selective experts, which this project's batched
   graph gathers **per row** (`experts.gathered_experts` with one token per row: B x k slices, a
-  routed expert shared by two rows is read twice). That keeps shapes static with no union or
-  dedup step; it costs B x k expert slices per layer, and from B x k >= E on the dense form (all E
-  experts once) reads fewer bytes, which the table shows beside it.
+  routed expert shared by two rows is read twice) until B x k reaches the experts a device (or
+  rank) holds; from there the graph reads them densely, each once (`experts.read_form`, a static
+  choice in the graph's key). So the expert bytes are min(B x k, E) slices: never more than dense.
 - K/V: every row's buffers (B x the batch-1 K/V).
 
 FLOPs per row: 2 x the weights a token multiplies by (the dense form: every expert), plus the
@@ -23,6 +23,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+from ..device.experts import read_form
 from ..device.kv_layout import KVLayout
 from .hardware import BF16_FLOPS_PER_CORE, GB, INSTANCES
 from .params import count_params, meta_model
@@ -44,8 +45,11 @@ def batch_decode_bytes(
     dtype_bytes: int | None = None,
     tp: int = 1,
     expert_split: str | None = None,
+    experts_read: str | None = None,
 ) -> dict[str, float]:
-    """Bytes one decode step of `batch` rows reads, as the batched graph reads them (module doc)."""
+    """Bytes one decode step of `batch` rows reads, as the batched graph reads them (module doc).
+    `experts_read`: the form the graph runs (`DeviceGraph.experts_read`) when it is not the bytes
+    rule's (a graph built for one CPU thread keeps gathering per row past the bound)."""
     lm = meta_model(model) if isinstance(model, str) else getattr(model, "lm", model)
     one = decode_bytes(
         lm,
@@ -57,11 +61,27 @@ def batch_decode_bytes(
         expert_split=expert_split,
     )
     counts = count_params(lm)
-    per_row_experts = 0.0
-    if experts == "selective" and counts.num_experts:
-        per_row_experts = counts.read_fraction("selective", tp, expert_split) * counts.experts * one.dtype_bytes
-    weights = one.weights + (batch - 1) * per_row_experts
+    weights = one.weights
+    if experts == "selective" and counts.num_experts and batch > 1:
+        # k x s slices of E per row (s = tp under the expert split), all E once past the bound
+        per_row = counts.read_fraction("selective", tp, expert_split)
+        read = {"selective": batch * per_row, "dense": 1.0}.get(experts_read or "", min(batch * per_row, 1.0))
+        weights += (read - per_row) * counts.experts * one.dtype_bytes
     return {"weights": weights, "kv": one.kv * batch, "total": weights + one.kv * batch, "batch": float(batch)}
+
+
+def batch_read_form(
+    model: Any, batch: int, experts: str = "dense", tp: int = 1, expert_split: str | None = None
+) -> str:
+    """The expert form a batched decode graph of `batch` rows runs for the asked `experts` form
+    (`experts.read_form`; batch 1 always runs the form asked for): "none" for a dense model."""
+    lm = meta_model(model) if isinstance(model, str) else getattr(model, "lm", model)
+    counts = count_params(lm)
+    if not counts.num_experts:
+        return "none"
+    split = counts.expert_split(tp, expert_split)
+    held = counts.num_experts // tp if split == "experts" else counts.num_experts
+    return experts if batch == 1 else read_form(experts, batch, counts.top_k, held)
 
 
 def decode_flops_per_row(model: Any, *, context_length: int, ring: bool = True, experts: str = "dense") -> float:
@@ -111,6 +131,7 @@ def batch_ceilings(
             "recipe": f"{v.instance_type} TP={tp}",
             "batch": b,
             "experts": form if counts.num_experts else "none",
+            "experts_read": batch_read_form(lm, b, form, tp),
             "context_length": context_length,
             "kv": "ring" if ring else "full",
             "bytes_per_step_gb": steps["total"] / GB,
@@ -149,10 +170,13 @@ def format_batch_table(rows: Sequence[dict[str, Any]]) -> str:
     for r in rows:
         field = f"{r['field_report_tok_s']:g}" if r.get("field_report_tok_s") else "–"
         gb = f"{r['bytes_per_step_gb']:.2f}"
+        experts = r["experts"]
+        if r.get("experts_read") not in (None, experts):
+            experts += f" (reads {r['experts_read']})"
         if r.get("dense_bytes_per_step_gb") is not None and r["dense_bytes_per_step_gb"] < r["bytes_per_step_gb"]:
             gb += f" (dense {r['dense_bytes_per_step_gb']:.2f})"
         lines.append(
-            f"| {r['variant']} | {r['recipe']} | {r['batch']} | {r['experts']} | {gb} | "
+            f"| {r['variant']} | {r['recipe']} | {r['batch']} | {experts} | {gb} | "
             f"{r['memory_ceiling_tok_s']:,.0f} | {r['compute_ceiling_tok_s']:,.0f} | {r['ceiling_tok_s']:,.0f} "
             f"({r['bound']}) | {r['ceiling_tok_s'] / r['batch']:,.0f} | {field} |"
         )
@@ -164,6 +188,7 @@ __all__ = [
     "FIELD_REPORT_E2B_BATCH_TOK_S",
     "batch_ceilings",
     "batch_decode_bytes",
+    "batch_read_form",
     "batch_table",
     "decode_flops_per_row",
     "format_batch_table",

@@ -525,6 +525,7 @@ class AuditRow:
     expert_split: str | None = None  # MoE rank graphs: "intermediate" | "experts"
     batch: int = 1  # rows of the decode graph (batch_graph.py)
     tokens: int = 1  # query tokens: 1 for decode, k + 1 for drafting's verify graph (`audit_verify`)
+    read_form: str | None = None  # the expert form the graph runs, when a batch changes it (`experts.read_form`)
 
     @property
     def weights_delta(self) -> float:
@@ -544,11 +545,12 @@ class AuditRow:
 
     @property
     def graph(self) -> str:
+        rows = "" if self.batch == 1 else f", batch {self.batch}"
         if self.rank is not None:
-            return f"rank {self.rank} of TP={self.tp}"
+            return f"rank {self.rank} of TP={self.tp}{rows}"
         if self.tokens > 1:
             return f"verify, {self.tokens} tokens"
-        return "decode" if self.batch == 1 else f"decode, batch {self.batch}"
+        return f"decode{rows}"
 
 
 def router_scale_unread(model: Any, rows: int = 1) -> int:
@@ -599,6 +601,7 @@ def audit_single(model: Any, form: str = "dense", device: Any = None, batch: int
         weights, kv_bytes = rb.weights, rb.kv
     row = _row(name, form, 1, None, audit, weights, kv_bytes, 0, 0, -router_scale_unread(model, batch))
     row.batch = batch
+    row.read_form = graph.experts_read if graph.experts_read != form else None
     return audit, row
 
 
@@ -638,10 +641,17 @@ def audit_verify(
 
 
 def audit_rank(
-    model: Any, tp: int, form: str = "dense", rank: int = 1, device: Any = None, expert_split: str | None = None
+    model: Any,
+    tp: int,
+    form: str = "dense",
+    rank: int = 1,
+    device: Any = None,
+    expert_split: str | None = None,
+    batch: int = 1,
 ) -> tuple[GraphAudit, AuditRow]:
     """Rank `rank` of `model`'s TP rank graph (its shard loaded), lowered with
-    `XlaLoweringCollectives`. `expert_split`: the MoE split (default: the plan's)."""
+    `XlaLoweringCollectives`. `expert_split`: the MoE split (default: the plan's). `batch` rows:
+    compared with `batch_roofline.batch_decode_bytes(tp=)` (all ranks together, as at batch 1)."""
     import torch_xla
 
     from ..backends.xla import to_device
@@ -652,7 +662,7 @@ def audit_rank(
 
     device = device or torch_xla.device()
     plan = make_plan(model.config, tp, model.variant, expert_split=expert_split)
-    shape = GraphShape(1, 1, CONTEXT)
+    shape = GraphShape(batch, 1, CONTEXT)
     graph = build_rank_graph(model.config, plan, shape, collectives=XlaLoweringCollectives(tp), expert_form=form)
     missing = load_shard(graph, shard_state_dict(model.lm, plan, rank))
     if missing:
@@ -666,17 +676,39 @@ def audit_rank(
     dtype_bytes = model.lm_head.weight.element_size()
     replicated = tp * rank_nonexpert - (counts.lm_head + counts.other) * dtype_bytes
     rank_kv = sum(t.numel() * t.element_size() for t in graph.new_kv())
-    rb = decode_bytes(model, context_length=CONTEXT, ring=False, experts=form, tp=tp, expert_split=plan.expert_split)
-    replicated_kv = tp * rank_kv - int(rb.kv)
+    if batch > 1:
+        from ..inf2.batch_roofline import batch_decode_bytes
+
+        bb = batch_decode_bytes(
+            model, batch, context_length=CONTEXT, ring=False, experts=form, tp=tp, expert_split=plan.expert_split
+        )
+        roof_weights, roof_kv = bb["weights"], bb["kv"]
+    else:
+        rb = decode_bytes(
+            model, context_length=CONTEXT, ring=False, experts=form, tp=tp, expert_split=plan.expert_split
+        )
+        roof_weights, roof_kv = rb.weights, rb.kv
+    replicated_kv = tp * rank_kv - int(roof_kv)
+    read_form = graph.experts_read
     graph = to_device({"decode": graph}, device)["decode"]
     inputs, kv = _split_inputs(graph, [t.to(device) for t in graph.example_inputs()])
     name = model.variant.name
     split = f", {plan.expert_split} split" if plan.expert_split else ""
     audit = audit_graph(graph, inputs, kv, f"{name} TP={tp} rank {rank} decode ({form}{split})")
     row = _row(
-        name, form, tp, rank, audit, rb.weights, rb.kv, replicated, replicated_kv, -tp * router_scale_unread(model)
+        name,
+        form,
+        tp,
+        rank,
+        audit,
+        roof_weights,
+        roof_kv,
+        replicated,
+        replicated_kv,
+        -tp * router_scale_unread(model, batch),
     )
-    row.expert_split = plan.expert_split
+    row.expert_split, row.batch = plan.expert_split, batch
+    row.read_form = read_form if read_form != form else None
     return audit, row
 
 
@@ -754,6 +786,8 @@ def format_table(rows: Sequence[AuditRow]) -> str:
     for r in rows:
         experts = f"{r.experts_read:,} / {r.experts_size:,}" if r.experts_size else "–"
         form = r.form if r.experts_size else "–"
+        if r.experts_size and r.read_form:
+            form += f" (reads {r.read_form})"
         if r.experts_size and r.expert_split:
             form += f", {'expert' if r.expert_split == 'experts' else r.expert_split} split"
         lines.append(
@@ -778,7 +812,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m gemma4lib.tools.hlo_audit", description=__doc__.split("\n\n")[0])
     parser.add_argument("--verbose", action="store_true", help="log each graph's row")
     parser.add_argument(
-        "--batch", type=int, default=1, help="also audit the single-device decode graphs at this batch size"
+        "--batch",
+        type=int,
+        default=1,
+        help="also audit every decode graph (single-device and ranks) at this batch size",
     )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(name)s: %(message)s")
@@ -791,6 +828,9 @@ def main(argv: list[str] | None = None) -> int:
         models: dict[str, Any] = {}
         for variant, form in SINGLE:
             rows.append(audit_single(models.setdefault(variant, _tiny(variant)), form, batch=args.batch)[1])
+        for variant, tp, form, split in TENSOR_PARALLEL:
+            model = models.setdefault(variant, _tiny(variant))
+            rows.append(audit_rank(model, tp, form, expert_split=split, batch=args.batch)[1])
     sys.stdout.write(format_table(rows) + "\n")
     bad = [r for r in rows if not r.ok]
     for r in bad:

@@ -159,6 +159,9 @@ class RankGraph(DeviceGraph):
                 # init value (ones), as transformers' own init leaves it; the shard overwrites it
                 layer.layer_scalar = nn.Parameter(torch.ones(scalar.shape, dtype=factory.dtype), requires_grad=False)
         self.dtype = factory.dtype
+        moe = next((lp.moe for lp in plan.layers if lp.moe is not None), None)
+        if moe is not None:  # a rank holds E/tp whole experts (expert split) or a slice of all E
+            self.expert_routing = (moe.top_k, moe.experts_per_rank)
         # layers the factory made (at shard size, on the device the caller chose): `materialize`
         # leaves them alone, e.g. on the meta device while NxD only needs shapes to shard.
         self._factory_made: list[nn.Module] = factory.made
@@ -189,7 +192,7 @@ class RankGraph(DeviceGraph):
         rank = self.spmd_rank.get_rank()  # a tensor (a loaded parameter), never a Python int
         for module in self._rank_users:
             module.current_rank = rank
-            module.form = self.expert_form  # shared with `with_shape` siblings: this graph's form
+            module.form = self.experts_read  # shared with `with_shape` siblings: this graph's form
         try:
             return super().forward(inputs_embeds, *args)
         finally:
