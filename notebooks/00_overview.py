@@ -19,7 +19,7 @@
 # **It reads the other notebooks' records.** Each variant notebook ends by writing one JSON run
 # record (its checks, timings, versions) into `runs/notebooks/`; the results section below loads
 # the newest record of each variant from there (`results_dir`). Run the variant notebooks first,
-# or let `python -m papermill_runs run --profile smoke` run all six in order. A variant that has not
+# or let `python -m papermill_runs run --profile smoke` run all seven in order. A variant that has not
 # run yet is simply missing from the tables.
 #
 # | notebook | variant | instance | TP | recipe |
@@ -29,6 +29,11 @@
 # | [03_12b.ipynb](03_12b.ipynb) | 12B | `inf2.8xlarge` | 2 | model_builder |
 # | [04_31b.ipynb](04_31b.ipynb) | 31B | `inf2.24xlarge` | 8 | model_builder |
 # | [05_26b_a4b.ipynb](05_26b_a4b.ipynb) | 26B-A4B | `inf2.24xlarge` | 8 | model_builder |
+#
+# Then [06_serving.ipynb](06_serving.ipynb) serves more than one token per weight read on the tiny
+# E2B (CPU only): a batch of different prompts, each row checked against its own reference, and
+# drafting with Gemma-4's own assistant, exact against greedy decoding. Its inf2 figures are
+# computed, marked so, beside the field report's measured batch figures.
 #
 # ### Runs on
 #

@@ -56,8 +56,20 @@ PROFILES_FILE = PACKAGE_DIR / "profiles.json"
 KERNEL_NAME = "python3"
 VARIANT_NOTEBOOKS = {v.name: v.notebook for v in VARIANTS.values()}  # `Variant.notebook`
 OVERVIEW = ("overview", "00_overview.ipynb")
-# every variant's names (`Variant.names`: aliases, notebook number), the overview's number, and "all"
-ALIASES = {**variant_aliases, OVERVIEW[1][:2]: "overview", "all": "all"}
+# 06_serving: batches and drafting on the tiny E2B; judged like a variant notebook (its record has
+# the three checks), run after the variant notebooks, only in profiles with a "serving" block
+SERVING = ("serving", "06_serving.ipynb")
+NOTEBOOK_FILES = {**VARIANT_NOTEBOOKS, SERVING[0]: SERVING[1], OVERVIEW[0]: OVERVIEW[1]}
+RUN_ORDER = [*VARIANT_NOTEBOOKS, SERVING[0], OVERVIEW[0]]
+# every variant's names (`Variant.names`: aliases, notebook number), the other notebooks' names and
+# numbers, and "all"
+ALIASES = {
+    **variant_aliases,
+    OVERVIEW[1][:2]: "overview",
+    SERVING[1][:2]: "serving",
+    "serving": "serving",
+    "all": "all",
+}
 
 
 # ---- arguments --------------------------------------------------------------------------------------
@@ -82,21 +94,21 @@ def parse_overrides(items: Sequence[str]) -> dict[str, Any]:
 
 
 def selected(names: Sequence[str] | None) -> list[str]:
-    """Variant names in run order (the overview last); default: everything."""
+    """Notebook names in run order (the variants, serving, the overview last); default: everything."""
     if not names:
-        return [*VARIANT_NOTEBOOKS, "overview"]
+        return list(RUN_ORDER)
     wanted = []
     for item in names:
         for raw in item.split(","):
             key = ALIASES.get(raw.strip().lower().replace("_", "-"), raw.strip().lower())
             if key == "all":
-                return [*VARIANT_NOTEBOOKS, "overview"]
-            if key not in VARIANT_NOTEBOOKS and key != "overview":
-                choices = ", ".join([*VARIANT_NOTEBOOKS, "overview"])
+                return list(RUN_ORDER)
+            if key not in NOTEBOOK_FILES:
+                choices = ", ".join(RUN_ORDER)
                 raise SystemExit(f"error: unknown variant {raw!r}; choose from {choices}")
             if key not in wanted:
                 wanted.append(key)
-    return [k for k in [*VARIANT_NOTEBOOKS, "overview"] if k in wanted]
+    return [k for k in RUN_ORDER if k in wanted]
 
 
 def load_profiles(path: Path = PROFILES_FILE) -> dict[str, Any]:
@@ -118,6 +130,10 @@ def notebook_parameters(
             "results_dir": str(out / "results"),
             "results_path": str(out / "results" / "overview.json"),
         }
+    elif name == SERVING[0]:  # its own block only: it runs the tiny models on a CPU whatever the profile
+        if not isinstance(block.get(name), dict):
+            raise SystemExit(f"error: profile {profile!r} runs no {SERVING[1]} (no {name!r} block in {PROFILES_FILE})")
+        params = {**block[name], "results_path": str(out / "results" / f"{name}.json")}
     else:
         params = {
             **(block.get("common") or {}),
@@ -459,12 +475,16 @@ def cmd_run(args: argparse.Namespace) -> int:
     profile, kind = args.profile, args.machine_kind or baselines.machine_kind()
     out = Path(args.out or Path("runs") / profile).resolve()
     names = selected(args.variant)
+    profiles = load_profiles()
+    if SERVING[0] in names and not isinstance((profiles.get(profile) or {}).get(SERVING[0]), dict):
+        if args.variant:
+            raise SystemExit(f"error: the {profile} profile has no {SERVING[1]} block in {PROFILES_FILE}")
+        names.remove(SERVING[0])  # the full profile leaves it out: it runs the tiny models only
     overrides = parse_overrides(args.param or [])
-    files = [OVERVIEW[1] if name == "overview" else VARIANT_NOTEBOOKS[name] for name in names]
+    files = [NOTEBOOK_FILES[name] for name in names]
     overrides, notes = check_overrides(overrides, [NOTEBOOK_DIR / f for f in files])  # before any notebook runs
     for note in notes:
         print(f"[papermill_runs] note: {note}", flush=True)
-    profiles = load_profiles()
     baselines.load_tolerances(profile, args.tolerances)  # a broken tolerance file fails before any work
     (out / "results").mkdir(parents=True, exist_ok=True)
     started_at = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
@@ -477,7 +497,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory(prefix="papermill-runs-jupyter-") as jupyter:
         with patched_environ(kernel_environment(kernelspec_dir(Path(jupyter)))):
             for name in names:
-                file = OVERVIEW[1] if name == "overview" else VARIANT_NOTEBOOKS[name]
+                file = NOTEBOOK_FILES[name]
                 params = notebook_parameters(profiles, profile, name, out, overrides)
                 record_path = Path(params["results_path"])
                 record_path.unlink(missing_ok=True)  # never collect a stale record
@@ -511,9 +531,9 @@ def cmd_check(args: argparse.Namespace) -> int:
     profile = args.profile or data.get("profile") or "smoke"
     kind = args.machine_kind or data.get("machine_kind") or baselines.machine_kind()
     raw = data.get("results") or {}
-    order = [n for n in VARIANT_NOTEBOOKS if n in raw] + sorted(n for n in raw if n not in VARIANT_NOTEBOOKS)
+    order = [n for n in RUN_ORDER if n in raw] + sorted(n for n in raw if n not in RUN_ORDER)
     results = {n: raw[n] for n in order}  # results.json is written with sorted keys: restore the run order
-    notebooks = {n: VARIANT_NOTEBOOKS.get(n, n) for n in results}
+    notebooks = {n: NOTEBOOK_FILES.get(n, n) for n in results}
     runs = {n: r for n, r in (data.get("notebooks") or {}).items()}
     errors = {n: e for n, e in (data.get("errors") or {}).items() if results.get(n) is None}
     out = Path(args.out or path.parent).resolve()
@@ -561,7 +581,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("run", help="execute the notebooks, judge, report")
     p.add_argument("--profile", default="smoke", choices=["smoke", "full"])
-    p.add_argument("--variant", action="append", help=f"{', '.join(VARIANTS)}, overview (repeat or comma-separate)")
+    p.add_argument(
+        "--variant", action="append", help=f"{', '.join(VARIANTS)}, serving, overview (repeat or comma-separate)"
+    )
     p.add_argument("--out", help="output folder (default: runs/<profile>)")
     p.add_argument("--timeout-per-cell", type=int, default=1800, help="seconds one cell may run (default 1800)")
     p.add_argument("-p", "--param", action="append", metavar="KEY=VALUE", help="notebook parameter override")

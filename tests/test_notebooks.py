@@ -25,7 +25,7 @@ from papermill_runs import run as pm_run
 ROOT = Path(__file__).resolve().parent.parent
 NOTEBOOK_DIR = ROOT / "notebooks"
 NOTEBOOKS = sorted(NOTEBOOK_DIR.glob("*.ipynb"))
-EXPECTED = sorted([pm_run.OVERVIEW[1], *(v.notebook for v in VARIANTS.values())])  # one per variant
+EXPECTED = sorted([pm_run.OVERVIEW[1], pm_run.SERVING[1], *(v.notebook for v in VARIANTS.values())])
 KERNELSPEC = {"name": "python3", "display_name": "Python 3", "language": "python"}
 VARIANT_PARAMETERS = {
     "variant",
@@ -44,6 +44,17 @@ VARIANT_PARAMETERS = {
     "interactive",
 }
 OVERVIEW_PARAMETERS = {"profile", "results_dir", "results_path"}
+SERVING_PARAMETERS = {
+    "variant",
+    "profile",
+    "batch_size",
+    "prompt",
+    "expect",
+    "max_new_tokens",
+    "draft_tokens",
+    "sweep_batches",
+    "results_path",
+}
 FORBIDDEN = [
     (re.compile(r"^\s*[!%]\s*(pip|conda|uv)\b", re.M), "installs packages from a cell"),
     (re.compile(r"\binput\s*\("), "waits for keyboard input"),
@@ -73,7 +84,7 @@ def parameters_of(nb) -> dict:
     return values
 
 
-def test_the_six_notebooks_exist():
+def test_the_seven_notebooks_exist():
     assert [p.name for p in NOTEBOOKS] == EXPECTED
 
 
@@ -129,7 +140,8 @@ NEURON_CALLS = {
 
 
 def variant_notebooks() -> list[Path]:
-    return [p for p in NOTEBOOKS if not p.name.startswith("00")]
+    files = set(pm_run.VARIANT_NOTEBOOKS.values())
+    return [p for p in NOTEBOOKS if p.name in files]
 
 
 def code_text(nb) -> str:
@@ -286,6 +298,74 @@ def test_02_shards_by_hand_and_all_reduces():
         assert line in text, f"02_e4b has no cell line {line!r}"
 
 
+SERVING_SECTIONS = [  # 06_serving: each feature's why, graphs, compile, generate, checks; then the shared end
+    "### Runs on",
+    "## Parameters",
+    "## Setup",
+    "## 1. Load the target",
+    "## 2. Batches",
+    "### Why a batch helps decode",
+    "### The batched device graphs",
+    "### Compile",
+    "### Generate the batch",
+    "### Each row against its own reference",
+    "## 3. Drafting",
+    "### Why verifying k + 1 tokens costs about one decode step",
+    "### How the assistant reads the target's K/V",
+    "### The draft, verify and prefill graphs",
+    "### Compile",
+    "### Generate with drafts",
+    "### Exact: plain greedy, and transformers' assisted generate",
+    "## 4. Benchmark",
+    "## 5. On inf2",
+    "## 6. Record",
+    "## 7. Plots",
+]
+SERVING_CALLS = [  # the recipe of both features, in the cells themselves
+    "GraphShape(batch=batch_size",
+    "torch.export.export(",
+    "torch._inductor.aoti_compile_and_package(",
+    "torch._inductor.aoti_load_package(",
+    "compile_cpu.load_weights(",
+    "HostRuntime(",
+    "generate_batch(runtime, row_ids",
+    "reference_greedy(model.lm, ids",
+    "checks.evaluate(",
+    "batch_port.batch_witness(",
+    "load_assistant(model, drafted)",
+    "speculative.build_draft_graphs(",
+    "speculative.DraftedRuntime(",
+    "drafted_runtime.generate(",
+    "speculative.hf_assisted(",
+    "bench_batch_model(",
+    "batch_ceilings(",
+    "draft_table(",
+    "build_record(",
+    "plots_batch.tok_s_vs_batch(measured=sweep, computed=ceilings",
+    "plots_draft.drafts_accepted(",
+]
+
+
+def test_06_serving_follows_its_sections_and_shows_the_recipe():
+    nb = load(NOTEBOOK_DIR / pm_run.SERVING[1])
+    assert nb.cells[0].cell_type == "markdown" and nb.cells[0].source.startswith("# 06 — Serving more")
+    lines = [
+        line for c in nb.cells if c.cell_type == "markdown" for line in c.source.splitlines() if line.startswith("#")
+    ]
+    found, at = [], 0
+    for section in SERVING_SECTIONS:  # in order; "### Compile" appears once per feature
+        at = next((i for i in range(at, len(lines)) if lines[i].startswith(section)), None)
+        assert at is not None, f"06_serving lacks {section!r} (in this order: {SERVING_SECTIONS})"
+        found.append(at)
+        at += 1
+    text = code_text(nb)
+    missing = [call for call in SERVING_CALLS if call not in text]
+    assert not missing, f"06_serving: no cell shows {missing}"
+    record = [c.source for c in nb.cells if c.cell_type == "code" and "build_record(" in c.source]
+    assert len(record) == 1 and "witness=witness" in record[0] and '"kind": "serving"' in record[0]
+    assert len(nb.cells) <= MAX_CELLS, f"06_serving has {len(nb.cells)} cells; at most {MAX_CELLS}"
+
+
 def _decode_cell(nb) -> str:
     (cell,) = [c.source for c in nb.cells if c.cell_type == "code" and "tokens, step_logits = [], []" in c.source]
     return cell
@@ -328,9 +408,12 @@ def test_one_parameters_cell_with_plain_values(path):
     nb = load(path)
     assert len(parameters_cells(nb)) == 1, f"{path.name}: exactly one cell must be tagged `parameters`"
     values = parameters_of(nb)
-    required = OVERVIEW_PARAMETERS if path.name.startswith("00") else VARIANT_PARAMETERS
+    required = {pm_run.OVERVIEW[1]: OVERVIEW_PARAMETERS, pm_run.SERVING[1]: SERVING_PARAMETERS}
+    required = required.get(path.name, VARIANT_PARAMETERS)
     assert required <= set(values), f"{path.name} lacks parameters {sorted(required - set(values))}"
-    if not path.name.startswith("00"):
+    if path.name == pm_run.SERVING[1]:
+        assert values["profile"] == "smoke" and values["model"] == "auto" and values["batch_size"] > 1
+    elif not path.name.startswith("00"):
         assert values["profile"] == "smoke" and values["backend"] == "cpu" and values["tp_degree"] == 1
         assert values["interactive"] is False
         assert values["checkpoint"] is None  # the full profile passes it; nothing gated is a default
@@ -353,7 +436,7 @@ def test_code_cells_are_valid_python(path):
             compile(source, f"{path.name}[{i}]", "exec")
 
 
-@pytest.mark.parametrize("path", [p for p in NOTEBOOKS if not p.name.startswith("00")], ids=lambda p: p.name)
+@pytest.mark.parametrize("path", variant_notebooks(), ids=lambda p: p.name)
 def test_chat_cell_is_guarded_and_full_profile_is_written(path):
     nb = load(path)
     chat = [c for c in nb.cells if c.cell_type == "code" and "nb.chat(" in c.source]
@@ -373,6 +456,10 @@ def test_profiles_only_pass_parameters_the_notebooks_declare():
             assert not extra, f"{profile} profile passes {sorted(extra)} that {file} does not declare"
     overview = set(parameters_of(load(NOTEBOOK_DIR / "00_overview.ipynb")))
     assert set(pm_run.notebook_parameters(profiles, "full", "overview", Path("/tmp/x"), {})) <= overview
+    serving = set(parameters_of(load(NOTEBOOK_DIR / pm_run.SERVING[1])))
+    assert set(pm_run.notebook_parameters(profiles, "smoke", "serving", Path("/tmp/x"), {})) <= serving
+    with pytest.raises(SystemExit, match="runs no 06_serving"):  # CPU only: the full profile leaves it out
+        pm_run.notebook_parameters(profiles, "full", "serving", Path("/tmp/x"), {})
 
 
 def test_every_notebook_is_in_the_readme_table():
@@ -386,7 +473,7 @@ def test_every_notebook_is_in_the_readme_table():
 
 
 def test_all_notebooks_run_headless_in_the_smoke_profile(tmp_path):
-    """`python -m papermill_runs run --profile smoke` over all six notebooks: exit 0, and every variant's
+    """`python -m papermill_runs run --profile smoke` over all seven notebooks: exit 0, and every variant's
     record has SEQ_MATCH and LOGITS_MATCH true and (with the trained fixtures) coherence true and a
     random-weights witness whose two checks passed. Speed is not judged here
     (an empty baseline folder, --allow-missing-baseline): the machine is shared with the other tests.
@@ -426,11 +513,48 @@ def test_all_notebooks_run_headless_in_the_smoke_profile(tmp_path):
         plot_cells = [c for c in executed.cells if c.cell_type == "code" and _last_line(c).startswith("plots.")]
         blank = [_last_line(c) for c in plot_cells if not _has_image(c)]
         assert plot_cells and not blank, f"{file}: plot cells drew no image: {blank}"
+    _serving_checked(out)
     overview = json.loads((out / "results" / "overview.json").read_text())
     assert sorted(overview["variants_found"]) == sorted(pm_run.VARIANT_NOTEBOOKS)
     for name in ("summary.md", "summary.csv", "family_metrics.png", "checks.png", "trend_decode_tok_s.png"):
         assert (out / name).is_file(), name
     assert "decode tok/s" in done.stdout and "verdict" in done.stdout
+
+
+def _serving_checked(out: Path) -> None:
+    """06_serving's record: every batch row and the drafted answer passed their three checks, the
+    drafted tokens equal transformers' assisted generate, drafts were accepted, the plots drew; and
+    its cells produced what the library's own runs produce for the same settings (the batch's rows
+    through `batch_port.run_device_batch`, the drafted tokens and acceptance through
+    `speculative.run_device_drafted`)."""
+    from gemma4lib.port import PortSettings, eos_ids, load_model, prompt_ids
+    from gemma4lib.serving import batch_port, speculative
+
+    file = pm_run.SERVING[1]
+    record = json.loads((out / "results" / "serving.json").read_text())
+    assert record["kind"] == "serving" and record["checks_passed"] is True, f"{file}: {record['failed_checks']}"
+    values = parameters_of(load(NOTEBOOK_DIR / file))
+    assert len(record["rows"]) == values["batch_size"]
+    for row in record["rows"]:
+        assert row["seq_match"] and row["logits_match"] and row["coherent"], f"{file}: row {row}"
+    assert record["draft_seq_match"] and record["draft_logits_match"] and record["draft_coherent"]
+    assert record["hf_assisted_match"] is True and record["accepted_per_step"] > 1
+    assert record["witness"]["passed"] is True
+    executed = load(out / "notebooks" / file)
+    (plots,) = [c for c in executed.cells if c.cell_type == "code" and _last_line(c).startswith("plots_")]
+    images = sum("image/png" in (o.get("data") or {}) for o in plots.get("outputs", []))
+    assert images == 2, f"{file}: the plots cell drew {images} images, not tok/s against B and drafts per step"
+    common = dict(variant=values["variant"], max_new_tokens=values["max_new_tokens"], witness=False)
+    common.update(context_length=values["context_length"], prefill_buckets=tuple(values["prefill_buckets"]))
+    batch = PortSettings(**common, batch_size=values["batch_size"])
+    model = load_model(batch)
+    rows = batch_port.batch_prompt_rows(model, batch)
+    run = batch_port.run_device_batch(model, batch, [ids for ids, _ in rows], eos_ids(model), bench=False)
+    assert [r["tokens"] for r in run["rows"]] == [r["tokens"] for r in record["rows"]], f"{file}: batch rows differ"
+    drafted = PortSettings(**common, prompt=values["prompt"], draft="assistant", draft_tokens=values["draft_tokens"])
+    run = speculative.run_device_drafted(model, drafted, prompt_ids(model, drafted), eos_ids(model), bench=False)
+    assert run.tokens == record["draft_tokens_out"], f"{file}: drafted tokens differ from run_device_drafted's"
+    assert run.details["drafts_accepted"] == record["drafts_accepted"], f"{file}: acceptance differs"
 
 
 def _same_as_port(name: str, file: str, record: dict) -> None:
@@ -610,3 +734,24 @@ def test_runs_on_states_the_serving_host_plan(path):
     text = "\n".join(c.source for c in load(path).cells if c.cell_type == "markdown")
     (row,) = [line for line in text.splitlines() if line.startswith("| serving host RAM")]
     assert f"~{plan.peak_gb:.1f} GB peak of {plan.available_gb:.1f} GB usable on the {plan.instance}" in row
+
+
+def test_serving_tables_and_draft_plot_render_headless():
+    """06_serving's tables over the library's real outputs (computed ceilings, the draft table) and
+    its drafts-per-step plot; the row table marks a failed row as it is."""
+    from matplotlib.figure import Figure
+
+    from gemma4lib import notebook as nb
+    from gemma4lib.inf2.batch_roofline import batch_ceilings
+    from gemma4lib.inf2.mtp_roofline import draft_table
+    from gemma4lib.notebook import plots_draft
+
+    ceilings = nb.batch_ceilings_table(batch_ceilings("e2b", (1, 4, 16)))
+    assert [row[-1] for row in ceilings.rows] == ["47.3", "157", "443"]  # the field report's, beside the computed
+    assert "unverified" in ceilings.note
+    effect = nb.draft_effect_table(draft_table({"e2b": 3.5}, 4, ["e2b"]))
+    assert effect.rows[0][0] == "e2b" and effect.rows[0][-1].endswith("x") and "unverified" in effect.note
+    row = {"row": 0, "prompt": "q?", "prompt_tokens": 5, "answer": "x", "seq_match": False, "logits_match": True}
+    table = nb.batch_rows_table([{**row, "logits_max_err": 1e-6, "logits_tolerance": 1e-5, "coherent": None}])
+    assert table.rows[0][4] is False and table.rows[0][6] == "1e-06 / 1e-05"
+    assert isinstance(plots_draft.drafts_accepted([4, 2, 0], [4, 4, 4], [5, 3, 1]), Figure)

@@ -402,9 +402,10 @@ def test_failure_report_names_notebook_and_cell(tolerances):
 
 
 def test_variant_selection_and_parameter_parsing():
-    assert run.selected(None)[-1] == "overview" and len(run.selected(None)) == 6
+    assert run.selected(None)[-2:] == ["serving", "overview"] and len(run.selected(None)) == 7
     assert run.selected(["26b,e2b"]) == ["e2b", "26b-a4b"]
     assert run.selected(["overview", "12b"]) == ["12b", "overview"]
+    assert run.selected(["06", "e2b"]) == run.selected(["serving,01"]) == ["e2b", "serving"]
     with pytest.raises(SystemExit):
         run.selected(["e3b"])
     assert run.parse_overrides(["tp_degree=2", "prefill_buckets=[16, 32]", "prompt=Hi there", "checkpoint=null"]) == {
@@ -420,6 +421,22 @@ def test_full_profile_parameters(tmp_path):
     assert params["backend"] == "neuron" and params["tp_degree"] == 8 and params["iters"] == 2
     assert params["checkpoint"] == "google/gemma-4-31B-it"
     assert params["results_path"] == str(tmp_path / "results" / "31b.json")
+
+
+def test_serving_takes_its_own_block_and_only_the_smoke_profile_has_one(tmp_path):
+    """06_serving runs the tiny models on a CPU whatever the profile: the smoke profile's `serving`
+    block alone (not `common`, whose backend and TP it has no use for); the full profile has none, so
+    a full run leaves it out and asking for it there is an error."""
+    profiles = run.load_profiles()
+    params = run.notebook_parameters(profiles, "smoke", "serving", tmp_path, {"iters": 2})
+    assert params == {
+        **profiles["smoke"]["serving"],
+        "iters": 2,
+        "results_path": str(tmp_path / "results" / "serving.json"),
+    }
+    assert "backend" not in params
+    with pytest.raises(SystemExit, match="runs no 06_serving"):
+        run.notebook_parameters(profiles, "full", "serving", tmp_path, {})
 
 
 def test_failing_notebook_is_reported_with_its_cell(tmp_path):

@@ -83,3 +83,34 @@ def test_program_key_is_the_same_under_every_hash_seed(tmp_path):
 @pytest.mark.slow
 def test_program_key_is_the_same_under_every_hash_seed_every_variant(tmp_path):
     assert_same_keys(VARIANT_NAMES, [0, 1, 2, 3], tmp_path)
+
+
+DRAFT_CHILD = """
+import json
+import torch
+torch.set_num_threads(1)
+from gemma4lib.cache.artifacts import make_key
+from gemma4lib.backends.compile_cpu import DEFAULT_COMPILER_OPTIONS, RECIPE, export_graph, graph_key
+from gemma4lib.models.assistant import load_assistant
+from gemma4lib.port import PortSettings, load_model
+from gemma4lib.serving.speculative import build_draft_graphs
+
+settings = PortSettings(variant="e2b", draft="assistant", draft_tokens=4)
+model = load_model(settings)
+graph = build_draft_graphs(model, load_assistant(model, settings), settings).draft
+key = make_key(graph_key(graph, RECIPE, DEFAULT_COMPILER_OPTIONS, export_graph(graph)))
+print(json.dumps({"key": key, "set_order": list(set(graph.model.config.layer_types))}))
+"""
+
+
+def test_draft_graph_key_is_the_same_under_every_hash_seed(tmp_path):
+    """The assistant's text model iterated `set(layer_types)` too: 06_serving's draft graph
+    recompiled in every other fresh process until `DraftGraph` gave it the layer types as a list."""
+    runs = {}
+    for seed in (0, 1):
+        env = {**os.environ, "PYTHONHASHSEED": str(seed), "OMP_NUM_THREADS": "1"}
+        done = subprocess.run([sys.executable, "-c", DRAFT_CHILD], env=env, capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, done.stderr[-2000:]
+        runs[seed] = json.loads(done.stdout.strip().splitlines()[-1])
+    assert runs[0]["set_order"] != runs[1]["set_order"], "the seeds give one set order: the check would not see it"
+    assert runs[0]["key"] == runs[1]["key"], "the draft graph's program key follows PYTHONHASHSEED"

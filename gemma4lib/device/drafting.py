@@ -34,7 +34,14 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .graph import DeviceGraph, GraphShape, _shallow_clone, additive_mask, slot_positions
+from .graph import (
+    DeviceGraph,
+    GraphShape,
+    _shallow_clone,
+    additive_mask,
+    layer_types_in_order,
+    slot_positions,
+)
 from .kv_layout import SLIDING, KVLayout
 
 
@@ -139,6 +146,9 @@ class DraftGraph(nn.Module):
     ):
         super().__init__()
         self.model = _shallow_clone(assistant.model)
+        # transformers' text model iterates a set of layer types: its order (and the exported
+        # program's digest, the cache key) followed PYTHONHASHSEED; a list in layer order does not
+        self.model.unique_layer_types = layer_types_in_order(self.model.config)
         self.model.embed_tokens = None  # its input is the projected target embedding, never a token id
         self.pre_projection, self.post_projection = assistant.pre_projection, assistant.post_projection
         self.lm_head = assistant.lm_head

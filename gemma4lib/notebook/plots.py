@@ -285,6 +285,12 @@ def memory_budget(rows: Sequence[Mapping[str, Any]], title: str = "bf16 weights 
 # ---- a family of runs -------------------------------------------------------------------------
 
 
+def record_label(record: Mapping[str, Any]) -> str:
+    """A record's name on an axis: its variant, and the notebook kind when it is not a port's
+    (06_serving's record is the E2B's too: `e2b serving`)."""
+    return f"{record['variant']} {record['kind']}" if record.get("kind") else str(record["variant"])
+
+
 def family_metrics(
     results: Mapping[str, Mapping[str, Any]] | Sequence[Mapping[str, Any]],
     metrics: Sequence[str] = ("prefill_ms", "decode_tok_s", "compile_s"),
@@ -295,7 +301,7 @@ def family_metrics(
     if not rows:
         return _empty("no results yet: run the variant notebooks (or papermill_runs) first")
     fig = Figure(figsize=(4 * len(metrics), 3))
-    names = [r["variant"] for r in rows]
+    names = [record_label(r) for r in rows]
     colours = [_status_colour(not failed_checks(r) if r.get("seq_match") is not None else None) for r in rows]
     for i, metric in enumerate(metrics):
         ax = fig.add_subplot(1, len(metrics), i + 1)
@@ -354,7 +360,7 @@ def checks_grid(results: Mapping[str, Mapping[str, Any]] | Sequence[Mapping[str,
             )
     ax.set_xlim(0, len(rows))
     ax.set_ylim(0, len(checks))
-    ax.set_xticks([i + 0.5 for i in range(len(rows))], [r["variant"] for r in rows], fontsize=8)
+    ax.set_xticks([i + 0.5 for i in range(len(rows))], [record_label(r) for r in rows], fontsize=8)
     ax.set_yticks([i + 0.5 for i in range(len(checks))], list(reversed(labels)), fontsize=8)
     ax.set_title("device == reference, and the answer makes sense", fontsize=10)
     return fig

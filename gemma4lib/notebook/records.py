@@ -67,7 +67,8 @@ def save_record(path: str | Path | None, data: Mapping[str, Any]) -> Path | None
 
 
 def load_results(folder: str | Path) -> dict[str, dict[str, Any]]:
-    """The newest result JSON per variant found in `folder` (empty when there is none)."""
+    """The newest port record per variant found in `folder` (empty when there is none); a record with
+    a `kind` (the overview's, 06_serving's) is another notebook's, not the variant notebook's."""
     found: dict[str, tuple[float, dict[str, Any]]] = {}
     folder = Path(folder)
     if not folder.is_dir():
@@ -78,6 +79,8 @@ def load_results(folder: str | Path) -> dict[str, dict[str, Any]]:
         except (OSError, json.JSONDecodeError):
             continue
         name = data.get("variant") if isinstance(data, dict) else None
+        if isinstance(data, dict) and data.get("kind"):  # another notebook's record (06_serving's), not a port's
+            continue
         if name in VARIANTS and (name not in found or path.stat().st_mtime >= found[name][0]):
             found[name] = (path.stat().st_mtime, data)
     return {name: found[name][1] for name in VARIANTS if name in found}
