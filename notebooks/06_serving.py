@@ -30,7 +30,7 @@
 # | machine | any x86-64 or arm64 machine; two shared cores are enough | `inf2.xlarge` for E2B |
 # | model | the tiny trained E2B (PLE + KV sharing, 10 layers) and its tiny trained assistant (2 layers, width 32, distilled against the target here: `gemma4lib/fixtures/PROVENANCE.json`) | `google/gemma-4-E2B-it` and `google/gemma-4-e2b-it-assistant` |
 # | batches | compiled with AOTInductor, run and checked here | `port(PortSettings(variant="e2b", backend="neuron", batch_size=4))`: ModelBuilder with batched example inputs, written against SDK 2.28, **never run on inf2** |
-# | drafting | compiled with AOTInductor, run and checked here | **not built yet**: `PortSettings(draft="assistant", backend="neuron")` refuses with a message (the verify and draft keys over one set of device K/V states are in progress) |
+# | drafting | compiled with AOTInductor, run and checked here | `port(PortSettings(variant="e2b", backend="neuron", draft="assistant", draft_tokens=4))`: ModelBuilder keys `prefill<bucket>`, `verify` and `draft` over one set of device K/V states (`recipes/neuron_drafting.py`), written against SDK 2.28 and driven here by recording fakes only, **never run on inf2**; the trace recipe refuses |
 # | time | ~1–3 min with a warm compile cache, plus ~35 s for each graph compiled the first time (seven graphs) | — |
 # | software | torch 2.13 (CPU), transformers 5.23.0 | Neuron SDK 2.28 (see `01_e2b`) |
 #
