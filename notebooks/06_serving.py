@@ -391,9 +391,11 @@ nb.side_by_side(draft_report, draft_run.tokens, reference)
 # **What the tiny model shows and what it does not.** Its weights are a few MB and stay in the
 # CPU's caches. A step is bound by per-call overhead, not by bandwidth, so B rows cost almost the
 # same step time as one, and from B=1 to B=8 total tok/s grows about four- to five-fold. That is
-# the mechanism: one call, one weight read, B tokens. It is not always a smooth line: in two of
-# the first three runs on this shared machine, B=2 came out *slower* in total than B=1 (not
-# profiled yet), so read this run's table rather than assume. The tiny model does not show where a real
+# the mechanism: one call, one weight read, B tokens. It was not always a smooth line: before the
+# batched decode wrote its K/V in place (an `index_put`; a `scatter` had Inductor copy every whole
+# K/V buffer each step, found with `python -m gemma4lib.benchmarks.profile_decode`, see
+# docs/ROOFLINE.md), B=2 sometimes came out *slower* in total than B=1. On a shared machine, read
+# this run's table and its bandwidth flag rather than assume. The tiny model does not show where a real
 # model's gain ends (the compute bound, the K/V per row), or any inf2 figure. The ceilings above
 # are computed for that, and the field report's points are measured. The plot below puts all
 # three side by side.
