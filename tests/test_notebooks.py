@@ -526,7 +526,7 @@ def _serving_checked(out: Path) -> None:
     drafted tokens equal transformers' assisted generate, drafts were accepted, the plots drew; and
     its cells produced what the library's own runs produce for the same settings (the batch's rows
     through `batch_port.run_device_batch`, the drafted tokens and acceptance through
-    `speculative.run_device_drafted`)."""
+    `speculative.run_single_device_drafted`)."""
     from gemma4lib.port import PortSettings, eos_ids, load_model, prompt_ids
     from gemma4lib.serving import batch_port, speculative
 
@@ -552,8 +552,8 @@ def _serving_checked(out: Path) -> None:
     run = batch_port.run_device_batch(model, batch, [ids for ids, _ in rows], eos_ids(model), bench=False)
     assert [r["tokens"] for r in run["rows"]] == [r["tokens"] for r in record["rows"]], f"{file}: batch rows differ"
     drafted = PortSettings(**common, prompt=values["prompt"], draft="assistant", draft_tokens=values["draft_tokens"])
-    run = speculative.run_device_drafted(model, drafted, prompt_ids(model, drafted), eos_ids(model), bench=False)
-    assert run.tokens == record["draft_tokens_out"], f"{file}: drafted tokens differ from run_device_drafted's"
+    run = speculative.run_single_device_drafted(model, drafted, prompt_ids(model, drafted), eos_ids(model), bench=False)
+    assert run.tokens == record["draft_tokens_out"], f"{file}: drafted tokens differ from run_single_device_drafted's"
     assert run.details["drafts_accepted"] == record["drafts_accepted"], f"{file}: acceptance differs"
 
 

@@ -23,7 +23,7 @@ from ..inf2.mtp_roofline import STATUS, draft_table
 from ..models.variants import VARIANTS
 from ..port import PortSettings, eos_ids, load_model, prompt_ids
 from ..reference import reference_greedy
-from ..serving.speculative import run_device_drafted
+from ..serving.drafted_run import run_device_drafted
 
 # the one-core member, the dense giant and the MoE: the three the drafter was first checked on
 MTP_VARIANTS = tuple(name for name, v in VARIANTS.items() if name in ("e2b", "31b") or v.is_moe)

@@ -1,6 +1,6 @@
 """Where a drafted port runs: the one dispatch point for `draft="assistant"`.
 
-- tp_degree 1 on cpu / eager: the single-device graphs (`speculative.run_device_drafted`);
+- tp_degree 1 on cpu / eager / xla: the single-device graphs (`speculative.run_single_device_drafted`);
 - tp_degree > 1 on cpu / eager: the gloo ranks, each drafting and verifying over its own shard of
   the target's K/V (`tp.draft_gloo`, graphs in `tp.draft_rank_graph`);
 - backend neuron (the ModelBuilder recipe, any TP degree): prefill/verify/draft keys over one set
@@ -35,7 +35,7 @@ def run_device_drafted(
 ) -> DeviceRun:
     """The drafted port's device run on the path its settings select (module docstring)."""
     if settings.tp_degree == 1 and settings.backend != "neuron":
-        from .speculative import run_device_drafted as single_device
+        from .speculative import run_single_device_drafted as single_device
 
         return single_device(model, settings, ids, eos, progress=progress, bench=bench)
     from ..models.assistant import load_assistant

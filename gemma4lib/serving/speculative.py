@@ -357,7 +357,7 @@ def time_decode(run: Callable[[], Any], warmup: int, iters: int) -> list[float]:
     return figures
 
 
-def run_device_drafted(
+def run_single_device_drafted(
     model: LoadedModel,
     settings: PortSettings,
     ids: list[int],
@@ -435,5 +435,5 @@ __all__ = [
     "check_draft",
     "compile_draft_graphs",
     "hf_assisted",
-    "run_device_drafted",
+    "run_single_device_drafted",
 ]
