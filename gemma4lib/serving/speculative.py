@@ -22,7 +22,7 @@ from __future__ import annotations
 import logging
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -347,13 +347,16 @@ def hf_assisted(
     return tokens, len(calls) - 1
 
 
-def time_decode(run: Callable[[], Any], warmup: int, iters: int) -> list[float]:
-    """decode tok/s of `iters` runs after `warmup` (each run returns an object with `decode_tok_s`)."""
-    figures = []
+def time_interleaved(runs: Mapping[str, Callable[[], Any]], warmup: int, iters: int) -> dict[str, list[float]]:
+    """decode tok/s of each named run (it returns an object with `decode_tok_s`), `iters` rounds after
+    `warmup`, the runs taking turns within a round: load from other work then hits every run alike,
+    so their ratio holds where back-to-back blocks of runs would each see different neighbours."""
+    figures: dict[str, list[float]] = {name: [] for name in runs}
     for i in range(warmup + iters):
-        rate = run().decode_tok_s
-        if i >= warmup and rate:
-            figures.append(rate)
+        for name, run in runs.items():
+            rate = run().decode_tok_s
+            if i >= warmup and rate:
+                figures[name].append(rate)
     return figures
 
 
@@ -403,10 +406,14 @@ def run_single_device_drafted(
     if bench:
         plain = backends.compile_graphs(model, settings, progress=progress).runtime
         n = settings.max_new_tokens  # eos ignored: both decode the same number of tokens
-        # xla compiles each graph on its first call: at least one untimed run of the plain graphs
+        # xla compiles each graph on its first call: at least one untimed round
         warmup = max(1, settings.warmup) if settings.backend == "xla" else settings.warmup
-        drafted_runs = time_decode(lambda: runtime.generate(ids, n), settings.warmup, settings.iters)
-        plain_runs = time_decode(lambda: plain.generate(ids, n), warmup, settings.iters)
+        runs = time_interleaved(
+            {"with_draft": lambda: runtime.generate(ids, n), "without_draft": lambda: plain.generate(ids, n)},
+            warmup,
+            settings.iters,
+        )
+        drafted_runs, plain_runs = runs["with_draft"], runs["without_draft"]
         timed = runtime.generate(ids, n)
         with_draft = statistics.median(drafted_runs) if drafted_runs else None
         without = statistics.median(plain_runs) if plain_runs else None
@@ -436,4 +443,5 @@ __all__ = [
     "compile_draft_graphs",
     "hf_assisted",
     "run_single_device_drafted",
+    "time_interleaved",
 ]
