@@ -88,7 +88,9 @@ def test_model_builder_drafting_keys(variant, tp, tmp_path, monkeypatch):
     checkpoint = init["checkpoint"]
     assert any(k.startswith("assistant.model.layers.") for k in checkpoint) and init["tp_degree"] == tp
     for a in adds:
-        config, aconfig, plan, read_layers, shapes, k, name, dtype = a["instance"].args
+        build = a["instance"].module_cls  # the key's module builder, handed to NxD's BaseModelInstance
+        assert build.func is neuron_drafting.key_module
+        config, aconfig, plan, read_layers, shapes, k, name, dtype = build.args
         module = neuron_drafting.key_module(
             config, aconfig, plan, read_layers, shapes, k, name, torch.float32, factory=CpuParallelFactory(tp)
         )

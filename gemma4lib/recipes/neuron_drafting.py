@@ -36,6 +36,7 @@ cut gives each rank `assistant_shard(rank)`. Lines that need the SDK are marked 
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 from typing import Any
@@ -49,6 +50,7 @@ from ..tp.plan import TPPlan, make_plan
 from ..tp.shard import nxd_full_checkpoint
 from . import neuron_env
 from .common import graph_example_inputs
+from .neuron_model_builder import instance_class
 
 RECIPE = "model_builder-drafting"
 PURPOSE = "drafting in the ModelBuilder recipe (neuronx_distributed.trace.model_builder)"
@@ -95,24 +97,6 @@ def key_module(config, assistant_config, plan, read_layers, shapes, k, name, dty
     return modules[name].eval()
 
 
-def instance_class():
-    """NxD's `model_builder` module and the `BaseModelInstance` subclass for one drafting key."""
-    model_builder = neuron_env.require("neuronx_distributed.trace.model_builder", PURPOSE)
-
-    class DraftingInstance(model_builder.BaseModelInstance):
-        def __init__(self, config, assistant_config, plan, read_layers, shapes, k, name, dtype):
-            self.args = (config, assistant_config, plan, read_layers, shapes, k, name, dtype)
-            super().__init__(module_cls=self._build, input_output_aliases={})
-
-        def _build(self):
-            return key_module(*self.args)
-
-        def get(self, bucket_rank, **kwargs):
-            return self.module, self.module.aliases()
-
-    return model_builder, DraftingInstance
-
-
 def compile_drafting(
     loaded: Any,
     assistant: Any,
@@ -127,7 +111,7 @@ def compile_drafting(
     compiler_workdir: str | Path | None = None,
 ) -> Path:
     """Compile every drafting key for one rank; save the model and the per-rank shards to `out_dir`."""
-    model_builder, DraftingInstance = instance_class()
+    model_builder, KeyInstance = instance_class()
     k = int(draft_tokens)
     shapes = drafting_shapes(context_length, tuple(buckets), k, ring)
     plan = make_plan(loaded.config, tp, loaded.variant)
@@ -141,8 +125,18 @@ def compile_drafting(
     for name, shape in shapes.items():
         builder.add(  # inf2-only
             key=name,
-            model_instance=DraftingInstance(
-                loaded.config, assistant.model.config, plan, dict(assistant.read_layers), shapes, k, name, dtype
+            model_instance=KeyInstance(
+                functools.partial(
+                    key_module,
+                    loaded.config,
+                    assistant.model.config,
+                    plan,
+                    dict(assistant.read_layers),
+                    shapes,
+                    k,
+                    name,
+                    dtype,
+                )
             ),
             example_inputs=[key_example_inputs(loaded.config, name, shape, dtype)],
             compiler_args=key_compiler_args(name),
@@ -192,7 +186,6 @@ __all__ = [
     "drafting_checkpoint",
     "drafting_shapes",
     "drafting_steps",
-    "instance_class",
     "key_compiler_args",
     "key_example_inputs",
     "key_module",

@@ -61,6 +61,7 @@ Lines that need the SDK are marked `# inf2-only`.
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Sequence
 from pathlib import Path
@@ -227,27 +228,20 @@ def nxd_checkpoint(loaded: Any, plan: TPPlan, dtype: torch.dtype, weights: str =
 
 
 def instance_class():
-    """NxD's `model_builder` module and the `BaseModelInstance` subclass one key is built from
-    (defined here because its base class comes from the SDK)."""
+    """NxD's `model_builder` module and the `BaseModelInstance` subclass every key is built from
+    (defined here because its base class comes from the SDK): it takes the zero-argument builder of
+    its key's module and hands out that module's K/V aliases. The plain and the drafting recipes
+    both use it."""
     model_builder = neuron_env.require("neuronx_distributed.trace.model_builder", PURPOSE)
 
-    class GraphInstance(model_builder.BaseModelInstance):
-        """One ModelBuilder key: builds the rank module, hands out its K/V aliases."""
-
-        def __init__(self, config, plan, shape, dtype, expert_form="dense", weights="bf16"):
-            self.config, self.plan, self.shape, self.dtype = config, plan, shape, dtype
-            self.expert_form, self.weights = expert_form, weights
-            super().__init__(module_cls=self._build, input_output_aliases={})
-
-        def _build(self):
-            return rank_module(
-                self.config, self.plan, self.shape, self.dtype, expert_form=self.expert_form, weights=self.weights
-            )
+    class KeyInstance(model_builder.BaseModelInstance):
+        def __init__(self, build):
+            super().__init__(module_cls=build, input_output_aliases={})
 
         def get(self, bucket_rank, **kwargs):
             return self.module, self.module.aliases()
 
-    return model_builder, GraphInstance
+    return model_builder, KeyInstance
 
 
 def compile_model_builder(
@@ -273,7 +267,7 @@ def compile_model_builder(
     `weights`: "int8" quantizes the attention and dense-MLP linears with NxD's layers (module docstring).
     `batch`: rows per call in both keys (per-row start/length and K/V rows, `batch_graph.py`).
     """
-    model_builder, GraphInstance = instance_class()
+    model_builder, KeyInstance = instance_class()
     forms = bucket_expert_forms(decode_experts)
     plan = make_plan(loaded.config, tp, loaded.variant, expert_split=expert_split)
     out = Path(out_dir)
@@ -287,7 +281,11 @@ def compile_model_builder(
     for key, shape in bucket_shapes(context_length, prefill_len, ring, batch).items():
         builder.add(  # inf2-only
             key=key,
-            model_instance=GraphInstance(loaded.config, plan, shape, dtype, forms[key], weights),
+            model_instance=KeyInstance(
+                functools.partial(
+                    rank_module, loaded.config, plan, shape, dtype, expert_form=forms[key], weights=weights
+                )
+            ),
             example_inputs=[graph_example_inputs(loaded.config, shape, dtype)],
             compiler_args=neuron_env.COMPILER_ARGS[shape.phase],
             priority_model_idx=PRIORITY[key],
