@@ -323,6 +323,7 @@ if backend == "cpu":
 
 # %%
 if backend == "neuron" and s.neuron_recipe != "trace":  # inf2-only: NxD ModelBuilder, the default recipe
+    import functools
     import tempfile
 
     from safetensors.torch import load_file
@@ -353,7 +354,11 @@ if backend == "neuron" and s.neuron_recipe != "trace":  # inf2-only: NxD ModelBu
         for name, shape in shapes.items():
             builder.add(
                 key=name,
-                model_instance=GraphInstance(model.config, plan, shape, dtype, forms[name], s.weights),
+                model_instance=GraphInstance(  # the key's module, built by NxD once per rank
+                    functools.partial(
+                        mb.rank_module, model.config, plan, shape, dtype, expert_form=forms[name], weights=s.weights
+                    )
+                ),
                 example_inputs=[graph_example_inputs(model.config, shape, dtype)],
                 compiler_args=neuron_env.COMPILER_ARGS[shape.phase],
                 priority_model_idx=mb.PRIORITY[name],  # decode: 0, the layout the compiler optimises
