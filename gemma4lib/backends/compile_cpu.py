@@ -25,6 +25,7 @@ import torch
 
 from ..cache.artifacts import ArtifactCache, CacheEntry, make_key
 from ..device.graph import DeviceGraph
+from ..device.packed_linear import repack_all
 from ..environment import versions
 from ..models.weights_identity import weights_fingerprint
 from .program_key import program_config, program_digest
@@ -82,7 +83,9 @@ class CompiledStep:
 
 
 def load_weights(runner: Any, graph: DeviceGraph) -> None:
-    """Hand the graph's current parameters to a package compiled without them (shared, not copied)."""
+    """Hand the graph's current parameters to a package compiled without them (shared, not copied).
+    Packed copies of linears (`device.packed_linear`) are first re-derived from the current weights."""
+    repack_all(graph)
     state = {**dict(graph.named_parameters()), **dict(graph.named_buffers())}
     wanted = runner.get_constant_fqns()
     missing = [name for name in wanted if name not in state]

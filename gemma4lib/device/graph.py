@@ -24,13 +24,14 @@ transformers' own `shared_kv_states`, exactly as the reference does.
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from . import attention as attention_forms
-from . import batch_graph
+from . import batch_graph, packed_linear
 from .experts import StaticExperts, read_form
 from .kv_layout import SLIDING, KVLayout
 from .quant import Int8Linear, check_weights, target_linears
@@ -164,14 +165,15 @@ def _shallow_clone(module: nn.Module) -> nn.Module:
     return clone
 
 
-def _int8_linears(layer: nn.Module) -> None:
-    """Swap a cloned layer's attention and MLP linears for `quant.Int8Linear`s (the attention and MLP
-    modules are cloned first, so the host model keeps its own)."""
+def _swap_linears(layer: nn.Module, make: Callable[[nn.Module], nn.Module]) -> None:
+    """Swap a cloned layer's attention and MLP linears for `make(linear)` (`quant.Int8Linear`,
+    `packed_linear.PackedLinear`); the attention and MLP modules are cloned first, so the host
+    model keeps its own."""
     for parent_name in ("self_attn", "mlp"):
         if getattr(layer, parent_name, None) is not None:
             setattr(layer, parent_name, _shallow_clone(getattr(layer, parent_name)))
     for parent, name in list(target_linears(layer)):
-        setattr(parent, name, Int8Linear.from_linear(getattr(parent, name)))
+        setattr(parent, name, make(getattr(parent, name)))
 
 
 class DeviceGraph(nn.Module):
@@ -213,11 +215,20 @@ class DeviceGraph(nn.Module):
         # (top-k, experts held): a batched selective decode reads densely from B x k >= E (`read_form`)
         self.expert_routing = (int(getattr(cfg, "top_k_experts", 0) or 0), int(getattr(cfg, "num_experts", 0) or 0))
         self.shape, self.expert_form = shape, expert_form
+        # one CPU thread's small-M products: batched decode packs its fp32 linears (`packed_linear`)
+        self.linear_form = (
+            packed_linear.FORM if not int8 and packed_linear.packs(self.rows, lm_head.weight.dtype, compute_balance)
+            else "plain"
+        )  # fmt: skip
+        if self.linear_form == packed_linear.FORM:
+            lm_head = packed_linear.PackedLinear(lm_head, self.rows)
         for layer in model.layers:
             if getattr(layer, "experts", None) is not None:
                 layer.experts = StaticExperts(layer.experts, self.experts_read, int8=int8)
             if int8:
-                _int8_linears(layer)
+                _swap_linears(layer, Int8Linear.from_linear)
+            elif self.linear_form == packed_linear.FORM:
+                _swap_linears(layer, lambda linear: packed_linear.PackedLinear(linear, self.rows))
             layer.self_attn = _shallow_clone(layer.self_attn)
             layer.self_attn.config = attn_config
         self.model = model
@@ -241,10 +252,16 @@ class DeviceGraph(nn.Module):
             "producers": [layer.producer for layer in self.layout.layers],
             # only when quantized: full-precision keys stay as they were (warm caches stay valid)
             **({"weights": self.weights} if self.weights == "int8" else {}),
-            # only when a batch changes it: every other graph's key stays as it was
+            # only when a batch changes them: every other graph's key stays as it was
+            **({"linear_form": self.linear_form} if self.linear_form != "plain" else {}),
             **({"experts_read": self.experts_read} if self.experts_read != self.expert_form else {}),
             **self.tags,
         }
+
+    @property
+    def rows(self) -> int:
+        """Tokens per call: the M of every linear's product."""
+        return self.shape.batch * self.shape.tokens
 
     @property
     def experts_read(self) -> str:
@@ -254,8 +271,7 @@ class DeviceGraph(nn.Module):
         top_k, held = self.expert_routing
         if self.shape.batch == 1:
             return self.expert_form
-        rows = self.shape.batch * self.shape.tokens
-        return read_form(self.expert_form, rows, top_k, held, self.compute_balance, self.expert_element)
+        return read_form(self.expert_form, self.rows, top_k, held, self.compute_balance, self.expert_element)
 
     def example_inputs(self) -> tuple[torch.Tensor, ...]:
         """Zero inputs of the compiled shapes; every tensor distinct (aliased examples mislead export)."""
