@@ -1,10 +1,10 @@
-"""Batched decode graphs built for one CPU thread run their fp32 linears on MKL's packed sgemm
+"""Batched decode graphs built for one CPU thread run their fp32 linears on oneDNN's packed layout
 (`device.packed_linear`): only where arithmetic bounds the step (B >= 4), never at batch 1, never
 for int8 or the XLA/Neuron graphs; the rows still equal their own references; and a compiled
 package takes packed copies re-derived from the model's *current* weights.
 
-MKL's packed sgemm exists only in x86 torch builds with MKL: the tests that run it skip elsewhere
-and say so (the rule then keeps the plain layout, which the other batch tests cover)."""
+The packed form runs only where it was measured (x86-64 with oneDNN): the tests that run it skip
+elsewhere and say so (the rule then keeps the plain layout, which the other batch tests cover)."""
 
 from __future__ import annotations
 
@@ -20,9 +20,9 @@ from gemma4lib.device.quant import target_linears
 from gemma4lib.runtime import HostRuntime
 from gemma4lib.serving.batch_runtime import generate_batch
 
-needs_mkl = pytest.mark.skipif(
+needs_packing = pytest.mark.skipif(
     not packed_linear.available(),
-    reason="MKL's packed sgemm needs an x86 torch build with MKL; this CPU's build has none",
+    reason="packed linears run only where they were measured: x86-64 with oneDNN (this machine is not)",
 )
 BATCH, CONTEXT, BUCKET, NEW = 4, 32, 16, 12
 LENGTHS = (12, 5, 9, 7)
@@ -32,14 +32,14 @@ def test_the_rule_packs_only_where_arithmetic_bounds_the_step():
     balance = CPU_THREAD_FLOP_PER_BYTE
     for rows in (1, 2, 3):  # bound by bytes: the packed copy's extra bytes would cost more
         assert not packed_linear.packs(rows, torch.float32, balance)
-    assert not packed_linear.packs(8, torch.bfloat16, balance)  # MKL's packed product is sgemm (fp32)
+    assert not packed_linear.packs(8, torch.bfloat16, balance)  # fp32 only: where the products were measured
     assert not packed_linear.packs(8, torch.float32, None)  # xla / Neuron: bytes decide, never packs
     assert cpu_balance("xla") is None and cpu_balance("neuron") is None
     if packed_linear.available():
         assert packed_linear.packs(4, torch.float32, balance) and packed_linear.packs(16, torch.float32, balance)
 
 
-@needs_mkl
+@needs_packing
 def test_a_packed_linear_follows_its_weight():
     torch.manual_seed(0)
     linear = nn.Linear(64, 96, bias=False)
@@ -70,7 +70,7 @@ def _assert_rows_match(model, prompts, generation):
         assert logits.passed, logits.explain()
 
 
-@needs_mkl
+@needs_packing
 def test_a_batch_4_decode_graph_packs_and_its_rows_equal_their_references():
     from gemma4lib.models.loading import build_tiny
     from gemma4lib.models.variants import get_variant
@@ -96,7 +96,7 @@ def test_a_batch_4_decode_graph_packs_and_its_rows_equal_their_references():
     _assert_rows_match(model, prompts, generation)
 
 
-@needs_mkl
+@needs_packing
 def test_a_compiled_packed_graph_takes_the_models_current_weights(tmp_path):
     """Compile the batch-4 decode graph once; a second model's graph, whose weights change after
     it was built, loads the same package (a cache hit) and runs with the weights as they are at

@@ -8,6 +8,7 @@ from gemma4lib.benchmarks.profile_decode import KINDS, classify, format_kinds
 
 def test_kernel_names_fall_in_their_kinds():
     assert classify("aoti_torch_cpu_mm_out") == "matmul"
+    assert classify("aoti_torch_cpu_mkldnn__linear_pointwise") == classify("mkldnn::_linear_pointwise") == "matmul"
     assert classify("aoti_torch_cpu_bmm_out") == "attention"
     assert classify("graph_0_cpp_fused__softmax__unsafe_view_add_arange_bitwise_and_3") == "attention"
     assert classify("graph_1_cpp_fused__unsafe_view_add_index_put_mean_mul_pow_remainder_7") == "kv_writes"

@@ -37,7 +37,8 @@ from typing import Any
 import torch
 
 from ..backends.compile_cpu import compile_graph
-from ..device.graph import DeviceGraph, GraphShape
+from ..device.build import cpu_balance, device_graph
+from ..device.graph import GraphShape
 from ..inf2.bandwidth import measure_bandwidth
 from ..inf2.roofline import GB, decode_bytes
 
@@ -55,7 +56,7 @@ _COPY = re.compile(r"^aten::(clone|copy_|empty|empty_like|empty_strided|resolve_
 
 def classify(name: str) -> str:
     """The kind of one profiler event (module doc); anything else is counted as overhead."""
-    if "mm_out" in name and "bmm" not in name:
+    if ("mm_out" in name and "bmm" not in name) or "_linear_pointwise" in name:  # plain or packed (B >= 4)
         return "matmul"
     if "bmm" in name:
         return "attention"
@@ -95,7 +96,8 @@ def profile_decode(
 
     model = build_medium(name)
     shape = GraphShape(batch, 1, context_length, True)
-    graph = DeviceGraph(model.text_model, model.lm_head, model.layout, shape)
+    # the graph the bench and a port build for this CPU (packed linears from B = 4: `packed_linear`)
+    graph = device_graph(model, shape, "dense", compute_balance=cpu_balance("cpu"))
     plain = compile_graph(graph)
     profiled = compile_graph(graph, options=PROFILE_OPTIONS)
     inputs = list(graph.example_inputs())
@@ -130,7 +132,7 @@ def profile_decode(
     roof = decode_bytes(model, context_length=context_length, ring=True, dtype_bytes=element, batch=batch)
     # bytes by kind, from the model: the matmuls read the linear weights and the LM head, the
     # attention products the K/V buffers, the rest (norms, scalars) is what the roofline has left
-    linears = sum(p.numel() for n, p in graph.named_parameters() if n.endswith("proj.weight"))
+    linears = sum(p.numel() for n, p in model.text_model.layers.named_parameters() if n.endswith("proj.weight"))
     linears = (linears + model.lm_head.weight.numel()) * element
     per_kind_bytes["matmul"] = linears
     per_kind_bytes["attention"] = int(roof.kv)
@@ -163,6 +165,7 @@ def profile_decode(
     return {
         "model": name,
         "graph": f"decode, batch {batch}, ring K/V, AOTInductor (cpu)",
+        "linear_form": graph.linear_form,
         "batch": batch,
         "tok_s_total": batch / wall,
         "context_length": context_length,

@@ -1,34 +1,43 @@
-"""MKL-packed linears for batched decode graphs built to run on one CPU thread (`cpu`, `eager`).
+"""oneDNN-packed linears for batched decode graphs built to run on one CPU thread (`cpu`, `eager`).
 
 Why: a decode step of B rows multiplies `[B, in]` by every `[out, in]` weight. From about four
 rows on, one thread's small-M product of the plain layout stops being bound by bytes and runs at
 25-37 GFLOP/s, a fifth of its GEMM rate (docs/ROOFLINE.md, "where a decode step's time goes").
-MKL's packed sgemm (`mkl._mkl_reorder_linear_weight` once, `mkl._mkl_linear` per call; the ops
-Inductor's own freezing pass emits) lays the weight out for its kernel ahead of time and measured
-1.4-1.6x faster at B = 4-16 on a stack of 1024 x 3072 linears, compiled with AOTInductor (one
-process, interleaved), and 0.9x at B = 1, where the packed copy's extra bytes (it is ~1.7x the
-weight) cost more than the layout saves. So a graph packs its linears only where arithmetic, not
-bytes, bounds the step: rows x 2 FLOP per weight element >= the thread's FLOPs per byte x the
-element's bytes (the balance `experts.read_form` uses too). Batch-1 graphs never pack.
+oneDNN's packed linear (`mkldnn._reorder_linear_weight` once, `mkldnn._linear_pointwise` per
+call; the ops Inductor's own freezing pass emits) lays the weight out in its kernel's blocked
+format ahead of time. On a stack of 1024 x 3072 linears compiled with AOTInductor (one process,
+interleaved) it measured 1.5x / 1.7x / 1.45x the plain layout's tok/s at B = 4 / 8 / 16 and 0.9x
+at B = 2, where the step is still bound by bytes. MKL's packed sgemm (`mkl._mkl_linear`) was
+slower at every B and its packed copy is 1.3-2.9x the weight's bytes. So a graph packs its
+linears only where arithmetic, not bytes, bounds the step: rows x 2 FLOP per weight element >=
+the thread's FLOPs per byte x the element's bytes (the balance `experts.read_form` uses too).
+Batch-1 graphs never pack.
 
-The packed tensor is derived from the weight, so it is recomputed from the model's current weight
-whenever a compiled package is handed its weights (`compile_cpu.load_weights` calls `repack`):
-one compile still serves every model of an architecture. Only fp32 weights pack (MKL's sgemm),
-only on a torch built with MKL (x86); elsewhere the plain layout runs. The XLA and Neuron graphs
-never pack: their compute balance is None (bytes decide).
+The packed tensor is derived from the weight, so it is re-derived from the model's current weight
+whenever a compiled package is handed its weights (`compile_cpu.load_weights` calls
+`repack_all`): one compile still serves every model of an architecture. Only fp32 weights pack,
+only where this was measured (x86-64 with oneDNN); elsewhere the plain layout runs. The XLA and
+Neuron graphs never pack: their compute balance is None (bytes decide).
 """
 
 from __future__ import annotations
 
+import platform
+
 import torch
 from torch import nn
 
-FORM = "mkl-packed"
+FORM = "onednn-packed"
+MEASURED_ON = ("x86_64", "AMD64")
 
 
 def available() -> bool:
-    """Whether this torch has MKL's packed sgemm (x86 builds with MKL)."""
-    return bool(torch.backends.mkl.is_available()) and hasattr(torch.ops.mkl, "_mkl_linear")
+    """Whether this machine runs oneDNN's packed linear where it was measured (x86-64)."""
+    return (
+        platform.machine() in MEASURED_ON
+        and bool(torch.backends.mkldnn.is_available())
+        and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+    )
 
 
 def packs(rows: int, dtype: torch.dtype, flop_per_byte: float | None) -> bool:
@@ -39,31 +48,38 @@ def packs(rows: int, dtype: torch.dtype, flop_per_byte: float | None) -> bool:
 
 
 class PackedLinear(nn.Module):
-    """A bias-free linear whose product runs on MKL's packed copy of `weight` for `rows` rows.
+    """A bias-free linear whose product runs on oneDNN's packed copy of `weight` for `rows` rows.
 
-    `weight` is the model's own parameter (shared, not copied); `packed` is MKL's opaque packed
-    copy, a parameter so that a compiled package takes it at load time instead of folding it into
-    its program."""
+    `packed` is oneDNN's opaque blocked copy, a parameter so that a compiled package takes it at
+    load time instead of folding it into its program. `weight` is the model's own parameter, read
+    only to re-derive `packed` from, and deliberately not registered here: a parameter the program
+    never reads would count as folded into it (`compile_cpu.cache_package`), and its values would
+    then key the artifact, one compile per model instead of one per architecture."""
 
     def __init__(self, linear: nn.Module, rows: int):
         super().__init__()
         if getattr(linear, "bias", None) is not None:
             raise ValueError("PackedLinear covers bias-free linears (every Gemma-4 projection is one)")
-        self.weight = linear.weight
+        object.__setattr__(self, "_source", linear)  # not a submodule (above)
         self.rows = rows
         self.packed = nn.Parameter(self._pack(), requires_grad=False)
 
+    @property
+    def weight(self) -> torch.Tensor:
+        """The model's own weight this linear packs."""
+        return self._source.weight
+
     def _pack(self) -> torch.Tensor:
-        return torch.ops.mkl._mkl_reorder_linear_weight(self.weight.detach(), self.rows)
+        return torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), self.rows)
 
     @torch.no_grad()
     def repack(self) -> None:
         """Re-derive `packed` from the current `weight`. A new tensor, not a copy into the old one:
-        the packed weight is an opaque (MKL-DNN) tensor, and `copy_` into it corrupts it."""
+        the packed weight is an opaque (oneDNN) tensor, which `copy_` into corrupts."""
         self.packed = nn.Parameter(self._pack(), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.mkl._mkl_linear(x, self.packed, self.weight, None, self.rows)
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [], "")
 
 
 def repack_all(module: nn.Module) -> int:
