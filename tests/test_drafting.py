@@ -411,3 +411,46 @@ def test_sampling_on_the_model_builder_keys_is_refused_before_any_compile(drafte
     settings = PortSettings(variant="e2b", backend="neuron", draft="assistant", draft_tokens=K, cache_dir=None)
     with pytest.raises(SettingsError, match="ModelBuilder drafting keys"):
         run_device_drafted(model, settings, ids, [], bench=False, sampling=Sampling(temperature=0.5))
+
+
+def test_the_rejection_step_gets_the_distributions_of_the_right_positions(drafted, monkeypatch):
+    """The wiring the distribution tests assume: each round's p rows are the target's verify logits
+    (the kept rows, which pass LOGITS_MATCH) through `sampling_probs`; every draft lies in its own q's
+    support and every emitted token in the target's nucleus; the first draft's q is
+    `Gemma4AssistantForCausalLM.forward` on the target's shared K/V, through the same transform."""
+    from gemma4lib.runtime import Sampling, sampling_probs
+    from gemma4lib.serving import speculative
+
+    _, model, assistant, _, runtime, ids = drafted.get("e2b")
+    calls = []
+
+    def recording(p, q, drafts, generator):
+        verdict = real(p, q, drafts, generator)
+        calls.append((p.clone(), None if q is None else q.clone(), list(drafts), verdict))
+        return verdict
+
+    real = speculative.verify_drafts
+    monkeypatch.setattr(speculative, "verify_drafts", recording)
+    sampling, cap = Sampling(temperature=1.0, top_p=0.9, seed=5), model.config.final_logit_softcapping
+    generation = runtime.generate(ids, LONG, sampling=sampling)
+    assert len(calls) == len(generation.emitted) and [c[3].accepted for c in calls] == generation.accepted
+    row = 1
+    for (p, q, drafts, _), emitted in zip(calls, generation.emitted, strict=True):
+        assert p.shape[0] == len(drafts) + 1 and (q is None) == (len(drafts) == 0)
+        assert all(float(q[i, d]) > 0 for i, d in enumerate(drafts))  # each draft drawn from its own q
+        for j in range(emitted):
+            torch.testing.assert_close(p[j], sampling_probs(generation.step_logits[row + j], sampling, cap))
+            assert float(p[j, generation.tokens[row + j]]) > 0  # inside the target's nucleus
+        row += emitted
+    with torch.no_grad():  # round 1's first draft: from the prefill's hidden state and the first token
+        out = model.lm.model(torch.tensor([ids]), use_cache=False, return_shared_kv_states=True)
+        x = torch.cat(
+            [model.lm.model.embed_tokens(torch.tensor([[generation.tokens[0]]])), out.last_hidden_state[:, -1:]], -1
+        )
+        theirs = assistant.model(
+            inputs_embeds=x,
+            attention_mask=torch.ones(1, len(ids) + 1, dtype=torch.long),
+            position_ids=torch.tensor([[len(ids)]]),
+            shared_kv_states=out.shared_kv_states,
+        ).logits[0, -1]
+    torch.testing.assert_close(calls[0][1][0], sampling_probs(theirs, sampling, None), rtol=1e-4, atol=1e-5)
