@@ -319,3 +319,138 @@ def test_retraining_the_e2b_assistant_gives_the_shipped_weights():
     shipped = load_assistant_folder(assistant_dir("e2b"), "e2b").state_dict()
     assert trained.keys() == shipped.keys()
     assert [k for k in trained if not torch.equal(trained[k], shipped[k])] == []
+
+
+# ---- sampling-mode verification (rejection sampling; its distribution: tests/test_rejection.py) ---------
+
+
+def test_sampling_with_a_nucleus_of_one_token_is_the_greedy_drafted_run(drafted):
+    """top_p so small that p and q keep only their argmax: acceptance is 1 exactly when the draft is
+    the target's argmax, so the sampled run is the greedy one, acceptances included. Greedy
+    `Sampling()` and `sampling=None` take the unchanged greedy path."""
+    from gemma4lib.runtime import Sampling
+
+    _, model, _, _, runtime, ids = drafted.get("e2b")
+    greedy = runtime.generate(ids, LONG)
+    for sampling in (Sampling(temperature=1.0, top_p=1e-6), Sampling(temperature=1e-4)):
+        sampled = runtime.generate(ids, LONG, sampling=sampling, generator=torch.Generator().manual_seed(3))
+        assert sampled.tokens == greedy.tokens, sampling
+        assert sampled.accepted == greedy.accepted and sampled.emitted == greedy.emitted, sampling
+    same = runtime.generate(ids, LONG, sampling=Sampling())
+    assert same.tokens == greedy.tokens and same.accepted == greedy.accepted
+    assert torch.equal(same.step_logits, greedy.step_logits)
+    _checked(model, ids, greedy, reference_greedy(model.lm, ids, LONG))
+
+
+def test_sampled_drafting_runs_and_keeps_the_kv_right(drafted):
+    """Temperature 1: valid tokens, acceptance reported, reproducible from the seed, and every kept
+    logits row equals the target's teacher-forced logits along the sampled tokens (LOGITS_MATCH:
+    positions, rejected drafts' K/V and the assistant's hidden state kept right)."""
+    from gemma4lib.runtime import Sampling
+
+    _, model, _, _, runtime, ids = drafted.get("e2b")
+    sampling = Sampling(temperature=1.0, seed=7)
+    generation = runtime.generate(ids, LONG, sampling=sampling)
+    vocab = model.config.vocab_size
+    assert len(generation.tokens) == LONG and all(0 <= t < vocab for t in generation.tokens)
+    assert all(0 <= a <= d for a, d in zip(generation.accepted, generation.drafted, strict=True))
+    assert sum(generation.emitted) == LONG - 1 and generation.accepted_per_step >= 1.0
+    print(f"sampled (T=1, seed 7): accepted {generation.accepted}, {generation.accepted_per_step:.2f} per step")
+    again = runtime.generate(ids, LONG, sampling=sampling)
+    assert again.tokens == generation.tokens and again.accepted == generation.accepted
+    logits = checks.check_logits(model.lm, ids, generation.tokens, generation.step_logits)
+    assert logits.passed, logits.explain()
+    other = runtime.generate(ids, LONG, sampling=Sampling(temperature=1.0, seed=8))
+    assert other.tokens != generation.tokens  # the seed matters: it is a sample
+
+
+def test_sampling_where_it_is_not_built_is_refused(drafted):
+    from gemma4lib.runtime import Sampling
+    from gemma4lib.serving.drafted_run import run_device_drafted
+
+    settings, model, _, _, runtime, ids = drafted.get("e2b")
+    sampling = Sampling(temperature=0.7)
+    with pytest.raises(SettingsError, match="needs the distributions"):
+        runtime.generate(ids, 4, sampling=sampling, drafter=lambda *_: [])
+    over = DraftedRuntime.over(runtime.embedder, runtime.steps, runtime.kv, K)
+    with pytest.raises(SettingsError, match="single-device runtime"):
+        over.generate(ids, 4, sampling=sampling)
+    assert over.generate(ids, 4).tokens == runtime.generate(ids, 4).tokens  # greedy still runs there
+    tp = PortSettings(variant="e2b", backend="eager", draft="assistant", draft_tokens=K, tp_degree=2)
+    with pytest.raises(SettingsError, match="gloo TP ranks"):
+        run_device_drafted(model, tp, ids, [], bench=False, sampling=sampling)
+
+
+def test_the_drafted_run_samples_when_asked_and_the_greedy_record_is_unchanged(drafted):
+    """`run_single_device_drafted(..., sampling=)` (what a notebook calls): the sample of the runtime
+    with the same seed, recorded with its sampling and no greedy comparison; greedy: no new field."""
+    from gemma4lib.runtime import Sampling
+    from gemma4lib.serving.speculative import run_single_device_drafted
+
+    settings, model, _, _, runtime, ids = drafted.get("e2b")
+    sampling = Sampling(temperature=0.9, top_p=0.95, seed=11)
+    sampled = run_single_device_drafted(model, settings, ids, [], bench=False, sampling=sampling)
+    assert sampled.tokens == runtime.generate(ids, settings.max_new_tokens, sampling=sampling).tokens
+    assert sampled.details["sampling"] == {"temperature": 0.9, "top_p": 0.95, "seed": 11}
+    assert sampled.details["hf_assisted_match"] is None and sampled.details["hf_assisted_tokens"] is None
+    greedy = run_single_device_drafted(model, settings, ids, [], bench=False)
+    assert "sampling" not in greedy.details and greedy.details["hf_assisted_match"] is True
+    assert greedy.tokens == runtime.generate(ids, settings.max_new_tokens).tokens
+
+
+def test_sampling_on_the_model_builder_keys_is_refused_before_any_compile(drafted, monkeypatch):
+    from gemma4lib.recipes import neuron_drafting, neuron_env
+    from gemma4lib.runtime import Sampling
+    from gemma4lib.serving.drafted_run import run_device_drafted
+
+    monkeypatch.setenv("GEMMA4LIB_INSTANCE_TYPE", "inf2.8xlarge")
+    monkeypatch.setattr(neuron_env, "require_sdk", lambda *a, **k: None)
+    monkeypatch.setattr(neuron_env, "require", lambda *a, **k: None)
+    monkeypatch.setattr(neuron_drafting, "compile_drafting", lambda *a, **k: pytest.fail("compiled"))
+    _, model, _, _, _, ids = drafted.get("e2b")
+    settings = PortSettings(variant="e2b", backend="neuron", draft="assistant", draft_tokens=K, cache_dir=None)
+    with pytest.raises(SettingsError, match="ModelBuilder drafting keys"):
+        run_device_drafted(model, settings, ids, [], bench=False, sampling=Sampling(temperature=0.5))
+
+
+def test_the_rejection_step_gets_the_distributions_of_the_right_positions(drafted, monkeypatch):
+    """The wiring the distribution tests assume: each round's p rows are the target's verify logits
+    (the kept rows, which pass LOGITS_MATCH) through `sampling_probs`; every draft lies in its own q's
+    support and every emitted token in the target's nucleus; the first draft's q is
+    `Gemma4AssistantForCausalLM.forward` on the target's shared K/V, through the same transform."""
+    from gemma4lib.runtime import Sampling, sampling_probs
+    from gemma4lib.serving import speculative
+
+    _, model, assistant, _, runtime, ids = drafted.get("e2b")
+    calls = []
+
+    def recording(p, q, drafts, generator):
+        verdict = real(p, q, drafts, generator)
+        calls.append((p.clone(), None if q is None else q.clone(), list(drafts), verdict))
+        return verdict
+
+    real = speculative.verify_drafts
+    monkeypatch.setattr(speculative, "verify_drafts", recording)
+    sampling, cap = Sampling(temperature=1.0, top_p=0.9, seed=5), model.config.final_logit_softcapping
+    generation = runtime.generate(ids, LONG, sampling=sampling)
+    assert len(calls) == len(generation.emitted) and [c[3].accepted for c in calls] == generation.accepted
+    row = 1
+    for (p, q, drafts, _), emitted in zip(calls, generation.emitted, strict=True):
+        assert p.shape[0] == len(drafts) + 1 and (q is None) == (len(drafts) == 0)
+        assert all(float(q[i, d]) > 0 for i, d in enumerate(drafts))  # each draft drawn from its own q
+        for j in range(emitted):
+            torch.testing.assert_close(p[j], sampling_probs(generation.step_logits[row + j], sampling, cap))
+            assert float(p[j, generation.tokens[row + j]]) > 0  # inside the target's nucleus
+        row += emitted
+    with torch.no_grad():  # round 1's first draft: from the prefill's hidden state and the first token
+        out = model.lm.model(torch.tensor([ids]), use_cache=False, return_shared_kv_states=True)
+        x = torch.cat(
+            [model.lm.model.embed_tokens(torch.tensor([[generation.tokens[0]]])), out.last_hidden_state[:, -1:]], -1
+        )
+        theirs = assistant.model(
+            inputs_embeds=x,
+            attention_mask=torch.ones(1, len(ids) + 1, dtype=torch.long),
+            position_ids=torch.tensor([[len(ids)]]),
+            shared_kv_states=out.shared_kv_states,
+        ).logits[0, -1]
+    torch.testing.assert_close(calls[0][1][0], sampling_probs(theirs, sampling, None), rtol=1e-4, atol=1e-5)

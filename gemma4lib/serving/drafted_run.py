@@ -16,11 +16,13 @@ from typing import TYPE_CHECKING
 
 from ..backends.base import DeviceRun
 from ..device.drafting import RoomyLayout
+from ..errors import SettingsError
 from .speculative import hf_assisted
 
 if TYPE_CHECKING:
     from ..models.assistant import LoadedAssistant
     from ..models.loading import LoadedModel
+    from ..runtime import Sampling
     from ..settings import PortSettings
 
 
@@ -32,12 +34,22 @@ def run_device_drafted(
     *,
     progress: bool = False,
     bench: bool = True,
+    sampling: Sampling | None = None,
 ) -> DeviceRun:
-    """The drafted port's device run on the path its settings select (module docstring)."""
+    """The drafted port's device run on the path its settings select (module docstring).
+    `sampling` (not greedy): rejection-sampling verification, on the single-device graphs only;
+    the gloo ranks and the ModelBuilder keys refuse it rather than run greedy."""
     if settings.tp_degree == 1 and settings.backend != "neuron":
         from .speculative import run_single_device_drafted as single_device
 
-        return single_device(model, settings, ids, eos, progress=progress, bench=bench)
+        return single_device(model, settings, ids, eos, progress=progress, bench=bench, sampling=sampling)
+    if sampling is not None and not sampling.greedy:
+        where = "the ModelBuilder drafting keys" if settings.backend == "neuron" else "the gloo TP ranks"
+        raise SettingsError(
+            f"sampling-mode (rejection-sampling) verification runs on the single-device graphs (tp_degree 1, "
+            f"backend cpu/eager/xla); {where} (tp_degree {settings.tp_degree}, backend {settings.backend!r}) "
+            f"verify greedily: pass sampling=None, or tp_degree=1 with a CPU backend"
+        )
     from ..models.assistant import load_assistant
 
     assistant = load_assistant(model, settings)

@@ -34,6 +34,8 @@ from ..device.embedder import HostEmbedder
 from ..device.experts import EXPERT_FORMS
 from ..device.graph import GraphShape
 from ..errors import SettingsError
+from ..runtime import Sampling, choose_token, sampling_probs
+from .rejection import verify_drafts
 
 if TYPE_CHECKING:
     from ..models.assistant import LoadedAssistant
@@ -43,6 +45,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 DRAFT_KINDS = ("assistant",)
+_NO_CAP = object()  # `DraftedRuntime.over`: the target's softcap unknown, so no sampling
 DRAFT_BACKENDS = ("cpu", "eager", "xla", "neuron")  # neuron: the ModelBuilder recipe's drafting keys
 
 
@@ -229,6 +232,7 @@ class DraftedRuntime:
         self.model, self.steps, self.kv, self.k = model, steps, kv, int(draft_tokens)
         self.embedder = HostEmbedder.from_text_model(model.text_model)
         self.dtype = torch.float32
+        self.cap = getattr(model.config, "final_logit_softcapping", None)  # sampling's softcap (greedy: unused)
 
     @classmethod
     def over(
@@ -243,7 +247,7 @@ class DraftedRuntime:
         only the host embedder is needed, and the dtype the steps were compiled for."""
         runtime = cls.__new__(cls)
         runtime.model, runtime.steps, runtime.kv, runtime.k = None, steps, list(kv), int(draft_tokens)
-        runtime.embedder, runtime.dtype = embedder, dtype
+        runtime.embedder, runtime.dtype, runtime.cap = embedder, dtype, _NO_CAP
         return runtime
 
     def embed(self, ids: torch.Tensor, pad_to: int | None = None) -> list[torch.Tensor]:
@@ -257,9 +261,22 @@ class DraftedRuntime:
         *,
         eos_token_ids: Sequence[int] = (),
         drafter: Callable[[int, torch.Tensor, int, int], list[int]] | None = None,
+        sampling: Sampling | None = None,
+        generator: torch.Generator | None = None,
     ) -> DraftedGeneration:
         """Greedy generation with drafts. `drafter(token, hidden, position, n)` replaces the assistant
-        (tests: a drafter that is always wrong or always right); None = the draft graph."""
+        (tests: a drafter that is always wrong or always right); None = the draft graph.
+
+        `sampling` (not greedy): the assistant samples its drafts and the verify step keeps them by
+        rejection sampling (`_generate_sampled`), so the tokens are distributed as plain sampling's;
+        `generator` (default: seeded with `sampling.seed`) draws every random number."""
+        if sampling is not None and not sampling.greedy:
+            if drafter is not None:
+                raise SettingsError(
+                    "a replacement drafter returns tokens only; sampling-mode verification needs the "
+                    "distributions the drafts were sampled from: drop drafter= or sample greedily"
+                )
+            return self._generate_sampled(prompt_ids, max_new_tokens, eos_token_ids, sampling, generator)
         ids = list(prompt_ids)
         bucket = min(b for b in self.steps.prefill if b >= len(ids))
         eos = {int(t) for t in eos_token_ids}
@@ -303,6 +320,84 @@ class DraftedRuntime:
             last_hidden = v_hidden[0, n_ok].clone()
             token = tokens[-1]
         return DraftedGeneration(ids, tokens, accepted, emitted, drafted, torch.stack(kept), prefill_s, round_s)
+
+    def _generate_sampled(
+        self,
+        prompt_ids: Sequence[int],
+        max_new_tokens: int,
+        eos_token_ids: Sequence[int],
+        sampling: Sampling,
+        generator: torch.Generator | None,
+    ) -> DraftedGeneration:
+        """The greedy loop's rounds with sampling: the first token sampled from the prefill's
+        logits, drafts sampled from the assistant's q, verify, `rejection.verify_drafts` over the
+        target's p (both through `runtime.sampling_probs`); the same position and hidden-state
+        bookkeeping (position += accepted + 1, the hidden state at the last accepted position)."""
+        if self.cap is _NO_CAP:
+            raise SettingsError(
+                "this drafted runtime drives rank or device steps (gloo ranks, ModelBuilder keys) and was "
+                "built without the target's softcap, which sampling needs: sampling-mode verification "
+                "runs on the single-device runtime (DraftedRuntime(model, ...)); sample greedily here"
+            )
+        generator = generator or torch.Generator().manual_seed(sampling.seed)
+        ids = list(prompt_ids)
+        bucket = min(b for b in self.steps.prefill if b >= len(ids))
+        eos = {int(t) for t in eos_token_ids}
+        started = time.perf_counter()
+        logits, hidden = self.steps.prefill[bucket](
+            *self.embed(torch.tensor([ids]), pad_to=bucket), torch.tensor([0]), torch.tensor([len(ids)]), *self.kv
+        )
+        prefill_s = time.perf_counter() - started
+        token = choose_token(logits[0], sampling, self.cap, generator)
+        tokens, kept = [token], [logits[0].float().clone()]
+        position, last_hidden = len(ids), hidden[0].clone()
+        accepted, emitted, drafted, round_s = [], [], [], []
+        while len(tokens) < max_new_tokens and token not in eos:
+            started = time.perf_counter()
+            n = min(self.k, max_new_tokens - len(tokens) - 1)
+            drafts, q = self._draft_sampled(token, last_hidden, position, n, sampling, generator)
+            chunk = torch.tensor([[token, *drafts]])
+            v_logits, v_hidden = self.steps.verify(
+                *self.embed(chunk, pad_to=self.k + 1),
+                torch.tensor([position]),
+                torch.tensor([len(drafts) + 1]),
+                *self.kv,
+            )
+            p = torch.stack([sampling_probs(v_logits[0, i], sampling, self.cap) for i in range(len(drafts) + 1)])
+            verdict = verify_drafts(p, q, drafts, generator)
+            round_s.append(time.perf_counter() - started)
+            new = verdict.tokens
+            for i, t in enumerate(new):
+                tokens.append(int(t))
+                kept.append(v_logits[0, i].float().clone())
+                if t in eos or len(tokens) >= max_new_tokens:
+                    new = new[: i + 1]
+                    break
+            accepted.append(verdict.accepted)
+            emitted.append(len(new))
+            drafted.append(len(drafts))
+            position += verdict.accepted + 1
+            last_hidden = v_hidden[0, verdict.accepted].clone()
+            token = tokens[-1]
+        return DraftedGeneration(ids, tokens, accepted, emitted, drafted, torch.stack(kept), prefill_s, round_s)
+
+    def _draft_sampled(
+        self, token: int, hidden: torch.Tensor, position: int, n: int, sampling: Sampling, generator: torch.Generator
+    ) -> tuple[list[int], torch.Tensor | None]:
+        """`_draft` with each token sampled from the assistant's distribution q (its logits through
+        `sampling_probs`; the assistant's forward has no softcap, as in transformers), returning
+        the drafts and their q rows [n, vocab] for the rejection step (None when n = 0)."""
+        out, rows = [], []
+        pos = torch.tensor([position])
+        for _ in range(n):
+            embedding = self.embed(torch.tensor([[token]]))[0]
+            x = torch.cat([embedding, hidden[None, None].to(embedding.dtype)], dim=-1)
+            logits, hidden = self.steps.draft(x, pos, *self.kv)
+            q = sampling_probs(logits[0], sampling, None)
+            token, hidden = int(torch.multinomial(q, 1, generator=generator)), hidden[0]
+            out.append(token)
+            rows.append(q)
+        return out, torch.stack(rows) if rows else None
 
     def _draft(self, token: int, hidden: torch.Tensor, position: int, n: int) -> list[int]:
         """n assistant steps from the last seen token at `position` (constant), feeding back its
@@ -368,19 +463,30 @@ def run_single_device_drafted(
     *,
     progress: bool = False,
     bench: bool = True,
+    sampling: Sampling | None = None,
 ) -> DeviceRun:
     """The `device_run` of a drafted port: the drafted generation (its tokens and per-token logits
     go through the usual three checks), transformers' assisted generate with the same assistant,
-    and decode tok/s with and without drafting from this one run (the plain graphs compiled too)."""
+    and decode tok/s with and without drafting from this one run (the plain graphs compiled too).
+
+    `sampling` (not greedy; library and notebook callers, the port has no temperature): drafts
+    verified by rejection sampling, seeded with `sampling.seed`. Its tokens are a sample, so the
+    record carries `sampling` and no greedy comparison with transformers (`hf_assisted_*` None);
+    the benchmark samples in both runs."""
     from .. import backends
     from ..models.assistant import load_assistant
 
+    sampled = sampling is not None and not sampling.greedy
     assistant = load_assistant(model, settings)
     graphs = build_draft_graphs(model, assistant, settings)
     compiled = compile_draft_graphs(graphs, settings)
     runtime = DraftedRuntime(model, compiled, compiled.new_kv(), settings.draft_tokens)
-    generation = runtime.generate(ids, settings.max_new_tokens, eos_token_ids=eos)
-    hf_tokens, hf_steps = hf_assisted(model.lm, assistant.model, ids, settings.max_new_tokens, eos)
+    if sampled:
+        generation = runtime.generate(ids, settings.max_new_tokens, eos_token_ids=eos, sampling=sampling)
+        hf_tokens, hf_steps = None, None
+    else:
+        generation = runtime.generate(ids, settings.max_new_tokens, eos_token_ids=eos)
+        hf_tokens, hf_steps = hf_assisted(model.lm, assistant.model, ids, settings.max_new_tokens, eos)
     device_run: dict[str, Any] = {
         "tokens": generation.tokens,
         "step_logits": generation.step_logits,
@@ -398,23 +504,28 @@ def run_single_device_drafted(
         "accepted_per_step": generation.accepted_per_step,
         "drafts_accepted": generation.accepted,
         "hf_assisted_tokens": hf_tokens,
-        "hf_assisted_match": hf_tokens == generation.tokens,
+        "hf_assisted_match": hf_tokens == generation.tokens if hf_tokens is not None else None,
         "hf_verify_steps": hf_steps,
         "hf_accepted_per_step": (len(hf_tokens) - 1) / hf_steps if hf_steps else None,
         "artifacts": compiled.artifacts or None,
     }
+    if sampled:
+        device_run["sampling"] = {"temperature": sampling.temperature, "top_p": sampling.top_p, "seed": sampling.seed}
     if bench:
         plain = backends.compile_graphs(model, settings, progress=progress).runtime
         n = settings.max_new_tokens  # eos ignored: both decode the same number of tokens
         # xla compiles each graph on its first call: at least one untimed round
         warmup = max(1, settings.warmup) if settings.backend == "xla" else settings.warmup
         runs = time_interleaved(
-            {"with_draft": lambda: runtime.generate(ids, n), "without_draft": lambda: plain.generate(ids, n)},
+            {
+                "with_draft": lambda: runtime.generate(ids, n, sampling=sampling),
+                "without_draft": lambda: plain.generate(ids, n, sampling=sampling or Sampling()),
+            },
             warmup,
             settings.iters,
         )
         drafted_runs, plain_runs = runs["with_draft"], runs["without_draft"]
-        timed = runtime.generate(ids, n)
+        timed = runtime.generate(ids, n, sampling=sampling)
         with_draft = statistics.median(drafted_runs) if drafted_runs else None
         without = statistics.median(plain_runs) if plain_runs else None
         device_run.update(

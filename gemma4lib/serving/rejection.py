@@ -1,0 +1,116 @@
+"""Sampling-mode verification of drafts: speculative (rejection) sampling.
+
+Given the target's distributions p_0..p_k over the k + 1 verified positions, the distributions
+q_1..q_k the drafts were sampled from, and the drafts x_1..x_k: draft i is accepted with
+probability min(1, p_i(x_i) / q_i(x_i)) (row i - 1 of `p`: the target's prediction at the
+draft's position); at the first rejection a token is sampled from normalize(max(0, p - q)) of
+that position, and if all k are accepted a bonus token is sampled from p_k.
+
+Why the emitted tokens are distributed exactly as the target's: at one position, a draft x ~ q is
+kept with probability min(q(x), p(x)); a rejection happens with probability
+sum_x (q(x) - p(x))^+ = sum_x (p(x) - q(x))^+ (both sum to 1), and then a token y is drawn with
+probability (p(y) - q(y))^+ / that sum. So P(emit y) = min(q(y), p(y)) + (p(y) - q(y))^+ = p(y).
+By induction over positions (each p_i, q_i conditioned on the tokens kept before it) the whole
+emitted sequence has the target's joint distribution, whatever q is; q only sets how many drafts
+survive (Leviathan et al. 2023, algorithm 1; transformers' `_speculative_sampling`).
+
+Edge cases, each keeping that argument true:
+- q(x) = 0 for a drafted x (a draft not from q, or top-p supports that differ): accepted iff p(x) > 0
+  (the ratio is infinite), never when p(x) = 0, so no token the target excludes is ever emitted;
+  the test is `u * q < p` with u ~ U[0, 1), which is P = min(1, p / q) without a division.
+- max(0, p - q) summing to (almost) zero after a rejection is impossible in exact arithmetic (a
+  rejection needs p(x) < q(x), hence mass where p > q); from rounding it falls back to p.
+- Truncation (top-p) that makes p's and q's supports differ needs nothing more: the residual keeps
+  only tokens where p > q, so it never leaves p's support.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from ..errors import SettingsError
+
+# below this the residual max(0, p - q) is rounding, not mass: sample from p instead
+RESIDUAL_FLOOR = 1e-12
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """One verify step's outcome: drafts kept, and every emitted token (the kept drafts, then the
+    token sampled at the first rejection or the bonus token): `len(tokens) == accepted + 1`."""
+
+    accepted: int
+    tokens: list[int]
+
+
+def _check(p: torch.Tensor, q: torch.Tensor, drafts: torch.Tensor) -> None:
+    if p.dim() != 3 or q.dim() != 3 or drafts.dim() != 2:
+        raise SettingsError(
+            f"rejection sampling takes p [n, k + 1, vocab], q [n, k, vocab] and drafts [n, k]; got "
+            f"{tuple(p.shape)}, {tuple(q.shape)}, {tuple(drafts.shape)}"
+        )
+    n, k = drafts.shape
+    if tuple(q.shape[:2]) != (n, k) or tuple(p.shape[:2]) != (n, k + 1) or p.shape[2] != q.shape[2]:
+        raise SettingsError(
+            f"{k} drafts need {k} draft distributions and {k + 1} target distributions over one vocabulary; "
+            f"got q {tuple(q.shape)} and p {tuple(p.shape)}"
+        )
+
+
+def verify_batch(
+    p: torch.Tensor, q: torch.Tensor, drafts: torch.Tensor, generator: torch.Generator | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rejection sampling for n independent verify steps at once (the runtime passes n = 1; the
+    distribution tests pass many). `p` [n, k + 1, V], `q` [n, k, V] (rows are probabilities),
+    `drafts` [n, k]. Returns `accepted` [n] and `tokens` [n, k + 1]: row j's first
+    `accepted[j] + 1` entries are its emitted tokens, the rest -1."""
+    drafts = drafts.long()
+    _check(p, q, drafts)
+    n, k = drafts.shape
+    p, q = p.double(), q.double()
+    rows = torch.arange(n)
+    if k:
+        p_x = p[:, :k].gather(2, drafts[..., None])[..., 0]
+        q_x = q.gather(2, drafts[..., None])[..., 0]
+        u = torch.rand(n, k, generator=generator, dtype=torch.float64)
+        keep = u * q_x < p_x  # P = min(1, p / q); q = 0 < p: kept; p = 0: never
+        accepted = torch.cumprod(keep.long(), dim=1).sum(dim=1)
+    else:
+        accepted = torch.zeros(n, dtype=torch.long)
+    at = p[rows, accepted]  # the target's distribution where the first unkept position is
+    rejected = accepted < k
+    if k:
+        residual = (at - q[rows, accepted.clamp(max=k - 1)]).clamp(min=0.0)
+        mass = residual.sum(dim=1, keepdim=True)
+        usable = rejected[:, None] & (mass > RESIDUAL_FLOOR)
+        at = torch.where(usable, residual / mass.clamp(min=RESIDUAL_FLOOR), at)
+    at = at / at.sum(dim=1, keepdim=True)
+    emitted = torch.multinomial(at, 1, generator=generator)[:, 0]
+    tokens = torch.full((n, k + 1), -1, dtype=torch.long)
+    if k:
+        kept = torch.arange(k)[None] < accepted[:, None]
+        tokens[:, :k] = torch.where(kept, drafts, tokens[:, :k])
+    tokens[rows, accepted] = emitted
+    return accepted, tokens
+
+
+def verify_drafts(
+    p: torch.Tensor, q: torch.Tensor | None, drafts: Sequence[int], generator: torch.Generator | None = None
+) -> Verdict:
+    """One verify step: `p` [k + 1, V] (the target's distributions at the verified positions),
+    `q` [k, V] (the distributions the k drafts were sampled from), the drafts; k may be 0 (q None:
+    the token is sampled from p_0)."""
+    k = len(drafts)
+    if q is None and k == 0:
+        q = p.new_zeros(0, p.shape[-1])
+    if q is None:
+        raise SettingsError(f"{k} drafts need the {k} distributions they were sampled from (q), got None")
+    accepted, tokens = verify_batch(p[None], q[None], torch.tensor([list(drafts)], dtype=torch.long), generator)
+    a = int(accepted[0])
+    return Verdict(a, tokens[0, : a + 1].tolist())
+
+
+__all__ = ["RESIDUAL_FLOOR", "Verdict", "verify_batch", "verify_drafts"]
