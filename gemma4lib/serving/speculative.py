@@ -264,19 +264,67 @@ class DraftedRuntime:
         sampling: Sampling | None = None,
         generator: torch.Generator | None = None,
     ) -> DraftedGeneration:
-        """Greedy generation with drafts. `drafter(token, hidden, position, n)` replaces the assistant
-        (tests: a drafter that is always wrong or always right); None = the draft graph.
+        """Generation with drafts, greedy unless `sampling` says otherwise. `drafter(token, hidden,
+        position, n)` replaces the assistant (tests: a drafter that is always wrong or always right);
+        None = the draft graph.
 
-        `sampling` (not greedy): the assistant samples its drafts and the verify step keeps them by
-        rejection sampling (`_generate_sampled`), so the tokens are distributed as plain sampling's;
-        `generator` (default: seeded with `sampling.seed`) draws every random number."""
-        if sampling is not None and not sampling.greedy:
-            if drafter is not None:
-                raise SettingsError(
-                    "a replacement drafter returns tokens only; sampling-mode verification needs the "
-                    "distributions the drafts were sampled from: drop drafter= or sample greedily"
-                )
-            return self._generate_sampled(prompt_ids, max_new_tokens, eos_token_ids, sampling, generator)
+        Greedy: the target's argmax at every verified position; the drafts equal to it are kept.
+        `sampling` (not greedy): the assistant samples its drafts from its distribution q and the
+        verify step keeps them by rejection sampling against the target's p (`rejection`), so the
+        tokens are distributed as plain sampling's; `generator` (default: seeded with
+        `sampling.seed`) draws every random number. Both run the same rounds (`_rounds`)."""
+        if sampling is None or sampling.greedy:
+            guess = drafter or (lambda token, hidden, position, n: self._draft(token, hidden, position, n)[0])
+            return self._rounds(
+                prompt_ids, max_new_tokens, eos_token_ids,
+                first=lambda logits: int(torch.argmax(logits)),
+                draft=lambda token, hidden, position, n: (guess(token, hidden, position, n), None),
+                judge=_greedy_verdict,
+            )  # fmt: skip
+        if drafter is not None:
+            raise SettingsError(
+                "a replacement drafter returns tokens only; sampling-mode verification needs the "
+                "distributions the drafts were sampled from: drop drafter= or sample greedily"
+            )
+        if self.cap is _NO_CAP:
+            raise SettingsError(
+                "this drafted runtime drives rank or device steps (gloo ranks, ModelBuilder keys) and was "
+                "built without the target's softcap, which sampling needs: sampling-mode verification "
+                "runs on the single-device runtime (DraftedRuntime(model, ...)); sample greedily here"
+            )
+        rng = generator or torch.Generator().manual_seed(sampling.seed)
+
+        def pick(logits: torch.Tensor) -> tuple[int, torch.Tensor]:
+            q = sampling_probs(logits, sampling, None)  # the assistant's forward has no softcap (transformers)
+            return int(torch.multinomial(q, 1, generator=rng)), q
+
+        def judge(v_logits: torch.Tensor, drafts: list[int], q: torch.Tensor | None) -> tuple[int, list[int]]:
+            p = torch.stack([sampling_probs(v_logits[i], sampling, self.cap) for i in range(len(drafts) + 1)])
+            verdict = verify_drafts(p, q, drafts, rng)
+            return verdict.accepted, verdict.tokens
+
+        return self._rounds(
+            prompt_ids, max_new_tokens, eos_token_ids,
+            first=lambda logits: choose_token(logits, sampling, self.cap, rng),
+            draft=lambda token, hidden, position, n: self._draft(token, hidden, position, n, pick),
+            judge=judge,
+        )  # fmt: skip
+
+    def _rounds(
+        self,
+        prompt_ids: Sequence[int],
+        max_new_tokens: int,
+        eos_token_ids: Sequence[int],
+        *,
+        first: Callable[[torch.Tensor], int],
+        draft: Callable[[int, torch.Tensor, int, int], tuple[list[int], torch.Tensor | None]],
+        judge: Callable[[torch.Tensor, list[int], torch.Tensor | None], tuple[int, list[int]]],
+    ) -> DraftedGeneration:
+        """Prefill, then rounds of: k drafts (`draft`: the tokens and, when sampled, the q rows they
+        came from), one verify call of the target over the last token and the drafts, and `judge`
+        (how many drafts are kept, and every emitted token: the kept drafts and one of the target's).
+        The K/V of rejected drafts are never read: the next round starts at position + accepted + 1
+        and overwrites them; its hidden state is the verify's at the last kept position."""
         ids = list(prompt_ids)
         bucket = min(b for b in self.steps.prefill if b >= len(ids))
         eos = {int(t) for t in eos_token_ids}
@@ -285,15 +333,14 @@ class DraftedRuntime:
             *self.embed(torch.tensor([ids]), pad_to=bucket), torch.tensor([0]), torch.tensor([len(ids)]), *self.kv
         )
         prefill_s = time.perf_counter() - started
-        token = int(torch.argmax(logits[0]))
+        token = first(logits[0])
         tokens, kept = [token], [logits[0].float().clone()]
         position, last_hidden = len(ids), hidden[0].clone()
         accepted, emitted, drafted, round_s = [], [], [], []
-        draft = drafter or self._draft
         while len(tokens) < max_new_tokens and token not in eos:
             started = time.perf_counter()
             n = min(self.k, max_new_tokens - len(tokens) - 1)
-            drafts = draft(token, last_hidden, position, n) if n > 0 else []
+            drafts, q = draft(token, last_hidden, position, n) if n > 0 else ([], None)
             chunk = torch.tensor([[token, *drafts]])
             v_logits, v_hidden = self.steps.verify(
                 *self.embed(chunk, pad_to=self.k + 1),
@@ -301,12 +348,8 @@ class DraftedRuntime:
                 torch.tensor([len(drafts) + 1]),
                 *self.kv,
             )
-            predicted = torch.argmax(v_logits[0, : len(drafts) + 1], dim=-1).tolist()
+            n_ok, new = judge(v_logits[0], list(drafts), q)
             round_s.append(time.perf_counter() - started)
-            n_ok = 0
-            while n_ok < len(drafts) and drafts[n_ok] == predicted[n_ok]:
-                n_ok += 1
-            new = predicted[: n_ok + 1]  # the accepted drafts are the target's own predictions
             for i, t in enumerate(new):
                 tokens.append(int(t))
                 kept.append(v_logits[0, i].float().clone())
@@ -321,96 +364,41 @@ class DraftedRuntime:
             token = tokens[-1]
         return DraftedGeneration(ids, tokens, accepted, emitted, drafted, torch.stack(kept), prefill_s, round_s)
 
-    def _generate_sampled(
+    def _draft(
         self,
-        prompt_ids: Sequence[int],
-        max_new_tokens: int,
-        eos_token_ids: Sequence[int],
-        sampling: Sampling,
-        generator: torch.Generator | None,
-    ) -> DraftedGeneration:
-        """The greedy loop's rounds with sampling: the first token sampled from the prefill's
-        logits, drafts sampled from the assistant's q, verify, `rejection.verify_drafts` over the
-        target's p (both through `runtime.sampling_probs`); the same position and hidden-state
-        bookkeeping (position += accepted + 1, the hidden state at the last accepted position)."""
-        if self.cap is _NO_CAP:
-            raise SettingsError(
-                "this drafted runtime drives rank or device steps (gloo ranks, ModelBuilder keys) and was "
-                "built without the target's softcap, which sampling needs: sampling-mode verification "
-                "runs on the single-device runtime (DraftedRuntime(model, ...)); sample greedily here"
-            )
-        generator = generator or torch.Generator().manual_seed(sampling.seed)
-        ids = list(prompt_ids)
-        bucket = min(b for b in self.steps.prefill if b >= len(ids))
-        eos = {int(t) for t in eos_token_ids}
-        started = time.perf_counter()
-        logits, hidden = self.steps.prefill[bucket](
-            *self.embed(torch.tensor([ids]), pad_to=bucket), torch.tensor([0]), torch.tensor([len(ids)]), *self.kv
-        )
-        prefill_s = time.perf_counter() - started
-        token = choose_token(logits[0], sampling, self.cap, generator)
-        tokens, kept = [token], [logits[0].float().clone()]
-        position, last_hidden = len(ids), hidden[0].clone()
-        accepted, emitted, drafted, round_s = [], [], [], []
-        while len(tokens) < max_new_tokens and token not in eos:
-            started = time.perf_counter()
-            n = min(self.k, max_new_tokens - len(tokens) - 1)
-            drafts, q = self._draft_sampled(token, last_hidden, position, n, sampling, generator)
-            chunk = torch.tensor([[token, *drafts]])
-            v_logits, v_hidden = self.steps.verify(
-                *self.embed(chunk, pad_to=self.k + 1),
-                torch.tensor([position]),
-                torch.tensor([len(drafts) + 1]),
-                *self.kv,
-            )
-            p = torch.stack([sampling_probs(v_logits[0, i], sampling, self.cap) for i in range(len(drafts) + 1)])
-            verdict = verify_drafts(p, q, drafts, generator)
-            round_s.append(time.perf_counter() - started)
-            new = verdict.tokens
-            for i, t in enumerate(new):
-                tokens.append(int(t))
-                kept.append(v_logits[0, i].float().clone())
-                if t in eos or len(tokens) >= max_new_tokens:
-                    new = new[: i + 1]
-                    break
-            accepted.append(verdict.accepted)
-            emitted.append(len(new))
-            drafted.append(len(drafts))
-            position += verdict.accepted + 1
-            last_hidden = v_hidden[0, verdict.accepted].clone()
-            token = tokens[-1]
-        return DraftedGeneration(ids, tokens, accepted, emitted, drafted, torch.stack(kept), prefill_s, round_s)
-
-    def _draft_sampled(
-        self, token: int, hidden: torch.Tensor, position: int, n: int, sampling: Sampling, generator: torch.Generator
+        token: int,
+        hidden: torch.Tensor,
+        position: int,
+        n: int,
+        pick: Callable[[torch.Tensor], tuple[int, torch.Tensor]] | None = None,
     ) -> tuple[list[int], torch.Tensor | None]:
-        """`_draft` with each token sampled from the assistant's distribution q (its logits through
-        `sampling_probs`; the assistant's forward has no softcap, as in transformers), returning
-        the drafts and their q rows [n, vocab] for the rejection step (None when n = 0)."""
+        """n assistant steps from the last seen token at `position` (constant), feeding back its
+        own token and projected hidden state. `pick(logits)` -> (token, q) samples each token
+        (None: the argmax); returns the drafts and, when sampled, their q rows [n, vocab]."""
         out, rows = [], []
         pos = torch.tensor([position])
         for _ in range(n):
             embedding = self.embed(torch.tensor([[token]]))[0]
             x = torch.cat([embedding, hidden[None, None].to(embedding.dtype)], dim=-1)
             logits, hidden = self.steps.draft(x, pos, *self.kv)
-            q = sampling_probs(logits[0], sampling, None)
-            token, hidden = int(torch.multinomial(q, 1, generator=generator)), hidden[0]
+            if pick is None:
+                token = int(torch.argmax(logits[0]))
+            else:
+                token, q = pick(logits[0])
+                rows.append(q)
+            hidden = hidden[0]
             out.append(token)
-            rows.append(q)
         return out, torch.stack(rows) if rows else None
 
-    def _draft(self, token: int, hidden: torch.Tensor, position: int, n: int) -> list[int]:
-        """n assistant steps from the last seen token at `position` (constant), feeding back its
-        own token and projected hidden state."""
-        out = []
-        pos = torch.tensor([position])
-        for _ in range(n):
-            embedding = self.embed(torch.tensor([[token]]))[0]
-            x = torch.cat([embedding, hidden[None, None].to(embedding.dtype)], dim=-1)
-            logits, hidden = self.steps.draft(x, pos, *self.kv)
-            token, hidden = int(torch.argmax(logits[0])), hidden[0]
-            out.append(token)
-        return out
+
+def _greedy_verdict(v_logits: torch.Tensor, drafts: list[int], q: torch.Tensor | None) -> tuple[int, list[int]]:
+    """Greedy verification: the drafts equal to the target's argmax, in order, are kept; the emitted
+    tokens are the target's own predictions up to and including the first that differs."""
+    predicted = torch.argmax(v_logits[: len(drafts) + 1], dim=-1).tolist()
+    n_ok = 0
+    while n_ok < len(drafts) and drafts[n_ok] == predicted[n_ok]:
+        n_ok += 1
+    return n_ok, predicted[: n_ok + 1]
 
 
 @torch.no_grad()
