@@ -8,7 +8,9 @@ from gemma4lib.benchmarks.profile_decode import KINDS, classify, format_kinds
 
 def test_kernel_names_fall_in_their_kinds():
     assert classify("aoti_torch_cpu_mm_out") == "matmul"
-    assert classify("aoti_torch_cpu_mkldnn__linear_pointwise") == classify("mkldnn::_linear_pointwise") == "matmul"
+    assert classify("aoti_torch_cpu__linear_pointwise") == classify("mkldnn::_linear_pointwise") == "matmul"
+    # a fused kernel that reads a packed product's output is named after it, but is not a product
+    assert classify("graph_1_cpp_fused__linear_pointwise_add_index_put_mean_mul_pow_remainder_5") == "kv_writes"
     assert classify("aoti_torch_cpu_bmm_out") == "attention"
     assert classify("graph_0_cpp_fused__softmax__unsafe_view_add_arange_bitwise_and_3") == "attention"
     assert classify("graph_1_cpp_fused__unsafe_view_add_index_put_mean_mul_pow_remainder_7") == "kv_writes"

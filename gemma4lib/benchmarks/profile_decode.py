@@ -56,8 +56,8 @@ _COPY = re.compile(r"^aten::(clone|copy_|empty|empty_like|empty_strided|resolve_
 
 def classify(name: str) -> str:
     """The kind of one profiler event (module doc); anything else is counted as overhead."""
-    if ("mm_out" in name and "bmm" not in name) or "_linear_pointwise" in name:  # plain or packed (B >= 4)
-        return "matmul"
+    if "cpp_fused" not in name and (("mm_out" in name and "bmm" not in name) or "_linear_pointwise" in name):
+        return "matmul"  # the extern products, plain or packed (B >= 4); fused kernels are named after their inputs
     if "bmm" in name:
         return "attention"
     if _COPY.match(name):
