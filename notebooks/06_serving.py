@@ -85,6 +85,7 @@ from gemma4lib.backends.base import DeviceRun
 from gemma4lib.benchmarks.batch import bench_batch_model
 from gemma4lib.cache.artifacts import ArtifactCache
 from gemma4lib.device.build import PREFILL_EXPERTS
+from gemma4lib.device.experts import CPU_THREAD_FLOP_PER_BYTE
 from gemma4lib.device.graph import DeviceGraph, GraphShape
 from gemma4lib.inf2.batch_roofline import batch_ceilings
 from gemma4lib.inf2.mtp_roofline import draft_table
@@ -153,6 +154,13 @@ nb.batch_ceilings_table(ceilings)
 #   real token. Without that, a short row would read its padding as if it were its last token.
 # - Each row has its own slots in every K/V buffer, the sliding layers' rings included.
 #
+# One change is for this CPU only. From B=4 on, one CPU thread's small-M matrix products are
+# bound by arithmetic, not by bytes, and run at a fifth of its GEMM rate. So a decode graph built
+# with `compute_balance=CPU_THREAD_FLOP_PER_BYTE` (what `port` passes for the `cpu` and `eager`
+# backends) swaps its fp32 linears for oneDNN's packed layout (`device.packed_linear`). On a
+# medium-width model that made B=8 1.8x faster (docs/ROOFLINE.md). Graphs for XLA and inf2 are
+# built without a balance, because there bytes decide, and they never pack.
+#
 # Batch-1 graphs keep their own code path, so their programs and cache keys do not move.
 
 # %%
@@ -173,8 +181,10 @@ decode = DeviceGraph(
     model.lm_head,
     model.layout,
     GraphShape(batch=batch_size, tokens=1, context_length=context_length, ring=ring_kv),
+    compute_balance=CPU_THREAD_FLOP_PER_BYTE,  # built for one CPU thread: packs its linears from B=4
 )
 print("batched decode graph inputs:", [tuple(t.shape) for t in decode.example_inputs()][:4], "+ K/V buffers")
+print("linears:", decode.linear_form)
 nb.describe_graphs(prefill, decode)
 
 # %% [markdown]

@@ -37,6 +37,7 @@ from typing import Any
 import torch
 
 from ..backends.compile_cpu import compile_graph
+from ..device import packed_linear
 from ..device.build import cpu_balance, device_graph
 from ..device.graph import GraphShape
 from ..inf2.bandwidth import measure_bandwidth
@@ -193,9 +194,11 @@ def profile_decode(
 
 def small_m(hidden: int = 1024, out: int = 3072, ms=(1, 2, 4, 8, 16), repeats: int = 15) -> dict[str, Any]:
     """Single-thread FLOP/s and GB/s of `x [M, hidden] @ W.T` (W `[out, hidden]`, fp32) per M, the
-    same with W stored input-major, and a 1024^3 GEMM (the thread's practical peak): the matmul
-    shapes of a batched decode step."""
-    w = torch.randn(out, hidden)
+    same with W stored input-major and with W in oneDNN's packed layout (`packed_linear`; None where
+    it does not run), and a 1024^3 GEMM (the thread's practical peak): the matmul shapes of a
+    batched decode step."""
+    linear = torch.nn.Linear(hidden, out, bias=False)
+    w = linear.weight.detach()
     w_t = w.t().contiguous()  # the same weight stored [in, out]: no transposed operand
     rows = []
     with torch.no_grad():
@@ -203,6 +206,8 @@ def small_m(hidden: int = 1024, out: int = 3072, ms=(1, 2, 4, 8, 16), repeats: i
             x = torch.randn(m, hidden)
             t = _median_step(lambda x=x: torch.nn.functional.linear(x, w), (), repeats)
             t_in = _median_step(lambda x=x: x @ w_t, (), repeats)
+            packed = packed_linear.PackedLinear(linear, m) if packed_linear.available() else None
+            t_packed = _median_step(lambda x=x, p=packed: p(x), (), repeats) if packed is not None else None
             flops = 2.0 * m * hidden * out
             rows.append(
                 {
@@ -212,6 +217,8 @@ def small_m(hidden: int = 1024, out: int = 3072, ms=(1, 2, 4, 8, 16), repeats: i
                     "gb_s": w.numel() * 4 / t / GB,
                     "input_major_ms": t_in * 1e3,
                     "input_major_gflop_s": flops / t_in / 1e9,
+                    "packed_ms": None if t_packed is None else t_packed * 1e3,
+                    "packed_gflop_s": None if t_packed is None else flops / t_packed / 1e9,
                 }
             )
         a, b = torch.randn(1024, 1024), torch.randn(1024, 1024)
