@@ -28,6 +28,13 @@ BATCH, CONTEXT, BUCKET, NEW = 4, 32, 16, 12
 LENGTHS = (12, 5, 9, 7)
 
 
+@pytest.fixture
+def pack_small(monkeypatch):
+    """The tiny fixtures' weights are below `PACK_MIN_ELEMENTS` (they run faster plain): lower it so
+    they exercise the packed path, whose correctness does not depend on size."""
+    monkeypatch.setattr(packed_linear, "PACK_MIN_ELEMENTS", 0)
+
+
 def test_the_rule_packs_only_where_arithmetic_bounds_the_step():
     balance = CPU_THREAD_FLOP_PER_BYTE
     for rows in (1, 2, 3):  # bound by bytes: the packed copy's extra bytes would cost more
@@ -37,6 +44,24 @@ def test_the_rule_packs_only_where_arithmetic_bounds_the_step():
     assert cpu_balance("xla") is None and cpu_balance("neuron") is None
     if packed_linear.available():
         assert packed_linear.packs(4, torch.float32, balance) and packed_linear.packs(16, torch.float32, balance)
+    small, large = nn.Linear(64, 128, bias=False), nn.Linear(512, 1024, bias=False)  # 8k and 512k elements
+    assert packed_linear.maybe_pack(small, 8) is small  # in the caches: oneDNN's per-call cost outweighs it
+    if packed_linear.available():
+        assert isinstance(packed_linear.maybe_pack(large, 8), packed_linear.PackedLinear)
+
+
+def test_the_tiny_fixtures_batched_graphs_keep_the_plain_layout_and_key():
+    """Their linears are all below the size where packing gains: nothing packs, and the key is the
+    one a graph without a compute balance has (no recompile)."""
+    from gemma4lib.models.loading import build_tiny
+    from gemma4lib.models.variants import get_variant
+
+    model = build_tiny(get_variant("e2b"))
+    shape = GraphShape(BATCH, 1, CONTEXT, True)
+    graph = device_graph(model, shape, "dense", compute_balance=cpu_balance("cpu"))
+    assert graph.linear_form == "plain"
+    assert graph.key_parts() == device_graph(model, shape, "dense").key_parts()
+    assert not any(isinstance(m, packed_linear.PackedLinear) for m in graph.modules())
 
 
 @needs_packing
@@ -71,7 +96,7 @@ def _assert_rows_match(model, prompts, generation):
 
 
 @needs_packing
-def test_a_batch_4_decode_graph_packs_and_its_rows_equal_their_references():
+def test_a_batch_4_decode_graph_packs_and_its_rows_equal_their_references(pack_small):
     from gemma4lib.models.loading import build_tiny
     from gemma4lib.models.variants import get_variant
     from gemma4lib.reference import random_prompt
@@ -97,7 +122,7 @@ def test_a_batch_4_decode_graph_packs_and_its_rows_equal_their_references():
 
 
 @needs_packing
-def test_a_compiled_packed_graph_takes_the_models_current_weights(tmp_path):
+def test_a_compiled_packed_graph_takes_the_models_current_weights(tmp_path, pack_small):
     """Compile the batch-4 decode graph once; a second model's graph, whose weights change after
     it was built, loads the same package (a cache hit) and runs with the weights as they are at
     load time: `load_weights` re-derives the packed copies before handing them over."""

@@ -215,24 +215,24 @@ class DeviceGraph(nn.Module):
         # (top-k, experts held): a batched selective decode reads densely from B x k >= E (`read_form`)
         self.expert_routing = (int(getattr(cfg, "top_k_experts", 0) or 0), int(getattr(cfg, "num_experts", 0) or 0))
         self.shape, self.expert_form = shape, expert_form
-        # one CPU thread's small-M products: batched decode packs its fp32 linears (`packed_linear`)
-        self.linear_form = (
-            packed_linear.FORM if not int8 and packed_linear.packs(self.rows, lm_head.weight.dtype, compute_balance)
-            else "plain"
-        )  # fmt: skip
-        if self.linear_form == packed_linear.FORM:
-            lm_head = packed_linear.PackedLinear(lm_head, self.rows)
+        # one CPU thread's small-M products: batched decode packs its large fp32 linears (`packed_linear`)
+        pack = not int8 and packed_linear.packs(self.rows, lm_head.weight.dtype, compute_balance)
+        if pack:
+            lm_head = packed_linear.maybe_pack(lm_head, self.rows)
         for layer in model.layers:
             if getattr(layer, "experts", None) is not None:
                 layer.experts = StaticExperts(layer.experts, self.experts_read, int8=int8)
             if int8:
                 _swap_linears(layer, Int8Linear.from_linear)
-            elif self.linear_form == packed_linear.FORM:
-                _swap_linears(layer, lambda linear: packed_linear.PackedLinear(linear, self.rows))
+            elif pack:
+                _swap_linears(layer, lambda linear: packed_linear.maybe_pack(linear, self.rows))
             layer.self_attn = _shallow_clone(layer.self_attn)
             layer.self_attn.config = attn_config
         self.model = model
         self.lm_head = lm_head
+        # "plain" unless a linear was packed: a graph whose program did not change keeps its key
+        packed = any(isinstance(m, packed_linear.PackedLinear) for m in (lm_head, *model.modules()))
+        self.linear_form = packed_linear.FORM if packed else "plain"
         self.layout, self.shape, self.inplace, self.expert_form = layout, shape, inplace, expert_form
         self.weights, self.attention = weights, attention
         self.tags: dict[str, str] = {}  # anything else that changes the program (e.g. a fault-lab fault)
