@@ -157,9 +157,11 @@ nb.batch_ceilings_table(ceilings)
 # One change is for this CPU only. From B=4 on, one CPU thread's small-M matrix products are
 # bound by arithmetic, not by bytes, and run at a fifth of its GEMM rate. So a decode graph built
 # with `compute_balance=CPU_THREAD_FLOP_PER_BYTE` (what `port` passes for the `cpu` and `eager`
-# backends) swaps its fp32 linears for oneDNN's packed layout (`device.packed_linear`). On a
-# medium-width model that made B=8 1.8x faster (docs/ROOFLINE.md). Graphs for XLA and inf2 are
-# built without a balance, because there bytes decide, and they never pack.
+# backends) swaps its large fp32 linears (2^18 elements and up) for oneDNN's packed layout
+# (`device.packed_linear`). On a medium-width model that made B=8 1.8x faster (docs/ROOFLINE.md).
+# The tiny model's linears are far smaller and sit in the caches, where oneDNN's per-call cost
+# outweighs the layout, so the cell below prints `plain`. Graphs for XLA and inf2 are built
+# without a balance, because there bytes decide, and they never pack.
 #
 # Batch-1 graphs keep their own code path, so their programs and cache keys do not move.
 
@@ -181,10 +183,10 @@ decode = DeviceGraph(
     model.lm_head,
     model.layout,
     GraphShape(batch=batch_size, tokens=1, context_length=context_length, ring=ring_kv),
-    compute_balance=CPU_THREAD_FLOP_PER_BYTE,  # built for one CPU thread: packs its linears from B=4
+    compute_balance=CPU_THREAD_FLOP_PER_BYTE,  # built for one CPU thread: packs large linears from B=4
 )
 print("batched decode graph inputs:", [tuple(t.shape) for t in decode.example_inputs()][:4], "+ K/V buffers")
-print("linears:", decode.linear_form)
+print("linears:", decode.linear_form)  # "plain" here: the tiny model's weights are below the packing size
 nb.describe_graphs(prefill, decode)
 
 # %% [markdown]
