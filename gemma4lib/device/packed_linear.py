@@ -17,7 +17,8 @@ caches) oneDNN's per-call cost outweighs the layout. The same stack at B = 8 wit
 384 / 512 / 768 (weights of 12k / 49k / 197k / 442k / 786k / 1.8M elements), so the tiny
 fixtures never pack.
 
-The packed tensor is derived from the weight, so it is re-derived from the model's current weight
+The cost is memory: a packed graph holds a second copy of its linears' weights (the host model
+keeps its own). The packed tensor is derived from the weight, so it is re-derived from the model's current weight
 whenever a compiled package is handed its weights (`compile_cpu.load_weights` calls
 `repack_all`): one compile still serves every model of an architecture. Only fp32 weights pack,
 only where this was measured (x86-64 with oneDNN); elsewhere the plain layout runs. The XLA and
