@@ -45,7 +45,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 DRAFT_KINDS = ("assistant",)
-_NO_CAP = object()  # `DraftedRuntime.over`: the target's softcap unknown, so no sampling
 DRAFT_BACKENDS = ("cpu", "eager", "xla", "neuron")  # neuron: the ModelBuilder recipe's drafting keys
 
 
@@ -232,7 +231,6 @@ class DraftedRuntime:
         self.model, self.steps, self.kv, self.k = model, steps, kv, int(draft_tokens)
         self.embedder = HostEmbedder.from_text_model(model.text_model)
         self.dtype = torch.float32
-        self.cap = getattr(model.config, "final_logit_softcapping", None)  # sampling's softcap (greedy: unused)
 
     @classmethod
     def over(
@@ -247,7 +245,7 @@ class DraftedRuntime:
         only the host embedder is needed, and the dtype the steps were compiled for."""
         runtime = cls.__new__(cls)
         runtime.model, runtime.steps, runtime.kv, runtime.k = None, steps, list(kv), int(draft_tokens)
-        runtime.embedder, runtime.dtype, runtime.cap = embedder, dtype, _NO_CAP
+        runtime.embedder, runtime.dtype = embedder, dtype
         return runtime
 
     def embed(self, ids: torch.Tensor, pad_to: int | None = None) -> list[torch.Tensor]:
@@ -286,12 +284,13 @@ class DraftedRuntime:
                 "a replacement drafter returns tokens only; sampling-mode verification needs the "
                 "distributions the drafts were sampled from: drop drafter= or sample greedily"
             )
-        if self.cap is _NO_CAP:
+        if self.model is None:
             raise SettingsError(
-                "this drafted runtime drives rank or device steps (gloo ranks, ModelBuilder keys) and was "
-                "built without the target's softcap, which sampling needs: sampling-mode verification "
+                "this drafted runtime drives rank or device steps (gloo ranks, ModelBuilder keys) and was built "
+                "without the target model, whose softcap sampling needs: sampling-mode verification "
                 "runs on the single-device runtime (DraftedRuntime(model, ...)); sample greedily here"
             )
+        cap = getattr(self.model.config, "final_logit_softcapping", None)  # the target's, as plain sampling's
         rng = generator or torch.Generator().manual_seed(sampling.seed)
 
         def pick(logits: torch.Tensor) -> tuple[int, torch.Tensor]:
@@ -299,13 +298,13 @@ class DraftedRuntime:
             return int(torch.multinomial(q, 1, generator=rng)), q
 
         def judge(v_logits: torch.Tensor, drafts: list[int], q: torch.Tensor | None) -> tuple[int, list[int]]:
-            p = torch.stack([sampling_probs(v_logits[i], sampling, self.cap) for i in range(len(drafts) + 1)])
+            p = torch.stack([sampling_probs(v_logits[i], sampling, cap) for i in range(len(drafts) + 1)])
             verdict = verify_drafts(p, q, drafts, rng)
             return verdict.accepted, verdict.tokens
 
         return self._rounds(
             prompt_ids, max_new_tokens, eos_token_ids,
-            first=lambda logits: choose_token(logits, sampling, self.cap, rng),
+            first=lambda logits: choose_token(logits, sampling, cap, rng),
             draft=lambda token, hidden, position, n: self._draft(token, hidden, position, n, pick),
             judge=judge,
         )  # fmt: skip
@@ -469,12 +468,10 @@ def run_single_device_drafted(
     graphs = build_draft_graphs(model, assistant, settings)
     compiled = compile_draft_graphs(graphs, settings)
     runtime = DraftedRuntime(model, compiled, compiled.new_kv(), settings.draft_tokens)
-    if sampled:
-        generation = runtime.generate(ids, settings.max_new_tokens, eos_token_ids=eos, sampling=sampling)
-        hf_tokens, hf_steps = None, None
-    else:
-        generation = runtime.generate(ids, settings.max_new_tokens, eos_token_ids=eos)
-        hf_tokens, hf_steps = hf_assisted(model.lm, assistant.model, ids, settings.max_new_tokens, eos)
+    generation = runtime.generate(ids, settings.max_new_tokens, eos_token_ids=eos, sampling=sampling)
+    hf_tokens, hf_steps = (
+        (None, None) if sampled else hf_assisted(model.lm, assistant.model, ids, settings.max_new_tokens, eos)
+    )
     device_run: dict[str, Any] = {
         "tokens": generation.tokens,
         "step_logits": generation.step_logits,
