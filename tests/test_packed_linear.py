@@ -85,18 +85,10 @@ def _runtime(model, decode):
     return HostRuntime(model, {BUCKET: prefill}, decode, decode.new_kv(), CONTEXT, batch=BATCH)
 
 
-def _assert_rows_match(model, prompts, generation):
-    from gemma4lib.checks import check_logits
-    from gemma4lib.reference import reference_greedy
-
-    for ids, row in zip(prompts, generation.rows, strict=True):
-        assert row.tokens == reference_greedy(model.lm, ids, NEW), f"row of {len(ids)} tokens"
-        logits = check_logits(model.lm, ids, row.tokens, row.step_logits)
-        assert logits.passed, logits.explain()
-
-
 @needs_packing
 def test_a_batch_4_decode_graph_packs_and_its_rows_equal_their_references(pack_small):
+    from test_batch import _assert_rows_match
+
     from gemma4lib.models.loading import build_tiny
     from gemma4lib.models.variants import get_variant
     from gemma4lib.reference import random_prompt
@@ -118,7 +110,7 @@ def test_a_batch_4_decode_graph_packs_and_its_rows_equal_their_references(pack_s
 
     prompts = [random_prompt(model.config.vocab_size, n, 100 + n) for n in LENGTHS]
     generation = generate_batch(_runtime(model, graph), prompts, NEW, keep_logits=True)
-    _assert_rows_match(model, prompts, generation)
+    _assert_rows_match(model, prompts, generation, new=NEW)  # test_batch's: tokens and logits per row
 
 
 @needs_packing
