@@ -21,10 +21,10 @@ from . import backends, checks
 from .backends.base import CompiledGraphs, DeviceRun
 from .device.build import GraphSet, device_graphs
 from .device.quant import round_model_weights
+from .generation.prompts import random_prompt_lengths
 from .models.checkpoint import load_checkpoint
 from .models.loading import LoadedModel, build_tiny
 from .record import build_record
-from .generation.prompts import random_prompt_lengths
 from .reference import hf_assisted, random_prompt, reference_greedy, teacher_forced_logits
 from .results import write_result
 from .runtime import Request, encode_prompt

@@ -14,7 +14,6 @@
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -22,8 +21,8 @@ import torch
 from torch import nn
 
 from ..device.embedder import HostEmbedder
-from ..errors import DeviceOutputError, GraphFormError, HostTablesMovedError
 from ..device.graph import INDEX_DTYPE
+from ..errors import DeviceOutputError, GraphFormError, HostTablesMovedError
 
 
 class KVParamModule(nn.Module):
