@@ -213,8 +213,6 @@ def run_compiled(
         details={**compiled.info, **drafting_fields(generation.rows, settings, compiled)},
         assistant=compiled.assistant,
     )
-    if len(requests) > 1:
-        run.details["decode_tok_s_per_row"] = generation.decode_tok_s_per_row
     if bench:
         warmup = max(settings.warmup, backend_of(settings).min_warmup)
         timed = [replace(r, eos_token_ids=()) for r in requests]  # eos ignored: every run decodes alike
@@ -224,6 +222,8 @@ def run_compiled(
         else:
             run.details.update(bench_drafted(model, settings, engine, timed, warmup))
             run.decode_tok_s = run.details["decode_tok_s_with_draft"]
+    if len(requests) > 1 and run.decode_tok_s:
+        run.details["decode_tok_s_per_row"] = run.decode_tok_s / len(requests)
     if compiled.report:  # after the benchmark: the backend counts what the whole run did
         run.details.update(compiled.report())
     return run
