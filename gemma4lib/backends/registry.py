@@ -184,6 +184,13 @@ def run_device(
     """One device run: every request in its own row of the engine (keeping the logits that chose
     each token), the prefill logits check of row 0, and the benchmark when asked."""
     backend = backend_of(settings)
+    sampled = [i for i, r in enumerate(requests) if not r.sampling.greedy]
+    if sampled and (settings.draft or drafter) and not backend.samples_drafts:
+        raise SettingsError(
+            f"requests {sampled} sample, and sampled drafted rows are verified by rejection sampling, which backend "
+            f"{backend.name!r} (tp_degree {settings.tp_degree}) does not run: its drafting steps verify greedily; "
+            f"sample without a draft there, or use tp_degree=1 on backend 'cpu', 'eager' or 'xla'"
+        )
     if backend.run is not None:
         return backend.run(model, settings, list(requests), graphs=graphs, progress=progress, bench=bench)
     compiled = compile_graphs(model, settings, graphs=graphs, progress=progress, drafter=drafter)
