@@ -1197,7 +1197,9 @@ def test_check_fits_is_exact_at_the_context_boundary():
     prefill = DeviceGraph(model.text_model, model.lm_head, model.layout, GraphShape(1, 16, context, False))
     decode = DeviceGraph(model.text_model, model.lm_head, model.layout, GraphShape(1, 1, context, False))
     kv = decode.new_kv()
-    rt = Engine.for_model(model, Steps({16: bind_kv(prefill, kv)}, bind_kv(decode, kv)), batch=1, context_length=context)
+    rt = Engine.for_model(
+        model, Steps({16: bind_kv(prefill, kv)}, bind_kv(decode, kv)), batch=1, context_length=context
+    )
     longest = context - len(prompt) + 1
     generation = rt.generate(prompt, longest)
     assert len(generation.tokens) == longest

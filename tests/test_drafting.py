@@ -57,7 +57,14 @@ class _Drafted:
             runtime = compiled.runtime
             runtime.kv = compiled.kv  # the host K/V the eager steps update (graph-level checks read them)
             key = (variant, ring, verify_experts)
-            self._done[key] = (settings, model, compiled.assistant, compiled.graphs, runtime, prompt_ids(model, settings))
+            self._done[key] = (
+                settings,
+                model,
+                compiled.assistant,
+                compiled.graphs,
+                runtime,
+                prompt_ids(model, settings),
+            )
         return self._done[variant, ring, verify_experts]
 
 

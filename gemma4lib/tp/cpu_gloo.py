@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import os
 import queue as queue_mod
-import statistics
 import tempfile
 import time
 import traceback
@@ -35,11 +34,11 @@ from ..device.drafting import RoomyLayout
 from ..device.embedder import HostEmbedder
 from ..device.graph import DeviceGraph, GraphShape, index_tensor
 from ..errors import BatchTooLargeError, SettingsError, TensorParallelError, UnknownNameError
-from ..generation.drafters import AssistantDrafter, PromptLookupDrafter
+from ..generation.drafters import make_drafter
 from ..recipes.common import AliasEmulator, KVParamModule
 from ..reference import reference_last_logits
 from ..runtime import Engine, Request, RowResult, Steps, softcap
-from ..timing import benchmark, time_interleaved
+from ..timing import bench_drafted, benchmark
 from .plan import TPPlan, make_plan
 from .rank_graph import build_rank_graph, load_shard, with_shape
 from .shard import iter_shards, shard_kv, shard_shapes
@@ -51,7 +50,6 @@ if TYPE_CHECKING:
 CPU_EXECUTION = "torch.distributed gloo on CPU, one process per rank"
 COMPILER = "cpu-gloo-tp"
 PREFILLS = ("graph", "cpu-seeded")
-DRAFTERS = {"assistant": AssistantDrafter, "prompt_lookup": PromptLookupDrafter}
 
 
 @dataclass
@@ -70,7 +68,7 @@ class RankJob:
     dtype: torch.dtype
     decode_experts: str = "dense"  # the decode graph's expert form; prefill (and a verify) stay dense
     baked_rank: bool = False  # the field report's fault: the rank read at trace time
-    draft: str | None = None  # a `DRAFTERS` name
+    draft: str | None = None  # a `generation.drafters.DRAFTERS` name
     draft_tokens: int = 0
     assistant_config: Any = None
     assistant_shards: list[dict[str, torch.Tensor]] | None = None
@@ -82,7 +80,7 @@ class RankJob:
 
 def job_engine(job: RankJob, steps: Steps, drafting: bool = True) -> Engine:
     """The engine every rank runs (and the parent checks requests with before any rank starts)."""
-    drafter = DRAFTERS[job.draft]() if job.draft and drafting else None
+    drafter = make_drafter(job.draft) if drafting else None
     return Engine(
         job.host,
         steps,
@@ -211,32 +209,10 @@ def _run_rank(rank: int, job: RankJob) -> dict[str, Any]:
             result["bench"] = benchmark(engine, timed, warmup, iters)
         else:
             plain = job_engine(job, Steps(steps.prefill, decode=plain_decode), drafting=False)
-            result["drafted_bench"] = _bench_drafted(engine, plain, timed, warmup, iters)
+            result["drafted_bench"] = bench_drafted(engine, plain, timed, warmup, iters)
     if rank == 0:
         result["rows"] = [_by_value(row) for row in generation.rows]
     return result
-
-
-def _bench_drafted(engine: Engine, plain: Engine, requests: list[Request], warmup: int, iters: int) -> dict[str, Any]:
-    """Decode tok/s with and without drafting over the same ranks, taking turns (`time_interleaved`),
-    and whether the two give the same tokens."""
-    runs = time_interleaved(
-        {"with_draft": lambda: engine.generate_rows(requests), "without_draft": lambda: plain.generate_rows(requests)},
-        warmup,
-        iters,
-    )
-    drafted, undrafted = engine.generate_rows(requests), plain.generate_rows(requests)
-    with_draft = statistics.median(runs["with_draft"]) if runs["with_draft"] else None
-    without = statistics.median(runs["without_draft"]) if runs["without_draft"] else None
-    return {
-        "decode_tok_s_with_draft": with_draft,
-        "decode_tok_s_without_draft": without,
-        "speedup_with_draft": with_draft / without if with_draft and without else None,
-        "bench_accepted_per_step": drafted.rows[0].accepted_per_step,
-        "decode_tok_s_runs": runs,
-        "bench_tokens": requests[0].max_new_tokens,
-        "plain_tp_tokens_match": [r.tokens for r in drafted.rows] == [r.tokens for r in undrafted.rows],
-    }
 
 
 def _worker(rank: int, world: int, init_file: str, job: RankJob, results) -> None:
