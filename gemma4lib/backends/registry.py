@@ -68,6 +68,7 @@ BACKENDS: dict[str, Backend] = {
             compile=neuron.compile,
             label="neuron",
             inplace=False,
+            quantizes_itself=True,
             samples_drafts=False,
             tp=True,
             bundles=True,
@@ -135,8 +136,9 @@ def compile_graphs(
             from ..models.assistant import load_assistant
 
             assistant = load_assistant(model, settings)
+        shaped = replace(settings, weights="bf16") if backend.quantizes_itself else settings  # no host int8 copies
         graphs = device_graphs(
-            model, settings, backend.inplace, compute_balance=backend.compute_balance, assistant=assistant
+            model, shaped, backend.inplace, compute_balance=backend.compute_balance, assistant=assistant
         )
     compiled = backend.compile(graphs, model, settings, progress)
     drafter = drafter or make_drafter(settings.draft)
