@@ -138,6 +138,17 @@ def _expert_slice_bytes(model) -> int:
     return 3 * c.moe_intermediate_size * c.hidden_size * model.lm_head.weight.element_size()
 
 
+def _assert_int32_index_inputs(audit) -> None:
+    """The lowered program's index inputs (start, length) are s32 entry parameters: int32 reaches the
+    compiler, not only the step (`XLASession.run` refuses anything else)."""
+    inputs = [
+        p.type.split("{")[0] for p, role in zip(audit.params, audit.roles, strict=True) if role == hlo_audit.INPUT
+    ]
+    index = [t for t in inputs if not t.startswith(("f32", "bf16", "f16"))]
+    rows = hlo_audit.array_dims(inputs[0])[0]  # every input leads with the batch B
+    assert index == [f"s32[{rows}]"] * 2, inputs
+
+
 def _moe_layers(model) -> int:
     layers = model.text_model.layers
     return sum(1 for layer in layers if getattr(layer, "experts", None) is not None)
@@ -148,6 +159,7 @@ def test_hlo_audit_single_device_decode(xla_lane, variant, form):
     model = _audit_model(variant)
     audit, row = hlo_audit.audit_single(model, form)
     table = hlo_audit.format_table([row])
+    _assert_int32_index_inputs(audit)
     assert row.weights_delta == row.expected_delta, table
     assert row.kv_delta == 0 and row.kv_read > 0, table
     assert row.flagged == [], table  # no weight is transposed or copied except into a dot
@@ -175,6 +187,7 @@ def test_hlo_audit_rank_graph_decode(xla_lane, variant, tp, form, split):
     model = _audit_model(variant)
     audit, row = hlo_audit.audit_rank(model, tp, form, expert_split=split)
     table = hlo_audit.format_table([row])
+    _assert_int32_index_inputs(audit)
     assert row.weights_delta == row.expected_delta, table
     assert row.kv_delta == 0 and row.kv_read > 0, table
     assert row.flagged == [], table
@@ -317,6 +330,7 @@ def test_hlo_audit_batched_decode_reads_the_batch_roofline_bytes(xla_lane, varia
     model = _audit_model(variant)
     audit, row = hlo_audit.audit_single(model, form, batch=batch)
     table = hlo_audit.format_table([row])
+    _assert_int32_index_inputs(audit)
     assert row.batch == batch and f"batch {batch}" in table
     assert row.weights_delta == row.expected_delta, table
     assert row.kv_delta == 0 and row.kv_read > 0, table
@@ -342,6 +356,7 @@ def test_hlo_audit_batched_rank_graphs_read_the_batch_roofline_bytes_per_rank(xl
     model = _audit_model(variant)
     audit, row = hlo_audit.audit_rank(model, tp, form, expert_split=split, batch=2)
     table = hlo_audit.format_table([row])
+    _assert_int32_index_inputs(audit)
     assert row.batch == 2 and "batch 2" in table and row.read_form == read, table
     assert row.weights_delta == row.expected_delta, table
     assert row.kv_delta == 0 and row.kv_read > 0, table
@@ -442,6 +457,7 @@ def test_hlo_audit_verify_graph_reads_the_mtp_roofline_bytes(xla_lane, variant, 
     model = _audit_model(variant)
     audit, row = hlo_audit.audit_verify(model, form, k)
     table = hlo_audit.format_table([row])
+    _assert_int32_index_inputs(audit)
     assert row.ok and row.tokens == k + 1 and f"verify, {k + 1} tokens" in table, table
     assert row.weights_delta == row.expected_delta and row.kv_delta == 0 and row.kv_read > 0, table
     assert row.flagged == [], table
