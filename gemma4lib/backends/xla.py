@@ -11,6 +11,7 @@ API (what ``port --backend xla`` builds on: `compile`)::
     from gemma4lib.backends.xla import XLASession
     from gemma4lib.device.build import device_graphs
     from gemma4lib.device.graph import index_tensor
+    from gemma4lib.settings import PortSettings
 
     graphs = device_graphs(model, PortSettings(variant="e2b", backend="xla"), inplace=False)
     session = XLASession(graphs.named(), hlo_dir="artifacts/xla/e2b")   # "prefill64", "decode"
