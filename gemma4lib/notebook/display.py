@@ -372,7 +372,7 @@ def answer_text(model: LoadedModel, tokens: Sequence[int]) -> str | None:
 
 
 def _tokens(device: Any) -> list[int]:
-    """Tokens of a `runtime.Generation` or a plain token list."""
+    """Tokens of a `runtime.RowResult` or a plain token list."""
     return list(getattr(device, "tokens", device))
 
 
