@@ -253,11 +253,16 @@ def model_config(graphs: GraphSet) -> Any:
     return graphs.target.model.config
 
 
+def without_draft(settings: PortSettings) -> PortSettings:
+    """The plain-decode settings a drafted benchmark compares against (an export bundles their graphs too)."""
+    return replace(settings, draft=None, draft_tokens=None, verify_experts=None)
+
+
 def bench_drafted(
     model: LoadedModel, settings: PortSettings, engine: Engine, requests: Sequence[Request], warmup: int
 ) -> dict[str, Any]:
     """Decode tok/s with and without drafting in one run, the two taking turns (`time_interleaved`)."""
-    plain = compile_graphs(model, replace(settings, draft=None, draft_tokens=None, verify_experts=None)).runtime
+    plain = compile_graphs(model, without_draft(settings)).runtime
     runs = time_interleaved(
         {"with_draft": lambda: engine.generate_rows(requests), "without_draft": lambda: plain.generate_rows(requests)},
         warmup,
@@ -287,4 +292,5 @@ __all__ = [
     "run_compiled",
     "run_device",
     "selectable",
+    "without_draft",
 ]

@@ -16,6 +16,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from ..backends.registry import without_draft
 from ..errors import BundleError
 from ..port import PortSettings, compile_graphs, load_model, witness_settings
 from .artifacts import atomic_write_json
@@ -52,17 +53,20 @@ def _prepare(out: Path) -> None:
 
 def export_bundle(settings: PortSettings, out: Path | str, progress: bool = False) -> dict[str, Any]:
     """Compile (or load from the cache) every graph a port of `settings` runs and write the bundle at
-    `out`; returns the manifest."""
+    `out`; returns the manifest. A drafting port also runs the plain decode (its benchmark's
+    comparison): those graphs go in too."""
     if settings.artifacts:
         raise BundleError("export writes a bundle; drop artifacts= (it names a bundle to run from)")
     out = Path(out).expanduser()
     _prepare(out)
-    runs = {"model": settings}
+    runs = [("model", settings)]
+    if settings.draft is not None:
+        runs.append(("model", without_draft(settings)))
     if settings.wants_witness:
-        runs["witness"] = witness_settings(settings)
+        runs.append(("witness", witness_settings(settings)))
     models, compilers, entries = {}, {}, {}
-    for role, run_settings in runs.items():
-        model = load_model(run_settings)
+    for role, run_settings in runs:
+        model = models.get(role) or load_model(run_settings)
         compiled = compile_graphs(model, replace(run_settings, artifacts=None), progress=progress)
         models[role], compilers[role] = model, compiled.compiler
         for path in _entry_paths(compiled.info):
@@ -71,7 +75,8 @@ def export_bundle(settings: PortSettings, out: Path | str, progress: bool = Fals
                 _readable(out / ENTRIES / path.name)
                 entries[path.name] = role
         log.info("%s: %d graphs, compiled in %.1f s", role, len(compiled.cache_hits), compiled.compile_s)
-    manifest = {**manifest_for(settings, models, compilers), "entries": entries}
+    builds = [run_settings for role, run_settings in runs if role == "model"]
+    manifest = {**manifest_for(builds, models, compilers), "entries": entries}
     atomic_write_json(out / MANIFEST, manifest)
     return manifest
 
