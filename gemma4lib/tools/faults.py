@@ -358,12 +358,11 @@ class FaultyBackend:
 
     def run(self, run: FaultRun, eos: list[int]) -> DeviceRun:
         settings, requests = run.settings, requests_for(run.rows, run.settings, eos)
-        if backend_of(settings).run is not None:  # gloo: the ranks build their own graphs
+        backend = backend_of(settings)
+        if backend.run is not None:  # gloo: the ranks build their own graphs, the rank read at trace time or not
             if self.edit is not None:
                 raise TensorParallelError("graph edits apply to the single-device graphs; run them at tp_degree 1")
-            from ..tp.cpu_gloo import run_tp
-
-            return run_tp(run.model, settings, requests, bench=False, baked_rank=self.baked_rank)
+            return backend.run(run.model, settings, requests, bench=False, baked_rank=self.baked_rank)
         graphs = None
         if self.edit is not None:
             graphs = build_graphs(run.model, settings)
