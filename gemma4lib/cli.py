@@ -154,9 +154,10 @@ def _print(result: dict[str, Any], as_json: bool) -> None:
     for key in SUMMARY_KEYS:
         print(f"{key:>16}: {result.get(key)}")
     for row in result.get("rows") or ():
+        drafted = "" if row.get("accepted_per_step") is None else f" accepted_per_step={row['accepted_per_step']:.2f}"
         print(
             f"{'row ' + str(row['row']):>16}: seq_match={row['seq_match']} logits_match={row['logits_match']} "
-            f"coherent={row['coherent']} answer={row['answer']!r}"
+            f"coherent={row['coherent']}{drafted} answer={row['answer']!r}"
         )
     witness = result.get("witness")
     if witness:
