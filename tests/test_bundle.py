@@ -91,7 +91,9 @@ def test_a_bundle_without_the_drafting_graphs_is_refused_naming_them(exported, e
     with pytest.raises(BundleError, match="it has no verify, draft graph") as info:
         PortSettings(variant="e2b", draft="assistant", artifacts=str(exported))
     assert "draft: bundle None, this run 'assistant'" in str(info.value)
-    with pytest.raises(BundleError, match="it has no decode graph"):
+    with pytest.raises(BundleError, match="it has no verify graph"):
+        PortSettings(variant="e2b", draft="prompt_lookup", artifacts=str(exported))
+    with pytest.raises(BundleError, match="draft: bundle 'assistant', this run 'prompt_lookup'"):
         PortSettings(variant="e2b", batch_size=3, draft="prompt_lookup", artifacts=str(exported_drafted))
     # the drafted bundle holds the plain batch's graphs too (its benchmark runs them)
     assert bundle.graph_names(PortSettings(variant="e2b", batch_size=3, artifacts=str(exported_drafted))) == [
