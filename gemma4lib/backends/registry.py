@@ -250,11 +250,16 @@ def model_config(graphs: GraphSet) -> Any:
     return graphs.target.model.config
 
 
+def without_draft(settings: PortSettings) -> PortSettings:
+    """The plain-decode settings a drafted benchmark compares against (an export bundles their graphs too)."""
+    return replace(settings, draft=None, draft_tokens=None, verify_experts=None)
+
+
 def bench_drafted_port(
     model: LoadedModel, settings: PortSettings, engine: Engine, requests: Sequence[Request], warmup: int
 ) -> dict[str, Any]:
     """`timing.bench_drafted` against the settings' plain graphs, compiled here."""
-    plain = compile_graphs(model, replace(settings, draft=None, draft_tokens=None, verify_experts=None)).runtime
+    plain = compile_graphs(model, without_draft(settings)).runtime
     return bench_drafted(engine, plain, requests, warmup, settings.iters)
 
 
@@ -268,4 +273,5 @@ __all__ = [
     "run_compiled",
     "run_device",
     "selectable",
+    "without_draft",
 ]
