@@ -531,8 +531,9 @@ def _serving_checked(out: Path) -> None:
     its cells produced what the library's own runs produce for the same settings (the batch's rows
     through `batch_port.run_device_batch`, the drafted tokens and acceptance through
     `speculative.run_single_device_drafted`)."""
-    from gemma4lib.port import PortSettings, eos_ids, load_model, prompt_ids
     from gemma4lib.serving import batch_port, speculative
+
+    from gemma4lib.port import PortSettings, eos_ids, load_model, prompt_ids
 
     file = pm_run.SERVING[1]
     record = json.loads((out / "results" / "serving.json").read_text())
