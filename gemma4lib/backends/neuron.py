@@ -8,6 +8,7 @@ any work); everything but the compiler calls runs on CPU in the tests.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import shutil
 import tempfile
@@ -20,15 +21,15 @@ import torch
 
 from ..cache.artifacts import make_key
 from ..cache.bundle import cache_for
-from ..device.build import Graphs, device_graph
+from ..device.build import Graphs, device_graphs
 from ..device.embedder import HostEmbedder
 from ..device.graph import GraphShape
-from ..environment import versions
+from ..environment import program_versions
 from ..inf2.doctor import warn_low_host_ram
 from ..inf2.memory_plan import neuron_recipe
 from ..models.weights_identity import weights_identity
 from ..recipes import cores, neuron_env, neuron_model_builder, neuron_trace
-from ..recipes.common import DeviceStep, StepwisePrefill, check_host_tables
+from ..recipes.common import DeviceStep, StepwisePrefill, check_host_tables, index_dtype, key_inputs
 from ..runtime import HostRuntime
 from ..serving.batch_runtime import RowStepwisePrefill
 from .base import CompiledGraphs, refuse_graphs, runner
@@ -92,7 +93,7 @@ def neuron_cache_key(
         "dtype": str(dtype),
         "graph_source": source_digest(),
         "sdk": {r["package"]: r["found"] for r in neuron_env.check_versions()},
-        "versions": versions(),
+        "versions": program_versions(),
     }
     if decode_experts != "dense":  # only then: the keys of existing (dense) artifacts stay valid
         parts["decode_experts"] = decode_experts
@@ -115,24 +116,32 @@ def compile(
     """
     refuse_graphs(graphs, "neuron")
     neuron_env.require("torch_neuronx", f"backend 'neuron' ({model.variant.name})")
-    context, ring = settings.context_length, settings.ring_kv
-    # dtype, PLE and host K/V only: built in full precision over the model's own modules (no copy).
-    # NxD quantizes its own layers for weights="int8"; an int8 DeviceGraph here would re-quantize
-    # the whole host model per bucket just to read shapes.
-    decode = device_graph(model, GraphShape(1, 1, context, ring), "dense", inplace=False)
+    # The graphs every backend compiles (`device_graphs`): batch, buckets, context and ring come from
+    # the settings. Full precision over the model's own modules (no copy): NxD quantizes its own
+    # layers for weights="int8", and an int8 DeviceGraph here would re-quantize the host model per
+    # bucket just to give the shapes and example inputs.
+    full = settings if settings.weights != "int8" else dataclasses.replace(settings, weights="bf16")
+    prefill, decode = device_graphs(model, full, inplace=False)
     tp = int(settings.tp_degree)
     recipe = neuron_recipe(model.variant, tp, getattr(settings, "neuron_recipe", None))
     dtype = decode.dtype
     n_inputs = 4 if decode.has_ple else 3
-    buckets = tuple(settings.prefill_buckets)
+    buckets = tuple(sorted(prefill))
     bucket = max(buckets)
-    batch = decode.shape.batch  # settings.batch_size: every key takes that many rows
-    shapes = {"decode": GraphShape(batch, 1, context, ring)}
+    batch = decode.shape.batch  # the settings' batch_size, through the graphs
+    context, ring = decode.shape.context_length, decode.shape.ring
+    shapes = {"decode": decode.shape}
+    key_graphs = {"decode": decode}
     decode_experts = "dense"  # only the ModelBuilder recipe builds the rank graph, which takes the form
     if recipe == "model_builder":
-        shapes["prefill"] = GraphShape(batch, bucket, context, ring)
+        shapes["prefill"] = prefill[bucket].shape
+        key_graphs["prefill"] = prefill[bucket]
         if model.variant.is_moe:
             decode_experts = settings.decode_experts
+    # the K/V states each compiled module aliases (what may follow its logits) and the index dtype it
+    # takes, from the graph's own example inputs
+    states = len(decode.layout.buffer_shapes(batch, context, ring))
+    indices = index_dtype(key_inputs(decode, n_inputs))
     key, parts = neuron_cache_key(
         model,
         recipe,
@@ -156,7 +165,7 @@ def compile(
     def _compile(folder: Path, workdir: str) -> None:
         if recipe == "trace":
             neuron_trace.save(
-                neuron_trace.compile_trace(model, context, ring=ring, compiler_workdir=workdir, batch=batch),
+                neuron_trace.compile_trace(model, context, ring=ring, compiler_workdir=workdir, graph=decode),
                 folder / "model.pt",
             )
         else:
@@ -171,7 +180,7 @@ def compile(
                 compiler_workdir=workdir,
                 decode_experts=decode_experts,
                 weights=settings.weights,
-                batch=batch,
+                graphs=key_graphs,
             )
 
     # the entry holds the weights (the shards, or a NEFF with them inlined): the free-space check's estimate
@@ -180,21 +189,21 @@ def compile(
         key, build, describe={k: v for k, v in parts.items() if k != "config"}, need_bytes=shard_bytes
     )
     compile_s = time.perf_counter() - started
-    host_kv = decode.new_kv()
     vocab = int(model.config.vocab_size)
     label = f"{model.variant.name} ({recipe}, TP={tp}) from {entry.path}"
     cores.check_free(0, tp, label)  # a model an earlier call loaded and still referenced: refuse, before the device
     if recipe == "trace":
         loaded = neuron_trace.load(entry.file("model.pt"))
-        step = DeviceStep(cores.claim(loaded, 0, tp, label), n_inputs, vocab)
+        step = DeviceStep(cores.claim(loaded, 0, tp, label), n_inputs, vocab, aliases=states, index_dtype=indices)
         prefill_form = StepwisePrefill if batch == 1 else RowStepwisePrefill
         steps = {b: prefill_form(step, n_inputs) for b in buckets}
     else:
         loaded = neuron_model_builder.load_model_builder(entry.path, tp)
-        step = DeviceStep(cores.claim(loaded, 0, tp, label), n_inputs, vocab)
+        step = DeviceStep(cores.claim(loaded, 0, tp, label), n_inputs, vocab, aliases=states, index_dtype=indices)
         steps = {bucket: step}
     check_host_tables(HostEmbedder.from_text_model(model.text_model))  # the compile left the host tables whole
-    runtime = HostRuntime(model, steps, step, host_kv, context, batch=batch, dtype=dtype)
+    # no host K/V: the device steps keep theirs as aliased state and never read host buffers
+    runtime = HostRuntime(model, steps, step, [], context, batch=batch, dtype=dtype)
     return CompiledGraphs(
         runtime,
         0.0 if entry.hit else compile_s,

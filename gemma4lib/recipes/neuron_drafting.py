@@ -43,13 +43,14 @@ from typing import Any
 
 import torch
 
+from ..device.build import device_graph
 from ..device.graph import GraphShape
 from ..errors import SettingsError
 from ..tp.draft_rank_graph import assistant_nxd_full, build_drafting_modules, draft_key_shapes
 from ..tp.plan import TPPlan, make_plan
 from ..tp.shard import nxd_full_checkpoint
 from . import neuron_env
-from .common import graph_example_inputs
+from .common import index_dtype, key_inputs
 from .neuron_model_builder import instance_class
 
 RECIPE = "model_builder-drafting"
@@ -66,16 +67,30 @@ def drafting_shapes(context_length: int, buckets: tuple[int, ...], k: int, ring:
     return draft_key_shapes(context_length, tuple(sorted(buckets)), k, ring)
 
 
-def key_example_inputs(config: Any, name: str, shape: GraphShape, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
-    """A key's example inputs: the target graph's for prefill/verify; `(inputs_embeds [1, 1, 2H],
-    position [1])` for the draft key."""
+def key_example_inputs(loaded: Any, name: str, shape: GraphShape, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+    """A key's example inputs: the target device graph's own for prefill/verify
+    (`common.key_inputs`); `(inputs_embeds [1, 1, 2H], position [1])` for the draft key, its
+    position in the dtype the target graph gives its indices."""
+    graph = device_graph(loaded, shape, "dense", inplace=False)
+    inputs = key_inputs(graph, dtype=dtype)
     if name == "draft":
-        return (torch.zeros(1, 1, 2 * int(config.hidden_size), dtype=dtype), torch.zeros(1, dtype=torch.long))
-    return graph_example_inputs(config, shape, dtype)
+        hidden = int(loaded.config.hidden_size)
+        return (torch.zeros(1, 1, 2 * hidden, dtype=dtype), torch.zeros(1, dtype=index_dtype(inputs)))
+    return inputs
 
 
 def key_compiler_args(name: str) -> str:
-    return neuron_env.COMPILER_ARGS["prefill" if name.startswith("prefill") else "decode"]
+    """Prefill keys the prefill set; verify the `verify` set (k + 1 tokens: tiling 2, -O2, as NxD
+    Inference's speculation model); draft the decode set."""
+    if name.startswith("prefill"):
+        return neuron_env.COMPILER_ARGS["prefill"]
+    return neuron_env.COMPILER_ARGS["verify" if name == "verify" else "decode"]
+
+
+def drafting_loader(loaded: Any, assistant: Any, plan: TPPlan, dtype: torch.dtype):
+    """The lazy `checkpoint_loader`: target and assistant are arranged only when NxD's
+    `shard_checkpoint` calls it (`neuron_model_builder.checkpoint_loader`)."""
+    return functools.partial(drafting_checkpoint, loaded, assistant, plan, dtype)
 
 
 def drafting_checkpoint(loaded: Any, assistant: Any, plan: TPPlan, dtype: torch.dtype) -> dict[str, torch.Tensor]:
@@ -118,9 +133,11 @@ def compile_drafting(
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     workdir = Path(compiler_workdir or out / "compiler_workdir")
-    checkpoint = drafting_checkpoint(loaded, assistant, plan, dtype)
     builder = model_builder.ModelBuilder(  # inf2-only
-        router=None, tp_degree=tp, checkpoint_loader=lambda: dict(checkpoint), compiler_workdir=str(workdir)
+        router=None,
+        tp_degree=tp,
+        checkpoint_loader=drafting_loader(loaded, assistant, plan, dtype),
+        compiler_workdir=str(workdir),
     )
     for name, shape in shapes.items():
         builder.add(  # inf2-only
@@ -138,12 +155,13 @@ def compile_drafting(
                     dtype,
                 )
             ),
-            example_inputs=[key_example_inputs(loaded.config, name, shape, dtype)],
+            example_inputs=[key_example_inputs(loaded, name, shape, dtype)],
             compiler_args=key_compiler_args(name),
             priority_model_idx=None,  # see the module docstring: no weight layout optimisation
         )
     traced = builder.trace(initialize_model_weights=False)  # inf2-only
     torch.jit.save(traced, str(out / "model.pt"))  # inf2-only
+    del traced
     builder.shard_checkpoint(serialize_path=str(out / "weights"))  # inf2-only
     manifest = {
         "recipe": RECIPE,

@@ -103,9 +103,13 @@ _COMMON_ARGS = "--model-type=transformer --auto-cast=none --enable-mixed-precisi
 _TENSORIZER = (
     "--tensorizer-options='--enable-ccop-compute-overlap --cc-pipeline-tiling-factor={} --vectorize-strided-dma'"
 )
+# "verify": drafting's k + 1 token target key. NxD Inference 0.7/0.8 (`models/model_wrapper.py`)
+# sets tiling 1 only for its token-generation and fused-speculation tags; its k-token speculation
+# model keeps the default 2, and every tag but context encoding gets -O2. Verify is that model.
 COMPILER_ARGS = {
     "prefill": f"{_COMMON_ARGS} {_TENSORIZER.format(2)} -O1",
     "decode": f"{_COMMON_ARGS} {_TENSORIZER.format(1)} -O2",
+    "verify": f"{_COMMON_ARGS} {_TENSORIZER.format(2)} -O2",
 }
 
 
