@@ -9,9 +9,11 @@ import math
 import subprocess
 import sys
 import types
+from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import save_file
 
 from gemma4lib.device.graph import GraphShape
 from gemma4lib.errors import EnvironmentMismatchError, NeuronSDKMissingError
@@ -328,7 +330,7 @@ class _Recorder:
 
         class ModelBuilder:
             def __init__(self, router, tp_degree, checkpoint_loader, compiler_workdir=None):
-                recorder.raw_loader = checkpoint_loader
+                recorder.raw_loader, recorder.tp = checkpoint_loader, tp_degree
                 recorder.calls.append(("init", {"router": router, "tp_degree": tp_degree}))
 
             def add(
@@ -367,7 +369,13 @@ class _Recorder:
             def shard_checkpoint(self, serialize_path=None):
                 recorder.loader_calls += 1
                 checkpoint = recorder.raw_loader()
-                recorder.calls.append(("shard_checkpoint", {"path": serialize_path, "keys": len(checkpoint)}))
+                name = Path(serialize_path).name if serialize_path else None
+                recorder.calls.append(("shard_checkpoint", {"path": name, "keys": len(checkpoint)}))
+                if serialize_path:  # one (stand-in) file per rank, where NxD writes them
+                    Path(serialize_path).mkdir(parents=True, exist_ok=True)
+                    for rank in range(recorder.tp):
+                        path = Path(serialize_path) / f"tp{rank}_sharded_checkpoint.safetensors"
+                        save_file({"rank": torch.tensor([rank])}, str(path))
                 return [checkpoint]
 
         self.module = types.SimpleNamespace(BaseModelInstance=BaseModelInstance, ModelBuilder=ModelBuilder)

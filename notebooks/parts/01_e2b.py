@@ -98,37 +98,40 @@ plots.kv_layout(nb.real_layout("e2b"), "released E2B: who owns K/V, who borrows 
 # -- part: neuron_trace --
 # %%
 if backend == "neuron" and s.neuron_recipe == "trace":  # inf2-only: the one-graph recipe, E2B at TP=1
-    import tempfile
-
-    from gemma4lib.backends.neuron import neuron_cache_key
-    from gemma4lib.recipes import neuron_env
-    from gemma4lib.recipes.common import DeviceStep, KVParamModule, StepwisePrefill
+    from gemma4lib.backends.neuron import compiler_workdir, neuron_cache_key, own_directory
+    from gemma4lib.recipes import cores, neuron_env
+    from gemma4lib.recipes.common import DeviceStep, KVParamModule, StepwisePrefill, index_dtype
 
     torch_neuronx = neuron_env.require("torch_neuronx", "the trace recipe")
     shape = GraphShape(1, 1, s.context_length, s.ring_kv)  # the decode graph only
     key, parts = neuron_cache_key(model, "trace", 1, {"decode": shape}, neuron_env.COMPILER_ARGS, decode.dtype)
+    graph = DeviceGraph(model.text_model, model.lm_head, model.layout, shape, inplace=False)
+    module = KVParamModule(graph).eval()  # the K/V buffers as parameters of the traced module
 
     def build(folder):  # called by the cache, only on a miss
-        graph = DeviceGraph(model.text_model, model.lm_head, model.layout, shape, inplace=False)
-        module = KVParamModule(graph).eval()  # the K/V buffers as parameters of the traced module
-        traced = torch_neuronx.trace(
-            module,
-            module.example_inputs(),
-            input_output_aliases=module.aliases(),  # {K/V parameter: index of the output that updates it}
-            inline_weights_to_neff=False,  # the weights stay out of the NEFF
-            compiler_workdir=tempfile.mkdtemp(prefix="gemma4lib-neuron-cc-"),
-            compiler_args=neuron_env.compiler_args("decode"),
-        )
-        torch.jit.save(traced, str(folder / "model.pt"))
+        with compiler_workdir() as workdir, own_directory():  # the backend's: fresh, removed on success
+            traced = torch_neuronx.trace(
+                module,
+                module.example_inputs(),
+                input_output_aliases=module.aliases(),  # {K/V parameter: index of the output that updates it}
+                inline_weights_to_neff=False,  # the weights stay out of the NEFF
+                compiler_workdir=workdir,
+                compiler_args=neuron_env.compiler_args("decode"),
+            )
+            torch.jit.save(traced, str(folder / "model.pt"))
         return {"recipe": "trace", "tp": 1}
 
     began = time.perf_counter()
     entry = cache.get_or_build(key, build, describe={k: v for k, v in parts.items() if k != "config"})
+    cores.check_free(0, 1, f"e2b (trace) from {entry.path}")  # an earlier run's model still on the core: refused
     traced = torch.jit.load(str(entry.file("model.pt")))
     torch_neuronx.move_trace_to_device(traced, 0)  # the separated weights go to the core's HBM once
-    step = DeviceStep(traced, 4)  # E2B's four inputs; the K/V live on the device
+    cores.claim(traced, 0, 1, f"e2b (trace) from {entry.path}")
+    step = DeviceStep(  # E2B's four inputs; the K/V live on the device (they may follow the logits)
+        traced, 4, model.config.vocab_size, aliases=len(module.kv), index_dtype=index_dtype(module.example_inputs())
+    )
     prompt_steps = {b: StepwisePrefill(step, 4) for b in prefill}  # the prompt one token at a time
-    runtime = HostRuntime(model, prompt_steps, step, decode.new_kv(), s.context_length, dtype=decode.dtype)
+    runtime = HostRuntime(model, prompt_steps, step, [], s.context_length, dtype=decode.dtype)
     compiled = CompiledGraphs(runtime, 0.0 if entry.hit else time.perf_counter() - began, [entry.hit], "neuron-trace")
 # -- part: after_checks --
 # -- part: plot_note --
