@@ -805,3 +805,16 @@ def test_every_backends_example_inputs_have_int32_indices(tmp_path, monkeypatch)
         assert [t.dtype for t in graph.example_inputs()[2:4]] == [torch.int32, torch.int32]
     seen = _recorded_index_dtypes(tmp_path, monkeypatch)
     assert seen == {k: [torch.int32, torch.int32] for k in ("prefill", "decode", "trace")}
+
+
+def test_the_doctor_names_the_2_28_image_by_name_and_date_not_the_ssm_latest():
+    """SSM's `latest` image id now resolves to a 2.29+ image that fails the pins (SSM has no
+    per-release parameter): the doctor tells the user how to pick the 2.28 DLAMI instead."""
+    from gemma4lib.inf2.doctor import format_doctor, run_doctor
+
+    text = format_doctor(run_doctor())
+    (image,) = [line for line in text.splitlines() if line.strip().startswith("image:")]
+    assert "describe-images" in image and neuron_env.DLAMI in image
+    assert all(date in image for date in neuron_env.DLAMI_DATES)
+    assert "gives only the newest image, not a 2.28 one" in image
+    assert "(SSM " not in text  # the latest id is never offered as the image to start

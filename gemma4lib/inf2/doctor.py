@@ -107,7 +107,7 @@ def expected_environment() -> dict[str, Any]:
     """The inf2 environment this cookbook is written for, and the lines that make it."""
     return {
         "dlami": neuron_env.DLAMI,
-        "ssm_parameter": neuron_env.DLAMI_SSM_PARAMETER,
+        "image": neuron_env.dlami_advice(),
         "venv": neuron_env.DLAMI_VENV_PATH,
         "python": neuron_env.INF2_PYTHON,
         "neuron_sdk": neuron_env.NEURON_SDK_RELEASE,
@@ -279,7 +279,8 @@ def format_doctor(report: dict[str, Any]) -> str:
     e = report["expected"]
     lines = [
         f"gemma4lib doctor — Neuron SDK {report['neuron_sdk_release']} target",
-        f"expected: {e['dlami']} (SSM {e['ssm_parameter']}), venv {e['venv']}, Python {e['python']}",
+        f"expected: {e['dlami']} of SDK {report['neuron_sdk_release']}, venv {e['venv']}, Python {e['python']}",
+        f"  image: {e['image']}",
         "  " + ", ".join(f"{k} {v}" for k, v in e["pins"].items()),
         "  set-up: " + " && ".join(e["install"]),
         f"this machine: python {report['python']}, torch {report['torch']}, {report['platform']}",
