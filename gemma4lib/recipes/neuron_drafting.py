@@ -15,8 +15,9 @@ that buys, from NxD v2.28.0 `trace/model_builder.py` and `trace/trace.py`:
   state has no way to say so in v1: a parameter it does not alias would be a *weight*
   (`INPUT_WEIGHT`), looked up in the checkpoint. So the draft key aliases every K/V parameter to an
   output that is that parameter, unchanged: the same states as the other keys, never written
-  (`DraftingRankModule.forward`). Whether the compiler elides the identity write-back (it should:
-  the output buffer is the input buffer) is unverified on inf2.
+  (`DraftingRankModule.forward`). Whether the compiler elides the identity write-back or copies
+  every state per draft step is unknown and unverified on inf2 (docs/DRAFTING.md gives the
+  measurement that tells).
 - Routing: `NxDModel.forward(inputs: List[Tensor])` picks the key by the input shapes, so no two
   keys may share them (a prefill bucket of k + 1 tokens would collide with verify: refused). The
   saved executor is traced with one key's arity, and the draft key takes two inputs where the
@@ -26,12 +27,15 @@ that buys, from NxD v2.28.0 `trace/model_builder.py` and `trace/trace.py`:
   transforms the checkpoint on load with a program built from that key's weights only; the
   assistant's (draft key) and the target's (other keys) are never all in one key, and what that
   transform does to weights outside its program is not documented. So drafting compiles without
-  the layout optimisation (a cost on inf2, unmeasured).
+  the layout optimisation (a cost on inf2, unmeasured). NxD Inference fuses draft and target into
+  one key with priority 0 instead (`fused_speculation_model`, `models/model_base.py`); that needs
+  one graph running the draft steps and the verify, not this host loop's separate steps.
 
-Compiler arguments: prefill keys the prefill set (-O1), verify and draft the decode set (-O2): they
-are the per-step graphs. The host loop is `speculative.DraftedRuntime` over `NxDKeyStep`s. The
-assistant's checkpoint: `tp.draft_rank_graph.assistant_nxd_full`, laid out so NxD's contiguous
-cut gives each rank `assistant_shard(rank)`. Lines that need the SDK are marked `# inf2-only`.
+Compiler arguments: prefill keys the prefill set (-O1), verify its own set (-O2, tiling 2: NxD
+Inference's k-token speculation model keeps tiling 2), draft the decode set (-O2, tiling 1). The
+host loop is `speculative.DraftedRuntime` over `NxDKeyStep`s. The assistant's checkpoint:
+`tp.draft_rank_graph.assistant_nxd_full`, laid out so NxD's contiguous cut gives each rank
+`assistant_shard(rank)`. Lines that need the SDK are marked `# inf2-only`.
 """
 
 from __future__ import annotations
