@@ -17,7 +17,7 @@ token per device step: a 128-token prompt is
 128 steps (~3 s at the field report's 44 tok/s for E2B), against one bucketed call (~11 ms
 computed, `inf2.prefill.prefill_estimate`) in the ModelBuilder recipe, which E2B uses by default
 (`memory_plan.neuron_recipe`). Its compile is also the one that fits an inf2.xlarge's 16 GiB host
-(~14 GB against ModelBuilder's ~28 GB, `memory_plan.compile_peak_gb`).
+(~14 GB against ModelBuilder's ~19 GB, `memory_plan.compile_peak_gb`).
 
 The decode graph (`DeviceGraph(inplace=False)`, one token) is wrapped in a `KVParamModule`: its K/V
 buffers are parameters of the traced module and `input_output_aliases={param: output_index}` makes
