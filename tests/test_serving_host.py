@@ -109,7 +109,8 @@ def test_e2b_serves_on_an_inf2_xlarge():
 def test_the_plan_grows_with_what_the_host_holds():
     short = serving_host_plan("12b", 2, "inf2.8xlarge", context_length=512)
     long = serving_host_plan("12b", 2, "inf2.8xlarge", context_length=4096)
-    assert long.host_kv_gb > short.host_kv_gb and long.peak_gb > short.peak_gb
+    # no host K/V on neuron: the compiled context changes nothing the serving host holds
+    assert long.host_kv_gb == short.host_kv_gb == 0.0 and long.peak_gb == short.peak_gb
     more = serving_host_plan("e2b", 1, "inf2.xlarge", new_tokens=512)
     assert more.spread_gb > serving_host_plan("e2b", 1, "inf2.xlarge").spread_gb
 

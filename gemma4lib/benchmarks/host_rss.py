@@ -10,9 +10,13 @@ of its own:
 once (the Neuron backend's cache key reads every weight before the compile), 3. the per-rank
 weight shards read back as `load_model_builder` reads them (TP=1: the device weights) and every
 page of them read (what `nxd_model.initialize` does copying them to the cores), then dropped,
-4. the host K/V buffers at the full profile's context, 5. the host reference's greedy `generate`
-over the full profile's prompt and new tokens, 6. LOGITS_MATCH's teacher-forced logits and their
-spread (`reference.logits_spread`).
+4. the host reference's greedy `generate` over the full profile's prompt and new tokens, 5.
+LOGITS_MATCH's teacher-forced logits and their spread (`reference.logits_spread`). No host K/V:
+the neuron backend keeps none.
+
+`compile` measures the ModelBuilder compile's host side the same way (`inf2.compile_host`): the
+load, every weight page read, the two keys' modules at shard size, then the lazy NxD checkpoint
+and one rank's file written at a time.
 
 Its peak is compared with `serving_host_plan(..., layer_overrides=...)` at the same depth, and a
 line through the two depths' (model bytes, peak) points is extended to the released model's bytes
@@ -72,7 +76,6 @@ def _serve(variant: str, folder: Path, context_length: int, prompt_tokens: int, 
     import torch
     from safetensors.torch import load_file
 
-    from ..device.kv_layout import KVLayout
     from ..inf2.host_memory import measure_peak, rss_bytes
     from ..models.checkpoint import load_checkpoint
     from ..models.variants import get_variant
@@ -89,8 +92,6 @@ def _serve(variant: str, folder: Path, context_length: int, prompt_tokens: int, 
     model_bytes += sum(b.numel() * b.element_size() for b in lm.buffers())
     _, steps["read_weights"] = measure_peak(lambda: _read_every_page(lm.state_dict().values()))
     _, steps["shards"] = measure_peak(lambda: _read_every_page(load_file(str(folder / "shards" / SHARD_FILE)).values()))
-    layout = KVLayout.from_config(lm.config)
-    kv = [torch.zeros(s, dtype=torch.bfloat16) for s in layout.buffer_shapes(1, context_length, True)]
     ids = random_prompt(lm.config.vocab_size, prompt_tokens, 1)
     tokens, steps["reference"] = measure_peak(lambda: reference_greedy(lm, ids, new_tokens))
 
@@ -102,7 +103,7 @@ def _serve(variant: str, folder: Path, context_length: int, prompt_tokens: int, 
     return {
         "base_gb": base / 1e9,
         "model_gb": model_bytes / 1e9,
-        "host_kv_gb": sum(t.numel() * 2 for t in kv) / 1e9,
+        "host_kv_gb": 0.0,  # the neuron backend keeps no host K/V
         "steps": {k: v.to_dict() for k, v in steps.items()},
         # the steps' peaks (ru_maxrss cannot say: resetting VmHWM for each step resets it too)
         "peak_gb": max(step.peak_bytes for step in steps.values()) / 1e9,
