@@ -791,3 +791,77 @@ def test_serving_tables_and_draft_plot_render_headless():
     table = nb.batch_rows_table([{**row, "logits_max_err": 1e-6, "logits_tolerance": 1e-5, "coherent": None}])
     assert table.rows[0][4] is False and table.rows[0][6] == "1e-06 / 1e-05"
     assert isinstance(plots_draft.drafts_accepted([4, 2, 0], [4, 4, 4], [5, 3, 1]), Figure)
+
+
+def test_the_trace_cell_makes_the_backends_calls(tmp_path, monkeypatch):
+    """E2B's one-graph cell, against recording stand-ins for torch_neuronx and the artifact's save
+    and load, makes the calls `backends.neuron.compile` makes with `neuron_recipe="trace"`: the
+    backend's work directory and private current directory around the trace, the same example
+    inputs, aliases and compiler arguments, and the cores guard around the load."""
+    import contextlib
+
+    import torch
+
+    from gemma4lib import notebook as nb_helpers
+    from gemma4lib.backends import neuron
+    from gemma4lib.backends.base import CompiledGraphs
+    from gemma4lib.cache.artifacts import ArtifactCache
+    from gemma4lib.device.graph import DeviceGraph, GraphShape
+    from gemma4lib.port import PortSettings, build_graphs, load_model
+    from gemma4lib.recipes import cores, neuron_env
+    from gemma4lib.runtime import HostRuntime
+
+    path = NOTEBOOK_DIR / "01_e2b.ipynb"
+    settings = PortSettings(variant="e2b", neuron_recipe="trace", cache_dir=str(tmp_path / "library-cache"))
+    model = load_model(settings)
+    prefill, decode = build_graphs(model, settings)
+    guards = {name: getattr(neuron, name) for name in ("compiler_workdir", "own_directory")}
+    runs = []
+    for run in ("cell", "library"):
+        calls = []
+
+        def trace(module, example_inputs, *, input_output_aliases, compiler_workdir, calls=calls, **kwargs):
+            inputs = [(tuple(t.shape), t.dtype) for t in example_inputs]
+            calls.append(("trace", {"inputs": inputs, "aliases": sorted(input_output_aliases.values()), **kwargs}))
+            return module
+
+        sdk = types.SimpleNamespace(
+            trace=trace, move_trace_to_device=lambda traced, core, c=calls: c.append(("move", core))
+        )
+        monkeypatch.setattr(neuron_env, "require", lambda module, purpose="", sdk=sdk: sdk)
+        for name, guard in guards.items():
+
+            @contextlib.contextmanager
+            def recording(*args, name=name, guard=guard, calls=calls, **kwargs):
+                calls.append((name, {}))
+                with guard(*args, **kwargs) as value:
+                    yield value
+
+            monkeypatch.setattr(neuron, name, recording)
+        monkeypatch.setattr(cores, "check_free", lambda first, n, label, c=calls: c.append(("check_free", [first, n])))
+        monkeypatch.setattr(cores, "claim", lambda m, first, n, label, c=calls: c.append(("claim", [first, n])) or m)
+
+        def save(traced, p, c=calls):
+            c.append(("save", Path(p).name))
+            Path(p).write_bytes(b"stand-in")
+
+        monkeypatch.setattr(torch.jit, "save", save)
+        monkeypatch.setattr(torch.jit, "load", lambda p, c=calls: c.append(("load", Path(p).name)) or _FakeLoaded(c))
+        if run == "cell":
+            namespace = dict(backend="neuron", s=settings, model=model, prefill=prefill, decode=decode, torch=torch)
+            namespace.update(nb=nb_helpers, time=__import__("time"), cache=ArtifactCache(tmp_path / "cell-cache"))
+            namespace.update(HostRuntime=HostRuntime, CompiledGraphs=CompiledGraphs, GraphShape=GraphShape)
+            namespace.update(DeviceGraph=DeviceGraph)
+            cell = _cell_starting(load(path), 'if backend == "neuron" and s.neuron_recipe == "trace"')
+            exec(compile(cell, f"{path.name}[trace cell]", "exec"), namespace)
+            runtime = namespace["compiled"].runtime
+        else:
+            runtime = neuron.compile(model, settings).runtime
+        runs.append((calls, runtime))
+    (cell_calls, cell_runtime), (library_calls, library_runtime) = runs
+    kinds = [kind for kind, _ in cell_calls]
+    assert kinds == ["compiler_workdir", "own_directory", "trace", "save", "check_free", "load", "move", "claim"]
+    assert kinds == [kind for kind, _ in library_calls]
+    for (kind, ours), (_, theirs) in zip(cell_calls, library_calls, strict=True):
+        assert ours == theirs, f"{kind}: the cell asked {ours}, the backend {theirs}"
+    assert cell_runtime.kv == library_runtime.kv == []
