@@ -691,14 +691,16 @@ def test_a_traced_module_returning_its_aliased_states_passes_the_first_call():
 
 
 class _FakeNxDModel:
-    """A loaded ModelBuilder model as the host sees it: routed by shape, the logits alone."""
+    """A loaded compiled model as the host sees it: the logits, then `states` device-resident
+    tensors (a traced module that hands its aliased K/V states back)."""
 
-    def __init__(self, vocab):
-        self.vocab, self.calls = vocab, []
+    def __init__(self, vocab, states=0):
+        self.vocab, self.states, self.calls = vocab, states, []
 
     def __call__(self, *inputs):
         self.calls.append([(tuple(t.shape), t.dtype) for t in inputs])
-        return torch.zeros(inputs[0].shape[0], inputs[0].shape[1], self.vocab)
+        logits = torch.zeros(inputs[0].shape[0], inputs[0].shape[1], self.vocab)
+        return (logits, *_device_states(self.states)) if self.states else logits
 
 
 def test_backend_neuron_keeps_no_host_kv(tmp_path, monkeypatch):
@@ -827,3 +829,32 @@ def test_the_doctor_names_the_2_28_image_by_name_and_date_not_the_ssm_latest():
     assert all(date in image for date in neuron_env.DLAMI_DATES)
     assert "gives only the newest image, not a 2.28 one" in image
     assert "(SSM " not in text  # the latest id is never offered as the image to start
+
+
+@pytest.mark.parametrize("extra,fails", [(0, False), (1, True)])
+def test_backend_neuron_accepts_exactly_its_aliased_states_after_the_logits(extra, fails, tmp_path, monkeypatch):
+    """The backend declares the K/V states its module aliases (one per K/V buffer of the decode
+    graph): a module returning the logits and those states runs; one more tensor fails the first call."""
+    from gemma4lib.backends import neuron
+    from gemma4lib.device.build import device_graphs
+    from gemma4lib.errors import DeviceOutputError
+    from gemma4lib.port import PortSettings, load_model
+    from gemma4lib.recipes import neuron_model_builder
+
+    monkeypatch.setenv("GEMMA4LIB_INSTANCE_TYPE", "inf2.8xlarge")
+    monkeypatch.setattr(neuron_env, "require_sdk", lambda *a, **k: None)
+    monkeypatch.setattr(neuron_env, "require", lambda *a, **k: None)
+    settings = PortSettings(variant="e2b", backend="neuron", max_new_tokens=4, cache_dir=str(tmp_path))
+    model = load_model(settings)
+    states = len(device_graphs(model, settings, inplace=False)[1].new_kv())
+    fake = _FakeNxDModel(model.config.vocab_size, states + extra)
+    monkeypatch.setattr(
+        neuron_model_builder, "compile_model_builder", lambda m, tp, folder, **k: (folder / "m.json").write_text("{}")
+    )
+    monkeypatch.setattr(neuron_model_builder, "load_model_builder", lambda path, tp: fake)
+    runtime = neuron.compile(model, settings).runtime
+    if fails:
+        with pytest.raises(DeviceOutputError, match=f"traced with {states} aliased K/V states"):
+            runtime.generate([5, 6, 7], 3)
+    else:
+        assert len(runtime.generate([5, 6, 7], 3).tokens) == 3
