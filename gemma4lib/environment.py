@@ -123,6 +123,17 @@ def versions() -> dict[str, Any]:
     return {k: v for k, v in found.items() if v is not None}
 
 
+# What `versions()` records that never changes a compiled program: the commit. Every cache key
+# (CPU, Neuron, drafting) and bundle takes `program_versions()`, so a docs-only commit reuses the
+# artifacts; the library's graph code is in the keys by its own digest (`program_key.source_digest`).
+NOT_PROGRAM = ("git_sha",)
+
+
+def program_versions() -> dict[str, Any]:
+    """`versions()` without what does not change a compiled program (`NOT_PROGRAM`)."""
+    return {k: v for k, v in versions().items() if k not in NOT_PROGRAM}
+
+
 def machine() -> dict[str, Any]:
     return {
         "platform": platform.platform(),

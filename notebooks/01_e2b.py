@@ -25,7 +25,7 @@
 # | machine | `inf2.xlarge`: 1 Inferentia2 chip, 2 NeuronCores, 32 GiB HBM, 820 GB/s | any x86-64 or arm64 machine; two shared cores are enough |
 # | TP degree | 1 (NxD ModelBuilder; the one-graph `torch_neuronx.trace` recipe is selectable) | 1 (this notebook has no tensor parallelism; `02_e4b` shows it) |
 # | memory per core (computed, `python -m gemma4lib doctor`) | 4.2 GiB bf16 weights + 0.02 GiB K/V at 2,048 tokens + 2 GiB working allowance (unverified on inf2) = 6.3 of 16 GiB HBM | a few MB |
-# | host RAM for the compile | ~28 GB estimated for ModelBuilder (computed: 3 × the text weights, the rule calibrated on the field report's 31B): more than the inf2.xlarge's 16 GiB, so compile on an inf2.8xlarge (same chip) and serve on the inf2.xlarge, or pick `neuron_recipe="trace"` (~14 GB, fits; the prompt then runs token by token) | under 2 GiB |
+# | host RAM for the compile | ~19 GB planned for ModelBuilder (computed: the host model, the two keys' modules and the NxD checkpoint built when it is sharded; `inf2.compile_host`, the compiler's own RAM unverified): more than the inf2.xlarge's 16 GiB, so compile on an inf2.8xlarge (same chip) and serve on the inf2.xlarge, or pick `neuron_recipe="trace"` (~14 GB, fits; the prompt then runs token by token) | under 2 GiB |
 # | serving host RAM (computed, `python -m gemma4lib doctor`; unverified on inf2) | ~14.3 GB peak of 16.1 GB usable on the inf2.xlarge: the bf16 model 9.3 GB (host tables 5.5) + 4.6 GB at the peak step + 0.5 GB process; the logit check widens one module at a time, never a second model | under 2 GiB |
 # | time per decode step | ~23 ms measured by the field report (44 tok/s, with its `torch_neuronx.trace` recipe); ≥ 10.4 ms computed from bandwidth ÷ bytes per step | ~1.2 ms measured (818 tok/s, smoke baseline of 2026-11-29, one thread of a shared 2-core CPU) |
 # | software | Deep Learning AMI Neuron (Ubuntu 24.04), venv `aws_neuronx_venv_pytorch_2_9_nxd_inference` (Python 3.12), Neuron SDK 2.28: torch-neuronx 2.9.0.2.12.22436, neuronx-cc 2.23.6484.0, neuronx-distributed 0.17.26814, libneuronxla 2.2.15515.0; + transformers 5.23.0 | torch 2.13 (CPU), transformers 5.23.0, AOTInductor as the compiler |
@@ -97,13 +97,13 @@ from gemma4lib import checks, notebook as nb
 from gemma4lib.backends import compile_cpu
 from gemma4lib.backends.base import CompiledGraphs
 from gemma4lib.cache.artifacts import ArtifactCache
-from gemma4lib.device.build import PREFILL_EXPERTS
+from gemma4lib.device.build import PREFILL_EXPERTS, GraphSet
 from gemma4lib.notebook import plots
 from gemma4lib.timing import benchmark
 from gemma4lib.device.graph import DeviceGraph, GraphShape
 from gemma4lib.port import PortSettings, eos_ids, load_model, prompt_ids
 from gemma4lib.reference import logits_spread, reference_greedy, teacher_forced_logits
-from gemma4lib.runtime import HostRuntime, Sampling, decode_loop
+from gemma4lib.runtime import Engine, Request, Sampling, Steps, bind_kv
 
 torch.set_num_threads(threads)
 started = time.perf_counter()
@@ -241,7 +241,8 @@ decode = DeviceGraph(  # and one decode graph: one token at a position given as 
     weights=s.weights,
 )
 print("decode graph inputs:", [tuple(t.shape) for t in decode.example_inputs()])
-nb.describe_graphs(prefill, decode)
+graphs = GraphSet(prefill, decode, model.layout)  # by name: what every backend compiles
+nb.describe_graphs(graphs)
 
 # %% [markdown]
 # ## 3. Compile
@@ -280,7 +281,11 @@ nb.describe_graphs(prefill, decode)
 # - `ModelBuilder(router=None, tp_degree=tp, checkpoint_loader=..., compiler_workdir=...)`: one
 #   process, one rank compiled; `checkpoint_loader` returns the whole checkpoint laid out so that NxD's
 #   contiguous split gives each rank its shard (`nxd_checkpoint`; K/V heads already replicated where
-#   there are fewer than ranks). `trace()` wipes `compiler_workdir`: never share it.
+#   there are fewer than ranks). It is lazy (`mb.checkpoint_loader`): NxD calls it only in
+#   `shard_checkpoint`, so the compile runs without that second copy of the weights on the host.
+#   `trace()` wipes `compiler_workdir` and writes `{key}_{rank}.hlo` files into the current
+#   directory: the cell gives it a fresh work directory (removed on success, kept with the
+#   compiler's logs on failure) and a private current directory, the backend's own helpers.
 # - `builder.add(key, model_instance, example_inputs, compiler_args, priority_model_idx)` once per key,
 #   `prefill` (the largest bucket only: one compiled prompt length on inf2) and `decode`.
 #   `model_instance` builds the rank graph with NxD's parallel layers and returns its K/V parameters
@@ -292,7 +297,9 @@ nb.describe_graphs(prefill, decode)
 # - `builder.trace(initialize_model_weights=False)` compiles without inlining the weights;
 #   `torch.jit.save` keeps it; `builder.shard_checkpoint(serialize_path=...)` writes one
 #   `tp{rank}_sharded_checkpoint.safetensors` per rank. Loading is `torch.jit.load` and
-#   `nxd_model.initialize(weights_per_rank, start_rank)`.
+#   `nxd_model.initialize(weights_per_rank, start_rank)`, after `cores.check_free`: running the cell
+#   again while the first model is still referenced would put a second copy on the same cores, so it
+#   is refused with what to release.
 #
 # A longer context on inf2 means a new compile: set `context_length` (and `prefill_buckets`, whose
 # largest entry is the compiled prompt length) and run again; the cache key changes with them, so
@@ -304,7 +311,7 @@ nb.describe_graphs(prefill, decode)
 cache, options = ArtifactCache(s.cache_dir), compile_cpu.DEFAULT_COMPILER_OPTIONS
 if backend == "cpu":
     steps = {}
-    for name, graph in [*prefill.items(), ("decode", decode)]:
+    for name, graph in graphs.named().items():  # prefill64, ..., decode
         began = time.perf_counter()
         with torch.no_grad():
             program = torch.export.export(graph, graph.example_inputs(), strict=False)
@@ -321,65 +328,78 @@ if backend == "cpu":
         compile_cpu.load_weights(runner, graph)  # the package holds no weights: hand it the model's
         compile_s = 0.0 if entry.hit else time.perf_counter() - began
         steps[name] = compile_cpu.CompiledStep(runner, entry, compile_s, 0.0, {"key": entry.key})
-    runtime = HostRuntime(model, {b: steps[b] for b in prefill}, steps["decode"], decode.new_kv(), s.context_length)
+    kv = decode.new_kv()  # one set of host K/V buffers, shared by every graph and updated in place
+    runtime = Engine.for_model(  # the one generation engine, over the compiled steps
+        model,
+        Steps({b: bind_kv(steps[f"prefill{b}"], kv) for b in prefill}, bind_kv(steps["decode"], kv)),
+        batch=1,
+        context_length=s.context_length,
+    )
     compiled = CompiledGraphs(
-        runtime,
+        runtime.steps,
         sum(step.compile_s for step in steps.values()),
         [step.cache_hit for step in steps.values()],
         compile_cpu.RECIPE,
-        {"artifacts": {str(name): str(step.entry.path) for name, step in steps.items()}},
+        {"artifacts": {name: str(step.entry.path) for name, step in steps.items()}},
+        runtime=runtime,
+        graphs=graphs,
+        kv=kv,
     )
 
 # %%
 if backend == "neuron" and s.neuron_recipe == "trace":  # inf2-only: the one-graph recipe, E2B at TP=1
-    import tempfile
-
-    from gemma4lib.backends.neuron import neuron_cache_key
-    from gemma4lib.recipes import neuron_env
-    from gemma4lib.recipes.common import DeviceStep, KVParamModule, StepwisePrefill
+    from gemma4lib.backends.neuron import compiler_workdir, neuron_cache_key, own_directory
+    from gemma4lib.recipes import cores, neuron_env
+    from gemma4lib.recipes.common import DeviceStep, KVParamModule, index_dtype
 
     torch_neuronx = neuron_env.require("torch_neuronx", "the trace recipe")
     shape = GraphShape(1, 1, s.context_length, s.ring_kv)  # the decode graph only
     key, parts = neuron_cache_key(model, "trace", 1, {"decode": shape}, neuron_env.COMPILER_ARGS, decode.dtype)
+    graph = DeviceGraph(model.text_model, model.lm_head, model.layout, shape, inplace=False)
+    module = KVParamModule(graph).eval()  # the K/V buffers as parameters of the traced module
 
     def build(folder):  # called by the cache, only on a miss
-        graph = DeviceGraph(model.text_model, model.lm_head, model.layout, shape, inplace=False)
-        module = KVParamModule(graph).eval()  # the K/V buffers as parameters of the traced module
-        traced = torch_neuronx.trace(
-            module,
-            module.example_inputs(),
-            input_output_aliases=module.aliases(),  # {K/V parameter: index of the output that updates it}
-            inline_weights_to_neff=False,  # the weights stay out of the NEFF
-            compiler_workdir=tempfile.mkdtemp(prefix="gemma4lib-neuron-cc-"),
-            compiler_args=neuron_env.compiler_args("decode"),
-        )
-        torch.jit.save(traced, str(folder / "model.pt"))
+        with compiler_workdir() as workdir, own_directory():  # the backend's: fresh, removed on success
+            traced = torch_neuronx.trace(
+                module,
+                module.example_inputs(),
+                input_output_aliases=module.aliases(),  # {K/V parameter: index of the output that updates it}
+                inline_weights_to_neff=False,  # the weights stay out of the NEFF
+                compiler_workdir=workdir,
+                compiler_args=neuron_env.compiler_args("decode"),
+            )
+            torch.jit.save(traced, str(folder / "model.pt"))
         return {"recipe": "trace", "tp": 1}
 
     began = time.perf_counter()
     entry = cache.get_or_build(key, build, describe={k: v for k, v in parts.items() if k != "config"})
+    cores.check_free(0, 1, f"e2b (trace) from {entry.path}")  # an earlier run's model still on the core: refused
     traced = torch.jit.load(str(entry.file("model.pt")))
     torch_neuronx.move_trace_to_device(traced, 0)  # the separated weights go to the core's HBM once
-    step = DeviceStep(traced, 4)  # E2B's four inputs; the K/V live on the device
-    prompt_steps = {b: StepwisePrefill(step, 4) for b in prefill}  # the prompt one token at a time
-    runtime = HostRuntime(model, prompt_steps, step, decode.new_kv(), s.context_length, dtype=decode.dtype)
-    compiled = CompiledGraphs(runtime, 0.0 if entry.hit else time.perf_counter() - began, [entry.hit], "neuron-trace")
+    cores.claim(traced, 0, 1, f"e2b (trace) from {entry.path}")
+    step = DeviceStep(  # E2B's four inputs; the K/V live on the device (they may follow the logits)
+        traced, 4, model.config.vocab_size, aliases=len(module.kv), index_dtype=index_dtype(module.example_inputs())
+    )
+    # no prefill graph: the engine feeds the prompt through the decode graph, one token per call
+    runtime = Engine.for_model(model, Steps(decode=step), batch=1, context_length=s.context_length, dtype=decode.dtype)
+    compile_s = 0.0 if entry.hit else time.perf_counter() - began
+    compiled = CompiledGraphs(runtime.steps, compile_s, [entry.hit], "neuron-trace", runtime=runtime)
 
 # %%
 if backend == "neuron" and s.neuron_recipe != "trace":  # inf2-only: NxD ModelBuilder, the default recipe
     import functools
-    import tempfile
 
     from safetensors.torch import load_file
 
-    from gemma4lib.backends.neuron import neuron_cache_key
-    from gemma4lib.recipes import neuron_env, neuron_model_builder as mb
-    from gemma4lib.recipes.common import DeviceStep, graph_example_inputs
+    from gemma4lib.backends.neuron import compiler_workdir, neuron_cache_key, own_directory
+    from gemma4lib.recipes import cores, neuron_env, neuron_model_builder as mb
+    from gemma4lib.recipes.common import DeviceStep, index_dtype, key_inputs
     from gemma4lib.tp.plan import make_plan
 
-    tp, dtype, bucket = s.tp_degree, torch.bfloat16, max(s.prefill_buckets)  # one compiled bucket on inf2
+    tp, dtype, bucket = s.tp_degree, decode.dtype, max(s.prefill_buckets)  # bf16 on inf2; one compiled bucket
     experts = s.decode_experts if model.variant.is_moe else "dense"
-    shapes = mb.bucket_shapes(s.context_length, bucket, s.ring_kv)  # {"prefill": ..., "decode": ...}
+    graphs = {"prefill": prefill[bucket], "decode": decode}  # the keys' shapes and example inputs
+    shapes = {name: graph.shape for name, graph in graphs.items()}
     forms = mb.bucket_expert_forms(experts)  # prefill: all experts; decode: the routed ones
     plan = make_plan(model.config, tp, model.variant)  # which rows/columns and K/V heads each rank holds
     key, parts = neuron_cache_key(
@@ -388,73 +408,73 @@ if backend == "neuron" and s.neuron_recipe != "trace":  # inf2-only: NxD ModelBu
 
     def build(folder):  # called by the cache, only on a miss
         model_builder, GraphInstance = mb.instance_class()
-        checkpoint = mb.nxd_checkpoint(model, plan, dtype, s.weights)
-        builder = model_builder.ModelBuilder(
-            router=None,
-            tp_degree=tp,
-            checkpoint_loader=lambda: dict(checkpoint),
-            compiler_workdir=tempfile.mkdtemp(prefix="gemma4lib-neuron-cc-"),  # its own: trace() wipes it
-        )
-        for name, shape in shapes.items():
-            builder.add(
-                key=name,
-                model_instance=GraphInstance(  # the key's module, built by NxD once per rank
-                    functools.partial(
-                        mb.rank_module, model.config, plan, shape, dtype, expert_form=forms[name], weights=s.weights
-                    )
-                ),
-                example_inputs=[graph_example_inputs(model.config, shape, dtype)],
-                compiler_args=neuron_env.COMPILER_ARGS[shape.phase],
-                priority_model_idx=mb.PRIORITY[name],  # decode: 0, the layout the compiler optimises
+        # a fresh compiler workdir (trace() wipes it; kept with the compiler's logs if the compile fails)
+        # and a private current directory (trace() writes {key}_{rank}.hlo there)
+        with compiler_workdir() as workdir, own_directory():
+            builder = model_builder.ModelBuilder(
+                router=None,
+                tp_degree=tp,
+                checkpoint_loader=mb.checkpoint_loader(model, plan, dtype, s.weights),  # built when NxD shards
+                compiler_workdir=workdir,
             )
-        traced = builder.trace(initialize_model_weights=False)  # weights not inlined
-        torch.jit.save(traced, str(folder / "model.pt"))
-        builder.shard_checkpoint(serialize_path=str(folder / "weights"))  # one file per rank
+            for name, graph in graphs.items():
+                rank_module = functools.partial(  # the key's module, built by NxD once per rank
+                    mb.rank_module, model.config, plan, graph.shape, dtype, expert_form=forms[name], weights=s.weights
+                )
+                builder.add(
+                    key=name,
+                    model_instance=GraphInstance(rank_module),
+                    example_inputs=[key_inputs(graph, dtype=dtype)],  # the graph's own, without its K/V
+                    compiler_args=neuron_env.COMPILER_ARGS[graph.shape.phase],
+                    priority_model_idx=mb.PRIORITY[name],  # decode: 0, the layout the compiler optimises
+                )
+            traced = builder.trace(initialize_model_weights=False)  # weights not inlined
+            torch.jit.save(traced, str(folder / "model.pt"))
+            del traced
+            builder.shard_checkpoint(serialize_path=str(folder / "weights"))  # one file per rank
         return {"recipe": "model_builder", "tp": tp}
 
     began = time.perf_counter()
     entry = cache.get_or_build(key, build, describe={k: v for k, v in parts.items() if k != "config"})
+    label = f"{model.variant.name} (model_builder, TP={tp}) from {entry.path}"
+    cores.check_free(0, tp, label)  # a model an earlier run of this cell loaded still holds the cores: refused
     traced = torch.jit.load(str(entry.file("model.pt")))
     shards = [entry.file("weights") / mb.SHARD_FILE.format(rank=r) for r in range(tp)]
     traced.nxd_model.initialize([load_file(str(p)) for p in shards], torch.tensor([0], dtype=torch.int32))
-    step = DeviceStep(traced, 4 if has_ple else 3)  # the K/V live on the device: host K/V are ignored
-    runtime = HostRuntime(model, {bucket: step}, step, decode.new_kv(), s.context_length, dtype=dtype)
-    compiled = CompiledGraphs(
-        runtime, 0.0 if entry.hit else time.perf_counter() - began, [entry.hit], "neuron-model_builder", {}
-    )
+    cores.claim(traced, 0, tp, label)
+    states = len(decode.layout.buffer_shapes(1, s.context_length, s.ring_kv))  # the K/V states it aliases
+    indices = index_dtype(key_inputs(decode))  # the start/length dtype the keys were compiled with (int32)
+    step = DeviceStep(traced, decode.num_inputs, model.config.vocab_size, aliases=states, index_dtype=indices)
+    steps = Steps({bucket: step}, step)  # one loaded model: NxD routes each call to its key by the input shapes
+    runtime = Engine.for_model(model, steps, batch=1, context_length=s.context_length, dtype=dtype)
+    compile_s = 0.0 if entry.hit else time.perf_counter() - began
+    compiled = CompiledGraphs(runtime.steps, compile_s, [entry.hit], "neuron-model_builder", runtime=runtime)
 nb.describe_compile(compiled)
 
 # %% [markdown]
 # ## 4. Generate on the device
 #
-# The whole serving loop, batch 1 (one conversation at a time; `PortSettings(batch_size=B)` runs B
-# prompts through batched graphs of this same design, each row checked against its own reference:
-# the README's "More than one token per step"). The host embeds the prompt and runs the smallest prefill graph that holds it:
-# one call fills the K/V buffers for every prompt position and returns the logits of the last one.
-# Then the decode graph runs once per new token, at the next position, until `<eos>`/`<turn|>` or
-# `max_new_tokens`. Position and prompt length are tensors, not Python numbers: that is what lets one
-# compiled decode graph serve every step. The raw logits of every step are kept for LOGITS_MATCH.
-# `runtime.decode_loop` is this loop with sampling and streaming added; a test runs both and
-# compares their tokens and logits.
+# The engine (`runtime.Engine`) is the whole serving loop, and these four calls are how it runs. It
+# holds rows (here one; `PortSettings(batch_size=B)` compiles B, each with its own prompt, position
+# and stop, every row checked against its own reference). `check` measures the request against the
+# compiled shapes before any device work. `admit` puts the prompt in a row: the host embeds it and
+# runs the smallest prefill graph that holds it, one call that fills the K/V buffers for every prompt
+# position and returns the logits of the last one. Each `step` then embeds every live row's last
+# token and runs the decode graph once, at the row's next position, until `<eos>`/`<turn|>` or
+# `max_new_tokens`. Position and prompt length reach the graph as int32 tensors, one per row, never
+# as Python numbers: that is what lets one compiled decode graph serve every step. `release` frees
+# the row and hands back its tokens and the raw logits that chose each (LOGITS_MATCH compares them).
+# A server admits and releases rows between steps; `runtime.generate` is these calls for one prompt.
 
 # %%
 eos = eos_ids(model)
-bucket = runtime.check_fits(ids, s.max_new_tokens)  # the smallest compiled prompt length that holds the prompt
-one = torch.tensor([1])
-tokens, step_logits = [], []
-with torch.no_grad():
-    # prefill: the whole prompt at once, zero-padded to the bucket; writes K/V at positions 0..n-1
-    inputs = runtime.embed(torch.tensor([ids]), pad_to=bucket)  # [inputs_embeds(, per_layer_inputs)]
-    logits = runtime.prefill[bucket](*inputs, torch.tensor([0]), torch.tensor([len(ids)]), *runtime.kv)[0]
-    while True:
-        step_logits.append(logits.float().clone())  # kept for LOGITS_MATCH
-        tokens.append(int(logits.argmax()))  # greedy: the softcap is monotonic, argmax does not need it
-        if len(tokens) == s.max_new_tokens or tokens[-1] in eos:
-            break
-        # decode: the last token at the next position; the graph writes its K/V into the buffers
-        position = torch.tensor([len(ids) + len(tokens) - 1])
-        logits = runtime.decode(*runtime.embed(torch.tensor([[tokens[-1]]])), position, one, *runtime.kv)[0]
-step_logits = torch.stack(step_logits)
+request = Request(ids, s.max_new_tokens, eos_token_ids=tuple(eos))  # greedy: argmax needs no softcap
+bucket = runtime.check(request)  # the smallest compiled prompt length that holds the prompt, or a clear error
+runtime.admit({0: request}, keep_logits=True)  # prefill: K/V at positions 0..n-1, the first token
+while runtime.live_rows():  # decode: one graph call per new token, each live row at its own position
+    runtime.step()
+generation = runtime.release(0)  # the row's tokens, and the raw logits that chose each
+tokens, step_logits = generation.tokens, generation.step_logits
 nb.answer_text(model, tokens)
 
 # %% [markdown]
@@ -512,8 +532,7 @@ nb.witness_table(witness)
 # sense. The full profile's real checkpoint holds a conversation.
 
 # %%
-sampling = Sampling(temperature=temperature, top_p=top_p, seed=0)
-generator = torch.Generator().manual_seed(sampling.seed)
+sampling = Sampling(temperature=temperature, top_p=top_p, seed=0)  # the row's generator is seeded from it
 pieces, history = [], []
 
 
@@ -527,23 +546,14 @@ questions = (s.prompt, "What is the capital of Japan?") if model.tokenizer is no
 for question in questions:
     history.append({"role": "user", "content": question})
     chat_ids = list(model.tokenizer.apply_chat_template(history, add_generation_prompt=True, return_dict=False))
-    bucket = runtime.check_fits(chat_ids, s.max_new_tokens)  # the whole conversation must fit the bucket
-    with torch.no_grad():
-        inputs = runtime.embed(torch.tensor([chat_ids]), pad_to=bucket)
-        first = runtime.prefill[bucket](*inputs, torch.tensor([0]), torch.tensor([len(chat_ids)]), *runtime.kv)[0]
     pieces.clear()
     print(f"you: {question}\nmodel: ", end="")
-    streamed = decode_loop(
-        lambda inputs, position: runtime.decode(*inputs, position, one, *runtime.kv)[0],  # one decode step
-        runtime.embed,
-        first,
-        len(chat_ids),
+    streamed = runtime.generate(  # admit, step until done, release: the engine's calls for one prompt
+        chat_ids,  # the whole conversation: it must fit the compiled bucket and context (a clear error if not)
         s.max_new_tokens,
-        sampling=sampling,
-        cap=runtime.cap,  # sampling needs the softcap: it changes the probabilities, not the argmax
+        sampling=sampling,  # the engine applies the softcap: it changes the probabilities, not the argmax
         eos_token_ids=eos,
         on_token=stream,
-        generator=generator,
     )
     history.append({"role": "assistant", "content": nb.answer_text(model, streamed.tokens) or ""})
     print(f"   [{len(chat_ids)} prompt tokens, {len(streamed.tokens)} sampled at T={temperature}, top-p {top_p}]")
@@ -579,15 +589,14 @@ if interactive:
 # with the baselines.
 
 # %%
-figures = benchmark(runtime, ids, s.max_new_tokens, s.warmup, s.iters)
+figures = benchmark(runtime, [Request(ids, s.max_new_tokens)], s.warmup, s.iters)  # eos off: every run alike
 ceiling = nb.measured_vs_ceiling(model, s, figures)
 display(nb.bench_table(figures, s, ceiling))
 result = nb.record(
     s,
     model,
-    ids,
     compiled,
-    tokens,
+    generation,
     reference,
     report,
     figures,

@@ -11,9 +11,12 @@
 #   bash scripts/lab.sh --neuron VENV --no-start   # install and register the kernel only
 #
 # Neuron mode (--neuron VENV, or found: the SDK 2.28 DLAMI venv below): installs gemma4lib into VENV
-# with pip constraints written from VENV's own installed torch, torch-neuronx, torch-xla, neuronx-cc,
-# neuronx-distributed, libneuronxla and numpy (gemma4lib.recipes.venv_pins), so none of them can
-# change; checks afterwards that none did; registers a kernel named for VENV ("gemma4lib-<venv>");
+# with pip constraints written from VENV's whole `pip freeze` (gemma4lib.recipes.venv_pins) less the
+# four packages this project must change (transformers, tokenizers, huggingface-hub, safetensors), so
+# nothing else in the venv can change; checks first that VENV's setuptools builds the project
+# (pyproject.toml [build-system], needed by --no-build-isolation); checks afterwards that nothing
+# constrained moved and that `pip check` reports nothing but NxD Inference's own transformers pin;
+# registers a kernel named for VENV ("gemma4lib-<venv>");
 # puts VENV/bin and /opt/aws/neuron/bin on PATH (the libneuronpjrt-path fix); starts VENV's jupyter.
 # The CPU .venv (torch 2.13, no torch-neuronx) is never built there.
 # The kernel: the notebooks name the `python3` kernelspec. JupyterLab started from a venv's jupyter
@@ -59,20 +62,30 @@ if [ -n "$neuron" ]; then
   name="$(basename "$VENV")"
   kernel="gemma4lib-$name"
   pins="$(mktemp)"
-  after="$(mktemp)"
-  trap 'rm -f "$pins" "$after"' EXIT
+  checked="$(mktemp)"
+  trap 'rm -f "$pins" "$checked"' EXIT
   # the venv's own versions, read by its own Python (stdlib only: gemma4lib is not installed there yet)
   PYTHONPATH="$PWD" "$py" -m gemma4lib.recipes.venv_pins --require torch --require torch-neuronx > "$pins"
-  echo "[lab] installing gemma4lib[notebooks] into $VENV; these stay as they are:"
-  sed 's/^/[lab]   /' "$pins"
+  # --no-build-isolation builds with the venv's setuptools: refuse one too old for pyproject.toml
+  PYTHONPATH="$PWD" "$py" -m gemma4lib.recipes.venv_pins --check-build pyproject.toml || {
+    echo "[lab] error: fix the setuptools above, then run lab.sh again" >&2
+    exit 1
+  }
+  echo "[lab] installing gemma4lib[notebooks] into $VENV; its $(wc -l < "$pins") other packages stay as they" \
+    "are (all but transformers, tokenizers, huggingface-hub, safetensors), among them:"
+  grep -E '^(torch|torch-neuronx|torch-xla|neuronx-cc|neuronx-distributed|neuronx-distributed-inference|libneuronxla|numpy)==' \
+    "$pins" | sed 's/^/[lab]   /' || true
   PYTHONWARNINGS="ignore:Editable installation:UserWarning" \
     "$py" -m pip install --quiet --no-build-isolation -c "$pins" -e ".[notebooks]"
-  PYTHONPATH="$PWD" "$py" -m gemma4lib.recipes.venv_pins > "$after"
-  if ! cmp -s "$pins" "$after"; then
-    echo "[lab] error: the install changed the venv's torch/SDK packages:" >&2
-    diff "$pins" "$after" >&2 || true
+  PYTHONPATH="$PWD" "$py" -m gemma4lib.recipes.venv_pins --compare "$pins" || {
+    echo "[lab] error: the install changed the venv's packages (above)" >&2
     exit 1
-  fi
+  }
+  "$py" -m pip check > "$checked" 2>&1 || true
+  PYTHONPATH="$PWD" "$py" -m gemma4lib.recipes.venv_pins --check-pip < "$checked" || {
+    echo "[lab] error: the venv has broken requirements other than NxD Inference's transformers pin" >&2
+    exit 1
+  }
   "$py" -m ipykernel install --prefix "$VENV" --name "$kernel" --display-name "Python ($name, gemma4lib)" >/dev/null
   export PATH="$VENV/bin:$NEURON_BIN:$PATH"  # the libneuronpjrt-path fix, inherited by the kernels
   echo "[lab] kernel $kernel registered in $VENV/share/jupyter/kernels (it and python3 run $py)"

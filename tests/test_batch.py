@@ -7,7 +7,6 @@ graphs eagerly."""
 from __future__ import annotations
 
 import pytest
-import torch
 
 from gemma4lib.checks import check_logits
 from gemma4lib.device.graph import DeviceGraph, GraphShape
@@ -172,11 +171,11 @@ def test_model_builder_buckets_take_one_start_and_length_per_row():
     from gemma4lib.models.loading import build_tiny
     from gemma4lib.models.variants import get_variant
     from gemma4lib.recipes import neuron_model_builder as mb
-    from gemma4lib.recipes.common import graph_example_inputs
+    from gemma4lib.recipes.common import key_inputs
 
     model = build_tiny(get_variant("e2b"))
-    for key, shape in mb.bucket_shapes(64, 32, batch=4).items():
-        inputs = graph_example_inputs(model.config, shape, torch.float32)
+    for key, graph in mb.key_graphs(model, mb.bucket_shapes(64, 32, batch=4)).items():
+        inputs = key_inputs(graph)
         assert inputs[0].shape[0] == 4 and [tuple(t.shape) for t in inputs[-2:]] == [(4,), (4,)], key
 
 

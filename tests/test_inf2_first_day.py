@@ -58,7 +58,8 @@ def test_int8_port_settings_pass_where_bf16_is_refused(monkeypatch):
 
 
 def test_neuron_backend_builds_no_int8_graph_on_the_host(monkeypatch):
-    """weights="int8": NxD quantizes its own layers; the backend's shape-only graph stays full precision."""
+    """weights="int8": NxD quantizes its own layers; the backend's graphs (`device_graphs`: one per
+    prefill bucket and the decode graph, for shapes and example inputs) stay full precision."""
     from gemma4lib import port as port_module
     from gemma4lib.device import graph as graph_module
     from gemma4lib.recipes import neuron_model_builder
@@ -85,7 +86,7 @@ def test_neuron_backend_builds_no_int8_graph_on_the_host(monkeypatch):
     )
     with pytest.raises(RuntimeError, match="stop: compile reached"):
         port_module.port(settings)
-    assert built == ["bf16"] * 3, built  # the graphs (prefill 16, 32, decode), for the shapes, in full precision
+    assert built == ["bf16"] * 3, built  # buckets 16 and 32 and decode, in full precision
 
 
 # ---- finding 5: compiler litter ---------------------------------------------------------------------

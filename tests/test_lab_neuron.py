@@ -37,21 +37,22 @@ def _site_packages(venv: Path) -> Path:
     return next((venv / "lib").glob("python3*/site-packages"))
 
 
-def _installed(name: str, version: str, site: Path) -> None:
+def _installed(name: str, version: str, site: Path, requires: tuple[str, ...] = ()) -> None:
     """An installed distribution as pip and importlib.metadata see one: its dist-info."""
     info = site / f"{name.replace('-', '_')}-{version}.dist-info"
     info.mkdir()
-    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n")
+    lines = [f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n", *(f"Requires-Dist: {r}\n" for r in requires)]
+    (info / "METADATA").write_text("".join(lines))
     (info / "INSTALLER").write_text("pip\n")
     (info / "RECORD").write_text(f"{info.name}/METADATA,,\n{info.name}/INSTALLER,,\n{info.name}/RECORD,,\n")
 
 
-def make_stand_in(folder: Path, pins: dict[str, str]) -> Path:
+def make_stand_in(folder: Path, pins: dict[str, str], requires: dict[str, tuple[str, ...]] | None = None) -> Path:
     venv = folder / "aws_neuronx_venv_stand_in"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
     site = _site_packages(venv)
     for name, version in pins.items():
-        _installed(name, version, site)
+        _installed(name, version, site, (requires or {}).get(name, ()))
     (site / "zz_project_deps.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
     return venv
 
@@ -67,21 +68,36 @@ def _versions(venv: Path) -> dict[str, str]:
     return dict(line.split("==") for line in out.stdout.split())
 
 
-def test_lab_installs_into_the_neuron_venv_and_keeps_its_pins(tmp_path):
-    venv = make_stand_in(tmp_path, STAND_IN)
-    before = _versions(venv)
-    assert {k: before[k] for k in STAND_IN} == STAND_IN and "numpy" in before
+# NxD Inference as the DLAMI venv has it: its own transformers pin (4.x), which `pip check` reports
+# once this project's transformers 5 is in; the one conflict lab.sh accepts.
+NXDI = {"neuronx-distributed-inference": "0.8.0"}
+NXDI_REQUIRES = {"neuronx-distributed-inference": ("transformers==4.57.*",)}
+# a package of the venv that no SDK pin names: the whole venv is protected, not a list of eight
+OTHER = {"aws-neuronx-tools-stand-in": "2.28.0"}
+
+
+def _lab(venv: Path, timeout: int = 600) -> subprocess.CompletedProcess:
     env = {**os.environ, "PIP_NO_INDEX": "1", "PYTHONPATH": ""}
-    out = subprocess.run(
+    return subprocess.run(
         ["bash", "scripts/lab.sh", "--neuron", str(venv), "--no-start"],
         cwd=ROOT,
         capture_output=True,
         text=True,
         env=env,
-        timeout=600,
+        timeout=timeout,
     )
+
+
+def test_lab_installs_into_the_neuron_venv_and_keeps_its_pins(tmp_path):
+    venv = make_stand_in(tmp_path, {**STAND_IN, **NXDI, **OTHER}, NXDI_REQUIRES)
+    before = _versions(venv)
+    assert {k: before[k] for k in {**STAND_IN, **OTHER}} == {**STAND_IN, **OTHER} and "numpy" in before
+    assert len(before) > len(venv_pins.PROTECTED) + 20  # the whole venv, pip freeze's list
+    assert not set(before) & set(venv_pins.MUTABLE)  # the four the project must change are left free
+    out = _lab(venv)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    assert _versions(venv) == before  # the venv's torch and the SDK set untouched
+    after = _versions(venv)
+    assert {k: after.get(k) for k in before} == before  # every pre-installed package at its version
     assert f"torch=={SDK_TORCH}" in out.stdout and "[lab] ready" in out.stdout
     spec = venv / "share" / "jupyter" / "kernels" / f"gemma4lib-{venv.name}" / "kernel.json"
     kernel = json.loads(spec.read_text())
@@ -94,6 +110,40 @@ def test_lab_installs_into_the_neuron_venv_and_keeps_its_pins(tmp_path):
         env={**os.environ, "PYTHONPATH": ""},
     )
     assert where.returncode == 0 and where.stdout.startswith(str(ROOT)), where.stderr[-2000:]
+
+
+def test_a_too_old_setuptools_is_refused_with_what_to_do(tmp_path):
+    """`--no-build-isolation` builds with the venv's setuptools; the project's `license = "..."`
+    needs >= 77 (pyproject.toml [build-system]): refused before pip runs, saying how to upgrade it."""
+    venv = make_stand_in(tmp_path, {**STAND_IN, "setuptools": "70.0.0"})
+    before = _versions(venv)
+    out = _lab(venv, timeout=120)
+    assert out.returncode != 0
+    assert "has setuptools 70.0.0" in out.stderr and "pip install 'setuptools>=77'" in out.stderr
+    assert "run lab.sh again" in out.stderr and "installing gemma4lib" not in out.stdout
+    assert _versions(venv) == before
+
+
+def test_pip_check_accepts_only_nxd_inferences_transformers_pin():
+    ours, theirs = neuron_env.TRANSFORMERS_PIN, neuron_env.SDK_CONSTRAINTS["torch"].removeprefix("==")
+    nxdi = "neuronx-distributed-inference 0.8.0 has requirement transformers==4.57.*"
+    known = f"{nxdi}, but you have transformers {ours}."
+    assert venv_pins.pip_check_problems(known + "\n") == []
+    assert venv_pins.pip_check_problems("No broken requirements found.\n") == []
+    other = f"torch-neuronx {STAND_IN['torch-neuronx']} has requirement torch=={theirs}, but you have torch 0.0.1."
+    assert venv_pins.pip_check_problems(f"{known}\n{other}\n") == [other]
+    run = [sys.executable, "-m", "gemma4lib.recipes.venv_pins", "--check-pip"]
+    out = subprocess.run(run, input=f"{known}\n{other}\n", capture_output=True, text=True, cwd=ROOT)
+    assert out.returncode == 1 and other in out.stderr and known not in out.stderr
+
+
+def test_lab_fails_on_a_broken_requirement_of_the_venv(tmp_path):
+    """`pip check` after the install: anything but NxD Inference's transformers pin fails the lab."""
+    requires = {"neuronx-cc": ("numpy==1.0.0",)}  # a requirement the venv does not meet
+    venv = make_stand_in(tmp_path, STAND_IN, requires)
+    out = _lab(venv)
+    assert out.returncode != 0 and "has requirement numpy==1.0.0" in out.stderr, out.stderr[-3000:]
+    assert "broken requirements other than NxD Inference's transformers pin" in out.stderr
 
 
 def test_a_venv_without_the_neuron_sdk_is_refused(tmp_path):
@@ -112,6 +162,9 @@ def test_a_venv_without_the_neuron_sdk_is_refused(tmp_path):
 def test_constraints_are_the_venvs_own_versions():
     pins = venv_pins.installed_pins()
     assert pins["numpy"] == __import__("numpy").__version__
+    frozen = venv_pins.frozen_pins()
+    assert frozen["numpy"] == pins["numpy"] and "pytest" in frozen and "transformers" not in frozen
+    assert venv_pins.changed({"a": "1", "b": "2"}, {"a": "1", "b": "3", "c": "1"}) == ["b 2 -> 3"]
     assert venv_pins.constraints_text({"torch": "9.8.7", "numpy": "1.2.3"}) == "numpy==1.2.3\ntorch==9.8.7\n"
     assert set(neuron_env.SDK_PINS) <= set(venv_pins.PROTECTED)
     assert set(neuron_env.SDK_CONSTRAINTS) <= set(venv_pins.PROTECTED)

@@ -40,7 +40,8 @@ class _Recorder:
 
         class ModelBuilder:
             def __init__(self, router, tp_degree, checkpoint_loader, compiler_workdir=None):
-                recorder.calls.append(("init", {"tp_degree": tp_degree, "checkpoint": checkpoint_loader()}))
+                recorder.loader = checkpoint_loader  # called by NxD only in shard_checkpoint
+                recorder.calls.append(("init", {"tp_degree": tp_degree}))
 
             def add(self, key, model_instance, example_inputs, compiler_args=None, priority_model_idx=None):
                 inputs = [tuple(t.shape) for t in example_inputs[0]]
@@ -51,6 +52,7 @@ class _Recorder:
                             "key": key,
                             "instance": model_instance,
                             "inputs": inputs,
+                            "dtypes": [t.dtype for t in example_inputs[0]],
                             "compiler_args": compiler_args,
                             "priority": priority_model_idx,
                         },
@@ -83,9 +85,15 @@ def test_model_builder_drafting_keys(variant, tp, tmp_path, monkeypatch):
     assert by_key["draft"]["inputs"] == [(1, 1, 2 * hidden), (1,)]
     assert by_key["verify"]["inputs"][0] == (1, K + 1, hidden) and by_key["prefill64"]["inputs"][0] == (1, 64, hidden)
     assert "-O2" in by_key["verify"]["compiler_args"] and "-O1" in by_key["prefill64"]["compiler_args"]
+    # verify is NxD Inference's k-token speculation model: tiling 2 at -O2; the draft step decode's tiling 1
+    assert "--cc-pipeline-tiling-factor=2" in by_key["verify"]["compiler_args"]
+    assert by_key["draft"]["compiler_args"] == neuron_env.COMPILER_ARGS["decode"]
+    assert "--cc-pipeline-tiling-factor=1" in by_key["draft"]["compiler_args"]
+    # the draft position takes the target graph's index dtype, whatever the graph gives
+    assert by_key["draft"]["dtypes"][-1] == by_key["verify"]["dtypes"][-1]
     # every key's module (CPU layers for NxD's, same shapes) has the checkpoint's names plus the K/V
     # states, and aliases the same K/V parameters to outputs 2.. (the draft key: unchanged)
-    checkpoint = init["checkpoint"]
+    checkpoint = recorder.loader()  # the lazy loader: built when NxD's shard_checkpoint calls it
     assert any(k.startswith("assistant.model.layers.") for k in checkpoint) and init["tp_degree"] == tp
     for a in adds:
         build = a["instance"].module_cls  # the key's module builder, handed to NxD's BaseModelInstance
@@ -179,3 +187,35 @@ def test_the_memory_plan_counts_the_assistant_per_core():
     assert drafted.total_gib == pytest.approx(plain.total_gib + drafted.assistant_gib + drafted.kv_gib - plain.kv_gib)
     # the split parts shrink with TP, the replicated scoring table does not
     assert assistant_rank_bytes(meta_model("31b"), 8) < assistant_rank_bytes(meta_model("31b"), 4)
+
+
+def test_the_drafting_checkpoint_is_built_only_when_nxd_shards(tmp_path, monkeypatch):
+    """The target + assistant checkpoint is not alive during `trace` (NxD v2.28.0 calls the loader
+    only in `shard_checkpoint`)."""
+    settings, model, assistant = _pair("e2b")
+    recorder = _Recorder()
+    monkeypatch.setattr(neuron_env, "require", lambda module, purpose="": recorder.module)
+    monkeypatch.setattr(neuron_drafting, "drafting_checkpoint", lambda *a: recorder.calls.append(("checkpoint", {})))
+    with pytest.raises(RuntimeError, match="stop: no Neuron compiler here"):
+        neuron_drafting.compile_drafting(
+            model, assistant, 1, tmp_path, context_length=128, buckets=(64,), draft_tokens=K
+        )
+    assert [kind for kind, _ in recorder.calls] == ["init", "add", "add", "add", "trace"]
+    recorder.loader()
+    assert recorder.calls[-1][0] == "checkpoint"
+
+
+def test_the_draft_position_follows_the_graphs_index_dtype(tmp_path, monkeypatch):
+    from test_neuron_recipes import int32_graph_inputs
+
+    int32_graph_inputs(monkeypatch)
+    settings, model, assistant = _pair("e2b")
+    recorder = _Recorder()
+    monkeypatch.setattr(neuron_env, "require", lambda module, purpose="": recorder.module)
+    with pytest.raises(RuntimeError, match="stop: no Neuron compiler here"):
+        neuron_drafting.compile_drafting(
+            model, assistant, 1, tmp_path, context_length=128, buckets=(64,), draft_tokens=K
+        )
+    adds = {a["key"]: a for kind, a in recorder.calls if kind == "add"}
+    assert adds["draft"]["dtypes"][-1] == torch.int32
+    assert all(adds[k]["dtypes"][-2:] == [torch.int32, torch.int32] for k in ("prefill64", "verify"))

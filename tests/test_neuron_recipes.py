@@ -9,9 +9,11 @@ import math
 import subprocess
 import sys
 import types
+from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import save_file
 
 from gemma4lib.device.graph import GraphShape
 from gemma4lib.errors import EnvironmentMismatchError, NeuronSDKMissingError
@@ -136,21 +138,30 @@ def test_doctor_with_a_simulated_sdk(monkeypatch):
         "neuron_devices",
         lambda: {"dev_nodes": [], "devices": 6, "cores": 12, "neuron_ls": None, "source": "test"},
     )
-    monkeypatch.setattr(doctor, "host_ram_bytes", lambda: 128 * 2**30)
+    monkeypatch.setattr(doctor, "host_ram_bytes", lambda: 64 * 2**30)
     report = doctor.run_doctor("31b", 8)
     assert report["sdk_present"]
     assert any("neuronx-distributed 0.16.0 is not the pinned 0.17.26814" in w for w in report["warnings"])
     assert any("will likely be killed" in w and "inf2.24xlarge" in w for w in report["warnings"])
+    monkeypatch.setattr(doctor, "host_ram_bytes", lambda: 128 * 2**30)  # an inf2.8xlarge: ~134 GB planned
+    assert any(w.startswith("tight: estimated compile peak") for w in doctor.run_doctor("31b", 8)["warnings"])
     assert report["tp"] == {"degree": 8, "ok": True}
     report = doctor.run_doctor("26b-a4b", 3)
     assert not report["tp"]["ok"] and "use tp_degree 1 or 2 or 4 or 8" in report["tp"]["error"]
 
 
-def test_compile_peak_estimate_is_calibrated_to_the_field_report():
+def test_compile_peak_estimate_is_the_compile_host_plan():
+    """The doctor's compile estimate is the compile host's plan (`inf2.compile_host`): the host
+    model, the keys' modules and the lazily built NxD checkpoint, below the field report's 182 GB,
+    which its own port measured while building three copies of the weights."""
+    from gemma4lib.inf2.compile_host import compile_host_plan
     from gemma4lib.inf2.doctor import estimate_compile_peak_gb
+    from gemma4lib.inf2.memory_plan import COMPILE_CALIBRATION
 
     est = estimate_compile_peak_gb("31b", 8)
-    assert abs(est["peak_gb"] - 182) / 182 < 0.05
+    plan = compile_host_plan("31b", 8, "model_builder")
+    assert est["peak_gb"] == round(plan.peak_gb, 1) and plan.peak_step == "shard_checkpoint"
+    assert plan.model_gb * 2 < plan.peak_gb < COMPILE_CALIBRATION["measured_peak_gb"]  # about two copies, not three
     assert est["smallest_instance_with_headroom"] == "inf2.24xlarge"
     # E2B's trace keeps the weights out of the NEFF: the host model + one device copy fit an inf2.xlarge;
     # its default ModelBuilder compile needs a larger host
@@ -252,7 +263,7 @@ def test_host_runtime_over_device_steps():
 def test_model_builder_checkpoint_names_match_the_compiled_module():
     """NxD matches checkpoint keys to the traced module's parameter names: check them on CPU."""
     from gemma4lib.recipes import neuron_model_builder as mb
-    from gemma4lib.recipes.common import graph_example_inputs
+    from gemma4lib.recipes.common import key_inputs
     from gemma4lib.tp import make_plan
     from gemma4lib.tp.rank_graph import CpuParallelFactory
 
@@ -269,8 +280,10 @@ def test_model_builder_checkpoint_names_match_the_compiled_module():
         assert all(e.form == forms[key] for e in module.graph._rank_users)
         names = {k for k in module.state_dict() if not k.startswith("kv.")}
         assert names == set(checkpoint)  # one checkpoint for both expert forms
-        assert [tuple(t.shape) for t in module.example_inputs()] == [
-            tuple(t.shape) for t in graph_example_inputs(m.config, shape, torch.float32)
+        # the rank graph takes the inputs of the device graph the key's example inputs come from
+        host_graph = mb.key_graphs(m, {key: shape})[key]
+        assert [(tuple(t.shape), t.dtype) for t in module.example_inputs()] == [
+            (tuple(t.shape), t.dtype) for t in key_inputs(host_graph, dtype=torch.float32)
         ]
         assert {f"kv.{i}" for i in range(len(module.kv))} == set(module.state_dict()) - names
     assert checkpoint["graph.spmd_rank.rank"].tolist() == list(range(8))
@@ -307,10 +320,17 @@ def test_neuron_cache_key_tracks_what_changes_the_artifact():
 
 
 class _Recorder:
-    """Stands in for `neuronx_distributed.trace.model_builder`: records what the recipe asks of it."""
+    """Stands in for `neuronx_distributed.trace.model_builder`: records what the recipe asks of it.
 
-    def __init__(self):
+    The loader is counted, never called by the constructor (NxD v2.28.0 calls it only in
+    `shard_checkpoint`); `trace` records how often it had been called by then. `stop_at_trace`:
+    `trace` raises (no compiler here); otherwise it returns a stand-in and `shard_checkpoint` runs
+    the loader the way NxD does (once, then one file per rank)."""
+
+    def __init__(self, stop_at_trace: bool = True):
         self.calls = []
+        self.loader_calls = 0
+        self.raw_loader = None
         recorder = self
 
         class BaseModelInstance:
@@ -319,9 +339,8 @@ class _Recorder:
 
         class ModelBuilder:
             def __init__(self, router, tp_degree, checkpoint_loader, compiler_workdir=None):
-                recorder.calls.append(
-                    ("init", {"router": router, "tp_degree": tp_degree, "checkpoint": checkpoint_loader()})
-                )
+                recorder.raw_loader, recorder.tp = checkpoint_loader, tp_degree
+                recorder.calls.append(("init", {"router": router, "tp_degree": tp_degree}))
 
             def add(
                 self,
@@ -338,6 +357,7 @@ class _Recorder:
                         {
                             "key": key,
                             "inputs": [tuple(t.shape) for t in example_inputs[0]],
+                            "dtypes": [t.dtype for t in example_inputs[0]],
                             "compiler_args": compiler_args,
                             "priority": priority_model_idx,
                         },
@@ -345,10 +365,33 @@ class _Recorder:
                 )
 
             def trace(self, initialize_model_weights=True, dry_run=False):
-                recorder.calls.append(("trace", {"initialize_model_weights": initialize_model_weights}))
-                raise RuntimeError("stop: no Neuron compiler here")
+                recorder.calls.append(
+                    (
+                        "trace",
+                        {"initialize_model_weights": initialize_model_weights, "loader_calls": recorder.loader_calls},
+                    )
+                )
+                if stop_at_trace:
+                    raise RuntimeError("stop: no Neuron compiler here")
+                return types.SimpleNamespace(stand_in="traced")
+
+            def shard_checkpoint(self, serialize_path=None):
+                recorder.loader_calls += 1
+                checkpoint = recorder.raw_loader()
+                name = Path(serialize_path).name if serialize_path else None
+                recorder.calls.append(("shard_checkpoint", {"path": name, "keys": len(checkpoint)}))
+                if serialize_path:  # one (stand-in) file per rank, where NxD writes them
+                    Path(serialize_path).mkdir(parents=True, exist_ok=True)
+                    for rank in range(recorder.tp):
+                        path = Path(serialize_path) / f"tp{rank}_sharded_checkpoint.safetensors"
+                        save_file({"rank": torch.tensor([rank])}, str(path))
+                return [checkpoint]
 
         self.module = types.SimpleNamespace(BaseModelInstance=BaseModelInstance, ModelBuilder=ModelBuilder)
+
+    def checkpoint(self):
+        """What the recipe's loader returns (called here, after the recorded calls)."""
+        return self.raw_loader()
 
 
 @pytest.mark.parametrize("name,tp", [("e2b", 1), ("e4b", 2), ("26b-a4b", 2)])
@@ -374,7 +417,7 @@ def test_model_builder_recipe_calls(name, tp, tmp_path, monkeypatch):
     assert kinds == ["init", "add", "add", "trace"]
     init, prefill, decode, trace = (args for _, args in recorder.calls)
     assert init["tp_degree"] == tp and init["router"] is None
-    assert init["checkpoint"]["graph.spmd_rank.rank"].tolist() == list(range(tp))
+    assert recorder.checkpoint()["graph.spmd_rank.rank"].tolist() == list(range(tp))
     assert (prefill["key"], prefill["priority"]) == ("prefill", None)
     assert (decode["key"], decode["priority"]) == ("decode", 0)
     hidden = model.config.hidden_size
@@ -384,7 +427,7 @@ def test_model_builder_recipe_calls(name, tp, tmp_path, monkeypatch):
     assert decode["inputs"] == expected_decode + [(1,), (1,)]
     assert prefill["inputs"][0] == (1, 16, hidden)
     assert "-O2" in decode["compiler_args"] and "-O1" in prefill["compiler_args"]
-    assert trace == {"initialize_model_weights": False}
+    assert trace == {"initialize_model_weights": False, "loader_calls": 0}
 
 
 def test_model_builder_recipe_calls_with_a_batch(tmp_path, monkeypatch):
@@ -553,3 +596,265 @@ def test_prefill_estimate_from_flops_and_bytes():
     reported = [r for r in rows if r["field_report_prefill_ms"]]
     assert reported and all(r["expected_ms"] < r["field_report_prefill_ms"] for r in reported)  # a floor
     assert "e2b" in prefill.format_prefill_table(rows)
+
+
+# ---- issue 30: what the SDK 2.28 audit found ---------------------------------------------------------
+
+
+def test_model_builder_builds_the_checkpoint_only_when_shard_checkpoint_asks(tmp_path, monkeypatch):
+    """The NxD checkpoint (a second whole copy of the weights) is not alive during `trace`: NxD
+    v2.28.0 calls the loader only in `shard_checkpoint`, and the recipe's loader builds it then."""
+    from gemma4lib.recipes import neuron_model_builder as mb
+
+    recorder = _Recorder(stop_at_trace=False)
+    monkeypatch.setattr(neuron_env, "require", lambda module, purpose="": recorder.module)
+    monkeypatch.setattr(torch.jit, "save", lambda traced, path: recorder.calls.append(("save", {"path": path})))
+    built = mb.nxd_checkpoint
+
+    def counted(*args, **kwargs):
+        recorder.calls.append(("nxd_checkpoint", {}))
+        return built(*args, **kwargs)
+
+    monkeypatch.setattr(mb, "nxd_checkpoint", counted)
+    model = tiny("e4b")
+    mb.compile_model_builder(model, 2, tmp_path, context_length=64, prefill_len=16)
+    kinds = [kind for kind, _ in recorder.calls]
+    assert kinds == ["init", "add", "add", "trace", "save", "nxd_checkpoint", "shard_checkpoint"]
+    trace = dict(recorder.calls)["trace"]
+    assert trace == {"initialize_model_weights": False, "loader_calls": 0}
+    assert recorder.loader_calls == 1 and dict(recorder.calls)["shard_checkpoint"]["keys"] > 0
+    assert (tmp_path / "manifest.json").is_file()
+
+
+def test_the_nxd_checkpoint_is_every_ranks_shard_concatenated():
+    """`nxd_full_checkpoint`, built one key at a time, is still exactly the ranks' shards joined
+    along each key's cut (what NxD's contiguous split turns back into `shard_state_dict`)."""
+    from gemma4lib.tp import make_plan
+    from gemma4lib.tp.plan import REPLICATE
+    from gemma4lib.tp.shard import iter_shards, nxd_full_checkpoint
+
+    m = tiny("26b-a4b")
+    plan = make_plan(m.config, 2, m.variant)
+    full = nxd_full_checkpoint(m.lm, plan, dtype=torch.bfloat16)
+    shards = list(iter_shards(m.lm, plan, dtype=torch.bfloat16))
+    assert list(full) == list(shards[0])
+    for key, value in full.items():
+        rule = plan.rule(key)
+        expected = shards[0][key] if rule.kind == REPLICATE else torch.cat([s[key] for s in shards], dim=rule.dim)
+        assert value.dtype == expected.dtype and torch.equal(value, expected), key
+
+
+def test_two_commits_with_the_same_graph_code_share_a_neuron_key(monkeypatch):
+    """The commit is not part of any compiled program's key: a docs-only commit reuses every Neuron
+    artifact and a bundle from another commit still loads."""
+    from gemma4lib import environment
+    from gemma4lib.backends.compile_cpu import graph_key
+    from gemma4lib.backends.neuron import neuron_cache_key
+    from gemma4lib.cache.bundle import program_versions
+
+    m = tiny("e2b")
+    shapes = {"decode": GraphShape(1, 1, 64), "prefill": GraphShape(1, 32, 64)}
+    keys, bundles = [], []
+    for sha in ("aaaaaaaaaaaa", "bbbbbbbbbbbb"):
+        monkeypatch.setattr(environment, "git_sha", lambda sha=sha: sha)
+        assert environment.versions()["git_sha"] == sha  # still recorded with a run
+        keys.append(neuron_cache_key(m, "model_builder", 1, shapes, neuron_env.COMPILER_ARGS, torch.bfloat16)[0])
+        bundles.append(program_versions())
+        assert "git_sha" not in environment.program_versions()
+    assert keys[0] == keys[1] and bundles[0] == bundles[1]
+    assert "program_versions()" in __import__("inspect").getsource(graph_key)  # the CPU key strips it the same way
+
+
+def _device_states(n):
+    """K/V states as a traced module hands them back when they stay on the device (a non-CPU tensor)."""
+    return [torch.empty(1, 2, 8, 4, device="meta") for _ in range(n)]
+
+
+def test_a_traced_module_returning_its_aliased_states_passes_the_first_call():
+    """`torch_neuronx.trace` (no `output_aliased_tensor` option) may return the aliased states after
+    the logits: accepted and dropped when they are the declared states on the device."""
+    from gemma4lib.errors import DeviceOutputError
+    from gemma4lib.recipes.common import DeviceStep, check_first_output
+
+    logits = torch.zeros(1, 1, 10)
+    check_first_output((logits, *_device_states(4)), 10, aliases=4)
+    step = DeviceStep(lambda *a: (logits, *_device_states(4)), 3, 10, aliases=4)
+    assert step(torch.zeros(1), torch.zeros(1), torch.zeros(1)).dtype == torch.float32 and step.checked
+    # one tensor more than the declared states: neither the logits nor an alias
+    with pytest.raises(DeviceOutputError, match="traced with 4 aliased K/V states"):
+        DeviceStep(lambda *a: (logits, *_device_states(5)), 3, 10, aliases=4)(*[torch.zeros(1)] * 3)
+    with pytest.raises(DeviceOutputError, match="traced with 4 aliased K/V states"):
+        check_first_output((logits, *_device_states(2)), 10, aliases=4)
+    # the states as host copies: every token copies all of them back (the silent slowdown)
+    with pytest.raises(DeviceOutputError, match="as host tensors"):
+        check_first_output((logits, *[torch.zeros(1, 2, 8, 4) for _ in range(4)]), 10, aliases=4)
+
+
+class _FakeNxDModel:
+    """A loaded compiled model as the host sees it: the logits, then `states` device-resident
+    tensors (a traced module that hands its aliased K/V states back)."""
+
+    def __init__(self, vocab, states=0):
+        self.vocab, self.states, self.calls = vocab, states, []
+
+    def __call__(self, *inputs):
+        self.calls.append([(tuple(t.shape), t.dtype) for t in inputs])
+        logits = torch.zeros(inputs[0].shape[0], inputs[0].shape[1], self.vocab)
+        return (logits, *_device_states(self.states)) if self.states else logits
+
+
+def test_backend_neuron_keeps_no_host_kv(tmp_path, monkeypatch):
+    """The device steps keep their K/V as aliased state: the runtime holds no host K/V buffers
+    (on an inf2.xlarge's 16 GiB a full-context copy is not free), and generation still runs."""
+    from gemma4lib.backends import neuron
+    from gemma4lib.port import PortSettings, load_model
+    from gemma4lib.recipes import neuron_model_builder
+
+    monkeypatch.setenv("GEMMA4LIB_INSTANCE_TYPE", "inf2.8xlarge")
+    monkeypatch.setattr(neuron_env, "require_sdk", lambda *a, **k: None)
+    monkeypatch.setattr(neuron_env, "require", lambda *a, **k: None)
+    settings = PortSettings(variant="e2b", backend="neuron", max_new_tokens=4, cache_dir=str(tmp_path))
+    model = load_model(settings)
+    fake = _FakeNxDModel(model.config.vocab_size)
+
+    def compile_stub(loaded, tp, folder, **kwargs):
+        (folder / "manifest.json").write_text("{}")
+
+    monkeypatch.setattr(neuron_model_builder, "compile_model_builder", compile_stub)
+    monkeypatch.setattr(neuron_model_builder, "load_model_builder", lambda path, tp: fake)
+    compiled = neuron.compile(model, settings)
+    assert compiled.runtime.kv == []
+    tokens = compiled.runtime.generate([5, 6, 7], 3).tokens
+    assert len(tokens) == 3 and len(fake.calls) == 3  # one prefill call, two decode steps
+
+
+def test_backend_neuron_batch_reaches_every_model_builder_key(tmp_path, monkeypatch):
+    """`--backend neuron --batch 3`: the keys are built from `device_graphs` (the settings' batch),
+    so ModelBuilder receives 3 rows in every key before anything compiles."""
+    from gemma4lib import port as port_module
+
+    recorder = _Recorder()
+    monkeypatch.setenv("GEMMA4LIB_INSTANCE_TYPE", "inf2.8xlarge")
+    monkeypatch.setattr(neuron_env, "require_sdk", lambda *a, **k: None)
+    monkeypatch.setattr(neuron_env, "require", lambda module, purpose="": recorder.module)
+    settings = port_module.PortSettings(variant="e2b", backend="neuron", batch_size=3, cache_dir=str(tmp_path))
+    with pytest.raises(RuntimeError, match="stop: no Neuron compiler here"):
+        port_module.port(settings)
+    adds = [args for kind, args in recorder.calls if kind == "add"]
+    assert [a["key"] for a in adds] == ["prefill", "decode"]
+    hidden = get_variant("e2b").tiny_config["hidden_size"]
+    for a in adds:
+        assert a["inputs"][0][0] == 3 and a["inputs"][0][2] == hidden, a  # embeddings [3, T, H]
+        assert a["inputs"][-2:] == [(3,), (3,)], a  # start and length: one per row
+    assert adds[0]["inputs"][0][1] == max(settings.prefill_buckets) and adds[1]["inputs"][0][1] == 1
+
+
+def int32_graph_inputs(monkeypatch):
+    """Stand in for the engine's change (graph.py's `example_inputs` give int32 start/length)."""
+    from gemma4lib.device.graph import DeviceGraph
+
+    original = DeviceGraph.example_inputs
+
+    def int32(self):
+        inputs = list(original(self))
+        n = 4 if self.has_ple else 3
+        inputs[n - 2 : n] = [t.to(torch.int32) for t in inputs[n - 2 : n]]
+        return tuple(inputs)
+
+    monkeypatch.setattr(DeviceGraph, "example_inputs", int32)
+
+
+def _recorded_index_dtypes(tmp_path, monkeypatch):
+    """The start/length dtypes ModelBuilder's keys and `torch_neuronx.trace` are handed."""
+    from gemma4lib.recipes import neuron_model_builder, neuron_trace
+
+    recorder = _Recorder()
+    monkeypatch.setattr(neuron_env, "require", lambda module, purpose="": recorder.module)
+    model = tiny("e2b")
+    with pytest.raises(RuntimeError, match="stop"):
+        neuron_model_builder.compile_model_builder(model, 1, tmp_path, context_length=64, prefill_len=16, batch=2)
+    seen = {a["key"]: a["dtypes"][-2:] for kind, a in recorder.calls if kind == "add"}
+    traced = {}
+
+    def trace(module, example_inputs, *, input_output_aliases, **kwargs):
+        traced["dtypes"] = [t.dtype for t in example_inputs[-2:]]
+        traced["aliases"] = len(input_output_aliases)
+        return module
+
+    monkeypatch.setattr(neuron_env, "require", lambda module, purpose="": types.SimpleNamespace(trace=trace))
+    neuron_trace.compile_trace(model, 64)
+    seen["trace"] = traced["dtypes"]
+    return seen
+
+
+def test_the_neuron_recipes_take_the_graphs_index_dtype(tmp_path, monkeypatch):
+    """With the graphs' example inputs in int32 (the engine's change stood in), every Neuron key
+    and the trace receive int32 start/length: the recipes build no index tensors of their own; and
+    the host's int64 positions reach the compiled module in its dtype."""
+    from gemma4lib.recipes.common import DeviceStep
+
+    int32_graph_inputs(monkeypatch)
+    seen = _recorded_index_dtypes(tmp_path, monkeypatch)
+    assert seen == {k: [torch.int32, torch.int32] for k in ("prefill", "decode", "trace")}
+    got = []
+    step = DeviceStep(lambda *a: got.extend(t.dtype for t in a) or torch.zeros(1, 1, 8), 3, 8, index_dtype=torch.int32)
+    step(torch.zeros(1, 1, 4), torch.tensor([3]), torch.tensor([1]))
+    assert got == [torch.float32, torch.int32, torch.int32]
+
+
+@pytest.mark.xfail(strict=False, reason="int32 graph inputs land with the engine")
+def test_every_backends_example_inputs_have_int32_indices(tmp_path, monkeypatch):
+    """NxD Inference converts start/length/position to int32 before the device and the compiler
+    truncates INT64 to INT32: int32 end to end, in the device graphs every backend compiles (CPU,
+    XLA) and in what the Neuron recipes hand the SDK."""
+    from gemma4lib.device.build import device_graphs
+    from gemma4lib.port import PortSettings
+
+    model = tiny("e2b")
+    prefill, decode = device_graphs(model, PortSettings(variant="e2b"))
+    for graph in [*prefill.values(), decode]:
+        assert [t.dtype for t in graph.example_inputs()[2:4]] == [torch.int32, torch.int32]
+    seen = _recorded_index_dtypes(tmp_path, monkeypatch)
+    assert seen == {k: [torch.int32, torch.int32] for k in ("prefill", "decode", "trace")}
+
+
+def test_the_doctor_names_the_2_28_image_by_name_and_date_not_the_ssm_latest():
+    """SSM's `latest` image id now resolves to a 2.29+ image that fails the pins (SSM has no
+    per-release parameter): the doctor tells the user how to pick the 2.28 DLAMI instead."""
+    from gemma4lib.inf2.doctor import format_doctor, run_doctor
+
+    text = format_doctor(run_doctor())
+    (image,) = [line for line in text.splitlines() if line.strip().startswith("image:")]
+    assert "describe-images" in image and neuron_env.DLAMI in image
+    assert all(date in image for date in neuron_env.DLAMI_DATES)
+    assert "gives only the newest image, not a 2.28 one" in image
+    assert "(SSM " not in text  # the latest id is never offered as the image to start
+
+
+@pytest.mark.parametrize("extra,fails", [(0, False), (1, True)])
+def test_backend_neuron_accepts_exactly_its_aliased_states_after_the_logits(extra, fails, tmp_path, monkeypatch):
+    """The backend declares the K/V states its module aliases (one per K/V buffer of the decode
+    graph): a module returning the logits and those states runs; one more tensor fails the first call."""
+    from gemma4lib.backends import neuron
+    from gemma4lib.device.build import device_graphs
+    from gemma4lib.errors import DeviceOutputError
+    from gemma4lib.port import PortSettings, load_model
+    from gemma4lib.recipes import neuron_model_builder
+
+    monkeypatch.setenv("GEMMA4LIB_INSTANCE_TYPE", "inf2.8xlarge")
+    monkeypatch.setattr(neuron_env, "require_sdk", lambda *a, **k: None)
+    monkeypatch.setattr(neuron_env, "require", lambda *a, **k: None)
+    settings = PortSettings(variant="e2b", backend="neuron", max_new_tokens=4, cache_dir=str(tmp_path))
+    model = load_model(settings)
+    states = len(device_graphs(model, settings, inplace=False)[1].new_kv())
+    fake = _FakeNxDModel(model.config.vocab_size, states + extra)
+    monkeypatch.setattr(
+        neuron_model_builder, "compile_model_builder", lambda m, tp, folder, **k: (folder / "m.json").write_text("{}")
+    )
+    monkeypatch.setattr(neuron_model_builder, "load_model_builder", lambda path, tp: fake)
+    runtime = neuron.compile(model, settings).runtime
+    if fails:
+        with pytest.raises(DeviceOutputError, match=f"traced with {states} aliased K/V states"):
+            runtime.generate([5, 6, 7], 3)
+    else:
+        assert len(runtime.generate([5, 6, 7], 3).tokens) == 3

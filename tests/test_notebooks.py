@@ -14,6 +14,7 @@ import json
 import re
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import nbformat
@@ -671,60 +672,95 @@ def _cell_starting(nb, prefix: str) -> str:
     return cell
 
 
+class _FakeLoaded:
+    """What `torch.jit.load` gives back for a ModelBuilder artifact, recording `initialize`."""
+
+    def __init__(self, calls):
+        self.calls = calls
+        self.nxd_model = types.SimpleNamespace(initialize=self.initialize)
+
+    def initialize(self, weights, start_rank):
+        self.calls.append(
+            ("initialize", {"ranks": [w["rank"].tolist() for w in weights], "start": start_rank.tolist()})
+        )
+
+
 @pytest.mark.parametrize(
     "path", [NOTEBOOK_DIR / "02_e4b.ipynb", NOTEBOOK_DIR / "05_26b_a4b.ipynb"], ids=lambda p: p.name
 )
 def test_the_model_builder_cell_makes_the_recipes_calls(path, tmp_path, monkeypatch):
-    """The inf2 cell (run here against a recording stand-in for NxD's model_builder, up to `trace`)
-    asks ModelBuilder for exactly what `recipes.neuron_model_builder.compile_model_builder`, the
-    function `port(backend="neuron")` runs, asks for: the same checkpoint, keys, example inputs,
-    compiler arguments and priorities."""
+    """The inf2 cell, run here against recording stand-ins for NxD's model_builder and the
+    artifact's save and load, makes the calls `backends.neuron.compile` (what `port(backend="neuron")`
+    runs) makes, in the same order: a fresh compiler work directory and a private current
+    directory around the compile, the same ModelBuilder keys, example inputs, compiler arguments
+    and priorities, the checkpoint built only when `shard_checkpoint` asks, and the cores guard
+    before the load with the claim after it."""
+    import contextlib
     import dataclasses
 
     import torch
     from test_neuron_recipes import _Recorder
 
     from gemma4lib import notebook as nb_helpers
+    from gemma4lib.backends import neuron
     from gemma4lib.backends.base import CompiledGraphs
     from gemma4lib.cache.artifacts import ArtifactCache
     from gemma4lib.port import PortSettings, build_graphs, load_model
-    from gemma4lib.recipes import neuron_env, neuron_model_builder
+    from gemma4lib.recipes import cores, neuron_env
     from gemma4lib.runtime import HostRuntime
 
     values = parameters_of(load(path))
     tp = 2
     settings = PortSettings(
-        variant=values["variant"], tp_degree=tp, decode_experts=values.get("decode_experts", "dense")
-    )
+        variant=values["variant"], tp_degree=tp, decode_experts=values.get("decode_experts", "dense"),
+        cache_dir=str(tmp_path / "library-cache"),
+    )  # fmt: skip
     model = load_model(dataclasses.replace(settings, tp_degree=1))
-    _, decode = build_graphs(model, dataclasses.replace(settings, tp_degree=1))
+    prefill, decode = build_graphs(model, dataclasses.replace(settings, tp_degree=1))
+    guards = {name: getattr(neuron, name) for name in ("compiler_workdir", "own_directory")}
     runs = []
     for run in ("cell", "library"):
-        recorder = _Recorder()
+        recorder = _Recorder(stop_at_trace=False)
+        calls = recorder.calls
         monkeypatch.setattr(neuron_env, "require", lambda module, purpose="", r=recorder: r.module)
-        with pytest.raises(RuntimeError, match="stop: no Neuron compiler here"):
-            if run == "cell":
-                namespace = dict(backend="neuron", s=settings, model=model, decode=decode, torch=torch, nb=nb_helpers)
-                namespace.update(time=__import__("time"), cache=ArtifactCache(tmp_path / "cache"), has_ple=False)
-                namespace.update(HostRuntime=HostRuntime, CompiledGraphs=CompiledGraphs)
-                cell = _cell_starting(load(path), 'if backend == "neuron" and s.neuron_recipe != "trace"')
-                exec(compile(cell, f"{path.name}[ModelBuilder cell]", "exec"), namespace)
-            else:
-                experts = settings.decode_experts if model.variant.is_moe else "dense"
-                neuron_model_builder.compile_model_builder(
-                    model, tp, tmp_path / "lib", context_length=settings.context_length,
-                    prefill_len=max(settings.prefill_buckets), ring=settings.ring_kv, decode_experts=experts,
-                )  # fmt: skip
-        runs.append(recorder.calls)
-    cell_calls, library_calls = runs
-    assert [kind for kind, _ in cell_calls] == [kind for kind, _ in library_calls] == ["init", "add", "add", "trace"]
-    for (kind, ours), (_, theirs) in zip(cell_calls, library_calls, strict=True):
-        if kind == "init":
-            assert ours["tp_degree"] == theirs["tp_degree"] and ours["router"] is theirs["router"]
-            assert ours["checkpoint"].keys() == theirs["checkpoint"].keys()
-            assert all(torch.equal(ours["checkpoint"][k], theirs["checkpoint"][k]) for k in ours["checkpoint"])
+        for name, guard in guards.items():
+
+            @contextlib.contextmanager
+            def recording(*args, name=name, guard=guard, calls=calls, **kwargs):
+                calls.append((name, {}))
+                with guard(*args, **kwargs) as value:
+                    yield value
+
+            monkeypatch.setattr(neuron, name, recording)
+        monkeypatch.setattr(cores, "check_free", lambda first, n, label, c=calls: c.append(("check_free", [first, n])))
+        monkeypatch.setattr(cores, "claim", lambda m, first, n, label, c=calls: c.append(("claim", [first, n])) or m)
+        monkeypatch.setattr(torch.jit, "save", lambda traced, p, c=calls: c.append(("save", Path(p).name)))
+        monkeypatch.setattr(torch.jit, "load", lambda p, c=calls: c.append(("load", Path(p).name)) or _FakeLoaded(c))
+        if run == "cell":
+            namespace = dict(backend="neuron", s=settings, model=model, prefill=prefill, decode=decode, torch=torch)
+            namespace.update(nb=nb_helpers, time=__import__("time"), cache=ArtifactCache(tmp_path / "cell-cache"))
+            namespace.update(HostRuntime=HostRuntime, CompiledGraphs=CompiledGraphs, has_ple=False)
+            cell = _cell_starting(load(path), 'if backend == "neuron" and s.neuron_recipe != "trace"')
+            exec(compile(cell, f"{path.name}[ModelBuilder cell]", "exec"), namespace)
+            runtime = namespace["compiled"].runtime
         else:
-            assert ours == theirs, f"{kind}: the cell asked {ours}, the recipe {theirs}"
+            runtime = neuron.compile(model, settings).runtime
+        runs.append((calls, recorder.checkpoint(), runtime))
+    (cell_calls, cell_checkpoint, cell_runtime), (library_calls, library_checkpoint, library_runtime) = runs
+    kinds = [kind for kind, _ in cell_calls]
+    assert kinds == [kind for kind, _ in library_calls]
+    assert kinds[:2] == ["compiler_workdir", "own_directory"] and kinds[-4:] == [
+        "check_free",
+        "load",
+        "initialize",
+        "claim",
+    ]
+    assert kinds[2:7] == ["init", "add", "add", "trace", "save"] and "shard_checkpoint" in kinds
+    for (kind, ours), (_, theirs) in zip(cell_calls, library_calls, strict=True):
+        assert ours == theirs, f"{kind}: the cell asked {ours}, the backend {theirs}"
+    assert cell_checkpoint.keys() == library_checkpoint.keys()
+    assert all(torch.equal(cell_checkpoint[k], library_checkpoint[k]) for k in cell_checkpoint)
+    assert cell_runtime.kv == library_runtime.kv == []  # the K/V live on the device
 
 
 @pytest.mark.parametrize("path", variant_notebooks(), ids=lambda p: p.name)
@@ -760,3 +796,77 @@ def test_serving_tables_and_draft_plot_render_headless():
     table = nb.batch_rows_table([{**row, "logits_max_err": 1e-6, "logits_tolerance": 1e-5, "coherent": None}])
     assert table.rows[0][4] is False and table.rows[0][6] == "1e-06 / 1e-05"
     assert isinstance(plots_draft.drafts_accepted([4, 2, 0], [4, 4, 4], [5, 3, 1]), Figure)
+
+
+def test_the_trace_cell_makes_the_backends_calls(tmp_path, monkeypatch):
+    """E2B's one-graph cell, against recording stand-ins for torch_neuronx and the artifact's save
+    and load, makes the calls `backends.neuron.compile` makes with `neuron_recipe="trace"`: the
+    backend's work directory and private current directory around the trace, the same example
+    inputs, aliases and compiler arguments, and the cores guard around the load."""
+    import contextlib
+
+    import torch
+
+    from gemma4lib import notebook as nb_helpers
+    from gemma4lib.backends import neuron
+    from gemma4lib.backends.base import CompiledGraphs
+    from gemma4lib.cache.artifacts import ArtifactCache
+    from gemma4lib.device.graph import DeviceGraph, GraphShape
+    from gemma4lib.port import PortSettings, build_graphs, load_model
+    from gemma4lib.recipes import cores, neuron_env
+    from gemma4lib.runtime import HostRuntime
+
+    path = NOTEBOOK_DIR / "01_e2b.ipynb"
+    settings = PortSettings(variant="e2b", neuron_recipe="trace", cache_dir=str(tmp_path / "library-cache"))
+    model = load_model(settings)
+    prefill, decode = build_graphs(model, settings)
+    guards = {name: getattr(neuron, name) for name in ("compiler_workdir", "own_directory")}
+    runs = []
+    for run in ("cell", "library"):
+        calls = []
+
+        def trace(module, example_inputs, *, input_output_aliases, compiler_workdir, calls=calls, **kwargs):
+            inputs = [(tuple(t.shape), t.dtype) for t in example_inputs]
+            calls.append(("trace", {"inputs": inputs, "aliases": sorted(input_output_aliases.values()), **kwargs}))
+            return module
+
+        sdk = types.SimpleNamespace(
+            trace=trace, move_trace_to_device=lambda traced, core, c=calls: c.append(("move", core))
+        )
+        monkeypatch.setattr(neuron_env, "require", lambda module, purpose="", sdk=sdk: sdk)
+        for name, guard in guards.items():
+
+            @contextlib.contextmanager
+            def recording(*args, name=name, guard=guard, calls=calls, **kwargs):
+                calls.append((name, {}))
+                with guard(*args, **kwargs) as value:
+                    yield value
+
+            monkeypatch.setattr(neuron, name, recording)
+        monkeypatch.setattr(cores, "check_free", lambda first, n, label, c=calls: c.append(("check_free", [first, n])))
+        monkeypatch.setattr(cores, "claim", lambda m, first, n, label, c=calls: c.append(("claim", [first, n])) or m)
+
+        def save(traced, p, c=calls):
+            c.append(("save", Path(p).name))
+            Path(p).write_bytes(b"stand-in")
+
+        monkeypatch.setattr(torch.jit, "save", save)
+        monkeypatch.setattr(torch.jit, "load", lambda p, c=calls: c.append(("load", Path(p).name)) or _FakeLoaded(c))
+        if run == "cell":
+            namespace = dict(backend="neuron", s=settings, model=model, prefill=prefill, decode=decode, torch=torch)
+            namespace.update(nb=nb_helpers, time=__import__("time"), cache=ArtifactCache(tmp_path / "cell-cache"))
+            namespace.update(HostRuntime=HostRuntime, CompiledGraphs=CompiledGraphs, GraphShape=GraphShape)
+            namespace.update(DeviceGraph=DeviceGraph)
+            cell = _cell_starting(load(path), 'if backend == "neuron" and s.neuron_recipe == "trace"')
+            exec(compile(cell, f"{path.name}[trace cell]", "exec"), namespace)
+            runtime = namespace["compiled"].runtime
+        else:
+            runtime = neuron.compile(model, settings).runtime
+        runs.append((calls, runtime))
+    (cell_calls, cell_runtime), (library_calls, library_runtime) = runs
+    kinds = [kind for kind, _ in cell_calls]
+    assert kinds == ["compiler_workdir", "own_directory", "trace", "save", "check_free", "load", "move", "claim"]
+    assert kinds == [kind for kind, _ in library_calls]
+    for (kind, ours), (_, theirs) in zip(cell_calls, library_calls, strict=True):
+        assert ours == theirs, f"{kind}: the cell asked {ours}, the backend {theirs}"
+    assert cell_runtime.kv == library_runtime.kv == []

@@ -26,7 +26,7 @@ import torch
 from ..cache.artifacts import ArtifactCache, CacheEntry, make_key
 from ..device.graph import DeviceGraph
 from ..device.packed_linear import repack_all
-from ..environment import versions
+from ..environment import program_versions
 from ..models.weights_identity import weights_fingerprint
 from .program_key import program_config, program_digest
 
@@ -60,7 +60,7 @@ def graph_key(
         "shape": graph.shape.__dict__,
         "graph": graph.key_parts(),
         "options": options,
-        "versions": {k: v for k, v in versions().items() if k != "git_sha"},
+        "versions": program_versions(),
     }
 
 

@@ -22,12 +22,12 @@ from ..cache.artifacts import make_key
 from ..cache.bundle import cache_for
 from ..device.embedder import HostEmbedder
 from ..device.graph import GraphShape
-from ..environment import versions
+from ..environment import program_versions
 from ..inf2.doctor import warn_low_host_ram
 from ..inf2.memory_plan import neuron_recipe
 from ..models.weights_identity import weights_identity
 from ..recipes import cores, neuron_env, neuron_model_builder, neuron_trace
-from ..recipes.common import DeviceStep, check_host_tables
+from ..recipes.common import DeviceStep, check_host_tables, index_dtype, key_inputs
 from ..runtime import Steps
 from .base import CompiledGraphs
 from .program_key import source_digest
@@ -92,7 +92,7 @@ def neuron_cache_key(
         "dtype": str(dtype),
         "graph_source": source_digest(),
         "sdk": {r["package"]: r["found"] for r in neuron_env.check_versions()},
-        "versions": versions(),
+        "versions": program_versions(),
     }
     if decode_experts != "dense":  # only then: the keys of existing (dense) artifacts stay valid
         parts["decode_experts"] = decode_experts
@@ -116,20 +116,28 @@ def compile(graphs: GraphSet, model: LoadedModel, settings: PortSettings, progre
     neuron_env.require("torch_neuronx", f"backend 'neuron' ({model.variant.name})")
     if graphs.verify is not None:
         return compile_drafting(graphs, model, settings)
-    target = graphs.target
-    context, ring, batch = target.shape.context_length, target.shape.ring, target.shape.batch
+    # The graphs every backend compiles (`device_graphs`): batch, buckets, context and ring come from
+    # the settings (full precision: NxD quantizes its own layers, `Backend.quantizes_itself`).
+    decode, prefill = graphs.target, graphs.prefill
+    context, ring, batch = decode.shape.context_length, decode.shape.ring, decode.shape.batch
     tp = int(settings.tp_degree)
     recipe = neuron_recipe(model.variant, tp, getattr(settings, "neuron_recipe", None))
-    dtype = target.dtype
-    n_inputs = target.num_inputs
-    buckets = tuple(sorted(graphs.prefill))
+    dtype = decode.dtype
+    n_inputs = decode.num_inputs
+    buckets = tuple(sorted(prefill))
     bucket = max(buckets)
-    shapes = {"decode": target.shape}
+    shapes = {"decode": decode.shape}
+    key_graphs = {"decode": decode}
     decode_experts = "dense"  # only the ModelBuilder recipe builds the rank graph, which takes the form
     if recipe == "model_builder":
-        shapes["prefill"] = graphs.prefill[bucket].shape
+        shapes["prefill"] = prefill[bucket].shape
+        key_graphs["prefill"] = prefill[bucket]
         if model.variant.is_moe:
             decode_experts = settings.decode_experts
+    # the K/V states each compiled module aliases (what may follow its logits) and the index dtype it
+    # takes, from the graph's own example inputs
+    states = len(decode.layout.buffer_shapes(batch, context, ring))
+    indices = index_dtype(key_inputs(decode, n_inputs))
     key, parts = neuron_cache_key(
         model,
         recipe,
@@ -153,7 +161,7 @@ def compile(graphs: GraphSet, model: LoadedModel, settings: PortSettings, progre
     def _compile(folder: Path, workdir: str) -> None:
         if recipe == "trace":
             neuron_trace.save(
-                neuron_trace.compile_trace(model, context, ring=ring, compiler_workdir=workdir, batch=batch),
+                neuron_trace.compile_trace(model, context, ring=ring, compiler_workdir=workdir, graph=decode),
                 folder / "model.pt",
             )
         else:
@@ -168,7 +176,7 @@ def compile(graphs: GraphSet, model: LoadedModel, settings: PortSettings, progre
                 compiler_workdir=workdir,
                 decode_experts=decode_experts,
                 weights=settings.weights,
-                batch=batch,
+                graphs=key_graphs,
             )
 
     # the entry holds the weights (the shards, or a NEFF with them inlined): the free-space check's estimate
@@ -182,13 +190,14 @@ def compile(graphs: GraphSet, model: LoadedModel, settings: PortSettings, progre
     cores.check_free(0, tp, label)  # a model an earlier call loaded and still referenced: refuse, before the device
     if recipe == "trace":
         loaded = neuron_trace.load(entry.file("model.pt"))
-        step = DeviceStep(cores.claim(loaded, 0, tp, label), n_inputs, vocab)
+        step = DeviceStep(cores.claim(loaded, 0, tp, label), n_inputs, vocab, aliases=states, index_dtype=indices)
         steps = Steps(decode=step)  # no prefill graph: the engine feeds the prompt token by token
     else:
         loaded = neuron_model_builder.load_model_builder(entry.path, tp)
-        step = DeviceStep(cores.claim(loaded, 0, tp, label), n_inputs, vocab)
+        step = DeviceStep(cores.claim(loaded, 0, tp, label), n_inputs, vocab, aliases=states, index_dtype=indices)
         steps = Steps(prefill={bucket: step}, decode=step)
     check_host_tables(HostEmbedder.from_text_model(model.text_model))  # the compile left the host tables whole
+    # no host K/V: the device steps keep theirs as aliased state and never read host buffers
     return CompiledGraphs(
         steps,
         0.0 if entry.hit else compile_s,

@@ -10,9 +10,13 @@ of its own:
 once (the Neuron backend's cache key reads every weight before the compile), 3. the per-rank
 weight shards read back as `load_model_builder` reads them (TP=1: the device weights) and every
 page of them read (what `nxd_model.initialize` does copying them to the cores), then dropped,
-4. the host K/V buffers at the full profile's context, 5. the host reference's greedy `generate`
-over the full profile's prompt and new tokens, 6. LOGITS_MATCH's teacher-forced logits and their
-spread (`reference.logits_spread`).
+4. the host reference's greedy `generate` over the full profile's prompt and new tokens, 5.
+LOGITS_MATCH's teacher-forced logits and their spread (`reference.logits_spread`). No host K/V:
+the neuron backend keeps none.
+
+`compile` measures the ModelBuilder compile's host side the same way (`inf2.compile_host`): the
+load, every weight page read, the two keys' modules at shard size, then the lazy NxD checkpoint
+and one rank's file written at a time.
 
 Its peak is compared with `serving_host_plan(..., layer_overrides=...)` at the same depth, and a
 line through the two depths' (model bytes, peak) points is extended to the released model's bytes
@@ -72,7 +76,6 @@ def _serve(variant: str, folder: Path, context_length: int, prompt_tokens: int, 
     import torch
     from safetensors.torch import load_file
 
-    from ..device.kv_layout import KVLayout
     from ..inf2.host_memory import measure_peak, rss_bytes
     from ..models.checkpoint import load_checkpoint
     from ..models.variants import get_variant
@@ -89,8 +92,6 @@ def _serve(variant: str, folder: Path, context_length: int, prompt_tokens: int, 
     model_bytes += sum(b.numel() * b.element_size() for b in lm.buffers())
     _, steps["read_weights"] = measure_peak(lambda: _read_every_page(lm.state_dict().values()))
     _, steps["shards"] = measure_peak(lambda: _read_every_page(load_file(str(folder / "shards" / SHARD_FILE)).values()))
-    layout = KVLayout.from_config(lm.config)
-    kv = [torch.zeros(s, dtype=torch.bfloat16) for s in layout.buffer_shapes(1, context_length, True)]
     ids = random_prompt(lm.config.vocab_size, prompt_tokens, 1)
     tokens, steps["reference"] = measure_peak(lambda: reference_greedy(lm, ids, new_tokens))
 
@@ -102,13 +103,110 @@ def _serve(variant: str, folder: Path, context_length: int, prompt_tokens: int, 
     return {
         "base_gb": base / 1e9,
         "model_gb": model_bytes / 1e9,
-        "host_kv_gb": sum(t.numel() * 2 for t in kv) / 1e9,
+        "host_kv_gb": 0.0,  # the neuron backend keeps no host K/V
         "steps": {k: v.to_dict() for k, v in steps.items()},
         # the steps' peaks (ru_maxrss cannot say: resetting VmHWM for each step resets it too)
         "peak_gb": max(step.peak_bytes for step in steps.values()) / 1e9,
         "peak_step": max(steps, key=lambda k: steps[k].peak_bytes),
         "spread": spread,
         "new_tokens": len(tokens),
+    }
+
+
+def _compile_host(variant: str, folder: Path, tp: int, context_length: int) -> dict[str, Any]:
+    """Child 3: the ModelBuilder compile's host side on the saved model (`inf2.compile_host`): the
+    load, every weight page read, each key's module at shard size (CPU parallel layers standing in
+    for NxD's, their weights written as NxD's initialisers write them), then NxD's
+    `shard_checkpoint` emulated: the recipe's lazy loader, the first key's module dropped (NxD
+    rebuilds it on the meta device), each rank's contiguous cut written with safetensors in turn."""
+    import tempfile
+
+    import torch
+    from safetensors.torch import save_file
+
+    from ..inf2.host_memory import measure_peak, rss_bytes
+    from ..models.checkpoint import load_checkpoint
+    from ..models.variants import get_variant
+    from ..recipes import neuron_model_builder as mb
+    from ..tp.plan import REPLICATE, make_plan
+    from ..tp.rank_graph import CpuParallelFactory
+
+    torch.set_num_threads(1)
+    base = rss_bytes()
+    steps: dict[str, Any] = {}
+    model, steps["load"] = measure_peak(
+        lambda: load_checkpoint(get_variant(variant), str(folder), torch.bfloat16, with_tokenizer=False)
+    )
+    lm = model.lm
+    model_bytes = sum(p.numel() * p.element_size() for p in lm.parameters())
+    model_bytes += sum(b.numel() * b.element_size() for b in lm.buffers())
+    _, steps["read_weights"] = measure_peak(lambda: _read_every_page(lm.state_dict().values()))
+    plan = make_plan(lm.config, tp, model.variant)
+    shapes = mb.bucket_shapes(context_length, 128, ring=True)
+
+    def modules() -> list[Any]:
+        built = []
+        for shape in shapes.values():
+            factory = CpuParallelFactory(tp, dtype=torch.bfloat16)  # NxD's layers are built in bf16 too
+            module = mb.rank_module(lm.config, plan, shape, torch.bfloat16, factory=factory)
+            for p in module.parameters():
+                if p.is_floating_point():
+                    p.data.fill_(0.5)  # resident, as NxD's initialised weights are
+            built.append(module)
+        return built
+
+    keys, steps["trace_modules"] = measure_peak(modules)
+    del keys[0]  # shard_checkpoint rebuilds the first key's module on the meta device
+
+    def shard_checkpoint() -> int:
+        checkpoint = mb.checkpoint_loader(model, plan, torch.bfloat16)()
+        with tempfile.TemporaryDirectory(prefix="gemma4lib-shards-") as out:
+            for rank in range(tp):
+                cut = {
+                    k: v if plan.rule(k).kind == REPLICATE else v.chunk(tp, plan.rule(k).dim)[rank]
+                    for k, v in checkpoint.items()
+                }
+                save_file({k: v.contiguous() for k, v in cut.items()}, f"{out}/tp{rank}_sharded_checkpoint.safetensors")
+        return len(checkpoint)
+
+    _, steps["shard_checkpoint"] = measure_peak(shard_checkpoint)
+    return {
+        "base_gb": base / 1e9,
+        "model_gb": model_bytes / 1e9,
+        "steps": {k: v.to_dict() for k, v in steps.items()},
+        "peak_gb": max(step.peak_bytes for step in steps.values()) / 1e9,
+        "peak_step": max(steps, key=lambda k: steps[k].peak_bytes),
+    }
+
+
+def measure_compile(variant: str = "e2b", tp: int = 1, context_length: int = 2048) -> dict[str, Any]:
+    """The compile host's side at both depths, measured and planned, and the per-layer fit held to
+    the released plan (`inf2.compile_host`)."""
+    from ..inf2.compile_host import compile_host_plan
+
+    rows = []
+    for overrides in DEPTHS[variant]:
+        with tempfile.TemporaryDirectory(prefix="gemma4lib-host-rss-") as tmp:
+            folder = Path(tmp) / "model"
+            _child(["build", variant, json.dumps(overrides), str(folder)])
+            started = time.perf_counter()
+            measured = _child(["compile-host", variant, str(folder), str(tp), str(context_length)])
+            measured["wall_s"] = time.perf_counter() - started
+        plan = compile_host_plan(variant, tp, "model_builder", context_length=context_length, layer_overrides=overrides)
+        rows.append({"layers": overrides["num_hidden_layers"], "measured": measured, "plan": plan.to_dict()})
+    (a, b) = rows
+    slope = (b["measured"]["peak_gb"] - a["measured"]["peak_gb"]) / (b["plan"]["model_gb"] - a["plan"]["model_gb"])
+    released = compile_host_plan(variant, tp, "model_builder", context_length=context_length)
+    fitted = a["measured"]["peak_gb"] + slope * (released.model_gb - a["plan"]["model_gb"])
+    return {
+        "variant": variant,
+        "tp": tp,
+        "context_length": context_length,
+        "depths": rows,
+        "fit": {"peak_gb_per_model_gb": slope, "released_peak_gb": fitted},
+        "released_plan": released.to_dict(),
+        "plan_over_fit": released.peak_gb / fitted,
+        "plan_over_measured": [r["plan"]["peak_gb"] / r["measured"]["peak_gb"] for r in rows],
     }
 
 
@@ -209,6 +307,14 @@ def main(argv: list[str] | None = None) -> int:
     spread.add_argument("--overrides", default=json.dumps(DEPTHS["e2b"][0]))
     spread.add_argument("--prompt-tokens", type=int, default=24)
     spread.add_argument("--new-tokens", type=int, default=16)
+    compile_host = sub.add_parser("compile-host")
+    compile_host.add_argument("variant")
+    compile_host.add_argument("folder")
+    compile_host.add_argument("tp", type=int)
+    compile_host.add_argument("context_length", type=int)
+    compile_ = sub.add_parser("compile")
+    compile_.add_argument("variant", nargs="?", default="e2b", choices=sorted(DEPTHS))
+    compile_.add_argument("--out", help="write the JSON record here too")
     serving = sub.add_parser("serving")
     serving.add_argument("variant", nargs="?", default="e2b", choices=sorted(DEPTHS))
     serving.add_argument("--out", help="write the JSON record here too")
@@ -221,6 +327,14 @@ def main(argv: list[str] | None = None) -> int:
         out = _serve(
             args.variant, Path(args.folder), shapes["context_length"], shapes["prompt_tokens"], shapes["new_tokens"]
         )
+    elif args.command == "compile-host":
+        out = _compile_host(args.variant, Path(args.folder), args.tp, args.context_length)
+    elif args.command == "compile":
+        from ..environment import machine, versions
+
+        out = {**measure_compile(args.variant), "machine": machine(), "versions": versions(), "threads": 1}
+        if args.out:
+            Path(args.out).write_text(json.dumps(out, indent=2))
     elif args.command == "spread":
         out = _spread(args.variant, json.loads(args.overrides), args.prompt_tokens, args.new_tokens)
     else:

@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..environment import versions
+from ..environment import program_versions as environment_versions
 from ..errors import BundleError
 from ..models.weights_identity import weights_identity
 from .artifacts import ArtifactCache
@@ -64,13 +64,13 @@ SHAPE_FIELDS = (
     "verify_experts",
 )
 FORMAT_FIELDS = ("weights", "neuron_recipe")
-# Versions that change a compiled program; git_sha does not (the graph source is in the keys).
+# Versions that change a compiled program (`environment.program_versions`: the commit does not).
 VERSION_FIELDS = ("torch", "transformers", "python", "gemma4lib", "torch-neuronx", "neuronx-cc", "neuronx-distributed")
 CPU_LEVELS = ("DEFAULT", "VSX", "ZVECTOR", "AVX2", "AVX512")  # torch.backends.cpu.get_cpu_capability()
 
 
 def program_versions() -> dict[str, str]:
-    found = versions()
+    found = environment_versions()
     return {k: str(found[k]) for k in VERSION_FIELDS if k in found}
 
 

@@ -29,6 +29,7 @@ from typing import Any
 
 from ..models.variants import get_variant
 from ..recipes import neuron_env
+from .compile_host import compile_host_plan
 from .hardware import GB, dmi_instance_type, host_instance_type, host_ram_bytes, smallest_instance
 from .memory_plan import (
     COMPILE_CALIBRATION,
@@ -50,7 +51,7 @@ def estimate_compile_peak_gb(
     v = get_variant(variant) if isinstance(variant, str) else variant
     tp = tp or v.tp_degree
     recipe = neuron_recipe(v, tp, recipe)
-    peak, basis = compile_peak_gb(v, recipe, bytes_per_param)
+    peak, basis = compile_peak_gb(v, recipe, bytes_per_param, tp)
     host = smallest_instance(tp, peak * HOST_HEADROOM)
     return {
         "variant": v.name,
@@ -107,7 +108,7 @@ def expected_environment() -> dict[str, Any]:
     """The inf2 environment this cookbook is written for, and the lines that make it."""
     return {
         "dlami": neuron_env.DLAMI,
-        "ssm_parameter": neuron_env.DLAMI_SSM_PARAMETER,
+        "image": neuron_env.dlami_advice(),
         "venv": neuron_env.DLAMI_VENV_PATH,
         "python": neuron_env.INF2_PYTHON,
         "neuron_sdk": neuron_env.NEURON_SDK_RELEASE,
@@ -248,15 +249,18 @@ def run_doctor(
 
         v = get_variant(variant)
         tp = tp or v.tp_degree
-        estimate = estimate_compile_peak_gb(v, tp)
-        report["compile_estimate"] = estimate
+        estimate = None
         try:
             require_neuron_tp(v, tp, dmi_instance_type())
             report["tp"] = {"degree": tp, "ok": True}
         except TensorParallelError as exc:
             report["tp"] = {"degree": tp, "ok": False, "error": str(exc)}
             warnings.append(str(exc))
-        else:
+        else:  # the compile host's plan needs a TP degree the weights can be cut for
+            estimate = estimate_compile_peak_gb(v, tp)
+            report["compile_estimate"] = estimate
+            compile_plan = compile_host_plan(v, tp, estimate["recipe"])
+            report["compile_host"] = {**compile_plan.to_dict(), "summary": compile_plan.summary()}
             plan = plan_core_memory(v, tp, instance=dmi_instance_type(), context_length=context_length)
             report["plan"] = plan.to_dict()
             if not plan.fits:
@@ -267,7 +271,7 @@ def run_doctor(
                 warnings.append(serving.summary() + "; " + "; ".join(serving.problems))
         if devices["cores"] and tp > devices["cores"]:
             warnings.append(f"TP={tp} needs {tp} NeuronCores; this host has {devices['cores']}")
-        ram_warning = compile_ram_warning(estimate, ram)
+        ram_warning = compile_ram_warning(estimate, ram) if estimate else None
         if ram_warning:
             warnings.append(ram_warning)
     report["warnings"] = warnings
@@ -279,7 +283,8 @@ def format_doctor(report: dict[str, Any]) -> str:
     e = report["expected"]
     lines = [
         f"gemma4lib doctor — Neuron SDK {report['neuron_sdk_release']} target",
-        f"expected: {e['dlami']} (SSM {e['ssm_parameter']}), venv {e['venv']}, Python {e['python']}",
+        f"expected: {e['dlami']} of SDK {report['neuron_sdk_release']}, venv {e['venv']}, Python {e['python']}",
+        f"  image: {e['image']}",
         "  " + ", ".join(f"{k} {v}" for k, v in e["pins"].items()),
         "  set-up: " + " && ".join(e["install"]),
         f"this machine: python {report['python']}, torch {report['torch']}, {report['platform']}",
@@ -314,11 +319,10 @@ def format_doctor(report: dict[str, Any]) -> str:
     lines += ["  " + row for row in report["serving_host_table"].splitlines()]
     if "serving_host" in report:
         lines.append(report["serving_host"]["summary"])
-    if "compile_estimate" in report:
+    if "compile_host" in report:
         e = report["compile_estimate"]
-        lines.append(
-            f"compile peak estimate for {e['variant']} ({e['recipe']}, TP={e['tp']}): {e['peak_gb']} GB [{e['basis']}]"
-        )
+        host = e["smallest_instance_with_headroom"] or "no inf2 size"
+        lines.append(f"{report['compile_host']['summary']}; compile on {host} or larger (20 % headroom)")
     if "tp" in report:
         lines.append(f"TP={report['tp']['degree']}: " + ("ok" if report["tp"]["ok"] else report["tp"]["error"]))
     for w in report["warnings"]:

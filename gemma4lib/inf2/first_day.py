@@ -16,6 +16,8 @@ README to it. What each figure rests on:
 - compile: the field report's 31B (~39 min); for the others no figure was measured (unverified);
 - host reference: the greedy reference reads the host model once per generated token, at
   `HOST_GB_S`, an assumed host memory rate (unverified);
+- compile host: the peak of `compile_host.compile_host_plan` (computed, held to a CPU measurement
+  at reduced depth; the compiler's own RAM not counted: unverified), and the inf2 size it needs;
 - serving host: the peak of `serving_host.serving_host_plan` (computed; see there).
 """
 
@@ -53,6 +55,7 @@ class FirstDay:
     to_cores_min: float
     reference_min: float
     serving_peak_gb: float
+    compile_peak_gb: float
 
     @property
     def disk_gb(self) -> float:
@@ -84,6 +87,7 @@ def first_day(variant: Variant | str) -> FirstDay:
         shards / ebs_gb_min,
         NEW_TOKENS * checkpoint / HOST_GB_S / 60,
         serving.peak_gb,
+        cores.compile_peak_gb,
     )
 
 
@@ -95,8 +99,8 @@ def format_first_day(rows: list[FirstDay]) -> str:
     """The README's table; every column's basis is in its header."""
     lines = [
         "| variant | serve on (compile on) | EBS disk: checkpoint + shards + workdir | download | load | "
-        "compile | load onto cores | host reference | serving host peak |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "compile | compile host peak | load onto cores | host reference | serving host peak |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         compile_cell = f"~{r.compile_min:.0f} min (field report)" if r.compile_min else "not measured (unverified)"
@@ -105,6 +109,7 @@ def format_first_day(rows: list[FirstDay]) -> str:
             f"{r.shards_gb:.1f} + {r.workdir_gb:.0f} (computed; workdir an allowance) | "
             f"~{r.download_min:.0f} min (at {DOWNLOAD_MB_S:.0f} MB/s, unverified) | "
             f"~{r.load_min:.1f} min (gp3 baseline, computed) | {compile_cell} | "
+            f"~{r.compile_peak_gb:.0f} GB (computed; compiler's own RAM unverified) | "
             f"~{r.to_cores_min:.1f} min (gp3 baseline, computed; device copy unverified) | "
             f"~{r.reference_min:.1f} min ({NEW_TOKENS} tokens at {HOST_GB_S:.0f} GB/s, unverified) | "
             f"{r.serving_peak_gb:.1f} GB (computed) |"

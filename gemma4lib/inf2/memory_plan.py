@@ -14,18 +14,20 @@ What is computed and what is assumed:
   linears NxD quantizes at 1 byte plus an fp32 scale per output row, `rank_weight_bytes`);
 - working memory per core: `WORKING_ALLOWANCE_GIB`, an allowance, not a measurement (the Neuron
   runtime's reservation, the program's instructions, activations and scratch). Unverified on inf2;
-- host RAM for the compile: an estimate from the weights alone. ModelBuilder holds three copies of
-  the text weights at its peak (the module it builds, the checkpoint the loader returns and the
-  per-rank shards it writes); 3 x 61.4 GB = 184 GB for the 31B against the field report's measured
-  182 GB (the earlier inf2 port; README, "The family at a glance"). The trace recipe compiles with
-  `inline_weights_to_neff=False`, so it holds the host model plus one copy of the device weights (no
-  weights baked into the HLO or the NEFF). Unverified on inf2 except the 31B calibration.
+- host RAM for the compile: the compile host's plan (`compile_host.compile_host_plan`): the host
+  model, each key's module at shard size, and the lazy NxD checkpoint with one rank's file being
+  written, computed from the configs and measured on CPU at reduced depth; the Neuron compiler's
+  own RAM is not counted (unverified on inf2). The earlier estimate, three copies of the text
+  weights (module + an eager checkpoint + every shard), matched the field report's measured 182 GB
+  for the 31B with that port's own eager code (`COMPILE_CALIBRATION`); the recipes now build the
+  checkpoint only when NxD shards it and one key at a time. The trace recipe compiles with
+  `inline_weights_to_neff=False`, so it holds the host model plus one copy of the device weights.
 
 The compile needs no NeuronCore, so it may run on a larger host than the one that serves: a plan
 names `compile_host`, the run instance when its RAM holds the estimate, else the smallest inf2 size
 that does (same Inferentia2 chip, so its artifacts load on the run instance). E2B's ModelBuilder
-compile (~28 GB) is the case: compile on an inf2.8xlarge, serve on the inf2.xlarge, or pick the
-trace recipe, whose compile fits the inf2.xlarge (`neuron_recipe`).
+compile is the case: compile on an inf2.8xlarge, serve on the inf2.xlarge, or pick the trace
+recipe, whose compile fits the inf2.xlarge (`neuron_recipe`).
 """
 
 from __future__ import annotations
@@ -42,8 +44,9 @@ from .hardware import GB, GIB, HBM_PER_CORE_GIB, INSTANCES, NEURON_TP_DEGREES, s
 from .serving_host import ServingHostPlan, format_serving_host, serving_host_plan, serving_host_table
 
 WORKING_ALLOWANCE_GIB = 2.0
-MODEL_BUILDER_COPIES = 3  # module + loader checkpoint + per-rank shards at the compile's peak
-COMPILE_CALIBRATION = {"variant": "31b", "tp": 8, "measured_peak_gb": 182.0, "source": "field report"}
+# The field report's measured compile peak, with its own port's eager checkpoint (three copies of the
+# weights); kept as the reference the old estimate matched, not as this library's compile.
+COMPILE_CALIBRATION = {"variant": "31b", "tp": 8, "measured_peak_gb": 182.0, "source": "field report (eager port)"}
 HOST_HEADROOM = 1.2  # a compile host should have 20 % more RAM than the estimated peak
 DEFAULT_CONTEXT = 2048
 
@@ -115,16 +118,13 @@ def _rank_kv_elements(name: str, tp: int, context_length: int, ring: bool) -> in
     return int(plan.rank_layout().buffer_bytes(context_length, ring, 1, 1))
 
 
-def compile_peak_gb(variant: Variant, recipe: str, dtype_bytes: int = 2) -> tuple[float, str]:
-    """Estimated peak host RAM (GB) of compiling `variant` with `recipe`, and how it was reckoned."""
-    from .params import count_params, meta_model
+def compile_peak_gb(variant: Variant, recipe: str, dtype_bytes: int = 2, tp: int | None = None) -> tuple[float, str]:
+    """Planned peak host RAM (GB) of compiling `variant` with `recipe` at `tp` (default: its own),
+    and what it is made of (`compile_host.compile_host_plan`)."""
+    from .compile_host import compile_host_plan
 
-    counts = count_params(meta_model(variant))
-    model_gb = counts.total * dtype_bytes / GB
-    device_gb = counts.device_params("dense") * dtype_bytes / GB
-    if recipe == "model_builder":
-        return MODEL_BUILDER_COPIES * model_gb, f"{MODEL_BUILDER_COPIES} x text weights (module + checkpoint + shards)"
-    return model_gb + device_gb, "host model + one copy of the device weights (weights not inlined into the NEFF)"
+    plan = compile_host_plan(variant, tp, recipe, dtype_bytes=dtype_bytes)
+    return plan.peak_gb, plan.basis()
 
 
 def structural_problems(variant: Variant, tp: int, instance: str | None) -> list[str]:
@@ -261,7 +261,7 @@ def plan_core_memory(
             f"{WORKING_ALLOWANCE_GIB:.0f} GiB working "
             f"memory exceed a NeuronCore's {capacity:.0f} GiB"
         )
-    peak, basis = compile_peak_gb(v, recipe, dtype_bytes)
+    peak, basis = compile_peak_gb(v, recipe, dtype_bytes, tp)
     compile_host: str | None = instance
     if inst.host_ram_gib * GIB < peak * GB:  # the compile needs no NeuronCore: a larger inf2 can do it
         larger = smallest_instance(1, peak * HOST_HEADROOM)

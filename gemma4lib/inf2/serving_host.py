@@ -3,7 +3,7 @@
 `memory_plan` plans the NeuronCores and the compile host. The host that serves needs RAM too,
 and on an inf2.xlarge (16 GiB) it is the tight one: it holds the text model in its load dtype
 (the host reference, SEQ_MATCH's and LOGITS_MATCH's, and the host tables the embedder reads:
-token embeddings and PLE) and the host copy of the K/V buffers, and for a while one of:
+token embeddings and PLE), and for a while one of:
 
 - the per-rank weight shards read for `nxd_model.initialize` (every rank's shard, as
   `load_model_builder` reads them: the device weights once);
@@ -12,7 +12,9 @@ token embeddings and PLE) and the host copy of the K/V buffers, and for a while 
   the reference rows in float64, the teacher-forced logits of every position in float32 twice
   (the LM-head blocks and their concatenation) and one widened LM-head block.
 
-peak = process base + model + host K/V + max(shards, reference, spread).
+peak = process base + model + max(shards, reference, spread). No host K/V: the neuron backend's
+device steps keep theirs as aliased state on the cores and the runtime holds no host copy
+(`host_kv_gb` stays in the plan, 0, so the tables keep their column).
 
 What is computed and what is measured: the model, host K/V, shards and the spread's tensors are
 computed from the released configs (meta device). `PROCESS_BASE_GB` (Python, torch, transformers
@@ -167,20 +169,6 @@ def _counts(name: str, tp: int, overrides_key: tuple) -> dict[str, int]:
     }
 
 
-@functools.lru_cache(maxsize=64)
-def _host_kv_elements(name: str, overrides_key: tuple, context_length: int, ring: bool) -> int:
-    from ..device.kv_layout import KVLayout
-    from .params import meta_model
-
-    variant = get_variant(name)
-    if overrides_key:
-        overrides = {k: (list(v) if isinstance(v, tuple) else v) for k, v in overrides_key}
-        config = _text_config(variant, None, overrides)
-    else:
-        config = meta_model(variant).config
-    return int(KVLayout.from_config(config).buffer_bytes(context_length, ring, 1, 1))
-
-
 def serving_host_plan(
     variant: Variant | str,
     tp: int | None = None,
@@ -207,7 +195,7 @@ def serving_host_plan(
         raise UnknownNameError("inf2 instance", instance, INSTANCES)
     key = tuple(sorted((k, tuple(x) if isinstance(x, list) else x) for k, x in (layer_overrides or {}).items()))
     c = _counts(v.name, tp, key)
-    kv = _host_kv_elements(v.name, key, int(context_length), bool(ring))
+    kv = 0  # no host K/V on neuron (the module docstring)
     tokens = int(prompt_tokens) + int(new_tokens)
     model = (c["params"] + c["buffers"]) * dtype_bytes
     shard_bytes = c["shard"] * dtype_bytes

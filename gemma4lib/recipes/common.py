@@ -21,7 +21,6 @@ import torch
 from torch import nn
 
 from ..device.embedder import HostEmbedder
-from ..device.graph import INDEX_DTYPE
 from ..errors import DeviceOutputError, GraphFormError, HostTablesMovedError
 
 
@@ -59,16 +58,21 @@ class KVParamModule(nn.Module):
         return KVParamModule(graph, self.kv)
 
 
-def graph_example_inputs(config: Any, shape: Any, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
-    """Example inputs of a graph bucket without building it (same as `KVParamModule.example_inputs`)."""
-    t = shape.tokens
-    inputs = [torch.zeros(shape.batch, t, config.hidden_size, dtype=dtype)]
-    ple = int(getattr(config, "hidden_size_per_layer_input", 0) or 0)
-    if ple:
-        inputs.append(torch.zeros(shape.batch, t, config.num_hidden_layers, ple, dtype=dtype))
-    b = shape.batch  # start and length: one int32 value per row
-    inputs += [torch.zeros(b, dtype=INDEX_DTYPE), torch.ones(b, dtype=INDEX_DTYPE)]
-    return tuple(inputs)
+def key_inputs(
+    graph: nn.Module, num_inputs: int | None = None, dtype: torch.dtype | None = None
+) -> tuple[torch.Tensor, ...]:
+    """The example inputs a compiler gets for `graph`: the graph's own `example_inputs()` without
+    its K/V (those are aliased state), so their shapes (batch, bucket) and the index tensors'
+    dtype are the graph's, never a second copy of them written here. `dtype`: the dtype the module
+    is compiled in (the embeddings and PLE are cast to it). The K/V the call allocates are dropped."""
+    n = num_inputs or (4 if getattr(graph, "has_ple", False) else 3)
+    inputs = graph.example_inputs()[:n]
+    return tuple(t.to(dtype) if dtype is not None and t.is_floating_point() else t for t in inputs)
+
+
+def index_dtype(inputs: tuple[torch.Tensor, ...]) -> torch.dtype:
+    """The dtype of the start/length inputs (the last two graph inputs) a module was compiled with."""
+    return inputs[-1].dtype
 
 
 class AliasEmulator:
@@ -139,10 +143,19 @@ def host_generate(
     return out
 
 
-def check_first_output(out: Any, vocab: int | None = None) -> None:
+def check_first_output(out: Any, vocab: int | None = None, aliases: int = 0) -> None:
     """The first call's output, checked: the logits as a tensor (last dim `vocab` when given),
-    alone. A tuple with more tensors means the module hands its K/V back every step (a copy of all
-    of it to the host per token: a silent slowdown) — the aliased K/V should stay on the device."""
+    then either nothing or exactly the `aliases` K/V states the module was traced with
+    (`input_output_aliases`), left on the device.
+
+    Why the states may follow the logits: NxD has to ask `generate_hlo` for
+    `output_aliased_tensor=False` and drops aliased outputs in its packer (NxD v2.28.0
+    `trace/model_builder.py`, `_generate_hlo` and `build_packer`), so a ModelBuilder model returns
+    the logits alone; `torch_neuronx.trace` has no such option, and the SDK's T5 tutorial indexes
+    the K/V its traced decoder returns. Whether those come back as device tensors or as host
+    copies is unverified on inf2 (torch-neuronx is closed source). Device-resident states are
+    accepted (the host loop ignores them); host copies of the K/V (all of them copied every token:
+    a silent slowdown) and any tensor that is neither the logits nor a declared state are errors."""
     logits = first_output(out)
     if not isinstance(logits, torch.Tensor):
         raise DeviceOutputError(
@@ -154,13 +167,26 @@ def check_first_output(out: Any, vocab: int | None = None) -> None:
             f"the compiled module's first output has shape {tuple(logits.shape)}, not [..., {vocab}] logits: "
             "the artifact was compiled for another model or output order; clear its cache entry and recompile"
         )
-    extra = [t for t in (out[1:] if isinstance(out, (tuple, list)) else ()) if isinstance(t, torch.Tensor)]
-    if extra:
-        mb = sum(t.numel() * t.element_size() for t in extra) / 1e6
+    rest = list(out[1:]) if isinstance(out, (tuple, list)) else []
+    tensors = [t for t in rest if isinstance(t, torch.Tensor)]
+    mb = sum(t.numel() * t.element_size() for t in tensors) / 1e6
+    if len(tensors) != len(rest) or len(rest) not in (0, aliases):
         raise DeviceOutputError(
-            f"the compiled module returns {len(extra)} tensors after the logits ({mb:.1f} MB copied to the host "
-            "every step): its K/V are outputs, not aliased device state; trace with input_output_aliases "
-            "mapping every K/V parameter (KVParamModule.aliases) so they stay on the device"
+            f"the compiled module returns {len(rest)} outputs after the logits ({mb:.1f} MB copied to the host "
+            f"every step) but was traced with {aliases} aliased K/V states: what follows the logits is neither "
+            "nothing nor those states. Its K/V are outputs, not aliased device state: trace with "
+            "input_output_aliases mapping every K/V parameter (KVParamModule.aliases), or clear the cache entry "
+            "(the artifact is not this recipe's) and recompile"
+        )
+    on_host = [t for t in tensors if t.device.type == "cpu"]
+    if on_host:
+        host_mb = sum(t.numel() * t.element_size() for t in on_host) / 1e6
+        raise DeviceOutputError(
+            f"the compiled module returns its {len(on_host)} aliased K/V states as host tensors ({host_mb:.1f} MB "
+            "copied to the host every step): the states should stay on the device. This is the trace recipe's "
+            "unverified case (recipes.common.check_first_output): use the ModelBuilder recipe "
+            "(PortSettings(neuron_recipe='model_builder'), whose NxD model drops aliased outputs) and report the "
+            "torch-neuronx version"
         )
 
 
@@ -185,17 +211,31 @@ class DeviceStep:
     """An engine step over a compiled module that keeps its K/V on the device.
 
     The engine calls `step(inputs..., start, length)`; the device module takes exactly those (its
-    K/V are aliased state). The first call's
-    output is checked (`check_first_output`), so a wrong artifact fails with a named error there.
+    K/V are aliased state). `aliases`: how many K/V states the module was traced with (what may
+    follow the logits, `check_first_output`); `index_dtype`: the start/length dtype it was compiled
+    with (the engine's int32 positions are handed over in it). The first call's output is checked,
+    so a wrong artifact fails with a named error there.
     """
 
-    def __init__(self, module: Callable[..., Any], num_inputs: int, vocab: int | None = None):
+    def __init__(
+        self,
+        module: Callable[..., Any],
+        num_inputs: int,
+        vocab: int | None = None,
+        *,
+        aliases: int = 0,
+        index_dtype: torch.dtype | None = None,
+    ):
         self.module, self.num_inputs, self.vocab = module, num_inputs, vocab
+        self.aliases, self.index_dtype = aliases, index_dtype
         self.checked = False
 
     def __call__(self, *args: torch.Tensor) -> torch.Tensor:
-        out = self.module(*args[: self.num_inputs])
+        inputs = list(args[: self.num_inputs])
+        if self.index_dtype is not None:
+            inputs[-2:] = [t.to(self.index_dtype) for t in inputs[-2:]]
+        out = self.module(*inputs)
         if not self.checked:
-            check_first_output(out, self.vocab)
+            check_first_output(out, self.vocab, self.aliases)
             self.checked = True
         return first_output(out).float()

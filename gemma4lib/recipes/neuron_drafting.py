@@ -15,8 +15,9 @@ that buys, from NxD v2.28.0 `trace/model_builder.py` and `trace/trace.py`:
   state has no way to say so in v1: a parameter it does not alias would be a *weight*
   (`INPUT_WEIGHT`), looked up in the checkpoint. So the draft key aliases every K/V parameter to an
   output that is that parameter, unchanged: the same states as the other keys, never written
-  (`DraftingRankModule.forward`). Whether the compiler elides the identity write-back (it should:
-  the output buffer is the input buffer) is unverified on inf2.
+  (`DraftingRankModule.forward`). Whether the compiler elides the identity write-back or copies
+  every state per draft step is unknown and unverified on inf2 (docs/DRAFTING.md gives the
+  measurement that tells).
 - Routing: `NxDModel.forward(inputs: List[Tensor])` picks the key by the input shapes, so no two
   keys may share them (a prefill bucket of k + 1 tokens would collide with verify: refused). The
   saved executor is traced with one key's arity, and the draft key takes two inputs where the
@@ -26,12 +27,15 @@ that buys, from NxD v2.28.0 `trace/model_builder.py` and `trace/trace.py`:
   transforms the checkpoint on load with a program built from that key's weights only; the
   assistant's (draft key) and the target's (other keys) are never all in one key, and what that
   transform does to weights outside its program is not documented. So drafting compiles without
-  the layout optimisation (a cost on inf2, unmeasured).
+  the layout optimisation (a cost on inf2, unmeasured). NxD Inference fuses draft and target into
+  one key with priority 0 instead (`fused_speculation_model`, `models/model_base.py`); that needs
+  one graph running the draft steps and the verify, not this host loop's separate steps.
 
-Compiler arguments: prefill keys the prefill set (-O1), verify and draft the decode set (-O2): they
-are the per-step graphs. The host loop is `speculative.DraftedRuntime` over `NxDKeyStep`s. The
-assistant's checkpoint: `tp.draft_rank_graph.assistant_nxd_full`, laid out so NxD's contiguous
-cut gives each rank `assistant_shard(rank)`. Lines that need the SDK are marked `# inf2-only`.
+Compiler arguments: prefill keys the prefill set (-O1), verify its own set (-O2, tiling 2: NxD
+Inference's k-token speculation model keeps tiling 2), draft the decode set (-O2, tiling 1). The
+host loop is `speculative.DraftedRuntime` over `NxDKeyStep`s. The assistant's checkpoint:
+`tp.draft_rank_graph.assistant_nxd_full`, laid out so NxD's contiguous cut gives each rank
+`assistant_shard(rank)`. Lines that need the SDK are marked `# inf2-only`.
 """
 
 from __future__ import annotations
@@ -43,13 +47,14 @@ from typing import Any
 
 import torch
 
-from ..device.graph import INDEX_DTYPE, GraphShape
+from ..device.build import device_graph
+from ..device.graph import GraphShape
 from ..errors import SettingsError
 from ..tp.draft_rank_graph import assistant_nxd_full, build_drafting_modules, draft_key_shapes
 from ..tp.plan import TPPlan, make_plan
 from ..tp.shard import nxd_full_checkpoint
 from . import neuron_env
-from .common import graph_example_inputs
+from .common import index_dtype, key_inputs
 from .neuron_model_builder import instance_class
 
 RECIPE = "model_builder-drafting"
@@ -68,17 +73,30 @@ def drafting_shapes(
     return draft_key_shapes(context_length, tuple(sorted(buckets)), k, ring, batch)
 
 
-def key_example_inputs(config: Any, name: str, shape: GraphShape, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
-    """A key's example inputs: the target graph's for prefill/verify; `(inputs_embeds [B, 1, 2H],
-    position [B])` (int32) for the draft key."""
+def key_example_inputs(loaded: Any, name: str, shape: GraphShape, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+    """A key's example inputs: the target device graph's own for prefill/verify
+    (`common.key_inputs`); `(inputs_embeds [B, 1, 2H], position [B])` for the draft key, its
+    position in the dtype the target graph gives its indices (int32)."""
+    graph = device_graph(loaded, shape, "dense", inplace=False)
+    inputs = key_inputs(graph, dtype=dtype)
     if name == "draft":
-        b = shape.batch
-        return (torch.zeros(b, 1, 2 * int(config.hidden_size), dtype=dtype), torch.zeros(b, dtype=INDEX_DTYPE))
-    return graph_example_inputs(config, shape, dtype)
+        hidden, b = int(loaded.config.hidden_size), shape.batch
+        return (torch.zeros(b, 1, 2 * hidden, dtype=dtype), torch.zeros(b, dtype=index_dtype(inputs)))
+    return inputs
 
 
 def key_compiler_args(name: str) -> str:
-    return neuron_env.COMPILER_ARGS["prefill" if name.startswith("prefill") else "decode"]
+    """Prefill keys the prefill set; verify the `verify` set (k + 1 tokens: tiling 2, -O2, as NxD
+    Inference's speculation model); draft the decode set."""
+    if name.startswith("prefill"):
+        return neuron_env.COMPILER_ARGS["prefill"]
+    return neuron_env.COMPILER_ARGS["verify" if name == "verify" else "decode"]
+
+
+def drafting_loader(loaded: Any, assistant: Any, plan: TPPlan, dtype: torch.dtype):
+    """The lazy `checkpoint_loader`: target and assistant are arranged only when NxD's
+    `shard_checkpoint` calls it (`neuron_model_builder.checkpoint_loader`)."""
+    return functools.partial(drafting_checkpoint, loaded, assistant, plan, dtype)
 
 
 def drafting_checkpoint(loaded: Any, assistant: Any, plan: TPPlan, dtype: torch.dtype) -> dict[str, torch.Tensor]:
@@ -123,9 +141,11 @@ def compile_drafting(
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     workdir = Path(compiler_workdir or out / "compiler_workdir")
-    checkpoint = drafting_checkpoint(loaded, assistant, plan, dtype)
     builder = model_builder.ModelBuilder(  # inf2-only
-        router=None, tp_degree=tp, checkpoint_loader=lambda: dict(checkpoint), compiler_workdir=str(workdir)
+        router=None,
+        tp_degree=tp,
+        checkpoint_loader=drafting_loader(loaded, assistant, plan, dtype),
+        compiler_workdir=str(workdir),
     )
     for name, shape in shapes.items():
         builder.add(  # inf2-only
@@ -143,12 +163,13 @@ def compile_drafting(
                     dtype,
                 )
             ),
-            example_inputs=[key_example_inputs(loaded.config, name, shape, dtype)],
+            example_inputs=[key_example_inputs(loaded, name, shape, dtype)],
             compiler_args=key_compiler_args(name),
             priority_model_idx=None,  # see the module docstring: no weight layout optimisation
         )
     traced = builder.trace(initialize_model_weights=False)  # inf2-only
     torch.jit.save(traced, str(out / "model.pt"))  # inf2-only
+    del traced
     builder.shard_checkpoint(serialize_path=str(out / "weights"))  # inf2-only
     manifest = {
         "recipe": RECIPE,

@@ -70,6 +70,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..device.build import device_graph
 from ..device.embedder import HostEmbedder
 from ..device.experts import EXPERT_FORMS
 from ..device.graph import GraphShape
@@ -79,7 +80,7 @@ from ..tp.plan import TPPlan, make_plan
 from ..tp.rank_graph import build_rank_graph
 from ..tp.shard import nxd_full_checkpoint
 from . import neuron_env
-from .common import KVParamModule, graph_example_inputs, host_generate
+from .common import KVParamModule, host_generate, key_inputs
 
 RECIPE = "model_builder"
 PURPOSE = "the ModelBuilder recipe (neuronx_distributed.trace.model_builder)"
@@ -244,6 +245,24 @@ def instance_class():
     return model_builder, KeyInstance
 
 
+def key_graphs(loaded: Any, shapes: dict[str, GraphShape]) -> dict[str, nn.Module]:
+    """The functional device graph of each key (full precision, over the model's own modules: no
+    copy). Its `example_inputs()` are what the key is traced with (`common.key_inputs`): the rank
+    graph takes the same inputs (embeddings at full width, PLE, per-row start and length)."""
+    return {key: device_graph(loaded, shape, "dense", inplace=False) for key, shape in shapes.items()}
+
+
+def checkpoint_loader(loaded: Any, plan: TPPlan, dtype: torch.dtype, weights: str = "bf16"):
+    """The lazy `checkpoint_loader` ModelBuilder takes: the NxD-arranged checkpoint is built only
+    when NxD calls it, and nothing here keeps it afterwards.
+
+    NxD v2.28.0 `trace/model_builder.py` calls the loader only in `shard_checkpoint` (and in
+    `trace` when `initialize_model_weights=True`, which the recipes never pass), so the compile
+    itself runs without a second whole copy of the weights on the host; the copy lives while
+    `shard_checkpoint` cuts and writes the ranks' files, then goes."""
+    return functools.partial(nxd_checkpoint, loaded, plan, dtype, weights)
+
+
 def compile_model_builder(
     loaded: Any,
     tp: int,
@@ -258,6 +277,7 @@ def compile_model_builder(
     expert_split: str | None = None,
     weights: str = "bf16",
     batch: int = 1,
+    graphs: dict[str, nn.Module] | None = None,
 ) -> Path:
     """Compile prefill + decode for one rank, save the model and the per-rank shards to `out_dir`.
 
@@ -265,7 +285,10 @@ def compile_model_builder(
     `expert_split`: how the ranks share the MoE experts (`intermediate` | `experts`; default: the
     plan's, the intermediate split where it divides).
     `weights`: "int8" quantizes the attention and dense-MLP linears with NxD's layers (module docstring).
-    `batch`: rows per call in both keys (per-row start/length and K/V rows, `batch_graph.py`).
+    `graphs`: `{"prefill": graph, "decode": graph}`, the device graphs the keys are compiled for
+    (the backend passes its `device_graphs`, so batch, bucket, context and ring are the settings');
+    their shapes and example inputs are the keys'. Without them they are built from
+    `context_length`, `prefill_len`, `ring` and `batch` (rows per call in both keys).
     """
     model_builder, KeyInstance = instance_class()
     forms = bucket_expert_forms(decode_experts)
@@ -273,12 +296,17 @@ def compile_model_builder(
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     workdir = Path(compiler_workdir or out / "compiler_workdir")  # ModelBuilder.trace() wipes it: never share
-    checkpoint = nxd_checkpoint(loaded, plan, dtype, weights)
+    graphs = graphs or key_graphs(loaded, bucket_shapes(context_length, prefill_len, ring, batch))
+    n_inputs = 4 if int(getattr(loaded.config, "hidden_size_per_layer_input", 0) or 0) else 3
     # The builder's constructor and `add` are inf2-only too; tests drive them through a recording fake.
     builder = model_builder.ModelBuilder(  # inf2-only
-        router=None, tp_degree=tp, checkpoint_loader=lambda: dict(checkpoint), compiler_workdir=str(workdir)
+        router=None,
+        tp_degree=tp,
+        checkpoint_loader=checkpoint_loader(loaded, plan, dtype, weights),
+        compiler_workdir=str(workdir),
     )
-    for key, shape in bucket_shapes(context_length, prefill_len, ring, batch).items():
+    for key in ("prefill", "decode"):
+        shape = graphs[key].shape
         builder.add(  # inf2-only
             key=key,
             model_instance=KeyInstance(
@@ -286,21 +314,23 @@ def compile_model_builder(
                     rank_module, loaded.config, plan, shape, dtype, expert_form=forms[key], weights=weights
                 )
             ),
-            example_inputs=[graph_example_inputs(loaded.config, shape, dtype)],
+            example_inputs=[key_inputs(graphs[key], n_inputs, dtype)],
             compiler_args=neuron_env.COMPILER_ARGS[shape.phase],
             priority_model_idx=PRIORITY[key],
         )
+    shapes = {key: graphs[key].shape for key in ("prefill", "decode")}
     traced = builder.trace(initialize_model_weights=False)  # inf2-only
     torch.jit.save(traced, str(out / "model.pt"))  # inf2-only
-    builder.shard_checkpoint(serialize_path=str(out / "weights"))  # inf2-only
+    del traced
+    builder.shard_checkpoint(serialize_path=str(out / "weights"))  # inf2-only; its return value (every shard) dropped
     manifest = {
         "recipe": RECIPE,
         "variant": loaded.variant.name,
         "tp": tp,
-        "context_length": context_length,
-        "prefill_len": prefill_len,
-        "ring": ring,
-        "batch": batch,
+        "context_length": shapes["decode"].context_length,
+        "prefill_len": shapes["prefill"].tokens,
+        "ring": shapes["decode"].ring,
+        "batch": shapes["decode"].batch,
         "dtype": str(dtype),
         "expert_forms": forms,
         "expert_split": plan.expert_split,

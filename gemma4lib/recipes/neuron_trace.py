@@ -4,13 +4,20 @@ on-device K/V.
 What it teaches: a compiled graph can own state. One graph, one `torch_neuronx.trace` call, the K/V
 aliased by hand; nothing of NxD. What it costs: `torch_neuronx.trace` compiles one graph per call
 (SDK 2.28 signature: one `func`, one `example_inputs`; `input_output_aliases` marks that module's own
-parameters as state), and nothing in it aliases one traced module's state to another's, which is
-what ModelBuilder's keys do. A separately traced prefill graph would hold its own K/V copy, so the
-prompt runs through the decode graph one token per device step: a 128-token prompt is
+parameters as state), and one traced module's state is not another traced module's: a separately
+traced prefill graph would hold its own K/V copy. SDK 2.28 does document a way to share state
+between graphs without NxD: `torch_neuronx.bucket_model_trace(func, example_inputs, bucket_config)`
+with `torch_neuronx.BucketModelConfig(bucket_kernel, shared_state_buffer=..., ...)`, one traced
+model over several bucket graphs (here: a prefill bucket and the decode step) that share a state
+buffer (aws-neuron-sdk v2.28.0 `api-torch-neuronx-trace.rst`, the autobucketing developer guide).
+It is the alternative to token-by-token prefill inside this recipe; this library does not use it
+(ModelBuilder's keys already share their K/V states, and its router picks a key by input shapes),
+and it is untried on inf2 with these graphs. So here the prompt runs through the decode graph one
+token per device step: a 128-token prompt is
 128 steps (~3 s at the field report's 44 tok/s for E2B), against one bucketed call (~11 ms
 computed, `inf2.prefill.prefill_estimate`) in the ModelBuilder recipe, which E2B uses by default
 (`memory_plan.neuron_recipe`). Its compile is also the one that fits an inf2.xlarge's 16 GiB host
-(~14 GB against ModelBuilder's ~28 GB, `memory_plan.compile_peak_gb`).
+(~14 GB against ModelBuilder's ~19 GB, `memory_plan.compile_peak_gb`).
 
 The decode graph (`DeviceGraph(inplace=False)`, one token) is wrapped in a `KVParamModule`: its K/V
 buffers are parameters of the traced module and `input_output_aliases={param: output_index}` makes
@@ -62,10 +69,18 @@ def compile_trace(
     compiler_workdir: str | None = None,
     compiler_args: Sequence[str] | None = None,
     batch: int = 1,
+    graph: DeviceGraph | None = None,
 ):
-    """Trace and compile the decode graph for one NeuronCore; returns the TorchScript module."""
+    """Trace and compile the decode graph for one NeuronCore; returns the TorchScript module.
+
+    `graph`: the functional decode graph to trace (the backend's, from `device_graphs`: its batch,
+    context and ring are the settings'); by default one is built from `context_length`, `ring`
+    and `batch`. The example inputs are the graph's own (`KVParamModule.example_inputs`)."""
     torch_neuronx = neuron_env.require("torch_neuronx", PURPOSE)
-    module = build_kv_module(loaded, context_length, ring=ring, batch=batch)
+    if graph is None:
+        module = build_kv_module(loaded, context_length, ring=ring, batch=batch)
+    else:
+        module = KVParamModule(graph).eval()
     return torch_neuronx.trace(  # inf2-only
         module,
         module.example_inputs(),

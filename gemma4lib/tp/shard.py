@@ -165,16 +165,28 @@ def nxd_full_checkpoint(lm: nn.Module, plan: TPPlan, *, dtype: torch.dtype | Non
     by expert, rank r's gate rows then its up rows ([E, 2i, H] flattened), and the down weight's
     column block r holds rank r's [H, E, i] flattened. NxD's plain contiguous cut then hands each
     rank its 1/tp of every expert; the HF layout is never what the device loads.
+
+    Built one key at a time (every rank's piece of that key, concatenated, then dropped), so the
+    host holds the model plus this one checkpoint, never also every rank's shard (the compile
+    host's peak, `inf2.memory_plan.compile_peak_gb`).
     """
-    shards = list(iter_shards(lm, plan, dtype=dtype))
     full: dict[str, torch.Tensor] = {}
-    for key, first in shards[0].items():
-        rule = plan.rule(key)
-        if rule.kind == REPLICATE:
-            full[key] = first
-        else:
-            full[key] = torch.cat([s[key] for s in shards], dim=rule.dim).contiguous()
+    for key, tensor in lm.state_dict().items():
+        cuts = [rank_tensor(plan, key, tensor, rank) for rank in range(plan.tp)]
+        if cuts[0] is None:
+            continue
+        new_key = cuts[0][0]
+        pieces = [_as(value, dtype) for _, value in cuts]
+        rule = plan.rule(new_key)
+        full[new_key] = pieces[0].contiguous().clone() if rule.kind == REPLICATE else torch.cat(pieces, dim=rule.dim)
+        del cuts, pieces
+    full[RANK_KEY] = torch.arange(plan.tp, dtype=torch.int32)
     return full
+
+
+def _as(value: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    value = value.detach()
+    return value.to(dtype) if dtype is not None and value.is_floating_point() else value
 
 
 def shard_shapes(

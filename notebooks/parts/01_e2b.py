@@ -24,7 +24,7 @@ inf2.xlarge
 # | machine | `inf2.xlarge`: 1 Inferentia2 chip, 2 NeuronCores, 32 GiB HBM, 820 GB/s | any x86-64 or arm64 machine; two shared cores are enough |
 # | TP degree | 1 (NxD ModelBuilder; the one-graph `torch_neuronx.trace` recipe is selectable) | 1 (this notebook has no tensor parallelism; `02_e4b` shows it) |
 # | memory per core (computed, `python -m gemma4lib doctor`) | 4.2 GiB bf16 weights + 0.02 GiB K/V at 2,048 tokens + 2 GiB working allowance (unverified on inf2) = 6.3 of 16 GiB HBM | a few MB |
-# | host RAM for the compile | ~28 GB estimated for ModelBuilder (computed: 3 × the text weights, the rule calibrated on the field report's 31B): more than the inf2.xlarge's 16 GiB, so compile on an inf2.8xlarge (same chip) and serve on the inf2.xlarge, or pick `neuron_recipe="trace"` (~14 GB, fits; the prompt then runs token by token) | under 2 GiB |
+# | host RAM for the compile | ~19 GB planned for ModelBuilder (computed: the host model, the two keys' modules and the NxD checkpoint built when it is sharded; `inf2.compile_host`, the compiler's own RAM unverified): more than the inf2.xlarge's 16 GiB, so compile on an inf2.8xlarge (same chip) and serve on the inf2.xlarge, or pick `neuron_recipe="trace"` (~14 GB, fits; the prompt then runs token by token) | under 2 GiB |
 # | serving host RAM (computed, `python -m gemma4lib doctor`; unverified on inf2) | ~14.3 GB peak of 16.1 GB usable on the inf2.xlarge: the bf16 model 9.3 GB (host tables 5.5) + 4.6 GB at the peak step + 0.5 GB process; the logit check widens one module at a time, never a second model | under 2 GiB |
 # | time per decode step | ~23 ms measured by the field report (44 tok/s, with its `torch_neuronx.trace` recipe); ≥ 10.4 ms computed from bandwidth ÷ bytes per step | ~1.2 ms measured (818 tok/s, smoke baseline of 2026-11-29, one thread of a shared 2-core CPU) |
 # | software | Deep Learning AMI Neuron (Ubuntu 24.04), venv `aws_neuronx_venv_pytorch_2_9_nxd_inference` (Python 3.12), Neuron SDK 2.28: torch-neuronx 2.9.0.2.12.22436, neuronx-cc 2.23.6484.0, neuronx-distributed 0.17.26814, libneuronxla 2.2.15515.0; + transformers 5.23.0 | torch 2.13 (CPU), transformers 5.23.0, AOTInductor as the compiler |
@@ -98,35 +98,38 @@ plots.kv_layout(nb.real_layout("e2b"), "released E2B: who owns K/V, who borrows 
 # -- part: neuron_trace --
 # %%
 if backend == "neuron" and s.neuron_recipe == "trace":  # inf2-only: the one-graph recipe, E2B at TP=1
-    import tempfile
-
-    from gemma4lib.backends.neuron import neuron_cache_key
-    from gemma4lib.recipes import neuron_env
-    from gemma4lib.recipes.common import DeviceStep, KVParamModule
+    from gemma4lib.backends.neuron import compiler_workdir, neuron_cache_key, own_directory
+    from gemma4lib.recipes import cores, neuron_env
+    from gemma4lib.recipes.common import DeviceStep, KVParamModule, index_dtype
 
     torch_neuronx = neuron_env.require("torch_neuronx", "the trace recipe")
     shape = GraphShape(1, 1, s.context_length, s.ring_kv)  # the decode graph only
     key, parts = neuron_cache_key(model, "trace", 1, {"decode": shape}, neuron_env.COMPILER_ARGS, decode.dtype)
+    graph = DeviceGraph(model.text_model, model.lm_head, model.layout, shape, inplace=False)
+    module = KVParamModule(graph).eval()  # the K/V buffers as parameters of the traced module
 
     def build(folder):  # called by the cache, only on a miss
-        graph = DeviceGraph(model.text_model, model.lm_head, model.layout, shape, inplace=False)
-        module = KVParamModule(graph).eval()  # the K/V buffers as parameters of the traced module
-        traced = torch_neuronx.trace(
-            module,
-            module.example_inputs(),
-            input_output_aliases=module.aliases(),  # {K/V parameter: index of the output that updates it}
-            inline_weights_to_neff=False,  # the weights stay out of the NEFF
-            compiler_workdir=tempfile.mkdtemp(prefix="gemma4lib-neuron-cc-"),
-            compiler_args=neuron_env.compiler_args("decode"),
-        )
-        torch.jit.save(traced, str(folder / "model.pt"))
+        with compiler_workdir() as workdir, own_directory():  # the backend's: fresh, removed on success
+            traced = torch_neuronx.trace(
+                module,
+                module.example_inputs(),
+                input_output_aliases=module.aliases(),  # {K/V parameter: index of the output that updates it}
+                inline_weights_to_neff=False,  # the weights stay out of the NEFF
+                compiler_workdir=workdir,
+                compiler_args=neuron_env.compiler_args("decode"),
+            )
+            torch.jit.save(traced, str(folder / "model.pt"))
         return {"recipe": "trace", "tp": 1}
 
     began = time.perf_counter()
     entry = cache.get_or_build(key, build, describe={k: v for k, v in parts.items() if k != "config"})
+    cores.check_free(0, 1, f"e2b (trace) from {entry.path}")  # an earlier run's model still on the core: refused
     traced = torch.jit.load(str(entry.file("model.pt")))
     torch_neuronx.move_trace_to_device(traced, 0)  # the separated weights go to the core's HBM once
-    step = DeviceStep(traced, 4)  # E2B's four inputs; the K/V live on the device
+    cores.claim(traced, 0, 1, f"e2b (trace) from {entry.path}")
+    step = DeviceStep(  # E2B's four inputs; the K/V live on the device (they may follow the logits)
+        traced, 4, model.config.vocab_size, aliases=len(module.kv), index_dtype=index_dtype(module.example_inputs())
+    )
     # no prefill graph: the engine feeds the prompt through the decode graph, one token per call
     runtime = Engine.for_model(model, Steps(decode=step), batch=1, context_length=s.context_length, dtype=decode.dtype)
     compile_s = 0.0 if entry.hit else time.perf_counter() - began

@@ -23,8 +23,8 @@ inf2.24xlarge
 # | machine | `inf2.24xlarge`: 6 Inferentia2 chips, 12 NeuronCores, 192 GiB HBM, 4,920 GB/s | any x86-64 or arm64 machine; two shared cores are enough |
 # | TP degree | 8 (NxD ModelBuilder) | 1 for the port; `tp_demo` runs the rank graph as 4 CPU processes (gloo) |
 # | memory per core (computed, `python -m gemma4lib doctor`) | 7.2 GiB bf16 weights + 0.14 GiB K/V at 2,048 tokens + 2 GiB working allowance (unverified on inf2) = 9.3 of 16 GiB HBM | a few MB |
-# | host RAM for the compile | 384 GiB on the instance; ~184 GB estimated (3 × the text weights: module + checkpoint + shards); the field report's compile peaked at 182 GB of host RAM | under 2 GiB |
-# | serving host RAM (computed, `python -m gemma4lib doctor`; unverified on inf2) | ~124.4 GB peak of 411.2 GB usable on the inf2.24xlarge: the bf16 model 61.4 GB (host tables 2.8) + 62.6 GB at the peak step + 0.5 GB process; the logit check widens one module at a time, never a second model | under 2 GiB |
+# | host RAM for the compile | 384 GiB on the instance; ~134 GB planned (the host model, the keys' modules at shard size, the NxD checkpoint built when it is sharded: `inf2.compile_host`, the compiler's own RAM unverified); the field report's own port, which held three copies of the weights, peaked at 182 GB | under 2 GiB |
+# | serving host RAM (computed, `python -m gemma4lib doctor`; unverified on inf2) | ~123.5 GB peak of 411.2 GB usable on the inf2.24xlarge: the bf16 model 61.4 GB (host tables 2.8) + 61.6 GB at the peak step + 0.5 GB process; the logit check widens one module at a time, never a second model | under 2 GiB |
 # | time per decode step | ≥ 18 ms computed from bandwidth ÷ bytes per step at TP=8 (the field report measured prefill only: ~115 ms) | ~0.85 ms measured (1,178 tok/s, smoke baseline of 2026-11-29, one thread of a shared 2-core CPU) |
 # | software | Deep Learning AMI Neuron (Ubuntu 24.04), venv `aws_neuronx_venv_pytorch_2_9_nxd_inference` (Python 3.12), Neuron SDK 2.28: torch-neuronx 2.9.0.2.12.22436, neuronx-cc 2.23.6484.0, neuronx-distributed 0.17.26814, libneuronxla 2.2.15515.0; + transformers 5.23.0 | torch 2.13 (CPU), transformers 5.23.0, AOTInductor as the compiler |
 # | model | `google/gemma-4-31B-it` (bf16, gated: `HF_TOKEN` from the environment) | a tiny trained model of the same architecture: 16 Q heads, 8 sliding and 2 global KV heads |
@@ -40,8 +40,9 @@ tp_demo = 4  # ranks of the rank-graph run on CPU processes (0: skip)
 # 31B needs an `inf2.24xlarge` and TP=8. The hand-driven TP recipe that carried E4B in the field
 # report (NxD's `parallel_model_trace`, one process per rank, every process tracing on the same host)
 # ran out of host memory at this size, and serialising its result deadlocked. NxD `ModelBuilder`
-# compiles one rank in one process and shards the weights per rank, which is what scales; its compile
-# still needs about three copies of the weights in host RAM (the field report measured a 182 GB peak).
+# compiles one rank in one process and shards the weights per rank, which is what scales. Its compile
+# holds the host model and, while it writes the shards, the NxD-arranged checkpoint: about two copies
+# of the weights (~134 GB planned; the field report's eager port measured a 182 GB peak).
 
 # %%
 nb.tp_fit("31b")

@@ -205,7 +205,11 @@ nb.describe_graphs(graphs)
 # - `ModelBuilder(router=None, tp_degree=tp, checkpoint_loader=..., compiler_workdir=...)`: one
 #   process, one rank compiled; `checkpoint_loader` returns the whole checkpoint laid out so that NxD's
 #   contiguous split gives each rank its shard (`nxd_checkpoint`; K/V heads already replicated where
-#   there are fewer than ranks). `trace()` wipes `compiler_workdir`: never share it.
+#   there are fewer than ranks). It is lazy (`mb.checkpoint_loader`): NxD calls it only in
+#   `shard_checkpoint`, so the compile runs without that second copy of the weights on the host.
+#   `trace()` wipes `compiler_workdir` and writes `{key}_{rank}.hlo` files into the current
+#   directory: the cell gives it a fresh work directory (removed on success, kept with the
+#   compiler's logs on failure) and a private current directory, the backend's own helpers.
 # - `builder.add(key, model_instance, example_inputs, compiler_args, priority_model_idx)` once per key,
 #   `prefill` (the largest bucket only: one compiled prompt length on inf2) and `decode`.
 #   `model_instance` builds the rank graph with NxD's parallel layers and returns its K/V parameters
@@ -217,7 +221,9 @@ nb.describe_graphs(graphs)
 # - `builder.trace(initialize_model_weights=False)` compiles without inlining the weights;
 #   `torch.jit.save` keeps it; `builder.shard_checkpoint(serialize_path=...)` writes one
 #   `tp{rank}_sharded_checkpoint.safetensors` per rank. Loading is `torch.jit.load` and
-#   `nxd_model.initialize(weights_per_rank, start_rank)`.
+#   `nxd_model.initialize(weights_per_rank, start_rank)`, after `cores.check_free`: running the cell
+#   again while the first model is still referenced would put a second copy on the same cores, so it
+#   is refused with what to release.
 #
 # A longer context on inf2 means a new compile: set `context_length` (and `prefill_buckets`, whose
 # largest entry is the compiled prompt length) and run again; the cache key changes with them, so
@@ -269,18 +275,18 @@ if backend == "cpu":
 # %%
 if backend == "neuron" and s.neuron_recipe != "trace":  # inf2-only: NxD ModelBuilder, the default recipe
     import functools
-    import tempfile
 
     from safetensors.torch import load_file
 
-    from gemma4lib.backends.neuron import neuron_cache_key
-    from gemma4lib.recipes import neuron_env, neuron_model_builder as mb
-    from gemma4lib.recipes.common import DeviceStep, graph_example_inputs
+    from gemma4lib.backends.neuron import compiler_workdir, neuron_cache_key, own_directory
+    from gemma4lib.recipes import cores, neuron_env, neuron_model_builder as mb
+    from gemma4lib.recipes.common import DeviceStep, index_dtype, key_inputs
     from gemma4lib.tp.plan import make_plan
 
-    tp, dtype, bucket = s.tp_degree, torch.bfloat16, max(s.prefill_buckets)  # one compiled bucket on inf2
+    tp, dtype, bucket = s.tp_degree, decode.dtype, max(s.prefill_buckets)  # bf16 on inf2; one compiled bucket
     experts = s.decode_experts if model.variant.is_moe else "dense"
-    shapes = mb.bucket_shapes(s.context_length, bucket, s.ring_kv)  # {"prefill": ..., "decode": ...}
+    graphs = {"prefill": prefill[bucket], "decode": decode}  # the keys' shapes and example inputs
+    shapes = {name: graph.shape for name, graph in graphs.items()}
     forms = mb.bucket_expert_forms(experts)  # prefill: all experts; decode: the routed ones
     plan = make_plan(model.config, tp, model.variant)  # which rows/columns and K/V heads each rank holds
     key, parts = neuron_cache_key(
@@ -289,37 +295,45 @@ if backend == "neuron" and s.neuron_recipe != "trace":  # inf2-only: NxD ModelBu
 
     def build(folder):  # called by the cache, only on a miss
         model_builder, GraphInstance = mb.instance_class()
-        checkpoint = mb.nxd_checkpoint(model, plan, dtype, s.weights)
-        builder = model_builder.ModelBuilder(
-            router=None,
-            tp_degree=tp,
-            checkpoint_loader=lambda: dict(checkpoint),
-            compiler_workdir=tempfile.mkdtemp(prefix="gemma4lib-neuron-cc-"),  # its own: trace() wipes it
-        )
-        for name, shape in shapes.items():
-            builder.add(
-                key=name,
-                model_instance=GraphInstance(  # the key's module, built by NxD once per rank
-                    functools.partial(
-                        mb.rank_module, model.config, plan, shape, dtype, expert_form=forms[name], weights=s.weights
-                    )
-                ),
-                example_inputs=[graph_example_inputs(model.config, shape, dtype)],
-                compiler_args=neuron_env.COMPILER_ARGS[shape.phase],
-                priority_model_idx=mb.PRIORITY[name],  # decode: 0, the layout the compiler optimises
+        # a fresh compiler workdir (trace() wipes it; kept with the compiler's logs if the compile fails)
+        # and a private current directory (trace() writes {key}_{rank}.hlo there)
+        with compiler_workdir() as workdir, own_directory():
+            builder = model_builder.ModelBuilder(
+                router=None,
+                tp_degree=tp,
+                checkpoint_loader=mb.checkpoint_loader(model, plan, dtype, s.weights),  # built when NxD shards
+                compiler_workdir=workdir,
             )
-        traced = builder.trace(initialize_model_weights=False)  # weights not inlined
-        torch.jit.save(traced, str(folder / "model.pt"))
-        builder.shard_checkpoint(serialize_path=str(folder / "weights"))  # one file per rank
+            for name, graph in graphs.items():
+                rank_module = functools.partial(  # the key's module, built by NxD once per rank
+                    mb.rank_module, model.config, plan, graph.shape, dtype, expert_form=forms[name], weights=s.weights
+                )
+                builder.add(
+                    key=name,
+                    model_instance=GraphInstance(rank_module),
+                    example_inputs=[key_inputs(graph, dtype=dtype)],  # the graph's own, without its K/V
+                    compiler_args=neuron_env.COMPILER_ARGS[graph.shape.phase],
+                    priority_model_idx=mb.PRIORITY[name],  # decode: 0, the layout the compiler optimises
+                )
+            traced = builder.trace(initialize_model_weights=False)  # weights not inlined
+            torch.jit.save(traced, str(folder / "model.pt"))
+            del traced
+            builder.shard_checkpoint(serialize_path=str(folder / "weights"))  # one file per rank
         return {"recipe": "model_builder", "tp": tp}
 
     began = time.perf_counter()
     entry = cache.get_or_build(key, build, describe={k: v for k, v in parts.items() if k != "config"})
+    label = f"{model.variant.name} (model_builder, TP={tp}) from {entry.path}"
+    cores.check_free(0, tp, label)  # a model an earlier run of this cell loaded still holds the cores: refused
     traced = torch.jit.load(str(entry.file("model.pt")))
     shards = [entry.file("weights") / mb.SHARD_FILE.format(rank=r) for r in range(tp)]
     traced.nxd_model.initialize([load_file(str(p)) for p in shards], torch.tensor([0], dtype=torch.int32))
-    step = DeviceStep(traced, decode.num_inputs)  # the K/V live on the device as aliased state
-    runtime = Engine.for_model(model, Steps({bucket: step}, step), batch=1, context_length=s.context_length, dtype=dtype)
+    cores.claim(traced, 0, tp, label)
+    states = len(decode.layout.buffer_shapes(1, s.context_length, s.ring_kv))  # the K/V states it aliases
+    indices = index_dtype(key_inputs(decode))  # the start/length dtype the keys were compiled with (int32)
+    step = DeviceStep(traced, decode.num_inputs, model.config.vocab_size, aliases=states, index_dtype=indices)
+    steps = Steps({bucket: step}, step)  # one loaded model: NxD routes each call to its key by the input shapes
+    runtime = Engine.for_model(model, steps, batch=1, context_length=s.context_length, dtype=dtype)
     compile_s = 0.0 if entry.hit else time.perf_counter() - began
     compiled = CompiledGraphs(runtime.steps, compile_s, [entry.hit], "neuron-model_builder", runtime=runtime)
 nb.describe_compile(compiled)

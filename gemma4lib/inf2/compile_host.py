@@ -1,0 +1,164 @@
+"""Will the compile host's RAM hold the compile? The plan of the machine that runs the recipe's
+trace and writes the per-rank shards (it needs no NeuronCore, so it may be a larger inf2 than the
+one that serves: `memory_plan.plan_core_memory(...).compile_host`).
+
+The ModelBuilder recipe (`recipes.neuron_model_builder`), step by step, from NxD v2.28.0's
+`trace/model_builder.py`:
+
+1. the host model, loaded and read once (the cache key digests it): `model_gb`, as the
+   serving-host plan counts it;
+2. `trace(initialize_model_weights=False)`: NxD builds each key's module (`BaseModelInstance.
+   load_module`, kept in the instance), i.e. one rank's weights at shard size plus its K/V states
+   per key (`keys x rank_gb`), then traces and compiles. The loader is not called;
+3. `shard_checkpoint`: the lazy loader builds the NxD-arranged checkpoint once (every rank's piece
+   of each key concatenated, K/V heads replicated where a layer has fewer than the TP degree:
+   `checkpoint_gb`, built one key at a time, never also every rank's shard), the first key's module
+   is rebuilt on the meta device, the other key's stays, and each rank's file is written in turn:
+   NxD's cut of a tensor is a view, contiguous except where a row-parallel weight is cut along its
+   columns (`o_proj`, `down_proj`, the experts' `down`), which `v.contiguous()` copies; safetensors
+   0.8 writes the tensors' own memory (measured: no copy at TP=1).
+
+peak = process base + model + max(keys x rank, checkpoint + rank (the remaining key) + the copied cuts).
+
+What is computed and what is measured: the model, the ranks' weights and K/V and the checkpoint are
+computed from the released configs (meta device). The host side of steps 1-3 is measured on this
+machine on real-width E2B at reduced depth (`python -m gemma4lib.benchmarks.host_rss compile`: the
+modules built with the CPU parallel layers standing in for NxD's, NxD's cut and write emulated; the
+record is `docs/measurements/compile_host_e2b.json`). Not counted, unverified on inf2: the Neuron
+compiler's own RAM (neuronx-cc runs as its own process while the modules are alive; inf2 users
+report a 16k-token compile exhausting a 128 GB host) and torch-neuronx's HLO generation. The
+earlier 3-copies estimate (module + eager checkpoint + every shard) matched the field report's
+measured 182 GB for the 31B's compile with its own, eager port; this library's compile holds less.
+
+The trace recipe (`recipes.neuron_trace`, `inline_weights_to_neff=False`): the host model plus one
+copy of the device weights that torch-neuronx separates from the graph (unverified on inf2).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from ..models.variants import Variant, get_variant
+from .hardware import GB
+
+KEYS = 2  # the ModelBuilder recipe's prefill and decode keys
+COMPILE_CONTEXT = 2048  # the K/V states the modules hold (memory_plan.DEFAULT_CONTEXT)
+
+
+@dataclass(frozen=True)
+class CompileHostPlan:
+    """What the compile host holds (GB) for one variant, TP degree and recipe."""
+
+    variant: str
+    tp: int
+    recipe: str
+    base_gb: float
+    model_gb: float
+    rank_gb: float  # one rank's weights and K/V states at shard size (a key's module)
+    written_gb: float  # what writing one rank's file copies: its column-cut (row-parallel) tensors
+    checkpoint_gb: float  # the NxD-arranged checkpoint the loader returns
+    device_gb: float  # the trace recipe: the device weights separated from the graph
+    keys: int = KEYS
+
+    @property
+    def steps(self) -> dict[str, float]:
+        if self.recipe != "model_builder":
+            return {"trace (device weights separated)": self.device_gb}
+        return {
+            "trace (the keys' modules)": self.keys * self.rank_gb,
+            "shard_checkpoint": self.checkpoint_gb + (self.keys - 1) * self.rank_gb + self.written_gb,
+        }
+
+    @property
+    def peak_step(self) -> str:
+        return max(self.steps, key=self.steps.get)
+
+    @property
+    def peak_gb(self) -> float:
+        return self.base_gb + self.model_gb + self.steps[self.peak_step]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "steps": self.steps, "peak_step": self.peak_step, "peak_gb": self.peak_gb}
+
+    def basis(self) -> str:
+        step = self.steps[self.peak_step]
+        return (
+            f"{self.base_gb:.1f} process + {self.model_gb:.1f} host model + {step:.1f} at {self.peak_step} "
+            "(computed; measured on CPU at reduced depth; the compiler's own RAM not counted, unverified)"
+        )
+
+    def summary(self) -> str:
+        return (
+            f"compile host: {self.variant} ({self.recipe}, TP={self.tp}): ~{self.peak_gb:.0f} GB peak = {self.basis()}"
+        )
+
+
+@functools.lru_cache(maxsize=64)
+def _counts(name: str, tp: int, overrides_key: tuple, context_length: int) -> dict[str, int]:
+    """Element counts (meta device) of the host model, a rank's shard, the NxD checkpoint and a
+    rank's K/V states at `context_length` (ring K/V)."""
+    import torch
+
+    from ..models.loading import _text_classes
+    from ..tp.plan import REPLICATE, ROW, make_plan
+    from ..tp.shard import RANK_KEY, shard_state_dict
+    from .params import count_params
+    from .serving_host import _text_config
+
+    variant = get_variant(name)
+    overrides = {k: (list(v) if isinstance(v, tuple) else v) for k, v in overrides_key}
+    config = _text_config(variant, None, overrides)
+    _, lm_cls = _text_classes(variant)
+    with torch.device("meta"):
+        lm = lm_cls(config)
+    counts = count_params(lm)
+    plan = make_plan(lm.config, tp, variant)
+    shard = {k: t.numel() for k, t in shard_state_dict(lm, plan, 0).items() if k != RANK_KEY}
+    checkpoint = sum(n if plan.rule(k).kind == REPLICATE else n * tp for k, n in shard.items())
+    copied = sum(n for k, n in shard.items() if tp > 1 and plan.rule(k).kind == ROW)
+    kv = int(plan.rank_layout().buffer_bytes(context_length, True, 1, 1))
+    return {
+        "model": counts.total + sum(b.numel() for b in lm.buffers()),
+        "shard": sum(shard.values()),
+        "checkpoint": checkpoint,
+        "copied": copied,
+        "kv": kv,
+        "device": int(counts.device_params("dense")),
+    }
+
+
+def compile_host_plan(
+    variant: Variant | str,
+    tp: int | None = None,
+    recipe: str | None = None,
+    *,
+    dtype_bytes: int = 2,
+    context_length: int = COMPILE_CONTEXT,
+    layer_overrides: dict[str, Any] | None = None,
+) -> CompileHostPlan:
+    """The compile host's plan of `variant` at `tp` (default: its recipe's) with `recipe` (default:
+    the variant's); `layer_overrides` plans a reduced-depth model (how the plan is checked against a
+    measurement on a machine that cannot hold the released one)."""
+    from .serving_host import PROCESS_BASE_GB
+
+    v = get_variant(variant) if isinstance(variant, str) else variant
+    tp = int(tp or v.tp_degree)
+    recipe = recipe or v.recipe
+    key = tuple(sorted((k, tuple(x) if isinstance(x, list) else x) for k, x in (layer_overrides or {}).items()))
+    c = _counts(v.name, tp, key, int(context_length))
+    return CompileHostPlan(
+        v.name,
+        tp,
+        recipe,
+        PROCESS_BASE_GB,
+        c["model"] * dtype_bytes / GB,
+        (c["shard"] + c["kv"]) * dtype_bytes / GB,
+        c["copied"] * dtype_bytes / GB,
+        c["checkpoint"] * dtype_bytes / GB,
+        c["device"] * dtype_bytes / GB,
+    )
+
+
+__all__ = ["COMPILE_CONTEXT", "KEYS", "CompileHostPlan", "compile_host_plan"]
