@@ -169,3 +169,23 @@ def test_token_match_labels_boxes_with_token_text(tokenizer):
     with_text = _texts(plots.token_match(result, tokenizer))
     assert "Paris" in with_text and str(ids[-2]) not in with_text
     assert str(ids[-2]) in _texts(plots.token_match(result))
+
+
+def test_the_notebook_record_of_a_generation_is_the_ports_record(ports, tmp_path):
+    """`nb.record` over the engine's RowResult: the record `port()` writes, with the notebook's extras."""
+    from gemma4lib import checks
+    from gemma4lib.port import eos_ids
+    from gemma4lib.reference import reference_greedy
+
+    e2b = ports.get("e2b", model="auto", backend="eager")
+    eos, n = eos_ids(e2b.model), e2b.settings.max_new_tokens
+    generation = e2b.runtime.generate(e2b.ids, n, eos_token_ids=eos, keep_logits=True)
+    reference = reference_greedy(e2b.model.lm, e2b.ids, n, eos)
+    report = checks.evaluate(
+        e2b.model.lm, e2b.model.tokenizer, e2b.ids, generation.tokens, reference, step_logits=generation.step_logits
+    )
+    path = tmp_path / "e2b.json"
+    result = nb.record(e2b.settings, e2b.model, e2b.compiled, generation, reference, report, None, path, extra={"a": 1})
+    assert result["checks_passed"] and result["tokens"] == reference and result["prompt_tokens"] == len(e2b.ids)
+    assert result["prefill_logits_max_abs_diff"] < 1e-4 and result["a"] == 1 and "Paris" in result["answer"]
+    assert nb.load_results(tmp_path)["e2b"]["tokens"] == reference
