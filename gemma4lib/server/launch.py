@@ -1,0 +1,158 @@
+"""Start the endpoint: the engine from `PortSettings` (a bundle never compiles), uvicorn, SIGTERM drain.
+
+`serve_forever` is what `python -m gemma4lib serve` runs in the foreground; `BackgroundServer` runs
+the same app on a thread (tests, the notebook). On SIGTERM (or Ctrl-C) the server stops taking
+requests (503 + Retry-After), lets every queued and running one finish, then exits; a second signal
+stops it at once.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import socket
+import threading
+import time
+from dataclasses import dataclass
+from types import FrameType
+from typing import Any
+
+import uvicorn
+
+from .app import Served, create_app
+from .metrics import ServerMetrics
+from .scheduler import EngineLike, Scheduler
+from .text import Codec
+
+log = logging.getLogger("gemma4lib.server")
+LOOPBACK = "127.0.0.1"
+
+
+@dataclass
+class Loaded:
+    """An engine ready to serve, with what the routes need and how long it took to get it."""
+
+    engine: Any
+    tokenizer: Any
+    model_name: str
+    aliases: tuple[str, ...]
+    eos_ids: tuple[int, ...]
+    load_s: float
+    compile_s: float
+
+
+def load_engine(settings: Any) -> Loaded:
+    """Load the model and compile (or, with `settings.artifacts`, load) its graphs into an engine."""
+    from ..port import compile_graphs, eos_ids, load_model
+
+    t0 = time.perf_counter()
+    model = load_model(settings)
+    t1 = time.perf_counter()
+    compiled = compile_graphs(model, settings)
+    t2 = time.perf_counter()
+    compile_s = float(getattr(compiled, "compile_s", t2 - t1) or 0.0)
+    if getattr(settings, "artifacts", None):
+        compile_s = 0.0  # a bundle's programs are loaded, never compiled (BundleError otherwise)
+    variant = settings.variant_spec
+    aliases = tuple(a for a in (getattr(variant, "hub_id", None), settings.variant) if a)
+    return Loaded(compiled.runtime, model.tokenizer, variant.name, aliases, tuple(eos_ids(model)), t1 - t0, compile_s)
+
+
+def build_served(
+    engine: EngineLike,
+    tokenizer: Any,
+    *,
+    model_name: str,
+    eos_ids: tuple[int, ...] = (),
+    aliases: tuple[str, ...] = (),
+    max_queue: int = 64,
+    replica: str = "",
+) -> Served:
+    """The scheduler (started) and what the routes need, around an engine and its tokenizer."""
+    metrics = ServerMetrics(engine.batch, replica=replica)
+    scheduler = Scheduler(engine, Codec(tokenizer), max_queue=max_queue, metrics=metrics).start()
+    return Served(scheduler, model_name, eos_ids, aliases)
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn that drains the scheduler on SIGTERM/SIGINT before it stops (a second signal: at once)."""
+
+    def __init__(self, config: uvicorn.Config, scheduler: Scheduler, drain_timeout_s: float):
+        super().__init__(config)
+        self.scheduler, self.drain_timeout_s = scheduler, drain_timeout_s
+        self.drain_started = False
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if self.drain_started:
+            self.should_exit = self.force_exit = True
+            return
+        self.drain_started = True
+        log.warning(
+            "%s: draining (%d running, %d queued); new requests get 503",
+            signal.Signals(sig).name,
+            self.scheduler.rows_in_use,
+            self.scheduler.waiting,
+        )
+        threading.Thread(target=self._drain, name="gemma4lib-drain", daemon=True).start()
+
+    def _drain(self) -> None:
+        if self.scheduler.drain(self.drain_timeout_s):
+            log.warning("drained: every started request finished; exiting")
+        else:
+            log.error("drain timed out after %.0f s; exiting with requests unfinished", self.drain_timeout_s)
+        self.should_exit = True
+
+
+def serve_forever(served: Served, host: str = LOOPBACK, port: int = 8000, drain_timeout_s: float = 600.0) -> None:
+    """Serve in the foreground until SIGTERM/SIGINT (then drain, then return)."""
+    config = uvicorn.Config(
+        create_app(served), host=host, port=port, log_level="info", timeout_graceful_shutdown=30, lifespan="off"
+    )
+    server = DrainingServer(config, served.scheduler, drain_timeout_s)
+    log.warning("serving %s on http://%s:%d/v1 (%d rows)", served.model_name, host, port, served.scheduler.engine.batch)
+    try:
+        server.run()
+    finally:
+        served.scheduler.close()
+
+
+def free_port(host: str = LOOPBACK) -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+class BackgroundServer:
+    """The app on a uvicorn thread at 127.0.0.1 (a free port), for tests and notebooks; a context manager."""
+
+    def __init__(self, served: Served, host: str = LOOPBACK, port: int | None = None, start_timeout_s: float = 30.0):
+        self.served, self.host, self.port = served, host, port or free_port(host)
+        config = uvicorn.Config(create_app(served), host=host, port=self.port, log_level="warning", lifespan="off")
+        self.server = uvicorn.Server(config)
+        self._thread = threading.Thread(target=self.server.run, name="gemma4lib-uvicorn", daemon=True)
+        self.start_timeout_s = start_timeout_s
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def start(self) -> BackgroundServer:
+        self._thread.start()
+        deadline = time.monotonic() + self.start_timeout_s
+        while not self.server.started:
+            if not self._thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError(f"uvicorn did not start on {self.url}")
+            time.sleep(0.02)
+        return self
+
+    def stop(self, close_scheduler: bool = True) -> None:
+        self.server.should_exit = True
+        self._thread.join(30)
+        if close_scheduler:
+            self.served.scheduler.close()
+
+    def __enter__(self) -> BackgroundServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
