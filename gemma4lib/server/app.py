@@ -34,8 +34,16 @@ DISCONNECT_POLL_S = 0.25
 class Served:
     """What the routes need besides the scheduler: the model's names, its eos ids, its context."""
 
-    def __init__(self, scheduler: Scheduler, model_name: str, eos_ids: Sequence[int], aliases: Sequence[str] = ()):
+    def __init__(
+        self,
+        scheduler: Scheduler,
+        model_name: str,
+        eos_ids: Sequence[int],
+        aliases: Sequence[str] = (),
+        info: dict[str, Any] | None = None,
+    ):
         self.scheduler = scheduler
+        self.info = dict(info or {})
         self.model_name = model_name
         self.names = [model_name, *[a for a in aliases if a and a != model_name]]
         self.eos_ids = tuple(int(i) for i in eos_ids)
@@ -158,6 +166,7 @@ def create_app(served: Served) -> FastAPI:
             "rows_in_use": scheduler.rows_in_use,
             "waiting": scheduler.waiting,
             "replica": metrics.replica,
+            **served.info,
         }
         return JSONResponse(body, 200 if scheduler.accepting else 503)
 

@@ -1,6 +1,8 @@
 """Start the endpoint: the engine from `PortSettings` (a bundle never compiles), uvicorn, SIGTERM drain.
 
-`serve_forever` is what `python -m gemma4lib serve` runs in the foreground; `BackgroundServer` runs
+The engine comes from the caller (`gemma4lib.cli.load_engine`: the server sits above `port` but
+does not import it, so a replica can be handed any loader). `serve_forever` is what
+`python -m gemma4lib serve` runs in the foreground; `BackgroundServer` runs
 the same app on a thread (tests, the notebook). On SIGTERM (or Ctrl-C) the server stops taking
 requests (503 + Retry-After), lets every queued and running one finish, then exits; a second signal
 stops it at once.
@@ -30,7 +32,8 @@ LOOPBACK = "127.0.0.1"
 
 @dataclass
 class Loaded:
-    """An engine ready to serve, with what the routes need and how long it took to get it."""
+    """An engine ready to serve, with what the routes need and how long it took to get it (a bundle: 0 s
+    compiling)."""
 
     engine: Any
     tokenizer: Any
@@ -39,23 +42,6 @@ class Loaded:
     eos_ids: tuple[int, ...]
     load_s: float
     compile_s: float
-
-
-def load_engine(settings: Any) -> Loaded:
-    """Load the model and compile (or, with `settings.artifacts`, load) its graphs into an engine."""
-    from ..port import compile_graphs, eos_ids, load_model
-
-    t0 = time.perf_counter()
-    model = load_model(settings)
-    t1 = time.perf_counter()
-    compiled = compile_graphs(model, settings)
-    t2 = time.perf_counter()
-    compile_s = float(getattr(compiled, "compile_s", t2 - t1) or 0.0)
-    if getattr(settings, "artifacts", None):
-        compile_s = 0.0  # a bundle's programs are loaded, never compiled (BundleError otherwise)
-    variant = settings.variant_spec
-    aliases = tuple(a for a in (getattr(variant, "hub_id", None), settings.variant) if a)
-    return Loaded(compiled.runtime, model.tokenizer, variant.name, aliases, tuple(eos_ids(model)), t1 - t0, compile_s)
 
 
 def build_served(
@@ -67,11 +53,13 @@ def build_served(
     aliases: tuple[str, ...] = (),
     max_queue: int = 64,
     replica: str = "",
+    info: dict[str, Any] | None = None,
 ) -> Served:
-    """The scheduler (started) and what the routes need, around an engine and its tokenizer."""
+    """The scheduler (started) and what the routes need, around an engine and its tokenizer; `info`
+    (load and compile seconds, the replica) is shown by `GET /health`."""
     metrics = ServerMetrics(engine.batch, replica=replica)
     scheduler = Scheduler(engine, Codec(tokenizer), max_queue=max_queue, metrics=metrics).start()
-    return Served(scheduler, model_name, eos_ids, aliases)
+    return Served(scheduler, model_name, eos_ids, aliases, info=info)
 
 
 class DrainingServer(uvicorn.Server):
@@ -114,6 +102,22 @@ def serve_forever(served: Served, host: str = LOOPBACK, port: int = 8000, drain_
         server.run()
     finally:
         served.scheduler.close()
+
+
+def serve_loaded(loaded: Loaded, args: Any) -> int:
+    """`python -m gemma4lib serve` without `--ray`: one server in the foreground until SIGTERM."""
+    served = build_served(
+        loaded.engine,
+        loaded.tokenizer,
+        model_name=args.model_name or loaded.model_name,
+        eos_ids=loaded.eos_ids,
+        aliases=loaded.aliases,
+        max_queue=args.max_queue,
+        info={"load_s": round(loaded.load_s, 3), "compile_s": round(loaded.compile_s, 3)},
+    )
+    log.warning("engine ready: load %.1f s, compile %.1f s", loaded.load_s, loaded.compile_s)
+    serve_forever(served, args.host, args.port, args.drain_timeout)
+    return 0
 
 
 def free_port(host: str = LOOPBACK) -> int:

@@ -159,6 +159,10 @@ class Scheduler:
         return len(self._live)
 
     @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    @property
     def accepting(self) -> bool:
         return self._accepting
 
@@ -190,6 +194,20 @@ class Scheduler:
 
     # ---- the scheduler thread -----------------------------------------------------------------------
     def _run(self) -> None:
+        try:
+            self._loop()
+        except Exception as exc:  # a bug here, not in the engine: fail every request, leave health red
+            log.exception("the scheduler thread failed")
+            with self._cond:
+                self._accepting = False
+                jobs = [*self._live.values(), *self._waiting]
+                self._live.clear()
+                self._waiting.clear()
+            for job in jobs:
+                self._finish(job, "error", error=EngineFaultError(exc))
+            self._publish()
+
+    def _loop(self) -> None:
         while True:
             with self._cond:
                 while not self._waiting and not self._live and not self._closing:
