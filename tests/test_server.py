@@ -455,6 +455,29 @@ def test_metrics_count_tokens_and_latencies(fake):
     assert values['gemma4lib_http_responses_total{route="/v1/chat/completions",status="200"}'] == 3
 
 
+def test_the_load_run_reports_complete_unmixed_levels_and_batching_pays(tokenizer):
+    """Four rows whose step costs the same for one row or four: four clients get ~4x one's tokens/s."""
+    from gemma4lib.server.load import run_load
+
+    server, engine = serve_fake(tokenizer, batch=4, step_s=0.01)
+    try:
+        prompts = [f"What is the capital of {c}?" for c in ("France", "Peru", "Chile", "Japan", "Kenya")]
+        levels = run_load(
+            server.url, MODEL, prompts, levels=(1, 4, 4), requests_per_client=2, max_tokens=8, timeout_s=60
+        )
+    finally:
+        server.stop()
+    one, four = levels[0], max(levels[1:], key=lambda lv: lv.tokens_per_s)  # best of two: the cores are shared
+    assert [lv.requests for lv in levels] == [2, 8, 8]
+    assert all(lv.complete and lv.mixed == 0 and lv.errors == 0 for lv in levels), levels
+    assert all(lv.ttft_p50_s is not None and lv.ttft_p99_s >= lv.ttft_p50_s for lv in levels)
+    assert four.tokens == 8 * 8 and one.tokens == 2 * 8
+    assert max(len(rows) for kind, rows in engine.trace if kind == "step") == 4  # four rows stepped together
+    assert four.tokens_per_s > 2 * one.tokens_per_s, (one, four)  # ~3.4x alone on the machine; it is shared
+    france = {r.text for lv in levels for r in lv.replies if "France" in r.prompt}
+    assert len(france) == 1 and next(iter(france)).startswith("The capital of France")
+
+
 # ---- SIGTERM, in a real process ----------------------------------------------------------------------------
 
 
