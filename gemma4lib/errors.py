@@ -25,12 +25,18 @@ class PromptTooLongError(Gemma4LibError, ValueError):
     """Prompt + new tokens do not fit the compiled context; raised before any device work."""
 
     def __init__(
-        self, prompt_tokens: int, max_new_tokens: int, context_length: int, limit: str = "compiled context length"
+        self,
+        prompt_tokens: int,
+        max_new_tokens: int,
+        context_length: int,
+        limit: str = "compiled context length",
+        draft_tokens: int = 0,
     ):
         if limit.startswith("compiled context"):
+            drafts = f" + {draft_tokens} draft slots a verify writes ahead" if draft_tokens else ""
             message = (
-                f"prompt ({prompt_tokens} tokens) + max_new_tokens ({max_new_tokens}) need "
-                f"{prompt_tokens + max_new_tokens - 1} K/V positions (the last new token is never fed "
+                f"prompt ({prompt_tokens} tokens) + max_new_tokens ({max_new_tokens}){drafts} need "
+                f"{prompt_tokens + max_new_tokens - 1 + draft_tokens} K/V positions (the last new token is never fed "
                 f"back), more than the {limit} {context_length}; "
                 f"shorten the prompt, lower max_new_tokens, or recompile with a larger context_length"
             )

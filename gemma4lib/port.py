@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -19,14 +19,15 @@ import torch
 
 from . import backends, checks
 from .backends.base import CompiledGraphs, DeviceRun
-from .device.build import Graphs, device_graphs
+from .device.build import GraphSet, device_graphs
 from .device.quant import round_model_weights
+from .generation.prompts import random_prompt_lengths
 from .models.checkpoint import load_checkpoint
 from .models.loading import LoadedModel, build_tiny
 from .record import build_record
-from .reference import random_prompt, reference_greedy, teacher_forced_logits
+from .reference import hf_assisted, random_prompt, reference_greedy, teacher_forced_logits
 from .results import write_result
-from .runtime import encode_prompt
+from .runtime import Request, encode_prompt
 from .settings import BACKENDS, DEFAULT_PROMPT, MODEL_SOURCES, PortSettings
 
 log = logging.getLogger(__name__)
@@ -42,9 +43,20 @@ __all__ = [
     "load_model",
     "port",
     "prompt_ids",
+    "prompt_rows",
     "record_run",
+    "requests_for",
     "run_device",
 ]
+
+
+@dataclass(frozen=True)
+class PromptRow:
+    """One row of a port: its prompt ids, the answer coherence expects (None: none), its text."""
+
+    ids: list[int]
+    expect: str | None
+    text: str | None
 
 
 # ---- stages ----------------------------------------------------------------------------------
@@ -71,11 +83,30 @@ def _load_full_precision(settings: PortSettings) -> LoadedModel:
     return build_tiny(variant, seed=settings.seed)
 
 
+def prompt_rows(model: LoadedModel, settings: PortSettings, *, vary: bool = True) -> list[PromptRow]:
+    """The port's prompts, one per row: `settings.prompts` (with `expects`) when given, at any batch
+    size; else `prompt` (with `expect`) in row 0 and, for `batch_size > 1`, capital questions in the
+    other rows. A tokenizer-less random model gets seeded random ids instead (no expectation): of
+    different lengths (`vary`), or the witness's one prompt in every row (`vary=False`: its seed was
+    chosen for that prompt's margins)."""
+    if model.tokenizer is None:
+        vocab, n = model.config.vocab_size, settings.random_prompt_tokens
+        rows = len(settings.prompts) if settings.prompts is not None else settings.batch_size
+        if not vary or rows == 1:
+            return [PromptRow(random_prompt(vocab, n, settings.seed + 1), None, None)] * rows
+        lengths = random_prompt_lengths(n, rows)
+        return [PromptRow(random_prompt(vocab, m, settings.seed + 1 + i), None, None) for i, m in enumerate(lengths)]
+    return [PromptRow(encode_prompt(model.tokenizer, text), expect, text) for text, expect in settings.batch_rows()]
+
+
 def prompt_ids(model: LoadedModel, settings: PortSettings) -> list[int]:
-    """The chat-templated prompt, or a seeded random id sequence for a tokenizer-less random model."""
-    if model.tokenizer is not None:
-        return encode_prompt(model.tokenizer, settings.prompt)
-    return random_prompt(model.config.vocab_size, settings.random_prompt_tokens, settings.seed + 1)
+    """Row 0's prompt ids (the chat-templated prompt, or a random model's seeded ids)."""
+    return prompt_rows(model, settings)[0].ids
+
+
+def requests_for(rows: list[PromptRow], settings: PortSettings, eos: list[int]) -> list[Request]:
+    """One greedy request per row (the port judges greedy tokens against the greedy reference)."""
+    return [Request(row.ids, settings.max_new_tokens, eos_token_ids=tuple(eos)) for row in rows]
 
 
 def eos_ids(model: LoadedModel) -> list[int]:
@@ -89,54 +120,91 @@ def eos_ids(model: LoadedModel) -> list[int]:
     return sorted(i for i in ids if i is not None)
 
 
-def build_graphs(model: LoadedModel, settings: PortSettings, inplace: bool = True) -> Graphs:
-    """Prefill graphs (one per bucket, all-experts-dense) and the decode graph."""
+def build_graphs(model: LoadedModel, settings: PortSettings, inplace: bool = True) -> GraphSet:
+    """The settings' named graphs: prefill per bucket (MoE all-experts-dense), decode or verify (+ draft)."""
     return device_graphs(model, settings, inplace)
 
 
 def compile_graphs(
-    model: LoadedModel, settings: PortSettings, *, graphs: Graphs | None = None, progress: bool = False
+    model: LoadedModel, settings: PortSettings, *, graphs: GraphSet | None = None, progress: bool = False
 ) -> CompiledGraphs:
-    """Compile the device graphs with the settings' backend (`backends`) and wrap them in a host
-    runtime; `graphs` hands over prebuilt prefill and decode graphs (`cpu` and `eager` only)."""
+    """Compile the device graphs with the settings' backend under the generation engine
+    (`CompiledGraphs.runtime`); `graphs` hands over prebuilt graphs (`cpu` and `eager` only)."""
     return backends.compile_graphs(model, settings, graphs=graphs, progress=progress)
 
 
 def run_device(
     model: LoadedModel,
     settings: PortSettings,
-    ids: list[int],
-    eos: list[int],
+    requests: list[Request],
     *,
     progress: bool = False,
     bench: bool = True,
 ) -> DeviceRun:
-    """Build, compile and run the device graphs with the settings' backend (every backend has a
-    `run`: `backends.base`): the device part of the record, with the per-step logits LOGITS_MATCH needs.
-    With a draft, the assistant drafts and the target verifies k + 1 at a time (`speculative`)."""
-    if settings.draft is not None:
-        from .serving.drafted_run import run_device_drafted
-
-        return run_device_drafted(model, settings, ids, eos, progress=progress, bench=bench)
-    return backends.run_device(model, settings, ids, eos, progress=progress, bench=bench)
+    """Build, compile and run the device graphs with the settings' backend, every request in its
+    own row: the device part of the record, with the per-step logits LOGITS_MATCH needs."""
+    return backends.run_device(model, settings, requests, progress=progress, bench=bench)
 
 
-def judge_run(
-    model: LoadedModel,
-    settings: PortSettings,
-    ids: list[int],
-    eos: list[int],
-    tokens: list[int],
-    step_logits: torch.Tensor | None,
-) -> tuple[checks.CheckReport, list[int]]:
-    """The three checks of one device run against the host reference; (report, reference tokens)."""
-    reference = reference_greedy(model.lm, ids, settings.max_new_tokens, eos)
-    report = checks.evaluate(
-        model.lm, model.tokenizer, ids, tokens, reference, expect=settings.expect, step_logits=step_logits
-    )
-    if report.logits is not None and not report.logits.passed:
-        log.warning("%s", report.logits.explain())
-    return report, reference
+def judge_rows(
+    model: LoadedModel, settings: PortSettings, rows: list[PromptRow], eos: list[int], device_run: DeviceRun
+) -> list[tuple[checks.CheckReport, list[int]]]:
+    """The three checks of every row against its own batch-1 host reference: (report, reference tokens)."""
+    judged = []
+    for i, (row, result) in enumerate(zip(rows, device_run.rows, strict=True)):
+        reference = reference_greedy(model.lm, row.ids, settings.max_new_tokens, eos)
+        report = checks.evaluate(
+            model.lm,
+            model.tokenizer,
+            row.ids,
+            result.tokens,
+            reference,
+            expect=row.expect,
+            step_logits=result.step_logits,
+        )
+        if report.logits is not None and not report.logits.passed:
+            log.warning("row %d: %s", i, report.logits.explain())
+        judged.append((report, reference))
+    return judged
+
+
+def row_records(
+    rows: list[PromptRow], judged: list[tuple[checks.CheckReport, list[int]]], device_run: DeviceRun
+) -> list[dict[str, Any]]:
+    """The record's `rows`: one entry per prompt with its tokens, answer and three checks."""
+    out = []
+    for i, (row, (report, reference), result) in enumerate(zip(rows, judged, device_run.rows, strict=True)):
+        out.append(
+            {
+                "row": i,
+                "prompt": row.text,
+                "prompt_tokens": len(row.ids),
+                "expect": row.expect,
+                "tokens": list(result.tokens),
+                "reference_tokens": list(reference),
+                "answer": report.answer,
+                "reference_answer": report.reference_answer,
+                "seq_match": report.seq_match,
+                "first_mismatch": report.first_mismatch,
+                "logits_match": report.logits_match,
+                **(
+                    {"logits_max_err": report.logits.max_err, "logits_tolerance": report.logits.tolerance}
+                    if report.logits
+                    else {}
+                ),
+                "coherent": report.coherent,
+                "accepted_per_step": result.accepted_per_step,
+            }
+        )
+    return out
+
+
+def all_rows(values: list[bool | None]) -> bool | None:
+    """True only if every row's check held; None if no row ran that check."""
+    known = [v for v in values if v is not None]
+    if not known:
+        return None
+    return all(known) and len(known) == len(values)
 
 
 def reference_margin(model: LoadedModel, ids: list[int], tokens: list[int]) -> float | None:
@@ -155,80 +223,116 @@ def witness_settings(settings: PortSettings) -> PortSettings:
     return replace(settings, model="random", witness=False, results_dir=None)
 
 
-def witness_record(model: LoadedModel, settings: PortSettings, ids: list[int], device_run: DeviceRun) -> dict[str, Any]:
-    """The witness's part of the record: its SEQ_MATCH and LOGITS_MATCH (it has no coherence)."""
+def witness_record(
+    model: LoadedModel, settings: PortSettings, rows: list[PromptRow], device_run: DeviceRun
+) -> dict[str, Any]:
+    """The witness's part of the record: its SEQ_MATCH and LOGITS_MATCH per row (it has no coherence)."""
+    judged = judge_rows(model, settings, rows, [], device_run)
+    report, reference = judged[0]
     tokens = device_run.tokens
-    report, reference = judge_run(model, settings, ids, [], tokens, device_run.step_logits)
     out = {
         "model_source": model.source,
         "seed": settings.seed,
-        "prompt_tokens": len(ids),
+        "prompt_tokens": len(rows[0].ids),
         "new_tokens": len(tokens),
         "distinct_tokens": len(set(tokens)),
-        "seq_match": report.seq_match,
+        "seq_match": all_rows([r.seq_match for r, _ in judged]),
         "first_mismatch": report.first_mismatch,
-        "logits_match": report.logits_match,
+        "logits_match": all_rows([r.logits_match for r, _ in judged]),
         **(report.logits.record() if report.logits else {}),
-        "reference_min_margin": reference_margin(model, ids, reference),
+        "reference_min_margin": reference_margin(model, rows[0].ids, reference),
         "tokens": tokens,
         "reference_tokens": reference,
         "compiler": device_run.compiler,
         "cache_hits": device_run.cache_hits,
         "artifacts": device_run.artifacts,
     }
-    out["passed"] = report.seq_match and report.logits_match is not False
+    if len(rows) > 1:
+        out["rows"] = row_records(rows, judged, device_run)
+    out["passed"] = bool(out["seq_match"]) and out["logits_match"] is not False
     return out
 
 
 def run_witness(
     settings: PortSettings, *, progress: bool = False, artifacts: dict[str, str] | None = None
 ) -> dict[str, Any]:
-    """Run the random-weights witness of `settings`' variant and return its record.
+    """Run the random-weights witness of `settings`' variant and return its record: the same
+    shapes, backend and rows, with the witness's prompt in every row.
 
     `artifacts`: the trained run's compiled artifacts; `same_programs` then says whether the
     witness ran the very same ones (not when the compiler folded a parameter whose values differ
     between the two models into the program: 31B's and 26B-A4B's tiny q/k norms)."""
     w = witness_settings(settings)
     model = load_model(w)
-    ids = prompt_ids(model, w)
-    device_run = run_device(model, w, ids, [], progress=progress, bench=False)
-    record = witness_record(model, w, ids, device_run)
+    rows = prompt_rows(model, w, vary=False)
+    device_run = run_device(model, w, requests_for(rows, w, []), progress=progress, bench=False)
+    record = witness_record(model, w, rows, device_run)
     if artifacts and record.get("artifacts"):
         record["same_programs"] = record["artifacts"] == artifacts
     return record
 
 
 def port(settings: PortSettings, progress: bool = False) -> dict[str, Any]:
-    """Run the whole recipe and return (and, with results_dir, write) the result record."""
+    """Run the whole recipe and return (and, with results_dir, write) the result record: every
+    combination of batch, draft and backend through the one engine."""
     started = time.perf_counter()
     torch.manual_seed(settings.seed)
     model = load_model(settings)
-    if settings.batch_size > 1:  # B prompts through batched graphs, every row judged (batch_port.py)
-        from .serving.batch_port import port_batch
-
-        return port_batch(settings, model, eos_ids(model), started, load=load_model, progress=progress)
-    ids = prompt_ids(model, settings)
+    rows = prompt_rows(model, settings)
     eos = eos_ids(model)
-    device_run = run_device(model, settings, ids, eos, progress=progress)
+    device_run = run_device(model, settings, requests_for(rows, settings, eos), progress=progress)
     witness = None
     if settings.wants_witness:
         witness = run_witness(settings, progress=progress, artifacts=device_run.artifacts)
-    return record_run(settings, model, ids, eos, device_run, started, witness)
+    return record_run(settings, model, rows, eos, device_run, started, witness)
 
 
 def record_run(
     settings: PortSettings,
     model: LoadedModel,
-    ids: list[int],
+    rows: list[PromptRow],
     eos: list[int],
     device_run: DeviceRun,
     started: float,
     witness: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """The run record: the device run judged by the three checks (plus the witness's record when
-    given), with `failed_checks`, the one verdict the CLI, papermill and the fault lab apply."""
-    report, reference = judge_run(model, settings, ids, eos, device_run.tokens, device_run.step_logits)
-    result = build_record(settings, model, ids, device_run, report, reference, started=started, witness=witness)
+    """The run record: every row judged by the three checks (plus the witness's record when given),
+    with `failed_checks`, the one verdict the CLI, papermill and the fault lab apply. Row 0 fills
+    the record's own keys; with more rows, `seq_match`, `logits_match` and `coherent` hold only when
+    every row's does, and `rows` has each."""
+    judged = judge_rows(model, settings, rows, eos, device_run)
+    report, reference = judged[0]
+    extra: dict[str, Any] = {}
+    if len(rows) > 1 or settings.batch_size > 1:
+        records = row_records(rows, judged, device_run)
+        extra = {
+            "batch_size": settings.batch_size,
+            "rows": records,
+            "seq_match": all_rows([r["seq_match"] for r in records]),
+            "logits_match": all_rows([r["logits_match"] for r in records]),
+            "coherent": all_rows([r["coherent"] for r in records]),
+        }
+    if settings.draft == "assistant" and device_run.assistant is not None:
+        extra.update(assisted_fields(model, device_run, rows[0].ids, settings.max_new_tokens, eos))
+    result = build_record(
+        settings, model, rows[0].ids, device_run, report, reference, started=started, witness=witness, extra=extra
+    )
     if settings.results_dir:
         result["result_file"] = str(write_result(result, Path(settings.results_dir)))
     return result
+
+
+def assisted_fields(
+    model: LoadedModel, device_run: DeviceRun, ids: list[int], max_new_tokens: int, eos: list[int]
+) -> dict[str, Any]:
+    """transformers' own assisted generate with the same assistant, on row 0's prompt: its tokens
+    must equal the device's (`hf_assisted_match`); its acceptance beside ours."""
+    assistant = device_run.assistant
+    hf_tokens, hf_steps = hf_assisted(model.lm, assistant.model, ids, max_new_tokens, eos)
+    return {
+        "assistant_source": assistant.source,
+        "hf_assisted_tokens": hf_tokens,
+        "hf_assisted_match": hf_tokens == device_run.tokens,
+        "hf_verify_steps": hf_steps,
+        "hf_accepted_per_step": (len(hf_tokens) - 1) / hf_steps if hf_steps else None,
+    }

@@ -124,3 +124,32 @@ def logits_spread(
     spread = float((reference - exact).abs().max())
     log.info("reference logits spread %s vs %s: %.3g", dtype, high, spread)
     return spread, str(high).replace("torch.", "")
+
+
+@torch.no_grad()
+def hf_assisted(
+    lm: nn.Module, assistant: nn.Module, prompt_ids: Sequence[int], max_new_tokens: int, eos: Sequence[int]
+) -> tuple[list[int], int]:
+    """transformers' own `generate(assistant_model=...)` (greedy): its tokens and the number of
+    target verify steps it ran (target forward calls after the prefill)."""
+    ids = torch.as_tensor(list(prompt_ids), dtype=torch.long)[None]
+    calls = []
+    hook = lm.register_forward_pre_hook(lambda *_: calls.append(1))
+    try:
+        out = lm.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            eos_token_id=list(eos) or None,
+            pad_token_id=0,
+            assistant_model=assistant,
+        )
+    finally:
+        hook.remove()
+    tokens = out[0, ids.shape[1] :].tolist()
+    for i, t in enumerate(tokens):
+        if t in set(eos):
+            tokens = tokens[: i + 1]
+            break
+    return tokens, len(calls) - 1

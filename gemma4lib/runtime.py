@@ -1,25 +1,37 @@
-"""The host runtime: everything around the device graph.
+"""The host runtime: the one generation engine around the compiled device graphs.
 
-Tokens in, tokens out: the chat template, word embeddings and PLE on the host, the prefill graph
-(smallest bucket that fits), the decode loop over one compiled graph, greedy argmax on raw
-logits, and the softcap only when sampling needs real probabilities.
+Tokens in, tokens out. The engine holds `batch` rows over one set of K/V (held by the steps: host
+buffers on CPU, device states on XLA and inf2). A request is admitted into a free row (its prefill,
+the smallest compiled bucket that holds it, other rows untouched), then every `step()` advances
+every live row at once: one decode step, or with a drafter one round of k drafts and one verify of
+k + 1 tokens, each row accepting its own number. Each row has its own position, eos, token budget
+and sampling (greedy argmax on raw logits, or softcapped, tempered top-p sampling with its own
+seeded generator; drafted rows keep drafts by the greedy rule or by rejection sampling). A row
+leaves when its request ends and the next request takes it: `generate` runs a batch to the end
+(what `port` runs), a server admits and releases rows between steps (continuous batching). Every
+path (port, batches, drafting, the TP ranks, the XLA lane, the Neuron recipes, the notebooks, the
+benchmarks) runs this loop; there is no other.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
 from .device.embedder import HostEmbedder
+from .device.graph import index_tensor
 from .errors import BadPromptError, BatchTooLargeError, PromptTooLongError, SettingsError
-from .models.loading import LoadedModel
+from .generation.acceptance import greedy_verdict, verify_drafts
 from .models.tokenizer import require_chat_template
 
-Step = Callable[..., torch.Tensor]
+if TYPE_CHECKING:
+    from .models.loading import LoadedModel
+
+Step = Callable[..., Any]
 
 
 def softcap(logits: torch.Tensor, cap: float | None) -> torch.Tensor:
@@ -47,6 +59,9 @@ class Sampling:
     @property
     def greedy(self) -> bool:
         return self.temperature <= 0.0
+
+
+GREEDY = Sampling()
 
 
 def sampling_probs(logits: torch.Tensor, sampling: Sampling, cap: float | None) -> torch.Tensor:
@@ -83,194 +98,526 @@ def encode_prompt(tokenizer: Any, prompt: str, chat: bool = True) -> list[int]:
     return list(tokenizer(prompt)["input_ids"])
 
 
+# ---- what the engine is given ----------------------------------------------------------------
 @dataclass
-class Generation:
+class Steps:
+    """The compiled graphs a backend hands the engine, each a callable over its own K/V.
+
+    `prefill[bucket](*embeds, start, length)` and `decode(*embeds, start, length)` return the
+    logits of each row's last valid token `[B, vocab]` (and its hidden state `[B, H]` when the
+    engine drafts with the assistant); `verify(*embeds, start, length)` the logits and hidden states
+    of every position `[B, k + 1, ...]`; `draft(inputs_embeds, position)` the assistant's logits and
+    projected hidden state `[B, ...]`. `start`/`length`/`position` are int32 `[B]`. How the K/V are
+    held (host buffers updated in place, device states rebound) is the backend's business. No
+    prefill graphs (the one-graph trace recipe): prompts are fed through `decode` token by token.
+    """
+
+    prefill: dict[int, Step] = field(default_factory=dict)
+    decode: Step | None = None
+    verify: Step | None = None
+    draft: Step | None = None
+
+    def __post_init__(self):
+        self.prefill = dict(sorted(self.prefill.items()))
+
+
+def bind_kv(fn: Step, kv: Sequence[torch.Tensor]) -> Step:
+    """A graph that takes its K/V buffers as trailing inputs (and updates them in place) as a step."""
+
+    def step(*inputs: torch.Tensor) -> Any:
+        return fn(*inputs, *kv)
+
+    return step
+
+
+class Drafter(Protocol):
+    """Proposes up to `counts[row]` tokens for each live row; the engine verifies them.
+
+    Returns, per row, the drafted tokens and, when they were sampled from a distribution, its rows
+    `q [n, vocab]` (rejection sampling needs them; None: a deterministic proposal, verified against a
+    point mass)."""
+
+    def propose(
+        self, engine: Engine, counts: Mapping[int, int]
+    ) -> dict[int, tuple[list[int], torch.Tensor | None]]: ...
+
+
+@dataclass(frozen=True)
+class Request:
+    """One generation request: prompt ids, token budget, sampling, stop tokens."""
+
+    prompt_ids: Sequence[int]
+    max_new_tokens: int
+    sampling: Sampling = GREEDY
+    eos_token_ids: Sequence[int] = ()
+
+
+@dataclass
+class RowResult:
+    """What one request produced: its tokens, why it ended, and (when kept) the raw logits that
+    chose each token, the prefill's first (LOGITS_MATCH compares them per step)."""
+
     prompt_ids: list[int]
     tokens: list[int]
+    finish_reason: str | None  # "stop" (an eos token, kept), "length" (max_new_tokens), None (released early)
     bucket: int
     prefill_s: float
-    decode_s: list[float] = field(default_factory=list)  # one entry per decode step
-    first_logits: torch.Tensor | None = None
-    # raw device logits of every generated token (prefill's, then each decode step's), `[n, vocab]`;
-    # kept only when asked (`generate(keep_logits=True)`): LOGITS_MATCH compares them per step
+    first_logits: torch.Tensor
     step_logits: torch.Tensor | None = None
+    step_s: list[float] = field(default_factory=list)  # seconds of every step the row took part in
+    accepted: list[int] = field(default_factory=list)  # drafts accepted at each verify step
+    emitted: list[int] = field(default_factory=list)  # tokens kept at each verify step
+    drafted: list[int] = field(default_factory=list)  # drafts proposed at each verify step
 
     @property
     def decode_tok_s(self) -> float | None:
-        total = sum(self.decode_s)
-        return len(self.decode_s) / total if total > 0 else None
+        total = sum(self.step_s)
+        return (len(self.tokens) - 1) / total if total > 0 and len(self.tokens) > 1 else None
+
+    @property
+    def accepted_per_step(self) -> float | None:
+        """Mean tokens emitted per verify step (1 = no draft ever accepted); None without drafting."""
+        return sum(self.emitted) / len(self.emitted) if self.emitted else None
+
+    @property
+    def decode_s(self) -> list[float]:
+        return self.step_s
 
 
 @dataclass
-class DecodeRun:
-    """What `decode_loop` produced: the tokens, each decode step's seconds, and (when kept) the raw
-    logits of every generated token, the prefill's first."""
+class BatchResult:
+    """A batch run to the end: a `RowResult` per request, and the batch's own step timings."""
 
-    tokens: list[int]
-    step_s: list[float]
-    step_logits: torch.Tensor | None = None
+    rows: list[RowResult]
+    batch: int
+    prefill_s: float
+    step_s: list[float] = field(default_factory=list)  # seconds of each step (all rows at once)
+    step_tokens: list[int] = field(default_factory=list)  # tokens the live rows produced in each step
 
+    @property
+    def decode_tok_s(self) -> float | None:
+        """The batch's total: tokens all rows produced in steps per second of those steps."""
+        total = sum(self.step_s)
+        return sum(self.step_tokens) / total if total > 0 else None
 
-@torch.no_grad()
-def decode_loop(
-    step: Callable[[list[torch.Tensor], torch.Tensor], torch.Tensor],
-    embed: Callable[[torch.Tensor], list[torch.Tensor]],
-    first_logits: torch.Tensor,
-    position: int,
-    max_new_tokens: int,
-    *,
-    sampling: Sampling | None = None,
-    cap: float | None = None,
-    eos_token_ids: Sequence[int] = (),
-    on_token: Callable[[int], None] | None = None,
-    keep_logits: bool = False,
-    generator: torch.Generator | None = None,
-) -> DecodeRun:
-    """The one host decode loop: pick a token from the logits, embed it on the host, run one
-    decode step at the next position, until `max_new_tokens` or an eos token (kept).
+    @property
+    def decode_tok_s_per_row(self) -> float | None:
+        total = self.decode_tok_s
+        return None if total is None else total / len(self.rows)
 
-    `step(inputs, position)` runs the compiled decode graph and returns the `[vocab]` logits row;
-    how its K/V are held (host buffers appended, or device state) is the caller's business. The
-    host runtime, the TP ranks, the Neuron recipes' host loops and the benchmarks all come here.
-    """
-    sampling = sampling or Sampling()
-    eos = {int(t) for t in eos_token_ids}
-    token = choose_token(first_logits, sampling, cap, generator)
-    run = DecodeRun([token], [], None)
-    kept = [first_logits.float().clone()] if keep_logits else None
-    if on_token:
-        on_token(token)
-    while len(run.tokens) < max_new_tokens and token not in eos:
-        started = time.perf_counter()
-        logits = step(embed(torch.tensor([[token]])), torch.tensor([position]))
-        token = choose_token(logits, sampling, cap, generator)
-        run.step_s.append(time.perf_counter() - started)
-        if kept is not None:  # after the timing: keeping them is the check's cost, not decode's
-            kept.append(logits.float().clone())
-        run.tokens.append(token)
-        position += 1
-        if on_token:
-            on_token(token)
-    if kept is not None:
-        run.step_logits = torch.stack(kept)
-    return run
+    @property
+    def bucket(self) -> int:
+        return self.rows[0].bucket
 
 
-class HostRuntime:
-    """Drives compiled (or eager) prefill/decode steps that share one set of K/V buffers.
+@dataclass
+class _Row:
+    request: Request
+    eos: frozenset[int]
+    generator: torch.Generator | None
+    keep_logits: bool
+    bucket: int
+    prefill_s: float = 0.0
+    tokens: list[int] = field(default_factory=list)
+    position: int = 0  # where the row's last token is fed (its next K/V write)
+    hidden: torch.Tensor | None = None  # the target's hidden state of the last token (assistant drafting)
+    logits: list[torch.Tensor] = field(default_factory=list)
+    first_logits: torch.Tensor | None = None
+    step_s: list[float] = field(default_factory=list)
+    accepted: list[int] = field(default_factory=list)
+    emitted: list[int] = field(default_factory=list)
+    drafted: list[int] = field(default_factory=list)
+    finish: str | None = None
 
-    `prefill` maps a bucket length to a step; each step has the DeviceGraph calling convention
-    `step(inputs_embeds, [per_layer_inputs,] start, length, *kv) -> logits` and updates `kv` in place.
-    """
+    @property
+    def history(self) -> list[int]:
+        return [*self.request.prompt_ids, *self.tokens]
+
+    @property
+    def remaining(self) -> int:
+        return self.request.max_new_tokens - len(self.tokens)
+
+
+def _outputs(out: Any, n: int) -> tuple[torch.Tensor, ...]:
+    """The first `n` outputs of a step (a tensor, or a tuple/list led by them), on the host."""
+    parts = tuple(out) if isinstance(out, (tuple, list)) else (out,)
+    return tuple(p.to("cpu") if p.device.type != "cpu" else p for p in parts[:n])
+
+
+class Engine:
+    """Rows over one set of compiled graphs (module docstring). Not thread-safe: one caller."""
 
     def __init__(
         self,
-        model: LoadedModel,
-        prefill: dict[int, Step],
-        decode: Step,
-        kv: list[torch.Tensor],
+        embedder: HostEmbedder,
+        steps: Steps,
+        *,
+        batch: int,
         context_length: int,
-        batch: int = 1,
+        vocab_size: int,
+        cap: float | None,
         dtype: torch.dtype = torch.float32,
+        draft_tokens: int = 0,
+        drafter: Drafter | None = None,
     ):
-        self.model, self.prefill, self.decode, self.kv = model, dict(sorted(prefill.items())), decode, kv
-        self.context_length, self.batch, self.dtype = context_length, batch, dtype
-        self.embedder = HostEmbedder.from_text_model(model.text_model)
-        self.has_ple = self.embedder.has_ple
-        self.cap = getattr(model.config, "final_logit_softcapping", None)
+        if (drafter is None) != (steps.verify is None):
+            raise SettingsError("a drafter needs the verify graph and the verify graph a drafter: pass both or neither")
+        if steps.decode is None and steps.verify is None:
+            raise SettingsError("the engine needs a decode graph (or a verify graph and a drafter)")
+        self.embedder, self.steps, self.batch = embedder, steps, int(batch)
+        self.context_length, self.vocab_size, self.cap, self.dtype = int(context_length), int(vocab_size), cap, dtype
+        self.draft_tokens, self.drafter = int(draft_tokens) if drafter is not None else 0, drafter
+        self.rows: dict[int, _Row] = {}
+        self.wants_hidden = drafter is not None and getattr(drafter, "needs_hidden", False)
+
+    @classmethod
+    def for_model(cls, model: LoadedModel, steps: Steps, **kwargs: Any) -> Engine:
+        """An engine over `model`'s host tables, vocabulary and softcap."""
+        return cls(
+            HostEmbedder.from_text_model(model.text_model),
+            steps,
+            vocab_size=int(model.config.vocab_size),
+            cap=getattr(model.config, "final_logit_softcapping", None),
+            **kwargs,
+        )
+
+    # ---- the one fit check ----------------------------------------------------------------------
+    @property
+    def buckets(self) -> list[int]:
+        return list(self.steps.prefill)
+
+    def bucket_for(self, n_tokens: int) -> int:
+        """The smallest compiled prefill length that holds `n_tokens` (token by token: no limit)."""
+        if not self.steps.prefill:
+            return 1
+        for bucket in self.steps.prefill:
+            if n_tokens <= bucket:
+                return bucket
+        raise PromptTooLongError(n_tokens, 0, max(self.steps.prefill), limit="largest compiled prefill bucket")
+
+    def check(self, request: Request) -> int:
+        """Raise before any device work when `request` cannot run on these graphs; its bucket.
+
+        The K/V hold the prompt and every new token but the last, which is never fed back, plus
+        with drafting the k slots a verify writes past the last kept token:
+        `len(prompt) + max_new_tokens - 1 + k` positions must fit the compiled context."""
+        ids, max_new = request.prompt_ids, request.max_new_tokens
+        if isinstance(ids, str):
+            raise BadPromptError(
+                "generate() takes token ids, not text; encode the text first with encode_prompt(tokenizer, prompt)"
+            )
+        if isinstance(max_new, bool) or not isinstance(max_new, int) or max_new < 1:
+            raise SettingsError(f"max_new_tokens must be a whole number >= 1, got {max_new!r}")
+        if not isinstance(request.sampling, Sampling):
+            raise SettingsError(f"sampling must be a gemma4lib.runtime.Sampling, got {type(request.sampling).__name__}")
+        if len(ids) == 0:
+            raise BadPromptError("prompt has no tokens; pass a non-empty prompt")
+        outside = sorted({int(t) for t in ids if not 0 <= int(t) < self.vocab_size})
+        if outside:
+            raise BadPromptError(
+                f"token ids {outside[:5]} are outside this model's vocabulary (0..{self.vocab_size - 1}); "
+                f"encode the text with this model's tokenizer (encode_prompt)"
+            )
+        if len(ids) + max_new - 1 + self.draft_tokens > self.context_length:
+            raise PromptTooLongError(len(ids), max_new, self.context_length, draft_tokens=self.draft_tokens)
+        return self.bucket_for(len(ids))
+
+    # ---- rows -------------------------------------------------------------------------------------
+    def free_rows(self) -> list[int]:
+        return [r for r in range(self.batch) if r not in self.rows]
+
+    def live_rows(self) -> list[int]:
+        return [r for r, row in sorted(self.rows.items()) if row.finish is None]
+
+    def finished(self, row: int) -> str | None:
+        return self.rows[row].finish
 
     def embed(self, ids: torch.Tensor, pad_to: int | None = None) -> list[torch.Tensor]:
         """Word embeddings (scaled) and the PLE inputs on the host, right-padded with zeros."""
         return self.embedder.inputs(ids, pad_to, self.dtype)
 
-    def bucket_for(self, n_tokens: int) -> int:
-        """The smallest compiled prefill length that holds the prompt."""
-        for bucket in self.prefill:
-            if n_tokens <= bucket:
-                return bucket
-        raise PromptTooLongError(n_tokens, 0, max(self.prefill), limit="largest compiled prefill bucket")
+    def _zero_inputs(self, tokens: int) -> list[torch.Tensor]:
+        return self.embed(torch.zeros(self.batch, tokens, dtype=torch.long))
 
-    def check_fits(self, prompt_ids: Sequence[int], max_new_tokens: int) -> int:
-        """Raise before any device work when the request cannot fit the compiled shapes.
-
-        The K/V buffers hold the prompt and every new token but the last, which is never fed back:
-        `len(prompt) + max_new_tokens - 1` positions must fit the compiled context.
-        """
-        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-            raise SettingsError(f"max_new_tokens must be a whole number >= 1, got {max_new_tokens!r}")
-        if len(prompt_ids) == 0:
-            raise BadPromptError("prompt has no tokens; pass a non-empty prompt")
-        vocab = int(self.model.config.vocab_size)
-        outside = sorted({int(t) for t in prompt_ids if not 0 <= int(t) < vocab})
-        if outside:
-            raise BadPromptError(
-                f"token ids {outside[:5]} are outside this model's vocabulary (0..{vocab - 1}); "
-                f"encode the text with this model's tokenizer (encode_prompt)"
-            )
-        if len(prompt_ids) + max_new_tokens - 1 > self.context_length:
-            raise PromptTooLongError(len(prompt_ids), max_new_tokens, self.context_length)
-        return self.bucket_for(len(prompt_ids))
-
-    # ---- generation -------------------------------------------------------------------------
     @torch.no_grad()
+    def admit(self, requests: Mapping[int, Request], *, keep_logits: bool = False) -> dict[int, list[int]]:
+        """Prefill `requests` into their (free) rows in one call; the other rows are untouched.
+        Returns each admitted row's first token."""
+        buckets = {}
+        for row, request in requests.items():
+            if not 0 <= row < self.batch or row in self.rows:
+                raise BatchTooLargeError(
+                    f"row {row} is not free (rows 0..{self.batch - 1}, free {self.free_rows()}); "
+                    f"admit into a free row, or release one first"
+                )
+            buckets[row] = self.check(request)
+        if not requests:
+            return {}
+        bucket = max(buckets.values())
+        lengths = [0] * self.batch
+        for row, request in requests.items():
+            lengths[row] = len(request.prompt_ids)
+        started = time.perf_counter()
+        if self.steps.prefill:
+            inputs = self._zero_inputs(bucket)
+            for row, request in requests.items():
+                ids = torch.as_tensor([list(request.prompt_ids)], dtype=torch.long)
+                for slot, part in zip(inputs, self.embed(ids, pad_to=bucket), strict=True):
+                    slot[row] = part[0]
+            out = self._call(self.steps.prefill[bucket], inputs, [0] * self.batch, lengths)
+        else:
+            out = self._stepwise_prefill(requests, lengths)
+        elapsed = time.perf_counter() - started
+        logits, hidden = out[0], (out[1] if len(out) > 1 else None)
+        first: dict[int, list[int]] = {}
+        for row, request in requests.items():
+            sampling = request.sampling
+            generator = None if sampling.greedy else torch.Generator().manual_seed(int(sampling.seed))
+            state = _Row(request, frozenset(int(t) for t in request.eos_token_ids), generator, keep_logits, bucket)
+            state.prefill_s, state.position = elapsed, len(request.prompt_ids)
+            state.first_logits = logits[row].float().clone()
+            if hidden is not None:
+                state.hidden = hidden[row].clone()
+            token = choose_token(logits[row], sampling, self.cap, generator)
+            self.rows[row] = state
+            self._emit(state, [token], [logits[row]])
+            first[row] = [token]
+        return first
+
+    def _stepwise_prefill(self, requests: Mapping[int, Request], lengths: list[int]) -> tuple[torch.Tensor, ...]:
+        """No prefill graph: every admitted row's prompt through `decode`, one position per call
+        (the other rows idle, length 0); each row's logits are those of its last prompt token."""
+        longest = max(lengths)
+        kept: list[torch.Tensor | None] = [None] * self.batch
+        for i in range(longest):
+            tokens = torch.zeros(self.batch, 1, dtype=torch.long)
+            step_lengths = [0] * self.batch
+            for row, request in requests.items():
+                if i < lengths[row]:
+                    tokens[row, 0] = int(request.prompt_ids[i])
+                    step_lengths[row] = 1
+            out = self._call(self.steps.decode, self.embed(tokens), [i] * self.batch, step_lengths)
+            for row in requests:
+                if i == lengths[row] - 1:
+                    kept[row] = out[0][row]
+        logits = torch.stack([k if k is not None else torch.zeros(self.vocab_size) for k in kept])
+        return (logits,)
+
+    def _call(self, step: Step, inputs: list[torch.Tensor], start: Sequence[int], length: Sequence[int]):
+        return _outputs(step(*inputs, index_tensor(start), index_tensor(length)), 2)
+
+    def _emit(self, row: _Row, tokens: list[int], logits: list[torch.Tensor]) -> list[int]:
+        """Append `tokens` (cut at eos or the budget); mark the row finished when it is."""
+        kept = []
+        for token, row_logits in zip(tokens, logits, strict=False):
+            row.tokens.append(int(token))
+            if row.keep_logits:
+                row.logits.append(row_logits.float().clone())
+            kept.append(int(token))
+            if int(token) in row.eos:
+                row.finish = "stop"
+                break
+            if row.remaining <= 0:
+                row.finish = "length"
+                break
+        return kept
+
+    @torch.no_grad()
+    def step(self) -> dict[int, list[int]]:
+        """Advance every live row: one decode step, or one draft + verify round. The new tokens per row."""
+        live = self.live_rows()
+        if not live:
+            return {}
+        started = time.perf_counter()
+        out = self._draft_round(live) if self.drafter is not None else self._decode_step(live)
+        elapsed = time.perf_counter() - started
+        for row in live:
+            self.rows[row].step_s.append(elapsed)
+        return out
+
+    def _decode_step(self, live: list[int]) -> dict[int, list[int]]:
+        tokens = torch.zeros(self.batch, 1, dtype=torch.long)
+        start, length = [0] * self.batch, [0] * self.batch
+        for r in live:
+            row = self.rows[r]
+            tokens[r, 0], start[r], length[r] = row.tokens[-1], row.position, 1
+        (logits,) = self._call(self.steps.decode, self.embed(tokens), start, length)[:1]
+        new = {}
+        for r in live:
+            row = self.rows[r]
+            token = choose_token(logits[r], row.request.sampling, self.cap, row.generator)
+            row.position += 1
+            new[r] = self._emit(row, [token], [logits[r]])
+        return new
+
+    def _draft_round(self, live: list[int]) -> dict[int, list[int]]:
+        """k drafts per row (fewer near its budget), one verify of `[last, drafts]` at each row's
+        position, each row's own verdict. Rejected drafts' K/V are never read: the next round starts
+        at position + accepted + 1 and overwrites them."""
+        k = self.draft_tokens
+        counts = {r: min(k, self.rows[r].remaining - 1) for r in live}
+        proposals = self.drafter.propose(self, {r: n for r, n in counts.items() if n > 0})
+        chunk = torch.zeros(self.batch, k + 1, dtype=torch.long)
+        start, length = [0] * self.batch, [0] * self.batch
+        drafts: dict[int, list[int]] = {}
+        for r in live:
+            row = self.rows[r]
+            proposed = list(proposals.get(r, ([], None))[0])[: counts[r]]
+            drafts[r] = [int(t) for t in proposed]
+            chunk[r, 0] = row.tokens[-1]
+            chunk[r, 1 : 1 + len(drafts[r])] = torch.tensor(drafts[r], dtype=torch.long)
+            start[r], length[r] = row.position, 1 + len(drafts[r])
+        out = self._call(self.steps.verify, self.embed(chunk), start, length)
+        v_logits, v_hidden = out[0], (out[1] if len(out) > 1 else None)
+        new = {}
+        for r in live:
+            row, d = self.rows[r], drafts[r]
+            n_ok, tokens = self._judge(row, v_logits[r], d, proposals.get(r, ([], None))[1])
+            kept = self._emit(row, tokens, [v_logits[r, i] for i in range(len(tokens))])
+            row.accepted.append(n_ok)
+            row.emitted.append(len(kept))
+            row.drafted.append(len(d))
+            row.position += n_ok + 1
+            if v_hidden is not None:
+                row.hidden = v_hidden[r, n_ok].clone()
+            new[r] = kept
+        return new
+
+    def _judge(
+        self, row: _Row, v_logits: torch.Tensor, drafts: list[int], q: torch.Tensor | None
+    ) -> tuple[int, list[int]]:
+        """Greedy rows keep the drafts equal to the target's argmax; sampled rows keep them by
+        rejection sampling against the target's p (a deterministic proposal: q a point mass)."""
+        sampling = row.request.sampling
+        if sampling.greedy:
+            return greedy_verdict(v_logits, drafts)
+        p = torch.stack([sampling_probs(v_logits[i], sampling, self.cap) for i in range(len(drafts) + 1)])
+        if q is None and drafts:
+            q = torch.nn.functional.one_hot(torch.tensor(drafts), p.shape[-1]).to(p.dtype)
+        elif q is not None:
+            q = q[: len(drafts)]
+        verdict = verify_drafts(p, q, drafts, row.generator)
+        return verdict.accepted, verdict.tokens
+
+    def release(self, row: int) -> RowResult:
+        """Free `row` (finished, or ended early: a client gone, a stop string); its result."""
+        state = self.rows.pop(row)
+        return RowResult(
+            [int(t) for t in state.request.prompt_ids],
+            state.tokens,
+            state.finish,
+            state.bucket,
+            state.prefill_s,
+            state.first_logits,
+            torch.stack(state.logits) if state.logits else None,
+            state.step_s,
+            state.accepted,
+            state.emitted,
+            state.drafted,
+        )
+
+    # ---- whole generations --------------------------------------------------------------------------
+    @torch.no_grad()
+    def generate_rows(
+        self,
+        requests: Sequence[Request],
+        *,
+        on_token: Callable[[int, int], None] | None = None,
+        keep_logits: bool = False,
+    ) -> BatchResult:
+        """Every request in its own row (request i in row i), all admitted in one prefill, stepped
+        until each has ended; `on_token(i, token)` streams them. Refuses more requests than rows."""
+        if not requests:
+            raise BadPromptError("the batch has no prompts; pass at least one")
+        if len(requests) > self.batch:
+            raise BatchTooLargeError(
+                f"batch of {len(requests)} prompts, but the graphs were compiled for batch {self.batch}; "
+                f"send at most {self.batch} at a time or compile with batch_size={len(requests)}"
+            )
+        if self.rows:
+            raise SettingsError(f"rows {sorted(self.rows)} are in use; release them before generate")
+        for i, request in enumerate(requests):
+            try:
+                self.check(request)
+            except BadPromptError as error:
+                if len(requests) == 1:
+                    raise
+                raise type(error)(f"prompt {i} of the batch: {error}") from None
+        started = time.perf_counter()
+        try:
+            first = self.admit(dict(enumerate(requests)), keep_logits=keep_logits)
+            prefill_s = time.perf_counter() - started
+            result = BatchResult([], self.batch, prefill_s)
+            if on_token:
+                for i, tokens in first.items():
+                    for t in tokens:
+                        on_token(i, t)
+            while self.live_rows():
+                step_started = time.perf_counter()
+                new = self.step()
+                result.step_s.append(time.perf_counter() - step_started)
+                result.step_tokens.append(sum(len(t) for t in new.values()))
+                if on_token:
+                    for i, tokens in new.items():
+                        for t in tokens:
+                            on_token(i, t)
+            result.rows = [self.release(i) for i in range(len(requests))]
+        finally:
+            self.rows.clear()
+        return result
+
     def generate(
         self,
         prompt_ids: Sequence[int] | torch.Tensor,
         max_new_tokens: int,
         *,
-        sampling: Sampling = Sampling(),
+        sampling: Sampling = GREEDY,
         eos_token_ids: Sequence[int] = (),
         on_token: Callable[[int], None] | None = None,
         keep_logits: bool = False,
-    ) -> Generation:
-        if isinstance(prompt_ids, str):
-            raise BadPromptError(
-                "generate() takes token ids, not text; encode the text first with encode_prompt(tokenizer, prompt)"
-            )
-        if self.batch > 1:  # the graphs take `batch` rows: batch_runtime.generate_batch feeds them
-            raise SettingsError(
-                f"this runtime's graphs were compiled for batch {self.batch}; generate with "
-                f"gemma4lib.serving.batch_runtime.generate_batch(runtime, [prompt_ids, ...], max_new_tokens)"
-            )
-        ids = torch.as_tensor(prompt_ids, dtype=torch.long)
-        if ids.dim() == 2:
-            if ids.shape[0] > self.batch:
-                raise BatchTooLargeError(
-                    f"batch of {ids.shape[0]} prompts, but the graphs were compiled for "
-                    f"batch {self.batch}; send at most {self.batch} at a time or recompile"
-                )
-            ids = ids[0]
-        ids_list = ids.tolist()
-        bucket = self.check_fits(ids_list, max_new_tokens)
-        generator = torch.Generator().manual_seed(sampling.seed)
-        n = len(ids_list)
+    ) -> RowResult:
+        """One prompt (row 0) to the end: `generate_rows` with one request."""
+        if isinstance(prompt_ids, torch.Tensor):
+            prompt_ids = prompt_ids.reshape(-1).tolist()
+        request = Request(prompt_ids, max_new_tokens, sampling, tuple(eos_token_ids))
+        stream = (lambda _row, token: on_token(token)) if on_token else None
+        return self.generate_rows([request], on_token=stream, keep_logits=keep_logits).rows[0]
 
-        started = time.perf_counter()
-        inputs = self.embed(ids[None], pad_to=bucket)
-        first = self.prefill[bucket](*inputs, torch.tensor([0]), torch.tensor([n]), *self.kv)[0]
-        prefill_s = time.perf_counter() - started
-        one = torch.tensor([1])
-        run = decode_loop(
-            lambda inputs, position: self.decode(*inputs, position, one, *self.kv)[0],
-            self.embed,
-            first,
-            n,
-            max_new_tokens,
-            sampling=sampling,
-            cap=self.cap,
-            eos_token_ids=eos_token_ids,
-            on_token=on_token,
-            keep_logits=keep_logits,
-            generator=generator,
-        )
-        return Generation(ids_list, run.tokens, bucket, prefill_s, run.step_s, first.clone(), run.step_logits)
-
+    @torch.no_grad()
     def time_prefill(self, prompt_ids: Sequence[int]) -> float:
         """Seconds for one prefill of `prompt_ids` (host embeddings included, as a user sees it)."""
-        ids = torch.as_tensor(prompt_ids, dtype=torch.long)[None]
-        bucket = self.bucket_for(ids.shape[1])
         started = time.perf_counter()
-        with torch.no_grad():
-            inputs = self.embed(ids, pad_to=bucket)
-            self.prefill[bucket](*inputs, torch.tensor([0]), torch.tensor([ids.shape[1]]), *self.kv)
-        return time.perf_counter() - started
+        self.admit({0: Request(list(prompt_ids), 1)})
+        elapsed = time.perf_counter() - started
+        self.release(0)
+        return elapsed
+
+    @torch.no_grad()
+    def time_steps(self, token: int, position: int, n: int) -> float:
+        """Seconds of `n` decode steps of row 0 from `position` on, without a prefill (what the K/V
+        hold does not change a step's time, so any position of a long context can be timed)."""
+        self.rows[0] = _Row(Request([token], n + 1), frozenset(), None, False, 1, tokens=[token], position=position)
+        try:
+            started = time.perf_counter()
+            for _ in range(n):
+                self._decode_step([0])
+            return time.perf_counter() - started
+        finally:
+            self.rows.pop(0, None)
+
+
+__all__ = [
+    "GREEDY",
+    "BatchResult",
+    "Drafter",
+    "Engine",
+    "Request",
+    "RowResult",
+    "Sampling",
+    "Steps",
+    "bind_kv",
+    "choose_token",
+    "encode_prompt",
+    "sampling_probs",
+    "softcap",
+]

@@ -11,13 +11,16 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from .backends.base import SELECTABLE as BACKENDS
+from .backends.registry import selectable
 from .device.experts import EXPERT_FORMS
 from .device.quant import WEIGHT_FORMS
 from .errors import SettingsError, TensorParallelError, UnknownNameError
 from .models.variants import check_profile, get_variant
 
+BACKENDS = selectable()  # the backends this library ships (a test may register another: checks read `selectable()`)
 MODEL_SOURCES = ("auto", "trained", "random", "checkpoint")
+# what proposes drafts (`generation.drafters`): Gemma-4's own assistant, or n-gram prompt lookup
+DRAFT_KINDS = ("assistant", "prompt_lookup")
 DEFAULT_PROMPT = "What is the capital of France?"
 
 
@@ -98,8 +101,8 @@ class PortSettings:
     def __post_init__(self):
         self.variant_spec = get_variant(self.variant)
         check_profile(self.profile)
-        if self.backend not in BACKENDS:
-            raise UnknownNameError("backend", self.backend, BACKENDS)
+        if self.backend not in selectable():
+            raise UnknownNameError("backend", self.backend, selectable())
         if self.model not in MODEL_SOURCES:
             raise UnknownNameError("model source", self.model, MODEL_SOURCES)
         if self.decode_experts not in EXPERT_FORMS:
@@ -145,19 +148,45 @@ class PortSettings:
             check_settings(self)  # shapes, formats, versions, machine: before anything loads
 
     def _check_draft(self) -> None:
-        """k >= 1, and only with a draft; where drafting runs (`speculative.check_draft`)."""
-        from .serving.speculative import check_draft
-
+        """k >= 1, and only with a drafter; where drafting runs: refused here, before anything loads."""
         if self.draft is None:
             if self.draft_tokens is not None:
                 raise SettingsError(
                     f"draft_tokens={self.draft_tokens!r} needs a drafter: pass draft='assistant' "
                     f"(CLI --draft assistant), or leave draft_tokens unset"
                 )
-            check_draft(self)  # (verify_experts without a draft)
+            if self.verify_experts is not None:
+                raise SettingsError(
+                    f"verify_experts={self.verify_experts!r} sets the verify graph's MoE expert form, which only "
+                    f"drafting builds: pass draft='assistant' too, or leave verify_experts unset"
+                )
             return
+        if self.draft not in DRAFT_KINDS:
+            raise UnknownNameError("draft", self.draft, DRAFT_KINDS)
+        if self.verify_experts not in (None, *EXPERT_FORMS):
+            raise UnknownNameError("verify_experts form", self.verify_experts, EXPERT_FORMS)
         self.draft_tokens = whole_number("draft_tokens", 4 if self.draft_tokens is None else self.draft_tokens, 1)
-        check_draft(self)
+        rank_graphs = self.tp_degree > 1 or self.backend == "neuron"
+        if self.verify_experts is not None and rank_graphs:
+            raise SettingsError(
+                f"verify_experts={self.verify_experts!r} chooses the expert form of the single-device verify "
+                f"graph; the rank graphs (tp_degree {self.tp_degree}, backend {self.backend!r}) verify with "
+                f"the dense experts: leave verify_experts unset there"
+            )
+        if self.backend == "neuron":
+            from .inf2.memory_plan import neuron_recipe
+
+            if neuron_recipe(self.variant_spec, self.tp_degree, self.neuron_recipe) == "trace":
+                raise SettingsError(
+                    f"draft={self.draft!r} needs the verify and prefill graphs over one set of device K/V "
+                    "states; the one-graph trace recipe has a single decode graph: use the ModelBuilder recipe "
+                    "(neuron_recipe=None) or draft=None"
+                )
+            if self.draft != "assistant":
+                raise SettingsError(
+                    f"draft={self.draft!r} on backend 'neuron': the ModelBuilder drafting keys are built for "
+                    f"Gemma-4's assistant; use draft='assistant', or a CPU backend for {self.draft!r}"
+                )
 
     def _check_batch(self) -> None:
         """The batch's prompts: at most `batch_size`, none empty, one expectation per prompt."""
@@ -180,11 +209,12 @@ class PortSettings:
                 raise SettingsError(f"{len(self.expects)} expects for {rows} prompts; give one per prompt (None: none)")
 
     def batch_rows(self) -> tuple[tuple[str, str | None], ...]:
-        """The batch's (prompt, expected answer) rows: `prompts`/`expects`, or B capital questions."""
-        from .serving.batch_prompts import capital_questions
+        """The (prompt, expected answer) rows: `prompts`/`expects` when given (any batch size); else
+        `prompt`/`expect` in row 0 and capital questions in the other rows of the batch."""
+        from .generation.prompts import capital_questions
 
         if self.prompts is None:
-            return capital_questions(self.batch_size)
+            return ((self.prompt, self.expect), *capital_questions(self.batch_size)[1:])
         expects = self.expects if self.expects is not None else (None,) * len(self.prompts)
         return tuple(zip(self.prompts, expects, strict=True))
 

@@ -11,7 +11,7 @@ They are measurements to record and compare as ratios within one run, never asse
 from __future__ import annotations
 
 import statistics
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -20,7 +20,7 @@ from tqdm.auto import tqdm
 
 from .environment import peak_rss_mb  # noqa: F401  (re-exported with the other figures)
 from .errors import SettingsError
-from .runtime import HostRuntime, decode_loop
+from .runtime import Engine, Request, Steps, bind_kv
 
 if TYPE_CHECKING:  # type names only
     from .benchmarks.graphs import BenchGraph  # the suite sits above `port`, this module below it
@@ -45,20 +45,19 @@ class BenchFigures:
 
 
 def benchmark(
-    runtime: HostRuntime,
-    prompt_ids: Sequence[int],
-    max_new_tokens: int,
+    engine: Engine,
+    requests: Sequence[Request],
     warmup: int = 1,
     iters: int = 3,
     progress: bool = False,
 ) -> BenchFigures:
-    """Median prefill latency and decode throughput of full generations (eos ignored, so every run
-    decodes the same number of tokens and runs compare)."""
+    """Median prefill latency (row 0's prompt) and decode throughput (all rows' tokens per second
+    of steps) of full generations; pass requests without eos so every run decodes alike."""
     prefill_ms, decode_tok_s = [], []
     runs = range(warmup + iters)
     for i in tqdm(runs, desc="benchmark", disable=not progress, leave=False):
-        prefill_s = runtime.time_prefill(prompt_ids)
-        generation = runtime.generate(prompt_ids, max_new_tokens)
+        prefill_s = engine.time_prefill(requests[0].prompt_ids)
+        generation = engine.generate_rows(list(requests))
         if i >= warmup:
             prefill_ms.append(prefill_s * 1000)
             if generation.decode_tok_s:
@@ -68,16 +67,29 @@ def benchmark(
         statistics.median(decode_tok_s) if decode_tok_s else 0.0,
         prefill_ms,
         decode_tok_s,
-        max_new_tokens - 1,
+        max(r.max_new_tokens for r in requests) - 1,
         torch.get_num_threads(),
         warmup,
         iters,
     )
 
 
+def time_interleaved(runs: Mapping[str, Callable[[], Any]], warmup: int, iters: int) -> dict[str, list[float]]:
+    """decode tok/s of each named run (it returns an object with `decode_tok_s`), `iters` rounds after
+    `warmup`, the runs taking turns within a round: load from other work then hits every run alike,
+    so their ratio holds where back-to-back blocks of runs would each see different neighbours."""
+    figures: dict[str, list[float]] = {name: [] for name in runs}
+    for i in range(warmup + iters):
+        for name, run in runs.items():
+            rate = run().decode_tok_s
+            if i >= warmup and rate:
+                figures[name].append(rate)
+    return figures
+
+
 @torch.no_grad()
 def time_decode_steps(model: LoadedModel, step: BenchGraph, positions: Sequence[int], token: int = 5) -> float:
-    """Decode tok/s of `step` over consecutive `positions`, through the runtime's own decode loop
+    """Decode tok/s of `step` over consecutive `positions`, through the engine's own decode step
     (host embedding + step + greedy argmax), on fresh buffers: timing does not depend on their
     contents, so any position of a long context can be timed without filling it first."""
     positions = list(positions)
@@ -85,15 +97,11 @@ def time_decode_steps(model: LoadedModel, step: BenchGraph, positions: Sequence[
         raise SettingsError(
             "time_decode_steps times consecutive positions, as decoding visits them: pass e.g. range(start, stop)"
         )
-    runtime = HostRuntime(model, {}, step.fn, step.graph.new_kv(), step.shape.context_length)
-    one = torch.tensor([1])
-    start = torch.zeros(int(model.config.vocab_size))
-    start[token] = 1.0  # the loop's first pick: `token`
-    run = decode_loop(
-        lambda inputs, position: step.fn(*inputs, position, one, *runtime.kv)[0],
-        runtime.embed,
-        start,
-        positions[0],
-        len(positions) + 1,
+    engine = Engine.for_model(
+        model,
+        Steps(decode=bind_kv(step.fn, step.graph.new_kv())),
+        batch=step.shape.batch,
+        context_length=step.shape.context_length,
     )
-    return len(run.step_s) / sum(run.step_s)
+    seconds = engine.time_steps(token, positions[0], len(positions))
+    return len(positions) / seconds

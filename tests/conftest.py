@@ -51,12 +51,20 @@ class Ported:
     settings: object
     model: object
     ids: list
-    prefill: dict
-    decode: object
+    graphs: object  # device.build.GraphSet
     compiled: object
 
     @property
+    def prefill(self) -> dict:
+        return self.graphs.prefill
+
+    @property
+    def decode(self):
+        return self.graphs.decode
+
+    @property
     def runtime(self):
+        """The generation engine over the compiled graphs."""
         return self.compiled.runtime
 
 
@@ -67,15 +75,14 @@ class _Ports:
         self._done: dict[tuple, Ported] = {}
 
     def get(self, variant: str, model: str = "random", **overrides) -> Ported:
-        from gemma4lib.port import PortSettings, build_graphs, compile_graphs, load_model, prompt_ids
+        from gemma4lib.port import PortSettings, compile_graphs, load_model, prompt_ids
 
         key = (variant, model, tuple(sorted(overrides.items())))
         if key not in self._done:
             settings = PortSettings(variant=variant, model=model, **overrides)
             loaded = load_model(settings)
-            prefill, decode = build_graphs(loaded, settings)
-            compiled = compile_graphs(loaded, settings, graphs=(prefill, decode))
-            self._done[key] = Ported(settings, loaded, prompt_ids(loaded, settings), prefill, decode, compiled)
+            compiled = compile_graphs(loaded, settings)
+            self._done[key] = Ported(settings, loaded, prompt_ids(loaded, settings), compiled.graphs, compiled)
         return self._done[key]
 
 

@@ -1,7 +1,8 @@
-"""A batch of different prompts through the same device graphs: every row equals its own batch-1
-reference (tokens and logits), rows stop at their own eos, ring buffers hold per row across the
-window, bad batches fail early and clearly. One compiled (AOTInductor) batch-3 E2B graph set per
-session; the rest runs the same graphs eagerly."""
+"""A batch of different prompts through the engine's rows: every row equals its own batch-1
+reference (tokens and logits), rows stop at their own eos, rows join and leave between steps
+(continuous batching), ring buffers hold per row across the window, bad batches fail early and
+clearly. One compiled (AOTInductor) batch-3 E2B graph set per session; the rest runs the same
+graphs eagerly."""
 
 from __future__ import annotations
 
@@ -12,8 +13,7 @@ from gemma4lib.checks import check_logits
 from gemma4lib.device.graph import DeviceGraph, GraphShape
 from gemma4lib.errors import BadPromptError, BatchTooLargeError, SettingsError
 from gemma4lib.reference import random_prompt, reference_greedy
-from gemma4lib.runtime import HostRuntime
-from gemma4lib.serving.batch_runtime import RowStepwisePrefill, generate_batch
+from gemma4lib.runtime import Engine, Request, Steps, bind_kv
 
 BATCH, CONTEXT, BUCKET, NEW = 3, 32, 16, 14
 LENGTHS = (12, 5, 9)  # different lengths; 12 + 14 - 1 > the tiny window of 8: the rings wrap
@@ -27,6 +27,12 @@ def _prompts(model, lengths=LENGTHS):
 def compiled_e2b(ports):
     """The batch-3 E2B graphs (ring K/V), compiled once with AOTInductor."""
     return ports.get("e2b", batch_size=BATCH, context_length=CONTEXT, prefill_buckets=(BUCKET,), max_new_tokens=NEW)
+
+
+def generate_batch(engine, prompts, new, *, eos_token_ids=(), keep_logits=False):
+    """Every prompt in its own row, greedy, to the end (the engine's `generate_rows`)."""
+    requests = [Request(ids, new, eos_token_ids=tuple(eos_token_ids)) for ids in prompts]
+    return engine.generate_rows(requests, keep_logits=keep_logits)
 
 
 def _assert_rows_match(model, prompts, generation, new=NEW, eos=()):
@@ -72,7 +78,7 @@ def test_bad_batches_fail_before_device_work(compiled_e2b):
     prompts = _prompts(p.model, (5, 6, 7, 8))
     with pytest.raises(BatchTooLargeError, match="compiled for batch 3"):
         generate_batch(p.runtime, prompts, 4)
-    with pytest.raises(BadPromptError, match="prompt 1 of the batch has no tokens"):
+    with pytest.raises(BadPromptError, match="prompt 1 of the batch: prompt has no tokens"):
         generate_batch(p.runtime, [prompts[0], []], 4)
     with pytest.raises(BatchTooLargeError, match="at most 2 prompts"):
         from gemma4lib.port import PortSettings
@@ -96,7 +102,12 @@ def _eager_runtime(model, batch, form, ring=True, context=CONTEXT):
     dec = DeviceGraph(
         model.text_model, model.lm_head, model.layout, GraphShape(batch, 1, context, ring), expert_form=form
     )
-    return HostRuntime(model, {BUCKET: pre}, dec, dec.new_kv(), context, batch=batch)
+    kv = dec.new_kv()
+    engine = Engine.for_model(
+        model, Steps({BUCKET: bind_kv(pre, kv)}, bind_kv(dec, kv)), batch=batch, context_length=context
+    )
+    engine.decode_graph = dec
+    return engine
 
 
 @pytest.mark.parametrize("variant", ["26b-a4b", "31b"])
@@ -119,10 +130,10 @@ def test_a_moe_batch_at_b_x_k_of_e_reads_its_experts_densely_with_rows_exact():
     from gemma4lib.tp import build_rank_graph, make_plan, with_shape
 
     model = build_tiny(get_variant("26b-a4b"))
-    dec3 = _eager_runtime(model, 3, "selective").decode
+    dec3 = _eager_runtime(model, 3, "selective").decode_graph
     assert dec3.experts_read == "selective" and "experts_read" not in dec3.key_parts()
     runtime = _eager_runtime(model, 4, "selective")
-    graph = runtime.decode
+    graph = runtime.decode_graph
     assert graph.expert_form == "selective" and graph.experts_read == "dense"
     assert graph.key_parts()["experts_read"] == "dense"
     assert {layer.experts.form for layer in graph.model.layers} == {"dense"}
@@ -151,7 +162,7 @@ def test_trace_recipe_prefills_rows_of_different_lengths_step_by_step():
     module = neuron_trace.build_kv_module(model, CONTEXT, ring=True, batch=BATCH)
     assert [tuple(t.shape) for t in module.example_inputs()[2:]] == [(BATCH,), (BATCH,)]
     step = DeviceStep(AliasEmulator(module), module.num_inputs)
-    runtime = HostRuntime(model, {BUCKET: RowStepwisePrefill(step, module.num_inputs)}, step, [], CONTEXT, batch=BATCH)
+    runtime = Engine.for_model(model, Steps(decode=step), batch=BATCH, context_length=CONTEXT)
     prompts = _prompts(model)
     generation = generate_batch(runtime, prompts, NEW, keep_logits=True)
     _assert_rows_match(model, prompts, generation)
@@ -279,6 +290,39 @@ def test_tok_s_vs_batch_plot_draws_measured_and_computed():
     assert any("CPU" in label for label in labels) and any("field report" in label for label in labels)
 
 
-def test_a_batched_runtime_points_single_prompt_generation_to_generate_batch(compiled_e2b):
-    with pytest.raises(SettingsError, match="generate_batch"):
-        compiled_e2b.runtime.generate([5, 6, 7], 3)
+def test_a_batched_engine_generates_one_prompt_in_row_zero(compiled_e2b):
+    p = compiled_e2b
+    ids = _prompts(p.model, (7,))[0]
+    row = p.runtime.generate(ids, 5, keep_logits=True)
+    assert row.tokens == reference_greedy(p.model.lm, ids, 5, ())
+
+
+def test_rows_join_and_leave_between_steps_each_equal_to_its_reference(compiled_e2b):
+    """Continuous batching on the compiled batch-3 graphs: a request admitted while others decode,
+    a row released mid-generation and reused; every finished request equals its batch-1 reference."""
+    p = compiled_e2b
+    engine, prompts = p.runtime, _prompts(p.model, (12, 5, 9, 7, 10))
+    done = {}
+    engine.admit({0: Request(prompts[0], NEW), 1: Request(prompts[1], 6)}, keep_logits=True)
+    for _ in range(3):
+        engine.step()
+    engine.admit({2: Request(prompts[2], NEW)}, keep_logits=True)  # joins rows 0 and 1 mid-decode
+    engine.release(0)  # leaves early (a client gone): row 0 is free again
+    engine.admit({0: Request(prompts[3], 8)}, keep_logits=True)
+    waiting = [(4, Request(prompts[4], 7))]
+    while engine.rows:
+        engine.step()
+        for r in list(engine.rows):
+            if engine.finished(r):
+                result = engine.release(r)
+                done[tuple(result.prompt_ids)] = result
+                if waiting:
+                    _, request = waiting.pop()
+                    engine.admit({r: request}, keep_logits=True)
+    assert len(done) == 4 and not engine.rows and engine.free_rows() == [0, 1, 2]
+    for i, new in ((1, 6), (2, NEW), (3, 8), (4, 7)):
+        result = done[tuple(prompts[i])]
+        assert result.finish_reason == "length"
+        assert result.tokens == reference_greedy(p.model.lm, prompts[i], new, ()), i
+        logits = check_logits(p.model.lm, prompts[i], result.tokens, result.step_logits)
+        assert logits.passed, logits.explain()

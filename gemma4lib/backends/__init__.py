@@ -1,9 +1,9 @@
 """The backend layer: one contract, one module per compiler.
 
-Every backend turns a loaded model and the port's settings into `CompiledGraphs`: a host runtime
-over compiled prefill and decode steps, plus what the compile cost and produced. Each builds the
-graph forms its compiler needs (in-place K/V for AOTInductor and eager, functional K/V for XLA and
-Neuron), so a caller never hands a backend graphs it would ignore or rebuild.
+Every backend turns the named graphs of a port (`device.build.device_graphs`: prefill per bucket,
+decode, or verify and draft when drafting) into `runtime.Steps` over one set of K/V, in the graph
+form its compiler needs (in-place K/V for AOTInductor and eager, functional K/V for XLA and
+Neuron); `registry.compile_graphs` puts the one generation engine on top.
 
 | backend  | module             | compiler                                         | runs on        |
 |----------|--------------------|--------------------------------------------------|----------------|
@@ -13,33 +13,23 @@ Neuron), so a caller never hands a backend graphs it would ignore or rebuild.
 | `neuron` | `backends.neuron`  | the inf2 recipes in `recipes/` (trace, ModelBuilder) | inf2       |
 | `gloo`   | `backends.gloo`    | none: one CPU process per TP rank, gloo collectives | any CPU (TP > 1) |
 
-The table is `base.BACKENDS`, the one registry (`settings.BACKENDS` is its selectable part).
-`backend_for(settings)` names the module a setting selects (`cpu` at TP > 1 runs the TP plan's
-ranks through `gloo`); `run_device(model, settings, ids, eos)` runs it: every backend has a `run`
-returning a `DeviceRun`. Modules are imported only when selected: `xla` and `neuron` need their own
-environments.
+The table is `registry.BACKENDS`, the one registry of `base.Backend` rows: each row carries the
+backend's facts (graph form, compute balance, warm-up, what it runs) and its `compile` (or, for
+gloo, `run`). `backend_of(settings)` names the backend a setting selects (`cpu` at TP > 1 runs the
+TP plan's ranks through `gloo`); `run_device(model, settings, requests)` runs it. `xla` and
+`neuron` import their SDKs only when used.
 """
 
-from .base import (
-    BACKENDS,
-    Backend,
-    CompiledGraphs,
-    DeviceRun,
-    backend_for,
-    compile_graphs,
-    device_run_of,
-    get_backend,
-    run_device,
-)
+from .base import Backend, CompiledGraphs, DeviceRun
+from .registry import BACKENDS, backend_of, compile_graphs, get_backend, run_device
 
 __all__ = [
     "BACKENDS",
     "Backend",
     "CompiledGraphs",
     "DeviceRun",
-    "backend_for",
+    "backend_of",
     "compile_graphs",
-    "device_run_of",
     "get_backend",
     "run_device",
 ]

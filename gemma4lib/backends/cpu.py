@@ -1,5 +1,5 @@
 """Backend `cpu`: every graph exported and compiled with AOTInductor (`compile_cpu`), cached by
-the program's digest, wrapped in the host runtime. One set of host K/V buffers serves all graphs."""
+the program's digest. One set of host K/V buffers serves all graphs."""
 
 from __future__ import annotations
 
@@ -7,45 +7,46 @@ from typing import TYPE_CHECKING
 
 from ..cache.artifacts import ArtifactCache
 from ..cache.bundle import cache_for
-from ..device.build import Graphs, device_graphs
-from ..runtime import HostRuntime
-from .base import CompiledGraph, CompiledGraphs, runner
+from ..runtime import Steps, bind_kv
+from .base import CompiledGraph, CompiledGraphs
 from .compile_cpu import RECIPE, compile_graph
 
 COMPILER = RECIPE
 
 if TYPE_CHECKING:
+    from ..device.build import GraphSet
     from ..device.graph import DeviceGraph
     from ..models.loading import LoadedModel
     from ..settings import PortSettings
 
 
-def compile(
-    model: LoadedModel, settings: PortSettings, *, graphs: Graphs | None = None, progress: bool = False
-) -> CompiledGraphs:
+def compile(graphs: GraphSet, model: LoadedModel, settings: PortSettings, progress: bool = False) -> CompiledGraphs:
     from tqdm.auto import tqdm
 
-    prefill, decode = graphs or device_graphs(model, settings)
     cache = cache_for(settings, model)  # with settings.artifacts: the bundle's entries, never a compile
-    todo = [*prefill.items(), ("decode", decode)]
+    todo = list(graphs.named().items())
     compiled = {
         name: compile_graph(graph, cache)
         for name, graph in tqdm(todo, desc="compile", disable=not progress, leave=False)
     }
-    steps = {name: step for name, step in compiled.items() if name != "decode"}
-    runtime = HostRuntime(
-        model, steps, compiled["decode"], decode.new_kv(), settings.context_length, batch=decode.shape.batch
-    )
     return CompiledGraphs(
-        runtime,
+        steps_over(graphs, compiled, graphs.new_kv()),
         sum(c.compile_s for c in compiled.values()),
         [c.cache_hit for c in compiled.values()],
         RECIPE,
-        {"artifacts": {str(k): str(c.entry.path) for k, c in compiled.items()}},
+        {"artifacts": {name: str(c.entry.path) for name, c in compiled.items()}},
     )
 
 
-run = runner(compile)
+def steps_over(graphs: GraphSet, fns: dict, kv: list) -> Steps:
+    """`Steps` from callables named as `graphs.named()`, each taking the K/V `kv` as trailing inputs."""
+    bound = {name: bind_kv(fn, kv) for name, fn in fns.items()}
+    return Steps(
+        prefill={b: bound[f"prefill{b}"] for b in graphs.prefill},
+        decode=bound.get("decode"),
+        verify=bound.get("verify"),
+        draft=bound.get("draft"),
+    )
 
 
 def compile_one(graph: DeviceGraph, cache: ArtifactCache | None) -> CompiledGraph:

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from ..device.build import Graphs, device_graphs
-from ..runtime import HostRuntime
-from .base import CompiledGraph, CompiledGraphs, runner
+from .base import CompiledGraph, CompiledGraphs
+from .cpu import steps_over
 
 if TYPE_CHECKING:
     from ..cache.artifacts import ArtifactCache
+    from ..device.build import GraphSet
     from ..device.graph import DeviceGraph
     from ..models.loading import LoadedModel
     from ..settings import PortSettings
@@ -18,17 +18,8 @@ if TYPE_CHECKING:
 COMPILER = "eager"
 
 
-def compile(
-    model: LoadedModel, settings: PortSettings, *, graphs: Graphs | None = None, progress: bool = False
-) -> CompiledGraphs:
-    prefill, decode = graphs or device_graphs(model, settings)
-    runtime = HostRuntime(
-        model, dict(prefill), decode, decode.new_kv(), settings.context_length, batch=decode.shape.batch
-    )
-    return CompiledGraphs(runtime, 0.0, [], COMPILER)
-
-
-run = runner(compile)
+def compile(graphs: GraphSet, model: LoadedModel, settings: PortSettings, progress: bool = False) -> CompiledGraphs:
+    return CompiledGraphs(steps_over(graphs, graphs.named(), graphs.new_kv()), 0.0, [], COMPILER)
 
 
 def compile_one(graph: DeviceGraph, cache: ArtifactCache | None) -> CompiledGraph:

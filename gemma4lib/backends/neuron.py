@@ -20,7 +20,6 @@ import torch
 
 from ..cache.artifacts import make_key
 from ..cache.bundle import cache_for
-from ..device.build import Graphs, device_graph
 from ..device.embedder import HostEmbedder
 from ..device.graph import GraphShape
 from ..environment import versions
@@ -28,13 +27,14 @@ from ..inf2.doctor import warn_low_host_ram
 from ..inf2.memory_plan import neuron_recipe
 from ..models.weights_identity import weights_identity
 from ..recipes import cores, neuron_env, neuron_model_builder, neuron_trace
-from ..recipes.common import DeviceStep, StepwisePrefill, check_host_tables
-from ..runtime import HostRuntime
-from ..serving.batch_runtime import RowStepwisePrefill
-from .base import CompiledGraphs, refuse_graphs, runner
+from ..recipes.common import DeviceStep, check_host_tables
+from ..runtime import Steps
+from .base import CompiledGraphs
 from .program_key import source_digest
 
 if TYPE_CHECKING:
+    from ..device.build import GraphSet
+    from ..models.assistant import LoadedAssistant
     from ..models.loading import LoadedModel
     from ..settings import PortSettings
 
@@ -101,36 +101,33 @@ def neuron_cache_key(
     return make_key(parts), parts
 
 
-def compile(
-    model: LoadedModel, settings: PortSettings, *, graphs: Graphs | None = None, progress: bool = False
-) -> CompiledGraphs:
+def compile(graphs: GraphSet, model: LoadedModel, settings: PortSettings, progress: bool = False) -> CompiledGraphs:
     """Compile with the recipe `neuron_recipe` picks for the variant and TP degree (or load the
-    artifact from the cache when its key matches) and wrap it in the host runtime. Raises
+    artifact from the cache when its key matches): the engine's steps. Raises
     `NeuronSDKMissingError` without the SDK, before any work.
 
     `model_builder` (the default, every variant and TP degree): prefill + decode keys over one set
     of K/V states; the prompt is one device call per bucket. `trace` (TP=1, on request): the decode
-    graph alone; the prompt is prefilled through it token by token. Artifacts live in the artifact
-    cache (`settings.cache_dir`) keyed by `neuron_cache_key`.
+    graph alone; the engine feeds the prompt through it token by token. With a drafter: prefill,
+    verify and draft keys over one set of K/V states (`recipes.neuron_drafting`). The shapes (batch,
+    buckets, context, ring) are those of `graphs` (`device.build.device_graphs` of the settings).
+    Artifacts live in the artifact cache (`settings.cache_dir`) keyed by `neuron_cache_key`.
     """
-    refuse_graphs(graphs, "neuron")
     neuron_env.require("torch_neuronx", f"backend 'neuron' ({model.variant.name})")
-    context, ring = settings.context_length, settings.ring_kv
-    # dtype, PLE and host K/V only: built in full precision over the model's own modules (no copy).
-    # NxD quantizes its own layers for weights="int8"; an int8 DeviceGraph here would re-quantize
-    # the whole host model per bucket just to read shapes.
-    decode = device_graph(model, GraphShape(1, 1, context, ring), "dense", inplace=False)
+    if graphs.verify is not None:
+        return compile_drafting(graphs, model, settings)
+    target = graphs.target
+    context, ring, batch = target.shape.context_length, target.shape.ring, target.shape.batch
     tp = int(settings.tp_degree)
     recipe = neuron_recipe(model.variant, tp, getattr(settings, "neuron_recipe", None))
-    dtype = decode.dtype
-    n_inputs = 4 if decode.has_ple else 3
-    buckets = tuple(settings.prefill_buckets)
+    dtype = target.dtype
+    n_inputs = target.num_inputs
+    buckets = tuple(sorted(graphs.prefill))
     bucket = max(buckets)
-    batch = decode.shape.batch  # settings.batch_size: every key takes that many rows
-    shapes = {"decode": GraphShape(batch, 1, context, ring)}
+    shapes = {"decode": target.shape}
     decode_experts = "dense"  # only the ModelBuilder recipe builds the rank graph, which takes the form
     if recipe == "model_builder":
-        shapes["prefill"] = GraphShape(batch, bucket, context, ring)
+        shapes["prefill"] = graphs.prefill[bucket].shape
         if model.variant.is_moe:
             decode_experts = settings.decode_experts
     key, parts = neuron_cache_key(
@@ -180,23 +177,20 @@ def compile(
         key, build, describe={k: v for k, v in parts.items() if k != "config"}, need_bytes=shard_bytes
     )
     compile_s = time.perf_counter() - started
-    host_kv = decode.new_kv()
     vocab = int(model.config.vocab_size)
     label = f"{model.variant.name} ({recipe}, TP={tp}) from {entry.path}"
     cores.check_free(0, tp, label)  # a model an earlier call loaded and still referenced: refuse, before the device
     if recipe == "trace":
         loaded = neuron_trace.load(entry.file("model.pt"))
         step = DeviceStep(cores.claim(loaded, 0, tp, label), n_inputs, vocab)
-        prefill_form = StepwisePrefill if batch == 1 else RowStepwisePrefill
-        steps = {b: prefill_form(step, n_inputs) for b in buckets}
+        steps = Steps(decode=step)  # no prefill graph: the engine feeds the prompt token by token
     else:
         loaded = neuron_model_builder.load_model_builder(entry.path, tp)
         step = DeviceStep(cores.claim(loaded, 0, tp, label), n_inputs, vocab)
-        steps = {bucket: step}
+        steps = Steps(prefill={bucket: step}, decode=step)
     check_host_tables(HostEmbedder.from_text_model(model.text_model))  # the compile left the host tables whole
-    runtime = HostRuntime(model, steps, step, host_kv, context, batch=batch, dtype=dtype)
     return CompiledGraphs(
-        runtime,
+        steps,
         0.0 if entry.hit else compile_s,
         [entry.hit],
         f"neuron-{recipe}",
@@ -204,4 +198,60 @@ def compile(
     )
 
 
-run = runner(compile)  # inf2-only (through `compile`)
+def assistant_digest(assistant: LoadedAssistant) -> str:
+    """sha256 over the assistant's tensors (names, shapes, bytes): part of the Neuron cache key."""
+    import hashlib
+
+    digest = hashlib.sha256()
+    for name, tensor in sorted(assistant.model.state_dict().items()):
+        digest.update(f"{name}{tuple(tensor.shape)}{tensor.dtype}".encode())
+        digest.update(tensor.detach().float().contiguous().numpy().tobytes())
+    return digest.hexdigest()
+
+
+def compile_drafting(graphs: GraphSet, model: LoadedModel, settings: PortSettings) -> CompiledGraphs:
+    """The ModelBuilder drafting keys (prefill per bucket, verify, draft over one set of device K/V
+    states): compiled, or found in the artifact cache, loaded on the cores (inf2-only through the
+    recipe's SDK calls)."""
+    from ..models.assistant import load_assistant
+    from ..recipes import neuron_drafting
+
+    assistant = load_assistant(model, settings)
+    tp, k = int(settings.tp_degree), int(graphs.draft_tokens)
+    buckets = tuple(sorted(graphs.prefill))
+    dtype = model.lm_head.weight.dtype
+    shapes = neuron_drafting.drafting_shapes(settings.context_length, buckets, k, settings.ring_kv)
+    _, parts = neuron_cache_key(model, neuron_drafting.RECIPE, tp, shapes, neuron_env.COMPILER_ARGS, dtype)
+    parts["assistant"] = {"config": assistant.model.config.to_json_string(use_diff=False)}
+    parts["assistant"]["digest"] = assistant_digest(assistant)
+    key = make_key(parts)
+    started = time.perf_counter()
+
+    def build(folder):
+        with compiler_workdir() as workdir, own_directory():
+            neuron_drafting.compile_drafting(
+                model,
+                assistant,
+                tp,
+                folder,
+                context_length=settings.context_length,
+                buckets=buckets,
+                draft_tokens=k,
+                ring=settings.ring_kv,
+                dtype=dtype,
+                compiler_workdir=workdir,
+            )
+        return {"recipe": neuron_drafting.RECIPE, "tp": tp}
+
+    need = (model.param_count() + sum(p.numel() for p in assistant.model.parameters())) * dtype.itemsize
+    entry = cache_for(settings, model).get_or_build(
+        key, build, describe={n: v for n, v in parts.items() if n != "config"}, need_bytes=need
+    )
+    compile_s = 0.0 if entry.hit else time.perf_counter() - started
+    label = f"{model.variant.name} (drafting keys, TP={tp}) from {entry.path}"
+    cores.check_free(0, tp, label)
+    traced = cores.claim(neuron_model_builder.load_model_builder(entry.path, tp), 0, tp, label)
+    steps = neuron_drafting.drafting_steps(traced, buckets, graphs.target.has_ple)
+    return CompiledGraphs(
+        steps, compile_s, [entry.hit], f"neuron-{neuron_drafting.RECIPE}", {"artifacts": {"drafting": str(entry.path)}}
+    )

@@ -22,16 +22,16 @@ API (what ``port --backend xla`` builds on)::
 - The graphs must be built with ``inplace=False`` (the functional form Neuron traces). The
   session deep-copies them onto the XLA device (weights shared between the graphs, the host model
   left untouched), so the host model stays the CPU reference.
-- A step takes host or device tensors (``start``/``length`` are int64 tensors of shape [1], so
+- A step takes host or device tensors (``start``/``length`` are int32 tensors of shape [B], so
   the position is graph data, never a constant), runs the graph, rebinds each K/V tensor passed in
   to its updated value (``kv[i].copy_(new)``: on XLA an IR rebinding, not a data copy), and
   materialises logits and K/V with one ``torch_xla.sync()`` (2.9's replacement for
   ``xm.mark_step()``), then waits for it (``xm.wait_device_ops()``: execution is asynchronous and
   the counters below must be exact). It returns the logits, an XLA tensor already computed:
   ``.cpu()`` is a transfer, no new graph.
-- Drafting (`serving.speculative`, backend xla) puts its prefill, verify and draft graphs in one
-  session: `drafting.TargetGraph` returns logits and hidden states before its K/V (a step returns
-  them as a tuple); `drafting.DraftGraph` reads the K/V and writes none (``writes_kv = False``)
+- Drafting (backend xla) puts its prefill, verify and draft graphs in one session: a target graph
+  built with ``hidden=True`` returns logits and hidden states before its K/V (a step returns them
+  as a tuple); `drafting.DraftGraph` reads the K/V and writes none (``writes_kv = False``)
   and takes its position alone before them (``inputs_before_kv = 2``).
 - Call `use_fast_cpu_compile()` before the first device use to turn XLA:CPU's own backend
   optimisation off (about half the compile time; the HLO handed over and the tokens are the same).
@@ -203,8 +203,8 @@ class XLASession:
 
     def step(self, name: str):
         """``step(inputs_embeds, [per_layer_inputs,] start, length, *kv) -> logits`` for graph `name`
-        (a graph with more outputs before its K/V, e.g. `drafting.TargetGraph`'s logits and hidden
-        states, returns them as a tuple; see `run`)."""
+        (a graph with more outputs before its K/V, e.g. logits and hidden states, returns them as a
+        tuple; see `run`)."""
 
         def run(*args: torch.Tensor) -> torch.Tensor:
             return self.run(name, *args)
@@ -285,56 +285,28 @@ class XLASession:
         }
 
 
-def compile(model: Any, settings: Any, *, graphs: Any = None, progress: bool = False):
-    """Backend `xla` (`port --backend xla`): the port's graphs, built in functional form, on the XLA
-    device.
+COMPILER = "torch-xla"
+
+
+def compile(graphs: Any, model: Any, settings: Any, progress: bool = False):
+    """Backend `xla` (`port --backend xla`): the port's graphs (functional form) in one session on the
+    XLA device, over one set of device K/V that the prefill, decode and verify steps rebind and the
+    draft step reads. XLA compiles lazily, on each graph's first call: its time shows there.
 
     Returns the port's `CompiledGraphs`; its `report()` adds the lane's figures (fallbacks,
     compilations per graph, HLO files) to the result record once generation and benchmark ran.
     """
     from ..cache.artifacts import ArtifactCache
-    from ..device.build import device_graphs
-    from ..runtime import HostRuntime
-    from .base import CompiledGraphs, refuse_graphs
+    from .base import CompiledGraphs
+    from .cpu import steps_over
 
-    refuse_graphs(graphs, "xla")
-    functional_prefill, functional_decode = device_graphs(model, settings, inplace=False)
-    graphs = {f"prefill_{bucket}": graph for bucket, graph in functional_prefill.items()}
-    graphs["decode"] = functional_decode
     use_fast_cpu_compile()
-    hlo_dir = ArtifactCache(settings.cache_dir).root / "xla-hlo" / model.variant.name
-    session = XLASession(graphs, hlo_dir=hlo_dir)
-
-    def on_host(step):
-        def run(*args: torch.Tensor) -> torch.Tensor:
-            return step(*args).cpu()
-
-        return run
-
-    runtime = HostRuntime(
-        model,
-        {b: on_host(session.step(f"prefill_{b}")) for b in functional_prefill},
-        on_host(session.step("decode")),
-        session.new_kv("decode"),
-        settings.context_length,
-        batch=functional_decode.shape.batch,
+    named = graphs.named()
+    shape = graphs.target.shape
+    tag = f"b{shape.batch}" + (f"-draft{graphs.draft_tokens}" if graphs.draft_tokens else "")
+    hlo_dir = ArtifactCache(settings.cache_dir).root / "xla-hlo" / model.variant.name / tag
+    session = XLASession(named, hlo_dir=hlo_dir)
+    kv = session.new_kv("decode" if "decode" in named else "verify")
+    return CompiledGraphs(
+        steps_over(graphs, {n: session.step(n) for n in named}, kv), 0.0, [], COMPILER, report=session.report
     )
-    # XLA compiles lazily, on the first step of each graph: its time shows in the first prefill/decode.
-    return CompiledGraphs(runtime, 0.0, [], "torch-xla", report=session.report)
-
-
-def run(
-    model: Any,
-    settings: Any,
-    ids: list[int],
-    eos: list[int],
-    *,
-    graphs: Any = None,
-    progress: bool = False,
-    bench: bool = True,
-):
-    """One device run on the XLA device: `compile`, then `run_compiled`."""
-    from .base import run_compiled
-
-    compiled = compile(model, settings, graphs=graphs, progress=progress)
-    return run_compiled(compiled, model, settings, ids, eos, progress=progress, bench=bench)

@@ -1,26 +1,69 @@
-"""The device graphs a port compiles: prefill graphs (one per bucket) and the decode graph.
+"""The device graphs a port compiles, by name: prefill graphs (one per bucket), then the decode
+graph, or with a drafter the verify graph (k + 1 tokens) and, for Gemma-4's assistant, its draft graph.
 
-Built over the model's own modules, so every single-device backend (`cpu`, `eager`, `xla`,
-`neuron`) and the benchmark suite take their graphs from here and nothing else decides their shapes.
+Built over the model's own modules, so every backend (`cpu`, `eager`, `xla`, `neuron`) and the
+benchmark suite take their graphs from here and nothing else decides their shapes: the batch, the
+buckets, the context, the ring and the expert forms all come from the settings.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from .experts import CPU_THREAD_FLOP_PER_BYTE
+import torch
+from torch import nn
+
+from .drafting import DraftGraph, RoomyLayout, verify_expert_form
 from .graph import DeviceGraph, GraphShape
+from .kv_layout import KVLayout
 
 if TYPE_CHECKING:  # type names only
+    from ..models.assistant import LoadedAssistant
     from ..models.loading import LoadedModel
     from ..settings import PortSettings
-
-Graphs = tuple[dict[int, DeviceGraph], DeviceGraph]
 
 # Prefill computes every expert (the dense form) whatever `decode_experts` says. Short CPU prompts
 # measured faster selective, but the gathered slices grow with tokens x k, and the dense form is the
 # one that shards over TP ranks (docs/ROOFLINE.md; the benchmark suite reports this as its recommendation).
 PREFILL_EXPERTS = "dense"
+
+
+@dataclass
+class GraphSet:
+    """The named graphs of one port over one K/V layout (`layout`: rings with room for k + 1 when
+    drafting). Exactly one of `decode` and `verify` is set."""
+
+    prefill: dict[int, DeviceGraph]
+    decode: DeviceGraph | None
+    layout: KVLayout
+    verify: DeviceGraph | None = None
+    draft: DraftGraph | None = None
+    draft_tokens: int = 0
+
+    def named(self) -> dict[str, nn.Module]:
+        """Every graph by the name its compiled artifact and step carry."""
+        out: dict[str, nn.Module] = {f"prefill{b}": g for b, g in sorted(self.prefill.items())}
+        for name in ("decode", "verify", "draft"):
+            if getattr(self, name) is not None:
+                out[name] = getattr(self, name)
+        return out
+
+    def __iter__(self) -> Iterator[tuple[str, nn.Module]]:
+        return iter(self.named().items())
+
+    @property
+    def target(self) -> DeviceGraph:
+        """The graph every step runs after the prefill: decode, or the verify."""
+        return self.decode if self.decode is not None else self.verify
+
+    @property
+    def batch(self) -> int:
+        return self.target.shape.batch
+
+    def new_kv(self) -> list[torch.Tensor]:
+        return self.target.new_kv()
 
 
 def device_graph(
@@ -30,6 +73,10 @@ def device_graph(
     inplace: bool = True,
     weights: str = "bf16",
     compute_balance: float | None = None,
+    *,
+    layout: KVLayout | None = None,
+    every_position: bool = False,
+    hidden: bool = False,
 ) -> DeviceGraph:
     """One device graph over the model's own modules (not copies: a compiled graph takes the model's
     current weights at load time; with `weights="int8"` it holds int8 copies of the linears, made
@@ -38,42 +85,57 @@ def device_graph(
     return DeviceGraph(
         model.text_model,
         model.lm_head,
-        model.layout,
+        layout or model.layout,
         shape,
         inplace=inplace,
         expert_form=expert_form,
         weights=weights,
         compute_balance=compute_balance,
+        every_position=every_position,
+        hidden=hidden,
     )
 
 
-def cpu_balance(backend: str) -> float | None:
-    """The compute balance a backend's graphs are built for: one CPU thread's for `cpu` and `eager`
-    (they run here), None (bytes decide) for the rest, the stand-ins for inf2 included."""
-    return CPU_THREAD_FLOP_PER_BYTE if backend in ("cpu", "eager") else None
+def device_graphs(
+    model: LoadedModel,
+    settings: PortSettings,
+    inplace: bool = True,
+    *,
+    compute_balance: float | None = None,
+    assistant: LoadedAssistant | None = None,
+) -> GraphSet:
+    """The graphs of `settings` over the model's own modules: prefill per bucket (MoE experts
+    dense) and decode (the settings' expert form); with a draft, the verify graph instead of decode
+    (every position, its MoE form by bytes: `verify_expert_form`) and, for the assistant, its draft
+    graph, all over one layout whose rings hold window + k + 1 slots (`drafting` module docstring).
+    `inplace=False`: the functional form (XLA, Neuron). `compute_balance`: the backend's FLOPs per
+    byte (one CPU thread's for cpu/eager; None, bytes decide, elsewhere)."""
+    batch, ctx, ring, weights = settings.batch_size, settings.context_length, settings.ring_kv, settings.weights
+    k = int(settings.draft_tokens or 0) if settings.draft else 0
+    layout = RoomyLayout.around(model.layout, k + 1) if k else model.layout
+    drafting_hidden = settings.draft == "assistant"
 
+    def graph(tokens: int, experts: str, **kwargs) -> DeviceGraph:
+        shape = GraphShape(batch, tokens, ctx, ring)
+        return device_graph(model, shape, experts, inplace, weights, layout=layout, **kwargs)
 
-def device_graphs(model: LoadedModel, settings: PortSettings, inplace: bool = True) -> Graphs:
-    """Prefill graphs (one per bucket; MoE experts all-dense) and the decode graph (the settings'
-    expert form), over the model's own modules: the graphs every single-device backend compiles."""
-    weights = settings.weights
-    batch = int(getattr(settings, "batch_size", 1))  # one graph set per batch size (batch_graph.py)
-    prefill = {
-        bucket: device_graph(
-            model,
-            GraphShape(batch, bucket, settings.context_length, settings.ring_kv),
-            PREFILL_EXPERTS,
-            inplace,
-            weights,
-        )
-        for bucket in settings.prefill_buckets
-    }
-    decode = device_graph(
-        model,
-        GraphShape(batch, 1, settings.context_length, settings.ring_kv),
-        settings.decode_experts,
-        inplace,
-        weights,
-        cpu_balance(settings.backend),
+    prefill = {b: graph(b, PREFILL_EXPERTS, hidden=drafting_hidden) for b in settings.prefill_buckets}
+    if not k:
+        decode = graph(1, settings.decode_experts, compute_balance=compute_balance)
+        return GraphSet(prefill, decode, layout)
+    verify = graph(
+        k + 1,
+        verify_expert_form(model.config, k, settings.verify_experts),
+        every_position=True,
+        hidden=drafting_hidden,
+        compute_balance=compute_balance,
     )
-    return prefill, decode
+    draft = None
+    if drafting_hidden:
+        if assistant is None:
+            raise ValueError("draft='assistant' builds the assistant's draft graph: pass assistant=load_assistant(...)")
+        draft = DraftGraph(assistant.model, layout, GraphShape(batch, 1, ctx, ring), assistant.read_layers)
+    return GraphSet(prefill, None, layout, verify, draft, k)
+
+
+__all__ = ["PREFILL_EXPERTS", "GraphSet", "device_graph", "device_graphs"]

@@ -1,13 +1,12 @@
 """Device graphs for drafting with Gemma-4's own assistant: draft one token, verify k + 1.
 
-- `TargetGraph` is the target's device graph (`graph.DeviceGraph`'s forward, the same explicit K/V)
-  that also returns the final hidden state, which the assistant takes as input. As a prefill it
-  returns the last valid token's logits and hidden state; as the *verify* graph (k + 1 tokens at
-  `start`, `every_position=True`) it returns them for every position.
-  MoE: its experts in the form that reads fewer bytes for k + 1 tokens (`verify_expert_form`).
-- `DraftGraph` is the assistant's forward over the target's K/V buffers: one token at the constant
-  position of the last seen token, as transformers' `SinglePositionMultiTokenCandidateGenerator`
-  drafts. It reads the K/V buffers and never writes them.
+- The target's graphs are `graph.DeviceGraph` itself with `hidden=True` (the final hidden state,
+  which the assistant takes as input): a prefill returns the last valid token's logits and hidden
+  state; the *verify* (k + 1 tokens at `start`, `every_position=True`) returns them for every
+  position. MoE: its experts in the form that reads fewer bytes for k + 1 tokens (`verify_expert_form`).
+- `DraftGraph` is the assistant's forward over the target's K/V buffers: one token per row at the
+  constant position of the row's last seen token, as transformers'
+  `SinglePositionMultiTokenCandidateGenerator` drafts. It reads the K/V buffers and never writes them.
 
 What the draft sees (`draft_masks`): the K/V of every *committed* position before the last seen
 token `p` (full layers: all of them; sliding layers: the `sliding_window + 1` positions before `p`,
@@ -35,7 +34,7 @@ import torch
 from torch import nn
 
 from .graph import (
-    DeviceGraph,
+    INDEX_DTYPE,
     GraphShape,
     _shallow_clone,
     additive_mask,
@@ -61,30 +60,6 @@ class RoomyLayout(KVLayout):
         return context_length
 
 
-class TargetGraph(DeviceGraph):
-    """The target's forward returning `(logits, hidden)`: of the last valid token `[b, vocab]`,
-    `[b, hidden]` (prefill), or of every position `[b, tokens, vocab]`, `[b, tokens, hidden]`
-    (`every_position=True`: the verify graph). Same inputs and K/V handling as `DeviceGraph`."""
-
-    def __init__(self, *args, every_position: bool = False, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.every_position = every_position
-
-    def key_parts(self) -> dict:
-        return {**super().key_parts(), "every_position": self.every_position}
-
-    def forward(self, inputs_embeds: torch.Tensor, *args: torch.Tensor):
-        hidden, length, cache = self._hidden(inputs_embeds, *args)
-        if self.every_position:
-            out = (self.lm_head(hidden).float(), hidden)
-        else:
-            last = hidden.index_select(1, length - 1)
-            out = (self.lm_head(last)[:, 0, :].float(), last[:, 0, :])
-        if self.inplace:
-            return out
-        return (*out, *self._updated_kv(cache))
-
-
 def verify_expert_form(config, draft_tokens: int, asked: str | None = None) -> str:
     """The verify graph's MoE expert form: `asked`, else "selective" when gathering the routed
     experts of its k + 1 tokens ((k + 1) x top_k slices a layer, repeats included: the batch
@@ -102,16 +77,16 @@ def verify_expert_form(config, draft_tokens: int, asked: str | None = None) -> s
 def draft_masks(
     layout: KVLayout, shape: GraphShape, position: torch.Tensor, dtype: torch.dtype
 ) -> dict[str, torch.Tensor]:
-    """Additive masks `[1, 1, 1, slots]` for a draft at the last seen token's `position` p: slots
-    holding committed positions < p (sliding: also >= p - 1 - window). See the module docstring."""
+    """Additive masks `[B, 1, 1, slots]` for a draft at each row's last seen token's `position` p:
+    slots holding committed positions < p (sliding: also >= p - 1 - window). See the module docstring."""
     masks = {}
     for layer_type in sorted({layer.layer_type for layer in layout.layers}):
         slots = layout.slots(layer_type, shape.context_length, shape.ring)
-        k_pos = slot_positions(position - 1, slots)
+        k_pos = slot_positions(position - 1, slots)  # [B, S]
         allowed = k_pos >= 0
         if layer_type == SLIDING:
-            allowed = allowed & (k_pos >= position - 1 - layout.sliding_window)
-        masks[layer_type] = additive_mask(allowed[None, :], dtype)[None, None]
+            allowed = allowed & (k_pos >= (position - 1 - layout.sliding_window)[:, None])
+        masks[layer_type] = additive_mask(allowed[:, None, :], dtype)[:, None]
     return masks
 
 
@@ -132,8 +107,8 @@ def ordered_logits(masked_embedding: nn.Module, hidden: torch.Tensor, lm_head_we
 
 
 class DraftGraph(nn.Module):
-    """One assistant step: `forward(inputs_embeds [b, 1, 2 * target_hidden], position [1], *kv)` ->
-    `(logits [b, vocab], projected hidden [b, target_hidden])`. `kv` is the target's flat K/V list
+    """One assistant step: `forward(inputs_embeds [B, 1, 2 * target_hidden], position [B], *kv)` ->
+    `(logits [B, vocab], projected hidden [B, target_hidden])`, each row at its own position. `kv` is the target's flat K/V list
     (every producer, as the target graphs take it); the graph reads the buffers of `read_layers`.
 
     transformers' `Gemma4AssistantForCausalLM.forward` builds its masks from a 2-D padding mask over
@@ -168,6 +143,7 @@ class DraftGraph(nn.Module):
             "class": type(self).__qualname__,
             "read_layers": self.read_layers,
             "ordered_embeddings": self.masked_embedding is not None,
+            "index_dtype": str(INDEX_DTYPE),
             "buffers": [list(s) for s in self.buffer_shapes()],
             **self.tags,
         }
@@ -178,7 +154,7 @@ class DraftGraph(nn.Module):
     def example_inputs(self) -> tuple[torch.Tensor, ...]:
         inputs = [
             torch.zeros(self.shape.batch, 1, 2 * self.backbone, dtype=self.dtype),
-            torch.zeros(1, dtype=torch.long),
+            torch.zeros(self.shape.batch, dtype=INDEX_DTYPE),
         ]
         inputs += [torch.zeros(s, dtype=self.dtype) for s in self.buffer_shapes()]
         return tuple(inputs)
@@ -190,7 +166,7 @@ class DraftGraph(nn.Module):
         out = self.model(
             inputs_embeds=hidden,
             attention_mask=masks,
-            position_ids=position[None].expand(inputs_embeds.shape[0], 1),
+            position_ids=position.long()[:, None],
             shared_kv_states=shared,
             use_cache=False,
         ).last_hidden_state
@@ -201,4 +177,4 @@ class DraftGraph(nn.Module):
         return logits[:, 0, :].float(), self.post_projection(out)[:, 0, :]
 
 
-__all__ = ["DraftGraph", "RoomyLayout", "TargetGraph", "draft_masks", "ordered_logits", "verify_expert_form"]
+__all__ = ["DraftGraph", "RoomyLayout", "draft_masks", "ordered_logits", "verify_expert_form"]

@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from . import attention as attention_forms
-from . import batch_graph, packed_linear
+from . import packed_linear
 from .experts import StaticExperts, read_form
 from .kv_layout import SLIDING, KVLayout
 from .quant import Int8Linear, check_weights, target_linears
@@ -42,7 +42,7 @@ class GraphShape:
     """Static shapes a graph is compiled for."""
 
     batch: int
-    tokens: int  # query length: 1 for decode, the bucket length for prefill
+    tokens: int  # query length: 1 for decode, k + 1 for a verify, the bucket length for prefill
     context_length: int
     ring: bool = False  # sliding layers keep only `sliding_window` slots
 
@@ -51,39 +51,56 @@ class GraphShape:
         return "decode" if self.tokens == 1 else "prefill"
 
 
+# Index inputs (start, length, position) are int32 on every backend: NxD Inference converts them to
+# int32 before the device and the Neuron compiler truncates INT64 to INT32 anyway.
+INDEX_DTYPE = torch.int32
+
+
+def index_tensor(values) -> torch.Tensor:
+    """A row-index input (`start`, `length`, `position`) as every compiled graph takes it."""
+    return torch.as_tensor(values, dtype=INDEX_DTYPE).reshape(-1)
+
+
 def slot_positions(last_position: torch.Tensor, slots: int) -> torch.Tensor:
-    """Position held by each buffer slot after contiguous writes up to `last_position`.
+    """Position held by each buffer slot after contiguous writes up to `last_position [B]`: `[B, slots]`.
 
     A buffer of `slots` entries written at `position % slots` holds, in slot s, the latest
     position p <= last_position with p = s (mod slots). Negative means "never written".
     For a full-length buffer this is simply s (or negative for s > last_position).
     """
-    s = torch.arange(slots, device=last_position.device)
-    return last_position - torch.remainder(last_position - s, slots)
+    s = torch.arange(slots, device=last_position.device, dtype=last_position.dtype)
+    last = last_position[:, None]
+    return last - torch.remainder(last - s[None, :], slots)
+
+
+def row_positions(start: torch.Tensor, tokens: int) -> torch.Tensor:
+    """Each row's query positions `[B, tokens]`: `start[b] + i`."""
+    return start[:, None] + torch.arange(tokens, device=start.device, dtype=start.dtype)[None, :]
 
 
 def additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """0 where attention is allowed, a large finite negative elsewhere.
 
-    Finite on purpose: a fully masked row (a padding query) must stay NaN-free, or its NaN K/V
-    would poison later steps through 0 * NaN.
+    Finite on purpose: a fully masked row (a padding query, an idle batch row) must stay NaN-free,
+    or its NaN K/V would poison later steps through 0 * NaN.
     """
     zero = torch.zeros((), dtype=dtype, device=allowed.device)
     return torch.where(allowed, zero, torch.full((), torch.finfo(dtype).min, dtype=dtype, device=allowed.device))
 
 
 class ExplicitKV:
-    """The cache object handed to transformers' attention for one forward call.
+    """The cache object handed to transformers' attention for one forward call, one row per prompt.
 
     `update(k, v, layer_idx)` is the only method transformers calls. It writes the new K/V into
-    the layer's buffer at the positions this call covers and returns the keys/values to attend
-    over. Decode (one token) writes first and attends over the whole buffer. Prefill on a ring
-    buffer attends over old buffer + the new chunk (a chunk longer than the window would not fit
-    the ring), then keeps the newest `slots` tokens.
+    each row's buffer at the positions this call covers (`start[b]`, `length[b]` tokens) and
+    returns the keys/values to attend over. Decode (one token) writes first and attends over the
+    whole buffer; a row with `length` 0 (idle, or not part of this call) writes nothing. Prefill
+    (or a verify) on a ring buffer attends over old buffer + the new chunk (a chunk longer than
+    the window would not fit the ring), then keeps the newest `slots` tokens.
 
     `inplace=True` mutates the given buffers (CPU: torch.export turns it into input mutation that
     the compiler performs in place); `inplace=False` leaves them untouched and records fresh
-    tensors in `updated` (Neuron: returned as outputs and aliased to the inputs).
+    tensors in `updated` (XLA, Neuron: returned as outputs and aliased to the inputs).
     """
 
     def __init__(
@@ -98,20 +115,6 @@ class ExplicitKV:
         self.start, self.length, self.tokens, self.inplace = start, length, shape.tokens, inplace
         self.updated: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
-    def _write(self, old: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
-        slots = old.shape[2]
-        if self.tokens == 1:
-            slot = torch.remainder(self.start, slots)
-            return old.index_copy_(2, slot, new) if self.inplace else old.index_copy(2, slot, new)
-        # Chunk token i goes to slot (start + i) % slots; for each slot take the newest valid token.
-        s = torch.arange(slots, device=old.device)
-        last = self.length - 1
-        src = last - torch.remainder(self.start + last - s, slots)
-        keep_old = (src < 0).view(1, 1, slots, 1)
-        gathered = new.index_select(2, src.clamp(min=0))
-        merged = torch.where(keep_old, old, gathered)
-        return old.copy_(merged) if self.inplace else merged
-
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
         k_old, v_old = self.buffers[layer_idx]
         ring_prefill = self.tokens > 1 and k_old.shape[2] < self.shape.context_length
@@ -121,31 +124,59 @@ class ExplicitKV:
         self.updated[layer_idx] = (k_new, v_new)
         return (keys, values) if ring_prefill else (k_new, v_new)
 
+    def _write(self, old: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
+        b, heads, slots, dim = old.shape
+        if self.tokens == 1:
+            # old[row, head, slot[row]] = new[row, head, 0] where the row writes: an index_put, which
+            # Inductor performs in place on the K/V input (a scatter was lowered as a copy of the
+            # whole buffer every step: docs/ROOFLINE.md); an idle row puts back what it holds
+            rows = torch.arange(b, device=old.device).view(b, 1)
+            heads_at = torch.arange(heads, device=old.device).view(1, heads)
+            slot = torch.remainder(self.start, slots).view(b, 1)
+            index = (rows, heads_at, slot)
+            value = torch.where((self.length > 0).view(b, 1, 1), new[:, :, 0, :], old[index])
+            return old.index_put_(index, value) if self.inplace else old.index_put(index, value)
+        # Chunk token i goes to slot (start + i) % slots; for each slot take the newest valid token.
+        s = torch.arange(slots, device=old.device, dtype=self.start.dtype)
+        last = (self.length - 1)[:, None]  # [B, 1]
+        src = last - torch.remainder(self.start[:, None] + last - s[None, :], slots)  # [B, S]
+        keep_old = (src < 0).view(b, 1, slots, 1)
+        index = src.clamp(min=0).long().view(b, 1, slots, 1).expand(b, heads, slots, new.shape[-1])
+        merged = torch.where(keep_old, old, torch.gather(new, 2, index))
+        return old.copy_(merged) if self.inplace else merged
+
 
 def build_masks(
     layout: KVLayout, shape: GraphShape, start: torch.Tensor, length: torch.Tensor, dtype: torch.dtype
 ) -> dict[str, torch.Tensor]:
-    """Additive masks [1, 1, tokens, keys] per layer type, matching what `ExplicitKV.update` returns."""
+    """Additive masks `[B, 1, tokens, keys]` per layer type, matching what `ExplicitKV.update` returns."""
     device = start.device
-    q_pos = start + torch.arange(shape.tokens, device=device)
+    q_pos = row_positions(start, shape.tokens)  # [B, T]
     masks = {}
     for layer_type in sorted({layer.layer_type for layer in layout.layers}):
         slots = layout.slots(layer_type, shape.context_length, shape.ring)
         if shape.tokens > 1 and slots < shape.context_length:
-            # ring prefill: keys are [old ring contents, new chunk]
-            old = slot_positions(start - 1, slots)
-            new_idx = torch.arange(shape.tokens, device=device)
-            k_pos = torch.cat([old, start + new_idx])
-            k_valid = torch.cat([old >= 0, new_idx < length])
+            # ring prefill: keys are [old ring contents, new chunk], per row
+            old = slot_positions(start - 1, slots)  # [B, S]
+            new_idx = torch.arange(shape.tokens, device=device, dtype=start.dtype)
+            k_pos = torch.cat([old, q_pos], 1)
+            k_valid = torch.cat([old >= 0, new_idx[None, :] < length[:, None]], 1)
         else:
             # keys are the buffer after this call's writes
             k_pos = slot_positions(start + length - 1, slots)
             k_valid = k_pos >= 0
-        allowed = k_valid[None, :] & (k_pos[None, :] <= q_pos[:, None])
+        allowed = k_valid[:, None, :] & (k_pos[:, None, :] <= q_pos[:, :, None])  # [B, T, K]
         if layer_type == SLIDING:
-            allowed = allowed & (q_pos[:, None] - k_pos[None, :] < layout.sliding_window)
-        masks[layer_type] = additive_mask(allowed, dtype)[None, None]
+            allowed = allowed & (q_pos[:, :, None] - k_pos[:, None, :] < layout.sliding_window)
+        masks[layer_type] = additive_mask(allowed, dtype)[:, None]
     return masks
+
+
+def last_valid(hidden: torch.Tensor, length: torch.Tensor) -> torch.Tensor:
+    """Each row's hidden state at its last valid token: `[B, T, H]` -> `[B, 1, H]` (an idle row,
+    length 0, gives its first position's: its logits are never read)."""
+    index = (length - 1).clamp(min=0).long().view(-1, 1, 1).expand(-1, 1, hidden.shape[-1])
+    return torch.gather(hidden, 1, index)
 
 
 def layer_types_in_order(config) -> list[str]:
@@ -177,11 +208,17 @@ def _swap_linears(layer: nn.Module, make: Callable[[nn.Module], nn.Module]) -> N
 
 
 class DeviceGraph(nn.Module):
-    """Prefill or decode over explicit K/V buffers; the pure core every recipe compiles.
+    """Prefill, decode or verify over explicit K/V buffers, for B rows: the pure core every recipe
+    compiles. One forward; the mode comes from the shape (tokens 1: decode; more: a prefill chunk or
+    a k + 1-token verify) and from what it returns.
 
-    `forward(inputs_embeds, [per_layer_inputs,] start, length, *kv)` returns the raw (un-softcapped)
-    logits of the last valid token, `[batch, vocab]`. With `inplace=True` the K/V tensors passed in
-    are updated in place; with `inplace=False` the updated K/V follow the logits in the output.
+    `forward(inputs_embeds, [per_layer_inputs,] start, length, *kv)`, `start`/`length` int32 `[B]`
+    (row b's chunk covers positions `start[b] .. start[b] + length[b] - 1`; right-padded; length 0:
+    the row is idle and writes nothing), returns the raw (un-softcapped) logits: of each row's last
+    valid token `[B, vocab]`, or of every position `[B, tokens, vocab]` with `every_position` (the
+    verify). `hidden=True` also returns the final hidden states in the same layout (the assistant
+    drafts from them). With `inplace=True` the K/V tensors passed in are updated in place; with
+    `inplace=False` the updated K/V follow the outputs.
 
     The graph holds a shallow clone of the text model (shared weights) without the word-embedding
     and PLE tables, so they are never part of a compiled artifact.
@@ -199,6 +236,8 @@ class DeviceGraph(nn.Module):
         weights: str = "bf16",
         attention: str = attention_forms.GROUPED,
         compute_balance: float | None = None,
+        every_position: bool = False,
+        hidden: bool = False,
     ):
         super().__init__()
         # the target's FLOPs per byte, for a batched MoE's expert form (`experts.read_form`); None: bytes decide
@@ -235,10 +274,9 @@ class DeviceGraph(nn.Module):
         self.linear_form = packed_linear.FORM if packed else "plain"
         self.layout, self.shape, self.inplace, self.expert_form = layout, shape, inplace, expert_form
         self.weights, self.attention = weights, attention
+        self.every_position, self.returns_hidden = every_position, hidden
         self.tags: dict[str, str] = {}  # anything else that changes the program (e.g. a fault-lab fault)
         self.kv_class: type[ExplicitKV] = ExplicitKV  # the cache's class (the fault lab swaps it)
-        if shape.batch > 1:  # one start/length per row (batch_graph.py); batch-1 programs unchanged
-            self.kv_class = batch_graph.RowKV
         self.has_ple = bool(getattr(text_model.config, "hidden_size_per_layer_input", 0))
         self.dtype = lm_head.weight.dtype
 
@@ -250,6 +288,8 @@ class DeviceGraph(nn.Module):
             "expert_form": self.expert_form,
             "attention": self.attention,
             "producers": [layer.producer for layer in self.layout.layers],
+            "outputs": {"every_position": self.every_position, "hidden": self.returns_hidden},
+            "index_dtype": str(INDEX_DTYPE),
             # only when quantized: full-precision keys stay as they were (warm caches stay valid)
             **({"weights": self.weights} if self.weights == "int8" else {}),
             # only when a batch changes them: every other graph's key stays as it was
@@ -262,6 +302,11 @@ class DeviceGraph(nn.Module):
     def rows(self) -> int:
         """Tokens per call: the M of every linear's product."""
         return self.shape.batch * self.shape.tokens
+
+    @property
+    def num_inputs(self) -> int:
+        """Inputs before the K/V: embeddings, (PLE,) start, length."""
+        return 4 if self.has_ple else 3
 
     @property
     def experts_read(self) -> str:
@@ -280,7 +325,7 @@ class DeviceGraph(nn.Module):
         inputs = [torch.zeros(b, t, cfg.hidden_size, dtype=self.dtype)]
         if self.has_ple:
             inputs.append(torch.zeros(b, t, cfg.num_hidden_layers, cfg.hidden_size_per_layer_input, dtype=self.dtype))
-        inputs += [torch.zeros(b, dtype=torch.long), torch.ones(b, dtype=torch.long)]  # one per row
+        inputs += [torch.zeros(b, dtype=INDEX_DTYPE), torch.ones(b, dtype=INDEX_DTYPE)]  # one per row
         inputs += self.new_kv()
         return tuple(inputs)
 
@@ -290,20 +335,25 @@ class DeviceGraph(nn.Module):
 
     def forward(self, inputs_embeds: torch.Tensor, *args: torch.Tensor):
         hidden, length, cache = self._hidden(inputs_embeds, *args)
-        # the last valid token of a right-padded chunk (per row in a batch)
-        rows = self.shape.batch > 1
-        last = batch_graph.last_valid(hidden, length) if rows else hidden.index_select(1, length - 1)
-        logits = self.lm_head(last)[:, 0, :].float()
-        if self.inplace:
-            return logits
-        return (logits, *self._updated_kv(cache))
+        if self.every_position:
+            out: tuple[torch.Tensor, ...] = (self.lm_head(hidden).float(),)
+            kept = hidden
+        else:
+            # the last valid token of a right-padded chunk, per row
+            kept = last_valid(hidden, length)
+            out = (self.lm_head(kept)[:, 0, :].float(),)
+            kept = kept[:, 0, :]
+        if self.returns_hidden:
+            out = (*out, kept)
+        if not self.inplace:
+            out = (*out, *self._updated_kv(cache))
+        return out[0] if len(out) == 1 else out
 
     def _hidden(
         self, inputs_embeds: torch.Tensor, *args: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, ExplicitKV]:
         """The text model over the K/V: its final hidden states `[b, tokens, hidden]`, the valid
-        lengths, and the cache (`_updated_kv` reads the new K/V from it). Shared by every graph
-        that runs the target (`drafting.TargetGraph` too), so they trace the same ops."""
+        lengths, and the cache (`_updated_kv` reads the new K/V from it)."""
         if self.has_ple:
             per_layer_inputs, start, length, *kv = args
         else:
@@ -311,19 +361,10 @@ class DeviceGraph(nn.Module):
         producers = self.layout.producers
         buffers = {layer.index: (kv[2 * i], kv[2 * i + 1]) for i, layer in enumerate(producers)}
         cache = self.kv_class(buffers, self.shape, start, length, self.inplace)
-        rows = self.shape.batch > 1
-        masks = (batch_graph.build_row_masks if rows else build_masks)(
-            self.layout, self.shape, start, length, inputs_embeds.dtype
-        )
-        if rows:
-            position_ids = batch_graph.row_positions(start, self.shape.tokens)
-        else:
-            position_ids = (start + torch.arange(self.shape.tokens, device=start.device))[None].expand(
-                inputs_embeds.shape[0], -1
-            )
+        masks = build_masks(self.layout, self.shape, start, length, inputs_embeds.dtype)
         kwargs = dict(
             inputs_embeds=inputs_embeds,
-            position_ids=position_ids,
+            position_ids=row_positions(start, self.shape.tokens).long(),
             attention_mask=masks,
             past_key_values=cache,
             use_cache=True,
@@ -333,5 +374,5 @@ class DeviceGraph(nn.Module):
         return self.model(**kwargs).last_hidden_state, length, cache
 
     def _updated_kv(self, cache: ExplicitKV) -> list[torch.Tensor]:
-        """The updated K/V tensors in input order (the functional form's outputs after the logits)."""
+        """The updated K/V tensors in input order (the functional form's outputs after the others)."""
         return [t for layer in self.layout.producers for t in cache.updated[layer.index]]

@@ -7,15 +7,13 @@
   back into the same device buffers.
 - `AliasEmulator`: runs a `KVParamModule` on CPU the way the device runs the compiled one (outputs
   copied back into the K/V parameters), so the host loop below is tested here.
-- `greedy_generate`: the host loop for modules that hold their K/V: embeddings (and PLE) looked up
-  on the host (`embedder.HostEmbedder`), prefill (one graph
-  call, or the prompt token by token through the decode graph, or K/V seeded by the caller),
-  greedy decode.
+- `host_generate`: the engine (`runtime.Engine`) over modules that hold their K/V: embeddings
+  (and PLE) looked up on the host (`embedder.HostEmbedder`), prefill (one graph call, or the prompt
+  token by token through the decode graph), greedy decode.
 """
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -23,8 +21,8 @@ import torch
 from torch import nn
 
 from ..device.embedder import HostEmbedder
+from ..device.graph import INDEX_DTYPE
 from ..errors import DeviceOutputError, GraphFormError, HostTablesMovedError
-from ..runtime import decode_loop
 
 
 class KVParamModule(nn.Module):
@@ -68,8 +66,8 @@ def graph_example_inputs(config: Any, shape: Any, dtype: torch.dtype) -> tuple[t
     ple = int(getattr(config, "hidden_size_per_layer_input", 0) or 0)
     if ple:
         inputs.append(torch.zeros(shape.batch, t, config.num_hidden_layers, ple, dtype=dtype))
-    b = shape.batch  # start and length: one value per row (batch_graph.py)
-    inputs += [torch.zeros(b, dtype=torch.long), torch.ones(b, dtype=torch.long)]
+    b = shape.batch  # start and length: one int32 value per row
+    inputs += [torch.zeros(b, dtype=INDEX_DTYPE), torch.ones(b, dtype=INDEX_DTYPE)]
     return tuple(inputs)
 
 
@@ -92,72 +90,52 @@ def first_output(out: Any) -> torch.Tensor:
     return out[0] if isinstance(out, (tuple, list)) else out
 
 
-def greedy_generate(
+def host_generate(
     decode: Callable[..., Any],
     host: HostEmbedder,
     prompt: Sequence[int],
     max_new_tokens: int,
     *,
+    vocab_size: int,
     prefill: Callable[..., Any] | None = None,
     prefill_len: int | None = None,
-    seeded_logits: torch.Tensor | None = None,
+    context_length: int | None = None,
     eos_token_ids: Sequence[int] = (),
     keep_logits: bool = False,
     dtype: torch.dtype | None = None,
 ) -> dict[str, Any]:
-    """Greedy tokens from step functions that hold their K/V themselves (a device module, or a
-    rank's `AliasEmulator`) and take only the graph inputs.
+    """Greedy tokens from steps that hold their K/V themselves (a device module, or an
+    `AliasEmulator`) and take only the graph inputs, through the one engine (`runtime.Engine`).
 
     `dtype`: the dtype the graphs were compiled for; the host embeddings are cast to it (a model
     loaded in float32 and compiled in bf16 would otherwise hand the device float32 inputs).
-
-    Prefill, in order of preference: `seeded_logits` (the caller wrote the K/V, e.g. a CPU
-    prefill; these are the last prompt token's logits), a `prefill` graph of bucket `prefill_len`,
-    or the prompt fed token by token through `decode`. Then `runtime.decode_loop`, the one decode
-    loop every path uses. `keep_logits`: also return `step_logits` (LOGITS_MATCH).
+    `prefill`: a prefill graph of bucket `prefill_len`; without one the engine feeds the prompt
+    through `decode` token by token. `keep_logits`: also return `step_logits` (LOGITS_MATCH).
     """
+    from ..runtime import Engine, Steps
+
     prompt = [int(t) for t in prompt]
-    n = len(prompt)
-    one = torch.tensor([1])
-
-    def embed(ids: torch.Tensor, pad_to: int | None = None) -> list[torch.Tensor]:
-        return host.inputs(ids, pad_to, dtype=dtype)
-
-    t0 = time.perf_counter()
-    with torch.no_grad():
-        if seeded_logits is not None:
-            logits, mode = seeded_logits, "seeded"
-        elif prefill is not None:
-            ids = torch.tensor([prompt])
-            logits = first_output(prefill(*embed(ids, prefill_len or n), torch.tensor([0]), torch.tensor([n])))
-            mode = "graph"
-        else:
-            for position, token in enumerate(prompt):
-                logits = first_output(decode(*embed(torch.tensor([[token]])), torch.tensor([position]), one))
-            mode = "decode-steps"
-        prefill_logits = logits.reshape(-1, logits.shape[-1])[0].float().clone()
-        t1 = time.perf_counter()
-        vocab = prefill_logits.shape[-1]
-        run = decode_loop(
-            lambda inputs, position: first_output(decode(*inputs, position, one)).reshape(-1, vocab)[0],
-            embed,
-            prefill_logits,
-            n,
-            max_new_tokens,
-            eos_token_ids=eos_token_ids,
-            keep_logits=keep_logits,
-        )
-        t2 = time.perf_counter()
+    steps = Steps(prefill={int(prefill_len or len(prompt)): prefill} if prefill is not None else {}, decode=decode)
+    engine = Engine(
+        host,
+        steps,
+        batch=1,
+        context_length=context_length or len(prompt) + max_new_tokens,
+        vocab_size=vocab_size,
+        cap=None,
+        dtype=dtype or torch.float32,
+    )
+    row = engine.generate(prompt, max_new_tokens, eos_token_ids=eos_token_ids, keep_logits=keep_logits)
     out = {
-        "tokens": run.tokens,
-        "prefill_mode": mode,
-        "prefill_logits": prefill_logits,
-        "prefill_s": t1 - t0,
-        "decode_s": t2 - t1,
-        "decode_tok_s": (len(run.tokens) - 1) / max(t2 - t1, 1e-9),
+        "tokens": row.tokens,
+        "prefill_mode": "graph" if prefill is not None else "decode-steps",
+        "prefill_logits": row.first_logits,
+        "prefill_s": row.prefill_s,
+        "decode_s": sum(row.step_s),
+        "decode_tok_s": row.decode_tok_s,
     }
     if keep_logits:
-        out["step_logits"] = run.step_logits
+        out["step_logits"] = row.step_logits
     return out
 
 
@@ -204,10 +182,10 @@ def check_host_tables(host: HostEmbedder) -> None:
 
 
 class DeviceStep:
-    """A `runtime.HostRuntime` step over a compiled module that keeps its K/V on the device.
+    """An engine step over a compiled module that keeps its K/V on the device.
 
-    The runtime calls `step(inputs..., start, length, *host_kv)`; the device module takes only the
-    inputs (its K/V are aliased state), so the host K/V arguments are dropped. The first call's
+    The engine calls `step(inputs..., start, length)`; the device module takes exactly those (its
+    K/V are aliased state). The first call's
     output is checked (`check_first_output`), so a wrong artifact fails with a named error there.
     """
 
@@ -221,21 +199,3 @@ class DeviceStep:
             check_first_output(out, self.vocab)
             self.checked = True
         return first_output(out).float()
-
-
-class StepwisePrefill:
-    """A prefill step made of one-token decode calls: the chunk's valid tokens one at a time.
-
-    For recipes that compile only the decode graph (one artifact, one set of device K/V).
-    """
-
-    def __init__(self, decode_step: Callable[..., torch.Tensor], num_inputs: int):
-        self.decode_step, self.num_inputs = decode_step, num_inputs
-
-    def __call__(self, *args: torch.Tensor) -> torch.Tensor:
-        inputs = args[: self.num_inputs - 2]
-        start, length = args[self.num_inputs - 2], args[self.num_inputs - 1]
-        logits = None
-        for i in range(int(length.reshape(-1)[0])):
-            logits = self.decode_step(*[x[:, i : i + 1] for x in inputs], start + i, torch.ones_like(length))
-        return logits

@@ -160,7 +160,7 @@ def compile_drafting(
 
 
 class NxDKeyStep:
-    """A `DraftedRuntime` step over the loaded NxD model: the key is routed by the input shapes;
+    """An engine step over the loaded NxD model: the key is routed by the input shapes;
     the K/V stay on the device as states, so the host passes only the inputs and gets
     `(logits, hidden)`."""
 
@@ -173,11 +173,15 @@ class NxDKeyStep:
 
 
 def drafting_steps(traced: Any, buckets: tuple[int, ...], has_ple: bool):
-    """The `CompiledDraft` of a loaded drafting model (prefill per bucket, verify, draft)."""
-    from ..serving.speculative import CompiledDraft
+    """The engine's `Steps` of a loaded drafting model (prefill per bucket, verify, draft)."""
+    from ..runtime import Steps
 
     n = 4 if has_ple else 3
-    return CompiledDraft({int(b): NxDKeyStep(traced, n) for b in buckets}, NxDKeyStep(traced, n), NxDKeyStep(traced, 2))
+    return Steps(
+        prefill={int(b): NxDKeyStep(traced, n) for b in buckets},
+        verify=NxDKeyStep(traced, n),
+        draft=NxDKeyStep(traced, 2),
+    )
 
 
 __all__ = [

@@ -79,7 +79,7 @@ from ..tp.plan import TPPlan, make_plan
 from ..tp.rank_graph import build_rank_graph
 from ..tp.shard import nxd_full_checkpoint
 from . import neuron_env
-from .common import KVParamModule, graph_example_inputs, greedy_generate
+from .common import KVParamModule, graph_example_inputs, host_generate
 
 RECIPE = "model_builder"
 PURPOSE = "the ModelBuilder recipe (neuronx_distributed.trace.model_builder)"
@@ -337,4 +337,13 @@ def generate(
     """Greedy tokens from the loaded NxD model (it routes prefill/decode by input shape);
     `dtype`: the one `compile_model_builder` compiled for (the host embeddings are cast to it)."""
     host = HostEmbedder.from_text_model(loaded.text_model)
-    return greedy_generate(traced, host, prompt, max_new_tokens, prefill=traced, prefill_len=prefill_len, dtype=dtype)
+    return host_generate(
+        traced,
+        host,
+        prompt,
+        max_new_tokens,
+        vocab_size=int(loaded.config.vocab_size),
+        prefill=traced,
+        prefill_len=prefill_len,
+        dtype=dtype,
+    )

@@ -39,7 +39,7 @@ import torch
 from ..device.embedder import HostEmbedder
 from ..device.graph import DeviceGraph, GraphShape
 from . import neuron_env
-from .common import AliasEmulator, KVParamModule, greedy_generate
+from .common import AliasEmulator, KVParamModule, host_generate
 
 RECIPE = "trace"
 PURPOSE = "the one-core trace recipe (torch_neuronx.trace)"
@@ -95,7 +95,9 @@ def load(path: str | Path, core: int = 0):
 def generate(step: Any, loaded: Any, prompt: Sequence[int], max_new_tokens: int) -> dict[str, Any]:
     """Greedy tokens: `step` is the loaded trace on inf2, or `AliasEmulator(build_kv_module(...))` on CPU."""
     host = HostEmbedder.from_text_model(loaded.text_model)
-    return greedy_generate(step, host, prompt, max_new_tokens, dtype=loaded.lm_head.weight.dtype)
+    return host_generate(
+        step, host, prompt, max_new_tokens, vocab_size=int(loaded.config.vocab_size), dtype=loaded.lm_head.weight.dtype
+    )
 
 
 def cpu_check(loaded: Any, prompt: Sequence[int], max_new_tokens: int, context_length: int) -> dict[str, Any]:

@@ -1,4 +1,10 @@
-"""Sampling-mode verification of drafts: speculative (rejection) sampling.
+"""How a verify step keeps drafts: the greedy rule, and sampling-mode speculative (rejection) sampling.
+
+Greedy (`greedy_verdict`): the drafts equal to the target's argmax, in order, are kept, then the
+target's own next token; every kept token is the target's argmax given the tokens before it, so the
+output is plain greedy decoding's whatever the drafts were.
+
+Rejection sampling (`verify_drafts`, `verify_batch`):
 
 Given the target's distributions p_0..p_k over the k + 1 verified positions, the distributions
 q_1..q_k the drafts were sampled from, and the drafts x_1..x_k: draft i is accepted with
@@ -60,6 +66,17 @@ def _check(p: torch.Tensor, q: torch.Tensor, drafts: torch.Tensor) -> None:
         )
 
 
+def greedy_verdict(v_logits: torch.Tensor, drafts: Sequence[int]) -> tuple[int, list[int]]:
+    """Greedy verification of `drafts` against the verify logits `[k + 1, vocab]` (raw: argmax needs
+    no softcap): (drafts kept, emitted tokens = the target's predictions up to and including the
+    first that differs)."""
+    predicted = torch.argmax(v_logits[: len(drafts) + 1], dim=-1).tolist()
+    n_ok = 0
+    while n_ok < len(drafts) and int(drafts[n_ok]) == predicted[n_ok]:
+        n_ok += 1
+    return n_ok, predicted[: n_ok + 1]
+
+
 def verify_batch(
     p: torch.Tensor, q: torch.Tensor, drafts: torch.Tensor, generator: torch.Generator | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -113,4 +130,4 @@ def verify_drafts(
     return Verdict(a, tokens[0, : a + 1].tolist())
 
 
-__all__ = ["RESIDUAL_FLOOR", "Verdict", "verify_batch", "verify_drafts"]
+__all__ = ["RESIDUAL_FLOOR", "Verdict", "greedy_verdict", "verify_batch", "verify_drafts"]

@@ -1,0 +1,290 @@
+"""The one table of backends, and the route from settings to a device run through it.
+
+`compile_graphs(model, settings)`: the settings' graphs (`device.build.device_graphs`, in the
+backend's form), compiled by the backend, with the one generation engine (`runtime.Engine`) and the
+settings' drafter on top. `run_device(model, settings, requests)`: that engine over every request
+(one row each), the prefill logits check, and the benchmark. Adding a backend is a module with a
+`compile` and a row here.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Sequence
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any
+
+from ..device.build import GraphSet, device_graphs
+from ..device.experts import CPU_THREAD_FLOP_PER_BYTE
+from ..errors import SettingsError, UnknownNameError
+from ..reference import reference_last_logits
+from ..runtime import Engine, Request, RowResult, softcap
+from ..timing import benchmark, time_interleaved
+from . import cpu, eager, gloo, neuron, xla
+from .base import Backend, CompiledGraphs, DeviceRun, refuse_graphs
+
+if TYPE_CHECKING:
+    from ..models.loading import LoadedModel
+    from ..runtime import Drafter
+    from ..settings import PortSettings
+
+BACKENDS: dict[str, Backend] = {
+    b.name: b
+    for b in (
+        Backend(
+            "cpu",
+            "torch.export + AOTInductor, artifact cache",
+            "any CPU",
+            compile=cpu.compile,
+            compile_one=cpu.compile_one,
+            label=cpu.COMPILER,
+            compute_balance=CPU_THREAD_FLOP_PER_BYTE,
+            takes_graphs=True,
+            bundles=True,
+        ),
+        Backend(
+            "eager",
+            "none: the same graphs, uncompiled",
+            "any CPU",
+            compile=eager.compile,
+            compile_one=eager.compile_one,
+            label=eager.COMPILER,
+            compute_balance=CPU_THREAD_FLOP_PER_BYTE,
+            takes_graphs=True,
+        ),
+        Backend(
+            "xla",
+            "torch_xla (the front end torch-neuronx uses)",
+            "CPU, .venv-xla",
+            compile=xla.compile,
+            label=xla.COMPILER,
+            inplace=False,
+            min_warmup=1,
+        ),
+        Backend(
+            "neuron",
+            "the inf2 recipes in recipes/",
+            "inf2",
+            compile=neuron.compile,
+            label="neuron",
+            inplace=False,
+            samples_drafts=False,
+            tp=True,
+            bundles=True,
+        ),
+        Backend(
+            "gloo",
+            "none: one CPU process per TP rank",
+            "any CPU (TP > 1)",
+            run=gloo.run,
+            label=gloo.COMPILER,
+            selectable=False,
+            samples_drafts=False,
+            tp=True,
+        ),
+    )
+}
+
+
+def selectable() -> tuple[str, ...]:
+    """The `PortSettings.backend` values (read when asked: a test may register a backend)."""
+    return tuple(name for name, b in BACKENDS.items() if b.selectable)
+
+
+def get_backend(name: str) -> Backend:
+    if name not in BACKENDS:
+        raise UnknownNameError("backend", name, selectable())
+    return BACKENDS[name]
+
+
+def backend_of(settings: PortSettings) -> Backend:
+    """The backend a setting runs on: `gloo` for a CPU backend at TP > 1 (the ranks run the rank
+    graph uncompiled), else `settings.backend`."""
+    chosen = get_backend(settings.backend)
+    if int(settings.tp_degree) > 1 and not chosen.tp:
+        return BACKENDS["gloo"]
+    return chosen
+
+
+def cpu_balance(name: str) -> float | None:
+    """The compute balance backend `name`'s graphs are built for (one CPU thread's, or None)."""
+    return get_backend(name).compute_balance
+
+
+def make_drafter(settings: PortSettings) -> Drafter | None:
+    """The drafter `settings.draft` names (None: plain decode)."""
+    from ..generation.drafters import AssistantDrafter, PromptLookupDrafter
+
+    kinds = {"assistant": AssistantDrafter, "prompt_lookup": PromptLookupDrafter}
+    if settings.draft is None:
+        return None
+    if settings.draft not in kinds:
+        raise UnknownNameError("draft", settings.draft, kinds)
+    return kinds[settings.draft]()
+
+
+def compile_graphs(
+    model: LoadedModel,
+    settings: PortSettings,
+    *,
+    graphs: GraphSet | None = None,
+    progress: bool = False,
+    drafter: Drafter | None = None,
+) -> CompiledGraphs:
+    """The settings' graphs compiled by their backend, under the generation engine. `graphs`: prebuilt
+    graphs (the fault lab's faulty ones; backends that take them). `drafter`: replaces the settings'
+    (any object with `propose`; it needs the verify graph, so `settings.draft` must be set)."""
+    backend = backend_of(settings)
+    if backend.compile is None:
+        raise SettingsError(
+            f"backend {backend.name!r} runs whole generations in its own processes and hands no engine back: "
+            f"run it with port.run_device (or port.port), or set tp_degree=1"
+        )
+    refuse_graphs(graphs, backend)
+    assistant = None
+    if graphs is None:
+        if settings.draft == "assistant":
+            from ..models.assistant import load_assistant
+
+            assistant = load_assistant(model, settings)
+        graphs = device_graphs(
+            model, settings, backend.inplace, compute_balance=backend.compute_balance, assistant=assistant
+        )
+    compiled = backend.compile(graphs, model, settings, progress)
+    drafter = drafter or make_drafter(settings)
+    compiled.graphs, compiled.assistant = graphs, assistant
+    compiled.runtime = Engine.for_model(
+        model,
+        compiled.steps,
+        batch=graphs.batch,
+        context_length=settings.context_length,
+        dtype=graphs.target.dtype,
+        draft_tokens=graphs.draft_tokens,
+        drafter=drafter if graphs.verify is not None else None,
+    )
+    return compiled
+
+
+def prefill_logits_error(model: LoadedModel, row: RowResult) -> float:
+    """Max |device softcapped logits - HF logits| for the last prompt token of `row`."""
+    device = softcap(row.first_logits.float(), model.config.final_logit_softcapping)
+    return float((device - reference_last_logits(model.lm, row.prompt_ids)).abs().max())
+
+
+def run_device(
+    model: LoadedModel,
+    settings: PortSettings,
+    requests: Sequence[Request],
+    *,
+    graphs: GraphSet | None = None,
+    progress: bool = False,
+    bench: bool = True,
+    drafter: Drafter | None = None,
+) -> DeviceRun:
+    """One device run: every request in its own row of the engine (keeping the logits that chose
+    each token), the prefill logits check of row 0, and the benchmark when asked."""
+    backend = backend_of(settings)
+    if backend.run is not None:
+        return backend.run(model, settings, list(requests), graphs=graphs, progress=progress, bench=bench)
+    compiled = compile_graphs(model, settings, graphs=graphs, progress=progress, drafter=drafter)
+    return run_compiled(compiled, model, settings, requests, progress=progress, bench=bench)
+
+
+def run_compiled(
+    compiled: CompiledGraphs,
+    model: LoadedModel,
+    settings: PortSettings,
+    requests: Sequence[Request],
+    *,
+    progress: bool = False,
+    bench: bool = True,
+) -> DeviceRun:
+    """Generate every request over a compiled engine; check and (when asked) benchmark it."""
+    engine = compiled.runtime
+    generation = engine.generate_rows(list(requests), keep_logits=True)
+    run = DeviceRun(
+        rows=generation.rows,
+        compiler=compiled.compiler,
+        compile_s=compiled.compile_s,
+        prefill_logits_max_abs_diff=prefill_logits_error(model, generation.rows[0]),
+        cache_hits=compiled.cache_hits,
+        prefill_ms=generation.prefill_s * 1000,
+        decode_tok_s=generation.decode_tok_s,
+        details={**compiled.info, **drafting_fields(generation.rows, settings, compiled)},
+        assistant=compiled.assistant,
+    )
+    if bench:
+        warmup = max(settings.warmup, backend_of(settings).min_warmup)
+        timed = [replace(r, eos_token_ids=()) for r in requests]  # eos ignored: every run decodes alike
+        if engine.drafter is None:
+            figures = benchmark(engine, timed, warmup, settings.iters, progress)
+            run.bench, run.prefill_ms, run.decode_tok_s = figures, figures.prefill_ms, figures.decode_tok_s
+        else:
+            run.details.update(bench_drafted(model, settings, engine, timed, warmup))
+            run.decode_tok_s = run.details["decode_tok_s_with_draft"]
+    if len(requests) > 1 and run.decode_tok_s:
+        run.details["decode_tok_s_per_row"] = run.decode_tok_s / len(requests)
+    if compiled.report:  # after the benchmark: the backend counts what the whole run did
+        run.details.update(compiled.report())
+    return run
+
+
+def drafting_fields(rows: Sequence[RowResult], settings: PortSettings, compiled: CompiledGraphs) -> dict[str, Any]:
+    """What a drafted record carries beside the tokens: acceptance (row 0's, and per row)."""
+    if settings.draft is None:
+        return {}
+    graphs = compiled.graphs
+    out: dict[str, Any] = {
+        "draft": settings.draft,
+        "draft_tokens": settings.draft_tokens,
+        "verify_steps": len(rows[0].emitted),
+        "accepted_per_step": rows[0].accepted_per_step,
+        "drafts_accepted": rows[0].accepted,
+        "sliding_ring_slots": graphs.layout.slots("sliding_attention", settings.context_length, settings.ring_kv),
+    }
+    if getattr(model_config(graphs), "enable_moe_block", False):
+        out["verify_experts"] = graphs.verify.expert_form
+    if graphs.draft is not None:
+        out["assistant_reads_layers"] = graphs.draft.read_layers
+    return out
+
+
+def model_config(graphs: GraphSet) -> Any:
+    return graphs.target.model.config
+
+
+def bench_drafted(
+    model: LoadedModel, settings: PortSettings, engine: Engine, requests: Sequence[Request], warmup: int
+) -> dict[str, Any]:
+    """Decode tok/s with and without drafting in one run, the two taking turns (`time_interleaved`)."""
+    plain = compile_graphs(model, replace(settings, draft=None, draft_tokens=None, verify_experts=None)).runtime
+    runs = time_interleaved(
+        {"with_draft": lambda: engine.generate_rows(requests), "without_draft": lambda: plain.generate_rows(requests)},
+        warmup,
+        settings.iters,
+    )
+    timed = engine.generate_rows(requests)
+    with_draft = statistics.median(runs["with_draft"]) if runs["with_draft"] else None
+    without = statistics.median(runs["without_draft"]) if runs["without_draft"] else None
+    return {
+        "decode_tok_s_with_draft": with_draft,
+        "decode_tok_s_without_draft": without,
+        "speedup_with_draft": with_draft / without if with_draft and without else None,
+        "bench_accepted_per_step": timed.rows[0].accepted_per_step,
+        "decode_tok_s_runs": runs,
+        "bench_tokens": requests[0].max_new_tokens,
+    }
+
+
+__all__ = [
+    "BACKENDS",
+    "backend_of",
+    "compile_graphs",
+    "cpu_balance",
+    "get_backend",
+    "make_drafter",
+    "prefill_logits_error",
+    "run_compiled",
+    "run_device",
+    "selectable",
+]

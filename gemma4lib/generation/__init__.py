@@ -1,0 +1,1 @@
+"""Generation beyond one greedy stream: how drafts are proposed and kept, and the default batch prompts."""

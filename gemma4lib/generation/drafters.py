@@ -1,0 +1,116 @@
+"""Drafters: what proposes the tokens the engine's verify step checks.
+
+Three, behind one interface (`runtime.Drafter.propose(engine, counts)`):
+- `AssistantDrafter`: Gemma-4's own MTP assistant on the device (`device.drafting.DraftGraph`),
+  every row at once. It has no K/V of its own: it reads the target's, and drafts from the constant
+  position of each row's last token, fed back its own token and projected hidden state, as
+  transformers' `SinglePositionMultiTokenCandidateGenerator` does. Sampled rows sample their drafts
+  from the assistant's distribution q (no softcap, as transformers' assistant) and hand q over for
+  rejection sampling.
+- `PromptLookupDrafter`: n-gram matches in the row's own prompt and output (what transformers'
+  `prompt_lookup_num_tokens` and vLLM's ngram speculation do): no second model, no device work.
+- `CallableDrafter`: any `fn(history, n) -> tokens` (tests: always right, always wrong).
+
+Whatever a drafter proposes, greedy verification keeps the output equal to plain greedy decoding.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING
+
+import torch
+
+from ..device.graph import index_tensor
+from ..runtime import sampling_probs
+
+if TYPE_CHECKING:
+    from ..runtime import Engine
+
+Proposals = dict[int, tuple[list[int], torch.Tensor | None]]
+
+
+class AssistantDrafter:
+    """Gemma-4's assistant over the target's K/V: `step` is the compiled draft graph
+    (`engine.steps.draft`), `[B, 1, 2H]` inputs and a position per row."""
+
+    needs_hidden = True  # the engine keeps the target's last hidden state per row
+
+    def propose(self, engine: Engine, counts: Mapping[int, int]) -> Proposals:
+        if not counts:
+            return {}
+        rows = engine.rows
+        token = torch.zeros(engine.batch, 1, dtype=torch.long)
+        hidden = torch.zeros(engine.batch, 1, _hidden_width(engine), dtype=engine.dtype)
+        position = [0] * engine.batch
+        for r in counts:
+            token[r, 0], position[r] = rows[r].tokens[-1], rows[r].position
+            hidden[r, 0] = rows[r].hidden.to(engine.dtype)
+        drafts: dict[int, list[int]] = {r: [] for r in counts}
+        qs: dict[int, list[torch.Tensor]] = {r: [] for r in counts}
+        at = index_tensor(position)
+        for _ in range(max(counts.values())):
+            x = torch.cat([engine.embed(token)[0], hidden], dim=-1)
+            out = engine.steps.draft(x, at)
+            logits, projected = (p.to("cpu") for p in out[:2])
+            for r in counts:
+                sampling = rows[r].request.sampling
+                if sampling.greedy:
+                    t = int(torch.argmax(logits[r]))
+                else:
+                    q = sampling_probs(logits[r], sampling, None)  # the assistant's forward has no softcap
+                    t = int(torch.multinomial(q, 1, generator=rows[r].generator))
+                    qs[r].append(q)
+                drafts[r].append(t)
+                token[r, 0] = t
+            hidden = projected[:, None, :].to(engine.dtype)
+        return {r: (drafts[r][: counts[r]], torch.stack(qs[r][: counts[r]]) if qs[r] else None) for r in counts}
+
+
+def _hidden_width(engine: Engine) -> int:
+    return int(engine.embedder.embed_tokens.weight.shape[-1])
+
+
+class PromptLookupDrafter:
+    """Propose the tokens that followed the last earlier occurrence of the row's trailing n-gram
+    (longest n first, `max_ngram` down to `min_ngram`), in its prompt and output so far."""
+
+    needs_hidden = False
+
+    def __init__(self, max_ngram: int = 3, min_ngram: int = 1):
+        if not 1 <= min_ngram <= max_ngram:
+            from ..errors import SettingsError
+
+            raise SettingsError(f"prompt lookup needs 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")
+        self.max_ngram, self.min_ngram = int(max_ngram), int(min_ngram)
+
+    def propose(self, engine: Engine, counts: Mapping[int, int]) -> Proposals:
+        return {r: (lookup(engine.rows[r].history, n, self.max_ngram, self.min_ngram), None) for r, n in counts.items()}
+
+
+def lookup(history: Sequence[int], n: int, max_ngram: int = 3, min_ngram: int = 1) -> list[int]:
+    """Up to `n` tokens that followed the latest earlier match of `history`'s trailing n-gram."""
+    history = list(history)
+    for size in range(min(max_ngram, len(history) - 1), min_ngram - 1, -1):
+        tail = history[-size:]
+        for start in range(len(history) - size - 1, -1, -1):
+            if history[start : start + size] == tail:
+                follow = history[start + size : start + size + n]
+                if follow:
+                    return follow
+    return []
+
+
+class CallableDrafter:
+    """Any `fn(history, n) -> up to n tokens` as a drafter (deterministic: verified as a point mass)."""
+
+    needs_hidden = False
+
+    def __init__(self, fn: Callable[[list[int], int], Sequence[int]]):
+        self.fn = fn
+
+    def propose(self, engine: Engine, counts: Mapping[int, int]) -> Proposals:
+        return {r: ([int(t) for t in self.fn(engine.rows[r].history, n)][:n], None) for r, n in counts.items()}
+
+
+__all__ = ["AssistantDrafter", "CallableDrafter", "PromptLookupDrafter", "lookup"]
