@@ -198,8 +198,8 @@ def load_engine(settings: Any):
     model = load_model(settings)
     t1 = time.perf_counter()
     compiled = compile_graphs(model, settings)
-    compile_s = 0.0 if settings.artifacts else time.perf_counter() - t1
-    names = tuple(n for n in (getattr(settings.variant_spec, "hub_id", None), settings.variant) if n)
+    compile_s = float(compiled.compile_s)  # 0 from a bundle or a warm cache
+    names = tuple(n for n in (getattr(settings.variant_spec, "hf_id", None), settings.variant) if n)
     return Loaded(
         compiled.runtime, model.tokenizer, settings.variant_spec.name, names, tuple(eos_ids(model)), t1 - t0, compile_s
     )

@@ -13,11 +13,12 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import itertools
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -108,6 +109,7 @@ class Scheduler:
         self._accepting = True
         self._closing = False
         self._thread = threading.Thread(target=self._run, name="gemma4lib-scheduler", daemon=True)
+        self._engine_lock = threading.Lock()  # held by the thread while it calls the engine; `paused` takes it
         self.steps = 0
         self.admitted = 0
         self.metrics.queue_depth.set_function(lambda: len(self._waiting))
@@ -166,6 +168,13 @@ class Scheduler:
     def accepting(self) -> bool:
         return self._accepting
 
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[EngineLike]:
+        """Borrow the engine (an in-process evaluation beside the server): the scheduler thread waits
+        meanwhile; requests still queue. Rows that are live keep their state but make no progress."""
+        with self._engine_lock:
+            yield self.engine
+
     def idle(self) -> bool:
         with self._cond:
             return not self._waiting and not self._live
@@ -219,10 +228,11 @@ class Scheduler:
                     self._waiting.remove(job)
             for job in waiting:
                 self._finish(job, "cancelled")
-            self._reap()
-            self._admit()
-            if self._live:
-                self._step()
+            with self._engine_lock:
+                self._reap()
+                self._admit()
+                if self._live:
+                    self._step()
             self._publish()
         for row in list(self._live):
             self._end(row, "cancelled")
