@@ -115,7 +115,7 @@ class EngineLM(LM):
                 ids = self.tokenizer(context, add_special_tokens=False)["input_ids"]  # the template has <bos>
                 jobs.append(Request(ids, int(kwargs.get("max_gen_toks", 24)), eos_token_ids=self.eos_ids))
                 stops.append([s for s in kwargs.get("until", []) if s])
-            for result, until in zip(self.engine.generate(jobs), stops, strict=True):
+            for result, until in zip(self.engine.generate_rows(jobs).rows, stops, strict=True):
                 text = self.tokenizer.decode(result.tokens, skip_special_tokens=True)
                 cuts = [text.index(s) for s in until if s in text]
                 out.append(text[: min(cuts)] if cuts else text)
