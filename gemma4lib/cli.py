@@ -299,6 +299,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--model-name", help="the model id clients send (default: the variant's name)")
     p.add_argument("--max-queue", type=int, default=64, help="requests waiting for a row before 429 (default 64)")
+    p.add_argument(
+        "--admit-wait-ms",
+        type=float,
+        default=0.0,
+        help="while rows decode, let waiting requests gather up to this long for one prefill (default 0)",
+    )
     p.add_argument("--drain-timeout", type=float, default=600.0, help="seconds SIGTERM waits for running requests")
     p.add_argument("--ray", action="store_true", help="deploy with Ray Serve (replicas load --artifacts)")
     p.add_argument("--replicas", type=int, default=1, help="--ray: replicas (fixed unless autoscaling is set)")

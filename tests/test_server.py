@@ -125,9 +125,11 @@ def tokenizer():
     return load_tokenizer(TOKENIZER_DIR)
 
 
-def serve_fake(tokenizer, max_queue=8, **engine_kwargs) -> tuple[BackgroundServer, FakeEngine]:
+def serve_fake(tokenizer, max_queue=8, admit_wait_s=0.0, **engine_kwargs) -> tuple[BackgroundServer, FakeEngine]:
     engine = FakeEngine(tokenizer, **engine_kwargs)
-    served = build_served(engine, tokenizer, model_name=MODEL, eos_ids=(EOS,), max_queue=max_queue)
+    served = build_served(
+        engine, tokenizer, model_name=MODEL, eos_ids=(EOS,), max_queue=max_queue, admit_wait_s=admit_wait_s
+    )
     return BackgroundServer(served).start(), engine
 
 
@@ -302,6 +304,36 @@ def test_requests_join_and_leave_the_batch_and_none_is_mixed(tokenizer):
     assert engine.caller == {"gemma4lib-scheduler"}
 
 
+@pytest.mark.parametrize(("wait_s", "admits"), [(0.0, [(0,), (1,), (1,)]), (0.3, [(0,), (1, 2)])])
+def test_waiting_requests_gather_for_one_prefill_while_rows_decode(tokenizer, wait_s, admits):
+    """With `admit_wait_s`, a request that arrives while a row decodes waits (up to that long) for
+    others, so one prefill admits them together; an idle server, or a queue that fills every free
+    row, admits at once."""
+    server, engine = serve_fake(tokenizer, batch=4, step_s=0.01, endless=True, admit_wait_s=wait_s)
+    codes: list[int] = []
+
+    def post(country, max_tokens):
+        body = {"model": MODEL, "messages": ask(country), "max_tokens": max_tokens}
+        codes.append(httpx.post(server.url + "/v1/chat/completions", json=body, timeout=30).status_code)
+
+    threads = [threading.Thread(target=post, args=("Peru", 80))]  # ~0.8 s of steps
+    try:
+        threads[0].start()
+        deadline = time.monotonic() + 10
+        while not engine.trace and time.monotonic() < deadline:
+            time.sleep(0.005)
+        for country in ("Chile", "Japan"):  # while Peru decodes, 0.1 s apart
+            time.sleep(0.1)
+            threads.append(threading.Thread(target=post, args=(country, 5)))
+            threads[-1].start()
+        for t in threads:
+            t.join(30)
+    finally:
+        server.stop()
+    assert codes == [200, 200, 200]
+    assert [rows for kind, rows in engine.trace if kind == "admit"] == admits
+
+
 def test_a_client_that_disconnects_mid_stream_frees_its_row(tokenizer):
     server, engine = serve_fake(tokenizer, batch=1, step_s=0.01, endless=True)
     try:
@@ -359,6 +391,7 @@ def _error(response: httpx.Response, status: int) -> dict:
         ({"model": MODEL, "messages": ask("France"), "top_p": 1.5}, 400, "top_p", "invalid_value"),
         ({"model": MODEL, "messages": ask("France"), "max_tokens": "many"}, 400, "max_tokens", "invalid_value"),
         ({"model": MODEL, "messages": ask("France"), "max_tokens": 0}, 400, "max_tokens", "invalid_value"),
+        ({"model": MODEL, "messages": ask("France"), "seed": -3}, 400, "seed", "invalid_value"),
         ({"model": MODEL}, 400, "messages", "invalid_value"),
         ({"model": MODEL, "messages": [{"role": "robot", "content": "hi"}]}, 400, "messages.0.role", "invalid_value"),
     ],
@@ -453,6 +486,10 @@ def test_metrics_count_tokens_and_latencies(fake):
     assert values["gemma4lib_tokens_per_second"] == pytest.approx(18 / 10.0)
     assert values["gemma4lib_rows"] == 2
     assert values['gemma4lib_http_responses_total{route="/v1/chat/completions",status="200"}'] == 3
+    for path in ("/wp-login.php", "/admin", "/v2/x"):  # a scanner's paths: one label value, not one each
+        assert httpx.get(server.url + path).status_code == 404
+    text = httpx.get(server.url + "/metrics").text
+    assert 'gemma4lib_http_responses_total{route="other",status="404"} 3.0' in text and "wp-login" not in text
 
 
 def test_the_load_run_reports_complete_unmixed_levels_and_batching_pays(tokenizer):

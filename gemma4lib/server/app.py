@@ -29,6 +29,7 @@ from .scheduler import Scheduler, Ticket
 
 log = logging.getLogger("gemma4lib.server")
 DISCONNECT_POLL_S = 0.25
+ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics")
 
 
 class Served:
@@ -106,7 +107,8 @@ class CountResponses:
 
         async def send_counted(message: dict[str, Any]) -> None:
             if message["type"] == "http.response.start":
-                self.metrics.http.labels(route=scope["path"], status=str(message["status"])).inc()
+                route = scope["path"] if scope["path"] in ROUTES else "other"  # bounded label values
+                self.metrics.http.labels(route=route, status=str(message["status"])).inc()
                 if self.metrics.replica:
                     message["headers"] = [
                         *message.get("headers", []),

@@ -56,11 +56,14 @@ def build_served(
     max_queue: int = 64,
     replica: str = "",
     info: dict[str, Any] | None = None,
+    admit_wait_s: float = 0.0,
 ) -> Served:
     """The scheduler (started) and what the routes need, around an engine and its tokenizer; `info`
     (load and compile seconds, the replica) is shown by `GET /health`."""
     metrics = ServerMetrics(engine.batch, replica=replica)
-    scheduler = Scheduler(engine, Codec(tokenizer), max_queue=max_queue, metrics=metrics).start()
+    scheduler = Scheduler(
+        engine, Codec(tokenizer), max_queue=max_queue, metrics=metrics, admit_wait_s=admit_wait_s
+    ).start()
     return Served(scheduler, model_name, eos_ids, aliases, info=info)
 
 
@@ -125,6 +128,7 @@ def serve_loaded(loaded: Loaded, args: Any) -> int:
         aliases=loaded.aliases,
         max_queue=args.max_queue,
         info={"load_s": round(loaded.load_s, 3), "compile_s": round(loaded.compile_s, 3)},
+        admit_wait_s=args.admit_wait_ms / 1000.0,
     )
     log.warning("engine ready: load %.1f s, compile %.1f s", loaded.load_s, loaded.compile_s)
     serve_forever(served, args.host, args.port, args.drain_timeout)

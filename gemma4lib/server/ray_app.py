@@ -45,6 +45,7 @@ class RayOptions:
     target_ongoing_requests: float | None = None
     max_queue: int = 64
     model_name: str | None = None
+    admit_wait_ms: float = 0.0
     host: str = LOOPBACK
     port: int = 8000
     address: str | None = None
@@ -108,7 +109,9 @@ def require_bundle(settings: Any) -> None:
 class GemmaReplica:
     """One replica: an engine from the bundle, its scheduler thread, the FastAPI app over them."""
 
-    def __init__(self, kwargs: dict[str, Any], loader: Loader, max_queue: int, model_name: str | None):
+    def __init__(
+        self, kwargs: dict[str, Any], loader: Loader, max_queue: int, model_name: str | None, admit_wait_s: float = 0.0
+    ):
         import torch
 
         torch.set_num_threads(int(os.environ.get("GEMMA4LIB_THREADS", "1")))
@@ -124,6 +127,7 @@ class GemmaReplica:
             max_queue=max_queue,
             replica=replica,
             info=info,
+            admit_wait_s=admit_wait_s,
         )
         log.warning("replica %s ready: load %.1f s, compile %.1f s", replica, loaded.load_s, loaded.compile_s)
 
@@ -149,7 +153,9 @@ def build_app(settings: Any, options: RayOptions, loader: Loader) -> Any:
     pickled by reference, so it must be a module-level function (e.g. `gemma4lib.cli.load_engine_from`)."""
     require_bundle(settings)
     deployment = serve.deployment(GemmaReplica, name=APP_NAME, **deployment_options(settings, options))
-    return deployment.bind(settings_kwargs(settings), loader, options.max_queue, options.model_name)
+    return deployment.bind(
+        settings_kwargs(settings), loader, options.max_queue, options.model_name, options.admit_wait_ms / 1000.0
+    )
 
 
 def split_options(args: dict[str, str]) -> tuple[dict[str, str], RayOptions]:
@@ -159,7 +165,8 @@ def split_options(args: dict[str, str]) -> tuple[dict[str, str], RayOptions]:
     for f in fields(RayOptions):
         if f.name in args:
             value = args.pop(f.name)
-            kind = {"target_ongoing_requests": float, "model_name": str, "host": str, "address": str}.get(f.name, int)
+            floats = ("target_ongoing_requests", "admit_wait_ms")
+            kind = float if f.name in floats else {"model_name": str, "host": str, "address": str}.get(f.name, int)
             typed[f.name] = kind(value)
     return args, RayOptions(**typed)
 

@@ -99,8 +99,17 @@ class Ticket:
 class Scheduler:
     """Owns `engine` on one thread; `submit` from any asyncio loop; `drain` for SIGTERM."""
 
-    def __init__(self, engine: EngineLike, codec: Codec, *, max_queue: int = 64, metrics: ServerMetrics | None = None):
+    def __init__(
+        self,
+        engine: EngineLike,
+        codec: Codec,
+        *,
+        max_queue: int = 64,
+        metrics: ServerMetrics | None = None,
+        admit_wait_s: float = 0.0,
+    ):
         self.engine, self.codec, self.max_queue = engine, codec, int(max_queue)
+        self.admit_wait_s = float(admit_wait_s)
         self.metrics = metrics or ServerMetrics(engine.batch)
         self._waiting: collections.deque[Job] = collections.deque()
         self._live: dict[int, Job] = {}
@@ -257,6 +266,8 @@ class Scheduler:
             return
         batch: dict[int, Job] = {}
         with self._cond:
+            if self._defer(len(free)):
+                return
             while free and self._waiting:
                 job = self._waiting.popleft()
                 if job.cancelled:
@@ -277,6 +288,15 @@ class Scheduler:
             return
         self.admitted += len(batch)
         self._deliver(first)
+
+    def _defer(self, free: int) -> bool:
+        """Whether to let waiting requests gather for one prefill: a prefill graph has a fixed shape, so
+        it costs the same for one row as for all (measured on the tiny E2B at B=8: ~55 ms either way,
+        against ~2.5 ms a decode step). Never while no row decodes (nothing to gain), nor once the
+        waiting fill every free row or the oldest has waited `admit_wait_s`."""
+        if not self._waiting or not self._live or self.admit_wait_s <= 0 or len(self._waiting) >= free:
+            return False
+        return time.monotonic() - self._waiting[0].submitted < self.admit_wait_s
 
     def _step(self) -> None:
         try:

@@ -38,7 +38,7 @@ class SamplingFields(_Body):
     max_tokens: int | None = Field(default=None, ge=1)
     temperature: float | None = None
     top_p: float | None = None
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=0, lt=2**63)  # a torch generator's range
     stop: str | list[str] | None = None
     n: int = Field(default=1, ge=1, le=1)
     stream: bool = False
