@@ -577,8 +577,16 @@ class Engine:
         keep_logits: bool = False,
     ) -> RowResult:
         """One prompt (row 0) to the end: `generate_rows` with one request."""
-        if isinstance(prompt_ids, torch.Tensor):
-            prompt_ids = prompt_ids.reshape(-1).tolist()
+        if not isinstance(prompt_ids, str):
+            ids = torch.as_tensor(prompt_ids if len(prompt_ids) else [], dtype=torch.long)
+            if ids.dim() == 2 and ids.shape[0] > 1:
+                if ids.shape[0] > self.batch:
+                    raise BatchTooLargeError(
+                        f"batch of {ids.shape[0]} prompts, but the graphs were compiled for batch {self.batch}; "
+                        f"send at most {self.batch} at a time or recompile with batch_size={ids.shape[0]}"
+                    )
+                raise SettingsError("generate() takes one prompt; pass several to generate_rows([Request(...), ...])")
+            prompt_ids = ids.reshape(-1).tolist()
         request = Request(prompt_ids, max_new_tokens, sampling, tuple(eos_token_ids))
         stream = (lambda _row, token: on_token(token)) if on_token else None
         return self.generate_rows([request], on_token=stream, keep_logits=keep_logits).rows[0]

@@ -87,6 +87,31 @@ def time_interleaved(runs: Mapping[str, Callable[[], Any]], warmup: int, iters: 
     return figures
 
 
+def bench_drafted(
+    engine: Engine, plain: Engine, requests: Sequence[Request], warmup: int, iters: int
+) -> dict[str, Any]:
+    """Decode tok/s with and without drafting over the same graphs' model, the two engines taking
+    turns (`time_interleaved`), and whether they give the same tokens (greedy drafting must)."""
+    requests = list(requests)
+    runs = time_interleaved(
+        {"with_draft": lambda: engine.generate_rows(requests), "without_draft": lambda: plain.generate_rows(requests)},
+        warmup,
+        iters,
+    )
+    drafted, undrafted = engine.generate_rows(requests), plain.generate_rows(requests)
+    with_draft = statistics.median(runs["with_draft"]) if runs["with_draft"] else None
+    without = statistics.median(runs["without_draft"]) if runs["without_draft"] else None
+    return {
+        "decode_tok_s_with_draft": with_draft,
+        "decode_tok_s_without_draft": without,
+        "speedup_with_draft": with_draft / without if with_draft and without else None,
+        "bench_accepted_per_step": drafted.rows[0].accepted_per_step,
+        "decode_tok_s_runs": runs,
+        "bench_tokens": requests[0].max_new_tokens,
+        "plain_tokens_match": [r.tokens for r in drafted.rows] == [r.tokens for r in undrafted.rows],
+    }
+
+
 @torch.no_grad()
 def time_decode_steps(model: LoadedModel, step: BenchGraph, positions: Sequence[int], token: int = 5) -> float:
     """Decode tok/s of `step` over consecutive `positions`, through the engine's own decode step

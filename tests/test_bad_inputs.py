@@ -61,7 +61,7 @@ from gemma4lib.models.variants import get_variant
 from gemma4lib.port import PortSettings
 from gemma4lib.recipes import neuron_env, recipe_module
 from gemma4lib.results import read_result, write_result
-from gemma4lib.runtime import HostRuntime, Sampling, encode_prompt
+from gemma4lib.runtime import Engine, Request, Sampling, Steps, bind_kv, encode_prompt
 from gemma4lib.tp.plan import make_plan
 from papermill_runs import baselines
 from papermill_runs import run as pm_run
@@ -96,15 +96,14 @@ class _Forbidden:
         raise AssertionError("device step called for a request that cannot fit")
 
 
-_RUNTIME: list[HostRuntime] = []
+_RUNTIME: list[Engine] = []
 
 
-def runtime() -> HostRuntime:
-    """A host runtime over the tiny E2B with one 16-token prefill bucket and a 32-token context."""
+def runtime() -> Engine:
+    """An engine over the tiny E2B with one 16-token prefill bucket and a 32-token context."""
     if not _RUNTIME:
-        _RUNTIME.append(
-            HostRuntime(build_tiny(get_variant("e2b")), {16: _Forbidden()}, _Forbidden(), [], context_length=32)
-        )
+        model = build_tiny(get_variant("e2b"))
+        _RUNTIME.append(Engine.for_model(model, Steps({16: _Forbidden()}, _Forbidden()), batch=1, context_length=32))
     return _RUNTIME[0]
 
 
@@ -1197,13 +1196,16 @@ def test_check_fits_is_exact_at_the_context_boundary():
     context, prompt = 24, list(range(3, 15))
     prefill = DeviceGraph(model.text_model, model.lm_head, model.layout, GraphShape(1, 16, context, False))
     decode = DeviceGraph(model.text_model, model.lm_head, model.layout, GraphShape(1, 1, context, False))
-    rt = HostRuntime(model, {16: prefill}, decode, decode.new_kv(), context_length=context)
+    kv = decode.new_kv()
+    rt = Engine.for_model(
+        model, Steps({16: bind_kv(prefill, kv)}, bind_kv(decode, kv)), batch=1, context_length=context
+    )
     longest = context - len(prompt) + 1
     generation = rt.generate(prompt, longest)
     assert len(generation.tokens) == longest
     assert generation.tokens == reference_greedy(model.lm, prompt, longest, [])
     with pytest.raises(PromptTooLongError):
-        rt.check_fits(prompt, longest + 1)
+        rt.check(Request(prompt, longest + 1))
 
 
 # ---- checkpoints that load ------------------------------------------------------------------------

@@ -25,7 +25,10 @@ from gemma4lib.models.assistant import (
 )
 from gemma4lib.port import PortSettings, eos_ids, load_model, port, prompt_ids
 from gemma4lib.reference import reference_greedy
-from gemma4lib.serving.speculative import DraftedRuntime, build_draft_graphs, compile_draft_graphs, hf_assisted
+from gemma4lib.backends.registry import compile_graphs, run_device
+from gemma4lib.generation.drafters import CallableDrafter
+from gemma4lib.reference import hf_assisted
+from gemma4lib.runtime import Request, Sampling
 
 DONE_WHEN = ["e2b", "31b", "26b-a4b"]
 ALL = [*DONE_WHEN, "e4b", "12b"]
@@ -50,17 +53,33 @@ class _Drafted:
                 verify_experts=verify_experts,
             )
             model = load_model(settings)
-            assistant = load_assistant(model, settings)
-            graphs = build_draft_graphs(model, assistant, settings)
-            runtime = DraftedRuntime(model, compile_draft_graphs(graphs, settings), graphs.new_kv(), K)
+            compiled = compile_graphs(model, settings)
+            runtime = compiled.runtime
+            runtime.kv = compiled.kv  # the host K/V the eager steps update (graph-level checks read them)
             key = (variant, ring, verify_experts)
-            self._done[key] = (settings, model, assistant, graphs, runtime, prompt_ids(model, settings))
+            self._done[key] = (
+                settings,
+                model,
+                compiled.assistant,
+                compiled.graphs,
+                runtime,
+                prompt_ids(model, settings),
+            )
         return self._done[variant, ring, verify_experts]
 
 
 @pytest.fixture(scope="module")
 def drafted() -> _Drafted:
     return _Drafted()
+
+
+def generate_with(runtime, drafter, ids, n, **kwargs):
+    """The engine's generation with another drafter for once (`CallableDrafter(fn(history, n))`)."""
+    own, runtime.drafter = runtime.drafter, drafter
+    try:
+        return runtime.generate(ids, n, keep_logits=True, **kwargs)
+    finally:
+        runtime.drafter = own
 
 
 def _checked(model, ids, generation, reference):
@@ -76,7 +95,7 @@ def test_drafting_equals_plain_greedy_across_the_window(drafted, variant):
     assert len(ids) + LONG > 3 * window
     assert graphs.layout.slots(SLIDING, settings.context_length, True) == window + K + 1  # room for k rejected
     reference = reference_greedy(model.lm, ids, LONG)
-    generation = runtime.generate(ids, LONG)
+    generation = runtime.generate(ids, LONG, keep_logits=True)
     _checked(model, ids, generation, reference)
     hf_tokens, hf_steps = hf_assisted(model.lm, assistant.model, ids, LONG, [])
     assert hf_tokens == generation.tokens
@@ -89,7 +108,7 @@ def test_drafting_over_full_length_buffers(drafted):
     """Without rings the rejected drafts' slots are simply overwritten by the next verify."""
     settings, model, assistant, graphs, runtime, ids = drafted.get("e2b", ring=False)
     assert graphs.layout.slots(SLIDING, settings.context_length, False) == settings.context_length
-    generation = runtime.generate(ids, LONG)
+    generation = runtime.generate(ids, LONG, keep_logits=True)
     _checked(model, ids, generation, reference_greedy(model.lm, ids, LONG))
     assert generation.accepted_per_step > 1.0
 
@@ -100,11 +119,11 @@ def test_an_always_wrong_draft_is_still_exact(drafted, variant):
     reference = reference_greedy(model.lm, ids, LONG)
     vocab = model.config.vocab_size
 
-    def wrong(token, hidden, position, n):  # the token after `position` is reference[position - len(ids) + 1]
-        at = position - len(ids) + 1
+    def wrong(history, n):  # the token after the last one is reference[len(history) - len(ids)]
+        at = len(history) - len(ids)
         return [(reference[min(at + i, len(reference) - 1)] + 1) % vocab for i in range(n)]
 
-    generation = runtime.generate(ids, LONG, drafter=wrong)
+    generation = generate_with(runtime, CallableDrafter(wrong), ids, LONG)
     _checked(model, ids, generation, reference)
     assert set(generation.accepted) == {0} and generation.accepted_per_step == 1.0
 
@@ -114,11 +133,11 @@ def test_an_always_right_draft_keeps_every_draft(drafted, variant):
     _, model, _, _, runtime, ids = drafted.get(variant)
     reference = reference_greedy(model.lm, ids, LONG)
 
-    def right(token, hidden, position, n):
-        at = position - len(ids) + 1
+    def right(history, n):
+        at = len(history) - len(ids)
         return reference[at : at + n]
 
-    generation = runtime.generate(ids, LONG, drafter=right)
+    generation = generate_with(runtime, CallableDrafter(right), ids, LONG)
     _checked(model, ids, generation, reference)
     assert generation.accepted == generation.drafted  # every draft kept
     assert generation.accepted[0] == K and len(generation.emitted) == -(-(LONG - 1) // (K + 1))
@@ -141,7 +160,7 @@ def test_the_draft_graph_is_the_assistants_forward(drafted):
             shared_kv_states=out.shared_kv_states,
         )
         runtime.generate(ids, 1)  # prefill fills the K/V buffers
-        logits, projected = graphs.draft(x, torch.tensor([len(ids)]), *runtime.kv)
+        logits, projected = graphs.draft(x, torch.tensor([len(ids)], dtype=torch.int32), *runtime.kv)
     torch.testing.assert_close(logits[0], theirs.logits[0, -1].float(), rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(projected[0], theirs.last_hidden_state[0, -1], rtol=1e-4, atol=1e-4)
 
@@ -192,7 +211,7 @@ def test_a_mismatch_with_assisted_generate_fails_the_record():
     [
         (dict(draft="assistant", draft_tokens=0), SettingsError, "at least 1"),
         (dict(draft_tokens=4), SettingsError, "draft='assistant'"),
-        (dict(draft="medusa"), UnknownNameError, "assistant"),
+        (dict(draft="medusa"), UnknownNameError, "prompt_lookup"),
         (dict(draft="assistant", backend="neuron", neuron_recipe="trace"), SettingsError, "ModelBuilder"),
         (dict(verify_experts="selective"), SettingsError, "draft='assistant'"),
         (dict(draft="assistant", verify_experts="sparse"), UnknownNameError, "selective"),
@@ -236,7 +255,7 @@ def test_the_moe_verify_in_either_expert_form_is_exact(drafted, form):
     _, model, assistant, graphs, runtime, ids = drafted.get("26b-a4b", verify_experts=form)
     assert graphs.verify.expert_form == form
     reference = reference_greedy(model.lm, ids, LONG)
-    generation = runtime.generate(ids, LONG)
+    generation = runtime.generate(ids, LONG, keep_logits=True)
     _checked(model, ids, generation, reference)
     assert hf_assisted(model.lm, assistant.model, ids, LONG, [])[0] == generation.tokens
     assert generation.accepted_per_step > 1.0
@@ -275,7 +294,7 @@ def test_the_draft_graph_never_writes_the_kv(drafted):
     runtime.generate(ids, 3)
     before = [t.clone() for t in runtime.kv]
     x = torch.randn(1, 1, 2 * model.config.hidden_size)
-    graphs.draft(x, torch.tensor([len(ids) + 2]), *runtime.kv)
+    graphs.draft(x, torch.tensor([len(ids) + 2], dtype=torch.int32), *runtime.kv)
     assert all(torch.equal(a, b) for a, b in zip(before, runtime.kv, strict=True))
     assert isinstance(graphs.draft, DraftGraph) and isinstance(graphs.layout, RoomyLayout)
     assert graphs.draft.shape == GraphShape(1, 1, graphs.verify.shape.context_length, True)
@@ -286,13 +305,12 @@ def test_drafting_compiled_with_aotinductor_is_exact():
     """The cpu backend: prefill, verify and draft graphs through torch.export + AOTInductor."""
     settings = PortSettings(variant="e2b", backend="cpu", draft="assistant", draft_tokens=K)
     model = load_model(settings)
-    assistant = load_assistant(model, settings)
-    graphs = build_draft_graphs(model, assistant, settings)
-    runtime = DraftedRuntime(model, compile_draft_graphs(graphs, settings), graphs.new_kv(), K)
+    compiled = compile_graphs(model, settings)
+    runtime, assistant = compiled.runtime, compiled.assistant
     ids = prompt_ids(model, settings)
     eos = eos_ids(model)
     reference = reference_greedy(model.lm, ids, LONG)
-    generation = runtime.generate(ids, LONG)
+    generation = runtime.generate(ids, LONG, keep_logits=True)
     _checked(model, ids, generation, reference)
     assert hf_assisted(model.lm, assistant.model, ids, settings.max_new_tokens, eos)[0] == reference_greedy(
         model.lm, ids, settings.max_new_tokens, eos
@@ -327,16 +345,14 @@ def test_retraining_the_e2b_assistant_gives_the_shipped_weights():
 def test_sampling_with_a_nucleus_of_one_token_is_the_greedy_drafted_run(drafted):
     """top_p so small that p and q keep only their argmax: acceptance is 1 exactly when the draft is
     the target's argmax, so the sampled run is the greedy one, acceptances included. Greedy
-    `Sampling()` and `sampling=None` take the unchanged greedy path."""
-    from gemma4lib.runtime import Sampling
-
+    `Sampling()` takes the greedy rule."""
     _, model, _, _, runtime, ids = drafted.get("e2b")
-    greedy = runtime.generate(ids, LONG)
-    for sampling in (Sampling(temperature=1.0, top_p=1e-6), Sampling(temperature=1e-4)):
-        sampled = runtime.generate(ids, LONG, sampling=sampling, generator=torch.Generator().manual_seed(3))
+    greedy = runtime.generate(ids, LONG, keep_logits=True)
+    for sampling in (Sampling(temperature=1.0, top_p=1e-6, seed=3), Sampling(temperature=1e-4, seed=3)):
+        sampled = runtime.generate(ids, LONG, sampling=sampling)
         assert sampled.tokens == greedy.tokens, sampling
         assert sampled.accepted == greedy.accepted and sampled.emitted == greedy.emitted, sampling
-    same = runtime.generate(ids, LONG, sampling=Sampling())
+    same = runtime.generate(ids, LONG, sampling=Sampling(), keep_logits=True)
     assert same.tokens == greedy.tokens and same.accepted == greedy.accepted
     assert torch.equal(same.step_logits, greedy.step_logits)
     _checked(model, ids, greedy, reference_greedy(model.lm, ids, LONG))
@@ -346,11 +362,9 @@ def test_sampled_drafting_runs_and_keeps_the_kv_right(drafted):
     """Temperature 1: valid tokens, acceptance reported, reproducible from the seed, and every kept
     logits row equals the target's teacher-forced logits along the sampled tokens (LOGITS_MATCH:
     positions, rejected drafts' K/V and the assistant's hidden state kept right)."""
-    from gemma4lib.runtime import Sampling
-
     _, model, _, _, runtime, ids = drafted.get("e2b")
     sampling = Sampling(temperature=1.0, seed=7)
-    generation = runtime.generate(ids, LONG, sampling=sampling)
+    generation = runtime.generate(ids, LONG, sampling=sampling, keep_logits=True)
     vocab = model.config.vocab_size
     assert len(generation.tokens) == LONG and all(0 <= t < vocab for t in generation.tokens)
     assert all(0 <= a <= d for a, d in zip(generation.accepted, generation.drafted, strict=True))
@@ -364,53 +378,43 @@ def test_sampled_drafting_runs_and_keeps_the_kv_right(drafted):
     assert other.tokens != generation.tokens  # the seed matters: it is a sample
 
 
-def test_sampling_where_it_is_not_built_is_refused(drafted):
-    from gemma4lib.runtime import Sampling
-    from gemma4lib.serving.drafted_run import run_device_drafted
-
-    settings, model, _, _, runtime, ids = drafted.get("e2b")
-    sampling = Sampling(temperature=0.7)
-    with pytest.raises(SettingsError, match="needs the distributions"):
-        runtime.generate(ids, 4, sampling=sampling, drafter=lambda *_: [])
-    over = DraftedRuntime.over(runtime.embedder, runtime.steps, runtime.kv, K)
-    with pytest.raises(SettingsError, match="single-device runtime"):
-        over.generate(ids, 4, sampling=sampling)
-    assert over.generate(ids, 4).tokens == runtime.generate(ids, 4).tokens  # greedy still runs there
-    tp = PortSettings(variant="e2b", backend="eager", draft="assistant", draft_tokens=K, tp_degree=2)
-    with pytest.raises(SettingsError, match="gloo TP ranks"):
-        run_device_drafted(model, tp, ids, [], bench=False, sampling=sampling)
+def test_a_deterministic_drafter_samples_against_a_point_mass(drafted):
+    """A drafter with no distribution (prompt lookup, a callable) under sampling: its drafts are
+    verified against a point mass (q one-hot), so the tokens still follow the target's logits."""
+    _, model, _, _, runtime, ids = drafted.get("e2b")
+    generation = generate_with(runtime, CallableDrafter(lambda history, n: history[-n:]), ids, LONG,
+                               sampling=Sampling(temperature=0.8, seed=2))  # fmt: skip
+    assert len(generation.tokens) == LONG and len(generation.emitted) > 0
+    logits = checks.check_logits(model.lm, ids, generation.tokens, generation.step_logits)
+    assert logits.passed, logits.explain()
 
 
-def test_the_drafted_run_samples_when_asked_and_the_greedy_record_is_unchanged(drafted):
-    """`run_single_device_drafted(..., sampling=)` (what a notebook calls): the sample of the runtime
-    with the same seed, recorded with its sampling and no greedy comparison; greedy: no new field."""
-    from gemma4lib.runtime import Sampling
-    from gemma4lib.serving.speculative import run_single_device_drafted
-
-    settings, model, _, _, runtime, ids = drafted.get("e2b")
-    sampling = Sampling(temperature=0.9, top_p=0.95, seed=11)
-    sampled = run_single_device_drafted(model, settings, ids, [], bench=False, sampling=sampling)
-    assert sampled.tokens == runtime.generate(ids, settings.max_new_tokens, sampling=sampling).tokens
-    assert sampled.details["sampling"] == {"temperature": 0.9, "top_p": 0.95, "seed": 11}
-    assert sampled.details["hf_assisted_match"] is None and sampled.details["hf_assisted_tokens"] is None
-    greedy = run_single_device_drafted(model, settings, ids, [], bench=False)
-    assert "sampling" not in greedy.details and greedy.details["hf_assisted_match"] is True
-    assert greedy.tokens == runtime.generate(ids, settings.max_new_tokens).tokens
-
-
-def test_sampling_on_the_model_builder_keys_is_refused_before_any_compile(drafted, monkeypatch):
+def test_sampled_drafted_rows_where_rejection_is_not_built_are_refused(drafted, monkeypatch):
+    """The gloo ranks and the ModelBuilder keys verify greedily: a sampled drafted request is refused
+    before anything compiles, naming where it runs."""
     from gemma4lib.recipes import neuron_drafting, neuron_env
-    from gemma4lib.runtime import Sampling
-    from gemma4lib.serving.drafted_run import run_device_drafted
 
+    _, model, _, _, _, ids = drafted.get("e2b")
+    sampled = [Request(ids, 4, Sampling(temperature=0.7))]
+    tp = PortSettings(variant="e2b", backend="eager", draft="assistant", draft_tokens=K, tp_degree=2)
+    with pytest.raises(SettingsError, match="backend 'gloo'"):
+        run_device(model, tp, sampled, bench=False)
     monkeypatch.setenv("GEMMA4LIB_INSTANCE_TYPE", "inf2.8xlarge")
     monkeypatch.setattr(neuron_env, "require_sdk", lambda *a, **k: None)
     monkeypatch.setattr(neuron_env, "require", lambda *a, **k: None)
     monkeypatch.setattr(neuron_drafting, "compile_drafting", lambda *a, **k: pytest.fail("compiled"))
-    _, model, _, _, _, ids = drafted.get("e2b")
-    settings = PortSettings(variant="e2b", backend="neuron", draft="assistant", draft_tokens=K, cache_dir=None)
-    with pytest.raises(SettingsError, match="ModelBuilder drafting keys"):
-        run_device_drafted(model, settings, ids, [], bench=False, sampling=Sampling(temperature=0.5))
+    neuron = PortSettings(variant="e2b", backend="neuron", draft="assistant", draft_tokens=K, cache_dir=None)
+    with pytest.raises(SettingsError, match="backend 'neuron'"):
+        run_device(model, neuron, sampled, bench=False)
+
+
+def test_a_sampled_drafted_device_run_is_the_engines_sample(drafted):
+    settings, model, _, _, runtime, ids = drafted.get("e2b")
+    sampling = Sampling(temperature=0.9, top_p=0.95, seed=11)
+    sampled = run_device(model, settings, [Request(ids, settings.max_new_tokens, sampling)], bench=False)
+    assert sampled.tokens == runtime.generate(ids, settings.max_new_tokens, sampling=sampling).tokens
+    greedy = run_device(model, settings, [Request(ids, settings.max_new_tokens)], bench=False)
+    assert greedy.tokens == runtime.generate(ids, settings.max_new_tokens).tokens
 
 
 def test_the_rejection_step_gets_the_distributions_of_the_right_positions(drafted, monkeypatch):
@@ -418,8 +422,8 @@ def test_the_rejection_step_gets_the_distributions_of_the_right_positions(drafte
     (the kept rows, which pass LOGITS_MATCH) through `sampling_probs`; every draft lies in its own q's
     support and every emitted token in the target's nucleus; the first draft's q is
     `Gemma4AssistantForCausalLM.forward` on the target's shared K/V, through the same transform."""
-    from gemma4lib.runtime import Sampling, sampling_probs
-    from gemma4lib.serving import speculative
+    from gemma4lib import runtime as runtime_module
+    from gemma4lib.runtime import sampling_probs
 
     _, model, assistant, _, runtime, ids = drafted.get("e2b")
     calls = []
@@ -429,10 +433,10 @@ def test_the_rejection_step_gets_the_distributions_of_the_right_positions(drafte
         calls.append((p.clone(), None if q is None else q.clone(), list(drafts), verdict))
         return verdict
 
-    real = speculative.verify_drafts
-    monkeypatch.setattr(speculative, "verify_drafts", recording)
+    real = runtime_module.verify_drafts
+    monkeypatch.setattr(runtime_module, "verify_drafts", recording)
     sampling, cap = Sampling(temperature=1.0, top_p=0.9, seed=5), model.config.final_logit_softcapping
-    generation = runtime.generate(ids, LONG, sampling=sampling)
+    generation = runtime.generate(ids, LONG, sampling=sampling, keep_logits=True)
     assert len(calls) == len(generation.emitted) and [c[3].accepted for c in calls] == generation.accepted
     row = 1
     for (p, q, drafts, _), emitted in zip(calls, generation.emitted, strict=True):

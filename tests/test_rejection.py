@@ -16,7 +16,7 @@ import torch
 
 from gemma4lib.errors import SettingsError
 from gemma4lib.runtime import Sampling, sampling_probs
-from gemma4lib.serving.rejection import verify_batch, verify_drafts
+from gemma4lib.generation.acceptance import verify_batch, verify_drafts
 
 N = 40_000
 DELTA = 1e-6

@@ -14,7 +14,7 @@ from gemma4lib.errors import PromptTooLongError
 from gemma4lib.models.loading import build_tiny
 from gemma4lib.models.variants import VARIANTS
 from gemma4lib.reference import reference_greedy, reference_last_logits
-from gemma4lib.runtime import HostRuntime, Sampling, choose_token, sampling_probs, softcap
+from gemma4lib.runtime import Engine, Sampling, Steps, choose_token, sampling_probs, softcap
 
 NEW_TOKENS = 32
 # fp32 CPU: compiled kernels sum in a different order than HF's eager ops. Measured max |diff|
@@ -174,7 +174,7 @@ class _Forbidden:
 
 def test_prompt_too_long_fails_before_any_device_work():
     model = build_tiny(VARIANTS["12b"])
-    runtime = HostRuntime(model, {16: _Forbidden()}, _Forbidden(), [], context_length=24)
+    runtime = Engine.for_model(model, Steps({16: _Forbidden()}, _Forbidden()), batch=1, context_length=24)
     with pytest.raises(PromptTooLongError, match="more than the compiled context length 24"):
         runtime.generate(list(range(3, 19)), max_new_tokens=10)
     with pytest.raises(PromptTooLongError, match="largest compiled prefill bucket 16"):

@@ -1,7 +1,10 @@
 """Tensor parallelism on CPU: every sharded plan against the unsharded model, token for token.
 
-The ranks run as real processes joined by gloo (one thread each). 8 ranks on 2 shared cores are
-bound by collective latency, so the TP=8 runs take 10-20 s each; everything else is fast. The
+The ranks run as real processes joined by gloo (one thread each), each running the one generation
+engine over its rank graphs (`backends.gloo.run`); every row is checked like any device run: its
+tokens equal the reference's, its logits at every step within the reference's own spread, the ranks
+agree. 8 ranks on 2 shared cores are bound by collective latency, so the TP=8 runs take 10-20 s
+each; everything else is fast. The
 MoE expert forms (dense, selective) are also checked module by module, without gloo, in both
 expert splits: each rank a 1/tp slice of every expert (`intermediate`, the plan's default where it
 divides) or E/tp whole experts (`experts`, the first form).
@@ -12,17 +15,21 @@ from __future__ import annotations
 import pytest
 import torch
 
+from gemma4lib import checks
+from gemma4lib.backends import DeviceRun, gloo
 from gemma4lib.device.experts import StaticExperts
 from gemma4lib.device.graph import DeviceGraph, GraphShape
-from gemma4lib.errors import TensorParallelError
+from gemma4lib.errors import SettingsError, TensorParallelError
 from gemma4lib.models.loading import build_tiny, text_config
 from gemma4lib.models.variants import get_variant
+from gemma4lib.reference import reference_greedy
+from gemma4lib.runtime import GREEDY, Request, Sampling
+from gemma4lib.settings import PortSettings
 from gemma4lib.tp import (
     build_rank_graph,
     load_shard,
     make_plan,
     nxd_full_checkpoint,
-    run_tp_port,
     shard_shapes,
     shard_state_dict,
     valid_tp_degrees,
@@ -55,19 +62,70 @@ def prompt(name: str) -> list[int]:
     return torch.randint(3, tiny(name).config.vocab_size, (PROMPT_TOKENS,), generator=g).tolist()
 
 
-def run(name: str, tp: int, **kwargs):
-    return run_tp_port(tiny(name), tp, prompt(name), NEW_TOKENS, CONTEXT, PREFILL_LEN, **kwargs)
+def run(
+    name: str,
+    tp: int,
+    *,
+    lengths: tuple[int, ...] = (PROMPT_TOKENS,),
+    decode_experts: str = "dense",
+    draft: str | None = None,
+    sampling: Sampling = GREEDY,
+    **options,
+) -> DeviceRun:
+    """One prompt (a prefix of `prompt(name)`) per row over `tp` gloo ranks; `options` go to `run_tp`."""
+    settings = PortSettings(
+        variant=name,
+        model="random",
+        tp_degree=tp,
+        max_new_tokens=NEW_TOKENS,
+        context_length=CONTEXT,
+        prefill_buckets=(PREFILL_LEN,),
+        decode_experts=decode_experts,
+        batch_size=len(lengths),
+        draft=draft,
+        draft_tokens=3 if draft else None,
+    )
+    requests = [Request(prompt(name)[:n], NEW_TOKENS, sampling) for n in lengths]
+    return gloo.run(tiny(name), settings, requests, bench=False, **options)
 
 
-_runs: dict[tuple, dict] = {}
+_runs: dict[tuple, DeviceRun] = {}
 
 
-def run_once(name: str, tp: int, **kwargs):
+def run_once(name: str, tp: int, **kwargs) -> DeviceRun:
     """`run`, remembered: several tests compare against the same (deterministic) sharded run."""
     key = (name, tp, tuple(sorted(kwargs.items())))
     if key not in _runs:
         _runs[key] = run(name, tp, **kwargs)
     return _runs[key]
+
+
+_references: dict[tuple, list[int]] = {}
+
+
+def reference(name: str, ids: list[int]) -> list[int]:
+    key = (name, tuple(ids))
+    if key not in _references:
+        _references[key] = reference_greedy(tiny(name).lm, ids, NEW_TOKENS)
+    return _references[key]
+
+
+def assert_exact(name: str, result: DeviceRun) -> None:
+    """Every row: the reference's tokens (a varied sequence, or the check proves little), its logits
+    at every step within the reference's own spread; the first prefill's logits close; the ranks
+    agreeing; no key missing from the shards."""
+    assert result.details["ranks_agree"] and result.details["missing_keys"] == []
+    assert result.prefill_logits_max_abs_diff < 1e-2
+    for row in result.rows:
+        expected = reference(name, row.prompt_ids)
+        assert len(set(expected)) > 4, "reference degenerate: the comparison would prove little"
+        assert row.tokens == expected, (row.tokens, expected)
+        logits = checks.check_logits(tiny(name).lm, row.prompt_ids, row.tokens, row.step_logits)
+        assert logits.passed, logits.explain()
+
+
+def matches_reference(name: str, result: DeviceRun) -> bool:
+    return result.tokens == reference(name, result.rows[0].prompt_ids)
 
 
 # ---- the sharded runs --------------------------------------------------------------------------
@@ -76,18 +134,37 @@ def run_once(name: str, tp: int, **kwargs):
 @pytest.mark.parametrize("name,tp", CASES)
 def test_sharded_equals_unsharded(name, tp):
     result = run(name, tp)
-    assert len(set(result["reference_tokens"])) > 4, "reference degenerate: the comparison would prove little"
-    assert result["seq_match"], (result["tokens"], result["reference_tokens"])
-    assert result["ranks_agree"]
-    assert result["prefill_logit_max_diff"] < 1e-2
-    assert result["missing_keys"] == []
-    assert result["inf2_recipe"] == get_variant(name).recipe
-    shapes = result["shard_shapes"]
+    assert_exact(name, result)
+    assert result.compiler == "cpu-gloo-tp" and result.details["world"]["processes"] == tp
+    shapes = result.details["shard_shapes"]
     assert shapes["tp"] == tp and shapes["identical_shapes_across_ranks"]
     assert [r["rank_tensor"] for r in shapes["ranks"]] == [[r] for r in range(tp)]
     assert all(r["has_layer_scalar"] for r in shapes["ranks"])
     # the MoE default: a slice of every expert per rank (16 experts x 32 -> 32 / tp per rank)
-    assert result["expert_split"] == ("intermediate" if get_variant(name).is_moe else None)
+    assert result.details["expert_split"] == ("intermediate" if get_variant(name).is_moe else None)
+
+
+def test_a_batch_of_prompts_of_different_lengths_each_equals_its_own_reference():
+    """E4B at TP=2, batch 3: every row prefilled at once (right-padded) and decoded together."""
+    result = run("e4b", 2, lengths=(PROMPT_TOKENS, 13, 7))
+    assert [len(r.prompt_ids) for r in result.rows] == [PROMPT_TOKENS, 13, 7]
+    assert_exact("e4b", result)
+    assert result.details["kv_shapes_per_rank"][0][0] == 3  # one K/V row per prompt
+    assert result.details["decode_tok_s_per_row"] > 0
+
+
+def test_prompt_lookup_drafting_over_the_ranks_is_exact():
+    """The verify graph of k + 1 tokens over the rank graphs, drafts from the row's own history:
+    greedy verification keeps every row equal to plain greedy decoding."""
+    result = run("e4b", 2, lengths=(PROMPT_TOKENS, 11), draft="prompt_lookup")
+    assert_exact("e4b", result)
+    assert result.details["draft"] == "prompt_lookup" and result.details["verify_steps"] >= 1
+    assert all(sum(r.emitted) == len(r.tokens) - 1 for r in result.rows)  # every token after the first verified
+
+
+def test_sampled_drafting_is_refused_on_the_ranks():
+    with pytest.raises(SettingsError, match="gloo TP ranks draft greedy rows only.*tp_degree=1"):
+        run("e4b", 2, draft="prompt_lookup", sampling=Sampling(temperature=0.7))
 
 
 # (TP, expert split, decode form); the default split's dense decode at TP=8 is in CASES above
@@ -102,12 +179,9 @@ MOE_CASES = [
 @pytest.mark.parametrize("tp,split,form", MOE_CASES, ids=[f"tp{t}-{s}-{f}" for t, s, f in MOE_CASES])
 def test_moe_sharded_equals_unsharded_in_both_splits(tp, split, form):
     result = run_once("26b-a4b", tp, expert_split=split, decode_experts=form)
-    assert result["expert_split"] == split and result["decode_experts"] == form
-    assert len(set(result["reference_tokens"])) > 4
-    assert result["seq_match"], (result["tokens"], result["reference_tokens"])
-    assert result["ranks_agree"] and result["missing_keys"] == []
-    assert result["prefill_logit_max_diff"] < 1e-2
-    moe = result["plan"]["moe"]
+    assert result.details["expert_split"] == split and result.details["decode_experts"] == form
+    assert_exact("26b-a4b", result)
+    moe = result.details["tp_plan"]["moe"]
     assert moe["split"] == split
     if split == "intermediate":  # every rank: all 16 experts, 32 / tp columns of each
         assert moe["experts_per_rank"] == 16 and moe["intermediate_per_rank"] == 32 // tp
@@ -123,7 +197,7 @@ def test_moe_sharded_equals_unsharded_in_both_splits(tp, split, form):
 def test_moe_intermediate_split_selective_equals_dense_tokens():
     dense = run_once("26b-a4b", 2, expert_split="intermediate", decode_experts="dense")
     selective = run_once("26b-a4b", 2, expert_split="intermediate", decode_experts="selective")
-    assert selective["tokens"] == dense["tokens"] == dense["reference_tokens"]
+    assert selective.tokens == dense.tokens and matches_reference("26b-a4b", dense)
 
 
 def test_shard_shapes_per_rank():
@@ -261,11 +335,11 @@ def test_baked_rank_bug_is_reproduced_and_flagged():
     """The MoE reading the rank as a trace-time int: rank 1 weights rank 0's experts."""
     real = run_once("26b-a4b", 2, expert_split="experts")
     baked = run_once("26b-a4b", 2, baked_rank=True)
-    assert real["seq_match"] and real["prefill_logit_max_diff"] < 1e-2
-    assert baked["expert_split"] == "experts"  # the bug's form, even though it is not the default
-    assert not baked["seq_match"]
-    assert baked["prefill_logit_max_diff"] > 0.1
-    assert baked["ranks_agree"]  # the ranks agree with each other: only the reference check sees it
+    assert_exact("26b-a4b", real)
+    assert baked.details["expert_split"] == "experts"  # the bug's form, even though it is not the default
+    assert not matches_reference("26b-a4b", baked)
+    assert baked.prefill_logits_max_abs_diff > 0.1
+    assert baked.details["ranks_agree"]  # the ranks agree with each other: only the reference check sees it
 
 
 def test_baked_rank_is_a_python_int_and_the_real_rank_is_data():
@@ -295,19 +369,20 @@ def test_intermediate_split_has_no_rank_to_bake_in():
 
 def test_layer_scalar_missing_from_shards_is_detected():
     result = run("12b", 2, include_buffers=False)
-    assert any(k.endswith("layer_scalar") for k in result["missing_keys"])
-    assert not any(r["has_layer_scalar"] for r in result["shard_shapes"]["ranks"])
-    assert not result["seq_match"]
-    assert result["prefill_logit_max_diff"] > 0.1
+    assert any(k.endswith("layer_scalar") for k in result.details["missing_keys"])
+    assert not any(r["has_layer_scalar"] for r in result.details["shard_shapes"]["ranks"])
+    assert not matches_reference("12b", result)
+    assert result.prefill_logits_max_abs_diff > 0.1
 
 
 # ---- the E4B recipe's data path ------------------------------------------------------------------
 
 
 def test_cpu_seeded_prefill_then_sharded_decode():
-    result = run("e4b", 2, prefill="cpu-seeded")
-    assert result["prefill"] == "cpu-seeded"
-    assert result["seq_match"] and result["ranks_agree"]
+    """The unsharded model prefills every row on the host; each rank starts from its K/V slice."""
+    result = run("e4b", 2, lengths=(PROMPT_TOKENS, 9), prefill="cpu-seeded")
+    assert result.details["prefill"] == "cpu-seeded" and "host_prefill_s" in result.details["tp_timings"]
+    assert_exact("e4b", result)
 
 
 def test_shard_kv_picks_the_rank_heads():
@@ -331,8 +406,8 @@ def test_invalid_tp_names_the_degrees_that_work():
     v = get_variant("e4b")
     with pytest.raises(TensorParallelError, match=r"e4b cannot use TP=4: .*use one of 1, 2$"):
         make_plan(tiny("e4b").config, 4, v)
-    with pytest.raises(TensorParallelError):
-        run_tp_port(tiny("e4b"), 1, prompt("e4b"), 4, CONTEXT, PREFILL_LEN)
+    with pytest.raises(TensorParallelError, match="TP >= 2"):
+        run("e4b", 1)
 
 
 def test_real_configs_plan_at_their_recipe_tp():
@@ -505,12 +580,10 @@ def test_rank_graph_selective_decode_at_tp1_is_the_device_graph():
 def test_selective_decode_at_tp2_equals_reference_and_dense():
     dense = run_once("26b-a4b", 2, expert_split="experts")
     selective = run_once("26b-a4b", 2, decode_experts="selective", expert_split="experts")
-    assert selective["decode_experts"] == "selective" and dense["decode_experts"] == "dense"
-    assert len(set(selective["reference_tokens"])) > 4
-    assert selective["seq_match"], (selective["tokens"], selective["reference_tokens"])
-    assert selective["ranks_agree"] and selective["missing_keys"] == []
-    assert selective["tokens"] == dense["tokens"]
-    read = selective["plan"]["moe"]["weights_read_per_rank_per_layer"]
+    assert selective.details["decode_experts"] == "selective" and dense.details["decode_experts"] == "dense"
+    assert_exact("26b-a4b", selective)
+    assert selective.tokens == dense.tokens
+    read = selective.details["tp_plan"]["moe"]["weights_read_per_rank_per_layer"]
     assert read["dense"]["experts"] == 8 and read["selective_per_token"]["experts"] == 4
     assert read["dense"]["params"] == 2 * read["selective_per_token"]["params"] == 8 * 3 * 32 * 64
 
@@ -519,8 +592,8 @@ def test_selective_decode_with_baked_rank_is_wrong():
     """The host prefills (right), so every wrong token comes from the baked-rank selective decode."""
     real = run_once("26b-a4b", 2, decode_experts="selective", prefill="cpu-seeded", expert_split="experts")
     baked = run_once("26b-a4b", 2, decode_experts="selective", prefill="cpu-seeded", baked_rank=True)
-    assert real["seq_match"], (real["tokens"], real["reference_tokens"])
-    assert not baked["seq_match"] and baked["ranks_agree"]
-    assert baked["first_divergence"] >= 1  # the first token is the host prefill's
+    assert_exact("26b-a4b", real)
+    assert not matches_reference("26b-a4b", baked) and baked.details["ranks_agree"]
+    assert checks.first_mismatch(baked.tokens, reference("26b-a4b", prompt("26b-a4b"))) >= 1  # token 0: the host's
     baked_dense = run_once("26b-a4b", 2, prefill="cpu-seeded", baked_rank=True)
-    assert baked["tokens"] == baked_dense["tokens"]  # the same wrong answer as the dense form's
+    assert baked.tokens == baked_dense.tokens  # the same wrong answer as the dense form's

@@ -1,7 +1,8 @@
 """Drafting over the tensor-parallel rank graphs: the gloo ranks (one CPU process per rank) draft
 with the assistant split like the target's K/V and verify k + 1 tokens per step. Checked like every
 drafted run (SEQ_MATCH, LOGITS_MATCH at every kept token, coherence, transformers' assisted
-generate) plus rank agreement and the plain TP ranks' tokens over the same eos-ignored length."""
+generate) plus rank agreement and the plain TP ranks' tokens over the same eos-ignored length, every
+rank running the one engine (`tp.cpu_gloo`)."""
 
 from __future__ import annotations
 
@@ -22,20 +23,30 @@ from gemma4lib.tp.draft_rank_graph import (
     draft_key_shapes,
 )
 
-K = 4
+K = 3
 
 
-@pytest.mark.parametrize("variant", ["e4b", "26b-a4b"])
-def test_gloo_tp2_drafting_is_exact_and_accepts_drafts(variant):
-    settings = PortSettings(variant=variant, tp_degree=2, draft="assistant", draft_tokens=K, iters=1, warmup=0)
+@pytest.mark.parametrize("variant,batch", [("e4b", 3), ("26b-a4b", 1)])
+def test_gloo_tp2_drafting_is_exact_and_accepts_drafts(variant, batch):
+    """Every row drafted by the assistant split over 2 ranks: each equal to its own greedy reference
+    (tokens and logits), coherent, and drafts accepted; row 0 equal to transformers' assisted generate."""
+    settings = PortSettings(
+        variant=variant, tp_degree=2, batch_size=batch, draft="assistant", draft_tokens=K, iters=1, warmup=0
+    )
     result = port(settings)
+    assert result["compiler"] == "cpu-gloo-tp"
     assert result["checks_passed"], result["failed_checks"]
     assert result["seq_match"] and result["logits_match"] and result["coherent"]
     assert "Paris" in result["answer"]
     assert result["hf_assisted_match"] and result["ranks_agree"]
     assert result["accepted_per_step"] > 1.0
-    # 32 tokens, eos ignored (crosses the tiny window of 8 several times): equal to the plain TP ranks
-    assert result["plain_tp_tokens_match"] and result["bench_tokens"] > 3 * 8
+    for row in result.get("rows", []):
+        assert row["seq_match"] and row["logits_match"] and row["coherent"], row
+        assert row["accepted_per_step"] > 1.0, row
+    assert len(result.get("rows", [None])) == batch
+    # 32 tokens, eos ignored (crosses the tiny window of 8 several times): equal to the plain TP ranks'
+    assert result["plain_tokens_match"] and result["bench_tokens"] > 3 * 8
+    assert result["decode_tok_s_with_draft"] > 0 and result["decode_tok_s_without_draft"] > 0
     assert result["missing_keys"] == [] and result["tp_plan"]["tp"] == 2
     assert result["sliding_ring_slots"] == 8 + K + 1
     assert result["witness"]["seq_match"] and result["witness"]["logits_match"]

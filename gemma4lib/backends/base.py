@@ -43,9 +43,8 @@ class CompiledGraphs:
     report: Callable[[], dict[str, Any]] | None = None  # backend figures gathered after the run
     runtime: Engine | None = None
     graphs: GraphSet | None = None
-    assistant: Any = (
-        None  # the loaded assistant when drafting with it (the port checks transformers' assisted generate)
-    )
+    assistant: Any = None  # the loaded assistant when drafting with it (the port checks assisted generate)
+    kv: list[torch.Tensor] | None = None  # host K/V buffers the steps update (cpu, eager); None: device state
 
 
 @dataclass

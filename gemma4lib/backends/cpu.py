@@ -29,12 +29,14 @@ def compile(graphs: GraphSet, model: LoadedModel, settings: PortSettings, progre
         name: compile_graph(graph, cache)
         for name, graph in tqdm(todo, desc="compile", disable=not progress, leave=False)
     }
+    kv = graphs.new_kv()
     return CompiledGraphs(
-        steps_over(graphs, compiled, graphs.new_kv()),
+        steps_over(graphs, compiled, kv),
         sum(c.compile_s for c in compiled.values()),
         [c.cache_hit for c in compiled.values()],
         RECIPE,
         {"artifacts": {name: str(c.entry.path) for name, c in compiled.items()}},
+        kv=kv,
     )
 
 

@@ -19,7 +19,8 @@ COMPILER = "eager"
 
 
 def compile(graphs: GraphSet, model: LoadedModel, settings: PortSettings, progress: bool = False) -> CompiledGraphs:
-    return CompiledGraphs(steps_over(graphs, graphs.named(), graphs.new_kv()), 0.0, [], COMPILER)
+    kv = graphs.new_kv()
+    return CompiledGraphs(steps_over(graphs, graphs.named(), kv), 0.0, [], COMPILER, kv=kv)
 
 
 def compile_one(graph: DeviceGraph, cache: ArtifactCache | None) -> CompiledGraph:

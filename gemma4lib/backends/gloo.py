@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from ..errors import SettingsError
 from .base import DeviceRun
 
 if TYPE_CHECKING:
@@ -29,9 +30,15 @@ def run(
     graphs: Any = None,
     progress: bool = False,
     bench: bool = True,
+    **options: Any,
 ) -> DeviceRun:
     """Every request over all ranks: a row each (tokens, per-step logits), rank 0's timings, the plan
-    and the shard shapes (the ranks time their own prefill and steps)."""
+    and the shard shapes (the ranks time their own prefill and steps). `options`: `tp.cpu_gloo.run_tp`'s
+    (the fault lab's `baked_rank` and `include_buffers=False`, `prefill="cpu-seeded"`, `expert_split`)."""
     from ..tp.cpu_gloo import run_tp
 
-    return run_tp(model, settings, requests, bench=bench)
+    if graphs is not None:
+        raise SettingsError(
+            "the gloo ranks build their rank graphs from the config; prebuilt graphs (graph edits) run at tp_degree 1"
+        )
+    return DeviceRun(**run_tp(model, settings, requests, bench=bench, **options))

@@ -220,7 +220,7 @@ def compile_drafting(graphs: GraphSet, model: LoadedModel, settings: PortSetting
     tp, k = int(settings.tp_degree), int(graphs.draft_tokens)
     buckets = tuple(sorted(graphs.prefill))
     dtype = model.lm_head.weight.dtype
-    shapes = neuron_drafting.drafting_shapes(settings.context_length, buckets, k, settings.ring_kv)
+    shapes = neuron_drafting.drafting_shapes(settings.context_length, buckets, k, settings.ring_kv, graphs.batch)
     _, parts = neuron_cache_key(model, neuron_drafting.RECIPE, tp, shapes, neuron_env.COMPILER_ARGS, dtype)
     parts["assistant"] = {"config": assistant.model.config.to_json_string(use_diff=False)}
     parts["assistant"]["digest"] = assistant_digest(assistant)
@@ -240,6 +240,7 @@ def compile_drafting(graphs: GraphSet, model: LoadedModel, settings: PortSetting
                 ring=settings.ring_kv,
                 dtype=dtype,
                 compiler_workdir=workdir,
+                batch=graphs.batch,
             )
         return {"recipe": neuron_drafting.RECIPE, "tp": tp}
 

@@ -31,7 +31,6 @@ from ..models.weights_identity import tensor_bytes
 # Library modules whose code decides what a device graph computes.
 GRAPH_SOURCES = (
     "device/graph.py",
-    "device/batch_graph.py",
     "device/attention.py",
     "device/experts.py",
     "device/quant.py",

@@ -9,7 +9,6 @@ settings' drafter on top. `run_device(model, settings, requests)`: that engine o
 
 from __future__ import annotations
 
-import statistics
 from collections.abc import Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
@@ -17,9 +16,10 @@ from typing import TYPE_CHECKING, Any
 from ..device.build import GraphSet, device_graphs
 from ..device.experts import CPU_THREAD_FLOP_PER_BYTE
 from ..errors import SettingsError, UnknownNameError
+from ..generation.drafters import make_drafter
 from ..reference import reference_last_logits
 from ..runtime import Engine, Request, RowResult, softcap
-from ..timing import benchmark, time_interleaved
+from ..timing import bench_drafted, benchmark
 from . import cpu, eager, gloo, neuron, xla
 from .base import Backend, CompiledGraphs, DeviceRun, refuse_graphs
 
@@ -111,18 +111,6 @@ def cpu_balance(name: str) -> float | None:
     return get_backend(name).compute_balance
 
 
-def make_drafter(settings: PortSettings) -> Drafter | None:
-    """The drafter `settings.draft` names (None: plain decode)."""
-    from ..generation.drafters import AssistantDrafter, PromptLookupDrafter
-
-    kinds = {"assistant": AssistantDrafter, "prompt_lookup": PromptLookupDrafter}
-    if settings.draft is None:
-        return None
-    if settings.draft not in kinds:
-        raise UnknownNameError("draft", settings.draft, kinds)
-    return kinds[settings.draft]()
-
-
 def compile_graphs(
     model: LoadedModel,
     settings: PortSettings,
@@ -151,7 +139,7 @@ def compile_graphs(
             model, settings, backend.inplace, compute_balance=backend.compute_balance, assistant=assistant
         )
     compiled = backend.compile(graphs, model, settings, progress)
-    drafter = drafter or make_drafter(settings)
+    drafter = drafter or make_drafter(settings.draft)
     compiled.graphs, compiled.assistant = graphs, assistant
     compiled.runtime = Engine.for_model(
         model,
@@ -184,6 +172,13 @@ def run_device(
     """One device run: every request in its own row of the engine (keeping the logits that chose
     each token), the prefill logits check of row 0, and the benchmark when asked."""
     backend = backend_of(settings)
+    sampled = [i for i, r in enumerate(requests) if not r.sampling.greedy]
+    if sampled and (settings.draft or drafter) and not backend.samples_drafts:
+        raise SettingsError(
+            f"requests {sampled} sample, and sampled drafted rows are verified by rejection sampling, which backend "
+            f"{backend.name!r} (tp_degree {settings.tp_degree}) does not run: its drafting steps verify greedily; "
+            f"sample without a draft there, or use tp_degree=1 on backend 'cpu', 'eager' or 'xla'"
+        )
     if backend.run is not None:
         return backend.run(model, settings, list(requests), graphs=graphs, progress=progress, bench=bench)
     compiled = compile_graphs(model, settings, graphs=graphs, progress=progress, drafter=drafter)
@@ -220,7 +215,7 @@ def run_compiled(
             figures = benchmark(engine, timed, warmup, settings.iters, progress)
             run.bench, run.prefill_ms, run.decode_tok_s = figures, figures.prefill_ms, figures.decode_tok_s
         else:
-            run.details.update(bench_drafted(model, settings, engine, timed, warmup))
+            run.details.update(bench_drafted_port(model, settings, engine, timed, warmup))
             run.decode_tok_s = run.details["decode_tok_s_with_draft"]
     if len(requests) > 1 and run.decode_tok_s:
         run.details["decode_tok_s_per_row"] = run.decode_tok_s / len(requests)
@@ -253,27 +248,12 @@ def model_config(graphs: GraphSet) -> Any:
     return graphs.target.model.config
 
 
-def bench_drafted(
+def bench_drafted_port(
     model: LoadedModel, settings: PortSettings, engine: Engine, requests: Sequence[Request], warmup: int
 ) -> dict[str, Any]:
-    """Decode tok/s with and without drafting in one run, the two taking turns (`time_interleaved`)."""
+    """`timing.bench_drafted` against the settings' plain graphs, compiled here."""
     plain = compile_graphs(model, replace(settings, draft=None, draft_tokens=None, verify_experts=None)).runtime
-    runs = time_interleaved(
-        {"with_draft": lambda: engine.generate_rows(requests), "without_draft": lambda: plain.generate_rows(requests)},
-        warmup,
-        settings.iters,
-    )
-    timed = engine.generate_rows(requests)
-    with_draft = statistics.median(runs["with_draft"]) if runs["with_draft"] else None
-    without = statistics.median(runs["without_draft"]) if runs["without_draft"] else None
-    return {
-        "decode_tok_s_with_draft": with_draft,
-        "decode_tok_s_without_draft": without,
-        "speedup_with_draft": with_draft / without if with_draft and without else None,
-        "bench_accepted_per_step": timed.rows[0].accepted_per_step,
-        "decode_tok_s_runs": runs,
-        "bench_tokens": requests[0].max_new_tokens,
-    }
+    return bench_drafted(engine, plain, requests, warmup, settings.iters)
 
 
 __all__ = [
@@ -282,7 +262,6 @@ __all__ = [
     "compile_graphs",
     "cpu_balance",
     "get_backend",
-    "make_drafter",
     "prefill_logits_error",
     "run_compiled",
     "run_device",

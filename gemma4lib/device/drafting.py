@@ -108,8 +108,9 @@ def ordered_logits(masked_embedding: nn.Module, hidden: torch.Tensor, lm_head_we
 
 class DraftGraph(nn.Module):
     """One assistant step: `forward(inputs_embeds [B, 1, 2 * target_hidden], position [B], *kv)` ->
-    `(logits [B, vocab], projected hidden [B, target_hidden])`, each row at its own position. `kv` is the target's flat K/V list
-    (every producer, as the target graphs take it); the graph reads the buffers of `read_layers`.
+    `(logits [B, vocab], projected hidden [B, target_hidden])`, each row at its own position. `kv` is
+    the target's flat K/V list (every producer, as the target graphs take it); the graph reads the
+    buffers of `read_layers`.
 
     transformers' `Gemma4AssistantForCausalLM.forward` builds its masks from a 2-D padding mask over
     the shared K/V's length; over position-indexed (and ring) buffers the masks come from the

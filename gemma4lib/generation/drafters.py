@@ -113,4 +113,18 @@ class CallableDrafter:
         return {r: ([int(t) for t in self.fn(engine.rows[r].history, n)][:n], None) for r, n in counts.items()}
 
 
-__all__ = ["AssistantDrafter", "CallableDrafter", "PromptLookupDrafter", "lookup"]
+DRAFTERS = {"assistant": AssistantDrafter, "prompt_lookup": PromptLookupDrafter}
+
+
+def make_drafter(kind: str | None):
+    """The drafter `PortSettings.draft` names (None: plain decode)."""
+    if kind is None:
+        return None
+    if kind not in DRAFTERS:
+        from ..errors import UnknownNameError
+
+        raise UnknownNameError("draft", kind, DRAFTERS)
+    return DRAFTERS[kind]()
+
+
+__all__ = ["DRAFTERS", "AssistantDrafter", "CallableDrafter", "PromptLookupDrafter", "lookup", "make_drafter"]

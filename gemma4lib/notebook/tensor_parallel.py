@@ -70,26 +70,28 @@ def kv_heads_under_tp(
     )
 
 
-def tp_cpu_run(
-    model: LoadedModel,
-    ids: Sequence[int],
-    tp: int,
-    max_new_tokens: int,
-    context_length: int,
-    prefill_len: int,
-    **kwargs: Any,
-) -> dict[str, Any]:
-    """Every rank of a TP plan run on CPU with real collectives (gloo), checked against the reference;
-    the answer text is added (cut at the first end-of-turn token)."""
+def tp_cpu_run(model: LoadedModel, ids: Sequence[int], settings: PortSettings, **options: Any) -> dict[str, Any]:
+    """Every rank of the settings' TP plan run on CPU with real collectives (gloo), decoding without
+    stopping (every token is compared), checked against the reference; the answers are cut at the
+    first end-of-turn token. `options`: the gloo run's (`prefill`, `baked_rank`, ...)."""
+    from ..backends import gloo
+    from ..checks import first_mismatch
     from ..port import eos_ids
-    from ..tp import run_tp_port
+    from ..reference import reference_greedy
+    from ..runtime import Request
 
-    result = run_tp_port(model, tp, list(ids), max_new_tokens, context_length, prefill_len, **kwargs)
-    # the ranks decode without stopping (every token is compared); the answer is the first turn
+    run = gloo.run(model, settings, [Request(list(ids), settings.max_new_tokens)], bench=False, **options)
+    reference = reference_greedy(model.lm, ids, settings.max_new_tokens)
     stop = set(eos_ids(model))
-    result["answer"] = answer_text(model, until_stop(result["tokens"], stop))
-    result["reference_answer"] = answer_text(model, until_stop(result.get("reference_tokens") or [], stop))
-    return result
+    return {
+        "tp": settings.tp_degree,
+        "tokens": run.tokens,
+        "seq_match": run.tokens == reference,
+        "ranks_agree": run.details["ranks_agree"],
+        "first_divergence": first_mismatch(run.tokens, reference),
+        "answer": answer_text(model, until_stop(run.tokens, stop)),
+        "reference_answer": answer_text(model, until_stop(reference, stop)),
+    }
 
 
 def tp_demo(
@@ -102,18 +104,17 @@ def tp_demo(
 ) -> Table:
     """The sharded model run on CPU at `tp` ranks (and, with `with_baked_rank`, the same run with the
     rank read at trace time, the 26B's bug), as one table."""
-    common = dict(
-        max_new_tokens=settings.max_new_tokens,
-        context_length=settings.context_length,
-        prefill_len=max(settings.prefill_buckets),
-    )
+    from dataclasses import replace
+
+    single = dict(batch_size=1, prompts=None, expects=None, draft=None, draft_tokens=None, verify_experts=None)
+    sharded = replace(settings, tp_degree=tp, **single)
     runs = {
         "sharded" + (" (CPU-seeded prefill)" if prefill == "cpu-seeded" else ""): tp_cpu_run(
-            model, ids, tp, prefill=prefill, **common
+            model, ids, sharded, prefill=prefill
         )
     }
     if with_baked_rank:
-        runs["rank baked in at trace time"] = tp_cpu_run(model, ids, tp, prefill=prefill, baked_rank=True, **common)
+        runs["rank baked in at trace time"] = tp_cpu_run(model, ids, sharded, prefill=prefill, baked_rank=True)
     return tp_runs_table(runs, settings.expect)
 
 

@@ -43,7 +43,7 @@ from typing import Any
 
 import torch
 
-from ..device.graph import GraphShape
+from ..device.graph import INDEX_DTYPE, GraphShape
 from ..errors import SettingsError
 from ..tp.draft_rank_graph import assistant_nxd_full, build_drafting_modules, draft_key_shapes
 from ..tp.plan import TPPlan, make_plan
@@ -56,21 +56,24 @@ RECIPE = "model_builder-drafting"
 PURPOSE = "drafting in the ModelBuilder recipe (neuronx_distributed.trace.model_builder)"
 
 
-def drafting_shapes(context_length: int, buckets: tuple[int, ...], k: int, ring: bool) -> dict[str, GraphShape]:
+def drafting_shapes(
+    context_length: int, buckets: tuple[int, ...], k: int, ring: bool, batch: int = 1
+) -> dict[str, GraphShape]:
     """The keys' shapes; a prefill bucket of k + 1 tokens would route like verify: refused."""
     if k + 1 in buckets:
         raise SettingsError(
             f"a prefill bucket of {k + 1} tokens has the verify key's input shapes (draft_tokens={k} verifies "
             f"{k + 1} tokens) and NxD routes keys by shape: pick other prefill_buckets or another draft_tokens"
         )
-    return draft_key_shapes(context_length, tuple(sorted(buckets)), k, ring)
+    return draft_key_shapes(context_length, tuple(sorted(buckets)), k, ring, batch)
 
 
 def key_example_inputs(config: Any, name: str, shape: GraphShape, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
-    """A key's example inputs: the target graph's for prefill/verify; `(inputs_embeds [1, 1, 2H],
-    position [1])` for the draft key."""
+    """A key's example inputs: the target graph's for prefill/verify; `(inputs_embeds [B, 1, 2H],
+    position [B])` (int32) for the draft key."""
     if name == "draft":
-        return (torch.zeros(1, 1, 2 * int(config.hidden_size), dtype=dtype), torch.zeros(1, dtype=torch.long))
+        b = shape.batch
+        return (torch.zeros(b, 1, 2 * int(config.hidden_size), dtype=dtype), torch.zeros(b, dtype=INDEX_DTYPE))
     return graph_example_inputs(config, shape, dtype)
 
 
@@ -109,11 +112,13 @@ def compile_drafting(
     ring: bool = False,
     dtype: torch.dtype = torch.bfloat16,
     compiler_workdir: str | Path | None = None,
+    batch: int = 1,
 ) -> Path:
-    """Compile every drafting key for one rank; save the model and the per-rank shards to `out_dir`."""
+    """Compile every drafting key for one rank, `batch` rows each; save the model and the per-rank
+    shards to `out_dir`."""
     model_builder, KeyInstance = instance_class()
     k = int(draft_tokens)
-    shapes = drafting_shapes(context_length, tuple(buckets), k, ring)
+    shapes = drafting_shapes(context_length, tuple(buckets), k, ring, batch)
     plan = make_plan(loaded.config, tp, loaded.variant)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)

@@ -13,17 +13,9 @@ __all__ = [
     "load_shard",
     "make_plan",
     "nxd_full_checkpoint",
-    "run_tp_port",
     "shard_shapes",
     "shard_state_dict",
     "tp_problems",
     "valid_tp_degrees",
     "with_shape",
 ]
-
-
-def run_tp_port(*args, **kwargs):
-    """See `gemma4lib.tp.cpu_gloo.run_tp_port` (imported lazily: it pulls in multiprocessing)."""
-    from .cpu_gloo import run_tp_port as _run
-
-    return _run(*args, **kwargs)

@@ -1,22 +1,21 @@
-"""Run every rank of a tensor-parallel plan on CPU, with real collectives, and check the tokens.
+"""Run every rank of a tensor-parallel plan on CPU, with real collectives: the backend `gloo`.
 
 One process per rank (`torch.multiprocessing`, fork by default: the children inherit the imported
 modules, so a rank starts in well under a second; spawn works too), a gloo process group set up
 through a file store in a private temporary folder (no ports), one thread per process. Each rank
 does what a NeuronCore does in the ModelBuilder recipe:
 
-1. build the rank graph skeleton from the config (meta device, shard-size layers), the same for
-   every rank: the graph is "compiled once";
+1. build its rank graphs from the config (meta device, shard-size layers), the same for every rank:
+   prefill per bucket and decode (`rank_graph`), or with a drafter the verify of k + 1 tokens (and
+   the assistant's draft step: `draft_rank_graph`); the graphs are "compiled once";
 2. load *its own* shard (weights, buffers, the int32 rank tensor);
-3. run prefill then the greedy decode loop over the modules a compiler would get (K/V as
-   parameters shared by the prefill and decode graphs, updated through the aliased outputs:
-   `recipes.common.KVParamModule` + `AliasEmulator`); row-parallel outputs are all-reduced and the
-   lm_head logits all-gathered through gloo. MoE prefill is always all-experts-dense; decode takes
-   `decode_experts` (`dense`, or `selective`: each rank gathers its share of the routed top-k).
+3. run the one generation engine (`runtime.Engine`) over those graphs, wrapped as steps over K/V
+   held as parameters and written back through the aliased outputs, as on the device
+   (`recipes.common.KVParamModule` + `AliasEmulator`, `draft_rank_graph.KVDraftStep`).
+   Row-parallel outputs are all-reduced and the lm_head logits all-gathered through gloo.
 
-Every rank also plays host for itself (embedding and PLE lookups, argmax): all ranks see the same
-gathered logits, so they pick the same tokens; the result checks that they did. Tokens come back
-from rank 0 and are compared with transformers' greedy `generate` on the unsharded model.
+Every rank plays host for itself (embeddings, token choice, drafts): all ranks see the same gathered
+logits, so they pick the same tokens; `ranks_agree` checks that they did. Rank 0 sends its rows back.
 """
 
 from __future__ import annotations
@@ -26,23 +25,31 @@ import queue as queue_mod
 import tempfile
 import time
 import traceback
-from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any
 
 import torch
-from torch import nn
 
+from ..device.drafting import RoomyLayout
 from ..device.embedder import HostEmbedder
-from ..device.experts import EXPERT_FORMS
-from ..device.graph import DeviceGraph, GraphShape
-from ..errors import BadPromptError, PromptTooLongError, TensorParallelError, UnknownNameError
-from ..recipes.common import AliasEmulator, KVParamModule, greedy_generate
+from ..device.graph import DeviceGraph, GraphShape, index_tensor
+from ..errors import BatchTooLargeError, SettingsError, TensorParallelError, UnknownNameError
+from ..generation.drafters import make_drafter
+from ..recipes.common import AliasEmulator, KVParamModule
+from ..reference import reference_last_logits
+from ..runtime import Engine, Request, RowResult, Steps, softcap
+from ..timing import bench_drafted, benchmark
 from .plan import TPPlan, make_plan
 from .rank_graph import build_rank_graph, load_shard, with_shape
 from .shard import iter_shards, shard_kv, shard_shapes
 
+if TYPE_CHECKING:
+    from ..models.loading import LoadedModel
+    from ..settings import PortSettings
+
 CPU_EXECUTION = "torch.distributed gloo on CPU, one process per rank"
+COMPILER = "cpu-gloo-tp"
+PREFILLS = ("graph", "cpu-seeded")
 
 
 @dataclass
@@ -53,121 +60,158 @@ class RankJob:
     plan: TPPlan
     shards: list[dict[str, torch.Tensor]]
     host: HostEmbedder
-    prompt: list[int]
-    max_new_tokens: int
+    requests: list[Request]
+    batch: int
     context_length: int
-    prefill_len: int
-    ring: bool = False
-    baked_rank: bool = False
-    dtype: torch.dtype = torch.float32
-    decode_experts: str = "dense"  # the decode graph's expert form; prefill is always dense
-    # CPU-seeded prefill (the E4B recipe): per-rank K/V slices and the last prompt token's logits
-    seed_kv: list[list[torch.Tensor]] | None = None
-    seed_logits: torch.Tensor | None = None
-    eos_token_ids: tuple[int, ...] = ()
-    keep_logits: bool = False  # rank 0 returns every generated token's logits (LOGITS_MATCH)
-    # a batch (batch_runtime.generate_rows): B prompts through batched rank graphs (`prompt` unused)
-    prompts: list[list[int]] | None = None
-    batch: int = 1
+    buckets: tuple[int, ...]
+    ring: bool
+    dtype: torch.dtype
+    decode_experts: str = "dense"  # the decode graph's expert form; prefill (and a verify) stay dense
+    baked_rank: bool = False  # the field report's fault: the rank read at trace time
+    draft: str | None = None  # a `generation.drafters.DRAFTERS` name
+    draft_tokens: int = 0
+    assistant_config: Any = None
+    assistant_shards: list[dict[str, torch.Tensor]] | None = None
+    read_layers: dict[str, int] | None = None
+    # CPU-seeded prefill (the E4B recipe): the host's logits [B, vocab] and each rank's K/V slices
+    seed: tuple[torch.Tensor, list[list[torch.Tensor]]] | None = None
+    bench: tuple[int, int] | None = None  # (warmup, iters): also time generations, eos ignored
+
+
+def job_engine(job: RankJob, steps: Steps, drafting: bool = True) -> Engine:
+    """The engine every rank runs (and the parent checks requests with before any rank starts)."""
+    drafter = make_drafter(job.draft) if drafting else None
+    return Engine(
+        job.host,
+        steps,
+        batch=job.batch,
+        context_length=job.context_length,
+        vocab_size=int(job.config.vocab_size),
+        cap=getattr(job.config, "final_logit_softcapping", None),
+        dtype=job.dtype,
+        draft_tokens=job.draft_tokens if drafter else 0,
+        drafter=drafter,
+    )
+
+
+class SeededPrefill:
+    """The E4B recipe's prefill as a step: the unsharded model prefilled on the host (`host_prefill`);
+    the step writes this rank's slice of those K/V into its K/V parameters and returns the host's
+    logits, so the engine's loop is the same as with a prefill graph."""
+
+    def __init__(self, kv: list[torch.Tensor], seeded_kv: list[torch.Tensor], logits: torch.Tensor, lengths: list[int]):
+        self.kv, self.seeded_kv, self.logits, self.lengths = kv, seeded_kv, logits, lengths
+
+    def __call__(self, *inputs: torch.Tensor) -> torch.Tensor:
+        asked = inputs[-1].tolist()
+        if any(n and n != seeded for n, seeded in zip(asked, self.lengths, strict=True)):
+            raise SettingsError(
+                f"prefill='cpu-seeded' holds the host's K/V of prompts of {self.lengths} tokens, not {asked}: "
+                f"seed the prompts this run generates, or use prefill='graph'"
+            )
+        with torch.no_grad():
+            for param, value in zip(self.kv, self.seeded_kv, strict=True):
+                param.copy_(value)
+        return self.logits
+
+
+def rank_steps(rank: int, job: RankJob) -> tuple[Steps, Any, list[str], list[list[int]]]:
+    """This rank's steps over one set of K/V parameters; a plain decode step over the same weights
+    and K/V (the drafted benchmark's baseline); the keys its shard lacked; its K/V shapes."""
+    from .draft_rank_graph import KVDraftStep, build_drafting_modules, draft_key_shapes
+    from .layers import TorchDistCollectives
+    from .rank_graph import CpuParallelFactory
+
+    factory = CpuParallelFactory(job.plan.tp, TorchDistCollectives(), job.dtype)
+    b, ctx, ring, k = job.batch, job.context_length, job.ring, job.draft_tokens
+
+    def shape(tokens: int) -> GraphShape:
+        return GraphShape(b, tokens, ctx, ring)
+
+    if job.draft == "assistant":  # the target returns hidden states; the assistant reads its K/V
+        modules = build_drafting_modules(
+            job.config,
+            job.assistant_config,
+            job.plan,
+            job.read_layers,
+            draft_key_shapes(ctx, job.buckets, k, ring, batch=b),
+            k,
+            factory=factory,
+            dtype=job.dtype,
+            baked_rank=job.baked_rank,
+        )
+        checkpoint = {"target." + key: v for key, v in job.shards[rank].items()}
+        checkpoint.update({"assistant." + key: v for key, v in job.assistant_shards[rank].items()})
+        missing, unexpected = modules["draft"].load_state_dict(checkpoint, strict=False)
+        if unexpected:
+            raise KeyError(f"shard keys the drafting modules do not have: {sorted(unexpected)[:8]}")
+        draft = modules["draft"]
+        decode = draft.sharing(with_shape(draft.target, shape(1), job.decode_experts), "prefill")
+        steps = Steps(
+            {int(n[len("prefill") :]): KVDraftStep(m) for n, m in modules.items() if n.startswith("prefill")},
+            verify=KVDraftStep(modules["verify"]),
+            draft=KVDraftStep(draft),
+        )
+        missing = sorted(key for key in missing if not key.startswith("kv."))
+        return steps, KVDraftStep(decode), missing, [list(t.shape) for t in draft.kv]
+    base = build_rank_graph(
+        job.config, job.plan, shape(max(job.buckets)), factory=factory, dtype=job.dtype, baked_rank=job.baked_rank
+    )
+    if job.draft:  # rings with room for the k + 1 positions a verify writes (`device.drafting`)
+        base.layout = RoomyLayout.around(base.layout, k + 1)
+    missing = load_shard(base, job.shards[rank])
+    kv = KVParamModule(base)
+
+    def step(graph: DeviceGraph) -> AliasEmulator:
+        return AliasEmulator(kv.sharing(graph))
+
+    if job.seed is None:
+        prefill = {bucket: step(with_shape(base, shape(bucket))) for bucket in job.buckets}
+    else:
+        logits, per_rank = job.seed
+        lengths = [len(r.prompt_ids) for r in job.requests] + [0] * (b - len(job.requests))
+        prefill = {max(job.buckets): SeededPrefill(list(kv.kv), per_rank[rank], logits, lengths)}
+    decode = step(with_shape(base, shape(1), job.decode_experts))
+    shapes = [list(t.shape) for t in kv.kv]
+    if not job.draft:
+        return Steps(prefill, decode=decode), None, missing, shapes
+    verify = with_shape(base, shape(k + 1))
+    verify.every_position = True
+    return Steps(prefill, verify=step(verify)), decode, missing, shapes
+
+
+def _by_value(row: RowResult) -> RowResult:
+    """Tensors as numpy copies: torch's queue pickler would share their storage through a file
+    descriptor the exiting child closes."""
+    step_logits = None if row.step_logits is None else row.step_logits.numpy().copy()
+    return replace(row, first_logits=row.first_logits.numpy().copy(), step_logits=step_logits)
 
 
 def _run_rank(rank: int, job: RankJob) -> dict[str, Any]:
-    from .layers import TorchDistCollectives
-
     t0 = time.perf_counter()
-    coll = TorchDistCollectives()
-    prefill = build_rank_graph(
-        job.config,
-        job.plan,
-        GraphShape(job.batch, job.prefill_len, job.context_length, job.ring),
-        collectives=coll,
-        dtype=job.dtype,
-        baked_rank=job.baked_rank,
-    )
-    missing = load_shard(prefill, job.shards[rank])
-    decode = with_shape(prefill, GraphShape(job.batch, 1, job.context_length, job.ring), expert_form=job.decode_experts)
+    steps, plain_decode, missing, kv_shapes = rank_steps(rank, job)
+    engine = job_engine(job, steps)
     build_s = time.perf_counter() - t0
-
-    # the modules a compiler would get: K/V as parameters shared by prefill and decode, updated
-    # through the aliased outputs (emulated here)
-    prefill_module = KVParamModule(prefill)
-    decode_module = prefill_module.sharing(decode)
-    if job.prompts is not None:
-        return _run_rank_rows(rank, job, prefill_module, decode_module, missing, build_s)
-    if job.seed_kv is not None:  # prefill happened on the host; this rank gets its K/V slice
-        with torch.no_grad():
-            for param, value in zip(prefill_module.kv, job.seed_kv[rank], strict=True):
-                param.copy_(value)
-        run = greedy_generate(
-            AliasEmulator(decode_module),
-            job.host,
-            job.prompt,
-            job.max_new_tokens,
-            seeded_logits=job.seed_logits,
-            eos_token_ids=job.eos_token_ids,
-            keep_logits=job.keep_logits,
-            dtype=job.dtype,
-        )
-    else:
-        run = greedy_generate(
-            AliasEmulator(decode_module),
-            job.host,
-            job.prompt,
-            job.max_new_tokens,
-            prefill=AliasEmulator(prefill_module),
-            prefill_len=job.prefill_len,
-            eos_token_ids=job.eos_token_ids,
-            keep_logits=job.keep_logits,
-            dtype=job.dtype,
-        )
-    tokens, kv = run["tokens"], list(prefill_module.kv)
-    prefill_s, decode_s, prefill_logits = run["prefill_s"], run["decode_s"], run["prefill_logits"]
-    result = {
-        "rank": rank,
-        "tokens": tokens,
+    generation = engine.generate_rows(job.requests, keep_logits=rank == 0)
+    result: dict[str, Any] = {
+        "agree": [(row.tokens, row.accepted) for row in generation.rows],
         "missing_keys": missing,
-        "kv_shapes": [list(t.shape) for t in kv],
-        "prefill_mode": run["prefill_mode"],
+        "kv_shapes": kv_shapes,
         "build_s": build_s,
-        "prefill_s": prefill_s,
-        "decode_s": decode_s,
+        "prefill_s": generation.prefill_s,
+        "decode_tok_s": generation.decode_tok_s,
+        "decode_tok_s_per_row": generation.decode_tok_s_per_row,
     }
-    if rank == 0:  # by value: torch's queue pickler would share the storage through a file
-        result["prefill_logits"] = prefill_logits.float().numpy().copy()  # descriptor the exiting child closes
-        if "step_logits" in run:
-            result["step_logits"] = run["step_logits"].float().numpy().copy()
-    return result
-
-
-def _run_rank_rows(
-    rank: int, job: RankJob, prefill_module: KVParamModule, decode_module: KVParamModule, missing, build_s: float
-) -> dict[str, Any]:
-    """A rank's batched generation: every row through the batched rank graphs (`generate_rows`)."""
-    from ..serving.batch_runtime import generate_rows
-
-    run = generate_rows(
-        AliasEmulator(prefill_module),
-        AliasEmulator(decode_module),
-        job.host.inputs,
-        job.prompts,
-        job.max_new_tokens,
-        batch=job.batch,
-        bucket=job.prefill_len,
-        eos_token_ids=job.eos_token_ids,
-        keep_logits=job.keep_logits and rank == 0,
-    )
-    result = {
-        "rank": rank,
-        "rows_tokens": [row.tokens for row in run.rows],
-        "missing_keys": missing,
-        "kv_shapes": [list(t.shape) for t in prefill_module.kv],
-        "build_s": build_s,
-        "prefill_s": run.prefill_s,
-        "decode_s": sum(run.step_s),
-        "decode_tokens": sum(run.step_tokens),
-    }
-    if rank == 0 and job.keep_logits:  # by value (see _run_rank)
-        result["rows_logits"] = [row.step_logits.float().numpy().copy() for row in run.rows]
+    if job.bench:
+        warmup, iters = job.bench
+        timed = [replace(r, eos_token_ids=()) for r in job.requests]  # eos ignored: every run decodes alike
+        if engine.drafter is None:
+            result["bench"] = benchmark(engine, timed, warmup, iters)
+        else:
+            plain = job_engine(job, Steps(steps.prefill, decode=plain_decode), drafting=False)
+            result["drafted_bench"] = bench_drafted(engine, plain, timed, warmup, iters)
+    if rank == 0:
+        result["rows"] = [_by_value(row) for row in generation.rows]
     return result
 
 
@@ -177,8 +221,7 @@ def _worker(rank: int, world: int, init_file: str, job: RankJob, results) -> Non
     torch.set_num_threads(1)  # 8 ranks on 2 cores: one thread each, or they thrash
     try:
         dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-        run_rank = getattr(job, "run_rank", None)  # another job kind runs its own rank (tp.draft_gloo)
-        results.put((rank, "ok", run_rank(rank) if run_rank else _run_rank(rank, job)))
+        results.put((rank, "ok", _run_rank(rank, job)))
     except BaseException:  # report, never hang the parent
         results.put((rank, "error", traceback.format_exc()))
     finally:
@@ -247,354 +290,182 @@ def run_ranks(job: RankJob, *, start_method: str = "fork", timeout_s: float = 30
                 os.environ[k] = v
 
 
+@torch.no_grad()
 def host_prefill(
-    loaded: Any, plan: TPPlan, prompt: Sequence[int], context_length: int, prefill_len: int, ring: bool = False
+    model: LoadedModel, plan: TPPlan, requests: list[Request], shape: GraphShape, dtype: torch.dtype
 ) -> tuple[torch.Tensor, list[list[torch.Tensor]]]:
-    """Prefill with the unsharded model on the host (CPU); return the last prompt token's logits
-    and each rank's slice of the K/V buffers (the E4B recipe's CPU-seeded prefill)."""
-    prompt = [int(t) for t in prompt]
-    graph = DeviceGraph(
-        loaded.text_model, loaded.lm_head, loaded.layout, GraphShape(1, prefill_len, context_length, ring), inplace=True
-    )
-    host = HostEmbedder.from_text_model(loaded.text_model)
+    """Prefill every request (row i) with the unsharded model on the host; return each row's last
+    prompt token's logits `[B, vocab]` and each rank's slice of the K/V (the E4B recipe's flow)."""
+    graph = DeviceGraph(model.text_model, model.lm_head, model.layout, shape, inplace=True)
+    ids = torch.zeros(shape.batch, shape.tokens, dtype=torch.long)
+    lengths = [0] * shape.batch
+    for row, request in enumerate(requests):
+        lengths[row] = len(request.prompt_ids)
+        ids[row, : lengths[row]] = torch.as_tensor(list(request.prompt_ids))
     kv = graph.new_kv()
-    with torch.no_grad():
-        logits = graph(
-            *host.inputs(torch.tensor([prompt]), prefill_len), torch.tensor([0]), torch.tensor([len(prompt)]), *kv
-        )
-    return logits[0], [shard_kv(kv, plan, r) for r in range(plan.tp)]
+    inputs = HostEmbedder.from_text_model(model.text_model).inputs(ids, dtype=dtype)
+    logits = graph(*inputs, index_tensor([0] * shape.batch), index_tensor(lengths), *kv)
+    return logits, [shard_kv(kv, plan, r) for r in range(plan.tp)]
 
 
-def _as_list(prompt_ids: Any) -> list[int]:
-    if isinstance(prompt_ids, torch.Tensor):
-        return [int(x) for x in prompt_ids.reshape(-1).tolist()]
-    return [int(x) for x in prompt_ids]
+def _in_ranks(*_: Any) -> None:
+    raise AssertionError("the rank processes run the graphs; the parent's engine only checks requests")
 
 
-def first_divergence(a: Sequence[int], b: Sequence[int]) -> int | None:
-    for i, (x, y) in enumerate(zip(a, b, strict=False)):
-        if x != y:
-            return i
-    return None if len(a) == len(b) else min(len(a), len(b))
-
-
-def reference_run(lm: nn.Module, prompt: list[int], max_new_tokens: int) -> tuple[list[int], torch.Tensor]:
-    """transformers' greedy tokens (eos off) and the softcapped logits of the last prompt token."""
-    ids = torch.tensor([prompt], dtype=torch.long)
-    with torch.no_grad():
-        out = lm.generate(ids, max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0)
-        logits = lm(ids).logits[0, -1].float()
-    return out[0, len(prompt) :].tolist(), logits
-
-
-def softcap(logits: torch.Tensor, cap: float | None) -> torch.Tensor:
-    return logits if not cap else cap * torch.tanh(logits / cap)
-
-
-def run_tp_port(
-    loaded_model: Any,
-    tp: Any,
-    prompt_ids: Any,
-    max_new_tokens: Any = None,
-    context_length: int | None = None,
-    prefill_len: int | None = None,
+def run_tp(
+    model: LoadedModel,
+    settings: PortSettings,
+    requests: list[Request],
     *,
+    bench: bool = True,
     baked_rank: bool = False,
     include_buffers: bool = True,
-    check_reference: bool = True,
-    reference_tokens: Sequence[int] | None = None,
-    eos_token_ids: Sequence[int] = (),
-    start_method: str = "fork",
-    ring: bool = False,
     prefill: str = "graph",
-    decode_experts: str = "dense",
+    expert_split: str | None = None,
+    start_method: str = "fork",
     timeout_s: float = 300.0,
-    expert_split: str | None = None,
 ) -> dict[str, Any]:
-    """Shard `loaded_model` for `tp` ranks, run them on CPU with gloo, compare with the reference.
+    """Every request (row i) over `settings.tp_degree` gloo ranks; the `backends.base.DeviceRun`
+    fields (`backends.gloo.run` builds it: this package sits below the backends).
 
-    `loaded_model` is a `loading.LoadedModel`. Returns a JSON-friendly dict: `tokens` (rank 0),
-    `seq_match` against transformers' greedy generate, `prefill_logit_max_diff` (softcapped, vs the
-    reference's last-prompt-token logits), `ranks_agree`, the plan, per-rank `shard_shapes`, the
-    recipe this stands in for, timings. `baked_rank` / `include_buffers=False` run the two faults
-    the field report (README) met (rank read at trace time; buffers missing from the shards).
-    `prefill="cpu-seeded"` runs the E4B recipe's flow: the unsharded model prefills on the host and
-    each rank starts decoding from its slice of those K/V buffers (`prefill="graph"`: the rank
-    graphs prefill). `decode_experts="selective"` makes the decode graph gather the routed top-k
-    experts from each rank's shard instead of running all its experts (MoE only; prefill stays
-    dense). `expert_split` ("intermediate" | "experts"; MoE only): how the ranks share the
-    experts; None takes the plan's default (the intermediate split where it divides), except with
-    `baked_rank`, whose bug only the expert split can have (the intermediate split reads no rank).
-
-    Also callable as `run_tp_port(loaded_model, port_settings, prompt_ids, eos_ids)` (the port
-    pipeline's form): shapes come from the settings and the result is the pipeline's `device_run`
-    record (the pipeline runs the reference and the checks itself).
+    Rows from rank 0 (tokens, first and per-step logits, acceptance); `details`: rank agreement,
+    the plan, per-rank shard and K/V shapes, timings. `bench`: the settings' warmup and iters of
+    generations with eos ignored (with a drafter: with and without drafting, taking turns).
+    The field report's faults: `baked_rank` (the MoE reads the rank at trace time; it needs
+    `expert_split="experts"`, the default then) and `include_buffers=False` (buffers missing from
+    the shards). `prefill="cpu-seeded"`: the E4B recipe's flow, the unsharded model prefills on
+    the host and each rank starts from its slice of those K/V. `expert_split` ("intermediate" |
+    "experts", MoE only): how the ranks share the experts (None: the plan's default).
     """
-    if not isinstance(tp, int):
-        return _run_for_settings(loaded_model, tp, prompt_ids, max_new_tokens or (), baked_rank=baked_rank)
-    result, _ = _run_tp(
-        loaded_model,
-        tp,
-        prompt_ids,
-        max_new_tokens,
-        context_length,
-        prefill_len,
-        baked_rank=baked_rank,
-        include_buffers=include_buffers,
-        check_reference=check_reference,
-        reference_tokens=reference_tokens,
-        eos_token_ids=eos_token_ids,
-        start_method=start_method,
-        ring=ring,
-        prefill=prefill,
-        decode_experts=decode_experts,
-        timeout_s=timeout_s,
-        expert_split=expert_split,
-    )
-    return result
-
-
-def _run_tp(
-    loaded_model: Any,
-    tp: int,
-    prompt_ids: Any,
-    max_new_tokens: int,
-    context_length: int,
-    prefill_len: int,
-    *,
-    baked_rank: bool,
-    include_buffers: bool,
-    check_reference: bool,
-    reference_tokens: Sequence[int] | None,
-    eos_token_ids: Sequence[int],
-    start_method: str,
-    ring: bool,
-    prefill: str,
-    timeout_s: float,
-    decode_experts: str = "dense",
-    keep_logits: bool = False,
-    expert_split: str | None = None,
-) -> tuple[dict[str, Any], torch.Tensor]:
-    variant = loaded_model.variant
-    lm = loaded_model.lm
-    config = lm.config
-    prompt = _as_list(prompt_ids)
-    if len(prompt) > prefill_len:
-        raise BadPromptError(
-            f"the prompt has {len(prompt)} tokens but the prefill bucket holds {prefill_len}; "
-            f"raise prefill_len (<= context_length) or shorten the prompt"
-        )
-    if len(prompt) + max_new_tokens - 1 > context_length:  # the last new token is never fed back
-        raise PromptTooLongError(len(prompt), max_new_tokens, context_length)
+    tp, k = int(settings.tp_degree), int(settings.draft_tokens or 0) if settings.draft else 0
     if tp < 2:
-        raise TensorParallelError(
-            f"run_tp_port shards over ranks: TP must be >= 2, got {tp} (TP=1 runs one device: no ranks to shard over)"
+        raise TensorParallelError(f"the gloo ranks shard over TP >= 2, got {tp}; TP=1 runs on one device (cpu, eager)")
+    if prefill not in PREFILLS:
+        raise UnknownNameError("prefill", prefill, PREFILLS)
+    if settings.draft and any(not r.sampling.greedy for r in requests):
+        raise SettingsError(
+            "the gloo TP ranks draft greedy rows only; sampled drafting (rejection sampling) runs at tp_degree 1 on "
+            "backend 'cpu' or 'eager': set tp_degree=1, temperature 0, or draft=None"
         )
-    if decode_experts not in EXPERT_FORMS:
-        raise UnknownNameError("decode_experts form", decode_experts, EXPERT_FORMS)
+    if settings.draft and prefill != "graph":
+        raise SettingsError("prefill='cpu-seeded' seeds plain decode; draft with prefill='graph' (or draft=None)")
+    lm = model.lm
     if baked_rank and expert_split is None:
         expert_split = "experts"  # the form the field report's bug lives in
-    plan = make_plan(config, tp, variant, expert_split=expert_split)
+    plan = make_plan(lm.config, tp, model.variant, expert_split=expert_split)
     if baked_rank and plan.expert_split == "intermediate":
         raise TensorParallelError(
-            "baked_rank: the intermediate split never reads the rank, so there is no "
-            "rank to bake in; the field report's bug needs expert_split='experts'"
+            "baked_rank: the intermediate split never reads the rank, so there is no rank to bake in; the field "
+            "report's bug needs expert_split='experts'"
         )
-    dtype = next(lm.parameters()).dtype
-
     t0 = time.perf_counter()
     shards = list(iter_shards(lm, plan, include_buffers=include_buffers))
-    shapes = shard_shapes(plan, shards)
     shard_s = time.perf_counter() - t0
-
-    host = HostEmbedder.from_text_model(lm.model, copy_tables=True)
-    job = RankJob(
-        config,
-        plan,
-        shards,
-        host,
-        prompt,
-        max_new_tokens,
-        context_length,
-        prefill_len,
-        ring,
-        baked_rank,
-        dtype,
-        decode_experts=decode_experts,
-        eos_token_ids=tuple(int(t) for t in eos_token_ids),
-        keep_logits=keep_logits,
-    )
-    if prefill == "cpu-seeded":
-        job.seed_logits, job.seed_kv = host_prefill(loaded_model, plan, prompt, context_length, prefill_len, ring)
-    elif prefill != "graph":
-        raise UnknownNameError("prefill", prefill, ("graph", "cpu-seeded"))
-    t1 = time.perf_counter()
-    ranks = run_ranks(job, start_method=start_method, timeout_s=timeout_s)
-    ranks[0]["prefill_logits"] = torch.from_numpy(ranks[0]["prefill_logits"])
-    if "step_logits" in ranks[0]:
-        ranks[0]["step_logits"] = torch.from_numpy(ranks[0]["step_logits"])
-    ranks_s = time.perf_counter() - t1
-    tokens = ranks[0]["tokens"]
-
-    result: dict[str, Any] = {
-        "variant": variant.name,
-        "tp": tp,
-        "inf2_recipe": variant.recipe,
-        "executed_as": CPU_EXECUTION,
-        "prefill": prefill,
-        "tokens": tokens,
-        "ranks_agree": all(r["tokens"] == tokens for r in ranks),
-        "missing_keys": ranks[0]["missing_keys"],
-        "baked_rank": baked_rank,
-        "decode_experts": decode_experts,
-        "expert_split": plan.expert_split,
-        "plan": plan.describe(),
-        "shard_shapes": shapes,
-        "kv_shapes_per_rank": ranks[0]["kv_shapes"],
-        "timings": {
-            "shard_s": round(shard_s, 3),
-            "ranks_wall_s": round(ranks_s, 3),
-            "rank0_build_s": round(ranks[0]["build_s"], 3),
-            "rank0_prefill_s": round(ranks[0]["prefill_s"], 3),
-            "rank0_decode_s": round(ranks[0]["decode_s"], 3),
-            "rank0_decode_tok_s": round((len(tokens) - 1) / max(ranks[0]["decode_s"], 1e-9), 2),
-        },
-        "world": {"backend": "gloo", "processes": tp, "start_method": start_method, "threads_per_process": 1},
-    }
-    reference_logits = None
-    if reference_tokens is None and check_reference:
-        t2 = time.perf_counter()
-        reference_tokens, reference_logits = reference_run(lm, prompt, max_new_tokens)
-        result["timings"]["reference_s"] = round(time.perf_counter() - t2, 3)
-    if reference_tokens is not None:
-        reference_tokens = [int(t) for t in reference_tokens]
-        result["reference_tokens"] = reference_tokens
-        result["seq_match"] = tokens == reference_tokens
-        result["first_divergence"] = first_divergence(tokens, reference_tokens)
-    if reference_logits is not None:
-        cap = getattr(config, "final_logit_softcapping", None)
-        diff = (softcap(ranks[0]["prefill_logits"].float(), cap) - reference_logits).abs().max()
-        result["prefill_logit_max_diff"] = float(diff)
-    if keep_logits:
-        result["step_logits"] = ranks[0].get("step_logits")
-    return result, ranks[0]["prefill_logits"]
-
-
-RECIPE = "cpu-gloo-tp"
-
-
-def _run_for_settings(
-    loaded_model: Any, settings: Any, prompt_ids: Any, eos_token_ids: Sequence[int], baked_rank: bool = False
-) -> dict[str, Any]:
-    """`port.port()`'s TP branch: run the plan with the settings' shapes; return a `device_run`
-    dict (with `step_logits` for LOGITS_MATCH; `baked_rank`: the fault lab's rank fault)."""
-    prompt = _as_list(prompt_ids)
-    buckets = sorted(int(b) for b in settings.prefill_buckets)
-    bucket = next((b for b in buckets if b >= len(prompt)), None)
-    if bucket is None:
-        raise PromptTooLongError(len(prompt), 0, buckets[-1], limit="largest compiled prefill bucket")
-    out, prefill_logits = _run_tp(
-        loaded_model,
-        int(settings.tp_degree),
-        prompt,
-        int(settings.max_new_tokens),
-        int(settings.context_length),
-        bucket,
-        baked_rank=baked_rank,
-        include_buffers=True,
-        check_reference=False,
-        reference_tokens=None,
-        eos_token_ids=eos_token_ids,
-        start_method="fork",
-        ring=bool(settings.ring_kv),
-        prefill="graph",
-        timeout_s=300.0,
-        decode_experts=getattr(settings, "decode_experts", "dense"),
-        keep_logits=True,
-    )
-    from ..reference import reference_last_logits
-
-    cap = getattr(loaded_model.config, "final_logit_softcapping", None)
-    reference = reference_last_logits(loaded_model.lm, prompt)
-    timings = out["timings"]
-    return {
-        "tokens": out["tokens"],
-        "step_logits": out.get("step_logits"),
-        "compiler": RECIPE,
-        "executed_as": out["executed_as"],
-        "compile_s": 0.0,
-        "prefill_ms": timings["rank0_prefill_s"] * 1000.0,
-        "decode_tok_s": timings["rank0_decode_tok_s"],
-        "prefill_logits_max_abs_diff": float((softcap(prefill_logits.float(), cap) - reference).abs().max()),
-        "ranks_agree": out["ranks_agree"],
-        "missing_keys": out["missing_keys"],
-        "tp_plan": out["plan"],
-        "shard_shapes": out["shard_shapes"],
-        "kv_shapes_per_rank": out["kv_shapes_per_rank"],
-        "tp_timings": timings,
-        "world": out["world"],
-        "prefill_bucket": bucket,
-    }
-
-
-def run_tp_batch(
-    loaded_model: Any, settings: Any, prompts: Sequence[Sequence[int]], eos_token_ids: Sequence[int]
-) -> dict[str, Any]:
-    """`batch_port`'s TP branch: B prompts through the batched rank graphs on gloo ranks; the
-    device run with `rows` (tokens and per-step logits of each row, from rank 0)."""
-    from ..serving.batch_runtime import check_rows, pick_bucket
-
-    rows = [_as_list(p) for p in prompts]
-    batch, context, max_new = int(settings.batch_size), int(settings.context_length), int(settings.max_new_tokens)
-    check_rows(rows, batch)
-    for ids in rows:
-        if len(ids) + max_new - 1 > context:
-            raise PromptTooLongError(len(ids), max_new, context)
-    bucket = pick_bucket(settings.prefill_buckets, rows)
-    lm = loaded_model.lm
-    tp = int(settings.tp_degree)
-    plan = make_plan(lm.config, tp, loaded_model.variant)
-    shards = list(iter_shards(lm, plan, include_buffers=True))
     job = RankJob(
         lm.config,
         plan,
         shards,
         HostEmbedder.from_text_model(lm.model, copy_tables=True),
-        rows[0],
-        max_new,
-        context,
-        bucket,
+        list(requests),
+        int(settings.batch_size),
+        int(settings.context_length),
+        tuple(settings.prefill_buckets),
         bool(settings.ring_kv),
-        False,
         next(lm.parameters()).dtype,
-        decode_experts=getattr(settings, "decode_experts", "dense"),
-        eos_token_ids=tuple(int(t) for t in eos_token_ids),
-        keep_logits=True,
-        prompts=rows,
-        batch=batch,
+        settings.decode_experts,
+        baked_rank,
+        settings.draft,
+        k,
+        bench=(int(settings.warmup), int(settings.iters)) if bench else None,
     )
-    t0 = time.perf_counter()
-    ranks = run_ranks(job, start_method="fork", timeout_s=300.0)
-    wall = time.perf_counter() - t0
+    unrun = dict.fromkeys(job.buckets, _in_ranks)
+    checker = job_engine(job, Steps(unrun, decode=None if k else _in_ranks, verify=_in_ranks if k else None))
+    if len(requests) > job.batch:
+        raise BatchTooLargeError(
+            f"{len(requests)} requests for batch_size {job.batch}: send at most {job.batch} or raise batch_size"
+        )
+    bucket = max(checker.check(r) for r in requests)
+    assistant = None
+    if settings.draft == "assistant":
+        from ..models.assistant import load_assistant
+        from .draft_rank_graph import assistant_shard
+
+        assistant = load_assistant(model, settings)
+        job.assistant_config, job.read_layers = assistant.model.config, dict(assistant.read_layers)
+        job.assistant_shards = [assistant_shard(assistant.model, plan, r) for r in range(tp)]
+    host_s = None
+    if prefill == "cpu-seeded":
+        t1 = time.perf_counter()
+        job.buckets = (bucket,)
+        shape = GraphShape(job.batch, bucket, job.context_length, job.ring)
+        job.seed = host_prefill(model, plan, job.requests, shape, job.dtype)
+        host_s = time.perf_counter() - t1
+    t2 = time.perf_counter()
+    ranks = run_ranks(job, start_method=start_method, timeout_s=timeout_s)
+    wall = time.perf_counter() - t2
     rank0 = ranks[0]
-    tok_s = rank0["decode_tokens"] / max(rank0["decode_s"], 1e-9)
-    return {
-        "rows": [
-            {"tokens": tokens, "step_logits": torch.from_numpy(logits)}
-            for tokens, logits in zip(rank0["rows_tokens"], rank0["rows_logits"], strict=True)
-        ],
-        "compiler": RECIPE,
+    rows = [
+        replace(
+            r,
+            first_logits=torch.from_numpy(r.first_logits),
+            step_logits=None if r.step_logits is None else torch.from_numpy(r.step_logits),
+        )
+        for r in rank0["rows"]
+    ]
+    cap = getattr(lm.config, "final_logit_softcapping", None)
+    first = softcap(rows[0].first_logits.float(), cap)
+    details: dict[str, Any] = {
         "executed_as": CPU_EXECUTION,
-        "compile_s": 0.0,
-        "prefill_ms": rank0["prefill_s"] * 1000.0,
-        "decode_tok_s": tok_s,
-        "decode_tok_s_per_row": tok_s / len(rows),
-        "ranks_agree": all(r["rows_tokens"] == rank0["rows_tokens"] for r in ranks),
+        "prefill": prefill,
+        "prefill_bucket": bucket,
+        "ranks_agree": all(r["agree"] == rank0["agree"] for r in ranks),
         "missing_keys": rank0["missing_keys"],
+        "baked_rank": baked_rank,
+        "expert_split": plan.expert_split,
+        "decode_experts": settings.decode_experts,
         "tp_plan": plan.describe(),
         "shard_shapes": shard_shapes(plan, shards),
         "kv_shapes_per_rank": rank0["kv_shapes"],
-        "tp_timings": {"ranks_wall_s": round(wall, 3), "rank0_decode_s": round(rank0["decode_s"], 3)},
-        "world": {"backend": "gloo", "processes": tp, "start_method": "fork", "threads_per_process": 1},
-        "prefill_bucket": bucket,
+        "tp_timings": {
+            "shard_s": round(shard_s, 3),
+            **({"host_prefill_s": round(host_s, 3)} if host_s is not None else {}),
+            "ranks_wall_s": round(wall, 3),
+            "rank0_build_s": round(rank0["build_s"], 3),
+            "rank0_prefill_s": round(rank0["prefill_s"], 3),
+        },
+        "world": {"backend": "gloo", "processes": tp, "start_method": start_method, "threads_per_process": 1},
+    }
+    if len(requests) > 1:
+        details["decode_tok_s_per_row"] = rank0["decode_tok_s_per_row"]
+    if settings.draft:
+        layout = RoomyLayout.around(model.layout, k + 1)
+        details.update(
+            draft=settings.draft,
+            draft_tokens=k,
+            verify_steps=len(rows[0].emitted),
+            accepted_per_step=rows[0].accepted_per_step,
+            drafts_accepted=rows[0].accepted,
+            sliding_ring_slots=layout.slots("sliding_attention", job.context_length, job.ring),
+        )
+        if assistant is not None:
+            details["assistant_reads_layers"] = job.read_layers
+    figures = rank0.get("bench")
+    prefill_ms, decode_tok_s = rank0["prefill_s"] * 1000, rank0["decode_tok_s"]
+    if figures is not None:
+        prefill_ms, decode_tok_s = figures.prefill_ms, figures.decode_tok_s
+    if "drafted_bench" in rank0:
+        details.update(rank0["drafted_bench"])
+        decode_tok_s = details["decode_tok_s_with_draft"]
+    if host_s is not None:  # what the prompt waits for: the host's prefill (a rank only copies its K/V)
+        prefill_ms = host_s * 1000
+    return {
+        "rows": rows,
+        "compiler": COMPILER,
+        "compile_s": 0.0,
+        "prefill_logits_max_abs_diff": float((first - reference_last_logits(lm, rows[0].prompt_ids)).abs().max()),
+        "bench": figures,
+        "prefill_ms": prefill_ms,
+        "decode_tok_s": decode_tok_s,
+        "details": details,
+        "assistant": assistant,
     }

@@ -15,9 +15,9 @@ replicated. Every layer comes from the same factory the target rank graph uses (
 on the gloo ranks, `NxDParallelFactory` on inf2), so one build serves both.
 
 The graphs:
-- `TargetRankGraph`: `RankGraph` with `drafting.TargetGraph`'s forward (by inheritance, nothing
-  re-implemented): `(logits, hidden)` of the last valid token (prefill) or of every position
-  (`every_position=True`: the verify graph of k + 1 tokens at an offset).
+- the target: `RankGraph` returning its hidden states (`DeviceGraph`'s own `hidden` output):
+  `(logits, hidden)` of each row's last valid token (prefill) or of every position
+  (`every_position`: the verify graph of k + 1 tokens at each row's offset).
 - `build_assistant_rank_graph`: a `drafting.DraftGraph` over an assistant skeleton built on the meta
   device with shard-size factory layers; it reads the rank's K/V buffers and never writes them.
 - `DraftingRankModule`: one module for every key of a drafted run (prefill, verify, draft): the
@@ -33,25 +33,19 @@ Rings: as at TP 1, `RoomyLayout` with room k + 1 (see `device.drafting`).
 
 from __future__ import annotations
 
-import copy
 from typing import Any
 
 import torch
 from torch import nn
 
-from ..device.drafting import DraftGraph, RoomyLayout, TargetGraph
+from ..device.drafting import DraftGraph, RoomyLayout
 from ..device.graph import GraphShape
 from ..errors import TensorParallelError
 from .plan import COLUMN, REPLICATE, AttentionPlan, TPPlan
-from .rank_graph import CpuParallelFactory, RankGraph, _Recording, lm_class_for, materialize, with_shape
+from .rank_graph import CpuParallelFactory, RankGraph, _Recording, build_rank_graph, materialize, with_shape
 
 DRAFT_MODES = ("prefill", "verify", "draft")
 ASSISTANT_PREFIX, TARGET_PREFIX = "assistant.", "target."
-
-
-class TargetRankGraph(RankGraph, TargetGraph):
-    """`RankGraph` whose forward is `TargetGraph`'s: `(logits, hidden[, *kv])` (MRO: RankGraph sets
-    the rank tensor, TargetGraph runs the target and keeps the hidden states)."""
 
 
 def build_target_rank_graph(
@@ -62,26 +56,19 @@ def build_target_rank_graph(
     *,
     factory: Any = None,
     dtype: torch.dtype = torch.float32,
-    inplace: bool = False,
-    every_position: bool = False,
-) -> TargetRankGraph:
-    """`rank_graph.build_rank_graph` for drafting: the same skeleton (meta device, shard-size layers),
-    rings with `room` extra slots, hidden states returned. Experts dense (the prefill form)."""
-    factory = factory or CpuParallelFactory(plan.tp, dtype=dtype)
-    with torch.device("meta"):
-        lm = lm_class_for(config)(config)
-    graph = TargetRankGraph(lm.model, plan, shape, factory=factory, inplace=inplace, expert_form="dense")
-    graph.every_position = every_position
-    graph.layout = RoomyLayout.around(plan.rank_layout(), room)
-    materialize(graph, config, dtype)
-    for p in graph.parameters():
-        p.requires_grad_(False)
-    return graph.eval()
+    baked_rank: bool = False,
+) -> RankGraph:
+    """`rank_graph.build_rank_graph` for drafting (functional K/V, experts dense: the prefill form),
+    its rings with `room` extra slots and its hidden states returned."""
+    graph = build_rank_graph(config, plan, shape, factory=factory, dtype=dtype, baked_rank=baked_rank)
+    graph.layout = RoomyLayout.around(graph.layout, room)
+    graph.returns_hidden = True
+    return graph
 
 
-def verify_of(graph: TargetRankGraph, tokens: int) -> TargetRankGraph:
-    """The verify graph over the same weights: `tokens` (k + 1) at an offset, every position."""
-    other = with_shape(graph, GraphShape(1, tokens, graph.shape.context_length, graph.shape.ring))
+def verify_of(graph: RankGraph, tokens: int) -> RankGraph:
+    """The verify graph over the same weights: `tokens` (k + 1) at each row's offset, every position."""
+    other = with_shape(graph, GraphShape(graph.shape.batch, tokens, graph.shape.context_length, graph.shape.ring))
     other.every_position = True
     return other
 
@@ -217,9 +204,9 @@ class DraftingRankModule(nn.Module):
     """One key of a drafted run over one rank: `mode` picks the forward (see the module docstring).
 
     prefill/verify: `forward(embeds, [ple,] start, length)` -> `(logits, hidden, *updated kv)`;
-    draft: `forward(inputs_embeds [1, 1, 2H], position [1])` -> `(logits, hidden, *kv unchanged)`."""
+    draft: `forward(inputs_embeds [B, 1, 2H], position [B])` -> `(logits, hidden, *kv unchanged)`."""
 
-    def __init__(self, target: TargetRankGraph, assistant: DraftGraph, mode: str, kv: nn.ParameterList | None = None):
+    def __init__(self, target: RankGraph, assistant: DraftGraph, mode: str, kv: nn.ParameterList | None = None):
         super().__init__()
         if mode not in DRAFT_MODES:
             from ..errors import UnknownNameError
@@ -246,7 +233,7 @@ class DraftingRankModule(nn.Module):
         """`{kv_param: output_index}`: outputs 0 and 1 are the logits and hidden states."""
         return {p: 2 + i for i, p in enumerate(self.kv)}
 
-    def sharing(self, target: TargetRankGraph, mode: str) -> DraftingRankModule:
+    def sharing(self, target: RankGraph, mode: str) -> DraftingRankModule:
         """Another key over the same weights and K/V parameters."""
         return DraftingRankModule(target, self.assistant, mode, self.kv)
 
@@ -267,11 +254,13 @@ class KVDraftStep:
         return out[0], out[1]
 
 
-def draft_key_shapes(context_length: int, buckets: tuple[int, ...], k: int, ring: bool) -> dict[str, GraphShape]:
+def draft_key_shapes(
+    context_length: int, buckets: tuple[int, ...], k: int, ring: bool, batch: int = 1
+) -> dict[str, GraphShape]:
     """The drafted run's keys: one prefill per bucket, verify (k + 1 tokens), draft (one token)."""
-    shapes = {f"prefill{b}": GraphShape(1, int(b), context_length, ring) for b in buckets}
-    shapes["verify"] = GraphShape(1, k + 1, context_length, ring)
-    shapes["draft"] = GraphShape(1, 1, context_length, ring)
+    shapes = {f"prefill{b}": GraphShape(batch, int(b), context_length, ring) for b in buckets}
+    shapes["verify"] = GraphShape(batch, k + 1, context_length, ring)
+    shapes["draft"] = GraphShape(batch, 1, context_length, ring)
     return shapes
 
 
@@ -285,13 +274,14 @@ def build_drafting_modules(
     *,
     factory: Any = None,
     dtype: torch.dtype = torch.float32,
+    baked_rank: bool = False,
 ) -> dict[str, DraftingRankModule]:
     """Every key's module over one set of weights and K/V parameters (gloo ranks and tests; the
     ModelBuilder recipe builds one per key with NxD's factory the same way)."""
     factory = factory or CpuParallelFactory(plan.tp, dtype=dtype)
     prefill = {name: s for name, s in shapes.items() if name.startswith("prefill")}
     widest = max(prefill.values(), key=lambda s: s.tokens)
-    base = build_target_rank_graph(config, plan, widest, k + 1, factory=factory, dtype=dtype)
+    base = build_target_rank_graph(config, plan, widest, k + 1, factory=factory, dtype=dtype, baked_rank=baked_rank)
     draft = build_assistant_rank_graph(
         assistant_config, plan, base.layout, shapes["draft"], read_layers, factory=factory, dtype=dtype
     )
@@ -303,9 +293,7 @@ def build_drafting_modules(
         elif name == "verify":
             modules[name] = first.sharing(verify_of(base, shape.tokens), "verify")
         else:
-            other = copy.copy(base) if shape != base.shape else base
-            other.shape = shape
-            modules[name] = first.sharing(other, "prefill")
+            modules[name] = first.sharing(with_shape(base, shape) if shape != base.shape else base, "prefill")
     return modules
 
 
@@ -313,7 +301,6 @@ __all__ = [
     "DRAFT_MODES",
     "DraftingRankModule",
     "KVDraftStep",
-    "TargetRankGraph",
     "assistant_attention_plans",
     "assistant_nxd_full",
     "assistant_shard",
