@@ -176,6 +176,7 @@ def test_lm_eval_scores_the_endpoint_as_in_process(server, loaded, tmp_path):
     assert over_http["exact_match"] == local["exact_match"]
     assert 0.5 < local["exact_match"] < 1.0  # the known capitals right, the invented places not
     assert local["replies"]["France"] == "The capital of France is Paris."
+    print(f"lm-eval exact_match: endpoint {over_http['exact_match']:.4f}, in process {local['exact_match']:.4f}")
 
 
 def test_serve_with_a_missing_or_wrong_bundle_exits_at_once(tmp_path):
@@ -203,3 +204,40 @@ def test_every_variant_answers_paris_through_the_endpoint(variant):
         streamed = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
     assert "Paris" in plain.choices[0].message.content
     assert streamed == plain.choices[0].message.content
+
+
+def test_the_serve_command_answers_then_drains_on_sigterm(loaded):
+    """`python -m gemma4lib serve` as a user runs it (the module's compile is in the cache, so it only
+    loads): Paris over HTTP from its own process, then SIGTERM and exit 0."""
+    import signal
+    import time
+
+    import httpx
+
+    from gemma4lib.server.launch import free_port
+
+    port = free_port()
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    cmd = [sys.executable, "-m", "gemma4lib", "serve", "--variant", "e2b", "--batch", "4", "--port", str(port)]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 600
+        health = None
+        while time.monotonic() < deadline and proc.poll() is None:
+            try:
+                health = httpx.get(url + "/health", timeout=2).json()
+                break
+            except httpx.HTTPError:
+                time.sleep(0.5)
+        assert health is not None and health["rows"] == 4, proc.stdout.read() if proc.poll() is not None else health
+        assert health["compile_s"] == 0  # the graphs came from the cache the module's fixture filled
+        answer = client(type("S", (), {"url": url})()).chat.completions.create(model="e2b", messages=QUESTION)
+        assert "Paris" in answer.choices[0].message.content
+        proc.send_signal(signal.SIGTERM)
+        rc = proc.wait(60)
+        log = proc.stdout.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert rc == 0 and "drained: every started request finished" in log, log
