@@ -242,6 +242,10 @@ class Scheduler:
                 self._admit()
                 if self._live:
                     self._step()
+                stuck = not self._live and not self.engine.free_rows()
+            if stuck:  # rows the engine kept after a fault: wait instead of spinning (the log has the fault)
+                with self._cond:
+                    self._cond.wait(0.05)
             self._publish()
         for row in list(self._live):
             self._end(row, "cancelled")
