@@ -316,21 +316,28 @@ def failed_checks(record: Mapping[str, Any]) -> list[str]:
 
 
 def failure_reasons(record: Mapping[str, Any]) -> list[str]:
-    """One line per failed check, each saying where and by how much."""
+    """One line per failed check, each saying where (the row, with a batch) and by how much."""
     reasons = []
     for prefix, run in (("", record), ("witness: ", record.get("witness") or {})):
-        if run.get("seq_match") is False:
-            where = run.get("first_mismatch")
-            at = "" if where is None else f" (first mismatch at token {where})"
-            reasons.append(f"{prefix}SEQ_MATCH failed{at}")
-        if run.get("logits_match") is False:
-            reasons.append(prefix + str(run.get("logits_explain") or "LOGITS_MATCH failed"))
+        for row in run.get("rows") or [run]:
+            where = f"{prefix}row {row['row']}: " if "row" in row else prefix
+            if row.get("seq_match") is False:
+                at = row.get("first_mismatch")
+                reasons.append(f"{where}SEQ_MATCH failed" + ("" if at is None else f" (first mismatch at token {at})"))
+            if row.get("logits_match") is False:
+                reasons.append(where + str(row.get("logits_explain") or _logits_failure(row)))
+            if row.get("coherent") is False:
+                reasons.append(f"{where}incoherent answer {row.get('answer')!r} ({record.get('coherence_rule')})")
     if record.get("draft") and record.get("hf_assisted_match") is False:
         reasons.append("tokens differ from transformers' generate(assistant_model=...) with the same assistant")
-    if record.get("coherent") is False:
-        rule = record.get("coherence_rule")
-        reasons.append(f"incoherent answer {record.get('answer')!r} ({rule})")
     return reasons
+
+
+def _logits_failure(row: Mapping[str, Any]) -> str:
+    if row.get("logits_max_err") is None:
+        return "LOGITS_MATCH failed"
+    err, tolerance = row["logits_max_err"], row["logits_tolerance"]
+    return f"LOGITS_MATCH failed: max |device - reference| {err:.3g} > tolerance {tolerance:.3g}"
 
 
 def record_passed(record: Mapping[str, Any]) -> bool:

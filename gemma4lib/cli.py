@@ -17,6 +17,7 @@ from typing import Any
 
 from .errors import Gemma4LibError, UnknownNameError
 from .models.variants import PROFILES, VARIANTS
+from .settings import DRAFT_KINDS
 
 log = logging.getLogger("gemma4lib")
 
@@ -57,7 +58,11 @@ def _add_port_args(parser: argparse.ArgumentParser) -> None:
         "--artifacts", help="run from a bundle folder written by `export` (no compile; mismatches are errors)"
     )
     parser.add_argument("--threads", type=int)
-    parser.add_argument("--draft", help="assistant: Gemma-4's own MTP assistant drafts, the target verifies")
+    parser.add_argument(
+        "--draft",
+        choices=DRAFT_KINDS,
+        help="assistant: Gemma-4's own MTP assistant drafts; prompt_lookup: n-grams of the prompt; the target verifies",
+    )
     parser.add_argument("--draft-tokens", type=int, help="drafts per verify step k (default 4 with --draft)")
     parser.add_argument("--assistant-checkpoint", help="full profile: the assistant's hub id or local folder")
     parser.add_argument("--verify-experts", help="MoE verify with --draft: dense | selective (default: fewer bytes)")
@@ -149,9 +154,10 @@ def _print(result: dict[str, Any], as_json: bool) -> None:
     for key in SUMMARY_KEYS:
         print(f"{key:>16}: {result.get(key)}")
     for row in result.get("rows") or ():
+        drafted = "" if row.get("accepted_per_step") is None else f" accepted_per_step={row['accepted_per_step']:.2f}"
         print(
             f"{'row ' + str(row['row']):>16}: seq_match={row['seq_match']} logits_match={row['logits_match']} "
-            f"coherent={row['coherent']} answer={row['answer']!r}"
+            f"coherent={row['coherent']}{drafted} answer={row['answer']!r}"
         )
     witness = result.get("witness")
     if witness:
@@ -181,7 +187,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 
     _threads(args.threads)
     manifest = export_bundle(_settings(args), args.out, progress=not args.json)
-    summary = {"out": args.out, **{k: manifest[k] for k in ("settings", "compiler", "models", "entries")}}
+    summary = {"out": args.out, **{k: manifest[k] for k in ("builds", "compiler", "models", "entries")}}
     print(json.dumps(summary, default=str) if args.json else json.dumps(summary, indent=2, default=str))
     return 0
 
@@ -277,7 +283,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m gemma4lib", description=__doc__.splitlines()[0])
     parser.add_argument("-v", "--verbose", action="store_true")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -339,8 +345,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--threads", type=int)
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_bench)
+    return parser
 
-    args = parser.parse_args(argv)
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     logging.basicConfig(
         level=logging.INFO if args.verbose else logging.WARNING,
         format="%(levelname)s %(name)s: %(message)s",

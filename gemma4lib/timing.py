@@ -127,6 +127,7 @@ def time_decode_steps(model: LoadedModel, step: BenchGraph, positions: Sequence[
         Steps(decode=bind_kv(step.fn, step.graph.new_kv())),
         batch=step.shape.batch,
         context_length=step.shape.context_length,
+        dtype=step.graph.dtype,
     )
     seconds = engine.time_steps(token, positions[0], len(positions))
     return len(positions) / seconds

@@ -84,19 +84,20 @@ from gemma4lib.backends import compile_cpu
 from gemma4lib.backends.base import DeviceRun
 from gemma4lib.benchmarks.batch import bench_batch_model
 from gemma4lib.cache.artifacts import ArtifactCache
-from gemma4lib.device.build import PREFILL_EXPERTS
+from gemma4lib.device.build import PREFILL_EXPERTS, GraphSet, device_graphs
 from gemma4lib.device.experts import CPU_THREAD_FLOP_PER_BYTE
 from gemma4lib.device.graph import DeviceGraph, GraphShape
 from gemma4lib.inf2.batch_roofline import batch_ceilings
 from gemma4lib.inf2.mtp_roofline import draft_table
+from gemma4lib.generation.drafters import AssistantDrafter
 from gemma4lib.models.assistant import load_assistant
 from gemma4lib.notebook import plots_batch, plots_draft
-from gemma4lib.port import PortSettings, compile_graphs, eos_ids, load_model, prompt_ids
+from gemma4lib.port import PortSettings, PromptRow, compile_graphs, eos_ids, load_model, prompt_ids
+from gemma4lib.port import row_records, run_witness
 from gemma4lib.record import build_record
-from gemma4lib.reference import reference_greedy
-from gemma4lib.runtime import HostRuntime, encode_prompt
-from gemma4lib.serving import batch_port, speculative
-from gemma4lib.serving.batch_runtime import generate_batch
+from gemma4lib.reference import hf_assisted, reference_greedy
+from gemma4lib.runtime import Engine, Request, Steps, bind_kv, encode_prompt
+from gemma4lib.timing import benchmark, time_interleaved
 
 torch.set_num_threads(threads)
 started = time.perf_counter()
@@ -163,7 +164,7 @@ nb.batch_ceilings_table(ceilings)
 # outweighs the layout, so the cell below prints `plain`. Graphs for XLA and inf2 are built
 # without a balance, because there bytes decide, and they never pack.
 #
-# Batch-1 graphs keep their own code path, so their programs and cache keys do not move.
+# It is the same `DeviceGraph` as `01_e2b`'s: batch 1 is simply B = 1, one code path for every batch.
 
 # %%
 rows = batch.batch_rows()  # (prompt, expected capital) per row
@@ -187,7 +188,8 @@ decode = DeviceGraph(
 )
 print("batched decode graph inputs:", [tuple(t.shape) for t in decode.example_inputs()][:4], "+ K/V buffers")
 print("linears:", decode.linear_form)  # "plain" here: the tiny model's weights are below the packing size
-nb.describe_graphs(prefill, decode)
+graphs = GraphSet(prefill, decode, model.layout)
+nb.describe_graphs(graphs)
 
 # %% [markdown]
 # ### Compile
@@ -220,11 +222,15 @@ def compile_package(graph):
     return compile_cpu.CompiledStep(runner, entry, compile_s, 0.0, {"key": entry.key})
 
 
-steps = {name: compile_package(graph) for name, graph in tqdm([*prefill.items(), ("decode", decode)], desc="compile")}
-runtime = HostRuntime(
-    model, {b: steps[b] for b in prefill}, steps["decode"], decode.new_kv(), context_length, batch=batch_size
+steps = {name: compile_package(graph) for name, graph in tqdm(graphs.named().items(), desc="compile")}
+kv = decode.new_kv()  # one set of batched K/V buffers: [batch, kv heads, slots, head_dim] per producer layer
+runtime = Engine.for_model(  # the one generation engine, now with batch_size rows
+    model,
+    Steps({b: bind_kv(steps[f"prefill{b}"], kv) for b in prefill}, bind_kv(steps["decode"], kv)),
+    batch=batch_size,
+    context_length=context_length,
 )
-batch_artifacts = {str(name): str(step.entry.path) for name, step in steps.items()}
+batch_artifacts = {name: str(step.entry.path) for name, step in steps.items()}
 print(
     {
         str(name): "cache hit" if step.cache_hit else f"compiled in {step.compile_s:.0f} s"
@@ -235,14 +241,16 @@ print(
 # %% [markdown]
 # ### Generate the batch
 #
-# `generate_batch` is the host loop. One prefill call takes every row at once (each row's own
-# `length`). Then each decode step feeds one token per row at that row's own position. A row that
-# emits `<turn|>` is finished and its tokens stop there. The compiled shapes are static, though,
-# so it keeps running, fed its own last token into its own K/V rows only, and its outputs are
-# dropped until every row has finished. The per-step logits of every row are kept for LOGITS_MATCH.
+# The same engine as `01_e2b`, with more rows. `generate_rows` admits every request in its own row
+# (one prefill call for all of them, each row's own `length`), then each step feeds one token per
+# live row at that row's own position. A row that emits `<turn|>` is finished: its tokens stop
+# there, and from then on it is idle (`length` 0: it writes no K/V), so the others go on alone.
+# A server uses the same calls one row at a time: `admit` a request into a free row between
+# steps, `release` it when it ends. The per-step logits of every row are kept for LOGITS_MATCH.
 
 # %%
-generation = generate_batch(runtime, row_ids, max_new_tokens, eos_token_ids=eos, keep_logits=True)
+requests = [Request(ids, max_new_tokens, eos_token_ids=tuple(eos)) for ids in row_ids]
+generation = runtime.generate_rows(requests, keep_logits=True)
 for (question, _), row in zip(rows, generation.rows, strict=True):
     print(f"{question!r:42} ({len(row.prompt_ids)} tokens) -> {nb.answer_text(model, row.tokens)!r}")
 
@@ -269,16 +277,13 @@ for ids, (_, capital), row in zip(row_ids, rows, generation.rows, strict=True):
         model.lm, model.tokenizer, ids, row.tokens, reference, expect=capital, step_logits=row.step_logits
     )
     judged.append((report, reference))
-row_records = batch_port.row_records(
-    [(ids, capital) for ids, (_, capital) in zip(row_ids, rows, strict=True)],
-    judged,
-    [{"tokens": row.tokens} for row in generation.rows],
-    [question for question, _ in rows],
-)
-batch_ok = {key: all(r[key] for r in row_records) for key in ("seq_match", "logits_match", "coherent")}
+batch_device_run = DeviceRun(generation.rows, compile_cpu.RECIPE, sum(step.compile_s for step in steps.values()))
+prompts = [PromptRow(ids, capital, question) for ids, (question, capital) in zip(row_ids, rows, strict=True)]
+batch_rows = row_records(prompts, judged, batch_device_run)
+batch_ok = {key: all(r[key] for r in batch_rows) for key in ("seq_match", "logits_match", "coherent")}
 print(f"SEQ_MATCH {batch_ok['seq_match']}  LOGITS_MATCH {batch_ok['logits_match']}  coherent {batch_ok['coherent']}")
-witness = batch_port.batch_witness(batch, load_model, batch_artifacts)
-display(nb.batch_rows_table(row_records))
+witness = run_witness(batch, artifacts=batch_artifacts)  # the same batched programs, the witness prompt per row
+display(nb.batch_rows_table(batch_rows))
 print(f"witness (random weights through the same batched graphs, every row): passed {witness['passed']}")
 
 # %% [markdown]
@@ -320,7 +325,8 @@ print(f"key/value projections in the assistant: {kv_projections or 'none'}")
 # %% [markdown]
 # ### The draft, verify and prefill graphs
 #
-# `build_draft_graphs` makes three graphs over **one** K/V layout:
+# With `draft="assistant"` in the settings, `device_graphs` builds three graphs over **one** K/V
+# layout (the same `DeviceGraph`, asked for other outputs, plus the assistant's):
 #
 # - **prefill**: as in `01_e2b`, but it also returns the last hidden state, the assistant's input;
 # - **verify**: the target over k + 1 tokens at `start`, returning logits and hidden states for
@@ -335,23 +341,30 @@ print(f"key/value projections in the assistant: {kv_projections or 'none'}")
 #
 # ### Compile
 #
-# The same three calls per graph (`compile_package` above). Each graph has its own cache key.
+# The same three calls per graph (`compile_package` above). Each graph has its own cache key. The
+# engine gets the verify step instead of a decode step, the draft step, and a drafter: the
+# `AssistantDrafter` runs the draft graph k times per round for every live row.
 
 # %%
-draft_graphs = speculative.build_draft_graphs(model, assistant, drafted)
-for name, graph in draft_graphs.all():
+draft_graphs = device_graphs(model, drafted, compute_balance=CPU_THREAD_FLOP_PER_BYTE, assistant=assistant)
+for name, graph in draft_graphs.named().items():
     print(f"{name:9} {type(graph).__name__:12} {graph.shape.tokens} token(s)")
 print("sliding ring slots:", draft_graphs.layout.slots("sliding_attention", context_length, ring_kv))
-draft_steps = {name: compile_package(graph) for name, graph in tqdm(draft_graphs.all(), desc="compile")}
-compiled_draft = speculative.CompiledDraft(
-    {b: draft_steps[f"prefill{b}"] for b in draft_graphs.prefill},
-    draft_steps["verify"],
-    draft_steps["draft"],
-    sum(step.compile_s for step in draft_steps.values()),
-    [step.cache_hit for step in draft_steps.values()],
-    {name: str(step.entry.path) for name, step in draft_steps.items()},
+draft_steps = {name: compile_package(graph) for name, graph in tqdm(draft_graphs.named().items(), desc="compile")}
+draft_kv = draft_graphs.new_kv()  # the rings have window + k + 1 slots: a layout of its own
+drafted_runtime = Engine.for_model(
+    model,
+    Steps(
+        {b: bind_kv(draft_steps[f"prefill{b}"], draft_kv) for b in draft_graphs.prefill},
+        verify=bind_kv(draft_steps["verify"], draft_kv),
+        draft=bind_kv(draft_steps["draft"], draft_kv),
+    ),
+    batch=1,
+    context_length=context_length,
+    draft_tokens=draft_tokens,
+    drafter=AssistantDrafter(),
 )
-drafted_runtime = speculative.DraftedRuntime(model, compiled_draft, draft_graphs.new_kv(), draft_tokens)
+draft_artifacts = {name: str(step.entry.path) for name, step in draft_steps.items()}
 print({n: "cache hit" if s.cache_hit else f"compiled in {s.compile_s:.0f} s" for n, s in draft_steps.items()})
 
 # %% [markdown]
@@ -374,7 +387,7 @@ print({n: "cache hit" if s.cache_hit else f"compiled in {s.compile_s:.0f} s" for
 
 # %%
 ids = prompt_ids(model, drafted)
-draft_run = drafted_runtime.generate(ids, max_new_tokens, eos_token_ids=eos)
+draft_run = drafted_runtime.generate(ids, max_new_tokens, eos_token_ids=eos, keep_logits=True)
 print(f"answer: {nb.answer_text(model, draft_run.tokens)!r}")
 print(f"{len(draft_run.tokens)} tokens in {len(draft_run.emitted)} verify steps: drafts accepted {draft_run.accepted}")
 print(f"mean tokens per verify step: {draft_run.accepted_per_step:.2f} (plain decode: 1)")
@@ -382,7 +395,7 @@ reference = reference_greedy(model.lm, ids, max_new_tokens, eos)
 draft_report = checks.evaluate(
     model.lm, model.tokenizer, ids, draft_run.tokens, reference, expect=expect, step_logits=draft_run.step_logits
 )
-hf_tokens, hf_steps = speculative.hf_assisted(model.lm, assistant.model, ids, max_new_tokens, eos)
+hf_tokens, hf_steps = hf_assisted(model.lm, assistant.model, ids, max_new_tokens, eos)
 print(f"SEQ_MATCH {draft_report.seq_match}  LOGITS_MATCH {draft_report.logits_match}  coherent {draft_report.coherent}")
 print(draft_report.logits.explain())
 print(f"equal to transformers' assisted generate: {hf_tokens == draft_run.tokens} ({hf_steps} verify steps there)")
@@ -424,7 +437,7 @@ sweep = bench_batch_model(
     bandwidth_mb=256,
     cache=cache,
 )
-batch_figures = batch_port.bench_batch(runtime, row_ids, max_new_tokens, warmup, iters)  # the 4 capitals, eos off
+batch_figures = benchmark(runtime, [Request(ids, max_new_tokens) for ids in row_ids], warmup, iters)  # eos off
 display(nb.batch_sweep_table(sweep))
 print(f"total tok/s at B=8 over B=1: {sweep['speedup_b8_over_b1']:.2f}" if sweep["speedup_b8_over_b1"] else "")
 
@@ -444,7 +457,7 @@ print(f"total tok/s at B=8 over B=1: {sweep['speedup_b8_over_b1']:.2f}" if sweep
 
 # %%
 plain = compile_graphs(model, PortSettings(**common)).runtime  # batch 1: 01_e2b's graphs
-runs = speculative.time_interleaved(  # the two take turns, so load from neighbours hits both alike
+runs = time_interleaved(  # the two take turns, so load from neighbours hits both alike
     {
         "with_draft": lambda: drafted_runtime.generate(ids, max_new_tokens),
         "without_draft": lambda: plain.generate(ids, max_new_tokens),
@@ -486,16 +499,15 @@ nb.draft_effect_table(effect)
 
 # %%
 report0, reference0 = judged[0]
-device_run = DeviceRun.from_fields(
-    {
-        "tokens": generation.rows[0].tokens,
-        "compiler": compile_cpu.RECIPE,
-        "compile_s": sum(step.compile_s for step in steps.values()) + compiled_draft.compile_s,
-        "cache_hits": [step.cache_hit for step in steps.values()] + compiled_draft.cache_hits,
-        "prefill_ms": batch_figures["prefill_ms"],
-        "decode_tok_s": batch_figures["decode_tok_s"],
-        "artifacts": {**batch_artifacts, **compiled_draft.artifacts},
-    }
+every_step = [*steps.values(), *draft_steps.values()]
+device_run = DeviceRun(
+    generation.rows,
+    compile_cpu.RECIPE,
+    sum(step.compile_s for step in every_step),
+    cache_hits=[step.cache_hit for step in every_step],
+    prefill_ms=batch_figures.prefill_ms,
+    decode_tok_s=batch_figures.decode_tok_s,
+    details={"artifacts": {**batch_artifacts, **draft_artifacts}},
 )
 result = build_record(
     batch,
@@ -510,9 +522,9 @@ result = build_record(
         "kind": "serving",
         "notebook": "06_serving",
         "batch_size": batch_size,
-        "rows": row_records,
-        "decode_tok_s_per_row": batch_figures["decode_tok_s_per_row"],
-        "batch_bench": batch_figures,
+        "rows": batch_rows,
+        "decode_tok_s_per_row": batch_figures.decode_tok_s / len(row_ids),
+        "batch_bench": batch_figures.to_dict(),
         "batch_sweep": sweep,
         "speedup_b8_over_b1": sweep["speedup_b8_over_b1"],
         "inf2_batch_ceilings": ceilings,

@@ -21,7 +21,7 @@ from gemma4lib.backends.compile_cpu import export_graph
 from gemma4lib.backends.program_key import program_digest
 from gemma4lib.checks import logits_tolerance
 from gemma4lib.device import attention
-from gemma4lib.device.graph import DeviceGraph, GraphShape, additive_mask, slot_positions
+from gemma4lib.device.graph import DeviceGraph, GraphShape, additive_mask, index_tensor, slot_positions
 from gemma4lib.errors import UnknownNameError
 from gemma4lib.models.loading import build_tiny
 from gemma4lib.models.variants import VARIANTS
@@ -37,7 +37,7 @@ class _Module(torch.nn.Module):
 
 def _mask(tokens: int, slots: int, start: int, window: int | None) -> torch.Tensor:
     """An additive mask as the graph builds it: ring slot positions, causal, optionally a window."""
-    k_pos = slot_positions(torch.tensor(start + tokens - 1), slots)
+    k_pos = slot_positions(index_tensor([start + tokens - 1]), slots)[0]
     q_pos = start + torch.arange(tokens)
     allowed = (k_pos[None, :] >= 0) & (k_pos[None, :] <= q_pos[:, None])
     if window is not None:
@@ -88,7 +88,7 @@ def _graph_inputs(graph: DeviceGraph, start: int, length: int, seed: int) -> lis
     first = 2 if graph.has_ple else 1
     for i in range(first):
         inputs[i] = torch.randn(inputs[i].shape, generator=generator)
-    inputs[first], inputs[first + 1] = torch.tensor([start]), torch.tensor([length])
+    inputs[first], inputs[first + 1] = index_tensor([start]), index_tensor([length])
     for i in range(first + 2, len(inputs)):
         inputs[i] = torch.randn(inputs[i].shape, generator=generator)
     return inputs

@@ -349,3 +349,32 @@ def test_mtp_section_runs_and_feeds_the_judge():
     subject = bench_judge.figures({"models": [], "mtp": section})["mtp:e2b"]
     assert subject["metrics"]["speedup_with_draft"] == row["speedup_with_draft"]
     assert subject["checks"] == {"tokens_match_reference": True, "hf_assisted_match": True}
+
+
+def test_batch_section_rows_equal_their_references_and_hf():
+    """The suite's batch section on a tiny MoE, graphs uncompiled (seconds): every row of the engine's
+    batch equals its own batch-1 reference and HF's batched generate; each figure comes with its bytes."""
+    from gemma4lib.benchmarks.batch import bench_batch_model
+    from gemma4lib.benchmarks.suite import load_bench_model
+
+    model = load_bench_model("26b-a4b")
+    section = bench_batch_model(
+        "26b-a4b",
+        model,
+        backend="eager",
+        batch_sizes=(1, 3),
+        context_length=64,
+        bucket=16,
+        prompt_tokens=12,
+        new_tokens=6,
+        warmup=0,
+        iters=1,
+        bandwidth_mb=32,
+    )
+    assert section["tokens_match_reference"] is True and section["decode_experts"] == "selective"
+    assert [r["batch"] for r in section["rows"]] == [1, 3]
+    for row in section["rows"]:
+        assert row["rows_match_reference"] == [True] * row["batch"] == row["rows_equal_hf"]
+        assert len(set(row["prompt_lengths"])) == row["batch"]  # different lengths per row
+        assert row["gemma4lib_tok_s"] > 0 and row["hf_eager_tok_s"] > 0 and row["bytes_per_step_gb"] > 0
+        assert row["experts_read"] == "selective"

@@ -3,9 +3,11 @@
 `python -m gemma4lib export --variant e2b --out DIR` in a fresh process (PYTHONHASHSEED=0, the
 session's cache: a copy when the suite compiled E2B already), then `port --artifacts DIR` in
 another (PYTHONHASHSEED=1) with an empty GEMMA4LIB_CACHE: no compile, every graph a hit, all checks
-pass, and nothing is written to that cache. Then (marker `slow`) a plain `port` (PYTHONHASHSEED=2) on the session
-cache hits too: the key is the same in every process. The mismatch rows need no device work: each
-is refused when the settings are made or before the compile.
+pass, and nothing is written to that cache. The same round trip with a batch of three drafted by the
+assistant: the bundle carries the prefill, verify and draft graphs and the plain decode its benchmark
+compares against. Then (marker `slow`) a plain `port` (PYTHONHASHSEED=2) on the session cache hits
+too: the key is the same in every process. The mismatch rows need no device work: each is refused
+when the settings are made or before the compile, a missing graph by its name.
 """
 
 from __future__ import annotations
@@ -20,10 +22,12 @@ from pathlib import Path
 import pytest
 
 from gemma4lib.cache import bundle
+from gemma4lib.device.build import device_graphs
 from gemma4lib.errors import BundleError
 from gemma4lib.port import PortSettings, compile_graphs, load_model
 
 QUICK = ["--iters", "1", "--warmup", "0"]
+DRAFTED = ["--batch", "3", "--draft", "assistant", "--draft-tokens", "4"]
 
 
 def gemma4lib_cli(*args: str, seed: int, cache: str | None = None) -> dict:
@@ -56,6 +60,48 @@ def test_port_from_the_bundle_compiles_nothing_and_passes(exported, tmp_path):
     assert not empty.exists(), "a run from a bundle wrote into the cache"
 
 
+@pytest.fixture(scope="module")
+def exported_drafted(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("bundle") / "e2b-drafted"
+    summary = gemma4lib_cli("export", "--variant", "e2b", *DRAFTED, "--out", str(out), seed=0)
+    own, plain = summary["builds"]  # the port's graphs, then the plain decode its benchmark runs
+    assert own["graphs"] == ["prefill64", "verify", "draft"] and plain["graphs"] == ["prefill64", "decode"]
+    assert own["settings"]["batch_size"] == 3 and own["settings"]["draft_tokens"] == 4, own
+    return out
+
+
+def test_a_drafted_batch_runs_from_its_bundle_with_every_graph_a_hit(exported_drafted, tmp_path):
+    empty = tmp_path / "empty-cache"
+    result = gemma4lib_cli(
+        "port", "--variant", "e2b", *DRAFTED, "--artifacts", str(exported_drafted), *QUICK, seed=1, cache=str(empty)
+    )
+    assert result["checks_passed"], result["failed_checks"]
+    assert result["compile_s"] == 0 and len(result["cache_hits"]) == 3 and all(result["cache_hits"])
+    assert list(result["artifacts"]) == ["prefill64", "verify", "draft"], result["artifacts"]
+    assert all(str(exported_drafted) in path for path in result["artifacts"].values()), result["artifacts"]
+    assert len(result["rows"]) == 3
+    for row in result["rows"]:
+        assert row["tokens"] == row["reference_tokens"] and row["logits_match"] and row["coherent"], row
+        assert row["accepted_per_step"] > 1, row
+    assert result["hf_assisted_match"] and result["witness"]["seq_match"] and result["witness"]["logits_match"]
+    assert not empty.exists(), "a run from a bundle wrote into the cache"
+
+
+def test_a_bundle_without_the_drafting_graphs_is_refused_naming_them(exported, exported_drafted):
+    with pytest.raises(BundleError, match="it has no verify, draft graph") as info:
+        PortSettings(variant="e2b", draft="assistant", artifacts=str(exported))
+    assert "draft: bundle None, this run 'assistant'" in str(info.value)
+    with pytest.raises(BundleError, match="it has no verify graph"):
+        PortSettings(variant="e2b", draft="prompt_lookup", artifacts=str(exported))
+    with pytest.raises(BundleError, match="draft: bundle 'assistant', this run 'prompt_lookup'"):
+        PortSettings(variant="e2b", batch_size=3, draft="prompt_lookup", artifacts=str(exported_drafted))
+    # the drafted bundle holds the plain batch's graphs too (its benchmark runs them)
+    assert bundle.graph_names(PortSettings(variant="e2b", batch_size=3, artifacts=str(exported_drafted))) == [
+        "prefill64",
+        "decode",
+    ]
+
+
 @pytest.mark.slow
 def test_a_second_port_in_a_fresh_process_under_another_seed_hits(exported):
     """The export (seed 0) compiled or found E2B's graphs in the session cache; a port under seed 2
@@ -83,6 +129,7 @@ def _edited_copy(exported: Path, tmp_path: Path, edit) -> str:
         ({"ring_kv": False}, "ring_kv: bundle True, this run False"),
         ({"weights": "int8"}, "weights: bundle 'bf16', this run 'int8'"),
         ({"variant": "e4b"}, "variant: bundle 'e2b', this run 'e4b'"),
+        ({"batch_size": 2}, "batch_size: bundle 1, this run 2"),
     ],
 )
 def test_other_settings_are_refused_when_the_settings_are_made(exported, overrides, fragment):
@@ -200,7 +247,8 @@ def test_a_neuron_bundle_carries_the_model_and_its_shards(tmp_path, monkeypatch)
         cache_dir=str(tmp_path / "empty"),
         artifacts=str(tmp_path / "bundle"),
     )
-    result = neuron.compile(load_model(served), served)
+    model = load_model(served)
+    result = neuron.compile(device_graphs(model, served, inplace=False), model, served)
     assert result.cache_hits == [True] and result.compile_s == 0 and loaded == [entry]
     assert not (tmp_path / "empty").exists()
 

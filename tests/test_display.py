@@ -60,6 +60,17 @@ def test_settings_show_ring_kv_and_decode_experts_only_for_the_moe(variant, moe)
     assert shown["prefill_buckets"] and "(" not in shown["prefill_buckets"]
 
 
+def test_graphs_table_lists_every_graph_of_the_set_with_its_rows():
+    from gemma4lib.device.build import device_graphs
+    from gemma4lib.models.assistant import load_assistant
+    from gemma4lib.port import load_model
+
+    settings = PortSettings(variant="e2b", model="random", backend="eager", batch_size=2, draft="assistant")
+    model = load_model(settings)
+    table = nb.describe_graphs(device_graphs(model, settings, assistant=load_assistant(model, settings)))
+    assert [(row[0], row[1], row[2]) for row in table.rows] == [("prefill64", 2, 64), ("verify", 2, 5), ("draft", 2, 1)]
+
+
 def test_family_table_names_classes_in_full():
     table = nb.family_table()
     classes = [row[table.columns.index("class")] for row in table.rows]

@@ -11,10 +11,12 @@ import pytest
 import torch
 
 from gemma4lib import checks
+from gemma4lib.backends.registry import compile_graphs, run_device
 from gemma4lib.device.drafting import DraftGraph, RoomyLayout, ordered_logits
 from gemma4lib.device.graph import GraphShape
 from gemma4lib.device.kv_layout import FULL, SLIDING
 from gemma4lib.errors import CheckpointError, SettingsError, UnknownNameError
+from gemma4lib.generation.drafters import CallableDrafter
 from gemma4lib.models.assistant import (
     assistant_spec,
     build_tiny_assistant,
@@ -24,10 +26,7 @@ from gemma4lib.models.assistant import (
     store_for_assistant,
 )
 from gemma4lib.port import PortSettings, eos_ids, load_model, port, prompt_ids
-from gemma4lib.reference import reference_greedy
-from gemma4lib.backends.registry import compile_graphs, run_device
-from gemma4lib.generation.drafters import CallableDrafter
-from gemma4lib.reference import hf_assisted
+from gemma4lib.reference import hf_assisted, reference_greedy
 from gemma4lib.runtime import Request, Sampling
 
 DONE_WHEN = ["e2b", "31b", "26b-a4b"]

@@ -15,6 +15,7 @@ def test_gemma3_270m_answers_paris_through_the_compiled_graph():
 
     result = run_gemma3_270m(max_new_tokens=8)
     assert result["seq_match"], (result["answer"], result["reference_answer"])
+    assert result["logits_match"], (result["logits_max_err"], result["logits_tolerance"])
     assert result["coherent"] and result["answer"].startswith(" Paris"), result["answer"]
 
 
@@ -23,4 +24,4 @@ def test_gemma3_270m_through_the_device_graph_eager():
     from gemma4lib.models.gemma3_real import run_gemma3_270m
 
     result = run_gemma3_270m(max_new_tokens=8, backend="eager")
-    assert result["seq_match"] and result["answer"].startswith(" Paris"), result
+    assert result["seq_match"] and result["logits_match"] and result["answer"].startswith(" Paris"), result

@@ -24,7 +24,7 @@ from gemma4lib.inf2.memory_plan import plan_core_memory, rank_weight_bytes
 from gemma4lib.models.loading import build_tiny
 from gemma4lib.models.variants import get_variant
 from gemma4lib.recipes import cores, neuron_env
-from gemma4lib.recipes.common import DeviceStep, check_first_output, check_host_tables, greedy_generate
+from gemma4lib.recipes.common import DeviceStep, check_first_output, check_host_tables, host_generate
 
 
 # ---- finding 4: int8 at its bytes; no host re-quantization for shapes -----------------------------
@@ -85,7 +85,7 @@ def test_neuron_backend_builds_no_int8_graph_on_the_host(monkeypatch):
     )
     with pytest.raises(RuntimeError, match="stop: compile reached"):
         port_module.port(settings)
-    assert built == ["bf16"], built  # one graph, for the shapes, in full precision
+    assert built == ["bf16"] * 3, built  # the graphs (prefill 16, 32, decode), for the shapes, in full precision
 
 
 # ---- finding 5: compiler litter ---------------------------------------------------------------------
@@ -102,10 +102,10 @@ def test_compiler_workdir_is_removed_after_success_and_kept_after_failure():
 
 
 def _neuron_compile(tmp_path, monkeypatch, seen):
-    """`backends.neuron.compile` of a tiny E2B with the inf2-only calls stood in: the compile
-    records its current directory and writes a relative `.hlo` as NxD's trace does; the load returns
-    a fresh module."""
-    from gemma4lib.backends import neuron
+    """The neuron backend's compile (through the registry) of a tiny E2B with the inf2-only calls
+    stood in: the compile records its current directory and writes a relative `.hlo` as NxD's trace
+    does; the load returns a fresh module."""
+    from gemma4lib.backends.registry import compile_graphs
     from gemma4lib.port import PortSettings, load_model
     from gemma4lib.recipes import neuron_model_builder
 
@@ -122,7 +122,7 @@ def _neuron_compile(tmp_path, monkeypatch, seen):
     monkeypatch.setattr(neuron_model_builder, "load_model_builder", lambda path, tp: _Loaded())
     settings = PortSettings("e2b", model="random", backend="neuron", cache_dir=str(tmp_path / "cache"))
     model = load_model(settings)
-    return lambda: neuron.compile(model, settings)
+    return lambda: compile_graphs(model, settings)
 
 
 def test_the_compile_runs_in_a_directory_of_its_own(tmp_path, monkeypatch):
@@ -207,9 +207,9 @@ def test_host_loop_passes_embeddings_in_the_compiled_dtype():
 
     def step(*inputs):
         seen.update(t.dtype for t in inputs[:-2])
-        return torch.zeros(1, 1, vocab)
+        return torch.zeros(1, vocab)
 
-    greedy_generate(step, host, [5, 6, 7], 3, dtype=torch.bfloat16)
+    assert host_generate(step, host, [5, 6, 7], 3, vocab_size=vocab, dtype=torch.bfloat16)["tokens"] == [0, 0, 0]
     assert seen == {torch.bfloat16}
 
 

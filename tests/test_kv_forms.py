@@ -17,8 +17,9 @@ from gemma4lib.device.experts import StaticExperts
 from gemma4lib.device.graph import DeviceGraph, GraphShape
 from gemma4lib.models.loading import build_tiny
 from gemma4lib.models.variants import VARIANTS
+from gemma4lib.port import PortSettings, compile_graphs, load_model, prompt_ids
 from gemma4lib.reference import reference_greedy
-from gemma4lib.runtime import HostRuntime, softcap
+from gemma4lib.runtime import Engine, Steps, bind_kv, softcap
 
 CONTEXT = 96
 PROMPT = 20
@@ -41,24 +42,36 @@ def _prompt(model, n: int = PROMPT, seed: int | None = None) -> list[int]:
 
 
 def _runtime(
-    model, *, ring: bool, buckets=(32,), decode_form: str = "dense", context: int = CONTEXT, record: list | None = None
-) -> HostRuntime:
+    model,
+    *,
+    ring: bool,
+    buckets=(32,),
+    decode_form: str = "dense",
+    context: int = CONTEXT,
+    record: list | None = None,
+    kv: list | None = None,
+) -> Engine:
+    """The engine over the eager device graphs (one K/V, `kv` when given); `record` collects the
+    raw logits of every decode step."""
+
     def graph(tokens, form):
         return DeviceGraph(
             model.text_model, model.lm_head, model.layout, GraphShape(1, tokens, context, ring), expert_form=form
         )
 
     decode = graph(1, decode_form)
-    step = decode
+    kv = decode.new_kv() if kv is None else kv
+    step = bind_kv(decode, kv)
     if record is not None:
+        bound = step
 
         def step(*args):
-            logits = decode(*args)
+            logits = bound(*args)
             record.append(logits[0].clone())
             return logits
 
-    prefill = {b: graph(b, "dense") for b in buckets}
-    return HostRuntime(model, prefill, step, decode.new_kv(), context)
+    prefill = {b: bind_kv(graph(b, "dense"), kv) for b in buckets}
+    return Engine.for_model(model, Steps(prefill, step), batch=1, context_length=context)
 
 
 @torch.no_grad()
@@ -127,14 +140,14 @@ def test_ring_prefill_longer_than_the_window_keeps_the_newest_tokens():
     # a 30-token prompt into a ring of 8: prefill attends over the chunk, then keeps positions 22..29
     model = _model("31b")
     prompt = _prompt(model, 30, seed=5)
-    runtime = _runtime(model, ring=True)
-    generation = runtime.generate(prompt, 12)
+    kv = [torch.zeros(s) for s in model.layout.buffer_shapes(1, CONTEXT, True)]
+    generation = _runtime(model, ring=True, kv=kv).generate(prompt, 12)
     assert generation.tokens == reference_greedy(model.lm, prompt, 12)
     window = model.config.sliding_window
     layout = model.layout
     for i, layer in enumerate(layout.producers):
         if layer.layer_type == "sliding_attention":
-            k = runtime.kv[2 * i]
+            k = kv[2 * i]
             assert k.shape[2] == window and bool(k.abs().sum(dim=-1).gt(0).all())
 
 
@@ -170,13 +183,17 @@ def test_selective_and_dense_decode_match_hf():
     assert torch.allclose(logits["selective"], logits["dense"], atol=1e-4, rtol=0)
 
 
-def test_compiled_ring_and_selective_decode_match_hf(ports):
+def test_compiled_ring_and_selective_decode_match_hf():
     # the two new forms through the real CPU recipe (AOTInductor), on the MoE tiny
-    port = ports.get("26b-a4b", ring_kv=True, decode_experts="selective")
-    assert port.decode.shape.ring and port.decode.expert_form == "selective"
-    assert port.model.config.sliding_window * 6 < len(port.ids) + NEW_TOKENS <= port.settings.context_length
-    reference = reference_greedy(port.model.lm, port.ids, NEW_TOKENS)
-    assert port.runtime.generate(port.ids, NEW_TOKENS).tokens == reference
+    settings = PortSettings(variant="26b-a4b", model="random", ring_kv=True, decode_experts="selective")
+    model = load_model(settings)
+    compiled = compile_graphs(model, settings)
+    decode = compiled.graphs.decode
+    assert decode.shape.ring and decode.expert_form == "selective"
+    ids = prompt_ids(model, settings)
+    assert model.config.sliding_window * 6 < len(ids) + NEW_TOKENS <= settings.context_length
+    reference = reference_greedy(model.lm, ids, NEW_TOKENS)
+    assert compiled.runtime.generate(ids, NEW_TOKENS).tokens == reference
 
 
 # ---- prefill buckets --------------------------------------------------------------------------

@@ -112,8 +112,9 @@ def test_the_drafting_keys_run_on_cpu_from_the_nxd_checkpoint():
     )
     missing, unexpected = modules["verify"].load_state_dict(checkpoint, strict=False)
     assert not unexpected and all(m.startswith("kv.") for m in missing)
-    from gemma4lib.device.embedder import HostEmbedder
     from gemma4lib.serving.speculative import CompiledDraft, DraftedRuntime
+
+    from gemma4lib.device.embedder import HostEmbedder
 
     steps = CompiledDraft(
         {64: KVDraftStep(modules["prefill64"])}, KVDraftStep(modules["verify"]), KVDraftStep(modules["draft"])

@@ -2,7 +2,7 @@
 notebooks generated from notebooks/parts/ (generating again changes nothing), at most 35 cells, outputs
 stripped, one plain `parameters` cell, one kernelspec, the shared skeleton, the recipe's real calls in
 the cells (public library names only, every function a cell defines used), nothing that installs,
-prompts or leaks; listed in the README; the decode-loop cell equal to `runtime.decode_loop`; and every
+prompts or leaks; listed in the README; the generate cell equal to the engine's `generate`; and every
 one of them executed headless in the smoke profile with the checks true and the same programs, tokens
 and logits as `port()`'s for the same settings."""
 
@@ -116,14 +116,16 @@ REAL_CALLS = [
     "torch._inductor.aoti_compile_and_package(",
     "torch._inductor.aoti_load_package(",
     "compile_cpu.load_weights(",
-    "HostRuntime(",
-    "runtime.prefill[bucket](",
-    "runtime.decode(",
+    "Engine.for_model(",
+    "runtime.check(request)",
+    "runtime.admit({0: request}",
+    "runtime.step()",
+    "runtime.release(0)",
     "checks.compare_logits(",
     "checks.expect_substring(",
     "apply_chat_template(history",  # the conversation: the template over the whole history
     "Sampling(temperature=temperature, top_p=top_p",
-    "decode_loop(",
+    "runtime.generate(",
     "on_token=",
 ]
 NEURON_CALLS = {
@@ -327,16 +329,16 @@ SERVING_CALLS = [  # the recipe of both features, in the cells themselves
     "torch._inductor.aoti_compile_and_package(",
     "torch._inductor.aoti_load_package(",
     "compile_cpu.load_weights(",
-    "HostRuntime(",
-    "generate_batch(runtime, row_ids",
+    "Engine.for_model(",
+    "runtime.generate_rows(requests",
     "reference_greedy(model.lm, ids",
     "checks.evaluate(",
-    "batch_port.batch_witness(",
+    "run_witness(batch",
     "load_assistant(model, drafted)",
-    "speculative.build_draft_graphs(",
-    "speculative.DraftedRuntime(",
+    "device_graphs(model, drafted",
+    "drafter=AssistantDrafter()",
     "drafted_runtime.generate(",
-    "speculative.hf_assisted(",
+    "hf_assisted(model.lm, assistant.model",
     "bench_batch_model(",
     "batch_ceilings(",
     "draft_table(",
@@ -367,14 +369,14 @@ def test_06_serving_follows_its_sections_and_shows_the_recipe():
 
 
 def _decode_cell(nb) -> str:
-    (cell,) = [c.source for c in nb.cells if c.cell_type == "code" and "tokens, step_logits = [], []" in c.source]
+    (cell,) = [c.source for c in nb.cells if c.cell_type == "code" and "runtime.admit({0: request}" in c.source]
     return cell
 
 
 @pytest.mark.parametrize("path", variant_notebooks(), ids=lambda p: p.name)
-def test_the_decode_loop_cell_equals_runtime_decode_loop(path, ports):
-    """The notebook's own loop (its cell, executed here over a compiled runtime) gives exactly the
-    tokens and logits of `runtime.generate`, which runs `runtime.decode_loop`."""
+def test_the_decode_loop_cell_equals_the_engines_generation(path, ports):
+    """The notebook's generate cell (its admit/step/release calls, executed here over a compiled
+    engine) gives exactly the tokens and logits of `runtime.generate`, the engine's own route."""
     import torch
 
     from gemma4lib import notebook as nb_helpers
@@ -383,7 +385,9 @@ def test_the_decode_loop_cell_equals_runtime_decode_loop(path, ports):
     variant = parameters_of(load(path))["variant"]
     port = ports.get(variant)
     namespace = {"torch": torch, "runtime": port.runtime, "ids": port.ids, "s": port.settings, "model": port.model}
-    namespace.update(eos_ids=eos_ids, nb=nb_helpers)
+    from gemma4lib.runtime import Request
+
+    namespace.update(eos_ids=eos_ids, nb=nb_helpers, Request=Request)
     exec(compile(_decode_cell(load(path)), f"{path.name}[decode loop]", "exec"), namespace)
     eos = eos_ids(port.model)
     generation = port.runtime.generate(port.ids, port.settings.max_new_tokens, eos_token_ids=eos, keep_logits=True)
@@ -527,8 +531,9 @@ def _serving_checked(out: Path) -> None:
     its cells produced what the library's own runs produce for the same settings (the batch's rows
     through `batch_port.run_device_batch`, the drafted tokens and acceptance through
     `speculative.run_single_device_drafted`)."""
-    from gemma4lib.port import PortSettings, eos_ids, load_model, prompt_ids
     from gemma4lib.serving import batch_port, speculative
+
+    from gemma4lib.port import PortSettings, eos_ids, load_model, prompt_ids
 
     file = pm_run.SERVING[1]
     record = json.loads((out / "results" / "serving.json").read_text())

@@ -12,13 +12,13 @@ import pytest
 import torch
 from torch import nn
 
+from gemma4lib.backends.registry import cpu_balance
 from gemma4lib.device import packed_linear
-from gemma4lib.device.build import cpu_balance, device_graph
+from gemma4lib.device.build import device_graph
 from gemma4lib.device.experts import CPU_THREAD_FLOP_PER_BYTE
 from gemma4lib.device.graph import GraphShape
 from gemma4lib.device.quant import target_linears
-from gemma4lib.runtime import HostRuntime
-from gemma4lib.serving.batch_runtime import generate_batch
+from gemma4lib.runtime import Engine, Request, Steps, bind_kv
 
 needs_packing = pytest.mark.skipif(
     not packed_linear.available(),
@@ -80,9 +80,10 @@ def test_a_packed_linear_follows_its_weight():
         packed_linear.PackedLinear(nn.Linear(4, 4, bias=True), 4)
 
 
-def _runtime(model, decode):
-    prefill = device_graph(model, GraphShape(BATCH, BUCKET, CONTEXT, True), "dense")
-    return HostRuntime(model, {BUCKET: prefill}, decode, decode.new_kv(), CONTEXT, batch=BATCH)
+def _engine(model, decode):
+    prefill, kv = device_graph(model, GraphShape(BATCH, BUCKET, CONTEXT, True), "dense"), decode.new_kv()
+    steps = Steps(prefill={BUCKET: bind_kv(prefill, kv)}, decode=bind_kv(decode, kv))
+    return Engine.for_model(model, steps, batch=BATCH, context_length=CONTEXT)
 
 
 @needs_packing
@@ -109,7 +110,7 @@ def test_a_batch_4_decode_graph_packs_and_its_rows_equal_their_references(pack_s
     assert device_graph(model, shape, "dense", weights="int8", compute_balance=1.0).linear_form == "plain"
 
     prompts = [random_prompt(model.config.vocab_size, n, 100 + n) for n in LENGTHS]
-    generation = generate_batch(_runtime(model, graph), prompts, NEW, keep_logits=True)
+    generation = _engine(model, graph).generate_rows([Request(p, NEW) for p in prompts], keep_logits=True)
     _assert_rows_match(model, prompts, generation, new=NEW)  # test_batch's: tokens and logits per row
 
 

@@ -33,8 +33,7 @@ for variant in sys.argv[1].split(","):
     settings = PortSettings(variant=variant)
     model = load_model(settings)
     out["set_order"] = list(set(model.config.layer_types))  # what transformers iterates
-    prefill, decode = build_graphs(model, settings)
-    for name, graph in [*prefill.items(), ("decode", decode)]:
+    for name, graph in build_graphs(model, settings):
         parts = graph_key(graph, RECIPE, DEFAULT_COMPILER_OPTIONS, export_graph(graph))
         out["keys"][f"{variant}/{graph.shape.phase}/{name}"] = make_key(parts)
 print(json.dumps(out))
@@ -91,13 +90,13 @@ import torch
 torch.set_num_threads(1)
 from gemma4lib.cache.artifacts import make_key
 from gemma4lib.backends.compile_cpu import DEFAULT_COMPILER_OPTIONS, RECIPE, export_graph, graph_key
+from gemma4lib.device.build import device_graphs
 from gemma4lib.models.assistant import load_assistant
 from gemma4lib.port import PortSettings, load_model
-from gemma4lib.serving.speculative import build_draft_graphs
 
 settings = PortSettings(variant="e2b", draft="assistant", draft_tokens=4)
 model = load_model(settings)
-graph = build_draft_graphs(model, load_assistant(model, settings), settings).draft
+graph = device_graphs(model, settings, assistant=load_assistant(model, settings)).draft
 key = make_key(graph_key(graph, RECIPE, DEFAULT_COMPILER_OPTIONS, export_graph(graph)))
 print(json.dumps({"key": key, "set_order": list(set(graph.model.config.layer_types))}))
 """

@@ -165,3 +165,26 @@ def test_real_width_device_graph_matches_hf(variant, compiled):
 )
 def test_real_width_device_graph_matches_hf_slow(variant, compiled):
     _check(variant, compiled)
+
+
+def test_forced_logits_of_the_generated_tokens_are_the_logits_that_chose_them():
+    """The teacher-forced path (`forced_logits`, taken when the tokens differ from HF's) feeds the
+    engine's own steps: fed the generated tokens it gives exactly the generation's logits (tiny E2B,
+    eager, a prompt and budget that wrap the sliding ring)."""
+    from gemma4lib.device.graph import DeviceGraph, GraphShape
+    from gemma4lib.models.loading import build_tiny
+    from gemma4lib.models.real_width import forced_logits
+    from gemma4lib.reference import random_prompt, reference_greedy
+    from gemma4lib.runtime import Engine, Steps, bind_kv
+
+    model = build_tiny(VARIANTS["e2b"])
+    text, head, layout = model.text_model, model.lm_head, model.layout
+    prefill, decode = (DeviceGraph(text, head, layout, GraphShape(1, t, 32, True)) for t in (16, 1))
+    kv = decode.new_kv()
+    steps = Steps(prefill={16: bind_kv(prefill, kv)}, decode=bind_kv(decode, kv))
+    engine = Engine.for_model(model, steps, batch=1, context_length=32)
+    prompt = random_prompt(model.config.vocab_size, 12, 1)
+    assert 12 + 10 - 1 > layout.sliding_window
+    row = engine.generate(prompt, 10, keep_logits=True)
+    assert row.tokens == reference_greedy(model.lm, prompt, 10)
+    torch.testing.assert_close(forced_logits(engine, prompt, row.tokens), row.step_logits, rtol=0, atol=0)

@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from gemma4lib.errors import SettingsError
-from gemma4lib.runtime import Sampling, sampling_probs
 from gemma4lib.generation.acceptance import verify_batch, verify_drafts
+from gemma4lib.runtime import Sampling, sampling_probs
 
 N = 40_000
 DELTA = 1e-6

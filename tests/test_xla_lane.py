@@ -67,18 +67,37 @@ def test_session_rejects_inplace_graphs():
         xla_backend.XLASession({"decode": graph})
 
 
+def test_session_rejects_index_inputs_that_are_not_int32(xla_lane):
+    """Index inputs are int32 on every backend (`graph.INDEX_DTYPE`): a step refuses an int64 start
+    before tracing anything, so every passing run of the lane received int32 in every graph."""
+    import torch
+
+    from gemma4lib.device.graph import DeviceGraph, GraphShape, index_tensor
+    from gemma4lib.errors import GraphFormError
+
+    model = _audit_model("12b")
+    graph = DeviceGraph(model.text_model, model.lm_head, model.layout, GraphShape(1, 1, 16), inplace=False)
+    session = xla_backend.XLASession({"decode": graph})
+    embeds, start, length, *_ = graph.example_inputs()
+    assert start.dtype == length.dtype == index_tensor([0]).dtype == torch.int32
+    kv = session.new_kv("decode")
+    with pytest.raises(GraphFormError, match="int32"):
+        session.run("decode", embeds, start.long(), length, *kv)
+    assert session.report()["xla_steps"] == {}
+
+
 @pytest.mark.parametrize("variant", VARIANT_NAMES)
 def test_variant_on_xla(xla_lane, variant, tmp_path):
     result = xla_lane.run_variant(variant, decode_steps=DECODE_STEPS, hlo_dir=tmp_path)
     assert result["seq_match"], (result["tokens"], result["reference"])
     assert result["xla_fallbacks"] == 0, result["xla_fallback_ops"]
     # one compilation, one traced graph per graph shape; one execution per step (no graph break)
-    assert result["xla_compilations"] == {"prefill": 1, "decode": 1}
-    assert result["xla_graph_hashes"] == {"prefill": 1, "decode": 1}
-    assert result["xla_steps"] == {"prefill": 1, "decode": DECODE_STEPS}
+    assert result["xla_compilations"] == {"prefill24": 1, "decode": 1}
+    assert result["xla_graph_hashes"] == {"prefill24": 1, "decode": 1}
+    assert result["xla_steps"] == {"prefill24": 1, "decode": DECODE_STEPS}
     assert result["xla_executions"] == result["xla_steps"]
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["decode.0.hlo.txt", "prefill.0.hlo.txt"]
-    for phase in ("prefill", "decode"):
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["decode.0.hlo.txt", "prefill24.0.hlo.txt"]
+    for phase in ("prefill24", "decode"):
         ops = result["hlo_op_counts"][phase]
         assert ops["dot"] > 0 and ops["parameter"] > 0 and ops["total"] > 1000
 
@@ -119,6 +138,17 @@ def _expert_slice_bytes(model) -> int:
     return 3 * c.moe_intermediate_size * c.hidden_size * model.lm_head.weight.element_size()
 
 
+def _assert_int32_index_inputs(audit) -> None:
+    """The lowered program's index inputs (start, length) are s32 entry parameters: int32 reaches the
+    compiler, not only the step (`XLASession.run` refuses anything else)."""
+    inputs = [
+        p.type.split("{")[0] for p, role in zip(audit.params, audit.roles, strict=True) if role == hlo_audit.INPUT
+    ]
+    index = [t for t in inputs if not t.startswith(("f32", "bf16", "f16"))]
+    rows = hlo_audit.array_dims(inputs[0])[0]  # every input leads with the batch B
+    assert index == [f"s32[{rows}]"] * 2, inputs
+
+
 def _moe_layers(model) -> int:
     layers = model.text_model.layers
     return sum(1 for layer in layers if getattr(layer, "experts", None) is not None)
@@ -129,6 +159,7 @@ def test_hlo_audit_single_device_decode(xla_lane, variant, form):
     model = _audit_model(variant)
     audit, row = hlo_audit.audit_single(model, form)
     table = hlo_audit.format_table([row])
+    _assert_int32_index_inputs(audit)
     assert row.weights_delta == row.expected_delta, table
     assert row.kv_delta == 0 and row.kv_read > 0, table
     assert row.flagged == [], table  # no weight is transposed or copied except into a dot
@@ -156,6 +187,7 @@ def test_hlo_audit_rank_graph_decode(xla_lane, variant, tp, form, split):
     model = _audit_model(variant)
     audit, row = hlo_audit.audit_rank(model, tp, form, expert_split=split)
     table = hlo_audit.format_table([row])
+    _assert_int32_index_inputs(audit)
     assert row.weights_delta == row.expected_delta, table
     assert row.kv_delta == 0 and row.kv_read > 0, table
     assert row.flagged == [], table
@@ -259,6 +291,8 @@ def test_e2b_model_builder_pair_at_tp1_on_xla(xla_lane, tmp_path):
     from gemma4lib.models.loading import build_tiny
     from gemma4lib.models.variants import get_variant
     from gemma4lib.recipes import neuron_model_builder as mb
+    from gemma4lib.reference import random_prompt, reference_greedy
+    from gemma4lib.runtime import Engine, Steps, bind_kv
     from gemma4lib.tp import make_plan
     from gemma4lib.tp.rank_graph import build_rank_graph, load_shard
 
@@ -271,31 +305,20 @@ def test_e2b_model_builder_pair_at_tp1_on_xla(xla_lane, tmp_path):
         graphs[key] = build_rank_graph(model.config, plan, shape)
         assert load_shard(graphs[key], weights) == []
     session = XLASession(graphs, hlo_dir=tmp_path)
-    prefill, decode = session.step("prefill"), session.step("decode")
     kv = session.new_kv("decode")  # the one set both keys alias
-    ids = torch.randint(3, model.config.vocab_size - 12, (1, 20), generator=torch.Generator().manual_seed(1))
-    steps = 8
-    with torch.no_grad():
-        reference = model.lm.generate(ids, max_new_tokens=1 + steps, do_sample=False, eos_token_id=None)[0, 20:]
-        text = model.text_model
-
-        def host(token_ids, pad_to):
-            n = token_ids.shape[1]
-            embeds = torch.nn.functional.pad(text.embed_tokens(token_ids), (0, 0, 0, pad_to - n))
-            ple = torch.nn.functional.pad(text.get_per_layer_inputs(token_ids), (0, 0, 0, 0, 0, pad_to - n))
-            return embeds, ple
-
-        tokens = [int(prefill(*host(ids, 24), torch.tensor([0]), torch.tensor([20]), *kv).cpu().argmax())]
-        for i in range(steps):
-            logits = decode(*host(torch.tensor([[tokens[-1]]]), 1), torch.tensor([20 + i]), torch.tensor([1]), *kv)
-            tokens.append(int(logits.cpu().argmax()))
+    steps = Steps({24: bind_kv(session.step("prefill"), kv)}, bind_kv(session.step("decode"), kv))
+    engine = Engine.for_model(model, steps, batch=1, context_length=64)
+    ids = random_prompt(model.config.vocab_size, 20, v.tiny_seed + 1)  # its margins are the seed's
+    new_tokens = 9
+    tokens = engine.generate(ids, new_tokens).tokens
+    reference = reference_greedy(model.lm, ids, new_tokens)
     report = session.report()
-    assert tokens == reference.tolist()
+    assert tokens == reference
     # at most one compile per key: none when an earlier test in this process compiled the same HLO
     # (torch_xla caches it), and never one per decode step
     assert set(report["xla_compilations"]) == {"prefill", "decode"}
     assert all(n <= 1 for n in report["xla_compilations"].values()), report["xla_compilations"]
-    assert report["xla_steps"] == {"prefill": 1, "decode": steps}
+    assert report["xla_steps"] == {"prefill": 1, "decode": new_tokens - 1}
 
 
 @pytest.mark.parametrize(
@@ -307,6 +330,7 @@ def test_hlo_audit_batched_decode_reads_the_batch_roofline_bytes(xla_lane, varia
     model = _audit_model(variant)
     audit, row = hlo_audit.audit_single(model, form, batch=batch)
     table = hlo_audit.format_table([row])
+    _assert_int32_index_inputs(audit)
     assert row.batch == batch and f"batch {batch}" in table
     assert row.weights_delta == row.expected_delta, table
     assert row.kv_delta == 0 and row.kv_read > 0, table
@@ -332,52 +356,32 @@ def test_hlo_audit_batched_rank_graphs_read_the_batch_roofline_bytes_per_rank(xl
     model = _audit_model(variant)
     audit, row = hlo_audit.audit_rank(model, tp, form, expert_split=split, batch=2)
     table = hlo_audit.format_table([row])
+    _assert_int32_index_inputs(audit)
     assert row.batch == 2 and "batch 2" in table and row.read_form == read, table
     assert row.weights_delta == row.expected_delta, table
     assert row.kv_delta == 0 and row.kv_read > 0, table
     assert row.ok, table
 
 
-def test_batched_rows_on_xla_match_their_references(xla_lane):
-    """Three capital questions (16, 17, 16 tokens) through the batched graphs of the trained E2B
-    fixture on XLA (trained: no near-ties, so exact tokens are a fair ask): 0 fallbacks, one
-    compilation per graph, every row equal to its own reference and answering its capital."""
-    from gemma4lib.device.graph import DeviceGraph, GraphShape
-    from gemma4lib.models.trained import load_trained
-    from gemma4lib.reference import reference_greedy
-    from gemma4lib.runtime import HostRuntime, encode_prompt
-    from gemma4lib.serving.batch_prompts import capital_questions
-    from gemma4lib.serving.batch_runtime import generate_batch
+def test_batched_port_on_xla_rows_match_their_references(xla_lane):
+    """`port(backend="xla", batch_size=3)`: the capital of France and two capital questions, prompts of
+    different lengths, through the batched graphs of the trained E2B fixture on XLA (trained: no
+    near-ties, so exact tokens are a fair ask): every row equal to its own batch-1 reference in tokens
+    and logits and answering its capital, 0 fallbacks, one compilation per graph."""
+    from gemma4lib.port import PortSettings, port
 
-    model = load_trained("e2b")
-    shape = dict(context_length=48, ring=True)
-    graphs = {
-        "prefill": DeviceGraph(
-            model.text_model, model.lm_head, model.layout, GraphShape(3, 24, **shape), inplace=False
-        ),
-        "decode": DeviceGraph(model.text_model, model.lm_head, model.layout, GraphShape(3, 1, **shape), inplace=False),
-    }
-    session = xla_backend.XLASession(graphs)
-
-    def on_host(step):
-        return lambda *args: step(*args).cpu()
-
-    runtime = HostRuntime(
-        model,
-        {24: on_host(session.step("prefill"))},
-        on_host(session.step("decode")),
-        session.new_kv("decode"),
-        48,
-        batch=3,
-    )
-    questions = capital_questions(3)
-    prompts = [encode_prompt(model.tokenizer, q) for q, _ in questions]
-    generation = generate_batch(runtime, prompts, 12)
-    report = session.report()
-    assert report["xla_fallbacks"] == 0 and report["xla_compilations"] == {"prefill": 1, "decode": 1}, report
-    for ids, row, (_, capital) in zip(prompts, generation.rows, questions, strict=True):
-        assert row.tokens == reference_greedy(model.lm, ids, 12)
-        assert capital in model.tokenizer.decode(row.tokens)
+    settings = PortSettings(variant="e2b", backend="xla", batch_size=3, iters=1, warmup=0, witness=False)
+    result = port(settings)
+    assert result["checks_passed"], result["failed_checks"]
+    rows = result["rows"]
+    assert len(rows) == 3 and len({r["prompt_tokens"] for r in rows}) > 1, rows
+    for row in rows:
+        assert row["tokens"] == row["reference_tokens"] and row["logits_match"] and row["coherent"], row
+        assert row["expect"] in row["answer"], row
+    assert result["xla_fallbacks"] == 0, result["xla_fallback_ops"]
+    assert result["xla_compilations"] == {"prefill64": 1, "decode": 1}, result["xla_compilations"]
+    assert result["xla_graph_hashes"] == {"prefill64": 1, "decode": 1}
+    assert result["xla_executions"] == result["xla_steps"]
 
 
 # ---- drafting with Gemma-4's own assistant (docs/DRAFTING.md) on the XLA lane -------------------
@@ -408,7 +412,7 @@ def test_drafted_port_on_xla(xla_lane, variant):
     assert result["xla_graph_hashes"] == dict.fromkeys(graphs, 1)
     assert result["xla_steps"]["verify"] > 1 and result["xla_executions"] == result["xla_steps"]
     # the tiny MoE (16 experts, top 4): 5 tokens x 4 routed slices would read more than all 16
-    assert result["verify_experts"] == (None if variant == "e2b" else "dense")
+    assert result.get("verify_experts") == (None if variant == "e2b" else "dense")
 
 
 @pytest.mark.parametrize("k", [2, 4])
@@ -417,22 +421,19 @@ def test_drafted_26b_selective_verify_on_xla_is_exact(xla_lane, k):
     rows): the default at k = 2 (3 x 4 slices < 16 experts), asked for at k = 4; tokens and logits
     equal the plain greedy reference over a prompt that crosses the sliding window."""
     from gemma4lib import checks
-    from gemma4lib.models.assistant import load_assistant
-    from gemma4lib.port import PortSettings, load_model, prompt_ids
+    from gemma4lib.port import PortSettings, compile_graphs, load_model, prompt_ids
     from gemma4lib.reference import reference_greedy
-    from gemma4lib.serving.speculative import DraftedRuntime, build_draft_graphs, compile_draft_graphs
 
     asked = None if k == 2 else "selective"
     settings = PortSettings(variant="26b-a4b", backend="xla", draft="assistant", draft_tokens=k, verify_experts=asked)
     model = load_model(settings)
-    graphs = build_draft_graphs(model, load_assistant(model, settings), settings)
-    assert graphs.verify.expert_form == "selective" and not graphs.verify.inplace
-    compiled = compile_draft_graphs(graphs, settings)
-    runtime = DraftedRuntime(model, compiled, compiled.new_kv(), k)
+    compiled = compile_graphs(model, settings)
+    verify = compiled.graphs.verify
+    assert verify.expert_form == "selective" and not verify.inplace and verify.every_position
     ids = prompt_ids(model, settings)
     steps = 24
     assert len(ids) + steps > 3 * model.config.sliding_window
-    generation = runtime.generate(ids, steps)
+    generation = compiled.runtime.generate(ids, steps, keep_logits=True)
     reference = reference_greedy(model.lm, ids, steps)
     report = checks.evaluate(model.lm, None, ids, generation.tokens, reference, step_logits=generation.step_logits)
     assert report.seq_match, (generation.tokens, reference)
@@ -456,6 +457,7 @@ def test_hlo_audit_verify_graph_reads_the_mtp_roofline_bytes(xla_lane, variant, 
     model = _audit_model(variant)
     audit, row = hlo_audit.audit_verify(model, form, k)
     table = hlo_audit.format_table([row])
+    _assert_int32_index_inputs(audit)
     assert row.ok and row.tokens == k + 1 and f"verify, {k + 1} tokens" in table, table
     assert row.weights_delta == row.expected_delta and row.kv_delta == 0 and row.kv_read > 0, table
     assert row.flagged == [], table

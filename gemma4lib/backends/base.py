@@ -74,6 +74,7 @@ class Backend:
     min_warmup: int = 0  # untimed runs its first calls need (xla compiles on the first call)
     selectable: bool = True  # a `PortSettings.backend` value (`gloo` is what cpu/eager select at TP > 1)
     takes_graphs: bool = False  # compiles prebuilt graphs a caller built (`graphs=`: the fault lab)
+    quantizes_itself: bool = False  # reads only the graphs' shapes, int8 in its own layers: graphs stay full precision
     samples_drafts: bool = True  # runs sampled (rejection-sampling) drafted rows
     tp: bool = False  # runs TP > 1 itself (neuron: NeuronCores; gloo: CPU ranks)
     bundles: bool = False  # its artifacts can be exported and run from a bundle

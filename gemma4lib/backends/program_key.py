@@ -31,17 +31,21 @@ from ..models.weights_identity import tensor_bytes
 # Library modules whose code decides what a device graph computes.
 GRAPH_SOURCES = (
     "device/graph.py",
+    "device/drafting.py",
     "device/attention.py",
     "device/experts.py",
     "device/quant.py",
     "device/kv_layout.py",
+    "device/packed_linear.py",
     "tp/rank_graph.py",
+    "tp/draft_rank_graph.py",
     "tp/layers.py",
     "tp/plan.py",
     "tp/shard.py",
     "recipes/common.py",
     "recipes/neuron_trace.py",
     "recipes/neuron_model_builder.py",
+    "recipes/neuron_drafting.py",
 )
 
 # Config fields that never change the compiled program: bookkeeping, init, token ids used on the host.

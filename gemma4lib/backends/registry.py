@@ -68,6 +68,7 @@ BACKENDS: dict[str, Backend] = {
             compile=neuron.compile,
             label="neuron",
             inplace=False,
+            quantizes_itself=True,
             samples_drafts=False,
             tp=True,
             bundles=True,
@@ -135,8 +136,9 @@ def compile_graphs(
             from ..models.assistant import load_assistant
 
             assistant = load_assistant(model, settings)
+        shaped = replace(settings, weights="bf16") if backend.quantizes_itself else settings  # no host int8 copies
         graphs = device_graphs(
-            model, settings, backend.inplace, compute_balance=backend.compute_balance, assistant=assistant
+            model, shaped, backend.inplace, compute_balance=backend.compute_balance, assistant=assistant
         )
     compiled = backend.compile(graphs, model, settings, progress)
     drafter = drafter or make_drafter(settings.draft)
@@ -248,11 +250,16 @@ def model_config(graphs: GraphSet) -> Any:
     return graphs.target.model.config
 
 
+def without_draft(settings: PortSettings) -> PortSettings:
+    """The plain-decode settings a drafted benchmark compares against (an export bundles their graphs too)."""
+    return replace(settings, draft=None, draft_tokens=None, verify_experts=None)
+
+
 def bench_drafted_port(
     model: LoadedModel, settings: PortSettings, engine: Engine, requests: Sequence[Request], warmup: int
 ) -> dict[str, Any]:
     """`timing.bench_drafted` against the settings' plain graphs, compiled here."""
-    plain = compile_graphs(model, replace(settings, draft=None, draft_tokens=None, verify_experts=None)).runtime
+    plain = compile_graphs(model, without_draft(settings)).runtime
     return bench_drafted(engine, plain, requests, warmup, settings.iters)
 
 
@@ -266,4 +273,5 @@ __all__ = [
     "run_compiled",
     "run_device",
     "selectable",
+    "without_draft",
 ]

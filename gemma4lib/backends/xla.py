@@ -6,29 +6,35 @@ XLA front end with no CPU fallback and no per-step recompilation. It runs in the
 environment (``scripts/setup_xla_env.sh`` → ``.venv-xla``: torch 2.9.0 + torch-xla 2.9.0); this
 module imports without torch_xla and imports it only when used.
 
-API (what ``port --backend xla`` builds on)::
+API (what ``port --backend xla`` builds on: `compile`)::
 
     from gemma4lib.backends.xla import XLASession
+    from gemma4lib.device.build import device_graphs
+    from gemma4lib.device.graph import index_tensor
+    from gemma4lib.settings import PortSettings
 
-    pre = DeviceGraph(m.text_model, m.lm_head, m.layout, GraphShape(1, 24, 64), inplace=False)
-    dec = DeviceGraph(m.text_model, m.lm_head, m.layout, GraphShape(1, 1, 64), inplace=False)
-    session = XLASession({"prefill": pre, "decode": dec}, hlo_dir="artifacts/xla/e2b")
-    kv = session.new_kv("prefill")                 # K/V buffers on the XLA device
-    prefill, decode = session.step("prefill"), session.step("decode")
-    logits = prefill(embeds, ple, start, length, *kv)   # same convention as the CPU graph
-    logits = decode(embeds, ple, start, length, *kv)    # kv now holds the updated buffers
-    session.report()   # {"xla_fallbacks": 0, "xla_compilations": {"prefill": 1, "decode": 1}, ...}
+    graphs = device_graphs(model, PortSettings(variant="e2b", backend="xla"), inplace=False)
+    session = XLASession(graphs.named(), hlo_dir="artifacts/xla/e2b")   # "prefill64", "decode"
+    kv = session.new_kv("decode")                 # K/V buffers on the XLA device
+    logits = session.run("prefill64", embeds, ple, index_tensor([0]), index_tensor([20]), *kv)
+    logits = session.run("decode", embeds, ple, index_tensor([20]), index_tensor([1]), *kv)
+    session.report()   # {"xla_fallbacks": 0, "xla_compilations": {"prefill64": 1, "decode": 1}, ...}
+
+  `session_steps(graphs)` does this for a whole `GraphSet` and hands back `runtime.Steps` (the K/V
+  bound to every step), which the one generation loop, `runtime.Engine`, runs.
 
 - The graphs must be built with ``inplace=False`` (the functional form Neuron traces). The
   session deep-copies them onto the XLA device (weights shared between the graphs, the host model
   left untouched), so the host model stays the CPU reference.
-- A step takes host or device tensors (``start``/``length`` are int32 tensors of shape [B], so
-  the position is graph data, never a constant), runs the graph, rebinds each K/V tensor passed in
-  to its updated value (``kv[i].copy_(new)``: on XLA an IR rebinding, not a data copy), and
-  materialises logits and K/V with one ``torch_xla.sync()`` (2.9's replacement for
-  ``xm.mark_step()``), then waits for it (``xm.wait_device_ops()``: execution is asynchronous and
-  the counters below must be exact). It returns the logits, an XLA tensor already computed:
-  ``.cpu()`` is a transfer, no new graph.
+- A step takes host or device tensors, runs the graph, rebinds each K/V tensor passed in to its
+  updated value (``kv[i].copy_(new)``: on XLA an IR rebinding, not a data copy), and materialises
+  logits and K/V with one ``torch_xla.sync()`` (2.9's replacement for ``xm.mark_step()``), then
+  waits for it (``xm.wait_device_ops()``: execution is asynchronous and the counters below must be
+  exact). It returns the logits, an XLA tensor already computed: ``.cpu()`` is a transfer, no new graph.
+- Index inputs (``start``/``length`` ``[B]``, the draft's ``position`` ``[B]``) are graph data,
+  never constants, and int32 (`device.graph.INDEX_DTYPE`, as NxD Inference hands them to the
+  device): a step refuses any other integer dtype, so every run of the lane proves the graphs
+  receive int32 end to end.
 - Drafting (backend xla) puts its prefill, verify and draft graphs in one session: a target graph
   built with ``hidden=True`` returns logits and hidden states before its K/V (a step returns them
   as a tuple); `drafting.DraftGraph` reads the K/V and writes none (``writes_kv = False``)
@@ -66,12 +72,20 @@ import re
 from collections import Counter
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
+from ..device.graph import INDEX_DTYPE
 from ..errors import GraphFormError
+from .base import CompiledGraphs
+
+if TYPE_CHECKING:
+    from ..device.build import GraphSet
+    from ..models.loading import LoadedModel
+    from ..runtime import Steps
+    from ..settings import PortSettings
 
 # The XLA:CPU backend's own optimisation is irrelevant to what the lane checks (the HLO the front
 # end emits, fallbacks, compile counts, tokens) and halves its compile time on this machine.
@@ -222,6 +236,12 @@ class XLASession:
         n_head = getattr(graph, "inputs_before_kv", None)
         n_head = (3 if graph.has_ple else 2) if n_head is None else n_head - 1  # [ple,] start, length
         head, kv = args[:n_head], args[n_head:]
+        for t in head:
+            if not t.is_floating_point() and t.dtype != INDEX_DTYPE:
+                raise GraphFormError(
+                    f"graph {name!r} got a {t.dtype} index input; index inputs are {INDEX_DTYPE} on every "
+                    f"backend: build them with gemma4lib.device.graph.index_tensor"
+                )
         for t in kv:
             if t.device != self.device:
                 raise GraphFormError(
@@ -288,25 +308,26 @@ class XLASession:
 COMPILER = "torch-xla"
 
 
-def compile(graphs: Any, model: Any, settings: Any, progress: bool = False):
-    """Backend `xla` (`port --backend xla`): the port's graphs (functional form) in one session on the
-    XLA device, over one set of device K/V that the prefill, decode and verify steps rebind and the
-    draft step reads. XLA compiles lazily, on each graph's first call: its time shows there.
-
-    Returns the port's `CompiledGraphs`; its `report()` adds the lane's figures (fallbacks,
-    compilations per graph, HLO files) to the result record once generation and benchmark ran.
-    """
-    from ..cache.artifacts import ArtifactCache
-    from .base import CompiledGraphs
+def session_steps(graphs: GraphSet, hlo_dir: str | Path | None = None) -> tuple[Steps, XLASession]:
+    """The named graphs of `graphs` (functional form) in one session, as the engine's `Steps` over
+    one set of device K/V that the prefill, decode and verify steps rebind and the draft step reads."""
     from .cpu import steps_over
 
-    use_fast_cpu_compile()
     named = graphs.named()
-    shape = graphs.target.shape
-    tag = f"b{shape.batch}" + (f"-draft{graphs.draft_tokens}" if graphs.draft_tokens else "")
-    hlo_dir = ArtifactCache(settings.cache_dir).root / "xla-hlo" / model.variant.name / tag
     session = XLASession(named, hlo_dir=hlo_dir)
-    kv = session.new_kv("decode" if "decode" in named else "verify")
-    return CompiledGraphs(
-        steps_over(graphs, {n: session.step(n) for n in named}, kv), 0.0, [], COMPILER, report=session.report
-    )
+    kv = session.new_kv("decode" if graphs.decode is not None else "verify")
+    return steps_over(graphs, {name: session.step(name) for name in named}, kv), session
+
+
+def compile(graphs: GraphSet, model: LoadedModel, settings: PortSettings, progress: bool = False) -> CompiledGraphs:
+    """Backend `xla` (`port --backend xla`): `session_steps`, its HLO under the artifact cache.
+    XLA compiles lazily, on each graph's first call: its time shows there, not in `compile_s`.
+    The `report()` adds the lane's figures (fallbacks, compilations per graph, HLO files) to the
+    result record once generation and benchmark ran."""
+    from ..cache.artifacts import ArtifactCache
+
+    use_fast_cpu_compile()
+    tag = f"b{graphs.batch}" + (f"-draft{graphs.draft_tokens}" if graphs.draft_tokens else "")
+    hlo_dir = ArtifactCache(settings.cache_dir).root / "xla-hlo" / model.variant.name / tag
+    steps, session = session_steps(graphs, hlo_dir)
+    return CompiledGraphs(steps, 0.0, [], COMPILER, report=session.report)

@@ -3,7 +3,7 @@ to Hugging Face `generate` on the same batched prompts, with the bandwidth measu
 
 Per model and batch size: B random prompts of different lengths, this project's decode graph of
 batch B (compiled by the suite's backend; prefill runs the same batched prefill graph uncompiled,
-it is not timed), `batch_runtime.generate_batch` timed per decode step (eos off, every row
+it is not timed), the engine's `generate_rows` timed per decode step (eos off, every row
 decodes `new_tokens`), and HF `generate` on the same prompts left-padded with an attention mask,
 timed by its own step clock; the two are timed interleaved (ours, HF, ours, HF, ...). The step's
 bytes come from `batch_roofline.batch_decode_bytes` (the weights once, the selective experts as the
@@ -24,16 +24,15 @@ from typing import Any
 
 import torch
 
-from ..backends.compile_cpu import compile_graph
-from ..device.build import cpu_balance, device_graph
+from ..backends.registry import cpu_balance, get_backend
+from ..device.build import device_graph
 from ..device.graph import GraphShape
 from ..inf2.bandwidth import measure_bandwidth
 from ..inf2.batch_roofline import batch_decode_bytes
 from ..inf2.roofline import GB
 from ..models.loading import LoadedModel
 from ..reference import random_prompt, reference_greedy
-from ..runtime import HostRuntime
-from ..serving.batch_runtime import generate_batch
+from ..runtime import Engine, Request, Steps, bind_kv
 from .hf import StepClock
 
 BATCH_SIZES = (1, 2, 4, 8, 16)
@@ -82,9 +81,19 @@ def hf_batch_generate(lm: torch.nn.Module, prompts: Sequence[Sequence[int]], new
     return {"tokens": out[:, longest:].tolist(), "decode_tok_s": None if steps is None else steps * len(prompts)}
 
 
-def _decode_step(model: LoadedModel, shape: GraphShape, form: str, backend: str, cache) -> Any:
-    graph = device_graph(model, shape, form, compute_balance=cpu_balance(backend))
-    return (compile_graph(graph, cache) if backend == "cpu" else graph), graph
+def batch_engine(
+    model: LoadedModel, batch: int, context_length: int, bucket: int, form: str, backend: str, cache
+) -> tuple[Engine, Any]:
+    """The engine over a batch-`batch` decode graph compiled by `backend` (one graph on its own:
+    `compile_one`) and the same batch's prefill graph uncompiled (not timed); and the decode graph."""
+    decode = device_graph(model, GraphShape(batch, 1, context_length, True), form, compute_balance=cpu_balance(backend))
+    prefill = device_graph(model, GraphShape(batch, bucket, context_length, True), "dense")
+    kv = decode.new_kv()
+    steps = Steps(
+        prefill={bucket: bind_kv(prefill, kv)}, decode=bind_kv(get_backend(backend).compile_one(decode, cache).fn, kv)
+    )
+    engine = Engine.for_model(model, steps, batch=batch, context_length=context_length, dtype=decode.dtype)
+    return engine, decode
 
 
 def bench_batch_model(
@@ -114,14 +123,13 @@ def bench_batch_model(
     references = [reference_greedy(model.lm, p, new_tokens) for p in all_prompts]
     for b in batch_sizes:
         prompts = all_prompts[:b]
-        decode, decode_graph = _decode_step(model, GraphShape(b, 1, context_length, True), form, backend, cache)
-        prefill = device_graph(model, GraphShape(b, bucket, context_length, True), "dense")
-        runtime = HostRuntime(model, {bucket: prefill}, decode, decode_graph.new_kv(), context_length, batch=b)
+        requests = [Request(p, new_tokens) for p in prompts]  # greedy, no eos: every row decodes new_tokens
+        engine, decode_graph = batch_engine(model, b, context_length, bucket, form, backend, cache)
         ours, hf = [], []
         for _ in range(warmup):
-            generation = generate_batch(runtime, prompts, new_tokens)
+            generation = engine.generate_rows(requests)
         for _ in range(iters):  # interleaved (ours, HF, ours, HF): load hits both sides of the ratio alike
-            generation = generate_batch(runtime, prompts, new_tokens)
+            generation = engine.generate_rows(requests)
             if generation.decode_tok_s:
                 ours.append(generation.decode_tok_s)
             hf.append(hf_batch_generate(model.lm, prompts, new_tokens))
@@ -189,4 +197,4 @@ def bench_batch_model(
     }
 
 
-__all__ = ["BATCH_SIZES", "bench_batch_model", "best_bandwidth", "hf_batch_generate"]
+__all__ = ["BATCH_SIZES", "batch_engine", "bench_batch_model", "best_bandwidth", "hf_batch_generate"]

@@ -12,7 +12,7 @@ from ..device.quant import round_model_weights
 from ..inf2.roofline import decode_bytes
 from ..models.loading import LoadedModel
 from ..reference import random_prompt, reference_greedy, teacher_forced_logits
-from ..runtime import HostRuntime, softcap
+from ..runtime import softcap
 from ..timing import time_decode_steps
 from .graphs import GraphFactory
 from .measure import _median, _ratio, recommendation
@@ -80,18 +80,12 @@ def bench_experts(
     ring = recommended["ring_kv"]
     forms = ("dense", "selective")
     runtimes = {form: factory.runtime(context_length, (bucket,), ring, form, PREFILL_EXPERTS) for form in forms}
-    prefill_steps = {form: factory.get(bucket, context_length, ring, form) for form in forms}
+    prefill_runtimes = {form: factory.runtime(context_length, (bucket,), ring, form, form) for form in forms}
     decode_runs: dict[str, list[float]] = {f: [] for f in forms}
     prefill_runs: dict[str, list[float]] = {f: [] for f in forms}
     match: dict[str, bool] = {}
     prompt_bucket = list(prompt)[:bucket]
     first_reference = reference_greedy(model.lm, prompt_bucket, 1)
-    prefill_runtimes = {
-        form: HostRuntime(
-            model, {bucket: prefill_steps[form].fn}, runtimes[form].decode, runtimes[form].kv, context_length
-        )
-        for form in forms
-    }
     prefill_match = {
         form: prefill_runtimes[form].generate(prompt_bucket, 1).tokens == first_reference for form in forms
     }

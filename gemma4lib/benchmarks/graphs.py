@@ -9,13 +9,13 @@ from typing import Any
 
 import torch
 
-from ..backends.base import GRAPH_BACKENDS, get_backend
+from ..backends.registry import BACKENDS, get_backend
 from ..cache.artifacts import ArtifactCache
 from ..device.build import PREFILL_EXPERTS, device_graph
 from ..device.graph import DeviceGraph, GraphShape
 from ..errors import UnknownNameError
 from ..models.loading import LoadedModel
-from ..runtime import HostRuntime
+from ..runtime import Engine, Steps, bind_kv
 
 
 @dataclass
@@ -54,15 +54,16 @@ class GraphFactory:
     def __init__(
         self, model: LoadedModel, backend: str = "cpu", cache: ArtifactCache | None = None, weights: str = "bf16"
     ):
-        if backend not in GRAPH_BACKENDS:
-            raise UnknownNameError("bench backend", backend, GRAPH_BACKENDS)
+        compiles_one = [name for name, b in BACKENDS.items() if b.compile_one is not None]
+        if backend not in compiles_one:
+            raise UnknownNameError("bench backend", backend, compiles_one)
         self.model, self.backend, self.cache, self.weights = model, backend, cache, weights
         self.steps: dict[tuple, BenchGraph] = {}
 
     @property
     def compiler(self) -> str:
         """The compiler's name as a port's record gives it (`cpu-aotinductor`, `eager`)."""
-        return get_backend(self.backend).COMPILER
+        return get_backend(self.backend).label
 
     def get(self, tokens: int, context_length: int, ring: bool, expert_form: str = "dense") -> BenchGraph:
         """The graph of this shape, built and compiled on first use."""
@@ -87,12 +88,13 @@ class GraphFactory:
         ring: bool,
         decode_form: str,
         prefill_form: str = PREFILL_EXPERTS,
-    ) -> HostRuntime:
-        """A host runtime over cached graphs: one decode graph and a prefill graph per bucket."""
+    ) -> Engine:
+        """The engine over cached graphs (one set of fresh K/V): one decode graph and a prefill graph per bucket."""
         decode = self.get(1, context_length, ring, decode_form)
-        prefill = {b: self.get(b, context_length, ring, prefill_form).fn for b in buckets}
         kv = decode.graph.new_kv()
-        return HostRuntime(self.model, prefill, decode.fn, kv, context_length)
+        prefill = {b: bind_kv(self.get(b, context_length, ring, prefill_form).fn, kv) for b in buckets}
+        steps = Steps(prefill=prefill, decode=bind_kv(decode.fn, kv))
+        return Engine.for_model(self.model, steps, batch=1, context_length=context_length, dtype=decode.graph.dtype)
 
     def compile_report(self) -> list[dict[str, Any]]:
         """Every graph built so far, in build order."""

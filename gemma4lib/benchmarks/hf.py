@@ -3,7 +3,7 @@
 Decode tok/s of a `generate` call cannot be read off its wall time (that includes prefill and,
 on the static-cache path, torch.compile), so a logits processor stamps the arrival of each step's
 logits and the rate is taken between the first and the last stamp: prefill excluded, as in
-`HostRuntime.generate`.
+the engine's own step clock (`runtime.Engine`).
 """
 
 from __future__ import annotations

@@ -21,9 +21,8 @@ from typing import Any
 
 from ..inf2.mtp_roofline import STATUS, draft_table
 from ..models.variants import VARIANTS
-from ..port import PortSettings, eos_ids, load_model, prompt_ids
+from ..port import PortSettings, assisted_fields, eos_ids, load_model, prompt_rows, requests_for, run_device
 from ..reference import reference_greedy
-from ..serving.drafted_run import run_device_drafted
 
 # the one-core member, the dense giant and the MoE: the three the drafter was first checked on
 MTP_VARIANTS = tuple(name for name, v in VARIANTS.items() if name in ("e2b", "31b") or v.is_moe)
@@ -51,9 +50,16 @@ def bench_mtp(
             witness=False,
         )
         model = load_model(settings)
-        ids, eos = prompt_ids(model, settings), eos_ids(model)
-        device = run_device_drafted(model, settings, ids, eos)
-        run = {**device.record_fields(), "tokens": device.tokens, "compile_s": device.compile_s}
+        prompts, eos = prompt_rows(model, settings), eos_ids(model)
+        ids = prompts[0].ids
+        # the port's own device run: drafted tokens, then drafted vs plain decode timed in turns (`bench_drafted`)
+        device = run_device(model, settings, requests_for(prompts, settings, eos))
+        run = {
+            **device.record_fields(),
+            **assisted_fields(model, device, ids, new_tokens, eos),
+            "tokens": device.tokens,
+            "compile_s": device.compile_s,
+        }
         rows.append(
             {
                 "variant": name,

@@ -37,9 +37,10 @@ from typing import Any
 import torch
 
 from ..backends.compile_cpu import compile_graph
+from ..backends.registry import cpu_balance
 from ..device import packed_linear
-from ..device.build import cpu_balance, device_graph
-from ..device.graph import GraphShape
+from ..device.build import device_graph
+from ..device.graph import GraphShape, index_tensor
 from ..inf2.bandwidth import measure_bandwidth
 from ..inf2.roofline import GB, decode_bytes
 
@@ -102,7 +103,7 @@ def profile_decode(
     plain = compile_graph(graph)
     profiled = compile_graph(graph, options=PROFILE_OPTIONS)
     inputs = list(graph.example_inputs())
-    inputs[-len(graph.new_kv()) - 2] = torch.arange(batch) + context_length // 2  # start: halfway in
+    inputs[-len(graph.new_kv()) - 2] = index_tensor([context_length // 2] * batch)  # start: halfway in
     element = model.lm_head.weight.element_size()
     bandwidth_before = measure_bandwidth(bandwidth_mb)
     for _ in range(warmup):

@@ -4,7 +4,7 @@
 on the same model, prompt ids and thread count:
 
 - `gemma4lib`: the device graphs compiled with AOTInductor (ring KV, the recommended expert form
-  for decode) driven by the host runtime;
+  for decode) driven by the generation engine (`runtime.Engine`);
 - `hf_eager`: `lm.generate` with the dynamic cache (what a user runs by default);
 - `hf_static_compile`: `lm.generate(cache_implementation="static")` with transformers' own
   `torch.compile` of the forward (a failure or a time-out is recorded with its reason, not dropped).
@@ -106,21 +106,6 @@ class SuiteOptions:
         """Tiny models only, two timed runs, no torch.compile: the report's schema in minutes, not figures."""
         base = cls(medium_models=(), warmup=1, iters=2, hf_compile=False, bandwidth_mb=256, sections=("models",))
         return replace(base, **changes)
-
-
-# ---- small helpers ---------------------------------------------------------------------------
-
-
-# ---- the project's path: graphs from the backend layer, cached by shape ----------------------------
-
-
-# ---- one model, three paths --------------------------------------------------------------------
-
-
-# ---- the three fixes ---------------------------------------------------------------------------
-
-
-# ---- targets -------------------------------------------------------------------------------------
 
 
 # ---- the suite ------------------------------------------------------------------------------------

@@ -12,9 +12,14 @@ read-only layer in front of the artifact cache, nothing is compiled (a graph the
                                inf2: the ModelBuilder `model.pt` with its NEFFs and the per-rank
                                shards in `weights/`, or the trace recipe's `model.pt`)
 
+The manifest lists its builds: the port's own settings with the graphs they build (the names of
+`device.build.GraphSet.named()`), and for a drafting port also the plain-decode build its benchmark
+compares against, so the run needs nothing the bundle lacks.
+
 What invalidates a bundle, each checked before any device work, with what differs named:
-another variant, backend or recipe, TP degree, prefill buckets, context length, ring K/V, decode
-expert form, weight format (the settings, when they are made); another torch, transformers,
+another variant, backend or recipe, TP degree, batch size, drafter and draft tokens (naming the
+graphs the bundle lacks), prefill buckets, context length, ring K/V, decode or verify expert form,
+weight format (the settings, when they are made); another torch, transformers,
 Python or gemma4lib version, or on inf2 another Neuron SDK package version; on CPU a CPU without
 the vector instructions the packages were built for; another checkpoint (its identity, the
 loader's declaration: file digests, not a pass over the weights). Beyond the manifest, each graph
@@ -41,11 +46,23 @@ if TYPE_CHECKING:
     from ..models.loading import LoadedModel
     from ..settings import PortSettings
 
-FORMAT = 1
+FORMAT = 2
 MANIFEST = "manifest.json"
 ENTRIES = "entries"
 # Settings a compiled program depends on (the rest, e.g. the prompt or max_new_tokens, are run time).
-SHAPE_FIELDS = ("variant", "backend", "tp_degree", "prefill_buckets", "context_length", "ring_kv", "decode_experts")
+SHAPE_FIELDS = (
+    "variant",
+    "backend",
+    "tp_degree",
+    "batch_size",
+    "draft",
+    "draft_tokens",
+    "prefill_buckets",
+    "context_length",
+    "ring_kv",
+    "decode_experts",
+    "verify_experts",
+)
 FORMAT_FIELDS = ("weights", "neuron_recipe")
 # Versions that change a compiled program; git_sha does not (the graph source is in the keys).
 VERSION_FIELDS = ("torch", "transformers", "python", "gemma4lib", "torch-neuronx", "neuronx-cc", "neuronx-distributed")
@@ -74,6 +91,20 @@ def settings_facts(settings: PortSettings) -> dict[str, Any]:
     facts = {name: getattr(settings, name) for name in (*SHAPE_FIELDS, *FORMAT_FIELDS)}
     facts["prefill_buckets"] = list(facts["prefill_buckets"])
     return facts
+
+
+def graph_names(settings: PortSettings) -> list[str]:
+    """The names `device.build.device_graphs` gives the graphs of `settings` (`GraphSet.named()`),
+    known before anything loads: a prefill per bucket, then decode, or verify (+ the assistant's draft)."""
+    prefill = [f"prefill{b}" for b in settings.prefill_buckets]
+    if settings.draft is None:
+        return [*prefill, "decode"]
+    return [*prefill, "verify", *(["draft"] if settings.draft == "assistant" else [])]
+
+
+def build_facts(settings: PortSettings) -> dict[str, Any]:
+    """One build of a bundle: the settings its programs were compiled for, and its graphs' names."""
+    return {"settings": settings_facts(settings), "graphs": graph_names(settings)}
 
 
 def read_manifest(folder: Path | str) -> dict[str, Any]:
@@ -112,9 +143,14 @@ def check_settings(settings: PortSettings) -> dict[str, Any]:
     folder = settings.artifacts
     manifest = read_manifest(folder)
     fix = "export a bundle for this run (`python -m gemma4lib export ... --out DIR`), or drop artifacts= to compile"
-    differ = _differences(manifest.get("settings", {}), settings_facts(settings))
-    if differ:
-        raise BundleError(f"the bundle {folder} was compiled for other settings ({'; '.join(differ)}); {fix}")
+    builds = manifest.get("builds") or [{}]
+    wanted = build_facts(settings)
+    if not any(build.get("settings") == wanted["settings"] for build in builds):
+        own = builds[0]
+        differ = _differences(own.get("settings", {}), wanted["settings"])
+        missing = [name for name in wanted["graphs"] if name not in own.get("graphs", ())]
+        lacks = f"; it has no {', '.join(missing)} graph for this run" if missing else ""
+        raise BundleError(f"the bundle {folder} was compiled for other settings ({'; '.join(differ)}){lacks}; {fix}")
     differ = _differences(manifest.get("versions", {}), program_versions())
     if differ:
         raise BundleError(
@@ -177,12 +213,16 @@ def cache_for(settings: PortSettings, model: LoadedModel | None = None) -> Artif
     return ArtifactCache(settings.cache_dir, layers=(folder / ENTRIES,), refuse_build=refuse)
 
 
-def manifest_for(settings: PortSettings, models: dict[str, LoadedModel], compilers: dict[str, str]) -> dict[str, Any]:
-    """The manifest of a bundle exported from `settings` (models: role -> loaded model)."""
+def manifest_for(
+    builds: list[PortSettings], models: dict[str, LoadedModel], compilers: dict[str, str]
+) -> dict[str, Any]:
+    """The manifest of a bundle exported from `builds` (the port's settings first; models: role ->
+    loaded model)."""
+    settings = builds[0]
     manifest: dict[str, Any] = {
         "format": FORMAT,
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "settings": settings_facts(settings),
+        "builds": [build_facts(b) for b in builds],
         "profile": settings.profile,
         "compiler": compilers,
         "dtype": {role: str(m.lm_head.weight.dtype) for role, m in models.items()},
@@ -202,9 +242,11 @@ __all__ = [
     "ENTRIES",
     "FORMAT",
     "MANIFEST",
+    "build_facts",
     "cache_for",
     "check_model",
     "check_settings",
+    "graph_names",
     "manifest_for",
     "read_manifest",
 ]

@@ -1,9 +1,10 @@
 """`python -m gemma4lib export`: compile a port once and write it as a bundle (`gemma4lib.cache.bundle`).
 
 The compile runs exactly as `port` would (the same backend, the same cache, so a warm cache makes
-the export a copy), for the model of the settings and, when the port runs one, its random-weights
-witness; then the cache entries those graphs used are copied into `DIR/entries/` and the manifest
-is written last, so a half-written bundle has no manifest and is never loaded. Nothing here is
+the export a copy), for the model of the settings (drafting: also the plain decode its benchmark
+compares against) and, when the port runs one, its random-weights witness; then the cache entries
+those graphs used are copied into `DIR/entries/` and the manifest is written last, so a
+half-written bundle has no manifest and is never loaded. Nothing here is
 backend-specific: on inf2 the neuron backend's entry (the ModelBuilder `model.pt` with its NEFFs,
 and the per-rank shards) is copied like the CPU's AOTInductor packages.
 """
@@ -16,6 +17,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from ..backends.registry import without_draft
 from ..errors import BundleError
 from ..port import PortSettings, compile_graphs, load_model, witness_settings
 from .artifacts import atomic_write_json
@@ -52,17 +54,20 @@ def _prepare(out: Path) -> None:
 
 def export_bundle(settings: PortSettings, out: Path | str, progress: bool = False) -> dict[str, Any]:
     """Compile (or load from the cache) every graph a port of `settings` runs and write the bundle at
-    `out`; returns the manifest."""
+    `out`; returns the manifest. A drafting port also runs the plain decode (its benchmark's
+    comparison): those graphs go in too."""
     if settings.artifacts:
         raise BundleError("export writes a bundle; drop artifacts= (it names a bundle to run from)")
     out = Path(out).expanduser()
     _prepare(out)
-    runs = {"model": settings}
+    runs = [("model", settings)]
+    if settings.draft is not None:
+        runs.append(("model", without_draft(settings)))
     if settings.wants_witness:
-        runs["witness"] = witness_settings(settings)
+        runs.append(("witness", witness_settings(settings)))
     models, compilers, entries = {}, {}, {}
-    for role, run_settings in runs.items():
-        model = load_model(run_settings)
+    for role, run_settings in runs:
+        model = models.get(role) or load_model(run_settings)
         compiled = compile_graphs(model, replace(run_settings, artifacts=None), progress=progress)
         models[role], compilers[role] = model, compiled.compiler
         for path in _entry_paths(compiled.info):
@@ -71,7 +76,8 @@ def export_bundle(settings: PortSettings, out: Path | str, progress: bool = Fals
                 _readable(out / ENTRIES / path.name)
                 entries[path.name] = role
         log.info("%s: %d graphs, compiled in %.1f s", role, len(compiled.cache_hits), compiled.compile_s)
-    manifest = {**manifest_for(settings, models, compilers), "entries": entries}
+    builds = [run_settings for role, run_settings in runs if role == "model"]
+    manifest = {**manifest_for(builds, models, compilers), "entries": entries}
     atomic_write_json(out / MANIFEST, manifest)
     return manifest
 

@@ -132,7 +132,7 @@ class ExplicitKV:
             # whole buffer every step: docs/ROOFLINE.md); an idle row puts back what it holds
             rows = torch.arange(b, device=old.device).view(b, 1)
             heads_at = torch.arange(heads, device=old.device).view(1, heads)
-            slot = torch.remainder(self.start, slots).view(b, 1)
+            slot = torch.remainder(self.start, slots).long().view(b, 1)  # one index dtype (XLA refuses a mix)
             index = (rows, heads_at, slot)
             value = torch.where((self.length > 0).view(b, 1, 1), new[:, :, 0, :], old[index])
             return old.index_put_(index, value) if self.inplace else old.index_put(index, value)

@@ -104,11 +104,11 @@ def run_gemma3_270m(
     import time
 
     from .. import checks
-    from ..backends.compile_cpu import compile_graph
+    from ..backends.registry import get_backend
     from ..cache.artifacts import ArtifactCache
     from ..device.graph import DeviceGraph, GraphShape
     from ..reference import reference_greedy
-    from ..runtime import HostRuntime, encode_prompt
+    from ..runtime import Engine, Steps, bind_kv, encode_prompt
 
     started = time.perf_counter()
     model = load_gemma3_270m(cache_dir)
@@ -118,15 +118,14 @@ def run_gemma3_270m(
         t: DeviceGraph(model.text_model, model.lm_head, model.layout, GraphShape(1, t, context_length))
         for t in (prefill_len, 1)
     }
-    if backend == "cpu":
-        cache = ArtifactCache(cache_dir)
-        steps = {t: compile_graph(g, cache) for t, g in graphs.items()}
-        compile_s = sum(s.compile_s for s in steps.values())
-    else:  # eager: the same graph without a compiler
-        steps, compile_s = graphs, 0.0
+    cache = ArtifactCache(cache_dir)
+    one = {t: get_backend(backend).compile_one(g, cache) for t, g in graphs.items()}  # eager: the graph as built
+    compile_s = sum(c.compile_s for c in one.values())
     compiled = time.perf_counter()
-    runtime = HostRuntime(model, {prefill_len: steps[prefill_len]}, steps[1], graphs[1].new_kv(), context_length)
-    generation = runtime.generate(ids, max_new_tokens, keep_logits=True)
+    kv = graphs[1].new_kv()
+    steps = Steps(prefill={prefill_len: bind_kv(one[prefill_len].fn, kv)}, decode=bind_kv(one[1].fn, kv))
+    engine = Engine.for_model(model, steps, batch=1, context_length=context_length)
+    generation = engine.generate(ids, max_new_tokens, keep_logits=True)
     reference = reference_greedy(model.lm, ids, max_new_tokens)
     answer = model.tokenizer.decode(generation.tokens)
     logits = checks.check_logits(model.lm, ids, generation.tokens, generation.step_logits)

@@ -31,9 +31,9 @@ import torch
 
 from ..backends.compile_cpu import compile_graph
 from ..cache.artifacts import ArtifactCache
-from ..device.graph import DeviceGraph, GraphShape
+from ..device.graph import DeviceGraph, GraphShape, index_tensor
 from ..reference import hf_greedy, random_prompt, teacher_forced_logits
-from ..runtime import HostRuntime, softcap
+from ..runtime import Engine, Steps, bind_kv, softcap
 from .loading import LoadedModel, build_random, text_config
 from .medium import temper_attention
 from .variants import VARIANTS, Variant, get_variant
@@ -180,16 +180,15 @@ def _hf_logits(model: LoadedModel, prompt: list[int], new_tokens: int) -> tuple[
 
 
 @torch.no_grad()
-def forced_logits(runtime: HostRuntime, prompt: list[int], tokens: list[int]) -> torch.Tensor:
-    """Raw device logits [len(tokens), vocab] with `tokens` fed in (teacher forcing)."""
-    n = len(prompt)
-    bucket = runtime.bucket_for(n)
-    inputs = runtime.embed(torch.tensor([prompt]), pad_to=bucket)
-    out = [runtime.prefill[bucket](*inputs, torch.tensor([0]), torch.tensor([n]), *runtime.kv)[0]]
+def forced_logits(engine: Engine, prompt: list[int], tokens: list[int]) -> torch.Tensor:
+    """Raw device logits [len(tokens), vocab] with `tokens` fed in (teacher forcing): the engine's
+    prefill and decode steps called on given inputs, not a generation."""
+    n, steps = len(prompt), engine.steps
+    bucket = engine.bucket_for(n)
+    inputs = engine.embed(torch.tensor([prompt]), pad_to=bucket)
+    out = [steps.prefill[bucket](*inputs, index_tensor([0]), index_tensor([n]))[0]]
     for j, token in enumerate(tokens[:-1]):
-        inputs = runtime.embed(torch.tensor([[token]]))
-        position = torch.tensor([n + j])
-        out.append(runtime.decode(*inputs, position, torch.tensor([1]), *runtime.kv)[0])
+        out.append(steps.decode(*engine.embed(torch.tensor([[token]])), index_tensor([n + j]), index_tensor([1]))[0])
     return torch.stack(out).float()
 
 
@@ -225,23 +224,16 @@ def check_real_width(
         decode, recipe, hit = compiled, compiled.info["compiler"], compiled.cache_hit
         compile_s = time.perf_counter() - started
         timings["compile_and_load_s"] = compile_s
-    captured: list[torch.Tensor] = []
-
-    def decode_step(*args: torch.Tensor) -> torch.Tensor:
-        logits = decode(*args)
-        captured.append(logits[0].float().clone())
-        return logits
-
-    runtime = HostRuntime(model, {bucket: prefill}, decode_step, decode_graph.new_kv(), context_length, dtype=dtype)
+    kv = decode_graph.new_kv()
+    steps = Steps(prefill={bucket: bind_kv(prefill, kv)}, decode=bind_kv(decode, kv))
+    engine = Engine.for_model(model, steps, batch=1, context_length=context_length, dtype=dtype)
     started = time.perf_counter()
-    with torch.no_grad():
-        generation = runtime.generate(prompt, new_tokens)
+    generation = engine.generate(prompt, new_tokens, keep_logits=True)
     timings["device_s"] = time.perf_counter() - started
     if generation.tokens == reference:
-        device = torch.stack([generation.first_logits.float(), *captured[: new_tokens - 1]])
+        device = generation.step_logits  # the logits that chose each token: the prefill's, then each step's
     else:  # feed the reference's tokens, so every position is compared on the same input
-        forced = HostRuntime(model, {bucket: prefill}, decode, decode_graph.new_kv(), context_length, dtype=dtype)
-        device = forced_logits(forced, prompt, reference)
+        device = forced_logits(engine, prompt, reference)
     device = softcap(device, model.config.final_logit_softcapping)
     diff = float((device - full).abs().max())
     spread = float((incremental - full).abs().max())

@@ -185,8 +185,8 @@ def expert_forms_on_a_token(model: LoadedModel, ids: Sequence[int], context_leng
     """Prefill the prompt, then run ONE decode step three ways on copies of the same K/V: transformers'
     eager reference, all-experts-dense (masked to the top-k), and selective (gather the top-k). Same
     token, logits equal to rounding."""
-    from ..device.graph import DeviceGraph, GraphShape
-    from ..runtime import HostRuntime
+    from ..device.embedder import HostEmbedder
+    from ..device.graph import DeviceGraph, GraphShape, index_tensor
 
     layout = model.layout
     prefill = DeviceGraph(model.text_model, model.lm_head, layout, GraphShape(1, bucket, context_length))
@@ -195,13 +195,13 @@ def expert_forms_on_a_token(model: LoadedModel, ids: Sequence[int], context_leng
         for form in ("dense", "selective")
     }
     kv = prefill.new_kv()
-    runtime = HostRuntime(model, {bucket: prefill}, graphs["dense"], kv, context_length)
+    embedder = HostEmbedder.from_text_model(model.text_model)
     n = len(ids)
-    inputs = runtime.embed(torch.as_tensor(list(ids))[None], pad_to=bucket)
-    first = int(prefill(*inputs, torch.tensor([0]), torch.tensor([n]), *kv)[0].argmax())
-    step = runtime.embed(torch.tensor([[first]]))
+    inputs = embedder.inputs(torch.as_tensor(list(ids))[None], pad_to=bucket, dtype=prefill.dtype)
+    first = int(prefill(*inputs, index_tensor([0]), index_tensor([n]), *kv)[0].argmax())
+    step = embedder.inputs(torch.tensor([[first]]), dtype=prefill.dtype)
     logits = {
-        form: graph(*step, torch.tensor([n]), torch.tensor([1]), *[t.clone() for t in kv])[0]
+        form: graph(*step, index_tensor([n]), index_tensor([1]), *[t.clone() for t in kv])[0]
         for form, graph in graphs.items()
     }
     # transformers' own eager MoE on the full sequence (prompt + first token) as the reference

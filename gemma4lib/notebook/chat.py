@@ -1,28 +1,29 @@
 """The optional chat box at the end of each notebook: the answer is streamed, token by token, from the
-compiled graphs through the one host decode loop (`runtime.decode_loop`'s `on_token` callback)."""
+compiled graphs through the one generation engine (`runtime.Engine.generate`'s `on_token` callback)."""
 
 from __future__ import annotations
 
 import html
 import logging
 import warnings
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from ..errors import Gemma4LibError
 from ..models.loading import LoadedModel
 from .display import answer_text
 
 if TYPE_CHECKING:  # type names only
-    from ..runtime import HostRuntime
+    from ..runtime import Engine
     from ..settings import PortSettings
 
 logger = logging.getLogger(__name__)
 
 
-def prompt_limit(runtime: Any) -> int:
+def prompt_limit(runtime: Engine) -> int:
     """The longest prompt (in tokens, chat template included) the compiled graphs take: it must fit the
-    largest prefill bucket, and leave the K/V room for at least one new token."""
-    return min(max(runtime.prefill), runtime.context_length)
+    largest prefill bucket, and leave the K/V room for one new token (and a verify's drafts)."""
+    room = runtime.context_length - runtime.draft_tokens
+    return min(max(runtime.buckets), room) if runtime.buckets else room
 
 
 def too_long_line(n_tokens: int, limit: int) -> str:
@@ -40,7 +41,7 @@ class ChatBox:
     The widgets are plain attributes (`box`, `button`, `answer`, `widget`) so a test drives it without a
     browser: set `box.value`, call `send()`, read `answer.value`."""
 
-    def __init__(self, runtime: HostRuntime, model: LoadedModel, settings: PortSettings):
+    def __init__(self, runtime: Engine, model: LoadedModel, settings: PortSettings):
         import ipywidgets as widgets
 
         self.runtime, self.model, self.settings = runtime, model, settings
@@ -85,7 +86,7 @@ class ChatBox:
             self._show("model:", answer_text(self.model, pieces) or "")
 
         self._show("model:", "…")
-        n = min(self.settings.max_new_tokens, self.runtime.context_length - len(ids) + 1)
+        n = min(self.settings.max_new_tokens, self.runtime.context_length - self.runtime.draft_tokens - len(ids) + 1)
         try:
             self.runtime.generate(ids, n, eos_token_ids=eos_ids(self.model), on_token=on_token)
         except Gemma4LibError as error:  # anything the user can fix: one line, not a traceback
@@ -98,7 +99,7 @@ class ChatBox:
         return answer_text(self.model, pieces)
 
 
-def chat(runtime: HostRuntime, model: LoadedModel, settings: PortSettings):
+def chat(runtime: Engine, model: LoadedModel, settings: PortSettings):
     """A small chat box (ipywidgets) over the compiled runtime: type a question, press Enter, read the
     answer as it is generated. Returns the widget; the notebooks only build it when `interactive` is True."""
     return ChatBox(runtime, model, settings).widget

@@ -14,6 +14,7 @@ from ..timing import BenchFigures
 from .formatting import format_shape, format_value, headline, with_unit
 
 if TYPE_CHECKING:  # type names only
+    from ..device.build import GraphSet
     from ..settings import PortSettings
 
 
@@ -115,10 +116,11 @@ def show_prompt(model: LoadedModel, ids: Sequence[int]) -> Table:
     )
 
 
-def describe_graphs(prefill: Mapping[int, Any], decode: Any) -> Table:
-    """The graphs the compiler gets: their static shapes, their inputs, and the K/V buffers they share."""
+def describe_graphs(graphs: GraphSet) -> Table:
+    """The graphs the compiler gets (`device.build.GraphSet`, by name): their static shapes, their
+    inputs, and the K/V buffers they share."""
     rows = []
-    for name, graph in [*((f"prefill[{b}]", g) for b, g in prefill.items()), ("decode", decode)]:
+    for name, graph in graphs:
         inputs = graph.example_inputs()
         n_kv = 2 * len(graph.layout.producers)
         head = ", ".join(format_shape(t.shape) for t in inputs[: len(inputs) - n_kv])
@@ -126,12 +128,13 @@ def describe_graphs(prefill: Mapping[int, Any], decode: Any) -> Table:
         rows.append(
             [
                 name,
+                graph.shape.batch,
                 graph.shape.tokens,
                 graph.shape.context_length,
                 head,
                 n_kv,
                 f"{kv_bytes / 2**10:.1f} KiB",
-                graph.expert_form
+                getattr(graph, "expert_form", "—")
                 if any(getattr(lay, "experts", None) is not None for lay in graph.model.layers)
                 else "—",
                 getattr(graph.model, "embed_tokens_per_layer", None) is None,
@@ -140,9 +143,10 @@ def describe_graphs(prefill: Mapping[int, Any], decode: Any) -> Table:
     return Table(
         [
             "graph",
+            "rows",
             "tokens",
             "context",
-            "inputs (embeds, [PLE], start, length)",
+            "inputs (embeds, [PLE], start, length; the draft: embeds, position)",
             "K/V tensors",
             "K/V bytes",
             "experts",
@@ -372,7 +376,7 @@ def answer_text(model: LoadedModel, tokens: Sequence[int]) -> str | None:
 
 
 def _tokens(device: Any) -> list[int]:
-    """Tokens of a `runtime.Generation` or a plain token list."""
+    """Tokens of a `runtime.RowResult` or a plain token list."""
     return list(getattr(device, "tokens", device))
 
 

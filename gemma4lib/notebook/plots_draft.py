@@ -20,7 +20,7 @@ def drafts_accepted(
     """One bar per target verify step: the drafts proposed (outline), the drafts accepted (filled)
     and the tokens kept (accepted + the target's own next token, cut at eos or the budget).
 
-    `accepted`, `drafted`, `emitted`: `speculative.DraftedGeneration`'s lists of the same names."""
+    `accepted`, `drafted`, `emitted`: a drafted `runtime.RowResult`'s lists of the same names."""
     fig = Figure(figsize=(6.4, 3.0))
     ax = fig.subplots()
     steps = list(range(1, len(accepted) + 1))

@@ -12,39 +12,56 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from .. import checks
-from ..backends.base import CompiledGraphs, device_run_of
+from ..backends.base import CompiledGraphs, DeviceRun
+from ..backends.registry import prefill_logits_error
 from ..cache.artifacts import atomic_write_json
 from ..models.loading import LoadedModel
 from ..models.variants import VARIANTS
 from ..record import build_record
 from ..timing import BenchFigures
-from .display import _tables_to_dicts, _tokens
+from .display import _tables_to_dicts
 
 if TYPE_CHECKING:  # type names only
+    from ..runtime import RowResult
     from ..settings import PortSettings
 
 
 def record(
     settings: PortSettings,
     model: LoadedModel,
-    ids: Sequence[int],
     compiled: CompiledGraphs,
-    device_tokens: Any,
+    generation: RowResult,
     reference_tokens: Sequence[int],
     report: checks.CheckReport,
-    figures: BenchFigures,
+    figures: BenchFigures | None,
     results_path: str | Path | None,
     started: float | None = None,
     extra: Mapping[str, Any] | None = None,
     witness: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """The run's record (`record.build_record`, the builder `port()` uses too), written atomically
-    to `results_path` (JSON) when given; `extra` (the notebook's demonstrations) rides along."""
-    device_run = device_run_of(compiled, model, list(ids), _tokens(device_tokens), figures=figures)
+    """The record of the notebook's `generation` over `compiled` (`record.build_record`, the builder
+    `port()` uses too), written atomically to `results_path` (JSON) when given; `extra` (the
+    notebook's demonstrations) rides along."""
+    device_run = DeviceRun(
+        rows=[generation],
+        compiler=compiled.compiler,
+        compile_s=compiled.compile_s,
+        prefill_logits_max_abs_diff=prefill_logits_error(model, generation),
+        cache_hits=compiled.cache_hits,
+        details=dict(compiled.info),
+    )
+    if figures is not None:
+        device_run.bench, device_run.prefill_ms, device_run.decode_tok_s = (
+            figures,
+            figures.prefill_ms,
+            figures.decode_tok_s,
+        )
+    if compiled.report:  # after the benchmark: the backend counts what the whole run did
+        device_run.details.update(compiled.report())
     result = build_record(
         settings,
         model,
-        list(ids),
+        list(generation.prompt_ids),
         device_run,
         report,
         list(reference_tokens),

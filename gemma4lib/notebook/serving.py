@@ -12,7 +12,7 @@ from .formatting import format_number
 
 
 def batch_rows_table(rows: Sequence[Mapping[str, Any]]) -> Table:
-    """`batch_port.row_records` rows: each prompt, its answer and its three checks."""
+    """`port.row_records` rows (a record's `rows`): each prompt, its answer and its three checks."""
     return Table(
         ["row", "prompt", "tokens in", "answer", "SEQ_MATCH", "LOGITS_MATCH", "logit err / tol", "coherent"],
         [

@@ -12,7 +12,7 @@ from .formatting import readable_tokens
 
 if TYPE_CHECKING:  # type names only
     from ..backends.base import CompiledGraphs
-    from ..runtime import HostRuntime
+    from ..runtime import Engine
     from ..settings import PortSettings
 
 # A hand-built prompt in Gemma 3's turn format: not Gemma-4 tokens (see `equality_is_not_enough`).
@@ -25,7 +25,7 @@ def gemma3_style_ids(model: LoadedModel, prompt: str) -> list[int]:
     return list(model.tokenizer(GEMMA3_STYLE_PROMPT.format(prompt=prompt))["input_ids"])
 
 
-def equality_is_not_enough(model: LoadedModel, runtime: HostRuntime, settings: PortSettings) -> Table:
+def equality_is_not_enough(model: LoadedModel, runtime: Engine, settings: PortSettings) -> Table:
     """The same question through the real chat template and through a hand-built Gemma-3-style one,
     each run on the device graph and on the reference. Both prompts give SEQ_MATCH; only one answer
     makes sense."""
@@ -51,7 +51,7 @@ def equality_is_not_enough(model: LoadedModel, runtime: HostRuntime, settings: P
         ("tokenizer's chat template", prompt_ids(model, settings)),
         ("hand-built <start_of_turn> prompt", gemma3_style_ids(model, settings.prompt)),
     ):
-        n = min(settings.max_new_tokens, runtime.context_length - len(ids))
+        n = min(settings.max_new_tokens, runtime.context_length - runtime.draft_tokens - len(ids))
         device = runtime.generate(ids, n, eos_token_ids=eos).tokens
         reference = reference_greedy(model.lm, ids, n, eos)
         report = checks.evaluate(model.lm, model.tokenizer, ids, device, reference, expect=settings.expect)

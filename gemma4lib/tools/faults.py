@@ -35,12 +35,13 @@ import logging
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 
-from ..backends.base import DeviceRun, backend_for, get_backend
+from ..backends.base import DeviceRun
+from ..backends.registry import backend_of, run_device
 from ..checks import failure_reasons
 from ..device.graph import DeviceGraph, ExplicitKV, _shallow_clone
 from ..device.kv_layout import FULL, SLIDING, KVLayout
@@ -49,11 +50,13 @@ from ..models.loading import LoadedModel
 from ..models.variants import MOE_VARIANT
 from ..port import (
     PortSettings,
+    PromptRow,
     build_graphs,
     eos_ids,
     load_model,
-    prompt_ids,
+    prompt_rows,
     record_run,
+    requests_for,
     witness_record,
     witness_settings,
 )
@@ -80,7 +83,7 @@ class FaultRun:
 
     model: LoadedModel
     settings: PortSettings
-    ids: list[int]
+    rows: list[PromptRow]
 
 
 @dataclass(frozen=True)
@@ -104,7 +107,7 @@ class Fault:
 def gemma3_chat_prompt(run: FaultRun) -> None:
     """Build the chat prompt by hand with Gemma 3's turn markers: ordinary text to Gemma-4."""
     text = GEMMA3_CHAT.format(prompt=run.settings.prompt)
-    run.ids = run.model.tokenizer(text, add_special_tokens=False)["input_ids"]
+    run.rows = [replace(run.rows[0], ids=run.model.tokenizer(text, add_special_tokens=False)["input_ids"])]
 
 
 def embedding_scale_unwired(run: FaultRun) -> None:
@@ -233,8 +236,11 @@ class AheadDecodeWrite(ExplicitKV):
     def _write(self, old: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
         if self.tokens != 1:
             return super()._write(old, new)
-        slot = torch.remainder(self.start + 1, old.shape[2])
-        return old.index_copy_(2, slot, new) if self.inplace else old.index_copy(2, slot, new)
+        start, self.start = self.start, self.start + 1  # every row's write, one slot ahead
+        try:
+            return super()._write(old, new)
+        finally:
+            self.start = start
 
 
 def decode_kv_write_ahead(run: FaultRun) -> GraphEdit:
@@ -350,20 +356,19 @@ class FaultyBackend:
     edit: GraphEdit | None = None
     baked_rank: bool = False
 
-    def run(self, model: LoadedModel, settings: PortSettings, ids: list[int], eos: list[int]) -> DeviceRun:
-        name = backend_for(settings)
-        if name == "gloo":
+    def run(self, run: FaultRun, eos: list[int]) -> DeviceRun:
+        settings, requests = run.settings, requests_for(run.rows, run.settings, eos)
+        backend = backend_of(settings)
+        if backend.run is not None:  # gloo: the ranks build their own graphs, the rank read at trace time or not
             if self.edit is not None:
                 raise TensorParallelError("graph edits apply to the single-device graphs; run them at tp_degree 1")
-            from ..tp.cpu_gloo import run_tp_port
-
-            return DeviceRun.from_fields(run_tp_port(model, settings, ids, eos, baked_rank=self.baked_rank))
+            return backend.run(run.model, settings, requests, bench=False, baked_rank=self.baked_rank)
         graphs = None
         if self.edit is not None:
-            graphs = build_graphs(model, settings)
-            for graph in (*graphs[0].values(), graphs[1]):
+            graphs = build_graphs(run.model, settings)
+            for _, graph in graphs:
                 self.edit(graph)
-        return get_backend(name).run(model, settings, ids, eos, graphs=graphs, bench=False)
+        return run_device(run.model, settings, requests, graphs=graphs, bench=False)
 
 
 def _backend_for_fault(fault: Fault | None, run: FaultRun, shared: bool = True) -> FaultyBackend:
@@ -392,10 +397,10 @@ def _witness(fault: Fault | None, settings: PortSettings) -> dict[str, Any]:
     (graphs, compiler, runtime: DEVICE and TP scope)."""
     w = witness_settings(settings)
     model = load_model(w)
-    run = FaultRun(model, w, prompt_ids(model, w))
+    run = FaultRun(model, w, prompt_rows(model, w, vary=False))
     shared = fault is not None and fault.scope in (DEVICE, TP)
-    device_run = _backend_for_fault(fault, run, shared).run(model, w, run.ids, [])
-    return witness_record(model, w, run.ids, device_run)
+    device_run = _backend_for_fault(fault, run, shared).run(run, [])
+    return witness_record(model, w, run.rows, device_run)
 
 
 def run_one(
@@ -406,11 +411,11 @@ def run_one(
     started = time.perf_counter()
     settings = PortSettings(variant=variant, model="trained", tp_degree=tp_degree, cache_dir=cache_dir, backend=backend)
     model = load_model(settings)
-    run = FaultRun(model, settings, prompt_ids(model, settings))
+    run = FaultRun(model, settings, prompt_rows(model, settings))
     eos = eos_ids(model)
-    device_run = _backend_for_fault(fault, run).run(model, settings, run.ids, eos)
+    device_run = _backend_for_fault(fault, run).run(run, eos)
     witness = _witness(fault, settings)
-    record = record_run(settings, model, run.ids, eos, device_run, started, witness)
+    record = record_run(settings, model, run.rows, eos, device_run, started, witness)
     failed = record["failed_checks"]
     as_predicted = True
     if fault is not None:

@@ -523,7 +523,7 @@ class AuditRow:
     flagged: list[str]
     flagged_experts: list[str]
     expert_split: str | None = None  # MoE rank graphs: "intermediate" | "experts"
-    batch: int = 1  # rows of the decode graph (batch_graph.py)
+    batch: int = 1  # rows of the decode graph (its `GraphShape.batch`)
     tokens: int = 1  # query tokens: 1 for decode, k + 1 for drafting's verify graph (`audit_verify`)
     read_form: str | None = None  # the expert form the graph runs, when a batch changes it (`experts.read_form`)
 
@@ -574,23 +574,17 @@ def _tiny(variant: str):
 
 
 def audit_single(model: Any, form: str = "dense", device: Any = None, batch: int = 1) -> tuple[GraphAudit, AuditRow]:
-    """The single-device decode graph of `model` (a tiny `LoadedModel`), as the lane builds it;
-    `batch` rows: compared with `batch_roofline.batch_decode_bytes` (weights once, selective
-    experts per row, K/V per row)."""
-    import torch_xla
-
-    from ..backends.xla import to_device
-    from ..device.graph import DeviceGraph, GraphShape
+    """The single-device decode graph of `model` (a tiny `LoadedModel`), as `port --backend xla`
+    builds it (`device_graphs`); `batch` rows: compared with `batch_roofline.batch_decode_bytes`
+    (weights once, selective experts per row, K/V per row)."""
+    from ..device.build import device_graphs
     from ..inf2.roofline import decode_bytes
 
-    device = device or torch_xla.device()
-    shape = GraphShape(batch, 1, CONTEXT)
-    graph = DeviceGraph(model.text_model, model.lm_head, model.layout, shape, inplace=False, expert_form=form)
-    graph = to_device({"decode": graph}, device)["decode"]
-    inputs, kv = _split_inputs(graph, [t.to(device) for t in graph.example_inputs()])
+    settings = _settings(model, batch_size=batch, decode_experts=form)
+    graph = _lowered(device_graphs(model, settings, inplace=False).decode, device)
     name = model.variant.name
     at = f", batch {batch}" if batch > 1 else ""
-    audit = audit_graph(graph, inputs, kv, f"{name} decode ({form}{at})")
+    audit = audit_graph(graph, *_example_inputs(graph), f"{name} decode ({form}{at})")
     if batch > 1:
         from ..inf2.batch_roofline import batch_decode_bytes
 
@@ -608,30 +602,25 @@ def audit_single(model: Any, form: str = "dense", device: Any = None, batch: int
 def audit_verify(
     model: Any, form: str | None = None, draft_tokens: int = VERIFY_DRAFTS, device: Any = None
 ) -> tuple[GraphAudit, AuditRow]:
-    """Drafting's verify graph of `model` (`drafting.TargetGraph`: k + 1 tokens at an offset, logits
-    and hidden states at every position, the drafted K/V layout), next to
-    `mtp_roofline.verify_bytes` for the same expert form (`form` None: the one drafting picks,
-    `drafting.verify_expert_form`). The router's `per_expert_scale` is gathered for each of the
-    k + 1 tokens (`router_scale_unread` with the tokens as rows)."""
-    import torch_xla
-
-    from ..backends.xla import to_device
-    from ..device.drafting import RoomyLayout, TargetGraph, verify_expert_form
+    """Drafting's verify graph of `model` as `device_graphs` builds it for the assistant
+    (`DeviceGraph(..., every_position=True, hidden=True)`: k + 1 tokens, logits and hidden states at
+    every position, over the drafted K/V layout), next to `mtp_roofline.verify_bytes` for the same
+    expert form (`form` None: the one drafting picks, `drafting.verify_expert_form`). The router's
+    `per_expert_scale` is gathered for each of the k + 1 tokens (`router_scale_unread` with the
+    tokens as rows)."""
+    from ..device.build import device_graph
+    from ..device.drafting import RoomyLayout, verify_expert_form
     from ..device.graph import GraphShape
     from ..inf2.mtp_roofline import verify_bytes
 
-    device = device or torch_xla.device()
     k = int(draft_tokens)
     form = verify_expert_form(model.config, k, form)
     layout = RoomyLayout.around(model.layout, k + 1)
     shape = GraphShape(1, k + 1, CONTEXT)
-    graph = TargetGraph(
-        model.text_model, model.lm_head, layout, shape, inplace=False, expert_form=form, every_position=True
-    )
-    graph = to_device({"verify": graph}, device)["verify"]
-    inputs, kv = _split_inputs(graph, [t.to(device) for t in graph.example_inputs()])
+    verify = device_graph(model, shape, form, False, layout=layout, every_position=True, hidden=True)
+    graph = _lowered(verify, device)
     name = model.variant.name
-    audit = audit_graph(graph, inputs, kv, f"{name} verify ({form}, {k + 1} tokens)")
+    audit = audit_graph(graph, *_example_inputs(graph), f"{name} verify ({form}, {k + 1} tokens)")
     dtype_bytes = model.lm_head.weight.element_size()
     kv_bytes = layout.buffer_bytes(CONTEXT, False, dtype_bytes)
     weights = verify_bytes(model.lm, CONTEXT, k, ring=False, dtype_bytes=dtype_bytes, experts=form) - kv_bytes
@@ -652,15 +641,11 @@ def audit_rank(
     """Rank `rank` of `model`'s TP rank graph (its shard loaded), lowered with
     `XlaLoweringCollectives`. `expert_split`: the MoE split (default: the plan's). `batch` rows:
     compared with `batch_roofline.batch_decode_bytes(tp=)` (all ranks together, as at batch 1)."""
-    import torch_xla
-
-    from ..backends.xla import to_device
     from ..device.graph import GraphShape
     from ..inf2.params import count_params
     from ..inf2.roofline import decode_bytes
     from ..tp import build_rank_graph, load_shard, make_plan, shard_state_dict
 
-    device = device or torch_xla.device()
     plan = make_plan(model.config, tp, model.variant, expert_split=expert_split)
     shape = GraphShape(batch, 1, CONTEXT)
     graph = build_rank_graph(model.config, plan, shape, collectives=XlaLoweringCollectives(tp), expert_form=form)
@@ -690,11 +675,10 @@ def audit_rank(
         roof_weights, roof_kv = rb.weights, rb.kv
     replicated_kv = tp * rank_kv - int(roof_kv)
     read_form = graph.experts_read
-    graph = to_device({"decode": graph}, device)["decode"]
-    inputs, kv = _split_inputs(graph, [t.to(device) for t in graph.example_inputs()])
+    graph = _lowered(graph, device)
     name = model.variant.name
     split = f", {plan.expert_split} split" if plan.expert_split else ""
-    audit = audit_graph(graph, inputs, kv, f"{name} TP={tp} rank {rank} decode ({form}{split})")
+    audit = audit_graph(graph, *_example_inputs(graph), f"{name} TP={tp} rank {rank} decode ({form}{split})")
     row = _row(
         name,
         form,
@@ -712,9 +696,34 @@ def audit_rank(
     return audit, row
 
 
-def _split_inputs(graph: Any, tensors: list[Any]) -> tuple[list[Any], list[Any]]:
-    n_head = 4 if graph.has_ple else 3  # embeds, [ple,] start, length
-    return tensors[:n_head], tensors[n_head:]
+def _settings(model: Any, **fields: Any) -> Any:
+    """The xla port's settings of the audited graphs: the lane's context, full-length buffers."""
+    from ..settings import PortSettings
+
+    return PortSettings(
+        variant=model.variant.name,
+        backend="xla",
+        context_length=CONTEXT,
+        prefill_buckets=(CONTEXT,),
+        ring_kv=False,
+        **fields,
+    )
+
+
+def _lowered(graph: Any, device: Any) -> Any:
+    """`graph` on the XLA device (its own copy: the host model stays where it is)."""
+    import torch_xla
+
+    from ..backends.xla import to_device
+
+    return to_device({"graph": graph}, device or torch_xla.device())["graph"]
+
+
+def _example_inputs(graph: Any) -> tuple[list[Any], list[Any]]:
+    """The graph's example inputs on its device, split before the K/V: embeds, [ple,] start, length."""
+    device = next(graph.parameters()).device
+    tensors = [t.to(device) for t in graph.example_inputs()]
+    return tensors[: graph.num_inputs], tensors[graph.num_inputs :]
 
 
 def _row(

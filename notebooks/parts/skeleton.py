@@ -77,13 +77,13 @@ from gemma4lib import checks, notebook as nb
 from gemma4lib.backends import compile_cpu
 from gemma4lib.backends.base import CompiledGraphs
 from gemma4lib.cache.artifacts import ArtifactCache
-from gemma4lib.device.build import PREFILL_EXPERTS
+from gemma4lib.device.build import PREFILL_EXPERTS, GraphSet
 from gemma4lib.notebook import plots
 from gemma4lib.timing import benchmark
 from gemma4lib.device.graph import DeviceGraph, GraphShape
 from gemma4lib.port import PortSettings, eos_ids, load_model, prompt_ids
 from gemma4lib.reference import logits_spread, reference_greedy, teacher_forced_logits
-from gemma4lib.runtime import HostRuntime, Sampling, decode_loop
+from gemma4lib.runtime import Engine, Request, Sampling, Steps, bind_kv
 
 torch.set_num_threads(threads)
 started = time.perf_counter()
@@ -173,7 +173,8 @@ decode = DeviceGraph(  # and one decode graph: one token at a position given as 
     weights=s.weights,
 )
 print("decode graph inputs:", [tuple(t.shape) for t in decode.example_inputs()])
-nb.describe_graphs(prefill, decode)
+graphs = GraphSet(prefill, decode, model.layout)  # by name: what every backend compiles
+nb.describe_graphs(graphs)
 
 # %% [markdown]
 # ## 3. Compile
@@ -228,7 +229,7 @@ nb.describe_graphs(prefill, decode)
 cache, options = ArtifactCache(s.cache_dir), compile_cpu.DEFAULT_COMPILER_OPTIONS
 if backend == "cpu":
     steps = {}
-    for name, graph in [*prefill.items(), ("decode", decode)]:
+    for name, graph in graphs.named().items():  # prefill64, ..., decode
         began = time.perf_counter()
         with torch.no_grad():
             program = torch.export.export(graph, graph.example_inputs(), strict=False)
@@ -245,13 +246,22 @@ if backend == "cpu":
         compile_cpu.load_weights(runner, graph)  # the package holds no weights: hand it the model's
         compile_s = 0.0 if entry.hit else time.perf_counter() - began
         steps[name] = compile_cpu.CompiledStep(runner, entry, compile_s, 0.0, {"key": entry.key})
-    runtime = HostRuntime(model, {b: steps[b] for b in prefill}, steps["decode"], decode.new_kv(), s.context_length)
+    kv = decode.new_kv()  # one set of host K/V buffers, shared by every graph and updated in place
+    runtime = Engine.for_model(  # the one generation engine, over the compiled steps
+        model,
+        Steps({b: bind_kv(steps[f"prefill{b}"], kv) for b in prefill}, bind_kv(steps["decode"], kv)),
+        batch=1,
+        context_length=s.context_length,
+    )
     compiled = CompiledGraphs(
-        runtime,
+        runtime.steps,
         sum(step.compile_s for step in steps.values()),
         [step.cache_hit for step in steps.values()],
         compile_cpu.RECIPE,
-        {"artifacts": {str(name): str(step.entry.path) for name, step in steps.items()}},
+        {"artifacts": {name: str(step.entry.path) for name, step in steps.items()}},
+        runtime=runtime,
+        graphs=graphs,
+        kv=kv,
     )
 
 {{neuron_trace}}
@@ -308,44 +318,36 @@ if backend == "neuron" and s.neuron_recipe != "trace":  # inf2-only: NxD ModelBu
     traced = torch.jit.load(str(entry.file("model.pt")))
     shards = [entry.file("weights") / mb.SHARD_FILE.format(rank=r) for r in range(tp)]
     traced.nxd_model.initialize([load_file(str(p)) for p in shards], torch.tensor([0], dtype=torch.int32))
-    step = DeviceStep(traced, 4 if has_ple else 3)  # the K/V live on the device: host K/V are ignored
-    runtime = HostRuntime(model, {bucket: step}, step, decode.new_kv(), s.context_length, dtype=dtype)
-    compiled = CompiledGraphs(
-        runtime, 0.0 if entry.hit else time.perf_counter() - began, [entry.hit], "neuron-model_builder", {}
-    )
+    step = DeviceStep(traced, decode.num_inputs)  # the K/V live on the device as aliased state
+    runtime = Engine.for_model(model, Steps({bucket: step}, step), batch=1, context_length=s.context_length, dtype=dtype)
+    compile_s = 0.0 if entry.hit else time.perf_counter() - began
+    compiled = CompiledGraphs(runtime.steps, compile_s, [entry.hit], "neuron-model_builder", runtime=runtime)
 nb.describe_compile(compiled)
 
 # %% [markdown]
 # ## 4. Generate on the device
 #
-# The whole serving loop, batch 1 (one conversation at a time; `PortSettings(batch_size=B)` runs B
-# prompts through batched graphs of this same design, each row checked against its own reference:
-# the README's "More than one token per step"). The host embeds the prompt and runs the smallest prefill graph that holds it:
-# one call fills the K/V buffers for every prompt position and returns the logits of the last one.
-# Then the decode graph runs once per new token, at the next position, until `<eos>`/`<turn|>` or
-# `max_new_tokens`. Position and prompt length are tensors, not Python numbers: that is what lets one
-# compiled decode graph serve every step. The raw logits of every step are kept for LOGITS_MATCH.
-# `runtime.decode_loop` is this loop with sampling and streaming added; a test runs both and
-# compares their tokens and logits.
+# The engine (`runtime.Engine`) is the whole serving loop, and these four calls are how it runs. It
+# holds rows (here one; `PortSettings(batch_size=B)` compiles B, each with its own prompt, position
+# and stop, every row checked against its own reference). `check` measures the request against the
+# compiled shapes before any device work. `admit` puts the prompt in a row: the host embeds it and
+# runs the smallest prefill graph that holds it, one call that fills the K/V buffers for every prompt
+# position and returns the logits of the last one. Each `step` then embeds every live row's last
+# token and runs the decode graph once, at the row's next position, until `<eos>`/`<turn|>` or
+# `max_new_tokens`. Position and prompt length reach the graph as int32 tensors, one per row, never
+# as Python numbers: that is what lets one compiled decode graph serve every step. `release` frees
+# the row and hands back its tokens and the raw logits that chose each (LOGITS_MATCH compares them).
+# A server admits and releases rows between steps; `runtime.generate` is these calls for one prompt.
 
 # %%
 eos = eos_ids(model)
-bucket = runtime.check_fits(ids, s.max_new_tokens)  # the smallest compiled prompt length that holds the prompt
-one = torch.tensor([1])
-tokens, step_logits = [], []
-with torch.no_grad():
-    # prefill: the whole prompt at once, zero-padded to the bucket; writes K/V at positions 0..n-1
-    inputs = runtime.embed(torch.tensor([ids]), pad_to=bucket)  # [inputs_embeds(, per_layer_inputs)]
-    logits = runtime.prefill[bucket](*inputs, torch.tensor([0]), torch.tensor([len(ids)]), *runtime.kv)[0]
-    while True:
-        step_logits.append(logits.float().clone())  # kept for LOGITS_MATCH
-        tokens.append(int(logits.argmax()))  # greedy: the softcap is monotonic, argmax does not need it
-        if len(tokens) == s.max_new_tokens or tokens[-1] in eos:
-            break
-        # decode: the last token at the next position; the graph writes its K/V into the buffers
-        position = torch.tensor([len(ids) + len(tokens) - 1])
-        logits = runtime.decode(*runtime.embed(torch.tensor([[tokens[-1]]])), position, one, *runtime.kv)[0]
-step_logits = torch.stack(step_logits)
+request = Request(ids, s.max_new_tokens, eos_token_ids=tuple(eos))  # greedy: argmax needs no softcap
+bucket = runtime.check(request)  # the smallest compiled prompt length that holds the prompt, or a clear error
+runtime.admit({0: request}, keep_logits=True)  # prefill: K/V at positions 0..n-1, the first token
+while runtime.live_rows():  # decode: one graph call per new token, each live row at its own position
+    runtime.step()
+generation = runtime.release(0)  # the row's tokens, and the raw logits that chose each
+tokens, step_logits = generation.tokens, generation.step_logits
 nb.answer_text(model, tokens)
 
 # %% [markdown]
@@ -405,8 +407,7 @@ nb.witness_table(witness)
 # sense. The full profile's real checkpoint holds a conversation.
 
 # %%
-sampling = Sampling(temperature=temperature, top_p=top_p, seed=0)
-generator = torch.Generator().manual_seed(sampling.seed)
+sampling = Sampling(temperature=temperature, top_p=top_p, seed=0)  # the row's generator is seeded from it
 pieces, history = [], []
 
 
@@ -420,23 +421,14 @@ questions = (s.prompt, "What is the capital of Japan?") if model.tokenizer is no
 for question in questions:
     history.append({"role": "user", "content": question})
     chat_ids = list(model.tokenizer.apply_chat_template(history, add_generation_prompt=True, return_dict=False))
-    bucket = runtime.check_fits(chat_ids, s.max_new_tokens)  # the whole conversation must fit the bucket
-    with torch.no_grad():
-        inputs = runtime.embed(torch.tensor([chat_ids]), pad_to=bucket)
-        first = runtime.prefill[bucket](*inputs, torch.tensor([0]), torch.tensor([len(chat_ids)]), *runtime.kv)[0]
     pieces.clear()
     print(f"you: {question}\nmodel: ", end="")
-    streamed = decode_loop(
-        lambda inputs, position: runtime.decode(*inputs, position, one, *runtime.kv)[0],  # one decode step
-        runtime.embed,
-        first,
-        len(chat_ids),
+    streamed = runtime.generate(  # admit, step until done, release: the engine's calls for one prompt
+        chat_ids,  # the whole conversation: it must fit the compiled bucket and context (a clear error if not)
         s.max_new_tokens,
-        sampling=sampling,
-        cap=runtime.cap,  # sampling needs the softcap: it changes the probabilities, not the argmax
+        sampling=sampling,  # the engine applies the softcap: it changes the probabilities, not the argmax
         eos_token_ids=eos,
         on_token=stream,
-        generator=generator,
     )
     history.append({"role": "assistant", "content": nb.answer_text(model, streamed.tokens) or ""})
     print(f"   [{len(chat_ids)} prompt tokens, {len(streamed.tokens)} sampled at T={temperature}, top-p {top_p}]")
@@ -472,15 +464,14 @@ if interactive:
 # with the baselines.
 
 # %%
-figures = benchmark(runtime, ids, s.max_new_tokens, s.warmup, s.iters)
+figures = benchmark(runtime, [Request(ids, s.max_new_tokens)], s.warmup, s.iters)  # eos off: every run alike
 ceiling = nb.measured_vs_ceiling(model, s, figures)
 display(nb.bench_table(figures, s, ceiling))
 result = nb.record(
     s,
     model,
-    ids,
     compiled,
-    tokens,
+    generation,
     reference,
     report,
     figures,
