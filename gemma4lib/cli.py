@@ -1,4 +1,4 @@
-"""`python -m gemma4lib <command>`: port, export, faults, doctor, bench.
+"""`python -m gemma4lib <command>`: port, export, serve, faults, doctor, bench.
 
 Every command prints human-readable text, or one JSON object with `--json`. Exit status is
 non-zero when a correctness check fails (`port`: SEQ_MATCH, LOGITS_MATCH or coherence, or the
@@ -192,6 +192,55 @@ def cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
+def load_engine(settings: Any):
+    """The engine `serve` runs: the model, and its graphs compiled (or, with `artifacts`, loaded from the
+    bundle: `compile_s` 0). Here, above `port`, so that the server package never imports it."""
+    import time
+
+    from .port import compile_graphs, eos_ids, load_model
+    from .server.launch import Loaded
+
+    t0 = time.perf_counter()
+    model = load_model(settings)
+    t1 = time.perf_counter()
+    compiled = compile_graphs(model, settings)
+    compile_s = float(compiled.compile_s)  # 0 from a bundle or a warm cache
+    names = tuple(n for n in (getattr(settings.variant_spec, "hf_id", None), settings.variant) if n)
+    return Loaded(
+        compiled.runtime, model.tokenizer, settings.variant_spec.name, names, tuple(eos_ids(model)), t1 - t0, compile_s
+    )
+
+
+def load_engine_from(kwargs: dict[str, Any]):
+    """`load_engine` from PortSettings' values (what a Ray replica receives)."""
+    from .port import PortSettings
+
+    return load_engine(PortSettings(**kwargs))
+
+
+def ray_app(args: dict[str, str]):
+    """`serve run gemma4lib.cli:ray_app variant=e2b artifacts=DIR [replicas=2 batch_size=4 ...]`."""
+    from .port import PortSettings
+    from .server.ray_app import build_app, split_options
+
+    settings_args, options = split_options(args)
+    return build_app(PortSettings(**settings_args), options, load_engine_from)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    _threads(args.threads)
+    if args.batch_size is None:
+        args.batch_size = 4  # a server's point is more than one row; --batch 1 for one
+    settings = _settings(args)  # a wrong or missing --artifacts bundle: BundleError here, before anything loads
+    if args.ray:
+        from .server.ray_app import RayOptions, run_ray
+
+        return run_ray(settings, RayOptions.from_args(args), load_engine_from)
+    from .server.launch import serve_loaded
+
+    return serve_loaded(load_engine(settings), args)
+
+
 def cmd_faults(args: argparse.Namespace) -> int:
     from .tools.faults import run_fault_lab
 
@@ -249,6 +298,27 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="the bundle folder (new, empty, or an earlier bundle)")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_export)
+
+    p = sub.add_parser("serve", help="an OpenAI-compatible endpoint (continuous batching) over the compiled graphs")
+    _add_port_args(p)
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default: the loopback only)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--model-name", help="the model id clients send (default: the variant's name)")
+    p.add_argument("--max-queue", type=int, default=64, help="requests waiting for a row before 429 (default 64)")
+    p.add_argument(
+        "--admit-wait-ms",
+        type=float,
+        default=0.0,
+        help="while rows decode, let waiting requests gather up to this long for one prefill (default 0)",
+    )
+    p.add_argument("--drain-timeout", type=float, default=600.0, help="seconds SIGTERM waits for running requests")
+    p.add_argument("--ray", action="store_true", help="deploy with Ray Serve (replicas load --artifacts)")
+    p.add_argument("--replicas", type=int, default=1, help="--ray: replicas (fixed unless autoscaling is set)")
+    p.add_argument("--min-replicas", type=int, help="--ray autoscaling: the fewest replicas")
+    p.add_argument("--max-replicas", type=int, help="--ray autoscaling: the most replicas")
+    p.add_argument("--target-ongoing-requests", type=float, help="--ray autoscaling: requests per replica to aim at")
+    p.add_argument("--ray-address", help="--ray: a running cluster (default: start a local one on 127.0.0.1)")
+    p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("faults", help="run the fault lab: each field-report bug, and which check catches it")
     p.add_argument("--variant", default=None)

@@ -12,12 +12,12 @@ if [ ! -x "$VENV/bin/python" ]; then
   "$PY" -m venv "$VENV"
 fi
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
-  echo "[setup] installing gemma4lib[cpu,notebooks,real,test] into $VENV (torch 2.13.0 CPU build)"
+  echo "[setup] installing gemma4lib[cpu,notebooks,real,serve,test] into $VENV (torch 2.13.0 CPU build)"
   "$VENV/bin/python" -m pip install --quiet --upgrade pip
   # The filter drops one banner setuptools prints on every editable install ("Editable installation.
   # Please be careful with folders ... with the same name as your package"): nothing here to act on.
   PYTHONWARNINGS="ignore:Editable installation:UserWarning" \
-    "$VENV/bin/python" -m pip install --quiet -e ".[cpu,notebooks,real,test]"
+    "$VENV/bin/python" -m pip install --quiet -e ".[cpu,notebooks,real,serve,test]"
   "$VENV/bin/python" -m ipykernel install --prefix "$VENV" --name gemma4lib --display-name "Python 3 (gemma4lib)" >/dev/null
   echo "$want" > "$stamp"
 fi

@@ -63,7 +63,7 @@ SUITES = ("cpu",)
 TINY_VARIANTS = tuple(VARIANTS)
 MEDIUM_MODELS = ("medium-dense", "medium-moe")
 SCHEMA_VERSION = 1
-SECTIONS = ("models", "ring_kv", "experts", "prefill_buckets", "int8", "batch", "mtp")
+SECTIONS = ("models", "ring_kv", "experts", "prefill_buckets", "int8", "batch", "mtp", "serve")
 
 
 @dataclass
@@ -97,6 +97,9 @@ class SuiteOptions:
     batch_context: int = 128
     batch_new_tokens: int = 16
     batch_iters: int = 2
+    # the serve section (benchmarks/serve.py): the endpoint's compiled rows and the client counts
+    serve_batch: int = 8
+    serve_levels: tuple[int, ...] = (1, 4, 8, 16)
 
     @classmethod
     def quick(cls, **changes: Any) -> SuiteOptions:
@@ -295,6 +298,11 @@ def run_suite(
         say("mtp: decode with and without the assistant's drafts")
         report["mtp"] = bench_mtp(backend=options.backend, warmup=options.warmup, iters=options.iters)
 
+    if "serve" in options.sections:  # the endpoint under concurrent streaming clients (benchmarks/serve.py)
+        from .serve import bench_serve
+
+        say(f"serve: e2b, B = {options.serve_batch}, {options.serve_levels} concurrent streaming clients")
+        report["serve"] = bench_serve(batch=options.serve_batch, backend=options.backend, levels=options.serve_levels)
     report["targets"] = check_targets(report)
     report["recommendation"] = recommended
     report["load_average_end"] = _load_average()

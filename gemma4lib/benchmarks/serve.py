@@ -1,0 +1,119 @@
+"""Benchmark section `serve`: the endpoint under 1, 4, 8 and 16 concurrent streaming clients.
+
+The server runs as `python -m gemma4lib serve` in its own process (the command a user runs, and no
+GIL shared with the clients), bound to 127.0.0.1 on a free port; the clients are the official
+`openai` async client (`server.load.run_load`). Per level: every response complete, none mixed
+(each greedy reply equal to the same prompt's reply sent alone), p50/p99 time to first token and
+the total tokens/s. The server gets SIGTERM at the end and drains. Every step is bounded in time.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import httpx
+
+from ..errors import Gemma4LibError
+from ..models.corpus import COUNTRIES
+from ..server.launch import LOOPBACK, free_port
+from ..server.load import DEFAULT_LEVELS, run_load
+
+log = logging.getLogger(__name__)
+
+
+class ServeBenchError(Gemma4LibError, RuntimeError):
+    """The benchmark's server did not come up (its log tail is in the message)."""
+
+
+def start_server(args: Sequence[str], port: int, timeout_s: float) -> subprocess.Popen:
+    """`python -m gemma4lib serve ARGS --port PORT` on the loopback; returns once `/health` answers."""
+    cmd = [sys.executable, "-m", "gemma4lib", "serve", *args, "--host", LOOPBACK, "--port", str(port)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=os.environ.copy())
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise ServeBenchError(f"`{' '.join(cmd)}` exited with {proc.returncode}:\n{proc.stdout.read()[-2000:]}")
+        try:
+            if httpx.get(f"http://{LOOPBACK}:{port}/health", timeout=2).status_code == 200:
+                return proc
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    proc.kill()
+    raise ServeBenchError(f"`{' '.join(cmd)}` did not answer /health within {timeout_s:.0f} s")
+
+
+def bench_serve(
+    variant: str = "e2b",
+    *,
+    batch: int = 8,
+    backend: str = "cpu",
+    levels: Sequence[int] = DEFAULT_LEVELS,
+    requests_per_client: int = 2,
+    max_tokens: int = 24,
+    admit_wait_ms: float = 0.0,
+    prefill_buckets: Sequence[int] | None = None,
+    start_timeout_s: float = 900.0,
+    level_timeout_s: float = 300.0,
+) -> dict[str, Any]:
+    """The section's report: the server's settings, then one row per level."""
+    port = free_port()
+    args = [
+        "--variant",
+        variant,
+        "--batch",
+        str(batch),
+        "--backend",
+        backend,
+        "--max-queue",
+        str(4 * max(levels)),
+        "--admit-wait-ms",
+        str(admit_wait_ms),
+    ]
+    started = time.perf_counter()
+    proc = start_server(args, port, start_timeout_s)
+    ready_s = time.perf_counter() - started
+    url = f"http://{LOOPBACK}:{port}"
+    try:
+        health = httpx.get(url + "/health", timeout=10).json()
+        prompts = [f"What is the capital of {country}?" for country, _ in COUNTRIES[:16]]
+        rows = run_load(
+            url,
+            variant,
+            prompts,
+            levels,
+            requests_per_client=requests_per_client,
+            max_tokens=max_tokens,
+            timeout_s=level_timeout_s,
+        )
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+    by_clients = {row.clients: row for row in rows}
+    one, eight = by_clients.get(1), by_clients.get(8)
+    return {
+        "variant": variant,
+        "batch": batch,
+        "backend": backend,
+        "threads": int(os.environ.get("GEMMA4LIB_THREADS", "1")),
+        "server_ready_s": ready_s,
+        "compile_s": health.get("compile_s"),
+        "max_tokens": max_tokens,
+        "admit_wait_ms": admit_wait_ms,
+        "prefill_buckets": list(prefill_buckets) if prefill_buckets else None,
+        "requests_per_client": requests_per_client,
+        "levels": [row.as_dict() for row in rows],
+        "all_complete": all(row.complete for row in rows),
+        "mixed": sum(row.mixed for row in rows),
+        "speedup_8_over_1": eight.tokens_per_s / one.tokens_per_s if one and eight and one.tokens_per_s else None,
+    }

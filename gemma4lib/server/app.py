@@ -1,0 +1,285 @@
+"""The FastAPI app: OpenAI's routes over a `Scheduler`, errors in OpenAI's shape.
+
+FastAPI (on Starlette, under uvicorn) because its pydantic bodies give OpenAI's field checks and
+400s for free and it is what Ray Serve deploys (`serve.ingress`), so one app serves both ways.
+Streams are Starlette's `StreamingResponse` writing server-sent events (`data: {chunk}` lines, then
+`data: [DONE]`); sse-starlette would add a dependency for two lines of framing, and it ends open
+streams when uvicorn begins its shutdown, where SIGTERM here must let them finish.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import random
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from ..errors import Gemma4LibError
+from ..runtime import Request as EngineRequest
+from ..runtime import Sampling
+from . import schemas
+from .errors import ClientGoneError, RequestError, UnknownModelError, error_body, http_error
+from .scheduler import Scheduler, Ticket
+
+log = logging.getLogger("gemma4lib.server")
+DISCONNECT_POLL_S = 0.25
+ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics")
+
+
+class Served:
+    """What the routes need besides the scheduler: the model's names, its eos ids, its context."""
+
+    def __init__(
+        self,
+        scheduler: Scheduler,
+        model_name: str,
+        eos_ids: Sequence[int],
+        aliases: Sequence[str] = (),
+        info: dict[str, Any] | None = None,
+    ):
+        self.scheduler = scheduler
+        self.info = dict(info or {})
+        self.model_name = model_name
+        self.names = [model_name, *[a for a in aliases if a and a != model_name]]
+        self.eos_ids = tuple(int(i) for i in eos_ids)
+        self.context_length = int(scheduler.engine.context_length)
+        self.draft_tokens = int(getattr(scheduler.engine, "draft_tokens", 0) or 0)
+
+    def check_model(self, name: str) -> None:
+        if name not in self.names:
+            raise UnknownModelError(name, self.model_name)
+
+    def engine_request(self, ids: list[int], body: schemas.SamplingFields, max_tokens: int | None) -> EngineRequest:
+        """The engine's request: the budget (default: the rest of the compiled context) and the sampling."""
+        if max_tokens is None:
+            max_tokens = max(1, self.context_length - len(ids) + 1 - self.draft_tokens)
+        temperature = 0.0 if body.temperature is None else body.temperature
+        seed = body.seed if body.seed is not None else (random.randrange(2**31) if temperature > 0 else 0)
+        sampling = Sampling(temperature=temperature, top_p=1.0 if body.top_p is None else body.top_p, seed=seed)
+        return EngineRequest(ids, max_tokens, sampling, self.eos_ids)
+
+
+def chat_messages(body: schemas.ChatCompletionRequest) -> list[dict[str, str]]:
+    """Messages as the chat template takes them; only text parts (this endpoint serves no images)."""
+    out = []
+    for i, message in enumerate(body.messages):
+        content = message.content
+        if not isinstance(content, str):
+            if any(part.type != "text" for part in content):
+                raise RequestError("only text content parts are served here", f"messages[{i}].content")
+            content = "".join(part.text or "" for part in content)
+        out.append({"role": message.role, "content": content})
+    return out
+
+
+def sse(payload: dict[str, Any] | str) -> str:
+    return f"data: {payload if isinstance(payload, str) else json.dumps(payload)}\n\n"
+
+
+async def until_disconnect(request: Request, work: asyncio.Future) -> Any:
+    """Await `work`, cancelling it if the client goes away first (then the row is freed at once)."""
+    while True:
+        done, _ = await asyncio.wait({work}, timeout=DISCONNECT_POLL_S)
+        if done:
+            return work.result()
+        if await request.is_disconnected():
+            work.cancel()
+            raise ClientGoneError()
+
+
+class CountResponses:
+    """Counts responses by route and status and names the replica in a header (plain ASGI: Starlette's
+    BaseHTTPMiddleware would sit between a route and the client's disconnect)."""
+
+    def __init__(self, app: Any, metrics: Any):
+        self.app, self.metrics = app, metrics
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+
+        async def send_counted(message: dict[str, Any]) -> None:
+            if message["type"] == "http.response.start":
+                route = scope["path"] if scope["path"] in ROUTES else "other"  # bounded label values
+                self.metrics.http.labels(route=route, status=str(message["status"])).inc()
+                if self.metrics.replica:
+                    message["headers"] = [
+                        *message.get("headers", []),
+                        (b"x-gemma4lib-replica", self.metrics.replica.encode()),
+                    ]
+            await send(message)
+
+        await self.app(scope, receive, send_counted)
+
+
+def create_app(served: Served) -> FastAPI:
+    """The OpenAI-compatible app over `served.scheduler` (already started by its owner)."""
+    app = FastAPI(title="gemma4lib", docs_url=None, redoc_url=None)
+    app.state.served = served
+    app.add_middleware(CountResponses, metrics=served.scheduler.metrics)
+    scheduler, metrics = served.scheduler, served.scheduler.metrics
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        errors = exc.errors()
+        first = errors[0] if errors else {}
+        if first.get("type") == "json_invalid":
+            return JSONResponse(
+                error_body(
+                    "the request body is not valid JSON: " + str(first.get("msg")),
+                    "invalid_request_error",
+                    None,
+                    "invalid_json",
+                ),
+                400,
+            )
+        loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+        param = ".".join(loc) or None
+        message = f"{param or 'body'}: {first.get('msg', 'invalid')}" + (
+            f" ({len(errors) - 1} more problems)" if len(errors) > 1 else ""
+        )
+        return JSONResponse(error_body(message, "invalid_request_error", param, "invalid_value"), 400)
+
+    @app.exception_handler(Gemma4LibError)
+    async def library_error(request: Request, exc: Gemma4LibError) -> JSONResponse:
+        status, body, headers = http_error(exc)
+        if status >= 500:
+            log.error("%s %s failed: %s", request.method, request.url.path, exc, exc_info=exc)
+        return JSONResponse(body, status, headers=headers)
+
+    @app.exception_handler(Exception)
+    async def server_fault(request: Request, exc: Exception) -> JSONResponse:
+        log.error("%s %s failed", request.method, request.url.path, exc_info=exc)
+        status, body, headers = http_error(exc)
+        return JSONResponse(body, status, headers=headers)
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        body = {
+            "status": "ok" if scheduler.accepting else "draining",
+            "rows": scheduler.engine.batch,
+            "rows_in_use": scheduler.rows_in_use,
+            "waiting": scheduler.waiting,
+            "replica": metrics.replica,
+            **served.info,
+        }
+        return JSONResponse(body, 200 if scheduler.accepting else 503)
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(metrics.render(), media_type=metrics.content_type)
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return schemas.models_list(served.names, served.context_length)
+
+    @app.post("/v1/chat/completions")
+    async def chat(body: schemas.ChatCompletionRequest, request: Request) -> Any:
+        served.check_model(body.model)
+        ids = scheduler.codec.chat(chat_messages(body))
+        job = served.engine_request(ids, body, body.max_completion_tokens or body.max_tokens)
+        ticket = scheduler.submit(job, body.stop_strings())
+        rid = schemas.new_id("chatcmpl")
+        if body.stream:
+            return StreamingResponse(
+                _chat_stream(served, ticket, rid, body.include_usage), media_type="text/event-stream"
+            )
+        text = await _collect(request, [ticket])
+        usage = schemas.Usage.of(ticket.prompt_tokens, ticket.completion_tokens)
+        return schemas.chat_response(rid, served.model_name, [(text[0], ticket.finish_reason)], usage)
+
+    @app.post("/v1/completions")
+    async def completions(body: schemas.CompletionRequest, request: Request) -> Any:
+        served.check_model(body.model)
+        prompts = [body.prompt] if isinstance(body.prompt, str) else list(body.prompt)
+        if not prompts:
+            raise RequestError("prompt is an empty list; send a string or a list of strings", "prompt")
+        if body.stream and len(prompts) > 1:
+            raise RequestError("stream=true takes one prompt; send the others as their own requests", "prompt")
+        if any(not p.strip() for p in prompts):
+            raise RequestError("prompt is empty; send the text the model should continue", "prompt")
+        jobs = [served.engine_request(scheduler.codec.text(p), body, body.max_tokens) for p in prompts]
+        tickets: list[Ticket] = []
+        try:
+            for job in jobs:
+                tickets.append(scheduler.submit(job, body.stop_strings()))
+        except Exception:
+            for ticket in tickets:
+                ticket.cancel()
+            raise
+        rid = schemas.new_id("cmpl")
+        if body.stream:
+            return StreamingResponse(
+                _completion_stream(served, tickets[0], rid, body.include_usage), media_type="text/event-stream"
+            )
+        texts = await _collect(request, tickets)
+        usage = schemas.Usage.of(sum(t.prompt_tokens for t in tickets), sum(t.completion_tokens for t in tickets))
+        return schemas.completion_response(
+            rid, served.model_name, [(text, t.finish_reason) for text, t in zip(texts, tickets, strict=True)], usage
+        )
+
+    return app
+
+
+async def _collect(request: Request, tickets: list[Ticket]) -> list[str]:
+    """Every ticket's whole text; a client that leaves first frees its rows."""
+    work = asyncio.ensure_future(asyncio.gather(*(t.text() for t in tickets)))
+    try:
+        return await until_disconnect(request, work)
+    finally:
+        for ticket in tickets:
+            ticket.cancel()
+
+
+async def _chat_stream(served: Served, ticket: Ticket, rid: str, include_usage: bool) -> AsyncIterator[str]:
+    name = served.model_name
+    try:
+        yield sse(schemas.chat_chunk(rid, name, {"role": "assistant", "content": ""}))
+        async for event in _events(ticket):
+            if isinstance(event, dict):
+                yield sse(event)
+                break
+            if event.text:
+                yield sse(schemas.chat_chunk(rid, name, {"content": event.text}))
+            if event.finish_reason is not None:
+                yield sse(schemas.chat_chunk(rid, name, {}, event.finish_reason))
+        if include_usage:
+            usage = schemas.Usage.of(ticket.prompt_tokens, ticket.completion_tokens)
+            yield sse(schemas.usage_chunk(rid, name, "chat.completion.chunk", usage))
+        yield sse("[DONE]")
+    finally:  # also when the client disconnects: Starlette closes this generator
+        ticket.cancel()
+
+
+async def _completion_stream(served: Served, ticket: Ticket, rid: str, include_usage: bool) -> AsyncIterator[str]:
+    name = served.model_name
+    try:
+        async for event in _events(ticket):
+            if isinstance(event, dict):
+                yield sse(event)
+                break
+            if event.text or event.finish_reason is not None:
+                yield sse(schemas.completion_chunk(rid, name, event.text, event.finish_reason))
+        if include_usage:
+            usage = schemas.Usage.of(ticket.prompt_tokens, ticket.completion_tokens)
+            yield sse(schemas.usage_chunk(rid, name, "text_completion", usage))
+        yield sse("[DONE]")
+    finally:
+        ticket.cancel()
+
+
+async def _events(ticket: Ticket) -> AsyncIterator[Any]:
+    """The ticket's events; an engine fault mid-stream becomes one OpenAI error payload (headers are sent)."""
+    try:
+        async for event in ticket.events():
+            yield event
+    except Gemma4LibError as exc:
+        log.error("stream failed: %s", exc)
+        yield http_error(exc)[1]

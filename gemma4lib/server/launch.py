@@ -1,0 +1,180 @@
+"""Start the endpoint: the engine from `PortSettings` (a bundle never compiles), uvicorn, SIGTERM drain.
+
+The engine comes from the caller (`gemma4lib.cli.load_engine`: the server sits above `port` but
+does not import it, so a replica can be handed any loader). `serve_forever` is what
+`python -m gemma4lib serve` runs in the foreground; `BackgroundServer` runs
+the same app on a thread (tests, the notebook). On SIGTERM (or Ctrl-C) the server stops taking
+requests (503 + Retry-After), lets every queued and running one finish, then exits; a second signal
+stops it at once.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import signal
+import socket
+import threading
+import time
+from dataclasses import dataclass
+from types import FrameType
+from typing import Any
+
+import uvicorn
+
+from .app import Served, create_app
+from .errors import ServerStartError
+from .metrics import ServerMetrics
+from .scheduler import EngineLike, Scheduler
+from .text import Codec
+
+log = logging.getLogger("gemma4lib.server")
+LOOPBACK = "127.0.0.1"
+
+
+@dataclass
+class Loaded:
+    """An engine ready to serve, with what the routes need and how long it took to get it (a bundle: 0 s
+    compiling)."""
+
+    engine: Any
+    tokenizer: Any
+    model_name: str
+    aliases: tuple[str, ...]
+    eos_ids: tuple[int, ...]
+    load_s: float
+    compile_s: float
+
+
+def build_served(
+    engine: EngineLike,
+    tokenizer: Any,
+    *,
+    model_name: str,
+    eos_ids: tuple[int, ...] = (),
+    aliases: tuple[str, ...] = (),
+    max_queue: int = 64,
+    replica: str = "",
+    info: dict[str, Any] | None = None,
+    admit_wait_s: float = 0.0,
+) -> Served:
+    """The scheduler (started) and what the routes need, around an engine and its tokenizer; `info`
+    (load and compile seconds, the replica) is shown by `GET /health`."""
+    metrics = ServerMetrics(engine.batch, replica=replica)
+    scheduler = Scheduler(
+        engine, Codec(tokenizer), max_queue=max_queue, metrics=metrics, admit_wait_s=admit_wait_s
+    ).start()
+    return Served(scheduler, model_name, eos_ids, aliases, info=info)
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn that drains the scheduler on SIGTERM/SIGINT before it stops (a second signal: at once)."""
+
+    def __init__(self, config: uvicorn.Config, scheduler: Scheduler, drain_timeout_s: float):
+        super().__init__(config)
+        self.scheduler, self.drain_timeout_s = scheduler, drain_timeout_s
+        self.drain_started = False
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if self.drain_started:
+            self.should_exit = self.force_exit = True
+            return
+        self.drain_started = True
+        log.warning(
+            "%s: draining (%d running, %d queued); new requests get 503",
+            signal.Signals(sig).name,
+            self.scheduler.rows_in_use,
+            self.scheduler.waiting,
+        )
+        threading.Thread(target=self._drain, name="gemma4lib-drain", daemon=True).start()
+
+    def _drain(self) -> None:
+        if self.scheduler.drain(self.drain_timeout_s):
+            log.warning("drained: every started request finished; exiting")
+        else:
+            log.error("drain timed out after %.0f s; exiting with requests unfinished", self.drain_timeout_s)
+        self.should_exit = True
+
+
+def freeze_startup_objects() -> None:
+    """Move everything loaded so far (torch, transformers, the model) out of the garbage collector's
+    view: they live as long as the server, and a full collection over them mid-load paused every
+    request for tens to hundreds of ms here."""
+    gc.collect()
+    gc.freeze()
+
+
+def serve_forever(served: Served, host: str = LOOPBACK, port: int = 8000, drain_timeout_s: float = 600.0) -> None:
+    """Serve in the foreground until SIGTERM/SIGINT (then drain, then return)."""
+    freeze_startup_objects()
+    config = uvicorn.Config(
+        create_app(served), host=host, port=port, log_level="info", timeout_graceful_shutdown=30, lifespan="off"
+    )
+    server = DrainingServer(config, served.scheduler, drain_timeout_s)
+    log.warning("serving %s on http://%s:%d/v1 (%d rows)", served.model_name, host, port, served.scheduler.engine.batch)
+    try:
+        server.run()
+    finally:
+        served.scheduler.close()
+
+
+def serve_loaded(loaded: Loaded, args: Any) -> int:
+    """`python -m gemma4lib serve` without `--ray`: one server in the foreground until SIGTERM."""
+    served = build_served(
+        loaded.engine,
+        loaded.tokenizer,
+        model_name=args.model_name or loaded.model_name,
+        eos_ids=loaded.eos_ids,
+        aliases=loaded.aliases,
+        max_queue=args.max_queue,
+        info={"load_s": round(loaded.load_s, 3), "compile_s": round(loaded.compile_s, 3)},
+        admit_wait_s=args.admit_wait_ms / 1000.0,
+    )
+    log.warning("engine ready: load %.1f s, compile %.1f s", loaded.load_s, loaded.compile_s)
+    serve_forever(served, args.host, args.port, args.drain_timeout)
+    return 0
+
+
+def free_port(host: str = LOOPBACK) -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+class BackgroundServer:
+    """The app on a uvicorn thread at 127.0.0.1 (a free port), for tests and notebooks; a context manager."""
+
+    def __init__(self, served: Served, host: str = LOOPBACK, port: int | None = None, start_timeout_s: float = 30.0):
+        self.served, self.host, self.port = served, host, port or free_port(host)
+        config = uvicorn.Config(create_app(served), host=host, port=self.port, log_level="warning", lifespan="off")
+        self.server = uvicorn.Server(config)
+        self._thread = threading.Thread(target=self.server.run, name="gemma4lib-uvicorn", daemon=True)
+        self.start_timeout_s = start_timeout_s
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def start(self) -> BackgroundServer:
+        freeze_startup_objects()
+        self._thread.start()
+        deadline = time.monotonic() + self.start_timeout_s
+        while not self.server.started:
+            if not self._thread.is_alive() or time.monotonic() > deadline:
+                raise ServerStartError(
+                    f"uvicorn did not start on {self.url} within {self.start_timeout_s:.0f} s; is the port taken?"
+                )
+            time.sleep(0.02)
+        return self
+
+    def stop(self, close_scheduler: bool = True) -> None:
+        self.server.should_exit = True
+        self._thread.join(30)
+        if close_scheduler:
+            self.served.scheduler.close()
+
+    def __enter__(self) -> BackgroundServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

@@ -1,0 +1,103 @@
+"""Tokens to streamed text: the tokenizer behind one lock, incremental decoding, stop strings.
+
+A streamed response and a plain one are the same deltas (the plain one joins them), so `stream=True`
+gives the plain call's text by construction. Each delta is a prefix of the decode of every token so
+far: a half-decoded UTF-8 character is held back, and so is a tail that might be the start of a stop
+string, until the next tokens settle it.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+from ..errors import BadPromptError
+from ..models.tokenizer import require_chat_template
+
+
+class Codec:
+    """The tokenizer, shared by the HTTP side (encode) and the scheduler thread (decode).
+
+    A fast tokenizer may re-borrow its Rust state mutably on a call (truncation/padding settings), so
+    two threads using it at once can fail with "Already borrowed": one lock makes every use serial.
+    """
+
+    def __init__(self, tokenizer: Any):
+        require_chat_template(tokenizer)
+        self.tokenizer = tokenizer
+        self._lock = threading.Lock()
+
+    def chat(self, messages: list[dict[str, str]]) -> list[int]:
+        """Messages through the model's own chat template, ending with the model's turn."""
+        if not messages:
+            raise BadPromptError("messages is empty; send at least one {'role': 'user', 'content': ...} message")
+        with self._lock:
+            ids = self.tokenizer.apply_chat_template(
+                messages, add_generation_prompt=True, tokenize=True, return_dict=False
+            )
+        return list(ids["input_ids"] if isinstance(ids, dict) else ids)
+
+    def text(self, prompt: str) -> list[int]:
+        """A completion prompt as plain text (no chat turns), with the tokenizer's own special tokens."""
+        if not prompt.strip():
+            raise BadPromptError("prompt is empty; send the text the model should continue")
+        with self._lock:
+            return list(self.tokenizer(prompt)["input_ids"])
+
+    def decode(self, ids: Sequence[int]) -> str:
+        with self._lock:
+            return self.tokenizer.decode(list(ids), skip_special_tokens=True)
+
+
+class TextStream:
+    """One response's text as its tokens arrive; `stopped` once a stop string has appeared."""
+
+    def __init__(self, codec: Codec, stop: Sequence[str] = ()):
+        self.codec = codec
+        self.stop = tuple(s for s in stop if s)
+        self.ids: list[int] = []
+        self.sent = 0  # characters of the decoded text already handed out
+        self.stopped = False
+
+    def push(self, ids: Sequence[int]) -> str:
+        """Add tokens; return the text that is now settled (may be empty)."""
+        if self.stopped:
+            return ""
+        self.ids.extend(ids)
+        text = self.codec.decode(self.ids)
+        cut = self._stop_at(text)
+        if cut is not None:
+            self.stopped = True
+            return self._take(text[:cut])
+        end = len(text)
+        while end > self.sent and text[end - 1] == "\ufffd":  # an incomplete multi-byte character
+            end -= 1
+        return self._take(text[: end - self._held(text[:end])])
+
+    def finish(self) -> str:
+        """The rest of the text once the request is over (what `push` held back for a stop string)."""
+        if self.stopped:
+            return ""
+        return self._take(self.codec.decode(self.ids))
+
+    def _take(self, settled: str) -> str:
+        delta = settled[self.sent :]
+        self.sent = max(self.sent, len(settled))
+        return delta
+
+    def _stop_at(self, text: str) -> int | None:
+        longest = max((len(s) for s in self.stop), default=0)
+        start = max(0, self.sent - longest)
+        hits = [i for i in (text.find(s, start) for s in self.stop) if i >= 0]
+        return min(hits) if hits else None
+
+    def _held(self, text: str) -> int:
+        """Length of the longest tail of `text` that a stop string starts with (it may still complete)."""
+        held = 0
+        for s in self.stop:
+            for n in range(min(len(s) - 1, len(text) - self.sent), held, -1):
+                if text.endswith(s[:n]):
+                    held = n
+                    break
+        return held

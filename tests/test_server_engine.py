@@ -1,0 +1,243 @@
+"""The endpoint over the real engine: the tiny trained E2B compiled (cpu backend, smoke profile),
+served on 127.0.0.1, called with the official `openai` client and lm-eval.
+
+One compiled server for the module (compiling a tiny graph takes ~25 s on one thread); the other
+variants' "Paris" runs are marked slow (each compiles its own graphs).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+import threading
+
+import pytest
+
+from gemma4lib.cli import load_engine
+from gemma4lib.port import PortSettings
+from gemma4lib.server.launch import BackgroundServer, build_served
+
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+COUNTRIES = ["Germany", "Italy", "Spain", "Japan", "Kenya", "Peru", "Chile", "Egypt"]
+
+
+class RecordingEngine:
+    """The engine, with every admit, step and release written down (which rows, in which order)."""
+
+    def __init__(self, engine):
+        self.engine = engine
+        self.trace: list[tuple[str, tuple[int, ...]]] = []
+        self.lock = threading.Lock()
+
+    def __getattr__(self, name):
+        return getattr(self.engine, name)
+
+    def admit(self, requests):
+        with self.lock:
+            self.trace.append(("admit", tuple(sorted(requests))))
+        return self.engine.admit(requests)
+
+    def step(self):
+        out = self.engine.step()
+        with self.lock:
+            self.trace.append(("step", tuple(sorted(out))))
+        return out
+
+    def release(self, row):
+        with self.lock:
+            self.trace.append(("release", (row,)))
+        return self.engine.release(row)
+
+
+@pytest.fixture(scope="module")
+def loaded():
+    return load_engine(PortSettings(variant="e2b", profile="smoke", batch_size=4))
+
+
+@pytest.fixture(scope="module")
+def alone(loaded):
+    """What `port` runs for each prompt, one request on the engine before it serves: its tokens."""
+    codec_tokenizer = loaded.tokenizer
+    out = {}
+    for country in ["France", *COUNTRIES]:
+        ids = codec_tokenizer.apply_chat_template(
+            [{"role": "user", "content": f"What is the capital of {country}?"}],
+            add_generation_prompt=True,
+            tokenize=True,
+            return_dict=False,
+        )
+        out[country] = loaded.engine.generate(list(ids), 24, eos_token_ids=loaded.eos_ids).tokens
+    return out
+
+
+@pytest.fixture(scope="module")
+def server(loaded, alone):
+    engine = RecordingEngine(loaded.engine)
+    served = build_served(
+        engine, loaded.tokenizer, model_name=loaded.model_name, eos_ids=loaded.eos_ids, aliases=loaded.aliases
+    )
+    with BackgroundServer(served) as background:
+        yield background
+
+
+def client(server):
+    from openai import OpenAI
+
+    return OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=60)
+
+
+def test_the_openai_client_gets_paris_and_stream_equals_plain(server, loaded, alone):
+    c = client(server)
+    plain = c.chat.completions.create(model="e2b", messages=QUESTION, max_tokens=24)
+    text = plain.choices[0].message.content
+    assert "Paris" in text, text
+    assert text == loaded.tokenizer.decode(alone["France"], skip_special_tokens=True)
+    assert plain.usage.completion_tokens == len(alone["France"])
+    assert plain.choices[0].finish_reason == "stop"
+    chunks = list(c.chat.completions.create(model="e2b", messages=QUESTION, max_tokens=24, stream=True))
+    assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == text
+    hub = c.chat.completions.create(model="google/gemma-4-E2B-it", messages=QUESTION, max_tokens=24)
+    assert hub.choices[0].message.content == text  # the hub id is an alias of the served variant
+
+
+def test_a_greedy_request_equals_ports_tokens_while_others_join_and_leave(server, loaded, alone):
+    """France runs with 24 new tokens of budget while eight others of 3..12 tokens come and go on the
+    other three rows: its reply is still the one it gets alone, and so is every other's prefix."""
+    from openai import AsyncOpenAI
+
+    engine: RecordingEngine = server.served.scheduler.engine
+    start = len(engine.trace)
+    budgets = {country: 3 + (i % 4) * 3 for i, country in enumerate(COUNTRIES)}
+
+    async def run():
+        c = AsyncOpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=60)
+
+        async def ask(country, max_tokens, delay):
+            await asyncio.sleep(delay)
+            messages = [{"role": "user", "content": f"What is the capital of {country}?"}]
+            return await c.chat.completions.create(model="e2b", messages=messages, max_tokens=max_tokens)
+
+        target = asyncio.create_task(ask("France", 24, 0.0))
+        others = [asyncio.create_task(ask(k, m, 0.01 * i)) for i, (k, m) in enumerate(budgets.items())]
+        results = await asyncio.gather(target, *others)
+        await c.close()
+        return results
+
+    france, *others = asyncio.run(run())
+    assert france.choices[0].message.content == loaded.tokenizer.decode(alone["France"], skip_special_tokens=True)
+    assert france.usage.completion_tokens == len(alone["France"])
+    for (country, budget), out in zip(budgets.items(), others, strict=True):
+        want = alone[country][:budget]
+        assert out.choices[0].message.content == loaded.tokenizer.decode(want, skip_special_tokens=True), country
+        assert out.usage.completion_tokens == len(want)
+    trace = engine.trace[start:]
+    admits = [rows for kind, rows in trace if kind == "admit"]
+    assert sum(len(r) for r in admits) == 9 and len(admits) >= 3, trace
+    # a request joined while others were decoding, and rows were freed while others kept going
+    live: set[int] = set()
+    joined_mid = left_mid = False
+    for kind, rows in trace:
+        if kind == "admit":
+            joined_mid |= bool(live)
+            live |= set(rows)
+        elif kind == "release":
+            live -= set(rows)
+            left_mid |= bool(live)
+    assert joined_mid and left_mid, trace
+
+
+def test_completions_route_on_the_real_engine(server, loaded):
+    c = client(server)
+    prompt = loaded.tokenizer.apply_chat_template(QUESTION, add_generation_prompt=True, tokenize=False)
+    out = c.completions.create(model="e2b", prompt=prompt, max_tokens=24)
+    assert "Paris" in out.choices[0].text
+
+
+def test_a_prompt_over_the_compiled_context_is_a_400(server):
+    import openai
+
+    with pytest.raises(openai.BadRequestError, match="compiled context length 128"):
+        client(server).chat.completions.create(model="e2b", messages=QUESTION, max_tokens=200)
+
+
+def test_lm_eval_scores_the_endpoint_as_in_process(server, loaded, tmp_path):
+    """lm-eval's local-chat-completions model over HTTP and `EngineLM` in process: same task file, same
+    exact-match score, same reply for every question (the server is idle; the engine is used in turn)."""
+    from gemma4lib.server.evaluation import evaluate_endpoint, evaluate_in_process
+
+    over_http = evaluate_endpoint(server.url, "e2b", tmp_path / "http")
+    scheduler = server.served.scheduler
+    assert scheduler.idle()
+    with scheduler.paused():  # the engine is the scheduler's: borrow it while nothing runs
+        local = evaluate_in_process(loaded.engine, loaded.tokenizer, loaded.eos_ids, tmp_path / "local")
+    assert over_http["replies"] == local["replies"]
+    assert over_http["exact_match"] == local["exact_match"]
+    assert 0.5 < local["exact_match"] < 1.0  # the known capitals right, the invented places not
+    assert local["replies"]["France"] == "The capital of France is Paris."
+    print(f"lm-eval exact_match: endpoint {over_http['exact_match']:.4f}, in process {local['exact_match']:.4f}")
+
+
+def test_serve_with_a_missing_or_wrong_bundle_exits_at_once(tmp_path):
+    bad = tmp_path / "bundle"
+    bad.mkdir()
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    cmd = [sys.executable, "-m", "gemma4lib", "serve", "--variant", "e2b", "--port", "1", "--artifacts"]
+    missing = subprocess.run([*cmd, str(tmp_path / "none")], capture_output=True, text=True, timeout=120, env=env)
+    assert missing.returncode == 2 and "not a compiled-port bundle" in missing.stderr, missing.stderr
+    (bad / "manifest.json").write_text("{not json")
+    wrong = subprocess.run([*cmd, str(bad)], capture_output=True, text=True, timeout=120, env=env)
+    assert wrong.returncode == 2 and "error:" in wrong.stderr and "Traceback" not in wrong.stderr, wrong.stderr
+    assert "manifest" in wrong.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("variant", ["e4b", "12b", "31b", "26b-a4b"])
+def test_every_variant_answers_paris_through_the_endpoint(variant):
+    one = load_engine(PortSettings(variant=variant, profile="smoke", batch_size=2))
+    served = build_served(one.engine, one.tokenizer, model_name=one.model_name, eos_ids=one.eos_ids)
+    with BackgroundServer(served) as background:
+        c = client(background)
+        plain = c.chat.completions.create(model=one.model_name, messages=QUESTION, max_tokens=24)
+        chunks = c.chat.completions.create(model=one.model_name, messages=QUESTION, max_tokens=24, stream=True)
+        streamed = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+    assert "Paris" in plain.choices[0].message.content
+    assert streamed == plain.choices[0].message.content
+
+
+def test_the_serve_command_answers_then_drains_on_sigterm(loaded):
+    """`python -m gemma4lib serve` as a user runs it (the module's compile is in the cache, so it only
+    loads): Paris over HTTP from its own process, then SIGTERM and exit 0."""
+    import signal
+    import time
+
+    import httpx
+
+    from gemma4lib.server.launch import free_port
+
+    port = free_port()
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    cmd = [sys.executable, "-m", "gemma4lib", "serve", "--variant", "e2b", "--batch", "4", "--port", str(port)]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 600
+        health = None
+        while time.monotonic() < deadline and proc.poll() is None:
+            try:
+                health = httpx.get(url + "/health", timeout=2).json()
+                break
+            except httpx.HTTPError:
+                time.sleep(0.5)
+        assert health is not None and health["rows"] == 4, proc.stdout.read() if proc.poll() is not None else health
+        assert health["compile_s"] == 0  # the graphs came from the cache the module's fixture filled
+        answer = client(type("S", (), {"url": url})()).chat.completions.create(model="e2b", messages=QUESTION)
+        assert "Paris" in answer.choices[0].message.content
+        proc.send_signal(signal.SIGTERM)
+        rc = proc.wait(60)
+        log = proc.stdout.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert rc == 0 and "drained: every started request finished" in log, log
