@@ -330,3 +330,18 @@ def test_prompts_at_batch_one_answer_those_prompts():
     settings = PortSettings(variant="e2b", prompts=("What is the capital of Spain?",), expects=("Madrid",))
     rows = prompt_rows(load_model(settings), settings)
     assert len(rows) == 1 and rows[0].expect == "Madrid" and rows[0].text.endswith("Spain?")
+
+
+@pytest.mark.parametrize("draft", [None, "assistant"])
+@pytest.mark.parametrize("bad", BAD)
+def test_every_input_check_holds_on_the_tp_ranks(bad, draft, monkeypatch):
+    """The gloo ranks check each request with the same engine check before any rank starts."""
+    from gemma4lib.tp import cpu_gloo
+
+    drafting = dict(draft=draft, draft_tokens=K) if draft else {}
+    settings = PortSettings(variant="e2b", model="random", backend="eager", tp_degree=2, **drafting, **SHAPES)
+    model = load_model(settings)
+    monkeypatch.setattr(cpu_gloo, "run_ranks", lambda *a, **k: pytest.fail("ranks started for a bad request"))
+    make, error, words = BAD[bad]
+    with pytest.raises(error, match=words):
+        registry.run_device(model, settings, [make(int(model.config.vocab_size))], bench=False)
