@@ -85,15 +85,15 @@ class PortSettings:
     witness: bool | None = None
     # a bundle folder written by `python -m gemma4lib export`: run its compiled graphs, never compile
     artifacts: str | None = None
-    # drafting with Gemma-4's own MTP assistant (`speculative.py`): None = plain decode; "assistant"
+    # drafting (`generation.drafters`): None = plain decode; "assistant" (Gemma-4's own MTP assistant) or "prompt_lookup"
     draft: str | None = None
     draft_tokens: int | None = None  # drafts per verify step (k); None with a draft: 4
     assistant_checkpoint: str | None = None  # full profile: hub id or folder; default the variant's own
     # MoE verify graph: None = routed experts gathered when that reads less than all (drafting.verify_expert_form)
     verify_experts: str | None = None
     # batch_size > 1: that many prompts of different lengths through one set of batched graphs
-    # (batch_graph.py, batch_runtime.py). `prompts`/`expects`: one per row (fewer prompts than
-    # batch_size leave spare rows); None = `batch_prompts.capital_questions(batch_size)`.
+    # (the engine's rows). `prompts`/`expects`: one per row, at any batch size (fewer prompts than
+    # batch_size leave spare rows); None = `prompt` in row 0, `generation.prompts.capital_questions` after.
     batch_size: int = 1
     prompts: tuple[str, ...] | None = None
     expects: tuple[str | None, ...] | None = None

@@ -530,11 +530,8 @@ def _serving_checked(out: Path) -> None:
     """06_serving's record: every batch row and the drafted answer passed their three checks, the
     drafted tokens equal transformers' assisted generate, drafts were accepted, the plots drew; and
     its cells produced what the library's own runs produce for the same settings (the batch's rows
-    through `batch_port.run_device_batch`, the drafted tokens and acceptance through
-    `speculative.run_single_device_drafted`)."""
-    from gemma4lib.serving import batch_port, speculative
-
-    from gemma4lib.port import PortSettings, eos_ids, load_model, prompt_ids
+    and the drafted tokens and acceptance through `port.run_device`, the engine `port()` runs)."""
+    from gemma4lib.port import PortSettings, eos_ids, load_model, prompt_rows, requests_for, run_device
 
     file = pm_run.SERVING[1]
     record = json.loads((out / "results" / "serving.json").read_text())
@@ -554,12 +551,12 @@ def _serving_checked(out: Path) -> None:
     common.update(context_length=values["context_length"], prefill_buckets=tuple(values["prefill_buckets"]))
     batch = PortSettings(**common, batch_size=values["batch_size"])
     model = load_model(batch)
-    rows = batch_port.batch_prompt_rows(model, batch)
-    run = batch_port.run_device_batch(model, batch, [ids for ids, _ in rows], eos_ids(model), bench=False)
-    assert [r["tokens"] for r in run["rows"]] == [r["tokens"] for r in record["rows"]], f"{file}: batch rows differ"
+    eos = eos_ids(model)
+    run = run_device(model, batch, requests_for(prompt_rows(model, batch), batch, eos), bench=False)
+    assert [r.tokens for r in run.rows] == [r["tokens"] for r in record["rows"]], f"{file}: batch rows differ"
     drafted = PortSettings(**common, prompt=values["prompt"], draft="assistant", draft_tokens=values["draft_tokens"])
-    run = speculative.run_single_device_drafted(model, drafted, prompt_ids(model, drafted), eos_ids(model), bench=False)
-    assert run.tokens == record["draft_tokens_out"], f"{file}: drafted tokens differ from run_single_device_drafted's"
+    run = run_device(model, drafted, requests_for(prompt_rows(model, drafted), drafted, eos), bench=False)
+    assert run.tokens == record["draft_tokens_out"], f"{file}: drafted tokens differ from the port's"
     assert run.details["drafts_accepted"] == record["drafts_accepted"], f"{file}: acceptance differs"
 
 

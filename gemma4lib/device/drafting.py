@@ -15,7 +15,7 @@ verify step writes the K/V of all k + 1 tokens; after a partial acceptance the r
 slots hold stale K/V. The target never reads them: the next verify starts at the first rejected
 position and overwrites them before attending (its causal mask never reaches past its query).
 The draft masks them out (transformers' own generator lets its assistant see some of them; see
-docs in `speculative.py`).
+docs/DRAFTING.md).
 
 Ring buffers: a sliding layer's ring must hold the window *plus k + 1* slots (`RoomyLayout`, room =
 k + 1). A verify writes up to k positions past what will be committed; with only `sliding_window`

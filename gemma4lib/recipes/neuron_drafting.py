@@ -33,7 +33,7 @@ that buys, from NxD v2.28.0 `trace/model_builder.py` and `trace/trace.py`:
 
 Compiler arguments: prefill keys the prefill set (-O1), verify its own set (-O2, tiling 2: NxD
 Inference's k-token speculation model keeps tiling 2), draft the decode set (-O2, tiling 1). The
-host loop is `speculative.DraftedRuntime` over `NxDKeyStep`s. The assistant's checkpoint:
+host loop is the engine (`runtime.Engine` with the `AssistantDrafter`) over `NxDKeyStep`s. The assistant's checkpoint:
 `tp.draft_rank_graph.assistant_nxd_full`, laid out so NxD's contiguous cut gives each rank
 `assistant_shard(rank)`. Lines that need the SDK are marked `# inf2-only`.
 """
