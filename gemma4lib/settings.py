@@ -85,7 +85,7 @@ class PortSettings:
     witness: bool | None = None
     # a bundle folder written by `python -m gemma4lib export`: run its compiled graphs, never compile
     artifacts: str | None = None
-    # drafting (`generation.drafters`): None = plain decode; "assistant" (Gemma-4's own MTP assistant) or "prompt_lookup"
+    # drafting (`generation.drafters`): None = plain decode; "assistant" (Gemma-4's MTP assistant), "prompt_lookup"
     draft: str | None = None
     draft_tokens: int | None = None  # drafts per verify step (k); None with a draft: 4
     assistant_checkpoint: str | None = None  # full profile: hub id or folder; default the variant's own
