@@ -802,7 +802,12 @@ def test_the_neuron_recipes_take_the_graphs_index_dtype(tmp_path, monkeypatch):
     assert got == [torch.float32, torch.int32, torch.int32]
 
 
-@pytest.mark.xfail(strict=False, reason="int32 graph inputs land with the engine")
+def _tiny_assistant(model):
+    from gemma4lib.models.assistant import LoadedAssistant, build_tiny_assistant, read_layers
+
+    return LoadedAssistant(build_tiny_assistant(model.config, "e2b"), "random", read_layers(model.layout))
+
+
 def test_every_backends_example_inputs_have_int32_indices(tmp_path, monkeypatch):
     """NxD Inference converts start/length/position to int32 before the device and the compiler
     truncates INT64 to INT32: int32 end to end, in the device graphs every backend compiles (CPU,
@@ -811,9 +816,10 @@ def test_every_backends_example_inputs_have_int32_indices(tmp_path, monkeypatch)
     from gemma4lib.port import PortSettings
 
     model = tiny("e2b")
-    prefill, decode = device_graphs(model, PortSettings(variant="e2b"))
-    for graph in [*prefill.values(), decode]:
-        assert [t.dtype for t in graph.example_inputs()[2:4]] == [torch.int32, torch.int32]
+    graphs = device_graphs(model, PortSettings(variant="e2b", draft="assistant"), assistant=_tiny_assistant(model))
+    for name, graph in graphs:
+        index = graph.example_inputs()[1:2] if name == "draft" else graph.example_inputs()[2:4]
+        assert {t.dtype for t in index} == {torch.int32}, name
     seen = _recorded_index_dtypes(tmp_path, monkeypatch)
     assert seen == {k: [torch.int32, torch.int32] for k in ("prefill", "decode", "trace")}
 
