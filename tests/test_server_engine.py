@@ -241,3 +241,21 @@ def test_the_serve_command_answers_then_drains_on_sigterm(loaded):
         if proc.poll() is None:
             proc.kill()
     assert rc == 0 and "drained: every started request finished" in log, log
+
+
+@pytest.mark.slow
+def test_drafted_steps_stream_through_the_endpoint():
+    """With Gemma-4's assistant drafting, a step hands a row 1..k+1 tokens: the streamed text still
+    equals the plain reply and the reply the drafted engine gives alone (greedy-exact)."""
+    one = load_engine(PortSettings(variant="e2b", profile="smoke", batch_size=2, draft="assistant"))
+    ids = one.tokenizer.apply_chat_template(QUESTION, add_generation_prompt=True, tokenize=True, return_dict=False)
+    want = one.tokenizer.decode(
+        one.engine.generate(list(ids), 24, eos_token_ids=one.eos_ids).tokens, skip_special_tokens=True
+    )
+    served = build_served(one.engine, one.tokenizer, model_name=one.model_name, eos_ids=one.eos_ids)
+    with BackgroundServer(served) as background:
+        c = client(background)
+        plain = c.chat.completions.create(model="e2b", messages=QUESTION, max_tokens=24)
+        chunks = c.chat.completions.create(model="e2b", messages=QUESTION, max_tokens=24, stream=True)
+        streamed = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+    assert "Paris" in want and plain.choices[0].message.content == want == streamed
