@@ -228,28 +228,6 @@ def test_every_cell_on_the_neuron_backend_with_the_sdk_stood_in(batch, draft, sa
     assert {shape[0][0] for shape in stand_in.shapes} == {batch}  # every key called at the compiled batch
 
 
-def test_the_neuron_backend_compiles_the_batch_it_is_asked_for(monkeypatch, tmp_path):
-    """`--backend neuron --batch 3`: the ModelBuilder keys get example inputs of batch 3."""
-    from gemma4lib.recipes import neuron_env, neuron_model_builder
-
-    monkeypatch.setenv("GEMMA4LIB_CACHE", str(tmp_path / "cache"))
-    monkeypatch.setenv("GEMMA4LIB_INSTANCE_TYPE", "inf2.8xlarge")
-    monkeypatch.setattr(neuron_env, "require_sdk", lambda *a, **k: None)
-    monkeypatch.setattr(neuron_env, "require", lambda *a, **k: None)
-    monkeypatch.setattr(neuron_env, "check_versions", lambda: [])
-    asked = []
-
-    def record(model, tp, folder, **kwargs):
-        asked.append(kwargs)
-        raise RuntimeError("stop: the compile was reached")
-
-    monkeypatch.setattr(neuron_model_builder, "compile_model_builder", record)
-    settings = PortSettings(variant="e2b", backend="neuron", batch_size=3, cache_dir=None, **SHAPES)
-    with pytest.raises(RuntimeError, match="stop"):
-        registry.compile_graphs(load_model(settings), settings)
-    assert asked[0]["batch"] == 3 and asked[0]["prefill_len"] == 32 and asked[0]["context_length"] == 64
-
-
 def test_xla_cells_run_in_the_xla_lane():
     pytest.importorskip("torch_xla", reason="the XLA lane's cells run in .venv-xla (tests/test_xla_lane.py)")
     for cell in [("xla", 1, "plain", "greedy"), ("xla", 3, "draft", "greedy"), ("xla", 3, "plain", "sampled")]:

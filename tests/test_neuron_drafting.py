@@ -120,14 +120,15 @@ def test_the_drafting_keys_run_on_cpu_from_the_nxd_checkpoint():
     )
     missing, unexpected = modules["verify"].load_state_dict(checkpoint, strict=False)
     assert not unexpected and all(m.startswith("kv.") for m in missing)
-    from gemma4lib.serving.speculative import CompiledDraft, DraftedRuntime
+    from gemma4lib.generation.drafters import AssistantDrafter
+    from gemma4lib.runtime import Engine, Steps
 
-    from gemma4lib.device.embedder import HostEmbedder
-
-    steps = CompiledDraft(
-        {64: KVDraftStep(modules["prefill64"])}, KVDraftStep(modules["verify"]), KVDraftStep(modules["draft"])
+    steps = Steps(
+        {64: KVDraftStep(modules["prefill64"])},
+        verify=KVDraftStep(modules["verify"]),
+        draft=KVDraftStep(modules["draft"]),
     )
-    runtime = DraftedRuntime.over(HostEmbedder.from_text_model(model.text_model), steps, [], K)
+    runtime = Engine.for_model(model, steps, batch=1, context_length=128, draft_tokens=K, drafter=AssistantDrafter())
     ids = prompt_ids(model, settings)
     generation = runtime.generate(ids, 24)
     assert generation.tokens == reference_greedy(model.lm, ids, 24)

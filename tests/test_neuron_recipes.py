@@ -15,10 +15,12 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from gemma4lib.backends import registry
 from gemma4lib.device.graph import GraphShape
 from gemma4lib.errors import EnvironmentMismatchError, NeuronSDKMissingError
 from gemma4lib.models.loading import build_tiny
 from gemma4lib.models.variants import get_variant
+from gemma4lib.port import PortSettings
 from gemma4lib.recipes import NEURON_ENTRY_POINTS, RECIPE_MODULES, neuron_env
 
 SDK_MODULES = ("torch_neuronx", "neuronx_distributed", "libneuronxla", "torch_xla")
@@ -78,14 +80,14 @@ def test_neuron_entry_points_raise_the_documented_error(module, entry):
 
 
 def test_neuron_backend_raises_before_compiling():
+
     from gemma4lib.backends import neuron
+    from gemma4lib.device.build import device_graphs
 
     m = tiny("e2b")
-    settings = types.SimpleNamespace(
-        tp_degree=1, cache_dir=None, context_length=64, ring_kv=False, prefill_buckets=(32,), decode_experts="dense"
-    )
-    with pytest.raises(NeuronSDKMissingError, match="torch-neuronx"):
-        neuron.compile(m, settings)
+    settings = PortSettings(variant="e2b", model="random", context_length=64, ring_kv=False, prefill_buckets=(32,))
+    with pytest.raises(NeuronSDKMissingError, match="torch-neuronx"):  # the backend's first line, before any work
+        neuron.compile(device_graphs(m, settings, inplace=False), m, settings)
 
 
 def test_installed_but_broken_sdk_is_a_mismatch_not_missing(monkeypatch):
@@ -248,14 +250,14 @@ def test_trace_recipe_module_and_host_loop_on_cpu(name):
 def test_host_runtime_over_device_steps():
     """The glue the `neuron` backend puts between the runtime and a device module."""
     from gemma4lib.recipes import neuron_trace
-    from gemma4lib.recipes.common import AliasEmulator, DeviceStep, StepwisePrefill
+    from gemma4lib.recipes.common import AliasEmulator, DeviceStep
     from gemma4lib.reference import reference_greedy
-    from gemma4lib.runtime import HostRuntime
+    from gemma4lib.runtime import Engine, Steps
 
     m = tiny("e2b")
     module = neuron_trace.build_kv_module(m, 64)
     step = DeviceStep(AliasEmulator(module), module.num_inputs)
-    runtime = HostRuntime(m, {32: StepwisePrefill(step, module.num_inputs)}, step, [], 64)
+    runtime = Engine.for_model(m, Steps(decode=step), batch=1, context_length=64)  # the prompt token by token
     ids = prompt("e2b")
     assert runtime.generate(ids, 12).tokens == reference_greedy(m.lm, ids, 12)
 
@@ -468,7 +470,7 @@ def test_backend_neuron_uses_the_neuron_recipe_at_every_tp(name, tp, recipe, mon
     monkeypatch.setenv("GEMMA4LIB_INSTANCE_TYPE", "inf2.24xlarge")
     monkeypatch.setattr(neuron_env, "require_sdk", lambda *a, **k: None)
     monkeypatch.setattr(neuron_env, "require", lambda *a, **k: None)
-    monkeypatch.setattr(cpu_gloo, "run_tp_port", lambda *a, **k: pytest.fail("ran on CPU gloo ranks"))
+    monkeypatch.setattr(cpu_gloo, "run_tp", lambda *a, **k: pytest.fail("ran on CPU gloo ranks"))
     reached = []
 
     def stopper(label):
@@ -527,7 +529,7 @@ def test_e2b_model_builder_prefill_and_decode_share_kv_on_cpu():
     loader returns: one prefill call of the prompt writes the K/V that the decode module reads
     (one set of parameters), and the tokens equal the reference's."""
     from gemma4lib.recipes import neuron_model_builder as mb
-    from gemma4lib.recipes.common import AliasEmulator, greedy_generate
+    from gemma4lib.recipes.common import AliasEmulator, host_generate
     from gemma4lib.reference import reference_greedy
     from gemma4lib.tp import make_plan
     from gemma4lib.tp.rank_graph import CpuParallelFactory
@@ -549,11 +551,12 @@ def test_e2b_model_builder_prefill_and_decode_share_kv_on_cpu():
     from gemma4lib.device.embedder import HostEmbedder
 
     ids = prompt("e2b")
-    result = greedy_generate(
+    result = host_generate(
         AliasEmulator(decode),
         HostEmbedder.from_text_model(m.text_model),
         ids,
         16,
+        vocab_size=int(m.config.vocab_size),
         prefill=AliasEmulator(modules["prefill"]),
         prefill_len=32,
     )
@@ -706,7 +709,6 @@ class _FakeNxDModel:
 def test_backend_neuron_keeps_no_host_kv(tmp_path, monkeypatch):
     """The device steps keep their K/V as aliased state: the runtime holds no host K/V buffers
     (on an inf2.xlarge's 16 GiB a full-context copy is not free), and generation still runs."""
-    from gemma4lib.backends import neuron
     from gemma4lib.port import PortSettings, load_model
     from gemma4lib.recipes import neuron_model_builder
 
@@ -722,8 +724,8 @@ def test_backend_neuron_keeps_no_host_kv(tmp_path, monkeypatch):
 
     monkeypatch.setattr(neuron_model_builder, "compile_model_builder", compile_stub)
     monkeypatch.setattr(neuron_model_builder, "load_model_builder", lambda path, tp: fake)
-    compiled = neuron.compile(model, settings)
-    assert compiled.runtime.kv == []
+    compiled = registry.compile_graphs(model, settings)
+    assert compiled.kv is None  # the engine's steps hold no host K/V: the device keeps them
     tokens = compiled.runtime.generate([5, 6, 7], 3).tokens
     assert len(tokens) == 3 and len(fake.calls) == 3  # one prefill call, two decode steps
 
@@ -841,7 +843,6 @@ def test_the_doctor_names_the_2_28_image_by_name_and_date_not_the_ssm_latest():
 def test_backend_neuron_accepts_exactly_its_aliased_states_after_the_logits(extra, fails, tmp_path, monkeypatch):
     """The backend declares the K/V states its module aliases (one per K/V buffer of the decode
     graph): a module returning the logits and those states runs; one more tensor fails the first call."""
-    from gemma4lib.backends import neuron
     from gemma4lib.device.build import device_graphs
     from gemma4lib.errors import DeviceOutputError
     from gemma4lib.port import PortSettings, load_model
@@ -852,13 +853,13 @@ def test_backend_neuron_accepts_exactly_its_aliased_states_after_the_logits(extr
     monkeypatch.setattr(neuron_env, "require", lambda *a, **k: None)
     settings = PortSettings(variant="e2b", backend="neuron", max_new_tokens=4, cache_dir=str(tmp_path))
     model = load_model(settings)
-    states = len(device_graphs(model, settings, inplace=False)[1].new_kv())
+    states = len(device_graphs(model, settings, inplace=False).decode.new_kv())
     fake = _FakeNxDModel(model.config.vocab_size, states + extra)
     monkeypatch.setattr(
         neuron_model_builder, "compile_model_builder", lambda m, tp, folder, **k: (folder / "m.json").write_text("{}")
     )
     monkeypatch.setattr(neuron_model_builder, "load_model_builder", lambda path, tp: fake)
-    runtime = neuron.compile(model, settings).runtime
+    runtime = registry.compile_graphs(model, settings).runtime
     if fails:
         with pytest.raises(DeviceOutputError, match=f"traced with {states} aliased K/V states"):
             runtime.generate([5, 6, 7], 3)

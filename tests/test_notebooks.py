@@ -20,6 +20,7 @@ from pathlib import Path
 import nbformat
 import pytest
 
+from gemma4lib.backends import registry
 from gemma4lib.models.variants import VARIANTS
 from papermill_runs import run as pm_run
 
@@ -741,7 +742,7 @@ def test_the_model_builder_cell_makes_the_recipes_calls(path, tmp_path, monkeypa
             exec(compile(cell, f"{path.name}[ModelBuilder cell]", "exec"), namespace)
             runtime = namespace["compiled"].runtime
         else:
-            runtime = neuron.compile(model, settings).runtime
+            runtime = registry.compile_graphs(model, settings).runtime
         runs.append((calls, recorder.checkpoint(), runtime))
     (cell_calls, cell_checkpoint, cell_runtime), (library_calls, library_checkpoint, library_runtime) = runs
     kinds = [kind for kind, _ in cell_calls]
@@ -858,7 +859,7 @@ def test_the_trace_cell_makes_the_backends_calls(tmp_path, monkeypatch):
             exec(compile(cell, f"{path.name}[trace cell]", "exec"), namespace)
             runtime = namespace["compiled"].runtime
         else:
-            runtime = neuron.compile(model, settings).runtime
+            runtime = registry.compile_graphs(model, settings).runtime
         runs.append((calls, runtime))
     (cell_calls, cell_runtime), (library_calls, library_runtime) = runs
     kinds = [kind for kind, _ in cell_calls]
