@@ -20,7 +20,6 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from gemma4lib.backends import registry
 from gemma4lib.models.variants import VARIANTS
 from papermill_runs import run as pm_run
 
@@ -705,7 +704,7 @@ def test_the_model_builder_cell_makes_the_recipes_calls(path, tmp_path, monkeypa
     from gemma4lib.cache.artifacts import ArtifactCache
     from gemma4lib.port import PortSettings, build_graphs, load_model
     from gemma4lib.recipes import cores, neuron_env
-    from gemma4lib.runtime import HostRuntime
+    from gemma4lib.runtime import Engine, Steps
 
     values = parameters_of(load(path))
     tp = 2
@@ -714,7 +713,8 @@ def test_the_model_builder_cell_makes_the_recipes_calls(path, tmp_path, monkeypa
         cache_dir=str(tmp_path / "library-cache"),
     )  # fmt: skip
     model = load_model(dataclasses.replace(settings, tp_degree=1))
-    prefill, decode = build_graphs(model, dataclasses.replace(settings, tp_degree=1))
+    graphs = build_graphs(model, dataclasses.replace(settings, tp_degree=1))
+    prefill, decode = graphs.prefill, graphs.decode
     guards = {name: getattr(neuron, name) for name in ("compiler_workdir", "own_directory")}
     runs = []
     for run in ("cell", "library"):
@@ -737,12 +737,12 @@ def test_the_model_builder_cell_makes_the_recipes_calls(path, tmp_path, monkeypa
         if run == "cell":
             namespace = dict(backend="neuron", s=settings, model=model, prefill=prefill, decode=decode, torch=torch)
             namespace.update(nb=nb_helpers, time=__import__("time"), cache=ArtifactCache(tmp_path / "cell-cache"))
-            namespace.update(HostRuntime=HostRuntime, CompiledGraphs=CompiledGraphs, has_ple=False)
+            namespace.update(Engine=Engine, Steps=Steps, CompiledGraphs=CompiledGraphs, has_ple=False)
             cell = _cell_starting(load(path), 'if backend == "neuron" and s.neuron_recipe != "trace"')
             exec(compile(cell, f"{path.name}[ModelBuilder cell]", "exec"), namespace)
-            runtime = namespace["compiled"].runtime
+            runtime = namespace["compiled"]
         else:
-            runtime = registry.compile_graphs(model, settings).runtime
+            runtime = neuron.compile(build_graphs(model, settings, inplace=False), model, settings)
         runs.append((calls, recorder.checkpoint(), runtime))
     (cell_calls, cell_checkpoint, cell_runtime), (library_calls, library_checkpoint, library_runtime) = runs
     kinds = [kind for kind, _ in cell_calls]
@@ -758,7 +758,7 @@ def test_the_model_builder_cell_makes_the_recipes_calls(path, tmp_path, monkeypa
         assert ours == theirs, f"{kind}: the cell asked {ours}, the backend {theirs}"
     assert cell_checkpoint.keys() == library_checkpoint.keys()
     assert all(torch.equal(cell_checkpoint[k], library_checkpoint[k]) for k in cell_checkpoint)
-    assert cell_runtime.kv == library_runtime.kv == []  # the K/V live on the device
+    assert list(cell_runtime.steps.prefill) == list(library_runtime.steps.prefill)  # one bucket; K/V on the device
 
 
 @pytest.mark.parametrize("path", variant_notebooks(), ids=lambda p: p.name)
@@ -812,12 +812,13 @@ def test_the_trace_cell_makes_the_backends_calls(tmp_path, monkeypatch):
     from gemma4lib.device.graph import DeviceGraph, GraphShape
     from gemma4lib.port import PortSettings, build_graphs, load_model
     from gemma4lib.recipes import cores, neuron_env
-    from gemma4lib.runtime import HostRuntime
+    from gemma4lib.runtime import Engine, Steps
 
     path = NOTEBOOK_DIR / "01_e2b.ipynb"
     settings = PortSettings(variant="e2b", neuron_recipe="trace", cache_dir=str(tmp_path / "library-cache"))
     model = load_model(settings)
-    prefill, decode = build_graphs(model, settings)
+    graphs = build_graphs(model, settings)
+    prefill, decode = graphs.prefill, graphs.decode
     guards = {name: getattr(neuron, name) for name in ("compiler_workdir", "own_directory")}
     runs = []
     for run in ("cell", "library"):
@@ -853,13 +854,13 @@ def test_the_trace_cell_makes_the_backends_calls(tmp_path, monkeypatch):
         if run == "cell":
             namespace = dict(backend="neuron", s=settings, model=model, prefill=prefill, decode=decode, torch=torch)
             namespace.update(nb=nb_helpers, time=__import__("time"), cache=ArtifactCache(tmp_path / "cell-cache"))
-            namespace.update(HostRuntime=HostRuntime, CompiledGraphs=CompiledGraphs, GraphShape=GraphShape)
+            namespace.update(Engine=Engine, Steps=Steps, CompiledGraphs=CompiledGraphs, GraphShape=GraphShape)
             namespace.update(DeviceGraph=DeviceGraph)
             cell = _cell_starting(load(path), 'if backend == "neuron" and s.neuron_recipe == "trace"')
             exec(compile(cell, f"{path.name}[trace cell]", "exec"), namespace)
-            runtime = namespace["compiled"].runtime
+            runtime = namespace["compiled"]
         else:
-            runtime = registry.compile_graphs(model, settings).runtime
+            runtime = neuron.compile(build_graphs(model, settings, inplace=False), model, settings)
         runs.append((calls, runtime))
     (cell_calls, cell_runtime), (library_calls, library_runtime) = runs
     kinds = [kind for kind, _ in cell_calls]
@@ -867,4 +868,4 @@ def test_the_trace_cell_makes_the_backends_calls(tmp_path, monkeypatch):
     assert kinds == [kind for kind, _ in library_calls]
     for (kind, ours), (_, theirs) in zip(cell_calls, library_calls, strict=True):
         assert ours == theirs, f"{kind}: the cell asked {ours}, the backend {theirs}"
-    assert cell_runtime.kv == library_runtime.kv == []
+    assert cell_runtime.steps.prefill == library_runtime.steps.prefill == {}  # the prompt through decode
