@@ -42,15 +42,33 @@ def cells():
                     yield backend, batch, draft, sampling
 
 
+def outcome(backend: str, batch: int, draft: str, sampling: str) -> str:
+    """What this file does with a cell (the table's last column)."""
+    refused = REFUSED.get((backend, draft, sampling))
+    if refused:
+        return f"refused before compiling (SettingsError: {refused})"
+    if backend == "cpu":
+        for cell in AOT:
+            values = getattr(cell, "values", cell)
+            if tuple(values) == (batch, draft, sampling):
+                slow = "" if values is cell else ", `-m slow`"
+                return f"every row checked (AOTInductor{slow})"
+        return "the eager cell's graphs, AOTInductor-compiled in the cells above (not run as a cell)"
+    if backend == "xla":
+        if (batch, draft, sampling) in XLA:
+            return "every row checked (the XLA lane, .venv-xla)"
+        return "not run"
+    return "every row checked"
+
+
 def table() -> str:
-    """docs/ENGINE.md's composition table, from `cells()` and `REFUSED`."""
+    """docs/ENGINE.md's composition table, from `cells()`, `REFUSED`, `AOT` and `XLA`."""
     lines = ["| backend | batch | draft | sampling | outcome |", "|---|---|---|---|---|"]
     for backend, batch, draft, sampling in cells():
-        refused = REFUSED.get((backend, draft, sampling))
-        outcome = f"refused before compiling (SettingsError: {refused})" if refused else "every row checked"
+        result = outcome(backend, batch, draft, sampling)
         name = {"gloo": "gloo (cpu, TP=2)", "neuron": "neuron (SDK stood in)", "toy": "toy (registered in a test)"}
         draft_name = "assistant, k=3" if draft == "draft" else "none"
-        lines.append(f"| {name.get(backend, backend)} | {batch} | {draft_name} | {sampling} | {outcome} |")
+        lines.append(f"| {name.get(backend, backend)} | {batch} | {draft_name} | {sampling} | {result} |")
     return "\n".join(lines)
 
 
@@ -235,10 +253,14 @@ def test_every_cell_on_the_neuron_backend_with_the_sdk_stood_in(batch, draft, sa
     assert {shape[0][0] for shape in stand_in.shapes} == {batch}  # every key called at the compiled batch
 
 
-def test_xla_cells_run_in_the_xla_lane():
-    pytest.importorskip("torch_xla", reason="the XLA lane's cells run in .venv-xla (tests/test_xla_lane.py)")
-    for cell in [("xla", 1, "plain", "greedy"), ("xla", 3, "draft", "greedy"), ("xla", 3, "plain", "sampled")]:
-        _run_cell(*cell)
+XLA = [(1, "plain", "greedy"), (3, "draft", "greedy"), (3, "plain", "sampled"), (1, "draft", "sampled")]
+
+
+@pytest.mark.parametrize("batch,draft,sampling", XLA)
+def test_xla_cells_run_in_the_xla_lane(batch, draft, sampling):
+    pytest.importorskip("torch_xla", reason="the XLA lane's cells run in .venv-xla (.ci/run's XLA lane)")
+    run = _run_cell("xla", batch, draft, sampling)
+    assert run.details["xla_fallbacks"] == 0 and set(run.details["xla_compilations"].values()) == {1}
 
 
 # ---- every input check of the plain path, on every path -------------------------------------------
