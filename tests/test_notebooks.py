@@ -566,7 +566,7 @@ def _same_as_port(name: str, file: str, record: dict) -> None:
     import torch
 
     from gemma4lib import notebook as nb_helpers
-    from gemma4lib.port import PortSettings, eos_ids, load_model, prompt_ids, run_device
+    from gemma4lib.port import PortSettings, eos_ids, load_model, prompt_rows, requests_for, run_device
 
     values = parameters_of(load(NOTEBOOK_DIR / file))
     keys = ("variant", "model", "weights", "max_new_tokens", "context_length", "ring_kv", "decode_experts")
@@ -576,8 +576,9 @@ def _same_as_port(name: str, file: str, record: dict) -> None:
     torch.set_num_threads(values["threads"])  # the notebook's thread count: the same kernels, the same bits
     try:
         model = load_model(settings)
-        ids = prompt_ids(model, settings)
-        run = run_device(model, settings, ids, eos_ids(model), bench=False)
+        run = run_device(
+            model, settings, requests_for(prompt_rows(model, settings), settings, eos_ids(model)), bench=False
+        )
     finally:
         torch.set_num_threads(threads)
     assert _programs(record["artifacts"]) == _programs(run.artifacts), f"{file}: its cells compiled other programs"
