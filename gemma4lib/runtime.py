@@ -179,10 +179,6 @@ class RowResult:
         """Mean tokens emitted per verify step (1 = no draft ever accepted); None without drafting."""
         return sum(self.emitted) / len(self.emitted) if self.emitted else None
 
-    @property
-    def decode_s(self) -> list[float]:
-        return self.step_s
-
 
 @dataclass
 class BatchResult:
@@ -268,7 +264,6 @@ class Engine:
         self.context_length, self.vocab_size, self.cap, self.dtype = int(context_length), int(vocab_size), cap, dtype
         self.draft_tokens, self.drafter = int(draft_tokens) if drafter is not None else 0, drafter
         self.rows: dict[int, _Row] = {}
-        self.wants_hidden = drafter is not None and getattr(drafter, "needs_hidden", False)
 
     @classmethod
     def for_model(cls, model: LoadedModel, steps: Steps, **kwargs: Any) -> Engine:

@@ -239,15 +239,11 @@ def drafting_fields(rows: Sequence[RowResult], settings: PortSettings, compiled:
         "drafts_accepted": rows[0].accepted,
         "sliding_ring_slots": graphs.layout.slots("sliding_attention", settings.context_length, settings.ring_kv),
     }
-    if getattr(model_config(graphs), "enable_moe_block", False):
+    if getattr(graphs.target.model.config, "enable_moe_block", False):
         out["verify_experts"] = graphs.verify.expert_form
     if graphs.draft is not None:
         out["assistant_reads_layers"] = graphs.draft.read_layers
     return out
-
-
-def model_config(graphs: GraphSet) -> Any:
-    return graphs.target.model.config
 
 
 def without_draft(settings: PortSettings) -> PortSettings:

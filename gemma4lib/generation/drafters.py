@@ -34,8 +34,6 @@ class AssistantDrafter:
     """Gemma-4's assistant over the target's K/V: `step` is the compiled draft graph
     (`engine.steps.draft`), `[B, 1, 2H]` inputs and a position per row."""
 
-    needs_hidden = True  # the engine keeps the target's last hidden state per row
-
     def propose(self, engine: Engine, counts: Mapping[int, int]) -> Proposals:
         if not counts:
             return {}
@@ -75,8 +73,6 @@ class PromptLookupDrafter:
     """Propose the tokens that followed the last earlier occurrence of the row's trailing n-gram
     (longest n first, `max_ngram` down to `min_ngram`), in its prompt and output so far."""
 
-    needs_hidden = False
-
     def __init__(self, max_ngram: int = 3, min_ngram: int = 1):
         if not 1 <= min_ngram <= max_ngram:
             from ..errors import SettingsError
@@ -103,8 +99,6 @@ def lookup(history: Sequence[int], n: int, max_ngram: int = 3, min_ngram: int = 
 
 class CallableDrafter:
     """Any `fn(history, n) -> up to n tokens` as a drafter (deterministic: verified as a point mass)."""
-
-    needs_hidden = False
 
     def __init__(self, fn: Callable[[list[int], int], Sequence[int]]):
         self.fn = fn
