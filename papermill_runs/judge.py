@@ -33,7 +33,7 @@ def judge_results(
     updating_baseline: bool = False,
 ) -> Judgement:
     """Verdict per notebook, and the run's exit code: 0 pass, 1 a failure or regression (or the
-    overview notebook failing), 2 a baseline that exists but cannot be read (unless it is being
+    overview or 07_serve notebook failing), 2 a baseline that exists but cannot be read (unless it is being
     replaced)."""
     verdicts = baselines.judge_all(dict(results), baseline, tolerances, dict(notebooks), dict(errors))
     if baseline_error:
@@ -41,9 +41,8 @@ def judge_results(
             if verdict.status == "no-baseline":
                 verdict.reasons = [f"baseline unusable: {baseline_error}"]
     exit_code = baselines.exit_code(verdicts, allow_missing_baseline, updating_baseline)
-    overview = runs.get("overview")
-    if overview and overview.get("status") != "ok":
-        exit_code = 1
+    if any((runs.get(name) or {}).get("status", "ok") != "ok" for name in ("overview", "serve")):
+        exit_code = 1  # the notebooks without a verdict (no baseline): their own run decides
     if baseline_error and not updating_baseline:
         exit_code = 2
     return Judgement(verdicts, exit_code)

@@ -59,8 +59,13 @@ OVERVIEW = ("overview", "00_overview.ipynb")
 # 06_serving: batches and drafting on the tiny E2B; judged like a variant notebook (its record has
 # the three checks), run after the variant notebooks, only in profiles with a "serving" block
 SERVING = ("serving", "06_serving.ipynb")
-NOTEBOOK_FILES = {**VARIANT_NOTEBOOKS, SERVING[0]: SERVING[1], OVERVIEW[0]: OVERVIEW[1]}
-RUN_ORDER = [*VARIANT_NOTEBOOKS, SERVING[0], OVERVIEW[0]]
+# 07_serve: the endpoint on the tiny E2B (06_serving's batched graphs, from the cache); its record is
+# not a port's (no baseline): it fails the run when its own checks do. Only in profiles with a "serve" block
+SERVE = ("serve", "07_serve.ipynb")
+OWN_BLOCK = (SERVING, SERVE)  # notebooks that take their profile block alone, and only where it exists
+NOTEBOOK_FILES = {**VARIANT_NOTEBOOKS, SERVING[0]: SERVING[1], SERVE[0]: SERVE[1], OVERVIEW[0]: OVERVIEW[1]}
+RUN_ORDER = [*VARIANT_NOTEBOOKS, SERVING[0], SERVE[0], OVERVIEW[0]]
+UNJUDGED = (SERVE[0], OVERVIEW[0])  # no baseline: the notebook's run (and its record's checks) decide
 # every variant's names (`Variant.names`: aliases, notebook number), the other notebooks' names and
 # numbers, and "all"
 ALIASES = {
@@ -68,6 +73,8 @@ ALIASES = {
     OVERVIEW[1][:2]: "overview",
     SERVING[1][:2]: "serving",
     "serving": "serving",
+    SERVE[1][:2]: "serve",
+    "serve": "serve",
     "all": "all",
 }
 
@@ -94,7 +101,7 @@ def parse_overrides(items: Sequence[str]) -> dict[str, Any]:
 
 
 def selected(names: Sequence[str] | None) -> list[str]:
-    """Notebook names in run order (the variants, serving, the overview last); default: everything."""
+    """Notebook names in run order (the variants, serving, serve, the overview last); default: everything."""
     if not names:
         return list(RUN_ORDER)
     wanted = []
@@ -130,9 +137,10 @@ def notebook_parameters(
             "results_dir": str(out / "results"),
             "results_path": str(out / "results" / "overview.json"),
         }
-    elif name == SERVING[0]:  # its own block only: it runs the tiny models on a CPU whatever the profile
+    elif name in dict(OWN_BLOCK):  # its own block only: it runs the tiny models on a CPU whatever the profile
         if not isinstance(block.get(name), dict):
-            raise SystemExit(f"error: profile {profile!r} runs no {SERVING[1]} (no {name!r} block in {PROFILES_FILE})")
+            file = dict(OWN_BLOCK)[name]
+            raise SystemExit(f"error: profile {profile!r} runs no {file} (no {name!r} block in {PROFILES_FILE})")
         params = {**block[name], "results_path": str(out / "results" / f"{name}.json")}
     else:
         params = {
@@ -450,12 +458,13 @@ def finish(
     )
     tolerated = sorted(baselines.tolerated_statuses(args.allow_missing_baseline, args.update_baseline))
     table, failures = report.write_summary(out, results, verdicts, meta, runs, tolerated)
-    overview = runs.get("overview")
-    if overview and overview.get("status") != "ok":
-        failures += (
-            ("\n" if failures else "") + f"ERROR: {overview['notebook']}: {overview.get('error')}\n"
-            f"    executed: {overview['executed']}\n    log: {overview['log']}"
-        )
+    for unjudged in UNJUDGED:  # no verdict row: their failures are listed here
+        failed = runs.get(unjudged)
+        if failed and failed.get("status") != "ok":
+            failures += (
+                ("\n" if failures else "") + f"ERROR: {failed['notebook']}: {failed.get('error')}\n"
+                f"    executed: {failed['executed']}\n    log: {failed['log']}"
+            )
     try:
         report.write_plots(out, results, verdicts, history)
     except Exception as exc:  # noqa: BLE001 - a plot must never hide the verdict
@@ -476,10 +485,11 @@ def cmd_run(args: argparse.Namespace) -> int:
     out = Path(args.out or Path("runs") / profile).resolve()
     names = selected(args.variant)
     profiles = load_profiles()
-    if SERVING[0] in names and not isinstance((profiles.get(profile) or {}).get(SERVING[0]), dict):
-        if args.variant:
-            raise SystemExit(f"error: the {profile} profile has no {SERVING[1]} block in {PROFILES_FILE}")
-        names.remove(SERVING[0])  # the full profile leaves it out: it runs the tiny models only
+    for own, own_file in OWN_BLOCK:
+        if own in names and not isinstance((profiles.get(profile) or {}).get(own), dict):
+            if args.variant:
+                raise SystemExit(f"error: the {profile} profile has no {own_file} block in {PROFILES_FILE}")
+            names.remove(own)  # the full profile leaves it out: it runs the tiny models only
     overrides = parse_overrides(args.param or [])
     files = [NOTEBOOK_FILES[name] for name in names]
     overrides, notes = check_overrides(overrides, [NOTEBOOK_DIR / f for f in files])  # before any notebook runs
@@ -509,7 +519,17 @@ def cmd_run(args: argparse.Namespace) -> int:
                     + (f" ({run['error']})" if run.get("error") else ""),
                     flush=True,
                 )
-                if name == "overview":
+                if name == SERVE[0] and run["status"] == "ok":
+                    record, problem = read_record(record_path)
+                    problem = problem or (
+                        None
+                        if record.get("checks_passed") is True
+                        else f"its checks failed: {record.get('failed_checks')}"
+                    )
+                    if problem:
+                        run.update(status="failed", error=problem)
+                        print(f"[papermill_runs] {file}: failed ({problem})", flush=True)
+                if name in UNJUDGED:
                     continue
                 notebooks[name] = file
                 record, problem = read_record(record_path)
@@ -582,7 +602,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("run", help="execute the notebooks, judge, report")
     p.add_argument("--profile", default="smoke", choices=["smoke", "full"])
     p.add_argument(
-        "--variant", action="append", help=f"{', '.join(VARIANTS)}, serving, overview (repeat or comma-separate)"
+        "--variant", action="append", help=f"{', '.join(VARIANTS)}, serving, serve, overview (repeat or comma-separate)"
     )
     p.add_argument("--out", help="output folder (default: runs/<profile>)")
     p.add_argument("--timeout-per-cell", type=int, default=1800, help="seconds one cell may run (default 1800)")

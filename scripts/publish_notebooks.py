@@ -1,13 +1,14 @@
 """Copy the main job's executed variant notebooks into docs/notebooks/, for reading without running.
 
 `bash scripts/run_smoke.sh` executes every notebook headless into runs/smoke/notebooks/; this script
-takes the five variant notebooks and 06_serving from there, keeps their outputs (tables, answers, plots), drops
-what renders as nothing outside a live Jupyter (widget state), shrinks the plots, and records in
+takes the five variant notebooks, 06_serving and 07_serve from there, keeps their outputs (tables,
+answers, plots), drops what renders as nothing outside a live Jupyter (widget state), shrinks the plots, and records in
 each copy's metadata the digest of the source it was executed from (`source_digest`: the cells of
 the notebook as committed, the parameters papermill injected left out). tests/test_notebooks.py
 fails when a copy's digest no longer matches its committed notebook: rerun the main job, then this.
 
     bash scripts/run_smoke.sh && .venv/bin/python scripts/publish_notebooks.py   # --run runs/smoke
+    .venv/bin/python scripts/publish_notebooks.py 07_serve     # only the named ones (e.g. after `--variant 07`)
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import nbformat
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs" / "notebooks"
 VARIANT_NOTEBOOKS = ["01_e2b.ipynb", "02_e4b.ipynb", "03_12b.ipynb", "04_31b.ipynb", "05_26b_a4b.ipynb"]
-NOTEBOOKS = [*VARIANT_NOTEBOOKS, "06_serving.ipynb"]  # everything but the overview, which reads the others
+NOTEBOOKS = [*VARIANT_NOTEBOOKS, "06_serving.ipynb", "07_serve.ipynb"]  # all but the overview, which reads the others
 MAX_WIDTH = 640  # px: plots stay legible on GitHub and a copy stays small
 WIDGET = "application/vnd.jupyter.widget-view+json"
 
@@ -100,14 +101,20 @@ def reader_copy(executed_path: Path):
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--run", default=str(ROOT / "runs" / "smoke"), help="the main job's --out folder")
+    parser.add_argument("names", nargs="*", help="only these notebooks (e.g. 07_serve; default: all of them)")
     args = parser.parse_args(argv)
     executed = Path(args.run) / "notebooks"
-    missing = [name for name in NOTEBOOKS if not (executed / name).is_file()]
+    wanted = [n if n.endswith(".ipynb") else f"{n}.ipynb" for n in args.names] or NOTEBOOKS
+    unknown = sorted(set(wanted) - set(NOTEBOOKS))
+    if unknown:
+        print(f"not published here: {unknown}; choose from {NOTEBOOKS}", file=sys.stderr)
+        return 2
+    missing = [name for name in wanted if not (executed / name).is_file()]
     if missing:
         print(f"no executed {missing} in {executed}: run bash scripts/run_smoke.sh first", file=sys.stderr)
         return 1
     DOCS.mkdir(parents=True, exist_ok=True)
-    for name in NOTEBOOKS:
+    for name in wanted:
         nb = reader_copy(executed / name)
         committed = nbformat.read(str(ROOT / "notebooks" / name), as_version=4)
         if source_digest(committed) != nb.metadata["gemma4lib"]["source_sha256"]:

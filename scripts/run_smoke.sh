@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The README's main job: set up .venv if needed, then run all seven notebooks headless in the smoke
+# The README's main job: set up .venv if needed, then run all eight notebooks headless in the smoke
 # profile, judge them against papermill_runs/baselines/smoke/<machine-kind>.json and write the
 # executed notebooks, results.json, summary.md/.csv and plots into runs/smoke (gitignored).
 # Extra arguments go to papermill_runs, e.g. --variant e2b, --update-baseline.

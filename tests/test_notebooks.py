@@ -26,7 +26,7 @@ from papermill_runs import run as pm_run
 ROOT = Path(__file__).resolve().parent.parent
 NOTEBOOK_DIR = ROOT / "notebooks"
 NOTEBOOKS = sorted(NOTEBOOK_DIR.glob("*.ipynb"))
-EXPECTED = sorted([pm_run.OVERVIEW[1], pm_run.SERVING[1], *(v.notebook for v in VARIANTS.values())])
+EXPECTED = sorted([pm_run.OVERVIEW[1], pm_run.SERVING[1], pm_run.SERVE[1], *(v.notebook for v in VARIANTS.values())])
 KERNELSPEC = {"name": "python3", "display_name": "Python 3", "language": "python"}
 VARIANT_PARAMETERS = {
     "variant",
@@ -54,6 +54,21 @@ SERVING_PARAMETERS = {
     "max_new_tokens",
     "draft_tokens",
     "sweep_batches",
+    "results_path",
+}
+SERVE_PARAMETERS = {
+    "variant",
+    "profile",
+    "backend",
+    "checkpoint",
+    "batch_size",
+    "prompt",
+    "expect",
+    "max_tokens",
+    "max_queue",
+    "client_levels",
+    "requests_per_client",
+    "level_timeout_s",
     "results_path",
 }
 FORBIDDEN = [
@@ -85,7 +100,7 @@ def parameters_of(nb) -> dict:
     return values
 
 
-def test_the_seven_notebooks_exist():
+def test_the_eight_notebooks_exist():
     assert [p.name for p in NOTEBOOKS] == EXPECTED
 
 
@@ -369,6 +384,58 @@ def test_06_serving_follows_its_sections_and_shows_the_recipe():
     assert len(nb.cells) <= MAX_CELLS, f"06_serving has {len(nb.cells)} cells; at most {MAX_CELLS}"
 
 
+SERVE_SECTIONS = [  # 07_serve: why, start, the client, errors and 429, load, metrics, plots, drain, inf2, record
+    "### Runs on",
+    "## Parameters",
+    "## Setup",
+    "## 1. Why continuous batching",
+    "## 2. Start the server",
+    "## 3. The official `openai` client",
+    "### Errors in OpenAI's shape, and why 429",
+    "## 4. N concurrent clients",
+    "### What the server counted",
+    "## 5. Plots",
+    "## 6. Stop it",
+    "## 7. On inf2",
+    "## 8. Record",
+]
+SERVE_CALLS = [  # the endpoint's recipe, in the cells themselves
+    "ServerProcess(args).start(",
+    "OpenAI(base_url=server.url",
+    "stream=True",
+    "except BadRequestError",
+    "run_async(",
+    "run_load(",
+    "nb.load_levels_table(levels)",
+    "/metrics",
+    "plots_serve.latency_and_throughput(levels",
+    "server.stop()",
+    "export_bundle(settings, bundle_dir)",
+    "deploy(replica_settings, RayOptions(replicas=replicas",
+    "nb.save_record(results_path, record)",
+]
+
+
+def test_07_serve_follows_its_sections_and_shows_the_recipe():
+    nb = load(NOTEBOOK_DIR / pm_run.SERVE[1])
+    assert nb.cells[0].cell_type == "markdown" and nb.cells[0].source.startswith("# 07 — Serve it")
+    lines = [
+        line for c in nb.cells if c.cell_type == "markdown" for line in c.source.splitlines() if line.startswith("#")
+    ]
+    at = 0
+    for section in SERVE_SECTIONS:
+        at = next((i for i in range(at, len(lines)) if lines[i].startswith(section)), None)
+        assert at is not None, f"07_serve lacks {section!r} (in this order: {SERVE_SECTIONS})"
+        at += 1
+    text = code_text(nb)
+    missing = [call for call in SERVE_CALLS if call not in text]
+    assert not missing, f"07_serve: no cell shows {missing}"
+    (inf2,) = [c.source for c in nb.cells if c.cell_type == "code" and c.source.startswith('if backend == "neuron"')]
+    assert "deploy(" in inf2 and 'print(f"skipped: backend={backend}")' in inf2
+    assert "server.stop()" in code_text(nb).split("if backend ==")[0], "the server stops before the inf2 cell"
+    assert len(nb.cells) <= MAX_CELLS, f"07_serve has {len(nb.cells)} cells; at most {MAX_CELLS}"
+
+
 def _decode_cell(nb) -> str:
     (cell,) = [c.source for c in nb.cells if c.cell_type == "code" and "runtime.admit({0: request}" in c.source]
     return cell
@@ -413,11 +480,19 @@ def test_one_parameters_cell_with_plain_values(path):
     nb = load(path)
     assert len(parameters_cells(nb)) == 1, f"{path.name}: exactly one cell must be tagged `parameters`"
     values = parameters_of(nb)
-    required = {pm_run.OVERVIEW[1]: OVERVIEW_PARAMETERS, pm_run.SERVING[1]: SERVING_PARAMETERS}
+    required = {
+        pm_run.OVERVIEW[1]: OVERVIEW_PARAMETERS,
+        pm_run.SERVING[1]: SERVING_PARAMETERS,
+        pm_run.SERVE[1]: SERVE_PARAMETERS,
+    }
     required = required.get(path.name, VARIANT_PARAMETERS)
     assert required <= set(values), f"{path.name} lacks parameters {sorted(required - set(values))}"
     if path.name == pm_run.SERVING[1]:
         assert values["profile"] == "smoke" and values["model"] == "auto" and values["batch_size"] > 1
+    elif path.name == pm_run.SERVE[1]:
+        assert values["profile"] == "smoke" and values["backend"] == "cpu" and values["checkpoint"] is None
+        assert values["batch_size"] > 1 and max(values["client_levels"]) > values["batch_size"]
+        assert values["level_timeout_s"] > 0 and values["requests_per_client"] >= 1  # every load is bounded
     elif not path.name.startswith("00"):
         assert values["profile"] == "smoke" and values["backend"] == "cpu" and values["tp_degree"] == 1
         assert values["interactive"] is False
@@ -465,6 +540,10 @@ def test_profiles_only_pass_parameters_the_notebooks_declare():
     assert set(pm_run.notebook_parameters(profiles, "smoke", "serving", Path("/tmp/x"), {})) <= serving
     with pytest.raises(SystemExit, match="runs no 06_serving"):  # CPU only: the full profile leaves it out
         pm_run.notebook_parameters(profiles, "full", "serving", Path("/tmp/x"), {})
+    serve = set(parameters_of(load(NOTEBOOK_DIR / pm_run.SERVE[1])))
+    assert set(pm_run.notebook_parameters(profiles, "smoke", "serve", Path("/tmp/x"), {})) <= serve
+    with pytest.raises(SystemExit, match="runs no 07_serve"):
+        pm_run.notebook_parameters(profiles, "full", "serve", Path("/tmp/x"), {})
 
 
 def test_every_notebook_is_in_the_readme_table():
@@ -478,7 +557,7 @@ def test_every_notebook_is_in_the_readme_table():
 
 
 def test_all_notebooks_run_headless_in_the_smoke_profile(tmp_path):
-    """`python -m papermill_runs run --profile smoke` over all seven notebooks: exit 0, and every variant's
+    """`python -m papermill_runs run --profile smoke` over all eight notebooks: exit 0, and every variant's
     record has SEQ_MATCH and LOGITS_MATCH true and (with the trained fixtures) coherence true and a
     random-weights witness whose two checks passed. Speed is not judged here
     (an empty baseline folder, --allow-missing-baseline): the machine is shared with the other tests.
@@ -519,11 +598,34 @@ def test_all_notebooks_run_headless_in_the_smoke_profile(tmp_path):
         blank = [_last_line(c) for c in plot_cells if not _has_image(c)]
         assert plot_cells and not blank, f"{file}: plot cells drew no image: {blank}"
     _serving_checked(out)
+    _serve_checked(out)
     overview = json.loads((out / "results" / "overview.json").read_text())
     assert sorted(overview["variants_found"]) == sorted(pm_run.VARIANT_NOTEBOOKS)
     for name in ("summary.md", "summary.csv", "family_metrics.png", "checks.png", "trend_decode_tok_s.png"):
         assert (out / name).is_file(), name
     assert "decode tok/s" in done.stdout and "verdict" in done.stdout
+
+
+def _serve_checked(out: Path) -> None:
+    """07_serve's record: every one of its checks passed (Paris, stream equal to plain, the 400, the 429,
+    every load level complete and unmixed, SIGTERM's clean exit), one level per `client_levels`, bounded
+    in requests; the plot cell drew its figure; and the inf2 cell said it skipped on CPU."""
+    file = pm_run.SERVE[1]
+    record = json.loads((out / "results" / "serve.json").read_text())
+    assert record["kind"] == "serve" and record["checks_passed"] is True, f"{file}: {record['failed_checks']}"
+    values = parameters_of(load(NOTEBOOK_DIR / file))
+    assert [level["clients"] for level in record["levels"]] == values["client_levels"]
+    for level in record["levels"]:
+        assert level["requests"] == level["clients"] * values["requests_per_client"], level
+        assert level["complete"] and level["mixed"] == 0 and level["tokens"] > 0, level
+    assert values["expect"] in record["answer"] and record["streamed"] == record["answer"]
+    assert record["burst_statuses"].get("429", 0) > 0 and record["compile_s"] == 0
+    executed = load(out / "notebooks" / file)
+    (plot,) = [c for c in executed.cells if c.cell_type == "code" and _last_line(c).startswith("plots_serve.")]
+    assert _has_image(plot), f"{file}: the plot cell drew no image"
+    (inf2,) = [c for c in executed.cells if c.cell_type == "code" and c.source.startswith('if backend == "neuron"')]
+    printed = "".join(o.get("text", "") for o in inf2.get("outputs", []))
+    assert "skipped: backend=cpu" in printed, f"{file}: the inf2 cell printed {printed!r}"
 
 
 def _serving_checked(out: Path) -> None:

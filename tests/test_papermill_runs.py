@@ -402,7 +402,8 @@ def test_failure_report_names_notebook_and_cell(tolerances):
 
 
 def test_variant_selection_and_parameter_parsing():
-    assert run.selected(None)[-2:] == ["serving", "overview"] and len(run.selected(None)) == 7
+    assert run.selected(None)[-3:] == ["serving", "serve", "overview"] and len(run.selected(None)) == 8
+    assert run.selected(["07"]) == run.selected(["serve"]) == ["serve"]
     assert run.selected(["26b,e2b"]) == ["e2b", "26b-a4b"]
     assert run.selected(["overview", "12b"]) == ["12b", "overview"]
     assert run.selected(["06", "e2b"]) == run.selected(["serving,01"]) == ["e2b", "serving"]

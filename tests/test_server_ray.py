@@ -1,15 +1,20 @@
-"""Ray Serve on this machine: a local cluster on 127.0.0.1, two replicas of the tiny E2B loaded from an
-exported bundle, 32 concurrent requests over both, and a replica killed mid-load that Ray restarts
-from the bundle (compile_s 0). Those two are marked slow: a cluster, two replicas and a bundle take
-minutes here; the deployment options are checked without a cluster.
+"""Ray Serve on this machine: a local cluster on 127.0.0.1 (every Ray process listening there only),
+two replicas of the tiny E2B loaded from an exported bundle, 32 concurrent requests over both, and a
+replica killed mid-load: the requests caught on it get OpenAI's error JSON with 503 and Retry-After,
+the rest succeed, and Ray restarts it from the bundle (compile_s 0). Those are marked slow: a
+cluster, two replicas and a bundle take minutes here; the deployment options and the proxy's
+middleware are checked without a cluster.
 """
 
 from __future__ import annotations
 
 import asyncio
+import ipaddress
+import json
 import time
 
 import httpx
+import psutil
 import pytest
 
 QUESTION = "What is the capital of {}?"
@@ -18,6 +23,7 @@ COUNTRIES = ["France", "Germany", "Italy", "Spain", "Japan", "Kenya", "Peru", "C
 
 @pytest.fixture(scope="module")
 def deployment(tmp_path_factory):
+    from gemma4lib.server.ray_app import RayOptions, deploy  # noqa: I001 - before ray: keeps the node on 127.0.0.1
     import ray
     from ray import serve
 
@@ -25,7 +31,6 @@ def deployment(tmp_path_factory):
     from gemma4lib.cli import load_engine_from
     from gemma4lib.port import PortSettings
     from gemma4lib.server.launch import free_port
-    from gemma4lib.server.ray_app import RayOptions, deploy
 
     bundle = tmp_path_factory.mktemp("bundle") / "e2b"
     export_bundle(PortSettings(variant="e2b", profile="smoke", batch_size=4), str(bundle))
@@ -54,6 +59,7 @@ async def _ask(http: httpx.AsyncClient, url: str, country: str, max_tokens: int 
         out["text"] = response.json()["choices"][0]["message"]["content"]
     else:
         out["error"] = response.text
+        out["retry_after"] = response.headers.get("retry-after")
     return out
 
 
@@ -80,6 +86,42 @@ def _replica_metrics(url: str, want: int, timeout_s: float = 60.0) -> dict[str, 
 
 def _served(metrics: str) -> float:
     return sum(float(line.split()[-1]) for line in metrics.splitlines() if line.startswith("gemma4lib_requests_total"))
+
+
+def _listeners() -> list[tuple[int, str, str, int]]:
+    """(pid, name, address, port) of every TCP socket listening in this process and its descendants
+    (the local cluster's GCS, raylet, agents, workers, replicas, Serve's proxy and controller)."""
+    me = psutil.Process()
+    pids = {me.pid, *(p.pid for p in me.children(recursive=True))}
+    out = []
+    for c in psutil.net_connections(kind="tcp"):
+        if c.status == psutil.CONN_LISTEN and c.pid in pids:
+            try:
+                name = psutil.Process(c.pid).name()
+            except psutil.Error:
+                name = "?"
+            out.append((c.pid, name, c.laddr.ip, c.laddr.port))
+    return out
+
+
+def _loopback(address: str) -> bool:
+    ip = ipaddress.ip_address(address)
+    mapped = getattr(ip, "ipv4_mapped", None)
+    return (mapped or ip).is_loopback
+
+
+@pytest.mark.slow
+def test_every_ray_process_listens_on_the_loopback_only(deployment):
+    import ray
+
+    assert ray.util.get_node_ip_address() == "127.0.0.1"
+    listening = _listeners()
+    names = {name for _, name, _, _ in listening}
+    assert {"gcs_server", "raylet"} <= names and any("Proxy" in n for n in names), listening
+    assert any("ServeRepli" in n for n in names), listening
+    outside = [entry for entry in listening if not _loopback(entry[2])]
+    assert not outside, f"listening beyond the loopback: {outside}"
+    print(f"{len(listening)} listening sockets, all on the loopback: {sorted(names)}")
 
 
 @pytest.mark.slow
@@ -122,9 +164,11 @@ def test_a_killed_replica_is_restarted_from_the_bundle(deployment):
     assert ok, results
     assert all(r["replica"] != victim or r["status"] == 200 for r in results)
     assert failed, "no request was caught on the killed replica: the kill came too late to test it"
-    for r in failed:  # the requests caught on the killed replica: a 5xx that says so, not a hang
-        assert r["status"] is not None and r["status"] >= 500, r
-        assert r["error"], r
+    for r in failed:  # caught on the killed replica: OpenAI's error JSON, 503, naming the cause, Retry-After
+        assert r["status"] == 503, r
+        error = json.loads(r["error"])["error"]
+        assert error["code"] == "replica_unavailable" and "Ray actor died" in error["message"], r
+        assert int(r["retry_after"]) >= 1, r
     # Ray Serve starts a new replica; it loads the bundle (no compile) and serves
     deadline = time.monotonic() + 180
     after = {}
@@ -167,6 +211,44 @@ def test_replicas_reserve_their_cores_and_scaling_comes_from_options(backend, tp
         2,
         3.0,
     )
+
+
+def test_the_proxy_middleware_answers_503_when_no_response_came_and_ends_a_cut_stream():
+    """Serve's proxy ends a request whose replica died without sending anything (or mid-stream): the
+    middleware it is given (`ray_proxy.proxy_middlewares`) answers for it."""
+    from starlette.middleware import Middleware
+
+    from gemma4lib.server.ray_proxy import ReplicaLost, proxy_middlewares
+
+    assert [type(m) for m in proxy_middlewares()] == [Middleware]
+
+    async def run(app):
+        sent = []
+
+        async def send(message):
+            sent.append(message)
+
+        await ReplicaLost(app)({"type": "http", "method": "POST", "path": "/v1/chat/completions"}, None, send)
+        return sent
+
+    async def silent(scope, receive, send):  # what the proxy does after RayActorError
+        return None
+
+    async def cut(scope, receive, send):
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/event-stream")]})
+        await send({"type": "http.response.body", "body": b"data: {}\n\n", "more_body": True})
+
+    async def whole(scope, receive, send):
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"ok"})
+
+    start, body = asyncio.run(run(silent))
+    headers = dict(start["headers"])
+    assert start["status"] == 503 and headers[b"retry-after"] == b"1"
+    assert json.loads(body["body"])["error"]["code"] == "replica_unavailable"
+    *_, last = asyncio.run(run(cut))
+    assert last["body"].startswith(b"data: ") and b"replica_unavailable" in last["body"] and not last.get("more_body")
+    assert len(asyncio.run(run(whole))) == 2  # a complete response passes untouched
 
 
 def test_ray_replicas_need_a_bundle():

@@ -11,43 +11,14 @@ from __future__ import annotations
 
 import logging
 import os
-import signal
-import subprocess
-import sys
-import time
 from collections.abc import Sequence
 from typing import Any
 
-import httpx
-
-from ..errors import Gemma4LibError
 from ..models.corpus import COUNTRIES
-from ..server.launch import LOOPBACK, free_port
 from ..server.load import DEFAULT_LEVELS, run_load
+from ..server.process import ServerProcess
 
 log = logging.getLogger(__name__)
-
-
-class ServeBenchError(Gemma4LibError, RuntimeError):
-    """The benchmark's server did not come up (its log tail is in the message)."""
-
-
-def start_server(args: Sequence[str], port: int, timeout_s: float) -> subprocess.Popen:
-    """`python -m gemma4lib serve ARGS --port PORT` on the loopback; returns once `/health` answers."""
-    cmd = [sys.executable, "-m", "gemma4lib", "serve", *args, "--host", LOOPBACK, "--port", str(port)]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=os.environ.copy())
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise ServeBenchError(f"`{' '.join(cmd)}` exited with {proc.returncode}:\n{proc.stdout.read()[-2000:]}")
-        try:
-            if httpx.get(f"http://{LOOPBACK}:{port}/health", timeout=2).status_code == 200:
-                return proc
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    proc.kill()
-    raise ServeBenchError(f"`{' '.join(cmd)}` did not answer /health within {timeout_s:.0f} s")
 
 
 def bench_serve(
@@ -64,7 +35,6 @@ def bench_serve(
     level_timeout_s: float = 300.0,
 ) -> dict[str, Any]:
     """The section's report: the server's settings, then one row per level."""
-    port = free_port()
     args = [
         "--variant",
         variant,
@@ -77,15 +47,15 @@ def bench_serve(
         "--admit-wait-ms",
         str(admit_wait_ms),
     ]
-    started = time.perf_counter()
-    proc = start_server(args, port, start_timeout_s)
-    ready_s = time.perf_counter() - started
-    url = f"http://{LOOPBACK}:{port}"
+    if prefill_buckets:  # else the variant's smoke default
+        args += ["--prefill-buckets", ",".join(str(b) for b in prefill_buckets)]
+    server = ServerProcess(args)
+    server.start(start_timeout_s)
     try:
-        health = httpx.get(url + "/health", timeout=10).json()
+        health = server.health()
         prompts = [f"What is the capital of {country}?" for country, _ in COUNTRIES[:16]]
         rows = run_load(
-            url,
+            server.url,
             variant,
             prompts,
             levels,
@@ -94,11 +64,7 @@ def bench_serve(
             timeout_s=level_timeout_s,
         )
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        server.stop(60)
     by_clients = {row.clients: row for row in rows}
     one, eight = by_clients.get(1), by_clients.get(8)
     return {
@@ -106,7 +72,7 @@ def bench_serve(
         "batch": batch,
         "backend": backend,
         "threads": int(os.environ.get("GEMMA4LIB_THREADS", "1")),
-        "server_ready_s": ready_s,
+        "server_ready_s": server.ready_s,
         "compile_s": health.get("compile_s"),
         "max_tokens": max_tokens,
         "admit_wait_ms": admit_wait_ms,

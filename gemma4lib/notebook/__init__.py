@@ -11,10 +11,12 @@ notebook shows between them, one idea per module:
 - `tensor_parallel`: the TP plan, KV heads per rank, the CPU ranks' runs side by side;
 - `witness`: prompts that pass SEQ_MATCH on nonsense, and the random-weights witness;
 - `speed`: the measured decode against its ceiling;
-- `serving`: 06_serving's tables (a batch's rows, the batch and drafting ceilings, the CPU sweep);
+- `serving`: 06_serving's tables (a batch's rows, the batch and drafting ceilings, the CPU sweep) and
+  07_serve's (the endpoint under N concurrent clients);
 - `records`: the notebook's run record and the records the variant notebooks wrote;
 - `formatting`: figures, shapes and tokens written as people write them; `plots`: the figures
-  (`plots_batch`: tok/s against B; `plots_draft`: drafts accepted per verify step);
+  (`plots_batch`: tok/s against B; `plots_draft`: drafts accepted per verify step; `plots_serve`:
+  the endpoint's latency and throughput against concurrent clients);
 - `chat`: the optional chat box.
 
 `from gemma4lib import notebook as nb` gives all of them under one name, as the notebooks use it.
@@ -58,7 +60,7 @@ from .family import (
 )
 from .formatting import format_number, readable_tokens, token_labels, with_unit
 from .records import load_results, record, save_record, tensor_digest
-from .serving import batch_ceilings_table, batch_rows_table, batch_sweep_table, draft_effect_table
+from .serving import batch_ceilings_table, batch_rows_table, batch_sweep_table, draft_effect_table, load_levels_table
 from .speed import measured_vs_ceiling
 from .tensor_parallel import kv_heads_under_tp, tp_cpu_run, tp_demo, tp_plan, tp_runs_table
 from .witness import equality_is_not_enough, gemma3_style_ids, run_witness
@@ -88,6 +90,7 @@ __all__ = [
     "kv_heads_under_tp",
     "kv_sharing_real",
     "kv_sharing_report",
+    "load_levels_table",
     "load_results",
     "measured_vs_ceiling",
     "memory_rows",

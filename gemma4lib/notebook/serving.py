@@ -1,6 +1,6 @@
 """Tables of 06_serving: the batch's rows and their checks, the batch and drafting ceilings on inf2
-(computed), the sweep measured on this CPU. Each turns a library result into a `Table`; nothing is
-computed here."""
+(computed), the sweep measured on this CPU; and 07_serve's: the endpoint under N concurrent clients.
+Each turns a library result into a `Table`; nothing is computed here."""
 
 from __future__ import annotations
 
@@ -131,4 +131,40 @@ def draft_effect_table(rows: Sequence[Mapping[str, Any]]) -> Table:
     )
 
 
-__all__ = ["batch_ceilings_table", "batch_rows_table", "batch_sweep_table", "draft_effect_table"]
+def _level_dict(level: Any) -> Mapping[str, Any]:
+    return level if isinstance(level, Mapping) else level.as_dict()
+
+
+def _ms(seconds: float | None) -> str:
+    return "—" if seconds is None else format_number(seconds * 1000.0)
+
+
+def load_levels_table(levels: Sequence[Any]) -> Table:
+    """One row per concurrency level: requests, whether all were complete and unmixed, TTFT, tok/s."""
+    rows = [_level_dict(level) for level in levels]
+    one = next((r["tokens_per_s"] for r in rows if r["clients"] == 1), None)
+    return Table(
+        ["clients", "requests", "errors", "complete", "mixed", "TTFT p50 ms", "TTFT p99 ms", "tokens", "tok/s"]
+        + ["x one"],
+        [
+            [
+                r["clients"],
+                r["requests"],
+                r["errors"],
+                r["complete"],
+                r["mixed"],
+                _ms(r["ttft_p50_s"]),
+                _ms(r["ttft_p99_s"]),
+                r["tokens"],
+                format_number(r["tokens_per_s"]),
+                f"{r['tokens_per_s'] / one:.2f}x" if one else "—",
+            ]
+            for r in rows
+        ],
+        "the endpoint under N concurrent streaming clients (greedy, each client's requests one after another)",
+        "mixed: greedy replies that differ from the same prompt's reply sent alone (must be 0); "
+        "x one: total tok/s over one client's, in this run",
+    )
+
+
+__all__ = ["batch_ceilings_table", "batch_rows_table", "batch_sweep_table", "draft_effect_table", "load_levels_table"]

@@ -13,7 +13,6 @@ from __future__ import annotations
 import gc
 import logging
 import signal
-import socket
 import threading
 import time
 from dataclasses import dataclass
@@ -25,11 +24,12 @@ import uvicorn
 from .app import Served, create_app
 from .errors import ServerStartError
 from .metrics import ServerMetrics
+from .process import LOOPBACK, free_port
 from .scheduler import EngineLike, Scheduler
 from .text import Codec
 
 log = logging.getLogger("gemma4lib.server")
-LOOPBACK = "127.0.0.1"
+__all__ = ["LOOPBACK", "BackgroundServer", "Loaded", "build_served", "free_port", "serve_forever", "serve_loaded"]
 
 
 @dataclass
@@ -133,12 +133,6 @@ def serve_loaded(loaded: Loaded, args: Any) -> int:
     log.warning("engine ready: load %.1f s, compile %.1f s", loaded.load_s, loaded.compile_s)
     serve_forever(served, args.host, args.port, args.drain_timeout)
     return 0
-
-
-def free_port(host: str = LOOPBACK) -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
 
 
 class BackgroundServer:

@@ -9,8 +9,9 @@ another: bounded in count, and the whole level in time (`timeout_s`), so a load 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -171,4 +172,15 @@ def run_load(
             await _level(base_url, model, prompts, n, requests_per_client, max_tokens, timeout_s, refs) for n in levels
         ]
 
-    return asyncio.run(main())
+    return run_async(main)
+
+
+def run_async(main: Callable[[], Awaitable[Any]]) -> Any:
+    """`asyncio.run(main())`, also from code that already runs in an event loop (a Jupyter cell:
+    ipykernel's loop is running there, and `asyncio.run` refuses): then on a thread of its own."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(main())
+    with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="gemma4lib-load") as pool:
+        return pool.submit(lambda: asyncio.run(main())).result()

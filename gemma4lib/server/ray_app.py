@@ -6,8 +6,10 @@ degree on inf2 and one CPU otherwise; it loads `--artifacts` (never compiles: a 
 Ray is serving again in seconds, `compile_s` 0 in its `/health`), and serves the FastAPI app of
 `app.py` through `serve.ingress`, built in the replica after its engine loads. Autoscaling is the
 caller's: `--min-replicas/--max-replicas/--target-ongoing-requests`, else a fixed `--replicas`.
-Everything binds 127.0.0.1 unless told otherwise: a local cluster starts with its node IP on the
-loopback, and Serve's HTTP proxy listens there.
+Everything binds 127.0.0.1 unless told otherwise (`start_ray`, `loopback_replica_grpc`): a local
+cluster starts with its node IP on the loopback, so Ray's gRPC servers, agents and metrics exporters
+listen there, and Serve's HTTP proxy listens there too. When a replica dies mid-request, Serve's
+proxy answers OpenAI's error JSON with 503 and `Retry-After` (`ray_proxy`), not a bare 500.
 
 `serve run` works too (an app builder in `gemma4lib.cli` taking PortSettings' and RayOptions' names)::
 
@@ -25,10 +27,19 @@ from collections.abc import Callable
 from dataclasses import dataclass, fields
 from typing import Any
 
-from ray import serve
+# Ray on Linux turns a node IP of 127.0.0.1 into the host's reachable address (so that other machines
+# could join), and then its gRPC servers, agents and metrics exporters listen on every interface. Its
+# own variable RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 says "this machine only": 127.0.0.1 stays the node
+# IP. Ray reads it when it is imported, so it is set here, before `import ray`, unless the caller set
+# it (export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=1 to join a cluster spanning other machines).
+LOCAL_CLUSTER_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
+os.environ.setdefault(LOCAL_CLUSTER_ENV, "0")
 
-from ..errors import SettingsError
-from .launch import LOOPBACK, Loaded, build_served
+from ray import serve  # noqa: E402
+
+from ..errors import SettingsError  # noqa: E402
+from .launch import LOOPBACK, Loaded, build_served  # noqa: E402
+from .ray_proxy import CALLBACK, CALLBACK_ENV  # noqa: E402
 
 log = logging.getLogger("gemma4lib.server")
 APP_NAME = "gemma4lib"
@@ -114,6 +125,7 @@ class GemmaReplica:
     ):
         import torch
 
+        loopback_replica_grpc()
         torch.set_num_threads(int(os.environ.get("GEMMA4LIB_THREADS", "1")))
         replica = serve.get_replica_context().replica_id.unique_id
         loaded = loader(kwargs)
@@ -171,16 +183,63 @@ def split_options(args: dict[str, str]) -> tuple[dict[str, str], RayOptions]:
     return args, RayOptions(**typed)
 
 
+def loopback_replica_grpc() -> bool:
+    """Bind this replica's inter-deployment gRPC server to 127.0.0.1 when the node IP is the loopback.
+
+    The one listener Ray has no option for: Ray Serve 2.60 starts every replica's inter-deployment gRPC
+    server on `[::]:0`, every interface (`ray/serve/_private/replica.py`, `_on_initialized`, through
+    the module's `add_port_to_grpc_server`). Serve's router reaches it at the replica's node IP, so on
+    a loopback node the loopback is the only address it needs. This wraps that private name in the
+    replica's own process, before Serve starts the server; False (and a warning) when Ray's code no
+    longer has it."""
+    import ray
+    from ray.serve._private import replica as serve_replica  # private: no public option exists
+
+    if ray.util.get_node_ip_address() != LOOPBACK:
+        return False
+    original = getattr(serve_replica, "add_port_to_grpc_server", None)
+    if original is None or getattr(original, "gemma4lib_loopback", False):
+        if original is None:
+            log.warning("Ray Serve changed: its replica gRPC server may listen on every interface")
+        return original is not None
+
+    def on_loopback(server: Any, address: str) -> Any:
+        if address.startswith("[::]:"):
+            address = f"{LOOPBACK}:{address[5:]}"
+        return original(server, address)
+
+    on_loopback.gemma4lib_loopback = True  # type: ignore[attr-defined]
+    serve_replica.add_port_to_grpc_server = on_loopback
+    return True
+
+
 def start_ray(address: str | None = None, num_cpus: int | None = None) -> None:
-    """Join `address`, or start a local cluster whose node IP is the loopback (nothing listens outside)."""
+    """Join `address`, or start a local cluster whose node IP is the loopback (nothing listens outside).
+
+    Serve's HTTP proxy gets `ray_proxy`'s callback through the environment its processes inherit (a
+    cluster of your own needs `RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH` exported before `ray start`)."""
     import ray
 
     if ray.is_initialized():
         return
+    os.environ.setdefault(CALLBACK_ENV, CALLBACK)
     if address:
         ray.init(address=address, logging_level=logging.WARNING)
-    else:
-        ray.init(_node_ip_address=LOOPBACK, include_dashboard=False, num_cpus=num_cpus, logging_level=logging.WARNING)
+        return
+    ray.init(
+        _node_ip_address=LOOPBACK,
+        include_dashboard=False,
+        dashboard_host=LOOPBACK,
+        num_cpus=num_cpus,
+        logging_level=logging.WARNING,
+    )
+    node_ip = ray.util.get_node_ip_address()
+    if node_ip != LOOPBACK:
+        ray.shutdown()
+        raise SettingsError(
+            f"Ray started its node on {node_ip}, not {LOOPBACK}: Ray was imported before gemma4lib could set "
+            f"{LOCAL_CLUSTER_ENV}=0; export it before Python starts (or import gemma4lib.server.ray_app first)"
+        )
 
 
 def deploy(settings: Any, options: RayOptions, loader: Loader, num_cpus: int | None = None) -> str:
@@ -192,9 +251,16 @@ def deploy(settings: Any, options: RayOptions, loader: Loader, num_cpus: int | N
     return f"http://{options.host}:{options.port}"
 
 
+def stop_ray() -> None:
+    """Shut Serve down (each replica drains first) and leave the Ray cluster (a local one stops)."""
+    import ray
+
+    serve.shutdown()
+    ray.shutdown()
+
+
 def run_ray(settings: Any, options: RayOptions, loader: Loader) -> int:
     """`serve --ray`: deploy, then wait for SIGTERM/SIGINT and shut Serve down (replicas drain first)."""
-    import ray
 
     url = deploy(settings, options, loader)
     log.warning("Ray Serve: %s on %s/v1", APP_NAME, url)
@@ -204,6 +270,5 @@ def run_ray(settings: Any, options: RayOptions, loader: Loader) -> int:
     while not stop.is_set():
         time.sleep(0.2)
     log.warning("shutting down Ray Serve (replicas finish their requests first)")
-    serve.shutdown()
-    ray.shutdown()
+    stop_ray()
     return 0

@@ -1,0 +1,86 @@
+"""What Ray Serve's HTTP proxy answers when the replica holding a request dies: a 503 in OpenAI's shape.
+
+When a replica's actor dies mid-request, Serve's proxy gets `RayActorError` from the replica's
+handle, logs it, and sends no response of its own (it writes a body only for 408, 429 and 503), so
+uvicorn under it answers a bare `500 Internal Server Error`: no cause, no hint to retry. The proxy
+is Ray's code, in Ray's process; the one hook Ray gives into it is
+`RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH`, a function returning Starlette middlewares that the proxy
+wraps around its ASGI app. `proxy_middlewares` is that function. Its middleware watches what the
+proxy sends and, when the proxy ends a request without having started a response (the replica
+failed before it answered), sends OpenAI's error JSON with status 503 and `Retry-After`; when a
+stream was cut (the replica died after its first chunk), it ends the stream with one error event,
+which the `openai` client raises as `APIError`, instead of a truncated body.
+
+The variable must be in the environment of the proxy actor: `ray_app.start_ray` sets it before it
+starts a local cluster; for a cluster of your own, export it before `ray start`.
+This module imports only Starlette (the proxy process has no reason to load torch).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import Any
+
+from starlette.middleware import Middleware
+
+log = logging.getLogger("gemma4lib.server")
+CALLBACK_ENV = "RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH"
+CALLBACK = "gemma4lib.server.ray_proxy:proxy_middlewares"
+RETRY_AFTER_S = 1
+REPLICA_LOST = (
+    "the replica serving this request stopped before it answered (its Ray actor died or failed); Ray Serve "
+    "starts a new replica from the bundle and the others keep serving: retry the request"
+)
+
+
+def replica_lost_body() -> dict[str, Any]:
+    return {"error": {"message": REPLICA_LOST, "type": "server_error", "param": None, "code": "replica_unavailable"}}
+
+
+class ReplicaLost:
+    """Plain ASGI middleware (Serve's proxy streams; BaseHTTPMiddleware would buffer and hide disconnects)."""
+
+    def __init__(self, app: Any):
+        self.app = app
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        state = {"started": False, "finished": False, "stream": False}
+
+        async def watched(message: dict[str, Any]) -> None:
+            if message["type"] == "http.response.start":
+                state["started"] = True
+                headers = {bytes(k).lower(): bytes(v) for k, v in message.get("headers", [])}
+                state["stream"] = headers.get(b"content-type", b"").startswith(b"text/event-stream")
+            elif message["type"] == "http.response.body" and not message.get("more_body", False):
+                state["finished"] = True
+            await send(message)
+
+        await self.app(scope, receive, watched)
+        if state["finished"]:
+            return
+        try:
+            if not state["started"]:
+                log.warning("%s %s: no response from the replica; answering 503", scope["method"], scope["path"])
+                body = json.dumps(replica_lost_body()).encode()
+                headers = [
+                    (b"content-type", b"application/json"),
+                    (b"content-length", str(len(body)).encode()),
+                    (b"retry-after", str(RETRY_AFTER_S).encode()),
+                ]
+                await send({"type": "http.response.start", "status": 503, "headers": headers})
+                await send({"type": "http.response.body", "body": body})
+            elif state["stream"]:
+                log.warning("%s %s: the replica stopped mid-stream", scope["method"], scope["path"])
+                event = f"data: {json.dumps(replica_lost_body())}\n\n".encode()
+                await send({"type": "http.response.body", "body": event})
+        except OSError:  # the client is gone as well: nobody to tell
+            log.debug("client gone before the replica-lost answer", exc_info=True)
+
+
+def proxy_middlewares() -> list[Middleware]:
+    """Serve's proxy callback (`RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH`): the middlewares it applies."""
+    return [Middleware(ReplicaLost)]

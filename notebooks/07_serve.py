@@ -1,0 +1,384 @@
+# ---
+# jupyter:
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+#   language_info:
+#     name: python
+# ---
+
+# %% [markdown]
+# # 07 — Serve it: an OpenAI-compatible endpoint over E2B's compiled graphs
+#
+# The notebooks so far end with a model that answers one prompt at a time in a kernel. An
+# application wants an endpoint: an HTTP address that speaks the API every client library already
+# speaks (OpenAI's), serves many users at once, refuses politely when it is full, and can be
+# scaled out to more than one accelerator. This notebook starts that endpoint on the tiny trained
+# E2B (`python -m gemma4lib serve`), talks to it with the official `openai` client, puts it under
+# growing numbers of concurrent clients and measures what continuous batching buys, then shows the
+# inf2 route: one compiled bundle, several Ray Serve replicas loading it.
+#
+# Read `06_serving` first: the endpoint runs the batched graphs built there, through the same
+# engine (`runtime.Engine`), and explains only what a server adds on top.
+#
+# ### Runs on
+#
+# | | `smoke` profile (any CPU) | inf2 |
+# |---|---|---|
+# | machine | any x86-64 or arm64 machine; two shared cores are enough | `inf2.xlarge` per E2B replica (compile on an `inf2.8xlarge`: see `01_e2b`) |
+# | model | the tiny trained E2B, batched graphs compiled with AOTInductor (06_serving's, from the cache) | `google/gemma-4-E2B-it`, ModelBuilder's NEFFs from an exported bundle |
+# | server | `python -m gemma4lib serve` as a child process on 127.0.0.1, stopped with SIGTERM at the end | the same command, or `serve --ray` with one replica per NeuronCore group |
+# | Ray Serve | skipped here (the last section prints `skipped: backend=cpu`; the Ray route is tested on CPU by `tests/test_server_ray.py`) | `deploy(...)` of the bundle, each replica reserving `neuron_cores` = its TP degree: written against SDK 2.28, **never run on inf2** |
+# | time | printed by the last code cell (`wall_s`); the graphs come from the compile cache when 06_serving ran first, else each is compiled once | — |
+# | software | torch 2.13 (CPU), transformers 5.23.0, FastAPI + uvicorn, `openai`, Ray 2.60 | Neuron SDK 2.28 (see `01_e2b`) |
+#
+# `python -m papermill_runs run --profile smoke` runs it after 06_serving; the full profile leaves
+# it out. On inf2, run it by hand with `backend = "neuron"` and `profile = "full"`.
+
+# %% [markdown]
+# ## Parameters
+#
+# The next cell is the notebook's only input, tagged `parameters` for papermill. `batch_size` is
+# the number of rows the server's graphs are compiled for, `max_queue` how many requests may wait
+# for a row before the server answers 429, `client_levels` the numbers of concurrent clients the
+# load test tries, each client sending `requests_per_client` requests one after another.
+
+# %% tags=["parameters"]
+variant = "e2b"
+profile = "smoke"  # the tiny trained E2B on a CPU; "full" on inf2 (see Runs on)
+backend = "cpu"  # "neuron" on inf2: the last section then deploys the bundle with Ray Serve
+checkpoint = None  # the full profile's hub id (google/gemma-4-E2B-it)
+batch_size = 4  # rows: requests decoded together in one step
+context_length = 128
+prefill_buckets = [64]
+prompt = "What is the capital of France?"
+expect = "Paris"
+max_tokens = 24  # each request's completion budget
+max_queue = 8  # requests waiting for a row; one more gets 429
+burst = 24  # requests sent at once to fill the queue
+client_levels = [1, 2, 4, 8]  # concurrent streaming clients
+requests_per_client = 2
+level_timeout_s = 120.0  # a load level that takes longer fails (every load here stops by itself)
+start_timeout_s = 600.0
+replicas = 2  # inf2: Ray Serve replicas, each loading the bundle
+bundle_dir = "../runs/notebooks/bundle-e2b"
+threads = 1
+results_path = "../runs/notebooks/serve.json"
+
+# %% [markdown]
+# ## Setup
+#
+# `settings` are the port's own settings for the graphs the server runs; the server is started
+# with the same values on its command line, and checks them again before it loads anything.
+
+# %%
+import asyncio
+import collections
+import dataclasses
+import time
+
+import httpx
+from IPython.display import display
+from openai import BadRequestError, OpenAI
+
+from gemma4lib import notebook as nb
+from gemma4lib.models.corpus import COUNTRIES
+from gemma4lib.notebook import plots_serve
+from gemma4lib.port import PortSettings
+from gemma4lib.server.load import run_async, run_load
+from gemma4lib.server.process import ServerProcess
+
+started = time.perf_counter()
+settings = PortSettings(
+    variant=variant,
+    profile=profile,
+    backend=backend,
+    checkpoint=checkpoint,
+    batch_size=batch_size,
+    context_length=context_length,
+    prefill_buckets=tuple(prefill_buckets),
+)
+nb.show_settings(settings)
+
+# %% [markdown]
+# ## 1. Why continuous batching, and what a row is
+#
+# `06_serving` showed that one decode step over B rows costs about what one step over a single row
+# costs: the step reads every weight once either way. A **row** is one of the B slots the graphs
+# are compiled for: its own K/V buffers, its own position and length, its own sampling. A
+# request lives in one row from its prefill to its last token.
+#
+# A batch that starts together and waits until its slowest row ends wastes rows: a short answer
+# leaves its row idle while a long one goes on, and a request that arrives mid-batch waits for
+# the whole batch. **Continuous batching** schedules per step instead. The server's scheduler
+# thread owns the engine and loops: free the rows whose requests ended (eos, a stop string,
+# `max_tokens`, a client that hung up), prefill waiting requests into the free rows
+# (`engine.admit`, the other rows untouched), run one `engine.step()` over every live row, and
+# hand each row's new text to its request's stream. Requests join and leave between steps, so
+# the rows stay full while there is work. It is the same engine the port runs, so a greedy reply
+# equals the one `port` gives for the same prompt.
+
+# %% [markdown]
+# ## 2. Start the server
+#
+# `ServerProcess` runs `python -m gemma4lib serve` as a child process, bound to 127.0.0.1 on a free
+# port, and returns once `GET /health` answers: the engine is loaded and its graphs are ready (from
+# the compile cache here, so `compile_s` is 0). A child process rather than a thread, so that
+# the server's threads never wait for this kernel's; the same command is what you would run in a
+# terminal. It stops itself at the end of this notebook (SIGTERM), and dies with the kernel if the
+# kernel dies first.
+
+# %%
+args = ["--variant", variant, "--profile", profile, "--backend", backend, "--batch", str(batch_size)]
+args += ["--context-length", str(context_length), "--prefill-buckets", ",".join(str(b) for b in prefill_buckets)]
+args += ["--max-queue", str(max_queue), "--threads", str(threads)] + (
+    ["--checkpoint", checkpoint] if checkpoint else []
+)
+server = ServerProcess(args).start(start_timeout_s)
+print("$", " ".join(server.command[1:]))
+health = server.health()
+print(f"answering on {server.url}/v1 after {server.ready_s:.1f} s (its log: {server.log_path})")
+display(nb.Table.from_dict(health, "GET /health", "field", "value"))
+
+# %% [markdown]
+# ## 3. The official `openai` client, plain and streamed
+#
+# Any OpenAI client talks to it: point `base_url` at the server, and name the model by the variant
+# (or its hub id, `GET /v1/models`). The messages go through the model's own chat template on the
+# server. A request without `temperature` is greedy here (the port's default, unlike OpenAI's).
+#
+# With `stream=True` the reply arrives as server-sent events, one chunk per piece of settled text.
+# Both calls run the same greedy decode, and the server builds the plain reply by joining the
+# deltas it would have streamed, so the two texts must be equal.
+
+# %%
+client = OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=60)
+print("models:", [m.id for m in client.models.list().data])
+question = [{"role": "user", "content": prompt}]
+plain = client.chat.completions.create(model=variant, messages=question, max_tokens=max_tokens)
+answer = plain.choices[0].message.content
+pieces = []
+for chunk in client.chat.completions.create(model=variant, messages=question, max_tokens=max_tokens, stream=True):
+    pieces.extend(choice.delta.content for choice in chunk.choices if choice.delta.content)
+streamed = "".join(pieces)
+usage = plain.usage
+finish = plain.choices[0].finish_reason
+print(f"plain:    {answer!r} (finish {finish}, {usage.prompt_tokens} + {usage.completion_tokens} tokens)")
+print(f"streamed: {streamed!r} ({len(pieces)} chunks)")
+print(f"the same text: {streamed == answer}; it says {expect!r}: {expect in answer}")
+
+# %% [markdown]
+# ### Errors in OpenAI's shape, and why 429
+#
+# A request the compiled graphs cannot hold is refused before it takes a row: here the prompt plus
+# `max_tokens` is longer than the compiled context, and the client raises `BadRequestError` with
+# OpenAI's error body (`message`, `type`, `param`, `code`).
+#
+# The queue in front of the rows is bounded. A server that queued without limit would accept work
+# it cannot finish in any useful time: every request behind the queue waits for all the ones in
+# it, and a client that gave up long ago still holds its place. So past `max_queue` waiting
+# requests the server answers **429 Too Many Requests** at once, with `Retry-After` saying when to
+# come back: the client (or a load balancer in front of several servers) can retry, or go
+# elsewhere, instead of hanging. The cell sends `burst` requests at the same moment: the rows
+# take some, the queue some, and the rest get 429.
+
+# %%
+try:
+    client.chat.completions.create(model=variant, messages=question, max_tokens=context_length)
+    too_long = None  # accepted: the check in the record fails
+except BadRequestError as exc:
+    too_long = exc
+print(f"{too_long.status_code}: {too_long.body}" if too_long else "accepted: no 400")
+
+
+async def send_at_once(n):
+    body = {"model": variant, "messages": question, "max_tokens": max_tokens}
+    async with httpx.AsyncClient(base_url=server.url, timeout=level_timeout_s) as http:
+        return await asyncio.gather(*(http.post("/v1/chat/completions", json=body) for _ in range(n)))
+
+
+responses = run_async(lambda: send_at_once(burst))
+statuses = collections.Counter(r.status_code for r in responses)
+refused = [r for r in responses if r.status_code == 429]
+print(f"{burst} requests at once: {dict(sorted(statuses.items()))} (rows {batch_size}, queue {max_queue})")
+if refused:
+    print(f"429 Retry-After {refused[0].headers['retry-after']} s: {refused[0].json()['error']['message']}")
+
+# %% [markdown]
+# ## 4. N concurrent clients
+#
+# `run_load` runs each level of `client_levels` in turn: N clients of the official `openai` async
+# client, each sending `requests_per_client` streamed greedy requests one after another (each a
+# different capital question), bounded in number and in time (`level_timeout_s`). Before the
+# levels it asks every question alone, with nothing else on the server: under load each reply
+# must equal that one (`mixed` counts those that do not; a row that read another row's K/V would
+# show here). Per level: whether every request completed, the time to first token (p50 and p99,
+# from sending the request to its first text), and the total tokens per second over the level's
+# wall time.
+#
+# What to expect: while there are fewer clients than rows, each new client fills an idle row of a
+# step that runs anyway, so total tokens/s climbs and the time to first token stays near one
+# prefill. Once the clients outnumber the rows, requests wait in the queue: throughput flattens
+# at what full rows give, and the time to first token grows by the wait. Each admission runs a
+# prefill graph of a fixed shape while the other rows pause, which is why the climb falls short
+# of N times one client. This is a shared CPU: read the table of this run, not a rule.
+
+# %%
+prompts = [f"What is the capital of {country}?" for country, _ in COUNTRIES[:16]]
+levels = run_load(
+    server.url,
+    variant,
+    prompts,
+    client_levels,
+    requests_per_client=requests_per_client,
+    max_tokens=max_tokens,
+    timeout_s=level_timeout_s,
+)
+display(nb.load_levels_table(levels))
+one = levels[0]
+for level in levels[1:]:
+    print(
+        f"{level.clients} clients: {level.tokens_per_s / one.tokens_per_s:.2f}x one client's tokens/s, TTFT p50 ",
+        end="",
+    )
+    print(f"{level.ttft_p50_s * 1000:.0f} ms against {one.ttft_p50_s * 1000:.0f} ms")
+
+# %% [markdown]
+# ### What the server counted
+#
+# `GET /metrics` is Prometheus' text format: the queue depth and rows in use now, the tokens
+# generated, requests by finish reason, HTTP responses by status (the 429s of the burst are
+# there), and histograms of the time to first token and the time between tokens. A Prometheus
+# server scrapes it; here the cell prints the totals.
+
+# %%
+metrics = httpx.get(server.url + "/metrics", timeout=10).text
+for line in metrics.splitlines():
+    if line.startswith("gemma4lib_") and "_bucket" not in line and "_created" not in line:
+        print(line)
+
+# %% [markdown]
+# ## 5. Plots
+#
+# Left, the time to first token against the number of clients (p50 and p99). Right, the total
+# tokens per second, with the line `N × one client` that perfect batching would follow.
+
+# %%
+plots_serve.latency_and_throughput(levels, f"tiny {variant} endpoint, {batch_size} rows, on this CPU")
+
+# %% [markdown]
+# ## 6. Stop it: SIGTERM drains
+#
+# On SIGTERM the server stops taking requests (a new one gets 503 with `Retry-After`), lets every
+# queued and running request finish, then exits with status 0. That is what a rolling restart or a
+# scale-down needs: no client sees a reply cut in the middle. Its log says what it drained.
+
+# %%
+code = server.stop()
+print(f"exit status after SIGTERM: {code}")
+print("\n".join(line for line in server.log_tail(4000).splitlines() if "drain" in line.lower()))
+
+# %% [markdown]
+# ## 7. On inf2: one bundle, N replicas with Ray Serve
+#
+# One server drives one engine on one set of NeuronCores. More traffic needs more replicas, on
+# the other cores of the same instance or on other instances. Ray Serve is the engine for
+# that: it starts the replicas, gives each the NeuronCores it reserves (`neuron_cores` = its TP
+# degree; Ray sets `NEURON_RT_VISIBLE_CORES`), routes each request to the least loaded one,
+# restarts a replica that dies and, if you ask it, scales their number with the load.
+#
+# **Why a bundle per replica.** Compiling E2B's graphs takes minutes and more host RAM than the
+# instance that serves it has (`01_e2b`, `doctor`'s compile-host plan). A replica must not compile: it loads the
+# compiled NEFFs and weight shards that `export` wrote once, on a bigger host (`python -m gemma4lib
+# export --variant e2b --out bundles/e2b`). Loading never compiles and checks that the bundle fits
+# this environment first (variant, TP, shapes, SDK and library versions), so a restarted replica
+# serves again in the time a load takes, and reports `compile_s` 0 in its `/health`.
+#
+# Here the cell prints `skipped: backend=cpu`; on CPU the same deployment runs in
+# `tests/test_server_ray.py` (two replicas on a local cluster bound to 127.0.0.1, one killed under
+# load: its requests get 503 with `Retry-After`, the rest succeed, Ray restarts it from the bundle).
+
+# %%
+if backend == "neuron":  # inf2-only: written against SDK 2.28, never run on inf2
+    from gemma4lib.cache.export import export_bundle
+    from gemma4lib.cli import load_engine_from
+    from gemma4lib.server.ray_app import RayOptions, deploy, stop_ray
+
+    export_bundle(settings, bundle_dir)  # compiles once (a warm cache makes it a copy)
+    replica_settings = dataclasses.replace(settings, artifacts=bundle_dir)  # replicas load it, never compile
+    url = deploy(replica_settings, RayOptions(replicas=replicas, max_queue=max_queue), load_engine_from)
+    try:
+        ray_client = OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=120)
+        reply = ray_client.chat.completions.create(model=variant, messages=question, max_tokens=max_tokens)
+        print(f"through Ray Serve: {reply.choices[0].message.content!r}")
+        seen = {}
+        for _ in range(4 * replicas):
+            replica_health = httpx.get(url + "/health", timeout=30).json()
+            seen[replica_health["replica"]] = replica_health
+        rows = [[name, h["compile_s"], h["load_s"]] for name, h in seen.items()]
+        display(nb.Table(["replica", "compile_s", "load_s"], rows, "replicas that answered /health"))
+    finally:
+        stop_ray()
+else:
+    print(f"skipped: backend={backend}")
+
+# %% [markdown]
+# ## 8. Record
+#
+# One JSON record of this run: the answers, the error statuses, every load level, the server's
+# start-up and exit. `checks_passed` is true only when the plain reply says `expect`, the streamed
+# text equals it, the too-long request got its 400, the burst got at least one 429 with
+# `Retry-After`, every level completed with no mixed reply, and SIGTERM ended the server cleanly.
+# The smoke job fails on a false one.
+
+# %%
+checks = {
+    "coherent": expect in answer,
+    "stream_equals_plain": streamed == answer,
+    "too_long_is_400": too_long is not None and too_long.status_code == 400,
+    "full_queue_is_429": bool(refused) and int(refused[0].headers["retry-after"]) >= 1,
+    "levels_complete": all(level.complete for level in levels),
+    "none_mixed": sum(level.mixed for level in levels) == 0,
+    "sigterm_exit_0": code == 0,
+}
+record = {
+    "kind": "serve",
+    "notebook": "07_serve",
+    "variant": variant,
+    "profile": profile,
+    "backend": backend,
+    "batch_size": batch_size,
+    "answer": answer,
+    "streamed": streamed,
+    "stream_chunks": len(pieces),
+    "too_long": too_long.body if too_long else None,
+    "burst_statuses": {str(k): v for k, v in statuses.items()},
+    "levels": [level.as_dict() for level in levels],
+    "speedup_top_over_one": levels[-1].tokens_per_s / one.tokens_per_s,
+    "server_ready_s": server.ready_s,
+    "compile_s": health.get("compile_s"),
+    "sigterm_exit": code,
+    "checks": checks,
+    "failed_checks": [name for name, ok in checks.items() if not ok],
+    "checks_passed": all(checks.values()),
+    "wall_s": time.perf_counter() - started,
+}
+nb.save_record(results_path, record)
+print("failed checks:", record["failed_checks"] or "none")
+print(f"this notebook ran in {record['wall_s']:.0f} s")
+
+# %% [markdown]
+# ## Takeaways
+#
+# - An endpoint is the engine behind a scheduler: one thread owns the compiled graphs, admits
+#   requests into free rows between decode steps and frees a row the moment its request ends. The
+#   HTTP side only queues requests and streams their text.
+# - Continuous batching fills rows that would otherwise idle, so total tokens/s grows with the
+#   number of clients up to the number of rows; beyond it, requests queue and only their latency
+#   grows. Every admission's fixed-shape prefill pauses the other rows: the table above shows what
+#   that cost on this run.
+# - A bounded queue with 429 and `Retry-After` keeps the latency of accepted requests bounded and
+#   tells clients when to come back; SIGTERM drains instead of cutting replies.
+# - Scale out with replicas that load one exported bundle and never compile: Ray Serve places them
+#   on NeuronCores, routes to the least loaded and restarts the ones that die.
