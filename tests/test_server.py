@@ -589,3 +589,25 @@ if __name__ == "__main__":  # the SIGTERM test's server: the fake engine in the 
     tok = load_tokenizer(TOKENIZER_DIR)
     fake_engine = FakeEngine(tok, batch=2, step_s=0.05, endless=True)
     serve_forever(build_served(fake_engine, tok, model_name=MODEL, eos_ids=(EOS,)), port=int(sys.argv[1]))
+
+
+def test_incremental_text_equals_decoding_every_token_at_once(tokenizer):
+    """The stream's incremental decode (a window of recent tokens per push) gives exactly the text of
+    decoding all tokens at once, for replies the model gives and for ids drawn across the vocabulary
+    (multi-byte pieces, special tokens, leading spaces), pushed one or several at a time."""
+    import random
+
+    codec = Codec(tokenizer)
+    rng = random.Random(0)
+    texts = ["The capital of France is Paris.", "Nairobi — Kenya's capital, «Ĉu?» 東京 ✓", "  two  spaces\n\nand lines"]
+    cases = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
+    cases += [[rng.randrange(len(tokenizer)) for _ in range(rng.randrange(1, 40))] for _ in range(200)]
+    for ids in cases:
+        stream = TextStream(codec)
+        pieces, at = [], 0
+        while at < len(ids):
+            step = rng.choice([1, 1, 1, 2, 5])
+            pieces.append(stream.push(ids[at : at + step]))
+            at += step
+        pieces.append(stream.finish())
+        assert "".join(pieces) == tokenizer.decode(ids, skip_special_tokens=True), ids

@@ -13,6 +13,7 @@ from __future__ import annotations
 import gc
 import logging
 import signal
+import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -96,6 +97,20 @@ class DrainingServer(uvicorn.Server):
         self.should_exit = True
 
 
+ENGINE_SWITCH_INTERVAL_S = 0.00025
+
+
+def favour_the_engine_thread(interval_s: float = ENGINE_SWITCH_INTERVAL_S) -> None:
+    """Shorten Python's GIL switch interval (default 5 ms) in a process that serves.
+
+    torch releases the GIL around every op and graph call, so the scheduler thread gives it up many
+    times per decode step; each time it wants it back while the HTTP thread runs Python (encoding
+    chunks for many streams), it waits until that thread is told to yield, after the switch interval.
+    Measured here on the tiny E2B at B=8 with a second thread busy in Python: a decode step took about
+    twice as long at 5 ms as alone, and about as long as alone at 0.25 ms (`sys.setswitchinterval`)."""
+    sys.setswitchinterval(interval_s)
+
+
 def freeze_startup_objects() -> None:
     """Move everything loaded so far (torch, transformers, the model) out of the garbage collector's
     view: they live as long as the server, and a full collection over them mid-load paused every
@@ -107,6 +122,7 @@ def freeze_startup_objects() -> None:
 def serve_forever(served: Served, host: str = LOOPBACK, port: int = 8000, drain_timeout_s: float = 600.0) -> None:
     """Serve in the foreground until SIGTERM/SIGINT (then drain, then return)."""
     freeze_startup_objects()
+    favour_the_engine_thread()
     config = uvicorn.Config(
         create_app(served), host=host, port=port, log_level="info", timeout_graceful_shutdown=30, lifespan="off"
     )

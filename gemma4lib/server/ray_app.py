@@ -38,7 +38,7 @@ os.environ.setdefault(LOCAL_CLUSTER_ENV, "0")
 from ray import serve  # noqa: E402
 
 from ..errors import SettingsError  # noqa: E402
-from .launch import LOOPBACK, Loaded, build_served  # noqa: E402
+from .launch import LOOPBACK, Loaded, build_served, favour_the_engine_thread  # noqa: E402
 from .ray_proxy import CALLBACK, CALLBACK_ENV  # noqa: E402
 
 log = logging.getLogger("gemma4lib.server")
@@ -126,6 +126,7 @@ class GemmaReplica:
         import torch
 
         loopback_replica_grpc()
+        favour_the_engine_thread()  # the replica's process is the server's: the same GIL contention
         torch.set_num_threads(int(os.environ.get("GEMMA4LIB_THREADS", "1")))
         replica = serve.get_replica_context().replica_id.unique_id
         loaded = loader(kwargs)

@@ -4,6 +4,12 @@ A streamed response and a plain one are the same deltas (the plain one joins the
 gives the plain call's text by construction. Each delta is a prefix of the decode of every token so
 far: a half-decoded UTF-8 character is held back, and so is a tail that might be the start of a stop
 string, until the next tokens settle it.
+
+Decoding is incremental (the offsets of text-generation-inference and vLLM): each new token decodes
+a window that starts a few tokens back, and the text it adds is the window's decode minus the same
+window without the new tokens. Both decodes start at the same token, so a tokenizer that drops the
+first piece's leading space drops it from both. Re-decoding every token so far instead cost the
+scheduler thread time per token that grew with the reply, between every two decode steps.
 """
 
 from __future__ import annotations
@@ -59,27 +65,38 @@ class TextStream:
         self.ids: list[int] = []
         self.sent = 0  # characters of the decoded text already handed out
         self.stopped = False
+        self.text = ""  # the decode of ids[:read], grown incrementally
+        self._prefix = 0  # the window's first token: decoded only as context for the next ones
+        self._read = 0  # tokens whose text is in self.text
 
     def push(self, ids: Sequence[int]) -> str:
         """Add tokens; return the text that is now settled (may be empty)."""
         if self.stopped:
             return ""
         self.ids.extend(ids)
-        text = self.codec.decode(self.ids)
+        self._advance(final=False)
+        text = self.text
         cut = self._stop_at(text)
         if cut is not None:
             self.stopped = True
             return self._take(text[:cut])
-        end = len(text)
-        while end > self.sent and text[end - 1] == "\ufffd":  # an incomplete multi-byte character
-            end -= 1
-        return self._take(text[: end - self._held(text[:end])])
+        return self._take(text[: len(text) - self._held(text)])
 
     def finish(self) -> str:
         """The rest of the text once the request is over (what `push` held back for a stop string)."""
         if self.stopped:
             return ""
-        return self._take(self.codec.decode(self.ids))
+        self._advance(final=True)
+        return self._take(self.text)
+
+    def _advance(self, final: bool) -> None:
+        """Add the new tokens' text to `self.text`, unless it ends in half a UTF-8 character (then the
+        next token completes it), or `final` (then the replacement character is the text)."""
+        before = self.codec.decode(self.ids[self._prefix : self._read])
+        after = self.codec.decode(self.ids[self._prefix :])
+        if len(after) > len(before) and (final or not after.endswith("\ufffd")):
+            self.text += after[len(before) :]
+            self._prefix, self._read = self._read, len(self.ids)
 
     def _take(self, settled: str) -> str:
         delta = settled[self.sent :]
