@@ -899,6 +899,26 @@ def test_serving_tables_and_draft_plot_render_headless():
     assert isinstance(plots_draft.drafts_accepted([4, 2, 0], [4, 4, 4], [5, 3, 1]), Figure)
 
 
+def test_serve_table_and_plot_render_headless():
+    """07_serve's load table and latency/throughput figure over `run_load`'s levels (objects or the
+    record's dicts): each level's ratio to one client, the N x one-client line for scale."""
+    from matplotlib.figure import Figure
+
+    from gemma4lib import notebook as nb
+    from gemma4lib.notebook import plots_serve
+    from gemma4lib.server.load import Level
+
+    levels = [
+        Level(n, 2 * n, 0, True, 0, 0.05 * n, 0.07 * n, 16 * n, 1.0, 80.0 * min(n, 4), replies=[]) for n in (1, 2, 4, 8)
+    ]
+    table = nb.load_levels_table(levels)
+    assert [row[-1] for row in table.rows] == ["1.00x", "2.00x", "4.00x", "4.00x"] and table.rows[0][5] == "50.0"
+    assert nb.load_levels_table([level.as_dict() for level in levels]).rows == table.rows
+    figure = plots_serve.latency_and_throughput([level.as_dict() for level in levels])
+    assert isinstance(figure, Figure) and len(figure.axes) == 2
+    assert len(figure.axes[1].lines) == 2  # measured, and N x one client
+
+
 def test_the_trace_cell_makes_the_backends_calls(tmp_path, monkeypatch):
     """E2B's one-graph cell, against recording stand-ins for torch_neuronx and the artifact's save
     and load, makes the calls `backends.neuron.compile` makes with `neuron_recipe="trace"`: the

@@ -2,9 +2,10 @@
 
 The server runs as `python -m gemma4lib serve` in its own process (the command a user runs, and no
 GIL shared with the clients), bound to 127.0.0.1 on a free port; the clients are the official
-`openai` async client (`server.load.run_load`). Per level: every response complete, none mixed
-(each greedy reply equal to the same prompt's reply sent alone), p50/p99 time to first token and
-the total tokens/s. The server gets SIGTERM at the end and drains. Every step is bounded in time.
+`openai` async client (`server.load.run_load`; at least `min_requests` requests per level, so the
+one-client level the others are divided by lasts long enough to measure). Per level: every response
+complete, none mixed (each greedy reply equal to the same prompt's reply sent alone), p50/p99 time
+to first token and the total tokens/s. The server gets SIGTERM at the end and drains. Every step is bounded in time.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ def bench_serve(
     backend: str = "cpu",
     levels: Sequence[int] = DEFAULT_LEVELS,
     requests_per_client: int = 2,
+    min_requests: int = 16,
     max_tokens: int = 24,
     admit_wait_ms: float = 0.0,
     prefill_buckets: Sequence[int] | None = None,
@@ -62,6 +64,7 @@ def bench_serve(
             requests_per_client=requests_per_client,
             max_tokens=max_tokens,
             timeout_s=level_timeout_s,
+            min_requests=min_requests,
         )
     finally:
         server.stop(60)
@@ -78,6 +81,7 @@ def bench_serve(
         "admit_wait_ms": admit_wait_ms,
         "prefill_buckets": list(prefill_buckets) if prefill_buckets else None,
         "requests_per_client": requests_per_client,
+        "min_requests": min_requests,
         "levels": [row.as_dict() for row in rows],
         "all_complete": all(row.complete for row in rows),
         "mixed": sum(row.mixed for row in rows),

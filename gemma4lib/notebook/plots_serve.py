@@ -12,6 +12,8 @@ from typing import Any
 
 from matplotlib.figure import Figure
 
+from .plots import NUMBER_TICKS  # importing plots also makes IPython draw a returned Figure
+
 
 def _as_dict(level: Any) -> Mapping[str, Any]:
     return level if isinstance(level, Mapping) else level.as_dict()
@@ -37,6 +39,7 @@ def latency_and_throughput(levels: Sequence[Any], title: str = "the endpoint aga
         throughput.plot(clients, [n * base for n in clients], ":", color="#9e9e9e", label="N x one client")
     throughput.set_xlabel("concurrent clients")
     throughput.set_ylabel("total tokens/s")
+    throughput.yaxis.set_major_formatter(NUMBER_TICKS)
     throughput.set_title("throughput")
     for ax in (latency, throughput):
         ax.set_xscale("log", base=2)

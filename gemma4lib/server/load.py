@@ -3,7 +3,9 @@ whether every response is complete and equal to its request's answer alone.
 
 What `bench --sections serve` and a notebook call. Each level runs `clients` tasks of the official
 `openai` async client, each sending `requests_per_client` streamed greedy requests one after
-another: bounded in count, and the whole level in time (`timeout_s`), so a load run always stops.
+another (or more, so that the level sends at least `min_requests`: a one-client level of two short
+replies lasts a fraction of a second, and one pause of a shared machine then moves every ratio
+against it): bounded in count, and the whole level in time (`timeout_s`), so a load run always stops.
 """
 
 from __future__ import annotations
@@ -98,8 +100,10 @@ async def _level(
     max_tokens: int,
     timeout_s: float,
     references: dict[str, str],
+    min_requests: int = 0,
 ) -> Level:
     client = _client(base_url, timeout_s)
+    per_client = max(per_client, -(-min_requests // clients))
 
     async def one_client(index: int) -> list[Reply]:
         out = []
@@ -163,13 +167,17 @@ def run_load(
     requests_per_client: int = 2,
     max_tokens: int = 24,
     timeout_s: float = 300.0,
+    min_requests: int = 0,
 ) -> list[Level]:
-    """Every level in turn (the references first); a level that passes `timeout_s` raises TimeoutError."""
+    """Every level in turn (the references first); a level that passes `timeout_s` raises TimeoutError.
+    Each client sends `requests_per_client` requests, or more when the level would send fewer than
+    `min_requests` in all."""
 
     async def main() -> list[Level]:
         refs = await references_for(base_url, model, prompts, max_tokens, timeout_s)
+        per = requests_per_client
         return [
-            await _level(base_url, model, prompts, n, requests_per_client, max_tokens, timeout_s, refs) for n in levels
+            await _level(base_url, model, prompts, n, per, max_tokens, timeout_s, refs, min_requests) for n in levels
         ]
 
     return run_async(main)
