@@ -317,7 +317,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--min-replicas", type=int, help="--ray autoscaling: the fewest replicas")
     p.add_argument("--max-replicas", type=int, help="--ray autoscaling: the most replicas")
     p.add_argument("--target-ongoing-requests", type=float, help="--ray autoscaling: requests per replica to aim at")
-    p.add_argument("--ray-address", help="--ray: a running cluster (default: start a local one on 127.0.0.1)")
+    p.add_argument(
+        "--ray-address",
+        help="--ray: a running cluster (default: start a local one on 127.0.0.1; one spanning other machines "
+        "needs RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=1 exported)",
+    )
     p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("faults", help="run the fault lab: each field-report bug, and which check catches it")
