@@ -102,6 +102,7 @@ class SuiteOptions:
     serve_levels: tuple[int, ...] = (1, 4, 8, 16)
     # the mtp section's figures where bytes decide (benchmarks/drafting.py): oracle / always-wrong
     # drafters and the verify cost on a bandwidth-bound model, prompt lookup on a real trained one
+    mtp_variants: tuple[str, ...] | None = None  # the tiny targets drafted by their assistants (None: MTP_VARIANTS)
     mtp_bound_models: tuple[str, ...] = ("medium-dense",)
     mtp_bound_draft_tokens: tuple[int, ...] = (1, 2, 3, 4, 5, 6, 7, 8)
     mtp_bound_context: int = 128
@@ -312,7 +313,8 @@ def run_suite(
         from .mtp import bench_mtp
 
         say("mtp: decode with and without the assistant's drafts")
-        report["mtp"] = bench_mtp(backend=options.backend, warmup=options.warmup, iters=options.iters)
+        variants = {} if options.mtp_variants is None else {"variants": options.mtp_variants}
+        report["mtp"] = bench_mtp(backend=options.backend, warmup=options.warmup, iters=options.iters, **variants)
         report["mtp"].update(drafting_where_bytes_decide(options, say))
 
     if "serve" in options.sections:  # the endpoint under concurrent streaming clients (benchmarks/serve.py)
