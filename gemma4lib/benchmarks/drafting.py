@@ -183,12 +183,6 @@ def _drafted_figures(run: dict[str, Any], plain: dict[str, Any]) -> dict[str, An
     }
 
 
-def _release(*objects: Any) -> None:
-    """Drop compiled graphs before the next ones load (a packed verify graph holds a copy of the weights)."""
-    del objects
-    gc.collect()
-
-
 def bench_bounds(
     name: str,
     model: LoadedModel,
@@ -249,7 +243,8 @@ def bench_bounds(
                 "compile_s": drafted.compile_s,
             }
         )
-        _release(drafted, runs)
+        del drafted, runs  # before the next k's graphs load: a packed verify graph holds a copy of the weights
+        gc.collect()
     return {
         "model": name,
         "model_source": model.source,
@@ -310,7 +305,8 @@ def bench_prompt_lookup(
                     "text": model.tokenizer.decode(runs["prompt_lookup"]["tokens"]) if model.tokenizer else None,
                 }
             )
-        _release(drafted, lookup)
+        del drafted, lookup  # as in `bench_bounds`
+        gc.collect()
     return {
         "model": name,
         "model_source": model.source,
