@@ -100,6 +100,16 @@ class SuiteOptions:
     # the serve section (benchmarks/serve.py): the endpoint's compiled rows and the client counts
     serve_batch: int = 8
     serve_levels: tuple[int, ...] = (1, 4, 8, 16)
+    # the mtp section's figures where bytes decide (benchmarks/drafting.py): oracle / always-wrong
+    # drafters and the verify cost on a bandwidth-bound model, prompt lookup on a real trained one
+    mtp_variants: tuple[str, ...] | None = None  # the tiny targets drafted by their assistants (None: MTP_VARIANTS)
+    mtp_bound_models: tuple[str, ...] = ("medium-dense",)
+    mtp_bound_draft_tokens: tuple[int, ...] = (1, 2, 3, 4, 5, 6, 7, 8)
+    mtp_bound_context: int = 128
+    mtp_bound_new_tokens: int = 40
+    prompt_lookup_models: tuple[str, ...] = ("gemma3-270m",)
+    prompt_lookup_draft_tokens: tuple[int, ...] = (4,)
+    prompt_lookup_new_tokens: int = 48
 
     @classmethod
     def quick(cls, **changes: Any) -> SuiteOptions:
@@ -119,6 +129,13 @@ def load_bench_model(name: str) -> LoadedModel:
 
 def _medium_prompt(name: str, model: LoadedModel, options: SuiteOptions) -> list[int]:
     return random_prompt(model.config.vocab_size, options.medium_prompt_tokens, get_medium(name).prompt_seed)
+
+
+def _bench_prompt(name: str, model: LoadedModel, options: SuiteOptions) -> list[int]:
+    """The suite's prompt for a model: a tiny variant's (its seed + 1), or a medium config's."""
+    if name in VARIANTS:
+        return random_prompt(model.config.vocab_size, options.tiny_prompt_tokens, VARIANTS[name].tiny_seed + 1)
+    return _medium_prompt(name, model, options)
 
 
 def run_suite(
@@ -296,7 +313,9 @@ def run_suite(
         from .mtp import bench_mtp
 
         say("mtp: decode with and without the assistant's drafts")
-        report["mtp"] = bench_mtp(backend=options.backend, warmup=options.warmup, iters=options.iters)
+        variants = {} if options.mtp_variants is None else {"variants": options.mtp_variants}
+        report["mtp"] = bench_mtp(backend=options.backend, warmup=options.warmup, iters=options.iters, **variants)
+        report["mtp"].update(drafting_where_bytes_decide(options, say))
 
     if "serve" in options.sections:  # the endpoint under concurrent streaming clients (benchmarks/serve.py)
         from .serve import bench_serve
@@ -309,6 +328,70 @@ def run_suite(
     report["peak_rss_mb"] = peak_rss_mb()
     report["wall_s"] = time.perf_counter() - started
     return report
+
+
+def drafting_where_bytes_decide(options: SuiteOptions, say: Callable[[str], None]) -> dict[str, Any]:
+    """The mtp section's bounds (oracle, always-wrong, verify cost) on the bandwidth-bound models and
+    prompt lookup on the real trained ones (`benchmarks.drafting`), with their headline keys."""
+    from .drafting import REPEAT_PROMPTS, bench_bounds, bench_prompt_lookup, summary_keys
+
+    bounds, lookups = [], []
+    for name in options.mtp_bound_models:
+        say(f"mtp bounds {name}: oracle and always-wrong drafters, k = {options.mtp_bound_draft_tokens}")
+        model = load_bench_model(name)
+        bounds.append(
+            bench_bounds(
+                name,
+                model,
+                _bench_prompt(name, model, options),
+                backend=options.backend,
+                draft_tokens=options.mtp_bound_draft_tokens,
+                context_length=options.mtp_bound_context,
+                bucket=options.medium_bucket,
+                new_tokens=options.mtp_bound_new_tokens,
+                warmup=options.warmup,
+                iters=options.medium_iters,
+            )
+        )
+        del model
+        torch._dynamo.reset()
+    for name in options.prompt_lookup_models:
+        say(f"mtp prompt lookup {name}: k = {options.prompt_lookup_draft_tokens}")
+        model = load_real_model(name)
+        if isinstance(model, str):  # not on this machine: say so in the report, never a substitute figure
+            lookups.append({"model": name, "skipped": model, "rows": []})
+            continue
+        from ..runtime import encode_prompt
+
+        prompts = {p: encode_prompt(model.tokenizer, text, chat=False) for p, text in REPEAT_PROMPTS.items()}
+        lookups.append(
+            bench_prompt_lookup(
+                name,
+                model,
+                prompts,
+                backend=options.backend,
+                draft_tokens=options.prompt_lookup_draft_tokens,
+                new_tokens=options.prompt_lookup_new_tokens,
+                warmup=options.warmup,
+                iters=options.medium_iters,
+            )
+        )
+        del model
+        torch._dynamo.reset()
+    return {"bounds": bounds, "prompt_lookup": lookups, **summary_keys(bounds, lookups)}
+
+
+def load_real_model(name: str) -> LoadedModel | str:
+    """A real trained model by name (only Gemma 3 270M, from its PyPI package), or why it cannot load."""
+    from ..errors import EnvironmentMismatchError
+    from ..models.gemma3_real import GEMMA3_270M, load_gemma3_270m
+
+    if name != GEMMA3_270M.name:
+        raise UnknownNameError("real model", name, (GEMMA3_270M.name,))
+    try:
+        return load_gemma3_270m()
+    except EnvironmentMismatchError as error:
+        return str(error)
 
 
 def _load_average() -> list[float] | None:

@@ -11,15 +11,9 @@ def check_targets(report: dict[str, Any]) -> list[dict[str, Any]]:
     """The issue's targets, evaluated from the figures (None = not measured in this run)."""
     targets = []
 
-    def add(name: str, value: float | None, threshold: float):
-        targets.append(
-            {
-                "target": name,
-                "value": value,
-                "threshold": threshold,
-                "met": None if value is None else value >= threshold,
-            }
-        )
+    def add(name: str, value: float | None, threshold: float, at_most: bool = False):
+        met = None if value is None else (value <= threshold if at_most else value >= threshold)
+        targets.append({"target": name, "value": value, "threshold": threshold, "met": met})
 
     models = {m["name"]: m for m in report.get("models", [])}
     for name, m in models.items():
@@ -40,4 +34,14 @@ def check_targets(report: dict[str, Any]) -> list[dict[str, Any]]:
         if batch["model"] == "medium-dense":
             add("medium-dense: batch speedup_b8_over_b1 >= 5", batch.get("speedup_b8_over_b1"), 5.0)
             add("medium-dense: batched decode / HF generate >= 1.2 at every B", batch.get("min_over_hf"), 1.2)
+    mtp = report.get("mtp") or {}
+    if "medium-dense" in (mtp.get("oracle_speedup") or {}):
+        add("medium-dense: oracle drafter speed-up at k = 4 >= 3", mtp["oracle_speedup"]["medium-dense"].get("4"), 3.0)
+        wrong = mtp["always_wrong_speedup"]["medium-dense"].get("4")
+        add("medium-dense: always-wrong drafter speed-up at k = 4 >= 0.7", wrong, 0.7)
+        verify = mtp["verify_over_step"]["medium-dense"].get("4")
+        add("medium-dense: verify of 5 tokens / one decode step <= 1.3", verify, 1.3, at_most=True)
+    for name, by_k in (mtp.get("prompt_lookup_speedup") or {}).items():
+        for k, value in by_k.items():
+            add(f"{name}: prompt-lookup speed-up (k = {k}, repeat-the-input prompts) >= 1.5", value, 1.5)
     return targets

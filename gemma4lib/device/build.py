@@ -104,38 +104,73 @@ def device_graphs(
     compute_balance: float | None = None,
     assistant: LoadedAssistant | None = None,
 ) -> GraphSet:
-    """The graphs of `settings` over the model's own modules: prefill per bucket (MoE experts
-    dense) and decode (the settings' expert form); with a draft, the verify graph instead of decode
-    (every position, its MoE form by bytes: `verify_expert_form`) and, for the assistant, its draft
-    graph, all over one layout whose rings hold window + k + 1 slots (`drafting` module docstring).
+    """The graphs of `settings` over the model's own modules (`graph_set` with the settings' shapes).
     `inplace=False`: the functional form (XLA, Neuron). `compute_balance`: the backend's FLOPs per
     byte (one CPU thread's for cpu/eager; None, bytes decide, elsewhere)."""
-    batch, ctx, ring, weights = settings.batch_size, settings.context_length, settings.ring_kv, settings.weights
-    k = int(settings.draft_tokens or 0) if settings.draft else 0
+    return graph_set(
+        model,
+        batch=settings.batch_size,
+        context_length=settings.context_length,
+        ring=settings.ring_kv,
+        weights=settings.weights,
+        prefill_buckets=settings.prefill_buckets,
+        decode_experts=settings.decode_experts,
+        draft_tokens=int(settings.draft_tokens or 0) if settings.draft else 0,
+        verify_experts=settings.verify_experts,
+        hidden=settings.draft == "assistant",
+        inplace=inplace,
+        compute_balance=compute_balance,
+        assistant=assistant,
+    )
+
+
+def graph_set(
+    model: LoadedModel,
+    *,
+    batch: int,
+    context_length: int,
+    ring: bool,
+    prefill_buckets: tuple[int, ...],
+    weights: str = "bf16",
+    decode_experts: str = "selective",
+    draft_tokens: int = 0,
+    verify_experts: str | None = None,
+    hidden: bool = False,
+    inplace: bool = True,
+    compute_balance: float | None = None,
+    assistant: LoadedAssistant | None = None,
+) -> GraphSet:
+    """The named graphs over the model's own modules from explicit shapes (what `device_graphs` reads
+    from the settings; the benchmark suite builds its drafted graphs for models that have no
+    `PortSettings` variant, the medium configs and Gemma 3 270M, through here): prefill per bucket
+    (MoE experts dense) and decode (`decode_experts`); with `draft_tokens` k > 0 the verify graph
+    instead of decode (every position, its MoE form by bytes: `verify_expert_form`) and, with
+    `hidden` (the assistant drafts from the target's hidden state), the assistant's draft graph,
+    all over one layout whose rings hold window + k + 1 slots (`drafting` module docstring)."""
+    k = int(draft_tokens)
     layout = RoomyLayout.around(model.layout, k + 1) if k else model.layout
-    drafting_hidden = settings.draft == "assistant"
 
     def graph(tokens: int, experts: str, **kwargs) -> DeviceGraph:
-        shape = GraphShape(batch, tokens, ctx, ring)
+        shape = GraphShape(batch, tokens, context_length, ring)
         return device_graph(model, shape, experts, inplace, weights, layout=layout, **kwargs)
 
-    prefill = {b: graph(b, PREFILL_EXPERTS, hidden=drafting_hidden) for b in settings.prefill_buckets}
+    prefill = {b: graph(b, PREFILL_EXPERTS, hidden=hidden) for b in prefill_buckets}
     if not k:
-        decode = graph(1, settings.decode_experts, compute_balance=compute_balance)
+        decode = graph(1, decode_experts, compute_balance=compute_balance)
         return GraphSet(prefill, decode, layout)
     verify = graph(
         k + 1,
-        verify_expert_form(model.config, k, settings.verify_experts),
+        verify_expert_form(model.config, k, verify_experts),
         every_position=True,
-        hidden=drafting_hidden,
+        hidden=hidden,
         compute_balance=compute_balance,
     )
     draft = None
-    if drafting_hidden:
+    if hidden:
         if assistant is None:
             raise ValueError("draft='assistant' builds the assistant's draft graph: pass assistant=load_assistant(...)")
-        draft = DraftGraph(assistant.model, layout, GraphShape(batch, 1, ctx, ring), assistant.read_layers)
+        draft = DraftGraph(assistant.model, layout, GraphShape(batch, 1, context_length, ring), assistant.read_layers)
     return GraphSet(prefill, None, layout, verify, draft, k)
 
 
-__all__ = ["PREFILL_EXPERTS", "GraphSet", "device_graph", "device_graphs"]
+__all__ = ["PREFILL_EXPERTS", "GraphSet", "device_graph", "device_graphs", "graph_set"]
