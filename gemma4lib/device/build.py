@@ -18,6 +18,7 @@ from torch import nn
 from .drafting import DraftGraph, RoomyLayout, verify_expert_form
 from .graph import DeviceGraph, GraphShape
 from .kv_layout import KVLayout
+from .vision import VisionGraph, vision_graph
 
 if TYPE_CHECKING:  # type names only
     from ..models.assistant import LoadedAssistant
@@ -41,11 +42,12 @@ class GraphSet:
     verify: DeviceGraph | None = None
     draft: DraftGraph | None = None
     draft_tokens: int = 0
+    vision: VisionGraph | None = None  # pixels -> soft tokens, when the port has images (no K/V)
 
     def named(self) -> dict[str, nn.Module]:
         """Every graph by the name its compiled artifact and step carry."""
         out: dict[str, nn.Module] = {f"prefill{b}": g for b, g in sorted(self.prefill.items())}
-        for name in ("decode", "verify", "draft"):
+        for name in ("decode", "verify", "draft", "vision"):
             if getattr(self, name) is not None:
                 out[name] = getattr(self, name)
         return out
@@ -120,9 +122,10 @@ def device_graphs(
         return device_graph(model, shape, experts, inplace, weights, layout=layout, **kwargs)
 
     prefill = {b: graph(b, PREFILL_EXPERTS, hidden=drafting_hidden) for b in settings.prefill_buckets}
+    vision = image_graph(model, settings)
     if not k:
         decode = graph(1, settings.decode_experts, compute_balance=compute_balance)
-        return GraphSet(prefill, decode, layout)
+        return GraphSet(prefill, decode, layout, vision=vision)
     verify = graph(
         k + 1,
         verify_expert_form(model.config, k, settings.verify_experts),
@@ -135,7 +138,26 @@ def device_graphs(
         if assistant is None:
             raise ValueError("draft='assistant' builds the assistant's draft graph: pass assistant=load_assistant(...)")
         draft = DraftGraph(assistant.model, layout, GraphShape(batch, 1, ctx, ring), assistant.read_layers)
-    return GraphSet(prefill, None, layout, verify, draft, k)
+    return GraphSet(prefill, None, layout, verify, draft, k, vision=vision)
 
 
-__all__ = ["PREFILL_EXPERTS", "GraphSet", "device_graph", "device_graphs"]
+def image_graph(model: LoadedModel, settings: PortSettings) -> VisionGraph | None:
+    """The vision graph when the settings carry images: one image per call, at the patch budget of
+    the model's image processor (its `max_soft_tokens` x pooling^2 patches); None without images."""
+    if not settings.images:
+        return None
+    from ..images import require_vision
+
+    require_vision(model.multimodal, model.processor, f"the {model.source} {model.variant.name} model")
+    processor = model.processor
+    patches = int(processor.max_soft_tokens) * int(processor.pooling_kernel_size) ** 2
+    vision_config = model.multimodal.config.vision_config
+    if model.multimodal.model.vision_tower is None:  # the 12B: merged patches, one soft token each
+        patches = int(processor.max_soft_tokens)
+        patch_dim = 3 * (int(vision_config.patch_size) * int(vision_config.pooling_kernel_size)) ** 2
+    else:
+        patch_dim = 3 * int(vision_config.patch_size) ** 2
+    return vision_graph(model.multimodal, 1, patches, patch_dim)
+
+
+__all__ = ["PREFILL_EXPERTS", "GraphSet", "device_graph", "device_graphs", "image_graph"]
