@@ -400,6 +400,8 @@ def record_run(
             "logits_match": all_rows([r["logits_match"] for r in records]),
             "coherent": all_rows([r["coherent"] for r in records]),
         }
+    if rows[0].images is not None:
+        extra["images"] = image_fields(rows[0].images, settings)
     if settings.draft == "assistant" and device_run.assistant is not None:
         extra.update(assisted_fields(model, device_run, rows[0].ids, settings.max_new_tokens, eos))
     result = build_record(
@@ -408,6 +410,20 @@ def record_run(
     if settings.results_dir:
         result["result_file"] = str(write_result(result, Path(settings.results_dir)))
     return result
+
+
+def image_fields(images: Any, settings: PortSettings) -> dict[str, Any]:
+    """What the record says about the prompt's images: how many, their soft tokens and where they
+    sit in the prompt, the vision graph's input shape, and what coherence expected."""
+    prompt = images.prompt
+    return {
+        "count": len(prompt.counts),
+        "soft_tokens": list(prompt.counts),
+        "first_position": prompt.positions[0] if prompt.positions else None,
+        "last_position": prompt.positions[-1] if prompt.positions else None,
+        "vision_input": list(images.pixel_values.shape[1:]),
+        "files": [str(i) for i in settings.images if isinstance(i, (str, Path))],
+    }
 
 
 def assisted_fields(

@@ -349,7 +349,8 @@ def widen_vision_init(full: nn.Module) -> None:
     images, and the decoder learnt to ignore them (E2B: "A red square." for every image after 150
     steps). The input patch projection is widened the same way, so two images' features differ."""
     inner = full.model
-    projection = inner.embed_vision.embedding_projection
+    embedder = inner.embed_vision
+    projection = getattr(embedder, "multimodal_embedder", embedder).embedding_projection  # the 12B nests it
     nn.init.normal_(projection.weight, std=1.0 / projection.in_features**0.5 * 2.0)
     tower = getattr(inner, "vision_tower", None)
     if tower is not None:
@@ -492,7 +493,12 @@ def build_random_multimodal(variant: Variant | str, seed: int = 0):
     full = build_multimodal(variant, text.lm, seed=seed)
     from .weights_identity import declare_identity
 
-    model = loaded(variant, full, None, image_processor(variant), f"tiny-random-vision(seed={seed})")
+    try:
+        processor = image_processor(variant)
+    except ImportError:  # the 12B's processor is torchvision-only in transformers 5.23.0 (docs/IMAGES.md)
+        log.warning("no image processor for %s: transformers' needs torchvision, not installed", variant.name)
+        processor = None
+    model = loaded(variant, full, None, processor, f"tiny-random-vision(seed={seed})")
     declare_identity(model.lm, f"tiny-random-vision-lm:{variant.name}:{seed}")
     return model
 
