@@ -67,6 +67,7 @@ def train_one(name: str, out: Path, seed: int, max_steps: int | None) -> dict:
     cfg = vision.VisionTrainConfig(seed=seed, **({"max_steps": max_steps} if max_steps else {}))
     result = vision.train_vision(full, tokenizer, processor, cfg)
     full = full.to(torch.bfloat16).to(torch.float32)  # the saved values (bf16): judge what ships
+    state = state_sha256(full)
     margin = vision.min_margin(full, vision.encode_examples(tokenizer, processor, shape_images(cfg.per_class, seed)))
     correct, total, failures = held_out(full, tokenizer, processor, seed)
     files = vision.save_vision_fixture(full.to(torch.bfloat16), processor, out / name)
@@ -81,12 +82,28 @@ def train_one(name: str, out: Path, seed: int, max_steps: int | None) -> dict:
             "held_out_failures": failures,
             "history": result.history,
             "params_vision": sum(p.numel() for p in vision.vision_parameters(full)),
-            "state_sha256": state_sha256(full),
+            "state_sha256": state,
             "train_config": cfg.to_dict(),
         },
         "files": {f"{name}/{k}": v for k, v in files.items()},
         "ok": result.converged and margin > 0 and not failures,
     }
+
+
+def merge(into: Path, other: Path) -> None:
+    """Fold a PROVENANCE.json written elsewhere (a variant trained into another --out folder) and
+    its variant folders into `into` (files are copied as they are; their hashes were recorded)."""
+    import shutil
+
+    theirs = json.loads((other / "PROVENANCE.json").read_text())
+    path = into / "PROVENANCE.json"
+    ours = json.loads(path.read_text())
+    for name, record in theirs["variants"].items():
+        shutil.copytree(other / name, into / name, dirs_exist_ok=True)
+        ours["variants"][name] = record
+    ours["files"].update({k: v for k, v in theirs["files"].items() if not k.startswith("tokenizer/")})
+    ours["files"] = dict(sorted(ours["files"].items()))
+    path.write_text(json.dumps(ours, indent=1, sort_keys=True) + "\n")
 
 
 def main(argv=None) -> int:
@@ -108,6 +125,8 @@ def main(argv=None) -> int:
         done = train_one(name, out, args.seed, args.max_steps)
         done["record"]["wall_seconds"] = round(time.perf_counter() - started, 1)
         done["record"]["created"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+        steps = f" --max-steps {args.max_steps}" if args.max_steps else ""
+        done["record"]["command"] = f"python scripts/train_vision.py --variant {name} --seed {args.seed}{steps}"
         prov["variants"][name] = done["record"]
         prov["files"].update(done["files"])
         ok = ok and done["ok"]
