@@ -68,8 +68,8 @@ def require_vision(multimodal: Any, processor: Any, source: str = "this checkpoi
     if not has_vision(multimodal) or processor is None:
         raise NoVisionError(
             f"{source} has no vision part (no vision_config / embed_vision, or no image processor); "
-            f"send text only, or load a checkpoint with one (e.g. the tiny multimodal fixtures: model='trained' "
-            f"with images on e2b, e4b, 31b or 26b-a4b)"
+            f"send text only, or load a checkpoint with one (e.g. the random-weight multimodal model of "
+            f"e2b, e4b, 31b or 26b-a4b: model='random', or a vision fixture trained by scripts/train_vision.py)"
         )
 
 

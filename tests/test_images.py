@@ -101,7 +101,7 @@ def test_image_for_checkpoint_without_vision():
     from gemma4lib.models.trained import load_trained
     from gemma4lib.port import PortSettings, load_model
 
-    with pytest.raises(NoVisionError, match="vision fixtures exist for"):
+    with pytest.raises(NoVisionError, match="train one with"):
         load_model(PortSettings(variant="12b", images=(str(RED_CIRCLE),)))
     from gemma4lib.images import require_vision
 

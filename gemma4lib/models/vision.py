@@ -477,8 +477,9 @@ def load_vision_fixture(variant: Variant | str, root: Path | None = None, verify
     folder = vision_fixture_dir(variant, root)
     if not (folder / "model.safetensors").is_file():
         raise NoVisionError(
-            f"no tiny vision fixture for {variant.name!r} (at {folder}); vision fixtures exist for "
-            f"{', '.join(VISION_VARIANTS)}: train one with `python scripts/train_vision.py --variant {variant.name}`"
+            f"no tiny vision fixture for {variant.name!r} (at {folder}); train one with "
+            f"`python scripts/train_vision.py --variant {variant.name}` (variants {', '.join(VISION_VARIANTS)}), "
+            f"or run the random-weight multimodal model (model='random')"
         )
     if verify:
         verify_vision_hashes(root, [variant.name])
