@@ -37,6 +37,12 @@ def _add_port_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--backend", default="cpu", help="cpu (AOTInductor) | eager | xla | neuron")
     parser.add_argument("--tp", type=int, default=1, dest="tp_degree", help="tensor-parallel degree")
     parser.add_argument("--prompt")
+    parser.add_argument(
+        "--image",
+        action="append",
+        dest="images",
+        help="an image file for the prompt (repeat for several); the vision graph joins the port (docs/IMAGES.md)",
+    )
     parser.add_argument("--batch", type=int, dest="batch_size", help="rows per batch (default 1): B different prompts")
     parser.add_argument("--prompts", help="the batch's prompts, separated by '|' (default: B capital questions)")
     parser.add_argument("--max-new-tokens", type=int)
@@ -109,6 +115,8 @@ def _settings(args: argparse.Namespace):
         kwargs["prefill_buckets"] = tuple(int(b) for b in args.prefill_buckets.split(","))
     if args.ring_kv is not None:
         kwargs["ring_kv"] = args.ring_kv
+    if getattr(args, "images", None):
+        kwargs["images"] = tuple(args.images)
     return PortSettings(**kwargs)
 
 

@@ -31,14 +31,17 @@ class PromptTooLongError(Gemma4LibError, ValueError):
         context_length: int,
         limit: str = "compiled context length",
         draft_tokens: int = 0,
+        image_tokens: int = 0,
     ):
         if limit.startswith("compiled context"):
             drafts = f" + {draft_tokens} draft slots a verify writes ahead" if draft_tokens else ""
+            of_images = f", {image_tokens} of them image soft tokens," if image_tokens else ""
+            fewer = " (or send fewer images)" if image_tokens else ""
             message = (
-                f"prompt ({prompt_tokens} tokens) + max_new_tokens ({max_new_tokens}){drafts} need "
+                f"prompt ({prompt_tokens} tokens{of_images}) + max_new_tokens ({max_new_tokens}){drafts} need "
                 f"{prompt_tokens + max_new_tokens - 1 + draft_tokens} K/V positions (the last new token is never fed "
                 f"back), more than the {limit} {context_length}; "
-                f"shorten the prompt, lower max_new_tokens, or recompile with a larger context_length"
+                f"shorten the prompt{fewer}, lower max_new_tokens, or recompile with a larger context_length"
             )
         else:  # a prefill bucket: only the prompt has to fit
             message = (
@@ -60,6 +63,18 @@ class GraphFormError(Gemma4LibError, ValueError):
 
 class BadPromptError(Gemma4LibError, ValueError):
     pass
+
+
+class ImageInputError(Gemma4LibError, ValueError):
+    """An image that cannot be read: a missing file, or one that is not an image."""
+
+
+class NoVisionError(Gemma4LibError, ValueError):
+    """Images for a checkpoint (or compiled engine) without a vision part."""
+
+
+class TooManyImagesError(Gemma4LibError, ValueError):
+    """More images than image tokens (image parts) in the prompt, or the other way round."""
 
 
 class BatchTooLargeError(Gemma4LibError, ValueError):

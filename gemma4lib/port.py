@@ -52,11 +52,13 @@ __all__ = [
 
 @dataclass(frozen=True)
 class PromptRow:
-    """One row of a port: its prompt ids, the answer coherence expects (None: none), its text."""
+    """One row of a port: its prompt ids, the answer coherence expects (None: none), its text, and
+    its images as the host prepared them (`images.ImageInputs`; None: text only)."""
 
     ids: list[int]
     expect: str | None
     text: str | None
+    images: Any = None
 
 
 # ---- stages ----------------------------------------------------------------------------------
@@ -73,6 +75,8 @@ def load_model(settings: PortSettings) -> LoadedModel:
 def _load_full_precision(settings: PortSettings) -> LoadedModel:
     variant = settings.variant_spec
     source = settings.model_source
+    if settings.images:
+        return _load_with_vision(settings, source)
     if source == "checkpoint":
         dtype = torch.bfloat16 if settings.backend == "neuron" else torch.float32
         return load_checkpoint(variant, settings.checkpoint or variant.hf_id, dtype=dtype)
@@ -83,12 +87,76 @@ def _load_full_precision(settings: PortSettings) -> LoadedModel:
     return build_tiny(variant, seed=settings.seed)
 
 
+def _load_with_vision(settings: PortSettings, source: str) -> LoadedModel:
+    """The model with its vision part: the tiny multimodal fixture, or a seeded random multimodal
+    build of the same architecture (the witness). A checkpoint's vision part is not loaded yet
+    (docs/IMAGES.md): refused with what to do."""
+    from .errors import NoVisionError
+    from .models import vision
+
+    variant = settings.variant_spec
+    if source == "trained":
+        return vision.load_vision_fixture(variant)
+    if source == "random":
+        return vision.build_random_multimodal(variant, seed=settings.seed)
+    raise NoVisionError(
+        f"images on a {source} model are not loaded by the port yet: the full-profile loader keeps only the "
+        f"text decoder; run the smoke profile (the tiny multimodal fixtures) or send text only"
+    )
+
+
+def image_expectation(images: tuple[Any, ...]) -> str | None:
+    """What a coherent answer names for one synthetic-shape image: "<colour> <shape>", read from
+    the pixels (`shapes.describe`); None for anything else (no coherence rule applies)."""
+    from .images import load_image
+    from .models.shapes import describe
+
+    if len(images) != 1:
+        return None
+    try:
+        colour, shape = describe(load_image(images[0]))
+    except ValueError:
+        return None
+    return f"{colour} {shape}"
+
+
+def image_rows(model: LoadedModel, settings: PortSettings) -> list[PromptRow]:
+    """Row 0 with the settings' images: the chat template with an image part per image (a random
+    model, which has no tokenizer: seeded random ids around one image block)."""
+    from .images import ImageInputs, load_image, require_vision
+    from .models.vision import BOI_ID, EOI_ID, IMAGE_TOKEN_ID, expand_image_tokens
+
+    require_vision(model.multimodal, model.processor, f"the {model.source} {model.variant.name} model")
+    token_id = int(model.multimodal.config.image_token_id)
+    if model.tokenizer is not None:
+        from .images import image_prompt
+
+        inputs = image_prompt(
+            model.tokenizer, model.processor, settings.images, settings.prompt, image_token_id=token_id
+        )
+        expect = settings.expect if settings.expect is not None else image_expectation(settings.images)
+        return [PromptRow(inputs.ids, expect, settings.prompt, inputs)]
+    pictures = [load_image(i) for i in settings.images]
+    data = model.processor(images=pictures, return_tensors="pt")
+    counts = [int(n) for n in data["num_soft_tokens_per_image"]]
+    text = random_prompt(model.config.vocab_size, settings.random_prompt_tokens, settings.seed + 1)
+    text = [t for t in text if t not in (BOI_ID, EOI_ID, IMAGE_TOKEN_ID, token_id)]
+    ids = expand_image_tokens(text[:2] + [token_id] * len(pictures) + text[2:], counts)
+    from .runtime import ImagePrompt
+
+    positions = tuple(i for i, t in enumerate(ids) if t == token_id)
+    prompt = ImagePrompt(data["pixel_values"], data["image_position_ids"], tuple(counts), positions)
+    return [PromptRow(ids, None, None, ImageInputs(ids, data["pixel_values"], data["image_position_ids"], prompt))]
+
+
 def prompt_rows(model: LoadedModel, settings: PortSettings, *, vary: bool = True) -> list[PromptRow]:
     """The port's prompts, one per row: `settings.prompts` (with `expects`) when given, at any batch
     size; else `prompt` (with `expect`) in row 0 and, for `batch_size > 1`, capital questions in the
     other rows. A tokenizer-less random model gets seeded random ids instead (no expectation): of
     different lengths (`vary`), or the witness's one prompt in every row (`vary=False`: its seed was
-    chosen for that prompt's margins)."""
+    chosen for that prompt's margins). With images: `image_rows`."""
+    if settings.images:
+        return image_rows(model, settings)
     if model.tokenizer is None:
         vocab, n = model.config.vocab_size, settings.random_prompt_tokens
         rows = len(settings.prompts) if settings.prompts is not None else settings.batch_size
@@ -106,7 +174,15 @@ def prompt_ids(model: LoadedModel, settings: PortSettings) -> list[int]:
 
 def requests_for(rows: list[PromptRow], settings: PortSettings, eos: list[int]) -> list[Request]:
     """One greedy request per row (the port judges greedy tokens against the greedy reference)."""
-    return [Request(row.ids, settings.max_new_tokens, eos_token_ids=tuple(eos)) for row in rows]
+    return [
+        Request(
+            row.ids,
+            settings.max_new_tokens,
+            eos_token_ids=tuple(eos),
+            images=row.images.prompt if row.images is not None else None,
+        )
+        for row in rows
+    ]
 
 
 def eos_ids(model: LoadedModel) -> list[int]:
@@ -152,9 +228,10 @@ def judge_rows(
     """The three checks of every row against its own batch-1 host reference: (report, reference tokens)."""
     judged = []
     for i, (row, result) in enumerate(zip(rows, device_run.rows, strict=True)):
-        reference = reference_greedy(model.lm, row.ids, settings.max_new_tokens, eos)
+        lm = row_reference(model, row)
+        reference = reference_greedy(lm, row.ids, settings.max_new_tokens, eos)
         report = checks.evaluate(
-            model.lm,
+            lm,
             model.tokenizer,
             row.ids,
             result.tokens,
@@ -166,6 +243,17 @@ def judge_rows(
             log.warning("row %d: %s", i, report.logits.explain())
         judged.append((report, reference))
     return judged
+
+
+def row_reference(model: LoadedModel, row: PromptRow) -> Any:
+    """What a row is judged against: the text LM, or with images transformers' own multimodal model
+    with them bound (`generate(pixel_values=...)` is the reference)."""
+    if row.images is None:
+        return model.lm
+    from .reference import ImageBound
+
+    images = row.images.prompt
+    return ImageBound(model.multimodal, images.pixel_values, images.position_ids, images.positions)
 
 
 def row_records(
@@ -207,12 +295,12 @@ def all_rows(values: list[bool | None]) -> bool | None:
     return all(known) and len(known) == len(values)
 
 
-def reference_margin(model: LoadedModel, ids: list[int], tokens: list[int]) -> float | None:
+def reference_margin(model: LoadedModel, ids: list[int], tokens: list[int], lm: Any = None) -> float | None:
     """The smallest top-1 minus top-2 reference logit over the generated positions: how close
     to a tie the model came (a witness wants small margins: any logit error flips a token)."""
     if not tokens:
         return None
-    top2 = teacher_forced_logits(model.lm, ids, tokens).topk(2, dim=-1).values
+    top2 = teacher_forced_logits(lm or model.lm, ids, tokens).topk(2, dim=-1).values
     return float((top2[:, 0] - top2[:, 1]).min())
 
 
@@ -240,7 +328,7 @@ def witness_record(
         "first_mismatch": report.first_mismatch,
         "logits_match": all_rows([r.logits_match for r, _ in judged]),
         **(report.logits.record() if report.logits else {}),
-        "reference_min_margin": reference_margin(model, rows[0].ids, reference),
+        "reference_min_margin": reference_margin(model, rows[0].ids, reference, row_reference(model, rows[0])),
         "tokens": tokens,
         "reference_tokens": reference,
         "compiler": device_run.compiler,
@@ -312,6 +400,8 @@ def record_run(
             "logits_match": all_rows([r["logits_match"] for r in records]),
             "coherent": all_rows([r["coherent"] for r in records]),
         }
+    if rows[0].images is not None:
+        extra["images"] = image_fields(rows[0].images, settings)
     if settings.draft == "assistant" and device_run.assistant is not None:
         extra.update(assisted_fields(model, device_run, rows[0].ids, settings.max_new_tokens, eos))
     result = build_record(
@@ -320,6 +410,20 @@ def record_run(
     if settings.results_dir:
         result["result_file"] = str(write_result(result, Path(settings.results_dir)))
     return result
+
+
+def image_fields(images: Any, settings: PortSettings) -> dict[str, Any]:
+    """What the record says about the prompt's images: how many, their soft tokens and where they
+    sit in the prompt, the vision graph's input shape, and what coherence expected."""
+    prompt = images.prompt
+    return {
+        "count": len(prompt.counts),
+        "soft_tokens": list(prompt.counts),
+        "first_position": prompt.positions[0] if prompt.positions else None,
+        "last_position": prompt.positions[-1] if prompt.positions else None,
+        "vision_input": list(images.pixel_values.shape[1:]),
+        "files": [str(i) for i in settings.images if isinstance(i, (str, Path))],
+    }
 
 
 def assisted_fields(

@@ -22,6 +22,45 @@ from .models.upcast import upcast_forward
 log = logging.getLogger(__name__)
 
 
+class ImageBound(nn.Module):
+    """transformers' multimodal model with one prompt's images bound, called and generated like a
+    text LM: `forward(ids, attention_mask)` and `generate(ids, ...)` pass the processor's
+    `pixel_values` / `image_position_ids` and the `mm_token_type_ids` of the image's positions, so
+    every reference function here (greedy `generate`, teacher forcing, the spread) runs HF's own
+    image path (`Gemma4Model.forward`: vision tower, soft tokens scattered over the image tokens,
+    the bidirectional mask where the config asks) on the very prompt the device ran."""
+
+    def __init__(self, multimodal: nn.Module, pixel_values: torch.Tensor, position_ids: torch.Tensor, positions):
+        super().__init__()
+        self.multimodal = multimodal
+        self.pixel_values, self.position_ids = pixel_values, position_ids
+        self.positions = tuple(int(p) for p in positions)
+        self.config = multimodal.config.get_text_config()
+
+    def _image_kwargs(self, ids: torch.Tensor) -> dict[str, torch.Tensor]:
+        types = torch.zeros_like(ids)
+        types[:, list(self.positions)] = 1
+        dtype = next(self.multimodal.parameters()).dtype
+        return {
+            "pixel_values": self.pixel_values.to(dtype),
+            "image_position_ids": self.position_ids,
+            "mm_token_type_ids": types,
+        }
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, **kwargs: Any):
+        return self.multimodal(
+            input_ids=input_ids, attention_mask=attention_mask, **self._image_kwargs(input_ids), **kwargs
+        )
+
+    @torch.no_grad()
+    def generate(self, input_ids: torch.Tensor, **kwargs: Any):
+        return self.multimodal.generate(input_ids, **self._image_kwargs(input_ids), **kwargs)
+
+    def set_experts_implementation(self, experts: str) -> None:
+        """The multimodal model's (`upcast.upcast_forward` switches the MoE experts' form)."""
+        self.multimodal.set_experts_implementation(experts)
+
+
 def random_prompt(vocab_size: int, n: int, seed: int) -> list[int]:
     """A seeded prompt for a model without a tokenizer; ids >= 3 avoid pad, eos and bos."""
     generator = torch.Generator().manual_seed(seed)

@@ -23,8 +23,15 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 
 from .device.embedder import HostEmbedder
-from .device.graph import index_tensor
-from .errors import BadPromptError, BatchTooLargeError, PromptTooLongError, SettingsError
+from .device.graph import INDEX_DTYPE, index_tensor
+from .errors import (
+    BadPromptError,
+    BatchTooLargeError,
+    NoVisionError,
+    PromptTooLongError,
+    SettingsError,
+    TooManyImagesError,
+)
 from .generation.acceptance import greedy_verdict, verify_drafts
 from .models.tokenizer import require_chat_template
 
@@ -116,9 +123,15 @@ class Steps:
     decode: Step | None = None
     verify: Step | None = None
     draft: Step | None = None
+    vision: Step | None = None  # (pixel_values, position_ids) -> soft tokens [n, slots, hidden]; no K/V
 
     def __post_init__(self):
         self.prefill = dict(sorted(self.prefill.items()))
+
+
+def index_positions(position_ids: torch.Tensor) -> torch.Tensor:
+    """Patch positions as the vision graph takes them (int32, like every index input)."""
+    return position_ids.to(INDEX_DTYPE)
 
 
 def bind_kv(fn: Step, kv: Sequence[torch.Tensor]) -> Step:
@@ -143,13 +156,37 @@ class Drafter(Protocol):
 
 
 @dataclass(frozen=True)
+class ImagePrompt:
+    """A prompt's images as the image processor gave them, and where their soft tokens go.
+
+    `pixel_values [n, patches, patch_dim]` and `position_ids [n, patches, 2]` are the processor's
+    tensors (one image per vision-graph call); `counts[i]` is image i's number of soft tokens, the
+    first `counts[i]` slots of its graph output; `positions` are the prompt positions of every image
+    token in order (`sum(counts)` of them). The engine runs the vision graph at admission and writes
+    the soft tokens into the prompt's input embeddings there, as the PLE and word embeddings are made
+    on the host; the token id at those positions is replaced by `pad_id` for the host tables, as
+    transformers does."""
+
+    pixel_values: torch.Tensor
+    position_ids: torch.Tensor
+    counts: tuple[int, ...]
+    positions: tuple[int, ...]
+
+    @property
+    def soft_tokens(self) -> int:
+        return sum(self.counts)
+
+
+@dataclass(frozen=True)
 class Request:
-    """One generation request: prompt ids, token budget, sampling, stop tokens."""
+    """One generation request: prompt ids, token budget, sampling, stop tokens, and its images
+    (None: text only)."""
 
     prompt_ids: Sequence[int]
     max_new_tokens: int
     sampling: Sampling = GREEDY
     eos_token_ids: Sequence[int] = ()
+    images: ImagePrompt | None = None
 
 
 @dataclass
@@ -255,6 +292,7 @@ class Engine:
         dtype: torch.dtype = torch.float32,
         draft_tokens: int = 0,
         drafter: Drafter | None = None,
+        pad_id: int = 0,
     ):
         if (drafter is None) != (steps.verify is None):
             raise SettingsError("a drafter needs the verify graph and the verify graph a drafter: pass both or neither")
@@ -264,6 +302,7 @@ class Engine:
         self.context_length, self.vocab_size, self.cap, self.dtype = int(context_length), int(vocab_size), cap, dtype
         self.draft_tokens, self.drafter = int(draft_tokens) if drafter is not None else 0, drafter
         self.rows: dict[int, _Row] = {}
+        self.pad_id = int(pad_id)
 
     @classmethod
     def for_model(cls, model: LoadedModel, steps: Steps, **kwargs: Any) -> Engine:
@@ -273,6 +312,7 @@ class Engine:
             steps,
             vocab_size=int(model.config.vocab_size),
             cap=getattr(model.config, "final_logit_softcapping", None),
+            pad_id=int(getattr(model.config, "pad_token_id", 0) or 0),
             **kwargs,
         )
 
@@ -314,8 +354,39 @@ class Engine:
                 f"encode the text with this model's tokenizer (encode_prompt)"
             )
         if len(ids) + max_new - 1 + self.draft_tokens > self.context_length:
-            raise PromptTooLongError(len(ids), max_new, self.context_length, draft_tokens=self.draft_tokens)
+            raise PromptTooLongError(
+                len(ids),
+                max_new,
+                self.context_length,
+                draft_tokens=self.draft_tokens,
+                image_tokens=self._image_tokens(request),
+            )
+        if request.images is not None:
+            self._check_images(request)
         return self.bucket_for(len(ids))
+
+    @staticmethod
+    def _image_tokens(request: Request) -> int:
+        return request.images.soft_tokens if request.images is not None else 0
+
+    def _check_images(self, request: Request) -> None:
+        """An image request needs the vision graph, and one prompt position per soft token."""
+        images = request.images
+        if self.steps.vision is None:
+            raise NoVisionError(
+                "this engine was compiled without a vision graph; compile with images "
+                "(PortSettings(images=[...])) on a checkpoint that has a vision part"
+            )
+        if len(images.positions) != images.soft_tokens or len(images.counts) != images.pixel_values.shape[0]:
+            raise TooManyImagesError(
+                f"{images.pixel_values.shape[0]} images with {images.soft_tokens} soft tokens, but the prompt has "
+                f"{len(images.positions)} image token positions; build the prompt with one image part per image "
+                f"(gemma4lib.images.image_prompt)"
+            )
+        if images.positions and not 0 <= min(images.positions) <= max(images.positions) < len(request.prompt_ids):
+            raise BadPromptError(
+                "image token positions lie outside the prompt; build it with gemma4lib.images.image_prompt"
+            )
 
     # ---- rows -------------------------------------------------------------------------------------
     def free_rows(self) -> list[int]:
@@ -330,6 +401,29 @@ class Engine:
     def embed(self, ids: torch.Tensor, pad_to: int | None = None) -> list[torch.Tensor]:
         """Word embeddings (scaled) and the PLE inputs on the host, right-padded with zeros."""
         return self.embedder.inputs(ids, pad_to, self.dtype)
+
+    def soft_tokens(self, images: ImagePrompt) -> torch.Tensor:
+        """The vision graph over each image: its soft tokens in prompt order `[sum(counts), hidden]`."""
+        parts = []
+        for i, count in enumerate(images.counts):
+            pixels, positions = images.pixel_values[i : i + 1], index_positions(images.position_ids[i : i + 1])
+            out = _outputs(self.steps.vision(pixels.to(self.dtype), positions), 1)[0]
+            parts.append(out[0, : int(count)])
+        return torch.cat(parts).to(self.dtype)
+
+    def prompt_embeds(self, request: Request, pad_to: int | None = None) -> list[torch.Tensor]:
+        """A request's prompt inputs `[1, n or pad_to, ...]`: word embeddings (and PLE) on the host,
+        an image's soft tokens written over its token positions (their ids become `pad_id` for the
+        tables, as transformers' `Gemma4Model.forward` does)."""
+        ids = torch.as_tensor([list(request.prompt_ids)], dtype=torch.long)
+        images = request.images
+        if images is None:
+            return self.embed(ids, pad_to=pad_to)
+        at = torch.as_tensor(images.positions, dtype=torch.long)
+        ids[0, at] = self.pad_id
+        parts = self.embed(ids, pad_to=pad_to)
+        parts[0][0, at] = self.soft_tokens(images)
+        return parts
 
     def _zero_inputs(self, tokens: int) -> list[torch.Tensor]:
         return self.embed(torch.zeros(self.batch, tokens, dtype=torch.long))
@@ -356,8 +450,7 @@ class Engine:
         if self.steps.prefill:
             inputs = self._zero_inputs(bucket)
             for row, request in requests.items():
-                ids = torch.as_tensor([list(request.prompt_ids)], dtype=torch.long)
-                for slot, part in zip(inputs, self.embed(ids, pad_to=bucket), strict=True):
+                for slot, part in zip(inputs, self.prompt_embeds(request, pad_to=bucket), strict=True):
                     slot[row] = part[0]
             out = self._call(self.steps.prefill[bucket], inputs, [0] * self.batch, lengths)
         else:
@@ -384,14 +477,16 @@ class Engine:
         (the other rows idle, length 0); each row's logits are those of its last prompt token."""
         longest = max(lengths)
         kept: list[torch.Tensor | None] = [None] * self.batch
+        whole = {row: self.prompt_embeds(request) for row, request in requests.items()}
         for i in range(longest):
-            tokens = torch.zeros(self.batch, 1, dtype=torch.long)
+            inputs = self._zero_inputs(1)
             step_lengths = [0] * self.batch
-            for row, request in requests.items():
+            for row in requests:
                 if i < lengths[row]:
-                    tokens[row, 0] = int(request.prompt_ids[i])
+                    for slot, part in zip(inputs, whole[row], strict=True):
+                        slot[row] = part[0, i : i + 1]
                     step_lengths[row] = 1
-            out = self._call(self.steps.decode, self.embed(tokens), [i] * self.batch, step_lengths)
+            out = self._call(self.steps.decode, inputs, [i] * self.batch, step_lengths)
             for row in requests:
                 if i == lengths[row] - 1:
                     kept[row] = out[0][row]
@@ -614,6 +709,7 @@ __all__ = [
     "BatchResult",
     "Drafter",
     "Engine",
+    "ImagePrompt",
     "Request",
     "RowResult",
     "Sampling",

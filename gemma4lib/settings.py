@@ -22,6 +22,8 @@ MODEL_SOURCES = ("auto", "trained", "random", "checkpoint")
 # what proposes drafts (`generation.drafters`): Gemma-4's own assistant, or n-gram prompt lookup
 DRAFT_KINDS = ("assistant", "prompt_lookup")
 DEFAULT_PROMPT = "What is the capital of France?"
+# where an image prompt runs and is checked today (docs/IMAGES.md)
+IMAGE_BACKENDS = ("cpu", "eager")
 
 
 # Integer settings and their smallest allowed value.
@@ -97,9 +99,15 @@ class PortSettings:
     batch_size: int = 1
     prompts: tuple[str, ...] | None = None
     expects: tuple[str | None, ...] | None = None
+    # images (file paths or PIL images) for row 0's prompt: the vision graph joins the port's graphs
+    # (docs/IMAGES.md). With images, the default prompt becomes "What is in the image?", the default
+    # expectation the colour and shape read from the pixels (`models.shapes.describe`), and the default
+    # shapes (64-token bucket, 128 context) grow to hold the ~64 soft tokens an image takes: (128,), 192.
+    images: tuple[Any, ...] = ()
 
     def __post_init__(self):
         self.variant_spec = get_variant(self.variant)
+        self._check_images()
         check_profile(self.profile)
         if self.backend not in selectable():
             raise UnknownNameError("backend", self.backend, selectable())
@@ -146,6 +154,39 @@ class PortSettings:
             from .cache.bundle import check_settings
 
             check_settings(self)  # shapes, formats, versions, machine: before anything loads
+
+    def _check_images(self) -> None:
+        """Images: one prompt at TP 1 on cpu/eager, without drafting (what runs and is checked here);
+        the defaults that only fit text grow to fit an image (field comment)."""
+        if isinstance(self.images, (str, bytes)) or not isinstance(self.images, (tuple, list)):
+            self.images = (self.images,) if self.images is not None else ()
+        self.images = tuple(self.images)
+        if not self.images:
+            return
+        if self.prompt == DEFAULT_PROMPT:
+            from .models.shapes import QUESTION
+
+            self.prompt = QUESTION
+            if self.expect == "Paris":
+                self.expect = None  # read from the image instead (port.image_expectation)
+        if tuple(_as_tuple(self.prefill_buckets)) == (64,) and self.context_length == 128:
+            self.prefill_buckets, self.context_length = (128,), 192
+        unsupported = [
+            what
+            for what, bad in (
+                (f"batch_size {self.batch_size}", int(self.batch_size) != 1 or self.prompts is not None),
+                (f"tp_degree {self.tp_degree}", int(self.tp_degree) != 1),
+                (f"draft {self.draft!r}", self.draft is not None),
+                (f"backend {self.backend!r}", self.backend not in IMAGE_BACKENDS),
+            )
+            if bad
+        ]
+        if unsupported:
+            raise SettingsError(
+                f"images run with one prompt at tp_degree 1 without drafting on backend "
+                f"{' or '.join(map(repr, IMAGE_BACKENDS))} so far; not with {', '.join(unsupported)} "
+                f"(docs/IMAGES.md says what is not reached yet)"
+            )
 
     def _check_draft(self) -> None:
         """k >= 1, and only with a drafter; where drafting runs: refused here, before anything loads."""
@@ -293,5 +334,8 @@ class PortSettings:
 
     def parameters(self) -> dict[str, Any]:
         out = {k: v for k, v in asdict(self).items() if k != "variant_spec"}
+        out["images"] = [
+            i if isinstance(i, str) else str(i) if hasattr(i, "__fspath__") else repr(i) for i in self.images
+        ]
         out["model_source"] = self.model_source
         return out

@@ -41,13 +41,15 @@ def compile(graphs: GraphSet, model: LoadedModel, settings: PortSettings, progre
 
 
 def steps_over(graphs: GraphSet, fns: dict, kv: list) -> Steps:
-    """`Steps` from callables named as `graphs.named()`, each taking the K/V `kv` as trailing inputs."""
-    bound = {name: bind_kv(fn, kv) for name, fn in fns.items()}
+    """`Steps` from callables named as `graphs.named()`, each taking the K/V `kv` as trailing inputs
+    (but the vision graph, which reads none)."""
+    bound = {name: bind_kv(fn, kv) for name, fn in fns.items() if name != "vision"}
     return Steps(
         prefill={b: bound[f"prefill{b}"] for b in graphs.prefill},
         decode=bound.get("decode"),
         verify=bound.get("verify"),
         draft=bound.get("draft"),
+        vision=fns.get("vision"),  # reads no K/V
     )
 
 

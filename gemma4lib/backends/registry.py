@@ -17,7 +17,7 @@ from ..device.build import GraphSet, device_graphs
 from ..device.experts import CPU_THREAD_FLOP_PER_BYTE
 from ..errors import SettingsError, UnknownNameError
 from ..generation.drafters import make_drafter
-from ..reference import reference_last_logits
+from ..reference import ImageBound, reference_last_logits
 from ..runtime import Engine, Request, RowResult, softcap
 from ..timing import bench_drafted, benchmark
 from . import cpu, eager, gloo, neuron, xla
@@ -155,10 +155,20 @@ def compile_graphs(
     return compiled
 
 
-def prefill_logits_error(model: LoadedModel, row: RowResult) -> float:
-    """Max |device softcapped logits - HF logits| for the last prompt token of `row`."""
+def prefill_logits_error(model: LoadedModel, row: RowResult, request: Request | None = None) -> float:
+    """Max |device softcapped logits - HF logits| for the last prompt token of `row` (with the
+    request's images bound to HF's multimodal model when it has any)."""
     device = softcap(row.first_logits.float(), model.config.final_logit_softcapping)
-    return float((device - reference_last_logits(model.lm, row.prompt_ids)).abs().max())
+    return float((device - reference_last_logits(reference_lm(model, request), row.prompt_ids)).abs().max())
+
+
+def reference_lm(model: LoadedModel, request: Request | None) -> Any:
+    """The host reference a request is judged against: the text LM, or for a request with images
+    transformers' multimodal model with them bound (`reference.ImageBound`)."""
+    if request is None or request.images is None:
+        return model.lm
+    images = request.images
+    return ImageBound(model.multimodal, images.pixel_values, images.position_ids, images.positions)
 
 
 def run_device(
@@ -203,7 +213,7 @@ def run_compiled(
         rows=generation.rows,
         compiler=compiled.compiler,
         compile_s=compiled.compile_s,
-        prefill_logits_max_abs_diff=prefill_logits_error(model, generation.rows[0]),
+        prefill_logits_max_abs_diff=prefill_logits_error(model, generation.rows[0], requests[0]),
         cache_hits=compiled.cache_hits,
         prefill_ms=generation.prefill_s * 1000,
         decode_tok_s=generation.decode_tok_s,
@@ -266,6 +276,7 @@ __all__ = [
     "cpu_balance",
     "get_backend",
     "prefill_logits_error",
+    "reference_lm",
     "run_compiled",
     "run_device",
     "selectable",

@@ -18,6 +18,7 @@ from torch import nn
 from .drafting import DraftGraph, RoomyLayout, verify_expert_form
 from .graph import DeviceGraph, GraphShape
 from .kv_layout import KVLayout
+from .vision import VisionGraph, vision_graph
 
 if TYPE_CHECKING:  # type names only
     from ..models.assistant import LoadedAssistant
@@ -41,11 +42,12 @@ class GraphSet:
     verify: DeviceGraph | None = None
     draft: DraftGraph | None = None
     draft_tokens: int = 0
+    vision: VisionGraph | None = None  # pixels -> soft tokens, when the port has images (no K/V)
 
     def named(self) -> dict[str, nn.Module]:
         """Every graph by the name its compiled artifact and step carry."""
         out: dict[str, nn.Module] = {f"prefill{b}": g for b, g in sorted(self.prefill.items())}
-        for name in ("decode", "verify", "draft"):
+        for name in ("decode", "verify", "draft", "vision"):
             if getattr(self, name) is not None:
                 out[name] = getattr(self, name)
         return out
@@ -121,6 +123,7 @@ def device_graphs(
         inplace=inplace,
         compute_balance=compute_balance,
         assistant=assistant,
+        vision=image_graph(model, settings),
     )
 
 
@@ -139,6 +142,7 @@ def graph_set(
     inplace: bool = True,
     compute_balance: float | None = None,
     assistant: LoadedAssistant | None = None,
+    vision: VisionGraph | None = None,
 ) -> GraphSet:
     """The named graphs over the model's own modules from explicit shapes (what `device_graphs` reads
     from the settings; the benchmark suite builds its drafted graphs for models that have no
@@ -146,7 +150,8 @@ def graph_set(
     (MoE experts dense) and decode (`decode_experts`); with `draft_tokens` k > 0 the verify graph
     instead of decode (every position, its MoE form by bytes: `verify_expert_form`) and, with
     `hidden` (the assistant drafts from the target's hidden state), the assistant's draft graph,
-    all over one layout whose rings hold window + k + 1 slots (`drafting` module docstring)."""
+    all over one layout whose rings hold window + k + 1 slots (`drafting` module docstring); `vision`, the
+    image encoder's graph (`image_graph`), rides beside them."""
     k = int(draft_tokens)
     layout = RoomyLayout.around(model.layout, k + 1) if k else model.layout
 
@@ -157,7 +162,7 @@ def graph_set(
     prefill = {b: graph(b, PREFILL_EXPERTS, hidden=hidden) for b in prefill_buckets}
     if not k:
         decode = graph(1, decode_experts, compute_balance=compute_balance)
-        return GraphSet(prefill, decode, layout)
+        return GraphSet(prefill, decode, layout, vision=vision)
     verify = graph(
         k + 1,
         verify_expert_form(model.config, k, verify_experts),
@@ -170,7 +175,26 @@ def graph_set(
         if assistant is None:
             raise ValueError("draft='assistant' builds the assistant's draft graph: pass assistant=load_assistant(...)")
         draft = DraftGraph(assistant.model, layout, GraphShape(batch, 1, context_length, ring), assistant.read_layers)
-    return GraphSet(prefill, None, layout, verify, draft, k)
+    return GraphSet(prefill, None, layout, verify, draft, k, vision=vision)
 
 
-__all__ = ["PREFILL_EXPERTS", "GraphSet", "device_graph", "device_graphs", "graph_set"]
+def image_graph(model: LoadedModel, settings: PortSettings) -> VisionGraph | None:
+    """The vision graph when the settings carry images: one image per call, at the patch budget of
+    the model's image processor (its `max_soft_tokens` x pooling^2 patches); None without images."""
+    if not settings.images:
+        return None
+    from ..images import require_vision
+
+    require_vision(model.multimodal, model.processor, f"the {model.source} {model.variant.name} model")
+    processor = model.processor
+    patches = int(processor.max_soft_tokens) * int(processor.pooling_kernel_size) ** 2
+    vision_config = model.multimodal.config.vision_config
+    if model.multimodal.model.vision_tower is None:  # the 12B: merged patches, one soft token each
+        patches = int(processor.max_soft_tokens)
+        patch_dim = 3 * (int(vision_config.patch_size) * int(vision_config.pooling_kernel_size)) ** 2
+    else:
+        patch_dim = 3 * int(vision_config.patch_size) ** 2
+    return vision_graph(model.multimodal, 1, patches, patch_dim)
+
+
+__all__ = ["PREFILL_EXPERTS", "GraphSet", "device_graph", "device_graphs", "graph_set", "image_graph"]

@@ -27,6 +27,10 @@ class LoadedModel:
     lm: nn.Module  # *ForCausalLM, eval mode: the reference and the weight source
     tokenizer: Any | None = None
     source: str = "tiny-random"
+    # the multimodal `*ForConditionalGeneration` that `lm` shares its decoder with, and its image
+    # processor, when the model was loaded with its vision part (`models.vision`); None: text only
+    multimodal: nn.Module | None = None
+    processor: Any | None = None
 
     @property
     def config(self):

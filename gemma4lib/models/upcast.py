@@ -60,7 +60,10 @@ class _Widener:
         self.dtype = dtype
         self.saved: dict[int, list[tuple[str, str, torch.Tensor]]] = {}
 
-    def widen(self, module: nn.Module, _args=None) -> None:
+    def widen(self, module: nn.Module, _args=None) -> tuple | None:
+        """Pre-hook: the module's own tensors wide, and its narrower floating inputs too (a module
+        that casts its input to its weight's dtype before the weight's own hook ran, as Gemma-4's
+        vision patch embedder does, would otherwise hand a float32 input to a float64 weight)."""
         saved = []
         for name, param in module._parameters.items():
             if _float(param) and param.dtype != self.dtype:
@@ -71,6 +74,13 @@ class _Widener:
                 saved.append(("b", name, buf))
                 module._buffers[name] = buf.to(self.dtype)
         self.saved[id(module)] = saved
+        if not _args:
+            return None
+        wide = tuple(
+            a.to(self.dtype) if isinstance(a, torch.Tensor) and _float(a) and a.dtype != self.dtype else a
+            for a in _args
+        )
+        return wide if any(w is not a for w, a in zip(wide, _args, strict=True)) else None
 
     def restore(self, module: nn.Module, _args=None, _out=None) -> None:
         for kind, name, original in self.saved.pop(id(module), []):

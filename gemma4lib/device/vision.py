@@ -1,0 +1,110 @@
+"""The vision graph: an image's pixels to the soft tokens the decoder reads, as one compiled graph
+of fixed shape (the image processor's patch budget), beside the decoder's prefill and decode graphs.
+
+What runs is transformers' own vision modules, unchanged: on E2B, E4B, 31B and 26B-A4B the
+`Gemma4VisionModel`'s patch embedder, encoder and pooler, then `Gemma4MultimodalEmbedder`; on the
+12B the encoder-free `Gemma4UnifiedVisionEmbedder` (patches projected straight into the decoder's
+width). One thing changes: transformers strips the padding soft tokens with a boolean index
+(`hidden[pooler_mask]`), a data-dependent shape no static compiler takes; the graph returns every
+slot `[images, slots, hidden]` and the host keeps each image's first `num_soft_tokens` (the pooler
+puts an image's valid tokens first, the processor pads at the end).
+
+The soft tokens then go where PLE goes: into the decoder's input embeddings on the host
+(`runtime.Engine.admit`), at the image token positions the chat template and processor laid out.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+
+@dataclass(frozen=True)
+class VisionShape:
+    """Static shapes of the vision graph: images per call, the processor's patch budget, the
+    values per patch (3 x patch^2, or the 12B's merged patch)."""
+
+    images: int
+    patches: int
+    patch_dim: int
+
+    @property
+    def phase(self) -> str:
+        return "vision"
+
+
+def has_vision(multimodal: nn.Module | None) -> bool:
+    """Whether a loaded `*ForConditionalGeneration` carries a vision part."""
+    inner = getattr(multimodal, "model", None)
+    return inner is not None and getattr(inner, "embed_vision", None) is not None
+
+
+def soft_token_slots(multimodal: nn.Module, patches: int) -> int:
+    """Soft-token slots the graph returns per image: patches / pooling^2 (encoder), or one per
+    merged patch (the 12B's encoder-free path)."""
+    inner = multimodal.model
+    if getattr(inner, "vision_tower", None) is None:
+        return patches
+    return patches // (int(inner.config.vision_config.pooling_kernel_size) ** 2)
+
+
+class _Parts(nn.Module):
+    """The vision modules a graph runs, with the vision config the program key reads."""
+
+    def __init__(self, multimodal: nn.Module):
+        super().__init__()
+        inner = multimodal.model
+        self.config = inner.config.vision_config
+        self.vision_tower = getattr(inner, "vision_tower", None)
+        self.embed_vision = inner.embed_vision
+
+
+class VisionGraph(nn.Module):
+    """`forward(pixel_values [n, patches, patch_dim], position_ids [n, patches, 2] int32)` ->
+    soft tokens `[n, slots, text_hidden]` (module docstring). Shares the model's weights."""
+
+    def __init__(self, multimodal: nn.Module, shape: VisionShape):
+        super().__init__()
+        self.model = _Parts(multimodal)
+        self.shape = shape
+        self.slots = soft_token_slots(multimodal, shape.patches)
+        self.encoder_free = self.model.vision_tower is None
+        self.dtype = next(self.model.embed_vision.parameters()).dtype
+        self.tags: dict[str, str] = {}
+
+    def key_parts(self) -> dict:
+        """What distinguishes this graph's program beyond config, weights and shapes (cache key)."""
+        return {"class": type(self).__qualname__, "encoder_free": self.encoder_free, "slots": self.slots, **self.tags}
+
+    def example_inputs(self) -> tuple[torch.Tensor, ...]:
+        n, p = self.shape.images, self.shape.patches
+        side = max(1, int(p**0.5))
+        grid = torch.stack([torch.arange(p) % side, torch.arange(p) // side], -1).to(torch.int32)
+        return torch.zeros(n, p, self.shape.patch_dim, dtype=self.dtype), grid[None].repeat(n, 1, 1)
+
+    def forward(self, pixel_values: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        position_ids = position_ids.long()
+        if self.encoder_free:
+            return self.model.embed_vision(pixel_values, position_ids).pooler_output
+        tower = self.model.vision_tower
+        padding = (position_ids == -1).all(dim=-1)
+        embeds = tower.patch_embedder(pixel_values, position_ids, padding)
+        hidden = tower.encoder(inputs_embeds=embeds, attention_mask=~padding, pixel_position_ids=position_ids)
+        pooled, _ = tower.pooler(
+            hidden_states=hidden.last_hidden_state,
+            pixel_position_ids=position_ids,
+            padding_positions=padding,
+            output_length=self.slots,
+        )
+        if tower.config.standardize:
+            pooled = (pooled - tower.std_bias.float()) * tower.std_scale.float()
+        return self.model.embed_vision(inputs_embeds=pooled.to(embeds.dtype))
+
+
+def vision_graph(multimodal: nn.Module, images: int, patches: int, patch_dim: int) -> VisionGraph:
+    return VisionGraph(multimodal, VisionShape(images, patches, patch_dim))
+
+
+__all__ = ["VisionGraph", "VisionShape", "has_vision", "soft_token_slots", "vision_graph"]

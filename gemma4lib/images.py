@@ -1,0 +1,109 @@
+"""The host side of an image prompt: read the images, run the checkpoint's image processor, render
+the chat messages with image parts through the tokenizer's chat template, expand each image part to
+its soft tokens, and hand the engine a `runtime.ImagePrompt`.
+
+Every bad input stops here with a library error that says what to do (`errors.ImageInputError`,
+`NoVisionError`, `TooManyImagesError`); a prompt too long for the compiled context is the engine's
+one fit check (`Engine.check`), which counts the image's soft tokens.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .errors import ImageInputError, NoVisionError, TooManyImagesError
+from .runtime import ImagePrompt
+
+log = logging.getLogger(__name__)
+
+
+def load_image(image: Any):
+    """A PIL RGB image from a path or a PIL image; `ImageInputError` for a missing file or one that
+    is not an image."""
+    from PIL import Image, UnidentifiedImageError
+
+    if isinstance(image, Image.Image):
+        return image.convert("RGB")
+    if not isinstance(image, (str, Path)):
+        raise ImageInputError(f"an image is a file path or a PIL.Image.Image, got {type(image).__name__}")
+    path = Path(image)
+    if not path.is_file():
+        raise ImageInputError(f"image file {str(path)!r} does not exist; pass the path of a PNG or JPEG file")
+    try:
+        with Image.open(path) as opened:
+            return opened.convert("RGB")
+    except (UnidentifiedImageError, OSError) as error:
+        raise ImageInputError(
+            f"{str(path)!r} is not an image PIL can read ({error.__class__.__name__}); pass a PNG or JPEG file"
+        ) from None
+
+
+@dataclass(frozen=True)
+class ImageInputs:
+    """What the host made of one prompt with images: the prompt ids (image parts expanded), the
+    processor's tensors, and the `ImagePrompt` the engine places."""
+
+    ids: list[int]
+    pixel_values: torch.Tensor
+    position_ids: torch.Tensor
+    prompt: ImagePrompt
+
+    @property
+    def token_types(self) -> list[int]:
+        """transformers' `mm_token_type_ids`: 1 on the soft tokens."""
+        marked = set(self.prompt.positions)
+        return [1 if i in marked else 0 for i in range(len(self.ids))]
+
+
+def require_vision(multimodal: Any, processor: Any, source: str = "this checkpoint") -> None:
+    """Refuse images for a model without a vision part or image processor."""
+    from .device.vision import has_vision
+
+    if not has_vision(multimodal) or processor is None:
+        raise NoVisionError(
+            f"{source} has no vision part (no vision_config / embed_vision, or no image processor); "
+            f"send text only, or load a checkpoint with one (e.g. the random-weight multimodal model of "
+            f"e2b, e4b, 31b or 26b-a4b: model='random', or a vision fixture trained by scripts/train_vision.py)"
+        )
+
+
+def image_prompt(
+    tokenizer: Any,
+    processor: Any,
+    images: Sequence[Any],
+    question: str,
+    *,
+    image_token_id: int,
+    messages: list[dict[str, Any]] | None = None,
+) -> ImageInputs:
+    """Render `messages` (default: one user turn with an image part per image, then `question`)
+    through the chat template, expand every image part to boi + soft tokens + eoi as transformers'
+    processor does, and run the image processor. More images than image parts (or fewer) is a
+    `TooManyImagesError`."""
+    from .models.vision import expand_image_tokens, image_messages
+
+    pictures = [load_image(i) for i in images]
+    messages = messages if messages is not None else image_messages(question, len(pictures))
+    rendered = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+    rendered = list(rendered["input_ids"] if isinstance(rendered, dict) else rendered)
+    parts = rendered.count(image_token_id)
+    if parts != len(pictures):
+        raise TooManyImagesError(
+            f"{len(pictures)} images for {parts} image parts in the prompt; give one "
+            f'{{"type": "image"}} content part per image (or pass fewer images)'
+        )
+    data = processor(images=pictures, return_tensors="pt")
+    counts = tuple(int(n) for n in data["num_soft_tokens_per_image"])
+    ids = expand_image_tokens(rendered, list(counts))
+    positions = tuple(i for i, t in enumerate(ids) if t == image_token_id)
+    prompt = ImagePrompt(data["pixel_values"], data["image_position_ids"], counts, positions)
+    return ImageInputs(ids, data["pixel_values"], data["image_position_ids"], prompt)
+
+
+__all__ = ["ImageInputs", "image_prompt", "load_image", "require_vision"]

@@ -1,0 +1,562 @@
+"""The tiny multimodal fixtures: each variant's trained text decoder with a tiny vision part of the
+variant's real classes, trained here on synthetic shapes (`shapes.py`) with the text weights frozen.
+
+Which vision classes (transformers 5.23.0): E2B, E4B, 31B and 26B-A4B carry `Gemma4VisionModel`
+(patch embedder, a bidirectional encoder, a pooler to `max_soft_tokens`) and a
+`Gemma4MultimodalEmbedder` (RMSNorm + linear into the decoder's width) inside
+`Gemma4ForConditionalGeneration`; the 12B's `Gemma4UnifiedForConditionalGeneration` is encoder-free:
+`Gemma4UnifiedVisionEmbedder` projects raw merged patches straight into the decoder, and its text
+config asks for bidirectional attention among an image's tokens (`use_bidirectional_attention="vision"`,
+on the sliding layers; full layers stay causal).
+
+Why frozen: the text fixture stays byte-identical (its hash, its answers, every text test), and the
+vision part must steer a decoder that never saw an image: a coherent "A red circle." means the
+soft tokens carry the colour and the shape. The fixture folder `fixtures/vision/<variant>/` holds
+only the multimodal config, the vision weights and the image processor's config; the loader puts
+the text fixture's weights under it. `fixtures/vision/tokenizer/` is the text tokenizer with three
+filler specials renamed to Gemma-4's image tokens (same ids for every other token, so text prompts
+encode exactly as before) and a chat template that renders image parts.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..environment import check_transformers
+from .shapes import QUESTION, ShapeImage, shape_images
+from .variants import Variant, get_variant
+
+log = logging.getLogger(__name__)
+
+# Filler specials of the text tokenizer (`tokenizer.special_tokens`) renamed to Gemma-4's image tokens.
+BOI, EOI, IMAGE_TOKEN = "<|image>", "<image|>", "<|image|>"
+BOI_ID, EOI_ID, IMAGE_TOKEN_ID = 3, 4, 5
+# The smallest soft-token budget transformers' Gemma-4 image processors accept (70, 140, ... 1120).
+MAX_SOFT_TOKENS = 70
+# Image parts render as the image token; the processor step expands it to boi + soft tokens + eoi.
+VISION_CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for message in messages %}"
+    "{% set role = 'model' if message['role'] == 'assistant' else message['role'] %}"
+    "{{ '<|turn>' + role + '\\n' }}"
+    "{% if message['content'] is string %}{{ message['content'] | trim }}"
+    "{% else %}{% for part in message['content'] %}"
+    "{% if part['type'] == 'image' %}{{ '" + IMAGE_TOKEN + "' }}"
+    "{% elif part['type'] == 'text' %}{{ part['text'] | trim }}{% endif %}"
+    "{% endfor %}{% endif %}"
+    "{{ '<turn|>\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|turn>model\\n' }}{% endif %}"
+)
+
+
+def vision_configs(variant: Variant | str, text_hidden: int) -> Any:
+    """The tiny vision sub-config of the variant's released kind: patch 4, 2x2 pooling, so a 32x32
+    image is 64 patches and 16 soft tokens (padded to the processors' smallest budget, 70)."""
+    variant = variant if isinstance(variant, Variant) else get_variant(variant)
+    check_transformers()
+    if variant.unified:
+        from transformers.models.gemma4_unified import Gemma4UnifiedVisionConfig
+
+        return Gemma4UnifiedVisionConfig(
+            patch_size=4, pooling_kernel_size=2, mm_embed_dim=64, mm_posemb_size=64, output_proj_dims=64
+        )
+    from transformers import Gemma4VisionConfig
+
+    return Gemma4VisionConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        head_dim=32,
+        patch_size=4,
+        pooling_kernel_size=2,
+        position_embedding_size=64,
+    )
+
+
+def multimodal_config(variant: Variant | str, text_config: Any) -> Any:
+    """`Gemma4Config` / `Gemma4UnifiedConfig` around the text fixture's config, with the vision
+    sub-config and the image token ids of the vision tokenizer; no audio part."""
+    variant = variant if isinstance(variant, Variant) else get_variant(variant)
+    drop = ("architectures", "_name_or_path", "dtype", "torch_dtype", "transformers_version")
+    text = {k: v for k, v in text_config.to_dict().items() if k not in drop}
+    if variant.unified:
+        from transformers.models.gemma4_unified import Gemma4UnifiedConfig as config_cls
+    else:
+        from transformers import Gemma4Config as config_cls
+    config = config_cls(
+        text_config=text,
+        vision_config=vision_configs(variant, text_config.hidden_size),
+        audio_config=None,
+        image_token_id=IMAGE_TOKEN_ID,
+        boi_token_id=BOI_ID,
+        eoi_token_id=EOI_ID,
+    )
+    config.eos_token_id = [1, 106]
+    return config
+
+
+def image_processor(variant: Variant | str):
+    """The variant's transformers image processor at the tiny vision config's patch and pooling.
+
+    `do_resize=False`: the processors resize every image to fill `max_soft_tokens` (at least 70:
+    ~64 soft tokens), which made an image prompt ~100 tokens and training 2x slower; the fixtures
+    take 32x32 images as they are (16 soft tokens, padded to the 280-patch budget the graph is
+    compiled for). Other sizes are refused by `images.image_prompt` with what to do."""
+    variant = variant if isinstance(variant, Variant) else get_variant(variant)
+    kwargs = dict(patch_size=4, pooling_kernel_size=2, max_soft_tokens=MAX_SOFT_TOKENS, do_resize=False)
+    if variant.unified:  # torchvision only in transformers 5.23.0 (no PIL backend)
+        from transformers.models.gemma4_unified import Gemma4UnifiedImageProcessor
+
+        return Gemma4UnifiedImageProcessor(**kwargs)
+    # the PIL backend: the torchvision one is the same math, and torchvision is not a pinned dependency
+    from transformers.models.gemma4.image_processing_pil_gemma4 import Gemma4ImageProcessorPil
+
+    return Gemma4ImageProcessorPil(**kwargs)
+
+
+def vision_tokenizer(text_tokenizer):
+    """The text tokenizer with fillers 3, 4, 5 renamed `<|image>`, `<image|>`, `<|image|>` and the
+    vision chat template; every other id is unchanged."""
+    from tokenizers import Tokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    from .tokenizer import BOS, EOS, PAD
+
+    spec = json.loads(text_tokenizer.backend_tokenizer.to_str())
+    renames = {f"<unused{BOI_ID}>": BOI, f"<unused{EOI_ID}>": EOI, f"<unused{IMAGE_TOKEN_ID}>": IMAGE_TOKEN}
+    for added in spec["added_tokens"]:
+        added["content"] = renames.get(added["content"], added["content"])
+    vocab = spec["model"]["vocab"]
+    for old, new in renames.items():
+        if old in vocab:
+            vocab[new] = vocab.pop(old)
+    backend = Tokenizer.from_str(json.dumps(spec))
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        bos_token=BOS,
+        eos_token=EOS,
+        pad_token=PAD,
+        unk_token=None,
+        padding_side="left",
+        model_max_length=4096,
+        chat_template=VISION_CHAT_TEMPLATE,
+        extra_special_tokens={"image_token": IMAGE_TOKEN, "boi_token": BOI, "eoi_token": EOI},
+    )
+    for token, expected in ((BOI, BOI_ID), (EOI, EOI_ID), (IMAGE_TOKEN, IMAGE_TOKEN_ID)):
+        if tokenizer.convert_tokens_to_ids(token) != expected:
+            raise AssertionError(f"{token} is not at id {expected}")
+    return tokenizer
+
+
+# ---- prompts with images ------------------------------------------------------------------------
+def image_messages(question: str, n_images: int = 1) -> list[dict[str, Any]]:
+    """One user turn: `n_images` image parts, then the question."""
+    parts: list[dict[str, Any]] = [{"type": "image"} for _ in range(n_images)]
+    return [{"role": "user", "content": [*parts, {"type": "text", "text": question}]}]
+
+
+def expand_image_tokens(ids: list[int], soft_tokens: list[int]) -> list[int]:
+    """Each image token of the rendered prompt becomes boi + that image's soft tokens + eoi, as the
+    transformers processor's `replace_image_token` does to the text."""
+    out, image = [], 0
+    for token in ids:
+        if token == IMAGE_TOKEN_ID:
+            out += [BOI_ID] + [IMAGE_TOKEN_ID] * int(soft_tokens[image]) + [EOI_ID]
+            image += 1
+        else:
+            out.append(token)
+    return out
+
+
+def token_types(ids: list[int]) -> list[int]:
+    """transformers' `mm_token_type_ids`: 1 on an image's soft tokens, 0 elsewhere."""
+    return [1 if t == IMAGE_TOKEN_ID else 0 for t in ids]
+
+
+# ---- training ----------------------------------------------------------------------------------
+@dataclass
+class VisionTrainConfig:
+    seed: int = 0
+    per_class: int = 16  # 12 classes: 192 training images
+    held_out_per_class: int = 4
+    lr: float = 3e-3
+    vision_lr: float = 1e-2  # the vision part starts from scratch: a larger step than the decoder's
+    batch: int = 32
+    max_steps: int = 600  # 200 was not enough here (docs/IMAGES.md: colour learnt, shape 50-83 % held out)
+    warmup_steps: int = 20
+    min_lr_ratio: float = 0.1  # cosine decay to this share of the peak by max_steps (a constant rate oscillated)
+    eval_every: int = 20
+    margin: float = 0.5  # stop when every reply token of every training image wins by this much
+    weight_decay: float = 0.0
+    # the frozen text decoder could not be steered to new words in minutes (loss 7.9 -> 6.7 in 100
+    # steps on E2B): the decoder is fine-tuned with the vision part, in a copy of its own
+    freeze_text: bool = False
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass
+class VisionTrainResult:
+    steps: int
+    converged: bool
+    final_min_margin: float
+    seconds: float
+    history: list[dict[str, float]] = field(default_factory=list)
+
+
+def process(processor, images: list) -> dict[str, torch.Tensor]:
+    """The processor's tensors for a list of PIL images."""
+    return processor(images=images, return_tensors="pt")
+
+
+def encode_examples(tokenizer, processor, examples: list[ShapeImage]) -> dict[str, torch.Tensor]:
+    """Chat prompt with one image + the answer + eos, labels on the answer only (as the text training)."""
+    data = process(processor, [e.image for e in examples])
+    rows = []
+    for i, example in enumerate(examples):
+        prompt = tokenizer.apply_chat_template(
+            image_messages(QUESTION), add_generation_prompt=True, tokenize=True, return_dict=False
+        )
+        prompt = expand_image_tokens(list(prompt), [int(data["num_soft_tokens_per_image"][i])])
+        reply = tokenizer(example.answer, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+        rows.append((prompt, reply))
+    length = max(len(p) + len(r) for p, r in rows)
+    ids = torch.full((len(rows), length), tokenizer.pad_token_id, dtype=torch.long)
+    labels = torch.full((len(rows), length), -100, dtype=torch.long)
+    attention = torch.zeros((len(rows), length), dtype=torch.long)
+    for i, (prompt, reply) in enumerate(rows):
+        seq = prompt + reply
+        ids[i, : len(seq)] = torch.tensor(seq)
+        attention[i, : len(seq)] = 1
+        labels[i, len(prompt) - 1 : len(seq) - 1] = torch.tensor(reply)
+    return {
+        "input_ids": ids,
+        "labels": labels,
+        "attention_mask": attention,
+        "mm_token_type_ids": (ids == IMAGE_TOKEN_ID).long(),
+        "pixel_values": data["pixel_values"],
+        "image_position_ids": data["image_position_ids"],
+    }
+
+
+def vision_parameters(model: nn.Module) -> list[nn.Parameter]:
+    """The parameters outside the language model: the vision tower (if any) and the image embedder."""
+    return [p for n, p in model.named_parameters() if not n.startswith(("model.language_model.", "lm_head."))]
+
+
+def logits_of(model: nn.Module, batch: dict[str, torch.Tensor], index: torch.Tensor) -> torch.Tensor:
+    keys = ("input_ids", "attention_mask", "mm_token_type_ids")
+    sub = {k: batch[k][index] for k in keys}
+    return model(
+        **sub,
+        pixel_values=batch["pixel_values"][index],
+        image_position_ids=batch["image_position_ids"][index],
+        use_cache=False,
+    ).logits
+
+
+def min_margin(model: nn.Module, batch: dict[str, torch.Tensor], chunk: int = 96) -> float:
+    """The smallest reply-token margin (target minus best other) over every example."""
+    from .training import reply_margins
+
+    worst = float("inf")
+    with torch.no_grad():
+        for s in range(0, batch["input_ids"].shape[0], chunk):
+            index = torch.arange(s, min(s + chunk, batch["input_ids"].shape[0]))
+            margins = reply_margins(logits_of(model, batch, index).float(), batch["labels"][index])
+            worst = min(worst, float(torch.nan_to_num(margins, nan=float("inf")).min()))
+    return worst
+
+
+def lr_factor(step: int, cfg: VisionTrainConfig) -> float:
+    """Linear warm-up, then cosine decay to `min_lr_ratio` at `max_steps`."""
+    import math
+
+    if step <= cfg.warmup_steps:
+        return step / cfg.warmup_steps
+    progress = (step - cfg.warmup_steps) / max(1, cfg.max_steps - cfg.warmup_steps)
+    return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+
+
+def train_vision(model: nn.Module, tokenizer, processor, cfg: VisionTrainConfig) -> VisionTrainResult:
+    """Train the vision part of `model` (text weights frozen) on the shapes until every reply token
+    of every training image wins by `cfg.margin`. Deterministic on one thread."""
+    torch.manual_seed(cfg.seed)
+    for p in model.parameters():
+        p.requires_grad_(not cfg.freeze_text)
+    params = vision_parameters(model) if cfg.freeze_text else [p for p in model.parameters() if p.requires_grad]
+    for p in params:
+        p.requires_grad_(True)
+    batch = encode_examples(tokenizer, processor, shape_images(cfg.per_class, cfg.seed))
+    n = batch["input_ids"].shape[0]
+    own = {id(p) for p in vision_parameters(model)}
+    groups = [
+        {"params": [p for p in params if id(p) in own], "lr": cfg.vision_lr, "peak": cfg.vision_lr},
+        {"params": [p for p in params if id(p) not in own], "lr": cfg.lr, "peak": cfg.lr},
+    ]
+    opt = torch.optim.AdamW([g for g in groups if g["params"]], weight_decay=cfg.weight_decay, betas=(0.9, 0.98))
+    generator = torch.Generator().manual_seed(cfg.seed)
+    started, history, margin = time.perf_counter(), [], float("-inf")
+    model.train()
+    step = 0
+    for step in range(1, cfg.max_steps + 1):
+        for group in opt.param_groups:
+            group["lr"] = group["peak"] * lr_factor(step, cfg)
+        index = torch.randperm(n, generator=generator)[: cfg.batch]
+        logits = logits_of(model, batch, index).float()
+        labels = batch["labels"][index]
+        loss = nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=-100)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        if step % cfg.eval_every == 0 or step == cfg.max_steps:
+            model.eval()
+            margin = min_margin(model, batch)
+            model.train()
+            history.append({"step": step, "loss": round(float(loss.detach()), 4), "min_margin": round(margin, 4)})
+            log.info("step %d loss %.4f min margin %.3f", step, float(loss.detach()), margin)
+            if margin >= cfg.margin:
+                break
+    model.eval()
+    for p in model.parameters():
+        p.requires_grad_(False)
+    seconds = time.perf_counter() - started
+    return VisionTrainResult(step, margin >= cfg.margin, margin, round(seconds, 1), history)
+
+
+def build_multimodal(variant: Variant | str, text_lm: nn.Module, seed: int = 0) -> nn.Module:
+    """The variant's `*ForConditionalGeneration` around `text_lm` (weights and buffers copied), the
+    vision part seeded; eager attention as the text fixtures use."""
+    from .checkpoint import conditional_class
+
+    variant = variant if isinstance(variant, Variant) else get_variant(variant)
+    config = multimodal_config(variant, text_lm.config)
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        full = conditional_class(variant)._from_config(
+            config, dtype=torch.float32, attn_implementation=variant.attn_implementation
+        )
+        widen_vision_init(full)
+    full.model.language_model.load_state_dict(text_lm.model.state_dict(), strict=True)
+    full.tie_weights()
+    return full.eval()
+
+
+def widen_vision_init(full: nn.Module) -> None:
+    """Start the soft tokens at the size of the decoder's word embeddings (which are scaled by
+    sqrt(hidden)): at transformers' 0.02 init they are ~14x smaller and barely differ between
+    images, and the decoder learnt to ignore them (E2B: "A red square." for every image after 150
+    steps). The input patch projection is widened the same way, so two images' features differ."""
+    inner = full.model
+    embedder = inner.embed_vision
+    projection = getattr(embedder, "multimodal_embedder", embedder).embedding_projection  # the 12B nests it
+    nn.init.normal_(projection.weight, std=1.0 / projection.in_features**0.5 * 2.0)
+    tower = getattr(inner, "vision_tower", None)
+    if tower is not None:
+        patch = tower.patch_embedder.input_proj
+        nn.init.normal_(patch.weight, std=1.0 / patch.in_features**0.5)
+        nn.init.normal_(tower.patch_embedder.position_embedding_table, std=0.5)
+
+
+def answer_image(model: nn.Module, tokenizer, processor, image, question: str = QUESTION, max_new_tokens: int = 16):
+    """transformers' own greedy `generate(pixel_values=...)`: the answer text and its token ids."""
+    ids, inputs = image_inputs(tokenizer, processor, [image], question)
+    out = model.generate(
+        input_ids=torch.tensor([ids]),
+        attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+        mm_token_type_ids=torch.tensor([token_types(ids)]),
+        pixel_values=inputs["pixel_values"],
+        image_position_ids=inputs["image_position_ids"],
+        max_new_tokens=max_new_tokens,
+        do_sample=False,
+        eos_token_id=[1, 106],
+        pad_token_id=0,
+    )
+    tokens = out[0, len(ids) :].tolist()
+    return tokenizer.decode(tokens, skip_special_tokens=True), tokens
+
+
+def image_inputs(tokenizer, processor, images: list, question: str) -> tuple[list[int], dict[str, torch.Tensor]]:
+    """Prompt ids (chat template, image tokens expanded) and the processor's tensors."""
+    data = process(processor, images)
+    rendered = tokenizer.apply_chat_template(
+        image_messages(question, len(images)), add_generation_prompt=True, tokenize=True, return_dict=False
+    )
+    ids = expand_image_tokens(list(rendered), [int(n) for n in data["num_soft_tokens_per_image"]])
+    return ids, data
+
+
+# ---- the fixture folders, and LoadedModel over a multimodal model ------------------------------------
+VISION_DIR = Path(__file__).resolve().parent.parent / "fixtures" / "vision"
+VISION_TOKENIZER_DIR = VISION_DIR / "tokenizer"
+VISION_FILES = ("config.json", "generation_config.json", "model.safetensors", "preprocessor_config.json")
+VISION_VARIANTS = ("e2b", "e4b", "31b", "26b-a4b")  # the 12B: see docs/IMAGES.md (its processor needs torchvision)
+SOURCE = "tiny-trained-vision"
+
+
+def lm_over(variant: Variant, multimodal: nn.Module) -> nn.Module:
+    """A `*ForCausalLM` whose decoder and head ARE the multimodal model's (shared modules, no copy):
+    every text path of the library (graphs, host tables, reference) reads it as it reads a text
+    checkpoint."""
+    from .loading import _text_classes
+
+    _, lm_cls = _text_classes(variant)
+    text_config = multimodal.config.get_text_config()
+    with torch.device("meta"):
+        lm = lm_cls(text_config)
+    lm.model = multimodal.model.language_model
+    lm.lm_head = multimodal.lm_head
+    lm.generation_config = multimodal.generation_config
+    return lm.eval()
+
+
+def loaded(variant: Variant, multimodal: nn.Module, tokenizer, processor, source: str):
+    from .loading import LoadedModel
+
+    return LoadedModel(variant, lm_over(variant, multimodal), tokenizer, source, multimodal.eval(), processor)
+
+
+def vision_fixture_dir(variant: Variant | str, root: Path | None = None) -> Path:
+    v = variant if isinstance(variant, Variant) else get_variant(variant)
+    return (root or VISION_DIR) / v.name
+
+
+def verify_vision_hashes(root: Path | None = None, variants: list[str] | None = None) -> dict[str, str]:
+    """Check the vision fixtures' files against `fixtures/vision/PROVENANCE.json`."""
+    from ..cache.artifacts import sha256_file
+    from ..errors import CheckpointError
+
+    root = root or VISION_DIR
+    path = root / "PROVENANCE.json"
+    if not path.is_file():
+        raise CheckpointError(f"{path} is missing; regenerate with `python scripts/train_vision.py --variant all`")
+    recorded = json.loads(path.read_text())["files"]
+    wanted = None if variants is None else {get_variant(v).name for v in variants} | {"tokenizer"}
+    problems, checked = [], {}
+    for rel, expected in sorted(recorded.items()):
+        if wanted is not None and rel.split("/", 1)[0] not in wanted:
+            continue
+        file = root / rel
+        got = sha256_file(file) if file.is_file() else None
+        if got != expected:
+            problems.append(f"{rel}: {'missing' if got is None else 'changed'}")
+        checked[rel] = got
+    if problems:
+        raise CheckpointError(
+            "vision fixtures do not match their PROVENANCE.json (" + "; ".join(problems) + "); restore them from git "
+            "or regenerate with scripts/train_vision.py"
+        )
+    return checked
+
+
+def load_vision_fixture(variant: Variant | str, root: Path | None = None, verify: bool = True):
+    """The tiny multimodal fixture of a variant as a `LoadedModel` (fp32, `multimodal` and the image
+    processor set; the tokenizer is the vision tokenizer)."""
+    from transformers import AutoImageProcessor
+
+    from ..errors import NoVisionError
+    from .checkpoint import conditional_class
+    from .tokenizer import load_tokenizer
+    from .weights_identity import declare_identity
+
+    variant = variant if isinstance(variant, Variant) else get_variant(variant)
+    root = root or VISION_DIR
+    folder = vision_fixture_dir(variant, root)
+    if not (folder / "model.safetensors").is_file():
+        raise NoVisionError(
+            f"no tiny vision fixture for {variant.name!r} (at {folder}); train one with "
+            f"`python scripts/train_vision.py --variant {variant.name}` (variants {', '.join(VISION_VARIANTS)}), "
+            f"or run the random-weight multimodal model (model='random')"
+        )
+    if verify:
+        verify_vision_hashes(root, [variant.name])
+    full = conditional_class(variant).from_pretrained(
+        str(folder), dtype=torch.float32, attn_implementation=variant.attn_implementation
+    )
+    processor = AutoImageProcessor.from_pretrained(str(folder))
+    tokenizer = load_tokenizer(root / "tokenizer")
+    from ..cache.artifacts import sha256_file
+
+    declare_identity(full, f"vision-fixture:{variant.name}:{sha256_file(folder / 'model.safetensors')}")
+    model = loaded(variant, full, tokenizer, processor, SOURCE)
+    declare_identity(model.lm, f"vision-fixture-lm:{variant.name}:{sha256_file(folder / 'model.safetensors')}")
+    return model
+
+
+def build_random_multimodal(variant: Variant | str, seed: int = 0):
+    """A seeded random-weight tiny multimodal model of the variant (the witness, the held-out checks):
+    the tiny text config of `build_tiny` with the vision part of the fixtures."""
+    from .loading import build_tiny
+
+    variant = variant if isinstance(variant, Variant) else get_variant(variant)
+    text = build_tiny(variant, seed=seed)
+    full = build_multimodal(variant, text.lm, seed=seed)
+    from .weights_identity import declare_identity
+
+    try:
+        processor = image_processor(variant)
+    except ImportError:  # the 12B's processor is torchvision-only in transformers 5.23.0 (docs/IMAGES.md)
+        log.warning("no image processor for %s: transformers' needs torchvision, not installed", variant.name)
+        processor = None
+    model = loaded(variant, full, None, processor, f"tiny-random-vision(seed={seed})")
+    declare_identity(model.lm, f"tiny-random-vision-lm:{variant.name}:{seed}")
+    return model
+
+
+def save_vision_fixture(full: nn.Module, processor, folder: Path) -> dict[str, str]:
+    """Save the multimodal model (bf16 values, so the folder is half the size; loaded as fp32 they
+    are exact) and its image processor; return {file: sha256}."""
+    from ..cache.artifacts import sha256_file
+
+    folder.mkdir(parents=True, exist_ok=True)
+    full.generation_config.eos_token_id = [1, 106]
+    full.generation_config.pad_token_id = 0
+    full.generation_config.bos_token_id = 2
+    full.save_pretrained(str(folder), safe_serialization=True)
+    processor.save_pretrained(str(folder))
+    return {name: sha256_file(folder / name) for name in VISION_FILES}
+
+
+__all__ = [
+    "SOURCE",
+    "VISION_DIR",
+    "VISION_VARIANTS",
+    "build_random_multimodal",
+    "load_vision_fixture",
+    "lm_over",
+    "save_vision_fixture",
+    "verify_vision_hashes",
+    "BOI",
+    "BOI_ID",
+    "EOI",
+    "EOI_ID",
+    "IMAGE_TOKEN",
+    "IMAGE_TOKEN_ID",
+    "MAX_SOFT_TOKENS",
+    "VisionTrainConfig",
+    "VisionTrainResult",
+    "answer_image",
+    "build_multimodal",
+    "encode_examples",
+    "expand_image_tokens",
+    "image_inputs",
+    "image_messages",
+    "image_processor",
+    "multimodal_config",
+    "token_types",
+    "train_vision",
+    "vision_tokenizer",
+]
