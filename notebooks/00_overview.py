@@ -22,13 +22,13 @@
 # or let `python -m papermill_runs run --profile smoke` run all seven in order. A variant that has not
 # run yet is simply missing from the tables.
 #
-# | notebook | variant | instance | TP | recipe |
+# | notebook | variant | instance | TP degree | recipe |
 # |---|---|---|---|---|
-# | [01_e2b.ipynb](01_e2b.ipynb) | E2B | `inf2.xlarge` | 1 | model_builder (trace selectable) |
-# | [02_e4b.ipynb](02_e4b.ipynb) | E4B | `inf2.8xlarge` | 2 | model_builder |
-# | [03_12b.ipynb](03_12b.ipynb) | 12B | `inf2.8xlarge` | 2 | model_builder |
-# | [04_31b.ipynb](04_31b.ipynb) | 31B | `inf2.24xlarge` | 8 | model_builder |
-# | [05_26b_a4b.ipynb](05_26b_a4b.ipynb) | 26B-A4B | `inf2.24xlarge` | 8 | model_builder |
+# | [01_e2b.ipynb](01_e2b.ipynb) | E2B | `inf2.xlarge` | TP=1 | model_builder (trace selectable) |
+# | [02_e4b.ipynb](02_e4b.ipynb) | E4B | `inf2.8xlarge` | TP=2 | model_builder |
+# | [03_12b.ipynb](03_12b.ipynb) | 12B | `inf2.8xlarge` | TP=2 | model_builder |
+# | [04_31b.ipynb](04_31b.ipynb) | 31B | `inf2.24xlarge` | TP=8 | model_builder |
+# | [05_26b_a4b.ipynb](05_26b_a4b.ipynb) | 26B-A4B | `inf2.24xlarge` | TP=8 | model_builder |
 #
 # Then [06_serving.ipynb](06_serving.ipynb) serves more than one token per weight read on the tiny
 # E2B (CPU only): a batch of different prompts, each row checked against its own reference, and
@@ -82,10 +82,11 @@ torch.set_num_threads(threads)
 # %% [markdown]
 # ## The family
 #
-# All five share a skeleton: a 262,144-token vocabulary with the embedding tied to the LM head,
+# All five share a skeleton: one large vocabulary with the embedding tied to the LM head,
 # embeddings scaled by √hidden, grouped-query attention with five sliding-window layers for each
-# global one, head_dim 256 on sliding layers and 512 on global ones, and a final logit softcap of
-# 30. The differences are in the columns on the right.
+# global one, a wider head on global layers than on sliding ones, and a final logit softcap
+# (`vocab_size=262144`, `head_dim=256`, `global_head_dim=512`, `final_logit_softcapping=30.0` in every
+# released config). The differences are in the columns on the right.
 
 # %%
 nb.family_table()
@@ -110,7 +111,7 @@ nb.family_table()
 #
 # ## Memory decides the hardware
 #
-# bf16 weights per NeuronCore at each variant's TP degree, against the 16 GiB a core has. E2B's
+# bf16 weights per NeuronCore at each variant's TP degree, against the HBM a core has. E2B's
 # hatched part is the PLE table, which stays on the host.
 
 # %%
@@ -124,10 +125,10 @@ plots.memory_budget(nb.memory_rows())
 # 1. `torch_neuronx.trace` of the real forward on one core (the field report's E2B): proves PLE
 #    and KV sharing compile at all. It compiles one graph, so the prompt goes through the decode
 #    graph one token at a time; it stays selectable for E2B (`neuron_recipe="trace"`), whose default
-#    is now step 3 at TP=1.
+#    is now the third step, at TP=1.
 # 2. Hand-driven tensor parallelism with aliased on-device K/V and a CPU-seeded prefill (the field
 #    report's E4B): two cores. Its per-rank tracer ran out of memory at 31B and is unsupported since
-#    SDK 2.27, so this cookbook teaches it on CPU and compiles E4B with step 3 on inf2.
+#    SDK release 2.27, so this cookbook teaches it on CPU and compiles E4B with the third step on inf2.
 # 3. NxD `ModelBuilder` (every variant; E2B at TP=1): a prefill graph and a decode graph over one
 #    set of K/V states, one rank compiled and the weights sharded per rank. This is what carries the
 #    31B at TP=8 and, with static experts and a runtime rank, the MoE.

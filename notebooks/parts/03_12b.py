@@ -18,14 +18,12 @@ inf2.8xlarge
 #
 # ### Runs on
 #
+# The `smoke` profile runs on any x86-64 or arm64 CPU (two shared cores are enough); the `full`
+# profile on the inf2 instance in the status box below, whose every figure the library computes from
+# its plans or quotes from the field report, and which the record cell fills in with this run's own.
+#
 # | | `full` profile (inf2) | `smoke` profile (any CPU) |
 # |---|---|---|
-# | machine | `inf2.8xlarge`: 1 Inferentia2 chip, 2 NeuronCores, 32 GiB HBM, 820 GB/s | any x86-64 or arm64 machine; two shared cores are enough |
-# | TP degree | 2 (NxD ModelBuilder) | 1 for the port; `tp_demo` runs the TP=2 rank graph as 2 CPU processes (gloo) |
-# | memory per core (computed, `python -m gemma4lib doctor`) | 11.1 GiB bf16 weights + 0.19 GiB K/V at 2,048 tokens + 2 GiB working allowance (unverified on inf2) = 13.3 of 16 GiB HBM | a few MB |
-# | host RAM for the compile | 128 GiB on the instance; ~71 GB estimated (3 × the text weights: module + checkpoint + shards); the model is loaded in bf16 on the host before it is compiled | under 2 GiB |
-# | serving host RAM (computed, `python -m gemma4lib doctor`; unverified on inf2) | ~48.1 GB peak of 136.4 GB usable on the inf2.8xlarge: the bf16 model 23.8 GB (host tables 2.0) + 23.8 GB at the peak step + 0.5 GB process; the logit check widens one module at a time, never a second model | under 2 GiB |
-# | time per decode step | ≥ 27 ms computed from bandwidth ÷ bytes per step at TP=2 (the field report measured prefill only: ~101 ms) | ~1.1 ms measured (885 tok/s, smoke baseline of 2026-11-29, one thread of a shared 2-core CPU) |
 # | software | Deep Learning AMI Neuron (Ubuntu 24.04), venv `aws_neuronx_venv_pytorch_2_9_nxd_inference` (Python 3.12), Neuron SDK 2.28: torch-neuronx 2.9.0.2.12.22436, neuronx-cc 2.23.6484.0, neuronx-distributed 0.17.26814, libneuronxla 2.2.15515.0; + transformers 5.23.0 | torch 2.13 (CPU), transformers 5.23.0, AOTInductor as the compiler |
 # | model | `google/gemma-4-12B-it` (bf16, gated: `HF_TOKEN` from the environment) | a tiny trained model of the same architecture: k_eq_v, one global KV head |
 # -- part: parameters --
@@ -57,7 +55,7 @@ nb.k_eq_v_report(model)
 # %% [markdown]
 # ### Eager attention
 #
-# The released 12B uses a 1024-token sliding window. Neuron's fused attention kernel ran out of its
+# The released 12B uses a wide sliding window (`sliding_window=1024`). Neuron's fused attention kernel ran out of its
 # on-chip scratch memory (SBUF) at that window, so the field report switched the model to
 # transformers' eager attention, which the compiler lowers as ordinary matmuls and softmax. The
 # library loads every variant with `attn_implementation="eager"`. On the CPU the implementations
@@ -70,9 +68,9 @@ demos["attention"]
 # %% [markdown]
 # ### One global KV head, replicated under TP
 #
-# Each full-attention layer has a single KV head shared by all 16 Q heads. At TP=2 it cannot be split
-# in two, so both ranks keep a full copy of it; the sliding layers' 8 KV heads shard normally. The
-# tiny model has the same shape of problem (1 global KV head, 2 sliding ones), so the rank-graph run
+# Each full-attention layer has a single KV head shared by all its Q heads. At TP=2 it cannot be split
+# in two, so both ranks keep a full copy of it; the sliding layers' KV heads shard normally. The
+# tiny model has the same shape of problem (one global KV head, more sliding ones), so the rank-graph run
 # at TP=2 (`tp_demo` CPU processes, gloo) exercises the replicated global head and the sharded
 # sliding heads together; the full profile skips that run (`tp_demo: 0`).
 
@@ -87,6 +85,7 @@ if tp_demo:
 # on both ranks), the weights sharded per rank, the rank number a runtime tensor, and the decode
 # graph the priority model whose weight layout the compiler optimises. The calls and each argument:
 # -- part: neuron_trace --
+# -- part: core_step --
 # -- part: after_checks --
 # -- part: plot_note --
 # The field report gives no decode figure for the 12B (prefill only), so its bar is the computed

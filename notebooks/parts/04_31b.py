@@ -18,16 +18,14 @@ inf2.24xlarge
 #
 # ### Runs on
 #
+# The `smoke` profile runs on any x86-64 or arm64 CPU (two shared cores are enough); the `full`
+# profile on the inf2 instance in the status box below, whose every figure the library computes from
+# its plans or quotes from the field report, and which the record cell fills in with this run's own.
+#
 # | | `full` profile (inf2) | `smoke` profile (any CPU) |
 # |---|---|---|
-# | machine | `inf2.24xlarge`: 6 Inferentia2 chips, 12 NeuronCores, 192 GiB HBM, 4,920 GB/s | any x86-64 or arm64 machine; two shared cores are enough |
-# | TP degree | 8 (NxD ModelBuilder) | 1 for the port; `tp_demo` runs the rank graph as 4 CPU processes (gloo) |
-# | memory per core (computed, `python -m gemma4lib doctor`) | 7.2 GiB bf16 weights + 0.14 GiB K/V at 2,048 tokens + 2 GiB working allowance (unverified on inf2) = 9.3 of 16 GiB HBM | a few MB |
-# | host RAM for the compile | 384 GiB on the instance; ~134 GB planned (the host model, the keys' modules at shard size, the NxD checkpoint built when it is sharded: `inf2.compile_host`, the compiler's own RAM unverified); the field report's own port, which held three copies of the weights, peaked at 182 GB | under 2 GiB |
-# | serving host RAM (computed, `python -m gemma4lib doctor`; unverified on inf2) | ~123.5 GB peak of 411.2 GB usable on the inf2.24xlarge: the bf16 model 61.4 GB (host tables 2.8) + 61.6 GB at the peak step + 0.5 GB process; the logit check widens one module at a time, never a second model | under 2 GiB |
-# | time per decode step | ≥ 18 ms computed from bandwidth ÷ bytes per step at TP=8 (the field report measured prefill only: ~115 ms) | ~0.85 ms measured (1,178 tok/s, smoke baseline of 2026-11-29, one thread of a shared 2-core CPU) |
 # | software | Deep Learning AMI Neuron (Ubuntu 24.04), venv `aws_neuronx_venv_pytorch_2_9_nxd_inference` (Python 3.12), Neuron SDK 2.28: torch-neuronx 2.9.0.2.12.22436, neuronx-cc 2.23.6484.0, neuronx-distributed 0.17.26814, libneuronxla 2.2.15515.0; + transformers 5.23.0 | torch 2.13 (CPU), transformers 5.23.0, AOTInductor as the compiler |
-# | model | `google/gemma-4-31B-it` (bf16, gated: `HF_TOKEN` from the environment) | a tiny trained model of the same architecture: 16 Q heads, 8 sliding and 2 global KV heads |
+# | model | `google/gemma-4-31B-it` (bf16, gated: `HF_TOKEN` from the environment) | a tiny trained model of the same architecture: more KV heads on sliding than on global layers |
 # -- part: parameters --
 tp_demo = 4  # ranks of the rank-graph run on CPU processes (0: skip)
 # -- part: settings --
@@ -36,13 +34,13 @@ tp_demo = 4  # ranks of the rank-graph run on CPU processes (0: skip)
 # ## What makes the 31B different
 #
 # Architecturally it is the simplest of the five: no PLE, no KV sharing, no experts. The hard part is
-# size. About 61 GB of bf16 weights do not fit fewer than eight 16 GiB cores with room for K/V, so the
+# size. Its bf16 weights do not fit fewer than eight NeuronCores with room for K/V (the table below), so the
 # 31B needs an `inf2.24xlarge` and TP=8. The hand-driven TP recipe that carried E4B in the field
 # report (NxD's `parallel_model_trace`, one process per rank, every process tracing on the same host)
 # ran out of host memory at this size, and serialising its result deadlocked. NxD `ModelBuilder`
 # compiles one rank in one process and shards the weights per rank, which is what scales. Its compile
 # holds the host model and, while it writes the shards, the NxD-arranged checkpoint: about two copies
-# of the weights (~134 GB planned; the field report's eager port measured a 182 GB peak).
+# of the weights (planned and field-reported peaks: the status box).
 
 # %%
 nb.tp_fit("31b")
@@ -50,8 +48,9 @@ nb.tp_fit("31b")
 # %% [markdown]
 # ### KV heads under TP=8: replicated, not sharded
 #
-# The sliding layers have 16 KV heads: two per rank, a clean split. The 10 full-attention layers have
-# only 4 KV heads for 32 Q heads (8 Q heads per KV head). At TP=8 each rank owns 4 Q heads, all of
+# The sliding layers have twice as many KV heads as ranks: two per rank, a clean split. The
+# full-attention layers have only half as many KV heads as ranks (`num_global_key_value_heads=4`,
+# `num_attention_heads=32`: eight Q heads per KV head). At TP=8 each rank owns four Q heads, all of
 # which read the same KV head (Q head `q` reads KV head `q // 8`), so rank `r` keeps a copy of KV head
 # `r // 2`: every global KV head lives on two ranks. The cell works it out from the released config
 # and checks it against the library's TP plan.
@@ -69,7 +68,7 @@ assert by_rank["full"] == str(kv_on_rank)  # the library's TP plan agrees with t
 demos["kv_heads_tp8"]
 
 # %% [markdown]
-# The tiny 31B keeps the proportions (16 Q heads; 8 sliding and 2 global KV heads), so at TP=4 its
+# The tiny 31B keeps the proportions (more sliding than global KV heads), so at TP=4 its
 # global heads are replicated as well. The cell shows its plan, then runs the rank graph for real on
 # CPU: `tp_demo` processes, each holding only its shard and its copies of the global KV heads (the
 # full profile skips the run: `tp_demo: 0`).
@@ -85,6 +84,7 @@ if tp_demo:
 # two ranks), the weights sharded per rank, the rank number a runtime tensor, and the decode graph
 # the priority model whose weight layout the compiler optimises. The calls and each argument:
 # -- part: neuron_trace --
+# -- part: core_step --
 # -- part: after_checks --
 # %% [markdown]
 # ### The 31B's bug, replayed: SEQ_MATCH on nonsense
@@ -93,7 +93,7 @@ if tp_demo:
 # `<start_of_turn>user ...`. Gemma-4 has no such token: the tokenizer splits each marker into ordinary
 # pieces, the model reads noise and answers noise. The device still matched the CPU reference token
 # for token, because both processed the same wrong input. The compiled graphs from above run both
-# prompts (the hand-built one is about three times longer, and still fits the 64-token bucket):
+# prompts (the hand-built one is about three times longer, and still fits the compiled bucket):
 
 # %%
 demos["equality_is_not_enough"] = nb.equality_is_not_enough(model, compiled.runtime, s)
