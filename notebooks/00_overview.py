@@ -193,3 +193,57 @@ overview["variants_found"]
 #    approach runs out of memory.
 # 3. "Effective" and "active" sizes describe compute. Memory has to hold everything.
 # 4. Equal to the reference is necessary and not sufficient: always check the answer too.
+
+# %% [markdown]
+# ## Glossary
+#
+# The terms the notebooks use, each defined once here; the notebooks link here at first use.
+#
+# - <a id="witness"></a>**witness**: a seeded random-weights model of the variant's architecture run
+#   through the same recipe as the trained model (smoke profile only). Random weights have near-ties
+#   between the top logits where a trained model has wide margins, so any numerical error in the
+#   port flips a token: the witness's SEQ_MATCH and LOGITS_MATCH are the sensitive checks.
+# - <a id="field-report"></a>**field report**: the earlier hands-on port of all five variants to
+#   inf2 that this cookbook turns into runnable notebooks; its figures are most of the inf2
+#   measurements quoted here (appendix below).
+# - <a id="spread"></a>**spread**: how far the host reference's own logits move when the same forward
+#   runs in float64; LOGITS_MATCH allows the device a fixed multiple of it (with a floor), so the
+#   tolerance follows the model's own rounding instead of a constant.
+# - <a id="bucket"></a>**bucket**: a prompt length a prefill graph is compiled for (`prefill_buckets`).
+#   A prompt runs in the smallest bucket that holds it, right-padded; a longer one needs a new compile.
+# - <a id="ring"></a>**ring**: a sliding-window layer's K/V buffer of only `sliding_window` slots,
+#   written at `position % slots`, so old entries are overwritten as the window moves (`ring_kv`).
+#   The masks say which slots hold positions inside the window.
+# - <a id="neff"></a>**NEFF**: the Neuron Executable File Format, what the Neuron compiler
+#   (`neuronx-cc`) produces from a traced graph and the runtime loads onto NeuronCores; the compiled
+#   half of a `ModelBuilder` artifact (`model.pt`), beside the weight shards.
+# - <a id="sbuf"></a>**SBUF**: a NeuronCore's on-chip state buffer (scratch memory next to the
+#   compute engines). Fused attention kernels keep their tiles there; the 12B's wide sliding window
+#   did not fit, hence eager attention (`03_12b`).
+# - <a id="priority-model-idx"></a>**`priority_model_idx`**: the `ModelBuilder.add` argument that
+#   names the key whose needs set the weights' on-device layout when several keys share the weights;
+#   the cookbook gives it to decode, the step that reads every weight per token.
+# - <a id="tp"></a>**TP** (tensor parallelism): each layer's weights split across NeuronCores (ranks);
+#   column shards need no communication, row shards end in an all-reduce. **rank graph**: the graph
+#   one rank runs, the same forward with its linears cut to the shard (`tp.rank_graph`).
+# - <a id="roofline"></a>**ceiling** (roofline): bandwidth ÷ bytes read per decode step, the fastest
+#   any implementation of single-row decode can go on that memory; computed, never measured.
+# - <a id="smoke"></a>**smoke / full profile**: the tiny trained model on any CPU (what ran here), or
+#   the released checkpoint on inf2 (never run by this project).
+#
+# ## Appendix: the field report
+#
+# What the field report is, as far as this cookbook relies on it (source: the field report, an
+# AWS Builder Center article by the port's author, undated; read and quoted 2026-12-02):
+#
+# - **What**: all five variants ported by hand to inf2, each answering "The capital of France is
+#   Paris." with device tokens equal to a CPU fp32 reference (SEQ_MATCH).
+# - **Recipes**: `torch_neuronx.trace` on one core (E2B), hand-driven TP with NxD's per-rank tracer
+#   (E4B), NxD `ModelBuilder` (12B, 31B, 26B-A4B; the MoE with all experts computed densely).
+# - **Software**: the DLAMI venv `aws_neuronx_venv_pytorch_2_8_nxd_inference` with transformers 5.13.0
+#   and a `transformers.utils.fx` shim; the exact Neuron SDK release is not stated.
+# - **Measured on inf2** (each variant's status box quotes its own): decode speed for E2B and E4B,
+#   prefill latency for the 12B, 31B and 26B-A4B, a compile time and a compile-host peak for the 31B,
+#   and a batch sweep for E2B (`06_serving`). Nothing else in these notebooks was measured on inf2.
+# - **Its bugs, replayed here**: a hand-built Gemma 3 chat prompt (`04_31b`), a rank read at trace
+#   time in the MoE (`05_26b_a4b`), a wrongly wired PLE path behind a public endpoint (`01_e2b`).

@@ -15,7 +15,7 @@
 # embeddings (PLE) and cross-layer KV sharing are exactly what the vendor graph builders cannot
 # express. **You will learn** why the PLE table stays on the host and costs nothing in accuracy,
 # which layers own K/V buffers and which borrow them, and how one NeuronCore runs the port through
-# NxD `ModelBuilder` (the field report's `torch_neuronx.trace` recipe stays selectable). Every answer
+# NxD `ModelBuilder` (the [field report](00_overview.ipynb#field-report)'s `torch_neuronx.trace` recipe stays selectable). Every answer
 # is checked three ways: SEQ_MATCH, LOGITS_MATCH and coherence.
 #
 # ### Runs on
@@ -162,7 +162,7 @@ with torch.no_grad():
 display(nb.describe_model(model))
 nb.show_prompt(model, ids)
 
-# %% [markdown]
+# %% [markdown] tags=["lesson"]
 # ## What makes E2B different
 #
 # ### Per-layer embeddings (PLE), kept on the host
@@ -179,7 +179,7 @@ nb.show_prompt(model, ids)
 # transformers Gemma-4 code has no MatFormer fields (those belonged to Gemma 3n): nothing is sliced
 # away at load time, so budget memory for what the device holds.
 
-# %%
+# %% tags=["lesson"]
 with torch.no_grad():  # the reference twice: from token ids, and from the host-side inputs above
     from_ids = model.lm(input_ids=prompt_tensor).logits
     from_host = model.lm(inputs_embeds=inputs_embeds, per_layer_inputs=per_layer_inputs).logits
@@ -189,7 +189,7 @@ print(f"largest logit difference, ids vs host-side inputs: {diff}")
 display(nb.ple_report(model))
 nb.effective_size("e2b")
 
-# %% [markdown]
+# %% [markdown] tags=["lesson"]
 # ### Layers that borrow their K/V
 #
 # The last `num_kv_shared_layers` layers compute no keys or values of their own: each reads the K/V
@@ -198,7 +198,7 @@ nb.effective_size("e2b")
 # ordinary data dependency. The cell works the layout out from the config, checks it against the
 # library's, then shows the tiny model's and the released model's.
 
-# %%
+# %% tags=["lesson"]
 config = model.config
 first_shared = config.num_hidden_layers - config.num_kv_shared_layers
 last_of_type = {
@@ -247,13 +247,13 @@ print("decode graph inputs:", [tuple(t.shape) for t in decode.example_inputs()])
 graphs = GraphSet(prefill, decode, model.layout)  # by name: what every backend compiles
 nb.describe_graphs(graphs)
 
-# %% [markdown]
+# %% [markdown] tags=["lesson"]
 # ### The port's core, by hand: a decode step over explicit K/V
 #
 # Everything the port changes in transformers' forward is in the next cell, written out: a cache
 # object whose `update` writes this step's keys and values into a fixed buffer at
 # `position % slots` and returns the whole buffer (a full-attention layer's buffer holds every
-# position; a sliding layer's is a ring of `sliding_window` slots that wraps around), and one
+# position; a sliding layer's is a [ring](00_overview.ipynb#ring) of `sliding_window` slots that wraps around), and one
 # additive mask per attention type that says which slots count: written, not in the future, and for
 # sliding layers inside the window. transformers' own layers do the rest (projections, norms, RoPE,
 # KV sharing, the MLP). The cell runs the prompt through it one token at a time, longer than the
@@ -262,7 +262,7 @@ nb.describe_graphs(graphs)
 # mask, a ring's stale slots would be attended as if they were recent; without a tensor position,
 # the compiled graph would serve one step only.
 
-# %%
+# %% tags=["lesson"]
 from gemma4lib.device.graph import index_tensor
 
 
@@ -393,7 +393,7 @@ if backend == "cpu":
 # compile that fits the inf2.xlarge's host RAM; the prompt then goes through the decode graph one
 # token at a time. Its arguments: `input_output_aliases` maps each K/V parameter to the output that
 # carries its update (so the state stays on the device), `inline_weights_to_neff=False` keeps the
-# weights out of the compiled NEFF, `compiler_args` are the decode flags below.
+# weights out of the compiled [NEFF](00_overview.ipynb#neff), `compiler_args` are the decode flags below.
 #
 # - `ModelBuilder(router=None, tp_degree=tp, checkpoint_loader=..., compiler_workdir=...)`: one
 #   process, one rank compiled; `checkpoint_loader` returns the whole checkpoint laid out so that NxD's
@@ -404,12 +404,12 @@ if backend == "cpu":
 #   directory: the cell gives it a fresh work directory (removed on success, kept with the
 #   compiler's logs on failure) and a private current directory, the backend's own helpers.
 # - `builder.add(key, model_instance, example_inputs, compiler_args, priority_model_idx)` once per key,
-#   `prefill` (the largest bucket only: one compiled prompt length on inf2) and `decode`.
+#   `prefill` (the largest [bucket](00_overview.ipynb#bucket) only: one compiled prompt length on inf2) and `decode`.
 #   `model_instance` builds the rank graph with NxD's parallel layers and returns its K/V parameters
 #   aliased to the outputs that update them (`input_output_aliases`), so both keys share one set of
 #   K/V states on the device. `compiler_args` (`neuron_env.COMPILER_ARGS`) are
 #   `--model-type=transformer --auto-cast=none --enable-mixed-precision-accumulation` (no automatic
-#   down-casting: the weights are already bf16) with `-O1` for prefill and `-O2` for decode. `priority_model_idx=0` on decode: the compiler picks the
+#   down-casting: the weights are already bf16) with `-O1` for prefill and `-O2` for decode. [`priority_model_idx`](00_overview.ipynb#priority-model-idx)`=0` on decode: the compiler picks the
 #   weights' on-device layout for decode, the step that reads every weight per token.
 # - `builder.trace(initialize_model_weights=False)` compiles without inlining the weights;
 #   `torch.jit.save` keeps it; `builder.shard_checkpoint(serialize_path=...)` writes one
@@ -425,7 +425,7 @@ if backend == "cpu":
 # (16k tokens on a 128 GB host; source: inf2 users' reports, this project's anchor survey, 2026-12);
 # `python -m gemma4lib doctor` prints the estimate for the weights, computed and unverified on inf2.
 
-# %%
+# %% tags=["lesson"]
 if backend == "neuron" and s.neuron_recipe == "trace":  # inf2-only: the one-graph recipe, E2B at TP=1
     from gemma4lib.backends.neuron import compiler_workdir, neuron_cache_key, own_directory
     from gemma4lib.recipes import cores, neuron_env
@@ -535,6 +535,51 @@ if backend == "neuron" and s.neuron_recipe != "trace":  # inf2-only: NxD ModelBu
 else:
     print(f"skipped: backend={backend}" if backend != "neuron" else f"skipped: neuron_recipe={s.neuron_recipe}")
 
+# %% [markdown] tags=["lesson"]
+# ### 3c. Save and load: a compiled port that travels
+#
+# A compile costs minutes here and, on inf2, much more (the status box), and the compile host need
+# not be the serving host. `export_bundle` writes the compiled entries for these settings (from the
+# cache when it is warm: a copy) and a `manifest.json` saying what they were compiled for. A run
+# with `PortSettings(artifacts=...)` loads from that folder and never compiles: anything that
+# would need a new program (another variant, context, TP degree, torch version, ...) is a
+# `BundleError` before the device is touched. The first cell does it on this CPU, into an **empty**
+# cache, and checks the tokens against the port compiled above; the second is the inf2 version.
+
+# %% tags=["lesson"]
+import dataclasses
+import tempfile
+from pathlib import Path
+
+from gemma4lib.cache.export import export_bundle
+from gemma4lib.port import compile_graphs
+
+if backend == "cpu":
+    bundle = Path(tempfile.mkdtemp(prefix="gemma4lib-bundle-")) / s.variant  # a folder to ship, not the cache
+    export_bundle(s, bundle)  # this port's compiled entries + manifest.json
+    empty_cache = tempfile.mkdtemp(prefix="gemma4lib-empty-cache-")  # nothing in it to hit
+    served = compile_graphs(model, dataclasses.replace(s, artifacts=str(bundle), cache_dir=empty_cache))
+    print(f"from the bundle into an empty cache: compile {served.compile_s:.1f} s; the bundle holds "
+          f"{sorted(p.name for p in bundle.iterdir())}")  # fmt: skip
+    stop = eos_ids(model)
+    same = served.runtime.generate(ids, s.max_new_tokens, eos_token_ids=stop).tokens
+    assert same == runtime.generate(ids, s.max_new_tokens, eos_token_ids=stop).tokens
+    print("the bundle's port answers as the one compiled above: the same tokens")
+    del served  # its packages stay loaded while referenced
+else:
+    print(f"skipped: backend={backend}")
+
+# %% tags=["lesson"]
+if backend == "neuron":  # inf2-only: compile on a large host, serve on a small one (never run here)
+    # on the compile host (an inf2.8xlarge: the compile's host RAM, the status box): write the folder
+    export_bundle(s, "bundles/e2b")  # ModelBuilder's model.pt (its NEFFs) + one weight shard per rank
+    # copy bundles/e2b to the serving host (an inf2.xlarge); there, this replaces section 3's compile:
+    compiled = compile_graphs(model, dataclasses.replace(s, artifacts="bundles/e2b"))  # loads, never compiles
+    runtime = compiled.runtime
+    print(f"from the bundle: compile {compiled.compile_s:.1f} s")
+else:
+    print(f"skipped: backend={backend}")
+
 # %% [markdown]
 # ## 4. Generate on the device
 #
@@ -573,7 +618,8 @@ nb.answer_text(model, tokens)
 # with margins of several logits, so a small error in every logit leaves every token alone.
 # **LOGITS_MATCH** compares the device's logits at every generated position with the reference's for
 # the same tokens (one forward over prompt + device tokens), within a fixed multiple of the
-# reference's own rounding (its largest difference to a float64 copy of itself, with a floor); the
+# reference's own rounding (its largest difference to a float64 copy of itself, its [spread](00_overview.ipynb#spread),
+# with a floor); the
 # cell prints the tolerance and the largest error it found. **Coherence** (the answer
 # contains "Paris") shows that what both computed is right: a fault upstream of both, like a mangled
 # chat prompt or wrong PLE inputs, passes both equality checks and fails only this one.
@@ -712,7 +758,7 @@ if result["tokens"] != result["reference_tokens"]:  # the grid shows only where 
 display(plots.bench_runs(result))
 plots.measured_vs_ceiling([ceiling, ceiling["released_inf2"]])
 
-# %% [markdown]
+# %% [markdown] tags=["lesson"]
 # ## Takeaways
 #
 # - Keep the PLE table on the host: it is half of E2B's parameters and only ever indexed. Passing

@@ -22,7 +22,7 @@
 #
 # The `smoke` profile runs on any x86-64 or arm64 CPU (two shared cores are enough); the `full`
 # profile on the inf2 instance in the status box below, whose every figure the library computes from
-# its plans or quotes from the field report, and which the record cell fills in with this run's own.
+# its plans or quotes from the [field report](00_overview.ipynb#field-report), and which the record cell fills in with this run's own.
 #
 # | | `full` profile (inf2) | `smoke` profile (any CPU) |
 # |---|---|---|
@@ -39,25 +39,14 @@ status = nb.status_box("26b-a4b")  # figures from the library's plans; the recor
 # %% [markdown]
 # ## Parameters
 #
-# The next cell is the notebook's only input. It is tagged `parameters`, so
-# [papermill](https://papermill.readthedocs.io) can replace any value from the command line; its
-# defaults run the `smoke` profile on this machine's CPU. On an `inf2.24xlarge` with the Neuron SDK
-# the same notebook runs the real model:
+# As in `01_e2b`: the notebook's only input, tagged `parameters` for papermill; its defaults run the
+# `smoke` profile on this CPU. On an `inf2.24xlarge` with the Neuron SDK:
 #
 # ```
-# mkdir -p runs
 # GEMMA4LIB_CACHE=$PWD/.cache/gemma4lib papermill notebooks/05_26b_a4b.ipynb runs/05_26b_a4b.ipynb --cwd notebooks \
 #     -y "{profile: full, backend: neuron, tp_degree: 8,
 #     checkpoint: google/gemma-4-26B-A4B-it, context_length: 1024, prefill_buckets: [128]}"
 # ```
-#
-# It writes only into gitignored folders of the repository: the executed notebook in `runs/`, the
-# run record at `results_path` (relative to `--cwd notebooks`) and the compiled graphs in
-# `.cache/gemma4lib` (without `GEMMA4LIB_CACHE`: `~/.cache/gemma4lib`). `python -m papermill_runs run
-# --profile full` does the same for every notebook (`papermill_runs/profiles.json`). The Hugging
-# Face token is read from `HF_TOKEN` in the environment, never from a parameter, so it never lands
-# in an executed notebook.
-
 # %% tags=["parameters"]
 variant = "26b-a4b"
 profile = "smoke"  # "smoke": tiny model on CPU; "full": the real checkpoint on inf2
@@ -85,11 +74,16 @@ interactive = False  # True: show the chat box at the end (needs a live Jupyter 
 # %% [markdown]
 # ## Setup
 #
-# One thread for torch: the benchmark figures are recorded with their thread count, and on a shared
-# machine more threads mostly measure the neighbours. `PortSettings` gathers every value the port
-# depends on and checks them before anything is loaded: an unknown variant, a TP degree whose heads
-# do not split, a model that does not fit the instance fail here, with what to pick instead.
-# `demos` collects what the lesson's cells find; it is saved in the run's record.
+# As in `01_e2b`, which teaches the shared path cell by cell: here it runs through the library
+# calls that `01_e2b` writes out (and the tests hold equal), and the length goes to this variant.
+#
+# ## 1. Load the model
+#
+# As in `01_e2b` §1: the text model is the reference and the source of the graph's weights.
+#
+# ### The host side
+#
+# As in `01_e2b`: embeddings are looked up on the host, then handed to the device graph.
 
 # %%
 import time
@@ -98,16 +92,11 @@ import torch
 from IPython.display import display
 
 from gemma4lib import checks, notebook as nb
-from gemma4lib.backends import compile_cpu
-from gemma4lib.backends.base import CompiledGraphs
-from gemma4lib.cache.artifacts import ArtifactCache
-from gemma4lib.device.build import PREFILL_EXPERTS, GraphSet
 from gemma4lib.notebook import plots
+from gemma4lib.port import PortSettings, build_graphs, compile_graphs, eos_ids, load_model, prompt_ids
+from gemma4lib.reference import reference_greedy
 from gemma4lib.timing import benchmark
-from gemma4lib.device.graph import DeviceGraph, GraphShape
-from gemma4lib.port import PortSettings, eos_ids, load_model, prompt_ids
-from gemma4lib.reference import logits_spread, reference_greedy, teacher_forced_logits
-from gemma4lib.runtime import Engine, Request, Sampling, Steps, bind_kv
+from gemma4lib.runtime import Request
 
 torch.set_num_threads(threads)
 started = time.perf_counter()
@@ -132,26 +121,6 @@ s = PortSettings(
 )
 nb.show_settings(s)
 
-# %% [markdown]
-# ## 1. Load the model
-#
-# The released checkpoint is a multimodal `*ForConditionalGeneration`; the port needs only its text
-# decoder and the tied LM head, so the loader keeps the language model as a `*ForCausalLM`. That one
-# module is both the **reference** (transformers' own forward, on the host: fp32 in the smoke
-# profile, the checkpoint's bf16 with the Neuron backend) and the **source of the weights** the
-# device graph is built from. In the smoke profile it is a tiny model of the same architecture,
-# trained here on a small chat corpus so that it really answers. The prompt goes through the
-# tokenizer's own chat template (`<|turn>` and `<turn|>`, whose ids the prompt table shows): a template
-# written by hand is the classic way to feed a model a prompt it was never trained on.
-#
-# ### The host side: embeddings looked up before the device
-#
-# The device never sees token ids. The host looks them up in transformers' own tables: `embed_tokens`
-# is Gemma's scaled embedding (it multiplies by √hidden inside), and on the E models
-# `get_per_layer_inputs` gives the per-layer embeddings (PLE). transformers' forward accepts both as
-# `inputs_embeds=` and `per_layer_inputs=`, so the vocabulary-sized tables stay off the device.
-
-# %%
 model = load_model(s)
 ids = prompt_ids(model, s)  # the chat template, applied by the tokenizer
 prompt_tensor = torch.tensor([ids])
@@ -163,7 +132,7 @@ with torch.no_grad():
 display(nb.describe_model(model))
 nb.show_prompt(model, ids)
 
-# %% [markdown]
+# %% [markdown] tags=["lesson"]
 # ## What makes the 26B-A4B different
 #
 # ### A shared MLP beside the experts, and the router
@@ -175,7 +144,7 @@ nb.show_prompt(model, ids)
 # the tiny model (the last prompt token's embedding stands in for the residual a layer would pass it)
 # and checks it picked the same experts with the same weights as the model's own router module.
 
-# %%
+# %% tags=["lesson"]
 layer = next(lay for lay in model.text_model.layers if getattr(lay, "router", None) is not None)
 router, k = layer.router, model.config.top_k_experts
 with torch.no_grad():
@@ -190,7 +159,7 @@ shown = ", ".join(f"{w:.3f}" for w in weights[0].tolist())
 print(f"{model.config.num_experts} experts, top-{k}: chosen {chosen[0].tolist()}, weights {shown}")
 nb.moe_report(model)
 
-# %% [markdown]
+# %% [markdown] tags=["lesson"]
 # ### Static experts
 #
 # transformers' eager expert loop visits only the experts a batch happens to route to: a
@@ -213,7 +182,7 @@ nb.moe_report(model)
 # which is why the choice is per phase and measured, not a rule. `decode_experts` in the parameters
 # cell switches decode to dense.
 
-# %%
+# %% tags=["lesson"]
 import torch.nn.functional as F
 
 from gemma4lib.device.experts import StaticExperts
@@ -240,7 +209,7 @@ print(f"by hand: {E} experts, top-{k}, {n} tokens; dense and selective equal exp
 demos["expert_forms"] = nb.expert_forms_on_a_token(model, ids, s.context_length, max(s.prefill_buckets))
 demos["expert_forms"]
 
-# %% [markdown]
+# %% [markdown] tags=["lesson"]
 # ### "A4B" saves compute, not memory, and the split decides the bytes
 #
 # Only a few billion parameters are active per token, but any token may route to any expert, so every
@@ -259,7 +228,7 @@ demos["expert_forms"]
 #
 # Both are bounds from bytes, not measured on inf2. Each rank holds a TP-th of the expert bytes either way.
 
-# %%
+# %% tags=["lesson"]
 from gemma4lib.inf2.roofline import compare
 
 real, v = s.variant_spec.real_config, s.variant_spec
@@ -281,7 +250,7 @@ for split in ("experts", "intermediate"):
     )
 display(nb.tp_fit("26b-a4b"), nb.kv_heads_under_tp("26b-a4b", 8))
 
-# %% [markdown]
+# %% [markdown] tags=["lesson"]
 # ### The rank must be a runtime value
 #
 # When each rank holds whole experts, it must pick the matching columns of the routing weights. In
@@ -298,7 +267,7 @@ display(nb.tp_fit("26b-a4b"), nb.kv_heads_under_tp("26b-a4b", 8))
 # runs the sharded model (default split) and the baked-rank bug (whole experts per rank) as CPU rank
 # processes (the full profile skips it: `tp_demo: 0`).
 
-# %%
+# %% tags=["lesson"]
 import warnings
 
 ranks, n_experts = tp_demo or 2, model.config.num_experts
@@ -328,7 +297,7 @@ for name, program in traced.items():
 tracer_warnings = [w for w in caught if issubclass(w.category, torch.jit.TracerWarning)]
 print(f"{len(tracer_warnings)} tracer warning(s), all from my_columns_baked: {tracer_warnings[0].message}")
 
-# %%
+# %% tags=["lesson"]
 if tp_demo:
     demos["tp_cpu"] = nb.tp_demo(model, ids, s, tp_demo, with_baked_rank=True)
     display(demos["tp_cpu"])
@@ -336,276 +305,98 @@ if tp_demo:
 # %% [markdown]
 # ## 2. Build the device graph
 #
-# transformers' own decoder forward with three things changed: the K/V cache is a set of explicit,
-# fixed-size buffers written at a position that arrives as a tensor (so one compiled decode graph
-# serves every step; the stock static cache branches on a Python integer and would tie the graph to
-# one position), the attention masks are built from that position and passed in, and the embedding
-# tables stay on the host. The final logit softcap is left off: `30·tanh(x/30)` is monotonic, so
-# greedy argmax does not need it. Nothing is copied: the graphs wrap the model's own modules.
+# As in `01_e2b` §2 (the core written out by hand there): one `DeviceGraph` per prefill [bucket](00_overview.ipynb#bucket) and
+# one for decode, transformers' forward over explicit K/V buffers.
 # The experts are swapped for a static form here: prefill always computes all experts and masks them
 # to the routed top-k; decode uses `decode_experts`.
 
-# %%
-prefill = {  # one prefill graph per compiled prompt length (bucket)
-    bucket: DeviceGraph(
-        model.text_model,
-        model.lm_head,
-        model.layout,  # which layers own a K/V buffer, with how many heads and what head_dim
-        GraphShape(batch=1, tokens=bucket, context_length=s.context_length, ring=s.ring_kv),
-        expert_form=PREFILL_EXPERTS,  # MoE only: prefill computes every expert
-        weights=s.weights,  # "int8": the linears held as int8 with per-channel scales
-    )
-    for bucket in s.prefill_buckets
-}
-decode = DeviceGraph(  # and one decode graph: one token at a position given as a tensor
-    model.text_model,
-    model.lm_head,
-    model.layout,
-    GraphShape(batch=1, tokens=1, context_length=s.context_length, ring=s.ring_kv),
-    expert_form=s.decode_experts,
-    weights=s.weights,
-)
-print("decode graph inputs:", [tuple(t.shape) for t in decode.example_inputs()])
-graphs = GraphSet(prefill, decode, model.layout)  # by name: what every backend compiles
-nb.describe_graphs(graphs)
-
-# %% [markdown]
+#
 # ## 3. Compile
 #
 # ### 3a. Here (CPU)
 #
-# With `backend == "cpu"` the compiler is PyTorch's own, three calls per graph:
-#
-# - `torch.export.export(graph, graph.example_inputs(), strict=False)` records the program. Non-strict:
-#   strict mode silently drops the in-place K/V writes (a warning, no error, wrong logits).
-# - `torch._inductor.aoti_compile_and_package(program, package_path=..., inductor_configs=options)`
-#   (AOTInductor) compiles it to C++ and writes one `.pt2` package. `options` are
-#   `compile_cpu.DEFAULT_COMPILER_OPTIONS`: the wrapper at `-O1` (a shorter compile of the C++ wrapper),
-#   `package_constants_in_so=False` (the weights are not inlined: the package is handed them at load,
-#   so one compile serves the trained model and the random witness), `realize_opcount_threshold=8`
-#   (stores the rotated query once instead of recomputing it per K/V slot).
-# - `torch._inductor.aoti_load_package(path)` loads it; `compile_cpu.load_weights` hands it the
-#   model's weights (shared, not copied).
-#
-# The packages go into an artifact cache keyed by everything that changes the program (the exported
-# program's digest, the config, the compiler options and versions): `compile_cpu.cache_package`
-# calls the compile line only on a miss, so a second run loads the package in a second. The cache
-# is `~/.cache/gemma4lib` unless `GEMMA4LIB_CACHE` (set before starting Jupyter or papermill) says
-# otherwise. The cell then puts the loaded steps into the host runtime that the decode loop below
-# runs: one set of host K/V buffers shared by the prefill and decode packages.
+# As in `01_e2b` §3a: `torch.export`, AOTInductor and the load, per graph, through the cache.
 
 # %%
-cache, options = ArtifactCache(s.cache_dir), compile_cpu.DEFAULT_COMPILER_OPTIONS
+graphs = build_graphs(model, s)  # as in 01_e2b: DeviceGraph(text_model, lm_head, layout, GraphShape(...)) each
+prefill, decode = graphs.prefill, graphs.decode
+print("decode graph inputs:", [tuple(t.shape) for t in decode.example_inputs()])
+display(nb.describe_graphs(graphs))
 if backend == "cpu":
-    steps = {}
-    for name, graph in graphs.named().items():  # prefill64, ..., decode
-        began = time.perf_counter()
-        with torch.no_grad():
-            program = torch.export.export(graph, graph.example_inputs(), strict=False)
-        entry = compile_cpu.cache_package(  # the compile line runs only on a cache miss
-            graph,
-            program,
-            cache,
-            options,
-            lambda program, path: torch._inductor.aoti_compile_and_package(
-                program, package_path=path, inductor_configs=options
-            ),
-        )
-        runner = torch._inductor.aoti_load_package(str(entry.file(compile_cpu.PACKAGE)))
-        compile_cpu.load_weights(runner, graph)  # the package holds no weights: hand it the model's
-        compile_s = 0.0 if entry.hit else time.perf_counter() - began
-        steps[name] = compile_cpu.CompiledStep(runner, entry, compile_s, 0.0, {"key": entry.key})
-    kv = decode.new_kv()  # one set of host K/V buffers, shared by every graph and updated in place
-    runtime = Engine.for_model(  # the one generation engine, over the compiled steps
-        model,
-        Steps({b: bind_kv(steps[f"prefill{b}"], kv) for b in prefill}, bind_kv(steps["decode"], kv)),
-        batch=1,
-        context_length=s.context_length,
-    )
-    compiled = CompiledGraphs(
-        runtime.steps,
-        sum(step.compile_s for step in steps.values()),
-        [step.cache_hit for step in steps.values()],
-        compile_cpu.RECIPE,
-        {"artifacts": {name: str(step.entry.path) for name, step in steps.items()}},
-        runtime=runtime,
-        graphs=graphs,
-        kv=kv,
-    )
+    compiled = compile_graphs(model, s, graphs=graphs)  # as in 01_e2b: export, AOTInductor, load; cached
+    runtime = compiled.runtime
     nb.describe_compile(compiled)
+else:
+    print(f"skipped: backend={backend}")
 
 # %% [markdown]
 # ### 3b. On inf2 (not run here)
 #
-# With `backend == "neuron"` the cells below run NxD `ModelBuilder` (v1) instead of the CPU cell;
-# on this CPU they print `skipped: backend=cpu` and nothing else. They have never been executed by
-# this project (the status box at the top); the tests run them against recording stand-ins for the
-# SDK, which checks the calls, not the compiler. `ModelBuilder` runs
+# With `backend="neuron"` the same call runs `backends/neuron.py`: NxD `ModelBuilder`
 # at TP=8: one rank compiled (the rank graph with NxD's parallel layers, each rank a TP-th slice of
 # every expert), the weights sharded per rank, the rank number a runtime tensor, and the decode graph
 # (selective experts) the priority model whose weight layout the compiler optimises. The calls and
 # each argument:
-#
-# - `ModelBuilder(router=None, tp_degree=tp, checkpoint_loader=..., compiler_workdir=...)`: one
-#   process, one rank compiled; `checkpoint_loader` returns the whole checkpoint laid out so that NxD's
-#   contiguous split gives each rank its shard (`nxd_checkpoint`; K/V heads already replicated where
-#   there are fewer than ranks). It is lazy (`mb.checkpoint_loader`): NxD calls it only in
-#   `shard_checkpoint`, so the compile runs without that second copy of the weights on the host.
-#   `trace()` wipes `compiler_workdir` and writes `{key}_{rank}.hlo` files into the current
-#   directory: the cell gives it a fresh work directory (removed on success, kept with the
-#   compiler's logs on failure) and a private current directory, the backend's own helpers.
-# - `builder.add(key, model_instance, example_inputs, compiler_args, priority_model_idx)` once per key,
-#   `prefill` (the largest bucket only: one compiled prompt length on inf2) and `decode`.
-#   `model_instance` builds the rank graph with NxD's parallel layers and returns its K/V parameters
-#   aliased to the outputs that update them (`input_output_aliases`), so both keys share one set of
-#   K/V states on the device. `compiler_args` (`neuron_env.COMPILER_ARGS`) are
-#   `--model-type=transformer --auto-cast=none --enable-mixed-precision-accumulation` (no automatic
-#   down-casting: the weights are already bf16) with `-O1` for prefill and `-O2` for decode. `priority_model_idx=0` on decode: the compiler picks the
-#   weights' on-device layout for decode, the step that reads every weight per token.
-# - `builder.trace(initialize_model_weights=False)` compiles without inlining the weights;
-#   `torch.jit.save` keeps it; `builder.shard_checkpoint(serialize_path=...)` writes one
-#   `tp{rank}_sharded_checkpoint.safetensors` per rank. Loading is `torch.jit.load` and
-#   `nxd_model.initialize(weights_per_rank, start_rank)`, after `cores.check_free`: running the cell
-#   again while the first model is still referenced would put a second copy on the same cores, so it
-#   is refused with what to release.
-#
-# A longer context on inf2 means a new compile: set `context_length` (and `prefill_buckets`, whose
-# largest entry is the compiled prompt length) and run again; the cache key changes with them, so
-# each context keeps its own artifact. Long contexts also raise the compile's host RAM (inf2 users
-# report a long-context compile exhausting a large compile host
-# (16k tokens on a 128 GB host; source: inf2 users' reports, this project's anchor survey, 2026-12);
-# `python -m gemma4lib doctor` prints the estimate for the weights, computed and unverified on inf2.
+# `01_e2b` §3b shows those calls in its cell, one by one, and the tests hold that cell equal to
+# the backend. This cell has never been executed (the status box); here it prints
+# `skipped: backend=cpu`.
 
 # %%
-if backend == "neuron" and s.neuron_recipe != "trace":  # inf2-only: NxD ModelBuilder, the default recipe
-    import functools
-
-    from safetensors.torch import load_file
-
-    from gemma4lib.backends.neuron import compiler_workdir, neuron_cache_key, own_directory
-    from gemma4lib.recipes import cores, neuron_env, neuron_model_builder as mb
-    from gemma4lib.recipes.common import DeviceStep, index_dtype, key_inputs
-    from gemma4lib.tp.plan import make_plan
-
-    tp, dtype, bucket = s.tp_degree, decode.dtype, max(s.prefill_buckets)  # bf16 on inf2; one compiled bucket
-    experts = s.decode_experts if model.variant.is_moe else "dense"
-    graphs = {"prefill": prefill[bucket], "decode": decode}  # the keys' shapes and example inputs
-    shapes = {name: graph.shape for name, graph in graphs.items()}
-    forms = mb.bucket_expert_forms(experts)  # prefill: all experts; decode: the routed ones
-    plan = make_plan(model.config, tp, model.variant)  # which rows/columns and K/V heads each rank holds
-    key, parts = neuron_cache_key(
-        model, "model_builder", tp, shapes, neuron_env.COMPILER_ARGS, dtype, decode_experts=experts, weights=s.weights
-    )
-
-    def build(folder):  # called by the cache, only on a miss
-        model_builder, GraphInstance = mb.instance_class()
-        # a fresh compiler workdir (trace() wipes it; kept with the compiler's logs if the compile fails)
-        # and a private current directory (trace() writes {key}_{rank}.hlo there)
-        with compiler_workdir() as workdir, own_directory():
-            builder = model_builder.ModelBuilder(
-                router=None,
-                tp_degree=tp,
-                checkpoint_loader=mb.checkpoint_loader(model, plan, dtype, s.weights),  # built when NxD shards
-                compiler_workdir=workdir,
-            )
-            for name, graph in graphs.items():
-                rank_module = functools.partial(  # the key's module, built by NxD once per rank
-                    mb.rank_module, model.config, plan, graph.shape, dtype, expert_form=forms[name], weights=s.weights
-                )
-                builder.add(
-                    key=name,
-                    model_instance=GraphInstance(rank_module),
-                    example_inputs=[key_inputs(graph, dtype=dtype)],  # the graph's own, without its K/V
-                    compiler_args=neuron_env.COMPILER_ARGS[graph.shape.phase],
-                    priority_model_idx=mb.PRIORITY[name],  # decode: 0, the layout the compiler optimises
-                )
-            traced = builder.trace(initialize_model_weights=False)  # weights not inlined
-            torch.jit.save(traced, str(folder / "model.pt"))
-            del traced
-            builder.shard_checkpoint(serialize_path=str(folder / "weights"))  # one file per rank
-        return {"recipe": "model_builder", "tp": tp}
-
-    began = time.perf_counter()
-    entry = cache.get_or_build(key, build, describe={k: v for k, v in parts.items() if k != "config"})
-    label = f"{model.variant.name} (model_builder, TP={tp}) from {entry.path}"
-    cores.check_free(0, tp, label)  # a model an earlier run of this cell loaded still holds the cores: refused
-    traced = torch.jit.load(str(entry.file("model.pt")))
-    shards = [entry.file("weights") / mb.SHARD_FILE.format(rank=r) for r in range(tp)]
-    traced.nxd_model.initialize([load_file(str(p)) for p in shards], torch.tensor([0], dtype=torch.int32))
-    cores.claim(traced, 0, tp, label)
-    states = len(decode.layout.buffer_shapes(1, s.context_length, s.ring_kv))  # the K/V states it aliases
-    indices = index_dtype(key_inputs(decode))  # the start/length dtype the keys were compiled with (int32)
-    step = DeviceStep(traced, decode.num_inputs, model.config.vocab_size, aliases=states, index_dtype=indices)
-    steps = Steps({bucket: step}, step)  # one loaded model: NxD routes each call to its key by the input shapes
-    runtime = Engine.for_model(model, steps, batch=1, context_length=s.context_length, dtype=dtype)
-    compile_s = 0.0 if entry.hit else time.perf_counter() - began
-    compiled = CompiledGraphs(runtime.steps, compile_s, [entry.hit], "neuron-model_builder", runtime=runtime)
+if backend == "neuron":  # inf2-only: NxD ModelBuilder at TP=8 (backends/neuron.py)
+    compiled = compile_graphs(model, s)
+    runtime = compiled.runtime
     nb.describe_compile(compiled)
 else:
-    print(f"skipped: backend={backend}" if backend != "neuron" else f"skipped: neuron_recipe={s.neuron_recipe}")
+    print(f"skipped: backend={backend}")
+# %% [markdown] tags=["lesson"]
+# ### The expert split in the rank graph's bytes
+#
+# The rank graph (`tp.rank_graph`: the graph ModelBuilder compiles once for every rank) of the tiny
+# model, built for both expert splits at the TP degree of the CPU run above, selective decode. Each
+# rank holds the same expert bytes under both; what differs is what one decode token reads. Under
+# `experts` a rank holds whole experts and gathers k of its own whatever the router chose, so the
+# ranks together read TP × k experts; under `intermediate` a rank holds a slice of every expert and
+# gathers its slice of the k routed ones, so together they read k experts, what one device would.
+
+# %% tags=["lesson"]
+from gemma4lib.tp.plan import make_plan
+from gemma4lib.tp.rank_graph import build_rank_graph
+
+rank_tp, top_k, read = tp_demo or 2, model.config.top_k_experts, {}
+rows = []
+for split in ("intermediate", "experts"):
+    plan = make_plan(model.config, rank_tp, model.variant, expert_split=split)
+    rank_graph = build_rank_graph(model.config, plan, decode.shape, expert_form="selective")
+    experts = next(layer.experts for layer in rank_graph.model.layers if getattr(layer, "experts", None) is not None)
+    held = sum(p.numel() * p.element_size() for p in experts.parameters())  # this rank's expert bytes
+    per_expert = held // experts.local  # one held expert's bytes (under `intermediate`: this rank's slice)
+    read[split] = rank_tp * top_k * per_expert  # all ranks, one token: each gathers k of what it holds
+    rows.append([split, experts.local, experts.intermediate, held, top_k * per_expert, read[split]])
+assert read["experts"] == rank_tp * read["intermediate"]  # whole experts per rank read TP times the bytes
+columns = ["split", "experts per rank", "columns of each", "bytes held per rank", "read per rank", "read, all ranks"]
+display(nb.Table(columns, rows, f"one MoE layer of the rank graph, TP={rank_tp}, one decode token"))
 
 # %% [markdown]
 # ## 4. Generate on the device
 #
-# The engine (`runtime.Engine`) is the whole serving loop, and these four calls are how it runs. It
-# holds rows (here one; `PortSettings(batch_size=B)` compiles B, each with its own prompt, position
-# and stop, every row checked against its own reference). `check` measures the request against the
-# compiled shapes before any device work. `admit` puts the prompt in a row: the host embeds it and
-# runs the smallest prefill graph that holds it, one call that fills the K/V buffers for every prompt
-# position and returns the logits of the last one. Each `step` then embeds every live row's last
-# token and runs the decode graph once, at the row's next position, until `<eos>`/`<turn|>` or
-# `max_new_tokens`. Position and prompt length reach the graph as int32 tensors, one per row, never
-# as Python numbers: that is what lets one compiled decode graph serve every step. `release` frees
-# the row and hands back its tokens and the raw logits that chose each (LOGITS_MATCH compares them).
-# A server admits and releases rows between steps; `runtime.generate` is these calls for one prompt.
+# As in `01_e2b` §4: `runtime.generate` is the engine's admit, step and release for one prompt.
+#
+# ## 5. The reference
+#
+# ## 6. SEQ_MATCH, LOGITS_MATCH and coherence
+#
+# As in `01_e2b` §5 and §6: tokens and logits against transformers' greedy reference, the answer
+# against `expect`, then the [witness](00_overview.ipynb#witness).
 
 # %%
 eos = eos_ids(model)
-request = Request(ids, s.max_new_tokens, eos_token_ids=tuple(eos))  # greedy: argmax needs no softcap
-bucket = runtime.check(request)  # the smallest compiled prompt length that holds the prompt, or a clear error
-runtime.admit({0: request}, keep_logits=True)  # prefill: K/V at positions 0..n-1, the first token
-while runtime.live_rows():  # decode: one graph call per new token, each live row at its own position
-    runtime.step()
-generation = runtime.release(0)  # the row's tokens, and the raw logits that chose each
+generation = runtime.generate(ids, s.max_new_tokens, eos_token_ids=eos, keep_logits=True)  # greedy
 tokens, step_logits = generation.tokens, generation.step_logits
-nb.answer_text(model, tokens)
-
-# %% [markdown]
-# ## 5. The reference
-#
-# The same prompt through transformers' `generate` on the host, greedy, same stop tokens.
-#
-# ## 6. SEQ_MATCH, LOGITS_MATCH and coherence, side by side
-#
-# Three checks, because none implies the others. **SEQ_MATCH** (the device's tokens equal the
-# reference's) shows the compiled graph is faithful as far as tokens can show it: this model answers
-# with margins of several logits, so a small error in every logit leaves every token alone.
-# **LOGITS_MATCH** compares the device's logits at every generated position with the reference's for
-# the same tokens (one forward over prompt + device tokens), within a fixed multiple of the
-# reference's own rounding (its largest difference to a float64 copy of itself, with a floor); the
-# cell prints the tolerance and the largest error it found. **Coherence** (the answer
-# contains "Paris") shows that what both computed is right: a fault upstream of both, like a mangled
-# chat prompt or wrong PLE inputs, passes both equality checks and fails only this one.
-#
-# The **witness** ([glossary](00_overview.ipynb#witness); smoke profile only) runs a seeded
-# random-weights model of this architecture through the same recipe: the same graphs, compiled by the
-# same calls. Its table says whether the compiled programs were the trained run's very packages
-# (they are when the compiler folded no weight values into the program; where it folded some, the
-# random weights get packages of their own). Random weights have near-ties where the trained model
-# has margins, so any logit error turns into another token: the witness's SEQ_MATCH and LOGITS_MATCH
-# are the sensitive checks, the trained model's coherence the meaningful one.
-
-# %%
 reference = reference_greedy(model.lm, ids, s.max_new_tokens, eos)
-ref_logits = teacher_forced_logits(model.lm, ids, tokens)  # the reference's logits for the device's tokens
-spread, precise = logits_spread(model.lm, ids, tokens, ref_logits)  # and how far it moves in float64
-cap = model.config.final_logit_softcapping  # the graph leaves it off; the comparison applies it
-logits_check = checks.compare_logits(step_logits, ref_logits, spread, cap, len(ids), precise)
-coherence = checks.expect_substring(s.expect) if s.expect and model.tokenizer is not None else None
-answer, reference_answer = checks.answer_text(model.tokenizer, tokens), checks.answer_text(model.tokenizer, reference)
-report = checks.run_checks(tokens, reference, answer, reference_answer, coherence, logits_check)  # + SEQ_MATCH
+report = checks.evaluate(model.lm, model.tokenizer, ids, tokens, reference, expect=s.expect, step_logits=step_logits)
+nb.answer_text(model, tokens)
 print(f"SEQ_MATCH {report.seq_match}  LOGITS_MATCH {report.logits_match}  coherent {report.coherent}")
-print(logits_check.explain())
+print(report.logits.explain())
 display(nb.side_by_side(report, tokens, reference))
 witness = nb.run_witness(s, compiled) if s.wants_witness else None  # smoke: random weights, the same recipe
 display(nb.witness_table(witness))
@@ -613,79 +404,22 @@ display(nb.witness_table(witness))
 # %% [markdown]
 # ## 7. Sampling, streaming and a conversation
 #
-# The checks decode greedily; a chat samples. `Sampling(temperature, top_p)` applies the softcap
-# (sampling needs real probabilities), divides by the temperature and keeps the smallest set of
-# tokens whose probability reaches `top_p`; `on_token` receives each token as it is chosen, which is
-# how the text streams. A conversation is the chat template over the whole history: the model's
-# answer goes back in as a `model` turn and the next question follows, so every turn re-reads the
-# whole conversation (one prefill), one row, and must fit the compiled prompt length and
-# `context_length` (a longer conversation needs a longer compile: section 3). The same compiled
-# runtime serves it; nothing is compiled again.
-#
-# In the smoke profile the tiny model was trained on one-turn chats about capitals only. Its first
-# answer is right; the second question arrives after a whole first exchange, a prompt shape it never
-# saw in training, so its second answer is often wrong or garbled. That is the tiny model's limit,
-# not the port's: each answer line below says whether it contains the expected city, and the full
-# profile's real checkpoint holds a conversation.
-#
-# The chat box: with `interactive = True` and a live Jupyter front end, the last cell of this section shows a text
-# box that sends your question through the compiled graphs and streams the answer (greedy). Run
-# headless (papermill, CI) it does nothing. The smoke profile's tiny model was trained on a few
-# hundred short chats about capital cities and knows nothing else ("What is the capital of Japan?").
-
-# %%
-sampling = Sampling(temperature=temperature, top_p=top_p, seed=0)  # the row's generator is seeded from it
-pieces, history = [], []
-
-
-def stream(token):  # on_token: decode what has come so far and print only the new text
-    before = nb.answer_text(model, pieces) or ""
-    pieces.append(token)
-    print((nb.answer_text(model, pieces) or "")[len(before) :], end="", flush=True)
-
-
-questions = [(s.prompt, s.expect), ("What is the capital of Japan?", "Tokyo")] if model.tokenizer else []
-for question, expected in questions:  # a random-weights model has no tokenizer: no chat
-    history.append({"role": "user", "content": question})
-    chat_ids = list(model.tokenizer.apply_chat_template(history, add_generation_prompt=True, return_dict=False))
-    pieces.clear()
-    print(f"you: {question}\nmodel: ", end="")
-    streamed = runtime.generate(  # admit, step until done, release: the engine's calls for one prompt
-        chat_ids,  # the whole conversation: it must fit the compiled bucket and context (a clear error if not)
-        s.max_new_tokens,
-        sampling=sampling,  # the engine applies the softcap: it changes the probabilities, not the argmax
-        eos_token_ids=eos,
-        on_token=stream,
-    )
-    history.append({"role": "assistant", "content": nb.answer_text(model, streamed.tokens) or ""})
-    said = history[-1]["content"]
-    print(f"   [{len(chat_ids)} prompt tokens, {len(streamed.tokens)} sampled at T={temperature}, top-p {top_p}; "
-          f"contains {expected!r}: {expected in said}]")  # fmt: skip
-demos["chat"] = history
+# As in `01_e2b` §7 (sampling with the softcap applied, streaming, a conversation as the chat
+# template over the whole history). Here only the chat box: with `interactive = True` and a live
+# Jupyter front end, the next cell shows a text box that streams the answer through the compiled
+# graphs. Run headless it does nothing. The smoke model knows only capital cities.
 
 # %%
 if interactive:
     display(nb.chat(compiled.runtime, model, s))
-
 # %% [markdown]
 # ## 8. Benchmark
 #
-# Median prefill latency and decode throughput over `iters` full generations after `warmup`
-# untimed ones. Single-row decode does almost no arithmetic per byte: every step reads each device
-# weight and every K/V buffer once, so no implementation beats *bandwidth ÷ bytes per step*. That
-# ceiling is computed from this model's shapes and compiled forms over the bandwidth of the machine
-# that ran it (measured a moment ago on a CPU; HBM on inf2), and for the released model on its inf2
-# instance next to the field report's figure. A tiny model on a CPU sits far below its ceiling: its
-# few MB stay in cache and a fixed per-step cost dominates. Compare smoke figures with earlier smoke
-# runs (papermill_runs does), never with inf2.
+# As in `01_e2b` §8: prefill and decode next to the bandwidth ceilings (computed).
 #
 # ## 9. Record
 #
-# One JSON file per run, written atomically to `results_path`: settings, the three checks and the
-# witness's, tokens, a digest of the step logits, timings, the K/V layout, versions, git commit and
-# machine, and what the lesson's cells found. `papermill_runs` collects these files and compares them
-# with the baselines.
-
+# As in `01_e2b` §9: one JSON record, with the lesson's `demos`.
 # %%
 figures = benchmark(runtime, [Request(ids, s.max_new_tokens)], s.warmup, s.iters)  # eos off: every run alike
 ceiling = nb.measured_vs_ceiling(model, s, figures)
@@ -709,19 +443,17 @@ status.finish(result)  # the status box at the top now shows this run's figures 
 # %% [markdown]
 # ## 10. Plots
 #
-# Every timed benchmark run; decode against its ceiling, this run's and the released model's on inf2.
-# The token-by-token grid (device over reference) is drawn only when some token differs: where all
-# match, the checks above already say so.
+# As in `01_e2b` §10: the timed runs, and decode against its ceilings; the token grid only if a
+# token differs.
 # The field report gives no decode figure for the 26B-A4B (prefill only), so its bar is the computed
 # ceiling alone.
-
 # %%
 if result["tokens"] != result["reference_tokens"]:  # the grid shows only where a token differs
     display(plots.token_match(result, model))
 display(plots.bench_runs(result))
 plots.measured_vs_ceiling([ceiling, ceiling["released_inf2"]])
 
-# %% [markdown]
+# %% [markdown] tags=["lesson"]
 # ## Takeaways
 #
 # - The MoE block is a shared MLP plus routed experts; both run on every layer.

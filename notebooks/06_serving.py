@@ -18,7 +18,7 @@
 # in one step, which again reads the weights once. You will build both from the same device-graph
 # design as `01_e2b`, check every token they produce against transformers' own greedy output, and
 # measure what a CPU can and cannot show about their speed. The inf2 figures are computed from
-# shapes, each one marked as computed. The field report's figures are the only ones measured on inf2.
+# shapes, each one marked as computed. The [field report](00_overview.ipynb#field-report)'s figures are the only ones measured on inf2.
 #
 # Read `01_e2b` first: this notebook reuses its device graph, compile steps and the three checks
 # (SEQ_MATCH, LOGITS_MATCH, coherence), and explains only what is new.
@@ -150,7 +150,7 @@ nb.batch_ceilings_table(ceilings)
 # with B > 1, because the rows are different prompts of different lengths:
 #
 # - `start` and `length` become one value per row (`[B]` tensors). Prompts are **right-padded**
-#   to the bucket: row b's tokens sit at positions `0 .. length[b] - 1`, and the padding is never
+#   to the [bucket](00_overview.ipynb#bucket): row b's tokens sit at positions `0 .. length[b] - 1`, and the padding is never
 #   written to K/V and never attended to.
 # - The masks are built per row from its own position. Each row's logits come from its own last
 #   real token. Without that, a short row would read its padding as if it were its last token.
@@ -264,7 +264,7 @@ for (question, _), row in zip(rows, generation.rows, strict=True):
 # and coherence (the row's own capital). A bug in per-row positions or masks usually shows up in
 # the shorter rows only. The first row, the longest, can look perfect while a short one reads padding.
 #
-# The **witness** runs seeded random weights through the same batched graphs, with the witness
+# The **[witness](00_overview.ipynb#witness)** runs seeded random weights through the same batched graphs, with the witness
 # prompt in every row. It has near-ties where the trained model has wide margins, so a small
 # logit error turns into a different token there. (Its first run compiles the graphs once more:
 # Inductor folds a few tiny weights, such as the q/k norms, into the program, and other values

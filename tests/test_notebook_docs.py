@@ -45,3 +45,16 @@ def test_docs_hold_an_executed_copy_from_the_committed_source(path):
     printed = "".join(o.get("text", "") for c in code for o in c.outputs)
     assert "SEQ_MATCH True  LOGITS_MATCH True  coherent True" in printed, f"{copy_path.name}: a check failed there"
     assert copy_path.stat().st_size < 1_000_000, f"{copy_path.name} is {copy_path.stat().st_size} bytes; shrink it"
+    stderr = [c.source.splitlines()[0] for c in code for o in c.outputs if o.get("name") == "stderr"]
+    assert not stderr, (
+        f"{copy_path.name}: cells wrote to stderr (a warning a reader sees; fix it at its source): {stderr}"
+    )
+    for cell in code:  # an inf2 cell on the CPU says it was skipped, and shows nothing the CPU ran
+        if cell.source.startswith('if backend == "neuron"'):
+            shown = [o.get("text", "") if o.get("name") == "stdout" else o.output_type for o in cell.outputs]
+            assert shown == ["skipped: backend=cpu\n"], f"{copy_path.name}: an inf2 cell printed {shown}"
+    if path.name != "06_serving.ipynb":  # the status box, filled in with this run's figures by the record cell
+        box = "".join((o.get("data") or {}).get("text/markdown", "") for o in code[0].outputs)
+        assert "**Ran here** (this run, measured on this CPU" in box, (
+            f"{copy_path.name}: the status box was not filled in"
+        )

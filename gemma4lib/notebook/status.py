@@ -127,8 +127,8 @@ def _markdown(name: str, finished: dict[str, Any] | None) -> str:
         '- **Never run**: every inf2 cell (guarded by `if backend == "neuron"`). Here they print '
         "`skipped: backend=cpu`; no figure in this notebook was measured on inf2 by this project.",
         "- **Kinds of figure**: *measured* (this run, on this CPU), *computed* (from the released config and the "
-        "plans in `gemma4lib/inf2/`, unverified on inf2), *field-reported* (measured on inf2 by the field report; "
-        "see 00_overview, appendix).",
+        "plans in `gemma4lib/inf2/`, unverified on inf2), *field-reported* (measured on inf2 by the "
+        "[field report](00_overview.ipynb#field-report)).",
         "",
         f"| released `{v.hf_id}` on inf2 | figure | kind and source |",
         "|---|---|---|",

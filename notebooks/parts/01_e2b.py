@@ -1,4 +1,6 @@
 # The parts of 01_e2b.ipynb that are E2B's own; scripts/generate_notebooks.py fills them into skeleton.py.
+# -- part: form --
+full
 # -- part: variant --
 e2b
 # -- part: hub --
@@ -14,7 +16,7 @@ inf2.xlarge
 # embeddings (PLE) and cross-layer KV sharing are exactly what the vendor graph builders cannot
 # express. **You will learn** why the PLE table stays on the host and costs nothing in accuracy,
 # which layers own K/V buffers and which borrow them, and how one NeuronCore runs the port through
-# NxD `ModelBuilder` (the field report's `torch_neuronx.trace` recipe stays selectable). Every answer
+# NxD `ModelBuilder` (the [field report](00_overview.ipynb#field-report)'s `torch_neuronx.trace` recipe stays selectable). Every answer
 # is checked three ways: SEQ_MATCH, LOGITS_MATCH and coherence.
 #
 # ### Runs on
@@ -92,7 +94,7 @@ plots.kv_layout(nb.real_layout("e2b"), "released E2B: who owns K/V, who borrows 
 # compile that fits the inf2.xlarge's host RAM; the prompt then goes through the decode graph one
 # token at a time. Its arguments: `input_output_aliases` maps each K/V parameter to the output that
 # carries its update (so the state stays on the device), `inline_weights_to_neff=False` keeps the
-# weights out of the compiled NEFF, `compiler_args` are the decode flags below.
+# weights out of the compiled [NEFF](00_overview.ipynb#neff), `compiler_args` are the decode flags below.
 # -- part: neuron_trace --
 # %%
 if backend == "neuron" and s.neuron_recipe == "trace":  # inf2-only: the one-graph recipe, E2B at TP=1
@@ -142,7 +144,7 @@ else:
 # Everything the port changes in transformers' forward is in the next cell, written out: a cache
 # object whose `update` writes this step's keys and values into a fixed buffer at
 # `position % slots` and returns the whole buffer (a full-attention layer's buffer holds every
-# position; a sliding layer's is a ring of `sliding_window` slots that wraps around), and one
+# position; a sliding layer's is a [ring](00_overview.ipynb#ring) of `sliding_window` slots that wraps around), and one
 # additive mask per attention type that says which slots count: written, not in the future, and for
 # sliding layers inside the window. transformers' own layers do the rest (projections, norms, RoPE,
 # KV sharing, the MLP). The cell runs the prompt through it one token at a time, longer than the
@@ -201,6 +203,51 @@ for mine, theirs in zip(kv_hand, kv_graph, strict=True):
 print(f"{len(ids)} decode steps by hand equal DeviceGraph's: logits at every step, and all {len(kv_hand)} K/V buffers")
 slots = {kind: model.layout.slots(kind, s.context_length, s.ring_kv) for kind in set(config.layer_types)}
 print(f"slots per buffer: {slots} (sliding: a ring of the window; full: the whole context)")
+# -- part: after_compile --
+# %% [markdown]
+# ### 3c. Save and load: a compiled port that travels
+#
+# A compile costs minutes here and, on inf2, much more (the status box), and the compile host need
+# not be the serving host. `export_bundle` writes the compiled entries for these settings (from the
+# cache when it is warm: a copy) and a `manifest.json` saying what they were compiled for. A run
+# with `PortSettings(artifacts=...)` loads from that folder and never compiles: anything that
+# would need a new program (another variant, context, TP degree, torch version, ...) is a
+# `BundleError` before the device is touched. The first cell does it on this CPU, into an **empty**
+# cache, and checks the tokens against the port compiled above; the second is the inf2 version.
+
+# %%
+import dataclasses
+import tempfile
+from pathlib import Path
+
+from gemma4lib.cache.export import export_bundle
+from gemma4lib.port import compile_graphs
+
+if backend == "cpu":
+    bundle = Path(tempfile.mkdtemp(prefix="gemma4lib-bundle-")) / s.variant  # a folder to ship, not the cache
+    export_bundle(s, bundle)  # this port's compiled entries + manifest.json
+    empty_cache = tempfile.mkdtemp(prefix="gemma4lib-empty-cache-")  # nothing in it to hit
+    served = compile_graphs(model, dataclasses.replace(s, artifacts=str(bundle), cache_dir=empty_cache))
+    print(f"from the bundle into an empty cache: compile {served.compile_s:.1f} s; the bundle holds "
+          f"{sorted(p.name for p in bundle.iterdir())}")  # fmt: skip
+    stop = eos_ids(model)
+    same = served.runtime.generate(ids, s.max_new_tokens, eos_token_ids=stop).tokens
+    assert same == runtime.generate(ids, s.max_new_tokens, eos_token_ids=stop).tokens
+    print("the bundle's port answers as the one compiled above: the same tokens")
+    del served  # its packages stay loaded while referenced
+else:
+    print(f"skipped: backend={backend}")
+
+# %%
+if backend == "neuron":  # inf2-only: compile on a large host, serve on a small one (never run here)
+    # on the compile host (an inf2.8xlarge: the compile's host RAM, the status box): write the folder
+    export_bundle(s, "bundles/e2b")  # ModelBuilder's model.pt (its NEFFs) + one weight shard per rank
+    # copy bundles/e2b to the serving host (an inf2.xlarge); there, this replaces section 3's compile:
+    compiled = compile_graphs(model, dataclasses.replace(s, artifacts="bundles/e2b"))  # loads, never compiles
+    runtime = compiled.runtime
+    print(f"from the bundle: compile {compiled.compile_s:.1f} s")
+else:
+    print(f"skipped: backend={backend}")
 # -- part: after_checks --
 # -- part: plot_note --
 # The released model's measured bar is the field report's decode figure (the status box), measured with its

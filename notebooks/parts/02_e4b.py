@@ -1,4 +1,6 @@
 # The parts of 02_e4b.ipynb that are E4B's own; scripts/generate_notebooks.py fills them into skeleton.py.
+# -- part: form --
+brief
 # -- part: variant --
 e4b
 # -- part: hub --
@@ -21,7 +23,7 @@ inf2.8xlarge
 #
 # The `smoke` profile runs on any x86-64 or arm64 CPU (two shared cores are enough); the `full`
 # profile on the inf2 instance in the status box below, whose every figure the library computes from
-# its plans or quotes from the field report, and which the record cell fills in with this run's own.
+# its plans or quotes from the [field report](00_overview.ipynb#field-report), and which the record cell fills in with this run's own.
 #
 # | | `full` profile (inf2) | `smoke` profile (any CPU) |
 # |---|---|---|
@@ -166,8 +168,32 @@ if tp_demo:
 # at TP=2: one rank compiled (the rank graph with NxD's parallel layers), the weights sharded per
 # rank, the rank number a runtime tensor, and the decode graph the priority model whose weight layout
 # the compiler optimises. The calls and each argument:
-# -- part: neuron_trace --
 # -- part: core_step --
+# -- part: after_compile --
+# %% [markdown]
+# ### The split in the rank graph's shapes
+#
+# On inf2 ModelBuilder compiles the **rank graph**: the forward above with its linears cut to one
+# rank's shard (`tp.rank_graph`, built from the config alone, once for every rank). The cell builds
+# the tiny E4B's at TP=2 and compares it with the one-device decode graph layer by layer: each rank
+# holds exactly half the KV heads of every layer, and its `k_proj` shard half the rows. Nothing is
+# copied (compare `04_31b`, where the global KV heads are).
+
+# %%
+from gemma4lib.tp.plan import make_plan
+from gemma4lib.tp.rank_graph import build_rank_graph
+
+rank_tp = tp_demo or 2  # the CPU run's TP degree, as on the inf2 instance
+plan = make_plan(model.config, rank_tp, model.variant)
+rank_graph = build_rank_graph(model.config, plan, decode.shape)  # what ModelBuilder compiles once, for every rank
+rows = []
+for one, mine in zip(decode.layout.producers, rank_graph.layout.producers, strict=True):
+    mode = plan.attention(one.index).kv_mode
+    k_proj = tuple(rank_graph.model.layers[one.index].self_attn.k_proj.weight.shape)
+    rows.append([one.index, one.layer_type, mode, one.kv_heads, mine.kv_heads, k_proj])
+    assert mode == "shard" and mine.kv_heads * rank_tp == one.kv_heads  # E4B: every KV head on one rank
+columns = ["layer", "type", "KV heads", "on one device", "per rank", "k_proj shard"]
+display(nb.Table(columns, rows, f"the rank graph at TP={rank_tp} against the one-device graph"))
 # -- part: after_checks --
 # -- part: plot_note --
 # The released model's measured bar is the field report's decode figure (the status box), measured with its hand-driven

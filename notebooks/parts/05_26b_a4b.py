@@ -1,4 +1,6 @@
 # The parts of 05_26b_a4b.ipynb that are the 26B-A4B's own; scripts/generate_notebooks.py fills them into skeleton.py.
+# -- part: form --
+brief
 # -- part: variant --
 26b-a4b
 # -- part: hub --
@@ -21,7 +23,7 @@ inf2.24xlarge
 #
 # The `smoke` profile runs on any x86-64 or arm64 CPU (two shared cores are enough); the `full`
 # profile on the inf2 instance in the status box below, whose every figure the library computes from
-# its plans or quotes from the field report, and which the record cell fills in with this run's own.
+# its plans or quotes from the [field report](00_overview.ipynb#field-report), and which the record cell fills in with this run's own.
 #
 # | | `full` profile (inf2) | `smoke` profile (any CPU) |
 # |---|---|---|
@@ -210,8 +212,35 @@ if tp_demo:
 # every expert), the weights sharded per rank, the rank number a runtime tensor, and the decode graph
 # (selective experts) the priority model whose weight layout the compiler optimises. The calls and
 # each argument:
-# -- part: neuron_trace --
 # -- part: core_step --
+# -- part: after_compile --
+# %% [markdown]
+# ### The expert split in the rank graph's bytes
+#
+# The rank graph (`tp.rank_graph`: the graph ModelBuilder compiles once for every rank) of the tiny
+# model, built for both expert splits at the TP degree of the CPU run above, selective decode. Each
+# rank holds the same expert bytes under both; what differs is what one decode token reads. Under
+# `experts` a rank holds whole experts and gathers k of its own whatever the router chose, so the
+# ranks together read TP × k experts; under `intermediate` a rank holds a slice of every expert and
+# gathers its slice of the k routed ones, so together they read k experts, what one device would.
+
+# %%
+from gemma4lib.tp.plan import make_plan
+from gemma4lib.tp.rank_graph import build_rank_graph
+
+rank_tp, top_k, read = tp_demo or 2, model.config.top_k_experts, {}
+rows = []
+for split in ("intermediate", "experts"):
+    plan = make_plan(model.config, rank_tp, model.variant, expert_split=split)
+    rank_graph = build_rank_graph(model.config, plan, decode.shape, expert_form="selective")
+    experts = next(layer.experts for layer in rank_graph.model.layers if getattr(layer, "experts", None) is not None)
+    held = sum(p.numel() * p.element_size() for p in experts.parameters())  # this rank's expert bytes
+    per_expert = held // experts.local  # one held expert's bytes (under `intermediate`: this rank's slice)
+    read[split] = rank_tp * top_k * per_expert  # all ranks, one token: each gathers k of what it holds
+    rows.append([split, experts.local, experts.intermediate, held, top_k * per_expert, read[split]])
+assert read["experts"] == rank_tp * read["intermediate"]  # whole experts per rank read TP times the bytes
+columns = ["split", "experts per rank", "columns of each", "bytes held per rank", "read per rank", "read, all ranks"]
+display(nb.Table(columns, rows, f"one MoE layer of the rank graph, TP={rank_tp}, one decode token"))
 # -- part: after_checks --
 # -- part: plot_note --
 # The field report gives no decode figure for the 26B-A4B (prefill only), so its bar is the computed

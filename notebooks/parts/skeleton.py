@@ -18,6 +18,7 @@ from gemma4lib import notebook as nb
 
 status = nb.status_box("{{variant}}")  # figures from the library's plans; the record cell adds this run's
 
+{{#full}}
 # %% [markdown]
 # ## Parameters
 #
@@ -40,6 +41,20 @@ status = nb.status_box("{{variant}}")  # figures from the library's plans; the r
 # Face token is read from `HF_TOKEN` in the environment, never from a parameter, so it never lands
 # in an executed notebook.
 
+{{/full}}
+{{#brief}}
+# %% [markdown]
+# ## Parameters
+#
+# As in `01_e2b`: the notebook's only input, tagged `parameters` for papermill; its defaults run the
+# `smoke` profile on this CPU. On an `{{instance}}` with the Neuron SDK:
+#
+# ```
+# GEMMA4LIB_CACHE=$PWD/.cache/gemma4lib papermill notebooks/{{stem}}.ipynb runs/{{stem}}.ipynb --cwd notebooks \
+#     -y "{profile: full, backend: neuron, tp_degree: {{tp}},
+#     checkpoint: {{hub}}, context_length: 1024, prefill_buckets: [128]}"
+# ```
+{{/brief}}
 # %% tags=["parameters"]
 variant = "{{variant}}"
 profile = "smoke"  # "smoke": tiny model on CPU; "full": the real checkpoint on inf2
@@ -63,6 +78,7 @@ threads = 1  # torch threads for the benchmark (recorded with it)
 results_path = "../runs/notebooks/{{variant}}.json"
 interactive = False  # True: show the chat box at the end (needs a live Jupyter front end)
 
+{{#full}}
 # %% [markdown]
 # ## Setup
 #
@@ -90,6 +106,36 @@ from gemma4lib.port import PortSettings, eos_ids, load_model, prompt_ids
 from gemma4lib.reference import logits_spread, reference_greedy, teacher_forced_logits
 from gemma4lib.runtime import Engine, Request, Sampling, Steps, bind_kv
 
+{{/full}}
+{{#brief}}
+# %% [markdown]
+# ## Setup
+#
+# As in `01_e2b`, which teaches the shared path cell by cell: here it runs through the library
+# calls that `01_e2b` writes out (and the tests hold equal), and the length goes to this variant.
+#
+# ## 1. Load the model
+#
+# As in `01_e2b` §1: the text model is the reference and the source of the graph's weights.
+#
+# ### The host side
+#
+# As in `01_e2b`: embeddings are looked up on the host, then handed to the device graph.
+
+# %%
+import time
+
+import torch
+from IPython.display import display
+
+from gemma4lib import checks, notebook as nb
+from gemma4lib.notebook import plots
+from gemma4lib.port import PortSettings, build_graphs, compile_graphs, eos_ids, load_model, prompt_ids
+from gemma4lib.reference import reference_greedy
+from gemma4lib.timing import benchmark
+from gemma4lib.runtime import Request
+
+{{/brief}}
 torch.set_num_threads(threads)
 started = time.perf_counter()
 demos = {}
@@ -113,6 +159,7 @@ s = PortSettings(
 )
 nb.show_settings(s)
 
+{{#full}}
 # %% [markdown]
 # ## 1. Load the model
 #
@@ -132,7 +179,9 @@ nb.show_settings(s)
 # `get_per_layer_inputs` gives the per-layer embeddings (PLE). transformers' forward accepts both as
 # `inputs_embeds=` and `per_layer_inputs=`, so the vocabulary-sized tables stay off the device.
 
+
 # %%
+{{/full}}
 model = load_model(s)
 ids = prompt_ids(model, s)  # the chat template, applied by the tokenizer
 prompt_tensor = torch.tensor([ids])
@@ -146,6 +195,7 @@ nb.show_prompt(model, ids)
 
 {{lesson}}
 
+{{#full}}
 # %% [markdown]
 # ## 2. Build the device graph
 #
@@ -181,8 +231,37 @@ print("decode graph inputs:", [tuple(t.shape) for t in decode.example_inputs()])
 graphs = GraphSet(prefill, decode, model.layout)  # by name: what every backend compiles
 nb.describe_graphs(graphs)
 
+{{/full}}
+{{#brief}}
+# %% [markdown]
+# ## 2. Build the device graph
+#
+# As in `01_e2b` §2 (the core written out by hand there): one `DeviceGraph` per prefill [bucket](00_overview.ipynb#bucket) and
+# one for decode, transformers' forward over explicit K/V buffers.
+{{graph_note}}
+
+#
+# ## 3. Compile
+#
+# ### 3a. Here (CPU)
+#
+# As in `01_e2b` §3a: `torch.export`, AOTInductor and the load, per graph, through the cache.
+
+# %%
+graphs = build_graphs(model, s)  # as in 01_e2b: DeviceGraph(text_model, lm_head, layout, GraphShape(...)) each
+prefill, decode = graphs.prefill, graphs.decode
+print("decode graph inputs:", [tuple(t.shape) for t in decode.example_inputs()])
+display(nb.describe_graphs(graphs))
+if backend == "cpu":
+    compiled = compile_graphs(model, s, graphs=graphs)  # as in 01_e2b: export, AOTInductor, load; cached
+    runtime = compiled.runtime
+    nb.describe_compile(compiled)
+else:
+    print(f"skipped: backend={backend}")
+{{/brief}}
 {{core_step}}
 
+{{#full}}
 # %% [markdown]
 # ## 3. Compile
 #
@@ -266,12 +345,12 @@ if backend == "cpu":
 #   directory: the cell gives it a fresh work directory (removed on success, kept with the
 #   compiler's logs on failure) and a private current directory, the backend's own helpers.
 # - `builder.add(key, model_instance, example_inputs, compiler_args, priority_model_idx)` once per key,
-#   `prefill` (the largest bucket only: one compiled prompt length on inf2) and `decode`.
+#   `prefill` (the largest [bucket](00_overview.ipynb#bucket) only: one compiled prompt length on inf2) and `decode`.
 #   `model_instance` builds the rank graph with NxD's parallel layers and returns its K/V parameters
 #   aliased to the outputs that update them (`input_output_aliases`), so both keys share one set of
 #   K/V states on the device. `compiler_args` (`neuron_env.COMPILER_ARGS`) are
 #   `--model-type=transformer --auto-cast=none --enable-mixed-precision-accumulation` (no automatic
-#   down-casting: the weights are already bf16) with `-O1` for prefill and `-O2` for decode. `priority_model_idx=0` on decode: the compiler picks the
+#   down-casting: the weights are already bf16) with `-O1` for prefill and `-O2` for decode. [`priority_model_idx`](00_overview.ipynb#priority-model-idx)`=0` on decode: the compiler picks the
 #   weights' on-device layout for decode, the step that reads every weight per token.
 # - `builder.trace(initialize_model_weights=False)` compiles without inlining the weights;
 #   `torch.jit.save` keeps it; `builder.shard_checkpoint(serialize_path=...)` writes one
@@ -357,6 +436,28 @@ if backend == "neuron" and s.neuron_recipe != "trace":  # inf2-only: NxD ModelBu
 else:
     print(f"skipped: backend={backend}" if backend != "neuron" else f"skipped: neuron_recipe={s.neuron_recipe}")
 
+{{/full}}
+{{#brief}}
+# %% [markdown]
+# ### 3b. On inf2 (not run here)
+#
+# With `backend="neuron"` the same call runs `backends/neuron.py`: NxD `ModelBuilder`
+{{compile_note}}
+# `01_e2b` §3b shows those calls in its cell, one by one, and the tests hold that cell equal to
+# the backend. This cell has never been executed (the status box); here it prints
+# `skipped: backend=cpu`.
+
+# %%
+if backend == "neuron":  # inf2-only: NxD ModelBuilder at TP={{tp}} (backends/neuron.py)
+    compiled = compile_graphs(model, s)
+    runtime = compiled.runtime
+    nb.describe_compile(compiled)
+else:
+    print(f"skipped: backend={backend}")
+{{/brief}}
+{{after_compile}}
+
+{{#full}}
 # %% [markdown]
 # ## 4. Generate on the device
 #
@@ -395,7 +496,8 @@ nb.answer_text(model, tokens)
 # with margins of several logits, so a small error in every logit leaves every token alone.
 # **LOGITS_MATCH** compares the device's logits at every generated position with the reference's for
 # the same tokens (one forward over prompt + device tokens), within a fixed multiple of the
-# reference's own rounding (its largest difference to a float64 copy of itself, with a floor); the
+# reference's own rounding (its largest difference to a float64 copy of itself, its [spread](00_overview.ipynb#spread),
+# with a floor); the
 # cell prints the tolerance and the largest error it found. **Coherence** (the answer
 # contains "Paris") shows that what both computed is right: a fault upstream of both, like a mangled
 # chat prompt or wrong PLE inputs, passes both equality checks and fails only this one.
@@ -423,8 +525,36 @@ display(nb.side_by_side(report, tokens, reference))
 witness = nb.run_witness(s, compiled) if s.wants_witness else None  # smoke: random weights, the same recipe
 display(nb.witness_table(witness))
 
+{{/full}}
+{{#brief}}
+# %% [markdown]
+# ## 4. Generate on the device
+#
+# As in `01_e2b` §4: `runtime.generate` is the engine's admit, step and release for one prompt.
+#
+# ## 5. The reference
+#
+# ## 6. SEQ_MATCH, LOGITS_MATCH and coherence
+#
+# As in `01_e2b` §5 and §6: tokens and logits against transformers' greedy reference, the answer
+# against `expect`, then the [witness](00_overview.ipynb#witness).
+
+# %%
+eos = eos_ids(model)
+generation = runtime.generate(ids, s.max_new_tokens, eos_token_ids=eos, keep_logits=True)  # greedy
+tokens, step_logits = generation.tokens, generation.step_logits
+reference = reference_greedy(model.lm, ids, s.max_new_tokens, eos)
+report = checks.evaluate(model.lm, model.tokenizer, ids, tokens, reference, expect=s.expect, step_logits=step_logits)
+nb.answer_text(model, tokens)
+print(f"SEQ_MATCH {report.seq_match}  LOGITS_MATCH {report.logits_match}  coherent {report.coherent}")
+print(report.logits.explain())
+display(nb.side_by_side(report, tokens, reference))
+witness = nb.run_witness(s, compiled) if s.wants_witness else None  # smoke: random weights, the same recipe
+display(nb.witness_table(witness))
+{{/brief}}
 {{after_checks}}
 
+{{#full}}
 # %% [markdown]
 # ## 7. Sampling, streaming and a conversation
 #
@@ -482,6 +612,21 @@ demos["chat"] = history
 if interactive:
     display(nb.chat(compiled.runtime, model, s))
 
+{{/full}}
+{{#brief}}
+# %% [markdown]
+# ## 7. Sampling, streaming and a conversation
+#
+# As in `01_e2b` §7 (sampling with the softcap applied, streaming, a conversation as the chat
+# template over the whole history). Here only the chat box: with `interactive = True` and a live
+# Jupyter front end, the next cell shows a text box that streams the answer through the compiled
+# graphs. Run headless it does nothing. The smoke model knows only capital cities.
+
+# %%
+if interactive:
+    display(nb.chat(compiled.runtime, model, s))
+{{/brief}}
+{{#full}}
 # %% [markdown]
 # ## 8. Benchmark
 #
@@ -501,6 +646,17 @@ if interactive:
 # machine, and what the lesson's cells found. `papermill_runs` collects these files and compares them
 # with the baselines.
 
+{{/full}}
+{{#brief}}
+# %% [markdown]
+# ## 8. Benchmark
+#
+# As in `01_e2b` §8: prefill and decode next to the bandwidth ceilings (computed).
+#
+# ## 9. Record
+#
+# As in `01_e2b` §9: one JSON record, with the lesson's `demos`.
+{{/brief}}
 # %%
 figures = benchmark(runtime, [Request(ids, s.max_new_tokens)], s.warmup, s.iters)  # eos off: every run alike
 ceiling = nb.measured_vs_ceiling(model, s, figures)
@@ -521,6 +677,7 @@ result = nb.record(
 nb.record_summary(result)
 status.finish(result)  # the status box at the top now shows this run's figures and run time
 
+{{#full}}
 # %% [markdown]
 # ## 10. Plots
 #
@@ -529,13 +686,22 @@ status.finish(result)  # the status box at the top now shows this run's figures 
 # match, the checks above already say so.
 {{plot_note}}
 
+{{/full}}
+{{#brief}}
+# %% [markdown]
+# ## 10. Plots
+#
+# As in `01_e2b` §10: the timed runs, and decode against its ceilings; the token grid only if a
+# token differs.
+{{plot_note}}
+{{/brief}}
 # %%
 if result["tokens"] != result["reference_tokens"]:  # the grid shows only where a token differs
     display(plots.token_match(result, model))
 display(plots.bench_runs(result))
 plots.measured_vs_ceiling([ceiling, ceiling["released_inf2"]])
 
-# %% [markdown]
+# %% [markdown] tags=["lesson"]
 # ## Takeaways
 #
 {{takeaways}}
