@@ -292,7 +292,7 @@ else:
 # With `backend="neuron"` the same call runs `backends/neuron.py`: NxD `ModelBuilder`
 # at TP=2: one rank compiled (the rank graph with NxD's parallel layers), the weights sharded per
 # rank, the rank number a runtime tensor, and the decode graph the priority model whose weight layout
-# the compiler optimises. The calls and each argument:
+# the compiler optimises.
 # `01_e2b` §3b shows those calls in its cell, one by one, and the tests hold that cell equal to
 # the backend. This cell has never been executed (the status box); here it prints
 # `skipped: backend=cpu`.
@@ -326,7 +326,7 @@ for one, mine in zip(decode.layout.producers, rank_graph.layout.producers, stric
     k_proj = tuple(rank_graph.model.layers[one.index].self_attn.k_proj.weight.shape)
     rows.append([one.index, one.layer_type, mode, one.kv_heads, mine.kv_heads, k_proj])
     assert mode == "shard" and mine.kv_heads * rank_tp == one.kv_heads  # E4B: every KV head on one rank
-columns = ["layer", "type", "KV heads", "on one device", "per rank", "k_proj shard"]
+columns = ["layer", "type", "KV mode", "KV heads, one device", "KV heads per rank", "k_proj shard"]
 display(nb.Table(columns, rows, f"the rank graph at TP={rank_tp} against the one-device graph"))
 
 # %% [markdown]

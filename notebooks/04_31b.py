@@ -255,7 +255,7 @@ else:
 # With `backend="neuron"` the same call runs `backends/neuron.py`: NxD `ModelBuilder`
 # at TP=8: one rank compiled (the rank graph with NxD's parallel layers, each global KV head copied on
 # two ranks), the weights sharded per rank, the rank number a runtime tensor, and the decode graph
-# the priority model whose weight layout the compiler optimises. The calls and each argument:
+# the priority model whose weight layout the compiler optimises.
 # `01_e2b` §3b shows those calls in its cell, one by one, and the tests hold that cell equal to
 # the backend. This cell has never been executed (the status box); here it prints
 # `skipped: backend=cpu`.
@@ -276,7 +276,7 @@ else:
 # of the CPU run above and compares its K/V buffers and `k_proj` shards with the one-device
 # graph's, layer by layer: the sliding layers' KV heads are divided among the ranks; the full
 # layers, with fewer KV heads than ranks, keep one whole head per rank, so each head exists on
-# several ranks and the K/V bytes per rank are more than a TP-th of the total.
+# several ranks: KV heads per rank × TP is more than the device's, and so is the K/V they hold.
 
 # %% tags=["lesson"]
 from gemma4lib.tp.plan import make_plan
@@ -293,7 +293,7 @@ for one, mine in zip(decode.layout.producers, rank_graph.layout.producers, stric
     rows.append([one.index, one.layer_type, mode, one.kv_heads, mine.kv_heads, k_proj])
     assert (mode == "replicate") == (mine.kv_heads * rank_tp > one.kv_heads)  # copies only where heads < ranks
 assert any(row[2] == "replicate" for row in rows)  # the tiny 31B's full layers, as the released one's at TP=8
-columns = ["layer", "type", "KV heads", "on one device", "per rank", "k_proj shard"]
+columns = ["layer", "type", "KV mode", "KV heads, one device", "KV heads per rank", "k_proj shard"]
 display(nb.Table(columns, rows, f"the rank graph at TP={rank_tp} against the one-device graph"))
 
 # %% [markdown]
@@ -400,8 +400,8 @@ plots.measured_vs_ceiling([ceiling, ceiling["released_inf2"]])
 #   out of memory.
 # - Fewer KV heads than ranks means replication: each global KV head sits on two of eight ranks.
 #   It shows in what is compiled: the rank graph's full layers keep one whole KV head and a `k_proj`
-#   shard of one head's rows on every rank, so the K/V bytes per rank are more than a TP-th of the
-#   total, and the by-hand sum over ranks equals transformers' attention only with those copies.
+#   shard of one head's rows on every rank (more than a TP-th of the K/V), and the by-hand sum over
+#   ranks equals transformers' attention only with those copies.
 # - Plan the compile host from the step-by-step plan, not from the serving instance: the compile
 #   needs the host model and the sharded checkpoint at once, never a NeuronCore.
 # - Build prompts with the tokenizer's chat template. `SEQ_MATCH True` on nonsense is the signature

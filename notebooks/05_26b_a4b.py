@@ -335,8 +335,7 @@ else:
 # With `backend="neuron"` the same call runs `backends/neuron.py`: NxD `ModelBuilder`
 # at TP=8: one rank compiled (the rank graph with NxD's parallel layers, each rank a TP-th slice of
 # every expert), the weights sharded per rank, the rank number a runtime tensor, and the decode graph
-# (selective experts) the priority model whose weight layout the compiler optimises. The calls and
-# each argument:
+# (selective experts) the priority model whose weight layout the compiler optimises.
 # `01_e2b` §3b shows those calls in its cell, one by one, and the tests hold that cell equal to
 # the backend. This cell has never been executed (the status box); here it prints
 # `skipped: backend=cpu`.

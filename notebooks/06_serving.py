@@ -466,8 +466,8 @@ nb.side_by_side(draft_report, draft_run.tokens, reference)
 #
 # **What the tiny model shows and what it does not.** Its weights are a few MB and stay in the
 # CPU's caches. A step is bound by per-call overhead, not by bandwidth, so B rows cost much less than
-# B single-row steps (the sweep's table gives the step time at every B: it grows with B, far slower
-# than B), and total tok/s grows with B. That is
+# B single-row steps: in the sweep's table the per-row tok/s falls as B grows (a step takes longer),
+# but far less than B-fold, so total tok/s grows with B. That is
 # the mechanism: one call, one weight read, B tokens. It was not always a smooth line: before the
 # batched decode wrote its K/V in place (an `index_put`; a `scatter` had Inductor copy every whole
 # K/V buffer each step, found with `python -m gemma4lib.benchmarks.profile_decode`, see

@@ -111,8 +111,8 @@ def _markdown(name: str, finished: dict[str, Any] | None) -> str:
     v = get_variant(name)
     if finished:
         ran = (
-            f"**Ran here** (this run, measured on this CPU, {finished['threads']} thread(s)): the whole notebook in "
-            f"{finished['elapsed_s']:.0f} s; compile {finished['compile_s']:.1f} s; prefill "
+            f"**Ran here** (this run, measured on this CPU, {finished['threads']} thread(s)): the cells took "
+            f"{finished['elapsed_s']:.0f} s; compile {finished['compile_s']:.1f} s{finished['cached']}; prefill "
             f"{finished['prefill_ms']:.2f} ms; decode {finished['decode_tok_s']:,.0f} tok/s; checks: SEQ_MATCH "
             f"{finished['seq_match']}, LOGITS_MATCH {finished['logits_match']}, coherent {finished['coherent']}."
         )
@@ -144,6 +144,7 @@ class StatusBox:
     variant: str
     started: float = field(default_factory=time.perf_counter)
     handle: Any = None
+    finished: dict[str, Any] | None = None  # this run's figures, once the record cell has run
 
     def markdown(self, finished: dict[str, Any] | None = None) -> str:
         return _markdown(self.variant, finished)
@@ -154,20 +155,20 @@ class StatusBox:
         self.handle = display(Markdown(self.markdown()), display_id=True)
         return self
 
-    def finish(self, record: dict[str, Any]) -> str:
-        """Fill in this run's measurements from its record; returns the new text (also shown at the top)."""
+    def finish(self, record: dict[str, Any]) -> None:
+        """Fill in this run's measurements from its record, in the box at the top (`markdown` gives the text)."""
         finished = {
             "elapsed_s": time.perf_counter() - self.started,
             "threads": (record.get("bench") or {}).get("threads", 1),
             **{k: record.get(k) for k in ("compile_s", "prefill_ms", "decode_tok_s")},
             **{k: record.get(k) for k in ("seq_match", "logits_match", "coherent")},
+            "cached": " (every graph from the compile cache)" if all(record.get("cache_hits") or [False]) else "",
         }
-        text = self.markdown(finished)
+        self.finished = finished
         if self.handle is not None:
             from IPython.display import Markdown
 
-            self.handle.update(Markdown(text))
-        return text
+            self.handle.update(Markdown(self.markdown(finished)))
 
 
 def status_box(variant: str) -> StatusBox:

@@ -153,7 +153,7 @@ if tp_demo:
 # -- part: compile_note --
 # at TP=2: one rank compiled (the rank graph with NxD's parallel layers, the global KV head copied
 # on both ranks), the weights sharded per rank, the rank number a runtime tensor, and the decode
-# graph the priority model whose weight layout the compiler optimises. The calls and each argument:
+# graph the priority model whose weight layout the compiler optimises.
 # -- part: core_step --
 # -- part: after_compile --
 # %% [markdown]
@@ -198,7 +198,7 @@ for one, mine in zip(decode.layout.producers, rank_graph.layout.producers, stric
     k_proj = tuple(rank_graph.model.layers[one.index].self_attn.k_proj.weight.shape)
     rows.append([one.index, one.layer_type, mode, one.kv_heads, mine.kv_heads, k_proj])
     assert (mode == "replicate") == (mine.kv_heads * rank_tp > one.kv_heads)  # copies only where heads < ranks
-columns = ["layer", "type", "KV heads", "on one device", "per rank", "k_proj shard"]
+columns = ["layer", "type", "KV mode", "KV heads, one device", "KV heads per rank", "k_proj shard"]
 display(nb.Table(columns, rows, f"the rank graph at TP={rank_tp} against the one-device graph"))
 # -- part: after_checks --
 # -- part: plot_note --

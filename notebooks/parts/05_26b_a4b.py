@@ -210,8 +210,7 @@ if tp_demo:
 # -- part: compile_note --
 # at TP=8: one rank compiled (the rank graph with NxD's parallel layers, each rank a TP-th slice of
 # every expert), the weights sharded per rank, the rank number a runtime tensor, and the decode graph
-# (selective experts) the priority model whose weight layout the compiler optimises. The calls and
-# each argument:
+# (selective experts) the priority model whose weight layout the compiler optimises.
 # -- part: core_step --
 # -- part: after_compile --
 # %% [markdown]
