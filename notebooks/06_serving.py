@@ -465,17 +465,17 @@ nb.side_by_side(draft_report, draft_run.tokens, reference)
 # other B is a new decode graph (compiled the first time).
 #
 # **What the tiny model shows and what it does not.** Its weights are a few MB and stay in the
-# CPU's caches. A step is bound by per-call overhead, not by bandwidth, so B rows cost much less than
-# B single-row steps: in the sweep's table the per-row tok/s falls as B grows (a step takes longer),
-# but far less than B-fold, so total tok/s grows with B. That is
+# CPU's caches. A step is bound by per-call overhead, not by bandwidth, so a step of B rows costs far
+# less than B single-row steps: in the sweep's table total tok/s grows with B while the per-row
+# tok/s stays within a small factor of B=1's (on a shared machine not always in order). That is
 # the mechanism: one call, one weight read, B tokens. It was not always a smooth line: before the
 # batched decode wrote its K/V in place (an `index_put`; a `scatter` had Inductor copy every whole
 # K/V buffer each step, found with `python -m gemma4lib.benchmarks.profile_decode`, see
 # docs/ROOFLINE.md), B=2 sometimes came out *slower* in total than B=1. On a shared machine, read
 # this run's table and its bandwidth flag rather than assume. The tiny model does not show where a real
 # model's gain ends (the compute bound, the K/V per row), or any inf2 figure. The ceilings above
-# are computed for that, and the field report's points are measured. The plot below puts all
-# three side by side.
+# are computed for that, and the field report's points are measured. The plot below keeps them
+# apart: this CPU's measurements on one axis, the released E2B on inf2 on the other.
 
 # %%
 sweep = bench_batch_model(
@@ -613,10 +613,10 @@ nb.record_summary(result)
 # %% [markdown]
 # ## 7. Plots
 #
-# Total decode tok/s against B, log-log. This CPU's measured figures (this project's graphs and
-# HF `generate`), the line `B × (tok/s at B=1)` for scale, E2B's inf2 ceiling (**computed,
-# unverified**) and the field report's three points (**measured on inf2 by its author**, not by
-# this project). Then the drafts the target kept at each verify step of the timed run (eos off):
+# Total decode tok/s against B, log-log, on two axes: on the left this CPU's measured figures (this
+# project's graphs and HF `generate`) with the line `B × (tok/s at B=1)` for scale; on the right
+# E2B's inf2 ceiling (**computed, unverified**) and the field report's points (**measured on inf2
+# by its author**, not by this project). Then the drafts the target kept at each verify step of the timed run (eos off):
 # high while the answer is one the assistant was distilled on, lower once the tiny model babbles.
 
 # %%
