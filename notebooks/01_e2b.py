@@ -376,7 +376,7 @@ if backend == "cpu":
         graphs=graphs,
         kv=kv,
     )
-    nb.describe_compile(compiled)
+    display(nb.describe_compile(compiled))
 
 # %% [markdown]
 # ### 3b. On inf2 (not run here)
@@ -463,7 +463,7 @@ if backend == "neuron" and s.neuron_recipe == "trace":  # inf2-only: the one-gra
     runtime = Engine.for_model(model, Steps(decode=step), batch=1, context_length=s.context_length, dtype=decode.dtype)
     compile_s = 0.0 if entry.hit else time.perf_counter() - began
     compiled = CompiledGraphs(runtime.steps, compile_s, [entry.hit], "neuron-trace", runtime=runtime)
-    nb.describe_compile(compiled)
+    display(nb.describe_compile(compiled))
 else:
     print(f"skipped: backend={backend}" if backend != "neuron" else f"skipped: neuron_recipe={s.neuron_recipe}")
 
@@ -531,7 +531,7 @@ if backend == "neuron" and s.neuron_recipe != "trace":  # inf2-only: NxD ModelBu
     runtime = Engine.for_model(model, steps, batch=1, context_length=s.context_length, dtype=dtype)
     compile_s = 0.0 if entry.hit else time.perf_counter() - began
     compiled = CompiledGraphs(runtime.steps, compile_s, [entry.hit], "neuron-model_builder", runtime=runtime)
-    nb.describe_compile(compiled)
+    display(nb.describe_compile(compiled))
 else:
     print(f"skipped: backend={backend}" if backend != "neuron" else f"skipped: neuron_recipe={s.neuron_recipe}")
 

@@ -282,7 +282,7 @@ display(nb.describe_graphs(graphs))
 if backend == "cpu":
     compiled = compile_graphs(model, s, graphs=graphs)  # as in 01_e2b: export, AOTInductor, load; cached
     runtime = compiled.runtime
-    nb.describe_compile(compiled)
+    display(nb.describe_compile(compiled))
 else:
     print(f"skipped: backend={backend}")
 
@@ -301,7 +301,7 @@ else:
 if backend == "neuron":  # inf2-only: NxD ModelBuilder at TP=2 (backends/neuron.py)
     compiled = compile_graphs(model, s)
     runtime = compiled.runtime
-    nb.describe_compile(compiled)
+    display(nb.describe_compile(compiled))
 else:
     print(f"skipped: backend={backend}")
 # %% [markdown] tags=["lesson"]
@@ -347,7 +347,7 @@ generation = runtime.generate(ids, s.max_new_tokens, eos_token_ids=eos, keep_log
 tokens, step_logits = generation.tokens, generation.step_logits
 reference = reference_greedy(model.lm, ids, s.max_new_tokens, eos)
 report = checks.evaluate(model.lm, model.tokenizer, ids, tokens, reference, expect=s.expect, step_logits=step_logits)
-nb.answer_text(model, tokens)
+print(f"answer: {nb.answer_text(model, tokens)!r}")
 print(f"SEQ_MATCH {report.seq_match}  LOGITS_MATCH {report.logits_match}  coherent {report.coherent}")
 print(report.logits.explain())
 display(nb.side_by_side(report, tokens, reference))

@@ -817,6 +817,7 @@ def test_the_model_builder_cell_makes_the_recipes_calls(path, tmp_path, monkeypa
             namespace = dict(backend="neuron", s=settings, model=model, prefill=prefill, decode=decode, torch=torch)
             namespace.update(nb=nb_helpers, time=__import__("time"), cache=ArtifactCache(tmp_path / "cell-cache"))
             namespace.update(Engine=Engine, Steps=Steps, CompiledGraphs=CompiledGraphs, has_ple=False)
+            namespace.update(display=lambda *shown: None)
             cell = _cell_starting(load(path), 'if backend == "neuron" and s.neuron_recipe != "trace"')
             exec(compile(cell, f"{path.name}[ModelBuilder cell]", "exec"), namespace)
             runtime = namespace["compiled"]
@@ -938,6 +939,7 @@ def test_the_trace_cell_makes_the_backends_calls(tmp_path, monkeypatch):
             namespace.update(nb=nb_helpers, time=__import__("time"), cache=ArtifactCache(tmp_path / "cell-cache"))
             namespace.update(Engine=Engine, Steps=Steps, CompiledGraphs=CompiledGraphs, GraphShape=GraphShape)
             namespace.update(DeviceGraph=DeviceGraph)
+            namespace.update(display=lambda *shown: None)
             cell = _cell_starting(load(path), 'if backend == "neuron" and s.neuron_recipe == "trace"')
             exec(compile(cell, f"{path.name}[trace cell]", "exec"), namespace)
             runtime = namespace["compiled"]

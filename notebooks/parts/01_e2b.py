@@ -134,7 +134,7 @@ if backend == "neuron" and s.neuron_recipe == "trace":  # inf2-only: the one-gra
     runtime = Engine.for_model(model, Steps(decode=step), batch=1, context_length=s.context_length, dtype=decode.dtype)
     compile_s = 0.0 if entry.hit else time.perf_counter() - began
     compiled = CompiledGraphs(runtime.steps, compile_s, [entry.hit], "neuron-trace", runtime=runtime)
-    nb.describe_compile(compiled)
+    display(nb.describe_compile(compiled))
 else:
     print(f"skipped: backend={backend}" if backend != "neuron" else f"skipped: neuron_recipe={s.neuron_recipe}")
 # -- part: core_step --

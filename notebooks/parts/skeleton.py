@@ -255,7 +255,7 @@ display(nb.describe_graphs(graphs))
 if backend == "cpu":
     compiled = compile_graphs(model, s, graphs=graphs)  # as in 01_e2b: export, AOTInductor, load; cached
     runtime = compiled.runtime
-    nb.describe_compile(compiled)
+    display(nb.describe_compile(compiled))
 else:
     print(f"skipped: backend={backend}")
 {{/brief}}
@@ -325,7 +325,7 @@ if backend == "cpu":
         graphs=graphs,
         kv=kv,
     )
-    nb.describe_compile(compiled)
+    display(nb.describe_compile(compiled))
 
 # %% [markdown]
 # ### 3b. On inf2 (not run here)
@@ -432,7 +432,7 @@ if backend == "neuron" and s.neuron_recipe != "trace":  # inf2-only: NxD ModelBu
     runtime = Engine.for_model(model, steps, batch=1, context_length=s.context_length, dtype=dtype)
     compile_s = 0.0 if entry.hit else time.perf_counter() - began
     compiled = CompiledGraphs(runtime.steps, compile_s, [entry.hit], "neuron-model_builder", runtime=runtime)
-    nb.describe_compile(compiled)
+    display(nb.describe_compile(compiled))
 else:
     print(f"skipped: backend={backend}" if backend != "neuron" else f"skipped: neuron_recipe={s.neuron_recipe}")
 
@@ -451,7 +451,7 @@ else:
 if backend == "neuron":  # inf2-only: NxD ModelBuilder at TP={{tp}} (backends/neuron.py)
     compiled = compile_graphs(model, s)
     runtime = compiled.runtime
-    nb.describe_compile(compiled)
+    display(nb.describe_compile(compiled))
 else:
     print(f"skipped: backend={backend}")
 {{/brief}}
@@ -545,7 +545,7 @@ generation = runtime.generate(ids, s.max_new_tokens, eos_token_ids=eos, keep_log
 tokens, step_logits = generation.tokens, generation.step_logits
 reference = reference_greedy(model.lm, ids, s.max_new_tokens, eos)
 report = checks.evaluate(model.lm, model.tokenizer, ids, tokens, reference, expect=s.expect, step_logits=step_logits)
-nb.answer_text(model, tokens)
+print(f"answer: {nb.answer_text(model, tokens)!r}")
 print(f"SEQ_MATCH {report.seq_match}  LOGITS_MATCH {report.logits_match}  coherent {report.coherent}")
 print(report.logits.explain())
 display(nb.side_by_side(report, tokens, reference))
