@@ -40,7 +40,9 @@ def test_docs_hold_an_executed_copy_from_the_committed_source(path):
     code = [c for c in copy.cells if c.cell_type == "code"]
     assert all(c.execution_count for c in code), f"{copy_path.name} has cells that did not run"
     images = sum("image/png" in (o.get("data") or {}) for c in code for o in c.outputs)
-    wanted = 2 if path.name == "06_serving.ipynb" else 3  # 06: tok/s against B, drafts per verify step
+    # 06: tok/s against B, drafts per verify step; a variant: its timed runs and decode against the ceilings
+    # (the token grid only where a token differs, which in a passing run it does not)
+    wanted = 2
     assert images >= wanted, f"{copy_path.name} shows {images} plots; the plots section draws {wanted}"
     printed = "".join(o.get("text", "") for c in code for o in c.outputs)
     assert "SEQ_MATCH True  LOGITS_MATCH True  coherent True" in printed, f"{copy_path.name}: a check failed there"

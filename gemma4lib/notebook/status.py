@@ -80,8 +80,10 @@ def _inf2_rows(name: str) -> list[tuple[str, str, str]]:
         ),
         (
             "compile time",
-            f"~{reported['compile_min']} min (the field report's port)" if reported else "never measured",
-            FIELD_REPORT if reported else "no inf2 compile of this recipe has run",
+            f"~{reported['compile_min']} min (the field report's port)" if reported else "not known",
+            FIELD_REPORT
+            if reported
+            else "the field report states none for this variant; this project compiled nothing on inf2",
         ),
         (
             "disk for the compiled port",
@@ -91,7 +93,8 @@ def _inf2_rows(name: str) -> list[tuple[str, str, str]]:
         ("serving host RAM", serving.summary().split(": ", 1)[1], "computed (`inf2.serving_host`), unverified on inf2"),
         (
             "decode step",
-            f"≥ {1000 / step['ceiling_tok_s']:.1f} ms (bandwidth ÷ bytes per step at TP={v.tp_degree})",
+            f"≥ {1000 / step['ceiling_tok_s']:.1f} ms: bytes per step ÷ the bandwidth of the TP={v.tp_degree} cores "
+            f"({step['bandwidth_gb_s']:,.0f} GB/s of the instance's {spec.hbm_bytes_s / GB:,.0f})",
             "computed (`inf2.roofline`), a lower bound",
         ),
         (
