@@ -635,9 +635,11 @@ if interactive:
 # weight and every K/V buffer once, so no implementation beats *bandwidth ÷ bytes per step*. That
 # ceiling is computed from this model's shapes and compiled forms over the bandwidth of the machine
 # that ran it (measured a moment ago on a CPU; HBM on inf2), and for the released model on its inf2
-# instance next to the field report's figure. A tiny model on a CPU sits far below its ceiling: its
-# few MB stay in cache and a fixed per-step cost dominates. Compare smoke figures with earlier smoke
-# runs (papermill_runs does), never with inf2.
+# instance next to the field report's figure. A tiny model on a CPU is not bound by that ceiling:
+# its few MB stay in the CPU's caches, which are faster than the memory the bandwidth is measured on,
+# and a fixed per-step cost dominates; so its fraction of the ceiling swings from run to run with the
+# neighbours' load on the measured bandwidth and says little. Compare smoke figures with earlier
+# smoke runs (papermill_runs does), never with inf2.
 #
 # ## 9. Record
 #
