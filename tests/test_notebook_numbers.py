@@ -11,7 +11,8 @@ not a measured or computed figure, by these rules, checked line by line on each 
    instance names, trn2, dtypes (bf16, int8, float64, ...), notebook names (`0N_name`), versions
    (x.y.z, or "torch 2.13", "SDK release 2.27", "Python 3.12", "Ubuntu 24.04"), dates (YYYY-MM[-DD]),
    section numbers ("## 3.", "section 3", "§3"), list numbering ("1. "), and the notation TP=N,
-   B = N, B > N, k = N, k + 1.
+   B = N, B > N, k = N, k + 1; percentiles (p50, p99); HTTP status codes after a word that names
+   one ("answers 429", "the 429s", "HTTP 503", "503 Service Unavailable").
 3. **Quoted with a source**: a line holding a parenthesis with `source:` and a date, e.g.
    "(16k tokens on a 128 GB host; source: inf2 users' reports, 2026-12)", or `(source: released config)`.
 
@@ -43,6 +44,9 @@ ALLOWED = re.compile(
     | \b(?:torch|transformers|python|sdk|release|releases|neuronx-cc|ubuntu)\s\d+(?:\.\d+)+
     | ^\#+\s*\d+[a-z]?\. | ^\#\s0\d\b | \bsection\s\d+ | §\s?\d+ | ^\s*\d+\.\s
     | \btp\s?=\s?\d+\b | \b[Bk]\s?[=><]\s?\d+\b | \bk\s?\+\s?1\b | \bv[12]\b | \bx86-64\b | \barm64\b
+    | \bp\d\d\b | \bray\s\d+(?:\.\d+)+ | \bgemma4lib\b
+    | \b(?:http|answers?|gets?|get|returns?|why|with|the|a|its|one)\s\**[1-5]\d\d(?:s\b|\b) | \bstatus\s\d+\b
+    | \b[1-5]\d\d\s(?:Too\sMany\sRequests|Service\sUnavailable|Bad\sRequest|Not\sFound)\b
     """
 )
 DIGITS = re.compile(r"\d[\d,.]*")
@@ -82,3 +86,5 @@ def test_the_figure_check_can_fail():
     assert unsourced_figures("bandwidth 820 GB/s (source: AWS, 2026)")[0][0] == "820"  # a date is YYYY-MM
     assert unsourced_figures("E2B on `inf2.xlarge` at TP=1, `-O2`, torch 2.13 (source: field report, 2026-12-02)") == []
     assert unsourced_figures("## 3. Compile\n1. first\n```\nx = 42\n```") == []
+    assert unsourced_figures("the server answers 429 at once; p99 latency") == []
+    assert unsourced_figures("it served 429 tok/s")[0][0] == "429"  # a status code only after a word naming one
