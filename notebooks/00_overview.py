@@ -22,13 +22,13 @@
 # or let `python -m papermill_runs run --profile smoke` run all seven in order. A variant that has not
 # run yet is simply missing from the tables.
 #
-# | notebook | variant | instance | TP | recipe |
+# | notebook | variant | instance | TP degree | recipe |
 # |---|---|---|---|---|
-# | [01_e2b.ipynb](01_e2b.ipynb) | E2B | `inf2.xlarge` | 1 | model_builder (trace selectable) |
-# | [02_e4b.ipynb](02_e4b.ipynb) | E4B | `inf2.8xlarge` | 2 | model_builder |
-# | [03_12b.ipynb](03_12b.ipynb) | 12B | `inf2.8xlarge` | 2 | model_builder |
-# | [04_31b.ipynb](04_31b.ipynb) | 31B | `inf2.24xlarge` | 8 | model_builder |
-# | [05_26b_a4b.ipynb](05_26b_a4b.ipynb) | 26B-A4B | `inf2.24xlarge` | 8 | model_builder |
+# | [01_e2b.ipynb](01_e2b.ipynb) | E2B | `inf2.xlarge` | TP=1 | model_builder (trace selectable) |
+# | [02_e4b.ipynb](02_e4b.ipynb) | E4B | `inf2.8xlarge` | TP=2 | model_builder |
+# | [03_12b.ipynb](03_12b.ipynb) | 12B | `inf2.8xlarge` | TP=2 | model_builder |
+# | [04_31b.ipynb](04_31b.ipynb) | 31B | `inf2.24xlarge` | TP=8 | model_builder |
+# | [05_26b_a4b.ipynb](05_26b_a4b.ipynb) | 26B-A4B | `inf2.24xlarge` | TP=8 | model_builder |
 #
 # Then [06_serving.ipynb](06_serving.ipynb) serves more than one token per weight read on the tiny
 # E2B (CPU only): a batch of different prompts, each row checked against its own reference, and
@@ -82,10 +82,11 @@ torch.set_num_threads(threads)
 # %% [markdown]
 # ## The family
 #
-# All five share a skeleton: a 262,144-token vocabulary with the embedding tied to the LM head,
+# All five share a skeleton: one large vocabulary with the embedding tied to the LM head,
 # embeddings scaled by √hidden, grouped-query attention with five sliding-window layers for each
-# global one, head_dim 256 on sliding layers and 512 on global ones, and a final logit softcap of
-# 30. The differences are in the columns on the right.
+# global one, a wider head on global layers than on sliding ones, and a final logit softcap
+# (`vocab_size=262144`, `head_dim=256`, `global_head_dim=512`, `final_logit_softcapping=30.0` in every
+# released config). The differences are in the columns on the right.
 
 # %%
 nb.family_table()
@@ -110,7 +111,7 @@ nb.family_table()
 #
 # ## Memory decides the hardware
 #
-# bf16 weights per NeuronCore at each variant's TP degree, against the 16 GiB a core has. E2B's
+# bf16 weights per NeuronCore at each variant's TP degree, against the HBM a core has. E2B's
 # hatched part is the PLE table, which stays on the host.
 
 # %%
@@ -124,10 +125,10 @@ plots.memory_budget(nb.memory_rows())
 # 1. `torch_neuronx.trace` of the real forward on one core (the field report's E2B): proves PLE
 #    and KV sharing compile at all. It compiles one graph, so the prompt goes through the decode
 #    graph one token at a time; it stays selectable for E2B (`neuron_recipe="trace"`), whose default
-#    is now step 3 at TP=1.
+#    is now the third step, at TP=1.
 # 2. Hand-driven tensor parallelism with aliased on-device K/V and a CPU-seeded prefill (the field
 #    report's E4B): two cores. Its per-rank tracer ran out of memory at 31B and is unsupported since
-#    SDK 2.27, so this cookbook teaches it on CPU and compiles E4B with step 3 on inf2.
+#    SDK release 2.27, so this cookbook teaches it on CPU and compiles E4B with the third step on inf2.
 # 3. NxD `ModelBuilder` (every variant; E2B at TP=1): a prefill graph and a decode graph over one
 #    set of K/V states, one rank compiled and the weights sharded per rank. This is what carries the
 #    31B at TP=8 and, with static experts and a runtime rank, the MoE.
@@ -192,3 +193,57 @@ overview["variants_found"]
 #    approach runs out of memory.
 # 3. "Effective" and "active" sizes describe compute. Memory has to hold everything.
 # 4. Equal to the reference is necessary and not sufficient: always check the answer too.
+
+# %% [markdown]
+# ## Glossary
+#
+# The terms the notebooks use, each defined once here; the notebooks link here at first use.
+#
+# - <a id="witness"></a>**witness**: a seeded random-weights model of the variant's architecture run
+#   through the same recipe as the trained model (smoke profile only). Random weights have near-ties
+#   between the top logits where a trained model has wide margins, so any numerical error in the
+#   port flips a token: the witness's SEQ_MATCH and LOGITS_MATCH are the sensitive checks.
+# - <a id="field-report"></a>**field report**: the earlier hands-on port of all five variants to
+#   inf2 that this cookbook turns into runnable notebooks; its figures are most of the inf2
+#   measurements quoted here (appendix below).
+# - <a id="spread"></a>**spread**: how far the host reference's own logits move when the same forward
+#   runs in float64; LOGITS_MATCH allows the device a fixed multiple of it (with a floor), so the
+#   tolerance follows the model's own rounding instead of a constant.
+# - <a id="bucket"></a>**bucket**: a prompt length a prefill graph is compiled for (`prefill_buckets`).
+#   A prompt runs in the smallest bucket that holds it, right-padded; a longer one needs a new compile.
+# - <a id="ring"></a>**ring**: a sliding-window layer's K/V buffer of only `sliding_window` slots,
+#   written at `position % slots`, so old entries are overwritten as the window moves (`ring_kv`).
+#   The masks say which slots hold positions inside the window.
+# - <a id="neff"></a>**NEFF**: the Neuron Executable File Format, what the Neuron compiler
+#   (`neuronx-cc`) produces from a traced graph and the runtime loads onto NeuronCores; the compiled
+#   half of a `ModelBuilder` artifact (`model.pt`), beside the weight shards.
+# - <a id="sbuf"></a>**SBUF**: a NeuronCore's on-chip state buffer (scratch memory next to the
+#   compute engines). Fused attention kernels keep their tiles there; the 12B's wide sliding window
+#   did not fit, hence eager attention (`03_12b`).
+# - <a id="priority-model-idx"></a>**`priority_model_idx`**: the `ModelBuilder.add` argument that
+#   names the key whose needs set the weights' on-device layout when several keys share the weights;
+#   the cookbook gives it to decode, the step that reads every weight per token.
+# - <a id="tp"></a>**TP** (tensor parallelism): each layer's weights split across NeuronCores (ranks);
+#   column shards need no communication, row shards end in an all-reduce. **rank graph**: the graph
+#   one rank runs, the same forward with its linears cut to the shard (`tp.rank_graph`).
+# - <a id="roofline"></a>**ceiling** (roofline): bandwidth ÷ bytes read per decode step, the fastest
+#   any implementation of single-row decode can go on that memory; computed, never measured.
+# - <a id="smoke"></a>**smoke / full profile**: the tiny trained model on any CPU (what ran here), or
+#   the released checkpoint on inf2 (never run by this project).
+#
+# ## Appendix: the field report
+#
+# What the field report is, as far as this cookbook relies on it (source: the field report, an
+# AWS Builder Center article by the port's author, undated; read and quoted 2026-12-02):
+#
+# - **What**: all five variants ported by hand to inf2, each answering "The capital of France is
+#   Paris." with device tokens equal to a CPU fp32 reference (SEQ_MATCH).
+# - **Recipes**: `torch_neuronx.trace` on one core (E2B), hand-driven TP with NxD's per-rank tracer
+#   (E4B), NxD `ModelBuilder` (12B, 31B, 26B-A4B; the MoE with all experts computed densely).
+# - **Software**: the DLAMI venv `aws_neuronx_venv_pytorch_2_8_nxd_inference` with transformers 5.13.0
+#   and a `transformers.utils.fx` shim; the exact Neuron SDK release is not stated.
+# - **Measured on inf2** (each variant's status box quotes its own): decode speed for E2B and E4B,
+#   prefill latency for the 12B, 31B and 26B-A4B, a compile time and a compile-host peak for the 31B,
+#   and a batch sweep for E2B (`06_serving`). Nothing else in these notebooks was measured on inf2.
+# - **Its bugs, replayed here**: a hand-built Gemma 3 chat prompt (`04_31b`), a rank read at trace
+#   time in the MoE (`05_26b_a4b`), a wrongly wired PLE path behind a public endpoint (`01_e2b`).

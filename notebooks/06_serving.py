@@ -11,14 +11,14 @@
 # %% [markdown]
 # # 06 — Serving more: batches and drafting on E2B
 #
-# Batch-1 decode reads every weight on the device to make one token, so its speed is set by
+# Single-row decode reads every weight on the device to make one token, so its speed is set by
 # memory bandwidth, not by arithmetic. This notebook teaches the two ways of getting more tokens
 # out of each read. **Batches**: B conversations in one step read the weights once for B tokens.
 # **Drafting**: Gemma-4's own small assistant guesses k tokens, and the target checks all of them
 # in one step, which again reads the weights once. You will build both from the same device-graph
 # design as `01_e2b`, check every token they produce against transformers' own greedy output, and
 # measure what a CPU can and cannot show about their speed. The inf2 figures are computed from
-# shapes, each one marked as computed. The field report's figures are the only ones measured on inf2.
+# shapes, each one marked as computed. The [field report](00_overview.ipynb#field-report)'s figures are the only ones measured on inf2.
 #
 # Read `01_e2b` first: this notebook reuses its device graph, compile steps and the three checks
 # (SEQ_MATCH, LOGITS_MATCH, coherence), and explains only what is new.
@@ -28,10 +28,10 @@
 # | | `smoke` profile (any CPU) | inf2 |
 # |---|---|---|
 # | machine | any x86-64 or arm64 machine; two shared cores are enough | `inf2.xlarge` for E2B |
-# | model | the tiny trained E2B (PLE + KV sharing, 10 layers) and its tiny trained assistant (2 layers, width 32, distilled against the target here: `gemma4lib/fixtures/PROVENANCE.json`) | `google/gemma-4-E2B-it` and `google/gemma-4-e2b-it-assistant` |
+# | model | the tiny trained E2B (PLE + KV sharing) and its tiny trained assistant (distilled against the target here; shapes and training: `gemma4lib/fixtures/PROVENANCE.json`) | `google/gemma-4-E2B-it` and `google/gemma-4-e2b-it-assistant` |
 # | batches | compiled with AOTInductor, run and checked here | `port(PortSettings(variant="e2b", backend="neuron", batch_size=4))`: ModelBuilder with batched example inputs, written against SDK 2.28, **never run on inf2** |
 # | drafting | compiled with AOTInductor, run and checked here | `port(PortSettings(variant="e2b", backend="neuron", draft="assistant", draft_tokens=4))`: ModelBuilder keys `prefill<bucket>`, `verify` and `draft` over one set of device K/V states (`recipes/neuron_drafting.py`), written against SDK 2.28 and driven here by recording fakes only, **never run on inf2**; the trace recipe refuses |
-# | time | ~1–3 min with a warm compile cache, plus ~35 s for each graph compiled the first time (seven graphs) | — |
+# | time | a few minutes with a warm compile cache, plus the compile of each graph the first time (each compile cell prints its time) | — |
 # | software | torch 2.13 (CPU), transformers 5.23.0 | Neuron SDK 2.28 (see `01_e2b`) |
 #
 # So this notebook runs the smoke profile only. `python -m papermill_runs run --profile smoke`
@@ -69,7 +69,7 @@ results_path = "../runs/notebooks/serving.json"
 # Two sets of settings, because the two features compile different graphs. `batch` asks for
 # `batch_size` rows: its `batch_rows()` are four different capital questions, each with the
 # capital it must contain. `drafted` asks for the assistant with k drafts per step. Both are
-# checked before anything is loaded: a draft with k < 1, or a batch with more prompts than rows,
+# checked before anything is loaded: a draft with no draft tokens, or a batch with more prompts than rows,
 # fails here and says what to change.
 
 # %%
@@ -135,8 +135,9 @@ display(nb.describe_model(model))
 #
 # The table is E2B's ceiling on an inf2.xlarge core, computed from the released model's shapes.
 # Beside it are the figures the field report's author measured with the same two-graph design:
-# **47.3 tok/s at B=1, 157 at B=4, 442.7 at B=16**. That is 49 %, 41 % and 31 % of the computed
-# ceilings: the measured gain is real, and per-call overhead takes a growing share of each step.
+# the table's last column (source: the field report's author, inf2.xlarge, quoted 2026-12-02), a
+# falling share of the computed ceilings as B grows: the measured gain is real, and per-call overhead
+# takes a growing share of each step.
 
 # %%
 ceilings = batch_ceilings(variant, (1, 2, 4, 8, 16, 32))
@@ -149,7 +150,7 @@ nb.batch_ceilings_table(ceilings)
 # with B > 1, because the rows are different prompts of different lengths:
 #
 # - `start` and `length` become one value per row (`[B]` tensors). Prompts are **right-padded**
-#   to the bucket: row b's tokens sit at positions 0..length[b]−1, and the padding is never
+#   to the [bucket](00_overview.ipynb#bucket): row b's tokens sit at positions `0 .. length[b] - 1`, and the padding is never
 #   written to K/V and never attended to.
 # - The masks are built per row from its own position. Each row's logits come from its own last
 #   real token. Without that, a short row would read its padding as if it were its last token.
@@ -158,13 +159,13 @@ nb.batch_ceilings_table(ceilings)
 # One change is for this CPU only. From B=4 on, one CPU thread's small-M matrix products are
 # bound by arithmetic, not by bytes, and run at a fifth of its GEMM rate. So a decode graph built
 # with `compute_balance=CPU_THREAD_FLOP_PER_BYTE` (what `port` passes for the `cpu` and `eager`
-# backends) swaps its large fp32 linears (2^18 elements and up) for oneDNN's packed layout
-# (`device.packed_linear`). On a medium-width model that made B=8 1.8x faster (docs/ROOFLINE.md).
+# backends) swaps its large fp32 linears (`device.packed_linear`: the size threshold is there) for
+# oneDNN's packed layout; on a medium-width model that made B=8 faster (`docs/ROOFLINE.md` quotes the run).
 # The tiny model's linears are far smaller and sit in the caches, where oneDNN's per-call cost
 # outweighs the layout, so the cell below prints `plain`. Graphs for XLA and inf2 are built
 # without a balance, because there bytes decide, and they never pack.
 #
-# It is the same `DeviceGraph` as `01_e2b`'s: batch 1 is simply B = 1, one code path for every batch.
+# It is the same `DeviceGraph` as `01_e2b`'s: one row is simply B = 1, one code path for every batch.
 
 # %%
 rows = batch.batch_rows()  # (prompt, expected capital) per row
@@ -198,7 +199,7 @@ nb.describe_graphs(graphs)
 # `torch.export.export` (non-strict, which keeps the in-place K/V writes), AOTInductor
 # (`aoti_compile_and_package`, called only on a cache miss), then `aoti_load_package` plus
 # `compile_cpu.load_weights` (the package holds no weights). A batch of B is a different program:
-# it has its own cache key and takes ~35 s the first time on two shared cores.
+# it has its own cache key and is compiled the first time (the cell prints how long it took).
 
 
 # %%
@@ -244,7 +245,7 @@ print(
 # The same engine as `01_e2b`, with more rows. `generate_rows` admits every request in its own row
 # (one prefill call for all of them, each row's own `length`), then each step feeds one token per
 # live row at that row's own position. A row that emits `<turn|>` is finished: its tokens stop
-# there, and from then on it is idle (`length` 0: it writes no K/V), so the others go on alone.
+# there, and from then on it is idle (`length == 0`: it writes no K/V), so the others go on alone.
 # A server uses the same calls one row at a time: `admit` a request into a free row between
 # steps, `release` it when it ends. The per-step logits of every row are kept for LOGITS_MATCH.
 
@@ -261,9 +262,9 @@ for (question, _), row in zip(rows, generation.rows, strict=True):
 # reference: transformers' greedy `generate` of that prompt by itself, on the host. Each row also
 # gets its own three checks: SEQ_MATCH on the tokens, LOGITS_MATCH at every generated position,
 # and coherence (the row's own capital). A bug in per-row positions or masks usually shows up in
-# the shorter rows only. Row 0, the longest or first, can look perfect while row 2 reads padding.
+# the shorter rows only. The first row, the longest, can look perfect while a short one reads padding.
 #
-# The **witness** runs seeded random weights through the same batched graphs, with the witness
+# The **[witness](00_overview.ipynb#witness)** runs seeded random weights through the same batched graphs, with the witness
 # prompt in every row. It has near-ties where the trained model has wide margins, so a small
 # logit error turns into a different token there. (Its first run compiles the graphs once more:
 # Inductor folds a few tiny weights, such as the q/k norms, into the program, and other values
@@ -297,10 +298,60 @@ print(f"witness (random weights through the same batched graphs, every row): pas
 # On a bandwidth-bound device that costs about one decode step (the extra K/V and arithmetic are
 # small at k = 4). Every guess that equals the target's own prediction is kept. The first that
 # differs is replaced by the target's prediction, and the rest are thrown away. One verify step
-# therefore emits 1 to k + 1 tokens. Every kept token is the target's argmax given the tokens
+# therefore emits between one and k + 1 tokens. Every kept token is the target's argmax given the tokens
 # before it, so the output is exactly plain greedy decoding, whatever the guesses were.
 # Only the speed depends on the assistant.
 #
+# ### The accept/reject loop, by hand
+#
+# The whole rule is a few lines. **Greedy**: walk the drafts while each equals the target's argmax
+# at its position; emit the kept drafts and then the target's own token. **Sampling** (rejection
+# sampling, for `temperature > 0`): draft `x` at position `i` was drawn from the assistant's `q`; keep
+# it with probability `min(1, p(x) / q(x))` (the test `u · q(x) < p(x)`, no division), and at the
+# first rejection draw the replacement from `max(0, p − q)` renormalised; if every draft survives,
+# draw a bonus token from the target's last distribution. That residual is what makes the emitted
+# tokens follow the target's distribution exactly, whatever `q` is. The cell runs both loops on random
+# logits and distributions and asserts they give what the library's `generation/acceptance.py` gives,
+# draw for draw from the same seeded generator.
+
+# %%
+from gemma4lib.generation.acceptance import greedy_verdict, verify_drafts
+
+
+def greedy_accept(v_logits, drafts):  # v_logits [k + 1, vocab]: the verify step's rows
+    predicted = v_logits.argmax(-1).tolist()
+    n = 0
+    while n < len(drafts) and drafts[n] == predicted[n]:
+        n += 1
+    return n, predicted[: n + 1]  # the kept drafts are the target's own tokens, then one more of its own
+
+
+def rejection_accept(p, q, drafts, generator):  # p [k + 1, vocab] target, q [k, vocab] drafter: probabilities
+    p, q = p.double(), q.double()
+    u = torch.rand(1, len(drafts), generator=generator, dtype=torch.float64)[0]  # one uniform per draft, drawn first
+    for i, x in enumerate(drafts):
+        if not u[i] * q[i, x] < p[i, x]:  # rejected: P(keep) = min(1, p(x) / q(x))
+            residual = (p[i] - q[i]).clamp(min=0)  # the target's mass the drafter under-proposed
+            replacement = torch.multinomial(residual / residual.sum(), 1, generator=generator)
+            return i, drafts[:i] + [int(replacement)]
+    return len(drafts), drafts + [int(torch.multinomial(p[-1] / p[-1].sum(), 1, generator=generator))]  # bonus
+
+
+cases = torch.Generator().manual_seed(0)
+for case in range(200):
+    k, vocab = 1 + case % draft_tokens, 12
+    v_logits = torch.randn(k + 1, vocab, generator=cases)
+    agree = torch.rand(k, generator=cases) < 0.6  # drafts that often equal the argmax, as a good drafter's do
+    drafts = torch.where(agree, v_logits[:k].argmax(-1), torch.randint(vocab, (k,), generator=cases)).tolist()
+    assert greedy_accept(v_logits, drafts) == greedy_verdict(v_logits, drafts)
+    p = torch.softmax(v_logits, -1)
+    q = torch.softmax(v_logits[:k] + torch.randn(k, vocab, generator=cases), -1)  # a drafter close to the target
+    ours = rejection_accept(p, q, drafts, torch.Generator().manual_seed(case))
+    library = verify_drafts(p, q, drafts, torch.Generator().manual_seed(case))
+    assert ours == (library.accepted, library.tokens), (case, ours, library)
+print("greedy and rejection loops by hand equal generation/acceptance.py on 200 random verify steps")
+
+# %% [markdown]
 # ### How the assistant reads the target's K/V
 #
 # Gemma-4's assistant (`Gemma4AssistantForCausalLM`) has **no K/V of its own**. Each of its
@@ -372,7 +423,7 @@ print({n: "cache hit" if s.cache_hit else f"compiled in {s.compile_s:.0f} s" for
 #
 # Each round: k draft-graph calls from the last token, one verify of `[last token, drafts…]`,
 # then the host keeps the drafts up to the first disagreement plus the target's own next token.
-# `accepted` counts the drafts kept at each verify step, and `emitted` the tokens kept (accepted + 1,
+# `accepted` counts the drafts kept at each verify step, and `emitted` the tokens kept (one more than `accepted`,
 # cut at `<turn|>` or the token budget).
 #
 # ### Exact: plain greedy, and transformers' assisted generate
@@ -411,19 +462,20 @@ nb.side_by_side(draft_report, draft_run.tokens, reference)
 # eos off so every row decodes the same number of tokens. Every row is checked against its own
 # reference at every B. The machine's bandwidth is measured before and after, so a run where the
 # neighbours changed the machine can be recognised. B=4 reuses the graphs compiled above. Each
-# other B is a new decode graph (~35 s to compile the first time).
+# other B is a new decode graph (compiled the first time).
 #
 # **What the tiny model shows and what it does not.** Its weights are a few MB and stay in the
-# CPU's caches. A step is bound by per-call overhead, not by bandwidth, so B rows cost almost the
-# same step time as one, and from B=1 to B=8 total tok/s grows about four- to five-fold. That is
+# CPU's caches. A step is bound by per-call overhead, not by bandwidth, so a step of B rows costs far
+# less than B single-row steps: in the sweep's table total tok/s grows with B while the per-row
+# tok/s stays within a small factor of B=1's (on a shared machine not always in order). That is
 # the mechanism: one call, one weight read, B tokens. It was not always a smooth line: before the
 # batched decode wrote its K/V in place (an `index_put`; a `scatter` had Inductor copy every whole
 # K/V buffer each step, found with `python -m gemma4lib.benchmarks.profile_decode`, see
 # docs/ROOFLINE.md), B=2 sometimes came out *slower* in total than B=1. On a shared machine, read
 # this run's table and its bandwidth flag rather than assume. The tiny model does not show where a real
 # model's gain ends (the compute bound, the K/V per row), or any inf2 figure. The ceilings above
-# are computed for that, and the field report's points are measured. The plot below puts all
-# three side by side.
+# are computed for that, and the field report's points are measured. The plot below keeps them
+# apart: this CPU's measurements on one axis, the released E2B on inf2 on the other.
 
 # %%
 sweep = bench_batch_model(
@@ -444,14 +496,14 @@ print(f"total tok/s at B=8 over B=1: {sweep['speedup_b8_over_b1']:.2f}" if sweep
 # %% [markdown]
 # ### Decode with and without drafts, on this CPU
 #
-# The drafted runtime against the plain batch-1 graphs (`01_e2b`'s programs, from the cache).
+# The drafted runtime against the plain single-row graphs (`01_e2b`'s programs, from the cache).
 # Both decode `max_new_tokens` tokens with eos ignored, so they emit the same number. After the
 # answer, the tiny model babbles text it never saw in training, and its assistant guesses that
 # worse, so acceptance here is lower than in the answer above.
 #
 # **Why a tiny model cannot show the inf2 speed-up.** Drafting saves weight reads, and a tiny
 # model's steps are not bound by weight reads. Each call costs about the same fixed overhead,
-# whether it is a draft step, a verify of 5 tokens or a decode of 1. A round is k + 1 calls for
+# whether it is a draft step, a verify of k + 1 tokens or a decode of one. A round is k + 1 calls for
 # `accepted_per_step` tokens, so on this CPU drafting is expected to be *slower*. On inf2 the
 # ratio of bytes decides instead, and the table in section 5 computes that.
 
@@ -476,7 +528,8 @@ print(f"mean tokens per verify step over {max_new_tokens} tokens (eos off): {tim
 #
 # The drafted ceiling is `tokens per verify step × bandwidth ÷ (verify bytes + k × assistant
 # bytes)`, against the plain `bandwidth ÷ step bytes`. The tokens per verify step used are the
-# ones measured on the answer above, from the tiny assistant. A released assistant's acceptance
+# benchmark's (the longest drafted run here, eos off), from the tiny assistant, not the short
+# answer's few verify steps. A released assistant's acceptance
 # on real text is not measured here, so the speed-up column says what *this* acceptance would
 # give. `break-even` is the acceptance at which drafting starts to pay. The assistant's bytes
 # come from an assumed shape (no released assistant config is available offline), and the
@@ -484,7 +537,7 @@ print(f"mean tokens per verify step over {max_new_tokens} tokens (eos off): {tim
 # unverified on inf2** (`gemma4lib/inf2/mtp_roofline.py`).
 
 # %%
-effect = draft_table({variant: draft_run.accepted_per_step}, draft_tokens)
+effect = draft_table({variant: timed.accepted_per_step}, draft_tokens)  # the longest drafted run's acceptance
 nb.draft_effect_table(effect)
 
 # %% [markdown]
@@ -560,10 +613,10 @@ nb.record_summary(result)
 # %% [markdown]
 # ## 7. Plots
 #
-# Total decode tok/s against B, log-log. This CPU's measured figures (this project's graphs and
-# HF `generate`), the line `B × (tok/s at B=1)` for scale, E2B's inf2 ceiling (**computed,
-# unverified**) and the field report's three points (**measured on inf2 by its author**, not by
-# this project). Then the drafts the target kept at each verify step of the timed run (eos off):
+# Total decode tok/s against B, log-log, on two axes: on the left this CPU's measured figures (this
+# project's graphs and HF `generate`) with the line `B × (tok/s at B=1)` for scale; on the right
+# E2B's inf2 ceiling (**computed, unverified**) and the field report's points (**measured on inf2
+# by its author**, not by this project). Then the drafts the target kept at each verify step of the timed run (eos off):
 # high while the answer is one the assistant was distilled on, lower once the tiny model babbles.
 
 # %%
@@ -575,12 +628,12 @@ plots_draft.drafts_accepted(timed.accepted, timed.drafted, timed.emitted, f"tiny
 # %% [markdown]
 # ## Takeaways
 #
-# - Batch-1 decode is bandwidth bound. A batch of B reads the weights once for B tokens, so total
-#   tok/s grows with B until compute or the per-row K/V catches up. The field report measured
-#   47.3 → 157 → 442.7 tok/s at B = 1 → 4 → 16 on inf2.
+# - Single-row decode is bandwidth bound. A batch of B reads the weights once for B tokens, so total
+#   tok/s grows with B until compute or the per-row K/V catches up; the field report measured that
+#   growth on inf2 (section 2's table).
 # - A batch of different prompts needs per-row positions, lengths, masks and K/V slots. Check
-#   every row against its own batch-1 reference: a bug in the short rows hides behind a perfect
-#   row 0.
+#   every row against its own single-row reference: a bug in the short rows hides behind a perfect
+#   first row.
 # - Drafting gets several tokens per weight read for one conversation. The verify of k + 1 tokens
 #   costs about one decode step, the output is exactly greedy whatever the drafts, and only the
 #   speed depends on the assistant. Gemma-4's assistant reads the target's own K/V, so it adds no

@@ -27,6 +27,14 @@ SKELETON = PARTS / "skeleton.py"
 PART_LINE = re.compile(r"^# -- part: (\w+) --\n", re.M)
 WHOLE_LINE = re.compile(r"^\{\{(\w+)\}\}\n", re.M)
 INLINE = re.compile(r"\{\{(\w+)\}\}")
+# {{#full}} ... {{/full}} and {{#brief}} ... {{/brief}}: skeleton text for one form only. 01_e2b
+# (`form: full`) teaches the shared path cell by cell; 02-05 (`form: brief`) run it "as in 01".
+BLOCK = re.compile(r"^\{\{#(full|brief)\}\}\n(.*?)^\{\{/\1\}\}\n", re.S | re.M)
+FORMS = ("full", "brief")
+# The parts whose cells are the variant's lesson: tagged `lesson`, which tests/test_notebooks.py
+# counts for the lesson's share of a brief notebook's lines.
+LESSON_PARTS = ("lesson", "core_step", "after_compile", "after_checks", "neuron_trace")
+CELL_HEADER = re.compile(r"^# %%( \[markdown\])?$", re.M)
 
 
 def variant_stems() -> list[str]:
@@ -53,9 +61,16 @@ def render(stem: str) -> str:
             if "\n" in text:
                 raise SystemExit(f"part {name!r} of {stem} sits inside a line: it must be one line")
             return text
+        if name in LESSON_PARTS:  # every cell of the part carries the `lesson` tag
+            text = CELL_HEADER.sub(lambda c: f'# %%{c.group(1) or ""} tags=["lesson"]', text)
         return text + "\n" if text else ""
 
-    text = WHOLE_LINE.sub(lambda m: part(m, True), SKELETON.read_text())
+    form = parts.get("form", "")
+    if form not in FORMS:
+        raise SystemExit(f"notebooks/parts/{stem}.py: part 'form' must be one of {FORMS}, not {form!r}")
+    used.add("form")
+    skeleton = BLOCK.sub(lambda m: m.group(2) if m.group(1) == form else "", SKELETON.read_text())
+    text = WHOLE_LINE.sub(lambda m: part(m, True), skeleton)
     text = INLINE.sub(lambda m: part(m, False), text)
     unused = sorted(set(parts) - used - {"stem"})  # the stem is given, not written in a parts file
     if unused:

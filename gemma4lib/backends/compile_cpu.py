@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,6 +32,11 @@ from ..models.weights_identity import weights_fingerprint
 from .program_key import program_config, program_digest
 
 log = logging.getLogger(__name__)
+
+# torch's own export copies its pytree leaf singleton (`LeafSpec`), and the copy trips a deprecation
+# that torch raises against itself: nothing in a caller's code can act on it, and in a notebook it is
+# the only stderr line of an otherwise clean run. Ignore exactly that message, nothing broader.
+warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated", category=FutureWarning)
 
 RECIPE = "cpu-aotinductor"
 PACKAGE = "graph.pt2"

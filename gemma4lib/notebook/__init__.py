@@ -13,6 +13,7 @@ notebook shows between them, one idea per module:
 - `speed`: the measured decode against its ceiling;
 - `serving`: 06_serving's tables (a batch's rows, the batch and drafting ceilings, the CPU sweep) and
   07_serve's (the endpoint under N concurrent clients);
+- `status`: the status box at the top of each variant notebook (what ran, what never ran, sources);
 - `records`: the notebook's run record and the records the variant notebooks wrote;
 - `formatting`: figures, shapes and tokens written as people write them; `plots`: the figures
   (`plots_batch`: tok/s against B; `plots_draft`: drafts accepted per verify step; `plots_serve`:
@@ -62,13 +63,16 @@ from .formatting import format_number, readable_tokens, token_labels, with_unit
 from .records import load_results, record, save_record, tensor_digest
 from .serving import batch_ceilings_table, batch_rows_table, batch_sweep_table, draft_effect_table, load_levels_table
 from .speed import measured_vs_ceiling
+from .status import StatusBox, bandwidth_text, status_box
 from .tensor_parallel import kv_heads_under_tp, tp_cpu_run, tp_demo, tp_plan, tp_runs_table
 from .witness import equality_is_not_enough, gemma3_style_ids, run_witness
 
 __all__ = [
+    "StatusBox",
     "Table",
     "answer_text",
     "attention_implementations_agree",
+    "bandwidth_text",
     "batch_ceilings_table",
     "batch_rows_table",
     "batch_sweep_table",
@@ -109,6 +113,7 @@ __all__ = [
     "show_prompt",
     "show_settings",
     "side_by_side",
+    "status_box",
     "token_labels",
     "tp_cpu_run",
     "tp_demo",

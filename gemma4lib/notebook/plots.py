@@ -217,7 +217,7 @@ def measured_vs_ceiling(
     rows = [r for r in rows if r.get("ceiling_tok_s")]
     if not rows:
         return _empty("no ceilings to show")
-    fig = Figure(figsize=(9, 1.1 + 0.7 * len(rows)))
+    fig = Figure(figsize=(9, 1.6 + 0.7 * len(rows)))
     ax = fig.add_subplot()
     ys = range(len(rows))
     ax.barh(
@@ -244,8 +244,9 @@ def measured_vs_ceiling(
     ax.set_xlim(low, max(values) * 4)  # room for the labels right of the bars
     ax.set_xlabel("decode tok/s (log scale)")
     ax.set_title(title, fontsize=10)
-    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
-    fig.tight_layout()
+    # the legend in a row of its own under the axes, where no bar or label can sit
+    fig.legend(*ax.get_legend_handles_labels(), fontsize=7, loc="lower center", ncol=2, frameon=False)
+    fig.tight_layout(rect=(0, 0.1, 1, 1))
     return fig
 
 

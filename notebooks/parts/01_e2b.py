@@ -1,4 +1,6 @@
 # The parts of 01_e2b.ipynb that are E2B's own; scripts/generate_notebooks.py fills them into skeleton.py.
+# -- part: form --
+full
 # -- part: variant --
 e2b
 # -- part: hub --
@@ -14,21 +16,19 @@ inf2.xlarge
 # embeddings (PLE) and cross-layer KV sharing are exactly what the vendor graph builders cannot
 # express. **You will learn** why the PLE table stays on the host and costs nothing in accuracy,
 # which layers own K/V buffers and which borrow them, and how one NeuronCore runs the port through
-# NxD `ModelBuilder` (the field report's `torch_neuronx.trace` recipe stays selectable). Every answer
+# NxD `ModelBuilder` (the [field report](00_overview.ipynb#field-report)'s `torch_neuronx.trace` recipe stays selectable). Every answer
 # is checked three ways: SEQ_MATCH, LOGITS_MATCH and coherence.
 #
 # ### Runs on
 #
+# The `smoke` profile runs on any x86-64 or arm64 CPU (two shared cores are enough); the `full`
+# profile on the inf2 instance in the status box below, whose every figure the library computes from
+# its plans or quotes from the field report, and which the record cell fills in with this run's own.
+#
 # | | `full` profile (inf2) | `smoke` profile (any CPU) |
 # |---|---|---|
-# | machine | `inf2.xlarge`: 1 Inferentia2 chip, 2 NeuronCores, 32 GiB HBM, 820 GB/s | any x86-64 or arm64 machine; two shared cores are enough |
-# | TP degree | 1 (NxD ModelBuilder; the one-graph `torch_neuronx.trace` recipe is selectable) | 1 (this notebook has no tensor parallelism; `02_e4b` shows it) |
-# | memory per core (computed, `python -m gemma4lib doctor`) | 4.2 GiB bf16 weights + 0.02 GiB K/V at 2,048 tokens + 2 GiB working allowance (unverified on inf2) = 6.3 of 16 GiB HBM | a few MB |
-# | host RAM for the compile | ~19 GB planned for ModelBuilder (computed: the host model, the two keys' modules and the NxD checkpoint built when it is sharded; `inf2.compile_host`, the compiler's own RAM unverified): more than the inf2.xlarge's 16 GiB, so compile on an inf2.8xlarge (same chip) and serve on the inf2.xlarge, or pick `neuron_recipe="trace"` (~14 GB, fits; the prompt then runs token by token) | under 2 GiB |
-# | serving host RAM (computed, `python -m gemma4lib doctor`; unverified on inf2) | ~14.3 GB peak of 16.1 GB usable on the inf2.xlarge: the bf16 model 9.3 GB (host tables 5.5) + 4.6 GB at the peak step + 0.5 GB process; the logit check widens one module at a time, never a second model | under 2 GiB |
-# | time per decode step | ~23 ms measured by the field report (44 tok/s, with its `torch_neuronx.trace` recipe); ≥ 10.4 ms computed from bandwidth ÷ bytes per step | ~1.2 ms measured (818 tok/s, smoke baseline of 2026-11-29, one thread of a shared 2-core CPU) |
 # | software | Deep Learning AMI Neuron (Ubuntu 24.04), venv `aws_neuronx_venv_pytorch_2_9_nxd_inference` (Python 3.12), Neuron SDK 2.28: torch-neuronx 2.9.0.2.12.22436, neuronx-cc 2.23.6484.0, neuronx-distributed 0.17.26814, libneuronxla 2.2.15515.0; + transformers 5.23.0 | torch 2.13 (CPU), transformers 5.23.0, AOTInductor as the compiler |
-# | model | `google/gemma-4-E2B-it` (bf16, gated: `HF_TOKEN` from the environment) | a tiny trained model of the same architecture: PLE + KV sharing (10 layers, 4 KV-shared) |
+# | model | `google/gemma-4-E2B-it` (bf16, gated: `HF_TOKEN` from the environment) | a tiny trained model of the same architecture: PLE + KV sharing (its shape: the model table in section 1) |
 # -- part: parameters --
 neuron_recipe = None  # full: None for NxD ModelBuilder (prompt in one device pass), or trace (one graph)
 # -- part: settings --
@@ -40,7 +40,7 @@ neuron_recipe = None  # full: None for NxD ModelBuilder (prompt in one device pa
 # ### Per-layer embeddings (PLE), kept on the host
 #
 # Besides the usual word embedding, every token looks up a second, much larger table that holds a
-# small vector **for each decoder layer** (256 numbers per layer in the released model), and each
+# small vector **for each decoder layer** (the PLE table in the cell shows its width), and each
 # layer mixes its slice into the residual stream. The table is a lookup, not a matrix multiply, and
 # in the released E2B it is half of all text parameters: on the accelerator it would spend most of a
 # core's memory on rows read a handful at a time. The port computes `embed_tokens(ids)` and
@@ -84,17 +84,17 @@ plots.kv_layout(nb.real_layout("e2b"), "released E2B: who owns K/V, who borrows 
 # -- part: graph_note --
 #
 # For E2B the graph takes two host-side inputs: the scaled word embeddings and the PLE inputs, one
-# 16-wide vector per layer per token in the tiny model (256-wide in the real one).
+# vector per layer per token (`per_layer_inputs`, whose shape the cell below prints).
 # -- part: compile_note --
 # at TP=1, like the larger variants: one prefill key and one decode key over a single set of K/V
-# states that stay on the NeuronCore, so a 128-token prompt is one device call (~10 ms computed from
-# FLOP and byte counts, unverified; `docs/ROOFLINE.md`) rather than 128 decode steps (~3 s at the
-# field report's 44 tok/s). The field report's own recipe, `torch_neuronx.trace` of the decode graph
+# states that stay on the NeuronCore, so a whole prompt is one device call rather than one decode step
+# per prompt token (`docs/ROOFLINE.md` computes both, unverified on inf2). The field report's own
+# recipe, `torch_neuronx.trace` of the decode graph
 # alone, is the cell before it (`neuron_recipe="trace"`): one graph that owns its K/V, no NxD, and a
 # compile that fits the inf2.xlarge's host RAM; the prompt then goes through the decode graph one
 # token at a time. Its arguments: `input_output_aliases` maps each K/V parameter to the output that
 # carries its update (so the state stays on the device), `inline_weights_to_neff=False` keeps the
-# weights out of the compiled NEFF, `compiler_args` are the decode flags below.
+# weights out of the compiled [NEFF](00_overview.ipynb#neff), `compiler_args` are the decode flags below.
 # -- part: neuron_trace --
 # %%
 if backend == "neuron" and s.neuron_recipe == "trace":  # inf2-only: the one-graph recipe, E2B at TP=1
@@ -134,15 +134,129 @@ if backend == "neuron" and s.neuron_recipe == "trace":  # inf2-only: the one-gra
     runtime = Engine.for_model(model, Steps(decode=step), batch=1, context_length=s.context_length, dtype=decode.dtype)
     compile_s = 0.0 if entry.hit else time.perf_counter() - began
     compiled = CompiledGraphs(runtime.steps, compile_s, [entry.hit], "neuron-trace", runtime=runtime)
+    display(nb.describe_compile(compiled))
+else:
+    print(f"skipped: backend={backend}" if backend != "neuron" else f"skipped: neuron_recipe={s.neuron_recipe}")
+# -- part: core_step --
+# %% [markdown]
+# ### The port's core, by hand: a decode step over explicit K/V
+#
+# Everything the port changes in transformers' forward is in the next cell, written out: a cache
+# object whose `update` writes this step's keys and values into a fixed buffer at
+# `position % slots` and returns the whole buffer (a full-attention layer's buffer holds every
+# position; a sliding layer's is a [ring](00_overview.ipynb#ring) of `sliding_window` slots that wraps around), and one
+# additive mask per attention type that says which slots count: written, not in the future, and for
+# sliding layers inside the window. transformers' own layers do the rest (projections, norms, RoPE,
+# KV sharing, the MLP). The cell runs the prompt through it one token at a time, longer than the
+# window so the ring wraps, and asserts that every step's logits and every K/V buffer equal
+# `DeviceGraph`'s (`gemma4lib/device/graph.py`, the graph that is compiled below). Without the
+# mask, a ring's stale slots would be attended as if they were recent; without a tensor position,
+# the compiled graph would serve one step only.
+
+# %%
+from gemma4lib.device.graph import index_tensor
+
+
+class HandKV:  # the cache object transformers' attention writes to: fixed buffers, one pair per producer layer
+    def __init__(self, buffers, position):
+        self.buffers, self.position = buffers, position
+
+    def update(self, k, v, layer_idx, *args, **kwargs):  # k, v [1, kv_heads, 1, head_dim]: this step's
+        k_buf, v_buf = self.buffers[layer_idx]
+        slot = self.position % k_buf.shape[2]  # a full-length buffer: slot = position; a sliding ring wraps
+        k_buf[:, :, slot], v_buf[:, :, slot] = k[:, :, 0], v[:, :, 0]  # write first, in place ...
+        return k_buf, v_buf  # ... then attend over every slot; the mask says which ones count
+
+
+def hand_masks(position, dtype):  # additive masks [1, 1, 1, slots], one per attention type
+    masks = {}
+    for kind in dict.fromkeys(model.config.layer_types):
+        slots = model.layout.slots(kind, s.context_length, s.ring_kv)
+        held = position - (position - torch.arange(slots)) % slots  # the position each slot holds (< 0: never written)
+        allowed = (held >= 0) & (held <= position)  # causal, over what has been written
+        if kind == "sliding_attention":
+            allowed &= position - held < model.config.sliding_window  # and only the last window of it
+        masks[kind] = torch.where(allowed, 0.0, torch.finfo(dtype).min).to(dtype)[None, None, None]
+    return masks
+
+
+kv_hand, kv_graph = decode.new_kv(), decode.new_kv()  # two sets of zeroed buffers, in the graph's layout
+buffers = {layer.index: (kv_hand[2 * i], kv_hand[2 * i + 1]) for i, layer in enumerate(model.layout.producers)}
+with torch.no_grad():
+    for position, token in enumerate(ids):  # the prompt as decode steps, one token each: every slot gets used
+        token_ids = torch.tensor([[token]])
+        embeds = text_model.embed_tokens(token_ids)
+        ple = [text_model.get_per_layer_inputs(token_ids)] if has_ple else []
+        hidden = text_model(  # transformers' own layers, with our cache and our masks
+            inputs_embeds=embeds,
+            per_layer_inputs=ple[0] if ple else None,
+            position_ids=torch.tensor([[position]]),
+            attention_mask=hand_masks(position, embeds.dtype),
+            past_key_values=HandKV(buffers, position),
+            use_cache=True,
+        ).last_hidden_state
+        by_hand = model.lm_head(hidden[:, -1]).float()  # raw logits: the softcap is left off, as in the graph
+        by_graph = decode(embeds, *ple, index_tensor([position]), index_tensor([1]), *kv_graph)
+        torch.testing.assert_close(by_hand, by_graph, rtol=1e-4, atol=1e-4)
+for mine, theirs in zip(kv_hand, kv_graph, strict=True):
+    torch.testing.assert_close(mine, theirs, rtol=1e-4, atol=1e-4)
+print(f"{len(ids)} decode steps by hand equal DeviceGraph's: logits at every step, and all {len(kv_hand)} K/V buffers")
+slots = {kind: model.layout.slots(kind, s.context_length, s.ring_kv) for kind in set(config.layer_types)}
+print(f"slots per buffer: {slots} (sliding: a ring of the window; full: the whole context)")
+# -- part: after_compile --
+# %% [markdown]
+# ### 3c. Save and load: a compiled port that travels
+#
+# A compile costs minutes here and, on inf2, much more (the status box), and the compile host need
+# not be the serving host. `export_bundle` writes the compiled entries for these settings (from the
+# cache when it is warm: a copy) and a `manifest.json` saying what they were compiled for. A run
+# with `PortSettings(artifacts=...)` loads from that folder and never compiles: anything that
+# would need a new program (another variant, context, TP degree, torch version, ...) is a
+# `BundleError` before the device is touched. The first cell does it on this CPU, into an **empty**
+# cache, and checks the tokens against the port compiled above; the second is the inf2 version.
+
+# %%
+import dataclasses
+import tempfile
+from pathlib import Path
+
+from gemma4lib.cache.export import export_bundle
+from gemma4lib.port import compile_graphs
+
+if backend == "cpu":
+    bundle = Path(tempfile.mkdtemp(prefix="gemma4lib-bundle-")) / s.variant  # a folder to ship, not the cache
+    export_bundle(s, bundle)  # this port's compiled entries + manifest.json
+    empty_cache = tempfile.mkdtemp(prefix="gemma4lib-empty-cache-")  # nothing in it to hit
+    served = compile_graphs(model, dataclasses.replace(s, artifacts=str(bundle), cache_dir=empty_cache))
+    print(f"from the bundle into an empty cache: compile {served.compile_s:.1f} s; the bundle holds "
+          f"{sorted(p.name for p in bundle.iterdir())}")  # fmt: skip
+    stop = eos_ids(model)
+    same = served.runtime.generate(ids, s.max_new_tokens, eos_token_ids=stop).tokens
+    assert same == runtime.generate(ids, s.max_new_tokens, eos_token_ids=stop).tokens
+    print("the bundle's port answers as the one compiled above: the same tokens")
+    del served  # its packages stay loaded while referenced
+else:
+    print(f"skipped: backend={backend}")
+
+# %%
+if backend == "neuron":  # inf2-only: compile on a large host, serve on a small one (never run here)
+    # on the compile host (an inf2.8xlarge: the compile's host RAM, the status box): write the folder
+    export_bundle(s, "bundles/e2b")  # ModelBuilder's model.pt (its NEFFs) + one weight shard per rank
+    # copy bundles/e2b to the serving host (an inf2.xlarge); there, this replaces section 3's compile:
+    compiled = compile_graphs(model, dataclasses.replace(s, artifacts="bundles/e2b"))  # loads, never compiles
+    runtime = compiled.runtime
+    print(f"from the bundle: compile {compiled.compile_s:.1f} s")
+else:
+    print(f"skipped: backend={backend}")
 # -- part: after_checks --
 # -- part: plot_note --
-# The released model's measured bar is the field report's 44 tok/s, measured with its
+# The released model's measured bar is the field report's decode figure (the status box), measured with its
 # `torch_neuronx.trace` recipe, not with the ModelBuilder recipe this notebook compiles by default.
 # -- part: takeaways --
 # - Keep the PLE table on the host: it is half of E2B's parameters and only ever indexed. Passing
 #   `inputs_embeds` and `per_layer_inputs` gives bit-identical results.
 # - KV sharing needs no special handling when the real forward is traced; only producer layers get
-#   buffers (15 of 35 in the released model).
+#   buffers (the released model's count: the KV-sharing table in the lesson).
 # - On inf2, compile with `ModelBuilder` at TP=1: a prefill key and a decode key over one set of K/V
 #   states put the whole prompt on the device in one call. The one-graph trace teaches the aliasing
 #   with nothing else in the way, and pays with one device step per prompt token.

@@ -1,4 +1,6 @@
 # The parts of 02_e4b.ipynb that are E4B's own; scripts/generate_notebooks.py fills them into skeleton.py.
+# -- part: form --
+brief
 # -- part: variant --
 e4b
 # -- part: hub --
@@ -19,16 +21,14 @@ inf2.8xlarge
 #
 # ### Runs on
 #
+# The `smoke` profile runs on any x86-64 or arm64 CPU (two shared cores are enough); the `full`
+# profile on the inf2 instance in the status box below, whose every figure the library computes from
+# its plans or quotes from the [field report](00_overview.ipynb#field-report), and which the record cell fills in with this run's own.
+#
 # | | `full` profile (inf2) | `smoke` profile (any CPU) |
 # |---|---|---|
-# | machine | `inf2.8xlarge`: 1 Inferentia2 chip, 2 NeuronCores, 32 GiB HBM, 820 GB/s | any x86-64 or arm64 machine; two shared cores are enough |
-# | TP degree | 2 (NxD ModelBuilder) | 1 for the port; the lesson splits one layer over 2 ranks by hand, then runs 2 ranks as CPU processes (gloo) |
-# | memory per core (computed, `python -m gemma4lib doctor`) | 4.4 GiB bf16 weights + 0.03 GiB K/V at 2,048 tokens + 2 GiB working allowance (unverified on inf2) = 6.4 of 16 GiB HBM | a few MB |
-# | host RAM for the compile | 128 GiB on the instance; ~45 GB estimated (3 × the text weights: module + checkpoint + shards); the model is loaded in bf16 on the host before it is compiled | under 2 GiB |
-# | serving host RAM (computed, `python -m gemma4lib doctor`; unverified on inf2) | ~24.8 GB peak of 136.4 GB usable on the inf2.8xlarge: the bf16 model 14.9 GB (host tables 7.0) + 9.5 GB at the peak step + 0.5 GB process; the logit check widens one module at a time, never a second model | under 2 GiB |
-# | time per decode step | ~29 ms measured by the field report (34 tok/s, with its hand-driven TP recipe, `parallel_model_trace`); ≥ 10.6 ms computed from bandwidth ÷ bytes per step at TP=2 | ~2.2 ms measured (445 tok/s, smoke baseline of 2026-11-29, one thread of a shared 2-core CPU) |
 # | software | Deep Learning AMI Neuron (Ubuntu 24.04), venv `aws_neuronx_venv_pytorch_2_9_nxd_inference` (Python 3.12), Neuron SDK 2.28: torch-neuronx 2.9.0.2.12.22436, neuronx-cc 2.23.6484.0, neuronx-distributed 0.17.26814, libneuronxla 2.2.15515.0; + transformers 5.23.0 | torch 2.13 (CPU), transformers 5.23.0, AOTInductor as the compiler |
-# | model | `google/gemma-4-E4B-it` (bf16, gated: `HF_TOKEN` from the environment) | a tiny trained model of the same architecture: PLE + KV sharing (12 layers, 5 KV-shared) |
+# | model | `google/gemma-4-E4B-it` (bf16, gated: `HF_TOKEN` from the environment) | a tiny trained model of the same architecture: PLE + KV sharing (its shape: the model table in section 1) |
 # -- part: parameters --
 tp_demo = 2  # ranks of the rank-graph run on CPU processes (0: skip)
 # -- part: settings --
@@ -37,16 +37,16 @@ tp_demo = 2  # ranks of the rank-graph run on CPU processes (0: skip)
 # ## What makes E4B different
 #
 # Its architecture is E2B's (PLE on the host, KV-shared layers; 01_e2b shows both) at a larger
-# width, with 2 KV heads per layer instead of 1. Without its PLE table it holds about 9.4 GB
-# (8.7 GiB) of bf16 weights: with the 2 GiB working allowance that fits one 16 GiB NeuronCore. The
-# reason for two cores is bandwidth: batch-1 decode reads every weight once per token, and one core
-# reads through its half of the chip's 820 GB/s. Split over the two cores of an `inf2.8xlarge`
-# (TP=2), each core reads half the weights and the step takes about half the time. With 8 Q heads and
-# 2 KV heads per layer, each rank takes 4 Q heads and exactly one KV head: sharded, not copied.
+# width, with two KV heads per layer instead of one. Without its PLE table its bf16 weights fit one
+# NeuronCore with the working allowance (the first table below, computed from the released config).
+# The reason for two cores is bandwidth: single-row decode reads every weight once per token, and one
+# core reads through its half of the chip's bandwidth (the status box). Split over the two cores of an
+# `inf2.8xlarge` (TP=2), each core reads half the weights and the step takes about half the time.
+# Each rank takes half the Q heads and exactly one KV head: sharded, not copied (the second table).
 #
 # The field report did this with a hand-driven recipe, NxD's `parallel_model_trace`, which starts one
 # process per rank (each re-imports the SDK, without the fixes this cookbook installs) and is no
-# longer supported since SDK 2.27. So on inf2 this notebook compiles with `ModelBuilder` at TP=2, the
+# longer supported since SDK release 2.27. So on inf2 this notebook compiles with `ModelBuilder` at TP=2, the
 # recipe of the 12B, 31B and 26B-A4B: one process, one rank compiled, the weights sharded per rank.
 # What TP *is* stays this notebook's lesson, done by hand below.
 
@@ -58,11 +58,11 @@ nb.kv_heads_under_tp("e4b", 2)
 # ### The attention block, split by hand
 #
 # Take one full-attention layer of the loaded model (in the full profile the real checkpoint's, at
-# real width: 2,560 hidden, 8 Q heads of 512). Attention heads are independent until the output
+# real width; the cell prints the shapes it splits). Attention heads are independent until the output
 # projection, so TP cuts along heads:
 #
 # - **column shards** of `q_proj`, `k_proj`, `v_proj`: rank `r` holds the weight *rows* of its heads
-#   (4 Q heads and their one KV head on E4B) and computes their attention with no communication;
+#   (half the Q heads and their one KV head on E4B) and computes their attention with no communication;
 # - a **row shard** of `o_proj`: rank `r` holds the weight *columns* that read its heads' outputs, so
 #   its product is a partial sum of the layer's output;
 # - the **all-reduce**: every rank adds up all ranks' partials and has the full output. Here the
@@ -167,17 +167,42 @@ if tp_demo:
 # -- part: compile_note --
 # at TP=2: one rank compiled (the rank graph with NxD's parallel layers), the weights sharded per
 # rank, the rank number a runtime tensor, and the decode graph the priority model whose weight layout
-# the compiler optimises. The calls and each argument:
-# -- part: neuron_trace --
+# the compiler optimises.
+# -- part: core_step --
+# -- part: after_compile --
+# %% [markdown]
+# ### The split in the rank graph's shapes
+#
+# On inf2 ModelBuilder compiles the **rank graph**: the forward above with its linears cut to one
+# rank's shard (`tp.rank_graph`, built from the config alone, once for every rank). The cell builds
+# the tiny E4B's at TP=2 and compares it with the one-device decode graph layer by layer: each rank
+# holds exactly half the KV heads of every layer, and its `k_proj` shard half the rows. Nothing is
+# copied (compare `04_31b`, where the global KV heads are).
+
+# %%
+from gemma4lib.tp.plan import make_plan
+from gemma4lib.tp.rank_graph import build_rank_graph
+
+rank_tp = tp_demo or 2  # the CPU run's TP degree, as on the inf2 instance
+plan = make_plan(model.config, rank_tp, model.variant)
+rank_graph = build_rank_graph(model.config, plan, decode.shape)  # what ModelBuilder compiles once, for every rank
+rows = []
+for one, mine in zip(decode.layout.producers, rank_graph.layout.producers, strict=True):
+    mode = plan.attention(one.index).kv_mode
+    k_proj = tuple(rank_graph.model.layers[one.index].self_attn.k_proj.weight.shape)
+    rows.append([one.index, one.layer_type, mode, one.kv_heads, mine.kv_heads, k_proj])
+    assert mode == "shard" and mine.kv_heads * rank_tp == one.kv_heads  # E4B: every KV head on one rank
+columns = ["layer", "type", "KV mode", "KV heads, one device", "KV heads per rank", "k_proj shard"]
+display(nb.Table(columns, rows, f"the rank graph at TP={rank_tp} against the one-device graph"))
 # -- part: after_checks --
 # -- part: plot_note --
-# The released model's measured bar is the field report's 34 tok/s, measured with its hand-driven
+# The released model's measured bar is the field report's decode figure (the status box), measured with its hand-driven
 # TP recipe (`parallel_model_trace`), not with the ModelBuilder recipe this notebook compiles.
 # -- part: takeaways --
 # - TP cuts a decoder layer along heads (attention) and intermediate columns (MLP): column shards
 #   need no communication, each row shard ends in an all-reduce, two per layer.
-# - With 2 KV heads and TP=2 each rank holds exactly one KV head: GQA splits cleanly here. It will
+# - With two KV heads and TP=2 each rank holds exactly one KV head: GQA splits cleanly here. It will
 #   not for the 12B, 31B and 26B-A4B global layers (replication, `03_12b`, `04_31b`).
 # - E4B fits one core; two cores are for bandwidth. On inf2 it compiles with `ModelBuilder` like the
-#   bigger variants, because the per-rank tracer of the field report is no longer supported (SDK
-#   2.27+) and ran out of host memory at 31B (`04_31b`).
+#   bigger variants, because the per-rank tracer of the field report is unsupported since SDK
+#   release 2.27 and ran out of host memory at 31B (`04_31b`).

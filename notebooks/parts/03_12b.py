@@ -1,4 +1,6 @@
 # The parts of 03_12b.ipynb that are the 12B's own; scripts/generate_notebooks.py fills them into skeleton.py.
+# -- part: form --
+brief
 # -- part: variant --
 12b
 # -- part: hub --
@@ -18,14 +20,12 @@ inf2.8xlarge
 #
 # ### Runs on
 #
+# The `smoke` profile runs on any x86-64 or arm64 CPU (two shared cores are enough); the `full`
+# profile on the inf2 instance in the status box below, whose every figure the library computes from
+# its plans or quotes from the [field report](00_overview.ipynb#field-report), and which the record cell fills in with this run's own.
+#
 # | | `full` profile (inf2) | `smoke` profile (any CPU) |
 # |---|---|---|
-# | machine | `inf2.8xlarge`: 1 Inferentia2 chip, 2 NeuronCores, 32 GiB HBM, 820 GB/s | any x86-64 or arm64 machine; two shared cores are enough |
-# | TP degree | 2 (NxD ModelBuilder) | 1 for the port; `tp_demo` runs the TP=2 rank graph as 2 CPU processes (gloo) |
-# | memory per core (computed, `python -m gemma4lib doctor`) | 11.1 GiB bf16 weights + 0.19 GiB K/V at 2,048 tokens + 2 GiB working allowance (unverified on inf2) = 13.3 of 16 GiB HBM | a few MB |
-# | host RAM for the compile | 128 GiB on the instance; ~71 GB estimated (3 × the text weights: module + checkpoint + shards); the model is loaded in bf16 on the host before it is compiled | under 2 GiB |
-# | serving host RAM (computed, `python -m gemma4lib doctor`; unverified on inf2) | ~48.1 GB peak of 136.4 GB usable on the inf2.8xlarge: the bf16 model 23.8 GB (host tables 2.0) + 23.8 GB at the peak step + 0.5 GB process; the logit check widens one module at a time, never a second model | under 2 GiB |
-# | time per decode step | ≥ 27 ms computed from bandwidth ÷ bytes per step at TP=2 (the field report measured prefill only: ~101 ms) | ~1.1 ms measured (885 tok/s, smoke baseline of 2026-11-29, one thread of a shared 2-core CPU) |
 # | software | Deep Learning AMI Neuron (Ubuntu 24.04), venv `aws_neuronx_venv_pytorch_2_9_nxd_inference` (Python 3.12), Neuron SDK 2.28: torch-neuronx 2.9.0.2.12.22436, neuronx-cc 2.23.6484.0, neuronx-distributed 0.17.26814, libneuronxla 2.2.15515.0; + transformers 5.23.0 | torch 2.13 (CPU), transformers 5.23.0, AOTInductor as the compiler |
 # | model | `google/gemma-4-12B-it` (bf16, gated: `HF_TOKEN` from the environment) | a tiny trained model of the same architecture: k_eq_v, one global KV head |
 # -- part: parameters --
@@ -55,10 +55,44 @@ assert no_v_proj == full_layers  # k_eq_v: exactly the full layers take V from K
 nb.k_eq_v_report(model)
 
 # %% [markdown]
+# What the layer does with that one projection, by hand: the keys are `k_norm` (a scaled RMSNorm)
+# then RoPE; the values are the same projection through `v_norm` (an RMSNorm without scale) and
+# no RoPE. The cell computes both from `k_proj` and asserts they equal what transformers' own
+# attention module hands its cache (a cache object that only records). K and V come out different,
+# so "k_eq_v" saves a weight matrix, not cache memory: the port still caches both, and a weight
+# loader or sharding plan that expects a `v_proj` on these layers must not look for one.
+
+# %%
+from transformers.models.gemma4.modeling_gemma4 import apply_rotary_pos_emb
+
+
+class Recorded:  # a cache that only records what the layer hands it: this call's keys and values
+    def update(self, k, v, layer_idx, *args, **kwargs):
+        self.k, self.v = k, v
+        return k, v
+
+
+layer = text_model.layers[full_layers[0]]
+attn, seen = layer.self_attn, Recorded()
+with torch.no_grad():
+    x = layer.input_layernorm(inputs_embeds)  # [1, T, hidden]: what the attention reads
+    T = x.shape[1]
+    cos, sin = text_model.rotary_emb(x, torch.arange(T)[None], "full_attention")
+    raw = attn.k_proj(x).view(1, T, -1, attn.head_dim)  # the one projection: [1, T, KV heads, head_dim]
+    k = apply_rotary_pos_emb(attn.k_norm(raw), cos, sin, unsqueeze_dim=2).transpose(1, 2)  # norm (scaled), RoPE
+    v = attn.v_norm(raw).transpose(1, 2)  # the same projection, an unscaled norm, no RoPE
+    attn(x, (cos, sin), torch.full((T, T), float("-inf")).triu(1)[None, None], {}, past_key_values=seen)
+torch.testing.assert_close((k, v), (seen.k, seen.v))  # what transformers' layer hands its cache
+print(
+    f"layer {full_layers[0]}: K and V both from k_proj {tuple(attn.k_proj.weight.shape)}; they differ by up to "
+    f"{float((k - v).abs().max()):.2f} (RoPE, the norm's scale), so the cache holds both"
+)
+
+# %% [markdown]
 # ### Eager attention
 #
-# The released 12B uses a 1024-token sliding window. Neuron's fused attention kernel ran out of its
-# on-chip scratch memory (SBUF) at that window, so the field report switched the model to
+# The released 12B uses a wide sliding window (`sliding_window=1024`). Neuron's fused attention kernel ran out of its
+# on-chip scratch memory ([SBUF](00_overview.ipynb#sbuf)) at that window, so the field report switched the model to
 # transformers' eager attention, which the compiler lowers as ordinary matmuls and softmax. The
 # library loads every variant with `attn_implementation="eager"`. On the CPU the implementations
 # agree, which is what makes the switch safe: it changes what the compiler must fit, not the numbers.
@@ -70,13 +104,47 @@ demos["attention"]
 # %% [markdown]
 # ### One global KV head, replicated under TP
 #
-# Each full-attention layer has a single KV head shared by all 16 Q heads. At TP=2 it cannot be split
-# in two, so both ranks keep a full copy of it; the sliding layers' 8 KV heads shard normally. The
-# tiny model has the same shape of problem (1 global KV head, 2 sliding ones), so the rank-graph run
-# at TP=2 (`tp_demo` CPU processes, gloo) exercises the replicated global head and the sharded
-# sliding heads together; the full profile skips that run (`tp_demo: 0`).
+# Each full-attention layer has a single KV head shared by all its Q heads. At TP=2 it cannot be split
+# in two, so both ranks keep a full copy of it; the sliding layers' KV heads shard normally. The
+# tiny model has the same shape of problem (one global KV head, more sliding ones). The cell first
+# does one full layer's TP by hand: each rank takes half the Q heads (a column shard of `q_proj`),
+# keeps a whole copy of the single KV head, attends, and multiplies by its columns of `o_proj` (a
+# row shard); the ranks' partial outputs summed (the all-reduce) must equal transformers' attention.
+# Then the library's plan, and the rank-graph run at TP=2 (`tp_demo` CPU processes, gloo), which
+# exercises the replicated global head and the sharded sliding heads together; the full profile
+# skips that run (`tp_demo: 0`).
 
 # %%
+import torch.nn.functional as F
+
+rank_tp = tp_demo or 2  # the TP degree of the 12B on inf2
+layer = text_model.layers[model.config.layer_types.index("full_attention")]
+attn = layer.self_attn
+with torch.no_grad():
+    x = layer.input_layernorm(inputs_embeds)  # [1, T, hidden]
+    T, shape = x.shape[1], (1, x.shape[1], -1, attn.head_dim)
+    cos, sin = text_model.rotary_emb(x, torch.arange(T)[None], "full_attention")
+    causal = torch.full((T, T), float("-inf")).triu(1)
+    q = apply_rotary_pos_emb(attn.q_norm(attn.q_proj(x).view(shape)), cos, sin, unsqueeze_dim=2).transpose(1, 2)
+    raw = attn.k_proj(x).view(shape)  # k_eq_v: the values come from the same projection
+    k = apply_rotary_pos_emb(attn.k_norm(raw), cos, sin, unsqueeze_dim=2).transpose(1, 2)  # [1, KV heads, T, d]
+    v = attn.v_norm(raw).transpose(1, 2)
+    q_per_rank, q_per_kv = q.shape[1] // rank_tp, q.shape[1] // k.shape[1]
+    partials, copies = [], {}
+    for rank in range(rank_tp):
+        heads = list(range(rank * q_per_rank, (rank + 1) * q_per_rank))  # this rank's Q heads (a column shard)
+        kv = heads[0] // q_per_kv  # the one KV head they all read: this rank keeps a whole copy of it
+        copies.setdefault(kv, []).append(rank)
+        scores = torch.softmax(q[:, heads] @ k[:, [kv]].transpose(-1, -2) * attn.scaling + causal, dim=-1)
+        out = (scores @ v[:, [kv]]).transpose(1, 2).reshape(1, T, -1)  # [1, T, this rank's heads × d]
+        columns = slice(heads[0] * attn.head_dim, (heads[-1] + 1) * attn.head_dim)
+        partials.append(F.linear(out, attn.o_proj.weight[:, columns]))  # row shard of o_proj: a partial sum
+    attn_tp = torch.stack(partials).sum(0)  # the all-reduce
+    attn_hf = attn(x, (cos, sin), causal[None, None], {})[0]  # transformers' own attention module
+torch.testing.assert_close(attn_tp, attn_hf, rtol=1e-4, atol=1e-5)
+assert all(len(ranks) == rank_tp // k.shape[1] for ranks in copies.values())  # every KV head on TP / KV ranks
+print(f"TP={rank_tp}: {q.shape[1]} Q heads, {k.shape[1]} KV heads; the ranks holding each KV head: {copies}")
+print("the sharded attention, with its copied KV heads, equals transformers' attention")
 display(nb.kv_heads_under_tp("12b", 2), nb.tp_fit("12b"))
 if tp_demo:
     demos["tp_cpu"] = nb.tp_demo(model, ids, s, tp_demo)
@@ -85,8 +153,53 @@ if tp_demo:
 # -- part: compile_note --
 # at TP=2: one rank compiled (the rank graph with NxD's parallel layers, the global KV head copied
 # on both ranks), the weights sharded per rank, the rank number a runtime tensor, and the decode
-# graph the priority model whose weight layout the compiler optimises. The calls and each argument:
-# -- part: neuron_trace --
+# graph the priority model whose weight layout the compiler optimises.
+# -- part: core_step --
+# -- part: after_compile --
+# %% [markdown]
+# ### What k_eq_v leaves in the compiled graph: its K/V bytes
+#
+# The compiled decode graph's K/V inputs, layer by layer: the k_eq_v full layers compiled without a
+# `v_proj` and still take a K and a V buffer, wider (`global_head_dim`) and with fewer heads than
+# the sliding layers', and a full-length one where the sliding layers keep a ring of the window.
+# Then the released 12B's K + V per attention type (bf16, the context the status box plans for):
+# its few full layers hold a small share of the cache because they have a single KV head. Last, the
+# **rank graph** ModelBuilder compiles at TP=2 (`tp.rank_graph`: the same forward with its linears
+# cut to one rank's shard), against the one-device graph: the sliding layers' KV heads are halved,
+# the full layers' single KV head is whole on both ranks (replicated).
+
+# %%
+import math
+
+from gemma4lib.tp.plan import make_plan
+from gemma4lib.tp.rank_graph import build_rank_graph
+
+kv_shapes = decode.layout.buffer_shapes(1, s.context_length, s.ring_kv)  # the compiled decode graph's K/V inputs
+rows = []
+for i, kv in enumerate(decode.layout.producers):
+    attn = decode.model.layers[kv.index].self_attn  # the graph's layer, as compiled
+    k_bytes = math.prod(kv_shapes[2 * i]) * decode.dtype.itemsize
+    rows.append([kv.index, kv.layer_type, kv.k_eq_v, attn.v_proj is None, str(kv_shapes[2 * i]), 2 * k_bytes])
+assert all(row[2] == row[3] for row in rows)  # exactly the k_eq_v layers compiled without v_proj
+columns = ["layer", "type", "k_eq_v", "no v_proj", "K buffer (= V's)", "K + V bytes"]
+display(nb.Table(columns, rows, "the compiled decode graph's K/V"))
+released = nb.real_layout("12b")  # the released model's layers, at the status box's context, ring K/V
+per_type = {}
+for kv in released.producers:
+    slots = released.slots(kv.layer_type, 2048, True)
+    per_type[kv.layer_type] = per_type.get(kv.layer_type, 0) + 2 * kv.kv_heads * slots * kv.head_dim * 2  # bf16
+print("released 12B, K + V in bf16 at 2,048 tokens:", {kind: f"{b / 2**20:.0f} MiB" for kind, b in per_type.items()})
+rank_tp = tp_demo or 2  # the CPU run's TP degree, as on the inf2 instance
+plan = make_plan(model.config, rank_tp, model.variant)
+rank_graph = build_rank_graph(model.config, plan, decode.shape)  # what ModelBuilder compiles once, for every rank
+rows = []
+for one, mine in zip(decode.layout.producers, rank_graph.layout.producers, strict=True):
+    mode = plan.attention(one.index).kv_mode
+    k_proj = tuple(rank_graph.model.layers[one.index].self_attn.k_proj.weight.shape)
+    rows.append([one.index, one.layer_type, mode, one.kv_heads, mine.kv_heads, k_proj])
+    assert (mode == "replicate") == (mine.kv_heads * rank_tp > one.kv_heads)  # copies only where heads < ranks
+columns = ["layer", "type", "KV mode", "KV heads, one device", "KV heads per rank", "k_proj shard"]
+display(nb.Table(columns, rows, f"the rank graph at TP={rank_tp} against the one-device graph"))
 # -- part: after_checks --
 # -- part: plot_note --
 # The field report gives no decode figure for the 12B (prefill only), so its bar is the computed

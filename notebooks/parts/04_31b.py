@@ -1,4 +1,6 @@
 # The parts of 04_31b.ipynb that are the 31B's own; scripts/generate_notebooks.py fills them into skeleton.py.
+# -- part: form --
+brief
 # -- part: variant --
 31b
 # -- part: hub --
@@ -13,21 +15,19 @@ inf2.24xlarge
 # The 31B is a plain dense decoder that happens to need eight NeuronCores. **You will learn** why the
 # recipe had to change to `ModelBuilder` at this size, what the compile costs in host RAM, and what
 # TP=8 does to its four global KV heads (each is copied onto two ranks). The notebook also replays
-# the field report's 31B bug: a chat prompt that the device and the reference both processed
+# the [field report](00_overview.ipynb#field-report)'s 31B bug: a chat prompt that the device and the reference both processed
 # identically, and wrongly.
 #
 # ### Runs on
 #
+# The `smoke` profile runs on any x86-64 or arm64 CPU (two shared cores are enough); the `full`
+# profile on the inf2 instance in the status box below, whose every figure the library computes from
+# its plans or quotes from the field report, and which the record cell fills in with this run's own.
+#
 # | | `full` profile (inf2) | `smoke` profile (any CPU) |
 # |---|---|---|
-# | machine | `inf2.24xlarge`: 6 Inferentia2 chips, 12 NeuronCores, 192 GiB HBM, 4,920 GB/s | any x86-64 or arm64 machine; two shared cores are enough |
-# | TP degree | 8 (NxD ModelBuilder) | 1 for the port; `tp_demo` runs the rank graph as 4 CPU processes (gloo) |
-# | memory per core (computed, `python -m gemma4lib doctor`) | 7.2 GiB bf16 weights + 0.14 GiB K/V at 2,048 tokens + 2 GiB working allowance (unverified on inf2) = 9.3 of 16 GiB HBM | a few MB |
-# | host RAM for the compile | 384 GiB on the instance; ~134 GB planned (the host model, the keys' modules at shard size, the NxD checkpoint built when it is sharded: `inf2.compile_host`, the compiler's own RAM unverified); the field report's own port, which held three copies of the weights, peaked at 182 GB | under 2 GiB |
-# | serving host RAM (computed, `python -m gemma4lib doctor`; unverified on inf2) | ~123.5 GB peak of 411.2 GB usable on the inf2.24xlarge: the bf16 model 61.4 GB (host tables 2.8) + 61.6 GB at the peak step + 0.5 GB process; the logit check widens one module at a time, never a second model | under 2 GiB |
-# | time per decode step | ≥ 18 ms computed from bandwidth ÷ bytes per step at TP=8 (the field report measured prefill only: ~115 ms) | ~0.85 ms measured (1,178 tok/s, smoke baseline of 2026-11-29, one thread of a shared 2-core CPU) |
 # | software | Deep Learning AMI Neuron (Ubuntu 24.04), venv `aws_neuronx_venv_pytorch_2_9_nxd_inference` (Python 3.12), Neuron SDK 2.28: torch-neuronx 2.9.0.2.12.22436, neuronx-cc 2.23.6484.0, neuronx-distributed 0.17.26814, libneuronxla 2.2.15515.0; + transformers 5.23.0 | torch 2.13 (CPU), transformers 5.23.0, AOTInductor as the compiler |
-# | model | `google/gemma-4-31B-it` (bf16, gated: `HF_TOKEN` from the environment) | a tiny trained model of the same architecture: 16 Q heads, 8 sliding and 2 global KV heads |
+# | model | `google/gemma-4-31B-it` (bf16, gated: `HF_TOKEN` from the environment) | a tiny trained model of the same architecture: more KV heads on sliding than on global layers |
 # -- part: parameters --
 tp_demo = 4  # ranks of the rank-graph run on CPU processes (0: skip)
 # -- part: settings --
@@ -36,25 +36,37 @@ tp_demo = 4  # ranks of the rank-graph run on CPU processes (0: skip)
 # ## What makes the 31B different
 #
 # Architecturally it is the simplest of the five: no PLE, no KV sharing, no experts. The hard part is
-# size. About 61 GB of bf16 weights do not fit fewer than eight 16 GiB cores with room for K/V, so the
+# size. Its bf16 weights do not fit fewer than eight NeuronCores with room for K/V (the table below), so the
 # 31B needs an `inf2.24xlarge` and TP=8. The hand-driven TP recipe that carried E4B in the field
 # report (NxD's `parallel_model_trace`, one process per rank, every process tracing on the same host)
 # ran out of host memory at this size, and serialising its result deadlocked. NxD `ModelBuilder`
 # compiles one rank in one process and shards the weights per rank, which is what scales. Its compile
 # holds the host model and, while it writes the shards, the NxD-arranged checkpoint: about two copies
-# of the weights (~134 GB planned; the field report's eager port measured a 182 GB peak).
+# of the weights. The cell prints the plan step by step (`inf2.compile_host`); the field report's
+# own peak, with a different port, is in the status box. Plan the compile host from this, not from
+# the serving instance: ModelBuilder never needs the weights on a NeuronCore to compile.
 
 # %%
-nb.tp_fit("31b")
+from gemma4lib.inf2.compile_host import compile_host_plan
+
+display(nb.tp_fit("31b"))  # bf16 weights per core at each TP degree, against a core's HBM
+compile_plan = compile_host_plan("31b", 8)  # what the compile host holds at each step (GB, computed)
+for step, gb in compile_plan.steps.items():
+    held = compile_plan.base_gb + compile_plan.model_gb + gb
+    print(f"{step}: ~{held:.0f} GB = process + host model {compile_plan.model_gb:.0f} + this step {gb:.0f}")
+print(f"peak ~{compile_plan.peak_gb:.0f} GB at {compile_plan.peak_step!r}: computed, without the compiler's own RAM")
 
 # %% [markdown]
 # ### KV heads under TP=8: replicated, not sharded
 #
-# The sliding layers have 16 KV heads: two per rank, a clean split. The 10 full-attention layers have
-# only 4 KV heads for 32 Q heads (8 Q heads per KV head). At TP=8 each rank owns 4 Q heads, all of
+# The sliding layers have twice as many KV heads as ranks: two per rank, a clean split. The
+# full-attention layers have only half as many KV heads as ranks (`num_global_key_value_heads=4`,
+# `num_attention_heads=32`: eight Q heads per KV head). At TP=8 each rank owns four Q heads, all of
 # which read the same KV head (Q head `q` reads KV head `q // 8`), so rank `r` keeps a copy of KV head
 # `r // 2`: every global KV head lives on two ranks. The cell works it out from the released config
-# and checks it against the library's TP plan.
+# and checks it against the library's TP plan. On inf2 the copies are made before NxD sees the
+# weights: the checkpoint the loader hands `ModelBuilder` already holds each copied head once per
+# rank (`nxd_checkpoint`), so NxD's plain contiguous split gives every rank the head it reads.
 
 # %%
 real, tp = s.variant_spec.real_config, s.variant_spec.tp_degree
@@ -69,13 +81,48 @@ assert by_rank["full"] == str(kv_on_rank)  # the library's TP plan agrees with t
 demos["kv_heads_tp8"]
 
 # %% [markdown]
-# The tiny 31B keeps the proportions (16 Q heads; 8 sliding and 2 global KV heads), so at TP=4 its
-# global heads are replicated as well. The cell shows its plan, then runs the rank graph for real on
-# CPU: `tp_demo` processes, each holding only its shard and its copies of the global KV heads (the
-# full profile skips the run: `tp_demo: 0`).
+# The tiny 31B keeps the proportions (more sliding than global KV heads), so at TP=4 its
+# global heads are replicated as well. The cell first does one full-attention layer's TP by hand:
+# each rank takes its Q heads (a column shard of `q_proj`), keeps a **whole copy** of the one KV head
+# they read (the values come from the same `k_proj`: k_eq_v), attends, and multiplies by its columns
+# of `o_proj` (a row shard); the sum of the ranks' partials (the all-reduce) must equal transformers'
+# attention. Then it shows the library's plan and runs the rank graph for real on CPU: `tp_demo`
+# processes, each holding only its shard and its copies of the global KV heads (the full profile
+# skips the run: `tp_demo: 0`).
 
 # %%
-display(nb.kv_heads_under_tp("31b", tp_demo or 4, config=model.config))
+import torch.nn.functional as F
+from transformers.models.gemma4.modeling_gemma4 import apply_rotary_pos_emb
+
+rank_tp = tp_demo or 4  # the tiny model's TP degree (the released 31B: 8)
+layer = text_model.layers[model.config.layer_types.index("full_attention")]
+attn = layer.self_attn
+with torch.no_grad():
+    x = layer.input_layernorm(inputs_embeds)  # [1, T, hidden]
+    T, shape = x.shape[1], (1, x.shape[1], -1, attn.head_dim)
+    cos, sin = text_model.rotary_emb(x, torch.arange(T)[None], "full_attention")
+    causal = torch.full((T, T), float("-inf")).triu(1)
+    q = apply_rotary_pos_emb(attn.q_norm(attn.q_proj(x).view(shape)), cos, sin, unsqueeze_dim=2).transpose(1, 2)
+    raw = attn.k_proj(x).view(shape)  # k_eq_v: the values come from the same projection
+    k = apply_rotary_pos_emb(attn.k_norm(raw), cos, sin, unsqueeze_dim=2).transpose(1, 2)  # [1, KV heads, T, d]
+    v = attn.v_norm(raw).transpose(1, 2)
+    q_per_rank, q_per_kv = q.shape[1] // rank_tp, q.shape[1] // k.shape[1]
+    partials, copies = [], {}
+    for rank in range(rank_tp):
+        heads = list(range(rank * q_per_rank, (rank + 1) * q_per_rank))  # this rank's Q heads (a column shard)
+        kv = heads[0] // q_per_kv  # the one KV head they all read: this rank keeps a whole copy of it
+        copies.setdefault(kv, []).append(rank)
+        scores = torch.softmax(q[:, heads] @ k[:, [kv]].transpose(-1, -2) * attn.scaling + causal, dim=-1)
+        out = (scores @ v[:, [kv]]).transpose(1, 2).reshape(1, T, -1)  # [1, T, this rank's heads × d]
+        columns = slice(heads[0] * attn.head_dim, (heads[-1] + 1) * attn.head_dim)
+        partials.append(F.linear(out, attn.o_proj.weight[:, columns]))  # row shard of o_proj: a partial sum
+    attn_tp = torch.stack(partials).sum(0)  # the all-reduce
+    attn_hf = attn(x, (cos, sin), causal[None, None], {})[0]  # transformers' own attention module
+torch.testing.assert_close(attn_tp, attn_hf, rtol=1e-4, atol=1e-5)
+assert all(len(ranks) == rank_tp // k.shape[1] for ranks in copies.values())  # every KV head on TP / KV ranks
+print(f"TP={rank_tp}: {q.shape[1]} Q heads, {k.shape[1]} KV heads; the ranks holding each KV head: {copies}")
+print("the sharded attention, with its copied KV heads, equals transformers' attention")
+display(nb.kv_heads_under_tp("31b", rank_tp, config=model.config))
 if tp_demo:
     demos["tp_cpu"] = nb.tp_demo(model, ids, s, tp_demo)
     display(demos["tp_cpu"])
@@ -83,8 +130,37 @@ if tp_demo:
 # -- part: compile_note --
 # at TP=8: one rank compiled (the rank graph with NxD's parallel layers, each global KV head copied on
 # two ranks), the weights sharded per rank, the rank number a runtime tensor, and the decode graph
-# the priority model whose weight layout the compiler optimises. The calls and each argument:
-# -- part: neuron_trace --
+# the priority model whose weight layout the compiler optimises.
+# -- part: core_step --
+# -- part: after_compile --
+# %% [markdown]
+# ### Replicated KV heads in the rank graph's shapes
+#
+# The graph ModelBuilder compiles is not `decode` but the **rank graph**: the same forward with
+# its linears cut to one rank's shard (`tp.rank_graph`, built from the config alone on the meta
+# device, as NxD builds it once for every rank). The cell builds the tiny 31B's at the TP degree
+# of the CPU run above and compares its K/V buffers and `k_proj` shards with the one-device
+# graph's, layer by layer: the sliding layers' KV heads are divided among the ranks; the full
+# layers, with fewer KV heads than ranks, keep one whole head per rank, so each head exists on
+# several ranks: KV heads per rank × TP is more than the device's, and so is the K/V they hold.
+
+# %%
+from gemma4lib.tp.plan import make_plan
+from gemma4lib.tp.rank_graph import build_rank_graph
+
+rank_tp = tp_demo or 4  # the tiny model's TP degree; the released 31B's is 8
+plan = make_plan(model.config, rank_tp, model.variant)
+rank_graph = build_rank_graph(model.config, plan, decode.shape)  # what ModelBuilder compiles once, for every rank
+rows = []
+for one, mine in zip(decode.layout.producers, rank_graph.layout.producers, strict=True):
+    attn = rank_graph.model.layers[one.index].self_attn
+    mode = plan.attention(one.index).kv_mode
+    k_proj = tuple(attn.k_proj.weight.shape)
+    rows.append([one.index, one.layer_type, mode, one.kv_heads, mine.kv_heads, k_proj])
+    assert (mode == "replicate") == (mine.kv_heads * rank_tp > one.kv_heads)  # copies only where heads < ranks
+assert any(row[2] == "replicate" for row in rows)  # the tiny 31B's full layers, as the released one's at TP=8
+columns = ["layer", "type", "KV mode", "KV heads, one device", "KV heads per rank", "k_proj shard"]
+display(nb.Table(columns, rows, f"the rank graph at TP={rank_tp} against the one-device graph"))
 # -- part: after_checks --
 # %% [markdown]
 # ### The 31B's bug, replayed: SEQ_MATCH on nonsense
@@ -93,9 +169,16 @@ if tp_demo:
 # `<start_of_turn>user ...`. Gemma-4 has no such token: the tokenizer splits each marker into ordinary
 # pieces, the model reads noise and answers noise. The device still matched the CPU reference token
 # for token, because both processed the same wrong input. The compiled graphs from above run both
-# prompts (the hand-built one is about three times longer, and still fits the 64-token bucket):
+# prompts (the hand-built one is longer, and still fits the compiled bucket). First the two prompts
+# as the tokenizer sees them: the template's starts with the real turn token, the hand-built one
+# with the pieces of a marker the vocabulary does not have.
 
 # %%
+hand_built = nb.gemma3_style_ids(model, s.prompt)  # Gemma 3's "<start_of_turn>user\n..." written by hand
+turn = model.tokenizer.convert_tokens_to_ids("<|turn>")  # Gemma-4's real turn token
+print(f"chat template: {len(ids)} tokens, {model.tokenizer.convert_ids_to_tokens(ids[:3])} ...")
+print(f"hand-built:    {len(hand_built)} tokens, {model.tokenizer.convert_ids_to_tokens(hand_built[:6])} ...")
+assert turn in ids and turn not in hand_built  # the model never sees a turn in the hand-built prompt
 demos["equality_is_not_enough"] = nb.equality_is_not_enough(model, compiled.runtime, s)
 demos["equality_is_not_enough"]
 # -- part: plot_note --
@@ -106,5 +189,10 @@ demos["equality_is_not_enough"]
 # - Reach for the compile-one-rank recipe (`ModelBuilder`) before the per-rank tracer runs the host
 #   out of memory.
 # - Fewer KV heads than ranks means replication: each global KV head sits on two of eight ranks.
+#   It shows in what is compiled: the rank graph's full layers keep one whole KV head and a `k_proj`
+#   shard of one head's rows on every rank (more than a TP-th of the K/V), and the by-hand sum over
+#   ranks equals transformers' attention only with those copies.
+# - Plan the compile host from the step-by-step plan, not from the serving instance: the compile
+#   needs the host model and the sharded checkpoint at once, never a NeuronCore.
 # - Build prompts with the tokenizer's chat template. `SEQ_MATCH True` on nonsense is the signature
 #   of an input problem, and only the coherence check reports it.

@@ -1,4 +1,6 @@
 # The parts of 05_26b_a4b.ipynb that are the 26B-A4B's own; scripts/generate_notebooks.py fills them into skeleton.py.
+# -- part: form --
+brief
 # -- part: variant --
 26b-a4b
 # -- part: hub --
@@ -8,24 +10,23 @@ google/gemma-4-26B-A4B-it
 # -- part: instance --
 inf2.24xlarge
 # -- part: header --
-# # Gemma-4 26B-A4B: a shared MLP beside 128 experts, made static
+# # Gemma-4 26B-A4B: a shared MLP beside many small experts, made static
 #
-# The mixture-of-experts member: a dense MLP and 128 routed experts side by side in every layer.
+# The mixture-of-experts member: a dense MLP and routed experts side by side in every layer.
+# (`num_experts=128`, `top_k_experts=8` in the released config.)
 # **You will learn** the router line by line, why the experts must be made static before anything
-# can trace them, why "4B active" does not shrink the memory but can shrink the bytes a decode step
+# can trace them, why "A4B" (about four billion active parameters) does not shrink the memory but can shrink the bytes a decode step
 # reads, and the family's most instructive bug: a rank read at trace time. It runs at TP=8 through
 # NxD `ModelBuilder`, each rank holding a slice of every expert.
 #
 # ### Runs on
 #
+# The `smoke` profile runs on any x86-64 or arm64 CPU (two shared cores are enough); the `full`
+# profile on the inf2 instance in the status box below, whose every figure the library computes from
+# its plans or quotes from the [field report](00_overview.ipynb#field-report), and which the record cell fills in with this run's own.
+#
 # | | `full` profile (inf2) | `smoke` profile (any CPU) |
 # |---|---|---|
-# | machine | `inf2.24xlarge`: 6 Inferentia2 chips, 12 NeuronCores, 192 GiB HBM, 4,920 GB/s | any x86-64 or arm64 machine; two shared cores are enough |
-# | TP degree | 8 (NxD ModelBuilder) | 1 for the port; `tp_demo` runs the rank graph as 2 CPU processes (gloo) |
-# | memory per core (computed, `python -m gemma4lib doctor`) | 5.9 GiB bf16 weights + 0.04 GiB K/V at 2,048 tokens + 2 GiB working allowance (unverified on inf2) = 7.9 of 16 GiB HBM | a few MB |
-# | host RAM for the compile | 384 GiB on the instance; ~151 GB estimated (3 × the text weights: module + checkpoint + shards); needs the same instance as the 31B although fewer parameters are active | under 2 GiB |
-# | serving host RAM (computed, `python -m gemma4lib doctor`; unverified on inf2) | ~101.6 GB peak of 411.2 GB usable on the inf2.24xlarge: the bf16 model 50.5 GB (host tables 1.5) + 50.7 GB at the peak step + 0.5 GB process; the logit check widens one module at a time, never a second model | under 2 GiB |
-# | time per decode step | ≥ 2.2 ms computed from bandwidth ÷ bytes per step at TP=8 with selective experts (the field report measured prefill only: ~77 ms) | ~1.6 ms measured (642 tok/s, smoke baseline of 2026-11-29, one thread of a shared 2-core CPU) |
 # | software | Deep Learning AMI Neuron (Ubuntu 24.04), venv `aws_neuronx_venv_pytorch_2_9_nxd_inference` (Python 3.12), Neuron SDK 2.28: torch-neuronx 2.9.0.2.12.22436, neuronx-cc 2.23.6484.0, neuronx-distributed 0.17.26814, libneuronxla 2.2.15515.0; + transformers 5.23.0 | torch 2.13 (CPU), transformers 5.23.0, AOTInductor as the compiler |
 # | model | `google/gemma-4-26B-A4B-it` (bf16, gated: `HF_TOKEN` from the environment) | a tiny trained model of the same architecture: a dense MLP beside routed experts |
 # -- part: parameters --
@@ -69,39 +70,66 @@ nb.moe_report(model)
 # other. The port swaps in a static form: **dense** (every expert on every token, outputs weighted by
 # the routed weights, zero for the rest; static shapes, and the experts split across ranks) or
 # **selective** (gather the k routed experts' weights, then batched matmuls; reads only k experts per
-# token). The cell runs one decode step both ways against transformers' reference: same token,
-# logits equal to rounding.
+# token). The cell first writes both forms out by hand on one MoE layer of the tiny model (every
+# expert weighted by a routing weight that is zero where the router did not pick it; or a loop over
+# only the k picked experts) and asserts they equal `experts.StaticExperts` (the forms the graph
+# compiles, `gemma4lib/device/experts.py`) and transformers' own expert module. Then it runs one
+# decode step both ways against transformers' reference: same token, logits equal to rounding.
 #
-# Decode gathers the top-k: one token needs 8 of the 128 experts, and bytes are the whole cost of a
-# decode step. On the benchmark's MoE medium model (`python -m gemma4lib bench --suite cpu`, figures
-# in README and `docs/ROOFLINE.md`) selective decode ran 3.8x faster than dense. Prefill stays dense:
-# the gathered slices grow with tokens × k (a 128-token bucket of the real model gathers 1,024
-# slices, 8x the 128 experts dense reads once) and the dense form splits cleanly across ranks. On a
-# CPU with a 16-token prompt selective prefill measured faster too, which is why the choice is per
-# phase and measured, not a rule. `decode_experts` in the parameters cell switches decode to dense.
+# Decode gathers the top-k: one token needs `top_k_experts` of the `num_experts`, and bytes are the
+# whole cost of a decode step. On the benchmark's MoE medium model selective decode runs several times
+# faster than dense (`python -m gemma4lib bench --suite cpu` measures it; README and `docs/ROOFLINE.md`
+# quote a run). Prefill stays dense: the gathered slices grow with tokens × k (a full prompt bucket of
+# the real model gathers k slices per token, many times the experts dense reads once) and the dense
+# form splits cleanly across ranks. On a CPU with a short prompt selective prefill measured faster too,
+# which is why the choice is per phase and measured, not a rule. `decode_experts` in the parameters
+# cell switches decode to dense.
 
 # %%
+import torch.nn.functional as F
+
+from gemma4lib.device.experts import StaticExperts
+
+experts = next(layer.experts for layer in text_model.layers if getattr(layer, "experts", None) is not None)
+E, k, n = experts.num_experts, model.config.top_k_experts, 3  # experts, routed per token, tokens
+seed = torch.Generator().manual_seed(0)
+with torch.no_grad():
+    x = torch.randn(n, model.config.hidden_size, generator=seed)
+    top_w, top_i = torch.softmax(torch.randn(n, E, generator=seed), -1).topk(k, dim=-1)  # a router's output
+
+    def expert(e, h):  # expert e's MLP: gate and up in one product [2I, H], the activation, down [H, I]
+        gate, up = F.linear(h, experts.gate_up_proj[e]).chunk(2, dim=-1)
+        return F.linear(experts.act_fn(gate) * up, experts.down_proj[e])
+
+    routed = torch.zeros(n, E).scatter(1, top_i, top_w)  # [n, E]: the routing weight, zero where not routed
+    dense = sum(routed[:, e : e + 1] * expert(e, x) for e in range(E))  # every expert on every token: static
+    selective = torch.stack([sum(top_w[t, j] * expert(int(top_i[t, j]), x[t]) for j in range(k)) for t in range(n)])
+    torch.testing.assert_close(dense, selective, rtol=1e-4, atol=1e-5)  # the same math, two read patterns
+    for form, ours in (("dense", dense), ("selective", selective)):
+        torch.testing.assert_close(StaticExperts(experts, form)(x, top_i, top_w), ours, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(experts(x, top_i, top_w), dense, rtol=1e-4, atol=1e-5)  # transformers' own
+print(f"by hand: {E} experts, top-{k}, {n} tokens; dense and selective equal experts.StaticExperts and transformers'")
 demos["expert_forms"] = nb.expert_forms_on_a_token(model, ids, s.context_length, max(s.prefill_buckets))
 demos["expert_forms"]
 
 # %% [markdown]
 # ### "A4B" saves compute, not memory, and the split decides the bytes
 #
-# About 4B parameters are active per token, but any token may route to any expert, so all 128 experts
-# (22.8B parameters) stay resident: the 26B-A4B needs the same `inf2.24xlarge` and TP=8 as the 31B.
-# What top-8 routing can save is bandwidth, if decode reads only the routed experts, and under TP that
-# depends on how the experts are shared by the 8 ranks. The cell first derives "7.6 GB per decode
-# step" from the released config, then asks the roofline for one decode step at TP=8 on
-# `inf2.24xlarge` (2,048 context, ring K/V, selective experts) under both splits:
+# Only a few billion parameters are active per token, but any token may route to any expert, so every
+# expert stays resident: the 26B-A4B needs the same `inf2.24xlarge` and TP=8 as the 31B. What top-k
+# routing can save is bandwidth, if decode reads only the routed experts, and under TP that depends on
+# how the experts are shared by the ranks. The cell first derives the bytes one decode step reads from
+# the released config, then asks the roofline for one decode step at TP=8 on `inf2.24xlarge` (ring
+# K/V, selective experts) under both splits; the figures are in its table:
 #
-# - **whole experts per rank** (16 each; the field report's split, `expert_split="experts"`): static
-#   shapes make every rank gather k = 8 slices from its own 16 experts whatever the router chose, so
-#   64 experts' bytes are read per token, about 27,880 MB per step (a ceiling of ~126 tok/s);
-# - **a slice of every expert per rank** (704 / 8 = 88 intermediate columns each; this port's
-#   default): the 8 slices a rank gathers are its share of the 8 routed experts, so the whole step
-#   reads what one device would, about 7,900 MB (7.65 GB of weights + the K/V; ~446 tok/s).
+# - **whole experts per rank** (the field report's split, `expert_split="experts"`): static shapes
+#   make every rank gather k slices from its own experts whatever the router chose, so up to TP × k
+#   experts' bytes are read per token;
+# - **a slice of every expert per rank** (a TP-th of each expert's intermediate columns; this port's
+#   default): the k slices a rank gathers are its share of the k routed experts, so the whole step
+#   reads what one device would.
 #
-# Both are bounds from bytes, not measured on inf2. Each rank holds 1/8 of the expert bytes either way.
+# Both are bounds from bytes, not measured on inf2. Each rank holds a TP-th of the expert bytes either way.
 
 # %%
 from gemma4lib.inf2.roofline import compare
@@ -130,14 +158,15 @@ display(nb.tp_fit("26b-a4b"), nb.kv_heads_under_tp("26b-a4b", 8))
 #
 # When each rank holds whole experts, it must pick the matching columns of the routing weights. In
 # the field report that slice was chosen with a rank read while tracing: a Python integer, baked into
-# the single-rank `ModelBuilder` trace as 0, so every rank weighted its experts with rank 0's routing
+# the single-rank `ModelBuilder` trace as a constant, so every rank weighted its experts with the first rank's routing
 # weights. Device output was empty while the CPU and the unit tests were fine. The library reads the
 # rank from an int32 tensor that each rank loads with its weights; in the default split (a slice of
 # every expert per rank) the expert math never reads the rank at all.
 #
 # The first cell shows the bug on its own, in a few lines of torch: read the rank as a Python number
-# while tracing (`int(rank)`) and the tracer records the number it saw, rank 0, as a constant (it
-# warns, once, and carries on); keep it a tensor and the slice stays part of the program. The second
+# while tracing (`int(rank)`) and the tracer records the number it saw as a constant (it warns, and
+# carries on: the cell prints how many warnings it gave); keep it a tensor and the slice stays part
+# of the program. The second
 # runs the sharded model (default split) and the baked-rank bug (whole experts per rank) as CPU rank
 # processes (the full profile skips it: `tp_demo: 0`).
 
@@ -179,11 +208,38 @@ if tp_demo:
 # The experts are swapped for a static form here: prefill always computes all experts and masks them
 # to the routed top-k; decode uses `decode_experts`.
 # -- part: compile_note --
-# at TP=8: one rank compiled (the rank graph with NxD's parallel layers, each rank a 1/8 slice of
+# at TP=8: one rank compiled (the rank graph with NxD's parallel layers, each rank a TP-th slice of
 # every expert), the weights sharded per rank, the rank number a runtime tensor, and the decode graph
-# (selective experts) the priority model whose weight layout the compiler optimises. The calls and
-# each argument:
-# -- part: neuron_trace --
+# (selective experts) the priority model whose weight layout the compiler optimises.
+# -- part: core_step --
+# -- part: after_compile --
+# %% [markdown]
+# ### The expert split in the rank graph's bytes
+#
+# The rank graph (`tp.rank_graph`: the graph ModelBuilder compiles once for every rank) of the tiny
+# model, built for both expert splits at the TP degree of the CPU run above, selective decode. Each
+# rank holds the same expert bytes under both; what differs is what one decode token reads. Under
+# `experts` a rank holds whole experts and gathers k of its own whatever the router chose, so the
+# ranks together read TP × k experts; under `intermediate` a rank holds a slice of every expert and
+# gathers its slice of the k routed ones, so together they read k experts, what one device would.
+
+# %%
+from gemma4lib.tp.plan import make_plan
+from gemma4lib.tp.rank_graph import build_rank_graph
+
+rank_tp, top_k, read = tp_demo or 2, model.config.top_k_experts, {}
+rows = []
+for split in ("intermediate", "experts"):
+    plan = make_plan(model.config, rank_tp, model.variant, expert_split=split)
+    rank_graph = build_rank_graph(model.config, plan, decode.shape, expert_form="selective")
+    experts = next(layer.experts for layer in rank_graph.model.layers if getattr(layer, "experts", None) is not None)
+    held = sum(p.numel() * p.element_size() for p in experts.parameters())  # this rank's expert bytes
+    per_expert = held // experts.local  # one held expert's bytes (under `intermediate`: this rank's slice)
+    read[split] = rank_tp * top_k * per_expert  # all ranks, one token: each gathers k of what it holds
+    rows.append([split, experts.local, experts.intermediate, held, top_k * per_expert, read[split]])
+assert read["experts"] == rank_tp * read["intermediate"]  # whole experts per rank read TP times the bytes
+columns = ["split", "experts per rank", "columns of each", "bytes held per rank", "read per rank", "read, all ranks"]
+display(nb.Table(columns, rows, f"one MoE layer of the rank graph, TP={rank_tp}, one decode token"))
 # -- part: after_checks --
 # -- part: plot_note --
 # The field report gives no decode figure for the 26B-A4B (prefill only), so its bar is the computed
