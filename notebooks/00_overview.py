@@ -33,7 +33,10 @@
 # Then [06_serving.ipynb](06_serving.ipynb) serves more than one token per weight read on the tiny
 # E2B (CPU only): a batch of different prompts, each row checked against its own reference, and
 # drafting with Gemma-4's own assistant, exact against greedy decoding. Its inf2 figures are
-# computed, marked so, beside the field report's measured batch figures.
+# computed, marked so, beside the field report's measured batch figures. And
+# [07_serve.ipynb](07_serve.ipynb) puts the same engine behind an OpenAI-compatible endpoint: rows
+# that requests join and leave between decode steps, the official `openai` client, concurrent
+# clients, and the bundle a Ray Serve replica loads on inf2 (that cell does not run here).
 #
 # ### Runs on
 #

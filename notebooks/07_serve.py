@@ -124,9 +124,9 @@ nb.show_settings(settings)
 #
 # `ServerProcess` runs `python -m gemma4lib serve` as a child process, bound to 127.0.0.1 on a free
 # port, and returns once `GET /health` answers: the engine is loaded and its graphs are ready (from
-# the compile cache here, so `compile_s` is 0). A child process rather than a thread, so that
-# the server's threads never wait for this kernel's; the same command is what you would run in a
-# terminal. It stops itself at the end of this notebook (SIGTERM), and dies with the kernel if the
+# the compile cache here, so nothing compiles: see `compile_s` in the table the next cell prints).
+# A child process rather than a thread, so that the server's threads never wait for this kernel's;
+# the same command is what you would run in a terminal. It stops itself at the end of this notebook (SIGTERM), and dies with the kernel if the
 # kernel dies first.
 
 # %%
@@ -293,7 +293,7 @@ print("\n".join(line for line in server.log_tail(4000).splitlines() if "drain" i
 # compiled NEFFs and weight shards that `export` wrote once, on a bigger host (`python -m gemma4lib
 # export --variant e2b --out bundles/e2b`). Loading never compiles and checks that the bundle fits
 # this environment first (variant, TP, shapes, SDK and library versions), so a restarted replica
-# serves again in the time a load takes, and reports `compile_s` 0 in its `/health`.
+# serves again in the time a load takes, and reports no compile time (`compile_s`) in its `/health`.
 #
 # Here the cell prints `skipped: backend=cpu`; on CPU the same deployment runs in
 # `tests/test_server_ray.py` (two replicas on a local cluster bound to 127.0.0.1, one killed under
