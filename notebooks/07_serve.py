@@ -104,8 +104,8 @@ nb.show_settings(settings)
 # %% [markdown]
 # ## 1. Why continuous batching, and what a row is
 #
-# `06_serving` showed that one decode step over B rows costs about what one step over a single row
-# costs: the step reads every weight once either way. A **row** is one of the B slots the graphs
+# `06_serving` showed that one decode step over B rows costs far less than B steps over a single
+# row (its sweep prints by how much): the step reads every weight once either way. A **row** is one of the B slots the graphs
 # are compiled for: its own K/V buffers, its own position and length, its own sampling. A
 # request lives in one row from its prefill to its last token.
 #
@@ -217,12 +217,13 @@ if refused:
 # from sending the request to its first text), and the total tokens per second over the level's
 # wall time.
 #
-# What to expect: while there are fewer clients than rows, each new client fills an idle row of a
-# step that runs anyway, so total tokens/s climbs and the time to first token stays near one
-# prefill. Once the clients outnumber the rows, requests wait in the queue: throughput flattens
-# at what full rows give, and the time to first token grows by the wait. Each admission runs a
-# prefill graph of a fixed shape while the other rows pause, which is why the climb falls short
-# of N times one client. This is a shared CPU: read the table of this run, not a rule.
+# What to look for: while there are fewer clients than rows, each new client fills an idle row of a
+# step that runs anyway, so total tokens/s should climb with the clients. Once the clients
+# outnumber the rows, requests wait in the queue and their time to first token includes the wait.
+# Each admission runs a prefill graph of a fixed shape while the other rows pause, and with more
+# clients than rows there is an admission every time a row frees: that pause can cost more than
+# the extra rows give. This is a small model on a shared CPU, where these levels move from run to
+# run: read the table of this run for what happened here, not as a rule for inf2.
 
 # %%
 prompts = [f"What is the capital of {country}?" for country, _ in COUNTRIES[:16]]
@@ -374,10 +375,10 @@ print(f"this notebook ran in {record['wall_s']:.0f} s")
 # - An endpoint is the engine behind a scheduler: one thread owns the compiled graphs, admits
 #   requests into free rows between decode steps and frees a row the moment its request ends. The
 #   HTTP side only queues requests and streams their text.
-# - Continuous batching fills rows that would otherwise idle, so total tokens/s grows with the
-#   number of clients up to the number of rows; beyond it, requests queue and only their latency
-#   grows. Every admission's fixed-shape prefill pauses the other rows: the table above shows what
-#   that cost on this run.
+# - Continuous batching fills rows that would otherwise idle, so total tokens/s can grow with the
+#   number of clients up to the number of rows; beyond it, requests queue and wait for a row.
+#   Every admission's fixed-shape prefill pauses the other rows: the table above shows what the
+#   levels gave on this run, and a prefill that writes only the joining row is the next step.
 # - A bounded queue with 429 and `Retry-After` keeps the latency of accepted requests bounded and
 #   tells clients when to come back; SIGTERM drains instead of cutting replies.
 # - Scale out with replicas that load one exported bundle and never compile: Ray Serve places them

@@ -1,7 +1,7 @@
-"""Copy the main job's executed variant notebooks into docs/notebooks/, for reading without running.
+"""Copy the main job's executed notebooks into docs/notebooks/, for reading without running.
 
 `bash scripts/run_smoke.sh` executes every notebook headless into runs/smoke/notebooks/; this script
-takes the five variant notebooks, 06_serving and 07_serve from there, keeps their outputs (tables,
+takes the overview, the five variant notebooks, 06_serving and 07_serve from there, keeps their outputs (tables,
 answers, plots), drops what renders as nothing outside a live Jupyter (widget state), shrinks the plots, and records in
 each copy's metadata the digest of the source it was executed from (`source_digest`: the cells of
 the notebook as committed, the parameters papermill injected left out). tests/test_notebooks.py
@@ -26,7 +26,8 @@ import nbformat
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs" / "notebooks"
 VARIANT_NOTEBOOKS = ["01_e2b.ipynb", "02_e4b.ipynb", "03_12b.ipynb", "04_31b.ipynb", "05_26b_a4b.ipynb"]
-NOTEBOOKS = [*VARIANT_NOTEBOOKS, "06_serving.ipynb", "07_serve.ipynb"]  # all but the overview, which reads the others
+# 00 too: the others link to its glossary and field-report appendix
+NOTEBOOKS = ["00_overview.ipynb", *VARIANT_NOTEBOOKS, "06_serving.ipynb", "07_serve.ipynb"]
 MAX_WIDTH = 640  # px: plots stay legible on GitHub and a copy stays small
 WIDGET = "application/vnd.jupyter.widget-view+json"
 

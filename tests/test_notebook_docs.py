@@ -1,9 +1,11 @@
-"""docs/notebooks/: each variant notebook, 06_serving and 07_serve as the main job executed it
-(scripts/publish_notebooks.py), with the digest of the source it ran from, which must match the committed notebook."""
+"""docs/notebooks/: the overview, each variant notebook, 06_serving and 07_serve as the main job executed it
+(scripts/publish_notebooks.py), with the digest of the source it ran from, which must match the committed notebook;
+and every link between the copies lands on a copy (the glossary and the field report live in 00)."""
 
 from __future__ import annotations
 
 import importlib.util
+import re
 from pathlib import Path
 
 import nbformat
@@ -64,3 +66,42 @@ def test_docs_hold_an_executed_copy_from_the_committed_source(path):
         assert "**Ran here** (this run, measured on this CPU" in box, (
             f"{copy_path.name}: the status box was not filled in"
         )
+
+
+LINK = re.compile(r"\]\((0\d_[a-z0-9_]+\.ipynb)(#[^)\s]*)?\)")
+
+
+def test_the_overview_copy_is_from_its_source_and_every_link_between_copies_lands():
+    """00_overview holds the glossary and the field-report appendix the other notebooks link to: a
+    reader of docs/notebooks/ must find it there, current, with the anchors the links name."""
+    publisher = _publisher()
+    overview = ROOT / "docs" / "notebooks" / "00_overview.ipynb"
+    assert overview.is_file(), "no docs/notebooks/00_overview.ipynb; run scripts/run_smoke.sh, then publish it"
+    copy = load(overview)
+    assert copy.metadata["gemma4lib"]["source_sha256"] == publisher.source_digest(load(NOTEBOOK_DIR / overview.name))
+    copies = {p.name: load(p) for p in sorted((ROOT / "docs" / "notebooks").glob("0*.ipynb"))}
+    dead = []
+    for name, nb in copies.items():
+        for cell in nb.cells:
+            if cell.cell_type != "markdown":
+                continue
+            for target, anchor in LINK.findall(cell.source):
+                if target not in copies:
+                    dead.append(f"{name} -> {target}")
+                elif anchor and not _has_anchor(copies[target], anchor[1:]):
+                    dead.append(f"{name} -> {target}{anchor}")
+    assert not dead, f"links that land nowhere: {sorted(set(dead))}"
+
+
+def _has_anchor(nb, anchor: str) -> bool:
+    """An explicit `<a id=...>` / `<a name=...>` or a heading whose GitHub-style slug is the anchor."""
+    for cell in nb.cells:
+        if cell.cell_type != "markdown":
+            continue
+        if re.search(rf"<a\s+(?:id|name)=[\"']{re.escape(anchor)}[\"']", cell.source):
+            return True
+        for heading in re.findall(r"^#+\s+(.*)$", cell.source, re.M):
+            slug = re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+            if slug == anchor:
+                return True
+    return False
