@@ -233,6 +233,20 @@ overview["variants_found"]
 #   any implementation of single-row decode can go on that memory; computed, never measured.
 # - <a id="smoke"></a>**smoke / full profile**: the tiny trained model on any CPU (what ran here), or
 #   the released checkpoint on inf2 (never run by this project).
+# - <a id="nxd"></a>**NxD** (NeuronX Distributed): the Neuron SDK's library for sharded models;
+#   its `ModelBuilder` compiles one rank's graph and loads the weight shards per rank.
+# - <a id="hbm"></a>**HBM**: the high-bandwidth memory beside each NeuronCore that holds the weights
+#   and K/V; its bandwidth is what a decode step's ceiling divides by.
+# - <a id="gqa"></a>**GQA** (grouped-query attention): several query heads read one KV head, so a
+#   model has fewer KV heads than Q heads, and TP runs out of KV heads to split before Q heads.
+# - <a id="gloo"></a>**gloo**: PyTorch's CPU collective backend; here it runs the TP ranks as CPU
+#   processes with real all-reduces, the stand-in for inf2's collectives.
+# - <a id="spmd"></a>**SPMD**: one program, many ranks; every rank runs the same compiled graph and
+#   learns which shard it is from data (its rank), not from a constant baked into the program.
+# - <a id="matformer"></a>**MatFormer**: the nesting by which E2B is a sub-network of a larger model
+#   ("effective" parameters); it changes nothing in the port.
+# - <a id="doctor"></a>**`doctor`**: `python -m gemma4lib doctor`, which reports what this machine or
+#   inf2 host can run (RAM, venv, SDK pieces) and the memory plan for a variant before you start.
 #
 # ## Appendix: the field report
 #

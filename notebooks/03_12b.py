@@ -39,7 +39,7 @@ status = nb.status_box("12b")  # figures from the library's plans; the record ce
 # ## Parameters
 #
 # As in `01_e2b`: the notebook's only input, tagged `parameters` for papermill; its defaults run the
-# `smoke` profile on this CPU. On an `inf2.8xlarge` with the Neuron SDK:
+# `smoke` profile on this CPU. With the Neuron SDK on an `inf2.8xlarge` (never run here: the status box):
 #
 # ```
 # GEMMA4LIB_CACHE=$PWD/.cache/gemma4lib papermill notebooks/03_12b.ipynb runs/03_12b.ipynb --cwd notebooks \
@@ -341,11 +341,12 @@ display(nb.Table(columns, rows, f"the rank graph at TP={rank_tp} against the one
 # As in `01_e2b` §4: `runtime.generate` is the engine's admit, step and release for one prompt.
 #
 # ## 5. The reference
+# As in `01_e2b` §5: transformers' greedy decode of the prompt on the host, in float32.
 #
 # ## 6. SEQ_MATCH, LOGITS_MATCH and coherence
-#
-# As in `01_e2b` §5 and §6: tokens and logits against transformers' greedy reference, the answer
-# against `expect`, then the [witness](00_overview.ipynb#witness).
+# As in `01_e2b` §6: tokens and logits against that reference, the answer against `expect`, then
+# the [witness](00_overview.ipynb#witness) (`False` in its "same compiled programs" row where the
+# compiler folded tiny weights in: it then compiles its own, by the same calls).
 
 # %%
 eos = eos_ids(model)

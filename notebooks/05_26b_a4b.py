@@ -40,7 +40,7 @@ status = nb.status_box("26b-a4b")  # figures from the library's plans; the recor
 # ## Parameters
 #
 # As in `01_e2b`: the notebook's only input, tagged `parameters` for papermill; its defaults run the
-# `smoke` profile on this CPU. On an `inf2.24xlarge` with the Neuron SDK:
+# `smoke` profile on this CPU. With the Neuron SDK on an `inf2.24xlarge` (never run here: the status box):
 #
 # ```
 # GEMMA4LIB_CACHE=$PWD/.cache/gemma4lib papermill notebooks/05_26b_a4b.ipynb runs/05_26b_a4b.ipynb --cwd notebooks \
@@ -284,18 +284,19 @@ def my_columns_runtime(weights, rank):  # the rank stays data: one program serve
     return weights.index_select(-1, rank * per_rank + torch.arange(per_rank))
 
 
-with warnings.catch_warnings(record=True) as caught:
-    warnings.simplefilter("always")
-    traced = {
-        f.__name__: torch.jit.trace(f, (routing, torch.tensor(0))) for f in (my_columns_baked, my_columns_runtime)
-    }
+traced, tracer_warnings = {}, {}
+for f in (my_columns_baked, my_columns_runtime):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        traced[f.__name__] = torch.jit.trace(f, (routing, torch.tensor(0)))
+    tracer_warnings[f.__name__] = [w for w in caught if issubclass(w.category, torch.jit.TracerWarning)]
 last = torch.tensor(ranks - 1)
 for name, program in traced.items():
     right = torch.equal(program(routing, last), routing[:, (ranks - 1) * per_rank : ranks * per_rank])
     got = "its own experts' weights" if right else "rank 0's experts' weights, baked in"
     print(f"{name}: traced at rank 0, run as rank {ranks - 1}: {got}")
-tracer_warnings = [w for w in caught if issubclass(w.category, torch.jit.TracerWarning)]
-print(f"{len(tracer_warnings)} tracer warning(s), all from my_columns_baked: {tracer_warnings[0].message}")
+print("tracer warnings per function:", {name: len(found) for name, found in tracer_warnings.items()})
+print("the first:", tracer_warnings["my_columns_baked"][0].message)
 
 # %% tags=["lesson"]
 if tp_demo:
@@ -381,11 +382,12 @@ display(nb.Table(columns, rows, f"one MoE layer of the rank graph, TP={rank_tp},
 # As in `01_e2b` §4: `runtime.generate` is the engine's admit, step and release for one prompt.
 #
 # ## 5. The reference
+# As in `01_e2b` §5: transformers' greedy decode of the prompt on the host, in float32.
 #
 # ## 6. SEQ_MATCH, LOGITS_MATCH and coherence
-#
-# As in `01_e2b` §5 and §6: tokens and logits against transformers' greedy reference, the answer
-# against `expect`, then the [witness](00_overview.ipynb#witness).
+# As in `01_e2b` §6: tokens and logits against that reference, the answer against `expect`, then
+# the [witness](00_overview.ipynb#witness) (`False` in its "same compiled programs" row where the
+# compiler folded tiny weights in: it then compiles its own, by the same calls).
 
 # %%
 eos = eos_ids(model)
@@ -460,7 +462,7 @@ plots.measured_vs_ceiling([ceiling, ceiling["released_inf2"]])
 #   reference on every token.
 # - All experts stay resident: "A4B" is a compute figure, not a memory one; a slice of every expert
 #   per rank makes selective decode read only the routed experts' bytes.
-# - Anything rank-dependent inside a traced SPMD graph must come from a runtime tensor. A rank read
+# - Anything rank-dependent inside a traced [SPMD](00_overview.ipynb#spmd) graph must come from a runtime tensor. A rank read
 #   while tracing is the same constant on every rank.
 #
 # To run the real thing, see the parameters cell: `profile="full"`, `backend="neuron"`,

@@ -134,8 +134,10 @@ display(nb.describe_model(model))
 # buffers, read every step.
 #
 # The table is E2B's ceiling on an inf2.xlarge core, computed from the released model's shapes.
-# Beside it are the figures the field report's author measured with the same two-graph design:
-# the table's last column (source: the field report's author, inf2.xlarge, quoted 2026-12-02), a
+# Beside it are the figures the field report's author measured in a batch sweep of their E2B port
+# (the trace recipe, device prefill and decode): the table's last column (source: the field report's
+# author, inf2.xlarge, quoted 2026-12-02). Its single-row figure is a separate run from the one the
+# field report's table gives for E2B (the status box of `01_e2b`), so the two differ a little. They show a
 # falling share of the computed ceilings as B grows: the measured gain is real, and per-call overhead
 # takes a growing share of each step.
 
@@ -290,13 +292,15 @@ print(f"witness (random weights through the same batched graphs, every row): pas
 # %% [markdown]
 # ## 3. Drafting with Gemma-4's own assistant
 #
-# ### Why verifying k + 1 tokens costs about one decode step
+# ### Why verifying k + 1 tokens can cost about one decode step
 #
 # A batch needs B users. Drafting gets more than one token per weight read for **one**
 # conversation. The target's forward over k + 1 tokens (the last token and k guesses) reads each
 # weight once, like a prefill, and returns its own prediction at every one of those positions.
-# On a bandwidth-bound device that costs about one decode step (the extra K/V and arithmetic are
-# small at k = 4). Every guess that equals the target's own prediction is kept. The first that
+# On a bandwidth-bound device a dense model's verify costs about one decode step (the extra K/V and
+# arithmetic are small at k = 4). A mixture of experts is the exception: k + 1 tokens route to more
+# experts than one does, so its verify reads more expert bytes (the 26B-A4B row of the ceilings
+# table below prints how many, against its plain step). Every guess that equals the target's own prediction is kept. The first that
 # differs is replaced by the target's prediction, and the rest are thrown away. One verify step
 # therefore emits between one and k + 1 tokens. Every kept token is the target's argmax given the tokens
 # before it, so the output is exactly plain greedy decoding, whatever the guesses were.
@@ -441,7 +445,7 @@ ids = prompt_ids(model, drafted)
 draft_run = drafted_runtime.generate(ids, max_new_tokens, eos_token_ids=eos, keep_logits=True)
 print(f"answer: {nb.answer_text(model, draft_run.tokens)!r}")
 print(f"{len(draft_run.tokens)} tokens in {len(draft_run.emitted)} verify steps: drafts accepted {draft_run.accepted}")
-print(f"mean tokens per verify step: {draft_run.accepted_per_step:.2f} (plain decode: 1)")
+print(f"mean tokens per verify step: {draft_run.accepted_per_step:.2f} (plain decode: 1; the prefill gives the first)")
 reference = reference_greedy(model.lm, ids, max_new_tokens, eos)
 draft_report = checks.evaluate(
     model.lm, model.tokenizer, ids, draft_run.tokens, reference, expect=expect, step_logits=draft_run.step_logits
@@ -635,7 +639,8 @@ plots_draft.drafts_accepted(timed.accepted, timed.drafted, timed.emitted, f"tiny
 #   every row against its own single-row reference: a bug in the short rows hides behind a perfect
 #   first row.
 # - Drafting gets several tokens per weight read for one conversation. The verify of k + 1 tokens
-#   costs about one decode step, the output is exactly greedy whatever the drafts, and only the
+#   reads the weights once (a dense model: about one decode step's bytes; the MoE more, the table
+#   says how much), the output is exactly greedy whatever the drafts, and only the
 #   speed depends on the assistant. Gemma-4's assistant reads the target's own K/V, so it adds no
 #   K/V state.
 # - Tiny models on a CPU show the mechanics (exactness, acceptance, B tokens per call). The speed

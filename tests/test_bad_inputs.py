@@ -828,7 +828,7 @@ CASES = [
         "papermill: unknown notebook",
         lambda c: pm_run.selected(["e3b"]),
         SystemExit,
-        "choose from e2b, e4b, 12b, 31b, 26b-a4b, serving, overview",
+        "choose from e2b, e4b, 12b, 31b, 26b-a4b, serving, serve, overview",
     ),
     Case(
         "papermill: malformed -p", lambda c: pm_run.parse_overrides(["tp_degree"]), SystemExit, "-p expects KEY=VALUE"

@@ -408,7 +408,7 @@ SERVING_SECTIONS = [  # 06_serving: each feature's why, graphs, compile, generat
     "### Generate the batch",
     "### Each row against its own reference",
     "## 3. Drafting",
-    "### Why verifying k + 1 tokens costs about one decode step",
+    "### Why verifying k + 1 tokens can cost about one decode step",
     "### How the assistant reads the target's K/V",
     "### The draft, verify and prefill graphs",
     "### Compile",

@@ -136,7 +136,7 @@ def structural_problems(variant: Variant, tp: int, instance: str | None) -> list
             f"TP={tp} is not a degree the Neuron runtime supports on inf2 ({', '.join(map(str, NEURON_TP_DEGREES))})"
         )
     if tp not in variant.supported_tp:
-        problems.append(f"the {variant.name}'s heads and experts split evenly only for TP in {variant.supported_tp}")
+        problems.append(f"the {variant.name} recipe supports TP in {variant.supported_tp} only")
     inst = INSTANCES.get(instance or "")
     if inst is not None and tp > inst.neuron_cores:
         problems.append(f"TP={tp} needs {tp} NeuronCores and an {instance} has {inst.neuron_cores}")

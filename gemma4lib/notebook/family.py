@@ -128,7 +128,9 @@ def effective_size(variant: Variant | str) -> Table:
 
 def tp_fit(variant: Variant | str, degrees: Sequence[int] = (1, 2, 4, 8)) -> Table:
     """bf16 weight bytes per NeuronCore at each TP degree against a core's 16 GiB (K/V, activations and
-    the compiler's scratch come on top: a core needs headroom, not just a fit)."""
+    the compiler's scratch come on top: a core needs headroom, not just a fit). "shardable" is the
+    recipe's own list of degrees (`Variant.supported_tp`), not a rule about heads: TP plans replicate
+    KV heads where a degree exceeds them, so a degree off the list is untried, not impossible."""
     v = variant if isinstance(variant, Variant) else get_variant(variant)
     b = device_bytes(v)
     capacity = HBM_PER_CORE_GIB * GIB / GB
@@ -142,7 +144,7 @@ def tp_fit(variant: Variant | str, degrees: Sequence[int] = (1, 2, 4, 8)) -> Tab
                 f"{per_core:.1f} GB",
                 f"{per_core / capacity:.0%}",
                 "no" if per_core > capacity else "tight" if per_core > 0.75 * capacity else "yes",
-                "yes" if supported else "no (heads/experts do not split)",
+                "yes" if supported else "no (not a degree this recipe supports)",
                 "←" if tp == v.tp_degree else "",
             ]
         )
@@ -182,7 +184,9 @@ def kv_sharing_real(variant: Variant | str, context_length: int = 2048) -> Table
             "layers with their own K/V": len(layout.producers),
             "KV-shared layers": f"{len(layout.consumers)} (read "
             f"{', '.join(f'{t} → {sorted(p)}' for t, p in by_type.items())})",
-            f"K/V buffers at {context_length} tokens, bf16": f"{sizes['producers_only_mb']:.0f} MiB",
+            f"K/V buffers at {context_length} tokens, bf16, full length (no ring)": (
+                f"{sizes['producers_only_mb']:.0f} MiB"
+            ),
             "the same if every layer had its own": f"{sizes['every_layer_mb']:.0f} MiB",
         },
         f"released {v.name.upper()}: KV sharing",

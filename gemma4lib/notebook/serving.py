@@ -68,7 +68,7 @@ def batch_ceilings_table(rows: Sequence[Mapping[str, Any]]) -> Table:
         if rows
         else "",
         "ceilings computed from shapes and datasheet bandwidth/FLOPs, unverified on inf2; field report: measured "
-        "on inf2 by its author (same two-graph E2B design, torch_neuronx.trace), not by this project",
+        "on inf2 by its author (their E2B port: torch_neuronx.trace, device prefill and decode), not by this project",
     )
 
 

@@ -26,7 +26,9 @@ def tp_plan(variant: Variant | str, tp: int | None = None, config: Any = None) -
 def kv_heads_under_tp(
     variant: Variant | str, tp: int | None = None, config: Any = None, context_length: int = 2048
 ) -> Table:
-    """Per attention type: how Q and KV heads land on ranks, and what each rank's K/V cache costs.
+    """Per attention type: how Q and KV heads land on ranks, and what each rank's K/V cache costs at
+    full length (every slot of the context; a ring keeps a sliding layer to its window, which the
+    notebooks' K/V totals use: the column says so, so the two are not read as one figure).
 
     When a layer has fewer KV heads than ranks the heads cannot be split; each rank instead keeps a
     copy of the one KV head its Q heads read (GQA: KV head = Q head // (Q heads / KV heads))."""
@@ -63,7 +65,7 @@ def kv_heads_under_tp(
             "KV heads per rank",
             "copies of each KV head",
             "KV head(s) on rank 0..N-1",
-            f"K/V per layer per rank @{context_length}",
+            f"K/V per layer per rank @{context_length} (full length, no ring)",
         ],
         rows,
         f"{plan.variant or 'model'} at TP={plan.tp}",

@@ -16,7 +16,7 @@ inf2.xlarge
 # embeddings (PLE) and cross-layer KV sharing are exactly what the vendor graph builders cannot
 # express. **You will learn** why the PLE table stays on the host and costs nothing in accuracy,
 # which layers own K/V buffers and which borrow them, and how one NeuronCore runs the port through
-# NxD `ModelBuilder` (the [field report](00_overview.ipynb#field-report)'s `torch_neuronx.trace` recipe stays selectable). Every answer
+# [NxD](00_overview.ipynb#nxd) `ModelBuilder` (the [field report](00_overview.ipynb#field-report)'s `torch_neuronx.trace` recipe stays selectable). Every answer
 # is checked three ways: SEQ_MATCH, LOGITS_MATCH and coherence.
 #
 # ### Runs on
@@ -42,13 +42,13 @@ neuron_recipe = None  # full: None for NxD ModelBuilder (prompt in one device pa
 # Besides the usual word embedding, every token looks up a second, much larger table that holds a
 # small vector **for each decoder layer** (the PLE table in the cell shows its width), and each
 # layer mixes its slice into the residual stream. The table is a lookup, not a matrix multiply, and
-# in the released E2B it is half of all text parameters: on the accelerator it would spend most of a
-# core's memory on rows read a handful at a time. The port computes `embed_tokens(ids)` and
+# in the released E2B it is half of all text parameters: on the accelerator it would spend a large
+# share of a core's memory (the table prints its size) on rows read a handful at a time. The port computes `embed_tokens(ids)` and
 # `get_per_layer_inputs(ids)` on the host (the cell above) and passes them as `inputs_embeds=` and
 # `per_layer_inputs=`. The cell runs the reference both ways: the logits are bit-identical.
 #
 # "E2B" means about two billion parameters do matrix work; the PLE table is the rest. The
-# transformers Gemma-4 code has no MatFormer fields (those belonged to Gemma 3n): nothing is sliced
+# transformers Gemma-4 code has no [MatFormer](00_overview.ipynb#matformer) fields (those belonged to Gemma 3n): nothing is sliced
 # away at load time, so budget memory for what the device holds.
 
 # %%
@@ -88,11 +88,12 @@ plots.kv_layout(nb.real_layout("e2b"), "released E2B: who owns K/V, who borrows 
 # -- part: compile_note --
 # at TP=1, like the larger variants: one prefill key and one decode key over a single set of K/V
 # states that stay on the NeuronCore, so a whole prompt is one device call rather than one decode step
-# per prompt token (`docs/ROOFLINE.md` computes both, unverified on inf2). The field report's own
-# recipe, `torch_neuronx.trace` of the decode graph
-# alone, is the cell before it (`neuron_recipe="trace"`): one graph that owns its K/V, no NxD, and a
-# compile that fits the inf2.xlarge's host RAM; the prompt then goes through the decode graph one
-# token at a time. Its arguments: `input_output_aliases` maps each K/V parameter to the output that
+# per prompt token (`docs/ROOFLINE.md` computes both, unverified on inf2). The field report's author
+# traced E2B with `torch_neuronx.trace`, a device prefill and a decode over on-device K/V. This
+# project's trace recipe is the cell before it (`neuron_recipe="trace"`): the decode graph alone,
+# because a second traced graph would hold its own copy of the K/V (one traced module's state is not
+# another's); no NxD, and a compile that fits the inf2.xlarge's host RAM (computed: the status box),
+# with the prompt going through the decode graph one token at a time. Its arguments: `input_output_aliases` maps each K/V parameter to the output that
 # carries its update (so the state stays on the device), `inline_weights_to_neff=False` keeps the
 # weights out of the compiled [NEFF](00_overview.ipynb#neff), `compiler_args` are the decode flags below.
 # -- part: neuron_trace --
@@ -207,8 +208,8 @@ print(f"slots per buffer: {slots} (sliding: a ring of the window; full: the whol
 # %% [markdown]
 # ### 3c. Save and load: a compiled port that travels
 #
-# A compile costs minutes here and, on inf2, much more (the status box), and the compile host need
-# not be the serving host. `export_bundle` writes the compiled entries for these settings (from the
+# A compile is the slow, memory-hungry step (the first run here compiles every graph; the status box
+# says what is known of it on inf2), and the compile host need not be the serving host. `export_bundle` writes the compiled entries for these settings (from the
 # cache when it is warm: a copy) and a `manifest.json` saying what they were compiled for. A run
 # with `PortSettings(artifacts=...)` loads from that folder and never compiles: anything that
 # would need a new program (another variant, context, TP degree, torch version, ...) is a

@@ -58,7 +58,7 @@ nb.kv_heads_under_tp("e4b", 2)
 # ### The attention block, split by hand
 #
 # Take one full-attention layer of the loaded model (in the full profile the real checkpoint's, at
-# real width; the cell prints the shapes it splits). Attention heads are independent until the output
+# real width; the cell prints, per shard, its rows and its largest difference from the unsplit layer). Attention heads are independent until the output
 # projection, so TP cuts along heads:
 #
 # - **column shards** of `q_proj`, `k_proj`, `v_proj`: rank `r` holds the weight *rows* of its heads
@@ -153,9 +153,10 @@ demos["tp_by_hand_mlp"]
 # heads) each rank holds, `tp.shard` cuts the checkpoint per rank, and `tp.rank_graph` swaps the
 # model's linears for shards and all-reduces after each row shard; it is the module that ModelBuilder
 # compiles on inf2, there with NxD's parallel layers. Here it runs for real on CPU: `tp_demo`
-# processes, each holding only its shard, talking through gloo collectives. As on inf2, the prompt
-# is prefilled by the unsharded model on the host and every rank starts decoding from its slice of
-# that K/V ("CPU-seeded prefill"). The tokens must equal the reference's. The full profile skips this
+# processes, each holding only its shard, talking through [gloo](00_overview.ipynb#gloo) collectives. Unlike inf2 (where the
+# ModelBuilder prefill key runs the prompt on the device ranks), this CPU demo prefills the prompt
+# with the unsharded model on the host and every rank starts decoding from its slice of that K/V
+# ("CPU-seeded prefill"): the lesson here is the decode step's shards and collectives. The tokens must equal the reference's. The full profile skips this
 # run (`tp_demo: 0`): the by-hand layer above is its TP lesson, at real width.
 
 # %%
@@ -201,7 +202,7 @@ display(nb.Table(columns, rows, f"the rank graph at TP={rank_tp} against the one
 # -- part: takeaways --
 # - TP cuts a decoder layer along heads (attention) and intermediate columns (MLP): column shards
 #   need no communication, each row shard ends in an all-reduce, two per layer.
-# - With two KV heads and TP=2 each rank holds exactly one KV head: GQA splits cleanly here. It will
+# - With two KV heads and TP=2 each rank holds exactly one KV head: [GQA](00_overview.ipynb#gqa) splits cleanly here. It will
 #   not for the 12B, 31B and 26B-A4B global layers (replication, `03_12b`, `04_31b`).
 # - E4B fits one core; two cores are for bandwidth. On inf2 it compiles with `ModelBuilder` like the
 #   bigger variants, because the per-rank tracer of the field report is unsupported since SDK

@@ -187,18 +187,19 @@ def my_columns_runtime(weights, rank):  # the rank stays data: one program serve
     return weights.index_select(-1, rank * per_rank + torch.arange(per_rank))
 
 
-with warnings.catch_warnings(record=True) as caught:
-    warnings.simplefilter("always")
-    traced = {
-        f.__name__: torch.jit.trace(f, (routing, torch.tensor(0))) for f in (my_columns_baked, my_columns_runtime)
-    }
+traced, tracer_warnings = {}, {}
+for f in (my_columns_baked, my_columns_runtime):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        traced[f.__name__] = torch.jit.trace(f, (routing, torch.tensor(0)))
+    tracer_warnings[f.__name__] = [w for w in caught if issubclass(w.category, torch.jit.TracerWarning)]
 last = torch.tensor(ranks - 1)
 for name, program in traced.items():
     right = torch.equal(program(routing, last), routing[:, (ranks - 1) * per_rank : ranks * per_rank])
     got = "its own experts' weights" if right else "rank 0's experts' weights, baked in"
     print(f"{name}: traced at rank 0, run as rank {ranks - 1}: {got}")
-tracer_warnings = [w for w in caught if issubclass(w.category, torch.jit.TracerWarning)]
-print(f"{len(tracer_warnings)} tracer warning(s), all from my_columns_baked: {tracer_warnings[0].message}")
+print("tracer warnings per function:", {name: len(found) for name, found in tracer_warnings.items()})
+print("the first:", tracer_warnings["my_columns_baked"][0].message)
 
 # %%
 if tp_demo:
@@ -250,5 +251,5 @@ display(nb.Table(columns, rows, f"one MoE layer of the rank graph, TP={rank_tp},
 #   reference on every token.
 # - All experts stay resident: "A4B" is a compute figure, not a memory one; a slice of every expert
 #   per rank makes selective decode read only the routed experts' bytes.
-# - Anything rank-dependent inside a traced SPMD graph must come from a runtime tensor. A rank read
+# - Anything rank-dependent inside a traced [SPMD](00_overview.ipynb#spmd) graph must come from a runtime tensor. A rank read
 #   while tracing is the same constant on every rank.

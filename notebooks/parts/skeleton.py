@@ -24,8 +24,9 @@ status = nb.status_box("{{variant}}")  # figures from the library's plans; the r
 #
 # The next cell is the notebook's only input. It is tagged `parameters`, so
 # [papermill](https://papermill.readthedocs.io) can replace any value from the command line; its
-# defaults run the `smoke` profile on this machine's CPU. On an `{{instance}}` with the Neuron SDK
-# the same notebook runs the real model:
+# defaults run the `smoke` profile on this machine's CPU. With the Neuron SDK on an `{{instance}}`
+# (or first on the bigger compile host the status box names, where it needs one), this command runs
+# the real model through the inf2 cells; none of them has run in this project yet:
 #
 # ```
 # mkdir -p runs
@@ -47,7 +48,7 @@ status = nb.status_box("{{variant}}")  # figures from the library's plans; the r
 # ## Parameters
 #
 # As in `01_e2b`: the notebook's only input, tagged `parameters` for papermill; its defaults run the
-# `smoke` profile on this CPU. On an `{{instance}}` with the Neuron SDK:
+# `smoke` profile on this CPU. With the Neuron SDK on an `{{instance}}` (never run here: the status box):
 #
 # ```
 # GEMMA4LIB_CACHE=$PWD/.cache/gemma4lib papermill notebooks/{{stem}}.ipynb runs/{{stem}}.ipynb --cwd notebooks \
@@ -275,7 +276,7 @@ else:
 #   (AOTInductor) compiles it to C++ and writes one `.pt2` package. `options` are
 #   `compile_cpu.DEFAULT_COMPILER_OPTIONS`: the wrapper at `-O1` (a shorter compile of the C++ wrapper),
 #   `package_constants_in_so=False` (the weights are not inlined: the package is handed them at load,
-#   so one compile serves the trained model and the random witness), `realize_opcount_threshold=8`
+#   so one compile serves the trained model and the random [witness](00_overview.ipynb#witness)), `realize_opcount_threshold=8`
 #   (stores the rotated query once instead of recomputing it per K/V slot).
 # - `torch._inductor.aoti_load_package(path)` loads it; `compile_cpu.load_weights` hands it the
 #   model's weights (shared, not copied).
@@ -533,11 +534,12 @@ display(nb.witness_table(witness))
 # As in `01_e2b` §4: `runtime.generate` is the engine's admit, step and release for one prompt.
 #
 # ## 5. The reference
+# As in `01_e2b` §5: transformers' greedy decode of the prompt on the host, in float32.
 #
 # ## 6. SEQ_MATCH, LOGITS_MATCH and coherence
-#
-# As in `01_e2b` §5 and §6: tokens and logits against transformers' greedy reference, the answer
-# against `expect`, then the [witness](00_overview.ipynb#witness).
+# As in `01_e2b` §6: tokens and logits against that reference, the answer against `expect`, then
+# the [witness](00_overview.ipynb#witness) (`False` in its "same compiled programs" row where the
+# compiler folded tiny weights in: it then compiles its own, by the same calls).
 
 # %%
 eos = eos_ids(model)
