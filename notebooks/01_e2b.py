@@ -392,7 +392,7 @@ if backend == "cpu":
 # traced E2B with `torch_neuronx.trace`, a device prefill and a decode over on-device K/V. This
 # project's trace recipe is the cell before it (`neuron_recipe="trace"`): the decode graph alone,
 # because a second traced graph would hold its own copy of the K/V (one traced module's state is not
-# another's); no NxD, and a compile that fits the inf2.xlarge's host RAM (computed: the status box),
+# another's); no NxD, and a smaller compile-host plan than ModelBuilder's (computed: `inf2.compile_host`),
 # with the prompt going through the decode graph one token at a time. Its arguments: `input_output_aliases` maps each K/V parameter to the output that
 # carries its update (so the state stays on the device), `inline_weights_to_neff=False` keeps the
 # weights out of the compiled [NEFF](00_overview.ipynb#neff), `compiler_args` are the decode flags below.

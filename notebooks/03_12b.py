@@ -418,7 +418,8 @@ plots.measured_vs_ceiling([ceiling, ceiling["released_inf2"]])
 #
 # - Take the language model out of the unified class; nothing else of it is needed for text.
 # - `attention_k_eq_v`: full layers have no `v_proj`. Trace the real forward and it does not matter.
-# - Force eager attention for inf2: it is numerically the same and it fits the compiler.
+# - Force eager attention for inf2: it gives the same tokens (the logits differ by the amount the
+#   cell printed) and, per the field report, it fits the compiler.
 # - A single global KV head is replicated on every rank under TP.
 #
 # To run the real thing, see the parameters cell: `profile="full"`, `backend="neuron"`,

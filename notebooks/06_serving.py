@@ -264,7 +264,7 @@ for (question, _), row in zip(rows, generation.rows, strict=True):
 # reference: transformers' greedy `generate` of that prompt by itself, on the host. Each row also
 # gets its own three checks: SEQ_MATCH on the tokens, LOGITS_MATCH at every generated position,
 # and coherence (the row's own capital). A bug in per-row positions or masks usually shows up in
-# the shorter rows only. The first row, the longest, can look perfect while a short one reads padding.
+# the shorter rows only. A long row can look perfect while a short one reads padding.
 #
 # The **[witness](00_overview.ipynb#witness)** runs seeded random weights through the same batched graphs, with the witness
 # prompt in every row. It has near-ties where the trained model has wide margins, so a small
@@ -469,14 +469,13 @@ nb.side_by_side(draft_report, draft_run.tokens, reference)
 # other B is a new decode graph (compiled the first time).
 #
 # **What the tiny model shows and what it does not.** Its weights are a few MB and stay in the
-# CPU's caches. A step is bound by per-call overhead, not by bandwidth, so a step of B rows costs far
-# less than B single-row steps: in the sweep's table total tok/s grows with B while the per-row
-# tok/s stays within a small factor of B=1's (on a shared machine not always in order). That is
-# the mechanism: one call, one weight read, B tokens. It was not always a smooth line: before the
-# batched decode wrote its K/V in place (an `index_put`; a `scatter` had Inductor copy every whole
-# K/V buffer each step, found with `python -m gemma4lib.benchmarks.profile_decode`, see
-# docs/ROOFLINE.md), B=2 sometimes came out *slower* in total than B=1. On a shared machine, read
-# this run's table and its bandwidth flag rather than assume. The tiny model does not show where a real
+# CPU's caches. A step is bound by per-call overhead, not by bandwidth: the mechanism is one call,
+# one weight read, B tokens, so on a quiet machine total tok/s grows with B. On this shared CPU the
+# line need not be smooth (small B can come out slower in total than B=1 when a neighbour takes the
+# core, and the sweep's bandwidth flag says whether one did): read this run's table rather than
+# assume. (An earlier version of the batched decode wrote its K/V with a `scatter`, which had
+# Inductor copy every whole K/V buffer each step; `python -m gemma4lib.benchmarks.profile_decode`
+# found it, docs/ROOFLINE.md tells it, and the decode now writes in place with an `index_put`.) The tiny model does not show where a real
 # model's gain ends (the compute bound, the K/V per row), or any inf2 figure. The ceilings above
 # are computed for that, and the field report's points are measured. The plot below keeps them
 # apart: this CPU's measurements on one axis, the released E2B on inf2 on the other.
@@ -552,7 +551,8 @@ nb.draft_effect_table(effect)
 # drafted run's are. It keeps `rows` (one entry per batch row), the drafting fields
 # (`accepted_per_step`, `drafts_accepted`, `hf_assisted_match`, decode tok/s with and without
 # drafts, `speedup_with_draft`), the CPU sweep and the computed inf2 tables. `decode_tok_s` is
-# the batch's total. `papermill_runs` judges it against its baseline, like the variant notebooks'.
+# the batch's total over the batch run above (its prompts and token count, not the sweep's: the
+# two totals differ). `papermill_runs` judges it against its baseline, like the variant notebooks'.
 
 # %%
 report0, reference0 = judged[0]

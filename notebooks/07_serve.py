@@ -104,8 +104,8 @@ nb.show_settings(settings)
 # %% [markdown]
 # ## 1. Why continuous batching, and what a row is
 #
-# `06_serving` showed that one decode step over B rows costs far less than B steps over a single
-# row (its sweep prints by how much): the step reads every weight once either way. A **row** is one of the B slots the graphs
+# `06_serving` explains why one decode step over B rows can cost far less than B steps over a single
+# row: the step reads every weight once either way (its sweep shows what this machine gave). A **row** is one of the B slots the graphs
 # are compiled for: its own K/V buffers, its own position and length, its own sampling. A
 # request lives in one row from its prefill to its last token.
 #
@@ -290,7 +290,7 @@ print("\n".join(line for line in server.log_tail(4000).splitlines() if "drain" i
 # degree; Ray sets `NEURON_RT_VISIBLE_CORES`), routes each request to the least loaded one,
 # restarts a replica that dies and, if you ask it, scales their number with the load.
 #
-# **Why a bundle per replica.** Compiling E2B's graphs takes minutes and more host RAM than the
+# **Why a bundle per replica.** Compiling E2B's graphs is the slow step and needs more host RAM than the
 # instance that serves it has (`01_e2b`, `doctor`'s compile-host plan). A replica must not compile: it loads the
 # compiled NEFFs and weight shards that `export` wrote once, on a bigger host (`python -m gemma4lib
 # export --variant e2b --out bundles/e2b`). Loading never compiles and checks that the bundle fits

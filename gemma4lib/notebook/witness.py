@@ -62,13 +62,16 @@ def equality_is_not_enough(model: LoadedModel, runtime: Engine, settings: PortSe
         rows,
         "device == reference proves the compiler faithful, not the input right",
         "The second answer is nonsense by design: <start_of_turn> is not a Gemma-4 token, so the model never "
-        "sees a turn."
-        + (
-            " Cells like ⟨E2⟩ are single bytes of a character the model never finished."
-            if any("⟨" in str(row[-1]) for row in rows)
-            else ""
-        ),
+        "sees a turn." + _byte_cell_note(rows),
     )
+
+
+def _byte_cell_note(rows: list[list[Any]]) -> str:
+    """Explain byte cells (`⟨E7⟩`) by one the table really shows, or say nothing."""
+    import re
+
+    found = re.search(r"⟨[^⟩]*⟩", " ".join(str(row[-1]) for row in rows))
+    return f" Cells like {found.group(0)} are single bytes of a character the model never finished." if found else ""
 
 
 def run_witness(settings: PortSettings, compiled: CompiledGraphs | None = None) -> dict[str, Any]:

@@ -116,7 +116,8 @@ demos["expert_forms"]
 # ### "A4B" saves compute, not memory, and the split decides the bytes
 #
 # Only a few billion parameters are active per token, but any token may route to any expert, so every
-# expert stays resident: the 26B-A4B needs the same `inf2.24xlarge` and TP=8 as the 31B. What top-k
+# expert stays resident: the field report runs the 26B-A4B on the same `inf2.24xlarge` at TP=8 as the
+# 31B (its weights would fit at TP=4, the table shows; four cores need an `inf2.24xlarge` anyway). What top-k
 # routing can save is bandwidth, if decode reads only the routed experts, and under TP that depends on
 # how the experts are shared by the ranks. The cell first derives the bytes one decode step reads from
 # the released config, then asks the roofline for one decode step at TP=8 on `inf2.24xlarge` (ring
