@@ -64,12 +64,13 @@ class ImageInputs:
 def require_vision(multimodal: Any, processor: Any, source: str = "this checkpoint") -> None:
     """Refuse images for a model without a vision part or image processor."""
     from .device.vision import has_vision
+    from .models.vision import VISION_VARIANTS
 
     if not has_vision(multimodal) or processor is None:
         raise NoVisionError(
             f"{source} has no vision part (no vision_config / embed_vision, or no image processor); "
             f"send text only, or load a checkpoint with one (e.g. the random-weight multimodal model of "
-            f"e2b, e4b, 31b or 26b-a4b: model='random', or a vision fixture trained by scripts/train_vision.py)"
+            f"{', '.join(VISION_VARIANTS)}: model='random', or a vision fixture trained by scripts/train_vision.py)"
         )
 
 

@@ -124,7 +124,8 @@ nb.show_settings(settings)
 #
 # `ServerProcess` runs `python -m gemma4lib serve` as a child process, bound to 127.0.0.1 on a free
 # port, and returns once `GET /health` answers: the engine is loaded and its graphs are ready (from
-# the compile cache here, so nothing compiles: see `compile_s` in the table the next cell prints).
+# the compile cache when an earlier run compiled these shapes, else compiled now: `compile_s` in the
+# table the next cell prints says which).
 # The wait it prints is mostly the child's start (Python, torch and transformers imported, the model
 # loaded); the table's `load_s` is the graphs' part of it. A child process rather than a thread, so that the server's threads never wait for this kernel's;
 # the same command is what you would run in a terminal. It stops itself at the end of this notebook (SIGTERM), and dies with the kernel if the

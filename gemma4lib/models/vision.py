@@ -32,7 +32,7 @@ from torch import nn
 
 from ..environment import check_transformers
 from .shapes import QUESTION, ShapeImage, shape_images
-from .variants import Variant, get_variant
+from .variants import VARIANTS, Variant, get_variant
 
 log = logging.getLogger(__name__)
 
@@ -403,7 +403,9 @@ def image_inputs(tokenizer, processor, images: list, question: str) -> tuple[lis
 VISION_DIR = Path(__file__).resolve().parent.parent / "fixtures" / "vision"
 VISION_TOKENIZER_DIR = VISION_DIR / "tokenizer"
 VISION_FILES = ("config.json", "generation_config.json", "model.safetensors", "preprocessor_config.json")
-VISION_VARIANTS = ("e2b", "e4b", "31b", "26b-a4b")  # the 12B: see docs/IMAGES.md (its processor needs torchvision)
+# every variant with a vision encoder; the 12B's encoder-free unified path waits (docs/IMAGES.md: its
+# processor needs torchvision)
+VISION_VARIANTS = tuple(name for name, v in VARIANTS.items() if not v.unified)
 SOURCE = "tiny-trained-vision"
 
 
