@@ -101,6 +101,7 @@ def test_int8_port_matches_its_own_reference_and_answers_paris(variant):
     assert record["seq_match"] and record["logits_match"] and record["coherent"]
 
 
+@pytest.mark.slow  # minutes of AOTInductor compiles; CI keeps the five eager int8 ports and the int8 program key
 def test_int8_compiled_moe_port_passes_with_its_witness():
     """AOTInductor (backend cpu): the int8 decode with selective experts, the dense-expert prefill
     and the random-weights witness through the same programs."""
