@@ -54,6 +54,13 @@ def _add_port_args(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="sliding layers keep only their window of K/V (default; --no-ring-kv: full length)",
     )
+    parser.add_argument(
+        "--row-prefill",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="with --batch > 1, also compile one-row prefill graphs: a request joining running rows alone "
+        "prefills one row, not the batch (default: on for `serve` on cpu/eager, off otherwise)",
+    )
     parser.add_argument("--decode-experts", help="MoE decode form: dense | selective")
     parser.add_argument("--weights", help="bf16 | fp32 (full precision, the default) | int8 (weight-only)")
     parser.add_argument("--iters", type=int)
@@ -84,6 +91,10 @@ def _add_port_args(parser: argparse.ArgumentParser) -> None:
 def _settings(args: argparse.Namespace):
     from .port import PortSettings
 
+    return PortSettings(**_settings_kwargs(args))
+
+
+def _settings_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     fields = [
         "variant",
         "profile",
@@ -113,11 +124,31 @@ def _settings(args: argparse.Namespace):
         kwargs["prompts"] = tuple(p.strip() for p in args.prompts.split("|"))
     if args.prefill_buckets:
         kwargs["prefill_buckets"] = tuple(int(b) for b in args.prefill_buckets.split(","))
-    if args.ring_kv is not None:
-        kwargs["ring_kv"] = args.ring_kv
+    for flag in ("ring_kv", "row_prefill"):
+        if getattr(args, flag, None) is not None:
+            kwargs[flag] = getattr(args, flag)
     if getattr(args, "images", None):
         kwargs["images"] = tuple(args.images)
-    return PortSettings(**kwargs)
+    return kwargs
+
+
+def serving_defaults(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """A server's settings: `row_prefill` on unless given (requests join running rows one at a time),
+    where the backend runs it (cpu, eager at TP 1, batch > 1); from a bundle, what it was exported with."""
+    if kwargs.get("row_prefill") is not None:
+        return kwargs
+    if kwargs.get("artifacts"):
+        from .cache.bundle import read_manifest
+
+        builds = read_manifest(kwargs["artifacts"]).get("builds") or [{}]
+        kwargs["row_prefill"] = bool(builds[0].get("settings", {}).get("row_prefill", False))
+        return kwargs
+    from .backends.registry import get_backend
+
+    backend = get_backend(str(kwargs.get("backend", "cpu")))
+    tp, batch = int(kwargs.get("tp_degree", 1)), int(kwargs.get("batch_size", 1))
+    kwargs["row_prefill"] = backend.row_prefill and tp == 1 and batch > 1
+    return kwargs
 
 
 SUMMARY_KEYS = (
@@ -232,14 +263,17 @@ def ray_app(args: dict[str, str]):
     from .server.ray_app import build_app, split_options
 
     settings_args, options = split_options(args)
-    return build_app(PortSettings(**settings_args), options, load_engine_from)
+    return build_app(PortSettings(**serving_defaults(settings_args)), options, load_engine_from)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
     _threads(args.threads)
     if args.batch_size is None:
         args.batch_size = 4  # a server's point is more than one row; --batch 1 for one
-    settings = _settings(args)  # a wrong or missing --artifacts bundle: BundleError here, before anything loads
+    from .port import PortSettings
+
+    # a wrong or missing --artifacts bundle: BundleError here, before anything loads
+    settings = PortSettings(**serving_defaults(_settings_kwargs(args)))
     if args.ray:
         from .server.ray_app import RayOptions, run_ray
 

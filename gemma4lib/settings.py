@@ -104,6 +104,10 @@ class PortSettings:
     # expectation the colour and shape read from the pixels (`models.shapes.describe`), and the default
     # shapes (64-token bucket, 128 context) grow to hold the ~64 soft tokens an image takes: (128,), 192.
     images: tuple[Any, ...] = ()
+    # batch_size > 1: also compile each bucket's prefill at batch 1, over one row of the batch's K/V, so
+    # that a request joining running rows alone (a server's usual case) pays one row's prefill, not the
+    # batch's; `serve` turns it on where the backend can (cpu, eager at TP 1)
+    row_prefill: bool = False
 
     def __post_init__(self):
         self.variant_spec = get_variant(self.variant)
@@ -131,6 +135,7 @@ class PortSettings:
         if self.seed is None:
             self.seed = self.variant_spec.tiny_seed
         self._check_batch()
+        self._check_row_prefill()
         if self.tp_degree not in self.variant_spec.supported_tp:
             raise TensorParallelError(
                 f"{self.variant_spec.name} cannot run at TP={self.tp_degree}: its head and expert counts split "
@@ -248,6 +253,24 @@ class PortSettings:
             rows = len(self.prompts) if self.prompts is not None else self.batch_size
             if len(self.expects) != rows:
                 raise SettingsError(f"{len(self.expects)} expects for {rows} prompts; give one per prompt (None: none)")
+
+    def _check_row_prefill(self) -> None:
+        words = {"true": True, "1": True, "false": False, "0": False}  # `serve run ... row_prefill=true`
+        if isinstance(self.row_prefill, str) and self.row_prefill.strip().lower() in words:
+            self.row_prefill = words[self.row_prefill.strip().lower()]
+        if not isinstance(self.row_prefill, bool):
+            raise SettingsError(f"row_prefill must be True or False, got {self.row_prefill!r}")
+        if not self.row_prefill:
+            return
+        from .backends.registry import get_backend
+
+        if not get_backend(self.backend).row_prefill or self.tp_degree > 1:
+            raise SettingsError(
+                f"row_prefill runs one-row prefill graphs over one row of host K/V buffers (backend 'cpu' or "
+                f"'eager' at tp_degree 1); backend {self.backend!r} at tp_degree {self.tp_degree} holds its K/V "
+                f"as device state that a graph takes whole: use row_prefill=False there (joins use the "
+                f"batch-shaped prefill; README, serving)"
+            )
 
     def batch_rows(self) -> tuple[tuple[str, str | None], ...]:
         """The (prompt, expected answer) rows: `prompts`/`expects` when given (any batch size); else

@@ -15,7 +15,7 @@ import threading
 
 import pytest
 
-from gemma4lib.cli import load_engine
+from gemma4lib.cli import load_engine, serving_defaults
 from gemma4lib.port import PortSettings
 from gemma4lib.server.launch import BackgroundServer, build_served
 
@@ -53,7 +53,9 @@ class RecordingEngine:
 
 @pytest.fixture(scope="module")
 def loaded():
-    return load_engine(PortSettings(variant="e2b", profile="smoke", batch_size=4))
+    """What `serve` runs: rows that join alone prefill through the one-row graphs (`row_prefill`, the
+    server's default; its batch-1 programs are the ones `port` compiles at batch 1)."""
+    return load_engine(PortSettings(**serving_defaults({"variant": "e2b", "profile": "smoke", "batch_size": 4})))
 
 
 @pytest.fixture(scope="module")
@@ -148,6 +150,16 @@ def test_a_greedy_request_equals_ports_tokens_while_others_join_and_leave(server
     assert joined_mid and left_mid, trace
 
 
+def test_ignore_eos_generates_every_token_of_the_budget(server, loaded, alone):
+    """vLLM's `ignore_eos` (in `extra_body`): a fixed output length, as the serve benchmark sends; the
+    reply runs past the eos that ends it otherwise, and its first tokens are still the eos reply's."""
+    assert loaded.engine.steps.row_prefill, "the served engine prefills joining rows alone"
+    c = client(server)
+    out = c.chat.completions.create(model="e2b", messages=QUESTION, max_tokens=40, extra_body={"ignore_eos": True})
+    assert out.usage.completion_tokens == 40 and out.choices[0].finish_reason == "length"
+    assert out.choices[0].message.content.startswith("The capital of France is Paris")
+
+
 def test_completions_route_on_the_real_engine(server, loaded):
     c = client(server)
     prompt = loaded.tokenizer.apply_chat_template(QUESTION, add_generation_prompt=True, tokenize=False)
@@ -195,7 +207,7 @@ def test_serve_with_a_missing_or_wrong_bundle_exits_at_once(tmp_path):
 @pytest.mark.slow
 @pytest.mark.parametrize("variant", ["e4b", "12b", "31b", "26b-a4b"])
 def test_every_variant_answers_paris_through_the_endpoint(variant):
-    one = load_engine(PortSettings(variant=variant, profile="smoke", batch_size=2))
+    one = load_engine(PortSettings(**serving_defaults({"variant": variant, "profile": "smoke", "batch_size": 2})))
     served = build_served(one.engine, one.tokenizer, model_name=one.model_name, eos_ids=one.eos_ids)
     with BackgroundServer(served) as background:
         c = client(background)

@@ -78,6 +78,9 @@ class Backend:
     samples_drafts: bool = True  # runs sampled (rejection-sampling) drafted rows
     tp: bool = False  # runs TP > 1 itself (neuron: NeuronCores; gloo: CPU ranks)
     bundles: bool = False  # its artifacts can be exported and run from a bundle
+    # runs one-row prefill graphs over a row of its K/V (`runtime.bind_kv_rows`: views of host buffers).
+    # Not xla/neuron: their K/V are device states a graph takes and returns whole.
+    row_prefill: bool = False
 
 
 @dataclass

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 
 from ..cache.artifacts import ArtifactCache
 from ..cache.bundle import cache_for
-from ..runtime import Steps, bind_kv
+from ..runtime import Steps, bind_kv, bind_kv_rows
 from .base import CompiledGraph, CompiledGraphs
 from .compile_cpu import RECIPE, compile_graph
 
@@ -42,10 +42,11 @@ def compile(graphs: GraphSet, model: LoadedModel, settings: PortSettings, progre
 
 def steps_over(graphs: GraphSet, fns: dict, kv: list) -> Steps:
     """`Steps` from callables named as `graphs.named()`, each taking the K/V `kv` as trailing inputs
-    (but the vision graph, which reads none)."""
+    (but the vision graph, which reads none, and the one-row prefills, which take one row of them)."""
     bound = {name: bind_kv(fn, kv) for name, fn in fns.items() if name != "vision"}
     return Steps(
         prefill={b: bound[f"prefill{b}"] for b in graphs.prefill},
+        row_prefill={b: bind_kv_rows(fns[f"row_prefill{b}"], kv) for b in graphs.row_prefill},
         decode=bound.get("decode"),
         verify=bound.get("verify"),
         draft=bound.get("draft"),

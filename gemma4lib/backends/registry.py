@@ -41,6 +41,7 @@ BACKENDS: dict[str, Backend] = {
             compute_balance=CPU_THREAD_FLOP_PER_BYTE,
             takes_graphs=True,
             bundles=True,
+            row_prefill=True,
         ),
         Backend(
             "eager",
@@ -51,6 +52,7 @@ BACKENDS: dict[str, Backend] = {
             label=eager.COMPILER,
             compute_balance=CPU_THREAD_FLOP_PER_BYTE,
             takes_graphs=True,
+            row_prefill=True,
         ),
         Backend(
             "xla",

@@ -62,6 +62,7 @@ SHAPE_FIELDS = (
     "ring_kv",
     "decode_experts",
     "verify_experts",
+    "row_prefill",
 )
 FORMAT_FIELDS = ("weights", "neuron_recipe")
 # Versions that change a compiled program (`environment.program_versions`: the commit does not).
@@ -95,8 +96,11 @@ def settings_facts(settings: PortSettings) -> dict[str, Any]:
 
 def graph_names(settings: PortSettings) -> list[str]:
     """The names `device.build.device_graphs` gives the graphs of `settings` (`GraphSet.named()`),
-    known before anything loads: a prefill per bucket, then decode, or verify (+ the assistant's draft)."""
+    known before anything loads: a prefill per bucket (and a one-row prefill per bucket with
+    `row_prefill` at batch > 1), then decode, or verify (+ the assistant's draft)."""
     prefill = [f"prefill{b}" for b in settings.prefill_buckets]
+    if settings.row_prefill and settings.batch_size > 1:
+        prefill += [f"row_prefill{b}" for b in settings.prefill_buckets]
     if settings.draft is None:
         return [*prefill, "decode"]
     return [*prefill, "verify", *(["draft"] if settings.draft == "assistant" else [])]

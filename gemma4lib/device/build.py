@@ -1,5 +1,6 @@
 """The device graphs a port compiles, by name: prefill graphs (one per bucket), then the decode
-graph, or with a drafter the verify graph (k + 1 tokens) and, for Gemma-4's assistant, its draft graph.
+graph, or with a drafter the verify graph (k + 1 tokens) and, for Gemma-4's assistant, its draft graph;
+for serving, one-row prefill graphs per bucket (`row_prefill{b}`) that a joining request runs alone.
 
 Built over the model's own modules, so every backend (`cpu`, `eager`, `xla`, `neuron`) and the
 benchmark suite take their graphs from here and nothing else decides their shapes: the batch, the
@@ -9,7 +10,7 @@ buckets, the context, the ring and the expert forms all come from the settings.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
@@ -43,10 +44,13 @@ class GraphSet:
     draft: DraftGraph | None = None
     draft_tokens: int = 0
     vision: VisionGraph | None = None  # pixels -> soft tokens, when the port has images (no K/V)
+    # batch 1 prefill graphs per bucket over one row of the batch's K/V (`runtime.bind_kv_rows`)
+    row_prefill: dict[int, DeviceGraph] = field(default_factory=dict)
 
     def named(self) -> dict[str, nn.Module]:
         """Every graph by the name its compiled artifact and step carry."""
         out: dict[str, nn.Module] = {f"prefill{b}": g for b, g in sorted(self.prefill.items())}
+        out.update({f"row_prefill{b}": g for b, g in sorted(self.row_prefill.items())})
         for name in ("decode", "verify", "draft", "vision"):
             if getattr(self, name) is not None:
                 out[name] = getattr(self, name)
@@ -124,6 +128,7 @@ def device_graphs(
         compute_balance=compute_balance,
         assistant=assistant,
         vision=image_graph(model, settings),
+        row_prefill=settings.row_prefill and settings.batch_size > 1,
     )
 
 
@@ -143,6 +148,7 @@ def graph_set(
     compute_balance: float | None = None,
     assistant: LoadedAssistant | None = None,
     vision: VisionGraph | None = None,
+    row_prefill: bool = False,
 ) -> GraphSet:
     """The named graphs over the model's own modules from explicit shapes (what `device_graphs` reads
     from the settings; the benchmark suite builds its drafted graphs for models that have no
@@ -151,18 +157,20 @@ def graph_set(
     instead of decode (every position, its MoE form by bytes: `verify_expert_form`) and, with
     `hidden` (the assistant drafts from the target's hidden state), the assistant's draft graph,
     all over one layout whose rings hold window + k + 1 slots (`drafting` module docstring); `vision`, the
-    image encoder's graph (`image_graph`), rides beside them."""
+    image encoder's graph (`image_graph`), rides beside them; `row_prefill`, the prefill graphs again
+    at batch 1 (the same layout: they run over one row of the batch's buffers)."""
     k = int(draft_tokens)
     layout = RoomyLayout.around(model.layout, k + 1) if k else model.layout
 
-    def graph(tokens: int, experts: str, **kwargs) -> DeviceGraph:
-        shape = GraphShape(batch, tokens, context_length, ring)
+    def graph(tokens: int, experts: str, rows: int = batch, **kwargs) -> DeviceGraph:
+        shape = GraphShape(rows, tokens, context_length, ring)
         return device_graph(model, shape, experts, inplace, weights, layout=layout, **kwargs)
 
     prefill = {b: graph(b, PREFILL_EXPERTS, hidden=hidden) for b in prefill_buckets}
+    rows = {b: graph(b, PREFILL_EXPERTS, 1, hidden=hidden) for b in prefill_buckets} if row_prefill else {}
     if not k:
         decode = graph(1, decode_experts, compute_balance=compute_balance)
-        return GraphSet(prefill, decode, layout, vision=vision)
+        return GraphSet(prefill, decode, layout, vision=vision, row_prefill=rows)
     verify = graph(
         k + 1,
         verify_expert_form(model.config, k, verify_experts),
@@ -175,7 +183,7 @@ def graph_set(
         if assistant is None:
             raise ValueError("draft='assistant' builds the assistant's draft graph: pass assistant=load_assistant(...)")
         draft = DraftGraph(assistant.model, layout, GraphShape(batch, 1, context_length, ring), assistant.read_layers)
-    return GraphSet(prefill, None, layout, verify, draft, k, vision=vision)
+    return GraphSet(prefill, None, layout, verify, draft, k, vision=vision, row_prefill=rows)
 
 
 def image_graph(model: LoadedModel, settings: PortSettings) -> VisionGraph | None:

@@ -62,7 +62,7 @@ class Served:
         temperature = 0.0 if body.temperature is None else body.temperature
         seed = body.seed if body.seed is not None else (random.randrange(2**31) if temperature > 0 else 0)
         sampling = Sampling(temperature=temperature, top_p=1.0 if body.top_p is None else body.top_p, seed=seed)
-        return EngineRequest(ids, max_tokens, sampling, self.eos_ids)
+        return EngineRequest(ids, max_tokens, sampling, () if body.ignore_eos else self.eos_ids)
 
 
 def chat_messages(body: schemas.ChatCompletionRequest) -> list[dict[str, str]]:

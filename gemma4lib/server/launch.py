@@ -143,7 +143,11 @@ def serve_loaded(loaded: Loaded, args: Any) -> int:
         eos_ids=loaded.eos_ids,
         aliases=loaded.aliases,
         max_queue=args.max_queue,
-        info={"load_s": round(loaded.load_s, 3), "compile_s": round(loaded.compile_s, 3)},
+        info={
+            "load_s": round(loaded.load_s, 3),
+            "compile_s": round(loaded.compile_s, 3),
+            "row_prefill": bool(loaded.engine.steps.row_prefill),
+        },
         admit_wait_s=args.admit_wait_ms / 1000.0,
     )
     log.warning("engine ready: load %.1f s, compile %.1f s", loaded.load_s, loaded.compile_s)

@@ -58,8 +58,10 @@ class Level:
         return out
 
 
-async def stream_one(client: Any, model: str, prompt: str, max_tokens: int) -> Reply:
-    """One streamed greedy chat request; its text, tokens (the server's usage count) and TTFT."""
+async def stream_one(client: Any, model: str, prompt: str, max_tokens: int, ignore_eos: bool = False) -> Reply:
+    """One streamed greedy chat request; its text, tokens (the server's usage count) and TTFT.
+    `ignore_eos`: generate all `max_tokens` (vLLM's extra field, sent in `extra_body`), a fixed
+    output length as serving benchmarks use, so that tokens/s measures decode, not answer lengths."""
     reply = Reply(prompt)
     t0 = time.perf_counter()
     try:
@@ -70,6 +72,7 @@ async def stream_one(client: Any, model: str, prompt: str, max_tokens: int) -> R
             temperature=0.0,
             stream=True,
             stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True} if ignore_eos else None,
         )
         async for chunk in stream:
             if chunk.usage is not None:
@@ -101,6 +104,7 @@ async def _level(
     timeout_s: float,
     references: dict[str, str],
     min_requests: int = 0,
+    ignore_eos: bool = False,
 ) -> Level:
     client = _client(base_url, timeout_s)
     per_client = max(per_client, -(-min_requests // clients))
@@ -109,7 +113,7 @@ async def _level(
         out = []
         for k in range(per_client):
             prompt = prompts[(index * per_client + k) % len(prompts)]
-            out.append(await stream_one(client, model, prompt, max_tokens))
+            out.append(await stream_one(client, model, prompt, max_tokens, ignore_eos))
         return out
 
     t0 = time.perf_counter()
@@ -139,14 +143,19 @@ async def _level(
 
 
 async def references_for(
-    base_url: str, model: str, prompts: Sequence[str], max_tokens: int, timeout_s: float = 120.0
+    base_url: str,
+    model: str,
+    prompts: Sequence[str],
+    max_tokens: int,
+    timeout_s: float = 120.0,
+    ignore_eos: bool = False,
 ) -> dict[str, str]:
     """Each prompt's greedy reply sent alone (nothing else on the server): what a batched reply must equal."""
     client = _client(base_url, timeout_s)
     try:
         out = {}
         for prompt in dict.fromkeys(prompts):
-            reply = await stream_one(client, model, prompt, max_tokens)
+            reply = await stream_one(client, model, prompt, max_tokens, ignore_eos)
             if reply.error:
                 raise LoadRunError(
                     f"the reference request for {prompt!r} failed ({reply.error}); check that the server at "
@@ -168,16 +177,18 @@ def run_load(
     max_tokens: int = 24,
     timeout_s: float = 300.0,
     min_requests: int = 0,
+    ignore_eos: bool = False,
 ) -> list[Level]:
     """Every level in turn (the references first); a level that passes `timeout_s` raises TimeoutError.
     Each client sends `requests_per_client` requests, or more when the level would send fewer than
-    `min_requests` in all."""
+    `min_requests` in all; `ignore_eos`: every reply is `max_tokens` long (`stream_one`)."""
 
     async def main() -> list[Level]:
-        refs = await references_for(base_url, model, prompts, max_tokens, timeout_s)
+        refs = await references_for(base_url, model, prompts, max_tokens, timeout_s, ignore_eos)
         per = requests_per_client
         return [
-            await _level(base_url, model, prompts, n, per, max_tokens, timeout_s, refs, min_requests) for n in levels
+            await _level(base_url, model, prompts, n, per, max_tokens, timeout_s, refs, min_requests, ignore_eos)
+            for n in levels
         ]
 
     return run_async(main)

@@ -43,6 +43,8 @@ class SamplingFields(_Body):
     n: int = Field(default=1, ge=1, le=1)
     stream: bool = False
     stream_options: StreamOptions | None = None
+    # vLLM's extension (clients send it in `extra_body`): generate all `max_tokens`, past any eos
+    ignore_eos: bool = False
 
     def stop_strings(self) -> tuple[str, ...]:
         if self.stop is None:
