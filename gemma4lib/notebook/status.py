@@ -98,8 +98,8 @@ def _inf2_rows(name: str) -> list[tuple[str, str, str]]:
         ),
         (
             "disk for the compiled port",
-            f"~{disk_gb:.1f} GB of sharded bf16 weights ({v.tp_degree} file(s), one per rank, of the "
-            f"{core.weights_gib:.1f} GiB above) + the compiled "
+            f"~{disk_gb:.1f} GB of sharded bf16 weights: {v.tp_degree} file(s), one per rank, each the "
+            f"{core.weights_gib:.1f} GiB of weights per NeuronCore above; + the compiled "
             f"[NEFFs]({GLOSSARY}#neff) (size unmeasured)",
             "computed from the rank plan (`memory_plan`)",
         ),
