@@ -268,6 +268,7 @@ def ray_app(args: dict[str, str]):
 
 def cmd_serve(args: argparse.Namespace) -> int:
     _threads(args.threads)
+    logging.getLogger("gemma4lib.server").setLevel(logging.INFO)  # a server's own life (a clean drain) is news
     if args.batch_size is None:
         args.batch_size = 4  # a server's point is more than one row; --batch 1 for one
     from .port import PortSettings

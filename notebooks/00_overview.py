@@ -22,7 +22,7 @@
 # or let `python -m papermill_runs run --profile smoke` run all seven in order. A variant that has not
 # run yet is simply missing from the tables.
 #
-# | notebook | variant | instance | TP degree | recipe |
+# | notebook | variant | instance | [TP](#tp) degree | recipe |
 # |---|---|---|---|---|
 # | [01_e2b.ipynb](01_e2b.ipynb) | E2B | `inf2.xlarge` | TP=1 | model_builder (trace selectable) |
 # | [02_e4b.ipynb](02_e4b.ipynb) | E4B | `inf2.8xlarge` | TP=2 | model_builder |
@@ -43,7 +43,7 @@
 # | | `full` profile | `smoke` profile |
 # |---|---|---|
 # | machine | `inf2.xlarge` to `inf2.24xlarge`, per variant (table above) | any CPU |
-# | software | Deep Learning AMI Neuron (Ubuntu 24.04), venv `aws_neuronx_venv_pytorch_2_9_nxd_inference` (Python 3.12), Neuron SDK 2.28: torch-neuronx 2.9.0.2.12.22436, neuronx-cc 2.23.6484.0, neuronx-distributed 0.17.26814, libneuronxla 2.2.15515.0; + transformers 5.23.0 | torch 2.13 (CPU), transformers 5.23.0 |
+# | software | [Deep Learning AMI Neuron](#dlami) (Ubuntu 24.04), venv `aws_neuronx_venv_pytorch_2_9_nxd_inference` (Python 3.12), Neuron SDK 2.28: torch-neuronx 2.9.0.2.12.22436, neuronx-cc 2.23.6484.0, neuronx-distributed 0.17.26814, libneuronxla 2.2.15515.0; + transformers 5.23.0 | torch 2.13 (CPU), transformers 5.23.0 |
 # | this notebook | reads the records the variant notebooks wrote; loads no large model | same, plus a tiny model for the last section |
 #
 # ### Before you start on inf2
@@ -54,7 +54,7 @@
 # `bash scripts/lab.sh --neuron` to open these notebooks on the Neuron venv's kernel without touching its
 # torch or SDK packages, the disk and the time of each step (each marked computed, field report or
 # unverified), and a troubleshooting table. `python -m gemma4lib doctor --variant e2b` prints the
-# plan of both memories that decide a run: the NeuronCores' HBM and the serving host's RAM (the
+# plan of both memories that decide a run: the NeuronCores' [HBM](#hbm) and the serving host's RAM (the
 # model, the host tables, the weight shards at load time and the reference the checks run).
 
 # %% [markdown]
@@ -99,7 +99,7 @@ nb.family_table()
 #
 # Every port has the same moving parts, and so does every notebook:
 #
-# 1. **Host side**: tokenizer and chat template, word embeddings (and PLE inputs), greedy argmax,
+# 1. **Host side**: tokenizer and chat template, word embeddings (and [PLE](#ple) inputs), greedy argmax,
 #    the softcap only when sampling needs probabilities.
 # 2. **Device side**: a prefill graph per prompt-length bucket and one decode graph, both with
 #    static shapes and explicit K/V buffers that live on the device between calls.
@@ -109,7 +109,7 @@ nb.family_table()
 #    answer against what a sensible answer contains (coherence).
 #
 # The device graph is written once, wraps transformers' own modules, and is compiled by whichever
-# compiler the machine has: AOTInductor on a CPU, the Neuron compiler on inf2. Re-implementing the
+# compiler the machine has: [AOTInductor](#aotinductor) on a CPU, the Neuron compiler on inf2. Re-implementing the
 # decoder by hand would make the port drift from the reference it is checked against.
 #
 # ## Memory decides the hardware
@@ -126,15 +126,16 @@ plots.memory_budget(nb.memory_rows())
 # Each step was forced by a model that the previous step could not carry:
 #
 # 1. `torch_neuronx.trace` of the real forward on one core (the field report's E2B): proves PLE
-#    and KV sharing compile at all. It compiles one graph, so the prompt goes through the decode
+#    and [KV sharing](#kv-sharing) compile at all. It compiles one graph, so the prompt goes through the decode
 #    graph one token at a time; it stays selectable for E2B (`neuron_recipe="trace"`), whose default
 #    is now the third step, at TP=1.
 # 2. Hand-driven tensor parallelism with aliased on-device K/V and a CPU-seeded prefill (the field
 #    report's E4B): two cores. Its per-rank tracer ran out of memory at 31B and is unsupported since
 #    SDK release 2.27, so this cookbook teaches it on CPU and compiles E4B with the third step on inf2.
 # 3. NxD `ModelBuilder` (every variant; E2B at TP=1): a prefill graph and a decode graph over one
-#    set of K/V states, one rank compiled and the weights sharded per rank. This is what carries the
-#    31B at TP=8 and, with static experts and a runtime rank, the MoE.
+#    set of K/V states, one rank compiled and the weights sharded per rank. It carried the field
+#    report's 31B at TP=8 and, with static experts and a runtime rank, its [MoE](#moe); this
+#    cookbook's plan for every variant, never run on inf2 here.
 
 # %%
 nb.recipe_table()
@@ -227,8 +228,9 @@ overview["variants_found"]
 #   names the key whose needs set the weights' on-device layout when several keys share the weights;
 #   the cookbook gives it to decode, the step that reads every weight per token.
 # - <a id="tp"></a>**TP** (tensor parallelism): each layer's weights split across NeuronCores (ranks);
-#   column shards need no communication, row shards end in an all-reduce. **rank graph**: the graph
-#   one rank runs, the same forward with its linears cut to the shard (`tp.rank_graph`).
+#   column shards need no communication, row shards end in an all-reduce.
+# - <a id="rank-graph"></a>**rank graph**: the graph one TP rank runs, the same forward with its
+#   linears cut to the rank's shard (`tp.rank_graph`); ModelBuilder compiles it once for every rank.
 # - <a id="roofline"></a>**ceiling** (roofline): bandwidth ÷ bytes read per decode step, the fastest
 #   any implementation of single-row decode can go on that memory; computed, never measured.
 # - <a id="smoke"></a>**smoke / full profile**: the tiny trained model on any CPU (what ran here), or
@@ -243,8 +245,31 @@ overview["variants_found"]
 #   processes with real all-reduces, the stand-in for inf2's collectives.
 # - <a id="spmd"></a>**SPMD**: one program, many ranks; every rank runs the same compiled graph and
 #   learns which shard it is from data (its rank), not from a constant baked into the program.
-# - <a id="matformer"></a>**MatFormer**: the nesting by which E2B is a sub-network of a larger model
-#   ("effective" parameters); it changes nothing in the port.
+# - <a id="matformer"></a>**MatFormer**: Gemma 3n's nesting of a smaller model inside a larger one.
+#   transformers' Gemma-4 code has no MatFormer fields: the "E" in E2B and E4B ("effective") counts
+#   the parameters without the PLE table, and nothing in the port depends on it.
+# - <a id="ple"></a>**PLE** (per-layer embeddings): E2B's and E4B's second embedding table, one
+#   small vector per token *and layer* (`embed_tokens_per_layer`, through `get_per_layer_inputs`),
+#   which each decoder layer gates and projects into its residual stream. The table is large and
+#   read one row per token, so the port looks it up on the host and passes `per_layer_inputs=`.
+# - <a id="kv-sharing"></a>**KV sharing**: the last `num_kv_shared_layers` layers of E2B and E4B have
+#   no K/V projections and read the K/V of the last earlier layer of the same attention type, so only
+#   the producer layers need K/V buffers.
+# - <a id="k-eq-v"></a>**k_eq_v** (`attention_k_eq_v`): on the 12B, 31B and 26B-A4B the
+#   full-attention layers have no `v_proj`; their values are the key projection through an unscaled
+#   norm without RoPE. K and V still differ, so both are cached: it saves a weight, not K/V memory.
+# - <a id="moe"></a>**MoE** (mixture of experts): the 26B-A4B's layers route each token to a few of
+#   many expert MLPs (top-k of the router's scores) beside a dense MLP on the same residual; all
+#   experts stay resident, only the routed ones are computed per token.
+# - <a id="aotinductor"></a>**AOTInductor**: PyTorch's ahead-of-time compiler: a `torch.export`
+#   program compiled to a C++ shared library in a `.pt2` package, loaded without Python tracing; the
+#   CPU compiler of this cookbook, where inf2 uses the Neuron compiler.
+# - <a id="dlami"></a>**DLAMI** (Deep Learning AMI): AWS's machine images with the Neuron SDK and its
+#   virtual environments installed; the inf2 runs start from the Neuron DLAMI of SDK 2.28.
+# - <a id="onednn"></a>**oneDNN**: Intel's library of CPU kernels that PyTorch's CPU matrix products
+#   call; its packed weight layout speeds up small-batch products on CPU (`device.packed_linear`).
+# - <a id="ttft"></a>**TTFT** (time to first token): from sending a request to its first text; it
+#   holds the wait in the queue and the prompt's prefill.
 # - <a id="doctor"></a>**`doctor`**: `python -m gemma4lib doctor`, which reports what this machine or
 #   inf2 host can run (RAM, venv, SDK pieces) and the memory plan for a variant before you start.
 #

@@ -27,9 +27,9 @@
 #
 # | | `smoke` profile (any CPU) | inf2 |
 # |---|---|---|
-# | machine | any x86-64 or arm64 machine; two shared cores are enough | `inf2.xlarge` for E2B |
-# | model | the tiny trained E2B (PLE + KV sharing) and its tiny trained assistant (distilled against the target here; shapes and training: `gemma4lib/fixtures/PROVENANCE.json`) | `google/gemma-4-E2B-it` and `google/gemma-4-e2b-it-assistant` |
-# | batches | compiled with AOTInductor, run and checked here | `port(PortSettings(variant="e2b", backend="neuron", batch_size=4))`: ModelBuilder with batched example inputs, written against SDK 2.28, **never run on inf2** |
+# | machine | any x86-64 or arm64 machine; two shared cores are enough | `inf2.xlarge` for E2B (the field report's instance; this notebook's inf2 figures are computed, never run there) |
+# | model | the tiny trained E2B ([PLE](00_overview.ipynb#ple) + [KV sharing](00_overview.ipynb#kv-sharing)) and its tiny trained assistant (distilled against the target here; shapes and training: `gemma4lib/fixtures/PROVENANCE.json`) | `google/gemma-4-E2B-it` and `google/gemma-4-e2b-it-assistant` |
+# | batches | compiled with [AOTInductor](00_overview.ipynb#aotinductor), run and checked here | `port(PortSettings(variant="e2b", backend="neuron", batch_size=4))`: ModelBuilder with batched example inputs, written against SDK 2.28, **never run on inf2** |
 # | drafting | compiled with AOTInductor, run and checked here | `port(PortSettings(variant="e2b", backend="neuron", draft="assistant", draft_tokens=4))`: ModelBuilder keys `prefill<bucket>`, `verify` and `draft` over one set of device K/V states (`recipes/neuron_drafting.py`), written against SDK 2.28 and driven here by recording fakes only, **never run on inf2**; the trace recipe refuses |
 # | time | a few minutes with a warm compile cache, plus the compile of each graph the first time (each compile cell prints its time) | — |
 # | software | torch 2.13 (CPU), transformers 5.23.0 | Neuron SDK 2.28 (see `01_e2b`) |
@@ -127,7 +127,7 @@ display(nb.describe_model(model))
 #
 # One decode step multiplies each weight matrix by one vector: two FLOPs per weight, read once.
 # An accelerator does hundreds of FLOPs in the time one weight byte arrives from memory, so the
-# step waits on memory and the arithmetic units sit idle. The ceiling is **bandwidth ÷ bytes per
+# step waits on memory and the arithmetic units sit idle. The [ceiling](00_overview.ipynb#roofline) is **bandwidth ÷ bytes per
 # step**. Feed B rows instead, and the same matrices multiply B vectors. Each weight is still read
 # once, and the arithmetic grows B-fold into the idle units. Total tok/s then grows almost B-fold,
 # until the step becomes compute bound. What grows with B is the K/V: every row has its own
@@ -162,7 +162,7 @@ nb.batch_ceilings_table(ceilings)
 # bound by arithmetic, not by bytes, and run at a fifth of its GEMM rate. So a decode graph built
 # with `compute_balance=CPU_THREAD_FLOP_PER_BYTE` (what `port` passes for the `cpu` and `eager`
 # backends) swaps its large fp32 linears (`device.packed_linear`: the size threshold is there) for
-# oneDNN's packed layout; on a medium-width model that made B=8 faster (`docs/ROOFLINE.md` quotes the run).
+# [oneDNN](00_overview.ipynb#onednn)'s packed layout; on a medium-width model that made B=8 faster (`docs/ROOFLINE.md` quotes the run).
 # The tiny model's linears are far smaller and sit in the caches, where oneDNN's per-call cost
 # outweighs the layout, so the cell below prints `plain`. Graphs for XLA and inf2 are built
 # without a balance, because there bytes decide, and they never pack.
@@ -617,8 +617,10 @@ nb.record_summary(result)
 # %% [markdown]
 # ## 7. Plots
 #
-# Total decode tok/s against B, log-log, on two axes: on the left this CPU's measured figures (this
-# project's graphs and HF `generate`) with the line `B × (tok/s at B=1)` for scale; on the right
+# Total decode tok/s against B on two axes, each line divided by its own tok/s at B = 1 (which its
+# legend entry prints), so a line's height is what the batch bought over one row, on a linear scale:
+# on the left this CPU's measured figures (this project's graphs and HF `generate`) with the line
+# `B × (B = 1)` (B rows for the cost of one) for scale; on the right
 # E2B's inf2 ceiling (**computed, unverified**) and the field report's points (**measured on inf2
 # by its author**, not by this project). Then the drafts the target kept at each verify step of the timed run (eos off):
 # high while the answer is one the assistant was distilled on, lower once the tiny model babbles.
@@ -639,7 +641,7 @@ plots_draft.drafts_accepted(timed.accepted, timed.drafted, timed.emitted, f"tiny
 #   every row against its own single-row reference: a bug in the short rows hides behind a perfect
 #   first row.
 # - Drafting gets several tokens per weight read for one conversation. The verify of k + 1 tokens
-#   reads the weights once (a dense model: about one decode step's bytes; the MoE more, the table
+#   reads the weights once (a dense model: about one decode step's bytes; the [MoE](00_overview.ipynb#moe) more, the table
 #   says how much), the output is exactly greedy whatever the drafts, and only the
 #   speed depends on the assistant. Gemma-4's assistant reads the target's own K/V, so it adds no
 #   K/V state.

@@ -26,10 +26,10 @@
 #
 # | | `smoke` profile (any CPU) | inf2 |
 # |---|---|---|
-# | machine | any x86-64 or arm64 machine; two shared cores are enough | `inf2.xlarge` per E2B replica (compile on an `inf2.8xlarge`: see `01_e2b`) |
-# | model | the tiny trained E2B, batched graphs compiled with AOTInductor (06_serving's, from the cache) | `google/gemma-4-E2B-it`, ModelBuilder's NEFFs from an exported bundle |
+# | machine | any x86-64 or arm64 machine; two shared cores are enough | `inf2.xlarge` per E2B replica, compiled on an `inf2.8xlarge` (the plan's choice, computed and unverified on inf2: see `01_e2b`) |
+# | model | the tiny trained E2B, batched graphs compiled with [AOTInductor](00_overview.ipynb#aotinductor) (06_serving's, from the cache) | `google/gemma-4-E2B-it`, ModelBuilder's [NEFFs](00_overview.ipynb#neff) from an exported bundle |
 # | server | `python -m gemma4lib serve` as a child process on 127.0.0.1, stopped with SIGTERM at the end | the same command, or `serve --ray` with one replica per NeuronCore group |
-# | Ray Serve | skipped here (the last section prints `skipped: backend=cpu`; the Ray route is tested on CPU by `tests/test_server_ray.py`) | `deploy(...)` of the bundle, each replica reserving `neuron_cores` = its TP degree: written against SDK 2.28, **never run on inf2** |
+# | Ray Serve | skipped here (the last section prints `skipped: backend=cpu`; the Ray route is tested on CPU by `tests/test_server_ray.py`) | `deploy(...)` of the bundle, each replica reserving `neuron_cores` = its [TP](00_overview.ipynb#tp) degree: written against SDK 2.28, **never run on inf2** |
 # | time | printed by the last code cell (`wall_s`); the graphs come from the compile cache when 06_serving ran first, else each is compiled once | — |
 # | software | torch 2.13 (CPU), transformers 5.23.0, FastAPI + uvicorn, `openai`, Ray 2.60 | Neuron SDK 2.28 (see `01_e2b`) |
 #
@@ -70,7 +70,10 @@ results_path = "../runs/notebooks/serve.json"
 # ## Setup
 #
 # `settings` are the port's own settings for the graphs the server runs; the server is started
-# with the same values on its command line, and checks them again before it loads anything.
+# with the same values on its command line, and checks them again before it loads anything. The
+# table shows only those fields: the prompt, the sampling and the benchmark fields of
+# `PortSettings` belong to the variant notebooks and play no part here (each request brings its
+# own prompt and `max_tokens`).
 
 # %%
 import asyncio
@@ -87,6 +90,7 @@ from gemma4lib.models.corpus import COUNTRIES
 from gemma4lib.notebook import plots_serve
 from gemma4lib.port import PortSettings
 from gemma4lib.server.load import run_async, run_load
+from gemma4lib.server.metrics import RATE_WINDOW_S
 from gemma4lib.server.process import ServerProcess
 
 started = time.perf_counter()
@@ -99,7 +103,19 @@ settings = PortSettings(
     context_length=context_length,
     prefill_buckets=tuple(prefill_buckets),
 )
-nb.show_settings(settings)
+nb.show_settings(
+    settings,
+    fields=(
+        "variant",
+        "profile",
+        "model_source",
+        "checkpoint",
+        "backend",
+        "batch_size",
+        "context_length",
+        "prefill_buckets",
+    ),
+)  # what the server is started with
 
 # %% [markdown]
 # ## 1. Why continuous batching, and what a row is
@@ -215,7 +231,7 @@ if refused:
 # different capital question), bounded in number and in time (`level_timeout_s`). Before the
 # levels it asks every question alone, with nothing else on the server: under load each reply
 # must equal that one (`mixed` counts those that do not; a row that read another row's K/V would
-# show here). Per level: whether every request completed, the time to first token (p50 and p99,
+# show here). Per level: whether every request completed, the [time to first token](00_overview.ipynb#ttft) (p50 and p99,
 # from sending the request to its first text), and the total tokens per second over the level's
 # wall time.
 #
@@ -254,12 +270,28 @@ for level in levels[1:]:
 # generated, requests by finish reason, HTTP responses by status (the 429s of the burst are
 # there), and histograms of the time to first token and the time between tokens. A Prometheus
 # server scrapes it; here the cell prints the totals.
+#
+# Its `gemma4lib_tokens_per_second` is not the load table's tok/s, and should not be: the gauge is
+# the server's tokens over a sliding window that ends when the gauge is read (here, after the load
+# has ended, so the window holds idle time too and the figure falls as it slides past the last
+# level), while the table's tok/s is the tokens the clients received over each level's own wall
+# time. The cell prints the window and both figures from their sources: the gauge, and the load
+# table's levels taken together (their tokens over their summed wall time). The server's token
+# counter is a third figure, a total: it also counts the replies of section 3, the burst, and the
+# questions `run_load` asked alone before its levels.
 
 # %%
 metrics = httpx.get(server.url + "/metrics", timeout=10).text
 for line in metrics.splitlines():
     if line.startswith("gemma4lib_") and "_bucket" not in line and "_created" not in line:
         print(line)
+values = {line.split()[0]: float(line.split()[-1]) for line in metrics.splitlines() if line.startswith("gemma4lib_")}
+level_tokens, level_wall = sum(level.tokens for level in levels), sum(level.wall_s for level in levels)
+gauge = values["gemma4lib_tokens_per_second"]
+print(f"\ngauge (server, the last {RATE_WINDOW_S:g} s before this read): {gauge:.1f} tok/s")
+together = level_tokens / level_wall
+print(f"load levels together ({level_tokens} tokens over {level_wall:.2f} s of levels): {together:.0f} tok/s")
+print(f"token counter: {values['gemma4lib_generated_tokens_total']:.0f} in all, the levels' {level_tokens} among them")
 
 # %% [markdown]
 # ## 5. Plots
@@ -291,8 +323,9 @@ print("\n".join(line for line in server.log_tail(4000).splitlines() if "drain" i
 # degree; Ray sets `NEURON_RT_VISIBLE_CORES`), routes each request to the least loaded one,
 # restarts a replica that dies and, if you ask it, scales their number with the load.
 #
-# **Why a bundle per replica.** Compiling E2B's graphs is the slow step and needs more host RAM than the
-# instance that serves it has (`01_e2b`, `doctor`'s compile-host plan). A replica must not compile: it loads the
+# **Why a bundle per replica.** Compiling E2B's graphs is the slow step and, by the compile-host plan
+# (`01_e2b`, `doctor`; computed, unverified on inf2), needs more host RAM than the instance that
+# serves it has. A replica must not compile: it loads the
 # compiled NEFFs and weight shards that `export` wrote once, on a bigger host (`python -m gemma4lib
 # export --variant e2b --out bundles/e2b`). Loading never compiles and checks that the bundle fits
 # this environment first (variant, TP, shapes, SDK and library versions), so a restarted replica

@@ -586,6 +586,7 @@ if __name__ == "__main__":  # the SIGTERM test's server: the fake engine in the 
     from gemma4lib.server.launch import serve_forever
 
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    logging.getLogger("gemma4lib.server").setLevel(logging.INFO)  # as `serve` does: the drain is logged at INFO
     tok = load_tokenizer(TOKENIZER_DIR)
     fake_engine = FakeEngine(tok, batch=2, step_s=0.05, endless=True)
     serve_forever(build_served(fake_engine, tok, model_name=MODEL, eos_ids=(EOS,)), port=int(sys.argv[1]))

@@ -64,7 +64,14 @@ from .records import load_results, record, save_record, tensor_digest
 from .serving import batch_ceilings_table, batch_rows_table, batch_sweep_table, draft_effect_table, load_levels_table
 from .speed import measured_vs_ceiling
 from .status import StatusBox, bandwidth_text, status_box
-from .tensor_parallel import kv_heads_under_tp, tp_cpu_run, tp_demo, tp_plan, tp_runs_table
+from .tensor_parallel import (
+    kv_heads_under_tp,
+    sharded_attention_by_hand,
+    tp_cpu_run,
+    tp_demo,
+    tp_plan,
+    tp_runs_table,
+)
 from .witness import equality_is_not_enough, gemma3_style_ids, run_witness
 
 __all__ = [
@@ -92,6 +99,7 @@ __all__ = [
     "k_eq_v_report",
     "kv_cache_bytes",
     "kv_heads_under_tp",
+    "sharded_attention_by_hand",
     "kv_sharing_real",
     "kv_sharing_report",
     "load_levels_table",

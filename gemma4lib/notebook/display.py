@@ -72,9 +72,12 @@ class Table:
         return "\n".join(lines + (["", self.note] if self.note else []))
 
 
-def show_settings(settings: PortSettings) -> Table:
-    """The settings a port depends on; `decode_experts` only for the MoE, where it means something."""
+def show_settings(settings: PortSettings, fields: Sequence[str] | None = None) -> Table:
+    """The settings a port depends on; `decode_experts` only for the MoE, where it means something.
+    `fields`: only these (a notebook that uses a few of the settings shows just those)."""
     params = settings.parameters()
+    if fields is not None:
+        return Table.from_dict({k: params.get(k) for k in fields}, "port settings", "setting", "value")
     keep = [
         "variant",
         "profile",
@@ -253,12 +256,12 @@ def bench_table(figures: BenchFigures, settings: PortSettings, ceiling: Mapping[
     v = settings.variant_spec
     released = ceiling["released_inf2"]
 
-    def roof(row: Mapping[str, Any], source: str) -> str:
+    def roof(row: Mapping[str, Any], source: str, kv_note: str = "") -> str:
         b = row["bytes_per_step"]
         return (
             f"{with_unit(row['ceiling_tok_s'], 'tok/s')} = {with_unit(row['bandwidth_gb_s'], 'GB/s')} ({source}) / "
             f"{with_unit(b['total'] / 1e6, 'MB')} per step "
-            f"({with_unit(b['weights'] / 1e6, 'MB')} weights + {with_unit(b['kv'] / 1e6, 'MB')} K/V)"
+            f"({with_unit(b['weights'] / 1e6, 'MB')} weights + {with_unit(b['kv'] / 1e6, 'MB')} K/V{kv_note})"
         )
 
     rows = [
@@ -275,7 +278,7 @@ def bench_table(figures: BenchFigures, settings: PortSettings, ceiling: Mapping[
         [
             "decode ceiling (bandwidth / bytes per step)",
             roof(ceiling, "HBM of the cores in use" if settings.backend == "neuron" else "measured now"),
-            roof(released, "HBM"),
+            roof(released, "HBM", ", each KV head once"),  # the status box counts a replicated head per core
         ],
         [
             "fraction of the ceiling reached",
@@ -293,7 +296,8 @@ def bench_table(figures: BenchFigures, settings: PortSettings, ceiling: Mapping[
         [
             "",
             f"this run ({settings.profile}, {settings.backend})",
-            f"released model on {v.instance_type}, TP={v.tp_degree}, 2,048 context",
+            f"released model on {v.instance_type}, TP={v.tp_degree}, "
+            f"{released['bytes_per_step']['context_length']:,} context (the plan's, not this run's)",
         ],
         rows,
         title,

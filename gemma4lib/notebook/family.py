@@ -8,12 +8,14 @@ from typing import Any
 
 from ..device.kv_layout import FULL, KVLayout
 from ..inf2.hardware import HBM_PER_CORE_GIB
+from ..inf2.memory_plan import DEFAULT_CONTEXT, rank_weight_bytes
 from ..inf2.roofline import GB, GIB, INSTANCES
 from ..models.loading import text_config
 from ..models.variants import VARIANTS, Variant, get_variant
 from .display import Table
 
 BF16_BYTES = 2
+PLAN_NOTE = " (the plan's context)"  # DEFAULT_CONTEXT: what the status box plans the inf2 figures at
 
 
 def _gb(params_b: float | None) -> float | None:
@@ -130,20 +132,27 @@ def tp_fit(variant: Variant | str, degrees: Sequence[int] = (1, 2, 4, 8)) -> Tab
     """bf16 weight bytes per NeuronCore at each TP degree against a core's 16 GiB (K/V, activations and
     the compiler's scratch come on top: a core needs headroom, not just a fit). "shardable" is the
     recipe's own list of degrees (`Variant.supported_tp`), not a rule about heads: TP plans replicate
-    KV heads where a degree exceeds them, so a degree off the list is untried, not impossible."""
+    KV heads where a degree exceeds them, so a degree off the list is untried, not impossible.
+
+    GiB, the unit of the status box's "memory per NeuronCore" row (with GB beside it, the unit of the
+    roofline's bytes per step, so the two are never read as two figures): at a degree the recipe supports the
+    figure is one rank's shard as the TP plan cuts it (`memory_plan.rank_weight_bytes`, the very
+    number the status box prints: norms, the tied LM head's replicated parts and copied KV heads
+    included); at any other degree there is no plan, so it is the device weights ÷ TP, marked "≈"."""
     v = variant if isinstance(variant, Variant) else get_variant(variant)
     b = device_bytes(v)
-    capacity = HBM_PER_CORE_GIB * GIB / GB
     rows = []
     for tp in degrees:
-        per_core = b["device_gb"] / tp
         supported = tp in v.supported_tp
+        per_core = rank_weight_bytes(v, tp) / GIB if supported else b["device_gb"] * GB / GIB / tp
         rows.append(
             [
                 tp,
-                f"{per_core:.1f} GB",
-                f"{per_core / capacity:.0%}",
-                "no" if per_core > capacity else "tight" if per_core > 0.75 * capacity else "yes",
+                f"{per_core:.1f} GiB = {per_core * GIB / GB:.1f} GB"
+                if supported
+                else f"≈ {per_core:.1f} GiB = {per_core * GIB / GB:.1f} GB (÷ TP, no plan)",
+                f"{per_core / HBM_PER_CORE_GIB:.0%}",
+                "no" if per_core > HBM_PER_CORE_GIB else "tight" if per_core > 0.75 * HBM_PER_CORE_GIB else "yes",
                 "yes" if supported else "no (not a degree this recipe supports)",
                 "←" if tp == v.tp_degree else "",
             ]
@@ -151,7 +160,7 @@ def tp_fit(variant: Variant | str, degrees: Sequence[int] = (1, 2, 4, 8)) -> Tab
     return Table(
         ["TP", "weights per core", "of 16 GiB", "fits", "shardable", "field report"],
         rows,
-        f"released {v.name.upper()}: {b['device_gb']:.1f} GB of bf16 weights on the device",
+        f"released {v.name.upper()}: bf16 device weights per NeuronCore at each TP degree",
     )
 
 
@@ -171,7 +180,7 @@ def memory_rows() -> list[dict[str, Any]]:
     return rows
 
 
-def kv_sharing_real(variant: Variant | str, context_length: int = 2048) -> Table:
+def kv_sharing_real(variant: Variant | str, context_length: int = DEFAULT_CONTEXT) -> Table:
     v = variant if isinstance(variant, Variant) else get_variant(variant)
     layout = real_layout(v)
     sizes = kv_cache_bytes(layout, context_length)
@@ -184,9 +193,8 @@ def kv_sharing_real(variant: Variant | str, context_length: int = 2048) -> Table
             "layers with their own K/V": len(layout.producers),
             "KV-shared layers": f"{len(layout.consumers)} (read "
             f"{', '.join(f'{t} → {sorted(p)}' for t, p in by_type.items())})",
-            f"K/V buffers at {context_length} tokens, bf16, full length (no ring)": (
-                f"{sizes['producers_only_mb']:.0f} MiB"
-            ),
+            f"K/V buffers at {context_length:,} tokens{PLAN_NOTE if context_length == DEFAULT_CONTEXT else ''}, bf16, "
+            "full length (no ring)": (f"{sizes['producers_only_mb']:.0f} MiB"),
             "the same if every layer had its own": f"{sizes['every_layer_mb']:.0f} MiB",
         },
         f"released {v.name.upper()}: KV sharing",

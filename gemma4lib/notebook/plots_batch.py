@@ -11,7 +11,7 @@ from typing import Any
 
 from matplotlib.figure import Figure
 
-from .plots import NUMBER_TICKS
+from .plots import NUMBER_TICKS  # importing plots also makes IPython draw a returned Figure
 
 
 def tok_s_vs_batch(
@@ -19,47 +19,59 @@ def tok_s_vs_batch(
     computed: Sequence[Mapping[str, Any]] | None = None,
     title: str = "decode throughput against batch size",
 ) -> Figure:
-    """Total decode tok/s against B, log-log, with the per-row line `B x (tok/s at B=1)` for scale.
+    """Total decode tok/s against B, each line normalised to its own B = 1 (linear y), with the line
+    `B` (B rows for the cost of one) for scale; each line's tok/s at B = 1 is in its label.
 
     `measured`: one model's entry of the bench's `batch` section (`benchmarks.batch.bench_batch_model`:
     this project's graphs and HF generate, measured on this CPU). `computed`: `batch_roofline.batch_ceilings`
     rows of one variant (the inf2 ceiling, computed, unverified) and the field report's figures they carry.
     """
     # CPU and inf2 differ by orders of magnitude and measure different things (a tiny model's call
-    # overhead against a released model's bandwidth): each gets its own axes, never one shared scale.
-    fig = Figure(figsize=(9.6, 3.8))
+    # overhead against a released model's bandwidth): each gets its own axes, and each line is read
+    # against its own B = 1, so a log scale never has to squeeze them together.
+    fig = Figure(figsize=(9.6, 4.0))
     cpu, inf2 = fig.subplots(1, 2)
+
+    def line(ax: Any, points: Sequence[tuple[int, float]], style: str, label: str, **kw: Any) -> None:
+        base = dict(points).get(1)
+        if not base:  # no B = 1 point to normalise to: leave the line out rather than guess
+            return
+        bs, ys = zip(*points, strict=True)
+        ax.plot(bs, [y / base for y in ys], style, label=f"{label}; B = 1: {base:,.0f} tok/s", **kw)
+
+    def ideal(ax: Any, bs: Sequence[int]) -> None:
+        ax.plot(bs, bs, ":", color="#9e9e9e", label="B x (B = 1): B rows for the cost of one")
+
     if measured:
         rows = [r for r in measured["rows"] if r.get("gemma4lib_tok_s")]
-        bs = [r["batch"] for r in rows]
-        cpu.plot(bs, [r["gemma4lib_tok_s"] for r in rows], "o-", label=f"gemma4lib ({measured['model']})")
+        line(cpu, [(r["batch"], r["gemma4lib_tok_s"]) for r in rows], "o-", f"gemma4lib ({measured['model']})")
         hf = [(r["batch"], r["hf_eager_tok_s"]) for r in rows if r.get("hf_eager_tok_s")]
         if hf:
-            cpu.plot(*zip(*hf, strict=True), "s--", label="HF generate")
-        if bs and rows[0]["batch"] == 1:
-            cpu.plot(bs, [b * rows[0]["gemma4lib_tok_s"] for b in bs], ":", color="#9e9e9e", label="B x (B=1)")
+            line(cpu, hf, "s--", "HF generate")
+        if rows:
+            ideal(cpu, [r["batch"] for r in rows])
     if computed:
         name = computed[0]["variant"]
-        inf2.plot(
-            [r["batch"] for r in computed],
-            [r["ceiling_tok_s"] for r in computed],
-            "^-",
-            label=f"ceiling ({computed[0]['recipe']}, computed)",
-        )
+        points = [(r["batch"], r["ceiling_tok_s"]) for r in computed]
+        line(inf2, points, "^-", f"ceiling ({computed[0]['recipe']}, computed)")
         field = [(r["batch"], r["field_report_tok_s"]) for r in computed if r.get("field_report_tok_s")]
         if field:
-            inf2.plot(*zip(*field, strict=True), "D", color="#c62828", label="field report (measured)")
+            line(inf2, field, "D", "field report (measured)", color="#c62828")
+        ideal(inf2, [b for b, _ in points])
         inf2.set_title(f"released {name} on inf2", fontsize=9)
     cpu.set_title("tiny model, this CPU (measured)", fontsize=9)
     for ax in (cpu, inf2):
         ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
+        bs = sorted({float(b) for ln in ax.get_lines() for b in ln.get_xdata()})
+        ax.set_xticks(bs, [f"{b:g}" for b in bs])
+        ax.minorticks_off()
+        ax.set_ylim(bottom=0)
         ax.yaxis.set_major_formatter(NUMBER_TICKS)
         ax.set_xlabel("batch size B (rows decoded per step)")
-        ax.grid(True, which="both", alpha=0.3)
+        ax.set_ylabel("total tok/s ÷ its tok/s at B = 1")
+        ax.grid(True, alpha=0.3)
         if ax.get_legend_handles_labels()[0]:
-            ax.legend(fontsize=7)
-    cpu.set_ylabel("total decode tok/s")
+            ax.legend(fontsize=7, loc="upper left", frameon=True, framealpha=0.9)
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     return fig

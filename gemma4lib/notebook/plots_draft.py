@@ -10,6 +10,8 @@ from collections.abc import Sequence
 
 from matplotlib.figure import Figure
 
+from . import plots  # noqa: F401  (importing plots makes IPython draw a returned Figure)
+
 
 def drafts_accepted(
     accepted: Sequence[int],
@@ -21,7 +23,7 @@ def drafts_accepted(
     and the tokens kept (accepted + the target's own next token, cut at eos or the budget).
 
     `accepted`, `drafted`, `emitted`: a drafted `runtime.RowResult`'s lists of the same names."""
-    fig = Figure(figsize=(6.4, 3.0))
+    fig = Figure(figsize=(6.4, 3.6))
     ax = fig.subplots()
     steps = list(range(1, len(accepted) + 1))
     ax.bar(steps, drafted, color="none", edgecolor="#616161", label="drafts proposed")
@@ -38,7 +40,8 @@ def drafts_accepted(
     ax.set_title(title)
     ax.grid(True, axis="y", alpha=0.3)
     if steps:
-        ax.legend(fontsize=8, loc="upper right")
+        # below the axes, in a row of its own: over the bars it hid the tallest step's kept tokens
+        ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=2, frameon=False)
     fig.tight_layout()
     return fig
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from ..inf2.bandwidth import measure_bandwidth
+from ..inf2.memory_plan import DEFAULT_CONTEXT
 from ..inf2.roofline import compare
 from ..models.loading import LoadedModel
 from ..timing import BenchFigures
@@ -38,7 +39,7 @@ def measured_vs_ceiling(model: LoadedModel, settings: PortSettings, figures: Ben
         v.name,
         device=v.instance_type,
         cores=v.tp_degree,
-        context_length=2048,
+        context_length=DEFAULT_CONTEXT,  # the plan's context (the status box's), not this run's
         ring=True,
         experts="selective" if v.is_moe else "dense",
     )

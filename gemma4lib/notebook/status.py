@@ -26,6 +26,7 @@ from ..models.variants import get_variant
 # (00_overview, appendix "The field report"). It is undated; its figures were quoted here on this day.
 FIELD_REPORT_QUOTED = "2026-12-02"
 FIELD_REPORT = f"field report, quoted {FIELD_REPORT_QUOTED}"
+GLOSSARY = "00_overview.ipynb"  # the terms the box uses, defined in the overview's glossary
 # What the field report measured beyond `Variant.field_report` (decode tok/s or prefill ms): only
 # its 31B port states a compile time and a compile-host peak.
 FIELD_REPORT_COMPILE = {"31b": {"compile_min": 39, "host_peak_gb": 182}}
@@ -63,14 +64,16 @@ def _inf2_rows(name: str) -> list[tuple[str, str, str]]:
     return [
         (
             "instance",
-            f"`{spec.name}`: {spec.chips} chip(s), {spec.neuron_cores} NeuronCores, {spec.hbm_gib} GiB HBM, "
+            f"`{spec.name}`: {spec.chips} chip(s), {spec.neuron_cores} NeuronCores, {spec.hbm_gib} GiB "
+            f"[HBM]({GLOSSARY}#hbm), "
             f"{bandwidth_text(spec.name)}",
             "AWS's published inf2 specification (`inf2/hardware.py`)",
         ),
-        ("recipe", f"NxD `{v.recipe}` at TP={v.tp_degree}", "this cookbook's plan (`Variant.recipe`)"),
+        ("recipe", f"NxD `{v.recipe}` at [TP]({GLOSSARY}#tp)={v.tp_degree}", "this cookbook's plan (`Variant.recipe`)"),
         (
             "memory per NeuronCore",
-            f"{core.weights_gib:.1f} GiB weights + {core.kv_gib:.2f} GiB K/V at {core.context_length:,} tokens + "
+            f"{core.weights_gib:.1f} GiB weights + {core.kv_gib:.2f} GiB K/V at {core.context_length:,} tokens "
+            "(this core's KV heads: a head replicated under TP counted on every rank that keeps a copy) + "
             f"{core.working_gib:.1f} GiB working = {core.total_gib:.1f} of {core.capacity_gib:.0f} GiB",
             "computed (`memory_plan`), unverified on inf2",
         ),
@@ -78,7 +81,11 @@ def _inf2_rows(name: str) -> list[tuple[str, str, str]]:
             "compile host RAM",
             f"~{compile_plan.peak_gb:.0f} GB at its peak step ({compile_plan.peak_step}); compile on an "
             f"`{compile_host}`"
-            + (f"; the field report's port peaked at {reported['host_peak_gb']} GB" if reported else ""),
+            + (
+                f"; the field report's port, which held its checkpoint whole, peaked at {reported['host_peak_gb']} GB"
+                if reported
+                else ""
+            ),
             "computed (`inf2.compile_host`; the compiler's own RAM unverified)"
             + (f"; {FIELD_REPORT}" if reported else ""),
         ),
@@ -91,17 +98,20 @@ def _inf2_rows(name: str) -> list[tuple[str, str, str]]:
         ),
         (
             "disk for the compiled port",
-            f"~{disk_gb:.1f} GB of sharded bf16 weights (one file per rank) + the compiled NEFFs (size unmeasured)",
+            f"~{disk_gb:.1f} GB of sharded bf16 weights: {v.tp_degree} file(s), one per rank, each the "
+            f"{core.weights_gib:.1f} GiB of weights per NeuronCore above; + the compiled "
+            f"[NEFFs]({GLOSSARY}#neff) (size unmeasured)",
             "computed from the rank plan (`memory_plan`)",
         ),
         ("serving host RAM", serving.summary().split(": ", 1)[1], "computed (`inf2.serving_host`), unverified on inf2"),
         (
             "decode step",
-            f"≥ {1000 / step['ceiling_tok_s']:.1f} ms: bytes per step"
+            f"≥ {1000 / step['ceiling_tok_s']:.1f} ms at {DEFAULT_CONTEXT:,} tokens: bytes per step (K/V: each KV head "
+            "once)"
             + (" (selective experts: the routed ones)" if v.is_moe else "")
             + f" ÷ the bandwidth of the TP={v.tp_degree} cores "
             f"({step['bandwidth_gb_s']:,.0f} GB/s of the instance's {spec.hbm_bytes_s / GB:,.0f})",
-            "computed (`inf2.roofline`), a lower bound",
+            f"computed (`inf2.roofline`), a lower bound: the [ceiling]({GLOSSARY}#roofline)",
         ),
         (
             "measured on inf2",
@@ -127,17 +137,29 @@ def _markdown(name: str, finished: dict[str, Any] | None) -> str:
         )
     else:
         ran = "**Ran here**: filled in by the record cell (section 9) when this notebook has run."
+    here = (
+        f"this smoke run compiled `context_length={finished['context_length']}`"
+        if finished and finished.get("context_length")
+        else "this smoke run compiles the parameters cell's `context_length` (the record cell adds it here)"
+    )
+    contexts = (
+        f"- **Contexts**: the inf2 figures below are planned at {DEFAULT_CONTEXT:,} tokens "
+        "(`memory_plan.DEFAULT_CONTEXT`: the released model's K/V at that length, and the benchmark table's inf2 "
+        "column); the full-profile command in the Parameters section compiles the `context_length` it names, and "
+        f"a shorter one holds less K/V than planned; {here}."
+    )
     lines = [
         f"**Status of this notebook** ({v.name}, smoke profile)",
         "",
         f"- {ran}",
         "- **What ran here**: every cell, on a CPU, with a tiny trained model of this architecture compiled by "
-        "AOTInductor.",
+        f"[AOTInductor]({GLOSSARY}#aotinductor).",
         '- **Never run**: every inf2 cell (guarded by `if backend == "neuron"`). Here they print '
         "`skipped: backend=cpu`; no figure in this notebook was measured on inf2 by this project.",
         "- **Kinds of figure**: *measured* (this run, on this CPU), *computed* (from the released config and the "
         "plans in `gemma4lib/inf2/`, unverified on inf2), *field-reported* (measured on inf2 by the "
         "[field report](00_overview.ipynb#field-report)).",
+        contexts,
         "",
         f"| released `{v.hf_id}` on inf2 | figure | kind and source |",
         "|---|---|---|",
@@ -171,6 +193,7 @@ class StatusBox:
             "threads": (record.get("bench") or {}).get("threads", 1),
             **{k: record.get(k) for k in ("compile_s", "prefill_ms", "decode_tok_s")},
             **{k: record.get(k) for k in ("seq_match", "logits_match", "coherent")},
+            "context_length": (record.get("parameters") or {}).get("context_length"),
             "cached": " (every graph from the compile cache)" if all(record.get("cache_hits") or [False]) else "",
         }
         self.finished = finished

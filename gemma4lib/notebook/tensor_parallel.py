@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+from ..inf2.memory_plan import DEFAULT_CONTEXT
 from ..models.loading import LoadedModel
 from ..models.variants import Variant, get_variant
 from .display import Table, answer_text, until_stop
@@ -24,7 +25,7 @@ def tp_plan(variant: Variant | str, tp: int | None = None, config: Any = None) -
 
 
 def kv_heads_under_tp(
-    variant: Variant | str, tp: int | None = None, config: Any = None, context_length: int = 2048
+    variant: Variant | str, tp: int | None = None, config: Any = None, context_length: int = DEFAULT_CONTEXT
 ) -> Table:
     """Per attention type: how Q and KV heads land on ranks, and what each rank's K/V cache costs at
     full length (every slot of the context; a ring keeps a sliding layer to its window, which the
@@ -70,6 +71,61 @@ def kv_heads_under_tp(
         rows,
         f"{plan.variant or 'model'} at TP={plan.tp}",
     )
+
+
+def sharded_attention_by_hand(text_model: Any, inputs_embeds: Any, tp: int, layer_index: int | None = None) -> dict:
+    """One full-attention layer's TP done by hand, for the notebooks (03's k_eq_v layer, 04's 31B):
+    rank `r` takes its Q heads (a column shard of `q_proj`), keeps a whole copy of the KV head they
+    read where a layer has fewer KV heads than ranks, attends, and multiplies by its columns of
+    `o_proj` (a row shard); the ranks' partials summed (the all-reduce) must equal transformers' own
+    attention module, which the caller asserts with the returned tensors.
+
+    Where V comes from is the layer's: a k_eq_v layer (no `v_proj`) takes the values from `k_proj`
+    through the unscaled `v_norm`, any other layer from `v_proj`. `layer_index`: default the first
+    full-attention layer. Returns the two outputs, the heads and which ranks hold each KV head."""
+    import torch
+    import torch.nn.functional as F
+    from transformers.models.gemma4.modeling_gemma4 import apply_rotary_pos_emb
+
+    if layer_index is None:
+        layer_index = text_model.config.layer_types.index("full_attention")
+    layer = text_model.layers[layer_index]
+    attn = layer.self_attn
+    with torch.no_grad():
+        x = layer.input_layernorm(inputs_embeds)  # [1, T, hidden]: what the attention reads
+        T, shape = x.shape[1], (1, x.shape[1], -1, attn.head_dim)
+        cos, sin = text_model.rotary_emb(x, torch.arange(T)[None], "full_attention")
+        causal = torch.full((T, T), float("-inf")).triu(1).to(x.dtype)
+        q = apply_rotary_pos_emb(attn.q_norm(attn.q_proj(x).view(shape)), cos, sin, unsqueeze_dim=2).transpose(1, 2)
+        raw = attn.k_proj(x).view(shape)
+        k = apply_rotary_pos_emb(attn.k_norm(raw), cos, sin, unsqueeze_dim=2).transpose(1, 2)  # [1, KV heads, T, d]
+        k_eq_v = getattr(attn, "v_proj", None) is None  # k_eq_v: the values come from the same projection
+        v = attn.v_norm(raw if k_eq_v else attn.v_proj(x).view(shape)).transpose(1, 2)
+        q_per_rank, q_per_kv = q.shape[1] // tp, q.shape[1] // k.shape[1]
+        partials, copies = [], {}
+        for rank in range(tp):
+            heads = list(range(rank * q_per_rank, (rank + 1) * q_per_rank))  # this rank's Q heads (a column shard)
+            kvs = sorted({h // q_per_kv for h in heads})  # the KV head(s) they read: this rank keeps whole copies
+            for kv in kvs:
+                copies.setdefault(kv, []).append(rank)
+            group = [kvs.index(h // q_per_kv) for h in heads]  # which of the rank's KV heads each Q head reads
+            k_r, v_r = k[:, kvs][:, group], v[:, kvs][:, group]
+            scores = torch.softmax(q[:, heads] @ k_r.transpose(-1, -2) * attn.scaling + causal, dim=-1)
+            out = (scores @ v_r).transpose(1, 2).reshape(1, T, -1)  # [1, T, this rank's heads × d]
+            columns = slice(heads[0] * attn.head_dim, (heads[-1] + 1) * attn.head_dim)
+            partials.append(F.linear(out, attn.o_proj.weight[:, columns]))  # row shard of o_proj: a partial sum
+        attn_tp = torch.stack(partials).sum(0)  # the all-reduce
+        attn_hf = attn(x, (cos, sin), causal[None, None], {})[0]  # transformers' own attention module
+    return {
+        "tp": tp,
+        "layer": layer_index,
+        "values_from": "k_proj (k_eq_v)" if k_eq_v else "v_proj",
+        "q_heads": q.shape[1],
+        "kv_heads": k.shape[1],
+        "copies": copies,
+        "attn_tp": attn_tp,
+        "attn_hf": attn_hf,
+    }
 
 
 def tp_cpu_run(model: LoadedModel, ids: Sequence[int], settings: PortSettings, **options: Any) -> dict[str, Any]:

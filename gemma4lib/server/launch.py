@@ -81,7 +81,7 @@ class DrainingServer(uvicorn.Server):
             self.should_exit = self.force_exit = True
             return
         self.drain_started = True
-        log.warning(
+        log.info(
             "%s: draining (%d running, %d queued); new requests get 503",
             signal.Signals(sig).name,
             self.scheduler.rows_in_use,
@@ -91,7 +91,7 @@ class DrainingServer(uvicorn.Server):
 
     def _drain(self) -> None:
         if self.scheduler.drain(self.drain_timeout_s):
-            log.warning("drained: every started request finished; exiting")
+            log.info("drained: every started request finished; exiting")
         else:
             log.error("drain timed out after %.0f s; exiting with requests unfinished", self.drain_timeout_s)
         self.should_exit = True

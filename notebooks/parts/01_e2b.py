@@ -10,10 +10,10 @@ google/gemma-4-E2B-it
 # -- part: instance --
 inf2.xlarge
 # -- part: header --
-# # Gemma-4 E2B: per-layer embeddings on the host, and layers that borrow their K/V
+# # Gemma-4 E2B: [per-layer embeddings](00_overview.ipynb#ple) on the host, and layers that borrow their K/V
 #
 # E2B is the smallest of the five and the one whose architecture is hardest to port: per-layer
-# embeddings (PLE) and cross-layer KV sharing are exactly what the vendor graph builders cannot
+# embeddings (PLE) and cross-layer [KV sharing](00_overview.ipynb#kv-sharing) are exactly what the vendor graph builders cannot
 # express. **You will learn** why the PLE table stays on the host and costs nothing in accuracy,
 # which layers own K/V buffers and which borrow them, and how one NeuronCore runs the port through
 # [NxD](00_overview.ipynb#nxd) `ModelBuilder` (the [field report](00_overview.ipynb#field-report)'s `torch_neuronx.trace` recipe stays selectable). Every answer
@@ -27,7 +27,7 @@ inf2.xlarge
 #
 # | | `full` profile (inf2) | `smoke` profile (any CPU) |
 # |---|---|---|
-# | software | Deep Learning AMI Neuron (Ubuntu 24.04), venv `aws_neuronx_venv_pytorch_2_9_nxd_inference` (Python 3.12), Neuron SDK 2.28: torch-neuronx 2.9.0.2.12.22436, neuronx-cc 2.23.6484.0, neuronx-distributed 0.17.26814, libneuronxla 2.2.15515.0; + transformers 5.23.0 | torch 2.13 (CPU), transformers 5.23.0, AOTInductor as the compiler |
+# | software | [Deep Learning AMI Neuron](00_overview.ipynb#dlami) (Ubuntu 24.04), venv `aws_neuronx_venv_pytorch_2_9_nxd_inference` (Python 3.12), Neuron SDK 2.28: torch-neuronx 2.9.0.2.12.22436, neuronx-cc 2.23.6484.0, neuronx-distributed 0.17.26814, libneuronxla 2.2.15515.0; + transformers 5.23.0 | torch 2.13 (CPU), transformers 5.23.0, [AOTInductor](00_overview.ipynb#aotinductor) as the compiler |
 # | model | `google/gemma-4-E2B-it` (bf16, gated: `HF_TOKEN` from the environment) | a tiny trained model of the same architecture: PLE + KV sharing (its shape: the model table in section 1) |
 # -- part: parameters --
 neuron_recipe = None  # full: None for NxD ModelBuilder (prompt in one device pass), or trace (one graph)
@@ -79,7 +79,7 @@ last_of_type = {
 borrows_from = {i: last_of_type[config.layer_types[i]] for i in range(first_shared, config.num_hidden_layers)}
 assert borrows_from == {lay.index: lay.producer for lay in model.layout.layers if not lay.owns_buffer}
 print(f"layers {first_shared}..{config.num_hidden_layers - 1} borrow K/V: {borrows_from}")
-display(nb.kv_sharing_report(model), nb.kv_sharing_real("e2b", context_length=2048))
+display(nb.kv_sharing_report(model), nb.kv_sharing_real("e2b"))  # at the plan's context
 plots.kv_layout(nb.real_layout("e2b"), "released E2B: who owns K/V, who borrows it")
 # -- part: graph_note --
 #
@@ -258,8 +258,8 @@ else:
 #   `inputs_embeds` and `per_layer_inputs` gives bit-identical results.
 # - KV sharing needs no special handling when the real forward is traced; only producer layers get
 #   buffers (the released model's count: the KV-sharing table in the lesson).
-# - On inf2, compile with `ModelBuilder` at TP=1: a prefill key and a decode key over one set of K/V
-#   states put the whole prompt on the device in one call. The one-graph trace teaches the aliasing
+# - On inf2, this cookbook's plan is `ModelBuilder` at TP=1 (written, never run on inf2): a prefill key
+#   and a decode key over one set of K/V states put the whole prompt on the device in one call. The one-graph trace teaches the aliasing
 #   with nothing else in the way, and pays with one device step per prompt token.
 # - Check SEQ_MATCH **and** the answer. The "gibberish" endpoint that started this work loaded a
 #   real model and wired the PLE path and embedding scale wrongly: a text check catches that, an

@@ -12,11 +12,11 @@ inf2.8xlarge
 # -- part: header --
 # # Gemma-4 E4B: tensor parallelism by hand, over two cores
 #
-# E4B is E2B widened: the same per-layer embeddings and KV sharing, twice the weights. This is where
-# tensor parallelism (TP) enters. **You will learn** what TP does to one decoder layer, by doing it
+# E4B is E2B widened: the same [per-layer embeddings](00_overview.ipynb#ple) and [KV sharing](00_overview.ipynb#kv-sharing), twice the weights. This is where
+# tensor parallelism ([TP](00_overview.ipynb#tp)) enters. **You will learn** what TP does to one decoder layer, by doing it
 # by hand: the attention and the MLP split into column and row shards over two ranks, each rank's
 # partial output, and the all-reduce (a sum) that puts them back together, checked equal to the
-# unsharded layer; then the same plan run by this project's rank graph, one process per rank. On
+# unsharded layer; then the same plan run by this project's [rank graph](00_overview.ipynb#rank-graph), one process per rank. On
 # inf2 the port compiles at TP=2 with NxD `ModelBuilder`.
 #
 # ### Runs on
@@ -27,7 +27,7 @@ inf2.8xlarge
 #
 # | | `full` profile (inf2) | `smoke` profile (any CPU) |
 # |---|---|---|
-# | software | Deep Learning AMI Neuron (Ubuntu 24.04), venv `aws_neuronx_venv_pytorch_2_9_nxd_inference` (Python 3.12), Neuron SDK 2.28: torch-neuronx 2.9.0.2.12.22436, neuronx-cc 2.23.6484.0, neuronx-distributed 0.17.26814, libneuronxla 2.2.15515.0; + transformers 5.23.0 | torch 2.13 (CPU), transformers 5.23.0, AOTInductor as the compiler |
+# | software | [Deep Learning AMI Neuron](00_overview.ipynb#dlami) (Ubuntu 24.04), venv `aws_neuronx_venv_pytorch_2_9_nxd_inference` (Python 3.12), Neuron SDK 2.28: torch-neuronx 2.9.0.2.12.22436, neuronx-cc 2.23.6484.0, neuronx-distributed 0.17.26814, libneuronxla 2.2.15515.0; + transformers 5.23.0 | torch 2.13 (CPU), transformers 5.23.0, [AOTInductor](00_overview.ipynb#aotinductor) as the compiler |
 # | model | `google/gemma-4-E4B-it` (bf16, gated: `HF_TOKEN` from the environment) | a tiny trained model of the same architecture: PLE + KV sharing (its shape: the model table in section 1) |
 # -- part: parameters --
 tp_demo = 2  # ranks of the rank-graph run on CPU processes (0: skip)
@@ -41,7 +41,8 @@ tp_demo = 2  # ranks of the rank-graph run on CPU processes (0: skip)
 # NeuronCore with the working allowance (the first table below, computed from the released config).
 # The reason for two cores is bandwidth: single-row decode reads every weight once per token, and one
 # core reads through its half of the chip's bandwidth (the status box). Split over the two cores of an
-# `inf2.8xlarge` (TP=2), each core reads half the weights and the step takes about half the time.
+# `inf2.8xlarge` (TP=2), each core reads half the weights and the step takes about half the time
+# (computed from bytes per step, the status box's decode step; unverified on inf2).
 # Each rank takes half the Q heads and exactly one KV head: sharded, not copied (the second table).
 #
 # The field report did this with a hand-driven recipe, NxD's `parallel_model_trace`, which starts one
@@ -204,6 +205,6 @@ display(nb.Table(columns, rows, f"the rank graph at TP={rank_tp} against the one
 #   need no communication, each row shard ends in an all-reduce, two per layer.
 # - With two KV heads and TP=2 each rank holds exactly one KV head: [GQA](00_overview.ipynb#gqa) splits cleanly here. It will
 #   not for the 12B, 31B and 26B-A4B global layers (replication, `03_12b`, `04_31b`).
-# - E4B fits one core; two cores are for bandwidth. On inf2 it compiles with `ModelBuilder` like the
+# - E4B fits one core and two cores are for bandwidth, by the plan (computed, unverified on inf2). On inf2 it compiles with `ModelBuilder` like the
 #   bigger variants, because the per-rank tracer of the field report is unsupported since SDK
 #   release 2.27 and ran out of host memory at 31B (`04_31b`).

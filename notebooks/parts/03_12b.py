@@ -15,8 +15,8 @@ inf2.8xlarge
 # The 12B drops the E family's special features and adds three of its own. **You will learn** how to
 # take the text model out of the encoder-free unified multimodal class, what `attention_k_eq_v`
 # means (full-attention layers take V from the K projection and have a single KV head), why inf2
-# compiles it with eager attention, and how a single KV head is replicated under TP=2. It runs at
-# TP=2 through NxD `ModelBuilder`.
+# compiles it with eager attention, and how a single KV head is replicated under
+# [tensor parallelism](00_overview.ipynb#tp) at TP=2. It runs at TP=2 through NxD `ModelBuilder`.
 #
 # ### Runs on
 #
@@ -26,8 +26,8 @@ inf2.8xlarge
 #
 # | | `full` profile (inf2) | `smoke` profile (any CPU) |
 # |---|---|---|
-# | software | Deep Learning AMI Neuron (Ubuntu 24.04), venv `aws_neuronx_venv_pytorch_2_9_nxd_inference` (Python 3.12), Neuron SDK 2.28: torch-neuronx 2.9.0.2.12.22436, neuronx-cc 2.23.6484.0, neuronx-distributed 0.17.26814, libneuronxla 2.2.15515.0; + transformers 5.23.0 | torch 2.13 (CPU), transformers 5.23.0, AOTInductor as the compiler |
-# | model | `google/gemma-4-12B-it` (bf16, gated: `HF_TOKEN` from the environment) | a tiny trained model of the same architecture: k_eq_v, one global KV head |
+# | software | [Deep Learning AMI Neuron](00_overview.ipynb#dlami) (Ubuntu 24.04), venv `aws_neuronx_venv_pytorch_2_9_nxd_inference` (Python 3.12), Neuron SDK 2.28: torch-neuronx 2.9.0.2.12.22436, neuronx-cc 2.23.6484.0, neuronx-distributed 0.17.26814, libneuronxla 2.2.15515.0; + transformers 5.23.0 | torch 2.13 (CPU), transformers 5.23.0, [AOTInductor](00_overview.ipynb#aotinductor) as the compiler |
+# | model | `google/gemma-4-12B-it` (bf16, gated: `HF_TOKEN` from the environment) | a tiny trained model of the same architecture: [k_eq_v](00_overview.ipynb#k-eq-v), one global KV head |
 # -- part: parameters --
 tp_demo = 2  # ranks of the rank-graph run on CPU processes (0: skip)
 # -- part: settings --
@@ -39,7 +39,7 @@ tp_demo = 2  # ranks of the rank-graph run on CPU processes (0: skip)
 #
 # The 12B is published as `Gemma4UnifiedForConditionalGeneration`: a multimodal class with no
 # separate vision or audio encoder. For text generation the port takes its language model and moves
-# on; there is no PLE and no KV sharing.
+# on; there is no [PLE](00_overview.ipynb#ple) and no [KV sharing](00_overview.ipynb#kv-sharing).
 #
 # ### k_eq_v: full-attention layers have no value projection
 #
@@ -107,44 +107,31 @@ demos["attention"]
 # Each full-attention layer has a single KV head shared by all its Q heads. At TP=2 it cannot be split
 # in two, so both ranks keep a full copy of it; the sliding layers' KV heads shard normally. The
 # tiny model has the same shape of problem (one global KV head, more sliding ones). The cell first
-# does one full layer's TP by hand: each rank takes half the Q heads (a column shard of `q_proj`),
-# keeps a whole copy of the single KV head, attends, and multiplies by its columns of `o_proj` (a
-# row shard); the ranks' partial outputs summed (the all-reduce) must equal transformers' attention.
-# Then the library's plan, and the rank-graph run at TP=2 (`tp_demo` CPU processes, gloo), which
+# does one full layer's TP by hand, with a function `04_31b` calls too (the cell prints its source):
+# each rank takes half the Q heads (a column shard of `q_proj`), keeps a whole copy of the single KV
+# head, takes V from that head's `k_proj` (k_eq_v), attends, and multiplies by its columns of
+# `o_proj` (a row shard); the ranks' partial outputs summed (the all-reduce) must equal
+# transformers' attention.
+# Then the library's plan, and the [rank-graph](00_overview.ipynb#rank-graph) run at TP=2 (`tp_demo` CPU processes, gloo), which
 # exercises the replicated global head and the sharded sliding heads together; the full profile
 # skips that run (`tp_demo: 0`).
+#
+# A copied head costs K/V memory on every rank that keeps it. So the two K/V figures of this notebook
+# count it differently, and say so: the status box's "memory per NeuronCore" is one core's K/V, the
+# copy included on each core; the benchmark table's bytes per step count every KV head once, as the
+# one-device model holds them.
 
 # %%
-import torch.nn.functional as F
+import inspect
 
 rank_tp = tp_demo or 2  # the TP degree of the 12B on inf2
-layer = text_model.layers[model.config.layer_types.index("full_attention")]
-attn = layer.self_attn
-with torch.no_grad():
-    x = layer.input_layernorm(inputs_embeds)  # [1, T, hidden]
-    T, shape = x.shape[1], (1, x.shape[1], -1, attn.head_dim)
-    cos, sin = text_model.rotary_emb(x, torch.arange(T)[None], "full_attention")
-    causal = torch.full((T, T), float("-inf")).triu(1)
-    q = apply_rotary_pos_emb(attn.q_norm(attn.q_proj(x).view(shape)), cos, sin, unsqueeze_dim=2).transpose(1, 2)
-    raw = attn.k_proj(x).view(shape)  # k_eq_v: the values come from the same projection
-    k = apply_rotary_pos_emb(attn.k_norm(raw), cos, sin, unsqueeze_dim=2).transpose(1, 2)  # [1, KV heads, T, d]
-    v = attn.v_norm(raw).transpose(1, 2)
-    q_per_rank, q_per_kv = q.shape[1] // rank_tp, q.shape[1] // k.shape[1]
-    partials, copies = [], {}
-    for rank in range(rank_tp):
-        heads = list(range(rank * q_per_rank, (rank + 1) * q_per_rank))  # this rank's Q heads (a column shard)
-        kv = heads[0] // q_per_kv  # the one KV head they all read: this rank keeps a whole copy of it
-        copies.setdefault(kv, []).append(rank)
-        scores = torch.softmax(q[:, heads] @ k[:, [kv]].transpose(-1, -2) * attn.scaling + causal, dim=-1)
-        out = (scores @ v[:, [kv]]).transpose(1, 2).reshape(1, T, -1)  # [1, T, this rank's heads × d]
-        columns = slice(heads[0] * attn.head_dim, (heads[-1] + 1) * attn.head_dim)
-        partials.append(F.linear(out, attn.o_proj.weight[:, columns]))  # row shard of o_proj: a partial sum
-    attn_tp = torch.stack(partials).sum(0)  # the all-reduce
-    attn_hf = attn(x, (cos, sin), causal[None, None], {})[0]  # transformers' own attention module
-torch.testing.assert_close(attn_tp, attn_hf, rtol=1e-4, atol=1e-5)
-assert all(len(ranks) == rank_tp // k.shape[1] for ranks in copies.values())  # every KV head on TP / KV ranks
-print(f"TP={rank_tp}: {q.shape[1]} Q heads, {k.shape[1]} KV heads; the ranks holding each KV head: {copies}")
-print("the sharded attention, with its copied KV heads, equals transformers' attention")
+print(inspect.getsource(nb.sharded_attention_by_hand))  # the by-hand TP, one function 03 and 04 share
+hand = nb.sharded_attention_by_hand(text_model, inputs_embeds, rank_tp)  # V from k_proj: a k_eq_v layer
+tol = {"rtol": 1e-4, "atol": 1e-5} if inputs_embeds.dtype == torch.float32 else {"rtol": 2e-2, "atol": 2e-2}
+torch.testing.assert_close(hand["attn_tp"], hand["attn_hf"], **tol)  # the all-reduced shards = transformers'
+assert all(len(ranks) == max(1, rank_tp // hand["kv_heads"]) for ranks in hand["copies"].values())
+print(f"layer {hand['layer']} at TP={rank_tp}: {hand['q_heads']} Q heads, {hand['kv_heads']} KV head(s), values from")
+print(f"{hand['values_from']}; the ranks holding each KV head: {hand['copies']}: equal to transformers' attention")
 display(nb.kv_heads_under_tp("12b", 2), nb.tp_fit("12b"))
 if tp_demo:
     demos["tp_cpu"] = nb.tp_demo(model, ids, s, tp_demo)
@@ -162,7 +149,8 @@ if tp_demo:
 # The compiled decode graph's K/V inputs, layer by layer: the k_eq_v full layers compiled without a
 # `v_proj` and still take a K and a V buffer, wider (`global_head_dim`) and with fewer heads than
 # the sliding layers', and a full-length one where the sliding layers keep a ring of the window.
-# Then the released 12B's K + V per attention type (bf16, the context the status box plans for):
+# Then the released 12B's K + V per attention type (bf16, at the context the status box plans for,
+# which the cell prints; not the context of this run's graph, which the table's shapes show):
 # its few full layers hold a small share of the cache because they have a single KV head. Last, the
 # **rank graph** ModelBuilder compiles at TP=2 (`tp.rank_graph`: the same forward with its linears
 # cut to one rank's shard), against the one-device graph: the sliding layers' KV heads are halved,
@@ -171,6 +159,7 @@ if tp_demo:
 # %%
 import math
 
+from gemma4lib.inf2.memory_plan import DEFAULT_CONTEXT
 from gemma4lib.tp.plan import make_plan
 from gemma4lib.tp.rank_graph import build_rank_graph
 
@@ -186,9 +175,11 @@ display(nb.Table(columns, rows, "the compiled decode graph's K/V"))
 released = nb.real_layout("12b")  # the released model's layers, at the status box's context, ring K/V
 per_type = {}
 for kv in released.producers:
-    slots = released.slots(kv.layer_type, 2048, True)
+    slots = released.slots(kv.layer_type, DEFAULT_CONTEXT, True)
     per_type[kv.layer_type] = per_type.get(kv.layer_type, 0) + 2 * kv.kv_heads * slots * kv.head_dim * 2  # bf16
-print("released 12B, K + V in bf16 at 2,048 tokens:", {kind: f"{b / 2**20:.0f} MiB" for kind, b in per_type.items()})
+mib = {kind: f"{b / 2**20:.0f} MiB" for kind, b in per_type.items()}
+print(f"released 12B, K + V in bf16 at {DEFAULT_CONTEXT:,} tokens (the plan's context, the status box's; this")
+print(f"run's graph above: {s.context_length} tokens; the full-profile command: its own context_length): {mib}")
 rank_tp = tp_demo or 2  # the CPU run's TP degree, as on the inf2 instance
 plan = make_plan(model.config, rank_tp, model.variant)
 rank_graph = build_rank_graph(model.config, plan, decode.shape)  # what ModelBuilder compiles once, for every rank

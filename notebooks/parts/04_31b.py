@@ -14,7 +14,7 @@ inf2.24xlarge
 #
 # The 31B is a plain dense decoder that happens to need eight NeuronCores. **You will learn** why the
 # recipe had to change to `ModelBuilder` at this size, what the compile costs in host RAM, and what
-# TP=8 does to its four global KV heads (each is copied onto two ranks). The notebook also replays
+# [tensor parallelism](00_overview.ipynb#tp) at TP=8 does to its four global KV heads (each is copied onto two ranks). The notebook also replays
 # the [field report](00_overview.ipynb#field-report)'s 31B bug: a chat prompt that the device and the reference both processed
 # identically, and wrongly.
 #
@@ -26,7 +26,7 @@ inf2.24xlarge
 #
 # | | `full` profile (inf2) | `smoke` profile (any CPU) |
 # |---|---|---|
-# | software | Deep Learning AMI Neuron (Ubuntu 24.04), venv `aws_neuronx_venv_pytorch_2_9_nxd_inference` (Python 3.12), Neuron SDK 2.28: torch-neuronx 2.9.0.2.12.22436, neuronx-cc 2.23.6484.0, neuronx-distributed 0.17.26814, libneuronxla 2.2.15515.0; + transformers 5.23.0 | torch 2.13 (CPU), transformers 5.23.0, AOTInductor as the compiler |
+# | software | [Deep Learning AMI Neuron](00_overview.ipynb#dlami) (Ubuntu 24.04), venv `aws_neuronx_venv_pytorch_2_9_nxd_inference` (Python 3.12), Neuron SDK 2.28: torch-neuronx 2.9.0.2.12.22436, neuronx-cc 2.23.6484.0, neuronx-distributed 0.17.26814, libneuronxla 2.2.15515.0; + transformers 5.23.0 | torch 2.13 (CPU), transformers 5.23.0, [AOTInductor](00_overview.ipynb#aotinductor) as the compiler |
 # | model | `google/gemma-4-31B-it` (bf16, gated: `HF_TOKEN` from the environment) | a tiny trained model of the same architecture: more KV heads on sliding than on global layers |
 # -- part: parameters --
 tp_demo = 4  # ranks of the rank-graph run on CPU processes (0: skip)
@@ -35,19 +35,36 @@ tp_demo = 4  # ranks of the rank-graph run on CPU processes (0: skip)
 # %% [markdown]
 # ## What makes the 31B different
 #
-# Architecturally it is the simplest of the five: no PLE, no KV sharing, no experts. The hard part is
-# size. Its bf16 weights do not fit fewer than eight NeuronCores with room for K/V (the table below), so the
-# 31B needs an `inf2.24xlarge` and TP=8. The hand-driven TP recipe that carried E4B in the field
+# Architecturally it is the simplest of the five: no [PLE](00_overview.ipynb#ple), no [KV sharing](00_overview.ipynb#kv-sharing), no experts. The hard part is
+# size. Its bf16 weights do not fit fewer than eight NeuronCores with room for K/V (the table below,
+# computed from the plan, unverified on inf2), so the 31B needs an `inf2.24xlarge` and TP=8, as the
+# field report ran it. The hand-driven [TP](00_overview.ipynb#tp) recipe that carried E4B in the field
 # report (NxD's `parallel_model_trace`, one process per rank, every process tracing on the same host)
 # ran out of host memory at this size, and serialising its result deadlocked. NxD `ModelBuilder`
 # compiles one rank in one process and shards the weights per rank, which is what scales. Its compile
 # holds the host model and, while it writes the shards, the NxD-arranged checkpoint: about two copies
-# of the weights. The cell prints the plan step by step (`inf2.compile_host`); the field report's
-# own peak, with a different port, is in the status box. Plan the compile host from this, not from
-# the serving instance: ModelBuilder never needs the weights on a NeuronCore to compile.
+# of the weights. The cell prints the plan step by step (`inf2.compile_host`), then the
+# [field report](00_overview.ipynb#field-report)'s measured peak beside it: two figures for one
+# compile, and they differ for two reasons the cell spells out.
+#
+# - **What the plan counts**: this process, the host model, both keys' modules at one rank's shard
+#   size, and the NxD checkpoint, which this port's loader builds lazily, only when
+#   `shard_checkpoint` asks for it, with one rank's file being written at a time.
+# - **What it leaves out**: the Neuron compiler's own RAM (`neuronx-cc` compiling each key's HLO,
+#   never measured here; a measured peak includes it, the plan does not), and anything a different
+#   port holds. The field report's port built its
+#   checkpoint eagerly, beside the module and every rank's shard: about three copies of the
+#   weights, which is the old estimate the cell prints, and which matched its measured peak.
+#
+# So the plan is a floor for this recipe (computed, unverified on inf2), the field report's figure a
+# measurement of another port; sizing the compile host for the larger one is the cautious choice
+# (a judgement from these two figures; no compile here has run on inf2). Plan the
+# compile host from these, not from the serving instance: ModelBuilder never needs the weights on a
+# NeuronCore to compile.
 
 # %%
 from gemma4lib.inf2.compile_host import compile_host_plan
+from gemma4lib.inf2.memory_plan import COMPILE_CALIBRATION
 
 display(nb.tp_fit("31b"))  # bf16 weights per core at each TP degree, against a core's HBM
 compile_plan = compile_host_plan("31b", 8)  # what the compile host holds at each step (GB, computed)
@@ -55,6 +72,16 @@ for step, gb in compile_plan.steps.items():
     held = compile_plan.base_gb + compile_plan.model_gb + gb
     print(f"{step}: ~{held:.0f} GB = process + host model {compile_plan.model_gb:.0f} + this step {gb:.0f}")
 print(f"peak ~{compile_plan.peak_gb:.0f} GB at {compile_plan.peak_step!r}: computed, without the compiler's own RAM")
+field = COMPILE_CALIBRATION  # the field report's measured compile peak, with its own (eager) port
+eager = compile_plan.base_gb + 3 * compile_plan.model_gb  # module + an eager checkpoint + every shard
+measured, plan_gb = field["measured_peak_gb"], compile_plan.peak_gb
+print(f"{field['source']}, TP={field['tp']}: ~{measured:.0f} GB measured on inf2; this recipe's plan ~{plan_gb:.0f} GB")
+share = measured / eager  # how close the three-copy estimate came
+print(f"  three copies of the weights (module, eager checkpoint, shards): ~{eager:.0f} GB, {share:.0%} of it measured")
+held = compile_plan.rank_gb + compile_plan.written_gb  # what the lazy recipe holds instead of every shard
+print(f"  the plan holds one rank's module and file (~{held:.0f} GB) where that port held every rank's shard")
+print(f"  (~{compile_plan.model_gb:.0f} GB): the ~{eager - plan_gb:.0f} GB between them. Neither counts the compiler's")
+print("  own RAM; a measured peak includes what it held at that moment (unverified on inf2)")
 
 # %% [markdown]
 # ### KV heads under TP=8: replicated, not sharded
@@ -82,46 +109,23 @@ demos["kv_heads_tp8"]
 
 # %% [markdown]
 # The tiny 31B keeps the proportions (more sliding than global KV heads), so at TP=4 its
-# global heads are replicated as well. The cell first does one full-attention layer's TP by hand:
-# each rank takes its Q heads (a column shard of `q_proj`), keeps a **whole copy** of the one KV head
-# they read (the values come from the same `k_proj`: k_eq_v), attends, and multiplies by its columns
-# of `o_proj` (a row shard); the sum of the ranks' partials (the all-reduce) must equal transformers'
-# attention. Then it shows the library's plan and runs the rank graph for real on CPU: `tp_demo`
+# global heads are replicated as well. The cell first does one full-attention layer's TP by hand,
+# with the function `03_12b` prints (`nb.sharded_attention_by_hand`): each rank takes its Q heads (a
+# column shard of `q_proj`), keeps a **whole copy** of the one KV head they read (the values come
+# from the same `k_proj`: [k_eq_v](00_overview.ipynb#k-eq-v); a layer with a `v_proj` would take them from there), attends, and
+# multiplies by its columns of `o_proj` (a row shard); the sum of the ranks' partials (the
+# all-reduce) must equal transformers' attention. Then it shows the library's plan and runs the [rank graph](00_overview.ipynb#rank-graph) for real on CPU: `tp_demo`
 # processes, each holding only its shard and its copies of the global KV heads (the full profile
 # skips the run: `tp_demo: 0`).
 
 # %%
-import torch.nn.functional as F
-from transformers.models.gemma4.modeling_gemma4 import apply_rotary_pos_emb
-
 rank_tp = tp_demo or 4  # the tiny model's TP degree (the released 31B: 8)
-layer = text_model.layers[model.config.layer_types.index("full_attention")]
-attn = layer.self_attn
-with torch.no_grad():
-    x = layer.input_layernorm(inputs_embeds)  # [1, T, hidden]
-    T, shape = x.shape[1], (1, x.shape[1], -1, attn.head_dim)
-    cos, sin = text_model.rotary_emb(x, torch.arange(T)[None], "full_attention")
-    causal = torch.full((T, T), float("-inf")).triu(1)
-    q = apply_rotary_pos_emb(attn.q_norm(attn.q_proj(x).view(shape)), cos, sin, unsqueeze_dim=2).transpose(1, 2)
-    raw = attn.k_proj(x).view(shape)  # k_eq_v: the values come from the same projection
-    k = apply_rotary_pos_emb(attn.k_norm(raw), cos, sin, unsqueeze_dim=2).transpose(1, 2)  # [1, KV heads, T, d]
-    v = attn.v_norm(raw).transpose(1, 2)
-    q_per_rank, q_per_kv = q.shape[1] // rank_tp, q.shape[1] // k.shape[1]
-    partials, copies = [], {}
-    for rank in range(rank_tp):
-        heads = list(range(rank * q_per_rank, (rank + 1) * q_per_rank))  # this rank's Q heads (a column shard)
-        kv = heads[0] // q_per_kv  # the one KV head they all read: this rank keeps a whole copy of it
-        copies.setdefault(kv, []).append(rank)
-        scores = torch.softmax(q[:, heads] @ k[:, [kv]].transpose(-1, -2) * attn.scaling + causal, dim=-1)
-        out = (scores @ v[:, [kv]]).transpose(1, 2).reshape(1, T, -1)  # [1, T, this rank's heads × d]
-        columns = slice(heads[0] * attn.head_dim, (heads[-1] + 1) * attn.head_dim)
-        partials.append(F.linear(out, attn.o_proj.weight[:, columns]))  # row shard of o_proj: a partial sum
-    attn_tp = torch.stack(partials).sum(0)  # the all-reduce
-    attn_hf = attn(x, (cos, sin), causal[None, None], {})[0]  # transformers' own attention module
-torch.testing.assert_close(attn_tp, attn_hf, rtol=1e-4, atol=1e-5)
-assert all(len(ranks) == rank_tp // k.shape[1] for ranks in copies.values())  # every KV head on TP / KV ranks
-print(f"TP={rank_tp}: {q.shape[1]} Q heads, {k.shape[1]} KV heads; the ranks holding each KV head: {copies}")
-print("the sharded attention, with its copied KV heads, equals transformers' attention")
+hand = nb.sharded_attention_by_hand(text_model, inputs_embeds, rank_tp)  # as in 03_12b, which prints its source
+tol = {"rtol": 1e-4, "atol": 1e-5} if inputs_embeds.dtype == torch.float32 else {"rtol": 2e-2, "atol": 2e-2}
+torch.testing.assert_close(hand["attn_tp"], hand["attn_hf"], **tol)  # the all-reduced shards = transformers'
+assert all(len(ranks) == max(1, rank_tp // hand["kv_heads"]) for ranks in hand["copies"].values())
+print(f"layer {hand['layer']} at TP={rank_tp}: {hand['q_heads']} Q heads, {hand['kv_heads']} KV head(s), values from")
+print(f"{hand['values_from']}; the ranks holding each KV head: {hand['copies']}: equal to transformers' attention")
 display(nb.kv_heads_under_tp("31b", rank_tp, config=model.config))
 if tp_demo:
     demos["tp_cpu"] = nb.tp_demo(model, ids, s, tp_demo)

@@ -12,12 +12,12 @@ inf2.24xlarge
 # -- part: header --
 # # Gemma-4 26B-A4B: a shared MLP beside many small experts, made static
 #
-# The mixture-of-experts member: a dense MLP and routed experts side by side in every layer.
+# The [mixture-of-experts](00_overview.ipynb#moe) member: a dense MLP and routed experts side by side in every layer.
 # (`num_experts=128`, `top_k_experts=8` in the released config.)
 # **You will learn** the router line by line, why the experts must be made static before anything
 # can trace them, why "A4B" (about four billion active parameters) does not shrink the memory but can shrink the bytes a decode step
-# reads, and the family's most instructive bug: a rank read at trace time. It runs at TP=8 through
-# NxD `ModelBuilder`, each rank holding a slice of every expert.
+# reads, and the family's most instructive bug: a rank read at trace time. It runs at TP=8
+# ([tensor parallelism](00_overview.ipynb#tp) over eight NeuronCores) through NxD `ModelBuilder`, each rank holding a slice of every expert.
 #
 # ### Runs on
 #
@@ -27,7 +27,7 @@ inf2.24xlarge
 #
 # | | `full` profile (inf2) | `smoke` profile (any CPU) |
 # |---|---|---|
-# | software | Deep Learning AMI Neuron (Ubuntu 24.04), venv `aws_neuronx_venv_pytorch_2_9_nxd_inference` (Python 3.12), Neuron SDK 2.28: torch-neuronx 2.9.0.2.12.22436, neuronx-cc 2.23.6484.0, neuronx-distributed 0.17.26814, libneuronxla 2.2.15515.0; + transformers 5.23.0 | torch 2.13 (CPU), transformers 5.23.0, AOTInductor as the compiler |
+# | software | [Deep Learning AMI Neuron](00_overview.ipynb#dlami) (Ubuntu 24.04), venv `aws_neuronx_venv_pytorch_2_9_nxd_inference` (Python 3.12), Neuron SDK 2.28: torch-neuronx 2.9.0.2.12.22436, neuronx-cc 2.23.6484.0, neuronx-distributed 0.17.26814, libneuronxla 2.2.15515.0; + transformers 5.23.0 | torch 2.13 (CPU), transformers 5.23.0, [AOTInductor](00_overview.ipynb#aotinductor) as the compiler |
 # | model | `google/gemma-4-26B-A4B-it` (bf16, gated: `HF_TOKEN` from the environment) | a tiny trained model of the same architecture: a dense MLP beside routed experts |
 # -- part: parameters --
 decode_experts = "selective"  # MoE decode: "selective" (the k routed experts) or "dense" (all)
@@ -70,7 +70,7 @@ nb.moe_report(model)
 # other. The port swaps in a static form: **dense** (every expert on every token, outputs weighted by
 # the routed weights, zero for the rest; static shapes, and the experts split across ranks) or
 # **selective** (gather the k routed experts' weights, then batched matmuls; reads only k experts per
-# token). The cell first writes both forms out by hand on one MoE layer of the tiny model (every
+# token). The cell first writes both forms out by hand on one [MoE](00_overview.ipynb#moe) layer of the tiny model (every
 # expert weighted by a routing weight that is zero where the router did not pick it; or a loop over
 # only the k picked experts) and asserts they equal `experts.StaticExperts` (the forms the graph
 # compiles, `gemma4lib/device/experts.py`) and transformers' own expert module. Then it runs one
@@ -117,8 +117,9 @@ demos["expert_forms"]
 #
 # Only a few billion parameters are active per token, but any token may route to any expert, so every
 # expert stays resident: the field report runs the 26B-A4B on the same `inf2.24xlarge` at TP=8 as the
-# 31B (its weights would fit at TP=4, the table shows; four cores need an `inf2.24xlarge` anyway). What top-k
-# routing can save is bandwidth, if decode reads only the routed experts, and under TP that depends on
+# 31B (its weights would fit at TP=4, the table shows, computed and unverified on inf2; four cores
+# need an `inf2.24xlarge` anyway). What top-k
+# routing can save is bandwidth, if decode reads only the routed experts, and under [TP](00_overview.ipynb#tp) that depends on
 # how the experts are shared by the ranks. The cell first derives the bytes one decode step reads from
 # the released config, then asks the roofline for one decode step at TP=8 on `inf2.24xlarge` (ring
 # K/V, selective experts) under both splits; the figures are in its table:
@@ -133,6 +134,7 @@ demos["expert_forms"]
 # Both are bounds from bytes, not measured on inf2. Each rank holds a TP-th of the expert bytes either way.
 
 # %%
+from gemma4lib.inf2.memory_plan import DEFAULT_CONTEXT
 from gemma4lib.inf2.roofline import compare
 
 real, v = s.variant_spec.real_config, s.variant_spec
@@ -145,12 +147,12 @@ print(f"a decode step reads {other_gb:.1f} + {real['top_k_experts']} x {per_expe
 print(f"(library: {sizes['decode_read_gb']:.2f} GB), not all {sizes['device_gb']:.1f} GB")
 for split in ("experts", "intermediate"):
     row = compare(
-        None, v.name, device=v.instance_type, cores=v.tp_degree, context_length=2048, ring=True,
+        None, v.name, device=v.instance_type, cores=v.tp_degree, context_length=DEFAULT_CONTEXT, ring=True,
         experts="selective", expert_split=split,
     )  # fmt: skip
     print(
         f"{split:>12} split: {row['bytes_per_step']['total'] / 1e6:>9,.0f} MB per step, "
-        f"ceiling {row['ceiling_tok_s']:,.0f} tok/s on {v.instance_type}"
+        f"ceiling {row['ceiling_tok_s']:,.0f} tok/s on {v.instance_type} at {DEFAULT_CONTEXT:,} tokens (the plan's)"
     )
 display(nb.tp_fit("26b-a4b"), nb.kv_heads_under_tp("26b-a4b", 8))
 
@@ -210,7 +212,7 @@ if tp_demo:
 # The experts are swapped for a static form here: prefill always computes all experts and masks them
 # to the routed top-k; decode uses `decode_experts`.
 # -- part: compile_note --
-# at TP=8: one rank compiled (the rank graph with NxD's parallel layers, each rank a TP-th slice of
+# at TP=8: one rank compiled (the [rank graph](00_overview.ipynb#rank-graph) with NxD's parallel layers, each rank a TP-th slice of
 # every expert), the weights sharded per rank, the rank number a runtime tensor, and the decode graph
 # (selective experts) the priority model whose weight layout the compiler optimises.
 # -- part: core_step --

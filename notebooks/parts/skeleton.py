@@ -35,6 +35,9 @@ status = nb.status_box("{{variant}}")  # figures from the library's plans; the r
 #     checkpoint: {{hub}}, context_length: 1024, prefill_buckets: [128]}"
 # ```
 #
+# The status box's inf2 figures are planned at the context its "Contexts" line names, not at this
+# command's `context_length`: a shorter context holds less K/V than they count.
+#
 # It writes only into gitignored folders of the repository: the executed notebook in `runs/`, the
 # run record at `results_path` (relative to `--cwd notebooks`) and the compiled graphs in
 # `.cache/gemma4lib` (without `GEMMA4LIB_CACHE`: `~/.cache/gemma4lib`). `python -m papermill_runs run
@@ -55,6 +58,9 @@ status = nb.status_box("{{variant}}")  # figures from the library's plans; the r
 #     -y "{profile: full, backend: neuron, tp_degree: {{tp}},
 #     checkpoint: {{hub}}, context_length: 1024, prefill_buckets: [128]}"
 # ```
+#
+# The status box's inf2 figures are planned at the context its "Contexts" line names, not at this
+# command's `context_length` (a shorter context: less K/V than they count).
 {{/brief}}
 # %% tags=["parameters"]
 variant = "{{variant}}"
@@ -85,7 +91,7 @@ interactive = False  # True: show the chat box at the end (needs a live Jupyter 
 #
 # One thread for torch: the benchmark figures are recorded with their thread count, and on a shared
 # machine more threads mostly measure the neighbours. `PortSettings` gathers every value the port
-# depends on and checks them before anything is loaded: an unknown variant, a TP degree whose heads
+# depends on and checks them before anything is loaded: an unknown variant, a [TP](00_overview.ipynb#tp) degree whose heads
 # do not split, a model that does not fit the instance fail here, with what to pick instead.
 # `demos` collects what the lesson's cells find; it is saved in the run's record.
 
@@ -347,7 +353,7 @@ if backend == "cpu":
 #   compiler's logs on failure) and a private current directory, the backend's own helpers.
 # - `builder.add(key, model_instance, example_inputs, compiler_args, priority_model_idx)` once per key,
 #   `prefill` (the largest [bucket](00_overview.ipynb#bucket) only: one compiled prompt length on inf2) and `decode`.
-#   `model_instance` builds the rank graph with NxD's parallel layers and returns its K/V parameters
+#   `model_instance` builds the [rank graph](00_overview.ipynb#rank-graph) with NxD's parallel layers and returns its K/V parameters
 #   aliased to the outputs that update them (`input_output_aliases`), so both keys share one set of
 #   K/V states on the device. `compiler_args` (`neuron_env.COMPILER_ARGS`) are
 #   `--model-type=transformer --auto-cast=none --enable-mixed-precision-accumulation` (no automatic
@@ -635,8 +641,8 @@ if interactive:
 # Median prefill latency and decode throughput over `iters` full generations after `warmup`
 # untimed ones. Single-row decode does almost no arithmetic per byte: every step reads each device
 # weight and every K/V buffer once, so no implementation beats *bandwidth ÷ bytes per step*. That
-# ceiling is computed from this model's shapes and compiled forms over the bandwidth of the machine
-# that ran it (measured a moment ago on a CPU; HBM on inf2), and for the released model on its inf2
+# [ceiling](00_overview.ipynb#roofline) is computed from this model's shapes and compiled forms over the bandwidth of the machine
+# that ran it (measured a moment ago on a CPU; [HBM](00_overview.ipynb#hbm) on inf2), and for the released model on its inf2
 # instance next to the field report's figure. A tiny model on a CPU is not bound by that ceiling:
 # its few MB stay in the CPU's caches, which are faster than the memory the bandwidth is measured on,
 # and a fixed per-step cost dominates; so its fraction of the ceiling swings from run to run with the
@@ -655,7 +661,7 @@ if interactive:
 # %% [markdown]
 # ## 8. Benchmark
 #
-# As in `01_e2b` §8: prefill and decode next to the bandwidth ceilings (computed).
+# As in `01_e2b` §8: prefill and decode next to the bandwidth [ceilings](00_overview.ipynb#roofline) (computed).
 #
 # ## 9. Record
 #
