@@ -88,20 +88,26 @@ from openai import BadRequestError, OpenAI
 from gemma4lib import notebook as nb
 from gemma4lib.models.corpus import COUNTRIES
 from gemma4lib.notebook import plots_serve
+from gemma4lib.cli import serving_defaults
 from gemma4lib.port import PortSettings
 from gemma4lib.server.load import run_async, run_load
 from gemma4lib.server.metrics import RATE_WINDOW_S
 from gemma4lib.server.process import ServerProcess
 
 started = time.perf_counter()
+# serving_defaults: what `serve` adds to the port's settings (row_prefill on where the backend can)
 settings = PortSettings(
-    variant=variant,
-    profile=profile,
-    backend=backend,
-    checkpoint=checkpoint,
-    batch_size=batch_size,
-    context_length=context_length,
-    prefill_buckets=tuple(prefill_buckets),
+    **serving_defaults(
+        dict(
+            variant=variant,
+            profile=profile,
+            backend=backend,
+            checkpoint=checkpoint,
+            batch_size=batch_size,
+            context_length=context_length,
+            prefill_buckets=tuple(prefill_buckets),
+        )
+    )
 )
 nb.show_settings(
     settings,
@@ -114,6 +120,7 @@ nb.show_settings(
         "batch_size",
         "context_length",
         "prefill_buckets",
+        "row_prefill",
     ),
 )  # what the server is started with
 
@@ -134,6 +141,16 @@ nb.show_settings(
 # hand each row's new text to its request's stream. Requests join and leave between steps, so
 # the rows stay full while there is work. It is the same engine the port runs, so a greedy reply
 # equals the one `port` gives for the same prompt.
+#
+# Joining has a cost the other rows feel: while a request prefills, nobody decodes. A prefill graph
+# compiled for B rows has a fixed shape, so prefilling one joining row through it costs as much as
+# prefilling all B. That is why `serve` also compiles each prefill bucket for a single row
+# (`row_prefill`, on by default on the CPU backends): the engine runs it over one row's slice of the
+# batched K/V buffers (a view, so the graph's in-place write lands in that row and no other), and
+# uses it whenever at most half the rows join at once. Those single-row programs are the ones `port`
+# compiles for a single prompt, so on a warm cache they cost nothing to build. On inf2 the K/V live on the
+# device as state a graph takes whole, so the Neuron backend joins rows through the B-row prefill
+# (computed reasoning, unverified on inf2; the README's serving section has the measured CPU figures).
 
 # %% [markdown]
 # ## 2. Start the server
@@ -150,6 +167,7 @@ nb.show_settings(
 # %%
 args = ["--variant", variant, "--profile", profile, "--backend", backend, "--batch", str(batch_size)]
 args += ["--context-length", str(context_length), "--prefill-buckets", ",".join(str(b) for b in prefill_buckets)]
+args += ["--row-prefill" if settings.row_prefill else "--no-row-prefill"]
 args += ["--max-queue", str(max_queue), "--threads", str(threads)] + (
     ["--checkpoint", checkpoint] if checkpoint else []
 )
@@ -238,9 +256,10 @@ if refused:
 # What to look for: while there are fewer clients than rows, each new client fills an idle row of a
 # step that runs anyway, so total tokens/s should climb with the clients. Once the clients
 # outnumber the rows, requests wait in the queue and their time to first token includes the wait.
-# Each admission runs a prefill graph of a fixed shape while the other rows pause, and with more
-# clients than rows there is an admission every time a row frees: that pause can cost more than
-# the extra rows give. This is a small model on a shared CPU, where these levels move from run to
+# Each admission runs a prefill while the other rows pause (the single-row prefill when few join,
+# the B-row one when many do), and with more clients than rows there is an admission every time a
+# row frees: those pauses can cost more than the extra rows give. The replies here end at eos
+# after a few tokens, so admissions weigh more than they would for longer answers. This is a small model on a shared CPU, where these levels move from run to
 # run: read the table of this run for what happened here, not as a rule for inf2.
 
 # %%
@@ -412,8 +431,9 @@ print(f"this notebook ran in {record['wall_s']:.0f} s")
 #   HTTP side only queues requests and streams their text.
 # - Continuous batching fills rows that would otherwise idle, so total tokens/s can grow with the
 #   number of clients up to the number of rows; beyond it, requests queue and wait for a row.
-#   Every admission's fixed-shape prefill pauses the other rows: the table above shows what the
-#   levels gave on this run, and a prefill that writes only the joining row is the next step.
+#   Every admission's prefill pauses the other rows, so a row that joins alone prefills through a
+#   single-row graph over its own slice of the K/V, not the batch's fixed-shape prefill; the table
+#   above shows what the levels gave on this run.
 # - A bounded queue with 429 and `Retry-After` keeps the latency of accepted requests bounded and
 #   tells clients when to come back; SIGTERM drains instead of cutting replies.
 # - Scale out with replicas that load one exported bundle and never compile: Ray Serve places them
