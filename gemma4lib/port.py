@@ -25,7 +25,7 @@ from .generation.prompts import random_prompt_lengths
 from .models.checkpoint import load_checkpoint
 from .models.loading import LoadedModel, build_tiny
 from .record import build_record
-from .reference import hf_assisted, random_prompt, reference_greedy, teacher_forced_logits
+from .reference import hf_assisted, random_prompt, reference_for, reference_greedy, teacher_forced_logits
 from .results import write_result
 from .runtime import Request, encode_prompt
 from .settings import BACKENDS, DEFAULT_PROMPT, MODEL_SOURCES, PortSettings
@@ -248,12 +248,7 @@ def judge_rows(
 def row_reference(model: LoadedModel, row: PromptRow) -> Any:
     """What a row is judged against: the text LM, or with images transformers' own multimodal model
     with them bound (`generate(pixel_values=...)` is the reference)."""
-    if row.images is None:
-        return model.lm
-    from .reference import ImageBound
-
-    images = row.images.prompt
-    return ImageBound(model.multimodal, images.pixel_values, images.position_ids, images.positions)
+    return reference_for(model, row.images.prompt if row.images is not None else None)
 
 
 def row_records(

@@ -61,6 +61,14 @@ class ImageBound(nn.Module):
         self.multimodal.set_experts_implementation(experts)
 
 
+def reference_for(model: Any, images: Any = None) -> nn.Module:
+    """What a prompt is judged against: `model.lm` (the text LM) for text, or with `images` (a
+    `runtime.ImagePrompt`) transformers' own multimodal model with them bound (`ImageBound`)."""
+    if images is None:
+        return model.lm
+    return ImageBound(model.multimodal, images.pixel_values, images.position_ids, images.positions)
+
+
 def random_prompt(vocab_size: int, n: int, seed: int) -> list[int]:
     """A seeded prompt for a model without a tokenizer; ids >= 3 avoid pad, eos and bos."""
     generator = torch.Generator().manual_seed(seed)

@@ -43,14 +43,13 @@ def test_shapes_are_deterministic_and_describe_reads_them():
 
 
 # ---- held out: random-weight multimodal models of every vision variant equal transformers ------------------
-@pytest.mark.parametrize("variant", VARIANTS)
-def test_random_multimodal_equals_transformers(variant):
-    """Our own random multimodal configs (not the fixtures): device tokens == HF generate(pixel_values)
-    and logits within the reference's spread, through the vision graph, on the eager backend."""
+def _equal_to_transformers(variant, **chosen):
+    """A random-weight multimodal port of `variant` with the red circle through the settings' backend
+    (`chosen`): device tokens == HF generate(pixel_values), logits within the reference's spread."""
     from gemma4lib.port import PortSettings, eos_ids, judge_rows, load_model, prompt_rows, requests_for, run_device
 
     settings = PortSettings(
-        variant=variant, model="random", backend="eager", images=(str(RED_CIRCLE),), max_new_tokens=6, seed=5
+        variant=variant, model="random", images=(str(RED_CIRCLE),), max_new_tokens=6, seed=5, **chosen
     )
     model = load_model(settings)
     rows = prompt_rows(model, settings)
@@ -61,6 +60,31 @@ def test_random_multimodal_equals_transformers(variant):
     assert report.logits_match, report.logits.explain()
     assert run.prefill_logits_max_abs_diff < 1e-3
     assert len(set(reference)) > 1  # the witness moves: a logit error would show
+    return run
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_random_multimodal_equals_transformers(variant):
+    """Our own random multimodal configs (not the fixtures): device tokens == HF generate(pixel_values)
+    and logits within the reference's spread, through the vision graph, on the eager backend."""
+    _equal_to_transformers(variant, backend="eager")
+
+
+# the gloo ranks (backend "cpu" at tp_degree > 1); each takes 3-10 s here, but CI's main suite keeps one
+TP_CASES = [
+    pytest.param("e4b", 2, id="e4b-tp2"),
+    pytest.param("31b", 8, id="31b-tp8", marks=pytest.mark.slow),
+    pytest.param("26b-a4b", 8, id="26b-a4b-tp8", marks=pytest.mark.slow),
+]
+
+
+@pytest.mark.parametrize(("variant", "tp"), TP_CASES)
+def test_random_multimodal_under_tp_equals_transformers(variant, tp):
+    """Tensor parallel on the gloo ranks: the vision graph replicated (unsharded) on every rank, its soft
+    tokens in every rank's host embeddings, the sharded text graphs unchanged; equal to transformers."""
+    run = _equal_to_transformers(variant, backend="cpu", tp_degree=tp)
+    assert run.compiler == "cpu-gloo-tp" and run.details["world"]["processes"] == tp
+    assert run.details["ranks_agree"] and run.details["vision_graph"] == "replicated: unsharded on every rank"
 
 
 def test_soft_tokens_change_the_answer(random_e2b):
@@ -81,6 +105,38 @@ def test_soft_tokens_change_the_answer(random_e2b):
 
 
 # ---- bad inputs: library errors that say what to do ---------------------------------------------------
+@pytest.mark.parametrize(
+    ("chosen", "named"),
+    [
+        ({"backend": "neuron"}, "backend 'neuron'"),
+        ({"batch_size": 2}, "batch_size 2"),
+        ({"draft": "assistant"}, "draft 'assistant'"),
+    ],
+)
+def test_image_settings_not_reached_are_refused(chosen, named):
+    """What images do not run with yet is a SettingsError before anything loads, naming it and where
+    they do run."""
+    from gemma4lib.errors import SettingsError
+    from gemma4lib.port import PortSettings
+
+    with pytest.raises(SettingsError, match=named) as caught:
+        PortSettings(variant="e2b", model="random", images=(str(RED_CIRCLE),), **chosen)
+    assert "'xla'" in str(caught.value) and "gloo ranks at tp_degree > 1" in str(caught.value)
+
+
+def test_image_under_tp_refuses_cpu_seeded_prefill():
+    """The E4B recipe's CPU-seeded prefill embeds token ids on the host without the soft tokens: refused."""
+    from gemma4lib.errors import SettingsError
+    from gemma4lib.port import PortSettings, eos_ids, load_model, prompt_rows, requests_for
+    from gemma4lib.tp.cpu_gloo import run_tp
+
+    settings = PortSettings(variant="e4b", model="random", tp_degree=2, images=(str(RED_CIRCLE),), max_new_tokens=2)
+    model = load_model(settings)
+    requests = requests_for(prompt_rows(model, settings), settings, eos_ids(model))
+    with pytest.raises(SettingsError, match="prefill='graph'"):
+        run_tp(model, settings, requests, prefill="cpu-seeded", bench=False)
+
+
 def test_image_file_missing(tmp_path):
     from gemma4lib.images import load_image
 

@@ -384,6 +384,38 @@ def test_batched_port_on_xla_rows_match_their_references(xla_lane):
     assert result["xla_executions"] == result["xla_steps"]
 
 
+# ---- images (docs/IMAGES.md): the vision graph through torch_xla beside prefill and decode ----------
+
+
+@pytest.mark.parametrize("variant", ["e2b", "26b-a4b", "e4b", "31b"])
+def test_image_port_on_xla(xla_lane, variant):
+    """`port(backend="xla", images=[...])` on a random-weight multimodal model: the vision graph (no K/V)
+    runs in the same session as prefill and decode, its soft tokens go into the host embeddings, and the
+    tokens and logits equal transformers' `generate(pixel_values=...)`, with 0 CPU fallbacks and one
+    compilation per graph (the vision graph once per image, the step count says it ran). E2B and
+    26B-A4B are in CI's XLA subset (~10 s each here)."""
+    from gemma4lib.models.vision import VISION_DIR
+    from gemma4lib.port import PortSettings, port
+
+    image = str(VISION_DIR / "images" / "red_circle.png")
+    settings = PortSettings(
+        variant=variant, model="random", backend="xla", images=(image,), max_new_tokens=8, iters=1, warmup=0
+    )
+    result = port(settings)
+    assert result["seq_match"] and result["logits_match"], result["failed_checks"]
+    assert result["compiler"] == "torch-xla" and result["images"]["soft_tokens"] == [16]
+    assert result["xla_fallbacks"] == 0, result["xla_fallback_ops"]
+    graphs = ("vision", "prefill128", "decode")
+    assert result["xla_graph_hashes"] == dict.fromkeys(graphs, 1)
+    # the variants share one tiny vision config, so after the first variant torch_xla's per-process
+    # cache already holds the vision program (same graph hash): 0 compilations then, never 2
+    compilations = result["xla_compilations"]
+    assert compilations["vision"] <= 1 and compilations["prefill128"] == compilations["decode"] == 1, compilations
+    # the generation, the warm-up and the timed run: one vision step each, one execution per step
+    assert result["xla_steps"]["vision"] == 3 and result["xla_executions"] == result["xla_steps"]
+    assert result["hlo_op_counts"]["vision"]["dot"] > 0
+
+
 # ---- drafting with Gemma-4's own assistant (docs/DRAFTING.md) on the XLA lane -------------------
 
 DRAFT_K = 4

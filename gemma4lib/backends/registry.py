@@ -17,7 +17,7 @@ from ..device.build import GraphSet, device_graphs
 from ..device.experts import CPU_THREAD_FLOP_PER_BYTE
 from ..errors import SettingsError, UnknownNameError
 from ..generation.drafters import make_drafter
-from ..reference import ImageBound, reference_last_logits
+from ..reference import reference_for, reference_last_logits
 from ..runtime import Engine, Request, RowResult, softcap
 from ..timing import bench_drafted, benchmark
 from . import cpu, eager, gloo, neuron, xla
@@ -167,10 +167,7 @@ def prefill_logits_error(model: LoadedModel, row: RowResult, request: Request | 
 def reference_lm(model: LoadedModel, request: Request | None) -> Any:
     """The host reference a request is judged against: the text LM, or for a request with images
     transformers' multimodal model with them bound (`reference.ImageBound`)."""
-    if request is None or request.images is None:
-        return model.lm
-    images = request.images
-    return ImageBound(model.multimodal, images.pixel_values, images.position_ids, images.positions)
+    return reference_for(model, request.images if request is not None else None)
 
 
 def run_device(

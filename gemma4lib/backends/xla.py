@@ -39,6 +39,10 @@ API (what ``port --backend xla`` builds on: `compile`)::
   built with ``hidden=True`` returns logits and hidden states before its K/V (a step returns them
   as a tuple); `drafting.DraftGraph` reads the K/V and writes none (``writes_kv = False``)
   and takes its position alone before them (``inputs_before_kv = 2``).
+- Images: the vision graph (`device.vision.VisionGraph`) rides in the same session. It reads and
+  writes no K/V (``writes_kv = False``) and takes its two inputs, pixel values and int32 patch
+  positions, alone (``inputs_before_kv = 2``); the engine moves its soft tokens to the host
+  embeddings as at TP 1 on cpu.
 - Call `use_fast_cpu_compile()` before the first device use to turn XLA:CPU's own backend
   optimisation off (about half the compile time; the HLO handed over and the tokens are the same).
 - Per graph it counts XLA compilations (the ``CompileTime`` metric), executions (the

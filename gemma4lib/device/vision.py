@@ -4,10 +4,14 @@ of fixed shape (the image processor's patch budget), beside the decoder's prefil
 What runs is transformers' own vision modules, unchanged: on E2B, E4B, 31B and 26B-A4B the
 `Gemma4VisionModel`'s patch embedder, encoder and pooler, then `Gemma4MultimodalEmbedder`; on the
 12B the encoder-free `Gemma4UnifiedVisionEmbedder` (patches projected straight into the decoder's
-width). One thing changes: transformers strips the padding soft tokens with a boolean index
-(`hidden[pooler_mask]`), a data-dependent shape no static compiler takes; the graph returns every
-slot `[images, slots, hidden]` and the host keeps each image's first `num_soft_tokens` (the pooler
-puts an image's valid tokens first, the processor pads at the end).
+width). Two things change, both data-dependent steps no static compiler takes: transformers strips
+the padding soft tokens with a boolean index (`hidden[pooler_mask]`, a data-dependent shape); the
+graph returns every slot `[images, slots, hidden]` and the host keeps each image's first
+`num_soft_tokens` (the pooler puts an image's valid tokens first, the processor pads at the end).
+And the encoder's padding mask is built here, by transformers' own `create_bidirectional_mask`
+with its "no padding: no mask" shortcut off (that shortcut reads `mask.all()` on the host, a CPU
+fallback and a second graph on XLA); the encoder takes the ready 4-D mask as it is. The values are
+the same: the shortcut only ever drops a mask of zeros, and `torch.export` already builds it whole.
 
 The soft tokens then go where PLE goes: into the decoder's input embeddings on the host
 (`runtime.Engine.admit`), at the image token positions the chat template and processor laid out.
@@ -19,6 +23,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from transformers.masking_utils import create_bidirectional_mask
 
 
 @dataclass(frozen=True)
@@ -73,6 +78,9 @@ class VisionGraph(nn.Module):
         self.encoder_free = self.model.vision_tower is None
         self.dtype = next(self.model.embed_vision.parameters()).dtype
         self.tags: dict[str, str] = {}
+        # how a backend that holds K/V as device state (xla) calls it: two inputs, no K/V read or written
+        self.inputs_before_kv = 2  # pixel_values, position_ids
+        self.writes_kv = False
 
     def key_parts(self) -> dict:
         """What distinguishes this graph's program beyond config, weights and shapes (cache key)."""
@@ -91,7 +99,13 @@ class VisionGraph(nn.Module):
         tower = self.model.vision_tower
         padding = (position_ids == -1).all(dim=-1)
         embeds = tower.patch_embedder(pixel_values, position_ids, padding)
-        hidden = tower.encoder(inputs_embeds=embeds, attention_mask=~padding, pixel_position_ids=position_ids)
+        mask = create_bidirectional_mask(
+            config=tower.encoder.config,
+            inputs_embeds=embeds,
+            attention_mask=~padding,
+            allow_is_bidirectional_skip=False,  # (module docstring)
+        )
+        hidden = tower.encoder(inputs_embeds=embeds, attention_mask=mask, pixel_position_ids=position_ids)
         pooled, _ = tower.pooler(
             hidden_states=hidden.last_hidden_state,
             pixel_position_ids=position_ids,

@@ -16,6 +16,11 @@ does what a NeuronCore does in the ModelBuilder recipe:
 
 Every rank plays host for itself (embeddings, token choice, drafts): all ranks see the same gathered
 logits, so they pick the same tokens; `ranks_agree` checks that they did. Rank 0 sends its rows back.
+
+Images: the vision graph (`device.vision.VisionGraph`, built by `device.build.image_graph`) is not
+sharded. Every rank holds it whole and runs it at admission, as the engine does at TP 1, so every
+rank writes the same soft tokens into its host embeddings; the sharded text graphs never see the
+image (docs/IMAGES.md, "Images under tensor parallelism").
 """
 
 from __future__ import annotations
@@ -30,13 +35,14 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ..device.build import image_graph
 from ..device.drafting import RoomyLayout
 from ..device.embedder import HostEmbedder
 from ..device.graph import DeviceGraph, GraphShape, index_tensor
 from ..errors import BatchTooLargeError, SettingsError, TensorParallelError, UnknownNameError
 from ..generation.drafters import make_drafter
 from ..recipes.common import AliasEmulator, KVParamModule
-from ..reference import reference_last_logits
+from ..reference import reference_for, reference_last_logits
 from ..runtime import Engine, Request, RowResult, Steps, softcap
 from ..timing import bench_drafted, benchmark
 from .plan import TPPlan, make_plan
@@ -76,6 +82,8 @@ class RankJob:
     # CPU-seeded prefill (the E4B recipe): the host's logits [B, vocab] and each rank's K/V slices
     seed: tuple[torch.Tensor, list[list[torch.Tensor]]] | None = None
     bench: tuple[int, int] | None = None  # (warmup, iters): also time generations, eos ignored
+    pad_id: int = 0  # the id an image's positions take for the host tables (`Engine.prompt_embeds`)
+    vision: Any = None  # the unsharded vision graph every rank runs (requests with images), or None
 
 
 def job_engine(job: RankJob, steps: Steps, drafting: bool = True) -> Engine:
@@ -91,6 +99,7 @@ def job_engine(job: RankJob, steps: Steps, drafting: bool = True) -> Engine:
         dtype=job.dtype,
         draft_tokens=job.draft_tokens if drafter else 0,
         drafter=drafter,
+        pad_id=job.pad_id,
     )
 
 
@@ -190,6 +199,7 @@ def _by_value(row: RowResult) -> RowResult:
 def _run_rank(rank: int, job: RankJob) -> dict[str, Any]:
     t0 = time.perf_counter()
     steps, plain_decode, missing, kv_shapes = rank_steps(rank, job)
+    steps.vision = job.vision  # replicated: every rank runs the whole vision graph (module docstring)
     engine = job_engine(job, steps)
     build_s = time.perf_counter() - t0
     generation = engine.generate_rows(job.requests, keep_logits=rank == 0)
@@ -349,6 +359,12 @@ def run_tp(
         )
     if settings.draft and prefill != "graph":
         raise SettingsError("prefill='cpu-seeded' seeds plain decode; draft with prefill='graph' (or draft=None)")
+    images = [r.images for r in requests if r.images is not None]
+    if images and prefill != "graph":
+        raise SettingsError(
+            "prefill='cpu-seeded' prefills token ids on the host, without an image's soft tokens; "
+            "run image requests with prefill='graph'"
+        )
     lm = model.lm
     if baked_rank and expert_split is None:
         expert_split = "experts"  # the form the field report's bug lives in
@@ -377,9 +393,19 @@ def run_tp(
         settings.draft,
         k,
         bench=(int(settings.warmup), int(settings.iters)) if bench else None,
+        pad_id=int(getattr(lm.config, "pad_token_id", 0) or 0),
+        vision=image_graph(model, settings) if images else None,
     )
     unrun = dict.fromkeys(job.buckets, _in_ranks)
-    checker = job_engine(job, Steps(unrun, decode=None if k else _in_ranks, verify=_in_ranks if k else None))
+    checker = job_engine(
+        job,
+        Steps(
+            unrun,
+            decode=None if k else _in_ranks,
+            verify=_in_ranks if k else None,
+            vision=_in_ranks if job.vision is not None else None,
+        ),
+    )
     if len(requests) > job.batch:
         raise BatchTooLargeError(
             f"{len(requests)} requests for batch_size {job.batch}: send at most {job.batch} or raise batch_size"
@@ -435,6 +461,8 @@ def run_tp(
         },
         "world": {"backend": "gloo", "processes": tp, "start_method": start_method, "threads_per_process": 1},
     }
+    if job.vision is not None:
+        details["vision_graph"] = "replicated: unsharded on every rank"
     if len(requests) > 1:
         details["decode_tok_s_per_row"] = rank0["decode_tok_s_per_row"]
     if settings.draft:
@@ -462,7 +490,9 @@ def run_tp(
         "rows": rows,
         "compiler": COMPILER,
         "compile_s": 0.0,
-        "prefill_logits_max_abs_diff": float((first - reference_last_logits(lm, rows[0].prompt_ids)).abs().max()),
+        "prefill_logits_max_abs_diff": float(
+            (first - reference_last_logits(reference_for(model, requests[0].images), rows[0].prompt_ids)).abs().max()
+        ),
         "bench": figures,
         "prefill_ms": prefill_ms,
         "decode_tok_s": decode_tok_s,
