@@ -19,7 +19,7 @@
 # **It reads the other notebooks' records.** Each variant notebook ends by writing one JSON run
 # record (its checks, timings, versions) into `runs/notebooks/`; the results section below loads
 # the newest record of each variant from there (`results_dir`). Run the variant notebooks first,
-# or let `python -m papermill_runs run --profile smoke` run all seven in order. A variant that has not
+# or let `python -m papermill_runs run --profile smoke` (the [smoke](#smoke) profile) run all seven in order. A variant that has not
 # run yet is simply missing from the tables.
 #
 # | notebook | variant | instance | [TP](#tp) degree | recipe |
@@ -44,7 +44,7 @@
 # |---|---|---|
 # | machine | `inf2.xlarge` to `inf2.24xlarge`, per variant (table above) | any CPU |
 # | software | [Deep Learning AMI Neuron](#dlami) (Ubuntu 24.04), venv `aws_neuronx_venv_pytorch_2_9_nxd_inference` (Python 3.12), Neuron SDK 2.28: torch-neuronx 2.9.0.2.12.22436, neuronx-cc 2.23.6484.0, neuronx-distributed 0.17.26814, libneuronxla 2.2.15515.0; + transformers 5.23.0 | torch 2.13 (CPU), transformers 5.23.0 |
-# | this notebook | reads the records the variant notebooks wrote; loads no large model | same, plus a tiny model for the last section |
+# | this notebook | reads the records the variant notebooks wrote, loads no released model, and runs the last section on a tiny model on the CPU | the same: its records, and the same tiny model for the last section |
 #
 # ### Before you start on inf2
 #
@@ -53,7 +53,7 @@
 # *before* JupyterLab starts (a kernel inherits its environment when it starts),
 # `bash scripts/lab.sh --neuron` to open these notebooks on the Neuron venv's kernel without touching its
 # torch or SDK packages, the disk and the time of each step (each marked computed, field report or
-# unverified), and a troubleshooting table. `python -m gemma4lib doctor --variant e2b` prints the
+# unverified), and a troubleshooting table. `python -m gemma4lib doctor --variant e2b` ([`doctor`](#doctor)) prints the
 # plan of both memories that decide a run: the NeuronCores' [HBM](#hbm) and the serving host's RAM (the
 # model, the host tables, the weight shards at load time and the reference the checks run).
 
@@ -61,8 +61,8 @@
 # ## Parameters
 #
 # `results_dir` is where the variant notebooks wrote their records (`papermill_runs` points it at
-# its own output folder). The last section uses `demo_variant`'s tiny model on the CPU, whatever the
-# profile.
+# its own output folder). The last section uses `demo_variant`'s tiny model on the CPU in either
+# profile (the full profile loads no released model here).
 
 # %% tags=["parameters"]
 profile = "smoke"
@@ -126,13 +126,16 @@ plots.memory_budget(nb.memory_rows())
 # Each step was forced by a model that the previous step could not carry:
 #
 # 1. `torch_neuronx.trace` of the real forward on one core (the field report's E2B): proves PLE
-#    and [KV sharing](#kv-sharing) compile at all. It compiles one graph, so the prompt goes through the decode
-#    graph one token at a time; it stays selectable for E2B (`neuron_recipe="trace"`), whose default
-#    is now the third step, at TP=1.
-# 2. Hand-driven tensor parallelism with aliased on-device K/V and a CPU-seeded prefill (the field
-#    report's E4B): two cores. Its per-rank tracer ran out of memory at 31B and is unsupported since
-#    SDK release 2.27, so this cookbook teaches it on CPU and compiles E4B with the third step on inf2.
-# 3. NxD `ModelBuilder` (every variant; E2B at TP=1): a prefill graph and a decode graph over one
+#    and [KV sharing](#kv-sharing) compile at all. The field report traced a device prefill and a
+#    decode over on-device K/V. This cookbook's own trace recipe, still selectable for E2B
+#    (`neuron_recipe="trace"`), traces the decode graph alone, so the prompt goes through it one
+#    token at a time; E2B's default is now the third step, at TP=1.
+# 2. Hand-driven tensor parallelism with aliased on-device K/V and a
+#    [CPU-seeded prefill](#cpu-seeded-prefill) (the field report's E4B): two cores. Its per-rank
+#    tracer ran out of memory at 31B (the field report), and NxD's per-rank tracer
+#    `parallel_model_trace` is unsupported since SDK release 2.27 (source: the Neuron SDK's NxD announcement, as this project's design notes record it, read 2026-12-02),
+#    so this cookbook teaches it on CPU and compiles E4B with the third step on inf2.
+# 3. [NxD](#nxd) `ModelBuilder` (every variant; E2B at TP=1): a prefill graph and a decode graph over one
 #    set of K/V states, one rank compiled and the weights sharded per rank. It carried the field
 #    report's 31B at TP=8 and, with static experts and a runtime rank, its [MoE](#moe); this
 #    cookbook's plan for every variant, never run on inf2 here.
@@ -206,7 +209,9 @@ overview["variants_found"]
 # - <a id="witness"></a>**witness**: a seeded random-weights model of the variant's architecture run
 #   through the same recipe as the trained model (smoke profile only). Random weights have near-ties
 #   between the top logits where a trained model has wide margins, so any numerical error in the
-#   port flips a token: the witness's SEQ_MATCH and LOGITS_MATCH are the sensitive checks.
+#   port larger than the closest gap flips a token: the witness's SEQ_MATCH is the check such an
+#   error trips. Its LOGITS_MATCH is only as tight as the random model's own [spread](#spread),
+#   which can be wider than that gap (the witness table prints both).
 # - <a id="field-report"></a>**field report**: the earlier hands-on port of all five variants to
 #   inf2 that this cookbook turns into runnable notebooks; its figures are most of the inf2
 #   measurements quoted here (appendix below).
@@ -234,7 +239,15 @@ overview["variants_found"]
 # - <a id="roofline"></a>**ceiling** (roofline): bandwidth ÷ bytes read per decode step, the fastest
 #   any implementation of single-row decode can go on that memory; computed, never measured.
 # - <a id="smoke"></a>**smoke / full profile**: the tiny trained model on any CPU (what ran here), or
-#   the released checkpoint on inf2 (never run by this project).
+#   the released checkpoint on inf2 (never run by this project). `papermill_runs`' smoke profile runs
+#   all eight notebooks; its full profile runs this one and the five variant notebooks, not
+#   `06_serving` or `07_serve` (CPU only).
+# - <a id="cpu-seeded-prefill"></a>**CPU-seeded prefill**: the prompt's prefill run by the unsharded
+#   model on the host, each TP rank then starting its decode from its slice of that K/V; the field
+#   report's E4B recipe did this, and `02_e4b`'s CPU run of the rank graph does it too.
+# - <a id="hlo"></a>**HLO**: XLA's High Level Operations, the graph form a traced PyTorch program
+#   takes on its way to the Neuron compiler (`ModelBuilder.trace()` writes one `.hlo` file per key
+#   and rank before `neuronx-cc` turns it into a [NEFF](#neff)).
 # - <a id="nxd"></a>**NxD** (NeuronX Distributed): the Neuron SDK's library for sharded models;
 #   its `ModelBuilder` compiles one rank's graph and loads the weight shards per rank.
 # - <a id="hbm"></a>**HBM**: the high-bandwidth memory beside each NeuronCore that holds the weights
@@ -260,7 +273,8 @@ overview["variants_found"]
 #   norm without RoPE. K and V still differ, so both are cached: it saves a weight, not K/V memory.
 # - <a id="moe"></a>**MoE** (mixture of experts): the 26B-A4B's layers route each token to a few of
 #   many expert MLPs (top-k of the router's scores) beside a dense MLP on the same residual; all
-#   experts stay resident, only the routed ones are computed per token.
+#   experts stay resident. The port's prefill computes every expert (the dense form, masked to the
+#   top-k); its decode computes only the routed ones (`05_26b_a4b`).
 # - <a id="aotinductor"></a>**AOTInductor**: PyTorch's ahead-of-time compiler: a `torch.export`
 #   program compiled to a C++ shared library in a `.pt2` package, loaded without Python tracing; the
 #   CPU compiler of this cookbook, where inf2 uses the Neuron compiler.

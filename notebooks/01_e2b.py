@@ -20,9 +20,10 @@
 #
 # ### Runs on
 #
-# The `smoke` profile runs on any x86-64 or arm64 CPU (two shared cores are enough); the `full`
-# profile on the inf2 instance in the status box below, whose every figure the library computes from
-# its plans or quotes from the field report, and which the record cell fills in with this run's own.
+# The [`smoke`](00_overview.ipynb#smoke) profile runs on any x86-64 or arm64 CPU (two shared cores are enough); the `full`
+# profile on the inf2 instance in the status box below. Its figures are computed by the library from its plans, or quoted
+# from AWS's published inf2 specification or the field report, each marked; the hourly cost is not stated (no
+# sourced price is kept here). The record cell adds this run's own.
 #
 # | | `full` profile (inf2) | `smoke` profile (any CPU) |
 # |---|---|---|
@@ -58,7 +59,8 @@ status = nb.status_box("e2b")  # figures from the library's plans; the record ce
 # It writes only into gitignored folders of the repository: the executed notebook in `runs/`, the
 # run record at `results_path` (relative to `--cwd notebooks`) and the compiled graphs in
 # `.cache/gemma4lib` (without `GEMMA4LIB_CACHE`: `~/.cache/gemma4lib`). `python -m papermill_runs run
-# --profile full` does the same for every notebook (`papermill_runs/profiles.json`). The Hugging
+# --profile full` does the same for the five variant notebooks and `00_overview`; it leaves out
+# `06_serving` and `07_serve`, which run on a CPU only (`papermill_runs/profiles.json`). The Hugging
 # Face token is read from `HF_TOKEN` in the environment, never from a parameter, so it never lands
 # in an executed notebook.
 
@@ -330,7 +332,9 @@ print(f"slots per buffer: {slots} (sliding: a ring of the window; full: the whol
 #   (AOTInductor) compiles it to C++ and writes one `.pt2` package. `options` are
 #   `compile_cpu.DEFAULT_COMPILER_OPTIONS`: the wrapper at `-O1` (a shorter compile of the C++ wrapper),
 #   `package_constants_in_so=False` (the weights are not inlined: the package is handed them at load,
-#   so one compile serves the trained model and the random [witness](00_overview.ipynb#witness)), `realize_opcount_threshold=8`
+#   so one compile can serve the trained model and the random [witness](00_overview.ipynb#witness); Inductor still
+#   folds a few tiny weights, such as q/k norms, into the program, so a model whose folded values
+#   differ gets a program of its own: the witness table says which happened), `realize_opcount_threshold=8`
 #   (stores the rotated query once instead of recomputing it per K/V slot).
 # - `torch._inductor.aoti_load_package(path)` loads it; `compile_cpu.load_weights` hands it the
 #   model's weights (shared, not copied).
@@ -389,7 +393,7 @@ if backend == "cpu":
 # on this CPU they print `skipped: backend=cpu` and nothing else. They have never been executed by
 # this project (the status box at the top); the tests run them against recording stand-ins for the
 # SDK, which checks the calls, not the compiler. `ModelBuilder` runs
-# at TP=1, like the larger variants: one prefill key and one decode key over a single set of K/V
+# at TP=1 here (the larger variants run it at TP=2 or TP=8), the same recipe as theirs: one prefill key and one decode key over a single set of K/V
 # states that stay on the NeuronCore, so a whole prompt is one device call rather than one decode step
 # per prompt token (`docs/ROOFLINE.md` computes both, unverified on inf2). The field report's author
 # traced E2B with `torch_neuronx.trace`, a device prefill and a decode over on-device K/V. This
@@ -405,8 +409,8 @@ if backend == "cpu":
 #   contiguous split gives each rank its shard (`nxd_checkpoint`; K/V heads already replicated where
 #   there are fewer than ranks). It is lazy (`mb.checkpoint_loader`): NxD calls it only in
 #   `shard_checkpoint`, so the compile runs without that second copy of the weights on the host.
-#   `trace()` wipes `compiler_workdir` and writes `{key}_{rank}.hlo` files into the current
-#   directory: the cell gives it a fresh work directory (removed on success, kept with the
+#   `trace()` wipes `compiler_workdir` and writes `{key}_{rank}.hlo` files ([HLO](00_overview.ipynb#hlo), the graph
+#   the Neuron compiler reads) into the current directory: the cell gives it a fresh work directory (removed on success, kept with the
 #   compiler's logs on failure) and a private current directory, the backend's own helpers.
 # - `builder.add(key, model_instance, example_inputs, compiler_args, priority_model_idx)` once per key,
 #   `prefill` (the largest [bucket](00_overview.ipynb#bucket) only: one compiled prompt length on inf2) and `decode`.
@@ -427,8 +431,8 @@ if backend == "cpu":
 # largest entry is the compiled prompt length) and run again; the cache key changes with them, so
 # each context keeps its own artifact. Long contexts also raise the compile's host RAM (inf2 users
 # report a long-context compile exhausting a large compile host
-# (16k tokens on a 128 GB host; source: inf2 users' reports, this project's anchor survey, 2026-12);
-# `python -m gemma4lib doctor` prints the estimate for the weights, computed and unverified on inf2.
+# (16k tokens on a 128 GB host; source: inf2 users' public issue reports, collected in this project's design notes, 2026-12);
+# `python -m gemma4lib doctor` ([`doctor`](00_overview.ipynb#doctor)) prints the estimate for the weights, computed and unverified on inf2.
 
 # %% tags=["lesson"]
 if backend == "neuron" and s.neuron_recipe == "trace":  # inf2-only: the one-graph recipe, E2B at TP=1
@@ -634,8 +638,12 @@ nb.answer_text(model, tokens)
 # same calls. Its table says whether the compiled programs were the trained run's very packages
 # (they are when the compiler folded no weight values into the program; where it folded some, the
 # random weights get packages of their own). Random weights have near-ties where the trained model
-# has margins, so any logit error turns into another token: the witness's SEQ_MATCH and LOGITS_MATCH
-# are the sensitive checks, the trained model's coherence the meaningful one.
+# has margins (the table prints the smallest gap between the top two logits), so a logit error larger than that
+# gap turns into another token: the witness's SEQ_MATCH is the check a tiny error trips. Its
+# LOGITS_MATCH is bounded by the random reference's own rounding [spread](00_overview.ipynb#spread), and that tolerance
+# can be wider than the smallest gap (the table's last row compares the two): an error between them
+# passes LOGITS_MATCH and is caught by SEQ_MATCH only where it flips a token. The trained model's
+# coherence is the meaningful check.
 
 # %%
 reference = reference_greedy(model.lm, ids, s.max_new_tokens, eos)

@@ -15,13 +15,14 @@
 # take the text model out of the encoder-free unified multimodal class, what `attention_k_eq_v`
 # means (full-attention layers take V from the K projection and have a single KV head), why inf2
 # compiles it with eager attention, and how a single KV head is replicated under
-# [tensor parallelism](00_overview.ipynb#tp) at TP=2. It runs at TP=2 through NxD `ModelBuilder`.
+# [tensor parallelism](00_overview.ipynb#tp) at TP=2. It runs at TP=2 through [NxD](00_overview.ipynb#nxd) `ModelBuilder`.
 #
 # ### Runs on
 #
-# The `smoke` profile runs on any x86-64 or arm64 CPU (two shared cores are enough); the `full`
-# profile on the inf2 instance in the status box below, whose every figure the library computes from
-# its plans or quotes from the [field report](00_overview.ipynb#field-report), and which the record cell fills in with this run's own.
+# The [`smoke`](00_overview.ipynb#smoke) profile runs on any x86-64 or arm64 CPU (two shared cores are enough); the `full`
+# profile on the inf2 instance in the status box below. Its figures are computed by the library from its plans, or quoted
+# from AWS's published inf2 specification or the [field report](00_overview.ipynb#field-report), each marked; the hourly cost is not stated (no
+# sourced price is kept here). The record cell adds this run's own.
 #
 # | | `full` profile (inf2) | `smoke` profile (any CPU) |
 # |---|---|---|
@@ -212,7 +213,7 @@ demos["attention"]
 # head, takes V from that head's `k_proj` (k_eq_v), attends, and multiplies by its columns of
 # `o_proj` (a row shard); the ranks' partial outputs summed (the all-reduce) must equal
 # transformers' attention.
-# Then the library's plan, and the [rank-graph](00_overview.ipynb#rank-graph) run at TP=2 (`tp_demo` CPU processes, gloo), which
+# Then the library's plan, and the [rank-graph](00_overview.ipynb#rank-graph) run at TP=2 (`tp_demo` CPU processes, [gloo](00_overview.ipynb#gloo)), which
 # exercises the replicated global head and the sharded sliding heads together; the full profile
 # skips that run (`tp_demo: 0`).
 #
@@ -285,7 +286,7 @@ else:
 #
 # The compiled decode graph's K/V inputs, layer by layer: the k_eq_v full layers compiled without a
 # `v_proj` and still take a K and a V buffer, wider (`global_head_dim`) and with fewer heads than
-# the sliding layers', and a full-length one where the sliding layers keep a ring of the window.
+# the sliding layers', and a full-length one where the sliding layers keep a [ring](00_overview.ipynb#ring) of the window.
 # Then the released 12B's K + V per attention type (bf16, at the context the status box plans for,
 # which the cell prints; not the context of this run's graph, which the table's shapes show):
 # its few full layers hold a small share of the cache because they have a single KV head. Last, the
@@ -335,12 +336,14 @@ display(nb.Table(columns, rows, f"the rank graph at TP={rank_tp} against the one
 # As in `01_e2b` §4: `runtime.generate` is the engine's admit, step and release for one prompt.
 #
 # ## 5. The reference
-# As in `01_e2b` §5: transformers' greedy decode of the prompt on the host, in float32.
+# As in `01_e2b` §5: transformers' greedy decode of the prompt on the host (fp32 in the smoke
+# profile, the checkpoint's bf16 with the Neuron backend).
 #
 # ## 6. SEQ_MATCH, LOGITS_MATCH and coherence
 # As in `01_e2b` §6: tokens and logits against that reference, the answer against `expect`, then
 # the [witness](00_overview.ipynb#witness) (`False` in its "same compiled programs" row where the
-# compiler folded tiny weights in: it then compiles its own, by the same calls).
+# compiler folded tiny weights in: it then compiles its own, by the same calls). Its SEQ_MATCH is the check a tiny
+# error trips at a near-tie; its LOGITS_MATCH tolerance, the random model's own spread, can be wider than the gap (last row).
 
 # %%
 eos = eos_ids(model)
@@ -415,6 +418,8 @@ plots.measured_vs_ceiling([ceiling, ceiling["released_inf2"]])
 # - Force eager attention for inf2: it gives the same tokens (the logits differ by the amount the
 #   cell printed) and, per the field report, it fits the compiler.
 # - A single global KV head is replicated on every rank under TP.
+# - A sliding layer needs only its window of K/V, a [ring](00_overview.ipynb#ring) of `sliding_window` slots, where a
+#   global layer holds the whole context: the K/V table above prints both sizes.
 #
 # To run the real thing, see the parameters cell: `profile="full"`, `backend="neuron"`,
 # `tp_degree=2` and a checkpoint. The same cells then take the inf2 branch of section 3, which

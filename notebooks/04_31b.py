@@ -19,9 +19,10 @@
 #
 # ### Runs on
 #
-# The `smoke` profile runs on any x86-64 or arm64 CPU (two shared cores are enough); the `full`
-# profile on the inf2 instance in the status box below, whose every figure the library computes from
-# its plans or quotes from the field report, and which the record cell fills in with this run's own.
+# The [`smoke`](00_overview.ipynb#smoke) profile runs on any x86-64 or arm64 CPU (two shared cores are enough); the `full`
+# profile on the inf2 instance in the status box below. Its figures are computed by the library from its plans, or quoted
+# from AWS's published inf2 specification or the field report, each marked; the hourly cost is not stated (no
+# sourced price is kept here). The record cell adds this run's own.
 #
 # | | `full` profile (inf2) | `smoke` profile (any CPU) |
 # |---|---|---|
@@ -139,7 +140,7 @@ nb.show_prompt(model, ids)
 # size. Its bf16 weights do not fit fewer than eight NeuronCores with room for K/V (the table below,
 # computed from the plan, unverified on inf2), so the 31B needs an `inf2.24xlarge` and TP=8, as the
 # field report ran it. The hand-driven [TP](00_overview.ipynb#tp) recipe that carried E4B in the field
-# report (NxD's `parallel_model_trace`, one process per rank, every process tracing on the same host)
+# report ([NxD](00_overview.ipynb#nxd)'s `parallel_model_trace`, one process per rank, every process tracing on the same host)
 # ran out of host memory at this size, and serialising its result deadlocked. NxD `ModelBuilder`
 # compiles one rank in one process and shards the weights per rank, which is what scales. Its compile
 # holds the host model and, while it writes the shards, the NxD-arranged checkpoint: about two copies
@@ -150,7 +151,7 @@ nb.show_prompt(model, ids)
 # - **What the plan counts**: this process, the host model, both keys' modules at one rank's shard
 #   size, and the NxD checkpoint, which this port's loader builds lazily, only when
 #   `shard_checkpoint` asks for it, with one rank's file being written at a time.
-# - **What it leaves out**: the Neuron compiler's own RAM (`neuronx-cc` compiling each key's HLO,
+# - **What it leaves out**: the Neuron compiler's own RAM (`neuronx-cc` compiling each key's [HLO](00_overview.ipynb#hlo),
 #   never measured here; a measured peak includes it, the plan does not), and anything a different
 #   port holds. The field report's port built its
 #   checkpoint eagerly, beside the module and every rank's shard: about three copies of the
@@ -309,12 +310,14 @@ display(nb.Table(columns, rows, f"the rank graph at TP={rank_tp} against the one
 # As in `01_e2b` §4: `runtime.generate` is the engine's admit, step and release for one prompt.
 #
 # ## 5. The reference
-# As in `01_e2b` §5: transformers' greedy decode of the prompt on the host, in float32.
+# As in `01_e2b` §5: transformers' greedy decode of the prompt on the host (fp32 in the smoke
+# profile, the checkpoint's bf16 with the Neuron backend).
 #
 # ## 6. SEQ_MATCH, LOGITS_MATCH and coherence
 # As in `01_e2b` §6: tokens and logits against that reference, the answer against `expect`, then
 # the [witness](00_overview.ipynb#witness) (`False` in its "same compiled programs" row where the
-# compiler folded tiny weights in: it then compiles its own, by the same calls).
+# compiler folded tiny weights in: it then compiles its own, by the same calls). Its SEQ_MATCH is the check a tiny
+# error trips at a near-tie; its LOGITS_MATCH tolerance, the random model's own spread, can be wider than the gap (last row).
 
 # %%
 eos = eos_ids(model)
@@ -414,6 +417,8 @@ plots.measured_vs_ceiling([ceiling, ceiling["released_inf2"]])
 #   needs the host model and the sharded checkpoint at once, never a NeuronCore.
 # - Build prompts with the tokenizer's chat template. `SEQ_MATCH True` on nonsense is the signature
 #   of an input problem, and only the coherence check reports it.
+# - A witness whose folded q/k norms differ gets programs of its own (its "same compiled programs" row),
+#   compiled by the same calls, and it is checked against its own reference all the same.
 #
 # To run the real thing, see the parameters cell: `profile="full"`, `backend="neuron"`,
 # `tp_degree=8` and a checkpoint. The same cells then take the inf2 branch of section 3, which

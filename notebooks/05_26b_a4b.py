@@ -16,13 +16,14 @@
 # **You will learn** the router line by line, why the experts must be made static before anything
 # can trace them, why "A4B" (about four billion active parameters) does not shrink the memory but can shrink the bytes a decode step
 # reads, and the family's most instructive bug: a rank read at trace time. It runs at TP=8
-# ([tensor parallelism](00_overview.ipynb#tp) over eight NeuronCores) through NxD `ModelBuilder`, each rank holding a slice of every expert.
+# ([tensor parallelism](00_overview.ipynb#tp) over eight NeuronCores) through [NxD](00_overview.ipynb#nxd) `ModelBuilder`, each rank holding a slice of every expert.
 #
 # ### Runs on
 #
-# The `smoke` profile runs on any x86-64 or arm64 CPU (two shared cores are enough); the `full`
-# profile on the inf2 instance in the status box below, whose every figure the library computes from
-# its plans or quotes from the [field report](00_overview.ipynb#field-report), and which the record cell fills in with this run's own.
+# The [`smoke`](00_overview.ipynb#smoke) profile runs on any x86-64 or arm64 CPU (two shared cores are enough); the `full`
+# profile on the inf2 instance in the status box below. Its figures are computed by the library from its plans, or quoted
+# from AWS's published inf2 specification or the [field report](00_overview.ipynb#field-report), each marked; the hourly cost is not stated (no
+# sourced price is kept here). The record cell adds this run's own.
 #
 # | | `full` profile (inf2) | `smoke` profile (any CPU) |
 # |---|---|---|
@@ -221,7 +222,7 @@ demos["expert_forms"]
 # need an `inf2.24xlarge` anyway). What top-k
 # routing can save is bandwidth, if decode reads only the routed experts, and under [TP](00_overview.ipynb#tp) that depends on
 # how the experts are shared by the ranks. The cell first derives the bytes one decode step reads from
-# the released config, then asks the roofline for one decode step at TP=8 on `inf2.24xlarge` (ring
+# the released config, then asks the roofline for one decode step at TP=8 on `inf2.24xlarge` ([ring](00_overview.ipynb#ring)
 # K/V, selective experts) under both splits; the figures are in its table:
 #
 # - **whole experts per rank** (the field report's split, `expert_split="experts"`): static shapes
@@ -388,12 +389,14 @@ display(nb.Table(columns, rows, f"one MoE layer of the rank graph, TP={rank_tp},
 # As in `01_e2b` §4: `runtime.generate` is the engine's admit, step and release for one prompt.
 #
 # ## 5. The reference
-# As in `01_e2b` §5: transformers' greedy decode of the prompt on the host, in float32.
+# As in `01_e2b` §5: transformers' greedy decode of the prompt on the host (fp32 in the smoke
+# profile, the checkpoint's bf16 with the Neuron backend).
 #
 # ## 6. SEQ_MATCH, LOGITS_MATCH and coherence
 # As in `01_e2b` §6: tokens and logits against that reference, the answer against `expect`, then
 # the [witness](00_overview.ipynb#witness) (`False` in its "same compiled programs" row where the
-# compiler folded tiny weights in: it then compiles its own, by the same calls).
+# compiler folded tiny weights in: it then compiles its own, by the same calls). Its SEQ_MATCH is the check a tiny
+# error trips at a near-tie; its LOGITS_MATCH tolerance, the random model's own spread, can be wider than the gap (last row).
 
 # %%
 eos = eos_ids(model)

@@ -25,7 +25,7 @@
 #
 # ### Runs on
 #
-# | | `smoke` profile (any CPU) | inf2 |
+# | | [`smoke`](00_overview.ipynb#smoke) profile (any CPU) | inf2 |
 # |---|---|---|
 # | machine | any x86-64 or arm64 machine; two shared cores are enough | `inf2.xlarge` for E2B (the field report's instance; this notebook's inf2 figures are computed, never run there) |
 # | model | the tiny trained E2B ([PLE](00_overview.ipynb#ple) + [KV sharing](00_overview.ipynb#kv-sharing)) and its tiny trained assistant (distilled against the target here; shapes and training: `gemma4lib/fixtures/PROVENANCE.json`) | `google/gemma-4-E2B-it` and `google/gemma-4-e2b-it-assistant` |
@@ -266,11 +266,12 @@ for (question, _), row in zip(rows, generation.rows, strict=True):
 # and coherence (the row's own capital). A bug in per-row positions or masks usually shows up in
 # the shorter rows only. A long row can look perfect while a short one reads padding.
 #
-# The **[witness](00_overview.ipynb#witness)** runs seeded random weights through the same batched graphs, with the witness
+# The **[witness](00_overview.ipynb#witness)** runs seeded random weights through the same batched recipe, with the witness
 # prompt in every row. It has near-ties where the trained model has wide margins, so a small
-# logit error turns into a different token there. (Its first run compiles the graphs once more:
-# Inductor folds a few tiny weights, such as the q/k norms, into the program, and other values
-# get a cache entry of their own.)
+# logit error turns into a different token there. Whether it runs the very programs compiled
+# above depends on the compiler: Inductor folds a few tiny weights (such as q/k norms) into the
+# program, and where the witness's folded values differ it compiles programs of its own, by the
+# same calls. The cell prints which happened, from the two runs' artifacts.
 
 # %%
 judged = []
@@ -285,9 +286,11 @@ prompts = [PromptRow(ids, capital, question) for ids, (question, capital) in zip
 batch_rows = row_records(prompts, judged, batch_device_run)
 batch_ok = {key: all(r[key] for r in batch_rows) for key in ("seq_match", "logits_match", "coherent")}
 print(f"SEQ_MATCH {batch_ok['seq_match']}  LOGITS_MATCH {batch_ok['logits_match']}  coherent {batch_ok['coherent']}")
-witness = run_witness(batch, artifacts=batch_artifacts)  # the same batched programs, the witness prompt per row
+witness = run_witness(batch, artifacts=batch_artifacts)  # the batched recipe, the witness prompt in every row
 display(nb.batch_rows_table(batch_rows))
-print(f"witness (random weights through the same batched graphs, every row): passed {witness['passed']}")
+shared = witness.get("same_programs")  # the witness's artifacts against the ones compiled above
+programs = {True: "the same compiled programs", False: "programs of its own (folded weights differ)"}.get(shared, "?")
+print(f"witness (random weights, batched, every row): passed {witness['passed']}; it ran {programs}")
 
 # %% [markdown]
 # ## 3. Drafting with Gemma-4's own assistant

@@ -24,7 +24,7 @@
 #
 # ### Runs on
 #
-# | | `smoke` profile (any CPU) | inf2 |
+# | | [`smoke`](00_overview.ipynb#smoke) profile (any CPU) | inf2 |
 # |---|---|---|
 # | machine | any x86-64 or arm64 machine; two shared cores are enough | `inf2.xlarge` per E2B replica, compiled on an `inf2.8xlarge` (the plan's choice, computed and unverified on inf2: see `01_e2b`) |
 # | model | the tiny trained E2B, batched graphs compiled with [AOTInductor](00_overview.ipynb#aotinductor) (06_serving's, from the cache) | `google/gemma-4-E2B-it`, ModelBuilder's [NEFFs](00_overview.ipynb#neff) from an exported bundle |
@@ -343,7 +343,7 @@ print("\n".join(line for line in server.log_tail(4000).splitlines() if "drain" i
 # restarts a replica that dies and, if you ask it, scales their number with the load.
 #
 # **Why a bundle per replica.** Compiling E2B's graphs is the slow step and, by the compile-host plan
-# (`01_e2b`, `doctor`; computed, unverified on inf2), needs more host RAM than the instance that
+# (`01_e2b`, [`doctor`](00_overview.ipynb#doctor); computed, unverified on inf2), needs more host RAM than the instance that
 # serves it has. A replica must not compile: it loads the
 # compiled NEFFs and weight shards that `export` wrote once, on a bigger host (`python -m gemma4lib
 # export --variant e2b --out bundles/e2b`). Loading never compiles and checks that the bundle fits
@@ -430,7 +430,9 @@ print(f"this notebook ran in {record['wall_s']:.0f} s")
 #   requests into free rows between decode steps and frees a row the moment its request ends. The
 #   HTTP side only queues requests and streams their text.
 # - Continuous batching fills rows that would otherwise idle, so total tokens/s can grow with the
-#   number of clients up to the number of rows; beyond it, requests queue and wait for a row.
+#   number of clients while rows are free. Past the number of rows, requests queue and wait for a
+#   row; whether tokens/s still grows there (the rows stay full, admissions overlap) is what this
+#   run's table shows, not a rule.
 #   Every admission's prefill pauses the other rows, so a row that joins alone prefills through a
 #   single-row graph over its own slice of the K/V, not the batch's fixed-shape prefill; the table
 #   above shows what the levels gave on this run.

@@ -9,7 +9,6 @@ logic, tiny models, a few new tokens. The AOTInductor runs are `slow`.
 from __future__ import annotations
 
 import pytest
-import torch
 
 from gemma4lib.errors import ImageInputError, NoVisionError, PromptTooLongError, TooManyImagesError
 from gemma4lib.models import vision

@@ -221,6 +221,29 @@ def side_by_side(report: checks.CheckReport, device_tokens: Any = (), reference_
     )
 
 
+def _tolerance_vs_margin(witness: Mapping[str, Any]) -> list[Any]:
+    """The witness's LOGITS_MATCH tolerance against its smallest top-1 − top-2 gap: which check a
+    small logit error can trip. Swapping the two closest logits takes some logit moving by at least
+    half their gap: a tolerance under that fails every such error, a wider one lets some through to
+    SEQ_MATCH."""
+    tolerance, margin = witness.get("logits_tolerance"), witness.get("reference_min_margin")
+    label = "LOGITS_MATCH tolerance against half that margin"
+    if tolerance is None or not margin:
+        return [label, "—", ""]
+    if tolerance >= margin / 2:
+        return [
+            label,
+            f"wider: {tolerance:.3g} = {tolerance / (margin / 2):.3g} × {margin / 2:.3g}",
+            "the tolerance, set by the reference's own spread, lets through an error that can flip the closest "
+            "near-tie: SEQ_MATCH is the check that catches it",
+        ]
+    return [
+        label,
+        f"narrower: {tolerance:.3g} < {margin / 2:.3g}",
+        "an error that flips the closest near-tie also fails LOGITS_MATCH",
+    ]
+
+
 def witness_table(witness: Mapping[str, Any] | None) -> Table:
     """The witness's checks: a random model has near-ties where the trained one has margins of
     several logits, so a logit error the trained run absorbs changes the witness's tokens."""
@@ -247,6 +270,7 @@ def witness_table(witness: Mapping[str, Any] | None) -> Table:
         ],
         ["LOGITS_MATCH", witness.get("logits_match"), witness.get("logits_explain") or ""],
         ["same compiled programs as the trained run", witness.get("same_programs", "—"), ""],
+        _tolerance_vs_margin(witness),
     ]
     return Table(["", "witness", ""], rows, "witness: PASS" if witness.get("passed") else "witness: FAIL")
 
@@ -261,7 +285,8 @@ def bench_table(figures: BenchFigures, settings: PortSettings, ceiling: Mapping[
         return (
             f"{with_unit(row['ceiling_tok_s'], 'tok/s')} = {with_unit(row['bandwidth_gb_s'], 'GB/s')} ({source}) / "
             f"{with_unit(b['total'] / 1e6, 'MB')} per step "
-            f"({with_unit(b['weights'] / 1e6, 'MB')} weights + {with_unit(b['kv'] / 1e6, 'MB')} K/V{kv_note})"
+            f"({with_unit(b['weights'] / 1e6, 'MB')} weights + {with_unit(b['kv'] / 1e6, 'MB')} K/V"
+            f"{', sliding layers in a ring' if b.get('ring') else ', full length (no ring)'}{kv_note})"
         )
 
     rows = [
@@ -281,9 +306,13 @@ def bench_table(figures: BenchFigures, settings: PortSettings, ceiling: Mapping[
             roof(released, "HBM", ", each KV head once"),  # the status box counts a replicated head per core
         ],
         [
-            "fraction of the ceiling reached",
-            f"{ceiling['roofline_fraction']:.0%}",
-            f"{released['roofline_fraction']:.0%} (field report)" if released["roofline_fraction"] else "—",
+            "decode / ceiling",
+            f"{ceiling['roofline_fraction']:.0%} (this run / its ceiling)",
+            # the field report's speed came from its own recipe; the ceiling is this plan's
+            f"{released['roofline_fraction']:.0%} = field report's speed / this plan's ceiling (computed; "
+            "its recipe was not this plan's)"
+            if released["roofline_fraction"]
+            else "—",
         ],
         ["timed runs / warm-up / threads", f"{figures.iters} / {figures.warmup} / {figures.threads}", ""],
     ]

@@ -263,8 +263,9 @@ def memory_budget(rows: Sequence[Mapping[str, Any]], title: str = "bf16 weights 
     fig = Figure(figsize=(7, 3))
     ax = fig.add_subplot()
     names = [r["variant"] for r in rows]
-    device = [r["device_gb_per_core"] for r in rows]
-    host = [r.get("host_gb") or 0.0 for r in rows]
+    gib = 1.073741824  # GB per GiB: the plot is in GiB, the unit the tables give a core's HBM in
+    device = [r["device_gb_per_core"] / gib for r in rows]
+    host = [(r.get("host_gb") or 0.0) / gib for r in rows]
     ax.bar(names, device, color=SLIDING_COLOUR, label="on device, per core")
     ax.bar(
         names,
@@ -275,9 +276,9 @@ def memory_budget(rows: Sequence[Mapping[str, Any]], title: str = "bf16 weights 
         hatch="//",
         label="kept on the host (PLE table)",
     )
-    capacity = rows[0].get("capacity_gb", 16 * 1.073741824)
-    ax.axhline(capacity, color=BAD, linestyle="--", label=f"one core's HBM ({capacity:.1f} GB)")
-    ax.set_ylabel("GB")
+    capacity = rows[0].get("capacity_gb", 16 * gib) / gib
+    ax.axhline(capacity, color=BAD, linestyle="--", label=f"one core's HBM ({capacity:.0f} GiB)")
+    ax.set_ylabel("GiB")
     ax.set_title(title, fontsize=10)
     ax.legend(fontsize=7)
     return fig

@@ -72,7 +72,8 @@ def _inf2_rows(name: str) -> list[tuple[str, str, str]]:
         ("recipe", f"NxD `{v.recipe}` at [TP]({GLOSSARY}#tp)={v.tp_degree}", "this cookbook's plan (`Variant.recipe`)"),
         (
             "memory per NeuronCore",
-            f"{core.weights_gib:.1f} GiB weights + {core.kv_gib:.2f} GiB K/V at {core.context_length:,} tokens "
+            f"{core.weights_gib:.1f} GiB weights + {core.kv_gib:.2f} GiB K/V at {core.context_length:,} tokens, "
+            f"{'sliding layers in a ring' if core.ring else 'full length (no ring)'} "
             "(this core's KV heads: a head replicated under TP counted on every rank that keeps a copy) + "
             f"{core.working_gib:.1f} GiB working = {core.total_gib:.1f} of {core.capacity_gib:.0f} GiB",
             "computed (`memory_plan`), unverified on inf2",

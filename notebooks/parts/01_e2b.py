@@ -21,9 +21,10 @@ inf2.xlarge
 #
 # ### Runs on
 #
-# The `smoke` profile runs on any x86-64 or arm64 CPU (two shared cores are enough); the `full`
-# profile on the inf2 instance in the status box below, whose every figure the library computes from
-# its plans or quotes from the field report, and which the record cell fills in with this run's own.
+# The [`smoke`](00_overview.ipynb#smoke) profile runs on any x86-64 or arm64 CPU (two shared cores are enough); the `full`
+# profile on the inf2 instance in the status box below. Its figures are computed by the library from its plans, or quoted
+# from AWS's published inf2 specification or the field report, each marked; the hourly cost is not stated (no
+# sourced price is kept here). The record cell adds this run's own.
 #
 # | | `full` profile (inf2) | `smoke` profile (any CPU) |
 # |---|---|---|
@@ -86,7 +87,7 @@ plots.kv_layout(nb.real_layout("e2b"), "released E2B: who owns K/V, who borrows 
 # For E2B the graph takes two host-side inputs: the scaled word embeddings and the PLE inputs, one
 # vector per layer per token (`per_layer_inputs`, whose shape the cell below prints).
 # -- part: compile_note --
-# at TP=1, like the larger variants: one prefill key and one decode key over a single set of K/V
+# at TP=1 here (the larger variants run it at TP=2 or TP=8), the same recipe as theirs: one prefill key and one decode key over a single set of K/V
 # states that stay on the NeuronCore, so a whole prompt is one device call rather than one decode step
 # per prompt token (`docs/ROOFLINE.md` computes both, unverified on inf2). The field report's author
 # traced E2B with `torch_neuronx.trace`, a device prefill and a decode over on-device K/V. This

@@ -20,9 +20,10 @@ inf2.24xlarge
 #
 # ### Runs on
 #
-# The `smoke` profile runs on any x86-64 or arm64 CPU (two shared cores are enough); the `full`
-# profile on the inf2 instance in the status box below, whose every figure the library computes from
-# its plans or quotes from the field report, and which the record cell fills in with this run's own.
+# The [`smoke`](00_overview.ipynb#smoke) profile runs on any x86-64 or arm64 CPU (two shared cores are enough); the `full`
+# profile on the inf2 instance in the status box below. Its figures are computed by the library from its plans, or quoted
+# from AWS's published inf2 specification or the field report, each marked; the hourly cost is not stated (no
+# sourced price is kept here). The record cell adds this run's own.
 #
 # | | `full` profile (inf2) | `smoke` profile (any CPU) |
 # |---|---|---|
@@ -39,7 +40,7 @@ tp_demo = 4  # ranks of the rank-graph run on CPU processes (0: skip)
 # size. Its bf16 weights do not fit fewer than eight NeuronCores with room for K/V (the table below,
 # computed from the plan, unverified on inf2), so the 31B needs an `inf2.24xlarge` and TP=8, as the
 # field report ran it. The hand-driven [TP](00_overview.ipynb#tp) recipe that carried E4B in the field
-# report (NxD's `parallel_model_trace`, one process per rank, every process tracing on the same host)
+# report ([NxD](00_overview.ipynb#nxd)'s `parallel_model_trace`, one process per rank, every process tracing on the same host)
 # ran out of host memory at this size, and serialising its result deadlocked. NxD `ModelBuilder`
 # compiles one rank in one process and shards the weights per rank, which is what scales. Its compile
 # holds the host model and, while it writes the shards, the NxD-arranged checkpoint: about two copies
@@ -50,7 +51,7 @@ tp_demo = 4  # ranks of the rank-graph run on CPU processes (0: skip)
 # - **What the plan counts**: this process, the host model, both keys' modules at one rank's shard
 #   size, and the NxD checkpoint, which this port's loader builds lazily, only when
 #   `shard_checkpoint` asks for it, with one rank's file being written at a time.
-# - **What it leaves out**: the Neuron compiler's own RAM (`neuronx-cc` compiling each key's HLO,
+# - **What it leaves out**: the Neuron compiler's own RAM (`neuronx-cc` compiling each key's [HLO](00_overview.ipynb#hlo),
 #   never measured here; a measured peak includes it, the plan does not), and anything a different
 #   port holds. The field report's port built its
 #   checkpoint eagerly, beside the module and every rank's shard: about three copies of the
@@ -200,3 +201,5 @@ demos["equality_is_not_enough"]
 #   needs the host model and the sharded checkpoint at once, never a NeuronCore.
 # - Build prompts with the tokenizer's chat template. `SEQ_MATCH True` on nonsense is the signature
 #   of an input problem, and only the coherence check reports it.
+# - A witness whose folded q/k norms differ gets programs of its own (its "same compiled programs" row),
+#   compiled by the same calls, and it is checked against its own reference all the same.

@@ -17,13 +17,14 @@ inf2.24xlarge
 # **You will learn** the router line by line, why the experts must be made static before anything
 # can trace them, why "A4B" (about four billion active parameters) does not shrink the memory but can shrink the bytes a decode step
 # reads, and the family's most instructive bug: a rank read at trace time. It runs at TP=8
-# ([tensor parallelism](00_overview.ipynb#tp) over eight NeuronCores) through NxD `ModelBuilder`, each rank holding a slice of every expert.
+# ([tensor parallelism](00_overview.ipynb#tp) over eight NeuronCores) through [NxD](00_overview.ipynb#nxd) `ModelBuilder`, each rank holding a slice of every expert.
 #
 # ### Runs on
 #
-# The `smoke` profile runs on any x86-64 or arm64 CPU (two shared cores are enough); the `full`
-# profile on the inf2 instance in the status box below, whose every figure the library computes from
-# its plans or quotes from the [field report](00_overview.ipynb#field-report), and which the record cell fills in with this run's own.
+# The [`smoke`](00_overview.ipynb#smoke) profile runs on any x86-64 or arm64 CPU (two shared cores are enough); the `full`
+# profile on the inf2 instance in the status box below. Its figures are computed by the library from its plans, or quoted
+# from AWS's published inf2 specification or the [field report](00_overview.ipynb#field-report), each marked; the hourly cost is not stated (no
+# sourced price is kept here). The record cell adds this run's own.
 #
 # | | `full` profile (inf2) | `smoke` profile (any CPU) |
 # |---|---|---|
@@ -121,7 +122,7 @@ demos["expert_forms"]
 # need an `inf2.24xlarge` anyway). What top-k
 # routing can save is bandwidth, if decode reads only the routed experts, and under [TP](00_overview.ipynb#tp) that depends on
 # how the experts are shared by the ranks. The cell first derives the bytes one decode step reads from
-# the released config, then asks the roofline for one decode step at TP=8 on `inf2.24xlarge` (ring
+# the released config, then asks the roofline for one decode step at TP=8 on `inf2.24xlarge` ([ring](00_overview.ipynb#ring)
 # K/V, selective experts) under both splits; the figures are in its table:
 #
 # - **whole experts per rank** (the field report's split, `expert_split="experts"`): static shapes

@@ -41,7 +41,8 @@ status = nb.status_box("{{variant}}")  # figures from the library's plans; the r
 # It writes only into gitignored folders of the repository: the executed notebook in `runs/`, the
 # run record at `results_path` (relative to `--cwd notebooks`) and the compiled graphs in
 # `.cache/gemma4lib` (without `GEMMA4LIB_CACHE`: `~/.cache/gemma4lib`). `python -m papermill_runs run
-# --profile full` does the same for every notebook (`papermill_runs/profiles.json`). The Hugging
+# --profile full` does the same for the five variant notebooks and `00_overview`; it leaves out
+# `06_serving` and `07_serve`, which run on a CPU only (`papermill_runs/profiles.json`). The Hugging
 # Face token is read from `HF_TOKEN` in the environment, never from a parameter, so it never lands
 # in an executed notebook.
 
@@ -282,7 +283,9 @@ else:
 #   (AOTInductor) compiles it to C++ and writes one `.pt2` package. `options` are
 #   `compile_cpu.DEFAULT_COMPILER_OPTIONS`: the wrapper at `-O1` (a shorter compile of the C++ wrapper),
 #   `package_constants_in_so=False` (the weights are not inlined: the package is handed them at load,
-#   so one compile serves the trained model and the random [witness](00_overview.ipynb#witness)), `realize_opcount_threshold=8`
+#   so one compile can serve the trained model and the random [witness](00_overview.ipynb#witness); Inductor still
+#   folds a few tiny weights, such as q/k norms, into the program, so a model whose folded values
+#   differ gets a program of its own: the witness table says which happened), `realize_opcount_threshold=8`
 #   (stores the rotated query once instead of recomputing it per K/V slot).
 # - `torch._inductor.aoti_load_package(path)` loads it; `compile_cpu.load_weights` hands it the
 #   model's weights (shared, not copied).
@@ -348,8 +351,8 @@ if backend == "cpu":
 #   contiguous split gives each rank its shard (`nxd_checkpoint`; K/V heads already replicated where
 #   there are fewer than ranks). It is lazy (`mb.checkpoint_loader`): NxD calls it only in
 #   `shard_checkpoint`, so the compile runs without that second copy of the weights on the host.
-#   `trace()` wipes `compiler_workdir` and writes `{key}_{rank}.hlo` files into the current
-#   directory: the cell gives it a fresh work directory (removed on success, kept with the
+#   `trace()` wipes `compiler_workdir` and writes `{key}_{rank}.hlo` files ([HLO](00_overview.ipynb#hlo), the graph
+#   the Neuron compiler reads) into the current directory: the cell gives it a fresh work directory (removed on success, kept with the
 #   compiler's logs on failure) and a private current directory, the backend's own helpers.
 # - `builder.add(key, model_instance, example_inputs, compiler_args, priority_model_idx)` once per key,
 #   `prefill` (the largest [bucket](00_overview.ipynb#bucket) only: one compiled prompt length on inf2) and `decode`.
@@ -370,8 +373,8 @@ if backend == "cpu":
 # largest entry is the compiled prompt length) and run again; the cache key changes with them, so
 # each context keeps its own artifact. Long contexts also raise the compile's host RAM (inf2 users
 # report a long-context compile exhausting a large compile host
-# (16k tokens on a 128 GB host; source: inf2 users' reports, this project's anchor survey, 2026-12);
-# `python -m gemma4lib doctor` prints the estimate for the weights, computed and unverified on inf2.
+# (16k tokens on a 128 GB host; source: inf2 users' public issue reports, collected in this project's design notes, 2026-12);
+# `python -m gemma4lib doctor` ([`doctor`](00_overview.ipynb#doctor)) prints the estimate for the weights, computed and unverified on inf2.
 
 {{neuron_trace}}
 
@@ -514,8 +517,12 @@ nb.answer_text(model, tokens)
 # same calls. Its table says whether the compiled programs were the trained run's very packages
 # (they are when the compiler folded no weight values into the program; where it folded some, the
 # random weights get packages of their own). Random weights have near-ties where the trained model
-# has margins, so any logit error turns into another token: the witness's SEQ_MATCH and LOGITS_MATCH
-# are the sensitive checks, the trained model's coherence the meaningful one.
+# has margins (the table prints the smallest gap between the top two logits), so a logit error larger than that
+# gap turns into another token: the witness's SEQ_MATCH is the check a tiny error trips. Its
+# LOGITS_MATCH is bounded by the random reference's own rounding [spread](00_overview.ipynb#spread), and that tolerance
+# can be wider than the smallest gap (the table's last row compares the two): an error between them
+# passes LOGITS_MATCH and is caught by SEQ_MATCH only where it flips a token. The trained model's
+# coherence is the meaningful check.
 
 # %%
 reference = reference_greedy(model.lm, ids, s.max_new_tokens, eos)
@@ -540,12 +547,14 @@ display(nb.witness_table(witness))
 # As in `01_e2b` §4: `runtime.generate` is the engine's admit, step and release for one prompt.
 #
 # ## 5. The reference
-# As in `01_e2b` §5: transformers' greedy decode of the prompt on the host, in float32.
+# As in `01_e2b` §5: transformers' greedy decode of the prompt on the host (fp32 in the smoke
+# profile, the checkpoint's bf16 with the Neuron backend).
 #
 # ## 6. SEQ_MATCH, LOGITS_MATCH and coherence
 # As in `01_e2b` §6: tokens and logits against that reference, the answer against `expect`, then
 # the [witness](00_overview.ipynb#witness) (`False` in its "same compiled programs" row where the
-# compiler folded tiny weights in: it then compiles its own, by the same calls).
+# compiler folded tiny weights in: it then compiles its own, by the same calls). Its SEQ_MATCH is the check a tiny
+# error trips at a near-tie; its LOGITS_MATCH tolerance, the random model's own spread, can be wider than the gap (last row).
 
 # %%
 eos = eos_ids(model)
