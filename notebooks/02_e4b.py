@@ -146,9 +146,10 @@ nb.show_prompt(model, ids)
 # (computed from bytes per step, the status box's decode step; unverified on inf2).
 # Each rank takes half the Q heads and exactly one KV head: sharded, not copied (the second table).
 #
-# The field report did this with a hand-driven recipe, NxD's `parallel_model_trace`, which starts one
-# process per rank (each re-imports the SDK, without the fixes this cookbook installs) and is no
-# longer supported since SDK release 2.27 (source: the Neuron SDK's NxD announcement, as this project's design notes record it, read 2026-12-02). So on inf2 this notebook compiles with `ModelBuilder` at TP=2, the
+# The field report did this with a hand-driven recipe it calls `tp_alias` (its tracer holds every rank
+# on one host; this cookbook reads it as NxD's `parallel_model_trace`, which the report does not name:
+# unverified). That tracer starts one process per rank (each re-imports the SDK, without the fixes this
+# cookbook installs) and is no longer supported since SDK release 2.27 (source: the Neuron SDK's NxD announcement, as this project's design notes record it, read 2026-12-02). So on inf2 this notebook compiles with `ModelBuilder` at TP=2, the
 # recipe of the 12B, 31B and 26B-A4B: one process, one rank compiled, the weights sharded per rank.
 # What TP *is* stays this notebook's lesson, done by hand below.
 
@@ -432,7 +433,7 @@ status.finish(result)  # the status box at the top now shows this run's figures 
 # As in `01_e2b` §10: the timed runs, and decode against its ceilings; the token grid only if a
 # token differs.
 # The released model's measured bar is the field report's decode figure (the status box), measured with its hand-driven
-# TP recipe (`parallel_model_trace`), not with the ModelBuilder recipe this notebook compiles.
+# TP recipe (`tp_alias`), not with the ModelBuilder recipe this notebook compiles.
 # %%
 if result["tokens"] != result["reference_tokens"]:  # the grid shows only where a token differs
     display(plots.token_match(result, model))

@@ -140,7 +140,7 @@ nb.show_prompt(model, ids)
 # size. Its bf16 weights do not fit fewer than eight NeuronCores with room for K/V (the table below,
 # computed from the plan, unverified on inf2), so the 31B needs an `inf2.24xlarge` and TP=8, as the
 # field report ran it. The hand-driven [TP](00_overview.ipynb#tp) recipe that carried E4B in the field
-# report ([NxD](00_overview.ipynb#nxd)'s `parallel_model_trace`, one process per rank, every process tracing on the same host)
+# report (its `tp_alias`, every rank traced on the same host; read here as [NxD](00_overview.ipynb#nxd)'s `parallel_model_trace`, which the report does not name)
 # ran out of host memory at this size, and serialising its result deadlocked. NxD `ModelBuilder`
 # compiles one rank in one process and shards the weights per rank, which is what scales. Its compile
 # holds the host model and, while it writes the shards, the NxD-arranged checkpoint: about two copies

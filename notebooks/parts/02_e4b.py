@@ -46,9 +46,10 @@ tp_demo = 2  # ranks of the rank-graph run on CPU processes (0: skip)
 # (computed from bytes per step, the status box's decode step; unverified on inf2).
 # Each rank takes half the Q heads and exactly one KV head: sharded, not copied (the second table).
 #
-# The field report did this with a hand-driven recipe, NxD's `parallel_model_trace`, which starts one
-# process per rank (each re-imports the SDK, without the fixes this cookbook installs) and is no
-# longer supported since SDK release 2.27 (source: the Neuron SDK's NxD announcement, as this project's design notes record it, read 2026-12-02). So on inf2 this notebook compiles with `ModelBuilder` at TP=2, the
+# The field report did this with a hand-driven recipe it calls `tp_alias` (its tracer holds every rank
+# on one host; this cookbook reads it as NxD's `parallel_model_trace`, which the report does not name:
+# unverified). That tracer starts one process per rank (each re-imports the SDK, without the fixes this
+# cookbook installs) and is no longer supported since SDK release 2.27 (source: the Neuron SDK's NxD announcement, as this project's design notes record it, read 2026-12-02). So on inf2 this notebook compiles with `ModelBuilder` at TP=2, the
 # recipe of the 12B, 31B and 26B-A4B: one process, one rank compiled, the weights sharded per rank.
 # What TP *is* stays this notebook's lesson, done by hand below.
 
@@ -224,7 +225,7 @@ if witness:  # why the random E4B's spread (its LOGITS_MATCH tolerance above) is
           f"upcast (the measurement is right), against the trained E4B's {report.logits.spread:.3g}")  # fmt: skip
 # -- part: plot_note --
 # The released model's measured bar is the field report's decode figure (the status box), measured with its hand-driven
-# TP recipe (`parallel_model_trace`), not with the ModelBuilder recipe this notebook compiles.
+# TP recipe (`tp_alias`), not with the ModelBuilder recipe this notebook compiles.
 # -- part: takeaways --
 # - TP cuts a decoder layer along heads (attention) and intermediate columns (MLP): column shards
 #   need no communication, each row shard ends in an all-reduce, two per layer.
