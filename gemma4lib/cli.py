@@ -134,7 +134,9 @@ def _settings_kwargs(args: argparse.Namespace) -> dict[str, Any]:
 
 def serving_defaults(kwargs: dict[str, Any]) -> dict[str, Any]:
     """A server's settings: `row_prefill` on unless given (requests join running rows one at a time),
-    where the backend runs it (cpu, eager at TP 1, batch > 1); from a bundle, what it was exported with."""
+    where the backend runs it (cpu, eager at TP 1, batch > 1); from a bundle, what it was exported with.
+    Returns a new dict; `kwargs` is left as it was."""
+    kwargs = dict(kwargs)
     if kwargs.get("row_prefill") is not None:
         return kwargs
     if kwargs.get("artifacts"):

@@ -15,6 +15,7 @@ benchmarks) runs this loop; there is no other.
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -471,7 +472,7 @@ class Engine:
         lengths = [0] * self.batch
         for row, request in requests.items():
             lengths[row] = len(request.prompt_ids)
-        by_row = bool(self.steps.prefill) and self.joins_by_row(len(requests))
+        by_row = self.joins_by_row(len(requests))  # only where one-row prefill graphs were compiled
         started = time.perf_counter()
         if by_row:
             out = {row: self._row_prefill(row, request, buckets[row]) for row, request in requests.items()}
@@ -510,10 +511,9 @@ class Engine:
 
     def _row_prefill(self, row: int, request: Request, bucket: int) -> RowOut:
         """One request through its bucket's one-row graph, into row `row`'s K/V: (logits, hidden)."""
-        inputs = self.prompt_embeds(request, pad_to=bucket)
-        length = index_tensor([len(request.prompt_ids)])
-        out = _outputs(self.steps.row_prefill[bucket](row, *inputs, index_tensor([0]), length), 2)
-        return out[0][0], (out[1][0] if len(out) > 1 else None)
+        step = functools.partial(self.steps.row_prefill[bucket], row)
+        out = self._call(step, self.prompt_embeds(request, pad_to=bucket), [0], [len(request.prompt_ids)])
+        return _by_row(out, [0])[0]
 
     def _stepwise_prefill(self, requests: Mapping[int, Request], lengths: list[int]) -> tuple[torch.Tensor, ...]:
         """No prefill graph: every admitted row's prompt through `decode`, one position per call
