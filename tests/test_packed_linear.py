@@ -151,28 +151,15 @@ def test_a_compiled_packed_graph_takes_the_models_current_weights(tmp_path, pack
         assert not torch.allclose(mine, graph(*inputs), atol=1e-3)  # not the first model's logits
 
 
-def test_two_and_three_rows_run_weight_left_and_nothing_else_moves():
+def test_two_and_three_rows_keep_the_plain_layout_and_four_pack():
     balance = CPU_THREAD_FLOP_PER_BYTE
-    for rows in (2, 3):  # bound by bytes, but `x @ W.T` re-reads the weights per row: weight-left
-        assert packed_linear.weight_left(rows, torch.float32, balance) is packed_linear.available()
-    assert not packed_linear.weight_left(1, torch.float32, balance)  # batch 1: the plain layout and key
-    assert not packed_linear.weight_left(4, torch.float32, balance)  # packed from here
-    assert not packed_linear.weight_left(2, torch.bfloat16, balance) and not packed_linear.weight_left(
-        2, torch.float32, None
-    )
-    small = nn.Linear(64, 128, bias=False)
-    assert packed_linear.maybe_weight_left(small) is small
-    torch.manual_seed(0)
-    linear = nn.Linear(64, 96, bias=False)
-    left = packed_linear.WeightLeftLinear(linear)
-    assert left.weight is linear.weight and [n for n, _ in left.named_parameters()] == ["weight"]
-    x = torch.randn(2, 3, 64)
-    with torch.no_grad():
-        torch.testing.assert_close(left(x), linear(x))
+    for rows in (1, 2, 3):  # bound by bytes: the plain product, measured quiet (module docstring)
+        assert not packed_linear.packs(rows, torch.float32, balance)
+    assert packed_linear.packs(4, torch.float32, balance) is packed_linear.available()
 
 
 @needs_packing
-def test_a_batch_2_decode_graph_runs_weight_left_and_its_rows_equal_their_references(pack_small):
+def test_a_batch_2_decode_graph_runs_plain_with_batch_1s_key_form_and_its_rows_equal_their_references(pack_small):
     from test_batch import _assert_rows_match
 
     from gemma4lib.models.loading import build_tiny
@@ -182,9 +169,8 @@ def test_a_batch_2_decode_graph_runs_weight_left_and_its_rows_equal_their_refere
     model = build_tiny(get_variant("e2b"))
     shape = GraphShape(2, 1, CONTEXT, True)
     graph = device_graph(model, shape, "dense", compute_balance=cpu_balance("eager"))
-    assert graph.linear_form == packed_linear.WEIGHT_LEFT_FORM == graph.key_parts()["linear_form"]
-    assert isinstance(graph.lm_head, packed_linear.WeightLeftLinear)
-    assert "linear_form" not in device_graph(model, shape, "dense").key_parts()  # XLA / Neuron: as before
+    assert graph.linear_form == "plain" and "linear_form" not in graph.key_parts()
+    assert not any(isinstance(m, packed_linear.PackedLinear) for m in graph.modules())
     prefill, kv = device_graph(model, GraphShape(2, BUCKET, CONTEXT, True), "dense"), graph.new_kv()
     steps = Steps(prefill={BUCKET: bind_kv(prefill, kv)}, decode=bind_kv(graph, kv))
     engine = Engine.for_model(model, steps, batch=2, context_length=CONTEXT)

@@ -256,12 +256,8 @@ class DeviceGraph(nn.Module):
         self.shape, self.expert_form = shape, expert_form
         # one CPU thread's small-M products: batched decode packs its large fp32 linears (`packed_linear`)
         pack = not int8 and packed_linear.packs(self.rows, lm_head.weight.dtype, compute_balance)
-        # two or three rows (batch 2, a short verify): the same linears with the weight on the left
-        left = not int8 and packed_linear.weight_left(self.rows, lm_head.weight.dtype, compute_balance)
         if pack:
             lm_head = packed_linear.maybe_pack(lm_head, self.rows)
-        elif left:
-            lm_head = packed_linear.maybe_weight_left(lm_head)
         for layer in model.layers:
             if getattr(layer, "experts", None) is not None:
                 layer.experts = StaticExperts(layer.experts, self.experts_read, int8=int8)
@@ -269,20 +265,13 @@ class DeviceGraph(nn.Module):
                 _swap_linears(layer, Int8Linear.from_linear)
             elif pack:
                 _swap_linears(layer, lambda linear: packed_linear.maybe_pack(linear, self.rows))
-            elif left:
-                _swap_linears(layer, packed_linear.maybe_weight_left)
             layer.self_attn = _shallow_clone(layer.self_attn)
             layer.self_attn.config = attn_config
         self.model = model
         self.lm_head = lm_head
         # "plain" unless a linear was packed: a graph whose program did not change keeps its key
         swapped = {type(m) for m in (lm_head, *model.modules())}
-        if packed_linear.PackedLinear in swapped:
-            self.linear_form = packed_linear.FORM
-        elif packed_linear.WeightLeftLinear in swapped:
-            self.linear_form = packed_linear.WEIGHT_LEFT_FORM
-        else:
-            self.linear_form = "plain"
+        self.linear_form = packed_linear.FORM if packed_linear.PackedLinear in swapped else "plain"
         self.layout, self.shape, self.inplace, self.expert_form = layout, shape, inplace, expert_form
         self.weights, self.attention = weights, attention
         self.every_position, self.returns_hidden = every_position, hidden

@@ -18,14 +18,11 @@ caches) oneDNN's per-call cost outweighs the layout. The same stack at B = 8 wit
 fixtures never pack.
 
 Below that, at two and three rows (a batch-2 decode, a verify of 2 or 3 tokens), the step is still
-bound by bytes, but the plain `x @ W.T` product of this BLAS is not: at M = 2 and 3 one thread's
-`linear` over the medium-dense model's 124 weights took 1.9x and 2.8x the time of M = 1 (eager,
-interleaved rounds, the shared machine loaded; HF eager shows the same dip at B = 2), as if each
-row re-read the weights. Putting the weight on the left, `(W @ x.T).T` (`WeightLeftLinear`: the
-same extern `mm`, its operands swapped, a tall-skinny product that streams W once) took 1.2x and
-1.4x; oneDNN's packed form 1.3x at M = 2. So those graphs swap their large fp32 linears for that
-form (`weight_left`), under the same rules as packing otherwise (one CPU thread's balance, fp32,
-x86-64, weights of at least `PACK_MIN_ELEMENTS`); batch-1 graphs keep the plain layout and key.
+bound by bytes and the plain layout runs: on a quiet machine (2026-12-02, one thread) `x @ W.T`
+over the medium-dense model's linears cost 1.09x / 1.18x an M = 1 pass at M = 2 / 3, where the
+weight-left product `(W @ x.T).T` cost 2.1x and the packed one 1.25x. (An earlier measurement at
+load average 7-13 had the plain product at 1.9x and chose weight-left; re-measured quiet, that
+form made a B = 2 step cost 1.94x a B = 1 step, so it was removed: docs/ROOFLINE.md "Batch 2".)
 
 The cost is memory: a packed graph holds a second copy of its linears' weights (the host model
 keeps its own). The packed tensor is derived from the weight, so it is re-derived from the model's current weight
@@ -43,7 +40,6 @@ import torch
 from torch import nn
 
 FORM = "onednn-packed"
-WEIGHT_LEFT_FORM = "weight-left"
 MEASURED_ON = ("x86_64", "AMD64")
 PACK_MIN_ELEMENTS = 1 << 18  # smaller weights run no faster packed (module docstring)
 
@@ -62,37 +58,6 @@ def packs(rows: int, dtype: torch.dtype, flop_per_byte: float | None) -> bool:
     if flop_per_byte is None or dtype != torch.float32 or rows < 2 or not available():
         return False
     return 2.0 * rows >= flop_per_byte * torch.finfo(dtype).bits / 8
-
-
-def weight_left(rows: int, dtype: torch.dtype, flop_per_byte: float | None) -> bool:
-    """Whether a graph of `rows` tokens per call should run its fp32 linears weight-left: more than
-    one row, still bound by bytes (below the packing threshold), on one CPU thread (module docstring)."""
-    if flop_per_byte is None or dtype != torch.float32 or rows < 2 or not available():
-        return False
-    return not packs(rows, dtype, flop_per_byte)
-
-
-class WeightLeftLinear(nn.Module):
-    """A bias-free linear computed as `(W @ x.T).T`: the model's own weight (registered under the
-    same name, so a compiled package takes it at load time like the plain linear's), the weight as
-    the left operand of the product (module docstring: why a few rows run faster so)."""
-
-    def __init__(self, linear: nn.Module):
-        super().__init__()
-        if getattr(linear, "bias", None) is not None:
-            raise ValueError("WeightLeftLinear covers bias-free linears (every Gemma-4 projection is one)")
-        self.weight = linear.weight
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        flat = x.reshape(-1, x.shape[-1])
-        return torch.mm(self.weight, flat.t()).t().reshape(*x.shape[:-1], self.weight.shape[0])
-
-
-def maybe_weight_left(linear: nn.Module) -> nn.Module:
-    """`linear` as a `WeightLeftLinear` if its weight is large enough to gain, else itself."""
-    if linear.weight.numel() < PACK_MIN_ELEMENTS:
-        return linear
-    return WeightLeftLinear(linear)
 
 
 class PackedLinear(nn.Module):
