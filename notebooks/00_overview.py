@@ -19,7 +19,7 @@
 # **It reads the other notebooks' records.** Each variant notebook ends by writing one JSON run
 # record (its checks, timings, versions) into `runs/notebooks/`; the results section below loads
 # the newest record of each variant from there (`results_dir`). Run the variant notebooks first,
-# or let `python -m papermill_runs run --profile smoke` (the [smoke](#smoke) profile) run all seven in order. A variant that has not
+# or let `python -m papermill_runs run --profile smoke` (the [smoke](#smoke) profile) run the seven others, then this one last. A variant that has not
 # run yet is simply missing from the tables.
 #
 # | notebook | variant | instance | [TP](#tp) degree | recipe |
@@ -33,7 +33,7 @@
 # Then [06_serving.ipynb](06_serving.ipynb) serves more than one token per weight read on the tiny
 # E2B (CPU only): a batch of different prompts, each row checked against its own reference, and
 # drafting with Gemma-4's own assistant, exact against greedy decoding. Its inf2 figures are
-# computed, marked so, beside the field report's measured batch figures. And
+# computed, marked so, beside the [field report](#field-report)'s measured batch figures. And
 # [07_serve.ipynb](07_serve.ipynb) puts the same engine behind an OpenAI-compatible endpoint: rows
 # that requests join and leave between decode steps, the official `openai` client, concurrent
 # clients, and the bundle a Ray Serve replica loads on inf2 (that cell does not run here).
@@ -44,7 +44,7 @@
 # |---|---|---|
 # | machine | `inf2.xlarge` to `inf2.24xlarge`, per variant (table above) | any CPU |
 # | software | [Deep Learning AMI Neuron](#dlami) (Ubuntu 24.04), venv `aws_neuronx_venv_pytorch_2_9_nxd_inference` (Python 3.12), Neuron SDK 2.28: torch-neuronx 2.9.0.2.12.22436, neuronx-cc 2.23.6484.0, neuronx-distributed 0.17.26814, libneuronxla 2.2.15515.0; + transformers 5.23.0 | torch 2.13 (CPU), transformers 5.23.0 |
-# | this notebook | reads the records the variant notebooks wrote, loads no released model, and runs the last section on a tiny model on the CPU | the same: its records, and the same tiny model for the last section |
+# | this notebook | reads the records the variant notebooks wrote, loads no released model, and runs "Why equality is not enough" on a tiny model on the CPU | the same: its records, and the same tiny model for that section |
 #
 # ### Before you start on inf2
 #
@@ -61,7 +61,7 @@
 # ## Parameters
 #
 # `results_dir` is where the variant notebooks wrote their records (`papermill_runs` points it at
-# its own output folder). The last section uses `demo_variant`'s tiny model on the CPU in either
+# its own output folder). The section "Why equality is not enough" uses `demo_variant`'s tiny model on the CPU in either
 # profile (the full profile loads no released model here).
 
 # %% tags=["parameters"]
@@ -86,10 +86,11 @@ torch.set_num_threads(threads)
 # ## The family
 #
 # All five share a skeleton: one large vocabulary with the embedding tied to the LM head,
-# embeddings scaled by √hidden, grouped-query attention with five sliding-window layers for each
-# global one, a wider head on global layers than on sliding ones, and a final logit softcap
+# embeddings scaled by √hidden, grouped-query attention with sliding-window layers between the
+# global ones (five for each global one; four on E2B), a wider head on global layers than on sliding ones, and a final logit softcap
 # (`vocab_size=262144`, `head_dim=256`, `global_head_dim=512`, `final_logit_softcapping=30.0` in every
-# released config). The differences are in the columns on the right.
+# released config). The differences are in the columns on the right: [PLE](#ple), [KV sharing](#kv-sharing)
+# ("KV-shared"), [k_eq_v](#k-eq-v) and the [MoE](#moe) experts, each in the glossary below.
 
 # %%
 nb.family_table()
@@ -101,11 +102,11 @@ nb.family_table()
 #
 # 1. **Host side**: tokenizer and chat template, word embeddings (and [PLE](#ple) inputs), greedy argmax,
 #    the softcap only when sampling needs probabilities.
-# 2. **Device side**: a prefill graph per prompt-length bucket and one decode graph, both with
+# 2. **Device side**: a prefill graph per prompt-length [bucket](#bucket) and one decode graph, both with
 #    static shapes and explicit K/V buffers that live on the device between calls.
 # 3. **Checks**, three of them: the device's tokens against transformers' greedy output on the
 #    host (SEQ_MATCH; fp32 in the smoke profile, the checkpoint's bf16 on inf2), the device's logits
-#    at every step against the reference's within its own numerical spread (LOGITS_MATCH), and the
+#    at every step against the reference's within its own numerical [spread](#spread) (LOGITS_MATCH), and the
 #    answer against what a sensible answer contains (coherence).
 #
 # The device graph is written once, wraps transformers' own modules, and is compiled by whichever
@@ -114,8 +115,8 @@ nb.family_table()
 #
 # ## Memory decides the hardware
 #
-# bf16 weights per NeuronCore at each variant's TP degree, against the HBM a core has. E2B's
-# hatched part is the PLE table, which stays on the host.
+# bf16 weights per NeuronCore at each variant's TP degree, against the HBM a core has. The hatched
+# part of E2B's and E4B's bars is the [PLE](#ple) table, which stays on the host.
 
 # %%
 plots.memory_budget(nb.memory_rows())
@@ -133,7 +134,7 @@ plots.memory_budget(nb.memory_rows())
 # 2. Hand-driven tensor parallelism with aliased on-device K/V and a
 #    [CPU-seeded prefill](#cpu-seeded-prefill) (the field report's E4B): two cores. Its per-rank
 #    tracer ran out of memory at 31B (the field report), and NxD's per-rank tracer
-#    `parallel_model_trace` is unsupported since SDK release 2.27 (source: the Neuron SDK's NxD announcement, as this project's design notes record it, read 2026-12-02),
+#    `parallel_model_trace` (the report does not name its tracer; read here as this one, unverified) is unsupported since SDK release 2.27 (source: the Neuron SDK's NxD announcement, as this project's design notes record it, read 2026-12-02),
 #    so this cookbook teaches it on CPU and compiles E4B with the third step on inf2.
 # 3. [NxD](#nxd) `ModelBuilder` (every variant; E2B at TP=1): a prefill graph and a decode graph over one
 #    set of K/V states, one rank compiled and the weights sharded per rank. It carried the field
@@ -147,7 +148,7 @@ nb.recipe_table()
 # ## The last run
 #
 # The newest record each variant notebook wrote to `results_dir` (this notebook measures none of
-# it): the checks, and the benchmark figures. In
+# it): the checks (the "witness" columns are the [witness](#witness)'s), and the benchmark figures. In
 # the smoke profile these are tiny models on a CPU; the bar colour says whether every check passed.
 
 # %%
@@ -213,7 +214,7 @@ overview["variants_found"]
 #   error trips. Its LOGITS_MATCH is only as tight as the random model's own [spread](#spread),
 #   which can be wider than that gap (the witness table prints both).
 # - <a id="field-report"></a>**field report**: the earlier hands-on port of all five variants to
-#   inf2 that this cookbook turns into runnable notebooks; its figures are most of the inf2
+#   inf2 that this cookbook turns into runnable notebooks; its figures are the only inf2
 #   measurements quoted here (appendix below).
 # - <a id="spread"></a>**spread**: how far the host reference's own logits move when the same forward
 #   runs in float64; LOGITS_MATCH allows the device a fixed multiple of it (with a floor), so the
@@ -294,8 +295,8 @@ overview["variants_found"]
 #
 # - **What**: all five variants ported by hand to inf2, each answering "The capital of France is
 #   Paris." with device tokens equal to a CPU fp32 reference (SEQ_MATCH).
-# - **Recipes**: `torch_neuronx.trace` on one core (E2B), hand-driven TP with NxD's per-rank tracer
-#   (E4B), NxD `ModelBuilder` (12B, 31B, 26B-A4B; the MoE with all experts computed densely).
+# - **Recipes**: `torch_neuronx.trace` on one core (E2B), hand-driven TP with a per-rank tracer
+#   (E4B; the report does not name it, read here as NxD's `parallel_model_trace`: unverified), NxD `ModelBuilder` (12B, 31B, 26B-A4B; the MoE with all experts computed densely).
 # - **Software**: the DLAMI venv `aws_neuronx_venv_pytorch_2_8_nxd_inference` with transformers 5.13.0
 #   and a `transformers.utils.fx` shim; the exact Neuron SDK release is not stated.
 # - **Measured on inf2** (each variant's status box quotes its own): decode speed for E2B and E4B,

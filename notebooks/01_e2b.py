@@ -327,14 +327,14 @@ print(f"slots per buffer: {slots} (sliding: a ring of the window; full: the whol
 # With `backend == "cpu"` the compiler is PyTorch's own, three calls per graph:
 #
 # - `torch.export.export(graph, graph.example_inputs(), strict=False)` records the program. Non-strict:
-#   strict mode silently drops the in-place K/V writes (a warning, no error, wrong logits).
+#   strict mode drops the in-place K/V writes with only a warning (no error, wrong logits).
 # - `torch._inductor.aoti_compile_and_package(program, package_path=..., inductor_configs=options)`
 #   (AOTInductor) compiles it to C++ and writes one `.pt2` package. `options` are
 #   `compile_cpu.DEFAULT_COMPILER_OPTIONS`: the wrapper at `-O1` (a shorter compile of the C++ wrapper),
 #   `package_constants_in_so=False` (the weights are not inlined: the package is handed them at load,
-#   so one compile can serve the trained model and the random [witness](00_overview.ipynb#witness); Inductor still
-#   folds a few tiny weights, such as q/k norms, into the program, so a model whose folded values
-#   differ gets a program of its own: the witness table says which happened), `realize_opcount_threshold=8`
+#   so one compile can serve the trained model and the random [witness](00_overview.ipynb#witness); Inductor can still
+#   fold a few tiny weights, such as q/k norms, into the program, depending on the graph; a model whose folded values
+#   differ then gets a program of its own: the witness table says which happened), `realize_opcount_threshold=8`
 #   (stores the rotated query once instead of recomputing it per K/V slot).
 # - `torch._inductor.aoti_load_package(path)` loads it; `compile_cpu.load_weights` hands it the
 #   model's weights (shared, not copied).
@@ -641,7 +641,7 @@ nb.answer_text(model, tokens)
 # has margins (the table prints the smallest gap between the top two logits), so a logit error larger than that
 # gap turns into another token: the witness's SEQ_MATCH is the check a tiny error trips. Its
 # LOGITS_MATCH is bounded by the random reference's own rounding [spread](00_overview.ipynb#spread), and that tolerance
-# can be wider than the smallest gap (the table's last row compares the two): an error between them
+# can be wider than the smallest gap (the table's last row compares it with half that gap, the most a logit can move before the top two swap): an error between them
 # passes LOGITS_MATCH and is caught by SEQ_MATCH only where it flips a token. The trained model's
 # coherence is the meaningful check.
 
@@ -783,8 +783,8 @@ plots.measured_vs_ceiling([ceiling, ceiling["released_inf2"]])
 # - On inf2, this cookbook's plan is `ModelBuilder` at TP=1 (written, never run on inf2): a prefill key
 #   and a decode key over one set of K/V states put the whole prompt on the device in one call. The one-graph trace teaches the aliasing
 #   with nothing else in the way, and pays with one device step per prompt token.
-# - Check SEQ_MATCH **and** the answer. The "gibberish" endpoint that started this work loaded a
-#   real model and wired the PLE path and embedding scale wrongly: a text check catches that, an
+# - Check SEQ_MATCH **and** the answer. The endpoint that started this work (the [field report](00_overview.ipynb#field-report)'s
+#   starting point, which answered in gibberish) loaded a real model and wired the PLE path and embedding scale wrongly: a text check catches that, an
 #   equality check cannot.
 #
 # To run the real thing, see the parameters cell: `profile="full"`, `backend="neuron"`,

@@ -46,7 +46,7 @@ status = nb.status_box("e4b")  # figures from the library's plans; the record ce
 # ```
 # GEMMA4LIB_CACHE=$PWD/.cache/gemma4lib papermill notebooks/02_e4b.ipynb runs/02_e4b.ipynb --cwd notebooks \
 #     -y "{profile: full, backend: neuron, tp_degree: 2,
-#     checkpoint: google/gemma-4-E4B-it, context_length: 1024, prefill_buckets: [128]}"
+#     checkpoint: google/gemma-4-E4B-it, context_length: 1024, prefill_buckets: [128], tp_demo: 0}"
 # ```
 #
 # The status box's inf2 figures are planned at the context its "Contexts" line names, not at this
@@ -448,8 +448,8 @@ plots.measured_vs_ceiling([ceiling, ceiling["released_inf2"]])
 # - With two KV heads and TP=2 each rank holds exactly one KV head: [GQA](00_overview.ipynb#gqa) splits cleanly here. It will
 #   not for the 12B, 31B and 26B-A4B global layers (replication, `03_12b`, `04_31b`).
 # - E4B fits one core and two cores are for bandwidth, by the plan (computed, unverified on inf2). On inf2 it compiles with `ModelBuilder` like the
-#   bigger variants, because the per-rank tracer of the field report is unsupported since SDK
-#   release 2.27 (the NxD announcement, above) and ran out of host memory at 31B (the field report; `04_31b`).
+#   bigger variants, because the per-rank tracer of the field report (read here as `parallel_model_trace`, which
+#   the report does not name: unverified) is unsupported since SDK release 2.27 (the NxD announcement, above) and ran out of host memory at 31B (the field report; `04_31b`).
 #
 # To run the real thing, see the parameters cell: `profile="full"`, `backend="neuron"`,
 # `tp_degree=2` and a checkpoint. The same cells then take the inf2 branch of section 3, which

@@ -13,7 +13,8 @@
 #
 # The 12B drops the E family's special features and adds three of its own. **You will learn** how to
 # take the text model out of the encoder-free unified multimodal class, what `attention_k_eq_v`
-# means (full-attention layers take V from the K projection and have a single KV head), why inf2
+# means (full-attention layers take V from the K projection; the 12B's full layers also have a
+# single KV head, which is its own choice, not part of k_eq_v), why inf2
 # compiles it with eager attention, and how a single KV head is replicated under
 # [tensor parallelism](00_overview.ipynb#tp) at TP=2. It runs at TP=2 through [NxD](00_overview.ipynb#nxd) `ModelBuilder`.
 #
@@ -45,7 +46,7 @@ status = nb.status_box("12b")  # figures from the library's plans; the record ce
 # ```
 # GEMMA4LIB_CACHE=$PWD/.cache/gemma4lib papermill notebooks/03_12b.ipynb runs/03_12b.ipynb --cwd notebooks \
 #     -y "{profile: full, backend: neuron, tp_degree: 2,
-#     checkpoint: google/gemma-4-12B-it, context_length: 1024, prefill_buckets: [128]}"
+#     checkpoint: google/gemma-4-12B-it, context_length: 1024, prefill_buckets: [128], tp_demo: 0}"
 # ```
 #
 # The status box's inf2 figures are planned at the context its "Contexts" line names, not at this

@@ -45,7 +45,7 @@ status = nb.status_box("31b")  # figures from the library's plans; the record ce
 # ```
 # GEMMA4LIB_CACHE=$PWD/.cache/gemma4lib papermill notebooks/04_31b.ipynb runs/04_31b.ipynb --cwd notebooks \
 #     -y "{profile: full, backend: neuron, tp_degree: 8,
-#     checkpoint: google/gemma-4-31B-it, context_length: 1024, prefill_buckets: [128]}"
+#     checkpoint: google/gemma-4-31B-it, context_length: 1024, prefill_buckets: [128], tp_demo: 0}"
 # ```
 #
 # The status box's inf2 figures are planned at the context its "Contexts" line names, not at this

@@ -46,7 +46,7 @@ status = nb.status_box("26b-a4b")  # figures from the library's plans; the recor
 # ```
 # GEMMA4LIB_CACHE=$PWD/.cache/gemma4lib papermill notebooks/05_26b_a4b.ipynb runs/05_26b_a4b.ipynb --cwd notebooks \
 #     -y "{profile: full, backend: neuron, tp_degree: 8,
-#     checkpoint: google/gemma-4-26B-A4B-it, context_length: 1024, prefill_buckets: [128]}"
+#     checkpoint: google/gemma-4-26B-A4B-it, context_length: 1024, prefill_buckets: [128], tp_demo: 0}"
 # ```
 #
 # The status box's inf2 figures are planned at the context its "Contexts" line names, not at this
@@ -178,12 +178,13 @@ nb.moe_report(model)
 # decode step both ways against transformers' reference: same token, logits equal to rounding.
 #
 # Decode gathers the top-k: one token needs `top_k_experts` of the `num_experts`, and bytes are the
-# whole cost of a decode step. On the benchmark's MoE medium model selective decode runs several times
-# faster than dense (`python -m gemma4lib bench --suite cpu` measures it; README and `docs/ROOFLINE.md`
-# quote a run). Prefill stays dense: the gathered slices grow with tokens × k (a full prompt bucket of
+# whole cost of a decode step. On the benchmark's medium MoE model (a random-weight MoE of this
+# architecture at medium width, big enough that a decode step is bound by bytes on a CPU) selective
+# decode runs several times faster than dense: `python -m gemma4lib bench --suite cpu` measures it,
+# and the README and `docs/ROOFLINE.md` quote a run's figure. Prefill stays dense: the gathered slices grow with tokens × k (a full prompt bucket of
 # the real model gathers k slices per token, many times the experts dense reads once) and the dense
-# form splits cleanly across ranks. On a CPU with a short prompt selective prefill measured faster too,
-# which is why the choice is per phase and measured, not a rule. `decode_experts` in the parameters
+# form splits cleanly across ranks. On a CPU with a short prompt selective prefill measured faster too
+# (an earlier session's run, not repeated here), which is why the choice is per phase and measured, not a rule. `decode_experts` in the parameters
 # cell switches decode to dense.
 
 # %% tags=["lesson"]
@@ -225,7 +226,8 @@ demos["expert_forms"]
 # the released config, then asks the roofline for one decode step at TP=8 on `inf2.24xlarge` ([ring](00_overview.ipynb#ring)
 # K/V, selective experts) under both splits; the figures are in its table:
 #
-# - **whole experts per rank** (the field report's split, `expert_split="experts"`): static shapes
+# - **whole experts per rank** (the field report's split, `expert_split="experts"`; its port computed
+#   every expert densely, so the selective ceiling printed below is this cookbook's, not the report's): static shapes
 #   make every rank gather k slices from its own experts whatever the router chose, so up to TP × k
 #   experts' bytes are read per token;
 # - **a slice of every expert per rank** (a TP-th of each expert's intermediate columns; this port's

@@ -159,7 +159,7 @@ nb.batch_ceilings_table(ceilings)
 # - Each row has its own slots in every K/V buffer, the sliding layers' rings included.
 #
 # One change is for this CPU only. From B=4 on, one CPU thread's small-M matrix products are
-# bound by arithmetic, not by bytes, and run at a fifth of its GEMM rate. So a decode graph built
+# bound by arithmetic, not by bytes, and run at a fifth of its GEMM rate (measured in `docs/ROOFLINE.md`, "where a decode step's time goes"). So a decode graph built
 # with `compute_balance=CPU_THREAD_FLOP_PER_BYTE` (what `port` passes for the `cpu` and `eager`
 # backends) swaps its large fp32 linears (`device.packed_linear`: the size threshold is there) for
 # [oneDNN](00_overview.ipynb#onednn)'s packed layout; on a medium-width model that made B=8 faster (`docs/ROOFLINE.md` quotes the run).
@@ -246,7 +246,7 @@ print(
 #
 # The same engine as `01_e2b`, with more rows. `generate_rows` admits every request in its own row
 # (one prefill call for all of them, each row's own `length`), then each step feeds one token per
-# live row at that row's own position. A row that emits `<turn|>` is finished: its tokens stop
+# live row at that row's own position. A row that emits an end token (the model's eos ids: `<eos>` or `<turn|>`) is finished: its tokens stop
 # there, and from then on it is idle (`length == 0`: it writes no K/V), so the others go on alone.
 # A server uses the same calls one row at a time: `admit` a request into a free row between
 # steps, `release` it when it ends. The per-step logits of every row are kept for LOGITS_MATCH.
@@ -269,9 +269,10 @@ for (question, _), row in zip(rows, generation.rows, strict=True):
 # The **[witness](00_overview.ipynb#witness)** runs seeded random weights through the same batched recipe, with the witness
 # prompt in every row. It has near-ties where the trained model has wide margins, so a small
 # logit error turns into a different token there. Whether it runs the very programs compiled
-# above depends on the compiler: Inductor folds a few tiny weights (such as q/k norms) into the
-# program, and where the witness's folded values differ it compiles programs of its own, by the
-# same calls. The cell prints which happened, from the two runs' artifacts.
+# above depends on the compiler: Inductor can fold a few tiny weights (such as q/k norms) into a
+# program, depending on the graph and its shapes, and where the witness's folded values differ it
+# compiles programs of its own, by the same calls. So the batched graphs here can answer differently
+# from `01_e2b`'s single-row graphs of the same seed. The cell prints which happened, from the two runs' artifacts.
 
 # %%
 judged = []
@@ -431,7 +432,8 @@ print({n: "cache hit" if s.cache_hit else f"compiled in {s.compile_s:.0f} s" for
 # Each round: k draft-graph calls from the last token, one verify of `[last token, drafts…]`,
 # then the host keeps the drafts up to the first disagreement plus the target's own next token.
 # `accepted` counts the drafts kept at each verify step, and `emitted` the tokens kept (one more than `accepted`,
-# cut at `<turn|>` or the token budget).
+# cut at an end token or the token budget). `accepted_per_step`, despite its name, is the mean of
+# `emitted`: tokens per verify step, the figure drafting's speed depends on.
 #
 # ### Exact: plain greedy, and transformers' assisted generate
 #
@@ -482,6 +484,10 @@ nb.side_by_side(draft_report, draft_run.tokens, reference)
 # model's gain ends (the compute bound, the K/V per row), or any inf2 figure. The ceilings above
 # are computed for that, and the field report's points are measured. The plot below keeps them
 # apart: this CPU's measurements on one axis, the released E2B on inf2 on the other.
+#
+# In the table, "GB/s drawn" is the weight and K/V bytes a step reads times steps per second: the
+# memory bandwidth the decode would need if bytes were its whole cost. Beside the machine's measured
+# stream bandwidth it says how far a step is from being bound by memory (on the tiny model, far).
 
 # %%
 sweep = bench_batch_model(

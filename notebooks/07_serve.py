@@ -316,10 +316,11 @@ print(f"token counter: {values['gemma4lib_generated_tokens_total']:.0f} in all, 
 # ## 5. Plots
 #
 # Left, the time to first token against the number of clients (p50 and p99). Right, the total
-# tokens per second, with the line `N × one client` that perfect batching would follow.
+# tokens per second, with the line perfect batching would follow: N × one client up to the
+# server's rows, flat from there (a client beyond the rows waits for a free row; it adds no row).
 
 # %%
-plots_serve.latency_and_throughput(levels, f"tiny {variant} endpoint, {batch_size} rows, on this CPU")
+plots_serve.latency_and_throughput(levels, f"tiny {variant} endpoint, {batch_size} rows, on this CPU", rows=batch_size)
 
 # %% [markdown]
 # ## 6. Stop it: SIGTERM drains
@@ -337,7 +338,9 @@ print("\n".join(line for line in server.log_tail(4000).splitlines() if "drain" i
 # ## 7. On inf2: one bundle, N replicas with Ray Serve
 #
 # One server drives one engine on one set of NeuronCores. More traffic needs more replicas, on
-# the other cores of the same instance or on other instances. Ray Serve is the engine for
+# the other cores of the same instance or on other instances. For E2B that means other instances
+# of the `inf2.xlarge`: `01_e2b`'s host-RAM plan leaves no room for a second replica's host model on
+# one (a bigger instance's cores can each take one, within its host RAM). Ray Serve is the engine for
 # that: it starts the replicas, gives each the NeuronCores it reserves (`neuron_cores` = its TP
 # degree; Ray sets `NEURON_RT_VISIBLE_CORES`), routes each request to the least loaded one,
 # restarts a replica that dies and, if you ask it, scales their number with the load.

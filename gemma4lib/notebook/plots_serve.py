@@ -19,9 +19,12 @@ def _as_dict(level: Any) -> Mapping[str, Any]:
     return level if isinstance(level, Mapping) else level.as_dict()
 
 
-def latency_and_throughput(levels: Sequence[Any], title: str = "the endpoint against concurrent clients") -> Figure:
+def latency_and_throughput(
+    levels: Sequence[Any], title: str = "the endpoint against concurrent clients", rows: int | None = None
+) -> Figure:
     """Time to first token (p50 and p99, ms) and total tokens/s against the number of clients, side by
-    side, with `N x (one client's tok/s)` for scale: the line continuous batching climbs towards."""
+    side, with `min(N, rows) x (one client's tok/s)` for scale: the line continuous batching climbs
+    towards, flat from `rows` clients on (more clients than rows wait for a row, they add no rows)."""
     rows = sorted((_as_dict(level) for level in levels), key=lambda r: r["clients"])
     fig = Figure(figsize=(9.6, 3.6))
     latency, throughput = fig.subplots(1, 2)
@@ -36,7 +39,9 @@ def latency_and_throughput(levels: Sequence[Any], title: str = "the endpoint aga
     throughput.plot(clients, [r["tokens_per_s"] for r in rows], "o-", label="measured, all clients")
     if rows and rows[0]["clients"] == 1:
         base = rows[0]["tokens_per_s"]
-        throughput.plot(clients, [n * base for n in clients], ":", color="#9e9e9e", label="N x one client")
+        ideal = [min(n, rows or n) * base for n in clients]
+        label = f"min(N, {rows} rows) x one client" if rows else "N x one client"
+        throughput.plot(clients, ideal, ":", color="#9e9e9e", label=label)
     throughput.set_xlabel("concurrent clients")
     throughput.set_ylabel("total tokens/s")
     throughput.yaxis.set_major_formatter(NUMBER_TICKS)

@@ -232,5 +232,5 @@ if witness:  # why the random E4B's spread (its LOGITS_MATCH tolerance above) is
 # - With two KV heads and TP=2 each rank holds exactly one KV head: [GQA](00_overview.ipynb#gqa) splits cleanly here. It will
 #   not for the 12B, 31B and 26B-A4B global layers (replication, `03_12b`, `04_31b`).
 # - E4B fits one core and two cores are for bandwidth, by the plan (computed, unverified on inf2). On inf2 it compiles with `ModelBuilder` like the
-#   bigger variants, because the per-rank tracer of the field report is unsupported since SDK
-#   release 2.27 (the NxD announcement, above) and ran out of host memory at 31B (the field report; `04_31b`).
+#   bigger variants, because the per-rank tracer of the field report (read here as `parallel_model_trace`, which
+#   the report does not name: unverified) is unsupported since SDK release 2.27 (the NxD announcement, above) and ran out of host memory at 31B (the field report; `04_31b`).

@@ -14,7 +14,8 @@ inf2.8xlarge
 #
 # The 12B drops the E family's special features and adds three of its own. **You will learn** how to
 # take the text model out of the encoder-free unified multimodal class, what `attention_k_eq_v`
-# means (full-attention layers take V from the K projection and have a single KV head), why inf2
+# means (full-attention layers take V from the K projection; the 12B's full layers also have a
+# single KV head, which is its own choice, not part of k_eq_v), why inf2
 # compiles it with eager attention, and how a single KV head is replicated under
 # [tensor parallelism](00_overview.ipynb#tp) at TP=2. It runs at TP=2 through [NxD](00_overview.ipynb#nxd) `ModelBuilder`.
 #

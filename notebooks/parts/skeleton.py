@@ -57,7 +57,7 @@ status = nb.status_box("{{variant}}")  # figures from the library's plans; the r
 # ```
 # GEMMA4LIB_CACHE=$PWD/.cache/gemma4lib papermill notebooks/{{stem}}.ipynb runs/{{stem}}.ipynb --cwd notebooks \
 #     -y "{profile: full, backend: neuron, tp_degree: {{tp}},
-#     checkpoint: {{hub}}, context_length: 1024, prefill_buckets: [128]}"
+#     checkpoint: {{hub}}, context_length: 1024, prefill_buckets: [128], tp_demo: 0}"
 # ```
 #
 # The status box's inf2 figures are planned at the context its "Contexts" line names, not at this
@@ -278,14 +278,14 @@ else:
 # With `backend == "cpu"` the compiler is PyTorch's own, three calls per graph:
 #
 # - `torch.export.export(graph, graph.example_inputs(), strict=False)` records the program. Non-strict:
-#   strict mode silently drops the in-place K/V writes (a warning, no error, wrong logits).
+#   strict mode drops the in-place K/V writes with only a warning (no error, wrong logits).
 # - `torch._inductor.aoti_compile_and_package(program, package_path=..., inductor_configs=options)`
 #   (AOTInductor) compiles it to C++ and writes one `.pt2` package. `options` are
 #   `compile_cpu.DEFAULT_COMPILER_OPTIONS`: the wrapper at `-O1` (a shorter compile of the C++ wrapper),
 #   `package_constants_in_so=False` (the weights are not inlined: the package is handed them at load,
-#   so one compile can serve the trained model and the random [witness](00_overview.ipynb#witness); Inductor still
-#   folds a few tiny weights, such as q/k norms, into the program, so a model whose folded values
-#   differ gets a program of its own: the witness table says which happened), `realize_opcount_threshold=8`
+#   so one compile can serve the trained model and the random [witness](00_overview.ipynb#witness); Inductor can still
+#   fold a few tiny weights, such as q/k norms, into the program, depending on the graph; a model whose folded values
+#   differ then gets a program of its own: the witness table says which happened), `realize_opcount_threshold=8`
 #   (stores the rotated query once instead of recomputing it per K/V slot).
 # - `torch._inductor.aoti_load_package(path)` loads it; `compile_cpu.load_weights` hands it the
 #   model's weights (shared, not copied).
@@ -520,7 +520,7 @@ nb.answer_text(model, tokens)
 # has margins (the table prints the smallest gap between the top two logits), so a logit error larger than that
 # gap turns into another token: the witness's SEQ_MATCH is the check a tiny error trips. Its
 # LOGITS_MATCH is bounded by the random reference's own rounding [spread](00_overview.ipynb#spread), and that tolerance
-# can be wider than the smallest gap (the table's last row compares the two): an error between them
+# can be wider than the smallest gap (the table's last row compares it with half that gap, the most a logit can move before the top two swap): an error between them
 # passes LOGITS_MATCH and is caught by SEQ_MATCH only where it flips a token. The trained model's
 # coherence is the meaningful check.
 
