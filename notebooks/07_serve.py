@@ -320,7 +320,8 @@ print(f"token counter: {values['gemma4lib_generated_tokens_total']:.0f} in all, 
 # server's rows, flat from there (a client beyond the rows waits for a free row; it adds no row).
 
 # %%
-plots_serve.latency_and_throughput(levels, f"tiny {variant} endpoint, {batch_size} rows, on this CPU", rows=batch_size)
+title = f"tiny {variant} endpoint, {batch_size} rows, on this CPU"
+plots_serve.latency_and_throughput(levels, title, batch_rows=batch_size)
 
 # %% [markdown]
 # ## 6. Stop it: SIGTERM drains

@@ -1000,6 +1000,9 @@ def test_serve_table_and_plot_render_headless():
     figure = plots_serve.latency_and_throughput([level.as_dict() for level in levels])
     assert isinstance(figure, Figure) and len(figure.axes) == 2
     assert len(figure.axes[1].lines) == 2  # measured, and N x one client
+    capped = plots_serve.latency_and_throughput([level.as_dict() for level in levels], batch_rows=4)
+    ideal = capped.axes[1].lines[1]  # perfect batching flattens once every row is busy
+    assert list(ideal.get_ydata()) == [80.0, 160.0, 320.0, 320.0] and "4 rows" in ideal.get_label()
 
 
 def test_the_trace_cell_makes_the_backends_calls(tmp_path, monkeypatch):

@@ -20,11 +20,11 @@ def _as_dict(level: Any) -> Mapping[str, Any]:
 
 
 def latency_and_throughput(
-    levels: Sequence[Any], title: str = "the endpoint against concurrent clients", rows: int | None = None
+    levels: Sequence[Any], title: str = "the endpoint against concurrent clients", batch_rows: int | None = None
 ) -> Figure:
     """Time to first token (p50 and p99, ms) and total tokens/s against the number of clients, side by
-    side, with `min(N, rows) x (one client's tok/s)` for scale: the line continuous batching climbs
-    towards, flat from `rows` clients on (more clients than rows wait for a row, they add no rows)."""
+    side, with `min(N, batch_rows) x (one client's tok/s)` for scale: the line continuous batching climbs
+    towards, flat from `batch_rows` clients on (more clients than rows wait for a row, they add no rows)."""
     rows = sorted((_as_dict(level) for level in levels), key=lambda r: r["clients"])
     fig = Figure(figsize=(9.6, 3.6))
     latency, throughput = fig.subplots(1, 2)
@@ -39,8 +39,8 @@ def latency_and_throughput(
     throughput.plot(clients, [r["tokens_per_s"] for r in rows], "o-", label="measured, all clients")
     if rows and rows[0]["clients"] == 1:
         base = rows[0]["tokens_per_s"]
-        ideal = [min(n, rows or n) * base for n in clients]
-        label = f"min(N, {rows} rows) x one client" if rows else "N x one client"
+        ideal = [min(n, batch_rows or n) * base for n in clients]
+        label = f"min(N, {batch_rows} rows) x one client" if batch_rows else "N x one client"
         throughput.plot(clients, ideal, ":", color="#9e9e9e", label=label)
     throughput.set_xlabel("concurrent clients")
     throughput.set_ylabel("total tokens/s")
