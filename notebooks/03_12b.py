@@ -197,7 +197,7 @@ print(
 # on-chip scratch memory ([SBUF](00_overview.ipynb#sbuf)) at that window, so the field report switched the model to
 # transformers' eager attention, which the compiler lowers as ordinary matmuls and softmax. The
 # library loads every variant with `attn_implementation="eager"`. On the CPU the implementations
-# agree, which is what makes the switch safe: it changes what the compiler must fit, not the numbers.
+# agree, which is what makes the switch safe: it changes what the compiler must fit, and the numbers only by rounding (the cell prints how much).
 
 # %% tags=["lesson"]
 demos["attention"] = nb.attention_implementations_agree(model, ids)

@@ -48,7 +48,7 @@
 variant = "e2b"
 profile = "smoke"  # this notebook runs the tiny models on a CPU only (see Runs on)
 model = "auto"  # the tiny trained fixture and its trained assistant
-batch_size = 4  # prompts of different lengths in one batch (four capital questions)
+batch_size = 4  # four capital questions in one batch, not all of the same length
 prompt = "What is the capital of France?"  # the drafting prompt
 expect = "Paris"
 max_new_tokens = 32
@@ -149,7 +149,7 @@ nb.batch_ceilings_table(ceilings)
 # ### The batched device graphs
 #
 # The same `DeviceGraph` as `01_e2b`, built with `GraphShape(batch=B, ...)`. Three things change
-# with B > 1, because the rows are different prompts of different lengths:
+# with B > 1, because the rows are different prompts, not all of the same length:
 #
 # - `start` and `length` become one value per row (`[B]` tensors). Prompts are **right-padded**
 #   to the [bucket](00_overview.ipynb#bucket): row b's tokens sit at positions `0 .. length[b] - 1`, and the padding is never
