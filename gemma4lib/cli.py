@@ -129,6 +129,8 @@ def _settings_kwargs(args: argparse.Namespace) -> dict[str, Any]:
             kwargs[flag] = getattr(args, flag)
     if getattr(args, "images", None):
         kwargs["images"] = tuple(args.images)
+    if getattr(args, "vision", False):
+        kwargs["vision"] = True
     return kwargs
 
 
@@ -247,8 +249,17 @@ def load_engine(settings: Any):
     compiled = compile_graphs(model, settings)
     compile_s = float(compiled.compile_s)  # 0 from a bundle or a warm cache
     names = tuple(n for n in (getattr(settings.variant_spec, "hf_id", None), settings.variant) if n)
+    vision = settings.wants_vision
     return Loaded(
-        compiled.runtime, model.tokenizer, settings.variant_spec.name, names, tuple(eos_ids(model)), t1 - t0, compile_s
+        compiled.runtime,
+        model.tokenizer,
+        settings.variant_spec.name,
+        names,
+        tuple(eos_ids(model)),
+        t1 - t0,
+        compile_s,
+        processor=model.processor if vision else None,
+        image_token_id=int(model.multimodal.config.image_token_id) if vision else None,
     )
 
 
@@ -355,6 +366,11 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         default=0.0,
         help="while rows decode, let waiting requests gather up to this long for one prefill (default 0)",
+    )
+    p.add_argument(
+        "--vision",
+        action="store_true",
+        help="load the model's vision part: chat requests may carry image_url parts (data URLs; docs/IMAGES.md)",
     )
     p.add_argument("--drain-timeout", type=float, default=600.0, help="seconds SIGTERM waits for running requests")
     p.add_argument("--ray", action="store_true", help="deploy with Ray Serve (replicas load --artifacts)")

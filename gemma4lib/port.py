@@ -75,7 +75,7 @@ def load_model(settings: PortSettings) -> LoadedModel:
 def _load_full_precision(settings: PortSettings) -> LoadedModel:
     variant = settings.variant_spec
     source = settings.model_source
-    if settings.images:
+    if settings.wants_vision:
         return _load_with_vision(settings, source)
     if source == "checkpoint":
         dtype = torch.bfloat16 if settings.backend == "neuron" else torch.float32
@@ -398,7 +398,7 @@ def record_run(
     if rows[0].images is not None:
         extra["images"] = image_fields(rows[0].images, settings)
     if settings.draft == "assistant" and device_run.assistant is not None:
-        extra.update(assisted_fields(model, device_run, rows[0].ids, settings.max_new_tokens, eos))
+        extra.update(assisted_fields(model, device_run, rows[0], settings.max_new_tokens, eos))
     result = build_record(
         settings, model, rows[0].ids, device_run, report, reference, started=started, witness=witness, extra=extra
     )
@@ -422,12 +422,13 @@ def image_fields(images: Any, settings: PortSettings) -> dict[str, Any]:
 
 
 def assisted_fields(
-    model: LoadedModel, device_run: DeviceRun, ids: list[int], max_new_tokens: int, eos: list[int]
+    model: LoadedModel, device_run: DeviceRun, row: PromptRow, max_new_tokens: int, eos: list[int]
 ) -> dict[str, Any]:
-    """transformers' own assisted generate with the same assistant, on row 0's prompt: its tokens
-    must equal the device's (`hf_assisted_match`); its acceptance beside ours."""
+    """transformers' own assisted generate with the same assistant, on row 0's prompt (and its
+    images: the reference model with them bound): its tokens must equal the device's
+    (`hf_assisted_match`); its acceptance beside ours."""
     assistant = device_run.assistant
-    hf_tokens, hf_steps = hf_assisted(model.lm, assistant.model, ids, max_new_tokens, eos)
+    hf_tokens, hf_steps = hf_assisted(row_reference(model, row), assistant.model, row.ids, max_new_tokens, eos)
     return {
         "assistant_source": assistant.source,
         "hf_assisted_tokens": hf_tokens,

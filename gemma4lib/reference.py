@@ -181,7 +181,8 @@ def hf_assisted(
     target verify steps it ran (target forward calls after the prefill)."""
     ids = torch.as_tensor(list(prompt_ids), dtype=torch.long)[None]
     calls = []
-    hook = lm.register_forward_pre_hook(lambda *_: calls.append(1))
+    # an `ImageBound` generates through its multimodal model: count that model's forward calls
+    hook = getattr(lm, "multimodal", lm).register_forward_pre_hook(lambda *_: calls.append(1))
     try:
         out = lm.generate(
             ids,

@@ -105,6 +105,9 @@ class PortSettings:
     # expectation the colour and shape read from the pixels (`models.shapes.describe`), and the default
     # shapes (64-token bucket, 128 context) grow to hold the ~64 soft tokens an image takes: (128,), 192.
     images: tuple[Any, ...] = ()
+    # load the model's vision part and compile its vision graph without an image of its own, so that
+    # requests can bring theirs (the endpoint's `image_url` parts, `serve --vision`); `images` implies it
+    vision: bool = False
     # batch_size > 1: also compile each bucket's prefill at batch 1, over one row of the batch's K/V, so
     # that a request joining running rows alone (a server's usual case) pays one row's prefill, not the
     # batch's; `serve` turns it on where the backend can (cpu, eager at TP 1)
@@ -168,6 +171,15 @@ class PortSettings:
         if isinstance(self.images, (str, bytes)) or not isinstance(self.images, (tuple, list)):
             self.images = (self.images,) if self.images is not None else ()
         self.images = tuple(self.images)
+        if not isinstance(self.vision, bool):
+            raise SettingsError(f"vision is true or false, got {self.vision!r}")
+        if self.vision and not self.images:
+            if self.backend not in IMAGE_BACKENDS or int(self.tp_degree) != 1:
+                raise SettingsError(
+                    f"vision=True (images per request) runs on backend {', '.join(map(repr, IMAGE_BACKENDS))} at "
+                    f"tp_degree 1 so far, not backend {self.backend!r} at tp_degree {self.tp_degree} (docs/IMAGES.md)"
+                )
+            return
         if not self.images:
             return
         if self.prompt == DEFAULT_PROMPT:
@@ -182,14 +194,13 @@ class PortSettings:
             what
             for what, bad in (
                 (f"batch_size {self.batch_size}", int(self.batch_size) != 1 or self.prompts is not None),
-                (f"draft {self.draft!r}", self.draft is not None),
                 (f"backend {self.backend!r}", self.backend not in IMAGE_BACKENDS),
             )
             if bad
         ]
         if unsupported:
             raise SettingsError(
-                f"images run with one prompt without drafting, on backend "
+                f"images run with one prompt, on backend "
                 f"{', '.join(map(repr, IMAGE_BACKENDS))} at tp_degree 1 and on the gloo ranks at tp_degree > 1 "
                 f"(backend 'cpu' or 'eager') so far; not with {', '.join(unsupported)} "
                 f"(docs/IMAGES.md says what is not reached yet)"
@@ -349,6 +360,11 @@ class PortSettings:
         from .models.trained import fixture_available
 
         return "trained" if fixture_available(self.variant_spec.name) else "random"
+
+    @property
+    def wants_vision(self) -> bool:
+        """Whether the model's vision part is loaded and its vision graph compiled."""
+        return bool(self.images) or self.vision
 
     @property
     def wants_witness(self) -> bool:

@@ -109,7 +109,6 @@ def test_soft_tokens_change_the_answer(random_e2b):
     [
         ({"backend": "neuron"}, "backend 'neuron'"),
         ({"batch_size": 2}, "batch_size 2"),
-        ({"draft": "assistant"}, "draft 'assistant'"),
     ],
 )
 def test_image_settings_not_reached_are_refused(chosen, named):
@@ -121,6 +120,19 @@ def test_image_settings_not_reached_are_refused(chosen, named):
     with pytest.raises(SettingsError, match=named) as caught:
         PortSettings(variant="e2b", model="random", images=(str(RED_CIRCLE),), **chosen)
     assert "'xla'" in str(caught.value) and "gloo ranks at tp_degree > 1" in str(caught.value)
+
+
+def test_vision_without_an_image_is_refused_where_it_does_not_run():
+    """`vision=True` (images per request, the server's `--vision`) at TP 1 on cpu, eager and xla only."""
+    from gemma4lib.errors import SettingsError
+    from gemma4lib.port import PortSettings
+
+    for chosen in ({"backend": "neuron"}, {"tp_degree": 2}):
+        with pytest.raises(SettingsError, match="vision=True"):
+            PortSettings(variant="e2b", vision=True, **chosen)
+    with pytest.raises(SettingsError, match="true or false"):
+        PortSettings(variant="e2b", vision="yes")
+    assert PortSettings(variant="e2b", vision=True, batch_size=4).wants_vision
 
 
 def test_image_under_tp_refuses_cpu_seeded_prefill():
@@ -265,6 +277,32 @@ def test_trained_fixture_names_what_it_sees(variant):
         )
         assert record["seq_match"] and record["logits_match"] and record["coherent"], record.get("failed_checks")
         assert parse_answer(record["answer"]) == (colour, shape), record["answer"]
+
+
+@pytest.mark.skipif("e2b" not in SHIPPED, reason=NOT_SHIPPED)
+@pytest.mark.parametrize("draft", ["assistant", "prompt_lookup"])
+def test_drafting_over_an_image_prompt_equals_plain(draft):
+    """Drafting needs nothing of the image: the drafters read the target's K/V (which holds the
+    image's soft tokens since the prefill) and the tokens so far. Greedy drafted decode equals
+    transformers' plain `generate(pixel_values=...)`, and the answer still names the image."""
+    from gemma4lib.port import PortSettings, port
+
+    record = port(
+        PortSettings(
+            variant="e2b",
+            backend="eager",
+            images=(str(IMAGES / "blue_square.png"),),
+            draft=draft,
+            draft_tokens=3,
+            witness=False,
+            iters=1,
+            warmup=0,
+        )
+    )
+    assert record["seq_match"] and record["logits_match"] and record["coherent"], record.get("failed_checks")
+    assert parse_answer(record["answer"]) == ("blue", "square"), record["answer"]
+    assert record["draft"] == draft and record["accepted_per_step"] >= 1.0
+    assert record["checks_passed"], record["failed_checks"]  # assistant: transformers' assisted generate, same tokens
 
 
 @pytest.mark.skipif(not SHIPPED, reason=NOT_SHIPPED)

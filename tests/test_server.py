@@ -374,6 +374,17 @@ def test_a_non_streaming_client_that_leaves_frees_its_row(tokenizer):
 # ---- errors -------------------------------------------------------------------------------------------------
 
 
+def _tiny_png_part() -> dict:
+    from PIL import Image
+
+    from gemma4lib.server.image_urls import data_url
+
+    return {"type": "image_url", "image_url": {"url": data_url(Image.new("RGB", (4, 4), (200, 30, 30)))}}
+
+
+IMAGE_PART = _tiny_png_part()
+
+
 def _error(response: httpx.Response, status: int) -> dict:
     assert response.status_code == status, response.text
     error = response.json()["error"]
@@ -394,6 +405,14 @@ def _error(response: httpx.Response, status: int) -> dict:
         ({"model": MODEL, "messages": ask("France"), "seed": -3}, 400, "seed", "invalid_value"),
         ({"model": MODEL}, 400, "messages", "invalid_value"),
         ({"model": MODEL, "messages": [{"role": "robot", "content": "hi"}]}, 400, "messages.0.role", "invalid_value"),
+        # an image for a server started without its vision part (serve --vision): said, before the engine
+        ({"model": MODEL, "messages": [{"role": "user", "content": [IMAGE_PART]}]}, 400, "messages", "invalid_image"),
+        (
+            {"model": MODEL, "messages": [{"role": "user", "content": [{"type": "input_audio", "input_audio": {}}]}]},
+            400,
+            "messages[0].content[0]",
+            None,
+        ),
     ],
 )
 def test_bad_requests_get_openai_errors(fake, body, status, param, code):

@@ -389,20 +389,31 @@ def test_batched_port_on_xla_rows_match_their_references(xla_lane):
 
 @pytest.mark.parametrize("variant", ["e2b", "26b-a4b", "e4b", "31b"])
 def test_image_port_on_xla(xla_lane, variant):
-    """`port(backend="xla", images=[...])` on a random-weight multimodal model: the vision graph (no K/V)
-    runs in the same session as prefill and decode, its soft tokens go into the host embeddings, and the
-    tokens and logits equal transformers' `generate(pixel_values=...)`, with 0 CPU fallbacks and one
-    compilation per graph (the vision graph once per image, the step count says it ran). E2B and
-    26B-A4B are in CI's XLA subset (~10 s each here)."""
+    """`port(backend="xla", images=[...])` on the trained vision fixture (a random-weight multimodal
+    model where none is shipped): the vision graph (no K/V) runs in the same session as prefill and
+    decode, its soft tokens go into the host embeddings, and the tokens and logits equal
+    transformers' `generate(pixel_values=...)`, the answer names the red circle, with 0 CPU fallbacks
+    and one compilation per graph (the vision graph once per image, the step count says it ran).
+    E2B and 26B-A4B are in CI's XLA subset (~10 s each here)."""
     from gemma4lib.models.vision import VISION_DIR
     from gemma4lib.port import PortSettings, port
 
     image = str(VISION_DIR / "images" / "red_circle.png")
+    trained = (VISION_DIR / variant / "model.safetensors").is_file()
     settings = PortSettings(
-        variant=variant, model="random", backend="xla", images=(image,), max_new_tokens=8, iters=1, warmup=0
+        variant=variant,
+        model="trained" if trained else "random",
+        backend="xla",
+        images=(image,),
+        max_new_tokens=8,
+        iters=1,
+        warmup=0,
+        witness=False,
     )
     result = port(settings)
     assert result["seq_match"] and result["logits_match"], result["failed_checks"]
+    if trained:
+        assert result["coherent"] and "red circle" in result["answer"], result["answer"]
     assert result["compiler"] == "torch-xla" and result["images"]["soft_tokens"] == [16]
     assert result["xla_fallbacks"] == 0, result["xla_fallback_ops"]
     graphs = ("vision", "prefill128", "decode")

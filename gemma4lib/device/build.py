@@ -189,7 +189,7 @@ def graph_set(
 def image_graph(model: LoadedModel, settings: PortSettings) -> VisionGraph | None:
     """The vision graph when the settings carry images: one image per call, at the patch budget of
     the model's image processor (its `max_soft_tokens` x pooling^2 patches); None without images."""
-    if not settings.images:
+    if not settings.wants_vision:
         return None
     from ..images import require_vision
 

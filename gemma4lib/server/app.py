@@ -55,27 +55,48 @@ class Served:
         if name not in self.names:
             raise UnknownModelError(name, self.model_name)
 
-    def engine_request(self, ids: list[int], body: schemas.SamplingFields, max_tokens: int | None) -> EngineRequest:
-        """The engine's request: the budget (default: the rest of the compiled context) and the sampling."""
+    def engine_request(
+        self, ids: list[int], body: schemas.SamplingFields, max_tokens: int | None, images: Any = None
+    ) -> EngineRequest:
+        """The engine's request: the budget (default: the rest of the compiled context), the sampling and
+        the prompt's images (`runtime.ImagePrompt`, or None)."""
         if max_tokens is None:
             max_tokens = max(1, self.context_length - len(ids) + 1 - self.draft_tokens)
         temperature = 0.0 if body.temperature is None else body.temperature
         seed = body.seed if body.seed is not None else (random.randrange(2**31) if temperature > 0 else 0)
         sampling = Sampling(temperature=temperature, top_p=1.0 if body.top_p is None else body.top_p, seed=seed)
-        return EngineRequest(ids, max_tokens, sampling, () if body.ignore_eos else self.eos_ids)
+        return EngineRequest(ids, max_tokens, sampling, () if body.ignore_eos else self.eos_ids, images=images)
 
 
-def chat_messages(body: schemas.ChatCompletionRequest) -> list[dict[str, str]]:
-    """Messages as the chat template takes them; only text parts (this endpoint serves no images)."""
-    out = []
+def chat_messages(body: schemas.ChatCompletionRequest) -> tuple[list[dict[str, Any]], list[Any]]:
+    """Messages as the chat template takes them, and the images of their `image_url` parts (PIL, in
+    order). A message with only text keeps its text as one string (rendered exactly as before); one
+    with images keeps its parts, each image as `{"type": "image"}`, where the template expands it."""
+    from .image_urls import image_from_data_url
+
+    out: list[dict[str, Any]] = []
+    images: list[Any] = []
     for i, message in enumerate(body.messages):
-        content = message.content
+        content: Any = message.content
         if not isinstance(content, str):
-            if any(part.type != "text" for part in content):
-                raise RequestError("only text content parts are served here", f"messages[{i}].content")
-            content = "".join(part.text or "" for part in content)
+            parts: list[dict[str, Any]] = []
+            for j, part in enumerate(content):
+                where = f"messages[{i}].content[{j}]"
+                if part.type == "text":
+                    parts.append({"type": "text", "text": part.text or ""})
+                elif part.type == "image_url":
+                    if part.image_url is None:
+                        raise RequestError("an image_url part needs {'image_url': {'url': 'data:...'}}", where)
+                    images.append(image_from_data_url(part.image_url.url, f"{where}.image_url.url"))
+                    parts.append({"type": "image"})
+                else:
+                    raise RequestError(f"content parts are text or image_url, not {part.type!r}", where)
+            if any(p["type"] == "image" for p in parts):
+                content = parts
+            else:
+                content = "".join(p["text"] for p in parts)
         out.append({"role": message.role, "content": content})
-    return out
+    return out, images
 
 
 def sse(payload: dict[str, Any] | str) -> str:
@@ -183,8 +204,13 @@ def create_app(served: Served) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat(body: schemas.ChatCompletionRequest, request: Request) -> Any:
         served.check_model(body.model)
-        ids = scheduler.codec.chat(chat_messages(body))
-        job = served.engine_request(ids, body, body.max_completion_tokens or body.max_tokens)
+        messages, pictures = chat_messages(body)
+        images = None
+        if pictures:
+            ids, images = scheduler.codec.chat_with_images(messages, pictures)
+        else:
+            ids = scheduler.codec.chat(messages)
+        job = served.engine_request(ids, body, body.max_completion_tokens or body.max_tokens, images)
         ticket = scheduler.submit(job, body.stop_strings())
         rid = schemas.new_id("chatcmpl")
         if body.stream:

@@ -9,7 +9,15 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..errors import BadPromptError, Gemma4LibError, PromptTooLongError, SettingsError
+from ..errors import (
+    BadPromptError,
+    Gemma4LibError,
+    ImageInputError,
+    NoVisionError,
+    PromptTooLongError,
+    SettingsError,
+    TooManyImagesError,
+)
 
 
 class RequestError(Gemma4LibError, ValueError):
@@ -108,6 +116,8 @@ def http_error(exc: BaseException) -> tuple[int, dict[str, Any], dict[str, str]]
         field = str(exc).split(" ", 1)[0]  # Sampling's messages start with the value's name
         param = field if field in SAMPLING_FIELDS else None
         return 400, error_body(str(exc), "invalid_request_error", param, "invalid_value"), {}
+    if isinstance(exc, (ImageInputError, NoVisionError, TooManyImagesError)):
+        return 400, error_body(str(exc), "invalid_request_error", "messages", "invalid_image"), {}
     if isinstance(exc, BadPromptError):
         return 400, error_body(str(exc), "invalid_request_error", "messages", "invalid_prompt"), {}
     if isinstance(exc, EngineFaultError):

@@ -45,6 +45,8 @@ class Loaded:
     eos_ids: tuple[int, ...]
     load_s: float
     compile_s: float
+    processor: Any = None  # the image processor and image token id, when served with its vision part
+    image_token_id: int | None = None
 
 
 def build_served(
@@ -58,12 +60,19 @@ def build_served(
     replica: str = "",
     info: dict[str, Any] | None = None,
     admit_wait_s: float = 0.0,
+    processor: Any = None,
+    image_token_id: int | None = None,
 ) -> Served:
     """The scheduler (started) and what the routes need, around an engine and its tokenizer; `info`
-    (load and compile seconds, the replica) is shown by `GET /health`."""
+    (load and compile seconds, the replica) is shown by `GET /health`; `processor` and `image_token_id`
+    (a model served with its vision part) let chat requests carry `image_url` parts."""
     metrics = ServerMetrics(engine.batch, replica=replica)
     scheduler = Scheduler(
-        engine, Codec(tokenizer), max_queue=max_queue, metrics=metrics, admit_wait_s=admit_wait_s
+        engine,
+        Codec(tokenizer, processor, image_token_id),
+        max_queue=max_queue,
+        metrics=metrics,
+        admit_wait_s=admit_wait_s,
     ).start()
     return Served(scheduler, model_name, eos_ids, aliases, info=info)
 
@@ -149,6 +158,8 @@ def serve_loaded(loaded: Loaded, args: Any) -> int:
             "row_prefill": bool(loaded.engine.steps.row_prefill),
         },
         admit_wait_s=args.admit_wait_ms / 1000.0,
+        processor=loaded.processor,
+        image_token_id=loaded.image_token_id,
     )
     log.warning("engine ready: load %.1f s, compile %.1f s", loaded.load_s, loaded.compile_s)
     serve_forever(served, args.host, args.port, args.drain_timeout)

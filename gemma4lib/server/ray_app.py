@@ -141,6 +141,8 @@ class GemmaReplica:
             replica=replica,
             info=info,
             admit_wait_s=admit_wait_s,
+            processor=loaded.processor,
+            image_token_id=loaded.image_token_id,
         )
         log.warning("replica %s ready: load %.1f s, compile %.1f s", replica, loaded.load_s, loaded.compile_s)
 

@@ -1,4 +1,4 @@
-"""The OpenAI request and response bodies the endpoint speaks (the subset a text model needs).
+"""The OpenAI request and response bodies the endpoint speaks (the subset a chat model with images needs).
 
 pydantic validates the requests (a wrong type is a 400 naming the field); fields OpenAI's clients
 send that this server does not use are ignored, as vLLM's server does, so any client works.
@@ -17,9 +17,15 @@ class _Body(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
 
+class ImageURL(_Body):
+    url: str
+    detail: str | None = None  # OpenAI's "low" / "high" / "auto": the processor's one budget serves all
+
+
 class ContentPart(_Body):
     type: str
     text: str | None = None
+    image_url: ImageURL | None = None
 
 
 class ChatMessage(_Body):

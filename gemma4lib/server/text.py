@@ -29,9 +29,11 @@ class Codec:
     two threads using it at once can fail with "Already borrowed": one lock makes every use serial.
     """
 
-    def __init__(self, tokenizer: Any):
+    def __init__(self, tokenizer: Any, processor: Any = None, image_token_id: int | None = None):
         require_chat_template(tokenizer)
         self.tokenizer = tokenizer
+        # the image processor and image token of a model served with its vision part (`serve --vision`)
+        self.processor, self.image_token_id = processor, image_token_id
         self._lock = threading.Lock()
         # The Rust tokenizer's own decode: the same text when transformers would not clean up spaces,
         # without transformers' per-call Python work (most of a short decode's time: the scheduler
@@ -48,6 +50,23 @@ class Codec:
                 messages, add_generation_prompt=True, tokenize=True, return_dict=False
             )
         return list(ids["input_ids"] if isinstance(ids, dict) else ids)
+
+    def chat_with_images(self, messages: list[dict[str, Any]], images: list[Any]) -> tuple[list[int], Any]:
+        """Messages whose content holds `{"type": "image"}` parts, one per image in `images` (PIL):
+        the prompt ids with each image part expanded to its soft tokens, and the engine's `ImagePrompt`."""
+        from ..errors import NoVisionError
+        from ..images import image_prompt
+
+        if self.processor is None or self.image_token_id is None:
+            raise NoVisionError(
+                "this server was started without a vision part; start it with --vision (a model with a vision "
+                "part) to send image_url content parts, or send text only"
+            )
+        with self._lock:
+            inputs = image_prompt(
+                self.tokenizer, self.processor, images, "", image_token_id=self.image_token_id, messages=messages
+            )
+        return inputs.ids, inputs.prompt
 
     def text(self, prompt: str) -> list[int]:
         """A completion prompt as plain text (no chat turns), with the tokenizer's own special tokens."""

@@ -21,7 +21,14 @@ tolerance it crossed.
 | decode's sliding-window mask one key short | decode graph only | FAIL, FAIL*, FAIL | FAIL |
 | tensor-parallel rank read at trace time | device graph (TP) | FAIL, FAIL, FAIL | FAIL |
 
+| an image's soft tokens written one position late | host runtime (image) | ok, FAIL, ok | FAIL |
+| soft tokens scaled by sqrt(hidden) like words | device vision graph | ok, FAIL, ok | FAIL |
+
 (* from decode step 1 on: the prefill logits are exact, so a prefill-only logit gate passes.)
+The image faults run the trained vision fixture on the red circle (`port --image`). Both leave its
+answer "A red circle." (its margins are wide: one soft token more or less, or all of them 16x too
+large, still reads as red and round), so SEQ_MATCH and coherence pass; the prefill logits move by
+2.0 and 4.6 against a tolerance of 6.6e-5 (eager, measured here) and the witness's tokens change.
 A fault shared by device and reference is invisible to both equality checks: only coherence sees
 it. A device fault that moves the logits by ~0.1 leaves a confident model's tokens and answer
 unchanged: only LOGITS_MATCH and the witness, whose near-ties turn logit errors into other
@@ -31,6 +38,7 @@ and the logit error against the tolerance it crossed.
 
 from __future__ import annotations
 
+import copy
 import logging
 import math
 import time
@@ -45,6 +53,7 @@ from ..backends.registry import backend_of, run_device
 from ..checks import failure_reasons
 from ..device.graph import DeviceGraph, ExplicitKV, _shallow_clone
 from ..device.kv_layout import FULL, SLIDING, KVLayout
+from ..device.vision import VisionGraph
 from ..errors import TensorParallelError
 from ..models.loading import LoadedModel
 from ..models.variants import MOE_VARIANT
@@ -60,6 +69,7 @@ from ..port import (
     witness_record,
     witness_settings,
 )
+from ..runtime import Request
 
 log = logging.getLogger(__name__)
 
@@ -84,6 +94,8 @@ class FaultRun:
     model: LoadedModel
     settings: PortSettings
     rows: list[PromptRow]
+    # a runtime fault: what the device's requests get that the reference's prompt does not
+    request_edit: Callable[[Request], Request] | None = None
 
 
 @dataclass(frozen=True)
@@ -97,6 +109,7 @@ class Fault:
     apply: Callable[[FaultRun], GraphEdit | None]
     scope: str = DEVICE
     tp_degree: int = 1
+    images: bool = False  # run on the trained vision fixture with a sample image
 
     @property
     def shared_with_reference(self) -> bool:
@@ -254,6 +267,44 @@ def decode_kv_write_ahead(run: FaultRun) -> GraphEdit:
     return edit
 
 
+# ---- image faults: where the soft tokens go, and at what size -----------------------------------
+def soft_tokens_one_late(run: FaultRun) -> None:
+    """The host writes each image's soft tokens one position late (the last over `<image|>`): an
+    off-by-one in the placement; the reference places them where the processor said."""
+
+    def shift(request: Request) -> Request:
+        images = request.images
+        if images is None:
+            return request
+        return replace(request, images=replace(images, positions=tuple(p + 1 for p in images.positions)))
+
+    run.request_edit = shift
+
+
+class _Scaled(torch.nn.Module):
+    def __init__(self, inner: torch.nn.Module, factor: float):
+        super().__init__()
+        self.inner, self.factor = inner, float(factor)
+
+    def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        return self.inner(*args, **kwargs) * self.factor
+
+
+def soft_tokens_word_scaled(run: FaultRun) -> GraphEdit:
+    """The device's vision graph scales its soft tokens by sqrt(hidden), as the word embeddings
+    are: the soft tokens joined the embedding stream before the scale, not after it."""
+    factor = math.sqrt(int(run.model.lm.config.hidden_size))
+
+    def edit(graph: Any) -> None:
+        if not isinstance(graph, VisionGraph):
+            return
+        # a copy: the graph shares the model's embedder with the reference, which must stay right
+        graph.model.embed_vision = _Scaled(copy.deepcopy(graph.model.embed_vision), factor)
+        graph.tags["fault"] = "soft_tokens_word_scaled"
+
+    return edit
+
+
 def baked_tp_rank(run: FaultRun) -> None:
     """Marker: handled by the TP runner (every rank computes rank 0's experts)."""
 
@@ -326,6 +377,22 @@ FAULTS: tuple[Fault, ...] = (
         decode_mask_window_short,
     ),
     Fault(
+        "soft_tokens_one_late",
+        "an image's soft tokens written one prompt position late",
+        "e2b",
+        ("logits_match",),
+        soft_tokens_one_late,
+        images=True,
+    ),
+    Fault(
+        "soft_tokens_word_scaled",
+        "the vision graph scales its soft tokens by sqrt(hidden), as words are",
+        "e2b",
+        ("logits_match",),
+        soft_tokens_word_scaled,
+        images=True,
+    ),
+    Fault(
         "baked_tp_rank",
         "tensor-parallel rank read at trace time (MoE experts of rank 0 everywhere)",
         MOE_VARIANT,  # the rank bug lives in the experts' split
@@ -358,6 +425,8 @@ class FaultyBackend:
 
     def run(self, run: FaultRun, eos: list[int]) -> DeviceRun:
         settings, requests = run.settings, requests_for(run.rows, run.settings, eos)
+        if run.request_edit is not None:
+            requests = [run.request_edit(r) for r in requests]
         backend = backend_of(settings)
         if backend.run is not None:  # gloo: the ranks build their own graphs, the rank read at trace time or not
             if self.edit is not None:
@@ -367,7 +436,7 @@ class FaultyBackend:
         if self.edit is not None:
             graphs = build_graphs(run.model, settings)
             for _, graph in graphs:
-                self.edit(graph)
+                self.edit(graph)  # an edit leaves alone the graphs its fault does not live in
         return run_device(run.model, settings, requests, graphs=graphs, bench=False)
 
 
@@ -403,13 +472,29 @@ def _witness(fault: Fault | None, settings: PortSettings) -> dict[str, Any]:
     return witness_record(model, w, run.rows, device_run)
 
 
+# the image the image faults (and their clean run) show the trained vision fixture
+FAULT_IMAGE = "red_circle.png"
+
+
 def run_one(
-    variant: str, fault: Fault | None = None, tp_degree: int = 1, cache_dir: str | None = None, backend: str = "cpu"
+    variant: str,
+    fault: Fault | None = None,
+    tp_degree: int = 1,
+    cache_dir: str | None = None,
+    backend: str = "cpu",
+    images: bool = False,
 ) -> dict[str, Any]:
     """Port the trained tiny `variant` with `fault` switched on (None: the clean run), witness
-    included, and judge it with `port`'s own verdict."""
+    included, and judge it with `port`'s own verdict; `images` (or an image fault): the trained
+    vision fixture on a sample image."""
+    from ..models.vision import VISION_DIR
+
     started = time.perf_counter()
-    settings = PortSettings(variant=variant, model="trained", tp_degree=tp_degree, cache_dir=cache_dir, backend=backend)
+    images = images or (fault is not None and fault.images)
+    shown = (str(VISION_DIR / "images" / FAULT_IMAGE),) if images else ()
+    settings = PortSettings(
+        variant=variant, model="trained", tp_degree=tp_degree, cache_dir=cache_dir, backend=backend, images=shown
+    )
     model = load_model(settings)
     run = FaultRun(model, settings, prompt_rows(model, settings))
     eos = eos_ids(model)
@@ -426,6 +511,7 @@ def run_one(
         "description": fault.description if fault else "no fault",
         "variant": variant,
         "tp_degree": tp_degree,
+        "images": list(shown),
         "backend": backend,
         "scope": fault.scope if fault else None,
         "seq_match": record["seq_match"],
@@ -454,8 +540,8 @@ def run_fault_lab(
     """
     named = None if faults is None else {get_fault(name).name for name in faults}
     chosen = [f for f in FAULTS if (variant is None or f.variant == variant) and (named is None or f.name in named)]
-    pairs = sorted({(f.variant, f.tp_degree) for f in chosen})
-    clean = [run_one(v, None, tp, cache_dir, backend) for v, tp in pairs]
+    pairs = sorted({(f.variant, f.tp_degree, f.images) for f in chosen})
+    clean = [run_one(v, None, tp, cache_dir, backend, images) for v, tp, images in pairs]
     runs = [run_one(f.variant, f, f.tp_degree, cache_dir, backend) for f in chosen]
     clean_ok = all(not r["caught"] and r["coherent"] for r in clean)
     all_caught = all(r["caught"] for r in runs)
