@@ -303,7 +303,11 @@ def witness_settings(settings: PortSettings) -> PortSettings:
     """The witness: the same variant, shapes and backend, with seeded random weights (so the same
     compiled programs: parameters are loaded at run time, and the buffers the compiler folds in,
     such as `layer_scalar`, hold the same values in the random and the trained tiny models)."""
-    return replace(settings, model="random", witness=False, results_dir=None)
+    seed = settings.seed
+    image_seed = settings.variant_spec.image_witness_seed
+    if settings.images and image_seed is not None and seed == settings.variant_spec.tiny_seed:
+        seed = image_seed  # (`Variant.image_witness_seed`: the default seed, not one the caller chose)
+    return replace(settings, model="random", witness=False, results_dir=None, seed=seed)
 
 
 def witness_record(

@@ -5,8 +5,8 @@ LOGITS_MATCH), compiled and eager, by the checks the lab predicts.
 The compiled lab runs through the CPU recipe, like `python -m gemma4lib faults`: the clean E2B
 graphs are shared with the other tests through the artifact cache; each device-side fault compiles
 its own (a fault changes the program, so it has its own cache key), and the witness reuses it.
-All eleven compiled take ~9 minutes on two cores, so the default suite compiles the four whose
-verdict hangs on logit sizes (`COMPILED_IN_CI`: hidden behind unchanged tokens, decode-only) and
+All thirteen compiled (eleven text, two image) take ~10 minutes on two cores, so the default suite
+compiles the four whose verdict hangs on logit sizes (`COMPILED_IN_CI`: hidden behind unchanged tokens, decode-only) and
 runs every fault eagerly (the same graphs, uncompiled); the whole compiled lab is marked slow.
 """
 

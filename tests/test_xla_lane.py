@@ -405,7 +405,7 @@ def test_image_port_on_xla(xla_lane, variant):
         model="trained" if trained else "random",
         backend="xla",
         images=(image,),
-        max_new_tokens=8,
+        max_new_tokens=16,  # "A red circle." and its end of turn
         iters=1,
         warmup=0,
         witness=False,
