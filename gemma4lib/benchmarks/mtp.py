@@ -56,7 +56,7 @@ def bench_mtp(
         device = run_device(model, settings, requests_for(prompts, settings, eos))
         run = {
             **device.record_fields(),
-            **assisted_fields(model, device, ids, new_tokens, eos),
+            **assisted_fields(model, device, prompts[0], new_tokens, eos),
             "tokens": device.tokens,
             "compile_s": device.compile_s,
         }
