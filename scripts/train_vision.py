@@ -52,12 +52,10 @@ def held_out(full, tokenizer, processor, seed: int) -> tuple[int, int, list[str]
     """Fresh images (another seed), then the shipped samples (`fixtures/vision/images`, what `port
     --image` and the tests show): how many answers equal the label exactly, the misses, and the
     samples' misses."""
-    from PIL import Image
+    from gemma4lib.images import load_image
 
     fresh = shape_images(4, seed=seed + 1000)
-    samples = [
-        ShapeImage(Image.open(vision.VISION_DIR / "images" / f"{c}_{s}.png").convert("RGB"), c, s) for c, s in SAMPLES
-    ]
+    samples = [ShapeImage(load_image(vision.VISION_DIR / "images" / f"{c}_{s}.png"), c, s) for c, s in SAMPLES]
     failures, sample_failures = [], []
     for i, example in enumerate(fresh + samples):
         answer, _ = vision.answer_image(full, tokenizer, processor, example.image)

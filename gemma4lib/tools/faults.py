@@ -20,7 +20,6 @@ tolerance it crossed.
 | decode writes each token's K/V one slot ahead | decode graph only | FAIL, FAIL*, FAIL | FAIL |
 | decode's sliding-window mask one key short | decode graph only | FAIL, FAIL*, FAIL | FAIL |
 | tensor-parallel rank read at trace time | device graph (TP) | FAIL, FAIL, FAIL | FAIL |
-
 | an image's soft tokens written one position late | host runtime (image) | ok, FAIL, ok | FAIL |
 | soft tokens scaled by sqrt(hidden) like words | device vision graph | ok, FAIL, ok | FAIL |
 
