@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from .errors import SettingsError
+from .models.image_attention import generate_kwargs, intended_masks
 from .models.upcast import upcast_forward
 
 log = logging.getLogger(__name__)
@@ -48,12 +49,17 @@ class ImageBound(nn.Module):
         }
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, **kwargs: Any):
+        image = self._image_kwargs(input_ids)
+        masks = intended_masks(self.multimodal, input_ids, attention_mask, image["mm_token_type_ids"])
         return self.multimodal(
-            input_ids=input_ids, attention_mask=attention_mask, **self._image_kwargs(input_ids), **kwargs
+            input_ids=input_ids, attention_mask=masks if masks is not None else attention_mask, **image, **kwargs
         )
 
     @torch.no_grad()
     def generate(self, input_ids: torch.Tensor, **kwargs: Any):
+        """transformers' `generate` over the image, its masks the model's intended ones
+        (`models.image_attention`: a static cache where the config is bidirectional over images)."""
+        kwargs = {**generate_kwargs(self.multimodal), **kwargs}
         return self.multimodal.generate(input_ids, **self._image_kwargs(input_ids), **kwargs)
 
     def set_experts_implementation(self, experts: str) -> None:

@@ -319,6 +319,7 @@ class Engine:
         draft_tokens: int = 0,
         drafter: Drafter | None = None,
         pad_id: int = 0,
+        image_blocks: bool = False,
     ):
         if (drafter is None) != (steps.verify is None):
             raise SettingsError("a drafter needs the verify graph and the verify graph a drafter: pass both or neither")
@@ -329,6 +330,8 @@ class Engine:
         self.draft_tokens, self.drafter = int(draft_tokens) if drafter is not None else 0, drafter
         self.rows: dict[int, _Row] = {}
         self.pad_id = int(pad_id)
+        # the prefill graphs take each token's image (`DeviceGraph.image_blocks`): `prefill_inputs`
+        self.image_blocks = bool(image_blocks)
 
     @classmethod
     def for_model(cls, model: LoadedModel, steps: Steps, **kwargs: Any) -> Engine:
@@ -451,8 +454,26 @@ class Engine:
         parts[0][0, at] = self.soft_tokens(images)
         return parts
 
-    def _zero_inputs(self, tokens: int) -> list[torch.Tensor]:
-        return self.embed(torch.zeros(self.batch, tokens, dtype=torch.long))
+    def prefill_inputs(self, request: Request, pad_to: int | None = None) -> list[torch.Tensor]:
+        """`prompt_embeds`, and where the prefill graphs take them the image blocks `[1, n or
+        pad_to]` int32: image i's soft tokens i + 1, every other token 0 (`device.graph.build_masks`)."""
+        parts = self.prompt_embeds(request, pad_to=pad_to)
+        if self.image_blocks:
+            blocks = torch.zeros(1, parts[0].shape[1], dtype=INDEX_DTYPE)
+            images, at = request.images, 0
+            for i, count in enumerate(images.counts if images is not None else ()):
+                blocks[0, list(images.positions[at : at + int(count)])] = i + 1
+                at += int(count)
+            parts.append(blocks)
+        return parts
+
+    def _zero_inputs(self, tokens: int, prefill: bool = False) -> list[torch.Tensor]:
+        """Inputs of `tokens` per row for every row, zero (idle rows stay so); a prefill's take the
+        image blocks too where its graphs do."""
+        parts = self.embed(torch.zeros(self.batch, tokens, dtype=torch.long))
+        if prefill and self.image_blocks:
+            parts.append(torch.zeros(self.batch, tokens, dtype=INDEX_DTYPE))
+        return parts
 
     @torch.no_grad()
     def admit(self, requests: Mapping[int, Request], *, keep_logits: bool = False) -> dict[int, list[int]]:
@@ -477,9 +498,9 @@ class Engine:
         if by_row:
             out = {row: self._row_prefill(row, request, buckets[row]) for row, request in requests.items()}
         elif self.steps.prefill:
-            inputs = self._zero_inputs(bucket)
+            inputs = self._zero_inputs(bucket, prefill=True)
             for row, request in requests.items():
-                for slot, part in zip(inputs, self.prompt_embeds(request, pad_to=bucket), strict=True):
+                for slot, part in zip(inputs, self.prefill_inputs(request, pad_to=bucket), strict=True):
                     slot[row] = part[0]
             out = _by_row(self._call(self.steps.prefill[bucket], inputs, [0] * self.batch, lengths), requests)
         else:
@@ -512,7 +533,7 @@ class Engine:
     def _row_prefill(self, row: int, request: Request, bucket: int) -> RowOut:
         """One request through its bucket's one-row graph, into row `row`'s K/V: (logits, hidden)."""
         step = functools.partial(self.steps.row_prefill[bucket], row)
-        out = self._call(step, self.prompt_embeds(request, pad_to=bucket), [0], [len(request.prompt_ids)])
+        out = self._call(step, self.prefill_inputs(request, pad_to=bucket), [0], [len(request.prompt_ids)])
         return _by_row(out, [0])[0]
 
     def _stepwise_prefill(self, requests: Mapping[int, Request], lengths: list[int]) -> tuple[torch.Tensor, ...]:

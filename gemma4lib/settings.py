@@ -195,6 +195,10 @@ class PortSettings:
             for what, bad in (
                 (f"batch_size {self.batch_size}", int(self.batch_size) != 1 or self.prompts is not None),
                 (f"backend {self.backend!r}", self.backend not in IMAGE_BACKENDS),
+                (
+                    f"the {self.variant_spec.name}'s bidirectional image mask at tp_degree {self.tp_degree}",
+                    self.variant_spec.unified and int(self.tp_degree) > 1,  # the gloo rank graphs take no blocks yet
+                ),
             )
             if bad
         ]

@@ -73,10 +73,15 @@ def held_out(full, tokenizer, processor, seed: int) -> tuple[int, int, list[str]
 MAX_HELD_OUT_MISSES = 1 / 50
 
 
-def shippable(failures: list[str], sample_failures: list[str], total: int, probe_accuracy: float, cfg) -> bool:
-    return (
-        not sample_failures and len(failures) <= MAX_HELD_OUT_MISSES * total and probe_accuracy >= cfg.pretrain_target
-    )
+def shippable(
+    failures: list[str], sample_failures: list[str], total: int, probe_accuracy: float, cfg, encoder_free: bool = False
+) -> bool:
+    """The rule above, and the stage-one probe at its target where there is an encoder: the 12B's
+    encoder-free embedder projects each patch alone, so the mean of its soft tokens cannot carry the
+    shape (the arrangement of the patches), only the colour; there the decoder's reading, judged by
+    the held-out images, is the test."""
+    probe_ok = encoder_free or probe_accuracy >= cfg.pretrain_target
+    return not sample_failures and len(failures) <= MAX_HELD_OUT_MISSES * total and probe_ok
 
 
 def train_one(name: str, out: Path, seed: int, max_steps: int | None) -> dict:
@@ -130,7 +135,7 @@ def train_one(name: str, out: Path, seed: int, max_steps: int | None) -> dict:
             "train_config": cfg.to_dict(),
         },
         "files": {f"{name}/{k}": v for k, v in files.items()},
-        "ok": shippable(failures, sample_failures, total, pretrained.held_out_accuracy, cfg)
+        "ok": shippable(failures, sample_failures, total, pretrained.held_out_accuracy, cfg, vision.encoder_free(full))
         and text_correct >= base_correct,  # and the text held-out answered as well as the text fixture does
     }
 

@@ -164,12 +164,11 @@ def test_image_file_not_an_image(tmp_path):
         load_image(path)
 
 
-def test_image_for_checkpoint_without_vision():
+def test_image_for_checkpoint_without_vision(tmp_path):
     from gemma4lib.models.trained import load_trained
-    from gemma4lib.port import PortSettings, load_model
 
     with pytest.raises(NoVisionError, match="train one with"):
-        load_model(PortSettings(variant="12b", images=(str(RED_CIRCLE),)))
+        vision.load_vision_fixture("12b", root=tmp_path)  # a fixture folder without the 12B's
     from gemma4lib.images import require_vision
 
     text_only = load_trained("e2b")
@@ -250,6 +249,129 @@ def test_bidirectional_mask_where_the_config_asks():
     positions = list(range(3, 7))
     masks = nbv.reference_masks(model.multimodal, ids, positions)
     assert masks["sliding_attention"][3, 6] and not masks["full_attention"][3, 6]
+
+
+# ---- the 12B: its torchvision-free processor, its image blocks ----------------------------------------
+def _golden_cases():
+    from PIL import Image
+
+    samples = {p.name: Image.open(p).convert("RGB") for p in sorted(IMAGES.glob("*.png"))}
+    red, blue = samples["red_circle.png"], samples["blue_square.png"]
+    wide = Image.new("RGB", (red.width + blue.width, red.height))
+    wide.paste(red, (0, 0))
+    wide.paste(blue, (red.width, 0))
+    return {**samples, "red_circle+blue_square (64x32)": wide}
+
+
+def test_unified_processor_equals_transformers():
+    """The 12B's torchvision-free processor gives, bit for bit, what transformers' own
+    `Gemma4UnifiedImageProcessor` gave on the same images (hashes it wrote in a torchvision venv:
+    scripts/unified_processor_golden.py), a non-square image included."""
+    import hashlib
+    import json
+
+    from gemma4lib.models.unified_patches import UnifiedPatchProcessor
+
+    golden = json.loads((vision.VISION_DIR / "12b" / "processor_golden.json").read_text())
+    processor = UnifiedPatchProcessor(**golden["settings"])
+    cases = _golden_cases()
+    assert set(cases) == set(golden["cases"])
+    for name, image in cases.items():
+        data = processor(images=[image], return_tensors="pt")
+        want = golden["cases"][name]
+        assert hashlib.sha256(data["pixel_values"].numpy().tobytes()).hexdigest() == want["pixel_values_sha256"], name
+        positions = data["image_position_ids"].numpy().tobytes()
+        assert hashlib.sha256(positions).hexdigest() == want["image_position_ids_sha256"], name
+        assert data["num_soft_tokens_per_image"].tolist() == want["num_soft_tokens"]
+        assert list(data["pixel_values"].shape) == want["shape"]
+
+
+def test_unified_processor_refuses_what_it_cannot_do(tmp_path):
+    """No torchvision, no resize: a resizing config or an image that does not cut into merged patches
+    is an ImageInputError that says what to do; its config file round-trips."""
+    from PIL import Image
+
+    from gemma4lib.models.unified_patches import UnifiedPatchProcessor, load_unified_processor
+
+    with pytest.raises(ImageInputError, match="install torchvision"):
+        resizing = UnifiedPatchProcessor(patch_size=4, pooling_kernel_size=2, max_soft_tokens=70)
+        resizing(images=[Image.new("RGB", (32, 32))])
+    fixed = UnifiedPatchProcessor(patch_size=4, pooling_kernel_size=2, max_soft_tokens=70, do_resize=False)
+    with pytest.raises(ImageInputError, match="multiples of 8"):
+        fixed(images=[Image.new("RGB", (30, 32))])
+    with pytest.raises(ImageInputError, match="over the budget of 70"):
+        fixed(images=[Image.new("RGB", (96, 64))])
+    fixed.save_pretrained(tmp_path)
+    assert load_unified_processor(tmp_path) == fixed
+
+
+def _twelve_b_prompt(model):
+    from gemma4lib.images import image_prompt
+
+    tok = vision.vision_tokenizer(__import__("gemma4lib.models.trained", fromlist=["x"]).load_trained("12b").tokenizer)
+    question = "What is in the image?"
+    return image_prompt(tok, model.processor, [RED_CIRCLE], question, image_token_id=vision.IMAGE_TOKEN_ID)
+
+
+@pytest.mark.parametrize("ring", [False, True])
+def test_device_masks_are_the_intended_masks(ring):
+    """The 12B's prefill masks as the device graph builds them from its image blocks (full layers
+    causal; sliding layers `(causal OR same image) AND window`) equal transformers' own intended
+    masks (`create_masks_for_generate` of the multimodal class), on the flat and the ring K/V."""
+    import torch
+
+    from gemma4lib.device.graph import GraphShape, build_masks, index_tensor
+    from gemma4lib.models.image_attention import intended_masks
+    from gemma4lib.runtime import Engine, Request
+
+    model = vision.build_random_multimodal("12b", seed=0)
+    inputs = _twelve_b_prompt(model)
+    n = len(inputs.ids)
+    engine = Engine(None, _steps_stub(), batch=1, context_length=2 * n, vocab_size=1, cap=None, image_blocks=True)
+    engine.prompt_embeds = lambda request, pad_to=None: [torch.zeros(1, n, 1)]  # only the blocks matter here
+    blocks = engine.prefill_inputs(Request(inputs.ids, 1, images=inputs.prompt))[-1]
+    assert sorted(set(blocks[0].tolist())) == [0, 1] and int(blocks.sum()) == 16
+    shape = GraphShape(1, n, 2 * n, ring)
+    device = build_masks(model.layout, shape, index_tensor([0]), index_tensor([n]), torch.float32, blocks)
+    ids = torch.tensor([inputs.ids])
+    want = intended_masks(model.multimodal, ids, torch.ones_like(ids), torch.tensor([inputs.token_types]))
+    assert set(device) == set(want)
+    window = model.config.sliding_window
+    assert window < 16  # the tiny window is shorter than the image: the window's clamp is tested too
+    seen = {}
+    for layer_type, mask in device.items():
+        allowed = mask[0, 0] == 0
+        # a buffer's keys are its slots (the prompt in the first n); a ring prefill's are [old ring, chunk]
+        keys = allowed[:, :n] if allowed.shape[1] == 2 * n else allowed[:, -n:]
+        reference = want[layer_type][0, 0]
+        reference = reference if reference.dtype == torch.bool else reference == 0
+        assert torch.equal(keys, reference), layer_type
+        seen[layer_type] = keys
+    first = inputs.prompt.positions[0]  # the image's first token sees the next one on sliding layers only
+    assert seen["sliding_attention"][first, first + 1] and not seen["full_attention"][first, first + 1]
+
+
+def _steps_stub():
+    from gemma4lib.runtime import Steps
+
+    return Steps(prefill={}, decode=lambda *a: None)
+
+
+def test_without_image_blocks_the_12b_port_fails(monkeypatch):
+    """The check can fail: a 12B prefill graph built without the image blocks (causal over the
+    image, the seed-style bug) gives logits the reference's spread does not cover."""
+    from gemma4lib.device import build
+    from gemma4lib.port import PortSettings, eos_ids, judge_rows, load_model, prompt_rows, requests_for, run_device
+
+    monkeypatch.setattr(build, "bidirectional_images", lambda config: False)
+    settings = PortSettings(
+        variant="12b", model="random", images=(str(RED_CIRCLE),), max_new_tokens=6, seed=5, backend="eager"
+    )
+    model = load_model(settings)
+    rows = prompt_rows(model, settings)
+    run = run_device(model, settings, requests_for(rows, settings, eos_ids(model)), bench=False)
+    ((report, _),) = judge_rows(model, settings, rows, [], run)
+    assert not report.logits_match and run.prefill_logits_max_abs_diff > 1e-2
 
 
 # ---- the trained multimodal fixtures --------------------------------------------------------------------

@@ -387,14 +387,15 @@ def test_batched_port_on_xla_rows_match_their_references(xla_lane):
 # ---- images (docs/IMAGES.md): the vision graph through torch_xla beside prefill and decode ----------
 
 
-@pytest.mark.parametrize("variant", ["e2b", "26b-a4b", "e4b", "31b"])
+@pytest.mark.parametrize("variant", ["e2b", "26b-a4b", "12b", "e4b", "31b"])
 def test_image_port_on_xla(xla_lane, variant):
     """`port(backend="xla", images=[...])` on the trained vision fixture (a random-weight multimodal
     model where none is shipped): the vision graph (no K/V) runs in the same session as prefill and
     decode, its soft tokens go into the host embeddings, and the tokens and logits equal
     transformers' `generate(pixel_values=...)`, the answer names the red circle, with 0 CPU fallbacks
     and one compilation per graph (the vision graph once per image, the step count says it ran).
-    E2B and 26B-A4B are in CI's XLA subset (~10 s each here)."""
+    E2B, 26B-A4B and the 12B (its prefill takes the image blocks: bidirectional on the sliding
+    layers) are in CI's XLA subset (~10 s each here)."""
     from gemma4lib.models.vision import VISION_DIR
     from gemma4lib.port import PortSettings, port
 

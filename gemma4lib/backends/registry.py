@@ -153,6 +153,7 @@ def compile_graphs(
         dtype=graphs.target.dtype,
         draft_tokens=graphs.draft_tokens,
         drafter=drafter if graphs.verify is not None else None,
+        image_blocks=graphs.image_blocks,
     )
     return compiled
 

@@ -231,14 +231,14 @@ class XLASession:
         return run
 
     def run(self, name: str, inputs_embeds: torch.Tensor, *args: torch.Tensor) -> Any:
-        """One step. A graph's inputs after `inputs_embeds` are `[ple,] start, length` then the K/V,
+        """One step. A graph's inputs after `inputs_embeds` are `[ple,] [image blocks,] start, length` then the K/V,
         unless it says otherwise (`inputs_before_kv`, counting `inputs_embeds`: the draft graph's
         is 2, its position); its outputs are what it computes, then the updated K/V, unless it
         writes none (`writes_kv = False`: the draft graph only reads them)."""
         torch_xla, _ = _xla()
         graph = self.graphs[name]
         n_head = getattr(graph, "inputs_before_kv", None)
-        n_head = (3 if graph.has_ple else 2) if n_head is None else n_head - 1  # [ple,] start, length
+        n_head = (graph.num_inputs if n_head is None else n_head) - 1  # [ple,] [image blocks,] start, length
         head, kv = args[:n_head], args[n_head:]
         for t in head:
             if not t.is_floating_point() and t.dtype != INDEX_DTYPE:

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from ..models.image_attention import bidirectional_images
 from .drafting import DraftGraph, RoomyLayout, verify_expert_form
 from .graph import DeviceGraph, GraphShape
 from .kv_layout import KVLayout
@@ -46,6 +47,11 @@ class GraphSet:
     vision: VisionGraph | None = None  # pixels -> soft tokens, when the port has images (no K/V)
     # batch 1 prefill graphs per bucket over one row of the batch's K/V (`runtime.bind_kv_rows`)
     row_prefill: dict[int, DeviceGraph] = field(default_factory=dict)
+
+    @property
+    def image_blocks(self) -> bool:
+        """Whether the prefill graphs take each token's image (`DeviceGraph.image_blocks`)."""
+        return any(g.image_blocks for g in (*self.prefill.values(), *self.row_prefill.values()))
 
     def named(self) -> dict[str, nn.Module]:
         """Every graph by the name its compiled artifact and step carry."""
@@ -83,6 +89,7 @@ def device_graph(
     layout: KVLayout | None = None,
     every_position: bool = False,
     hidden: bool = False,
+    image_blocks: bool = False,
 ) -> DeviceGraph:
     """One device graph over the model's own modules (not copies: a compiled graph takes the model's
     current weights at load time; with `weights="int8"` it holds int8 copies of the linears, made
@@ -99,6 +106,7 @@ def device_graph(
         compute_balance=compute_balance,
         every_position=every_position,
         hidden=hidden,
+        image_blocks=image_blocks,
     )
 
 
@@ -166,8 +174,12 @@ def graph_set(
         shape = GraphShape(rows, tokens, context_length, ring)
         return device_graph(model, shape, experts, inplace, weights, layout=layout, **kwargs)
 
-    prefill = {b: graph(b, PREFILL_EXPERTS, hidden=hidden) for b in prefill_buckets}
-    rows = {b: graph(b, PREFILL_EXPERTS, 1, hidden=hidden) for b in prefill_buckets} if row_prefill else {}
+    # an image's tokens see each other on a config bidirectional over them: its prefills take the blocks
+    blocks = vision is not None and bidirectional_images(model.config)
+    prefill = {b: graph(b, PREFILL_EXPERTS, hidden=hidden, image_blocks=blocks) for b in prefill_buckets}
+    rows = {}
+    if row_prefill:
+        rows = {b: graph(b, PREFILL_EXPERTS, 1, hidden=hidden, image_blocks=blocks) for b in prefill_buckets}
     if not k:
         decode = graph(1, decode_experts, compute_balance=compute_balance)
         return GraphSet(prefill, decode, layout, vision=vision, row_prefill=rows)
@@ -197,7 +209,7 @@ def image_graph(model: LoadedModel, settings: PortSettings) -> VisionGraph | Non
     processor = model.processor
     patches = int(processor.max_soft_tokens) * int(processor.pooling_kernel_size) ** 2
     vision_config = model.multimodal.config.vision_config
-    if model.multimodal.model.vision_tower is None:  # the 12B: merged patches, one soft token each
+    if getattr(model.multimodal.model, "vision_tower", None) is None:  # the 12B: merged patches, one soft token each
         patches = int(processor.max_soft_tokens)
         patch_dim = 3 * (int(vision_config.patch_size) * int(vision_config.pooling_kernel_size)) ** 2
     else:

@@ -146,16 +146,36 @@ class ExplicitKV:
         return old.copy_(merged) if self.inplace else merged
 
 
+def key_blocks(blocks: torch.Tensor, k_pos: torch.Tensor, start: torch.Tensor, length: torch.Tensor) -> torch.Tensor:
+    """The image block of every key `[B, K]` (0: not an image token): a key written by this call
+    takes its chunk token's block, any other key 0 (an image lies inside one prefill chunk)."""
+    offset = k_pos - start[:, None]
+    inside = (offset >= 0) & (offset < length[:, None])
+    index = offset.clamp(0, blocks.shape[1] - 1).long()
+    return torch.where(inside, torch.gather(blocks, 1, index), torch.zeros_like(index).to(blocks.dtype))
+
+
 def build_masks(
-    layout: KVLayout, shape: GraphShape, start: torch.Tensor, length: torch.Tensor, dtype: torch.dtype
+    layout: KVLayout,
+    shape: GraphShape,
+    start: torch.Tensor,
+    length: torch.Tensor,
+    dtype: torch.dtype,
+    blocks: torch.Tensor | None = None,
 ) -> dict[str, torch.Tensor]:
-    """Additive masks `[B, 1, tokens, keys]` per layer type, matching what `ExplicitKV.update` returns."""
+    """Additive masks `[B, 1, tokens, keys]` per layer type, matching what `ExplicitKV.update` returns.
+
+    `blocks [B, tokens]` (a prefill with images on a config bidirectional over them): each chunk
+    token's image, 1, 2, ... (0: text). On the sliding layers a token then also sees the later tokens
+    of its own image, inside the window: `(causal OR same image) AND window`; full layers stay causal
+    (the model's intended masks, `models.image_attention`)."""
     device = start.device
     q_pos = row_positions(start, shape.tokens)  # [B, T]
     masks = {}
     for layer_type in sorted({layer.layer_type for layer in layout.layers}):
         slots = layout.slots(layer_type, shape.context_length, shape.ring)
-        if shape.tokens > 1 and slots < shape.context_length:
+        ring_prefill = shape.tokens > 1 and slots < shape.context_length
+        if ring_prefill:
             # ring prefill: keys are [old ring contents, new chunk], per row
             old = slot_positions(start - 1, slots)  # [B, S]
             new_idx = torch.arange(shape.tokens, device=device, dtype=start.dtype)
@@ -165,10 +185,17 @@ def build_masks(
             # keys are the buffer after this call's writes
             k_pos = slot_positions(start + length - 1, slots)
             k_valid = k_pos >= 0
-        allowed = k_valid[:, None, :] & (k_pos[:, None, :] <= q_pos[:, :, None])  # [B, T, K]
+        seen = k_pos[:, None, :] <= q_pos[:, :, None]  # [B, T, K]: causal
         if layer_type == SLIDING:
-            allowed = allowed & (q_pos[:, :, None] - k_pos[:, None, :] < layout.sliding_window)
-        masks[layer_type] = additive_mask(allowed, dtype)[:, None]
+            if blocks is not None:
+                if ring_prefill:
+                    k_block = torch.cat([torch.zeros_like(old).to(blocks.dtype), blocks], 1)
+                else:
+                    k_block = key_blocks(blocks, k_pos, start, length)
+                same = (blocks[:, :, None] == k_block[:, None, :]) & (blocks[:, :, None] > 0)
+                seen = seen | same
+            seen = seen & (q_pos[:, :, None] - k_pos[:, None, :] < layout.sliding_window)
+        masks[layer_type] = additive_mask(k_valid[:, None, :] & seen, dtype)[:, None]
     return masks
 
 
@@ -238,8 +265,11 @@ class DeviceGraph(nn.Module):
         compute_balance: float | None = None,
         every_position: bool = False,
         hidden: bool = False,
+        image_blocks: bool = False,
     ):
         super().__init__()
+        # a prefill over images on a config bidirectional over them: takes each token's image (`build_masks`)
+        self.image_blocks = bool(image_blocks)
         # the target's FLOPs per byte, for a batched MoE's expert form (`experts.read_form`); None: bytes decide
         self.compute_balance, self.expert_element = compute_balance, lm_head.weight.element_size()
         int8 = check_weights(weights) == "int8"
@@ -295,6 +325,7 @@ class DeviceGraph(nn.Module):
             # only when a batch changes them: every other graph's key stays as it was
             **({"linear_form": self.linear_form} if self.linear_form != "plain" else {}),
             **({"experts_read": self.experts_read} if self.experts_read != self.expert_form else {}),
+            **({"image_blocks": True} if self.image_blocks else {}),
             **self.tags,
         }
 
@@ -305,8 +336,8 @@ class DeviceGraph(nn.Module):
 
     @property
     def num_inputs(self) -> int:
-        """Inputs before the K/V: embeddings, (PLE,) start, length."""
-        return 4 if self.has_ple else 3
+        """Inputs before the K/V: embeddings, (PLE,) (image blocks,) start, length."""
+        return 3 + int(self.has_ple) + int(self.image_blocks)
 
     @property
     def experts_read(self) -> str:
@@ -325,6 +356,8 @@ class DeviceGraph(nn.Module):
         inputs = [torch.zeros(b, t, cfg.hidden_size, dtype=self.dtype)]
         if self.has_ple:
             inputs.append(torch.zeros(b, t, cfg.num_hidden_layers, cfg.hidden_size_per_layer_input, dtype=self.dtype))
+        if self.image_blocks:
+            inputs.append(torch.zeros(b, t, dtype=INDEX_DTYPE))
         inputs += [torch.zeros(b, dtype=INDEX_DTYPE), torch.ones(b, dtype=INDEX_DTYPE)]  # one per row
         inputs += self.new_kv()
         return tuple(inputs)
@@ -354,14 +387,14 @@ class DeviceGraph(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor, ExplicitKV]:
         """The text model over the K/V: its final hidden states `[b, tokens, hidden]`, the valid
         lengths, and the cache (`_updated_kv` reads the new K/V from it)."""
-        if self.has_ple:
-            per_layer_inputs, start, length, *kv = args
-        else:
-            per_layer_inputs, (start, length, *kv) = None, args
+        rest = list(args)
+        per_layer_inputs = rest.pop(0) if self.has_ple else None
+        blocks = rest.pop(0) if self.image_blocks else None
+        start, length, *kv = rest
         producers = self.layout.producers
         buffers = {layer.index: (kv[2 * i], kv[2 * i + 1]) for i, layer in enumerate(producers)}
         cache = self.kv_class(buffers, self.shape, start, length, self.inplace)
-        masks = build_masks(self.layout, self.shape, start, length, inputs_embeds.dtype)
+        masks = build_masks(self.layout, self.shape, start, length, inputs_embeds.dtype, blocks)
         kwargs = dict(
             inputs_embeds=inputs_embeds,
             position_ids=row_positions(start, self.shape.tokens).long(),

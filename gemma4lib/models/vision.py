@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 from ..environment import check_transformers
+from .image_attention import generate_kwargs, intended_masks
 from .shapes import QUESTION, ShapeImage, shape_images
 from .variants import VARIANTS, Variant, get_variant
 
@@ -115,10 +116,10 @@ def image_processor(variant: Variant | str):
     compiled for). Other sizes are refused by `images.image_prompt` with what to do."""
     variant = variant if isinstance(variant, Variant) else get_variant(variant)
     kwargs = dict(patch_size=4, pooling_kernel_size=2, max_soft_tokens=MAX_SOFT_TOKENS, do_resize=False)
-    if variant.unified:  # torchvision only in transformers 5.23.0 (no PIL backend)
-        from transformers.models.gemma4_unified import Gemma4UnifiedImageProcessor
+    if variant.unified:  # transformers' needs torchvision (no PIL backend): ours where it is missing
+        from .unified_patches import load_unified_processor
 
-        return Gemma4UnifiedImageProcessor(**kwargs)
+        return load_unified_processor(**kwargs)
     # the PIL backend: the torchvision one is the same math, and torchvision is not a pinned dependency
     from transformers.models.gemma4.image_processing_pil_gemma4 import Gemma4ImageProcessorPil
 
@@ -271,14 +272,23 @@ def encode_examples(tokenizer, processor, examples: list[ShapeImage]) -> dict[st
     }
 
 
+def encoder_free(model: nn.Module) -> bool:
+    """Whether the multimodal model's vision part is the 12B's encoder-free embedder (no vision tower)."""
+    return getattr(model.model, "vision_tower", None) is None
+
+
 def vision_parameters(model: nn.Module) -> list[nn.Parameter]:
     """The parameters outside the language model: the vision tower (if any) and the image embedder."""
     return [p for n, p in model.named_parameters() if not n.startswith(("model.language_model.", "lm_head."))]
 
 
 def logits_of(model: nn.Module, batch: dict[str, torch.Tensor], index: torch.Tensor) -> torch.Tensor:
+    """Teacher-forced logits of the examples `index`, under the model's intended image masks."""
     keys = ("input_ids", "attention_mask", "mm_token_type_ids")
     sub = {k: batch[k][index] for k in keys}
+    masks = intended_masks(model, sub["input_ids"], sub["attention_mask"], sub["mm_token_type_ids"])
+    if masks is not None:
+        sub["attention_mask"] = masks
     return model(
         **sub,
         pixel_values=batch["pixel_values"][index],
@@ -502,6 +512,7 @@ def answer_image(model: nn.Module, tokenizer, processor, image, question: str = 
         do_sample=False,
         eos_token_id=[1, 106],
         pad_token_id=0,
+        **generate_kwargs(model),
     )
     tokens = out[0, len(ids) :].tolist()
     return tokenizer.decode(tokens, skip_special_tokens=True), tokens
@@ -521,9 +532,8 @@ def image_inputs(tokenizer, processor, images: list, question: str) -> tuple[lis
 VISION_DIR = Path(__file__).resolve().parent.parent / "fixtures" / "vision"
 VISION_TOKENIZER_DIR = VISION_DIR / "tokenizer"
 VISION_FILES = ("config.json", "generation_config.json", "model.safetensors", "preprocessor_config.json")
-# every variant with a vision encoder; the 12B's encoder-free unified path waits (docs/IMAGES.md: its
-# processor needs torchvision)
-VISION_VARIANTS = tuple(name for name, v in VARIANTS.items() if not v.unified)
+# every variant: the four with a vision encoder and the 12B's encoder-free unified path
+VISION_VARIANTS = tuple(VARIANTS)
 SOURCE = "tiny-trained-vision"
 
 
@@ -606,7 +616,12 @@ def load_vision_fixture(variant: Variant | str, root: Path | None = None, verify
     full = conditional_class(variant).from_pretrained(
         str(folder), dtype=torch.float32, attn_implementation=variant.attn_implementation
     )
-    processor = AutoImageProcessor.from_pretrained(str(folder))
+    if variant.unified:  # AutoImageProcessor would import transformers' torchvision-only class
+        from .unified_patches import load_unified_processor
+
+        processor = load_unified_processor(folder)
+    else:
+        processor = AutoImageProcessor.from_pretrained(str(folder))
     tokenizer = load_tokenizer(root / "tokenizer")
     from ..cache.artifacts import sha256_file
 
@@ -626,11 +641,7 @@ def build_random_multimodal(variant: Variant | str, seed: int = 0):
     full = build_multimodal(variant, text.lm, seed=seed)
     from .weights_identity import declare_identity
 
-    try:
-        processor = image_processor(variant)
-    except ImportError:  # the 12B's processor is torchvision-only in transformers 5.23.0 (docs/IMAGES.md)
-        log.warning("no image processor for %s: transformers' needs torchvision, not installed", variant.name)
-        processor = None
+    processor = image_processor(variant)
     model = loaded(variant, full, None, processor, f"tiny-random-vision(seed={seed})")
     declare_identity(model.lm, f"tiny-random-vision-lm:{variant.name}:{seed}")
     return model
@@ -671,6 +682,7 @@ __all__ = [
     "answer_image",
     "build_multimodal",
     "encode_examples",
+    "encoder_free",
     "expand_image_tokens",
     "image_inputs",
     "image_messages",

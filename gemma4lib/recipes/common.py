@@ -41,7 +41,7 @@ class KVParamModule(nn.Module):
 
     @property
     def num_inputs(self) -> int:
-        return 4 if getattr(self.graph, "has_ple", False) else 3
+        return self.graph.num_inputs
 
     def forward(self, *inputs: torch.Tensor):
         return self.graph(*inputs, *self.kv)
@@ -65,7 +65,7 @@ def key_inputs(
     its K/V (those are aliased state), so their shapes (batch, bucket) and the index tensors'
     dtype are the graph's, never a second copy of them written here. `dtype`: the dtype the module
     is compiled in (the embeddings and PLE are cast to it). The K/V the call allocates are dropped."""
-    n = num_inputs or (4 if getattr(graph, "has_ple", False) else 3)
+    n = num_inputs or graph.num_inputs
     inputs = graph.example_inputs()[:n]
     return tuple(t.to(dtype) if dtype is not None and t.is_floating_point() else t for t in inputs)
 
