@@ -316,7 +316,7 @@ def cmd_faults(args: argparse.Namespace) -> int:
 def cmd_doctor(args: argparse.Namespace) -> int:
     from .inf2.doctor import format_doctor, run_doctor
 
-    report = run_doctor(variant=args.variant, tp=args.tp)
+    report = run_doctor(variant=args.variant, tp=args.tp, vision=args.vision)
     print(json.dumps(report, default=str) if args.json else format_doctor(report))
     return 0
 
@@ -400,6 +400,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("doctor", help="check the environment against the pinned Neuron SDK 2.28 set")
     p.add_argument("--variant")
     p.add_argument("--tp", type=int)
+    p.add_argument(
+        "--vision",
+        action="store_true",
+        help="plan --variant with its vision part (weights + activations on one core; computed, unverified)",
+    )
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_doctor)
 

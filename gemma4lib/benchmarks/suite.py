@@ -15,7 +15,9 @@ memory bandwidth in the same run, so every model gets `bytes_per_step` (computed
 three decode-side fixes: ring KV at 512-4,096 context (before/after), dense vs selective experts
 (decode and prefill), and prefill ms per bucket; and weight-only int8 against the same model's
 full-precision graphs (`int8`: decode tok/s, bytes per step, their ratios, the logit error against
-the full-precision reference). `targets` checks the issue's figures.
+the full-precision reference); and the image prefill of the trained vision fixtures (`images`: the
+compiled vision graph and image prefill against transformers' eager forward on the same
+`pixel_values`, as ratios). `targets` checks the issue's figures.
 
 Method: one thread (recorded), warm-up runs excluded, medians over `iters` runs, and the paths of
 one model are measured interleaved (A, B, C, A, B, C, ...) so load from other processes on the
@@ -63,7 +65,7 @@ SUITES = ("cpu",)
 TINY_VARIANTS = tuple(VARIANTS)
 MEDIUM_MODELS = ("medium-dense", "medium-moe")
 SCHEMA_VERSION = 1
-SECTIONS = ("models", "ring_kv", "experts", "prefill_buckets", "int8", "batch", "mtp", "serve")
+SECTIONS = ("models", "ring_kv", "experts", "prefill_buckets", "int8", "batch", "mtp", "serve", "images")
 
 
 @dataclass
@@ -110,6 +112,8 @@ class SuiteOptions:
     prompt_lookup_models: tuple[str, ...] = ("gemma3-270m",)
     prompt_lookup_draft_tokens: tuple[int, ...] = (4,)
     prompt_lookup_new_tokens: int = 48
+    # the images section (benchmarks/images.py): the trained vision fixtures' image prefill next to HF eager
+    image_variants: tuple[str, ...] = ("e2b",)
 
     @classmethod
     def quick(cls, **changes: Any) -> SuiteOptions:
@@ -322,6 +326,14 @@ def run_suite(
 
         say(f"serve: e2b, B = {options.serve_batch}, {options.serve_levels} concurrent streaming clients")
         report["serve"] = bench_serve(batch=options.serve_batch, backend=options.backend, levels=options.serve_levels)
+
+    if "images" in options.sections:  # image prefill: vision graph + prefill vs HF's forward (benchmarks/images.py)
+        from .images import bench_images
+
+        say(f"images: {options.image_variants}, the vision fixture's image prefill vs HF eager")
+        report["images"] = bench_images(
+            options.image_variants, backend=options.backend, warmup=options.warmup, iters=options.iters
+        )
     report["targets"] = check_targets(report)
     report["recommendation"] = recommended
     report["load_average_end"] = _load_average()

@@ -13,7 +13,11 @@ it as text. It checks, without importing the Neuron SDK:
   NeuronCore, and the compile's host RAM, with a warning *before* a compile that the kernel would
   kill half an hour in;
 - the serving host's plan (`serving_host`): the host model, its tables, the shards read for the
-  cores, the host reference and the logit spread against the instance's RAM.
+  cores, the host reference and the logit spread against the instance's RAM;
+- the vision part (`vision_plan`, `image_prefill`): per variant its weights and its graph's
+  activations on the one core that runs it (no TP), the per-core plan with them, and the image
+  prefill's computed floor; computed from transformers 5.23.0 config defaults, unverified against
+  the released config.json. `run_doctor(vision=True)` plans `variant` with its vision part.
 """
 
 from __future__ import annotations
@@ -179,11 +183,42 @@ def _path_report() -> dict[str, Any]:
     }
 
 
+def vision_report(context_length: int = DEFAULT_CONTEXT) -> dict[str, Any]:
+    """The doctor's vision section: every variant's vision part, the per-core plans with it, and the
+    image prefill floor (computed, unverified; `vision_plan.SOURCE`), with the third-party widths
+    reported for the 31B's and the 26B-A4B's towers beside them."""
+    from .image_prefill import format_image_prefill_table, image_prefill_table
+    from .vision_plan import PLACEMENT, REPORTED, SOURCE, format_vision_table, vision_table
+
+    parts, reported = vision_table(), vision_table("reported")
+    plans = plan_table(context_length, vision=True)
+    prefill = image_prefill_table()
+    return {
+        "source": SOURCE,
+        "placement": PLACEMENT,
+        "parts": [p.to_dict() for p in parts],
+        "table": format_vision_table(parts),
+        "reported": {
+            "parts": [p.to_dict() for p in reported],
+            "table": format_vision_table(reported),
+            "sources": {name: r["source"] for name, r in REPORTED.items()},
+        },
+        "plans": [p.to_dict() for p in plans],
+        "plan_table": format_plan_table(plans),
+        "image_prefill": prefill,
+        "image_prefill_table": format_image_prefill_table(prefill),
+    }
+
+
 def run_doctor(
-    variant: str | None = None, tp: int | None = None, context_length: int = DEFAULT_CONTEXT
+    variant: str | None = None,
+    tp: int | None = None,
+    context_length: int = DEFAULT_CONTEXT,
+    vision: bool = False,
 ) -> dict[str, Any]:
     """The report: expected environment vs this machine, devices, fixes, the memory plan of every
-    variant, RAM vs compile peak for `variant`, plus warnings and a verdict."""
+    variant (and with its vision part, `vision_report`), RAM vs compile peak for `variant` (with
+    `vision`: its plans count the vision part), plus warnings and a verdict."""
     warnings: list[str] = []
     versions = neuron_env.check_versions()
     sdk = neuron_env.sdk_present()
@@ -227,6 +262,7 @@ def run_doctor(
             "table": format_plan_table(plans),
         },
         "serving_host_table": format_serving_host(serving_host_table()),
+        "vision": vision_report(context_length),
     }
     if not sdk:
         warnings.append("Neuron SDK not found (CPU profile only); " + neuron_env.how_to_get("torch-neuronx"))
@@ -261,11 +297,11 @@ def run_doctor(
             report["compile_estimate"] = estimate
             compile_plan = compile_host_plan(v, tp, estimate["recipe"])
             report["compile_host"] = {**compile_plan.to_dict(), "summary": compile_plan.summary()}
-            plan = plan_core_memory(v, tp, instance=dmi_instance_type(), context_length=context_length)
+            plan = plan_core_memory(v, tp, instance=dmi_instance_type(), context_length=context_length, vision=vision)
             report["plan"] = plan.to_dict()
             if not plan.fits:
                 warnings.append(plan.summary())
-            serving = serving_host_plan(v, tp, host_instance_type(), context_length=context_length)
+            serving = serving_host_plan(v, tp, host_instance_type(), context_length=context_length, vision=vision)
             report["serving_host"] = {**serving.to_dict(), "summary": serving.summary()}
             if not serving.fits:
                 warnings.append(serving.summary() + "; " + "; ".join(serving.problems))
@@ -317,6 +353,18 @@ def format_doctor(report: dict[str, Any]) -> str:
         "base measured on CPU, unverified on inf2):"
     )
     lines += ["  " + row for row in report["serving_host_table"].splitlines()]
+    vision = report["vision"]
+    lines.append(f"vision part per variant ({vision['source']}; {vision['placement']}):")
+    lines += ["  " + row for row in vision["table"].splitlines()]
+    lines.append("  reported by third parties (not the released config.json), for comparison:")
+    lines += ["  " + row for row in vision["reported"]["table"].splitlines()]
+    lines.append(f"memory plan per NeuronCore with the vision part (context {m['context_length']}):")
+    lines += ["  " + row for row in vision["plan_table"].splitlines()]
+    lines.append(
+        "image prefill floor on inf2 (one image at the processor's budget, 32 text tokens; vision graph at "
+        "190 TFLOPS bf16 per chip, one core's share; computed, unverified on inf2):"
+    )
+    lines += ["  " + row for row in vision["image_prefill_table"].splitlines()]
     if "serving_host" in report:
         lines.append(report["serving_host"]["summary"])
     if "compile_host" in report:

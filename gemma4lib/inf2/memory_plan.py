@@ -181,10 +181,14 @@ class CoreMemoryPlan:
     weight_format: str = "bf16"  # "int8": the quantized linears counted at 1 byte + a scale per row
     batch: int = 1  # rows served at once: K/V is held per row, `kv_gib` counts all of them
     assistant_gib: float = 0.0  # with draft_tokens: the MTP assistant's weights on this core (assumed shape)
+    # with vision: the vision part's weights + its graph's activations on the one core that runs it
+    # (`vision_plan`: computed from transformers 5.23.0 config defaults, unverified against the release)
+    vision_gib: float = 0.0
+    vision_placement: str | None = None
 
     @property
     def total_gib(self) -> float:
-        return self.weights_gib + self.kv_gib + self.working_gib + self.assistant_gib
+        return self.weights_gib + self.kv_gib + self.working_gib + self.assistant_gib + self.vision_gib
 
     @property
     def fits(self) -> bool:
@@ -198,6 +202,11 @@ class CoreMemoryPlan:
             return ""
         return f" (compile on an {self.compile_host}, serve on the {self.instance})"
 
+    def _vision_note(self) -> str:
+        if not self.vision_placement:
+            return ""
+        return f" + {self.vision_gib:.2f} GiB vision (on the core of rank 0; {self.vision_placement})"
+
     def _batch_note(self) -> str:
         return f", batch {self.batch}" if self.batch > 1 else ""
 
@@ -208,8 +217,8 @@ class CoreMemoryPlan:
             f"{self.variant} {self.recipe} TP={self.tp} on {self.instance}, context {self.context_length}"
             f"{' (ring)' if self.ring else ''}{self._batch_note()}: per core {self.weights_gib:.1f} GiB "
             f"{'int8 ' if self.weight_format == 'int8' else ''}weights + "
-            f"{self.kv_gib:.2f} GiB K/V + {self.working_gib:.1f} GiB working = {self.total_gib:.1f} of "
-            f"{self.capacity_gib:.0f} GiB; compile host ~{self.compile_peak_gb:.0f} GB of "
+            f"{self.kv_gib:.2f} GiB K/V + {self.working_gib:.1f} GiB working{self._vision_note()} = "
+            f"{self.total_gib:.1f} of {self.capacity_gib:.0f} GiB; compile host ~{self.compile_peak_gb:.0f} GB of "
             f"{self.host_ram_gib} GiB{self._compile_elsewhere()} — {verdict}"
         )
 
@@ -226,13 +235,18 @@ def plan_core_memory(
     weights: str = "bf16",
     batch: int = 1,
     draft_tokens: int | None = None,
+    vision: bool = False,
+    vision_source: str = "defaults",
 ) -> CoreMemoryPlan:
     """The per-core memory plan of `variant` at `tp` (default: its recipe's) on `instance`
     (default: the variant's recommended instance) with `recipe` (default: `neuron_recipe`'s),
     serving `batch` rows (K/V x batch); `weights="int8"` counts the quantized linears at their
     int8 bytes (`rank_weight_bytes`); `draft_tokens` (drafting with the MTP assistant) adds the
     assistant's weights per core (`mtp_roofline.assistant_rank_bytes`, an assumed shape) and the
-    sliding rings' k + 1 extra slots. Problems are listed, never raised here."""
+    sliding rings' k + 1 extra slots; `vision` adds the vision part (`vision_plan.vision_plan`: its
+    weights and its graph's activations, counted on the one core that runs it, rank 0's, the worst
+    case; computed from transformers 5.23.0 config defaults, unverified against the released config).
+    Problems are listed, never raised here."""
     v = get_variant(variant) if isinstance(variant, str) else variant
     tp = int(tp or v.tp_degree)
     instance = instance or v.instance_type
@@ -253,11 +267,18 @@ def plan_core_memory(
             kv * int(batch)
             + _rank_kv_elements(v.name, tp, int(context_length), bool(ring)) * dtype_bytes * int(batch) / GIB
         )
+    vision_gib, placement = 0.0, None
+    if vision:
+        from .vision_plan import vision_plan
+
+        part = vision_plan(v, vision_source, dtype_bytes)
+        vision_gib, placement = part.total_gib, part.placement
     capacity = float(HBM_PER_CORE_GIB)
-    if weights_gib + kv + WORKING_ALLOWANCE_GIB + assistant_gib > capacity:
+    if weights_gib + kv + WORKING_ALLOWANCE_GIB + assistant_gib + vision_gib > capacity:
         problems.append(
             f"{weights_gib:.1f} GiB of {'int8 ' if weights == 'int8' else ''}weights + {kv:.2f} GiB of K/V + "
             f"{f'{assistant_gib:.2f} GiB of assistant weights + ' if assistant_gib else ''}"
+            f"{f'{vision_gib:.2f} GiB of vision weights and activations + ' if vision else ''}"
             f"{WORKING_ALLOWANCE_GIB:.0f} GiB working "
             f"memory exceed a NeuronCore's {capacity:.0f} GiB"
         )
@@ -287,6 +308,8 @@ def plan_core_memory(
         weights,
         int(batch),
         assistant_gib,
+        vision_gib,
+        placement,
     )
 
 
@@ -334,10 +357,12 @@ def require_fit(
     weights: str = "bf16",
     batch: int = 1,
     draft_tokens: int | None = None,
+    vision: bool = False,
 ) -> CoreMemoryPlan:
     """Raise when the released model cannot run at `tp` on `instance` (default: the variant's):
     `TensorParallelError` for a degree inf2 cannot run, `DeviceMemoryError` for one that does not
-    fit a core or the compile host (with `draft_tokens`: the assistant's weights too); the message
+    fit a core or the compile host (with `draft_tokens`: the assistant's weights too; with `vision`:
+    the vision part on rank 0's core); the message
     names configurations that fit."""
     v = get_variant(variant) if isinstance(variant, str) else variant
     require_neuron_tp(v, tp, instance)
@@ -351,6 +376,7 @@ def require_fit(
         weights=weights,
         batch=batch,
         draft_tokens=draft_tokens,
+        vision=vision,
     )
     if not plan.fits:
         at = f" with batch {batch}" if batch > 1 else ""
@@ -361,29 +387,34 @@ def require_fit(
     return plan
 
 
-def plan_table(context_length: int = DEFAULT_CONTEXT, ring: bool = True) -> list[CoreMemoryPlan]:
-    """Each variant at its recipe's TP on its instance, plus the next smaller TP (to show why not)."""
+def plan_table(context_length: int = DEFAULT_CONTEXT, ring: bool = True, vision: bool = False) -> list[CoreMemoryPlan]:
+    """Each variant at its recipe's TP on its instance, plus the next smaller TP (to show why not);
+    `vision`: with the vision part on rank 0's core (`plan_core_memory`)."""
     from ..models.variants import VARIANTS
 
     plans = []
     for v in VARIANTS.values():
         degrees = [t for t in v.supported_tp if t in NEURON_TP_DEGREES and t <= v.tp_degree]
         for tp in sorted({v.tp_degree, *degrees[-2:]}):
-            plans.append(plan_core_memory(v, tp, context_length=context_length, ring=ring))
+            plans.append(plan_core_memory(v, tp, context_length=context_length, ring=ring, vision=vision))
     return plans
 
 
 def format_plan_table(plans: list[CoreMemoryPlan]) -> str:
-    """Markdown rows of `plan_table` (GiB per NeuronCore; compile host RAM in GB)."""
+    """Markdown rows of `plan_table` (GiB per NeuronCore; compile host RAM in GB); a vision column
+    when a plan carries the vision part."""
+    vision = any(p.vision_placement for p in plans)
+    extra = " vision (rank 0's core) |" if vision else ""
     lines = [
-        "| variant | recipe | TP | instance | weights/core | K/V/core | working | total / 16 GiB | "
+        "| variant | recipe | TP | instance | weights/core | K/V/core | working |" + extra + " total / 16 GiB | "
         "compile host | fits |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|" + ("---|" if vision else "") + "---|---|---|",
     ]
     for p in plans:
+        cell = f" {p.vision_gib:.2f} GiB |" if vision else ""
         lines.append(
             f"| {p.variant} | {p.recipe} | {p.tp} | {p.instance} | {p.weights_gib:.1f} GiB | "
-            f"{p.kv_gib:.2f} GiB | {p.working_gib:.0f} GiB | {p.total_gib:.1f} GiB | "
+            f"{p.kv_gib:.2f} GiB | {p.working_gib:.0f} GiB |{cell} {p.total_gib:.1f} GiB | "
             f"~{p.compile_peak_gb:.0f} GB / {p.host_ram_gib} GiB{p._compile_elsewhere()} | "
             f"{'yes' if p.fits else 'no: ' + '; '.join(p.problems)} |"
         )

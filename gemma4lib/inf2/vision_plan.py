@@ -1,0 +1,288 @@
+"""The vision part of a port on inf2: its weights, its graph's activations and where it runs.
+
+The released checkpoints' vision configs are not among the facts this project checked (DESIGN §2
+lists the text decoders only), so every figure here is **computed from transformers 5.23.0 config
+defaults, unverified against the released config.json** (`SOURCE`):
+
+- the encoder variants (E2B, E4B, 31B, 26B-A4B): `Gemma4VisionConfig()` (16 layers, width 768,
+  12 heads of 64, MLP 3,072, patch 16, 3x3 pooling) and `Gemma4MultimodalEmbedder` into the
+  variant's released text width;
+- the 12B: `Gemma4UnifiedVisionConfig()` (encoder-free: 3x3 merged 16-pixel patches, one dense
+  projection to 3,840, the factorised position table, the embedder);
+- the patch budget: the image processors' defaults, `max_soft_tokens` 280 and `pooling_kernel_size`
+  3, so 2,520 patches per image through the encoder (280 merged patches on the 12B) and 280 soft
+  tokens into the decoder.
+
+Parameters are counted by instantiating transformers' own modules on the meta device (real
+shapes, no memory), as `params.meta_model` does for the decoders. Third-party copies of the 31B's
+and the 26B-A4B's vision tower report a larger one (27 layers of width 1,152; `REPORTED`, cited
+there): `vision_spec(variant, source="reported")` plans with it for comparison. Neither is the
+released config.json itself.
+
+Placement: the vision graph is its own compiled graph on one NeuronCore, not sharded (no TP),
+whatever the decoder's degree: replicated on one core (`PLACEMENT`). The plan counts it on the
+core that also holds rank 0's shard, the worst case; on an instance with a spare core it could sit
+there alone (not planned). Its activations are planned as eager attention would hold them (the
+full score matrix of one layer): an upper estimate, the compiler's scheduling is unverified.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..models.variants import Variant, get_variant
+from .hardware import GIB
+
+SOURCE = (
+    "computed from transformers 5.23.0 config defaults (Gemma4VisionConfig() / Gemma4UnifiedVisionConfig() and "
+    "the image processors' patch_size 16, max_soft_tokens 280, pooling_kernel_size 3), unverified against the "
+    "released config.json"
+)
+PLACEMENT = "replicated on one core: the vision graph is its own compiled graph on one NeuronCore, no TP"
+# The image processors' defaults (transformers 5.23.0 `Gemma4ImageProcessorPil`, `Gemma4UnifiedImageProcessor`)
+PROCESSOR_DEFAULTS = {"patch_size": 16, "max_soft_tokens": 280, "pooling_kernel_size": 3}
+IMAGE_MARKERS = 2  # `<|image>` and `<image|>` around an image's soft tokens in the prompt
+SOFTMAX_BYTES = 4  # eager attention's softmax runs in float32
+
+# Vision towers reported by third parties for two releases (not the released config.json itself)
+REPORTED: dict[str, dict[str, Any]] = {
+    "31b": {
+        "config": dict(
+            hidden_size=1152,
+            intermediate_size=4304,
+            num_hidden_layers=27,
+            num_attention_heads=16,
+            num_key_value_heads=16,
+            head_dim=72,
+            standardize=True,
+        ),
+        "source": "reported by third-party extractions of google/gemma-4-31B-it's vision tower "
+        "(huggingface.co/rnagabh/gemma4-vision-encoder and huggingface.co/nebulette/gemma-4-vision-module "
+        "config.json: width 1152, 27 layers, 16 heads of 72, MLP 4304); unverified against the released config.json",
+    },
+    "26b-a4b": {
+        "config": dict(
+            hidden_size=1152,
+            intermediate_size=4304,
+            num_hidden_layers=27,
+            num_attention_heads=16,
+            num_key_value_heads=16,
+            head_dim=72,
+            standardize=True,
+        ),
+        "source": "reported by Ollama's gemma4:26b-a4b-it-qat vision blob metadata (ollama.com/library: 27 blocks, "
+        "width 1152, 16 heads, MLP 4304, projection 2816); unverified against the released config.json",
+    },
+}
+VISION_SOURCES = ("defaults", "reported")
+
+
+@dataclass(frozen=True)
+class VisionSpec:
+    """The vision part of one variant as planned: its config, the patch budget and where the
+    figures come from. `patches` go through the graph per image, `soft_tokens` come out of it."""
+
+    variant: str
+    encoder_free: bool
+    config: Any  # Gemma4VisionConfig | Gemma4UnifiedVisionConfig
+    text_hidden: int
+    patches: int
+    soft_tokens: int
+    patch_dim: int
+    source: str
+
+    @property
+    def layers(self) -> int:
+        return 0 if self.encoder_free else int(self.config.num_hidden_layers)
+
+
+def vision_config(variant: Variant | str, source: str = "defaults", **overrides: Any) -> Any:
+    """transformers 5.23.0's default vision config of the variant's kind (`REPORTED` widths with
+    `source="reported"` where a report exists), with `overrides`."""
+    v = get_variant(variant) if isinstance(variant, str) else variant
+    if source not in VISION_SOURCES:
+        from ..errors import UnknownNameError
+
+        raise UnknownNameError("vision source", source, VISION_SOURCES)
+    if v.unified:
+        from transformers.models.gemma4_unified import Gemma4UnifiedVisionConfig
+
+        return Gemma4UnifiedVisionConfig(**overrides)
+    from transformers import Gemma4VisionConfig
+
+    reported = REPORTED.get(v.name, {}).get("config", {}) if source == "reported" else {}
+    return Gemma4VisionConfig(**{**reported, **overrides})
+
+
+def vision_spec(variant: Variant | str, source: str = "defaults", max_soft_tokens: int | None = None) -> VisionSpec:
+    """The planned vision part of `variant` at the processor's patch budget (`PROCESSOR_DEFAULTS`)."""
+    from ..models.loading import text_config
+
+    v = get_variant(variant) if isinstance(variant, str) else variant
+    config = vision_config(v, source)
+    soft = int(max_soft_tokens or PROCESSOR_DEFAULTS["max_soft_tokens"])
+    pool = int(config.pooling_kernel_size)
+    patch = int(config.patch_size)
+    text_hidden = int(text_config(v, "real").hidden_size)
+    if v.unified:  # one merged (pool x patch)^2 patch per soft token
+        patches, patch_dim = soft, 3 * (pool * patch) ** 2
+    else:
+        patches, patch_dim = soft * pool**2, 3 * patch**2
+    label = REPORTED[v.name]["source"] if source == "reported" and v.name in REPORTED else SOURCE
+    return VisionSpec(v.name, v.unified, config, text_hidden, patches, soft, patch_dim, label)
+
+
+def vision_modules(config: Any, text_hidden: int) -> nn.Module:
+    """transformers' own vision modules for `config` on the meta device: the encoder's
+    `Gemma4VisionModel` + `Gemma4MultimodalEmbedder`, or the 12B's `Gemma4UnifiedVisionEmbedder`."""
+    from transformers import Gemma4TextConfig
+
+    text = Gemma4TextConfig(hidden_size=int(text_hidden))
+    with torch.device("meta"):
+        if config.model_type == "gemma4_unified_vision":
+            from transformers.models.gemma4_unified.modeling_gemma4_unified import Gemma4UnifiedVisionEmbedder
+
+            return Gemma4UnifiedVisionEmbedder(config, text)
+        from transformers.models.gemma4.modeling_gemma4 import Gemma4MultimodalEmbedder, Gemma4VisionModel
+
+        parts = nn.Module()
+        parts.vision_tower = Gemma4VisionModel(config)
+        parts.embed_vision = Gemma4MultimodalEmbedder(config, text)
+        return parts
+
+
+@functools.lru_cache(maxsize=32)
+def _counts(name: str, source: str) -> tuple[int, int, int]:
+    spec = vision_spec(name, source)
+    modules = vision_modules(spec.config, spec.text_hidden)
+    tower = getattr(modules, "vision_tower", None)
+    params = sum(p.numel() for p in modules.parameters())
+    tower_params = sum(p.numel() for p in tower.parameters()) if tower is not None else 0
+    buffers = sum(b.numel() for b in modules.buffers())
+    return params, tower_params, buffers
+
+
+def vision_params(variant: Variant | str, source: str = "defaults") -> int:
+    """Parameters of the variant's vision part (tower + embedder), counted on the meta device."""
+    v = get_variant(variant) if isinstance(variant, str) else variant
+    return _counts(v.name, source)[0]
+
+
+def activation_bytes(spec: VisionSpec, dtype_bytes: int = 2) -> int:
+    """The vision graph's largest working set for one image at the patch budget, as eager
+    attention holds it: the patch inputs, the residual stream and one layer's normed input, plus
+    the larger of the attention step (q, k, v and the [heads, P, P] scores in float32 with their
+    dtype copy) and the MLP step (its two intermediate tensors); then the pooler's one-hot weights
+    [P, soft] (float32) and the soft tokens out. The 12B: its patches, the projection's two
+    layer-normed tensors and the soft tokens. An upper estimate (a fused kernel holds no score
+    matrix); unverified on inf2."""
+    p, soft, out = spec.patches, spec.soft_tokens, spec.soft_tokens * spec.text_hidden * dtype_bytes
+    inputs = p * spec.patch_dim * dtype_bytes
+    c = spec.config
+    if spec.encoder_free:
+        width = int(c.mm_embed_dim)
+        return inputs * 2 + 3 * p * width * dtype_bytes + out  # ln1 copy, dense, ln2 / + posemb, ln3
+    h, heads, kv, d = int(c.hidden_size), int(c.num_attention_heads), int(c.num_key_value_heads), int(c.head_dim)
+    stream = 2 * p * h * dtype_bytes
+    attention = p * (heads + 2 * kv) * d * dtype_bytes + heads * p * p * (SOFTMAX_BYTES + dtype_bytes)
+    mlp = 2 * p * int(c.intermediate_size) * dtype_bytes
+    pooler = p * soft * 4
+    return inputs + stream + max(attention, mlp, pooler) + out
+
+
+@dataclass(frozen=True)
+class VisionPlan:
+    """What the vision part adds on inf2 for one variant (bf16 unless `dtype_bytes` says otherwise)."""
+
+    variant: str
+    params: int
+    tower_params: int
+    embedder_params: int
+    weights_gib: float
+    activations_gib: float
+    patches: int
+    soft_tokens: int
+    layers: int
+    encoder_free: bool
+    placement: str
+    source: str
+    dtype_bytes: int = 2
+
+    @property
+    def total_gib(self) -> float:
+        """What the plan adds on the core that runs the vision graph."""
+        return self.weights_gib + self.activations_gib
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "total_gib": self.total_gib}
+
+
+def vision_plan(variant: Variant | str, source: str = "defaults", dtype_bytes: int = 2) -> VisionPlan:
+    """The vision part of `variant` on inf2 (module docstring: computed, unverified)."""
+    v = get_variant(variant) if isinstance(variant, str) else variant
+    spec = vision_spec(v, source)
+    params, tower, buffers = _counts(v.name, source)
+    return VisionPlan(
+        v.name,
+        params,
+        tower,
+        params - tower,
+        (params + buffers) * dtype_bytes / GIB,
+        activation_bytes(spec, dtype_bytes) / GIB,
+        spec.patches,
+        spec.soft_tokens,
+        spec.layers,
+        spec.encoder_free,
+        PLACEMENT,
+        spec.source,
+        dtype_bytes,
+    )
+
+
+def vision_table(source: str = "defaults") -> list[VisionPlan]:
+    """Every variant's vision plan; with `source="reported"` only the variants a report exists for."""
+    from ..models.variants import VARIANTS
+
+    names = [n for n in VARIANTS if source == "defaults" or n in REPORTED]
+    return [vision_plan(n, source) for n in names]
+
+
+def format_vision_table(plans: list[VisionPlan]) -> str:
+    """Markdown rows of `vision_table` (GiB on the one core that runs the vision graph)."""
+    lines = [
+        "| variant | vision part | params | weights | activations (eager, one image) | patches -> soft tokens | "
+        "on inf2 |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for p in plans:
+        kind = "encoder-free projection" if p.encoder_free else f"encoder, {p.layers} layers"
+        lines.append(
+            f"| {p.variant} | {kind} | {p.params / 1e6:,.1f}M | {p.weights_gib:.2f} GiB | "
+            f"{p.activations_gib:.2f} GiB | {p.patches:,} -> {p.soft_tokens} | one core, no TP |"
+        )
+    return "\n".join(lines)
+
+
+__all__ = [
+    "IMAGE_MARKERS",
+    "PLACEMENT",
+    "PROCESSOR_DEFAULTS",
+    "REPORTED",
+    "SOURCE",
+    "VISION_SOURCES",
+    "VisionPlan",
+    "VisionSpec",
+    "activation_bytes",
+    "format_vision_table",
+    "vision_config",
+    "vision_modules",
+    "vision_params",
+    "vision_plan",
+    "vision_spec",
+    "vision_table",
+]
