@@ -35,13 +35,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..models.variants import Variant, get_variant
+from ..environment import TRANSFORMERS_PIN
+from ..models.variants import REPORTED_VISION, Variant, get_variant
 from .hardware import GIB
 
 SOURCE = (
-    "computed from transformers 5.23.0 config defaults (Gemma4VisionConfig() / Gemma4UnifiedVisionConfig() and "
-    "the image processors' patch_size 16, max_soft_tokens 280, pooling_kernel_size 3), unverified against the "
-    "released config.json"
+    f"computed from transformers {TRANSFORMERS_PIN} config defaults (Gemma4VisionConfig() / "
+    "Gemma4UnifiedVisionConfig() and the image processors' patch_size 16, max_soft_tokens 280, "
+    "pooling_kernel_size 3), unverified against the released config.json"
 )
 PLACEMENT = "replicated on one core: the vision graph is its own compiled graph on one NeuronCore, no TP"
 # The image processors' defaults (transformers 5.23.0 `Gemma4ImageProcessorPil`, `Gemma4UnifiedImageProcessor`)
@@ -49,36 +50,8 @@ PROCESSOR_DEFAULTS = {"patch_size": 16, "max_soft_tokens": 280, "pooling_kernel_
 IMAGE_MARKERS = 2  # `<|image>` and `<image|>` around an image's soft tokens in the prompt
 SOFTMAX_BYTES = 4  # eager attention's softmax runs in float32
 
-# Vision towers reported by third parties for two releases (not the released config.json itself)
-REPORTED: dict[str, dict[str, Any]] = {
-    "31b": {
-        "config": dict(
-            hidden_size=1152,
-            intermediate_size=4304,
-            num_hidden_layers=27,
-            num_attention_heads=16,
-            num_key_value_heads=16,
-            head_dim=72,
-            standardize=True,
-        ),
-        "source": "reported by third-party extractions of google/gemma-4-31B-it's vision tower "
-        "(huggingface.co/rnagabh/gemma4-vision-encoder and huggingface.co/nebulette/gemma-4-vision-module "
-        "config.json: width 1152, 27 layers, 16 heads of 72, MLP 4304); unverified against the released config.json",
-    },
-    "26b-a4b": {
-        "config": dict(
-            hidden_size=1152,
-            intermediate_size=4304,
-            num_hidden_layers=27,
-            num_attention_heads=16,
-            num_key_value_heads=16,
-            head_dim=72,
-            standardize=True,
-        ),
-        "source": "reported by Ollama's gemma4:26b-a4b-it-qat vision blob metadata (ollama.com/library: 27 blocks, "
-        "width 1152, 16 heads, MLP 4304, projection 2816); unverified against the released config.json",
-    },
-}
+# Vision towers reported by third parties for two releases (`variants.REPORTED_VISION`)
+REPORTED: dict[str, dict[str, Any]] = REPORTED_VISION
 VISION_SOURCES = ("defaults", "reported")
 
 
