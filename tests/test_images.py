@@ -107,8 +107,8 @@ def test_soft_tokens_change_the_answer(random_e2b):
 @pytest.mark.parametrize(
     ("chosen", "named"),
     [
-        ({"backend": "neuron"}, "backend 'neuron'"),
         ({"batch_size": 2}, "batch_size 2"),
+        ({"batch_size": 2, "backend": "neuron"}, "batch_size 2"),  # neuron takes images, not the port's rows
     ],
 )
 def test_image_settings_not_reached_are_refused(chosen, named):
@@ -123,11 +123,12 @@ def test_image_settings_not_reached_are_refused(chosen, named):
 
 
 def test_vision_without_an_image_is_refused_where_it_does_not_run():
-    """`vision=True` (images per request, the server's `--vision`) at TP 1 on cpu, eager and xla only."""
+    """`vision=True` (images per request, the server's `--vision`) at TP 1 on cpu, eager and xla (and on
+    neuron at its TP degree: tests/test_neuron_vision.py)."""
     from gemma4lib.errors import SettingsError
     from gemma4lib.port import PortSettings
 
-    for chosen in ({"backend": "neuron"}, {"tp_degree": 2}):
+    for chosen in ({"tp_degree": 2}, {"backend": "xla", "tp_degree": 2}):
         with pytest.raises(SettingsError, match="vision=True"):
             PortSettings(variant="e2b", vision=True, **chosen)
     with pytest.raises(SettingsError, match="true or false"):
