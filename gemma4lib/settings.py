@@ -23,8 +23,10 @@ MODEL_SOURCES = ("auto", "trained", "random", "checkpoint")
 DRAFT_KINDS = ("assistant", "prompt_lookup")
 DEFAULT_PROMPT = "What is the capital of France?"
 # where an image prompt runs and is checked today (docs/IMAGES.md): at TP 1 on these backends; at
-# TP > 1 on the gloo ranks (backend "cpu"/"eager" with tp_degree > 1), the vision graph replicated
-IMAGE_BACKENDS = ("cpu", "eager", "xla")
+# TP > 1 on the gloo ranks (backend "cpu"/"eager" with tp_degree > 1), the vision graph replicated;
+# on "neuron" at the decoder's TP degree, the vision graph on one NeuronCore of its own after the
+# decoder's (`recipes.neuron_vision`; built, not run: no inf2 here)
+IMAGE_BACKENDS = ("cpu", "eager", "xla", "neuron")
 
 
 # Integer settings and their smallest allowed value.
@@ -165,20 +167,23 @@ class PortSettings:
             check_settings(self)  # shapes, formats, versions, machine: before anything loads
 
     def _check_images(self) -> None:
-        """Images: one prompt without drafting, on cpu/eager/xla at TP 1 or the gloo ranks at TP > 1
-        (what runs and is checked here); the defaults that only fit text grow to fit an image (field
-        comment)."""
+        """Images: one prompt, on cpu/eager/xla at TP 1 or the gloo ranks at TP > 1 (what runs and is
+        checked here), or on neuron at its TP degree with a NeuronCore left for the vision graph (built,
+        not run here); the defaults that only fit text grow to fit an image (field comment)."""
         if isinstance(self.images, (str, bytes)) or not isinstance(self.images, (tuple, list)):
             self.images = (self.images,) if self.images is not None else ()
         self.images = tuple(self.images)
         if not isinstance(self.vision, bool):
             raise SettingsError(f"vision is true or false, got {self.vision!r}")
         if self.vision and not self.images:
-            if self.backend not in IMAGE_BACKENDS or int(self.tp_degree) != 1:
+            if self.backend not in IMAGE_BACKENDS or (int(self.tp_degree) != 1 and self.backend != "neuron"):
                 raise SettingsError(
                     f"vision=True (images per request) runs on backend {', '.join(map(repr, IMAGE_BACKENDS))} at "
-                    f"tp_degree 1 so far, not backend {self.backend!r} at tp_degree {self.tp_degree} (docs/IMAGES.md)"
+                    f"tp_degree 1 (backend 'neuron' at its TP degree) so far, not backend {self.backend!r} at "
+                    f"tp_degree {self.tp_degree} (docs/IMAGES.md)"
                 )
+            self._check_image_blocks()
+            self._check_vision_core()
             return
         if not self.images:
             return
@@ -195,10 +200,6 @@ class PortSettings:
             for what, bad in (
                 (f"batch_size {self.batch_size}", int(self.batch_size) != 1 or self.prompts is not None),
                 (f"backend {self.backend!r}", self.backend not in IMAGE_BACKENDS),
-                (
-                    f"the {self.variant_spec.name}'s bidirectional image mask at tp_degree {self.tp_degree}",
-                    self.variant_spec.unified and int(self.tp_degree) > 1,  # the gloo rank graphs take no blocks yet
-                ),
             )
             if bad
         ]
@@ -206,8 +207,41 @@ class PortSettings:
             raise SettingsError(
                 f"images run with one prompt, on backend "
                 f"{', '.join(map(repr, IMAGE_BACKENDS))} at tp_degree 1 and on the gloo ranks at tp_degree > 1 "
-                f"(backend 'cpu' or 'eager') so far; not with {', '.join(unsupported)} "
+                f"(backend 'cpu' or 'eager'; 'neuron' at its TP degree) so far; not with {', '.join(unsupported)} "
                 f"(docs/IMAGES.md says what is not reached yet)"
+            )
+        self._check_image_blocks()
+        self._check_vision_core()
+
+    def _check_image_blocks(self) -> None:
+        """The 12B's image tokens see each other (its prefill graphs take the image blocks,
+        `DeviceGraph.image_blocks`): built for the cpu, eager and xla graphs at TP 1; the gloo rank
+        graphs and the neuron decoder keys do not take them yet, so images there are refused."""
+        if self.variant_spec.unified and (int(self.tp_degree) > 1 or self.backend == "neuron"):
+            raise SettingsError(
+                f"the {self.variant_spec.name}'s images need its bidirectional image mask in the prefill graphs, "
+                f"built on backend 'cpu', 'eager' and 'xla' at tp_degree 1 so far, not on backend {self.backend!r} "
+                f"at tp_degree {self.tp_degree}; use one of those (docs/IMAGES.md)"
+            )
+
+    def _check_vision_core(self) -> None:
+        """Backend neuron: the vision graph loads onto the NeuronCore after the decoder's `tp_degree`
+        cores (`recipes.neuron_vision.vision_core`), so the instance needs one more core than the TP
+        degree. Sharing a decoder core would put a second model in that core's HBM beside a rank that
+        was sized to fill it (`inf2.memory_plan`), so it is refused here, before anything loads. An
+        unknown host (not inf2, no `GEMMA4LIB_INSTANCE_TYPE`) is not judged."""
+        if self.backend != "neuron":
+            return
+        from .inf2.hardware import INSTANCES, host_instance_type
+        from .recipes.neuron_vision import cores_needed
+
+        instance = INSTANCES.get(host_instance_type() or "")
+        if instance is not None and cores_needed(self.tp_degree, True) > instance.neuron_cores:
+            bigger = [i.name for i in INSTANCES.values() if i.neuron_cores > int(self.tp_degree)]
+            raise SettingsError(
+                f"images on backend 'neuron' put the vision graph on a NeuronCore of its own after the decoder's "
+                f"{self.tp_degree}; {instance.name} has {instance.neuron_cores} cores, none left over. Use a smaller "
+                f"tp_degree, or {' or '.join(bigger) if bigger else 'no image'} for tp_degree {self.tp_degree}"
             )
 
     def _check_draft(self) -> None:

@@ -107,8 +107,8 @@ def test_soft_tokens_change_the_answer(random_e2b):
 @pytest.mark.parametrize(
     ("chosen", "named"),
     [
-        ({"backend": "neuron"}, "backend 'neuron'"),
         ({"batch_size": 2}, "batch_size 2"),
+        ({"batch_size": 2, "backend": "neuron"}, "batch_size 2"),  # neuron takes images, not the port's rows
     ],
 )
 def test_image_settings_not_reached_are_refused(chosen, named):
@@ -122,12 +122,27 @@ def test_image_settings_not_reached_are_refused(chosen, named):
     assert "'xla'" in str(caught.value) and "gloo ranks at tp_degree > 1" in str(caught.value)
 
 
-def test_vision_without_an_image_is_refused_where_it_does_not_run():
-    """`vision=True` (images per request, the server's `--vision`) at TP 1 on cpu, eager and xla only."""
+@pytest.mark.parametrize(("backend", "tp"), [("cpu", 2), ("neuron", 1)])
+def test_12b_images_where_its_image_blocks_are_not_built_are_refused(backend, tp):
+    """The 12B's prefill needs its image blocks, built for cpu/eager/xla at TP 1: the gloo ranks and
+    the neuron keys are refused before anything loads, with where it runs."""
     from gemma4lib.errors import SettingsError
     from gemma4lib.port import PortSettings
 
-    for chosen in ({"backend": "neuron"}, {"tp_degree": 2}):
+    with pytest.raises(SettingsError, match="bidirectional image mask") as caught:
+        PortSettings(variant="12b", model="random", backend=backend, tp_degree=tp, images=(str(RED_CIRCLE),))
+    assert "'xla' at tp_degree 1" in str(caught.value)
+    with pytest.raises(SettingsError, match="tp_degree 1"):  # per-request images (the endpoint) too
+        PortSettings(variant="12b", model="random", backend=backend, tp_degree=tp, vision=True)
+
+
+def test_vision_without_an_image_is_refused_where_it_does_not_run():
+    """`vision=True` (images per request, the server's `--vision`) at TP 1 on cpu, eager and xla (and on
+    neuron at its TP degree: tests/test_neuron_vision.py)."""
+    from gemma4lib.errors import SettingsError
+    from gemma4lib.port import PortSettings
+
+    for chosen in ({"tp_degree": 2}, {"backend": "xla", "tp_degree": 2}):
         with pytest.raises(SettingsError, match="vision=True"):
             PortSettings(variant="e2b", vision=True, **chosen)
     with pytest.raises(SettingsError, match="true or false"):

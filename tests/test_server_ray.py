@@ -192,13 +192,22 @@ def test_a_killed_replica_is_restarted_from_the_bundle(deployment):
     )
 
 
-@pytest.mark.parametrize(("backend", "tp", "want"), [("neuron", 2, {"neuron_cores": 2}), ("cpu", 1, None)])
-def test_replicas_reserve_their_cores_and_scaling_comes_from_options(backend, tp, want):
+@pytest.mark.parametrize(
+    ("backend", "tp", "vision", "want"),
+    [
+        ("neuron", 2, False, {"neuron_cores": 2}),
+        ("neuron", 2, True, {"neuron_cores": 3}),  # the vision graph's own core after the decoder's
+        ("cpu", 1, False, None),
+    ],
+)
+def test_replicas_reserve_their_cores_and_scaling_comes_from_options(backend, tp, vision, want):
     from types import SimpleNamespace
 
     from gemma4lib.server.ray_app import RayOptions, deployment_options, split_options
 
-    settings = SimpleNamespace(backend=backend, tp_degree=tp, batch_size=4, artifacts="b", variant="e2b")
+    settings = SimpleNamespace(
+        backend=backend, tp_degree=tp, batch_size=4, artifacts="b", variant="e2b", wants_vision=vision
+    )
     fixed = deployment_options(settings, RayOptions(replicas=3, max_queue=16))
     assert fixed["num_replicas"] == 3 and "autoscaling_config" not in fixed
     assert fixed["ray_actor_options"].get("resources") == want and fixed["ray_actor_options"]["num_cpus"] == 1

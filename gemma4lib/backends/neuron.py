@@ -1,8 +1,10 @@
 """Backend `neuron`: the device graphs compiled for inf2 by the recipe `memory_plan.neuron_recipe`
 picks (`recipes.neuron_model_builder` by default, TP=1 included; `recipes.neuron_trace` on one core
 when `PortSettings.neuron_recipe="trace"`),
-cached in the artifact cache, wrapped in the host runtime. Needs the Neuron SDK (checked before
-any work); everything but the compiler calls runs on CPU in the tests.
+cached in the artifact cache, wrapped in the host runtime. With images, the vision graph is its
+own artifact (`recipes.neuron_vision`: `torch_neuronx.trace` on one NeuronCore, the first after the
+decoder's, under its own key `vision_cache_key`). Needs the Neuron SDK (checked before any work);
+everything but the compiler calls runs on CPU in the tests.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from ..environment import program_versions
 from ..inf2.doctor import warn_low_host_ram
 from ..inf2.memory_plan import neuron_recipe
 from ..models.weights_identity import weights_identity
-from ..recipes import cores, neuron_env, neuron_model_builder, neuron_trace
+from ..recipes import cores, neuron_env, neuron_model_builder, neuron_trace, neuron_vision
 from ..recipes.common import DeviceStep, check_host_tables, index_dtype, key_inputs
 from ..runtime import Steps
 from .base import CompiledGraphs
@@ -34,6 +36,7 @@ from .program_key import source_digest
 
 if TYPE_CHECKING:
     from ..device.build import GraphSet
+    from ..device.vision import VisionGraph
     from ..models.assistant import LoadedAssistant
     from ..models.loading import LoadedModel
     from ..settings import PortSettings
@@ -99,6 +102,73 @@ def neuron_cache_key(
     if weights == "int8":  # likewise: full-precision keys stay as they were
         parts["weight_format"] = weights
     return make_key(parts), parts
+
+
+def vision_cache_key(model: LoadedModel, graph: VisionGraph, compiler_args: str) -> tuple[str, dict]:
+    """Cache key of the vision artifact, apart from the decoder's (a new prompt, TP degree, batch or
+    context reuses it; only what is in its NEFF moves it): the multimodal config (its vision_config
+    included), the identity of the vision weights the NEFF inlines (the encoder's and the embedder's,
+    the loader's declaration or their bytes hashed once), the graph's shape and form, the compiler
+    arguments, the graph source and versions, as `neuron_cache_key`."""
+    tower = graph.model.vision_tower
+    parts = {
+        "recipe": f"neuron-{neuron_vision.RECIPE}",
+        "config": model.multimodal.config.to_json_string(use_diff=False),
+        "weights": {
+            "vision_tower": weights_identity(tower) if tower is not None else None,
+            "embed_vision": weights_identity(graph.model.embed_vision),
+        },
+        "shape": [graph.shape.images, graph.shape.patches, graph.shape.patch_dim],
+        "graph": graph.key_parts(),
+        "compiler_args": compiler_args,
+        "dtype": str(graph.dtype),
+        "graph_source": source_digest(),
+        "sdk": {r["package"]: r["found"] for r in neuron_env.check_versions()},
+        "versions": program_versions(),
+    }
+    return make_key(parts), parts
+
+
+def compile_vision(graph: VisionGraph, model: LoadedModel, settings: PortSettings, tp: int) -> tuple[Any, Any, float]:
+    """The vision graph traced for one NeuronCore (or found in the artifact cache), loaded onto the
+    core after the decoder's `tp` cores: (loaded module, cache entry, compile seconds). Called after
+    the decoder's cores were found free and before the decoder loads, so a busy core (the vision
+    core included) is refused before anything goes to the device."""
+    key, parts = vision_cache_key(model, graph, neuron_vision.COMPILER_ARGS)
+    started = time.perf_counter()
+
+    def build(folder: Path) -> dict[str, Any]:
+        with compiler_workdir() as workdir, own_directory():
+            traced = neuron_vision.compile_vision(graph, compiler_workdir=workdir)
+            neuron_vision.save(traced, folder / neuron_vision.FILE)
+        return {"recipe": neuron_vision.RECIPE, "core": neuron_vision.vision_core(tp)}
+
+    need = sum(p.numel() * p.element_size() for p in graph.parameters())  # the NEFF inlines them
+    entry = cache_for(settings, model).get_or_build(
+        key, build, describe={k: v for k, v in parts.items() if k != "config"}, need_bytes=need
+    )
+    compile_s = 0.0 if entry.hit else time.perf_counter() - started
+    core = neuron_vision.vision_core(tp)
+    label = f"{model.variant.name} vision graph (one core) from {entry.path}"
+    cores.check_free(core, 1, label)
+    loaded = cores.claim(neuron_vision.load(entry.file(neuron_vision.FILE), core), core, 1, label)
+    log.info("vision graph on NeuronCore %d (%s)", core, "cached" if entry.hit else f"compiled in {compile_s:.1f} s")
+    return loaded, entry, compile_s
+
+
+def with_vision(compiled: CompiledGraphs, vision: tuple[Any, Any, float] | None) -> CompiledGraphs:
+    """`compiled` with the loaded vision graph as `steps.vision` (it reads no K/V: the engine calls it
+    with pixels and int32 positions, once per image), its cache hit and artifact recorded."""
+    if vision is None:
+        return compiled
+    loaded, entry, compile_s = vision
+    compiled.steps.vision = loaded
+    compiled.compile_s += compile_s
+    compiled.cache_hits.append(entry.hit)
+    artifacts = compiled.info.get("artifacts")
+    named = artifacts if isinstance(artifacts, dict) else {"decoder": artifacts}
+    compiled.info["artifacts"] = {**named, "vision": str(entry.path)}
+    return compiled
 
 
 def compile(graphs: GraphSet, model: LoadedModel, settings: PortSettings, progress: bool = False) -> CompiledGraphs:
@@ -188,6 +258,8 @@ def compile(graphs: GraphSet, model: LoadedModel, settings: PortSettings, progre
     vocab = int(model.config.vocab_size)
     label = f"{model.variant.name} ({recipe}, TP={tp}) from {entry.path}"
     cores.check_free(0, tp, label)  # a model an earlier call loaded and still referenced: refuse, before the device
+    # with images: the vision graph on core tp, from its own cache entry (its core checked before it loads)
+    vision = compile_vision(graphs.vision, model, settings, tp) if graphs.vision is not None else None
     if recipe == "trace":
         loaded = neuron_trace.load(entry.file("model.pt"))
         step = DeviceStep(cores.claim(loaded, 0, tp, label), n_inputs, vocab, aliases=states, index_dtype=indices)
@@ -198,13 +270,14 @@ def compile(graphs: GraphSet, model: LoadedModel, settings: PortSettings, progre
         steps = Steps(prefill={bucket: step}, decode=step)
     check_host_tables(HostEmbedder.from_text_model(model.text_model))  # the compile left the host tables whole
     # no host K/V: the device steps keep theirs as aliased state and never read host buffers
-    return CompiledGraphs(
+    compiled = CompiledGraphs(
         steps,
         0.0 if entry.hit else compile_s,
         [entry.hit],
         f"neuron-{recipe}",
         {"artifacts": str(entry.path), "tp_degree": tp, "decode_experts": decode_experts, "weights": settings.weights},
     )
+    return with_vision(compiled, vision)
 
 
 def assistant_digest(assistant: LoadedAssistant) -> str:
@@ -260,8 +333,10 @@ def compile_drafting(graphs: GraphSet, model: LoadedModel, settings: PortSetting
     compile_s = 0.0 if entry.hit else time.perf_counter() - started
     label = f"{model.variant.name} (drafting keys, TP={tp}) from {entry.path}"
     cores.check_free(0, tp, label)
+    vision = compile_vision(graphs.vision, model, settings, tp) if graphs.vision is not None else None
     traced = cores.claim(neuron_model_builder.load_model_builder(entry.path, tp), 0, tp, label)
     steps = neuron_drafting.drafting_steps(traced, buckets, graphs.target.has_ple)
-    return CompiledGraphs(
+    compiled = CompiledGraphs(
         steps, compile_s, [entry.hit], f"neuron-{neuron_drafting.RECIPE}", {"artifacts": {"drafting": str(entry.path)}}
     )
+    return with_vision(compiled, vision)

@@ -86,9 +86,12 @@ def settings_kwargs(settings: Any) -> dict[str, Any]:
 
 
 def replica_resources(settings: Any) -> dict[str, Any]:
-    """What one replica reserves: its TP degree in NeuronCores on inf2, one CPU elsewhere."""
+    """What one replica reserves: its TP degree in NeuronCores on inf2 (one more for the vision graph
+    when it serves images: `neuron_vision.cores_needed`), one CPU elsewhere."""
     if settings.backend == "neuron":  # inf2-only
-        return {"num_cpus": 1, "resources": {"neuron_cores": settings.tp_degree}}
+        from ..recipes.neuron_vision import cores_needed
+
+        return {"num_cpus": 1, "resources": {"neuron_cores": cores_needed(settings.tp_degree, settings.wants_vision)}}
     return {"num_cpus": 1}
 
 

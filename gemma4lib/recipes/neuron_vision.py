@@ -1,0 +1,128 @@
+"""The vision graph on inf2: `torch_neuronx.trace` of `device.vision.VisionGraph` on ONE NeuronCore,
+saved as its own artifact, loaded onto a core beside the decoder's.
+
+Why a plain trace and not a ModelBuilder key: the image encoder is small (transformers' default
+`Gemma4VisionConfig` is ~167M parameters, unchecked against a release, against billions in the
+decoder), reads and writes no
+K/V, and runs once per image at admission. It needs no tensor parallelism (every rank would hold
+the whole encoder anyway, as the gloo ranks do: "replicated: unsharded on every rank"), no
+aliased state (`input_output_aliases` stays empty) and no shared buffers, so the one-graph trace
+is the whole job: one `torch_neuronx.trace(func, example_inputs, compiler_args=...)` call (SDK
+2.28 `api-torch-neuronx-trace.rst`), its TorchScript saved with `torch.jit.save`.
+
+Why the weights stay inlined in the NEFF (`inline_weights_to_neff=True`, the SDK default, unlike
+`neuron_trace`'s decoder): the encoder's weights are small enough that holding them in the HLO and
+the NEFF costs the compile host little, the artifact is then self-contained, and loading is one
+`torch.jit.load` inside `torch_neuronx.experimental.neuron_cores_context(start_nc, nc_count=1)`,
+which the SDK documents as the most efficient placement (the model goes straight to that core;
+aws-neuron-sdk v2.28 `api-torch-neuronx-core-placement.rst`, [Beta]). No
+`move_trace_to_device` is needed: that call is for separated (non-inlined) weights.
+
+Which core: the decoder holds NeuronCores 0 .. tp-1 (`backends.neuron`); the vision graph takes
+core `tp`, the first one after them, so it never shares a core's HBM with a decoder rank
+(`vision_core`). `PortSettings` refuses images on an instance with no core left over.
+
+Why it should lower: `torch_neuronx.trace` records the graph through torch-xla into an HLO module
+(the SDK's trace notes), and this same graph runs in the XLA lane with 0 `aten::` CPU fallbacks and
+one execution per image (docs/IMAGES.md), its padding mask built whole in the graph
+(`device.vision`). That is evidence, not a run: no inf2 here.
+
+Only the lines marked `# inf2-only` need the Neuron SDK; the tests stand the SDK in with fakes.
+"""
+
+from __future__ import annotations
+
+import shlex
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..device.vision import VisionGraph
+from . import neuron_env
+
+RECIPE = "vision_trace"
+PURPOSE = "the vision graph on one NeuronCore (torch_neuronx.trace)"
+FILE = "vision.pt"
+
+# neuronx-cc arguments for the vision graph (neuronx-cc CLI reference, aws-neuron-sdk
+# `compiler/neuronx-cc/api-reference-guide/neuron-compiler-cli-reference-guide.rst`):
+# - `--model-type=transformer` ("model-specific optimizations based upon type of model"; values
+#   `generic`, `transformer`): the encoder is a ViT, attention and MLP blocks like the decoder's;
+# - `--auto-cast=none`: the compiler's default is `matmult`, which casts FP32 matmuls to BF16. The
+#   fixtures and random models run in float32, and the soft tokens go straight into the prompt's
+#   embeddings, where an error shows as a logits mismatch (docs/IMAGES.md's fault lab: a scaled
+#   soft token fails LOGITS_MATCH at a 6.6e-5 tolerance). So the graph's own dtype, as for the
+#   decoders: fp32 soft tokens from an fp32 model, bf16 from a bf16 one (then the flag changes
+#   nothing). The pooler's standardisation is written in float32 by transformers and stays so;
+# - `--enable-mixed-precision-accumulation`: the compiler default, explicit for the same reason as
+#   the decoders' (`neuron_env.COMPILER_ARGS`): the arithmetic is part of the cache key;
+# - `-O1`: the graph runs once per image, not once per token; compile time matters more than the
+#   last few percent of its latency (the prefill keys' choice);
+# - left out: the decoders' `--tensorizer-options` (NxD Inference's decoder scheduling, tuned for
+#   collectives at TP > 1; this graph is on one core) and `--enable-saturate-infinity` (as for the
+#   decoders: no infinity should arise, and saturating one would hide it from the checks).
+# Unverified on inf2: no instance here.
+COMPILER_ARGS = "--model-type=transformer --auto-cast=none --enable-mixed-precision-accumulation -O1"
+
+
+def compiler_args() -> list[str]:
+    """The vision graph's neuronx-cc arguments as a list (torch_neuronx.trace takes str or list)."""
+    return shlex.split(COMPILER_ARGS)
+
+
+def vision_core(tp: int) -> int:
+    """The NeuronCore the vision graph loads onto: the first after the decoder's cores 0 .. tp-1
+    (relative to the cores visible to this process, as the SDK's placement indices are)."""
+    return int(tp)
+
+
+def cores_needed(tp: int, vision: bool) -> int:
+    """NeuronCores a port holds: the decoder's `tp`, plus one for the vision graph when it has images.
+    What must be visible to the process (`NEURON_RT_VISIBLE_CORES`, a Ray replica's `neuron_cores`):
+    the vision core's index `tp` is relative to the visible cores."""
+    return int(tp) + (1 if vision else 0)
+
+
+def compile_vision(graph: VisionGraph, *, compiler_workdir: str | None = None) -> Any:
+    """Trace and compile the vision graph for one NeuronCore over its own example inputs (one image at
+    the processor's patch budget: `pixel_values [1, patches, patch_dim]`, `position_ids [1, patches,
+    2]` int32); returns the TorchScript module. No state: `input_output_aliases` is empty."""
+    torch_neuronx = neuron_env.require("torch_neuronx", PURPOSE)
+    graph = graph.eval()
+    with torch.no_grad():
+        return torch_neuronx.trace(  # inf2-only
+            graph,
+            graph.example_inputs(),
+            compiler_workdir=compiler_workdir,
+            compiler_args=compiler_args(),
+            inline_weights_to_neff=True,  # (module docstring)
+        )
+
+
+def save(traced: Any, path: str | Path) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    torch.jit.save(traced, str(path))
+    return path
+
+
+def load(path: str | Path, core: int) -> Any:
+    """Load a saved vision trace straight onto NeuronCore `core` (importing torch_neuronx first
+    registers the Neuron ops the artifact holds; the placement context must wrap the load itself)."""
+    experimental = neuron_env.require("torch_neuronx.experimental", PURPOSE)
+    with experimental.neuron_cores_context(start_nc=int(core), nc_count=1):  # inf2-only
+        return torch.jit.load(str(path))  # inf2-only (the artifact holds a NEFF)
+
+
+__all__ = [
+    "COMPILER_ARGS",
+    "FILE",
+    "RECIPE",
+    "compile_vision",
+    "compiler_args",
+    "cores_needed",
+    "load",
+    "save",
+    "vision_core",
+]
