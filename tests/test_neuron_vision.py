@@ -197,11 +197,9 @@ def test_the_vision_key_moves_with_vision_weights_config_and_shape_not_with_the_
 
 
 # ---- the backend: compile, cache, place, serve ------------------------------------------------------------
-def test_backend_neuron_traces_the_vision_graph_once_and_places_it_after_the_decoder(inf2, tmp_path, monkeypatch):
-    """The port's compile: the decoder keys as before, the vision graph traced into its own cache entry
-    and loaded onto core 1 (after the decoder's core 0); a second compile reuses the entry (no second
-    trace), and refuses while the first model still holds the cores."""
-    from gemma4lib.backends import registry
+def _faked_neuron_port(tmp_path, monkeypatch):
+    """An image port's settings and model, its vision graph, the faked torch_neuronx and the stubbed
+    decoder compiles (what the backend tests below share)."""
     from gemma4lib.port import load_model
 
     settings = _image_settings(tmp_path)
@@ -209,7 +207,16 @@ def test_backend_neuron_traces_the_vision_graph_once_and_places_it_after_the_dec
     graph = image_graph(model, settings)
     fake = _FakeNeuronx(graph.slots, model.config.hidden_size)
     monkeypatch.setattr(neuron_env, "require", fake.require)
-    decoders = _stub_decoder(monkeypatch, model)
+    return settings, model, graph, fake, _stub_decoder(monkeypatch, model)
+
+
+def test_backend_neuron_traces_the_vision_graph_once_and_places_it_after_the_decoder(inf2, tmp_path, monkeypatch):
+    """The port's compile: the decoder keys as before, the vision graph traced into its own cache entry
+    and loaded onto core 1 (after the decoder's core 0); a second compile reuses the entry (no second
+    trace), and refuses while the first model still holds the cores."""
+    from gemma4lib.backends import registry
+
+    settings, model, graph, fake, decoders = _faked_neuron_port(tmp_path, monkeypatch)
 
     compiled = registry.compile_graphs(model, settings)
     assert len(fake.traces) == 1 and isinstance(fake.traces[0]["func"], type(graph))
@@ -236,15 +243,10 @@ def test_backend_neuron_traces_the_vision_graph_once_and_places_it_after_the_dec
 
 def test_the_loaded_vision_step_feeds_its_soft_tokens_through_the_engine(inf2, tmp_path, monkeypatch):
     from gemma4lib.backends import registry
-    from gemma4lib.port import load_model, prompt_rows
+    from gemma4lib.port import prompt_rows
     from gemma4lib.runtime import Request
 
-    settings = _image_settings(tmp_path)
-    model = load_model(settings)
-    graph = image_graph(model, settings)
-    fake = _FakeNeuronx(graph.slots, model.config.hidden_size)
-    monkeypatch.setattr(neuron_env, "require", fake.require)
-    decoders = _stub_decoder(monkeypatch, model)
+    settings, model, graph, fake, decoders = _faked_neuron_port(tmp_path, monkeypatch)
     engine = registry.compile_graphs(model, settings).runtime
 
     row = prompt_rows(model, settings)[0]

@@ -92,18 +92,9 @@ def test_serving_host_holds_the_vision_weights_too():
 
 
 def test_vision_flops_of_a_toy_config_equal_the_hand_computation():
-    c = vision_config(
-        "e2b",
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        head_dim=32,
-        patch_size=4,
-        pooling_kernel_size=2,
-        position_embedding_size=64,
-    )
+    from gemma4lib.models.vision import vision_configs
+
+    c = vision_configs("e2b", 64)  # the tiny fixtures' tower: width 64, 2 layers of 2 heads of 32, MLP 128
     patches, soft, text = 64, 16, 96
     per_patch = 48 * 64 + 2 * (4 * 64 * 64 + 3 * 64 * 128)  # patch projection + each layer's q, k, v, o and MLP
     hand = 2 * patches * per_patch + 4 * patches**2 * 2 * 32 * 2 + 2 * patches * soft * 64 + 2 * soft * 64 * text

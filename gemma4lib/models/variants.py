@@ -400,31 +400,25 @@ def config_kwargs(variant: Variant, which: str = "tiny", **overrides: Any) -> di
 
 # Vision towers reported by third parties for two releases (not the released config.json itself):
 # the memory plan's `source="reported"` (inf2/vision_plan.py)
+# both reports give the same tower: width 1152, 27 layers, 16 heads of 72, MLP 4304
+_REPORTED_TOWER = dict(
+    hidden_size=1152,
+    intermediate_size=4304,
+    num_hidden_layers=27,
+    num_attention_heads=16,
+    num_key_value_heads=16,
+    head_dim=72,
+    standardize=True,
+)
 REPORTED_VISION: dict[str, dict[str, Any]] = {
     "31b": {
-        "config": dict(
-            hidden_size=1152,
-            intermediate_size=4304,
-            num_hidden_layers=27,
-            num_attention_heads=16,
-            num_key_value_heads=16,
-            head_dim=72,
-            standardize=True,
-        ),
+        "config": _REPORTED_TOWER,
         "source": "reported by third-party extractions of google/gemma-4-31B-it's vision tower "
         "(huggingface.co/rnagabh/gemma4-vision-encoder and huggingface.co/nebulette/gemma-4-vision-module "
         "config.json: width 1152, 27 layers, 16 heads of 72, MLP 4304); unverified against the released config.json",
     },
     "26b-a4b": {
-        "config": dict(
-            hidden_size=1152,
-            intermediate_size=4304,
-            num_hidden_layers=27,
-            num_attention_heads=16,
-            num_key_value_heads=16,
-            head_dim=72,
-            standardize=True,
-        ),
+        "config": _REPORTED_TOWER,
         "source": "reported by Ollama's gemma4:26b-a4b-it-qat vision blob metadata (ollama.com/library: 27 blocks, "
         "width 1152, 16 heads, MLP 4304, projection 2816); unverified against the released config.json",
     },
