@@ -442,6 +442,30 @@ def test_drafting_over_an_image_prompt_equals_plain(draft):
     assert record["checks_passed"], record["failed_checks"]  # assistant: transformers' assisted generate, same tokens
 
 
+@pytest.mark.skipif("12b" not in SHIPPED, reason=NOT_SHIPPED)
+def test_12b_drafting_over_an_image_equals_plain_on_the_intended_masks():
+    """The 12B drafts over its image prompt with its assistant, greedy-exact against transformers'
+    plain `generate` on the intended masks; transformers' assisted generate cannot take the static
+    cache those masks need, so that cross-check says why it did not run instead of failing."""
+    from gemma4lib.port import PortSettings, port
+
+    record = port(
+        PortSettings(
+            variant="12b",
+            backend="eager",
+            images=(str(IMAGES / "blue_square.png"),),
+            draft="assistant",
+            draft_tokens=3,
+            witness=False,
+            iters=1,
+            warmup=0,
+        )
+    )
+    assert record["checks_passed"] and record["coherent"], record["failed_checks"]
+    assert parse_answer(record["answer"]) == ("blue", "square"), record["answer"]
+    assert record["hf_assisted_match"] is None and "static cache" in record["hf_assisted_skipped"]
+
+
 @pytest.mark.skipif(not SHIPPED, reason=NOT_SHIPPED)
 def test_vision_fixture_hashes():
     recorded = vision.verify_vision_hashes()
