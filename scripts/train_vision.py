@@ -31,6 +31,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from gemma4lib.cache.artifacts import sha256_file  # noqa: E402
+from gemma4lib.device.vision import encoder_free  # noqa: E402
 from gemma4lib.models import vision  # noqa: E402
 from gemma4lib.models.shapes import SAMPLES, ShapeImage, shape_images  # noqa: E402
 from gemma4lib.models.trained import load_trained  # noqa: E402
@@ -135,7 +136,7 @@ def train_one(name: str, out: Path, seed: int, max_steps: int | None) -> dict:
             "train_config": cfg.to_dict(),
         },
         "files": {f"{name}/{k}": v for k, v in files.items()},
-        "ok": shippable(failures, sample_failures, total, pretrained.held_out_accuracy, cfg, vision.encoder_free(full))
+        "ok": shippable(failures, sample_failures, total, pretrained.held_out_accuracy, cfg, encoder_free(full))
         and text_correct >= base_correct,  # and the text held-out answered as well as the text fixture does
     }
 

@@ -68,6 +68,16 @@ def own_directory() -> Iterator[str]:
         yield scratch
 
 
+def toolchain_parts() -> dict[str, Any]:
+    """What every Neuron artifact's key holds of the code and tools that built it: the source of the
+    library modules that shape the graphs, the pinned SDK set as found, and the versions."""
+    return {
+        "graph_source": source_digest(),
+        "sdk": {r["package"]: r["found"] for r in neuron_env.check_versions()},
+        "versions": program_versions(),
+    }
+
+
 def neuron_cache_key(
     model: LoadedModel,
     recipe: str,
@@ -93,9 +103,7 @@ def neuron_cache_key(
         "shapes": {k: [v.batch, v.tokens, v.context_length, v.ring] for k, v in sorted(shapes.items())},
         "compiler_args": compiler_args,
         "dtype": str(dtype),
-        "graph_source": source_digest(),
-        "sdk": {r["package"]: r["found"] for r in neuron_env.check_versions()},
-        "versions": program_versions(),
+        **toolchain_parts(),
     }
     if decode_experts != "dense":  # only then: the keys of existing (dense) artifacts stay valid
         parts["decode_experts"] = decode_experts
@@ -122,9 +130,7 @@ def vision_cache_key(model: LoadedModel, graph: VisionGraph, compiler_args: str)
         "graph": graph.key_parts(),
         "compiler_args": compiler_args,
         "dtype": str(graph.dtype),
-        "graph_source": source_digest(),
-        "sdk": {r["package"]: r["found"] for r in neuron_env.check_versions()},
-        "versions": program_versions(),
+        **toolchain_parts(),
     }
     return make_key(parts), parts
 

@@ -20,7 +20,7 @@ from ..models.image_attention import bidirectional_images
 from .drafting import DraftGraph, RoomyLayout, verify_expert_form
 from .graph import DeviceGraph, GraphShape
 from .kv_layout import KVLayout
-from .vision import VisionGraph, vision_graph
+from .vision import VisionGraph, encoder_free, vision_graph
 
 if TYPE_CHECKING:  # type names only
     from ..models.assistant import LoadedAssistant
@@ -209,7 +209,7 @@ def image_graph(model: LoadedModel, settings: PortSettings) -> VisionGraph | Non
     processor = model.processor
     patches = int(processor.max_soft_tokens) * int(processor.pooling_kernel_size) ** 2
     vision_config = model.multimodal.config.vision_config
-    if getattr(model.multimodal.model, "vision_tower", None) is None:  # the 12B: merged patches, one soft token each
+    if encoder_free(model.multimodal):  # the 12B: merged patches, one soft token each
         patches = int(processor.max_soft_tokens)
         patch_dim = 3 * (int(vision_config.patch_size) * int(vision_config.pooling_kernel_size)) ** 2
     else:

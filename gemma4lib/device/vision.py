@@ -46,13 +46,17 @@ def has_vision(multimodal: nn.Module | None) -> bool:
     return inner is not None and getattr(inner, "embed_vision", None) is not None
 
 
+def encoder_free(multimodal: nn.Module) -> bool:
+    """Whether the vision part is the 12B's encoder-free embedder (no vision tower)."""
+    return getattr(multimodal.model, "vision_tower", None) is None
+
+
 def soft_token_slots(multimodal: nn.Module, patches: int) -> int:
     """Soft-token slots the graph returns per image: patches / pooling^2 (encoder), or one per
     merged patch (the 12B's encoder-free path)."""
-    inner = multimodal.model
-    if getattr(inner, "vision_tower", None) is None:
+    if encoder_free(multimodal):
         return patches
-    return patches // (int(inner.config.vision_config.pooling_kernel_size) ** 2)
+    return patches // (int(multimodal.model.config.vision_config.pooling_kernel_size) ** 2)
 
 
 class _Parts(nn.Module):
@@ -75,7 +79,7 @@ class VisionGraph(nn.Module):
         self.model = _Parts(multimodal)
         self.shape = shape
         self.slots = soft_token_slots(multimodal, shape.patches)
-        self.encoder_free = self.model.vision_tower is None
+        self.encoder_free = encoder_free(multimodal)
         self.dtype = next(self.model.embed_vision.parameters()).dtype
         self.tags: dict[str, str] = {}
         # how a backend that holds K/V as device state (xla) calls it: two inputs, no K/V read or written
@@ -121,4 +125,4 @@ def vision_graph(multimodal: nn.Module, images: int, patches: int, patch_dim: in
     return VisionGraph(multimodal, VisionShape(images, patches, patch_dim))
 
 
-__all__ = ["VisionGraph", "VisionShape", "has_vision", "soft_token_slots", "vision_graph"]
+__all__ = ["VisionGraph", "VisionShape", "encoder_free", "has_vision", "soft_token_slots", "vision_graph"]

@@ -272,11 +272,6 @@ def encode_examples(tokenizer, processor, examples: list[ShapeImage]) -> dict[st
     }
 
 
-def encoder_free(model: nn.Module) -> bool:
-    """Whether the multimodal model's vision part is the 12B's encoder-free embedder (no vision tower)."""
-    return getattr(model.model, "vision_tower", None) is None
-
-
 def vision_parameters(model: nn.Module) -> list[nn.Parameter]:
     """The parameters outside the language model: the vision tower (if any) and the image embedder."""
     return [p for n, p in model.named_parameters() if not n.startswith(("model.language_model.", "lm_head."))]
@@ -682,7 +677,6 @@ __all__ = [
     "answer_image",
     "build_multimodal",
     "encode_examples",
-    "encoder_free",
     "expand_image_tokens",
     "image_inputs",
     "image_messages",
