@@ -22,6 +22,9 @@ from .runtime import ImagePrompt
 
 log = logging.getLogger(__name__)
 
+# the shipped sample images: coloured shapes like those the tiny vision fixtures were trained on
+SAMPLES_DIR = Path(__file__).resolve().parent / "fixtures" / "vision" / "images"
+
 
 def load_image(image: Any):
     """A PIL RGB image from a path or a PIL image; `ImageInputError` for a missing file or one that
@@ -42,6 +45,21 @@ def load_image(image: Any):
         raise ImageInputError(
             f"{str(path)!r} is not an image PIL can read ({error.__class__.__name__}); pass a PNG or JPEG file"
         ) from None
+
+
+def find_image(image: Any) -> Any:
+    """`image` itself when it is a PIL image or an existing file, else the shipped sample of that
+    file name (`SAMPLES_DIR`: "red_circle.png", "blue_square.png", ...), so a notebook parameter
+    can name either; `ImageInputError` naming the samples when it is neither."""
+    if not isinstance(image, (str, Path)) or Path(image).is_file():
+        return image
+    sample = SAMPLES_DIR / str(image)
+    if sample.is_file():
+        return sample
+    names = ", ".join(sorted(p.name for p in SAMPLES_DIR.glob("*.png")))
+    raise ImageInputError(
+        f"image {str(image)!r} is neither a file nor a shipped sample ({names}); pass a path to a PNG or JPEG"
+    )
 
 
 @dataclass(frozen=True)
@@ -107,4 +125,4 @@ def image_prompt(
     return ImageInputs(ids, data["pixel_values"], data["image_position_ids"], prompt)
 
 
-__all__ = ["ImageInputs", "image_prompt", "load_image", "require_vision"]
+__all__ = ["SAMPLES_DIR", "ImageInputs", "find_image", "image_prompt", "load_image", "require_vision"]

@@ -69,6 +69,7 @@ top_p = 0.9
 warmup = 1
 iters = 3
 threads = 1  # torch threads for the benchmark (recorded with it)
+image = "red_circle.png"  # "What the model sees": a shipped sample (blue_square.png, ...) or a path; None skips it
 tp_demo = 4  # ranks of the rank-graph run on CPU processes (0: skip)
 results_path = "../runs/notebooks/31b.json"
 interactive = False  # True: show the chat box at the end (needs a live Jupyter front end)
@@ -95,8 +96,10 @@ from IPython.display import display
 
 from gemma4lib import checks, notebook as nb
 from gemma4lib.notebook import plots
+from gemma4lib.images import find_image, image_prompt
 from gemma4lib.port import PortSettings, build_graphs, compile_graphs, eos_ids, load_model, prompt_ids
-from gemma4lib.reference import reference_greedy
+from gemma4lib.port import image_expectation
+from gemma4lib.reference import reference_for, reference_greedy
 from gemma4lib.timing import benchmark
 from gemma4lib.runtime import Request
 
@@ -350,6 +353,85 @@ print(f"hand-built:    {len(hand_built)} tokens, {model.tokenizer.convert_ids_to
 assert turn in ids and turn not in hand_built  # the model never sees a turn in the hand-built prompt
 demos["equality_is_not_enough"] = nb.equality_is_not_enough(model, compiled.runtime, s)
 demos["equality_is_not_enough"]
+
+# %% [markdown] tags=["lesson"]
+# ## What the model sees
+#
+# Gemma-4 reads images too, and the port runs them through the same engine as text. An image reaches
+# the decoder as **soft tokens**: the checkpoint's image processor rescales the pixels and cuts them
+# into small patches; the model's vision part turns the patches into vectors of the decoder's width,
+# one per soft token; and the host writes those vectors over the image's placeholder tokens in the
+# prompt's input embeddings, exactly where it writes the word embeddings. Prefill and decode do not
+# change (they take `inputs_embeds` anyway). What is new is one more graph, `vision`, compiled by the
+# same backend beside prefill and decode (here AOTInductor; on inf2 `torch_neuronx.trace` on a
+# NeuronCore of its own, which has never run) and run once per image, when the prompt is admitted.
+#
+# The 31B's vision part is an encoder: transformers' `Gemma4VisionModel` embeds each
+# patch, runs transformer layers over all of them, and its pooler averages each block of patches into
+# one soft token (the fixture: 4 x 4-pixel patches, 2 x 2 to a soft token; transformers' default
+# config: 16 x 16, 3 x 3); `Gemma4MultimodalEmbedder` then projects every soft token to the
+# decoder's width. The vision graph is those two modules at a fixed patch budget (`max_soft_tokens`
+# x pooling² patches), one image per call; the padding slots are computed and dropped on the host.
+# The fixture's config leaves `use_bidirectional_attention` unset, so the masks below are causal over
+# the image. vLLM's Gemma-4 support reports that the released 31B config sets it to "vision", as the
+# 12B's does (unverified here); the device path follows the config, so that config would build the
+# 12B's image blocks (`03_12b`).
+#
+# The smoke profile loads the variant's tiny *vision* fixture: this decoder architecture with a
+# vision part, trained here on coloured shapes, so that "What is in the image?" gets an answer that
+# names the shape and its colour. It is judged like text: SEQ_MATCH and LOGITS_MATCH against
+# transformers' own `generate(pixel_values=...)` on the same model (the first logits row is the image
+# prefill's), and coherence, which asks the answer to name the colour and shape read from the
+# pixels, so a model that did not look fails it. The first cell shows what the host makes of the
+# image: the patch grid (thin lines) and the soft tokens it pools into (thick lines), where the soft
+# tokens sit in the prompt, and the prefill masks over them. The full profile skips the section: the
+# checkpoint loader keeps only the text decoder so far ([docs/IMAGES.md](../docs/IMAGES.md)).
+
+# %% tags=["lesson"]
+seen = None  # the smoke profile's vision fixture; the full profile's loader keeps only the text decoder
+if image and profile == "smoke":
+    seen = PortSettings(variant=variant, backend=backend, images=[find_image(image)], witness=False)
+    seeing = load_model(seen)  # the multimodal fixture: vision part + a decoder trained to read it
+    inputs = image_prompt(  # the chat template with an image part, the processor, one placeholder per soft token
+        seeing.tokenizer,
+        seeing.processor,
+        seen.images,
+        seen.prompt,
+        image_token_id=seeing.multimodal.config.image_token_id,
+    )
+    where = inputs.prompt.positions  # the prompt positions whose embeddings the soft tokens replace
+    print(f"pixel_values {tuple(inputs.pixel_values.shape)}: images, patch budget, 3 x patch x patch")
+    print(f"{inputs.prompt.counts[0]} soft tokens at prompt positions {where[0]}..{where[-1]} of {len(inputs.ids)}")
+    display(nb.patch_picture(seen.images[0], seeing.processor.patch_size, seeing.processor.pooling_kernel_size))
+    display(nb.layout_table(inputs.ids, where, seeing.tokenizer))
+    display(nb.mask_picture(nb.reference_masks(seeing.multimodal, inputs.ids, where), where))
+else:
+    print(f"skipped: profile={profile}, image={image!r}")
+
+# %% tags=["lesson"]
+if seen is not None:
+    seen_graphs = build_graphs(seeing, seen)  # prefill, decode and now `vision`: one GraphSet
+    seen_compiled = compile_graphs(seeing, seen, graphs=seen_graphs)  # each graph as in section 3, cached
+    display(nb.describe_compile(seen_compiled))
+    seen_eos = eos_ids(seeing)
+    request = Request(inputs.ids, seen.max_new_tokens, eos_token_ids=tuple(seen_eos), images=inputs.prompt)
+    looked = seen_compiled.runtime.generate_rows([request], keep_logits=True).rows[0]  # vision runs at admit
+    judge = reference_for(seeing, inputs.prompt)  # transformers' multimodal model with this image bound
+    seen_reference = reference_greedy(judge, inputs.ids, seen.max_new_tokens, seen_eos)
+    seen_report = checks.evaluate(
+        judge,
+        seeing.tokenizer,
+        inputs.ids,
+        looked.tokens,
+        seen_reference,
+        expect=image_expectation(seen.images),  # "<colour> <shape>", read from the pixels
+        step_logits=looked.step_logits,
+    )
+    print(f"answer: {seen_report.answer!r}")
+    print(f"SEQ_MATCH {seen_report.seq_match}  LOGITS_MATCH {seen_report.logits_match}", end="  ")
+    print(f"coherent {seen_report.coherent}")
+    print(seen_report.logits.explain())
+    demos["image"] = nb.image_demo(seen, inputs, seen_report, seen_compiled)
 
 # %% [markdown]
 # ## 7. Sampling, streaming and a conversation

@@ -252,6 +252,21 @@ def test_notebook_pictures(random_e2b):
     first, last = inputs.prompt.positions[0], inputs.prompt.positions[-1]
     assert not masks["full_attention"][first, last]  # E2B: causal over the image (no bidirectional config)
     assert len(nbv.mask_picture(masks, inputs.prompt.positions).axes) == len(masks)
+    table = nbv.layout_table(inputs.ids, inputs.prompt.positions)
+    assert [row[:3] for row in table.rows if row[0] == "soft tokens"] == [["soft tokens", f"{first}..{last}", 16]]
+
+
+def test_find_image_takes_a_path_or_a_shipped_sample(tmp_path):
+    """The notebooks' `image` parameter names a shipped sample or a file; anything else says which
+    samples there are, before anything loads."""
+    from gemma4lib.images import SAMPLES_DIR, find_image
+
+    assert find_image("red_circle.png") == SAMPLES_DIR / "red_circle.png" == RED_CIRCLE
+    own = tmp_path / "mine.png"
+    own.write_bytes(RED_CIRCLE.read_bytes())
+    assert find_image(str(own)) == str(own)
+    with pytest.raises(ImageInputError, match="blue_square.png.*red_circle.png"):
+        find_image("purple_star.png")
 
 
 def test_bidirectional_mask_where_the_config_asks():

@@ -117,13 +117,15 @@ VARIANT_SECTIONS = [  # the skeleton every variant notebook follows, in this ord
     "## 4. Generate on the device",
     "## 5. The reference",
     "## 6. SEQ_MATCH, LOGITS_MATCH and coherence",
+    "## What the model sees",  # an image through the same engine (issue 33): the vision graph beside the others
     "## 7. Sampling, streaming and a conversation",
     "## 8. Benchmark",
     "## 9. Record",
     "## 10. Plots",
 ]
-MAX_CELLS = 36  # 01_e2b, which teaches the shared path cell by cell (and save/load, the core by hand)
-MAX_BRIEF_CELLS = 30  # 02-05: the shared path "as in 01", the rest the variant's lesson
+MAX_CELLS = 39  # 01_e2b, which teaches the shared path cell by cell (and save/load, the core by hand)
+MAX_BRIEF_CELLS = 33  # 02-05: the shared path "as in 01", the rest the variant's lesson
+# (both with the three cells of "What the model sees", which every variant notebook has)
 MIN_LESSON_SHARE = 0.40  # of a brief notebook's lines, in cells tagged `lesson`
 SERVING_MAX_CELLS = 36
 # Calls a learner must find in the cells themselves, not behind a helper.
@@ -174,6 +176,15 @@ def full_notebooks() -> list[Path]:
     return [p for p in variant_notebooks() if not is_brief(p)]
 
 
+IMAGE_CALLS = [  # "What the model sees", in every variant notebook: the image path's real calls
+    "image_prompt(",
+    "nb.reference_masks(seeing.multimodal",
+    "build_graphs(seeing, seen)",
+    "compile_graphs(seeing, seen, graphs=seen_graphs)",
+    "images=inputs.prompt",
+    "reference_for(seeing, inputs.prompt)",
+    "checks.evaluate(",
+]
 BRIEF_CALLS = [  # the shared path as a brief notebook runs it: the library calls 01_e2b writes out
     "build_graphs(model, s)",
     "compile_graphs(model, s, graphs=graphs)",
@@ -236,7 +247,8 @@ def lesson_share(nb) -> tuple[int, int]:
 @pytest.mark.parametrize("path", [p for p in variant_notebooks() if is_brief(p)], ids=lambda p: p.name)
 def test_brief_notebooks_are_about_their_variant(path):
     """02-05 run the shared path in a few cells that say "as in 01_e2b" and spend at least 40 % of their
-    lines on the variant's lesson (the cells of the lesson parts, which the generator tags `lesson`),
+    lines on the variant's lesson (the cells of the lesson parts, which the generator tags `lesson`, and
+    the skeleton's cells tagged so itself: "What the model sees", the variant's own vision part and fixture),
     and the lesson reaches past the load: a lesson cell after the compile uses what was compiled."""
     nb = load(path)
     lesson, total = lesson_share(nb)
@@ -275,11 +287,11 @@ def test_the_cells_show_the_real_calls(path):
     skipped = 'print(f"skipped: backend={backend}"'
     assert all(skipped in c for c in guarded), f"{path.name}: an inf2 cell must say it was skipped on a CPU"
     if is_brief(path):  # the shared path through the library (01_e2b's cells are tested equal to it)
-        missing = [call for call in BRIEF_CALLS if call not in text]
+        missing = [call for call in BRIEF_CALLS + IMAGE_CALLS if call not in text]
         assert not missing, f"{path.name}: no cell shows {missing}"
         assert all("compile_graphs(model, s)" in c for c in guarded)
         return
-    wanted = REAL_CALLS + NEURON_CALLS[neuron_recipe(variant, variant.tp_degree)]
+    wanted = REAL_CALLS + IMAGE_CALLS + NEURON_CALLS[neuron_recipe(variant, variant.tp_degree)]
     if "neuron_recipe" in parameters_of(nb):  # E2B: the one-graph trace recipe is selectable too
         wanted += NEURON_CALLS["trace"]
     if variant.real_config.get("hidden_size_per_layer_input"):
@@ -671,6 +683,9 @@ def test_all_notebooks_run_headless_in_the_smoke_profile(tmp_path):
         if fixture_available(name):
             assert record["coherent"] is True, f"{file}: {record.get('answer')!r}"
             assert record["witness"]["passed"] is True, f"{file}: {record['witness']}"
+        image = record["demos"]["image"]  # "What the model sees": the red circle through the vision graph
+        assert image["seq_match"] and image["logits_match"] and image["coherent"], f"{file}: {image}"
+        assert "red circle" in image["answer"].lower() and image["soft_tokens"] == [16], f"{file}: {image}"
         assert (out / "notebooks" / file).is_file()
         _same_as_port(name, file, record)
         executed = load(out / "notebooks" / file)

@@ -31,13 +31,14 @@ from typing import Any
 
 import torch
 
+from ..images import SAMPLES_DIR
 from ..inf2.image_prefill import image_prefill_table
 from ..inf2.vision_plan import SOURCE
 from ..port import PortSettings, compile_graphs, eos_ids, load_model, prompt_rows, requests_for
 from ..reference import reference_for
 
 IMAGE_VARIANTS = ("e2b",)
-SAMPLE_IMAGE = Path(__file__).resolve().parent.parent / "fixtures" / "vision" / "images" / "red_circle.png"
+SAMPLE_IMAGE = SAMPLES_DIR / "red_circle.png"
 
 
 def _timed(fn: Callable[[], Any]) -> tuple[float, Any]:

@@ -9,6 +9,8 @@ notebook shows between them, one idea per module:
 - `architecture`: what makes a variant different (PLE, KV producers, k_eq_v, attention forms, the
   MoE block and its expert forms);
 - `tensor_parallel`: the TP plan, KV heads per rank, the CPU ranks' runs side by side;
+- `vision`: "What the model sees": the image, its patches and soft tokens, where they sit in the
+  prompt, and the prefill masks over them;
 - `witness`: prompts that pass SEQ_MATCH on nonsense, and the random-weights witness;
 - `speed`: the measured decode against its ceiling;
 - `serving`: 06_serving's tables (a batch's rows, the batch and drafting ceilings, the CPU sweep) and
@@ -72,6 +74,7 @@ from .tensor_parallel import (
     tp_plan,
     tp_runs_table,
 )
+from .vision import image_demo, layout_table, mask_picture, patch_picture, reference_masks, show_image
 from .witness import equality_is_not_enough, gemma3_style_ids, run_witness
 
 __all__ = [
@@ -96,28 +99,34 @@ __all__ = [
     "family_table",
     "format_number",
     "gemma3_style_ids",
+    "image_demo",
     "k_eq_v_report",
     "kv_cache_bytes",
     "kv_heads_under_tp",
     "sharded_attention_by_hand",
     "kv_sharing_real",
     "kv_sharing_report",
+    "layout_table",
     "load_levels_table",
     "load_results",
+    "mask_picture",
     "measured_vs_ceiling",
     "memory_rows",
     "moe_report",
+    "patch_picture",
     "ple_report",
     "readable_tokens",
     "real_config",
     "real_layout",
     "recipe_table",
     "record",
+    "reference_masks",
     "record_summary",
     "results_table",
     "run_witness",
     "save_record",
     "tensor_digest",
+    "show_image",
     "show_prompt",
     "show_settings",
     "side_by_side",

@@ -10,10 +10,14 @@ runs, not a drawing of it.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
 from matplotlib.figure import Figure
+
+from .display import Table
+from .formatting import mark_undecodable
 
 
 def show_image(image: Any, title: str | None = None) -> Figure:
@@ -70,6 +74,42 @@ def prompt_layout(ids: Sequence[int], positions: Sequence[int], tokenizer: Any =
     return runs
 
 
+def layout_table(ids: Sequence[int], positions: Sequence[int], tokenizer: Any = None) -> Table:
+    """`prompt_layout` as a table: one line per run of text or soft tokens, with its positions."""
+    runs = prompt_layout(ids, positions, tokenizer)
+    rows = [
+        [run["kind"], f"{run['first']}..{run['last']}", run["tokens"], mark_undecodable(run.get("text", ""))]
+        for run in runs
+    ]
+    return Table(["kind", "positions", "tokens", "text"], rows, "The prompt the prefill sees")
+
+
+def image_demo(settings: Any, inputs: Any, report: Any, compiled: Any) -> dict[str, Any]:
+    """What the run record keeps of the notebook's image section: the image, where its soft tokens
+    sat, the vision graph's input, the three checks and the compile time of the graphs it used."""
+    from ..images import SAMPLES_DIR
+
+    logits = report.logits
+    image = settings.images[0]
+    shipped = isinstance(image, (str, Path)) and Path(image).resolve().parent == SAMPLES_DIR
+    return {
+        "image": Path(image).name if shipped else str(image),  # a shipped sample by name: no machine path
+        "soft_tokens": list(inputs.prompt.counts),
+        "positions": [inputs.prompt.positions[0], inputs.prompt.positions[-1]],
+        "prompt_tokens": len(inputs.ids),
+        "vision_input": list(inputs.pixel_values.shape[1:]),
+        "answer": report.answer,
+        "reference_answer": report.reference_answer,
+        "seq_match": report.seq_match,
+        "logits_match": report.logits_match,
+        "logits_max_err": logits.max_err if logits else None,
+        "logits_tolerance": logits.tolerance if logits else None,
+        "coherent": report.coherent,
+        "compile_s": compiled.compile_s,
+        "cache_hits": list(compiled.cache_hits),
+    }
+
+
 def reference_masks(multimodal: Any, ids: Sequence[int], positions: Sequence[int]) -> dict[str, torch.Tensor]:
     """transformers' own prefill masks for this prompt `{layer type: bool [tokens, tokens]}` (True:
     may attend): `create_masks_for_generate` of the model's class, given the image's
@@ -118,4 +158,12 @@ def mask_picture(masks: dict[str, torch.Tensor], positions: Sequence[int]) -> Fi
     return fig
 
 
-__all__ = ["mask_picture", "patch_picture", "prompt_layout", "reference_masks", "show_image"]
+__all__ = [
+    "image_demo",
+    "layout_table",
+    "mask_picture",
+    "patch_picture",
+    "prompt_layout",
+    "reference_masks",
+    "show_image",
+]

@@ -486,11 +486,11 @@ def run_one(
     """Port the trained tiny `variant` with `fault` switched on (None: the clean run), witness
     included, and judge it with `port`'s own verdict; `images` (or an image fault): the trained
     vision fixture on a sample image."""
-    from ..models.vision import VISION_DIR
+    from ..images import SAMPLES_DIR
 
     started = time.perf_counter()
     images = images or (fault is not None and fault.images)
-    shown = (str(VISION_DIR / "images" / FAULT_IMAGE),) if images else ()
+    shown = (str(SAMPLES_DIR / FAULT_IMAGE),) if images else ()
     settings = PortSettings(
         variant=variant, model="trained", tp_degree=tp_degree, cache_dir=cache_dir, backend=backend, images=shown
     )

@@ -194,6 +194,17 @@ for one, mine in zip(decode.layout.producers, rank_graph.layout.producers, stric
 columns = ["layer", "type", "KV mode", "KV heads, one device", "KV heads per rank", "k_proj shard"]
 display(nb.Table(columns, rows, f"the rank graph at TP={rank_tp} against the one-device graph"))
 # -- part: after_checks --
+# -- part: image_note --
+# The 12B has **no vision encoder**. Its processor cuts the image into 4 x 4-pixel patches and
+# merges each 2 x 2 group into one 8 x 8 model patch; the embedder projects every model patch on
+# its own, straight to the decoder's width, and the decoder does the looking. So its config asks
+# `use_bidirectional_attention="vision"`: on the **sliding** layers an image's soft tokens attend to
+# each other both ways (inside the window), while the full layers stay causal. The mask picture
+# below is transformers' own mask for this prompt (the orange square: the image's rows and
+# columns), and it is what the device builds: the 12B's prefill graphs take one more input, each
+# token's image number (0 for text), to draw that block. A prefill built causal over the image is
+# the field report's kind of bug: the answer can still read "A red circle.", and LOGITS_MATCH fails
+# (`tests/test_images.py` builds it that way on purpose).
 # -- part: plot_note --
 # The field report gives no decode figure for the 12B (prefill only), so its bar is the computed
 # ceiling alone.

@@ -186,6 +186,17 @@ print(f"hand-built:    {len(hand_built)} tokens, {model.tokenizer.convert_ids_to
 assert turn in ids and turn not in hand_built  # the model never sees a turn in the hand-built prompt
 demos["equality_is_not_enough"] = nb.equality_is_not_enough(model, compiled.runtime, s)
 demos["equality_is_not_enough"]
+# -- part: image_note --
+# The 31B's vision part is an encoder: transformers' `Gemma4VisionModel` embeds each
+# patch, runs transformer layers over all of them, and its pooler averages each block of patches into
+# one soft token (the fixture: 4 x 4-pixel patches, 2 x 2 to a soft token; transformers' default
+# config: 16 x 16, 3 x 3); `Gemma4MultimodalEmbedder` then projects every soft token to the
+# decoder's width. The vision graph is those two modules at a fixed patch budget (`max_soft_tokens`
+# x pooling² patches), one image per call; the padding slots are computed and dropped on the host.
+# The fixture's config leaves `use_bidirectional_attention` unset, so the masks below are causal over
+# the image. vLLM's Gemma-4 support reports that the released 31B config sets it to "vision", as the
+# 12B's does (unverified here); the device path follows the config, so that config would build the
+# 12B's image blocks (`03_12b`).
 # -- part: plot_note --
 # The field report gives no decode figure for the 31B (prefill only), so its bar is the computed
 # ceiling alone.
