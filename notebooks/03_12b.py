@@ -378,12 +378,15 @@ display(nb.witness_table(witness))
 # merges each 2 x 2 group into one 8 x 8 model patch; the embedder projects every model patch on
 # its own, straight to the decoder's width, and the decoder does the looking. So its config asks
 # `use_bidirectional_attention="vision"`: on the **sliding** layers an image's soft tokens attend to
-# each other both ways (inside the window), while the full layers stay causal. The mask picture
-# below is transformers' own mask for this prompt (the orange square: the image's rows and
-# columns), and it is what the device builds: the 12B's prefill graphs take one more input, each
-# token's image number (0 for text), to draw that block. A prefill built causal over the image is
-# the field report's kind of bug: the answer can still read "A red circle.", and LOGITS_MATCH fails
-# (`tests/test_images.py` builds it that way on purpose).
+# each other both ways (forward across the whole image, backward no further than the window), while
+# the full layers stay causal. The mask picture below is transformers' own mask for this prompt (the
+# orange square: the image's rows and columns), and it is what the device builds: the 12B's prefill
+# graphs take one more input, each token's image number (0 for text), to draw that block. A prefill
+# built causal over the image is the field report's kind of bug. Measured here on this fixture
+# (2026-12-03, eager graphs, the four samples): the red and yellow circles were still named right,
+# with SEQ_MATCH and coherence passing and only LOGITS_MATCH failing (prefill logits off by 2.9 and
+# 1.7); the blue square became "A green square." and the green triangle "A green circle."
+# (`tests/test_images.py` builds that graph on purpose and asserts LOGITS_MATCH fails).
 #
 # The smoke profile loads the variant's tiny *vision* fixture: this decoder architecture with a
 # vision part, trained here on coloured shapes, so that "What is in the image?" gets an answer that
