@@ -97,13 +97,16 @@ def _load_with_vision(settings: PortSettings, source: str) -> LoadedModel:
 
     variant = settings.variant_spec
     if source == "trained":
-        return vision.load_vision_fixture(variant)
-    if source == "random":
-        return vision.build_random_multimodal(variant, seed=settings.seed)
-    raise NoVisionError(
-        f"images on a {source} model are not loaded by the port yet: the full-profile loader keeps only the "
-        f"text decoder; run the smoke profile (the tiny multimodal fixtures) or send text only"
-    )
+        model = vision.load_vision_fixture(variant)
+    elif source == "random":
+        model = vision.build_random_multimodal(variant, seed=settings.seed)
+    else:
+        raise NoVisionError(
+            f"images on a {source} model are not loaded by the port yet: the full-profile loader keeps only the "
+            f"text decoder; run the smoke profile (the tiny multimodal fixtures) or send text only"
+        )
+    settings.check_loaded_images(model.config)  # its config, not only the variant, may ask for image blocks
+    return model
 
 
 def image_expectation(images: tuple[Any, ...]) -> str | None:

@@ -213,16 +213,28 @@ class PortSettings:
         self._check_image_blocks()
         self._check_vision_core()
 
-    def _check_image_blocks(self) -> None:
-        """The 12B's image tokens see each other (its prefill graphs take the image blocks,
-        `DeviceGraph.image_blocks`): built for the cpu, eager and xla graphs at TP 1; the gloo rank
-        graphs and the neuron decoder keys do not take them yet, so images there are refused."""
-        if self.variant_spec.unified and (int(self.tp_degree) > 1 or self.backend == "neuron"):
+    def _check_image_blocks(self, bidirectional: bool | None = None) -> None:
+        """An image's tokens see each other where the config asks (the 12B; its prefill graphs take
+        the image blocks, `DeviceGraph.image_blocks`): built for the cpu, eager and xla graphs at TP 1;
+        the gloo rank graphs and the neuron decoder keys do not take them yet, so images there are
+        refused. Before loading, the variant decides (`bidirectional` None: the 12B); once a model is
+        loaded, `check_loaded_images` asks again with its config, so another variant's config that
+        asks for the blocks is refused too instead of running causal."""
+        bidirectional = self.variant_spec.unified if bidirectional is None else bidirectional
+        if bidirectional and (int(self.tp_degree) > 1 or self.backend == "neuron"):
             raise SettingsError(
                 f"the {self.variant_spec.name}'s images need its bidirectional image mask in the prefill graphs, "
                 f"built on backend 'cpu', 'eager' and 'xla' at tp_degree 1 so far, not on backend {self.backend!r} "
                 f"at tp_degree {self.tp_degree}; use one of those (docs/IMAGES.md)"
             )
+
+    def check_loaded_images(self, config: Any) -> None:
+        """`_check_image_blocks` with the loaded model's own config (module docstring of
+        `models.image_attention`), for settings that load a vision part."""
+        if self.wants_vision:
+            from .models.image_attention import bidirectional_images
+
+            self._check_image_blocks(bidirectional_images(config))
 
     def _check_vision_core(self) -> None:
         """Backend neuron: the vision graph loads onto the NeuronCore after the decoder's `tp_degree`

@@ -366,83 +366,108 @@ display(nb.witness_table(witness))
 # ## What the model sees
 #
 # Gemma-4 reads images too, and the port runs them through the same engine as text. An image reaches
-# the decoder as **soft tokens**: the checkpoint's image processor rescales the pixels and cuts them
-# into small patches; the model's vision part turns the patches into vectors of the decoder's width,
-# one per soft token; and the host writes those vectors over the image's placeholder tokens in the
-# prompt's input embeddings, exactly where it writes the word embeddings. Prefill and decode do not
-# change (they take `inputs_embeds` anyway). What is new is one more graph, `vision`, compiled by the
-# same backend beside prefill and decode (here AOTInductor; on inf2 `torch_neuronx.trace` on a
-# NeuronCore of its own, which has never run) and run once per image, when the prompt is admitted.
+# the decoder as **soft tokens**. The checkpoint's image processor scales the pixel values into
+# `[0, 1]` and cuts the image into small patches, up to a budget of `max_soft_tokens` soft tokens per image (a
+# processor setting, printed below; a released processor also resizes the image to use its budget,
+# the fixtures' does not). The model's vision part turns the
+# patches into vectors of the decoder's width, one per soft token, and the host writes those vectors
+# over the image's placeholder tokens in the prompt's input embeddings, exactly where it writes the
+# word embeddings. The prefill and decode graphs are the same code (they take `inputs_embeds`
+# anyway); what is new is one more graph, `vision`, compiled by the same backend beside them (here
+# AOTInductor; on inf2 `torch_neuronx.trace` on a NeuronCore of its own: built, never run on inf2) and
+# run once per image, when the prompt is admitted.
 #
-# The 12B has **no vision encoder**. Its processor cuts the image into 4 x 4-pixel patches and
-# merges each 2 x 2 group into one 8 x 8 model patch; the embedder projects every model patch on
-# its own, straight to the decoder's width, and the decoder does the looking. So its config asks
-# `use_bidirectional_attention="vision"`: on the **sliding** layers an image's soft tokens attend to
-# each other both ways (forward across the whole image, backward no further than the window), while
-# the full layers stay causal. The mask picture below is transformers' own mask for this prompt (the
-# orange square: the image's rows and columns), and it is what the device builds: the 12B's prefill
-# graphs take one more input, each token's image number (0 for text), to draw that block. A prefill
-# built causal over the image is the field report's kind of bug. Measured here on this fixture
-# (2026-12-03, eager graphs, the four samples): the red and yellow circles were still named right,
-# with SEQ_MATCH and coherence passing and only LOGITS_MATCH failing (prefill logits off by 2.9 and
-# 1.7); the blue square became "A green square." and the green triangle "A green circle."
-# (`tests/test_images.py` builds that graph on purpose and asserts LOGITS_MATCH fails).
+# The 12B has **no vision encoder**. Its processor cuts the image into patches and merges each group
+# into one model patch (the fixture's processor: `patch_size=4` merged by `pooling_kernel_size=2`;
+# transformers' default config: `patch_size=16`, `pooling_kernel_size=3`), so `pixel_values` holds model patches and no
+# pooling follows. The embedder normalises and projects each model patch, adds a two-dimensional
+# position embedding of where it sat, and projects it to the decoder's width, one soft token each; the decoder
+# does the looking. So
+# its config asks `use_bidirectional_attention="vision"`: on the **sliding** layers an image's soft
+# tokens attend to each other both ways (forward across the whole image, backward no further than the
+# window), while the full layers stay causal. The mask picture below is that mask for this prompt,
+# from the class's own `create_masks_for_generate` (the orange square: the image's rows and columns),
+# and it is what the device builds: the 12B's prefill graphs take one more input, each token's image
+# number (zero for text), to draw the block. The reference passes the same masks to transformers and
+# generates with a static cache: `Gemma4UnifiedModel.forward` left to build its own masks lays the
+# block over every layer, a second path transformers 5.23.0 has ([docs/IMAGES.md](../docs/IMAGES.md)).
+# The image blocks are built for cpu, eager and xla at TP=1; the 12B's images above TP=1 and on the
+# neuron backend are refused before anything loads.
 #
-# The smoke profile loads the variant's tiny *vision* fixture: this decoder architecture with a
-# vision part, trained here on coloured shapes, so that "What is in the image?" gets an answer that
-# names the shape and its colour. It is judged like text: SEQ_MATCH and LOGITS_MATCH against
-# transformers' own `generate(pixel_values=...)` on the same model (the first logits row is the image
-# prefill's), and coherence, which asks the answer to name the colour and shape read from the
-# pixels, so a model that did not look fails it. The first cell shows what the host makes of the
-# image: the patch grid (thin lines) and the soft tokens it pools into (thick lines), where the soft
-# tokens sit in the prompt, and the prefill masks over them. The full profile skips the section: the
-# checkpoint loader keeps only the text decoder so far ([docs/IMAGES.md](../docs/IMAGES.md)).
+# A prefill built causal over the image is a silent bug of the kind this cookbook's checks exist for.
+# Measured here on this fixture (2026-12-03, eager graphs, the four samples): the red and yellow circles
+# were still named right, with SEQ_MATCH and coherence passing and only LOGITS_MATCH failing (the
+# prefill logits off by whole logits, not rounding); the blue square became "A green square." and the
+# green triangle "A green circle.". `tests/test_images.py` builds that graph on purpose, on a random-weight 12B, and asserts
+# LOGITS_MATCH fails. This fixture's training stopped at its step limit before every training image
+# won by the margin asked (`converged: false` in `fixtures/vision/PROVENANCE.json`); it names every
+# held-out image right.
+#
+# The smoke profile loads the variant's tiny *vision* fixture: this decoder architecture with a vision
+# part, trained offline on coloured shapes (`scripts/train_vision.py`), so that "What is in the
+# image?" gets an answer that names the shape and its colour. Its graphs compile anew here (the
+# compile table says so): an image prompt's default shapes grow to a longer prefill bucket and
+# context, room for the whole budget (printed below), and the decoder's weights are the vision
+# fixture's own. The tiny vision parts of the five variants share one architecture, so a notebook run after
+# another finds the vision graph already in the cache. The answer is judged like text: SEQ_MATCH and
+# LOGITS_MATCH against transformers' own `generate(pixel_values=...)` on the same model (the first
+# logits row is the image prefill's), and coherence, which asks the answer to name the colour and
+# shape read from the pixels, so a model that did not look fails it.
+#
+# The first cell shows what the host makes of the image: the patch grid (thin lines) and the cells
+# that become one soft token each (thick lines), where the soft tokens sit in the prompt, and
+# transformers' prefill masks over them. The second compiles and runs it. The full profile skips the
+# section: the checkpoint loader keeps only the text decoder so far ([docs/IMAGES.md](../docs/IMAGES.md)).
 
 # %% tags=["lesson"]
-seen = None  # the smoke profile's vision fixture; the full profile's loader keeps only the text decoder
+image_settings = None  # the smoke profile's vision fixture; the full profile's loader keeps only the text decoder
 if image and profile == "smoke":
-    seen = PortSettings(variant=variant, backend=backend, images=[find_image(image)], witness=False)
-    seeing = load_model(seen)  # the multimodal fixture: vision part + a decoder trained to read it
+    image_settings = PortSettings(variant=variant, backend=backend, images=[find_image(image)], witness=False)
+    vision_model = load_model(image_settings)  # the multimodal fixture: vision part + a decoder trained to read it
     inputs = image_prompt(  # the chat template with an image part, the processor, one placeholder per soft token
-        seeing.tokenizer,
-        seeing.processor,
-        seen.images,
-        seen.prompt,
-        image_token_id=seeing.multimodal.config.image_token_id,
+        vision_model.tokenizer,
+        vision_model.processor,
+        image_settings.images,
+        image_settings.prompt,
+        image_token_id=vision_model.multimodal.config.image_token_id,
     )
     where = inputs.prompt.positions  # the prompt positions whose embeddings the soft tokens replace
-    print(f"pixel_values {tuple(inputs.pixel_values.shape)}: images, patch budget, 3 x patch x patch")
+    print(f"pixel_values {tuple(inputs.pixel_values.shape)}: images x patch slots x values per patch (3 x side²)")
     print(f"{inputs.prompt.counts[0]} soft tokens at prompt positions {where[0]}..{where[-1]} of {len(inputs.ids)}")
-    display(nb.patch_picture(seen.images[0], seeing.processor.patch_size, seeing.processor.pooling_kernel_size))
-    display(nb.layout_table(inputs.ids, where, seeing.tokenizer))
-    display(nb.mask_picture(nb.reference_masks(seeing.multimodal, inputs.ids, where), where))
+    processor = vision_model.processor
+    print(f"processor: max_soft_tokens {processor.max_soft_tokens}, patch_size {processor.patch_size},",
+          f"pooling_kernel_size {processor.pooling_kernel_size}")  # fmt: skip
+    print(f"graphs: prefill buckets {image_settings.prefill_buckets}, context {image_settings.context_length}")
+    display(nb.patch_picture(image_settings.images[0], processor.patch_size, processor.pooling_kernel_size))
+    display(nb.layout_table(inputs.ids, where, vision_model.tokenizer))
+    display(nb.mask_picture(nb.reference_masks(vision_model.multimodal, inputs.ids, where), where))
 else:
     print(f"skipped: profile={profile}, image={image!r}")
 
 # %% tags=["lesson"]
-if seen is not None:
-    seen_graphs = build_graphs(seeing, seen)  # prefill, decode and now `vision`: one GraphSet
-    seen_compiled = compile_graphs(seeing, seen, graphs=seen_graphs)  # each graph as in section 3, cached
-    display(nb.describe_compile(seen_compiled))
-    seen_eos = eos_ids(seeing)
-    request = Request(inputs.ids, seen.max_new_tokens, eos_token_ids=tuple(seen_eos), images=inputs.prompt)
-    looked = seen_compiled.runtime.generate_rows([request], keep_logits=True).rows[0]  # vision runs at admit
-    judge = reference_for(seeing, inputs.prompt)  # transformers' multimodal model with this image bound
-    seen_reference = reference_greedy(judge, inputs.ids, seen.max_new_tokens, seen_eos)
-    seen_report = checks.evaluate(
-        judge,
-        seeing.tokenizer,
-        inputs.ids,
-        looked.tokens,
-        seen_reference,
-        expect=image_expectation(seen.images),  # "<colour> <shape>", read from the pixels
-        step_logits=looked.step_logits,
+if image_settings is not None:
+    image_graphs = build_graphs(vision_model, image_settings)  # prefill, decode and now `vision`: one GraphSet
+    image_compiled = compile_graphs(vision_model, image_settings, graphs=image_graphs)  # per graph, cached
+    display(nb.describe_compile(image_compiled))
+    image_eos = eos_ids(vision_model)
+    request = Request(inputs.ids, image_settings.max_new_tokens, eos_token_ids=tuple(image_eos), images=inputs.prompt)
+    image_row = image_compiled.runtime.generate_rows([request], keep_logits=True).rows[0]  # vision runs at admit
+    image_lm = reference_for(vision_model, inputs.prompt)  # transformers' multimodal model, this image bound
+    image_reference = reference_greedy(image_lm, inputs.ids, image_settings.max_new_tokens, image_eos)
+    image_report = checks.evaluate(
+        lm=image_lm,
+        tokenizer=vision_model.tokenizer,
+        prompt_ids=inputs.ids,
+        tokens=image_row.tokens,
+        reference=image_reference,
+        expect=image_expectation(image_settings.images),  # "<colour> <shape>", read from the pixels
+        step_logits=image_row.step_logits,
     )
-    print(f"answer: {seen_report.answer!r}")
-    print(f"SEQ_MATCH {seen_report.seq_match}  LOGITS_MATCH {seen_report.logits_match}", end="  ")
-    print(f"coherent {seen_report.coherent}")
-    print(seen_report.logits.explain())
-    demos["image"] = nb.image_demo(seen, inputs, seen_report, seen_compiled)
+    print(f"device: {image_report.answer!r}   transformers: {image_report.reference_answer!r}")
+    print(f"SEQ_MATCH {image_report.seq_match}  LOGITS_MATCH {image_report.logits_match}", end="  ")
+    print(f"coherent {image_report.coherent}")
+    print(image_report.logits.explain())
+    demos["image"] = nb.image_demo(image_settings, inputs, image_report, image_compiled)
 
 # %% [markdown]
 # ## 7. Sampling, streaming and a conversation

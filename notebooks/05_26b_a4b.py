@@ -420,79 +420,97 @@ display(nb.witness_table(witness))
 # ## What the model sees
 #
 # Gemma-4 reads images too, and the port runs them through the same engine as text. An image reaches
-# the decoder as **soft tokens**: the checkpoint's image processor rescales the pixels and cuts them
-# into small patches; the model's vision part turns the patches into vectors of the decoder's width,
-# one per soft token; and the host writes those vectors over the image's placeholder tokens in the
-# prompt's input embeddings, exactly where it writes the word embeddings. Prefill and decode do not
-# change (they take `inputs_embeds` anyway). What is new is one more graph, `vision`, compiled by the
-# same backend beside prefill and decode (here AOTInductor; on inf2 `torch_neuronx.trace` on a
-# NeuronCore of its own, which has never run) and run once per image, when the prompt is admitted.
+# the decoder as **soft tokens**. The checkpoint's image processor scales the pixel values into
+# `[0, 1]` and cuts the image into small patches, up to a budget of `max_soft_tokens` soft tokens per image (a
+# processor setting, printed below; a released processor also resizes the image to use its budget,
+# the fixtures' does not). The model's vision part turns the
+# patches into vectors of the decoder's width, one per soft token, and the host writes those vectors
+# over the image's placeholder tokens in the prompt's input embeddings, exactly where it writes the
+# word embeddings. The prefill and decode graphs are the same code (they take `inputs_embeds`
+# anyway); what is new is one more graph, `vision`, compiled by the same backend beside them (here
+# AOTInductor; on inf2 `torch_neuronx.trace` on a NeuronCore of its own: built, never run on inf2) and
+# run once per image, when the prompt is admitted.
 #
-# The 26B-A4B's vision part is an encoder: transformers' `Gemma4VisionModel` embeds each
-# patch, runs transformer layers over all of them, and its pooler averages each block of patches into
-# one soft token (the fixture: 4 x 4-pixel patches, 2 x 2 to a soft token; transformers' default
-# config: 16 x 16, 3 x 3); `Gemma4MultimodalEmbedder` then projects every soft token to the
-# decoder's width. The vision graph is those two modules at a fixed patch budget (`max_soft_tokens`
-# x pooling² patches), one image per call; the padding slots are computed and dropped on the host.
+# The 26B-A4B's vision part is an encoder: transformers' `Gemma4VisionModel` embeds each patch (with
+# a position embedding of where it sat), runs transformer layers over all of them, and its pooler
+# averages each block of patches into one soft token (the fixture's processor: `patch_size=4`,
+# `pooling_kernel_size=2`; transformers' default config: `patch_size=16`, `pooling_kernel_size=3`);
+# `Gemma4MultimodalEmbedder` then projects
+# every soft token to the decoder's width. The vision graph is those two modules at a fixed patch
+# budget (`max_soft_tokens` x pooling² patch slots), one image per call; the padding slots are
+# computed and dropped on the host.
 # The soft tokens then go through the MoE decoder like any token: the router picks their experts.
-# The fixture's config leaves `use_bidirectional_attention` unset (causal masks below; vLLM reports
-# the released config sets it to "vision", unverified here).
+# The fixture's config leaves `use_bidirectional_attention` unset, so the masks below are causal over
+# the image. vLLM's Gemma-4 support reports that the released 26B-A4B config sets it to "vision", as
+# the 12B's does (unverified here). The port reads the config: on cpu, eager and xla at TP=1 such a
+# config gets the 12B's image blocks (`03_12b`); the gloo ranks and the neuron decoder keys do not
+# take them yet, and refuse it once the loaded config is known, rather than run causal.
 #
-# The smoke profile loads the variant's tiny *vision* fixture: this decoder architecture with a
-# vision part, trained here on coloured shapes, so that "What is in the image?" gets an answer that
-# names the shape and its colour. It is judged like text: SEQ_MATCH and LOGITS_MATCH against
-# transformers' own `generate(pixel_values=...)` on the same model (the first logits row is the image
-# prefill's), and coherence, which asks the answer to name the colour and shape read from the
-# pixels, so a model that did not look fails it. The first cell shows what the host makes of the
-# image: the patch grid (thin lines) and the soft tokens it pools into (thick lines), where the soft
-# tokens sit in the prompt, and the prefill masks over them. The full profile skips the section: the
-# checkpoint loader keeps only the text decoder so far ([docs/IMAGES.md](../docs/IMAGES.md)).
+# The smoke profile loads the variant's tiny *vision* fixture: this decoder architecture with a vision
+# part, trained offline on coloured shapes (`scripts/train_vision.py`), so that "What is in the
+# image?" gets an answer that names the shape and its colour. Its graphs compile anew here (the
+# compile table says so): an image prompt's default shapes grow to a longer prefill bucket and
+# context, room for the whole budget (printed below), and the decoder's weights are the vision
+# fixture's own. The tiny vision parts of the five variants share one architecture, so a notebook run after
+# another finds the vision graph already in the cache. The answer is judged like text: SEQ_MATCH and
+# LOGITS_MATCH against transformers' own `generate(pixel_values=...)` on the same model (the first
+# logits row is the image prefill's), and coherence, which asks the answer to name the colour and
+# shape read from the pixels, so a model that did not look fails it.
+#
+# The first cell shows what the host makes of the image: the patch grid (thin lines) and the cells
+# that become one soft token each (thick lines), where the soft tokens sit in the prompt, and
+# transformers' prefill masks over them. The second compiles and runs it. The full profile skips the
+# section: the checkpoint loader keeps only the text decoder so far ([docs/IMAGES.md](../docs/IMAGES.md)).
 
 # %% tags=["lesson"]
-seen = None  # the smoke profile's vision fixture; the full profile's loader keeps only the text decoder
+image_settings = None  # the smoke profile's vision fixture; the full profile's loader keeps only the text decoder
 if image and profile == "smoke":
-    seen = PortSettings(variant=variant, backend=backend, images=[find_image(image)], witness=False)
-    seeing = load_model(seen)  # the multimodal fixture: vision part + a decoder trained to read it
+    image_settings = PortSettings(variant=variant, backend=backend, images=[find_image(image)], witness=False)
+    vision_model = load_model(image_settings)  # the multimodal fixture: vision part + a decoder trained to read it
     inputs = image_prompt(  # the chat template with an image part, the processor, one placeholder per soft token
-        seeing.tokenizer,
-        seeing.processor,
-        seen.images,
-        seen.prompt,
-        image_token_id=seeing.multimodal.config.image_token_id,
+        vision_model.tokenizer,
+        vision_model.processor,
+        image_settings.images,
+        image_settings.prompt,
+        image_token_id=vision_model.multimodal.config.image_token_id,
     )
     where = inputs.prompt.positions  # the prompt positions whose embeddings the soft tokens replace
-    print(f"pixel_values {tuple(inputs.pixel_values.shape)}: images, patch budget, 3 x patch x patch")
+    print(f"pixel_values {tuple(inputs.pixel_values.shape)}: images x patch slots x values per patch (3 x side²)")
     print(f"{inputs.prompt.counts[0]} soft tokens at prompt positions {where[0]}..{where[-1]} of {len(inputs.ids)}")
-    display(nb.patch_picture(seen.images[0], seeing.processor.patch_size, seeing.processor.pooling_kernel_size))
-    display(nb.layout_table(inputs.ids, where, seeing.tokenizer))
-    display(nb.mask_picture(nb.reference_masks(seeing.multimodal, inputs.ids, where), where))
+    processor = vision_model.processor
+    print(f"processor: max_soft_tokens {processor.max_soft_tokens}, patch_size {processor.patch_size},",
+          f"pooling_kernel_size {processor.pooling_kernel_size}")  # fmt: skip
+    print(f"graphs: prefill buckets {image_settings.prefill_buckets}, context {image_settings.context_length}")
+    display(nb.patch_picture(image_settings.images[0], processor.patch_size, processor.pooling_kernel_size))
+    display(nb.layout_table(inputs.ids, where, vision_model.tokenizer))
+    display(nb.mask_picture(nb.reference_masks(vision_model.multimodal, inputs.ids, where), where))
 else:
     print(f"skipped: profile={profile}, image={image!r}")
 
 # %% tags=["lesson"]
-if seen is not None:
-    seen_graphs = build_graphs(seeing, seen)  # prefill, decode and now `vision`: one GraphSet
-    seen_compiled = compile_graphs(seeing, seen, graphs=seen_graphs)  # each graph as in section 3, cached
-    display(nb.describe_compile(seen_compiled))
-    seen_eos = eos_ids(seeing)
-    request = Request(inputs.ids, seen.max_new_tokens, eos_token_ids=tuple(seen_eos), images=inputs.prompt)
-    looked = seen_compiled.runtime.generate_rows([request], keep_logits=True).rows[0]  # vision runs at admit
-    judge = reference_for(seeing, inputs.prompt)  # transformers' multimodal model with this image bound
-    seen_reference = reference_greedy(judge, inputs.ids, seen.max_new_tokens, seen_eos)
-    seen_report = checks.evaluate(
-        judge,
-        seeing.tokenizer,
-        inputs.ids,
-        looked.tokens,
-        seen_reference,
-        expect=image_expectation(seen.images),  # "<colour> <shape>", read from the pixels
-        step_logits=looked.step_logits,
+if image_settings is not None:
+    image_graphs = build_graphs(vision_model, image_settings)  # prefill, decode and now `vision`: one GraphSet
+    image_compiled = compile_graphs(vision_model, image_settings, graphs=image_graphs)  # per graph, cached
+    display(nb.describe_compile(image_compiled))
+    image_eos = eos_ids(vision_model)
+    request = Request(inputs.ids, image_settings.max_new_tokens, eos_token_ids=tuple(image_eos), images=inputs.prompt)
+    image_row = image_compiled.runtime.generate_rows([request], keep_logits=True).rows[0]  # vision runs at admit
+    image_lm = reference_for(vision_model, inputs.prompt)  # transformers' multimodal model, this image bound
+    image_reference = reference_greedy(image_lm, inputs.ids, image_settings.max_new_tokens, image_eos)
+    image_report = checks.evaluate(
+        lm=image_lm,
+        tokenizer=vision_model.tokenizer,
+        prompt_ids=inputs.ids,
+        tokens=image_row.tokens,
+        reference=image_reference,
+        expect=image_expectation(image_settings.images),  # "<colour> <shape>", read from the pixels
+        step_logits=image_row.step_logits,
     )
-    print(f"answer: {seen_report.answer!r}")
-    print(f"SEQ_MATCH {seen_report.seq_match}  LOGITS_MATCH {seen_report.logits_match}", end="  ")
-    print(f"coherent {seen_report.coherent}")
-    print(seen_report.logits.explain())
-    demos["image"] = nb.image_demo(seen, inputs, seen_report, seen_compiled)
+    print(f"device: {image_report.answer!r}   transformers: {image_report.reference_answer!r}")
+    print(f"SEQ_MATCH {image_report.seq_match}  LOGITS_MATCH {image_report.logits_match}", end="  ")
+    print(f"coherent {image_report.coherent}")
+    print(image_report.logits.explain())
+    demos["image"] = nb.image_demo(image_settings, inputs, image_report, image_compiled)
 
 # %% [markdown]
 # ## 7. Sampling, streaming and a conversation

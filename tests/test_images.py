@@ -387,6 +387,27 @@ def _steps_stub():
     return Steps(prefill={}, decode=lambda *a: None)
 
 
+def test_a_config_asking_for_image_blocks_is_refused_where_they_are_not_built(monkeypatch):
+    """The early refusal knows only the variant (the 12B); a loaded model whose config asks for the
+    image blocks (vLLM reports the released 31B's does) is refused on the gloo ranks too, once its
+    config is known, instead of running causal over the image."""
+    from gemma4lib.errors import SettingsError
+    from gemma4lib.port import PortSettings, load_model
+
+    build_random = vision.build_random_multimodal
+
+    def bidirectional(variant, seed=0):
+        model = build_random(variant, seed=seed)
+        model.multimodal.config.get_text_config().use_bidirectional_attention = "vision"
+        return model
+
+    monkeypatch.setattr(vision, "build_random_multimodal", bidirectional)
+    at_tp2 = PortSettings(variant="e4b", model="random", images=(str(RED_CIRCLE),), tp_degree=2, backend="cpu")
+    with pytest.raises(SettingsError, match="bidirectional image mask"):
+        load_model(at_tp2)
+    load_model(PortSettings(variant="e4b", model="random", images=(str(RED_CIRCLE),), backend="eager"))  # TP 1: built
+
+
 def test_without_image_blocks_the_12b_port_fails(monkeypatch):
     """The check can fail: a 12B prefill graph built without the image blocks (causal over the
     image, the seed-style bug) gives logits the reference's spread does not cover."""

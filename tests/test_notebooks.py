@@ -178,11 +178,11 @@ def full_notebooks() -> list[Path]:
 
 IMAGE_CALLS = [  # "What the model sees", in every variant notebook: the image path's real calls
     "image_prompt(",
-    "nb.reference_masks(seeing.multimodal",
-    "build_graphs(seeing, seen)",
-    "compile_graphs(seeing, seen, graphs=seen_graphs)",
+    "nb.reference_masks(vision_model.multimodal",
+    "build_graphs(vision_model, image_settings)",
+    "compile_graphs(vision_model, image_settings, graphs=image_graphs)",
     "images=inputs.prompt",
-    "reference_for(seeing, inputs.prompt)",
+    "reference_for(vision_model, inputs.prompt)",
     "checks.evaluate(",
 ]
 BRIEF_CALLS = [  # the shared path as a brief notebook runs it: the library calls 01_e2b writes out

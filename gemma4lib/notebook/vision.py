@@ -78,10 +78,14 @@ def layout_table(ids: Sequence[int], positions: Sequence[int], tokenizer: Any = 
     """`prompt_layout` as a table: one line per run of text or soft tokens, with its positions."""
     runs = prompt_layout(ids, positions, tokenizer)
     rows = [
-        [run["kind"], f"{run['first']}..{run['last']}", run["tokens"], mark_undecodable(run.get("text", ""))]
-        for run in runs
+        [run["kind"], f"{run['first']}..{run['last']}", run["tokens"], _one_line(run.get("text", ""))] for run in runs
     ]
     return Table(["kind", "positions", "tokens", "text"], rows, "The prompt the prefill sees")
+
+
+def _one_line(text: str) -> str:
+    """A run's text on one table line: newlines written as `\\n`, undecodable bytes marked."""
+    return mark_undecodable(text).replace("\n", "\\n")
 
 
 def image_demo(settings: Any, inputs: Any, report: Any, compiled: Any) -> dict[str, Any]:

@@ -252,15 +252,19 @@ else:
     print(f"skipped: backend={backend}")
 # -- part: after_checks --
 # -- part: image_note --
-# The E2B's vision part is an encoder: transformers' `Gemma4VisionModel` embeds each
-# patch, runs transformer layers over all of them, and its pooler averages each block of patches into
-# one soft token (the fixture: 4 x 4-pixel patches, 2 x 2 to a soft token; transformers' default
-# config: 16 x 16, 3 x 3); `Gemma4MultimodalEmbedder` then projects every soft token to the
-# decoder's width. The vision graph is those two modules at a fixed patch budget (`max_soft_tokens`
-# x pooling² patches), one image per call; the padding slots are computed and dropped on the host.
-# On an E model the prompt also has [PLE](00_overview.ipynb#ple): at the soft tokens' positions the
-# host looks up the pad token's per-layer rows, as transformers does. The fixture's config leaves
-# `use_bidirectional_attention` unset, so the masks below are causal over the image too.
+# The E2B's vision part is an encoder: transformers' `Gemma4VisionModel` embeds each patch (with
+# a position embedding of where it sat), runs transformer layers over all of them, and its pooler
+# averages each block of patches into one soft token (the fixture's processor: `patch_size=4`,
+# `pooling_kernel_size=2`; transformers' default config: `patch_size=16`, `pooling_kernel_size=3`);
+# `Gemma4MultimodalEmbedder` then projects
+# every soft token to the decoder's width. The vision graph is those two modules at a fixed patch
+# budget (`max_soft_tokens` x pooling² patch slots), one image per call; the padding slots are
+# computed and dropped on the host.
+# On an E model the prompt also has [PLE](00_overview.ipynb#ple), in two halves: the per-layer token
+# rows at the soft tokens' positions are the pad token's (transformers does the same), while the
+# other half, a projection of the input embeddings, sees the soft tokens themselves.
+# The fixture's config leaves `use_bidirectional_attention` unset, so the masks below are causal over
+# the image too.
 # -- part: plot_note --
 # The released model's measured bar is the field report's decode figure (the status box), measured with its
 # `torch_neuronx.trace` recipe, not with the ModelBuilder recipe this notebook compiles by default.

@@ -195,19 +195,31 @@ columns = ["layer", "type", "KV mode", "KV heads, one device", "KV heads per ran
 display(nb.Table(columns, rows, f"the rank graph at TP={rank_tp} against the one-device graph"))
 # -- part: after_checks --
 # -- part: image_note --
-# The 12B has **no vision encoder**. Its processor cuts the image into 4 x 4-pixel patches and
-# merges each 2 x 2 group into one 8 x 8 model patch; the embedder projects every model patch on
-# its own, straight to the decoder's width, and the decoder does the looking. So its config asks
-# `use_bidirectional_attention="vision"`: on the **sliding** layers an image's soft tokens attend to
-# each other both ways (forward across the whole image, backward no further than the window), while
-# the full layers stay causal. The mask picture below is transformers' own mask for this prompt (the
-# orange square: the image's rows and columns), and it is what the device builds: the 12B's prefill
-# graphs take one more input, each token's image number (0 for text), to draw that block. A prefill
-# built causal over the image is the field report's kind of bug. Measured here on this fixture
-# (2026-12-03, eager graphs, the four samples): the red and yellow circles were still named right,
-# with SEQ_MATCH and coherence passing and only LOGITS_MATCH failing (prefill logits off by 2.9 and
-# 1.7); the blue square became "A green square." and the green triangle "A green circle."
-# (`tests/test_images.py` builds that graph on purpose and asserts LOGITS_MATCH fails).
+# The 12B has **no vision encoder**. Its processor cuts the image into patches and merges each group
+# into one model patch (the fixture's processor: `patch_size=4` merged by `pooling_kernel_size=2`;
+# transformers' default config: `patch_size=16`, `pooling_kernel_size=3`), so `pixel_values` holds model patches and no
+# pooling follows. The embedder normalises and projects each model patch, adds a two-dimensional
+# position embedding of where it sat, and projects it to the decoder's width, one soft token each; the decoder
+# does the looking. So
+# its config asks `use_bidirectional_attention="vision"`: on the **sliding** layers an image's soft
+# tokens attend to each other both ways (forward across the whole image, backward no further than the
+# window), while the full layers stay causal. The mask picture below is that mask for this prompt,
+# from the class's own `create_masks_for_generate` (the orange square: the image's rows and columns),
+# and it is what the device builds: the 12B's prefill graphs take one more input, each token's image
+# number (zero for text), to draw the block. The reference passes the same masks to transformers and
+# generates with a static cache: `Gemma4UnifiedModel.forward` left to build its own masks lays the
+# block over every layer, a second path transformers 5.23.0 has ([docs/IMAGES.md](../docs/IMAGES.md)).
+# The image blocks are built for cpu, eager and xla at TP=1; the 12B's images above TP=1 and on the
+# neuron backend are refused before anything loads.
+#
+# A prefill built causal over the image is a silent bug of the kind this cookbook's checks exist for.
+# Measured here on this fixture (2026-12-03, eager graphs, the four samples): the red and yellow circles
+# were still named right, with SEQ_MATCH and coherence passing and only LOGITS_MATCH failing (the
+# prefill logits off by whole logits, not rounding); the blue square became "A green square." and the
+# green triangle "A green circle.". `tests/test_images.py` builds that graph on purpose, on a random-weight 12B, and asserts
+# LOGITS_MATCH fails. This fixture's training stopped at its step limit before every training image
+# won by the margin asked (`converged: false` in `fixtures/vision/PROVENANCE.json`); it names every
+# held-out image right.
 # -- part: plot_note --
 # The field report gives no decode figure for the 12B (prefill only), so its bar is the computed
 # ceiling alone.

@@ -187,16 +187,19 @@ assert turn in ids and turn not in hand_built  # the model never sees a turn in 
 demos["equality_is_not_enough"] = nb.equality_is_not_enough(model, compiled.runtime, s)
 demos["equality_is_not_enough"]
 # -- part: image_note --
-# The 31B's vision part is an encoder: transformers' `Gemma4VisionModel` embeds each
-# patch, runs transformer layers over all of them, and its pooler averages each block of patches into
-# one soft token (the fixture: 4 x 4-pixel patches, 2 x 2 to a soft token; transformers' default
-# config: 16 x 16, 3 x 3); `Gemma4MultimodalEmbedder` then projects every soft token to the
-# decoder's width. The vision graph is those two modules at a fixed patch budget (`max_soft_tokens`
-# x pooling² patches), one image per call; the padding slots are computed and dropped on the host.
+# The 31B's vision part is an encoder: transformers' `Gemma4VisionModel` embeds each patch (with
+# a position embedding of where it sat), runs transformer layers over all of them, and its pooler
+# averages each block of patches into one soft token (the fixture's processor: `patch_size=4`,
+# `pooling_kernel_size=2`; transformers' default config: `patch_size=16`, `pooling_kernel_size=3`);
+# `Gemma4MultimodalEmbedder` then projects
+# every soft token to the decoder's width. The vision graph is those two modules at a fixed patch
+# budget (`max_soft_tokens` x pooling² patch slots), one image per call; the padding slots are
+# computed and dropped on the host.
 # The fixture's config leaves `use_bidirectional_attention` unset, so the masks below are causal over
-# the image. vLLM's Gemma-4 support reports that the released 31B config sets it to "vision", as the
-# 12B's does (unverified here); the device path follows the config, so that config would build the
-# 12B's image blocks (`03_12b`).
+# the image. vLLM's Gemma-4 support reports that the released 31B config sets it to "vision", as
+# the 12B's does (unverified here). The port reads the config: on cpu, eager and xla at TP=1 such a
+# config gets the 12B's image blocks (`03_12b`); the gloo ranks and the neuron decoder keys do not
+# take them yet, and refuse it once the loaded config is known, rather than run causal.
 # -- part: plot_note --
 # The field report gives no decode figure for the 31B (prefill only), so its bar is the computed
 # ceiling alone.

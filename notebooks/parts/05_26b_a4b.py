@@ -249,15 +249,20 @@ columns = ["split", "experts per rank", "columns of each", "bytes held per rank"
 display(nb.Table(columns, rows, f"one MoE layer of the rank graph, TP={rank_tp}, one decode token"))
 # -- part: after_checks --
 # -- part: image_note --
-# The 26B-A4B's vision part is an encoder: transformers' `Gemma4VisionModel` embeds each
-# patch, runs transformer layers over all of them, and its pooler averages each block of patches into
-# one soft token (the fixture: 4 x 4-pixel patches, 2 x 2 to a soft token; transformers' default
-# config: 16 x 16, 3 x 3); `Gemma4MultimodalEmbedder` then projects every soft token to the
-# decoder's width. The vision graph is those two modules at a fixed patch budget (`max_soft_tokens`
-# x pooling² patches), one image per call; the padding slots are computed and dropped on the host.
+# The 26B-A4B's vision part is an encoder: transformers' `Gemma4VisionModel` embeds each patch (with
+# a position embedding of where it sat), runs transformer layers over all of them, and its pooler
+# averages each block of patches into one soft token (the fixture's processor: `patch_size=4`,
+# `pooling_kernel_size=2`; transformers' default config: `patch_size=16`, `pooling_kernel_size=3`);
+# `Gemma4MultimodalEmbedder` then projects
+# every soft token to the decoder's width. The vision graph is those two modules at a fixed patch
+# budget (`max_soft_tokens` x pooling² patch slots), one image per call; the padding slots are
+# computed and dropped on the host.
 # The soft tokens then go through the MoE decoder like any token: the router picks their experts.
-# The fixture's config leaves `use_bidirectional_attention` unset (causal masks below; vLLM reports
-# the released config sets it to "vision", unverified here).
+# The fixture's config leaves `use_bidirectional_attention` unset, so the masks below are causal over
+# the image. vLLM's Gemma-4 support reports that the released 26B-A4B config sets it to "vision", as
+# the 12B's does (unverified here). The port reads the config: on cpu, eager and xla at TP=1 such a
+# config gets the 12B's image blocks (`03_12b`); the gloo ranks and the neuron decoder keys do not
+# take them yet, and refuse it once the loaded config is known, rather than run causal.
 # -- part: plot_note --
 # The field report gives no decode figure for the 26B-A4B (prefill only), so its bar is the computed
 # ceiling alone.
