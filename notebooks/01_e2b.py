@@ -694,11 +694,12 @@ display(nb.witness_table(witness))
 #
 # The smoke profile loads the variant's tiny *vision* fixture: this decoder architecture with a vision
 # part, trained offline on coloured shapes (`scripts/train_vision.py`), so that "What is in the
-# image?" gets an answer that names the shape and its colour. Its graphs compile anew here (the
-# compile table says so): an image prompt's default shapes grow to a longer prefill bucket and
+# image?" gets an answer that names the shape and its colour. Its graphs are programs of their own,
+# not the text section's: an image prompt's default shapes grow to a longer prefill bucket and
 # context, room for the whole budget (printed below), and the decoder's weights are the vision
-# fixture's own. The tiny vision parts of the five variants share one architecture, so a notebook run after
-# another finds the vision graph already in the cache. The answer is judged like text: SEQ_MATCH and
+# fixture's own. The compile table says whether this run compiled them or found them in the artifact
+# cache from an earlier run; the tiny vision parts of the five variants share one architecture, so on
+# a first run a notebook run after another already finds the vision graph there. The answer is judged like text: SEQ_MATCH and
 # LOGITS_MATCH against transformers' own `generate(pixel_values=...)` on the same model (the first
 # logits row is the image prefill's), and coherence, which asks the answer to name the colour and
 # shape read from the pixels, so a model that did not look fails it.
