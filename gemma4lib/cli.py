@@ -15,7 +15,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from .errors import Gemma4LibError, UnknownNameError
+from .errors import Gemma4LibError
 from .models.variants import PROFILES, VARIANTS
 from .settings import DRAFT_KINDS
 
@@ -297,45 +297,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return serve_loaded(load_engine(settings), args)
 
 
-def cmd_faults(args: argparse.Namespace) -> int:
-    from .tools.faults import run_fault_lab
-
-    _threads(args.threads)
-    report = run_fault_lab(
-        variant=args.variant, backend=args.backend, faults=args.fault.split(",") if args.fault else None
-    )
-    if args.json:
-        print(json.dumps(report, default=str))
-    else:
-        from .tools.faults import format_fault_report
-
-        print(format_fault_report(report))
-    return 0 if report["ok"] else 1
-
-
 def cmd_doctor(args: argparse.Namespace) -> int:
     from .inf2.doctor import format_doctor, run_doctor
 
     report = run_doctor(variant=args.variant, tp=args.tp, vision=args.vision)
     print(json.dumps(report, default=str) if args.json else format_doctor(report))
-    return 0
-
-
-def cmd_bench(args: argparse.Namespace) -> int:
-    from dataclasses import replace
-
-    from .benchmarks.suite import SECTIONS, SuiteOptions, run_suite
-
-    _threads(args.threads)
-    options = None
-    if args.sections:
-        sections = tuple(name.strip() for name in args.sections.split(",") if name.strip())
-        unknown = [name for name in sections if name not in SECTIONS]
-        if unknown:
-            raise UnknownNameError("bench section", unknown[0], SECTIONS)
-        options = replace(SuiteOptions.quick() if args.quick else SuiteOptions(), sections=sections)
-    report = run_suite(args.suite, quick=args.quick, options=options)
-    print(json.dumps(report, default=str) if args.json else json.dumps(report, indent=2, default=str))
     return 0
 
 
@@ -385,18 +351,6 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.set_defaults(func=cmd_serve)
 
-    p = sub.add_parser("faults", help="run the fault lab: each field-report bug, and which check catches it")
-    p.add_argument("--variant", default=None)
-    p.add_argument("--backend", default="cpu", help="cpu (compiled, default) | eager (same graphs, no compile)")
-    p.add_argument("--fault", help="comma-separated fault names (default: all)")
-    p.add_argument("--threads", type=int)
-    p.add_argument(
-        "--json",
-        action="store_true",
-        help="one JSON object: per fault the checks that caught it, its logit error and the tolerance it crossed",
-    )
-    p.set_defaults(func=cmd_faults)
-
     p = sub.add_parser("doctor", help="check the environment against the pinned Neuron SDK 2.28 set")
     p.add_argument("--variant")
     p.add_argument("--tp", type=int)
@@ -408,13 +362,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_doctor)
 
-    p = sub.add_parser("bench", help="side-by-side decode benchmarks")
-    p.add_argument("--suite", default="cpu")
-    p.add_argument("--quick", action="store_true", help="tiny models only (schema check)")
-    p.add_argument("--sections", help="comma-separated parts to run (default: all), e.g. int8 or models,experts")
-    p.add_argument("--threads", type=int)
-    p.add_argument("--json", action="store_true")
-    p.set_defaults(func=cmd_bench)
     return parser
 
 

@@ -13,18 +13,13 @@ from __future__ import annotations
 import statistics
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from tqdm.auto import tqdm
 
 from .environment import peak_rss_mb  # noqa: F401  (re-exported with the other figures)
-from .errors import SettingsError
-from .runtime import Engine, Request, Steps, bind_kv
-
-if TYPE_CHECKING:  # type names only
-    from .benchmarks.graphs import BenchGraph  # the suite sits above `port`, this module below it
-    from .models.loading import LoadedModel
+from .runtime import Engine, Request
 
 
 @dataclass
@@ -110,24 +105,3 @@ def bench_drafted(
         "bench_tokens": requests[0].max_new_tokens,
         "plain_tokens_match": [r.tokens for r in drafted.rows] == [r.tokens for r in undrafted.rows],
     }
-
-
-@torch.no_grad()
-def time_decode_steps(model: LoadedModel, step: BenchGraph, positions: Sequence[int], token: int = 5) -> float:
-    """Decode tok/s of `step` over consecutive `positions`, through the engine's own decode step
-    (host embedding + step + greedy argmax), on fresh buffers: timing does not depend on their
-    contents, so any position of a long context can be timed without filling it first."""
-    positions = list(positions)
-    if positions != list(range(positions[0], positions[0] + len(positions))):
-        raise SettingsError(
-            "time_decode_steps times consecutive positions, as decoding visits them: pass e.g. range(start, stop)"
-        )
-    engine = Engine.for_model(
-        model,
-        Steps(decode=bind_kv(step.fn, step.graph.new_kv())),
-        batch=step.shape.batch,
-        context_length=step.shape.context_length,
-        dtype=step.graph.dtype,
-    )
-    seconds = engine.time_steps(token, positions[0], len(positions))
-    return len(positions) / seconds

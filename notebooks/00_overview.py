@@ -76,8 +76,8 @@ results_path = "../runs/notebooks/overview.json"
 # %%
 import torch
 
-from gemma4lib import notebook as nb
-from gemma4lib.notebook import plots
+from gemma4lab import notebook as nb
+from gemma4lab.notebook import plots
 from gemma4lib.port import PortSettings, compile_graphs, load_model
 
 torch.set_num_threads(threads)

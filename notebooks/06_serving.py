@@ -79,10 +79,11 @@ import torch
 from IPython.display import display
 from tqdm.auto import tqdm
 
-from gemma4lib import checks, notebook as nb
+from gemma4lib import checks
+from gemma4lab import notebook as nb
 from gemma4lib.backends import compile_cpu
 from gemma4lib.backends.base import DeviceRun
-from gemma4lib.benchmarks.batch import bench_batch_model
+from gemma4lab.benchmarks.batch import bench_batch_model
 from gemma4lib.cache.artifacts import ArtifactCache
 from gemma4lib.device.build import PREFILL_EXPERTS, GraphSet, device_graphs
 from gemma4lib.device.experts import CPU_THREAD_FLOP_PER_BYTE
@@ -91,7 +92,7 @@ from gemma4lib.inf2.batch_roofline import batch_ceilings
 from gemma4lib.inf2.mtp_roofline import draft_table
 from gemma4lib.generation.drafters import AssistantDrafter
 from gemma4lib.models.assistant import load_assistant
-from gemma4lib.notebook import plots_batch, plots_draft
+from gemma4lab.notebook import plots_batch, plots_draft
 from gemma4lib.port import PortSettings, PromptRow, compile_graphs, eos_ids, load_model, prompt_ids
 from gemma4lib.port import row_records, run_witness
 from gemma4lib.record import build_record
@@ -479,7 +480,7 @@ nb.side_by_side(draft_report, draft_run.tokens, reference)
 # line need not be smooth (small B can come out slower in total than B=1 when a neighbour takes the
 # core, and the sweep's bandwidth flag says whether one did): read this run's table rather than
 # assume. (An earlier version of the batched decode wrote its K/V with a `scatter`, which had
-# Inductor copy every whole K/V buffer each step; `python -m gemma4lib.benchmarks.profile_decode`
+# Inductor copy every whole K/V buffer each step; `python -m gemma4lab.benchmarks.profile_decode`
 # found it, docs/ROOFLINE.md tells it, and the decode now writes in place with an `index_put`.) The tiny model does not show where a real
 # model's gain ends (the compute bound, the K/V per row), or any inf2 figure. The ceilings above
 # are computed for that, and the field report's points are measured. The plot below keeps them

@@ -85,9 +85,9 @@ import httpx
 from IPython.display import display
 from openai import BadRequestError, OpenAI
 
-from gemma4lib import notebook as nb
+from gemma4lab import notebook as nb
 from gemma4lib.models.corpus import COUNTRIES
-from gemma4lib.notebook import plots_serve
+from gemma4lab.notebook import plots_serve
 from gemma4lib.cli import serving_defaults
 from gemma4lib.port import PortSettings
 from gemma4lib.server.load import run_async, run_load

@@ -1,6 +1,6 @@
 """`python -m papermill_runs bench`: judge a benchmark-suite report against a baseline, as ratios.
 
-    python -m gemma4lib bench --suite cpu --json > bench.json
+    python -m gemma4lab bench --suite cpu --json > bench.json
     python -m papermill_runs bench --report bench.json [--update-baseline] [--allow-missing-baseline]
                                    [--machine-kind K] [--baseline-dir D] [--tolerances T] [--out DIR]
 
@@ -72,13 +72,13 @@ class ReportError(BaselineError):
 
 
 def read_report(path: Path) -> dict[str, Any]:
-    """The suite's JSON report (what `python -m gemma4lib bench --json` prints)."""
+    """The suite's JSON report (what `python -m gemma4lab bench --json` prints)."""
     try:
         data = json.loads(Path(path).read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise ReportError(
             f"bench report {path} is unreadable ({exc}); write it with "
-            f"`python -m gemma4lib bench --suite cpu --json > {path}`"
+            f"`python -m gemma4lab bench --suite cpu --json > {path}`"
         ) from None
     if not isinstance(data, dict):
         raise ReportError(f"bench report {path} is not a JSON object")
@@ -207,7 +207,7 @@ def _prefill_buckets(section: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def _batch(section: Mapping[str, Any], where: str) -> dict[str, Any]:
-    """A model's batch sweep (`gemma4lib.benchmarks.batch`): the B=8 / B=1 total decode ratio and the
+    """A model's batch sweep (`gemma4lab.benchmarks.batch`): the B=8 / B=1 total decode ratio and the
     smallest ratio over HF generate across B; every row of every B must equal its own reference."""
     metrics = {
         "speedup_b8_over_b1": _number(section.get("speedup_b8_over_b1"), f"{where}.speedup_b8_over_b1"),
@@ -223,7 +223,7 @@ def _batch(section: Mapping[str, Any], where: str) -> dict[str, Any]:
 
 
 def _mtp(row: Mapping[str, Any], where: str) -> dict[str, Any]:
-    """A variant's drafted decode (`gemma4lib.benchmarks.mtp`): decode tok/s with the assistant over
+    """A variant's drafted decode (`gemma4lab.benchmarks.mtp`): decode tok/s with the assistant over
     without, from one run, and the tokens emitted per verify step; the drafted tokens must equal the
     plain reference and transformers' assisted generate."""
     metrics = {
@@ -507,7 +507,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 def add_parser(sub: Any) -> argparse.ArgumentParser:
     """Register `bench` on the `python -m papermill_runs` subparsers."""
-    p = sub.add_parser("bench", help="judge a `python -m gemma4lib bench --json` report against its baseline (ratios)")
+    p = sub.add_parser("bench", help="judge a `python -m gemma4lab bench --json` report against its baseline (ratios)")
     p.add_argument("--report", required=True, type=Path, help="the suite's JSON report")
     p.add_argument(
         "--update-baseline",

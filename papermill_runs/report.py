@@ -8,8 +8,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from gemma4lab.notebook import plots
 from gemma4lib.cache.artifacts import atomic_write_text
-from gemma4lib.notebook import plots
 
 from .baselines import Verdict
 

@@ -14,7 +14,7 @@ OUT: `notebooks/` (executed), `logs/`, `results/`, `results.json`, `summary.md`,
 and PNG plots. It appends one line per variant to the history file and prints the table.
 
 `check` re-judges an existing `results.json` without executing anything. `bench` judges a
-`python -m gemma4lib bench --json` report against its baseline, as ratios (see `bench.py`).
+`python -m gemma4lab bench --json` report against its baseline, as ratios (see `bench.py`).
 
 Exit status: 0 when every notebook ran and every variant passed; 1 when a notebook failed, a
 check failed, a metric regressed, or a baseline is missing (unless `--allow-missing-baseline`);

@@ -17,12 +17,11 @@ import statistics
 
 import torch
 
+from gemma4lab.benchmarks.graphs import BenchGraph, time_decode_steps
+from gemma4lab.benchmarks.suite import load_bench_model
 from gemma4lib.backends.compile_cpu import DEFAULT_COMPILER_OPTIONS, compile_graph
-from gemma4lib.benchmarks.graphs import BenchGraph
-from gemma4lib.benchmarks.suite import load_bench_model
 from gemma4lib.device.build import device_graph
 from gemma4lib.device.graph import GraphShape
-from gemma4lib.timing import time_decode_steps
 
 
 def main() -> None:

@@ -8,7 +8,7 @@
 #   FORCE=1 scripts/setup_xla_env.sh    # rebuild from scratch
 #   scripts/setup_xla_env.sh --print-pins   # print the requirements it would install, and exit
 #
-# Then: PJRT_DEVICE=CPU .venv-xla/bin/python -m gemma4lib.tools.xla_check --variant e2b
+# Then: PJRT_DEVICE=CPU .venv-xla/bin/python -m gemma4lab.tools.xla_check --variant e2b
 #       PJRT_DEVICE=CPU .venv-xla/bin/python -m pytest tests/test_xla_lane.py
 #
 # torch 2.9.0's PyPI wheel is a CUDA build: it pulls its nvidia-* wheels (~7 GB in all) and needs

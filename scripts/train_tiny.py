@@ -29,11 +29,7 @@ import torch  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from gemma4lib.environment import cpu_type  # noqa: E402
-from gemma4lib.models import corpus  # noqa: E402
-from gemma4lib.models.tokenizer import build_tokenizer, load_tokenizer, save_tokenizer  # noqa: E402
-from gemma4lib.models.trained import TOKENIZER_FILES, save_fixture, sha256_file  # noqa: E402
-from gemma4lib.models.training import (  # noqa: E402
+from gemma4lab.training.text import (  # noqa: E402
     TrainConfig,
     fault_answers,
     greedy_reply,
@@ -41,6 +37,10 @@ from gemma4lib.models.training import (  # noqa: E402
     state_sha256,
     train_variant,
 )
+from gemma4lib.environment import cpu_type  # noqa: E402
+from gemma4lib.models import corpus  # noqa: E402
+from gemma4lib.models.tokenizer import build_tokenizer, load_tokenizer, save_tokenizer  # noqa: E402
+from gemma4lib.models.trained import TOKENIZER_FILES, save_fixture, sha256_file  # noqa: E402
 from gemma4lib.models.variants import VARIANTS, get_variant  # noqa: E402
 
 log = logging.getLogger("train_tiny")

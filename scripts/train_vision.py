@@ -30,12 +30,13 @@ import torch  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from gemma4lab.training import vision as vision_training  # noqa: E402
+from gemma4lab.training.text import held_out_accuracy, state_sha256  # noqa: E402
 from gemma4lib.cache.artifacts import sha256_file  # noqa: E402
 from gemma4lib.device.vision import encoder_free  # noqa: E402
 from gemma4lib.models import vision  # noqa: E402
 from gemma4lib.models.shapes import SAMPLES, ShapeImage, shape_images  # noqa: E402
 from gemma4lib.models.trained import load_trained  # noqa: E402
-from gemma4lib.models.training import held_out_accuracy, state_sha256  # noqa: E402
 
 log = logging.getLogger("train_vision")
 
@@ -59,7 +60,7 @@ def held_out(full, tokenizer, processor, seed: int) -> tuple[int, int, list[str]
     samples = [ShapeImage(load_image(vision.VISION_DIR / "images" / f"{c}_{s}.png"), c, s) for c, s in SAMPLES]
     failures, sample_failures = [], []
     for i, example in enumerate(fresh + samples):
-        answer, _ = vision.answer_image(full, tokenizer, processor, example.image)
+        answer, _ = vision_training.answer_image(full, tokenizer, processor, example.image)
         if answer.strip() != example.answer:
             failures.append(f"{example.answer} -> {answer.strip()!r}")
             if i >= len(fresh):
@@ -91,12 +92,14 @@ def train_one(name: str, out: Path, seed: int, max_steps: int | None) -> dict:
     tokenizer = vision.vision_tokenizer(text.tokenizer)
     processor = vision.image_processor(name)
     full = vision.build_multimodal(name, text.lm, seed=seed)
-    cfg = vision.VisionTrainConfig(seed=seed, **({"max_steps": max_steps} if max_steps else {}))
-    pretrained = vision.pretrain_vision(full, processor, cfg)
-    result = vision.train_vision(full, tokenizer, processor, cfg)
+    cfg = vision_training.VisionTrainConfig(seed=seed, **({"max_steps": max_steps} if max_steps else {}))
+    pretrained = vision_training.pretrain_vision(full, processor, cfg)
+    result = vision_training.train_vision(full, tokenizer, processor, cfg)
     full = full.to(torch.bfloat16).to(torch.float32)  # the saved values (bf16): judge what ships
     state = state_sha256(full)
-    margin = vision.min_margin(full, vision.encode_examples(tokenizer, processor, shape_images(cfg.per_class, seed)))
+    margin = vision_training.min_margin(
+        full, vision_training.encode_examples(tokenizer, processor, shape_images(cfg.per_class, seed))
+    )
     correct, total, failures, sample_failures = held_out(full, tokenizer, processor, seed)
     text_correct, text_total, text_failures = held_out_accuracy(full, tokenizer)
     base_correct, _, _ = held_out_accuracy(text.lm, text.tokenizer)
@@ -131,7 +134,7 @@ def train_one(name: str, out: Path, seed: int, max_steps: int | None) -> dict:
             "text_held_out_failures": text_failures,
             "text_fixture_held_out_correct": f"{base_correct}/{text_total}",
             "history": result.history,
-            "params_vision": sum(p.numel() for p in vision.vision_parameters(full)),
+            "params_vision": sum(p.numel() for p in vision_training.vision_parameters(full)),
             "state_sha256": state,
             "train_config": cfg.to_dict(),
         },

@@ -106,9 +106,9 @@ def test_gemma4lib_has_no_import_cycles():
 ABOVE_PORT = (
     "gemma4lib.cli",
     "gemma4lib.cache.export",
-    "gemma4lib.tools.faults",
-    "gemma4lib.benchmarks",
-    "gemma4lib.notebook",
+    "gemma4lab.tools.faults",
+    "gemma4lab.benchmarks",
+    "gemma4lab.notebook",
 )
 
 
@@ -140,9 +140,9 @@ def test_port_reaches_no_layer_above_it():
 
 
 def test_an_import_counts_its_packages():
-    # importing gemma4lib.benchmarks.suite runs benchmarks/__init__.py first
+    # importing gemma4lib.server.launch runs server/__init__.py first
     graph = import_graph()
-    assert "gemma4lib.benchmarks" in graph["gemma4lib.cli"]
+    assert "gemma4lib.server" in graph["gemma4lib.cli"]
     assert "gemma4lib.device" in graph["gemma4lib.port"]
 
 
@@ -160,7 +160,7 @@ def test_a_variant_has_one_home():
     repo = ROOT.parent
     code = [
         p
-        for d in ("gemma4lib", "papermill_runs", "scripts")
+        for d in ("gemma4lib", "gemma4lab", "papermill_runs", "scripts")
         for p in (repo / d).rglob("*")
         if p.suffix in (".py", ".sh")
     ]

@@ -227,7 +227,7 @@ def offline_mode(ctx: Ctx) -> None:
 
 def released_folder(ctx: Ctx, variant: str = "e2b") -> Path:
     """A released-layout checkpoint: the trained tiny decoder inside the multimodal class."""
-    from gemma4lib.models.released import save_released_layout
+    from gemma4lab.models.released import save_released_layout
     from gemma4lib.models.trained import load_trained
 
     trained = load_trained(variant)

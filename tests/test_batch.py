@@ -207,7 +207,7 @@ def test_tp_ranks_run_the_batched_rank_graphs():
 
 def test_bench_batch_section_schema_and_its_papermill_verdict():
     """The bench's batch sweep on a tiny model, eager (schema and checks; figures only in the suite)."""
-    from gemma4lib.benchmarks.batch import bench_batch_model
+    from gemma4lab.benchmarks.batch import bench_batch_model
     from gemma4lib.models.loading import build_tiny
     from gemma4lib.models.variants import get_variant
     from papermill_runs import bench as pm_bench
@@ -280,8 +280,8 @@ def test_memory_plan_counts_kv_per_row_and_refuses_a_batch_that_does_not_fit():
 
 
 def test_tok_s_vs_batch_plot_draws_measured_and_computed():
+    from gemma4lab.notebook.plots_batch import tok_s_vs_batch
     from gemma4lib.inf2.batch_roofline import batch_ceilings
-    from gemma4lib.notebook.plots_batch import tok_s_vs_batch
 
     measured = {"model": "m", "rows": [{"batch": 1, "gemma4lib_tok_s": 10.0, "hf_eager_tok_s": 8.0}]}
     fig = tok_s_vs_batch(measured, batch_ceilings("e2b", (1, 4, 16)))

@@ -8,12 +8,12 @@ import math
 import pytest
 import torch
 
-from gemma4lib.benchmarks.paths import PATHS
-from gemma4lib.benchmarks.report import format_report
-from gemma4lib.benchmarks.suite import SuiteOptions, run_suite
-from gemma4lib.benchmarks.targets import check_targets
+from gemma4lab.benchmarks.paths import PATHS
+from gemma4lab.benchmarks.report import format_report
+from gemma4lab.benchmarks.suite import SuiteOptions, run_suite
+from gemma4lab.benchmarks.targets import check_targets
+from gemma4lab.models.medium import MEDIUM, get_medium, medium_config
 from gemma4lib.inf2 import bandwidth, params, roofline
-from gemma4lib.models.medium import MEDIUM, get_medium, medium_config
 
 NUMBER = (int, float)
 
@@ -59,7 +59,7 @@ def test_quick_report_schema(quick_report):
 
 
 def test_report_rows_feed_the_notebook_plot(quick_report):
-    from gemma4lib.notebook import plots
+    from gemma4lab.notebook import plots
 
     rows = roofline.rows_from_report(quick_report)
     assert [r["label"] for r in rows] == ["31b", "26b-a4b"]
@@ -262,9 +262,9 @@ def test_recommendation_is_what_a_port_runs_by_default(quick_report):
 
 def test_experts_choice_is_the_measured_winner():
     # dense vs selective on a tiny MoE (graphs eager): the report names the faster form, and renders it so
-    from gemma4lib.benchmarks.fixes import bench_experts
-    from gemma4lib.benchmarks.graphs import GraphFactory
-    from gemma4lib.benchmarks.suite import load_bench_model
+    from gemma4lab.benchmarks.fixes import bench_experts
+    from gemma4lab.benchmarks.graphs import GraphFactory
+    from gemma4lab.benchmarks.suite import load_bench_model
     from gemma4lib.reference import random_prompt
     from gemma4lib.settings import PortSettings
 
@@ -296,8 +296,8 @@ def test_importing_port_does_not_load_the_benchmarks():
 
     code = (
         "import sys, gemma4lib.port, gemma4lib.timing; "
-        "assert not [m for m in sys.modules if m.startswith('gemma4lib.benchmarks')], sorted(sys.modules); "
-        "from gemma4lib.benchmarks.suite import run_suite; assert 'gemma4lib.port' in sys.modules"
+        "assert not [m for m in sys.modules if m.startswith('gemma4lab.benchmarks')], sorted(sys.modules); "
+        "from gemma4lab.benchmarks.suite import run_suite; assert 'gemma4lib.port' in sys.modules"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
 
@@ -306,8 +306,8 @@ def test_tempered_random_attention_is_numerically_stable():
     # a narrow medium-dense: same head sizes (128 sliding, 256 global) and attention scaling 1.0
     import copy
 
+    from gemma4lab.models.medium import temper_attention
     from gemma4lib.models.loading import build_tiny
-    from gemma4lib.models.medium import temper_attention
 
     spec = get_medium("medium-dense")
     overrides = dict(
@@ -333,7 +333,7 @@ def test_mtp_section_runs_and_feeds_the_judge():
     """The suite's mtp section end to end on the uncompiled graphs (seconds): each row's figures come
     from one drafted run, its tokens equal the plain reference and transformers' assisted generate,
     and the papermill judge reads the row as an `mtp:<variant>` subject."""
-    from gemma4lib.benchmarks.mtp import bench_mtp
+    from gemma4lab.benchmarks.mtp import bench_mtp
     from papermill_runs import bench as bench_judge
 
     section = bench_mtp(("e2b",), backend="eager", warmup=0, iters=1, new_tokens=8)
@@ -354,8 +354,8 @@ def test_mtp_section_runs_and_feeds_the_judge():
 def test_batch_section_rows_equal_their_references_and_hf():
     """The suite's batch section on a tiny MoE, graphs uncompiled (seconds): every row of the engine's
     batch equals its own batch-1 reference and HF's batched generate; each figure comes with its bytes."""
-    from gemma4lib.benchmarks.batch import bench_batch_model
-    from gemma4lib.benchmarks.suite import load_bench_model
+    from gemma4lab.benchmarks.batch import bench_batch_model
+    from gemma4lab.benchmarks.suite import load_bench_model
 
     model = load_bench_model("26b-a4b")
     section = bench_batch_model(

@@ -281,7 +281,7 @@ _RELEASED: dict[str, Path] = {}
 
 def released_copy(ctx: Ctx) -> Path:
     """A copy of a released-layout E2B folder (the trained tiny decoder), built once per session."""
-    from gemma4lib.models.released import save_released_layout
+    from gemma4lab.models.released import save_released_layout
     from gemma4lib.models.trained import load_trained
 
     if "e2b" not in _RELEASED:

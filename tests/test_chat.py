@@ -7,7 +7,7 @@ import pytest
 
 pytest.importorskip("ipywidgets")
 
-from gemma4lib.notebook.chat import ChatBox, chat, prompt_limit  # noqa: E402
+from gemma4lab.notebook.chat import ChatBox, chat, prompt_limit  # noqa: E402
 from gemma4lib.port import eos_ids  # noqa: E402
 from gemma4lib.runtime import encode_prompt  # noqa: E402
 

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from gemma4lib import notebook as nb
-from gemma4lib.notebook import formatting, plots
+from gemma4lab import notebook as nb
+from gemma4lab.notebook import formatting, plots
 from gemma4lib.port import PortSettings
 
 FIXTURE_TOKENIZER = Path(__file__).resolve().parents[1] / "gemma4lib" / "fixtures" / "tokenizer"

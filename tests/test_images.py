@@ -238,7 +238,7 @@ def test_engine_without_vision_graph_refuses_images(random_e2b):
 
 # ---- notebook-facing functions ------------------------------------------------------------------------
 def test_notebook_pictures(random_e2b):
-    from gemma4lib.notebook import vision as nbv
+    from gemma4lab.notebook import vision as nbv
     from gemma4lib.port import PortSettings, prompt_rows
 
     rows = prompt_rows(random_e2b, PortSettings(variant="e2b", model="random", images=(str(RED_CIRCLE),)))
@@ -272,7 +272,7 @@ def test_find_image_takes_a_path_or_a_shipped_sample(tmp_path):
 def test_bidirectional_mask_where_the_config_asks():
     """The 12B's config asks for bidirectional attention among an image's tokens (sliding layers);
     transformers' own mask shows it, which is what its device graph must reproduce (docs/IMAGES.md)."""
-    from gemma4lib.notebook import vision as nbv
+    from gemma4lab.notebook import vision as nbv
 
     model = vision.build_random_multimodal("12b", seed=0)
     ids = [2, 105, 3] + [vision.IMAGE_TOKEN_ID] * 4 + [4, 10, 11]

@@ -539,7 +539,7 @@ def test_the_decode_loop_cell_equals_the_engines_generation(path, ports):
     engine) gives exactly the tokens and logits of `runtime.generate`, the engine's own route."""
     import torch
 
-    from gemma4lib import notebook as nb_helpers
+    from gemma4lab import notebook as nb_helpers
     from gemma4lib.port import eos_ids
 
     variant = parameters_of(load(path))["variant"]
@@ -763,7 +763,7 @@ def _same_as_port(name: str, file: str, record: dict) -> None:
     compiled programs (artifact keys), tokens and step logits (sha256 of their float32 bytes)."""
     import torch
 
-    from gemma4lib import notebook as nb_helpers
+    from gemma4lab import notebook as nb_helpers
     from gemma4lib.port import PortSettings, eos_ids, load_model, prompt_rows, requests_for, run_device
 
     values = parameters_of(load(NOTEBOOK_DIR / file))
@@ -807,7 +807,7 @@ def _has_image(cell) -> bool:
 
 
 def test_kv_head_replication_arithmetic_31b():
-    from gemma4lib import notebook as nb
+    from gemma4lab import notebook as nb
 
     table = nb.kv_heads_under_tp("31b", 8)
     rows = {row[0]: dict(zip(table.columns, row, strict=False)) for row in table.rows}
@@ -818,7 +818,7 @@ def test_kv_head_replication_arithmetic_31b():
 
 
 def test_memory_figures_match_the_design_notes():
-    from gemma4lib import notebook as nb
+    from gemma4lab import notebook as nb
 
     assert abs(nb.device_bytes("e2b")["device_gb"] - 4.6) < 0.1  # PLE table on the host
     assert abs(nb.device_bytes("31b")["device_gb"] - 61.4) < 0.1
@@ -831,8 +831,8 @@ def test_memory_figures_match_the_design_notes():
 def test_table_and_plots_render_headless():
     from matplotlib.figure import Figure
 
-    from gemma4lib import notebook as nb
-    from gemma4lib.notebook import plots
+    from gemma4lab import notebook as nb
+    from gemma4lab.notebook import plots
 
     table = nb.Table(["a", "b"], [[1, 0.123456], ["x|y", None]], "t")
     assert "0.1235" in str(table) and "<table>" in table._repr_html_() and "x\\|y" in table.to_markdown()
@@ -895,7 +895,7 @@ def test_the_model_builder_cell_makes_the_recipes_calls(path, tmp_path, monkeypa
     import torch
     from test_neuron_recipes import _Recorder
 
-    from gemma4lib import notebook as nb_helpers
+    from gemma4lab import notebook as nb_helpers
     from gemma4lib.backends import neuron
     from gemma4lib.backends.base import CompiledGraphs
     from gemma4lib.cache.artifacts import ArtifactCache
@@ -964,8 +964,8 @@ def test_runs_on_states_the_serving_host_plan(path):
     """Each variant's "Runs on" gives the serving host's planned peak (`memory_plan.serving_host_plan`)
     at its TP degree on its instance, so the figure a reader sees is the one `doctor` and
     `PortSettings` use."""
+    from gemma4lab.notebook.status import StatusBox
     from gemma4lib.inf2.memory_plan import serving_host_plan
-    from gemma4lib.notebook.status import StatusBox
 
     variant = VARIANTS[parameters_of(load(path))["variant"]]
     plan = serving_host_plan(variant, variant.tp_degree, variant.instance_type)
@@ -981,10 +981,10 @@ def test_serving_tables_and_draft_plot_render_headless():
     its drafts-per-step plot; the row table marks a failed row as it is."""
     from matplotlib.figure import Figure
 
-    from gemma4lib import notebook as nb
+    from gemma4lab import notebook as nb
+    from gemma4lab.notebook import plots_draft
     from gemma4lib.inf2.batch_roofline import batch_ceilings
     from gemma4lib.inf2.mtp_roofline import draft_table
-    from gemma4lib.notebook import plots_draft
 
     ceilings = nb.batch_ceilings_table(batch_ceilings("e2b", (1, 4, 16)))
     assert [row[-1] for row in ceilings.rows] == ["47.3", "157", "443"]  # the field report's, beside the computed
@@ -1002,8 +1002,8 @@ def test_serve_table_and_plot_render_headless():
     record's dicts): each level's ratio to one client, the N x one-client line for scale."""
     from matplotlib.figure import Figure
 
-    from gemma4lib import notebook as nb
-    from gemma4lib.notebook import plots_serve
+    from gemma4lab import notebook as nb
+    from gemma4lab.notebook import plots_serve
     from gemma4lib.server.load import Level
 
     levels = [
@@ -1029,7 +1029,7 @@ def test_the_trace_cell_makes_the_backends_calls(tmp_path, monkeypatch):
 
     import torch
 
-    from gemma4lib import notebook as nb_helpers
+    from gemma4lab import notebook as nb_helpers
     from gemma4lib.backends import neuron
     from gemma4lib.backends.base import CompiledGraphs
     from gemma4lib.cache.artifacts import ArtifactCache

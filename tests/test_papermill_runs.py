@@ -511,7 +511,7 @@ def model_block(name, ours=6.0, compile_ratio=1.5, roofline=0.4, hf_compile_stat
 
 
 def bench_report(**changes):
-    """A minimal valid `python -m gemma4lib bench --suite cpu --json` report: two models and every section."""
+    """A minimal valid `python -m gemma4lab bench --suite cpu --json` report: two models and every section."""
     report = {
         "schema_version": 1,
         "suite": "cpu",

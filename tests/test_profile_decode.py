@@ -3,7 +3,7 @@ and extern calls record under, sorted into the table's kinds. Figures only in th
 
 from __future__ import annotations
 
-from gemma4lib.benchmarks.profile_decode import KINDS, classify, format_kinds
+from gemma4lab.benchmarks.profile_decode import KINDS, classify, format_kinds
 
 
 def test_kernel_names_fall_in_their_kinds():

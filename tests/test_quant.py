@@ -159,10 +159,10 @@ def test_inf2_table_has_the_int8_columns():
 def test_bench_int8_section_reports_ratios_and_errors(variant):
     """The suite's int8 entry on a tiny model, eager (the figures come from the CPU run; here the schema
     and the exactness against the int8 model's own reference)."""
-    from gemma4lib.benchmarks.fixes import bench_int8
-    from gemma4lib.benchmarks.graphs import GraphFactory
-    from gemma4lib.benchmarks.report import format_report
-    from gemma4lib.benchmarks.suite import load_bench_model
+    from gemma4lab.benchmarks.fixes import bench_int8
+    from gemma4lab.benchmarks.graphs import GraphFactory
+    from gemma4lab.benchmarks.report import format_report
+    from gemma4lab.benchmarks.suite import load_bench_model
     from gemma4lib.reference import random_prompt
 
     model = load_bench_model(variant)

@@ -11,7 +11,7 @@ a warm cache saves the compile):
 - slow: E4B eager (~25 s, 5.7 GB), 31B in bfloat16 (fp32 does not fit 8 GB even at one layer;
   ~45 s, 5.3 GB), and the compiled decode graphs of E2B (compile ~25 s) and 26B-A4B (~15 s).
 
-Each check runs in a process of its own (`python -m gemma4lib.models.real_width`), so the GBs of weights
+Each check runs in a process of its own (`python -m gemma4lab.models.real_width`), so the GBs of weights
 are returned when it ends, and skips, saying why, where the machine has less free memory than the
 plan needs.
 """
@@ -30,8 +30,8 @@ import pytest
 import torch
 from conftest import VARIANT_NAMES
 
+from gemma4lab.models.real_width import LAYER_PLANS, PLAN_DTYPES, plan_bytes, plan_config
 from gemma4lib.device.kv_layout import FULL, SLIDING, KVLayout
-from gemma4lib.models.real_width import LAYER_PLANS, PLAN_DTYPES, plan_bytes, plan_config
 from gemma4lib.models.variants import VARIANTS, VOCAB_SIZE
 
 log = logging.getLogger(__name__)
@@ -87,7 +87,7 @@ def test_plan_keeps_the_released_widths(variant):
 
 @dataclass
 class Report:
-    """The JSON a `python -m gemma4lib.models.real_width` run prints, with the report's helpers."""
+    """The JSON a `python -m gemma4lab.models.real_width` run prints, with the report's helpers."""
 
     data: dict
 
@@ -109,7 +109,7 @@ def _run(variant: str, compiled: bool) -> Report:
     available = psutil.virtual_memory().available
     if available < needed:
         pytest.skip(f"{variant} at real widths needs ~{needed / 1e9:.1f} GB free, {available / 1e9:.1f} GB here")
-    command = [sys.executable, "-m", "gemma4lib.models.real_width", variant]
+    command = [sys.executable, "-m", "gemma4lab.models.real_width", variant]
     command += ["--compile"] if compiled else []
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
     done = subprocess.run(
@@ -171,9 +171,9 @@ def test_forced_logits_of_the_generated_tokens_are_the_logits_that_chose_them():
     """The teacher-forced path (`forced_logits`, taken when the tokens differ from HF's) feeds the
     engine's own steps: fed the generated tokens it gives exactly the generation's logits (tiny E2B,
     eager, a prompt and budget that wrap the sliding ring)."""
+    from gemma4lab.models.real_width import forced_logits
     from gemma4lib.device.graph import DeviceGraph, GraphShape
     from gemma4lib.models.loading import build_tiny
-    from gemma4lib.models.real_width import forced_logits
     from gemma4lib.reference import random_prompt, reference_greedy
     from gemma4lib.runtime import Engine, Steps, bind_kv
 

@@ -14,6 +14,7 @@ import asyncio
 
 import pytest
 
+from gemma4lab.training import vision as vision_training
 from gemma4lib.models import vision
 from gemma4lib.models.shapes import QUESTION, SAMPLES, describe, parse_answer
 from gemma4lib.server.image_urls import data_url
@@ -71,7 +72,7 @@ def transformers_answers():
 
     model = vision.load_vision_fixture("e2b")
     return {
-        f"{c}_{s}": vision.answer_image(
+        f"{c}_{s}": vision_training.answer_image(
             model.multimodal, model.tokenizer, model.processor, load_image(IMAGES / f"{c}_{s}.png")
         )[0]
         for c, s in SAMPLES

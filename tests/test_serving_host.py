@@ -80,7 +80,7 @@ def test_a_forward_that_raises_leaves_the_model_as_it_was():
 def _host_rss(*args: str) -> dict:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     out = subprocess.run(
-        [sys.executable, "-m", "gemma4lib.benchmarks.host_rss", *args], capture_output=True, text=True, env=env
+        [sys.executable, "-m", "gemma4lab.benchmarks.host_rss", *args], capture_output=True, text=True, env=env
     )
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -197,7 +197,7 @@ def test_the_compile_host_plan_is_within_2_percent_of_the_measured_compile():
     checkpoint and one rank's file written), at the same depths and for the released model."""
     from pathlib import Path
 
-    from gemma4lib.benchmarks.host_rss import DEPTHS
+    from gemma4lab.benchmarks.host_rss import DEPTHS
     from gemma4lib.inf2.compile_host import compile_host_plan
 
     root = Path(__file__).resolve().parent.parent

@@ -328,7 +328,7 @@ def test_nxd_checkpoint_is_rank_major_under_the_intermediate_split():
         assert torch.equal(cols, hf.down_proj[:, :, r * w : (r + 1) * w].permute(1, 0, 2))
 
 
-# ---- the field report's TP faults (gemma4lib.tools.faults) ---------------------------------------------
+# ---- the field report's TP faults (gemma4lab.tools.faults) ---------------------------------------------
 
 
 def test_baked_rank_bug_is_reproduced_and_flagged():

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from gemma4lab.training.text import greedy_reply, state_sha256
 from gemma4lib.models import corpus
 from gemma4lib.models.tokenizer import (
     BOS_ID,
@@ -23,7 +24,6 @@ from gemma4lib.models.trained import (
     read_provenance,
     verify_fixture_hashes,
 )
-from gemma4lib.models.training import greedy_reply, state_sha256
 from gemma4lib.models.variants import VARIANTS
 
 FRANCE_HELD_OUT = corpus.HELD_OUT_PHRASING.format(country="France")
@@ -209,7 +209,7 @@ def test_corpus_shape():
 @pytest.mark.slow
 def test_training_is_deterministic_for_a_seed():
     """Two short runs with one seed on one thread give byte-identical weights."""
-    from gemma4lib.models.training import TrainConfig, train_variant
+    from gemma4lab.training.text import TrainConfig, train_variant
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -225,7 +225,7 @@ def test_training_is_deterministic_for_a_seed():
 @pytest.fixture(scope="module")
 def retrained_e2b(provenance):
     """The E2B fixture's full recipe (PROVENANCE.json's train_config, seed and one thread), rerun."""
-    from gemma4lib.models.training import TrainConfig, train_variant
+    from gemma4lab.training.text import TrainConfig, train_variant
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)

@@ -137,8 +137,8 @@ def test_doctor_reports_the_vision_part_in_text_and_json(capsys):
 
 
 def test_the_bench_images_section_shape_on_a_tiny_eager_run():
-    from gemma4lib.benchmarks.images import bench_images
-    from gemma4lib.benchmarks.suite import SECTIONS, SuiteOptions
+    from gemma4lab.benchmarks.images import bench_images
+    from gemma4lab.benchmarks.suite import SECTIONS, SuiteOptions
 
     assert "images" in SECTIONS and SuiteOptions().image_variants == ("e2b",)
     report = bench_images(backend="eager", warmup=0, iters=1)

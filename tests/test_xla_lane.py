@@ -30,7 +30,7 @@ def xla_lane():
     os.environ.setdefault("PJRT_DEVICE", "CPU")
     xla_backend.use_fast_cpu_compile()
     pytest.importorskip("torch_xla")
-    from gemma4lib.tools import xla_check
+    from gemma4lab.tools import xla_check
 
     return xla_check
 
@@ -121,7 +121,7 @@ def test_shape_leak_is_caught_by_the_compile_count(xla_lane):
 
 # ---- the HLO byte audit (README, "Environments"): what each decode graph reads ------------------
 
-from gemma4lib.tools import hlo_audit  # noqa: E402  (imports without torch_xla)
+from gemma4lab.tools import hlo_audit  # noqa: E402  (imports without torch_xla)
 
 _audit_models: dict[str, object] = {}
 

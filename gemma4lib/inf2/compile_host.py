@@ -22,7 +22,7 @@ peak = process base + model + max(keys x rank, checkpoint + rank (the remaining 
 
 What is computed and what is measured: the model, the ranks' weights and K/V and the checkpoint are
 computed from the released configs (meta device). The host side of steps 1-3 is measured on this
-machine on real-width E2B at reduced depth (`python -m gemma4lib.benchmarks.host_rss compile`: the
+machine on real-width E2B at reduced depth (`python -m gemma4lab.benchmarks.host_rss compile`: the
 modules built with the CPU parallel layers standing in for NxD's, NxD's cut and write emulated; the
 record is `docs/measurements/compile_host_e2b.json`). Not counted, unverified on inf2: the Neuron
 compiler's own RAM (neuronx-cc runs as its own process while the modules are alive; inf2 users

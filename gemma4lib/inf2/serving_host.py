@@ -19,7 +19,7 @@ device steps keep theirs as aliased state on the cores and the runtime holds no 
 What is computed and what is measured: the model, host K/V, shards and the spread's tensors are
 computed from the released configs (meta device). `PROCESS_BASE_GB` (Python, torch, transformers
 and gemma4lib's modelling imports) is measured on the CPU lane (`python -m
-gemma4lib.benchmarks.host_rss serving`), unverified on inf2, whose torch-neuronx and runtime add
+gemma4lab.benchmarks.host_rss serving`), unverified on inf2, whose torch-neuronx and runtime add
 their own libraries; `OS_RESERVE_GIB` is an allowance for the OS and the Neuron runtime's daemons,
 unverified. Loading adds nothing measurable: `from_pretrained` memory-maps a bf16 checkpoint
 loaded as bf16 (no copy), and its pages become resident as they are read — the model counts whole

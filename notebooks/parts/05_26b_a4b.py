@@ -80,7 +80,7 @@ nb.moe_report(model)
 # Decode gathers the top-k: one token needs `top_k_experts` of the `num_experts`, and bytes are the
 # whole cost of a decode step. On the benchmark's medium MoE model (a random-weight MoE of this
 # architecture at medium width, big enough that a decode step is bound by bytes on a CPU) selective
-# decode runs several times faster than dense: `python -m gemma4lib bench --suite cpu` measures it,
+# decode runs several times faster than dense: `python -m gemma4lab bench --suite cpu` measures it,
 # and the README and `docs/ROOFLINE.md` quote a run's figure. Prefill stays dense: the gathered slices grow with tokens × k (a full prompt bucket of
 # the real model gathers k slices per token, many times the experts dense reads once) and the dense
 # form splits cleanly across ranks. On a CPU with a short prompt selective prefill measured faster too

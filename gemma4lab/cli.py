@@ -1,0 +1,92 @@
+"""The lab's command line: `python -m gemma4lab bench` (the benchmark suite) and `python -m gemma4lab
+faults` (the fault lab). Beside the library: it imports `gemma4lib`, never the other way round."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from collections.abc import Sequence
+
+from gemma4lib.cli import _threads
+from gemma4lib.errors import Gemma4LibError, UnknownNameError
+
+
+def cmd_faults(args: argparse.Namespace) -> int:
+    from .tools.faults import run_fault_lab
+
+    _threads(args.threads)
+    report = run_fault_lab(
+        variant=args.variant, backend=args.backend, faults=args.fault.split(",") if args.fault else None
+    )
+    if args.json:
+        print(json.dumps(report, default=str))
+    else:
+        from .tools.faults import format_fault_report
+
+        print(format_fault_report(report))
+    return 0 if report["ok"] else 1
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from dataclasses import replace
+
+    from .benchmarks.suite import SECTIONS, SuiteOptions, run_suite
+
+    _threads(args.threads)
+    options = None
+    if args.sections:
+        sections = tuple(name.strip() for name in args.sections.split(",") if name.strip())
+        unknown = [name for name in sections if name not in SECTIONS]
+        if unknown:
+            raise UnknownNameError("bench section", unknown[0], SECTIONS)
+        options = replace(SuiteOptions.quick() if args.quick else SuiteOptions(), sections=sections)
+    report = run_suite(args.suite, quick=args.quick, options=options)
+    print(json.dumps(report, default=str) if args.json else json.dumps(report, indent=2, default=str))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m gemma4lab", description=__doc__.splitlines()[0])
+    parser.add_argument("-v", "--verbose", action="store_true")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("faults", help="run the fault lab: each field-report bug, and which check catches it")
+    p.add_argument("--variant", default=None)
+    p.add_argument("--backend", default="cpu", help="cpu (compiled, default) | eager (same graphs, no compile)")
+    p.add_argument("--fault", help="comma-separated fault names (default: all)")
+    p.add_argument("--threads", type=int)
+    p.add_argument(
+        "--json",
+        action="store_true",
+        help="one JSON object: per fault the checks that caught it, its logit error and the tolerance it crossed",
+    )
+    p.set_defaults(func=cmd_faults)
+
+    p = sub.add_parser("bench", help="side-by-side decode benchmarks")
+    p.add_argument("--suite", default="cpu")
+    p.add_argument("--quick", action="store_true", help="tiny models only (schema check)")
+    p.add_argument("--sections", help="comma-separated parts to run (default: all), e.g. int8 or models,experts")
+    p.add_argument("--threads", type=int)
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_bench)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=logging.INFO if args.verbose else logging.WARNING,
+        format="%(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    try:
+        return args.func(args)
+    except Gemma4LibError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
