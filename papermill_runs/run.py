@@ -480,6 +480,44 @@ def finish(
     return exit_code
 
 
+def _announced(file: str, run: dict[str, Any]) -> dict[str, Any]:
+    print(
+        f"[papermill_runs] {file}: {run['status']} in {run['wall_s']:.0f} s"
+        + (f" ({run['error']})" if run.get("error") else ""),
+        flush=True,
+    )
+    return run
+
+
+def execute_all(
+    names: Sequence[str], params_of: dict[str, dict[str, Any]], out: Path, timeout: int | None, jobs: int
+) -> dict[str, dict[str, Any]]:
+    """Every notebook of `names`, `jobs` at a time, each in a process of its own with its own kernel
+    (one thread each: the notebooks time themselves on one thread). They share the artifact cache,
+    whose build lock compiles a graph once even when two notebooks ask for it together. The overview
+    reads the others' records, so it runs alone, last."""
+    from concurrent.futures import ProcessPoolExecutor
+
+    first = [n for n in names if n != OVERVIEW[0]]
+    runs: dict[str, dict[str, Any]] = {}
+    if jobs > 1 and len(first) > 1:
+        import multiprocessing
+
+        with ProcessPoolExecutor(max_workers=jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
+            pending = {}
+            for name in first:
+                print(f"[papermill_runs] {NOTEBOOK_FILES[name]} ...", flush=True)
+                pending[name] = pool.submit(execute, name, NOTEBOOK_FILES[name], out, params_of[name], timeout)
+            for name, future in pending.items():
+                runs[name] = _announced(NOTEBOOK_FILES[name], future.result())
+        first = []
+    for name in [*first, *(n for n in names if n == OVERVIEW[0])]:
+        print(f"[papermill_runs] {NOTEBOOK_FILES[name]} ...", flush=True)
+        run = execute(name, NOTEBOOK_FILES[name], out, params_of[name], timeout)
+        runs[name] = _announced(NOTEBOOK_FILES[name], run)
+    return runs
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     profile, kind = args.profile, args.machine_kind or baselines.machine_kind()
     out = Path(args.out or Path("runs") / profile).resolve()
@@ -503,42 +541,33 @@ def cmd_run(args: argparse.Namespace) -> int:
     results: dict[str, Any] = {}
     errors: dict[str, str] = {}
     notebooks: dict[str, str] = {}
-    runs: dict[str, Any] = {}
+    params_of = {name: notebook_parameters(profiles, profile, name, out, overrides) for name in names}
+    for params in params_of.values():
+        Path(params["results_path"]).unlink(missing_ok=True)  # never collect a stale record
     with tempfile.TemporaryDirectory(prefix="papermill-runs-jupyter-") as jupyter:
         with patched_environ(kernel_environment(kernelspec_dir(Path(jupyter)))):
-            for name in names:
-                file = NOTEBOOK_FILES[name]
-                params = notebook_parameters(profiles, profile, name, out, overrides)
-                record_path = Path(params["results_path"])
-                record_path.unlink(missing_ok=True)  # never collect a stale record
-                print(f"[papermill_runs] {file} ...", flush=True)
-                run = execute(name, file, out, params, args.timeout_per_cell)
-                runs[name] = run
-                print(
-                    f"[papermill_runs] {file}: {run['status']} in {run['wall_s']:.0f} s"
-                    + (f" ({run['error']})" if run.get("error") else ""),
-                    flush=True,
-                )
-                if name == SERVE[0] and run["status"] == "ok":
-                    record, problem = read_record(record_path)
-                    problem = problem or (
-                        None
-                        if record.get("checks_passed") is True
-                        else f"its checks failed: {record.get('failed_checks')}"
-                    )
-                    if problem:
-                        run.update(status="failed", error=problem)
-                        print(f"[papermill_runs] {file}: failed ({problem})", flush=True)
-                if name in UNJUDGED:
-                    continue
-                notebooks[name] = file
-                record, problem = read_record(record_path)
-                if run["status"] != "ok":
-                    problem = f"{file}: {run['error']}"
-                    record = None
-                results[name] = record
-                if problem:
-                    errors[name] = problem
+            runs = execute_all(names, params_of, out, args.timeout_per_cell, args.jobs)
+    for name in names:
+        file, run = NOTEBOOK_FILES[name], runs[name]
+        record_path = Path(params_of[name]["results_path"])
+        if name == SERVE[0] and run["status"] == "ok":
+            record, problem = read_record(record_path)
+            problem = problem or (
+                None if record.get("checks_passed") is True else f"its checks failed: {record.get('failed_checks')}"
+            )
+            if problem:
+                run.update(status="failed", error=problem)
+                print(f"[papermill_runs] {file}: failed ({problem})", flush=True)
+        if name in UNJUDGED:
+            continue
+        notebooks[name] = file
+        record, problem = read_record(record_path)
+        if run["status"] != "ok":
+            problem = f"{file}: {run['error']}"
+            record = None
+        results[name] = record
+        if problem:
+            errors[name] = problem
     return finish(out, profile, kind, results, errors, notebooks, runs, args, started_at, time.perf_counter() - started)
 
 
@@ -607,6 +636,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", help="output folder (default: runs/<profile>)")
     p.add_argument("--timeout-per-cell", type=int, default=1800, help="seconds one cell may run (default 1800)")
     p.add_argument("-p", "--param", action="append", metavar="KEY=VALUE", help="notebook parameter override")
+    p.add_argument(
+        "--jobs",
+        type=int,
+        default=min(2, os.cpu_count() or 1),
+        help="notebooks run at once, each on one thread (default: 2, or 1 on a one-core machine); the overview "
+        "runs last, alone",
+    )
     _common(p)
     p.set_defaults(func=cmd_run)
     p = sub.add_parser("check", help="re-judge an existing results.json (no execution)")

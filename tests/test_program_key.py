@@ -113,3 +113,27 @@ def test_draft_graph_key_is_the_same_under_every_hash_seed(tmp_path):
         runs[seed] = json.loads(done.stdout.strip().splitlines()[-1])
     assert runs[0]["set_order"] != runs[1]["set_order"], "the seeds give one set order: the check would not see it"
     assert runs[0]["key"] == runs[1]["key"], "the draft graph's program key follows PYTHONHASHSEED"
+
+
+def test_a_graph_seen_before_loads_without_exporting_and_an_edit_exports_again(tmp_path):
+    """The program index (`compile_cpu.index_key`): the second compile of an equal graph finds its
+    entry without an export; a changed module attribute misses the index and exports (here to the
+    same program, so the entry is the same and nothing is compiled again)."""
+    import torch
+
+    from gemma4lib.backends.compile_cpu import compile_graph, index_key
+    from gemma4lib.cache.artifacts import ArtifactCache
+    from gemma4lib.port import PortSettings, build_graphs, load_model
+
+    torch.set_num_threads(1)
+    settings = PortSettings("e2b", model="random")
+    cache = ArtifactCache()
+    first = compile_graph(build_graphs(load_model(settings), settings).decode, cache)
+    graph = build_graphs(load_model(settings), settings).decode  # a new model object, equal to the first
+    again = compile_graph(graph, cache)
+    assert again.entry.key == first.entry.key and again.info["export_s"] == 0.0 and again.compile_s == 0.0
+    before = index_key(graph, {})
+    graph.model.layers[0].an_unrelated_setting = 3  # a plain attribute: the index cannot know it is harmless
+    assert index_key(graph, {}) != before
+    edited = compile_graph(graph, cache)
+    assert edited.info["export_s"] > 0 and edited.entry.key == first.entry.key and edited.compile_s == 0.0

@@ -9,11 +9,19 @@ Parameters are not baked into the package: they are handed to it at load time
 So one compile serves every model of the same architecture (random, trained, a faulty copy).
 Buffers (e.g. `layer_scalar`) are folded into the program by the compiler, so their values are
 part of the cache key.
+
+The key is the exported program's digest, so finding an entry needs an export (seconds per graph).
+A small index beside the entries remembers which program key a graph had, keyed by everything the
+export reads (config, shapes, the graph's own parts, buffers, every module's plain attributes, the
+library's source and the versions): a graph seen before loads without exporting again. Any change
+to those misses the index and exports, exactly as without it.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
+import json
 import logging
 import time
 import warnings
@@ -24,12 +32,12 @@ from typing import Any
 
 import torch
 
-from ..cache.artifacts import ArtifactCache, CacheEntry, make_key
+from ..cache.artifacts import ArtifactCache, CacheEntry, atomic_write_json, make_key
 from ..device.graph import DeviceGraph
 from ..device.packed_linear import repack_all
 from ..environment import program_versions
 from ..models.weights_identity import weights_fingerprint
-from .program_key import program_config, program_digest
+from .program_key import program_config, program_digest, source_digest
 
 log = logging.getLogger(__name__)
 
@@ -192,6 +200,67 @@ def cache_package(
     return entry
 
 
+SIMPLE = (int, float, str, bool, type(None))
+
+
+def _module_parts(graph: DeviceGraph) -> list[Any]:
+    """Every submodule's class and plain attributes (an edit to a module's settings changes the program)."""
+    out = []
+    for name, module in graph.named_modules():
+        plain = sorted(
+            (k, repr(v))
+            for k, v in vars(module).items()
+            if isinstance(v, SIMPLE) or (isinstance(v, tuple) and all(isinstance(x, SIMPLE) for x in v))
+        )
+        out.append([name, f"{type(module).__module__}.{type(module).__qualname__}", plain])
+    return out
+
+
+@functools.lru_cache(maxsize=1)
+def _library_source() -> str:
+    root = Path(__file__).resolve().parent.parent
+    return source_digest(tuple(sorted(str(p.relative_to(root)) for p in root.rglob("*.py"))))
+
+
+def index_key(graph: DeviceGraph, options: dict[str, Any]) -> str:
+    """What the export of `graph` depends on, without exporting it (the index's key)."""
+    return make_key(
+        {
+            "format": 1,
+            "recipe": RECIPE,
+            "config": program_config(graph.model.config),
+            "weights": weights_fingerprint(graph),
+            "shape": graph.shape.__dict__,
+            "graph": graph.key_parts(),
+            "modules": _module_parts(graph),
+            "options": options,
+            "versions": program_versions(),
+            "source": _library_source(),
+        }
+    )
+
+
+def _indexed(cache: ArtifactCache, index: str, graph: DeviceGraph) -> CacheEntry | None:
+    """The entry the index names for `index`, if it is intact and its folded values are the graph's."""
+    try:
+        key = json.loads((cache.root / "index" / f"{index[:24]}.json").read_text())["key"]
+    except (OSError, ValueError, KeyError):
+        return None
+    entry = cache.lookup(key)
+    folded = entry.meta.get("folded_params", []) if entry is not None else []
+    if entry is None or (folded and entry.meta.get("folded_digest") != _folded_digest(graph, folded)):
+        return None
+    return entry
+
+
+def _remember(cache: ArtifactCache, index: str, key: str) -> None:
+    try:
+        (cache.root / "index").mkdir(parents=True, exist_ok=True)
+        atomic_write_json(cache.root / "index" / f"{index[:24]}.json", {"key": key})
+    except OSError as exc:  # a read-only cache still serves: the next run exports again
+        log.info("program index not written (%s)", exc)
+
+
 def compile_graph(
     graph: DeviceGraph, cache: ArtifactCache | None = None, options: dict[str, Any] | None = None
 ) -> CompiledStep:
@@ -200,14 +269,18 @@ def compile_graph(
     the notebooks' compile cell runs line by line."""
     cache = cache or ArtifactCache()
     options = {**DEFAULT_COMPILER_OPTIONS, **(options or {})}
-    export_started = time.perf_counter()
-    program = export_graph(graph)  # every time: the key is what the compiler would receive
-    export_s = time.perf_counter() - export_started
-    started = time.perf_counter()
-    entry = cache_package(
-        graph, program, cache, options, lambda prog, path: package_program(prog, path, options), export_s
-    )
-    compile_s = 0.0 if entry.hit else time.perf_counter() - started
+    index = index_key(graph, options)
+    entry, export_s, compile_s = _indexed(cache, index, graph), 0.0, 0.0
+    if entry is None:  # not seen before: export, and the program's digest finds (or builds) the entry
+        export_started = time.perf_counter()
+        program = export_graph(graph)
+        export_s = time.perf_counter() - export_started
+        started = time.perf_counter()
+        entry = cache_package(
+            graph, program, cache, options, lambda prog, path: package_program(prog, path, options), export_s
+        )
+        compile_s = 0.0 if entry.hit else time.perf_counter() - started
+        _remember(cache, index, entry.key)
     loaded = time.perf_counter()
     runner = load_package(str(entry.file(PACKAGE)), graph)
     load_s = time.perf_counter() - loaded
