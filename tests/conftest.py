@@ -37,6 +37,15 @@ def pytest_configure(config):
         os.environ["GEMMA4LIB_CACHE"] = _SESSION_CACHE
 
 
+# The longest file first: under `--dist loadfile` (scripts/run_tests.sh) a worker takes a whole file,
+# and the notebooks' headless run (the main job, minutes) started last would finish alone at the end.
+FIRST = ("test_notebooks.py",)
+
+
+def pytest_collection_modifyitems(config, items):
+    items.sort(key=lambda item: item.path.name not in FIRST)  # stable: the rest keep their order
+
+
 def pytest_unconfigure(config):
     global _SESSION_CACHE
     if _SESSION_CACHE is not None:
