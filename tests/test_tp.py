@@ -1,7 +1,7 @@
 """Tensor parallelism on CPU: every sharded plan against the unsharded model, token for token.
 
 The ranks run as real processes joined by gloo (one thread each), each running the one generation
-engine over its rank graphs (`backends.gloo.run`); every row is checked like any device run: its
+engine's steps over its rank graphs (`backends.gloo`); every row is checked like any device run: its
 tokens equal the reference's, its logits at every step within the reference's own spread, the ranks
 agree. 8 ranks on 2 shared cores are bound by collective latency, so the TP=8 runs take 10-20 s
 each; everything else is fast. The
@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from gemma4lib import checks
-from gemma4lib.backends import DeviceRun, gloo
+from gemma4lib.backends import DeviceRun, gloo, registry
 from gemma4lib.device.experts import StaticExperts
 from gemma4lib.device.graph import DeviceGraph, GraphShape
 from gemma4lib.errors import SettingsError, TensorParallelError
@@ -72,7 +72,7 @@ def run(
     sampling: Sampling = GREEDY,
     **options,
 ) -> DeviceRun:
-    """One prompt (a prefix of `prompt(name)`) per row over `tp` gloo ranks; `options` go to `run_tp`."""
+    """One prompt (a prefix of `prompt(name)`) per row over `tp` gloo ranks; `options` go to `gloo.rank_graphs`."""
     settings = PortSettings(
         variant=name,
         model="random",
@@ -86,7 +86,8 @@ def run(
         draft_tokens=3 if draft else None,
     )
     requests = [Request(prompt(name)[:n], NEW_TOKENS, sampling) for n in lengths]
-    return gloo.run(tiny(name), settings, requests, bench=False, **options)
+    graphs = gloo.rank_graphs(tiny(name), settings, **options)
+    return registry.run_device(tiny(name), settings, requests, graphs=graphs, bench=False)
 
 
 _runs: dict[tuple, DeviceRun] = {}
@@ -163,7 +164,7 @@ def test_prompt_lookup_drafting_over_the_ranks_is_exact():
 
 
 def test_sampled_drafting_is_refused_on_the_ranks():
-    with pytest.raises(SettingsError, match="gloo TP ranks draft greedy rows only.*tp_degree=1"):
+    with pytest.raises(SettingsError, match="backend 'gloo'.*verify greedily.*tp_degree=1"):
         run("e4b", 2, draft="prompt_lookup", sampling=Sampling(temperature=0.7))
 
 
