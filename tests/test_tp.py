@@ -12,6 +12,8 @@ divides) or E/tp whole experts (`experts`, the first form).
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 
@@ -19,7 +21,7 @@ from gemma4lib import checks
 from gemma4lib.backends import DeviceRun, gloo, registry
 from gemma4lib.device.experts import StaticExperts
 from gemma4lib.device.graph import DeviceGraph, GraphShape
-from gemma4lib.errors import SettingsError, TensorParallelError
+from gemma4lib.errors import RankProcessError, SettingsError, TensorParallelError
 from gemma4lib.models.loading import build_tiny, text_config
 from gemma4lib.models.variants import get_variant
 from gemma4lib.reference import reference_greedy
@@ -476,6 +478,27 @@ def test_expert_split_is_validated():
         None,
     ]
     assert make_plan(tiny("31b").config, 8, expert_split="intermediate").expert_split is None  # dense
+
+
+def test_rank_processes_end_with_the_compiled_steps_and_a_dead_rank_is_a_clear_error():
+    """The ranks live as long as the compiled steps (the engine's); a rank that dies mid-run stops
+    the others and raises, never hangs."""
+    settings = PortSettings(
+        variant="e4b", model="random", tp_degree=2, context_length=CONTEXT, prefill_buckets=(PREFILL_LEN,)
+    )
+    compiled = registry.compile_graphs(tiny("e4b"), settings)
+    assert compiled.kv is None  # the ranks hold the K/V
+    procs = list(compiled.steps.decode.world.procs)
+    assert len(procs) == 2 and all(p.is_alive() for p in procs)
+    del compiled
+    gc.collect()
+    assert not any(p.is_alive() for p in procs)
+    engine = registry.compile_graphs(tiny("e4b"), settings).runtime
+    world = engine.steps.decode.world
+    world.procs[1].kill()
+    with pytest.raises(RankProcessError, match="rank"):
+        engine.generate(prompt("e4b")[:5], 2)
+    assert world.closed and not any(p.is_alive() for p in world.procs)
 
 
 # ---- MoE expert forms: selective (top-k gather) next to dense ---------------------------------------
