@@ -93,6 +93,7 @@ def rank_graphs(
 
 
 def refuse_tp1(settings: PortSettings) -> int:
+    """The settings' TP degree; below 2 there is nothing to shard (it runs on one device)."""
     tp = int(settings.tp_degree)
     if tp < 2:
         raise TensorParallelError(f"the gloo ranks shard over TP >= 2, got {tp}; TP=1 runs on one device (cpu, eager)")
