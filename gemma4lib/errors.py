@@ -155,6 +155,11 @@ class DeviceOutputError(Gemma4LibError, RuntimeError):
     expects (another type, or the K/V copied back to the host every step)."""
 
 
+class RankProcessError(Gemma4LibError, RuntimeError):
+    """A CPU tensor-parallel rank process failed, exited or timed out (its traceback is in the message);
+    every rank of that compile is stopped."""
+
+
 class HostTablesMovedError(Gemma4LibError, RuntimeError):
     """The host embedder's tables are no longer usable host tensors after the compile or load
     (moved to a device or freed), so the next lookup would fail or run off the host."""

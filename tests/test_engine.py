@@ -342,13 +342,13 @@ def test_prompts_at_batch_one_answer_those_prompts():
 @pytest.mark.parametrize("draft", [None, "assistant"])
 @pytest.mark.parametrize("bad", BAD)
 def test_every_input_check_holds_on_the_tp_ranks(bad, draft, monkeypatch):
-    """The gloo ranks check each request with the same engine check before any rank starts."""
-    from gemma4lib.tp import cpu_gloo
+    """The gloo ranks' engine checks each request with the same engine check before any rank runs a step."""
+    from gemma4lib.backends import gloo
 
     drafting = dict(draft=draft, draft_tokens=K) if draft else {}
     settings = PortSettings(variant="e2b", model="random", backend="eager", tp_degree=2, **drafting, **SHAPES)
     model = load_model(settings)
-    monkeypatch.setattr(cpu_gloo, "run_ranks", lambda *a, **k: pytest.fail("ranks started for a bad request"))
+    monkeypatch.setattr(gloo.RankWorld, "call", lambda *a, **k: pytest.fail("the ranks ran a step for a bad request"))
     make, error, words = BAD[bad]
     with pytest.raises(error, match=words):
         registry.run_device(model, settings, [make(int(model.config.vocab_size))], bench=False)

@@ -79,11 +79,13 @@ TP_CASES = [
 
 @pytest.mark.parametrize(("variant", "tp"), TP_CASES)
 def test_random_multimodal_under_tp_equals_transformers(variant, tp):
-    """Tensor parallel on the gloo ranks: the vision graph replicated (unsharded) on every rank, its soft
-    tokens in every rank's host embeddings, the sharded text graphs unchanged; equal to transformers."""
+    """Tensor parallel on the gloo ranks: the vision graph unsharded in the parent (it reads no K/V), its
+    soft tokens in the host embeddings every rank is sent, the sharded text graphs unchanged; equal to
+    transformers."""
     run = _equal_to_transformers(variant, backend="cpu", tp_degree=tp)
     assert run.compiler == "cpu-gloo-tp" and run.details["world"]["processes"] == tp
-    assert run.details["ranks_agree"] and run.details["vision_graph"] == "replicated: unsharded on every rank"
+    assert run.details["ranks_agree"]
+    assert run.details["vision_graph"] == "unsharded, in the parent process (it reads no K/V)"
 
 
 def test_soft_tokens_change_the_answer(random_e2b):
@@ -152,15 +154,16 @@ def test_vision_without_an_image_is_refused_where_it_does_not_run():
 
 def test_image_under_tp_refuses_cpu_seeded_prefill():
     """The E4B recipe's CPU-seeded prefill embeds token ids on the host without the soft tokens: refused."""
+    from gemma4lib.backends import gloo, registry
     from gemma4lib.errors import SettingsError
     from gemma4lib.port import PortSettings, eos_ids, load_model, prompt_rows, requests_for
-    from gemma4lib.tp.cpu_gloo import run_tp
 
     settings = PortSettings(variant="e4b", model="random", tp_degree=2, images=(str(RED_CIRCLE),), max_new_tokens=2)
     model = load_model(settings)
     requests = requests_for(prompt_rows(model, settings), settings, eos_ids(model))
     with pytest.raises(SettingsError, match="prefill='graph'"):
-        run_tp(model, settings, requests, prefill="cpu-seeded", bench=False)
+        graphs = gloo.rank_graphs(model, settings, prefill="cpu-seeded")
+        registry.run_device(model, settings, requests, graphs=graphs, bench=False)
 
 
 def test_image_file_missing(tmp_path):

@@ -466,15 +466,15 @@ def test_backend_neuron_uses_the_neuron_recipe_at_every_tp(name, tp, recipe, mon
     """`port(backend="neuron")` never falls back to the CPU gloo runner: at TP > 1 it compiles with
     ModelBuilder, and what ran is named by the record's recipe."""
     from gemma4lib import port as port_module
+    from gemma4lib.backends import gloo
     from gemma4lib.inf2.memory_plan import neuron_recipe
     from gemma4lib.recipes import neuron_model_builder, neuron_trace
-    from gemma4lib.tp import cpu_gloo
 
     assert neuron_recipe(get_variant(name), tp) == recipe
     monkeypatch.setenv("GEMMA4LIB_INSTANCE_TYPE", "inf2.24xlarge")
     monkeypatch.setattr(neuron_env, "require_sdk", lambda *a, **k: None)
     monkeypatch.setattr(neuron_env, "require", lambda *a, **k: None)
-    monkeypatch.setattr(cpu_gloo, "run_tp", lambda *a, **k: pytest.fail("ran on CPU gloo ranks"))
+    monkeypatch.setattr(gloo.RankWorld, "__init__", lambda *a, **k: pytest.fail("ran on CPU gloo ranks"))
     reached = []
 
     def stopper(label):

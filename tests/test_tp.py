@@ -1,7 +1,7 @@
 """Tensor parallelism on CPU: every sharded plan against the unsharded model, token for token.
 
 The ranks run as real processes joined by gloo (one thread each), each running the one generation
-engine over its rank graphs (`backends.gloo.run`); every row is checked like any device run: its
+engine's steps over its rank graphs (`backends.gloo`); every row is checked like any device run: its
 tokens equal the reference's, its logits at every step within the reference's own spread, the ranks
 agree. 8 ranks on 2 shared cores are bound by collective latency, so the TP=8 runs take 10-20 s
 each; everything else is fast. The
@@ -12,14 +12,16 @@ divides) or E/tp whole experts (`experts`, the first form).
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 
 from gemma4lib import checks
-from gemma4lib.backends import DeviceRun, gloo
+from gemma4lib.backends import DeviceRun, gloo, registry
 from gemma4lib.device.experts import StaticExperts
 from gemma4lib.device.graph import DeviceGraph, GraphShape
-from gemma4lib.errors import SettingsError, TensorParallelError
+from gemma4lib.errors import RankProcessError, SettingsError, TensorParallelError
 from gemma4lib.models.loading import build_tiny, text_config
 from gemma4lib.models.variants import get_variant
 from gemma4lib.reference import reference_greedy
@@ -72,7 +74,7 @@ def run(
     sampling: Sampling = GREEDY,
     **options,
 ) -> DeviceRun:
-    """One prompt (a prefix of `prompt(name)`) per row over `tp` gloo ranks; `options` go to `run_tp`."""
+    """One prompt (a prefix of `prompt(name)`) per row over `tp` gloo ranks; `options` go to `gloo.rank_graphs`."""
     settings = PortSettings(
         variant=name,
         model="random",
@@ -86,7 +88,8 @@ def run(
         draft_tokens=3 if draft else None,
     )
     requests = [Request(prompt(name)[:n], NEW_TOKENS, sampling) for n in lengths]
-    return gloo.run(tiny(name), settings, requests, bench=False, **options)
+    graphs = gloo.rank_graphs(tiny(name), settings, **options)
+    return registry.run_device(tiny(name), settings, requests, graphs=graphs, bench=False)
 
 
 _runs: dict[tuple, DeviceRun] = {}
@@ -163,7 +166,7 @@ def test_prompt_lookup_drafting_over_the_ranks_is_exact():
 
 
 def test_sampled_drafting_is_refused_on_the_ranks():
-    with pytest.raises(SettingsError, match="gloo TP ranks draft greedy rows only.*tp_degree=1"):
+    with pytest.raises(SettingsError, match="backend 'gloo'.*verify greedily.*tp_degree=1"):
         run("e4b", 2, draft="prompt_lookup", sampling=Sampling(temperature=0.7))
 
 
@@ -475,6 +478,27 @@ def test_expert_split_is_validated():
         None,
     ]
     assert make_plan(tiny("31b").config, 8, expert_split="intermediate").expert_split is None  # dense
+
+
+def test_rank_processes_end_with_the_compiled_steps_and_a_dead_rank_is_a_clear_error():
+    """The ranks live as long as the compiled steps (the engine's); a rank that dies mid-run stops
+    the others and raises, never hangs."""
+    settings = PortSettings(
+        variant="e4b", model="random", tp_degree=2, context_length=CONTEXT, prefill_buckets=(PREFILL_LEN,)
+    )
+    compiled = registry.compile_graphs(tiny("e4b"), settings)
+    assert compiled.kv is None  # the ranks hold the K/V
+    procs = list(compiled.steps.decode.world.procs)
+    assert len(procs) == 2 and all(p.is_alive() for p in procs)
+    del compiled
+    gc.collect()
+    assert not any(p.is_alive() for p in procs)
+    engine = registry.compile_graphs(tiny("e4b"), settings).runtime
+    world = engine.steps.decode.world
+    world.procs[1].kill()
+    with pytest.raises(RankProcessError, match="rank"):
+        engine.generate(prompt("e4b")[:5], 2)
+    assert world.closed and not any(p.is_alive() for p in world.procs)
 
 
 # ---- MoE expert forms: selective (top-k gather) next to dense ---------------------------------------

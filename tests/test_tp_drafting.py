@@ -2,7 +2,7 @@
 with the assistant split like the target's K/V and verify k + 1 tokens per step. Checked like every
 drafted run (SEQ_MATCH, LOGITS_MATCH at every kept token, coherence, transformers' assisted
 generate) plus rank agreement and the plain TP ranks' tokens over the same eos-ignored length, every
-rank running the one engine (`tp.cpu_gloo`)."""
+rank running the steps of the one engine in the parent (`backends.gloo`)."""
 
 from __future__ import annotations
 

@@ -131,14 +131,16 @@ def sharded_attention_by_hand(text_model: Any, inputs_embeds: Any, tp: int, laye
 def tp_cpu_run(model: LoadedModel, ids: Sequence[int], settings: PortSettings, **options: Any) -> dict[str, Any]:
     """Every rank of the settings' TP plan run on CPU with real collectives (gloo), decoding without
     stopping (every token is compared), checked against the reference; the answers are cut at the
-    first end-of-turn token. `options`: the gloo run's (`prefill`, `baked_rank`, ...)."""
-    from gemma4lib.backends import gloo
+    first end-of-turn token. `options`: the gloo graph form's (`gloo.rank_graphs`: `prefill`, `baked_rank`, ...)."""
+    from gemma4lib.backends import gloo, registry
     from gemma4lib.checks import first_mismatch
     from gemma4lib.port import eos_ids
     from gemma4lib.reference import reference_greedy
     from gemma4lib.runtime import Request
 
-    run = gloo.run(model, settings, [Request(list(ids), settings.max_new_tokens)], bench=False, **options)
+    graphs = gloo.rank_graphs(model, settings, **options)
+    requests = [Request(list(ids), settings.max_new_tokens)]
+    run = registry.run_device(model, settings, requests, graphs=graphs, bench=False)
     reference = reference_greedy(model.lm, ids, settings.max_new_tokens)
     stop = set(eos_ids(model))
     return {

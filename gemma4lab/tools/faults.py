@@ -47,8 +47,9 @@ from typing import Any
 
 import torch
 
+from gemma4lib.backends import gloo
 from gemma4lib.backends.base import DeviceRun
-from gemma4lib.backends.registry import backend_of, run_device
+from gemma4lib.backends.registry import run_device
 from gemma4lib.checks import failure_reasons
 from gemma4lib.device.graph import DeviceGraph, ExplicitKV, _shallow_clone
 from gemma4lib.device.kv_layout import FULL, SLIDING, KVLayout
@@ -426,13 +427,12 @@ class FaultyBackend:
         settings, requests = run.settings, requests_for(run.rows, run.settings, eos)
         if run.request_edit is not None:
             requests = [run.request_edit(r) for r in requests]
-        backend = backend_of(settings)
-        if backend.run is not None:  # gloo: the ranks build their own graphs, the rank read at trace time or not
-            if self.edit is not None:
-                raise TensorParallelError("graph edits apply to the single-device graphs; run them at tp_degree 1")
-            return backend.run(run.model, settings, requests, bench=False, baked_rank=self.baked_rank)
         graphs = None
-        if self.edit is not None:
+        if self.baked_rank:  # the gloo ranks' graph form, with the rank read at trace time
+            graphs = gloo.rank_graphs(run.model, settings, baked_rank=True)
+        elif self.edit is not None and settings.tp_degree > 1:
+            raise TensorParallelError("graph edits apply to the single-device graphs; run them at tp_degree 1")
+        elif self.edit is not None:
             graphs = build_graphs(run.model, settings)
             for _, graph in graphs:
                 self.edit(graph)  # an edit leaves alone the graphs its fault does not live in

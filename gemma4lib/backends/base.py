@@ -5,9 +5,7 @@ takes, the compute balance its graphs are built for, the warm-up its first calls
 and one function, `compile(graphs, model, settings, progress) -> CompiledGraphs`, which turns the
 named graphs of `device.build.device_graphs` (prefill per bucket; decode, or verify and draft) into
 `runtime.Steps` over one set of K/V. `registry.compile_graphs` builds the graphs, calls it and puts
-the one generation engine (`runtime.Engine`) on top, with the drafter the settings name. The gloo
-backend runs whole generations inside its rank processes (each runs that same engine) and has a
-`run` instead.
+the one generation engine (`runtime.Engine`) on top, with the drafter the settings name.
 """
 
 from __future__ import annotations
@@ -66,7 +64,6 @@ class Backend:
     compiler: str  # what compiles its graphs (the docs' table)
     runs_on: str
     compile: CompileFn | None = None
-    run: Callable[..., DeviceRun] | None = None  # a backend whose generations live elsewhere (gloo)
     compile_one: Callable[..., CompiledGraph] | None = None  # one graph on its own (the benchmark suite)
     label: str = ""  # the record's `compiler`
     inplace: bool = True  # the graph form it compiles: K/V updated in place, or returned (functional)
@@ -123,8 +120,9 @@ class DeviceRun:
 
 
 def refuse_graphs(graphs: Any, backend: Backend) -> None:
-    """Backends that build their own graph form do not take prebuilt graphs."""
-    if graphs is not None and not backend.takes_graphs:
+    """Backends that build their own graph form do not take prebuilt graphs (but that form's spec:
+    gloo's `RankGraphs`)."""
+    if graphs is not None and not backend.takes_graphs and getattr(graphs, "backend", None) != backend.name:
         raise SettingsError(
             f"backend {backend.name!r} builds its own graphs from the model; pass graphs only to a backend that "
             f"compiles prebuilt in-place graphs ('cpu' or 'eager', at tp_degree 1)"

@@ -79,7 +79,7 @@ BACKENDS: dict[str, Backend] = {
             "gloo",
             "none: one CPU process per TP rank",
             "any CPU (TP > 1)",
-            run=gloo.run,
+            compile=gloo.compile,
             label=gloo.COMPILER,
             selectable=False,
             samples_drafts=False,
@@ -126,11 +126,6 @@ def compile_graphs(
     graphs (the fault lab's faulty ones; backends that take them). `drafter`: replaces the settings'
     (any object with `propose`; it needs the verify graph, so `settings.draft` must be set)."""
     backend = backend_of(settings)
-    if backend.compile is None:
-        raise SettingsError(
-            f"backend {backend.name!r} runs whole generations in its own processes and hands no engine back: "
-            f"run it with port.run_device (or port.port), or set tp_degree=1"
-        )
     refuse_graphs(graphs, backend)
     assistant = None
     if graphs is None:
@@ -191,8 +186,6 @@ def run_device(
             f"{backend.name!r} (tp_degree {settings.tp_degree}) does not run: its drafting steps verify greedily; "
             f"sample without a draft there, or use tp_degree=1 on backend 'cpu', 'eager' or 'xla'"
         )
-    if backend.run is not None:
-        return backend.run(model, settings, list(requests), graphs=graphs, progress=progress, bench=bench)
     compiled = compile_graphs(model, settings, graphs=graphs, progress=progress, drafter=drafter)
     return run_compiled(compiled, model, settings, requests, progress=progress, bench=bench)
 

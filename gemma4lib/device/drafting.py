@@ -133,6 +133,7 @@ class DraftGraph(nn.Module):
         order = [layer.index for layer in layout.producers]
         self.kv_index = {t: order.index(i) for t, i in self.read_layers.items()}
         self.backbone = int(assistant.config.backbone_hidden_size)
+        self.assistant_config = assistant.config  # the gloo ranks cut the assistant from this graph's weights
         self.dtype = self.pre_projection.weight.dtype
         self.inplace = True  # reads the K/V, never writes them
         self.writes_kv = False  # (the XLA session: no K/V outputs to rebind)

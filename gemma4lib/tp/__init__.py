@@ -1,5 +1,5 @@
-"""Tensor parallelism, hardware-agnostic: sharding plans, per-rank checkpoints, the rank graph,
-and a CPU run of every rank with real collectives (gloo)."""
+"""Tensor parallelism, hardware-agnostic: sharding plans, per-rank checkpoints and the rank graph
+(every rank run on CPU with real collectives is the `gloo` backend)."""
 
 from .plan import TPPlan, make_plan, tp_problems, valid_tp_degrees
 from .rank_graph import CpuParallelFactory, RankGraph, build_rank_graph, load_shard, with_shape
