@@ -136,7 +136,7 @@ def device_graphs(
         compute_balance=compute_balance,
         assistant=assistant,
         vision=image_graph(model, settings),
-        row_prefill=settings.row_prefill and settings.batch_size > 1,
+        row_prefill=settings.builds_row_prefill,
     )
 
 
