@@ -19,7 +19,7 @@ compares against, so the run needs nothing the bundle lacks.
 What invalidates a bundle, each checked before any device work, with what differs named:
 another variant, backend or recipe, TP degree, batch size, drafter and draft tokens (naming the
 graphs the bundle lacks), prefill buckets, context length, ring K/V, decode or verify expert form,
-weight format (the settings, when they are made); another torch, transformers,
+weight format (`backends.preflight`, before any load); another torch, transformers,
 Python or gemma4lib version, or on inf2 another Neuron SDK package version; on CPU a CPU without
 the vector instructions the packages were built for; another checkpoint (its identity, the
 loader's declaration: file digests, not a pass over the weights). Beyond the manifest, each graph
