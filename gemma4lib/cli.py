@@ -136,8 +136,8 @@ def _settings_kwargs(args: argparse.Namespace) -> dict[str, Any]:
 
 def serving_defaults(kwargs: dict[str, Any]) -> dict[str, Any]:
     """A server's settings: `row_prefill` on unless given (requests join running rows one at a time),
-    where the backend runs it (cpu, eager at TP 1, batch > 1); from a bundle, what it was exported with.
-    Returns a new dict; `kwargs` is left as it was."""
+    where the backend runs it (`backends.facts.runs_row_prefill`) and a batch has rows to join; from a
+    bundle, what it was exported with. Returns a new dict; `kwargs` is left as it was."""
     kwargs = dict(kwargs)
     if kwargs.get("row_prefill") is not None:
         return kwargs
@@ -147,11 +147,10 @@ def serving_defaults(kwargs: dict[str, Any]) -> dict[str, Any]:
         builds = read_manifest(kwargs["artifacts"]).get("builds") or [{}]
         kwargs["row_prefill"] = bool(builds[0].get("settings", {}).get("row_prefill", False))
         return kwargs
-    from .backends.registry import get_backend
+    from .backends.facts import runs_row_prefill
 
-    backend = get_backend(str(kwargs.get("backend", "cpu")))
     tp, batch = int(kwargs.get("tp_degree", 1)), int(kwargs.get("batch_size", 1))
-    kwargs["row_prefill"] = backend.row_prefill and tp == 1 and batch > 1
+    kwargs["row_prefill"] = runs_row_prefill(str(kwargs.get("backend", "cpu")), tp) and batch > 1
     return kwargs
 
 
@@ -237,7 +236,8 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 def load_engine(settings: Any):
     """The engine `serve` runs: the model, and its graphs compiled (or, with `artifacts`, loaded from the
-    bundle: `compile_s` 0). Here, above `port`, so that the server package never imports it."""
+    bundle: `compile_s` 0). Here, above `port`, so that the server package never imports it.
+    `load_model` runs `backends.preflight` first: a wrong bundle or a missing SDK fails before any load."""
     import time
 
     from .port import compile_graphs, eos_ids, load_model
@@ -272,11 +272,14 @@ def load_engine_from(kwargs: dict[str, Any]):
 
 def ray_app(args: dict[str, str]):
     """`serve run gemma4lib.cli:ray_app variant=e2b artifacts=DIR [replicas=2 batch_size=4 ...]`."""
+    from .backends.preflight import preflight
     from .port import PortSettings
     from .server.ray_app import build_app, split_options
 
     settings_args, options = split_options(args)
-    return build_app(PortSettings(**serving_defaults(settings_args)), options, load_engine_from)
+    settings = PortSettings(**serving_defaults(settings_args))
+    preflight(settings)  # here, before any replica starts
+    return build_app(settings, options, load_engine_from)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -286,10 +289,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
         args.batch_size = 4  # a server's point is more than one row; --batch 1 for one
     from .port import PortSettings
 
-    # a wrong or missing --artifacts bundle: BundleError here, before anything loads
     settings = PortSettings(**serving_defaults(_settings_kwargs(args)))
     if args.ray:
+        from .backends.preflight import preflight
         from .server.ray_app import RayOptions, run_ray
+
+        preflight(settings)  # a wrong or missing --artifacts bundle: BundleError here, before any replica starts
 
         return run_ray(settings, RayOptions.from_args(args), load_engine_from)
     from .server.launch import serve_loaded

@@ -87,7 +87,7 @@ class TensorParallelError(Gemma4LibError, ValueError):
 
 class DeviceMemoryError(Gemma4LibError, ValueError):
     """A configuration whose weights, K/V and working memory do not fit the device (or the compile
-    host); raised when the settings are made, before anything is loaded."""
+    host); raised by `backends.preflight`, before anything is loaded."""
 
 
 class CheckpointError(Gemma4LibError, ValueError):

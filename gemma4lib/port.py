@@ -19,6 +19,8 @@ import torch
 
 from . import backends, checks
 from .backends.base import CompiledGraphs, DeviceRun
+from .backends.facts import facts as backend_facts
+from .backends.preflight import preflight
 from .device.build import GraphSet, device_graphs
 from .device.quant import round_model_weights
 from .generation.prompts import random_prompt_lengths
@@ -66,7 +68,9 @@ class PromptRow:
 def load_model(settings: PortSettings) -> LoadedModel:
     """The model of `settings`; with `weights="int8"` its quantized weights are rounded in place to
     `q * scale` (`quant.round_model_weights`), so the host reference the checks use is the quantized
-    model's own and the int8 device graph must reproduce it exactly."""
+    model's own and the int8 device graph must reproduce it exactly. First `backends.preflight`: what
+    the settings need beyond their values (a bundle, the SDK, an inf2 plan), before any weight loads."""
+    preflight(settings)
     model = _load_full_precision(settings)
     if settings.weights == "int8":
         round_model_weights(model.lm)
@@ -79,7 +83,7 @@ def _load_full_precision(settings: PortSettings) -> LoadedModel:
     if settings.wants_vision:
         return _load_with_vision(settings, source)
     if source == "checkpoint":
-        dtype = torch.bfloat16 if settings.backend == "neuron" else torch.float32
+        dtype = getattr(torch, backend_facts(settings.backend).checkpoint_dtype)
         return load_checkpoint(variant, settings.checkpoint or variant.hf_id, dtype=dtype)
     if source == "trained":
         from .models.trained import load_trained
@@ -105,7 +109,7 @@ def _load_with_vision(settings: PortSettings, source: str) -> LoadedModel:
             f"images on a {source} model are not loaded by the port yet: the full-profile loader keeps only the "
             f"text decoder; run the smoke profile (the tiny multimodal fixtures) or send text only"
         )
-    settings.check_loaded_images(model.config)  # its config, not only the variant, may ask for image blocks
+    settings.check_image_blocks(bidirectional_images(model.config))  # its config, not only the variant, may ask
     return model
 
 

@@ -303,6 +303,14 @@ def _outputs(out: Any, n: int) -> tuple[torch.Tensor, ...]:
     return tuple(p.to("cpu") if p.device.type != "cpu" else p for p in parts[:n])
 
 
+def room_for_new_tokens(prompt_tokens: int, context_length: int, draft_tokens: int = 0) -> int:
+    """The most new tokens a prompt of `prompt_tokens` can ask for: the K/V hold the prompt and every
+    new token but the last, which is never fed back, plus with drafting the k slots a verify writes
+    past the last kept token (`len(prompt) + max_new_tokens - 1 + k` positions fit the context). The
+    one statement of the fit: `Engine.check` refuses past it, a server's default budget is it."""
+    return context_length - prompt_tokens + 1 - draft_tokens
+
+
 class Engine:
     """Rows over one set of compiled graphs (module docstring). Not thread-safe: one caller."""
 
@@ -360,11 +368,8 @@ class Engine:
         raise PromptTooLongError(n_tokens, 0, max(self.steps.prefill), limit="largest compiled prefill bucket")
 
     def check(self, request: Request) -> int:
-        """Raise before any device work when `request` cannot run on these graphs; its bucket.
-
-        The K/V hold the prompt and every new token but the last, which is never fed back, plus
-        with drafting the k slots a verify writes past the last kept token:
-        `len(prompt) + max_new_tokens - 1 + k` positions must fit the compiled context."""
+        """Raise before any device work when `request` cannot run on these graphs (the fit is
+        `room_for_new_tokens`); its bucket."""
         ids, max_new = request.prompt_ids, request.max_new_tokens
         if isinstance(ids, str):
             raise BadPromptError(
@@ -382,7 +387,7 @@ class Engine:
                 f"token ids {outside[:5]} are outside this model's vocabulary (0..{self.vocab_size - 1}); "
                 f"encode the text with this model's tokenizer (encode_prompt)"
             )
-        if len(ids) + max_new - 1 + self.draft_tokens > self.context_length:
+        if max_new > room_for_new_tokens(len(ids), self.context_length, self.draft_tokens):
             raise PromptTooLongError(
                 len(ids),
                 max_new,
@@ -781,6 +786,7 @@ __all__ = [
     "bind_kv",
     "choose_token",
     "encode_prompt",
+    "room_for_new_tokens",
     "sampling_probs",
     "softcap",
 ]

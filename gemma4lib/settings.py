@@ -1,9 +1,11 @@
-"""The settings of one port: every value a run depends on, checked before anything is loaded.
+"""The settings of one port: every value a run depends on, as plain values.
 
-Plain values, so a notebook's parameters cell and the command line map onto them. The checks that
-can be made from the values alone happen here (names, ranges, TP degree, inf2's limits and the
-Neuron SDK for `backend="neuron"`), so a mistake fails in a second, not after a checkpoint load or
-half an hour of compiling.
+A notebook's parameters cell and the command line map onto them, and every lower module may read
+them. They check what the values alone tell (names in closed lists, ranges, counts, buckets against
+the context, the drafting fields, the batch's prompts, and which backend runs what, from its row of
+plain flags in `backends.facts`), so a typo fails in a second. What needs more (a bundle's manifest,
+the inf2 recipe and memory plan, the Neuron SDK) is `backends.preflight`, run once by the
+composition roots before anything loads.
 """
 
 from __future__ import annotations
@@ -11,22 +13,19 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from .backends.registry import selectable
-from .device.experts import EXPERT_FORMS
-from .device.quant import WEIGHT_FORMS
-from .errors import SettingsError, TensorParallelError, UnknownNameError
+from .backends.facts import BackendFacts, facts, names_where, row_at, runs_row_prefill, runs_tp, selectable
+from .errors import BadPromptError, BatchTooLargeError, SettingsError, TensorParallelError, UnknownNameError
 from .models.variants import check_profile, get_variant
 
 BACKENDS = selectable()  # the backends this library ships (a test may register another: checks read `selectable()`)
+# MoE expert forms (`device.experts`): all experts dense, or the routed ones gathered
+EXPERT_FORMS = ("dense", "selective")
+# weight formats (`device.quant`): full precision (the backend's dtype), or weight-only int8 linears
+WEIGHT_FORMS = ("bf16", "fp32", "int8")
 MODEL_SOURCES = ("auto", "trained", "random", "checkpoint")
 # what proposes drafts (`generation.drafters`): Gemma-4's own assistant, or n-gram prompt lookup
 DRAFT_KINDS = ("assistant", "prompt_lookup")
 DEFAULT_PROMPT = "What is the capital of France?"
-# where an image prompt runs and is checked today (docs/IMAGES.md): at TP 1 on these backends; at
-# TP > 1 on the gloo ranks (backend "cpu"/"eager" with tp_degree > 1), the vision graph replicated;
-# on "neuron" at the decoder's TP degree, the vision graph on one NeuronCore of its own after the
-# decoder's (`recipes.neuron_vision`; built, not run: no inf2 here)
-IMAGE_BACKENDS = ("cpu", "eager", "xla", "neuron")
 
 
 # Integer settings and their smallest allowed value.
@@ -117,9 +116,8 @@ class PortSettings:
 
     def __post_init__(self):
         self.variant_spec = get_variant(self.variant)
-        self._check_images()
         check_profile(self.profile)
-        if self.backend not in selectable():
+        if not facts(self.backend).selectable:  # unknown: UnknownNameError naming the selectable ones
             raise UnknownNameError("backend", self.backend, selectable())
         if self.model not in MODEL_SOURCES:
             raise UnknownNameError("model source", self.model, MODEL_SOURCES)
@@ -129,6 +127,7 @@ class PortSettings:
             raise UnknownNameError("weights form", self.weights, WEIGHT_FORMS)
         for name, minimum in _COUNTS.items():
             setattr(self, name, whole_number(name, getattr(self, name), minimum))
+        self._check_images()
         buckets = _as_tuple(self.prefill_buckets)
         self.prefill_buckets = tuple(sorted(whole_number("prefill_buckets", b, 1) for b in buckets))
         if not self.prefill_buckets:
@@ -147,43 +146,44 @@ class PortSettings:
                 f"{self.variant_spec.name} cannot run at TP={self.tp_degree}: its head and expert counts split "
                 f"evenly only for TP in {self.variant_spec.supported_tp}; pick one of those"
             )
-        if self.tp_degree > 1 and self.backend == "xla":
+        if self.tp_degree > 1 and not runs_tp(self.backend):
             raise TensorParallelError(
-                f"TP={self.tp_degree} runs on backend 'cpu' or 'eager' (one gloo process per rank) or 'neuron' "
-                f"(NeuronCores); the xla lane compiles one device: use tp_degree=1 there"
+                f"TP={self.tp_degree} runs on backend {names_where(lambda f: f.tp_ranks is not None)} (one gloo "
+                f"process per rank) or {names_where(lambda f: f.tp)} (NeuronCores); the {self.backend} lane "
+                f"compiles one device: use tp_degree=1 there"
             )
-        if self.neuron_recipe is not None or self.backend == "neuron":
-            from .inf2.memory_plan import neuron_recipe
+        if self.weights == "int8" and not self.backend_row.int8:
+            raise SettingsError(
+                f"weights='int8' at tp_degree {self.tp_degree} runs on backend "
+                f"{names_where(lambda f: f.int8 and f.tp)} only: the CPU gloo rank graph takes full-precision "
+                f"weights; use tp_degree=1 on backend {self.backend!r}, or weights='bf16'"
+            )
+        self._check_draft()
 
-            neuron_recipe(self.variant_spec, self.tp_degree, self.neuron_recipe)  # unknown name, or trace at TP > 1
-        if self.weights == "int8":
-            self._check_int8()
-        self._check_draft()  # before the SDK check: a recipe that cannot draft is refused anywhere
-        if self.backend == "neuron":
-            self._check_neuron()
-        if self.artifacts:
-            from .cache.bundle import check_settings
-
-            check_settings(self)  # shapes, formats, versions, machine: before anything loads
+    @property
+    def backend_row(self) -> BackendFacts:
+        """The facts row that runs these settings: the backend's own, or at TP > 1 the one it hands its
+        ranks to (`backends.facts.row_at`: `cpu` at TP 2 runs on `gloo`)."""
+        return row_at(self.backend, self.tp_degree)
 
     def _check_images(self) -> None:
-        """Images: one prompt, on cpu/eager/xla at TP 1 or the gloo ranks at TP > 1 (what runs and is
-        checked here), or on neuron at its TP degree with a NeuronCore left for the vision graph (built,
-        not run here); the defaults that only fit text grow to fit an image (field comment)."""
+        """Images: one prompt, on a backend whose row runs them (at TP 1, or on the rows that run TP);
+        the defaults that only fit text grow to fit an image (field comment). Whether a NeuronCore is
+        left for the vision graph is `backends.preflight`'s (it needs the host's instance)."""
         if isinstance(self.images, (str, bytes)) or not isinstance(self.images, (tuple, list)):
             self.images = (self.images,) if self.images is not None else ()
         self.images = tuple(self.images)
         if not isinstance(self.vision, bool):
             raise SettingsError(f"vision is true or false, got {self.vision!r}")
+        row = self.backend_row
         if self.vision and not self.images:
-            if self.backend not in IMAGE_BACKENDS or (int(self.tp_degree) != 1 and self.backend != "neuron"):
+            if not row.request_images or (self.tp_degree != 1 and not row.tp):
                 raise SettingsError(
-                    f"vision=True (images per request) runs on backend {', '.join(map(repr, IMAGE_BACKENDS))} at "
-                    f"tp_degree 1 (backend 'neuron' at its TP degree) so far, not backend {self.backend!r} at "
-                    f"tp_degree {self.tp_degree} (docs/IMAGES.md)"
+                    f"vision=True (images per request) runs on backend {names_where(lambda f: f.request_images)} "
+                    f"at tp_degree 1 (backend {names_where(lambda f: f.request_images and f.tp)} at its TP degree) "
+                    f"so far, not backend {self.backend!r} at tp_degree {self.tp_degree} (docs/IMAGES.md)"
                 )
-            self._check_image_blocks()
-            self._check_vision_core()
+            self.check_image_blocks()
             return
         if not self.images:
             return
@@ -198,66 +198,41 @@ class PortSettings:
         unsupported = [
             what
             for what, bad in (
-                (f"batch_size {self.batch_size}", int(self.batch_size) != 1 or self.prompts is not None),
-                (f"backend {self.backend!r}", self.backend not in IMAGE_BACKENDS),
+                (f"batch_size {self.batch_size}", self.batch_size != 1 or self.prompts is not None),
+                (f"backend {self.backend!r}", not row.images),
             )
             if bad
         ]
         if unsupported:
             raise SettingsError(
-                f"images run with one prompt, on backend "
-                f"{', '.join(map(repr, IMAGE_BACKENDS))} at tp_degree 1 and on the gloo ranks at tp_degree > 1 "
-                f"(backend 'cpu' or 'eager'; 'neuron' at its TP degree) so far; not with {', '.join(unsupported)} "
-                f"(docs/IMAGES.md says what is not reached yet)"
+                f"images run with one prompt, on backend {names_where(lambda f: f.images)} at tp_degree 1 and on "
+                f"the gloo ranks at tp_degree > 1 (backend "
+                f"{names_where(lambda f: f.tp_ranks is not None and facts(f.tp_ranks).images)}; "
+                f"{names_where(lambda f: f.tp and f.images)} at its TP degree) so far; not with "
+                f"{', '.join(unsupported)} (docs/IMAGES.md says what is not reached yet)"
             )
-        self._check_image_blocks()
-        self._check_vision_core()
+        self.check_image_blocks()
 
-    def _check_image_blocks(self, bidirectional: bool | None = None) -> None:
+    def check_image_blocks(self, bidirectional: bool | None = None) -> None:
         """An image's tokens see each other where the config asks (the 12B; its prefill graphs take
-        the image blocks, `DeviceGraph.image_blocks`): built for the cpu, eager and xla graphs at TP 1;
-        the gloo rank graphs and the neuron decoder keys do not take them yet, so images there are
-        refused. Before loading, the variant decides (`bidirectional` None: the 12B); once a model is
-        loaded, `check_loaded_images` asks again with its config, so another variant's config that
-        asks for the blocks is refused too instead of running causal."""
+        the image blocks, `DeviceGraph.image_blocks`): built where the running row says
+        (`image_blocks`: the single-device graphs at TP 1), refused elsewhere. Before loading, the
+        variant decides (`bidirectional` None: the 12B); once a model is loaded, the port asks again
+        with its config (`models.image_attention.bidirectional_images`), so another variant's config
+        that asks for the blocks is refused too instead of running causal."""
+        if not self.wants_vision:
+            return
         bidirectional = self.variant_spec.unified if bidirectional is None else bidirectional
-        if bidirectional and (int(self.tp_degree) > 1 or self.backend == "neuron"):
+        if bidirectional and not self.backend_row.image_blocks:
             raise SettingsError(
                 f"the {self.variant_spec.name}'s images need its bidirectional image mask in the prefill graphs, "
-                f"built on backend 'cpu', 'eager' and 'xla' at tp_degree 1 so far, not on backend {self.backend!r} "
-                f"at tp_degree {self.tp_degree}; use one of those (docs/IMAGES.md)"
-            )
-
-    def check_loaded_images(self, config: Any) -> None:
-        """`_check_image_blocks` with the loaded model's own config (module docstring of
-        `models.image_attention`), for settings that load a vision part."""
-        if self.wants_vision:
-            from .models.image_attention import bidirectional_images
-
-            self._check_image_blocks(bidirectional_images(config))
-
-    def _check_vision_core(self) -> None:
-        """Backend neuron: the vision graph loads onto the NeuronCore after the decoder's `tp_degree`
-        cores (`recipes.neuron_vision.vision_core`), so the instance needs one more core than the TP
-        degree. Sharing a decoder core would put a second model in that core's HBM beside a rank that
-        was sized to fill it (`inf2.memory_plan`), so it is refused here, before anything loads. An
-        unknown host (not inf2, no `GEMMA4LIB_INSTANCE_TYPE`) is not judged."""
-        if self.backend != "neuron":
-            return
-        from .inf2.hardware import INSTANCES, host_instance_type
-        from .recipes.neuron_vision import cores_needed
-
-        instance = INSTANCES.get(host_instance_type() or "")
-        if instance is not None and cores_needed(self.tp_degree, True) > instance.neuron_cores:
-            bigger = [i.name for i in INSTANCES.values() if i.neuron_cores > int(self.tp_degree)]
-            raise SettingsError(
-                f"images on backend 'neuron' put the vision graph on a NeuronCore of its own after the decoder's "
-                f"{self.tp_degree}; {instance.name} has {instance.neuron_cores} cores, none left over. Use a smaller "
-                f"tp_degree, or {' or '.join(bigger) if bigger else 'no image'} for tp_degree {self.tp_degree}"
+                f"built on backend {names_where(lambda f: f.image_blocks)} at tp_degree 1 so far, not on backend "
+                f"{self.backend!r} at tp_degree {self.tp_degree}; use one of those (docs/IMAGES.md)"
             )
 
     def _check_draft(self) -> None:
-        """k >= 1, and only with a drafter; where drafting runs: refused here, before anything loads."""
+        """k >= 1, and only with a drafter; what the running row drafts with: refused here, before
+        anything loads (the inf2 recipe that cannot draft: `backends.preflight`)."""
         if self.draft is None:
             if self.draft_tokens is not None:
                 raise SettingsError(
@@ -275,32 +250,21 @@ class PortSettings:
         if self.verify_experts not in (None, *EXPERT_FORMS):
             raise UnknownNameError("verify_experts form", self.verify_experts, EXPERT_FORMS)
         self.draft_tokens = whole_number("draft_tokens", 4 if self.draft_tokens is None else self.draft_tokens, 1)
-        rank_graphs = self.tp_degree > 1 or self.backend == "neuron"
-        if self.verify_experts is not None and rank_graphs:
+        row = self.backend_row
+        if self.verify_experts is not None and row.rank_graphs:
             raise SettingsError(
                 f"verify_experts={self.verify_experts!r} chooses the expert form of the single-device verify "
                 f"graph; the rank graphs (tp_degree {self.tp_degree}, backend {self.backend!r}) verify with "
                 f"the dense experts: leave verify_experts unset there"
             )
-        if self.backend == "neuron":
-            from .inf2.memory_plan import neuron_recipe
-
-            if neuron_recipe(self.variant_spec, self.tp_degree, self.neuron_recipe) == "trace":
-                raise SettingsError(
-                    f"draft={self.draft!r} needs the verify and prefill graphs over one set of device K/V "
-                    "states; the one-graph trace recipe has a single decode graph: use the ModelBuilder recipe "
-                    "(neuron_recipe=None) or draft=None"
-                )
-            if self.draft != "assistant":
-                raise SettingsError(
-                    f"draft={self.draft!r} on backend 'neuron': the ModelBuilder drafting keys are built for "
-                    f"Gemma-4's assistant; use draft='assistant', or a CPU backend for {self.draft!r}"
-                )
+        if row.assistant_drafts_only and self.draft != "assistant":
+            raise SettingsError(
+                f"draft={self.draft!r} on backend {self.backend!r}: the ModelBuilder drafting keys are built for "
+                f"Gemma-4's assistant; use draft='assistant', or a CPU backend for {self.draft!r}"
+            )
 
     def _check_batch(self) -> None:
         """The batch's prompts: at most `batch_size`, none empty, one expectation per prompt."""
-        from .errors import BadPromptError, BatchTooLargeError
-
         if self.prompts is not None:
             self.prompts = _as_tuple(self.prompts)
             if len(self.prompts) > self.batch_size:
@@ -323,17 +287,18 @@ class PortSettings:
             self.row_prefill = words[self.row_prefill.strip().lower()]
         if not isinstance(self.row_prefill, bool):
             raise SettingsError(f"row_prefill must be True or False, got {self.row_prefill!r}")
-        if not self.row_prefill:
-            return
-        from .backends.registry import get_backend
-
-        if not get_backend(self.backend).row_prefill or self.tp_degree > 1:
+        if self.row_prefill and not runs_row_prefill(self.backend, self.tp_degree):
             raise SettingsError(
-                f"row_prefill runs one-row prefill graphs over one row of host K/V buffers (backend 'cpu' or "
-                f"'eager' at tp_degree 1); backend {self.backend!r} at tp_degree {self.tp_degree} holds its K/V "
-                f"as device state that a graph takes whole: use row_prefill=False there (joins use the "
-                f"batch-shaped prefill; README, serving)"
+                f"row_prefill runs one-row prefill graphs over one row of host K/V buffers (backend "
+                f"{names_where(lambda f: f.row_prefill)} at tp_degree 1); backend {self.backend!r} at tp_degree "
+                f"{self.tp_degree} holds its K/V as device state that a graph takes whole: use row_prefill=False "
+                f"there (joins use the batch-shaped prefill; README, serving)"
             )
+
+    @property
+    def builds_row_prefill(self) -> bool:
+        """Whether the one-row prefill graphs are built: asked for, and a batch for a row to join."""
+        return self.row_prefill and self.batch_size > 1
 
     def batch_rows(self) -> tuple[tuple[str, str | None], ...]:
         """The (prompt, expected answer) rows: `prompts`/`expects` when given (any batch size); else
@@ -345,69 +310,13 @@ class PortSettings:
         expects = self.expects if self.expects is not None else (None,) * len(self.prompts)
         return tuple(zip(self.prompts, expects, strict=True))
 
-    def _check_int8(self) -> None:
-        """Where weight-only int8 is built: the single-device graph (cpu, eager, xla at TP=1) and
-        the Neuron ModelBuilder recipe (NxD's quantized layers); not the CPU gloo rank graph, nor
-        the one-graph trace recipe."""
-        if self.backend == "neuron":
-            from .inf2.memory_plan import neuron_recipe
-
-            recipe = neuron_recipe(self.variant_spec, self.tp_degree, self.neuron_recipe)
-            if recipe != "model_builder":
-                raise SettingsError(
-                    f"weights='int8' on backend 'neuron' uses the ModelBuilder recipe (NxD's quantized layers); "
-                    f"{self.variant_spec.name} at TP={self.tp_degree} compiles with {recipe!r}: drop "
-                    f"neuron_recipe={self.neuron_recipe!r} (ModelBuilder is the default), or use weights='bf16'"
-                )
-        elif self.tp_degree > 1:
-            raise SettingsError(
-                f"weights='int8' at tp_degree {self.tp_degree} runs on backend 'neuron' only: the CPU gloo rank "
-                f"graph takes full-precision weights; use tp_degree=1 on backend {self.backend!r}, or weights='bf16'"
-            )
-
-    def _check_neuron(self) -> None:
-        """Before anything is loaded: the TP degree, the cores' and the serving host's memory fit inf2,
-        and the SDK is here."""
-        from .inf2.hardware import host_instance_type
-        from .inf2.memory_plan import require_fit, require_neuron_tp
-        from .recipes import neuron_env
-
-        instance = host_instance_type()
-        if self.profile == "full":  # the released model: weights + K/V must fit each core
-            require_fit(
-                self.variant_spec,
-                self.tp_degree,
-                instance=instance,
-                context_length=self.context_length,
-                ring=self.ring_kv,
-                recipe=self.neuron_recipe,
-                weights=self.weights,
-                batch=self.batch_size,
-                draft_tokens=self.draft_tokens if self.draft else None,
-            )
-            from .inf2.serving_host import require_serving_host
-
-            require_serving_host(  # the host that serves and checks: model, shards, reference, spread
-                self.variant_spec,
-                self.tp_degree,
-                instance,
-                context_length=self.context_length,
-                ring=self.ring_kv,
-                prompt_tokens=self.prefill_buckets[-1],
-                new_tokens=self.max_new_tokens,
-                weights=self.weights,
-            )
-        else:  # tiny models fit anywhere; the degree must still be one inf2 can run
-            require_neuron_tp(self.variant_spec, self.tp_degree, instance)
-        neuron_env.require_sdk(f"backend 'neuron' ({self.variant_spec.name})")
-
     @property
     def model_source(self) -> str:
         if self.model != "auto":
             return self.model
         if self.profile == "full":
             return "checkpoint"
-        from .models.trained import fixture_available
+        from .models.fixture_paths import fixture_available
 
         return "trained" if fixture_available(self.variant_spec.name) else "random"
 

@@ -93,8 +93,10 @@ interactive = False  # True: show the chat box at the end (needs a live Jupyter 
 #
 # One thread for torch: the benchmark figures are recorded with their thread count, and on a shared
 # machine more threads mostly measure the neighbours. `PortSettings` gathers every value the port
-# depends on and checks them before anything is loaded: an unknown variant, a [TP](00_overview.ipynb#tp) degree whose heads
-# do not split, a model that does not fit the instance fail here, with what to pick instead.
+# depends on and checks what the values alone tell: an unknown variant, a [TP](00_overview.ipynb#tp) degree whose heads
+# do not split fail here; what needs the instance or the SDK (a model that does not fit it, a missing
+# SDK) fails in `load_model`, before it loads anything; each with what to pick instead. `on_inf2` is
+# the backend's row of facts (`backends/facts.py`) saying it runs on inf2: it guards the inf2 cells.
 # `demos` collects what the lesson's cells find; it is saved in the run's record.
 
 # %%
@@ -139,6 +141,7 @@ s = PortSettings(
     warmup=warmup,
     iters=iters,
 )
+on_inf2 = s.backend_row.device_bound  # the backend's facts: Neuron's runs on inf2 (the inf2 cells below)
 nb.show_settings(s)
 
 # %% [markdown]
@@ -328,7 +331,7 @@ print(f"slots per buffer: {slots} (sliding: a ring of the window; full: the whol
 #
 # ### 3a. Here (CPU)
 #
-# With `backend == "cpu"` the compiler is PyTorch's own, three calls per graph:
+# With `backend="cpu"` the compiler is PyTorch's own, three calls per graph:
 #
 # - `torch.export.export(graph, graph.example_inputs(), strict=False)` records the program. Non-strict:
 #   strict mode drops the in-place K/V writes with only a warning (no error, wrong logits).
@@ -352,7 +355,7 @@ print(f"slots per buffer: {slots} (sliding: a ring of the window; full: the whol
 
 # %%
 cache, options = ArtifactCache(s.cache_dir), compile_cpu.DEFAULT_COMPILER_OPTIONS
-if backend == "cpu":
+if not on_inf2:
     steps = {}
     for name, graph in graphs.named().items():  # prefill64, ..., decode
         began = time.perf_counter()
@@ -393,7 +396,7 @@ if backend == "cpu":
 # %% [markdown]
 # ### 3b. On inf2 (not run here)
 #
-# With `backend == "neuron"` the cells below run NxD `ModelBuilder` (v1) instead of the CPU cell;
+# With `backend="neuron"` the cells below run NxD `ModelBuilder` (v1) instead of the CPU cell;
 # on this CPU they print `skipped: backend=cpu` and nothing else. They have never been executed by
 # this project (the status box at the top); the tests run them against recording stand-ins for the
 # SDK, which checks the calls, not the compiler. `ModelBuilder` runs
@@ -439,7 +442,7 @@ if backend == "cpu":
 # `python -m gemma4lib doctor` ([`doctor`](00_overview.ipynb#doctor)) prints the estimate for the weights, computed and unverified on inf2.
 
 # %% tags=["lesson"]
-if backend == "neuron" and s.neuron_recipe == "trace":  # inf2-only: the one-graph recipe, E2B at TP=1
+if on_inf2 and s.neuron_recipe == "trace":  # inf2-only: the one-graph recipe, E2B at TP=1
     from gemma4lib.backends.neuron import compiler_workdir, neuron_cache_key, own_directory
     from gemma4lib.recipes import cores, neuron_env
     from gemma4lib.recipes.common import DeviceStep, KVParamModule, index_dtype
@@ -478,10 +481,10 @@ if backend == "neuron" and s.neuron_recipe == "trace":  # inf2-only: the one-gra
     compiled = CompiledGraphs(runtime.steps, compile_s, [entry.hit], "neuron-trace", runtime=runtime)
     display(nb.describe_compile(compiled))
 else:
-    print(f"skipped: backend={backend}" if backend != "neuron" else f"skipped: neuron_recipe={s.neuron_recipe}")
+    print(f"skipped: backend={backend}" if not on_inf2 else f"skipped: neuron_recipe={s.neuron_recipe}")
 
 # %%
-if backend == "neuron" and s.neuron_recipe != "trace":  # inf2-only: NxD ModelBuilder, the default recipe
+if on_inf2 and s.neuron_recipe != "trace":  # inf2-only: NxD ModelBuilder, the default recipe
     import functools
 
     from safetensors.torch import load_file
@@ -546,7 +549,7 @@ if backend == "neuron" and s.neuron_recipe != "trace":  # inf2-only: NxD ModelBu
     compiled = CompiledGraphs(runtime.steps, compile_s, [entry.hit], "neuron-model_builder", runtime=runtime)
     display(nb.describe_compile(compiled))
 else:
-    print(f"skipped: backend={backend}" if backend != "neuron" else f"skipped: neuron_recipe={s.neuron_recipe}")
+    print(f"skipped: backend={backend}" if not on_inf2 else f"skipped: neuron_recipe={s.neuron_recipe}")
 
 # %% [markdown] tags=["lesson"]
 # ### 3c. Save and load: a compiled port that travels
@@ -567,7 +570,7 @@ from pathlib import Path
 from gemma4lib.cache.export import export_bundle
 from gemma4lib.port import compile_graphs
 
-if backend == "cpu":
+if not on_inf2:
     bundle = Path(tempfile.mkdtemp(prefix="gemma4lib-bundle-")) / s.variant  # a folder to ship, not the cache
     export_bundle(s, bundle)  # this port's compiled entries + manifest.json
     empty_cache = tempfile.mkdtemp(prefix="gemma4lib-empty-cache-")  # nothing in it to hit
@@ -583,7 +586,7 @@ else:
     print(f"skipped: backend={backend}")
 
 # %% tags=["lesson"]
-if backend == "neuron":  # inf2-only: compile on a large host, serve on a small one (never run here)
+if on_inf2:  # inf2-only: compile on a large host, serve on a small one (never run here)
     # on the compile host (an inf2.8xlarge: the compile's host RAM, the status box): write the folder
     export_bundle(s, "bundles/e2b")  # ModelBuilder's model.pt (its NEFFs) + one weight shard per rank
     # copy bundles/e2b to the serving host (an inf2.xlarge); there, this replaces section 3's compile:

@@ -125,6 +125,7 @@ s = PortSettings(
     warmup=warmup,
     iters=iters,
 )
+on_inf2 = s.backend_row.device_bound  # the backend's facts: Neuron's runs on inf2 (the inf2 cells below)
 nb.show_settings(s)
 
 model = load_model(s)
@@ -290,7 +291,7 @@ graphs = build_graphs(model, s)  # as in 01_e2b: DeviceGraph(text_model, lm_head
 prefill, decode = graphs.prefill, graphs.decode
 print("decode graph inputs:", [tuple(t.shape) for t in decode.example_inputs()])
 display(nb.describe_graphs(graphs))
-if backend == "cpu":
+if not on_inf2:
     compiled = compile_graphs(model, s, graphs=graphs)  # as in 01_e2b: export, AOTInductor, load; cached
     runtime = compiled.runtime
     display(nb.describe_compile(compiled))
@@ -309,7 +310,7 @@ else:
 # `skipped: backend=cpu`.
 
 # %%
-if backend == "neuron":  # inf2-only: NxD ModelBuilder at TP=2 (backends/neuron.py)
+if on_inf2:  # inf2-only: NxD ModelBuilder at TP=2 (backends/neuron.py)
     compiled = compile_graphs(model, s)
     runtime = compiled.runtime
     display(nb.describe_compile(compiled))

@@ -123,6 +123,7 @@ nb.show_settings(
         "row_prefill",
     ),
 )  # what the server is started with
+on_inf2 = settings.backend_row.device_bound  # the backend's facts: Neuron's runs on inf2 (the last section)
 
 # %% [markdown]
 # ## 1. Why continuous batching, and what a row is
@@ -359,7 +360,7 @@ print("\n".join(line for line in server.log_tail(4000).splitlines() if "drain" i
 # load: its requests get 503 with `Retry-After`, the rest succeed, Ray restarts it from the bundle).
 
 # %%
-if backend == "neuron":  # inf2-only: written against SDK 2.28, never run on inf2
+if on_inf2:  # inf2-only: written against SDK 2.28, never run on inf2
     from gemma4lib.cache.export import export_bundle
     from gemma4lib.cli import load_engine_from
     from gemma4lib.server.ray_app import RayOptions, deploy, stop_ray

@@ -1,6 +1,7 @@
 """The library's shape, checked: no import cycles, nothing below `port` imports it, a small top level.
 
-Imports inside functions count too: a lazy import hides a cycle from Python, not from a reader. So
+Imports inside functions count too: a lazy import hides a cycle from Python, not from a reader; so
+do type-only imports (`if TYPE_CHECKING:`): a module that names another's types depends on it. So
 does a package: importing `a.b.c` runs `a/__init__.py` and `a/b/__init__.py` first, so an import
 also counts as an import of every package above the module (a package that imports its own
 submodules, or resolves names lazily, is in the graph as what it is).
@@ -9,6 +10,9 @@ submodules, or resolves names lazily, is in the graph as what it is).
 from __future__ import annotations
 
 import ast
+import re
+import subprocess
+import sys
 from collections import defaultdict
 from pathlib import Path
 
@@ -16,7 +20,7 @@ ROOT = Path(__file__).resolve().parent.parent / "gemma4lib"
 
 
 def import_graph() -> dict[str, set[str]]:
-    """module -> gemma4lib modules it imports (top level or inside functions; TYPE_CHECKING excluded)."""
+    """module -> gemma4lib modules it imports (top level, inside functions, or for type names only)."""
     modules = {}
     for path in ROOT.rglob("*.py"):
         parts = path.relative_to(ROOT.parent).with_suffix("").parts
@@ -26,15 +30,7 @@ def import_graph() -> dict[str, set[str]]:
     for name, path in modules.items():
         package = name if path.name == "__init__.py" else name.rpartition(".")[0]
         tree = ast.parse(path.read_text())
-        skipped = {
-            id(n)
-            for node in ast.walk(tree)
-            if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
-            for n in ast.walk(node)
-        }
         for node in ast.walk(tree):
-            if id(node) in skipped:
-                continue
             if isinstance(node, ast.ImportFrom):
                 if node.level:
                     base = package.split(".")[: len(package.split(".")) - node.level + 1]
@@ -166,3 +162,49 @@ def test_a_variant_has_one_home():
     ]
     naming = sorted(str(p.relative_to(repo)) for p in code if "26b-a4b" in p.read_text())
     assert naming == ["gemma4lib/models/variants.py"]
+
+
+def test_settings_are_a_plain_value_that_loads_almost_nothing():
+    """`import gemma4lib.settings` loads the leaves it checks values against (errors, the variants
+    table, the backends' facts), not the backends, planners or SDK checks (`backends.preflight`)."""
+    code = "import sys, gemma4lib.settings; print(sorted(m for m in sys.modules if m.startswith('gemma4lib')))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT.parent)
+    loaded = ast.literal_eval(out.stdout.strip())
+    assert len(loaded) <= 10, loaded
+
+
+def test_backend_facts_are_a_leaf():
+    assert import_graph()["gemma4lib.backends.facts"] <= {"gemma4lib.errors", "gemma4lib.backends"}
+
+
+# A backend's name compared as a string: `== "neuron"`, `"cpu" !=`, `in ("xla", ...)`. Backends are
+# told apart by their facts rows (`gemma4lib/backends/facts.py`); only `gemma4lib/backends/` may
+# name them in a comparison.
+BACKEND_NAME = r"""["'](?:cpu|eager|xla|neuron|gloo)["']"""
+COMPARED = re.compile(rf"(?:==|!=)\s*{BACKEND_NAME}|{BACKEND_NAME}\s*(?:==|!=)|\bin\s*[(\[{{][^)\]}}]*{BACKEND_NAME}")
+NOT_A_BACKEND = re.compile(r"\bdevice(?:\.type)?\s*(?:==|!=)")  # a torch device's type, the roofline's "cpu"
+OUTSIDE_BACKENDS = ("gemma4lib", "gemma4lab", "notebooks", "papermill_runs", "scripts")  # notebooks: parts and sources
+
+
+def backend_name_comparisons(text: str) -> list[str]:
+    return [line.strip() for line in text.splitlines() if COMPARED.search(line) and not NOT_A_BACKEND.search(line)]
+
+
+def test_the_backend_name_grep_sees_a_comparison():
+    assert backend_name_comparisons('if settings.backend == "neuron":\nx = b in ("xla", "cpu")\nok = 1') == [
+        'if settings.backend == "neuron":',
+        'x = b in ("xla", "cpu")',
+    ]
+    assert backend_name_comparisons('t.device.type != "cpu"\nbackend="cpu"\nif on_inf2:') == []
+
+
+def test_no_backend_name_is_compared_outside_the_backends():
+    repo = ROOT.parent
+    found = {
+        str(path.relative_to(repo)): hits
+        for folder in OUTSIDE_BACKENDS
+        for path in sorted((repo / folder).rglob("*.py"))
+        if not path.is_relative_to(ROOT / "backends")
+        and (hits := backend_name_comparisons(path.read_text(encoding="utf-8")))
+    }
+    assert found == {}, f"compare the backend's facts row instead (gemma4lib/backends/facts.py): {found}"

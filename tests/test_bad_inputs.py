@@ -30,6 +30,7 @@ import torch
 
 from gemma4lib import environment
 from gemma4lib.backends import registry
+from gemma4lib.backends.preflight import preflight
 from gemma4lib.cache import artifacts
 from gemma4lib.cache.artifacts import ArtifactCache, atomic_write_json
 from gemma4lib.errors import (
@@ -460,7 +461,7 @@ CASES = [
         "more ranks than the instance has NeuronCores (12B TP=4 on inf2.8xlarge)",
         lambda c: (
             c.mp.setenv("GEMMA4LIB_INSTANCE_TYPE", "inf2.8xlarge"),
-            PortSettings(variant="12b", backend="neuron", tp_degree=4),
+            preflight(PortSettings(variant="12b", backend="neuron", tp_degree=4)),
         ),
         TensorParallelError,
         "TP=4 needs 4 NeuronCores and an inf2.8xlarge has 2; use tp_degree 1 or 2 on inf2.8xlarge",
@@ -475,7 +476,7 @@ CASES = [
         "released 12B on one NeuronCore (backend neuron, full profile, TP=1)",
         lambda c: (
             c.mp.setenv("GEMMA4LIB_INSTANCE_TYPE", "inf2.8xlarge"),
-            PortSettings(variant="12b", profile="full", backend="neuron", tp_degree=1),
+            preflight(PortSettings(variant="12b", profile="full", backend="neuron", tp_degree=1)),
         ),
         DeviceMemoryError,
         "exceed a NeuronCore's 16 GiB; use TP=2 on inf2.8xlarge",
@@ -487,8 +488,8 @@ CASES = [
         "does not fit: 14.3 GiB of weights",
     ),
     Case(
-        "backend neuron without the SDK: refused by the settings, before any load",
-        lambda c: (versions_found(c), PortSettings(variant="e2b", backend="neuron")),
+        "backend neuron without the SDK: refused by the preflight, before any load",
+        lambda c: (versions_found(c), preflight(PortSettings(variant="e2b", backend="neuron"))),
         NeuronSDKMissingError,
         "backend 'neuron' (e2b) needs the Neuron SDK package torch-neuronx",
     ),

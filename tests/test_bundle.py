@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 
+from gemma4lib.backends.preflight import preflight
 from gemma4lib.cache import bundle
 from gemma4lib.device.build import device_graphs
 from gemma4lib.errors import BundleError
@@ -89,12 +90,12 @@ def test_a_drafted_batch_runs_from_its_bundle_with_every_graph_a_hit(exported_dr
 
 def test_a_bundle_without_the_drafting_graphs_is_refused_naming_them(exported, exported_drafted):
     with pytest.raises(BundleError, match="it has no verify, draft graph") as info:
-        PortSettings(variant="e2b", draft="assistant", artifacts=str(exported))
+        preflight(PortSettings(variant="e2b", draft="assistant", artifacts=str(exported)))
     assert "draft: bundle None, this run 'assistant'" in str(info.value)
     with pytest.raises(BundleError, match="it has no verify graph"):
-        PortSettings(variant="e2b", draft="prompt_lookup", artifacts=str(exported))
+        preflight(PortSettings(variant="e2b", draft="prompt_lookup", artifacts=str(exported)))
     with pytest.raises(BundleError, match="draft: bundle 'assistant', this run 'prompt_lookup'"):
-        PortSettings(variant="e2b", batch_size=3, draft="prompt_lookup", artifacts=str(exported_drafted))
+        preflight(PortSettings(variant="e2b", batch_size=3, draft="prompt_lookup", artifacts=str(exported_drafted)))
     # the drafted bundle holds the plain batch's graphs too (its benchmark runs them)
     assert bundle.graph_names(PortSettings(variant="e2b", batch_size=3, artifacts=str(exported_drafted))) == [
         "prefill64",
@@ -132,10 +133,10 @@ def _edited_copy(exported: Path, tmp_path: Path, edit) -> str:
         ({"batch_size": 2}, "batch_size: bundle 1, this run 2"),
     ],
 )
-def test_other_settings_are_refused_when_the_settings_are_made(exported, overrides, fragment):
+def test_other_settings_are_refused_before_anything_loads(exported, overrides, fragment):
     settings = {"variant": "e2b", **overrides}
     with pytest.raises(BundleError, match="compiled for other settings") as info:
-        PortSettings(**settings, artifacts=str(exported))
+        preflight(PortSettings(**settings, artifacts=str(exported)))
     assert fragment in str(info.value)
 
 
@@ -144,13 +145,13 @@ def test_other_versions_or_machine_are_refused(exported, tmp_path):
         manifest["versions"]["torch"] = "0.0.1"
 
     with pytest.raises(BundleError, match="torch: bundle '0.0.1'"):
-        PortSettings(variant="e2b", artifacts=_edited_copy(exported, tmp_path / "a", older_torch))
+        preflight(PortSettings(variant="e2b", artifacts=_edited_copy(exported, tmp_path / "a", older_torch)))
 
     def arm(manifest, folder):
         manifest["machine"]["processor"] = "aarch64"
 
     with pytest.raises(BundleError, match="built for aarch64"):
-        PortSettings(variant="e2b", artifacts=_edited_copy(exported, tmp_path / "b", arm))
+        preflight(PortSettings(variant="e2b", artifacts=_edited_copy(exported, tmp_path / "b", arm)))
 
 
 def _no_compile(monkeypatch):
@@ -192,10 +193,10 @@ def test_a_graph_missing_from_the_bundle_is_an_error_not_a_compile(exported, tmp
 
 def test_a_folder_that_is_not_a_bundle(tmp_path):
     with pytest.raises(BundleError, match="is not a compiled-port bundle"):
-        PortSettings(variant="e2b", artifacts=str(tmp_path))
+        preflight(PortSettings(variant="e2b", artifacts=str(tmp_path)))
     (tmp_path / bundle.MANIFEST).write_bytes(b"\xff\xfe")
     with pytest.raises(BundleError, match="unreadable"):
-        PortSettings(variant="e2b", artifacts=str(tmp_path))
+        preflight(PortSettings(variant="e2b", artifacts=str(tmp_path)))
 
 
 def test_a_neuron_bundle_carries_the_model_and_its_shards(tmp_path, monkeypatch):

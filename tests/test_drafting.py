@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from gemma4lib import checks
+from gemma4lib.backends.preflight import preflight
 from gemma4lib.backends.registry import compile_graphs, run_device
 from gemma4lib.device.drafting import DraftGraph, RoomyLayout, ordered_logits
 from gemma4lib.device.graph import GraphShape
@@ -218,8 +219,9 @@ def test_a_mismatch_with_assisted_generate_fails_the_record():
     ],
 )
 def test_bad_draft_settings_say_what_to_do(kwargs, error, words):
+    """Refused before anything loads: by the settings' values, or (the trace recipe) by the preflight."""
     with pytest.raises(error, match=words):
-        PortSettings(variant="e2b", **kwargs)
+        preflight(PortSettings(variant="e2b", **kwargs))
 
 
 def test_a_draft_without_an_assistant_says_how_to_train_one(monkeypatch, tmp_path):

@@ -18,6 +18,7 @@ import pytest
 import torch
 from torch import nn
 
+from gemma4lib.backends.preflight import preflight
 from gemma4lib.device.embedder import HostEmbedder
 from gemma4lib.errors import DeviceMemoryError, DeviceOutputError, HostTablesMovedError, NeuronCoresBusyError
 from gemma4lib.inf2.memory_plan import plan_core_memory, rank_weight_bytes
@@ -52,9 +53,11 @@ def test_int8_port_settings_pass_where_bf16_is_refused(monkeypatch):
 
     monkeypatch.setenv("GEMMA4LIB_INSTANCE_TYPE", "inf2.24xlarge")
     with pytest.raises(DeviceMemoryError):
-        PortSettings("31b", profile="full", backend="neuron", tp_degree=4, context_length=1024)
+        preflight(PortSettings("31b", profile="full", backend="neuron", tp_degree=4, context_length=1024))
     with pytest.raises(NeuronSDKMissingError):  # every memory check passed: only the SDK is missing here
-        PortSettings("31b", profile="full", backend="neuron", tp_degree=4, context_length=1024, weights="int8")
+        preflight(
+            PortSettings("31b", profile="full", backend="neuron", tp_degree=4, context_length=1024, weights="int8")
+        )
 
 
 def test_neuron_backend_builds_no_int8_graph_on_the_host(monkeypatch):

@@ -16,6 +16,7 @@ import torch
 from safetensors.torch import save_file
 
 from gemma4lib.backends import registry
+from gemma4lib.backends.preflight import preflight
 from gemma4lib.device.graph import GraphShape
 from gemma4lib.errors import EnvironmentMismatchError, NeuronSDKMissingError
 from gemma4lib.models.loading import build_tiny
@@ -502,9 +503,9 @@ def test_trace_recipe_stays_selectable_at_tp_1(monkeypatch):
     e2b = get_variant("e2b")
     assert neuron_recipe(e2b, 1) == "model_builder" and neuron_recipe(e2b, 1, "trace") == "trace"
     with pytest.raises(TensorParallelError, match="neuron_recipe='model_builder'"):
-        port_module.PortSettings(variant="e2b", model="random", tp_degree=2, neuron_recipe="trace")
+        preflight(port_module.PortSettings(variant="e2b", model="random", tp_degree=2, neuron_recipe="trace"))
     with pytest.raises(UnknownNameError):
-        port_module.PortSettings(variant="e2b", model="random", neuron_recipe="parallel_model_trace")
+        preflight(port_module.PortSettings(variant="e2b", model="random", neuron_recipe="parallel_model_trace"))
     monkeypatch.setenv("GEMMA4LIB_INSTANCE_TYPE", "inf2.xlarge")
     monkeypatch.setattr(neuron_env, "require_sdk", lambda *a, **k: None)
     monkeypatch.setattr(neuron_env, "require", lambda *a, **k: None)

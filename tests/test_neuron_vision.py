@@ -13,6 +13,7 @@ import pytest
 import torch
 from torch import nn
 
+from gemma4lib.backends.preflight import preflight
 from gemma4lib.device.build import image_graph
 from gemma4lib.device.vision import vision_graph
 from gemma4lib.errors import NeuronCoresBusyError, NeuronSDKMissingError, SettingsError
@@ -268,8 +269,11 @@ def test_the_loaded_vision_step_feeds_its_soft_tokens_through_the_engine(inf2, t
 # ---- settings: images reach neuron, what does not fit is still refused --------------------------------------
 def test_settings_accept_images_and_vision_on_neuron(inf2):
     settings = PortSettings(variant="e2b", model="random", backend="neuron", images=(str(RED_CIRCLE),))
+    preflight(settings)
     assert settings.wants_vision and settings.images == (str(RED_CIRCLE),)
-    assert PortSettings(variant="e2b", backend="neuron", vision=True, batch_size=4).wants_vision  # the endpoint
+    endpoint = PortSettings(variant="e2b", backend="neuron", vision=True, batch_size=4)
+    preflight(endpoint)
+    assert endpoint.wants_vision  # the endpoint
 
 
 def test_settings_refuse_neuron_images_without_a_core_left_for_the_vision_graph(monkeypatch, inf2):
@@ -278,10 +282,12 @@ def test_settings_refuse_neuron_images_without_a_core_left_for_the_vision_graph(
     chosen = {"variant": "e4b", "model": "random", "backend": "neuron", "tp_degree": 2}
     for images in ({"images": (str(RED_CIRCLE),)}, {"vision": True}):
         with pytest.raises(SettingsError, match="inf2.8xlarge has 2 cores, none left over") as caught:
-            PortSettings(**chosen, **images)
+            preflight(PortSettings(**chosen, **images))
         assert "inf2.24xlarge or inf2.48xlarge" in str(caught.value)
     monkeypatch.setenv("GEMMA4LIB_INSTANCE_TYPE", "inf2.48xlarge")
-    assert PortSettings(**chosen, vision=True).wants_vision
+    accepted = PortSettings(**chosen, vision=True)
+    preflight(accepted)
+    assert accepted.wants_vision
 
 
 def test_settings_still_refuse_the_ports_batch_rows_with_images_on_neuron(inf2):
@@ -295,4 +301,4 @@ def test_neuron_images_without_the_sdk_fail_the_sdk_check_before_any_work(monkey
     monkeypatch.setenv("GEMMA4LIB_INSTANCE_TYPE", "inf2.8xlarge")
     for images in ({"images": (str(RED_CIRCLE),)}, {"vision": True}):
         with pytest.raises(NeuronSDKMissingError, match="backend 'neuron' \\(e2b\\) needs the Neuron SDK"):
-            PortSettings(variant="e2b", model="random", backend="neuron", **images)
+            preflight(PortSettings(variant="e2b", model="random", backend="neuron", **images))

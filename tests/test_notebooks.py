@@ -282,8 +282,8 @@ def test_the_cells_show_the_real_calls(path):
     nb = load(path)
     text = code_text(nb)
     variant = VARIANTS[parameters_of(nb)["variant"]]
-    guarded = [c.source for c in nb.cells if c.cell_type == "code" and c.source.startswith('if backend == "neuron"')]
-    assert guarded, f'{path.name}: the inf2 step sits in a cell guarded by `if backend == "neuron" ...:`'
+    guarded = [c.source for c in nb.cells if c.cell_type == "code" and c.source.startswith("if on_inf2")]
+    assert guarded, f"{path.name}: the inf2 step sits in a cell guarded by `if on_inf2 ...:`"
     skipped = 'print(f"skipped: backend={backend}"'
     assert all(skipped in c for c in guarded), f"{path.name}: an inf2 cell must say it was skipped on a CPU"
     if is_brief(path):  # the shared path through the library (01_e2b's cells are tested equal to it)
@@ -522,9 +522,9 @@ def test_07_serve_follows_its_sections_and_shows_the_recipe():
     text = code_text(nb)
     missing = [call for call in SERVE_CALLS if call not in text]
     assert not missing, f"07_serve: no cell shows {missing}"
-    (inf2,) = [c.source for c in nb.cells if c.cell_type == "code" and c.source.startswith('if backend == "neuron"')]
+    (inf2,) = [c.source for c in nb.cells if c.cell_type == "code" and c.source.startswith("if on_inf2")]
     assert "deploy(" in inf2 and 'print(f"skipped: backend={backend}")' in inf2
-    assert "server.stop()" in code_text(nb).split("if backend ==")[0], "the server stops before the inf2 cell"
+    assert "server.stop()" in code_text(nb).split("if on_inf2")[0], "the server stops before the inf2 cell"
     assert len(nb.cells) <= MAX_CELLS, f"07_serve has {len(nb.cells)} cells; at most {MAX_CELLS}"
 
 
@@ -719,7 +719,7 @@ def _serve_checked(out: Path) -> None:
     executed = load(out / "notebooks" / file)
     (plot,) = [c for c in executed.cells if c.cell_type == "code" and _last_line(c).startswith("plots_serve.")]
     assert _has_image(plot), f"{file}: the plot cell drew no image"
-    (inf2,) = [c for c in executed.cells if c.cell_type == "code" and c.source.startswith('if backend == "neuron"')]
+    (inf2,) = [c for c in executed.cells if c.cell_type == "code" and c.source.startswith("if on_inf2")]
     printed = "".join(o.get("text", "") for o in inf2.get("outputs", []))
     assert "skipped: backend=cpu" in printed, f"{file}: the inf2 cell printed {printed!r}"
 
@@ -932,11 +932,13 @@ def test_the_model_builder_cell_makes_the_recipes_calls(path, tmp_path, monkeypa
         monkeypatch.setattr(torch.jit, "save", lambda traced, p, c=calls: c.append(("save", Path(p).name)))
         monkeypatch.setattr(torch.jit, "load", lambda p, c=calls: c.append(("load", Path(p).name)) or _FakeLoaded(c))
         if run == "cell":
-            namespace = dict(backend="neuron", s=settings, model=model, prefill=prefill, decode=decode, torch=torch)
+            namespace = dict(
+                backend="neuron", on_inf2=True, s=settings, model=model, prefill=prefill, decode=decode, torch=torch
+            )
             namespace.update(nb=nb_helpers, time=__import__("time"), cache=ArtifactCache(tmp_path / "cell-cache"))
             namespace.update(Engine=Engine, Steps=Steps, CompiledGraphs=CompiledGraphs, has_ple=False)
             namespace.update(display=lambda *shown: None)
-            cell = _cell_starting(load(path), 'if backend == "neuron" and s.neuron_recipe != "trace"')
+            cell = _cell_starting(load(path), 'if on_inf2 and s.neuron_recipe != "trace"')
             exec(compile(cell, f"{path.name}[ModelBuilder cell]", "exec"), namespace)
             runtime = namespace["compiled"]
         else:
@@ -1076,12 +1078,14 @@ def test_the_trace_cell_makes_the_backends_calls(tmp_path, monkeypatch):
         monkeypatch.setattr(torch.jit, "save", save)
         monkeypatch.setattr(torch.jit, "load", lambda p, c=calls: c.append(("load", Path(p).name)) or _FakeLoaded(c))
         if run == "cell":
-            namespace = dict(backend="neuron", s=settings, model=model, prefill=prefill, decode=decode, torch=torch)
+            namespace = dict(
+                backend="neuron", on_inf2=True, s=settings, model=model, prefill=prefill, decode=decode, torch=torch
+            )
             namespace.update(nb=nb_helpers, time=__import__("time"), cache=ArtifactCache(tmp_path / "cell-cache"))
             namespace.update(Engine=Engine, Steps=Steps, CompiledGraphs=CompiledGraphs, GraphShape=GraphShape)
             namespace.update(DeviceGraph=DeviceGraph)
             namespace.update(display=lambda *shown: None)
-            cell = _cell_starting(load(path), 'if backend == "neuron" and s.neuron_recipe == "trace"')
+            cell = _cell_starting(load(path), 'if on_inf2 and s.neuron_recipe == "trace"')
             exec(compile(cell, f"{path.name}[trace cell]", "exec"), namespace)
             runtime = namespace["compiled"]
         else:

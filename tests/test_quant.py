@@ -13,6 +13,7 @@ import torch
 from conftest import VARIANT_NAMES
 from torch import nn
 
+from gemma4lib.backends.preflight import preflight
 from gemma4lib.device.graph import DeviceGraph, GraphShape
 from gemma4lib.device.quant import Int8Linear, dequantize, quantize, round_model_weights, target_linears
 from gemma4lib.errors import SettingsError, UnknownNameError
@@ -186,7 +187,7 @@ def test_bench_int8_section_reports_ratios_and_errors(variant):
 
 
 def test_bench_cli_rejects_an_unknown_section():
-    from gemma4lib.cli import main
+    from gemma4lab.cli import main
 
     assert main(["bench", "--sections", "int9"]) == 2
 
@@ -198,7 +199,7 @@ def test_int8_settings_pick_the_recipes_that_build_it():
     from gemma4lib.port import PortSettings
 
     with pytest.raises(SettingsError, match="ModelBuilder"):
-        PortSettings("e2b", backend="neuron", weights="int8", neuron_recipe="trace")  # the one-graph recipe
+        preflight(PortSettings("e2b", backend="neuron", weights="int8", neuron_recipe="trace"))  # the one-graph recipe
     with pytest.raises(SettingsError, match="gloo"):
         PortSettings("31b", backend="cpu", weights="int8", tp_degree=8)
 

@@ -17,6 +17,7 @@ import pytest
 import torch
 from conftest import VARIANT_NAMES
 
+from gemma4lib.backends.preflight import preflight
 from gemma4lib.errors import DeviceMemoryError
 from gemma4lib.inf2.serving_host import format_serving_host, serving_host_options, serving_host_plan
 from gemma4lib.models import upcast
@@ -134,7 +135,7 @@ def test_port_settings_refuse_a_serving_host_that_cannot_hold_the_model(monkeypa
     cores = plan_core_memory("12b", 2, instance="inf2.xlarge", context_length=1024)
     assert not cores.problems  # the cores alone would pass
     with pytest.raises(DeviceMemoryError, match=r"serving host.*serve on an inf2\.8xlarge"):
-        PortSettings("12b", profile="full", backend="neuron", tp_degree=2, context_length=1024)
+        preflight(PortSettings("12b", profile="full", backend="neuron", tp_degree=2, context_length=1024))
 
 
 def test_doctor_prints_the_serving_host_of_e2b_on_an_inf2_xlarge(monkeypatch):

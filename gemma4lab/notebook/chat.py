@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 from gemma4lab.notebook.display import answer_text
 from gemma4lib.errors import Gemma4LibError
 from gemma4lib.models.loading import LoadedModel
+from gemma4lib.runtime import room_for_new_tokens
 
 if TYPE_CHECKING:  # type names only
     from gemma4lib.runtime import Engine
@@ -86,7 +87,10 @@ class ChatBox:
             self._show("model:", answer_text(self.model, pieces) or "")
 
         self._show("model:", "…")
-        n = min(self.settings.max_new_tokens, self.runtime.context_length - self.runtime.draft_tokens - len(ids) + 1)
+        n = min(
+            self.settings.max_new_tokens,
+            room_for_new_tokens(len(ids), self.runtime.context_length, self.runtime.draft_tokens),
+        )
         try:
             self.runtime.generate(ids, n, eos_token_ids=eos_ids(self.model), on_token=on_token)
         except Gemma4LibError as error:  # anything the user can fix: one line, not a traceback

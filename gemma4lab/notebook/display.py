@@ -302,7 +302,7 @@ def bench_table(figures: BenchFigures, settings: PortSettings, ceiling: Mapping[
         ],
         [
             "decode ceiling (bandwidth / bytes per step)",
-            roof(ceiling, "HBM of the cores in use" if settings.backend == "neuron" else "measured now"),
+            roof(ceiling, "HBM of the cores in use" if settings.backend_row.device_bound else "measured now"),
             roof(released, "HBM", ", each KV head once"),  # the status box counts a replicated head per core
         ],
         [

@@ -25,7 +25,7 @@ def measured_vs_ceiling(model: LoadedModel, settings: PortSettings, figures: Ben
     v = settings.variant_spec
     experts = settings.decode_experts if v.is_moe else "dense"
     common = dict(context_length=settings.context_length, ring=settings.ring_kv, experts=experts)
-    if settings.backend == "neuron":
+    if settings.backend_row.device_bound:  # inf2: the HBM of the cores in use
         row = compare(figures.decode_tok_s, model, device=v.instance_type, cores=settings.tp_degree, **common)
     else:
         bandwidth = measure_bandwidth(size_mb=256, threads=figures.threads)

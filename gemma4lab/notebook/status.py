@@ -155,7 +155,7 @@ def _markdown(name: str, finished: dict[str, Any] | None) -> str:
         f"- {ran}",
         "- **What ran here**: every cell, on a CPU, with a tiny trained model of this architecture compiled by "
         f"[AOTInductor]({GLOSSARY}#aotinductor).",
-        '- **Never run**: every inf2 cell (guarded by `if backend == "neuron"`). Here they print '
+        "- **Never run**: every inf2 cell (guarded by `if on_inf2`, from the backend's facts). Here they print "
         "`skipped: backend=cpu`; no figure in this notebook was measured on inf2 by this project.",
         "- **Kinds of figure**: *measured* (this run, on this CPU), *computed* (from the released config and the "
         "plans in `gemma4lib/inf2/`, unverified on inf2), *field-reported* (measured on inf2 by the "

@@ -1,20 +1,23 @@
 """The contract every backend fulfils, and what a device run returns.
 
-A backend is a `Backend` row (`backends.registry.BACKENDS`): its facts (the graph form its compiler
-takes, the compute balance its graphs are built for, the warm-up its first calls need, what it runs)
-and one function, `compile(graphs, model, settings, progress) -> CompiledGraphs`, which turns the
-named graphs of `device.build.device_graphs` (prefill per bucket; decode, or verify and draft) into
-`runtime.Steps` over one set of K/V. `registry.compile_graphs` builds the graphs, calls it and puts
-the one generation engine (`runtime.Engine`) on top, with the drafter the settings name.
+A backend is a `Backend` row (`backends.registry.BACKENDS`): its facts (`facts.BackendFacts`: the
+graph form its compiler takes, the compute balance its graphs are built for, the warm-up its first
+calls need, what it runs) and one function, `compile(graphs, model, settings, progress) ->
+CompiledGraphs`, which turns the named graphs of `device.build.device_graphs` (prefill per bucket;
+decode, or verify and draft) into `runtime.Steps` over one set of K/V. `registry.compile_graphs`
+builds the graphs, calls it and puts the one generation engine (`runtime.Engine`) on top, with the
+drafter the settings name.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
+from ..device.experts import CPU_THREAD_FLOP_PER_BYTE
 from ..errors import SettingsError
+from .facts import BackendFacts
 
 if TYPE_CHECKING:  # type names only: nothing below `port` imports it at run time
     import torch
@@ -56,28 +59,23 @@ class CompiledGraph:
 
 
 @dataclass(frozen=True)
-class Backend:
-    """One backend: what compiles its graphs, where it runs, and the facts the rest of the library
-    asks of it (never a comparison of its name)."""
+class Backend(BackendFacts):
+    """One backend: its facts (`facts.BackendFacts`, the flags the rest of the library asks of it,
+    never a comparison of its name) and what compiles its graphs."""
 
-    name: str
-    compiler: str  # what compiles its graphs (the docs' table)
-    runs_on: str
     compile: CompileFn | None = None
     compile_one: Callable[..., CompiledGraph] | None = None  # one graph on its own (the benchmark suite)
     label: str = ""  # the record's `compiler`
-    inplace: bool = True  # the graph form it compiles: K/V updated in place, or returned (functional)
-    compute_balance: float | None = None  # FLOPs per byte its graphs are built for (None: bytes decide)
-    min_warmup: int = 0  # untimed runs its first calls need (xla compiles on the first call)
-    selectable: bool = True  # a `PortSettings.backend` value (`gloo` is what cpu/eager select at TP > 1)
-    takes_graphs: bool = False  # compiles prebuilt graphs a caller built (`graphs=`: the fault lab)
-    quantizes_itself: bool = False  # reads only the graphs' shapes, int8 in its own layers: graphs stay full precision
-    samples_drafts: bool = True  # runs sampled (rejection-sampling) drafted rows
-    tp: bool = False  # runs TP > 1 itself (neuron: NeuronCores; gloo: CPU ranks)
-    bundles: bool = False  # its artifacts can be exported and run from a bundle
-    # runs one-row prefill graphs over a row of its K/V (`runtime.bind_kv_rows`: views of host buffers).
-    # Not xla/neuron: their K/V are device states a graph takes and returns whole.
-    row_prefill: bool = False
+
+    @classmethod
+    def wire(cls, row: BackendFacts, **callables: Any) -> Backend:
+        """`row`'s facts with its compile functions (and label) wired in: a `registry.BACKENDS` row."""
+        return cls(**{f.name: getattr(row, f.name) for f in fields(BackendFacts)}, **callables)
+
+    @property
+    def compute_balance(self) -> float | None:
+        """FLOPs per byte its graphs are built for (one CPU thread's, or None: bytes decide)."""
+        return CPU_THREAD_FLOP_PER_BYTE if self.cpu_balance else None
 
 
 @dataclass

@@ -4,109 +4,55 @@
 backend's form), compiled by the backend, with the one generation engine (`runtime.Engine`) and the
 settings' drafter on top. `run_device(model, settings, requests)`: that engine over every request
 (one row each), the prefill logits check, and the benchmark. Adding a backend is a module with a
-`compile` and a row here.
+`compile` and a row here (its facts: a row in `facts.FACTS`). Both routes begin with `preflight`:
+what needs a bundle, the SDK or an inf2 plan, checked before anything compiles.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from ..device.build import GraphSet, device_graphs
-from ..device.experts import CPU_THREAD_FLOP_PER_BYTE
-from ..errors import SettingsError, UnknownNameError
+from ..errors import SettingsError
 from ..generation.drafters import make_drafter
 from ..reference import reference_for, reference_last_logits
 from ..runtime import Engine, Request, RowResult, softcap
 from ..timing import bench_drafted, benchmark
 from . import cpu, eager, gloo, neuron, xla
 from .base import Backend, CompiledGraphs, DeviceRun, refuse_graphs
+from .facts import FACTS, facts, row_at, selectable
+from .preflight import preflight
 
 if TYPE_CHECKING:
     from ..models.loading import LoadedModel
     from ..runtime import Drafter
     from ..settings import PortSettings
 
-BACKENDS: dict[str, Backend] = {
-    b.name: b
-    for b in (
-        Backend(
-            "cpu",
-            "torch.export + AOTInductor, artifact cache",
-            "any CPU",
-            compile=cpu.compile,
-            compile_one=cpu.compile_one,
-            label=cpu.COMPILER,
-            compute_balance=CPU_THREAD_FLOP_PER_BYTE,
-            takes_graphs=True,
-            bundles=True,
-            row_prefill=True,
-        ),
-        Backend(
-            "eager",
-            "none: the same graphs, uncompiled",
-            "any CPU",
-            compile=eager.compile,
-            compile_one=eager.compile_one,
-            label=eager.COMPILER,
-            compute_balance=CPU_THREAD_FLOP_PER_BYTE,
-            takes_graphs=True,
-            row_prefill=True,
-        ),
-        Backend(
-            "xla",
-            "torch_xla (the front end torch-neuronx uses)",
-            "CPU, .venv-xla",
-            compile=xla.compile,
-            label=xla.COMPILER,
-            inplace=False,
-            min_warmup=1,
-        ),
-        Backend(
-            "neuron",
-            "the inf2 recipes in recipes/",
-            "inf2",
-            compile=neuron.compile,
-            label="neuron",
-            inplace=False,
-            quantizes_itself=True,
-            samples_drafts=False,
-            tp=True,
-            bundles=True,
-        ),
-        Backend(
-            "gloo",
-            "none: one CPU process per TP rank",
-            "any CPU (TP > 1)",
-            compile=gloo.compile,
-            label=gloo.COMPILER,
-            selectable=False,
-            samples_drafts=False,
-            tp=True,
-        ),
-    )
+# each row's compile functions; its facts are `facts.FACTS`'s row of the same name
+_WIRING: dict[str, dict[str, Any]] = {
+    "cpu": dict(compile=cpu.compile, compile_one=cpu.compile_one, label=cpu.COMPILER),
+    "eager": dict(compile=eager.compile, compile_one=eager.compile_one, label=eager.COMPILER),
+    "xla": dict(compile=xla.compile, label=xla.COMPILER),
+    "neuron": dict(compile=neuron.compile, label="neuron"),
+    "gloo": dict(compile=gloo.compile, label=gloo.COMPILER),
 }
-
-
-def selectable() -> tuple[str, ...]:
-    """The `PortSettings.backend` values (read when asked: a test may register a backend)."""
-    return tuple(name for name, b in BACKENDS.items() if b.selectable)
+# The one table: `facts.FACTS` itself, each row replaced by its `Backend` (facts + compile), so that a
+# backend registered here (a test's) is a backend `settings` knows too.
+FACTS.update({name: Backend.wire(FACTS[name], **wiring) for name, wiring in _WIRING.items()})
+BACKENDS = cast("dict[str, Backend]", FACTS)
 
 
 def get_backend(name: str) -> Backend:
-    if name not in BACKENDS:
-        raise UnknownNameError("backend", name, selectable())
-    return BACKENDS[name]
+    """The row of backend `name` (`UnknownNameError` naming the selectable ones)."""
+    return cast(Backend, facts(name))
 
 
 def backend_of(settings: PortSettings) -> Backend:
     """The backend a setting runs on: `gloo` for a CPU backend at TP > 1 (the ranks run the rank
     graph uncompiled), else `settings.backend`."""
-    chosen = get_backend(settings.backend)
-    if int(settings.tp_degree) > 1 and not chosen.tp:
-        return BACKENDS["gloo"]
-    return chosen
+    return get_backend(row_at(settings.backend, settings.tp_degree).name)
 
 
 def cpu_balance(name: str) -> float | None:
@@ -125,6 +71,7 @@ def compile_graphs(
     """The settings' graphs compiled by their backend, under the generation engine. `graphs`: prebuilt
     graphs (the fault lab's faulty ones; backends that take them). `drafter`: replaces the settings'
     (any object with `propose`; it needs the verify graph, so `settings.draft` must be set)."""
+    preflight(settings)
     backend = backend_of(settings)
     refuse_graphs(graphs, backend)
     assistant = None
@@ -178,6 +125,7 @@ def run_device(
 ) -> DeviceRun:
     """One device run: every request in its own row of the engine (keeping the logits that chose
     each token), the prefill logits check of row 0, and the benchmark when asked."""
+    preflight(settings)
     backend = backend_of(settings)
     sampled = [i for i, r in enumerate(requests) if not r.sampling.greedy]
     if sampled and (settings.draft or drafter) and not backend.samples_drafts:
@@ -268,6 +216,7 @@ __all__ = [
     "compile_graphs",
     "cpu_balance",
     "get_backend",
+    "preflight",
     "prefill_logits_error",
     "reference_lm",
     "run_compiled",

@@ -19,7 +19,7 @@ compares against, so the run needs nothing the bundle lacks.
 What invalidates a bundle, each checked before any device work, with what differs named:
 another variant, backend or recipe, TP degree, batch size, drafter and draft tokens (naming the
 graphs the bundle lacks), prefill buckets, context length, ring K/V, decode or verify expert form,
-weight format (the settings, when they are made); another torch, transformers,
+weight format (`backends.preflight`, before any load); another torch, transformers,
 Python or gemma4lib version, or on inf2 another Neuron SDK package version; on CPU a CPU without
 the vector instructions the packages were built for; another checkpoint (its identity, the
 loader's declaration: file digests, not a pass over the weights). Beyond the manifest, each graph
@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ..backends.facts import facts as backend_facts
 from ..environment import program_versions as environment_versions
 from ..errors import BundleError
 from ..models.weights_identity import weights_identity
@@ -79,7 +80,7 @@ def machine_facts(backend: str) -> dict[str, Any]:
     """What the compiled code needs from the machine: the CPU's vector level (AOTInductor builds
     for it), or the Neuron instance type."""
     facts: dict[str, Any] = {"processor": platform.machine()}
-    if backend == "neuron":  # inf2-only: a NEFF is built for one NeuronCore generation
+    if backend_facts(backend).device_bound:  # inf2-only: a NEFF is built for one NeuronCore generation
         from ..inf2.hardware import host_instance_type
 
         facts["instance_type"] = host_instance_type()
@@ -99,7 +100,7 @@ def graph_names(settings: PortSettings) -> list[str]:
     known before anything loads: a prefill per bucket (and a one-row prefill per bucket with
     `row_prefill` at batch > 1), then decode, or verify (+ the assistant's draft)."""
     prefill = [f"prefill{b}" for b in settings.prefill_buckets]
-    if settings.row_prefill and settings.batch_size > 1:
+    if settings.builds_row_prefill:
         prefill += [f"row_prefill{b}" for b in settings.prefill_buckets]
     if settings.draft is None:
         return [*prefill, "decode"]
@@ -167,7 +168,7 @@ def check_settings(settings: PortSettings) -> dict[str, Any]:
         raise BundleError(
             f"the bundle {folder} was built for {machine.get('processor')}, this is {here['processor']}; {fix}"
         )
-    if settings.backend == "neuron":  # inf2-only: a NEFF runs on the NeuronCore generation it was built for
+    if backend_facts(settings.backend).device_bound:  # inf2-only: a NEFF runs on its NeuronCore generation
         family = str(machine.get("instance_type") or "").partition(".")[0]
         if family and family != str(here.get("instance_type") or "").partition(".")[0]:
             raise BundleError(
@@ -234,7 +235,7 @@ def manifest_for(
         "machine": machine_facts(settings.backend),
         "models": {role: {"source": m.source, "identity": weights_identity(m.lm)} for role, m in models.items()},
     }
-    if settings.backend == "neuron":  # inf2-only facts: the SDK set found and the compiler arguments
+    if backend_facts(settings.backend).device_bound:  # inf2-only facts: the SDK set found, the compiler arguments
         from ..recipes import neuron_env
 
         manifest["sdk"] = {r["package"]: r["found"] for r in neuron_env.check_versions()}

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from ..errors import SettingsError
 from ..models.image_attention import bidirectional_images
 from .drafting import DraftGraph, RoomyLayout, verify_expert_form
 from .graph import DeviceGraph, GraphShape
@@ -136,7 +137,7 @@ def device_graphs(
         compute_balance=compute_balance,
         assistant=assistant,
         vision=image_graph(model, settings),
-        row_prefill=settings.row_prefill and settings.batch_size > 1,
+        row_prefill=settings.builds_row_prefill,
     )
 
 
@@ -193,7 +194,9 @@ def graph_set(
     draft = None
     if hidden:
         if assistant is None:
-            raise ValueError("draft='assistant' builds the assistant's draft graph: pass assistant=load_assistant(...)")
+            raise SettingsError(
+                "draft='assistant' builds the assistant's draft graph: pass assistant=load_assistant(...)"
+            )
         draft = DraftGraph(assistant.model, layout, GraphShape(batch, 1, context_length, ring), assistant.read_layers)
     return GraphSet(prefill, None, layout, verify, draft, k, vision=vision, row_prefill=rows)
 

@@ -25,8 +25,7 @@ import torch
 from torch import nn
 
 from ..errors import GraphFormError, UnknownNameError
-
-EXPERT_FORMS = ("dense", "selective")
+from ..settings import EXPERT_FORMS
 
 # How tensor-parallel ranks share the experts (`tp.plan.MoEPlan`):
 # - "experts": rank r holds E/tp whole experts. Static shapes make every rank gather k slices per

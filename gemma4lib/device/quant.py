@@ -37,12 +37,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import GraphFormError, UnknownNameError
+from ..settings import WEIGHT_FORMS
 
 log = logging.getLogger(__name__)
 
-# "bf16" / "fp32": the full-precision default (the backend's own dtype: bf16 on Neuron, fp32 on
-# CPU); "int8": weight-only int8 of the linear layers.
-WEIGHT_FORMS = ("bf16", "fp32", "int8")
+# `settings.WEIGHT_FORMS`: "bf16" / "fp32", the full-precision default (the backend's own dtype: bf16
+# on Neuron, fp32 on CPU); "int8": weight-only int8 of the linear layers.
 FULL_PRECISION = ("bf16", "fp32")
 QMAX = 127
 

@@ -4,7 +4,7 @@ On inf2 every tensor-parallel rank is one NeuronCore with 16 GiB of HBM. What a 
 known before anything is loaded: its shard of the weights (the same cut `tp.shard` makes, counted
 on a meta-device model of the released config), its K/V buffers at the compiled context (KV heads
 replicated where a layer has fewer than the TP degree), and working memory. A configuration that
-cannot fit is refused when the settings are made, not half an hour into a compile. MoE experts
+cannot fit is refused before anything loads (`backends.preflight`), not half an hour into a compile. MoE experts
 count 1/tp of their bytes per rank whichever way the plan splits them (whole experts, or a slice
 of every expert: the plan's default): the shards have the same shapes.
 

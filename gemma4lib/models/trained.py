@@ -17,22 +17,17 @@ import torch
 
 from ..cache.artifacts import sha256_file
 from ..errors import CheckpointError
+from .fixture_paths import FIXTURES_DIR, fixture_available, fixture_dir
 from .loading import LoadedModel, _text_classes
 from .tokenizer import load_tokenizer
 from .variants import Variant, get_variant
 from .weights_identity import declare_identity
 
-FIXTURES_DIR = Path(__file__).resolve().parent.parent / "fixtures"
 TOKENIZER_DIR = FIXTURES_DIR / "tokenizer"
 PROVENANCE_FILE = FIXTURES_DIR / "PROVENANCE.json"
 MODEL_FILES = ("config.json", "generation_config.json", "model.safetensors")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 SOURCE = "tiny-trained"
-
-
-def fixture_dir(variant: Variant | str, root: Path | None = None) -> Path:
-    v = variant if isinstance(variant, Variant) else get_variant(variant)
-    return (root or FIXTURES_DIR) / v.name
 
 
 def read_provenance(root: Path | None = None) -> dict[str, Any]:
@@ -112,11 +107,18 @@ def save_fixture(lm: torch.nn.Module, path: Path) -> dict[str, str]:
     return {name: sha256_file(path / name) for name in MODEL_FILES}
 
 
-def fixture_available(variant_name: str | Variant, root: Path | None = None) -> bool:
-    """Whether a trained fixture (weights and tokenizer) is present for the variant."""
-    root = root or FIXTURES_DIR
-    try:
-        path = fixture_dir(variant_name, root)
-    except Exception:
-        return False
-    return (path / "model.safetensors").is_file() and (root / "tokenizer" / "tokenizer.json").is_file()
+__all__ = [
+    "FIXTURES_DIR",
+    "MODEL_FILES",
+    "PROVENANCE_FILE",
+    "SOURCE",
+    "TOKENIZER_DIR",
+    "TOKENIZER_FILES",
+    "fixture_available",
+    "fixture_dir",
+    "load_trained",
+    "read_provenance",
+    "save_fixture",
+    "sha256_file",
+    "verify_fixture_hashes",
+]

@@ -220,7 +220,7 @@ def _check_installed(dist: str, module: str, purpose: str) -> None:
 
 def require_sdk(purpose: str = "") -> None:
     """Check, without importing anything, that the pinned SDK packages the recipes call are
-    installed: the early check `PortSettings(backend="neuron")` makes before any load."""
+    installed: the early check `backends.preflight` makes for backend "neuron" before any load."""
     for module in ("torch_neuronx", "neuronx_distributed"):
         _check_installed(MODULE_TO_DIST[module], module, purpose)
 

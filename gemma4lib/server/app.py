@@ -22,7 +22,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from ..errors import Gemma4LibError
 from ..runtime import Request as EngineRequest
-from ..runtime import Sampling
+from ..runtime import Sampling, room_for_new_tokens
 from . import schemas
 from .errors import ClientGoneError, RequestError, UnknownModelError, error_body, http_error
 from .scheduler import Scheduler, Ticket
@@ -61,7 +61,7 @@ class Served:
         """The engine's request: the budget (default: the rest of the compiled context), the sampling and
         the prompt's images (`runtime.ImagePrompt`, or None)."""
         if max_tokens is None:
-            max_tokens = max(1, self.context_length - len(ids) + 1 - self.draft_tokens)
+            max_tokens = max(1, room_for_new_tokens(len(ids), self.context_length, self.draft_tokens))
         temperature = 0.0 if body.temperature is None else body.temperature
         seed = body.seed if body.seed is not None else (random.randrange(2**31) if temperature > 0 else 0)
         sampling = Sampling(temperature=temperature, top_p=1.0 if body.top_p is None else body.top_p, seed=seed)

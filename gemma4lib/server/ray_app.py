@@ -37,6 +37,7 @@ os.environ.setdefault(LOCAL_CLUSTER_ENV, "0")
 
 from ray import serve  # noqa: E402
 
+from ..backends.facts import facts as backend_facts  # noqa: E402
 from ..errors import SettingsError  # noqa: E402
 from .launch import LOOPBACK, Loaded, build_served, favour_the_engine_thread  # noqa: E402
 from .ray_proxy import CALLBACK, CALLBACK_ENV  # noqa: E402
@@ -88,7 +89,7 @@ def settings_kwargs(settings: Any) -> dict[str, Any]:
 def replica_resources(settings: Any) -> dict[str, Any]:
     """What one replica reserves: its TP degree in NeuronCores on inf2 (one more for the vision graph
     when it serves images: `neuron_vision.cores_needed`), one CPU elsewhere."""
-    if settings.backend == "neuron":  # inf2-only
+    if backend_facts(settings.backend).device_bound:  # inf2-only
         from ..recipes.neuron_vision import cores_needed
 
         return {"num_cpus": 1, "resources": {"neuron_cores": cores_needed(settings.tp_degree, settings.wants_vision)}}

@@ -99,7 +99,7 @@ plots.kv_layout(nb.real_layout("e2b"), "released E2B: who owns K/V, who borrows 
 # weights out of the compiled [NEFF](00_overview.ipynb#neff), `compiler_args` are the decode flags below.
 # -- part: neuron_trace --
 # %%
-if backend == "neuron" and s.neuron_recipe == "trace":  # inf2-only: the one-graph recipe, E2B at TP=1
+if on_inf2 and s.neuron_recipe == "trace":  # inf2-only: the one-graph recipe, E2B at TP=1
     from gemma4lib.backends.neuron import compiler_workdir, neuron_cache_key, own_directory
     from gemma4lib.recipes import cores, neuron_env
     from gemma4lib.recipes.common import DeviceStep, KVParamModule, index_dtype
@@ -138,7 +138,7 @@ if backend == "neuron" and s.neuron_recipe == "trace":  # inf2-only: the one-gra
     compiled = CompiledGraphs(runtime.steps, compile_s, [entry.hit], "neuron-trace", runtime=runtime)
     display(nb.describe_compile(compiled))
 else:
-    print(f"skipped: backend={backend}" if backend != "neuron" else f"skipped: neuron_recipe={s.neuron_recipe}")
+    print(f"skipped: backend={backend}" if not on_inf2 else f"skipped: neuron_recipe={s.neuron_recipe}")
 # -- part: core_step --
 # %% [markdown]
 # ### The port's core, by hand: a decode step over explicit K/V
@@ -225,7 +225,7 @@ from pathlib import Path
 from gemma4lib.cache.export import export_bundle
 from gemma4lib.port import compile_graphs
 
-if backend == "cpu":
+if not on_inf2:
     bundle = Path(tempfile.mkdtemp(prefix="gemma4lib-bundle-")) / s.variant  # a folder to ship, not the cache
     export_bundle(s, bundle)  # this port's compiled entries + manifest.json
     empty_cache = tempfile.mkdtemp(prefix="gemma4lib-empty-cache-")  # nothing in it to hit
@@ -241,7 +241,7 @@ else:
     print(f"skipped: backend={backend}")
 
 # %%
-if backend == "neuron":  # inf2-only: compile on a large host, serve on a small one (never run here)
+if on_inf2:  # inf2-only: compile on a large host, serve on a small one (never run here)
     # on the compile host (an inf2.8xlarge: the compile's host RAM, the status box): write the folder
     export_bundle(s, "bundles/e2b")  # ModelBuilder's model.pt (its NEFFs) + one weight shard per rank
     # copy bundles/e2b to the serving host (an inf2.xlarge); there, this replaces section 3's compile:

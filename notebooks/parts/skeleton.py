@@ -93,8 +93,10 @@ interactive = False  # True: show the chat box at the end (needs a live Jupyter 
 #
 # One thread for torch: the benchmark figures are recorded with their thread count, and on a shared
 # machine more threads mostly measure the neighbours. `PortSettings` gathers every value the port
-# depends on and checks them before anything is loaded: an unknown variant, a [TP](00_overview.ipynb#tp) degree whose heads
-# do not split, a model that does not fit the instance fail here, with what to pick instead.
+# depends on and checks what the values alone tell: an unknown variant, a [TP](00_overview.ipynb#tp) degree whose heads
+# do not split fail here; what needs the instance or the SDK (a model that does not fit it, a missing
+# SDK) fails in `load_model`, before it loads anything; each with what to pick instead. `on_inf2` is
+# the backend's row of facts (`backends/facts.py`) saying it runs on inf2: it guards the inf2 cells.
 # `demos` collects what the lesson's cells find; it is saved in the run's record.
 
 # %%
@@ -172,6 +174,7 @@ s = PortSettings(
     warmup=warmup,
     iters=iters,
 )
+on_inf2 = s.backend_row.device_bound  # the backend's facts: Neuron's runs on inf2 (the inf2 cells below)
 nb.show_settings(s)
 
 {{#full}}
@@ -267,7 +270,7 @@ graphs = build_graphs(model, s)  # as in 01_e2b: DeviceGraph(text_model, lm_head
 prefill, decode = graphs.prefill, graphs.decode
 print("decode graph inputs:", [tuple(t.shape) for t in decode.example_inputs()])
 display(nb.describe_graphs(graphs))
-if backend == "cpu":
+if not on_inf2:
     compiled = compile_graphs(model, s, graphs=graphs)  # as in 01_e2b: export, AOTInductor, load; cached
     runtime = compiled.runtime
     display(nb.describe_compile(compiled))
@@ -282,7 +285,7 @@ else:
 #
 # ### 3a. Here (CPU)
 #
-# With `backend == "cpu"` the compiler is PyTorch's own, three calls per graph:
+# With `backend="cpu"` the compiler is PyTorch's own, three calls per graph:
 #
 # - `torch.export.export(graph, graph.example_inputs(), strict=False)` records the program. Non-strict:
 #   strict mode drops the in-place K/V writes with only a warning (no error, wrong logits).
@@ -306,7 +309,7 @@ else:
 
 # %%
 cache, options = ArtifactCache(s.cache_dir), compile_cpu.DEFAULT_COMPILER_OPTIONS
-if backend == "cpu":
+if not on_inf2:
     steps = {}
     for name, graph in graphs.named().items():  # prefill64, ..., decode
         began = time.perf_counter()
@@ -347,7 +350,7 @@ if backend == "cpu":
 # %% [markdown]
 # ### 3b. On inf2 (not run here)
 #
-# With `backend == "neuron"` the cells below run NxD `ModelBuilder` (v1) instead of the CPU cell;
+# With `backend="neuron"` the cells below run NxD `ModelBuilder` (v1) instead of the CPU cell;
 # on this CPU they print `skipped: backend=cpu` and nothing else. They have never been executed by
 # this project (the status box at the top); the tests run them against recording stand-ins for the
 # SDK, which checks the calls, not the compiler. `ModelBuilder` runs
@@ -386,7 +389,7 @@ if backend == "cpu":
 {{neuron_trace}}
 
 # %%
-if backend == "neuron" and s.neuron_recipe != "trace":  # inf2-only: NxD ModelBuilder, the default recipe
+if on_inf2 and s.neuron_recipe != "trace":  # inf2-only: NxD ModelBuilder, the default recipe
     import functools
 
     from safetensors.torch import load_file
@@ -451,7 +454,7 @@ if backend == "neuron" and s.neuron_recipe != "trace":  # inf2-only: NxD ModelBu
     compiled = CompiledGraphs(runtime.steps, compile_s, [entry.hit], "neuron-model_builder", runtime=runtime)
     display(nb.describe_compile(compiled))
 else:
-    print(f"skipped: backend={backend}" if backend != "neuron" else f"skipped: neuron_recipe={s.neuron_recipe}")
+    print(f"skipped: backend={backend}" if not on_inf2 else f"skipped: neuron_recipe={s.neuron_recipe}")
 
 {{/full}}
 {{#brief}}
@@ -465,7 +468,7 @@ else:
 # `skipped: backend=cpu`.
 
 # %%
-if backend == "neuron":  # inf2-only: NxD ModelBuilder at TP={{tp}} (backends/neuron.py)
+if on_inf2:  # inf2-only: NxD ModelBuilder at TP={{tp}} (backends/neuron.py)
     compiled = compile_graphs(model, s)
     runtime = compiled.runtime
     display(nb.describe_compile(compiled))

@@ -1,0 +1,105 @@
+"""What a port's settings need beyond their own values, checked once before anything loads.
+
+`PortSettings` checks what its values alone tell (names, ranges, which backend runs what: the facts
+rows). What needs more is here: the inf2 recipe the variant compiles with, the memory plan that
+must fit the NeuronCores and the serving host, the Neuron SDK, a NeuronCore left for the vision
+graph, and a bundle's manifest. The composition roots call `preflight(settings)` before any
+weight loads (`port.port`, `cli.load_engine`, `cache.export`, `registry.compile_graphs`), so a
+mistake fails in a second, not after a checkpoint load or half an hour of compiling.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from ..cache.bundle import check_settings as check_bundle
+from ..errors import SettingsError
+from ..inf2.hardware import INSTANCES, host_instance_type
+from ..inf2.memory_plan import neuron_recipe, require_fit, require_neuron_tp
+from ..inf2.serving_host import require_serving_host
+from ..recipes import neuron_env
+from ..recipes.neuron_vision import cores_needed
+from .facts import BackendFacts, row_at
+
+if TYPE_CHECKING:
+    from ..settings import PortSettings
+
+
+def preflight(settings: PortSettings) -> None:
+    """Raise the `SettingsError` (or the planner's, the SDK's, the bundle's error) that says what to
+    change, before anything loads; return quietly when the settings can run here."""
+    row = row_at(settings.backend, settings.tp_degree)
+    if row.device_bound and settings.wants_vision:
+        _check_vision_core(settings, row)
+    recipe = _neuron_recipe(settings) if settings.neuron_recipe is not None or row.device_bound else None
+    if settings.weights == "int8" and row.quantizes_itself and recipe != "model_builder":
+        raise SettingsError(
+            f"weights='int8' on backend {row.name!r} uses the ModelBuilder recipe (NxD's quantized layers); "
+            f"{settings.variant_spec.name} at TP={settings.tp_degree} compiles with {recipe!r}: drop "
+            f"neuron_recipe={settings.neuron_recipe!r} (ModelBuilder is the default), or use weights='bf16'"
+        )
+    if settings.draft is not None and row.device_bound and recipe == "trace":
+        raise SettingsError(
+            f"draft={settings.draft!r} needs the verify and prefill graphs over one set of device K/V "
+            "states; the one-graph trace recipe has a single decode graph: use the ModelBuilder recipe "
+            "(neuron_recipe=None) or draft=None"
+        )
+    if row.device_bound:
+        _check_inf2(settings)
+    if settings.artifacts:
+        check_bundle(settings)  # shapes, formats, versions, machine: before anything loads
+
+
+def _neuron_recipe(settings: PortSettings) -> str:
+    """The inf2 recipe of the settings (an unknown name, or trace at TP > 1, raises)."""
+    return neuron_recipe(settings.variant_spec, settings.tp_degree, settings.neuron_recipe)
+
+
+def _check_vision_core(settings: PortSettings, row: BackendFacts) -> None:
+    """The vision graph loads onto the NeuronCore after the decoder's `tp_degree` cores
+    (`recipes.neuron_vision.vision_core`), so the instance needs one more core than the TP degree.
+    Sharing a decoder core would put a second model in that core's HBM beside a rank that was sized
+    to fill it (`inf2.memory_plan`), so it is refused here, before anything loads. An unknown host
+    (not inf2, no `GEMMA4LIB_INSTANCE_TYPE`) is not judged."""
+    tp = int(settings.tp_degree)
+    instance = INSTANCES.get(host_instance_type() or "")
+    if instance is not None and cores_needed(tp, True) > instance.neuron_cores:
+        bigger = [i.name for i in INSTANCES.values() if i.neuron_cores > tp]
+        raise SettingsError(
+            f"images on backend {row.name!r} put the vision graph on a NeuronCore of its own after the decoder's "
+            f"{tp}; {instance.name} has {instance.neuron_cores} cores, none left over. Use a smaller "
+            f"tp_degree, or {' or '.join(bigger) if bigger else 'no image'} for tp_degree {tp}"
+        )
+
+
+def _check_inf2(settings: PortSettings) -> None:
+    """The TP degree, the cores' and the serving host's memory fit inf2, and the SDK is here."""
+    variant, instance = settings.variant_spec, host_instance_type()
+    if settings.profile == "full":  # the released model: weights + K/V must fit each core
+        require_fit(
+            variant,
+            settings.tp_degree,
+            instance=instance,
+            context_length=settings.context_length,
+            ring=settings.ring_kv,
+            recipe=settings.neuron_recipe,
+            weights=settings.weights,
+            batch=settings.batch_size,
+            draft_tokens=settings.draft_tokens if settings.draft else None,
+        )
+        require_serving_host(  # the host that serves and checks: model, shards, reference, spread
+            variant,
+            settings.tp_degree,
+            instance,
+            context_length=settings.context_length,
+            ring=settings.ring_kv,
+            prompt_tokens=settings.prefill_buckets[-1],
+            new_tokens=settings.max_new_tokens,
+            weights=settings.weights,
+        )
+    else:  # tiny models fit anywhere; the degree must still be one inf2 can run
+        require_neuron_tp(variant, settings.tp_degree, instance)
+    neuron_env.require_sdk(f"backend {settings.backend!r} ({variant.name})")
+
+
+__all__ = ["preflight"]
