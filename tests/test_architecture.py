@@ -166,3 +166,54 @@ def test_a_variant_has_one_home():
     ]
     naming = sorted(str(p.relative_to(repo)) for p in code if "26b-a4b" in p.read_text())
     assert naming == ["gemma4lib/models/variants.py"]
+
+
+# ---- one composition root ---------------------------------------------------------------------------
+
+# Where the engine and its steps may be built: the backends (`backends.engine.engine_over`, the one
+# function that puts an engine over compiled steps, and the backends' own `Steps`) and the runtime.
+ENGINE_BUILDERS = (
+    "gemma4lib/backends/",
+    "gemma4lib/runtime.py",
+    "gemma4lib/tp/cpu_gloo.py",  # moves to backends/gloo.py
+)
+
+
+def calls_to(names: set[str], *, skip: tuple[str, ...] = ()) -> list[str]:
+    """`path:line` of every call of a function named in `names` (`Engine.for_model` by its dotted
+    tail) in the library and the lab, outside the paths in `skip`."""
+    repo = ROOT.parent
+    found = []
+    for top in ("gemma4lib", "gemma4lab"):
+        for path in sorted((repo / top).rglob("*.py")):
+            where = path.relative_to(repo).as_posix()
+            if where.startswith(skip):
+                continue
+            for node in ast.walk(ast.parse(path.read_text())):
+                if not isinstance(node, ast.Call):
+                    continue
+                func = node.func
+                name = func.id if isinstance(func, ast.Name) else getattr(func, "attr", "")
+                if isinstance(func, ast.Attribute) and isinstance(func.value, (ast.Name, ast.Attribute)):
+                    owner = func.value.id if isinstance(func.value, ast.Name) else func.value.attr
+                    name = f"{owner}.{func.attr}" if f"{owner}.{func.attr}" in names else name
+                if name in names:
+                    found.append(f"{where}:{node.lineno}")
+    return found
+
+
+def test_the_checker_sees_engine_constructions():
+    found = calls_to({"Steps", "Engine", "Engine.for_model"})
+    assert any(f.startswith("gemma4lib/backends/engine.py:") for f in found)
+    assert any(f.startswith("gemma4lib/backends/neuron.py:") for f in found)
+
+
+def test_only_the_backends_build_steps_and_the_engine():
+    assert calls_to({"Steps", "Engine", "Engine.for_model"}, skip=ENGINE_BUILDERS) == []
+
+
+def test_the_assistant_is_loaded_in_one_place():
+    # `registry.compile_graphs` loads it with the graphs; every backend reads it from there
+    assert [f.split(":")[0] for f in calls_to({"load_assistant"}, skip=("gemma4lib/tp/cpu_gloo.py",))] == [
+        "gemma4lib/backends/registry.py"
+    ]
