@@ -17,11 +17,12 @@ from typing import Any
 
 import torch
 
-from . import backends, checks
-from .backends.base import CompiledGraphs, DeviceRun
+from . import checks
+from .backends.base import DeviceRun
 from .backends.facts import facts as backend_facts
 from .backends.preflight import preflight
-from .device.build import GraphSet, device_graphs
+from .backends.registry import compile_graphs, run_device  # stages a notebook shows (and `port` runs)
+from .device.build import device_graphs as build_graphs  # the notebooks' name for the settings' graphs
 from .device.quant import round_model_weights
 from .generation.prompts import random_prompt_lengths
 from .models.checkpoint import load_checkpoint
@@ -202,32 +203,6 @@ def eos_ids(model: LoadedModel) -> list[int]:
     if isinstance(turn_end, int) and turn_end != model.tokenizer.unk_token_id:
         ids.add(turn_end)
     return sorted(i for i in ids if i is not None)
-
-
-def build_graphs(model: LoadedModel, settings: PortSettings, inplace: bool = True) -> GraphSet:
-    """The settings' named graphs: prefill per bucket (MoE all-experts-dense), decode or verify (+ draft)."""
-    return device_graphs(model, settings, inplace)
-
-
-def compile_graphs(
-    model: LoadedModel, settings: PortSettings, *, graphs: GraphSet | None = None, progress: bool = False
-) -> CompiledGraphs:
-    """Compile the device graphs with the settings' backend under the generation engine
-    (`CompiledGraphs.runtime`); `graphs` hands over prebuilt graphs (`cpu` and `eager` only)."""
-    return backends.compile_graphs(model, settings, graphs=graphs, progress=progress)
-
-
-def run_device(
-    model: LoadedModel,
-    settings: PortSettings,
-    requests: list[Request],
-    *,
-    progress: bool = False,
-    bench: bool = True,
-) -> DeviceRun:
-    """Build, compile and run the device graphs with the settings' backend, every request in its
-    own row: the device part of the record, with the per-step logits LOGITS_MATCH needs."""
-    return backends.run_device(model, settings, requests, progress=progress, bench=bench)
 
 
 def judge_rows(

@@ -208,3 +208,56 @@ def test_no_backend_name_is_compared_outside_the_backends():
         and (hits := backend_name_comparisons(path.read_text(encoding="utf-8")))
     }
     assert found == {}, f"compare the backend's facts row instead (gemma4lib/backends/facts.py): {found}"
+
+
+# ---- one composition root ---------------------------------------------------------------------------
+
+# Where the engine and its steps may be built: the backends (`backends.engine.engine_over`, the one
+# function that puts an engine over compiled steps, and the backends' own `Steps`) and the runtime.
+ENGINE_BUILDERS = (
+    "gemma4lib/backends/",
+    "gemma4lib/runtime.py",
+)
+
+
+def calls_to(names: set[str], *, skip: tuple[str, ...] = ()) -> list[str]:
+    """`path:line` of every call of a function named in `names` (`Engine.for_model` by its dotted
+    tail) in the library and the lab, outside the paths in `skip`."""
+    repo = ROOT.parent
+    found = []
+    for top in ("gemma4lib", "gemma4lab"):
+        for path in sorted((repo / top).rglob("*.py")):
+            where = path.relative_to(repo).as_posix()
+            if where.startswith(skip):
+                continue
+            for node in ast.walk(ast.parse(path.read_text())):
+                if not isinstance(node, ast.Call):
+                    continue
+                func = node.func
+                name = func.id if isinstance(func, ast.Name) else getattr(func, "attr", "")
+                if isinstance(func, ast.Attribute) and isinstance(func.value, (ast.Name, ast.Attribute)):
+                    owner = func.value.id if isinstance(func.value, ast.Name) else func.value.attr
+                    name = f"{owner}.{func.attr}" if f"{owner}.{func.attr}" in names else name
+                if name in names:
+                    found.append(f"{where}:{node.lineno}")
+    return found
+
+
+def test_the_checker_sees_engine_constructions():
+    found = calls_to({"Steps", "Engine", "Engine.for_model"})
+    assert any(f.startswith("gemma4lib/backends/engine.py:") for f in found)
+    assert any(f.startswith("gemma4lib/backends/neuron.py:") for f in found)
+
+
+def test_only_the_backends_build_steps_and_the_engine():
+    assert calls_to({"Steps", "Engine", "Engine.for_model"}, skip=ENGINE_BUILDERS) == []
+
+
+def test_the_assistant_is_loaded_in_one_place():
+    # `registry.compile_graphs` loads it with the graphs; every backend reads it from there. The gloo
+    # backend's `rank_graphs` loads it only when a caller (the fault lab, the TP demo) builds the rank
+    # graphs without a graph set; a port hands it the registry's.
+    assert sorted({f.split(":")[0] for f in calls_to({"load_assistant"})}) == [
+        "gemma4lib/backends/gloo.py",
+        "gemma4lib/backends/registry.py",
+    ]

@@ -200,6 +200,21 @@ def test_port_with_the_assistant_passes_its_checks():
     assert result["witness"]["seq_match"] and result["witness"]["logits_match"]
 
 
+def test_a_drafted_port_loads_its_assistant_once(monkeypatch):
+    """Generation, the benchmark against plain decode and transformers' assisted generate all use
+    the one assistant `compile_graphs` loaded with the graphs."""
+    import gemma4lib.models.assistant as assistant_module
+
+    loads, real = [], assistant_module.load_assistant
+    monkeypatch.setattr(assistant_module, "load_assistant", lambda *a, **k: loads.append(a) or real(*a, **k))
+    settings = PortSettings(
+        variant="e2b", backend="eager", draft="assistant", draft_tokens=K, iters=1, warmup=0, witness=False
+    )
+    result = port(settings)
+    assert result["hf_assisted_match"] and result["decode_tok_s_without_draft"] > 0
+    assert len(loads) == 1
+
+
 def test_a_mismatch_with_assisted_generate_fails_the_record():
     record = {"seq_match": True, "logits_match": True, "coherent": True, "draft": "assistant"}
     assert checks.failed_checks({**record, "hf_assisted_match": True}) == []

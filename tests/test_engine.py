@@ -253,6 +253,16 @@ def test_every_cell_on_the_neuron_backend_with_the_sdk_stood_in(batch, draft, sa
     assert {shape[0][0] for shape in stand_in.shapes} == {batch}  # every key called at the compiled batch
 
 
+def test_a_drafted_neuron_port_loads_its_assistant_once(neuron_stand_in, monkeypatch):
+    """The drafting keys compile the assistant `compile_graphs` loaded with the graphs, not another."""
+    import gemma4lib.models.assistant as assistant_module
+
+    loads, real = [], assistant_module.load_assistant
+    monkeypatch.setattr(assistant_module, "load_assistant", lambda *a, **k: loads.append(a) or real(*a, **k))
+    _run_cell("neuron", 1, "draft", "greedy")
+    assert len(loads) == 1
+
+
 XLA = [(1, "plain", "greedy"), (3, "draft", "greedy"), (3, "plain", "sampled"), (1, "draft", "sampled")]
 
 

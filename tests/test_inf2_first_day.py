@@ -18,6 +18,7 @@ import pytest
 import torch
 from torch import nn
 
+from gemma4lib.backends.engine import engine_over
 from gemma4lib.backends.preflight import preflight
 from gemma4lib.device.embedder import HostEmbedder
 from gemma4lib.errors import DeviceMemoryError, DeviceOutputError, HostTablesMovedError, NeuronCoresBusyError
@@ -25,7 +26,7 @@ from gemma4lib.inf2.memory_plan import plan_core_memory, rank_weight_bytes
 from gemma4lib.models.loading import build_tiny
 from gemma4lib.models.variants import get_variant
 from gemma4lib.recipes import cores, neuron_env
-from gemma4lib.recipes.common import DeviceStep, check_first_output, check_host_tables, host_generate
+from gemma4lib.recipes.common import DeviceStep, check_first_output, check_host_tables
 
 
 # ---- finding 4: int8 at its bytes; no host re-quantization for shapes -----------------------------
@@ -205,7 +206,6 @@ def test_quantized_rows_reduce_in_float32_and_keep_their_names():
 # ---- finding 8: host embeddings in the compiled dtype ------------------------------------------------
 def test_host_loop_passes_embeddings_in_the_compiled_dtype():
     model = build_tiny(get_variant("e2b"))  # float32 tables
-    host = HostEmbedder.from_text_model(model.text_model)
     seen = set()
     vocab = model.config.vocab_size
 
@@ -213,7 +213,8 @@ def test_host_loop_passes_embeddings_in_the_compiled_dtype():
         seen.update(t.dtype for t in inputs[:-2])
         return torch.zeros(1, vocab)
 
-    assert host_generate(step, host, [5, 6, 7], 3, vocab_size=vocab, dtype=torch.bfloat16)["tokens"] == [0, 0, 0]
+    engine = engine_over(model, {"decode": step}, batch=1, context_length=6, dtype=torch.bfloat16)
+    assert engine.generate([5, 6, 7], 3).tokens == [0, 0, 0]
     assert seen == {torch.bfloat16}
 
 

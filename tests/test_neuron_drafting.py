@@ -136,13 +136,15 @@ def test_the_drafting_keys_run_on_cpu_from_the_nxd_checkpoint():
 
 
 def test_the_host_calls_the_key_by_its_inputs():
+    from gemma4lib.backends.neuron import drafting_steps
+
     calls = []
     traced = types.SimpleNamespace(
         nxd_model=types.SimpleNamespace(
             forward=lambda inputs: calls.append(inputs) or (torch.ones(1, 8), torch.zeros(1, 4))
         )
     )
-    steps = neuron_drafting.drafting_steps(traced, (64,), has_ple=True)
+    steps = drafting_steps(traced, (64,), has_ple=True)
     logits, hidden = steps.draft(torch.zeros(1, 1, 8), torch.tensor([3]))
     steps.verify(*[torch.zeros(1)] * 4, torch.zeros(2))  # host K/V arguments (none here) are dropped
     assert [len(c) for c in calls] == [2, 4] and logits.dtype == torch.float32

@@ -238,7 +238,9 @@ def test_compiler_args_and_pins_are_single_sourced():
 @pytest.mark.parametrize("name", ["e2b", "e4b"])
 def test_trace_recipe_module_and_host_loop_on_cpu(name):
     """The module that torch_neuronx.trace would get, driven with device aliasing emulated."""
+    from gemma4lib.backends.engine import engine_over
     from gemma4lib.recipes import neuron_trace
+    from gemma4lib.recipes.common import AliasEmulator
     from gemma4lib.reference import reference_greedy
 
     m = tiny(name)
@@ -247,9 +249,9 @@ def test_trace_recipe_module_and_host_loop_on_cpu(name):
     assert sorted(aliases.values()) == list(range(1, 1 + len(module.kv)))
     assert all(isinstance(p, torch.nn.Parameter) and not p.requires_grad for p in aliases)
     ids = prompt(name)
-    result = neuron_trace.cpu_check(m, ids, 16, 64)
-    assert result["prefill_mode"] == "decode-steps"
-    assert result["tokens"] == reference_greedy(m.lm, ids, 16)
+    engine = engine_over(m, {"decode": AliasEmulator(module)}, batch=1, context_length=64, dtype=m.lm_head.weight.dtype)
+    assert engine.buckets == []  # no prefill graph: the prompt runs through the decode graph token by token
+    assert engine.generate(ids, 16).tokens == reference_greedy(m.lm, ids, 16)
 
 
 def test_host_runtime_over_device_steps():
@@ -533,8 +535,9 @@ def test_e2b_model_builder_prefill_and_decode_share_kv_on_cpu():
     """E2B's ModelBuilder modules at TP=1 (CPU layers for NxD's), loaded from the checkpoint the
     loader returns: one prefill call of the prompt writes the K/V that the decode module reads
     (one set of parameters), and the tokens equal the reference's."""
+    from gemma4lib.backends.engine import engine_over
     from gemma4lib.recipes import neuron_model_builder as mb
-    from gemma4lib.recipes.common import AliasEmulator, host_generate
+    from gemma4lib.recipes.common import AliasEmulator
     from gemma4lib.reference import reference_greedy
     from gemma4lib.tp import make_plan
     from gemma4lib.tp.rank_graph import CpuParallelFactory
@@ -553,20 +556,11 @@ def test_e2b_model_builder_prefill_and_decode_share_kv_on_cpu():
         assert not unexpected and all(k.startswith("kv.") for k in missing)
     assert all(a is b for a, b in zip(decode.kv, modules["prefill"].kv, strict=True))
     assert decode.num_inputs == 4  # PLE is a host input, as for E4B
-    from gemma4lib.device.embedder import HostEmbedder
-
     ids = prompt("e2b")
-    result = host_generate(
-        AliasEmulator(decode),
-        HostEmbedder.from_text_model(m.text_model),
-        ids,
-        16,
-        vocab_size=int(m.config.vocab_size),
-        prefill=AliasEmulator(modules["prefill"]),
-        prefill_len=32,
-    )
-    assert result["prefill_mode"] == "graph"
-    assert result["tokens"] == reference_greedy(m.lm, ids, 16)
+    steps = {"prefill32": AliasEmulator(modules["prefill"]), "decode": AliasEmulator(decode)}
+    engine = engine_over(m, steps, batch=1, context_length=len(ids) + 16)
+    assert engine.buckets == [32]  # the prompt is one prefill graph call
+    assert engine.generate(ids, 16).tokens == reference_greedy(m.lm, ids, 16)
 
 
 def test_e2b_memory_plan_names_where_each_recipe_compiles():

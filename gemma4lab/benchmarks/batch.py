@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from gemma4lab.benchmarks.hf import StepClock
+from gemma4lib.backends.engine import engine_over
 from gemma4lib.backends.registry import cpu_balance, get_backend
 from gemma4lib.device.build import device_graph
 from gemma4lib.device.graph import GraphShape
@@ -33,7 +34,7 @@ from gemma4lib.inf2.batch_roofline import batch_decode_bytes
 from gemma4lib.inf2.roofline import GB
 from gemma4lib.models.loading import LoadedModel
 from gemma4lib.reference import random_prompt, reference_greedy
-from gemma4lib.runtime import Engine, Request, Steps, bind_kv
+from gemma4lib.runtime import Engine, Request
 
 BATCH_SIZES = (1, 2, 4, 8, 16)
 BANDWIDTH_TOLERANCE = 0.15  # relative change between the before and after measurements
@@ -88,12 +89,8 @@ def batch_engine(
     `compile_one`) and the same batch's prefill graph uncompiled (not timed); and the decode graph."""
     decode = device_graph(model, GraphShape(batch, 1, context_length, True), form, compute_balance=cpu_balance(backend))
     prefill = device_graph(model, GraphShape(batch, bucket, context_length, True), "dense")
-    kv = decode.new_kv()
-    steps = Steps(
-        prefill={bucket: bind_kv(prefill, kv)}, decode=bind_kv(get_backend(backend).compile_one(decode, cache).fn, kv)
-    )
-    engine = Engine.for_model(model, steps, batch=batch, context_length=context_length, dtype=decode.dtype)
-    return engine, decode
+    fns = {f"prefill{bucket}": prefill, "decode": get_backend(backend).compile_one(decode, cache).fn}
+    return engine_over(model, fns, decode, kv=decode.new_kv()), decode
 
 
 def bench_batch_model(

@@ -34,13 +34,13 @@ from typing import Any
 
 import torch
 
-from gemma4lib.backends.cpu import steps_over
+from gemma4lib.backends.engine import engine_over, named_steps
 from gemma4lib.backends.registry import cpu_balance, get_backend
 from gemma4lib.device.build import GraphSet, graph_set
 from gemma4lib.generation.drafters import CallableDrafter, PromptLookupDrafter
 from gemma4lib.models.loading import LoadedModel
 from gemma4lib.reference import reference_greedy
-from gemma4lib.runtime import BatchResult, Drafter, Engine, Request
+from gemma4lib.runtime import BatchResult, Drafter, Engine, Request, Steps
 from gemma4lib.timing import time_interleaved
 
 log = logging.getLogger(__name__)
@@ -89,19 +89,11 @@ class GraphEngines:
     """The engines over one compiled graph set: plain decode, or one verify graph shared by drafters."""
 
     graphs: GraphSet
-    steps: Any
+    steps: Steps
     compile_s: float
 
     def engine(self, model: LoadedModel, drafter: Drafter | None = None) -> Engine:
-        return Engine.for_model(
-            model,
-            self.steps,
-            batch=self.graphs.batch,
-            context_length=self.graphs.target.shape.context_length,
-            dtype=self.graphs.target.dtype,
-            draft_tokens=self.graphs.draft_tokens,
-            drafter=drafter if self.graphs.verify is not None else None,
-        )
+        return engine_over(model, self.steps, self.graphs, drafter=drafter)
 
 
 def compile_set(
@@ -120,7 +112,7 @@ def compile_set(
     )
     compiled = get_backend(backend).compile_one(graphs.target, cache)
     fns = {f"prefill{bucket}": graphs.prefill[bucket], ("verify" if draft_tokens else "decode"): compiled.fn}
-    return GraphEngines(graphs, steps_over(graphs, fns, graphs.new_kv()), compiled.compile_s)
+    return GraphEngines(graphs, named_steps(fns, graphs.new_kv()), compiled.compile_s)
 
 
 def _keeping(results: list[BatchResult], run: Callable[[], BatchResult]) -> Callable[[], BatchResult]:

@@ -9,13 +9,14 @@ from typing import Any
 
 import torch
 
+from gemma4lib.backends.engine import engine_over
 from gemma4lib.backends.registry import BACKENDS, get_backend
 from gemma4lib.cache.artifacts import ArtifactCache
 from gemma4lib.device.build import PREFILL_EXPERTS, device_graph
 from gemma4lib.device.graph import DeviceGraph, GraphShape
 from gemma4lib.errors import SettingsError, UnknownNameError
 from gemma4lib.models.loading import LoadedModel
-from gemma4lib.runtime import Engine, Steps, bind_kv
+from gemma4lib.runtime import Engine
 
 
 @dataclass
@@ -91,10 +92,8 @@ class GraphFactory:
     ) -> Engine:
         """The engine over cached graphs (one set of fresh K/V): one decode graph and a prefill graph per bucket."""
         decode = self.get(1, context_length, ring, decode_form)
-        kv = decode.graph.new_kv()
-        prefill = {b: bind_kv(self.get(b, context_length, ring, prefill_form).fn, kv) for b in buckets}
-        steps = Steps(prefill=prefill, decode=bind_kv(decode.fn, kv))
-        return Engine.for_model(self.model, steps, batch=1, context_length=context_length, dtype=decode.graph.dtype)
+        fns = {f"prefill{b}": self.get(b, context_length, ring, prefill_form).fn for b in buckets}
+        return engine_over(self.model, {**fns, "decode": decode.fn}, decode.graph, kv=decode.graph.new_kv())
 
     def compile_report(self) -> list[dict[str, Any]]:
         """Every graph built so far, in build order."""
@@ -111,12 +110,6 @@ def time_decode_steps(model: LoadedModel, step: BenchGraph, positions: Sequence[
         raise SettingsError(
             "time_decode_steps times consecutive positions, as decoding visits them: pass e.g. range(start, stop)"
         )
-    engine = Engine.for_model(
-        model,
-        Steps(decode=bind_kv(step.fn, step.graph.new_kv())),
-        batch=step.shape.batch,
-        context_length=step.shape.context_length,
-        dtype=step.graph.dtype,
-    )
+    engine = engine_over(model, {"decode": step.fn}, step.graph, kv=step.graph.new_kv())
     seconds = engine.time_steps(token, positions[0], len(positions))
     return len(positions) / seconds

@@ -104,11 +104,12 @@ def run_gemma3_270m(
     import time
 
     from gemma4lib import checks
+    from gemma4lib.backends.engine import engine_over
     from gemma4lib.backends.registry import get_backend
     from gemma4lib.cache.artifacts import ArtifactCache
     from gemma4lib.device.graph import DeviceGraph, GraphShape
     from gemma4lib.reference import reference_greedy
-    from gemma4lib.runtime import Engine, Steps, bind_kv, encode_prompt
+    from gemma4lib.runtime import encode_prompt
 
     started = time.perf_counter()
     model = load_gemma3_270m(cache_dir)
@@ -122,9 +123,8 @@ def run_gemma3_270m(
     one = {t: get_backend(backend).compile_one(g, cache) for t, g in graphs.items()}  # eager: the graph as built
     compile_s = sum(c.compile_s for c in one.values())
     compiled = time.perf_counter()
-    kv = graphs[1].new_kv()
-    steps = Steps(prefill={prefill_len: bind_kv(one[prefill_len].fn, kv)}, decode=bind_kv(one[1].fn, kv))
-    engine = Engine.for_model(model, steps, batch=1, context_length=context_length)
+    fns = {f"prefill{prefill_len}": one[prefill_len].fn, "decode": one[1].fn}
+    engine = engine_over(model, fns, graphs[1], kv=graphs[1].new_kv())
     generation = engine.generate(ids, max_new_tokens, keep_logits=True)
     reference = reference_greedy(model.lm, ids, max_new_tokens)
     answer = model.tokenizer.decode(generation.tokens)

@@ -31,12 +31,13 @@ import torch
 
 from gemma4lab.models.medium import temper_attention
 from gemma4lib.backends.compile_cpu import compile_graph
+from gemma4lib.backends.engine import engine_over
 from gemma4lib.cache.artifacts import ArtifactCache
 from gemma4lib.device.graph import DeviceGraph, GraphShape, index_tensor
 from gemma4lib.models.loading import LoadedModel, build_random, text_config
 from gemma4lib.models.variants import VARIANTS, Variant, get_variant
 from gemma4lib.reference import hf_greedy, random_prompt, teacher_forced_logits
-from gemma4lib.runtime import Engine, Steps, bind_kv, softcap
+from gemma4lib.runtime import Engine, softcap
 
 log = logging.getLogger(__name__)
 
@@ -224,9 +225,7 @@ def check_real_width(
         decode, recipe, hit = compiled, compiled.info["compiler"], compiled.cache_hit
         compile_s = time.perf_counter() - started
         timings["compile_and_load_s"] = compile_s
-    kv = decode_graph.new_kv()
-    steps = Steps(prefill={bucket: bind_kv(prefill, kv)}, decode=bind_kv(decode, kv))
-    engine = Engine.for_model(model, steps, batch=1, context_length=context_length, dtype=dtype)
+    engine = engine_over(model, {f"prefill{bucket}": prefill, "decode": decode}, decode_graph, kv=decode_graph.new_kv())
     started = time.perf_counter()
     generation = engine.generate(prompt, new_tokens, keep_logits=True)
     timings["device_s"] = time.perf_counter() - started

@@ -33,7 +33,6 @@ from gemma4lib.device.graph import DeviceGraph
 from gemma4lib.models.loading import build_tiny
 from gemma4lib.models.variants import VARIANTS, get_variant
 from gemma4lib.reference import random_prompt, reference_greedy
-from gemma4lib.runtime import Engine
 from gemma4lib.settings import PortSettings
 
 
@@ -69,6 +68,7 @@ def run_variant(
 ) -> dict[str, Any]:
     """Prefill one seeded prompt, decode `decode_steps` tokens on XLA; compare with HF greedy decoding.
     `seed` None: the variant's `tiny_seed` (its weights and prompt, as a random-weights port's)."""
+    from gemma4lib.backends.engine import engine_over
     from gemma4lib.backends.xla import session_steps
 
     t0 = time.perf_counter()
@@ -98,7 +98,7 @@ def run_variant(
             model.text_model, model.lm_head, model.layout, decode.shape, inplace=False, expert_form=decode.expert_form
         )
     steps, session = session_steps(graphs, hlo_dir)
-    engine = Engine.for_model(model, steps, batch=1, context_length=context_length, dtype=graphs.target.dtype)
+    engine = engine_over(model, steps, graphs)
     row = engine.generate(ids, settings.max_new_tokens)
     t_end = time.perf_counter()
 

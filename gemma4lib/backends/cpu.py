@@ -7,9 +7,9 @@ from typing import TYPE_CHECKING
 
 from ..cache.artifacts import ArtifactCache
 from ..cache.bundle import cache_for
-from ..runtime import Steps, bind_kv, bind_kv_rows
 from .base import CompiledGraph, CompiledGraphs
 from .compile_cpu import RECIPE, compile_graph
+from .engine import named_steps
 
 COMPILER = RECIPE
 
@@ -31,26 +31,12 @@ def compile(graphs: GraphSet, model: LoadedModel, settings: PortSettings, progre
     }
     kv = graphs.new_kv()
     return CompiledGraphs(
-        steps_over(graphs, compiled, kv),
+        named_steps(compiled, kv),
         sum(c.compile_s for c in compiled.values()),
         [c.cache_hit for c in compiled.values()],
         RECIPE,
         {"artifacts": {name: str(c.entry.path) for name, c in compiled.items()}},
         kv=kv,
-    )
-
-
-def steps_over(graphs: GraphSet, fns: dict, kv: list) -> Steps:
-    """`Steps` from callables named as `graphs.named()`, each taking the K/V `kv` as trailing inputs
-    (but the vision graph, which reads none, and the one-row prefills, which take one row of them)."""
-    bound = {name: bind_kv(fn, kv) for name, fn in fns.items() if name != "vision"}
-    return Steps(
-        prefill={b: bound[f"prefill{b}"] for b in graphs.prefill},
-        row_prefill={b: bind_kv_rows(fns[f"row_prefill{b}"], kv) for b in graphs.row_prefill},
-        decode=bound.get("decode"),
-        verify=bound.get("verify"),
-        draft=bound.get("draft"),
-        vision=fns.get("vision"),  # reads no K/V
     )
 
 

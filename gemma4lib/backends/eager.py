@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from .base import CompiledGraph, CompiledGraphs
-from .cpu import steps_over
+from .engine import named_steps
 
 if TYPE_CHECKING:
     from ..cache.artifacts import ArtifactCache
@@ -20,7 +20,7 @@ COMPILER = "eager"
 
 def compile(graphs: GraphSet, model: LoadedModel, settings: PortSettings, progress: bool = False) -> CompiledGraphs:
     kv = graphs.new_kv()
-    return CompiledGraphs(steps_over(graphs, graphs.named(), kv), 0.0, [], COMPILER, kv=kv)
+    return CompiledGraphs(named_steps(graphs.named(), kv), 0.0, [], COMPILER, kv=kv)
 
 
 def compile_one(graph: DeviceGraph, cache: ArtifactCache | None) -> CompiledGraph:

@@ -25,6 +25,7 @@ from ..cache.bundle import cache_for
 from ..device.embedder import HostEmbedder
 from ..device.graph import GraphShape
 from ..environment import program_versions
+from ..errors import SettingsError
 from ..inf2.doctor import warn_low_host_ram
 from ..inf2.memory_plan import neuron_recipe
 from ..models.weights_identity import weights_identity
@@ -32,6 +33,7 @@ from ..recipes import cores, neuron_env, neuron_model_builder, neuron_trace, neu
 from ..recipes.common import DeviceStep, check_host_tables, index_dtype, key_inputs
 from ..runtime import Steps
 from .base import CompiledGraphs
+from .engine import named_steps
 from .program_key import source_digest
 
 if TYPE_CHECKING:
@@ -301,10 +303,14 @@ def compile_drafting(graphs: GraphSet, model: LoadedModel, settings: PortSetting
     """The ModelBuilder drafting keys (prefill per bucket, verify, draft over one set of device K/V
     states): compiled, or found in the artifact cache, loaded on the cores (inf2-only through the
     recipe's SDK calls)."""
-    from ..models.assistant import load_assistant
     from ..recipes import neuron_drafting
 
-    assistant = load_assistant(model, settings)
+    assistant = graphs.assistant  # loaded once, with the graphs (`registry.compile_graphs`)
+    if assistant is None:
+        raise SettingsError(
+            "the drafting keys compile the assistant beside the target: build the graphs with it "
+            "(device_graphs(..., assistant=load_assistant(model, settings)), as compile_graphs does)"
+        )
     tp, k = int(settings.tp_degree), int(graphs.draft_tokens)
     buckets = tuple(sorted(graphs.prefill))
     dtype = model.lm_head.weight.dtype
@@ -341,8 +347,18 @@ def compile_drafting(graphs: GraphSet, model: LoadedModel, settings: PortSetting
     cores.check_free(0, tp, label)
     vision = compile_vision(graphs.vision, model, settings, tp) if graphs.vision is not None else None
     traced = cores.claim(neuron_model_builder.load_model_builder(entry.path, tp), 0, tp, label)
-    steps = neuron_drafting.drafting_steps(traced, buckets, graphs.target.has_ple)
+    steps = drafting_steps(traced, buckets, graphs.target.has_ple)
     compiled = CompiledGraphs(
         steps, compile_s, [entry.hit], f"neuron-{neuron_drafting.RECIPE}", {"artifacts": {"drafting": str(entry.path)}}
     )
     return with_vision(compiled, vision)
+
+
+def drafting_steps(traced: Any, buckets: tuple[int, ...], has_ple: bool) -> Steps:
+    """The engine's `Steps` of a loaded drafting model: prefill per bucket, verify and draft, each
+    a key of the one NxD model (`recipes.neuron_drafting.NxDKeyStep`; the K/V are device states)."""
+    from ..recipes.neuron_drafting import NxDKeyStep
+
+    n = 4 if has_ple else 3
+    keys = {f"prefill{int(b)}": NxDKeyStep(traced, n) for b in buckets}
+    return named_steps({**keys, "verify": NxDKeyStep(traced, n), "draft": NxDKeyStep(traced, 2)})

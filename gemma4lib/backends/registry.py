@@ -22,6 +22,7 @@ from ..runtime import Engine, Request, RowResult, softcap
 from ..timing import bench_drafted, benchmark
 from . import cpu, eager, gloo, neuron, xla
 from .base import Backend, CompiledGraphs, DeviceRun, refuse_graphs
+from .engine import engine_over
 from .facts import FACTS, facts, row_at, selectable
 from .preflight import preflight
 
@@ -87,16 +88,7 @@ def compile_graphs(
     compiled = backend.compile(graphs, model, settings, progress)
     drafter = drafter or make_drafter(settings.draft)
     compiled.graphs, compiled.assistant = graphs, assistant
-    compiled.runtime = Engine.for_model(
-        model,
-        compiled.steps,
-        batch=graphs.batch,
-        context_length=settings.context_length,
-        dtype=graphs.target.dtype,
-        draft_tokens=graphs.draft_tokens,
-        drafter=drafter if graphs.verify is not None else None,
-        image_blocks=graphs.image_blocks,
-    )
+    compiled.runtime = engine_over(model, compiled.steps, graphs, drafter=drafter)
     return compiled
 
 

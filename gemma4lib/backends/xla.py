@@ -315,12 +315,12 @@ COMPILER = "torch-xla"
 def session_steps(graphs: GraphSet, hlo_dir: str | Path | None = None) -> tuple[Steps, XLASession]:
     """The named graphs of `graphs` (functional form) in one session, as the engine's `Steps` over
     one set of device K/V that the prefill, decode and verify steps rebind and the draft step reads."""
-    from .cpu import steps_over
+    from .engine import named_steps
 
     named = graphs.named()
     session = XLASession(named, hlo_dir=hlo_dir)
     kv = session.new_kv("decode" if graphs.decode is not None else "verify")
-    return steps_over(graphs, {name: session.step(name) for name in named}, kv), session
+    return named_steps({name: session.step(name) for name in named}, kv), session
 
 
 def compile(graphs: GraphSet, model: LoadedModel, settings: PortSettings, progress: bool = False) -> CompiledGraphs:

@@ -48,6 +48,8 @@ class GraphSet:
     vision: VisionGraph | None = None  # pixels -> soft tokens, when the port has images (no K/V)
     # batch 1 prefill graphs per bucket over one row of the batch's K/V (`runtime.bind_kv_rows`)
     row_prefill: dict[int, DeviceGraph] = field(default_factory=dict)
+    # the loaded assistant the draft graph reads (drafting with it): loaded once per port, handed on
+    assistant: LoadedAssistant | None = None
 
     @property
     def image_blocks(self) -> bool:
@@ -198,7 +200,8 @@ def graph_set(
                 "draft='assistant' builds the assistant's draft graph: pass assistant=load_assistant(...)"
             )
         draft = DraftGraph(assistant.model, layout, GraphShape(batch, 1, context_length, ring), assistant.read_layers)
-    return GraphSet(prefill, None, layout, verify, draft, k, vision=vision, row_prefill=rows)
+    assistant = assistant if draft is not None else None
+    return GraphSet(prefill, None, layout, verify, draft, k, vision=vision, row_prefill=rows, assistant=assistant)
 
 
 def image_graph(model: LoadedModel, settings: PortSettings) -> VisionGraph | None:

@@ -7,14 +7,13 @@
   back into the same device buffers.
 - `AliasEmulator`: runs a `KVParamModule` on CPU the way the device runs the compiled one (outputs
   copied back into the K/V parameters), so the host loop below is tested here.
-- `host_generate`: the engine (`runtime.Engine`) over modules that hold their K/V: embeddings
-  (and PLE) looked up on the host (`embedder.HostEmbedder`), prefill (one graph call, or the prompt
-  token by token through the decode graph), greedy decode.
+- `DeviceStep`: an engine step over a compiled module that holds its K/V (the `neuron` backend
+  puts the one engine over them, `backends.engine.engine_over`; on CPU over an `AliasEmulator`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -92,55 +91,6 @@ class AliasEmulator:
 def first_output(out: Any) -> torch.Tensor:
     """The logits, whether a compiled module returns a tensor or a tuple/list led by them."""
     return out[0] if isinstance(out, (tuple, list)) else out
-
-
-def host_generate(
-    decode: Callable[..., Any],
-    host: HostEmbedder,
-    prompt: Sequence[int],
-    max_new_tokens: int,
-    *,
-    vocab_size: int,
-    prefill: Callable[..., Any] | None = None,
-    prefill_len: int | None = None,
-    context_length: int | None = None,
-    eos_token_ids: Sequence[int] = (),
-    keep_logits: bool = False,
-    dtype: torch.dtype | None = None,
-) -> dict[str, Any]:
-    """Greedy tokens from steps that hold their K/V themselves (a device module, or an
-    `AliasEmulator`) and take only the graph inputs, through the one engine (`runtime.Engine`).
-
-    `dtype`: the dtype the graphs were compiled for; the host embeddings are cast to it (a model
-    loaded in float32 and compiled in bf16 would otherwise hand the device float32 inputs).
-    `prefill`: a prefill graph of bucket `prefill_len`; without one the engine feeds the prompt
-    through `decode` token by token. `keep_logits`: also return `step_logits` (LOGITS_MATCH).
-    """
-    from ..runtime import Engine, Steps
-
-    prompt = [int(t) for t in prompt]
-    steps = Steps(prefill={int(prefill_len or len(prompt)): prefill} if prefill is not None else {}, decode=decode)
-    engine = Engine(
-        host,
-        steps,
-        batch=1,
-        context_length=context_length or len(prompt) + max_new_tokens,
-        vocab_size=vocab_size,
-        cap=None,
-        dtype=dtype or torch.float32,
-    )
-    row = engine.generate(prompt, max_new_tokens, eos_token_ids=eos_token_ids, keep_logits=keep_logits)
-    out = {
-        "tokens": row.tokens,
-        "prefill_mode": "graph" if prefill is not None else "decode-steps",
-        "prefill_logits": row.first_logits,
-        "prefill_s": row.prefill_s,
-        "decode_s": sum(row.step_s),
-        "decode_tok_s": row.decode_tok_s,
-    }
-    if keep_logits:
-        out["step_logits"] = row.step_logits
-    return out
 
 
 def check_first_output(out: Any, vocab: int | None = None, aliases: int = 0) -> None:

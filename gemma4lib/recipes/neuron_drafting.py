@@ -198,24 +198,11 @@ class NxDKeyStep:
         return out[0].float(), out[1]
 
 
-def drafting_steps(traced: Any, buckets: tuple[int, ...], has_ple: bool):
-    """The engine's `Steps` of a loaded drafting model (prefill per bucket, verify, draft)."""
-    from ..runtime import Steps
-
-    n = 4 if has_ple else 3
-    return Steps(
-        prefill={int(b): NxDKeyStep(traced, n) for b in buckets},
-        verify=NxDKeyStep(traced, n),
-        draft=NxDKeyStep(traced, 2),
-    )
-
-
 __all__ = [
     "NxDKeyStep",
     "compile_drafting",
     "drafting_checkpoint",
     "drafting_shapes",
-    "drafting_steps",
     "key_compiler_args",
     "key_example_inputs",
     "key_module",

@@ -63,7 +63,6 @@ from __future__ import annotations
 
 import functools
 import json
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -71,7 +70,6 @@ import torch
 from torch import nn
 
 from ..device.build import device_graph
-from ..device.embedder import HostEmbedder
 from ..device.experts import EXPERT_FORMS
 from ..device.graph import GraphShape
 from ..device.quant import LINEAR_WEIGHT_NAME, check_weights, quantize
@@ -80,7 +78,7 @@ from ..tp.plan import TPPlan, make_plan
 from ..tp.rank_graph import build_rank_graph
 from ..tp.shard import nxd_full_checkpoint
 from . import neuron_env
-from .common import KVParamModule, host_generate, key_inputs
+from .common import KVParamModule, key_inputs
 
 RECIPE = "model_builder"
 PURPOSE = "the ModelBuilder recipe (neuronx_distributed.trace.model_builder)"
@@ -354,26 +352,3 @@ def load_model_builder(out_dir: str | Path, tp: int | None = None, start_rank: i
     weights = [load_file(str(out / "weights" / SHARD_FILE.format(rank=r))) for r in range(start_rank, start_rank + tp)]
     traced.nxd_model.initialize(weights, torch.tensor([start_rank], dtype=torch.int32))  # inf2-only
     return traced
-
-
-def generate(
-    traced: Any,
-    loaded: Any,
-    prompt: Sequence[int],
-    max_new_tokens: int,
-    prefill_len: int,
-    dtype: torch.dtype = torch.bfloat16,
-) -> dict[str, Any]:
-    """Greedy tokens from the loaded NxD model (it routes prefill/decode by input shape);
-    `dtype`: the one `compile_model_builder` compiled for (the host embeddings are cast to it)."""
-    host = HostEmbedder.from_text_model(loaded.text_model)
-    return host_generate(
-        traced,
-        host,
-        prompt,
-        max_new_tokens,
-        vocab_size=int(loaded.config.vocab_size),
-        prefill=traced,
-        prefill_len=prefill_len,
-        dtype=dtype,
-    )

@@ -32,7 +32,8 @@ price is one call after loading: `torch_neuronx.move_trace_to_device`, without w
 weights would be copied from the host on every call.
 
 Only the lines marked `# inf2-only` need the Neuron SDK; everything else runs on CPU, where
-`AliasEmulator` stands in for the device aliasing (tests drive exactly this host loop).
+`common.AliasEmulator` stands in for the device aliasing (tests drive the engine over exactly
+the module that would be traced).
 """
 
 from __future__ import annotations
@@ -43,10 +44,9 @@ from typing import Any
 
 import torch
 
-from ..device.embedder import HostEmbedder
 from ..device.graph import DeviceGraph, GraphShape
 from . import neuron_env
-from .common import AliasEmulator, KVParamModule, host_generate
+from .common import KVParamModule
 
 RECIPE = "trace"
 PURPOSE = "the one-core trace recipe (torch_neuronx.trace)"
@@ -105,16 +105,3 @@ def load(path: str | Path, core: int = 0):
     traced = torch.jit.load(str(path))  # inf2-only (the artifact holds a NEFF)
     torch_neuronx.move_trace_to_device(traced, core)  # inf2-only: separated weights go to HBM once
     return traced
-
-
-def generate(step: Any, loaded: Any, prompt: Sequence[int], max_new_tokens: int) -> dict[str, Any]:
-    """Greedy tokens: `step` is the loaded trace on inf2, or `AliasEmulator(build_kv_module(...))` on CPU."""
-    host = HostEmbedder.from_text_model(loaded.text_model)
-    return host_generate(
-        step, host, prompt, max_new_tokens, vocab_size=int(loaded.config.vocab_size), dtype=loaded.lm_head.weight.dtype
-    )
-
-
-def cpu_check(loaded: Any, prompt: Sequence[int], max_new_tokens: int, context_length: int) -> dict[str, Any]:
-    """Run the recipe's host loop on CPU over the exact module that would be traced."""
-    return generate(AliasEmulator(build_kv_module(loaded, context_length)), loaded, prompt, max_new_tokens)
