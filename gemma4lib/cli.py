@@ -225,7 +225,7 @@ def cmd_port(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from .cache.export import export_bundle
+    from .export import export_bundle
 
     _threads(args.threads)
     manifest = export_bundle(_settings(args), args.out, progress=not args.json)

@@ -28,9 +28,8 @@ from .generation.prompts import random_prompt_lengths
 from .models.checkpoint import load_checkpoint
 from .models.image_attention import bidirectional_images
 from .models.loading import LoadedModel, build_tiny
-from .record import build_record
+from .record import build_record, write_result
 from .reference import hf_assisted, random_prompt, reference_for, reference_greedy, teacher_forced_logits
-from .results import write_result
 from .runtime import Request, encode_prompt
 from .settings import BACKENDS, DEFAULT_PROMPT, MODEL_SOURCES, PortSettings
 

@@ -13,12 +13,16 @@ lacks can tell an old record by `schema`. Schema 3 renamed the compiler's key fr
 
 from __future__ import annotations
 
+import json
+import re
 import sys
 import time
 from collections.abc import Mapping
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from . import checks
+from .cache.artifacts import atomic_write_json
 from .environment import machine, peak_rss_mb, versions
 from .inf2.memory_plan import neuron_recipe
 
@@ -86,4 +90,22 @@ def build_record(
     return result
 
 
-__all__ = ["RECORD_SCHEMA", "build_record"]
+# ---- one JSON file per run, written atomically ----------------------------------------------------
+def result_filename(result: dict[str, Any]) -> str:
+    stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime())
+    name = f"{result.get('variant', 'run')}-{result.get('profile', 'x')}-tp{result.get('tp_degree', 1)}-{stamp}"
+    return re.sub(r"[^A-Za-z0-9_.-]", "_", name) + ".json"
+
+
+def write_result(result: dict[str, Any], folder: Path, name: str | None = None) -> Path:
+    """Write `result` as `folder/name` (default: variant-profile-tp-timestamp.json) and return the path."""
+    path = Path(folder) / (name or result_filename(result))
+    atomic_write_json(path, result)
+    return path
+
+
+def read_result(path: Path) -> dict[str, Any]:
+    return json.loads(Path(path).read_text())
+
+
+__all__ = ["RECORD_SCHEMA", "build_record", "read_result", "result_filename", "write_result"]

@@ -361,7 +361,7 @@ print("\n".join(line for line in server.log_tail(4000).splitlines() if "drain" i
 
 # %%
 if on_inf2:  # inf2-only: written against SDK 2.28, never run on inf2
-    from gemma4lib.cache.export import export_bundle
+    from gemma4lib.export import export_bundle
     from gemma4lib.cli import load_engine_from
     from gemma4lib.server.ray_app import RayOptions, deploy, stop_ray
 

@@ -101,7 +101,7 @@ def test_gemma4lib_has_no_import_cycles():
 # the notebook helpers). Everything else is below `port` and must not reach it.
 ABOVE_PORT = (
     "gemma4lib.cli",
-    "gemma4lib.cache.export",
+    "gemma4lib.export",
     "gemma4lab.tools.faults",
     "gemma4lab.benchmarks",
     "gemma4lab.notebook",

@@ -62,7 +62,7 @@ from gemma4lib.models.trained import FIXTURES_DIR, sha256_file, verify_fixture_h
 from gemma4lib.models.variants import get_variant
 from gemma4lib.port import PortSettings
 from gemma4lib.recipes import neuron_env, recipe_module
-from gemma4lib.results import read_result, write_result
+from gemma4lib.record import read_result, write_result
 from gemma4lib.runtime import Engine, Request, Sampling, Steps, bind_kv, encode_prompt
 from gemma4lib.tp.plan import make_plan
 from papermill_runs import baselines

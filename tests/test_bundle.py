@@ -204,7 +204,7 @@ def test_a_neuron_bundle_carries_the_model_and_its_shards(tmp_path, monkeypatch)
     entry (model.pt, the per-rank shards in weights/); a run from the bundle on the serving host
     loads that entry with no compile, and another instance family is refused."""
     from gemma4lib.backends import neuron
-    from gemma4lib.cache.export import export_bundle
+    from gemma4lib.export import export_bundle
     from gemma4lib.recipes import neuron_env, neuron_model_builder
 
     pins = {

@@ -27,7 +27,7 @@ def deployment(tmp_path_factory):
     import ray
     from ray import serve
 
-    from gemma4lib.cache.export import export_bundle
+    from gemma4lib.export import export_bundle
     from gemma4lib.cli import load_engine_from
     from gemma4lib.port import PortSettings
     from gemma4lib.server.launch import free_port

@@ -4,7 +4,7 @@
 rows). What needs more is here: the inf2 recipe the variant compiles with, the memory plan that
 must fit the NeuronCores and the serving host, the Neuron SDK, a NeuronCore left for the vision
 graph, and a bundle's manifest. The composition roots call `preflight(settings)` before any
-weight loads (`port.port`, `cli.load_engine`, `cache.export`, `registry.compile_graphs`), so a
+weight loads (`port.port`, `cli.load_engine`, `export`, `registry.compile_graphs`), so a
 mistake fails in a second, not after a checkpoint load or half an hour of compiling.
 """
 

@@ -1,7 +1,7 @@
 """A compiled port that travels: a bundle folder of cache entries plus a manifest that says what
 they were compiled for.
 
-`python -m gemma4lib export --variant V [port flags] --out DIR` (`gemma4lib.cache.export`) writes it;
+`python -m gemma4lib export --variant V [port flags] --out DIR` (`gemma4lib.export`) writes it;
 `PortSettings(artifacts=DIR)` / `port --artifacts DIR` runs from it: the bundle's entries are a
 read-only layer in front of the artifact cache, nothing is compiled (a graph the bundle lacks is a
 `BundleError`, never a compile) and nothing is written, so `compile_s` is 0. The layout:

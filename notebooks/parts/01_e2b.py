@@ -222,7 +222,7 @@ import dataclasses
 import tempfile
 from pathlib import Path
 
-from gemma4lib.cache.export import export_bundle
+from gemma4lib.export import export_bundle
 from gemma4lib.port import compile_graphs
 
 if not on_inf2:

@@ -17,11 +17,11 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from ..backends.registry import without_draft
-from ..errors import BundleError
-from ..port import PortSettings, compile_graphs, load_model, witness_settings
-from .artifacts import atomic_write_json
-from .bundle import ENTRIES, MANIFEST, manifest_for
+from .backends.registry import without_draft
+from .cache.artifacts import atomic_write_json
+from .cache.bundle import ENTRIES, MANIFEST, manifest_for
+from .errors import BundleError
+from .port import PortSettings, compile_graphs, load_model, witness_settings
 
 log = logging.getLogger(__name__)
 
