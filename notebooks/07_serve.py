@@ -90,7 +90,7 @@ from gemma4lib.models.corpus import COUNTRIES
 from gemma4lab.notebook import plots_serve
 from gemma4lib.cli import serving_defaults
 from gemma4lib.port import PortSettings
-from gemma4lib.server.load import run_async, run_load
+from gemma4lab.serving.load import run_async, run_load
 from gemma4lib.server.metrics import RATE_WINDOW_S
 from gemma4lib.server.process import ServerProcess
 

@@ -513,7 +513,7 @@ def test_metrics_count_tokens_and_latencies(fake):
 
 def test_the_load_run_reports_complete_unmixed_levels_and_batching_pays(tokenizer):
     """Four rows whose step costs the same for one row or four: four clients beat one's tokens/s (ideally 4x)."""
-    from gemma4lib.server.load import run_load
+    from gemma4lab.serving.load import run_load
 
     server, engine = serve_fake(tokenizer, batch=4, step_s=0.01)
     try:

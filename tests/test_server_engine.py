@@ -177,7 +177,7 @@ def test_a_prompt_over_the_compiled_context_is_a_400(server):
 def test_lm_eval_scores_the_endpoint_as_in_process(server, loaded, tmp_path):
     """lm-eval's local-chat-completions model over HTTP and `EngineLM` in process: same task file, same
     exact-match score, same reply for every question (the server is idle; the engine is used in turn)."""
-    from gemma4lib.server.evaluation import evaluate_endpoint, evaluate_in_process
+    from gemma4lab.serving.evaluation import evaluate_endpoint, evaluate_in_process
 
     over_http = evaluate_endpoint(server.url, "e2b", tmp_path / "http")
     scheduler = server.served.scheduler
