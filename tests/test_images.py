@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pytest
 
+from gemma4lab.training import vision as vision_training
 from gemma4lib.errors import ImageInputError, NoVisionError, PromptTooLongError, TooManyImagesError
 from gemma4lib.models import vision
 from gemma4lib.models.shapes import SAMPLES, describe, parse_answer, shape_images
@@ -94,7 +95,9 @@ def test_soft_tokens_change_the_answer(random_e2b):
 
     settings = PortSettings(variant="e2b", model="random", backend="eager", images=(str(RED_CIRCLE),))
     engine = _engine(random_e2b, settings)
-    tok = vision.vision_tokenizer(__import__("gemma4lib.models.trained", fromlist=["x"]).load_trained("e2b").tokenizer)
+    tok = vision_training.vision_tokenizer(
+        __import__("gemma4lib.models.trained", fromlist=["x"]).load_trained("e2b").tokenizer
+    )
     logits = []
     for name in ("red_circle.png", "blue_square.png"):
         inputs = image_prompt(tok, random_e2b.processor, [IMAGES / name], "What?", image_token_id=vision.IMAGE_TOKEN_ID)
@@ -194,7 +197,9 @@ def test_image_for_checkpoint_without_vision(tmp_path):
 def test_more_images_than_image_tokens(random_e2b):
     from gemma4lib.images import image_prompt
 
-    tok = vision.vision_tokenizer(__import__("gemma4lib.models.trained", fromlist=["x"]).load_trained("e2b").tokenizer)
+    tok = vision_training.vision_tokenizer(
+        __import__("gemma4lib.models.trained", fromlist=["x"]).load_trained("e2b").tokenizer
+    )
     one_part = vision.image_messages("What is in the image?", 1)
     with pytest.raises(TooManyImagesError, match="one"):
         image_prompt(
@@ -338,7 +343,9 @@ def test_unified_processor_refuses_what_it_cannot_do(tmp_path):
 def _twelve_b_prompt(model):
     from gemma4lib.images import image_prompt
 
-    tok = vision.vision_tokenizer(__import__("gemma4lib.models.trained", fromlist=["x"]).load_trained("12b").tokenizer)
+    tok = vision_training.vision_tokenizer(
+        __import__("gemma4lib.models.trained", fromlist=["x"]).load_trained("12b").tokenizer
+    )
     question = "What is in the image?"
     return image_prompt(tok, model.processor, [RED_CIRCLE], question, image_token_id=vision.IMAGE_TOKEN_ID)
 

@@ -146,13 +146,13 @@ def test_roofline_int8_bytes_count_exactly_what_quant_quantizes(variant):
 
 
 def test_inf2_table_has_the_int8_columns():
-    from gemma4lib.inf2 import roofline
+    from gemma4lab.tools import inf2_tables
 
-    rows = roofline.inf2_table(contexts=(2048,), variants=("26b-a4b",))
+    rows = inf2_tables.inf2_table(contexts=(2048,), variants=("26b-a4b",))
     for row in rows:
         assert row["int8_recipe_gb"] < row["recipe_gb"]
         assert row["int8_recipe_ceiling_tok_s"] > row["recipe_ceiling_tok_s"]
-    assert "int8: recipe ceiling tok/s" in roofline.format_inf2_table(rows)
+    assert "int8: recipe ceiling tok/s" in inf2_tables.format_inf2_table(rows)
 
 
 @pytest.mark.parametrize("variant", ["12b", "26b-a4b"])

@@ -248,13 +248,13 @@ def test_retraining_e2b_converges_and_answers_on_any_cpu(retrained_e2b, tokenize
 @pytest.mark.slow
 def test_retraining_e2b_reproduces_the_shipped_fixture(provenance, request):
     """The rerun gives the recorded steps and weights byte for byte, but only with the same torch
-    version, one thread and the same CPU type (`environment.CPU_TYPE_KEYS`: vendor, family, model
+    version, one thread and the same CPU type (`machine.CPU_TYPE_KEYS`: vendor, family, model
     and the vector code path ATen picks; oneMKL's and oneDNN's kernels follow the processor). On
     another CPU type the floating-point sums round differently, and training stops at another step
     (99 steps against the recorded 136 on one). scripts/train_tiny.py records the CPU type of
     each variant in PROVENANCE.json (`variants.<name>.cpu`); this test skips, saying why, where it
     differs or is not recorded."""
-    from gemma4lib.environment import CPU_TYPE_KEYS, cpu_type
+    from gemma4lab.training.machine import CPU_TYPE_KEYS, cpu_type
 
     if provenance["versions"]["torch"] != torch.__version__:
         pytest.skip(f"fixtures were made with torch {provenance['versions']['torch']}")
@@ -276,7 +276,7 @@ def test_retraining_e2b_reproduces_the_shipped_fixture(provenance, request):
 
 
 def test_cpu_type_names_what_the_retraining_test_compares():
-    from gemma4lib.environment import CPU_TYPE_KEYS, cpu_type
+    from gemma4lab.training.machine import CPU_TYPE_KEYS, cpu_type
 
     here = cpu_type()
     assert set(CPU_TYPE_KEYS) <= set(here)

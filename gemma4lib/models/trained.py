@@ -96,22 +96,6 @@ def load_trained(
     return LoadedModel(variant, lm.eval(), tokenizer, SOURCE)
 
 
-def save_fixture(lm: torch.nn.Module, path: Path) -> dict[str, str]:
-    """Save a model as a fixture folder and check it reloads with identical tensors (buffers included)."""
-    path.mkdir(parents=True, exist_ok=True)
-    lm.save_pretrained(str(path), safe_serialization=True)
-    reloaded = type(lm).from_pretrained(
-        str(path), dtype=torch.float32, attn_implementation=lm.config._attn_implementation
-    )
-    before, after = lm.state_dict(), reloaded.state_dict()
-    if before.keys() != after.keys():
-        raise CheckpointError(f"fixture {path} reloads with different tensors: {sorted(set(before) ^ set(after))}")
-    changed = [k for k in before if not torch.equal(before[k], after[k])]
-    if changed:
-        raise CheckpointError(f"fixture {path} reloads with different values for {changed}")
-    return {name: sha256_file(path / name) for name in MODEL_FILES}
-
-
 def fixture_available(variant_name: str | Variant, root: Path | None = None) -> bool:
     """Whether a trained fixture (weights and tokenizer) is present for the variant."""
     root = root or FIXTURES_DIR
