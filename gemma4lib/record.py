@@ -84,6 +84,3 @@ def build_record(
     result["failed_checks"] = checks.failed_checks(result)
     result["checks_passed"] = not result["failed_checks"]
     return result
-
-
-__all__ = ["RECORD_SCHEMA", "build_record"]

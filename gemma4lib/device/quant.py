@@ -163,19 +163,3 @@ def quantized_count(lm: nn.Module) -> int:
         total += sum(getattr(parent, name).weight.numel() for parent, name in target_linears(layer))
         total += sum(getattr(experts, name).numel() for experts, name in expert_weights(layer))
     return total
-
-
-__all__ = [
-    "FULL_PRECISION",
-    "LINEAR_WEIGHT_NAME",
-    "Int8Linear",
-    "WEIGHT_FORMS",
-    "check_weights",
-    "dequantize",
-    "expert_weights",
-    "is_int8",
-    "quantize",
-    "quantized_count",
-    "round_model_weights",
-    "target_linears",
-]

@@ -147,13 +147,3 @@ def batch_ceilings(
             row["dense_bytes_per_step_gb"] = dense["total"] / GB
         rows.append(row)
     return rows
-
-
-__all__ = [
-    "BATCHES",
-    "FIELD_REPORT_E2B_BATCH_TOK_S",
-    "batch_ceilings",
-    "batch_decode_bytes",
-    "batch_read_form",
-    "decode_flops_per_row",
-]

@@ -159,6 +159,3 @@ def compile_host_plan(
         c["checkpoint"] * dtype_bytes / GB,
         c["device"] * dtype_bytes / GB,
     )
-
-
-__all__ = ["COMPILE_CONTEXT", "KEYS", "CompileHostPlan", "compile_host_plan"]

@@ -284,15 +284,3 @@ def serving_host_table() -> list[ServingHostPlan]:
     from ..models.variants import VARIANTS
 
     return [serving_host_plan(v) for v in VARIANTS.values()]
-
-
-__all__ = [
-    "OS_RESERVE_GIB",
-    "PROCESS_BASE_GB",
-    "ServingHostPlan",
-    "format_serving_host",
-    "require_serving_host",
-    "serving_host_options",
-    "serving_host_plan",
-    "serving_host_table",
-]

@@ -119,19 +119,3 @@ def parse_answer(text: str) -> tuple[str | None, str | None]:
     colour = next((w for w in words if w in COLOURS), None)
     shape = next((w for w in words if w in SHAPES), None)
     return colour, shape
-
-
-__all__ = [
-    "BACKGROUNDS",
-    "COLOURS",
-    "IMAGE_SIZE",
-    "QUESTION",
-    "SHAPES",
-    "SAMPLES",
-    "ShapeImage",
-    "describe",
-    "draw",
-    "parse_answer",
-    "write_samples",
-    "shape_images",
-]

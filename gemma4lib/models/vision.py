@@ -281,27 +281,3 @@ def build_random_multimodal(variant: Variant | str, seed: int = 0):
     model = loaded(variant, full, None, processor, f"tiny-random-vision(seed={seed})")
     declare_identity(model.lm, f"tiny-random-vision-lm:{variant.name}:{seed}")
     return model
-
-
-__all__ = [
-    "build_multimodal",
-    "SOURCE",
-    "VISION_DIR",
-    "VISION_VARIANTS",
-    "build_random_multimodal",
-    "load_vision_fixture",
-    "lm_over",
-    "verify_vision_hashes",
-    "BOI",
-    "BOI_ID",
-    "EOI",
-    "EOI_ID",
-    "IMAGE_TOKEN",
-    "IMAGE_TOKEN_ID",
-    "MAX_SOFT_TOKENS",
-    "expand_image_tokens",
-    "image_messages",
-    "image_processor",
-    "multimodal_config",
-    "token_types",
-]

@@ -208,15 +208,3 @@ def drafting_steps(traced: Any, buckets: tuple[int, ...], has_ple: bool):
         verify=NxDKeyStep(traced, n),
         draft=NxDKeyStep(traced, 2),
     )
-
-
-__all__ = [
-    "NxDKeyStep",
-    "compile_drafting",
-    "drafting_checkpoint",
-    "drafting_shapes",
-    "drafting_steps",
-    "key_compiler_args",
-    "key_example_inputs",
-    "key_module",
-]

@@ -71,6 +71,3 @@ def data_url(image: Any, kind: str = "png") -> str:
         image.save(buffer, format=kind.upper())
         raw = buffer.getvalue()
     return f"data:image/{kind};base64,{base64.b64encode(raw).decode('ascii')}"
-
-
-__all__ = ["MAX_IMAGE_BYTES", "data_url", "image_from_data_url"]

@@ -30,7 +30,6 @@ from .scheduler import EngineLike, Scheduler
 from .text import Codec
 
 log = logging.getLogger("gemma4lib.server")
-__all__ = ["LOOPBACK", "BackgroundServer", "Loaded", "build_served", "free_port", "serve_forever", "serve_loaded"]
 
 
 @dataclass
