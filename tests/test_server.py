@@ -22,10 +22,11 @@ from pathlib import Path
 import httpx
 import pytest
 
+from gemma4lab.serving.background import BackgroundServer
 from gemma4lib.errors import PromptTooLongError
 from gemma4lib.models.tokenizer import load_tokenizer
 from gemma4lib.models.trained import TOKENIZER_DIR
-from gemma4lib.server.launch import BackgroundServer, build_served, free_port
+from gemma4lib.server.launch import build_served, free_port
 from gemma4lib.server.text import Codec, TextStream
 
 MODEL = "fake"

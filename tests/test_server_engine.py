@@ -15,9 +15,10 @@ import threading
 
 import pytest
 
+from gemma4lab.serving.background import BackgroundServer
 from gemma4lib.cli import load_engine, serving_defaults
 from gemma4lib.port import PortSettings
-from gemma4lib.server.launch import BackgroundServer, build_served
+from gemma4lib.server.launch import build_served
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 COUNTRIES = ["Germany", "Italy", "Spain", "Japan", "Kenya", "Peru", "Chile", "Egypt"]

@@ -51,7 +51,8 @@ def loaded():
 
 @pytest.fixture(scope="module")
 def server(loaded):
-    from gemma4lib.server.launch import BackgroundServer, build_served
+    from gemma4lab.serving.background import BackgroundServer
+    from gemma4lib.server.launch import build_served
 
     served = build_served(
         loaded.engine,
