@@ -16,8 +16,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from gemma4lab.serving.load import DEFAULT_LEVELS, run_load
+from gemma4lab.serving.process import ServerProcess
 from gemma4lib.models.corpus import COUNTRIES
-from gemma4lib.server.process import ServerProcess
 
 log = logging.getLogger(__name__)
 

@@ -10,8 +10,7 @@ import uvicorn
 
 from gemma4lib.server.app import Served, create_app
 from gemma4lib.server.errors import ServerStartError
-from gemma4lib.server.launch import freeze_startup_objects
-from gemma4lib.server.process import LOOPBACK, free_port
+from gemma4lib.server.launch import LOOPBACK, free_port, freeze_startup_objects
 
 
 class BackgroundServer:

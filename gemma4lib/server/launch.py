@@ -13,6 +13,7 @@ from __future__ import annotations
 import gc
 import logging
 import signal
+import socket
 import sys
 import threading
 from dataclasses import dataclass
@@ -23,11 +24,17 @@ import uvicorn
 
 from .app import Served, create_app
 from .metrics import ServerMetrics
-from .process import LOOPBACK
 from .scheduler import EngineLike, Scheduler
 from .text import Codec
 
 log = logging.getLogger("gemma4lib.server")
+LOOPBACK = "127.0.0.1"
+
+
+def free_port(host: str = LOOPBACK) -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
 
 
 @dataclass
