@@ -29,6 +29,7 @@ import torch  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from gemma4lab.training import corpus as training_corpus  # noqa: E402
 from gemma4lab.training.machine import cpu_type  # noqa: E402
 from gemma4lab.training.text import (  # noqa: E402
     TrainConfig,
@@ -39,8 +40,9 @@ from gemma4lab.training.text import (  # noqa: E402
     state_sha256,
     train_variant,
 )
+from gemma4lab.training.tokenizer import build_tokenizer, save_tokenizer  # noqa: E402
 from gemma4lib.models import corpus  # noqa: E402
-from gemma4lib.models.tokenizer import build_tokenizer, load_tokenizer, save_tokenizer  # noqa: E402
+from gemma4lib.models.tokenizer import load_tokenizer  # noqa: E402
 from gemma4lib.models.trained import TOKENIZER_FILES, sha256_file  # noqa: E402
 from gemma4lib.models.variants import VARIANTS, get_variant  # noqa: E402
 
@@ -154,8 +156,11 @@ def main(argv=None) -> int:
             "command": command,
             "seed": args.seed,
             "threads": args.threads,
-            "corpus_sha256": corpus.corpus_sha256(),
-            "corpus": {"train_chats": len(corpus.training_chats()), "held_out_phrasing": corpus.HELD_OUT_PHRASING},
+            "corpus_sha256": training_corpus.corpus_sha256(),
+            "corpus": {
+                "train_chats": len(training_corpus.training_chats()),
+                "held_out_phrasing": corpus.HELD_OUT_PHRASING,
+            },
             "tokenizer_vocab_size": len(tokenizer),
             "versions": {
                 "torch": torch.__version__,

@@ -37,9 +37,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from gemma4lab.training.corpus import Chat, held_out_chats, training_chats
 from gemma4lib.cache.artifacts import sha256_file
 from gemma4lib.errors import CheckpointError, UnknownNameError
-from gemma4lib.models.corpus import Chat, held_out_chats, training_chats
 from gemma4lib.models.loading import LoadedModel, build_tiny
 from gemma4lib.models.trained import MODEL_FILES
 from gemma4lib.models.variants import Variant

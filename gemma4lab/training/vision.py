@@ -256,8 +256,8 @@ def train_vision(model: nn.Module, tokenizer, processor, cfg: VisionTrainConfig)
     batch = encode_examples(tokenizer, processor, shape_images(cfg.per_class, cfg.seed))
     text = None
     if cfg.text_batch:
+        from gemma4lab.training.corpus import training_chats
         from gemma4lab.training.text import encode_chats
-        from gemma4lib.models.corpus import training_chats
 
         text = encode_chats(tokenizer, training_chats())
     n = batch["input_ids"].shape[0]

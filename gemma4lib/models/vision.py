@@ -33,7 +33,7 @@ from .variants import VARIANTS, Variant, get_variant
 
 log = logging.getLogger(__name__)
 
-# Filler specials of the text tokenizer (`tokenizer.special_tokens`) renamed to Gemma-4's image tokens.
+# Filler specials of the text tokenizer (`<unused3>`..`<unused5>`) renamed to Gemma-4's image tokens.
 BOI, EOI, IMAGE_TOKEN = "<|image>", "<image|>", "<|image|>"
 BOI_ID, EOI_ID, IMAGE_TOKEN_ID = 3, 4, 5
 # The smallest soft-token budget transformers' Gemma-4 image processors accept (70, 140, ... 1120).
