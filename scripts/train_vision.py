@@ -31,11 +31,12 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from gemma4lab.training import vision as vision_training  # noqa: E402
+from gemma4lab.training.shapes import ShapeImage, shape_images  # noqa: E402
 from gemma4lab.training.text import held_out_accuracy, state_sha256  # noqa: E402
 from gemma4lib.cache.artifacts import sha256_file  # noqa: E402
 from gemma4lib.device.vision import encoder_free  # noqa: E402
 from gemma4lib.models import vision  # noqa: E402
-from gemma4lib.models.shapes import SAMPLES, ShapeImage, shape_images  # noqa: E402
+from gemma4lib.models.shapes import SAMPLES  # noqa: E402
 from gemma4lib.models.trained import load_trained  # noqa: E402
 
 log = logging.getLogger("train_vision")

@@ -11,9 +11,10 @@ from __future__ import annotations
 import pytest
 
 from gemma4lab.training import vision as vision_training
+from gemma4lab.training.shapes import shape_images
 from gemma4lib.errors import ImageInputError, NoVisionError, PromptTooLongError, TooManyImagesError
 from gemma4lib.models import vision
-from gemma4lib.models.shapes import SAMPLES, describe, parse_answer, shape_images
+from gemma4lib.models.shapes import SAMPLES, describe, parse_answer
 
 IMAGES = vision.VISION_DIR / "images"
 RED_CIRCLE = IMAGES / "red_circle.png"

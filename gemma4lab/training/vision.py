@@ -13,9 +13,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from gemma4lab.training.shapes import ShapeImage, shape_images
 from gemma4lib.cache.artifacts import sha256_file
 from gemma4lib.models.image_attention import generate_kwargs, intended_masks
-from gemma4lib.models.shapes import QUESTION, ShapeImage, shape_images
+from gemma4lib.models.shapes import QUESTION
 from gemma4lib.models.tokenizer import BOS, EOS, PAD
 from gemma4lib.models.vision import (
     BOI,
