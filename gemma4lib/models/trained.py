@@ -46,12 +46,16 @@ def read_provenance(root: Path | None = None) -> dict[str, Any]:
 
 
 def verify_fixture_hashes(root: Path | None = None, variants: list[str] | None = None) -> dict[str, str]:
-    """Check every recorded file's sha256 against PROVENANCE.json; return {relative path: sha256}.
-
-    Raises `CheckpointError` naming each missing or changed file.
-    """
+    """Check every recorded file's sha256 against PROVENANCE.json; return {relative path: sha256}."""
     root = root or FIXTURES_DIR
-    recorded: dict[str, str] = read_provenance(root)["files"]
+    return check_hashes(read_provenance(root)["files"], root, variants, "trained fixtures", "scripts/train_tiny.py")
+
+
+def check_hashes(
+    recorded: dict[str, str], root: Path, variants: list[str] | None, fixtures: str, script: str
+) -> dict[str, str]:
+    """Check the recorded files of `variants` (all when None) and the tokenizer under `root`; return
+    {relative path: sha256}. Raises `CheckpointError` naming each missing or changed file."""
     wanted = None if variants is None else {get_variant(v).name for v in variants} | {"tokenizer"}
     problems, checked = [], {}
     for rel, expected in sorted(recorded.items()):
@@ -67,9 +71,8 @@ def verify_fixture_hashes(root: Path | None = None, variants: list[str] | None =
         checked[rel] = got
     if problems:
         raise CheckpointError(
-            "trained fixtures do not match PROVENANCE.json ("
-            + "; ".join(problems)
-            + "); restore them from git or regenerate with scripts/train_tiny.py"
+            f"{fixtures} do not match PROVENANCE.json ({'; '.join(problems)}); "
+            f"restore them from git or regenerate with {script}"
         )
     return checked
 

@@ -202,30 +202,15 @@ def vision_fixture_dir(variant: Variant | str, root: Path | None = None) -> Path
 
 def verify_vision_hashes(root: Path | None = None, variants: list[str] | None = None) -> dict[str, str]:
     """Check the vision fixtures' files against `fixtures/vision/PROVENANCE.json`."""
-    from ..cache.artifacts import sha256_file
     from ..errors import CheckpointError
+    from .trained import check_hashes
 
     root = root or VISION_DIR
     path = root / "PROVENANCE.json"
     if not path.is_file():
         raise CheckpointError(f"{path} is missing; regenerate with `python scripts/train_vision.py --variant all`")
     recorded = json.loads(path.read_text())["files"]
-    wanted = None if variants is None else {get_variant(v).name for v in variants} | {"tokenizer"}
-    problems, checked = [], {}
-    for rel, expected in sorted(recorded.items()):
-        if wanted is not None and rel.split("/", 1)[0] not in wanted:
-            continue
-        file = root / rel
-        got = sha256_file(file) if file.is_file() else None
-        if got != expected:
-            problems.append(f"{rel}: {'missing' if got is None else 'changed'}")
-        checked[rel] = got
-    if problems:
-        raise CheckpointError(
-            "vision fixtures do not match their PROVENANCE.json (" + "; ".join(problems) + "); restore them from git "
-            "or regenerate with scripts/train_vision.py"
-        )
-    return checked
+    return check_hashes(recorded, root, variants, "vision fixtures", "scripts/train_vision.py")
 
 
 def load_vision_fixture(variant: Variant | str, root: Path | None = None, verify: bool = True):
