@@ -43,7 +43,6 @@ log = logging.getLogger(__name__)
 # "bf16" / "fp32": the full-precision default (the backend's own dtype: bf16 on Neuron, fp32 on
 # CPU); "int8": weight-only int8 of the linear layers.
 WEIGHT_FORMS = ("bf16", "fp32", "int8")
-FULL_PRECISION = ("bf16", "fp32")
 QMAX = 127
 
 # Child names of a decoder layer's linears that int8 applies to, by parent module.
@@ -59,10 +58,6 @@ def check_weights(weights: str) -> str:
     if weights not in WEIGHT_FORMS:
         raise UnknownNameError("weights form", weights, WEIGHT_FORMS)
     return weights
-
-
-def is_int8(weights: str) -> bool:
-    return check_weights(weights) == "int8"
 
 
 def quantize(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -24,7 +24,6 @@ from .weights_identity import declare_identity
 
 FIXTURES_DIR = Path(__file__).resolve().parent.parent / "fixtures"
 TOKENIZER_DIR = FIXTURES_DIR / "tokenizer"
-PROVENANCE_FILE = FIXTURES_DIR / "PROVENANCE.json"
 MODEL_FILES = ("config.json", "generation_config.json", "model.safetensors")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 SOURCE = "tiny-trained"
