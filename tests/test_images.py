@@ -9,12 +9,13 @@ logic, tiny models, a few new tokens. The AOTInductor runs are `slow`.
 from __future__ import annotations
 
 import pytest
+from conftest import parse_answer
 
 from gemma4lab.training import vision as vision_training
 from gemma4lab.training.shapes import shape_images
 from gemma4lib.errors import ImageInputError, NoVisionError, PromptTooLongError, TooManyImagesError
 from gemma4lib.models import vision
-from gemma4lib.models.shapes import SAMPLES, describe, parse_answer
+from gemma4lib.models.shapes import SAMPLES, describe
 
 IMAGES = vision.VISION_DIR / "images"
 RED_CIRCLE = IMAGES / "red_circle.png"

@@ -376,9 +376,8 @@ def test_a_non_streaming_client_that_leaves_frees_its_row(tokenizer):
 
 
 def _tiny_png_part() -> dict:
+    from conftest import data_url
     from PIL import Image
-
-    from gemma4lib.server.image_urls import data_url
 
     return {"type": "image_url", "image_url": {"url": data_url(Image.new("RGB", (4, 4), (200, 30, 30)))}}
 

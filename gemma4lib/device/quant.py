@@ -149,12 +149,3 @@ def round_model_weights(lm: nn.Module) -> dict[str, float]:
             weight.copy_(rounded)
     log.info("int8 rounding: largest relative weight error %s", worst)
     return worst
-
-
-def quantized_count(lm: nn.Module) -> int:
-    """Parameters int8 applies to (the rest stays at the model's dtype)."""
-    total = 0
-    for layer in lm.model.layers:
-        total += sum(getattr(parent, name).weight.numel() for parent, name in target_linears(layer))
-        total += sum(getattr(experts, name).numel() for experts, name in expert_weights(layer))
-    return total

@@ -41,11 +41,3 @@ def describe(image) -> tuple[str, str]:
     fill = foreground.sum() / box
     shape = "square" if fill > 0.92 else "circle" if fill > 0.66 else "triangle"
     return colour, shape
-
-
-def parse_answer(text: str) -> tuple[str | None, str | None]:
-    """The colour and shape an answer names (None where it names none)."""
-    words = text.lower().replace(".", " ").split()
-    colour = next((w for w in words if w in COLOURS), None)
-    shape = next((w for w in words if w in SHAPES), None)
-    return colour, shape
