@@ -192,7 +192,7 @@ def test_bench_int8_section_reports_ratios_and_errors(variant):
 
 
 def test_bench_cli_rejects_an_unknown_section():
-    from gemma4lib.cli import main
+    from gemma4lab.cli import main
 
     assert main(["bench", "--sections", "int9"]) == 2
 
