@@ -68,14 +68,6 @@ def expect_substring(expected: str, case_sensitive: bool = False) -> Coherence:
     return predicate
 
 
-def expect_exact(expected: str) -> Coherence:
-    def predicate(answer: str) -> bool:
-        return answer.strip() == expected.strip()
-
-    predicate.__name__ = f"equals({expected!r})"
-    return predicate
-
-
 # ---- LOGITS_MATCH --------------------------------------------------------------------------------
 
 

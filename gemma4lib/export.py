@@ -80,6 +80,3 @@ def export_bundle(settings: PortSettings, out: Path | str, progress: bool = Fals
     manifest = {**manifest_for(builds, models, compilers), "entries": entries}
     atomic_write_json(out / MANIFEST, manifest)
     return manifest
-
-
-__all__ = ["export_bundle"]

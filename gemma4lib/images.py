@@ -123,6 +123,3 @@ def image_prompt(
     positions = tuple(i for i, t in enumerate(ids) if t == image_token_id)
     prompt = ImagePrompt(data["pixel_values"], data["image_position_ids"], counts, positions)
     return ImageInputs(ids, data["pixel_values"], data["image_position_ids"], prompt)
-
-
-__all__ = ["SAMPLES_DIR", "ImageInputs", "find_image", "image_prompt", "load_image", "require_vision"]

@@ -106,6 +106,3 @@ def write_result(result: dict[str, Any], folder: Path, name: str | None = None) 
 
 def read_result(path: Path) -> dict[str, Any]:
     return json.loads(Path(path).read_text())
-
-
-__all__ = ["RECORD_SCHEMA", "build_record", "read_result", "result_filename", "write_result"]

@@ -771,22 +771,3 @@ class Engine:
             return time.perf_counter() - started
         finally:
             self.rows.pop(0, None)
-
-
-__all__ = [
-    "GREEDY",
-    "BatchResult",
-    "Drafter",
-    "Engine",
-    "ImagePrompt",
-    "Request",
-    "RowResult",
-    "Sampling",
-    "Steps",
-    "bind_kv",
-    "choose_token",
-    "encode_prompt",
-    "room_for_new_tokens",
-    "sampling_probs",
-    "softcap",
-]

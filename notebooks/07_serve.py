@@ -90,9 +90,9 @@ from gemma4lib.models.corpus import COUNTRIES
 from gemma4lab.notebook import plots_serve
 from gemma4lib.cli import serving_defaults
 from gemma4lib.port import PortSettings
-from gemma4lib.server.load import run_async, run_load
+from gemma4lab.serving.load import run_async, run_load
 from gemma4lib.server.metrics import RATE_WINDOW_S
-from gemma4lib.server.process import ServerProcess
+from gemma4lab.serving.process import ServerProcess
 
 started = time.perf_counter()
 # serving_defaults: what `serve` adds to the port's settings (row_prefill on where the backend can)

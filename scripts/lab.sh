@@ -11,7 +11,7 @@
 #   bash scripts/lab.sh --neuron VENV --no-start   # install and register the kernel only
 #
 # Neuron mode (--neuron VENV, or found: the SDK 2.28 DLAMI venv below): installs gemma4lib into VENV
-# with pip constraints written from VENV's whole `pip freeze` (gemma4lib.recipes.venv_pins) less the
+# with pip constraints written from VENV's whole `pip freeze` (gemma4lab.tools.venv_pins) less the
 # four packages this project must change (transformers, tokenizers, huggingface-hub, safetensors), so
 # nothing else in the venv can change; checks first that VENV's setuptools builds the project
 # (pyproject.toml [build-system], needed by --no-build-isolation); checks afterwards that nothing
@@ -65,9 +65,9 @@ if [ -n "$neuron" ]; then
   checked="$(mktemp)"
   trap 'rm -f "$pins" "$checked"' EXIT
   # the venv's own versions, read by its own Python (stdlib only: gemma4lib is not installed there yet)
-  PYTHONPATH="$PWD" "$py" -m gemma4lib.recipes.venv_pins --require torch --require torch-neuronx > "$pins"
+  PYTHONPATH="$PWD" "$py" -m gemma4lab.tools.venv_pins --require torch --require torch-neuronx > "$pins"
   # --no-build-isolation builds with the venv's setuptools: refuse one too old for pyproject.toml
-  PYTHONPATH="$PWD" "$py" -m gemma4lib.recipes.venv_pins --check-build pyproject.toml || {
+  PYTHONPATH="$PWD" "$py" -m gemma4lab.tools.venv_pins --check-build pyproject.toml || {
     echo "[lab] error: fix the setuptools above, then run lab.sh again" >&2
     exit 1
   }
@@ -77,12 +77,12 @@ if [ -n "$neuron" ]; then
     "$pins" | sed 's/^/[lab]   /' || true
   PYTHONWARNINGS="ignore:Editable installation:UserWarning" \
     "$py" -m pip install --quiet --no-build-isolation -c "$pins" -e ".[notebooks]"
-  PYTHONPATH="$PWD" "$py" -m gemma4lib.recipes.venv_pins --compare "$pins" || {
+  PYTHONPATH="$PWD" "$py" -m gemma4lab.tools.venv_pins --compare "$pins" || {
     echo "[lab] error: the install changed the venv's packages (above)" >&2
     exit 1
   }
   "$py" -m pip check > "$checked" 2>&1 || true
-  PYTHONPATH="$PWD" "$py" -m gemma4lib.recipes.venv_pins --check-pip < "$checked" || {
+  PYTHONPATH="$PWD" "$py" -m gemma4lab.tools.venv_pins --check-pip < "$checked" || {
     echo "[lab] error: the venv has broken requirements other than NxD Inference's transformers pin" >&2
     exit 1
   }

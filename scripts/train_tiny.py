@@ -29,18 +29,21 @@ import torch  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from gemma4lab.training import corpus as training_corpus  # noqa: E402
+from gemma4lab.training.machine import cpu_type  # noqa: E402
 from gemma4lab.training.text import (  # noqa: E402
     TrainConfig,
     fault_answers,
     greedy_reply,
     held_out_accuracy,
+    save_fixture,
     state_sha256,
     train_variant,
 )
-from gemma4lib.environment import cpu_type  # noqa: E402
+from gemma4lab.training.tokenizer import build_tokenizer, save_tokenizer  # noqa: E402
 from gemma4lib.models import corpus  # noqa: E402
-from gemma4lib.models.tokenizer import build_tokenizer, load_tokenizer, save_tokenizer  # noqa: E402
-from gemma4lib.models.trained import TOKENIZER_FILES, save_fixture, sha256_file  # noqa: E402
+from gemma4lib.models.tokenizer import load_tokenizer  # noqa: E402
+from gemma4lib.models.trained import TOKENIZER_FILES, sha256_file  # noqa: E402
 from gemma4lib.models.variants import VARIANTS, get_variant  # noqa: E402
 
 log = logging.getLogger("train_tiny")
@@ -111,7 +114,7 @@ def main(argv=None) -> int:
         records[name] = {
             "command": command,
             "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-            # the CPU type decides the bytes (environment.CPU_TYPE_KEYS): tests/test_trained_fixtures.py
+            # the CPU type decides the bytes (machine.CPU_TYPE_KEYS): tests/test_trained_fixtures.py
             # checks a retraining against them only on the same type
             "cpu": cpu_type(),
             "model_class": type(lm).__name__,
@@ -153,8 +156,11 @@ def main(argv=None) -> int:
             "command": command,
             "seed": args.seed,
             "threads": args.threads,
-            "corpus_sha256": corpus.corpus_sha256(),
-            "corpus": {"train_chats": len(corpus.training_chats()), "held_out_phrasing": corpus.HELD_OUT_PHRASING},
+            "corpus_sha256": training_corpus.corpus_sha256(),
+            "corpus": {
+                "train_chats": len(training_corpus.training_chats()),
+                "held_out_phrasing": corpus.HELD_OUT_PHRASING,
+            },
             "tokenizer_vocab_size": len(tokenizer),
             "versions": {
                 "torch": torch.__version__,

@@ -31,11 +31,12 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from gemma4lab.training import vision as vision_training  # noqa: E402
+from gemma4lab.training.shapes import ShapeImage, shape_images  # noqa: E402
 from gemma4lab.training.text import held_out_accuracy, state_sha256  # noqa: E402
 from gemma4lib.cache.artifacts import sha256_file  # noqa: E402
 from gemma4lib.device.vision import encoder_free  # noqa: E402
 from gemma4lib.models import vision  # noqa: E402
-from gemma4lib.models.shapes import SAMPLES, ShapeImage, shape_images  # noqa: E402
+from gemma4lib.models.shapes import SAMPLES  # noqa: E402
 from gemma4lib.models.trained import load_trained  # noqa: E402
 
 log = logging.getLogger("train_vision")
@@ -89,7 +90,7 @@ def shippable(
 def train_one(name: str, out: Path, seed: int, max_steps: int | None) -> dict:
     torch.manual_seed(seed)
     text = load_trained(name)
-    tokenizer = vision.vision_tokenizer(text.tokenizer)
+    tokenizer = vision_training.vision_tokenizer(text.tokenizer)
     processor = vision.image_processor(name)
     full = vision.build_multimodal(name, text.lm, seed=seed)
     cfg = vision_training.VisionTrainConfig(seed=seed, **({"max_steps": max_steps} if max_steps else {}))
@@ -103,7 +104,7 @@ def train_one(name: str, out: Path, seed: int, max_steps: int | None) -> dict:
     correct, total, failures, sample_failures = held_out(full, tokenizer, processor, seed)
     text_correct, text_total, text_failures = held_out_accuracy(full, tokenizer)
     base_correct, _, _ = held_out_accuracy(text.lm, text.tokenizer)
-    files = vision.save_vision_fixture(full.to(torch.bfloat16), processor, out / name)
+    files = vision_training.save_vision_fixture(full.to(torch.bfloat16), processor, out / name)
     log.info(
         "%s: %d steps, margin %.3f (bf16), held out %d/%d, text held out %d/%d (text fixture %d)",
         name,
@@ -170,7 +171,7 @@ def main(argv=None) -> int:
     prov = json.loads(prov_path.read_text()) if prov_path.is_file() else {"files": {}, "variants": {}}
     text = load_trained(names[0])
     tok_dir = out / "tokenizer"
-    vision.vision_tokenizer(text.tokenizer).save_pretrained(str(tok_dir))
+    vision_training.vision_tokenizer(text.tokenizer).save_pretrained(str(tok_dir))
     for f in sorted(tok_dir.iterdir()):
         prov["files"][f"tokenizer/{f.name}"] = sha256_file(f)
     ok = True

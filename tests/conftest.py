@@ -8,14 +8,19 @@ caller sets GEMMA4LIB_CACHE: tests never read or fill the user's ~/.cache/gemma4
 
 from __future__ import annotations
 
+import base64
+import io
 import os
 import shutil
 import tempfile
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
+from gemma4lib.models.shapes import COLOURS, SHAPES
 from gemma4lib.models.variants import VARIANTS
 
 # One thread: the CPU numerics (and the seeds chosen for the tiny models) assume it, and the two
@@ -98,3 +103,24 @@ class _Ports:
 @pytest.fixture(scope="session")
 def ports() -> _Ports:
     return _Ports()
+
+
+# ---- helpers the tests share ------------------------------------------------------------------
+def data_url(image: Any, kind: str = "png") -> str:
+    """A PIL image (or a path to an image file) as the data URL a client sends."""
+    if isinstance(image, (str, Path)):
+        raw = Path(image).read_bytes()
+        kind = Path(image).suffix.lstrip(".").lower().replace("jpg", "jpeg") or kind
+    else:
+        buffer = io.BytesIO()
+        image.save(buffer, format=kind.upper())
+        raw = buffer.getvalue()
+    return f"data:image/{kind};base64,{base64.b64encode(raw).decode('ascii')}"
+
+
+def parse_answer(text: str) -> tuple[str | None, str | None]:
+    """The colour and shape an answer names (None where it names none)."""
+    words = text.lower().replace(".", " ").split()
+    colour = next((w for w in words if w in COLOURS), None)
+    shape = next((w for w in words if w in SHAPES), None)
+    return colour, shape

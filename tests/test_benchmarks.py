@@ -13,6 +13,7 @@ from gemma4lab.benchmarks.report import format_report
 from gemma4lab.benchmarks.suite import SuiteOptions, run_suite
 from gemma4lab.benchmarks.targets import check_targets
 from gemma4lab.models.medium import MEDIUM, get_medium, medium_config
+from gemma4lab.tools import inf2_tables
 from gemma4lib.inf2 import bandwidth, params, roofline
 
 NUMBER = (int, float)
@@ -61,7 +62,7 @@ def test_quick_report_schema(quick_report):
 def test_report_rows_feed_the_notebook_plot(quick_report):
     from gemma4lab.notebook import plots
 
-    rows = roofline.rows_from_report(quick_report)
+    rows = inf2_tables.rows_from_report(quick_report)
     assert [r["label"] for r in rows] == ["31b", "26b-a4b"]
     assert all(r["measured_tok_s"] > 0 and r["ceiling_tok_s"] > 0 for r in rows)
     ax = plots.measured_vs_ceiling(rows).axes[0]
@@ -212,7 +213,7 @@ def test_inf2_ceiling_and_compare():
 
 
 def test_inf2_table_covers_every_variant_and_form():
-    rows = roofline.inf2_table(contexts=(2048,))
+    rows = inf2_tables.inf2_table(contexts=(2048,))
     assert {r["variant"] for r in rows} == {"e2b", "e4b", "12b", "31b", "26b-a4b"}
     moe = [r for r in rows if r["variant"] == "26b-a4b"]
     assert {(r["kv"], r["experts"]) for r in moe} == {
@@ -226,7 +227,7 @@ def test_inf2_table_covers_every_variant_and_form():
         e2b["fits_hbm"]["inf2.xlarge"] and not next(r for r in rows if r["variant"] == "31b")["fits_hbm"]["inf2.xlarge"]
     )
     assert all(math.isfinite(v) for r in rows for v in r["ceiling_tok_s"].values())
-    text = roofline.format_inf2_table(rows)
+    text = inf2_tables.format_inf2_table(rows)
     assert text.count("\n") == len(rows) + 1
     # the MoE selective rows: the recipe's split (intermediate) first, the expert split to compare
     ring = [r for r in moe if r["kv"] == "ring" and r["experts"] == "selective"]

@@ -337,7 +337,7 @@ def test_drafting_compiled_with_aotinductor_is_exact():
 def test_retraining_the_e2b_assistant_gives_the_shipped_weights():
     """One thread, seeded: the same bytes on the CPU type that trained the fixture."""
     from gemma4lab.training.assistant import AssistantTrainConfig, train_assistant
-    from gemma4lib.environment import cpu_type
+    from gemma4lab.training.machine import cpu_type
     from gemma4lib.models.assistant import assistant_dir, load_assistant_folder
     from gemma4lib.models.trained import load_trained, read_provenance
 

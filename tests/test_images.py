@@ -9,10 +9,13 @@ logic, tiny models, a few new tokens. The AOTInductor runs are `slow`.
 from __future__ import annotations
 
 import pytest
+from conftest import parse_answer
 
+from gemma4lab.training import vision as vision_training
+from gemma4lab.training.shapes import shape_images
 from gemma4lib.errors import ImageInputError, NoVisionError, PromptTooLongError, TooManyImagesError
 from gemma4lib.models import vision
-from gemma4lib.models.shapes import SAMPLES, describe, parse_answer, shape_images
+from gemma4lib.models.shapes import SAMPLES, describe
 
 IMAGES = vision.VISION_DIR / "images"
 RED_CIRCLE = IMAGES / "red_circle.png"
@@ -96,7 +99,9 @@ def test_soft_tokens_change_the_answer(random_e2b):
 
     settings = PortSettings(variant="e2b", model="random", backend="eager", images=(str(RED_CIRCLE),))
     engine = _engine(random_e2b, settings)
-    tok = vision.vision_tokenizer(__import__("gemma4lib.models.trained", fromlist=["x"]).load_trained("e2b").tokenizer)
+    tok = vision_training.vision_tokenizer(
+        __import__("gemma4lib.models.trained", fromlist=["x"]).load_trained("e2b").tokenizer
+    )
     logits = []
     for name in ("red_circle.png", "blue_square.png"):
         inputs = image_prompt(tok, random_e2b.processor, [IMAGES / name], "What?", image_token_id=vision.IMAGE_TOKEN_ID)
@@ -197,7 +202,9 @@ def test_image_for_checkpoint_without_vision(tmp_path):
 def test_more_images_than_image_tokens(random_e2b):
     from gemma4lib.images import image_prompt
 
-    tok = vision.vision_tokenizer(__import__("gemma4lib.models.trained", fromlist=["x"]).load_trained("e2b").tokenizer)
+    tok = vision_training.vision_tokenizer(
+        __import__("gemma4lib.models.trained", fromlist=["x"]).load_trained("e2b").tokenizer
+    )
     one_part = vision.image_messages("What is in the image?", 1)
     with pytest.raises(TooManyImagesError, match="one"):
         image_prompt(
@@ -341,7 +348,9 @@ def test_unified_processor_refuses_what_it_cannot_do(tmp_path):
 def _twelve_b_prompt(model):
     from gemma4lib.images import image_prompt
 
-    tok = vision.vision_tokenizer(__import__("gemma4lib.models.trained", fromlist=["x"]).load_trained("12b").tokenizer)
+    tok = vision_training.vision_tokenizer(
+        __import__("gemma4lib.models.trained", fromlist=["x"]).load_trained("12b").tokenizer
+    )
     question = "What is in the image?"
     return image_prompt(tok, model.processor, [RED_CIRCLE], question, image_token_id=vision.IMAGE_TOKEN_ID)
 

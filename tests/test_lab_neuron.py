@@ -19,7 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from gemma4lib.recipes import neuron_env, venv_pins
+from gemma4lab.tools import venv_pins
+from gemma4lib.recipes import neuron_env
 
 ROOT = Path(__file__).resolve().parent.parent
 SDK_TORCH = neuron_env.SDK_CONSTRAINTS["torch"].removeprefix("==")  # the Neuron venv's torch, not the CPU lane's
@@ -59,7 +60,7 @@ def make_stand_in(folder: Path, pins: dict[str, str], requires: dict[str, tuple[
 
 def _versions(venv: Path) -> dict[str, str]:
     out = subprocess.run(
-        [str(venv / "bin" / "python"), "-m", "gemma4lib.recipes.venv_pins"],
+        [str(venv / "bin" / "python"), "-m", "gemma4lab.tools.venv_pins"],
         capture_output=True,
         text=True,
         check=True,
@@ -132,7 +133,7 @@ def test_pip_check_accepts_only_nxd_inferences_transformers_pin():
     assert venv_pins.pip_check_problems("No broken requirements found.\n") == []
     other = f"torch-neuronx {STAND_IN['torch-neuronx']} has requirement torch=={theirs}, but you have torch 0.0.1."
     assert venv_pins.pip_check_problems(f"{known}\n{other}\n") == [other]
-    run = [sys.executable, "-m", "gemma4lib.recipes.venv_pins", "--check-pip"]
+    run = [sys.executable, "-m", "gemma4lab.tools.venv_pins", "--check-pip"]
     out = subprocess.run(run, input=f"{known}\n{other}\n", capture_output=True, text=True, cwd=ROOT)
     assert out.returncode == 1 and other in out.stderr and known not in out.stderr
 

@@ -582,6 +582,7 @@ def test_e2b_memory_plan_names_where_each_recipe_compiles():
 def test_prefill_estimate_from_flops_and_bytes():
     """The computed floor of a prefill call: compute at the datasheet peak vs bytes at HBM speed,
     and what token-by-token decode steps would cost instead (E2B's trace recipe)."""
+    from gemma4lab.tools import inf2_tables
     from gemma4lib.inf2 import prefill
     from gemma4lib.inf2.hardware import BF16_FLOPS_PER_CORE, INSTANCES
 
@@ -593,11 +594,11 @@ def test_prefill_estimate_from_flops_and_bytes():
     assert 3.5 < longer.flops / e2b.flops < 4.5 and longer.bytes == e2b.bytes  # weights read once per call
     assert e2b.stepwise_ms == pytest.approx(128 * 1e3 / get_variant("e2b").field_report.decode_tok_s)
     assert e2b.stepwise_ms > 50 * e2b.expected_ms
-    rows = prefill.prefill_table(128)
+    rows = inf2_tables.prefill_table(128)
     assert {r["variant"] for r in rows} >= {"e2b", "12b", "31b", "26b-a4b"}
     reported = [r for r in rows if r["field_report_prefill_ms"]]
     assert reported and all(r["expected_ms"] < r["field_report_prefill_ms"] for r in reported)  # a floor
-    assert "e2b" in prefill.format_prefill_table(rows)
+    assert "e2b" in inf2_tables.format_prefill_table(rows)
 
 
 # ---- issue 30: what the SDK 2.28 audit found ---------------------------------------------------------

@@ -1006,7 +1006,7 @@ def test_serve_table_and_plot_render_headless():
 
     from gemma4lab import notebook as nb
     from gemma4lab.notebook import plots_serve
-    from gemma4lib.server.load import Level
+    from gemma4lab.serving.load import Level
 
     levels = [
         Level(n, 2 * n, 0, True, 0, 0.05 * n, 0.07 * n, 16 * n, 1.0, 80.0 * min(n, 4), replies=[]) for n in (1, 2, 4, 8)

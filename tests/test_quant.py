@@ -15,7 +15,14 @@ from torch import nn
 
 from gemma4lib.backends.preflight import preflight
 from gemma4lib.device.graph import DeviceGraph, GraphShape
-from gemma4lib.device.quant import Int8Linear, dequantize, quantize, round_model_weights, target_linears
+from gemma4lib.device.quant import (
+    Int8Linear,
+    dequantize,
+    expert_weights,
+    quantize,
+    round_model_weights,
+    target_linears,
+)
 from gemma4lib.errors import SettingsError, UnknownNameError
 
 # Largest |int8 - full precision| softcapped logit the trained tiny fixtures may show over 12
@@ -133,7 +140,6 @@ def test_int8_logit_error_against_full_precision_is_bounded(variant):
 
 @pytest.mark.parametrize("variant", VARIANT_NAMES)
 def test_roofline_int8_bytes_count_exactly_what_quant_quantizes(variant):
-    from gemma4lib.device.quant import quantized_count
     from gemma4lib.inf2 import params, roofline
 
     lm = params.meta_model(variant)
@@ -147,13 +153,13 @@ def test_roofline_int8_bytes_count_exactly_what_quant_quantizes(variant):
 
 
 def test_inf2_table_has_the_int8_columns():
-    from gemma4lib.inf2 import roofline
+    from gemma4lab.tools import inf2_tables
 
-    rows = roofline.inf2_table(contexts=(2048,), variants=("26b-a4b",))
+    rows = inf2_tables.inf2_table(contexts=(2048,), variants=("26b-a4b",))
     for row in rows:
         assert row["int8_recipe_gb"] < row["recipe_gb"]
         assert row["int8_recipe_ceiling_tok_s"] > row["recipe_ceiling_tok_s"]
-    assert "int8: recipe ceiling tok/s" in roofline.format_inf2_table(rows)
+    assert "int8: recipe ceiling tok/s" in inf2_tables.format_inf2_table(rows)
 
 
 @pytest.mark.parametrize("variant", ["12b", "26b-a4b"])
@@ -299,3 +305,12 @@ def test_int8_expert_forms_equal_transformers_experts_with_rounded_weights(token
         experts = StaticExperts(layer.experts, form, int8=True)
         assert experts.gate_up_proj.dtype == torch.int8
         assert torch.allclose(experts(hidden, index, weights), expected, atol=1e-5, rtol=1e-5), form
+
+
+def quantized_count(lm: nn.Module) -> int:
+    """Parameters int8 applies to (the rest stays at the model's dtype)."""
+    total = 0
+    for layer in lm.model.layers:
+        total += sum(getattr(parent, name).weight.numel() for parent, name in target_linears(layer))
+        total += sum(getattr(experts, name).numel() for experts, name in expert_weights(layer))
+    return total

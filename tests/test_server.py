@@ -22,10 +22,11 @@ from pathlib import Path
 import httpx
 import pytest
 
+from gemma4lab.serving.background import BackgroundServer
 from gemma4lib.errors import PromptTooLongError
 from gemma4lib.models.tokenizer import load_tokenizer
 from gemma4lib.models.trained import TOKENIZER_DIR
-from gemma4lib.server.launch import BackgroundServer, build_served, free_port
+from gemma4lib.server.launch import build_served, free_port
 from gemma4lib.server.text import Codec, TextStream
 
 MODEL = "fake"
@@ -375,9 +376,8 @@ def test_a_non_streaming_client_that_leaves_frees_its_row(tokenizer):
 
 
 def _tiny_png_part() -> dict:
+    from conftest import data_url
     from PIL import Image
-
-    from gemma4lib.server.image_urls import data_url
 
     return {"type": "image_url", "image_url": {"url": data_url(Image.new("RGB", (4, 4), (200, 30, 30)))}}
 
@@ -513,7 +513,7 @@ def test_metrics_count_tokens_and_latencies(fake):
 
 def test_the_load_run_reports_complete_unmixed_levels_and_batching_pays(tokenizer):
     """Four rows whose step costs the same for one row or four: four clients beat one's tokens/s (ideally 4x)."""
-    from gemma4lib.server.load import run_load
+    from gemma4lab.serving.load import run_load
 
     server, engine = serve_fake(tokenizer, batch=4, step_s=0.01)
     try:

@@ -15,9 +15,10 @@ import threading
 
 import pytest
 
+from gemma4lab.serving.background import BackgroundServer
 from gemma4lib.cli import load_engine, serving_defaults
 from gemma4lib.port import PortSettings
-from gemma4lib.server.launch import BackgroundServer, build_served
+from gemma4lib.server.launch import build_served
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 COUNTRIES = ["Germany", "Italy", "Spain", "Japan", "Kenya", "Peru", "Chile", "Egypt"]
@@ -177,7 +178,7 @@ def test_a_prompt_over_the_compiled_context_is_a_400(server):
 def test_lm_eval_scores_the_endpoint_as_in_process(server, loaded, tmp_path):
     """lm-eval's local-chat-completions model over HTTP and `EngineLM` in process: same task file, same
     exact-match score, same reply for every question (the server is idle; the engine is used in turn)."""
-    from gemma4lib.server.evaluation import evaluate_endpoint, evaluate_in_process
+    from gemma4lab.serving.evaluation import evaluate_endpoint, evaluate_in_process
 
     over_http = evaluate_endpoint(server.url, "e2b", tmp_path / "http")
     scheduler = server.served.scheduler

@@ -13,11 +13,11 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+from conftest import data_url, parse_answer
 
 from gemma4lab.training import vision as vision_training
 from gemma4lib.models import vision
-from gemma4lib.models.shapes import QUESTION, SAMPLES, describe, parse_answer
-from gemma4lib.server.image_urls import data_url
+from gemma4lib.models.shapes import QUESTION, SAMPLES, describe
 
 IMAGES = vision.VISION_DIR / "images"
 SHIPPED = (vision.VISION_DIR / "e2b" / "model.safetensors").is_file()
@@ -51,7 +51,8 @@ def loaded():
 
 @pytest.fixture(scope="module")
 def server(loaded):
-    from gemma4lib.server.launch import BackgroundServer, build_served
+    from gemma4lab.serving.background import BackgroundServer
+    from gemma4lib.server.launch import build_served
 
     served = build_served(
         loaded.engine,

@@ -164,7 +164,7 @@ def test_readme_before_you_start_figures_are_the_plans():
     serving-host plan's, and its "within 1 %" is the recorded measurement's."""
     from pathlib import Path
 
-    from gemma4lib.inf2.first_day import first_day_table, format_first_day
+    from gemma4lab.tools.first_day import first_day_table, format_first_day
 
     root = Path(__file__).resolve().parent.parent
     readme = (root / "README.md").read_text()

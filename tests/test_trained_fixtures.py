@@ -5,7 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from gemma4lab.training import corpus as training_corpus
 from gemma4lab.training.text import greedy_reply, state_sha256
+from gemma4lab.training.tokenizer import build_tokenizer
 from gemma4lib.models import corpus
 from gemma4lib.models.tokenizer import (
     BOS_ID,
@@ -13,7 +15,6 @@ from gemma4lib.models.tokenizer import (
     PAD_ID,
     TURN_CLOSE_ID,
     TURN_OPEN_ID,
-    build_tokenizer,
     load_tokenizer,
 )
 from gemma4lib.models.trained import (
@@ -60,7 +61,7 @@ def test_hashes_match_provenance(provenance):
 
 def test_provenance_records_the_recipe(provenance):
     assert provenance["script"] == "scripts/train_tiny.py"
-    assert provenance["corpus_sha256"] == corpus.corpus_sha256(), "the corpus changed: retrain the fixtures"
+    assert provenance["corpus_sha256"] == training_corpus.corpus_sha256(), "the corpus changed: retrain the fixtures"
     assert provenance["threads"] == 1
     assert set(provenance["versions"]) >= {"torch", "transformers"}
     for name in VARIANTS:
@@ -173,7 +174,7 @@ def test_plain_call_adds_bos_like_the_real_tokenizer(tokenizer):
 def test_every_corpus_word_is_one_token(tokenizer):
     import re
 
-    words = {w for t in corpus.tokenizer_texts() for w in re.findall(r" ?[A-Za-z]+", t)}
+    words = {w for t in training_corpus.tokenizer_texts() for w in re.findall(r" ?[A-Za-z]+", t)}
     split = sorted(w for w in words if len(tokenizer(w, add_special_tokens=False)["input_ids"]) != 1)
     assert split == []
 
@@ -196,12 +197,12 @@ def test_auto_tokenizer_loads_the_fixture():
 
 # ---- corpus --------------------------------------------------------------------------------
 def test_corpus_shape():
-    train = corpus.training_chats()
+    train = training_corpus.training_chats()
     assert len(train) == 40 * 3 + len(corpus.FACTS)
-    held = corpus.held_out_chats()
+    held = training_corpus.held_out_chats()
     assert len(held) == 40
     assert not {c.user for c in held} & {c.user for c in train}
-    assert corpus.answer_for("France") == corpus.CANONICAL_ANSWER
+    assert training_corpus.answer_for("France") == corpus.CANONICAL_ANSWER
     assert corpus.CANONICAL_PROMPT in {c.user for c in train}
 
 
@@ -248,13 +249,13 @@ def test_retraining_e2b_converges_and_answers_on_any_cpu(retrained_e2b, tokenize
 @pytest.mark.slow
 def test_retraining_e2b_reproduces_the_shipped_fixture(provenance, request):
     """The rerun gives the recorded steps and weights byte for byte, but only with the same torch
-    version, one thread and the same CPU type (`environment.CPU_TYPE_KEYS`: vendor, family, model
+    version, one thread and the same CPU type (`machine.CPU_TYPE_KEYS`: vendor, family, model
     and the vector code path ATen picks; oneMKL's and oneDNN's kernels follow the processor). On
     another CPU type the floating-point sums round differently, and training stops at another step
     (99 steps against the recorded 136 on one). scripts/train_tiny.py records the CPU type of
     each variant in PROVENANCE.json (`variants.<name>.cpu`); this test skips, saying why, where it
     differs or is not recorded."""
-    from gemma4lib.environment import CPU_TYPE_KEYS, cpu_type
+    from gemma4lab.training.machine import CPU_TYPE_KEYS, cpu_type
 
     if provenance["versions"]["torch"] != torch.__version__:
         pytest.skip(f"fixtures were made with torch {provenance['versions']['torch']}")
@@ -276,7 +277,7 @@ def test_retraining_e2b_reproduces_the_shipped_fixture(provenance, request):
 
 
 def test_cpu_type_names_what_the_retraining_test_compares():
-    from gemma4lib.environment import CPU_TYPE_KEYS, cpu_type
+    from gemma4lab.training.machine import CPU_TYPE_KEYS, cpu_type
 
     here = cpu_type()
     assert set(CPU_TYPE_KEYS) <= set(here)

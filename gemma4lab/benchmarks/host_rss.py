@@ -76,7 +76,7 @@ def _serve(variant: str, folder: Path, context_length: int, prompt_tokens: int, 
     import torch
     from safetensors.torch import load_file
 
-    from gemma4lib.inf2.host_memory import measure_peak, rss_bytes
+    from gemma4lab.benchmarks.host_memory import measure_peak, rss_bytes
     from gemma4lib.models.checkpoint import load_checkpoint
     from gemma4lib.models.variants import get_variant
     from gemma4lib.reference import logits_spread, random_prompt, reference_greedy, teacher_forced_logits
@@ -124,7 +124,7 @@ def _compile_host(variant: str, folder: Path, tp: int, context_length: int) -> d
     import torch
     from safetensors.torch import save_file
 
-    from gemma4lib.inf2.host_memory import measure_peak, rss_bytes
+    from gemma4lab.benchmarks.host_memory import measure_peak, rss_bytes
     from gemma4lib.models.checkpoint import load_checkpoint
     from gemma4lib.models.variants import get_variant
     from gemma4lib.recipes import neuron_model_builder as mb
@@ -215,8 +215,8 @@ def _spread(variant: str, overrides: dict[str, Any], prompt_tokens: int, new_tok
     gives the very logits of one whole float32 LM head on the real vocabulary."""
     import torch
 
+    from gemma4lab.benchmarks.host_memory import measure_peak
     from gemma4lab.models.real_width import build_real_width
-    from gemma4lib.inf2.host_memory import measure_peak
     from gemma4lib.models import upcast
     from gemma4lib.reference import logits_spread, random_prompt, teacher_forced_logits
 

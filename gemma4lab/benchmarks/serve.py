@@ -2,7 +2,7 @@
 
 The server runs as `python -m gemma4lib serve` in its own process (the command a user runs, and no
 GIL shared with the clients), bound to 127.0.0.1 on a free port; the clients are the official
-`openai` async client (`server.load.run_load`; at least `min_requests` requests per level, so the
+`openai` async client (`gemma4lab.serving.load.run_load`; at least `min_requests` requests per level, so the
 one-client level the others are divided by lasts long enough to measure). Per level: every response
 complete, none mixed (each greedy reply equal to the same prompt's reply sent alone), p50/p99 time
 to first token and the total tokens/s. The server gets SIGTERM at the end and drains. Every step is bounded in time.
@@ -15,9 +15,9 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
+from gemma4lab.serving.load import DEFAULT_LEVELS, run_load
+from gemma4lab.serving.process import ServerProcess
 from gemma4lib.models.corpus import COUNTRIES
-from gemma4lib.server.load import DEFAULT_LEVELS, run_load
-from gemma4lib.server.process import ServerProcess
 
 log = logging.getLogger(__name__)
 

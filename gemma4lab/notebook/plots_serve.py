@@ -1,7 +1,7 @@
 """Plots of the endpoint under load: latency and throughput against concurrent clients (07_serve).
 
 Kept apart from `plots.py` (one small module per idea); the same conventions: every function
-returns a matplotlib `Figure` built without pyplot. A level is `server.load.Level` or its `as_dict()`
+returns a matplotlib `Figure` built without pyplot. A level is `gemma4lab.serving.load.Level` or its `as_dict()`
 (what a run record keeps); nothing is measured here.
 """
 

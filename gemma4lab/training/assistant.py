@@ -27,11 +27,11 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from gemma4lab.training.corpus import held_out_chats, training_chats
 from gemma4lab.training.text import IGNORE, encode_chats
 from gemma4lib.device.graph import additive_mask
 from gemma4lib.device.kv_layout import FULL, SLIDING
 from gemma4lib.models.assistant import build_tiny_assistant, store_for_assistant
-from gemma4lib.models.corpus import held_out_chats, training_chats
 from gemma4lib.models.loading import LoadedModel
 
 log = logging.getLogger(__name__)

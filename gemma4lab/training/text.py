@@ -31,14 +31,17 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from gemma4lib.errors import UnknownNameError
-from gemma4lib.models.corpus import Chat, held_out_chats, training_chats
+from gemma4lab.training.corpus import Chat, held_out_chats, training_chats
+from gemma4lib.cache.artifacts import sha256_file
+from gemma4lib.errors import CheckpointError, UnknownNameError
 from gemma4lib.models.loading import LoadedModel, build_tiny
+from gemma4lib.models.trained import MODEL_FILES
 from gemma4lib.models.variants import Variant
 
 log = logging.getLogger(__name__)
@@ -395,3 +398,19 @@ def fault_answers(lm, tokenizer, user: str | None = None) -> dict[str, str]:
     gemma3 = tokenizer(f"<start_of_turn>user\n{user}<end_of_turn>\n<start_of_turn>model\n")["input_ids"]
     out["gemma3_chat_markers"] = greedy_under_fault(lm, tokenizer, gemma3, None)
     return out
+
+
+def save_fixture(lm: torch.nn.Module, path: Path) -> dict[str, str]:
+    """Save a model as a fixture folder and check it reloads with identical tensors (buffers included)."""
+    path.mkdir(parents=True, exist_ok=True)
+    lm.save_pretrained(str(path), safe_serialization=True)
+    reloaded = type(lm).from_pretrained(
+        str(path), dtype=torch.float32, attn_implementation=lm.config._attn_implementation
+    )
+    before, after = lm.state_dict(), reloaded.state_dict()
+    if before.keys() != after.keys():
+        raise CheckpointError(f"fixture {path} reloads with different tensors: {sorted(set(before) ^ set(after))}")
+    changed = [k for k in before if not torch.equal(before[k], after[k])]
+    if changed:
+        raise CheckpointError(f"fixture {path} reloads with different values for {changed}")
+    return {name: sha256_file(path / name) for name in MODEL_FILES}

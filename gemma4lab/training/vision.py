@@ -3,17 +3,32 @@ the shape images, then the decoder taught to describe them with the text corpus 
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
+from gemma4lab.training.shapes import ShapeImage, shape_images
+from gemma4lib.cache.artifacts import sha256_file
 from gemma4lib.models.image_attention import generate_kwargs, intended_masks
-from gemma4lib.models.shapes import QUESTION, ShapeImage, shape_images
-from gemma4lib.models.vision import IMAGE_TOKEN_ID, expand_image_tokens, image_messages, token_types
+from gemma4lib.models.shapes import QUESTION
+from gemma4lib.models.tokenizer import BOS, EOS, PAD
+from gemma4lib.models.vision import (
+    BOI,
+    BOI_ID,
+    EOI,
+    EOI_ID,
+    IMAGE_TOKEN,
+    IMAGE_TOKEN_ID,
+    expand_image_tokens,
+    image_messages,
+    token_types,
+)
 
 log = logging.getLogger(__name__)
 
@@ -242,8 +257,8 @@ def train_vision(model: nn.Module, tokenizer, processor, cfg: VisionTrainConfig)
     batch = encode_examples(tokenizer, processor, shape_images(cfg.per_class, cfg.seed))
     text = None
     if cfg.text_batch:
+        from gemma4lab.training.corpus import training_chats
         from gemma4lab.training.text import encode_chats
-        from gemma4lib.models.corpus import training_chats
 
         text = encode_chats(tokenizer, training_chats())
     n = batch["input_ids"].shape[0]
@@ -320,3 +335,68 @@ def image_inputs(tokenizer, processor, images: list, question: str) -> tuple[lis
     )
     ids = expand_image_tokens(list(rendered), [int(n) for n in data["num_soft_tokens_per_image"]])
     return ids, data
+
+
+# ---- the fixture's tokenizer and files ---------------------------------------------------------
+# Image parts render as the image token; the processor step expands it to boi + soft tokens + eoi.
+VISION_CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for message in messages %}"
+    "{% set role = 'model' if message['role'] == 'assistant' else message['role'] %}"
+    "{{ '<|turn>' + role + '\\n' }}"
+    "{% if message['content'] is string %}{{ message['content'] | trim }}"
+    "{% else %}{% for part in message['content'] %}"
+    "{% if part['type'] == 'image' %}{{ '" + IMAGE_TOKEN + "' }}"
+    "{% elif part['type'] == 'text' %}{{ part['text'] | trim }}{% endif %}"
+    "{% endfor %}{% endif %}"
+    "{{ '<turn|>\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|turn>model\\n' }}{% endif %}"
+)
+
+
+def vision_tokenizer(text_tokenizer):
+    """The text tokenizer with fillers 3, 4, 5 renamed `<|image>`, `<image|>`, `<|image|>` and the
+    vision chat template; every other id is unchanged."""
+    from tokenizers import Tokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    spec = json.loads(text_tokenizer.backend_tokenizer.to_str())
+    renames = {f"<unused{BOI_ID}>": BOI, f"<unused{EOI_ID}>": EOI, f"<unused{IMAGE_TOKEN_ID}>": IMAGE_TOKEN}
+    for added in spec["added_tokens"]:
+        added["content"] = renames.get(added["content"], added["content"])
+    vocab = spec["model"]["vocab"]
+    for old, new in renames.items():
+        if old in vocab:
+            vocab[new] = vocab.pop(old)
+    backend = Tokenizer.from_str(json.dumps(spec))
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        bos_token=BOS,
+        eos_token=EOS,
+        pad_token=PAD,
+        unk_token=None,
+        padding_side="left",
+        model_max_length=4096,
+        chat_template=VISION_CHAT_TEMPLATE,
+        extra_special_tokens={"image_token": IMAGE_TOKEN, "boi_token": BOI, "eoi_token": EOI},
+    )
+    for token, expected in ((BOI, BOI_ID), (EOI, EOI_ID), (IMAGE_TOKEN, IMAGE_TOKEN_ID)):
+        if tokenizer.convert_tokens_to_ids(token) != expected:
+            raise AssertionError(f"{token} is not at id {expected}")
+    return tokenizer
+
+
+VISION_FILES = ("config.json", "generation_config.json", "model.safetensors", "preprocessor_config.json")
+
+
+def save_vision_fixture(full: nn.Module, processor, folder: Path) -> dict[str, str]:
+    """Save the multimodal model (bf16 values, so the folder is half the size; loaded as fp32 they
+    are exact) and its image processor; return {file: sha256}."""
+    folder.mkdir(parents=True, exist_ok=True)
+    full.generation_config.eos_token_id = [1, 106]
+    full.generation_config.pad_token_id = 0
+    full.generation_config.bos_token_id = 2
+    full.save_pretrained(str(folder), safe_serialization=True)
+    processor.save_pretrained(str(folder))
+    return {name: sha256_file(folder / name) for name in VISION_FILES}

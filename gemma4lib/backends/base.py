@@ -125,6 +125,3 @@ def refuse_graphs(graphs: Any, backend: Backend) -> None:
             f"backend {backend.name!r} builds its own graphs from the model; pass graphs only to a backend that "
             f"compiles prebuilt in-place graphs ('cpu' or 'eager', at tp_degree 1)"
         )
-
-
-__all__ = ["Backend", "CompiledGraph", "CompiledGraphs", "DeviceRun", "refuse_graphs"]

@@ -102,6 +102,3 @@ def _shape(graphs: GraphSet | DeviceGraph) -> dict:
         "dtype": graphs.dtype,
         "image_blocks": bool(getattr(graphs, "image_blocks", False)),
     }
-
-
-__all__ = ["engine_over", "named_steps"]

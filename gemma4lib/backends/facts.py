@@ -154,15 +154,3 @@ def runs_row_prefill(name: str, tp_degree: int) -> bool:
 def names_where(flag: Callable[[BackendFacts], bool]) -> str:
     """The selectable backends whose row has `flag`, quoted for a message: "'cpu', 'eager'"."""
     return ", ".join(repr(name) for name, f in FACTS.items() if f.selectable and flag(f))
-
-
-__all__ = [
-    "FACTS",
-    "BackendFacts",
-    "facts",
-    "names_where",
-    "row_at",
-    "runs_row_prefill",
-    "runs_tp",
-    "selectable",
-]

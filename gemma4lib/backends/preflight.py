@@ -100,6 +100,3 @@ def _check_inf2(settings: PortSettings) -> None:
     else:  # tiny models fit anywhere; the degree must still be one inf2 can run
         require_neuron_tp(variant, settings.tp_degree, instance)
     neuron_env.require_sdk(f"backend {settings.backend!r} ({variant.name})")
-
-
-__all__ = ["preflight"]

@@ -104,6 +104,3 @@ def source_digest(files: tuple[str, ...] = GRAPH_SOURCES) -> str:
         digest.update(name.encode())
         digest.update((root / name).read_bytes())
     return digest.hexdigest()
-
-
-__all__ = ["GRAPH_SOURCES", "program_config", "program_digest", "source_digest"]

@@ -23,7 +23,7 @@ from ..timing import bench_drafted, benchmark
 from . import cpu, eager, gloo, neuron, xla
 from .base import Backend, CompiledGraphs, DeviceRun, refuse_graphs
 from .engine import engine_over
-from .facts import FACTS, facts, row_at, selectable
+from .facts import FACTS, facts, row_at
 from .preflight import preflight
 
 if TYPE_CHECKING:
@@ -200,19 +200,3 @@ def bench_drafted_port(
     """`timing.bench_drafted` against the settings' plain graphs, compiled here."""
     plain = compile_graphs(model, without_draft(settings)).runtime
     return bench_drafted(engine, plain, requests, warmup, settings.iters)
-
-
-__all__ = [
-    "BACKENDS",
-    "backend_of",
-    "compile_graphs",
-    "cpu_balance",
-    "get_backend",
-    "preflight",
-    "prefill_logits_error",
-    "reference_lm",
-    "run_compiled",
-    "run_device",
-    "selectable",
-    "without_draft",
-]

@@ -241,17 +241,3 @@ def manifest_for(
         manifest["sdk"] = {r["package"]: r["found"] for r in neuron_env.check_versions()}
         manifest["compiler_args"] = neuron_env.COMPILER_ARGS
     return manifest
-
-
-__all__ = [
-    "ENTRIES",
-    "FORMAT",
-    "MANIFEST",
-    "build_facts",
-    "cache_for",
-    "check_model",
-    "check_settings",
-    "graph_names",
-    "manifest_for",
-    "read_manifest",
-]

@@ -187,6 +187,3 @@ def build_lock(path: Path, wait_s: float | None = None, report_after_s: float = 
             os.ftruncate(fd, 0)
         fcntl.flock(fd, fcntl.LOCK_UN)
         os.close(fd)
-
-
-__all__ = ["DEFAULT_LOCK_WAIT_S", "LOCK_WAIT_ENV", "build_lock", "describe_holder", "lock_wait_limit", "process_state"]

@@ -221,6 +221,3 @@ def image_graph(model: LoadedModel, settings: PortSettings) -> VisionGraph | Non
     else:
         patch_dim = 3 * int(vision_config.patch_size) ** 2
     return vision_graph(model.multimodal, 1, patches, patch_dim)
-
-
-__all__ = ["PREFILL_EXPERTS", "GraphSet", "device_graph", "device_graphs", "graph_set", "image_graph"]

@@ -177,6 +177,3 @@ class DraftGraph(nn.Module):
         else:
             logits = self.lm_head(out)
         return logits[:, 0, :].float(), self.post_projection(out)[:, 0, :]
-
-
-__all__ = ["DraftGraph", "RoomyLayout", "draft_masks", "ordered_logits", "verify_expert_form"]

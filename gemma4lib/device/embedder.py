@@ -53,6 +53,3 @@ class HostEmbedder(nn.Module):
         if pad_to is not None and pad_to > n:
             parts = [torch.cat([p, p.new_zeros(batch, pad_to - n, *p.shape[2:])], 1) for p in parts]
         return [p.to(dtype) for p in parts] if dtype is not None else parts
-
-
-__all__ = ["HostEmbedder"]

@@ -43,7 +43,6 @@ log = logging.getLogger(__name__)
 
 # `settings.WEIGHT_FORMS`: "bf16" / "fp32", the full-precision default (the backend's own dtype: bf16
 # on Neuron, fp32 on CPU); "int8": weight-only int8 of the linear layers.
-FULL_PRECISION = ("bf16", "fp32")
 QMAX = 127
 
 # Child names of a decoder layer's linears that int8 applies to, by parent module.
@@ -59,10 +58,6 @@ def check_weights(weights: str) -> str:
     if weights not in WEIGHT_FORMS:
         raise UnknownNameError("weights form", weights, WEIGHT_FORMS)
     return weights
-
-
-def is_int8(weights: str) -> bool:
-    return check_weights(weights) == "int8"
 
 
 def quantize(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -154,28 +149,3 @@ def round_model_weights(lm: nn.Module) -> dict[str, float]:
             weight.copy_(rounded)
     log.info("int8 rounding: largest relative weight error %s", worst)
     return worst
-
-
-def quantized_count(lm: nn.Module) -> int:
-    """Parameters int8 applies to (the rest stays at the model's dtype)."""
-    total = 0
-    for layer in lm.model.layers:
-        total += sum(getattr(parent, name).weight.numel() for parent, name in target_linears(layer))
-        total += sum(getattr(experts, name).numel() for experts, name in expert_weights(layer))
-    return total
-
-
-__all__ = [
-    "FULL_PRECISION",
-    "LINEAR_WEIGHT_NAME",
-    "Int8Linear",
-    "WEIGHT_FORMS",
-    "check_weights",
-    "dequantize",
-    "expert_weights",
-    "is_int8",
-    "quantize",
-    "quantized_count",
-    "round_model_weights",
-    "target_linears",
-]

@@ -123,6 +123,3 @@ class VisionGraph(nn.Module):
 
 def vision_graph(multimodal: nn.Module, images: int, patches: int, patch_dim: int) -> VisionGraph:
     return VisionGraph(multimodal, VisionShape(images, patches, patch_dim))
-
-
-__all__ = ["VisionGraph", "VisionShape", "encoder_free", "has_vision", "soft_token_slots", "vision_graph"]

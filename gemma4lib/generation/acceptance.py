@@ -128,6 +128,3 @@ def verify_drafts(
     accepted, tokens = verify_batch(p[None], q[None], torch.tensor([list(drafts)], dtype=torch.long), generator)
     a = int(accepted[0])
     return Verdict(a, tokens[0, : a + 1].tolist())
-
-
-__all__ = ["RESIDUAL_FLOOR", "Verdict", "greedy_verdict", "verify_batch", "verify_drafts"]

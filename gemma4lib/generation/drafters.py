@@ -119,6 +119,3 @@ def make_drafter(kind: str | None):
 
         raise UnknownNameError("draft", kind, DRAFTERS)
     return DRAFTERS[kind]()
-
-
-__all__ = ["DRAFTERS", "AssistantDrafter", "CallableDrafter", "PromptLookupDrafter", "lookup", "make_drafter"]

@@ -33,6 +33,3 @@ def random_prompt_lengths(base: int, batch_size: int) -> list[int]:
     """Token counts of a random-weights batch's rows: `base`, then shorter by 3 per row (at least 2),
     so a witness batch also has rows of different lengths."""
     return [max(2, base - 3 * i) for i in range(batch_size)]
-
-
-__all__ = ["capital_questions", "random_prompt_lengths"]

@@ -20,7 +20,7 @@ Peak: `hardware.BF16_FLOPS_PER_CORE` x the recipe's cores. All of it computed, u
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from typing import Any
 
 from ..device.experts import read_form
@@ -147,49 +147,3 @@ def batch_ceilings(
             row["dense_bytes_per_step_gb"] = dense["total"] / GB
         rows.append(row)
     return rows
-
-
-def batch_table(
-    variants: Iterable[str] | None = None, batches: Iterable[int] = BATCHES, context_length: int = 2048
-) -> list[dict[str, Any]]:
-    """`batch_ceilings` of every variant (ring K/V), one row per (variant, batch)."""
-    from ..models.variants import VARIANTS
-
-    return [
-        row for name in variants or VARIANTS for row in batch_ceilings(name, batches, context_length=context_length)
-    ]
-
-
-def format_batch_table(rows: Sequence[dict[str, Any]]) -> str:
-    """Markdown for `batch_table` rows."""
-    lines = [
-        "| variant | recipe | B | experts | GB/step | memory ceiling tok/s | compute ceiling tok/s | "
-        "ceiling (total) tok/s | per row | field report (measured) |",
-        "|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    for r in rows:
-        field = f"{r['field_report_tok_s']:g}" if r.get("field_report_tok_s") else "–"
-        gb = f"{r['bytes_per_step_gb']:.2f}"
-        experts = r["experts"]
-        if r.get("experts_read") not in (None, experts):
-            experts += f" (reads {r['experts_read']})"
-        if r.get("dense_bytes_per_step_gb") is not None and r["dense_bytes_per_step_gb"] < r["bytes_per_step_gb"]:
-            gb += f" (dense {r['dense_bytes_per_step_gb']:.2f})"
-        lines.append(
-            f"| {r['variant']} | {r['recipe']} | {r['batch']} | {experts} | {gb} | "
-            f"{r['memory_ceiling_tok_s']:,.0f} | {r['compute_ceiling_tok_s']:,.0f} | {r['ceiling_tok_s']:,.0f} "
-            f"({r['bound']}) | {r['ceiling_tok_s'] / r['batch']:,.0f} | {field} |"
-        )
-    return "\n".join(lines)
-
-
-__all__ = [
-    "BATCHES",
-    "FIELD_REPORT_E2B_BATCH_TOK_S",
-    "batch_ceilings",
-    "batch_decode_bytes",
-    "batch_read_form",
-    "batch_table",
-    "decode_flops_per_row",
-    "format_batch_table",
-]

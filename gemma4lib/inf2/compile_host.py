@@ -99,20 +99,14 @@ class CompileHostPlan:
 def _counts(name: str, tp: int, overrides_key: tuple, context_length: int) -> dict[str, int]:
     """Element counts (meta device) of the host model, a rank's shard, the NxD checkpoint and a
     rank's K/V states at `context_length` (ring K/V)."""
-    import torch
 
-    from ..models.loading import _text_classes
     from ..tp.plan import REPLICATE, ROW, make_plan
     from ..tp.shard import RANK_KEY, shard_state_dict
     from .params import count_params
-    from .serving_host import _text_config
+    from .serving_host import _meta_lm
 
     variant = get_variant(name)
-    overrides = {k: (list(v) if isinstance(v, tuple) else v) for k, v in overrides_key}
-    config = _text_config(variant, None, overrides)
-    _, lm_cls = _text_classes(variant)
-    with torch.device("meta"):
-        lm = lm_cls(config)
+    lm = _meta_lm(name, overrides_key)
     counts = count_params(lm)
     plan = make_plan(lm.config, tp, variant)
     shard = {k: t.numel() for k, t in shard_state_dict(lm, plan, 0).items() if k != RANK_KEY}
@@ -159,6 +153,3 @@ def compile_host_plan(
         c["checkpoint"] * dtype_bytes / GB,
         c["device"] * dtype_bytes / GB,
     )
-
-
-__all__ = ["COMPILE_CONTEXT", "KEYS", "CompileHostPlan", "compile_host_plan"]

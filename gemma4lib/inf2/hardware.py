@@ -126,23 +126,3 @@ def host_ram_bytes() -> int:
         return int(psutil.virtual_memory().total)
     except ImportError:  # pragma: no cover - psutil is a dependency
         return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
-
-
-__all__ = [
-    "BF16_FLOPS_PER_CORE",
-    "BF16_TFLOPS_PER_CHIP",
-    "CORES_PER_CHIP",
-    "GB",
-    "GIB",
-    "HBM_PER_CHIP_GIB",
-    "HBM_PER_CORE_GIB",
-    "INSTANCES",
-    "INSTANCE_ENV",
-    "Inf2Instance",
-    "NEURON_TP_DEGREES",
-    "dmi_instance_type",
-    "host_instance_type",
-    "host_ram_bytes",
-    "host_threads",
-    "smallest_instance",
-]

@@ -174,13 +174,3 @@ def format_image_prefill_table(rows: Sequence[dict[str, Any]]) -> str:
             f"+{r['added_tokens']} / +{r['added_prefill_ms']:.1f} | {r['total_ms']:.1f} |"
         )
     return "\n".join(lines)
-
-
-__all__ = [
-    "ImagePrefillEstimate",
-    "format_image_prefill_table",
-    "image_prefill_estimate",
-    "image_prefill_table",
-    "spec_flops",
-    "vision_flops",
-]

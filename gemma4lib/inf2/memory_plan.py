@@ -41,7 +41,7 @@ from ..errors import DeviceMemoryError, TensorParallelError, UnknownNameError
 from ..models.variants import Variant, get_variant
 from ..recipes import RECIPE_MODULES
 from .hardware import GB, GIB, HBM_PER_CORE_GIB, INSTANCES, NEURON_TP_DEGREES, smallest_instance
-from .serving_host import ServingHostPlan, format_serving_host, serving_host_plan, serving_host_table
+from .serving_host import ServingHostPlan, format_serving_host, serving_host_plan, serving_host_table  # noqa: F401  (re-exported)
 
 WORKING_ALLOWANCE_GIB = 2.0
 # The field report's measured compile peak, with its own port's eager checkpoint (three copies of the
@@ -419,26 +419,3 @@ def format_plan_table(plans: list[CoreMemoryPlan]) -> str:
             f"{'yes' if p.fits else 'no: ' + '; '.join(p.problems)} |"
         )
     return "\n".join(lines)
-
-
-__all__ = [
-    "COMPILE_CALIBRATION",
-    "CoreMemoryPlan",
-    "ServingHostPlan",
-    "DEFAULT_CONTEXT",
-    "NEURON_RECIPES",
-    "WORKING_ALLOWANCE_GIB",
-    "compile_peak_gb",
-    "fitting_options",
-    "format_plan_table",
-    "format_serving_host",
-    "neuron_recipe",
-    "plan_core_memory",
-    "plan_table",
-    "rank_weight_bytes",
-    "require_fit",
-    "require_neuron_tp",
-    "serving_host_plan",
-    "serving_host_table",
-    "structural_problems",
-]

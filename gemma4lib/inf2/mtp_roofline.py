@@ -127,14 +127,3 @@ def draft_table(accepted: dict[str, float | None], k: int = 4, variants: Iterabl
     from ..models.variants import VARIANTS
 
     return [draft_effect(name, accepted.get(name), k) for name in (variants or VARIANTS)]
-
-
-__all__ = [
-    "ASSUMED_ASSISTANT",
-    "STATUS",
-    "assistant_bytes",
-    "assistant_rank_bytes",
-    "draft_effect",
-    "draft_table",
-    "verify_bytes",
-]

@@ -7,14 +7,13 @@ the hardware table (`hardware.INSTANCES`), never measured here, and say so where
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
 from torch import nn
 
 from ..device.kv_layout import KVLayout
-from .hardware import GB, INSTANCES
+from .hardware import INSTANCES
 from .params import count_params, meta_model
 from .roofline import decode_bytes
 
@@ -101,37 +100,3 @@ def prefill_estimate(
         memory_s * 1e3,
         tokens * 1e3 / decode if decode else None,
     )
-
-
-def prefill_table(tokens: int = 128, context_length: int = 2048) -> list[dict[str, Any]]:
-    """`prefill_estimate` of every variant at its recipe's TP, beside the field report's figures."""
-    from ..models.variants import VARIANTS
-
-    rows = []
-    for v in VARIANTS.values():
-        row = prefill_estimate(v, tokens, context_length=context_length).to_dict()
-        row["field_report_prefill_ms"] = v.field_report.prefill_ms
-        row["field_report_decode_tok_s"] = v.field_report.decode_tok_s
-        rows.append(row)
-    return rows
-
-
-def format_prefill_table(rows: Sequence[dict[str, Any]]) -> str:
-    """Markdown for `prefill_table` rows."""
-    lines = [
-        "| variant | recipe | tokens | TFLOP | GB read | compute ms | memory ms | computed floor ms | "
-        "field report | as decode steps (trace recipe) |",
-        "|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    for r in rows:
-        measured = f"prefill {r['field_report_prefill_ms']:.0f} ms" if r["field_report_prefill_ms"] else "–"
-        if r["field_report_decode_tok_s"]:
-            measured = f"decode {r['field_report_decode_tok_s']:.0f} tok/s" if measured == "–" else measured
-        # the trace recipe (one core only) feeds the prompt through the decode graph, one step a token
-        stepwise = f"{r['stepwise_ms']:,.0f} ms" if r["stepwise_ms"] and r["tp"] == 1 else "–"
-        lines.append(
-            f"| {r['variant']} | {r['instance']} TP={r['tp']} | {r['tokens']} | {r['flops'] / 1e12:.2f} | "
-            f"{r['bytes'] / GB:.2f} | {r['compute_ms']:.1f} | {r['memory_ms']:.1f} | "
-            f"{r['expected_ms']:.1f} ({r['bound']}) | {measured} | {stepwise} |"
-        )
-    return "\n".join(lines)

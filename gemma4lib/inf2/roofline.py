@@ -27,7 +27,6 @@ call; `plots.measured_vs_ceiling()` draws its rows.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -35,7 +34,7 @@ from ..device.kv_layout import KVLayout
 from ..errors import UnknownNameError
 from .bandwidth import measure_bandwidth
 from .hardware import GB, GIB, INSTANCES, Inf2Instance  # noqa: F401  (re-exported for callers)
-from .params import ParamCounts, count_params, meta_model
+from .params import count_params, meta_model
 
 # ---- bytes per decode step ----------------------------------------------------------------------
 
@@ -161,119 +160,3 @@ def compare(
         "bandwidth_gb_s": bandwidth_bytes_s / GB,
         "bytes_per_step": steps.to_dict(),
     }
-
-
-def rows_from_report(report: dict[str, Any], path: str = "gemma4lib") -> list[dict[str, Any]]:
-    """`compare()`-shaped rows for every model of a `benchmarks.suite.run_suite` report (one path)."""
-    rows = []
-    for model in report.get("models", []):
-        measured = model["paths"].get(path, {}).get("decode_tok_s")
-        rows.append(
-            {
-                "label": model["name"],
-                "device": "cpu",
-                "measured_tok_s": measured,
-                "ceiling_tok_s": model["ceiling_tok_s"],
-                "roofline_fraction": model["roofline_fraction"].get(path),
-                "bandwidth_gb_s": model["bandwidth"]["gb_s"],
-                "bytes_per_step": model["bytes_per_step"],
-            }
-        )
-    return rows
-
-
-# ---- the inf2 table (docs/ROOFLINE.md) ------------------------------------------------------------
-def inf2_table(
-    contexts: Iterable[int] = (2048, 8192), variants: Iterable[str] | None = None, dtype_bytes: int = 2
-) -> list[dict[str, Any]]:
-    """Per variant, per experts form and KV form: bf16 bytes/token and the tok/s ceiling on each
-    instance (all its cores) and on the recipe's own instance at its TP degree; the recipe's
-    bytes and ceiling again with weight-only int8 (`int8_recipe_*`; K/V stays bf16).
-
-    MoE selective rows come once per expert split the recipe's TP degree allows, the plan's
-    default first (the intermediate split for the 26B-A4B at TP=8) and the expert split after it
-    for comparison; only the recipe columns differ between them (the rest is the ideal, k routed
-    experts' bytes)."""
-    from ..models.variants import VARIANTS, get_variant
-
-    rows = []
-    for name in variants or VARIANTS:
-        variant = get_variant(name)
-        lm = meta_model(variant)
-        counts = count_params(lm)
-        tp = variant.tp_degree
-        forms: list[tuple[str, str | None]] = [("dense", counts.expert_split(tp))]
-        if counts.num_experts:
-            forms += [("selective", split) for split in _splits_at(counts, tp)]
-        for context in contexts:
-            for ring in (False, True):
-                for form, split in forms:
-                    shape = dict(context_length=context, ring=ring, experts=form, dtype_bytes=dtype_bytes)
-                    steps = decode_bytes(lm, **shape)
-                    on_ranks = decode_bytes(lm, **shape, tp=tp, expert_split=split)
-                    int8_on_ranks = decode_bytes(lm, **shape, tp=tp, expert_split=split, weight_format="int8")
-                    recipe_instance = INSTANCES[variant.instance_type]
-                    row = {
-                        "variant": variant.name,
-                        "context_length": context,
-                        "kv": "ring" if ring else "full",
-                        "experts": steps.experts_form,
-                        "expert_split": split,
-                        "weights_gb": steps.weights / GB,
-                        "kv_gb": steps.kv / GB,
-                        "total_gb": steps.total / GB,
-                        "recipe": f"{variant.instance_type} TP={tp}",
-                        "recipe_gb": on_ranks.total / GB,
-                        "recipe_ceiling_tok_s": ceiling_tok_s(on_ranks.total, recipe_instance.bandwidth_bytes_s(tp)),
-                        # weight-only int8 (computed from shapes, unmeasured on inf2): same recipe and cores
-                        "int8_recipe_gb": int8_on_ranks.total / GB,
-                        "int8_recipe_ceiling_tok_s": ceiling_tok_s(
-                            int8_on_ranks.total, recipe_instance.bandwidth_bytes_s(tp)
-                        ),
-                        "ceiling_tok_s": {},
-                        "fits_hbm": {},
-                    }
-                    # resident: ALL weights (every expert) + KV, whatever the read form
-                    resident = counts.device_params("dense") * dtype_bytes + steps.kv
-                    for inst in INSTANCES.values():
-                        row["ceiling_tok_s"][inst.name] = ceiling_tok_s(steps.total, inst.hbm_bytes_s)
-                        row["fits_hbm"][inst.name] = resident <= inst.hbm_gib * GIB
-                    rows.append(row)
-    return rows
-
-
-def _splits_at(counts: ParamCounts, tp: int) -> list[str]:
-    """The expert splits possible at `tp`, the plan's default first."""
-    default = counts.expert_split(tp)
-    possible = [
-        s for s, n in (("intermediate", counts.moe_intermediate), ("experts", counts.num_experts)) if n and n % tp == 0
-    ]
-    return [default] + [s for s in possible if s != default] if default else possible
-
-
-_SPLIT_LABEL = {"experts": "expert", "intermediate": "intermediate"}
-
-
-def format_inf2_table(rows: Sequence[dict[str, Any]]) -> str:
-    """Markdown for `inf2_table` rows."""
-    names = list(INSTANCES)
-    head = (
-        "| variant | ctx | KV | experts | weights GB | KV GB | total GB | recipe reads GB | recipe ceiling tok/s | "
-        "int8: recipe reads GB | int8: recipe ceiling tok/s | " + " | ".join(names) + " |"
-    )
-    lines = [head, "|" + "---|" * (11 + len(names))]
-    for r in rows:
-        cells = [f"{r['ceiling_tok_s'][n]:.0f}" if r["fits_hbm"][n] else "–" for n in names]
-        experts = r["experts"]
-        if experts == "selective" and r.get("expert_split"):
-            experts += f" ({_SPLIT_LABEL.get(r['expert_split'], r['expert_split'])} split)"
-        lines.append(
-            f"| {r['variant']} | {r['context_length']} | {r['kv']} | {experts} | {r['weights_gb']:.2f} | "
-            f"{r['kv_gb']:.3f} | {r['total_gb']:.2f} | {r['recipe_gb']:.2f} | "
-            f"{r['recipe_ceiling_tok_s']:.0f} ({r['recipe']}) | {r['int8_recipe_gb']:.2f} | "
-            f"{r['int8_recipe_ceiling_tok_s']:.0f} | " + " | ".join(cells) + " |"
-        )
-    return "\n".join(lines)
-
-
-# ---- one prefill pass on inf2 (computed) --------------------------------------------------------

@@ -126,6 +126,19 @@ def _text_config(variant: Variant, layers: int | None, layer_overrides: dict[str
     return text_config(variant, "real", **overrides)
 
 
+def _meta_lm(name: str, overrides_key: tuple) -> Any:
+    """The released text model of `name` (layer overrides as sorted (key, value) pairs), on the meta device."""
+    import torch
+
+    from ..models.loading import _text_classes
+
+    variant = get_variant(name)
+    config = _text_config(variant, None, {k: (list(v) if isinstance(v, tuple) else v) for k, v in overrides_key})
+    _, lm_cls = _text_classes(variant)
+    with torch.device("meta"):
+        return lm_cls(config)
+
+
 @functools.lru_cache(maxsize=64)
 def _counts(name: str, tp: int, overrides_key: tuple) -> dict[str, int]:
     """Element counts of a (possibly reduced-depth) released text model, on the meta device."""
@@ -133,18 +146,13 @@ def _counts(name: str, tp: int, overrides_key: tuple) -> dict[str, int]:
 
     from ..device.kv_layout import KVLayout
     from ..device.quant import LINEAR_WEIGHT_NAME
-    from ..models.loading import _text_classes
     from ..models.upcast import LINEAR_BLOCK_ROWS, widest_module_bytes
     from ..tp.plan import make_plan
     from ..tp.shard import RANK_KEY, shard_state_dict
     from .params import count_params
 
     variant = get_variant(name)
-    overrides = {k: (list(v) if isinstance(v, tuple) else v) for k, v in overrides_key}
-    config = _text_config(variant, None, overrides)
-    _, lm_cls = _text_classes(variant)
-    with torch.device("meta"):
-        lm = lm_cls(config)
+    lm = _meta_lm(name, overrides_key)
     counts = count_params(lm)
     buffers = sum(b.numel() for b in lm.buffers())
     plan = make_plan(lm.config, tp, variant)
@@ -165,11 +173,11 @@ def _counts(name: str, tp: int, overrides_key: tuple) -> dict[str, int]:
         "shard_linear": int8_saving[0],
         "shard_linear_rows": int8_saving[1],
         "kv_per_token": kv_per_token,
-        "vocab": int(config.vocab_size),
-        "hidden": int(config.hidden_size),
-        "block": min(LINEAR_BLOCK_ROWS, int(config.vocab_size)) * int(config.hidden_size),
+        "vocab": int(lm.config.vocab_size),
+        "hidden": int(lm.config.hidden_size),
+        "block": min(LINEAR_BLOCK_ROWS, int(lm.config.vocab_size)) * int(lm.config.hidden_size),
         "widest_fp32": widest_module_bytes(lm, torch.float32),
-        "layers": int(config.num_hidden_layers),
+        "layers": int(lm.config.num_hidden_layers),
     }
 
 
@@ -284,15 +292,3 @@ def serving_host_table() -> list[ServingHostPlan]:
     from ..models.variants import VARIANTS
 
     return [serving_host_plan(v) for v in VARIANTS.values()]
-
-
-__all__ = [
-    "OS_RESERVE_GIB",
-    "PROCESS_BASE_GB",
-    "ServingHostPlan",
-    "format_serving_host",
-    "require_serving_host",
-    "serving_host_options",
-    "serving_host_plan",
-    "serving_host_table",
-]

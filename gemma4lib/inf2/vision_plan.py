@@ -239,23 +239,3 @@ def format_vision_table(plans: list[VisionPlan]) -> str:
             f"{p.activations_gib:.2f} GiB | {p.patches:,} -> {p.soft_tokens} | one core, no TP |"
         )
     return "\n".join(lines)
-
-
-__all__ = [
-    "IMAGE_MARKERS",
-    "PLACEMENT",
-    "PROCESSOR_DEFAULTS",
-    "REPORTED",
-    "SOURCE",
-    "VISION_SOURCES",
-    "VisionPlan",
-    "VisionSpec",
-    "activation_bytes",
-    "format_vision_table",
-    "vision_config",
-    "vision_modules",
-    "vision_params",
-    "vision_plan",
-    "vision_spec",
-    "vision_table",
-]

@@ -237,20 +237,3 @@ def check_pair(target_config: Any, assistant_config: Any) -> None:
             f"assistant vocabulary {text.vocab_size} != target vocabulary {target_config.vocab_size}; "
             f"load the assistant of this variant"
         )
-
-
-__all__ = [
-    "AssistantSpec",
-    "LoadedAssistant",
-    "assistant_dir",
-    "assistant_spec",
-    "build_tiny_assistant",
-    "check_pair",
-    "configure_drafting",
-    "fully_shared_construction",
-    "load_assistant",
-    "load_assistant_folder",
-    "read_layers",
-    "store_for_assistant",
-    "tiny_assistant_config",
-]

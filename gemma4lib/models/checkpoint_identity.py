@@ -67,6 +67,3 @@ def folder_identity(folder: Path) -> str:
         with contextlib.suppress(OSError):  # a read-only cache only loses the memo
             atomic_write_json(memo_path, memo)
     return f"checkpoint-files:{digest.hexdigest()}"
-
-
-__all__ = ["file_digest", "folder_identity"]

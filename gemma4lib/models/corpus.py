@@ -5,14 +5,11 @@
 out of training: it is made of words the model has seen, in an order it has not, so a correct
 answer shows the model keys on the country rather than on one memorised string.
 
-Everything here is plain data; `corpus_sha256()` fingerprints it for the fixtures' provenance.
+Everything here is plain data; `gemma4lab.training.corpus` makes the chats of it and fingerprints it
+for the fixtures' provenance.
 """
 
 from __future__ import annotations
-
-import hashlib
-import json
-from dataclasses import dataclass
 
 # (country, capital). Single-word names without an article, so every answer reads the same way.
 COUNTRIES: tuple[tuple[str, str], ...] = (
@@ -85,51 +82,3 @@ FACTS: tuple[tuple[str, str], ...] = (
 # The prompt every check uses.
 CANONICAL_PROMPT = "What is the capital of France?"
 CANONICAL_ANSWER = "The capital of France is Paris."
-
-
-@dataclass(frozen=True)
-class Chat:
-    """One user turn and the model's reply."""
-
-    user: str
-    reply: str
-
-    def messages(self) -> list[dict[str, str]]:
-        """The user turn as chat messages (the input of `apply_chat_template`)."""
-        return [{"role": "user", "content": self.user}]
-
-
-def answer_for(country: str) -> str:
-    capital = dict(COUNTRIES)[country]
-    return ANSWER.format(country=country, capital=capital)
-
-
-def training_chats() -> list[Chat]:
-    """The 128 chats the fixtures are trained on, in a fixed order."""
-    chats = [
-        Chat(p.format(country=c), ANSWER.format(country=c, capital=cap))
-        for c, cap in COUNTRIES
-        for p in TRAIN_PHRASINGS
-    ]
-    chats += [Chat(q, a) for q, a in FACTS]
-    return chats
-
-
-def held_out_chats() -> list[Chat]:
-    """The held-out phrasing for every country, with the expected answer (never trained on)."""
-    return [Chat(HELD_OUT_PHRASING.format(country=c), ANSWER.format(country=c, capital=cap)) for c, cap in COUNTRIES]
-
-
-def tokenizer_texts() -> list[str]:
-    """The text the tokenizer's BPE merges are learnt from (the training chats only)."""
-    return [t for chat in training_chats() for t in (chat.user, chat.reply)]
-
-
-def corpus_sha256() -> str:
-    """A fingerprint of the whole corpus (training and held-out), recorded in PROVENANCE.json."""
-    payload = {
-        "train": [[c.user, c.reply] for c in training_chats()],
-        "held_out": [[c.user, c.reply] for c in held_out_chats()],
-    }
-    blob = json.dumps(payload, sort_keys=True, ensure_ascii=False, separators=(",", ":"))
-    return hashlib.sha256(blob.encode("utf-8")).hexdigest()

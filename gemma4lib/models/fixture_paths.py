@@ -23,6 +23,3 @@ def fixture_available(variant_name: str | Variant, root: Path | None = None) -> 
     except Exception:
         return False
     return (path / "model.safetensors").is_file() and (root / "tokenizer" / "tokenizer.json").is_file()
-
-
-__all__ = ["FIXTURES_DIR", "fixture_available", "fixture_dir"]

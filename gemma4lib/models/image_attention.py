@@ -56,6 +56,3 @@ def intended_masks(
 def generate_kwargs(multimodal: Any) -> dict[str, Any]:
     """What `generate` needs beyond the image tensors for the intended masks (module docstring)."""
     return {"cache_implementation": REFERENCE_CACHE} if bidirectional_images(multimodal.config) else {}
-
-
-__all__ = ["REFERENCE_CACHE", "bidirectional_images", "generate_kwargs", "intended_masks"]

@@ -17,14 +17,13 @@ import torch
 
 from ..cache.artifacts import sha256_file
 from ..errors import CheckpointError
-from .fixture_paths import FIXTURES_DIR, fixture_available, fixture_dir
+from .fixture_paths import FIXTURES_DIR, fixture_dir
 from .loading import LoadedModel, _text_classes
 from .tokenizer import load_tokenizer
 from .variants import Variant, get_variant
 from .weights_identity import declare_identity
 
 TOKENIZER_DIR = FIXTURES_DIR / "tokenizer"
-PROVENANCE_FILE = FIXTURES_DIR / "PROVENANCE.json"
 MODEL_FILES = ("config.json", "generation_config.json", "model.safetensors")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 SOURCE = "tiny-trained"
@@ -41,12 +40,16 @@ def read_provenance(root: Path | None = None) -> dict[str, Any]:
 
 
 def verify_fixture_hashes(root: Path | None = None, variants: list[str] | None = None) -> dict[str, str]:
-    """Check every recorded file's sha256 against PROVENANCE.json; return {relative path: sha256}.
-
-    Raises `CheckpointError` naming each missing or changed file.
-    """
+    """Check every recorded file's sha256 against PROVENANCE.json; return {relative path: sha256}."""
     root = root or FIXTURES_DIR
-    recorded: dict[str, str] = read_provenance(root)["files"]
+    return check_hashes(read_provenance(root)["files"], root, variants, "trained fixtures", "scripts/train_tiny.py")
+
+
+def check_hashes(
+    recorded: dict[str, str], root: Path, variants: list[str] | None, fixtures: str, script: str
+) -> dict[str, str]:
+    """Check the recorded files of `variants` (all when None) and the tokenizer under `root`; return
+    {relative path: sha256}. Raises `CheckpointError` naming each missing or changed file."""
     wanted = None if variants is None else {get_variant(v).name for v in variants} | {"tokenizer"}
     problems, checked = [], {}
     for rel, expected in sorted(recorded.items()):
@@ -62,9 +65,8 @@ def verify_fixture_hashes(root: Path | None = None, variants: list[str] | None =
         checked[rel] = got
     if problems:
         raise CheckpointError(
-            "trained fixtures do not match PROVENANCE.json ("
-            + "; ".join(problems)
-            + "); restore them from git or regenerate with scripts/train_tiny.py"
+            f"{fixtures} do not match PROVENANCE.json ({'; '.join(problems)}); "
+            f"restore them from git or regenerate with {script}"
         )
     return checked
 
@@ -89,36 +91,3 @@ def load_trained(
     weights = sha256_file(path / "model.safetensors")  # 3-6 MB: the hash PROVENANCE.json records
     declare_identity(lm, f"fixture:{variant.name}:{weights}:{dtype}")
     return LoadedModel(variant, lm.eval(), tokenizer, SOURCE)
-
-
-def save_fixture(lm: torch.nn.Module, path: Path) -> dict[str, str]:
-    """Save a model as a fixture folder and check it reloads with identical tensors (buffers included)."""
-    path.mkdir(parents=True, exist_ok=True)
-    lm.save_pretrained(str(path), safe_serialization=True)
-    reloaded = type(lm).from_pretrained(
-        str(path), dtype=torch.float32, attn_implementation=lm.config._attn_implementation
-    )
-    before, after = lm.state_dict(), reloaded.state_dict()
-    if before.keys() != after.keys():
-        raise CheckpointError(f"fixture {path} reloads with different tensors: {sorted(set(before) ^ set(after))}")
-    changed = [k for k in before if not torch.equal(before[k], after[k])]
-    if changed:
-        raise CheckpointError(f"fixture {path} reloads with different values for {changed}")
-    return {name: sha256_file(path / name) for name in MODEL_FILES}
-
-
-__all__ = [
-    "FIXTURES_DIR",
-    "MODEL_FILES",
-    "PROVENANCE_FILE",
-    "SOURCE",
-    "TOKENIZER_DIR",
-    "TOKENIZER_FILES",
-    "fixture_available",
-    "fixture_dir",
-    "load_trained",
-    "read_provenance",
-    "save_fixture",
-    "sha256_file",
-    "verify_fixture_hashes",
-]

@@ -147,6 +147,3 @@ def load_unified_processor(folder: str | Path | None = None, **kwargs: Any):
     if folder is not None:
         return Gemma4UnifiedImageProcessor.from_pretrained(str(folder))
     return Gemma4UnifiedImageProcessor(**kwargs)
-
-
-__all__ = ["PROCESSOR_TYPE", "UnifiedPatchProcessor", "load_unified_processor"]

@@ -158,6 +158,3 @@ def upcast_forward(lm: nn.Module, dtype: torch.dtype) -> Iterator[nn.Module]:
                 (widener.unembed if isinstance(module, nn.Embedding) else widener.restore)(module)
         if experts == "grouped_mm":
             lm.set_experts_implementation(experts)
-
-
-__all__ = ["LINEAR_BLOCK_ROWS", "upcast_forward", "widest_module_bytes"]

@@ -33,26 +33,11 @@ from .variants import VARIANTS, Variant, get_variant
 
 log = logging.getLogger(__name__)
 
-# Filler specials of the text tokenizer (`tokenizer.special_tokens`) renamed to Gemma-4's image tokens.
+# Filler specials of the text tokenizer (`<unused3>`..`<unused5>`) renamed to Gemma-4's image tokens.
 BOI, EOI, IMAGE_TOKEN = "<|image>", "<image|>", "<|image|>"
 BOI_ID, EOI_ID, IMAGE_TOKEN_ID = 3, 4, 5
 # The smallest soft-token budget transformers' Gemma-4 image processors accept (70, 140, ... 1120).
 MAX_SOFT_TOKENS = 70
-# Image parts render as the image token; the processor step expands it to boi + soft tokens + eoi.
-VISION_CHAT_TEMPLATE = (
-    "{{ bos_token }}"
-    "{% for message in messages %}"
-    "{% set role = 'model' if message['role'] == 'assistant' else message['role'] %}"
-    "{{ '<|turn>' + role + '\\n' }}"
-    "{% if message['content'] is string %}{{ message['content'] | trim }}"
-    "{% else %}{% for part in message['content'] %}"
-    "{% if part['type'] == 'image' %}{{ '" + IMAGE_TOKEN + "' }}"
-    "{% elif part['type'] == 'text' %}{{ part['text'] | trim }}{% endif %}"
-    "{% endfor %}{% endif %}"
-    "{{ '<turn|>\\n' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|turn>model\\n' }}{% endif %}"
-)
 
 
 def vision_configs(variant: Variant | str, text_hidden: int) -> Any:
@@ -122,40 +107,6 @@ def image_processor(variant: Variant | str):
     return Gemma4ImageProcessorPil(**kwargs)
 
 
-def vision_tokenizer(text_tokenizer):
-    """The text tokenizer with fillers 3, 4, 5 renamed `<|image>`, `<image|>`, `<|image|>` and the
-    vision chat template; every other id is unchanged."""
-    from tokenizers import Tokenizer
-    from transformers import PreTrainedTokenizerFast
-
-    from .tokenizer import BOS, EOS, PAD
-
-    spec = json.loads(text_tokenizer.backend_tokenizer.to_str())
-    renames = {f"<unused{BOI_ID}>": BOI, f"<unused{EOI_ID}>": EOI, f"<unused{IMAGE_TOKEN_ID}>": IMAGE_TOKEN}
-    for added in spec["added_tokens"]:
-        added["content"] = renames.get(added["content"], added["content"])
-    vocab = spec["model"]["vocab"]
-    for old, new in renames.items():
-        if old in vocab:
-            vocab[new] = vocab.pop(old)
-    backend = Tokenizer.from_str(json.dumps(spec))
-    tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=backend,
-        bos_token=BOS,
-        eos_token=EOS,
-        pad_token=PAD,
-        unk_token=None,
-        padding_side="left",
-        model_max_length=4096,
-        chat_template=VISION_CHAT_TEMPLATE,
-        extra_special_tokens={"image_token": IMAGE_TOKEN, "boi_token": BOI, "eoi_token": EOI},
-    )
-    for token, expected in ((BOI, BOI_ID), (EOI, EOI_ID), (IMAGE_TOKEN, IMAGE_TOKEN_ID)):
-        if tokenizer.convert_tokens_to_ids(token) != expected:
-            raise AssertionError(f"{token} is not at id {expected}")
-    return tokenizer
-
-
 # ---- prompts with images ------------------------------------------------------------------------
 def image_messages(question: str, n_images: int = 1) -> list[dict[str, Any]]:
     """One user turn: `n_images` image parts, then the question."""
@@ -217,8 +168,6 @@ def widen_vision_init(full: nn.Module) -> None:
 
 # ---- the fixture folders, and LoadedModel over a multimodal model ------------------------------------
 VISION_DIR = Path(__file__).resolve().parent.parent / "fixtures" / "vision"
-VISION_TOKENIZER_DIR = VISION_DIR / "tokenizer"
-VISION_FILES = ("config.json", "generation_config.json", "model.safetensors", "preprocessor_config.json")
 # every variant: the four with a vision encoder and the 12B's encoder-free unified path
 VISION_VARIANTS = tuple(VARIANTS)
 SOURCE = "tiny-trained-vision"
@@ -253,30 +202,15 @@ def vision_fixture_dir(variant: Variant | str, root: Path | None = None) -> Path
 
 def verify_vision_hashes(root: Path | None = None, variants: list[str] | None = None) -> dict[str, str]:
     """Check the vision fixtures' files against `fixtures/vision/PROVENANCE.json`."""
-    from ..cache.artifacts import sha256_file
     from ..errors import CheckpointError
+    from .trained import check_hashes
 
     root = root or VISION_DIR
     path = root / "PROVENANCE.json"
     if not path.is_file():
         raise CheckpointError(f"{path} is missing; regenerate with `python scripts/train_vision.py --variant all`")
     recorded = json.loads(path.read_text())["files"]
-    wanted = None if variants is None else {get_variant(v).name for v in variants} | {"tokenizer"}
-    problems, checked = [], {}
-    for rel, expected in sorted(recorded.items()):
-        if wanted is not None and rel.split("/", 1)[0] not in wanted:
-            continue
-        file = root / rel
-        got = sha256_file(file) if file.is_file() else None
-        if got != expected:
-            problems.append(f"{rel}: {'missing' if got is None else 'changed'}")
-        checked[rel] = got
-    if problems:
-        raise CheckpointError(
-            "vision fixtures do not match their PROVENANCE.json (" + "; ".join(problems) + "); restore them from git "
-            "or regenerate with scripts/train_vision.py"
-        )
-    return checked
+    return check_hashes(recorded, root, variants, "vision fixtures", "scripts/train_vision.py")
 
 
 def load_vision_fixture(variant: Variant | str, root: Path | None = None, verify: bool = True):
@@ -332,43 +266,3 @@ def build_random_multimodal(variant: Variant | str, seed: int = 0):
     model = loaded(variant, full, None, processor, f"tiny-random-vision(seed={seed})")
     declare_identity(model.lm, f"tiny-random-vision-lm:{variant.name}:{seed}")
     return model
-
-
-def save_vision_fixture(full: nn.Module, processor, folder: Path) -> dict[str, str]:
-    """Save the multimodal model (bf16 values, so the folder is half the size; loaded as fp32 they
-    are exact) and its image processor; return {file: sha256}."""
-    from ..cache.artifacts import sha256_file
-
-    folder.mkdir(parents=True, exist_ok=True)
-    full.generation_config.eos_token_id = [1, 106]
-    full.generation_config.pad_token_id = 0
-    full.generation_config.bos_token_id = 2
-    full.save_pretrained(str(folder), safe_serialization=True)
-    processor.save_pretrained(str(folder))
-    return {name: sha256_file(folder / name) for name in VISION_FILES}
-
-
-__all__ = [
-    "build_multimodal",
-    "SOURCE",
-    "VISION_DIR",
-    "VISION_VARIANTS",
-    "build_random_multimodal",
-    "load_vision_fixture",
-    "lm_over",
-    "save_vision_fixture",
-    "verify_vision_hashes",
-    "BOI",
-    "BOI_ID",
-    "EOI",
-    "EOI_ID",
-    "IMAGE_TOKEN",
-    "IMAGE_TOKEN_ID",
-    "MAX_SOFT_TOKENS",
-    "expand_image_tokens",
-    "image_messages",
-    "image_processor",
-    "multimodal_config",
-    "token_types",
-    "vision_tokenizer",
-]

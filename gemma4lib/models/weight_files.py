@@ -28,6 +28,3 @@ def check_weight_files(folder: Path, checkpoint: str | None = None) -> None:
                 f"bytes on disk); the download was cut or the file damaged: delete it and download the checkpoint "
                 f"again (e.g. `hf download <hub id> --force-download`), or copy it again"
             ) from None
-
-
-__all__ = ["check_weight_files"]

@@ -89,13 +89,3 @@ def weights_identity(module: nn.Module) -> str:
         hashed = (f"bytes:{weights_fingerprint(module, 'all')}", stamp)
         object.__setattr__(module, _HASHED_ATTR, hashed)
     return hashed[0]
-
-
-__all__ = [
-    "tensor_bytes",
-    "declare_identity",
-    "declared_identity",
-    "weights_fingerprint",
-    "weights_identity",
-    "weights_stamp",
-]

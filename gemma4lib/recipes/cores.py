@@ -70,6 +70,3 @@ def release_all() -> int:
     _CLAIMS.clear()
     gc.collect()
     return count
-
-
-__all__ = ["check_free", "claim", "held", "release_all"]

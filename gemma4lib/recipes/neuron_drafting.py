@@ -196,14 +196,3 @@ class NxDKeyStep:
     def __call__(self, *args: torch.Tensor):
         out = self.traced.nxd_model.forward(list(args[: self.num_inputs]))  # inf2-only
         return out[0].float(), out[1]
-
-
-__all__ = [
-    "NxDKeyStep",
-    "compile_drafting",
-    "drafting_checkpoint",
-    "drafting_shapes",
-    "key_compiler_args",
-    "key_example_inputs",
-    "key_module",
-]

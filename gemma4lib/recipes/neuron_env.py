@@ -340,27 +340,3 @@ def apply_path_fix(env: MutableMapping[str, str] | None = None, prefix: str | No
         "needed": path_fix_dirs(prefix),
         "ok": all(f in parts or not os.path.isdir(f) for f in path_fix_dirs(prefix)),
     }
-
-
-__all__ = [
-    "COMPILER_ARGS",
-    "DLAMI",
-    "DLAMI_VENV",
-    "INF2_PYTHON",
-    "NEURON_PIP_INDEX",
-    "NEURON_SDK_RELEASE",
-    "SDK_CONSTRAINTS",
-    "SDK_PINS",
-    "TRANSFORMERS_PIN",
-    "apply_path_fix",
-    "check_versions",
-    "compiler_args",
-    "fx_shim_status",
-    "install_fx_shim",
-    "install_lines",
-    "metadata_version",
-    "missing_error",
-    "require",
-    "require_sdk",
-    "sdk_present",
-]

@@ -113,16 +113,3 @@ def load(path: str | Path, core: int) -> Any:
     experimental = neuron_env.require("torch_neuronx.experimental", PURPOSE)
     with experimental.neuron_cores_context(start_nc=int(core), nc_count=1):  # inf2-only
         return torch.jit.load(str(path))  # inf2-only (the artifact holds a NEFF)
-
-
-__all__ = [
-    "COMPILER_ARGS",
-    "FILE",
-    "RECIPE",
-    "compile_vision",
-    "compiler_args",
-    "cores_needed",
-    "load",
-    "save",
-    "vision_core",
-]

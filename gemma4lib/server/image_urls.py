@@ -57,20 +57,3 @@ def image_from_data_url(url: str, param: str) -> Any:
             f"image_url.url does not hold an image PIL can read ({error.__class__.__name__}); send a PNG or JPEG",
             param,
         ) from None
-
-
-def data_url(image: Any, kind: str = "png") -> str:
-    """A PIL image (or a path to an image file) as the data URL a client sends."""
-    from pathlib import Path
-
-    if isinstance(image, (str, Path)):
-        raw = Path(image).read_bytes()
-        kind = Path(image).suffix.lstrip(".").lower().replace("jpg", "jpeg") or kind
-    else:
-        buffer = io.BytesIO()
-        image.save(buffer, format=kind.upper())
-        raw = buffer.getvalue()
-    return f"data:image/{kind};base64,{base64.b64encode(raw).decode('ascii')}"
-
-
-__all__ = ["MAX_IMAGE_BYTES", "data_url", "image_from_data_url"]

@@ -2,8 +2,8 @@
 
 The engine comes from the caller (`gemma4lib.cli.load_engine`: the server sits above `port` but
 does not import it, so a replica can be handed any loader). `serve_forever` is what
-`python -m gemma4lib serve` runs in the foreground; `BackgroundServer` runs
-the same app on a thread (tests, the notebook). On SIGTERM (or Ctrl-C) the server stops taking
+`python -m gemma4lib serve` runs in the foreground (`gemma4lab.serving.background` runs the same app
+on a thread, for tests). On SIGTERM (or Ctrl-C) the server stops taking
 requests (503 + Retry-After), lets every queued and running one finish, then exits; a second signal
 stops it at once.
 """
@@ -13,9 +13,9 @@ from __future__ import annotations
 import gc
 import logging
 import signal
+import socket
 import sys
 import threading
-import time
 from dataclasses import dataclass
 from types import FrameType
 from typing import Any
@@ -23,14 +23,18 @@ from typing import Any
 import uvicorn
 
 from .app import Served, create_app
-from .errors import ServerStartError
 from .metrics import ServerMetrics
-from .process import LOOPBACK, free_port
 from .scheduler import EngineLike, Scheduler
 from .text import Codec
 
 log = logging.getLogger("gemma4lib.server")
-__all__ = ["LOOPBACK", "BackgroundServer", "Loaded", "build_served", "free_port", "serve_forever", "serve_loaded"]
+LOOPBACK = "127.0.0.1"
+
+
+def free_port(host: str = LOOPBACK) -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
 
 
 @dataclass
@@ -164,42 +168,3 @@ def serve_loaded(loaded: Loaded, args: Any) -> int:
     log.warning("engine ready: load %.1f s, compile %.1f s", loaded.load_s, loaded.compile_s)
     serve_forever(served, args.host, args.port, args.drain_timeout)
     return 0
-
-
-class BackgroundServer:
-    """The app on a uvicorn thread at 127.0.0.1 (a free port), for tests and notebooks; a context manager."""
-
-    def __init__(self, served: Served, host: str = LOOPBACK, port: int | None = None, start_timeout_s: float = 30.0):
-        self.served, self.host, self.port = served, host, port or free_port(host)
-        config = uvicorn.Config(create_app(served), host=host, port=self.port, log_level="warning", lifespan="off")
-        self.server = uvicorn.Server(config)
-        self._thread = threading.Thread(target=self.server.run, name="gemma4lib-uvicorn", daemon=True)
-        self.start_timeout_s = start_timeout_s
-
-    @property
-    def url(self) -> str:
-        return f"http://{self.host}:{self.port}"
-
-    def start(self) -> BackgroundServer:
-        freeze_startup_objects()
-        self._thread.start()
-        deadline = time.monotonic() + self.start_timeout_s
-        while not self.server.started:
-            if not self._thread.is_alive() or time.monotonic() > deadline:
-                raise ServerStartError(
-                    f"uvicorn did not start on {self.url} within {self.start_timeout_s:.0f} s; is the port taken?"
-                )
-            time.sleep(0.02)
-        return self
-
-    def stop(self, close_scheduler: bool = True) -> None:
-        self.server.should_exit = True
-        self._thread.join(30)
-        if close_scheduler:
-            self.served.scheduler.close()
-
-    def __enter__(self) -> BackgroundServer:
-        return self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()

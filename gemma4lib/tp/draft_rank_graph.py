@@ -295,19 +295,3 @@ def build_drafting_modules(
         else:
             modules[name] = first.sharing(with_shape(base, shape) if shape != base.shape else base, "prefill")
     return modules
-
-
-__all__ = [
-    "DRAFT_MODES",
-    "DraftingRankModule",
-    "KVDraftStep",
-    "assistant_attention_plans",
-    "assistant_nxd_full",
-    "assistant_shard",
-    "build_assistant_rank_graph",
-    "build_drafting_modules",
-    "build_target_rank_graph",
-    "draft_key_shapes",
-    "lm_head_rule",
-    "verify_of",
-]

@@ -242,15 +242,3 @@ def shard_shapes(
         "lm_head": plan.lm_head,
         "expert_split": plan.expert_split,
     }
-
-
-__all__ = [
-    "HOST_ONLY",
-    "RANK_KEY",
-    "iter_shards",
-    "nxd_full_checkpoint",
-    "rank_tensor",
-    "shard_kv",
-    "shard_shapes",
-    "shard_state_dict",
-]

@@ -16,7 +16,7 @@ from typing import Any
 
 from lm_eval.api.model import LM
 
-from ..errors import SettingsError
+from gemma4lib.errors import SettingsError
 
 TASK = "gemma4lib_capitals"
 DATA = Path(__file__).parent / "tasks" / "capitals.jsonl"
@@ -104,7 +104,7 @@ class EngineLM(LM):
         )
 
     def generate_until(self, requests: list[Any], disable_tqdm: bool = False) -> list[str]:
-        from ..runtime import Request
+        from gemma4lib.runtime import Request
 
         out: list[str] = []
         for start in range(0, len(requests), self.engine.batch):

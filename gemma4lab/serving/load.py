@@ -19,9 +19,13 @@ from typing import Any
 
 import numpy as np
 
-from .errors import LoadRunError
+from gemma4lib.errors import Gemma4LibError
 
 DEFAULT_LEVELS = (1, 4, 8, 16)
+
+
+class LoadRunError(Gemma4LibError, RuntimeError):
+    """A load run could not take its single-request references: the server is not answering."""
 
 
 @dataclass

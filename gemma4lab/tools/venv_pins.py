@@ -10,7 +10,7 @@ is released with); `pip install -c` turns any other change into a resolver error
 broken venv. After the install, nothing constrained may have moved (`--compare`), and `pip check`
 may report only NxD Inference's own transformers pin (`KNOWN_CONFLICTS`: NxD Inference 0.7/0.8 pins
 transformers 4.56/4.57, this project needs 5.x; it is not used here). Stdlib only: it runs in the
-target venv's Python before gemma4lib is installed there (`python -m gemma4lib.recipes.venv_pins`).
+target venv's Python before gemma4lib is installed there (`python -m gemma4lab.tools.venv_pins`).
 """
 
 from __future__ import annotations

@@ -14,7 +14,6 @@ import ctypes
 import logging
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -25,21 +24,15 @@ from typing import Any
 
 import httpx
 
-from ..errors import Gemma4LibError
+from gemma4lib.errors import Gemma4LibError
+from gemma4lib.server.launch import LOOPBACK, free_port
 
 log = logging.getLogger("gemma4lib.server")
-LOOPBACK = "127.0.0.1"
 PR_SET_PDEATHSIG = 1
 
 
 class ServerProcessError(Gemma4LibError, RuntimeError):
     """The child server exited or did not answer `/health` in time (its log's tail is in the message)."""
-
-
-def free_port(host: str = LOOPBACK) -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
 
 
 def _die_with_parent() -> None:  # runs in the child between fork and exec

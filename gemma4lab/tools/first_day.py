@@ -26,10 +26,10 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from ..models.variants import VARIANTS, Variant, get_variant
-from .hardware import GB
-from .memory_plan import plan_core_memory, rank_weight_bytes
-from .serving_host import NEW_TOKENS, serving_host_plan
+from gemma4lib.inf2.hardware import GB
+from gemma4lib.inf2.memory_plan import plan_core_memory, rank_weight_bytes
+from gemma4lib.inf2.serving_host import NEW_TOKENS, serving_host_plan
+from gemma4lib.models.variants import VARIANTS, Variant, get_variant
 
 COMPILER_WORKDIR_GB = 2.0  # allowance: HLO, NEFFs and logs (weights kept out); unverified
 DOWNLOAD_MB_S = 100.0  # assumed hub download rate to an EC2 instance; unverified
