@@ -33,6 +33,7 @@ import logging
 import os
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -272,6 +273,22 @@ def failed_cell(executed: Path) -> dict[str, Any] | None:
     return None
 
 
+class _LoggerUse:
+    """The papermill logger's level and propagation while any notebook runs (set by the first, restored by the last)."""
+
+    def __init__(self):
+        self.lock, self.users, self.previous_level = threading.Lock(), 0, logging.NOTSET
+
+    def __enter__(self):
+        self.lock.acquire()
+
+    def __exit__(self, *exc):
+        self.lock.release()
+
+
+_LOGGING = _LoggerUse()
+
+
 def execute(
     name: str, file: str, out: Path, params: dict[str, Any], timeout: int | None, notebook_dir: Path = NOTEBOOK_DIR
 ) -> dict[str, Any]:
@@ -300,10 +317,15 @@ def execute(
     with open(log_file, "w") as handle:
         file_handler = logging.StreamHandler(handle)
         file_handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
+        thread = threading.get_ident()  # two notebooks run at once (`execute_all`): each log keeps its own lines
+        file_handler.addFilter(lambda record: record.thread == thread)
+        with _LOGGING:
+            if not _LOGGING.users:
+                _LOGGING.previous_level = pm_logger.level
+                pm_logger.setLevel(logging.INFO)
+                pm_logger.propagate = False
+            _LOGGING.users += 1
         pm_logger.addHandler(file_handler)
-        previous_level = pm_logger.level
-        pm_logger.setLevel(logging.INFO)
-        pm_logger.propagate = False
         handle.write(f"# {file} with {json.dumps(params, default=str)}\n")
         if unknown:
             handle.write(f"# parameters this notebook does not declare (ignored): {unknown}\n")
@@ -342,8 +364,11 @@ def execute(
                 handle.write(strip_ansi("\n".join(trace)) + "\n")
         finally:
             pm_logger.removeHandler(file_handler)
-            pm_logger.setLevel(previous_level)
-            pm_logger.propagate = True
+            with _LOGGING:
+                _LOGGING.users -= 1
+                if not _LOGGING.users:
+                    pm_logger.setLevel(_LOGGING.previous_level)
+                    pm_logger.propagate = True
     run["wall_s"] = time.perf_counter() - started
     return run
 
@@ -492,18 +517,16 @@ def _announced(file: str, run: dict[str, Any]) -> dict[str, Any]:
 def execute_all(
     names: Sequence[str], params_of: dict[str, dict[str, Any]], out: Path, timeout: int | None, jobs: int
 ) -> dict[str, dict[str, Any]]:
-    """Every notebook of `names`, `jobs` at a time, each in a process of its own with its own kernel
-    (one thread each: the notebooks time themselves on one thread). They share the artifact cache,
-    whose build lock compiles a graph once even when two notebooks ask for it together. The overview
-    reads the others' records, so it runs alone, last."""
-    from concurrent.futures import ProcessPoolExecutor
+    """Every notebook of `names`, `jobs` at a time, each with its own kernel (a process of its own, one
+    thread: the notebooks time themselves on one thread), driven from a thread here. They share the
+    artifact cache, whose build lock compiles a graph once even when two notebooks ask for it together.
+    The overview reads the others' records, so it runs alone, last."""
+    from concurrent.futures import ThreadPoolExecutor
 
     first = [n for n in names if n != OVERVIEW[0]]
     runs: dict[str, dict[str, Any]] = {}
     if jobs > 1 and len(first) > 1:
-        import multiprocessing
-
-        with ProcessPoolExecutor(max_workers=jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
+        with ThreadPoolExecutor(max_workers=jobs, thread_name_prefix="papermill-runs") as pool:
             pending = {}
             for name in first:
                 print(f"[papermill_runs] {NOTEBOOK_FILES[name]} ...", flush=True)

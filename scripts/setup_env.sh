@@ -41,7 +41,7 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   # the filter: setuptools' banner on every editable install ("Editable installation. Please be careful
   # with folders ... with the same name as your package"): nothing here to act on
   PYTHONWARNINGS="ignore:Editable installation:UserWarning" \
-    "$VENV/bin/uv" pip install --quiet --python "$VENV/bin/python" --index-strategy unsafe-best-match "${uv_args[@]}" \
+    "$VENV/bin/python" -m uv pip install --quiet --python "$VENV/bin/python" --index-strategy unsafe-best-match "${uv_args[@]}" \
     -e ".[$EXTRAS]"
   "$VENV/bin/python" -m ipykernel install --prefix "$VENV" --name gemma4lib --display-name "Python 3 (gemma4lib)" >/dev/null
   echo "$want" > "$stamp"

@@ -254,6 +254,8 @@ def _indexed(cache: ArtifactCache, index: str, graph: DeviceGraph) -> CacheEntry
 
 
 def _remember(cache: ArtifactCache, index: str, key: str) -> None:
+    if cache.layers or cache.refuse_build is not None:  # a run from a bundle writes nothing anywhere
+        return
     try:
         (cache.root / "index").mkdir(parents=True, exist_ok=True)
         atomic_write_json(cache.root / "index" / f"{index[:24]}.json", {"key": key})
