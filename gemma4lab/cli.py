@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import sys
 from collections.abc import Sequence
 
+from gemma4lib import cli
 from gemma4lib.cli import _threads
-from gemma4lib.errors import Gemma4LibError, UnknownNameError
+from gemma4lib.errors import UnknownNameError
 
 
 def cmd_faults(args: argparse.Namespace) -> int:
@@ -75,17 +75,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    logging.basicConfig(
-        level=logging.INFO if args.verbose else logging.WARNING,
-        format="%(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
-    try:
-        return args.func(args)
-    except Gemma4LibError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+    return cli.main(argv, build_parser())
 
 
 if __name__ == "__main__":

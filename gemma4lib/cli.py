@@ -370,8 +370,10 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+def main(argv: Sequence[str] | None = None, parser: argparse.ArgumentParser | None = None) -> int:
+    """Parse `argv` with `parser` (default: this command line's; the lab passes its own), run the
+    command, and turn a library error into its message and exit status 2."""
+    args = (parser or build_parser()).parse_args(argv)
     logging.basicConfig(
         level=logging.INFO if args.verbose else logging.WARNING,
         format="%(levelname)s %(name)s: %(message)s",
