@@ -521,9 +521,10 @@ def execute_all(
     thread: the notebooks time themselves on one thread), driven from a thread here. They share the
     artifact cache, whose build lock compiles a graph once even when two notebooks ask for it together.
     The overview reads the others' records, so it runs alone, last."""
-    from concurrent.futures import ThreadPoolExecutor
+    from concurrent.futures import ThreadPoolExecutor, as_completed
 
-    first = [n for n in names if n != OVERVIEW[0]]
+    # the longest first (06_serving: several batch sizes and drafting), so that no lane ends alone on it
+    first = sorted((n for n in names if n != OVERVIEW[0]), key=lambda n: n != SERVING[0])
     runs: dict[str, dict[str, Any]] = {}
     if jobs > 1 and len(first) > 1:
         with ThreadPoolExecutor(max_workers=jobs, thread_name_prefix="papermill-runs") as pool:
@@ -531,8 +532,9 @@ def execute_all(
             for name in first:
                 print(f"[papermill_runs] {NOTEBOOK_FILES[name]} ...", flush=True)
                 pending[name] = pool.submit(execute, name, NOTEBOOK_FILES[name], out, params_of[name], timeout)
-            for name, future in pending.items():
-                runs[name] = _announced(NOTEBOOK_FILES[name], future.result())
+            named = {future: name for name, future in pending.items()}
+            for future in as_completed(named):  # each reported when it ends
+                runs[named[future]] = _announced(NOTEBOOK_FILES[named[future]], future.result())
         first = []
     for name in [*first, *(n for n in names if n == OVERVIEW[0])]:
         print(f"[papermill_runs] {NOTEBOOK_FILES[name]} ...", flush=True)

@@ -54,8 +54,13 @@ PACKAGE = "graph.pt2"
 # a multiply-and-sum loop and inlines the query's RoPE (cos/sin) into it, recomputing it for every
 # K/V slot of every layer; a lower threshold stores the rotated query once. Measured on a 6-layer
 # hidden-1024 decode graph at 512 slots: 130-145 -> 59-85 ms per step (docs/ROOFLINE.md).
+# joint_graph_constant_folding off: Inductor otherwise computes a few tiny weights (q/k norms) into the
+# program at compile time, so a model with other values (the random-weights witness, every fault-lab
+# copy) needed a compile of its own; without it every weight is loaded at run time and one compile
+# serves them all (measured: no folded parameter left in the E2B decode graph).
 DEFAULT_COMPILER_OPTIONS = {
     "aot_inductor.compile_wrapper_opt_level": "O1",
+    "joint_graph_constant_folding": False,
     "aot_inductor.package_constants_in_so": False,
     "realize_opcount_threshold": 8,
 }
