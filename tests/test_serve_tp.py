@@ -11,8 +11,8 @@ import os
 
 import pytest
 
+from gemma4lab.serving.process import ServerProcess
 from gemma4lib.port import PortSettings, port
-from gemma4lib.server.process import ServerProcess
 
 QUESTION = "What is the capital of France?"
 
