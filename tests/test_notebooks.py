@@ -654,7 +654,7 @@ def test_all_notebooks_run_headless_in_the_smoke_profile(tmp_path):
     random-weights witness whose two checks passed. Speed is not judged here
     (an empty baseline folder, --allow-missing-baseline): the machine is shared with the other tests.
     Compiled graphs come from the shared artifact cache when another test or run built them."""
-    from gemma4lib.models.trained import fixture_available
+    from gemma4lib.models.fixture_paths import fixture_available
 
     out = tmp_path / "out"
     command = [

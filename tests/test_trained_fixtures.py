@@ -17,10 +17,10 @@ from gemma4lib.models.tokenizer import (
     TURN_OPEN_ID,
     load_tokenizer,
 )
+from gemma4lib.models.fixture_paths import fixture_available
 from gemma4lib.models.trained import (
     FIXTURES_DIR,
     TOKENIZER_DIR,
-    fixture_available,
     load_trained,
     read_provenance,
     verify_fixture_hashes,
