@@ -9,6 +9,7 @@ from gemma4lab.training import corpus as training_corpus
 from gemma4lab.training.text import greedy_reply, state_sha256
 from gemma4lab.training.tokenizer import build_tokenizer
 from gemma4lib.models import corpus
+from gemma4lib.models.fixture_paths import fixture_available
 from gemma4lib.models.tokenizer import (
     BOS_ID,
     EOS_ID,
@@ -17,7 +18,6 @@ from gemma4lib.models.tokenizer import (
     TURN_OPEN_ID,
     load_tokenizer,
 )
-from gemma4lib.models.fixture_paths import fixture_available
 from gemma4lib.models.trained import (
     FIXTURES_DIR,
     TOKENIZER_DIR,
