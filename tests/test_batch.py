@@ -242,7 +242,7 @@ def test_bench_batch_section_schema_and_its_papermill_verdict():
 
 
 def test_batch_ceilings_count_weights_once_and_kv_and_selective_experts_per_row():
-    from gemma4lib.inf2.batch_roofline import batch_ceilings, batch_decode_bytes
+    from gemma4lab.inf2.batch_roofline import batch_ceilings, batch_decode_bytes
     from gemma4lib.inf2.roofline import decode_bytes
 
     one = decode_bytes("e2b", context_length=2048)
@@ -280,8 +280,8 @@ def test_memory_plan_counts_kv_per_row_and_refuses_a_batch_that_does_not_fit():
 
 
 def test_tok_s_vs_batch_plot_draws_measured_and_computed():
+    from gemma4lab.inf2.batch_roofline import batch_ceilings
     from gemma4lab.notebook.plots_batch import tok_s_vs_batch
-    from gemma4lib.inf2.batch_roofline import batch_ceilings
 
     measured = {"model": "m", "rows": [{"batch": 1, "gemma4lib_tok_s": 10.0, "hf_eager_tok_s": 8.0}]}
     fig = tok_s_vs_batch(measured, batch_ceilings("e2b", (1, 4, 16)))

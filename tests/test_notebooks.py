@@ -984,8 +984,8 @@ def test_serving_tables_and_draft_plot_render_headless():
     from matplotlib.figure import Figure
 
     from gemma4lab import notebook as nb
+    from gemma4lab.inf2.batch_roofline import batch_ceilings
     from gemma4lab.notebook import plots_draft
-    from gemma4lib.inf2.batch_roofline import batch_ceilings
     from gemma4lib.inf2.mtp_roofline import draft_table
 
     ceilings = nb.batch_ceilings_table(batch_ceilings("e2b", (1, 4, 16)))

@@ -586,7 +586,7 @@ def audit_single(model: Any, form: str = "dense", device: Any = None, batch: int
     at = f", batch {batch}" if batch > 1 else ""
     audit = audit_graph(graph, *_example_inputs(graph), f"{name} decode ({form}{at})")
     if batch > 1:
-        from gemma4lib.inf2.batch_roofline import batch_decode_bytes
+        from gemma4lab.inf2.batch_roofline import batch_decode_bytes
 
         bb = batch_decode_bytes(model, batch, context_length=CONTEXT, ring=False, experts=form)
         weights, kv_bytes = bb["weights"], bb["kv"]
@@ -662,7 +662,7 @@ def audit_rank(
     replicated = tp * rank_nonexpert - (counts.lm_head + counts.other) * dtype_bytes
     rank_kv = sum(t.numel() * t.element_size() for t in graph.new_kv())
     if batch > 1:
-        from gemma4lib.inf2.batch_roofline import batch_decode_bytes
+        from gemma4lab.inf2.batch_roofline import batch_decode_bytes
 
         bb = batch_decode_bytes(
             model, batch, context_length=CONTEXT, ring=False, experts=form, tp=tp, expert_split=plan.expert_split

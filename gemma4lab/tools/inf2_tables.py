@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from gemma4lib.inf2.batch_roofline import BATCHES, batch_ceilings
+from gemma4lab.inf2.batch_roofline import BATCHES, batch_ceilings
 from gemma4lib.inf2.hardware import GB, GIB, INSTANCES
 from gemma4lib.inf2.params import ParamCounts, count_params, meta_model
 from gemma4lib.inf2.prefill import prefill_estimate

@@ -23,11 +23,11 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-from ..device.experts import read_form
-from ..device.kv_layout import KVLayout
-from .hardware import BF16_FLOPS_PER_CORE, GB, INSTANCES
-from .params import count_params, meta_model
-from .roofline import decode_bytes
+from gemma4lib.device.experts import read_form
+from gemma4lib.device.kv_layout import KVLayout
+from gemma4lib.inf2.hardware import BF16_FLOPS_PER_CORE, GB, INSTANCES
+from gemma4lib.inf2.params import count_params, meta_model
+from gemma4lib.inf2.roofline import decode_bytes
 
 # The field report's author, the same two-graph E2B design on an inf2.xlarge (DESIGN.md §3): total
 # decode tok/s by batch size. Measured by them on inf2, not by this project.
@@ -110,7 +110,7 @@ def batch_ceilings(
     """Per batch size: bytes per step (bf16 unless `dtype_bytes`), the memory and compute ceilings
     and their minimum, on the variant's recipe (its instance, its TP degree's cores). `experts`:
     default selective for a MoE."""
-    from ..models.variants import get_variant
+    from gemma4lib.models.variants import get_variant
 
     v = get_variant(variant) if isinstance(variant, str) else variant
     lm = meta_model(v)
