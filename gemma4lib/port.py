@@ -283,8 +283,7 @@ def reference_margin(model: LoadedModel, ids: list[int], tokens: list[int], lm: 
 
 def witness_settings(settings: PortSettings) -> PortSettings:
     """The witness: the same variant, shapes and backend, with seeded random weights (so the same
-    compiled programs: parameters are loaded at run time, and the buffers the compiler folds in,
-    such as `layer_scalar`, hold the same values in the random and the trained tiny models)."""
+    compiled programs: every weight, `layer_scalar` included, is loaded at run time)."""
     seed = settings.seed
     image_seed = settings.variant_spec.image_witness_seed
     if settings.images and image_seed is not None and seed == settings.variant_spec.tiny_seed:

@@ -75,8 +75,8 @@ weights = "bf16"  # "bf16"/"fp32": full precision; "int8": weight-only int8 line
 prompt = "What is the capital of France?"
 expect = "Paris"  # coherence: the answer must contain this
 max_new_tokens = 32
-context_length = 128  # the compiled K/V length
-prefill_buckets = [64]  # compiled prompt lengths (inf2 compiles only the largest)
+context_length = 192  # the compiled K/V length (the image section's too: one compile serves both)
+prefill_buckets = [128]  # compiled prompt lengths (inf2 compiles only the largest)
 ring_kv = True  # sliding layers keep only their window of K/V (a ring); False: full-length buffers
 temperature = 0.7  # the sampling section only; every check decodes greedily
 top_p = 0.9
@@ -335,7 +335,7 @@ print(f"slots per buffer: {slots} (sliding: a ring of the window; full: the whol
 #
 # - `torch.export.export(graph, graph.example_inputs(), strict=False)` records the program. Non-strict:
 #   strict mode drops the in-place K/V writes with only a warning (no error, wrong logits).
-# - `torch._inductor.aoti_compile_and_package(program, package_path=..., inductor_configs=options)`
+# - `torch._inductor.aoti_compile_and_package(program, package_path=..., inductor_configs=dict(options))`
 #   (AOTInductor) compiles it to C++ and writes one `.pt2` package. `options` are
 #   `compile_cpu.DEFAULT_COMPILER_OPTIONS`: the wrapper at `-O1` (a shorter compile of the C++ wrapper),
 #   `package_constants_in_so=False` (the weights are not inlined: the package is handed them at load,
@@ -367,7 +367,7 @@ if not on_inf2:
             cache,
             options,
             lambda program, path: torch._inductor.aoti_compile_and_package(
-                program, package_path=path, inductor_configs=options
+                program, package_path=path, inductor_configs=dict(options)  # a copy: AOTInductor adds keys to it
             ),
         )
         runner = torch._inductor.aoti_load_package(str(entry.file(compile_cpu.PACKAGE)))
@@ -698,12 +698,13 @@ display(nb.witness_table(witness))
 #
 # The smoke profile loads the variant's tiny *vision* fixture: this decoder architecture with a vision
 # part, trained offline on coloured shapes (`scripts/train_vision.py`), so that "What is in the
-# image?" gets an answer that names the shape and its colour. Its graphs are programs of their own,
-# not the text section's: an image prompt's default shapes grow to a longer prefill bucket and
-# context, room for the whole budget (printed below), and the decoder's weights are the vision
-# fixture's own. The compile table says whether this run compiled them or found them in the artifact
-# cache from an earlier run; the tiny vision parts of the five variants share one architecture, so on
-# a first run a notebook run after another already finds the vision graph there. The answer is judged like text: SEQ_MATCH and
+# image?" gets an answer that names the shape and its colour. Its decoder has the text fixture's
+# architecture and this notebook's text section already compiled at an image prompt's shapes (a
+# prefill bucket and context with room for the whole budget, printed below), so its prefill and decode
+# are the text section's programs wherever the graph is the same (a config bidirectional over images,
+# as the 12B's, gives the prefill one more input), handed the vision fixture's weights at load time. The compile table says which graphs this run compiled and which it found in the artifact
+# cache; the tiny vision parts of the five variants share one architecture, so on a first run a
+# notebook run after another already finds the vision graph there. The answer is judged like text: SEQ_MATCH and
 # LOGITS_MATCH against transformers' own `generate(pixel_values=...)` on the same model (the first
 # logits row is the image prefill's), and coherence, which asks the answer to name the colour and
 # shape read from the pixels, so a model that did not look fails it.

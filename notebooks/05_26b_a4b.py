@@ -62,8 +62,8 @@ weights = "bf16"  # "bf16"/"fp32": full precision; "int8": weight-only int8 line
 prompt = "What is the capital of France?"
 expect = "Paris"  # coherence: the answer must contain this
 max_new_tokens = 32
-context_length = 128  # the compiled K/V length
-prefill_buckets = [64]  # compiled prompt lengths (inf2 compiles only the largest)
+context_length = 192  # the compiled K/V length (the image section's too: one compile serves both)
+prefill_buckets = [128]  # compiled prompt lengths (inf2 compiles only the largest)
 ring_kv = True  # sliding layers keep only their window of K/V (a ring); False: full-length buffers
 temperature = 0.7  # the sampling section only; every check decodes greedily
 top_p = 0.9
@@ -450,12 +450,13 @@ display(nb.witness_table(witness))
 #
 # The smoke profile loads the variant's tiny *vision* fixture: this decoder architecture with a vision
 # part, trained offline on coloured shapes (`scripts/train_vision.py`), so that "What is in the
-# image?" gets an answer that names the shape and its colour. Its graphs are programs of their own,
-# not the text section's: an image prompt's default shapes grow to a longer prefill bucket and
-# context, room for the whole budget (printed below), and the decoder's weights are the vision
-# fixture's own. The compile table says whether this run compiled them or found them in the artifact
-# cache from an earlier run; the tiny vision parts of the five variants share one architecture, so on
-# a first run a notebook run after another already finds the vision graph there. The answer is judged like text: SEQ_MATCH and
+# image?" gets an answer that names the shape and its colour. Its decoder has the text fixture's
+# architecture and this notebook's text section already compiled at an image prompt's shapes (a
+# prefill bucket and context with room for the whole budget, printed below), so its prefill and decode
+# are the text section's programs wherever the graph is the same (a config bidirectional over images,
+# as the 12B's, gives the prefill one more input), handed the vision fixture's weights at load time. The compile table says which graphs this run compiled and which it found in the artifact
+# cache; the tiny vision parts of the five variants share one architecture, so on a first run a
+# notebook run after another already finds the vision graph there. The answer is judged like text: SEQ_MATCH and
 # LOGITS_MATCH against transformers' own `generate(pixel_values=...)` on the same model (the first
 # logits row is the image prefill's), and coherence, which asks the answer to name the colour and
 # shape read from the pixels, so a model that did not look fails it.

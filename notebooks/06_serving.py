@@ -217,7 +217,7 @@ def compile_package(graph):
         cache,
         options,
         lambda program, path: torch._inductor.aoti_compile_and_package(
-            program, package_path=path, inductor_configs=options
+            program, package_path=path, inductor_configs=dict(options)  # a copy: AOTInductor adds keys to it
         ),
     )
     runner = torch._inductor.aoti_load_package(str(entry.file(compile_cpu.PACKAGE)))

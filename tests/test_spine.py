@@ -232,8 +232,8 @@ def test_a_tagless_edit_to_the_graph_code_misses_the_cache(ports, monkeypatch):
 
 def test_weights_are_loaded_not_baked(ports):
     """One compile serves another model of the same architecture: the parameters come at load time,
-    and any the compiler folded into the program (31b's 8-wide q_norm/k_norm) are checked, so a
-    model with other values gets its own artifact instead of the first model's numbers."""
+    the small ones too (31b's 8-wide q_norm/k_norm, which Inductor would inline as literals), so a
+    model with other values runs its own numbers through the first model's program."""
     from gemma4lib.models.trained import load_trained
 
     port = ports.get("31b")
@@ -245,6 +245,37 @@ def test_weights_are_loaded_not_baked(ports):
         with torch.no_grad():
             eager = graph(x, *inputs[1:3], *graph.new_kv())
         assert torch.allclose(compiled(x, *inputs[1:3], *graph.new_kv()), eager, atol=1e-4)
+
+
+def test_one_decode_program_serves_the_trained_the_random_and_the_vision_fixture():
+    """Two ways the program key once followed something other than the program: AOTInductor writes
+    its own keys into the options dict it is given (a shared dict changed every later key in the
+    process), and it inlines weights of <= 8 values (each layer's `layer_scalar`, a buffer whose
+    values differ between fixtures) as literals. Now the three models of one decoder architecture
+    run one compiled decode program, each with its own weights, and the key is stable."""
+    from gemma4lib.backends.compile_cpu import DEFAULT_COMPILER_OPTIONS
+    from gemma4lib.models.trained import load_trained
+    from gemma4lib.models.vision import load_vision_fixture
+
+    before, shape = dict(DEFAULT_COMPILER_OPTIONS), GraphShape(1, 1, 40, True)
+    models = [load_trained("e2b"), build_tiny(VARIANTS["e2b"], seed=10), load_vision_fixture("e2b")]
+    graphs = [DeviceGraph(m.text_model, m.lm_head, m.layout, shape) for m in models]
+    scalars = [[float(layer.layer_scalar) for layer in g.model.layers] for g in graphs]
+    assert scalars[2] != scalars[0]  # the vision fixture's own values (the random model's are the trained's)
+    steps = [compile_graph(g) for g in graphs]
+    assert dict(DEFAULT_COMPILER_OPTIONS) == before
+    assert len({step.entry.key for step in steps}) == 1 and steps[1].cache_hit and steps[2].cache_hit
+    assert steps[0].entry.key == _key(graphs[0], DEFAULT_COMPILER_OPTIONS)  # recomputed after the compile
+    outputs = []
+    for graph, step in zip(graphs, steps, strict=True):
+        torch.manual_seed(0)
+        inputs = list(graph.example_inputs()[: -len(graph.new_kv())])  # embeddings, PLE, start, length
+        inputs[:2] = [torch.randn_like(inputs[0]), torch.randn_like(inputs[1])]
+        with torch.no_grad():
+            eager = graph(*inputs, *graph.new_kv())
+        outputs.append(step(*inputs, *graph.new_kv()))
+        assert torch.allclose(outputs[-1], eager, atol=1e-4)
+    assert not torch.allclose(outputs[0], outputs[1]) and not torch.allclose(outputs[0], outputs[2])
 
 
 # ---- the run record: three checks, and the random-weights witness --------------------------------
@@ -289,8 +320,7 @@ def test_port_record_carries_the_three_checks_and_the_witness():
 
 
 def test_witness_runs_the_same_compiled_programs():
-    """Parameters load at run time and the folded buffers (`layer_scalar`) hold the same values in
-    the random and the trained tiny model: the witness reuses the trained run's artifacts."""
+    """Every weight loads at run time (`layer_scalar` too): the witness reuses the trained run's artifacts."""
     from gemma4lib.port import PortSettings, port
 
     result = port(PortSettings(variant="e2b", warmup=0, iters=1))

@@ -25,9 +25,10 @@ import json
 import logging
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
 import torch
@@ -58,16 +59,21 @@ PACKAGE = "graph.pt2"
 # program at compile time, so a model with other values (the random-weights witness, every fault-lab
 # copy) needed a compile of its own; without it every weight is loaded at run time and one compile
 # serves them all (measured: no folded parameter left in the E2B decode graph).
-DEFAULT_COMPILER_OPTIONS = {
+# always_keep_tensor_constants: Inductor otherwise inlines any weight of <= 8 values (the layers'
+# `layer_scalar`) as literals, and each fixture's values need a program of their own.
+# Read-only: AOTInductor writes its own keys into the dict it is given (`aot_inductor.package`), so a
+# shared dict would change every later cache key in the process; each compile gets a copy.
+DEFAULT_COMPILER_OPTIONS = MappingProxyType({
     "aot_inductor.compile_wrapper_opt_level": "O1",
     "joint_graph_constant_folding": False,
+    "always_keep_tensor_constants": True,
     "aot_inductor.package_constants_in_so": False,
     "realize_opcount_threshold": 8,
-}
+})
 
 
 def graph_key(
-    graph: DeviceGraph, recipe: str, options: dict[str, Any], program: torch.export.ExportedProgram
+    graph: DeviceGraph, recipe: str, options: Mapping[str, Any], program: torch.export.ExportedProgram
 ) -> dict[str, Any]:
     """Everything that changes the compiled program: above all the exported program itself."""
     return {
@@ -78,7 +84,7 @@ def graph_key(
         "weights": weights_fingerprint(graph),
         "shape": graph.shape.__dict__,
         "graph": graph.key_parts(),
-        "options": options,
+        "options": dict(options),
         "versions": program_versions(),
     }
 
@@ -120,10 +126,10 @@ def export_graph(graph: DeviceGraph) -> torch.export.ExportedProgram:
         return torch.export.export(graph, graph.example_inputs(), strict=False)
 
 
-def package_program(program: torch.export.ExportedProgram, package_path: str, options: dict[str, Any]) -> str:
+def package_program(program: torch.export.ExportedProgram, package_path: str, options: Mapping[str, Any]) -> str:
     """AOTInductor: compile the exported program to C++ and write it as one loadable package
     (`.pt2`). The notebooks show these lines; `compile_graph` runs them on a cache miss."""
-    return torch._inductor.aoti_compile_and_package(program, package_path=package_path, inductor_configs=options)
+    return torch._inductor.aoti_compile_and_package(program, package_path=package_path, inductor_configs=dict(options))
 
 
 def load_package(package_path: str, graph: DeviceGraph) -> Any:
@@ -160,7 +166,7 @@ def cache_package(
     graph: DeviceGraph,
     program: torch.export.ExportedProgram,
     cache: ArtifactCache,
-    options: dict[str, Any],
+    options: Mapping[str, Any],
     compile_package: Callable[[torch.export.ExportedProgram, str], Any],
     export_s: float = 0.0,
 ) -> CacheEntry:
@@ -227,7 +233,7 @@ def _library_source() -> str:
     return source_digest(tuple(sorted(str(p.relative_to(root)) for p in root.rglob("*.py"))))
 
 
-def index_key(graph: DeviceGraph, options: dict[str, Any]) -> str:
+def index_key(graph: DeviceGraph, options: Mapping[str, Any]) -> str:
     """What the export of `graph` depends on, without exporting it (the index's key)."""
     return make_key(
         {
@@ -238,7 +244,7 @@ def index_key(graph: DeviceGraph, options: dict[str, Any]) -> str:
             "shape": graph.shape.__dict__,
             "graph": graph.key_parts(),
             "modules": _module_parts(graph),
-            "options": options,
+            "options": dict(options),
             "versions": program_versions(),
             "source": _library_source(),
         }
@@ -269,7 +275,7 @@ def _remember(cache: ArtifactCache, index: str, key: str) -> None:
 
 
 def compile_graph(
-    graph: DeviceGraph, cache: ArtifactCache | None = None, options: dict[str, Any] | None = None
+    graph: DeviceGraph, cache: ArtifactCache | None = None, options: Mapping[str, Any] | None = None
 ) -> CompiledStep:
     """Export + AOTInductor-compile `graph` (or load it from the cache) and return a callable:
     `export_graph` -> `cache_package` (`package_program` on a miss) -> `load_package`, the steps

@@ -297,6 +297,10 @@ class DeviceGraph(nn.Module):
                 _swap_linears(layer, lambda linear: packed_linear.maybe_pack(linear, self.rows))
             layer.self_attn = _shallow_clone(layer.self_attn)
             layer.self_attn.config = attn_config
+            # a parameter (the host's buffer, shared), not a buffer: the compiler folds buffers into the
+            # program, so every model (trained, witness, vision fixture) would need a compile of its own
+            if (scalar := layer._buffers.pop("layer_scalar", None)) is not None:
+                layer.layer_scalar = nn.Parameter(scalar, requires_grad=False)
         self.model = model
         self.lm_head = lm_head
         # "plain" unless a linear was packed: a graph whose program did not change keeps its key
