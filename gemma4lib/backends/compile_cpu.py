@@ -63,13 +63,15 @@ PACKAGE = "graph.pt2"
 # `layer_scalar`) as literals, and each fixture's values need a program of their own.
 # Read-only: AOTInductor writes its own keys into the dict it is given (`aot_inductor.package`), so a
 # shared dict would change every later cache key in the process; each compile gets a copy.
-DEFAULT_COMPILER_OPTIONS = MappingProxyType({
-    "aot_inductor.compile_wrapper_opt_level": "O1",
-    "joint_graph_constant_folding": False,
-    "always_keep_tensor_constants": True,
-    "aot_inductor.package_constants_in_so": False,
-    "realize_opcount_threshold": 8,
-})
+DEFAULT_COMPILER_OPTIONS = MappingProxyType(
+    {
+        "aot_inductor.compile_wrapper_opt_level": "O1",
+        "joint_graph_constant_folding": False,
+        "always_keep_tensor_constants": True,
+        "aot_inductor.package_constants_in_so": False,
+        "realize_opcount_threshold": 8,
+    }
+)
 
 
 def graph_key(

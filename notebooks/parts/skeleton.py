@@ -320,8 +320,8 @@ if not on_inf2:
             program,
             cache,
             options,
-            lambda program, path: torch._inductor.aoti_compile_and_package(
-                program, package_path=path, inductor_configs=dict(options)  # a copy: AOTInductor adds keys to it
+            lambda program, path: torch._inductor.aoti_compile_and_package(  # options copied: AOTI adds keys
+                program, package_path=path, inductor_configs=dict(options)
             ),
         )
         runner = torch._inductor.aoti_load_package(str(entry.file(compile_cpu.PACKAGE)))
