@@ -71,7 +71,8 @@ class _SoftTokens(nn.Module):
 
 
 class _FakeNeuronx:
-    """Stands in for `torch_neuronx` (`trace`) and `torch_neuronx.experimental` (`neuron_cores_context`)."""
+    """Stands in for `torch_neuronx` (`trace`, `neuron_cores_context`): SDK 2.28's names only, so a
+    load through the deprecated `torch_neuronx.experimental` placement fails here."""
 
     def __init__(self, slots: int, hidden: int):
         self.traces: list[dict] = []
@@ -93,11 +94,11 @@ class _FakeNeuronx:
             fake.traces.append({"func": func, "example_inputs": example_inputs, **kwargs})
             return torch.jit.script(_SoftTokens(fake.slots, fake.hidden))
 
-        self.module = types.SimpleNamespace(trace=trace)
-        self.experimental = types.SimpleNamespace(neuron_cores_context=_Context)
+        self.module = types.SimpleNamespace(trace=trace, neuron_cores_context=_Context)
 
     def require(self, module, purpose=""):
-        return self.experimental if module == "torch_neuronx.experimental" else self.module
+        assert module == "torch_neuronx", f"asked for {module}"
+        return self.module
 
 
 class _FakeDecoder:

@@ -184,9 +184,10 @@ def compile(graphs: GraphSet, model: LoadedModel, settings: PortSettings, progre
     artifact from the cache when its key matches): the engine's steps. Raises
     `NeuronSDKMissingError` without the SDK, before any work.
 
-    `model_builder` (the default, every variant and TP degree): prefill + decode keys over one set
-    of K/V states; the prompt is one device call per bucket. `trace` (TP=1, on request): the decode
-    graph alone; the engine feeds the prompt through it token by token. With a drafter: prefill,
+    `model_builder` (the default, every variant and TP degree): a prefill key per bucket + decode
+    over one set of K/V states; the prompt is one call of the smallest bucket that holds it. `trace`
+    (TP=1, on request): the decode graph alone; the engine feeds the prompt through it token by
+    token. With a drafter: prefill,
     verify and draft keys over one set of K/V states (`recipes.neuron_drafting`). The shapes (batch,
     buckets, context, ring) are those of `graphs` (`device.build.device_graphs` of the settings).
     Artifacts live in the artifact cache (`settings.cache_dir`) keyed by `neuron_cache_key`.
@@ -203,15 +204,14 @@ def compile(graphs: GraphSet, model: LoadedModel, settings: PortSettings, progre
     dtype = decode.dtype
     n_inputs = decode.num_inputs
     buckets = tuple(sorted(prefill))
-    bucket = max(buckets)
-    shapes = {"decode": decode.shape}
     key_graphs = {"decode": decode}
     decode_experts = "dense"  # only the ModelBuilder recipe builds the rank graph, which takes the form
-    if recipe == "model_builder":
-        shapes["prefill"] = prefill[bucket].shape
-        key_graphs["prefill"] = prefill[bucket]
+    if recipe == "model_builder":  # a key per bucket: a prompt runs the smallest that holds it
+        names = neuron_model_builder.bucket_shapes(context, buckets, ring, batch)
+        key_graphs = {n: decode if s.tokens == 1 else prefill[s.tokens] for n, s in names.items()}
         if model.variant.is_moe:
             decode_experts = settings.decode_experts
+    shapes = {name: graph.shape for name, graph in key_graphs.items()}
     # the K/V states each compiled module aliases (what may follow its logits) and the index dtype it
     # takes, from the graph's own example inputs
     states = len(decode.layout.buffer_shapes(batch, context, ring))
@@ -248,7 +248,7 @@ def compile(graphs: GraphSet, model: LoadedModel, settings: PortSettings, progre
                 tp,
                 folder,
                 context_length=context,
-                prefill_len=bucket,
+                buckets=buckets,
                 ring=ring,
                 dtype=dtype,
                 compiler_workdir=workdir,
@@ -275,7 +275,7 @@ def compile(graphs: GraphSet, model: LoadedModel, settings: PortSettings, progre
     else:
         loaded = neuron_model_builder.load_model_builder(entry.path, tp)
         step = DeviceStep(cores.claim(loaded, 0, tp, label), n_inputs, vocab, aliases=states, index_dtype=indices)
-        steps = Steps(prefill={bucket: step}, decode=step)
+        steps = Steps(prefill={b: step for b in buckets}, decode=step)  # NxD routes each call by its shapes
     check_host_tables(HostEmbedder.from_text_model(model.text_model))  # the compile left the host tables whole
     # no host K/V: the device steps keep theirs as aliased state and never read host buffers
     compiled = CompiledGraphs(

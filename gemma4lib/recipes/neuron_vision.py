@@ -13,9 +13,10 @@ is the whole job: one `torch_neuronx.trace(func, example_inputs, compiler_args=.
 Why the weights stay inlined in the NEFF (`inline_weights_to_neff=True`, the SDK default, unlike
 `neuron_trace`'s decoder): the encoder's weights are small enough that holding them in the HLO and
 the NEFF costs the compile host little, the artifact is then self-contained, and loading is one
-`torch.jit.load` inside `torch_neuronx.experimental.neuron_cores_context(start_nc, nc_count=1)`,
-which the SDK documents as the most efficient placement (the model goes straight to that core;
-aws-neuron-sdk v2.28 `api-torch-neuronx-core-placement.rst`, [Beta]). No
+`torch.jit.load` inside `torch_neuronx.neuron_cores_context(start_nc, nc_count=1)`, which the SDK
+documents as the most efficient placement (the model goes straight to that core; aws-neuron-sdk
+v2.28 `api-torch-neuronx-core-placement.rst`; the `torch_neuronx.experimental` one was deprecated
+in 2.25 and is no longer supported). No
 `move_trace_to_device` is needed: that call is for separated (non-inlined) weights.
 
 Which core: the decoder holds NeuronCores 0 .. tp-1 (`backends.neuron`); the vision graph takes
@@ -110,6 +111,6 @@ def save(traced: Any, path: str | Path) -> Path:
 def load(path: str | Path, core: int) -> Any:
     """Load a saved vision trace straight onto NeuronCore `core` (importing torch_neuronx first
     registers the Neuron ops the artifact holds; the placement context must wrap the load itself)."""
-    experimental = neuron_env.require("torch_neuronx.experimental", PURPOSE)
-    with experimental.neuron_cores_context(start_nc=int(core), nc_count=1):  # inf2-only
+    torch_neuronx = neuron_env.require("torch_neuronx", PURPOSE)
+    with torch_neuronx.neuron_cores_context(start_nc=int(core), nc_count=1):  # inf2-only
         return torch.jit.load(str(path))  # inf2-only (the artifact holds a NEFF)
