@@ -471,7 +471,7 @@ if on_inf2 and s.neuron_recipe == "trace":  # inf2-only: the one-graph recipe, E
     need = model.param_count() * decode.dtype.itemsize  # the saved weights: checked against the free space first
     entry = cache.get_or_build(key, build, describe={k: v for k, v in parts.items() if k != "config"}, need_bytes=need)
     cores.check_free(0, 1, f"e2b (trace) from {entry.path}")  # an earlier run's model still on the core: refused
-    with torch_neuronx.neuron_cores_context(start_nc=0, nc_count=1):  # loaded onto core 0, not the vision core
+    with torch_neuronx.neuron_cores_context(start_nc=0, nc_count=1):  # loaded straight onto core 0
         traced = torch.jit.load(str(entry.file("model.pt")))
     torch_neuronx.move_trace_to_device(traced, 0)  # the separated weights go to the core's HBM once
     cores.claim(traced, 0, 1, f"e2b (trace) from {entry.path}")

@@ -228,6 +228,7 @@ def test_a_mismatch_with_assisted_generate_fails_the_record():
         (dict(draft_tokens=4), SettingsError, "draft='assistant'"),
         (dict(draft="medusa"), UnknownNameError, "prompt_lookup"),
         (dict(draft="assistant", backend="neuron", neuron_recipe="trace"), SettingsError, "ModelBuilder"),
+        (dict(draft="assistant", backend="neuron", weights="int8"), SettingsError, "weights='bf16' to draft"),
         (dict(verify_experts="selective"), SettingsError, "draft='assistant'"),
         (dict(draft="assistant", verify_experts="sparse"), UnknownNameError, "selective"),
         (dict(draft="assistant", verify_experts="dense", tp_degree=2), SettingsError, "rank graphs"),

@@ -2,8 +2,8 @@
 picks (`recipes.neuron_model_builder` by default, TP=1 included; `recipes.neuron_trace` on one core
 when `PortSettings.neuron_recipe="trace"`),
 cached in the artifact cache, wrapped in the host runtime. With images, the vision graph is its
-own artifact (`recipes.neuron_vision`: `torch_neuronx.trace` on one NeuronCore, the first after the
-decoder's, under its own key `vision_cache_key`). Needs the Neuron SDK (checked before any work);
+own artifact (`recipes.neuron_vision`: `torch_neuronx.trace` on one NeuronCore, rank 0's, under its
+own key `vision_cache_key`). Needs the Neuron SDK (checked before any work);
 everything but the compiler calls runs on CPU in the tests.
 """
 
@@ -138,10 +138,10 @@ def vision_cache_key(model: LoadedModel, graph: VisionGraph, compiler_args: str)
 
 
 def compile_vision(graph: VisionGraph, model: LoadedModel, settings: PortSettings, tp: int) -> tuple[Any, Any, float]:
-    """The vision graph traced for one NeuronCore (or found in the artifact cache), loaded onto the
-    core after the decoder's `tp` cores: (loaded module, cache entry, compile seconds). Called after
-    the decoder's cores were found free and before the decoder loads, so a busy core (the vision
-    core included) is refused before anything goes to the device."""
+    """The vision graph traced for one NeuronCore (or found in the artifact cache), loaded onto rank
+    0's core (`neuron_vision.vision_core`): (loaded module, cache entry, compile seconds). Called after
+    the decoder's cores (the vision core among them) were found free and before the decoder loads,
+    so a busy core is refused before anything goes to the device."""
     key, parts = vision_cache_key(model, graph, neuron_vision.COMPILER_ARGS)
     started = time.perf_counter()
 
@@ -158,7 +158,6 @@ def compile_vision(graph: VisionGraph, model: LoadedModel, settings: PortSetting
     compile_s = 0.0 if entry.hit else time.perf_counter() - started
     core = neuron_vision.vision_core(tp)
     label = f"{model.variant.name} vision graph (one core) from {entry.path}"
-    cores.check_free(core, 1, label)
     loaded = cores.claim(neuron_vision.load(entry.file(neuron_vision.FILE), core), core, 1, label)
     log.info("vision graph on NeuronCore %d (%s)", core, "cached" if entry.hit else f"compiled in {compile_s:.1f} s")
     return loaded, entry, compile_s
@@ -266,7 +265,7 @@ def compile(graphs: GraphSet, model: LoadedModel, settings: PortSettings, progre
     vocab = int(model.config.vocab_size)
     label = f"{model.variant.name} ({recipe}, TP={tp}) from {entry.path}"
     cores.check_free(0, tp, label)  # a model an earlier call loaded and still referenced: refuse, before the device
-    # with images: the vision graph on core tp, from its own cache entry (its core checked before it loads)
+    # with images: the vision graph on rank 0's core, from its own cache entry (checked free with the decoder's)
     vision = compile_vision(graphs.vision, model, settings, tp) if graphs.vision is not None else None
     if recipe == "trace":
         loaded = neuron_trace.load(entry.file("model.pt"))

@@ -8,7 +8,7 @@
   prefilled through it one token per device step.
 
 Beside either, with images: `neuron_vision`, the vision graph traced (`torch_neuronx.trace`) for one
-NeuronCore after the decoder's, its own artifact (not a decoder recipe: it holds no K/V).
+NeuronCore, rank 0's, its own artifact (not a decoder recipe: it holds no K/V).
 
 `memory_plan.neuron_recipe(variant, tp, requested)` picks one. NxD's `parallel_model_trace` (one process per
 rank) is unsupported since SDK 2.27, so no recipe uses it: ModelBuilder compiles one rank in one
