@@ -890,7 +890,7 @@ plots.measured_vs_ceiling([ceiling, ceiling["released_inf2"]])
 # - KV sharing needs no special handling when the real forward is traced; only producer layers get
 #   buffers (the released model's count: the KV-sharing table in the lesson).
 # - On inf2, this cookbook's plan is `ModelBuilder` at TP=1 (written, never run on inf2): a prefill key
-#   and a decode key over one set of K/V states put the whole prompt on the device in one call. The one-graph trace teaches the aliasing
+#   per bucket and a decode key over one set of K/V states put the whole prompt on the device in one call. The one-graph trace teaches the aliasing
 #   with nothing else in the way, and pays with one device step per prompt token.
 # - Check SEQ_MATCH **and** the answer. The endpoint that started this work (the [field report](00_overview.ipynb#field-report)'s
 #   starting point, which answered in gibberish) loaded a real model and wired the PLE path and embedding scale wrongly: a text check catches that, an

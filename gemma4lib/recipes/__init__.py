@@ -1,7 +1,7 @@
 """The Neuron recipes: thin adapters that hand the device graph to a Neuron compiler.
 
 - `model_builder` (`neuron_model_builder`): every variant at every TP degree, E2B at TP=1 included;
-  NxD `ModelBuilder` v1, a prefill key and a decode key over one set of aliased K/V states, the
+  NxD `ModelBuilder` v1, a prefill key per bucket and a decode key over one set of aliased K/V states, the
   rank as an `SPMDRank` tensor.
 - `trace` (`neuron_trace`): TP=1 on request (`PortSettings.neuron_recipe="trace"`), the simplest
   lesson; `torch_neuronx.trace` of the decode graph with the K/V as aliased state, the prompt
