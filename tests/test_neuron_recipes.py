@@ -178,6 +178,11 @@ def test_compile_peak_estimate_is_the_compile_host_plan():
     e2b_mb = estimate_compile_peak_gb("e2b")
     assert e2b_mb["recipe"] == "model_builder" and e2b_mb["peak_gb"] > 16 * 2**30 / 1e9
     assert e2b_mb["smallest_instance_with_headroom"] == "inf2.8xlarge"
+    # every prefill bucket is a key of its own: two buckets hold one more rank module at every step
+    wider = compile_host_plan("31b", 8, "model_builder", keys=3)
+    for step, gb in plan.steps.items():
+        assert wider.steps[step] == pytest.approx(gb + plan.rank_gb), step
+    assert estimate_compile_peak_gb("31b", 8, keys=3)["peak_gb"] == round(wider.peak_gb, 1) > est["peak_gb"]
 
 
 # ---- the environment fixes -----------------------------------------------------------------------
