@@ -76,7 +76,7 @@ prompt = "What is the capital of France?"
 expect = "Paris"  # coherence: the answer must contain this
 max_new_tokens = 32
 context_length = 192  # the compiled K/V length (the image section's too: one compile serves both)
-prefill_buckets = [128]  # compiled prompt lengths (inf2 compiles only the largest)
+prefill_buckets = [128]  # compiled prompt lengths, one graph each (a prompt runs the smallest that holds it)
 ring_kv = True  # sliding layers keep only their window of K/V (a ring); False: full-length buffers
 temperature = 0.7  # the sampling section only; every check decodes greedily
 top_p = 0.9
@@ -400,7 +400,7 @@ if not on_inf2:
 # on this CPU they print `skipped: backend=cpu` and nothing else. They have never been executed by
 # this project (the status box at the top); the tests run them against recording stand-ins for the
 # SDK, which checks the calls, not the compiler. `ModelBuilder` runs
-# at TP=1 here (the larger variants run it at TP=2 or TP=8), the same recipe as theirs: one prefill key and one decode key over a single set of K/V
+# at TP=1 here (the larger variants run it at TP=2 or TP=8), the same recipe as theirs: a prefill key per bucket and one decode key over a single set of K/V
 # states that stay on the NeuronCore, so a whole prompt is one device call rather than one decode step
 # per prompt token (`docs/ROOFLINE.md` computes both, unverified on inf2). The field report's author
 # traced E2B with `torch_neuronx.trace`, a device prefill and a decode over on-device K/V. This
@@ -420,7 +420,8 @@ if not on_inf2:
 #   the Neuron compiler reads) into the current directory: the cell gives it a fresh work directory (removed on success, kept with the
 #   compiler's logs on failure) and a private current directory, the backend's own helpers.
 # - `builder.add(key, model_instance, example_inputs, compiler_args, priority_model_idx)` once per key,
-#   `prefill` (the largest [bucket](00_overview.ipynb#bucket) only: one compiled prompt length on inf2) and `decode`.
+#   `prefill<tokens>` for every [bucket](00_overview.ipynb#bucket) (NxD routes a call to its key by the input shapes, so a
+#   short prompt runs its own bucket, not the largest) and `decode`.
 #   `model_instance` builds the [rank graph](00_overview.ipynb#rank-graph) with NxD's parallel layers and returns its K/V parameters
 #   aliased to the outputs that update them (`input_output_aliases`), so both keys share one set of
 #   K/V states on the device. `compiler_args` (`neuron_env.COMPILER_ARGS`) are
@@ -434,8 +435,8 @@ if not on_inf2:
 #   again while the first model is still referenced would put a second copy on the same cores, so it
 #   is refused with what to release.
 #
-# A longer context on inf2 means a new compile: set `context_length` (and `prefill_buckets`, whose
-# largest entry is the compiled prompt length) and run again; the cache key changes with them, so
+# A longer context on inf2 means a new compile: set `context_length` (and `prefill_buckets`, the
+# compiled prompt lengths) and run again; the cache key changes with them, so
 # each context keeps its own artifact. Long contexts also raise the compile's host RAM (inf2 users
 # report a long-context compile exhausting a large compile host
 # (16k tokens on a 128 GB host; source: inf2 users' public issue reports, collected in this project's design notes, 2026-12);
@@ -467,9 +468,11 @@ if on_inf2 and s.neuron_recipe == "trace":  # inf2-only: the one-graph recipe, E
         return {"recipe": "trace", "tp": 1}
 
     began = time.perf_counter()
-    entry = cache.get_or_build(key, build, describe={k: v for k, v in parts.items() if k != "config"})
+    need = model.param_count() * decode.dtype.itemsize  # the saved weights: checked against the free space first
+    entry = cache.get_or_build(key, build, describe={k: v for k, v in parts.items() if k != "config"}, need_bytes=need)
     cores.check_free(0, 1, f"e2b (trace) from {entry.path}")  # an earlier run's model still on the core: refused
-    traced = torch.jit.load(str(entry.file("model.pt")))
+    with torch_neuronx.neuron_cores_context(start_nc=0, nc_count=1):  # loaded straight onto core 0
+        traced = torch.jit.load(str(entry.file("model.pt")))
     torch_neuronx.move_trace_to_device(traced, 0)  # the separated weights go to the core's HBM once
     cores.claim(traced, 0, 1, f"e2b (trace) from {entry.path}")
     step = DeviceStep(  # E2B's four inputs; the K/V live on the device (they may follow the logits)
@@ -494,10 +497,11 @@ if on_inf2 and s.neuron_recipe != "trace":  # inf2-only: NxD ModelBuilder, the d
     from gemma4lib.recipes.common import DeviceStep, index_dtype, key_inputs
     from gemma4lib.tp.plan import make_plan
 
-    tp, dtype, bucket = s.tp_degree, decode.dtype, max(s.prefill_buckets)  # bf16 on inf2; one compiled bucket
+    tp, dtype = s.tp_degree, decode.dtype  # bf16 on inf2
     experts = s.decode_experts if model.variant.is_moe else "dense"
-    graphs = {"prefill": prefill[bucket], "decode": decode}  # the keys' shapes and example inputs
-    shapes = {name: graph.shape for name, graph in graphs.items()}
+    # one key per bucket (`prefill<tokens>`) and decode; a one-token bucket is the decode key's shape
+    shapes = mb.bucket_shapes(s.context_length, s.prefill_buckets, s.ring_kv)
+    graphs = {name: decode if sh.tokens == 1 else prefill[sh.tokens] for name, sh in shapes.items()}
     forms = mb.bucket_expert_forms(experts)  # prefill: all experts; decode: the routed ones
     plan = make_plan(model.config, tp, model.variant)  # which rows/columns and K/V heads each rank holds
     key, parts = neuron_cache_key(
@@ -516,15 +520,16 @@ if on_inf2 and s.neuron_recipe != "trace":  # inf2-only: NxD ModelBuilder, the d
                 compiler_workdir=workdir,
             )
             for name, graph in graphs.items():
+                phase = graph.shape.phase  # "prefill" or "decode"
                 rank_module = functools.partial(  # the key's module, built by NxD once per rank
-                    mb.rank_module, model.config, plan, graph.shape, dtype, expert_form=forms[name], weights=s.weights
+                    mb.rank_module, model.config, plan, graph.shape, dtype, expert_form=forms[phase], weights=s.weights
                 )
                 builder.add(
                     key=name,
                     model_instance=GraphInstance(rank_module),
                     example_inputs=[key_inputs(graph, dtype=dtype)],  # the graph's own, without its K/V
-                    compiler_args=neuron_env.COMPILER_ARGS[graph.shape.phase],
-                    priority_model_idx=mb.PRIORITY[name],  # decode: 0, the layout the compiler optimises
+                    compiler_args=neuron_env.COMPILER_ARGS[phase],
+                    priority_model_idx=mb.PRIORITY[phase],  # decode: 0, the layout the compiler optimises
                 )
             traced = builder.trace(initialize_model_weights=False)  # weights not inlined
             torch.jit.save(traced, str(folder / "model.pt"))
@@ -533,7 +538,8 @@ if on_inf2 and s.neuron_recipe != "trace":  # inf2-only: NxD ModelBuilder, the d
         return {"recipe": "model_builder", "tp": tp}
 
     began = time.perf_counter()
-    entry = cache.get_or_build(key, build, describe={k: v for k, v in parts.items() if k != "config"})
+    need = model.param_count() * dtype.itemsize  # the shards: checked against the cache's free space first
+    entry = cache.get_or_build(key, build, describe={k: v for k, v in parts.items() if k != "config"}, need_bytes=need)
     label = f"{model.variant.name} (model_builder, TP={tp}) from {entry.path}"
     cores.check_free(0, tp, label)  # a model an earlier run of this cell loaded still holds the cores: refused
     traced = torch.jit.load(str(entry.file("model.pt")))
@@ -543,7 +549,7 @@ if on_inf2 and s.neuron_recipe != "trace":  # inf2-only: NxD ModelBuilder, the d
     states = len(decode.layout.buffer_shapes(1, s.context_length, s.ring_kv))  # the K/V states it aliases
     indices = index_dtype(key_inputs(decode))  # the start/length dtype the keys were compiled with (int32)
     step = DeviceStep(traced, decode.num_inputs, model.config.vocab_size, aliases=states, index_dtype=indices)
-    steps = Steps({bucket: step}, step)  # one loaded model: NxD routes each call to its key by the input shapes
+    steps = Steps({b: step for b in s.prefill_buckets}, step)  # one loaded model: NxD routes each call by its shapes
     runtime = Engine.for_model(model, steps, batch=1, context_length=s.context_length, dtype=dtype)
     compile_s = 0.0 if entry.hit else time.perf_counter() - began
     compiled = CompiledGraphs(runtime.steps, compile_s, [entry.hit], "neuron-model_builder", runtime=runtime)
@@ -885,7 +891,7 @@ plots.measured_vs_ceiling([ceiling, ceiling["released_inf2"]])
 # - KV sharing needs no special handling when the real forward is traced; only producer layers get
 #   buffers (the released model's count: the KV-sharing table in the lesson).
 # - On inf2, this cookbook's plan is `ModelBuilder` at TP=1 (written, never run on inf2): a prefill key
-#   and a decode key over one set of K/V states put the whole prompt on the device in one call. The one-graph trace teaches the aliasing
+#   per bucket and a decode key over one set of K/V states put the whole prompt on the device in one call. The one-graph trace teaches the aliasing
 #   with nothing else in the way, and pays with one device step per prompt token.
 # - Check SEQ_MATCH **and** the answer. The endpoint that started this work (the [field report](00_overview.ipynb#field-report)'s
 #   starting point, which answered in gibberish) loaded a real model and wired the PLE path and embedding scale wrongly: a text check catches that, an

@@ -174,7 +174,7 @@ def test_model_builder_buckets_take_one_start_and_length_per_row():
     from gemma4lib.recipes.common import key_inputs
 
     model = build_tiny(get_variant("e2b"))
-    for key, graph in mb.key_graphs(model, mb.bucket_shapes(64, 32, batch=4)).items():
+    for key, graph in mb.key_graphs(model, mb.bucket_shapes(64, (32,), batch=4)).items():
         inputs = key_inputs(graph)
         assert inputs[0].shape[0] == 4 and [tuple(t.shape) for t in inputs[-2:]] == [(4,), (4,)], key
 

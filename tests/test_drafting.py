@@ -228,6 +228,7 @@ def test_a_mismatch_with_assisted_generate_fails_the_record():
         (dict(draft_tokens=4), SettingsError, "draft='assistant'"),
         (dict(draft="medusa"), UnknownNameError, "prompt_lookup"),
         (dict(draft="assistant", backend="neuron", neuron_recipe="trace"), SettingsError, "ModelBuilder"),
+        (dict(draft="assistant", backend="neuron", weights="int8"), SettingsError, "weights='bf16' to draft"),
         (dict(verify_experts="selective"), SettingsError, "draft='assistant'"),
         (dict(draft="assistant", verify_experts="sparse"), UnknownNameError, "selective"),
         (dict(draft="assistant", verify_experts="dense", tp_degree=2), SettingsError, "rank graphs"),
@@ -474,3 +475,31 @@ def test_the_rejection_step_gets_the_distributions_of_the_right_positions(drafte
             shared_kv_states=out.shared_kv_states,
         ).logits[0, -1]
     torch.testing.assert_close(calls[0][1][0], sampling_probs(theirs, sampling, None), rtol=1e-4, atol=1e-5)
+
+
+def test_a_seeded_sampled_drafted_row_depends_on_its_own_request_only(drafted):
+    """A seeded sampled drafted request gives the same tokens alone (batch 1), in a batch of
+    prompts of other lengths, and joining mid-decode into rows that come and go: it draws from its
+    own generator in a fixed order per token. Its neighbours run longer, so near its budget it gets
+    fewer drafts than they do (the case that once drew extra numbers from its generator)."""
+    _, model, _, _, runtime, ids = drafted.get("e2b")
+    engine = compile_graphs(model, PortSettings(variant="e2b", backend="eager", draft="assistant",
+                                                draft_tokens=K, batch_size=3)).runtime  # fmt: skip
+    target = Request(ids, LONG, Sampling(temperature=2.0, seed=7))  # hot: the tiny model's q and p are peaked
+    alone = runtime.generate(ids, LONG, sampling=target.sampling)
+    assert alone.tokens != runtime.generate(ids, LONG).tokens  # a real sample, not the greedy run
+    others = [Request(ids[:5], LONG + 12, Sampling(temperature=1.0, seed=1)), Request(ids + ids[:7], LONG + 12)]
+    batch = engine.generate_rows([others[0], target, others[1]])
+    assert (batch.rows[1].tokens, batch.rows[1].accepted) == (alone.tokens, alone.accepted)
+    engine.admit({0: others[0], 2: others[1]})
+    for _ in range(2):
+        engine.step()
+    engine.admit({1: target})  # joins mid-decode
+    waiting, done = [Request(ids[3:], 9, Sampling(temperature=0.8, seed=2)), Request(ids[:9], 6)], {}
+    while engine.rows:
+        engine.step()
+        for r in [r for r in engine.rows if engine.finished(r)]:
+            done.setdefault(r, []).append(engine.release(r))
+            if waiting:
+                engine.admit({r: waiting.pop()})  # rows leave and others join around the target
+    assert (done[1][0].tokens, done[1][0].accepted) == (alone.tokens, alone.accepted)

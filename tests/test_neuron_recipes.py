@@ -63,7 +63,7 @@ def _call(entry):
         "compile_tp_alias": lambda f: f(None, "/nonexistent", context_length=64),
         "load_tp_alias": lambda f: f("/nonexistent"),
         "seed_device_kv": lambda f: f(None, "/nonexistent", []),
-        "compile_model_builder": lambda f: f(None, 8, "/nonexistent", context_length=64, prefill_len=32),
+        "compile_model_builder": lambda f: f(None, 8, "/nonexistent", context_length=64, buckets=(32,)),
         "load_model_builder": lambda f: f("/nonexistent", 8),
         "NxDParallelFactory": lambda f: f(8),
     }
@@ -178,6 +178,11 @@ def test_compile_peak_estimate_is_the_compile_host_plan():
     e2b_mb = estimate_compile_peak_gb("e2b")
     assert e2b_mb["recipe"] == "model_builder" and e2b_mb["peak_gb"] > 16 * 2**30 / 1e9
     assert e2b_mb["smallest_instance_with_headroom"] == "inf2.8xlarge"
+    # every prefill bucket is a key of its own: two buckets hold one more rank module at every step
+    wider = compile_host_plan("31b", 8, "model_builder", keys=3)
+    for step, gb in plan.steps.items():
+        assert wider.steps[step] == pytest.approx(gb + plan.rank_gb), step
+    assert estimate_compile_peak_gb("31b", 8, keys=3)["peak_gb"] == round(wider.peak_gb, 1) > est["peak_gb"]
 
 
 # ---- the environment fixes -----------------------------------------------------------------------
@@ -281,12 +286,11 @@ def test_model_builder_checkpoint_names_match_the_compiled_module():
     checkpoint = mb.nxd_checkpoint(m, plan, torch.float32)
     forms = mb.bucket_expert_forms("selective")
     assert forms == {"prefill": "dense", "decode": "selective"}
-    for key, shape in mb.bucket_shapes(64, 32).items():
-        module = mb.rank_module(
-            m.config, plan, shape, torch.float32, factory=CpuParallelFactory(8), expert_form=forms[key]
-        )
-        assert module.graph.expert_form == forms[key]
-        assert all(e.form == forms[key] for e in module.graph._rank_users)
+    for key, shape in mb.bucket_shapes(64, (32,)).items():
+        form = forms[shape.phase]
+        module = mb.rank_module(m.config, plan, shape, torch.float32, factory=CpuParallelFactory(8), expert_form=form)
+        assert module.graph.expert_form == form
+        assert all(e.form == form for e in module.graph._rank_users)
         names = {k for k in module.state_dict() if not k.startswith("kv.")}
         assert names == set(checkpoint)  # one checkpoint for both expert forms
         # the rank graph takes the inputs of the device graph the key's example inputs come from
@@ -419,7 +423,7 @@ def test_model_builder_recipe_calls(name, tp, tmp_path, monkeypatch):
             tp,
             tmp_path,
             context_length=64,
-            prefill_len=16,
+            buckets=(16,),
             decode_experts="selective" if model.variant.is_moe else "dense",
         )
     kinds = [kind for kind, _ in recorder.calls]
@@ -427,7 +431,7 @@ def test_model_builder_recipe_calls(name, tp, tmp_path, monkeypatch):
     init, prefill, decode, trace = (args for _, args in recorder.calls)
     assert init["tp_degree"] == tp and init["router"] is None
     assert recorder.checkpoint()["graph.spmd_rank.rank"].tolist() == list(range(tp))
-    assert (prefill["key"], prefill["priority"]) == ("prefill", None)
+    assert (prefill["key"], prefill["priority"]) == ("prefill16", None)
     assert (decode["key"], decode["priority"]) == ("decode", 0)
     hidden = model.config.hidden_size
     expected_decode = [(1, 1, hidden)]
@@ -447,7 +451,7 @@ def test_model_builder_recipe_calls_with_a_batch(tmp_path, monkeypatch):
     monkeypatch.setattr(neuron_env, "require", lambda module, purpose="": recorder.module)
     model = tiny("e2b")
     with pytest.raises(RuntimeError, match="stop: no Neuron compiler here"):
-        neuron_model_builder.compile_model_builder(model, 1, tmp_path, context_length=64, prefill_len=16, batch=3)
+        neuron_model_builder.compile_model_builder(model, 1, tmp_path, context_length=64, buckets=(16,), batch=3)
     _, prefill, decode, _ = (args for _, args in recorder.calls)
     cfg = model.config
     ple = (3, 1, cfg.num_hidden_layers, cfg.hidden_size_per_layer_input)
@@ -545,19 +549,19 @@ def test_e2b_model_builder_prefill_and_decode_share_kv_on_cpu():
     m = tiny("e2b")
     plan = make_plan(m.config, 1, m.variant)
     checkpoint = mb.nxd_checkpoint(m, plan, torch.float32)
-    shapes = mb.bucket_shapes(64, 32)
+    shapes = mb.bucket_shapes(64, (32,))
     modules = {
         key: mb.rank_module(m.config, plan, shape, torch.float32, factory=CpuParallelFactory(1))
         for key, shape in shapes.items()
     }
-    decode = modules["prefill"].sharing(modules["decode"].graph)
-    for module in (modules["prefill"], decode):
+    decode = modules["prefill32"].sharing(modules["decode"].graph)
+    for module in (modules["prefill32"], decode):
         missing, unexpected = module.load_state_dict(checkpoint, strict=False)
         assert not unexpected and all(k.startswith("kv.") for k in missing)
-    assert all(a is b for a, b in zip(decode.kv, modules["prefill"].kv, strict=True))
+    assert all(a is b for a, b in zip(decode.kv, modules["prefill32"].kv, strict=True))
     assert decode.num_inputs == 4  # PLE is a host input, as for E4B
     ids = prompt("e2b")
-    steps = {"prefill32": AliasEmulator(modules["prefill"]), "decode": AliasEmulator(decode)}
+    steps = {"prefill32": AliasEmulator(modules["prefill32"]), "decode": AliasEmulator(decode)}
     engine = engine_over(m, steps, batch=1, context_length=len(ids) + 16)
     assert engine.buckets == [32]  # the prompt is one prefill graph call
     assert engine.generate(ids, 16).tokens == reference_greedy(m.lm, ids, 16)
@@ -620,7 +624,7 @@ def test_model_builder_builds_the_checkpoint_only_when_shard_checkpoint_asks(tmp
 
     monkeypatch.setattr(mb, "nxd_checkpoint", counted)
     model = tiny("e4b")
-    mb.compile_model_builder(model, 2, tmp_path, context_length=64, prefill_len=16)
+    mb.compile_model_builder(model, 2, tmp_path, context_length=64, buckets=(16,))
     kinds = [kind for kind, _ in recorder.calls]
     assert kinds == ["init", "add", "add", "trace", "save", "nxd_checkpoint", "shard_checkpoint"]
     trace = dict(recorder.calls)["trace"]
@@ -731,24 +735,61 @@ def test_backend_neuron_keeps_no_host_kv(tmp_path, monkeypatch):
 
 
 def test_backend_neuron_batch_reaches_every_model_builder_key(tmp_path, monkeypatch):
-    """`--backend neuron --batch 3`: the keys are built from `device_graphs` (the settings' batch),
-    so ModelBuilder receives 3 rows in every key before anything compiles."""
+    """`--backend neuron --batch 3`: the keys are built from `device_graphs` (the settings' batch and
+    buckets), so ModelBuilder receives one prefill key per bucket and decode, 3 rows in every key,
+    before anything compiles; the cache key names every key's shape."""
     from gemma4lib import port as port_module
+    from gemma4lib.backends import neuron
 
-    recorder = _Recorder()
+    recorder, keys = _Recorder(), []
     monkeypatch.setenv("GEMMA4LIB_INSTANCE_TYPE", "inf2.8xlarge")
     monkeypatch.setattr(neuron_env, "require_sdk", lambda *a, **k: None)
     monkeypatch.setattr(neuron_env, "require", lambda module, purpose="": recorder.module)
-    settings = port_module.PortSettings(variant="e2b", backend="neuron", batch_size=3, cache_dir=str(tmp_path))
+    real_key = neuron.neuron_cache_key
+    monkeypatch.setattr(neuron, "neuron_cache_key", lambda *a, **k: keys.append(a[3]) or real_key(*a, **k))
+    settings = port_module.PortSettings(
+        variant="e2b", backend="neuron", batch_size=3, prefill_buckets=(1, 16, 64), cache_dir=str(tmp_path)
+    )
     with pytest.raises(RuntimeError, match="stop: no Neuron compiler here"):
         port_module.port(settings)
     adds = [args for kind, args in recorder.calls if kind == "add"]
-    assert [a["key"] for a in adds] == ["prefill", "decode"]
+    # the one-token bucket has the decode key's input shapes (NxD routes by shape): decode serves it
+    assert [a["key"] for a in adds] == ["prefill16", "prefill64", "decode"]
+    assert [a["priority"] for a in adds] == [None, None, 0]
+    assert [a["inputs"][0][1] for a in adds] == [16, 64, 1]
+    assert "-O1" in adds[0]["compiler_args"] and "-O1" in adds[1]["compiler_args"] and "-O2" in adds[2]["compiler_args"]
     hidden = get_variant("e2b").tiny_config["hidden_size"]
     for a in adds:
         assert a["inputs"][0][0] == 3 and a["inputs"][0][2] == hidden, a  # embeddings [3, T, H]
         assert a["inputs"][-2:] == [(3,), (3,)], a  # start and length: one per row
-    assert adds[0]["inputs"][0][1] == max(settings.prefill_buckets) and adds[1]["inputs"][0][1] == 1
+    assert [{n: s.tokens for n, s in k.items()} for k in keys] == [{"prefill16": 16, "prefill64": 64, "decode": 1}]
+
+
+def test_backend_neuron_runs_a_prompt_in_its_own_bucket(tmp_path, monkeypatch):
+    """With buckets (16, 64), a short prompt is one call of 16 tokens and a longer one one call of 64
+    (never padded to the largest), through the one loaded model, whose keys NxD routes by shape."""
+    from gemma4lib.port import PortSettings, load_model
+    from gemma4lib.recipes import neuron_model_builder
+
+    monkeypatch.setenv("GEMMA4LIB_INSTANCE_TYPE", "inf2.8xlarge")
+    monkeypatch.setattr(neuron_env, "require_sdk", lambda *a, **k: None)
+    monkeypatch.setattr(neuron_env, "require", lambda *a, **k: None)
+    settings = PortSettings(variant="e2b", backend="neuron", prefill_buckets=(16, 64), cache_dir=str(tmp_path))
+    model = load_model(settings)
+    fake, compiled_keys = _FakeNxDModel(model.config.vocab_size), []
+
+    def compile_stub(loaded, tp, folder, graphs, **kwargs):
+        compiled_keys.append({name: graph.shape.tokens for name, graph in graphs.items()})
+        (folder / "manifest.json").write_text("{}")
+
+    monkeypatch.setattr(neuron_model_builder, "compile_model_builder", compile_stub)
+    monkeypatch.setattr(neuron_model_builder, "load_model_builder", lambda path, tp: fake)
+    runtime = registry.compile_graphs(model, settings).runtime
+    assert compiled_keys == [{"prefill16": 16, "prefill64": 64, "decode": 1}]
+    for length, bucket in ((5, 16), (16, 16), (17, 64), (40, 64)):
+        fake.calls.clear()
+        runtime.generate(list(range(3, 3 + length)), 2)
+        assert [call[0][0][1] for call in fake.calls] == [bucket, 1], length  # one prefill, one decode
 
 
 def int32_graph_inputs(monkeypatch):
@@ -774,7 +815,7 @@ def _recorded_index_dtypes(tmp_path, monkeypatch):
     monkeypatch.setattr(neuron_env, "require", lambda module, purpose="": recorder.module)
     model = tiny("e2b")
     with pytest.raises(RuntimeError, match="stop"):
-        neuron_model_builder.compile_model_builder(model, 1, tmp_path, context_length=64, prefill_len=16, batch=2)
+        neuron_model_builder.compile_model_builder(model, 1, tmp_path, context_length=64, buckets=(16,), batch=2)
     seen = {a["key"]: a["dtypes"][-2:] for kind, a in recorder.calls if kind == "add"}
     traced = {}
 
@@ -797,7 +838,7 @@ def test_the_neuron_recipes_take_the_graphs_index_dtype(tmp_path, monkeypatch):
 
     int32_graph_inputs(monkeypatch)
     seen = _recorded_index_dtypes(tmp_path, monkeypatch)
-    assert seen == {k: [torch.int32, torch.int32] for k in ("prefill", "decode", "trace")}
+    assert seen == {k: [torch.int32, torch.int32] for k in ("prefill16", "decode", "trace")}
     got = []
     step = DeviceStep(lambda *a: got.extend(t.dtype for t in a) or torch.zeros(1, 1, 8), 3, 8, index_dtype=torch.int32)
     step(torch.zeros(1, 1, 4), torch.tensor([3]), torch.tensor([1]))
@@ -823,7 +864,7 @@ def test_every_backends_example_inputs_have_int32_indices(tmp_path, monkeypatch)
         index = graph.example_inputs()[1:2] if name == "draft" else graph.example_inputs()[2:4]
         assert {t.dtype for t in index} == {torch.int32}, name
     seen = _recorded_index_dtypes(tmp_path, monkeypatch)
-    assert seen == {k: [torch.int32, torch.int32] for k in ("prefill", "decode", "trace")}
+    assert seen == {k: [torch.int32, torch.int32] for k in ("prefill16", "decode", "trace")}
 
 
 def test_the_doctor_names_the_2_28_image_by_name_and_date_not_the_ssm_latest():

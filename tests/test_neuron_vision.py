@@ -71,7 +71,8 @@ class _SoftTokens(nn.Module):
 
 
 class _FakeNeuronx:
-    """Stands in for `torch_neuronx` (`trace`) and `torch_neuronx.experimental` (`neuron_cores_context`)."""
+    """Stands in for `torch_neuronx` (`trace`, `neuron_cores_context`): SDK 2.28's names only, so a
+    load through the deprecated `torch_neuronx.experimental` placement fails here."""
 
     def __init__(self, slots: int, hidden: int):
         self.traces: list[dict] = []
@@ -93,11 +94,11 @@ class _FakeNeuronx:
             fake.traces.append({"func": func, "example_inputs": example_inputs, **kwargs})
             return torch.jit.script(_SoftTokens(fake.slots, fake.hidden))
 
-        self.module = types.SimpleNamespace(trace=trace)
-        self.experimental = types.SimpleNamespace(neuron_cores_context=_Context)
+        self.module = types.SimpleNamespace(trace=trace, neuron_cores_context=_Context)
 
     def require(self, module, purpose=""):
-        return self.experimental if module == "torch_neuronx.experimental" else self.module
+        assert module == "torch_neuronx", f"asked for {module}"
+        return self.module
 
 
 class _FakeDecoder:
@@ -211,7 +212,7 @@ def _faked_neuron_port(tmp_path, monkeypatch):
     return settings, model, graph, fake, _stub_decoder(monkeypatch, model)
 
 
-def test_backend_neuron_traces_the_vision_graph_once_and_places_it_after_the_decoder(inf2, tmp_path, monkeypatch):
+def test_backend_neuron_traces_the_vision_graph_once_and_places_it_beside_rank_0(inf2, tmp_path, monkeypatch):
     """The port's compile: the decoder keys as before, the vision graph traced into its own cache entry
     and loaded onto core 1 (after the decoder's core 0); a second compile reuses the entry (no second
     trace), and refuses while the first model still holds the cores."""
@@ -221,19 +222,18 @@ def test_backend_neuron_traces_the_vision_graph_once_and_places_it_after_the_dec
 
     compiled = registry.compile_graphs(model, settings)
     assert len(fake.traces) == 1 and isinstance(fake.traces[0]["func"], type(graph))
-    assert fake.placements == [{"start_nc": 1, "nc_count": 1}]
+    assert fake.placements == [{"start_nc": 0, "nc_count": 1}]
     assert compiled.steps.vision is not None and compiled.cache_hits == [False, False]
     artifacts = compiled.info["artifacts"]
     assert set(artifacts) == {"decoder", "vision"} and artifacts["vision"] != artifacts["decoder"]
     assert (Path(artifacts["vision"]) / neuron_vision.FILE).is_file()
-    held = {tuple(c["cores"]) for c in cores.held()}
-    assert held == {(0, 0), (1, 1)}, held  # decoder on core 0, vision on core 1: no overlap
-    assert neuron_vision.cores_needed(1, True) == 2 == len(held)  # what a Ray replica must see
+    held = sorted(tuple(c["cores"]) for c in cores.held())
+    assert held == [(0, 0), (0, 0)], held  # decoder on core 0 (TP=1), vision beside rank 0: one core in all
 
     with pytest.raises(NeuronCoresBusyError, match="onto NeuronCores 0-0"):
         registry.compile_graphs(model, settings)  # both cores are still held by `compiled`
-    with pytest.raises(NeuronCoresBusyError, match="vision graph .* on cores 1-1"):
-        cores.check_free(1, 1, "another model")
+    with pytest.raises(NeuronCoresBusyError, match="vision graph .* on cores 0-0"):
+        cores.check_free(0, 1, "another model")
     assert len(decoders) == 1 and len(fake.placements) == 1  # refused before anything loaded
     del compiled, decoders[:]
     gc.collect()
@@ -276,18 +276,33 @@ def test_settings_accept_images_and_vision_on_neuron(inf2):
     assert endpoint.wants_vision  # the endpoint
 
 
-def test_settings_refuse_neuron_images_without_a_core_left_for_the_vision_graph(monkeypatch, inf2):
-    """TP 2 on an inf2.8xlarge takes both NeuronCores: no core for the vision graph, refused before any
-    load (and accepted where one is left: an inf2.48xlarge)."""
-    chosen = {"variant": "e4b", "model": "random", "backend": "neuron", "tp_degree": 2}
+def test_images_take_no_core_beyond_the_tp_degree_and_three_tp8_replicas_fit_an_inf2_48xlarge(monkeypatch, inf2):
+    """The vision graph sits on rank 0's core, where the memory plan counts it: TP 2 with images runs on
+    an inf2.8xlarge's two cores, and a Ray replica reserves exactly its TP degree, so on an
+    inf2.48xlarge three TP=8 replicas with images fit (not two), each TP group on whole chips of its
+    own. The plans say the vision part fits beside rank 0 for both TP=8 variants; a core it would
+    overflow is refused by the full profile's preflight."""
+    from gemma4lib.inf2.hardware import CORES_PER_CHIP, INSTANCES
+    from gemma4lib.inf2.memory_plan import plan_core_memory
+    from gemma4lib.server.ray_app import replica_resources
+
     for images in ({"images": (str(RED_CIRCLE),)}, {"vision": True}):
-        with pytest.raises(SettingsError, match="inf2.8xlarge has 2 cores, none left over") as caught:
-            preflight(PortSettings(**chosen, **images))
-        assert "inf2.24xlarge or inf2.48xlarge" in str(caught.value)
+        preflight(PortSettings(variant="e4b", model="random", backend="neuron", tp_degree=2, **images))
     monkeypatch.setenv("GEMMA4LIB_INSTANCE_TYPE", "inf2.48xlarge")
-    accepted = PortSettings(**chosen, vision=True)
-    preflight(accepted)
-    assert accepted.wants_vision
+    for variant in ("31b", "26b-a4b"):
+        settings = PortSettings(variant=variant, model="random", backend="neuron", tp_degree=8, vision=True)
+        preflight(settings)
+        reserved = replica_resources(settings)["resources"]["neuron_cores"]
+        replicas = INSTANCES["inf2.48xlarge"].neuron_cores // reserved
+        groups = [range(r * reserved, (r + 1) * reserved) for r in range(replicas)]
+        assert replicas == 3 and all(g.start % CORES_PER_CHIP == 0 == len(g) % CORES_PER_CHIP for g in groups)
+        plan = plan_core_memory(variant, 8, instance="inf2.48xlarge", vision=True)
+        assert plan.fits and plan.vision_gib > 0, plan.summary()  # the vision part counted on rank 0's core
+    seen: list[bool] = []  # the full profile's preflight plans rank 0's core with the vision part on it
+    monkeypatch.setattr("gemma4lib.backends.preflight.require_fit", lambda *a, **k: seen.append(k["vision"]))
+    monkeypatch.setattr("gemma4lib.backends.preflight.require_serving_host", lambda *a, **k: None)
+    preflight(PortSettings(variant="31b", backend="neuron", tp_degree=8, vision=True, profile="full"))
+    assert seen == [True]
 
 
 def test_settings_still_refuse_the_ports_batch_rows_with_images_on_neuron(inf2):

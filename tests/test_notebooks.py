@@ -887,8 +887,9 @@ def test_the_model_builder_cell_makes_the_recipes_calls(path, tmp_path, monkeypa
     artifact's save and load, makes the calls `backends.neuron.compile` (what `port(backend="neuron")`
     runs) makes, in the same order: a fresh compiler work directory and a private current
     directory around the compile, the same ModelBuilder keys, example inputs, compiler arguments
-    and priorities, the checkpoint built only when `shard_checkpoint` asks, and the cores guard
-    before the load with the claim after it."""
+    and priorities (a prefill key per bucket), the checkpoint built only when `shard_checkpoint`
+    asks, the same free-space estimate for the cache, and the cores guard before the load with the
+    claim after it."""
     import contextlib
     import dataclasses
 
@@ -907,7 +908,7 @@ def test_the_model_builder_cell_makes_the_recipes_calls(path, tmp_path, monkeypa
     tp = 2
     settings = PortSettings(
         variant=values["variant"], tp_degree=tp, decode_experts=values.get("decode_experts", "dense"),
-        cache_dir=str(tmp_path / "library-cache"),
+        cache_dir=str(tmp_path / "library-cache"), prefill_buckets=(16, 64),
     )  # fmt: skip
     model = load_model(dataclasses.replace(settings, tp_degree=1))
     graphs = build_graphs(model, dataclasses.replace(settings, tp_degree=1))
@@ -931,6 +932,7 @@ def test_the_model_builder_cell_makes_the_recipes_calls(path, tmp_path, monkeypa
         monkeypatch.setattr(cores, "claim", lambda m, first, n, label, c=calls: c.append(("claim", [first, n])) or m)
         monkeypatch.setattr(torch.jit, "save", lambda traced, p, c=calls: c.append(("save", Path(p).name)))
         monkeypatch.setattr(torch.jit, "load", lambda p, c=calls: c.append(("load", Path(p).name)) or _FakeLoaded(c))
+        _record_need_bytes(monkeypatch, ArtifactCache, calls)
         if run == "cell":
             namespace = dict(
                 backend="neuron", on_inf2=True, s=settings, model=model, prefill=prefill, decode=decode, torch=torch
@@ -947,18 +949,32 @@ def test_the_model_builder_cell_makes_the_recipes_calls(path, tmp_path, monkeypa
     (cell_calls, cell_checkpoint, cell_runtime), (library_calls, library_checkpoint, library_runtime) = runs
     kinds = [kind for kind, _ in cell_calls]
     assert kinds == [kind for kind, _ in library_calls]
-    assert kinds[:2] == ["compiler_workdir", "own_directory"] and kinds[-4:] == [
+    assert kinds[:3] == ["get_or_build", "compiler_workdir", "own_directory"] and kinds[-4:] == [
         "check_free",
         "load",
         "initialize",
         "claim",
     ]
-    assert kinds[2:7] == ["init", "add", "add", "trace", "save"] and "shard_checkpoint" in kinds
+    assert kinds[3:9] == ["init", "add", "add", "add", "trace", "save"] and "shard_checkpoint" in kinds
+    assert [args["key"] for kind, args in cell_calls if kind == "add"] == ["prefill16", "prefill64", "decode"]
+    assert cell_calls[0][1] > 0  # the disk check's estimate: the shards
     for (kind, ours), (_, theirs) in zip(cell_calls, library_calls, strict=True):
         assert ours == theirs, f"{kind}: the cell asked {ours}, the backend {theirs}"
     assert cell_checkpoint.keys() == library_checkpoint.keys()
     assert all(torch.equal(cell_checkpoint[k], library_checkpoint[k]) for k in cell_checkpoint)
-    assert list(cell_runtime.steps.prefill) == list(library_runtime.steps.prefill)  # one bucket; K/V on the device
+    assert list(cell_runtime.steps.prefill) == list(library_runtime.steps.prefill) == [16, 64]  # K/V on the device
+
+
+def _record_need_bytes(monkeypatch, cache_class, calls):
+    """Record the free-space estimate every artifact-cache build is handed (`need_bytes`)."""
+    real = getattr(cache_class.get_or_build, "__wrapped__", cache_class.get_or_build)  # not an earlier run's
+
+    def get_or_build(self, key, build, describe=None, need_bytes=0):
+        calls.append(("get_or_build", need_bytes))
+        return real(self, key, build, describe, need_bytes)
+
+    get_or_build.__wrapped__ = real
+    monkeypatch.setattr(cache_class, "get_or_build", get_or_build)
 
 
 @pytest.mark.parametrize("path", variant_notebooks(), ids=lambda p: p.name)
@@ -1026,7 +1042,9 @@ def test_the_trace_cell_makes_the_backends_calls(tmp_path, monkeypatch):
     """E2B's one-graph cell, against recording stand-ins for torch_neuronx and the artifact's save
     and load, makes the calls `backends.neuron.compile` makes with `neuron_recipe="trace"`: the
     backend's work directory and private current directory around the trace, the same example
-    inputs, aliases and compiler arguments, and the cores guard around the load."""
+    inputs, aliases and compiler arguments, the same free-space estimate for the cache, the cores guard
+    around the load and the load inside `torch_neuronx.neuron_cores_context` (the fake knows no other
+    placement name)."""
     import contextlib
 
     import torch
@@ -1055,8 +1073,16 @@ def test_the_trace_cell_makes_the_backends_calls(tmp_path, monkeypatch):
             calls.append(("trace", {"inputs": inputs, "aliases": sorted(input_output_aliases.values()), **kwargs}))
             return module
 
+        @contextlib.contextmanager
+        def placed(start_nc, nc_count, calls=calls):
+            calls.append(("placed", [start_nc, nc_count]))
+            yield
+            calls.append(("unplaced", []))
+
         sdk = types.SimpleNamespace(
-            trace=trace, move_trace_to_device=lambda traced, core, c=calls: c.append(("move", core))
+            trace=trace,
+            move_trace_to_device=lambda traced, core, c=calls: c.append(("move", core)),
+            neuron_cores_context=placed,
         )
         monkeypatch.setattr(neuron_env, "require", lambda module, purpose="", sdk=sdk: sdk)
         for name, guard in guards.items():
@@ -1077,6 +1103,7 @@ def test_the_trace_cell_makes_the_backends_calls(tmp_path, monkeypatch):
 
         monkeypatch.setattr(torch.jit, "save", save)
         monkeypatch.setattr(torch.jit, "load", lambda p, c=calls: c.append(("load", Path(p).name)) or _FakeLoaded(c))
+        _record_need_bytes(monkeypatch, ArtifactCache, calls)
         if run == "cell":
             namespace = dict(
                 backend="neuron", on_inf2=True, s=settings, model=model, prefill=prefill, decode=decode, torch=torch
@@ -1093,7 +1120,11 @@ def test_the_trace_cell_makes_the_backends_calls(tmp_path, monkeypatch):
         runs.append((calls, runtime))
     (cell_calls, cell_runtime), (library_calls, library_runtime) = runs
     kinds = [kind for kind, _ in cell_calls]
-    assert kinds == ["compiler_workdir", "own_directory", "trace", "save", "check_free", "load", "move", "claim"]
+    assert kinds == [
+        *("get_or_build", "compiler_workdir", "own_directory", "trace", "save", "check_free"),
+        *("placed", "load", "unplaced", "move", "claim"),
+    ]
+    assert cell_calls[0][1] > 0 and cell_calls[6][1] == [0, 1]  # the estimate; core 0, one core
     assert kinds == [kind for kind, _ in library_calls]
     for (kind, ours), (_, theirs) in zip(cell_calls, library_calls, strict=True):
         assert ours == theirs, f"{kind}: the cell asked {ours}, the backend {theirs}"

@@ -242,7 +242,7 @@ def test_model_builder_int8_converts_exactly_the_checkpoints_int8_weights(varian
     monkeypatch.setattr(neuron_env, "require", lambda name, purpose="": fakes[name])
     model = _tiny(variant)
     plan = make_plan(model.config, tp, model.variant)
-    shape = mb.bucket_shapes(32, 16)["decode"]
+    shape = mb.bucket_shapes(32, (16,))["decode"]
     module = mb.rank_module(model.config, plan, shape, torch.float32, CpuParallelFactory(tp), "selective", "int8")
     assert calls == [{"q_config": per_channel, "inplace": True, "include": list(mb.INT8_INCLUDE)}]
     selected = {

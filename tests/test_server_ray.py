@@ -196,7 +196,7 @@ def test_a_killed_replica_is_restarted_from_the_bundle(deployment):
     ("backend", "tp", "vision", "want"),
     [
         ("neuron", 2, False, {"neuron_cores": 2}),
-        ("neuron", 2, True, {"neuron_cores": 3}),  # the vision graph's own core after the decoder's
+        ("neuron", 2, True, {"neuron_cores": 2}),  # the vision graph beside rank 0: no core of its own
         ("cpu", 1, False, None),
     ],
 )

@@ -301,12 +301,12 @@ def test_e2b_model_builder_pair_at_tp1_on_xla(xla_lane, tmp_path):
     plan = make_plan(model.config, 1, v)
     weights = {k.removeprefix(mb.GRAPH_PREFIX): t for k, t in mb.nxd_checkpoint(model, plan, torch.float32).items()}
     graphs = {}
-    for key, shape in mb.bucket_shapes(64, 24).items():
+    for key, shape in mb.bucket_shapes(64, (24,)).items():
         graphs[key] = build_rank_graph(model.config, plan, shape)
         assert load_shard(graphs[key], weights) == []
     session = XLASession(graphs, hlo_dir=tmp_path)
     kv = session.new_kv("decode")  # the one set both keys alias
-    steps = Steps({24: bind_kv(session.step("prefill"), kv)}, bind_kv(session.step("decode"), kv))
+    steps = Steps({24: bind_kv(session.step("prefill24"), kv)}, bind_kv(session.step("decode"), kv))
     engine = Engine.for_model(model, steps, batch=1, context_length=64)
     ids = random_prompt(model.config.vocab_size, 20, v.tiny_seed + 1)  # its margins are the seed's
     new_tokens = 9
@@ -316,9 +316,9 @@ def test_e2b_model_builder_pair_at_tp1_on_xla(xla_lane, tmp_path):
     assert tokens == reference
     # at most one compile per key: none when an earlier test in this process compiled the same HLO
     # (torch_xla caches it), and never one per decode step
-    assert set(report["xla_compilations"]) == {"prefill", "decode"}
+    assert set(report["xla_compilations"]) == {"prefill24", "decode"}
     assert all(n <= 1 for n in report["xla_compilations"].values()), report["xla_compilations"]
-    assert report["xla_steps"] == {"prefill": 1, "decode": new_tokens - 1}
+    assert report["xla_steps"] == {"prefill24": 1, "decode": new_tokens - 1}
 
 
 @pytest.mark.parametrize(

@@ -142,7 +142,7 @@ def _compile_host(variant: str, folder: Path, tp: int, context_length: int) -> d
     model_bytes += sum(b.numel() * b.element_size() for b in lm.buffers())
     _, steps["read_weights"] = measure_peak(lambda: _read_every_page(lm.state_dict().values()))
     plan = make_plan(lm.config, tp, model.variant)
-    shapes = mb.bucket_shapes(context_length, 128, ring=True)
+    shapes = mb.bucket_shapes(context_length, (128,), ring=True)
 
     def modules() -> list[Any]:
         built = []

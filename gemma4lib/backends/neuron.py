@@ -2,8 +2,8 @@
 picks (`recipes.neuron_model_builder` by default, TP=1 included; `recipes.neuron_trace` on one core
 when `PortSettings.neuron_recipe="trace"`),
 cached in the artifact cache, wrapped in the host runtime. With images, the vision graph is its
-own artifact (`recipes.neuron_vision`: `torch_neuronx.trace` on one NeuronCore, the first after the
-decoder's, under its own key `vision_cache_key`). Needs the Neuron SDK (checked before any work);
+own artifact (`recipes.neuron_vision`: `torch_neuronx.trace` on one NeuronCore, rank 0's, under its
+own key `vision_cache_key`). Needs the Neuron SDK (checked before any work);
 everything but the compiler calls runs on CPU in the tests.
 """
 
@@ -138,10 +138,10 @@ def vision_cache_key(model: LoadedModel, graph: VisionGraph, compiler_args: str)
 
 
 def compile_vision(graph: VisionGraph, model: LoadedModel, settings: PortSettings, tp: int) -> tuple[Any, Any, float]:
-    """The vision graph traced for one NeuronCore (or found in the artifact cache), loaded onto the
-    core after the decoder's `tp` cores: (loaded module, cache entry, compile seconds). Called after
-    the decoder's cores were found free and before the decoder loads, so a busy core (the vision
-    core included) is refused before anything goes to the device."""
+    """The vision graph traced for one NeuronCore (or found in the artifact cache), loaded onto rank
+    0's core (`neuron_vision.vision_core`): (loaded module, cache entry, compile seconds). Called after
+    the decoder's cores (the vision core among them) were found free and before the decoder loads,
+    so a busy core is refused before anything goes to the device."""
     key, parts = vision_cache_key(model, graph, neuron_vision.COMPILER_ARGS)
     started = time.perf_counter()
 
@@ -158,7 +158,6 @@ def compile_vision(graph: VisionGraph, model: LoadedModel, settings: PortSetting
     compile_s = 0.0 if entry.hit else time.perf_counter() - started
     core = neuron_vision.vision_core(tp)
     label = f"{model.variant.name} vision graph (one core) from {entry.path}"
-    cores.check_free(core, 1, label)
     loaded = cores.claim(neuron_vision.load(entry.file(neuron_vision.FILE), core), core, 1, label)
     log.info("vision graph on NeuronCore %d (%s)", core, "cached" if entry.hit else f"compiled in {compile_s:.1f} s")
     return loaded, entry, compile_s
@@ -184,9 +183,10 @@ def compile(graphs: GraphSet, model: LoadedModel, settings: PortSettings, progre
     artifact from the cache when its key matches): the engine's steps. Raises
     `NeuronSDKMissingError` without the SDK, before any work.
 
-    `model_builder` (the default, every variant and TP degree): prefill + decode keys over one set
-    of K/V states; the prompt is one device call per bucket. `trace` (TP=1, on request): the decode
-    graph alone; the engine feeds the prompt through it token by token. With a drafter: prefill,
+    `model_builder` (the default, every variant and TP degree): a prefill key per bucket + decode
+    over one set of K/V states; the prompt is one call of the smallest bucket that holds it. `trace`
+    (TP=1, on request): the decode graph alone; the engine feeds the prompt through it token by
+    token. With a drafter: prefill,
     verify and draft keys over one set of K/V states (`recipes.neuron_drafting`). The shapes (batch,
     buckets, context, ring) are those of `graphs` (`device.build.device_graphs` of the settings).
     Artifacts live in the artifact cache (`settings.cache_dir`) keyed by `neuron_cache_key`.
@@ -203,15 +203,14 @@ def compile(graphs: GraphSet, model: LoadedModel, settings: PortSettings, progre
     dtype = decode.dtype
     n_inputs = decode.num_inputs
     buckets = tuple(sorted(prefill))
-    bucket = max(buckets)
-    shapes = {"decode": decode.shape}
     key_graphs = {"decode": decode}
     decode_experts = "dense"  # only the ModelBuilder recipe builds the rank graph, which takes the form
-    if recipe == "model_builder":
-        shapes["prefill"] = prefill[bucket].shape
-        key_graphs["prefill"] = prefill[bucket]
+    if recipe == "model_builder":  # a key per bucket: a prompt runs the smallest that holds it
+        names = neuron_model_builder.bucket_shapes(context, buckets, ring, batch)
+        key_graphs = {n: decode if s.tokens == 1 else prefill[s.tokens] for n, s in names.items()}
         if model.variant.is_moe:
             decode_experts = settings.decode_experts
+    shapes = {name: graph.shape for name, graph in key_graphs.items()}
     # the K/V states each compiled module aliases (what may follow its logits) and the index dtype it
     # takes, from the graph's own example inputs
     states = len(decode.layout.buffer_shapes(batch, context, ring))
@@ -231,7 +230,7 @@ def compile(graphs: GraphSet, model: LoadedModel, settings: PortSettings, progre
 
     def build(folder: Path) -> dict[str, Any]:
         if settings.profile == "full":  # the estimate is the released model's; tiny smoke models fit anywhere
-            warn_low_host_ram(model.variant, tp, recipe)  # before the compile the kernel might kill half an hour in
+            warn_low_host_ram(model.variant, tp, recipe, len(key_graphs))  # before a compile the kernel might kill
         with compiler_workdir() as workdir, own_directory():  # workdir never inside the cache entry
             _compile(folder, workdir)
         return {"recipe": recipe, "tp": tp}
@@ -248,7 +247,7 @@ def compile(graphs: GraphSet, model: LoadedModel, settings: PortSettings, progre
                 tp,
                 folder,
                 context_length=context,
-                prefill_len=bucket,
+                buckets=buckets,
                 ring=ring,
                 dtype=dtype,
                 compiler_workdir=workdir,
@@ -266,7 +265,7 @@ def compile(graphs: GraphSet, model: LoadedModel, settings: PortSettings, progre
     vocab = int(model.config.vocab_size)
     label = f"{model.variant.name} ({recipe}, TP={tp}) from {entry.path}"
     cores.check_free(0, tp, label)  # a model an earlier call loaded and still referenced: refuse, before the device
-    # with images: the vision graph on core tp, from its own cache entry (its core checked before it loads)
+    # with images: the vision graph on rank 0's core, from its own cache entry (checked free with the decoder's)
     vision = compile_vision(graphs.vision, model, settings, tp) if graphs.vision is not None else None
     if recipe == "trace":
         loaded = neuron_trace.load(entry.file("model.pt"))
@@ -275,7 +274,7 @@ def compile(graphs: GraphSet, model: LoadedModel, settings: PortSettings, progre
     else:
         loaded = neuron_model_builder.load_model_builder(entry.path, tp)
         step = DeviceStep(cores.claim(loaded, 0, tp, label), n_inputs, vocab, aliases=states, index_dtype=indices)
-        steps = Steps(prefill={bucket: step}, decode=step)
+        steps = Steps(prefill={b: step for b in buckets}, decode=step)  # NxD routes each call by its shapes
     check_host_tables(HostEmbedder.from_text_model(model.text_model))  # the compile left the host tables whole
     # no host K/V: the device steps keep theirs as aliased state and never read host buffers
     compiled = CompiledGraphs(

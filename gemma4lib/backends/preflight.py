@@ -2,8 +2,8 @@
 
 `PortSettings` checks what its values alone tell (names, ranges, which backend runs what: the facts
 rows). What needs more is here: the inf2 recipe the variant compiles with, the memory plan that
-must fit the NeuronCores and the serving host, the Neuron SDK, a NeuronCore left for the vision
-graph, and a bundle's manifest. The composition roots call `preflight(settings)` before any
+must fit the NeuronCores (the vision graph's included) and the serving host, the Neuron SDK, and a
+bundle's manifest. The composition roots call `preflight(settings)` before any
 weight loads (`port.port`, `cli.load_engine`, `export`, `registry.compile_graphs`), so a
 mistake fails in a second, not after a checkpoint load or half an hour of compiling.
 """
@@ -14,12 +14,11 @@ from typing import TYPE_CHECKING
 
 from ..cache.bundle import check_settings as check_bundle
 from ..errors import SettingsError
-from ..inf2.hardware import INSTANCES, host_instance_type
+from ..inf2.hardware import host_instance_type
 from ..inf2.memory_plan import neuron_recipe, require_fit, require_neuron_tp
 from ..inf2.serving_host import require_serving_host
 from ..recipes import neuron_env
-from ..recipes.neuron_vision import cores_needed
-from .facts import BackendFacts, row_at
+from .facts import row_at
 
 if TYPE_CHECKING:
     from ..settings import PortSettings
@@ -29,8 +28,6 @@ def preflight(settings: PortSettings) -> None:
     """Raise the `SettingsError` (or the planner's, the SDK's, the bundle's error) that says what to
     change, before anything loads; return quietly when the settings can run here."""
     row = row_at(settings.backend, settings.tp_degree)
-    if row.device_bound and settings.wants_vision:
-        _check_vision_core(settings, row)
     recipe = _neuron_recipe(settings) if settings.neuron_recipe is not None or row.device_bound else None
     if settings.weights == "int8" and row.quantizes_itself and recipe != "model_builder":
         raise SettingsError(
@@ -44,6 +41,12 @@ def preflight(settings: PortSettings) -> None:
             "states; the one-graph trace recipe has a single decode graph: use the ModelBuilder recipe "
             "(neuron_recipe=None) or draft=None"
         )
+    if settings.weights == "int8" and settings.draft is not None and row.quantizes_itself:
+        raise SettingsError(  # else bf16 keys under a plan sized for int8, with no int8 in their key
+            f"weights='int8' with draft={settings.draft!r} on backend {row.name!r}: the drafting keys hold "
+            "target and assistant in one module that NxD's quantized layers are not wired into (its checkpoint "
+            "has no int8 form); use weights='bf16' to draft, or draft=None for int8"
+        )
     if row.device_bound:
         _check_inf2(settings)
     if settings.artifacts:
@@ -53,23 +56,6 @@ def preflight(settings: PortSettings) -> None:
 def _neuron_recipe(settings: PortSettings) -> str:
     """The inf2 recipe of the settings (an unknown name, or trace at TP > 1, raises)."""
     return neuron_recipe(settings.variant_spec, settings.tp_degree, settings.neuron_recipe)
-
-
-def _check_vision_core(settings: PortSettings, row: BackendFacts) -> None:
-    """The vision graph loads onto the NeuronCore after the decoder's `tp_degree` cores
-    (`recipes.neuron_vision.vision_core`), so the instance needs one more core than the TP degree.
-    Sharing a decoder core would put a second model in that core's HBM beside a rank that was sized
-    to fill it (`inf2.memory_plan`), so it is refused here, before anything loads. An unknown host
-    (not inf2, no `GEMMA4LIB_INSTANCE_TYPE`) is not judged."""
-    tp = int(settings.tp_degree)
-    instance = INSTANCES.get(host_instance_type() or "")
-    if instance is not None and cores_needed(tp, True) > instance.neuron_cores:
-        bigger = [i.name for i in INSTANCES.values() if i.neuron_cores > tp]
-        raise SettingsError(
-            f"images on backend {row.name!r} put the vision graph on a NeuronCore of its own after the decoder's "
-            f"{tp}; {instance.name} has {instance.neuron_cores} cores, none left over. Use a smaller "
-            f"tp_degree, or {' or '.join(bigger) if bigger else 'no image'} for tp_degree {tp}"
-        )
 
 
 def _check_inf2(settings: PortSettings) -> None:
@@ -86,6 +72,7 @@ def _check_inf2(settings: PortSettings) -> None:
             weights=settings.weights,
             batch=settings.batch_size,
             draft_tokens=settings.draft_tokens if settings.draft else None,
+            vision=settings.wants_vision,  # on rank 0's core (`neuron_vision.vision_core`)
         )
         require_serving_host(  # the host that serves and checks: model, shards, reference, spread
             variant,

@@ -6,7 +6,8 @@ Three, behind one interface (`runtime.Drafter.propose(engine, counts)`):
   position of each row's last token, fed back its own token and projected hidden state, as
   transformers' `SinglePositionMultiTokenCandidateGenerator` does. Sampled rows sample their drafts
   from the assistant's distribution q (no softcap, as transformers' assistant) and hand q over for
-  rejection sampling.
+  rejection sampling. A row samples only its own `counts[row]` drafts, one per pass, from its own
+  seeded generator: what it draws depends on its request alone, not on its neighbours' counts.
 - `PromptLookupDrafter`: n-gram matches in the row's own prompt and output (what transformers'
   `prompt_lookup_num_tokens` and vLLM's ngram speculation do): no second model, no device work.
 - `CallableDrafter`: any `fn(history, n) -> tokens` (tests: always right, always wrong).
@@ -47,11 +48,11 @@ class AssistantDrafter:
         drafts: dict[int, list[int]] = {r: [] for r in counts}
         qs: dict[int, list[torch.Tensor]] = {r: [] for r in counts}
         at = index_tensor(position)
-        for _ in range(max(counts.values())):
+        for i in range(max(counts.values())):
             x = torch.cat([engine.embed(token)[0], hidden], dim=-1)
             out = engine.steps.draft(x, at)
             logits, projected = (p.to("cpu") for p in out[:2])
-            for r in counts:
+            for r in [r for r, n in counts.items() if n > i]:  # a row done drafting draws no more numbers
                 sampling = rows[r].request.sampling
                 if sampling.greedy:
                     t = int(torch.argmax(logits[r]))
@@ -62,7 +63,7 @@ class AssistantDrafter:
                 drafts[r].append(t)
                 token[r, 0] = t
             hidden = projected[:, None, :].to(engine.dtype)
-        return {r: (drafts[r][: counts[r]], torch.stack(qs[r][: counts[r]]) if qs[r] else None) for r in counts}
+        return {r: (drafts[r], torch.stack(qs[r]) if qs[r] else None) for r in counts}
 
 
 def _hidden_width(engine: Engine) -> int:

@@ -43,7 +43,7 @@ from typing import Any
 from ..models.variants import Variant, get_variant
 from .hardware import GB
 
-KEYS = 2  # the ModelBuilder recipe's prefill and decode keys
+KEYS = 2  # the ModelBuilder recipe's keys with one prefill bucket: prefill and decode
 COMPILE_CONTEXT = 2048  # the K/V states the modules hold (memory_plan.DEFAULT_CONTEXT)
 
 
@@ -131,10 +131,12 @@ def compile_host_plan(
     dtype_bytes: int = 2,
     context_length: int = COMPILE_CONTEXT,
     layer_overrides: dict[str, Any] | None = None,
+    keys: int = KEYS,
 ) -> CompileHostPlan:
     """The compile host's plan of `variant` at `tp` (default: its recipe's) with `recipe` (default:
-    the variant's); `layer_overrides` plans a reduced-depth model (how the plan is checked against a
-    measurement on a machine that cannot hold the released one)."""
+    the variant's) and `keys` ModelBuilder keys (a prefill key per bucket + decode); `layer_overrides`
+    plans a reduced-depth model (how the plan is checked against a measurement on a machine that
+    cannot hold the released one)."""
     from .serving_host import PROCESS_BASE_GB
 
     v = get_variant(variant) if isinstance(variant, str) else variant
@@ -152,4 +154,5 @@ def compile_host_plan(
         c["copied"] * dtype_bytes / GB,
         c["checkpoint"] * dtype_bytes / GB,
         c["device"] * dtype_bytes / GB,
+        int(keys),
     )

@@ -33,7 +33,7 @@ from typing import Any
 
 from ..models.variants import get_variant
 from ..recipes import neuron_env
-from .compile_host import compile_host_plan
+from .compile_host import KEYS, compile_host_plan
 from .hardware import GB, dmi_instance_type, host_instance_type, host_ram_bytes, smallest_instance
 from .memory_plan import (
     COMPILE_CALIBRATION,
@@ -48,14 +48,14 @@ from .serving_host import format_serving_host, serving_host_plan, serving_host_t
 
 
 def estimate_compile_peak_gb(
-    variant: Any, tp: int | None = None, bytes_per_param: int = 2, recipe: str | None = None
+    variant: Any, tp: int | None = None, bytes_per_param: int = 2, recipe: str | None = None, keys: int = KEYS
 ) -> dict[str, Any]:
     """Estimated peak host RAM (GB) of compiling `variant` with `recipe` (default: `neuron_recipe`'s)
-    at `tp` (`memory_plan`)."""
+    at `tp` with `keys` ModelBuilder keys (`memory_plan`)."""
     v = get_variant(variant) if isinstance(variant, str) else variant
     tp = tp or v.tp_degree
     recipe = neuron_recipe(v, tp, recipe)
-    peak, basis = compile_peak_gb(v, recipe, bytes_per_param, tp)
+    peak, basis = compile_peak_gb(v, recipe, bytes_per_param, tp, keys)
     host = smallest_instance(tp, peak * HOST_HEADROOM)
     return {
         "variant": v.name,
@@ -93,15 +93,16 @@ def compile_ram_warning(estimate: dict[str, Any], ram: int) -> str | None:
     return None
 
 
-def warn_low_host_ram(variant: Any, tp: int | None = None, recipe: str | None = None) -> str | None:
+def warn_low_host_ram(variant: Any, tp: int | None = None, recipe: str | None = None, keys: int = KEYS) -> str | None:
     """Before a compile: warn (`LowHostMemoryWarning`, and the log) when this host's RAM is below or near
-    the estimated compile peak of `variant` with `recipe`; returns the warning text (None when it fits)."""
+    the estimated compile peak of `variant` with `recipe` and `keys` keys; returns the warning text
+    (None when it fits)."""
     import logging
     import warnings
 
     from ..errors import LowHostMemoryWarning
 
-    message = compile_ram_warning(estimate_compile_peak_gb(variant, tp, recipe=recipe), host_ram_bytes())
+    message = compile_ram_warning(estimate_compile_peak_gb(variant, tp, recipe=recipe, keys=keys), host_ram_bytes())
     if message:
         logging.getLogger(__name__).warning(message)
         warnings.warn(message, LowHostMemoryWarning, stacklevel=2)

@@ -40,6 +40,7 @@ from ..device.quant import LINEAR_WEIGHT_NAME
 from ..errors import DeviceMemoryError, TensorParallelError, UnknownNameError
 from ..models.variants import Variant, get_variant
 from ..recipes import RECIPE_MODULES
+from .compile_host import KEYS
 from .hardware import GB, GIB, HBM_PER_CORE_GIB, INSTANCES, NEURON_TP_DEGREES, smallest_instance
 from .serving_host import ServingHostPlan, format_serving_host, serving_host_plan, serving_host_table  # noqa: F401  (re-exported)
 
@@ -118,12 +119,14 @@ def _rank_kv_elements(name: str, tp: int, context_length: int, ring: bool) -> in
     return int(plan.rank_layout().buffer_bytes(context_length, ring, 1, 1))
 
 
-def compile_peak_gb(variant: Variant, recipe: str, dtype_bytes: int = 2, tp: int | None = None) -> tuple[float, str]:
-    """Planned peak host RAM (GB) of compiling `variant` with `recipe` at `tp` (default: its own),
-    and what it is made of (`compile_host.compile_host_plan`)."""
+def compile_peak_gb(
+    variant: Variant, recipe: str, dtype_bytes: int = 2, tp: int | None = None, keys: int = KEYS
+) -> tuple[float, str]:
+    """Planned peak host RAM (GB) of compiling `variant` with `recipe` at `tp` (default: its own) and
+    `keys` ModelBuilder keys, and what it is made of (`compile_host.compile_host_plan`)."""
     from .compile_host import compile_host_plan
 
-    plan = compile_host_plan(variant, tp, recipe, dtype_bytes=dtype_bytes)
+    plan = compile_host_plan(variant, tp, recipe, dtype_bytes=dtype_bytes, keys=keys)
     return plan.peak_gb, plan.basis()
 
 

@@ -20,10 +20,10 @@ there): `vision_spec(variant, source="reported")` plans with it for comparison. 
 released config.json itself.
 
 Placement: the vision graph is its own compiled graph on one NeuronCore, not sharded (no TP),
-whatever the decoder's degree: replicated on one core (`PLACEMENT`). The plan counts it on the
-core that also holds rank 0's shard, the worst case; on an instance with a spare core it could sit
-there alone (not planned). Its activations are planned as eager attention would hold them (the
-full score matrix of one layer): an upper estimate, the compiler's scheduling is unverified.
+whatever the decoder's degree: replicated on one core (`PLACEMENT`). It loads on the core that
+holds rank 0's shard (`recipes.neuron_vision.vision_core`), and the plan counts it there. Its
+activations are planned as eager attention would hold them (the full score matrix of one layer): an
+upper estimate, the compiler's scheduling is unverified.
 """
 
 from __future__ import annotations

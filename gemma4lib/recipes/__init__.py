@@ -1,14 +1,14 @@
 """The Neuron recipes: thin adapters that hand the device graph to a Neuron compiler.
 
 - `model_builder` (`neuron_model_builder`): every variant at every TP degree, E2B at TP=1 included;
-  NxD `ModelBuilder` v1, a prefill key and a decode key over one set of aliased K/V states, the
+  NxD `ModelBuilder` v1, a prefill key per bucket and a decode key over one set of aliased K/V states, the
   rank as an `SPMDRank` tensor.
 - `trace` (`neuron_trace`): TP=1 on request (`PortSettings.neuron_recipe="trace"`), the simplest
   lesson; `torch_neuronx.trace` of the decode graph with the K/V as aliased state, the prompt
   prefilled through it one token per device step.
 
 Beside either, with images: `neuron_vision`, the vision graph traced (`torch_neuronx.trace`) for one
-NeuronCore after the decoder's, its own artifact (not a decoder recipe: it holds no K/V).
+NeuronCore, rank 0's, its own artifact (not a decoder recipe: it holds no K/V).
 
 `memory_plan.neuron_recipe(variant, tp, requested)` picks one. NxD's `parallel_model_trace` (one process per
 rank) is unsupported since SDK 2.27, so no recipe uses it: ModelBuilder compiles one rank in one

@@ -10,10 +10,11 @@ rank-local layers come from NxD (`NxDParallelFactory`): `ColumnParallelLinear`,
 `RowParallelLinear(input_is_parallel=True)` and `SPMDRank` for the rank. The graph is built from
 the config on the meta device with shard-size layers, so `module_cls()` never holds the full model.
 
-- Two keys, `prefill` (bucket = prefill_len tokens) and `decode` (1 token), each a
-  `BaseModelInstance` whose `get()` returns the `KVParamModule` and its `{kv_param: output_index}`
-  aliases. Both modules have the same K/V parameter names, so NxD keeps one set of K/V state
-  buffers per rank for both graphs. The NxD model routes a call by its input shapes.
+- A key per prefill bucket, `prefill<tokens>` (`tp.draft_rank_graph.prefill_key_shapes`, as the drafting
+  recipe's), and `decode` (1 token), each a `BaseModelInstance` whose `get()` returns the
+  `KVParamModule` and its `{kv_param: output_index}` aliases. All modules have the same K/V
+  parameter names, so NxD keeps one set of K/V state buffers per rank for every graph. The NxD
+  model routes a call by its input shapes, so a short prompt runs its own bucket.
 - The decode key is the priority model (`priority_model_idx=0`): NxD compiles it first, lets the
   compiler choose the weights' on-device layout for it, and applies that layout to the prefill
   graph too. Decode reads every weight once per token, so its layout is the one worth optimising
@@ -74,6 +75,7 @@ from ..device.experts import EXPERT_FORMS
 from ..device.graph import GraphShape
 from ..device.quant import LINEAR_WEIGHT_NAME, check_weights, quantize
 from ..errors import UnknownNameError
+from ..tp.draft_rank_graph import prefill_key_shapes
 from ..tp.plan import TPPlan, make_plan
 from ..tp.rank_graph import build_rank_graph
 from ..tp.shard import nxd_full_checkpoint
@@ -84,7 +86,7 @@ RECIPE = "model_builder"
 PURPOSE = "the ModelBuilder recipe (neuronx_distributed.trace.model_builder)"
 GRAPH_PREFIX = "graph."  # KVParamModule holds the rank graph as `.graph`
 SHARD_FILE = "tp{rank}_sharded_checkpoint.safetensors"
-# Weight layout optimisation: the decode key's only bucket (index 0) sets the layout; prefill follows.
+# Weight layout optimisation, per key phase: the decode key's only bucket (index 0) sets the layout; prefill follows.
 PRIORITY = {"prefill": None, "decode": 0}
 # weights="int8": the modules NxD's `convert` swaps for its quantized parallel layers (fnmatch
 # patterns over the rank module's names; the same linears as `quant.target_linears`, not the experts).
@@ -204,16 +206,18 @@ def int8_checkpoint(checkpoint: dict[str, torch.Tensor]) -> dict[str, torch.Tens
     return out
 
 
-def bucket_shapes(context_length: int, prefill_len: int, ring: bool = False, batch: int = 1) -> dict[str, GraphShape]:
-    """The ModelBuilder keys' static shapes; `batch` rows in both (start/length one per row)."""
-    return {
-        "prefill": GraphShape(batch, prefill_len, context_length, ring),
-        "decode": GraphShape(batch, 1, context_length, ring),
-    }
+def bucket_shapes(
+    context_length: int, buckets: tuple[int, ...], ring: bool = False, batch: int = 1
+) -> dict[str, GraphShape]:
+    """The ModelBuilder keys' static shapes: one prefill key per bucket and decode, `batch` rows in
+    each (start/length one per row). A one-token bucket has the decode key's input shapes, and NxD
+    routes by shape: the decode key serves it."""
+    prefill = prefill_key_shapes(context_length, tuple(buckets), ring, batch)
+    return {**{n: s for n, s in prefill.items() if s.tokens > 1}, "decode": GraphShape(batch, 1, context_length, ring)}
 
 
 def bucket_expert_forms(decode_experts: str = "dense") -> dict[str, str]:
-    """The experts' form per key: prefill always dense (many tokens hit every expert anyway)."""
+    """The experts' form per key phase: prefill always dense (many tokens hit every expert anyway)."""
     if decode_experts not in EXPERT_FORMS:
         raise UnknownNameError("decode_experts form", decode_experts, EXPERT_FORMS)
     return {"prefill": "dense", "decode": decode_experts}
@@ -267,7 +271,7 @@ def compile_model_builder(
     out_dir: str | Path,
     *,
     context_length: int,
-    prefill_len: int,
+    buckets: tuple[int, ...],
     ring: bool = False,
     dtype: torch.dtype = torch.bfloat16,
     compiler_workdir: str | Path | None = None,
@@ -277,16 +281,17 @@ def compile_model_builder(
     batch: int = 1,
     graphs: dict[str, nn.Module] | None = None,
 ) -> Path:
-    """Compile prefill + decode for one rank, save the model and the per-rank shards to `out_dir`.
+    """Compile a prefill key per bucket + decode for one rank, save the model and the per-rank shards
+    to `out_dir`.
 
     `decode_experts`: the decode graph's MoE expert form (`dense` | `selective`); prefill is dense.
     `expert_split`: how the ranks share the MoE experts (`intermediate` | `experts`; default: the
     plan's, the intermediate split where it divides).
     `weights`: "int8" quantizes the attention and dense-MLP linears with NxD's layers (module docstring).
-    `graphs`: `{"prefill": graph, "decode": graph}`, the device graphs the keys are compiled for
-    (the backend passes its `device_graphs`, so batch, bucket, context and ring are the settings');
-    their shapes and example inputs are the keys'. Without them they are built from
-    `context_length`, `prefill_len`, `ring` and `batch` (rows per call in both keys).
+    `graphs`: `{key: graph}` as `bucket_shapes` names them, the device graphs the keys are compiled
+    for (the backend passes its `device_graphs`, so batch, buckets, context and ring are the
+    settings'); their shapes and example inputs are the keys'. Without them they are built from
+    `context_length`, `buckets`, `ring` and `batch` (rows per call in every key).
     """
     model_builder, KeyInstance = instance_class()
     forms = bucket_expert_forms(decode_experts)
@@ -294,7 +299,7 @@ def compile_model_builder(
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     workdir = Path(compiler_workdir or out / "compiler_workdir")  # ModelBuilder.trace() wipes it: never share
-    graphs = graphs or key_graphs(loaded, bucket_shapes(context_length, prefill_len, ring, batch))
+    graphs = graphs or key_graphs(loaded, bucket_shapes(context_length, buckets, ring, batch))
     n_inputs = 4 if int(getattr(loaded.config, "hidden_size_per_layer_input", 0) or 0) else 3
     # The builder's constructor and `add` are inf2-only too; tests drive them through a recording fake.
     builder = model_builder.ModelBuilder(  # inf2-only
@@ -303,20 +308,20 @@ def compile_model_builder(
         checkpoint_loader=checkpoint_loader(loaded, plan, dtype, weights),
         compiler_workdir=str(workdir),
     )
-    for key in ("prefill", "decode"):
-        shape = graphs[key].shape
+    for key, graph in graphs.items():
+        shape = graph.shape
         builder.add(  # inf2-only
             key=key,
             model_instance=KeyInstance(
                 functools.partial(
-                    rank_module, loaded.config, plan, shape, dtype, expert_form=forms[key], weights=weights
+                    rank_module, loaded.config, plan, shape, dtype, expert_form=forms[shape.phase], weights=weights
                 )
             ),
-            example_inputs=[key_inputs(graphs[key], n_inputs, dtype)],
+            example_inputs=[key_inputs(graph, n_inputs, dtype)],
             compiler_args=neuron_env.COMPILER_ARGS[shape.phase],
-            priority_model_idx=PRIORITY[key],
+            priority_model_idx=PRIORITY[shape.phase],
         )
-    shapes = {key: graphs[key].shape for key in ("prefill", "decode")}
+    shapes = {key: graph.shape for key, graph in graphs.items()}
     traced = builder.trace(initialize_model_weights=False)  # inf2-only
     torch.jit.save(traced, str(out / "model.pt"))  # inf2-only
     del traced
@@ -326,7 +331,7 @@ def compile_model_builder(
         "variant": loaded.variant.name,
         "tp": tp,
         "context_length": shapes["decode"].context_length,
-        "prefill_len": shapes["prefill"].tokens,
+        "buckets": [s.tokens for s in shapes.values() if s.phase == "prefill"],
         "ring": shapes["decode"].ring,
         "batch": shapes["decode"].batch,
         "dtype": str(dtype),

@@ -100,8 +100,10 @@ def save(traced: Any, path: str | Path) -> Path:
 
 def load(path: str | Path, core: int = 0):
     """Load a saved trace onto NeuronCore `core`, weights included (importing torch_neuronx first
-    registers the Neuron ops the artifact holds)."""
+    registers the Neuron ops the artifact holds). The load runs inside the placement context, so the
+    graph lands on `core` itself, never on whichever core the runtime would pick (the vision core)."""
     torch_neuronx = neuron_env.require("torch_neuronx", PURPOSE)
-    traced = torch.jit.load(str(path))  # inf2-only (the artifact holds a NEFF)
+    with torch_neuronx.neuron_cores_context(start_nc=int(core), nc_count=1):  # inf2-only
+        traced = torch.jit.load(str(path))  # inf2-only (the artifact holds a NEFF)
     torch_neuronx.move_trace_to_device(traced, core)  # inf2-only: separated weights go to HBM once
     return traced

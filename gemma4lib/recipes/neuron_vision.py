@@ -13,14 +13,18 @@ is the whole job: one `torch_neuronx.trace(func, example_inputs, compiler_args=.
 Why the weights stay inlined in the NEFF (`inline_weights_to_neff=True`, the SDK default, unlike
 `neuron_trace`'s decoder): the encoder's weights are small enough that holding them in the HLO and
 the NEFF costs the compile host little, the artifact is then self-contained, and loading is one
-`torch.jit.load` inside `torch_neuronx.experimental.neuron_cores_context(start_nc, nc_count=1)`,
-which the SDK documents as the most efficient placement (the model goes straight to that core;
-aws-neuron-sdk v2.28 `api-torch-neuronx-core-placement.rst`, [Beta]). No
+`torch.jit.load` inside `torch_neuronx.neuron_cores_context(start_nc, nc_count=1)`, which the SDK
+documents as the most efficient placement (the model goes straight to that core; aws-neuron-sdk
+v2.28 `api-torch-neuronx-core-placement.rst`; the `torch_neuronx.experimental` one was deprecated
+in 2.25 and is no longer supported). No
 `move_trace_to_device` is needed: that call is for separated (non-inlined) weights.
 
-Which core: the decoder holds NeuronCores 0 .. tp-1 (`backends.neuron`); the vision graph takes
-core `tp`, the first one after them, so it never shares a core's HBM with a decoder rank
-(`vision_core`). `PortSettings` refuses images on an instance with no core left over.
+Which core: the decoder holds NeuronCores 0 .. tp-1 (`backends.neuron`); the vision graph loads
+beside rank 0 on core 0 (`vision_core`), where the memory plan counts it (`inf2.memory_plan`: rank
+0's weights, K/V and working memory + the vision weights and activations must fit one core, else the
+preflight refuses). It costs no time: the engine runs it at admission, between decoder steps, never
+beside one. A port then holds exactly its TP degree in cores, so Ray replicas' TP groups start on a
+chip boundary and an inf2.48xlarge holds three TP=8 replicas with images, not two.
 
 Why it should lower: `torch_neuronx.trace` records the graph through torch-xla into an HLO module
 (the SDK's trace notes), and this same graph runs in the XLA lane with 0 `aten::` CPU fallbacks and
@@ -72,16 +76,9 @@ def compiler_args() -> list[str]:
 
 
 def vision_core(tp: int) -> int:
-    """The NeuronCore the vision graph loads onto: the first after the decoder's cores 0 .. tp-1
-    (relative to the cores visible to this process, as the SDK's placement indices are)."""
-    return int(tp)
-
-
-def cores_needed(tp: int, vision: bool) -> int:
-    """NeuronCores a port holds: the decoder's `tp`, plus one for the vision graph when it has images.
-    What must be visible to the process (`NEURON_RT_VISIBLE_CORES`, a Ray replica's `neuron_cores`):
-    the vision core's index `tp` is relative to the visible cores."""
-    return int(tp) + (1 if vision else 0)
+    """The NeuronCore the vision graph loads onto: rank 0's, whatever the degree (module docstring;
+    relative to the cores visible to this process, as the SDK's placement indices are)."""
+    return 0
 
 
 def compile_vision(graph: VisionGraph, *, compiler_workdir: str | None = None) -> Any:
@@ -110,6 +107,6 @@ def save(traced: Any, path: str | Path) -> Path:
 def load(path: str | Path, core: int) -> Any:
     """Load a saved vision trace straight onto NeuronCore `core` (importing torch_neuronx first
     registers the Neuron ops the artifact holds; the placement context must wrap the load itself)."""
-    experimental = neuron_env.require("torch_neuronx.experimental", PURPOSE)
-    with experimental.neuron_cores_context(start_nc=int(core), nc_count=1):  # inf2-only
+    torch_neuronx = neuron_env.require("torch_neuronx", PURPOSE)
+    with torch_neuronx.neuron_cores_context(start_nc=int(core), nc_count=1):  # inf2-only
         return torch.jit.load(str(path))  # inf2-only (the artifact holds a NEFF)

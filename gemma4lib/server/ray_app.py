@@ -87,12 +87,11 @@ def settings_kwargs(settings: Any) -> dict[str, Any]:
 
 
 def replica_resources(settings: Any) -> dict[str, Any]:
-    """What one replica reserves: its TP degree in NeuronCores on inf2 (one more for the vision graph
-    when it serves images: `neuron_vision.cores_needed`), one CPU elsewhere."""
+    """What one replica reserves: its TP degree in NeuronCores on inf2, images or not (the vision graph
+    sits on rank 0's core: `neuron_vision.vision_core`), so every replica's TP group starts on a chip
+    boundary; one CPU elsewhere."""
     if backend_facts(settings.backend).device_bound:  # inf2-only
-        from ..recipes.neuron_vision import cores_needed
-
-        return {"num_cpus": 1, "resources": {"neuron_cores": cores_needed(settings.tp_degree, settings.wants_vision)}}
+        return {"num_cpus": 1, "resources": {"neuron_cores": int(settings.tp_degree)}}
     return {"num_cpus": 1}
 
 

@@ -254,11 +254,19 @@ class KVDraftStep:
         return out[0], out[1]
 
 
+def prefill_key_shapes(
+    context_length: int, buckets: tuple[int, ...], ring: bool, batch: int = 1
+) -> dict[str, GraphShape]:
+    """One ModelBuilder key per prefill bucket, `prefill<tokens>` (the plain and the drafting recipe:
+    NxD routes a call to its key by the input shapes, so a prompt runs the bucket it fits)."""
+    return {f"prefill{int(b)}": GraphShape(batch, int(b), context_length, ring) for b in buckets}
+
+
 def draft_key_shapes(
     context_length: int, buckets: tuple[int, ...], k: int, ring: bool, batch: int = 1
 ) -> dict[str, GraphShape]:
     """The drafted run's keys: one prefill per bucket, verify (k + 1 tokens), draft (one token)."""
-    shapes = {f"prefill{b}": GraphShape(batch, int(b), context_length, ring) for b in buckets}
+    shapes = prefill_key_shapes(context_length, buckets, ring, batch)
     shapes["verify"] = GraphShape(batch, k + 1, context_length, ring)
     shapes["draft"] = GraphShape(batch, 1, context_length, ring)
     return shapes

@@ -87,7 +87,7 @@ plots.kv_layout(nb.real_layout("e2b"), "released E2B: who owns K/V, who borrows 
 # For E2B the graph takes two host-side inputs: the scaled word embeddings and the PLE inputs, one
 # vector per layer per token (`per_layer_inputs`, whose shape the cell below prints).
 # -- part: compile_note --
-# at TP=1 here (the larger variants run it at TP=2 or TP=8), the same recipe as theirs: one prefill key and one decode key over a single set of K/V
+# at TP=1 here (the larger variants run it at TP=2 or TP=8), the same recipe as theirs: a prefill key per bucket and one decode key over a single set of K/V
 # states that stay on the NeuronCore, so a whole prompt is one device call rather than one decode step
 # per prompt token (`docs/ROOFLINE.md` computes both, unverified on inf2). The field report's author
 # traced E2B with `torch_neuronx.trace`, a device prefill and a decode over on-device K/V. This
@@ -124,9 +124,11 @@ if on_inf2 and s.neuron_recipe == "trace":  # inf2-only: the one-graph recipe, E
         return {"recipe": "trace", "tp": 1}
 
     began = time.perf_counter()
-    entry = cache.get_or_build(key, build, describe={k: v for k, v in parts.items() if k != "config"})
+    need = model.param_count() * decode.dtype.itemsize  # the saved weights: checked against the free space first
+    entry = cache.get_or_build(key, build, describe={k: v for k, v in parts.items() if k != "config"}, need_bytes=need)
     cores.check_free(0, 1, f"e2b (trace) from {entry.path}")  # an earlier run's model still on the core: refused
-    traced = torch.jit.load(str(entry.file("model.pt")))
+    with torch_neuronx.neuron_cores_context(start_nc=0, nc_count=1):  # loaded straight onto core 0
+        traced = torch.jit.load(str(entry.file("model.pt")))
     torch_neuronx.move_trace_to_device(traced, 0)  # the separated weights go to the core's HBM once
     cores.claim(traced, 0, 1, f"e2b (trace) from {entry.path}")
     step = DeviceStep(  # E2B's four inputs; the K/V live on the device (they may follow the logits)
@@ -274,7 +276,7 @@ else:
 # - KV sharing needs no special handling when the real forward is traced; only producer layers get
 #   buffers (the released model's count: the KV-sharing table in the lesson).
 # - On inf2, this cookbook's plan is `ModelBuilder` at TP=1 (written, never run on inf2): a prefill key
-#   and a decode key over one set of K/V states put the whole prompt on the device in one call. The one-graph trace teaches the aliasing
+#   per bucket and a decode key over one set of K/V states put the whole prompt on the device in one call. The one-graph trace teaches the aliasing
 #   with nothing else in the way, and pays with one device step per prompt token.
 # - Check SEQ_MATCH **and** the answer. The endpoint that started this work (the [field report](00_overview.ipynb#field-report)'s
 #   starting point, which answered in gibberish) loaded a real model and wired the PLE path and embedding scale wrongly: a text check catches that, an

@@ -75,7 +75,7 @@ prompt = "What is the capital of France?"
 expect = "Paris"  # coherence: the answer must contain this
 max_new_tokens = 32
 context_length = 192  # the compiled K/V length (the image section's too: one compile serves both)
-prefill_buckets = [128]  # compiled prompt lengths (inf2 compiles only the largest)
+prefill_buckets = [128]  # compiled prompt lengths, one graph each (a prompt runs the smallest that holds it)
 ring_kv = True  # sliding layers keep only their window of K/V (a ring); False: full-length buffers
 temperature = 0.7  # the sampling section only; every check decodes greedily
 top_p = 0.9
@@ -365,7 +365,8 @@ if not on_inf2:
 #   the Neuron compiler reads) into the current directory: the cell gives it a fresh work directory (removed on success, kept with the
 #   compiler's logs on failure) and a private current directory, the backend's own helpers.
 # - `builder.add(key, model_instance, example_inputs, compiler_args, priority_model_idx)` once per key,
-#   `prefill` (the largest [bucket](00_overview.ipynb#bucket) only: one compiled prompt length on inf2) and `decode`.
+#   `prefill<tokens>` for every [bucket](00_overview.ipynb#bucket) (NxD routes a call to its key by the input shapes, so a
+#   short prompt runs its own bucket, not the largest) and `decode`.
 #   `model_instance` builds the [rank graph](00_overview.ipynb#rank-graph) with NxD's parallel layers and returns its K/V parameters
 #   aliased to the outputs that update them (`input_output_aliases`), so both keys share one set of
 #   K/V states on the device. `compiler_args` (`neuron_env.COMPILER_ARGS`) are
@@ -379,8 +380,8 @@ if not on_inf2:
 #   again while the first model is still referenced would put a second copy on the same cores, so it
 #   is refused with what to release.
 #
-# A longer context on inf2 means a new compile: set `context_length` (and `prefill_buckets`, whose
-# largest entry is the compiled prompt length) and run again; the cache key changes with them, so
+# A longer context on inf2 means a new compile: set `context_length` (and `prefill_buckets`, the
+# compiled prompt lengths) and run again; the cache key changes with them, so
 # each context keeps its own artifact. Long contexts also raise the compile's host RAM (inf2 users
 # report a long-context compile exhausting a large compile host
 # (16k tokens on a 128 GB host; source: inf2 users' public issue reports, collected in this project's design notes, 2026-12);
@@ -399,10 +400,11 @@ if on_inf2 and s.neuron_recipe != "trace":  # inf2-only: NxD ModelBuilder, the d
     from gemma4lib.recipes.common import DeviceStep, index_dtype, key_inputs
     from gemma4lib.tp.plan import make_plan
 
-    tp, dtype, bucket = s.tp_degree, decode.dtype, max(s.prefill_buckets)  # bf16 on inf2; one compiled bucket
+    tp, dtype = s.tp_degree, decode.dtype  # bf16 on inf2
     experts = s.decode_experts if model.variant.is_moe else "dense"
-    graphs = {"prefill": prefill[bucket], "decode": decode}  # the keys' shapes and example inputs
-    shapes = {name: graph.shape for name, graph in graphs.items()}
+    # one key per bucket (`prefill<tokens>`) and decode; a one-token bucket is the decode key's shape
+    shapes = mb.bucket_shapes(s.context_length, s.prefill_buckets, s.ring_kv)
+    graphs = {name: decode if sh.tokens == 1 else prefill[sh.tokens] for name, sh in shapes.items()}
     forms = mb.bucket_expert_forms(experts)  # prefill: all experts; decode: the routed ones
     plan = make_plan(model.config, tp, model.variant)  # which rows/columns and K/V heads each rank holds
     key, parts = neuron_cache_key(
@@ -421,15 +423,16 @@ if on_inf2 and s.neuron_recipe != "trace":  # inf2-only: NxD ModelBuilder, the d
                 compiler_workdir=workdir,
             )
             for name, graph in graphs.items():
+                phase = graph.shape.phase  # "prefill" or "decode"
                 rank_module = functools.partial(  # the key's module, built by NxD once per rank
-                    mb.rank_module, model.config, plan, graph.shape, dtype, expert_form=forms[name], weights=s.weights
+                    mb.rank_module, model.config, plan, graph.shape, dtype, expert_form=forms[phase], weights=s.weights
                 )
                 builder.add(
                     key=name,
                     model_instance=GraphInstance(rank_module),
                     example_inputs=[key_inputs(graph, dtype=dtype)],  # the graph's own, without its K/V
-                    compiler_args=neuron_env.COMPILER_ARGS[graph.shape.phase],
-                    priority_model_idx=mb.PRIORITY[name],  # decode: 0, the layout the compiler optimises
+                    compiler_args=neuron_env.COMPILER_ARGS[phase],
+                    priority_model_idx=mb.PRIORITY[phase],  # decode: 0, the layout the compiler optimises
                 )
             traced = builder.trace(initialize_model_weights=False)  # weights not inlined
             torch.jit.save(traced, str(folder / "model.pt"))
@@ -438,7 +441,8 @@ if on_inf2 and s.neuron_recipe != "trace":  # inf2-only: NxD ModelBuilder, the d
         return {"recipe": "model_builder", "tp": tp}
 
     began = time.perf_counter()
-    entry = cache.get_or_build(key, build, describe={k: v for k, v in parts.items() if k != "config"})
+    need = model.param_count() * dtype.itemsize  # the shards: checked against the cache's free space first
+    entry = cache.get_or_build(key, build, describe={k: v for k, v in parts.items() if k != "config"}, need_bytes=need)
     label = f"{model.variant.name} (model_builder, TP={tp}) from {entry.path}"
     cores.check_free(0, tp, label)  # a model an earlier run of this cell loaded still holds the cores: refused
     traced = torch.jit.load(str(entry.file("model.pt")))
@@ -448,7 +452,7 @@ if on_inf2 and s.neuron_recipe != "trace":  # inf2-only: NxD ModelBuilder, the d
     states = len(decode.layout.buffer_shapes(1, s.context_length, s.ring_kv))  # the K/V states it aliases
     indices = index_dtype(key_inputs(decode))  # the start/length dtype the keys were compiled with (int32)
     step = DeviceStep(traced, decode.num_inputs, model.config.vocab_size, aliases=states, index_dtype=indices)
-    steps = Steps({bucket: step}, step)  # one loaded model: NxD routes each call to its key by the input shapes
+    steps = Steps({b: step for b in s.prefill_buckets}, step)  # one loaded model: NxD routes each call by its shapes
     runtime = Engine.for_model(model, steps, batch=1, context_length=s.context_length, dtype=dtype)
     compile_s = 0.0 if entry.hit else time.perf_counter() - began
     compiled = CompiledGraphs(runtime.steps, compile_s, [entry.hit], "neuron-model_builder", runtime=runtime)
