@@ -61,13 +61,8 @@ weights = "bf16"  # "bf16"/"fp32": full precision; "int8": weight-only int8 line
 prompt = "What is the capital of France?"
 expect = "Paris"  # coherence: the answer must contain this
 max_new_tokens = 32
-<<<<<<< HEAD
 context_length = 192  # the compiled K/V length (the image section's too: one compile serves both)
-prefill_buckets = [128]  # compiled prompt lengths (inf2 compiles only the largest)
-=======
-context_length = 128  # the compiled K/V length
-prefill_buckets = [64]  # compiled prompt lengths, one graph each (a prompt runs the smallest that holds it)
->>>>>>> device
+prefill_buckets = [128]  # compiled prompt lengths, one graph each (a prompt runs the smallest that holds it)
 ring_kv = True  # sliding layers keep only their window of K/V (a ring); False: full-length buffers
 temperature = 0.7  # the sampling section only; every check decodes greedily
 top_p = 0.9
