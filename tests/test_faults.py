@@ -3,8 +3,9 @@ trained run (SEQ_MATCH, LOGITS_MATCH, coherence, and the random-weights witness'
 LOGITS_MATCH), compiled and eager, by the checks the lab predicts.
 
 The compiled lab runs through the CPU recipe, like `python -m gemma4lab faults`: the clean E2B
-graphs are shared with the other tests through the artifact cache; each device-side fault compiles
-its own (a fault changes the program, so it has its own cache key), and the witness reuses it.
+graphs are shared with the other tests through the artifact cache; each device-side fault that
+changes the program compiles its own (its own cache key), a weight-only one (`layer_scalar`) runs the
+clean program with its weights, and the witness reuses either.
 All thirteen compiled (eleven text, two image) take ~10 minutes on two cores, so the default suite
 compiles the four whose verdict hangs on logit sizes (`COMPILED_IN_CI`: hidden behind unchanged tokens, decode-only) and
 runs every fault eagerly (the same graphs, uncompiled); the whole compiled lab is marked slow.

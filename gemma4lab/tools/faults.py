@@ -46,6 +46,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
+from torch import nn
 
 from gemma4lib.backends import gloo
 from gemma4lib.backends.base import DeviceRun
@@ -137,13 +138,14 @@ def ple_scale_unwired(run: FaultRun) -> None:
 def layer_scalar_at_init(run: FaultRun) -> GraphEdit:
     """The device weights carry every `layer_scalar` at its init value 1 (the checkpoint's dropped).
 
-    This is what happens when a loader shards parameters but not buffers.
+    This is what happens when a loader shards parameters but not buffers (transformers holds the
+    scalar as a buffer). The program is the clean one (every weight is loaded at run time), so the
+    compiled lab runs the clean run's compile with these weights.
     """
 
     def edit(graph: DeviceGraph) -> None:
         for layer in graph.model.layers:
-            layer._buffers["layer_scalar"] = torch.ones_like(layer.layer_scalar)
-        graph.tags["fault"] = "layer_scalar_at_init"
+            layer.layer_scalar = nn.Parameter(torch.ones_like(layer.layer_scalar), requires_grad=False)
 
     return edit
 
@@ -156,8 +158,7 @@ def one_layer_scalar_at_init(run: FaultRun, layer_index: int = ONE_SCALAR_LAYER)
 
     def edit(graph: DeviceGraph) -> None:
         layer = graph.model.layers[layer_index]
-        layer._buffers["layer_scalar"] = torch.ones_like(layer.layer_scalar)
-        graph.tags["fault"] = f"layer_scalar_at_init[{layer_index}]"
+        layer.layer_scalar = nn.Parameter(torch.ones_like(layer.layer_scalar), requires_grad=False)
 
     return edit
 
