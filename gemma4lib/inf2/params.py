@@ -114,6 +114,8 @@ def count_params(lm: nn.Module) -> ParamCounts:
             if LINEAR_WEIGHT_NAME.search(name):
                 linear += param.numel()
                 linear_rows += param.shape[0]
+    # a buffer in transformers, a weight of the device graph (`DeviceGraph`: loaded, not compiled in)
+    other += sum(b.numel() for name, b in lm.named_buffers() if name.endswith(".layer_scalar"))
     config = lm.config
     moe = bool(getattr(config, "enable_moe_block", False))
     return ParamCounts(
