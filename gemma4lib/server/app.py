@@ -2,6 +2,9 @@
 
 FastAPI (on Starlette, under uvicorn) because its pydantic bodies give OpenAI's field checks and
 400s for free and it is what Ray Serve deploys (`serve.ingress`), so one app serves both ways.
+Untrusted clients: a body over `max_body` is a 413 before it is read, every size and field is
+checked before any work, and templating, tokenizing and image decoding run on a small worker pool,
+so one large request never holds up the event loop (and every other client's stream) behind it.
 Streams are Starlette's `StreamingResponse` writing server-sent events (`data: {chunk}` lines, then
 `data: [DONE]`); sse-starlette would add a dependency for two lines of framing, and it ends open
 streams when uvicorn begins its shutdown, where SIGTERM here must let them finish.
@@ -14,6 +17,7 @@ import json
 import logging
 import random
 from collections.abc import AsyncIterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -24,12 +28,14 @@ from ..errors import Gemma4LibError
 from ..runtime import Request as EngineRequest
 from ..runtime import Sampling, room_for_new_tokens
 from . import schemas
-from .errors import ClientGoneError, RequestError, UnknownModelError, error_body, http_error
+from .errors import BodyTooLargeError, ClientGoneError, RequestError, UnknownModelError, error_body, http_error
 from .scheduler import Scheduler, Ticket
 
 log = logging.getLogger("gemma4lib.server")
 DISCONNECT_POLL_S = 0.25
 ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics")
+MAX_BODY_BYTES = 4 * 2**20  # `serve --max-body-mb`: a long context's text; images need it raised
+MAX_IMAGES = 16  # image parts per request, counted before any is decoded
 
 
 class Served:
@@ -42,14 +48,35 @@ class Served:
         eos_ids: Sequence[int],
         aliases: Sequence[str] = (),
         info: dict[str, Any] | None = None,
+        max_body: int = MAX_BODY_BYTES,
     ):
-        self.scheduler = scheduler
+        self.scheduler, self.max_body = scheduler, int(max_body)
         self.info = dict(info or {})
         self.model_name = model_name
         self.names = [model_name, *[a for a in aliases if a and a != model_name]]
         self.eos_ids = tuple(int(i) for i in eos_ids)
         self.context_length = int(scheduler.engine.context_length)
+        self.max_prompt = max(getattr(scheduler.engine, "buckets", None) or [self.context_length])
         self.draft_tokens = int(getattr(scheduler.engine, "draft_tokens", 0) or 0)
+        self.pool = ThreadPoolExecutor(2, thread_name_prefix="gemma4lib-encode")  # the bound on encoding work
+
+    async def off_loop(self, fn: Any, *args: Any) -> Any:
+        """`fn(*args)` on the encoding pool: the event loop serves every other client meanwhile."""
+        return await asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)
+
+    def check_body(self, body: schemas.SamplingFields, texts: Sequence[str], param: str) -> None:
+        """Refuse what can never run, before any work: a field not implemented, text too long to fit."""
+        self.check_model(body.model)
+        field = body.unimplemented()
+        if field is not None:
+            raise RequestError(f"{field} is not implemented by this server; leave it out (or at its default)", field)
+        chars, most = sum(len(t) for t in texts), self.max_prompt * self.scheduler.codec.longest_token
+        if chars > most:
+            raise RequestError(
+                f"{param} has {chars:,} characters, more than the largest prefill bucket {self.max_prompt} tokens "
+                f"can hold at {self.scheduler.codec.longest_token} characters a token; shorten it",
+                param,
+            )
 
     def check_model(self, name: str) -> None:
         if name not in self.names:
@@ -68,12 +95,17 @@ class Served:
         return EngineRequest(ids, max_tokens, sampling, () if body.ignore_eos else self.eos_ids, images=images)
 
 
-def chat_messages(body: schemas.ChatCompletionRequest) -> tuple[list[dict[str, Any]], list[Any]]:
+def chat_messages(body: schemas.ChatCompletionRequest, codec: Any) -> tuple[list[dict[str, Any]], list[Any]]:
     """Messages as the chat template takes them, and the images of their `image_url` parts (PIL, in
     order). A message with only text keeps its text as one string (rendered exactly as before); one
     with images keeps its parts, each image as `{"type": "image"}`, where the template expands it."""
     from .image_urls import image_from_data_url
 
+    wanted = sum(1 for m in body.messages if not isinstance(m.content, str) for p in m.content if p.type == "image_url")
+    if wanted > MAX_IMAGES:
+        raise RequestError(f"{wanted} image parts, over this server's {MAX_IMAGES}; send fewer", "messages")
+    if wanted and codec.processor is None:
+        codec.chat_with_images([], [])  # the server's own refusal (no vision part), before any decoding
     out: list[dict[str, Any]] = []
     images: list[Any] = []
     for i, message in enumerate(body.messages):
@@ -99,6 +131,12 @@ def chat_messages(body: schemas.ChatCompletionRequest) -> tuple[list[dict[str, A
     return out, images
 
 
+def encode_chat(body: schemas.ChatCompletionRequest, codec: Any) -> tuple[list[int], Any]:
+    """The prompt ids and images of a chat request (on the encoding pool: decoding, templating)."""
+    messages, pictures = chat_messages(body, codec)
+    return codec.chat_with_images(messages, pictures) if pictures else (codec.chat(messages), None)
+
+
 def sse(payload: dict[str, Any] | str) -> str:
     return f"data: {payload if isinstance(payload, str) else json.dumps(payload)}\n\n"
 
@@ -110,7 +148,7 @@ async def until_disconnect(request: Request, work: asyncio.Future) -> Any:
         if done:
             return work.result()
         if await request.is_disconnected():
-            work.cancel()
+            work.cancel()  # `work` gathers with return_exceptions: nothing is left unretrieved
             raise ClientGoneError()
 
 
@@ -118,13 +156,23 @@ class CountResponses:
     """Counts responses by route and status and names the replica in a header (plain ASGI: Starlette's
     BaseHTTPMiddleware would sit between a route and the client's disconnect)."""
 
-    def __init__(self, app: Any, metrics: Any):
-        self.app, self.metrics = app, metrics
+    def __init__(self, app: Any, metrics: Any, max_body: int = MAX_BODY_BYTES):
+        self.app, self.metrics, self.max_body = app, metrics, max_body
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        length = dict(scope["headers"]).get(b"content-length", b"0")
+        seen = int(length) if length.isdigit() else 0
+
+        async def receive_bounded() -> dict[str, Any]:  # a chunked body has no length to check first
+            nonlocal seen
+            message = await receive()
+            seen += len(message.get("body", b"")) if length == b"0" else 0
+            if seen > self.max_body:
+                raise BodyTooLargeError(self.max_body)
+            return message
 
         async def send_counted(message: dict[str, Any]) -> None:
             if message["type"] == "http.response.start":
@@ -137,14 +185,18 @@ class CountResponses:
                     ]
             await send(message)
 
-        await self.app(scope, receive, send_counted)
+        if seen > self.max_body:  # before a byte of it is read
+            _, body, _ = http_error(BodyTooLargeError(self.max_body))
+            await JSONResponse(body, 413)(scope, receive, send_counted)
+            return
+        await self.app(scope, receive_bounded, send_counted)
 
 
 def create_app(served: Served) -> FastAPI:
     """The OpenAI-compatible app over `served.scheduler` (already started by its owner)."""
     app = FastAPI(title="gemma4lib", docs_url=None, redoc_url=None)
     app.state.served = served
-    app.add_middleware(CountResponses, metrics=served.scheduler.metrics)
+    app.add_middleware(CountResponses, metrics=served.scheduler.metrics, max_body=served.max_body)
     scheduler, metrics = served.scheduler, served.scheduler.metrics
 
     @app.exception_handler(RequestValidationError)
@@ -199,17 +251,15 @@ def create_app(served: Served) -> FastAPI:
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        return schemas.models_list(served.names, served.context_length)
+        return schemas.models_list(served.names, served.context_length, served.max_prompt)
 
     @app.post("/v1/chat/completions")
     async def chat(body: schemas.ChatCompletionRequest, request: Request) -> Any:
-        served.check_model(body.model)
-        messages, pictures = chat_messages(body)
-        images = None
-        if pictures:
-            ids, images = scheduler.codec.chat_with_images(messages, pictures)
-        else:
-            ids = scheduler.codec.chat(messages)
+        contents = [
+            [m.content] if isinstance(m.content, str) else [p.text or "" for p in m.content] for m in body.messages
+        ]
+        served.check_body(body, [text for texts in contents for text in texts], "messages")
+        ids, images = await served.off_loop(encode_chat, body, scheduler.codec)
         job = served.engine_request(ids, body, body.max_completion_tokens or body.max_tokens, images)
         ticket = scheduler.submit(job, body.stop_strings())
         rid = schemas.new_id("chatcmpl")
@@ -223,15 +273,22 @@ def create_app(served: Served) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(body: schemas.CompletionRequest, request: Request) -> Any:
-        served.check_model(body.model)
         prompts = [body.prompt] if isinstance(body.prompt, str) else list(body.prompt)
+        served.check_body(body, prompts, "prompt")
+        if len(prompts) > scheduler.max_queue:
+            raise RequestError(
+                f"{len(prompts)} prompts, more than this server's queue holds ({scheduler.max_queue}); send at "
+                f"most {scheduler.max_queue} per request",
+                "prompt",
+            )
         if not prompts:
             raise RequestError("prompt is an empty list; send a string or a list of strings", "prompt")
         if body.stream and len(prompts) > 1:
             raise RequestError("stream=true takes one prompt; send the others as their own requests", "prompt")
         if any(not p.strip() for p in prompts):
             raise RequestError("prompt is empty; send the text the model should continue", "prompt")
-        jobs = [served.engine_request(scheduler.codec.text(p), body, body.max_tokens) for p in prompts]
+        encoded = await served.off_loop(lambda: [scheduler.codec.text(p) for p in prompts])
+        jobs = [served.engine_request(ids, body, body.max_tokens) for ids in encoded]
         tickets: list[Ticket] = []
         try:
             for job in jobs:
@@ -256,9 +313,13 @@ def create_app(served: Served) -> FastAPI:
 
 async def _collect(request: Request, tickets: list[Ticket]) -> list[str]:
     """Every ticket's whole text; a client that leaves first frees its rows."""
-    work = asyncio.ensure_future(asyncio.gather(*(t.text() for t in tickets)))
+    work = asyncio.ensure_future(asyncio.gather(*(t.text() for t in tickets), return_exceptions=True))
     try:
-        return await until_disconnect(request, work)
+        texts = await until_disconnect(request, work)
+        for text in texts:
+            if isinstance(text, BaseException):
+                raise text
+        return texts
     finally:
         for ticket in tickets:
             ticket.cancel()

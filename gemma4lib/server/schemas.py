@@ -1,16 +1,55 @@
 """The OpenAI request and response bodies the endpoint speaks (the subset a chat model with images needs).
 
-pydantic validates the requests (a wrong type is a 400 naming the field); fields OpenAI's clients
-send that this server does not use are ignored, as vLLM's server does, so any client works.
+pydantic validates the requests (a wrong type is a 400 naming the field). An OpenAI field this
+server does not implement is refused with a 400 naming it when it asks for anything (a silent 200
+would hand back what the client did not ask for); one left at its default, and fields of no effect
+(`user`, `metadata`), pass. Sizes are capped before any work: messages, stop strings, prompts.
 """
 
 from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+
+MAX_MESSAGES = 1024
+MAX_STOP, MAX_STOP_CHARS = 4, 256  # OpenAI's four; each is matched against every new piece of text
+# fields a client may send that this server does not implement, and the values that ask for nothing
+UNIMPLEMENTED = {
+    "logprobs": (None, False, 0),
+    "top_logprobs": (None, 0),
+    "tools": (None, []),
+    "tool_choice": (None, "none", "auto"),
+    "functions": (None, []),
+    "function_call": (None, "none", "auto"),
+    "response_format": (None, {"type": "text"}),
+    "logit_bias": (None, {}),
+    "echo": (None, False),
+    "suffix": (None, ""),
+    "best_of": (None, 1),
+    "frequency_penalty": (None, 0),
+    "presence_penalty": (None, 0),
+    "repetition_penalty": (None, 1),
+    "top_k": (None, 0, -1),
+    "min_p": (None, 0),
+    "modalities": (None, ["text"]),
+    "audio": (None,),
+    "prediction": (None,),
+}
+
+
+def _utf8(text: str) -> str:
+    """A lone surrogate ("\\ud800", legal in JSON) is no text a tokenizer can take."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as error:
+        raise ValueError(f"holds a lone surrogate at character {error.start}; send valid UTF-16 pairs") from None
+    return text
+
+
+Text = Annotated[str, AfterValidator(_utf8)]
 
 
 class _Body(BaseModel):
@@ -24,13 +63,13 @@ class ImageURL(_Body):
 
 class ContentPart(_Body):
     type: str
-    text: str | None = None
+    text: Text | None = None
     image_url: ImageURL | None = None
 
 
 class ChatMessage(_Body):
     role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[ContentPart]
+    content: Text | list[ContentPart]
 
 
 class StreamOptions(_Body):
@@ -40,17 +79,27 @@ class StreamOptions(_Body):
 class SamplingFields(_Body):
     """What both routes share: the budget, the sampling values and the stop strings."""
 
+    model_config = ConfigDict(extra="allow")  # kept to be refused by name (`unimplemented`)
     model: str
     max_tokens: int | None = Field(default=None, ge=1)
     temperature: float | None = None
     top_p: float | None = None
     seed: int | None = Field(default=None, ge=0, lt=2**63)  # a torch generator's range
-    stop: str | list[str] | None = None
+    stop: (
+        Annotated[Text, Field(max_length=MAX_STOP_CHARS)]
+        | Annotated[list[Annotated[Text, Field(max_length=MAX_STOP_CHARS)]], Field(max_length=MAX_STOP)]
+        | None
+    ) = None
     n: int = Field(default=1, ge=1, le=1)
     stream: bool = False
     stream_options: StreamOptions | None = None
     # vLLM's extension (clients send it in `extra_body`): generate all `max_tokens`, past any eos
     ignore_eos: bool = False
+
+    def unimplemented(self) -> str | None:
+        """The first field sent that asks for something this server does not do, or None."""
+        sent = (self.model_extra or {}).items()
+        return next((k for k, v in sent if k in UNIMPLEMENTED and v not in UNIMPLEMENTED[k]), None)
 
     def stop_strings(self) -> tuple[str, ...]:
         if self.stop is None:
@@ -63,12 +112,12 @@ class SamplingFields(_Body):
 
 
 class ChatCompletionRequest(SamplingFields):
-    messages: list[ChatMessage]
+    messages: list[ChatMessage] = Field(max_length=MAX_MESSAGES)
     max_completion_tokens: int | None = Field(default=None, ge=1)
 
 
 class CompletionRequest(SamplingFields):
-    prompt: str | list[str]
+    prompt: Text | list[Text]
 
 
 class Usage(BaseModel):
@@ -132,9 +181,9 @@ def usage_chunk(rid: str, model: str, obj: str, usage: Usage) -> dict[str, Any]:
     return {"id": rid, "object": obj, "created": now(), "model": model, "choices": [], "usage": usage.model_dump()}
 
 
-def models_list(names: list[str], context_length: int) -> dict[str, Any]:
-    data = [
-        {"id": name, "object": "model", "created": now(), "owned_by": "gemma4lib", "max_model_len": context_length}
-        for name in names
-    ]
+def models_list(names: list[str], context_length: int, max_prompt: int) -> dict[str, Any]:
+    """Each name with the lengths a request can use: prompt + new tokens within `max_model_len`, the
+    prompt alone within `max_prompt_tokens` (the largest prefill bucket)."""
+    lengths = {"max_model_len": context_length, "max_prompt_tokens": max_prompt}
+    data = [{"id": name, "object": "model", "created": now(), "owned_by": "gemma4lib", **lengths} for name in names]
     return {"object": "list", "data": data}
