@@ -148,7 +148,7 @@ async def until_disconnect(request: Request, work: asyncio.Future) -> Any:
         if done:
             return work.result()
         if await request.is_disconnected():
-            work.cancel()  # `work` gathers with return_exceptions: nothing is left unretrieved
+            work.cancel()
             raise ClientGoneError()
 
 
@@ -163,15 +163,19 @@ class CountResponses:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        length = dict(scope["headers"]).get(b"content-length", b"0")
-        seen = int(length) if length.isdigit() else 0
-
-        async def receive_bounded() -> dict[str, Any]:  # a chunked body has no length to check first
-            nonlocal seen
+        body, size, message = [], 0, {"more_body": scope["method"] == "POST"}
+        while message.get("more_body"):  # read here, to the end: a client still sending would not read a 413
             message = await receive()
-            seen += len(message.get("body", b"")) if length == b"0" else 0
-            if seen > self.max_body:
-                raise BodyTooLargeError(self.max_body)
+            if message["type"] != "http.request":
+                return  # the client left
+            size += len(message.get("body", b""))
+            body += [message.get("body", b"")] if size <= self.max_body else []
+
+        async def replay() -> dict[str, Any]:  # the body once, then the connection's own messages (disconnect)
+            nonlocal body
+            if body is None:
+                return await receive()
+            message, body = {"type": "http.request", "body": b"".join(body), "more_body": False}, None
             return message
 
         async def send_counted(message: dict[str, Any]) -> None:
@@ -185,11 +189,10 @@ class CountResponses:
                     ]
             await send(message)
 
-        if seen > self.max_body:  # before a byte of it is read
-            _, body, _ = http_error(BodyTooLargeError(self.max_body))
-            await JSONResponse(body, 413)(scope, receive, send_counted)
+        if size > self.max_body:
+            await JSONResponse(http_error(BodyTooLargeError(self.max_body))[1], 413)(scope, receive, send_counted)
             return
-        await self.app(scope, receive_bounded, send_counted)
+        await self.app(scope, replay, send_counted)
 
 
 def create_app(served: Served) -> FastAPI:
@@ -313,13 +316,13 @@ def create_app(served: Served) -> FastAPI:
 
 async def _collect(request: Request, tickets: list[Ticket]) -> list[str]:
     """Every ticket's whole text; a client that leaves first frees its rows."""
-    work = asyncio.ensure_future(asyncio.gather(*(t.text() for t in tickets), return_exceptions=True))
+
+    async def texts() -> list[str]:  # one task, not a gather: a cancelled gather logs its exception unread
+        return [await ticket.text() for ticket in tickets]  # the rows run at once; their events wait queued
+
+    work = asyncio.ensure_future(texts())
     try:
-        texts = await until_disconnect(request, work)
-        for text in texts:
-            if isinstance(text, BaseException):
-                raise text
-        return texts
+        return await until_disconnect(request, work)
     finally:
         for ticket in tickets:
             ticket.cancel()
