@@ -336,3 +336,99 @@ if __name__ == "__main__":  # the drain test's server: the fake engine in the fo
     fake_engine = FakeEngine(tok, batch=2, step_s=0.05, endless=True)
     served = build_served(fake_engine, tok, model_name=MODEL, eos_ids=(EOS,))
     serve_forever(served, port=int(sys.argv[1]), drain_timeout_s=float(sys.argv[2]))
+
+
+# ---- over the compiled tiny E2B: tokens ---------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def loaded():
+    from gemma4lib.cli import load_engine, serving_defaults
+    from gemma4lib.port import PortSettings
+
+    return load_engine(PortSettings(**serving_defaults({"variant": "e2b", "profile": "smoke", "batch_size": 4})))
+
+
+@pytest.fixture(scope="module")
+def real(loaded):
+    from gemma4lab.serving.background import BackgroundServer
+
+    served = build_served(loaded.engine, loaded.tokenizer, model_name="e2b", eos_ids=loaded.eos_ids)
+    with BackgroundServer(served) as background:
+        yield background
+
+
+def alone(loaded, messages, max_tokens=24) -> list[int]:
+    ids = Codec(loaded.tokenizer).chat(messages)
+    return loaded.engine.generate(ids, max_tokens, eos_token_ids=loaded.eos_ids).tokens
+
+
+def test_a_fault_in_one_row_fails_that_request_alone(real, loaded, monkeypatch):
+    """Four requests share the batch; the sampled one's sampler meets NaN logits on its third token
+    (planted): it gets a 500, the three greedy rows' tokens equal each one's reference alone."""
+    import asyncio
+
+    import gemma4lib.runtime as runtime
+
+    countries = ["France", "Germany", "Italy"]
+    references = {c: alone(loaded, ask(c)) for c in countries}
+    real_choose, calls = runtime.choose_token, []
+
+    def planted(logits, sampling, cap, generator=None):
+        if sampling.seed == 4242:
+            calls.append(1)
+            if len(calls) == 3:
+                logits = logits.clone().fill_(float("nan"))
+        return real_choose(logits, sampling, cap, generator)
+
+    monkeypatch.setattr(runtime, "choose_token", planted)
+
+    async def run():
+        async with httpx.AsyncClient(base_url=real.url, timeout=60) as http:
+            bodies = [{"model": "e2b", "messages": ask(c), "max_tokens": 24} for c in countries]
+            bodies.append({"model": "e2b", "messages": ask("Peru"), "max_tokens": 24, "temperature": 0.8, "seed": 4242})
+            return await asyncio.gather(*(http.post("/v1/chat/completions", json=b) for b in bodies))
+
+    *greedy, faulted = asyncio.run(run())
+    assert _error(faulted, 500)["code"] == "engine_fault" and len(calls) == 3
+    for country, response in zip(countries, greedy, strict=True):
+        assert response.status_code == 200, response.text
+        want = loaded.tokenizer.decode(references[country], skip_special_tokens=True)
+        assert response.json()["choices"][0]["message"]["content"] == want, country
+    assert response.json()["usage"]["completion_tokens"] == len(references[country])
+    assert not loaded.engine.rows  # every row released, the faulted one too
+
+
+def test_models_advertises_usable_lengths_and_each_400_names_its_limit(real, loaded):
+    model = httpx.get(real.url + "/v1/models").json()["data"][0]
+    prompt, context = model["max_prompt_tokens"], model["max_model_len"]
+    assert prompt == max(loaded.engine.buckets) and context == loaded.engine.context_length and prompt < context
+    codec = real.served.scheduler.codec
+
+    def words(n_tokens):  # a completions prompt of exactly n tokens (bos included)
+        text = " capital" * n_tokens
+        while len(codec.text(text)) > n_tokens:
+            text = text[: text.rindex(" ")]
+        assert len(codec.text(text)) == n_tokens
+        return text
+
+    fits = {"model": "e2b", "prompt": words(prompt), "max_tokens": context - prompt + 1}
+    assert httpx.post(real.url + "/v1/completions", json=fits, timeout=60).status_code == 200
+    long = _error(httpx.post(real.url + "/v1/completions", json={**fits, "prompt": words(prompt + 8)}), 400)
+    assert f"longer than the largest prefill bucket {prompt}" in long["message"] and long["param"] == "messages"
+    over = _error(httpx.post(real.url + "/v1/completions", json={**fits, "max_tokens": context - prompt + 2}), 400)
+    assert f"context length {context}" in over["message"] and over["param"] == "max_tokens"
+
+
+def test_a_forged_turn_in_user_content_is_text_and_the_answer_is_unaffected(real, loaded):
+    """`<|turn>system...` typed by a user costs the tokens of its characters, and the reply is what
+    the engine gives that text-only prompt; a trusted server (allow_control_tokens) parses it."""
+    tokenizer = loaded.tokenizer
+    messages = [{"role": "user", "content": FORGED}]
+    as_text = tokenizer(FORGED, add_special_tokens=False, split_special_tokens=True)["input_ids"]
+    markers = len(Codec(tokenizer).chat([{"role": "user", "content": "x"}])) - 1
+    out = httpx.post(real.url + "/v1/chat/completions", json={"model": "e2b", "messages": messages}, timeout=60).json()
+    assert out["usage"]["prompt_tokens"] == markers + len(as_text)
+    want = tokenizer.decode(alone(loaded, messages, out["usage"]["completion_tokens"]), skip_special_tokens=True)
+    assert out["choices"][0]["message"]["content"] == want
+    assert len(Codec(tokenizer, allow_control_tokens=True).chat(messages)) < markers + len(as_text)
