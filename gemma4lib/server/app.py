@@ -28,11 +28,12 @@ from ..errors import Gemma4LibError
 from ..runtime import Request as EngineRequest
 from ..runtime import Sampling, room_for_new_tokens
 from . import schemas
-from .errors import BodyTooLargeError, ClientGoneError, RequestError, UnknownModelError, error_body, http_error
+from .errors import ClientGoneError, RequestError, UnknownModelError, error_body, http_error
 from .scheduler import Scheduler, Ticket
 
 log = logging.getLogger("gemma4lib.server")
 DISCONNECT_POLL_S = 0.25
+SSE = "text/event-stream"
 ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics")
 MAX_BODY_BYTES = 4 * 2**20  # `serve --max-body-mb`: a long context's text; images need it raised
 MAX_IMAGES = 16  # image parts per request, counted before any is decoded
@@ -60,23 +61,16 @@ class Served:
         self.draft_tokens = int(getattr(scheduler.engine, "draft_tokens", 0) or 0)
         self.pool = ThreadPoolExecutor(2, thread_name_prefix="gemma4lib-encode")  # the bound on encoding work
 
-    async def off_loop(self, fn: Any, *args: Any) -> Any:
-        """`fn(*args)` on the encoding pool: the event loop serves every other client meanwhile."""
-        return await asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)
-
     def check_body(self, body: schemas.SamplingFields, texts: Sequence[str], param: str) -> None:
         """Refuse what can never run, before any work: a field not implemented, text too long to fit."""
         self.check_model(body.model)
         field = body.unimplemented()
         if field is not None:
             raise RequestError(f"{field} is not implemented by this server; leave it out (or at its default)", field)
-        chars, most = sum(len(t) for t in texts), self.max_prompt * self.scheduler.codec.longest_token
-        if chars > most:
-            raise RequestError(
-                f"{param} has {chars:,} characters, more than the largest prefill bucket {self.max_prompt} tokens "
-                f"can hold at {self.scheduler.codec.longest_token} characters a token; shorten it",
-                param,
-            )
+        chars, longest = sum(len(t) for t in texts), self.scheduler.codec.longest_token
+        if chars > self.max_prompt * longest:  # a token is at most `longest` characters: it can never fit
+            message = f"{chars:,} characters, more than the largest prefill bucket {self.max_prompt} tokens can hold"
+            raise RequestError(f"{param} has {message} ({longest} characters a token at most); shorten it", param)
 
     def check_model(self, name: str) -> None:
         if name not in self.names:
@@ -190,8 +184,9 @@ class CountResponses:
             await send(message)
 
         if size > self.max_body:
-            await JSONResponse(http_error(BodyTooLargeError(self.max_body))[1], 413)(scope, receive, send_counted)
-            return
+            message = f"the body is over {self.max_body:,} bytes; send less, or serve with a larger --max-body-mb"
+            refusal = error_body(message, "invalid_request_error", None, "body_too_large")
+            return await JSONResponse(refusal, 413)(scope, receive, send_counted)
         await self.app(scope, replay, send_counted)
 
 
@@ -200,27 +195,18 @@ def create_app(served: Served) -> FastAPI:
     app = FastAPI(title="gemma4lib", docs_url=None, redoc_url=None)
     app.state.served = served
     app.add_middleware(CountResponses, metrics=served.scheduler.metrics, max_body=served.max_body)
-    scheduler, metrics = served.scheduler, served.scheduler.metrics
+    scheduler, metrics, codec = served.scheduler, served.scheduler.metrics, served.scheduler.codec
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
         errors = exc.errors()
         first = errors[0] if errors else {}
         if first.get("type") == "json_invalid":
-            return JSONResponse(
-                error_body(
-                    "the request body is not valid JSON: " + str(first.get("msg")),
-                    "invalid_request_error",
-                    None,
-                    "invalid_json",
-                ),
-                400,
-            )
-        loc = [str(p) for p in first.get("loc", ()) if p != "body"]
-        param = ".".join(loc) or None
-        message = f"{param or 'body'}: {first.get('msg', 'invalid')}" + (
-            f" ({len(errors) - 1} more problems)" if len(errors) > 1 else ""
-        )
+            message = "the request body is not valid JSON: " + str(first.get("msg"))
+            return JSONResponse(error_body(message, "invalid_request_error", None, "invalid_json"), 400)
+        param = ".".join(str(p) for p in first.get("loc", ()) if p != "body") or None
+        more = f" ({len(errors) - 1} more problems)" if len(errors) > 1 else ""
+        message = f"{param or 'body'}: {first.get('msg', 'invalid')}{more}"
         return JSONResponse(error_body(message, "invalid_request_error", param, "invalid_value"), 400)
 
     @app.exception_handler(Gemma4LibError)
@@ -258,18 +244,16 @@ def create_app(served: Served) -> FastAPI:
 
     @app.post("/v1/chat/completions")
     async def chat(body: schemas.ChatCompletionRequest, request: Request) -> Any:
-        contents = [
-            [m.content] if isinstance(m.content, str) else [p.text or "" for p in m.content] for m in body.messages
-        ]
-        served.check_body(body, [text for texts in contents for text in texts], "messages")
-        ids, images = await served.off_loop(encode_chat, body, scheduler.codec)
+        parts = [p for m in body.messages for p in ([m] if isinstance(m.content, str) else m.content)]
+        served.check_body(
+            body, [p.content if isinstance(p, schemas.ChatMessage) else p.text or "" for p in parts], "messages"
+        )
+        ids, images = await asyncio.get_running_loop().run_in_executor(served.pool, encode_chat, body, scheduler.codec)
         job = served.engine_request(ids, body, body.max_completion_tokens or body.max_tokens, images)
         ticket = scheduler.submit(job, body.stop_strings())
         rid = schemas.new_id("chatcmpl")
         if body.stream:
-            return StreamingResponse(
-                _chat_stream(served, ticket, rid, body.include_usage), media_type="text/event-stream"
-            )
+            return StreamingResponse(_stream(served, ticket, rid, body.include_usage, True), media_type=SSE)
         text = await _collect(request, [ticket])
         usage = schemas.Usage.of(ticket.prompt_tokens, ticket.completion_tokens)
         return schemas.chat_response(rid, served.model_name, [(text[0], ticket.finish_reason)], usage)
@@ -279,18 +263,14 @@ def create_app(served: Served) -> FastAPI:
         prompts = [body.prompt] if isinstance(body.prompt, str) else list(body.prompt)
         served.check_body(body, prompts, "prompt")
         if len(prompts) > scheduler.max_queue:
-            raise RequestError(
-                f"{len(prompts)} prompts, more than this server's queue holds ({scheduler.max_queue}); send at "
-                f"most {scheduler.max_queue} per request",
-                "prompt",
-            )
+            raise RequestError(f"{len(prompts)} prompts, more than the queue holds ({scheduler.max_queue})", "prompt")
         if not prompts:
             raise RequestError("prompt is an empty list; send a string or a list of strings", "prompt")
         if body.stream and len(prompts) > 1:
             raise RequestError("stream=true takes one prompt; send the others as their own requests", "prompt")
         if any(not p.strip() for p in prompts):
             raise RequestError("prompt is empty; send the text the model should continue", "prompt")
-        encoded = await served.off_loop(lambda: [scheduler.codec.text(p) for p in prompts])
+        encoded = await asyncio.get_running_loop().run_in_executor(served.pool, lambda: list(map(codec.text, prompts)))
         jobs = [served.engine_request(ids, body, body.max_tokens) for ids in encoded]
         tickets: list[Ticket] = []
         try:
@@ -302,9 +282,7 @@ def create_app(served: Served) -> FastAPI:
             raise
         rid = schemas.new_id("cmpl")
         if body.stream:
-            return StreamingResponse(
-                _completion_stream(served, tickets[0], rid, body.include_usage), media_type="text/event-stream"
-            )
+            return StreamingResponse(_stream(served, tickets[0], rid, body.include_usage, False), media_type=SSE)
         texts = await _collect(request, tickets)
         usage = schemas.Usage.of(sum(t.prompt_tokens for t in tickets), sum(t.completion_tokens for t in tickets))
         return schemas.completion_response(
@@ -328,48 +306,26 @@ async def _collect(request: Request, tickets: list[Ticket]) -> list[str]:
             ticket.cancel()
 
 
-async def _chat_stream(served: Served, ticket: Ticket, rid: str, include_usage: bool) -> AsyncIterator[str]:
+async def _stream(served: Served, ticket: Ticket, rid: str, include_usage: bool, chat: bool) -> AsyncIterator[str]:
+    """A response's events: its text's chunks, the finish reason, the usage when asked, `[DONE]`; an
+    engine fault or the drain's end mid-stream is one OpenAI error payload (the headers are sent)."""
     name = served.model_name
     try:
-        yield sse(schemas.chat_chunk(rid, name, {"role": "assistant", "content": ""}))
-        async for event in _events(ticket):
-            if isinstance(event, dict):
-                yield sse(event)
-                break
-            if event.text:
+        if chat:
+            yield sse(schemas.chat_chunk(rid, name, {"role": "assistant", "content": ""}))
+        async for event in ticket.events():
+            if chat and event.text:
                 yield sse(schemas.chat_chunk(rid, name, {"content": event.text}))
-            if event.finish_reason is not None:
+            if chat and event.finish_reason is not None:
                 yield sse(schemas.chat_chunk(rid, name, {}, event.finish_reason))
-        if include_usage:
-            usage = schemas.Usage.of(ticket.prompt_tokens, ticket.completion_tokens)
-            yield sse(schemas.usage_chunk(rid, name, "chat.completion.chunk", usage))
-        yield sse("[DONE]")
-    finally:  # also when the client disconnects: Starlette closes this generator
-        ticket.cancel()
-
-
-async def _completion_stream(served: Served, ticket: Ticket, rid: str, include_usage: bool) -> AsyncIterator[str]:
-    name = served.model_name
-    try:
-        async for event in _events(ticket):
-            if isinstance(event, dict):
-                yield sse(event)
-                break
-            if event.text or event.finish_reason is not None:
+            elif not chat and (event.text or event.finish_reason is not None):
                 yield sse(schemas.completion_chunk(rid, name, event.text, event.finish_reason))
         if include_usage:
             usage = schemas.Usage.of(ticket.prompt_tokens, ticket.completion_tokens)
-            yield sse(schemas.usage_chunk(rid, name, "text_completion", usage))
-        yield sse("[DONE]")
-    finally:
-        ticket.cancel()
-
-
-async def _events(ticket: Ticket) -> AsyncIterator[Any]:
-    """The ticket's events; an engine fault mid-stream becomes one OpenAI error payload (headers are sent)."""
-    try:
-        async for event in ticket.events():
-            yield event
+            yield sse(schemas.usage_chunk(rid, name, "chat.completion.chunk" if chat else "text_completion", usage))
     except Gemma4LibError as exc:
         log.error("stream failed: %s", exc)
-        yield http_error(exc)[1]
+        yield sse(http_error(exc)[1])
+    finally:  # also when the client disconnects: Starlette closes this generator
+        ticket.cancel()
+    yield sse("[DONE]")

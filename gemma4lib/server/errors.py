@@ -73,17 +73,6 @@ class DrainingError(RequestError):
         self.retry_after_s = 1
 
 
-class BodyTooLargeError(RequestError):
-    status = 413
-    code = "body_too_large"
-
-    def __init__(self, limit: int):
-        super().__init__(
-            f"the request body is over this server's {limit:,} bytes; send less, or start it with a "
-            "larger --max-body-mb"
-        )
-
-
 class ClientGoneError(RequestError):
     """The client closed the connection before its response was ready (nginx's 499); its row is freed."""
 

@@ -16,40 +16,17 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 MAX_MESSAGES = 1024
 MAX_STOP, MAX_STOP_CHARS = 4, 256  # OpenAI's four; each is matched against every new piece of text
-# fields a client may send that this server does not implement, and the values that ask for nothing
-UNIMPLEMENTED = {
-    "logprobs": (None, False, 0),
-    "top_logprobs": (None, 0),
-    "tools": (None, []),
-    "tool_choice": (None, "none", "auto"),
-    "functions": (None, []),
-    "function_call": (None, "none", "auto"),
-    "response_format": (None, {"type": "text"}),
-    "logit_bias": (None, {}),
-    "echo": (None, False),
-    "suffix": (None, ""),
-    "best_of": (None, 1),
-    "frequency_penalty": (None, 0),
-    "presence_penalty": (None, 0),
-    "repetition_penalty": (None, 1),
-    "top_k": (None, 0, -1),
-    "min_p": (None, 0),
-    "modalities": (None, ["text"]),
-    "audio": (None,),
-    "prediction": (None,),
-}
+# fields a client may send that this server does not implement: refused unless at a value asking for nothing
+UNIMPLEMENTED = (
+    "logprobs top_logprobs tools tool_choice functions function_call response_format logit_bias echo suffix best_of "
+    "frequency_penalty presence_penalty repetition_penalty top_k min_p modalities audio prediction"
+).split()
+QUIET = (None, False, 0, "", [], {}, "none", "auto", {"type": "text"}, ["text"])
+QUIET_NUMBERS = {"best_of": 1, "repetition_penalty": 1, "top_k": -1}
 
 
-def _utf8(text: str) -> str:
-    """A lone surrogate ("\\ud800", legal in JSON) is no text a tokenizer can take."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as error:
-        raise ValueError(f"holds a lone surrogate at character {error.start}; send valid UTF-16 pairs") from None
-    return text
-
-
-Text = Annotated[str, AfterValidator(_utf8)]
+# a lone surrogate ("\\ud800", legal in JSON) is no text a tokenizer takes: "surrogates not allowed", a 400
+Text = Annotated[str, AfterValidator(lambda text: (text.encode("utf-8"), text)[1])]
 
 
 class _Body(BaseModel):
@@ -98,8 +75,8 @@ class SamplingFields(_Body):
 
     def unimplemented(self) -> str | None:
         """The first field sent that asks for something this server does not do, or None."""
-        sent = (self.model_extra or {}).items()
-        return next((k for k, v in sent if k in UNIMPLEMENTED and v not in UNIMPLEMENTED[k]), None)
+        asks = [k for k, v in (self.model_extra or {}).items() if v not in QUIET and v != QUIET_NUMBERS.get(k, 0)]
+        return next((k for k in asks if k in UNIMPLEMENTED), None)
 
     def stop_strings(self) -> tuple[str, ...]:
         if self.stop is None:
@@ -138,47 +115,35 @@ def now() -> int:
     return int(time.time())
 
 
+def _body(rid: str, model: str, obj: str, choices: list[dict[str, Any]], usage: Usage | None = None) -> dict[str, Any]:
+    body = {"id": rid, "object": obj, "created": now(), "model": model, "choices": choices}
+    return body if usage is None else {**body, "usage": usage.model_dump()}
+
+
 def chat_response(rid: str, model: str, texts: list[tuple[str, str]], usage: Usage) -> dict[str, Any]:
     choices = [
         {"index": i, "message": {"role": "assistant", "content": text}, "finish_reason": reason, "logprobs": None}
         for i, (text, reason) in enumerate(texts)
     ]
-    return {
-        "id": rid,
-        "object": "chat.completion",
-        "created": now(),
-        "model": model,
-        "choices": choices,
-        "usage": usage.model_dump(),
-    }
+    return _body(rid, model, "chat.completion", choices, usage)
 
 
 def chat_chunk(rid: str, model: str, delta: dict[str, str], reason: str | None = None) -> dict[str, Any]:
     choice = {"index": 0, "delta": delta, "finish_reason": reason, "logprobs": None}
-    return {"id": rid, "object": "chat.completion.chunk", "created": now(), "model": model, "choices": [choice]}
+    return _body(rid, model, "chat.completion.chunk", [choice])
 
 
 def completion_response(rid: str, model: str, texts: list[tuple[str, str]], usage: Usage) -> dict[str, Any]:
-    choices = [
-        {"index": i, "text": text, "finish_reason": reason, "logprobs": None} for i, (text, reason) in enumerate(texts)
-    ]
-    return {
-        "id": rid,
-        "object": "text_completion",
-        "created": now(),
-        "model": model,
-        "choices": choices,
-        "usage": usage.model_dump(),
-    }
+    choices = [{"index": i, "text": t, "finish_reason": r, "logprobs": None} for i, (t, r) in enumerate(texts)]
+    return _body(rid, model, "text_completion", choices, usage)
 
 
 def completion_chunk(rid: str, model: str, text: str, reason: str | None = None) -> dict[str, Any]:
-    choice = {"index": 0, "text": text, "finish_reason": reason, "logprobs": None}
-    return {"id": rid, "object": "text_completion", "created": now(), "model": model, "choices": [choice]}
+    return _body(rid, model, "text_completion", [{"index": 0, "text": text, "finish_reason": reason, "logprobs": None}])
 
 
 def usage_chunk(rid: str, model: str, obj: str, usage: Usage) -> dict[str, Any]:
-    return {"id": rid, "object": obj, "created": now(), "model": model, "choices": [], "usage": usage.model_dump()}
+    return _body(rid, model, obj, [], usage)
 
 
 def models_list(names: list[str], context_length: int, max_prompt: int) -> dict[str, Any]:

@@ -27,18 +27,14 @@ PLACEHOLDER = "\ue000"  # a private-use character: where a special string of the
 
 
 class Codec:
-    """The tokenizer: encoding on the HTTP side's workers, decoding on the scheduler thread.
+    """The tokenizer: encoding on the HTTP side's workers, decoding on the scheduler thread, each with its
+    own copy and lock (a fast tokenizer used by two threads at once can fail "Already borrowed"), so a
+    long encode never holds up the decode of every stream.
 
-    A fast tokenizer may re-borrow its Rust state mutably on a call (truncation/padding settings), so
-    two threads using one at once can fail with "Already borrowed": encoding and decoding each have
-    their own copy and lock, so a long encode never holds up the scheduler's decode of every stream.
-
-    Control tokens stay text: unless `allow_control_tokens` (trusted clients), message content and
-    completion prompts are encoded with special tokens split, so `<|turn>` typed by a user is six
-    characters, not a forged turn. The template is rendered with every special string of the content
-    swapped for a placeholder; the template's own markers are then the only control tokens, and each
-    stretch between them is encoded as text (the tokenizer encodes between markers independently too,
-    so a prompt without special strings gets exactly the ids it always did).
+    Control tokens stay text unless `allow_control_tokens` (trusted clients): the template renders content
+    with its special strings as placeholders, so its own markers are the only control tokens, and each
+    stretch between them is encoded as text (`<|turn>` typed by a user is six characters). The tokenizer
+    encodes between markers independently too: a prompt without special strings gets the ids it always did.
     """
 
     def __init__(
@@ -65,31 +61,25 @@ class Codec:
         """Messages through the model's own chat template, ending with the model's turn."""
         if not messages:
             raise BadPromptError("messages is empty; send at least one {'role': 'user', 'content': ...} message")
-        if self.allow_control_tokens:
-            with self._lock:
-                ids = self.tokenizer.apply_chat_template(
-                    messages, add_generation_prompt=True, tokenize=True, return_dict=False
-                )
-            return list(ids["input_ids"] if isinstance(ids, dict) else ids)
-        hidden = [{**m, "content": self._hide(m["content"])} for m in messages]
+        hidden = [{**m, "content": self._hide(m["content"])} for m in messages]  # unless trusted
         with self._lock:
             text = self.tokenizer.apply_chat_template(hidden, add_generation_prompt=True, tokenize=False)
-        return self._encode(text, markers=True)
+        return self._encode(text)
 
     def _hide(self, content: Any) -> Any:
         """Content with every special string (and the placeholder character) as a placeholder."""
+        if self.allow_control_tokens:
+            return content
         if isinstance(content, str):
             return self._special_re.sub(lambda m: f"{PLACEHOLDER}{self._specials[m.group()]};", content)
         return [{**p, "text": self._hide(p["text"])} if "text" in p else p for p in content]
 
-    def _encode(self, text: str, markers: bool) -> list[int]:
-        """`text` as ids: its special strings are control tokens where `markers`, the placeholders' text."""
-        specials = list(self._specials)
-        pieces = self._marker_re.split(text) if markers else [text]
-        found = self._marker_re.findall(text) if markers else []
+    def _encode(self, text: str) -> list[int]:
+        """`text` as ids: its special strings are control tokens, the placeholders' are text."""
+        specials, found = list(self._specials), self._marker_re.findall(text)
         ids: list[int] = []
         with self._lock:
-            for i, piece in enumerate(pieces):
+            for i, piece in enumerate(self._marker_re.split(text)):
                 plain = re.sub(PLACEHOLDER + r"(\d+);", lambda m: specials[int(m.group(1))], piece)
                 if plain:
                     ids += self.tokenizer(plain, add_special_tokens=False, split_special_tokens=True)["input_ids"]
@@ -108,16 +98,10 @@ class Codec:
                 "this server was started without a vision part; start it with --vision (a model with a vision "
                 "part) to send image_url content parts, or send text only"
             )
-        rendered = None if self.allow_control_tokens else self.chat(messages)
+        rendered = self.chat(messages)
         with self._lock:
             inputs = image_prompt(
-                self.tokenizer,
-                self.processor,
-                images,
-                "",
-                image_token_id=self.image_token_id,
-                messages=messages,
-                rendered=rendered,
+                self.tokenizer, self.processor, images, "", image_token_id=self.image_token_id, rendered=rendered
             )
         return inputs.ids, inputs.prompt
 
@@ -125,12 +109,9 @@ class Codec:
         """A completion prompt as plain text (no chat turns) after the tokenizer's own bos."""
         if not prompt.strip():
             raise BadPromptError("prompt is empty; send the text the model should continue")
-        if self.allow_control_tokens:
-            with self._lock:
-                return list(self.tokenizer(prompt)["input_ids"])
         with self._lock:
             bos = self.tokenizer("")["input_ids"]  # what the tokenizer adds around any text
-        return [*bos, *self._encode(self._hide(prompt), markers=False)]
+        return [*bos, *self._encode(self._hide(prompt))]
 
     def decode(self, ids: Sequence[int]) -> str:
         with self._decode_lock:
