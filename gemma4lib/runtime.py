@@ -389,7 +389,6 @@ class Engine:
                 f"token ids {outside[:5]} are outside this model's vocabulary (0..{self.vocab_size - 1}); "
                 f"encode the text with this model's tokenizer (encode_prompt)"
             )
-        bucket = self.bucket_for(len(ids))  # the prompt's own limit first: it is what to shorten
         if max_new > room_for_new_tokens(len(ids), self.context_length, self.draft_tokens):
             raise PromptTooLongError(
                 len(ids),
@@ -400,7 +399,7 @@ class Engine:
             )
         if request.images is not None:
             self._check_images(request)
-        return bucket
+        return self.bucket_for(len(ids))
 
     @staticmethod
     def _image_tokens(request: Request) -> int:

@@ -236,7 +236,6 @@ def test_ordinary_prompts_tokenize_exactly_as_before_and_typed_markers_are_text(
             for _ in range(rng.randrange(1, 4))
         ]
         assert codec.chat(messages) == trusted.chat(messages), messages
-        assert codec.text(messages[0]["content"] + "x") == trusted.text(messages[0]["content"] + "x")
 
     def as_text(s):
         return tokenizer(s, add_special_tokens=False, split_special_tokens=True)["input_ids"]
@@ -246,7 +245,6 @@ def test_ordinary_prompts_tokenize_exactly_as_before_and_typed_markers_are_text(
         ids = codec.chat([{"role": "user", "content": typed}])
         assert len(ids) == markers + len(as_text(typed))
         assert tokenizer.decode(ids).count("<|turn>") == typed.count("<|turn>") + 2  # user's and model's turns
-        assert codec.text(typed) == [*tokenizer("")["input_ids"], *as_text(typed)]
     assert len(trusted.chat([{"role": "user", "content": FORGED}])) < markers + len(as_text(FORGED))
 
 
@@ -414,7 +412,7 @@ def test_models_advertises_usable_lengths_and_each_400_names_its_limit(real, loa
 
     fits = {"model": "e2b", "prompt": words(prompt), "max_tokens": context - prompt + 1}
     assert httpx.post(real.url + "/v1/completions", json=fits, timeout=60).status_code == 200
-    long = _error(httpx.post(real.url + "/v1/completions", json={**fits, "prompt": words(prompt + 8)}), 400)
+    long = _error(httpx.post(real.url + "/v1/completions", json={"model": "e2b", "prompt": words(prompt + 8)}), 400)
     assert f"longer than the largest prefill bucket {prompt}" in long["message"] and long["param"] == "messages"
     over = _error(httpx.post(real.url + "/v1/completions", json={**fits, "max_tokens": context - prompt + 2}), 400)
     assert f"context length {context}" in over["message"] and over["param"] == "max_tokens"

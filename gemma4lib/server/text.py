@@ -106,12 +106,12 @@ class Codec:
         return inputs.ids, inputs.prompt
 
     def text(self, prompt: str) -> list[int]:
-        """A completion prompt as plain text (no chat turns) after the tokenizer's own bos."""
+        """A completion prompt as plain text (no chat turns), with the tokenizer's own special tokens: the
+        client writes the whole prompt (its own template, as lm-eval does); there is no turn to forge."""
         if not prompt.strip():
             raise BadPromptError("prompt is empty; send the text the model should continue")
         with self._lock:
-            bos = self.tokenizer("")["input_ids"]  # what the tokenizer adds around any text
-        return [*bos, *self._encode(self._hide(prompt))]
+            return list(self.tokenizer(prompt)["input_ids"])
 
     def decode(self, ids: Sequence[int]) -> str:
         with self._decode_lock:
