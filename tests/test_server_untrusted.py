@@ -117,6 +117,7 @@ def test_a_5_mb_body_gets_413_while_another_stream_flows(tokenizer):
     times = out["times"]
     during = [b - a for a, b in zip(times, times[1:], strict=False) if b > sent_at and a < done_at]
     assert len(during) >= 3, (len(times), done_at - sent_at)  # the stream really ran across both posts
+    print(f"413 in {done_at - sent_at:.3f} s; stream gaps meanwhile: {len(during)}, max {max(during) * 1000:.1f} ms")
     assert max(during) < 0.1, sorted(during)[-5:]
     assert all(kind == "admit" and rows == (0,) for kind, rows in engine.trace if kind == "admit")
 
@@ -179,6 +180,9 @@ ASKING = {
     "modalities": ["text", "audio"],
     "audio": {"voice": "x"},
     "prediction": {"type": "content", "content": "x"},
+    "reasoning_effort": "high",
+    "web_search_options": {"search_context_size": "low"},
+    "verbosity": "low",
 }
 
 
@@ -318,6 +322,7 @@ def test_the_drain_exits_on_time_and_ends_unfinished_streams_with_an_error(tmp_p
         if proc.poll() is None:
             proc.kill()
     assert rc == 0, log
+    print(f"SIGTERM to exit: {took:.2f} s with --drain-timeout {drain_s}")
     assert took < drain_s + 1.0, (took, log)
     assert "ending unfinished requests with an error" in log
     assert len(out) == 3

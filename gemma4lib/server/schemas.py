@@ -19,7 +19,8 @@ MAX_STOP, MAX_STOP_CHARS = 4, 256  # OpenAI's four; each is matched against ever
 # fields a client may send that this server does not implement: refused unless at a value asking for nothing
 UNIMPLEMENTED = (
     "logprobs top_logprobs tools tool_choice functions function_call response_format logit_bias echo suffix best_of "
-    "frequency_penalty presence_penalty repetition_penalty top_k min_p modalities audio prediction"
+    "frequency_penalty presence_penalty repetition_penalty top_k min_p modalities audio prediction reasoning_effort "
+    "web_search_options verbosity"
 ).split()
 QUIET = (None, False, 0, "", [], {}, "none", "auto", {"type": "text"}, ["text"])
 QUIET_NUMBERS = {"best_of": 1, "repetition_penalty": 1, "top_k": -1}
