@@ -50,15 +50,15 @@ def softcap(logits: torch.Tensor, cap: float | None) -> torch.Tensor:
 @dataclass(frozen=True)
 class Sampling:
     """Greedy when temperature == 0; otherwise softcapped, tempered, nucleus-filtered sampling (a temperature
-    under 0.01 is refused: 1e-40 overflowed the tempered logits to NaN, and a refusal says so, a rounding not)."""
+    under 1e-5 is refused: 1e-40 overflowed the tempered logits to NaN, and a refusal says so, a rounding not)."""
 
     temperature: float = 0.0
     top_p: float = 1.0
     seed: int = 0
 
     def __post_init__(self):
-        if not (self.temperature == 0.0 or 0.01 <= float(self.temperature) < float("inf")):
-            raise SettingsError(f"temperature must be 0 (greedy) or >= 0.01, got {self.temperature}")
+        if not (self.temperature == 0.0 or 1e-5 <= float(self.temperature) < float("inf")):
+            raise SettingsError(f"temperature must be 0 (greedy) or >= 1e-05, got {self.temperature}")
         if not 0.0 < float(self.top_p) <= 1.0:
             raise SettingsError(
                 f"top_p must be in (0, 1], got {self.top_p}; 1.0 keeps the whole distribution, "
