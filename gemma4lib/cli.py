@@ -344,6 +344,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="load the model's vision part: chat requests may carry image_url parts (data URLs; docs/IMAGES.md)",
     )
     p.add_argument("--drain-timeout", type=float, default=600.0, help="seconds SIGTERM waits for running requests")
+    p.add_argument("--max-body-mb", type=float, default=4.0, help="request bodies over this get 413 (default 4)")
+    p.add_argument(
+        "--allow-control-tokens",
+        action="store_true",
+        help="parse special tokens typed in content (<|turn>, <eos>): trusted clients only (README)",
+    )
     p.add_argument("--ray", action="store_true", help="deploy with Ray Serve (replicas load --artifacts)")
     p.add_argument("--replicas", type=int, default=1, help="--ray: replicas (fixed unless autoscaling is set)")
     p.add_argument("--min-replicas", type=int, help="--ray autoscaling: the fewest replicas")

@@ -45,7 +45,7 @@ class PromptTooLongError(Gemma4LibError, ValueError):
             )
         else:  # a prefill bucket: only the prompt has to fit
             message = (
-                f"prompt ({prompt_tokens} tokens) exceeds the {limit} {context_length}; shorten the "
+                f"prompt ({prompt_tokens} tokens) is longer than the {limit} {context_length}; shorten the "
                 f"prompt or recompile with a larger prefill bucket (prefill_buckets)"
             )
         super().__init__(message)

@@ -100,16 +100,18 @@ def image_prompt(
     *,
     image_token_id: int,
     messages: list[dict[str, Any]] | None = None,
+    rendered: Sequence[int] | None = None,
 ) -> ImageInputs:
     """Render `messages` (default: one user turn with an image part per image, then `question`)
     through the chat template, expand every image part to boi + soft tokens + eoi as transformers'
-    processor does, and run the image processor. More images than image parts (or fewer) is a
-    `TooManyImagesError`."""
+    processor does (`rendered`: the template's ids, if encoded already), and run the image processor.
+    More images than image parts (or fewer) is a `TooManyImagesError`."""
     from .models.vision import expand_image_tokens, image_messages
 
     pictures = [load_image(i) for i in images]
     messages = messages if messages is not None else image_messages(question, len(pictures))
-    rendered = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+    if rendered is None:
+        rendered = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
     rendered = list(rendered["input_ids"] if isinstance(rendered, dict) else rendered)
     parts = rendered.count(image_token_id)
     if parts != len(pictures):

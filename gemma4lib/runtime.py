@@ -49,15 +49,16 @@ def softcap(logits: torch.Tensor, cap: float | None) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class Sampling:
-    """Greedy when temperature == 0; otherwise softcapped, tempered, nucleus-filtered sampling."""
+    """Greedy when temperature == 0; otherwise softcapped, tempered, nucleus-filtered sampling (a temperature
+    under 1e-5 is refused: 1e-40 overflowed the tempered logits to NaN, and a refusal says so, a rounding not)."""
 
     temperature: float = 0.0
     top_p: float = 1.0
     seed: int = 0
 
     def __post_init__(self):
-        if not 0.0 <= float(self.temperature) < float("inf"):
-            raise SettingsError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
+        if not (self.temperature == 0.0 or 1e-5 <= float(self.temperature) < float("inf")):
+            raise SettingsError(f"temperature must be 0 (greedy) or >= 1e-05, got {self.temperature}")
         if not 0.0 < float(self.top_p) <= 1.0:
             raise SettingsError(
                 f"top_p must be in (0, 1], got {self.top_p}; 1.0 keeps the whole distribution, "
@@ -213,7 +214,7 @@ class RowResult:
 
     prompt_ids: list[int]
     tokens: list[int]
-    finish_reason: str | None  # "stop" (an eos token, kept), "length" (max_new_tokens), None (released early)
+    finish_reason: str | None  # "stop" (an eos token, kept), "length" (max_new_tokens), "error", None (released early)
     bucket: int
     prefill_s: float
     first_logits: torch.Tensor
@@ -278,6 +279,7 @@ class _Row:
     emitted: list[int] = field(default_factory=list)
     drafted: list[int] = field(default_factory=list)
     finish: str | None = None
+    fault: BaseException | None = None
 
     @property
     def history(self) -> list[int]:
@@ -365,7 +367,7 @@ class Engine:
         for bucket in self.steps.prefill:
             if n_tokens <= bucket:
                 return bucket
-        raise PromptTooLongError(n_tokens, 0, max(self.steps.prefill), limit="largest compiled prefill bucket")
+        raise PromptTooLongError(n_tokens, 0, max(self.steps.prefill), limit="largest prefill bucket")
 
     def check(self, request: Request) -> int:
         """Raise before any device work when `request` cannot run on these graphs (the fit is
@@ -431,6 +433,10 @@ class Engine:
 
     def finished(self, row: int) -> str | None:
         return self.rows[row].finish
+
+    def fault(self, row: int) -> BaseException | None:
+        """Why `row` ended with finish "error" (its sampler failed), else None."""
+        return self.rows[row].fault
 
     def embed(self, ids: torch.Tensor, pad_to: int | None = None) -> list[torch.Tensor]:
         """Word embeddings (scaled) and the PLE inputs on the host, right-padded with zeros."""
@@ -522,10 +528,9 @@ class Engine:
             state.first_logits = logits.float().clone()
             if hidden is not None:
                 state.hidden = hidden.clone()
-            token = choose_token(logits, sampling, self.cap, generator)
+            token = self._choose(state, logits)
             self.rows[row] = state
-            self._emit(state, [token], [logits])
-            first[row] = [token]
+            first[row] = [] if token is None else self._emit(state, [token], [logits])
         return first
 
     def joins_by_row(self, joining: int) -> bool:
@@ -604,10 +609,19 @@ class Engine:
         new = {}
         for r in live:
             row = self.rows[r]
-            token = choose_token(logits[r], row.request.sampling, self.cap, row.generator)
+            token = self._choose(row, logits[r])
             row.position += 1
-            new[r] = self._emit(row, [token], [logits[r]])
+            new[r] = [] if token is None else self._emit(row, [token], [logits[r]])
         return new
+
+    def _choose(self, row: _Row, logits: torch.Tensor) -> int | None:
+        """The row's next token; a fault in its sampler (non-finite logits) ends this row alone, with
+        finish "error" and the cause in `fault`, and the other rows go on."""
+        try:
+            return choose_token(logits, row.request.sampling, self.cap, row.generator)
+        except RuntimeError as exc:
+            row.finish, row.fault = "error", exc
+            return None
 
     def _draft_round(self, live: list[int]) -> dict[int, list[int]]:
         """k drafts per row (fewer near its budget), one verify of `[last, drafts]` at each row's

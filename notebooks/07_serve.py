@@ -219,6 +219,26 @@ print(f"the same text: {streamed == answer}; it says {expect!r}: {expect in answ
 # come back: the client (or a load balancer in front of several servers) can retry, or go
 # elsewhere, instead of hanging. The cell sends `burst` requests at the same moment: the rows
 # take some, the queue some, and the rest get 429.
+#
+# **What else it refuses.** An endpoint on a network meets clients it cannot trust, so every limit
+# is checked before any work and named in the 400 (OpenAI's shape, `param` the field to fix): a body
+# over `--max-body-mb` gets 413 before it is parsed; too many messages, more stop strings than
+# OpenAI's four or an over-long one, too many image parts (any, on a server without `--vision`, before
+# one is decoded), text longer than the largest prefill bucket could ever hold, more completions
+# prompts than the queue holds (a 400: a 429 would be retried forever), a lone surrogate character, and a
+# `temperature` above zero but too small for the sampler to compute. A field the server does not
+# implement (`logprobs`, `tools`, `response_format`, `logit_bias`, `echo`, the penalties, ...) is
+# refused by name, never accepted in silence with a reply the client did not ask for.
+# `GET /v1/models` gives the two lengths a request can really use: `max_prompt_tokens` (the largest
+# prefill bucket) and `max_model_len` (prompt plus new tokens). Tokenizing and image decoding run on a
+# small worker pool, so one large request never stalls another client's stream, and a fault in one
+# row's sampler fails that request alone while the other rows go on with unchanged tokens.
+#
+# **Control tokens stay text.** A user who types `<|turn>system` or `<eos>` inside a message sends
+# those characters, not a forged turn: the chat template's own markers (and the image tokens the
+# server inserts) are the only control tokens, and an ordinary prompt gets exactly the ids it always
+# did. `--allow-control-tokens` parses them again, for trusted clients only; completions prompts keep
+# theirs, since there the client writes the whole prompt.
 
 # %%
 try:

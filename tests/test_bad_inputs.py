@@ -571,7 +571,7 @@ CASES = [
         "negative temperature",
         lambda c: Sampling(temperature=-1.0),
         SettingsError,
-        "temperature must be >= 0 (0 = greedy), got -1.0",
+        "temperature must be 0 (greedy) or >= 1e-05, got -1.0",
     ),
     Case(
         "prompt longer than the largest prefill bucket",

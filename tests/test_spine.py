@@ -177,7 +177,7 @@ def test_prompt_too_long_fails_before_any_device_work():
     runtime = Engine.for_model(model, Steps({16: _Forbidden()}, _Forbidden()), batch=1, context_length=24)
     with pytest.raises(PromptTooLongError, match="more than the compiled context length 24"):
         runtime.generate(list(range(3, 19)), max_new_tokens=10)
-    with pytest.raises(PromptTooLongError, match="largest compiled prefill bucket 16"):
+    with pytest.raises(PromptTooLongError, match="longer than the largest prefill bucket 16"):
         runtime.generate(list(range(3, 20)), max_new_tokens=2)
 
 

@@ -2,6 +2,9 @@
 
 FastAPI (on Starlette, under uvicorn) because its pydantic bodies give OpenAI's field checks and
 400s for free and it is what Ray Serve deploys (`serve.ingress`), so one app serves both ways.
+Untrusted clients: a body over `max_body` is a 413 before it is read, every size and field is
+checked before any work, and templating, tokenizing and image decoding run on a small worker pool,
+so one large request never holds up the event loop (and every other client's stream) behind it.
 Streams are Starlette's `StreamingResponse` writing server-sent events (`data: {chunk}` lines, then
 `data: [DONE]`); sse-starlette would add a dependency for two lines of framing, and it ends open
 streams when uvicorn begins its shutdown, where SIGTERM here must let them finish.
@@ -14,6 +17,7 @@ import json
 import logging
 import random
 from collections.abc import AsyncIterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -29,7 +33,10 @@ from .scheduler import Scheduler, Ticket
 
 log = logging.getLogger("gemma4lib.server")
 DISCONNECT_POLL_S = 0.25
+SSE = "text/event-stream"
 ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics")
+MAX_BODY_BYTES = 4 * 2**20  # `serve --max-body-mb`: a long context's text; images need it raised
+MAX_IMAGES = 16  # image parts per request, counted before any is decoded
 
 
 class Served:
@@ -42,14 +49,28 @@ class Served:
         eos_ids: Sequence[int],
         aliases: Sequence[str] = (),
         info: dict[str, Any] | None = None,
+        max_body: int = MAX_BODY_BYTES,
     ):
-        self.scheduler = scheduler
+        self.scheduler, self.max_body = scheduler, int(max_body)
         self.info = dict(info or {})
         self.model_name = model_name
         self.names = [model_name, *[a for a in aliases if a and a != model_name]]
         self.eos_ids = tuple(int(i) for i in eos_ids)
         self.context_length = int(scheduler.engine.context_length)
+        self.max_prompt = max(getattr(scheduler.engine, "buckets", None) or [self.context_length])
         self.draft_tokens = int(getattr(scheduler.engine, "draft_tokens", 0) or 0)
+        self.pool = ThreadPoolExecutor(2, thread_name_prefix="gemma4lib-encode")  # the bound on encoding work
+
+    def check_body(self, body: schemas.SamplingFields, texts: Sequence[str], param: str) -> None:
+        """Refuse what can never run, before any work: a field not implemented, text too long to fit."""
+        self.check_model(body.model)
+        field = body.unimplemented()
+        if field is not None:
+            raise RequestError(f"{field} is not implemented by this server; leave it out (or at its default)", field)
+        chars, longest = sum(len(t) for t in texts), self.scheduler.codec.longest_token
+        if chars > self.max_prompt * longest:  # a token is at most `longest` characters: it can never fit
+            message = f"{chars:,} characters, more than the largest prefill bucket {self.max_prompt} tokens can hold"
+            raise RequestError(f"{param} has {message} ({longest} characters a token at most); shorten it", param)
 
     def check_model(self, name: str) -> None:
         if name not in self.names:
@@ -68,12 +89,17 @@ class Served:
         return EngineRequest(ids, max_tokens, sampling, () if body.ignore_eos else self.eos_ids, images=images)
 
 
-def chat_messages(body: schemas.ChatCompletionRequest) -> tuple[list[dict[str, Any]], list[Any]]:
+def chat_messages(body: schemas.ChatCompletionRequest, codec: Any) -> tuple[list[dict[str, Any]], list[Any]]:
     """Messages as the chat template takes them, and the images of their `image_url` parts (PIL, in
     order). A message with only text keeps its text as one string (rendered exactly as before); one
     with images keeps its parts, each image as `{"type": "image"}`, where the template expands it."""
     from .image_urls import image_from_data_url
 
+    wanted = sum(1 for m in body.messages if not isinstance(m.content, str) for p in m.content if p.type == "image_url")
+    if wanted > MAX_IMAGES:
+        raise RequestError(f"{wanted} image parts, over this server's {MAX_IMAGES}; send fewer", "messages")
+    if wanted and codec.processor is None:
+        codec.chat_with_images([], [])  # the server's own refusal (no vision part), before any decoding
     out: list[dict[str, Any]] = []
     images: list[Any] = []
     for i, message in enumerate(body.messages):
@@ -99,6 +125,12 @@ def chat_messages(body: schemas.ChatCompletionRequest) -> tuple[list[dict[str, A
     return out, images
 
 
+def encode_chat(body: schemas.ChatCompletionRequest, codec: Any) -> tuple[list[int], Any]:
+    """The prompt ids and images of a chat request (on the encoding pool: decoding, templating)."""
+    messages, pictures = chat_messages(body, codec)
+    return codec.chat_with_images(messages, pictures) if pictures else (codec.chat(messages), None)
+
+
 def sse(payload: dict[str, Any] | str) -> str:
     return f"data: {payload if isinstance(payload, str) else json.dumps(payload)}\n\n"
 
@@ -118,13 +150,27 @@ class CountResponses:
     """Counts responses by route and status and names the replica in a header (plain ASGI: Starlette's
     BaseHTTPMiddleware would sit between a route and the client's disconnect)."""
 
-    def __init__(self, app: Any, metrics: Any):
-        self.app, self.metrics = app, metrics
+    def __init__(self, app: Any, metrics: Any, max_body: int = MAX_BODY_BYTES):
+        self.app, self.metrics, self.max_body = app, metrics, max_body
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        body, size, message = [], 0, {"more_body": scope["method"] == "POST"}
+        while message.get("more_body"):  # read here, to the end: a client still sending would not read a 413
+            message = await receive()
+            if message["type"] != "http.request":
+                return  # the client left
+            size += len(message.get("body", b""))
+            body += [message.get("body", b"")] if size <= self.max_body else []
+
+        async def replay() -> dict[str, Any]:  # the body once, then the connection's own messages (disconnect)
+            nonlocal body
+            if body is None:
+                return await receive()
+            message, body = {"type": "http.request", "body": b"".join(body), "more_body": False}, None
+            return message
 
         async def send_counted(message: dict[str, Any]) -> None:
             if message["type"] == "http.response.start":
@@ -137,35 +183,30 @@ class CountResponses:
                     ]
             await send(message)
 
-        await self.app(scope, receive, send_counted)
+        if size > self.max_body:
+            message = f"the body is over {self.max_body:,} bytes; send less, or serve with a larger --max-body-mb"
+            refusal = error_body(message, "invalid_request_error", None, "body_too_large")
+            return await JSONResponse(refusal, 413)(scope, receive, send_counted)
+        await self.app(scope, replay, send_counted)
 
 
 def create_app(served: Served) -> FastAPI:
     """The OpenAI-compatible app over `served.scheduler` (already started by its owner)."""
     app = FastAPI(title="gemma4lib", docs_url=None, redoc_url=None)
     app.state.served = served
-    app.add_middleware(CountResponses, metrics=served.scheduler.metrics)
-    scheduler, metrics = served.scheduler, served.scheduler.metrics
+    app.add_middleware(CountResponses, metrics=served.scheduler.metrics, max_body=served.max_body)
+    scheduler, metrics, codec = served.scheduler, served.scheduler.metrics, served.scheduler.codec
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
         errors = exc.errors()
         first = errors[0] if errors else {}
         if first.get("type") == "json_invalid":
-            return JSONResponse(
-                error_body(
-                    "the request body is not valid JSON: " + str(first.get("msg")),
-                    "invalid_request_error",
-                    None,
-                    "invalid_json",
-                ),
-                400,
-            )
-        loc = [str(p) for p in first.get("loc", ()) if p != "body"]
-        param = ".".join(loc) or None
-        message = f"{param or 'body'}: {first.get('msg', 'invalid')}" + (
-            f" ({len(errors) - 1} more problems)" if len(errors) > 1 else ""
-        )
+            message = "the request body is not valid JSON: " + str(first.get("msg"))
+            return JSONResponse(error_body(message, "invalid_request_error", None, "invalid_json"), 400)
+        param = ".".join(str(p) for p in first.get("loc", ()) if p != "body") or None
+        more = f" ({len(errors) - 1} more problems)" if len(errors) > 1 else ""
+        message = f"{param or 'body'}: {first.get('msg', 'invalid')}{more}"
         return JSONResponse(error_body(message, "invalid_request_error", param, "invalid_value"), 400)
 
     @app.exception_handler(Gemma4LibError)
@@ -199,39 +240,38 @@ def create_app(served: Served) -> FastAPI:
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        return schemas.models_list(served.names, served.context_length)
+        return schemas.models_list(served.names, served.context_length, served.max_prompt)
 
     @app.post("/v1/chat/completions")
     async def chat(body: schemas.ChatCompletionRequest, request: Request) -> Any:
-        served.check_model(body.model)
-        messages, pictures = chat_messages(body)
-        images = None
-        if pictures:
-            ids, images = scheduler.codec.chat_with_images(messages, pictures)
-        else:
-            ids = scheduler.codec.chat(messages)
+        parts = [p for m in body.messages for p in ([m] if isinstance(m.content, str) else m.content)]
+        served.check_body(
+            body, [p.content if isinstance(p, schemas.ChatMessage) else p.text or "" for p in parts], "messages"
+        )
+        ids, images = await asyncio.get_running_loop().run_in_executor(served.pool, encode_chat, body, scheduler.codec)
         job = served.engine_request(ids, body, body.max_completion_tokens or body.max_tokens, images)
         ticket = scheduler.submit(job, body.stop_strings())
         rid = schemas.new_id("chatcmpl")
         if body.stream:
-            return StreamingResponse(
-                _chat_stream(served, ticket, rid, body.include_usage), media_type="text/event-stream"
-            )
+            return StreamingResponse(_stream(served, ticket, rid, body.include_usage, True), media_type=SSE)
         text = await _collect(request, [ticket])
         usage = schemas.Usage.of(ticket.prompt_tokens, ticket.completion_tokens)
         return schemas.chat_response(rid, served.model_name, [(text[0], ticket.finish_reason)], usage)
 
     @app.post("/v1/completions")
     async def completions(body: schemas.CompletionRequest, request: Request) -> Any:
-        served.check_model(body.model)
         prompts = [body.prompt] if isinstance(body.prompt, str) else list(body.prompt)
+        served.check_body(body, prompts, "prompt")
+        if len(prompts) > scheduler.max_queue:
+            raise RequestError(f"{len(prompts)} prompts, more than the queue holds ({scheduler.max_queue})", "prompt")
         if not prompts:
             raise RequestError("prompt is an empty list; send a string or a list of strings", "prompt")
         if body.stream and len(prompts) > 1:
             raise RequestError("stream=true takes one prompt; send the others as their own requests", "prompt")
         if any(not p.strip() for p in prompts):
             raise RequestError("prompt is empty; send the text the model should continue", "prompt")
-        jobs = [served.engine_request(scheduler.codec.text(p), body, body.max_tokens) for p in prompts]
+        encoded = await asyncio.get_running_loop().run_in_executor(served.pool, lambda: list(map(codec.text, prompts)))
+        jobs = [served.engine_request(ids, body, body.max_tokens) for ids in encoded]
         tickets: list[Ticket] = []
         try:
             for job in jobs:
@@ -242,9 +282,7 @@ def create_app(served: Served) -> FastAPI:
             raise
         rid = schemas.new_id("cmpl")
         if body.stream:
-            return StreamingResponse(
-                _completion_stream(served, tickets[0], rid, body.include_usage), media_type="text/event-stream"
-            )
+            return StreamingResponse(_stream(served, tickets[0], rid, body.include_usage, False), media_type=SSE)
         texts = await _collect(request, tickets)
         usage = schemas.Usage.of(sum(t.prompt_tokens for t in tickets), sum(t.completion_tokens for t in tickets))
         return schemas.completion_response(
@@ -256,7 +294,11 @@ def create_app(served: Served) -> FastAPI:
 
 async def _collect(request: Request, tickets: list[Ticket]) -> list[str]:
     """Every ticket's whole text; a client that leaves first frees its rows."""
-    work = asyncio.ensure_future(asyncio.gather(*(t.text() for t in tickets)))
+
+    async def texts() -> list[str]:  # one task, not a gather: a cancelled gather logs its exception unread
+        return [await ticket.text() for ticket in tickets]  # the rows run at once; their events wait queued
+
+    work = asyncio.ensure_future(texts())
     try:
         return await until_disconnect(request, work)
     finally:
@@ -264,48 +306,26 @@ async def _collect(request: Request, tickets: list[Ticket]) -> list[str]:
             ticket.cancel()
 
 
-async def _chat_stream(served: Served, ticket: Ticket, rid: str, include_usage: bool) -> AsyncIterator[str]:
+async def _stream(served: Served, ticket: Ticket, rid: str, include_usage: bool, chat: bool) -> AsyncIterator[str]:
+    """A response's events: its text's chunks, the finish reason, the usage when asked, `[DONE]`; an
+    engine fault or the drain's end mid-stream is one OpenAI error payload (the headers are sent)."""
     name = served.model_name
     try:
-        yield sse(schemas.chat_chunk(rid, name, {"role": "assistant", "content": ""}))
-        async for event in _events(ticket):
-            if isinstance(event, dict):
-                yield sse(event)
-                break
-            if event.text:
+        if chat:
+            yield sse(schemas.chat_chunk(rid, name, {"role": "assistant", "content": ""}))
+        async for event in ticket.events():
+            if chat and event.text:
                 yield sse(schemas.chat_chunk(rid, name, {"content": event.text}))
-            if event.finish_reason is not None:
+            if chat and event.finish_reason is not None:
                 yield sse(schemas.chat_chunk(rid, name, {}, event.finish_reason))
-        if include_usage:
-            usage = schemas.Usage.of(ticket.prompt_tokens, ticket.completion_tokens)
-            yield sse(schemas.usage_chunk(rid, name, "chat.completion.chunk", usage))
-        yield sse("[DONE]")
-    finally:  # also when the client disconnects: Starlette closes this generator
-        ticket.cancel()
-
-
-async def _completion_stream(served: Served, ticket: Ticket, rid: str, include_usage: bool) -> AsyncIterator[str]:
-    name = served.model_name
-    try:
-        async for event in _events(ticket):
-            if isinstance(event, dict):
-                yield sse(event)
-                break
-            if event.text or event.finish_reason is not None:
+            elif not chat and (event.text or event.finish_reason is not None):
                 yield sse(schemas.completion_chunk(rid, name, event.text, event.finish_reason))
         if include_usage:
             usage = schemas.Usage.of(ticket.prompt_tokens, ticket.completion_tokens)
-            yield sse(schemas.usage_chunk(rid, name, "text_completion", usage))
-        yield sse("[DONE]")
-    finally:
-        ticket.cancel()
-
-
-async def _events(ticket: Ticket) -> AsyncIterator[Any]:
-    """The ticket's events; an engine fault mid-stream becomes one OpenAI error payload (headers are sent)."""
-    try:
-        async for event in ticket.events():
-            yield event
+            yield sse(schemas.usage_chunk(rid, name, "chat.completion.chunk" if chat else "text_completion", usage))
     except Gemma4LibError as exc:
         log.error("stream failed: %s", exc)
-        yield http_error(exc)[1]
+        yield sse(http_error(exc)[1])
+    finally:  # also when the client disconnects: Starlette closes this generator
+        ticket.cancel()
+    yield sse("[DONE]")

@@ -64,8 +64,12 @@ class DrainingError(RequestError):
     type = "server_shutting_down"
     code = "draining"
 
-    def __init__(self):
-        super().__init__("the server is shutting down (SIGTERM) and takes no new requests; send it to another replica")
+    def __init__(self, unfinished: bool = False):
+        super().__init__(
+            "the server's drain time ran out (SIGTERM) before this request finished; send it again"
+            if unfinished
+            else "the server is shutting down (SIGTERM) and takes no new requests; send it to another replica"
+        )
         self.retry_after_s = 1
 
 
@@ -106,8 +110,9 @@ def http_error(exc: BaseException) -> tuple[int, dict[str, Any], dict[str, str]]
     if isinstance(exc, RequestError):
         headers = {"Retry-After": str(exc.retry_after_s)} if hasattr(exc, "retry_after_s") else {}
         return exc.status, error_body(str(exc), exc.type, exc.param, exc.code), headers
-    if isinstance(exc, PromptTooLongError):
-        return 400, error_body(str(exc), "invalid_request_error", "max_tokens", "context_length_exceeded"), {}
+    if isinstance(exc, PromptTooLongError):  # a prefill bucket's limit is the prompt's alone
+        param = "max_tokens" if exc.max_new_tokens else "messages"
+        return 400, error_body(str(exc), "invalid_request_error", param, "context_length_exceeded"), {}
     if isinstance(exc, SettingsError):
         field = str(exc).split(" ", 1)[0]  # Sampling's messages start with the value's name
         param = field if field in SAMPLING_FIELDS else None

@@ -22,7 +22,7 @@ from typing import Any
 
 import uvicorn
 
-from .app import Served, create_app
+from .app import MAX_BODY_BYTES, Served, create_app
 from .metrics import ServerMetrics
 from .scheduler import EngineLike, Scheduler
 from .text import Codec
@@ -66,19 +66,22 @@ def build_served(
     admit_wait_s: float = 0.0,
     processor: Any = None,
     image_token_id: int | None = None,
+    allow_control_tokens: bool = False,
+    max_body: int = MAX_BODY_BYTES,
 ) -> Served:
     """The scheduler (started) and what the routes need, around an engine and its tokenizer; `info`
     (load and compile seconds, the replica) is shown by `GET /health`; `processor` and `image_token_id`
-    (a model served with its vision part) let chat requests carry `image_url` parts."""
+    (a model served with its vision part) let chat requests carry `image_url` parts; `allow_control_tokens`
+    parses special tokens in content (trusted clients only); bodies over `max_body` bytes get 413."""
     metrics = ServerMetrics(engine.batch, replica=replica)
     scheduler = Scheduler(
         engine,
-        Codec(tokenizer, processor, image_token_id),
+        Codec(tokenizer, processor, image_token_id, allow_control_tokens),
         max_queue=max_queue,
         metrics=metrics,
         admit_wait_s=admit_wait_s,
     ).start()
-    return Served(scheduler, model_name, eos_ids, aliases, info=info)
+    return Served(scheduler, model_name, eos_ids, aliases, info=info, max_body=max_body)
 
 
 class DrainingServer(uvicorn.Server):
@@ -106,7 +109,8 @@ class DrainingServer(uvicorn.Server):
         if self.scheduler.drain(self.drain_timeout_s):
             log.info("drained: every started request finished; exiting")
         else:
-            log.error("drain timed out after %.0f s; exiting with requests unfinished", self.drain_timeout_s)
+            log.error("drain timed out after %.0f s; ending unfinished requests with an error", self.drain_timeout_s)
+            self.scheduler.close(timeout_s=0.5)  # each open stream gets its final error chunk
         self.should_exit = True
 
 
@@ -137,7 +141,7 @@ def serve_forever(served: Served, host: str = LOOPBACK, port: int = 8000, drain_
     freeze_startup_objects()
     favour_the_engine_thread()
     config = uvicorn.Config(
-        create_app(served), host=host, port=port, log_level="info", timeout_graceful_shutdown=30, lifespan="off"
+        create_app(served), host=host, port=port, log_level="info", timeout_graceful_shutdown=1, lifespan="off"
     )
     server = DrainingServer(config, served.scheduler, drain_timeout_s)
     log.warning("serving %s on http://%s:%d/v1 (%d rows)", served.model_name, host, port, served.scheduler.engine.batch)
@@ -164,6 +168,8 @@ def serve_loaded(loaded: Loaded, args: Any) -> int:
         admit_wait_s=args.admit_wait_ms / 1000.0,
         processor=loaded.processor,
         image_token_id=loaded.image_token_id,
+        allow_control_tokens=args.allow_control_tokens,
+        max_body=int(args.max_body_mb * 2**20),
     )
     log.warning("engine ready: load %.1f s, compile %.1f s", loaded.load_s, loaded.compile_s)
     serve_forever(served, args.host, args.port, args.drain_timeout)

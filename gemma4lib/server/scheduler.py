@@ -42,6 +42,7 @@ class EngineLike(Protocol):
     def admit(self, requests: dict[int, Any]) -> dict[int, list[int]]: ...
     def step(self) -> dict[int, list[int]]: ...
     def finished(self, row: int) -> str | None: ...
+    def fault(self, row: int) -> BaseException | None: ...
     def release(self, row: int) -> Any: ...
 
 
@@ -223,7 +224,7 @@ class Scheduler:
         return True
 
     def close(self, timeout_s: float = 10.0) -> None:
-        """Stop the thread; requests still running end with "cancelled"."""
+        """Stop the thread; requests still queued or running end with an error (the drain's time ran out)."""
         with self._cond:
             self._accepting = False
             self._closing = True
@@ -272,9 +273,9 @@ class Scheduler:
                     self._cond.wait(0.05)
             self._publish()
         for row in list(self._live):
-            self._end(row, "cancelled")
+            self._fail(row, DrainingError(unfinished=True))
         for job in list(self._waiting):
-            self._finish(job, "cancelled")
+            self._finish(job, "error", error=DrainingError(unfinished=True))
         self._waiting.clear()
         self._outbox.send()
         self._publish()
@@ -313,7 +314,7 @@ class Scheduler:
         except Exception as exc:  # a real fault: the log has the cause, the clients a 500-shaped error
             log.exception("engine.admit failed for rows %s", sorted(batch))
             for row in batch:
-                self._fail(row, exc)
+                self._fail(row, EngineFaultError(exc))
             return
         self.admitted += len(batch)
         self._deliver(first)
@@ -333,7 +334,7 @@ class Scheduler:
         except Exception as exc:
             log.exception("engine.step failed with rows %s live", sorted(self._live))
             for row in list(self._live):
-                self._fail(row, exc)
+                self._fail(row, EngineFaultError(exc))
             return
         self.steps += 1
         self._deliver(new)
@@ -342,7 +343,10 @@ class Scheduler:
         now = time.monotonic()
         for row, tokens in tokens_by_row.items():
             job = self._live.get(row)
-            if job is None or not tokens:
+            if job is not None and self.engine.finished(row) == "error":  # this row's fault alone
+                log.error("row %d failed: %s", row, self.engine.fault(row))
+                self._fail(row, EngineFaultError(self.engine.fault(row)))
+            if job is None or not tokens or job.done:
                 continue
             if job.first_at is None:
                 job.first_at = now
@@ -369,14 +373,14 @@ class Scheduler:
             log.exception("engine.release(%d) failed", row)
         self._finish(job, reason, text + job.text.finish(), tokens)
 
-    def _fail(self, row: int, exc: BaseException) -> None:
+    def _fail(self, row: int, error: BaseException) -> None:
         job = self._live.pop(row, None)
         try:
             self.engine.release(row)
         except Exception:  # the row may never have been admitted
             log.debug("release of failed row %d", row, exc_info=True)
         if job is not None:
-            self._finish(job, "error", error=EngineFaultError(exc))
+            self._finish(job, "error", error=error)
 
     def _finish(self, job: Job, reason: str, text: str = "", tokens: int = 0, error: BaseException | None = None):
         if job.done:

@@ -1,16 +1,33 @@
 """The OpenAI request and response bodies the endpoint speaks (the subset a chat model with images needs).
 
-pydantic validates the requests (a wrong type is a 400 naming the field); fields OpenAI's clients
-send that this server does not use are ignored, as vLLM's server does, so any client works.
+pydantic validates the requests (a wrong type is a 400 naming the field). An OpenAI field this
+server does not implement is refused with a 400 naming it when it asks for anything (a silent 200
+would hand back what the client did not ask for); one left at its default, and fields of no effect
+(`user`, `metadata`), pass. Sizes are capped before any work: messages, stop strings, prompts.
 """
 
 from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+
+MAX_MESSAGES = 1024
+MAX_STOP, MAX_STOP_CHARS = 4, 256  # OpenAI's four; each is matched against every new piece of text
+# fields a client may send that this server does not implement: refused unless at a value asking for nothing
+UNIMPLEMENTED = (
+    "logprobs top_logprobs tools tool_choice functions function_call response_format logit_bias echo suffix best_of "
+    "frequency_penalty presence_penalty repetition_penalty top_k min_p modalities audio prediction reasoning_effort "
+    "web_search_options verbosity"
+).split()
+QUIET = (None, False, 0, "", [], {}, "none", "auto", {"type": "text"}, ["text"])
+QUIET_NUMBERS = {"best_of": 1, "repetition_penalty": 1, "top_k": -1}
+
+
+# a lone surrogate ("\\ud800", legal in JSON) is no text a tokenizer takes: "surrogates not allowed", a 400
+Text = Annotated[str, AfterValidator(lambda text: (text.encode("utf-8"), text)[1])]
 
 
 class _Body(BaseModel):
@@ -24,13 +41,13 @@ class ImageURL(_Body):
 
 class ContentPart(_Body):
     type: str
-    text: str | None = None
+    text: Text | None = None
     image_url: ImageURL | None = None
 
 
 class ChatMessage(_Body):
     role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[ContentPart]
+    content: Text | list[ContentPart]
 
 
 class StreamOptions(_Body):
@@ -40,17 +57,27 @@ class StreamOptions(_Body):
 class SamplingFields(_Body):
     """What both routes share: the budget, the sampling values and the stop strings."""
 
+    model_config = ConfigDict(extra="allow")  # kept to be refused by name (`unimplemented`)
     model: str
     max_tokens: int | None = Field(default=None, ge=1)
     temperature: float | None = None
     top_p: float | None = None
     seed: int | None = Field(default=None, ge=0, lt=2**63)  # a torch generator's range
-    stop: str | list[str] | None = None
+    stop: (
+        Annotated[Text, Field(max_length=MAX_STOP_CHARS)]
+        | Annotated[list[Annotated[Text, Field(max_length=MAX_STOP_CHARS)]], Field(max_length=MAX_STOP)]
+        | None
+    ) = None
     n: int = Field(default=1, ge=1, le=1)
     stream: bool = False
     stream_options: StreamOptions | None = None
     # vLLM's extension (clients send it in `extra_body`): generate all `max_tokens`, past any eos
     ignore_eos: bool = False
+
+    def unimplemented(self) -> str | None:
+        """The first field sent that asks for something this server does not do, or None."""
+        asks = [k for k, v in (self.model_extra or {}).items() if v not in QUIET and v != QUIET_NUMBERS.get(k, 0)]
+        return next((k for k in asks if k in UNIMPLEMENTED), None)
 
     def stop_strings(self) -> tuple[str, ...]:
         if self.stop is None:
@@ -63,12 +90,12 @@ class SamplingFields(_Body):
 
 
 class ChatCompletionRequest(SamplingFields):
-    messages: list[ChatMessage]
+    messages: list[ChatMessage] = Field(max_length=MAX_MESSAGES)
     max_completion_tokens: int | None = Field(default=None, ge=1)
 
 
 class CompletionRequest(SamplingFields):
-    prompt: str | list[str]
+    prompt: Text | list[Text]
 
 
 class Usage(BaseModel):
@@ -89,52 +116,40 @@ def now() -> int:
     return int(time.time())
 
 
+def _body(rid: str, model: str, obj: str, choices: list[dict[str, Any]], usage: Usage | None = None) -> dict[str, Any]:
+    body = {"id": rid, "object": obj, "created": now(), "model": model, "choices": choices}
+    return body if usage is None else {**body, "usage": usage.model_dump()}
+
+
 def chat_response(rid: str, model: str, texts: list[tuple[str, str]], usage: Usage) -> dict[str, Any]:
     choices = [
         {"index": i, "message": {"role": "assistant", "content": text}, "finish_reason": reason, "logprobs": None}
         for i, (text, reason) in enumerate(texts)
     ]
-    return {
-        "id": rid,
-        "object": "chat.completion",
-        "created": now(),
-        "model": model,
-        "choices": choices,
-        "usage": usage.model_dump(),
-    }
+    return _body(rid, model, "chat.completion", choices, usage)
 
 
 def chat_chunk(rid: str, model: str, delta: dict[str, str], reason: str | None = None) -> dict[str, Any]:
     choice = {"index": 0, "delta": delta, "finish_reason": reason, "logprobs": None}
-    return {"id": rid, "object": "chat.completion.chunk", "created": now(), "model": model, "choices": [choice]}
+    return _body(rid, model, "chat.completion.chunk", [choice])
 
 
 def completion_response(rid: str, model: str, texts: list[tuple[str, str]], usage: Usage) -> dict[str, Any]:
-    choices = [
-        {"index": i, "text": text, "finish_reason": reason, "logprobs": None} for i, (text, reason) in enumerate(texts)
-    ]
-    return {
-        "id": rid,
-        "object": "text_completion",
-        "created": now(),
-        "model": model,
-        "choices": choices,
-        "usage": usage.model_dump(),
-    }
+    choices = [{"index": i, "text": t, "finish_reason": r, "logprobs": None} for i, (t, r) in enumerate(texts)]
+    return _body(rid, model, "text_completion", choices, usage)
 
 
 def completion_chunk(rid: str, model: str, text: str, reason: str | None = None) -> dict[str, Any]:
-    choice = {"index": 0, "text": text, "finish_reason": reason, "logprobs": None}
-    return {"id": rid, "object": "text_completion", "created": now(), "model": model, "choices": [choice]}
+    return _body(rid, model, "text_completion", [{"index": 0, "text": text, "finish_reason": reason, "logprobs": None}])
 
 
 def usage_chunk(rid: str, model: str, obj: str, usage: Usage) -> dict[str, Any]:
-    return {"id": rid, "object": obj, "created": now(), "model": model, "choices": [], "usage": usage.model_dump()}
+    return _body(rid, model, obj, [], usage)
 
 
-def models_list(names: list[str], context_length: int) -> dict[str, Any]:
-    data = [
-        {"id": name, "object": "model", "created": now(), "owned_by": "gemma4lib", "max_model_len": context_length}
-        for name in names
-    ]
+def models_list(names: list[str], context_length: int, max_prompt: int) -> dict[str, Any]:
+    """Each name with the lengths a request can use: prompt + new tokens within `max_model_len`, the
+    prompt alone within `max_prompt_tokens` (the largest prefill bucket)."""
+    lengths = {"max_model_len": context_length, "max_prompt_tokens": max_prompt}
+    data = [{"id": name, "object": "model", "created": now(), "owned_by": "gemma4lib", **lengths} for name in names]
     return {"object": "list", "data": data}

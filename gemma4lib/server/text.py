@@ -14,6 +14,8 @@ scheduler thread time per token that grew with the reply, between every two deco
 
 from __future__ import annotations
 
+import copy
+import re
 import threading
 from collections.abc import Sequence
 from typing import Any
@@ -21,35 +23,69 @@ from typing import Any
 from ..errors import BadPromptError
 from ..models.tokenizer import require_chat_template
 
+PLACEHOLDER = "\ue000"  # a private-use character: where a special string of the content was
+
 
 class Codec:
-    """The tokenizer, shared by the HTTP side (encode) and the scheduler thread (decode).
+    """The tokenizer: encoding on the HTTP side's workers, decoding on the scheduler thread, each with its
+    own copy and lock (a fast tokenizer used by two threads at once can fail "Already borrowed"), so a
+    long encode never holds up the decode of every stream.
 
-    A fast tokenizer may re-borrow its Rust state mutably on a call (truncation/padding settings), so
-    two threads using it at once can fail with "Already borrowed": one lock makes every use serial.
+    Control tokens stay text unless `allow_control_tokens` (trusted clients): the template renders content
+    with its special strings as placeholders, so its own markers are the only control tokens, and each
+    stretch between them is encoded as text (`<|turn>` typed by a user is six characters). The tokenizer
+    encodes between markers independently too: a prompt without special strings gets the ids it always did.
     """
 
-    def __init__(self, tokenizer: Any, processor: Any = None, image_token_id: int | None = None):
+    def __init__(
+        self, tokenizer: Any, processor: Any = None, image_token_id: int | None = None, allow_control_tokens=False
+    ):
         require_chat_template(tokenizer)
-        self.tokenizer = tokenizer
+        self.tokenizer, self._decoder = tokenizer, copy.deepcopy(tokenizer)
         # the image processor and image token of a model served with its vision part (`serve --vision`)
         self.processor, self.image_token_id = processor, image_token_id
-        self._lock = threading.Lock()
+        self.allow_control_tokens = allow_control_tokens
+        self._lock, self._decode_lock = threading.Lock(), threading.Lock()
+        specials = sorted({str(t) for t in tokenizer.added_tokens_decoder.values()} | {PLACEHOLDER}, key=len)[::-1]
+        self._specials = {s: i for i, s in enumerate(specials)}
+        self._special_re = re.compile("|".join(map(re.escape, specials)))
+        self._marker_re = re.compile("|".join(re.escape(s) for s in specials if s != PLACEHOLDER))
+        self.longest_token = max(len(t) for t in tokenizer.get_vocab())  # characters: a prompt's bound
         # The Rust tokenizer's own decode: the same text when transformers would not clean up spaces,
         # without transformers' per-call Python work (most of a short decode's time: the scheduler
         # thread decodes once or twice per row and token).
-        fast = getattr(tokenizer, "backend_tokenizer", None)
+        fast = getattr(self._decoder, "backend_tokenizer", None)
         self._fast = fast if fast is not None and not getattr(tokenizer, "clean_up_tokenization_spaces", True) else None
 
-    def chat(self, messages: list[dict[str, str]]) -> list[int]:
+    def chat(self, messages: list[dict[str, Any]]) -> list[int]:
         """Messages through the model's own chat template, ending with the model's turn."""
         if not messages:
             raise BadPromptError("messages is empty; send at least one {'role': 'user', 'content': ...} message")
+        hidden = [{**m, "content": self._hide(m["content"])} for m in messages]  # unless trusted
         with self._lock:
-            ids = self.tokenizer.apply_chat_template(
-                messages, add_generation_prompt=True, tokenize=True, return_dict=False
-            )
-        return list(ids["input_ids"] if isinstance(ids, dict) else ids)
+            text = self.tokenizer.apply_chat_template(hidden, add_generation_prompt=True, tokenize=False)
+        return self._encode(text)
+
+    def _hide(self, content: Any) -> Any:
+        """Content with every special string (and the placeholder character) as a placeholder."""
+        if self.allow_control_tokens:
+            return content
+        if isinstance(content, str):
+            return self._special_re.sub(lambda m: f"{PLACEHOLDER}{self._specials[m.group()]};", content)
+        return [{**p, "text": self._hide(p["text"])} if "text" in p else p for p in content]
+
+    def _encode(self, text: str) -> list[int]:
+        """`text` as ids: its special strings are control tokens, the placeholders' are text."""
+        specials, found = list(self._specials), self._marker_re.findall(text)
+        ids: list[int] = []
+        with self._lock:
+            for i, piece in enumerate(self._marker_re.split(text)):
+                plain = re.sub(PLACEHOLDER + r"(\d+);", lambda m: specials[int(m.group(1))], piece)
+                if plain:
+                    ids += self.tokenizer(plain, add_special_tokens=False, split_special_tokens=True)["input_ids"]
+                if i < len(found):
+                    ids.append(self.tokenizer.convert_tokens_to_ids(found[i]))
+        return ids
 
     def chat_with_images(self, messages: list[dict[str, Any]], images: list[Any]) -> tuple[list[int], Any]:
         """Messages whose content holds `{"type": "image"}` parts, one per image in `images` (PIL):
@@ -62,24 +98,26 @@ class Codec:
                 "this server was started without a vision part; start it with --vision (a model with a vision "
                 "part) to send image_url content parts, or send text only"
             )
+        rendered = self.chat(messages)
         with self._lock:
             inputs = image_prompt(
-                self.tokenizer, self.processor, images, "", image_token_id=self.image_token_id, messages=messages
+                self.tokenizer, self.processor, images, "", image_token_id=self.image_token_id, rendered=rendered
             )
         return inputs.ids, inputs.prompt
 
     def text(self, prompt: str) -> list[int]:
-        """A completion prompt as plain text (no chat turns), with the tokenizer's own special tokens."""
+        """A completion prompt as plain text (no chat turns), with the tokenizer's own special tokens: the
+        client writes the whole prompt (its own template, as lm-eval does); there is no turn to forge."""
         if not prompt.strip():
             raise BadPromptError("prompt is empty; send the text the model should continue")
         with self._lock:
             return list(self.tokenizer(prompt)["input_ids"])
 
     def decode(self, ids: Sequence[int]) -> str:
-        with self._lock:
+        with self._decode_lock:
             if self._fast is not None:
                 return self._fast.decode(list(ids), skip_special_tokens=True)
-            return self.tokenizer.decode(list(ids), skip_special_tokens=True)
+            return self._decoder.decode(list(ids), skip_special_tokens=True)
 
 
 class TextStream:
