@@ -125,25 +125,31 @@ class ExplicitKV:
         return (keys, values) if ring_prefill else (k_new, v_new)
 
     def _write(self, old: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
+        """Put the call's new positions into `old`, nothing else. Token t of row b goes to slot
+        (start[b] + t) % slots: an index_put of T slices per row and head, which Inductor performs in
+        place on the K/V input and XLA lowers as a scatter of T x D-wide rows (NxD Inference's
+        context-encoding write), not a rewrite of every slot. A token past its row's length (padding,
+        an idle row) puts back what its slot holds. A ring shorter than the chunk would take two
+        tokens in one slot: there each slot takes its newest token, row-wise."""
         b, heads, slots, dim = old.shape
-        if self.tokens == 1:
-            # old[row, head, slot[row]] = new[row, head, 0] where the row writes: an index_put, which
-            # Inductor performs in place on the K/V input (a scatter was lowered as a copy of the
-            # whole buffer every step: docs/ROOFLINE.md); an idle row puts back what it holds
-            rows = torch.arange(b, device=old.device).view(b, 1)
-            heads_at = torch.arange(heads, device=old.device).view(1, heads)
-            slot = torch.remainder(self.start, slots).long().view(b, 1)  # one index dtype (XLA refuses a mix)
-            index = (rows, heads_at, slot)
-            value = torch.where((self.length > 0).view(b, 1, 1), new[:, :, 0, :], old[index])
-            return old.index_put_(index, value) if self.inplace else old.index_put(index, value)
-        # Chunk token i goes to slot (start + i) % slots; for each slot take the newest valid token.
-        s = torch.arange(slots, device=old.device, dtype=self.start.dtype)
-        last = (self.length - 1)[:, None]  # [B, 1]
-        src = last - torch.remainder(self.start[:, None] + last - s[None, :], slots)  # [B, S]
-        keep_old = (src < 0).view(b, 1, slots, 1)
-        index = src.clamp(min=0).long().view(b, 1, slots, 1).expand(b, heads, slots, new.shape[-1])
-        merged = torch.where(keep_old, old, torch.gather(new, 2, index))
-        return old.copy_(merged) if self.inplace else merged
+        tokens = new.shape[2]
+        if tokens > slots:
+            s = torch.arange(slots, device=old.device, dtype=self.start.dtype)
+            last = (self.length - 1)[:, None]  # [B, 1]
+            src = last - torch.remainder(self.start[:, None] + last - s[None, :], slots)  # [B, S]
+            keep_old = (src < 0).view(b, 1, slots, 1)
+            index = src.clamp(min=0).long().view(b, 1, slots, 1).expand(b, heads, slots, dim)
+            merged = torch.where(keep_old, old, torch.gather(new, 2, index))
+            return old.copy_(merged) if self.inplace else merged
+        t = torch.arange(tokens, device=old.device, dtype=self.start.dtype)
+        rows = torch.arange(b, device=old.device).view(b, 1, 1)
+        heads_at = torch.arange(heads, device=old.device).view(1, heads, 1)
+        # one index dtype (XLA refuses a mix)
+        slot = torch.remainder(self.start[:, None] + t[None, :], slots).long().view(b, 1, tokens)
+        index = (rows, heads_at, slot)
+        written = (t[None, :] < self.length[:, None]).view(b, 1, tokens, 1)
+        value = torch.where(written, new, old[index])
+        return old.index_put_(index, value) if self.inplace else old.index_put(index, value)
 
 
 def key_blocks(blocks: torch.Tensor, k_pos: torch.Tensor, start: torch.Tensor, length: torch.Tensor) -> torch.Tensor:
