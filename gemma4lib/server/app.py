@@ -125,6 +125,14 @@ def chat_messages(body: schemas.ChatCompletionRequest, codec: Any) -> tuple[list
     return out, images
 
 
+INLINE_CHARS = 4096  # text this short encodes in a fraction of a millisecond: on the loop, no thread hop
+
+
+async def off_loop(served: Served, heavy: bool, work: Any) -> Any:
+    """`work()` on the bounded encoding pool when it is `heavy` (long text, images), else right here."""
+    return await asyncio.get_running_loop().run_in_executor(served.pool, work) if heavy else work()
+
+
 def encode_chat(body: schemas.ChatCompletionRequest, codec: Any) -> tuple[list[int], Any]:
     """The prompt ids and images of a chat request (on the encoding pool: decoding, templating)."""
     messages, pictures = chat_messages(body, codec)
@@ -245,10 +253,10 @@ def create_app(served: Served) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat(body: schemas.ChatCompletionRequest, request: Request) -> Any:
         parts = [p for m in body.messages for p in ([m] if isinstance(m.content, str) else m.content)]
-        served.check_body(
-            body, [p.content if isinstance(p, schemas.ChatMessage) else p.text or "" for p in parts], "messages"
-        )
-        ids, images = await asyncio.get_running_loop().run_in_executor(served.pool, encode_chat, body, scheduler.codec)
+        texts = [p.content if isinstance(p, schemas.ChatMessage) else p.text or "" for p in parts]
+        served.check_body(body, texts, "messages")
+        heavy = sum(map(len, texts)) > INLINE_CHARS or any(getattr(p, "type", "text") != "text" for p in parts)
+        ids, images = await off_loop(served, heavy, lambda: encode_chat(body, scheduler.codec))
         job = served.engine_request(ids, body, body.max_completion_tokens or body.max_tokens, images)
         ticket = scheduler.submit(job, body.stop_strings())
         rid = schemas.new_id("chatcmpl")
@@ -270,7 +278,8 @@ def create_app(served: Served) -> FastAPI:
             raise RequestError("stream=true takes one prompt; send the others as their own requests", "prompt")
         if any(not p.strip() for p in prompts):
             raise RequestError("prompt is empty; send the text the model should continue", "prompt")
-        encoded = await asyncio.get_running_loop().run_in_executor(served.pool, lambda: list(map(codec.text, prompts)))
+        heavy = sum(map(len, prompts)) > INLINE_CHARS
+        encoded = await off_loop(served, heavy, lambda: list(map(codec.text, prompts)))
         jobs = [served.engine_request(ids, body, body.max_tokens) for ids in encoded]
         tickets: list[Ticket] = []
         try:
