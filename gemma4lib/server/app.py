@@ -3,8 +3,8 @@
 FastAPI (on Starlette, under uvicorn) because its pydantic bodies give OpenAI's field checks and
 400s for free and it is what Ray Serve deploys (`serve.ingress`), so one app serves both ways.
 Untrusted clients: a body over `max_body` is a 413 before it is read, every size and field is
-checked before any work, and templating, tokenizing and image decoding run on a small worker pool,
-so one large request never holds up the event loop (and every other client's stream) behind it.
+checked before any work, and the templating and tokenizing of long text and image decoding run on a
+small worker pool, so one large request never holds up the event loop (and every stream) behind it.
 Streams are Starlette's `StreamingResponse` writing server-sent events (`data: {chunk}` lines, then
 `data: [DONE]`); sse-starlette would add a dependency for two lines of framing, and it ends open
 streams when uvicorn begins its shutdown, where SIGTERM here must let them finish.
