@@ -13,6 +13,7 @@ import io
 import os
 import shutil
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -106,6 +107,20 @@ def ports() -> _Ports:
 
 
 # ---- helpers the tests share ------------------------------------------------------------------
+def wait_healthy(url: str, timeout_s: float = 60.0) -> None:
+    """Until a server started in a child process answers `/health` with 200 (or `timeout_s` passes:
+    the test's own requests then fail and say why)."""
+    import httpx
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            time.sleep(0.1)
+
+
 def data_url(image: Any, kind: str = "png") -> str:
     """A PIL image (or a path to an image file) as the data URL a client sends."""
     if isinstance(image, (str, Path)):

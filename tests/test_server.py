@@ -554,6 +554,8 @@ def _stream_request(url: str, country: str, out: dict) -> None:
 
 
 def test_sigterm_under_load_finishes_every_started_request(tmp_path):
+    from conftest import wait_healthy
+
     port = free_port()
     env = {
         **os.environ,
@@ -564,13 +566,7 @@ def test_sigterm_under_load_finishes_every_started_request(tmp_path):
     )
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.1)
+        wait_healthy(url)
         countries = ["France", "Peru", "Chile", "Japan"]  # two rows: two run, two wait
         out: dict = {}
         threads = [threading.Thread(target=_stream_request, args=(url, c, out)) for c in countries]

@@ -283,6 +283,8 @@ def _stream_until_end(url: str, out: list) -> None:
 
 
 def test_the_drain_exits_on_time_and_ends_unfinished_streams_with_an_error(tmp_path):
+    from conftest import wait_healthy
+
     port, drain_s = free_port(), 1.0
     env = {
         **os.environ,
@@ -297,13 +299,7 @@ def test_the_drain_exits_on_time_and_ends_unfinished_streams_with_an_error(tmp_p
     )
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.1)
+        wait_healthy(url)
         out: list = []
         threads = [threading.Thread(target=_stream_until_end, args=(url, out)) for _ in range(3)]  # 2 rows, 1 waits
         for t in threads:

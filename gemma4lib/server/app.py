@@ -61,8 +61,9 @@ class Served:
         self.draft_tokens = int(getattr(scheduler.engine, "draft_tokens", 0) or 0)
         self.pool = ThreadPoolExecutor(2, thread_name_prefix="gemma4lib-encode")  # the bound on encoding work
 
-    def check_body(self, body: schemas.SamplingFields, texts: Sequence[str], param: str) -> None:
-        """Refuse what can never run, before any work: a field not implemented, text too long to fit."""
+    def check_body(self, body: schemas.SamplingFields, texts: Sequence[str], param: str) -> int:
+        """Refuse what can never run, before any work: a field not implemented, text too long to fit.
+        Returns the text's characters (what decides where it is encoded, `off_loop`)."""
         self.check_model(body.model)
         field = body.unimplemented()
         if field is not None:
@@ -71,6 +72,7 @@ class Served:
         if chars > self.max_prompt * longest:  # a token is at most `longest` characters: it can never fit
             message = f"{chars:,} characters, more than the largest prefill bucket {self.max_prompt} tokens can hold"
             raise RequestError(f"{param} has {message} ({longest} characters a token at most); shorten it", param)
+        return chars
 
     def check_model(self, name: str) -> None:
         if name not in self.names:
@@ -254,8 +256,8 @@ def create_app(served: Served) -> FastAPI:
     async def chat(body: schemas.ChatCompletionRequest, request: Request) -> Any:
         parts = [p for m in body.messages for p in ([m] if isinstance(m.content, str) else m.content)]
         texts = [p.content if isinstance(p, schemas.ChatMessage) else p.text or "" for p in parts]
-        served.check_body(body, texts, "messages")
-        heavy = sum(map(len, texts)) > INLINE_CHARS or any(getattr(p, "type", "text") != "text" for p in parts)
+        chars = served.check_body(body, texts, "messages")
+        heavy = chars > INLINE_CHARS or any(getattr(p, "type", "text") != "text" for p in parts)
         ids, images = await off_loop(served, heavy, lambda: encode_chat(body, scheduler.codec))
         job = served.engine_request(ids, body, body.max_completion_tokens or body.max_tokens, images)
         ticket = scheduler.submit(job, body.stop_strings())
@@ -269,7 +271,7 @@ def create_app(served: Served) -> FastAPI:
     @app.post("/v1/completions")
     async def completions(body: schemas.CompletionRequest, request: Request) -> Any:
         prompts = [body.prompt] if isinstance(body.prompt, str) else list(body.prompt)
-        served.check_body(body, prompts, "prompt")
+        chars = served.check_body(body, prompts, "prompt")
         if len(prompts) > scheduler.max_queue:
             raise RequestError(f"{len(prompts)} prompts, more than the queue holds ({scheduler.max_queue})", "prompt")
         if not prompts:
@@ -278,8 +280,7 @@ def create_app(served: Served) -> FastAPI:
             raise RequestError("stream=true takes one prompt; send the others as their own requests", "prompt")
         if any(not p.strip() for p in prompts):
             raise RequestError("prompt is empty; send the text the model should continue", "prompt")
-        heavy = sum(map(len, prompts)) > INLINE_CHARS
-        encoded = await off_loop(served, heavy, lambda: list(map(codec.text, prompts)))
+        encoded = await off_loop(served, chars > INLINE_CHARS, lambda: list(map(codec.text, prompts)))
         jobs = [served.engine_request(ids, body, body.max_tokens) for ids in encoded]
         tickets: list[Ticket] = []
         try:
