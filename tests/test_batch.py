@@ -126,7 +126,8 @@ def test_a_moe_batch_at_b_x_k_of_e_reads_its_experts_densely_with_rows_exact():
     and every row still equals its own reference. The TP rank graphs decide per rank's experts."""
     from gemma4lib.models.loading import build_tiny
     from gemma4lib.models.variants import get_variant
-    from gemma4lib.tp import build_rank_graph, make_plan, with_shape
+    from gemma4lib.tp.plan import make_plan
+    from gemma4lib.tp.rank_graph import build_rank_graph, with_shape
 
     model = build_tiny(get_variant("26b-a4b"))
     dec3 = _eager_runtime(model, 3, "selective").decode_graph

@@ -220,8 +220,8 @@ def test_model_builder_int8_converts_exactly_the_checkpoints_int8_weights(varian
 
     from gemma4lib.recipes import neuron_env
     from gemma4lib.recipes import neuron_model_builder as mb
-    from gemma4lib.tp import make_plan
     from gemma4lib.tp.layers import ColumnShard, RowShard
+    from gemma4lib.tp.plan import make_plan
     from gemma4lib.tp.rank_graph import CpuParallelFactory
 
     calls = []

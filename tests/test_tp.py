@@ -27,20 +27,10 @@ from gemma4lib.models.variants import get_variant
 from gemma4lib.reference import reference_greedy
 from gemma4lib.runtime import GREEDY, Request, Sampling
 from gemma4lib.settings import PortSettings
-from gemma4lib.tp import (
-    build_rank_graph,
-    load_shard,
-    make_plan,
-    nxd_full_checkpoint,
-    shard_shapes,
-    shard_state_dict,
-    valid_tp_degrees,
-    with_shape,
-)
 from gemma4lib.tp.layers import ShardedExperts
-from gemma4lib.tp.plan import COLUMN, REPLICATE, ROW
-from gemma4lib.tp.rank_graph import CpuParallelFactory
-from gemma4lib.tp.shard import rank_tensor, shard_kv
+from gemma4lib.tp.plan import COLUMN, REPLICATE, ROW, make_plan, valid_tp_degrees
+from gemma4lib.tp.rank_graph import CpuParallelFactory, build_rank_graph, load_shard, with_shape
+from gemma4lib.tp.shard import nxd_full_checkpoint, rank_tensor, shard_kv, shard_shapes, shard_state_dict
 
 NEW_TOKENS = 16
 PROMPT_TOKENS = 20  # longer than the tiny sliding window (8)

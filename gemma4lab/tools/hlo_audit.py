@@ -644,7 +644,9 @@ def audit_rank(
     from gemma4lib.device.graph import GraphShape
     from gemma4lib.inf2.params import count_params
     from gemma4lib.inf2.roofline import decode_bytes
-    from gemma4lib.tp import build_rank_graph, load_shard, make_plan, shard_state_dict
+    from gemma4lib.tp.plan import make_plan
+    from gemma4lib.tp.rank_graph import build_rank_graph, load_shard
+    from gemma4lib.tp.shard import shard_state_dict
 
     plan = make_plan(model.config, tp, model.variant, expert_split=expert_split)
     shape = GraphShape(batch, 1, CONTEXT)
