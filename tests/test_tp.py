@@ -432,7 +432,7 @@ def test_real_configs_plan_at_their_recipe_tp():
 def test_memory_plan_counts_the_same_expert_bytes_per_rank_in_either_split():
     """The released 26B-A4B on the meta device: a rank's shard is the same size whether it holds
     16 whole experts or 1/8 of all 128, and the memory plan counts that size."""
-    from gemma4lib.inf2.memory_plan import _rank_params, plan_core_memory
+    from gemma4lib.inf2.memory_plan import plan_core_memory, rank_weight_bytes
     from gemma4lib.inf2.params import count_params, meta_model
 
     v = get_variant("26b-a4b")
@@ -443,7 +443,7 @@ def test_memory_plan_counts_the_same_expert_bytes_per_rank_in_either_split():
         sizes[split] = sum(t.numel() for k, t in shard.items() if k != "spmd_rank.rank")
         experts = sum(t.numel() for k, t in shard.items() if ".experts." in k)
         assert experts == count_params(lm).experts // 8
-    assert sizes["experts"] == sizes["intermediate"] == _rank_params("26b-a4b", 8)
+    assert sizes["experts"] == sizes["intermediate"] == rank_weight_bytes("26b-a4b", 8, dtype_bytes=1)
     assert plan_core_memory("26b-a4b", 8).fits
 
 

@@ -13,7 +13,7 @@ from gemma4lib.inf2.hardware import BF16_FLOPS_PER_CORE, GB, GIB
 from gemma4lib.inf2.image_prefill import image_prefill_estimate, vision_flops
 from gemma4lib.inf2.memory_plan import format_plan_table, plan_core_memory
 from gemma4lib.inf2.serving_host import serving_host_plan
-from gemma4lib.inf2.vision_plan import PLACEMENT, vision_config, vision_params, vision_plan, vision_spec
+from gemma4lib.inf2.vision_plan import PLACEMENT, vision_config, vision_plan, vision_spec
 
 
 def encoder_hand_count(c, text_hidden: int) -> int:
@@ -29,9 +29,9 @@ def encoder_hand_count(c, text_hidden: int) -> int:
 def test_vision_params_on_the_meta_device_equal_the_hand_count():
     spec = vision_spec("e2b")
     assert spec.text_hidden == 1536 and spec.patches == 280 * 9 and spec.soft_tokens == 280
-    assert vision_params("e2b") == encoder_hand_count(spec.config, 1536) == 168_544_256
+    assert vision_plan("e2b").params == encoder_hand_count(spec.config, 1536) == 168_544_256
     # 31B: the same default tower, a wider embedder into 5,376
-    assert vision_params("31b") - vision_params("e2b") == 768 * (5376 - 1536)
+    assert vision_plan("31b").params - vision_plan("e2b").params == 768 * (5376 - 1536)
 
 
 def test_the_12b_unified_projection_hand_count():
@@ -40,7 +40,7 @@ def test_the_12b_unified_projection_hand_count():
     assert patch_dim == 6912
     mm = c.mm_embed_dim
     hand = 2 * patch_dim + patch_dim * mm + mm + 2 * mm + c.mm_posemb_size * 2 * mm + 2 * mm + mm * 3840
-    assert vision_params("12b") == hand
+    assert vision_plan("12b").params == hand
     assert vision_spec("12b").patches == vision_spec("12b").soft_tokens == 280
 
 

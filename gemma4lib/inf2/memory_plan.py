@@ -78,12 +78,6 @@ def neuron_recipe(variant: Variant, tp: int, requested: str | None = None) -> st
 
 
 @functools.lru_cache(maxsize=64)
-def _rank_params(name: str, tp: int) -> int:
-    """Parameter elements one rank holds (its shard), counted on the meta device; host tables excluded."""
-    return sum(n for n, _ in _rank_tensors(name, tp).values())
-
-
-@functools.lru_cache(maxsize=64)
 def _rank_tensors(name: str, tp: int) -> dict[str, tuple[int, int]]:
     """(elements, rows) of every tensor in one rank's shard (meta device), host tables excluded."""
     from ..tp.plan import make_plan

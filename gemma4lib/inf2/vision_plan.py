@@ -140,12 +140,6 @@ def _counts(name: str, source: str) -> tuple[int, int, int]:
     return params, tower_params, buffers
 
 
-def vision_params(variant: Variant | str, source: str = "defaults") -> int:
-    """Parameters of the variant's vision part (tower + embedder), counted on the meta device."""
-    v = get_variant(variant) if isinstance(variant, str) else variant
-    return _counts(v.name, source)[0]
-
-
 def activation_bytes(spec: VisionSpec, dtype_bytes: int = 2) -> int:
     """The vision graph's largest working set for one image at the patch budget, as eager
     attention holds it: the patch inputs, the residual stream and one layer's normed input, plus
