@@ -24,13 +24,16 @@ from __future__ import annotations
 
 import glob
 import json
+import logging
 import os
 import platform
 import shutil
 import subprocess
 import sys
+import warnings
 from typing import Any
 
+from ..errors import LowHostMemoryWarning, TensorParallelError
 from ..models.variants import get_variant
 from ..recipes import neuron_env
 from .compile_host import KEYS, compile_host_plan
@@ -42,7 +45,9 @@ from .memory_plan import (
     compile_peak_gb,
     format_plan_table,
     neuron_recipe,
+    plan_core_memory,
     plan_table,
+    require_neuron_tp,
 )
 from .serving_host import format_serving_host, serving_host_plan, serving_host_table
 
@@ -97,11 +102,6 @@ def warn_low_host_ram(variant: Any, tp: int | None = None, recipe: str | None = 
     """Before a compile: warn (`LowHostMemoryWarning`, and the log) when this host's RAM is below or near
     the estimated compile peak of `variant` with `recipe` and `keys` keys; returns the warning text
     (None when it fits)."""
-    import logging
-    import warnings
-
-    from ..errors import LowHostMemoryWarning
-
     message = compile_ram_warning(estimate_compile_peak_gb(variant, tp, recipe=recipe, keys=keys), host_ram_bytes())
     if message:
         logging.getLogger(__name__).warning(message)
@@ -144,11 +144,8 @@ def differences(devices: dict[str, Any], versions: list[dict[str, Any]]) -> list
 def neuron_devices() -> dict[str, Any]:
     """Neuron devices and cores: `neuron-ls --json-output` if available, else `/dev/neuron*`."""
     nodes = sorted(glob.glob("/dev/neuron*"))
-    tool = shutil.which("neuron-ls") or (
-        os.path.join(neuron_env.NEURON_BIN, "neuron-ls")
-        if os.path.exists(os.path.join(neuron_env.NEURON_BIN, "neuron-ls"))
-        else None
-    )
+    beside_sdk = os.path.join(neuron_env.NEURON_BIN, "neuron-ls")
+    tool = shutil.which("neuron-ls") or (beside_sdk if os.path.exists(beside_sdk) else None)
     info: dict[str, Any] = {
         "dev_nodes": nodes,
         "devices": len(nodes),
@@ -166,10 +163,8 @@ def neuron_devices() -> dict[str, Any]:
                 )
         except (OSError, ValueError, subprocess.SubprocessError) as exc:
             info["neuron_ls_error"] = f"{type(exc).__name__}: {exc}"
-    if info["cores"] is None and nodes:
-        info["cores"] = 2 * len(nodes)  # inf2: two NeuronCore-v2 per device
     if info["cores"] is None:
-        info["cores"] = 0
+        info["cores"] = 2 * len(nodes)  # inf2: two NeuronCore-v2 per device (none: 0)
     return info
 
 
@@ -281,9 +276,6 @@ def run_doctor(
     if not next(r for r in versions if r["package"] == "transformers")["ok"]:
         warnings.append(f"transformers must be {neuron_env.TRANSFORMERS_PIN} (CPU and inf2 alike)")
     if variant is not None:
-        from ..errors import TensorParallelError
-        from .memory_plan import plan_core_memory, require_neuron_tp
-
         v = get_variant(variant)
         tp = tp or v.tp_degree
         estimate = None
@@ -376,14 +368,6 @@ def format_doctor(report: dict[str, Any]) -> str:
         lines.append(f"TP={report['tp']['degree']}: " + ("ok" if report["tp"]["ok"] else report["tp"]["error"]))
     for w in report["warnings"]:
         lines.append(f"WARNING: {w}")
-    lines.append(
-        "verdict: "
-        + (
-            "ready for inf2"
-            if report["ok"]
-            else "CPU profile only"
-            if not report["sdk_present"]
-            else "fix the warnings above"
-        )
-    )
+    verdict = "ready for inf2" if report["ok"] else "fix the warnings above" if report["sdk_present"] else None
+    lines.append(f"verdict: {verdict or 'CPU profile only'}")
     return "\n".join(lines)
