@@ -280,6 +280,22 @@ def test_json_schema_replies_validate_and_the_other_rows_are_unchanged(server, l
     assert reason == "length" or isinstance(json.loads(text), dict)
 
 
+def test_langchain_with_structured_output_gets_a_valid_object(server):
+    """LangChain's `with_structured_output` (a json_schema response_format) against the tiny model: the
+    grammar holds the reply to the schema, LangChain parses it into its pydantic class."""
+    from langchain_openai import ChatOpenAI
+    from pydantic import BaseModel, Field
+
+    class Capital(BaseModel):
+        city: str = Field(max_length=8)
+        known: bool
+
+    llm = ChatOpenAI(model="e2b", base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=60, max_tokens=60)
+    answer = llm.with_structured_output(Capital, method="json_schema", strict=True).invoke(QUESTION[0]["content"])
+    print("with_structured_output:", answer)
+    assert isinstance(answer, Capital) and len(answer.city) <= 8
+
+
 def test_a_prompt_over_the_compiled_context_is_a_400(server):
     import openai
 

@@ -15,6 +15,7 @@ import re
 
 import httpx
 import pytest
+import torch
 from test_server import EOS, FakeEngine, openai_client
 
 from gemma4lab.serving.background import BackgroundServer
@@ -61,8 +62,8 @@ class ScriptedEngine(FakeEngine):
 
     def answer(self, request) -> list[int]:
         prompt = self.tokenizer.decode(list(request.prompt_ids))
-        if prompt.endswith("<|tool_call>call:get_weather"):
-            text = '{city:<|"|>Paris<|"|>}<tool_call|>'
+        if prompt.endswith("<|tool_call>call:"):  # a forced call: this model would call get_weather
+            text = 'get_weather{city:<|"|>Paris<|"|>}<tool_call|>'
         elif "<|tool_response>" in prompt:
             text = "The capital of France is " + prompt.rsplit('value:<|"|>', 1)[1].split('<|"|>')[0] + "."
         elif "<|tool>" in prompt:
@@ -72,6 +73,39 @@ class ScriptedEngine(FakeEngine):
         if "<|think|>" in prompt and "<|tool_call>call:" not in prompt[-40:]:
             text = THOUGHT + text
         return [*self.tokenizer(text, add_special_tokens=False)["input_ids"], EOS]
+
+
+class WatchedEngine(ScriptedEngine):
+    """Chooses each token of a watched row as the engine does (`runtime.Engine._choose`): the row's
+    logits (the scripted answer's next token likeliest, then the eos, a call's end, "}", the rest flat)
+    through `watch.logits`, the argmax, then `watch.chosen`."""
+
+    def _emit(self, row: int, n: int) -> list[int]:
+        state = self.rows[row]
+        watch = state["request"].watch
+        if watch is None:
+            return super()._emit(row, n)
+        vocab = len(self.tokenizer)
+        closing = [self.tokenizer.convert_tokens_to_ids(t) for t in ("}", "<tool_call|>")] + [EOS]
+        new = []
+        for _ in range(n):
+            logits = torch.zeros(vocab)
+            for rank, token in enumerate(closing):
+                logits[token] = 1.0 + rank
+            at = len(state["tokens"])
+            if at < len(state["answer"]):
+                logits[state["answer"][at]] = 10.0
+            token = int(torch.argmax(watch.logits(logits)))
+            watch.chosen(token)
+            state["tokens"].append(token)
+            new.append(token)
+            if token == EOS:
+                state["finish"] = "stop"
+                break
+            if len(state["tokens"]) >= state["request"].max_new_tokens:
+                state["finish"] = "length"
+                break
+        return new
 
 
 @pytest.fixture(scope="module")
@@ -84,7 +118,7 @@ def tool_tokenizer():
 
 @pytest.fixture(scope="module")
 def served(tool_tokenizer):
-    engine = ScriptedEngine(tool_tokenizer, batch=2, context_length=512)
+    engine = WatchedEngine(tool_tokenizer, batch=2, context_length=512)
     server = BackgroundServer(build_served(engine, tool_tokenizer, model_name=MODEL, eos_ids=(EOS,))).start()
     yield server, engine
     server.stop()
@@ -229,17 +263,39 @@ def test_named_tool_choice_opens_the_call(served, tool_tokenizer):
     client = openai_client(server)
     choice = {"type": "function", "function": {"name": "get_weather"}}
     out = client.chat.completions.create(model=MODEL, messages=ask(), tools=[WEATHER, CAPITAL], tool_choice=choice)
-    assert tool_tokenizer.decode(engine.last_prompt).endswith("<|turn>model\n<|tool_call>call:get_weather")
+    assert tool_tokenizer.decode(engine.last_prompt).endswith("<|turn>model\n<|tool_call>call:")
     call = out.choices[0].message.tool_calls[0]
     assert (call.function.name, json.loads(call.function.arguments)) == ("get_weather", {"city": "Paris"})
     _, _, calls, reason = streamed(client, messages=ask(), tools=[WEATHER, CAPITAL], tool_choice=choice)
     assert reason == "tool_calls" and [c["function"]["name"] for c in calls] == ["get_weather"]
 
 
+FORCED = [("required", [WEATHER, CAPITAL]), ("required", [CAPITAL]), ("get_capital", [WEATHER, CAPITAL])]
+FORCED += [("get_capital", [CAPITAL, WEATHER]), ("get_weather", [CAPITAL, WEATHER]), ("get_capital", [CAPITAL])]
+
+
+@pytest.mark.parametrize(("choice", "tools"), FORCED)
+def test_forced_tool_choice_always_yields_a_valid_call(served, choice, tools):
+    """The grammar holds the name to the allowed ones and the arguments to Gemma-4's object syntax,
+    whatever the model would rather write (here: get_weather's call, or for get_capital a call it
+    never meant, closed as soon as the grammar allows)."""
+    server, _ = served
+    names = [t["function"]["name"] for t in tools]
+    tool_choice = choice if choice == "required" else {"type": "function", "function": {"name": choice}}
+    out = openai_client(server).chat.completions.create(
+        model=MODEL, messages=ask(), tools=tools, tool_choice=tool_choice, max_tokens=60
+    )
+    (call,) = out.choices[0].message.tool_calls
+    assert call.function.name in (names if choice == "required" else [choice])
+    assert isinstance(json.loads(call.function.arguments), dict) and out.choices[0].finish_reason == "tool_calls"
+    print(choice, names, "->", call.function.name, call.function.arguments)
+
+
 @pytest.mark.parametrize(
     ("extra", "param"),
     [
         ({"tool_choice": "required"}, "tool_choice"),
+        ({"tools": [CAPITAL], "tool_choice": "required", "logprobs": True, "top_logprobs": 25}, "top_logprobs"),
         ({"tools": [CAPITAL], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
         ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, "tools.0.function.name"),
         ({"chat_template_kwargs": {"add_generation_prompt": False}}, "chat_template_kwargs.add_generation_prompt"),
@@ -310,3 +366,21 @@ def test_thinking_then_a_call(served, tool_tokenizer):
     message = out.choices[0].message
     assert message.model_extra["reasoning_content"].startswith("The user wants") and "thought" not in message.content
     assert [c.function.name for c in message.tool_calls] == ["get_capital"]
+
+
+@pytest.mark.parametrize(
+    ("extra", "param"),
+    [
+        ({"response_format": {"type": "json_object"}, "tools": [CAPITAL]}, "response_format"),
+        ({"response_format": {"type": "yaml"}}, "response_format"),
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format"),
+        ({"top_logprobs": 3}, "top_logprobs"),
+        ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    ],
+)
+def test_bad_structured_and_logprobs_fields_are_400s_naming_the_field(served, extra, param):
+    server, engine = served
+    before = len(engine.trace)
+    r = httpx.post(server.url + "/v1/chat/completions", json={"model": MODEL, "messages": ask(), **extra}, timeout=30)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param and len(engine.trace) == before  # refused before any work

@@ -82,19 +82,28 @@ class Served:
             raise UnknownModelError(name, self.model_name)
 
     def watch(
-        self, body: schemas.ChatCompletionRequest | schemas.CompletionRequest, schema: dict[str, Any] | None = None
+        self,
+        body: schemas.ChatCompletionRequest | schemas.CompletionRequest,
+        schema: dict[str, Any] | None = None,
+        forced_call: Sequence[str] = (),
     ) -> Any:
-        """What watches a request's logits (`runtime.LogitsWatch`): its log-probabilities' record, its
-        schema's grammar mask, both, or None."""
+        """What watches a request's logits (`runtime.LogitsWatch`): its log-probabilities' record, the
+        grammar mask of its schema or forced call, both, or None."""
         if isinstance(body, schemas.ChatCompletionRequest) and body.top_logprobs and not body.logprobs:
             raise RequestError("top_logprobs needs logprobs: true; send both", "top_logprobs")
         top = body.logprobs_top()
-        if (top is not None or schema is not None) and self.draft_tokens:
-            field = "logprobs" if top is not None else "response_format"
-            raise RequestError(f"{field} needs each token's logits, which a drafting server does not keep", field)
-        if schema is not None and self.grammars is None:
-            self.grammars = Grammars(self.scheduler.codec.tokenizer, self.eos_ids)
-        mask = None if schema is None else self.grammars.constrain(schema)
+        asks = [
+            f
+            for f, on in (("logprobs", top is not None), ("response_format", schema), ("tool_choice", forced_call))
+            if on
+        ]
+        if asks and self.draft_tokens:
+            raise RequestError(f"{asks[0]} needs each token's logits, which a drafting server does not keep", asks[0])
+        mask = None
+        if schema is not None or forced_call:
+            self.grammars = self.grammars or Grammars(self.scheduler.codec.tokenizer, self.eos_ids)
+            grammar = self.grammars.json(schema) if schema is not None else self.grammars.call(forced_call)
+            mask = self.grammars.constrain(grammar, "response_format" if schema is not None else "tool_choice")
         return mask if top is None else TokenLogprobs(top, getattr(self.scheduler.engine, "cap", None), mask)
 
     def engine_request(
@@ -170,7 +179,7 @@ def tool_fields(message: schemas.ChatMessage, i: int) -> dict[str, Any]:
 
 def reply_plan(body: schemas.ChatCompletionRequest, codec: Any) -> tuple[list[dict[str, Any]] | None, str | None]:
     """The tools to declare (None: none, or `tool_choice: "none"`) and the server's opening of the reply:
-    a forced call's marker and name (`required`: the marker alone), or None when the model starts it."""
+    a forced call's marker (its name and arguments held by a grammar: `forced_names`), or None."""
     forced = body.forced_tool()
     if forced is not None and not body.tools:
         raise RequestError("tool_choice asks for a tool call but no tools are declared; send tools", "tool_choice")
@@ -182,7 +191,7 @@ def reply_plan(body: schemas.ChatCompletionRequest, codec: Any) -> tuple[list[di
     if "tools" not in codec.tokenizer.chat_template:  # a template that would drop them: the model never sees them
         raise RequestError("this model's chat template declares no tools; serve a model whose template does", "tools")
     tools = [t.model_dump(exclude_none=True) for t in body.tools]
-    return tools, None if forced is None else f"{reply.CALL}call:{forced}"
+    return tools, None if forced is None else f"{reply.CALL}call:"
 
 
 INLINE_CHARS = 4096  # text this short encodes in a fraction of a millisecond: on the loop, no thread hop
@@ -329,7 +338,9 @@ def create_app(served: Served) -> FastAPI:
         schema = schema_of(body.response_format)
         if schema is not None and (tools is not None or body.thinking):
             raise RequestError("response_format with tools or thinking is not implemented; send one", "response_format")
-        watch = await off_loop(served, schema is not None, lambda: served.watch(body, schema))
+        grammar = schema is not None or opening is not None
+        names = body.forced_names() if opening is not None else []
+        watch = await off_loop(served, grammar, lambda: served.watch(body, schema, names))
         job = served.engine_request(ids, body, body.max_completion_tokens or body.max_tokens, images, watch)
         parsed = tools is not None or body.thinking  # the reply's thought and calls to parse out
         ticket = scheduler.submit(job, body.stop_strings(), raw=parsed)

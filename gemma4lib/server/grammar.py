@@ -1,24 +1,30 @@
-"""Structured output: a reply held to a JSON schema by a grammar engine's token mask on its row alone.
+"""Structured output: a reply held to a grammar by a grammar engine's token mask on its row alone.
 
 `response_format` `json_schema` (and `json_object`: any object) compiles to an llguidance matcher
-over the served tokenizer; the row is watched (`runtime.LogitsWatch`): before each token the
-matcher's mask sets every token it forbids to -inf in that row's logits (the other rows' logits are
-never touched), and the chosen token advances the matcher. Once the value is complete only the eos
-tokens stay allowed, so the reply always parses and validates.
+over the served tokenizer, and so does a forced tool call (`tool_choice` required or named: the
+server opens the call, the grammar holds its name and syntax to the end marker). The row is watched
+(`runtime.LogitsWatch`): before each token the matcher's mask sets every token it forbids to -inf in
+that row's logits (the other rows' logits are never touched), and the chosen token advances the
+matcher. Once the value is complete only the eos tokens stay allowed, so the reply always parses
+(and validates), unless `max_tokens` cuts it.
 
-llguidance over xgrammar: it needs no torch of its own (xgrammar's wheel requires one, which would
-have to agree with the CPU pin and the Neuron SDK's), and it builds a schema's matcher and the
-tokenizer's trie in milliseconds; on the tiny fixtures' tokenizer a mask took ~0.25 ms a token.
+llguidance (xgrammar was not measured here): its wheel requires nothing else (no torch of its own to
+agree with the CPU pin and the Neuron SDK's), it takes JSON schemas and Lark grammars with special
+tokens by id (the forced call's `<|"|>` strings), and on the tiny fixtures' tokenizer it built the
+tokenizer's trie in ~40 ms, a schema's matcher in ~25 ms and a token's mask in ~0.25 ms (a loaded
+machine).
 """
 
 from __future__ import annotations
 
+import json
 import threading
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 
+from . import reply
 from .errors import RequestError
 
 
@@ -39,19 +45,47 @@ class Grammars:
                 self._engine = llguidance.hf.from_tokenizer(self.tokenizer, len(self.tokenizer), self.eos_ids)
             return self._engine
 
-    def constrain(self, schema: dict[str, Any]) -> Constrained:
-        """A row's watch that holds its reply to `schema` (a JSON schema); a 400 when it is not one."""
+    def json(self, schema: dict[str, Any]) -> str:
+        """The grammar of a JSON value that validates against `schema`."""
         import llguidance
 
         try:
-            grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, defaults={"whitespace_flexible": False})
+            return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults={"whitespace_flexible": False})
+        except (ValueError, TypeError) as exc:
+            raise RequestError(f"response_format's schema is not a JSON schema: {exc}", "response_format") from exc
+
+    def call(self, names: Sequence[str]) -> str:
+        """The grammar of a call after its forced opening (`<|tool_call>call:`): one of `names`, then
+        Gemma-4's object (bare keys, `<|"|>` strings, JSON numbers, lists, objects, literals), then the
+        call's end marker."""
+        import llguidance
+
+        ids = [self.tokenizer.convert_tokens_to_ids(t) for t in (reply.QUOTE, reply.CALL_END)]
+        if any(i is None or i == self.tokenizer.unk_token_id for i in ids):
+            raise RequestError("this model's tokenizer has no Gemma-4 tool tokens to force a call with", "tool_choice")
+        quote, end = (f"<[{i}]>" for i in ids)
+        return llguidance.LLMatcher.grammar_from_lark(
+            f"start: ({' | '.join(json.dumps(n) for n in names)}) obj {end}\n"
+            'obj: "{" (pair ("," pair)*)? "}"\n'
+            'pair: KEY ":" value\n'
+            "KEY: /[A-Za-z_][A-Za-z0-9_]*/\n"
+            'value: text | NUMBER | obj | list | "true" | "false" | "null"\n'
+            f"text: {quote} TEXT {quote}\n"
+            "TEXT: /(.|\\n)*/\n"
+            "NUMBER: /-?[0-9]+(\\.[0-9]+)?([eE][+-]?[0-9]+)?/\n"
+            'list: "[" (value ("," value)*)? "]"\n'
+        )
+
+    def constrain(self, grammar: str, param: str) -> Constrained:
+        """A row's watch that holds its reply to `grammar`; a 400 naming `param` when it does not compile."""
+        import llguidance
+
+        try:
             matcher = llguidance.LLMatcher(self._tokens(), grammar, log_level=0)
         except (ValueError, TypeError) as exc:
-            raise RequestError(
-                f"response_format's schema is not one the grammar engine takes: {exc}", "response_format"
-            ) from exc
+            raise RequestError(f"{param}: the grammar engine refused it: {exc}", param) from exc
         if matcher.is_error():
-            raise RequestError(f"response_format's schema: {matcher.get_error()}", "response_format")
+            raise RequestError(f"{param}: {matcher.get_error()}", param)
         return Constrained(matcher, self._tokens().vocab_size)
 
 

@@ -147,6 +147,11 @@ class ChatCompletionRequest(SamplingFields):
     def thinking(self) -> bool:
         return bool(self.chat_template_kwargs and self.chat_template_kwargs.enable_thinking)
 
+    def forced_names(self) -> list[str]:
+        """The functions a forced reply may call: the named one, or (`required`) any declared one."""
+        forced = self.forced_tool()
+        return [forced] if forced else [t.function.name for t in self.tools or ()]
+
     def forced_tool(self) -> str | None:
         """The function a `required` or named `tool_choice` makes the reply call ("" when any of them)."""
         if isinstance(self.tool_choice, NamedChoice):
