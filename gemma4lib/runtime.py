@@ -45,10 +45,7 @@ Step = Callable[..., Any]
 def softcap(logits: torch.Tensor, cap: float | None) -> torch.Tensor:
     """Gemma's final logit softcap, cap * tanh(logits / cap); monotonic, so greedy never needs it. A
     masked logit (-inf: a grammar forbids the token) stays -inf, not -cap, so sampling never draws it."""
-    if not cap:
-        return logits
-    capped = cap * torch.tanh(logits / cap)
-    return capped if not bool(torch.isneginf(logits).any()) else capped.masked_fill(torch.isneginf(logits), -torch.inf)
+    return logits if not cap else torch.where(torch.isneginf(logits), logits, cap * torch.tanh(logits / cap))
 
 
 @dataclass(frozen=True)

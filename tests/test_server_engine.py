@@ -216,6 +216,35 @@ def test_logprobs_equal_the_host_reference_plain_and_streamed(server, loaded, al
     assert len(done.choices[0].logprobs.token_logprobs) == n
 
 
+def test_echo_logprobs_of_the_prompt_equal_the_teacher_forced_reference(server, loaded, host_lm):
+    """What lm-eval's log-likelihood requests send (echo, logprobs 1, max_tokens 1): each prompt token's
+    log-probability equals log_softmax of the host reference's teacher-forced logits (within twice the
+    logit tolerance), the first has none, the text is the prompt and the reply."""
+    import httpx
+    import torch
+
+    from gemma4lib.checks import logits_tolerance
+    from gemma4lib.reference import logits_spread, teacher_forced_logits
+
+    text = loaded.tokenizer.apply_chat_template(QUESTION, add_generation_prompt=True, tokenize=False)
+    text += "The capital of France is Paris"
+    body = {"model": "e2b", "prompt": text, "max_tokens": 1, "logprobs": 1, "echo": True, "temperature": 0}
+    out = httpx.post(server.url + "/v1/completions", json=body, timeout=120).json()
+    ids = server.served.scheduler.codec.text(text)
+    logprobs = out["choices"][0]["logprobs"]
+    assert len(logprobs["token_logprobs"]) == len(ids) + 1 and logprobs["token_logprobs"][0] is None
+    assert out["choices"][0]["text"].startswith(text) and out["usage"]["prompt_tokens"] == len(ids)
+    reference = teacher_forced_logits(host_lm, ids[:1], ids[1:])
+    tolerance = 2 * logits_tolerance(logits_spread(host_lm, ids[:1], ids[1:], reference)[0])
+    expected = torch.log_softmax(reference, dim=-1)[torch.arange(len(ids) - 1), torch.tensor(ids[1:])]
+    got = torch.tensor(logprobs["token_logprobs"][1 : len(ids)], dtype=torch.float64)
+    worst = float((got - expected).abs().max())
+    print(f"echo logprobs of {len(ids) - 1} prompt tokens vs teacher-forced: worst {worst:.3g} <= {tolerance:.3g}")
+    assert worst <= tolerance
+    paris = max(i for i, token in enumerate(logprobs["tokens"][: len(ids)]) if "Par" in token)
+    assert logprobs["token_logprobs"][paris] > -1.0  # "Paris" after "The capital of France is": the model is sure
+
+
 def schemas_to_hold(n: int) -> list[dict]:
     """`n` different JSON schemas whose every value ends within a tiny model's budget (bounded
     strings, enums, bounded integers, booleans, short arrays), varied in names, kinds and order."""

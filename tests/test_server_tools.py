@@ -384,3 +384,26 @@ def test_bad_structured_and_logprobs_fields_are_400s_naming_the_field(served, ex
     r = httpx.post(server.url + "/v1/chat/completions", json={"model": MODEL, "messages": ask(), **extra}, timeout=30)
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param and len(engine.trace) == before  # refused before any work
+
+
+def test_completions_echo_prepends_the_prompt_and_refuses_stream_and_stop(served):
+    server, _ = served
+    body = {"model": MODEL, "prompt": "What is the capital of France?", "max_tokens": 16}
+    plain = httpx.post(server.url + "/v1/completions", json=body, timeout=30).json()["choices"][0]["text"]
+    echoed = httpx.post(server.url + "/v1/completions", json={**body, "echo": True}, timeout=30).json()
+    assert echoed["choices"][0]["text"] == body["prompt"] + plain
+    for extra in ({"stream": True}, {"stop": ["."]}):
+        r = httpx.post(server.url + "/v1/completions", json={**body, "echo": True, **extra}, timeout=30)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "echo"
+
+
+def test_a_masked_token_is_never_sampled():
+    """A grammar's -inf stays -inf through Gemma's softcap (cap * tanh would make it -cap: a small but
+    real probability when sampling); finite logits are capped as before."""
+    from gemma4lib.runtime import Sampling, sampling_probs, softcap
+
+    logits = torch.tensor([-50.0, 0.0, float("-inf"), 3.0])
+    probs = sampling_probs(logits, Sampling(temperature=2.0, top_p=1.0, seed=0), cap=30.0)
+    assert probs[2] == 0 and probs[0] > 0
+    finite = torch.tensor([-50.0, 0.0, 3.0])
+    assert torch.equal(softcap(finite, 30.0), 30.0 * torch.tanh(finite / 30.0))

@@ -13,6 +13,7 @@ streams when uvicorn begins its shutdown, where SIGTERM here must let them finis
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import random
@@ -30,7 +31,7 @@ from ..runtime import Sampling, room_for_new_tokens
 from . import reply, schemas
 from .errors import ClientGoneError, RequestError, UnknownModelError, error_body, http_error
 from .grammar import Grammars, schema_of
-from .logprobs import TokenLogprobs, chat_logprobs, completion_logprobs
+from .logprobs import Forced, TokenLogprobs, chat_logprobs, completion_logprobs
 from .scheduler import Scheduler, Ticket
 
 log = logging.getLogger("gemma4lib.server")
@@ -86,6 +87,7 @@ class Served:
         body: schemas.ChatCompletionRequest | schemas.CompletionRequest,
         schema: dict[str, Any] | None = None,
         forced_call: Sequence[str] = (),
+        forced: list[int] | None = None,
     ) -> Any:
         """What watches a request's logits (`runtime.LogitsWatch`): its log-probabilities' record, the
         grammar mask of its schema or forced call, both, or None."""
@@ -104,6 +106,7 @@ class Served:
             self.grammars = self.grammars or Grammars(self.scheduler.codec.tokenizer, self.eos_ids)
             grammar = self.grammars.json(schema) if schema is not None else self.grammars.call(forced_call)
             mask = self.grammars.constrain(grammar, "response_format" if schema is not None else "tool_choice")
+        mask = Forced(forced) if forced is not None else mask
         return mask if top is None else TokenLogprobs(top, getattr(self.scheduler.engine, "cap", None), mask)
 
     def engine_request(
@@ -370,11 +373,16 @@ def create_app(served: Served) -> FastAPI:
             raise RequestError("stream=true takes one prompt; send the others as their own requests", "prompt")
         if any(not p.strip() for p in prompts):
             raise RequestError("prompt is empty; send the text the model should continue", "prompt")
+        if body.echo and (body.stream or body.stop):
+            raise RequestError("echo is served without stream and stop; send it without them", "echo")
         encoded = await off_loop(served, chars > INLINE_CHARS, lambda: list(map(codec.text, prompts)))
-        watches = [served.watch(body) for _ in encoded]
+        forced = body.echo and body.logprobs is not None  # the prompt's own log-probabilities: teacher-forced
+        watches = [served.watch(body, forced=ids[1:] if forced else None) for ids in encoded]
         jobs = [
             served.engine_request(ids, body, body.max_tokens, None, w) for ids, w in zip(encoded, watches, strict=True)
         ]
+        if forced:  # from the first token on, the rest of the prompt chosen one decode step each
+            jobs = [echo_request(job, ids, body.max_tokens is None) for job, ids in zip(jobs, encoded, strict=True)]
         tickets: list[Ticket] = []
         try:
             for job in jobs:
@@ -390,10 +398,25 @@ def create_app(served: Served) -> FastAPI:
         texts = await _collect(request, tickets)
         usage = schemas.Usage.of(sum(t.prompt_tokens for t in tickets), sum(t.completion_tokens for t in tickets))
         lps = [None if w is None else completion_logprobs(w.entries, codec) for w in watches]
+        if forced:  # the reply is what follows the prompt's tokens; the first prompt token has no logprob
+            new = [[t for t, _, _ in w.entries[len(ids) - 1 :]] for w, ids in zip(watches, encoded, strict=True)]
+            texts = [codec.decode(n) for n in new]
+            firsts = [(ids[0], None, None) for ids in encoded]
+            lps = [completion_logprobs([f, *w.entries], codec) for f, w in zip(firsts, watches, strict=True)]
+            usage = schemas.Usage.of(sum(map(len, encoded)), sum(map(len, new)))
+        texts = [p + t for p, t in zip(prompts, texts, strict=True)] if body.echo else texts
         choices = [(text, t.finish_reason, lp) for text, t, lp in zip(texts, tickets, lps, strict=True)]
         return schemas.completion_response(rid, served.model_name, choices, usage)
 
     return app
+
+
+def echo_request(job: EngineRequest, ids: list[int], default_budget: bool) -> EngineRequest:
+    """`job` from the prompt's first token, its other tokens forced (`logprobs.Forced`) before the reply's
+    budget; no eos while an eos id is among the forced (it would end the row inside the prompt)."""
+    budget = job.max_new_tokens if default_budget else job.max_new_tokens + len(ids) - 1
+    eos = () if set(ids[1:]) & set(job.eos_token_ids) else job.eos_token_ids
+    return dataclasses.replace(job, prompt_ids=ids[:1], max_new_tokens=budget, eos_token_ids=eos)
 
 
 async def _collect(request: Request, tickets: list[Ticket]) -> list[str]:

@@ -15,6 +15,23 @@ from ..runtime import LogitsWatch, softcap
 MAX_TOP = 20  # OpenAI's bound on top_logprobs
 
 
+class Forced:
+    """Makes a row choose `tokens` in order, then lets it choose freely: a completions prompt echoed
+    with its log-probabilities is teacher-forced through the engine's own decode graph (the prefill
+    keeps only its last position's logits), one step a prompt token, with `TokenLogprobs` around it."""
+
+    def __init__(self, tokens: list[int]):
+        self.tokens, self.at = tokens, 0
+
+    def logits(self, logits: torch.Tensor) -> torch.Tensor:
+        if self.at >= len(self.tokens):
+            return logits
+        return torch.full_like(logits, float("-inf")).index_fill_(0, torch.tensor([self.tokens[self.at]]), 0.0)
+
+    def chosen(self, token: int) -> None:
+        self.at += 1
+
+
 class TokenLogprobs:
     """Watches one row: for each chosen token, (token, its log-probability, the `top` most likely as
     (token, log-probability)). Written by the scheduler thread, read by the HTTP side in order."""
@@ -49,16 +66,17 @@ def chat_logprobs(entries: list[tuple[int, float, list[tuple[int, float]]]], cod
     return {"content": [{**one(t, lp), "top_logprobs": [one(i, v) for i, v in top]} for t, lp, top in entries]}
 
 
-def completion_logprobs(
-    entries: list[tuple[int, float, list[tuple[int, float]]]], codec: Any, offset: int = 0
-) -> dict[str, Any]:
+def completion_logprobs(entries: list[Any], codec: Any, offset: int = 0) -> dict[str, Any]:
     """OpenAI completions' `logprobs`: tokens, their log-probabilities, the top ones as {token: lp}, and
-    each token's character offset in the text (from `offset`)."""
+    each token's character offset in the text (from `offset`). An echoed prompt's first token has
+    none: (token, None, None)."""
     tokens = [codec.decode([t], raw=True) for t, _, _ in entries]
     offsets = [offset + sum(len(x) for x in tokens[:i]) for i in range(len(tokens))]
     return {
         "tokens": tokens,
         "token_logprobs": [lp for _, lp, _ in entries],
-        "top_logprobs": [{codec.decode([i], raw=True): v for i, v in top} for _, _, top in entries],
+        "top_logprobs": [
+            None if top is None else {codec.decode([i], raw=True): v for i, v in top} for *_, top in entries
+        ],
         "text_offset": offsets,
     }

@@ -20,7 +20,7 @@ MAX_TOP_LOGPROBS = 20  # OpenAI's bound
 MAX_STOP, MAX_STOP_CHARS = 4, 256  # OpenAI's four; each is matched against every new piece of text
 # fields a client may send that this server does not implement: refused unless at a value asking for nothing
 UNIMPLEMENTED = (
-    "tools tool_choice functions function_call response_format logit_bias echo suffix best_of "
+    "tools tool_choice functions function_call response_format logit_bias suffix best_of "
     "frequency_penalty presence_penalty repetition_penalty top_k min_p modalities audio prediction reasoning_effort "
     "web_search_options verbosity"
 ).split()
@@ -162,6 +162,7 @@ class ChatCompletionRequest(SamplingFields):
 class CompletionRequest(SamplingFields):
     prompt: Text | list[Text]
     logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)  # alternatives a token
+    echo: bool = False  # the prompt before the reply (with `logprobs`: the prompt's tokens' too)
 
     def logprobs_top(self) -> int | None:
         return self.logprobs
