@@ -244,7 +244,7 @@ def test_bench_batch_section_schema_and_its_papermill_verdict():
 
 def test_batch_ceilings_count_weights_once_and_kv_and_selective_experts_per_row():
     from gemma4lab.inf2.batch_roofline import batch_ceilings, batch_decode_bytes
-    from gemma4lib.inf2.roofline import decode_bytes
+    from gemma4lab.inf2.roofline import decode_bytes
 
     one = decode_bytes("e2b", context_length=2048)
     four = batch_decode_bytes("e2b", 4, context_length=2048, dtype_bytes=2)

@@ -12,10 +12,10 @@ from gemma4lab.benchmarks.paths import PATHS
 from gemma4lab.benchmarks.report import format_report
 from gemma4lab.benchmarks.suite import SuiteOptions, run_suite
 from gemma4lab.benchmarks.targets import check_targets
-from gemma4lab.inf2 import bandwidth
+from gemma4lab.inf2 import bandwidth, roofline
 from gemma4lab.models.medium import MEDIUM, get_medium, medium_config
 from gemma4lab.tools import inf2_tables
-from gemma4lib.inf2 import params, roofline
+from gemma4lib.inf2 import params
 
 NUMBER = (int, float)
 

@@ -586,8 +586,8 @@ def test_e2b_memory_plan_names_where_each_recipe_compiles():
 def test_prefill_estimate_from_flops_and_bytes():
     """The computed floor of a prefill call: compute at the datasheet peak vs bytes at HBM speed,
     and what token-by-token decode steps would cost instead (E2B's trace recipe)."""
+    from gemma4lab.inf2 import prefill
     from gemma4lab.tools import inf2_tables
-    from gemma4lib.inf2 import prefill
     from gemma4lib.inf2.hardware import BF16_FLOPS_PER_CORE, INSTANCES
 
     e2b = prefill.prefill_estimate("e2b", 128)

@@ -140,7 +140,8 @@ def test_int8_logit_error_against_full_precision_is_bounded(variant):
 
 @pytest.mark.parametrize("variant", VARIANT_NAMES)
 def test_roofline_int8_bytes_count_exactly_what_quant_quantizes(variant):
-    from gemma4lib.inf2 import params, roofline
+    from gemma4lab.inf2 import roofline
+    from gemma4lib.inf2 import params
 
     lm = params.meta_model(variant)
     counts = params.count_params(lm)

@@ -27,11 +27,11 @@ import torch
 from gemma4lab.benchmarks.hf import StepClock
 from gemma4lab.inf2.bandwidth import measure_bandwidth
 from gemma4lab.inf2.batch_roofline import batch_decode_bytes
+from gemma4lab.inf2.roofline import GB
 from gemma4lib.backends.engine import engine_over
 from gemma4lib.backends.registry import cpu_balance, get_backend
 from gemma4lib.device.build import device_graph
 from gemma4lib.device.graph import GraphShape
-from gemma4lib.inf2.roofline import GB
 from gemma4lib.models.loading import LoadedModel
 from gemma4lib.reference import random_prompt, reference_greedy
 from gemma4lib.runtime import Engine, Request

@@ -1,5 +1,5 @@
 """This machine's memory bandwidth, measured: the CPU ceiling the benchmarks and notebooks hand the roofline
-(`gemma4lib.inf2.roofline.compare(..., device="cpu", bandwidth_bytes_s=...)`)."""
+(`gemma4lab.inf2.roofline.compare(..., device="cpu", bandwidth_bytes_s=...)`)."""
 
 from __future__ import annotations
 

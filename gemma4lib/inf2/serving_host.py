@@ -248,25 +248,3 @@ def require_serving_host(variant: Variant | str, tp: int, instance: str | None, 
         hint = f"serve on an {options[0].instance}" if options else "no inf2 size holds it at this TP"
         raise DeviceMemoryError(f"{plan.summary()}; {'; '.join(plan.problems)}; {hint}")
     return plan
-
-
-def format_serving_host(plans: list[ServingHostPlan]) -> str:
-    """Markdown rows for a notebook's "Runs on" block or the README (GB; the host's RAM in GiB)."""
-    lines = [
-        "| serving host | TP | model | host tables | host K/V | peak step | peak | available | fits |",
-        "|---|---|---|---|---|---|---|---|---|",
-    ]
-    for p in plans:
-        lines.append(
-            f"| {p.variant} on {p.instance} | {p.tp} | {p.model_gb:.1f} GB | {p.host_tables_gb:.1f} GB | "
-            f"{p.host_kv_gb:.2f} GB | {p.peak_step} | {p.peak_gb:.1f} GB | {p.available_gb:.1f} GB | "
-            f"{'yes' if p.fits else 'no'} |"
-        )
-    return "\n".join(lines)
-
-
-def serving_host_table() -> list[ServingHostPlan]:
-    """Each variant at its recipe's TP on its recommended instance."""
-    from ..models.variants import VARIANTS
-
-    return [serving_host_plan(v) for v in VARIANTS.values()]

@@ -30,10 +30,10 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from ..device.kv_layout import KVLayout
-from ..errors import SettingsError, UnknownNameError
-from .hardware import GB, GIB, INSTANCES, Inf2Instance  # noqa: F401  (re-exported for callers)
-from .params import count_params, meta_model
+from gemma4lib.device.kv_layout import KVLayout
+from gemma4lib.errors import SettingsError, UnknownNameError
+from gemma4lib.inf2.hardware import GB, GIB, INSTANCES, Inf2Instance  # noqa: F401  (re-exported for callers)
+from gemma4lib.inf2.params import count_params, meta_model
 
 # ---- bytes per decode step ----------------------------------------------------------------------
 
