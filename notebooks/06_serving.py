@@ -547,7 +547,7 @@ print(f"mean tokens per verify step over {max_new_tokens} tokens (eos off): {tim
 # give. `break-even` is the acceptance at which drafting starts to pay. The assistant's bytes
 # come from an assumed shape (no released assistant config is available offline), and the
 # overhead of k + 1 graph calls per round is left out. Every figure is **computed and
-# unverified on inf2** (`gemma4lib/inf2/mtp_roofline.py`).
+# unverified on inf2** (`gemma4lab/inf2/mtp_roofline.py`).
 
 # %%
 effect = draft_table({variant: timed.accepted_per_step}, draft_tokens)  # the longest drafted run's acceptance
