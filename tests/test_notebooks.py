@@ -195,6 +195,15 @@ BRIEF_CALLS = [  # the shared path as a brief notebook runs it: the library call
     "benchmark(runtime",
 ]
 
+BRIEF_NEURON_CALLS = [  # the variant's inf2 compile cell: how each key's rank module and aliases reach NxD
+    "class KeyInstance(model_builder.BaseModelInstance)",
+    "return self.module, self.module.aliases()",
+    "functools.partial(",
+    "mb.rank_module, model.config, plan, graph.shape",
+    "make_plan(model.config, tp, model.variant)",
+    "expert_form=forms[phase]",
+]
+
 
 def code_text(nb) -> str:
     return "\n".join(c.source for c in nb.cells if c.cell_type == "code")
@@ -289,7 +298,10 @@ def test_the_cells_show_the_real_calls(path):
     if is_brief(path):  # the shared path through the library (01_e2b's cells are tested equal to it)
         missing = [call for call in BRIEF_CALLS + IMAGE_CALLS if call not in text]
         assert not missing, f"{path.name}: no cell shows {missing}"
-        assert all("compile_graphs(model, s)" in c for c in guarded)
+        # its own inf2 compile, written out: ModelBuilder, the rank module and the K/V aliases
+        (inf2,) = [c for c in guarded if "ModelBuilder(" in c]
+        missing = [call for call in NEURON_CALLS["model_builder"] + BRIEF_NEURON_CALLS if call not in inf2]
+        assert not missing, f"{path.name}: its inf2 cell does not show {missing}"
         return
     wanted = REAL_CALLS + IMAGE_CALLS + NEURON_CALLS[neuron_recipe(variant, variant.tp_degree)]
     if "neuron_recipe" in parameters_of(nb):  # E2B: the one-graph trace recipe is selectable too
@@ -881,15 +893,23 @@ class _FakeLoaded:
         )
 
 
-@pytest.mark.parametrize("path", [NOTEBOOK_DIR / "01_e2b.ipynb"], ids=lambda p: p.name)
+MODEL_BUILDER_CELLS = {  # each variant notebook's inf2 compile cell, by how it starts
+    "01_e2b.ipynb": 'if on_inf2 and s.neuron_recipe != "trace"',
+    **{p.name: "if on_inf2:  # inf2-only: NxD ModelBuilder" for p in variant_notebooks() if is_brief(p)},
+}
+
+
+@pytest.mark.parametrize("path", [NOTEBOOK_DIR / name for name in MODEL_BUILDER_CELLS], ids=lambda p: p.name)
 def test_the_model_builder_cell_makes_the_recipes_calls(path, tmp_path, monkeypatch):
-    """The inf2 cell, run here against recording stand-ins for NxD's model_builder and the
-    artifact's save and load, makes the calls `backends.neuron.compile` (what `port(backend="neuron")`
-    runs) makes, in the same order: a fresh compiler work directory and a private current
-    directory around the compile, the same ModelBuilder keys, example inputs, compiler arguments
-    and priorities (a prefill key per bucket), the checkpoint built only when `shard_checkpoint`
-    asks, the same free-space estimate for the cache, and the cores guard before the load with the
-    claim after it."""
+    """Each variant's inf2 cell, run here at TP=2 on its tiny model against recording stand-ins for
+    NxD's model_builder and the artifact's save and load, makes the calls `backends.neuron.compile`
+    (what `port(backend="neuron")` runs) makes, in the same order: a fresh compiler work directory
+    and a private current directory around the compile, the same ModelBuilder keys, example inputs,
+    compiler arguments and priorities (a prefill key per bucket), the checkpoint built only when
+    `shard_checkpoint` asks, the same free-space estimate for the cache, and the cores guard before
+    the load with the claim after it. Each key's model instance builds the same rank module (built
+    here with the CPU twins of NxD's layers), and its `get()` returns that module with the same K/V
+    aliases (the K/V parameters, output 1 onwards)."""
     import contextlib
     import dataclasses
 
@@ -902,7 +922,9 @@ def test_the_model_builder_cell_makes_the_recipes_calls(path, tmp_path, monkeypa
     from gemma4lib.cache.artifacts import ArtifactCache
     from gemma4lib.port import PortSettings, build_graphs, load_model
     from gemma4lib.recipes import cores, neuron_env
+    from gemma4lib.recipes import neuron_model_builder as mb
     from gemma4lib.runtime import Engine, Steps
+    from gemma4lib.tp.rank_graph import CpuParallelFactory
 
     values = parameters_of(load(path))
     tp = 2
@@ -940,13 +962,27 @@ def test_the_model_builder_cell_makes_the_recipes_calls(path, tmp_path, monkeypa
             namespace.update(nb=nb_helpers, time=__import__("time"), cache=ArtifactCache(tmp_path / "cell-cache"))
             namespace.update(Engine=Engine, Steps=Steps, CompiledGraphs=CompiledGraphs, has_ple=False)
             namespace.update(display=lambda *shown: None)
-            cell = _cell_starting(load(path), 'if on_inf2 and s.neuron_recipe != "trace"')
+            namespace["s"] = dataclasses.replace(settings, cache_dir=str(tmp_path / "cell-cache"))  # brief cells' own
+            cell = _cell_starting(load(path), MODEL_BUILDER_CELLS[path.name])
             exec(compile(cell, f"{path.name}[ModelBuilder cell]", "exec"), namespace)
             runtime = namespace["compiled"]
         else:
             runtime = neuron.compile(build_graphs(model, settings, inplace=False), model, settings)
-        runs.append((calls, recorder.checkpoint(), runtime))
-    (cell_calls, cell_checkpoint, cell_runtime), (library_calls, library_checkpoint, library_runtime) = runs
+        runs.append((calls, recorder.checkpoint(), runtime, recorder.instances))
+    (
+        (cell_calls, cell_checkpoint, cell_runtime, cell_keys),
+        (library_calls, library_checkpoint, library_runtime, keys),
+    ) = runs
+    for ours, theirs in zip(cell_keys, keys, strict=True):  # the rank module and aliases of each key
+        built = []
+        for instance in (ours, theirs):
+            build = instance.module_cls  # functools.partial(rank_module, config, plan, shape, dtype, ...)
+            assert build.func is mb.rank_module
+            instance.module = build.func(*build.args, **{**build.keywords, "factory": CpuParallelFactory(tp)})
+            module, aliases = instance.get(0)
+            assert module is instance.module and sorted(aliases.values()) == list(range(1, 1 + len(module.kv)))
+            built.append((build.args[1:], build.keywords, [name for name, _ in module.named_parameters()]))
+        assert built[0] == built[1]
     kinds = [kind for kind, _ in cell_calls]
     assert kinds == [kind for kind, _ in library_calls]
     assert kinds[:3] == ["get_or_build", "compiler_workdir", "own_directory"] and kinds[-4:] == [

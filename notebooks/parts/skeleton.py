@@ -465,19 +465,14 @@ else:
 # %% [markdown]
 # ### 3b. On inf2 (not run here)
 #
-# With `backend="neuron"` the same call runs `backends/neuron.py`: NxD `ModelBuilder`
+# With `backend="neuron"` the next cell compiles this variant with NxD `ModelBuilder`
 {{compile_note}}
-# `01_e2b` §3b shows those calls in its cell, one by one, and the tests hold that cell equal to
-# the backend. This cell has never been executed (the status box); here it prints
-# `skipped: backend=cpu`.
+# The cell makes the calls `backends/neuron.py` makes (what `compile_graphs(model, s)` runs with
+# `backend="neuron"`), written out; `01_e2b` §3b explains each call, and the tests run this cell
+# against recording stand-ins for the SDK and hold its calls equal to the backend's. It has never
+# been executed (the status box); here it prints `skipped: backend=cpu`.
 
-# %%
-if on_inf2:  # inf2-only: NxD ModelBuilder at TP={{tp}} (backends/neuron.py)
-    compiled = compile_graphs(model, s)
-    runtime = compiled.runtime
-    display(nb.describe_compile(compiled))
-else:
-    print(f"skipped: backend={backend}")
+{{neuron_compile}}
 {{/brief}}
 {{after_compile}}
 
