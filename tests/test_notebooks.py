@@ -127,7 +127,7 @@ MAX_CELLS = 39  # 01_e2b, which teaches the shared path cell by cell (and save/l
 MAX_BRIEF_CELLS = 33  # 02-05: the shared path "as in 01", the rest the variant's lesson
 # (both with the three cells of "What the model sees", which every variant notebook has)
 MIN_LESSON_SHARE = 0.40  # of a brief notebook's lines, in cells tagged `lesson`
-SERVING_MAX_CELLS = 36
+SERVING_MAX_CELLS = 37  # with section 5's neuron batch cell
 # Calls a learner must find in the cells themselves, not behind a helper.
 REAL_CALLS = [
     "text_model.embed_tokens(",
@@ -465,6 +465,9 @@ SERVING_CALLS = [  # the recipe of both features, in the cells themselves
     "build_record(",
     "plots_batch.tok_s_vs_batch(measured=sweep, computed=ceilings",
     "plots_draft.drafts_accepted(",
+    'PortSettings(**common, backend="neuron", batch_size=batch_size)',  # section 5: the batch keys on neuron
+    "mb.bucket_shapes(context_length, tuple(prefill_buckets), ring_kv, batch=",
+    "compile_graphs(load_model(neuron_batch), neuron_batch)",
 ]
 
 
@@ -514,7 +517,9 @@ SERVE_CALLS = [  # the endpoint's recipe, in the cells themselves
     "/metrics",
     "plots_serve.latency_and_throughput(levels",
     "server.stop()",
-    "export_bundle(settings, bundle_dir)",
+    '"on the compile host, once: python -m gemma4lib export", *port_args',  # it compiles the bundle
+    'args += ["--artifacts", artifacts]',  # the server on inf2 loads it
+    "dataclasses.replace(settings, artifacts=artifacts)",  # and so do the replicas, never compiling
     "deploy(replica_settings, RayOptions(replicas=replicas",
     "nb.save_record(results_path, record)",
 ]
@@ -534,9 +539,9 @@ def test_07_serve_follows_its_sections_and_shows_the_recipe():
     text = code_text(nb)
     missing = [call for call in SERVE_CALLS if call not in text]
     assert not missing, f"07_serve: no cell shows {missing}"
-    (inf2,) = [c.source for c in nb.cells if c.cell_type == "code" and c.source.startswith("if on_inf2")]
+    (inf2,) = [c.source for c in nb.cells if c.cell_type == "code" and "\nif on_inf2:" in "\n" + c.source]
     assert "deploy(" in inf2 and 'print(f"skipped: backend={backend}")' in inf2
-    assert "server.stop()" in code_text(nb).split("if on_inf2")[0], "the server stops before the inf2 cell"
+    assert "server.stop()" in code_text(nb).split("\nif on_inf2:")[0], "the server stops before the inf2 cell"
     assert len(nb.cells) <= MAX_CELLS, f"07_serve has {len(nb.cells)} cells; at most {MAX_CELLS}"
 
 
