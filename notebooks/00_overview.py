@@ -78,6 +78,7 @@ import torch
 
 from gemma4lab import notebook as nb
 from gemma4lab.notebook import plots
+from gemma4lib.models.variants import VARIANTS
 from gemma4lib.port import PortSettings, compile_graphs, load_model
 
 torch.set_num_threads(threads)
@@ -88,11 +89,17 @@ torch.set_num_threads(threads)
 # All five share a skeleton: one large vocabulary with the embedding tied to the LM head,
 # embeddings scaled by √hidden, grouped-query attention with sliding-window layers between the
 # global ones (five for each global one; four on E2B), a wider head on global layers than on sliding ones, and a final logit softcap
-# (`vocab_size=262144`, `head_dim=256`, `global_head_dim=512`, `final_logit_softcapping=30.0` in every
-# released config). The differences are in the columns on the right: [PLE](#ple), [KV sharing](#kv-sharing)
+# (the same `vocab_size`, `head_dim`, `global_head_dim` and `final_logit_softcapping` in every
+# released config: the next cell prints them from each). The differences are in the columns on the right: [PLE](#ple), [KV sharing](#kv-sharing)
 # ("KV-shared"), [k_eq_v](#k-eq-v) and the [MoE](#moe) experts, each in the glossary below.
 
 # %%
+for v in VARIANTS.values():  # the released configs' shared values (the table's columns are where they differ)
+    config, heads = nb.real_config(v), v.real_config
+    print(
+        f"{v.name}: vocab_size={config.vocab_size}, head_dim={heads['head_dim']}, global_head_dim="
+        f"{heads['global_head_dim']}, final_logit_softcapping={config.final_logit_softcapping}"
+    )
 nb.family_table()
 
 # %% [markdown]

@@ -193,8 +193,8 @@ print("  own RAM; a measured peak includes what it held at that moment (unverifi
 # ### KV heads under TP=8: replicated, not sharded
 #
 # The sliding layers have twice as many KV heads as ranks: two per rank, a clean split. The
-# full-attention layers have only half as many KV heads as ranks (`num_global_key_value_heads=4`,
-# `num_attention_heads=32`: eight Q heads per KV head). At TP=8 each rank owns four Q heads, all of
+# full-attention layers have only half as many KV heads as ranks (the released config's
+# `num_global_key_value_heads` and `num_attention_heads`, which the cell prints: eight Q heads per KV head). At TP=8 each rank owns four Q heads, all of
 # which read the same KV head (Q head `q` reads KV head `q // 8`), so rank `r` keeps a copy of KV head
 # `r // 2`: every global KV head lives on two ranks. The cell works it out from the released config
 # and checks it against the library's TP plan. On inf2 the copies are made before NxD sees the
@@ -206,7 +206,8 @@ real, tp = s.variant_spec.real_config, s.variant_spec.tp_degree
 q_heads, kv_heads = real["num_attention_heads"], real["num_global_key_value_heads"]
 q_per_kv, q_per_rank = q_heads // kv_heads, q_heads // tp
 kv_on_rank = [sorted({q // q_per_kv for q in range(r * q_per_rank, (r + 1) * q_per_rank)}) for r in range(tp)]
-print(f"{q_heads} Q heads, {kv_heads} global KV heads, TP={tp}: global KV head(s) held by each rank {kv_on_rank}")
+print(f"num_attention_heads={q_heads}, num_global_key_value_heads={kv_heads}, TP={tp}:",
+      f"global KV head(s) held by each rank {kv_on_rank}")  # fmt: skip
 demos["kv_heads_tp8"] = nb.kv_heads_under_tp("31b", 8)
 table = demos["kv_heads_tp8"]
 by_rank = {row[0]: dict(zip(table.columns, row, strict=True))["KV head(s) on rank 0..N-1"] for row in table.rows}
@@ -458,7 +459,7 @@ demos["equality_is_not_enough"]
 # The 31B's vision part is an encoder: transformers' `Gemma4VisionModel` embeds each patch (with
 # a position embedding of where it sat), runs transformer layers over all of them, and its pooler
 # averages each block of patches into one soft token (the fixture's processor: `patch_size=4`,
-# `pooling_kernel_size=2`; transformers' default config: `patch_size=16`, `pooling_kernel_size=3`);
+# `pooling_kernel_size=2`, printed below; a released processor's own values are larger);
 # `Gemma4MultimodalEmbedder` then projects
 # every soft token to the decoder's width. The vision graph is those two modules at a fixed patch
 # budget (`max_soft_tokens` x pooling² patch slots), one image per call; the padding slots are

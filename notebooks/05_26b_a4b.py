@@ -12,7 +12,7 @@
 # # Gemma-4 26B-A4B: a shared MLP beside many small experts, made static
 #
 # The [mixture-of-experts](00_overview.ipynb#moe) member: a dense MLP and routed experts side by side in every layer.
-# (`num_experts=128`, `top_k_experts=8` in the released config.)
+# (The released config's `num_experts` and `top_k_experts`: the bytes section prints both.)
 # **You will learn** the router line by line, why the experts must be made static before anything
 # can trace them, why "A4B" (about four billion active parameters) does not shrink the memory but can shrink the bytes a decode step
 # reads, and the family's most instructive bug: a rank read at trace time. It runs at TP=8
@@ -184,13 +184,12 @@ nb.moe_report(model)
 #
 # Decode gathers the top-k: one token needs `top_k_experts` of the `num_experts`, and bytes are the
 # whole cost of a decode step. On the benchmark's medium MoE model (a random-weight MoE of this
-# architecture at medium width, big enough that a decode step is bound by bytes on a CPU) selective
-# decode runs several times faster than dense: `python -m gemma4lab bench --suite cpu` measures it,
-# and the README and `docs/ROOFLINE.md` quote a run's figure. Prefill stays dense: the gathered slices grow with tokens × k (a full prompt bucket of
-# the real model gathers k slices per token, many times the experts dense reads once) and the dense
-# form splits cleanly across ranks. On a CPU with a short prompt selective prefill measured faster too
-# (an earlier session's run, not repeated here), which is why the choice is per phase and measured, not a rule. `decode_experts` in the parameters
-# cell switches decode to dense.
+# architecture at medium width, big enough that a decode step is bound by bytes on a CPU) the two
+# forms are timed by `python -m gemma4lab bench --suite cpu`; the README and `docs/ROOFLINE.md` quote a
+# run's ratio (this notebook times neither on that model). Prefill stays dense: the gathered slices grow with tokens × k (a full prompt bucket of
+# the real model gathers k slices for each of its tokens, more than the experts dense reads once) and the dense
+# form splits cleanly across ranks. The choice is per phase (`mb.bucket_expert_forms`, the inf2 cell's
+# `forms`): `decode_experts` in the parameters cell switches decode to dense.
 
 # %% tags=["lesson"]
 import torch.nn.functional as F
@@ -250,6 +249,7 @@ sizes = nb.device_bytes(v)
 experts_gb = real["experts_b"] * 2  # bf16: 2 bytes a parameter, billions of parameters -> GB
 per_expert_gb, other_gb = experts_gb / real["num_experts"], sizes["device_gb"] - experts_gb
 step_gb = other_gb + real["top_k_experts"] * per_expert_gb  # everything else is read every step
+print(f"released: num_experts={real['num_experts']}, top_k_experts={real['top_k_experts']}")
 print(f"experts {experts_gb:.1f} GB, one expert {per_expert_gb:.3f} GB, everything else {other_gb:.1f} GB")
 print(f"a decode step reads {other_gb:.1f} + {real['top_k_experts']} x {per_expert_gb:.3f} = {step_gb:.2f} GB")
 print(f"(library: {sizes['decode_read_gb']:.2f} GB), not all {sizes['device_gb']:.1f} GB")
@@ -452,7 +452,7 @@ else:
 #
 # Each is one rank's module, the one the inf2 cell above hands NxD for the decode key
 # (`mb.rank_module`), built here with the CPU twins of NxD's layers. The last table lists the
-# default split's layer 0: each rank-local layer beside the NxD layer in its place on inf2 (the
+# default split's first layer: each rank-local layer beside the NxD layer in its place on inf2 (the
 # experts' `gate_up` a `ColumnParallelLinear`, their `down` a `RowParallelLinear`, the rank an
 # `SPMDRank`), and the K/V parameters the module aliases to its outputs (`KeyInstance.get()`'s second value).
 
@@ -526,7 +526,7 @@ display(nb.witness_table(witness))
 # The 26B-A4B's vision part is an encoder: transformers' `Gemma4VisionModel` embeds each patch (with
 # a position embedding of where it sat), runs transformer layers over all of them, and its pooler
 # averages each block of patches into one soft token (the fixture's processor: `patch_size=4`,
-# `pooling_kernel_size=2`; transformers' default config: `patch_size=16`, `pooling_kernel_size=3`);
+# `pooling_kernel_size=2`, printed below; a released processor's own values are larger);
 # `Gemma4MultimodalEmbedder` then projects
 # every soft token to the decoder's width. The vision graph is those two modules at a fixed patch
 # budget (`max_soft_tokens` x pooling² patch slots), one image per call; the padding slots are

@@ -161,7 +161,7 @@ nb.batch_ceilings_table(ceilings)
 # - Each row has its own slots in every K/V buffer, the sliding layers' rings included.
 #
 # One change is for this CPU only. From B=4 on, one CPU thread's small-M matrix products are
-# bound by arithmetic, not by bytes, and run at a fifth of its GEMM rate (measured in `docs/ROOFLINE.md`, "where a decode step's time goes"). So a decode graph built
+# bound by arithmetic, not by bytes, and run under its GEMM rate (`docs/ROOFLINE.md`, "where a decode step's time goes", has the measured rates; this notebook does not time them). So a decode graph built
 # with `compute_balance=CPU_THREAD_FLOP_PER_BYTE` (what `port` passes for the `cpu` and `eager`
 # backends) swaps its large fp32 linears (`device.packed_linear`: the size threshold is there) for
 # [oneDNN](00_overview.ipynb#onednn)'s packed layout; on a medium-width model that made B=8 faster (`docs/ROOFLINE.md` quotes the run).

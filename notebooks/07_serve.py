@@ -132,8 +132,8 @@ if on_inf2 and not artifacts:  # a serving instance never compiles (section 7): 
 # %% [markdown]
 # ## 1. Why continuous batching, and what a row is
 #
-# `06_serving` explains why one decode step over B rows can cost far less than B steps over a single
-# row: the step reads every weight once either way (its sweep shows what this machine gave). A **row** is one of the B slots the graphs
+# `06_serving` explains why one decode step over B rows can cost less than B steps over a single
+# row: the step reads every weight once either way (its sweep prints what this machine gave). A **row** is one of the B slots the graphs
 # are compiled for: its own K/V buffers, its own position and length, its own sampling. A
 # request lives in one row from its prefill to its last token.
 #

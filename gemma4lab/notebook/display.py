@@ -261,7 +261,7 @@ def witness_table(witness: Mapping[str, Any] | None) -> Table:
         [
             "smallest top-1 − top-2 reference margin",
             f"{witness.get('reference_min_margin') or 0:.3g}",
-            "the trained model's margins are several logits",
+            "a logit error over half this gap can flip the witness's token",
         ],
         [
             "SEQ_MATCH",

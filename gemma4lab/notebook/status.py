@@ -22,6 +22,7 @@ from gemma4lib.inf2.memory_plan import DEFAULT_CONTEXT, plan_core_memory
 from gemma4lib.inf2.roofline import compare
 from gemma4lib.inf2.serving_host import serving_host_plan
 from gemma4lib.models.variants import get_variant
+from gemma4lib.recipes.neuron_env import COMPILER_ARGS
 
 # The field report: the earlier hands-on port to inf2 that this cookbook turns into notebooks
 # (00_overview, appendix "The field report"). It is undated; its figures were quoted here on this day.
@@ -71,6 +72,11 @@ def _inf2_rows(name: str) -> list[tuple[str, str, str]]:
             "AWS's published inf2 specification (`inf2/hardware.py`)",
         ),
         ("recipe", f"NxD `{v.recipe}` at [TP]({GLOSSARY}#tp)={v.tp_degree}", "this cookbook's plan (`Variant.recipe`)"),
+        (
+            "compiler flags",
+            "; ".join(f"{phase}: `{COMPILER_ARGS[phase]}`" for phase in ("prefill", "decode")),
+            "the library's own list (`neuron_env.COMPILER_ARGS`), passed to every key of that phase",
+        ),
         (
             "memory per NeuronCore",
             f"{core.weights_gib:.1f} GiB weights + {core.kv_gib:.2f} GiB K/V at {core.context_length:,} tokens, "

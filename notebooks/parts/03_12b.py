@@ -93,13 +93,14 @@ print(
 # %% [markdown]
 # ### Eager attention
 #
-# The released 12B uses a wide sliding window (`sliding_window=1024`). Neuron's fused attention kernel ran out of its
+# The released 12B uses a wide sliding window (its `sliding_window`: the cell prints it). Neuron's fused attention kernel ran out of its
 # on-chip scratch memory ([SBUF](00_overview.ipynb#sbuf)) at that window, so the field report switched the model to
 # transformers' eager attention, which the compiler lowers as ordinary matmuls and softmax. The
 # library loads every variant with `attn_implementation="eager"`. On the CPU the implementations
 # agree, which is what makes the switch safe: it changes what the compiler must fit, and the numbers only by rounding (the cell prints how much).
 
 # %%
+print(f"released 12B: sliding_window={s.variant_spec.real_config['sliding_window']}")
 demos["attention"] = nb.attention_implementations_agree(model, ids)
 demos["attention"]
 
@@ -290,7 +291,7 @@ display(nb.rank_module_table(one_rank, layers=(0, full)))  # one rank's layers: 
 # -- part: image_note --
 # The 12B has **no vision encoder**. Its processor cuts the image into patches and merges each group
 # into one model patch (the fixture's processor: `patch_size=4` merged by `pooling_kernel_size=2`;
-# transformers' default config: `patch_size=16`, `pooling_kernel_size=3`), so `pixel_values` holds model patches and no
+# printed below; a released processor's own values are larger), so `pixel_values` holds model patches and no
 # pooling follows. The embedder normalises and projects each model patch, adds a two-dimensional
 # position embedding of where it sat, and projects it to the decoder's width, one soft token each; the decoder
 # does the looking. So
