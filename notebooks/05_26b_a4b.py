@@ -511,26 +511,13 @@ display(nb.witness_table(witness))
 # %% [markdown] tags=["lesson"]
 # ## What the model sees
 #
-# Gemma-4 reads images too, and the port runs them through the same engine as text. An image reaches
-# the decoder as **soft tokens**. The checkpoint's image processor scales the pixel values into
-# `[0, 1]` and cuts the image into small patches, up to a budget of `max_soft_tokens` soft tokens per image (a
-# processor setting, printed below; a released processor also resizes the image to use its budget,
-# the fixtures' does not). The model's vision part turns the
-# patches into vectors of the decoder's width, one per soft token, and the host writes those vectors
-# over the image's placeholder tokens in the prompt's input embeddings, exactly where it writes the
-# word embeddings. The prefill and decode graphs are the same code (they take `inputs_embeds`
-# anyway); what is new is one more graph, `vision`, compiled by the same backend beside them (here
-# AOTInductor; on inf2 `torch_neuronx.trace` on a NeuronCore of its own: built, never run on inf2) and
-# run once per image, when the prompt is admitted.
+# As in `01_e2b` ("What the model sees"), which explains the image path once for the family: soft
+# tokens written over the placeholders in the prompt's embeddings, one more graph (`vision`) compiled
+# beside prefill and decode and run at admission, the tiny vision fixture trained on coloured shapes,
+# and the three checks against transformers' `generate(pixel_values=...)`. What is this variant's own:
 #
-# The 26B-A4B's vision part is an encoder: transformers' `Gemma4VisionModel` embeds each patch (with
-# a position embedding of where it sat), runs transformer layers over all of them, and its pooler
-# averages each block of patches into one soft token (the fixture's processor: `patch_size=4`,
-# `pooling_kernel_size=2`, printed below; a released processor's own values are larger);
-# `Gemma4MultimodalEmbedder` then projects
-# every soft token to the decoder's width. The vision graph is those two modules at a fixed patch
-# budget (`max_soft_tokens` x pooling² patch slots), one image per call; the padding slots are
-# computed and dropped on the host.
+# The 26B-A4B's vision part is the encoder `01_e2b` describes (transformers' `Gemma4VisionModel`,
+# its pooler, then `Gemma4MultimodalEmbedder`), at the fixture's patch sizes, printed below.
 # The soft tokens then go through the MoE decoder like any token: the router picks their experts.
 # The fixture's config leaves `use_bidirectional_attention` unset, so the masks below are causal over
 # the image. vLLM's Gemma-4 support reports that the released 26B-A4B config sets it to "vision", as
@@ -538,23 +525,9 @@ display(nb.witness_table(witness))
 # config gets the 12B's image blocks (`03_12b`); the gloo ranks and the neuron decoder keys do not
 # take them yet, and refuse it once the loaded config is known, rather than run causal.
 #
-# The smoke profile loads the variant's tiny *vision* fixture: this decoder architecture with a vision
-# part, trained offline on coloured shapes (`scripts/train_vision.py`), so that "What is in the
-# image?" gets an answer that names the shape and its colour. Its decoder has the text fixture's
-# architecture and this notebook's text section already compiled at an image prompt's shapes (a
-# prefill bucket and context with room for the whole budget, printed below), so its prefill and decode
-# are the text section's programs wherever the graph is the same (a config bidirectional over images,
-# as the 12B's, gives the prefill one more input), handed the vision fixture's weights at load time. The compile table says which graphs this run compiled and which it found in the artifact
-# cache; the tiny vision parts of the five variants share one architecture, so on a first run a
-# notebook run after another already finds the vision graph there. The answer is judged like text: SEQ_MATCH and
-# LOGITS_MATCH against transformers' own `generate(pixel_values=...)` on the same model (the first
-# logits row is the image prefill's), and coherence, which asks the answer to name the colour and
-# shape read from the pixels, so a model that did not look fails it.
-#
-# The first cell shows what the host makes of the image: the patch grid (thin lines) and the cells
-# that become one soft token each (thick lines), where the soft tokens sit in the prompt, and
-# transformers' prefill masks over them. The second compiles and runs it. The full profile skips the
-# section: the checkpoint loader keeps only the text decoder so far ([docs/IMAGES.md](../docs/IMAGES.md)).
+# The first cell shows the patch grid, where the soft tokens sit in the prompt and the prefill masks;
+# the second compiles and runs it. The full profile skips the section (the checkpoint loader keeps
+# only the text decoder so far: [docs/IMAGES.md](../docs/IMAGES.md)).
 
 # %% tags=["lesson"]
 image_settings = None  # the smoke profile's vision fixture; the full profile's loader keeps only the text decoder

@@ -126,7 +126,7 @@ VARIANT_SECTIONS = [  # the skeleton every variant notebook follows, in this ord
 MAX_CELLS = 39  # 01_e2b, which teaches the shared path cell by cell (and save/load, the core by hand)
 MAX_BRIEF_CELLS = 33  # 02-05: the shared path "as in 01", the rest the variant's lesson
 # (both with the three cells of "What the model sees", which every variant notebook has)
-MIN_LESSON_SHARE = 0.40  # of a brief notebook's lines, in cells tagged `lesson`
+MIN_LESSON_SHARE = 0.50  # of a brief notebook's lines, in cells tagged `lesson` (issue 51: at least half)
 SERVING_MAX_CELLS = 37  # with section 5's neuron batch cell
 # Calls a learner must find in the cells themselves, not behind a helper.
 REAL_CALLS = [
@@ -255,13 +255,16 @@ def lesson_share(nb) -> tuple[int, int]:
 
 @pytest.mark.parametrize("path", [p for p in variant_notebooks() if is_brief(p)], ids=lambda p: p.name)
 def test_brief_notebooks_are_about_their_variant(path):
-    """02-05 run the shared path in a few cells that say "as in 01_e2b" and spend at least 40 % of their
-    lines on the variant's lesson (the cells of the lesson parts, which the generator tags `lesson`, and
-    the skeleton's cells tagged so itself: "What the model sees", the variant's own vision part and fixture),
+    """02-05 run the shared path in a few cells that say "as in 01_e2b" and spend at least half of their
+    lines on the variant's lesson (the cells of the lesson parts, which the generator tags `lesson`: its
+    inf2 compile cell among them; and the skeleton's cells tagged so itself: "What the model sees", which
+    in a brief notebook holds only the variant's own vision part and links to 01_e2b for the rest),
     and the lesson reaches past the load: a lesson cell after the compile uses what was compiled."""
     nb = load(path)
     lesson, total = lesson_share(nb)
-    assert lesson / total >= MIN_LESSON_SHARE, f"{path.name}: lesson {lesson} of {total} lines, under 40 %"
+    assert lesson / total >= MIN_LESSON_SHARE, (
+        f"{path.name}: lesson {lesson} of {total} lines, under {MIN_LESSON_SHARE:.0%}"
+    )
     markdown = "\n".join(
         c.source for c in nb.cells if c.cell_type == "markdown" and "lesson" not in c.metadata.get("tags", [])
     )

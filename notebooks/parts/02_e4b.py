@@ -315,14 +315,8 @@ if witness:  # why the random E4B's spread (its LOGITS_MATCH tolerance above) is
           f"{copy_spread:.3g} by this deep copy, {witness['logits_spread']:.3g} by the library's one-module-at-a-time "
           f"upcast (the measurement is right), against the trained E4B's {report.logits.spread:.3g}")  # fmt: skip
 # -- part: image_note --
-# The E4B's vision part is an encoder: transformers' `Gemma4VisionModel` embeds each patch (with
-# a position embedding of where it sat), runs transformer layers over all of them, and its pooler
-# averages each block of patches into one soft token (the fixture's processor: `patch_size=4`,
-# `pooling_kernel_size=2`, printed below; a released processor's own values are larger);
-# `Gemma4MultimodalEmbedder` then projects
-# every soft token to the decoder's width. The vision graph is those two modules at a fixed patch
-# budget (`max_soft_tokens` x pooling² patch slots), one image per call; the padding slots are
-# computed and dropped on the host.
+# The E4B's vision part is the encoder `01_e2b` describes (transformers' `Gemma4VisionModel`,
+# its pooler, then `Gemma4MultimodalEmbedder`), at the fixture's patch sizes, printed below.
 # As on the E2B, the PLE token rows at the soft tokens' positions are the pad token's (the projection
 # half sees the soft tokens), and the masks stay causal over the image: the fixture's config leaves
 # `use_bidirectional_attention` unset.

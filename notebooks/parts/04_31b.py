@@ -279,14 +279,8 @@ assert turn in ids and turn not in hand_built  # the model never sees a turn in 
 demos["equality_is_not_enough"] = nb.equality_is_not_enough(model, compiled.runtime, s)
 demos["equality_is_not_enough"]
 # -- part: image_note --
-# The 31B's vision part is an encoder: transformers' `Gemma4VisionModel` embeds each patch (with
-# a position embedding of where it sat), runs transformer layers over all of them, and its pooler
-# averages each block of patches into one soft token (the fixture's processor: `patch_size=4`,
-# `pooling_kernel_size=2`, printed below; a released processor's own values are larger);
-# `Gemma4MultimodalEmbedder` then projects
-# every soft token to the decoder's width. The vision graph is those two modules at a fixed patch
-# budget (`max_soft_tokens` x pooling² patch slots), one image per call; the padding slots are
-# computed and dropped on the host.
+# The 31B's vision part is the encoder `01_e2b` describes (transformers' `Gemma4VisionModel`,
+# its pooler, then `Gemma4MultimodalEmbedder`), at the fixture's patch sizes, printed below.
 # The fixture's config leaves `use_bidirectional_attention` unset, so the masks below are causal over
 # the image. vLLM's Gemma-4 support reports that the released 31B config sets it to "vision", as
 # the 12B's does (unverified here). The port reads the config: on cpu, eager and xla at TP=1 such a

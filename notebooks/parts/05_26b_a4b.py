@@ -346,14 +346,8 @@ display(nb.Table(columns, rows, f"one MoE layer of the rank graph, TP={rank_tp},
 display(nb.rank_module_table(modules["intermediate"]))  # the default split's layer 0: here, and NxD's on inf2
 # -- part: after_checks --
 # -- part: image_note --
-# The 26B-A4B's vision part is an encoder: transformers' `Gemma4VisionModel` embeds each patch (with
-# a position embedding of where it sat), runs transformer layers over all of them, and its pooler
-# averages each block of patches into one soft token (the fixture's processor: `patch_size=4`,
-# `pooling_kernel_size=2`, printed below; a released processor's own values are larger);
-# `Gemma4MultimodalEmbedder` then projects
-# every soft token to the decoder's width. The vision graph is those two modules at a fixed patch
-# budget (`max_soft_tokens` x pooling² patch slots), one image per call; the padding slots are
-# computed and dropped on the host.
+# The 26B-A4B's vision part is the encoder `01_e2b` describes (transformers' `Gemma4VisionModel`,
+# its pooler, then `Gemma4MultimodalEmbedder`), at the fixture's patch sizes, printed below.
 # The soft tokens then go through the MoE decoder like any token: the router picks their experts.
 # The fixture's config leaves `use_bidirectional_attention` unset, so the masks below are causal over
 # the image. vLLM's Gemma-4 support reports that the released 26B-A4B config sets it to "vision", as

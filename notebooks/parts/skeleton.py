@@ -585,6 +585,7 @@ display(nb.witness_table(witness))
 # %% [markdown] tags=["lesson"]
 # ## What the model sees
 #
+{{#full}}
 # Gemma-4 reads images too, and the port runs them through the same engine as text. An image reaches
 # the decoder as **soft tokens**. The checkpoint's image processor scales the pixel values into
 # `[0, 1]` and cuts the image into small patches, up to a budget of `max_soft_tokens` soft tokens per image (a
@@ -616,6 +617,19 @@ display(nb.witness_table(witness))
 # that become one soft token each (thick lines), where the soft tokens sit in the prompt, and
 # transformers' prefill masks over them. The second compiles and runs it. The full profile skips the
 # section: the checkpoint loader keeps only the text decoder so far ([docs/IMAGES.md](../docs/IMAGES.md)).
+{{/full}}
+{{#brief}}
+# As in `01_e2b` ("What the model sees"), which explains the image path once for the family: soft
+# tokens written over the placeholders in the prompt's embeddings, one more graph (`vision`) compiled
+# beside prefill and decode and run at admission, the tiny vision fixture trained on coloured shapes,
+# and the three checks against transformers' `generate(pixel_values=...)`. What is this variant's own:
+#
+{{image_note}}
+#
+# The first cell shows the patch grid, where the soft tokens sit in the prompt and the prefill masks;
+# the second compiles and runs it. The full profile skips the section (the checkpoint loader keeps
+# only the text decoder so far: [docs/IMAGES.md](../docs/IMAGES.md)).
+{{/brief}}
 
 # %% tags=["lesson"]
 image_settings = None  # the smoke profile's vision fixture; the full profile's loader keeps only the text decoder
