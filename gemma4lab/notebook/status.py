@@ -107,7 +107,9 @@ def _inf2_rows(name: str) -> list[tuple[str, str, str]]:
         (
             "disk for the compiled port",
             f"~{disk_gb:.1f} GB of sharded bf16 weights: {v.tp_degree} file(s), one per rank, each the "
-            f"{core.weights_gib:.1f} GiB of weights per NeuronCore above; + the compiled "
+            f"{core.weights_gib:.1f} GiB of weights per NeuronCore above (the tensors every rank keeps whole, "
+            "such as norms and copied KV heads, counted in each file, so more than the model's weights); "
+            "+ the compiled "
             f"[NEFFs]({GLOSSARY}#neff) (size unmeasured)",
             "computed from the rank plan (`memory_plan`)",
         ),
