@@ -30,13 +30,36 @@
 # | [04_31b.ipynb](04_31b.ipynb) | 31B | `inf2.24xlarge` | TP=8 | model_builder |
 # | [05_26b_a4b.ipynb](05_26b_a4b.ipynb) | 26B-A4B | `inf2.24xlarge` | TP=8 | model_builder |
 #
-# Then [06_serving.ipynb](06_serving.ipynb) serves more than one token per weight read on the tiny
-# E2B (CPU only): a batch of different prompts, each row checked against its own reference, and
-# drafting with Gemma-4's own assistant, exact against greedy decoding. Its inf2 figures are
-# computed, marked so, beside the [field report](#field-report)'s measured batch figures. And
-# [07_serve.ipynb](07_serve.ipynb) puts the same engine behind an OpenAI-compatible endpoint: rows
-# that requests join and leave between decode steps, the official `openai` client, concurrent
-# clients, and the bundle a Ray Serve replica loads on inf2 (that cell does not run here).
+# ### The course: what to read, in which order, and what each adds
+#
+# Read them in this order; each assumes the ones before it and explains only what is new, linking
+# back for the rest.
+#
+# 1. **This notebook**: the family side by side, the glossary every other notebook links to, the
+#    last run's results, and why a port that equals its reference can still be wrong.
+# 1. **[01_e2b](01_e2b.ipynb)**, the whole port written out cell by cell, once for the family: the
+#    host-side embeddings, the device graph and its K/V step checked by hand, `torch.export` and
+#    AOTInductor here, and the inf2 calls (`torch_neuronx.trace`, NxD `ModelBuilder`); the engine's
+#    admit, step and release; the three checks, the witness and the spread; "What the model sees"
+#    (images), which the other variants do not repeat.
+# 1. **[02_e4b](02_e4b.ipynb)** adds tensor parallelism: attention and MLP split by hand over two
+#    ranks, the rank graph, and its inf2 compile at TP=2 (one KV head per rank, the K/V aliased).
+# 1. **[03_12b](03_12b.ipynb)** adds k_eq_v, eager attention, a single global KV head copied on both
+#    ranks at TP=2, and the image blocks of a model with no vision encoder.
+# 1. **[04_31b](04_31b.ipynb)** adds TP=8 with the global layers' KV heads replicated, the compile
+#    host a big model needs, and the family's bug that equality alone did not catch.
+# 1. **[05_26b_a4b](05_26b_a4b.ipynb)** adds the mixture of experts: the router, static expert forms,
+#    the expert split across ranks, a rank that must be a runtime tensor, and its inf2 rank module.
+# 1. **[06_serving](06_serving.ipynb)** serves more than one token per weight read on the tiny E2B
+#    (CPU only): a batch of different prompts, each row checked against its own reference, its keys on
+#    neuron, and drafting with Gemma-4's own assistant, exact against greedy decoding. Its inf2
+#    figures are computed, marked so, beside the [field report](#field-report)'s measured batch figures.
+# 1. **[07_serve](07_serve.ipynb)** puts the same engine behind an OpenAI-compatible endpoint: rows
+#    that requests join and leave between decode steps, the official `openai` client, concurrent
+#    clients, and on inf2 a bundle compiled once on a compile host that Ray Serve replicas load
+#    without compiling (that cell does not run here).
+#
+# Each variant notebook holds its inf2 compile cell in its section 3b, "On inf2".
 #
 # ### Runs on
 #
@@ -78,6 +101,7 @@ import torch
 
 from gemma4lab import notebook as nb
 from gemma4lab.notebook import plots
+from gemma4lib.models.variants import VARIANTS
 from gemma4lib.port import PortSettings, compile_graphs, load_model
 
 torch.set_num_threads(threads)
@@ -88,11 +112,17 @@ torch.set_num_threads(threads)
 # All five share a skeleton: one large vocabulary with the embedding tied to the LM head,
 # embeddings scaled by √hidden, grouped-query attention with sliding-window layers between the
 # global ones (five for each global one; four on E2B), a wider head on global layers than on sliding ones, and a final logit softcap
-# (`vocab_size=262144`, `head_dim=256`, `global_head_dim=512`, `final_logit_softcapping=30.0` in every
-# released config). The differences are in the columns on the right: [PLE](#ple), [KV sharing](#kv-sharing)
+# (the same `vocab_size`, `head_dim`, `global_head_dim` and `final_logit_softcapping` in every
+# released config: the next cell prints them from each). The differences are in the columns on the right: [PLE](#ple), [KV sharing](#kv-sharing)
 # ("KV-shared"), [k_eq_v](#k-eq-v) and the [MoE](#moe) experts, each in the glossary below.
 
 # %%
+for v in VARIANTS.values():  # the released configs' shared values (the table's columns are where they differ)
+    config, heads = nb.real_config(v), v.real_config
+    print(
+        f"{v.name}: vocab_size={config.vocab_size}, head_dim={heads['head_dim']}, global_head_dim="
+        f"{heads['global_head_dim']}, final_logit_softcapping={config.final_logit_softcapping}"
+    )
 nb.family_table()
 
 # %% [markdown]

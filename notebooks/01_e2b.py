@@ -336,12 +336,12 @@ print(f"slots per buffer: {slots} (sliding: a ring of the window; full: the whol
 # - `torch.export.export(graph, graph.example_inputs(), strict=False)` records the program. Non-strict:
 #   strict mode drops the in-place K/V writes with only a warning (no error, wrong logits).
 # - `torch._inductor.aoti_compile_and_package(program, package_path=..., inductor_configs=dict(options))`
-#   (AOTInductor) compiles it to C++ and writes one `.pt2` package. `options` are
+#   (AOTInductor) compiles it to C++ and writes one `.pt2` package. `options` (the cell prints them) are
 #   `compile_cpu.DEFAULT_COMPILER_OPTIONS`: the wrapper at `-O1` (a shorter compile of the C++ wrapper),
 #   `package_constants_in_so=False` (the weights are not inlined: the package is handed them at load,
 #   so one compile can serve the trained model and the random [witness](00_overview.ipynb#witness); Inductor can still
 #   fold a few tiny weights, such as q/k norms, into the program, depending on the graph; a model whose folded values
-#   differ then gets a program of its own: the witness table says which happened), `realize_opcount_threshold=8`
+#   differ then gets a program of its own: the witness table says which happened), `realize_opcount_threshold`
 #   (stores the rotated query once instead of recomputing it per K/V slot).
 # - `torch._inductor.aoti_load_package(path)` loads it; `compile_cpu.load_weights` hands it the
 #   model's weights (shared, not copied).
@@ -355,6 +355,7 @@ print(f"slots per buffer: {slots} (sliding: a ring of the window; full: the whol
 
 # %%
 cache, options = ArtifactCache(s.cache_dir), compile_cpu.DEFAULT_COMPILER_OPTIONS
+print("AOTInductor options (compile_cpu.DEFAULT_COMPILER_OPTIONS):", dict(options))
 if not on_inf2:
     steps = {}
     for name, graph in graphs.named().items():  # prefill64, ..., decode
@@ -424,9 +425,10 @@ if not on_inf2:
 #   short prompt runs its own bucket, not the largest) and `decode`.
 #   `model_instance` builds the [rank graph](00_overview.ipynb#rank-graph) with NxD's parallel layers and returns its K/V parameters
 #   aliased to the outputs that update them (`input_output_aliases`), so both keys share one set of
-#   K/V states on the device. `compiler_args` (`neuron_env.COMPILER_ARGS`) are
-#   `--model-type=transformer --auto-cast=none --enable-mixed-precision-accumulation` (no automatic
-#   down-casting: the weights are already bf16) with `-O1` for prefill and `-O2` for decode. [`priority_model_idx`](00_overview.ipynb#priority-model-idx)`=0` on decode: the compiler picks the
+#   K/V states on the device. `compiler_args` are the library's own list, `neuron_env.COMPILER_ARGS`,
+#   which the status box at the top prints whole (its "compiler flags" row): `--auto-cast=none` (no
+#   automatic down-casting: the weights are already bf16), the tensorizer's options (a pipeline tiling
+#   factor per phase), `-O1` for prefill and `-O2` for decode. [`priority_model_idx`](00_overview.ipynb#priority-model-idx)`=0` on decode: the compiler picks the
 #   weights' on-device layout for decode, the step that reads every weight per token.
 # - `builder.trace(initialize_model_weights=False)` compiles without inlining the weights;
 #   `torch.jit.save` keeps it; `builder.shard_checkpoint(serialize_path=...)` writes one
@@ -438,8 +440,8 @@ if not on_inf2:
 # A longer context on inf2 means a new compile: set `context_length` (and `prefill_buckets`, the
 # compiled prompt lengths) and run again; the cache key changes with them, so
 # each context keeps its own artifact. Long contexts also raise the compile's host RAM (inf2 users
-# report a long-context compile exhausting a large compile host
-# (16k tokens on a 128 GB host; source: inf2 users' public issue reports, collected in this project's design notes, 2026-12);
+# report a long-context compile exhausting a large compile host; source: inf2 users' public issue
+# reports, collected in this project's design notes, 2026-12);
 # `python -m gemma4lib doctor` ([`doctor`](00_overview.ipynb#doctor)) prints the estimate for the weights, computed and unverified on inf2.
 
 # %% tags=["lesson"]
@@ -636,8 +638,8 @@ nb.answer_text(model, tokens)
 # ## 6. SEQ_MATCH, LOGITS_MATCH and coherence, side by side
 #
 # Three checks, because none implies the others. **SEQ_MATCH** (the device's tokens equal the
-# reference's) shows the compiled graph is faithful as far as tokens can show it: this model answers
-# with margins of several logits, so a small error in every logit leaves every token alone.
+# reference's) shows the compiled graph is faithful as far as tokens can show it: a small error in
+# every logit leaves a token alone wherever the top logit leads the next by more than twice the error.
 # **LOGITS_MATCH** compares the device's logits at every generated position with the reference's for
 # the same tokens (one forward over prompt + device tokens), within a fixed multiple of the
 # reference's own rounding (its largest difference to a float64 copy of itself, its [spread](00_overview.ipynb#spread),
@@ -691,7 +693,7 @@ display(nb.witness_table(witness))
 # The E2B's vision part is an encoder: transformers' `Gemma4VisionModel` embeds each patch (with
 # a position embedding of where it sat), runs transformer layers over all of them, and its pooler
 # averages each block of patches into one soft token (the fixture's processor: `patch_size=4`,
-# `pooling_kernel_size=2`; transformers' default config: `patch_size=16`, `pooling_kernel_size=3`);
+# `pooling_kernel_size=2`, printed below; a released processor's own values are larger);
 # `Gemma4MultimodalEmbedder` then projects
 # every soft token to the decoder's width. The vision graph is those two modules at a fixed patch
 # budget (`max_soft_tokens` x pooling² patch slots), one image per call; the padding slots are

@@ -193,8 +193,8 @@ print("  own RAM; a measured peak includes what it held at that moment (unverifi
 # ### KV heads under TP=8: replicated, not sharded
 #
 # The sliding layers have twice as many KV heads as ranks: two per rank, a clean split. The
-# full-attention layers have only half as many KV heads as ranks (`num_global_key_value_heads=4`,
-# `num_attention_heads=32`: eight Q heads per KV head). At TP=8 each rank owns four Q heads, all of
+# full-attention layers have only half as many KV heads as ranks (the released config's
+# `num_global_key_value_heads` and `num_attention_heads`, which the cell prints: eight Q heads per KV head). At TP=8 each rank owns four Q heads, all of
 # which read the same KV head (Q head `q` reads KV head `q // 8`), so rank `r` keeps a copy of KV head
 # `r // 2`: every global KV head lives on two ranks. The cell works it out from the released config
 # and checks it against the library's TP plan. On inf2 the copies are made before NxD sees the
@@ -206,7 +206,8 @@ real, tp = s.variant_spec.real_config, s.variant_spec.tp_degree
 q_heads, kv_heads = real["num_attention_heads"], real["num_global_key_value_heads"]
 q_per_kv, q_per_rank = q_heads // kv_heads, q_heads // tp
 kv_on_rank = [sorted({q // q_per_kv for q in range(r * q_per_rank, (r + 1) * q_per_rank)}) for r in range(tp)]
-print(f"{q_heads} Q heads, {kv_heads} global KV heads, TP={tp}: global KV head(s) held by each rank {kv_on_rank}")
+print(f"num_attention_heads={q_heads}, num_global_key_value_heads={kv_heads}, TP={tp}:",
+      f"global KV head(s) held by each rank {kv_on_rank}")  # fmt: skip
 demos["kv_heads_tp8"] = nb.kv_heads_under_tp("31b", 8)
 table = demos["kv_heads_tp8"]
 by_rank = {row[0]: dict(zip(table.columns, row, strict=True))["KV head(s) on rank 0..N-1"] for row in table.rows}
@@ -265,18 +266,92 @@ else:
 # %% [markdown]
 # ### 3b. On inf2 (not run here)
 #
-# With `backend="neuron"` the same call runs `backends/neuron.py`: NxD `ModelBuilder`
+# With `backend="neuron"` the next cell compiles this variant with NxD `ModelBuilder`
 # at TP=8: one rank compiled (the rank graph with NxD's parallel layers, each global KV head copied on
 # two ranks), the weights sharded per rank, the rank number a runtime tensor, and the decode graph
 # the priority model whose weight layout the compiler optimises.
-# `01_e2b` §3b shows those calls in its cell, one by one, and the tests hold that cell equal to
-# the backend. This cell has never been executed (the status box); here it prints
-# `skipped: backend=cpu`.
+# The cell makes the calls `backends/neuron.py` makes (what `compile_graphs(model, s)` runs with
+# `backend="neuron"`), written out; `01_e2b` §3b explains each call, and the tests run this cell
+# against recording stand-ins for the SDK and hold its calls equal to the backend's. It has never
+# been executed (the status box); here it prints `skipped: backend=cpu`.
 
-# %%
-if on_inf2:  # inf2-only: NxD ModelBuilder at TP=8 (backends/neuron.py)
-    compiled = compile_graphs(model, s)
-    runtime = compiled.runtime
+# %% tags=["lesson"]
+if on_inf2:  # inf2-only: NxD ModelBuilder at TP=8, the calls of backends/neuron.py written out
+    import functools
+
+    from safetensors.torch import load_file
+
+    from gemma4lib.backends.base import CompiledGraphs
+    from gemma4lib.backends.neuron import compiler_workdir, neuron_cache_key, own_directory, warn_low_host_ram
+    from gemma4lib.cache.artifacts import ArtifactCache
+    from gemma4lib.recipes import cores, neuron_env, neuron_model_builder as mb
+    from gemma4lib.recipes.common import DeviceStep, index_dtype, key_inputs
+    from gemma4lib.runtime import Engine, Steps
+    from gemma4lib.tp.plan import make_plan
+
+    model_builder = neuron_env.require("neuronx_distributed.trace.model_builder", "ModelBuilder")
+
+    class KeyInstance(model_builder.BaseModelInstance):  # one per key: NxD builds its module on every rank
+        def __init__(self, build):
+            super().__init__(module_cls=build, input_output_aliases={})
+
+        def get(self, bucket_rank, **kwargs):  # the module and {K/V parameter: the output index that updates it}
+            return self.module, self.module.aliases()  # aliased: the K/V stay on the device, shared by every key
+
+    tp, dtype = s.tp_degree, decode.dtype  # bf16 on inf2
+    plan = make_plan(model.config, tp, model.variant)  # 31B at TP=8: 4 global KV heads, each copied on two ranks
+    experts = s.decode_experts if model.variant.is_moe else "dense"
+    forms = mb.bucket_expert_forms(experts)  # the experts' form per key: prefill dense, decode `decode_experts`
+    shapes = mb.bucket_shapes(s.context_length, s.prefill_buckets, s.ring_kv)  # prefill<tokens> per bucket, decode
+    key_graphs = {name: decode if sh.tokens == 1 else prefill[sh.tokens] for name, sh in shapes.items()}
+    key, parts = neuron_cache_key(
+        model, "model_builder", tp, shapes, neuron_env.COMPILER_ARGS, dtype, decode_experts=experts, weights=s.weights
+    )
+
+    def build(folder):  # called by the cache, only on a miss
+        if s.profile == "full":  # the compile-host plan: warns when this host's RAM is under its peak
+            warn_low_host_ram(model.variant, tp, "model_builder", len(key_graphs))
+        with compiler_workdir() as workdir, own_directory():  # trace() wipes its workdir, writes .hlo into cwd
+            builder = model_builder.ModelBuilder(
+                router=None,
+                tp_degree=tp,
+                checkpoint_loader=mb.checkpoint_loader(model, plan, dtype, s.weights),  # built when NxD shards
+                compiler_workdir=workdir,
+            )
+            for name, graph in key_graphs.items():
+                phase = graph.shape.phase  # "prefill" or "decode"
+                rank_module = functools.partial(  # the key's module: the rank graph with NxD's parallel layers
+                    mb.rank_module, model.config, plan, graph.shape, dtype, expert_form=forms[phase], weights=s.weights
+                )
+                builder.add(
+                    key=name,
+                    model_instance=KeyInstance(rank_module),
+                    example_inputs=[key_inputs(graph, dtype=dtype)],  # the graph's own, without its K/V
+                    compiler_args=neuron_env.COMPILER_ARGS[phase],
+                    priority_model_idx=mb.PRIORITY[phase],  # decode: 0, the weight layout the compiler optimises
+                )
+            traced = builder.trace(initialize_model_weights=False)  # one rank compiled, weights not inlined
+            torch.jit.save(traced, str(folder / "model.pt"))
+            del traced
+            builder.shard_checkpoint(serialize_path=str(folder / "weights"))  # tp{rank}_sharded_checkpoint each
+        return {"recipe": "model_builder", "tp": tp}
+
+    began, cache = time.perf_counter(), ArtifactCache(s.cache_dir)
+    need = model.param_count() * dtype.itemsize  # the shards: checked against the cache's free space first
+    entry = cache.get_or_build(key, build, describe={k: v for k, v in parts.items() if k != "config"}, need_bytes=need)
+    label = f"{model.variant.name} (model_builder, TP={tp}) from {entry.path}"
+    cores.check_free(0, tp, label)  # a model an earlier run of this cell loaded still holds the cores: refused
+    traced = torch.jit.load(str(entry.file("model.pt")))
+    shards = [entry.file("weights") / mb.SHARD_FILE.format(rank=r) for r in range(tp)]
+    traced.nxd_model.initialize([load_file(str(p)) for p in shards], torch.tensor([0], dtype=torch.int32))
+    cores.claim(traced, 0, tp, label)
+    states = len(decode.layout.buffer_shapes(1, s.context_length, s.ring_kv))  # the K/V states it aliases
+    step = DeviceStep(traced, decode.num_inputs, model.config.vocab_size, aliases=states,
+                      index_dtype=index_dtype(key_inputs(decode)))  # fmt: skip
+    steps = Steps({b: step for b in s.prefill_buckets}, step)  # one loaded model: NxD routes each call by shape
+    runtime = Engine.for_model(model, steps, batch=1, context_length=s.context_length, dtype=dtype)
+    compile_s = 0.0 if entry.hit else time.perf_counter() - began
+    compiled = CompiledGraphs(runtime.steps, compile_s, [entry.hit], "neuron-model_builder", runtime=runtime)
     display(nb.describe_compile(compiled))
 else:
     print(f"skipped: backend={backend}")
@@ -291,13 +366,21 @@ else:
 # layers, with fewer KV heads than ranks, keep one whole head per rank, so each head exists on
 # several ranks: KV heads per rank × TP is more than the device's, and so is the K/V they hold.
 
+#
+# Last, one rank's module, the one the inf2 cell above hands NxD for the decode key
+# (`mb.rank_module`), built here with the CPU twins of NxD's layers: each rank-local layer beside
+# the NxD layer in its place on inf2 (`ColumnParallelLinear`, `RowParallelLinear`, `SPMDRank`), and
+# the K/V parameters it aliases to its outputs (`KeyInstance.get()`'s second value).
 # %% tags=["lesson"]
 from gemma4lib.tp.plan import make_plan
-from gemma4lib.tp.rank_graph import build_rank_graph
+from gemma4lib.recipes import neuron_model_builder as mb
+from gemma4lib.tp.rank_graph import CpuParallelFactory
 
 rank_tp = tp_demo or 4  # the tiny model's TP degree; the released 31B's is 8
 plan = make_plan(model.config, rank_tp, model.variant)
-rank_graph = build_rank_graph(model.config, plan, decode.shape)  # what ModelBuilder compiles once, for every rank
+# the decode key's module as the inf2 cell hands it to NxD, with the CPU twins of NxD's layers
+one_rank = mb.rank_module(model.config, plan, decode.shape, torch.float32, CpuParallelFactory(rank_tp))
+rank_graph = one_rank.graph  # what ModelBuilder compiles once, for every rank
 rows = []
 for one, mine in zip(decode.layout.producers, rank_graph.layout.producers, strict=True):
     attn = rank_graph.model.layers[one.index].self_attn
@@ -308,6 +391,8 @@ for one, mine in zip(decode.layout.producers, rank_graph.layout.producers, stric
 assert any(row[2] == "replicate" for row in rows)  # the tiny 31B's full layers, as the released one's at TP=8
 columns = ["layer", "type", "KV mode", "KV heads, one device", "KV heads per rank", "k_proj shard"]
 display(nb.Table(columns, rows, f"the rank graph at TP={rank_tp} against the one-device graph"))
+full = next(kv.index for kv in decode.layout.producers if kv.layer_type == "full_attention")
+display(nb.rank_module_table(one_rank, layers=(0, full)))  # one rank's layers: here, and NxD's on inf2
 
 # %% [markdown]
 # ## 4. Generate on the device
@@ -359,49 +444,22 @@ demos["equality_is_not_enough"]
 # %% [markdown] tags=["lesson"]
 # ## What the model sees
 #
-# Gemma-4 reads images too, and the port runs them through the same engine as text. An image reaches
-# the decoder as **soft tokens**. The checkpoint's image processor scales the pixel values into
-# `[0, 1]` and cuts the image into small patches, up to a budget of `max_soft_tokens` soft tokens per image (a
-# processor setting, printed below; a released processor also resizes the image to use its budget,
-# the fixtures' does not). The model's vision part turns the
-# patches into vectors of the decoder's width, one per soft token, and the host writes those vectors
-# over the image's placeholder tokens in the prompt's input embeddings, exactly where it writes the
-# word embeddings. The prefill and decode graphs are the same code (they take `inputs_embeds`
-# anyway); what is new is one more graph, `vision`, compiled by the same backend beside them (here
-# AOTInductor; on inf2 `torch_neuronx.trace` on a NeuronCore of its own: built, never run on inf2) and
-# run once per image, when the prompt is admitted.
+# As in `01_e2b` ("What the model sees"), which explains the image path once for the family: soft
+# tokens written over the placeholders in the prompt's embeddings, one more graph (`vision`) compiled
+# beside prefill and decode and run at admission, the tiny vision fixture trained on coloured shapes,
+# and the three checks against transformers' `generate(pixel_values=...)`. What is this variant's own:
 #
-# The 31B's vision part is an encoder: transformers' `Gemma4VisionModel` embeds each patch (with
-# a position embedding of where it sat), runs transformer layers over all of them, and its pooler
-# averages each block of patches into one soft token (the fixture's processor: `patch_size=4`,
-# `pooling_kernel_size=2`; transformers' default config: `patch_size=16`, `pooling_kernel_size=3`);
-# `Gemma4MultimodalEmbedder` then projects
-# every soft token to the decoder's width. The vision graph is those two modules at a fixed patch
-# budget (`max_soft_tokens` x pooling² patch slots), one image per call; the padding slots are
-# computed and dropped on the host.
+# The 31B's vision part is the encoder `01_e2b` describes (transformers' `Gemma4VisionModel`,
+# its pooler, then `Gemma4MultimodalEmbedder`), at the fixture's patch sizes, printed below.
 # The fixture's config leaves `use_bidirectional_attention` unset, so the masks below are causal over
 # the image. vLLM's Gemma-4 support reports that the released 31B config sets it to "vision", as
 # the 12B's does (unverified here). The port reads the config: on cpu, eager and xla at TP=1 such a
 # config gets the 12B's image blocks (`03_12b`); the gloo ranks and the neuron decoder keys do not
 # take them yet, and refuse it once the loaded config is known, rather than run causal.
 #
-# The smoke profile loads the variant's tiny *vision* fixture: this decoder architecture with a vision
-# part, trained offline on coloured shapes (`scripts/train_vision.py`), so that "What is in the
-# image?" gets an answer that names the shape and its colour. Its decoder has the text fixture's
-# architecture and this notebook's text section already compiled at an image prompt's shapes (a
-# prefill bucket and context with room for the whole budget, printed below), so its prefill and decode
-# are the text section's programs wherever the graph is the same (a config bidirectional over images,
-# as the 12B's, gives the prefill one more input), handed the vision fixture's weights at load time. The compile table says which graphs this run compiled and which it found in the artifact
-# cache; the tiny vision parts of the five variants share one architecture, so on a first run a
-# notebook run after another already finds the vision graph there. The answer is judged like text: SEQ_MATCH and
-# LOGITS_MATCH against transformers' own `generate(pixel_values=...)` on the same model (the first
-# logits row is the image prefill's), and coherence, which asks the answer to name the colour and
-# shape read from the pixels, so a model that did not look fails it.
-#
-# The first cell shows what the host makes of the image: the patch grid (thin lines) and the cells
-# that become one soft token each (thick lines), where the soft tokens sit in the prompt, and
-# transformers' prefill masks over them. The second compiles and runs it. The full profile skips the
-# section: the checkpoint loader keeps only the text decoder so far ([docs/IMAGES.md](../docs/IMAGES.md)).
+# The first cell shows the patch grid, where the soft tokens sit in the prompt and the prefill masks;
+# the second compiles and runs it. The full profile skips the section (the checkpoint loader keeps
+# only the text decoder so far: [docs/IMAGES.md](../docs/IMAGES.md)).
 
 # %% tags=["lesson"]
 image_settings = None  # the smoke profile's vision fixture; the full profile's loader keeps only the text decoder

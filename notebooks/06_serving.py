@@ -29,7 +29,7 @@
 # |---|---|---|
 # | machine | any x86-64 or arm64 machine; two shared cores are enough | `inf2.xlarge` for E2B (the field report's instance; this notebook's inf2 figures are computed, never run there) |
 # | model | the tiny trained E2B ([PLE](00_overview.ipynb#ple) + [KV sharing](00_overview.ipynb#kv-sharing)) and its tiny trained assistant (distilled against the target here; shapes and training: `gemma4lib/fixtures/PROVENANCE.json`) | `google/gemma-4-E2B-it` and `google/gemma-4-e2b-it-assistant` |
-# | batches | compiled with [AOTInductor](00_overview.ipynb#aotinductor), run and checked here | `port(PortSettings(variant="e2b", backend="neuron", batch_size=4))`: ModelBuilder with batched example inputs, written against SDK 2.28, **never run on inf2** |
+# | batches | compiled with [AOTInductor](00_overview.ipynb#aotinductor), run and checked here | section 5's guarded cell (`backend: neuron`): ModelBuilder keys with batched example inputs (`compile_graphs`, as `port(PortSettings(variant="e2b", backend="neuron", batch_size=4))`), the one-row join key refused there; written against SDK 2.28, **never run on inf2** |
 # | drafting | compiled with AOTInductor, run and checked here | `port(PortSettings(variant="e2b", backend="neuron", draft="assistant", draft_tokens=4))`: ModelBuilder keys `prefill<bucket>`, `verify` and `draft` over one set of device K/V states (`recipes/neuron_drafting.py`), written against SDK 2.28 and driven here by recording fakes only, **never run on inf2**; the trace recipe refuses |
 # | time | a few minutes with a warm compile cache, plus the compile of each graph the first time (each compile cell prints its time) | — |
 # | software | torch 2.13 (CPU), transformers 5.23.0 | Neuron SDK 2.28 (see `01_e2b`) |
@@ -61,6 +61,7 @@ sweep_new_tokens = 16
 warmup = 1
 iters = 3
 threads = 1
+backend = "cpu"  # "neuron" (on inf2 only): section 5 also compiles the batch keys there (never run)
 results_path = "../runs/notebooks/serving.json"
 
 # %% [markdown]
@@ -160,7 +161,7 @@ nb.batch_ceilings_table(ceilings)
 # - Each row has its own slots in every K/V buffer, the sliding layers' rings included.
 #
 # One change is for this CPU only. From B=4 on, one CPU thread's small-M matrix products are
-# bound by arithmetic, not by bytes, and run at a fifth of its GEMM rate (measured in `docs/ROOFLINE.md`, "where a decode step's time goes"). So a decode graph built
+# bound by arithmetic, not by bytes, and run under its GEMM rate (`docs/ROOFLINE.md`, "where a decode step's time goes", has the measured rates; this notebook does not time them). So a decode graph built
 # with `compute_balance=CPU_THREAD_FLOP_PER_BYTE` (what `port` passes for the `cpu` and `eager`
 # backends) swaps its large fp32 linears (`device.packed_linear`: the size threshold is there) for
 # [oneDNN](00_overview.ipynb#onednn)'s packed layout; on a medium-width model that made B=8 faster (`docs/ROOFLINE.md` quotes the run).
@@ -537,7 +538,22 @@ print(f"decode {tok_s_with:,.0f} tok/s with drafts, {tok_s_without:,.0f} without
 print(f"mean tokens per verify step over {max_new_tokens} tokens (eos off): {timed.accepted_per_step:.2f}")
 
 # %% [markdown]
-# ## 5. On inf2: what drafting could do (computed, unverified)
+# ## 5. On inf2: the batch keys, and what drafting could do
+#
+# ### The batch on neuron (not run here)
+#
+# With `backend="neuron"` the batch of section 2 compiles as NxD `ModelBuilder` keys, the calls
+# `backends/neuron.py` makes and `01_e2b` §3b writes out, with every key's example inputs `batch_size`
+# rows deep: `prefill<bucket>` (each row right-padded, its own `start` and `length`) and `decode` (one
+# token per row), over one set of device K/V states `[batch_size, kv heads, slots, head_dim]`. The
+# first cell prints those keys from the library's own `bucket_shapes`. A request that joins running
+# rows alone (continuous batching) runs a one-row prefill over its row of the K/V on a CPU
+# (`row_prefill`); on neuron the K/V are device states a key takes whole, so the settings refuse
+# that key and a join runs the batch-shaped prefill: the cell prints the refusal. Then, guarded by
+# the `backend` parameter, it compiles the batch on inf2 and checks each row's tokens against this
+# CPU run's (never executed by this project; here it prints `skipped: backend=cpu`).
+#
+# ### What drafting could do (computed, unverified)
 #
 # The drafted ceiling is `tokens per verify step × bandwidth ÷ (verify bytes + k × assistant
 # bytes)`, against the plain `bandwidth ÷ step bytes`. The tokens per verify step used are the
@@ -548,6 +564,25 @@ print(f"mean tokens per verify step over {max_new_tokens} tokens (eos off): {tim
 # come from an assumed shape (no released assistant config is available offline), and the
 # overhead of k + 1 graph calls per round is left out. Every figure is **computed and
 # unverified on inf2** (`gemma4lab/inf2/mtp_roofline.py`).
+
+# %%
+from gemma4lib.errors import SettingsError
+from gemma4lib.recipes import neuron_model_builder as mb
+
+neuron_batch = PortSettings(**common, backend="neuron", batch_size=batch_size)  # settings only: nothing loads
+for name, shape in mb.bucket_shapes(context_length, tuple(prefill_buckets), ring_kv, batch=batch_size).items():
+    print(f"ModelBuilder key {name}: {shape.batch} rows x {shape.tokens} tokens, context {shape.context_length}")
+try:  # the one-row join key: a prefill over one row of the K/V, which on neuron live on the device
+    PortSettings(**common, backend="neuron", batch_size=batch_size, row_prefill=True)
+except SettingsError as refused:
+    print(f"one-row join key on neuron: refused ({refused})")
+if PortSettings(variant=variant, backend=backend).backend_row.device_bound:  # inf2-only: backends/neuron.py
+    neuron_compiled = compile_graphs(load_model(neuron_batch), neuron_batch)  # ModelBuilder, the batch keys
+    neuron_rows = neuron_compiled.runtime.generate_rows(requests, keep_logits=True).rows
+    same = [a.tokens == b.tokens for a, b in zip(neuron_rows, generation.rows, strict=True)]
+    print(f"inf2 rows with this CPU run's tokens: {sum(same)} of {len(same)}")
+else:
+    print(f"skipped: backend={backend}")
 
 # %%
 effect = draft_table({variant: timed.accepted_per_step}, draft_tokens)  # the longest drafted run's acceptance

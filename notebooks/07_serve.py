@@ -34,7 +34,8 @@
 # | software | torch 2.13 (CPU), transformers 5.23.0, FastAPI + uvicorn, `openai`, Ray 2.60 | Neuron SDK 2.28 (see `01_e2b`) |
 #
 # `python -m papermill_runs run --profile smoke` runs it after 06_serving; the full profile leaves
-# it out. On inf2, run it by hand with `backend = "neuron"` and `profile = "full"`.
+# it out. On inf2, run it by hand on a serving instance with `backend = "neuron"`, `profile = "full"`
+# and `artifacts` naming the bundle a compile host exported (section 7).
 
 # %% [markdown]
 # ## Parameters
@@ -61,8 +62,8 @@ client_levels = [1, 2, 4, 8]  # concurrent streaming clients
 requests_per_client = 2
 level_timeout_s = 120.0  # a load level that takes longer fails (every load here stops by itself)
 start_timeout_s = 600.0
-replicas = 2  # inf2: Ray Serve replicas, each loading the bundle
-bundle_dir = "../runs/notebooks/bundle-e2b"
+replicas = 2  # inf2: Ray Serve replicas, each loading the bundle (E2B: one per inf2.xlarge of the Ray cluster)
+artifacts = None  # inf2: the bundle folder `export` wrote on the compile host (section 7), loaded, never compiled
 threads = 1
 results_path = "../runs/notebooks/serve.json"
 
@@ -106,6 +107,7 @@ settings = PortSettings(
             batch_size=batch_size,
             context_length=context_length,
             prefill_buckets=tuple(prefill_buckets),
+            artifacts=artifacts,
         )
     )
 )
@@ -124,12 +126,14 @@ nb.show_settings(
     ),
 )  # what the server is started with
 on_inf2 = settings.backend_row.device_bound  # the backend's facts: Neuron's runs on inf2 (the last section)
+if on_inf2 and not artifacts:  # a serving instance never compiles (section 7): it loads the compile host's bundle
+    raise ValueError("on inf2 set artifacts= to the bundle `python -m gemma4lib export` wrote on the compile host")
 
 # %% [markdown]
 # ## 1. Why continuous batching, and what a row is
 #
-# `06_serving` explains why one decode step over B rows can cost far less than B steps over a single
-# row: the step reads every weight once either way (its sweep shows what this machine gave). A **row** is one of the B slots the graphs
+# `06_serving` explains why one decode step over B rows can cost less than B steps over a single
+# row: the step reads every weight once either way (its sweep prints what this machine gave). A **row** is one of the B slots the graphs
 # are compiled for: its own K/V buffers, its own position and length, its own sampling. A
 # request lives in one row from its prefill to its last token.
 #
@@ -157,21 +161,23 @@ on_inf2 = settings.backend_row.device_bound  # the backend's facts: Neuron's run
 # ## 2. Start the server
 #
 # `ServerProcess` runs `python -m gemma4lib serve` as a child process, bound to 127.0.0.1 on a free
-# port, and returns once `GET /health` answers: the engine is loaded and its graphs are ready (from
-# the compile cache when an earlier run compiled these shapes, else compiled now: `compile_s` in the
-# table the next cell prints says which).
+# port, and returns once `GET /health` answers: the engine is loaded and its graphs are ready. Here,
+# on a CPU, the server compiles them itself (from the compile cache when an earlier run compiled
+# these shapes, else now: `compile_s` in the table the next cell prints says which). On inf2 it does
+# not compile: `artifacts` names the bundle a compile host exported (section 7), and the server
+# loads it (`--artifacts`), as every replica does.
 # The wait it prints is mostly the child's start (Python, torch and transformers imported, the model
 # loaded); the table's `load_s` is the graphs' part of it. A child process rather than a thread, so that the server's threads never wait for this kernel's;
 # the same command is what you would run in a terminal. It stops itself at the end of this notebook (SIGTERM), and dies with the kernel if the
 # kernel dies first.
 
 # %%
-args = ["--variant", variant, "--profile", profile, "--backend", backend, "--batch", str(batch_size)]
-args += ["--context-length", str(context_length), "--prefill-buckets", ",".join(str(b) for b in prefill_buckets)]
-args += ["--row-prefill" if settings.row_prefill else "--no-row-prefill"]
-args += ["--max-queue", str(max_queue), "--threads", str(threads)] + (
-    ["--checkpoint", checkpoint] if checkpoint else []
-)
+port_args = ["--variant", variant, "--profile", profile, "--backend", backend, "--batch", str(batch_size)]
+port_args += ["--context-length", str(context_length), "--prefill-buckets", ",".join(map(str, prefill_buckets))]
+port_args += ["--row-prefill" if settings.row_prefill else "--no-row-prefill"]
+port_args += ["--checkpoint", checkpoint] if checkpoint else []  # what the graphs are: `export` takes the same
+args = port_args + ["--max-queue", str(max_queue), "--threads", str(threads)]
+args += ["--artifacts", artifacts] if artifacts else []  # inf2: load the compile host's bundle, never compile
 server = ServerProcess(args).start(start_timeout_s)
 print("$", " ".join(server.command[1:]))
 health = server.health()
@@ -367,26 +373,29 @@ print("\n".join(line for line in server.log_tail(4000).splitlines() if "drain" i
 # degree; Ray sets `NEURON_RT_VISIBLE_CORES`), routes each request to the least loaded one,
 # restarts a replica that dies and, if you ask it, scales their number with the load.
 #
-# **Why a bundle per replica.** Compiling E2B's graphs is the slow step and, by the compile-host plan
+# **Where the bundle compiles.** Compiling E2B's graphs is the slow step and, by the compile-host plan
 # (`01_e2b`, [`doctor`](00_overview.ipynb#doctor); computed, unverified on inf2), needs more host RAM than the instance that
-# serves it has. A replica must not compile: it loads the
-# compiled NEFFs and weight shards that `export` wrote once, on a bigger host (`python -m gemma4lib
-# export --variant e2b --out bundles/e2b`). Loading never compiles and checks that the bundle fits
-# this environment first (variant, TP, shapes, SDK and library versions), so a restarted replica
-# serves again in the time a load takes, and reports no compile time (`compile_s`) in its `/health`.
+# serves it has. So two machines play two roles. The **compile host** (the bigger instance the plan
+# names) runs `export` once, with the same port arguments as the server above (the cell prints that
+# command): it compiles the graphs and writes the NEFFs and weight shards as a bundle. The **serving
+# instances** never compile: the bundle is copied to them, `artifacts` names it, and the server of
+# section 2 and every replica load it; loading checks first that the bundle fits this environment
+# (variant, TP, shapes, SDK and library versions), so a restarted replica serves again in the time a
+# load takes, and reports no compile time (`compile_s`) in its `/health`, which the cell prints per
+# replica. This notebook on inf2 runs on a serving instance: without `artifacts` its setup cell
+# stops and says to export first.
 #
-# Here the cell prints `skipped: backend=cpu`; on CPU the same deployment runs in
+# Here the cell prints the compile host's command, then `skipped: backend=cpu`; on CPU the same deployment runs in
 # `tests/test_server_ray.py` (two replicas on a local cluster bound to 127.0.0.1, one killed under
 # load: its requests get 503 with `Retry-After`, the rest succeed, Ray restarts it from the bundle).
 
 # %%
-if on_inf2:  # inf2-only: written against SDK 2.28, never run on inf2
-    from gemma4lib.export import export_bundle
+print("on the compile host, once: python -m gemma4lib export", *port_args, "--out bundles/e2b")
+if on_inf2:  # inf2-only, on a serving instance: written against SDK 2.28, never run on inf2
     from gemma4lib.cli import load_engine_from
     from gemma4lib.server.ray_app import RayOptions, deploy, stop_ray
 
-    export_bundle(settings, bundle_dir)  # compiles once (a warm cache makes it a copy)
-    replica_settings = dataclasses.replace(settings, artifacts=bundle_dir)  # replicas load it, never compile
+    replica_settings = dataclasses.replace(settings, artifacts=artifacts)  # the bundle: loaded, never compiled
     url = deploy(replica_settings, RayOptions(replicas=replicas, max_queue=max_queue), load_engine_from)
     try:
         ray_client = OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=120)
@@ -398,6 +407,7 @@ if on_inf2:  # inf2-only: written against SDK 2.28, never run on inf2
             seen[replica_health["replica"]] = replica_health
         rows = [[name, h["compile_s"], h["load_s"]] for name, h in seen.items()]
         display(nb.Table(["replica", "compile_s", "load_s"], rows, "replicas that answered /health"))
+        print("replicas that compiled:", [name for name, h in seen.items() if h["compile_s"]] or "none")
     finally:
         stop_ray()
 else:

@@ -189,3 +189,24 @@ def test_the_notebook_record_of_a_generation_is_the_ports_record(ports, tmp_path
     assert result["checks_passed"] and result["tokens"] == reference and result["prompt_tokens"] == len(e2b.ids)
     assert result["prefill_logits_max_abs_diff"] < 1e-4 and result["a"] == 1 and "Paris" in result["answer"]
     assert nb.load_results(tmp_path)["e2b"]["tokens"] == reference
+
+
+def test_the_status_box_counts_every_graph_the_run_compiled():
+    """The box's compile line adds the image section's graphs and the witness's to the text graphs':
+    a run whose text graphs all came from the cache but whose vision graph compiled does not read
+    "every graph from the compile cache"."""
+    from gemma4lab.notebook.status import compiled_graphs
+
+    record = {
+        "compile_s": 0.0,
+        "cache_hits": [True, True],
+        "demos": {"image": {"compile_s": 105.0, "cache_hits": [True, True, False]}},
+        "witness": {"cache_hits": [True, True]},
+    }
+    figures = compiled_graphs(record)
+    assert figures["compile_s"] == 105.0
+    assert "6 of 7 graphs from the compile cache: text 2 of 2, image 2 of 3, witness 2 of 2" in figures["cached"]
+    assert compiled_graphs({"compile_s": 3.0, "cache_hits": [False]}) == {
+        "compile_s": 3.0,
+        "cached": " (0 of 1 graphs from the compile cache: text 0 of 1)",
+    }

@@ -342,6 +342,7 @@ class _Recorder:
 
     def __init__(self, stop_at_trace: bool = True):
         self.calls = []
+        self.instances = []  # every key's model_instance, in `add` order
         self.loader_calls = 0
         self.raw_loader = None
         recorder = self
@@ -364,6 +365,7 @@ class _Recorder:
                 bucket_config=None,
                 priority_model_idx=None,
             ):
+                recorder.instances.append(model_instance)
                 recorder.calls.append(
                     (
                         "add",

@@ -18,6 +18,16 @@ not a measured or computed figure, by these rules, checked line by line on each 
 
 Anything else (a speed, a size, a count, a ratio) must be printed by a code cell or formatted by the
 library (e.g. `nb.status_box`), where the run produces it.
+
+Two rules close what the digit rule lets through:
+
+4. **A config value quoted in code** (`` `head_dim=256` ``, allowed by rule 1) must be shown by the
+   notebook: the name and the value together in a code cell or in an output of its executed copy
+   (`docs/notebooks/`, the integrator's one fresh run), so a value the prose names and no cell shows
+   fails here however it is spelled.
+5. **A comparative of magnitude** ("several times faster", "an order of magnitude", "a fifth of
+   its", "much larger", "goes flat") needs the figure behind it: its markdown cell says where the run
+   prints it (a cell that prints, a table, a plot) or the line is quoted with a source and date.
 """
 
 from __future__ import annotations
@@ -50,6 +60,16 @@ ALLOWED = re.compile(
     """
 )
 DIGITS = re.compile(r"\d[\d,.]*")
+EXECUTED = ROOT / "docs" / "notebooks"
+CONFIG_VALUE = re.compile(r"`(\w+)\s*=\s*(-?\d[\d_.]*)`")
+COMPARATIVE = re.compile(
+    r"""(?xi)
+    \b(?:several|many|a\s+few)\s+times\b | \borders?\s+of\s+magnitude\b
+    | \b(?:a|one)\s+(?:third|quarter|fifth|sixth|tenth)\s+of\s+(?:its|the|their)\b
+    | \b(?:much|far)\s+(?:faster|slower|more|less|larger|smaller|cheaper|bigger)\b | \bgoes\s+flat\b
+    """
+)
+PRINTED_HERE = re.compile(r"(?i)\bprint(?:s|ed)?\b|\btables?\b|\bplots?\b")
 
 
 def unsourced_figures(markdown: str) -> list[tuple[str, str]]:
@@ -88,3 +108,69 @@ def test_the_figure_check_can_fail():
     assert unsourced_figures("## 3. Compile\n1. first\n```\nx = 42\n```") == []
     assert unsourced_figures("the server answers 429 at once; p99 latency") == []
     assert unsourced_figures("it served 429 tok/s")[0][0] == "429"  # a status code only after a word naming one
+
+
+def shown_text(path: Path) -> str:
+    """What a notebook shows a reader: its code cells (as committed and as executed) and every
+    output of its executed copy in docs/notebooks."""
+    shown = [c.source for c in nbformat.read(str(path), as_version=4).cells if c.cell_type == "code"]
+    executed = EXECUTED / path.name
+    if executed.exists():
+        for cell in nbformat.read(str(executed), as_version=4).cells:
+            if cell.cell_type != "code":
+                continue
+            shown.append(cell.source)
+            for output in cell.get("outputs", []):
+                shown.append(str(output.get("text", "")))
+                shown += [str(value) for value in (output.get("data") or {}).values()]
+    return "\n".join(shown)
+
+
+def unshown_values(markdown: str, shown: str) -> list[str]:
+    """Every `name=value` code span in `markdown` whose name and value no cell or output shows together."""
+    missing = []
+    for match in CONFIG_VALUE.finditer(markdown):
+        name, value = match.groups()
+        if not re.search(rf"\b{name}\b\W{{0,6}}(?:[^\n]{{0,40}}?\W)?{re.escape(value)}\b", shown):
+            missing.append(match.group())
+    return missing
+
+
+def bare_comparatives(markdown: str) -> list[tuple[str, str]]:
+    """(phrase, line) for every comparative of magnitude in a markdown cell that says nowhere where
+    the run prints its figure, on a line without a dated source."""
+    prose = FENCE.sub(" ", markdown)
+    if PRINTED_HERE.search(CODE_SPAN.sub(" ", prose)):
+        return []
+    return [
+        (m.group(), line.strip())
+        for line in prose.splitlines()
+        if not SOURCED.search(line)
+        for m in COMPARATIVE.finditer(CODE_SPAN.sub(" ", line))
+    ]
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+def test_every_quoted_value_is_shown_and_every_comparative_printed(path):
+    nb = nbformat.read(str(path), as_version=4)
+    shown = shown_text(path)
+    markdown = [(i, c.source) for i, c in enumerate(nb.cells) if c.cell_type == "markdown"]
+    values = [(i, value) for i, text in markdown for value in unshown_values(text, shown)]
+    assert not values, (
+        f"{path.name}: config values quoted in the prose that no cell or output shows (print them, or drop "
+        f"the value): " + ", ".join(f"cell {i}: {v}" for i, v in values)
+    )
+    vague = [(i, phrase, line) for i, text in markdown for phrase, line in bare_comparatives(text)]
+    assert not vague, f"{path.name}: comparatives with no printed figure in their cell: " + "; ".join(
+        f"cell {i}: {phrase!r} in {line[:100]!r}" for i, phrase, line in vague
+    )
+
+
+def test_the_shown_and_comparative_checks_can_fail():
+    assert unshown_values("`head_dim=256` and `tp_degree=2`", "print(tp_degree)\ntp_degree: 2") == ["`head_dim=256`"]
+    assert unshown_values("`head_dim=256`", "head_dim = 256") == []
+    assert unshown_values("`head_dim=256`", "head_dim=2560") == ["`head_dim=256`"]
+    assert bare_comparatives("selective decode runs several times faster than dense")[0][0] == "several times"
+    assert bare_comparatives("throughput goes flat once clients outnumber rows")[0][0] == "goes flat"
+    assert bare_comparatives("several times faster: the table below prints the ratio") == []
+    assert bare_comparatives("a fifth of its rate (source: a report, 2026-12-01)") == []

@@ -74,6 +74,7 @@ from gemma4lab.notebook.speed import measured_vs_ceiling
 from gemma4lab.notebook.status import StatusBox, bandwidth_text, status_box
 from gemma4lab.notebook.tensor_parallel import (
     kv_heads_under_tp,
+    rank_module_table,
     sharded_attention_by_hand,
     tp_cpu_run,
     tp_demo,
@@ -109,6 +110,7 @@ __all__ = [
     "k_eq_v_report",
     "kv_cache_bytes",
     "kv_heads_under_tp",
+    "rank_module_table",
     "sharded_attention_by_hand",
     "kv_sharing_real",
     "kv_sharing_report",

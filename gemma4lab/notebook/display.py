@@ -261,7 +261,7 @@ def witness_table(witness: Mapping[str, Any] | None) -> Table:
         [
             "smallest top-1 − top-2 reference margin",
             f"{witness.get('reference_min_margin') or 0:.3g}",
-            "the trained model's margins are several logits",
+            "a logit error over half this gap can flip the witness's token",
         ],
         [
             "SEQ_MATCH",
@@ -293,7 +293,10 @@ def bench_table(figures: BenchFigures, settings: PortSettings, ceiling: Mapping[
         [
             "prefill (median)",
             with_unit(figures.prefill_ms, "ms"),
-            f"~{v.field_report.prefill_ms:.0f} ms (field report)" if v.field_report.prefill_ms else "—",
+            # the report states no prompt length or context for it: not the column's context
+            f"~{v.field_report.prefill_ms:.0f} ms (field report; its prompt length not stated)"
+            if v.field_report.prefill_ms
+            else "—",
         ],
         [
             "decode (median)",
@@ -326,7 +329,7 @@ def bench_table(figures: BenchFigures, settings: PortSettings, ceiling: Mapping[
             "",
             f"this run ({settings.profile}, {settings.backend})",
             f"released model on {v.instance_type}, TP={v.tp_degree}, "
-            f"{released['bytes_per_step']['context_length']:,} context (the plan's, not this run's)",
+            f"ceilings at {released['bytes_per_step']['context_length']:,} context (the plan's, not this run's)",
         ],
         rows,
         title,

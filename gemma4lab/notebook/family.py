@@ -134,11 +134,12 @@ def tp_fit(variant: Variant | str, degrees: Sequence[int] = (1, 2, 4, 8)) -> Tab
     recipe's own list of degrees (`Variant.supported_tp`), not a rule about heads: TP plans replicate
     KV heads where a degree exceeds them, so a degree off the list is untried, not impossible.
 
-    GiB, the unit of the status box's "memory per NeuronCore" row (with GB beside it, the unit of the
-    roofline's bytes per step, so the two are never read as two figures): at a degree the recipe supports the
-    figure is one rank's shard as the TP plan cuts it (`memory_plan.rank_weight_bytes`, the very
-    number the status box prints: norms, the tied LM head's replicated parts and copied KV heads
-    included); at any other degree there is no plan, so it is the device weights ÷ TP, marked "≈"."""
+    GiB only, the unit of the status box's "memory per NeuronCore" row and of a core's HBM (the
+    notebooks' weight totals are in GB: one unit per figure, so no total is printed twice): at a
+    degree the recipe supports the figure is one rank's shard as the TP plan cuts it
+    (`memory_plan.rank_weight_bytes`, the very number the status box prints: norms, the tied LM
+    head's replicated parts and copied KV heads included); at any other degree there is no plan, so
+    it is the device weights ÷ TP, marked "≈"."""
     v = variant if isinstance(variant, Variant) else get_variant(variant)
     b = device_bytes(v)
     rows = []
@@ -148,9 +149,7 @@ def tp_fit(variant: Variant | str, degrees: Sequence[int] = (1, 2, 4, 8)) -> Tab
         rows.append(
             [
                 tp,
-                f"{per_core:.1f} GiB = {per_core * GIB / GB:.1f} GB"
-                if supported
-                else f"≈ {per_core:.1f} GiB = {per_core * GIB / GB:.1f} GB (÷ TP, no plan)",
+                f"{per_core:.1f} GiB" if supported else f"≈ {per_core:.1f} GiB (÷ TP, no plan)",
                 f"{per_core / HBM_PER_CORE_GIB:.0%}",
                 "no" if per_core > HBM_PER_CORE_GIB else "tight" if per_core > 0.75 * HBM_PER_CORE_GIB else "yes",
                 "yes" if supported else "no (not a degree this recipe supports)",

@@ -12,6 +12,7 @@ run measured, not what an earlier run did.
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,6 +22,7 @@ from gemma4lib.inf2.hardware import GB, GIB, INSTANCES
 from gemma4lib.inf2.memory_plan import DEFAULT_CONTEXT, plan_core_memory
 from gemma4lib.inf2.serving_host import serving_host_plan
 from gemma4lib.models.variants import get_variant
+from gemma4lib.recipes.neuron_env import COMPILER_ARGS
 
 # The field report: the earlier hands-on port to inf2 that this cookbook turns into notebooks
 # (00_overview, appendix "The field report"). It is undated; its figures were quoted here on this day.
@@ -71,6 +73,11 @@ def _inf2_rows(name: str) -> list[tuple[str, str, str]]:
         ),
         ("recipe", f"NxD `{v.recipe}` at [TP]({GLOSSARY}#tp)={v.tp_degree}", "this cookbook's plan (`Variant.recipe`)"),
         (
+            "compiler flags",
+            "; ".join(f"{phase}: `{COMPILER_ARGS[phase]}`" for phase in ("prefill", "decode")),
+            "the library's own list (`neuron_env.COMPILER_ARGS`), passed to every key of that phase",
+        ),
+        (
             "memory per NeuronCore",
             f"{core.weights_gib:.1f} GiB weights + {core.kv_gib:.2f} GiB K/V at {core.context_length:,} tokens, "
             f"{'sliding layers in a ring' if core.ring else 'full length (no ring)'} "
@@ -100,7 +107,9 @@ def _inf2_rows(name: str) -> list[tuple[str, str, str]]:
         (
             "disk for the compiled port",
             f"~{disk_gb:.1f} GB of sharded bf16 weights: {v.tp_degree} file(s), one per rank, each the "
-            f"{core.weights_gib:.1f} GiB of weights per NeuronCore above; + the compiled "
+            f"{core.weights_gib:.1f} GiB of weights per NeuronCore above (the tensors every rank keeps whole, "
+            "such as norms and copied KV heads, counted in each file, so more than the model's weights); "
+            "+ the compiled "
             f"[NEFFs]({GLOSSARY}#neff) (size unmeasured)",
             "computed from the rank plan (`memory_plan`)",
         ),
@@ -192,16 +201,35 @@ class StatusBox:
         finished = {
             "elapsed_s": time.perf_counter() - self.started,
             "threads": (record.get("bench") or {}).get("threads", 1),
-            **{k: record.get(k) for k in ("compile_s", "prefill_ms", "decode_tok_s")},
+            **{k: record.get(k) for k in ("prefill_ms", "decode_tok_s")},
             **{k: record.get(k) for k in ("seq_match", "logits_match", "coherent")},
             "context_length": (record.get("parameters") or {}).get("context_length"),
-            "cached": " (every graph from the compile cache)" if all(record.get("cache_hits") or [False]) else "",
+            **compiled_graphs(record),
         }
         self.finished = finished
         if self.handle is not None:
             from IPython.display import Markdown
 
             self.handle.update(Markdown(self.markdown(finished)))
+
+
+def compiled_graphs(record: Mapping[str, Any]) -> dict[str, Any]:
+    """`compile_s` and `cached` for the box: every graph the run compiled or found in the cache, the
+    text graphs' (the record's own), the image section's (`demos.image`) and the witness's (its
+    compile time is not recorded, so the seconds are the text and image graphs')."""
+    demos = record.get("demos") or {}
+    parts = {"text": (record.get("compile_s"), record.get("cache_hits"))}
+    parts["image"] = ((demos.get("image") or {}).get("compile_s"), (demos.get("image") or {}).get("cache_hits"))
+    parts["witness"] = (None, (record.get("witness") or {}).get("cache_hits"))
+    parts = {name: (s, list(hits)) for name, (s, hits) in parts.items() if hits}
+    graphs = sum(len(hits) for _, hits in parts.values())
+    cached = sum(sum(map(bool, hits)) for _, hits in parts.values())
+    each = ", ".join(f"{name} {sum(map(bool, hits))} of {len(hits)}" for name, (_, hits) in parts.items())
+    unmeasured = "; the witness's seconds not measured" if "witness" in parts else ""
+    return {
+        "compile_s": sum(s or 0.0 for s, _ in parts.values()),
+        "cached": f" ({cached} of {graphs} graphs from the compile cache: {each}{unmeasured})",
+    }
 
 
 def status_box(variant: str) -> StatusBox:

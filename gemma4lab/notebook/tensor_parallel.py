@@ -198,3 +198,34 @@ def tp_runs_table(runs: Mapping[str, Mapping[str, Any]], expect: str | None = "P
         rows,
         "tensor-parallel runs on CPU (one process per rank, gloo collectives)",
     )
+
+
+# The CPU twin of each rank-local layer (`tp.rank_graph.CpuParallelFactory`), and the NxD layer
+# `recipes.neuron_model_builder.NxDParallelFactory` makes in its place when ModelBuilder builds the rank module.
+NXD_TWINS = {
+    "ColumnShard": "ColumnParallelLinear(gather_output=False)",
+    "RowShard": "RowParallelLinear(input_is_parallel=True)",
+    "SPMDRankParam": "SPMDRank(world_size=tp)",
+    "Linear": "nn.Linear (replicated on every rank)",
+}
+
+
+def rank_module_table(module: Any, layers: Sequence[int] = (0,)) -> Table:
+    """The rank-local layers of one rank's module (`neuron_model_builder.rank_module` built with the
+    CPU twins) in `layers`, each beside the NxD layer that stands there on inf2 and the weight this
+    rank holds; the note counts the K/V parameters the module aliases to its outputs (`get()`'s
+    second value), which is what keeps the K/V on the device between calls."""
+    wanted = tuple(f"graph.model.layers.{i}." for i in layers)
+    rows = []
+    for name, layer in module.named_modules():
+        kind = type(layer).__name__
+        if kind in NXD_TWINS and (name.startswith(wanted) or name == "graph.spmd_rank"):
+            weight = getattr(layer, "weight", None)
+            shape = "" if weight is None else " x ".join(str(n) for n in weight.shape)
+            rows.append([name.removeprefix("graph."), kind, NXD_TWINS[kind], shape])
+    outputs = sorted(module.aliases().values())
+    note = (
+        f"{len(outputs)} K/V parameters aliased to outputs {outputs[0]}..{outputs[-1]} (output 0: the logits): "
+        "NxD keeps them as device state shared by every key"
+    )
+    return Table(["module", "here (CPU twin)", "on inf2 (NxD)", "weight on this rank"], rows, "one rank's module", note)

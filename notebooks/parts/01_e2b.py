@@ -257,7 +257,7 @@ else:
 # The E2B's vision part is an encoder: transformers' `Gemma4VisionModel` embeds each patch (with
 # a position embedding of where it sat), runs transformer layers over all of them, and its pooler
 # averages each block of patches into one soft token (the fixture's processor: `patch_size=4`,
-# `pooling_kernel_size=2`; transformers' default config: `patch_size=16`, `pooling_kernel_size=3`);
+# `pooling_kernel_size=2`, printed below; a released processor's own values are larger);
 # `Gemma4MultimodalEmbedder` then projects
 # every soft token to the decoder's width. The vision graph is those two modules at a fixed patch
 # budget (`max_soft_tokens` x pooling² patch slots), one image per call; the padding slots are

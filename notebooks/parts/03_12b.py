@@ -93,13 +93,14 @@ print(
 # %% [markdown]
 # ### Eager attention
 #
-# The released 12B uses a wide sliding window (`sliding_window=1024`). Neuron's fused attention kernel ran out of its
+# The released 12B uses a wide sliding window (its `sliding_window`: the cell prints it). Neuron's fused attention kernel ran out of its
 # on-chip scratch memory ([SBUF](00_overview.ipynb#sbuf)) at that window, so the field report switched the model to
 # transformers' eager attention, which the compiler lowers as ordinary matmuls and softmax. The
 # library loads every variant with `attn_implementation="eager"`. On the CPU the implementations
 # agree, which is what makes the switch safe: it changes what the compiler must fit, and the numbers only by rounding (the cell prints how much).
 
 # %%
+print(f"released 12B: sliding_window={s.variant_spec.real_config['sliding_window']}")
 demos["attention"] = nb.attention_implementations_agree(model, ids)
 demos["attention"]
 
@@ -143,6 +144,89 @@ if tp_demo:
 # at TP=2: one rank compiled (the rank graph with NxD's parallel layers, the global KV head copied
 # on both ranks), the weights sharded per rank, the rank number a runtime tensor, and the decode
 # graph the priority model whose weight layout the compiler optimises.
+# -- part: neuron_compile --
+# %%
+if on_inf2:  # inf2-only: NxD ModelBuilder at TP=2, the calls of backends/neuron.py written out
+    import functools
+
+    from safetensors.torch import load_file
+
+    from gemma4lib.backends.base import CompiledGraphs
+    from gemma4lib.backends.neuron import compiler_workdir, neuron_cache_key, own_directory, warn_low_host_ram
+    from gemma4lib.cache.artifacts import ArtifactCache
+    from gemma4lib.recipes import cores, neuron_env, neuron_model_builder as mb
+    from gemma4lib.recipes.common import DeviceStep, index_dtype, key_inputs
+    from gemma4lib.runtime import Engine, Steps
+    from gemma4lib.tp.plan import make_plan
+
+    model_builder = neuron_env.require("neuronx_distributed.trace.model_builder", "ModelBuilder")
+
+    class KeyInstance(model_builder.BaseModelInstance):  # one per key: NxD builds its module on every rank
+        def __init__(self, build):
+            super().__init__(module_cls=build, input_output_aliases={})
+
+        def get(self, bucket_rank, **kwargs):  # the module and {K/V parameter: the output index that updates it}
+            return self.module, self.module.aliases()  # aliased: the K/V stay on the device, shared by every key
+
+    tp, dtype = s.tp_degree, decode.dtype  # bf16 on inf2
+    # 12B at TP=2: the global layers' one KV head copied on both ranks (kv_mode "replicate"), the sliding
+    # layers' heads split; the model was loaded with eager attention (plain matmuls and softmax to lower)
+    plan = make_plan(model.config, tp, model.variant)
+    experts = s.decode_experts if model.variant.is_moe else "dense"
+    forms = mb.bucket_expert_forms(experts)  # the experts' form per key: prefill dense, decode `decode_experts`
+    shapes = mb.bucket_shapes(s.context_length, s.prefill_buckets, s.ring_kv)  # prefill<tokens> per bucket, decode
+    key_graphs = {name: decode if sh.tokens == 1 else prefill[sh.tokens] for name, sh in shapes.items()}
+    key, parts = neuron_cache_key(
+        model, "model_builder", tp, shapes, neuron_env.COMPILER_ARGS, dtype, decode_experts=experts, weights=s.weights
+    )
+
+    def build(folder):  # called by the cache, only on a miss
+        if s.profile == "full":  # the compile-host plan: warns when this host's RAM is under its peak
+            warn_low_host_ram(model.variant, tp, "model_builder", len(key_graphs))
+        with compiler_workdir() as workdir, own_directory():  # trace() wipes its workdir, writes .hlo into cwd
+            builder = model_builder.ModelBuilder(
+                router=None,
+                tp_degree=tp,
+                checkpoint_loader=mb.checkpoint_loader(model, plan, dtype, s.weights),  # built when NxD shards
+                compiler_workdir=workdir,
+            )
+            for name, graph in key_graphs.items():
+                phase = graph.shape.phase  # "prefill" or "decode"
+                rank_module = functools.partial(  # the key's module: the rank graph with NxD's parallel layers
+                    mb.rank_module, model.config, plan, graph.shape, dtype, expert_form=forms[phase], weights=s.weights
+                )
+                builder.add(
+                    key=name,
+                    model_instance=KeyInstance(rank_module),
+                    example_inputs=[key_inputs(graph, dtype=dtype)],  # the graph's own, without its K/V
+                    compiler_args=neuron_env.COMPILER_ARGS[phase],
+                    priority_model_idx=mb.PRIORITY[phase],  # decode: 0, the weight layout the compiler optimises
+                )
+            traced = builder.trace(initialize_model_weights=False)  # one rank compiled, weights not inlined
+            torch.jit.save(traced, str(folder / "model.pt"))
+            del traced
+            builder.shard_checkpoint(serialize_path=str(folder / "weights"))  # tp{rank}_sharded_checkpoint each
+        return {"recipe": "model_builder", "tp": tp}
+
+    began, cache = time.perf_counter(), ArtifactCache(s.cache_dir)
+    need = model.param_count() * dtype.itemsize  # the shards: checked against the cache's free space first
+    entry = cache.get_or_build(key, build, describe={k: v for k, v in parts.items() if k != "config"}, need_bytes=need)
+    label = f"{model.variant.name} (model_builder, TP={tp}) from {entry.path}"
+    cores.check_free(0, tp, label)  # a model an earlier run of this cell loaded still holds the cores: refused
+    traced = torch.jit.load(str(entry.file("model.pt")))
+    shards = [entry.file("weights") / mb.SHARD_FILE.format(rank=r) for r in range(tp)]
+    traced.nxd_model.initialize([load_file(str(p)) for p in shards], torch.tensor([0], dtype=torch.int32))
+    cores.claim(traced, 0, tp, label)
+    states = len(decode.layout.buffer_shapes(1, s.context_length, s.ring_kv))  # the K/V states it aliases
+    step = DeviceStep(traced, decode.num_inputs, model.config.vocab_size, aliases=states,
+                      index_dtype=index_dtype(key_inputs(decode)))  # fmt: skip
+    steps = Steps({b: step for b in s.prefill_buckets}, step)  # one loaded model: NxD routes each call by shape
+    runtime = Engine.for_model(model, steps, batch=1, context_length=s.context_length, dtype=dtype)
+    compile_s = 0.0 if entry.hit else time.perf_counter() - began
+    compiled = CompiledGraphs(runtime.steps, compile_s, [entry.hit], "neuron-model_builder", runtime=runtime)
+    display(nb.describe_compile(compiled))
+else:
+    print(f"skipped: backend={backend}")
 # -- part: core_step --
 # -- part: after_compile --
 # %% [markdown]
@@ -158,12 +242,18 @@ if tp_demo:
 # cut to one rank's shard), against the one-device graph: the sliding layers' KV heads are halved,
 # the full layers' single KV head is whole on both ranks (replicated).
 
+#
+# Last, one rank's module, the one the inf2 cell above hands NxD for the decode key
+# (`mb.rank_module`), built here with the CPU twins of NxD's layers: each rank-local layer beside
+# the NxD layer in its place on inf2 (`ColumnParallelLinear`, `RowParallelLinear`, `SPMDRank`), and
+# the K/V parameters it aliases to its outputs (`KeyInstance.get()`'s second value).
 # %%
 import math
 
 from gemma4lib.inf2.memory_plan import DEFAULT_CONTEXT
 from gemma4lib.tp.plan import make_plan
-from gemma4lib.tp.rank_graph import build_rank_graph
+from gemma4lib.recipes import neuron_model_builder as mb
+from gemma4lib.tp.rank_graph import CpuParallelFactory
 
 kv_shapes = decode.layout.buffer_shapes(1, s.context_length, s.ring_kv)  # the compiled decode graph's K/V inputs
 rows = []
@@ -184,7 +274,9 @@ print(f"released 12B, K + V in bf16 at {DEFAULT_CONTEXT:,} tokens (the plan's co
 print(f"run's graph above: {s.context_length} tokens; the full-profile command: its own context_length): {mib}")
 rank_tp = tp_demo or 2  # the CPU run's TP degree, as on the inf2 instance
 plan = make_plan(model.config, rank_tp, model.variant)
-rank_graph = build_rank_graph(model.config, plan, decode.shape)  # what ModelBuilder compiles once, for every rank
+# the decode key's module as the inf2 cell hands it to NxD, with the CPU twins of NxD's layers
+one_rank = mb.rank_module(model.config, plan, decode.shape, torch.float32, CpuParallelFactory(rank_tp))
+rank_graph = one_rank.graph  # what ModelBuilder compiles once, for every rank
 rows = []
 for one, mine in zip(decode.layout.producers, rank_graph.layout.producers, strict=True):
     mode = plan.attention(one.index).kv_mode
@@ -193,11 +285,13 @@ for one, mine in zip(decode.layout.producers, rank_graph.layout.producers, stric
     assert (mode == "replicate") == (mine.kv_heads * rank_tp > one.kv_heads)  # copies only where heads < ranks
 columns = ["layer", "type", "KV mode", "KV heads, one device", "KV heads per rank", "k_proj shard"]
 display(nb.Table(columns, rows, f"the rank graph at TP={rank_tp} against the one-device graph"))
+full = next(kv.index for kv in decode.layout.producers if kv.layer_type == "full_attention")
+display(nb.rank_module_table(one_rank, layers=(0, full)))  # one rank's layers: here, and NxD's on inf2
 # -- part: after_checks --
 # -- part: image_note --
 # The 12B has **no vision encoder**. Its processor cuts the image into patches and merges each group
 # into one model patch (the fixture's processor: `patch_size=4` merged by `pooling_kernel_size=2`;
-# transformers' default config: `patch_size=16`, `pooling_kernel_size=3`), so `pixel_values` holds model patches and no
+# printed below; a released processor's own values are larger), so `pixel_values` holds model patches and no
 # pooling follows. The embedder normalises and projects each model patch, adds a two-dimensional
 # position embedding of where it sat, and projects it to the decoder's width, one soft token each; the decoder
 # does the looking. So

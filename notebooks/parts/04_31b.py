@@ -88,8 +88,8 @@ print("  own RAM; a measured peak includes what it held at that moment (unverifi
 # ### KV heads under TP=8: replicated, not sharded
 #
 # The sliding layers have twice as many KV heads as ranks: two per rank, a clean split. The
-# full-attention layers have only half as many KV heads as ranks (`num_global_key_value_heads=4`,
-# `num_attention_heads=32`: eight Q heads per KV head). At TP=8 each rank owns four Q heads, all of
+# full-attention layers have only half as many KV heads as ranks (the released config's
+# `num_global_key_value_heads` and `num_attention_heads`, which the cell prints: eight Q heads per KV head). At TP=8 each rank owns four Q heads, all of
 # which read the same KV head (Q head `q` reads KV head `q // 8`), so rank `r` keeps a copy of KV head
 # `r // 2`: every global KV head lives on two ranks. The cell works it out from the released config
 # and checks it against the library's TP plan. On inf2 the copies are made before NxD sees the
@@ -101,7 +101,8 @@ real, tp = s.variant_spec.real_config, s.variant_spec.tp_degree
 q_heads, kv_heads = real["num_attention_heads"], real["num_global_key_value_heads"]
 q_per_kv, q_per_rank = q_heads // kv_heads, q_heads // tp
 kv_on_rank = [sorted({q // q_per_kv for q in range(r * q_per_rank, (r + 1) * q_per_rank)}) for r in range(tp)]
-print(f"{q_heads} Q heads, {kv_heads} global KV heads, TP={tp}: global KV head(s) held by each rank {kv_on_rank}")
+print(f"num_attention_heads={q_heads}, num_global_key_value_heads={kv_heads}, TP={tp}:",
+      f"global KV head(s) held by each rank {kv_on_rank}")  # fmt: skip
 demos["kv_heads_tp8"] = nb.kv_heads_under_tp("31b", 8)
 table = demos["kv_heads_tp8"]
 by_rank = {row[0]: dict(zip(table.columns, row, strict=True))["KV head(s) on rank 0..N-1"] for row in table.rows}
@@ -136,6 +137,87 @@ if tp_demo:
 # at TP=8: one rank compiled (the rank graph with NxD's parallel layers, each global KV head copied on
 # two ranks), the weights sharded per rank, the rank number a runtime tensor, and the decode graph
 # the priority model whose weight layout the compiler optimises.
+# -- part: neuron_compile --
+# %%
+if on_inf2:  # inf2-only: NxD ModelBuilder at TP=8, the calls of backends/neuron.py written out
+    import functools
+
+    from safetensors.torch import load_file
+
+    from gemma4lib.backends.base import CompiledGraphs
+    from gemma4lib.backends.neuron import compiler_workdir, neuron_cache_key, own_directory, warn_low_host_ram
+    from gemma4lib.cache.artifacts import ArtifactCache
+    from gemma4lib.recipes import cores, neuron_env, neuron_model_builder as mb
+    from gemma4lib.recipes.common import DeviceStep, index_dtype, key_inputs
+    from gemma4lib.runtime import Engine, Steps
+    from gemma4lib.tp.plan import make_plan
+
+    model_builder = neuron_env.require("neuronx_distributed.trace.model_builder", "ModelBuilder")
+
+    class KeyInstance(model_builder.BaseModelInstance):  # one per key: NxD builds its module on every rank
+        def __init__(self, build):
+            super().__init__(module_cls=build, input_output_aliases={})
+
+        def get(self, bucket_rank, **kwargs):  # the module and {K/V parameter: the output index that updates it}
+            return self.module, self.module.aliases()  # aliased: the K/V stay on the device, shared by every key
+
+    tp, dtype = s.tp_degree, decode.dtype  # bf16 on inf2
+    plan = make_plan(model.config, tp, model.variant)  # 31B at TP=8: 4 global KV heads, each copied on two ranks
+    experts = s.decode_experts if model.variant.is_moe else "dense"
+    forms = mb.bucket_expert_forms(experts)  # the experts' form per key: prefill dense, decode `decode_experts`
+    shapes = mb.bucket_shapes(s.context_length, s.prefill_buckets, s.ring_kv)  # prefill<tokens> per bucket, decode
+    key_graphs = {name: decode if sh.tokens == 1 else prefill[sh.tokens] for name, sh in shapes.items()}
+    key, parts = neuron_cache_key(
+        model, "model_builder", tp, shapes, neuron_env.COMPILER_ARGS, dtype, decode_experts=experts, weights=s.weights
+    )
+
+    def build(folder):  # called by the cache, only on a miss
+        if s.profile == "full":  # the compile-host plan: warns when this host's RAM is under its peak
+            warn_low_host_ram(model.variant, tp, "model_builder", len(key_graphs))
+        with compiler_workdir() as workdir, own_directory():  # trace() wipes its workdir, writes .hlo into cwd
+            builder = model_builder.ModelBuilder(
+                router=None,
+                tp_degree=tp,
+                checkpoint_loader=mb.checkpoint_loader(model, plan, dtype, s.weights),  # built when NxD shards
+                compiler_workdir=workdir,
+            )
+            for name, graph in key_graphs.items():
+                phase = graph.shape.phase  # "prefill" or "decode"
+                rank_module = functools.partial(  # the key's module: the rank graph with NxD's parallel layers
+                    mb.rank_module, model.config, plan, graph.shape, dtype, expert_form=forms[phase], weights=s.weights
+                )
+                builder.add(
+                    key=name,
+                    model_instance=KeyInstance(rank_module),
+                    example_inputs=[key_inputs(graph, dtype=dtype)],  # the graph's own, without its K/V
+                    compiler_args=neuron_env.COMPILER_ARGS[phase],
+                    priority_model_idx=mb.PRIORITY[phase],  # decode: 0, the weight layout the compiler optimises
+                )
+            traced = builder.trace(initialize_model_weights=False)  # one rank compiled, weights not inlined
+            torch.jit.save(traced, str(folder / "model.pt"))
+            del traced
+            builder.shard_checkpoint(serialize_path=str(folder / "weights"))  # tp{rank}_sharded_checkpoint each
+        return {"recipe": "model_builder", "tp": tp}
+
+    began, cache = time.perf_counter(), ArtifactCache(s.cache_dir)
+    need = model.param_count() * dtype.itemsize  # the shards: checked against the cache's free space first
+    entry = cache.get_or_build(key, build, describe={k: v for k, v in parts.items() if k != "config"}, need_bytes=need)
+    label = f"{model.variant.name} (model_builder, TP={tp}) from {entry.path}"
+    cores.check_free(0, tp, label)  # a model an earlier run of this cell loaded still holds the cores: refused
+    traced = torch.jit.load(str(entry.file("model.pt")))
+    shards = [entry.file("weights") / mb.SHARD_FILE.format(rank=r) for r in range(tp)]
+    traced.nxd_model.initialize([load_file(str(p)) for p in shards], torch.tensor([0], dtype=torch.int32))
+    cores.claim(traced, 0, tp, label)
+    states = len(decode.layout.buffer_shapes(1, s.context_length, s.ring_kv))  # the K/V states it aliases
+    step = DeviceStep(traced, decode.num_inputs, model.config.vocab_size, aliases=states,
+                      index_dtype=index_dtype(key_inputs(decode)))  # fmt: skip
+    steps = Steps({b: step for b in s.prefill_buckets}, step)  # one loaded model: NxD routes each call by shape
+    runtime = Engine.for_model(model, steps, batch=1, context_length=s.context_length, dtype=dtype)
+    compile_s = 0.0 if entry.hit else time.perf_counter() - began
+    compiled = CompiledGraphs(runtime.steps, compile_s, [entry.hit], "neuron-model_builder", runtime=runtime)
+    display(nb.describe_compile(compiled))
+else:
+    print(f"skipped: backend={backend}")
 # -- part: core_step --
 # -- part: after_compile --
 # %% [markdown]
@@ -149,13 +231,21 @@ if tp_demo:
 # layers, with fewer KV heads than ranks, keep one whole head per rank, so each head exists on
 # several ranks: KV heads per rank × TP is more than the device's, and so is the K/V they hold.
 
+#
+# Last, one rank's module, the one the inf2 cell above hands NxD for the decode key
+# (`mb.rank_module`), built here with the CPU twins of NxD's layers: each rank-local layer beside
+# the NxD layer in its place on inf2 (`ColumnParallelLinear`, `RowParallelLinear`, `SPMDRank`), and
+# the K/V parameters it aliases to its outputs (`KeyInstance.get()`'s second value).
 # %%
 from gemma4lib.tp.plan import make_plan
-from gemma4lib.tp.rank_graph import build_rank_graph
+from gemma4lib.recipes import neuron_model_builder as mb
+from gemma4lib.tp.rank_graph import CpuParallelFactory
 
 rank_tp = tp_demo or 4  # the tiny model's TP degree; the released 31B's is 8
 plan = make_plan(model.config, rank_tp, model.variant)
-rank_graph = build_rank_graph(model.config, plan, decode.shape)  # what ModelBuilder compiles once, for every rank
+# the decode key's module as the inf2 cell hands it to NxD, with the CPU twins of NxD's layers
+one_rank = mb.rank_module(model.config, plan, decode.shape, torch.float32, CpuParallelFactory(rank_tp))
+rank_graph = one_rank.graph  # what ModelBuilder compiles once, for every rank
 rows = []
 for one, mine in zip(decode.layout.producers, rank_graph.layout.producers, strict=True):
     attn = rank_graph.model.layers[one.index].self_attn
@@ -166,6 +256,8 @@ for one, mine in zip(decode.layout.producers, rank_graph.layout.producers, stric
 assert any(row[2] == "replicate" for row in rows)  # the tiny 31B's full layers, as the released one's at TP=8
 columns = ["layer", "type", "KV mode", "KV heads, one device", "KV heads per rank", "k_proj shard"]
 display(nb.Table(columns, rows, f"the rank graph at TP={rank_tp} against the one-device graph"))
+full = next(kv.index for kv in decode.layout.producers if kv.layer_type == "full_attention")
+display(nb.rank_module_table(one_rank, layers=(0, full)))  # one rank's layers: here, and NxD's on inf2
 # -- part: after_checks --
 # %% [markdown]
 # ### The 31B's bug, replayed: SEQ_MATCH on nonsense
@@ -187,14 +279,8 @@ assert turn in ids and turn not in hand_built  # the model never sees a turn in 
 demos["equality_is_not_enough"] = nb.equality_is_not_enough(model, compiled.runtime, s)
 demos["equality_is_not_enough"]
 # -- part: image_note --
-# The 31B's vision part is an encoder: transformers' `Gemma4VisionModel` embeds each patch (with
-# a position embedding of where it sat), runs transformer layers over all of them, and its pooler
-# averages each block of patches into one soft token (the fixture's processor: `patch_size=4`,
-# `pooling_kernel_size=2`; transformers' default config: `patch_size=16`, `pooling_kernel_size=3`);
-# `Gemma4MultimodalEmbedder` then projects
-# every soft token to the decoder's width. The vision graph is those two modules at a fixed patch
-# budget (`max_soft_tokens` x pooling² patch slots), one image per call; the padding slots are
-# computed and dropped on the host.
+# The 31B's vision part is the encoder `01_e2b` describes (transformers' `Gemma4VisionModel`,
+# its pooler, then `Gemma4MultimodalEmbedder`), at the fixture's patch sizes, printed below.
 # The fixture's config leaves `use_bidirectional_attention` unset, so the masks below are causal over
 # the image. vLLM's Gemma-4 support reports that the released 31B config sets it to "vision", as
 # the 12B's does (unverified here). The port reads the config: on cpu, eager and xla at TP=1 such a

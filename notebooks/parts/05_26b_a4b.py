@@ -13,7 +13,7 @@ inf2.24xlarge
 # # Gemma-4 26B-A4B: a shared MLP beside many small experts, made static
 #
 # The [mixture-of-experts](00_overview.ipynb#moe) member: a dense MLP and routed experts side by side in every layer.
-# (`num_experts=128`, `top_k_experts=8` in the released config.)
+# (The released config's `num_experts` and `top_k_experts`: the bytes section prints both.)
 # **You will learn** the router line by line, why the experts must be made static before anything
 # can trace them, why "A4B" (about four billion active parameters) does not shrink the memory but can shrink the bytes a decode step
 # reads, and the family's most instructive bug: a rank read at trace time. It runs at TP=8
@@ -79,13 +79,12 @@ nb.moe_report(model)
 #
 # Decode gathers the top-k: one token needs `top_k_experts` of the `num_experts`, and bytes are the
 # whole cost of a decode step. On the benchmark's medium MoE model (a random-weight MoE of this
-# architecture at medium width, big enough that a decode step is bound by bytes on a CPU) selective
-# decode runs several times faster than dense: `python -m gemma4lab bench --suite cpu` measures it,
-# and the README and `docs/ROOFLINE.md` quote a run's figure. Prefill stays dense: the gathered slices grow with tokens × k (a full prompt bucket of
-# the real model gathers k slices per token, many times the experts dense reads once) and the dense
-# form splits cleanly across ranks. On a CPU with a short prompt selective prefill measured faster too
-# (an earlier session's run, not repeated here), which is why the choice is per phase and measured, not a rule. `decode_experts` in the parameters
-# cell switches decode to dense.
+# architecture at medium width, big enough that a decode step is bound by bytes on a CPU) the two
+# forms are timed by `python -m gemma4lab bench --suite cpu`; the README and `docs/ROOFLINE.md` quote a
+# run's ratio (this notebook times neither on that model). Prefill stays dense: the gathered slices grow with tokens × k (a full prompt bucket of
+# the real model gathers k slices for each of its tokens, more than the experts dense reads once) and the dense
+# form splits cleanly across ranks. The choice is per phase (`mb.bucket_expert_forms`, the inf2 cell's
+# `forms`): `decode_experts` in the parameters cell switches decode to dense.
 
 # %%
 import torch.nn.functional as F
@@ -145,6 +144,7 @@ sizes = nb.device_bytes(v)
 experts_gb = real["experts_b"] * 2  # bf16: 2 bytes a parameter, billions of parameters -> GB
 per_expert_gb, other_gb = experts_gb / real["num_experts"], sizes["device_gb"] - experts_gb
 step_gb = other_gb + real["top_k_experts"] * per_expert_gb  # everything else is read every step
+print(f"released: num_experts={real['num_experts']}, top_k_experts={real['top_k_experts']}")
 print(f"experts {experts_gb:.1f} GB, one expert {per_expert_gb:.3f} GB, everything else {other_gb:.1f} GB")
 print(f"a decode step reads {other_gb:.1f} + {real['top_k_experts']} x {per_expert_gb:.3f} = {step_gb:.2f} GB")
 print(f"(library: {sizes['decode_read_gb']:.2f} GB), not all {sizes['device_gb']:.1f} GB")
@@ -218,6 +218,91 @@ if tp_demo:
 # at TP=8: one rank compiled (the [rank graph](00_overview.ipynb#rank-graph) with NxD's parallel layers, each rank a TP-th slice of
 # every expert), the weights sharded per rank, the rank number a runtime tensor, and the decode graph
 # (selective experts) the priority model whose weight layout the compiler optimises.
+# -- part: neuron_compile --
+# %%
+if on_inf2:  # inf2-only: NxD ModelBuilder at TP=8, the calls of backends/neuron.py written out
+    import functools
+
+    from safetensors.torch import load_file
+
+    from gemma4lib.backends.base import CompiledGraphs
+    from gemma4lib.backends.neuron import compiler_workdir, neuron_cache_key, own_directory, warn_low_host_ram
+    from gemma4lib.cache.artifacts import ArtifactCache
+    from gemma4lib.recipes import cores, neuron_env, neuron_model_builder as mb
+    from gemma4lib.recipes.common import DeviceStep, index_dtype, key_inputs
+    from gemma4lib.runtime import Engine, Steps
+    from gemma4lib.tp.plan import make_plan
+
+    model_builder = neuron_env.require("neuronx_distributed.trace.model_builder", "ModelBuilder")
+
+    class KeyInstance(model_builder.BaseModelInstance):  # one per key: NxD builds its module on every rank
+        def __init__(self, build):
+            super().__init__(module_cls=build, input_output_aliases={})
+
+        def get(self, bucket_rank, **kwargs):  # the module and {K/V parameter: the output index that updates it}
+            return self.module, self.module.aliases()  # aliased: the K/V stay on the device, shared by every key
+
+    tp, dtype = s.tp_degree, decode.dtype  # bf16 on inf2
+    plan = make_plan(model.config, tp, model.variant)  # the expert split: a TP-th of every expert's columns per rank
+    experts = s.decode_experts if model.variant.is_moe else "dense"
+    forms = mb.bucket_expert_forms(experts)  # the experts' form per key: prefill dense, decode `decode_experts`
+    shapes = mb.bucket_shapes(s.context_length, s.prefill_buckets, s.ring_kv)  # prefill<tokens> per bucket, decode
+    key_graphs = {name: decode if sh.tokens == 1 else prefill[sh.tokens] for name, sh in shapes.items()}
+    key, parts = neuron_cache_key(
+        model, "model_builder", tp, shapes, neuron_env.COMPILER_ARGS, dtype, decode_experts=experts, weights=s.weights
+    )
+
+    def build(folder):  # called by the cache, only on a miss
+        if s.profile == "full":  # the compile-host plan: warns when this host's RAM is under its peak
+            warn_low_host_ram(model.variant, tp, "model_builder", len(key_graphs))
+        with compiler_workdir() as workdir, own_directory():  # trace() wipes its workdir, writes .hlo into cwd
+            builder = model_builder.ModelBuilder(
+                router=None,
+                tp_degree=tp,
+                checkpoint_loader=mb.checkpoint_loader(model, plan, dtype, s.weights),  # built when NxD shards
+                compiler_workdir=workdir,
+            )
+            for name, graph in key_graphs.items():
+                phase = graph.shape.phase  # "prefill" or "decode"
+                # the key's module, built by NxD on each rank: the rank graph whose linears are NxD's
+                # ColumnParallelLinear (q/k/v, gate/up, the experts' gate_up: rows cut) and
+                # RowParallelLinear(input_is_parallel=True) (o, down, the experts' down: columns cut, one
+                # all-reduce), and SPMDRank, the rank as a tensor each rank loads with its shard
+                rank_module = functools.partial(  # (mb.NxDParallelFactory makes those layers: rank_module's default)
+                    mb.rank_module, model.config, plan, graph.shape, dtype, expert_form=forms[phase], weights=s.weights
+                )
+                builder.add(
+                    key=name,
+                    model_instance=KeyInstance(rank_module),
+                    example_inputs=[key_inputs(graph, dtype=dtype)],  # the graph's own, without its K/V
+                    compiler_args=neuron_env.COMPILER_ARGS[phase],
+                    priority_model_idx=mb.PRIORITY[phase],  # decode: 0, the weight layout the compiler optimises
+                )
+            traced = builder.trace(initialize_model_weights=False)  # one rank compiled, weights not inlined
+            torch.jit.save(traced, str(folder / "model.pt"))
+            del traced
+            builder.shard_checkpoint(serialize_path=str(folder / "weights"))  # tp{rank}_sharded_checkpoint each
+        return {"recipe": "model_builder", "tp": tp}
+
+    began, cache = time.perf_counter(), ArtifactCache(s.cache_dir)
+    need = model.param_count() * dtype.itemsize  # the shards: checked against the cache's free space first
+    entry = cache.get_or_build(key, build, describe={k: v for k, v in parts.items() if k != "config"}, need_bytes=need)
+    label = f"{model.variant.name} (model_builder, TP={tp}) from {entry.path}"
+    cores.check_free(0, tp, label)  # a model an earlier run of this cell loaded still holds the cores: refused
+    traced = torch.jit.load(str(entry.file("model.pt")))
+    shards = [entry.file("weights") / mb.SHARD_FILE.format(rank=r) for r in range(tp)]
+    traced.nxd_model.initialize([load_file(str(p)) for p in shards], torch.tensor([0], dtype=torch.int32))
+    cores.claim(traced, 0, tp, label)
+    states = len(decode.layout.buffer_shapes(1, s.context_length, s.ring_kv))  # the K/V states it aliases
+    step = DeviceStep(traced, decode.num_inputs, model.config.vocab_size, aliases=states,
+                      index_dtype=index_dtype(key_inputs(decode)))  # fmt: skip
+    steps = Steps({b: step for b in s.prefill_buckets}, step)  # one loaded model: NxD routes each call by shape
+    runtime = Engine.for_model(model, steps, batch=1, context_length=s.context_length, dtype=dtype)
+    compile_s = 0.0 if entry.hit else time.perf_counter() - began
+    compiled = CompiledGraphs(runtime.steps, compile_s, [entry.hit], "neuron-model_builder", runtime=runtime)
+    display(nb.describe_compile(compiled))
+else:
+    print(f"skipped: backend={backend}")
 # -- part: core_step --
 # -- part: after_compile --
 # %% [markdown]
@@ -229,16 +314,27 @@ if tp_demo:
 # `experts` a rank holds whole experts and gathers k of its own whatever the router chose, so the
 # ranks together read TP × k experts; under `intermediate` a rank holds a slice of every expert and
 # gathers its slice of the k routed ones, so together they read k experts, what one device would.
+#
+# Each is one rank's module, the one the inf2 cell above hands NxD for the decode key
+# (`mb.rank_module`), built here with the CPU twins of NxD's layers. The last table lists the
+# default split's first layer: each rank-local layer beside the NxD layer in its place on inf2 (the
+# experts' `gate_up` a `ColumnParallelLinear`, their `down` a `RowParallelLinear`, the rank an
+# `SPMDRank`), and the K/V parameters the module aliases to its outputs (`KeyInstance.get()`'s second value).
 
 # %%
+from gemma4lib.recipes import neuron_model_builder as mb
 from gemma4lib.tp.plan import make_plan
-from gemma4lib.tp.rank_graph import build_rank_graph
+from gemma4lib.tp.rank_graph import CpuParallelFactory
 
 rank_tp, top_k, read = tp_demo or 2, model.config.top_k_experts, {}
-rows = []
+rows, modules = [], {}
 for split in ("intermediate", "experts"):
     plan = make_plan(model.config, rank_tp, model.variant, expert_split=split)
-    rank_graph = build_rank_graph(model.config, plan, decode.shape, expert_form="selective")
+    # the decode key's module as the inf2 cell hands it to NxD (selective experts), with CPU twins of NxD's layers
+    one_rank = mb.rank_module(
+        model.config, plan, decode.shape, torch.float32, CpuParallelFactory(rank_tp), expert_form="selective"
+    )
+    rank_graph, modules[split] = one_rank.graph, one_rank
     experts = next(layer.experts for layer in rank_graph.model.layers if getattr(layer, "experts", None) is not None)
     held = sum(p.numel() * p.element_size() for p in experts.parameters())  # this rank's expert bytes
     per_expert = held // experts.local  # one held expert's bytes (under `intermediate`: this rank's slice)
@@ -247,16 +343,11 @@ for split in ("intermediate", "experts"):
 assert read["experts"] == rank_tp * read["intermediate"]  # whole experts per rank read TP times the bytes
 columns = ["split", "experts per rank", "columns of each", "bytes held per rank", "read per rank", "read, all ranks"]
 display(nb.Table(columns, rows, f"one MoE layer of the rank graph, TP={rank_tp}, one decode token"))
+display(nb.rank_module_table(modules["intermediate"]))  # the default split's layer 0: here, and NxD's on inf2
 # -- part: after_checks --
 # -- part: image_note --
-# The 26B-A4B's vision part is an encoder: transformers' `Gemma4VisionModel` embeds each patch (with
-# a position embedding of where it sat), runs transformer layers over all of them, and its pooler
-# averages each block of patches into one soft token (the fixture's processor: `patch_size=4`,
-# `pooling_kernel_size=2`; transformers' default config: `patch_size=16`, `pooling_kernel_size=3`);
-# `Gemma4MultimodalEmbedder` then projects
-# every soft token to the decoder's width. The vision graph is those two modules at a fixed patch
-# budget (`max_soft_tokens` x pooling² patch slots), one image per call; the padding slots are
-# computed and dropped on the host.
+# The 26B-A4B's vision part is the encoder `01_e2b` describes (transformers' `Gemma4VisionModel`,
+# its pooler, then `Gemma4MultimodalEmbedder`), at the fixture's patch sizes, printed below.
 # The soft tokens then go through the MoE decoder like any token: the router picks their experts.
 # The fixture's config leaves `use_bidirectional_attention` unset, so the masks below are causal over
 # the image. vLLM's Gemma-4 support reports that the released 26B-A4B config sets it to "vision", as

@@ -290,12 +290,12 @@ else:
 # - `torch.export.export(graph, graph.example_inputs(), strict=False)` records the program. Non-strict:
 #   strict mode drops the in-place K/V writes with only a warning (no error, wrong logits).
 # - `torch._inductor.aoti_compile_and_package(program, package_path=..., inductor_configs=dict(options))`
-#   (AOTInductor) compiles it to C++ and writes one `.pt2` package. `options` are
+#   (AOTInductor) compiles it to C++ and writes one `.pt2` package. `options` (the cell prints them) are
 #   `compile_cpu.DEFAULT_COMPILER_OPTIONS`: the wrapper at `-O1` (a shorter compile of the C++ wrapper),
 #   `package_constants_in_so=False` (the weights are not inlined: the package is handed them at load,
 #   so one compile can serve the trained model and the random [witness](00_overview.ipynb#witness); Inductor can still
 #   fold a few tiny weights, such as q/k norms, into the program, depending on the graph; a model whose folded values
-#   differ then gets a program of its own: the witness table says which happened), `realize_opcount_threshold=8`
+#   differ then gets a program of its own: the witness table says which happened), `realize_opcount_threshold`
 #   (stores the rotated query once instead of recomputing it per K/V slot).
 # - `torch._inductor.aoti_load_package(path)` loads it; `compile_cpu.load_weights` hands it the
 #   model's weights (shared, not copied).
@@ -309,6 +309,7 @@ else:
 
 # %%
 cache, options = ArtifactCache(s.cache_dir), compile_cpu.DEFAULT_COMPILER_OPTIONS
+print("AOTInductor options (compile_cpu.DEFAULT_COMPILER_OPTIONS):", dict(options))
 if not on_inf2:
     steps = {}
     for name, graph in graphs.named().items():  # prefill64, ..., decode
@@ -369,9 +370,10 @@ if not on_inf2:
 #   short prompt runs its own bucket, not the largest) and `decode`.
 #   `model_instance` builds the [rank graph](00_overview.ipynb#rank-graph) with NxD's parallel layers and returns its K/V parameters
 #   aliased to the outputs that update them (`input_output_aliases`), so both keys share one set of
-#   K/V states on the device. `compiler_args` (`neuron_env.COMPILER_ARGS`) are
-#   `--model-type=transformer --auto-cast=none --enable-mixed-precision-accumulation` (no automatic
-#   down-casting: the weights are already bf16) with `-O1` for prefill and `-O2` for decode. [`priority_model_idx`](00_overview.ipynb#priority-model-idx)`=0` on decode: the compiler picks the
+#   K/V states on the device. `compiler_args` are the library's own list, `neuron_env.COMPILER_ARGS`,
+#   which the status box at the top prints whole (its "compiler flags" row): `--auto-cast=none` (no
+#   automatic down-casting: the weights are already bf16), the tensorizer's options (a pipeline tiling
+#   factor per phase), `-O1` for prefill and `-O2` for decode. [`priority_model_idx`](00_overview.ipynb#priority-model-idx)`=0` on decode: the compiler picks the
 #   weights' on-device layout for decode, the step that reads every weight per token.
 # - `builder.trace(initialize_model_weights=False)` compiles without inlining the weights;
 #   `torch.jit.save` keeps it; `builder.shard_checkpoint(serialize_path=...)` writes one
@@ -383,8 +385,8 @@ if not on_inf2:
 # A longer context on inf2 means a new compile: set `context_length` (and `prefill_buckets`, the
 # compiled prompt lengths) and run again; the cache key changes with them, so
 # each context keeps its own artifact. Long contexts also raise the compile's host RAM (inf2 users
-# report a long-context compile exhausting a large compile host
-# (16k tokens on a 128 GB host; source: inf2 users' public issue reports, collected in this project's design notes, 2026-12);
+# report a long-context compile exhausting a large compile host; source: inf2 users' public issue
+# reports, collected in this project's design notes, 2026-12);
 # `python -m gemma4lib doctor` ([`doctor`](00_overview.ipynb#doctor)) prints the estimate for the weights, computed and unverified on inf2.
 
 {{neuron_trace}}
@@ -465,19 +467,14 @@ else:
 # %% [markdown]
 # ### 3b. On inf2 (not run here)
 #
-# With `backend="neuron"` the same call runs `backends/neuron.py`: NxD `ModelBuilder`
+# With `backend="neuron"` the next cell compiles this variant with NxD `ModelBuilder`
 {{compile_note}}
-# `01_e2b` §3b shows those calls in its cell, one by one, and the tests hold that cell equal to
-# the backend. This cell has never been executed (the status box); here it prints
-# `skipped: backend=cpu`.
+# The cell makes the calls `backends/neuron.py` makes (what `compile_graphs(model, s)` runs with
+# `backend="neuron"`), written out; `01_e2b` §3b explains each call, and the tests run this cell
+# against recording stand-ins for the SDK and hold its calls equal to the backend's. It has never
+# been executed (the status box); here it prints `skipped: backend=cpu`.
 
-# %%
-if on_inf2:  # inf2-only: NxD ModelBuilder at TP={{tp}} (backends/neuron.py)
-    compiled = compile_graphs(model, s)
-    runtime = compiled.runtime
-    display(nb.describe_compile(compiled))
-else:
-    print(f"skipped: backend={backend}")
+{{neuron_compile}}
 {{/brief}}
 {{after_compile}}
 
@@ -516,8 +513,8 @@ nb.answer_text(model, tokens)
 # ## 6. SEQ_MATCH, LOGITS_MATCH and coherence, side by side
 #
 # Three checks, because none implies the others. **SEQ_MATCH** (the device's tokens equal the
-# reference's) shows the compiled graph is faithful as far as tokens can show it: this model answers
-# with margins of several logits, so a small error in every logit leaves every token alone.
+# reference's) shows the compiled graph is faithful as far as tokens can show it: a small error in
+# every logit leaves a token alone wherever the top logit leads the next by more than twice the error.
 # **LOGITS_MATCH** compares the device's logits at every generated position with the reference's for
 # the same tokens (one forward over prompt + device tokens), within a fixed multiple of the
 # reference's own rounding (its largest difference to a float64 copy of itself, its [spread](00_overview.ipynb#spread),
@@ -588,6 +585,7 @@ display(nb.witness_table(witness))
 # %% [markdown] tags=["lesson"]
 # ## What the model sees
 #
+{{#full}}
 # Gemma-4 reads images too, and the port runs them through the same engine as text. An image reaches
 # the decoder as **soft tokens**. The checkpoint's image processor scales the pixel values into
 # `[0, 1]` and cuts the image into small patches, up to a budget of `max_soft_tokens` soft tokens per image (a
@@ -619,6 +617,19 @@ display(nb.witness_table(witness))
 # that become one soft token each (thick lines), where the soft tokens sit in the prompt, and
 # transformers' prefill masks over them. The second compiles and runs it. The full profile skips the
 # section: the checkpoint loader keeps only the text decoder so far ([docs/IMAGES.md](../docs/IMAGES.md)).
+{{/full}}
+{{#brief}}
+# As in `01_e2b` ("What the model sees"), which explains the image path once for the family: soft
+# tokens written over the placeholders in the prompt's embeddings, one more graph (`vision`) compiled
+# beside prefill and decode and run at admission, the tiny vision fixture trained on coloured shapes,
+# and the three checks against transformers' `generate(pixel_values=...)`. What is this variant's own:
+#
+{{image_note}}
+#
+# The first cell shows the patch grid, where the soft tokens sit in the prompt and the prefill masks;
+# the second compiles and runs it. The full profile skips the section (the checkpoint loader keeps
+# only the text decoder so far: [docs/IMAGES.md](../docs/IMAGES.md)).
+{{/brief}}
 
 # %% tags=["lesson"]
 image_settings = None  # the smoke profile's vision fixture; the full profile's loader keeps only the text decoder
