@@ -259,6 +259,7 @@ def row_records(
                 ),
                 "coherent": report.coherent,
                 "accepted_per_step": result.accepted_per_step,
+                "prefill_chunks": result.chunks,
             }
         )
     return out

@@ -35,10 +35,10 @@ class RecordingEngine:
     def __getattr__(self, name):
         return getattr(self.engine, name)
 
-    def admit(self, requests):
+    def admit(self, requests, reuse=False):
         with self.lock:
             self.trace.append(("admit", tuple(sorted(requests))))
-        return self.engine.admit(requests)
+        return self.engine.admit(requests, reuse=reuse)
 
     def step(self):
         out = self.engine.step()
