@@ -250,3 +250,46 @@ def test_port_records_the_chunks_of_a_long_prompt():
     record = port(settings)
     assert record["prefill_chunks"] == -(-record["prompt_tokens"] // 64) >= 4
     assert record["seq_match"] and record["logits_match"], record["failed_checks"]
+
+
+@pytest.mark.parametrize("variant", ["e2b", "12b"])  # the 12B's image tokens see each other (image blocks)
+def test_an_image_inside_the_second_chunk_equals_transformers(variant):
+    """A random multimodal model's prompt of three 32-token chunks with the red circle inside the
+    second: tokens and logits equal transformers' `generate(pixel_values=...)` over the whole prompt."""
+    from gemma4lib.backends import registry
+    from gemma4lib.models.vision import BOI_ID, EOI_ID, IMAGE_TOKEN_ID, VISION_DIR, expand_image_tokens
+    from gemma4lib.reference import reference_for
+
+    bucket = 32
+    settings = PortSettings(
+        variant=variant,
+        model="random",
+        backend="eager",
+        images=(str(VISION_DIR / "images" / "red_circle.png"),),
+        prefill_buckets=(bucket,),
+        context_length=128,
+        seed=5,
+    )
+    model = load_model(settings)
+    engine = registry.compile_graphs(model, settings).runtime
+    data = model.processor(images=[_red_circle(settings)], return_tensors="pt")
+    counts = tuple(int(n) for n in data["num_soft_tokens_per_image"])
+    token_id = int(model.multimodal.config.image_token_id)
+    special = (BOI_ID, EOI_ID, IMAGE_TOKEN_ID, token_id)
+    text = [t for t in random_prompt(model.config.vocab_size, 80, 5) if t not in special]
+    ids = expand_image_tokens([*text[:40], token_id, *text[40:70]], list(counts))
+    positions = tuple(i for i, t in enumerate(ids) if t == token_id)
+    assert bucket <= positions[0] and positions[-1] < 2 * bucket and len(ids) > 2 * bucket
+    images = ImagePrompt(data["pixel_values"], data["image_position_ids"], counts, positions)
+    row = engine.generate_rows([Request(ids, 6, images=images)], keep_logits=True).rows[0]
+    reference = reference_for(model, images)
+    assert row.chunks == 3 and row.tokens == reference_greedy(reference, ids, 6) and len(set(row.tokens)) > 1
+    assert engine.image_blocks == (variant == "12b")
+    logits = checks.check_logits(reference, ids, row.tokens, row.step_logits)
+    assert logits.passed, logits.explain()
+
+
+def _red_circle(settings):
+    from gemma4lib.images import load_image
+
+    return load_image(settings.images[0])
