@@ -1,5 +1,6 @@
-"""The lab's command line: `python -m gemma4lab bench` (the benchmark suite) and `python -m gemma4lab
-faults` (the fault lab). Beside the library: it imports `gemma4lib`, never the other way round."""
+"""The lab's command line: `python -m gemma4lab bench` (the benchmark suite), `python -m gemma4lab
+faults` (the fault lab) and `python -m gemma4lab plan` (the inf2 plans of every variant). Beside the
+library: it imports `gemma4lib`, never the other way round."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from collections.abc import Sequence
 from gemma4lib import cli
 from gemma4lib.cli import _threads
 from gemma4lib.errors import UnknownNameError
+from gemma4lib.inf2.memory_plan import DEFAULT_CONTEXT
 
 
 def cmd_faults(args: argparse.Namespace) -> int:
@@ -47,6 +49,14 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_plan(args: argparse.Namespace) -> int:
+    from .tools.inf2_tables import family_report, format_family
+
+    report = family_report(args.context_length)
+    print(json.dumps(report, default=str) if args.json else format_family(report))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m gemma4lab", description=__doc__.splitlines()[0])
     parser.add_argument("-v", "--verbose", action="store_true")
@@ -71,6 +81,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int)
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_bench)
+
+    p = sub.add_parser(
+        "plan",
+        help="every variant's per-core memory plan, serving host and vision part on inf2 (computed, unverified); "
+        "one variant: python -m gemma4lib doctor --variant V",
+    )
+    p.add_argument("--context-length", type=int, default=DEFAULT_CONTEXT)
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_plan)
     return parser
 
 

@@ -95,30 +95,11 @@ def _settings(args: argparse.Namespace):
 
 
 def _settings_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    fields = [
-        "variant",
-        "profile",
-        "model",
-        "checkpoint",
-        "backend",
-        "tp_degree",
-        "prompt",
-        "max_new_tokens",
-        "context_length",
-        "decode_experts",
-        "weights",
-        "iters",
-        "warmup",
-        "seed",
-        "results_dir",
-        "witness",
-        "artifacts",
-        "draft",
-        "draft_tokens",
-        "assistant_checkpoint",
-        "verify_experts",
-        "batch_size",
-    ]
+    fields = (
+        "variant profile model checkpoint backend tp_degree prompt max_new_tokens context_length decode_experts"
+        " weights iters warmup seed results_dir witness artifacts draft draft_tokens assistant_checkpoint"
+        " verify_experts batch_size"
+    ).split()
     kwargs = {f: getattr(args, f) for f in fields if getattr(args, f, None) is not None}
     if getattr(args, "prompts", None):
         kwargs["prompts"] = tuple(p.strip() for p in args.prompts.split("|"))
@@ -154,37 +135,12 @@ def serving_defaults(kwargs: dict[str, Any]) -> dict[str, Any]:
     return kwargs
 
 
-SUMMARY_KEYS = (
-    "variant",
-    "profile",
-    "backend",
-    "compiler",
-    "tp_degree",
-    "seq_match",
-    "logits_match",
-    "logits_max_err",
-    "logits_tolerance",
-    "coherent",
-    "answer",
-    "new_tokens",
-    "prefill_ms",
-    "decode_tok_s",
-    "compile_s",
-    "peak_rss_mb",
-    "draft",
-    "draft_tokens",
-    "accepted_per_step",
-    "hf_assisted_match",
-    "speedup_with_draft",
+SUMMARY_KEYS = tuple(
+    "variant profile backend compiler tp_degree seq_match logits_match logits_max_err"
+    " logits_tolerance coherent answer new_tokens prefill_ms decode_tok_s compile_s peak_rss_mb draft"
+    " draft_tokens accepted_per_step hf_assisted_match speedup_with_draft".split()
 )
-WITNESS_KEYS = (
-    "model_source",
-    "seq_match",
-    "logits_match",
-    "logits_max_err",
-    "logits_tolerance",
-    "reference_min_margin",
-)
+WITNESS_KEYS = tuple("model_source seq_match logits_match logits_max_err logits_tolerance reference_min_margin".split())
 
 
 def _print(result: dict[str, Any], as_json: bool) -> None:

@@ -43,8 +43,9 @@ Step = Callable[..., Any]
 
 
 def softcap(logits: torch.Tensor, cap: float | None) -> torch.Tensor:
-    """Gemma's final logit softcap, cap * tanh(logits / cap); monotonic, so greedy never needs it."""
-    return logits if not cap else cap * torch.tanh(logits / cap)
+    """Gemma's final logit softcap, cap * tanh(logits / cap); monotonic, so greedy never needs it. A
+    masked logit (-inf: a grammar forbids the token) stays -inf, not -cap, so sampling never draws it."""
+    return logits if not cap else torch.where(torch.isneginf(logits), logits, cap * torch.tanh(logits / cap))
 
 
 @dataclass(frozen=True)
@@ -195,16 +196,27 @@ class ImagePrompt:
         return sum(self.counts)
 
 
+class LogitsWatch(Protocol):
+    """A row that needs its logits at every token it chooses (log-probabilities, a grammar's mask):
+    `logits` gets the raw logits `[vocab]` and returns those to choose from, `chosen` the token. Its
+    presence is the row's "this row needs logits" (a device that returns only token ids still hands
+    this row its logits); a drafting engine refuses it (its verify keeps drafts from unwatched logits)."""
+
+    def logits(self, logits: torch.Tensor) -> torch.Tensor: ...
+    def chosen(self, token: int) -> None: ...
+
+
 @dataclass(frozen=True)
 class Request:
-    """One generation request: prompt ids, token budget, sampling, stop tokens, and its images
-    (None: text only)."""
+    """One generation request: prompt ids, token budget, sampling, stop tokens, its images (None:
+    text only) and what watches its logits (None: nothing)."""
 
     prompt_ids: Sequence[int]
     max_new_tokens: int
     sampling: Sampling = GREEDY
     eos_token_ids: Sequence[int] = ()
     images: ImagePrompt | None = None
+    watch: LogitsWatch | None = None
 
 
 @dataclass
@@ -447,6 +459,11 @@ class Engine:
             )
         if request.images is not None:
             self._check_images(request)
+        if request.watch is not None and self.drafter is not None:
+            raise SettingsError(
+                "log-probabilities and constrained output need each token's logits, which drafting's verify "
+                "does not hand out; send this request to a server started without drafting"
+            )
         return self.bucket_for(len(ids))
 
     @staticmethod
@@ -716,11 +733,17 @@ class Engine:
     def _choose(self, row: _Row, logits: torch.Tensor) -> int | None:
         """The row's next token; a fault in its sampler (non-finite logits) ends this row alone, with
         finish "error" and the cause in `fault`, and the other rows go on."""
+        watch = row.request.watch
         try:
-            return choose_token(logits, row.request.sampling, self.cap, row.generator)
+            token = choose_token(
+                logits if watch is None else watch.logits(logits), row.request.sampling, self.cap, row.generator
+            )
         except RuntimeError as exc:
             row.finish, row.fault = "error", exc
             return None
+        if watch is not None:
+            watch.chosen(token)
+        return token
 
     def _draft_round(self, live: list[int]) -> dict[int, list[int]]:
         """k drafts per row (fewer near its budget), one verify of `[last, drafts]` at each row's

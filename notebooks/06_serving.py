@@ -89,7 +89,7 @@ from gemma4lib.device.build import PREFILL_EXPERTS, GraphSet, device_graphs
 from gemma4lib.device.experts import CPU_THREAD_FLOP_PER_BYTE
 from gemma4lib.device.graph import DeviceGraph, GraphShape
 from gemma4lab.inf2.batch_roofline import batch_ceilings
-from gemma4lib.inf2.mtp_roofline import draft_table
+from gemma4lab.inf2.mtp_roofline import draft_table
 from gemma4lib.generation.drafters import AssistantDrafter
 from gemma4lib.models.assistant import load_assistant
 from gemma4lab.notebook import plots_batch, plots_draft

@@ -152,13 +152,30 @@ def notebook_parameters(
     return resolve_threads({**params, **overrides})
 
 
+def host_threads() -> int:
+    """Torch threads for the host side of a full run (the host reference, the logit spread): one
+    per physical core this process may use. A 31B's host reference on one thread of an
+    inf2.24xlarge (48 physical cores) takes ~48x as long as it needs to."""
+    try:
+        usable = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # pragma: no cover - not Linux
+        usable = os.cpu_count() or 1
+    try:
+        import psutil
+
+        logical, physical = psutil.cpu_count(logical=True), psutil.cpu_count(logical=False)
+    except ImportError:  # pragma: no cover - psutil is a dependency
+        logical = physical = None
+    if logical and physical and logical > physical:  # hyper-threads: one thread per core
+        usable = max(1, usable * physical // logical)
+    return max(1, usable)
+
+
 def resolve_threads(params: dict[str, Any]) -> dict[str, Any]:
     """`threads: "auto"` (the full profile's) becomes this machine's physical core count: the host
     reference of a big variant should not run on one core of a 48-core host. Smoke runs keep 1
     (benchmarks here are timed on one thread, the cores are shared)."""
     if params.get("threads") == "auto":
-        from gemma4lib.inf2.hardware import host_threads
-
         params = {**params, "threads": host_threads()}
     return params
 

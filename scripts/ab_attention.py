@@ -22,11 +22,11 @@ import torch
 
 from gemma4lab.benchmarks.graphs import BenchGraph, time_decode_steps
 from gemma4lab.benchmarks.suite import load_bench_model
+from gemma4lab.inf2.bandwidth import measure_bandwidth
+from gemma4lab.inf2.roofline import decode_bytes
 from gemma4lib.backends.compile_cpu import compile_graph
 from gemma4lib.device import attention
 from gemma4lib.device.graph import DeviceGraph, GraphShape
-from gemma4lib.inf2.bandwidth import measure_bandwidth
-from gemma4lib.inf2.roofline import decode_bytes
 
 
 def main() -> None:

@@ -11,7 +11,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV="${GEMMA4LIB_VENV:-.venv}"
 PY="${PYTHON:-python3}"
-EXTRAS="cpu,notebooks,real,serve,test"
+EXTRAS="cpu,notebooks,real,serve,test,clients"
 stamp="$VENV/.gemma4lib-installed"
 want="$(sha256sum pyproject.toml | cut -c1-16)"
 if [ ! -x "$VENV/bin/python" ]; then

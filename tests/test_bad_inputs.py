@@ -53,7 +53,7 @@ from gemma4lib.errors import (
     VariantMismatchError,
 )
 from gemma4lib.inf2 import doctor
-from gemma4lib.inf2.memory_plan import require_fit, require_neuron_tp
+from gemma4lib.inf2.memory_plan import neuron_recipe, require_fit, require_neuron_tp
 from gemma4lib.models import checkpoint as checkpoint_module
 from gemma4lib.models import hub
 from gemma4lib.models.checkpoint import check_config_matches_variant, load_checkpoint
@@ -61,7 +61,7 @@ from gemma4lib.models.loading import build_tiny, text_config
 from gemma4lib.models.trained import FIXTURES_DIR, sha256_file, verify_fixture_hashes
 from gemma4lib.models.variants import get_variant
 from gemma4lib.port import PortSettings
-from gemma4lib.recipes import neuron_env, recipe_module
+from gemma4lib.recipes import neuron_env
 from gemma4lib.record import read_result, write_result
 from gemma4lib.runtime import Engine, Request, Sampling, Steps, bind_kv, encode_prompt
 from gemma4lib.tp.plan import make_plan
@@ -434,9 +434,9 @@ CASES = [
     ),
     Case(
         "unknown recipe",
-        lambda c: recipe_module("nxdi"),
+        lambda c: neuron_recipe(get_variant("e2b"), 1, "nxdi"),
         UnknownNameError,
-        "unknown recipe 'nxdi'; choose one of: model_builder, trace",
+        "unknown neuron recipe 'nxdi'; choose one of: model_builder, trace",
     ),
     Case(
         "unknown MoE decode form",

@@ -126,7 +126,8 @@ def test_a_moe_batch_at_b_x_k_of_e_reads_its_experts_densely_with_rows_exact():
     and every row still equals its own reference. The TP rank graphs decide per rank's experts."""
     from gemma4lib.models.loading import build_tiny
     from gemma4lib.models.variants import get_variant
-    from gemma4lib.tp import build_rank_graph, make_plan, with_shape
+    from gemma4lib.tp.plan import make_plan
+    from gemma4lib.tp.rank_graph import build_rank_graph, with_shape
 
     model = build_tiny(get_variant("26b-a4b"))
     dec3 = _eager_runtime(model, 3, "selective").decode_graph
@@ -243,7 +244,7 @@ def test_bench_batch_section_schema_and_its_papermill_verdict():
 
 def test_batch_ceilings_count_weights_once_and_kv_and_selective_experts_per_row():
     from gemma4lab.inf2.batch_roofline import batch_ceilings, batch_decode_bytes
-    from gemma4lib.inf2.roofline import decode_bytes
+    from gemma4lab.inf2.roofline import decode_bytes
 
     one = decode_bytes("e2b", context_length=2048)
     four = batch_decode_bytes("e2b", 4, context_length=2048, dtype_bytes=2)

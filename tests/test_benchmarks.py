@@ -12,9 +12,10 @@ from gemma4lab.benchmarks.paths import PATHS
 from gemma4lab.benchmarks.report import format_report
 from gemma4lab.benchmarks.suite import SuiteOptions, run_suite
 from gemma4lab.benchmarks.targets import check_targets
+from gemma4lab.inf2 import bandwidth, roofline
 from gemma4lab.models.medium import MEDIUM, get_medium, medium_config
 from gemma4lab.tools import inf2_tables
-from gemma4lib.inf2 import bandwidth, params, roofline
+from gemma4lib.inf2 import params
 
 NUMBER = (int, float)
 
@@ -210,6 +211,8 @@ def test_inf2_ceiling_and_compare():
     assert cpu["ceiling_tok_s"] == pytest.approx(20e9 / cpu["bytes_per_step"]["total"])
     with pytest.raises(ValueError, match="unknown device"):
         roofline.compare(1.0, "e2b", device="trn1.2xlarge", bandwidth_bytes_s=1.0)
+    with pytest.raises(ValueError, match="needs bandwidth_bytes_s: measure it with gemma4lab.inf2.bandwidth"):
+        roofline.compare(1.0, "e2b", device="cpu")  # the library measures no CPU: the lab does
 
 
 def test_inf2_table_covers_every_variant_and_form():

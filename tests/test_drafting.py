@@ -296,7 +296,7 @@ def test_the_verify_gathers_the_routed_experts_when_that_reads_less():
 def test_the_mtp_roofline_counts_the_verify_form_drafting_builds():
     """`verify_bytes` of the released 26B-A4B at k = 4: the selective verify's 5 x 8 expert slices a
     layer, i.e. 40/128 of the expert bytes on top of the rest; the dense form all of them."""
-    from gemma4lib.inf2.mtp_roofline import draft_effect, verify_bytes
+    from gemma4lab.inf2.mtp_roofline import draft_effect, verify_bytes
     from gemma4lib.inf2.params import count_params, meta_model
 
     lm = meta_model("26b-a4b")

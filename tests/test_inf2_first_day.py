@@ -220,8 +220,7 @@ def test_host_loop_passes_embeddings_in_the_compiled_dtype():
 
 # ---- finding 10: threads from the machine ---------------------------------------------------------------
 def test_full_profile_threads_come_from_the_machine(tmp_path):
-    from gemma4lib.inf2.hardware import host_threads
-    from papermill_runs.run import load_profiles, notebook_parameters
+    from papermill_runs.run import host_threads, load_profiles, notebook_parameters
 
     profiles = load_profiles()
     full = notebook_parameters(profiles, "full", "31b", tmp_path, {})

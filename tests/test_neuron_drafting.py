@@ -14,8 +14,8 @@ from gemma4lib.models.assistant import load_assistant
 from gemma4lib.port import PortSettings, load_model, prompt_ids
 from gemma4lib.recipes import neuron_drafting, neuron_env
 from gemma4lib.reference import reference_greedy
-from gemma4lib.tp import make_plan
 from gemma4lib.tp.draft_rank_graph import KVDraftStep
+from gemma4lib.tp.plan import make_plan
 from gemma4lib.tp.rank_graph import CpuParallelFactory
 
 K = 4

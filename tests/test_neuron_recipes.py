@@ -278,7 +278,7 @@ def test_model_builder_checkpoint_names_match_the_compiled_module():
     """NxD matches checkpoint keys to the traced module's parameter names: check them on CPU."""
     from gemma4lib.recipes import neuron_model_builder as mb
     from gemma4lib.recipes.common import key_inputs
-    from gemma4lib.tp import make_plan
+    from gemma4lib.tp.plan import make_plan
     from gemma4lib.tp.rank_graph import CpuParallelFactory
 
     m = tiny("26b-a4b")
@@ -543,7 +543,7 @@ def test_e2b_model_builder_prefill_and_decode_share_kv_on_cpu():
     from gemma4lib.recipes import neuron_model_builder as mb
     from gemma4lib.recipes.common import AliasEmulator
     from gemma4lib.reference import reference_greedy
-    from gemma4lib.tp import make_plan
+    from gemma4lib.tp.plan import make_plan
     from gemma4lib.tp.rank_graph import CpuParallelFactory
 
     m = tiny("e2b")
@@ -586,8 +586,8 @@ def test_e2b_memory_plan_names_where_each_recipe_compiles():
 def test_prefill_estimate_from_flops_and_bytes():
     """The computed floor of a prefill call: compute at the datasheet peak vs bytes at HBM speed,
     and what token-by-token decode steps would cost instead (E2B's trace recipe)."""
+    from gemma4lab.inf2 import prefill
     from gemma4lab.tools import inf2_tables
-    from gemma4lib.inf2 import prefill
     from gemma4lib.inf2.hardware import BF16_FLOPS_PER_CORE, INSTANCES
 
     e2b = prefill.prefill_estimate("e2b", 128)
@@ -636,8 +636,7 @@ def test_model_builder_builds_the_checkpoint_only_when_shard_checkpoint_asks(tmp
 def test_the_nxd_checkpoint_is_every_ranks_shard_concatenated():
     """`nxd_full_checkpoint`, built one key at a time, is still exactly the ranks' shards joined
     along each key's cut (what NxD's contiguous split turns back into `shard_state_dict`)."""
-    from gemma4lib.tp import make_plan
-    from gemma4lib.tp.plan import REPLICATE
+    from gemma4lib.tp.plan import REPLICATE, make_plan
     from gemma4lib.tp.shard import iter_shards, nxd_full_checkpoint
 
     m = tiny("26b-a4b")

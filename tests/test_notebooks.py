@@ -1001,8 +1001,8 @@ def test_serving_tables_and_draft_plot_render_headless():
 
     from gemma4lab import notebook as nb
     from gemma4lab.inf2.batch_roofline import batch_ceilings
+    from gemma4lab.inf2.mtp_roofline import draft_table
     from gemma4lab.notebook import plots_draft
-    from gemma4lib.inf2.mtp_roofline import draft_table
 
     ceilings = nb.batch_ceilings_table(batch_ceilings("e2b", (1, 4, 16)))
     assert [row[-1] for row in ceilings.rows] == ["47.3", "157", "443"]  # the field report's, beside the computed

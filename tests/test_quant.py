@@ -140,7 +140,8 @@ def test_int8_logit_error_against_full_precision_is_bounded(variant):
 
 @pytest.mark.parametrize("variant", VARIANT_NAMES)
 def test_roofline_int8_bytes_count_exactly_what_quant_quantizes(variant):
-    from gemma4lib.inf2 import params, roofline
+    from gemma4lab.inf2 import roofline
+    from gemma4lib.inf2 import params
 
     lm = params.meta_model(variant)
     counts = params.count_params(lm)
@@ -220,8 +221,8 @@ def test_model_builder_int8_converts_exactly_the_checkpoints_int8_weights(varian
 
     from gemma4lib.recipes import neuron_env
     from gemma4lib.recipes import neuron_model_builder as mb
-    from gemma4lib.tp import make_plan
     from gemma4lib.tp.layers import ColumnShard, RowShard
+    from gemma4lib.tp.plan import make_plan
     from gemma4lib.tp.rank_graph import CpuParallelFactory
 
     calls = []

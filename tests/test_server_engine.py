@@ -168,6 +168,163 @@ def test_completions_route_on_the_real_engine(server, loaded):
     assert "Paris" in out.choices[0].text
 
 
+@pytest.fixture(scope="module")
+def host_lm():
+    """The host reference of the served model (the same trained tiny E2B)."""
+    from gemma4lib.port import load_model
+
+    return load_model(PortSettings(**serving_defaults({"variant": "e2b", "profile": "smoke", "batch_size": 4}))).lm
+
+
+def test_logprobs_equal_the_host_reference_plain_and_streamed(server, loaded, alone, host_lm):
+    """Each token's log-probability and the top 5 alternatives' equal log_softmax of the host reference's
+    teacher-forced logits, within twice the logit tolerance (a log-softmax moves by at most twice the
+    largest logit error); the stream's equal the plain reply's; completions give the same numbers."""
+    import torch
+
+    from gemma4lib.checks import logits_tolerance
+    from gemma4lib.reference import logits_spread, teacher_forced_logits
+
+    c, n = client(server), 8
+    out = c.chat.completions.create(model="e2b", messages=QUESTION, max_tokens=n, logprobs=True, top_logprobs=5)
+    tokens = alone["France"][:n]
+    prompt = loaded.tokenizer.apply_chat_template(
+        QUESTION, add_generation_prompt=True, tokenize=True, return_dict=False
+    )
+    reference = teacher_forced_logits(host_lm, prompt, tokens)
+    tolerance = 2 * logits_tolerance(logits_spread(host_lm, prompt, tokens, reference)[0])
+    expected = torch.log_softmax(reference, dim=-1)
+    entries = out.choices[0].logprobs.content
+    assert len(entries) == n
+    for i, entry in enumerate(entries):
+        assert entry.token == loaded.tokenizer.decode([tokens[i]])
+        assert abs(entry.logprob - float(expected[i, tokens[i]])) <= tolerance, (i, entry.logprob)
+        best = torch.topk(expected[i], 5).values.tolist()
+        assert max(abs(t.logprob - b) for t, b in zip(entry.top_logprobs, best, strict=True)) <= tolerance
+        assert entry.top_logprobs[0].logprob == entry.logprob  # greedy: the chosen token is the likeliest
+    worst = max(abs(e.logprob - float(expected[i, tokens[i]])) for i, e in enumerate(entries))
+    print(f"logprobs vs host reference: worst {worst:.3g} <= {tolerance:.3g}")
+    streamed = []
+    for chunk in c.chat.completions.create(
+        model="e2b", messages=QUESTION, max_tokens=n, logprobs=True, top_logprobs=5, stream=True
+    ):
+        streamed += chunk.choices[0].logprobs.content if chunk.choices and chunk.choices[0].logprobs else []
+    assert [(e.token, e.logprob) for e in streamed] == [(e.token, e.logprob) for e in entries]
+    text = loaded.tokenizer.apply_chat_template(QUESTION, add_generation_prompt=True, tokenize=False)
+    done = c.completions.create(model="e2b", prompt=text, max_tokens=n, logprobs=3)
+    assert all(len(top) == 3 for top in done.choices[0].logprobs.top_logprobs)
+    assert len(done.choices[0].logprobs.token_logprobs) == n
+
+
+def test_echo_logprobs_of_the_prompt_equal_the_teacher_forced_reference(server, loaded, host_lm):
+    """What lm-eval's log-likelihood requests send (echo, logprobs 1, max_tokens 1): each prompt token's
+    log-probability equals log_softmax of the host reference's teacher-forced logits (within twice the
+    logit tolerance), the first has none, the text is the prompt and the reply."""
+    import httpx
+    import torch
+
+    from gemma4lib.checks import logits_tolerance
+    from gemma4lib.reference import logits_spread, teacher_forced_logits
+
+    text = loaded.tokenizer.apply_chat_template(QUESTION, add_generation_prompt=True, tokenize=False)
+    text += "The capital of France is Paris"
+    body = {"model": "e2b", "prompt": text, "max_tokens": 1, "logprobs": 1, "echo": True, "temperature": 0}
+    out = httpx.post(server.url + "/v1/completions", json=body, timeout=120).json()
+    ids = server.served.scheduler.codec.text(text)
+    logprobs = out["choices"][0]["logprobs"]
+    assert len(logprobs["token_logprobs"]) == len(ids) + 1 and logprobs["token_logprobs"][0] is None
+    assert out["choices"][0]["text"].startswith(text) and out["usage"]["prompt_tokens"] == len(ids)
+    reference = teacher_forced_logits(host_lm, ids[:1], ids[1:])
+    tolerance = 2 * logits_tolerance(logits_spread(host_lm, ids[:1], ids[1:], reference)[0])
+    expected = torch.log_softmax(reference, dim=-1)[torch.arange(len(ids) - 1), torch.tensor(ids[1:])]
+    got = torch.tensor(logprobs["token_logprobs"][1 : len(ids)], dtype=torch.float64)
+    worst = float((got - expected).abs().max())
+    print(f"echo logprobs of {len(ids) - 1} prompt tokens vs teacher-forced: worst {worst:.3g} <= {tolerance:.3g}")
+    assert worst <= tolerance
+    paris = max(i for i, token in enumerate(logprobs["tokens"][: len(ids)]) if "Par" in token)
+    assert logprobs["token_logprobs"][paris] > -1.0  # "Paris" after "The capital of France is": the model is sure
+
+
+def schemas_to_hold(n: int) -> list[dict]:
+    """`n` different JSON schemas whose every value ends within a tiny model's budget (bounded
+    strings, enums, bounded integers, booleans, short arrays), varied in names, kinds and order."""
+    kinds = [
+        {"type": "string", "maxLength": 6},
+        {"type": "integer", "minimum": 0, "maximum": 99},
+        {"type": "boolean"},
+        {"enum": ["Paris", "Rome", "Lima"]},
+        {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 9}, "maxItems": 3},
+    ]
+    names = ["city", "count", "ok", "capital", "digits", "name", "n"]
+    out = []
+    for i in range(n):
+        keys = [names[(i + j) % len(names)] for j in range(1 + i % 3)]
+        props = {k: kinds[(i + j * 2) % len(kinds)] for j, k in enumerate(keys)}
+        out.append({"type": "object", "properties": props, "required": keys, "additionalProperties": False})
+    return out
+
+
+def test_json_schema_replies_validate_and_the_other_rows_are_unchanged(server, loaded, alone):
+    """20 schemas, each reply (greedy, masked by the grammar on its row) parses and validates; the
+    unconstrained requests running beside them get exactly the tokens they get alone."""
+    import json
+
+    import jsonschema
+
+    c = client(server)
+    schemas = schemas_to_hold(20)
+    assert len({json.dumps(s, sort_keys=True) for s in schemas}) == 20
+    free: dict[str, str] = {}
+
+    async def run():
+        from openai import AsyncOpenAI
+
+        ac = AsyncOpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=120)
+
+        async def constrained(schema):
+            rf = {"type": "json_schema", "json_schema": {"name": "reply", "schema": schema, "strict": True}}
+            out = await ac.chat.completions.create(model="e2b", messages=QUESTION, max_tokens=90, response_format=rf)
+            return out.choices[0]
+
+        async def unconstrained(country):
+            msgs = [{"role": "user", "content": f"What is the capital of {country}?"}]
+            out = await ac.chat.completions.create(model="e2b", messages=msgs, max_tokens=24)
+            free[country] = out.choices[0].message.content
+
+        jobs = [constrained(s) for s in schemas] + [unconstrained(k) for k in COUNTRIES[:4]]
+        return (await asyncio.gather(*jobs))[: len(schemas)]
+
+    choices = asyncio.run(run())
+    for schema, choice in zip(schemas, choices, strict=True):
+        assert choice.finish_reason == "stop", (schema, choice.message.content)
+        jsonschema.validate(json.loads(choice.message.content), schema)
+    for country, text in free.items():
+        assert text == loaded.tokenizer.decode(alone[country], skip_special_tokens=True)
+    obj = c.chat.completions.create(
+        model="e2b", messages=QUESTION, max_tokens=90, response_format={"type": "json_object"}
+    )
+    text, reason = obj.choices[0].message.content, obj.choices[0].finish_reason
+    print("json_object reply:", text, reason)
+    assert text.startswith("{")  # an object from its first token; a whole one when it ended by itself
+    assert reason == "length" or isinstance(json.loads(text), dict)
+
+
+def test_langchain_with_structured_output_gets_a_valid_object(server):
+    """LangChain's `with_structured_output` (a json_schema response_format) against the tiny model: the
+    grammar holds the reply to the schema, LangChain parses it into its pydantic class."""
+    from langchain_openai import ChatOpenAI
+    from pydantic import BaseModel, Field
+
+    class Capital(BaseModel):
+        city: str = Field(max_length=8)
+        known: bool
+
+    llm = ChatOpenAI(model="e2b", base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=60, max_tokens=60)
+    answer = llm.with_structured_output(Capital, method="json_schema", strict=True).invoke(QUESTION[0]["content"])
+    print("with_structured_output:", answer)
+    assert isinstance(answer, Capital) and len(answer.city) <= 8
+
+
 def test_a_prompt_over_the_compiled_context_is_a_400(server):
     import openai
 

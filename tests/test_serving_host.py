@@ -17,9 +17,10 @@ import pytest
 import torch
 from conftest import VARIANT_NAMES
 
+from gemma4lab.tools.inf2_tables import format_serving_host, serving_host_table
 from gemma4lib.backends.preflight import preflight
 from gemma4lib.errors import DeviceMemoryError
-from gemma4lib.inf2.serving_host import format_serving_host, serving_host_options, serving_host_plan
+from gemma4lib.inf2.serving_host import serving_host_options, serving_host_plan
 from gemma4lib.models import upcast
 from gemma4lib.models.loading import build_tiny
 from gemma4lib.models.variants import get_variant
@@ -145,7 +146,8 @@ def test_doctor_prints_the_serving_host_of_e2b_on_an_inf2_xlarge(monkeypatch):
     text = format_doctor(run_doctor("e2b"))
     line = next(row for row in text.splitlines() if row.startswith("serving host: e2b"))
     assert "on inf2.xlarge" in line and line.endswith("fits")
-    assert "| e2b on inf2.xlarge | 1 |" in text
+    assert text.splitlines()[-1].endswith("python -m gemma4lab plan")  # the family's table is the lab's
+    assert "| e2b on inf2.xlarge | 1 |" in format_serving_host(serving_host_table())
 
 
 @pytest.mark.slow

@@ -27,20 +27,10 @@ from gemma4lib.models.variants import get_variant
 from gemma4lib.reference import reference_greedy
 from gemma4lib.runtime import GREEDY, Request, Sampling
 from gemma4lib.settings import PortSettings
-from gemma4lib.tp import (
-    build_rank_graph,
-    load_shard,
-    make_plan,
-    nxd_full_checkpoint,
-    shard_shapes,
-    shard_state_dict,
-    valid_tp_degrees,
-    with_shape,
-)
 from gemma4lib.tp.layers import ShardedExperts
-from gemma4lib.tp.plan import COLUMN, REPLICATE, ROW
-from gemma4lib.tp.rank_graph import CpuParallelFactory
-from gemma4lib.tp.shard import rank_tensor, shard_kv
+from gemma4lib.tp.plan import COLUMN, REPLICATE, ROW, make_plan, valid_tp_degrees
+from gemma4lib.tp.rank_graph import CpuParallelFactory, build_rank_graph, load_shard, with_shape
+from gemma4lib.tp.shard import nxd_full_checkpoint, rank_tensor, shard_kv, shard_shapes, shard_state_dict
 
 NEW_TOKENS = 16
 PROMPT_TOKENS = 20  # longer than the tiny sliding window (8)
@@ -442,7 +432,7 @@ def test_real_configs_plan_at_their_recipe_tp():
 def test_memory_plan_counts_the_same_expert_bytes_per_rank_in_either_split():
     """The released 26B-A4B on the meta device: a rank's shard is the same size whether it holds
     16 whole experts or 1/8 of all 128, and the memory plan counts that size."""
-    from gemma4lib.inf2.memory_plan import _rank_params, plan_core_memory
+    from gemma4lib.inf2.memory_plan import plan_core_memory, rank_weight_bytes
     from gemma4lib.inf2.params import count_params, meta_model
 
     v = get_variant("26b-a4b")
@@ -453,7 +443,7 @@ def test_memory_plan_counts_the_same_expert_bytes_per_rank_in_either_split():
         sizes[split] = sum(t.numel() for k, t in shard.items() if k != "spmd_rank.rank")
         experts = sum(t.numel() for k, t in shard.items() if ".experts." in k)
         assert experts == count_params(lm).experts // 8
-    assert sizes["experts"] == sizes["intermediate"] == _rank_params("26b-a4b", 8)
+    assert sizes["experts"] == sizes["intermediate"] == rank_weight_bytes("26b-a4b", 8, dtype_bytes=1)
     assert plan_core_memory("26b-a4b", 8).fits
 
 

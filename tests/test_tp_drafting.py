@@ -14,7 +14,6 @@ import torch
 from gemma4lib.errors import TensorParallelError
 from gemma4lib.models.assistant import load_assistant
 from gemma4lib.port import PortSettings, load_model, port
-from gemma4lib.tp import make_plan
 from gemma4lib.tp.draft_rank_graph import (
     assistant_attention_plans,
     assistant_nxd_full,
@@ -22,6 +21,7 @@ from gemma4lib.tp.draft_rank_graph import (
     build_drafting_modules,
     draft_key_shapes,
 )
+from gemma4lib.tp.plan import make_plan
 
 K = 3
 

@@ -9,11 +9,12 @@ import json
 
 import pytest
 
+from gemma4lab.inf2.image_prefill import image_prefill_estimate, vision_flops
+from gemma4lab.tools.inf2_tables import format_plan_table
 from gemma4lib.inf2.hardware import BF16_FLOPS_PER_CORE, GB, GIB
-from gemma4lib.inf2.image_prefill import image_prefill_estimate, vision_flops
-from gemma4lib.inf2.memory_plan import format_plan_table, plan_core_memory
+from gemma4lib.inf2.memory_plan import plan_core_memory
 from gemma4lib.inf2.serving_host import serving_host_plan
-from gemma4lib.inf2.vision_plan import PLACEMENT, vision_config, vision_params, vision_plan, vision_spec
+from gemma4lib.inf2.vision_plan import PLACEMENT, vision_config, vision_plan, vision_spec
 
 
 def encoder_hand_count(c, text_hidden: int) -> int:
@@ -29,9 +30,9 @@ def encoder_hand_count(c, text_hidden: int) -> int:
 def test_vision_params_on_the_meta_device_equal_the_hand_count():
     spec = vision_spec("e2b")
     assert spec.text_hidden == 1536 and spec.patches == 280 * 9 and spec.soft_tokens == 280
-    assert vision_params("e2b") == encoder_hand_count(spec.config, 1536) == 168_544_256
+    assert vision_plan("e2b").params == encoder_hand_count(spec.config, 1536) == 168_544_256
     # 31B: the same default tower, a wider embedder into 5,376
-    assert vision_params("31b") - vision_params("e2b") == 768 * (5376 - 1536)
+    assert vision_plan("31b").params - vision_plan("e2b").params == 768 * (5376 - 1536)
 
 
 def test_the_12b_unified_projection_hand_count():
@@ -40,7 +41,7 @@ def test_the_12b_unified_projection_hand_count():
     assert patch_dim == 6912
     mm = c.mm_embed_dim
     hand = 2 * patch_dim + patch_dim * mm + mm + 2 * mm + c.mm_posemb_size * 2 * mm + 2 * mm + mm * 3840
-    assert vision_params("12b") == hand
+    assert vision_plan("12b").params == hand
     assert vision_spec("12b").patches == vision_spec("12b").soft_tokens == 280
 
 
@@ -118,22 +119,28 @@ def test_image_prefill_estimate_adds_the_vision_graph_on_one_core_and_the_soft_t
     assert e.to_dict()["placement"] == "one NeuronCore, no TP" and "unverified" in e.source
 
 
-def test_doctor_reports_the_vision_part_in_text_and_json(capsys):
+def test_doctor_plans_the_vision_part_and_the_lab_prints_the_family(capsys):
+    """`doctor --variant V --vision` counts V's vision part in its plan; the family's vision tables
+    and image prefill floor are the lab's `plan` command (`inf2_tables.family_report`), text and JSON."""
+    from gemma4lab.cli import main as lab_main
+    from gemma4lab.tools.inf2_tables import family_report, format_family
     from gemma4lib.cli import main
-    from gemma4lib.inf2.doctor import format_doctor, run_doctor
+    from gemma4lib.inf2.doctor import run_doctor
 
-    report = run_doctor(variant="e2b", vision=True)
-    assert report["plan"]["vision_gib"] == pytest.approx(vision_plan("e2b").total_gib)
+    assert run_doctor(variant="e2b", vision=True)["plan"]["vision_gib"] == pytest.approx(vision_plan("e2b").total_gib)
+    assert main(["doctor", "--variant", "e2b", "--vision", "--json"]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert printed["plan"]["vision_gib"] > 0 and "vision" not in printed
+    report = family_report()
     vision = report["vision"]
     assert vision["placement"] == PLACEMENT and "unverified" in vision["source"]
     assert [p["variant"] for p in vision["parts"]] == ["e2b", "e4b", "12b", "31b", "26b-a4b"]
     assert all(p["vision_gib"] > 0 for p in vision["plans"])
     assert len(vision["image_prefill"]) == 5
-    text = format_doctor(report)
+    text = format_family(report)
     assert "vision part per variant" in text and "image prefill floor" in text and "no TP" in text
-    assert main(["doctor", "--variant", "e2b", "--vision", "--json"]) == 0
-    printed = json.loads(capsys.readouterr().out)
-    assert printed["plan"]["vision_gib"] > 0 and printed["vision"]["table"] == vision["table"]
+    assert lab_main(["plan", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["vision"]["table"] == vision["table"]
 
 
 def test_the_bench_images_section_shape_on_a_tiny_eager_run():

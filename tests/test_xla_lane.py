@@ -276,7 +276,9 @@ def test_hlo_audit_flags_a_whole_shard_copy(xla_lane, monkeypatch, bad_gather, s
 
     # on CPU first: the bad form computes what the real one does (it is only the bytes that differ)
     from gemma4lib.device.graph import GraphShape
-    from gemma4lib.tp import build_rank_graph, load_shard, make_plan, shard_state_dict
+    from gemma4lib.tp.plan import make_plan
+    from gemma4lib.tp.rank_graph import build_rank_graph, load_shard
+    from gemma4lib.tp.shard import shard_state_dict
 
     plan = make_plan(model.config, 8, model.variant, expert_split=split)
     graph = build_rank_graph(model.config, plan, GraphShape(1, 1, hlo_audit.CONTEXT), expert_form="selective")
@@ -312,7 +314,7 @@ def test_e2b_model_builder_pair_at_tp1_on_xla(xla_lane, tmp_path):
     from gemma4lib.recipes import neuron_model_builder as mb
     from gemma4lib.reference import random_prompt, reference_greedy
     from gemma4lib.runtime import Engine, Steps, bind_kv
-    from gemma4lib.tp import make_plan
+    from gemma4lib.tp.plan import make_plan
     from gemma4lib.tp.rank_graph import build_rank_graph, load_shard
 
     v = get_variant("e2b")

@@ -25,13 +25,13 @@ from typing import Any
 import torch
 
 from gemma4lab.benchmarks.hf import StepClock
+from gemma4lab.inf2.bandwidth import measure_bandwidth
 from gemma4lab.inf2.batch_roofline import batch_decode_bytes
+from gemma4lab.inf2.roofline import GB
 from gemma4lib.backends.engine import engine_over
 from gemma4lib.backends.registry import cpu_balance, get_backend
 from gemma4lib.device.build import device_graph
 from gemma4lib.device.graph import GraphShape
-from gemma4lib.inf2.bandwidth import measure_bandwidth
-from gemma4lib.inf2.roofline import GB
 from gemma4lib.models.loading import LoadedModel
 from gemma4lib.reference import random_prompt, reference_greedy
 from gemma4lib.runtime import Engine, Request
@@ -41,7 +41,7 @@ BANDWIDTH_TOLERANCE = 0.15  # relative change between the before and after measu
 
 
 def best_bandwidth(size_mb: int, samples: int = 3) -> dict[str, float]:
-    """The best of `samples` runs of `roofline.measure_bandwidth` (each a median of 7), per kind."""
+    """The best of `samples` runs of `inf2.bandwidth.measure_bandwidth` (each a median of 7), per kind."""
     runs = [measure_bandwidth(size_mb) for _ in range(samples)]
     return {
         "stream_gb_s": max(r["stream_gb_s"] for r in runs),

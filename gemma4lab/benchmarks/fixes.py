@@ -9,9 +9,9 @@ from typing import Any
 
 from gemma4lab.benchmarks.graphs import GraphFactory, time_decode_steps
 from gemma4lab.benchmarks.measure import _median, _ratio, recommendation
+from gemma4lab.inf2.roofline import decode_bytes
 from gemma4lib.device.build import PREFILL_EXPERTS
 from gemma4lib.device.quant import round_model_weights
-from gemma4lib.inf2.roofline import decode_bytes
 from gemma4lib.models.loading import LoadedModel
 from gemma4lib.reference import random_prompt, reference_greedy, teacher_forced_logits
 from gemma4lib.runtime import softcap

@@ -31,8 +31,8 @@ from typing import Any
 
 import torch
 
+from gemma4lab.inf2.image_prefill import image_prefill_table
 from gemma4lib.images import SAMPLES_DIR
-from gemma4lib.inf2.image_prefill import image_prefill_table
 from gemma4lib.inf2.vision_plan import SOURCE
 from gemma4lib.port import PortSettings, compile_graphs, eos_ids, load_model, prompt_rows, requests_for
 from gemma4lib.reference import reference_for

@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from gemma4lib.inf2.mtp_roofline import STATUS, draft_table
+from gemma4lab.inf2.mtp_roofline import STATUS, draft_table
 from gemma4lib.models.variants import VARIANTS
 from gemma4lib.port import PortSettings, assisted_fields, eos_ids, load_model, prompt_rows, requests_for, run_device
 from gemma4lib.reference import reference_greedy

@@ -14,9 +14,9 @@ import torch
 from gemma4lab.benchmarks.graphs import GraphFactory
 from gemma4lab.benchmarks.hf import hf_generate, hf_static_compile_kwargs
 from gemma4lab.benchmarks.measure import _Deadline, _median, _ratio, recommendation
+from gemma4lab.inf2.bandwidth import measure_bandwidth
+from gemma4lab.inf2.roofline import GB, decode_bytes
 from gemma4lib.backends.registry import prefill_logits_error
-from gemma4lib.inf2.bandwidth import measure_bandwidth
-from gemma4lib.inf2.roofline import GB, decode_bytes
 from gemma4lib.models.loading import LoadedModel
 from gemma4lib.reference import reference_greedy
 

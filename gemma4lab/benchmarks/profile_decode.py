@@ -36,13 +36,13 @@ from typing import Any
 
 import torch
 
+from gemma4lab.inf2.bandwidth import measure_bandwidth
+from gemma4lab.inf2.roofline import GB, decode_bytes
 from gemma4lib.backends.compile_cpu import compile_graph
 from gemma4lib.backends.registry import cpu_balance
 from gemma4lib.device import packed_linear
 from gemma4lib.device.build import device_graph
 from gemma4lib.device.graph import GraphShape, index_tensor
-from gemma4lib.inf2.bandwidth import measure_bandwidth
-from gemma4lib.inf2.roofline import GB, decode_bytes
 
 log = logging.getLogger(__name__)
 

@@ -50,10 +50,10 @@ from gemma4lab.benchmarks.graphs import GraphFactory
 from gemma4lab.benchmarks.measure import recommendation
 from gemma4lab.benchmarks.paths import bench_model
 from gemma4lab.benchmarks.targets import check_targets
+from gemma4lab.inf2.bandwidth import measure_bandwidth
 from gemma4lab.models.medium import build_medium, get_medium
 from gemma4lib.environment import machine, versions
 from gemma4lib.errors import UnknownNameError
-from gemma4lib.inf2.bandwidth import measure_bandwidth
 from gemma4lib.models.loading import LoadedModel, build_tiny
 from gemma4lib.models.variants import VARIANTS
 from gemma4lib.reference import random_prompt

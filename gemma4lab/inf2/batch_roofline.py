@@ -27,7 +27,8 @@ from gemma4lib.device.experts import read_form
 from gemma4lib.device.kv_layout import KVLayout
 from gemma4lib.inf2.hardware import BF16_FLOPS_PER_CORE, GB, INSTANCES
 from gemma4lib.inf2.params import count_params, meta_model
-from gemma4lib.inf2.roofline import decode_bytes
+
+from .roofline import decode_bytes
 
 # The field report's author, the same two-graph E2B design on an inf2.xlarge (DESIGN.md §3): total
 # decode tok/s by batch size. Measured by them on inf2, not by this project.

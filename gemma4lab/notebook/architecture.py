@@ -7,10 +7,10 @@ from collections.abc import Sequence
 
 import torch
 
+from gemma4lab.inf2.roofline import GB
 from gemma4lab.notebook.display import Table, answer_text
 from gemma4lab.notebook.family import BF16_BYTES, _gb, device_bytes
 from gemma4lib.device.kv_layout import FULL, SLIDING, KVLayout
-from gemma4lib.inf2.roofline import GB
 from gemma4lib.models.loading import LoadedModel
 
 

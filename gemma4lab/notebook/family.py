@@ -6,11 +6,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from gemma4lab.inf2.roofline import GB, GIB, INSTANCES
 from gemma4lab.notebook.display import Table
 from gemma4lib.device.kv_layout import FULL, KVLayout
 from gemma4lib.inf2.hardware import HBM_PER_CORE_GIB
 from gemma4lib.inf2.memory_plan import DEFAULT_CONTEXT, rank_weight_bytes
-from gemma4lib.inf2.roofline import GB, GIB, INSTANCES
 from gemma4lib.models.loading import text_config
 from gemma4lib.models.variants import VARIANTS, Variant, get_variant
 

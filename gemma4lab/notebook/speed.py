@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from gemma4lib.inf2.bandwidth import measure_bandwidth
+from gemma4lab.inf2.bandwidth import measure_bandwidth
+from gemma4lab.inf2.roofline import compare
 from gemma4lib.inf2.memory_plan import DEFAULT_CONTEXT
-from gemma4lib.inf2.roofline import compare
 from gemma4lib.models.loading import LoadedModel
 from gemma4lib.timing import BenchFigures
 

@@ -15,10 +15,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from gemma4lab.inf2.roofline import compare
 from gemma4lib.inf2.compile_host import compile_host_plan
 from gemma4lib.inf2.hardware import GB, GIB, INSTANCES
 from gemma4lib.inf2.memory_plan import DEFAULT_CONTEXT, plan_core_memory
-from gemma4lib.inf2.roofline import compare
 from gemma4lib.inf2.serving_host import serving_host_plan
 from gemma4lib.models.variants import get_variant
 

@@ -18,7 +18,7 @@ if TYPE_CHECKING:  # type names only
 
 def tp_plan(variant: Variant | str, tp: int | None = None, config: Any = None) -> Any:
     """The sharding plan of the released config (or `config`) at `tp` (default: the variant's)."""
-    from gemma4lib.tp import make_plan
+    from gemma4lib.tp.plan import make_plan
 
     v = variant if isinstance(variant, Variant) else get_variant(variant)
     return make_plan(config if config is not None else real_config(v), tp or v.tp_degree, v)

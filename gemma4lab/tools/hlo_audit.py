@@ -577,8 +577,8 @@ def audit_single(model: Any, form: str = "dense", device: Any = None, batch: int
     """The single-device decode graph of `model` (a tiny `LoadedModel`), as `port --backend xla`
     builds it (`device_graphs`); `batch` rows: compared with `batch_roofline.batch_decode_bytes`
     (weights once, selective experts per row, K/V per row)."""
+    from gemma4lab.inf2.roofline import decode_bytes
     from gemma4lib.device.build import device_graphs
-    from gemma4lib.inf2.roofline import decode_bytes
 
     settings = _settings(model, batch_size=batch, decode_experts=form)
     graph = _lowered(device_graphs(model, settings, inplace=False).decode, device)
@@ -608,10 +608,10 @@ def audit_verify(
     expert form (`form` None: the one drafting picks, `drafting.verify_expert_form`). The router's
     `per_expert_scale` is gathered for each of the k + 1 tokens (`router_scale_unread` with the
     tokens as rows)."""
+    from gemma4lab.inf2.mtp_roofline import verify_bytes
     from gemma4lib.device.build import device_graph
     from gemma4lib.device.drafting import RoomyLayout, verify_expert_form
     from gemma4lib.device.graph import GraphShape
-    from gemma4lib.inf2.mtp_roofline import verify_bytes
 
     k = int(draft_tokens)
     form = verify_expert_form(model.config, k, form)
@@ -641,10 +641,12 @@ def audit_rank(
     """Rank `rank` of `model`'s TP rank graph (its shard loaded), lowered with
     `XlaLoweringCollectives`. `expert_split`: the MoE split (default: the plan's). `batch` rows:
     compared with `batch_roofline.batch_decode_bytes(tp=)` (all ranks together, as at batch 1)."""
+    from gemma4lab.inf2.roofline import decode_bytes
     from gemma4lib.device.graph import GraphShape
     from gemma4lib.inf2.params import count_params
-    from gemma4lib.inf2.roofline import decode_bytes
-    from gemma4lib.tp import build_rank_graph, load_shard, make_plan, shard_state_dict
+    from gemma4lib.tp.plan import make_plan
+    from gemma4lib.tp.rank_graph import build_rank_graph, load_shard
+    from gemma4lib.tp.shard import shard_state_dict
 
     plan = make_plan(model.config, tp, model.variant, expert_split=expert_split)
     shape = GraphShape(batch, 1, CONTEXT)

@@ -1,7 +1,11 @@
-"""The docs' inf2 tables (docs/ROOFLINE.md): every variant's decode ceilings, prefill floors and
-batched ceilings as markdown, and a benchmark report's rows for `plots.measured_vs_ceiling`.
+"""The lab's inf2 tables: every variant's decode ceilings, prefill floors and batched ceilings as
+markdown (docs/ROOFLINE.md), a benchmark report's rows for `plots.measured_vs_ceiling`, and the
+family tables `python -m gemma4lab plan` prints (`family_report`): the per-core memory plan of every
+variant, the serving host of each, and the vision part's tables and image prefill floor.
 
-Computed from shapes by the planners in `gemma4lib.inf2`; this module only lays their rows out.
+Computed from shapes by the planners in `gemma4lib.inf2` (one variant at a time: what the port's
+preflight and `python -m gemma4lib doctor --variant V` check) and `gemma4lab.inf2`; this module only
+runs them over the family and lays their rows out.
 """
 
 from __future__ import annotations
@@ -10,10 +14,14 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from gemma4lab.inf2.batch_roofline import BATCHES, batch_ceilings
-from gemma4lib.inf2.hardware import GB, GIB, INSTANCES
+from gemma4lab.inf2.image_prefill import format_image_prefill_table, image_prefill_table
+from gemma4lab.inf2.prefill import prefill_estimate
+from gemma4lab.inf2.roofline import ceiling_tok_s, decode_bytes
+from gemma4lib.inf2.hardware import GB, GIB, INSTANCES, NEURON_TP_DEGREES
+from gemma4lib.inf2.memory_plan import DEFAULT_CONTEXT, CoreMemoryPlan, plan_core_memory
 from gemma4lib.inf2.params import ParamCounts, count_params, meta_model
-from gemma4lib.inf2.prefill import prefill_estimate
-from gemma4lib.inf2.roofline import ceiling_tok_s, decode_bytes
+from gemma4lib.inf2.serving_host import ServingHostPlan, serving_host_plan
+from gemma4lib.inf2.vision_plan import PLACEMENT, REPORTED, SOURCE, VisionPlan, vision_plan
 from gemma4lib.models.variants import VARIANTS, get_variant
 
 
@@ -188,4 +196,148 @@ def format_batch_table(rows: Sequence[dict[str, Any]]) -> str:
             f"{r['memory_ceiling_tok_s']:,.0f} | {r['compute_ceiling_tok_s']:,.0f} | {r['ceiling_tok_s']:,.0f} "
             f"({r['bound']}) | {r['ceiling_tok_s'] / r['batch']:,.0f} | {field} |"
         )
+    return "\n".join(lines)
+
+
+# ---- the family tables (`python -m gemma4lab plan`) ----------------------------------------------
+
+
+def plan_table(context_length: int = DEFAULT_CONTEXT, ring: bool = True, vision: bool = False) -> list[CoreMemoryPlan]:
+    """Each variant at its recipe's TP on its instance, plus the next smaller TP (to show why not);
+    `vision`: with the vision part on rank 0's core (`plan_core_memory`)."""
+    plans = []
+    for v in VARIANTS.values():
+        degrees = [t for t in v.supported_tp if t in NEURON_TP_DEGREES and t <= v.tp_degree]
+        for tp in sorted({v.tp_degree, *degrees[-2:]}):
+            plans.append(plan_core_memory(v, tp, context_length=context_length, ring=ring, vision=vision))
+    return plans
+
+
+def format_plan_table(plans: list[CoreMemoryPlan]) -> str:
+    """Markdown rows of `plan_table` (GiB per NeuronCore; compile host RAM in GB); a vision column
+    when a plan carries the vision part."""
+    vision = any(p.vision_placement for p in plans)
+    extra = " vision (rank 0's core) |" if vision else ""
+    lines = [
+        "| variant | recipe | TP | instance | weights/core | K/V/core | working |" + extra + " total / 16 GiB | "
+        "compile host | fits |",
+        "|---|---|---|---|---|---|---|" + ("---|" if vision else "") + "---|---|---|",
+    ]
+    for p in plans:
+        cell = f" {p.vision_gib:.2f} GiB |" if vision else ""
+        lines.append(
+            f"| {p.variant} | {p.recipe} | {p.tp} | {p.instance} | {p.weights_gib:.1f} GiB | "
+            f"{p.kv_gib:.2f} GiB | {p.working_gib:.0f} GiB |{cell} {p.total_gib:.1f} GiB | "
+            f"~{p.compile_peak_gb:.0f} GB / {p.host_ram_gib} GiB{p._compile_elsewhere()} | "
+            f"{'yes' if p.fits else 'no: ' + '; '.join(p.problems)} |"
+        )
+    return "\n".join(lines)
+
+
+def format_serving_host(plans: list[ServingHostPlan]) -> str:
+    """Markdown rows for a notebook's "Runs on" block or the README (GB; the host's RAM in GiB)."""
+    lines = [
+        "| serving host | TP | model | host tables | host K/V | peak step | peak | available | fits |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for p in plans:
+        lines.append(
+            f"| {p.variant} on {p.instance} | {p.tp} | {p.model_gb:.1f} GB | {p.host_tables_gb:.1f} GB | "
+            f"{p.host_kv_gb:.2f} GB | {p.peak_step} | {p.peak_gb:.1f} GB | {p.available_gb:.1f} GB | "
+            f"{'yes' if p.fits else 'no'} |"
+        )
+    return "\n".join(lines)
+
+
+def serving_host_table() -> list[ServingHostPlan]:
+    """Each variant at its recipe's TP on its recommended instance."""
+    return [serving_host_plan(v) for v in VARIANTS.values()]
+
+
+def vision_table(source: str = "defaults") -> list[VisionPlan]:
+    """Every variant's vision plan; with `source="reported"` only the variants a report exists for."""
+    names = [n for n in VARIANTS if source == "defaults" or n in REPORTED]
+    return [vision_plan(n, source) for n in names]
+
+
+def format_vision_table(plans: list[VisionPlan]) -> str:
+    """Markdown rows of `vision_table` (GiB on the one core that runs the vision graph)."""
+    lines = [
+        "| variant | vision part | params | weights | activations (eager, one image) | patches -> soft tokens | "
+        "on inf2 |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for p in plans:
+        kind = "encoder-free projection" if p.encoder_free else f"encoder, {p.layers} layers"
+        lines.append(
+            f"| {p.variant} | {kind} | {p.params / 1e6:,.1f}M | {p.weights_gib:.2f} GiB | "
+            f"{p.activations_gib:.2f} GiB | {p.patches:,} -> {p.soft_tokens} | one core, no TP |"
+        )
+    return "\n".join(lines)
+
+
+def vision_report(context_length: int = DEFAULT_CONTEXT) -> dict[str, Any]:
+    """The vision section of `family_report`: every variant's vision part, the per-core plans with it, and the
+    image prefill floor (computed, unverified; `vision_plan.SOURCE`), with the third-party widths
+    reported for the 31B's and the 26B-A4B's towers beside them."""
+    parts, reported = vision_table(), vision_table("reported")
+    plans = plan_table(context_length, vision=True)
+    prefill = image_prefill_table()
+    return {
+        "source": SOURCE,
+        "placement": PLACEMENT,
+        "parts": [p.to_dict() for p in parts],
+        "table": format_vision_table(parts),
+        "reported": {
+            "parts": [p.to_dict() for p in reported],
+            "table": format_vision_table(reported),
+            "sources": {name: r["source"] for name, r in REPORTED.items()},
+        },
+        "plans": [p.to_dict() for p in plans],
+        "plan_table": format_plan_table(plans),
+        "image_prefill": prefill,
+        "image_prefill_table": format_image_prefill_table(prefill),
+    }
+
+
+def family_report(context_length: int = DEFAULT_CONTEXT) -> dict[str, Any]:
+    """The family tables as one JSON-friendly report: every variant's per-core memory plan, each
+    variant's serving host, and the vision section (`vision_report`)."""
+    plans = plan_table(context_length)
+    return {
+        "memory_plan": {
+            "context_length": context_length,
+            "plans": [p.to_dict() for p in plans],
+            "table": format_plan_table(plans),
+        },
+        "serving_host_table": format_serving_host(serving_host_table()),
+        "vision": vision_report(context_length),
+    }
+
+
+def format_family(report: dict[str, Any]) -> str:
+    """`family_report` as text: each table under the line that says what it counts."""
+    m = report["memory_plan"]
+    lines = [
+        f"memory plan per NeuronCore (bf16, context {m['context_length']}, ring K/V; working memory is "
+        f"an allowance, unverified on inf2):"
+    ]
+    lines += ["  " + row for row in m["table"].splitlines()]
+    lines.append(
+        "serving host per variant (bf16, prompt 128 + 64 new tokens; computed from the configs, the process "
+        "base measured on CPU, unverified on inf2):"
+    )
+    lines += ["  " + row for row in report["serving_host_table"].splitlines()]
+    vision = report["vision"]
+    lines.append(f"vision part per variant ({vision['source']}; {vision['placement']}):")
+    lines += ["  " + row for row in vision["table"].splitlines()]
+    lines.append("  reported by third parties (not the released config.json), for comparison:")
+    lines += ["  " + row for row in vision["reported"]["table"].splitlines()]
+    lines.append(f"memory plan per NeuronCore with the vision part (context {m['context_length']}):")
+    lines += ["  " + row for row in vision["plan_table"].splitlines()]
+    lines.append(
+        "image prefill floor on inf2 (one image at the processor's budget, 32 text tokens; vision graph at "
+        "190 TFLOPS bf16 per chip, one core's share; computed, unverified on inf2):"
+    )
+    lines += ["  " + row for row in vision["image_prefill_table"].splitlines()]
     return "\n".join(lines)

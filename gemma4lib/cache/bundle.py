@@ -51,19 +51,9 @@ FORMAT = 2
 MANIFEST = "manifest.json"
 ENTRIES = "entries"
 # Settings a compiled program depends on (the rest, e.g. the prompt or max_new_tokens, are run time).
-SHAPE_FIELDS = (
-    "variant",
-    "backend",
-    "tp_degree",
-    "batch_size",
-    "draft",
-    "draft_tokens",
-    "prefill_buckets",
-    "context_length",
-    "ring_kv",
-    "decode_experts",
-    "verify_experts",
-    "row_prefill",
+SHAPE_FIELDS = tuple(
+    "variant backend tp_degree batch_size draft draft_tokens prefill_buckets"
+    " context_length ring_kv decode_experts verify_experts row_prefill".split()
 )
 FORMAT_FIELDS = ("weights", "neuron_recipe")
 # Versions that change a compiled program (`environment.program_versions`: the commit does not).

@@ -65,7 +65,7 @@ def verify_expert_form(config, draft_tokens: int, asked: str | None = None) -> s
     experts of its k + 1 tokens ((k + 1) x top_k slices a layer, repeats included: the batch
     decode's gather with the tokens as rows) reads fewer bytes than all E experts, else "dense"
     (and "dense" for a model without experts: its graphs keep their programs).
-    `mtp_roofline.verify_bytes` counts the bytes of the form this picks."""
+    The lab's `gemma4lab.inf2.mtp_roofline.verify_bytes` counts the bytes of the form this picks."""
     if asked is not None:
         return asked
     experts = int(getattr(config, "num_experts", 0) or 0) if getattr(config, "enable_moe_block", False) else 0

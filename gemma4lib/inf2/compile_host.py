@@ -102,11 +102,10 @@ def _counts(name: str, tp: int, overrides_key: tuple, context_length: int) -> di
 
     from ..tp.plan import REPLICATE, ROW, make_plan
     from ..tp.shard import RANK_KEY, shard_state_dict
-    from .params import count_params
-    from .serving_host import _meta_lm
+    from .params import count_params, meta_model
 
     variant = get_variant(name)
-    lm = _meta_lm(name, overrides_key)
+    lm = meta_model(variant, overrides=overrides_key)
     counts = count_params(lm)
     plan = make_plan(lm.config, tp, variant)
     shard = {k: t.numel() for k, t in shard_state_dict(lm, plan, 0).items() if k != RANK_KEY}

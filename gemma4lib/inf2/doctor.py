@@ -9,28 +9,30 @@ it as text. It checks, without importing the Neuron SDK:
 - the `transformers.utils.fx` shim `neuronx_distributed` needs under transformers 5 (the recipes
   install it when they import NxD; the doctor only reports whether it will be needed);
 - the PATH fix for the `libneuronpjrt-path` import error;
-- the per-core memory plan of every variant (`memory_plan`): weights + K/V + working memory per
-  NeuronCore, and the compile's host RAM, with a warning *before* a compile that the kernel would
-  kill half an hour in;
-- the serving host's plan (`serving_host`): the host model, its tables, the shards read for the
-  cores, the host reference and the logit spread against the instance's RAM;
-- the vision part (`vision_plan`, `image_prefill`): per variant its weights and its graph's
-  activations on the one core that runs it (no TP), the per-core plan with them, and the image
-  prefill's computed floor; computed from transformers 5.23.0 config defaults, unverified against
-  the released config.json. `run_doctor(vision=True)` plans `variant` with its vision part.
+- with `variant`: whether inf2 runs it at `tp`, its per-core memory plan (`memory_plan`: weights +
+  K/V + working memory per NeuronCore), its compile host's RAM, with a warning *before* a compile
+  that the kernel would kill half an hour in, and its serving host's plan (`serving_host`);
+  `run_doctor(vision=True)` plans it with its vision part (`vision_plan`: computed from
+  transformers 5.23.0 config defaults, unverified against the released config.json).
+
+The same plans over the whole family (every variant's, the vision tables, the image prefill floor)
+are the lab's: `python -m gemma4lab plan` (`gemma4lab.tools.inf2_tables.family_report`).
 """
 
 from __future__ import annotations
 
 import glob
 import json
+import logging
 import os
 import platform
 import shutil
 import subprocess
 import sys
+import warnings
 from typing import Any
 
+from ..errors import LowHostMemoryWarning, TensorParallelError
 from ..models.variants import get_variant
 from ..recipes import neuron_env
 from .compile_host import KEYS, compile_host_plan
@@ -40,11 +42,13 @@ from .memory_plan import (
     DEFAULT_CONTEXT,
     HOST_HEADROOM,
     compile_peak_gb,
-    format_plan_table,
     neuron_recipe,
-    plan_table,
+    plan_core_memory,
+    require_neuron_tp,
 )
-from .serving_host import format_serving_host, serving_host_plan, serving_host_table
+from .serving_host import serving_host_plan
+
+FAMILY_TABLES = "python -m gemma4lab plan"  # the lab command that prints every variant's plans
 
 
 def estimate_compile_peak_gb(
@@ -97,11 +101,6 @@ def warn_low_host_ram(variant: Any, tp: int | None = None, recipe: str | None = 
     """Before a compile: warn (`LowHostMemoryWarning`, and the log) when this host's RAM is below or near
     the estimated compile peak of `variant` with `recipe` and `keys` keys; returns the warning text
     (None when it fits)."""
-    import logging
-    import warnings
-
-    from ..errors import LowHostMemoryWarning
-
     message = compile_ram_warning(estimate_compile_peak_gb(variant, tp, recipe=recipe, keys=keys), host_ram_bytes())
     if message:
         logging.getLogger(__name__).warning(message)
@@ -144,11 +143,8 @@ def differences(devices: dict[str, Any], versions: list[dict[str, Any]]) -> list
 def neuron_devices() -> dict[str, Any]:
     """Neuron devices and cores: `neuron-ls --json-output` if available, else `/dev/neuron*`."""
     nodes = sorted(glob.glob("/dev/neuron*"))
-    tool = shutil.which("neuron-ls") or (
-        os.path.join(neuron_env.NEURON_BIN, "neuron-ls")
-        if os.path.exists(os.path.join(neuron_env.NEURON_BIN, "neuron-ls"))
-        else None
-    )
+    beside_sdk = os.path.join(neuron_env.NEURON_BIN, "neuron-ls")
+    tool = shutil.which("neuron-ls") or (beside_sdk if os.path.exists(beside_sdk) else None)
     info: dict[str, Any] = {
         "dev_nodes": nodes,
         "devices": len(nodes),
@@ -166,10 +162,8 @@ def neuron_devices() -> dict[str, Any]:
                 )
         except (OSError, ValueError, subprocess.SubprocessError) as exc:
             info["neuron_ls_error"] = f"{type(exc).__name__}: {exc}"
-    if info["cores"] is None and nodes:
-        info["cores"] = 2 * len(nodes)  # inf2: two NeuronCore-v2 per device
     if info["cores"] is None:
-        info["cores"] = 0
+        info["cores"] = 2 * len(nodes)  # inf2: two NeuronCore-v2 per device (none: 0)
     return info
 
 
@@ -184,42 +178,15 @@ def _path_report() -> dict[str, Any]:
     }
 
 
-def vision_report(context_length: int = DEFAULT_CONTEXT) -> dict[str, Any]:
-    """The doctor's vision section: every variant's vision part, the per-core plans with it, and the
-    image prefill floor (computed, unverified; `vision_plan.SOURCE`), with the third-party widths
-    reported for the 31B's and the 26B-A4B's towers beside them."""
-    from .image_prefill import format_image_prefill_table, image_prefill_table
-    from .vision_plan import PLACEMENT, REPORTED, SOURCE, format_vision_table, vision_table
-
-    parts, reported = vision_table(), vision_table("reported")
-    plans = plan_table(context_length, vision=True)
-    prefill = image_prefill_table()
-    return {
-        "source": SOURCE,
-        "placement": PLACEMENT,
-        "parts": [p.to_dict() for p in parts],
-        "table": format_vision_table(parts),
-        "reported": {
-            "parts": [p.to_dict() for p in reported],
-            "table": format_vision_table(reported),
-            "sources": {name: r["source"] for name, r in REPORTED.items()},
-        },
-        "plans": [p.to_dict() for p in plans],
-        "plan_table": format_plan_table(plans),
-        "image_prefill": prefill,
-        "image_prefill_table": format_image_prefill_table(prefill),
-    }
-
-
 def run_doctor(
     variant: str | None = None,
     tp: int | None = None,
     context_length: int = DEFAULT_CONTEXT,
     vision: bool = False,
 ) -> dict[str, Any]:
-    """The report: expected environment vs this machine, devices, fixes, the memory plan of every
-    variant (and with its vision part, `vision_report`), RAM vs compile peak for `variant` (with
-    `vision`: its plans count the vision part), plus warnings and a verdict."""
+    """The report: expected environment vs this machine, devices, fixes, RAM vs compile peak and the
+    per-core and serving-host plans for `variant` at `context_length` (with `vision`: its plans count
+    the vision part), plus warnings and a verdict."""
     warnings: list[str] = []
     versions = neuron_env.check_versions()
     sdk = neuron_env.sdk_present()
@@ -233,7 +200,6 @@ def run_doctor(
     shim = neuron_env.fx_shim_status()
     path = _path_report()
     ram = host_ram_bytes()
-    plans = plan_table(context_length)
     report: dict[str, Any] = {
         "python": platform.python_version(),
         "platform": platform.platform(),
@@ -257,13 +223,6 @@ def run_doctor(
         },
         "path": path,
         "host_ram_gb": round(ram / GB, 1),
-        "memory_plan": {
-            "context_length": context_length,
-            "plans": [p.to_dict() for p in plans],
-            "table": format_plan_table(plans),
-        },
-        "serving_host_table": format_serving_host(serving_host_table()),
-        "vision": vision_report(context_length),
     }
     if not sdk:
         warnings.append("Neuron SDK not found (CPU profile only); " + neuron_env.how_to_get("torch-neuronx"))
@@ -281,9 +240,6 @@ def run_doctor(
     if not next(r for r in versions if r["package"] == "transformers")["ok"]:
         warnings.append(f"transformers must be {neuron_env.TRANSFORMERS_PIN} (CPU and inf2 alike)")
     if variant is not None:
-        from ..errors import TensorParallelError
-        from .memory_plan import plan_core_memory, require_neuron_tp
-
         v = get_variant(variant)
         tp = tp or v.tp_degree
         estimate = None
@@ -343,29 +299,6 @@ def format_doctor(report: dict[str, Any]) -> str:
     else:
         lines.append("PATH fix: " + ("ok" if report["path"]["ok"] else "missing — " + report["path"]["fix"]))
     lines.append(f"host RAM: {report['host_ram_gb']} GB")
-    m = report["memory_plan"]
-    lines.append(
-        f"memory plan per NeuronCore (bf16, context {m['context_length']}, ring K/V; working memory is "
-        f"an allowance, unverified on inf2):"
-    )
-    lines += ["  " + row for row in m["table"].splitlines()]
-    lines.append(
-        "serving host per variant (bf16, prompt 128 + 64 new tokens; computed from the configs, the process "
-        "base measured on CPU, unverified on inf2):"
-    )
-    lines += ["  " + row for row in report["serving_host_table"].splitlines()]
-    vision = report["vision"]
-    lines.append(f"vision part per variant ({vision['source']}; {vision['placement']}):")
-    lines += ["  " + row for row in vision["table"].splitlines()]
-    lines.append("  reported by third parties (not the released config.json), for comparison:")
-    lines += ["  " + row for row in vision["reported"]["table"].splitlines()]
-    lines.append(f"memory plan per NeuronCore with the vision part (context {m['context_length']}):")
-    lines += ["  " + row for row in vision["plan_table"].splitlines()]
-    lines.append(
-        "image prefill floor on inf2 (one image at the processor's budget, 32 text tokens; vision graph at "
-        "190 TFLOPS bf16 per chip, one core's share; computed, unverified on inf2):"
-    )
-    lines += ["  " + row for row in vision["image_prefill_table"].splitlines()]
     if "serving_host" in report:
         lines.append(report["serving_host"]["summary"])
     if "compile_host" in report:
@@ -376,14 +309,7 @@ def format_doctor(report: dict[str, Any]) -> str:
         lines.append(f"TP={report['tp']['degree']}: " + ("ok" if report["tp"]["ok"] else report["tp"]["error"]))
     for w in report["warnings"]:
         lines.append(f"WARNING: {w}")
-    lines.append(
-        "verdict: "
-        + (
-            "ready for inf2"
-            if report["ok"]
-            else "CPU profile only"
-            if not report["sdk_present"]
-            else "fix the warnings above"
-        )
-    )
+    verdict = "ready for inf2" if report["ok"] else "fix the warnings above" if report["sdk_present"] else None
+    lines.append(f"verdict: {verdict or 'CPU profile only'}")
+    lines.append(f"every variant's plans, the vision tables and the image prefill floor: {FAMILY_TABLES}")
     return "\n".join(lines)

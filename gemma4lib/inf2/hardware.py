@@ -99,25 +99,6 @@ def host_instance_type() -> str | None:
     return os.environ.get(INSTANCE_ENV) or dmi_instance_type()
 
 
-def host_threads() -> int:
-    """Torch threads for the host side of a full run (the host reference, the logit spread): one
-    per physical core this process may use. A 31B's host reference on one thread of an
-    inf2.24xlarge (48 physical cores) takes ~48x as long as it needs to."""
-    try:
-        usable = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):  # pragma: no cover - not Linux
-        usable = os.cpu_count() or 1
-    try:
-        import psutil
-
-        logical, physical = psutil.cpu_count(logical=True), psutil.cpu_count(logical=False)
-    except ImportError:  # pragma: no cover - psutil is a dependency
-        logical = physical = None
-    if logical and physical and logical > physical:  # hyper-threads: one thread per core
-        usable = max(1, usable * physical // logical)
-    return max(1, usable)
-
-
 def host_ram_bytes() -> int:
     """Total memory of this host."""
     try:

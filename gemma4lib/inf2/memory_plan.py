@@ -42,7 +42,7 @@ from ..models.variants import Variant, get_variant
 from ..recipes import RECIPE_MODULES
 from .compile_host import KEYS
 from .hardware import GB, GIB, HBM_PER_CORE_GIB, INSTANCES, NEURON_TP_DEGREES, smallest_instance
-from .serving_host import ServingHostPlan, format_serving_host, serving_host_plan, serving_host_table  # noqa: F401  (re-exported)
+from .serving_host import ServingHostPlan, serving_host_plan  # noqa: F401  (re-exported)
 
 WORKING_ALLOWANCE_GIB = 2.0
 # The field report's measured compile peak, with its own port's eager checkpoint (three copies of the
@@ -75,12 +75,6 @@ def neuron_recipe(variant: Variant, tp: int, requested: str | None = None) -> st
             f"neuron_recipe='model_builder' (or tp_degree=1)"
         )
     return requested
-
-
-@functools.lru_cache(maxsize=64)
-def _rank_params(name: str, tp: int) -> int:
-    """Parameter elements one rank holds (its shard), counted on the meta device; host tables excluded."""
-    return sum(n for n, _ in _rank_tensors(name, tp).values())
 
 
 @functools.lru_cache(maxsize=64)
@@ -388,37 +382,3 @@ def require_fit(
             f"use {_hint(fitting_options(v, context_length, ring, weights, batch))}"
         )
     return plan
-
-
-def plan_table(context_length: int = DEFAULT_CONTEXT, ring: bool = True, vision: bool = False) -> list[CoreMemoryPlan]:
-    """Each variant at its recipe's TP on its instance, plus the next smaller TP (to show why not);
-    `vision`: with the vision part on rank 0's core (`plan_core_memory`)."""
-    from ..models.variants import VARIANTS
-
-    plans = []
-    for v in VARIANTS.values():
-        degrees = [t for t in v.supported_tp if t in NEURON_TP_DEGREES and t <= v.tp_degree]
-        for tp in sorted({v.tp_degree, *degrees[-2:]}):
-            plans.append(plan_core_memory(v, tp, context_length=context_length, ring=ring, vision=vision))
-    return plans
-
-
-def format_plan_table(plans: list[CoreMemoryPlan]) -> str:
-    """Markdown rows of `plan_table` (GiB per NeuronCore; compile host RAM in GB); a vision column
-    when a plan carries the vision part."""
-    vision = any(p.vision_placement for p in plans)
-    extra = " vision (rank 0's core) |" if vision else ""
-    lines = [
-        "| variant | recipe | TP | instance | weights/core | K/V/core | working |" + extra + " total / 16 GiB | "
-        "compile host | fits |",
-        "|---|---|---|---|---|---|---|" + ("---|" if vision else "") + "---|---|---|",
-    ]
-    for p in plans:
-        cell = f" {p.vision_gib:.2f} GiB |" if vision else ""
-        lines.append(
-            f"| {p.variant} | {p.recipe} | {p.tp} | {p.instance} | {p.weights_gib:.1f} GiB | "
-            f"{p.kv_gib:.2f} GiB | {p.working_gib:.0f} GiB |{cell} {p.total_gib:.1f} GiB | "
-            f"~{p.compile_peak_gb:.0f} GB / {p.host_ram_gib} GiB{p._compile_elsewhere()} | "
-            f"{'yes' if p.fits else 'no: ' + '; '.join(p.problems)} |"
-        )
-    return "\n".join(lines)

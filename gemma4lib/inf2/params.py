@@ -132,21 +132,22 @@ def count_params(lm: nn.Module) -> ParamCounts:
     )
 
 
-def meta_model(variant: Any, which: str = "real") -> nn.Module:
-    """A variant's `*ForCausalLM` on the meta device: real shapes, no memory (cached per variant)."""
+def meta_model(variant: Any, which: str = "real", overrides: tuple = ()) -> nn.Module:
+    """A variant's `*ForCausalLM` on the meta device: real shapes, no memory (cached per variant);
+    `overrides`: config fields as sorted (key, value) pairs, a list as a tuple (a reduced-depth model)."""
     from ..models.variants import get_variant
 
     variant = get_variant(variant) if isinstance(variant, str) else variant
-    return _meta_model(variant.name, which)
+    return _meta_model(variant.name, which, overrides)
 
 
 @functools.lru_cache(maxsize=16)
-def _meta_model(name: str, which: str) -> nn.Module:
+def _meta_model(name: str, which: str, overrides: tuple) -> nn.Module:
     from ..models.loading import _text_classes, text_config
     from ..models.variants import get_variant
 
     variant = get_variant(name)
-    config = text_config(variant, which)
+    config = text_config(variant, which, **{k: list(v) if isinstance(v, tuple) else v for k, v in overrides})
     _, lm_cls = _text_classes(variant)
     with torch.device("meta"):
         return lm_cls(config)

@@ -117,28 +117,6 @@ class ServingHostPlan:
         )
 
 
-def _text_config(variant: Variant, layers: int | None, layer_overrides: dict[str, Any] | None):
-    from ..models.loading import text_config
-
-    overrides = dict(layer_overrides or {})
-    if layers is not None:
-        overrides.setdefault("num_hidden_layers", layers)
-    return text_config(variant, "real", **overrides)
-
-
-def _meta_lm(name: str, overrides_key: tuple) -> Any:
-    """The released text model of `name` (layer overrides as sorted (key, value) pairs), on the meta device."""
-    import torch
-
-    from ..models.loading import _text_classes
-
-    variant = get_variant(name)
-    config = _text_config(variant, None, {k: (list(v) if isinstance(v, tuple) else v) for k, v in overrides_key})
-    _, lm_cls = _text_classes(variant)
-    with torch.device("meta"):
-        return lm_cls(config)
-
-
 @functools.lru_cache(maxsize=64)
 def _counts(name: str, tp: int, overrides_key: tuple) -> dict[str, int]:
     """Element counts of a (possibly reduced-depth) released text model, on the meta device."""
@@ -149,10 +127,10 @@ def _counts(name: str, tp: int, overrides_key: tuple) -> dict[str, int]:
     from ..models.upcast import LINEAR_BLOCK_ROWS, widest_module_bytes
     from ..tp.plan import make_plan
     from ..tp.shard import RANK_KEY, shard_state_dict
-    from .params import count_params
+    from .params import count_params, meta_model
 
     variant = get_variant(name)
-    lm = _meta_lm(name, overrides_key)
+    lm = meta_model(variant, overrides=overrides_key)
     counts = count_params(lm)
     buffers = sum(b.numel() for b in lm.buffers())
     plan = make_plan(lm.config, tp, variant)
@@ -270,25 +248,3 @@ def require_serving_host(variant: Variant | str, tp: int, instance: str | None, 
         hint = f"serve on an {options[0].instance}" if options else "no inf2 size holds it at this TP"
         raise DeviceMemoryError(f"{plan.summary()}; {'; '.join(plan.problems)}; {hint}")
     return plan
-
-
-def format_serving_host(plans: list[ServingHostPlan]) -> str:
-    """Markdown rows for a notebook's "Runs on" block or the README (GB; the host's RAM in GiB)."""
-    lines = [
-        "| serving host | TP | model | host tables | host K/V | peak step | peak | available | fits |",
-        "|---|---|---|---|---|---|---|---|---|",
-    ]
-    for p in plans:
-        lines.append(
-            f"| {p.variant} on {p.instance} | {p.tp} | {p.model_gb:.1f} GB | {p.host_tables_gb:.1f} GB | "
-            f"{p.host_kv_gb:.2f} GB | {p.peak_step} | {p.peak_gb:.1f} GB | {p.available_gb:.1f} GB | "
-            f"{'yes' if p.fits else 'no'} |"
-        )
-    return "\n".join(lines)
-
-
-def serving_host_table() -> list[ServingHostPlan]:
-    """Each variant at its recipe's TP on its recommended instance."""
-    from ..models.variants import VARIANTS
-
-    return [serving_host_plan(v) for v in VARIANTS.values()]

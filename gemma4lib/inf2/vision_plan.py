@@ -140,12 +140,6 @@ def _counts(name: str, source: str) -> tuple[int, int, int]:
     return params, tower_params, buffers
 
 
-def vision_params(variant: Variant | str, source: str = "defaults") -> int:
-    """Parameters of the variant's vision part (tower + embedder), counted on the meta device."""
-    v = get_variant(variant) if isinstance(variant, str) else variant
-    return _counts(v.name, source)[0]
-
-
 def activation_bytes(spec: VisionSpec, dtype_bytes: int = 2) -> int:
     """The vision graph's largest working set for one image at the patch budget, as eager
     attention holds it: the patch inputs, the residual stream and one layer's normed input, plus
@@ -215,27 +209,3 @@ def vision_plan(variant: Variant | str, source: str = "defaults", dtype_bytes: i
         spec.source,
         dtype_bytes,
     )
-
-
-def vision_table(source: str = "defaults") -> list[VisionPlan]:
-    """Every variant's vision plan; with `source="reported"` only the variants a report exists for."""
-    from ..models.variants import VARIANTS
-
-    names = [n for n in VARIANTS if source == "defaults" or n in REPORTED]
-    return [vision_plan(n, source) for n in names]
-
-
-def format_vision_table(plans: list[VisionPlan]) -> str:
-    """Markdown rows of `vision_table` (GiB on the one core that runs the vision graph)."""
-    lines = [
-        "| variant | vision part | params | weights | activations (eager, one image) | patches -> soft tokens | "
-        "on inf2 |",
-        "|---|---|---|---|---|---|---|",
-    ]
-    for p in plans:
-        kind = "encoder-free projection" if p.encoder_free else f"encoder, {p.layers} layers"
-        lines.append(
-            f"| {p.variant} | {kind} | {p.params / 1e6:,.1f}M | {p.weights_gib:.2f} GiB | "
-            f"{p.activations_gib:.2f} GiB | {p.patches:,} -> {p.soft_tokens} | one core, no TP |"
-        )
-    return "\n".join(lines)

@@ -30,15 +30,3 @@ NEURON_ENTRY_POINTS = {
     "gemma4lib.recipes.neuron_trace": ("compile_trace", "load"),
     "gemma4lib.recipes.neuron_model_builder": ("compile_model_builder", "load_model_builder", "NxDParallelFactory"),
 }
-
-
-def recipe_module(recipe: str):
-    """The module of an inf2 recipe by name (`trace`, `model_builder`); importing it never
-    imports the Neuron SDK."""
-    import importlib
-
-    if recipe not in RECIPE_MODULES:
-        from ..errors import UnknownNameError
-
-        raise UnknownNameError("recipe", recipe, RECIPE_MODULES)
-    return importlib.import_module(RECIPE_MODULES[recipe])

@@ -15,7 +15,7 @@ It is the alternative to token-by-token prefill inside this recipe; this library
 and it is untried on inf2 with these graphs. So here the prompt runs through the decode graph one
 token per device step: a 128-token prompt is
 128 steps (~3 s at the field report's 44 tok/s for E2B), against one bucketed call (~11 ms
-computed, `inf2.prefill.prefill_estimate`) in the ModelBuilder recipe, which E2B uses by default
+computed, the lab's `gemma4lab.inf2.prefill.prefill_estimate`) in the ModelBuilder recipe, which E2B uses by default
 (`memory_plan.neuron_recipe`). Its compile is also the one that fits an inf2.xlarge's 16 GiB host
 (~14 GB against ModelBuilder's ~19 GB, `memory_plan.compile_peak_gb`).
 

@@ -13,6 +13,7 @@ streams when uvicorn begins its shutdown, where SIGTERM here must let them finis
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import random
@@ -27,8 +28,10 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ..errors import Gemma4LibError
 from ..runtime import Request as EngineRequest
 from ..runtime import Sampling, room_for_new_tokens
-from . import schemas
+from . import reply, schemas
 from .errors import ClientGoneError, RequestError, UnknownModelError, error_body, http_error
+from .grammar import Grammars, schema_of
+from .logprobs import Forced, TokenLogprobs, chat_logprobs, completion_logprobs
 from .scheduler import Scheduler, Ticket
 
 log = logging.getLogger("gemma4lib.server")
@@ -61,6 +64,7 @@ class Served:
         # a prompt longer than the largest prefill bucket runs in chunks: the context is its limit
         self.max_prompt = self.context_length - self.draft_tokens
         self.pool = ThreadPoolExecutor(2, thread_name_prefix="gemma4lib-encode")  # the bound on encoding work
+        self.grammars: Grammars | None = None  # structured output's engine, built at its first request
 
     def check_body(self, body: schemas.SamplingFields, texts: Sequence[str], param: str) -> int:
         """Refuse what can never run, before any work: a field not implemented, text too long to fit.
@@ -79,17 +83,45 @@ class Served:
         if name not in self.names:
             raise UnknownModelError(name, self.model_name)
 
+    def watch(
+        self,
+        body: schemas.ChatCompletionRequest | schemas.CompletionRequest,
+        schema: dict[str, Any] | None = None,
+        forced_call: Sequence[str] = (),
+        forced: list[int] | None = None,
+    ) -> Any:
+        """What watches a request's logits (`runtime.LogitsWatch`): its log-probabilities' record, the
+        grammar mask of its schema or forced call, both, or None."""
+        if isinstance(body, schemas.ChatCompletionRequest) and body.top_logprobs and not body.logprobs:
+            raise RequestError("top_logprobs needs logprobs: true; send both", "top_logprobs")
+        top = body.logprobs_top()
+        asks = [
+            f
+            for f, on in (("logprobs", top is not None), ("response_format", schema), ("tool_choice", forced_call))
+            if on
+        ]
+        if asks and self.draft_tokens:
+            raise RequestError(f"{asks[0]} needs each token's logits, which a drafting server does not keep", asks[0])
+        mask = None
+        if schema is not None or forced_call:
+            self.grammars = self.grammars or Grammars(self.scheduler.codec.tokenizer, self.eos_ids)
+            grammar = self.grammars.json(schema) if schema is not None else self.grammars.call(forced_call)
+            mask = self.grammars.constrain(grammar, "response_format" if schema is not None else "tool_choice")
+        mask = Forced(forced) if forced is not None else mask
+        return mask if top is None else TokenLogprobs(top, getattr(self.scheduler.engine, "cap", None), mask)
+
     def engine_request(
-        self, ids: list[int], body: schemas.SamplingFields, max_tokens: int | None, images: Any = None
+        self, ids: list[int], body: schemas.SamplingFields, max_tokens: int | None, images: Any = None, watch=None
     ) -> EngineRequest:
-        """The engine's request: the budget (default: the rest of the compiled context), the sampling and
-        the prompt's images (`runtime.ImagePrompt`, or None)."""
+        """The engine's request: the budget (default: the rest of the compiled context), the sampling,
+        the prompt's images (`runtime.ImagePrompt`, or None) and what watches its logits."""
         if max_tokens is None:
             max_tokens = max(1, room_for_new_tokens(len(ids), self.context_length, self.draft_tokens))
         temperature = 0.0 if body.temperature is None else body.temperature
         seed = body.seed if body.seed is not None else (random.randrange(2**31) if temperature > 0 else 0)
         sampling = Sampling(temperature=temperature, top_p=1.0 if body.top_p is None else body.top_p, seed=seed)
-        return EngineRequest(ids, max_tokens, sampling, () if body.ignore_eos else self.eos_ids, images=images)
+        eos = () if body.ignore_eos else self.eos_ids
+        return EngineRequest(ids, max_tokens, sampling, eos, images=images, watch=watch)
 
 
 def chat_messages(body: schemas.ChatCompletionRequest, codec: Any) -> tuple[list[dict[str, Any]], list[Any]]:
@@ -98,7 +130,7 @@ def chat_messages(body: schemas.ChatCompletionRequest, codec: Any) -> tuple[list
     with images keeps its parts, each image as `{"type": "image"}`, where the template expands it."""
     from .image_urls import image_from_data_url
 
-    wanted = sum(1 for m in body.messages if not isinstance(m.content, str) for p in m.content if p.type == "image_url")
+    wanted = sum(1 for m in body.messages if isinstance(m.content, list) for p in m.content if p.type == "image_url")
     if wanted > MAX_IMAGES:
         raise RequestError(f"{wanted} image parts, over this server's {MAX_IMAGES}; send fewer", "messages")
     if wanted and codec.processor is None:
@@ -107,7 +139,7 @@ def chat_messages(body: schemas.ChatCompletionRequest, codec: Any) -> tuple[list
     images: list[Any] = []
     for i, message in enumerate(body.messages):
         content: Any = message.content
-        if not isinstance(content, str):
+        if isinstance(content, list):
             parts: list[dict[str, Any]] = []
             for j, part in enumerate(content):
                 where = f"messages[{i}].content[{j}]"
@@ -124,8 +156,46 @@ def chat_messages(body: schemas.ChatCompletionRequest, codec: Any) -> tuple[list
                 content = parts
             else:
                 content = "".join(p["text"] for p in parts)
-        out.append({"role": message.role, "content": content})
+        out.append({"role": message.role, "content": content or "", **tool_fields(message, i)})
     return out, images
+
+
+def tool_fields(message: schemas.ChatMessage, i: int) -> dict[str, Any]:
+    """A message's tool parts as the chat template takes them: an assistant's calls (arguments as the
+    object they name), a tool result's call id and name."""
+    fields: dict[str, Any] = {k: v for k in ("tool_call_id", "name") if (v := getattr(message, k)) is not None}
+    calls = []
+    for j, call in enumerate(message.tool_calls or ()):
+        try:
+            arguments = json.loads(call.function.arguments)
+        except json.JSONDecodeError:
+            arguments = None
+        if not isinstance(arguments, dict):
+            where = f"messages[{i}].tool_calls[{j}].function.arguments"
+            raise RequestError(
+                "a tool call's arguments are a JSON object's text, such as '{\"city\": \"Paris\"}'", where
+            )
+        calls.append(
+            {"id": call.id, "type": "function", "function": {"name": call.function.name, "arguments": arguments}}
+        )
+    return {**fields, "tool_calls": calls} if calls else fields
+
+
+def reply_plan(body: schemas.ChatCompletionRequest, codec: Any) -> tuple[list[dict[str, Any]] | None, str | None]:
+    """The tools to declare (None: none, or `tool_choice: "none"`) and the server's opening of the reply:
+    a forced call's marker (its name and arguments held by a grammar: `forced_names`), or None."""
+    forced = body.forced_tool()
+    if forced is not None and not body.tools:
+        raise RequestError("tool_choice asks for a tool call but no tools are declared; send tools", "tool_choice")
+    names = [t.function.name for t in body.tools or ()]
+    if forced and forced not in names:
+        raise RequestError(f"tool_choice names {forced!r}, not among the declared tools {names}", "tool_choice")
+    if not body.tools or body.tool_choice == "none":
+        return None, None
+    if "tools" not in codec.tokenizer.chat_template:  # a template that would drop them: the model never sees them
+        raise RequestError("this model's chat template declares no tools; serve a model whose template does", "tools")
+    tools = [t.model_dump(exclude_none=True) for t in body.tools]
+    return tools, None if forced is None else f"{reply.CALL}call:"
 
 
 INLINE_CHARS = 4096  # text this short encodes in a fraction of a millisecond: on the loop, no thread hop
@@ -136,10 +206,16 @@ async def off_loop(served: Served, heavy: bool, work: Any) -> Any:
     return await asyncio.get_running_loop().run_in_executor(served.pool, work) if heavy else work()
 
 
-def encode_chat(body: schemas.ChatCompletionRequest, codec: Any) -> tuple[list[int], Any]:
+def encode_chat(
+    body: schemas.ChatCompletionRequest, codec: Any, tools: list[dict[str, Any]] | None, opening: str
+) -> tuple[list[int], Any]:
     """The prompt ids and images of a chat request (on the encoding pool: decoding, templating)."""
     messages, pictures = chat_messages(body, codec)
-    return codec.chat_with_images(messages, pictures) if pictures else (codec.chat(messages), None)
+    if pictures:
+        if tools or opening or body.thinking:
+            raise RequestError("images with tools or thinking are not implemented; send them apart", "messages")
+        return codec.chat_with_images(messages, pictures)
+    return codec.chat(messages, tools, body.thinking, opening), None
 
 
 def sse(payload: dict[str, Any] | str) -> str:
@@ -255,19 +331,36 @@ def create_app(served: Served) -> FastAPI:
 
     @app.post("/v1/chat/completions")
     async def chat(body: schemas.ChatCompletionRequest, request: Request) -> Any:
-        parts = [p for m in body.messages for p in ([m] if isinstance(m.content, str) else m.content)]
-        texts = [p.content if isinstance(p, schemas.ChatMessage) else p.text or "" for p in parts]
+        parts = [p for m in body.messages for p in (m.content if isinstance(m.content, list) else [m])]
+        texts = [p.content or "" if isinstance(p, schemas.ChatMessage) else p.text or "" for p in parts]
+        texts += [c.function.arguments for m in body.messages for c in m.tool_calls or ()]
+        texts += [t.function.model_dump_json() for t in body.tools or ()]  # declarations are prompt text too
         chars = served.check_body(body, texts, "messages")
         heavy = chars > INLINE_CHARS or any(getattr(p, "type", "text") != "text" for p in parts)
-        ids, images = await off_loop(served, heavy, lambda: encode_chat(body, scheduler.codec))
-        job = served.engine_request(ids, body, body.max_completion_tokens or body.max_tokens, images)
-        ticket = scheduler.submit(job, body.stop_strings())
+        tools, opening = reply_plan(body, codec)
+        ids, images = await off_loop(served, heavy, lambda: encode_chat(body, scheduler.codec, tools, opening or ""))
+        schema = schema_of(body.response_format)
+        if schema is not None and (tools is not None or body.thinking):
+            raise RequestError("response_format with tools or thinking is not implemented; send one", "response_format")
+        grammar = schema is not None or opening is not None
+        names = body.forced_names() if opening is not None else []
+        watch = await off_loop(served, grammar, lambda: served.watch(body, schema, names))
+        job = served.engine_request(ids, body, body.max_completion_tokens or body.max_tokens, images, watch)
+        parsed = tools is not None or body.thinking  # the reply's thought and calls to parse out
+        ticket = scheduler.submit(job, body.stop_strings(), raw=parsed)
         rid = schemas.new_id("chatcmpl")
         if body.stream:
-            return StreamingResponse(_stream(served, ticket, rid, body.include_usage, True), media_type=SSE)
-        text = await _collect(request, [ticket])
+            fields = reply.ReplyStream(codec.specials, opening or "") if parsed else None
+            logged = watch if isinstance(watch, TokenLogprobs) else None
+            events = _stream(served, ticket, rid, body.include_usage, True, fields, logged)
+            return StreamingResponse(events, media_type=SSE)
+        text = (await _collect(request, [ticket]))[0]
         usage = schemas.Usage.of(ticket.prompt_tokens, ticket.completion_tokens)
-        return schemas.chat_response(rid, served.model_name, [(text[0], ticket.finish_reason)], usage)
+        message, reason = ({"content": text}, ticket.finish_reason)
+        if parsed:
+            message, reason = reply.message((opening or "") + text, codec.specials, body.thinking, reason)
+        logprobs = chat_logprobs(watch.entries, codec) if isinstance(watch, TokenLogprobs) else None
+        return schemas.chat_response(rid, served.model_name, [(message, reason, logprobs)], usage)
 
     @app.post("/v1/completions")
     async def completions(body: schemas.CompletionRequest, request: Request) -> Any:
@@ -281,8 +374,16 @@ def create_app(served: Served) -> FastAPI:
             raise RequestError("stream=true takes one prompt; send the others as their own requests", "prompt")
         if any(not p.strip() for p in prompts):
             raise RequestError("prompt is empty; send the text the model should continue", "prompt")
+        if body.echo and (body.stream or body.stop):
+            raise RequestError("echo is served without stream and stop; send it without them", "echo")
         encoded = await off_loop(served, chars > INLINE_CHARS, lambda: list(map(codec.text, prompts)))
-        jobs = [served.engine_request(ids, body, body.max_tokens) for ids in encoded]
+        forced = body.echo and body.logprobs is not None  # the prompt's own log-probabilities: teacher-forced
+        watches = [served.watch(body, forced=ids[1:] if forced else None) for ids in encoded]
+        jobs = [
+            served.engine_request(ids, body, body.max_tokens, None, w) for ids, w in zip(encoded, watches, strict=True)
+        ]
+        if forced:  # from the first token on, the rest of the prompt chosen one decode step each
+            jobs = [echo_request(job, ids, body.max_tokens is None) for job, ids in zip(jobs, encoded, strict=True)]
         tickets: list[Ticket] = []
         try:
             for job in jobs:
@@ -293,14 +394,30 @@ def create_app(served: Served) -> FastAPI:
             raise
         rid = schemas.new_id("cmpl")
         if body.stream:
-            return StreamingResponse(_stream(served, tickets[0], rid, body.include_usage, False), media_type=SSE)
+            events = _stream(served, tickets[0], rid, body.include_usage, False, None, watches[0])
+            return StreamingResponse(events, media_type=SSE)
         texts = await _collect(request, tickets)
         usage = schemas.Usage.of(sum(t.prompt_tokens for t in tickets), sum(t.completion_tokens for t in tickets))
-        return schemas.completion_response(
-            rid, served.model_name, [(text, t.finish_reason) for text, t in zip(texts, tickets, strict=True)], usage
-        )
+        lps = [None if w is None else completion_logprobs(w.entries, codec) for w in watches]
+        if forced:  # the reply is what follows the prompt's tokens; the first prompt token has no logprob
+            new = [[t for t, _, _ in w.entries[len(ids) - 1 :]] for w, ids in zip(watches, encoded, strict=True)]
+            texts = [codec.decode(n) for n in new]
+            firsts = [(ids[0], None, None) for ids in encoded]
+            lps = [completion_logprobs([f, *w.entries], codec) for f, w in zip(firsts, watches, strict=True)]
+            usage = schemas.Usage.of(sum(map(len, encoded)), sum(map(len, new)))
+        texts = [p + t for p, t in zip(prompts, texts, strict=True)] if body.echo else texts
+        choices = [(text, t.finish_reason, lp) for text, t, lp in zip(texts, tickets, lps, strict=True)]
+        return schemas.completion_response(rid, served.model_name, choices, usage)
 
     return app
+
+
+def echo_request(job: EngineRequest, ids: list[int], default_budget: bool) -> EngineRequest:
+    """`job` from the prompt's first token, its other tokens forced (`logprobs.Forced`) before the reply's
+    budget; no eos while an eos id is among the forced (it would end the row inside the prompt)."""
+    budget = job.max_new_tokens if default_budget else job.max_new_tokens + len(ids) - 1
+    eos = () if set(ids[1:]) & set(job.eos_token_ids) else job.eos_token_ids
+    return dataclasses.replace(job, prompt_ids=ids[:1], max_new_tokens=budget, eos_token_ids=eos)
 
 
 async def _collect(request: Request, tickets: list[Ticket]) -> list[str]:
@@ -317,20 +434,42 @@ async def _collect(request: Request, tickets: list[Ticket]) -> list[str]:
             ticket.cancel()
 
 
-async def _stream(served: Served, ticket: Ticket, rid: str, include_usage: bool, chat: bool) -> AsyncIterator[str]:
-    """A response's events: its text's chunks, the finish reason, the usage when asked, `[DONE]`; an
-    engine fault or the drain's end mid-stream is one OpenAI error payload (the headers are sent)."""
-    name = served.model_name
+async def _stream(
+    served: Served,
+    ticket: Ticket,
+    rid: str,
+    include_usage: bool,
+    chat: bool,
+    fields: reply.ReplyStream | None = None,
+    watch: TokenLogprobs | None = None,
+) -> AsyncIterator[str]:
+    """A response's events: its text's chunks (`fields`: parsed into thought, text and tool calls; each
+    event's tokens' log-probabilities with its first chunk, when `watch`ed), the finish reason, the
+    usage when asked, `[DONE]`; an engine fault or the drain's end mid-stream is one OpenAI error
+    payload (the headers are sent)."""
+    name, codec, taken, sent = served.model_name, served.scheduler.codec, 0, 0
     try:
         if chat:
             yield sse(schemas.chat_chunk(rid, name, {"role": "assistant", "content": ""}))
         async for event in ticket.events():
-            if chat and event.text:
-                yield sse(schemas.chat_chunk(rid, name, {"content": event.text}))
-            if chat and event.finish_reason is not None:
-                yield sse(schemas.chat_chunk(rid, name, {}, event.finish_reason))
-            elif not chat and (event.text or event.finish_reason is not None):
-                yield sse(schemas.completion_chunk(rid, name, event.text, event.finish_reason))
+            final = event.finish_reason is not None
+            new, taken = ([], taken) if watch is None else (watch.entries[taken:], len(watch.entries))
+            if not chat:
+                logprobs = completion_logprobs(new, codec, sent) if new else None
+                sent += len(event.text)
+                if event.text or final or logprobs:
+                    yield sse(schemas.completion_chunk(rid, name, event.text, event.finish_reason, logprobs))
+                continue
+            deltas = fields.push(event.text, final) if fields else [{"content": event.text}] if event.text else []
+            if new and not deltas:
+                deltas = [{}]  # the tokens' log-probabilities while their text is held back
+            for i, delta in enumerate(deltas):
+                yield sse(
+                    schemas.chat_chunk(rid, name, delta, None, chat_logprobs(new, codec) if new and not i else None)
+                )
+            if final:
+                reason = "tool_calls" if fields and fields.called and event.finish_reason == "stop" else None
+                yield sse(schemas.chat_chunk(rid, name, {}, reason or event.finish_reason))
         if include_usage:
             usage = schemas.Usage.of(ticket.prompt_tokens, ticket.completion_tokens)
             yield sse(schemas.usage_chunk(rid, name, "chat.completion.chunk" if chat else "text_completion", usage))

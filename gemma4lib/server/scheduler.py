@@ -161,12 +161,13 @@ class Scheduler:
         self._thread.start()
         return self
 
-    def submit(self, request: Any, stop: Sequence[str] = ()) -> Ticket:
-        """Queue `request` (already an engine `Request`); raises the 4xx errors before it queues."""
+    def submit(self, request: Any, stop: Sequence[str] = (), raw: bool = False) -> Ticket:
+        """Queue `request` (already an engine `Request`); raises the 4xx errors before it queues. `raw`:
+        its text keeps the special tokens (a reply parsed for its thought and tool calls)."""
         self.engine.check(request)  # reads the compiled shapes only: the one fit check, before queueing
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[Event] = asyncio.Queue()
-        job = Job(request, TextStream(self.codec, stop), loop, queue)
+        job = Job(request, TextStream(self.codec, stop, raw), loop, queue)
         with self._cond:
             if not self._accepting:
                 raise DrainingError()

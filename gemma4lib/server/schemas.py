@@ -15,10 +15,12 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 MAX_MESSAGES = 1024
+MAX_TOOLS = 128
+MAX_TOP_LOGPROBS = 20  # OpenAI's bound
 MAX_STOP, MAX_STOP_CHARS = 4, 256  # OpenAI's four; each is matched against every new piece of text
 # fields a client may send that this server does not implement: refused unless at a value asking for nothing
 UNIMPLEMENTED = (
-    "logprobs top_logprobs tools tool_choice functions function_call response_format logit_bias echo suffix best_of "
+    "tools tool_choice functions function_call response_format logit_bias suffix best_of "
     "frequency_penalty presence_penalty repetition_penalty top_k min_p modalities audio prediction reasoning_effort "
     "web_search_options verbosity"
 ).split()
@@ -45,9 +47,46 @@ class ContentPart(_Body):
     image_url: ImageURL | None = None
 
 
+class FunctionCall(_Body):
+    name: str
+    arguments: str  # OpenAI's JSON object text
+
+
+class ToolCall(_Body):
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Body):
-    role: Literal["system", "developer", "user", "assistant"]
-    content: Text | list[ContentPart]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Text | list[ContentPart] | None = None  # None: an assistant's turn of tool calls only
+    tool_calls: list[ToolCall] | None = None  # an assistant's earlier calls, rendered back
+    tool_call_id: str | None = None  # a tool's result: the call it answers
+    name: str | None = None
+
+
+class Function(_Body):
+    name: Annotated[str, Field(pattern=r"^\w{1,64}$")]  # the name the model writes after `call:`
+    description: Text | None = None
+    parameters: dict[str, Any] | None = None
+
+
+class Tool(_Body):
+    type: Literal["function"]
+    function: Function
+
+
+class NamedChoice(_Body):
+    type: Literal["function"]
+    function: dict[str, str]  # {"name": ...}
+
+
+class ThinkingSwitch(_Body):
+    """vLLM's `chat_template_kwargs`: only the switch the chat template takes from a client."""
+
+    model_config = ConfigDict(extra="forbid")
+    enable_thinking: bool = False
 
 
 class StreamOptions(_Body):
@@ -92,10 +131,41 @@ class SamplingFields(_Body):
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(max_length=MAX_MESSAGES)
     max_completion_tokens: int | None = Field(default=None, ge=1)
+    tools: list[Tool] | None = Field(default=None, max_length=MAX_TOOLS)
+    tool_choice: Literal["none", "auto", "required"] | NamedChoice | None = None
+    parallel_tool_calls: bool | None = None  # the model may write several calls either way
+    chat_template_kwargs: ThinkingSwitch | None = None
+    response_format: dict[str, Any] | None = None  # text, json_object, json_schema (`grammar.schema_of`)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+
+    def logprobs_top(self) -> int | None:
+        """How many alternatives each token's log-probability comes with; None: no log-probabilities."""
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+    @property
+    def thinking(self) -> bool:
+        return bool(self.chat_template_kwargs and self.chat_template_kwargs.enable_thinking)
+
+    def forced_names(self) -> list[str]:
+        """The functions a forced reply may call: the named one, or (`required`) any declared one."""
+        forced = self.forced_tool()
+        return [forced] if forced else [t.function.name for t in self.tools or ()]
+
+    def forced_tool(self) -> str | None:
+        """The function a `required` or named `tool_choice` makes the reply call ("" when any of them)."""
+        if isinstance(self.tool_choice, NamedChoice):
+            return self.tool_choice.function.get("name", "")
+        return "" if self.tool_choice == "required" else None
 
 
 class CompletionRequest(SamplingFields):
     prompt: Text | list[Text]
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)  # alternatives a token
+    echo: bool = False  # the prompt before the reply (with `logprobs`: the prompt's tokens' too)
+
+    def logprobs_top(self) -> int | None:
+        return self.logprobs
 
 
 class Usage(BaseModel):
@@ -121,26 +191,34 @@ def _body(rid: str, model: str, obj: str, choices: list[dict[str, Any]], usage: 
     return body if usage is None else {**body, "usage": usage.model_dump()}
 
 
-def chat_response(rid: str, model: str, texts: list[tuple[str, str]], usage: Usage) -> dict[str, Any]:
+Choice = tuple[Any, str, "dict[str, Any] | None"]  # (message or text, finish reason, logprobs)
+
+
+def chat_response(rid: str, model: str, messages: list[Choice], usage: Usage) -> dict[str, Any]:
     choices = [
-        {"index": i, "message": {"role": "assistant", "content": text}, "finish_reason": reason, "logprobs": None}
-        for i, (text, reason) in enumerate(texts)
+        {"index": i, "message": {"role": "assistant", **message}, "finish_reason": reason, "logprobs": logprobs}
+        for i, (message, reason, logprobs) in enumerate(messages)
     ]
     return _body(rid, model, "chat.completion", choices, usage)
 
 
-def chat_chunk(rid: str, model: str, delta: dict[str, str], reason: str | None = None) -> dict[str, Any]:
-    choice = {"index": 0, "delta": delta, "finish_reason": reason, "logprobs": None}
+def chat_chunk(
+    rid: str, model: str, delta: dict[str, Any], reason: str | None = None, logprobs: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    choice = {"index": 0, "delta": delta, "finish_reason": reason, "logprobs": logprobs}
     return _body(rid, model, "chat.completion.chunk", [choice])
 
 
-def completion_response(rid: str, model: str, texts: list[tuple[str, str]], usage: Usage) -> dict[str, Any]:
-    choices = [{"index": i, "text": t, "finish_reason": r, "logprobs": None} for i, (t, r) in enumerate(texts)]
+def completion_response(rid: str, model: str, texts: list[Choice], usage: Usage) -> dict[str, Any]:
+    choices = [{"index": i, "text": t, "finish_reason": r, "logprobs": lp} for i, (t, r, lp) in enumerate(texts)]
     return _body(rid, model, "text_completion", choices, usage)
 
 
-def completion_chunk(rid: str, model: str, text: str, reason: str | None = None) -> dict[str, Any]:
-    return _body(rid, model, "text_completion", [{"index": 0, "text": text, "finish_reason": reason, "logprobs": None}])
+def completion_chunk(
+    rid: str, model: str, text: str, reason: str | None = None, logprobs: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    choice = {"index": 0, "text": text, "finish_reason": reason, "logprobs": logprobs}
+    return _body(rid, model, "text_completion", [choice])
 
 
 def usage_chunk(rid: str, model: str, obj: str, usage: Usage) -> dict[str, Any]:

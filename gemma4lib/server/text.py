@@ -57,14 +57,22 @@ class Codec:
         fast = getattr(self._decoder, "backend_tokenizer", None)
         self._fast = fast if fast is not None and not getattr(tokenizer, "clean_up_tokenization_spaces", True) else None
 
-    def chat(self, messages: list[dict[str, Any]]) -> list[int]:
-        """Messages through the model's own chat template, ending with the model's turn."""
+    def chat(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None, thinking=False, opening=""
+    ) -> list[int]:
+        """Messages (and the `tools` declared to the model, `thinking` switched on) through the model's
+        own chat template, ending with the model's turn, then `opening`: the server's own start of the
+        reply (a forced tool call's marker)."""
         if not messages:
             raise BadPromptError("messages is empty; send at least one {'role': 'user', 'content': ...} message")
-        hidden = [{**m, "content": self._hide(m["content"])} for m in messages]  # unless trusted
-        with self._lock:
-            text = self.tokenizer.apply_chat_template(hidden, add_generation_prompt=True, tokenize=False)
-        return self._encode(text)
+        extra: dict[str, Any] = {"enable_thinking": True} if thinking else {}
+        if tools:
+            extra["tools"] = self._hide(tools)
+        with self._lock:  # every string a client sent is hidden (unless trusted): tools, calls, names too
+            text = self.tokenizer.apply_chat_template(
+                self._hide(messages), add_generation_prompt=True, tokenize=False, **extra
+            )
+        return self._encode(text + opening)
 
     def _hide(self, content: Any) -> Any:
         """Content with every special string (and the placeholder character) as a placeholder."""
@@ -72,7 +80,15 @@ class Codec:
             return content
         if isinstance(content, str):
             return self._special_re.sub(lambda m: f"{PLACEHOLDER}{self._specials[m.group()]};", content)
-        return [{**p, "text": self._hide(p["text"])} if "text" in p else p for p in content]
+        if isinstance(content, dict):
+            return {k: self._hide(v) for k, v in content.items()}
+        return [self._hide(v) for v in content] if isinstance(content, list) else content
+
+    @property
+    def specials(self) -> re.Pattern[str]:
+        """The tokenizer's special strings: what a reply decoded with them (`decode(raw=True)`) drops
+        once its thought and calls are parsed out."""
+        return self._marker_re
 
     def _encode(self, text: str) -> list[int]:
         """`text` as ids: its special strings are control tokens, the placeholders' are text."""
@@ -113,18 +129,20 @@ class Codec:
         with self._lock:
             return list(self.tokenizer(prompt)["input_ids"])
 
-    def decode(self, ids: Sequence[int]) -> str:
+    def decode(self, ids: Sequence[int], raw: bool = False) -> str:
+        """The text of `ids`; `raw`: with the special tokens (a reply to parse for its thought and calls)."""
         with self._decode_lock:
             if self._fast is not None:
-                return self._fast.decode(list(ids), skip_special_tokens=True)
-            return self._decoder.decode(list(ids), skip_special_tokens=True)
+                return self._fast.decode(list(ids), skip_special_tokens=not raw)
+            return self._decoder.decode(list(ids), skip_special_tokens=not raw)
 
 
 class TextStream:
-    """One response's text as its tokens arrive; `stopped` once a stop string has appeared."""
+    """One response's text as its tokens arrive; `stopped` once a stop string has appeared. `raw`
+    keeps the special tokens in the text (`reply.parse` takes them out)."""
 
-    def __init__(self, codec: Codec, stop: Sequence[str] = ()):
-        self.codec = codec
+    def __init__(self, codec: Codec, stop: Sequence[str] = (), raw: bool = False):
+        self.codec, self.raw = codec, raw
         self.stop = tuple(s for s in stop if s)
         self.ids: list[int] = []
         self.sent = 0  # characters of the decoded text already handed out
@@ -156,8 +174,8 @@ class TextStream:
     def _advance(self, final: bool) -> None:
         """Add the new tokens' text to `self.text`, unless it ends in half a UTF-8 character (then the
         next token completes it), or `final` (then the replacement character is the text)."""
-        before = self.codec.decode(self.ids[self._prefix : self._read])
-        after = self.codec.decode(self.ids[self._prefix :])
+        before = self.codec.decode(self.ids[self._prefix : self._read], self.raw)
+        after = self.codec.decode(self.ids[self._prefix :], self.raw)
         if len(after) > len(before) and (final or not after.endswith("\ufffd")):
             self.text += after[len(before) :]
             self._prefix, self._read = self._read, len(self.ids)

@@ -138,7 +138,7 @@ demos["expert_forms"]
 
 # %%
 from gemma4lib.inf2.memory_plan import DEFAULT_CONTEXT
-from gemma4lib.inf2.roofline import compare
+from gemma4lab.inf2.roofline import compare
 
 real, v = s.variant_spec.real_config, s.variant_spec
 sizes = nb.device_bytes(v)

@@ -12,9 +12,11 @@ from typing import Any
 
 from torch import nn
 
-from ..device.kv_layout import KVLayout
-from .hardware import INSTANCES
-from .params import count_params, meta_model
+from gemma4lib.device.kv_layout import KVLayout
+from gemma4lib.inf2.hardware import BF16_FLOPS_PER_CORE, INSTANCES
+from gemma4lib.inf2.params import count_params, meta_model
+from gemma4lib.models.variants import get_variant
+
 from .roofline import decode_bytes
 
 
@@ -77,9 +79,6 @@ def prefill_estimate(
     """`PrefillEstimate` of `variant` (name or `Variant`; released config on the meta device) at its
     recipe's TP degree and instance unless given. Basis: `hardware.BF16_FLOPS_PER_CORE` (AWS's 190
     TFLOPS per chip over its 2 cores) and `Inf2Instance.bandwidth_bytes_s(tp)`; unverified on inf2."""
-    from ..models.variants import get_variant
-    from .hardware import BF16_FLOPS_PER_CORE
-
     v = get_variant(variant) if isinstance(variant, str) else variant
     tp = int(tp or v.tp_degree)
     inst = INSTANCES[instance or v.instance_type]

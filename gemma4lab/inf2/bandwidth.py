@@ -1,4 +1,5 @@
-"""This machine's memory bandwidth, measured: the CPU ceiling of the roofline (`roofline.compare`)."""
+"""This machine's memory bandwidth, measured: the CPU ceiling the benchmarks and notebooks hand the roofline
+(`gemma4lab.inf2.roofline.compare(..., device="cpu", bandwidth_bytes_s=...)`)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from typing import Any
 
 import torch
 
-from .hardware import GB
+from gemma4lib.inf2.hardware import GB
 
 
 def measure_bandwidth(size_mb: int = 512, repeats: int = 7, threads: int | None = 1) -> dict[str, Any]:

@@ -19,8 +19,19 @@ from typing import Any
 
 from torch import nn
 
-from .hardware import GB, INSTANCES
-from .vision_plan import IMAGE_MARKERS, SOURCE, VisionSpec, vision_modules, vision_spec
+from gemma4lib.inf2.hardware import BF16_FLOPS_PER_CORE, GB, INSTANCES
+from gemma4lib.inf2.vision_plan import (
+    IMAGE_MARKERS,
+    REPORTED,
+    SOURCE,
+    VisionSpec,
+    vision_modules,
+    vision_plan,
+    vision_spec,
+)
+from gemma4lib.models.variants import VARIANTS, get_variant
+
+from .prefill import prefill_estimate
 
 
 def _linear_weights(module: nn.Module | None) -> int:
@@ -119,11 +130,6 @@ def image_prefill_estimate(
 ) -> ImagePrefillEstimate:
     """`ImagePrefillEstimate` of one image at the processor's budget in a prompt of `text_tokens`
     other tokens, at the variant's recipe TP and instance (`prefill.prefill_estimate` for the decoder)."""
-    from ..models.variants import get_variant
-    from .hardware import BF16_FLOPS_PER_CORE
-    from .prefill import prefill_estimate
-    from .vision_plan import vision_plan
-
     v = get_variant(variant) if isinstance(variant, str) else variant
     spec = vision_spec(v, source)
     inst = INSTANCES[v.instance_type]
@@ -152,9 +158,6 @@ def image_prefill_estimate(
 
 def image_prefill_table(text_tokens: int = 32, source: str = "defaults") -> list[dict[str, Any]]:
     """`image_prefill_estimate` of every variant (with `source="reported"`: those a report exists for)."""
-    from ..models.variants import VARIANTS
-    from .vision_plan import REPORTED
-
     names = [n for n in VARIANTS if source == "defaults" or n in REPORTED]
     return [image_prefill_estimate(n, text_tokens, source=source).to_dict() for n in names]
 

@@ -19,7 +19,7 @@ Bytes per step are computed from shapes, never measured:
   byte per weight plus one fp32 scale per output channel; the tied LM head, norms, router and PLE
   projections stay at `dtype_bytes`. The K/V stays at `dtype_bytes` too.
 
-Ceilings: on CPU from this machine's measured single-thread bandwidth (`bandwidth.measure_bandwidth`);
+Ceilings: on CPU from the bandwidth the caller measured (the lab's `gemma4lab.inf2.bandwidth`);
 on inf2 from HBM bandwidth (`hardware.INSTANCES`). Parameter counts are `params`, one prefill pass
 on inf2 (computed FLOPs) is `prefill`. `compare()` is what the notebooks' benchmark cells
 call; `plots.measured_vs_ceiling()` draws its rows.
@@ -30,11 +30,10 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from ..device.kv_layout import KVLayout
-from ..errors import UnknownNameError
-from .bandwidth import measure_bandwidth
-from .hardware import GB, GIB, INSTANCES, Inf2Instance  # noqa: F401  (re-exported for callers)
-from .params import count_params, meta_model
+from gemma4lib.device.kv_layout import KVLayout
+from gemma4lib.errors import SettingsError, UnknownNameError
+from gemma4lib.inf2.hardware import GB, GIB, INSTANCES, Inf2Instance  # noqa: F401  (re-exported for callers)
+from gemma4lib.inf2.params import count_params, meta_model
 
 # ---- bytes per decode step ----------------------------------------------------------------------
 
@@ -111,9 +110,6 @@ def ceiling_tok_s(bytes_per_step: float, bandwidth_bytes_s: float) -> float:
     return bandwidth_bytes_s / bytes_per_step
 
 
-# ---- this machine's bandwidth ------------------------------------------------------------------
-
-
 # ---- measured vs ceiling (notebooks) -------------------------------------------------------------
 def compare(
     measured_tok_s: float,
@@ -130,7 +126,7 @@ def compare(
 ) -> dict[str, Any]:
     """Measured decode tok/s next to its roofline ceiling.
 
-    `device`: "cpu" (pass `bandwidth_bytes_s`, or this machine's is measured now) or an inf2
+    `device`: "cpu" (with `bandwidth_bytes_s`, this machine's as measured) or an inf2
     instance name (HBM bandwidth of `cores` NeuronCores, all when None). `expert_split`: the TP
     plan's MoE split on those cores (default: the plan's default).
     """
@@ -146,7 +142,10 @@ def compare(
     )
     if device == "cpu":
         if bandwidth_bytes_s is None:
-            bandwidth_bytes_s = measure_bandwidth()["bandwidth_bytes_s"]
+            raise SettingsError(
+                "compare(device='cpu') needs bandwidth_bytes_s: measure it with "
+                "gemma4lab.inf2.bandwidth.measure_bandwidth()['bandwidth_bytes_s']"
+            )
     else:
         if device not in INSTANCES:
             raise UnknownNameError("device", device, ["cpu", *sorted(INSTANCES)])
