@@ -155,7 +155,7 @@ def test_model_builder_modules_take_chunks_at_their_offsets():
     from gemma4lib.backends.engine import engine_over
     from gemma4lib.recipes import neuron_model_builder as mb
     from gemma4lib.recipes.common import AliasEmulator
-    from gemma4lib.tp import make_plan
+    from gemma4lib.tp.plan import make_plan
     from gemma4lib.tp.rank_graph import CpuParallelFactory
 
     model = load_model(PortSettings(variant="e2b", model="random"))
