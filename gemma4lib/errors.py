@@ -29,25 +29,18 @@ class PromptTooLongError(Gemma4LibError, ValueError):
         prompt_tokens: int,
         max_new_tokens: int,
         context_length: int,
-        limit: str = "compiled context length",
         draft_tokens: int = 0,
         image_tokens: int = 0,
     ):
-        if limit.startswith("compiled context"):
-            drafts = f" + {draft_tokens} draft slots a verify writes ahead" if draft_tokens else ""
-            of_images = f", {image_tokens} of them image soft tokens," if image_tokens else ""
-            fewer = " (or send fewer images)" if image_tokens else ""
-            message = (
-                f"prompt ({prompt_tokens} tokens{of_images}) + max_new_tokens ({max_new_tokens}){drafts} need "
-                f"{prompt_tokens + max_new_tokens - 1 + draft_tokens} K/V positions (the last new token is never fed "
-                f"back), more than the {limit} {context_length}; "
-                f"shorten the prompt{fewer}, lower max_new_tokens, or recompile with a larger context_length"
-            )
-        else:  # a prefill bucket: only the prompt has to fit
-            message = (
-                f"prompt ({prompt_tokens} tokens) is longer than the {limit} {context_length}; shorten the "
-                f"prompt or recompile with a larger prefill bucket (prefill_buckets)"
-            )
+        drafts = f" + {draft_tokens} draft slots a verify writes ahead" if draft_tokens else ""
+        of_images = f", {image_tokens} of them image soft tokens," if image_tokens else ""
+        fewer = " (or send fewer images)" if image_tokens else ""
+        message = (
+            f"prompt ({prompt_tokens} tokens{of_images}) + max_new_tokens ({max_new_tokens}){drafts} need "
+            f"{prompt_tokens + max_new_tokens - 1 + draft_tokens} K/V positions (the last new token is never fed "
+            f"back), more than the compiled context length {context_length}; "
+            f"shorten the prompt{fewer}, lower max_new_tokens, or recompile with a larger context_length"
+        )
         super().__init__(message)
         self.prompt_tokens, self.max_new_tokens, self.context_length = (prompt_tokens, max_new_tokens, context_length)
 

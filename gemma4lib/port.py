@@ -259,6 +259,7 @@ def row_records(
                 ),
                 "coherent": report.coherent,
                 "accepted_per_step": result.accepted_per_step,
+                "prefill_chunks": result.chunks,
             }
         )
     return out
@@ -370,7 +371,7 @@ def record_run(
     every row's does, and `rows` has each."""
     judged = judge_rows(model, settings, rows, eos, device_run)
     report, reference = judged[0]
-    extra: dict[str, Any] = {}
+    extra: dict[str, Any] = {"prefill_chunks": device_run.rows[0].chunks}  # past the largest bucket: > 1
     if len(rows) > 1 or settings.batch_size > 1:
         records = row_records(rows, judged, device_run)
         extra = {

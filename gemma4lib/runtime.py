@@ -235,6 +235,8 @@ class RowResult:
     accepted: list[int] = field(default_factory=list)  # drafts accepted at each verify step
     emitted: list[int] = field(default_factory=list)  # tokens kept at each verify step
     drafted: list[int] = field(default_factory=list)  # drafts proposed at each verify step
+    chunks: int = 1  # prefill calls the prompt took (`Engine.chunks`: longer than the largest bucket, more)
+    reused: int = 0  # prompt tokens whose K/V the row already held (prefix reuse: `Engine.reusable`)
 
     @property
     def decode_tok_s(self) -> float | None:
@@ -281,6 +283,8 @@ class _Row:
     keep_logits: bool
     bucket: int
     prefill_s: float = 0.0
+    chunks: int = 1  # prefill calls the prompt took (`Engine.chunks`)
+    reused: int = 0  # prompt tokens not prefilled: their K/V were the row's already (`Engine.reusable`)
     tokens: list[int] = field(default_factory=list)
     position: int = 0  # where the row's last token is fed (its next K/V write)
     hidden: torch.Tensor | None = None  # the target's hidden state of the last token (assistant drafting)
@@ -311,6 +315,12 @@ def _by_row(out: tuple[torch.Tensor, ...], rows: Mapping[int, Any]) -> dict[int,
     return {row: (logits[row], None if hidden is None else hidden[row]) for row in rows}
 
 
+def _chunk(parts: Sequence[torch.Tensor], offset: int, n: int, bucket: int) -> list[torch.Tensor]:
+    """Positions `offset .. offset + n - 1` of a prompt's inputs `[1, tokens, ...]`, zero-padded to `bucket`."""
+    pieces = [part[:, offset : offset + n] for part in parts]
+    return [torch.cat([p, p.new_zeros(1, bucket - n, *p.shape[2:])], 1) for p in pieces]
+
+
 def _outputs(out: Any, n: int) -> tuple[torch.Tensor, ...]:
     """The first `n` outputs of a step (a tensor, or a tuple/list led by them), on the host."""
     parts = tuple(out) if isinstance(out, (tuple, list)) else (out,)
@@ -323,6 +333,17 @@ def room_for_new_tokens(prompt_tokens: int, context_length: int, draft_tokens: i
     past the last kept token (`len(prompt) + max_new_tokens - 1 + k` positions fit the context). The
     one statement of the fit: `Engine.check` refuses past it, a server's default budget is it."""
     return context_length - prompt_tokens + 1 - draft_tokens
+
+
+@dataclass(frozen=True)
+class _Kept:
+    """What a free row's K/V still hold after its request: the K/V of `tokens` at positions 0.., the
+    furthest position ever written (`reach`: a verify writes drafts past what it keeps) and when it
+    was released (`order`, for the LRU)."""
+
+    tokens: tuple[int, ...]
+    reach: int
+    order: int
 
 
 class Engine:
@@ -351,6 +372,8 @@ class Engine:
         self.context_length, self.vocab_size, self.cap, self.dtype = int(context_length), int(vocab_size), cap, dtype
         self.draft_tokens, self.drafter = int(draft_tokens) if drafter is not None else 0, drafter
         self.rows: dict[int, _Row] = {}
+        self.kept: dict[int, _Kept] = {}  # free rows' K/V a request may reuse (`reusable`)
+        self.released = 0
         self.pad_id = int(pad_id)
         # the prefill graphs take each token's image (`DeviceGraph.image_blocks`): `prefill_inputs`
         self.image_blocks = bool(image_blocks)
@@ -373,13 +396,38 @@ class Engine:
         return list(self.steps.prefill)
 
     def bucket_for(self, n_tokens: int) -> int:
-        """The smallest compiled prefill length that holds `n_tokens` (token by token: no limit)."""
+        """The smallest compiled prefill length that holds `n_tokens`, else the largest (the prompt
+        runs in chunks of it, `chunks`); token by token (no prefill graphs): 1."""
         if not self.steps.prefill:
             return 1
-        for bucket in self.steps.prefill:
-            if n_tokens <= bucket:
-                return bucket
-        raise PromptTooLongError(n_tokens, 0, max(self.steps.prefill), limit="largest prefill bucket")
+        return next((b for b in self.steps.prefill if n_tokens <= b), max(self.steps.prefill))
+
+    def chunks(self, request: Request, start: int = 0) -> list[tuple[int, int]]:
+        """(offset, length) of each prefill call of `request`'s prompt from position `start` on: chunks
+        of the largest bucket, each written at its offset and attending over the K/V before it (the
+        graphs take each row's `start`). Where the prefill graphs take image blocks an image's tokens
+        see each other, so a chunk ends before an image it would cut; an image longer than the largest
+        bucket is refused."""
+        n, size = len(request.prompt_ids), max(self.steps.prefill or [len(request.prompt_ids)])
+        spans = []
+        if self.image_blocks and request.images is not None:
+            at = 0
+            for count in request.images.counts:
+                spans.append((request.images.positions[at], request.images.positions[at + int(count) - 1]))
+                at += int(count)
+        out, offset = [], int(start)
+        while offset < n:
+            end = min(offset + size, n)
+            end = min([end, *(first for first, last in spans if first < end <= last and first > offset)])
+            for first, last in spans:
+                if first <= offset and end <= last:  # an image that no chunk holds whole
+                    raise BadPromptError(
+                        f"an image of {last - first + 1} soft tokens is longer than the largest prefill bucket "
+                        f"{size}; send a smaller image or recompile with a prefill bucket that holds it"
+                    )
+            out.append((offset, end - offset))
+            offset = end
+        return out
 
     def check(self, request: Request) -> int:
         """Raise before any device work when `request` cannot run on these graphs (the fit is
@@ -504,10 +552,13 @@ class Engine:
         return parts
 
     @torch.no_grad()
-    def admit(self, requests: Mapping[int, Request], *, keep_logits: bool = False) -> dict[int, list[int]]:
-        """Prefill `requests` into their (free) rows in one call; the other rows are untouched.
-        Returns each admitted row's first token."""
-        buckets = {}
+    def admit(
+        self, requests: Mapping[int, Request], *, keep_logits: bool = False, reuse: bool = False
+    ) -> dict[int, list[int]]:
+        """Prefill `requests` into their (free) rows, each prompt in its chunks (`chunks`); the other
+        rows are untouched. `reuse`: a prompt prefills only what its row's kept K/V do not hold
+        (`reusable`; a server's next turn). Returns each admitted row's first token."""
+        buckets, plans = {}, {}
         for row, request in requests.items():
             if not 0 <= row < self.batch or row in self.rows:
                 raise BatchTooLargeError(
@@ -515,22 +566,20 @@ class Engine:
                     f"admit into a free row, or release one first"
                 )
             buckets[row] = self.check(request)
+            plans[row] = self.chunks(request, self.reusable(row, request) if reuse and self.steps.prefill else 0)
+        for row in requests:
+            self.kept.pop(row, None)  # overwritten from here on
         if not requests:
             return {}
-        bucket = max(buckets.values())
         lengths = [0] * self.batch
         for row, request in requests.items():
             lengths[row] = len(request.prompt_ids)
         by_row = self.joins_by_row(len(requests))  # only where one-row prefill graphs were compiled
         started = time.perf_counter()
         if by_row:
-            out = {row: self._row_prefill(row, request, buckets[row]) for row, request in requests.items()}
+            out = {row: self._row_prefill(row, request, plans[row]) for row, request in requests.items()}
         elif self.steps.prefill:
-            inputs = self._zero_inputs(bucket, prefill=True)
-            for row, request in requests.items():
-                for slot, part in zip(inputs, self.prefill_inputs(request, pad_to=bucket), strict=True):
-                    slot[row] = part[0]
-            out = _by_row(self._call(self.steps.prefill[bucket], inputs, [0] * self.batch, lengths), requests)
+            out = self._batch_prefill(requests, plans)
         else:
             out = _by_row(self._stepwise_prefill(requests, lengths), requests)
         elapsed = time.perf_counter() - started
@@ -539,7 +588,8 @@ class Engine:
             sampling = request.sampling
             generator = None if sampling.greedy else torch.Generator().manual_seed(int(sampling.seed))
             eos = frozenset(int(t) for t in request.eos_token_ids)
-            state = _Row(request, eos, generator, keep_logits, buckets[row] if by_row else bucket)
+            bucket = buckets[row] if by_row else max(buckets.values())
+            state = _Row(request, eos, generator, keep_logits, bucket, chunks=len(plans[row]), reused=plans[row][0][0])
             state.prefill_s, state.position = elapsed, len(request.prompt_ids)
             logits, hidden = out[row]
             state.first_logits = logits.float().clone()
@@ -550,6 +600,33 @@ class Engine:
             first[row] = [] if token is None else self._emit(state, [token], [logits])
         return first
 
+    def reusable(self, row: int, request: Request) -> int:
+        """How many of `request`'s first tokens free row `row`'s kept K/V hold for a prefill from there
+        (0: none; at least one token is always prefilled, for its logits). A sliding layer's ring holds
+        only its last `slots` positions: a prefill at `start` claims each slot for the newest position
+        before `start`, so a slot written at or past `start` (the kept tokens after the shared prefix, a
+        verify's drafts) holds stale K/V. The rings have `window + k + 1` slots when drafting (k
+        drafts), `window` without, so a stale slot stays outside every window the target's prefill
+        and the draft read exactly when the row never wrote past `start + k`; otherwise no reuse."""
+        kept = self.kept.get(row)
+        if kept is None or request.images is not None:
+            return 0
+        ids, n = request.prompt_ids, 0
+        limit = min(len(kept.tokens), len(ids) - 1)
+        while n < limit and kept.tokens[n] == int(ids[n]):
+            n += 1
+        return n if n and kept.reach - n <= self.draft_tokens else 0
+
+    def row_for(self, request: Request, free: Sequence[int]) -> int:
+        """The free row to admit `request` into: the one whose kept K/V it reuses most, else a row that
+        keeps nothing, else the least recently released (an LRU over the kept rows)."""
+
+        def rank(row: int) -> tuple[int, bool, int]:
+            kept = self.kept.get(row)
+            return self.reusable(row, request), kept is None, -(kept.order if kept else 0)
+
+        return max(free, key=rank)
+
     def joins_by_row(self, joining: int) -> bool:
         """Whether `joining` requests are prefilled one row at a time (`Steps.row_prefill`, each in its
         own bucket) rather than in one batch-shaped call: when at most half the rows join. A
@@ -557,10 +634,32 @@ class Engine:
         row's about 1/B of it on a CPU (the tiny E2B at B=8, quiet machine: 1.2 ms a row, 7.3 ms the batch)."""
         return bool(self.steps.row_prefill) and joining <= max(1, self.batch // 2)
 
-    def _row_prefill(self, row: int, request: Request, bucket: int) -> RowOut:
-        """One request through its bucket's one-row graph, into row `row`'s K/V: (logits, hidden)."""
-        step = functools.partial(self.steps.row_prefill[bucket], row)
-        out = self._call(step, self.prefill_inputs(request, pad_to=bucket), [0], [len(request.prompt_ids)])
+    def _batch_prefill(self, requests: Mapping[int, Request], plans: Mapping[int, list[tuple[int, int]]]):
+        """Every admitted row's chunks through the batch-shaped prefill graphs: call i takes each row's
+        chunk i at its offset (rows with fewer chunks idle, length 0), in the bucket of the longest;
+        each row's (logits, hidden) come from its last chunk."""
+        whole = {row: self.prefill_inputs(request) for row, request in requests.items()}
+        out: dict[int, RowOut] = {}
+        for i in range(max(len(plan) for plan in plans.values())):
+            part = {row: plan[i] for row, plan in plans.items() if i < len(plan)}
+            bucket = self.bucket_for(max(n for _, n in part.values()))
+            inputs, start, length = self._zero_inputs(bucket, prefill=True), [0] * self.batch, [0] * self.batch
+            for row, (offset, n) in part.items():
+                for slot, piece in zip(inputs, _chunk(whole[row], offset, n, bucket), strict=True):
+                    slot[row] = piece[0]
+                start[row], length[row] = offset, n
+            got = _by_row(self._call(self.steps.prefill[bucket], inputs, start, length), part)
+            out.update({row: got[row] for row in part if i == len(plans[row]) - 1})
+        return out
+
+    def _row_prefill(self, row: int, request: Request, plan: list[tuple[int, int]]) -> RowOut:
+        """One request's chunks through the one-row graphs of their buckets, into row `row`'s K/V:
+        the last chunk's (logits, hidden)."""
+        whole = self.prefill_inputs(request)
+        for offset, n in plan:
+            bucket = self.bucket_for(n)
+            step = functools.partial(self.steps.row_prefill[bucket], row)
+            out = self._call(step, _chunk(whole, offset, n, bucket), [offset], [n])
         return _by_row(out, [0])[0]
 
     def _stepwise_prefill(self, requests: Mapping[int, Request], lengths: list[int]) -> tuple[torch.Tensor, ...]:
@@ -696,8 +795,13 @@ class Engine:
         return verdict.accepted, verdict.tokens
 
     def release(self, row: int) -> RowResult:
-        """Free `row` (finished, or ended early: a client gone, a stop string); its result."""
+        """Free `row` (finished, or ended early: a client gone, a stop string); its result. The row's
+        K/V stay, and a later request that starts with its tokens may reuse them (`reusable`)."""
         state = self.rows.pop(row)
+        if state.request.images is None and state.finish != "error":  # an image's ids are not its content
+            drafts = state.drafted[-1] - state.accepted[-1] if state.drafted else 0  # written past `position`
+            self.released += 1
+            self.kept[row] = _Kept(tuple(state.history[: state.position]), state.position - 1 + drafts, self.released)
         return RowResult(
             [int(t) for t in state.request.prompt_ids],
             state.tokens,
@@ -710,6 +814,8 @@ class Engine:
             state.accepted,
             state.emitted,
             state.drafted,
+            state.chunks,
+            state.reused,
         )
 
     # ---- whole generations --------------------------------------------------------------------------
@@ -800,6 +906,7 @@ class Engine:
     def time_steps(self, token: int, position: int, n: int) -> float:
         """Seconds of `n` decode steps of row 0 from `position` on, without a prefill (what the K/V
         hold does not change a step's time, so any position of a long context can be timed)."""
+        self.kept.pop(0, None)  # its K/V get written
         self.rows[0] = _Row(Request([token], n + 1), frozenset(), None, False, 1, tokens=[token], position=position)
         try:
             started = time.perf_counter()

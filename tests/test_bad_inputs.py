@@ -574,10 +574,10 @@ CASES = [
         "temperature must be 0 (greedy) or >= 1e-05, got -1.0",
     ),
     Case(
-        "prompt longer than the largest prefill bucket",
-        lambda c: runtime().generate(list(range(3, 23)), 2),
+        "prompt longer than the context",
+        lambda c: runtime().generate(list(range(3, 38)), 1),
         PromptTooLongError,
-        "shorten the prompt or recompile with a larger prefill bucket (prefill_buckets)",
+        "shorten the prompt, lower max_new_tokens, or recompile with a larger context_length",
     ),
     Case(
         "empty prompt",

@@ -284,7 +284,11 @@ PATHS = {
     "prompt lookup": dict(backend="eager", draft="prompt_lookup", draft_tokens=K),
 }
 BAD = {
-    "over-long prompt": (lambda n: Request(list(range(3, 3 + 40)), 4), PromptTooLongError, "largest prefill bucket"),
+    "prompt longer than the context": (
+        lambda n: Request(list(range(3, 3 + 70)), 1),
+        PromptTooLongError,
+        "prompt \\(70 tokens\\).*more than the compiled context length 64",
+    ),
     "prompt + new tokens over the context": (
         lambda n: Request(list(range(3, 17)), 64 - 14 + 2),  # 14 + 52 - 1 = 65 positions
         PromptTooLongError,

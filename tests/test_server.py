@@ -17,6 +17,7 @@ import subprocess
 import sys
 import threading
 import time
+import types
 from pathlib import Path
 
 import httpx
@@ -71,7 +72,10 @@ class FakeEngine:
     def free_rows(self) -> list[int]:
         return [r for r in range(self.batch) if r not in self.rows]
 
-    def admit(self, requests) -> dict[int, list[int]]:
+    def row_for(self, request, free) -> int:
+        return free[0]
+
+    def admit(self, requests, reuse=False) -> dict[int, list[int]]:
         self.caller.add(threading.current_thread().name)
         out = {}
         for row, request in requests.items():
@@ -118,7 +122,7 @@ class FakeEngine:
     def release(self, row: int):
         state = self.rows.pop(row)
         self.released.append((row, len(state["tokens"]), state["finish"]))
-        return state
+        return types.SimpleNamespace(**state, reused=0)
 
 
 @pytest.fixture(scope="module")

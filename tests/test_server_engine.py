@@ -35,10 +35,10 @@ class RecordingEngine:
     def __getattr__(self, name):
         return getattr(self.engine, name)
 
-    def admit(self, requests):
+    def admit(self, requests, reuse=False):
         with self.lock:
             self.trace.append(("admit", tuple(sorted(requests))))
-        return self.engine.admit(requests)
+        return self.engine.admit(requests, reuse=reuse)
 
     def step(self):
         out = self.engine.step()
@@ -429,3 +429,31 @@ def test_drafted_steps_stream_through_the_endpoint():
         chunks = c.chat.completions.create(model="e2b", messages=QUESTION, max_tokens=24, stream=True)
         streamed = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
     assert "Paris" in want and plain.choices[0].message.content == want == streamed
+
+
+def _reused_tokens(server) -> float:
+    import httpx
+
+    lines = httpx.get(server.url + "/metrics").text.splitlines()
+    return float(next(line.split()[-1] for line in lines if line.startswith("gemma4lib_reused_prompt_tokens_total")))
+
+
+def test_a_second_turn_reuses_the_first_turns_kv_and_answers_as_a_cold_request(server, loaded):
+    """The next turn of a conversation goes to the row that served the first: its prompt's first
+    tokens (the first turn's prompt and reply) are not prefilled again (the metric counts them), and
+    its reply equals the one the same prompt gets on a cold row."""
+    c = client(server)
+    first = c.chat.completions.create(model="e2b", messages=QUESTION, max_tokens=24).choices[0].message.content
+    turn = [*QUESTION, {"role": "assistant", "content": first}, {"role": "user", "content": "And of Italy?"}]
+    before = _reused_tokens(server)
+    warm = c.chat.completions.create(model="e2b", messages=turn, max_tokens=24)
+    reused = _reused_tokens(server) - before
+    ids = loaded.tokenizer.apply_chat_template(turn, add_generation_prompt=True, tokenize=True, return_dict=False)
+    first_prompt = loaded.tokenizer.apply_chat_template(
+        QUESTION, add_generation_prompt=True, tokenize=True, return_dict=False
+    )
+    assert len(first_prompt) <= reused < len(ids)
+    with server.served.scheduler.paused() as engine:  # the engine alone; `generate` never reuses
+        cold = engine.generate(list(ids), 24, eos_token_ids=loaded.eos_ids)
+    assert cold.reused == 0
+    assert warm.choices[0].message.content == loaded.tokenizer.decode(cold.tokens, skip_special_tokens=True)

@@ -108,6 +108,25 @@ def test_ring_buffers_on_xla(xla_lane):
     assert xla_lane.passed(result), result
 
 
+@pytest.mark.parametrize("chunks", [3, 8])
+def test_a_prompt_of_several_buckets_is_prefilled_in_chunks_on_xla(xla_lane, chunks):
+    """A prompt of 3x and 8x the one bucket, ring K/V (window 8 < the bucket 16): the one prefill graph
+    runs once per chunk at its offset, compiled once; HF's greedy tokens and logits, 0 fallbacks. (A
+    context of its own: a graph another test compiled is XLA's cache hit, no compilation to count.)"""
+    bucket = 16
+    result = xla_lane.run_variant(
+        "e2b",
+        decode_steps=8,
+        prompt_tokens=chunks * bucket,
+        bucket=bucket,
+        context_length=chunks * bucket + 12,
+        ring=True,
+    )
+    assert xla_lane.passed(result) and result["logits_match"] and len(set(result["reference"])) > 2, result
+    assert result["prefill_chunks"] == chunks and result["xla_steps"][f"prefill{bucket}"] == chunks
+    assert result["xla_compilations"] == {f"prefill{bucket}": 1, "decode": 1}
+
+
 def test_shape_leak_is_caught_by_the_compile_count(xla_lane):
     """A Python-int position baked into the trace: a new graph and a compilation for every token."""
     steps = 3

@@ -186,6 +186,8 @@ def forced_logits(engine: Engine, prompt: list[int], tokens: list[int]) -> torch
     prefill and decode steps called on given inputs, not a generation."""
     n, steps = len(prompt), engine.steps
     bucket = engine.bucket_for(n)
+    if n > bucket:  # one prefill call here, not the engine's chunks
+        raise ValueError(f"prompt of {n} tokens is longer than the largest prefill bucket {bucket}; use a shorter one")
     inputs = engine.embed(torch.tensor([prompt]), pad_to=bucket)
     out = [steps.prefill[bucket](*inputs, index_tensor([0]), index_tensor([n]))[0]]
     for j, token in enumerate(tokens[:-1]):

@@ -21,10 +21,9 @@ logger = logging.getLogger(__name__)
 
 
 def prompt_limit(runtime: Engine) -> int:
-    """The longest prompt (in tokens, chat template included) the compiled graphs take: it must fit the
-    largest prefill bucket, and leave the K/V room for one new token (and a verify's drafts)."""
-    room = runtime.context_length - runtime.draft_tokens
-    return min(max(runtime.buckets), room) if runtime.buckets else room
+    """The longest prompt (in tokens, chat template included) the compiled graphs take: it must leave
+    the K/V room for one new token (and a verify's drafts); longer than a prefill bucket, it runs in chunks."""
+    return runtime.context_length - runtime.draft_tokens
 
 
 def too_long_line(n_tokens: int, limit: int) -> str:

@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from gemma4lib.checks import check_logits
 from gemma4lib.device.build import device_graphs
 from gemma4lib.device.graph import DeviceGraph
 from gemma4lib.models.loading import build_tiny
@@ -99,7 +100,8 @@ def run_variant(
         )
     steps, session = session_steps(graphs, hlo_dir)
     engine = engine_over(model, steps, graphs)
-    row = engine.generate(ids, settings.max_new_tokens)
+    row = engine.generate(ids, settings.max_new_tokens, keep_logits=True)
+    logits = check_logits(model.lm, ids, row.tokens, row.step_logits)
     t_end = time.perf_counter()
 
     report = session.report()
@@ -115,6 +117,8 @@ def run_variant(
         "decode_experts": decode_experts if v.is_moe else None,
         "decode_steps": decode_steps,
         "seq_match": row.tokens == reference,
+        "logits_match": logits.passed,
+        "prefill_chunks": row.chunks,
         "tokens": row.tokens,
         "reference": reference,
         **report,

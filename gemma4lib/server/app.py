@@ -60,8 +60,9 @@ class Served:
         self.names = [model_name, *[a for a in aliases if a and a != model_name]]
         self.eos_ids = tuple(int(i) for i in eos_ids)
         self.context_length = int(scheduler.engine.context_length)
-        self.max_prompt = max(getattr(scheduler.engine, "buckets", None) or [self.context_length])
         self.draft_tokens = int(getattr(scheduler.engine, "draft_tokens", 0) or 0)
+        # a prompt longer than the largest prefill bucket runs in chunks: the context is its limit
+        self.max_prompt = self.context_length - self.draft_tokens
         self.pool = ThreadPoolExecutor(2, thread_name_prefix="gemma4lib-encode")  # the bound on encoding work
         self.grammars: Grammars | None = None  # structured output's engine, built at its first request
 
@@ -74,7 +75,7 @@ class Served:
             raise RequestError(f"{field} is not implemented by this server; leave it out (or at its default)", field)
         chars, longest = sum(len(t) for t in texts), self.scheduler.codec.longest_token
         if chars > self.max_prompt * longest:  # a token is at most `longest` characters: it can never fit
-            message = f"{chars:,} characters, more than the largest prefill bucket {self.max_prompt} tokens can hold"
+            message = f"{chars:,} characters, more than the {self.max_prompt} tokens of the context can hold"
             raise RequestError(f"{param} has {message} ({longest} characters a token at most); shorten it", param)
         return chars
 

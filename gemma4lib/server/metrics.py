@@ -32,6 +32,9 @@ class ServerMetrics:
         self.rows = Gauge("gemma4lib_rows", "compiled batch rows", registry=r)
         self.rows.set(rows)
         self.tokens = Counter("gemma4lib_generated_tokens", "tokens generated", registry=r)
+        self.reused_tokens = Counter(
+            "gemma4lib_reused_prompt_tokens", "prompt tokens not prefilled: a free row's kept K/V held them", registry=r
+        )
         self.requests = Counter(
             "gemma4lib_requests", "requests finished, by finish reason", ["finish_reason"], registry=r
         )

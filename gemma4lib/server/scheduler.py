@@ -4,11 +4,13 @@ Between two decode steps the scheduler frees the rows whose requests ended (eos,
 stop string, a client gone), prefills waiting requests into the free rows (`engine.admit`: the
 other rows keep their state), then runs one `engine.step()` over every live row and hands each row's
 new text to its request. The engine is the one generation loop; this only chooses which requests it
-runs. The engine is not thread-safe, so only this thread calls it (torch releases the GIL while a
-graph runs, so the HTTP side stays responsive); requests reach it through a bounded queue and their
-events go back to the asyncio loop that waits for them: all of one step's events in one wake-up of
-that loop (`Outbox`), not one per row and token, so the HTTP thread spends less of the GIL on being
-woken while the engine waits to get it back.
+runs, and where: a request goes to the free row whose kept K/V hold the longest start of its prompt
+(its conversation's previous turn, `Engine.row_for`) and prefills only the rest. The engine is not
+thread-safe, so only this thread calls it (torch releases the GIL while a graph runs, so the HTTP
+side stays responsive); requests reach it through a bounded queue and their events go back to the
+asyncio loop that waits for them: all of one step's events in one wake-up of that loop (`Outbox`),
+not one per row and token, so the HTTP thread spends less of the GIL on being woken while the
+engine waits to get it back.
 """
 
 from __future__ import annotations
@@ -39,7 +41,8 @@ class EngineLike(Protocol):
 
     def check(self, request: Any) -> Any: ...
     def free_rows(self) -> list[int]: ...
-    def admit(self, requests: dict[int, Any]) -> dict[int, list[int]]: ...
+    def row_for(self, request: Any, free: list[int]) -> int: ...
+    def admit(self, requests: dict[int, Any], *, reuse: bool = False) -> dict[int, list[int]]: ...
     def step(self) -> dict[int, list[int]]: ...
     def finished(self, row: int) -> str | None: ...
     def fault(self, row: int) -> BaseException | None: ...
@@ -304,14 +307,16 @@ class Scheduler:
                 if job.cancelled:
                     self._waiting.appendleft(job)  # reaped on the next pass
                     break
-                batch[free.pop(0)] = job
+                row = self.engine.row_for(job.request, free)  # the row whose kept K/V it reuses most, else LRU
+                free.remove(row)
+                batch[row] = job
         if not batch:
             return
         for row, job in batch.items():
             job.row = row
             self._live[row] = job
         try:
-            first = self.engine.admit({row: job.request for row, job in batch.items()})
+            first = self.engine.admit({row: job.request for row, job in batch.items()}, reuse=True)
         except Exception as exc:  # a real fault: the log has the cause, the clients a 500-shaped error
             log.exception("engine.admit failed for rows %s", sorted(batch))
             for row in batch:
@@ -369,7 +374,7 @@ class Scheduler:
     def _end(self, row: int, reason: str, text: str = "", tokens: int = 0) -> None:
         job = self._live.pop(row)
         try:
-            self.engine.release(row)
+            self.metrics.reused_tokens.inc(self.engine.release(row).reused)
         except Exception:
             log.exception("engine.release(%d) failed", row)
         self._finish(job, reason, text + job.text.finish(), tokens)

@@ -227,7 +227,7 @@ def usage_chunk(rid: str, model: str, obj: str, usage: Usage) -> dict[str, Any]:
 
 def models_list(names: list[str], context_length: int, max_prompt: int) -> dict[str, Any]:
     """Each name with the lengths a request can use: prompt + new tokens within `max_model_len`, the
-    prompt alone within `max_prompt_tokens` (the largest prefill bucket)."""
+    prompt alone within `max_prompt_tokens` (the context less a verify's drafts)."""
     lengths = {"max_model_len": context_length, "max_prompt_tokens": max_prompt}
     data = [{"id": name, "object": "model", "created": now(), "owned_by": "gemma4lib", **lengths} for name in names]
     return {"object": "list", "data": data}
