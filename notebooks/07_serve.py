@@ -230,13 +230,14 @@ print(f"the same text: {streamed == answer}; it says {expect!r}: {expect in answ
 # is checked before any work and named in the 400 (OpenAI's shape, `param` the field to fix): a body
 # over `--max-body-mb` gets 413 before it is parsed; too many messages, more stop strings than
 # OpenAI's four or an over-long one, too many image parts (any, on a server without `--vision`, before
-# one is decoded), text longer than the largest prefill bucket could ever hold, more completions
+# one is decoded), a prompt longer than the context (a longer one than the largest prefill bucket runs
+# in chunks of it), more completions
 # prompts than the queue holds (a 400: a 429 would be retried forever), a lone surrogate character, and a
 # `temperature` above zero but too small for the sampler to compute. A field the server does not
-# implement (`logprobs`, `tools`, `response_format`, `logit_bias`, `echo`, the penalties, ...) is
-# refused by name, never accepted in silence with a reply the client did not ask for.
-# `GET /v1/models` gives the two lengths a request can really use: `max_prompt_tokens` (the largest
-# prefill bucket) and `max_model_len` (prompt plus new tokens). Tokenizing and image decoding run on a
+# implement (`logit_bias`, `suffix`, the penalties, ...) is refused by name, never accepted in silence
+# with a reply the client did not ask for.
+# `GET /v1/models` gives the two lengths a request can really use: `max_prompt_tokens` (the context,
+# less the draft tokens a drafting server keeps free) and `max_model_len` (prompt plus new tokens). Tokenizing and image decoding run on a
 # small worker pool, so one large request never stalls another client's stream, and a fault in one
 # row's sampler fails that request alone while the other rows go on with unchanged tokens.
 #

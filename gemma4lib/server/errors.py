@@ -110,7 +110,7 @@ def http_error(exc: BaseException) -> tuple[int, dict[str, Any], dict[str, str]]
     if isinstance(exc, RequestError):
         headers = {"Retry-After": str(exc.retry_after_s)} if hasattr(exc, "retry_after_s") else {}
         return exc.status, error_body(str(exc), exc.type, exc.param, exc.code), headers
-    if isinstance(exc, PromptTooLongError):  # a prefill bucket's limit is the prompt's alone
+    if isinstance(exc, PromptTooLongError):  # the context's limit: prompt, or prompt plus max_tokens
         param = "max_tokens" if exc.max_new_tokens else "messages"
         return 400, error_body(str(exc), "invalid_request_error", param, "context_length_exceeded"), {}
     if isinstance(exc, SettingsError):
