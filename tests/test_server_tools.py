@@ -222,10 +222,10 @@ def test_tool_call_plain_and_streamed_equal_transformers_parser(served, tool_tok
 def _remember_prompts(monkeypatch):
     original = ScriptedEngine.admit
 
-    def admit(self, requests):
+    def admit(self, requests, **kwargs):
         for request in requests.values():
             self.last_prompt = list(request.prompt_ids)
-        return original(self, requests)
+        return original(self, requests, **kwargs)
 
     monkeypatch.setattr(ScriptedEngine, "admit", admit)
 
