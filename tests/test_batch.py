@@ -155,6 +155,19 @@ def test_a_moe_batch_at_b_x_k_of_e_reads_its_experts_densely_with_rows_exact():
         assert with_shape(prefill, GraphShape(batch, 1, CONTEXT), expert_form="selective").experts_read == read
 
 
+def test_a_run_records_how_its_batched_moe_reads_its_experts():
+    """The eager backend builds for a CPU target: a batched selective decode runs grouped, and the
+    run's details say so (a dense model's run carries nothing)."""
+    from gemma4lib.backends import registry
+    from gemma4lib.port import PortSettings, load_model
+
+    for variant, read in (("26b-a4b", "grouped"), ("e2b", None)):
+        shapes = dict(context_length=64, prefill_buckets=(32,), max_new_tokens=4, warmup=0, iters=1)
+        settings = PortSettings(variant=variant, batch_size=3, backend="eager", decode_experts="selective", **shapes)
+        compiled = registry.compile_graphs(load_model(settings), settings)
+        assert compiled.info.get("experts_read") == read, compiled.info
+
+
 def test_trace_recipe_prefills_rows_of_different_lengths_step_by_step():
     """The trace recipe's batched decode module (K/V as aliased parameters), emulated on CPU."""
     from gemma4lib.models.loading import build_tiny

@@ -50,11 +50,11 @@ def read_form(form: str, rows: int, top_k: int, experts_held: int, grouped: bool
     doc): `selective` reads rows x k slices; `grouped` (where the target runs data-dependent sizes)
     each routed expert once; `dense` every held expert once, which from rows x k >= `experts_held`
     reads no more than `selective`."""
-    if form != "selective" or rows < 2:
+    if form != "selective" or rows < 2 or not experts_held:  # not experts_held: a dense model
         return form
     if grouped:
         return "grouped"
-    return "dense" if experts_held and rows * top_k >= experts_held else form
+    return "dense" if rows * top_k >= experts_held else form
 
 
 def default_expert_split(num_experts: int, intermediate: int, tp: int) -> str | None:
