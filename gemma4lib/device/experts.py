@@ -213,21 +213,25 @@ def grouped_experts(
     order = flat.argsort(stable=True)
     tokens = order // k  # the token of each pair, expert-major
     x, dtype = hidden.index_select(0, tokens), hidden.dtype
+    pair_weights = weights.reshape(-1)[order].to(dtype).unsqueeze(-1)
     # counts per expert, [E] whatever the data (bincount's length is max(id) + 1)
     counts = (flat.unsqueeze(1) == torch.arange(gate_up.shape[0], device=flat.device)).sum(0).tolist()
-    outs, start = [], 0
+    # each expert adds into the output itself: no tensor is sized by a sum of counts (AOTInductor's
+    # wrapper then referenced a count before declaring it)
+    out, start = torch.zeros_like(hidden), 0
     for e, count in enumerate(counts):
         torch._check(count >= 0)
         torch._check(start + count <= n * k)
         gate_up_e = x.narrow(0, start, count) @ _as(gate_up[e], dtype).T  # [count, 2I]
-        start = start + count
         if gate_up_scale is not None:
             gate_up_e = gate_up_e * gate_up_scale[e].to(dtype)
         gate, up = gate_up_e.chunk(2, dim=-1)
-        out = (act_fn(gate) * up) @ _as(down[e], dtype).T  # [count, H]
-        outs.append(out if down_scale is None else out * down_scale[e].to(dtype))
-    routed = torch.cat(outs) * weights.reshape(-1)[order].to(dtype).unsqueeze(-1)
-    return torch.zeros_like(hidden).index_add(0, tokens, routed)
+        routed = (act_fn(gate) * up) @ _as(down[e], dtype).T  # [count, H]
+        if down_scale is not None:
+            routed = routed * down_scale[e].to(dtype)
+        out = out.index_add(0, tokens.narrow(0, start, count), routed * pair_weights.narrow(0, start, count))
+        start = start + count
+    return out
 
 
 def _as(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
