@@ -163,7 +163,7 @@ def test_static_expert_forms_equal_transformers_experts(tokens):
     scores = torch.randn(tokens, config.num_experts, generator=generator).softmax(-1)
     weights, index = scores.topk(config.top_k_experts, dim=-1)
     expected = hf(hidden, index, weights)
-    for form in ("dense", "selective"):
+    for form in ("dense", "selective", "grouped"):
         got = StaticExperts(hf, form)(hidden, index, weights)
         assert torch.allclose(got, expected, atol=1e-5, rtol=1e-5), form
 

@@ -302,7 +302,7 @@ def test_int8_expert_forms_equal_transformers_experts_with_rounded_weights(token
     scores = torch.randn(tokens, config.num_experts, generator=generator).softmax(-1)
     weights, index = scores.topk(config.top_k_experts, dim=-1)
     expected = layer.experts(hidden, index, weights)
-    for form in ("dense", "selective"):
+    for form in ("dense", "selective", "grouped"):
         experts = StaticExperts(layer.experts, form, int8=True)
         assert experts.gate_up_proj.dtype == torch.int8
         assert torch.allclose(experts(hidden, index, weights), expected, atol=1e-5, rtol=1e-5), form

@@ -356,6 +356,8 @@ def test_hlo_audit_batched_decode_reads_the_batch_roofline_bytes(xla_lane, varia
     assert row.weights_delta == row.expected_delta, table
     assert row.kv_delta == 0 and row.kv_read > 0, table
     assert row.flagged == [], table
+    # what a step returns to the host: each row's fp32 logits over the vocabulary (issue 46 item 2)
+    assert row.returned == batch * model.config.vocab_size * 4, table
     if form == "selective":
         c = model.config
         slices = min(batch * c.top_k_experts, c.num_experts)

@@ -7,10 +7,11 @@ it is not timed), the engine's `generate_rows` timed per decode step (eos off, e
 decodes `new_tokens`), and HF `generate` on the same prompts left-padded with an attention mask,
 timed by its own step clock; the two are timed interleaved (ours, HF, ours, HF, ...). The step's
 bytes come from `batch_roofline.batch_decode_bytes` (the weights once, the selective experts as the
-graph reads them: per row, or each once past B x k >= E where the graph's `experts_read` is dense;
-K/V x B), so each figure also reads as the bandwidth it drew (steps/s x bytes/step) and its
-fraction of the machine's stream and GEMV bandwidth, measured before and after the model (best of
-several repeats); `bandwidth_moved` flags a model whose two measurements differ by more than
+graph reads them: per row, each once past B x k >= E where the graph's `experts_read` is dense, or
+at most min(B x k, E) slices where it is grouped (each routed expert once); K/V x B), so each
+figure also reads as the bandwidth it drew (steps/s x bytes/step) and its fraction of the
+machine's stream and GEMV bandwidth, measured before and after the model (best of several
+repeats); `bandwidth_moved` flags a model whose two measurements differ by more than
 `BANDWIDTH_TOLERANCE` (the neighbours changed the machine under it).
 
 `speedup_b8_over_b1`: total tok/s at B=8 over B=1, this project's graphs.

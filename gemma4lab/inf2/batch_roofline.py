@@ -49,8 +49,8 @@ def batch_decode_bytes(
     experts_read: str | None = None,
 ) -> dict[str, float]:
     """Bytes one decode step of `batch` rows reads, as the batched graph reads them (module doc).
-    `experts_read`: the form the graph runs (`DeviceGraph.experts_read`) when it is not the bytes
-    rule's (a graph built for one CPU thread keeps gathering per row past the bound)."""
+    `experts_read`: the form the graph runs (`DeviceGraph.experts_read`). `grouped` reads each
+    routed expert once: counted at its static bound, min(B x k slices, every expert once)."""
     lm = meta_model(model) if isinstance(model, str) else getattr(model, "lm", model)
     one = decode_bytes(
         lm,

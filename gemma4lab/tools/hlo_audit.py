@@ -397,6 +397,7 @@ class GraphAudit:
     roles: list[str]  # per parameter: weight | expert | rank | buffer | kv | input | constant
     names: list[str | None]  # the module's name for it, where it has one
     hlo_text: str = ""
+    returned: int = 0  # bytes of the outputs that go to the host (all but the K/V, which stay)
 
     def read(self, *roles: str) -> int:
         return sum(p.read_bytes for p, r in zip(self.params, self.roles, strict=True) if r in roles)
@@ -450,7 +451,9 @@ def audit_graph(graph: Any, inputs: Sequence[Any], kv: Sequence[Any], label: str
         role, name = known.get(i, (CONSTANT, None))
         roles.append(role)
         names.append(name)
-    return GraphAudit(label, params, roles, names, text)
+    host = outputs[: len(outputs) - len(kv)]  # the functional graph returns its K/V after the rest
+    returned = sum(t.numel() * t.element_size() for t in host)
+    return GraphAudit(label, params, roles, names, text, returned)
 
 
 def _reset_collective_token(device: str) -> None:
@@ -526,6 +529,7 @@ class AuditRow:
     batch: int = 1  # rows of the decode graph (its `GraphShape.batch`)
     tokens: int = 1  # query tokens: 1 for decode, k + 1 for drafting's verify graph (`audit_verify`)
     read_form: str | None = None  # the expert form the graph runs, when a batch changes it (`experts.read_form`)
+    returned: int = 0  # bytes one call returns to the host (`GraphAudit.returned`)
 
     @property
     def weights_delta(self) -> float:
@@ -758,6 +762,7 @@ def _row(
         expected_delta=expected_delta,
         flagged=audit.flagged(),
         flagged_experts=audit.flagged(EXPERT),
+        returned=audit.returned,
     )
 
 
@@ -791,7 +796,7 @@ def format_table(rows: Sequence[AuditRow]) -> str:
     head = (
         "| variant | graph | experts | HLO params | weights read | x TP | roofline weights "
         "| replicated | Δ (expected) | expert weights read / held | K/V read | x TP "
-        "| roofline K/V (+ replicated) | other read | flagged re-layouts |"
+        "| roofline K/V (+ replicated) | other read | returned to host | flagged re-layouts |"
     )
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in rows:
@@ -806,7 +811,7 @@ def format_table(rows: Sequence[AuditRow]) -> str:
             f"| {r.weights_read:,} | {r.tp * r.weights_read:,} | {r.roofline_weights:,.0f} "
             f"| {r.replicated_weights:,} | {r.weights_delta:,.0f} ({r.expected_delta:,}) "
             f"| {experts} | {r.kv_read:,} | {r.tp * r.kv_read:,} "
-            f"| {r.roofline_kv:,.0f} (+ {r.replicated_kv:,}) | {r.other_read:,} "
+            f"| {r.roofline_kv:,.0f} (+ {r.replicated_kv:,}) | {r.other_read:,} | {r.returned:,} "
             f"| {_names(r.flagged)} |"
         )
     return "\n".join(lines)

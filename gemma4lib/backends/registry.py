@@ -88,6 +88,9 @@ def compile_graphs(
     compiled = backend.compile(graphs, model, settings, progress)
     drafter = drafter or make_drafter(settings.draft)
     compiled.graphs, compiled.assistant = graphs, assistant
+    stepping = graphs.decode or graphs.verify  # the run records how its batched MoE reads its experts
+    if stepping is not None and stepping.experts_read != stepping.expert_form:
+        compiled.info["experts_read"] = stepping.experts_read
     compiled.runtime = engine_over(model, compiled.steps, graphs, drafter=drafter)
     return compiled
 

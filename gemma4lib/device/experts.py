@@ -10,13 +10,13 @@ Python loop that no tracer can capture. Two static replacements, same parameters
   only k experts' weights: the decode form.
 
 A batch of B rows decoding one token each gathers per row: B x k slices, a routed expert that two
-rows share read twice. Once B x k reaches the experts a device holds, the dense form reads each of
-them once and no more bytes, so a batched graph asked for `selective` runs `dense` from there
-(`read_form`: a static choice from B, k and E, in the graph's cache key) — unless the graph is
-built for a target whose compute is scarce (one CPU thread), where dense's E/k x more products
-cost more time than the bytes they save (`read_form(flop_per_byte=)`). A union of the rows'
-routed experts under the static bound min(B x k, E) would read exactly as many slices (below E the
-bound is B x k; padding fills it with other experts), so it saves nothing this choice does not.
+rows share read twice. Each routed expert is read at most once by the form `read_form` picks by
+bytes (the graph's `experts_read`, in its cache key):
+- `grouped`, on a CPU target (cpu, eager: torch.export traces the per-expert counts as unbacked
+  sizes, AOTInductor runs them): the rows sorted by expert, each routed expert's weights read once
+  for the rows routed to it (B x k rows of products, as transformers' eager loop, in one program).
+- `dense`, on static-shape targets (xla, neuron) once B x k reaches the experts held: each once.
+  Below that the static bound on distinct experts is B x k, what `selective` already reads.
 """
 
 from __future__ import annotations
@@ -36,38 +36,25 @@ from ..settings import EXPERT_FORMS
 EXPERT_SPLITS = ("experts", "intermediate")
 
 
-# One CPU thread's FLOPs per byte of read bandwidth, for `read_form`: its small-M matmuls run
+# One CPU thread's FLOPs per byte of read bandwidth, for `packed_linear`: its small-M matmuls run
 # ~20-35 GFLOP/s against ~15 GB/s stream on the shared 2-core machine
 # (docs/measurements/profile_decode_medium-dense.json, `small_m`). Measured, rounded, and fixed: it
 # picks a program, so it must not move from run to run.
 CPU_THREAD_FLOP_PER_BYTE = 2.0
+# the forms a graph runs: the ones asked for, and `grouped`, which `read_form` alone picks
+READ_FORMS = (*EXPERT_FORMS, "grouped")
 
 
-def read_form(
-    form: str,
-    rows: int,
-    top_k: int,
-    experts_held: int,
-    flop_per_byte: float | None = None,
-    element_bytes: int = 2,
-) -> str:
-    """The form a graph of `rows` tokens per call runs when `form` is asked for: `selective` gathers
-    rows x k slices, so from rows x k >= `experts_held` (the experts this device or rank holds) the
-    dense form, which reads each held expert once, reads no more (module doc).
-
-    But dense multiplies every row by every expert: rows x E expert products where selective does
-    rows x k. Where compute is scarce (`flop_per_byte`: the target's FLOPs per byte of bandwidth,
-    e.g. `CPU_THREAD_FLOP_PER_BYTE`), dense is chosen only if its step time, max(bytes, FLOPs / balance)
-    per slice, is no longer than selective's. None: compute is free (inf2), bytes decide."""
-    if form != "selective" or not experts_held or rows * top_k < experts_held:
+def read_form(form: str, rows: int, top_k: int, experts_held: int, grouped: bool = False) -> str:
+    """The form a graph of `rows` tokens per call runs when `form` is asked for, by bytes (module
+    doc): `selective` reads rows x k slices; `grouped` (where the target runs data-dependent sizes)
+    each routed expert once; `dense` every held expert once, which from rows x k >= `experts_held`
+    reads no more than `selective`."""
+    if form != "selective" or rows < 2 or not experts_held:  # not experts_held: a dense model
         return form
-    if flop_per_byte is None:
-        return "dense"
-
-    def step(slices: int, flop_per_weight: float) -> float:
-        return slices * max(1.0, flop_per_weight / (element_bytes * flop_per_byte))
-
-    return "dense" if step(experts_held, 2.0 * rows) <= step(rows * top_k, 2.0) else form
+    if grouped:
+        return "grouped"
+    return "dense" if rows * top_k >= experts_held else form
 
 
 def default_expert_split(num_experts: int, intermediate: int, tp: int) -> str | None:
@@ -89,8 +76,8 @@ class StaticExperts(nn.Module):
 
     def __init__(self, experts: nn.Module, form: str = "dense", int8: bool = False):
         super().__init__()
-        if form not in EXPERT_FORMS:
-            raise UnknownNameError("expert form", form, EXPERT_FORMS)
+        if form not in READ_FORMS:
+            raise UnknownNameError("expert form", form, READ_FORMS)
         self.form = form
         self.num_experts = experts.num_experts
         self.act_fn = experts.act_fn
@@ -110,6 +97,10 @@ class StaticExperts(nn.Module):
     def forward(self, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
         if self.form == "dense":
             return self._dense(hidden, top_k_index, top_k_weights)
+        if self.form == "grouped":
+            weights = (self.gate_up_proj, self.down_proj)
+            scales = {"gate_up_scale": self.gate_up_scale, "down_scale": self.down_scale}
+            return grouped_experts(*weights, hidden, top_k_index, top_k_weights, self.act_fn, **scales)
         return self._selective(hidden, top_k_index, top_k_weights)
 
     def _dense(self, hidden, top_k_index, top_k_weights):
@@ -200,6 +191,47 @@ def gathered_experts(
         out = out * down_scale.index_select(0, flat).to(dtype)
     out = out.view(n, k, -1) * weights.to(out.dtype).unsqueeze(-1)
     return out.sum(dim=1)
+
+
+def grouped_experts(
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    hidden: torch.Tensor,
+    index: torch.Tensor,
+    weights: torch.Tensor,
+    act_fn,
+    *,
+    gate_up_scale: torch.Tensor | None = None,
+    down_scale: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """`gathered_experts`' sum with each routed expert's weights read once: the (token, slot) pairs
+    sorted by expert, one product per expert over the rows routed to it. The per-expert counts are
+    data: torch.export traces them as unbacked sizes (a CPU target's form, never a static one's).
+    Experts nobody routed to run a zero-row product, which reads nothing."""
+    n, k = index.shape
+    flat = index.reshape(-1)
+    order = flat.argsort(stable=True)
+    tokens = order // k  # the token of each pair, expert-major
+    x, dtype = hidden.index_select(0, tokens), hidden.dtype
+    pair_weights = weights.reshape(-1)[order].to(dtype).unsqueeze(-1)
+    # counts per expert, [E] whatever the data (bincount's length is max(id) + 1)
+    counts = (flat.unsqueeze(1) == torch.arange(gate_up.shape[0], device=flat.device)).sum(0).tolist()
+    # each expert adds into the output itself: no tensor is sized by a sum of counts (AOTInductor's
+    # wrapper then referenced a count before declaring it)
+    out, start = torch.zeros_like(hidden), 0
+    for e, count in enumerate(counts):
+        torch._check(count >= 0)
+        torch._check(start + count <= n * k)
+        gate_up_e = x.narrow(0, start, count) @ _as(gate_up[e], dtype).T  # [count, 2I]
+        if gate_up_scale is not None:
+            gate_up_e = gate_up_e * gate_up_scale[e].to(dtype)
+        gate, up = gate_up_e.chunk(2, dim=-1)
+        routed = (act_fn(gate) * up) @ _as(down[e], dtype).T  # [count, H]
+        if down_scale is not None:
+            routed = routed * down_scale[e].to(dtype)
+        out = out.index_add(0, tokens.narrow(0, start, count), routed * pair_weights.narrow(0, start, count))
+        start = start + count
+    return out
 
 
 def _as(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -276,8 +276,8 @@ class DeviceGraph(nn.Module):
         super().__init__()
         # a prefill over images on a config bidirectional over them: takes each token's image (`build_masks`)
         self.image_blocks = bool(image_blocks)
-        # the target's FLOPs per byte, for a batched MoE's expert form (`experts.read_form`); None: bytes decide
-        self.compute_balance, self.expert_element = compute_balance, lm_head.weight.element_size()
+        # the target's FLOPs per byte (`packed_linear`); set only for CPU targets (`experts_read`)
+        self.compute_balance = compute_balance
         int8 = check_weights(weights) == "int8"
         model = _shallow_clone(text_model)
         model.unique_layer_types = layer_types_in_order(text_model.config)
@@ -351,13 +351,15 @@ class DeviceGraph(nn.Module):
 
     @property
     def experts_read(self) -> str:
-        """The expert form this graph runs: `expert_form`, except a batched selective graph whose
-        B x tokens x k reaches the experts held, which reads them densely (`experts.read_form`).
+        """The expert form this graph runs: `expert_form`, except a batched selective graph, which
+        reads each routed expert once (`experts.read_form`: grouped on a CPU target, else dense
+        from B x tokens x k >= the experts held).
         Batch-1 graphs always run the form asked for (their programs do not move)."""
         top_k, held = self.expert_routing
         if self.shape.batch == 1:
             return self.expert_form
-        return read_form(self.expert_form, self.rows, top_k, held, self.compute_balance, self.expert_element)
+        # a CPU target (compute_balance set: cpu, eager) runs the data-dependent `grouped` form
+        return read_form(self.expert_form, self.rows, top_k, held, grouped=self.compute_balance is not None)
 
     def example_inputs(self) -> tuple[torch.Tensor, ...]:
         """Zero inputs of the compiled shapes; every tensor distinct (aliased examples mislead export)."""
