@@ -41,7 +41,8 @@
 #    host-side embeddings, the device graph and its K/V step checked by hand, `torch.export` and
 #    AOTInductor here, and the inf2 calls (`torch_neuronx.trace`, NxD `ModelBuilder`); the engine's
 #    admit, step and release; the three checks, the witness and the spread; "What the model sees"
-#    (images), which the other variants do not repeat.
+#    (images), explained once: the other variant notebooks run their own image section and say only
+#    what differs.
 # 1. **[02_e4b](02_e4b.ipynb)** adds tensor parallelism: attention and MLP split by hand over two
 #    ranks, the rank graph, and its inf2 compile at TP=2 (one KV head per rank, the K/V aliased).
 # 1. **[03_12b](03_12b.ipynb)** adds k_eq_v, eager attention, a single global KV head copied on both

@@ -147,8 +147,8 @@ nb.show_prompt(model, ids)
 # NeuronCore with the working allowance (the first table below, computed from the released config).
 # The reason for two cores is bandwidth: single-row decode reads every weight once per token, and one
 # core reads through its half of the chip's bandwidth (the status box). Split over the two cores of an
-# `inf2.8xlarge` (TP=2), each core reads half the weights and the step takes about half the time
-# (computed from bytes per step, the status box's decode step; unverified on inf2).
+# `inf2.8xlarge` (TP=2), each core reads half the weights: the status box's decode step is that
+# bound at TP=2 (computed from bytes per step; unverified on inf2).
 # Each rank takes half the Q heads and exactly one KV head: sharded, not copied (the second table).
 #
 # The field report did this with a hand-driven recipe it calls `tp_alias` (its tracer holds every rank
@@ -310,7 +310,7 @@ else:
 # against recording stand-ins for the SDK and hold its calls equal to the backend's. It has never
 # been executed (the status box); here it prints `skipped: backend=cpu`.
 
-# %% tags=["lesson"]
+# %%
 if on_inf2:  # inf2-only: NxD ModelBuilder at TP=2, the calls of backends/neuron.py written out
     import functools
 

@@ -282,7 +282,7 @@ else:
 # against recording stand-ins for the SDK and hold its calls equal to the backend's. It has never
 # been executed (the status box); here it prints `skipped: backend=cpu`.
 
-# %% tags=["lesson"]
+# %%
 if on_inf2:  # inf2-only: NxD ModelBuilder at TP=2, the calls of backends/neuron.py written out
     import functools
 

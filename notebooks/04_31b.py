@@ -275,7 +275,7 @@ else:
 # against recording stand-ins for the SDK and hold its calls equal to the backend's. It has never
 # been executed (the status box); here it prints `skipped: backend=cpu`.
 
-# %% tags=["lesson"]
+# %%
 if on_inf2:  # inf2-only: NxD ModelBuilder at TP=8, the calls of backends/neuron.py written out
     import functools
 
@@ -577,8 +577,8 @@ plots.measured_vs_ceiling([ceiling, ceiling["released_inf2"]])
 #   needs the host model and the sharded checkpoint at once, never a NeuronCore.
 # - Build prompts with the tokenizer's chat template. `SEQ_MATCH True` on nonsense is the signature
 #   of an input problem, and only the coherence check reports it.
-# - A witness whose folded q/k norms differ gets programs of its own (its "same compiled programs" row),
-#   compiled by the same calls, and it is checked against its own reference all the same.
+# - The witness runs the same compiled programs when only weights differ (its "same compiled programs"
+#   row); either way it is checked against its own reference.
 #
 # To run the real thing, see the parameters cell: `profile="full"`, `backend="neuron"`,
 # `tp_degree=8` and a checkpoint. The same cells then take the inf2 branch of section 3, which

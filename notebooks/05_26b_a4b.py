@@ -356,7 +356,7 @@ else:
 # against recording stand-ins for the SDK and hold its calls equal to the backend's. It has never
 # been executed (the status box); here it prints `skipped: backend=cpu`.
 
-# %% tags=["lesson"]
+# %%
 if on_inf2:  # inf2-only: NxD ModelBuilder at TP=8, the calls of backends/neuron.py written out
     import functools
 
@@ -636,7 +636,7 @@ plots.measured_vs_ceiling([ceiling, ceiling["released_inf2"]])
 #
 # - The MoE block is a shared MLP plus routed experts; both run on every layer.
 # - Replace the data-dependent expert loop with a static form; dense and selective agree with the
-#   reference on every token.
+#   reference at the decode step the table shows, and the run's checks hold every generated token.
 # - All experts stay resident: "A4B" is a compute figure, not a memory one; a slice of every expert
 #   per rank makes selective decode read only the routed experts' bytes.
 # - Anything rank-dependent inside a traced [SPMD](00_overview.ipynb#spmd) graph must come from a runtime tensor. A rank read

@@ -281,8 +281,9 @@ if refused:
 # from sending the request to its first text), and the total tokens per second over the level's
 # wall time.
 #
-# What to look for: while there are fewer clients than rows, each new client fills an idle row of a
-# step that runs anyway, so total tokens/s should climb with the clients. Once the clients
+# What to look for: while there are fewer clients than rows, each new client can fill an idle row of
+# a step that runs anyway; whether total tokens/s rises with it depends on how often the rows are
+# really full at once (short replies leave rows idle between requests). Once the clients
 # outnumber the rows, requests wait in the queue and their time to first token includes the wait.
 # Each admission runs a prefill while the other rows pause (the single-row prefill when few join,
 # the B-row one when many do), and with more clients than rows there is an admission every time a

@@ -33,7 +33,7 @@ BLOCK = re.compile(r"^\{\{#(full|brief)\}\}\n(.*?)^\{\{/\1\}\}\n", re.S | re.M)
 FORMS = ("full", "brief")
 # The parts whose cells are the variant's lesson: tagged `lesson`, which tests/test_notebooks.py
 # counts for the lesson's share of a brief notebook's lines.
-LESSON_PARTS = ("lesson", "core_step", "after_compile", "after_checks", "neuron_trace", "neuron_compile")
+LESSON_PARTS = ("lesson", "core_step", "after_compile", "after_checks", "neuron_trace")
 CELL_HEADER = re.compile(r"^# %%( \[markdown\])?$", re.M)
 
 

@@ -218,91 +218,14 @@ if tp_demo:
 # at TP=8: one rank compiled (the [rank graph](00_overview.ipynb#rank-graph) with NxD's parallel layers, each rank a TP-th slice of
 # every expert), the weights sharded per rank, the rank number a runtime tensor, and the decode graph
 # (selective experts) the priority model whose weight layout the compiler optimises.
-# -- part: neuron_compile --
-# %%
-if on_inf2:  # inf2-only: NxD ModelBuilder at TP=8, the calls of backends/neuron.py written out
-    import functools
-
-    from safetensors.torch import load_file
-
-    from gemma4lib.backends.base import CompiledGraphs
-    from gemma4lib.backends.neuron import compiler_workdir, neuron_cache_key, own_directory, warn_low_host_ram
-    from gemma4lib.cache.artifacts import ArtifactCache
-    from gemma4lib.recipes import cores, neuron_env, neuron_model_builder as mb
-    from gemma4lib.recipes.common import DeviceStep, index_dtype, key_inputs
-    from gemma4lib.runtime import Engine, Steps
-    from gemma4lib.tp.plan import make_plan
-
-    model_builder = neuron_env.require("neuronx_distributed.trace.model_builder", "ModelBuilder")
-
-    class KeyInstance(model_builder.BaseModelInstance):  # one per key: NxD builds its module on every rank
-        def __init__(self, build):
-            super().__init__(module_cls=build, input_output_aliases={})
-
-        def get(self, bucket_rank, **kwargs):  # the module and {K/V parameter: the output index that updates it}
-            return self.module, self.module.aliases()  # aliased: the K/V stay on the device, shared by every key
-
-    tp, dtype = s.tp_degree, decode.dtype  # bf16 on inf2
+# -- part: neuron_plan --
     plan = make_plan(model.config, tp, model.variant)  # the expert split: a TP-th of every expert's columns per rank
-    experts = s.decode_experts if model.variant.is_moe else "dense"
-    forms = mb.bucket_expert_forms(experts)  # the experts' form per key: prefill dense, decode `decode_experts`
-    shapes = mb.bucket_shapes(s.context_length, s.prefill_buckets, s.ring_kv)  # prefill<tokens> per bucket, decode
-    key_graphs = {name: decode if sh.tokens == 1 else prefill[sh.tokens] for name, sh in shapes.items()}
-    key, parts = neuron_cache_key(
-        model, "model_builder", tp, shapes, neuron_env.COMPILER_ARGS, dtype, decode_experts=experts, weights=s.weights
-    )
-
-    def build(folder):  # called by the cache, only on a miss
-        if s.profile == "full":  # the compile-host plan: warns when this host's RAM is under its peak
-            warn_low_host_ram(model.variant, tp, "model_builder", len(key_graphs))
-        with compiler_workdir() as workdir, own_directory():  # trace() wipes its workdir, writes .hlo into cwd
-            builder = model_builder.ModelBuilder(
-                router=None,
-                tp_degree=tp,
-                checkpoint_loader=mb.checkpoint_loader(model, plan, dtype, s.weights),  # built when NxD shards
-                compiler_workdir=workdir,
-            )
-            for name, graph in key_graphs.items():
-                phase = graph.shape.phase  # "prefill" or "decode"
+# -- part: neuron_rank_module --
                 # the key's module, built by NxD on each rank: the rank graph whose linears are NxD's
                 # ColumnParallelLinear (q/k/v, gate/up, the experts' gate_up: rows cut) and
                 # RowParallelLinear(input_is_parallel=True) (o, down, the experts' down: columns cut, one
                 # all-reduce), and SPMDRank, the rank as a tensor each rank loads with its shard
                 rank_module = functools.partial(  # (mb.NxDParallelFactory makes those layers: rank_module's default)
-                    mb.rank_module, model.config, plan, graph.shape, dtype, expert_form=forms[phase], weights=s.weights
-                )
-                builder.add(
-                    key=name,
-                    model_instance=KeyInstance(rank_module),
-                    example_inputs=[key_inputs(graph, dtype=dtype)],  # the graph's own, without its K/V
-                    compiler_args=neuron_env.COMPILER_ARGS[phase],
-                    priority_model_idx=mb.PRIORITY[phase],  # decode: 0, the weight layout the compiler optimises
-                )
-            traced = builder.trace(initialize_model_weights=False)  # one rank compiled, weights not inlined
-            torch.jit.save(traced, str(folder / "model.pt"))
-            del traced
-            builder.shard_checkpoint(serialize_path=str(folder / "weights"))  # tp{rank}_sharded_checkpoint each
-        return {"recipe": "model_builder", "tp": tp}
-
-    began, cache = time.perf_counter(), ArtifactCache(s.cache_dir)
-    need = model.param_count() * dtype.itemsize  # the shards: checked against the cache's free space first
-    entry = cache.get_or_build(key, build, describe={k: v for k, v in parts.items() if k != "config"}, need_bytes=need)
-    label = f"{model.variant.name} (model_builder, TP={tp}) from {entry.path}"
-    cores.check_free(0, tp, label)  # a model an earlier run of this cell loaded still holds the cores: refused
-    traced = torch.jit.load(str(entry.file("model.pt")))
-    shards = [entry.file("weights") / mb.SHARD_FILE.format(rank=r) for r in range(tp)]
-    traced.nxd_model.initialize([load_file(str(p)) for p in shards], torch.tensor([0], dtype=torch.int32))
-    cores.claim(traced, 0, tp, label)
-    states = len(decode.layout.buffer_shapes(1, s.context_length, s.ring_kv))  # the K/V states it aliases
-    step = DeviceStep(traced, decode.num_inputs, model.config.vocab_size, aliases=states,
-                      index_dtype=index_dtype(key_inputs(decode)))  # fmt: skip
-    steps = Steps({b: step for b in s.prefill_buckets}, step)  # one loaded model: NxD routes each call by shape
-    runtime = Engine.for_model(model, steps, batch=1, context_length=s.context_length, dtype=dtype)
-    compile_s = 0.0 if entry.hit else time.perf_counter() - began
-    compiled = CompiledGraphs(runtime.steps, compile_s, [entry.hit], "neuron-model_builder", runtime=runtime)
-    display(nb.describe_compile(compiled))
-else:
-    print(f"skipped: backend={backend}")
 # -- part: core_step --
 # -- part: after_compile --
 # %% [markdown]
@@ -360,7 +283,7 @@ display(nb.rank_module_table(modules["intermediate"]))  # the default split's la
 # -- part: takeaways --
 # - The MoE block is a shared MLP plus routed experts; both run on every layer.
 # - Replace the data-dependent expert loop with a static form; dense and selective agree with the
-#   reference on every token.
+#   reference at the decode step the table shows, and the run's checks hold every generated token.
 # - All experts stay resident: "A4B" is a compute figure, not a memory one; a slice of every expert
 #   per rank makes selective decode read only the routed experts' bytes.
 # - Anything rank-dependent inside a traced [SPMD](00_overview.ipynb#spmd) graph must come from a runtime tensor. A rank read
