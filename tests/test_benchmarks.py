@@ -381,4 +381,6 @@ def test_batch_section_rows_equal_their_references_and_hf():
         assert row["rows_match_reference"] == [True] * row["batch"] == row["rows_equal_hf"]
         assert len(set(row["prompt_lengths"])) == row["batch"]  # different lengths per row
         assert row["gemma4lib_tok_s"] > 0 and row["hf_eager_tok_s"] > 0 and row["bytes_per_step_gb"] > 0
-        assert row["experts_read"] == "selective"
+        assert row["experts_read"] == (
+            "selective" if row["batch"] == 1 else "grouped"
+        )  # batched CPU graphs read each expert once
