@@ -36,12 +36,13 @@ from ..errors import LowHostMemoryWarning, TensorParallelError
 from ..models.variants import get_variant
 from ..recipes import neuron_env
 from .compile_host import KEYS, compile_host_plan
-from .hardware import GB, dmi_instance_type, host_instance_type, host_ram_bytes, smallest_instance
+from .hardware import GB, INSTANCES, dmi_instance_type, host_instance_type, host_ram_bytes, smallest_instance
 from .memory_plan import (
     COMPILE_CALIBRATION,
     DEFAULT_CONTEXT,
     HOST_HEADROOM,
     compile_peak_gb,
+    largest_context,
     neuron_recipe,
     plan_core_memory,
     require_neuron_tp,
@@ -260,6 +261,8 @@ def run_doctor(
                 warnings.append(plan.summary())
             serving = serving_host_plan(v, tp, host_instance_type(), context_length=context_length, vision=vision)
             report["serving_host"] = {**serving.to_dict(), "summary": serving.summary()}
+            longest = {i: largest_context(v, i) for i in INSTANCES}
+            report["contexts"] = {i: {"context": c, "tp": t} for i, (c, t) in longest.items()}
             if not serving.fits:
                 warnings.append(serving.summary() + "; " + "; ".join(serving.problems))
         if devices["cores"] and tp > devices["cores"]:
@@ -305,6 +308,9 @@ def format_doctor(report: dict[str, Any]) -> str:
         e = report["compile_estimate"]
         host = e["smallest_instance_with_headroom"] or "no inf2 size"
         lines.append(f"{report['compile_host']['summary']}; compile on {host} or larger (20 % headroom)")
+    if "contexts" in report:  # per-core HBM only: the compiler's own RAM at long contexts is not planned
+        longest = [f"{i} {c['context']:,} (TP={c['tp']})" for i, c in report["contexts"].items() if c["context"]]
+        lines.append("longest context per instance (computed, unverified on inf2): " + ", ".join(longest))
     if "tp" in report:
         lines.append(f"TP={report['tp']['degree']}: " + ("ok" if report["tp"]["ok"] else report["tp"]["error"]))
     for w in report["warnings"]:

@@ -382,3 +382,24 @@ def require_fit(
             f"use {_hint(fitting_options(v, context_length, ring, weights, batch))}"
         )
     return plan
+
+
+def largest_context(variant: Variant | str, instance: str, *, ring: bool = True, step: int = 1024) -> tuple[int, int]:
+    """(context, TP): the longest context, a multiple of `step` up to the released maximum, whose
+    per-core plan fits a NeuronCore's HBM at a TP degree `instance` has the cores for ((0, 0): none).
+    Computed, unverified on inf2. The compiler's own RAM at long contexts is not in the plan: the
+    compile host's, which hardly grows with the context here, is no bound on it."""
+    v = get_variant(variant) if isinstance(variant, str) else variant
+    best = (0, 0)
+    for tp in (
+        t for t in v.supported_tp if t <= INSTANCES[instance].neuron_cores and not structural_problems(v, t, None)
+    ):
+        room = HBM_PER_CORE_GIB - WORKING_ALLOWANCE_GIB - rank_weight_bytes(v, tp) / GIB  # what K/V may take
+        low, high = 0, v.released_context // step  # K/V grows with the context: bisect
+        while low < high:
+            middle = (low + high + 1) // 2
+            fits = _rank_kv_elements(v.name, tp, middle * step, ring) * 2 / GIB <= room  # bf16 K/V
+            low, high = (middle, high) if fits else (low, middle - 1)
+        if low * step > best[0]:  # the fewest cores that reach it
+            best = (low * step, tp)
+    return best

@@ -53,6 +53,7 @@ class Variant:
     image_witness_seed: int | None = None
     # On inf2 the 12B's sliding window overflows the fused-attention SBUF: force eager attention.
     attn_implementation: str = "eager"
+    released_context: int = 131_072  # the released maximum context (model cards; the 12B's config default)
     notes: tuple[str, ...] = field(default_factory=tuple)
     # Its notebook in notebooks/ (papermill_runs and the notebook tests read it from here); its
     # two-digit prefix is also a name `get_variant` accepts.
@@ -232,6 +233,7 @@ VARIANTS: dict[str, Variant] = {
         ),
         field_report=FieldReportFigures(prefill_ms=101.0),
         supported_tp=(1, 2, 4),
+        released_context=262_144,
         tiny_seed=38,
         notes=(
             "eager attention: the fused kernel overflows SBUF at window 1024",
@@ -279,6 +281,7 @@ VARIANTS: dict[str, Variant] = {
         ),
         field_report=FieldReportFigures(prefill_ms=115.0),
         supported_tp=(1, 2, 4, 8),
+        released_context=262_144,
         tiny_seed=35,
         notes=("4 global KV heads at TP=8: replicated, not sharded",),
         notebook="04_31b.ipynb",
@@ -332,6 +335,7 @@ VARIANTS: dict[str, Variant] = {
         ),
         field_report=FieldReportFigures(prefill_ms=77.0),
         supported_tp=(1, 2, 4, 8),
+        released_context=262_144,
         tiny_seed=22,
         image_witness_seed=3,
         notes=("all 128 experts are resident: A4B saves compute, not memory",),
