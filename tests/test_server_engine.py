@@ -245,6 +245,35 @@ def test_echo_logprobs_of_the_prompt_equal_the_teacher_forced_reference(server, 
     assert logprobs["token_logprobs"][paris] > -1.0  # "Paris" after "The capital of France is": the model is sure
 
 
+def test_token_id_prompts_score_as_their_text_and_ids_outside_the_vocabulary_are_a_400(server, loaded):
+    """OpenAI's token-id prompts (what lm-eval's `local-completions` sends): the ids of a text prompt
+    give its reply and its echoed log-probabilities exactly, one or a list; an id outside the model's
+    vocabulary is a 400 saying so, echoed or not, before any row runs."""
+    import httpx
+
+    text = loaded.tokenizer.apply_chat_template(QUESTION, add_generation_prompt=True, tokenize=False)
+    ids = server.served.scheduler.codec.text(text)
+
+    def post(prompt, **fields):
+        body = {"model": "e2b", "prompt": prompt, "max_tokens": 8, "temperature": 0, **fields}
+        return httpx.post(server.url + "/v1/completions", json=body, timeout=120)
+
+    by_text, by_ids, both = post(text).json(), post(ids).json(), post([ids, ids]).json()
+    assert "Paris" in by_text["choices"][0]["text"]
+    assert [c["text"] for c in both["choices"]] == [by_text["choices"][0]["text"]] * 2
+    assert by_ids["choices"][0]["text"] == by_text["choices"][0]["text"]
+    assert by_ids["usage"] == by_text["usage"]
+    echo = {"max_tokens": 1, "logprobs": 1, "echo": True}
+    text_echo, ids_echo = post(text, **echo).json()["choices"][0], post([ids], **echo).json()["choices"][0]
+    assert ids_echo["logprobs"] == text_echo["logprobs"]
+    assert ids_echo["text"] == loaded.tokenizer.decode(ids) + text_echo["text"][len(text) :]
+    vocab = loaded.engine.vocab_size
+    for fields in ({}, echo):
+        bad = post([*ids[:-1], vocab], **fields)
+        assert bad.status_code == 400 and "outside this model's vocabulary" in bad.json()["error"]["message"]
+    assert post([ids, []]).status_code == 400 and post([-1, *ids]).status_code == 400
+
+
 def schemas_to_hold(n: int) -> list[dict]:
     """`n` different JSON schemas whose every value ends within a tiny model's budget (bounded
     strings, enums, bounded integers, booleans, short arrays), varied in names, kinds and order."""
