@@ -245,6 +245,84 @@ def test_echo_logprobs_of_the_prompt_equal_the_teacher_forced_reference(server, 
     assert logprobs["token_logprobs"][paris] > -1.0  # "Paris" after "The capital of France is": the model is sure
 
 
+def test_token_id_prompts_score_as_their_text_and_ids_outside_the_vocabulary_are_a_400(server, loaded):
+    """OpenAI's token-id prompts (what lm-eval's `local-completions` sends): the ids of a text prompt
+    give its reply and its echoed log-probabilities exactly, one or a list; an id outside the model's
+    vocabulary is a 400 saying so, echoed or not, before any row runs."""
+    import httpx
+
+    text = loaded.tokenizer.apply_chat_template(QUESTION, add_generation_prompt=True, tokenize=False)
+    ids = server.served.scheduler.codec.text(text)
+
+    def post(prompt, **fields):
+        body = {"model": "e2b", "prompt": prompt, "max_tokens": 8, "temperature": 0, **fields}
+        return httpx.post(server.url + "/v1/completions", json=body, timeout=120)
+
+    by_text, by_ids, both = post(text).json(), post(ids).json(), post([ids, ids]).json()
+    assert "Paris" in by_text["choices"][0]["text"]
+    assert [c["text"] for c in both["choices"]] == [by_text["choices"][0]["text"]] * 2
+    assert by_ids["choices"][0]["text"] == by_text["choices"][0]["text"]
+    assert by_ids["usage"] == by_text["usage"]
+    echo = {"max_tokens": 1, "logprobs": 1, "echo": True}
+    text_echo, ids_echo = post(text, **echo).json()["choices"][0], post([ids], **echo).json()["choices"][0]
+    assert ids_echo["logprobs"] == text_echo["logprobs"]
+    assert ids_echo["text"] == loaded.tokenizer.decode(ids) + text_echo["text"][len(text) :]
+    vocab = loaded.engine.vocab_size
+    for fields in ({}, echo):
+        bad = post([*ids[:-1], vocab], **fields)
+        assert bad.status_code == 400 and "outside this model's vocabulary" in bad.json()["error"]["message"]
+    assert post([ids, []]).status_code == 400 and post([-1, *ids]).status_code == 400
+
+
+def test_lm_eval_log_likelihoods_over_http_equal_in_process(server, loaded, host_lm, tmp_path):
+    """lm-eval's `local-completions` on the multiple-choice capitals (token-id prompts, echo and
+    logprobs: the server teacher-forces each through its decode graph) and `EngineLM` in process
+    (the question prefilled, the answer forced on the engine's rows): the same accuracy, well above
+    chance (1 in 4), and every answer's log-likelihood within the logit tolerance per token (twice it:
+    a log-softmax moves by at most twice the largest logit error). The in-process figure of the right
+    answer to France is the host reference's teacher-forced one too."""
+    import json
+
+    import torch
+
+    from gemma4lab.serving.evaluation import CHOICE_DATA, CHOICE_TASK, choose_over_endpoint, evaluate_in_process
+    from gemma4lib.checks import logits_tolerance
+    from gemma4lib.models.trained import TOKENIZER_DIR
+    from gemma4lib.reference import logits_spread, teacher_forced_logits
+
+    over_http = choose_over_endpoint(server.url, "e2b", TOKENIZER_DIR, tmp_path / "http")
+    scheduler = server.served.scheduler
+    assert scheduler.idle()
+    with scheduler.paused():
+        local = evaluate_in_process(
+            loaded.engine, loaded.tokenizer, loaded.eos_ids, tmp_path / "local", task=CHOICE_TASK
+        )
+    assert over_http["acc"] == local["acc"] > 0.5
+
+    def answer_of(country: str, capital: str) -> tuple[list[int], list[int]]:
+        """Question and answer ids as lm-eval splits them: it moves the template's trailing newline
+        into the answer (`_encode_pair`)."""
+        ask = [{"role": "user", "content": f"What is the capital of {country}?"}]
+        context = loaded.tokenizer.apply_chat_template(ask, add_generation_prompt=True, tokenize=False)
+        prompt = loaded.tokenizer(context.rstrip(), add_special_tokens=False)["input_ids"]
+        whole = loaded.tokenizer(f"{context}The capital of {country} is {capital}.", add_special_tokens=False)
+        return prompt, whole["input_ids"][len(prompt) :]
+
+    prompt, answer = answer_of("France", "Paris")
+    reference = teacher_forced_logits(host_lm, prompt, answer)
+    per_token = 2 * logits_tolerance(logits_spread(host_lm, prompt, answer, reference)[0])
+    expected = float(torch.log_softmax(reference.float(), dim=-1)[torch.arange(len(answer)), answer].sum())
+    assert abs(local["loglikelihoods"]["France"][0] - expected) <= len(answer) * per_token
+    worst = 0.0
+    for doc in map(json.loads, CHOICE_DATA.read_text().splitlines()):
+        pairs = zip(over_http["loglikelihoods"][doc["country"]], local["loglikelihoods"][doc["country"]], strict=True)
+        for capital, (http_ll, local_ll) in zip(doc["choices"], pairs, strict=True):
+            gap = abs(http_ll - local_ll)
+            assert gap <= len(answer_of(doc["country"], capital)[1]) * per_token, (doc, capital, gap)
+            worst = max(worst, gap)
+    print(f"lm-eval acc: endpoint {over_http['acc']:.4f}, in process {local['acc']:.4f}; worst ll gap {worst:.3g}")
+
+
 def schemas_to_hold(n: int) -> list[dict]:
     """`n` different JSON schemas whose every value ends within a tiny model's budget (bounded
     strings, enums, bounded integers, booleans, short arrays), varied in names, kinds and order."""

@@ -364,25 +364,29 @@ def create_app(served: Served) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(body: schemas.CompletionRequest, request: Request) -> Any:
-        prompts = [body.prompt] if isinstance(body.prompt, str) else list(body.prompt)
-        chars = served.check_body(body, prompts, "prompt")
+        prompts = body.prompts()
+        chars = served.check_body(body, [p for p in prompts if isinstance(p, str)], "prompt")
         if len(prompts) > scheduler.max_queue:
             raise RequestError(f"{len(prompts)} prompts, more than the queue holds ({scheduler.max_queue})", "prompt")
         if not prompts:
-            raise RequestError("prompt is an empty list; send a string or a list of strings", "prompt")
+            raise RequestError("prompt is an empty list; send a string, token ids or a list of either", "prompt")
         if body.stream and len(prompts) > 1:
             raise RequestError("stream=true takes one prompt; send the others as their own requests", "prompt")
-        if any(not p.strip() for p in prompts):
+        if any(isinstance(p, str) and not p.strip() for p in prompts):
             raise RequestError("prompt is empty; send the text the model should continue", "prompt")
         if body.echo and (body.stream or body.stop):
             raise RequestError("echo is served without stream and stop; send it without them", "echo")
-        encoded = await off_loop(served, chars > INLINE_CHARS, lambda: list(map(codec.text, prompts)))
+        encoded = await off_loop(
+            served, chars > INLINE_CHARS, lambda: [codec.text(p) if isinstance(p, str) else p for p in prompts]
+        )
         forced = body.echo and body.logprobs is not None  # the prompt's own log-probabilities: teacher-forced
         watches = [served.watch(body, forced=ids[1:] if forced else None) for ids in encoded]
         jobs = [
             served.engine_request(ids, body, body.max_tokens, None, w) for ids, w in zip(encoded, watches, strict=True)
         ]
         if forced:  # from the first token on, the rest of the prompt chosen one decode step each
+            for job in jobs:  # the whole prompt's fit and vocabulary (token ids from a client), before it is cut
+                scheduler.engine.check(job)
             jobs = [echo_request(job, ids, body.max_tokens is None) for job, ids in zip(jobs, encoded, strict=True)]
         tickets: list[Ticket] = []
         try:
@@ -405,7 +409,9 @@ def create_app(served: Served) -> FastAPI:
             firsts = [(ids[0], None, None) for ids in encoded]
             lps = [completion_logprobs([f, *w.entries], codec) for f, w in zip(firsts, watches, strict=True)]
             usage = schemas.Usage.of(sum(map(len, encoded)), sum(map(len, new)))
-        texts = [p + t for p, t in zip(prompts, texts, strict=True)] if body.echo else texts
+        if body.echo:  # a token-id prompt echoed as its text
+            shown = [p if isinstance(p, str) else codec.decode(p, raw=True) for p in prompts]
+            texts = [p + t for p, t in zip(shown, texts, strict=True)]
         choices = [(text, t.finish_reason, lp) for text, t, lp in zip(texts, tickets, lps, strict=True)]
         return schemas.completion_response(rid, served.model_name, choices, usage)
 

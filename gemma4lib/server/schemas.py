@@ -30,6 +30,7 @@ QUIET_NUMBERS = {"best_of": 1, "repetition_penalty": 1, "top_k": -1}
 
 # a lone surrogate ("\\ud800", legal in JSON) is no text a tokenizer takes: "surrogates not allowed", a 400
 Text = Annotated[str, AfterValidator(lambda text: (text.encode("utf-8"), text)[1])]
+TokenIds = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]  # the vocabulary's bound: the engine's
 
 
 class _Body(BaseModel):
@@ -160,12 +161,17 @@ class ChatCompletionRequest(SamplingFields):
 
 
 class CompletionRequest(SamplingFields):
-    prompt: Text | list[Text]
+    prompt: Text | list[Text] | TokenIds | list[TokenIds]  # OpenAI's: text or token ids, one or a list
     logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)  # alternatives a token
     echo: bool = False  # the prompt before the reply (with `logprobs`: the prompt's tokens' too)
 
     def logprobs_top(self) -> int | None:
         return self.logprobs
+
+    def prompts(self) -> list[Any]:
+        """Each prompt: a text, or token ids (what lm-eval's `local-completions` sends by default)."""
+        one = isinstance(self.prompt, str) or (self.prompt and isinstance(self.prompt[0], int))
+        return [self.prompt] if one else list(self.prompt)
 
 
 class Usage(BaseModel):
