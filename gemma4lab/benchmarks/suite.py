@@ -102,6 +102,8 @@ class SuiteOptions:
     # the serve section (benchmarks/serve.py): the endpoint's compiled rows and the client counts
     serve_batch: int = 8
     serve_levels: tuple[int, ...] = (1, 4, 8, 16)
+    # ... and side by side with `transformers serve` on the same folder (benchmarks/side_by_side.py)
+    serve_side_by_side: tuple[str, ...] = ("e2b", "medium-dense")
     # the mtp section's figures where bytes decide (benchmarks/drafting.py): oracle / always-wrong
     # drafters and the verify cost on a bandwidth-bound model, prompt lookup on a real trained one
     mtp_variants: tuple[str, ...] | None = None  # the tiny targets drafted by their assistants (None: MTP_VARIANTS)
@@ -326,6 +328,16 @@ def run_suite(
 
         say(f"serve: e2b, B = {options.serve_batch}, {options.serve_levels} concurrent streaming clients")
         report["serve"] = bench_serve(batch=options.serve_batch, backend=options.backend, levels=options.serve_levels)
+        from gemma4lab.benchmarks.side_by_side import bench_side_by_side
+
+        report["serve"]["side_by_side"] = []
+        for name in options.serve_side_by_side:
+            say(f"serve side by side: {name}, this endpoint and transformers serve on the same folder")
+            report["serve"]["side_by_side"].append(
+                bench_side_by_side(
+                    name, batch=options.serve_batch, backend=options.backend, levels=options.serve_levels
+                )
+            )
 
     if "images" in options.sections:  # image prefill: vision graph + prefill vs HF's forward (benchmarks/images.py)
         from gemma4lab.benchmarks.images import bench_images

@@ -207,3 +207,39 @@ def run_async(main: Callable[[], Awaitable[Any]]) -> Any:
         return asyncio.run(main())
     with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="gemma4lib-load") as pool:
         return pool.submit(lambda: asyncio.run(main())).result()
+
+
+def measure_level(
+    base_url: str,
+    model: str,
+    prompts: Sequence[str],
+    clients: int,
+    references: dict[str, str],
+    *,
+    requests_per_client: int = 1,
+    max_tokens: int = 24,
+    timeout_s: float = 300.0,
+    min_requests: int = 0,
+) -> Level:
+    """One level on its own, against references taken before (`references_for`): what a comparison of
+    two servers calls, level by level, so that both meet the machine's load at the same time."""
+    return run_async(
+        lambda: _level(
+            base_url, model, prompts, clients, requests_per_client, max_tokens, timeout_s, references, min_requests
+        )
+    )
+
+
+def single_replies(
+    base_url: str, model: str, prompts: Sequence[str], max_tokens: int, timeout_s: float = 120.0
+) -> list[Reply]:
+    """Each prompt sent alone, one after another; failures are kept in `Reply.error`, not raised."""
+
+    async def main() -> list[Reply]:
+        client = _client(base_url, timeout_s)
+        try:
+            return [await stream_one(client, model, prompt, max_tokens) for prompt in prompts]
+        finally:
+            await client.close()
+
+    return run_async(main)

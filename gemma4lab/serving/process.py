@@ -52,6 +52,7 @@ class ServerProcess:
         self.proc: subprocess.Popen | None = None
         self.ready_s: float | None = None
         self.returncode: int | None = None
+        self.env: dict[str, str] = {}  # set over this process's environment for the child
 
     @property
     def url(self) -> str:
@@ -71,7 +72,7 @@ class ServerProcess:
                 self.command,
                 stdout=out,
                 stderr=subprocess.STDOUT,
-                env=os.environ.copy(),
+                env={**os.environ, **self.env},
                 preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None,
             )
         deadline = time.monotonic() + timeout_s
