@@ -224,7 +224,9 @@ print(f"the same text: {streamed == answer}; it says {expect!r}: {expect in answ
 # requests the server answers **429 Too Many Requests** at once, with `Retry-After` saying when to
 # come back: the client (or a load balancer in front of several servers) can retry, or go
 # elsewhere, instead of hanging. The cell sends `burst` requests at the same moment: the rows
-# take some, the queue some, and the rest get 429.
+# take some, the queue some, and the rest get 429. Rows plus queue is what the burst is sure to
+# have served, not a cap on it: a short reply frees its row while the burst is still arriving, and
+# the next request takes that row, so more requests than that can be answered with success.
 #
 # **What else it refuses.** An endpoint on a network meets clients it cannot trust, so every limit
 # is checked before any work and named in the 400 (OpenAI's shape, `param` the field to fix): a body

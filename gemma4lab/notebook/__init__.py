@@ -50,6 +50,7 @@ from gemma4lab.notebook.display import (
     witness_table,
 )
 from gemma4lab.notebook.family import (
+    context_plan,
     device_bytes,
     effective_size,
     family_table,
@@ -143,6 +144,7 @@ __all__ = [
     "tp_cpu_run",
     "tp_demo",
     "tp_fit",
+    "context_plan",
     "tp_plan",
     "tp_runs_table",
     "until_stop",

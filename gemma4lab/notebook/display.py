@@ -244,6 +244,12 @@ def _tolerance_vs_margin(witness: Mapping[str, Any]) -> list[Any]:
     ]
 
 
+def _programs_note(witness: Mapping[str, Any]) -> str:
+    if witness.get("same_programs") is False:  # weights folded into the programs as constants
+        return "the compiler folded the tiny weights in: the witness compiled its own, by the same calls"
+    return "the trained run's programs, loaded with the witness's weights" if witness.get("same_programs") else ""
+
+
 def witness_table(witness: Mapping[str, Any] | None) -> Table:
     """The witness's checks: a random model has near-ties where the trained one has margins of
     several logits, so a logit error the trained run absorbs changes the witness's tokens."""
@@ -269,7 +275,7 @@ def witness_table(witness: Mapping[str, Any] | None) -> Table:
             "" if witness.get("first_mismatch") is None else f"first mismatch at token {witness.get('first_mismatch')}",
         ],
         ["LOGITS_MATCH", witness.get("logits_match"), witness.get("logits_explain") or ""],
-        ["same compiled programs as the trained run", witness.get("same_programs", "—"), ""],
+        ["same compiled programs as the trained run", witness.get("same_programs", "—"), _programs_note(witness)],
         _tolerance_vs_margin(witness),
     ]
     return Table(["", "witness", ""], rows, "witness: PASS" if witness.get("passed") else "witness: FAIL")

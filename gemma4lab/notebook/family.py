@@ -10,7 +10,7 @@ from gemma4lab.inf2.roofline import GB, GIB, INSTANCES
 from gemma4lab.notebook.display import Table
 from gemma4lib.device.kv_layout import FULL, KVLayout
 from gemma4lib.inf2.hardware import HBM_PER_CORE_GIB
-from gemma4lib.inf2.memory_plan import DEFAULT_CONTEXT, rank_weight_bytes
+from gemma4lib.inf2.memory_plan import DEFAULT_CONTEXT, WORKING_ALLOWANCE_GIB, plan_core_memory, rank_weight_bytes
 from gemma4lib.models.loading import text_config
 from gemma4lib.models.variants import VARIANTS, Variant, get_variant
 
@@ -160,6 +160,30 @@ def tp_fit(variant: Variant | str, degrees: Sequence[int] = (1, 2, 4, 8)) -> Tab
         ["TP", "weights per core", "of 16 GiB", "fits", "shardable", "field report"],
         rows,
         f"released {v.name.upper()}: bf16 device weights per NeuronCore at each TP degree",
+    )
+
+
+def context_plan(variant: Variant | str, contexts: Sequence[int] = (8192, 32768, 131072, 262144)) -> Table:
+    """What one NeuronCore holds at each context on the variant's own instance and TP degree (bf16,
+    sliding layers as rings, batch 1; `memory_plan.plan_core_memory`, computed, unverified on inf2),
+    up to the released maximum: the weights stay, the K/V grows with the context."""
+    v = variant if isinstance(variant, Variant) else get_variant(variant)
+    rows = []
+    for context in (c for c in contexts if c <= v.released_context):
+        plan = plan_core_memory(v, v.tp_degree, context_length=context)
+        kv, total = plan.kv_gib, plan.total_gib
+        rows.append([f"{context:,}", f"{plan.weights_gib:.2f}", f"{kv:.2f}", f"{total:.1f} of {plan.capacity_gib:.0f}",
+                     "yes" if total <= plan.capacity_gib else "no"])  # fmt: skip
+    return Table(
+        [
+            "context",
+            "weights per core (GiB)",
+            "K/V per core (GiB)",
+            f"with {WORKING_ALLOWANCE_GIB:.0f} GiB working",
+            "fits",
+        ],
+        rows,
+        f"{v.name.upper()} at TP={v.tp_degree} on an {v.instance_type}: one NeuronCore by context (computed)",
     )
 
 

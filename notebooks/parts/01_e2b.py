@@ -18,18 +18,8 @@ inf2.xlarge
 # which layers own K/V buffers and which borrow them, and how one NeuronCore runs the port through
 # [NxD](00_overview.ipynb#nxd) `ModelBuilder` (the [field report](00_overview.ipynb#field-report)'s `torch_neuronx.trace` recipe stays selectable). Every answer
 # is checked three ways: SEQ_MATCH, LOGITS_MATCH and coherence.
-#
-# ### Runs on
-#
-# The [`smoke`](00_overview.ipynb#smoke) profile runs on any x86-64 or arm64 CPU (two shared cores are enough); the `full`
-# profile on the inf2 instance in the status box below. Its figures are computed by the library from its plans, or quoted
-# from AWS's published inf2 specification or the field report, each marked; the hourly cost is not stated (no
-# sourced price is kept here). The record cell adds this run's own.
-#
-# | | `full` profile (inf2) | `smoke` profile (any CPU) |
-# |---|---|---|
-# | software | [Deep Learning AMI Neuron](00_overview.ipynb#dlami) (Ubuntu 24.04), venv `aws_neuronx_venv_pytorch_2_9_nxd_inference` (Python 3.12), Neuron SDK 2.28: torch-neuronx 2.9.0.2.12.22436, neuronx-cc 2.23.6484.0, neuronx-distributed 0.17.26814, libneuronxla 2.2.15515.0; + transformers 5.23.0 | torch 2.13 (CPU), transformers 5.23.0, [AOTInductor](00_overview.ipynb#aotinductor) as the compiler |
-# | model | `google/gemma-4-E2B-it` (bf16, gated: `HF_TOKEN` from the environment) | a tiny trained model of the same architecture: PLE + KV sharing (its shape: the model table in section 1) |
+# -- part: tiny_model --
+PLE + KV sharing (its shape: the model table in section 1)
 # -- part: parameters --
 neuron_recipe = None  # full: None for NxD ModelBuilder (prompt in one device pass), or trace (one graph)
 # -- part: settings --
@@ -218,6 +208,8 @@ print(f"slots per buffer: {slots} (sliding: a ring of the window; full: the whol
 # would need a new program (another variant, context, TP degree, torch version, ...) is a
 # `BundleError` before the device is touched. The first cell does it on this CPU, into an **empty**
 # cache, and checks the tokens against the port compiled above; the second is the inf2 version.
+# A bundle holds one set of settings: this one is a single-row port, so the endpoint of `07_serve`,
+# which serves several rows at once, exports its own (`python -m gemma4lib export` with its `--batch`).
 
 # %%
 import dataclasses

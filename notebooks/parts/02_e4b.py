@@ -18,18 +18,8 @@ inf2.8xlarge
 # partial output, and the all-reduce (a sum) that puts them back together, checked equal to the
 # unsharded layer; then the same plan run by this project's [rank graph](00_overview.ipynb#rank-graph), one process per rank. On
 # inf2 the port compiles at TP=2 with NxD `ModelBuilder`.
-#
-# ### Runs on
-#
-# The [`smoke`](00_overview.ipynb#smoke) profile runs on any x86-64 or arm64 CPU (two shared cores are enough); the `full`
-# profile on the inf2 instance in the status box below. Its figures are computed by the library from its plans, or quoted
-# from AWS's published inf2 specification or the [field report](00_overview.ipynb#field-report), each marked; the hourly cost is not stated (no
-# sourced price is kept here). The record cell adds this run's own.
-#
-# | | `full` profile (inf2) | `smoke` profile (any CPU) |
-# |---|---|---|
-# | software | [Deep Learning AMI Neuron](00_overview.ipynb#dlami) (Ubuntu 24.04), venv `aws_neuronx_venv_pytorch_2_9_nxd_inference` (Python 3.12), Neuron SDK 2.28: torch-neuronx 2.9.0.2.12.22436, neuronx-cc 2.23.6484.0, neuronx-distributed 0.17.26814, libneuronxla 2.2.15515.0; + transformers 5.23.0 | torch 2.13 (CPU), transformers 5.23.0, [AOTInductor](00_overview.ipynb#aotinductor) as the compiler |
-# | model | `google/gemma-4-E4B-it` (bf16, gated: `HF_TOKEN` from the environment) | a tiny trained model of the same architecture: PLE + KV sharing (its shape: the model table in section 1) |
+# -- part: tiny_model --
+PLE + KV sharing (its shape: the model table in section 1)
 # -- part: parameters --
 tp_demo = 2  # ranks of the rank-graph run on CPU processes (0: skip)
 # -- part: settings --
@@ -166,6 +156,28 @@ demos["tp_by_hand_mlp"]
 if tp_demo:
     demos["tp_cpu"] = nb.tp_demo(model, ids, s, tp_demo, prefill="cpu-seeded")
     display(demos["tp_cpu"])
+
+# %% [markdown]
+# ### How long a context fits on one core
+#
+# Every layer that owns K/V adds to a core's memory as the context grows, but not equally. E4B's
+# sliding layers keep a ring of `sliding_window` slots whatever the context, and its KV-sharing
+# layers own no K/V at all: only the full-attention layers among the owners grow. That is why a
+# model with per-layer embeddings on the host and shared K/V reaches its released context on one core.
+#
+# The table plans one core at each context up to the released maximum (`nb.context_plan`); the loop
+# asks `largest_context`, per inf2 size, for the longest context whose K/V still fits beside the
+# weights. Both are computed from the released config and unverified on inf2; neither counts the
+# Neuron compiler's own RAM, which grows with the compiled length (README, the family table's note).
+
+# %%
+from gemma4lib.inf2.memory_plan import largest_context
+
+demos["contexts"] = nb.context_plan(variant)  # one core at its TP on its own instance (GiB, computed)
+display(demos["contexts"])
+for instance in ("inf2.xlarge", "inf2.8xlarge"):
+    context, tp = largest_context(variant, instance)  # at the fewest cores that reach it
+    print(f"{instance}: longest context {context:,} tokens, at TP={tp}" if context else f"{instance}: none fits")
 # -- part: graph_note --
 # As for E2B, the PLE inputs arrive as a graph input computed on the host.
 # -- part: compile_note --

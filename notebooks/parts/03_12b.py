@@ -18,18 +18,8 @@ inf2.8xlarge
 # single KV head, which is its own choice, not part of k_eq_v), why inf2
 # compiles it with eager attention, and how a single KV head is replicated under
 # [tensor parallelism](00_overview.ipynb#tp) at TP=2. It runs at TP=2 through [NxD](00_overview.ipynb#nxd) `ModelBuilder`.
-#
-# ### Runs on
-#
-# The [`smoke`](00_overview.ipynb#smoke) profile runs on any x86-64 or arm64 CPU (two shared cores are enough); the `full`
-# profile on the inf2 instance in the status box below. Its figures are computed by the library from its plans, or quoted
-# from AWS's published inf2 specification or the [field report](00_overview.ipynb#field-report), each marked; the hourly cost is not stated (no
-# sourced price is kept here). The record cell adds this run's own.
-#
-# | | `full` profile (inf2) | `smoke` profile (any CPU) |
-# |---|---|---|
-# | software | [Deep Learning AMI Neuron](00_overview.ipynb#dlami) (Ubuntu 24.04), venv `aws_neuronx_venv_pytorch_2_9_nxd_inference` (Python 3.12), Neuron SDK 2.28: torch-neuronx 2.9.0.2.12.22436, neuronx-cc 2.23.6484.0, neuronx-distributed 0.17.26814, libneuronxla 2.2.15515.0; + transformers 5.23.0 | torch 2.13 (CPU), transformers 5.23.0, [AOTInductor](00_overview.ipynb#aotinductor) as the compiler |
-# | model | `google/gemma-4-12B-it` (bf16, gated: `HF_TOKEN` from the environment) | a tiny trained model of the same architecture: [k_eq_v](00_overview.ipynb#k-eq-v), one global KV head |
+# -- part: tiny_model --
+[k_eq_v](00_overview.ipynb#k-eq-v), one global KV head
 # -- part: parameters --
 tp_demo = 2  # ranks of the rank-graph run on CPU processes (0: skip)
 # -- part: settings --
@@ -139,6 +129,28 @@ display(nb.kv_heads_under_tp("12b", 2), nb.tp_fit("12b"))
 if tp_demo:
     demos["tp_cpu"] = nb.tp_demo(model, ids, s, tp_demo)
     display(demos["tp_cpu"])
+
+# %% [markdown]
+# ### How long a context fits on one core
+#
+# The 12B's full-attention layers are cheap per token for two reasons seen above: [k_eq_v](00_overview.ipynb#k-eq-v) stores
+# the keys once as values too, and there is one global KV head. But at TP=2 that one head is
+# replicated, so every rank holds all of the global K/V: adding ranks shrinks the weight shard
+# without shrinking that K/V. The room the weights leave is what a larger TP buys here.
+#
+# The table plans one core at each context up to the released maximum (`nb.context_plan`); the loop
+# asks `largest_context`, per inf2 size, for the longest context whose K/V still fits beside the
+# weights. Both are computed from the released config and unverified on inf2; neither counts the
+# Neuron compiler's own RAM, which grows with the compiled length (README, the family table's note).
+
+# %%
+from gemma4lib.inf2.memory_plan import largest_context
+
+demos["contexts"] = nb.context_plan(variant)  # one core at its TP on its own instance (GiB, computed)
+display(demos["contexts"])
+for instance in ("inf2.8xlarge", "inf2.24xlarge"):
+    context, tp = largest_context(variant, instance)  # at the fewest cores that reach it
+    print(f"{instance}: longest context {context:,} tokens, at TP={tp}" if context else f"{instance}: none fits")
 # -- part: graph_note --
 # -- part: compile_note --
 # at TP=2: one rank compiled (the rank graph with NxD's parallel layers, the global KV head copied

@@ -17,18 +17,8 @@ inf2.24xlarge
 # [tensor parallelism](00_overview.ipynb#tp) at TP=8 does to its four global KV heads (each is copied onto two ranks). The notebook also replays
 # the [field report](00_overview.ipynb#field-report)'s 31B bug: a chat prompt that the device and the reference both processed
 # identically, and wrongly.
-#
-# ### Runs on
-#
-# The [`smoke`](00_overview.ipynb#smoke) profile runs on any x86-64 or arm64 CPU (two shared cores are enough); the `full`
-# profile on the inf2 instance in the status box below. Its figures are computed by the library from its plans, or quoted
-# from AWS's published inf2 specification or the field report, each marked; the hourly cost is not stated (no
-# sourced price is kept here). The record cell adds this run's own.
-#
-# | | `full` profile (inf2) | `smoke` profile (any CPU) |
-# |---|---|---|
-# | software | [Deep Learning AMI Neuron](00_overview.ipynb#dlami) (Ubuntu 24.04), venv `aws_neuronx_venv_pytorch_2_9_nxd_inference` (Python 3.12), Neuron SDK 2.28: torch-neuronx 2.9.0.2.12.22436, neuronx-cc 2.23.6484.0, neuronx-distributed 0.17.26814, libneuronxla 2.2.15515.0; + transformers 5.23.0 | torch 2.13 (CPU), transformers 5.23.0, [AOTInductor](00_overview.ipynb#aotinductor) as the compiler |
-# | model | `google/gemma-4-31B-it` (bf16, gated: `HF_TOKEN` from the environment) | a tiny trained model of the same architecture: more KV heads on sliding than on global layers |
+# -- part: tiny_model --
+more KV heads on sliding than on global layers
 # -- part: parameters --
 tp_demo = 4  # ranks of the rank-graph run on CPU processes (0: skip)
 # -- part: settings --
@@ -132,6 +122,40 @@ display(nb.kv_heads_under_tp("31b", rank_tp, config=model.config))
 if tp_demo:
     demos["tp_cpu"] = nb.tp_demo(model, ids, s, tp_demo)
     display(demos["tp_cpu"])
+
+# %% [markdown]
+# ### How long a context fits on one core, and what the copied heads cost
+#
+# The copies above cost memory: each global KV head lives on more than one rank, so every core holds
+# a whole head's K/V for each full-attention layer, where a split without copies would leave it a
+# share of the heads. The cell's last lines measure that in the plan itself: past the sliding
+# window the rings stop growing, so what grows between two contexts is the full-attention layers'
+# K/V; it prints their part of a core's K/V at the longest context and what it would be without copies.
+# The loop gives both inf2 sizes the same figure: the recipe's TP degrees stop at eight
+# (`supported_tp`), so the larger instance adds cores to run more replicas, not room on each core.
+#
+# The table plans one core at each context up to the released maximum (`nb.context_plan`); the loop
+# asks `largest_context`, per inf2 size, for the longest context whose K/V still fits beside the
+# weights. Both are computed from the released config and unverified on inf2; neither counts the
+# Neuron compiler's own RAM, which grows with the compiled length (README, the family table's note).
+
+# %%
+from gemma4lib.inf2.memory_plan import largest_context, plan_core_memory
+
+demos["contexts"] = nb.context_plan(variant)  # one core at its TP on its own instance (GiB, computed)
+display(demos["contexts"])
+for instance in ("inf2.24xlarge", "inf2.48xlarge"):
+    context, tp = largest_context(variant, instance)  # at the fewest cores that reach it
+    print(f"{instance}: longest context {context:,} tokens, at TP={tp}" if context else f"{instance}: none fits")
+longest, ctx_tp = largest_context(variant, s.variant_spec.instance_type)
+kv = {c: plan_core_memory(variant, ctx_tp, context_length=c).kv_gib for c in (longest // 2, longest)}
+global_gib = 2 * (kv[longest] - kv[longest // 2])  # what grows past the window: the full-attention layers
+copies = ctx_tp // kv_heads  # ranks holding each global KV head
+share = global_gib / kv[longest]
+print(f"at {longest:,} tokens the full-attention layers hold {global_gib:.2f} GiB", end=" ")
+print(f"of the core's {kv[longest]:.2f} GiB of K/V ({share:.0%})")
+print(f"each global KV head sits on {copies} ranks: without copies they would hold {global_gib / copies:.2f} GiB")
+demos["full_attention_kv"] = {"context": longest, "gib": global_gib, "of_gib": kv[longest], "copies_per_head": copies}
 # -- part: graph_note --
 # -- part: compile_note --
 # at TP=8: one rank compiled (the rank graph with NxD's parallel layers, each global KV head copied on

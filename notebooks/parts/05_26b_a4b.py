@@ -18,18 +18,8 @@ inf2.24xlarge
 # can trace them, why "A4B" (about four billion active parameters) does not shrink the memory but can shrink the bytes a decode step
 # reads, and the family's most instructive bug: a rank read at trace time. It runs at TP=8
 # ([tensor parallelism](00_overview.ipynb#tp) over eight NeuronCores) through [NxD](00_overview.ipynb#nxd) `ModelBuilder`, each rank holding a slice of every expert.
-#
-# ### Runs on
-#
-# The [`smoke`](00_overview.ipynb#smoke) profile runs on any x86-64 or arm64 CPU (two shared cores are enough); the `full`
-# profile on the inf2 instance in the status box below. Its figures are computed by the library from its plans, or quoted
-# from AWS's published inf2 specification or the [field report](00_overview.ipynb#field-report), each marked; the hourly cost is not stated (no
-# sourced price is kept here). The record cell adds this run's own.
-#
-# | | `full` profile (inf2) | `smoke` profile (any CPU) |
-# |---|---|---|
-# | software | [Deep Learning AMI Neuron](00_overview.ipynb#dlami) (Ubuntu 24.04), venv `aws_neuronx_venv_pytorch_2_9_nxd_inference` (Python 3.12), Neuron SDK 2.28: torch-neuronx 2.9.0.2.12.22436, neuronx-cc 2.23.6484.0, neuronx-distributed 0.17.26814, libneuronxla 2.2.15515.0; + transformers 5.23.0 | torch 2.13 (CPU), transformers 5.23.0, [AOTInductor](00_overview.ipynb#aotinductor) as the compiler |
-# | model | `google/gemma-4-26B-A4B-it` (bf16, gated: `HF_TOKEN` from the environment) | a tiny trained model of the same architecture: a dense MLP beside routed experts |
+# -- part: tiny_model --
+a dense MLP beside routed experts
 # -- part: parameters --
 decode_experts = "selective"  # MoE decode: "selective" (the k routed experts) or "dense" (all)
 tp_demo = 2  # ranks of the rank-graph run on CPU processes (0: skip)
@@ -211,6 +201,27 @@ print("the first:", tracer_warnings["my_columns_baked"][0].message)
 if tp_demo:
     demos["tp_cpu"] = nb.tp_demo(model, ids, s, tp_demo, with_baked_rank=True)
     display(demos["tp_cpu"])
+
+# %% [markdown]
+# ### How long a context fits on one core
+#
+# The experts make the 26B-A4B's weights large, but its attention is that of a much smaller model:
+# few layers, two global KV heads, [k_eq_v](00_overview.ipynb#k-eq-v) on the full-attention layers. So its K/V per
+# token per core is small, and the weight shard, not the K/V, sets how many cores it needs.
+#
+# The table plans one core at each context up to the released maximum (`nb.context_plan`); the loop
+# asks `largest_context`, per inf2 size, for the longest context whose K/V still fits beside the
+# weights. Both are computed from the released config and unverified on inf2; neither counts the
+# Neuron compiler's own RAM, which grows with the compiled length (README, the family table's note).
+
+# %%
+from gemma4lib.inf2.memory_plan import largest_context
+
+demos["contexts"] = nb.context_plan(variant)  # one core at its TP on its own instance (GiB, computed)
+display(demos["contexts"])
+for instance in ("inf2.24xlarge", "inf2.48xlarge"):
+    context, tp = largest_context(variant, instance)  # at the fewest cores that reach it
+    print(f"{instance}: longest context {context:,} tokens, at TP={tp}" if context else f"{instance}: none fits")
 # -- part: graph_note --
 # The experts are swapped for a static form here: prefill always computes all experts and masks them
 # to the routed top-k; decode uses `decode_experts`.
