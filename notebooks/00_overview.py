@@ -181,6 +181,8 @@ nb.recipe_table()
 # The newest record each variant notebook wrote to `results_dir` (this notebook measures none of
 # it): the checks (the "witness" columns are the [witness](#witness)'s), and the benchmark figures. In
 # the smoke profile these are tiny models on a CPU; the bar colour says whether every check passed.
+# The compile column is the text graphs' (prefill and decode); each notebook's status box also counts
+# its image section's graphs and the witness's, so its compile figure can be the larger.
 
 # %%
 results = nb.load_results(results_dir)

@@ -107,7 +107,7 @@ def test_record_summary_writes_units_checks_and_the_cache():
 def test_results_table_formats_timings_and_says_whose_records_it_reads():
     table = nb.results_table({"e2b": {**RESULT, "result_file": "/tmp/e2b.json"}})
     row = dict(zip(table.columns, table.rows[0], strict=True))
-    assert row["prefill"] == "2.6 ms" and row["decode"] == "2,110 tok/s" and "cached" in row["compile"]
+    assert row["prefill"] == "2.6 ms" and row["decode"] == "2,110 tok/s" and "cached" in row["compile, text graphs"]
     assert "records the variant notebooks wrote" in str(table) and "/tmp/e2b.json" in str(table)
     assert not nb.results_table({}).note
 

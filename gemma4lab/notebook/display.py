@@ -366,7 +366,7 @@ def results_table(results: Mapping[str, Mapping[str, Any]]) -> Table:
             "logits_match",
             "coherent",
             "witness",
-            "compile",
+            "compile, text graphs",  # each notebook's status box adds the image and witness graphs
             "prefill",
             "decode",
             "answer",
