@@ -631,3 +631,14 @@ def test_incremental_text_equals_decoding_every_token_at_once(tokenizer):
             at += step
         pieces.append(stream.finish())
         assert "".join(pieces) == tokenizer.decode(ids, skip_special_tokens=True), ids
+
+
+def test_a_completion_prompt_that_writes_its_own_bos_gets_one(tokenizer):
+    """A completions prompt rendered with the chat template already starts with `<bos>`: the codec
+    does not add a second (the model never saw two), and a prompt without one still gets it."""
+    codec = Codec(tokenizer)
+    rendered = tokenizer.apply_chat_template(ask("France"), tokenize=False, add_generation_prompt=True)
+    assert rendered.startswith(tokenizer.bos_token)
+    assert codec.text(rendered) == codec.chat(ask("France"))
+    plain = codec.text("The capital of France is")
+    assert plain[0] == tokenizer.bos_token_id and plain[1] != tokenizer.bos_token_id

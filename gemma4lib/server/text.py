@@ -127,7 +127,10 @@ class Codec:
         if not prompt.strip():
             raise BadPromptError("prompt is empty; send the text the model should continue")
         with self._lock:
-            return list(self.tokenizer(prompt)["input_ids"])
+            ids, bos = list(self.tokenizer(prompt)["input_ids"]), self.tokenizer.bos_token_id
+        if bos is not None and ids[:2] == [bos, bos] and prompt.startswith(self.tokenizer.bos_token):
+            return ids[1:]  # the client wrote its own <bos> (a rendered chat template): not a second one
+        return ids
 
     def decode(self, ids: Sequence[int], raw: bool = False) -> str:
         """The text of `ids`; `raw`: with the special tokens (a reply to parse for its thought and calls)."""
