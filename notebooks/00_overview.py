@@ -335,5 +335,7 @@ overview["variants_found"]
 # - **Measured on inf2** (each variant's status box quotes its own): decode speed for E2B and E4B,
 #   prefill latency for the 12B, 31B and 26B-A4B, a compile time and a compile-host peak for the 31B,
 #   and a batch sweep for E2B (`06_serving`). Nothing else in these notebooks was measured on inf2.
-# - **Its bugs, replayed here**: a hand-built Gemma 3 chat prompt (`04_31b`), a rank read at trace
-#   time in the MoE (`05_26b_a4b`), a wrongly wired PLE path behind a public endpoint (`01_e2b`).
+# - **Its bugs**: a hand-built Gemma 3 chat prompt (replayed in `04_31b`), a rank read at trace time
+#   in the MoE (replayed in `05_26b_a4b`), a wrongly wired PLE path behind a public endpoint (`01_e2b`
+#   shows the right wiring; `python -m gemma4lab faults` replays the wrong one and names the check
+#   that catches it).

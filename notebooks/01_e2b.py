@@ -365,7 +365,7 @@ cache, options = ArtifactCache(s.cache_dir), compile_cpu.DEFAULT_COMPILER_OPTION
 print("AOTInductor options (compile_cpu.DEFAULT_COMPILER_OPTIONS):", dict(options))
 if not on_inf2:
     steps = {}
-    for name, graph in graphs.named().items():  # prefill64, ..., decode
+    for name, graph in graphs.named().items():  # prefill<tokens> per bucket, then decode
         began = time.perf_counter()
         with torch.no_grad():
             program = torch.export.export(graph, graph.example_inputs(), strict=False)

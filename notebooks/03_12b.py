@@ -595,8 +595,8 @@ plots.measured_vs_ceiling([ceiling, ceiling["released_inf2"]])
 #
 # - Take the language model out of the unified class; nothing else of it is needed for text.
 # - `attention_k_eq_v`: full layers have no `v_proj`. Trace the real forward and it does not matter.
-# - Force eager attention for inf2: it gives the same tokens (the logits differ by the amount the
-#   cell printed) and, per the field report, it fits the compiler.
+# - Force eager attention for inf2: it gave the same greedy next token as sdpa here (one step compared;
+#   the logits differ by the amount the cell printed) and, per the field report, it fits the compiler.
 # - A single global KV head is replicated on every rank under TP.
 # - A sliding layer needs only its window of K/V, a [ring](00_overview.ipynb#ring) of `sliding_window` slots, where a
 #   global layer holds the whole context: the K/V table above prints both sizes.

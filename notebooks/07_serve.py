@@ -389,6 +389,10 @@ print("\n".join(line for line in server.log_tail(4000).splitlines() if "drain" i
 # replica. This notebook on inf2 runs on a serving instance: without `artifacts` its setup cell
 # stops and says to export first.
 #
+# The command carries this run's parameters: here the smoke profile's `--backend cpu`, on inf2 the
+# `--backend neuron` and checkpoint of the full profile. It is the command-line form of `01_e2b`'s
+# `export_bundle(s, ...)` (§3c), which writes the same bundle from a notebook.
+#
 # Here the cell prints the compile host's command, then `skipped: backend=cpu`; on CPU the same deployment runs in
 # `tests/test_server_ray.py` (two replicas on a local cluster bound to 127.0.0.1, one killed under
 # load: its requests get 503 with `Retry-After`, the rest succeed, Ray restarts it from the bundle).

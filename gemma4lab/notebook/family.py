@@ -151,7 +151,13 @@ def tp_fit(variant: Variant | str, degrees: Sequence[int] = (1, 2, 4, 8)) -> Tab
                 tp,
                 f"{per_core:.1f} GiB" if supported else f"≈ {per_core:.1f} GiB (÷ TP, no plan)",
                 f"{per_core / HBM_PER_CORE_GIB:.0%}",
-                "no" if per_core > HBM_PER_CORE_GIB else "tight" if per_core > 0.75 * HBM_PER_CORE_GIB else "yes",
+                "no"
+                if per_core > HBM_PER_CORE_GIB
+                else f"no, with {WORKING_ALLOWANCE_GIB:.0f} GiB working"
+                if per_core + WORKING_ALLOWANCE_GIB > HBM_PER_CORE_GIB
+                else "tight"
+                if per_core > 0.75 * HBM_PER_CORE_GIB
+                else "yes",  # fmt: skip
                 "yes" if supported else "no (not a degree this recipe supports)",
                 "←" if tp == v.tp_degree else "",
             ]

@@ -83,7 +83,8 @@ def _inf2_rows(name: str) -> list[tuple[str, str, str]]:
             f"{'sliding layers in a ring' if core.ring else 'full length (no ring)'} "
             "(this core's KV heads: a head replicated under TP counted on every rank that keeps a copy) + "
             f"{core.working_gib:.1f} GiB working = {core.total_gib:.1f} of {core.capacity_gib:.0f} GiB",
-            "computed (`memory_plan`), unverified on inf2",
+            "computed (`memory_plan`), unverified on inf2; the working memory is an allowance for the Neuron "
+            "runtime, the program and its activations, not a measurement",
         ),
         (
             "compile host RAM",

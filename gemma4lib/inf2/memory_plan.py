@@ -386,14 +386,14 @@ def require_fit(
 
 def largest_context(variant: Variant | str, instance: str, *, ring: bool = True, step: int = 1024) -> tuple[int, int]:
     """(context, TP): the longest context, a multiple of `step` up to the released maximum, whose
-    per-core plan fits a NeuronCore's HBM at a TP degree `instance` has the cores for ((0, 0): none).
+    per-core plan fits a NeuronCore's HBM at a TP degree `instance` has the cores and host RAM for
+    ((0, 0): none).
     Computed, unverified on inf2. The compiler's own RAM at long contexts is not in the plan: the
     compile host's, which hardly grows with the context here, is no bound on it."""
     v = get_variant(variant) if isinstance(variant, str) else variant
     best = (0, 0)
-    for tp in (
-        t for t in v.supported_tp if t <= INSTANCES[instance].neuron_cores and not structural_problems(v, t, None)
-    ):
+    cores = INSTANCES[instance].neuron_cores  # and the instance's RAM must hold the host side at that TP
+    for tp in (t for t in v.supported_tp if t <= cores and serving_host_plan(v, t, instance).fits):
         room = HBM_PER_CORE_GIB - WORKING_ALLOWANCE_GIB - rank_weight_bytes(v, tp) / GIB  # what K/V may take
         low, high = 0, v.released_context // step  # K/V grows with the context: bisect
         while low < high:
