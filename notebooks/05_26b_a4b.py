@@ -319,7 +319,7 @@ if tp_demo:
 #
 # The table plans one core at each context up to the released maximum (`nb.context_plan`); the loop
 # asks `largest_context`, per inf2 size, for the longest context whose K/V still fits beside the
-# weights. Both are computed from the released config and unverified on inf2; neither counts the
+# weights, at a TP degree whose host side the instance's RAM holds (its serving-host plan). Both are computed from the released config and unverified on inf2; neither counts the
 # Neuron compiler's own RAM, which grows with the compiled length (README, the family table's note).
 
 # %% tags=["lesson"]

@@ -248,4 +248,4 @@ def test_the_longest_context_is_the_per_core_bound_and_the_readme_says_it():
         row = next(line for line in readme.splitlines() if line.startswith(f"| {v.name.upper()} | `google"))
         assert f" | {context:,} | " in row, (name, context)
     assert largest_context("31b", "inf2.xlarge") == (0, 0)  # two cores cannot hold a quarter of its weights
-    assert largest_context("e4b", "inf2.xlarge") == (0, 0)  # its cores could; its 16 GiB of RAM cannot hold the host side
+    assert largest_context("e4b", "inf2.xlarge") == (0, 0)  # its cores could; its RAM cannot hold the host side

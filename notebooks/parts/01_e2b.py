@@ -16,7 +16,7 @@ inf2.xlarge
 # embeddings (PLE) and cross-layer [KV sharing](00_overview.ipynb#kv-sharing) are exactly what the vendor graph builders cannot
 # express. **You will learn** why the PLE table stays on the host and costs nothing in accuracy,
 # which layers own K/V buffers and which borrow them, and how one NeuronCore runs the port through
-# [NxD](00_overview.ipynb#nxd) `ModelBuilder` (the [field report](00_overview.ipynb#field-report)'s `torch_neuronx.trace` recipe stays selectable). Every answer
+# [NxD](00_overview.ipynb#nxd) `ModelBuilder` (a one-graph `torch_neuronx.trace` recipe, the [field report](00_overview.ipynb#field-report)'s tool, stays selectable). Every answer
 # is checked three ways: SEQ_MATCH, LOGITS_MATCH and coherence.
 # -- part: tiny_model --
 PLE + KV sharing (its shape: the model table in section 1)
@@ -207,7 +207,8 @@ print(f"slots per buffer: {slots} (sliding: a ring of the window; full: the whol
 # with `PortSettings(artifacts=...)` loads from that folder and never compiles: anything that
 # would need a new program (another variant, context, TP degree, torch version, ...) is a
 # `BundleError` before the device is touched. The first cell does it on this CPU, into an **empty**
-# cache, and checks the tokens against the port compiled above; the second is the inf2 version.
+# cache, and checks the tokens against the port compiled above; the second is the inf2 version,
+# which only exports on the compile host: the load happens on the serving host, in its own process.
 # A bundle holds one set of settings: this one is a single-row port, so the endpoint of `07_serve`,
 # which serves several rows at once, exports its own (`python -m gemma4lib export` with its `--batch`).
 
@@ -235,13 +236,13 @@ else:
     print(f"skipped: backend={backend}")
 
 # %%
-if on_inf2:  # inf2-only: compile on a large host, serve on a small one (never run here)
-    # on the compile host (an inf2.8xlarge: the compile's host RAM, the status box): write the folder
+if on_inf2:  # inf2-only, on the compile host (an inf2.8xlarge: the compile's host RAM, the status box)
     export_bundle(s, "bundles/e2b")  # ModelBuilder's model.pt (its NEFFs) + one weight shard per rank
-    # copy bundles/e2b to the serving host (an inf2.xlarge); there, this replaces section 3's compile:
-    compiled = compile_graphs(model, dataclasses.replace(s, artifacts="bundles/e2b"))  # loads, never compiles
-    runtime = compiled.runtime
-    print(f"from the bundle: compile {compiled.compile_s:.1f} s")
+    # Copy bundles/e2b to the serving host (an inf2.xlarge). There another process loads it, never compiling:
+    #     compile_graphs(load_model(s), dataclasses.replace(s, artifacts="bundles/e2b"))
+    # or `python -m gemma4lib serve --artifacts bundles/e2b ...`, which 07_serve runs (its `artifacts`).
+    # Not here: this process's model already holds the cores, and a second load would be refused.
+    print("exported bundles/e2b: load it on the serving host (07_serve's `artifacts`)")
 else:
     print(f"skipped: backend={backend}")
 # -- part: after_checks --
