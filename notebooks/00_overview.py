@@ -52,7 +52,7 @@
 # 1. **[05_26b_a4b](05_26b_a4b.ipynb)** adds the mixture of experts: the router, static expert forms,
 #    the expert split across ranks, a rank that must be a runtime tensor, and its inf2 rank module.
 # 1. **[06_serving](06_serving.ipynb)** serves more than one token per weight read on the tiny E2B
-#    (CPU only): a batch of different prompts, each row checked against its own reference, its keys on
+#    (run on CPU here): a batch of different prompts, each row checked against its own reference, its keys on
 #    neuron, and drafting with Gemma-4's own assistant, exact against greedy decoding. Its inf2
 #    figures are computed, marked so, beside the [field report](#field-report)'s measured batch figures.
 # 1. **[07_serve](07_serve.ipynb)** puts the same engine behind an OpenAI-compatible endpoint: rows
@@ -253,7 +253,8 @@ overview["variants_found"]
 #   runs in float64; LOGITS_MATCH allows the device a fixed multiple of it (with a floor), so the
 #   tolerance follows the model's own rounding instead of a constant.
 # - <a id="bucket"></a>**bucket**: a prompt length a prefill graph is compiled for (`prefill_buckets`).
-#   A prompt runs in the smallest bucket that holds it, right-padded; a longer one needs a new compile.
+#   A prompt runs in the smallest bucket that holds it, right-padded; a longer one runs in chunks of the
+#   largest, each over the K/V written before it, up to `context_length` (a longer context: a new compile).
 # - <a id="ring"></a>**ring**: a sliding-window layer's K/V buffer of only `sliding_window` slots,
 #   written at `position % slots`, so old entries are overwritten as the window moves (`ring_kv`).
 #   The masks say which slots hold positions inside the window.
@@ -275,7 +276,7 @@ overview["variants_found"]
 # - <a id="smoke"></a>**smoke / full profile**: the tiny trained model on any CPU (what ran here), or
 #   the released checkpoint on inf2 (never run by this project). `papermill_runs`' smoke profile runs
 #   all eight notebooks; its full profile runs this one and the five variant notebooks, not
-#   `06_serving` or `07_serve` (CPU only).
+#   `06_serving` or `07_serve`, which it runs on CPU only (their inf2 cells run by hand on an instance).
 # - <a id="cpu-seeded-prefill"></a>**CPU-seeded prefill**: the prompt's prefill run by the unsharded
 #   model on the host, each TP rank then starting its decode from its slice of that K/V; the field
 #   report's E4B recipe did this, and `02_e4b`'s CPU run of the rank graph does it too.

@@ -61,7 +61,8 @@ status = nb.status_box("e2b")  # figures from the library's plans; the record ce
 # run record at `results_path` (relative to `--cwd notebooks`) and the compiled graphs in
 # `.cache/gemma4lib` (without `GEMMA4LIB_CACHE`: `~/.cache/gemma4lib`). `python -m papermill_runs run
 # --profile full` does the same for the five variant notebooks and `00_overview`; it leaves out
-# `06_serving` and `07_serve`, which run on a CPU only (`papermill_runs/profiles.json`). The Hugging
+# `06_serving` and `07_serve`, which it runs on a CPU only (`papermill_runs/profiles.json`; their inf2
+# cells are run by hand on an instance, as each says). The Hugging
 # Face token is read from `HF_TOKEN` in the environment, never from a parameter, so it never lands
 # in an executed notebook.
 
@@ -643,7 +644,7 @@ else:
 # %%
 eos = eos_ids(model)
 request = Request(ids, s.max_new_tokens, eos_token_ids=tuple(eos))  # greedy: argmax needs no softcap
-bucket = runtime.check(request)  # the smallest compiled prompt length that holds the prompt, or a clear error
+bucket = runtime.check(request)  # its compiled prompt length (longer: chunks of the largest), or a clear error
 runtime.admit({0: request}, keep_logits=True)  # prefill: K/V at positions 0..n-1, the first token
 while runtime.live_rows():  # decode: one graph call per new token, each live row at its own position
     runtime.step()
@@ -735,8 +736,9 @@ display(nb.witness_table(witness))
 # prefill bucket and context with room for the whole budget, printed below), so its prefill and decode
 # are the text section's programs wherever the graph is the same (a config bidirectional over images,
 # as the 12B's, gives the prefill one more input), handed the vision fixture's weights at load time. The compile table says which graphs this run compiled and which it found in the artifact
-# cache; the tiny vision parts of the five variants share one architecture, so on a first run a
-# notebook run after another already finds the vision graph there. The answer is judged like text: SEQ_MATCH and
+# cache; the tiny vision parts of the E models, the 31B and the 26B-A4B share one encoder architecture
+# (the 12B has no encoder), so on a first run a notebook run after another of them already finds the
+# vision graph there. The answer is judged like text: SEQ_MATCH and
 # LOGITS_MATCH against transformers' own `generate(pixel_values=...)` on the same model (the first
 # logits row is the image prefill's), and coherence, which asks the answer to name the colour and
 # shape read from the pixels, so a model that did not look fails it.
@@ -805,8 +807,8 @@ if image_settings is not None:
 # tokens whose probability reaches `top_p`; `on_token` receives each token as it is chosen, which is
 # how the text streams. A conversation is the chat template over the whole history: the model's
 # answer goes back in as a `model` turn and the next question follows, so every turn re-reads the
-# whole conversation (one prefill), one row, and must fit the compiled prompt length and
-# `context_length` (a longer conversation needs a longer compile: section 3). The same compiled
+# whole conversation (one prefill, in chunks of the largest compiled prompt length when longer), one
+# row, and must fit `context_length` (a longer conversation needs a longer compile: section 3). The same compiled
 # runtime serves it; nothing is compiled again.
 #
 # In the smoke profile the tiny model was trained on one-turn chats about capitals only. Its first
