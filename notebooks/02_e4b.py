@@ -29,8 +29,8 @@ status = nb.status_box("e4b")  # figures from the library's plans; the record ce
 # ### Runs on
 #
 # As in [`01_e2b`](01_e2b.ipynb#runs-on): `smoke` on any CPU, `full` on the status box's inf2 instance with
-# the Neuron SDK 2.28 set-up of that table, on `google/gemma-4-E4B-it` (bf16, gated: `HF_TOKEN`). The smoke
-# model is a tiny trained model of the same architecture: PLE + KV sharing (its shape: the model table in section 1).
+# the Neuron SDK 2.28 venv `aws_neuronx_venv_pytorch_2_9_nxd_inference` of that table, on `google/gemma-4-E4B-it`
+# (bf16, gated: `HF_TOKEN`). The smoke model is a tiny trained model of the same architecture: PLE + KV sharing (its shape: the model table in section 1).
 #
 # ## Parameters
 #

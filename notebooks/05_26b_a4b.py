@@ -29,8 +29,8 @@ status = nb.status_box("26b-a4b")  # figures from the library's plans; the recor
 # ### Runs on
 #
 # As in [`01_e2b`](01_e2b.ipynb#runs-on): `smoke` on any CPU, `full` on the status box's inf2 instance with
-# the Neuron SDK 2.28 set-up of that table, on `google/gemma-4-26B-A4B-it` (bf16, gated: `HF_TOKEN`). The smoke
-# model is a tiny trained model of the same architecture: a dense MLP beside routed experts.
+# the Neuron SDK 2.28 venv `aws_neuronx_venv_pytorch_2_9_nxd_inference` of that table, on `google/gemma-4-26B-A4B-it`
+# (bf16, gated: `HF_TOKEN`). The smoke model is a tiny trained model of the same architecture: a dense MLP beside routed experts.
 #
 # ## Parameters
 #

@@ -66,8 +66,8 @@ status = nb.status_box("{{variant}}")  # figures from the library's plans; the r
 # ### Runs on
 #
 # As in [`01_e2b`](01_e2b.ipynb#runs-on): `smoke` on any CPU, `full` on the status box's inf2 instance with
-# the Neuron SDK 2.28 set-up of that table, on `{{hub}}` (bf16, gated: `HF_TOKEN`). The smoke
-# model is a tiny trained model of the same architecture: {{tiny_model}}.
+# the Neuron SDK 2.28 venv `aws_neuronx_venv_pytorch_2_9_nxd_inference` of that table, on `{{hub}}`
+# (bf16, gated: `HF_TOKEN`). The smoke model is a tiny trained model of the same architecture: {{tiny_model}}.
 #
 # ## Parameters
 #
