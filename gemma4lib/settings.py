@@ -287,12 +287,12 @@ class PortSettings:
             self.row_prefill = words[self.row_prefill.strip().lower()]
         if not isinstance(self.row_prefill, bool):
             raise SettingsError(f"row_prefill must be True or False, got {self.row_prefill!r}")
-        if self.row_prefill and not runs_row_prefill(self.backend, self.tp_degree):
+        if self.row_prefill and not runs_row_prefill(self.backend, self.tp_degree, self.draft is not None):
             raise SettingsError(
-                f"row_prefill runs one-row prefill graphs over one row of host K/V buffers (backend "
-                f"{names_where(lambda f: f.row_prefill)} at tp_degree 1); backend {self.backend!r} at tp_degree "
-                f"{self.tp_degree} holds its K/V as device state that a graph takes whole: use row_prefill=False "
-                f"there (joins use the batch-shaped prefill; README, serving)"
+                f"row_prefill runs one-row prefill graphs (backend {names_where(lambda f: f.row_prefill)}; not at "
+                f"tp_degree > 1 on CPU ranks, nor drafting on {names_where(lambda f: not f.joins_drafted)}); backend "
+                f"{self.backend!r} at tp_degree {self.tp_degree} with draft={self.draft!r} has none: use "
+                f"row_prefill=False there (joins use the batch-shaped prefill; README, serving)"
             )
 
     @property

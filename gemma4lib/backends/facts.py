@@ -33,9 +33,10 @@ class BackendFacts:
     tp_ranks: str | None = None  # the row that runs it at TP > 1 when it does not itself (cpu, eager: gloo)
     rank_graphs: bool = False  # builds rank graphs (TP plan, dense verify), not `device.build`'s single-device ones
     bundles: bool = False  # its artifacts can be exported and run from a bundle
-    # runs one-row prefill graphs over a row of its K/V (`runtime.bind_kv_rows`: views of host buffers).
-    # Not xla/neuron: their K/V are device states a graph takes and returns whole.
+    # runs one-row prefill graphs: over a row's views of host K/V (`runtime.bind_kv_rows`), or, where
+    # K/V are device states a graph takes whole (xla, neuron), as joins (`device.row_join`)
     row_prefill: bool = False
+    joins_drafted: bool = True  # ... with drafting too (neuron: its drafting keys have no join key)
     images: bool = False  # runs a prompt's images (the vision graph beside the decoder's)
     request_images: bool = False  # serves images per request (`vision=True` without images: the endpoint)
     image_blocks: bool = False  # its prefill graphs take the image blocks (the 12B's bidirectional image mask)
@@ -81,6 +82,7 @@ FACTS: dict[str, BackendFacts] = {
             "CPU, .venv-xla",
             inplace=False,
             min_warmup=1,
+            row_prefill=True,
             images=True,
             request_images=True,
             image_blocks=True,
@@ -96,6 +98,8 @@ FACTS: dict[str, BackendFacts] = {
             tp=True,
             rank_graphs=True,
             bundles=True,
+            row_prefill=True,
+            joins_drafted=False,
             images=True,
             request_images=True,
             int8=True,
@@ -144,11 +148,13 @@ def runs_tp(name: str) -> bool:
     return row.tp or row.tp_ranks is not None
 
 
-def runs_row_prefill(name: str, tp_degree: int) -> bool:
-    """Where one-row prefill graphs run: a backend whose K/V are host buffers a row can be a view of
-    (the row's `row_prefill`), at TP 1. The one statement of the rule: settings refuse it elsewhere,
-    a server turns it on where it holds (at batch > 1, `PortSettings.builds_row_prefill`)."""
-    return int(tp_degree) == 1 and row_at(name, tp_degree).row_prefill
+def runs_row_prefill(name: str, tp_degree: int, drafted: bool = False) -> bool:
+    """Where one-row prefill graphs run: the row that runs backend `name` at `tp_degree` has
+    `row_prefill` (cpu at TP 2 runs on gloo, which has not), and `joins_drafted` when `drafted`. The
+    one statement of the rule: settings refuse it elsewhere, a server turns it on where it holds (at
+    batch > 1, `PortSettings.builds_row_prefill`)."""
+    row = row_at(name, tp_degree)
+    return row.row_prefill and (row.joins_drafted or not drafted)
 
 
 def names_where(flag: Callable[[BackendFacts], bool]) -> str:

@@ -24,6 +24,7 @@ from ..cache.artifacts import make_key
 from ..cache.bundle import cache_for
 from ..device.embedder import HostEmbedder
 from ..device.graph import GraphShape
+from ..device.row_join import row_step
 from ..environment import program_versions
 from ..errors import SettingsError
 from ..inf2.doctor import warn_low_host_ram
@@ -208,6 +209,7 @@ def compile(graphs: GraphSet, model: LoadedModel, settings: PortSettings, progre
     if recipe == "model_builder":  # a key per bucket: a prompt runs the smallest that holds it
         names = neuron_model_builder.bucket_shapes(context, buckets, ring, batch)
         key_graphs = {n: decode if s.tokens == 1 else prefill[s.tokens] for n, s in names.items()}
+        key_graphs.update({f"row_prefill{b}": join for b, join in graphs.row_prefill.items()})  # the joins
         if model.variant.is_moe:
             decode_experts = settings.decode_experts
     shapes = {name: graph.shape for name, graph in key_graphs.items()}
@@ -274,7 +276,10 @@ def compile(graphs: GraphSet, model: LoadedModel, settings: PortSettings, progre
     else:
         loaded = neuron_model_builder.load_model_builder(entry.path, tp)
         step = DeviceStep(cores.claim(loaded, 0, tp, label), n_inputs, vocab, aliases=states, index_dtype=indices)
-        steps = Steps(prefill={b: step for b in buckets}, decode=step)  # NxD routes each call by its shapes
+        # NxD routes each call by its shapes; a join takes one input more than the module was saved with
+        join = DeviceStep(_keyed(loaded), n_inputs + 1, vocab, aliases=states, index_dtype=indices)
+        rows = {b: row_step(join) for b in graphs.row_prefill}
+        steps = Steps(prefill={b: step for b in buckets}, decode=step, row_prefill=rows)
     check_host_tables(HostEmbedder.from_text_model(model.text_model))  # the compile left the host tables whole
     # no host K/V: the device steps keep theirs as aliased state and never read host buffers
     compiled = CompiledGraphs(
@@ -285,6 +290,11 @@ def compile(graphs: GraphSet, model: LoadedModel, settings: PortSettings, progre
         {"artifacts": str(entry.path), "tp_degree": tp, "decode_experts": decode_experts, "weights": settings.weights},
     )
     return with_vision(compiled, vision)
+
+
+def _keyed(traced: Any) -> Any:
+    """A loaded NxD model called through its router with any key's arity (`NxDKeyStep`'s call)."""
+    return lambda *inputs: traced.nxd_model.forward(list(inputs))  # inf2-only
 
 
 def assistant_digest(assistant: LoadedAssistant) -> str:

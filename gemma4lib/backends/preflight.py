@@ -41,6 +41,11 @@ def preflight(settings: PortSettings) -> None:
             "states; the one-graph trace recipe has a single decode graph: use the ModelBuilder recipe "
             "(neuron_recipe=None) or draft=None"
         )
+    if settings.builds_row_prefill and row.device_bound and recipe == "trace":
+        raise SettingsError(
+            "row_prefill joins a row through a batch-1 prefill key over the batch's K/V states; the one-graph "
+            "trace recipe has no prefill key: use the ModelBuilder recipe (neuron_recipe=None) or row_prefill=False"
+        )
     if settings.weights == "int8" and settings.draft is not None and row.quantizes_itself:
         raise SettingsError(  # else bf16 keys under a plan sized for int8, with no int8 in their key
             f"weights='int8' with draft={settings.draft!r} on backend {row.name!r}: the drafting keys hold "

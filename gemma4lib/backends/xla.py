@@ -320,7 +320,7 @@ def session_steps(graphs: GraphSet, hlo_dir: str | Path | None = None) -> tuple[
     named = graphs.named()
     session = XLASession(named, hlo_dir=hlo_dir)
     kv = session.new_kv("decode" if graphs.decode is not None else "verify")
-    return named_steps({name: session.step(name) for name in named}, kv), session
+    return named_steps({name: session.step(name) for name in named}, kv, joins=True), session
 
 
 def compile(graphs: GraphSet, model: LoadedModel, settings: PortSettings, progress: bool = False) -> CompiledGraphs:

@@ -21,6 +21,7 @@ from ..models.image_attention import bidirectional_images
 from .drafting import DraftGraph, RoomyLayout, verify_expert_form
 from .graph import DeviceGraph, GraphShape
 from .kv_layout import KVLayout
+from .row_join import RowJoin
 from .vision import VisionGraph, encoder_free, vision_graph
 
 if TYPE_CHECKING:  # type names only
@@ -47,7 +48,7 @@ class GraphSet:
     draft_tokens: int = 0
     vision: VisionGraph | None = None  # pixels -> soft tokens, when the port has images (no K/V)
     # batch 1 prefill graphs per bucket over one row of the batch's K/V (`runtime.bind_kv_rows`)
-    row_prefill: dict[int, DeviceGraph] = field(default_factory=dict)
+    row_prefill: dict[int, DeviceGraph | RowJoin] = field(default_factory=dict)
     # the loaded assistant the draft graph reads (drafting with it): loaded once per port, handed on
     assistant: LoadedAssistant | None = None
 
@@ -181,8 +182,9 @@ def graph_set(
     blocks = vision is not None and bidirectional_images(model.config)
     prefill = {b: graph(b, PREFILL_EXPERTS, hidden=hidden, image_blocks=blocks) for b in prefill_buckets}
     rows = {}
-    if row_prefill:
+    if row_prefill:  # functional: a join over the batch's K/V (`row_join`); in place: over a row's views
         rows = {b: graph(b, PREFILL_EXPERTS, 1, hidden=hidden, image_blocks=blocks) for b in prefill_buckets}
+        rows = rows if inplace else {b: RowJoin(g, batch) for b, g in rows.items()}
     if not k:
         decode = graph(1, decode_experts, compute_balance=compute_balance)
         return GraphSet(prefill, decode, layout, vision=vision, row_prefill=rows)

@@ -74,6 +74,7 @@ from ..device.build import device_graph
 from ..device.experts import EXPERT_FORMS
 from ..device.graph import GraphShape
 from ..device.quant import LINEAR_WEIGHT_NAME, check_weights, quantize
+from ..device.row_join import RowJoin
 from ..errors import UnknownNameError
 from ..tp.draft_rank_graph import prefill_key_shapes
 from ..tp.plan import TPPlan, make_plan
@@ -141,12 +142,14 @@ def rank_module(
     factory: Any = None,
     expert_form: str = "dense",
     weights: str = "bf16",
+    join: int = 0,
 ) -> KVParamModule:
     """The module one rank compiles: rank graph (NxD layers by default) + K/V parameters; with
-    `weights="int8"` its attention and dense-MLP parallel linears become NxD's quantized ones."""
+    `weights="int8"` its attention and dense-MLP parallel linears become NxD's quantized ones;
+    `join` > 0: a join key over a batch of `join` rows' K/V (`device.row_join`, same state names)."""
     factory = factory or NxDParallelFactory(plan.tp, dtype)
     graph = build_rank_graph(config, plan, shape, factory=factory, dtype=dtype, inplace=False, expert_form=expert_form)
-    module = KVParamModule(graph).eval()
+    module = KVParamModule(RowJoin(graph, join) if join else graph).eval()
     if check_weights(weights) == "int8":
         quantize_nxd(module)
     return module
@@ -309,15 +312,22 @@ def compile_model_builder(
         compiler_workdir=str(workdir),
     )
     for key, graph in graphs.items():
-        shape = graph.shape
+        shape, join = graph.shape, graph.batch if isinstance(graph, RowJoin) else 0  # a join: the row index too
         builder.add(  # inf2-only
             key=key,
             model_instance=KeyInstance(
                 functools.partial(
-                    rank_module, loaded.config, plan, shape, dtype, expert_form=forms[shape.phase], weights=weights
+                    rank_module,
+                    loaded.config,
+                    plan,
+                    shape,
+                    dtype,
+                    expert_form=forms[shape.phase],
+                    weights=weights,
+                    join=join,
                 )
             ),
-            example_inputs=[key_inputs(graph, n_inputs, dtype)],
+            example_inputs=[key_inputs(graph, n_inputs + int(join > 0), dtype)],
             compiler_args=neuron_env.COMPILER_ARGS[shape.phase],
             priority_model_idx=PRIORITY[shape.phase],
         )
@@ -331,7 +341,7 @@ def compile_model_builder(
         "variant": loaded.variant.name,
         "tp": tp,
         "context_length": shapes["decode"].context_length,
-        "buckets": [s.tokens for s in shapes.values() if s.phase == "prefill"],
+        "buckets": [s.tokens for k, s in shapes.items() if k.startswith("prefill")],
         "ring": shapes["decode"].ring,
         "batch": shapes["decode"].batch,
         "dtype": str(dtype),
