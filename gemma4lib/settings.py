@@ -290,7 +290,7 @@ class PortSettings:
         if self.row_prefill and not runs_row_prefill(self.backend, self.tp_degree, self.draft is not None):
             raise SettingsError(
                 f"row_prefill runs one-row prefill graphs (backend {names_where(lambda f: f.row_prefill)}; not at "
-                f"tp_degree > 1 on CPU ranks, nor drafting on {names_where(lambda f: not f.joins_drafted)}); backend "
+                f"tp_degree > 1 on CPU ranks, nor drafting on {names_where(lambda f: f.rank_graphs)}); backend "
                 f"{self.backend!r} at tp_degree {self.tp_degree} with draft={self.draft!r} has none: use "
                 f"row_prefill=False there (joins use the batch-shaped prefill; README, serving)"
             )

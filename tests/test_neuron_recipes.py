@@ -907,3 +907,166 @@ def test_backend_neuron_accepts_exactly_its_aliased_states_after_the_logits(extr
             runtime.generate([5, 6, 7], 3)
     else:
         assert len(runtime.generate([5, 6, 7], 3).tokens) == 3
+
+
+# ---- the one-row join (issue 46 item 3): a batch-1 prefill key over the batch's K/V states ----------
+
+
+def test_backend_neuron_batch_4_compiles_a_join_key_per_bucket(tmp_path, monkeypatch):
+    """`--backend neuron --batch 4` with `row_prefill`: ModelBuilder receives every prefill bucket and
+    decode at 4 rows, and a `row_prefill<bucket>` key per bucket at one row that takes an int32 row
+    index `[1]` first (its input shapes route it); the cache key names the join keys."""
+    from gemma4lib import port as port_module
+    from gemma4lib.backends import neuron
+
+    recorder, keys = _Recorder(), []
+    monkeypatch.setenv("GEMMA4LIB_INSTANCE_TYPE", "inf2.8xlarge")
+    monkeypatch.setattr(neuron_env, "require_sdk", lambda *a, **k: None)
+    monkeypatch.setattr(neuron_env, "require", lambda module, purpose="": recorder.module)
+    real_key = neuron.neuron_cache_key
+    monkeypatch.setattr(neuron, "neuron_cache_key", lambda *a, **k: keys.append(a[3]) or real_key(*a, **k))
+    settings = port_module.PortSettings(
+        variant="e2b",
+        backend="neuron",
+        batch_size=4,
+        prefill_buckets=(16, 64),
+        row_prefill=True,
+        cache_dir=str(tmp_path),
+    )
+    with pytest.raises(RuntimeError, match="stop: no Neuron compiler here"):
+        port_module.port(settings)
+    adds = {args["key"]: args for kind, args in recorder.calls if kind == "add"}
+    assert list(adds) == ["prefill16", "prefill64", "decode", "row_prefill16", "row_prefill64"]
+    cfg = get_variant("e2b").tiny_config
+    for bucket in (16, 64):
+        batched, join = adds[f"prefill{bucket}"], adds[f"row_prefill{bucket}"]
+        assert batched["inputs"][0] == (4, bucket, cfg["hidden_size"])
+        assert join["inputs"] == [(1,), (1, *batched["inputs"][0][1:]), (1, *batched["inputs"][1][1:]), (1,), (1,)]
+        assert join["dtypes"][0] == join["dtypes"][-1] == torch.int32
+        assert (join["priority"], join["compiler_args"]) == (None, batched["compiler_args"])
+    assert set(keys[0]) == set(adds)
+
+
+def _join_modules(model, batch: int, bucket: int, context: int):
+    """The recipe's batched prefill and join modules of one bucket, CPU layers for NxD's, loaded from
+    the recipe's checkpoint."""
+    from gemma4lib.recipes import neuron_model_builder as mb
+    from gemma4lib.tp.plan import make_plan
+    from gemma4lib.tp.rank_graph import CpuParallelFactory
+
+    plan = make_plan(model.config, 1, model.variant)
+    checkpoint = mb.nxd_checkpoint(model, plan, torch.float32)
+    shapes = {"batched": GraphShape(batch, bucket, context), "join": GraphShape(1, bucket, context)}
+    joins = {"batched": 0, "join": batch}
+    modules = {
+        name: mb.rank_module(model.config, plan, shape, torch.float32, CpuParallelFactory(1), join=joins[name])
+        for name, shape in shapes.items()
+    }
+    for module in modules.values():
+        module.load_state_dict(checkpoint, strict=False)
+    return modules
+
+
+def test_a_neuron_join_key_binds_the_batched_states_and_writes_exactly_one_row():
+    """The join key's module (CPU layers for NxD's) has the batched key's K/V states by name and shape
+    (NxD binds one set for every key); run with the device's aliasing, it writes row 2 of each state
+    and leaves every other row bit-identical."""
+    from gemma4lib.device.graph import index_tensor
+    from gemma4lib.recipes.common import AliasEmulator
+
+    modules = _join_modules(tiny("e2b"), 4, 16, 32)
+    states = {n: tuple(p.shape) for n, p in modules["batched"].named_parameters()}
+    assert {n: tuple(p.shape) for n, p in modules["join"].named_parameters()} == states
+    join = modules["join"]
+    with torch.no_grad():
+        for p in join.kv:
+            p.copy_(torch.randn_like(p))
+    before = [p.detach().clone() for p in join.kv]
+    inputs = list(join.example_inputs())
+    inputs[0], inputs[-1] = index_tensor([2]), index_tensor([9])
+    inputs[1] = torch.randn_like(inputs[1])
+    AliasEmulator(join)(*inputs)
+    for old, new in zip(before, join.kv, strict=True):
+        assert torch.equal(old[[0, 1, 3]], new[[0, 1, 3]])
+    assert all(not torch.equal(old[2], new[2]) for old, new in zip(before, join.kv, strict=True))
+
+
+class _RoutedNxDModel:
+    """A loaded ModelBuilder model on CPU: the recipe's modules of every key (CPU layers, the recipe's
+    checkpoint) over one set of K/V parameters, each call routed by its input shapes as NxD routes it,
+    through `__call__` or `nxd_model.forward`; `keys` records which key ran."""
+
+    def __init__(self, model, graphs):
+        from gemma4lib.device.row_join import RowJoin
+        from gemma4lib.recipes import neuron_model_builder as mb
+        from gemma4lib.recipes.common import AliasEmulator
+        from gemma4lib.tp.plan import make_plan
+        from gemma4lib.tp.rank_graph import CpuParallelFactory
+
+        plan = make_plan(model.config, 1, model.variant)
+        checkpoint = mb.nxd_checkpoint(model, plan, torch.float32)
+        self.routes, self.keys, shared = {}, [], None
+        for key, graph in graphs.items():
+            join = graph.batch if isinstance(graph, RowJoin) else 0
+            module = mb.rank_module(model.config, plan, graph.shape, torch.float32, CpuParallelFactory(1), join=join)
+            module.load_state_dict(checkpoint, strict=False)
+            shared = shared or module
+            module = shared.sharing(module.graph)
+            self.routes[tuple(tuple(t.shape) for t in module.example_inputs())] = (key, AliasEmulator(module))
+        self.nxd_model = types.SimpleNamespace(forward=lambda inputs: self(*inputs))
+
+    def __call__(self, *inputs):
+        key, run = self.routes[tuple(tuple(t.shape) for t in inputs)]
+        self.keys.append(key)
+        return run(*inputs)
+
+
+def test_a_row_joining_a_running_batch_on_neuron_goes_through_the_join_key(tmp_path, monkeypatch):
+    """`backend="neuron"`, batch 2, `row_prefill`: the loaded model stood in by the recipe's own
+    modules on CPU. Row 0 joins and decodes, row 1 joins the running batch: each admission runs its
+    bucket's join key (never the batch-shaped prefill), and both rows' tokens equal the eager engine's."""
+    from gemma4lib.port import PortSettings, compile_graphs, eos_ids, load_model
+    from gemma4lib.recipes import neuron_model_builder
+    from gemma4lib.runtime import Request, encode_prompt
+
+    monkeypatch.setenv("GEMMA4LIB_INSTANCE_TYPE", "inf2.8xlarge")
+    monkeypatch.setattr(neuron_env, "require_sdk", lambda *a, **k: None)
+    monkeypatch.setattr(neuron_env, "require", lambda *a, **k: None)
+    kwargs = dict(variant="e2b", batch_size=2, row_prefill=True, prefill_buckets=(32,), context_length=64)
+    model = load_model(PortSettings(backend="eager", **kwargs))
+    loaded = {}
+
+    def compile_stub(m, tp, folder, graphs, **kw):
+        loaded["model"] = _RoutedNxDModel(m, graphs)
+        (folder / "manifest.json").write_text("{}")
+
+    monkeypatch.setattr(neuron_model_builder, "compile_model_builder", compile_stub)
+    monkeypatch.setattr(neuron_model_builder, "load_model_builder", lambda path, tp: loaded["model"])
+    eos = tuple(eos_ids(model))
+    requests = [
+        Request(encode_prompt(model.tokenizer, f"What is the capital of {c}?"), 8, eos_token_ids=eos)
+        for c in ("France", "Japan")
+    ]
+    tokens = {}
+    for backend in ("eager", "neuron"):
+        engine = compile_graphs(model, PortSettings(backend=backend, cache_dir=str(tmp_path), **kwargs)).runtime
+        engine.admit({0: requests[0]})
+        engine.step()
+        engine.admit({1: requests[1]})
+        while engine.live_rows():
+            engine.step()
+        tokens[backend] = [engine.release(r).tokens for r in range(2)]
+    keys = loaded["model"].keys
+    assert [k for k in keys if k != "decode"] == ["row_prefill32", "row_prefill32"], keys
+    assert tokens["neuron"] == tokens["eager"] and "Paris" in model.tokenizer.decode(tokens["neuron"][0])
+
+
+def test_the_trace_recipe_refuses_row_prefill(monkeypatch):
+    """The one-graph trace recipe has no prefill key to join through: refused before anything loads."""
+    from gemma4lib.errors import SettingsError
+
+    monkeypatch.setenv("GEMMA4LIB_INSTANCE_TYPE", "inf2.xlarge")
+    monkeypatch.setattr(neuron_env, "require_sdk", lambda *a, **k: None)
+    settings = PortSettings(variant="e2b", backend="neuron", batch_size=2, row_prefill=True, neuron_recipe="trace")
+    with pytest.raises(SettingsError, match="trace recipe has a single decode graph"):
+        preflight(settings)

@@ -108,7 +108,11 @@ def test_the_bundle_knows_the_row_graphs():
 
 @pytest.mark.parametrize(
     "kwargs",
-    [{"backend": "xla"}, {"backend": "cpu", "tp_degree": 2}, {"backend": "cpu", "row_prefill": "sometimes"}],
+    [
+        {"backend": "neuron", "draft": "assistant"},  # the drafting keys have no join key
+        {"backend": "cpu", "tp_degree": 2},
+        {"backend": "cpu", "row_prefill": "sometimes"},
+    ],
 )
 def test_row_prefill_is_refused_where_it_cannot_run(kwargs):
     settings = {"variant": "e4b", "batch_size": 4, "row_prefill": True, **kwargs}
@@ -119,6 +123,9 @@ def test_row_prefill_is_refused_where_it_cannot_run(kwargs):
 def test_a_server_prefills_rows_alone_unless_told_otherwise():
     assert serving_defaults({"variant": "e2b", "batch_size": 4})["row_prefill"] is True
     assert serving_defaults({"variant": "e2b", "batch_size": 1})["row_prefill"] is False
-    assert serving_defaults({"variant": "e2b", "batch_size": 4, "backend": "xla"})["row_prefill"] is False
+    for backend in ("xla", "neuron"):  # joins through the join graph (`device.row_join`): the same default
+        assert serving_defaults({"variant": "e2b", "batch_size": 4, "backend": backend})["row_prefill"] is True
+    drafted = {"variant": "e2b", "batch_size": 4, "backend": "neuron", "draft": "assistant"}
+    assert serving_defaults(drafted)["row_prefill"] is False
     assert serving_defaults({"variant": "e2b", "batch_size": 4, "row_prefill": False})["row_prefill"] is False
     assert PortSettings(variant="e2b", batch_size=4, row_prefill="true").row_prefill is True  # `serve run` key=value

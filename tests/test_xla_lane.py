@@ -539,3 +539,93 @@ def test_hlo_audit_verify_graph_reads_the_mtp_roofline_bytes(xla_lane, variant, 
     # the default form is the one that reads fewer expert bytes
     if form is None:
         assert row.experts_read == min((k + 1) * c.top_k_experts, c.num_experts) * slices, table
+
+
+# ---- the one-row join (issue 46 item 3): a batch-1 prefill over one row of the batch's device K/V ----
+
+JOIN_QUESTIONS = ("France", "Japan")
+
+
+def _joined(compiled, model, new_tokens: int = 8) -> dict:
+    """Row 0 joins alone and decodes two steps, then row 1 joins the running batch alone; both run
+    to their end. Each row's result, and which step each admission ran."""
+    from gemma4lib.port import eos_ids
+    from gemma4lib.runtime import Request, encode_prompt
+
+    engine, calls = compiled.runtime, []
+    eos = tuple(eos_ids(model))
+    requests = [
+        Request(encode_prompt(model.tokenizer, f"What is the capital of {c}?"), new_tokens, eos_token_ids=eos)
+        for c in JOIN_QUESTIONS
+    ]
+
+    def counted(step):
+        return lambda row, *inputs: calls.append(row) or step(row, *inputs)
+
+    engine.steps.row_prefill = {b: counted(step) for b, step in engine.steps.row_prefill.items()}
+    engine.admit({0: requests[0]}, keep_logits=True)
+    engine.step()
+    engine.step()
+    engine.admit({1: requests[1]}, keep_logits=True)
+    while engine.live_rows():
+        engine.step()
+    assert calls == [0, 1]  # both admissions went through the join
+    return {r: engine.release(r) for r in range(2)}
+
+
+def test_a_row_joins_a_running_batch_on_xla_as_on_eager(xla_lane):
+    """`row_prefill` on xla: each join runs the join graph (`device.row_join`: the batch-1 prefill over
+    one row of the batch's device K/V) and every row's tokens and first logits equal the eager
+    engine's one-row prefill over host views, with 0 CPU fallbacks and one compilation of the join."""
+    import torch
+
+    from gemma4lib.port import PortSettings, compile_graphs, load_model
+
+    kwargs = dict(variant="e2b", batch_size=2, row_prefill=True, prefill_buckets=(32,), context_length=64)
+    model = load_model(PortSettings(backend="eager", **kwargs))
+    want = _joined(compile_graphs(model, PortSettings(backend="eager", **kwargs)), model)
+    compiled = compile_graphs(model, PortSettings(backend="xla", **kwargs))
+    got = _joined(compiled, model)
+    for r in range(2):
+        assert got[r].tokens == want[r].tokens, r
+        torch.testing.assert_close(got[r].first_logits, want[r].first_logits, atol=1e-4, rtol=1e-4)
+    assert "Paris" in model.tokenizer.decode(got[0].tokens)  # the trained fixture still answers
+    report = compiled.report()
+    assert report["xla_fallbacks"] == 0, report["xla_fallback_ops"]
+    assert report["xla_compilations"]["row_prefill32"] == 1 and report["xla_graph_hashes"]["row_prefill32"] == 1
+    assert report["xla_steps"]["row_prefill32"] == 2 and "prefill32" not in report["xla_steps"]
+    assert report["xla_executions"] == report["xla_steps"]
+
+
+def test_a_join_on_xla_writes_its_row_and_no_other(xla_lane):
+    """The join graph on the XLA device over the batch's K/V (random contents): every other row's K/V
+    comes back bit-identical and the joined row equals the batch-1 graph's own write."""
+    import torch
+
+    from gemma4lib.backends.xla import XLASession
+    from gemma4lib.device.build import graph_set
+    from gemma4lib.device.graph import index_tensor
+
+    model = _audit_model("e2b")
+    graphs = graph_set(
+        model, batch=3, context_length=32, ring=False, prefill_buckets=(8,), inplace=False, row_prefill=True
+    )
+    join = graphs.row_prefill[8]
+    session = XLASession({"row_prefill8": join})
+    torch.manual_seed(0)
+    before = [torch.randn_like(t) for t in join.new_kv()]
+    kv = [t.to(session.device) for t in before]
+    inputs = [torch.randn_like(t) if t.is_floating_point() else t for t in join.example_inputs()[1 : join.num_inputs]]
+    inputs[-1] = index_tensor([5])  # 5 of the bucket's 8 tokens
+    logits = session.run("row_prefill8", index_tensor([1]), *inputs, *kv).cpu()
+    after = [t.cpu() for t in kv]
+    row = [t[1:2].clone() for t in before]
+    with torch.no_grad():
+        expected = join.graph(*inputs, *row)
+    noise = 1e-4 * float(expected[0].abs().max())  # fp32 sums in XLA:CPU's order, not eager's
+    torch.testing.assert_close(logits, expected[0], atol=noise, rtol=0)
+    for old, new, one in zip(before, after, expected[1:], strict=True):
+        assert torch.equal(old[[0, 2]], new[[0, 2]])
+        torch.testing.assert_close(new[1:2], one, atol=noise, rtol=0)
+    assert any(not torch.equal(old[1], new[1]) for old, new in zip(before, after, strict=True))
+    assert session.report()["xla_fallbacks"] == 0

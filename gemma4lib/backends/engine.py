@@ -16,7 +16,6 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..device.build import GraphSet
-from ..device.row_join import row_step
 from ..errors import GraphFormError
 from ..runtime import Engine, Step, Steps, bind_kv, bind_kv_rows
 
@@ -29,12 +28,11 @@ _BUCKETED = re.compile(r"(row_prefill|prefill)(\d+)")
 _SINGLE = ("decode", "verify", "draft", "vision")
 
 
-def named_steps(fns: Mapping[str, Step], kv: Sequence[torch.Tensor] | None = None, joins: bool = False) -> Steps:
+def named_steps(fns: Mapping[str, Step], kv: Sequence[torch.Tensor] | None = None) -> Steps:
     """`Steps` from callables named as `GraphSet.named()`. `kv`: the K/V buffers each takes as
     trailing inputs, bound here (`runtime.bind_kv`; a one-row prefill takes one row of them,
     `bind_kv_rows`; the vision graph reads none). None: the callables hold their K/V themselves
-    (device steps whose K/V are aliased state). `joins`: the one-row graphs are joins
-    (`device.row_join`), which take the row index and the whole K/V."""
+    (device steps whose K/V are aliased state)."""
     prefill: dict[int, Step] = {}
     rows: dict[int, Step] = {}
     single: dict[str, Step] = {}
@@ -46,9 +44,7 @@ def named_steps(fns: Mapping[str, Step], kv: Sequence[torch.Tensor] | None = Non
                 f"('prefill<bucket>', 'row_prefill<bucket>', {', '.join(map(repr, _SINGLE))})"
             )
         if kv is not None and name != "vision":
-            fn = bind_kv_rows(fn, kv) if name.startswith("row_") and not joins else bind_kv(fn, kv)
-        if joins and name.startswith("row_"):
-            fn = row_step(fn)
+            fn = bind_kv_rows(fn, kv) if name.startswith("row_") else bind_kv(fn, kv)
         if bucketed is None:
             single[name] = fn
         else:

@@ -36,7 +36,6 @@ class BackendFacts:
     # runs one-row prefill graphs: over a row's views of host K/V (`runtime.bind_kv_rows`), or, where
     # K/V are device states a graph takes whole (xla, neuron), as joins (`device.row_join`)
     row_prefill: bool = False
-    joins_drafted: bool = True  # ... with drafting too (neuron: its drafting keys have no join key)
     images: bool = False  # runs a prompt's images (the vision graph beside the decoder's)
     request_images: bool = False  # serves images per request (`vision=True` without images: the endpoint)
     image_blocks: bool = False  # its prefill graphs take the image blocks (the 12B's bidirectional image mask)
@@ -99,7 +98,6 @@ FACTS: dict[str, BackendFacts] = {
             rank_graphs=True,
             bundles=True,
             row_prefill=True,
-            joins_drafted=False,
             images=True,
             request_images=True,
             int8=True,
@@ -149,12 +147,10 @@ def runs_tp(name: str) -> bool:
 
 
 def runs_row_prefill(name: str, tp_degree: int, drafted: bool = False) -> bool:
-    """Where one-row prefill graphs run: the row that runs backend `name` at `tp_degree` has
-    `row_prefill` (cpu at TP 2 runs on gloo, which has not), and `joins_drafted` when `drafted`. The
-    one statement of the rule: settings refuse it elsewhere, a server turns it on where it holds (at
-    batch > 1, `PortSettings.builds_row_prefill`)."""
+    """Where one-row prefill graphs run (the one statement of the rule: settings refuse, a server turns
+    on): the running row's `row_prefill` (cpu at TP 2 runs gloo's), not drafting with rank graphs (no join key)."""
     row = row_at(name, tp_degree)
-    return row.row_prefill and (row.joins_drafted or not drafted)
+    return row.row_prefill and not (drafted and row.rank_graphs)
 
 
 def names_where(flag: Callable[[BackendFacts], bool]) -> str:

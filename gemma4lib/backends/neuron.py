@@ -181,17 +181,12 @@ def with_vision(compiled: CompiledGraphs, vision: tuple[Any, Any, float] | None)
 
 def compile(graphs: GraphSet, model: LoadedModel, settings: PortSettings, progress: bool = False) -> CompiledGraphs:
     """Compile with the recipe `neuron_recipe` picks for the variant and TP degree (or load the
-    artifact from the cache when its key matches): the engine's steps. Raises
-    `NeuronSDKMissingError` without the SDK, before any work.
-
-    `model_builder` (the default, every variant and TP degree): a prefill key per bucket + decode
-    over one set of K/V states; the prompt is one call of the smallest bucket that holds it. `trace`
-    (TP=1, on request): the decode graph alone; the engine feeds the prompt through it token by
-    token. With a drafter: prefill,
-    verify and draft keys over one set of K/V states (`recipes.neuron_drafting`). The shapes (batch,
-    buckets, context, ring) are those of `graphs` (`device.build.device_graphs` of the settings).
-    Artifacts live in the artifact cache (`settings.cache_dir`) keyed by `neuron_cache_key`.
-    """
+    artifact from the cache when its key matches): the engine's steps. Raises `NeuronSDKMissingError`
+    without the SDK, before any work. `model_builder` (the default): a prefill key per bucket, with
+    `row_prefill` a join key per bucket (`device.row_join`), and decode, over one set of K/V states;
+    `trace` (TP=1, on request): the decode graph alone, the prompt fed through it token by token. With
+    a drafter: prefill, verify and draft keys (`recipes.neuron_drafting`). The shapes are those of
+    `graphs` (the settings'); artifacts live in the artifact cache, keyed by `neuron_cache_key`."""
     neuron_env.require("torch_neuronx", f"backend 'neuron' ({model.variant.name})")
     if graphs.verify is not None:
         return compile_drafting(graphs, model, settings)
@@ -276,8 +271,9 @@ def compile(graphs: GraphSet, model: LoadedModel, settings: PortSettings, progre
     else:
         loaded = neuron_model_builder.load_model_builder(entry.path, tp)
         step = DeviceStep(cores.claim(loaded, 0, tp, label), n_inputs, vocab, aliases=states, index_dtype=indices)
-        # NxD routes each call by its shapes; a join takes one input more than the module was saved with
-        join = DeviceStep(_keyed(loaded), n_inputs + 1, vocab, aliases=states, index_dtype=indices)
+        # NxD routes each call by its shapes; a join has one input more than the saved executor (`NxDKeyStep`)
+        keyed = lambda *inputs: loaded.nxd_model.forward(list(inputs))  # noqa: E731  # inf2-only
+        join = DeviceStep(keyed, n_inputs + 1, vocab, aliases=states, index_dtype=indices)
         rows = {b: row_step(join) for b in graphs.row_prefill}
         steps = Steps(prefill={b: step for b in buckets}, decode=step, row_prefill=rows)
     check_host_tables(HostEmbedder.from_text_model(model.text_model))  # the compile left the host tables whole
@@ -290,11 +286,6 @@ def compile(graphs: GraphSet, model: LoadedModel, settings: PortSettings, progre
         {"artifacts": str(entry.path), "tp_degree": tp, "decode_experts": decode_experts, "weights": settings.weights},
     )
     return with_vision(compiled, vision)
-
-
-def _keyed(traced: Any) -> Any:
-    """A loaded NxD model called through its router with any key's arity (`NxDKeyStep`'s call)."""
-    return lambda *inputs: traced.nxd_model.forward(list(inputs))  # inf2-only
 
 
 def assistant_digest(assistant: LoadedAssistant) -> str:

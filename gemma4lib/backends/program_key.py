@@ -37,6 +37,7 @@ GRAPH_SOURCES = (
     "device/quant.py",
     "device/kv_layout.py",
     "device/packed_linear.py",
+    "device/row_join.py",
     "tp/rank_graph.py",
     "tp/draft_rank_graph.py",
     "tp/layers.py",

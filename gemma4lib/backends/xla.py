@@ -315,12 +315,16 @@ COMPILER = "torch-xla"
 def session_steps(graphs: GraphSet, hlo_dir: str | Path | None = None) -> tuple[Steps, XLASession]:
     """The named graphs of `graphs` (functional form) in one session, as the engine's `Steps` over
     one set of device K/V that the prefill, decode and verify steps rebind and the draft step reads."""
+    from ..device.row_join import row_step
+    from ..runtime import bind_kv
     from .engine import named_steps
 
     named = graphs.named()
     session = XLASession(named, hlo_dir=hlo_dir)
     kv = session.new_kv("decode" if graphs.decode is not None else "verify")
-    return named_steps({name: session.step(name) for name in named}, kv, joins=True), session
+    steps = named_steps({name: session.step(name) for name in named if not name.startswith("row_")}, kv)
+    steps.row_prefill = {b: row_step(bind_kv(session.step(f"row_prefill{b}"), kv)) for b in graphs.row_prefill}
+    return steps, session  # a row joins through its join graph (`device.row_join`) over the whole K/V
 
 
 def compile(graphs: GraphSet, model: LoadedModel, settings: PortSettings, progress: bool = False) -> CompiledGraphs:

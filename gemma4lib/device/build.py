@@ -181,10 +181,8 @@ def graph_set(
     # an image's tokens see each other on a config bidirectional over them: its prefills take the blocks
     blocks = vision is not None and bidirectional_images(model.config)
     prefill = {b: graph(b, PREFILL_EXPERTS, hidden=hidden, image_blocks=blocks) for b in prefill_buckets}
-    rows = {}
-    if row_prefill:  # functional: a join over the batch's K/V (`row_join`); in place: over a row's views
-        rows = {b: graph(b, PREFILL_EXPERTS, 1, hidden=hidden, image_blocks=blocks) for b in prefill_buckets}
-        rows = rows if inplace else {b: RowJoin(g, batch) for b, g in rows.items()}
+    rows = {b: graph(b, PREFILL_EXPERTS, 1, hidden=hidden, image_blocks=blocks) for b in prefill_buckets if row_prefill}
+    rows = rows if inplace else {b: RowJoin(g, batch) for b, g in rows.items()}  # functional: joins (`row_join`)
     if not k:
         decode = graph(1, decode_experts, compute_balance=compute_balance)
         return GraphSet(prefill, decode, layout, vision=vision, row_prefill=rows)

@@ -1,13 +1,9 @@
-"""The one-row join for functional backends (xla, neuron): a request joins a running batch through a
-batch-1 prefill over the batch's own K/V, where its K/V are device state a graph takes whole.
-
-`RowJoin(graph, batch)` takes an int32 row index `[1]` first, then the batch-1 graph's inputs and the
-batch's K/V buffers at their full `[batch, ...]` shapes (the batched keys' state names and shapes,
-so NxD binds the same states to every key); it reads that row (`index_select`), runs the batch-1
-`DeviceGraph` (`inplace=False`) over it and writes back only that row (`index_copy`: a one-row scatter),
-returning what the graph returns and then the whole updated K/V. Its children and parameters are the
-graph's, under the same names, so a checkpoint keyed for the batched keys loads into it unchanged.
-On cpu/eager no join is needed: a row is a view of the host buffers (`runtime.bind_kv_rows`).
+"""The one-row join where K/V are device state a graph takes whole (xla, neuron; on cpu/eager a row is
+a view of host buffers, `runtime.bind_kv_rows`). `RowJoin(graph, batch)` takes an int32 row index
+`[1]`, the batch-1 graph's inputs and the batch's K/V at their full shapes (the batched keys' states:
+NxD binds one set to every key); it reads that row (`index_select`), runs the batch-1 `DeviceGraph`
+(`inplace=False`) and writes back that row only (`index_copy`, a one-row scatter): the graph's
+outputs, then the whole K/V. Its children are the graph's by name: the batched keys' checkpoint loads.
 """
 
 from __future__ import annotations
@@ -26,26 +22,17 @@ class RowJoin(nn.Module):
 
     def __init__(self, graph: nn.Module, batch: int):
         super().__init__()
-        for name, child in graph.named_children():  # the graph's names: no prefix of ours in the state
+        for name, child in graph.named_children():  # no prefix of ours in the state names
             self.add_module(name, child)
-        self._inner = (graph,)  # a tuple: not a child, its modules are ours already
-        self.batch, self.shape, self.inplace = int(batch), graph.shape, False
-        self.dtype, self.returns_hidden = graph.dtype, graph.returns_hidden
-        self.num_inputs = graph.num_inputs + 1
-        self.image_blocks = graph.image_blocks
-
-    @property
-    def graph(self) -> nn.Module:
-        return self._inner[0]
+        object.__setattr__(self, "graph", graph)  # not a child: its children are ours already
+        self.batch, self.shape, self.dtype, self.inplace = int(batch), graph.shape, graph.dtype, False
+        self.num_inputs, self.image_blocks = graph.num_inputs + 1, graph.image_blocks
 
     def key_parts(self) -> dict:
-        """The batch-1 graph's program parts, and that it is a join over a batch of `batch` rows."""
-        return {**self.graph.key_parts(), "row_join": self.batch}
+        return {**self.graph.key_parts(), "row_join": self.batch}  # a join over `batch` rows' K/V
 
     def new_kv(self) -> list[torch.Tensor]:
-        """The batch's K/V buffers (`batch` rows), the states the batched keys hold."""
-        one = self.graph.new_kv()
-        return [torch.zeros((self.batch, *t.shape[1:]), dtype=t.dtype) for t in one]
+        return [torch.zeros((self.batch, *t.shape[1:]), dtype=t.dtype) for t in self.graph.new_kv()]
 
     def example_inputs(self) -> tuple[torch.Tensor, ...]:
         inner = self.graph.example_inputs()[: self.graph.num_inputs]
@@ -56,16 +43,11 @@ class RowJoin(nn.Module):
         index = row.long()  # XLA's index_select / index_copy take one index dtype
         out = self.graph(*inputs, *(t.index_select(0, index) for t in kv))
         out = list(out) if isinstance(out, (tuple, list)) else [out]
-        written = out[len(out) - len(kv) :]
-        joined = [t.index_copy(0, index, new) for t, new in zip(kv, written, strict=True)]
-        return (*out[: len(out) - len(kv)], *joined)
+        n = len(out) - len(kv)
+        return (*out[:n], *(t.index_copy(0, index, new) for t, new in zip(kv, out[n:], strict=True)))
 
 
 def row_step(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """The engine's row step (`Steps.row_prefill`: `step(row, *inputs)`, `row` an int) over a join
-    graph's callable, which takes the row as an int32 `[1]` tensor before its inputs."""
-
-    def step(row: int, *inputs: torch.Tensor) -> Any:
-        return fn(index_tensor([row]), *inputs)
-
-    return step
+    """The engine's row step (`Steps.row_prefill`: `step(row, *inputs)`, `row` an int) over a join's
+    callable, which takes the row as an int32 `[1]` tensor first."""
+    return lambda row, *inputs: fn(index_tensor([row]), *inputs)

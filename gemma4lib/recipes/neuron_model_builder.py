@@ -284,18 +284,15 @@ def compile_model_builder(
     batch: int = 1,
     graphs: dict[str, nn.Module] | None = None,
 ) -> Path:
-    """Compile a prefill key per bucket + decode for one rank, save the model and the per-rank shards
-    to `out_dir`.
-
+    """Compile a prefill key per bucket + decode for one rank (and the join keys `graphs` holds, each a
+    `device.row_join.RowJoin`), save the model and the per-rank shards to `out_dir`.
     `decode_experts`: the decode graph's MoE expert form (`dense` | `selective`); prefill is dense.
     `expert_split`: how the ranks share the MoE experts (`intermediate` | `experts`; default: the
     plan's, the intermediate split where it divides).
     `weights`: "int8" quantizes the attention and dense-MLP linears with NxD's layers (module docstring).
-    `graphs`: `{key: graph}` as `bucket_shapes` names them, the device graphs the keys are compiled
-    for (the backend passes its `device_graphs`, so batch, buckets, context and ring are the
-    settings'); their shapes and example inputs are the keys'. Without them they are built from
-    `context_length`, `buckets`, `ring` and `batch` (rows per call in every key).
-    """
+    `graphs`: `{key: graph}`, the device graphs the keys are compiled for (the backend's
+    `device_graphs`: the settings' batch, buckets, context and ring); their shapes and example inputs
+    are the keys'. Without them: `bucket_shapes(context_length, buckets, ring, batch)`'s keys."""
     model_builder, KeyInstance = instance_class()
     forms = bucket_expert_forms(decode_experts)
     plan = make_plan(loaded.config, tp, loaded.variant, expert_split=expert_split)
@@ -313,20 +310,10 @@ def compile_model_builder(
     )
     for key, graph in graphs.items():
         shape, join = graph.shape, graph.batch if isinstance(graph, RowJoin) else 0  # a join: the row index too
+        parts = {"expert_form": forms[shape.phase], "weights": weights, "join": join}
         builder.add(  # inf2-only
             key=key,
-            model_instance=KeyInstance(
-                functools.partial(
-                    rank_module,
-                    loaded.config,
-                    plan,
-                    shape,
-                    dtype,
-                    expert_form=forms[shape.phase],
-                    weights=weights,
-                    join=join,
-                )
-            ),
+            model_instance=KeyInstance(functools.partial(rank_module, loaded.config, plan, shape, dtype, **parts)),
             example_inputs=[key_inputs(graph, n_inputs + int(join > 0), dtype)],
             compiler_args=neuron_env.COMPILER_ARGS[shape.phase],
             priority_model_idx=PRIORITY[shape.phase],
