@@ -14,6 +14,7 @@ from gemma4lab.tools.hlo_audit import (
     entry_instructions,
     format_table,
     gather_slices_contiguous,
+    kv_bytes_written,
     parse_instruction,
     type_bytes,
 )
@@ -275,3 +276,23 @@ def test_audit_table_names_the_expert_split():
     moe = {(tp, form, split) for variant, tp, form, split in TENSOR_PARALLEL if variant == "26b-a4b"}
     assert {(tp, form, "intermediate") for tp in (2, 8) for form in ("dense", "selective")} <= moe
     assert (8, "selective", "experts") in moe  # the first form stays audited next to it
+
+
+def test_kv_bytes_written_counts_a_scatters_updates_and_a_rewrite_whole():
+    """Output 1 is a scatter of 8 x 16 floats into parameter 0 behind an identity transpose: it writes
+    its updates; output 2 is a select over all of parameter 1: it rewrites the buffer; output 0 (the
+    logits) is not asked about."""
+    kv, up = "f32[3,1,64,16]", "f32[1,1,8,16]"
+    body = f"""  %p0 = {kv} parameter(0)
+  %p1 = {kv} parameter(1)
+  %i = s64[1,1,8,3] parameter(2)
+  %u = {up} parameter(3)
+  %m = pred[3,1,64,16] parameter(4)
+  %s = {kv} scatter({kv} %p0, s64[1,1,8,3] %i, {up} %u), update_window_dims={{3}}, to_apply=%AddComputation.5
+  %t = {kv} transpose({kv} %s), dimensions={{0,1,2,3}}
+  %w = {kv} select(pred[3,1,64,16] %m, {kv} %p1, {kv} %p0)
+  ROOT %out = ({up}, {kv}, {kv}) tuple({up} %u, {kv} %t, {kv} %w)"""
+    text = module(body)
+    assert kv_bytes_written(text, [1]) == 8 * 16 * 4
+    assert kv_bytes_written(text, [2]) == 3 * 64 * 16 * 4
+    assert kv_bytes_written(text, [1, 2]) == 8 * 16 * 4 + 3 * 64 * 16 * 4

@@ -598,8 +598,9 @@ def test_a_row_joins_a_running_batch_on_xla_as_on_eager(xla_lane):
 
 
 def test_a_join_on_xla_writes_its_row_and_no_other(xla_lane):
-    """The join graph on the XLA device over the batch's K/V (random contents): every other row's K/V
-    comes back bit-identical and the joined row equals the batch-1 graph's own write."""
+    """The join graph on the XLA device over the batch's K/V (random contents), 5 tokens at position 3:
+    every other row's K/V and every other slot of the joined row come back bit-identical, and the
+    joined row equals the batch-1 graph's own write (`ExplicitKV` over that row alone)."""
     import torch
 
     from gemma4lib.backends.xla import XLASession
@@ -616,7 +617,7 @@ def test_a_join_on_xla_writes_its_row_and_no_other(xla_lane):
     before = [torch.randn_like(t) for t in join.new_kv()]
     kv = [t.to(session.device) for t in before]
     inputs = [torch.randn_like(t) if t.is_floating_point() else t for t in join.example_inputs()[1 : join.num_inputs]]
-    inputs[-1] = index_tensor([5])  # 5 of the bucket's 8 tokens
+    inputs[-2:] = [index_tensor([3]), index_tensor([5])]  # 5 of the bucket's 8 tokens, at position 3
     logits = session.run("row_prefill8", index_tensor([1]), *inputs, *kv).cpu()
     after = [t.cpu() for t in kv]
     row = [t[1:2].clone() for t in before]
@@ -626,6 +627,22 @@ def test_a_join_on_xla_writes_its_row_and_no_other(xla_lane):
     torch.testing.assert_close(logits, expected[0], atol=noise, rtol=0)
     for old, new, one in zip(before, after, expected[1:], strict=True):
         assert torch.equal(old[[0, 2]], new[[0, 2]])
+        untouched = [s for s in range(old.shape[2]) if not 3 <= s < 8]
+        assert torch.equal(old[1][:, untouched], new[1][:, untouched])
         torch.testing.assert_close(new[1:2], one, atol=noise, rtol=0)
     assert any(not torch.equal(old[1], new[1]) for old, new in zip(before, after, strict=True))
     assert session.report()["xla_fallbacks"] == 0
+
+
+def test_hlo_audit_lists_the_join_with_only_its_new_positions_written(xla_lane):
+    """The byte audit's join row: the lowered join graph writes exactly its bucket's new positions of
+    one row into every K/V buffer (a scatter per buffer, never a rewrite of the row or the batch) and
+    returns one row's logits to the host."""
+    model = _audit_model("e2b")
+    audit, row = hlo_audit.audit_join(model, batch=3, bucket=8)
+    table = hlo_audit.format_join_table([row])
+    kv = [p for p, role in zip(audit.params, audit.roles, strict=True) if role == hlo_audit.KV]
+    assert len(kv) == len(model.layout.producers) * 2 and all(p.shape[0] == 3 for p in kv), table
+    one_row_slots = sum(p.bytes // (p.shape[0] * p.shape[2]) for p in kv) * 8  # 8 slots of one row per buffer
+    assert row["kv_written"] == row["new_positions"] == one_row_slots, table
+    assert row["returned"] == model.config.vocab_size * 4 and "row join" in table

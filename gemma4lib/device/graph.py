@@ -110,8 +110,9 @@ class ExplicitKV:
         start: torch.Tensor,
         length: torch.Tensor,
         inplace: bool,
+        rows: torch.Tensor | None = None,  # a join's one buffer row `[1]` (`row_join`); None: every row
     ):
-        self.buffers, self.shape = buffers, shape
+        self.buffers, self.shape, self.rows = buffers, shape, rows
         self.start, self.length, self.tokens, self.inplace = start, length, shape.tokens, inplace
         self.updated: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
@@ -119,10 +120,13 @@ class ExplicitKV:
         k_old, v_old = self.buffers[layer_idx]
         ring_prefill = self.tokens > 1 and k_old.shape[2] < self.shape.context_length
         if ring_prefill:
-            keys, values = torch.cat([k_old, key_states], 2), torch.cat([v_old, value_states], 2)
+            keys, values = (torch.cat([self._read(t), n], 2) for t, n in ((k_old, key_states), (v_old, value_states)))
         k_new, v_new = self._write(k_old, key_states), self._write(v_old, value_states)
         self.updated[layer_idx] = (k_new, v_new)
-        return (keys, values) if ring_prefill else (k_new, v_new)
+        return (keys, values) if ring_prefill else (self._read(k_new), self._read(v_new))
+
+    def _read(self, buffer: torch.Tensor) -> torch.Tensor:
+        return buffer if self.rows is None else buffer.index_select(0, self.rows)  # the call's rows
 
     def _write(self, old: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
         """Put the call's new positions into `old`, nothing else. Token t of row b goes to slot
@@ -131,18 +135,19 @@ class ExplicitKV:
         context-encoding write), not a rewrite of every slot. A token past its row's length (padding,
         an idle row) puts back what its slot holds. A ring shorter than the chunk would take two
         tokens in one slot: there each slot takes its newest token, row-wise."""
-        b, heads, slots, dim = old.shape
-        tokens = new.shape[2]
+        b, (heads, slots, dim), tokens = new.shape[0], old.shape[1:], new.shape[2]
         if tokens > slots:
             s = torch.arange(slots, device=old.device, dtype=self.start.dtype)
             last = (self.length - 1)[:, None]  # [B, 1]
             src = last - torch.remainder(self.start[:, None] + last - s[None, :], slots)  # [B, S]
             keep_old = (src < 0).view(b, 1, slots, 1)
             index = src.clamp(min=0).long().view(b, 1, slots, 1).expand(b, heads, slots, dim)
-            merged = torch.where(keep_old, old, torch.gather(new, 2, index))
+            merged = torch.where(keep_old, self._read(old), torch.gather(new, 2, index))
+            if self.rows is not None:  # a join: the row's whole ring
+                return old.index_copy(0, self.rows, merged)
             return old.copy_(merged) if self.inplace else merged
         t = torch.arange(tokens, device=old.device, dtype=self.start.dtype)
-        rows = torch.arange(b, device=old.device).view(b, 1, 1)
+        rows = (torch.arange(b, device=old.device) if self.rows is None else self.rows).view(b, 1, 1)
         heads_at = torch.arange(heads, device=old.device).view(1, heads, 1)
         # one index dtype (XLA refuses a mix)
         slot = torch.remainder(self.start[:, None] + t[None, :], slots).long().view(b, 1, tokens)
