@@ -149,8 +149,7 @@ def runs_tp(name: str) -> bool:
 def runs_row_prefill(name: str, tp_degree: int, drafted: bool = False) -> bool:
     """Where one-row prefill graphs run (the one statement of the rule: settings refuse, a server turns
     on): the running row's `row_prefill` (cpu at TP 2 runs gloo's), not drafting with rank graphs (no join key)."""
-    row = row_at(name, tp_degree)
-    return row.row_prefill and not (drafted and row.rank_graphs)
+    return (row := row_at(name, tp_degree)).row_prefill and not (drafted and row.rank_graphs)
 
 
 def names_where(flag: Callable[[BackendFacts], bool]) -> str:
