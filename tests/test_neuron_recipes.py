@@ -947,37 +947,45 @@ def test_backend_neuron_batch_4_compiles_a_join_key_per_bucket(tmp_path, monkeyp
     assert set(keys[0]) == set(adds)
 
 
-def _join_modules(model, batch: int, bucket: int, context: int):
-    """The recipe's batched prefill and join modules of one bucket, CPU layers for NxD's, loaded from
-    the recipe's checkpoint."""
+def _join_modules(model, batch: int, bucket: int, context: int, tp: int = 1):
+    """The recipe's batched prefill and join modules of one bucket at `tp`, CPU layers for NxD's
+    (at TP 1 loaded from the recipe's checkpoint)."""
     from gemma4lib.recipes import neuron_model_builder as mb
     from gemma4lib.tp.plan import make_plan
     from gemma4lib.tp.rank_graph import CpuParallelFactory
 
-    plan = make_plan(model.config, 1, model.variant)
-    checkpoint = mb.nxd_checkpoint(model, plan, torch.float32)
+    plan = make_plan(model.config, tp, model.variant)
     shapes = {"batched": GraphShape(batch, bucket, context), "join": GraphShape(1, bucket, context)}
     joins = {"batched": 0, "join": batch}
     modules = {
-        name: mb.rank_module(model.config, plan, shape, torch.float32, CpuParallelFactory(1), join=joins[name])
+        name: mb.rank_module(model.config, plan, shape, torch.float32, CpuParallelFactory(tp), join=joins[name])
         for name, shape in shapes.items()
     }
-    for module in modules.values():
-        module.load_state_dict(checkpoint, strict=False)
+    if tp == 1:
+        checkpoint = mb.nxd_checkpoint(model, plan, torch.float32)
+        for module in modules.values():
+            module.load_state_dict(checkpoint, strict=False)
     return modules
 
 
-def test_a_neuron_join_key_binds_the_batched_states_and_writes_exactly_one_row():
-    """The join key's module (CPU layers for NxD's) has the batched key's K/V states by name and shape
-    (NxD binds one set for every key); run with the device's aliasing, it writes row 2 of each state
-    and leaves every other row bit-identical."""
+@pytest.mark.parametrize("name,tp", [("e2b", 1), ("26b-a4b", 2)])
+def test_a_neuron_join_key_binds_the_batched_keys_states(name, tp):
+    """The join key's rank module has the batched key's parameters, K/V states included, by name and
+    shape (NxD binds one set of states to every key and shards the checkpoint with one key's module)."""
+    modules = _join_modules(tiny(name), 4, 16, 32, tp)
+    states = {n: tuple(p.shape) for n, p in modules["batched"].named_parameters()}
+    assert {n: tuple(p.shape) for n, p in modules["join"].named_parameters()} == states
+    kv = [shape for n, shape in states.items() if n.startswith("kv.")]
+    assert kv and all(shape[0] == 4 for shape in kv)
+
+
+def test_a_neuron_join_key_writes_exactly_one_row():
+    """Run with the device's aliasing, the join key of 9 tokens (bucket 16) into row 2 writes that row's
+    slots 0-8 of every K/V state and leaves every other row, and that row's other slots, bit-identical."""
     from gemma4lib.device.graph import index_tensor
     from gemma4lib.recipes.common import AliasEmulator
 
-    modules = _join_modules(tiny("e2b"), 4, 16, 32)
-    states = {n: tuple(p.shape) for n, p in modules["batched"].named_parameters()}
-    assert {n: tuple(p.shape) for n, p in modules["join"].named_parameters()} == states
-    join = modules["join"]
+    join = _join_modules(tiny("e2b"), 4, 16, 32)["join"]
     with torch.no_grad():
         for p in join.kv:
             p.copy_(torch.randn_like(p))
@@ -987,8 +995,8 @@ def test_a_neuron_join_key_binds_the_batched_states_and_writes_exactly_one_row()
     inputs[1] = torch.randn_like(inputs[1])
     AliasEmulator(join)(*inputs)
     for old, new in zip(before, join.kv, strict=True):
-        assert torch.equal(old[[0, 1, 3]], new[[0, 1, 3]])
-    assert all(not torch.equal(old[2], new[2]) for old, new in zip(before, join.kv, strict=True))
+        assert torch.equal(old[[0, 1, 3]], new[[0, 1, 3]]) and torch.equal(old[2][:, 9:], new[2][:, 9:])
+        assert not torch.equal(old[2][:, :9], new[2][:, :9])
 
 
 class _RoutedNxDModel:
