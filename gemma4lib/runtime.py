@@ -84,13 +84,24 @@ def sampling_probs(logits: torch.Tensor, sampling: Sampling, cap: float | None) 
     return probs / probs.sum()
 
 
+def draw(generator: torch.Generator | None) -> float:
+    """A sampled row's one random number per token, u in (0, 1], from its own seeded generator (the
+    same draw whether the host or the device then chooses: `choose_token`, `graph.choose_tokens`)."""
+    return 1.0 - float(torch.rand((), generator=generator))
+
+
 def choose_token(
     logits: torch.Tensor, sampling: Sampling, cap: float | None, generator: torch.Generator | None = None
 ) -> int:
-    """Next token from raw device logits `[vocab]`: argmax (no softcap needed) or a sample."""
+    """Next token from raw device logits `[vocab]`: argmax (no softcap needed), or the token where the
+    row's draw falls in the cumulative distribution (inverse CDF: the device's `choose_tokens` rule)."""
     if sampling.greedy:
         return int(torch.argmax(logits))
-    return int(torch.multinomial(sampling_probs(logits, sampling, cap), 1, generator=generator))
+    probs = sampling_probs(logits, sampling, cap)
+    if not torch.isfinite(probs).all():
+        raise RuntimeError("the logits give no distribution (NaN or +inf): the row's sampler cannot draw from them")
+    cdf = torch.cumsum(probs, 0)
+    return min(int((cdf < draw(generator) * cdf[-1]).sum()), len(cdf) - 1)
 
 
 def encode_prompt(tokenizer: Any, prompt: str, chat: bool = True) -> list[int]:
@@ -124,6 +135,9 @@ class Steps:
 
     prefill: dict[int, Step] = field(default_factory=dict)
     decode: Step | None = None
+    # `decode_ids(*embeds, start, length, sampling)`: each row's next token `[B]` chosen on the device,
+    # `sampling [B, 2]` = (temperature, `draw`); -1 where its logits were not finite (`graph.choose_tokens`)
+    decode_ids: Step | None = None
     verify: Step | None = None
     draft: Step | None = None
     vision: Step | None = None  # (pixel_values, position_ids) -> soft tokens [n, slots, hidden]; no K/V
@@ -686,7 +700,7 @@ class Engine:
     def _call(self, step: Step, inputs: list[torch.Tensor], start: Sequence[int], length: Sequence[int]):
         return _outputs(step(*inputs, index_tensor(start), index_tensor(length)), 2)
 
-    def _emit(self, row: _Row, tokens: list[int], logits: list[torch.Tensor]) -> list[int]:
+    def _emit(self, row: _Row, tokens: list[int], logits: Sequence[torch.Tensor | None]) -> list[int]:
         """Append `tokens` (cut at eos or the budget); mark the row finished when it is."""
         kept = []
         for token, row_logits in zip(tokens, logits, strict=False):
@@ -721,6 +735,8 @@ class Engine:
         for r in live:
             row = self.rows[r]
             tokens[r, 0], start[r], length[r] = row.tokens[-1], row.position, 1
+        if self.steps.decode_ids is not None and all(self._device_chooses(self.rows[r]) for r in live):
+            return self._ids_step(live, tokens, start, length)
         (logits,) = self._call(self.steps.decode, self.embed(tokens), start, length)[:1]
         new = {}
         for r in live:
@@ -728,6 +744,33 @@ class Engine:
             token = self._choose(row, logits[r])
             row.position += 1
             new[r] = [] if token is None else self._emit(row, [token], [logits[r]])
+        return new
+
+    @staticmethod
+    def _device_chooses(row: _Row) -> bool:
+        """Whether the device may choose this row's token: no one reads its logits (kept for a check,
+        watched) and its sampling has no nucleus (the device's draw covers the whole vocabulary)."""
+        return not row.keep_logits and row.request.watch is None and row.request.sampling.top_p >= 1.0
+
+    def _ids_step(self, live: list[int], tokens: torch.Tensor, start: list[int], length: list[int]):
+        """One decode step whose tokens the device chooses (`Steps.decode_ids`): 4 bytes a row come
+        back. Each sampled row draws its number here, one per token, as `choose_token` would."""
+        sampling = torch.zeros(self.batch, 2)
+        for r in live:
+            row = self.rows[r]
+            if not row.request.sampling.greedy:
+                sampling[r] = torch.tensor([row.request.sampling.temperature, draw(row.generator)])
+        step = self.steps.decode_ids
+        (ids,) = _outputs(step(*self.embed(tokens), index_tensor(start), index_tensor(length), sampling), 1)
+        new = {}
+        for r in live:
+            row, token = self.rows[r], int(ids[r])
+            row.position += 1
+            if token < 0:
+                row.finish, row.fault = "error", RuntimeError("the device found this row's logits not finite")
+                new[r] = []
+            else:
+                new[r] = self._emit(row, [token], [None])
         return new
 
     def _choose(self, row: _Row, logits: torch.Tensor) -> int | None:

@@ -83,7 +83,12 @@ def compile_graphs(
             assistant = load_assistant(model, settings)
         shaped = replace(settings, weights="bf16") if backend.quantizes_itself else settings  # no host int8 copies
         graphs = device_graphs(
-            model, shaped, backend.inplace, compute_balance=backend.compute_balance, assistant=assistant
+            model,
+            shaped,
+            backend.inplace,
+            compute_balance=backend.compute_balance,
+            assistant=assistant,
+            chooses=backend.chooses_on_device,
         )
     compiled = backend.compile(graphs, model, settings, progress)
     drafter = drafter or make_drafter(settings.draft)
