@@ -325,21 +325,26 @@ def test_e2b_model_builder_pair_at_tp1_on_xla(xla_lane, tmp_path):
     for key, shape in mb.bucket_shapes(64, (24,)).items():
         graphs[key] = build_rank_graph(model.config, plan, shape)
         assert load_shard(graphs[key], weights) == []
+    # the decode key that returns token ids (`DeviceGraph.chooses`), as the neuron backend adds it
+    graphs["decode_ids"] = build_rank_graph(model.config, plan, graphs["decode"].shape, chooses=True)
+    assert load_shard(graphs["decode_ids"], weights) == []
     session = XLASession(graphs, hlo_dir=tmp_path)
-    kv = session.new_kv("decode")  # the one set both keys alias
+    kv = session.new_kv("decode")  # the one set every key aliases
     steps = Steps({24: bind_kv(session.step("prefill24"), kv)}, bind_kv(session.step("decode"), kv))
+    steps.decode_ids = bind_kv(session.step("decode_ids"), kv)
     engine = Engine.for_model(model, steps, batch=1, context_length=64)
     ids = random_prompt(model.config.vocab_size, 20, v.tiny_seed + 1)  # its margins are the seed's
     new_tokens = 9
-    tokens = engine.generate(ids, new_tokens).tokens
+    by_logits = engine.generate(ids, new_tokens, keep_logits=True).tokens  # a check keeps them: decode
+    by_ids = engine.generate(ids, new_tokens).tokens  # nobody reads them: the device chooses
     reference = reference_greedy(model.lm, ids, new_tokens)
     report = session.report()
-    assert tokens == reference
+    assert by_logits == by_ids == reference
     # at most one compile per key: none when an earlier test in this process compiled the same HLO
     # (torch_xla caches it), and never one per decode step
-    assert set(report["xla_compilations"]) == {"prefill24", "decode"}
+    assert set(report["xla_compilations"]) == {"prefill24", "decode", "decode_ids"}
     assert all(n <= 1 for n in report["xla_compilations"].values()), report["xla_compilations"]
-    assert report["xla_steps"] == {"prefill24": 1, "decode": new_tokens - 1}
+    assert report["xla_steps"] == {"prefill24": 2, "decode": new_tokens - 1, "decode_ids": new_tokens - 1}
 
 
 @pytest.mark.parametrize(

@@ -97,6 +97,7 @@ FACTS: dict[str, BackendFacts] = {
             "inf2",
             inplace=False,
             quantizes_itself=True,
+            chooses_on_device=True,
             samples_drafts=False,
             tp=True,
             rank_graphs=True,

@@ -208,6 +208,8 @@ def compile(graphs: GraphSet, model: LoadedModel, settings: PortSettings, progre
     if recipe == "model_builder":  # a key per bucket: a prompt runs the smallest that holds it
         names = neuron_model_builder.bucket_shapes(context, buckets, ring, batch)
         key_graphs = {n: decode if s.tokens == 1 else prefill[s.tokens] for n, s in names.items()}
+        if graphs.decode_ids is not None:  # a decode key that returns token ids (NxD routes by its sampling input)
+            key_graphs["decode_ids"] = graphs.decode_ids
         if model.variant.is_moe:
             decode_experts = settings.decode_experts
     shapes = {name: graph.shape for name, graph in key_graphs.items()}
@@ -273,8 +275,11 @@ def compile(graphs: GraphSet, model: LoadedModel, settings: PortSettings, progre
         steps = Steps(decode=step)  # no prefill graph: the engine feeds the prompt token by token
     else:
         loaded = neuron_model_builder.load_model_builder(entry.path, tp)
-        step = DeviceStep(cores.claim(loaded, 0, tp, label), n_inputs, vocab, aliases=states, index_dtype=indices)
+        module = cores.claim(loaded, 0, tp, label)
+        step = DeviceStep(module, n_inputs, vocab, aliases=states, index_dtype=indices)
         steps = Steps(prefill={b: step for b in buckets}, decode=step)  # NxD routes each call by its shapes
+        if "decode_ids" in key_graphs:
+            steps.decode_ids = DeviceStep(module, n_inputs + 1, aliases=states, index_dtype=indices, chooses=True)
     check_host_tables(HostEmbedder.from_text_model(model.text_model))  # the compile left the host tables whole
     # no host K/V: the device steps keep theirs as aliased state and never read host buffers
     compiled = CompiledGraphs(

@@ -63,10 +63,11 @@ def key_inputs(
     """The example inputs a compiler gets for `graph`: the graph's own `example_inputs()` without
     its K/V (those are aliased state), so their shapes (batch, bucket) and the index tensors'
     dtype are the graph's, never a second copy of them written here. `dtype`: the dtype the module
-    is compiled in (the embeddings and PLE are cast to it). The K/V the call allocates are dropped."""
+    is compiled in (the embeddings and PLE, 3-D and more, are cast to it; a chooser's sampling
+    `[B, 2]` stays float32: its draw needs the precision). The K/V the call allocates are dropped."""
     n = num_inputs or graph.num_inputs
     inputs = graph.example_inputs()[:n]
-    return tuple(t.to(dtype) if dtype is not None and t.is_floating_point() else t for t in inputs)
+    return tuple(t.to(dtype) if dtype is not None and t.is_floating_point() and t.dim() >= 3 else t for t in inputs)
 
 
 def index_dtype(inputs: tuple[torch.Tensor, ...]) -> torch.dtype:
@@ -175,17 +176,21 @@ class DeviceStep:
         *,
         aliases: int = 0,
         index_dtype: torch.dtype | None = None,
+        chooses: bool = False,
     ):
         self.module, self.num_inputs, self.vocab = module, num_inputs, vocab
         self.aliases, self.index_dtype = aliases, index_dtype
+        # the decode that returns token ids (`DeviceGraph.chooses`): sampling follows start/length
+        self.chooses = chooses
         self.checked = False
 
     def __call__(self, *args: torch.Tensor) -> torch.Tensor:
         inputs = list(args[: self.num_inputs])
+        at = len(inputs) - 2 - int(self.chooses)
         if self.index_dtype is not None:
-            inputs[-2:] = [t.to(self.index_dtype) for t in inputs[-2:]]
+            inputs[at : at + 2] = [t.to(self.index_dtype) for t in inputs[at : at + 2]]
         out = self.module(*inputs)
         if not self.checked:
-            check_first_output(out, self.vocab, self.aliases)
+            check_first_output(out, None if self.chooses else self.vocab, self.aliases)
             self.checked = True
-        return first_output(out).float()
+        return first_output(out) if self.chooses else first_output(out).float()

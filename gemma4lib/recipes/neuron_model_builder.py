@@ -141,11 +141,14 @@ def rank_module(
     factory: Any = None,
     expert_form: str = "dense",
     weights: str = "bf16",
+    chooses: bool = False,
 ) -> KVParamModule:
     """The module one rank compiles: rank graph (NxD layers by default) + K/V parameters; with
     `weights="int8"` its attention and dense-MLP parallel linears become NxD's quantized ones."""
     factory = factory or NxDParallelFactory(plan.tp, dtype)
-    graph = build_rank_graph(config, plan, shape, factory=factory, dtype=dtype, inplace=False, expert_form=expert_form)
+    graph = build_rank_graph(
+        config, plan, shape, factory=factory, dtype=dtype, inplace=False, expert_form=expert_form, chooses=chooses
+    )
     module = KVParamModule(graph).eval()
     if check_weights(weights) == "int8":
         quantize_nxd(module)
@@ -300,7 +303,6 @@ def compile_model_builder(
     out.mkdir(parents=True, exist_ok=True)
     workdir = Path(compiler_workdir or out / "compiler_workdir")  # ModelBuilder.trace() wipes it: never share
     graphs = graphs or key_graphs(loaded, bucket_shapes(context_length, buckets, ring, batch))
-    n_inputs = 4 if int(getattr(loaded.config, "hidden_size_per_layer_input", 0) or 0) else 3
     # The builder's constructor and `add` are inf2-only too; tests drive them through a recording fake.
     builder = model_builder.ModelBuilder(  # inf2-only
         router=None,
@@ -309,17 +311,24 @@ def compile_model_builder(
         compiler_workdir=str(workdir),
     )
     for key, graph in graphs.items():
-        shape = graph.shape
+        shape, chooses = graph.shape, bool(getattr(graph, "chooses", False))
+        build = functools.partial(
+            rank_module,
+            loaded.config,
+            plan,
+            shape,
+            dtype,
+            expert_form=forms[shape.phase],
+            weights=weights,
+            chooses=chooses,
+        )
         builder.add(  # inf2-only
             key=key,
-            model_instance=KeyInstance(
-                functools.partial(
-                    rank_module, loaded.config, plan, shape, dtype, expert_form=forms[shape.phase], weights=weights
-                )
-            ),
-            example_inputs=[key_inputs(graph, n_inputs, dtype)],
+            model_instance=KeyInstance(build),
+            # one input more (sampling) than decode: NxD's router tells the two apart by their input shapes
+            example_inputs=[key_inputs(graph, None, dtype)],
             compiler_args=neuron_env.COMPILER_ARGS[shape.phase],
-            priority_model_idx=PRIORITY[shape.phase],
+            priority_model_idx=None if chooses else PRIORITY[shape.phase],  # the decode key's layout
         )
     shapes = {key: graph.shape for key, graph in graphs.items()}
     traced = builder.trace(initialize_model_weights=False)  # inf2-only

@@ -120,6 +120,7 @@ class RankGraph(DeviceGraph):
         inplace: bool = False,
         baked_rank: bool = False,
         expert_form: str = "dense",
+        chooses: bool = False,
     ):
         if expert_form not in EXPERT_FORMS:
             raise UnknownNameError("expert form", expert_form, EXPERT_FORMS)
@@ -128,7 +129,8 @@ class RankGraph(DeviceGraph):
         lm_head = (
             factory.column(hidden, vocab, gather=True) if plan.lm_head == COLUMN else factory.replicated(hidden, vocab)
         )
-        super().__init__(text_model, lm_head, plan.rank_layout(), shape, inplace=inplace, expert_form=expert_form)
+        layout = plan.rank_layout()
+        super().__init__(text_model, lm_head, layout, shape, inplace=inplace, expert_form=expert_form, chooses=chooses)
         self.plan = plan
         self.spmd_rank = factory.rank_module()
         # The bug, when asked for: the rank read as a Python int while the graph is built.
@@ -249,17 +251,26 @@ def build_rank_graph(
     inplace: bool = False,
     baked_rank: bool = False,
     expert_form: str = "dense",
+    chooses: bool = False,
 ) -> RankGraph:
     """A rank graph skeleton from the config: rank-local layers at shard size, zeros elsewhere.
 
     Load a shard into it with `load_shard`. `factory` defaults to the CPU layers. `expert_form`:
-    the MoE experts' form (`dense` | `selective`); the shard is the same for both.
+    the MoE experts' form (`dense` | `selective`); the shard is the same for both. `chooses`: the
+    decode that returns token ids (`DeviceGraph.chooses`; the all-gathered logits on every rank).
     """
     factory = factory or CpuParallelFactory(plan.tp, collectives, dtype)
     with torch.device("meta"):
         lm = lm_class_for(config)(config)
     graph = RankGraph(
-        lm.model, plan, shape, factory=factory, inplace=inplace, baked_rank=baked_rank, expert_form=expert_form
+        lm.model,
+        plan,
+        shape,
+        factory=factory,
+        inplace=inplace,
+        baked_rank=baked_rank,
+        expert_form=expert_form,
+        chooses=chooses,
     )
     materialize(graph, config, dtype)
     for p in graph.parameters():
