@@ -13,7 +13,6 @@ lacks can tell an old record by `schema`. Schema 3 renamed the compiler's key fr
 
 from __future__ import annotations
 
-import json
 import re
 import sys
 import time
@@ -102,7 +101,3 @@ def write_result(result: dict[str, Any], folder: Path, name: str | None = None) 
     path = Path(folder) / (name or result_filename(result))
     atomic_write_json(path, result)
     return path
-
-
-def read_result(path: Path) -> dict[str, Any]:
-    return json.loads(Path(path).read_text())

@@ -46,7 +46,6 @@ The rules (Megatron-style, one all-reduce after attention and one after the feed
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -131,10 +130,6 @@ class MoEPlan:
         """[start, stop) of the intermediate columns a rank holds of each of its experts."""
         i = self.intermediate_per_rank
         return (rank * i, (rank + 1) * i) if self.split == "intermediate" else (0, i)
-
-    def expert_params(self, hidden: int) -> int:
-        """Weights of one whole expert: gate and up [I, H] each, down [H, I]."""
-        return 3 * self.intermediate * hidden
 
     def weights_read_per_rank(self, hidden: int) -> dict[str, dict[str, int]]:
         """Expert weights one rank reads per layer and step, per form (elements; x dtype size for
@@ -359,11 +354,6 @@ def _expert_split_problems(c: dict[str, Any], tp: int, expert_split: str | None)
     if expert_split == "intermediate" and c["moe_intermediate"] % tp:
         return [inner]
     return []
-
-
-def valid_tp_degrees(config: Any, candidates: Iterable[int] = CANDIDATE_TP) -> list[int]:
-    layout = KVLayout.from_config(config)
-    return [t for t in candidates if not tp_problems(config, t, layout)]
 
 
 def make_plan(config: Any, tp: int, variant: Any = None, expert_split: str | None = None) -> TPPlan:
