@@ -16,15 +16,11 @@ The manifest lists its builds: the port's own settings with the graphs they buil
 `device.build.GraphSet.named()`), and for a drafting port also the plain-decode build its benchmark
 compares against, so the run needs nothing the bundle lacks.
 
-What invalidates a bundle, each checked before any device work, with what differs named:
-another variant, backend or recipe, TP degree, batch size, drafter and draft tokens (naming the
-graphs the bundle lacks), prefill buckets, context length, ring K/V, decode or verify expert form,
-weight format (`backends.preflight`, before any load); another torch, transformers,
-Python or gemma4lib version, or on inf2 another Neuron SDK package version; on CPU a CPU without
-the vector instructions the packages were built for; another checkpoint (its identity, the
-loader's declaration: file digests, not a pass over the weights). Beyond the manifest, each graph
-is still found by its full cache key, so a change the manifest does not name (the library's graph
-code, a compiler option) is a `BundleError` too, never a wrong program.
+A bundle that does not fit the run (other settings or shapes, package versions, a CPU without the
+vector instructions it was built for, another checkpoint's identity) is a `BundleError` naming what
+differs, before any device work (`check_settings`, `check_model`). Beyond the
+manifest each graph is still found by its full cache key, so a change the manifest does not name
+(the library's graph code, a compiler option) is a `BundleError` too, never a wrong program.
 """
 
 from __future__ import annotations

@@ -14,14 +14,8 @@ What is computed and what is assumed:
   linears NxD quantizes at 1 byte plus an fp32 scale per output row, `rank_weight_bytes`);
 - working memory per core: `WORKING_ALLOWANCE_GIB`, an allowance, not a measurement (the Neuron
   runtime's reservation, the program's instructions, activations and scratch). Unverified on inf2;
-- host RAM for the compile: the compile host's plan (`compile_host.compile_host_plan`): the host
-  model, each key's module at shard size, and the lazy NxD checkpoint with one rank's file being
-  written, computed from the configs and measured on CPU at reduced depth; the Neuron compiler's
-  own RAM is not counted (unverified on inf2). The earlier estimate, three copies of the text
-  weights (module + an eager checkpoint + every shard), matched the field report's measured 182 GB
-  for the 31B with that port's own eager code (`COMPILE_CALIBRATION`); the recipes now build the
-  checkpoint only when NxD shards it and one key at a time. The trace recipe compiles with
-  `inline_weights_to_neff=False`, so it holds the host model plus one copy of the device weights.
+- host RAM for the compile: the compile host's plan (`compile_host`: what is computed, what is
+  measured, and what is not counted).
 
 The compile needs no NeuronCore, so it may run on a larger host than the one that serves: a plan
 names `compile_host`, the run instance when its RAM holds the estimate, else the smallest inf2 size

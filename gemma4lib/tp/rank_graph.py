@@ -13,13 +13,10 @@ never touched):
   `num_key_value_groups` the rank-local Q-per-KV count. transformers' own attention forward runs
   unchanged: it reshapes with -1 heads.
 - MLP: `gate_proj`/`up_proj` column, `down_proj` row.
-- MoE experts: `layers.ShardedExperts`, cut by the plan's `expert_split` (`intermediate`: a 1/tp
-  slice of every expert; `experts`: E/tp whole experts), in the graph's `expert_form`: `dense`
-  (every held expert, weighted by the routing weights; the expert split picks this rank's columns
-  with the runtime rank) or `selective` (the routed top-k gathered from the local shard; the
-  expert split masks them to this rank's experts; all-reduced). The form belongs to
-  the graph, not the module: `with_shape` graphs share their modules, so a dense prefill and a
-  selective decode run over one set of weights (the rank graph sets the form each forward).
+- MoE experts: `layers.ShardedExperts`, cut by the plan's `expert_split`, in the graph's
+  `expert_form` (`tp.plan`'s rules). The form belongs to the graph, not the module: `with_shape`
+  graphs share their modules, so a dense prefill and a selective decode run over one set of
+  weights (the rank graph sets the form each forward).
 - `layer_scalar`: a buffer in transformers, a parameter here, so a compiled graph takes it from the
   checkpoint like any weight instead of freezing its init value.
 - lm_head: column shard over the vocabulary, all-gathered.
