@@ -185,25 +185,11 @@ def hf_assisted(
 ) -> tuple[list[int], int]:
     """transformers' own `generate(assistant_model=...)` (greedy): its tokens and the number of
     target verify steps it ran (target forward calls after the prefill)."""
-    ids = torch.as_tensor(list(prompt_ids), dtype=torch.long)[None]
     calls = []
     # an `ImageBound` generates through its multimodal model: count that model's forward calls
     hook = getattr(lm, "multimodal", lm).register_forward_pre_hook(lambda *_: calls.append(1))
     try:
-        out = lm.generate(
-            ids,
-            attention_mask=torch.ones_like(ids),
-            max_new_tokens=max_new_tokens,
-            do_sample=False,
-            eos_token_id=list(eos) or None,
-            pad_token_id=0,
-            assistant_model=assistant,
-        )
+        tokens, _ = hf_greedy(lm, prompt_ids, max_new_tokens, eos, assistant_model=assistant)
     finally:
         hook.remove()
-    tokens = out[0, ids.shape[1] :].tolist()
-    for i, t in enumerate(tokens):
-        if t in set(eos):
-            tokens = tokens[: i + 1]
-            break
     return tokens, len(calls) - 1
