@@ -213,13 +213,7 @@ def judge_rows(
         lm = row_reference(model, row)
         reference = reference_greedy(lm, row.ids, settings.max_new_tokens, eos)
         report = checks.evaluate(
-            lm,
-            model.tokenizer,
-            row.ids,
-            result.tokens,
-            reference,
-            expect=row.expect,
-            step_logits=result.step_logits,
+            lm, model.tokenizer, row.ids, result.tokens, reference, expect=row.expect, step_logits=result.step_logits
         )
         if report.logits is not None and not report.logits.passed:
             log.warning("row %d: %s", i, report.logits.explain())

@@ -171,10 +171,7 @@ def _path_report() -> dict[str, Any]:
 
 
 def run_doctor(
-    variant: str | None = None,
-    tp: int | None = None,
-    context_length: int = DEFAULT_CONTEXT,
-    vision: bool = False,
+    variant: str | None = None, tp: int | None = None, context_length: int = DEFAULT_CONTEXT, vision: bool = False
 ) -> dict[str, Any]:
     """The report: expected environment vs this machine, devices, fixes, RAM vs compile peak and the
     per-core and serving-host plans for `variant` at `context_length` (with `vision`: its plans count

@@ -20,10 +20,7 @@ host loops, the modules handed to the compilers and the sharded data paths all r
 """
 
 # the one list of inf2 recipes (`memory_plan.NEURON_RECIPES` is its names; a variant's default is `Variant.recipe`)
-RECIPE_MODULES = {
-    "model_builder": "gemma4lib.recipes.neuron_model_builder",
-    "trace": "gemma4lib.recipes.neuron_trace",
-}
+RECIPE_MODULES = {"model_builder": "gemma4lib.recipes.neuron_model_builder", "trace": "gemma4lib.recipes.neuron_trace"}
 
 # Neuron-only entry points per module (each raises NeuronSDKMissingError without the SDK)
 NEURON_ENTRY_POINTS = {
