@@ -24,6 +24,7 @@ from .backends.preflight import preflight
 from .backends.registry import compile_graphs, run_device  # stages a notebook shows (and `port` runs)
 from .device.build import device_graphs as build_graphs  # the notebooks' name for the settings' graphs
 from .device.quant import round_model_weights
+from .errors import NoVisionError
 from .generation.prompts import random_prompt_lengths
 from .models.checkpoint import load_checkpoint
 from .models.image_attention import bidirectional_images
@@ -96,7 +97,6 @@ def _load_with_vision(settings: PortSettings, source: str) -> LoadedModel:
     """The model with its vision part: the tiny multimodal fixture, or a seeded random multimodal
     build of the same architecture (the witness). A checkpoint's vision part is not loaded yet
     (docs/IMAGES.md): refused with what to do."""
-    from .errors import NoVisionError
     from .models import vision
 
     variant = settings.variant_spec

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..device.graph import index_tensor
+from ..errors import SettingsError, UnknownNameError
 from ..runtime import sampling_probs
 
 if TYPE_CHECKING:
@@ -76,8 +77,6 @@ class PromptLookupDrafter:
 
     def __init__(self, max_ngram: int = 3, min_ngram: int = 1):
         if not 1 <= min_ngram <= max_ngram:
-            from ..errors import SettingsError
-
             raise SettingsError(f"prompt lookup needs 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")
         self.max_ngram, self.min_ngram = int(max_ngram), int(min_ngram)
 
@@ -116,7 +115,5 @@ def make_drafter(kind: str | None):
     if kind is None:
         return None
     if kind not in DRAFTERS:
-        from ..errors import UnknownNameError
-
         raise UnknownNameError("draft", kind, DRAFTERS)
     return DRAFTERS[kind]()

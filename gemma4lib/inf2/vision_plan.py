@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from ..environment import TRANSFORMERS_PIN
+from ..errors import UnknownNameError
 from ..models.variants import REPORTED_VISION, Variant, get_variant
 from .hardware import GIB
 
@@ -68,8 +69,6 @@ def vision_config(variant: Variant | str, source: str = "defaults", **overrides:
     `source="reported"` where a report exists), with `overrides`."""
     v = get_variant(variant) if isinstance(variant, str) else variant
     if source not in VISION_SOURCES:
-        from ..errors import UnknownNameError
-
         raise UnknownNameError("vision source", source, VISION_SOURCES)
     if v.unified:
         from transformers.models.gemma4_unified import Gemma4UnifiedVisionConfig

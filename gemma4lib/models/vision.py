@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from ..environment import check_transformers
+from ..errors import CheckpointError, NoVisionError
 from .variants import VARIANTS, Variant, get_variant
 
 log = logging.getLogger(__name__)
@@ -202,7 +203,6 @@ def vision_fixture_dir(variant: Variant | str, root: Path | None = None) -> Path
 
 def verify_vision_hashes(root: Path | None = None, variants: list[str] | None = None) -> dict[str, str]:
     """Check the vision fixtures' files against `fixtures/vision/PROVENANCE.json`."""
-    from ..errors import CheckpointError
     from .trained import check_hashes
 
     root = root or VISION_DIR
@@ -218,7 +218,6 @@ def load_vision_fixture(variant: Variant | str, root: Path | None = None, verify
     processor set; the tokenizer is the vision tokenizer)."""
     from transformers import AutoImageProcessor
 
-    from ..errors import NoVisionError
     from .checkpoint import conditional_class
     from .tokenizer import load_tokenizer
     from .weights_identity import declare_identity

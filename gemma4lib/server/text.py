@@ -20,7 +20,7 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
-from ..errors import BadPromptError
+from ..errors import BadPromptError, NoVisionError
 from ..models.tokenizer import require_chat_template
 
 PLACEHOLDER = "\ue000"  # a private-use character: where a special string of the content was
@@ -106,7 +106,6 @@ class Codec:
     def chat_with_images(self, messages: list[dict[str, Any]], images: list[Any]) -> tuple[list[int], Any]:
         """Messages whose content holds `{"type": "image"}` parts, one per image in `images` (PIL):
         the prompt ids with each image part expanded to its soft tokens, and the engine's `ImagePrompt`."""
-        from ..errors import NoVisionError
         from ..images import image_prompt
 
         if self.processor is None or self.image_token_id is None:

@@ -33,7 +33,7 @@ from torch import nn
 
 from ..device.drafting import DraftGraph, RoomyLayout
 from ..device.graph import GraphShape
-from ..errors import TensorParallelError
+from ..errors import TensorParallelError, UnknownNameError
 from .plan import COLUMN, REPLICATE, AttentionPlan, TPPlan
 from .rank_graph import CpuParallelFactory, RankGraph, _Recording, build_rank_graph, materialize, with_shape
 
@@ -202,8 +202,6 @@ class DraftingRankModule(nn.Module):
     def __init__(self, target: RankGraph, assistant: DraftGraph, mode: str, kv: nn.ParameterList | None = None):
         super().__init__()
         if mode not in DRAFT_MODES:
-            from ..errors import UnknownNameError
-
             raise UnknownNameError("drafting key mode", mode, DRAFT_MODES)
         self.target, self.assistant, self.mode = target, assistant, mode
         if kv is None:
