@@ -1,15 +1,12 @@
-"""The host runtime: the one generation engine around the compiled device graphs.
+"""The host runtime: the one generation engine around the compiled device graphs (docs/ENGINE.md).
 
 Tokens in, tokens out. The engine holds `batch` rows over one set of K/V (held by the steps: host
 buffers on CPU, device states on XLA and inf2). A request is admitted into a free row (its prefill,
-the smallest compiled bucket that holds it, other rows untouched), then every `step()` advances
-every live row at once: one decode step, or with a drafter one round of k drafts and one verify of
-k + 1 tokens, each row accepting its own number. Each row has its own position, eos, token budget
-and sampling (greedy argmax on raw logits, or softcapped, tempered top-p sampling with its own
-seeded generator; drafted rows keep drafts by the greedy rule or by rejection sampling). A row
-leaves when its request ends and the next request takes it: `generate` runs a batch to the end
-(what `port` runs), a server admits and releases rows between steps (continuous batching). Every
-path (port, batches, drafting, the TP ranks, the XLA lane, the Neuron recipes, the notebooks, the
+other rows untouched), then every `step()` advances every live row at once: one decode step, or
+with a drafter k drafts and one verify of k + 1 tokens, each row keeping its own number. Each row
+has its own position, eos, token budget and sampling. `generate` runs a batch to the end (what
+`port` runs), a server admits and releases rows between steps (continuous batching). Every path
+(port, batches, drafting, the TP ranks, the XLA lane, the Neuron recipes, the notebooks, the
 benchmarks) runs this loop; there is no other.
 """
 
