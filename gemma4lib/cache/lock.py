@@ -10,8 +10,7 @@ A compile holds its key's lock so that two runs never build the same key at once
 - the wait has a limit (`GEMMA4LIB_LOCK_WAIT_S`), then `CacheLockError` says who holds it and what
   to do.
 
-A holder that dies releases an `flock` by itself (the kernel closes its descriptors), so the
-common "dead holder" needs no breaking: the next waiter simply gets the lock.
+A holder that dies releases its `flock` by itself (the kernel closes its descriptors).
 """
 
 from __future__ import annotations

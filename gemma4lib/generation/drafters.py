@@ -2,12 +2,9 @@
 
 Three, behind one interface (`runtime.Drafter.propose(engine, counts)`):
 - `AssistantDrafter`: Gemma-4's own MTP assistant on the device (`device.drafting.DraftGraph`),
-  every row at once. It has no K/V of its own: it reads the target's, and drafts from the constant
-  position of each row's last token, fed back its own token and projected hidden state, as
-  transformers' `SinglePositionMultiTokenCandidateGenerator` does. Sampled rows sample their drafts
-  from the assistant's distribution q (no softcap, as transformers' assistant) and hand q over for
-  rejection sampling. A row samples only its own `counts[row]` drafts, one per pass, from its own
-  seeded generator: what it draws depends on its request alone, not on its neighbours' counts.
+  every row at once, reading the target's K/V (docs/DRAFTING.md). Sampled rows draw their drafts
+  from the assistant's q and hand q over for rejection sampling; a row draws only its own
+  `counts[row]` drafts from its own seeded generator, so what it draws depends on its request alone.
 - `PromptLookupDrafter`: n-gram matches in the row's own prompt and output (what transformers'
   `prompt_lookup_num_tokens` and vLLM's ngram speculation do): no second model, no device work.
 - `CallableDrafter`: any `fn(history, n) -> tokens` (tests: always right, always wrong).

@@ -142,10 +142,8 @@ class ShardedExperts(nn.Module):
     two linears' `.weight` (NxD's parallel linears hold theirs in the same [out, in] layout), so
     the checkpoint and the sharding are the same for both forms.
 
-    `intermediate` is the unsharded per-expert width; `self.intermediate` the width this rank
-    holds of each of its `self.local` experts. `all_reduce` is the selective form's sum over
-    ranks; by default the `RowShard`'s collectives (the rank graph passes its factory's, which for
-    NxD is `RowParallelLinear`'s reduction).
+    `intermediate` is the unsharded per-expert width, `self.intermediate` this rank's share of it;
+    `all_reduce` is the selective form's sum over ranks (default: the `RowShard`'s collectives).
     """
 
     def __init__(
