@@ -134,11 +134,6 @@ class Steps:
         self.row_prefill = dict(sorted(self.row_prefill.items()))
 
 
-def index_positions(position_ids: torch.Tensor) -> torch.Tensor:
-    """Patch positions as the vision graph takes them (int32, like every index input)."""
-    return position_ids.to(INDEX_DTYPE)
-
-
 def bind_kv(fn: Step, kv: Sequence[torch.Tensor]) -> Step:
     """A graph that takes its K/V buffers as trailing inputs (and updates them in place) as a step."""
 
@@ -508,7 +503,7 @@ class Engine:
         """The vision graph over each image: its soft tokens in prompt order `[sum(counts), hidden]`."""
         parts = []
         for i, count in enumerate(images.counts):
-            pixels, positions = images.pixel_values[i : i + 1], index_positions(images.position_ids[i : i + 1])
+            pixels, positions = images.pixel_values[i : i + 1], images.position_ids[i : i + 1].to(INDEX_DTYPE)
             out = _outputs(self.steps.vision(pixels.to(self.dtype), positions), 1)[0]
             parts.append(out[0, : int(count)])
         return torch.cat(parts).to(self.dtype)
