@@ -272,12 +272,9 @@ def evaluate(
     expect: str | None = None,
     step_logits: Any = None,
 ) -> CheckReport:
-    """The three checks of one device run, built in one place for every caller.
-
-    SEQ_MATCH: `tokens` against the host reference's `reference`. LOGITS_MATCH: when the run kept
-    its per-step logits (`step_logits`), against `lm`'s teacher-forced logits for the same tokens.
-    Coherence: the answer contains `expect`, when there is a tokenizer to read it with.
-    """
+    """The three checks of one device run, built in one place for every caller: SEQ_MATCH (`tokens`
+    against `reference`), LOGITS_MATCH when the run kept its `step_logits`, coherence (the answer
+    contains `expect`) when there is a tokenizer to read it with."""
     coherence = expect_substring(expect) if expect and tokenizer is not None else None
     logits = check_logits(lm, list(prompt_ids), list(tokens), step_logits) if step_logits is not None else None
     return run_checks(

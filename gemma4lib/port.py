@@ -319,12 +319,10 @@ def witness_record(
 def run_witness(
     settings: PortSettings, *, progress: bool = False, artifacts: dict[str, str] | None = None
 ) -> dict[str, Any]:
-    """Run the random-weights witness of `settings`' variant and return its record: the same
-    shapes, backend and rows, with the witness's prompt in every row.
-
-    `artifacts`: the trained run's compiled artifacts; `same_programs` then says whether the
-    witness ran the very same ones (not when the compiler folded a parameter whose values differ
-    between the two models into the program: 31B's and 26B-A4B's tiny q/k norms)."""
+    """Run the random-weights witness of `settings`' variant and return its record: the same shapes,
+    backend and rows, with the witness's prompt in every row. `artifacts`: the trained run's; then
+    `same_programs` says whether the witness ran the very same ones (not where the compiler folded a
+    parameter into the program: the 31B's and 26B-A4B's tiny q/k norms)."""
     w = witness_settings(settings)
     model = load_model(w)
     rows = prompt_rows(model, w, vary=False)

@@ -25,11 +25,8 @@ log = logging.getLogger(__name__)
 
 class ImageBound(nn.Module):
     """transformers' multimodal model with one prompt's images bound, called and generated like a
-    text LM: `forward(ids, attention_mask)` and `generate(ids, ...)` pass the processor's
-    `pixel_values` / `image_position_ids` and the `mm_token_type_ids` of the image's positions, so
-    every reference function here (greedy `generate`, teacher forcing, the spread) runs HF's own
-    image path (`Gemma4Model.forward`: vision tower, soft tokens scattered over the image tokens,
-    the bidirectional mask where the config asks) on the very prompt the device ran."""
+    text LM (`forward` and `generate` pass the processor's tensors and the `mm_token_type_ids`), so
+    every reference function here runs HF's own image path on the very prompt the device ran."""
 
     def __init__(self, multimodal: nn.Module, pixel_values: torch.Tensor, position_ids: torch.Tensor, positions):
         super().__init__()
@@ -163,11 +160,7 @@ def logits_spread(
 ) -> tuple[float, str]:
     """Max |HF logits in the model's dtype − HF logits of the same forward in a higher precision|
     over the same teacher-forced rows (softcapped both). Returns (spread, the precise dtype name).
-
-    The precise forward widens one module at a time (`upcast.upcast_forward`), not a deep copy of
-    the model: its extra host memory is one widened module, an LM-head block and the activations,
-    not a second model (float32 of bf16 is 2x the model's bytes, which no inf2.xlarge host holds
-    next to the released E2B)."""
+    The precise forward widens one module at a time (`upcast.upcast_forward`), not a deep copy."""
     if reference is None:
         reference = teacher_forced_logits(lm, prompt_ids, tokens)
     dtype = next(lm.parameters()).dtype

@@ -108,15 +108,14 @@ def encode_prompt(tokenizer: Any, prompt: str, chat: bool = True) -> list[int]:
 # ---- what the engine is given ----------------------------------------------------------------
 @dataclass
 class Steps:
-    """The compiled graphs a backend hands the engine, each a callable over its own K/V.
+    """The compiled graphs a backend hands the engine, each a callable over its own K/V (how the K/V are
+    held is the backend's business).
 
-    `prefill[bucket](*embeds, start, length)` and `decode(*embeds, start, length)` return the
-    logits of each row's last valid token `[B, vocab]` (and its hidden state `[B, H]` when the
-    engine drafts with the assistant); `verify(*embeds, start, length)` the logits and hidden states
-    of every position `[B, k + 1, ...]`; `draft(inputs_embeds, position)` the assistant's logits and
-    projected hidden state `[B, ...]`. `start`/`length`/`position` are int32 `[B]`. How the K/V are
-    held (host buffers updated in place, device states rebound) is the backend's business. No
-    prefill graphs (the one-graph trace recipe): prompts are fed through `decode` token by token.
+    `prefill[bucket](*embeds, start, length)` and `decode(...)` return the logits of each row's last
+    valid token `[B, vocab]` (and its hidden state `[B, H]` when the assistant drafts); `verify(...)`
+    those of every position `[B, k + 1, ...]`; `draft(inputs_embeds, position)` the assistant's logits
+    and projected hidden state. `start`/`length`/`position` are int32 `[B]`. No prefill graphs (the
+    trace recipe): prompts are fed through `decode` token by token.
     """
 
     prefill: dict[int, Step] = field(default_factory=dict)
@@ -171,12 +170,10 @@ class ImagePrompt:
     """A prompt's images as the image processor gave them, and where their soft tokens go.
 
     `pixel_values [n, patches, patch_dim]` and `position_ids [n, patches, 2]` are the processor's
-    tensors (one image per vision-graph call); `counts[i]` is image i's number of soft tokens, the
-    first `counts[i]` slots of its graph output; `positions` are the prompt positions of every image
-    token in order (`sum(counts)` of them). The engine runs the vision graph at admission and writes
-    the soft tokens into the prompt's input embeddings there, as the PLE and word embeddings are made
-    on the host; the token id at those positions is replaced by `pad_id` for the host tables, as
-    transformers does."""
+    tensors (one image per vision-graph call); `counts[i]` is image i's number of soft tokens (the
+    first slots of its graph output); `positions` the prompt positions of every image token, in order.
+    The engine runs the vision graph at admission and writes the soft tokens over those positions'
+    host embeddings (their ids become `pad_id` for the host tables, as transformers does)."""
 
     pixel_values: torch.Tensor
     position_ids: torch.Tensor

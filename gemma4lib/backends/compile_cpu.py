@@ -171,12 +171,8 @@ def cache_package(
 ) -> CacheEntry:
     """The artifact-cache entry of `program`'s package, keyed by `graph_key`; on a miss
     `compile_package(program, package_path)` writes it (the notebooks pass AOTInductor's own call).
-
-    Inductor folds some parameters into the program instead of taking them at load time (tiny
-    ones, such as an 8-wide q_norm weight). Their names and values are recorded with the artifact;
-    a model whose folded values differ gets an artifact of its own instead of silently running
-    with the values of the model that was compiled first.
-    """
+    Parameters Inductor folds into the program (tiny ones, an 8-wide q_norm weight) are recorded with
+    the artifact, so a model whose folded values differ gets its own, never the first model's values."""
     parts = graph_key(graph, RECIPE, options, program)
 
     def build(folder: Path) -> dict[str, Any]:

@@ -1,7 +1,7 @@
 """The build lock of one cache key: who holds it, since when, and a wait that ends.
 
-A compile holds its key's lock so that two runs never build the same key at once. A plain blocking
-`flock` made a second run wait silently forever behind a stopped (Ctrl-Z) or hung compile, so:
+A plain blocking `flock` made a second run wait silently forever behind a stopped (Ctrl-Z) or hung
+compile, so:
 
 - the holder writes who it is (pid, host, since, command) into the lock file;
 - a waiter polls, and reports that holder while it waits (is it running, stopped, gone?);

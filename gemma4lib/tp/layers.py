@@ -136,11 +136,9 @@ class ShardedExperts(nn.Module):
     the sum over ranks is the sum over each expert's intermediate slices (act is elementwise, so
     slicing the intermediate dimension is exact); under the expert split, over its experts.
 
-    selective: the same sum over the k routed experts only. Expert split: each rank contributes
-    the ones it holds (valid = the expert id falls in this rank's range). Intermediate split:
-    every rank contributes its slice of each of the k. The weight slices are indexed out of the
-    two linears' `.weight` (NxD's parallel linears hold theirs in the same [out, in] layout), so
-    the checkpoint and the sharding are the same for both forms.
+    selective: the same sum over the k routed experts only (expert split: those in this rank's
+    range; intermediate split: this rank's slice of each), indexed out of the two linears' `.weight`
+    (NxD's parallel linears hold theirs in the same [out, in] layout), so both forms share one shard.
 
     `intermediate` is the unsharded per-expert width, `self.intermediate` this rank's share of it;
     `all_reduce` is the selective form's sum over ranks (default: the `RowShard`'s collectives).

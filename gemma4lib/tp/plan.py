@@ -345,13 +345,9 @@ def _expert_split_problems(c: dict[str, Any], tp: int, expert_split: str | None)
 
 
 def make_plan(config: Any, tp: int, variant: Any = None, expert_split: str | None = None) -> TPPlan:
-    """The sharding plan for `config` at TP degree `tp`; raises `TensorParallelError` if it can't.
-
-    With a `variant` (a `variants.Variant`), `tp` must also be one of the degrees the variant's
-    recipe supports on inf2; the error names the degrees that work for this config.
-    `expert_split` (MoE only): "intermediate" | "experts"; None picks `default_expert_split`
-    (the intermediate split wherever it divides). Ignored for a dense model.
-    """
+    """The sharding plan for `config` at TP degree `tp`; raises `TensorParallelError` (naming the degrees
+    that work) if it can't, or with a `variant` if `tp` is not one its recipe supports on inf2.
+    `expert_split` (MoE only): "intermediate" | "experts"; None: `default_expert_split`."""
     name = getattr(variant, "name", None)
     layout = KVLayout.from_config(config)
     c = _config_ints(config)

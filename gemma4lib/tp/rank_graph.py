@@ -209,13 +209,8 @@ def lm_class_for(config: Any):
 
 
 def materialize(graph: nn.Module, config: Any, dtype: torch.dtype) -> None:
-    """Give every meta tensor of the skeleton real (zero) storage; rebuild the rotary tables.
-
-    Everything that is not a rank-local layer (norms, router, PLE projections) comes from the meta
-    skeleton: zeros until a shard is loaded. Layers the factory made are left as they are.
-    Non-persistent buffers are not in any checkpoint, so the rotary embedding is rebuilt from the
-    config.
-    """
+    """Give every meta tensor of the skeleton (all but the factory's layers) real zero storage until a
+    shard is loaded; rebuild the rotary tables from the config (non-persistent: in no checkpoint)."""
     skip = set()
     for made in getattr(graph, "_factory_made", ()):
         skip.update(id(m) for m in made.modules())
