@@ -1,15 +1,12 @@
-"""The host runtime: the one generation engine around the compiled device graphs.
+"""The host runtime: the one generation engine around the compiled device graphs (docs/ENGINE.md).
 
 Tokens in, tokens out. The engine holds `batch` rows over one set of K/V (held by the steps: host
 buffers on CPU, device states on XLA and inf2). A request is admitted into a free row (its prefill,
-the smallest compiled bucket that holds it, other rows untouched), then every `step()` advances
-every live row at once: one decode step, or with a drafter one round of k drafts and one verify of
-k + 1 tokens, each row accepting its own number. Each row has its own position, eos, token budget
-and sampling (greedy argmax on raw logits, or softcapped, tempered top-p sampling with its own
-seeded generator; drafted rows keep drafts by the greedy rule or by rejection sampling). A row
-leaves when its request ends and the next request takes it: `generate` runs a batch to the end
-(what `port` runs), a server admits and releases rows between steps (continuous batching). Every
-path (port, batches, drafting, the TP ranks, the XLA lane, the Neuron recipes, the notebooks, the
+other rows untouched), then every `step()` advances every live row at once: one decode step, or
+with a drafter k drafts and one verify of k + 1 tokens, each row keeping its own number. Each row
+has its own position, eos, token budget and sampling. `generate` runs a batch to the end (what
+`port` runs), a server admits and releases rows between steps (continuous batching). Every path
+(port, batches, drafting, the TP ranks, the XLA lane, the Neuron recipes, the notebooks, the
 benchmarks) runs this loop; there is no other.
 """
 
@@ -122,15 +119,14 @@ def encode_prompt(tokenizer: Any, prompt: str, chat: bool = True) -> list[int]:
 # ---- what the engine is given ----------------------------------------------------------------
 @dataclass
 class Steps:
-    """The compiled graphs a backend hands the engine, each a callable over its own K/V.
+    """The compiled graphs a backend hands the engine, each a callable over its own K/V (how the K/V are
+    held is the backend's business).
 
-    `prefill[bucket](*embeds, start, length)` and `decode(*embeds, start, length)` return the
-    logits of each row's last valid token `[B, vocab]` (and its hidden state `[B, H]` when the
-    engine drafts with the assistant); `verify(*embeds, start, length)` the logits and hidden states
-    of every position `[B, k + 1, ...]`; `draft(inputs_embeds, position)` the assistant's logits and
-    projected hidden state `[B, ...]`. `start`/`length`/`position` are int32 `[B]`. How the K/V are
-    held (host buffers updated in place, device states rebound) is the backend's business. No
-    prefill graphs (the one-graph trace recipe): prompts are fed through `decode` token by token.
+    `prefill[bucket](*embeds, start, length)` and `decode(...)` return the logits of each row's last
+    valid token `[B, vocab]` (and its hidden state `[B, H]` when the assistant drafts); `verify(...)`
+    those of every position `[B, k + 1, ...]`; `draft(inputs_embeds, position)` the assistant's logits
+    and projected hidden state. `start`/`length`/`position` are int32 `[B]`. No prefill graphs (the
+    trace recipe): prompts are fed through `decode` token by token.
     """
 
     prefill: dict[int, Step] = field(default_factory=dict)
@@ -149,11 +145,6 @@ class Steps:
     def __post_init__(self):
         self.prefill = dict(sorted(self.prefill.items()))
         self.row_prefill = dict(sorted(self.row_prefill.items()))
-
-
-def index_positions(position_ids: torch.Tensor) -> torch.Tensor:
-    """Patch positions as the vision graph takes them (int32, like every index input)."""
-    return position_ids.to(INDEX_DTYPE)
 
 
 def bind_kv(fn: Step, kv: Sequence[torch.Tensor]) -> Step:
@@ -193,12 +184,10 @@ class ImagePrompt:
     """A prompt's images as the image processor gave them, and where their soft tokens go.
 
     `pixel_values [n, patches, patch_dim]` and `position_ids [n, patches, 2]` are the processor's
-    tensors (one image per vision-graph call); `counts[i]` is image i's number of soft tokens, the
-    first `counts[i]` slots of its graph output; `positions` are the prompt positions of every image
-    token in order (`sum(counts)` of them). The engine runs the vision graph at admission and writes
-    the soft tokens into the prompt's input embeddings there, as the PLE and word embeddings are made
-    on the host; the token id at those positions is replaced by `pad_id` for the host tables, as
-    transformers does."""
+    tensors (one image per vision-graph call); `counts[i]` is image i's number of soft tokens (the
+    first slots of its graph output); `positions` the prompt positions of every image token, in order.
+    The engine runs the vision graph at admission and writes the soft tokens over those positions'
+    host embeddings (their ids become `pad_id` for the host tables, as transformers does)."""
 
     pixel_values: torch.Tensor
     position_ids: torch.Tensor
@@ -525,7 +514,7 @@ class Engine:
         """The vision graph over each image: its soft tokens in prompt order `[sum(counts), hidden]`."""
         parts = []
         for i, count in enumerate(images.counts):
-            pixels, positions = images.pixel_values[i : i + 1], index_positions(images.position_ids[i : i + 1])
+            pixels, positions = images.pixel_values[i : i + 1], images.position_ids[i : i + 1].to(INDEX_DTYPE)
             out = _outputs(self.steps.vision(pixels.to(self.dtype), positions), 1)[0]
             parts.append(out[0, : int(count)])
         return torch.cat(parts).to(self.dtype)
