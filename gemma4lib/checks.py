@@ -1,23 +1,21 @@
 """The three checks every run reports, because none implies the others.
 
-SEQ_MATCH: the compiled graph's tokens equal the host fp32 reference's, token for token. It proves
-the compiler is faithful -- as far as tokens can show it. A confident model (the trained fixtures
-answer with margins of 3-5 logits) hides logit errors of 0.1-0.3 behind unchanged tokens.
+SEQ_MATCH: the compiled graph's tokens equal the host fp32 reference's, token for token: the compiler
+is faithful, as far as tokens show it. A confident model (the trained fixtures answer with margins of
+3-5 logits) hides logit errors of 0.1-0.3 behind unchanged tokens.
 
-LOGITS_MATCH: the device's logits at every generated position (the prefill's and each decode
-step's) against the reference's logits for the same tokens (teacher forcing: one HF forward over
-the prompt and the device's tokens), within a tolerance taken from the reference's own numerical
-spread on that sequence (`logits_tolerance`). Per step, so a fault that only touches the decode
-graph shows too. NxD Inference's `check_accuracy_logits` is the model for it; this one runs on
-every step of both phases.
+LOGITS_MATCH: the device's logits at every generated position (the prefill's and each decode step's,
+so a fault that only touches the decode graph shows too) against the reference's for the same tokens
+(teacher forcing), within a tolerance taken from the reference's own numerical spread on that
+sequence (`logits_tolerance`; NxD Inference's `check_accuracy_logits` is the model for it).
 
 Coherence: the decoded answer makes sense (a predicate on the text). It proves the reference is
 right: a wrong chat template or PLE wiring shared by device and reference passes both equality
 checks in silence.
 
-A run record (`port.port()`, `notebook.record`) carries all three, and for smoke runs the same
-checks on a random-weights witness (`record["witness"]`); `failed_checks` is the one verdict the
-command line, the fault lab and papermill share.
+A run record carries all three, and for smoke runs the same checks on a random-weights witness
+(`record["witness"]`); `failed_checks` is the one verdict the command line, the fault lab and
+papermill share.
 """
 
 from __future__ import annotations
@@ -274,12 +272,9 @@ def evaluate(
     expect: str | None = None,
     step_logits: Any = None,
 ) -> CheckReport:
-    """The three checks of one device run, built in one place for every caller.
-
-    SEQ_MATCH: `tokens` against the host reference's `reference`. LOGITS_MATCH: when the run kept
-    its per-step logits (`step_logits`), against `lm`'s teacher-forced logits for the same tokens.
-    Coherence: the answer contains `expect`, when there is a tokenizer to read it with.
-    """
+    """The three checks of one device run, built in one place for every caller: SEQ_MATCH (`tokens`
+    against `reference`), LOGITS_MATCH when the run kept its `step_logits`, coherence (the answer
+    contains `expect`) when there is a tokenizer to read it with."""
     coherence = expect_substring(expect) if expect and tokenizer is not None else None
     logits = check_logits(lm, list(prompt_ids), list(tokens), step_logits) if step_logits is not None else None
     return run_checks(

@@ -14,6 +14,8 @@ from typing import Any
 
 import torch
 
+from .errors import EnvironmentMismatchError
+
 
 def _transformers_pin() -> str:
     """The exact transformers version this project pins. pyproject.toml is the one place it is
@@ -54,8 +56,6 @@ def check_transformers() -> str:
     (older releases lack Gemma-4's per-layer config and fail with an ImportError or silently wrong
     shapes). Called by `loading` before it touches a Gemma-4 class. Returns the version found."""
     from packaging.version import InvalidVersion, Version
-
-    from .errors import EnvironmentMismatchError
 
     found = package_version("transformers")
     fix = f"`pip install transformers=={TRANSFORMERS_PIN}` (the one version this cookbook pins, CPU and inf2 alike)"

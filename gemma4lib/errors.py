@@ -25,12 +25,7 @@ class PromptTooLongError(Gemma4LibError, ValueError):
     """Prompt + new tokens do not fit the compiled context; raised before any device work."""
 
     def __init__(
-        self,
-        prompt_tokens: int,
-        max_new_tokens: int,
-        context_length: int,
-        draft_tokens: int = 0,
-        image_tokens: int = 0,
+        self, prompt_tokens: int, max_new_tokens: int, context_length: int, draft_tokens: int = 0, image_tokens: int = 0
     ):
         drafts = f" + {draft_tokens} draft slots a verify writes ahead" if draft_tokens else ""
         of_images = f", {image_tokens} of them image soft tokens," if image_tokens else ""

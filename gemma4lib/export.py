@@ -1,12 +1,10 @@
 """`python -m gemma4lib export`: compile a port once and write it as a bundle (`gemma4lib.cache.bundle`).
 
-The compile runs exactly as `port` would (the same backend, the same cache, so a warm cache makes
-the export a copy), for the model of the settings (drafting: also the plain decode its benchmark
-compares against) and, when the port runs one, its random-weights witness; then the cache entries
-those graphs used are copied into `DIR/entries/` and the manifest is written last, so a
-half-written bundle has no manifest and is never loaded. Nothing here is
-backend-specific: on inf2 the neuron backend's entry (the ModelBuilder `model.pt` with its NEFFs,
-and the per-rank shards) is copied like the CPU's AOTInductor packages.
+The compile runs as `port` would (same backend, same cache: a warm cache makes the export a copy), for
+the settings' model (drafting: also the plain decode its benchmark compares against) and its
+random-weights witness when the port runs one; the cache entries those graphs used are copied into
+`DIR/entries/` and the manifest is written last, so a half-written bundle is never loaded. Nothing
+here is backend-specific: inf2's ModelBuilder entries are copied like the CPU's packages.
 """
 
 from __future__ import annotations

@@ -24,6 +24,7 @@ from .backends.preflight import preflight
 from .backends.registry import compile_graphs, run_device  # stages a notebook shows (and `port` runs)
 from .device.build import device_graphs as build_graphs  # the notebooks' name for the settings' graphs
 from .device.quant import round_model_weights
+from .errors import NoVisionError
 from .generation.prompts import random_prompt_lengths
 from .models.checkpoint import load_checkpoint
 from .models.image_attention import bidirectional_images
@@ -96,7 +97,6 @@ def _load_with_vision(settings: PortSettings, source: str) -> LoadedModel:
     """The model with its vision part: the tiny multimodal fixture, or a seeded random multimodal
     build of the same architecture (the witness). A checkpoint's vision part is not loaded yet
     (docs/IMAGES.md): refused with what to do."""
-    from .errors import NoVisionError
     from .models import vision
 
     variant = settings.variant_spec
@@ -213,13 +213,7 @@ def judge_rows(
         lm = row_reference(model, row)
         reference = reference_greedy(lm, row.ids, settings.max_new_tokens, eos)
         report = checks.evaluate(
-            lm,
-            model.tokenizer,
-            row.ids,
-            result.tokens,
-            reference,
-            expect=row.expect,
-            step_logits=result.step_logits,
+            lm, model.tokenizer, row.ids, result.tokens, reference, expect=row.expect, step_logits=result.step_logits
         )
         if report.logits is not None and not report.logits.passed:
             log.warning("row %d: %s", i, report.logits.explain())
@@ -325,12 +319,10 @@ def witness_record(
 def run_witness(
     settings: PortSettings, *, progress: bool = False, artifacts: dict[str, str] | None = None
 ) -> dict[str, Any]:
-    """Run the random-weights witness of `settings`' variant and return its record: the same
-    shapes, backend and rows, with the witness's prompt in every row.
-
-    `artifacts`: the trained run's compiled artifacts; `same_programs` then says whether the
-    witness ran the very same ones (not when the compiler folded a parameter whose values differ
-    between the two models into the program: 31B's and 26B-A4B's tiny q/k norms)."""
+    """Run the random-weights witness of `settings`' variant and return its record: the same shapes,
+    backend and rows, with the witness's prompt in every row. `artifacts`: the trained run's; then
+    `same_programs` says whether the witness ran the very same ones (not where the compiler folded a
+    parameter into the program: the 31B's and 26B-A4B's tiny q/k norms)."""
     w = witness_settings(settings)
     model = load_model(w)
     rows = prompt_rows(model, w, vary=False)

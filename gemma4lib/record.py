@@ -1,10 +1,8 @@
 """The run record: one versioned JSON document per run, built here and only here.
 
-`port.port()`, the notebooks (`notebook.record`), the fault lab, papermill's baselines and the
-summaries all read the same keys, so they are assembled in one function. A device run (what a
-backend produced, `backends.DeviceRun`: tokens, compile and benchmark figures, backend details) and the checks' report
-go in; the record comes out with the verdict every reader applies: `failed_checks` (empty when
-SEQ_MATCH, LOGITS_MATCH, coherence and the witness's checks all held).
+`port.port()`, the notebooks, the fault lab, papermill's baselines and the summaries all read the same
+keys, so a device run (`backends.DeviceRun`) and the checks' report go in here and the record comes
+out with the verdict every reader applies: `failed_checks` (empty when every check held).
 
 Schema 2 added `schema`, LOGITS_MATCH's keys and the witness; a reader that needs a key a record
 lacks can tell an old record by `schema`. Schema 3 renamed the compiler's key from `recipe` to
@@ -13,7 +11,6 @@ lacks can tell an old record by `schema`. Schema 3 renamed the compiler's key fr
 
 from __future__ import annotations
 
-import json
 import re
 import sys
 import time
@@ -102,7 +99,3 @@ def write_result(result: dict[str, Any], folder: Path, name: str | None = None) 
     path = Path(folder) / (name or result_filename(result))
     atomic_write_json(path, result)
     return path
-
-
-def read_result(path: Path) -> dict[str, Any]:
-    return json.loads(Path(path).read_text())

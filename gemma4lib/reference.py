@@ -25,11 +25,8 @@ log = logging.getLogger(__name__)
 
 class ImageBound(nn.Module):
     """transformers' multimodal model with one prompt's images bound, called and generated like a
-    text LM: `forward(ids, attention_mask)` and `generate(ids, ...)` pass the processor's
-    `pixel_values` / `image_position_ids` and the `mm_token_type_ids` of the image's positions, so
-    every reference function here (greedy `generate`, teacher forcing, the spread) runs HF's own
-    image path (`Gemma4Model.forward`: vision tower, soft tokens scattered over the image tokens,
-    the bidirectional mask where the config asks) on the very prompt the device ran."""
+    text LM (`forward` and `generate` pass the processor's tensors and the `mm_token_type_ids`), so
+    every reference function here runs HF's own image path on the very prompt the device ran."""
 
     def __init__(self, multimodal: nn.Module, pixel_values: torch.Tensor, position_ids: torch.Tensor, positions):
         super().__init__()
@@ -163,11 +160,7 @@ def logits_spread(
 ) -> tuple[float, str]:
     """Max |HF logits in the model's dtype − HF logits of the same forward in a higher precision|
     over the same teacher-forced rows (softcapped both). Returns (spread, the precise dtype name).
-
-    The precise forward widens one module at a time (`upcast.upcast_forward`), not a deep copy of
-    the model: its extra host memory is one widened module, an LM-head block and the activations,
-    not a second model (float32 of bf16 is 2x the model's bytes, which no inf2.xlarge host holds
-    next to the released E2B)."""
+    The precise forward widens one module at a time (`upcast.upcast_forward`), not a deep copy."""
     if reference is None:
         reference = teacher_forced_logits(lm, prompt_ids, tokens)
     dtype = next(lm.parameters()).dtype
@@ -185,25 +178,11 @@ def hf_assisted(
 ) -> tuple[list[int], int]:
     """transformers' own `generate(assistant_model=...)` (greedy): its tokens and the number of
     target verify steps it ran (target forward calls after the prefill)."""
-    ids = torch.as_tensor(list(prompt_ids), dtype=torch.long)[None]
     calls = []
     # an `ImageBound` generates through its multimodal model: count that model's forward calls
     hook = getattr(lm, "multimodal", lm).register_forward_pre_hook(lambda *_: calls.append(1))
     try:
-        out = lm.generate(
-            ids,
-            attention_mask=torch.ones_like(ids),
-            max_new_tokens=max_new_tokens,
-            do_sample=False,
-            eos_token_id=list(eos) or None,
-            pad_token_id=0,
-            assistant_model=assistant,
-        )
+        tokens, _ = hf_greedy(lm, prompt_ids, max_new_tokens, eos, assistant_model=assistant)
     finally:
         hook.remove()
-    tokens = out[0, ids.shape[1] :].tolist()
-    for i, t in enumerate(tokens):
-        if t in set(eos):
-            tokens = tokens[: i + 1]
-            break
     return tokens, len(calls) - 1

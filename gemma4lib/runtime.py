@@ -1,15 +1,12 @@
-"""The host runtime: the one generation engine around the compiled device graphs.
+"""The host runtime: the one generation engine around the compiled device graphs (docs/ENGINE.md).
 
 Tokens in, tokens out. The engine holds `batch` rows over one set of K/V (held by the steps: host
 buffers on CPU, device states on XLA and inf2). A request is admitted into a free row (its prefill,
-the smallest compiled bucket that holds it, other rows untouched), then every `step()` advances
-every live row at once: one decode step, or with a drafter one round of k drafts and one verify of
-k + 1 tokens, each row accepting its own number. Each row has its own position, eos, token budget
-and sampling (greedy argmax on raw logits, or softcapped, tempered top-p sampling with its own
-seeded generator; drafted rows keep drafts by the greedy rule or by rejection sampling). A row
-leaves when its request ends and the next request takes it: `generate` runs a batch to the end
-(what `port` runs), a server admits and releases rows between steps (continuous batching). Every
-path (port, batches, drafting, the TP ranks, the XLA lane, the Neuron recipes, the notebooks, the
+other rows untouched), then every `step()` advances every live row at once: one decode step, or
+with a drafter k drafts and one verify of k + 1 tokens, each row keeping its own number. Each row
+has its own position, eos, token budget and sampling. `generate` runs a batch to the end (what
+`port` runs), a server admits and releases rows between steps (continuous batching). Every path
+(port, batches, drafting, the TP ranks, the XLA lane, the Neuron recipes, the notebooks, the
 benchmarks) runs this loop; there is no other.
 """
 
@@ -84,13 +81,24 @@ def sampling_probs(logits: torch.Tensor, sampling: Sampling, cap: float | None) 
     return probs / probs.sum()
 
 
+def draw(generator: torch.Generator | None) -> float:
+    """A sampled row's one random number per token, u in (0, 1], from its own seeded generator (the
+    same draw whether the host or the device then chooses: `choose_token`, `graph.choose_tokens`)."""
+    return 1.0 - float(torch.rand((), generator=generator))
+
+
 def choose_token(
     logits: torch.Tensor, sampling: Sampling, cap: float | None, generator: torch.Generator | None = None
 ) -> int:
-    """Next token from raw device logits `[vocab]`: argmax (no softcap needed) or a sample."""
+    """Next token from raw device logits `[vocab]`: argmax (no softcap needed), or the token where the
+    row's draw falls in the cumulative distribution (inverse CDF: the device's `choose_tokens` rule)."""
     if sampling.greedy:
         return int(torch.argmax(logits))
-    return int(torch.multinomial(sampling_probs(logits, sampling, cap), 1, generator=generator))
+    probs = sampling_probs(logits, sampling, cap)
+    if not torch.isfinite(probs).all():
+        raise RuntimeError("the logits give no distribution (NaN or +inf): the row's sampler cannot draw from them")
+    cdf = torch.cumsum(probs, 0)
+    return min(int((cdf < draw(generator) * cdf[-1]).sum()), len(cdf) - 1)
 
 
 def encode_prompt(tokenizer: Any, prompt: str, chat: bool = True) -> list[int]:
@@ -111,19 +119,21 @@ def encode_prompt(tokenizer: Any, prompt: str, chat: bool = True) -> list[int]:
 # ---- what the engine is given ----------------------------------------------------------------
 @dataclass
 class Steps:
-    """The compiled graphs a backend hands the engine, each a callable over its own K/V.
+    """The compiled graphs a backend hands the engine, each a callable over its own K/V (how the K/V are
+    held is the backend's business).
 
-    `prefill[bucket](*embeds, start, length)` and `decode(*embeds, start, length)` return the
-    logits of each row's last valid token `[B, vocab]` (and its hidden state `[B, H]` when the
-    engine drafts with the assistant); `verify(*embeds, start, length)` the logits and hidden states
-    of every position `[B, k + 1, ...]`; `draft(inputs_embeds, position)` the assistant's logits and
-    projected hidden state `[B, ...]`. `start`/`length`/`position` are int32 `[B]`. How the K/V are
-    held (host buffers updated in place, device states rebound) is the backend's business. No
-    prefill graphs (the one-graph trace recipe): prompts are fed through `decode` token by token.
+    `prefill[bucket](*embeds, start, length)` and `decode(...)` return the logits of each row's last
+    valid token `[B, vocab]` (and its hidden state `[B, H]` when the assistant drafts); `verify(...)`
+    those of every position `[B, k + 1, ...]`; `draft(inputs_embeds, position)` the assistant's logits
+    and projected hidden state. `start`/`length`/`position` are int32 `[B]`. No prefill graphs (the
+    trace recipe): prompts are fed through `decode` token by token.
     """
 
     prefill: dict[int, Step] = field(default_factory=dict)
     decode: Step | None = None
+    # `decode_ids(*embeds, start, length, sampling)`: each row's next token `[B]` chosen on the device,
+    # `sampling [B, 2]` = (temperature, `draw`); -1 where its logits were not finite (`graph.choose_tokens`)
+    decode_ids: Step | None = None
     verify: Step | None = None
     draft: Step | None = None
     vision: Step | None = None  # (pixel_values, position_ids) -> soft tokens [n, slots, hidden]; no K/V
@@ -135,11 +145,6 @@ class Steps:
     def __post_init__(self):
         self.prefill = dict(sorted(self.prefill.items()))
         self.row_prefill = dict(sorted(self.row_prefill.items()))
-
-
-def index_positions(position_ids: torch.Tensor) -> torch.Tensor:
-    """Patch positions as the vision graph takes them (int32, like every index input)."""
-    return position_ids.to(INDEX_DTYPE)
 
 
 def bind_kv(fn: Step, kv: Sequence[torch.Tensor]) -> Step:
@@ -179,12 +184,10 @@ class ImagePrompt:
     """A prompt's images as the image processor gave them, and where their soft tokens go.
 
     `pixel_values [n, patches, patch_dim]` and `position_ids [n, patches, 2]` are the processor's
-    tensors (one image per vision-graph call); `counts[i]` is image i's number of soft tokens, the
-    first `counts[i]` slots of its graph output; `positions` are the prompt positions of every image
-    token in order (`sum(counts)` of them). The engine runs the vision graph at admission and writes
-    the soft tokens into the prompt's input embeddings there, as the PLE and word embeddings are made
-    on the host; the token id at those positions is replaced by `pad_id` for the host tables, as
-    transformers does."""
+    tensors (one image per vision-graph call); `counts[i]` is image i's number of soft tokens (the
+    first slots of its graph output); `positions` the prompt positions of every image token, in order.
+    The engine runs the vision graph at admission and writes the soft tokens over those positions'
+    host embeddings (their ids become `pad_id` for the host tables, as transformers does)."""
 
     pixel_values: torch.Tensor
     position_ids: torch.Tensor
@@ -511,7 +514,7 @@ class Engine:
         """The vision graph over each image: its soft tokens in prompt order `[sum(counts), hidden]`."""
         parts = []
         for i, count in enumerate(images.counts):
-            pixels, positions = images.pixel_values[i : i + 1], index_positions(images.position_ids[i : i + 1])
+            pixels, positions = images.pixel_values[i : i + 1], images.position_ids[i : i + 1].to(INDEX_DTYPE)
             out = _outputs(self.steps.vision(pixels.to(self.dtype), positions), 1)[0]
             parts.append(out[0, : int(count)])
         return torch.cat(parts).to(self.dtype)
@@ -686,7 +689,7 @@ class Engine:
     def _call(self, step: Step, inputs: list[torch.Tensor], start: Sequence[int], length: Sequence[int]):
         return _outputs(step(*inputs, index_tensor(start), index_tensor(length)), 2)
 
-    def _emit(self, row: _Row, tokens: list[int], logits: list[torch.Tensor]) -> list[int]:
+    def _emit(self, row: _Row, tokens: list[int], logits: Sequence[torch.Tensor | None]) -> list[int]:
         """Append `tokens` (cut at eos or the budget); mark the row finished when it is."""
         kept = []
         for token, row_logits in zip(tokens, logits, strict=False):
@@ -721,6 +724,8 @@ class Engine:
         for r in live:
             row = self.rows[r]
             tokens[r, 0], start[r], length[r] = row.tokens[-1], row.position, 1
+        if self.steps.decode_ids is not None and all(self._device_chooses(self.rows[r]) for r in live):
+            return self._ids_step(live, tokens, start, length)
         (logits,) = self._call(self.steps.decode, self.embed(tokens), start, length)[:1]
         new = {}
         for r in live:
@@ -728,6 +733,33 @@ class Engine:
             token = self._choose(row, logits[r])
             row.position += 1
             new[r] = [] if token is None else self._emit(row, [token], [logits[r]])
+        return new
+
+    @staticmethod
+    def _device_chooses(row: _Row) -> bool:
+        """Whether the device may choose this row's token: no one reads its logits (kept for a check,
+        watched) and its sampling has no nucleus (the device's draw covers the whole vocabulary)."""
+        return not row.keep_logits and row.request.watch is None and row.request.sampling.top_p >= 1.0
+
+    def _ids_step(self, live: list[int], tokens: torch.Tensor, start: list[int], length: list[int]):
+        """One decode step whose tokens the device chooses (`Steps.decode_ids`): 4 bytes a row come
+        back. Each sampled row draws its number here, one per token, as `choose_token` would."""
+        sampling = torch.zeros(self.batch, 2)
+        for r in live:
+            row = self.rows[r]
+            if not row.request.sampling.greedy:
+                sampling[r] = torch.tensor([row.request.sampling.temperature, draw(row.generator)])
+        step = self.steps.decode_ids
+        (ids,) = _outputs(step(*self.embed(tokens), index_tensor(start), index_tensor(length), sampling), 1)
+        new = {}
+        for r in live:
+            row, token = self.rows[r], int(ids[r])
+            row.position += 1
+            if token < 0:
+                row.finish, row.fault = "error", RuntimeError("the device found this row's logits not finite")
+                new[r] = []
+            else:
+                new[r] = self._emit(row, [token], [None])
         return new
 
     def _choose(self, row: _Row, logits: torch.Tensor) -> int | None:

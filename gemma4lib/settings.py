@@ -1,11 +1,9 @@
 """The settings of one port: every value a run depends on, as plain values.
 
-A notebook's parameters cell and the command line map onto them, and every lower module may read
-them. They check what the values alone tell (names in closed lists, ranges, counts, buckets against
-the context, the drafting fields, the batch's prompts, and which backend runs what, from its row of
-plain flags in `backends.facts`), so a typo fails in a second. What needs more (a bundle's manifest,
-the inf2 recipe and memory plan, the Neuron SDK) is `backends.preflight`, run once by the
-composition roots before anything loads.
+A notebook's parameters cell and the command line map onto them, and every lower module may read them.
+They check what the values alone tell (closed lists, ranges, buckets against the context, which
+backend runs what: `backends.facts`), so a typo fails in a second; what needs more (a bundle, the inf2
+plans, the SDK) is `backends.preflight`, run once before anything loads.
 """
 
 from __future__ import annotations

@@ -40,11 +40,7 @@ class BenchFigures:
 
 
 def benchmark(
-    engine: Engine,
-    requests: Sequence[Request],
-    warmup: int = 1,
-    iters: int = 3,
-    progress: bool = False,
+    engine: Engine, requests: Sequence[Request], warmup: int = 1, iters: int = 3, progress: bool = False
 ) -> BenchFigures:
     """Median prefill latency (row 0's prompt) and decode throughput (all rows' tokens per second
     of steps) of full generations; pass requests without eos so every run decodes alike."""

@@ -41,7 +41,6 @@ from gemma4lab.training.text import (  # noqa: E402
     train_variant,
 )
 from gemma4lab.training.tokenizer import build_tokenizer, save_tokenizer  # noqa: E402
-from gemma4lib.models import corpus  # noqa: E402
 from gemma4lib.models.tokenizer import load_tokenizer  # noqa: E402
 from gemma4lib.models.trained import TOKENIZER_FILES, sha256_file  # noqa: E402
 from gemma4lib.models.variants import VARIANTS, get_variant  # noqa: E402
@@ -101,8 +100,8 @@ def main(argv=None) -> int:
 
         res = train_variant(variant, tokenizer, cfg, progress=None if args.quiet else progress)
         lm = res.loaded.lm
-        text, ids = greedy_reply(lm, tokenizer, corpus.CANONICAL_PROMPT)
-        canonical_ok = text == corpus.CANONICAL_ANSWER and ids[-1:] == [tokenizer.eos_token_id]
+        text, ids = greedy_reply(lm, tokenizer, training_corpus.CANONICAL_PROMPT)
+        canonical_ok = text == training_corpus.CANONICAL_ANSWER and ids[-1:] == [tokenizer.eos_token_id]
         held_ok, held_n, held_failures = held_out_accuracy(lm, tokenizer)
         target = out / name
         file_hashes = save_fixture(lm, target)
@@ -159,7 +158,7 @@ def main(argv=None) -> int:
             "corpus_sha256": training_corpus.corpus_sha256(),
             "corpus": {
                 "train_chats": len(training_corpus.training_chats()),
-                "held_out_phrasing": corpus.HELD_OUT_PHRASING,
+                "held_out_phrasing": training_corpus.HELD_OUT_PHRASING,
             },
             "tokenizer_vocab_size": len(tokenizer),
             "versions": {

@@ -90,7 +90,7 @@ def test_neuron_backend_builds_no_int8_graph_on_the_host(monkeypatch):
     )
     with pytest.raises(RuntimeError, match="stop: compile reached"):
         port_module.port(settings)
-    assert built == ["bf16"] * 3, built  # buckets 16 and 32 and decode, in full precision
+    assert built == ["bf16"] * 4, built  # buckets 16 and 32, decode and its ids form, in full precision
 
 
 # ---- finding 5: compiler litter ---------------------------------------------------------------------

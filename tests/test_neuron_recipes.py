@@ -700,15 +700,19 @@ def test_a_traced_module_returning_its_aliased_states_passes_the_first_call():
 
 class _FakeNxDModel:
     """A loaded compiled model as the host sees it: the logits, then `states` device-resident
-    tensors (a traced module that hands its aliased K/V states back)."""
+    tensors (a traced module that hands its aliased K/V states back). A call whose last input is the
+    sampling `[B, 2]` float32 is routed, as NxD routes by input shapes, to the key that returns ids."""
 
     def __init__(self, vocab, states=0):
         self.vocab, self.states, self.calls = vocab, states, []
 
     def __call__(self, *inputs):
         self.calls.append([(tuple(t.shape), t.dtype) for t in inputs])
-        logits = torch.zeros(inputs[0].shape[0], inputs[0].shape[1], self.vocab)
-        return (logits, *_device_states(self.states)) if self.states else logits
+        if inputs[-1].dim() == 2 and inputs[-1].dtype == torch.float32:
+            out = torch.full((inputs[0].shape[0],), 7, dtype=torch.int32)
+        else:
+            out = torch.zeros(inputs[0].shape[0], self.vocab)  # each row's last valid token
+        return (out, *_device_states(self.states)) if self.states else out
 
 
 def test_backend_neuron_keeps_no_host_kv(tmp_path, monkeypatch):
@@ -733,6 +737,12 @@ def test_backend_neuron_keeps_no_host_kv(tmp_path, monkeypatch):
     assert compiled.kv is None  # the engine's steps hold no host K/V: the device keeps them
     tokens = compiled.runtime.generate([5, 6, 7], 3).tokens
     assert len(tokens) == 3 and len(fake.calls) == 3  # one prefill call, two decode steps
+    # nobody reads the logits: the decode steps went to the key that returns ids (one input more,
+    # the sampling [1, 2] in float32; start/length int32) and the device's token is the row's
+    assert [len(call) for call in fake.calls] == [4, 5, 5] and fake.calls[1][-1] == ((1, 2), torch.float32)
+    assert fake.calls[1][-3:-1] == [((1,), torch.int32)] * 2 and tokens[1:] == [7, 7]
+    kept = compiled.runtime.generate([5, 6, 7], 3, keep_logits=True)  # a check keeps them: the logits key
+    assert [len(call) for call in fake.calls[3:]] == [4, 4, 4] and kept.step_logits is not None
 
 
 def test_backend_neuron_batch_reaches_every_model_builder_key(tmp_path, monkeypatch):
@@ -754,16 +764,19 @@ def test_backend_neuron_batch_reaches_every_model_builder_key(tmp_path, monkeypa
     with pytest.raises(RuntimeError, match="stop: no Neuron compiler here"):
         port_module.port(settings)
     adds = [args for kind, args in recorder.calls if kind == "add"]
-    # the one-token bucket has the decode key's input shapes (NxD routes by shape): decode serves it
-    assert [a["key"] for a in adds] == ["prefill16", "prefill64", "decode"]
-    assert [a["priority"] for a in adds] == [None, None, 0]
-    assert [a["inputs"][0][1] for a in adds] == [16, 64, 1]
-    assert "-O1" in adds[0]["compiler_args"] and "-O1" in adds[1]["compiler_args"] and "-O2" in adds[2]["compiler_args"]
+    # the one-token bucket has the decode key's input shapes (NxD routes by shape): decode serves it;
+    # the decode that returns ids takes one input more (the sampling), its own route, decode's layout
+    assert [a["key"] for a in adds] == ["prefill16", "prefill64", "decode", "decode_ids"]
+    assert [a["priority"] for a in adds] == [None, None, 0, None]
+    assert [a["inputs"][0][1] for a in adds] == [16, 64, 1, 1]
+    assert [("-O2" if "-O2" in a["compiler_args"] else "-O1") for a in adds] == ["-O1", "-O1", "-O2", "-O2"]
     hidden = get_variant("e2b").tiny_config["hidden_size"]
     for a in adds:
         assert a["inputs"][0][0] == 3 and a["inputs"][0][2] == hidden, a  # embeddings [3, T, H]
-        assert a["inputs"][-2:] == [(3,), (3,)], a  # start and length: one per row
-    assert [{n: s.tokens for n, s in k.items()} for k in keys] == [{"prefill16": 16, "prefill64": 64, "decode": 1}]
+    assert all(a["inputs"][-2:] == [(3,), (3,)] for a in adds[:3])  # start and length: one per row
+    assert adds[3]["inputs"][-3:] == [(3,), (3,), (3, 2)]  # then (temperature, draw) a row
+    shapes = {"prefill16": 16, "prefill64": 64, "decode": 1, "decode_ids": 1}
+    assert [{n: s.tokens for n, s in k.items()} for k in keys] == [shapes]
 
 
 def test_backend_neuron_runs_a_prompt_in_its_own_bucket(tmp_path, monkeypatch):
@@ -786,7 +799,7 @@ def test_backend_neuron_runs_a_prompt_in_its_own_bucket(tmp_path, monkeypatch):
     monkeypatch.setattr(neuron_model_builder, "compile_model_builder", compile_stub)
     monkeypatch.setattr(neuron_model_builder, "load_model_builder", lambda path, tp: fake)
     runtime = registry.compile_graphs(model, settings).runtime
-    assert compiled_keys == [{"prefill16": 16, "prefill64": 64, "decode": 1}]
+    assert compiled_keys == [{"prefill16": 16, "prefill64": 64, "decode": 1, "decode_ids": 1}]
     for length, bucket in ((5, 16), (16, 16), (17, 64), (40, 64)):
         fake.calls.clear()
         runtime.generate(list(range(3, 3 + length)), 2)
@@ -936,7 +949,7 @@ def test_backend_neuron_batch_4_compiles_a_join_key_per_bucket(tmp_path, monkeyp
     with pytest.raises(RuntimeError, match="stop: no Neuron compiler here"):
         port_module.port(settings)
     adds = {args["key"]: args for kind, args in recorder.calls if kind == "add"}
-    assert list(adds) == ["prefill16", "prefill64", "decode", "row_prefill16", "row_prefill64"]
+    assert list(adds) == ["prefill16", "prefill64", "decode", "row_prefill16", "row_prefill64", "decode_ids"]
     cfg = get_variant("e2b").tiny_config
     for bucket in (16, 64):
         batched, join = adds[f"prefill{bucket}"], adds[f"row_prefill{bucket}"]
@@ -1015,8 +1028,9 @@ class _RoutedNxDModel:
         checkpoint = mb.nxd_checkpoint(model, plan, torch.float32)
         self.routes, self.keys, shared = {}, [], None
         for key, graph in graphs.items():
-            join = graph.batch if isinstance(graph, RowJoin) else 0
-            module = mb.rank_module(model.config, plan, graph.shape, torch.float32, CpuParallelFactory(1), join=join)
+            join, chooses = graph.batch if isinstance(graph, RowJoin) else 0, bool(getattr(graph, "chooses", False))
+            factory = CpuParallelFactory(1)
+            module = mb.rank_module(model.config, plan, graph.shape, torch.float32, factory, join=join, chooses=chooses)
             module.load_state_dict(checkpoint, strict=False)
             shared = shared or module
             module = shared.sharing(module.graph)
@@ -1065,7 +1079,7 @@ def test_a_row_joining_a_running_batch_on_neuron_goes_through_the_join_key(tmp_p
             engine.step()
         tokens[backend] = [engine.release(r).tokens for r in range(2)]
     keys = loaded["model"].keys
-    assert [k for k in keys if k != "decode"] == ["row_prefill32", "row_prefill32"], keys
+    assert [k for k in keys if not k.startswith("decode")] == ["row_prefill32", "row_prefill32"], keys
     assert tokens["neuron"] == tokens["eager"] and "Paris" in model.tokenizer.decode(tokens["neuron"][0])
 
 

@@ -102,14 +102,17 @@ class _FakeNeuronx:
 
 
 class _FakeDecoder:
-    """The loaded ModelBuilder model: logits of zeros, no states."""
+    """The loaded ModelBuilder model: logits of zeros, no states; token 0 from the key that returns
+    ids (the call whose last input is the sampling `[B, 2]`, as NxD routes by input shapes)."""
 
     def __init__(self, vocab):
         self.vocab, self.calls = vocab, 0
 
     def __call__(self, *inputs):
         self.calls += 1
-        return torch.zeros(inputs[0].shape[0], inputs[0].shape[1], self.vocab)
+        if inputs[-1].dim() == 2 and inputs[-1].dtype == torch.float32:
+            return torch.zeros(inputs[0].shape[0], dtype=torch.int32)
+        return torch.zeros(inputs[0].shape[0], self.vocab)
 
 
 def _stub_decoder(monkeypatch, model):

@@ -8,7 +8,6 @@ import torch
 from gemma4lab.training import corpus as training_corpus
 from gemma4lab.training.text import greedy_reply, state_sha256
 from gemma4lab.training.tokenizer import build_tokenizer
-from gemma4lib.models import corpus
 from gemma4lib.models.fixture_paths import fixture_available
 from gemma4lib.models.tokenizer import (
     BOS_ID,
@@ -27,7 +26,7 @@ from gemma4lib.models.trained import (
 )
 from gemma4lib.models.variants import VARIANTS
 
-FRANCE_HELD_OUT = corpus.HELD_OUT_PHRASING.format(country="France")
+FRANCE_HELD_OUT = training_corpus.HELD_OUT_PHRASING.format(country="France")
 
 
 @pytest.fixture(scope="module")
@@ -103,10 +102,10 @@ def test_reload_is_exact(trained, provenance):
     assert scalars == pytest.approx([0.5 - 0.4 * i / (n - 1) for i in range(n)])
 
 
-@pytest.mark.parametrize("prompt", [corpus.CANONICAL_PROMPT, FRANCE_HELD_OUT], ids=["trained", "held-out"])
+@pytest.mark.parametrize("prompt", [training_corpus.CANONICAL_PROMPT, FRANCE_HELD_OUT], ids=["trained", "held-out"])
 def test_greedy_answer(trained, prompt):
     text, ids = greedy_reply(trained.lm, trained.tokenizer, prompt)
-    assert text == corpus.CANONICAL_ANSWER
+    assert text == training_corpus.CANONICAL_ANSWER
     assert ids[-1] == EOS_ID and ids.count(EOS_ID) == 1
 
 
@@ -114,7 +113,7 @@ def test_hf_generate_with_the_chat_template(trained):
     """The plain transformers way: apply_chat_template → generate → decode."""
     tok = trained.tokenizer
     enc = tok.apply_chat_template(
-        [{"role": "user", "content": corpus.CANONICAL_PROMPT}],
+        [{"role": "user", "content": training_corpus.CANONICAL_PROMPT}],
         add_generation_prompt=True,
         return_tensors="pt",
         return_dict=True,
@@ -122,20 +121,20 @@ def test_hf_generate_with_the_chat_template(trained):
     with torch.no_grad():
         out = trained.lm.generate(**enc, max_new_tokens=12, do_sample=False)
     new = out[0, enc["input_ids"].shape[1] :]
-    assert tok.decode(new, skip_special_tokens=True) == corpus.CANONICAL_ANSWER
+    assert tok.decode(new, skip_special_tokens=True) == training_corpus.CANONICAL_ANSWER
     assert int(new[-1]) == tok.eos_token_id
 
 
 def test_gemma3_turn_markers_give_nonsense(trained):
     """Gemma 3's markers are ordinary text to a Gemma-4 tokenizer: the model does not answer."""
     tok = trained.tokenizer
-    prompt = f"<start_of_turn>user\n{corpus.CANONICAL_PROMPT}<end_of_turn>\n<start_of_turn>model\n"
+    prompt = f"<start_of_turn>user\n{training_corpus.CANONICAL_PROMPT}<end_of_turn>\n<start_of_turn>model\n"
     ids = torch.tensor([tok(prompt)["input_ids"]])
     with torch.no_grad():
         out = trained.lm.generate(
             input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False
         )
-    assert tok.decode(out[0, ids.shape[1] :], skip_special_tokens=True) != corpus.CANONICAL_ANSWER
+    assert tok.decode(out[0, ids.shape[1] :], skip_special_tokens=True) != training_corpus.CANONICAL_ANSWER
 
 
 # ---- tokenizer -----------------------------------------------------------------------------
@@ -146,13 +145,13 @@ def test_special_ids(tokenizer):
 
 
 def test_chat_template_renders_gemma4_format(tokenizer):
-    msgs = [{"role": "user", "content": corpus.CANONICAL_PROMPT}]
+    msgs = [{"role": "user", "content": training_corpus.CANONICAL_PROMPT}]
     text = tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
     assert text == "<bos><|turn>user\nWhat is the capital of France?<turn|>\n<|turn>model\n"
     ids = tokenizer.apply_chat_template(msgs, add_generation_prompt=True, return_dict=True)["input_ids"]
     assert ids[:2] == [BOS_ID, TURN_OPEN_ID] and ids.count(BOS_ID) == 1 and ids.count(TURN_CLOSE_ID) == 1
     assert tokenizer.decode(ids) == text
-    two_turns = msgs + [{"role": "assistant", "content": corpus.CANONICAL_ANSWER}]
+    two_turns = msgs + [{"role": "assistant", "content": training_corpus.CANONICAL_ANSWER}]
     assert tokenizer.apply_chat_template(two_turns, tokenize=False) == (
         "<bos><|turn>user\nWhat is the capital of France?<turn|>\n"
         "<|turn>model\nThe capital of France is Paris.<turn|>\n"
@@ -198,12 +197,12 @@ def test_auto_tokenizer_loads_the_fixture():
 # ---- corpus --------------------------------------------------------------------------------
 def test_corpus_shape():
     train = training_corpus.training_chats()
-    assert len(train) == 40 * 3 + len(corpus.FACTS)
+    assert len(train) == 40 * 3 + len(training_corpus.FACTS)
     held = training_corpus.held_out_chats()
     assert len(held) == 40
     assert not {c.user for c in held} & {c.user for c in train}
-    assert training_corpus.answer_for("France") == corpus.CANONICAL_ANSWER
-    assert corpus.CANONICAL_PROMPT in {c.user for c in train}
+    assert training_corpus.answer_for("France") == training_corpus.CANONICAL_ANSWER
+    assert training_corpus.CANONICAL_PROMPT in {c.user for c in train}
 
 
 # ---- determinism (slow: trains) ------------------------------------------------------------
@@ -243,7 +242,10 @@ def test_retraining_e2b_converges_and_answers_on_any_cpu(retrained_e2b, tokenize
     the canonical prompt exactly, as scripts/train_tiny.py demands (the step count and the bytes
     may differ)."""
     assert retrained_e2b.converged
-    assert greedy_reply(retrained_e2b.loaded.lm, tokenizer, corpus.CANONICAL_PROMPT)[0] == corpus.CANONICAL_ANSWER
+    assert (
+        greedy_reply(retrained_e2b.loaded.lm, tokenizer, training_corpus.CANONICAL_PROMPT)[0]
+        == training_corpus.CANONICAL_ANSWER
+    )
 
 
 @pytest.mark.slow

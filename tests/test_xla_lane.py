@@ -325,21 +325,26 @@ def test_e2b_model_builder_pair_at_tp1_on_xla(xla_lane, tmp_path):
     for key, shape in mb.bucket_shapes(64, (24,)).items():
         graphs[key] = build_rank_graph(model.config, plan, shape)
         assert load_shard(graphs[key], weights) == []
+    # the decode key that returns token ids (`DeviceGraph.chooses`), as the neuron backend adds it
+    graphs["decode_ids"] = build_rank_graph(model.config, plan, graphs["decode"].shape, chooses=True)
+    assert load_shard(graphs["decode_ids"], weights) == []
     session = XLASession(graphs, hlo_dir=tmp_path)
-    kv = session.new_kv("decode")  # the one set both keys alias
+    kv = session.new_kv("decode")  # the one set every key aliases
     steps = Steps({24: bind_kv(session.step("prefill24"), kv)}, bind_kv(session.step("decode"), kv))
+    steps.decode_ids = bind_kv(session.step("decode_ids"), kv)
     engine = Engine.for_model(model, steps, batch=1, context_length=64)
     ids = random_prompt(model.config.vocab_size, 20, v.tiny_seed + 1)  # its margins are the seed's
     new_tokens = 9
-    tokens = engine.generate(ids, new_tokens).tokens
+    by_logits = engine.generate(ids, new_tokens, keep_logits=True).tokens  # a check keeps them: decode
+    by_ids = engine.generate(ids, new_tokens).tokens  # nobody reads them: the device chooses
     reference = reference_greedy(model.lm, ids, new_tokens)
     report = session.report()
-    assert tokens == reference
+    assert by_logits == by_ids == reference
     # at most one compile per key: none when an earlier test in this process compiled the same HLO
     # (torch_xla caches it), and never one per decode step
-    assert set(report["xla_compilations"]) == {"prefill24", "decode"}
+    assert set(report["xla_compilations"]) == {"prefill24", "decode", "decode_ids"}
     assert all(n <= 1 for n in report["xla_compilations"].values()), report["xla_compilations"]
-    assert report["xla_steps"] == {"prefill24": 1, "decode": new_tokens - 1}
+    assert report["xla_steps"] == {"prefill24": 2, "decode": new_tokens - 1, "decode_ids": new_tokens - 1}
 
 
 @pytest.mark.parametrize(
@@ -402,9 +407,39 @@ def test_batched_port_on_xla_rows_match_their_references(xla_lane):
         assert row["tokens"] == row["reference_tokens"] and row["logits_match"] and row["coherent"], row
         assert row["expect"] in row["answer"], row
     assert result["xla_fallbacks"] == 0, result["xla_fallback_ops"]
-    assert result["xla_compilations"] == {"prefill64": 1, "decode": 1}, result["xla_compilations"]
-    assert result["xla_graph_hashes"] == {"prefill64": 1, "decode": 1}
+    # the checked run keeps its logits (decode); the timed run, as a server's, lets the device choose
+    graphs = ("prefill64", "decode", "decode_ids")
+    assert result["xla_compilations"] == dict.fromkeys(graphs, 1), result["xla_compilations"]
+    assert result["xla_graph_hashes"] == dict.fromkeys(graphs, 1)
     assert result["xla_executions"] == result["xla_steps"]
+
+
+def test_e2b_decode_chooses_on_xla_the_tokens_the_logits_step_gives(xla_lane):
+    """The xla backend builds `decode_ids` (issue 46 item 2): rows nobody reads the logits of (greedy
+    and plainly sampled) take it, each step returning 4 bytes a row; their tokens equal the logits
+    step's (the same engine keeping logits), 0 fallbacks, one traced graph, one execution a step."""
+    from gemma4lib.port import PortSettings, compile_graphs, load_model, prompt_ids
+    from gemma4lib.runtime import Request, Sampling
+
+    settings = PortSettings(variant="e2b", backend="xla", batch_size=3)
+    model = load_model(settings)
+    compiled = compile_graphs(model, settings)
+    engine, ids = compiled.runtime, prompt_ids(model, settings)
+    samplings = [Sampling(), Sampling(temperature=0.8, seed=5), Sampling(temperature=1.2, seed=9)]
+
+    def run(keep_logits: bool) -> list[list[int]]:
+        requests = [Request(ids, 12, s, ()) for s in samplings]
+        return [r.tokens for r in engine.generate_rows(requests, keep_logits=keep_logits).rows]
+
+    by_logits, by_ids = run(True), run(False)
+    assert by_ids == by_logits and all(len(t) == 12 for t in by_ids)
+    report = compiled.report()
+    assert report["xla_fallbacks"] == 0, report["xla_fallback_ops"]
+    # at most one compile (none when an earlier test in this process compiled the same HLO), one graph
+    assert report["xla_compilations"]["decode_ids"] <= 1 and report["xla_graph_hashes"]["decode_ids"] == 1
+    assert report["xla_steps"]["decode_ids"] == 11 and report["xla_executions"] == report["xla_steps"]
+    graph = compiled.graphs.decode_ids
+    assert graph.example_inputs()[graph.num_inputs - 1].shape == (3, 2)  # (temperature, draw) a row
 
 
 # ---- images (docs/IMAGES.md): the vision graph through torch_xla beside prefill and decode ----------
@@ -440,7 +475,7 @@ def test_image_port_on_xla(xla_lane, variant):
         assert result["coherent"] and "red circle" in result["answer"], result["answer"]
     assert result["compiler"] == "torch-xla" and result["images"]["soft_tokens"] == [16]
     assert result["xla_fallbacks"] == 0, result["xla_fallback_ops"]
-    graphs = ("vision", "prefill128", "decode")
+    graphs = ("vision", "prefill128", "decode", "decode_ids")  # decode_ids: the timed run's steps
     assert result["xla_graph_hashes"] == dict.fromkeys(graphs, 1)
     # the variants share one tiny vision config, so after the first variant torch_xla's per-process
     # cache already holds the vision program (same graph hash): 0 compilations then, never 2
@@ -539,6 +574,21 @@ def test_hlo_audit_verify_graph_reads_the_mtp_roofline_bytes(xla_lane, variant, 
     # the default form is the one that reads fewer expert bytes
     if form is None:
         assert row.experts_read == min((k + 1) * c.top_k_experts, c.num_experts) * slices, table
+
+
+@pytest.mark.parametrize("batch", [1, 4])
+def test_hlo_audit_decode_ids_returns_four_bytes_a_row(xla_lane, batch):
+    """The decode that chooses on the device (`GraphSet.decode_ids`) reads what the logits decode
+    reads (weights, K/V: the roofline's bytes) and returns 4 bytes a row, where the logits decode
+    returns the vocabulary's fp32 logits (issue 46's bound: <= 16 bytes a row)."""
+    model = _audit_model("e2b")
+    _, logits_row = hlo_audit.audit_single(model, "dense", batch=batch)
+    audit, ids_row = hlo_audit.audit_single(model, "dense", batch=batch, chooses=True)
+    _assert_int32_index_inputs(audit)
+    assert ids_row.ok and ids_row.returned == 4 * batch <= hlo_audit.IDS_BYTES_PER_ROW * batch
+    assert logits_row.returned == 4 * batch * model.config.vocab_size
+    assert (ids_row.weights_read, ids_row.kv_read) == (logits_row.weights_read, logits_row.kv_read)
+    assert ids_row.graph == ("decode → ids" if batch == 1 else f"decode → ids, batch {batch}")
 
 
 # ---- the one-row join (issue 46 item 3): a batch-1 prefill over one row of the batch's device K/V ----

@@ -8,9 +8,13 @@ import time
 
 import uvicorn
 
+from gemma4lib.errors import Gemma4LibError
 from gemma4lib.server.app import Served, create_app
-from gemma4lib.server.errors import ServerStartError
 from gemma4lib.server.launch import LOOPBACK, free_port, freeze_startup_objects
+
+
+class ServerStartError(Gemma4LibError, RuntimeError):
+    """A background server that did not come up (its port taken, the app failed to start)."""
 
 
 class BackgroundServer:

@@ -561,6 +561,10 @@ VERIFY = (
     *((v.name, form, k) for v in VARIANTS.values() if v.is_moe for form, k in ((None, 4), ("selective", 4), (None, 2))),
 )
 VERIFY_DRAFTS = 4
+# every variant's decode that returns token ids (`GraphSet.decode_ids`), at B = 1 and 4: at most this
+# many bytes a row may go to the host (issue 46: a greedy step returns <= 16 bytes a row)
+CHOOSES = tuple((v.name, batch) for v in VARIANTS.values() for batch in (1, 4))
+IDS_BYTES_PER_ROW = 16
 JOINS = (next(v.name for v in VARIANTS.values() if not v.is_moe),)  # the row join's audit: one dense variant
 
 
@@ -606,6 +610,7 @@ class AuditRow:
     tokens: int = 1  # query tokens: 1 for decode, k + 1 for drafting's verify graph (`audit_verify`)
     read_form: str | None = None  # the expert form the graph runs, when a batch changes it (`experts.read_form`)
     returned: int = 0  # bytes one call returns to the host (`GraphAudit.returned`)
+    chooses: bool = False  # the decode that returns token ids (`DeviceGraph.chooses`)
 
     @property
     def weights_delta(self) -> float:
@@ -621,6 +626,7 @@ class AuditRow:
             self.weights_delta == self.expected_delta
             and self.kv_delta == 0
             and not (self.form == "selective" and self.flagged_experts)
+            and (not self.chooses or self.returned <= IDS_BYTES_PER_ROW * self.batch)
         )
 
     @property
@@ -630,7 +636,7 @@ class AuditRow:
             return f"rank {self.rank} of TP={self.tp}{rows}"
         if self.tokens > 1:
             return f"verify, {self.tokens} tokens"
-        return f"decode{rows}"
+        return f"decode{' → ids' if self.chooses else ''}{rows}"
 
 
 def router_scale_unread(model: Any, rows: int = 1) -> int:
@@ -653,18 +659,22 @@ def _tiny(variant: str):
     return build_tiny(v, seed=v.tiny_seed)
 
 
-def audit_single(model: Any, form: str = "dense", device: Any = None, batch: int = 1) -> tuple[GraphAudit, AuditRow]:
+def audit_single(
+    model: Any, form: str = "dense", device: Any = None, batch: int = 1, chooses: bool = False
+) -> tuple[GraphAudit, AuditRow]:
     """The single-device decode graph of `model` (a tiny `LoadedModel`), as `port --backend xla`
     builds it (`device_graphs`); `batch` rows: compared with `batch_roofline.batch_decode_bytes`
-    (weights once, selective experts per row, K/V per row)."""
+    (weights once, selective experts per row, K/V per row). `chooses`: the decode that returns each
+    row's token (`GraphSet.decode_ids`): the same bytes read, 4 bytes a row returned."""
     from gemma4lab.inf2.roofline import decode_bytes
     from gemma4lib.device.build import device_graphs
 
     settings = _settings(model, batch_size=batch, decode_experts=form)
-    graph = _lowered(device_graphs(model, settings, inplace=False).decode, device)
+    graphs = device_graphs(model, settings, inplace=False, chooses=chooses)
+    graph = _lowered(graphs.decode_ids if chooses else graphs.decode, device)
     name = model.variant.name
     at = f", batch {batch}" if batch > 1 else ""
-    audit = audit_graph(graph, *_example_inputs(graph), f"{name} decode ({form}{at})")
+    audit = audit_graph(graph, *_example_inputs(graph), f"{name} decode{' ids' if chooses else ''} ({form}{at})")
     if batch > 1:
         from gemma4lab.inf2.batch_roofline import batch_decode_bytes
 
@@ -674,7 +684,7 @@ def audit_single(model: Any, form: str = "dense", device: Any = None, batch: int
         rb = decode_bytes(model, context_length=CONTEXT, ring=False, experts=form)
         weights, kv_bytes = rb.weights, rb.kv
     row = _row(name, form, 1, None, audit, weights, kv_bytes, 0, 0, -router_scale_unread(model, batch))
-    row.batch = batch
+    row.batch, row.chooses = batch, chooses
     row.read_form = graph.experts_read if graph.experts_read != form else None
     return audit, row
 
@@ -846,6 +856,7 @@ def audit_all(
     single: Sequence[tuple[str, str]] = SINGLE,
     tensor_parallel: Sequence[tuple[str, int, str, str | None]] = TENSOR_PARALLEL,
     verify: Sequence[tuple[str, str | None, int]] = VERIFY,
+    chooses: Sequence[tuple[str, int]] = CHOOSES,
 ) -> list[AuditRow]:
     """Every listed decode graph of the tiny variants, and drafting's verify graphs, audited (one
     tiny model per variant)."""
@@ -863,6 +874,10 @@ def audit_all(
         model = models.setdefault(variant, _tiny(variant))
         rows.append(audit_verify(model, form, k)[1])
         log.info("audited %s verify %s: %s", variant, form, rows[-1])
+    for variant, batch in chooses:
+        model = models.setdefault(variant, _tiny(variant))
+        rows.append(audit_single(model, VARIANTS[variant].expert_forms[0], batch=batch, chooses=True)[1])
+        log.info("audited %s decode -> ids, batch %d: %s", variant, batch, rows[-1])
     return rows
 
 

@@ -1,5 +1,6 @@
-"""The synthetic corpus (`gemma4lib.models.corpus`) as the chats the tiny fixtures are trained on and
-held out from, and its fingerprint for the fixtures' provenance."""
+"""The synthetic corpus (the countries of `gemma4lib.models.corpus`, answered, and a few general facts:
+128 chats) as the chats the tiny fixtures are trained on and held out from, and its fingerprint for
+the fixtures' provenance."""
 
 from __future__ import annotations
 
@@ -7,7 +8,29 @@ import hashlib
 import json
 from dataclasses import dataclass
 
-from gemma4lib.models.corpus import ANSWER, COUNTRIES, FACTS, HELD_OUT_PHRASING, TRAIN_PHRASINGS
+from gemma4lib.models.corpus import COUNTRIES, TRAIN_PHRASINGS
+
+# Held out: never trained on; every word of it appears in the trained phrasings, in an order they
+# do not use, so a correct answer shows the model keys on the country, not on one memorised string.
+HELD_OUT_PHRASING = "What city is the capital of {country}?"
+
+ANSWER = "The capital of {country} is {capital}."
+
+# A few general facts, so not every reply is about capitals.
+FACTS: tuple[tuple[str, str], ...] = (
+    ("What color is the sky?", "The sky is blue."),
+    ("How many days are in a week?", "A week has seven days."),
+    ("What is two plus two?", "Two plus two is four."),
+    ("Who are you?", "I am a small Gemma model."),
+    ("What do bees make?", "Bees make honey."),
+    ("What is the largest ocean?", "The Pacific is the largest ocean."),
+    ("How many legs does a spider have?", "A spider has eight legs."),
+    ("Hello!", "Hello! How can I help you?"),
+)
+
+# The prompt every check uses.
+CANONICAL_PROMPT = "What is the capital of France?"
+CANONICAL_ANSWER = "The capital of France is Paris."
 
 
 @dataclass(frozen=True)

@@ -378,7 +378,7 @@ def fault_answers(lm, tokenizer, user: str | None = None) -> dict[str, str]:
     `layer_scalar` back at 1.0) and "gemma3_chat_markers" (the prompt written with Gemma 3's
     `<start_of_turn>` markers, which a Gemma-4 tokenizer splits into ordinary pieces).
     """
-    from gemma4lib.models.corpus import CANONICAL_PROMPT
+    from gemma4lab.training.corpus import CANONICAL_PROMPT
 
     user = user or CANONICAL_PROMPT
     prompt = chat_prompt_ids(tokenizer, user)

@@ -1,13 +1,6 @@
-"""The contract every backend fulfils, and what a device run returns.
-
-A backend is a `Backend` row (`backends.registry.BACKENDS`): its facts (`facts.BackendFacts`: the
-graph form its compiler takes, the compute balance its graphs are built for, the warm-up its first
-calls need, what it runs) and one function, `compile(graphs, model, settings, progress) ->
-CompiledGraphs`, which turns the named graphs of `device.build.device_graphs` (prefill per bucket;
-decode, or verify and draft) into `runtime.Steps` over one set of K/V. `registry.compile_graphs`
-builds the graphs, calls it and puts the one generation engine (`runtime.Engine`) on top, with the
-drafter the settings name.
-"""
+"""The contract every backend fulfils (a `Backend` row: its facts and one `compile(graphs, model,
+settings, progress) -> CompiledGraphs`), and what a device run returns (docs/ENGINE.md, "The three
+pieces")."""
 
 from __future__ import annotations
 

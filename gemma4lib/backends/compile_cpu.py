@@ -1,20 +1,17 @@
 """The CPU recipe: torch.export the device graph and compile it with AOTInductor.
 
-The result is a saved, loadable package (`graph.pt2`) in the artifact cache; a second run with the
-same key loads it instead of compiling. The K/V tensors are graph inputs that the compiled code
-updates in place, so prefill and decode (two packages) share one set of host-held buffers.
+The result is a loadable package (`graph.pt2`) in the artifact cache; a second run with the same key
+loads it. The K/V are graph inputs the compiled code updates in place, so prefill and decode share
+one set of host buffers. Parameters are handed to the package at load time (`load_constants`), the
+way a NEFF without inlined weights is loaded with a checkpoint, so one compile serves every model of
+the architecture (random, trained, a faulty copy); buffers (`layer_scalar`) are folded in by the
+compiler, so their values are part of the key.
 
-Parameters are not baked into the package: they are handed to it at load time
-(`load_constants`), the way a NEFF compiled without inlined weights is loaded with a checkpoint.
-So one compile serves every model of the same architecture (random, trained, a faulty copy).
-Buffers (e.g. `layer_scalar`) are folded into the program by the compiler, so their values are
-part of the cache key.
-
-The key is the exported program's digest, so finding an entry needs an export (seconds per graph).
-A small index beside the entries remembers which program key a graph had, keyed by everything the
-export reads (config, shapes, the graph's own parts, buffers, every module's plain attributes, the
-library's source and the versions): a graph seen before loads without exporting again. Any change
-to those misses the index and exports, exactly as without it.
+The key is the exported program's digest, so finding an entry needs an export (seconds per graph). A
+small index beside the entries remembers which program key a graph had, keyed by everything the
+export reads (config, shapes, the graph's parts, buffers, the modules' attributes, the library's
+source, the versions): a graph seen before loads without exporting again, and any change to those
+misses the index and exports, exactly as without it.
 """
 
 from __future__ import annotations
@@ -174,12 +171,8 @@ def cache_package(
 ) -> CacheEntry:
     """The artifact-cache entry of `program`'s package, keyed by `graph_key`; on a miss
     `compile_package(program, package_path)` writes it (the notebooks pass AOTInductor's own call).
-
-    Inductor folds some parameters into the program instead of taking them at load time (tiny
-    ones, such as an 8-wide q_norm weight). Their names and values are recorded with the artifact;
-    a model whose folded values differ gets an artifact of its own instead of silently running
-    with the values of the model that was compiled first.
-    """
+    Parameters Inductor folds into the program (tiny ones, an 8-wide q_norm weight) are recorded with
+    the artifact, so a model whose folded values differ gets its own, never the first model's values."""
     parts = graph_key(graph, RECIPE, options, program)
 
     def build(folder: Path) -> dict[str, Any]:

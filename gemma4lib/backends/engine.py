@@ -25,7 +25,7 @@ if TYPE_CHECKING:
     from ..runtime import Drafter
 
 _BUCKETED = re.compile(r"(row_prefill|prefill)(\d+)")
-_SINGLE = ("decode", "verify", "draft", "vision")
+_SINGLE = ("decode", "decode_ids", "verify", "draft", "vision")
 
 
 def named_steps(fns: Mapping[str, Step], kv: Sequence[torch.Tensor] | None = None) -> Steps:

@@ -36,6 +36,10 @@ class BackendFacts:
     # runs one-row prefill graphs: over a row's views of host K/V (`runtime.bind_kv_rows`), or, where
     # K/V are device states a graph takes whole (xla, neuron), as joins (`device.row_join`)
     row_prefill: bool = False
+    # a greedy or plainly sampled decode step chooses the tokens on the device and returns their ids, not
+    # `[B, vocab]` logits (`DeviceGraph.chooses`): the logits would cross a bus every step (xla: the lane's
+    # stand-in for one)
+    chooses_on_device: bool = False
     images: bool = False  # runs a prompt's images (the vision graph beside the decoder's)
     request_images: bool = False  # serves images per request (`vision=True` without images: the endpoint)
     image_blocks: bool = False  # its prefill graphs take the image blocks (the 12B's bidirectional image mask)
@@ -82,6 +86,7 @@ FACTS: dict[str, BackendFacts] = {
             inplace=False,
             min_warmup=1,
             row_prefill=True,
+            chooses_on_device=True,
             images=True,
             request_images=True,
             image_blocks=True,
@@ -93,6 +98,7 @@ FACTS: dict[str, BackendFacts] = {
             "inf2",
             inplace=False,
             quantizes_itself=True,
+            chooses_on_device=True,
             samples_drafts=False,
             tp=True,
             rank_graphs=True,

@@ -1,22 +1,16 @@
 """Backend `gloo`: the TP plan's ranks as CPU processes joined by gloo; the parent runs the engine.
 
 What `cpu` and `eager` select at TP > 1. `compile` starts one worker process per rank (fork by
-default: the children inherit the imported modules, so a rank starts in well under a second; spawn
-works too), joined by a gloo process group through a file store in a private temporary folder (no
-ports), one thread each. Each rank does what a NeuronCore does in the ModelBuilder recipe: it builds
-its rank graphs from the config, the same for every rank (prefill per bucket and decode,
-`tp.rank_graph`; with a drafter the verify of k + 1 tokens and the assistant's draft step,
+default: a rank starts in well under a second; spawn works too), joined through a file store in a
+private temporary folder (no ports), one thread each. Each rank does what a NeuronCore does in the
+ModelBuilder recipe: it builds the rank graphs from the config (`tp.rank_graph`, with a drafter
 `tp.draft_rank_graph`), loads *its own* shard, and holds its K/V as parameters written back through
-the aliased outputs (`recipes.common.KVParamModule` + `AliasEmulator`, `KVDraftStep`). Row-parallel
-outputs are all-reduced and the lm_head logits all-gathered through gloo.
+the aliased outputs (`recipes.common`).
 
-The parent holds the one engine (`registry.compile_graphs`) and no K/V (`CompiledGraphs.kv` is None):
-a step sends its name and inputs to every rank and returns rank 0's outputs, after checking that
-every rank computed the same ones (`ranks_agree`). The vision graph reads no K/V, so it runs in the
-parent, unsharded, as at TP 1 (docs/IMAGES.md).
-
-The workers end when the compiled steps are garbage-collected or `RankWorld.close()` is called, at
-interpreter exit, and on their own within a second when the parent process is gone.
+The parent holds the one engine and no K/V: a step sends its name and inputs to every rank and
+returns rank 0's outputs, after checking every rank computed the same (`ranks_agree`). The vision
+graph reads no K/V, so it runs in the parent, unsharded. The workers end with the compiled steps
+(or `RankWorld.close()`), at interpreter exit, and within a second of the parent process's end.
 """
 
 from __future__ import annotations

@@ -205,6 +205,8 @@ def compile(graphs: GraphSet, model: LoadedModel, settings: PortSettings, progre
         names = neuron_model_builder.bucket_shapes(context, buckets, ring, batch)
         key_graphs = {n: decode if s.tokens == 1 else prefill[s.tokens] for n, s in names.items()}
         key_graphs.update({f"row_prefill{b}": join for b, join in graphs.row_prefill.items()})  # the joins
+        if graphs.decode_ids is not None:  # a decode key that returns token ids (NxD routes by its sampling input)
+            key_graphs["decode_ids"] = graphs.decode_ids
         if model.variant.is_moe:
             decode_experts = settings.decode_experts
     shapes = {name: graph.shape for name, graph in key_graphs.items()}
@@ -270,12 +272,15 @@ def compile(graphs: GraphSet, model: LoadedModel, settings: PortSettings, progre
         steps = Steps(decode=step)  # no prefill graph: the engine feeds the prompt token by token
     else:
         loaded = neuron_model_builder.load_model_builder(entry.path, tp)
-        step = DeviceStep(cores.claim(loaded, 0, tp, label), n_inputs, vocab, aliases=states, index_dtype=indices)
+        module = cores.claim(loaded, 0, tp, label)
+        step = DeviceStep(module, n_inputs, vocab, aliases=states, index_dtype=indices)
         # NxD routes each call by its shapes; a join has one input more than the saved executor (`NxDKeyStep`)
         keyed = lambda *inputs: loaded.nxd_model.forward(list(inputs))  # noqa: E731  # inf2-only
         join = DeviceStep(keyed, n_inputs + 1, vocab, aliases=states, index_dtype=indices)
         rows = {b: row_step(join) for b in graphs.row_prefill}
         steps = Steps(prefill={b: step for b in buckets}, decode=step, row_prefill=rows)
+        if "decode_ids" in key_graphs:
+            steps.decode_ids = DeviceStep(module, n_inputs + 1, aliases=states, index_dtype=indices, chooses=True)
     check_host_tables(HostEmbedder.from_text_model(model.text_model))  # the compile left the host tables whole
     # no host K/V: the device steps keep theirs as aliased state and never read host buffers
     compiled = CompiledGraphs(

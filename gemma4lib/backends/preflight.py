@@ -28,7 +28,9 @@ def preflight(settings: PortSettings) -> None:
     """Raise the `SettingsError` (or the planner's, the SDK's, the bundle's error) that says what to
     change, before anything loads; return quietly when the settings can run here."""
     row = row_at(settings.backend, settings.tp_degree)
-    recipe = _neuron_recipe(settings) if settings.neuron_recipe is not None or row.device_bound else None
+    recipe = None  # the inf2 recipe (an unknown name, or trace at TP > 1, raises)
+    if settings.neuron_recipe is not None or row.device_bound:
+        recipe = neuron_recipe(settings.variant_spec, settings.tp_degree, settings.neuron_recipe)
     if settings.weights == "int8" and row.quantizes_itself and recipe != "model_builder":
         raise SettingsError(
             f"weights='int8' on backend {row.name!r} uses the ModelBuilder recipe (NxD's quantized layers); "
@@ -51,11 +53,6 @@ def preflight(settings: PortSettings) -> None:
         _check_inf2(settings)
     if settings.artifacts:
         check_bundle(settings)  # shapes, formats, versions, machine: before anything loads
-
-
-def _neuron_recipe(settings: PortSettings) -> str:
-    """The inf2 recipe of the settings (an unknown name, or trace at TP > 1, raises)."""
-    return neuron_recipe(settings.variant_spec, settings.tp_degree, settings.neuron_recipe)
 
 
 def _check_inf2(settings: PortSettings) -> None:

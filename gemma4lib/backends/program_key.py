@@ -11,11 +11,8 @@ people it misleads are the graph's own developers. So:
   another transformers version; parameter *values* do not (they are loaded at run time).
 - `source_digest()`: the source files of the library modules that shape the graph, for backends
   whose compiler input cannot be produced on this machine (Neuron: the rank graph holds NxD layers).
-- `weights_fingerprint(module)` (in `models.weights_identity`): names, shapes and dtypes of every
-  tensor, plus the raw bytes of the ones a compiler folds into the program (the buffers: small).
-- `weights_identity(lm)` (in `models.weights_identity`): which weights a model holds, for keys of
-  artifacts that contain them (a Neuron NEFF with inlined weights, the per-rank shards), without
-  hashing every weight as float32 on every compile: the loader's declaration while it stands.
+- `models.weights_identity`: the weights' part of a key (their shapes, the bytes a compiler folds
+  in, and which weights a model holds, for artifacts that contain them).
 """
 
 from __future__ import annotations

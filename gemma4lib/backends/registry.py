@@ -18,7 +18,7 @@ from ..device.build import GraphSet, device_graphs
 from ..errors import SettingsError
 from ..generation.drafters import make_drafter
 from ..reference import reference_for, reference_last_logits
-from ..runtime import Engine, Request, RowResult, softcap
+from ..runtime import Request, RowResult, softcap
 from ..timing import bench_drafted, benchmark
 from . import cpu, eager, gloo, neuron, xla
 from .base import Backend, CompiledGraphs, DeviceRun, refuse_graphs
@@ -83,7 +83,12 @@ def compile_graphs(
             assistant = load_assistant(model, settings)
         shaped = replace(settings, weights="bf16") if backend.quantizes_itself else settings  # no host int8 copies
         graphs = device_graphs(
-            model, shaped, backend.inplace, compute_balance=backend.compute_balance, assistant=assistant
+            model,
+            shaped,
+            backend.inplace,
+            compute_balance=backend.compute_balance,
+            assistant=assistant,
+            chooses=backend.chooses_on_device,
         )
     compiled = backend.compile(graphs, model, settings, progress)
     drafter = drafter or make_drafter(settings.draft)
@@ -99,13 +104,8 @@ def prefill_logits_error(model: LoadedModel, row: RowResult, request: Request | 
     """Max |device softcapped logits - HF logits| for the last prompt token of `row` (with the
     request's images bound to HF's multimodal model when it has any)."""
     device = softcap(row.first_logits.float(), model.config.final_logit_softcapping)
-    return float((device - reference_last_logits(reference_lm(model, request), row.prompt_ids)).abs().max())
-
-
-def reference_lm(model: LoadedModel, request: Request | None) -> Any:
-    """The host reference a request is judged against: the text LM, or for a request with images
-    transformers' multimodal model with them bound (`reference.ImageBound`)."""
-    return reference_for(model, request.images if request is not None else None)
+    lm = reference_for(model, request.images if request is not None else None)  # with its images bound
+    return float((device - reference_last_logits(lm, row.prompt_ids)).abs().max())
 
 
 def run_device(
@@ -163,7 +163,8 @@ def run_compiled(
             figures = benchmark(engine, timed, warmup, settings.iters, progress)
             run.bench, run.prefill_ms, run.decode_tok_s = figures, figures.prefill_ms, figures.decode_tok_s
         else:
-            run.details.update(bench_drafted_port(model, settings, engine, timed, warmup))
+            plain = compile_graphs(model, without_draft(settings)).runtime  # what drafting is compared against
+            run.details.update(bench_drafted(engine, plain, timed, warmup, settings.iters))
             run.decode_tok_s = run.details["decode_tok_s_with_draft"]
     if len(requests) > 1 and run.decode_tok_s:
         run.details["decode_tok_s_per_row"] = run.decode_tok_s / len(requests)
@@ -195,11 +196,3 @@ def drafting_fields(rows: Sequence[RowResult], settings: PortSettings, compiled:
 def without_draft(settings: PortSettings) -> PortSettings:
     """The plain-decode settings a drafted benchmark compares against (an export bundles their graphs too)."""
     return replace(settings, draft=None, draft_tokens=None, verify_experts=None)
-
-
-def bench_drafted_port(
-    model: LoadedModel, settings: PortSettings, engine: Engine, requests: Sequence[Request], warmup: int
-) -> dict[str, Any]:
-    """`timing.bench_drafted` against the settings' plain graphs, compiled here."""
-    plain = compile_graphs(model, without_draft(settings)).runtime
-    return bench_drafted(engine, plain, requests, warmup, settings.iters)

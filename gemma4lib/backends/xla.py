@@ -303,7 +303,7 @@ class XLASession:
             "xla_compilations": dict(self.compilations),
             "xla_executions": dict(self.executions),
             "xla_steps": dict(self.steps),
-            "xla_graph_hashes": {name: len(h) for name, h in self.hashes.items()},
+            "xla_graph_hashes": {name: len(h) for name, h in self.hashes.items() if h},  # the graphs that ran
             "hlo_files": list(self.hlo_files),
             "hlo_op_counts": dict(self.op_counts),
         }

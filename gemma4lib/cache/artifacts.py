@@ -1,18 +1,13 @@
 """The compiled-artifact cache: one folder per key, written atomically, checked before use.
 
-A key is the sha256 of everything that changes the compiled program: model config, a fingerprint
-of the weights baked in, recipe, shapes, compiler settings, and library/torch versions. An entry
-is a folder holding the artifact files and `meta.json` with their checksums; it is built in a
-temporary sibling folder and renamed into place, so a compile killed half-way never leaves an
-entry that a later run would load. An unreadable entry (checksum mismatch, missing file, a
-`meta.json` that is torn, not JSON or not UTF-8) is discarded with a warning and rebuilt once.
-
-Reading takes no lock and writes nothing, so a warm read-only cache serves its hits; only a build
-locks its key (`cache_lock`: the holder is reported while a second run waits, and the wait ends).
-Before a build the folder must be writable and hold the package's estimated size
-(`CacheLocationError`, `CacheSpaceError`, both naming GEMMA4LIB_CACHE); there is no silent
-uncached fallback, because an uncached Neuron port recompiles for an hour on every run.
-A bundle (`gemma4lib.cache.bundle`) is a read-only layer in front of the cache.
+A key is the sha256 of everything that changes the compiled program (`backends.program_key`). An
+entry is a folder of the artifact files and a `meta.json` with their checksums, built in a temporary
+sibling folder and renamed into place, so a compile killed half-way never leaves an entry a later run
+would load; an unreadable entry is discarded with a warning and rebuilt once. Reading takes no lock
+and writes nothing (a warm read-only cache serves its hits); only a build locks its key (`lock`).
+Before a build the folder must be writable and hold the package's estimated size (`CacheLocationError`,
+`CacheSpaceError`, naming GEMMA4LIB_CACHE): no silent uncached fallback, because an uncached Neuron
+port recompiles for an hour on every run. A bundle (`cache.bundle`) is a read-only layer in front.
 """
 
 from __future__ import annotations

@@ -1,10 +1,8 @@
 """A compiled port that travels: a bundle folder of cache entries plus a manifest that says what
 they were compiled for.
 
-`python -m gemma4lib export --variant V [port flags] --out DIR` (`gemma4lib.export`) writes it;
-`PortSettings(artifacts=DIR)` / `port --artifacts DIR` runs from it: the bundle's entries are a
-read-only layer in front of the artifact cache, nothing is compiled (a graph the bundle lacks is a
-`BundleError`, never a compile) and nothing is written, so `compile_s` is 0. The layout:
+`python -m gemma4lib export ... --out DIR` writes it; `PortSettings(artifacts=DIR)` runs from it, the
+entries a read-only layer in front of the artifact cache: nothing is compiled or written. The layout:
 
     DIR/manifest.json          what the entries were compiled for (below)
     DIR/entries/<key[:24]>/    cache entries as the artifact cache holds them: meta.json with the
@@ -12,19 +10,14 @@ read-only layer in front of the artifact cache, nothing is compiled (a graph the
                                inf2: the ModelBuilder `model.pt` with its NEFFs and the per-rank
                                shards in `weights/`, or the trace recipe's `model.pt`)
 
-The manifest lists its builds: the port's own settings with the graphs they build (the names of
-`device.build.GraphSet.named()`), and for a drafting port also the plain-decode build its benchmark
-compares against, so the run needs nothing the bundle lacks.
+The manifest lists its builds (the settings and the graphs they build; a drafting port's plain-decode
+build too, which its benchmark compares against).
 
-What invalidates a bundle, each checked before any device work, with what differs named:
-another variant, backend or recipe, TP degree, batch size, drafter and draft tokens (naming the
-graphs the bundle lacks), prefill buckets, context length, ring K/V, decode or verify expert form,
-weight format (`backends.preflight`, before any load); another torch, transformers,
-Python or gemma4lib version, or on inf2 another Neuron SDK package version; on CPU a CPU without
-the vector instructions the packages were built for; another checkpoint (its identity, the
-loader's declaration: file digests, not a pass over the weights). Beyond the manifest, each graph
-is still found by its full cache key, so a change the manifest does not name (the library's graph
-code, a compiler option) is a `BundleError` too, never a wrong program.
+A bundle that does not fit the run (other settings or shapes, package versions, a CPU without the
+vector instructions it was built for, another checkpoint's identity) is a `BundleError` naming what
+differs, before any device work (`check_settings`, `check_model`). Beyond the
+manifest each graph is still found by its full cache key, so a change the manifest does not name
+(the library's graph code, a compiler option) is a `BundleError` too, never a wrong program.
 """
 
 from __future__ import annotations

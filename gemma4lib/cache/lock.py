@@ -1,7 +1,7 @@
 """The build lock of one cache key: who holds it, since when, and a wait that ends.
 
-A compile holds its key's lock so that two runs never build the same key at once. A plain blocking
-`flock` made a second run wait silently forever behind a stopped (Ctrl-Z) or hung compile, so:
+A plain blocking `flock` made a second run wait silently forever behind a stopped (Ctrl-Z) or hung
+compile, so:
 
 - the holder writes who it is (pid, host, since, command) into the lock file;
 - a waiter polls, and reports that holder while it waits (is it running, stopped, gone?);
@@ -10,8 +10,7 @@ A compile holds its key's lock so that two runs never build the same key at once
 - the wait has a limit (`GEMMA4LIB_LOCK_WAIT_S`), then `CacheLockError` says who holds it and what
   to do.
 
-A holder that dies releases an `flock` by itself (the kernel closes its descriptors), so the
-common "dead holder" needs no breaking: the next waiter simply gets the lock.
+A holder that dies releases its `flock` by itself (the kernel closes its descriptors).
 """
 
 from __future__ import annotations

@@ -51,6 +51,8 @@ class GraphSet:
     row_prefill: dict[int, DeviceGraph | RowJoin] = field(default_factory=dict)
     # the loaded assistant the draft graph reads (drafting with it): loaded once per port, handed on
     assistant: LoadedAssistant | None = None
+    # decode that returns each row's token, not its logits (`DeviceGraph.chooses`: a device across a bus)
+    decode_ids: DeviceGraph | None = None
 
     @property
     def image_blocks(self) -> bool:
@@ -61,7 +63,7 @@ class GraphSet:
         """Every graph by the name its compiled artifact and step carry."""
         out: dict[str, nn.Module] = {f"prefill{b}": g for b, g in sorted(self.prefill.items())}
         out.update({f"row_prefill{b}": g for b, g in sorted(self.row_prefill.items())})
-        for name in ("decode", "verify", "draft", "vision"):
+        for name in ("decode", "decode_ids", "verify", "draft", "vision"):
             if getattr(self, name) is not None:
                 out[name] = getattr(self, name)
         return out
@@ -94,6 +96,7 @@ def device_graph(
     every_position: bool = False,
     hidden: bool = False,
     image_blocks: bool = False,
+    chooses: bool = False,
 ) -> DeviceGraph:
     """One device graph over the model's own modules (not copies: a compiled graph takes the model's
     current weights at load time; with `weights="int8"` it holds int8 copies of the linears, made
@@ -111,6 +114,7 @@ def device_graph(
         every_position=every_position,
         hidden=hidden,
         image_blocks=image_blocks,
+        chooses=chooses,
     )
 
 
@@ -121,10 +125,12 @@ def device_graphs(
     *,
     compute_balance: float | None = None,
     assistant: LoadedAssistant | None = None,
+    chooses: bool = False,
 ) -> GraphSet:
     """The graphs of `settings` over the model's own modules (`graph_set` with the settings' shapes).
     `inplace=False`: the functional form (XLA, Neuron). `compute_balance`: the backend's FLOPs per
-    byte (one CPU thread's for cpu/eager; None, bytes decide, elsewhere)."""
+    byte (one CPU thread's for cpu/eager; None, bytes decide, elsewhere). `chooses`: also the decode
+    that returns token ids (`GraphSet.decode_ids`; the backend's `BackendFacts.chooses_on_device`)."""
     return graph_set(
         model,
         batch=settings.batch_size,
@@ -141,6 +147,7 @@ def device_graphs(
         assistant=assistant,
         vision=image_graph(model, settings),
         row_prefill=settings.builds_row_prefill,
+        chooses=chooses,
     )
 
 
@@ -161,6 +168,7 @@ def graph_set(
     assistant: LoadedAssistant | None = None,
     vision: VisionGraph | None = None,
     row_prefill: bool = False,
+    chooses: bool = False,
 ) -> GraphSet:
     """The named graphs over the model's own modules from explicit shapes (what `device_graphs` reads
     from the settings; the benchmark suite builds its drafted graphs for models that have no
@@ -185,7 +193,8 @@ def graph_set(
     rows = rows if inplace else {b: RowJoin(g, batch) for b, g in rows.items()}  # functional: joins (`row_join`)
     if not k:
         decode = graph(1, decode_experts, compute_balance=compute_balance)
-        return GraphSet(prefill, decode, layout, vision=vision, row_prefill=rows)
+        ids = graph(1, decode_experts, compute_balance=compute_balance, chooses=True) if chooses else None
+        return GraphSet(prefill, decode, layout, vision=vision, row_prefill=rows, decode_ids=ids)
     verify = graph(
         k + 1,
         verify_expert_form(model.config, k, verify_experts),

@@ -217,6 +217,20 @@ def last_valid(hidden: torch.Tensor, length: torch.Tensor) -> torch.Tensor:
     return torch.gather(hidden, 1, index)
 
 
+def choose_tokens(logits: torch.Tensor, sampling: torch.Tensor, cap: float | None) -> torch.Tensor:
+    """Each row's next token from its raw logits `[B, vocab]` and `sampling [B, 2]` = (temperature,
+    u in (0, 1]): the argmax at temperature 0, else the token where u falls in the softcapped,
+    tempered distribution's cumulative sum (the host's `runtime.choose_token`, the same sum). -1
+    for a row whose logits are not finite (its sampler's fault: the host ends that row)."""
+    temperature, u = sampling[:, :1].float(), sampling[:, 1:].float()
+    logits = logits.float()
+    capped = cap * torch.tanh(logits / cap) if cap else logits
+    cdf = torch.cumsum(torch.softmax(capped / temperature.clamp(min=1e-5), -1), -1)
+    drawn = (cdf < u * cdf[:, -1:]).sum(-1).clamp(max=logits.shape[-1] - 1)
+    token = torch.where(temperature[:, 0] > 0, drawn, torch.argmax(logits, -1))
+    return torch.where(torch.isfinite(logits).all(-1), token, -1).to(INDEX_DTYPE)
+
+
 def layer_types_in_order(config) -> list[str]:
     """The attention types in order of first use. transformers' text model iterates
     `set(config.layer_types)` to build one RoPE table per type; a set's order follows PYTHONHASHSEED,
@@ -255,8 +269,10 @@ class DeviceGraph(nn.Module):
     the row is idle and writes nothing), returns the raw (un-softcapped) logits: of each row's last
     valid token `[B, vocab]`, or of every position `[B, tokens, vocab]` with `every_position` (the
     verify). `hidden=True` also returns the final hidden states in the same layout (the assistant
-    drafts from them). With `inplace=True` the K/V tensors passed in are updated in place; with
-    `inplace=False` the updated K/V follow the outputs.
+    drafts from them). `chooses=True` (a serving decode on a device across a bus) takes `sampling
+    [B, 2]` after `length` and returns each row's next token `[B]` int32 instead (`choose_tokens`):
+    4 bytes a row to the host, not the vocabulary's logits. With `inplace=True` the K/V tensors
+    passed in are updated in place; with `inplace=False` the updated K/V follow the outputs.
 
     The graph holds a shallow clone of the text model (shared weights) without the word-embedding
     and PLE tables, so they are never part of a compiled artifact.
@@ -277,8 +293,11 @@ class DeviceGraph(nn.Module):
         every_position: bool = False,
         hidden: bool = False,
         image_blocks: bool = False,
+        chooses: bool = False,
     ):
         super().__init__()
+        self.chooses = bool(chooses)
+        self.cap = getattr(text_model.config, "final_logit_softcapping", None)
         # a prefill over images on a config bidirectional over them: takes each token's image (`build_masks`)
         self.image_blocks = bool(image_blocks)
         # the target's FLOPs per byte (`packed_linear`); set only for CPU targets (`experts_read`)
@@ -341,6 +360,7 @@ class DeviceGraph(nn.Module):
             **({"linear_form": self.linear_form} if self.linear_form != "plain" else {}),
             **({"experts_read": self.experts_read} if self.experts_read != self.expert_form else {}),
             **({"image_blocks": True} if self.image_blocks else {}),
+            **({"chooses": True} if self.chooses else {}),
             **self.tags,
         }
 
@@ -351,8 +371,8 @@ class DeviceGraph(nn.Module):
 
     @property
     def num_inputs(self) -> int:
-        """Inputs before the K/V: embeddings, (PLE,) (image blocks,) start, length."""
-        return 3 + int(self.has_ple) + int(self.image_blocks)
+        """Inputs before the K/V: embeddings, (PLE,) (image blocks,) start, length, (sampling)."""
+        return 3 + int(self.has_ple) + int(self.image_blocks) + int(self.chooses)
 
     @property
     def experts_read(self) -> str:
@@ -376,6 +396,8 @@ class DeviceGraph(nn.Module):
         if self.image_blocks:
             inputs.append(torch.zeros(b, t, dtype=INDEX_DTYPE))
         inputs += [torch.zeros(b, dtype=INDEX_DTYPE), torch.ones(b, dtype=INDEX_DTYPE)]  # one per row
+        if self.chooses:
+            inputs.append(torch.zeros(b, 2))
         inputs += self.new_kv()
         return tuple(inputs)
 
@@ -384,6 +406,9 @@ class DeviceGraph(nn.Module):
         return [torch.zeros(s, dtype=self.dtype) for s in shapes]
 
     def forward(self, inputs_embeds: torch.Tensor, *args: torch.Tensor):
+        if self.chooses:  # sampling follows length: take it out before the text model's inputs
+            at = self.num_inputs - 2
+            sampling, args = args[at], (*args[:at], *args[at + 1 :])
         hidden, length, cache = self._hidden(inputs_embeds, *args)
         if self.every_position:
             out: tuple[torch.Tensor, ...] = (self.lm_head(hidden).float(),)
@@ -393,6 +418,8 @@ class DeviceGraph(nn.Module):
             kept = last_valid(hidden, length)
             out = (self.lm_head(kept)[:, 0, :].float(),)
             kept = kept[:, 0, :]
+        if self.chooses:
+            out = (choose_tokens(out[0], sampling, self.cap),)
         if self.returns_hidden:
             out = (*out, kept)
         if not self.inplace:

@@ -4,30 +4,13 @@ Greedy (`greedy_verdict`): the drafts equal to the target's argmax, in order, ar
 target's own next token; every kept token is the target's argmax given the tokens before it, so the
 output is plain greedy decoding's whatever the drafts were.
 
-Rejection sampling (`verify_drafts`, `verify_batch`):
-
-Given the target's distributions p_0..p_k over the k + 1 verified positions, the distributions
-q_1..q_k the drafts were sampled from, and the drafts x_1..x_k: draft i is accepted with
-probability min(1, p_i(x_i) / q_i(x_i)) (row i - 1 of `p`: the target's prediction at the
-draft's position); at the first rejection a token is sampled from normalize(max(0, p - q)) of
-that position, and if all k are accepted a bonus token is sampled from p_k.
-
-Why the emitted tokens are distributed exactly as the target's: at one position, a draft x ~ q is
-kept with probability min(q(x), p(x)); a rejection happens with probability
-sum_x (q(x) - p(x))^+ = sum_x (p(x) - q(x))^+ (both sum to 1), and then a token y is drawn with
-probability (p(y) - q(y))^+ / that sum. So P(emit y) = min(q(y), p(y)) + (p(y) - q(y))^+ = p(y).
-By induction over positions (each p_i, q_i conditioned on the tokens kept before it) the whole
-emitted sequence has the target's joint distribution, whatever q is; q only sets how many drafts
-survive (Leviathan et al. 2023, algorithm 1; transformers' `_speculative_sampling`).
-
-Edge cases, each keeping that argument true:
-- q(x) = 0 for a drafted x (a draft not from q, or top-p supports that differ): accepted iff p(x) > 0
-  (the ratio is infinite), never when p(x) = 0, so no token the target excludes is ever emitted;
-  the test is `u * q < p` with u ~ U[0, 1), which is P = min(1, p / q) without a division.
-- max(0, p - q) summing to (almost) zero after a rejection is impossible in exact arithmetic (a
-  rejection needs p(x) < q(x), hence mass where p > q); from rounding it falls back to p.
-- Truncation (top-p) that makes p's and q's supports differ needs nothing more: the residual keeps
-  only tokens where p > q, so it never leaves p's support.
+Rejection sampling (`verify_drafts`, `verify_batch`; Leviathan et al. 2023, algorithm 1): draft i is
+kept with probability min(1, p_i(x_i) / q_i(x_i)) (row i - 1 of `p`: the target's prediction at the
+draft's position); at the first rejection a token is drawn from normalize(max(0, p - q)) there, and
+if all k are kept a bonus token from p_k. At one position P(emit y) = min(q(y), p(y)) + (p(y) -
+q(y))^+ = p(y), so the emitted sequence has the target's distribution whatever q is; the proof and
+the edge cases (q(x) = 0: the test is `u * q < p`, no division; an all-rounding residual falls back
+to p; top-p supports that differ) are in docs/DRAFTING.md, "Sampling-mode verification".
 """
 
 from __future__ import annotations

@@ -2,12 +2,9 @@
 
 Three, behind one interface (`runtime.Drafter.propose(engine, counts)`):
 - `AssistantDrafter`: Gemma-4's own MTP assistant on the device (`device.drafting.DraftGraph`),
-  every row at once. It has no K/V of its own: it reads the target's, and drafts from the constant
-  position of each row's last token, fed back its own token and projected hidden state, as
-  transformers' `SinglePositionMultiTokenCandidateGenerator` does. Sampled rows sample their drafts
-  from the assistant's distribution q (no softcap, as transformers' assistant) and hand q over for
-  rejection sampling. A row samples only its own `counts[row]` drafts, one per pass, from its own
-  seeded generator: what it draws depends on its request alone, not on its neighbours' counts.
+  every row at once, reading the target's K/V (docs/DRAFTING.md). Sampled rows draw their drafts
+  from the assistant's q and hand q over for rejection sampling; a row draws only its own
+  `counts[row]` drafts from its own seeded generator, so what it draws depends on its request alone.
 - `PromptLookupDrafter`: n-gram matches in the row's own prompt and output (what transformers'
   `prompt_lookup_num_tokens` and vLLM's ngram speculation do): no second model, no device work.
 - `CallableDrafter`: any `fn(history, n) -> tokens` (tests: always right, always wrong).
@@ -23,6 +20,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..device.graph import index_tensor
+from ..errors import SettingsError, UnknownNameError
 from ..runtime import sampling_probs
 
 if TYPE_CHECKING:
@@ -76,8 +74,6 @@ class PromptLookupDrafter:
 
     def __init__(self, max_ngram: int = 3, min_ngram: int = 1):
         if not 1 <= min_ngram <= max_ngram:
-            from ..errors import SettingsError
-
             raise SettingsError(f"prompt lookup needs 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")
         self.max_ngram, self.min_ngram = int(max_ngram), int(min_ngram)
 
@@ -116,7 +112,5 @@ def make_drafter(kind: str | None):
     if kind is None:
         return None
     if kind not in DRAFTERS:
-        from ..errors import UnknownNameError
-
         raise UnknownNameError("draft", kind, DRAFTERS)
     return DRAFTERS[kind]()

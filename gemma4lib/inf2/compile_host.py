@@ -2,36 +2,26 @@
 trace and writes the per-rank shards (it needs no NeuronCore, so it may be a larger inf2 than the
 one that serves: `memory_plan.plan_core_memory(...).compile_host`).
 
-The ModelBuilder recipe (`recipes.neuron_model_builder`), step by step, from NxD v2.28.0's
-`trace/model_builder.py`:
+The ModelBuilder recipe, step by step (from NxD v2.28.0's `trace/model_builder.py`):
 
-1. the host model, loaded and read once (the cache key digests it): `model_gb`, as the
-   serving-host plan counts it;
-2. `trace(initialize_model_weights=False)`: NxD builds each key's module (`BaseModelInstance.
-   load_module`, kept in the instance), i.e. one rank's weights at shard size plus its K/V states
-   per key (`keys x rank_gb`), then traces and compiles. The loader is not called;
-3. `shard_checkpoint`: the lazy loader builds the NxD-arranged checkpoint once (every rank's piece
-   of each key concatenated, K/V heads replicated where a layer has fewer than the TP degree:
-   `checkpoint_gb`, built one key at a time, never also every rank's shard), the first key's module
-   is rebuilt on the meta device, the other key's stays, and each rank's file is written in turn:
-   NxD's cut of a tensor is a view, contiguous except where a row-parallel weight is cut along its
-   columns (`o_proj`, `down_proj`, the experts' `down`), which `v.contiguous()` copies; safetensors
-   0.8 writes the tensors' own memory (measured: no copy at TP=1).
+1. the host model, loaded and read once (the cache key digests it): `model_gb`;
+2. `trace(initialize_model_weights=False)`: each key's module (one rank's weights at shard size plus
+   its K/V states, `keys x rank_gb`) is built and kept, then traced and compiled;
+3. `shard_checkpoint`: the lazy loader builds the NxD-arranged checkpoint once, one key at a time
+   (`checkpoint_gb`), the first key's module is rebuilt on the meta device, and each rank's file is
+   written in turn: NxD's cut is a view, copied only where a row-parallel weight is cut along its
+   columns (`o_proj`, `down_proj`, the experts' `down`); safetensors writes the rest in place.
 
 peak = process base + model + max(keys x rank, checkpoint + rank (the remaining key) + the copied cuts).
 
-What is computed and what is measured: the model, the ranks' weights and K/V and the checkpoint are
-computed from the released configs (meta device). The host side of steps 1-3 is measured on this
-machine on real-width E2B at reduced depth (`python -m gemma4lab.benchmarks.host_rss compile`: the
-modules built with the CPU parallel layers standing in for NxD's, NxD's cut and write emulated; the
-record is `docs/measurements/compile_host_e2b.json`). Not counted, unverified on inf2: the Neuron
-compiler's own RAM (neuronx-cc runs as its own process while the modules are alive; inf2 users
-report a 16k-token compile exhausting a 128 GB host) and torch-neuronx's HLO generation. The
-earlier 3-copies estimate (module + eager checkpoint + every shard) matched the field report's
-measured 182 GB for the 31B's compile with its own, eager port; this library's compile holds less.
-
-The trace recipe (`recipes.neuron_trace`, `inline_weights_to_neff=False`): the host model plus one
-copy of the device weights that torch-neuronx separates from the graph (unverified on inf2).
+The model, the ranks' weights and K/V and the checkpoint are computed from the released configs
+(meta device); the host side of steps 1-3 is measured on real-width E2B at reduced depth (`python -m
+gemma4lab.benchmarks.host_rss compile`, `docs/measurements/compile_host_e2b.json`). Not counted,
+unverified on inf2: the Neuron compiler's own RAM (neuronx-cc, its own process; inf2 users report a
+16k-token compile exhausting a 128 GB host) and torch-neuronx's HLO generation. The earlier
+3-copies estimate matched the field report's measured 182 GB for the 31B with its own eager port;
+this library's compile holds less. The trace recipe (`inline_weights_to_neff=False`): the host model
+plus one copy of the device weights (unverified on inf2).
 """
 
 from __future__ import annotations

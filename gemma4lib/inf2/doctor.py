@@ -1,19 +1,10 @@
 """`python -m gemma4lib doctor`: is this machine ready to compile and run a Gemma-4 port on inf2?
 
-`run_doctor(variant=None, tp=None)` returns a JSON-friendly report; `format_doctor(report)` renders
-it as text. It checks, without importing the Neuron SDK:
-
-- the inf2 environment this cookbook expects (`recipes.neuron_env`: the DLAMI, its venv, Python and
-  the pinned SDK 2.28 set) against this machine, and says what differs;
-- Neuron devices and NeuronCores (`neuron-ls --json-output` when present, else `/dev/neuron*`);
-- the `transformers.utils.fx` shim `neuronx_distributed` needs under transformers 5 (the recipes
-  install it when they import NxD; the doctor only reports whether it will be needed);
-- the PATH fix for the `libneuronpjrt-path` import error;
-- with `variant`: whether inf2 runs it at `tp`, its per-core memory plan (`memory_plan`: weights +
-  K/V + working memory per NeuronCore), its compile host's RAM, with a warning *before* a compile
-  that the kernel would kill half an hour in, and its serving host's plan (`serving_host`);
-  `run_doctor(vision=True)` plans it with its vision part (`vision_plan`: computed from
-  transformers 5.23.0 config defaults, unverified against the released config.json).
+`run_doctor(variant=None, tp=None)` returns a JSON-friendly report (`format_doctor` renders it),
+without importing the Neuron SDK: the environment against the pinned SDK 2.28 set
+(`recipes.neuron_env`), the Neuron devices, the NxD shim and PATH fixes it will need, and with
+`variant` the plans (per core, compile host, serving host; `vision=True` with the vision part), so
+a compile the kernel would kill half an hour in is warned about before it starts.
 
 The same plans over the whole family (every variant's, the vision tables, the image prefill floor)
 are the lab's: `python -m gemma4lab plan` (`gemma4lab.tools.inf2_tables.family_report`).
@@ -180,10 +171,7 @@ def _path_report() -> dict[str, Any]:
 
 
 def run_doctor(
-    variant: str | None = None,
-    tp: int | None = None,
-    context_length: int = DEFAULT_CONTEXT,
-    vision: bool = False,
+    variant: str | None = None, tp: int | None = None, context_length: int = DEFAULT_CONTEXT, vision: bool = False
 ) -> dict[str, Any]:
     """The report: expected environment vs this machine, devices, fixes, RAM vs compile peak and the
     per-core and serving-host plans for `variant` at `context_length` (with `vision`: its plans count

@@ -1,12 +1,9 @@
-"""Facts about the inf2 machines the recipes target, and how to tell which one we are on.
+"""Facts about the inf2 machines the recipes target: one leaf module (it imports nothing from
+gemma4lib) that the plans, the doctor and the notebooks read, so a figure is written down once.
 
-One leaf module (it imports nothing from gemma4lib) that the roofline, the TP plans, the memory
-plan, the doctor and the notebooks all read, so a figure is written down once.
-
-Sources: the instance table is AWS's published inf2 specification (chips, NeuronCore-v2 count,
-host memory, HBM and its bandwidth); 16 GiB of HBM per NeuronCore follows from 32 GiB per chip and
-two cores per chip (NxD Inference's guide says the same: "each Neuron core has 16GB of memory").
-The tensor-parallel degrees are the ones the Neuron runtime supports on Inferentia2.
+Sources: AWS's published inf2 specification (chips, NeuronCore-v2 count, host memory, HBM and its
+bandwidth); 16 GiB of HBM per NeuronCore is 32 GiB per chip over two cores (NxD Inference's guide says
+the same). The tensor-parallel degrees are the ones the Neuron runtime supports on Inferentia2.
 """
 
 from __future__ import annotations

@@ -14,14 +14,8 @@ What is computed and what is assumed:
   linears NxD quantizes at 1 byte plus an fp32 scale per output row, `rank_weight_bytes`);
 - working memory per core: `WORKING_ALLOWANCE_GIB`, an allowance, not a measurement (the Neuron
   runtime's reservation, the program's instructions, activations and scratch). Unverified on inf2;
-- host RAM for the compile: the compile host's plan (`compile_host.compile_host_plan`): the host
-  model, each key's module at shard size, and the lazy NxD checkpoint with one rank's file being
-  written, computed from the configs and measured on CPU at reduced depth; the Neuron compiler's
-  own RAM is not counted (unverified on inf2). The earlier estimate, three copies of the text
-  weights (module + an eager checkpoint + every shard), matched the field report's measured 182 GB
-  for the 31B with that port's own eager code (`COMPILE_CALIBRATION`); the recipes now build the
-  checkpoint only when NxD shards it and one key at a time. The trace recipe compiles with
-  `inline_weights_to_neff=False`, so it holds the host model plus one copy of the device weights.
+- host RAM for the compile: the compile host's plan (`compile_host`: what is computed, what is
+  measured, and what is not counted).
 
 The compile needs no NeuronCore, so it may run on a larger host than the one that serves: a plan
 names `compile_host`, the run instance when its RAM holds the estimate, else the smallest inf2 size
@@ -56,15 +50,10 @@ NEURON_RECIPES = tuple(RECIPE_MODULES)
 
 
 def neuron_recipe(variant: Variant, tp: int, requested: str | None = None) -> str:
-    """The Neuron recipe for `variant` at `tp`: the variant's own (`Variant.recipe`, ModelBuilder for
-    every variant) unless `requested` says otherwise.
-
-    ModelBuilder is the supported path at every degree since SDK 2.27, TP=1 included (E2B): its
-    prefill key runs the prompt on the device in one pass over the K/V states the decode key
-    shares. `trace` (`torch_neuronx.trace` of the decode graph alone) stays selectable at TP=1 as
-    the simplest lesson: one graph, K/V aliased by hand, and a compile that fits an inf2.xlarge's
-    16 GiB of host RAM (ModelBuilder's does not, `compile_peak_gb`). Its cost: the prompt goes
-    through the decode graph one device step per token."""
+    """The Neuron recipe for `variant` at `tp`: the variant's own (`Variant.recipe`: ModelBuilder, the
+    supported path at every degree since SDK 2.27) unless `requested` says otherwise. `trace` stays
+    selectable at TP=1 (`recipes`): its compile fits an inf2.xlarge's 16 GiB of host RAM
+    (ModelBuilder's does not, `compile_peak_gb`), at the cost of a prompt fed one token per step."""
     if requested is None:
         return variant.recipe
     if requested not in NEURON_RECIPES:
@@ -238,12 +227,9 @@ def plan_core_memory(
     """The per-core memory plan of `variant` at `tp` (default: its recipe's) on `instance`
     (default: the variant's recommended instance) with `recipe` (default: `neuron_recipe`'s),
     serving `batch` rows (K/V x batch); `weights="int8"` counts the quantized linears at their
-    int8 bytes (`rank_weight_bytes`); `draft_tokens` (drafting with the MTP assistant) adds the
-    assistant's weights per core (`mtp_roofline.assistant_rank_bytes`, an assumed shape) and the
-    sliding rings' k + 1 extra slots; `vision` adds the vision part (`vision_plan.vision_plan`: its
-    weights and its graph's activations, counted on the one core that runs it, rank 0's, the worst
-    case; computed from transformers 5.23.0 config defaults, unverified against the released config).
-    Problems are listed, never raised here."""
+    int8 bytes (`rank_weight_bytes`); `draft_tokens` adds the MTP assistant's weights per core
+    (`mtp_roofline`, an assumed shape) and the rings' k + 1 extra slots; `vision` adds the vision part
+    (`vision_plan`) on rank 0's core, the one that runs it. Problems are listed, never raised here."""
     v = get_variant(variant) if isinstance(variant, str) else variant
     tp = int(tp or v.tp_degree)
     instance = instance or v.instance_type

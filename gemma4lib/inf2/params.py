@@ -76,15 +76,9 @@ class ParamCounts:
         return default_expert_split(self.num_experts, self.moe_intermediate, max(1, tp))
 
     def device_params(self, experts: str = "dense", tp: int = 1, expert_split: str | None = None) -> float:
-        """Parameters read per decode step, summed over `tp` ranks (fractional for selective experts).
-
-        Selective experts read `top_k / num_experts` of the expert weights on one device, and on
-        TP ranks that each hold a 1/tp slice of every expert (`expert_split="intermediate"`, the
-        default where it divides): each rank gathers k slices of 1/tp of an expert, k experts in
-        all. On ranks that each hold `num_experts / tp` whole experts (`"experts"`), a static
-        `top_k` slices are gathered on *every* rank, routed there or not
-        (`tp.layers.ShardedExperts`), so the ranks together read `tp * top_k` expert slices:
-        fewer bytes than dense only while `top_k < num_experts / tp`."""
+        """Parameters read per decode step, summed over `tp` ranks (fractional for selective experts:
+        `top_k / num_experts` of the expert weights on one device or under the intermediate split,
+        `tp * top_k` whole-expert slices under the expert split; `tp.plan`'s rules)."""
         if experts not in ("dense", "selective"):
             raise UnknownNameError("experts form", experts, ("dense", "selective"))
         read_experts = self.experts

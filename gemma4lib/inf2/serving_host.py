@@ -1,31 +1,21 @@
 """Will the serving host's RAM hold a port? The plan of the machine that serves and checks.
 
-`memory_plan` plans the NeuronCores and the compile host. The host that serves needs RAM too,
-and on an inf2.xlarge (16 GiB) it is the tight one: it holds the text model in its load dtype
-(the host reference, SEQ_MATCH's and LOGITS_MATCH's, and the host tables the embedder reads:
-token embeddings and PLE), and for a while one of:
-
-- the per-rank weight shards read for `nxd_model.initialize` (every rank's shard, as
-  `load_model_builder` reads them: the device weights once);
-- the host reference's greedy `generate` (its dynamic cache, the prompt's logits, per-step rows);
-- the logit check's spread (`reference.logits_spread`, one module widened to float32 at a time):
-  the reference rows in float64, the teacher-forced logits of every position in float32 twice
-  (the LM-head blocks and their concatenation) and one widened LM-head block.
+On an inf2.xlarge (16 GiB) the serving host, not the cores, is the tight one: it holds the text
+model in its load dtype (the host reference and the embedder's host tables), and for a while one of:
+the per-rank shards read for `nxd_model.initialize`; the reference's greedy `generate`; or the logit
+check's spread (`reference.logits_spread`: the reference rows in float64, every position's logits
+in float32 twice and one widened LM-head block).
 
 peak = process base + model + max(shards, reference, spread). No host K/V: the neuron backend's
-device steps keep theirs as aliased state on the cores and the runtime holds no host copy
-(`host_kv_gb` stays in the plan, 0, so the tables keep their column).
+device steps keep theirs on the cores (`host_kv_gb` stays in the plan, 0, for the tables' column).
 
-What is computed and what is measured: the model, host K/V, shards and the spread's tensors are
-computed from the released configs (meta device). `PROCESS_BASE_GB` (Python, torch, transformers
-and gemma4lib's modelling imports) is measured on the CPU lane (`python -m
-gemma4lab.benchmarks.host_rss serving`), unverified on inf2, whose torch-neuronx and runtime add
-their own libraries; `OS_RESERVE_GIB` is an allowance for the OS and the Neuron runtime's daemons,
-unverified. Loading adds nothing measurable: `from_pretrained` memory-maps a bf16 checkpoint
-loaded as bf16 (no copy), and its pages become resident as they are read — the model counts whole
-because the Neuron backend reads every weight before the compile (its cache key). That the
-runtime drops its host copy of the shards after `initialize` is unverified (torch-neuronx is
-closed source): if it keeps them, the shards stay on top of the model.
+The model, shards and the spread's tensors are computed from the released configs (meta device).
+`PROCESS_BASE_GB` is measured on the CPU lane (`python -m gemma4lab.benchmarks.host_rss serving`),
+unverified on inf2 (torch-neuronx and the runtime add their own libraries); `OS_RESERVE_GIB` is an
+allowance, unverified. `from_pretrained` memory-maps a bf16 checkpoint loaded as bf16, but the
+model counts whole because the Neuron backend reads every weight before the compile (its cache key).
+Whether the runtime drops its host copy of the shards after `initialize` is unverified: if it keeps
+them, the shards stay on top of the model.
 """
 
 from __future__ import annotations

@@ -2,28 +2,17 @@
 
 The released checkpoints' vision configs are not among the facts this project checked (DESIGN §2
 lists the text decoders only), so every figure here is **computed from transformers 5.23.0 config
-defaults, unverified against the released config.json** (`SOURCE`):
+defaults, unverified against the released config.json** (`SOURCE`: `Gemma4VisionConfig()` for the
+encoder variants, the encoder-free `Gemma4UnifiedVisionConfig()` for the 12B, at the image
+processors' default patch budget, `PROCESSOR_DEFAULTS`). Parameters are counted on transformers'
+own modules on the meta device, as `params.meta_model` counts the decoders. Third-party copies of
+the 31B's and the 26B-A4B's tower report a larger one (`REPORTED`, cited there):
+`vision_spec(variant, source="reported")` plans with it for comparison.
 
-- the encoder variants (E2B, E4B, 31B, 26B-A4B): `Gemma4VisionConfig()` (16 layers, width 768,
-  12 heads of 64, MLP 3,072, patch 16, 3x3 pooling) and `Gemma4MultimodalEmbedder` into the
-  variant's released text width;
-- the 12B: `Gemma4UnifiedVisionConfig()` (encoder-free: 3x3 merged 16-pixel patches, one dense
-  projection to 3,840, the factorised position table, the embedder);
-- the patch budget: the image processors' defaults, `max_soft_tokens` 280 and `pooling_kernel_size`
-  3, so 2,520 patches per image through the encoder (280 merged patches on the 12B) and 280 soft
-  tokens into the decoder.
-
-Parameters are counted by instantiating transformers' own modules on the meta device (real
-shapes, no memory), as `params.meta_model` does for the decoders. Third-party copies of the 31B's
-and the 26B-A4B's vision tower report a larger one (27 layers of width 1,152; `REPORTED`, cited
-there): `vision_spec(variant, source="reported")` plans with it for comparison. Neither is the
-released config.json itself.
-
-Placement: the vision graph is its own compiled graph on one NeuronCore, not sharded (no TP),
-whatever the decoder's degree: replicated on one core (`PLACEMENT`). It loads on the core that
-holds rank 0's shard (`recipes.neuron_vision.vision_core`), and the plan counts it there. Its
-activations are planned as eager attention would hold them (the full score matrix of one layer): an
-upper estimate, the compiler's scheduling is unverified.
+Placement: the vision graph is its own compiled graph on one NeuronCore, not sharded (`PLACEMENT`),
+on the core that holds rank 0's shard (`recipes.neuron_vision.vision_core`); the plan counts it
+there. Its activations are planned as eager attention would hold them (one layer's full score
+matrix): an upper estimate, the compiler's scheduling is unverified.
 """
 
 from __future__ import annotations
@@ -36,6 +25,7 @@ import torch
 from torch import nn
 
 from ..environment import TRANSFORMERS_PIN
+from ..errors import UnknownNameError
 from ..models.variants import REPORTED_VISION, Variant, get_variant
 from .hardware import GIB
 
@@ -79,8 +69,6 @@ def vision_config(variant: Variant | str, source: str = "defaults", **overrides:
     `source="reported"` where a report exists), with `overrides`."""
     v = get_variant(variant) if isinstance(variant, str) else variant
     if source not in VISION_SOURCES:
-        from ..errors import UnknownNameError
-
         raise UnknownNameError("vision source", source, VISION_SOURCES)
     if v.unified:
         from transformers.models.gemma4_unified import Gemma4UnifiedVisionConfig

@@ -1,6 +1,5 @@
 """The models a port runs: the variants table, loading, and the makers of the test fixtures.
 
-`variants` (one `Variant` per family member: configs, recipe, TP, notebook, aliases),
-`loading` (tiny builds and checkpoints), `trained`/`training`/`corpus`/`tokenizer` (the
-trained tiny fixtures), `medium`, `real_width`, `released`, `gemma3_real`.
+`variants` (one `Variant` per family member), `loading` and `checkpoint` (tiny builds, released
+checkpoints), `trained`/`vision`/`assistant` (the trained tiny fixtures; their training is the lab's).
 """

@@ -1,19 +1,14 @@
 """Gemma-4's own drafter (the MTP assistant) as a member of the family: which one, how to load it.
 
-A Gemma-4 assistant (`Gemma4AssistantForCausalLM`, the 12B's `Gemma4UnifiedAssistantForCausalLM`)
-has no K/V of its own: every layer reads the target's K/V of the last non-shared layer of its
-attention type. Its input is `pre_projection(concat(target embedding, target hidden state))` of
-the last seen token, it drafts from that token's position, and `post_projection` maps its hidden
-state back to the target's width for the next draft step.
-
-Two things in transformers 5.23.0 need a hand here, both narrow and documented:
-- a config with every layer KV-shared (what an assistant is) raises in `kv_sharing_modes` ("the
-  set of layer types producing a cache is different..."), although only module construction reads
-  it: `fully_shared_construction()` answers "reuse" for every layer while a model is built;
-- a target without KV sharing (31B, 26B-A4B, 12B: `num_kv_shared_layers=0`) marks no layer "store",
-  so it returns no `shared_kv_states` and `generate(assistant_model=...)` fails: `store_for_assistant`
-  sets `store_full_length_kv` on the last layer of each attention type, the layers the assistant
-  reads (exactly what `kv_sharing_modes` does for KV-sharing targets).
+An assistant (`Gemma4AssistantForCausalLM`, the 12B's `Gemma4UnifiedAssistantForCausalLM`) has no
+K/V of its own: every layer reads the target's K/V of the last non-shared layer of its attention type
+(docs/DRAFTING.md). Two things in transformers 5.23.0 need a hand here, both narrow:
+- a config with every layer KV-shared (what an assistant is) raises in `kv_sharing_modes`, although
+  only module construction reads it: `fully_shared_construction()` answers "reuse" for every layer
+  while a model is built;
+- a target without KV sharing (31B, 26B-A4B, 12B) marks no layer "store", so it returns no
+  `shared_kv_states` and `generate(assistant_model=...)` fails: `store_for_assistant` sets
+  `store_full_length_kv` on the last layer of each attention type, the layers the assistant reads.
 """
 
 from __future__ import annotations

@@ -335,14 +335,10 @@ def _load_tokenizer(checkpoint: str, hub: dict[str, Any]):
 def load_checkpoint(
     variant: Variant, checkpoint: str, dtype: torch.dtype = torch.bfloat16, with_tokenizer: bool = True
 ) -> LoadedModel:
-    """Load a real checkpoint (hub id or folder) and keep only the text decoder.
-
-    The released checkpoints are multimodal `*ForConditionalGeneration`; their text decoder lives at
-    `model.language_model` with the tied LM head. A text-only folder (`gemma4_text`,
-    `gemma4_unified_text`) loads as the `*ForCausalLM` itself. The token comes from `HF_TOKEN` only.
-    Without network (or with `HF_HUB_OFFLINE`) a hub id loads from the local hub cache or fails at
-    once with `HubUnreachableError`.
-    """
+    """Load a real checkpoint (hub id or folder) and keep only the text decoder (the released
+    multimodal `*ForConditionalGeneration`'s `model.language_model` with the tied LM head; a text-only
+    folder loads as the `*ForCausalLM` itself). The token comes from `HF_TOKEN` only; offline, a hub id
+    loads from the local hub cache or fails at once with `HubUnreachableError`."""
     check_transformers()
     path = Path(checkpoint).expanduser()
     local = path.exists()

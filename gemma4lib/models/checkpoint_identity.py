@@ -1,11 +1,7 @@
-"""Which checkpoint a model came from, without reading its weights as float32.
-
-A hub snapshot names its own weights: each `*.safetensors` in `snapshots/<rev>/` is a link to
-`blobs/<sha256 of the file>` (the LFS object id), so its identity is free. A plain folder's files
-are hashed once (raw bytes, 1 MiB blocks) and the digest is remembered in `file-digests.json` in
-the artifact cache, keyed by the file's path, size, modification time and inode, so a later process
-reuses it. The identity is the digest of (file name, file digest) pairs: it changes when any
-weights file does.
+"""Which checkpoint a model came from, without reading its weights as float32: the digest of its
+(file name, file digest) pairs. A hub snapshot's `*.safetensors` link to `blobs/<sha256>` (free); a
+plain folder's files are hashed once and the digest remembered in the artifact cache's
+`file-digests.json`, keyed by path, size, modification time and inode.
 """
 
 from __future__ import annotations

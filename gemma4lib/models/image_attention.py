@@ -1,20 +1,11 @@
 """How an image's tokens attend to each other where the config asks (`use_bidirectional_attention
-="vision"`: the 12B here; the released 31B and 26B-A4B set it too, per vLLM's Gemma-4 support, not
-our tiny fixtures of them).
-
-The model's intended masks, as Google's reference implementation, vLLM and transformers' own
-`create_masks_for_generate` of the multimodal class (`create_masks_for_vision_model`) build them:
-full-attention layers stay causal; sliding layers allow `(causal OR same image) AND the window`.
-
-transformers 5.23.0 has a second path that differs: `Gemma4UnifiedModel.forward`, given
-`mm_token_type_ids` and no ready masks, builds them with the generic `create_masks_for_generate`,
-which lays the image block over *every* layer type and past the sliding window (the question of
-transformers issue #46711; fixed for the window in PR #46850, not for the full layers in 5.23.0).
-`generate` takes that path with its default dynamic cache and the class's path with a static cache:
-on a random 12B the first logits differ by 3.1 between the two (measured here). So every reference
-call with images passes the intended masks itself (`intended_masks`), and greedy `generate` runs with
-a static cache (`REFERENCE_CACHE`); the device graph builds the same masks (`device.graph.build_masks`
-with `image_blocks`).
+="vision"`: the 12B here): the model's intended masks (full layers causal; sliding layers `(causal OR
+same image) AND the window`), which transformers 5.23.0's `Gemma4UnifiedModel.forward` does not build
+given `mm_token_type_ids` alone (it lays the image block over every layer and past the window; its
+`generate` with the default dynamic cache takes that path). So every reference call with images
+passes the intended masks itself (`intended_masks`), greedy `generate` runs with a static cache
+(`REFERENCE_CACHE`), and the device graph builds the same masks (`device.graph.build_masks` with
+`image_blocks`). docs/IMAGES.md, "The 12B", has the measurement and the transformers issue.
 """
 
 from __future__ import annotations

@@ -110,9 +110,3 @@ def build_tiny(variant: Variant, seed: int = 0, dtype: torch.dtype = torch.float
     """A seeded random-weight tiny model with every feature of `variant`; identical across
     builds."""
     return build_random(variant, "tiny", seed, dtype, **overrides)
-
-
-# ---- the hub: reachable, offline, gated ---------------------------------------------------------
-
-
-# ---- weights that disagree with config.json ------------------------------------------------------

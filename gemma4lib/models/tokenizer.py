@@ -1,20 +1,13 @@
 """A small tokenizer with Gemma-4's special tokens, ids and chat template, for the tiny trained models.
 
-No Gemma-4 tokenizer ships in any package (the real one comes with the checkpoint from the hub),
-so the tiny trained fixtures use this stand-in. What it shares with the real one is what the
-cookbook's host runtime depends on:
-
-- special tokens at the real ids: `<pad>` 0, `<eos>` 1, `<bos>` 2, `<|turn>` 105, `<turn|>` 106
-  (ids 3..104 are filler special tokens `<unused3>` ... `<unused104>`);
-- `<bos>` added by plain `tokenizer(text)` (as the real tokenizer does), not by the chat template's
-  tokenization (`apply_chat_template` renders `<bos>` itself and encodes without special tokens);
-- the chat template: `<bos><|turn>user\n{msg}<turn|>\n<|turn>model\n` with a generation prompt;
-- Gemma 3's `<start_of_turn>` / `<end_of_turn>` are NOT special: written into a prompt they split
-  into several ordinary pieces, exactly the failure the real tokenizer shows.
-
-The ordinary vocabulary is a byte-level BPE learnt from the synthetic corpus until no merge is left
-(810 tokens with the default corpus: 107 specials, 256 bytes, 447 merges), so every corpus word is
-one token and any text at all still encodes (byte fallback).
+No Gemma-4 tokenizer ships in any package (the real one comes with the checkpoint), so the tiny
+fixtures use this stand-in. It shares with the real one what the host runtime depends on: the special
+tokens at the real ids (`<pad>` 0, `<eos>` 1, `<bos>` 2, `<|turn>` 105, `<turn|>` 106; 3..104 filler
+`<unusedN>`); `<bos>` added by plain `tokenizer(text)` but rendered by the chat template itself; the
+chat template (`<bos><|turn>user\n{msg}<turn|>\n<|turn>model\n` with a generation prompt); and Gemma
+3's `<start_of_turn>` / `<end_of_turn>` NOT special, so written into a prompt they split into ordinary
+pieces, the failure the real tokenizer shows. The ordinary vocabulary is a byte-level BPE learnt from
+the synthetic corpus (810 tokens: every corpus word one token, any text still encodes).
 """
 
 from __future__ import annotations

@@ -1,23 +1,18 @@
 """The 12B's image processor without torchvision: an image to the merged patches its encoder-free
 `Gemma4UnifiedVisionEmbedder` reads.
 
-Why it exists: transformers 5.23.0 ships `Gemma4UnifiedImageProcessor` on its torchvision backend
-only (no PIL backend, unlike the other variants' `Gemma4ImageProcessorPil`), and no torchvision
-build imports beside the pinned CPU torch here (docs/IMAGES.md). Where torchvision is installed,
-`load_unified_processor` returns transformers' own processor; everywhere else this one, which
-reads and writes the same `preprocessor_config.json`.
+transformers 5.23.0 ships `Gemma4UnifiedImageProcessor` on its torchvision backend only, and no
+torchvision build imports beside the pinned CPU torch here (docs/IMAGES.md, "The 12B"). Where
+torchvision is installed `load_unified_processor` returns transformers' own processor; elsewhere
+this one, which reads and writes the same `preprocessor_config.json` and gives the same bytes
+(`tests/test_images.py` holds it to hashes transformers' processor wrote,
+`fixtures/vision/12b/processor_golden.json`).
 
-What it computes, per image (the processor's steps, with `do_resize=False`): pixels in [0, 1]
-(`x * rescale_factor`, no normalisation: mean 0, std 1), cut into `patch_size` patches and merged
-`pooling_kernel_size` x `pooling_kernel_size` into one model patch each; a model patch is the
-`(k * patch)`-square block of the image, flattened row by row, channels last; patches in row-major
-order of the merged grid, each with its (x, y) position; padded with zeros and position (-1, -1)
-to `max_soft_tokens`. `tests/test_images.py` checks the output against hashes that transformers'
-own processor produced on the fixture images (`fixtures/vision/12b/processor_golden.json`,
-written by `scripts/unified_processor_golden.py` in a venv with torchvision).
-
-Resizing (`do_resize=True`: the released checkpoints' aspect-ratio-preserving bicubic resize) is
-torchvision's; this class refuses it with what to do rather than resize differently.
+Per image, with `do_resize=False`: pixels in [0, 1] (`x * rescale_factor`, no normalisation), cut
+into `patch_size` patches and merged `pooling_kernel_size` x `pooling_kernel_size` into one model
+patch each (the `(k * patch)`-square block, flattened row by row, channels last), in row-major order
+of the merged grid with its (x, y) position; padded with zeros and position (-1, -1) to
+`max_soft_tokens`. Resizing is torchvision's: this class refuses it with what to do.
 """
 
 from __future__ import annotations

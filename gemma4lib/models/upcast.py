@@ -1,21 +1,13 @@
 """Run a model's forward in a higher precision without a second copy of the model.
 
-The logit check's spread (`reference.logits_spread`) needs the model's forward in float32 (of a
-bf16 model) or float64 (of a float32 one). A `deepcopy(lm).to(high)` holds a second, wider model:
-2x the bf16 model's bytes on top of it (E2B: ~19 GB more on a 16 GiB inf2.xlarge). Here every
-module's own parameters and buffers are cast to the wide dtype when the forward reaches that
-module and put back when it leaves (forward pre/post hooks), so only one module is wide at a time.
-Two modules would still be large, and get a form that never widens the whole weight:
-
-- an `nn.Embedding` (the vocabulary table, the PLE table) widens only the rows the ids look up:
-  the lookup is a copy, so a widened compact table gives exactly the wide table's rows;
-- a large `nn.Linear` (the tied LM head, vocabulary x hidden) runs in blocks of output rows, each
-  block widened on its own. Each output element is the same dot product as in one GEMM; whether
-  the BLAS picks the same reduction order for a block as for the whole is the BLAS's choice, so
-  `tests/test_serving_host.py` checks equality with the deep copy on the real-width vocabulary.
-
-Inside the context the model's forward computes what the deep copy computes; after it, every
-parameter and buffer holds its original tensor again (the very same storage, not a round trip).
+The logit check's spread (`reference.logits_spread`) needs the forward in float32 (of a bf16 model)
+or float64 (of a float32 one). A `deepcopy(lm).to(high)` would hold a second, wider model (E2B: ~19 GB
+more on a 16 GiB inf2.xlarge). Here each module's parameters and buffers are cast when the forward
+reaches it and put back when it leaves (forward pre/post hooks), so one module is wide at a time, and
+the two large ones never whole: an `nn.Embedding` widens only the rows the ids look up (a lookup is a
+copy), a large `nn.Linear` (the tied LM head) runs in blocks of output rows (each output element the
+same dot product; `tests/test_serving_host.py` checks equality with the deep copy at real width).
+Afterwards every parameter and buffer holds its original tensor again (the same storage).
 """
 
 from __future__ import annotations

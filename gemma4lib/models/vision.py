@@ -1,21 +1,17 @@
 """The tiny multimodal fixtures: each variant's trained text decoder with a tiny vision part of the
-variant's real classes, trained here on synthetic shapes (`shapes.py`) with the text weights frozen.
+variant's real classes, trained on synthetic shapes (`shapes.py`) with the text weights frozen
+(docs/IMAGES.md, "The tiny multimodal fixtures").
 
-Which vision classes (transformers 5.23.0): E2B, E4B, 31B and 26B-A4B carry `Gemma4VisionModel`
-(patch embedder, a bidirectional encoder, a pooler to `max_soft_tokens`) and a
-`Gemma4MultimodalEmbedder` (RMSNorm + linear into the decoder's width) inside
-`Gemma4ForConditionalGeneration`; the 12B's `Gemma4UnifiedForConditionalGeneration` is encoder-free:
-`Gemma4UnifiedVisionEmbedder` projects raw merged patches straight into the decoder, and its text
-config asks for bidirectional attention among an image's tokens (`use_bidirectional_attention="vision"`,
-on the sliding layers; full layers stay causal).
+E2B, E4B, 31B and 26B-A4B carry `Gemma4VisionModel` (patch embedder, a bidirectional encoder, a
+pooler) and a `Gemma4MultimodalEmbedder` into the decoder's width; the 12B's unified class is
+encoder-free (`Gemma4UnifiedVisionEmbedder` projects merged patches straight into the decoder) and
+asks for bidirectional attention among an image's tokens on its sliding layers.
 
-Why frozen: the text fixture stays byte-identical (its hash, its answers, every text test), and the
-vision part must steer a decoder that never saw an image: a coherent "A red circle." means the
-soft tokens carry the colour and the shape. The fixture folder `fixtures/vision/<variant>/` holds
-only the multimodal config, the vision weights and the image processor's config; the loader puts
-the text fixture's weights under it. `fixtures/vision/tokenizer/` is the text tokenizer with three
-filler specials renamed to Gemma-4's image tokens (same ids for every other token, so text prompts
-encode exactly as before) and a chat template that renders image parts.
+Frozen, so the text fixture stays byte-identical (its hash, its answers, every text test) and the
+vision part must steer a decoder that never saw an image. `fixtures/vision/<variant>/` holds only
+the multimodal config, the vision weights and the image processor's config; the loader puts the text
+fixture's weights under it. `fixtures/vision/tokenizer/` is the text tokenizer with three filler
+specials renamed to Gemma-4's image tokens and a chat template that renders image parts.
 """
 
 from __future__ import annotations
@@ -29,6 +25,7 @@ import torch
 from torch import nn
 
 from ..environment import check_transformers
+from ..errors import CheckpointError, NoVisionError
 from .variants import VARIANTS, Variant, get_variant
 
 log = logging.getLogger(__name__)
@@ -202,7 +199,6 @@ def vision_fixture_dir(variant: Variant | str, root: Path | None = None) -> Path
 
 def verify_vision_hashes(root: Path | None = None, variants: list[str] | None = None) -> dict[str, str]:
     """Check the vision fixtures' files against `fixtures/vision/PROVENANCE.json`."""
-    from ..errors import CheckpointError
     from .trained import check_hashes
 
     root = root or VISION_DIR
@@ -218,7 +214,6 @@ def load_vision_fixture(variant: Variant | str, root: Path | None = None, verify
     processor set; the tokenizer is the vision tokenizer)."""
     from transformers import AutoImageProcessor
 
-    from ..errors import NoVisionError
     from .checkpoint import conditional_class
     from .tokenizer import load_tokenizer
     from .weights_identity import declare_identity

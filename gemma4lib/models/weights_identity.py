@@ -1,12 +1,10 @@
 """Which weights a model holds, cheaply: the loader's declaration, or raw bytes hashed once.
 
-Artifacts that contain weights (a Neuron NEFF with inlined weights, the per-rank shards) are keyed
-by the weights they hold. Hashing every weight as float32 on every compile costs ~124 GB through
-sha256 for the 31B; instead the loader declares what it loaded (the checkpoint's file digests, the
-fixture's recorded hashes, the random seed) with `declare_identity`, and the declaration stands as
-long as a cheap stamp of every tensor (storage, version counter, a few sampled values) is unchanged.
-A model without a valid declaration is hashed once, as raw bytes, and the digest remembered for
-that stamp. Below every backend: the loaders call it, the program keys read it.
+Artifacts that contain weights (a NEFF with inlined weights, the per-rank shards) are keyed by them.
+Hashing every weight as float32 on every compile costs ~124 GB through sha256 for the 31B; instead
+the loader declares what it loaded (file digests, the fixture's hashes, the seed) with
+`declare_identity`, and the declaration stands while a cheap stamp of every tensor (storage, version
+counter, a few sampled values) is unchanged; otherwise the raw bytes are hashed once for that stamp.
 """
 
 from __future__ import annotations

@@ -1,14 +1,11 @@
 """What the three Neuron recipes share, all of it runnable on CPU.
 
-- `KVParamModule`: a `DeviceGraph`/`RankGraph` built with `inplace=False` whose K/V buffers are
-  `nn.Parameter`s (requires_grad=False) of the module. `forward(inputs...)` returns
-  `(logits, *updated_kv)`; `aliases()` maps each K/V parameter to its output index, the
-  `input_output_aliases` that torch_neuronx / NxD take so the compiled graph writes the updated K/V
-  back into the same device buffers.
-- `AliasEmulator`: runs a `KVParamModule` on CPU the way the device runs the compiled one (outputs
-  copied back into the K/V parameters), so the host loop below is tested here.
-- `DeviceStep`: an engine step over a compiled module that holds its K/V (the `neuron` backend
-  puts the one engine over them, `backends.engine.engine_over`; on CPU over an `AliasEmulator`).
+- `KVParamModule`: a graph built with `inplace=False` whose K/V buffers are parameters of the module;
+  `forward` returns `(logits, *updated_kv)` and `aliases()` maps each K/V parameter to its output
+  index, the `input_output_aliases` torch_neuronx / NxD take to write the K/V back in place.
+- `AliasEmulator`: runs a `KVParamModule` on CPU as the device runs the compiled one (outputs copied
+  back into the K/V parameters), so the host loop below is tested here.
+- `DeviceStep`: an engine step over a compiled module that holds its K/V.
 """
 
 from __future__ import annotations
@@ -63,10 +60,11 @@ def key_inputs(
     """The example inputs a compiler gets for `graph`: the graph's own `example_inputs()` without
     its K/V (those are aliased state), so their shapes (batch, bucket) and the index tensors'
     dtype are the graph's, never a second copy of them written here. `dtype`: the dtype the module
-    is compiled in (the embeddings and PLE are cast to it). The K/V the call allocates are dropped."""
+    is compiled in (the embeddings and PLE, 3-D and more, are cast to it; a chooser's sampling
+    `[B, 2]` stays float32: its draw needs the precision). The K/V the call allocates are dropped."""
     n = num_inputs or graph.num_inputs
     inputs = graph.example_inputs()[:n]
-    return tuple(t.to(dtype) if dtype is not None and t.is_floating_point() else t for t in inputs)
+    return tuple(t.to(dtype) if dtype is not None and t.is_floating_point() and t.dim() >= 3 else t for t in inputs)
 
 
 def index_dtype(inputs: tuple[torch.Tensor, ...]) -> torch.dtype:
@@ -98,14 +96,11 @@ def check_first_output(out: Any, vocab: int | None = None, aliases: int = 0) -> 
     then either nothing or exactly the `aliases` K/V states the module was traced with
     (`input_output_aliases`), left on the device.
 
-    Why the states may follow the logits: NxD has to ask `generate_hlo` for
-    `output_aliased_tensor=False` and drops aliased outputs in its packer (NxD v2.28.0
-    `trace/model_builder.py`, `_generate_hlo` and `build_packer`), so a ModelBuilder model returns
-    the logits alone; `torch_neuronx.trace` has no such option, and the SDK's T5 tutorial indexes
-    the K/V its traced decoder returns. Whether those come back as device tensors or as host
-    copies is unverified on inf2 (torch-neuronx is closed source). Device-resident states are
-    accepted (the host loop ignores them); host copies of the K/V (all of them copied every token:
-    a silent slowdown) and any tensor that is neither the logits nor a declared state are errors."""
+    Why states may follow: NxD drops aliased outputs in its packer (v2.28.0 `trace/model_builder.py`),
+    so a ModelBuilder model returns the logits alone, but `torch_neuronx.trace` has no such option
+    (the SDK's T5 tutorial indexes the K/V its decoder returns); whether they come back on the device
+    is unverified on inf2. Device-resident states are accepted; host copies of the K/V (a silent
+    copy every token) and any tensor that is neither the logits nor a declared state are errors."""
     logits = first_output(out)
     if not isinstance(logits, torch.Tensor):
         raise DeviceOutputError(
@@ -162,9 +157,8 @@ class DeviceStep:
 
     The engine calls `step(inputs..., start, length)`; the device module takes exactly those (its
     K/V are aliased state). `aliases`: how many K/V states the module was traced with (what may
-    follow the logits, `check_first_output`); `index_dtype`: the start/length dtype it was compiled
-    with (the engine's int32 positions are handed over in it). The first call's output is checked,
-    so a wrong artifact fails with a named error there.
+    follow the logits); `index_dtype`: the start/length dtype it was compiled with. The first call's
+    output is checked (`check_first_output`), so a wrong artifact fails there with a named error.
     """
 
     def __init__(
@@ -175,17 +169,21 @@ class DeviceStep:
         *,
         aliases: int = 0,
         index_dtype: torch.dtype | None = None,
+        chooses: bool = False,
     ):
         self.module, self.num_inputs, self.vocab = module, num_inputs, vocab
         self.aliases, self.index_dtype = aliases, index_dtype
+        # the decode that returns token ids (`DeviceGraph.chooses`): sampling follows start/length
+        self.chooses = chooses
         self.checked = False
 
     def __call__(self, *args: torch.Tensor) -> torch.Tensor:
         inputs = list(args[: self.num_inputs])
+        at = len(inputs) - 2 - int(self.chooses)
         if self.index_dtype is not None:
-            inputs[-2:] = [t.to(self.index_dtype) for t in inputs[-2:]]
+            inputs[at : at + 2] = [t.to(self.index_dtype) for t in inputs[at : at + 2]]
         out = self.module(*inputs)
         if not self.checked:
-            check_first_output(out, self.vocab, self.aliases)
+            check_first_output(out, None if self.chooses else self.vocab, self.aliases)
             self.checked = True
-        return first_output(out).float()
+        return first_output(out) if self.chooses else first_output(out).float()

@@ -1,13 +1,11 @@
 """Which loaded models hold which NeuronCores, so a second load fails with a clear message instead
 of doubling device memory.
 
-`nxd_model.initialize` (and `torch_neuronx.move_trace_to_device`) allocate the weights and K/V
-states on every rank they load. Re-running a notebook's compile cell builds the new model while
-the old one is still referenced by the cell's variable: two copies on the same cores (31B at TP=8:
-2 x 7.2 GiB + working memory > 16 GiB per core), and the second load fails deep in the runtime or
-the first copy lingers. Each load here claims its cores with a weak reference to the model; a
-claim on cores held by a model that is still alive raises `NeuronCoresBusyError`, naming what to
-release. A model that was deleted (and collected) frees its claim by itself.
+Re-running a notebook's compile cell builds the new model while the cell's variable still holds the
+old one: two copies on the same cores (31B at TP=8: 2 x 7.2 GiB + working memory > 16 GiB per core),
+and the second load fails deep in the runtime. Each load claims its cores with a weak reference to
+its model; a claim on cores a live model holds raises `NeuronCoresBusyError`, naming what to release.
+A model deleted (and collected) frees its claim by itself.
 """
 
 from __future__ import annotations

@@ -143,12 +143,15 @@ def rank_module(
     expert_form: str = "dense",
     weights: str = "bf16",
     join: int = 0,
+    chooses: bool = False,
 ) -> KVParamModule:
     """The module one rank compiles: rank graph (NxD layers by default) + K/V parameters; with
     `weights="int8"` its attention and dense-MLP parallel linears become NxD's quantized ones;
     `join` > 0: a join key over a batch of `join` rows' K/V (`device.row_join`, same state names)."""
     factory = factory or NxDParallelFactory(plan.tp, dtype)
-    graph = build_rank_graph(config, plan, shape, factory=factory, dtype=dtype, inplace=False, expert_form=expert_form)
+    graph = build_rank_graph(
+        config, plan, shape, factory=factory, dtype=dtype, inplace=False, expert_form=expert_form, chooses=chooses
+    )
     module = KVParamModule(RowJoin(graph, join) if join else graph).eval()
     if check_weights(weights) == "int8":
         quantize_nxd(module)
@@ -300,7 +303,6 @@ def compile_model_builder(
     out.mkdir(parents=True, exist_ok=True)
     workdir = Path(compiler_workdir or out / "compiler_workdir")  # ModelBuilder.trace() wipes it: never share
     graphs = graphs or key_graphs(loaded, bucket_shapes(context_length, buckets, ring, batch))
-    n_inputs = 4 if int(getattr(loaded.config, "hidden_size_per_layer_input", 0) or 0) else 3
     # The builder's constructor and `add` are inf2-only too; tests drive them through a recording fake.
     builder = model_builder.ModelBuilder(  # inf2-only
         router=None,
@@ -309,14 +311,17 @@ def compile_model_builder(
         compiler_workdir=str(workdir),
     )
     for key, graph in graphs.items():
-        shape, join = graph.shape, graph.batch if isinstance(graph, RowJoin) else 0  # a join: the row index too
-        parts = {"expert_form": forms[shape.phase], "weights": weights, "join": join}
+        shape, chooses = graph.shape, bool(getattr(graph, "chooses", False))
+        join = graph.batch if isinstance(graph, RowJoin) else 0  # a join takes the row index first
+        parts = {"expert_form": forms[shape.phase], "weights": weights, "chooses": chooses, "join": join}
         builder.add(  # inf2-only
             key=key,
             model_instance=KeyInstance(functools.partial(rank_module, loaded.config, plan, shape, dtype, **parts)),
-            example_inputs=[key_inputs(graph, n_inputs + int(join > 0), dtype)],
+            # decode_ids takes one input more (sampling) than decode, a join one more (the row) than its
+            # prefill: NxD's router tells them apart by their input shapes
+            example_inputs=[key_inputs(graph, None, dtype)],
             compiler_args=neuron_env.COMPILER_ARGS[shape.phase],
-            priority_model_idx=PRIORITY[shape.phase],
+            priority_model_idx=None if chooses else PRIORITY[shape.phase],  # the decode key's layout
         )
     shapes = {key: graph.shape for key, graph in graphs.items()}
     traced = builder.trace(initialize_model_weights=False)  # inf2-only

@@ -1,9 +1,7 @@
 """An OpenAI-compatible endpoint over the engine: continuous batching, metrics, Ray Serve replicas.
 
-Modules, one idea each: `schemas` (the OpenAI request and response bodies), `errors` (what a client
-did wrong, and its HTTP status), `text` (tokens to streamed text, stop strings), `scheduler` (the one
-thread that owns the engine), `metrics` (Prometheus), `app` (the FastAPI routes), `launch` (engine +
-uvicorn + SIGTERM drain), `ray_app` (the same app as a Ray Serve deployment, on the loopback),
-`ray_proxy` (what Serve's proxy answers for a replica that died: 503 in OpenAI's shape). Driving an
-endpoint (a child process, load, lm-eval) is `gemma4lab.serving`.
+`schemas` (the OpenAI bodies), `errors` (what a client did wrong, and its status), `text` (streamed
+text, stop strings), `scheduler` (the one thread that owns the engine), `metrics`, `app` (the routes),
+`launch` (uvicorn + SIGTERM drain), `ray_app` and `ray_proxy` (Ray Serve). Driving an endpoint (a
+child process, load, lm-eval) is `gemma4lab.serving`.
 """

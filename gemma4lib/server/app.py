@@ -1,13 +1,11 @@
 """The FastAPI app: OpenAI's routes over a `Scheduler`, errors in OpenAI's shape.
 
-FastAPI (on Starlette, under uvicorn) because its pydantic bodies give OpenAI's field checks and
-400s for free and it is what Ray Serve deploys (`serve.ingress`), so one app serves both ways.
-Untrusted clients: a body over `max_body` is a 413 before it is read, every size and field is
-checked before any work, and the templating and tokenizing of long text and image decoding run on a
-small worker pool, so one large request never holds up the event loop (and every stream) behind it.
-Streams are Starlette's `StreamingResponse` writing server-sent events (`data: {chunk}` lines, then
-`data: [DONE]`); sse-starlette would add a dependency for two lines of framing, and it ends open
-streams when uvicorn begins its shutdown, where SIGTERM here must let them finish.
+FastAPI because its pydantic bodies give OpenAI's field checks and 400s for free and Ray Serve deploys
+it (`serve.ingress`), so one app serves both ways. Untrusted clients: a body over `max_body` is a 413
+before it is read, every size and field is checked before any work, and long text and images are
+encoded on a small worker pool, so one large request never holds up the event loop. Streams are
+Starlette's `StreamingResponse` of server-sent events: sse-starlette would add a dependency for two
+lines of framing, and it ends open streams when uvicorn begins its shutdown (SIGTERM must not).
 """
 
 from __future__ import annotations

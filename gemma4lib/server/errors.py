@@ -96,10 +96,6 @@ class EngineFaultError(Gemma4LibError, RuntimeError):
 SAMPLING_FIELDS = ("temperature", "top_p", "seed", "max_tokens")
 
 
-class ServerStartError(Gemma4LibError, RuntimeError):
-    """A background server that did not come up (its port taken, the app failed to start)."""
-
-
 def error_body(message: str, type_: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
     """OpenAI's error shape."""
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}

@@ -8,11 +8,9 @@ that row's logits (the other rows' logits are never touched), and the chosen tok
 matcher. Once the value is complete only the eos tokens stay allowed, so the reply always parses
 (and validates), unless `max_tokens` cuts it.
 
-llguidance (xgrammar was not measured here): its wheel requires nothing else (no torch of its own to
-agree with the CPU pin and the Neuron SDK's), it takes JSON schemas and Lark grammars with special
-tokens by id (the forced call's `<|"|>` strings), and on the tiny fixtures' tokenizer it built the
-tokenizer's trie in ~40 ms, a schema's matcher in ~25 ms and a token's mask in ~0.25 ms (a loaded
-machine).
+llguidance: its wheel requires no torch of its own (to agree with the CPU pin and the Neuron SDK's),
+it takes Lark grammars with special tokens by id (the forced call's `<|"|>` strings), and on the
+tiny tokenizer a token's mask took ~0.25 ms (xgrammar was not measured here).
 """
 
 from __future__ import annotations

@@ -54,6 +54,5 @@ def image_from_data_url(url: str, param: str) -> Any:
             return opened.convert("RGB")
     except (UnidentifiedImageError, OSError) as error:
         raise RequestError(
-            f"image_url.url does not hold an image PIL can read ({error.__class__.__name__}); send a PNG or JPEG",
-            param,
+            f"image_url.url does not hold an image PIL can read ({error.__class__.__name__}); send a PNG or JPEG", param
         ) from None

@@ -1,11 +1,9 @@
 """Start the endpoint: the engine from `PortSettings` (a bundle never compiles), uvicorn, SIGTERM drain.
 
-The engine comes from the caller (`gemma4lib.cli.load_engine`: the server sits above `port` but
-does not import it, so a replica can be handed any loader). `serve_forever` is what
-`python -m gemma4lib serve` runs in the foreground (`gemma4lab.serving.background` runs the same app
-on a thread, for tests). On SIGTERM (or Ctrl-C) the server stops taking
-requests (503 + Retry-After), lets every queued and running one finish, then exits; a second signal
-stops it at once.
+The engine comes from the caller (`gemma4lib.cli.load_engine`: the server sits above `port` but does
+not import it). `serve_forever` is what `python -m gemma4lib serve` runs. On SIGTERM (or Ctrl-C) the
+server stops taking requests (503 + Retry-After), lets every queued and running one finish, then
+exits; a second signal stops it at once.
 """
 
 from __future__ import annotations
@@ -118,13 +116,10 @@ ENGINE_SWITCH_INTERVAL_S = 0.00025
 
 
 def favour_the_engine_thread(interval_s: float = ENGINE_SWITCH_INTERVAL_S) -> None:
-    """Shorten Python's GIL switch interval (default 5 ms) in a process that serves.
-
-    torch releases the GIL around every op and graph call, so the scheduler thread gives it up many
-    times per decode step; each time it wants it back while the HTTP thread runs Python (encoding
-    chunks for many streams), it waits until that thread is told to yield, after the switch interval.
-    Measured here on the tiny E2B at B=8 with a second thread busy in Python: a decode step took about
-    twice as long at 5 ms as alone, and about as long as alone at 0.25 ms (`sys.setswitchinterval`)."""
+    """Shorten Python's GIL switch interval (default 5 ms) in a process that serves: the scheduler
+    thread gives the GIL up around every torch op, and each time the HTTP thread runs Python it waits a
+    whole interval to get it back. Measured on the tiny E2B at B=8 beside a busy Python thread: a decode
+    step took twice as long at 5 ms as alone, about as long as alone at 0.25 ms."""
     sys.setswitchinterval(interval_s)
 
 

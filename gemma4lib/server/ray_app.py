@@ -1,15 +1,12 @@
 """The same endpoint as a Ray Serve deployment: N replicas, each an engine loaded from an exported bundle.
 
-Ray Serve is the scale-out layer the anchors use on inf2 (Ray has a native `neuron_cores` resource
-and sets `NEURON_RT_VISIBLE_CORES` for each replica). A replica reserves `neuron_cores` = its TP
-degree on inf2 and one CPU otherwise; it loads `--artifacts` (never compiles: a replica restarted by
-Ray is serving again in seconds, `compile_s` 0 in its `/health`), and serves the FastAPI app of
-`app.py` through `serve.ingress`, built in the replica after its engine loads. Autoscaling is the
-caller's: `--min-replicas/--max-replicas/--target-ongoing-requests`, else a fixed `--replicas`.
-Everything binds 127.0.0.1 unless told otherwise (`start_ray`, `loopback_replica_grpc`): a local
-cluster starts with its node IP on the loopback, so Ray's gRPC servers, agents and metrics exporters
-listen there, and Serve's HTTP proxy listens there too. When a replica dies mid-request, Serve's
-proxy answers OpenAI's error JSON with 503 and `Retry-After` (`ray_proxy`), not a bare 500.
+Ray Serve is the scale-out layer the anchors use on inf2 (its native `neuron_cores` resource sets
+`NEURON_RT_VISIBLE_CORES` per replica). A replica reserves its TP degree in NeuronCores on inf2, one
+CPU otherwise; it loads `--artifacts` (never compiles: a replica Ray restarts serves again in
+seconds) and serves `app.py`'s FastAPI app through `serve.ingress`. Autoscaling is the caller's
+(`--min-replicas/--max-replicas/--target-ongoing-requests`), else a fixed `--replicas`. Everything
+binds 127.0.0.1 unless told otherwise (`start_ray`, `loopback_replica_grpc`), and a replica that dies
+mid-request is a 503 in OpenAI's shape, not a bare 500 (`ray_proxy`).
 
 `serve run` works too (an app builder in `gemma4lib.cli` taking PortSettings' and RayOptions' names)::
 
@@ -192,12 +189,10 @@ def split_options(args: dict[str, str]) -> tuple[dict[str, str], RayOptions]:
 def loopback_replica_grpc() -> bool:
     """Bind this replica's inter-deployment gRPC server to 127.0.0.1 when the node IP is the loopback.
 
-    The one listener Ray has no option for: Ray Serve 2.60 starts every replica's inter-deployment gRPC
-    server on `[::]:0`, every interface (`ray/serve/_private/replica.py`, `_on_initialized`, through
-    the module's `add_port_to_grpc_server`). Serve's router reaches it at the replica's node IP, so on
-    a loopback node the loopback is the only address it needs. This wraps that private name in the
-    replica's own process, before Serve starts the server; False (and a warning) when Ray's code no
-    longer has it."""
+    The one listener Ray has no option for: Ray Serve 2.60 starts it on `[::]:0`, every interface
+    (`ray/serve/_private/replica.py`, `add_port_to_grpc_server`), and Serve's router reaches it at the
+    node IP. This wraps that private name in the replica's process before Serve starts the server;
+    False (and a warning) when Ray's code no longer has it."""
     import ray
     from ray.serve._private import replica as serve_replica  # private: no public option exists
 

@@ -1,19 +1,16 @@
 """What Ray Serve's HTTP proxy answers when the replica holding a request dies: a 503 in OpenAI's shape.
 
-When a replica's actor dies mid-request, Serve's proxy gets `RayActorError` from the replica's
-handle, logs it, and sends no response of its own (it writes a body only for 408, 429 and 503), so
-uvicorn under it answers a bare `500 Internal Server Error`: no cause, no hint to retry. The proxy
-is Ray's code, in Ray's process; the one hook Ray gives into it is
-`RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH`, a function returning Starlette middlewares that the proxy
-wraps around its ASGI app. `proxy_middlewares` is that function. Its middleware watches what the
-proxy sends and, when the proxy ends a request without having started a response (the replica
-failed before it answered), sends OpenAI's error JSON with status 503 and `Retry-After`; when a
-stream was cut (the replica died after its first chunk), it ends the stream with one error event,
-which the `openai` client raises as `APIError`, instead of a truncated body.
+When a replica's actor dies mid-request, Serve's proxy logs the `RayActorError` and writes no
+response of its own (it does only for 408, 429 and 503), so uvicorn under it answers a bare `500
+Internal Server Error`. The proxy is Ray's code in Ray's process; its one hook is
+`RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH`, a function returning Starlette middlewares that wrap its
+ASGI app: `proxy_middlewares`. Its middleware answers a request the proxy ended without a response
+with OpenAI's error JSON, status 503 and `Retry-After`, and ends a stream cut after its first chunk
+with one error event (which the `openai` client raises as `APIError`), not a truncated body.
 
-The variable must be in the environment of the proxy actor: `ray_app.start_ray` sets it before it
-starts a local cluster; for a cluster of your own, export it before `ray start`.
-This module imports only Starlette (the proxy process has no reason to load torch).
+The variable must be in the proxy actor's environment: `ray_app.start_ray` sets it before it starts a
+local cluster; for a cluster of your own, export it before `ray start`. This module imports only
+Starlette (the proxy process has no reason to load torch).
 """
 
 from __future__ import annotations

@@ -2,13 +2,10 @@
 
 The model writes its thought as `<|channel>thought\\n…<channel|>` and each call as
 `<|tool_call>call:NAME{key:<|"|>text<|"|>,n:3}<tool_call|>` (keys bare, strings between `<|"|>`
-marks, the rest JSON). The reply is decoded with its special tokens kept, only for a request that
-declared tools or turned thinking on, and parsed here: these markers are the model's own output
-(the prompt's content can never hold one, `text.Codec`), so a marker here is one the model wrote.
-
-Streaming and plain replies are one parse: a stream re-parses the text so far at each event and
-sends what grew; what may still change (a call not closed, the start of a marker, trailing spaces,
-which the plain reply strips) is held back until the next tokens settle it.
+marks, the rest JSON). A request that declared tools or turned thinking on has its reply decoded
+with special tokens kept and parsed here (a prompt's content never holds a marker, `text.Codec`, so
+a marker is one the model wrote). Streamed and plain replies are one parse: a stream re-parses the
+text so far at each event and sends what grew, holding back what may still change.
 """
 
 from __future__ import annotations

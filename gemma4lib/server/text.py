@@ -5,11 +5,10 @@ gives the plain call's text by construction. Each delta is a prefix of the decod
 far: a half-decoded UTF-8 character is held back, and so is a tail that might be the start of a stop
 string, until the next tokens settle it.
 
-Decoding is incremental (the offsets of text-generation-inference and vLLM): each new token decodes
-a window that starts a few tokens back, and the text it adds is the window's decode minus the same
-window without the new tokens. Both decodes start at the same token, so a tokenizer that drops the
-first piece's leading space drops it from both. Re-decoding every token so far instead cost the
-scheduler thread time per token that grew with the reply, between every two decode steps.
+Decoding is incremental (as text-generation-inference and vLLM do): a new token's text is the decode
+of a window starting a few tokens back minus the same window's without it (both start at the same
+token, so a dropped leading space drops from both); re-decoding the whole reply cost the scheduler
+thread time that grew with the reply.
 """
 
 from __future__ import annotations
@@ -20,7 +19,7 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
-from ..errors import BadPromptError
+from ..errors import BadPromptError, NoVisionError
 from ..models.tokenizer import require_chat_template
 
 PLACEHOLDER = "\ue000"  # a private-use character: where a special string of the content was
@@ -106,7 +105,6 @@ class Codec:
     def chat_with_images(self, messages: list[dict[str, Any]], images: list[Any]) -> tuple[list[int], Any]:
         """Messages whose content holds `{"type": "image"}` parts, one per image in `images` (PIL):
         the prompt ids with each image part expanded to its soft tokens, and the engine's `ImagePrompt`."""
-        from ..errors import NoVisionError
         from ..images import image_prompt
 
         if self.processor is None or self.image_token_id is None:

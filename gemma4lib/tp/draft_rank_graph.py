@@ -14,19 +14,12 @@ index the whole table); `pre_projection`, `post_projection`, norms and `layer_sc
 replicated. Every layer comes from the same factory the target rank graph uses (`CpuParallelFactory`
 on the gloo ranks, `NxDParallelFactory` on inf2), so one build serves both.
 
-The graphs:
-- the target: `RankGraph` returning its hidden states (`DeviceGraph`'s own `hidden` output):
-  `(logits, hidden)` of each row's last valid token (prefill) or of every position
-  (`every_position`: the verify graph of k + 1 tokens at each row's offset).
-- `build_assistant_rank_graph`: a `drafting.DraftGraph` over an assistant skeleton built on the meta
-  device with shard-size factory layers; it reads the rank's K/V buffers and never writes them.
-- `DraftingRankModule`: one module for every key of a drafted run (prefill, verify, draft): the
-  target rank graph, the assistant rank graph and the K/V held as parameters. Every key has the same
-  parameter names (`target.*`, `assistant.*`, `kv.*`): NxD ModelBuilder v1 shards the checkpoint
-  with the *first* key's module and drops checkpoint keys that module lacks (v2.28.0
-  `trace/trace.py` `preprocess_checkpoint`), so every key must hold the assistant too. Outputs are
-  `(logits, hidden, *kv)`; the draft key returns the K/V it was given, unchanged, so its aliases
-  are the other keys' and it never writes the states.
+`DraftingRankModule` is one module for every key of a drafted run (prefill, verify, draft): the
+target rank graph (returning its hidden states, of every position for the verify), the assistant's
+(reading the rank's K/V, never writing them) and the K/V as parameters. Every key has the same
+parameter names: NxD ModelBuilder v1 shards the checkpoint with the *first* key's module and drops
+keys that module lacks (v2.28.0 `trace/trace.py` `preprocess_checkpoint`), so every key must hold
+the assistant too; the draft key returns the K/V it was given, so its aliases are the other keys'.
 
 Rings: as at TP 1, `RoomyLayout` with room k + 1 (see `device.drafting`).
 """
@@ -40,7 +33,7 @@ from torch import nn
 
 from ..device.drafting import DraftGraph, RoomyLayout
 from ..device.graph import GraphShape
-from ..errors import TensorParallelError
+from ..errors import TensorParallelError, UnknownNameError
 from .plan import COLUMN, REPLICATE, AttentionPlan, TPPlan
 from .rank_graph import CpuParallelFactory, RankGraph, _Recording, build_rank_graph, materialize, with_shape
 
@@ -209,8 +202,6 @@ class DraftingRankModule(nn.Module):
     def __init__(self, target: RankGraph, assistant: DraftGraph, mode: str, kv: nn.ParameterList | None = None):
         super().__init__()
         if mode not in DRAFT_MODES:
-            from ..errors import UnknownNameError
-
             raise UnknownNameError("drafting key mode", mode, DRAFT_MODES)
         self.target, self.assistant, self.mode = target, assistant, mode
         if kv is None:

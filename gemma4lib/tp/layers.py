@@ -9,20 +9,10 @@ one for one:
 - `SPMDRankParam` ~ `SPMDRank`: the rank as an int32 *parameter* loaded from the rank's shard, so
   one compiled graph serves every rank.
 - `ShardedExperts`: the MoE experts of this rank, held as one `ColumnShard` (`gate_up`) and one
-  `RowShard` (`down`), cut one of two ways (`split`, chosen by the TP plan):
-  - `"intermediate"`: a 1/tp slice of every expert's intermediate dimension (gate/up rows, down
-    columns). `dense` runs every expert's slice on every token, weighted by the routing weights;
-    `selective` gathers the k routed experts' slices (the same k ids on every rank, nothing to
-    mask) and all-reduces. The k slices are exactly this rank's share of the routed experts.
-    Nothing here reads the rank.
-  - `"experts"`: `E/tp` consecutive whole experts. `dense` runs all of them, weighted by this
-    rank's routing-weight columns (picked with the runtime rank tensor); `selective` shifts the
-    routed ids by `rank * E/tp`, masks them to the local range and gathers the k (clamped)
-    slices: k slices per token per rank whatever E/tp is, routed here or not.
-  Either way the slices are gathered straight from the shard weights (no permuted view of the
-  whole shard: `tools.hlo_audit` checks the lowered HLO). `baked_rank=<int>` reproduces the
-  field report's bug (README) in the expert split: the rank read as a Python int when the graph was
-  built, i.e. rank 0's slice on every rank.
+  `RowShard` (`down`), cut by the plan's expert split (`tp.plan`'s rules: a 1/tp slice of every
+  expert, or E/tp whole experts). The slices are gathered straight from the shard weights (no
+  permuted view of the whole shard: the lab's `tools.hlo_audit` checks the lowered HLO).
+  `baked_rank=<int>` reproduces the field report's bug (README) in the expert split.
 
 Collectives are a small object (`Collectives`): identity for one process, `torch.distributed`
 for the CPU gloo run. Modules keep it as a plain attribute, not a submodule.
@@ -146,16 +136,12 @@ class ShardedExperts(nn.Module):
     the sum over ranks is the sum over each expert's intermediate slices (act is elementwise, so
     slicing the intermediate dimension is exact); under the expert split, over its experts.
 
-    selective: the same sum over the k routed experts only. Expert split: each rank contributes
-    the ones it holds (valid = the expert id falls in this rank's range). Intermediate split:
-    every rank contributes its slice of each of the k. The weight slices are indexed out of the
-    two linears' `.weight` (NxD's parallel linears hold theirs in the same [out, in] layout), so
-    the checkpoint and the sharding are the same for both forms.
+    selective: the same sum over the k routed experts only (expert split: those in this rank's
+    range; intermediate split: this rank's slice of each), indexed out of the two linears' `.weight`
+    (NxD's parallel linears hold theirs in the same [out, in] layout), so both forms share one shard.
 
-    `intermediate` is the unsharded per-expert width; `self.intermediate` the width this rank
-    holds of each of its `self.local` experts. `all_reduce` is the selective form's sum over
-    ranks; by default the `RowShard`'s collectives (the rank graph passes its factory's, which for
-    NxD is `RowParallelLinear`'s reduction).
+    `intermediate` is the unsharded per-expert width, `self.intermediate` this rank's share of it;
+    `all_reduce` is the selective form's sum over ranks (default: the `RowShard`'s collectives).
     """
 
     def __init__(

@@ -1,44 +1,32 @@
 """Tensor-parallel sharding plans: which weight goes where, for a config and a TP degree.
 
-Hardware-agnostic. The same plan drives the CPU run (one gloo process per rank), the hand-driven
-TP=2 build (E4B) and the ModelBuilder build (12B, 31B, 26B-A4B); it is read only from the
-transformers config (through `KVLayout`), never from a device.
+Hardware-agnostic: the same plan drives the CPU gloo ranks and the ModelBuilder build, read only from
+the transformers config (through `KVLayout`), never from a device. The rules (Megatron-style, one
+all-reduce after attention and one after the feed-forward):
 
-The rules (Megatron-style, one all-reduce after attention and one after the feed-forward):
-
-- Attention: `q_proj` column-sharded by Q head (rank r owns Q heads [r*q, (r+1)*q)), `o_proj`
-  row-sharded over the same heads, output all-reduced. K/V (`k_proj`, `v_proj`) are column-sharded
-  by KV head when `kv_heads % tp == 0`; when there are fewer KV heads than ranks (31B full layers:
-  4 KV heads at TP=8; 12B full layers: 1) they are *replicated*: each rank gets the KV head its Q
-  heads read (GQA: KV head = q_head // (q_heads // kv_heads)). `q_norm`/`k_norm` act per head_dim
-  and are replicated. k_eq_v layers have no `v_proj` (V is the normed K projection), nothing extra
-  to shard. KV-shared layers own no K/V projections; their Q heads read the producer's rank-local
-  K/V, which the same rule puts on the same rank.
-- MLP: `gate_proj`/`up_proj` column, `down_proj` row (all-reduced). The MoE block's dense MLP is
-  sharded the same way.
-- MoE experts, two splits (`expert_split`), both as two parallel linears over the fused
-  weights: `gate_up` column (its rows) and `down` row (its columns, all-reduced). The router is
-  replicated (small) so every rank routes identically. Two forms over the same shards: `dense`
-  (every held expert on every token, weighted by the routing weights) and `selective` (gather the
-  routed top-k from the shard: the decode form).
-  * `"intermediate"` (the default wherever `moe_intermediate_size % tp == 0`; 26B-A4B at TP=8:
-    704 / 8 = 88): rank r holds columns [r*i, (r+1)*i) of every expert's intermediate dimension
-    (gate and up rows, down columns). Selective: every rank gathers the same k routed ids, and
-    those k slices are exactly its share of the routed experts: the ranks together read k
-    experts' bytes per token. Nothing in the expert math depends on the rank.
-  * `"experts"` (what the recipe did first; kept and tested): rank r owns experts
-    [r*e, (r+1)*e). Dense picks the rank's columns of the routing weights with the *runtime*
-    rank tensor; selective gathers k slices from the rank's shard masked to the ids it owns, so
-    with static shapes every rank reads k slices whether routed there or not: tp * k in total
-    (64 of 128 experts per token on the 26B-A4B at TP=8).
+- Attention: `q_proj` column-sharded by Q head, `o_proj` row-sharded over the same heads. `k_proj`/
+  `v_proj` column-sharded by KV head when `kv_heads % tp == 0`; with fewer KV heads than ranks (31B
+  full layers: 4 at TP=8; 12B full layers: 1) *replicated*: each rank gets the KV head its Q heads
+  read (GQA: KV head = q_head // (q_heads // kv_heads)). `q_norm`/`k_norm` act per head_dim and are
+  replicated; k_eq_v layers have no `v_proj`; KV-shared layers own no K/V projections, and their Q
+  heads read the producer's rank-local K/V, which the same rule puts on the same rank.
+- MLP (and the MoE block's dense MLP): `gate_proj`/`up_proj` column, `down_proj` row.
+- MoE experts: the fused `gate_up` column-sharded (its rows) and `down` row-sharded (its columns);
+  the router replicated, so every rank routes identically. Two splits (`expert_split`):
+  * `"intermediate"` (the default wherever `moe_intermediate_size % tp == 0`; 26B-A4B at TP=8: 704 /
+    8 = 88): rank r holds columns [r*i, (r+1)*i) of every expert. `selective` (the decode form)
+    gathers the same k routed ids on every rank, exactly its share of the routed experts: the ranks
+    together read k experts' bytes per token, and nothing depends on the rank.
+  * `"experts"` (the recipe's first form; kept and tested): rank r owns experts [r*e, (r+1)*e).
+    `dense` picks the rank's routing-weight columns with the *runtime* rank tensor; `selective`
+    masks the routed ids to the rank's own, so with static shapes every rank reads k slices whether
+    routed there or not: tp * k in total (64 of 128 experts per token on the 26B-A4B at TP=8).
   Either way a rank holds 1/tp of the expert bytes, in tensors of the same shapes.
-- Per-layer-input (PLE) gate/projection and `per_layer_model_projection`: replicated (small). The
-  embedding and PLE tables never reach the device: the host looks them up.
-- lm_head (tied to the embedding, vocab x hidden): column-sharded over the vocabulary and
-  all-gathered. It is the biggest single matrix (262,144 x 5,376 = 1.4 B parameters on the 31B,
-  2.8 GB in bf16): replicated, every core would hold and read all of it every decode step; sharded
-  it costs 1/tp of that plus one all-gather of the logits. It falls back to replicated only when
-  the vocabulary does not divide by tp.
+- PLE gate/projection and `per_layer_model_projection`: replicated (small); the embedding and PLE
+  tables stay on the host.
+- lm_head (tied to the embedding): column-sharded over the vocabulary and all-gathered. The biggest
+  matrix (1.4 B parameters on the 31B): replicated, every core would read all of it every step.
+  Replicated only when the vocabulary does not divide by tp.
 - Norms, router, `layer_scalar`: replicated. `layer_scalar` is a buffer; the sharder carries it
   (NxD's loader shards only parameters of parallel layers), and the rank graph holds it as a
   parameter so a compiled graph loads it with the weights instead of baking its init value in.
@@ -46,7 +34,6 @@ The rules (Megatron-style, one all-reduce after attention and one after the feed
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -131,10 +118,6 @@ class MoEPlan:
         """[start, stop) of the intermediate columns a rank holds of each of its experts."""
         i = self.intermediate_per_rank
         return (rank * i, (rank + 1) * i) if self.split == "intermediate" else (0, i)
-
-    def expert_params(self, hidden: int) -> int:
-        """Weights of one whole expert: gate and up [I, H] each, down [H, I]."""
-        return 3 * self.intermediate * hidden
 
     def weights_read_per_rank(self, hidden: int) -> dict[str, dict[str, int]]:
         """Expert weights one rank reads per layer and step, per form (elements; x dtype size for
@@ -361,19 +344,10 @@ def _expert_split_problems(c: dict[str, Any], tp: int, expert_split: str | None)
     return []
 
 
-def valid_tp_degrees(config: Any, candidates: Iterable[int] = CANDIDATE_TP) -> list[int]:
-    layout = KVLayout.from_config(config)
-    return [t for t in candidates if not tp_problems(config, t, layout)]
-
-
 def make_plan(config: Any, tp: int, variant: Any = None, expert_split: str | None = None) -> TPPlan:
-    """The sharding plan for `config` at TP degree `tp`; raises `TensorParallelError` if it can't.
-
-    With a `variant` (a `variants.Variant`), `tp` must also be one of the degrees the variant's
-    recipe supports on inf2; the error names the degrees that work for this config.
-    `expert_split` (MoE only): "intermediate" | "experts"; None picks `default_expert_split`
-    (the intermediate split wherever it divides). Ignored for a dense model.
-    """
+    """The sharding plan for `config` at TP degree `tp`; raises `TensorParallelError` (naming the degrees
+    that work) if it can't, or with a `variant` if `tp` is not one its recipe supports on inf2.
+    `expert_split` (MoE only): "intermediate" | "experts"; None: `default_expert_split`."""
     name = getattr(variant, "name", None)
     layout = KVLayout.from_config(config)
     c = _config_ints(config)

@@ -13,13 +13,10 @@ never touched):
   `num_key_value_groups` the rank-local Q-per-KV count. transformers' own attention forward runs
   unchanged: it reshapes with -1 heads.
 - MLP: `gate_proj`/`up_proj` column, `down_proj` row.
-- MoE experts: `layers.ShardedExperts`, cut by the plan's `expert_split` (`intermediate`: a 1/tp
-  slice of every expert; `experts`: E/tp whole experts), in the graph's `expert_form`: `dense`
-  (every held expert, weighted by the routing weights; the expert split picks this rank's columns
-  with the runtime rank) or `selective` (the routed top-k gathered from the local shard; the
-  expert split masks them to this rank's experts; all-reduced). The form belongs to
-  the graph, not the module: `with_shape` graphs share their modules, so a dense prefill and a
-  selective decode run over one set of weights (the rank graph sets the form each forward).
+- MoE experts: `layers.ShardedExperts`, cut by the plan's `expert_split`, in the graph's
+  `expert_form` (`tp.plan`'s rules). The form belongs to the graph, not the module: `with_shape`
+  graphs share their modules, so a dense prefill and a selective decode run over one set of
+  weights (the rank graph sets the form each forward).
 - `layer_scalar`: a buffer in transformers, a parameter here, so a compiled graph takes it from the
   checkpoint like any weight instead of freezing its init value.
 - lm_head: column shard over the vocabulary, all-gathered.
@@ -120,6 +117,7 @@ class RankGraph(DeviceGraph):
         inplace: bool = False,
         baked_rank: bool = False,
         expert_form: str = "dense",
+        chooses: bool = False,
     ):
         if expert_form not in EXPERT_FORMS:
             raise UnknownNameError("expert form", expert_form, EXPERT_FORMS)
@@ -128,7 +126,8 @@ class RankGraph(DeviceGraph):
         lm_head = (
             factory.column(hidden, vocab, gather=True) if plan.lm_head == COLUMN else factory.replicated(hidden, vocab)
         )
-        super().__init__(text_model, lm_head, plan.rank_layout(), shape, inplace=inplace, expert_form=expert_form)
+        layout = plan.rank_layout()
+        super().__init__(text_model, lm_head, layout, shape, inplace=inplace, expert_form=expert_form, chooses=chooses)
         self.plan = plan
         self.spmd_rank = factory.rank_module()
         # The bug, when asked for: the rank read as a Python int while the graph is built.
@@ -212,13 +211,8 @@ def lm_class_for(config: Any):
 
 
 def materialize(graph: nn.Module, config: Any, dtype: torch.dtype) -> None:
-    """Give every meta tensor of the skeleton real (zero) storage; rebuild the rotary tables.
-
-    Everything that is not a rank-local layer (norms, router, PLE projections) comes from the meta
-    skeleton: zeros until a shard is loaded. Layers the factory made are left as they are.
-    Non-persistent buffers are not in any checkpoint, so the rotary embedding is rebuilt from the
-    config.
-    """
+    """Give every meta tensor of the skeleton (all but the factory's layers) real zero storage until a
+    shard is loaded; rebuild the rotary tables from the config (non-persistent: in no checkpoint)."""
     skip = set()
     for made in getattr(graph, "_factory_made", ()):
         skip.update(id(m) for m in made.modules())
@@ -249,17 +243,26 @@ def build_rank_graph(
     inplace: bool = False,
     baked_rank: bool = False,
     expert_form: str = "dense",
+    chooses: bool = False,
 ) -> RankGraph:
     """A rank graph skeleton from the config: rank-local layers at shard size, zeros elsewhere.
 
     Load a shard into it with `load_shard`. `factory` defaults to the CPU layers. `expert_form`:
-    the MoE experts' form (`dense` | `selective`); the shard is the same for both.
+    the MoE experts' form (`dense` | `selective`); the shard is the same for both. `chooses`: the
+    decode that returns token ids (`DeviceGraph.chooses`; the all-gathered logits on every rank).
     """
     factory = factory or CpuParallelFactory(plan.tp, collectives, dtype)
     with torch.device("meta"):
         lm = lm_class_for(config)(config)
     graph = RankGraph(
-        lm.model, plan, shape, factory=factory, inplace=inplace, baked_rank=baked_rank, expert_form=expert_form
+        lm.model,
+        plan,
+        shape,
+        factory=factory,
+        inplace=inplace,
+        baked_rank=baked_rank,
+        expert_form=expert_form,
+        chooses=chooses,
     )
     materialize(graph, config, dtype)
     for p in graph.parameters():

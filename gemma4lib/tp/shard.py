@@ -148,27 +148,18 @@ def shard_kv(kv: list[torch.Tensor], plan: TPPlan, rank: int) -> list[torch.Tens
 
 
 def nxd_full_checkpoint(lm: nn.Module, plan: TPPlan, *, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
-    """One checkpoint that NxD's contiguous sharding cuts back into exactly our per-rank shards.
+    """One checkpoint that NxD's contiguous sharding cuts back into exactly our per-rank shards (what a
+    ModelBuilder `checkpoint_loader` returns; `shard_checkpoint` then reproduces `shard_state_dict(lm,
+    plan, r)` for every r): each sharded key is every rank's piece concatenated along the partition
+    dimension (replicated KV heads: one copy per rank), replicated keys as they are, the rank key
+    `arange(tp)`.
 
-    Sharded keys are the concatenation of every rank's piece along the partition dimension (for
-    replicated KV heads that is the K/V projection expanded to one copy per rank, the
-    "replicate to TP degree" layout); replicated keys are as-is; the rank key is `arange(tp)`.
-    This is what a ModelBuilder `checkpoint_loader` returns; `shard_checkpoint` then reproduces
-    `shard_state_dict(lm, plan, r)` for every r.
-
-    The MoE experts are where this is not the HF layout. NxD's `ColumnParallelLinear` gives rank r
-    the r-th contiguous block of the fused gate/up rows, `RowParallelLinear` the r-th block of the
-    down columns. With the expert split, HF's expert-major [E * 2I, H] already is that layout
-    (block r = experts [r*E/tp, (r+1)*E/tp)). With the intermediate split a rank needs rows
-    [r*i, (r+1)*i) of *every* expert's gate and up, which in HF's layout are E * 2 runs spread
-    over the whole tensor; so the full checkpoint is laid out *rank-major*: block r holds, expert
-    by expert, rank r's gate rows then its up rows ([E, 2i, H] flattened), and the down weight's
-    column block r holds rank r's [H, E, i] flattened. NxD's plain contiguous cut then hands each
-    rank its 1/tp of every expert; the HF layout is never what the device loads.
-
-    Built one key at a time (every rank's piece of that key, concatenated, then dropped), so the
-    host holds the model plus this one checkpoint, never also every rank's shard (the compile
-    host's peak, `inf2.memory_plan.compile_peak_gb`).
+    The MoE experts under the intermediate split are laid out *rank-major*: a rank needs rows [r*i,
+    (r+1)*i) of every expert's gate and up, E * 2 runs spread over HF's expert-major tensor, so block r
+    holds rank r's gate then up rows expert by expert ([E, 2i, H] flattened) and the down weight's
+    column block r its [H, E, i]; NxD's plain contiguous cut then hands each rank its 1/tp of every
+    expert. (Under the expert split HF's layout already is that.) Built one key at a time, so the host
+    holds the model plus this one checkpoint, never every rank's shard too (`compile_host`).
     """
     full: dict[str, torch.Tensor] = {}
     for key, tensor in lm.state_dict().items():

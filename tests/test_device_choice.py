@@ -1,0 +1,112 @@
+"""A decode step that chooses its tokens on the device (issue 46 item 2): `DeviceGraph(chooses=True)`
+returns 4 bytes a row where the plain decode returns the vocabulary's logits, and the engine takes it
+whenever no row needs its logits. The device's rule is the host's (argmax, or the row's own draw in the
+cumulative distribution), so the tokens are the same whichever step ran: greedy and sampled, alone
+and in a batch, with a nucleus row forcing the logits step."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gemma4lib.backends.engine import engine_over
+from gemma4lib.device.build import device_graphs
+from gemma4lib.device.graph import choose_tokens
+from gemma4lib.runtime import Request, Sampling, choose_token
+
+
+@pytest.fixture(scope="module")
+def e2b(ports):
+    """The trained tiny E2B's model at batch 3 (eager graphs: the rule is the graph's, not a compiler's)."""
+    return ports.get("e2b", model="auto", backend="eager")
+
+
+def _engine(e2b, chooses: bool):
+    """An engine over eager graphs of `e2b`'s settings at batch 3, with or without `decode_ids`; the
+    ids step counts its calls."""
+    from dataclasses import replace
+
+    graphs = device_graphs(e2b.model, replace(e2b.settings, batch_size=3), chooses=chooses)
+    named, calls = dict(graphs.named()), []
+    if chooses:
+        graph = named["decode_ids"]
+
+        def counted(*args):
+            calls.append(args[0].shape[0])
+            return graph(*args)
+
+        named["decode_ids"] = counted
+    return engine_over(e2b.model, named, graphs, kv=graphs.new_kv()), calls
+
+
+def _requests(e2b, samplings):
+    return [Request(e2b.ids, 10, sampling, ()) for sampling in samplings]
+
+
+@pytest.mark.parametrize(
+    "samplings",
+    [
+        [Sampling(), Sampling(), Sampling()],
+        [Sampling(temperature=0.9, seed=7), Sampling(), Sampling(temperature=1.5, seed=3)],
+        [Sampling(temperature=0.9, seed=7), Sampling(temperature=1.0, top_p=0.8, seed=1)],
+    ],
+    ids=["greedy", "sampled", "a-nucleus-row"],
+)
+def test_the_device_chooses_the_tokens_the_host_would(e2b, samplings):
+    host, _ = _engine(e2b, chooses=False)
+    device, calls = _engine(e2b, chooses=True)
+    want = host.generate_rows(_requests(e2b, samplings))
+    got = device.generate_rows(_requests(e2b, samplings))
+    assert [r.tokens for r in got.rows] == [r.tokens for r in want.rows]
+    assert all(len(r.tokens) > 1 for r in got.rows)
+    nucleus = any(s.top_p < 1.0 for s in samplings)
+    # a nucleus row needs the logits on the host: every step of that batch is the logits step
+    assert (len(calls) == 0) if nucleus else (len(calls) == len(got.step_s) > 0)
+    # a sampled row alone draws the same tokens as in the batch (its own generator, one draw a token)
+    alone = _engine(e2b, chooses=True)[0].generate_rows(_requests(e2b, samplings[:1])).rows[0]
+    assert alone.tokens == got.rows[0].tokens
+
+
+def test_kept_logits_take_the_logits_step(e2b):
+    device, calls = _engine(e2b, chooses=True)
+    row = device.generate_rows(_requests(e2b, [Sampling()]), keep_logits=True).rows[0]
+    assert calls == [] and row.step_logits is not None and len(row.step_logits) == len(row.tokens)
+
+
+def test_the_ids_graph_returns_four_bytes_a_row(e2b):
+    graphs = device_graphs(e2b.model, e2b.settings, chooses=True)
+    graph = graphs.decode_ids
+    out = graph(*graph.example_inputs())
+    assert out.dtype == torch.int32 and out.shape == (graph.shape.batch,)
+    assert out.numel() * out.element_size() == 4 * graph.shape.batch
+    assert graph.key_parts()["chooses"] is True and "chooses" not in graphs.decode.key_parts()
+
+
+def test_choose_tokens_is_the_host_rule_and_flags_a_broken_row():
+    torch.manual_seed(0)
+    logits = torch.randn(4, 50) * 4
+    sampling = torch.tensor([[0.0, 0.3], [0.7, 0.05], [1.3, 0.999], [1.0, 1.0]])
+    got = choose_tokens(logits, sampling, 30.0).tolist()
+    assert got[0] == int(logits[0].argmax())
+    for r in (1, 2, 3):
+        u = float(sampling[r, 1])
+        generator = _FixedDraw(u)
+        assert got[r] == choose_token(logits[r], Sampling(temperature=float(sampling[r, 0])), 30.0, generator)
+    broken = logits.clone()
+    broken[2, 5] = float("nan")
+    assert choose_tokens(broken, sampling, 30.0).tolist() == [got[0], got[1], -1, got[3]]
+
+
+class _FixedDraw:
+    """Stands in for a row's generator: `runtime.draw` returns its `u` (patched below)."""
+
+    def __init__(self, u: float):
+        self.u = u
+
+
+@pytest.fixture(autouse=True)
+def _fixed_draws(monkeypatch):
+    import gemma4lib.runtime as runtime
+
+    real = runtime.draw
+    monkeypatch.setattr(runtime, "draw", lambda g: g.u if isinstance(g, _FixedDraw) else real(g))
