@@ -30,6 +30,10 @@ torch.set_num_threads(1)
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 VARIANT_NAMES = list(VARIANTS)  # the variants table, in its order
+# The variant notebooks' smoke shapes (their parameters cell; tests/test_notebooks.py checks they agree):
+# the headless run compiles every variant's prefill and decode at these, so a test compiling a variant at
+# them shares those programs through the artifact cache instead of compiling its own.
+SMOKE_SHAPES = {"context_length": 192, "prefill_buckets": (128,)}
 
 _SESSION_CACHE: str | None = None
 

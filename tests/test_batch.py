@@ -1,12 +1,14 @@
 """A batch of different prompts through the engine's rows: every row equals its own batch-1
 reference (tokens and logits), rows stop at their own eos, rows join and leave between steps
 (continuous batching), ring buffers hold per row across the window, bad batches fail early and
-clearly. One compiled (AOTInductor) batch-3 E2B graph set per session; the rest runs the same
-graphs eagerly."""
+clearly. One compiled (AOTInductor) batch-3 E2B graph set per session, at tests/test_engine.py's
+shapes (the plain graphs tests/test_bundle.py's drafted bundle carries: one compile serves both); the
+rest runs the same graphs eagerly, at this file's smaller shapes."""
 
 from __future__ import annotations
 
 import pytest
+from test_engine import SHAPES
 
 from gemma4lib.checks import check_logits
 from gemma4lib.device.graph import DeviceGraph, GraphShape
@@ -25,7 +27,8 @@ def _prompts(model, lengths=LENGTHS):
 @pytest.fixture(scope="module")
 def compiled_e2b(ports):
     """The batch-3 E2B graphs (ring K/V), compiled once with AOTInductor."""
-    return ports.get("e2b", batch_size=BATCH, context_length=CONTEXT, prefill_buckets=(BUCKET,), max_new_tokens=NEW)
+    shapes = dict(context_length=SHAPES["context_length"], prefill_buckets=SHAPES["prefill_buckets"])
+    return ports.get("e2b", batch_size=BATCH, **shapes, max_new_tokens=NEW)
 
 
 def generate_batch(engine, prompts, new, *, eos_token_ids=(), keep_logits=False):

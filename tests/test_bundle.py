@@ -5,9 +5,11 @@ session's cache: a copy when the suite compiled E2B already), then `port --artif
 another (PYTHONHASHSEED=1) with an empty GEMMA4LIB_CACHE: no compile, every graph a hit, all checks
 pass, and nothing is written to that cache. The same round trip with a batch of three drafted by the
 assistant: the bundle carries the prefill, verify and draft graphs and the plain decode its benchmark
-compares against. Then (marker `slow`) a plain `port` (PYTHONHASHSEED=2) on the session cache hits
-too: the key is the same in every process. The mismatch rows need no device work: each is refused
-when the settings are made or before the compile, a missing graph by its name.
+compares against; at tests/test_engine.py's shapes and k, so its drafted graphs are the programs of
+that file's AOTInductor cell and its plain ones those of tests/test_batch.py (compiled once a session).
+Then (marker `slow`) a plain `port` (PYTHONHASHSEED=2) on the session cache hits too: the key is the
+same in every process. The mismatch rows need no device work: each is refused when the settings are
+made or before the compile, a missing graph by its name.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from test_engine import NEW, SHAPES, K
 
 from gemma4lib.backends.preflight import preflight
 from gemma4lib.cache import bundle
@@ -28,7 +31,12 @@ from gemma4lib.errors import BundleError
 from gemma4lib.port import PortSettings, compile_graphs, load_model
 
 QUICK = ["--iters", "1", "--warmup", "0"]
-DRAFTED = ["--batch", "3", "--draft", "assistant", "--draft-tokens", "4"]
+# the drafted batch of tests/test_engine.py's AOTInductor cell: its shapes, its k
+BATCH_SHAPES = dict(batch_size=3, context_length=SHAPES["context_length"], prefill_buckets=SHAPES["prefill_buckets"])
+BUCKETS = ",".join(map(str, SHAPES["prefill_buckets"]))
+DRAFTED = ["--batch", "3", "--draft", "assistant", "--draft-tokens", str(K), "--max-new-tokens", str(NEW)]
+DRAFTED += ["--context-length", str(SHAPES["context_length"]), "--prefill-buckets", BUCKETS]
+PREFILL = f"prefill{BUCKETS}"
 
 
 def gemma4lib_cli(*args: str, seed: int, cache: str | None = None) -> dict:
@@ -66,8 +74,8 @@ def exported_drafted(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("bundle") / "e2b-drafted"
     summary = gemma4lib_cli("export", "--variant", "e2b", *DRAFTED, "--out", str(out), seed=0)
     own, plain = summary["builds"]  # the port's graphs, then the plain decode its benchmark runs
-    assert own["graphs"] == ["prefill64", "verify", "draft"] and plain["graphs"] == ["prefill64", "decode"]
-    assert own["settings"]["batch_size"] == 3 and own["settings"]["draft_tokens"] == 4, own
+    assert own["graphs"] == [PREFILL, "verify", "draft"] and plain["graphs"] == [PREFILL, "decode"]
+    assert own["settings"]["batch_size"] == 3 and own["settings"]["draft_tokens"] == K, own
     return out
 
 
@@ -78,7 +86,7 @@ def test_a_drafted_batch_runs_from_its_bundle_with_every_graph_a_hit(exported_dr
     )
     assert result["checks_passed"], result["failed_checks"]
     assert result["compile_s"] == 0 and len(result["cache_hits"]) == 3 and all(result["cache_hits"])
-    assert list(result["artifacts"]) == ["prefill64", "verify", "draft"], result["artifacts"]
+    assert list(result["artifacts"]) == [PREFILL, "verify", "draft"], result["artifacts"]
     assert all(str(exported_drafted) in path for path in result["artifacts"].values()), result["artifacts"]
     assert len(result["rows"]) == 3
     for row in result["rows"]:
@@ -95,12 +103,10 @@ def test_a_bundle_without_the_drafting_graphs_is_refused_naming_them(exported, e
     with pytest.raises(BundleError, match="it has no verify graph"):
         preflight(PortSettings(variant="e2b", draft="prompt_lookup", artifacts=str(exported)))
     with pytest.raises(BundleError, match="draft: bundle 'assistant', this run 'prompt_lookup'"):
-        preflight(PortSettings(variant="e2b", batch_size=3, draft="prompt_lookup", artifacts=str(exported_drafted)))
+        preflight(PortSettings(variant="e2b", **BATCH_SHAPES, draft="prompt_lookup", artifacts=str(exported_drafted)))
     # the drafted bundle holds the plain batch's graphs too (its benchmark runs them)
-    assert bundle.graph_names(PortSettings(variant="e2b", batch_size=3, artifacts=str(exported_drafted))) == [
-        "prefill64",
-        "decode",
-    ]
+    plain = PortSettings(variant="e2b", **BATCH_SHAPES, artifacts=str(exported_drafted))
+    assert bundle.graph_names(plain) == [PREFILL, "decode"]
 
 
 @pytest.mark.slow

@@ -219,8 +219,8 @@ def test_every_cell_on_the_cpu_engines(backend, batch, draft, sampling, toy_back
         assert ("verify" in names, "draft" in names, "decode" in names) == (drafted, drafted, not drafted)
 
 
-# CI compiles the drafted batch (the composition nothing else compiles); the two plain graph sets are
-# batch-1 and batch-3 programs the other suites compile at their own shapes: slow-marked here.
+# CI compiles the drafted batch (tests/test_bundle.py's drafted bundle is these programs: SHAPES and K); the
+# two plain graph sets are batch-1 and batch-3 programs the other suites compile: slow-marked here.
 AOT = [
     pytest.param(1, "plain", "greedy", marks=pytest.mark.slow),
     pytest.param(3, "plain", "sampled", marks=pytest.mark.slow),

@@ -5,8 +5,8 @@ The folders are written at test time by `released.save_released_layout`: each va
 trained text decoder inside its released multimodal class (`Gemma4ForConditionalGeneration`, the
 12B's `Gemma4UnifiedForConditionalGeneration`) with tiny vision/audio parts, plus the fixture
 tokenizer with Gemma-4's chat template. The text decoder is the trained fixture's, so the graphs
-compiled here are the smoke profile's (same artifact-cache keys, asserted below): on a warm cache
-the ports load instead of compiling.
+compiled here are the smoke profile's (same artifact-cache keys, asserted below): at the notebooks'
+smoke shapes (`SMOKE_SHAPES`) the ports load the headless notebook run's programs instead of compiling.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import VARIANT_NAMES
+from conftest import SMOKE_SHAPES, VARIANT_NAMES
 
 from gemma4lab.models.released import AUDIO_VARIANTS, save_released_layout
 from gemma4lib.backends.compile_cpu import DEFAULT_COMPILER_OPTIONS, RECIPE, export_graph, graph_key
@@ -99,7 +99,7 @@ def test_loader_returns_the_trained_decoder(released, variant):
 
     # Same program as the smoke profile's trained port: one artifact serves both (the keys hold the
     # exported programs themselves).
-    settings = PortSettings(variant=variant)
+    settings = PortSettings(variant=variant, **SMOKE_SHAPES)
 
     def keys(model) -> list[str]:
         graphs = build_graphs(model, settings)
@@ -111,7 +111,8 @@ def test_loader_returns_the_trained_decoder(released, variant):
 @pytest.mark.parametrize("variant", VARIANT_NAMES)
 def test_full_profile_port_on_cpu(released, variant):
     folder = released.get(variant)
-    settings = PortSettings(variant=variant, profile="full", checkpoint=str(folder), backend="cpu", warmup=0, iters=1)
+    full = dict(profile="full", checkpoint=str(folder), backend="cpu", warmup=0, iters=1)
+    settings = PortSettings(variant=variant, **full, **SMOKE_SHAPES)
     assert settings.model_source == "checkpoint"
     result = port(settings)
     log.info(

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import SMOKE_SHAPES
 
 from gemma4lib import checks
 from gemma4lib.errors import BadPromptError, PromptTooLongError
@@ -123,8 +124,11 @@ def test_only_the_context_limits_a_prompt(eager_batch):
 
 
 def test_cpu_compiled_chunks_equal_hf(ports):
-    """AOTInductor: one compiled prefill graph per bucket, called once per chunk."""
-    p = ports.get("e2b", "random", context_length=CONTEXT, prefill_buckets=BUCKETS, max_new_tokens=NEW)
+    """AOTInductor: one compiled prefill graph per bucket, called once per chunk; at the notebooks' smoke
+    context (>= CONTEXT), whose decode program the headless notebook run compiles."""
+    assert SMOKE_SHAPES["context_length"] >= CONTEXT
+    context = SMOKE_SHAPES["context_length"]
+    p = ports.get("e2b", "random", context_length=context, prefill_buckets=BUCKETS, max_new_tokens=NEW)
     for ids in _prompts(p.model):
         _assert_exact(p.model, [p.runtime.generate(ids, NEW, keep_logits=True)])
 

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import nbformat
 import pytest
+from conftest import SMOKE_SHAPES
 
 from gemma4lib.models.variants import VARIANTS
 from papermill_runs import run as pm_run
@@ -570,8 +571,8 @@ def test_the_decode_loop_cell_equals_the_engines_generation(path, ports):
     from gemma4lab import notebook as nb_helpers
     from gemma4lib.port import eos_ids
 
-    variant = parameters_of(load(path))["variant"]
-    port = ports.get(variant)
+    values = parameters_of(load(path))
+    port = ports.get(values["variant"], **SMOKE_SHAPES)  # the notebook's shapes: the headless run's programs
     namespace = {"torch": torch, "runtime": port.runtime, "ids": port.ids, "s": port.settings, "model": port.model}
     from gemma4lib.runtime import Request
 
@@ -618,6 +619,8 @@ def test_one_parameters_cell_with_plain_values(path):
         assert values["interactive"] is False
         assert values["checkpoint"] is None  # the full profile passes it; nothing gated is a default
         assert pm_run.VARIANT_NOTEBOOKS[values["variant"]] == path.name
+        shapes = {"context_length": values["context_length"], "prefill_buckets": tuple(values["prefill_buckets"])}
+        assert shapes == SMOKE_SHAPES, f"{path.name}: tests/conftest.py's SMOKE_SHAPES name other shapes"
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)

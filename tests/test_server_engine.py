@@ -1,7 +1,9 @@
 """The endpoint over the real engine: the tiny trained E2B compiled (cpu backend, smoke profile),
 served on 127.0.0.1, called with the official `openai` client and lm-eval.
 
-One compiled server for the module (compiling a tiny graph takes ~25 s on one thread); the other
+One compiled server for the module (compiling a tiny graph takes ~25 s on one thread), at the notebooks'
+smoke shapes (`SERVED`: 07_serve's server, whose batch graphs 06_serving compiles, and whose one-row prefill
+is 01_e2b's batch-1 prefill, so the headless notebook run and this file share those programs); the other
 variants' "Paris" runs are marked slow (each compiles its own graphs).
 """
 
@@ -14,6 +16,7 @@ import sys
 import threading
 
 import pytest
+from conftest import SMOKE_SHAPES
 
 from gemma4lab.serving.background import BackgroundServer
 from gemma4lib.cli import load_engine, serving_defaults
@@ -52,11 +55,15 @@ class RecordingEngine:
         return self.engine.release(row)
 
 
+# 07_serve's settings: the served E2B, four rows, at the notebooks' smoke shapes
+SERVED = {"variant": "e2b", "profile": "smoke", "batch_size": 4, **SMOKE_SHAPES}
+
+
 @pytest.fixture(scope="module")
 def loaded():
     """What `serve` runs: rows that join alone prefill through the one-row graphs (`row_prefill`, the
     server's default; its batch-1 programs are the ones `port` compiles at batch 1)."""
-    return load_engine(PortSettings(**serving_defaults({"variant": "e2b", "profile": "smoke", "batch_size": 4})))
+    return load_engine(PortSettings(**serving_defaults(SERVED)))
 
 
 @pytest.fixture(scope="module")
@@ -173,7 +180,7 @@ def host_lm():
     """The host reference of the served model (the same trained tiny E2B)."""
     from gemma4lib.port import load_model
 
-    return load_model(PortSettings(**serving_defaults({"variant": "e2b", "profile": "smoke", "batch_size": 4}))).lm
+    return load_model(PortSettings(**serving_defaults(SERVED))).lm
 
 
 def test_logprobs_equal_the_host_reference_plain_and_streamed(server, loaded, alone, host_lm):
@@ -406,7 +413,7 @@ def test_langchain_with_structured_output_gets_a_valid_object(server):
 def test_a_prompt_over_the_compiled_context_is_a_400(server):
     import openai
 
-    with pytest.raises(openai.BadRequestError, match="compiled context length 128"):
+    with pytest.raises(openai.BadRequestError, match=f"compiled context length {SERVED['context_length']}"):
         client(server).chat.completions.create(model="e2b", messages=QUESTION, max_tokens=200)
 
 
@@ -466,7 +473,8 @@ def test_the_serve_command_answers_then_drains_on_sigterm(loaded):
 
     port = free_port()
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
-    cmd = [sys.executable, "-m", "gemma4lib", "serve", "--variant", "e2b", "--batch", "4", "--port", str(port)]
+    shapes = ["--context-length", str(SERVED["context_length"]), "--prefill-buckets", str(*SERVED["prefill_buckets"])]
+    cmd = [sys.executable, "-m", "gemma4lib", "serve", "--variant", "e2b", "--batch", "4", *shapes, "--port", str(port)]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
     try:

@@ -1,8 +1,9 @@
 """The endpoint against an untrusted client (issue 47): one test per defect found by trying to break it.
 
 The fake engine (tests/test_server.py) serves the checks that need no model; the tiny trained E2B,
-compiled as tests/test_server_engine.py compiles it, serves the ones about tokens: a fault planted in
-one row of a running batch, the lengths `/v1/models` advertises, control tokens typed in content.
+compiled as tests/test_server_engine.py compiles it (`SERVED`: the same programs), serves the ones
+about tokens: a fault planted in one row of a running batch, the lengths `/v1/models` advertises,
+control tokens typed in content.
 Run as a script, this file serves the fake engine in the foreground with a short drain (the drain test).
 """
 
@@ -23,6 +24,7 @@ from pathlib import Path
 import httpx
 import pytest
 from test_server import EOS, MODEL, FakeEngine, _error, ask, serve_fake
+from test_server_engine import SERVED
 
 from gemma4lib.models.tokenizer import load_tokenizer
 from gemma4lib.models.trained import TOKENIZER_DIR
@@ -350,7 +352,7 @@ def loaded():
     from gemma4lib.cli import load_engine, serving_defaults
     from gemma4lib.port import PortSettings
 
-    return load_engine(PortSettings(**serving_defaults({"variant": "e2b", "profile": "smoke", "batch_size": 4})))
+    return load_engine(PortSettings(**serving_defaults(SERVED)))
 
 
 @pytest.fixture(scope="module")

@@ -1,10 +1,11 @@
-"""The spine: one device graph, compiled on CPU, checked against HF for all five variants."""
+"""The spine: one device graph, compiled on CPU, checked against HF for all five variants, at the
+notebooks' smoke shapes (`SMOKE_SHAPES`: the programs the headless notebook run compiles)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from conftest import VARIANT_NAMES
+from conftest import SMOKE_SHAPES, VARIANT_NAMES
 
 from gemma4lib import checks
 from gemma4lib.backends.compile_cpu import compile_graph, graph_key
@@ -24,7 +25,7 @@ PREFILL_LOGITS_ATOL = 2e-3
 
 @pytest.mark.parametrize("variant", VARIANT_NAMES)
 def test_compiled_graph_reproduces_hf_greedy(ports, variant):
-    port = ports.get(variant)
+    port = ports.get(variant, **SMOKE_SHAPES)
     window = port.model.config.sliding_window
     assert len(port.ids) + NEW_TOKENS > 2 * window, "generation must cross the sliding window"
 
@@ -184,7 +185,7 @@ def test_prompt_too_long_fails_before_any_device_work():
 
 
 def test_second_compile_is_a_cache_hit_and_a_config_change_misses(ports):
-    port = ports.get("12b")
+    port = ports.get("12b", **SMOKE_SHAPES)
     again = compile_graph(port.decode)
     assert again.cache_hit and again.compile_s == 0.0
     # The same weights at another compiled length: a different key, so no stale artifact is used.
@@ -215,7 +216,7 @@ def test_a_tagless_edit_to_the_graph_code_misses_the_cache(ports, monkeypatch):
     from gemma4lib.cache.artifacts import ArtifactCache
     from gemma4lib.device import graph as graph_module
 
-    port = ports.get("e2b")
+    port = ports.get("e2b", **SMOKE_SHAPES)
     stored = compile_graph(port.decode)
     assert stored.cache_hit and stored.info["key"] == _key(port.decode, DEFAULT_COMPILER_OPTIONS)
 
@@ -238,7 +239,7 @@ def test_weights_are_loaded_not_baked(ports):
     model with other values runs its own numbers through the first model's program."""
     from gemma4lib.models.trained import load_trained
 
-    port = ports.get("31b")
+    port = ports.get("31b", **SMOKE_SHAPES)
     for other in (build_tiny(VARIANTS["31b"], seed=123), load_trained("31b")):
         graph = DeviceGraph(other.text_model, other.lm_head, other.layout, port.decode.shape)
         compiled = compile_graph(graph)
