@@ -705,6 +705,13 @@ class _FakeNxDModel:
 
     def __init__(self, vocab, states=0):
         self.vocab, self.states, self.calls = vocab, states, []
+        # the keyed entry point: a key whose arity differs from the saved executor's is called here
+        self.nxd_model = types.SimpleNamespace(forward=self.keyed)
+        self.keyed_calls = 0
+
+    def keyed(self, inputs):
+        self.keyed_calls += 1
+        return self(*inputs)
 
     def __call__(self, *inputs):
         self.calls.append([(tuple(t.shape), t.dtype) for t in inputs])
@@ -741,6 +748,7 @@ def test_backend_neuron_keeps_no_host_kv(tmp_path, monkeypatch):
     # the sampling [1, 2] in float32; start/length int32) and the device's token is the row's
     assert [len(call) for call in fake.calls] == [4, 5, 5] and fake.calls[1][-1] == ((1, 2), torch.float32)
     assert fake.calls[1][-3:-1] == [((1,), torch.int32)] * 2 and tokens[1:] == [7, 7]
+    assert fake.keyed_calls == 2  # its arity is not the saved executor's: through nxd_model.forward
     kept = compiled.runtime.generate([5, 6, 7], 3, keep_logits=True)  # a check keeps them: the logits key
     assert [len(call) for call in fake.calls[3:]] == [4, 4, 4] and kept.step_logits is not None
 

@@ -274,13 +274,14 @@ def compile(graphs: GraphSet, model: LoadedModel, settings: PortSettings, progre
         loaded = neuron_model_builder.load_model_builder(entry.path, tp)
         module = cores.claim(loaded, 0, tp, label)
         step = DeviceStep(module, n_inputs, vocab, aliases=states, index_dtype=indices)
-        # NxD routes each call by its shapes; a join has one input more than the saved executor (`NxDKeyStep`)
+        # NxD routes each call by its shapes; a join, and the decode that returns ids, take one input more
+        # than the saved executor was traced with, so they go to `nxd_model.forward` (`NxDKeyStep`)
         keyed = lambda *inputs: loaded.nxd_model.forward(list(inputs))  # noqa: E731  # inf2-only
         join = DeviceStep(keyed, n_inputs + 1, vocab, aliases=states, index_dtype=indices)
         rows = {b: row_step(join) for b in graphs.row_prefill}
         steps = Steps(prefill={b: step for b in buckets}, decode=step, row_prefill=rows)
         if "decode_ids" in key_graphs:
-            steps.decode_ids = DeviceStep(module, n_inputs + 1, aliases=states, index_dtype=indices, chooses=True)
+            steps.decode_ids = DeviceStep(keyed, n_inputs + 1, aliases=states, index_dtype=indices, chooses=True)
     check_host_tables(HostEmbedder.from_text_model(model.text_model))  # the compile left the host tables whole
     # no host K/V: the device steps keep theirs as aliased state and never read host buffers
     compiled = CompiledGraphs(
