@@ -298,6 +298,12 @@ class PortSettings:
         """Whether the one-row prefill graphs are built: asked for, and a batch for a row to join."""
         return self.row_prefill and self.batch_size > 1
 
+    @property
+    def builds_decode_ids(self) -> bool:
+        """Whether the decode that returns token ids is built beside decode: where the backend's row
+        says the logits would cross a bus (`BackendFacts.chooses_on_device`)."""
+        return row_at(self.backend, self.tp_degree).chooses_on_device
+
     def batch_rows(self) -> tuple[tuple[str, str | None], ...]:
         """The (prompt, expected answer) rows: `prompts`/`expects` when given (any batch size); else
         `prompt`/`expect` in row 0 and capital questions in the other rows of the batch."""

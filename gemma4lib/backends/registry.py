@@ -88,7 +88,6 @@ def compile_graphs(
             backend.inplace,
             compute_balance=backend.compute_balance,
             assistant=assistant,
-            chooses=backend.chooses_on_device,
         )
     compiled = backend.compile(graphs, model, settings, progress)
     drafter = drafter or make_drafter(settings.draft)

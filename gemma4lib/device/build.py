@@ -125,12 +125,13 @@ def device_graphs(
     *,
     compute_balance: float | None = None,
     assistant: LoadedAssistant | None = None,
-    chooses: bool = False,
+    chooses: bool | None = None,
 ) -> GraphSet:
     """The graphs of `settings` over the model's own modules (`graph_set` with the settings' shapes).
     `inplace=False`: the functional form (XLA, Neuron). `compute_balance`: the backend's FLOPs per
     byte (one CPU thread's for cpu/eager; None, bytes decide, elsewhere). `chooses`: also the decode
-    that returns token ids (`GraphSet.decode_ids`; the backend's `BackendFacts.chooses_on_device`)."""
+    that returns token ids (`GraphSet.decode_ids`); None: where the settings' backend builds it
+    (`PortSettings.builds_decode_ids`)."""
     return graph_set(
         model,
         batch=settings.batch_size,
@@ -147,7 +148,7 @@ def device_graphs(
         assistant=assistant,
         vision=image_graph(model, settings),
         row_prefill=settings.builds_row_prefill,
-        chooses=chooses,
+        chooses=settings.builds_decode_ids if chooses is None else chooses,
     )
 
 

@@ -313,7 +313,8 @@ def compile_model_builder(
     for key, graph in graphs.items():
         shape, chooses = graph.shape, bool(getattr(graph, "chooses", False))
         join = graph.batch if isinstance(graph, RowJoin) else 0  # a join takes the row index first
-        parts = {"expert_form": forms[shape.phase], "weights": weights, "chooses": chooses, "join": join}
+        parts = {"expert_form": forms[shape.phase], "weights": weights}  # what every key's rank module takes
+        parts.update({"chooses": True} if chooses else {}, **({"join": join} if join else {}))
         builder.add(  # inf2-only
             key=key,
             model_instance=KeyInstance(functools.partial(rank_module, loaded.config, plan, shape, dtype, **parts)),
