@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 
 from .device.embedder import HostEmbedder
-from .device.graph import INDEX_DTYPE, index_tensor
+from .device.graph import INDEX_DTYPE, index_tensor, inverse_cdf
 from .errors import (
     BadPromptError,
     BatchTooLargeError,
@@ -97,8 +97,7 @@ def choose_token(
     probs = sampling_probs(logits, sampling, cap)
     if not torch.isfinite(probs).all():
         raise RuntimeError("the logits give no distribution (NaN or +inf): the row's sampler cannot draw from them")
-    cdf = torch.cumsum(probs, 0)
-    return min(int((cdf < draw(generator) * cdf[-1]).sum()), len(cdf) - 1)
+    return int(inverse_cdf(torch.cumsum(probs, 0), draw(generator)))
 
 
 def encode_prompt(tokenizer: Any, prompt: str, chat: bool = True) -> list[int]:

@@ -753,10 +753,9 @@ def test_backend_neuron_keeps_no_host_kv(tmp_path, monkeypatch):
     assert [len(call) for call in fake.calls[3:]] == [4, 4, 4] and kept.step_logits is not None
 
 
-def test_backend_neuron_batch_reaches_every_model_builder_key(tmp_path, monkeypatch):
-    """`--backend neuron --batch 3`: the keys are built from `device_graphs` (the settings' batch and
-    buckets), so ModelBuilder receives one prefill key per bucket and decode, 3 rows in every key,
-    before anything compiles; the cache key names every key's shape."""
+def _recorded_neuron_port(monkeypatch, **fields) -> tuple[list[dict], list[dict]]:
+    """`port(backend="neuron", **fields)` on the E2B up to the compile, NxD's ModelBuilder recorded:
+    the `add` calls in order and the shapes each Neuron cache key named."""
     from gemma4lib import port as port_module
     from gemma4lib.backends import neuron
 
@@ -766,12 +765,16 @@ def test_backend_neuron_batch_reaches_every_model_builder_key(tmp_path, monkeypa
     monkeypatch.setattr(neuron_env, "require", lambda module, purpose="": recorder.module)
     real_key = neuron.neuron_cache_key
     monkeypatch.setattr(neuron, "neuron_cache_key", lambda *a, **k: keys.append(a[3]) or real_key(*a, **k))
-    settings = port_module.PortSettings(
-        variant="e2b", backend="neuron", batch_size=3, prefill_buckets=(1, 16, 64), cache_dir=str(tmp_path)
-    )
     with pytest.raises(RuntimeError, match="stop: no Neuron compiler here"):
-        port_module.port(settings)
-    adds = [args for kind, args in recorder.calls if kind == "add"]
+        port_module.port(port_module.PortSettings(variant="e2b", backend="neuron", **fields))
+    return [args for kind, args in recorder.calls if kind == "add"], keys
+
+
+def test_backend_neuron_batch_reaches_every_model_builder_key(tmp_path, monkeypatch):
+    """`--backend neuron --batch 3`: the keys are built from `device_graphs` (the settings' batch and
+    buckets), so ModelBuilder receives one prefill key per bucket and decode, 3 rows in every key,
+    before anything compiles; the cache key names every key's shape."""
+    adds, keys = _recorded_neuron_port(monkeypatch, batch_size=3, prefill_buckets=(1, 16, 64), cache_dir=str(tmp_path))
     # the one-token bucket has the decode key's input shapes (NxD routes by shape): decode serves it;
     # the decode that returns ids takes one input more (the sampling), its own route, decode's layout
     assert [a["key"] for a in adds] == ["prefill16", "prefill64", "decode", "decode_ids"]
@@ -937,26 +940,10 @@ def test_backend_neuron_batch_4_compiles_a_join_key_per_bucket(tmp_path, monkeyp
     """`--backend neuron --batch 4` with `row_prefill`: ModelBuilder receives every prefill bucket and
     decode at 4 rows, and a `row_prefill<bucket>` key per bucket at one row that takes an int32 row
     index `[1]` first (its input shapes route it); the cache key names the join keys."""
-    from gemma4lib import port as port_module
-    from gemma4lib.backends import neuron
-
-    recorder, keys = _Recorder(), []
-    monkeypatch.setenv("GEMMA4LIB_INSTANCE_TYPE", "inf2.8xlarge")
-    monkeypatch.setattr(neuron_env, "require_sdk", lambda *a, **k: None)
-    monkeypatch.setattr(neuron_env, "require", lambda module, purpose="": recorder.module)
-    real_key = neuron.neuron_cache_key
-    monkeypatch.setattr(neuron, "neuron_cache_key", lambda *a, **k: keys.append(a[3]) or real_key(*a, **k))
-    settings = port_module.PortSettings(
-        variant="e2b",
-        backend="neuron",
-        batch_size=4,
-        prefill_buckets=(16, 64),
-        row_prefill=True,
-        cache_dir=str(tmp_path),
+    calls, keys = _recorded_neuron_port(
+        monkeypatch, batch_size=4, prefill_buckets=(16, 64), row_prefill=True, cache_dir=str(tmp_path)
     )
-    with pytest.raises(RuntimeError, match="stop: no Neuron compiler here"):
-        port_module.port(settings)
-    adds = {args["key"]: args for kind, args in recorder.calls if kind == "add"}
+    adds = {args["key"]: args for args in calls}
     assert list(adds) == ["prefill16", "prefill64", "decode", "row_prefill16", "row_prefill64", "decode_ids"]
     cfg = get_variant("e2b").tiny_config
     for bucket in (16, 64):

@@ -217,16 +217,22 @@ def last_valid(hidden: torch.Tensor, length: torch.Tensor) -> torch.Tensor:
     return torch.gather(hidden, 1, index)
 
 
+def inverse_cdf(cdf: torch.Tensor, u: torch.Tensor | float) -> torch.Tensor:
+    """Where a draw u in (0, 1] falls in cumulative sums `cdf [..., vocab]` (scaled by their total):
+    the one sampling rule of the host (`runtime.choose_token`) and the device (`choose_tokens`)."""
+    return (cdf < u * cdf[..., -1:]).sum(-1).clamp(max=cdf.shape[-1] - 1)
+
+
 def choose_tokens(logits: torch.Tensor, sampling: torch.Tensor, cap: float | None) -> torch.Tensor:
     """Each row's next token from its raw logits `[B, vocab]` and `sampling [B, 2]` = (temperature,
     u in (0, 1]): the argmax at temperature 0, else the token where u falls in the softcapped,
-    tempered distribution's cumulative sum (the host's `runtime.choose_token`, the same sum). -1
+    tempered distribution's cumulative sum (`inverse_cdf`, as the host's `runtime.choose_token`). -1
     for a row whose logits are not finite (its sampler's fault: the host ends that row)."""
     temperature, u = sampling[:, :1].float(), sampling[:, 1:].float()
     logits = logits.float()
     capped = cap * torch.tanh(logits / cap) if cap else logits
     cdf = torch.cumsum(torch.softmax(capped / temperature.clamp(min=1e-5), -1), -1)
-    drawn = (cdf < u * cdf[:, -1:]).sum(-1).clamp(max=logits.shape[-1] - 1)
+    drawn = inverse_cdf(cdf, u)
     token = torch.where(temperature[:, 0] > 0, drawn, torch.argmax(logits, -1))
     return torch.where(torch.isfinite(logits).all(-1), token, -1).to(INDEX_DTYPE)
 
