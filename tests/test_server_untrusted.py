@@ -93,7 +93,9 @@ def _stream_gaps(url: str, out: dict) -> None:
 
 def test_a_5_mb_body_gets_413_while_another_stream_flows(tokenizer):
     """The big body is refused from its length alone (and a chunked one as it arrives), while a stream
-    on the same server keeps its pace: no gap between its tokens while the body is sent exceeds 100 ms."""
+    on the same server keeps its pace while the body is sent: at most one gap between its tokens over
+    100 ms (the clients share this process and 2 cores with the server: one scheduler hiccup of 130 ms
+    was seen on a quiet CI machine) and none over 500 ms (a server reading the body on its loop)."""
     server, engine = serve_fake(tokenizer, batch=2, step_s=0.01, endless=True)
     try:
         out: dict = {}
@@ -120,7 +122,7 @@ def test_a_5_mb_body_gets_413_while_another_stream_flows(tokenizer):
     during = [b - a for a, b in zip(times, times[1:], strict=False) if b > sent_at and a < done_at]
     assert len(during) >= 3, (len(times), done_at - sent_at)  # the stream really ran across both posts
     print(f"413 in {done_at - sent_at:.3f} s; stream gaps meanwhile: {len(during)}, max {max(during) * 1000:.1f} ms")
-    assert max(during) < 0.1, sorted(during)[-5:]
+    assert sum(gap >= 0.1 for gap in during) <= 1 and max(during) < 0.5, sorted(during)[-5:]
     assert all(kind == "admit" and rows == (0,) for kind, rows in engine.trace if kind == "admit")
 
 
