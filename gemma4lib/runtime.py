@@ -140,6 +140,9 @@ class Steps:
     # inputs: writes only row `row`'s K/V, so a request that joins a running batch alone costs one
     # row's prefill, not the batch's (continuous batching; `PortSettings.row_prefill`)
     row_prefill: dict[int, Step] = field(default_factory=dict)
+    # context buckets: graph name ("decode", "decode_ids", "verify", "prefill16") -> {slots: step}, the same
+    # step reading only the first `slots` K/V positions (`device.build`); the engine runs the smallest that covers
+    contexts: dict[str, dict[int, Step]] = field(default_factory=dict)
 
     def __post_init__(self):
         self.prefill = dict(sorted(self.prefill.items()))
@@ -404,6 +407,12 @@ class Engine:
             return 1
         return next((b for b in self.steps.prefill if n_tokens <= b), max(self.steps.prefill))
 
+    def reading(self, name: str, step: Step, reach: int) -> Step:
+        """Graph `name`'s step for a call whose rows end before position `reach`: its context bucket
+        that reads the fewest K/V slots >= reach (`Steps.contexts`), else `step` (the whole context)."""
+        sizes = self.steps.contexts.get(name, {})
+        return next((sizes[c] for c in sorted(sizes) if c >= reach), step)
+
     def chunks(self, request: Request, start: int = 0) -> list[tuple[int, int]]:
         """(offset, length) of each prefill call of `request`'s prompt from position `start` on: chunks
         of the largest bucket, each written at its offset and attending over the K/V before it (the
@@ -650,7 +659,8 @@ class Engine:
                 for slot, piece in zip(inputs, _chunk(whole[row], offset, n, bucket), strict=True):
                     slot[row] = piece[0]
                 start[row], length[row] = offset, n
-            got = _by_row(self._call(self.steps.prefill[bucket], inputs, start, length), part)
+            step = self.reading(f"prefill{bucket}", self.steps.prefill[bucket], max(o + n for o, n in part.values()))
+            got = _by_row(self._call(step, inputs, start, length), part)
             out.update({row: got[row] for row in part if i == len(plans[row]) - 1})
         return out
 
@@ -678,7 +688,7 @@ class Engine:
                     for slot, part in zip(inputs, whole[row], strict=True):
                         slot[row] = part[0, i : i + 1]
                     step_lengths[row] = 1
-            out = self._call(self.steps.decode, inputs, [i] * self.batch, step_lengths)
+            out = self._call(self.reading("decode", self.steps.decode, i + 1), inputs, [i] * self.batch, step_lengths)
             for row in requests:
                 if i == lengths[row] - 1:
                     kept[row] = out[0][row]
@@ -725,7 +735,8 @@ class Engine:
             tokens[r, 0], start[r], length[r] = row.tokens[-1], row.position, 1
         if self.steps.decode_ids is not None and all(self._device_chooses(self.rows[r]) for r in live):
             return self._ids_step(live, tokens, start, length)
-        (logits,) = self._call(self.steps.decode, self.embed(tokens), start, length)[:1]
+        step = self.reading("decode", self.steps.decode, max(start) + 1)
+        (logits,) = self._call(step, self.embed(tokens), start, length)[:1]
         new = {}
         for r in live:
             row = self.rows[r]
@@ -748,7 +759,7 @@ class Engine:
             row = self.rows[r]
             if not row.request.sampling.greedy:
                 sampling[r] = torch.tensor([row.request.sampling.temperature, draw(row.generator)])
-        step = self.steps.decode_ids
+        step = self.reading("decode_ids", self.steps.decode_ids, max(start) + 1)
         (ids,) = _outputs(step(*self.embed(tokens), index_tensor(start), index_tensor(length), sampling), 1)
         new = {}
         for r in live:
@@ -793,7 +804,8 @@ class Engine:
             chunk[r, 0] = row.tokens[-1]
             chunk[r, 1 : 1 + len(drafts[r])] = torch.tensor(drafts[r], dtype=torch.long)
             start[r], length[r] = row.position, 1 + len(drafts[r])
-        out = self._call(self.steps.verify, self.embed(chunk), start, length)
+        reach = max(s + n for s, n in zip(start, length, strict=True))
+        out = self._call(self.reading("verify", self.steps.verify, reach), self.embed(chunk), start, length)
         v_logits, v_hidden = out[0], (out[1] if len(out) > 1 else None)
         new = {}
         for r in live:

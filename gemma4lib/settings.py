@@ -111,6 +111,10 @@ class PortSettings:
     # that a request joining running rows alone (a server's usual case) pays one row's prefill, not the
     # batch's; `serve` turns it on where the backend can (cpu, eager at TP 1)
     row_prefill: bool = False
+    # decode context buckets (NxD Inference's token-generation buckets), ascending, below context_length
+    # (itself the implied last): decode, verify and a prefill from position 0 also compiled reading only
+    # the first C K/V slots, run when every row ends before C (`device.build`). Empty: one context
+    context_buckets: tuple[int, ...] = ()
 
     def __post_init__(self):
         self.variant_spec = get_variant(self.variant)
@@ -135,6 +139,7 @@ class PortSettings:
                 f"prefill bucket {self.prefill_buckets[-1]} is longer than context_length "
                 f"{self.context_length}; use buckets <= context_length"
             )
+        self._check_context_buckets()
         if self.seed is None:
             self.seed = self.variant_spec.tiny_seed
         self._check_batch()
@@ -278,6 +283,22 @@ class PortSettings:
             rows = len(self.prompts) if self.prompts is not None else self.batch_size
             if len(self.expects) != rows:
                 raise SettingsError(f"{len(self.expects)} expects for {rows} prompts; give one per prompt (None: none)")
+
+    def _check_context_buckets(self) -> None:
+        sizes = tuple(whole_number("context_buckets", c, 1) for c in _as_tuple(self.context_buckets))
+        if list(sizes) != sorted(set(sizes)) or (sizes and sizes[-1] > self.context_length):
+            raise SettingsError(
+                f"context_buckets {sizes} must ascend without repeats, each at most context_length "
+                f"{self.context_length} (the context is always the last bucket); e.g. ({self.context_length // 4}, "
+                f"{self.context_length // 2})"
+            )
+        self.context_buckets = tuple(c for c in sizes if c < self.context_length)
+        if self.context_buckets and self.backend_row.rank_graphs:
+            raise SettingsError(
+                f"context_buckets are built into the single-device graphs (backend "
+                f"{names_where(lambda f: not f.rank_graphs)} at tp_degree 1); backend {self.backend!r} at "
+                f"tp_degree {self.tp_degree} builds rank graphs without them: leave context_buckets empty there"
+            )
 
     def _check_row_prefill(self) -> None:
         words = {"true": True, "1": True, "false": False, "0": False}  # `serve run ... row_prefill=true`

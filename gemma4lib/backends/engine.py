@@ -3,8 +3,9 @@
 `registry.compile_graphs` puts it over a backend's `Steps`; every caller that compiles graphs on
 its own (the benchmark suite's single graphs, the real-width and Gemma 3 checks, the XLA check)
 hands its callables here by the names `GraphSet.named()` gives them ("prefill16",
-"row_prefill16", "decode", "verify", "draft", "vision"), so the engine's shape (rows, context,
-dtype, draft slots, image blocks) is read from the graphs in one place and never restated.
+"row_prefill16", "decode", "verify", "draft", "vision"; a context bucket's "decode@256"), so the
+engine's shape (rows, context, dtype, draft slots, image blocks) is read from the graphs in one place
+and never restated.
 """
 
 from __future__ import annotations
@@ -36,20 +37,25 @@ def named_steps(fns: Mapping[str, Step], kv: Sequence[torch.Tensor] | None = Non
     prefill: dict[int, Step] = {}
     rows: dict[int, Step] = {}
     single: dict[str, Step] = {}
-    for name, fn in fns.items():
+    contexts: dict[str, dict[int, Step]] = {}
+    for full_name, fn in fns.items():
+        name, _, reads = full_name.partition("@")  # a context bucket's graph: "decode@256"
         bucketed = _BUCKETED.fullmatch(name)
-        if bucketed is None and name not in _SINGLE:
+        if (bucketed is None and name not in _SINGLE) or (reads and not reads.isdigit()):
             raise GraphFormError(
                 f"no engine step is named {name!r}: name the graphs as GraphSet.named() does "
-                f"('prefill<bucket>', 'row_prefill<bucket>', {', '.join(map(repr, _SINGLE))})"
+                f"('prefill<bucket>', 'row_prefill<bucket>', {', '.join(map(repr, _SINGLE))}; '@<slots>' after "
+                f"one reads that many K/V slots)"
             )
         if kv is not None and name != "vision":
             fn = bind_kv_rows(fn, kv) if name.startswith("row_") else bind_kv(fn, kv)
-        if bucketed is None:
+        if reads:
+            contexts.setdefault(name, {})[int(reads)] = fn
+        elif bucketed is None:
             single[name] = fn
         else:
             (rows if bucketed.group(1) == "row_prefill" else prefill)[int(bucketed.group(2))] = fn
-    return Steps(prefill=prefill, row_prefill=rows, **single)
+    return Steps(prefill=prefill, row_prefill=rows, contexts=contexts, **single)
 
 
 def engine_over(

@@ -1,6 +1,11 @@
 """The device graphs a port compiles, by name: prefill graphs (one per bucket), then the decode
 graph, or with a drafter the verify graph (k + 1 tokens) and, for Gemma-4's assistant, its draft graph;
 for serving, one-row prefill graphs per bucket (`row_prefill{b}`) that a joining request runs alone.
+With context buckets C (`PortSettings.context_buckets`), `decode@C`, `decode_ids@C` and `verify@C`
+per bucket and `prefill{b}@C` for the smallest C >= b: the same graphs reading only the first C
+slots of every full-length K/V buffer (`GraphShape.reads`; the engine runs the smallest that covers
+the call's rows, `Engine.reading`). A prefill chunk past the smallest such C runs the full
+`prefill{b}`: one key per prefill bucket covers every prompt that starts at 0.
 
 Built over the model's own modules, so every backend (`cpu`, `eager`, `xla`, `neuron`) and the
 benchmark suite take their graphs from here and nothing else decides their shapes: the batch, the
@@ -53,6 +58,8 @@ class GraphSet:
     assistant: LoadedAssistant | None = None
     # decode that returns each row's token, not its logits (`DeviceGraph.chooses`: a device across a bus)
     decode_ids: DeviceGraph | None = None
+    # context buckets by name, "decode@256": graphs reading the first 256 slots (module docstring)
+    contexts: dict[str, DeviceGraph] = field(default_factory=dict)
 
     @property
     def image_blocks(self) -> bool:
@@ -66,7 +73,7 @@ class GraphSet:
         for name in ("decode", "decode_ids", "verify", "draft", "vision"):
             if getattr(self, name) is not None:
                 out[name] = getattr(self, name)
-        return out
+        return {**out, **self.contexts}
 
     def __iter__(self) -> Iterator[tuple[str, nn.Module]]:
         return iter(self.named().items())
@@ -139,6 +146,7 @@ def device_graphs(
         ring=settings.ring_kv,
         weights=settings.weights,
         prefill_buckets=settings.prefill_buckets,
+        context_buckets=settings.context_buckets,
         decode_experts=settings.decode_experts,
         draft_tokens=int(settings.draft_tokens or 0) if settings.draft else 0,
         verify_experts=settings.verify_experts,
@@ -159,6 +167,7 @@ def graph_set(
     context_length: int,
     ring: bool,
     prefill_buckets: tuple[int, ...],
+    context_buckets: tuple[int, ...] = (),
     weights: str = "bf16",
     decode_experts: str = "selective",
     draft_tokens: int = 0,
@@ -179,30 +188,40 @@ def graph_set(
     `hidden` (the assistant drafts from the target's hidden state), the assistant's draft graph,
     all over one layout whose rings hold window + k + 1 slots (`drafting` module docstring); `vision`, the
     image encoder's graph (`image_graph`), rides beside them; `row_prefill`, the prefill graphs again
-    at batch 1 (the same layout: they run over one row of the batch's buffers)."""
+    at batch 1 (the same layout: they run over one row of the batch's buffers); `context_buckets`, the
+    graphs that read fewer slots (module docstring; the context itself is implied)."""
     k = int(draft_tokens)
     layout = RoomyLayout.around(model.layout, k + 1) if k else model.layout
+    sizes = [c for c in context_buckets if c < context_length]
 
-    def graph(tokens: int, experts: str, rows: int = batch, **kwargs) -> DeviceGraph:
-        shape = GraphShape(rows, tokens, context_length, ring)
+    def graph(tokens: int, experts: str, rows: int = batch, reads: int | None = None, **kwargs) -> DeviceGraph:
+        shape = GraphShape(rows, tokens, context_length, ring, reads)
         return device_graph(model, shape, experts, inplace, weights, layout=layout, **kwargs)
+
+    def per_bucket(name: str, tokens: int, experts: str, **kwargs) -> dict[str, DeviceGraph]:
+        return {f"{name}@{c}": graph(tokens, experts, reads=c, **kwargs) for c in sizes}
 
     # an image's tokens see each other on a config bidirectional over them: its prefills take the blocks
     blocks = vision is not None and bidirectional_images(model.config)
     prefill = {b: graph(b, PREFILL_EXPERTS, hidden=hidden, image_blocks=blocks) for b in prefill_buckets}
+    contexts = {
+        f"prefill{b}@{c}": graph(b, PREFILL_EXPERTS, reads=c, hidden=hidden, image_blocks=blocks)
+        for b in prefill_buckets
+        if (c := next((c for c in sizes if c >= b), None))
+    }
     rows = {b: graph(b, PREFILL_EXPERTS, 1, hidden=hidden, image_blocks=blocks) for b in prefill_buckets if row_prefill}
     rows = rows if inplace else {b: RowJoin(g, batch) for b, g in rows.items()}  # functional: joins (`row_join`)
     if not k:
         decode = graph(1, decode_experts, compute_balance=compute_balance)
         ids = graph(1, decode_experts, compute_balance=compute_balance, chooses=True) if chooses else None
-        return GraphSet(prefill, decode, layout, vision=vision, row_prefill=rows, decode_ids=ids)
-    verify = graph(
-        k + 1,
-        verify_expert_form(model.config, k, verify_experts),
-        every_position=True,
-        hidden=hidden,
-        compute_balance=compute_balance,
-    )
+        contexts.update(per_bucket("decode", 1, decode_experts, compute_balance=compute_balance))
+        if chooses:
+            contexts.update(per_bucket("decode_ids", 1, decode_experts, compute_balance=compute_balance, chooses=True))
+        return GraphSet(prefill, decode, layout, vision=vision, row_prefill=rows, decode_ids=ids, contexts=contexts)
+    verify_form = verify_expert_form(model.config, k, verify_experts)
+    verify_kwargs = dict(every_position=True, hidden=hidden, compute_balance=compute_balance)
+    verify = graph(k + 1, verify_form, **verify_kwargs)
+    contexts.update(per_bucket("verify", k + 1, verify_form, **verify_kwargs))
     draft = None
     if hidden:
         if assistant is None:
@@ -211,7 +230,9 @@ def graph_set(
             )
         draft = DraftGraph(assistant.model, layout, GraphShape(batch, 1, context_length, ring), assistant.read_layers)
     assistant = assistant if draft is not None else None
-    return GraphSet(prefill, None, layout, verify, draft, k, vision=vision, row_prefill=rows, assistant=assistant)
+    return GraphSet(
+        prefill, None, layout, verify, draft, k, vision=vision, row_prefill=rows, assistant=assistant, contexts=contexts
+    )
 
 
 def image_graph(model: LoadedModel, settings: PortSettings) -> VisionGraph | None:

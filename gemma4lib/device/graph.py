@@ -45,6 +45,13 @@ class GraphShape:
     tokens: int  # query length: 1 for decode, k + 1 for a verify, the bucket length for prefill
     context_length: int
     ring: bool = False  # sliding layers keep only `sliding_window` slots
+    # a context bucket: the graph attends over the first `reads` slots of every full-length buffer (the
+    # K/V of positions 0 .. reads - 1; every row it runs ends before that). None: the whole context
+    reads: int | None = None
+
+    def slots_read(self, slots: int) -> int:
+        """The slots attended over in a buffer of `slots`: a full-length buffer's first `reads`; a ring's all."""
+        return self.reads if self.reads and slots == self.context_length else slots
 
     @property
     def phase(self) -> str:
@@ -94,9 +101,10 @@ class ExplicitKV:
     `update(k, v, layer_idx)` is the only method transformers calls. It writes the new K/V into
     each row's buffer at the positions this call covers (`start[b]`, `length[b]` tokens) and
     returns the keys/values to attend over. Decode (one token) writes first and attends over the
-    whole buffer; a row with `length` 0 (idle, or not part of this call) writes nothing. Prefill
-    (or a verify) on a ring buffer attends over old buffer + the new chunk (a chunk longer than
-    the window would not fit the ring), then keeps the newest `slots` tokens.
+    whole buffer (a context bucket: its first `shape.reads` slots); a row with `length` 0 (idle, or
+    not part of this call) writes nothing. Prefill (or a verify) on a ring buffer attends over old
+    buffer + the new chunk (a chunk longer than the window would not fit the ring), then keeps the
+    newest `slots` tokens.
 
     `inplace=True` mutates the given buffers (CPU: torch.export turns it into input mutation that
     the compiler performs in place); `inplace=False` leaves them untouched and records fresh
@@ -123,7 +131,10 @@ class ExplicitKV:
             keys, values = (torch.cat([self._read(t), n], 2) for t, n in ((k_old, key_states), (v_old, value_states)))
         k_new, v_new = self._write(k_old, key_states), self._write(v_old, value_states)
         self.updated[layer_idx] = (k_new, v_new)
-        return (keys, values) if ring_prefill else (self._read(k_new), self._read(v_new))
+        if ring_prefill:
+            return keys, values
+        reads = self.shape.slots_read(k_old.shape[2])  # a context bucket: a static slice, the rest unread
+        return tuple(self._read(t if reads == t.shape[2] else t[:, :, :reads]) for t in (k_new, v_new))
 
     def _read(self, buffer: torch.Tensor) -> torch.Tensor:
         return buffer if self.rows is None else buffer.index_select(0, self.rows)  # the call's rows
@@ -186,6 +197,7 @@ def build_masks(
     for layer_type in sorted({layer.layer_type for layer in layout.layers}):
         slots = layout.slots(layer_type, shape.context_length, shape.ring)
         ring_prefill = shape.tokens > 1 and slots < shape.context_length
+        slots = shape.slots_read(slots)
         if ring_prefill:
             # ring prefill: keys are [old ring contents, new chunk], per row
             old = slot_positions(start - 1, slots)  # [B, S]
@@ -367,6 +379,7 @@ class DeviceGraph(nn.Module):
             **({"experts_read": self.experts_read} if self.experts_read != self.expert_form else {}),
             **({"image_blocks": True} if self.image_blocks else {}),
             **({"chooses": True} if self.chooses else {}),
+            **({"reads": self.shape.reads} if self.shape.reads else {}),
             **self.tags,
         }
 
