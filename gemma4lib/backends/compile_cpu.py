@@ -81,7 +81,7 @@ def graph_key(
         "program": program_digest(program),
         "config": program_config(graph.model.config),
         "weights": weights_fingerprint(graph),
-        "shape": graph.shape.__dict__,
+        "shape": graph.shape.key,
         "graph": graph.key_parts(),
         "options": dict(options),
         "versions": program_versions(),
@@ -197,7 +197,7 @@ def cache_package(
             "program_key": make_key(parts),
         }
 
-    describe, need = {"recipe": RECIPE, "shape": graph.shape.__dict__}, package_bytes_estimate(graph)
+    describe, need = {"recipe": RECIPE, "shape": graph.shape.key}, package_bytes_estimate(graph)
     entry = cache.get_or_build(make_key(parts), build, describe=describe, need_bytes=need)
     folded = entry.meta.get("folded_params", [])
     if folded and entry.meta.get("folded_digest") != _folded_digest(graph, folded):
@@ -236,7 +236,7 @@ def index_key(graph: DeviceGraph, options: Mapping[str, Any]) -> str:
             "recipe": RECIPE,
             "config": program_config(graph.model.config),
             "weights": weights_fingerprint(graph),
-            "shape": graph.shape.__dict__,
+            "shape": graph.shape.key,
             "graph": graph.key_parts(),
             "modules": _module_parts(graph),
             "options": dict(options),

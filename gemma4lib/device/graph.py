@@ -54,6 +54,11 @@ class GraphShape:
         return self.reads if self.reads and slots == self.context_length else slots
 
     @property
+    def key(self) -> dict:
+        """The shape's part of a cache key: `reads` only when set (a whole-context graph keeps its key)."""
+        return {k: v for k, v in vars(self).items() if v is not None}
+
+    @property
     def phase(self) -> str:
         return "decode" if self.tokens == 1 else "prefill"
 
@@ -379,7 +384,6 @@ class DeviceGraph(nn.Module):
             **({"experts_read": self.experts_read} if self.experts_read != self.expert_form else {}),
             **({"image_blocks": True} if self.image_blocks else {}),
             **({"chooses": True} if self.chooses else {}),
-            **({"reads": self.shape.reads} if self.shape.reads else {}),
             **self.tags,
         }
 

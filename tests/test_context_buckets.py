@@ -1,0 +1,185 @@
+"""Decode context buckets (issue 48 item 2) and a prefill from position 0 that reads only the slots it
+writes (issue 46 item 1): with `context_buckets` (32, 64) in a 128-token context, decode, verify and
+the prefill graphs also exist reading only the first C slots of every full-length K/V buffer, and the
+engine runs the smallest that covers the call's rows. Every case crosses a bucket boundary and must
+equal HF's greedy tokens, its teacher-forced logits within the reference's spread; a recorder says
+which bucket each call ran, and K/V past the bucket filled with NaN show they are neither read nor
+written. The XLA lane's counterpart is in test_xla_lane (`context_buckets`).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import SMOKE_SHAPES
+
+from gemma4lib import checks
+from gemma4lib.errors import SettingsError
+from gemma4lib.port import PortSettings, compile_graphs, load_model
+from gemma4lib.reference import random_prompt, reference_greedy
+from gemma4lib.runtime import Request
+
+CONTEXT, PREFILL, SIZES = 128, (8, 16), (32, 64)
+
+
+def _compiled(**overrides):
+    options = dict(
+        variant="e2b",
+        model="random",
+        backend="eager",
+        context_length=CONTEXT,
+        prefill_buckets=PREFILL,
+        context_buckets=SIZES,
+    )
+    settings = PortSettings(**{**options, **overrides})
+    model = load_model(settings)
+    return model, compile_graphs(model, settings)
+
+
+def _recorded(engine) -> list[tuple[str, int | None]]:
+    """Every step call from here on as (graph, slots read; None: the whole context)."""
+    calls: list[tuple[str, int | None]] = []
+
+    def wrap(name, reads, step):
+        return lambda *a: calls.append((name, reads)) or step(*a)
+
+    steps = engine.steps
+    steps.prefill = {b: wrap(f"prefill{b}", None, s) for b, s in steps.prefill.items()}
+    for name in ("decode", "verify"):
+        if getattr(steps, name) is not None:
+            setattr(steps, name, wrap(name, None, getattr(steps, name)))
+    steps.contexts = {n: {c: wrap(n, c, s) for c, s in by.items()} for n, by in steps.contexts.items()}
+    return calls
+
+
+def _smallest(reach: int, sizes=SIZES) -> int | None:
+    return next((c for c in sizes if c >= reach), None)
+
+
+def _assert_exact(model, rows, new):
+    for row in rows:
+        expected = reference_greedy(model.lm, row.prompt_ids, new)
+        assert len(set(expected)) > 2, "reference degenerate: the comparison would prove little"
+        assert row.tokens == expected, (len(row.prompt_ids), row.tokens, expected)
+        logits = checks.check_logits(model.lm, row.prompt_ids, row.tokens, row.step_logits)
+        assert logits.passed, logits.explain()
+
+
+def _prompts(model, lengths):
+    return [random_prompt(model.config.vocab_size, n, 11 + n) for n in lengths]
+
+
+def test_the_graph_set_has_one_key_per_bucket_and_one_prefill_key_per_bucket_from_zero():
+    _, compiled = _compiled()
+    assert sorted(compiled.graphs.named()) == [
+        "decode",
+        "decode@32",
+        "decode@64",
+        "prefill16",
+        "prefill16@32",
+        "prefill8",
+        "prefill8@32",
+    ]
+    shapes = {name: g.shape.reads for name, g in compiled.graphs.named().items()}
+    assert shapes["decode@32"] == 32 and shapes["decode"] is None
+    assert compiled.graphs.contexts["decode@64"].shape.key["reads"] == 64
+    assert "reads" not in compiled.graphs.decode.shape.key  # the whole context's key stays as it was
+
+
+@pytest.mark.parametrize("ring", [True, False], ids=["ring", "full-sliding"])
+def test_batched_rows_cross_a_bucket_mid_decode_and_equal_hf(ring):
+    """Rows of 5 and 27 tokens: both prefilled through prefill16@32 (the second chunk at 16 too), then
+    decode@32 until the longer row's next write passes slot 31, decode@64 after. Without rings the
+    sliding layers' full-length buffers are read through the bucket as well."""
+    model, compiled = _compiled(batch_size=2, ring_kv=ring)
+    engine, new = compiled.runtime, 12
+    calls = _recorded(engine)
+    prompts = _prompts(model, (5, 27))
+    result = engine.generate_rows([Request(ids, new) for ids in prompts], keep_logits=True)
+    _assert_exact(model, result.rows, new)
+    decode = [("decode", _smallest(p + 1)) for p in range(27, 27 + new - 1)]
+    assert calls == [("prefill16", 32), ("prefill16", 32), *decode]
+    assert {c for _, c in decode} == {32, 64}  # the boundary is crossed mid-decode
+
+
+def test_a_chunked_prefill_takes_the_bucket_of_each_chunks_reach():
+    """A 51-token prompt in chunks of 16: the chunks at 0 and 16 read 32 slots, the ones that reach past
+    the prefill key's bucket run the whole context; decode then crosses 64 into the whole context."""
+    model, compiled = _compiled()
+    engine, new = compiled.runtime, 20
+    calls = _recorded(engine)
+    ids = _prompts(model, (51,))[0]
+    row = engine.generate(ids, new, keep_logits=True)
+    assert row.chunks == 4
+    _assert_exact(model, [row], new)
+    prefill = [("prefill16", 32), ("prefill16", 32), ("prefill16", None), ("prefill8", None)]
+    assert calls == [*prefill, *[("decode", _smallest(p + 1)) for p in range(51, 51 + new - 1)]]
+    assert ("decode", None) in calls and ("decode", 64) in calls
+
+
+def test_drafting_verifies_in_the_bucket_of_its_drafts():
+    model, compiled = _compiled(draft="assistant", draft_tokens=2)
+    assert sorted(compiled.graphs.contexts) == ["prefill16@32", "prefill8@32", "verify@32", "verify@64"]
+    engine, new = compiled.runtime, 16
+    calls = _recorded(engine)
+    row = engine.generate(_prompts(model, (25,))[0], new, keep_logits=True)
+    _assert_exact(model, [row], new)
+    verifies = [reads for name, reads in calls if name == "verify"]
+    assert verifies[0] == 32 and verifies[-1] == 64 and verifies == sorted(verifies), verifies
+
+
+def test_kv_past_the_bucket_are_neither_read_nor_written():
+    """NaN in every full-length buffer's slots 32.. : a row that stays under 32 runs prefill16@32 and
+    decode@32, equals HF, and leaves the NaN in place; the whole-context decode over the same buffers
+    reads them (its logits are not finite), so the NaN would have shown."""
+    model, compiled = _compiled(ring_kv=False)
+    engine, new = compiled.runtime, 10
+    full = [t for t in compiled.kv if t.shape[2] == CONTEXT]
+    assert len(full) == len(compiled.kv)  # without rings every buffer is full-length
+    for t in full:
+        t[:, :, 32:] = float("nan")
+    calls = _recorded(engine)
+    ids = _prompts(model, (14,))[0]
+    row = engine.generate(ids, new, keep_logits=True)
+    _assert_exact(model, [row], new)
+    assert {reads for _, reads in calls} == {32}
+    assert all(torch.isnan(t[:, :, 32:]).all() for t in full)
+    assert all(torch.isfinite(t[:, :, : len(ids) + new - 1]).all() for t in full)
+    engine.steps.contexts.clear()
+    inputs = engine.embed(torch.tensor([[row.tokens[-1]]]))
+    logits = engine.steps.decode(
+        *inputs, torch.tensor([len(ids) + new - 1], dtype=torch.int32), torch.ones(1, dtype=torch.int32)
+    )
+    assert not torch.isfinite(logits[0]).all()
+
+
+def test_cpu_compiled_buckets_equal_hf(ports):
+    """AOTInductor, at the notebooks' smoke context (its whole-context graphs are the ones the other
+    tests compile): one context bucket, 32, crossed mid-decode."""
+    context = SMOKE_SHAPES["context_length"]
+    p = ports.get("e2b", "random", context_length=context, prefill_buckets=(16,), context_buckets=(32,))
+    assert sorted(p.compiled.graphs.contexts) == ["decode@32", "prefill16@32"]
+    calls = _recorded(p.runtime)
+    ids, new = _prompts(p.model, (24,))[0], 16
+    _assert_exact(p.model, [p.runtime.generate(ids, new, keep_logits=True)], new)
+    assert calls[0] == ("prefill16", 32) and ("decode", 32) in calls and calls[-1] == ("decode", None)
+
+
+@pytest.mark.parametrize(
+    "overrides,match",
+    [
+        ({"context_buckets": (64, 32)}, "must ascend without repeats"),
+        ({"context_buckets": (32, 32)}, "must ascend without repeats"),
+        ({"context_buckets": (256,)}, "at most context_length 128"),
+        ({"context_buckets": (0,)}, "at least 1"),
+        ({"context_buckets": (32,), "tp_degree": 2, "variant": "e4b"}, "builds rank graphs without them"),
+    ],
+)
+def test_bad_context_buckets_are_refused_before_anything_loads(overrides, match):
+    with pytest.raises(SettingsError, match=match):
+        PortSettings(**{"variant": "e2b", "context_length": 128, **overrides})
+
+
+def test_the_context_itself_is_the_implied_last_bucket():
+    assert PortSettings(variant="e2b", context_length=128, context_buckets=[32, 128]).context_buckets == (32,)
+    assert PortSettings(variant="e2b").context_buckets == ()
