@@ -127,6 +127,33 @@ def test_a_prompt_of_several_buckets_is_prefilled_in_chunks_on_xla(xla_lane, chu
     assert result["xla_compilations"] == {f"prefill{bucket}": 1, "decode": 1}
 
 
+def test_context_buckets_on_xla_compile_once_each_and_equal_hf(xla_lane):
+    """Context bucket 32 in a 72-token context (issue 48 item 2): a 20-token prompt's two chunks run
+    prefill16@32, decode runs decode@32 until its write passes slot 31, then the whole-context decode;
+    each compiled once, 0 fallbacks, HF's greedy tokens and logits. (The decode_ids graphs are built
+    but never run: the row keeps its logits, and XLA compiles on a graph's first call.)"""
+    from gemma4lib import checks
+    from gemma4lib.port import PortSettings, compile_graphs, load_model
+    from gemma4lib.reference import random_prompt, reference_greedy
+
+    settings = PortSettings(
+        variant="e2b", model="random", backend="xla", context_length=72, prefill_buckets=(16,), context_buckets=(32,)
+    )
+    model = load_model(settings)
+    compiled = compile_graphs(model, settings)
+    ids, new = random_prompt(model.config.vocab_size, 20, 3), 16
+    row = compiled.runtime.generate(ids, new, keep_logits=True)
+    expected = reference_greedy(model.lm, ids, new)
+    assert row.tokens == expected and len(set(expected)) > 2, (row.tokens, expected)
+    logits = checks.check_logits(model.lm, ids, row.tokens, row.step_logits)
+    assert logits.passed, logits.explain()
+    report = compiled.report()
+    assert report["xla_fallbacks"] == 0, report["xla_fallback_ops"]
+    assert report["xla_steps"] == {"prefill16@32": 2, "decode@32": 32 - 20, "decode": new - 1 - (32 - 20)}
+    assert report["xla_compilations"] == {"prefill16@32": 1, "decode@32": 1, "decode": 1}
+    assert report["xla_executions"] == report["xla_steps"]
+
+
 def test_shape_leak_is_caught_by_the_compile_count(xla_lane):
     """A Python-int position baked into the trace: a new graph and a compilation for every token."""
     steps = 3
