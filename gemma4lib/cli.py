@@ -49,6 +49,9 @@ def _add_port_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--context-length", type=int)
     parser.add_argument("--prefill-buckets", help="comma-separated prefill lengths, e.g. 16,32,64")
     parser.add_argument(
+        "--context-buckets", help="comma-separated decode context sizes below the context, e.g. 256,512"
+    )
+    parser.add_argument(
         "--ring-kv",
         action=argparse.BooleanOptionalAction,
         default=None,
@@ -103,8 +106,9 @@ def _settings_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     kwargs = {f: getattr(args, f) for f in fields if getattr(args, f, None) is not None}
     if getattr(args, "prompts", None):
         kwargs["prompts"] = tuple(p.strip() for p in args.prompts.split("|"))
-    if args.prefill_buckets:
-        kwargs["prefill_buckets"] = tuple(int(b) for b in args.prefill_buckets.split(","))
+    for name in ("prefill_buckets", "context_buckets"):  # whole_number refuses a part that is not one
+        if getattr(args, name, None):
+            kwargs[name] = tuple(b.strip() for b in getattr(args, name).split(","))
     for flag in ("ring_kv", "row_prefill"):
         if getattr(args, flag, None) is not None:
             kwargs[flag] = getattr(args, flag)

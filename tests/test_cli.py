@@ -8,6 +8,7 @@ import json
 import pytest
 
 from gemma4lib.cli import _settings, build_parser, main
+from gemma4lib.errors import SettingsError
 
 
 def settings_of(*flags: str):
@@ -19,6 +20,10 @@ def test_batch_and_drafting_flags_map_to_the_settings():
     assert (s.batch_size, s.draft, s.draft_tokens, s.prompts) == (2, "prompt_lookup", 3, ("a?", "b?"))
     s = settings_of("--draft", "assistant", "--no-ring-kv", "--prefill-buckets", "16,64")
     assert (s.draft, s.draft_tokens, s.ring_kv, s.prefill_buckets) == ("assistant", 4, False, (16, 64))
+    s = settings_of("--context-length", "512", "--context-buckets", "64, 256")
+    assert s.context_buckets == (64, 256)
+    with pytest.raises(SettingsError, match="context_buckets must be a whole number"):
+        settings_of("--context-buckets", "64,")
 
 
 def test_an_unknown_drafter_is_refused_by_the_parser(capsys):
