@@ -183,3 +183,13 @@ def test_bad_context_buckets_are_refused_before_anything_loads(overrides, match)
 def test_the_context_itself_is_the_implied_last_bucket():
     assert PortSettings(variant="e2b", context_length=128, context_buckets=[32, 128]).context_buckets == (32,)
     assert PortSettings(variant="e2b").context_buckets == ()
+
+
+def test_a_bundle_records_its_context_buckets_only_when_set():
+    """A bundle's settings must equal the run's: a bucketed run needs a bucketed bundle, and bundles
+    exported before (no buckets) still match the runs they were made for."""
+    from gemma4lib.cache.bundle import settings_facts
+
+    plain = settings_facts(PortSettings(variant="e2b"))
+    assert "context_buckets" not in plain
+    assert settings_facts(PortSettings(variant="e2b", context_buckets=(32,))) == {**plain, "context_buckets": [32]}

@@ -75,6 +75,8 @@ def machine_facts(backend: str) -> dict[str, Any]:
 def settings_facts(settings: PortSettings) -> dict[str, Any]:
     facts = {name: getattr(settings, name) for name in (*SHAPE_FIELDS, *FORMAT_FIELDS)}
     facts["prefill_buckets"] = list(facts["prefill_buckets"])
+    if settings.context_buckets:  # only when set: bundles exported without them still match their runs
+        facts["context_buckets"] = list(settings.context_buckets)
     return facts
 
 
