@@ -670,7 +670,9 @@ class Engine:
         whole = self.prefill_inputs(request)
         for offset, n in plan:
             bucket = self.bucket_for(n)
-            step = functools.partial(self.steps.row_prefill[bucket], row)
+            step = functools.partial(
+                self.reading(f"row_prefill{bucket}", self.steps.row_prefill[bucket], offset + n), row
+            )
             out = self._call(step, _chunk(whole, offset, n, bucket), [offset], [n])
         return _by_row(out, [0])[0]
 

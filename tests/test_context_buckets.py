@@ -45,6 +45,7 @@ def _recorded(engine) -> list[tuple[str, int | None]]:
 
     steps = engine.steps
     steps.prefill = {b: wrap(f"prefill{b}", None, s) for b, s in steps.prefill.items()}
+    steps.row_prefill = {b: wrap(f"row_prefill{b}", None, s) for b, s in steps.row_prefill.items()}
     for name in ("decode", "verify"):
         if getattr(steps, name) is not None:
             setattr(steps, name, wrap(name, None, getattr(steps, name)))
@@ -126,6 +127,27 @@ def test_drafting_verifies_in_the_bucket_of_its_drafts():
     _assert_exact(model, [row], new)
     verifies = [reads for name, reads in calls if name == "verify"]
     assert verifies[0] == 32 and verifies[-1] == 64 and verifies == sorted(verifies), verifies
+
+
+def test_a_row_joining_a_running_batch_prefills_through_its_bucket():
+    """One-row joins (`row_prefill`, a server's default): each chunk of a join runs its one-row graph
+    reading 32 slots while the chunk ends inside them; the rows then decode across 32 together."""
+    model, compiled = _compiled(batch_size=2, row_prefill=True)
+    assert sorted(n for n in compiled.graphs.contexts if n.startswith("row_")) == [
+        "row_prefill16@32",
+        "row_prefill8@32",
+    ]
+    engine, new = compiled.runtime, 16
+    calls = _recorded(engine)
+    short, joining = _prompts(model, (6, 20))
+    engine.admit({0: Request(short, new)}, keep_logits=True)
+    engine.step()
+    engine.admit({1: Request(joining, new)}, keep_logits=True)
+    while engine.live_rows():
+        engine.step()
+    _assert_exact(model, [engine.release(r) for r in (0, 1)], new)
+    assert calls[:4] == [("row_prefill8", 32), ("decode", 32), ("row_prefill16", 32), ("row_prefill8", 32)]
+    assert [reads for _, reads in calls[4:]] == [_smallest(p + 1) for p in range(20, 20 + new - 1)]
 
 
 def test_kv_past_the_bucket_are_neither_read_nor_written():

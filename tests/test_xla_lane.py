@@ -154,6 +154,46 @@ def test_context_buckets_on_xla_compile_once_each_and_equal_hf(xla_lane):
     assert report["xla_executions"] == report["xla_steps"]
 
 
+def test_context_buckets_on_xla_a_join_runs_its_bucket(xla_lane):
+    """With `row_prefill` at batch 2: row 0 joins (6 tokens), decodes a step, row 1 joins (20 tokens,
+    two chunks) through the one-row join reading 32 slots (`row_prefill16@32`), then both decode
+    across 32; each graph compiled once, 0 fallbacks, every row HF's tokens and logits."""
+    from gemma4lib import checks
+    from gemma4lib.port import PortSettings, compile_graphs, load_model
+    from gemma4lib.reference import random_prompt, reference_greedy
+    from gemma4lib.runtime import Request
+
+    settings = PortSettings(
+        variant="e2b",
+        model="random",
+        backend="xla",
+        batch_size=2,
+        row_prefill=True,
+        context_length=80,
+        prefill_buckets=(16,),
+        context_buckets=(32,),
+    )
+    model = load_model(settings)
+    compiled = compile_graphs(model, settings)
+    engine, new = compiled.runtime, 16
+    prompts = [random_prompt(model.config.vocab_size, n, n) for n in (6, 20)]
+    engine.admit({0: Request(prompts[0], new)}, keep_logits=True)
+    engine.step()
+    engine.admit({1: Request(prompts[1], new)}, keep_logits=True)
+    while engine.live_rows():
+        engine.step()
+    for r, ids in enumerate(prompts):
+        row = engine.release(r)
+        assert row.tokens == reference_greedy(model.lm, ids, new) and len(set(row.tokens)) > 2, r
+        logits = checks.check_logits(model.lm, ids, row.tokens, row.step_logits)
+        assert logits.passed, logits.explain()
+    report = compiled.report()
+    assert report["xla_fallbacks"] == 0, report["xla_fallback_ops"]
+    assert report["xla_steps"] == {"row_prefill16@32": 3, "decode@32": 1 + 32 - 20, "decode": new - 1 - (32 - 20)}
+    assert report["xla_compilations"] == {"row_prefill16@32": 1, "decode@32": 1, "decode": 1}
+    assert report["xla_executions"] == report["xla_steps"]
+
+
 def test_shape_leak_is_caught_by_the_compile_count(xla_lane):
     """A Python-int position baked into the trace: a new graph and a compilation for every token."""
     steps = 3

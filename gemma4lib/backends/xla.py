@@ -323,7 +323,8 @@ def session_steps(graphs: GraphSet, hlo_dir: str | Path | None = None) -> tuple[
     session = XLASession(named, hlo_dir=hlo_dir)
     kv = session.new_kv("decode" if graphs.decode is not None else "verify")
     steps = named_steps({name: session.step(name) for name in named if not name.startswith("row_")}, kv)
-    steps.row_prefill = {b: row_step(bind_kv(session.step(f"row_prefill{b}"), kv)) for b in graphs.row_prefill}
+    rows = named_steps({name: row_step(bind_kv(session.step(name), kv)) for name in named if name.startswith("row_")})
+    steps.row_prefill, steps.contexts = rows.row_prefill, {**steps.contexts, **rows.contexts}
     return steps, session  # a row joins through its join graph (`device.row_join`) over the whole K/V
 
 

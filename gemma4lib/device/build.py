@@ -2,10 +2,10 @@
 graph, or with a drafter the verify graph (k + 1 tokens) and, for Gemma-4's assistant, its draft graph;
 for serving, one-row prefill graphs per bucket (`row_prefill{b}`) that a joining request runs alone.
 With context buckets C (`PortSettings.context_buckets`), `decode@C`, `decode_ids@C` and `verify@C`
-per bucket and `prefill{b}@C` for the smallest C >= b: the same graphs reading only the first C
-slots of every full-length K/V buffer (`GraphShape.reads`; the engine runs the smallest that covers
-the call's rows, `Engine.reading`). A prefill chunk past the smallest such C runs the full
-`prefill{b}`: one key per prefill bucket covers every prompt that starts at 0.
+per bucket and `prefill{b}@C` (and `row_prefill{b}@C`) for the smallest C >= b: the same graphs
+reading only the first C slots of every full-length K/V buffer (`GraphShape.reads`; the engine runs
+the smallest that covers the call's rows, `Engine.reading`). A prefill chunk past that C runs the
+whole-context `prefill{b}`: one more key per prefill bucket covers every prompt from position 0.
 
 Built over the model's own modules, so every backend (`cpu`, `eager`, `xla`, `neuron`) and the
 benchmark suite take their graphs from here and nothing else decides their shapes: the batch, the
@@ -59,7 +59,7 @@ class GraphSet:
     # decode that returns each row's token, not its logits (`DeviceGraph.chooses`: a device across a bus)
     decode_ids: DeviceGraph | None = None
     # context buckets by name, "decode@256": graphs reading the first 256 slots (module docstring)
-    contexts: dict[str, DeviceGraph] = field(default_factory=dict)
+    contexts: dict[str, DeviceGraph | RowJoin] = field(default_factory=dict)
 
     @property
     def image_blocks(self) -> bool:
@@ -193,35 +193,37 @@ def graph_set(
     k = int(draft_tokens)
     layout = RoomyLayout.around(model.layout, k + 1) if k else model.layout
     sizes = [c for c in context_buckets if c < context_length]
+    contexts: dict[str, DeviceGraph | RowJoin] = {}
 
     def graph(tokens: int, experts: str, rows: int = batch, reads: int | None = None, **kwargs) -> DeviceGraph:
         shape = GraphShape(rows, tokens, context_length, ring, reads)
         return device_graph(model, shape, experts, inplace, weights, layout=layout, **kwargs)
 
-    def per_bucket(name: str, tokens: int, experts: str, **kwargs) -> dict[str, DeviceGraph]:
-        return {f"{name}@{c}": graph(tokens, experts, reads=c, **kwargs) for c in sizes}
+    def keyed(name: str, tokens: int, experts: str, sizes=sizes, **kwargs) -> DeviceGraph:
+        """Graph `name` over the whole context; the same at each of `sizes` goes into `contexts`."""
+        contexts.update({f"{name}@{c}": graph(tokens, experts, reads=c, **kwargs) for c in sizes})
+        return graph(tokens, experts, **kwargs)
 
     # an image's tokens see each other on a config bidirectional over them: its prefills take the blocks
     blocks = vision is not None and bidirectional_images(model.config)
-    prefill = {b: graph(b, PREFILL_EXPERTS, hidden=hidden, image_blocks=blocks) for b in prefill_buckets}
-    contexts = {
-        f"prefill{b}@{c}": graph(b, PREFILL_EXPERTS, reads=c, hidden=hidden, image_blocks=blocks)
-        for b in prefill_buckets
-        if (c := next((c for c in sizes if c >= b), None))
+    firsts = {b: [c for c in sizes if c >= b][:1] for b in prefill_buckets}  # a prompt from 0's bucket
+    prefill = {
+        b: keyed(f"prefill{b}", b, PREFILL_EXPERTS, firsts[b], hidden=hidden, image_blocks=blocks) for b in firsts
     }
-    rows = {b: graph(b, PREFILL_EXPERTS, 1, hidden=hidden, image_blocks=blocks) for b in prefill_buckets if row_prefill}
-    rows = rows if inplace else {b: RowJoin(g, batch) for b, g in rows.items()}  # functional: joins (`row_join`)
+    rows = {
+        b: keyed(f"row_prefill{b}", b, PREFILL_EXPERTS, firsts[b], rows=1, hidden=hidden, image_blocks=blocks)
+        for b in prefill_buckets
+        if row_prefill
+    }
+    if not inplace:  # functional: joins (`row_join`)
+        rows = {b: RowJoin(g, batch) for b, g in rows.items()}
+        contexts.update({n: RowJoin(g, batch) for n, g in contexts.items() if n.startswith("row_")})
     if not k:
-        decode = graph(1, decode_experts, compute_balance=compute_balance)
-        ids = graph(1, decode_experts, compute_balance=compute_balance, chooses=True) if chooses else None
-        contexts.update(per_bucket("decode", 1, decode_experts, compute_balance=compute_balance))
-        if chooses:
-            contexts.update(per_bucket("decode_ids", 1, decode_experts, compute_balance=compute_balance, chooses=True))
+        decode = keyed("decode", 1, decode_experts, compute_balance=compute_balance)
+        ids = keyed("decode_ids", 1, decode_experts, compute_balance=compute_balance, chooses=True) if chooses else None
         return GraphSet(prefill, decode, layout, vision=vision, row_prefill=rows, decode_ids=ids, contexts=contexts)
     verify_form = verify_expert_form(model.config, k, verify_experts)
-    verify_kwargs = dict(every_position=True, hidden=hidden, compute_balance=compute_balance)
-    verify = graph(k + 1, verify_form, **verify_kwargs)
-    contexts.update(per_bucket("verify", k + 1, verify_form, **verify_kwargs))
+    verify = keyed("verify", k + 1, verify_form, every_position=True, hidden=hidden, compute_balance=compute_balance)
     draft = None
     if hidden:
         if assistant is None:
