@@ -690,7 +690,7 @@ class Engine:
                     for slot, part in zip(inputs, whole[row], strict=True):
                         slot[row] = part[0, i : i + 1]
                     step_lengths[row] = 1
-            out = self._call(self.reading("decode", self.steps.decode, i + 1), inputs, [i] * self.batch, step_lengths)
+            out = self._call(self.steps.decode, inputs, [i] * self.batch, step_lengths)
             for row in requests:
                 if i == lengths[row] - 1:
                     kept[row] = out[0][row]

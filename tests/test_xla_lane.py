@@ -130,8 +130,8 @@ def test_a_prompt_of_several_buckets_is_prefilled_in_chunks_on_xla(xla_lane, chu
 def test_context_buckets_on_xla_compile_once_each_and_equal_hf(xla_lane):
     """Context bucket 32 in a 72-token context (issue 48 item 2): a 20-token prompt's two chunks run
     prefill16@32, decode runs decode@32 until its write passes slot 31, then the whole-context decode;
-    each compiled once, 0 fallbacks, HF's greedy tokens and logits. (The decode_ids graphs are built
-    but never run: the row keeps its logits, and XLA compiles on a graph's first call.)"""
+    each compiled once, 0 fallbacks, HF's greedy tokens and logits; then the same row without its
+    logits through decode_ids@32 and decode_ids (the device chooses), the same tokens."""
     from gemma4lib import checks
     from gemma4lib.port import PortSettings, compile_graphs, load_model
     from gemma4lib.reference import random_prompt, reference_greedy
@@ -152,6 +152,12 @@ def test_context_buckets_on_xla_compile_once_each_and_equal_hf(xla_lane):
     assert report["xla_steps"] == {"prefill16@32": 2, "decode@32": 32 - 20, "decode": new - 1 - (32 - 20)}
     assert report["xla_compilations"] == {"prefill16@32": 1, "decode@32": 1, "decode": 1}
     assert report["xla_executions"] == report["xla_steps"]
+    # a row nobody reads the logits of: the device chooses its tokens, in the same buckets
+    assert compiled.runtime.generate(ids, new).tokens == expected
+    report = compiled.report()
+    assert report["xla_steps"]["decode_ids@32"] == 32 - 20 and report["xla_steps"]["decode_ids"] == new - 1 - (32 - 20)
+    assert report["xla_compilations"]["decode_ids@32"] == report["xla_compilations"]["decode_ids"] == 1
+    assert report["xla_fallbacks"] == 0 and report["xla_executions"] == report["xla_steps"]
 
 
 def test_context_buckets_on_xla_a_join_runs_its_bucket(xla_lane):
