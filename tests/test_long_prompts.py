@@ -256,10 +256,12 @@ def test_port_records_the_chunks_of_a_long_prompt():
     assert record["seq_match"] and record["logits_match"], record["failed_checks"]
 
 
+@pytest.mark.parametrize("context_buckets", [(), (64,)], ids=["whole-context", "bucket-64"])
 @pytest.mark.parametrize("variant", ["e2b", "12b"])  # the 12B's image tokens see each other (image blocks)
-def test_an_image_inside_the_second_chunk_equals_transformers(variant):
+def test_an_image_inside_the_second_chunk_equals_transformers(variant, context_buckets):
     """A random multimodal model's prompt of three 32-token chunks with the red circle inside the
-    second: tokens and logits equal transformers' `generate(pixel_values=...)` over the whole prompt."""
+    second: tokens and logits equal transformers' `generate(pixel_values=...)` over the whole prompt.
+    With a context bucket of 64 the first two chunks read 64 slots (the image's, with its blocks)."""
     from gemma4lib.backends import registry
     from gemma4lib.models.vision import BOI_ID, EOI_ID, IMAGE_TOKEN_ID, VISION_DIR, expand_image_tokens
     from gemma4lib.reference import reference_for
@@ -272,6 +274,7 @@ def test_an_image_inside_the_second_chunk_equals_transformers(variant):
         images=(str(VISION_DIR / "images" / "red_circle.png"),),
         prefill_buckets=(bucket,),
         context_length=128,
+        context_buckets=context_buckets,
         seed=5,
     )
     model = load_model(settings)
@@ -285,7 +288,12 @@ def test_an_image_inside_the_second_chunk_equals_transformers(variant):
     positions = tuple(i for i, t in enumerate(ids) if t == token_id)
     assert bucket <= positions[0] and positions[-1] < 2 * bucket and len(ids) > 2 * bucket
     images = ImagePrompt(data["pixel_values"], data["image_position_ids"], counts, positions)
+    chunk_reads = []
+    if context_buckets:
+        inner = engine.steps.contexts[f"prefill{bucket}"][64]
+        engine.steps.contexts[f"prefill{bucket}"][64] = lambda *a: chunk_reads.append(int(a[-2][0])) or inner(*a)
     row = engine.generate_rows([Request(ids, 6, images=images)], keep_logits=True).rows[0]
+    assert chunk_reads == ([0, bucket] if context_buckets else [])
     reference = reference_for(model, images)
     assert row.chunks == 3 and row.tokens == reference_greedy(reference, ids, 6) and len(set(row.tokens)) > 1
     assert engine.image_blocks == (variant == "12b")
