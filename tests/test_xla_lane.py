@@ -735,6 +735,8 @@ def test_hlo_audit_bytes_table_checks_can_fail():
     assert len(scatter) == 1 and "scatter %s" in scatter[0]
     into = graph_bytes.kv_access(_kv_hlo(out="b"), [0], kv_outputs=1)
     assert into.elementwise == () and len(into.elementwise_into) == 1 and "gather %n" in into.elementwise_into[0]
+    # the byte audit's read of the K/V: its gathered rows; the scatter into it and the output read none
+    assert hlo_audit.audit_hlo(_kv_hlo())[0].read_bytes == 2 * 4 * 16 * 4
 
     assert _bytes_row().failures() == []
     assert _bytes_row(kv_bytes_written=1075).failures() == []  # within 1.05 x
@@ -780,6 +782,9 @@ def test_hlo_audit_bytes_table_holds_its_bounds(xla_lane):
         assert (r.new_positions_bytes == 0) == (r.graph == "draft"), table
         returned = {"decode_ids": 4 * r.batch, "decode": 4 * r.batch * vocab, "row_join": 4 * vocab}
         assert r.bytes_returned == returned.get(r.graph, r.bytes_returned), table
-    # a join writes one row's new positions: a quarter of the batch-4 prefill's
+    # a join writes one row's new positions, a quarter of the batch-4 prefill's, and reads one row's
+    # K/V (what a batch-1 decode reads) and the old values of the slots it writes
     prefill = {r.tokens: r for r in rows if r.graph == "prefill" and r.batch == 4 and not r.ring}
     assert all(4 * j.kv_bytes_written == prefill[j.tokens].kv_bytes_written for j in joins), table
+    one_row = next(r.kv_bytes_read for r in rows if r.graph == "decode" and r.batch == 1)
+    assert all(j.kv_bytes_read == one_row + j.kv_bytes_written < prefill[j.tokens].kv_bytes_read for j in joins)

@@ -3,9 +3,12 @@
 `hlo_audit` sets each decode graph's bytes *read* next to the roofline. This table covers every graph
 a port serves with (prefill at each bucket, decode with logits and the ids-returning decode, drafting's
 verify of k + 1 tokens and the assistant's draft, the one-row join), lowered from the tiny fixtures
-(`hlo_audit._tiny`) through torch_xla and never executed, and adds what a device across a bus pays
-for beside the weights:
+(`hlo_audit._tiny`) through torch_xla and never executed, and tables per graph what a device across
+a bus pays for:
 
+- **Weights and K/V bytes read**: `hlo_audit.audit_hlo`'s rules (a gather reads its slices, a dot its
+  operand whole; the scatter into a K/V buffer and the output handing it back read none of it: a
+  join reads its row's K/V, not the batch's).
 - **K/V bytes written** (`hlo_audit.kv_bytes_written`): the updates of the scatters /
   dynamic-update-slices each returned K/V buffer is made of; a buffer returned any other way counts
   whole. Set against the **new positions' bytes**: for every K/V buffer `[B, heads, slots, D]`, the

@@ -11,16 +11,21 @@ Two halves:
   the bytes the program reads of it. The rules are deliberately simple (pre-optimisation HLO, as
   torch_xla emits it and neuronx-cc receives it):
 
-  * Uses are followed through `reshape`/`bitcast` (same bytes, new shape) and through
-    `transpose`/`copy` (a re-layout, remembered on the path).
+  * Uses are followed through `reshape`/`bitcast` (same bytes, new shape) and transposes that move
+    no dimension (torch_xla emits them), and through other `transpose`s and `copy` (a re-layout,
+    remembered on the path).
   * A `gather` or `dynamic-slice` that takes the parameter as its data operand (operand 0), or a
     static `slice` of it, reads its *output* size: the slices it fetches, repeats included (a
     gather of k rows reads k rows, even when fewer distinct rows exist).
   * A `dot` reads the parameter whole. A transpose on the way to a dot is not a copy: compilers
     fold it into the dot's contracting dimensions (XLA's TransposeFolding; torch_xla writes every
     `F.linear` weight that way).
-  * Any other use (elementwise, broadcast, scatter, dynamic-update-slice, a collective, the
-    output tuple) reads it whole.
+  * A `scatter` or `dynamic-update-slice` *into* the parameter (its operand 0) reads none of it:
+    the result is the same buffer updated in place (the device aliases the K/V to their outputs),
+    whose uses are followed as the parameter's (its re-layouts unflagged: state, not a weight). The
+    root tuple reads nothing: an output that is a parameter, or an update of one, is state handed
+    back, not read.
+  * Any other use (elementwise, broadcast, a scatter's updates, a collective) reads it whole.
   * A parameter that reaches anything but a dot through a `transpose` or `copy` is *flagged*
     (when it holds at least `min_flag_bytes`): the re-layout touches every byte of it each
     execution — for an expert shard, a full copy per step where k slices were meant — and its
@@ -272,21 +277,32 @@ def audit_hlo(hlo_text: str, *, min_flag_bytes: int = 1024) -> list[ParamRead]:
 
 
 def _follow(
-    name: str, path: tuple[Instruction, ...], users: Users, read: ParamRead, operand_types: dict[str, str]
+    name: str,
+    path: tuple[Instruction, ...],
+    users: Users,
+    read: ParamRead,
+    operand_types: dict[str, str],
+    state: bool = False,
 ) -> tuple[int, bool]:
-    """Walk the uses of `name` (an alias of the parameter): (partial bytes, read whole?)."""
+    """Walk the uses of `name` (an alias of the parameter): (partial bytes, read whole?). `state`: past
+    an in-place update (device state, the K/V): its re-layouts on the way to attention are not
+    flagged, they copy no weight."""
     partial, whole = 0, False
     for user, position in users.get(name, ()):
-        if user.opcode in VIEW_OPS:
-            p, w = _follow(user.name, path, users, read, operand_types)
+        if user.opcode in VIEW_OPS or _identity(user):
+            p, w = _follow(user.name, path, users, read, operand_types, state)
         elif user.opcode in RELAYOUT_OPS:
-            p, w = _follow(user.name, path + (user,), users, read, operand_types)
+            p, w = _follow(user.name, path if state else path + (user,), users, read, operand_types, state)
+        elif user.opcode in WRITE_OPS and position == 0:  # updated in place: the same buffer after
+            p, w = _follow(user.name, path, users, read, operand_types, True)
+        elif user.opcode == "tuple" and user.root:  # an output: state handed back (aliased), not read
+            p, w = 0, False
         elif user.opcode in PARTIAL_OPS and position == 0:
             p, w = type_bytes(user.type), False
             read.partial_ops.append(f"{user.opcode} {user.type.split('{')[0]}")
             _note_relayouts(read, path, user)
             operand_type = operand_types[name]
-            if user.opcode == "gather" and not gather_slices_contiguous(operand_type, user.attrs):
+            if user.opcode == "gather" and not state and not gather_slices_contiguous(operand_type, user.attrs):
                 read.strided_gathers.append(
                     f"gather %{user.name} of {operand_type}: {_attr(user.attrs, 'slice_sizes')}"
                 )
