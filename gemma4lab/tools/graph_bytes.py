@@ -109,6 +109,16 @@ def _ints(attrs: str, key: str) -> list[int]:
     return [int(x) for x in match.group(1).split(",") if x] if match else []
 
 
+def _elementwise_read(ins: Instruction, operand: str) -> str | None:
+    """A gather / dynamic-slice of `operand` (its type) taking 1 element along its minor dimension."""
+    minor, dims = minor_dimension(operand), array_dims(operand)
+    key = "slice_sizes" if ins.opcode == "gather" else "dynamic_slice_sizes"
+    sizes = _ints(ins.attrs, key) or list(array_dims(ins.type))
+    if dims[minor] > 1 and sizes[minor] == 1:
+        return f"{ins.opcode} %{ins.name} of {operand}: slice 1 along D ({dims[minor]})"
+    return None
+
+
 def kv_access(hlo_text: str, kv_params: Collection[int], kv_outputs: int = 0) -> KVAccess:
     """Gather / scatter elements over the K/V entry parameters `kv_params` (by parameter number), the
     element-wise ones (module docstring), and the element-wise gathers into the K/V returned as the
@@ -130,10 +140,8 @@ def kv_access(hlo_text: str, kv_params: Collection[int], kv_outputs: int = 0) ->
             kv.add(ins.name)
         elif ins.opcode in READS:
             gathered += elements(ins.type)
-            key = "slice_sizes" if ins.opcode == "gather" else "dynamic_slice_sizes"
-            sizes = _ints(ins.attrs, key) or list(array_dims(ins.type))
-            if dims[minor] > 1 and sizes[minor] == 1:
-                elementwise.append(f"{ins.opcode} %{ins.name} of {operand}: slice 1 along D ({dims[minor]})")
+            if (found := _elementwise_read(ins, operand)) is not None:
+                elementwise.append(found)
         elif ins.opcode in WRITE_OPS:
             kv.add(ins.name)  # the updated buffer: later reads and writes of it are over the K/V
             update = types[ins.operands[WRITE_OPS[ins.opcode]]]
@@ -165,12 +173,9 @@ def _gathers_into(instructions: Sequence[Instruction], kv_outputs: int, kv: set[
         if ins is None:
             continue
         if ins.opcode in READS:
-            operand = by_name[ins.operands[0]].type
-            minor, dims = minor_dimension(operand), array_dims(operand)
-            key = "slice_sizes" if ins.opcode == "gather" else "dynamic_slice_sizes"
-            sizes = _ints(ins.attrs, key) or list(array_dims(ins.type))
-            if ins.operands[0] not in kv and dims[minor] > 1 and sizes[minor] == 1:
-                found.append(f"{ins.opcode} %{ins.name} of {operand}: slice 1 along D ({dims[minor]})")
+            gather = _elementwise_read(ins, by_name[ins.operands[0]].type)
+            if ins.operands[0] not in kv and gather is not None:
+                found.append(gather)
             continue
         if ins.opcode in VIEW_OPS or ins.opcode in RELAYOUT_OPS:
             positions: Sequence[int] = (0,)
@@ -219,6 +224,11 @@ class GraphBytes:
         if not self.ring_longer:
             out += [f"element-wise into the K/V: {e}" for e in self.elementwise_into]
         return out
+
+    @property
+    def rows(self) -> int:
+        """The rows the call computes (a join: its one row of the batch)."""
+        return 1 if self.graph == "row_join" else self.batch
 
     @property
     def label(self) -> str:
@@ -335,7 +345,7 @@ def format_table(rows: Sequence[GraphBytes]) -> str:
         lines.append(
             f"| {r.variant} | {r.label} | {r.batch} | {r.weight_bytes_read:,} | {r.kv_bytes_read:,} "
             f"| {r.kv_bytes_written:,} | {r.new_positions_bytes:,} | {ratio} | {r.bytes_returned:,} "
-            f"| {r.bytes_returned // r.batch:,} | {r.gather_elements:,} | {r.scatter_elements:,} "
+            f"| {r.bytes_returned // r.rows:,} | {r.gather_elements:,} | {r.scatter_elements:,} "
             f"| {len(r.elementwise)} / {len(r.elementwise_into)} | {bounds} |"
         )
     return "\n".join(lines)
