@@ -425,7 +425,7 @@ def test_e2b_decode_chooses_on_xla_the_tokens_the_logits_step_gives(xla_lane):
     model = load_model(settings)
     compiled = compile_graphs(model, settings)
     engine, ids = compiled.runtime, prompt_ids(model, settings)
-    samplings = [Sampling(), Sampling(temperature=0.8, seed=5), Sampling(temperature=1.2, seed=9)]
+    samplings = [Sampling(), Sampling(temperature=0.8, seed=5), Sampling(temperature=1.2, top_p=0.7, seed=9)]
 
     def run(keep_logits: bool) -> list[list[int]]:
         requests = [Request(ids, 12, s, ()) for s in samplings]
@@ -439,7 +439,7 @@ def test_e2b_decode_chooses_on_xla_the_tokens_the_logits_step_gives(xla_lane):
     assert report["xla_compilations"]["decode_ids"] <= 1 and report["xla_graph_hashes"]["decode_ids"] == 1
     assert report["xla_steps"]["decode_ids"] == 11 and report["xla_executions"] == report["xla_steps"]
     graph = compiled.graphs.decode_ids
-    assert graph.example_inputs()[graph.num_inputs - 1].shape == (3, 2)  # (temperature, draw) a row
+    assert graph.example_inputs()[graph.num_inputs - 1].shape == (3, 3)  # (temperature, draw, top_p) a row
 
 
 # ---- images (docs/IMAGES.md): the vision graph through torch_xla beside prefill and decode ----------
