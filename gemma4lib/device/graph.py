@@ -134,15 +134,18 @@ class ExplicitKV:
         place on the K/V input and XLA lowers as a scatter of T x D-wide rows (NxD Inference's
         context-encoding write), not a rewrite of every slot. A token past its row's length (padding,
         an idle row) puts back what its slot holds. A ring shorter than the chunk would take two
-        tokens in one slot: there each slot takes its newest token, row-wise."""
-        b, (heads, slots, dim), tokens = new.shape[0], old.shape[1:], new.shape[2]
+        tokens in one slot: there each slot takes its newest token, a D-wide row of the chunk."""
+        b, (heads, slots, _), tokens = new.shape[0], old.shape[1:], new.shape[2]
         if tokens > slots:
             s = torch.arange(slots, device=old.device, dtype=self.start.dtype)
             last = (self.length - 1)[:, None]  # [B, 1]
             src = last - torch.remainder(self.start[:, None] + last - s[None, :], slots)  # [B, S]
             keep_old = (src < 0).view(b, 1, slots, 1)
-            index = src.clamp(min=0).long().view(b, 1, slots, 1).expand(b, heads, slots, dim)
-            merged = torch.where(keep_old, self._read(old), torch.gather(new, 2, index))
+            # D-wide rows of the chunk (an XLA gather of [1, 1, 1, D] slices, never one element each)
+            rows_at = torch.arange(b, device=old.device).view(b, 1, 1)
+            heads_at = torch.arange(heads, device=old.device).view(1, heads, 1)
+            picked = new[rows_at, heads_at, src.clamp(min=0).long().view(b, 1, slots)]
+            merged = torch.where(keep_old, self._read(old), picked)
             if self.rows is not None:  # a join: the row's whole ring
                 return old.index_copy(0, self.rows, merged)
             return old.copy_(merged) if self.inplace else merged
