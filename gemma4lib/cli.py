@@ -135,8 +135,7 @@ def serving_defaults(kwargs: dict[str, Any]) -> dict[str, Any]:
     from .backends.facts import runs_row_prefill
 
     tp, batch = int(kwargs.get("tp_degree", 1)), int(kwargs.get("batch_size", 1))
-    drafted = kwargs.get("draft") is not None
-    kwargs["row_prefill"] = runs_row_prefill(str(kwargs.get("backend", "cpu")), tp, drafted) and batch > 1
+    kwargs["row_prefill"] = runs_row_prefill(str(kwargs.get("backend", "cpu")), tp) and batch > 1
     return kwargs
 
 

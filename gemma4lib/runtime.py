@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 
 from .device.embedder import HostEmbedder
-from .device.graph import INDEX_DTYPE, index_tensor, inverse_cdf
+from .device.graph import INDEX_DTYPE, index_tensor, inverse_cdf, nucleus
 from .errors import (
     BadPromptError,
     BatchTooLargeError,
@@ -72,12 +72,11 @@ GREEDY = Sampling()
 
 
 def sampling_probs(logits: torch.Tensor, sampling: Sampling, cap: float | None) -> torch.Tensor:
-    """The distribution sampling draws from: softcap, temperature, then the top-p nucleus."""
+    """The distribution sampling draws from: softcap, temperature, then the top-p nucleus (the device's
+    rule, `graph.nucleus`)."""
     probs = torch.softmax(softcap(logits.float(), cap) / sampling.temperature, dim=-1)
     if sampling.top_p < 1.0:
-        sorted_probs, order = torch.sort(probs, descending=True)
-        keep = torch.cumsum(sorted_probs, 0) - sorted_probs < sampling.top_p
-        probs = torch.zeros_like(probs).scatter(0, order[keep], sorted_probs[keep])
+        probs = nucleus(probs, sampling.top_p)
     return probs / probs.sum()
 
 
@@ -131,7 +130,7 @@ class Steps:
     prefill: dict[int, Step] = field(default_factory=dict)
     decode: Step | None = None
     # `decode_ids(*embeds, start, length, sampling)`: each row's next token `[B]` chosen on the device,
-    # `sampling [B, 2]` = (temperature, `draw`); -1 where its logits were not finite (`graph.choose_tokens`)
+    # `sampling [B, 3]` = (temperature, `draw`, top_p); -1 where its logits were not finite (`graph.choose_tokens`)
     decode_ids: Step | None = None
     verify: Step | None = None
     draft: Step | None = None
@@ -750,17 +749,17 @@ class Engine:
     @staticmethod
     def _device_chooses(row: _Row) -> bool:
         """Whether the device may choose this row's token: no one reads its logits (kept for a check,
-        watched) and its sampling has no nucleus (the device's draw covers the whole vocabulary)."""
-        return not row.keep_logits and row.request.watch is None and row.request.sampling.top_p >= 1.0
+        watched)."""
+        return not row.keep_logits and row.request.watch is None
 
     def _ids_step(self, live: list[int], tokens: torch.Tensor, start: list[int], length: list[int]):
         """One decode step whose tokens the device chooses (`Steps.decode_ids`): 4 bytes a row come
         back. Each sampled row draws its number here, one per token, as `choose_token` would."""
-        sampling = torch.zeros(self.batch, 2)
+        sampling = torch.zeros(self.batch, 3)
         for r in live:
-            row = self.rows[r]
-            if not row.request.sampling.greedy:
-                sampling[r] = torch.tensor([row.request.sampling.temperature, draw(row.generator)])
+            chosen = self.rows[r].request.sampling
+            if not chosen.greedy:
+                sampling[r] = torch.tensor([chosen.temperature, draw(self.rows[r].generator), chosen.top_p])
         step = self.reading("decode_ids", self.steps.decode_ids, max(start) + 1)
         (ids,) = _outputs(step(*self.embed(tokens), index_tensor(start), index_tensor(length), sampling), 1)
         new = {}

@@ -306,11 +306,10 @@ class PortSettings:
             self.row_prefill = words[self.row_prefill.strip().lower()]
         if not isinstance(self.row_prefill, bool):
             raise SettingsError(f"row_prefill must be True or False, got {self.row_prefill!r}")
-        if self.row_prefill and not runs_row_prefill(self.backend, self.tp_degree, self.draft is not None):
+        if self.row_prefill and not runs_row_prefill(self.backend, self.tp_degree):
             raise SettingsError(
                 f"row_prefill runs one-row prefill graphs (backend {names_where(lambda f: f.row_prefill)}; not at "
-                f"tp_degree > 1 on CPU ranks, nor drafting on {names_where(lambda f: f.rank_graphs)}); backend "
-                f"{self.backend!r} at tp_degree {self.tp_degree} with draft={self.draft!r} has none: use "
+                f"tp_degree > 1 on CPU ranks); backend {self.backend!r} at tp_degree {self.tp_degree} has none: use "
                 f"row_prefill=False there (joins use the batch-shaped prefill; README, serving)"
             )
 

@@ -1,8 +1,8 @@
 """A decode step that chooses its tokens on the device (issue 46 item 2): `DeviceGraph(chooses=True)`
 returns 4 bytes a row where the plain decode returns the vocabulary's logits, and the engine takes it
 whenever no row needs its logits. The device's rule is the host's (argmax, or the row's own draw in the
-cumulative distribution), so the tokens are the same whichever step ran: greedy and sampled, alone
-and in a batch, with a nucleus row forcing the logits step."""
+cumulative distribution of its top-p nucleus), so the tokens are the same whichever step ran: greedy,
+sampled and nucleus-sampled, alone and in a batch."""
 
 from __future__ import annotations
 
@@ -59,9 +59,7 @@ def test_the_device_chooses_the_tokens_the_host_would(e2b, samplings):
     got = device.generate_rows(_requests(e2b, samplings))
     assert [r.tokens for r in got.rows] == [r.tokens for r in want.rows]
     assert all(len(r.tokens) > 1 for r in got.rows)
-    nucleus = any(s.top_p < 1.0 for s in samplings)
-    # a nucleus row needs the logits on the host: every step of that batch is the logits step
-    assert (len(calls) == 0) if nucleus else (len(calls) == len(got.step_s) > 0)
+    assert len(calls) == len(got.step_s) > 0  # every decode step returned ids, nucleus rows included
     # a sampled row alone draws the same tokens as in the batch (its own generator, one draw a token)
     alone = _engine(e2b, chooses=True)[0].generate_rows(_requests(e2b, samplings[:1])).rows[0]
     assert alone.tokens == got.rows[0].tokens
@@ -85,16 +83,34 @@ def test_the_ids_graph_returns_four_bytes_a_row(e2b):
 def test_choose_tokens_is_the_host_rule_and_flags_a_broken_row():
     torch.manual_seed(0)
     logits = torch.randn(4, 50) * 4
-    sampling = torch.tensor([[0.0, 0.3], [0.7, 0.05], [1.3, 0.999], [1.0, 1.0]])
+    sampling = torch.tensor([[0.0, 0.3, 1.0], [0.7, 0.05, 1.0], [1.3, 0.999, 0.5], [1.0, 1.0, 1.0], [1.0, 1.0, 0.3]])
+    logits = torch.cat([logits, logits[3:]])
     got = choose_tokens(logits, sampling, 30.0).tolist()
     assert got[0] == int(logits[0].argmax())
-    for r in (1, 2, 3):
-        u = float(sampling[r, 1])
-        generator = _FixedDraw(u)
-        assert got[r] == choose_token(logits[r], Sampling(temperature=float(sampling[r, 0])), 30.0, generator)
+    for r in range(1, len(got)):
+        temperature, u, top_p = sampling[r].tolist()
+        chosen = Sampling(temperature=temperature, top_p=top_p)
+        assert got[r] == choose_token(logits[r], chosen, 30.0, _FixedDraw(u))
+    assert got[4] != got[3]  # u = 1 takes the last token of the nucleus, not of the vocabulary
     broken = logits.clone()
     broken[2, 5] = float("nan")
-    assert choose_tokens(broken, sampling, 30.0).tolist() == [got[0], got[1], -1, got[3]]
+    assert choose_tokens(broken, sampling, 30.0).tolist() == [*got[:2], -1, *got[3:]]
+
+
+def test_the_nucleus_without_a_sort_is_the_sorted_nucleus():
+    """`graph.nucleus` keeps what the sorted cumulative sum keeps (the tokens before the one that
+    reaches top_p, and that one), on peaked and flat distributions, without sorting the vocabulary."""
+    from gemma4lib.device.graph import nucleus
+
+    torch.manual_seed(1)
+    for scale in (0.5, 3.0, 8.0):
+        probs = torch.softmax(torch.randn(6, 300) * scale, -1)
+        for top_p in (0.05, 0.5, 0.9, 0.999):
+            ordered, order = torch.sort(probs, -1, descending=True)
+            sorted_keep = torch.cumsum(ordered, -1) - ordered < top_p
+            want = torch.zeros_like(probs, dtype=torch.bool).scatter(-1, order, sorted_keep)
+            got = nucleus(probs, torch.full((6,), top_p)) > 0
+            assert torch.equal(got, want), (scale, top_p, (got != want).sum())
 
 
 class _FixedDraw:

@@ -135,6 +135,58 @@ def test_the_drafting_keys_run_on_cpu_from_the_nxd_checkpoint():
     assert generation.accepted_per_step > 1.0
 
 
+def test_a_drafted_batch_compiles_a_join_key_per_bucket(tmp_path, monkeypatch):
+    """With joins (a server's drafted batch on neuron): a `row_prefill<bucket>` key per bucket at one
+    row, its int32 row index first, with the prefill compiler set and the same K/V states as the other
+    keys; it never routes like another key (one input more)."""
+    _, model, assistant = _pair("e2b")
+    recorder = _Recorder()
+    monkeypatch.setattr(neuron_env, "require", lambda module, purpose="": recorder.module)
+    with pytest.raises(RuntimeError, match="stop: no Neuron compiler here"):
+        neuron_drafting.compile_drafting(
+            model, assistant, 1, tmp_path, context_length=128, buckets=(16, 64), draft_tokens=K, batch=2, joins=True
+        )
+    adds = {args["key"]: args for kind, args in recorder.calls if kind == "add"}
+    assert list(adds) == ["prefill16", "prefill64", "verify", "draft", "row_prefill16", "row_prefill64"]
+    for bucket in (16, 64):
+        join, batched = adds[f"row_prefill{bucket}"], adds[f"prefill{bucket}"]
+        assert join["inputs"][0] == (1,) and join["dtypes"][0] == torch.int32
+        assert join["inputs"][1][:2] == (1, bucket) and batched["inputs"][0][:2] == (2, bucket)
+        assert join["compiler_args"] == batched["compiler_args"]
+    shapes = [[tuple(s) for s in a["inputs"]] for a in adds.values()]
+    assert len({str(s) for s in shapes}) == len(shapes)  # NxD's router tells every key apart
+
+
+def test_a_drafting_join_writes_one_row_and_equals_the_batch_prefill():
+    """The join key's module on CPU (TP 1, CPU layers): a prompt joined into row 1 of a batch of 2
+    writes only row 1's K/V, the other row's stays bit-identical, and its logits and hidden state
+    equal the batch-shaped prefill's for that row."""
+    settings, model, assistant = _pair("e2b")
+    plan = make_plan(model.config, 1, model.variant)
+    shapes = neuron_drafting.drafting_shapes(64, (16,), K, True, batch=2, joins=True)
+    modules = neuron_drafting.build_drafting_modules(
+        model.config, assistant.model.config, plan, assistant.read_layers, shapes, K, factory=CpuParallelFactory(1)
+    )
+    checkpoint = neuron_drafting.drafting_checkpoint(model, assistant, plan, torch.float32)
+    modules["prefill16"].load_state_dict(checkpoint, strict=False)
+    join, batched = modules["row_prefill16"], modules["prefill16"]
+    assert join.kv is batched.kv and join.num_inputs == batched.num_inputs + 1
+    from gemma4lib.device.embedder import HostEmbedder
+
+    ids = list(prompt_ids(model, settings))[:12]
+    embeds, ple = HostEmbedder.from_text_model(model.text_model).inputs(torch.tensor([ids]), pad_to=16)
+    start, length = torch.tensor([0], dtype=torch.int32), torch.tensor([12], dtype=torch.int32)
+    for t in join.kv:
+        t.data.normal_()  # row 0 holds another request's K/V
+    before = [t.detach().clone() for t in join.kv]
+    logits, hidden = KVDraftStep(join)(torch.tensor([1], dtype=torch.int32), embeds, ple, start, length)
+    for old, new in zip(before, join.kv, strict=True):
+        assert torch.equal(old[0], new[0]) and not torch.equal(old[1], new[1])
+    both = KVDraftStep(batched)(embeds.expand(2, -1, -1), ple.expand(2, -1, -1, -1), start.repeat(2), length.repeat(2))
+    torch.testing.assert_close(logits[0], both[0][1], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(hidden[0], both[1][1], rtol=1e-4, atol=1e-4)
+
+
 def test_the_host_calls_the_key_by_its_inputs():
     from gemma4lib.backends.neuron import drafting_steps
 
@@ -144,10 +196,13 @@ def test_the_host_calls_the_key_by_its_inputs():
             forward=lambda inputs: calls.append(inputs) or (torch.ones(1, 8), torch.zeros(1, 4))
         )
     )
-    steps = drafting_steps(traced, (64,), has_ple=True)
+    steps = drafting_steps(traced, (64,), has_ple=True, joins=True)
     logits, hidden = steps.draft(torch.zeros(1, 1, 8), torch.tensor([3]))
     steps.verify(*[torch.zeros(1)] * 4, torch.zeros(2))  # host K/V arguments (none here) are dropped
-    assert [len(c) for c in calls] == [2, 4] and logits.dtype == torch.float32
+    steps.row_prefill[64](1, *[torch.zeros(1)] * 4)  # a join: its row index goes first, as int32
+    assert [len(c) for c in calls] == [2, 4, 5] and logits.dtype == torch.float32
+    assert calls[2][0].tolist() == [1] and calls[2][0].dtype == torch.int32
+    assert drafting_steps(traced, (64,), has_ple=True).row_prefill == {}
 
 
 def test_a_prefill_bucket_shaped_like_verify_is_refused():

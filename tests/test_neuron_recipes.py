@@ -701,7 +701,7 @@ def test_a_traced_module_returning_its_aliased_states_passes_the_first_call():
 class _FakeNxDModel:
     """A loaded compiled model as the host sees it: the logits, then `states` device-resident
     tensors (a traced module that hands its aliased K/V states back). A call whose last input is the
-    sampling `[B, 2]` float32 is routed, as NxD routes by input shapes, to the key that returns ids."""
+    sampling `[B, 3]` float32 is routed, as NxD routes by input shapes, to the key that returns ids."""
 
     def __init__(self, vocab, states=0):
         self.vocab, self.states, self.calls = vocab, states, []
@@ -746,7 +746,7 @@ def test_backend_neuron_keeps_no_host_kv(tmp_path, monkeypatch):
     assert len(tokens) == 3 and len(fake.calls) == 3  # one prefill call, two decode steps
     # nobody reads the logits: the decode steps went to the key that returns ids (one input more,
     # the sampling [1, 2] in float32; start/length int32) and the device's token is the row's
-    assert [len(call) for call in fake.calls] == [4, 5, 5] and fake.calls[1][-1] == ((1, 2), torch.float32)
+    assert [len(call) for call in fake.calls] == [4, 5, 5] and fake.calls[1][-1] == ((1, 3), torch.float32)
     assert fake.calls[1][-3:-1] == [((1,), torch.int32)] * 2 and tokens[1:] == [7, 7]
     assert fake.keyed_calls == 2  # its arity is not the saved executor's: through nxd_model.forward
     kept = compiled.runtime.generate([5, 6, 7], 3, keep_logits=True)  # a check keeps them: the logits key
@@ -785,7 +785,7 @@ def test_backend_neuron_batch_reaches_every_model_builder_key(tmp_path, monkeypa
     for a in adds:
         assert a["inputs"][0][0] == 3 and a["inputs"][0][2] == hidden, a  # embeddings [3, T, H]
     assert all(a["inputs"][-2:] == [(3,), (3,)] for a in adds[:3])  # start and length: one per row
-    assert adds[3]["inputs"][-3:] == [(3,), (3,), (3, 2)]  # then (temperature, draw) a row
+    assert adds[3]["inputs"][-3:] == [(3,), (3,), (3, 3)]  # then (temperature, draw, top_p) a row
     shapes = {"prefill16": 16, "prefill64": 64, "decode": 1, "decode_ids": 1}
     assert [{n: s.tokens for n, s in k.items()} for k in keys] == [shapes]
 

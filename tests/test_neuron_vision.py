@@ -103,7 +103,7 @@ class _FakeNeuronx:
 
 class _FakeDecoder:
     """The loaded ModelBuilder model: logits of zeros, no states; token 0 from the key that returns
-    ids (the call whose last input is the sampling `[B, 2]`, as NxD routes by input shapes)."""
+    ids (the call whose last input is the sampling `[B, 3]`, as NxD routes by input shapes)."""
 
     def __init__(self, vocab):
         self.vocab, self.calls = vocab, 0

@@ -109,7 +109,6 @@ def test_the_bundle_knows_the_row_graphs():
 @pytest.mark.parametrize(
     "kwargs",
     [
-        {"backend": "neuron", "draft": "assistant"},  # the drafting keys have no join key
         {"backend": "cpu", "tp_degree": 2},
         {"backend": "cpu", "row_prefill": "sometimes"},
     ],
@@ -126,6 +125,6 @@ def test_a_server_prefills_rows_alone_unless_told_otherwise():
     for backend in ("xla", "neuron"):  # joins through the join graph (`device.row_join`): the same default
         assert serving_defaults({"variant": "e2b", "batch_size": 4, "backend": backend})["row_prefill"] is True
     drafted = {"variant": "e2b", "batch_size": 4, "backend": "neuron", "draft": "assistant"}
-    assert serving_defaults(drafted)["row_prefill"] is False
+    assert serving_defaults(drafted)["row_prefill"] is True  # the drafting keys have their joins too
     assert serving_defaults({"variant": "e2b", "batch_size": 4, "row_prefill": False})["row_prefill"] is False
     assert PortSettings(variant="e2b", batch_size=4, row_prefill="true").row_prefill is True  # `serve run` key=value

@@ -498,7 +498,7 @@ def test_e2b_decode_chooses_on_xla_the_tokens_the_logits_step_gives(xla_lane):
     model = load_model(settings)
     compiled = compile_graphs(model, settings)
     engine, ids = compiled.runtime, prompt_ids(model, settings)
-    samplings = [Sampling(), Sampling(temperature=0.8, seed=5), Sampling(temperature=1.2, seed=9)]
+    samplings = [Sampling(), Sampling(temperature=0.8, seed=5), Sampling(temperature=1.2, top_p=0.7, seed=9)]
 
     def run(keep_logits: bool) -> list[list[int]]:
         requests = [Request(ids, 12, s, ()) for s in samplings]
@@ -512,7 +512,7 @@ def test_e2b_decode_chooses_on_xla_the_tokens_the_logits_step_gives(xla_lane):
     assert report["xla_compilations"]["decode_ids"] <= 1 and report["xla_graph_hashes"]["decode_ids"] == 1
     assert report["xla_steps"]["decode_ids"] == 11 and report["xla_executions"] == report["xla_steps"]
     graph = compiled.graphs.decode_ids
-    assert graph.example_inputs()[graph.num_inputs - 1].shape == (3, 2)  # (temperature, draw) a row
+    assert graph.example_inputs()[graph.num_inputs - 1].shape == (3, 3)  # (temperature, draw, top_p) a row
 
 
 # ---- images (docs/IMAGES.md): the vision graph through torch_xla beside prefill and decode ----------
@@ -757,15 +757,107 @@ def test_a_join_on_xla_writes_its_row_and_no_other(xla_lane):
     assert session.report()["xla_fallbacks"] == 0
 
 
-def test_hlo_audit_lists_the_join_with_only_its_new_positions_written(xla_lane):
-    """The byte audit's join row: the lowered join graph writes exactly its bucket's new positions of
-    one row into every K/V buffer (a scatter per buffer, never a rewrite of the row or the batch) and
-    returns one row's logits to the host."""
+# ---- issue 46's byte table (`tools.graph_bytes`): what every graph writes, returns and gathers ------
+
+from gemma4lab.tools import graph_bytes  # noqa: E402  (imports without torch_xla)
+
+_KV_HLO = """HloModule m
+ENTRY %main (p0: f32[2,1,8,16], p1: s32[2,1,4,3], p2: f32[2,1,4,16]) -> (f32[2,1,4,16], f32[2,1,8,16]) {
+  %p0 = f32[2,1,8,16]{3,2,1,0} parameter(0)
+  %p1 = s32[2,1,4,3]{3,2,1,0} parameter(1)
+  %p2 = f32[2,1,4,16]{3,2,1,0} parameter(2)
+  %r = f32[2,1,8,16]{3,2,1,0} reshape(%p0)
+  %g = f32[2,1,4,16]{3,2,1,0} gather(%r, %p1), SLICE
+  %s = f32[2,1,8,16]{3,2,1,0} scatter(%p0, %p1, %p2), INSERTED, to_apply=%add
+  %n = f32[2,1,8,16]{3,2,1,0} gather(%p2, %p1), slice_sizes={1,1,1,1}
+  %b = f32[2,1,8,16]{3,2,1,0} broadcast(%n), dimensions={0,1,2,3}
+  ROOT %t = (f32[2,1,4,16]{3,2,1,0}, f32[2,1,8,16]{3,2,1,0}) tuple(%g, %OUT)
+}
+"""
+
+
+def _kv_hlo(slice_sizes="1,1,1,16", inserted="0,1,2", out="s") -> str:
+    """A K/V buffer [2, 1, 8, 16] (parameter 0) gathered (through a reshape) and scattered into; the
+    returned K/V is the scatter (`out="s"`) or an element gather of the new values (`out="b"`)."""
+    return (
+        _KV_HLO.replace("SLICE", f"slice_sizes={{{slice_sizes}}}")
+        .replace("INSERTED", f"update_window_dims={{3}}, inserted_window_dims={{{inserted}}}")
+        .replace("%OUT", f"%{out}")
+    )
+
+
+def _bytes_row(**changes) -> graph_bytes.GraphBytes:
+    row = dict(variant="e2b", graph="prefill", batch=4, tokens=8, ring=False, weight_bytes_read=1000)
+    row.update(kv_bytes_read=4096, kv_bytes_written=1024, new_positions_bytes=1024, bytes_returned=64)
+    row.update(gather_elements=256, scatter_elements=256)
+    return graph_bytes.GraphBytes(**{**row, **changes})
+
+
+def test_hlo_audit_bytes_table_checks_can_fail():
+    """The table's checker (no torch_xla): rows of D-wide gathers and scatters over the K/V pass and
+    count their elements; a D = 1 gather or scatter over the K/V, an element gather into it, a doubled
+    write and an ids decode returning logits are each flagged; a ring prefill longer than its ring is
+    exempt from the write bound only."""
+    access = graph_bytes.kv_access(_kv_hlo(), [0], kv_outputs=1)
+    assert access == graph_bytes.KVAccess(2 * 4 * 16, 2 * 4 * 16, (), ())
+    assert access == graph_bytes.kv_access(_kv_hlo(), [0])  # nothing gathered into it either way
+    assert graph_bytes.kv_access(_kv_hlo(), [1]).gather_elements == 0  # not the K/V: not counted
+    gather = graph_bytes.kv_access(_kv_hlo(slice_sizes="1,1,1,1"), [0]).elementwise
+    assert len(gather) == 1 and "gather %g" in gather[0] and "(16)" in gather[0]
+    scatter = graph_bytes.kv_access(_kv_hlo(inserted="0,1,2,3"), [0]).elementwise
+    assert len(scatter) == 1 and "scatter %s" in scatter[0]
+    into = graph_bytes.kv_access(_kv_hlo(out="b"), [0], kv_outputs=1)
+    assert into.elementwise == () and len(into.elementwise_into) == 1 and "gather %n" in into.elementwise_into[0]
+    # the byte audit's read of the K/V: its gathered rows; the scatter into it and the output read none
+    assert hlo_audit.audit_hlo(_kv_hlo())[0].read_bytes == 2 * 4 * 16 * 4
+
+    assert _bytes_row().failures() == []
+    assert _bytes_row(kv_bytes_written=1075).failures() == []  # within 1.05 x
+    assert "writes 2,048 K/V bytes for 1,024 new" in _bytes_row(kv_bytes_written=2048).failures()[0]
+    ids = _bytes_row(graph="decode_ids", tokens=1, bytes_returned=16 * 4)
+    assert ids.failures() == [] and _bytes_row(graph="decode", tokens=1, bytes_returned=4 * 810).failures() == []
+    assert "returns 3,240 bytes for 4 rows" in _bytes_row(graph="decode_ids", bytes_returned=4 * 810).failures()[0]
+    assert len(_bytes_row(elementwise=gather).failures()) == 1
+    assert len(_bytes_row(elementwise_into=into.elementwise_into).failures()) == 1
+    ring = _bytes_row(ring=True, tokens=16, ring_longer=True, kv_bytes_written=4096)
+    assert ring.failures() == [] and "no write bound" in graph_bytes.format_table([ring])
+    assert len(_bytes_row(ring=True, ring_longer=True, elementwise=gather).failures()) == 1
+    assert len(_bytes_row(ring=True, ring_longer=True, elementwise_into=["g"]).failures()) == 1
+
+
+def test_hlo_audit_bytes_table_holds_its_bounds(xla_lane):
+    """Issue 46's table on the tiny E2B at B = 1 and 4 (CI's HLO audit step runs it for the MoE as
+    well and writes its JSON): every graph writes exactly its new positions' K/V bytes, one scatter
+    element per new K/V element (a join: one row; the draft: nothing), the ids decode returns 4 bytes
+    a row, no element-wise gather over or into the K/V; a ring prefill longer than its ring is
+    labelled and rewrites its ring from D-wide rows of the chunk."""
     model = _audit_model("e2b")
-    audit, row = hlo_audit.audit_join(model, batch=3, bucket=8)
-    table = hlo_audit.format_join_table([row])
-    kv = [p for p, role in zip(audit.params, audit.roles, strict=True) if role == hlo_audit.KV]
-    assert len(kv) == len(model.layout.producers) * 2 and all(p.shape[0] == 3 for p in kv), table
-    one_row_slots = sum(p.bytes // (p.shape[0] * p.shape[2]) for p in kv) * 8  # 8 slots of one row per buffer
-    assert row["kv_written"] == row["new_positions"] == one_row_slots, table
-    assert row["returned"] == model.config.vocab_size * 4 and "row join" in table
+    rows = graph_bytes.audit_rows(model)
+    table = graph_bytes.format_table(rows)
+    assert [r.failures() for r in rows] == [[] for _ in rows], table
+    graphs = {(r.graph, r.batch, r.tokens, r.ring) for r in rows}
+    for b in graph_bytes.BATCHES:
+        for t in graph_bytes.BUCKETS:
+            assert {("prefill", b, t, False), ("prefill", b, t, True)} <= graphs, table
+        k = hlo_audit.VERIFY_DRAFTS
+        assert {("decode", b, 1, False), ("decode_ids", b, 1, False), ("verify", b, k + 1, False)} <= graphs
+        assert ("draft", b, 1, False) in graphs, table
+    joins = [r for r in rows if r.graph == "row_join"]
+    assert [(r.batch, r.tokens) for r in joins] == [(graph_bytes.JOIN_BATCH, t) for t in graph_bytes.BUCKETS]
+    vocab = model.config.vocab_size
+    for r in rows:
+        assert r.ring_longer == (r.ring and r.tokens > model.config.sliding_window), table
+        assert r.weight_bytes_read > 0 and r.kv_bytes_read > 0 and r.elementwise == r.elementwise_into == [], table
+        if r.ring_longer:  # the ring's rewrite: fewer bytes than the chunk's
+            assert r.kv_bytes_written < r.new_positions_bytes, table
+            continue
+        assert r.kv_bytes_written == r.new_positions_bytes == 4 * r.scatter_elements, table
+        assert (r.new_positions_bytes == 0) == (r.graph == "draft"), table
+        returned = {"decode_ids": 4 * r.batch, "decode": 4 * r.batch * vocab, "row_join": 4 * vocab}
+        assert r.bytes_returned == returned.get(r.graph, r.bytes_returned), table
+    # a join writes one row's new positions, a quarter of the batch-4 prefill's, and reads one row's
+    # K/V (what a batch-1 decode reads) and the old values of the slots it writes
+    prefill = {r.tokens: r for r in rows if r.graph == "prefill" and r.batch == 4 and not r.ring}
+    assert all(4 * j.kv_bytes_written == prefill[j.tokens].kv_bytes_written for j in joins), table
+    one_row = next(r.kv_bytes_read for r in rows if r.graph == "decode" and r.batch == 1)
+    assert all(j.kv_bytes_read == one_row + j.kv_bytes_written < prefill[j.tokens].kv_bytes_read for j in joins)

@@ -152,10 +152,10 @@ def runs_tp(name: str) -> bool:
     return row.tp or row.tp_ranks is not None
 
 
-def runs_row_prefill(name: str, tp_degree: int, drafted: bool = False) -> bool:
+def runs_row_prefill(name: str, tp_degree: int) -> bool:
     """Where one-row prefill graphs run (the one statement of the rule: settings refuse, a server turns
-    on): the running row's `row_prefill` (cpu at TP 2 runs gloo's), not drafting with rank graphs (no join key)."""
-    return (row := row_at(name, tp_degree)).row_prefill and not (drafted and row.rank_graphs)
+    on): the running row's `row_prefill` (cpu at TP 2 runs gloo's, which has none)."""
+    return row_at(name, tp_degree).row_prefill
 
 
 def names_where(flag: Callable[[BackendFacts], bool]) -> str:

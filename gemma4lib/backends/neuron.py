@@ -320,7 +320,8 @@ def compile_drafting(graphs: GraphSet, model: LoadedModel, settings: PortSetting
     tp, k = int(settings.tp_degree), int(graphs.draft_tokens)
     buckets = tuple(sorted(graphs.prefill))
     dtype = model.lm_head.weight.dtype
-    shapes = neuron_drafting.drafting_shapes(settings.context_length, buckets, k, settings.ring_kv, graphs.batch)
+    joins = bool(graphs.row_prefill)  # `PortSettings.builds_row_prefill`: a join key per bucket
+    shapes = neuron_drafting.drafting_shapes(settings.context_length, buckets, k, settings.ring_kv, graphs.batch, joins)
     _, parts = neuron_cache_key(model, neuron_drafting.RECIPE, tp, shapes, neuron_env.COMPILER_ARGS, dtype)
     parts["assistant"] = {"config": assistant.model.config.to_json_string(use_diff=False)}
     parts["assistant"]["digest"] = assistant_digest(assistant)
@@ -341,6 +342,7 @@ def compile_drafting(graphs: GraphSet, model: LoadedModel, settings: PortSetting
                 dtype=dtype,
                 compiler_workdir=workdir,
                 batch=graphs.batch,
+                joins=joins,
             )
         return {"recipe": neuron_drafting.RECIPE, "tp": tp}
 
@@ -353,18 +355,21 @@ def compile_drafting(graphs: GraphSet, model: LoadedModel, settings: PortSetting
     cores.check_free(0, tp, label)
     vision = compile_vision(graphs.vision, model, settings, tp) if graphs.vision is not None else None
     traced = cores.claim(neuron_model_builder.load_model_builder(entry.path, tp), 0, tp, label)
-    steps = drafting_steps(traced, buckets, graphs.target.has_ple)
+    steps = drafting_steps(traced, buckets, graphs.target.has_ple, joins)
     compiled = CompiledGraphs(
         steps, compile_s, [entry.hit], f"neuron-{neuron_drafting.RECIPE}", {"artifacts": {"drafting": str(entry.path)}}
     )
     return with_vision(compiled, vision)
 
 
-def drafting_steps(traced: Any, buckets: tuple[int, ...], has_ple: bool) -> Steps:
-    """The engine's `Steps` of a loaded drafting model: prefill per bucket, verify and draft, each
-    a key of the one NxD model (`recipes.neuron_drafting.NxDKeyStep`; the K/V are device states)."""
+def drafting_steps(traced: Any, buckets: tuple[int, ...], has_ple: bool, joins: bool = False) -> Steps:
+    """The engine's `Steps` of a loaded drafting model: prefill per bucket, verify and draft (and a
+    join per bucket), each a key of the one NxD model (`recipes.neuron_drafting.NxDKeyStep`; the K/V
+    are device states)."""
     from ..recipes.neuron_drafting import NxDKeyStep
 
     n = 4 if has_ple else 3
     keys = {f"prefill{int(b)}": NxDKeyStep(traced, n) for b in buckets}
-    return named_steps({**keys, "verify": NxDKeyStep(traced, n), "draft": NxDKeyStep(traced, 2)})
+    steps = named_steps({**keys, "verify": NxDKeyStep(traced, n), "draft": NxDKeyStep(traced, 2)})
+    steps.row_prefill = {int(b): row_step(NxDKeyStep(traced, n + 1)) for b in buckets} if joins else {}
+    return steps

@@ -150,15 +150,18 @@ class ExplicitKV:
         place on the K/V input and XLA lowers as a scatter of T x D-wide rows (NxD Inference's
         context-encoding write), not a rewrite of every slot. A token past its row's length (padding,
         an idle row) puts back what its slot holds. A ring shorter than the chunk would take two
-        tokens in one slot: there each slot takes its newest token, row-wise."""
-        b, (heads, slots, dim), tokens = new.shape[0], old.shape[1:], new.shape[2]
+        tokens in one slot: there each slot takes its newest token, a D-wide row of the chunk."""
+        b, (heads, slots, _), tokens = new.shape[0], old.shape[1:], new.shape[2]
         if tokens > slots:
             s = torch.arange(slots, device=old.device, dtype=self.start.dtype)
             last = (self.length - 1)[:, None]  # [B, 1]
             src = last - torch.remainder(self.start[:, None] + last - s[None, :], slots)  # [B, S]
             keep_old = (src < 0).view(b, 1, slots, 1)
-            index = src.clamp(min=0).long().view(b, 1, slots, 1).expand(b, heads, slots, dim)
-            merged = torch.where(keep_old, self._read(old), torch.gather(new, 2, index))
+            # D-wide rows of the chunk (an XLA gather of [1, 1, 1, D] slices, never one element each)
+            rows_at = torch.arange(b, device=old.device).view(b, 1, 1)
+            heads_at = torch.arange(heads, device=old.device).view(1, heads, 1)
+            picked = new[rows_at, heads_at, src.clamp(min=0).long().view(b, 1, slots)]
+            merged = torch.where(keep_old, self._read(old), picked)
             if self.rows is not None:  # a join: the row's whole ring
                 return old.index_copy(0, self.rows, merged)
             return old.copy_(merged) if self.inplace else merged
@@ -240,15 +243,31 @@ def inverse_cdf(cdf: torch.Tensor, u: torch.Tensor | float) -> torch.Tensor:
     return (cdf < u * cdf[..., -1:]).sum(-1).clamp(max=cdf.shape[-1] - 1)
 
 
+def nucleus(probs: torch.Tensor, top_p: torch.Tensor | float) -> torch.Tensor:
+    """`probs [..., vocab]` with only each row's top-p nucleus kept: the tokens of probability >= the
+    largest floor whose tokens still hold top_p of the mass (the sorted-cumsum nucleus, ties kept
+    whole). Found by bisection (no sort of the vocabulary on the device; torch_xla has no bit cast):
+    64 halvings of [0, 2] end on adjacent floats for any floor above 2^-40, so the kept set is exact
+    there; the host (`runtime.sampling_probs`) runs the same rule."""
+    top_p = torch.as_tensor(top_p, dtype=torch.float32, device=probs.device).expand(probs.shape[:-1])[..., None]
+    total = probs.sum(-1, keepdim=True)
+    low, high = torch.zeros_like(top_p), torch.full_like(top_p, 2.0)  # floor 0 holds all the mass, 2 none
+    for _ in range(64):
+        mid = low + (high - low) / 2
+        holds = torch.where(probs >= mid, probs, 0.0).sum(-1, keepdim=True) >= top_p * total
+        low, high = torch.where(holds, mid, low), torch.where(holds, high, mid)
+    return torch.where((probs >= low) | (top_p >= 1.0), probs, 0.0)
+
+
 def choose_tokens(logits: torch.Tensor, sampling: torch.Tensor, cap: float | None) -> torch.Tensor:
-    """Each row's next token from its raw logits `[B, vocab]` and `sampling [B, 2]` = (temperature,
-    u in (0, 1]): the argmax at temperature 0, else the token where u falls in the softcapped,
-    tempered distribution's cumulative sum (`inverse_cdf`, as the host's `runtime.choose_token`). -1
-    for a row whose logits are not finite (its sampler's fault: the host ends that row)."""
-    temperature, u = sampling[:, :1].float(), sampling[:, 1:].float()
+    """Each row's next token from its raw logits `[B, vocab]` and `sampling [B, 3]` = (temperature,
+    u in (0, 1], top_p): the argmax at temperature 0, else the token where u falls in the cumulative
+    sum of the softcapped, tempered distribution's nucleus (`nucleus`, `inverse_cdf`: the host's
+    `runtime.choose_token`). -1 for a row whose logits are not finite (the host ends that row)."""
+    temperature, u, top_p = sampling[:, :1].float(), sampling[:, 1:2].float(), sampling[:, 2].float()
     logits = logits.float()
     capped = cap * torch.tanh(logits / cap) if cap else logits
-    cdf = torch.cumsum(torch.softmax(capped / temperature.clamp(min=1e-5), -1), -1)
+    cdf = torch.cumsum(nucleus(torch.softmax(capped / temperature.clamp(min=1e-5), -1), top_p), -1)
     drawn = inverse_cdf(cdf, u)
     token = torch.where(temperature[:, 0] > 0, drawn, torch.argmax(logits, -1))
     return torch.where(torch.isfinite(logits).all(-1), token, -1).to(INDEX_DTYPE)
@@ -293,7 +312,7 @@ class DeviceGraph(nn.Module):
     valid token `[B, vocab]`, or of every position `[B, tokens, vocab]` with `every_position` (the
     verify). `hidden=True` also returns the final hidden states in the same layout (the assistant
     drafts from them). `chooses=True` (a serving decode on a device across a bus) takes `sampling
-    [B, 2]` after `length` and returns each row's next token `[B]` int32 instead (`choose_tokens`):
+    [B, 3]` after `length` and returns each row's next token `[B]` int32 instead (`choose_tokens`):
     4 bytes a row to the host, not the vocabulary's logits. With `inplace=True` the K/V tensors
     passed in are updated in place; with `inplace=False` the updated K/V follow the outputs.
 
@@ -420,7 +439,7 @@ class DeviceGraph(nn.Module):
             inputs.append(torch.zeros(b, t, dtype=INDEX_DTYPE))
         inputs += [torch.zeros(b, dtype=INDEX_DTYPE), torch.ones(b, dtype=INDEX_DTYPE)]  # one per row
         if self.chooses:
-            inputs.append(torch.zeros(b, 2))
+            inputs.append(torch.zeros(b, 3))
         inputs += self.new_kv()
         return tuple(inputs)
 

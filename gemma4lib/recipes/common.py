@@ -61,7 +61,7 @@ def key_inputs(
     its K/V (those are aliased state), so their shapes (batch, bucket) and the index tensors'
     dtype are the graph's, never a second copy of them written here. `dtype`: the dtype the module
     is compiled in (the embeddings and PLE, 3-D and more, are cast to it; a chooser's sampling
-    `[B, 2]` stays float32: its draw needs the precision). The K/V the call allocates are dropped."""
+    `[B, 3]` stays float32: its draw needs the precision). The K/V the call allocates are dropped."""
     n = num_inputs or graph.num_inputs
     inputs = graph.example_inputs()[:n]
     return tuple(t.to(dtype) if dtype is not None and t.is_floating_point() and t.dim() >= 3 else t for t in inputs)

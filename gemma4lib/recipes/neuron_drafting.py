@@ -62,33 +62,34 @@ PURPOSE = "drafting in the ModelBuilder recipe (neuronx_distributed.trace.model_
 
 
 def drafting_shapes(
-    context_length: int, buckets: tuple[int, ...], k: int, ring: bool, batch: int = 1
+    context_length: int, buckets: tuple[int, ...], k: int, ring: bool, batch: int = 1, joins: bool = False
 ) -> dict[str, GraphShape]:
-    """The keys' shapes; a prefill bucket of k + 1 tokens would route like verify: refused."""
+    """The keys' shapes; a prefill bucket of k + 1 tokens would route like verify: refused (a join
+    takes its row index first, so it never routes like another key)."""
     if k + 1 in buckets:
         raise SettingsError(
             f"a prefill bucket of {k + 1} tokens has the verify key's input shapes (draft_tokens={k} verifies "
             f"{k + 1} tokens) and NxD routes keys by shape: pick other prefill_buckets or another draft_tokens"
         )
-    return draft_key_shapes(context_length, tuple(sorted(buckets)), k, ring, batch)
+    return draft_key_shapes(context_length, tuple(sorted(buckets)), k, ring, batch, joins)
 
 
 def key_example_inputs(loaded: Any, name: str, shape: GraphShape, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
     """A key's example inputs: the target device graph's own for prefill/verify
-    (`common.key_inputs`); `(inputs_embeds [B, 1, 2H], position [B])` for the draft key, its
-    position in the dtype the target graph gives its indices (int32)."""
+    (`common.key_inputs`), after a row index `[1]` for a join; `(inputs_embeds [B, 1, 2H], position
+    [B])` for the draft key, its position in the dtype the target graph gives its indices (int32)."""
     graph = device_graph(loaded, shape, "dense", inplace=False)
     inputs = key_inputs(graph, dtype=dtype)
     if name == "draft":
         hidden, b = int(loaded.config.hidden_size), shape.batch
         return (torch.zeros(b, 1, 2 * hidden, dtype=dtype), torch.zeros(b, dtype=index_dtype(inputs)))
-    return inputs
+    return (torch.zeros(1, dtype=index_dtype(inputs)), *inputs) if name.startswith("row_") else inputs
 
 
 def key_compiler_args(name: str) -> str:
     """Prefill keys the prefill set; verify the `verify` set (k + 1 tokens: tiling 2, -O2, as NxD
     Inference's speculation model); draft the decode set."""
-    if name.startswith("prefill"):
+    if "prefill" in name:  # the joins too
         return neuron_env.COMPILER_ARGS["prefill"]
     return neuron_env.COMPILER_ARGS["verify" if name == "verify" else "decode"]
 
@@ -131,12 +132,13 @@ def compile_drafting(
     dtype: torch.dtype = torch.bfloat16,
     compiler_workdir: str | Path | None = None,
     batch: int = 1,
+    joins: bool = False,
 ) -> Path:
-    """Compile every drafting key for one rank, `batch` rows each; save the model and the per-rank
-    shards to `out_dir`."""
+    """Compile every drafting key for one rank, `batch` rows each (with `joins`, a one-row prefill
+    key per bucket beside them); save the model and the per-rank shards to `out_dir`."""
     model_builder, KeyInstance = instance_class()
     k = int(draft_tokens)
-    shapes = drafting_shapes(context_length, tuple(buckets), k, ring, batch)
+    shapes = drafting_shapes(context_length, tuple(buckets), k, ring, batch, joins)
     plan = make_plan(loaded.config, tp, loaded.variant)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)

@@ -22,7 +22,9 @@ computed, the lab's `gemma4lab.inf2.prefill.prefill_estimate`) in the ModelBuild
 The decode graph (`DeviceGraph(inplace=False)`, one token) is wrapped in a `KVParamModule`: its K/V
 buffers are parameters of the traced module and `input_output_aliases={param: output_index}` makes
 the compiled graph update them in place on the device, so nothing but the embeddings goes in and
-the logits come out each step. Embedding and PLE tables stay on the host (2.35 B of E2B's 4.63 B
+the logits come out each step (never token ids: a second traced module choosing them on the device
+would hold a K/V copy of its own, so the ids key, like the prefill buckets, is the ModelBuilder
+recipe's). Embedding and PLE tables stay on the host (2.35 B of E2B's 4.63 B
 parameters). The prompt is prefilled through the same decode graph token by token.
 
 The weights are not inlined into the NEFF (`inline_weights_to_neff=False`): the compile host then

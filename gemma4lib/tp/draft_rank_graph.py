@@ -33,11 +33,12 @@ from torch import nn
 
 from ..device.drafting import DraftGraph, RoomyLayout
 from ..device.graph import GraphShape
+from ..device.row_join import RowJoin
 from ..errors import TensorParallelError, UnknownNameError
 from .plan import COLUMN, REPLICATE, AttentionPlan, TPPlan
 from .rank_graph import CpuParallelFactory, RankGraph, _Recording, build_rank_graph, materialize, with_shape
 
-DRAFT_MODES = ("prefill", "verify", "draft")
+DRAFT_MODES = ("prefill", "verify", "draft", "join")
 ASSISTANT_PREFIX, TARGET_PREFIX = "assistant.", "target."
 
 
@@ -197,6 +198,7 @@ class DraftingRankModule(nn.Module):
     """One key of a drafted run over one rank: `mode` picks the forward (see the module docstring).
 
     prefill/verify: `forward(embeds, [ple,] start, length)` -> `(logits, hidden, *updated kv)`;
+    join: the same with a row index `[1]` first (a batch-1 prefill on that row: `device.row_join`);
     draft: `forward(inputs_embeds [B, 1, 2H], position [B])` -> `(logits, hidden, *kv unchanged)`."""
 
     def __init__(self, target: RankGraph, assistant: DraftGraph, mode: str, kv: nn.ParameterList | None = None):
@@ -210,9 +212,7 @@ class DraftingRankModule(nn.Module):
 
     @property
     def num_inputs(self) -> int:
-        if self.mode == "draft":
-            return 2
-        return 4 if self.target.has_ple else 3
+        return 2 if self.mode == "draft" else self.target.num_inputs  # a join's counts its row index
 
     def forward(self, *inputs: torch.Tensor):
         if self.mode == "draft":
@@ -254,12 +254,15 @@ def prefill_key_shapes(
 
 
 def draft_key_shapes(
-    context_length: int, buckets: tuple[int, ...], k: int, ring: bool, batch: int = 1
+    context_length: int, buckets: tuple[int, ...], k: int, ring: bool, batch: int = 1, joins: bool = False
 ) -> dict[str, GraphShape]:
-    """The drafted run's keys: one prefill per bucket, verify (k + 1 tokens), draft (one token)."""
+    """The drafted run's keys: one prefill per bucket, verify (k + 1 tokens), draft (one token), and
+    with `joins` (a batch for a row to join) a one-row prefill per bucket, `row_prefill<tokens>`."""
     shapes = prefill_key_shapes(context_length, buckets, ring, batch)
     shapes["verify"] = GraphShape(batch, k + 1, context_length, ring)
     shapes["draft"] = GraphShape(batch, 1, context_length, ring)
+    if joins and batch > 1:
+        shapes.update({f"row_prefill{int(b)}": GraphShape(1, int(b), context_length, ring) for b in buckets})
     return shapes
 
 
@@ -291,6 +294,8 @@ def build_drafting_modules(
             modules[name] = first.sharing(base, "draft")
         elif name == "verify":
             modules[name] = first.sharing(verify_of(base, shape.tokens), "verify")
+        elif name.startswith("row_"):  # a join: the batch-1 prefill on one row of the batch's K/V
+            modules[name] = first.sharing(RowJoin(with_shape(base, shape), base.shape.batch), "join")
         else:
             modules[name] = first.sharing(with_shape(base, shape) if shape != base.shape else base, "prefill")
     return modules
