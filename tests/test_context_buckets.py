@@ -12,11 +12,11 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import SMOKE_SHAPES
+from test_long_prompts import assert_rows_exact
 
-from gemma4lib import checks
 from gemma4lib.errors import SettingsError
 from gemma4lib.port import PortSettings, compile_graphs, load_model
-from gemma4lib.reference import random_prompt, reference_greedy
+from gemma4lib.reference import random_prompt
 from gemma4lib.runtime import Request
 
 CONTEXT, PREFILL, SIZES = 128, (8, 16), (32, 64)
@@ -57,15 +57,6 @@ def _smallest(reach: int, sizes=SIZES) -> int | None:
     return next((c for c in sizes if c >= reach), None)
 
 
-def _assert_exact(model, rows, new):
-    for row in rows:
-        expected = reference_greedy(model.lm, row.prompt_ids, new)
-        assert len(set(expected)) > 2, "reference degenerate: the comparison would prove little"
-        assert row.tokens == expected, (len(row.prompt_ids), row.tokens, expected)
-        logits = checks.check_logits(model.lm, row.prompt_ids, row.tokens, row.step_logits)
-        assert logits.passed, logits.explain()
-
-
 def _prompts(model, lengths):
     return [random_prompt(model.config.vocab_size, n, 11 + n) for n in lengths]
 
@@ -97,7 +88,7 @@ def test_batched_rows_cross_a_bucket_mid_decode_and_equal_hf(ring):
     calls = _recorded(engine)
     prompts = _prompts(model, (5, 27))
     result = engine.generate_rows([Request(ids, new) for ids in prompts], keep_logits=True)
-    _assert_exact(model, result.rows, new)
+    assert_rows_exact(model, result.rows, new)
     decode = [("decode", _smallest(p + 1)) for p in range(27, 27 + new - 1)]
     assert calls == [("prefill16", 32), ("prefill16", 32), *decode]
     assert {c for _, c in decode} == {32, 64}  # the boundary is crossed mid-decode
@@ -112,7 +103,7 @@ def test_a_chunked_prefill_takes_the_bucket_of_each_chunks_reach():
     ids = _prompts(model, (51,))[0]
     row = engine.generate(ids, new, keep_logits=True)
     assert row.chunks == 4
-    _assert_exact(model, [row], new)
+    assert_rows_exact(model, [row], new)
     prefill = [("prefill16", 32), ("prefill16", 32), ("prefill16", None), ("prefill8", None)]
     assert calls == [*prefill, *[("decode", _smallest(p + 1)) for p in range(51, 51 + new - 1)]]
     assert ("decode", None) in calls and ("decode", 64) in calls
@@ -124,7 +115,7 @@ def test_drafting_verifies_in_the_bucket_of_its_drafts():
     engine, new = compiled.runtime, 16
     calls = _recorded(engine)
     row = engine.generate(_prompts(model, (25,))[0], new, keep_logits=True)
-    _assert_exact(model, [row], new)
+    assert_rows_exact(model, [row], new)
     verifies = [reads for name, reads in calls if name == "verify"]
     assert verifies[0] == 32 and verifies[-1] == 64 and verifies == sorted(verifies), verifies
 
@@ -145,7 +136,7 @@ def test_a_row_joining_a_running_batch_prefills_through_its_bucket():
     engine.admit({1: Request(joining, new)}, keep_logits=True)
     while engine.live_rows():
         engine.step()
-    _assert_exact(model, [engine.release(r) for r in (0, 1)], new)
+    assert_rows_exact(model, [engine.release(r) for r in (0, 1)], new)
     assert calls[:4] == [("row_prefill8", 32), ("decode", 32), ("row_prefill16", 32), ("row_prefill8", 32)]
     assert [reads for _, reads in calls[4:]] == [_smallest(p + 1) for p in range(20, 20 + new - 1)]
 
@@ -163,7 +154,7 @@ def test_kv_past_the_bucket_are_neither_read_nor_written():
     calls = _recorded(engine)
     ids = _prompts(model, (14,))[0]
     row = engine.generate(ids, new, keep_logits=True)
-    _assert_exact(model, [row], new)
+    assert_rows_exact(model, [row], new)
     assert {reads for _, reads in calls} == {32}
     assert all(torch.isnan(t[:, :, 32:]).all() for t in full)
     assert all(torch.isfinite(t[:, :, : len(ids) + new - 1]).all() for t in full)
@@ -183,7 +174,7 @@ def test_cpu_compiled_buckets_equal_hf(ports):
     assert sorted(p.compiled.graphs.contexts) == ["decode@32", "prefill16@32"]
     calls = _recorded(p.runtime)
     ids, new = _prompts(p.model, (24,))[0], 16
-    _assert_exact(p.model, [p.runtime.generate(ids, new, keep_logits=True)], new)
+    assert_rows_exact(p.model, [p.runtime.generate(ids, new, keep_logits=True)], new)
     assert calls[0] == ("prefill16", 32) and ("decode", 32) in calls and calls[-1] == ("decode", None)
 
 

@@ -28,14 +28,19 @@ def _prompts(model, lengths=LENGTHS):
     return [random_prompt(model.config.vocab_size, n, 7 + n) for n in lengths]
 
 
-def _assert_exact(model, rows, new=NEW):
+def assert_rows_exact(model, rows, new: int) -> None:
+    """Every row equals HF's greedy tokens (not degenerate) and its teacher-forced logits."""
     for row in rows:
         expected = reference_greedy(model.lm, row.prompt_ids, new)
         assert len(set(expected)) > 2, "reference degenerate: the comparison would prove little"
         assert row.tokens == expected, (len(row.prompt_ids), row.tokens, expected)
         logits = checks.check_logits(model.lm, row.prompt_ids, row.tokens, row.step_logits)
         assert logits.passed, logits.explain()
-        assert row.chunks == -(-(len(row.prompt_ids) - row.reused) // LONGEST)
+
+
+def _assert_exact(model, rows, new=NEW):
+    assert_rows_exact(model, rows, new)
+    assert all(row.chunks == -(-(len(row.prompt_ids) - row.reused) // LONGEST) for row in rows)
 
 
 def _eager(**overrides):
