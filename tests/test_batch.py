@@ -125,8 +125,8 @@ def test_eager_batch_moe_selective_and_k_eq_v_rows(variant):
 def test_a_moe_batch_at_b_x_k_of_e_reads_its_experts_densely_with_rows_exact():
     """Tiny 26B-A4B: 16 experts, top-4. Batch 3 gathers 12 slices per layer (selective, per row);
     batch 4 would gather 16 = E, so its graph reads every expert once (dense), says so in its key,
-    and every row still equals its own reference. Built for a CPU target, a batched graph reads
-    each routed expert once (grouped) at every batch. The TP rank graphs decide per rank's experts."""
+    and every row still equals its own reference. Built for a CPU target, batch 3 gathers per row
+    too and batch 4 reads each routed expert once (grouped). The TP rank graphs decide per rank's experts."""
     from gemma4lib.models.loading import build_tiny
     from gemma4lib.models.variants import get_variant
     from gemma4lib.tp.plan import make_plan
@@ -142,17 +142,20 @@ def test_a_moe_batch_at_b_x_k_of_e_reads_its_experts_densely_with_rows_exact():
     assert {layer.experts.form for layer in graph.model.layers} == {"dense"}
     prompts = _prompts(model, (12, 5, 9, 7))
     _assert_rows_match(model, prompts, generate_batch(runtime, prompts, NEW, keep_logits=True))
-    # built for a CPU target (cpu/eager backends): grouped, each routed expert read once at every batch
+    # built for a CPU target (cpu/eager backends): per row below B x k = E, grouped from there
     from gemma4lib.device.experts import CPU_THREAD_FLOP_PER_BYTE, read_form
 
     assert read_form("selective", 8, 4, 32) == "dense" and read_form("selective", 7, 4, 32) == "selective"
     assert read_form("selective", 1, 4, 32, grouped=True) == "selective"
-    for batch in (2, 4):
-        runtime = _eager_runtime(model, batch, "selective", balance=CPU_THREAD_FLOP_PER_BYTE)
-        graph = runtime.decode_graph
-        assert graph.experts_read == "grouped" and graph.key_parts()["experts_read"] == "grouped"
-        assert {layer.experts.form for layer in graph.model.layers} == {"grouped"}
-        _assert_rows_match(model, prompts[:batch], generate_batch(runtime, prompts[:batch], NEW, keep_logits=True))
+    assert read_form("selective", 7, 4, 32, grouped=True) == "selective"
+    assert read_form("selective", 8, 4, 32, grouped=True) == "grouped"
+    dec3 = _eager_runtime(model, 3, "selective", balance=CPU_THREAD_FLOP_PER_BYTE).decode_graph
+    assert dec3.experts_read == "selective"
+    runtime = _eager_runtime(model, 4, "selective", balance=CPU_THREAD_FLOP_PER_BYTE)
+    graph = runtime.decode_graph
+    assert graph.experts_read == "grouped" and graph.key_parts()["experts_read"] == "grouped"
+    assert {layer.experts.form for layer in graph.model.layers} == {"grouped"}
+    _assert_rows_match(model, prompts, generate_batch(runtime, prompts, NEW, keep_logits=True))
     for split, batch, read in (("experts", 2, "dense"), ("intermediate", 2, "selective")):
         plan = make_plan(model.config, 2, model.variant, expert_split=split)  # 8 experts per rank / 16 sliced
         prefill = build_rank_graph(model.config, plan, GraphShape(batch, BUCKET, CONTEXT), expert_form="dense")
@@ -160,14 +163,15 @@ def test_a_moe_batch_at_b_x_k_of_e_reads_its_experts_densely_with_rows_exact():
 
 
 def test_a_run_records_how_its_batched_moe_reads_its_experts():
-    """The eager backend builds for a CPU target: a batched selective decode runs grouped, and the
-    run's details say so (a dense model's run carries nothing)."""
+    """The eager backend builds for a CPU target: a batched selective decode runs grouped from
+    B x k = E (tiny 26B-A4B: 16 experts, top-4, batch 4), and the run's details say so (a dense
+    model's run carries nothing)."""
     from gemma4lib.backends import registry
     from gemma4lib.port import PortSettings, load_model
 
     for variant, read in (("26b-a4b", "grouped"), ("e2b", None)):
         shapes = dict(context_length=64, prefill_buckets=(32,), max_new_tokens=4, warmup=0, iters=1)
-        settings = PortSettings(variant=variant, batch_size=3, backend="eager", decode_experts="selective", **shapes)
+        settings = PortSettings(variant=variant, batch_size=4, backend="eager", decode_experts="selective", **shapes)
         compiled = registry.compile_graphs(load_model(settings), settings)
         assert compiled.info.get("experts_read") == read, compiled.info
 

@@ -10,13 +10,13 @@ Python loop that no tracer can capture. Two static replacements, same parameters
   only k experts' weights: the decode form.
 
 A batch of B rows decoding one token each gathers per row: B x k slices, a routed expert that two
-rows share read twice. Each routed expert is read at most once by the form `read_form` picks by
-bytes (the graph's `experts_read`, in its cache key):
+rows share read twice. Below B x k = the experts held that is the static bound on distinct experts;
+from there `read_form` picks a form that reads each expert at most once (the graph's
+`experts_read`, in its cache key):
 - `grouped`, on a CPU target (cpu, eager: torch.export traces the per-expert counts as unbacked
   sizes, AOTInductor runs them): the rows sorted by expert, each routed expert's weights read once
   for the rows routed to it (B x k rows of products, as transformers' eager loop, in one program).
-- `dense`, on static-shape targets (xla, neuron) once B x k reaches the experts held: each once.
-  Below that the static bound on distinct experts is B x k, what `selective` already reads.
+- `dense`, on static-shape targets (xla, neuron): every held expert once.
 """
 
 from __future__ import annotations
@@ -46,15 +46,14 @@ READ_FORMS = (*EXPERT_FORMS, "grouped")
 
 
 def read_form(form: str, rows: int, top_k: int, experts_held: int, grouped: bool = False) -> str:
-    """The form a graph of `rows` tokens per call runs when `form` is asked for, by bytes (module
-    doc): `selective` reads rows x k slices; `grouped` (where the target runs data-dependent sizes)
-    each routed expert once; `dense` every held expert once, which from rows x k >= `experts_held`
-    reads no more than `selective`."""
-    if form != "selective" or rows < 2 or not experts_held:  # not experts_held: a dense model
-        return form
-    if grouped:
-        return "grouped"
-    return "dense" if rows * top_k >= experts_held else form
+    """The form a graph of `rows` tokens per call runs when `form` is asked for (module doc): below
+    rows x k = `experts_held` `selective`'s rows x k slices are the static bound on distinct experts,
+    and `grouped`'s loop over every held expert cost more than it saved (medium-moe, one thread, B = 2
+    and 4: 1.15x and 1.17x HF against 1.39x and 1.33x per row); from there each expert once, `grouped`
+    where the target runs data-dependent sizes, else `dense`."""
+    if form != "selective" or rows < 2 or not experts_held or rows * top_k < experts_held:
+        return form  # not experts_held: a dense model
+    return "grouped" if grouped else "dense"
 
 
 def default_expert_split(num_experts: int, intermediate: int, tp: int) -> str | None:
@@ -217,16 +216,17 @@ def grouped_experts(
     # counts per expert, [E] whatever the data (bincount's length is max(id) + 1)
     counts = (flat.unsqueeze(1) == torch.arange(gate_up.shape[0], device=flat.device)).sum(0).tolist()
     # each expert adds into the output itself: no tensor is sized by a sum of counts (AOTInductor's
-    # wrapper then referenced a count before declaring it)
+    # wrapper then referenced a count before declaring it). The products are weight-left, (W @ x.T).T:
+    # x @ W.T re-reads W per row at 2-4 rows (an expert's usual count), ~2x slower on one thread
     out, start = torch.zeros_like(hidden), 0
     for e, count in enumerate(counts):
         torch._check(count >= 0)
         torch._check(start + count <= n * k)
-        gate_up_e = x.narrow(0, start, count) @ _as(gate_up[e], dtype).T  # [count, 2I]
+        gate_up_e = (_as(gate_up[e], dtype) @ x.narrow(0, start, count).T).T  # [count, 2I]
         if gate_up_scale is not None:
             gate_up_e = gate_up_e * gate_up_scale[e].to(dtype)
         gate, up = gate_up_e.chunk(2, dim=-1)
-        routed = (act_fn(gate) * up) @ _as(down[e], dtype).T  # [count, H]
+        routed = (_as(down[e], dtype) @ (act_fn(gate) * up).T).T  # [count, H]
         if down_scale is not None:
             routed = routed * down_scale[e].to(dtype)
         out = out.index_add(0, tokens.narrow(0, start, count), routed * pair_weights.narrow(0, start, count))
