@@ -39,6 +39,11 @@ class VisionShape:
     def phase(self) -> str:
         return "vision"
 
+    @property
+    def key(self) -> dict:
+        """The shape's part of a cache key (as `GraphShape.key`)."""
+        return dict(vars(self))
+
 
 def has_vision(multimodal: nn.Module | None) -> bool:
     """Whether a loaded `*ForConditionalGeneration` carries a vision part."""
