@@ -101,14 +101,11 @@ def _settings_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     fields = (
         "variant profile model checkpoint backend tp_degree prompt max_new_tokens context_length decode_experts"
         " weights iters warmup seed results_dir witness artifacts draft draft_tokens assistant_checkpoint"
-        " verify_experts batch_size"
+        " verify_experts batch_size prefill_buckets context_buckets"  # buckets as given: "32,64" (PortSettings splits)
     ).split()
     kwargs = {f: getattr(args, f) for f in fields if getattr(args, f, None) is not None}
     if getattr(args, "prompts", None):
         kwargs["prompts"] = tuple(p.strip() for p in args.prompts.split("|"))
-    for name in ("prefill_buckets", "context_buckets"):  # whole_number refuses a part that is not one
-        if getattr(args, name, None):
-            kwargs[name] = tuple(b.strip() for b in getattr(args, name).split(","))
     for flag in ("ring_kv", "row_prefill"):
         if getattr(args, flag, None) is not None:
             kwargs[flag] = getattr(args, flag)

@@ -42,6 +42,11 @@ def _as_tuple(value: Any) -> tuple:
     return tuple(value) if isinstance(value, (list, tuple)) else (value,)
 
 
+def _sizes(value: Any) -> tuple:
+    """Bucket sizes: a sequence, one size, or "32,64" (the command line, `serve run name=value`)."""
+    return tuple(p.strip() for p in value.split(",")) if isinstance(value, str) else _as_tuple(value)
+
+
 def whole_number(name: str, value: Any, minimum: int) -> int:
     """`value` as an int >= `minimum`; digit strings (a CLI or environment value) are accepted."""
     if isinstance(value, str) and value.strip().isdigit():
@@ -130,7 +135,7 @@ class PortSettings:
         for name, minimum in _COUNTS.items():
             setattr(self, name, whole_number(name, getattr(self, name), minimum))
         self._check_images()
-        buckets = _as_tuple(self.prefill_buckets)
+        buckets = _sizes(self.prefill_buckets)
         self.prefill_buckets = tuple(sorted(whole_number("prefill_buckets", b, 1) for b in buckets))
         if not self.prefill_buckets:
             raise SettingsError("prefill_buckets is empty; give at least one compiled prompt length, e.g. (64,)")
@@ -285,7 +290,7 @@ class PortSettings:
                 raise SettingsError(f"{len(self.expects)} expects for {rows} prompts; give one per prompt (None: none)")
 
     def _check_context_buckets(self) -> None:
-        sizes = tuple(whole_number("context_buckets", c, 1) for c in _as_tuple(self.context_buckets))
+        sizes = tuple(whole_number("context_buckets", c, 1) for c in _sizes(self.context_buckets))
         if list(sizes) != sorted(set(sizes)) or (sizes and sizes[-1] > self.context_length):
             raise SettingsError(
                 f"context_buckets {sizes} must ascend without repeats, each at most context_length "
@@ -293,11 +298,12 @@ class PortSettings:
                 f"{self.context_length // 2})"
             )
         self.context_buckets = tuple(c for c in sizes if c < self.context_length)
-        if self.context_buckets and self.backend_row.rank_graphs:
+        if self.context_buckets and self.draft is not None and self.backend_row.rank_graphs:
             raise SettingsError(
-                f"context_buckets are built into the single-device graphs (backend "
-                f"{names_where(lambda f: not f.rank_graphs)} at tp_degree 1); backend {self.backend!r} at "
-                f"tp_degree {self.tp_degree} builds rank graphs without them: leave context_buckets empty there"
+                f"context_buckets with draft={self.draft!r}: backend {self.backend!r} at tp_degree "
+                f"{self.tp_degree} drafts with rank graphs whose verify and draft keys read the whole context; "
+                f"leave context_buckets empty to draft there (the single-device backends "
+                f"{names_where(lambda f: not f.rank_graphs)} draft with buckets)"
             )
 
     def _check_row_prefill(self) -> None:

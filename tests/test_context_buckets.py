@@ -185,12 +185,71 @@ def test_cpu_compiled_buckets_equal_hf(ports):
         ({"context_buckets": (32, 32)}, "must ascend without repeats"),
         ({"context_buckets": (256,)}, "at most context_length 128"),
         ({"context_buckets": (0,)}, "at least 1"),
-        ({"context_buckets": (32,), "tp_degree": 2, "variant": "e4b"}, "builds rank graphs without them"),
+        ({"context_buckets": (32,), "tp_degree": 2, "variant": "e4b", "draft": "assistant"}, "drafts with rank"),
     ],
 )
 def test_bad_context_buckets_are_refused_before_anything_loads(overrides, match):
     with pytest.raises(SettingsError, match=match):
         PortSettings(**{"variant": "e2b", "context_length": 128, **overrides})
+
+
+def test_gloo_ranks_read_their_bucket_and_equal_hf():
+    """TP = 2 over gloo: each rank runs its rank graph at `decode@32`, `decode@64` and `prefill16@32` (the
+    same weights and K/V, `with_shape`), the parent routes by name; rows of 6 and 26 tokens cross 32 and
+    64 mid-decode and equal HF, and the ranks agree. (Not 5 and 27 as above: on this random E4B the
+    27-token row's 8th token is a 0.0013-logit tie that HF's own cached and uncached runs disagree on,
+    with or without buckets.)"""
+    model, compiled = _compiled(variant="e4b", backend="cpu", tp_degree=2, batch_size=2)
+    engine, new = compiled.runtime, 12
+    calls = _recorded(engine)
+    result = engine.generate_rows([Request(ids, new) for ids in _prompts(model, (6, 26))], keep_logits=True)
+    assert_rows_exact(model, result.rows, new)
+    assert calls == [("prefill16", 32), ("prefill16", 32), *[("decode", _smallest(p + 1)) for p in range(26, 37)]]
+    assert compiled.report()["ranks_agree"]
+
+
+def test_neuron_keys_of_each_bucket_route_by_their_positions(tmp_path, monkeypatch):
+    """`backend="neuron"`, batch 2, `row_prefill`, buckets (32,) in a 64-token context: the recipe's own
+    rank modules on CPU (`_RoutedNxDModel`: every key's module, one set of K/V, each call routed by its
+    input shapes as NxD routes it). Every key routes apart (a bucket takes its positions `[C]` first);
+    a row joins through `row_prefill16@32`, decodes through `decode@32` and crosses into the whole
+    context; the tokens equal the eager engine's and HF's."""
+    from test_neuron_recipes import _RoutedNxDModel
+
+    from gemma4lib.recipes import neuron_env, neuron_model_builder
+
+    monkeypatch.setenv("GEMMA4LIB_INSTANCE_TYPE", "inf2.8xlarge")
+    monkeypatch.setattr(neuron_env, "require_sdk", lambda *a, **k: None)
+    monkeypatch.setattr(neuron_env, "require", lambda *a, **k: None)
+    kwargs = dict(batch_size=2, row_prefill=True, prefill_buckets=(16,), context_length=64, context_buckets=(32,))
+    loaded = {}
+
+    def compile_stub(m, tp, folder, graphs, **kw):
+        loaded["model"] = _RoutedNxDModel(m, graphs)
+        loaded["keys"] = sorted(graphs)
+        (folder / "manifest.json").write_text("{}")
+
+    monkeypatch.setattr(neuron_model_builder, "compile_model_builder", compile_stub)
+    monkeypatch.setattr(neuron_model_builder, "load_model_builder", lambda path, tp: loaded["model"])
+    new, tokens = 24, {}
+    short, joining = _prompts(load_model(PortSettings(variant="e2b", model="random")), (6, 20))
+    for backend in ("eager", "neuron"):
+        model, compiled = _compiled(backend=backend, cache_dir=str(tmp_path), **kwargs)
+        engine = compiled.runtime
+        engine.admit({0: Request(short, new)}, keep_logits=True)
+        engine.step()
+        engine.admit({1: Request(joining, new)}, keep_logits=True)
+        while engine.live_rows():
+            engine.step()
+        tokens[backend] = [engine.release(r) for r in (0, 1)]
+    assert_rows_exact(model, tokens["neuron"], new)
+    assert [r.tokens for r in tokens["neuron"]] == [r.tokens for r in tokens["eager"]]
+    routed = loaded["model"]
+    assert len(routed.routes) == len(loaded["keys"])  # no two keys take the same input shapes
+    assert {"row_prefill16@32", "decode@32", "prefill16@32"} <= set(loaded["keys"])
+    ran = routed.keys
+    assert ran[:2] == ["row_prefill16@32", "decode@32"] and "row_prefill16@32" in ran[2:4], ran
+    assert ran[-1] == "decode" and "decode@32" in ran
 
 
 def test_the_context_itself_is_the_implied_last_bucket():
@@ -206,3 +265,11 @@ def test_a_bundle_records_its_context_buckets_only_when_set():
     plain = settings_facts(PortSettings(variant="e2b"))
     assert "context_buckets" not in plain
     assert settings_facts(PortSettings(variant="e2b", context_buckets=(32,))) == {**plain, "context_buckets": [32]}
+
+
+def test_sizes_given_as_one_string_are_split():
+    """`serve run gemma4lib.cli:ray_app context_buckets=32,64` and the command line hand over a string."""
+    settings = PortSettings(variant="e2b", context_length=128, prefill_buckets="16, 64", context_buckets="32,64")
+    assert (settings.prefill_buckets, settings.context_buckets) == ((16, 64), (32, 64))
+    with pytest.raises(SettingsError, match="context_buckets must be a whole number"):
+        PortSettings(variant="e2b", context_length=128, context_buckets="32;64")

@@ -955,6 +955,52 @@ def test_backend_neuron_batch_4_compiles_a_join_key_per_bucket(tmp_path, monkeyp
     assert set(keys[0]) == set(adds)
 
 
+def test_backend_neuron_compiles_a_key_per_context_bucket(tmp_path, monkeypatch):
+    """`--context-buckets 32` in a 128-token context: ModelBuilder also receives `decode@32`,
+    `decode_ids@32`, `prefill16@32` and the join `row_prefill16@32` (prefill64 has no bucket >= 64),
+    each with the read positions int32 `[32]` first and then its whole-context key's inputs, no
+    layout priority (the whole-context decode sets it), and no two keys with the same input shapes
+    (NxD routes by them)."""
+    calls, keys = _recorded_neuron_port(
+        monkeypatch,
+        batch_size=4,
+        prefill_buckets=(16, 64),
+        row_prefill=True,
+        context_length=128,
+        context_buckets=(32,),
+        cache_dir=str(tmp_path),
+    )
+    adds = {args["key"]: args for args in calls}
+    bucketed = {"decode@32", "decode_ids@32", "prefill16@32", "row_prefill16@32"}
+    assert set(adds) - bucketed == {"prefill16", "prefill64", "decode", "row_prefill16", "row_prefill64", "decode_ids"}
+    assert bucketed <= set(adds) and set(keys[0]) == set(adds)
+    for name in bucketed:
+        whole = adds[name.split("@")[0]]
+        assert adds[name]["inputs"] == [(32,), *whole["inputs"]] and adds[name]["dtypes"][0] == torch.int32
+        assert adds[name]["priority"] is None and adds[name]["compiler_args"] == whole["compiler_args"]
+    assert len({str(a["inputs"]) for a in calls}) == len(calls)
+
+
+@pytest.mark.parametrize("join", [0, 4], ids=["decode", "join"])
+def test_a_context_key_binds_the_whole_context_keys_states(join):
+    """A bucket's rank module (`ContextKey`) has its whole-context key's parameters, K/V states
+    included, by name and shape: NxD binds one set to every key."""
+    from gemma4lib.recipes import neuron_model_builder as mb
+    from gemma4lib.tp.plan import make_plan
+    from gemma4lib.tp.rank_graph import CpuParallelFactory
+
+    model, rows = tiny("e2b"), 1 if join else 4
+    plan = make_plan(model.config, 1, model.variant)
+    modules = [
+        mb.rank_module(
+            model.config, plan, GraphShape(rows, 16, 128, reads=r), torch.float32, CpuParallelFactory(1), join=join
+        )
+        for r in (None, 32)
+    ]
+    whole, bucket = ({n: tuple(p.shape) for n, p in m.named_parameters()} for m in modules)
+    assert bucket == whole and any(n.startswith("kv.") for n in whole)
+
+
 def _join_modules(model, batch: int, bucket: int, context: int, tp: int = 1):
     """The recipe's batched prefill and join modules of one bucket at `tp`, CPU layers for NxD's
     (at TP 1 loaded from the recipe's checkpoint)."""
@@ -1013,7 +1059,6 @@ class _RoutedNxDModel:
     through `__call__` or `nxd_model.forward`; `keys` records which key ran."""
 
     def __init__(self, model, graphs):
-        from gemma4lib.device.row_join import RowJoin
         from gemma4lib.recipes import neuron_model_builder as mb
         from gemma4lib.recipes.common import AliasEmulator
         from gemma4lib.tp.plan import make_plan
@@ -1023,7 +1068,7 @@ class _RoutedNxDModel:
         checkpoint = mb.nxd_checkpoint(model, plan, torch.float32)
         self.routes, self.keys, shared = {}, [], None
         for key, graph in graphs.items():
-            join, chooses = graph.batch if isinstance(graph, RowJoin) else 0, bool(getattr(graph, "chooses", False))
+            join, chooses = mb.key_form(graph)
             factory = CpuParallelFactory(1)
             module = mb.rank_module(model.config, plan, graph.shape, torch.float32, factory, join=join, chooses=chooses)
             module.load_state_dict(checkpoint, strict=False)
@@ -1078,12 +1123,14 @@ def test_a_row_joining_a_running_batch_on_neuron_goes_through_the_join_key(tmp_p
     assert tokens["neuron"] == tokens["eager"] and "Paris" in model.tokenizer.decode(tokens["neuron"][0])
 
 
-def test_the_trace_recipe_refuses_row_prefill(monkeypatch):
-    """The one-graph trace recipe has no prefill key to join through: refused before anything loads."""
+@pytest.mark.parametrize("asks", [dict(batch_size=2, row_prefill=True), dict(context_buckets=(32,))])
+def test_the_trace_recipe_refuses_row_prefill_and_context_buckets(monkeypatch, asks):
+    """The one-graph trace recipe has no prefill key to join through and no key per context bucket:
+    refused before anything loads."""
     from gemma4lib.errors import SettingsError
 
     monkeypatch.setenv("GEMMA4LIB_INSTANCE_TYPE", "inf2.xlarge")
     monkeypatch.setattr(neuron_env, "require_sdk", lambda *a, **k: None)
-    settings = PortSettings(variant="e2b", backend="neuron", batch_size=2, row_prefill=True, neuron_recipe="trace")
+    settings = PortSettings(variant="e2b", backend="neuron", neuron_recipe="trace", **asks)
     with pytest.raises(SettingsError, match="trace recipe has a single decode graph"):
         preflight(settings)

@@ -22,7 +22,7 @@ import tempfile
 import time
 import traceback
 import weakref
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from multiprocessing.connection import wait
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -35,6 +35,7 @@ from ..runtime import Steps
 from ..tp.plan import TPPlan, make_plan
 from ..tp.shard import iter_shards, shard_kv, shard_shapes
 from .base import CompiledGraphs
+from .engine import named_steps
 
 if TYPE_CHECKING:
     from ..models.loading import LoadedModel
@@ -112,6 +113,7 @@ class RankJob:
     assistant_config: Any = None  # drafting with the assistant: its config, shards and the layers it reads
     assistant_shards: list[dict[str, torch.Tensor]] | None = None
     read_layers: dict[str, int] | None = None
+    contexts: dict[str, GraphShape] = field(default_factory=dict)  # context buckets' graphs by name ("decode@64")
 
 
 def rank_steps(rank: int, job: RankJob) -> tuple[dict[str, Any], list[torch.Tensor], list[str]]:
@@ -161,6 +163,8 @@ def rank_steps(rank: int, job: RankJob) -> tuple[dict[str, Any], list[torch.Tens
         steps["verify"] = AliasEmulator(kv.sharing(verify))
     else:
         steps["decode"] = AliasEmulator(kv.sharing(with_shape(base, shape(1), job.decode_experts)))
+    for name, at in job.contexts.items():  # the same rank graph reading the first `at.reads` slots
+        steps[name] = AliasEmulator(kv.sharing(with_shape(base, at, job.decode_experts if at.tokens == 1 else None)))
     return steps, list(kv.kv), missing
 
 
@@ -411,6 +415,8 @@ def compile(graphs: GraphSet, model: LoadedModel, settings: PortSettings, progre
         source = AssistantWeights(spec.draft)
         job.assistant_config, job.read_layers = source.config, dict(spec.draft.read_layers)
         job.assistant_shards = [assistant_shard(source, plan, r) for r in range(tp)]
+    # context buckets (prefill ones only where the ranks prefill: not `cpu-seeded`)
+    job.contexts = contexts = {n: g.shape for n, g in spec.contexts.items() if not (seeded and n.startswith("prefill"))}
     shapes = shard_shapes(plan, shards)
     world = RankWorld(job, spec.start_method, spec.timeout_s)
     del job, shards  # the ranks hold them now
@@ -424,6 +430,7 @@ def compile(graphs: GraphSet, model: LoadedModel, settings: PortSettings, progre
         verify=RemoteStep(world, "verify") if spec.verify is not None else None,
         draft=RemoteStep(world, "draft") if spec.draft is not None else None,
         vision=spec.vision,  # reads no K/V: unsharded, in the parent
+        contexts=named_steps({n: RemoteStep(world, n) for n in contexts}).contexts,
     )
     info: dict[str, Any] = {
         "executed_as": EXECUTED_AS,

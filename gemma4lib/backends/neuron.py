@@ -22,6 +22,7 @@ import torch
 
 from ..cache.artifacts import make_key
 from ..cache.bundle import cache_for
+from ..device.context_key import ContextKey
 from ..device.embedder import HostEmbedder
 from ..device.graph import GraphShape
 from ..device.row_join import row_step
@@ -207,6 +208,7 @@ def compile(graphs: GraphSet, model: LoadedModel, settings: PortSettings, progre
         key_graphs.update({f"row_prefill{b}": join for b, join in graphs.row_prefill.items()})  # the joins
         if graphs.decode_ids is not None:  # a decode key that returns token ids (NxD routes by its sampling input)
             key_graphs["decode_ids"] = graphs.decode_ids
+        key_graphs.update({n: ContextKey(g) for n, g in graphs.contexts.items()})  # routed by their positions
         if model.variant.is_moe:
             decode_experts = settings.decode_experts
     shapes = {name: graph.shape for name, graph in key_graphs.items()}
@@ -282,6 +284,9 @@ def compile(graphs: GraphSet, model: LoadedModel, settings: PortSettings, progre
         steps = Steps(prefill={b: step for b in buckets}, decode=step, row_prefill=rows)
         if "decode_ids" in key_graphs:
             steps.decode_ids = DeviceStep(keyed, n_inputs + 1, aliases=states, index_dtype=indices, chooses=True)
+        steps.contexts = named_steps(
+            {n: context_step(keyed, n, key_graphs[n], vocab, states, indices) for n in graphs.contexts}
+        ).contexts
     check_host_tables(HostEmbedder.from_text_model(model.text_model))  # the compile left the host tables whole
     # no host K/V: the device steps keep theirs as aliased state and never read host buffers
     compiled = CompiledGraphs(
@@ -292,6 +297,16 @@ def compile(graphs: GraphSet, model: LoadedModel, settings: PortSettings, progre
         {"artifacts": str(entry.path), "tp_degree": tp, "decode_experts": decode_experts, "weights": settings.weights},
     )
     return with_vision(compiled, vision)
+
+
+def context_step(keyed: Any, name: str, key: ContextKey, vocab: int, states: int, indices: torch.dtype) -> Any:
+    """The engine's step of bucket key `name` over `keyed` (the call NxD routes by shape): the read
+    positions `[C]` first, then a join's row index (`row_step`), then the graph's inputs."""
+    positions = torch.arange(key.shape.reads, dtype=indices)
+    n = key.num_inputs - 1  # what the engine passes after a join's row: the positions are ours
+    call = lambda *inputs: keyed(positions, *inputs)  # noqa: E731
+    step = DeviceStep(call, n, vocab, aliases=states, index_dtype=indices, chooses=key.chooses)
+    return row_step(step) if name.startswith("row_") else step
 
 
 def assistant_digest(assistant: LoadedAssistant) -> str:

@@ -37,11 +37,14 @@ def preflight(settings: PortSettings) -> None:
             f"{settings.variant_spec.name} at TP={settings.tp_degree} compiles with {recipe!r}: drop "
             f"neuron_recipe={settings.neuron_recipe!r} (ModelBuilder is the default), or use weights='bf16'"
         )
-    if (settings.draft is not None or settings.builds_row_prefill) and row.device_bound and recipe == "trace":
+    asks = settings.draft is not None or settings.builds_row_prefill or settings.context_buckets
+    if asks and row.device_bound and recipe == "trace":
         raise SettingsError(
-            f"draft={settings.draft!r}, row_prefill={settings.row_prefill}: drafting needs verify and prefill graphs, "
-            "a join a one-row prefill key, over one set of device K/V states; the one-graph trace recipe has a "
-            "single decode graph: use the ModelBuilder recipe (neuron_recipe=None), or draft=None and row_prefill=False"
+            f"draft={settings.draft!r}, row_prefill={settings.row_prefill}, "
+            f"context_buckets={settings.context_buckets}: drafting needs verify and prefill graphs, a join a "
+            "one-row prefill key, a context bucket a key of its own, over one set of device K/V states; the "
+            "one-graph trace recipe has a single decode graph: use the ModelBuilder recipe (neuron_recipe=None), "
+            "or draft=None, row_prefill=False and context_buckets=()"
         )
     if settings.weights == "int8" and settings.draft is not None and row.quantizes_itself:
         raise SettingsError(  # else bf16 keys under a plan sized for int8, with no int8 in their key

@@ -73,14 +73,16 @@ def index_tensor(values) -> torch.Tensor:
     return torch.as_tensor(values, dtype=INDEX_DTYPE).reshape(-1)
 
 
-def slot_positions(last_position: torch.Tensor, slots: int) -> torch.Tensor:
+def slot_positions(last_position: torch.Tensor, slots: int, positions: torch.Tensor | None = None) -> torch.Tensor:
     """Position held by each buffer slot after contiguous writes up to `last_position [B]`: `[B, slots]`.
 
     A buffer of `slots` entries written at `position % slots` holds, in slot s, the latest
     position p <= last_position with p = s (mod slots). Negative means "never written".
-    For a full-length buffer this is simply s (or negative for s > last_position).
+    For a full-length buffer this is simply s (or negative for s > last_position). `positions`: the
+    slots 0 .. slots - 1 as an input carries them (a context bucket's key on neuron, `device.context_key`).
     """
-    s = torch.arange(slots, device=last_position.device, dtype=last_position.dtype)
+    s = positions if positions is not None and positions.shape[0] == slots else None
+    s = torch.arange(slots, device=last_position.device, dtype=last_position.dtype) if s is None else s
     last = last_position[:, None]
     return last - torch.remainder(last - s[None, :], slots)
 
@@ -192,13 +194,14 @@ def build_masks(
     length: torch.Tensor,
     dtype: torch.dtype,
     blocks: torch.Tensor | None = None,
+    positions: torch.Tensor | None = None,
 ) -> dict[str, torch.Tensor]:
     """Additive masks `[B, 1, tokens, keys]` per layer type, matching what `ExplicitKV.update` returns.
 
     `blocks [B, tokens]` (a prefill with images on a config bidirectional over them): each chunk
     token's image, 1, 2, ... (0: text). On the sliding layers a token then also sees the later tokens
     of its own image, inside the window: `(causal OR same image) AND window`; full layers stay causal
-    (the model's intended masks, `models.image_attention`)."""
+    (the model's intended masks, `models.image_attention`). `positions`: see `slot_positions`."""
     device = start.device
     q_pos = row_positions(start, shape.tokens)  # [B, T]
     masks = {}
@@ -214,7 +217,7 @@ def build_masks(
             k_valid = torch.cat([old >= 0, new_idx[None, :] < length[:, None]], 1)
         else:
             # keys are the buffer after this call's writes
-            k_pos = slot_positions(start + length - 1, slots)
+            k_pos = slot_positions(start + length - 1, slots, positions)
             k_valid = k_pos >= 0
         seen = k_pos[:, None, :] <= q_pos[:, :, None]  # [B, T, K]: causal
         if layer_type == SLIDING:
@@ -383,6 +386,7 @@ class DeviceGraph(nn.Module):
         self.every_position, self.returns_hidden = every_position, hidden
         self.tags: dict[str, str] = {}  # anything else that changes the program (e.g. a fault-lab fault)
         self.kv_class: type[ExplicitKV] = ExplicitKV  # the cache's class (the fault lab swaps it)
+        self.key_positions: torch.Tensor | None = None  # set for a call by `context_key.ContextKey`
         self.has_ple = bool(getattr(text_model.config, "hidden_size_per_layer_input", 0))
         self.dtype = lm_head.weight.dtype
 
@@ -480,7 +484,7 @@ class DeviceGraph(nn.Module):
         producers = self.layout.producers
         buffers = {layer.index: (kv[2 * i], kv[2 * i + 1]) for i, layer in enumerate(producers)}
         cache = self.kv_class(buffers, self.shape, start, length, self.inplace)
-        masks = build_masks(self.layout, self.shape, start, length, inputs_embeds.dtype, blocks)
+        masks = build_masks(self.layout, self.shape, start, length, inputs_embeds.dtype, blocks, self.key_positions)
         kwargs = dict(
             inputs_embeds=inputs_embeds,
             position_ids=row_positions(start, self.shape.tokens).long(),

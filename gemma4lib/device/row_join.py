@@ -18,14 +18,20 @@ from torch import nn
 from .graph import INDEX_DTYPE, index_tensor
 
 
+def adopt(wrapper: nn.Module, graph: nn.Module) -> None:
+    """`graph`'s children become `wrapper`'s by the same names (no prefix of the wrapper's in the state
+    names: NxD binds one set of K/V states and weights to every key); `graph` itself is no child."""
+    for name, child in graph.named_children():
+        wrapper.add_module(name, child)
+    object.__setattr__(wrapper, "graph", graph)
+
+
 class RowJoin(nn.Module):
     """`forward(row, *inputs, *kv)`: the batch-1 `graph` over row `row` of the batch's `kv`."""
 
     def __init__(self, graph: nn.Module, batch: int):
         super().__init__()
-        for name, child in graph.named_children():  # no prefix of ours in the state names
-            self.add_module(name, child)
-        object.__setattr__(self, "graph", graph)  # not a child: its children are ours already
+        adopt(self, graph)
         self.batch, self.shape, self.dtype, self.inplace = int(batch), graph.shape, graph.dtype, False
         self.num_inputs, self.image_blocks = graph.num_inputs + 1, graph.image_blocks
 

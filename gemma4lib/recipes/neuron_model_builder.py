@@ -15,6 +15,9 @@ the config on the meta device with shard-size layers, so `module_cls()` never ho
   `KVParamModule` and its `{kv_param: output_index}` aliases. All modules have the same K/V
   parameter names, so NxD keeps one set of K/V state buffers per rank for every graph. The NxD
   model routes a call by its input shapes, so a short prompt runs its own bucket.
+- Context buckets (`PortSettings.context_buckets`): `decode@C`, `prefill<b>@C`, ... read the first C
+  slots of the full-length K/V; each takes the read positions `[C]` first, so NxD routes it by shape
+  (`device.context_key`).
 - The decode key is the priority model (`priority_model_idx=0`): NxD compiles it first, lets the
   compiler choose the weights' on-device layout for it, and applies that layout to the prefill
   graph too. Decode reads every weight once per token, so its layout is the one worth optimising
@@ -71,6 +74,7 @@ import torch
 from torch import nn
 
 from ..device.build import device_graph
+from ..device.context_key import ContextKey
 from ..device.experts import EXPERT_FORMS
 from ..device.graph import GraphShape
 from ..device.quant import LINEAR_WEIGHT_NAME, check_weights, quantize
@@ -147,12 +151,14 @@ def rank_module(
 ) -> KVParamModule:
     """The module one rank compiles: rank graph (NxD layers by default) + K/V parameters; with
     `weights="int8"` its attention and dense-MLP parallel linears become NxD's quantized ones;
-    `join` > 0: a join key over a batch of `join` rows' K/V (`device.row_join`, same state names)."""
+    `join` > 0: a join key over a batch of `join` rows' K/V (`device.row_join`, same state names);
+    a context bucket (`shape.reads`) takes its positions first (`device.context_key`)."""
     factory = factory or NxDParallelFactory(plan.tp, dtype)
     graph = build_rank_graph(
         config, plan, shape, factory=factory, dtype=dtype, inplace=False, expert_form=expert_form, chooses=chooses
     )
-    module = KVParamModule(RowJoin(graph, join) if join else graph).eval()
+    graph = RowJoin(graph, join) if join else graph
+    module = KVParamModule(ContextKey(graph) if shape.reads else graph).eval()
     if check_weights(weights) == "int8":
         quantize_nxd(module)
     return module
@@ -271,6 +277,13 @@ def checkpoint_loader(loaded: Any, plan: TPPlan, dtype: torch.dtype, weights: st
     return functools.partial(nxd_checkpoint, loaded, plan, dtype, weights)
 
 
+def key_form(graph: nn.Module) -> tuple[int, bool]:
+    """A key graph's join batch (0: no join; a join takes its row index first, after a context bucket's
+    positions) and whether it chooses the tokens (`DeviceGraph.chooses`)."""
+    base = graph.graph if isinstance(graph, ContextKey) else graph
+    return (base.batch if isinstance(base, RowJoin) else 0), bool(getattr(graph, "chooses", False))
+
+
 def compile_model_builder(
     loaded: Any,
     tp: int,
@@ -311,8 +324,7 @@ def compile_model_builder(
         compiler_workdir=str(workdir),
     )
     for key, graph in graphs.items():
-        shape, chooses = graph.shape, bool(getattr(graph, "chooses", False))
-        join = graph.batch if isinstance(graph, RowJoin) else 0  # a join takes the row index first
+        shape, (join, chooses) = graph.shape, key_form(graph)
         parts = {"expert_form": forms[shape.phase], "weights": weights}  # what every key's rank module takes
         parts.update({"chooses": True} if chooses else {}, **({"join": join} if join else {}))
         builder.add(  # inf2-only
@@ -322,7 +334,8 @@ def compile_model_builder(
             # prefill: NxD's router tells them apart by their input shapes
             example_inputs=[key_inputs(graph, None, dtype)],
             compiler_args=neuron_env.COMPILER_ARGS[shape.phase],
-            priority_model_idx=None if chooses else PRIORITY[shape.phase],  # the decode key's layout
+            # the whole-context decode key's layout (one key sets it)
+            priority_model_idx=None if chooses or shape.reads else PRIORITY[shape.phase],
         )
     shapes = {key: graph.shape for key, graph in graphs.items()}
     traced = builder.trace(initialize_model_weights=False)  # inf2-only
@@ -334,7 +347,8 @@ def compile_model_builder(
         "variant": loaded.variant.name,
         "tp": tp,
         "context_length": shapes["decode"].context_length,
-        "buckets": [s.tokens for k, s in shapes.items() if k.startswith("prefill")],
+        "buckets": [s.tokens for k, s in shapes.items() if k.startswith("prefill") and not s.reads],
+        "context_buckets": sorted({s.reads for s in shapes.values() if s.reads}),
         "ring": shapes["decode"].ring,
         "batch": shapes["decode"].batch,
         "dtype": str(dtype),
