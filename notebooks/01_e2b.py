@@ -852,6 +852,84 @@ for question, expected in questions:  # a random-weights model has no tokenizer:
           f"contains {expected!r}: {expected in said}]")  # fmt: skip
 demos["chat"] = history
 
+# %% [markdown]
+# <a id="s7b"></a>
+# ### 7b. A longer conversation: chunks, context buckets and the next turn's reuse
+#
+# Three things keep a long conversation cheap, and none of them needs a longer compile:
+#
+# - **Chunks.** A prompt longer than the largest compiled prompt length runs as several calls of that
+#   prefill graph, each at `start` = its offset and attending over the K/V before it and its own chunk
+#   (`Engine.chunks`). So a prompt that fits the context is never refused because of its bucket.
+# - **Context buckets** (`context_buckets`). The decode and prefill graphs are compiled a second time,
+#   reading only the first C slots of every full-length K/V buffer (`GraphShape.reads`). Each call
+#   runs the smallest bucket that holds every row's last position (`Engine.reading`), so a short
+#   conversation stops reading the empty end of the context. Here that is one bucket, 128 of the 192
+#   slots: two more graphs, `decode@128` and `prefill128@128`. On inf2 each bucket is a ModelBuilder
+#   key of its own that takes the read positions `[C]` first, because NxD picks a key by its inputs'
+#   shapes (built with the SDK stood in; never run on inf2).
+# - **Reuse.** A released row keeps its tokens' K/V. With `admit(..., reuse=True)`, which is what the
+#   server does, the next prompt prefills only what the row does not already hold. "Hold" means the
+#   same tokens: a next turn that re-renders the reply as text can tokenize it differently and lose
+#   the reuse. So the next turn below is the first prompt, the reply's own tokens, then the template's
+#   next user turn.
+#
+# The section runs on the `eager` backend, which compiles nothing, so the lesson adds no compile to
+# this notebook. With `backend="cpu"` the same settings compile the bucket's two graphs and load the
+# others from the cache. The conversation has four earlier exchanges and then a question. Its next turn runs
+# twice, once reusing the first turn's row and once cold. The two replies must be equal token for
+# token, and the first turn must equal the reference. As in the chat above, the tiny model was trained
+# on one-turn chats only, so its answers after a history are not expected to be right. The table says which graph
+# each call ran and how long the first token took.
+
+# %%
+from dataclasses import replace
+
+from gemma4lib.models.corpus import COUNTRIES
+
+
+def take_turn(name, ids, reuse):
+    """Admit `ids` into row 0 (its prefill gives the first token), decode to the end and release the
+    row, which keeps its K/V; note the turn's figures and the graphs it ran."""
+    started = time.perf_counter()
+    engine.admit({0: Request(ids, bucketed.max_new_tokens, eos_token_ids=eos)}, reuse=reuse)
+    first_ms = (time.perf_counter() - started) * 1000
+    while engine.live_rows():
+        engine.step()
+    row = engine.release(0)
+    turns[name] = dict(prompt=len(ids), reused=row.reused, chunks=row.chunks, ttft_ms=first_ms, calls=log.take())
+    replies[name] = row.tokens
+    return row.tokens
+
+
+bucketed = replace(s, backend="eager", context_buckets=(128,), max_new_tokens=16)  # plus a 128-slot bucket
+long_compiled = compile_graphs(model, bucketed)
+display(nb.describe_graphs(long_compiled.graphs))
+engine = long_compiled.runtime
+log = nb.StepLog(engine)  # which graph, reading how many slots, each call ran
+turns, replies = {}, {}
+
+# %%
+if model.tokenizer is not None:  # a random-weights model has no tokenizer: no conversation
+    conversation = []
+    for country, capital in COUNTRIES[:4]:
+        conversation += [{"role": "user", "content": f"What is the capital of {country}?"},
+                         {"role": "assistant", "content": f"The capital of {country} is {capital}."}]  # fmt: skip
+    conversation.append({"role": "user", "content": f"What is the capital of {COUNTRIES[4][0]}?"})
+    first_ids = list(model.tokenizer.apply_chat_template(conversation, add_generation_prompt=True, return_dict=False))
+    first = take_turn("1: four exchanges, then a question", first_ids, reuse=True)
+    follow = f"<turn|>\n<|turn>user\nWhat is the capital of {COUNTRIES[5][0]}?<turn|>\n<|turn>model\n"  # the template's
+    reply = [t for t in first if t not in eos]  # its own tokens, the stop token dropped (the template's follows)
+    next_ids = first_ids + reply + model.tokenizer.encode(follow, add_special_tokens=False)
+    warm = take_turn("2: the next turn, reusing turn 1's K/V", next_ids, reuse=True)
+    cold = take_turn("2 again, cold", next_ids, reuse=False)
+    display(nb.turns_table(turns, bucketed.context_length))
+    print(f"turn 1 equals the reference: {first == reference_greedy(model.lm, first_ids, len(first))}")
+    print(f"turn 2 reusing equals turn 2 cold, token for token: {warm == cold}")
+    for (country, _), tokens in zip(COUNTRIES[4:6], (first, warm), strict=True):
+        print(f"  asked for {country}'s capital, said {nb.answer_text(model, tokens)!r}")
+    demos["long_context"] = {**nb.turns_table(turns, bucketed.context_length).to_dict(), "equal": warm == cold}
+
 # %%
 if interactive:
     display(nb.chat(compiled.runtime, model, s))

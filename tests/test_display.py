@@ -71,6 +71,27 @@ def test_graphs_table_lists_every_graph_of_the_set_with_its_rows():
     assert [(row[0], row[1], row[2]) for row in table.rows] == [("prefill64", 2, 64), ("verify", 2, 5), ("draft", 2, 1)]
 
 
+def test_graphs_table_and_the_step_log_name_the_slots_each_graph_reads():
+    """01_e2b §7b: a context bucket's graphs say how many K/V slots they read, and the step log names
+    the graph and bucket of every engine call, repeats counted."""
+    from gemma4lab.notebook.long_context import graphs_ran
+    from gemma4lib.port import compile_graphs, load_model
+
+    settings = PortSettings(
+        variant="e2b", model="random", backend="eager", context_length=64, prefill_buckets=(16,), context_buckets=(32,)
+    )
+    model = load_model(settings)
+    compiled = compile_graphs(model, settings)
+    table = nb.describe_graphs(compiled.graphs)
+    reads = {row[0]: row[table.columns.index("K/V slots read")] for row in table.rows}
+    assert reads == {"prefill16": 64, "decode": 64, "prefill16@32": 32, "decode@32": 32}
+    log = nb.StepLog(compiled.runtime)
+    compiled.runtime.generate(list(range(5, 25)), 14)
+    calls = log.take()
+    assert calls[0] == ("prefill16", 32) and calls[-1] == ("decode", None) and log.take() == []
+    assert graphs_ran(calls, 64).startswith("prefill16 reading 32 ×2, decode reading 32 ×")
+
+
 def test_family_table_names_classes_in_full():
     table = nb.family_table()
     classes = [row[table.columns.index("class")] for row in table.rows]

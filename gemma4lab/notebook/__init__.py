@@ -20,6 +20,7 @@ notebook shows between them, one idea per module:
 - `formatting`: figures, shapes and tokens written as people write them; `plots`: the figures
   (`plots_batch`: tok/s against B; `plots_draft`: drafts accepted per verify step; `plots_serve`:
   the endpoint's latency and throughput against concurrent clients);
+- `long_context`: the graphs each engine call ran and a conversation's turns side by side (01_e2b §7b);
 - `chat`: the optional chat box.
 
 `from gemma4lab import notebook as nb` gives all of them under one name, as the notebooks use it.
@@ -63,6 +64,7 @@ from gemma4lab.notebook.family import (
     tp_fit,
 )
 from gemma4lab.notebook.formatting import format_number, readable_tokens, token_labels, with_unit
+from gemma4lab.notebook.long_context import StepLog, turns_table
 from gemma4lab.notebook.records import load_results, record, save_record, tensor_digest
 from gemma4lab.notebook.serving import (
     batch_ceilings_table,
@@ -87,6 +89,7 @@ from gemma4lab.notebook.witness import equality_is_not_enough, gemma3_style_ids,
 
 __all__ = [
     "StatusBox",
+    "StepLog",
     "Table",
     "answer_text",
     "attention_implementations_agree",
@@ -135,6 +138,7 @@ __all__ = [
     "run_witness",
     "save_record",
     "tensor_digest",
+    "turns_table",
     "show_image",
     "show_prompt",
     "show_settings",
