@@ -124,7 +124,8 @@ VARIANT_SECTIONS = [  # the skeleton every variant notebook follows, in this ord
     "## 9. Record",
     "## 10. Plots",
 ]
-MAX_CELLS = 39  # 01_e2b, which teaches the shared path cell by cell (and save/load, the core by hand)
+# 01_e2b, which teaches the shared path cell by cell (and save/load, the core by hand, §7b's long conversation)
+MAX_CELLS = 41
 MAX_BRIEF_CELLS = 35  # 02-05: the shared path "as in 01", the rest the variant's lesson (with its context plan)
 # (both with the three cells of "What the model sees", which every variant notebook has)
 MIN_LESSON_SHARE = 0.50  # of a brief notebook's lines, in cells tagged `lesson` (issue 51)

@@ -863,8 +863,9 @@ demos["chat"] = history
 # - **Context buckets** (`context_buckets`). The decode and prefill graphs are compiled a second time,
 #   reading only the first C slots of every full-length K/V buffer (`GraphShape.reads`). Each call
 #   runs the smallest bucket that holds every row's last position (`Engine.reading`), so a short
-#   conversation stops reading the empty end of the context. Here that is one bucket, 128 of the 192
-#   slots: two more graphs, `decode@128` and `prefill128@128`. On inf2 each bucket is a ModelBuilder
+#   conversation stops reading the empty end of the context. Here that is one bucket,
+#   `context_buckets=(128,)` below: two more graphs, `decode@128` and `prefill128@128` (the graphs
+#   table says how many K/V slots each reads). On inf2 each bucket is a ModelBuilder
 #   key of its own that takes the read positions `[C]` first, because NxD picks a key by its inputs'
 #   shapes (built with the SDK stood in; never run on inf2).
 # - **Reuse.** A released row keeps its tokens' K/V. With `admit(..., reuse=True)`, which is what the
@@ -907,8 +908,6 @@ display(nb.describe_graphs(long_compiled.graphs))
 engine = long_compiled.runtime
 log = nb.StepLog(engine)  # which graph, reading how many slots, each call ran
 turns, replies = {}, {}
-
-# %%
 if model.tokenizer is not None:  # a random-weights model has no tokenizer: no conversation
     conversation = []
     for country, capital in COUNTRIES[:4]:
