@@ -61,7 +61,7 @@ def _prompts(model, lengths):
     return [random_prompt(model.config.vocab_size, n, 11 + n) for n in lengths]
 
 
-def test_the_graph_set_has_one_key_per_bucket_and_one_prefill_key_per_bucket_from_zero():
+def test_the_graph_set_has_one_key_per_bucket_and_a_prefill_per_bucket_it_fits():
     _, compiled = _compiled()
     assert sorted(compiled.graphs.named()) == [
         "decode",
@@ -69,8 +69,10 @@ def test_the_graph_set_has_one_key_per_bucket_and_one_prefill_key_per_bucket_fro
         "decode@64",
         "prefill16",
         "prefill16@32",
+        "prefill16@64",
         "prefill8",
         "prefill8@32",
+        "prefill8@64",
     ]
     shapes = {name: g.shape.reads for name, g in compiled.graphs.named().items()}
     assert shapes["decode@32"] == 32 and shapes["decode"] is None
@@ -95,8 +97,8 @@ def test_batched_rows_cross_a_bucket_mid_decode_and_equal_hf(ring):
 
 
 def test_a_chunked_prefill_takes_the_bucket_of_each_chunks_reach():
-    """A 51-token prompt in chunks of 16: the chunks at 0 and 16 read 32 slots, the ones that reach past
-    the prefill key's bucket run the whole context; decode then crosses 64 into the whole context."""
+    """A 51-token prompt in chunks of 16: the chunks at 0 and 16 read 32 slots, the ones at 32 and 48
+    read 64 (a chunk reads the K/V before it and its own); decode then crosses 64 into the whole context."""
     model, compiled = _compiled()
     engine, new = compiled.runtime, 20
     calls = _recorded(engine)
@@ -104,14 +106,21 @@ def test_a_chunked_prefill_takes_the_bucket_of_each_chunks_reach():
     row = engine.generate(ids, new, keep_logits=True)
     assert row.chunks == 4
     assert_rows_exact(model, [row], new)
-    prefill = [("prefill16", 32), ("prefill16", 32), ("prefill16", None), ("prefill8", None)]
+    prefill = [("prefill16", 32), ("prefill16", 32), ("prefill16", 64), ("prefill8", 64)]
     assert calls == [*prefill, *[("decode", _smallest(p + 1)) for p in range(51, 51 + new - 1)]]
     assert ("decode", None) in calls and ("decode", 64) in calls
 
 
 def test_drafting_verifies_in_the_bucket_of_its_drafts():
     model, compiled = _compiled(draft="assistant", draft_tokens=2)
-    assert sorted(compiled.graphs.contexts) == ["prefill16@32", "prefill8@32", "verify@32", "verify@64"]
+    assert sorted(compiled.graphs.contexts) == [
+        "prefill16@32",
+        "prefill16@64",
+        "prefill8@32",
+        "prefill8@64",
+        "verify@32",
+        "verify@64",
+    ]
     engine, new = compiled.runtime, 16
     calls = _recorded(engine)
     row = engine.generate(_prompts(model, (25,))[0], new, keep_logits=True)
@@ -126,7 +135,9 @@ def test_a_row_joining_a_running_batch_prefills_through_its_bucket():
     model, compiled = _compiled(batch_size=2, row_prefill=True)
     assert sorted(n for n in compiled.graphs.contexts if n.startswith("row_")) == [
         "row_prefill16@32",
+        "row_prefill16@64",
         "row_prefill8@32",
+        "row_prefill8@64",
     ]
     engine, new = compiled.runtime, 16
     calls = _recorded(engine)

@@ -2,10 +2,10 @@
 graph, or with a drafter the verify graph (k + 1 tokens) and, for Gemma-4's assistant, its draft graph;
 for serving, one-row prefill graphs per bucket (`row_prefill{b}`) that a joining request runs alone.
 With context buckets C (`PortSettings.context_buckets`), `decode@C`, `decode_ids@C` and `verify@C`
-per bucket and `prefill{b}@C` (and `row_prefill{b}@C`) for the smallest C >= b: the same graphs
-reading only the first C slots of every full-length K/V buffer (`GraphShape.reads`; the engine runs
-the smallest that covers the call's rows, `Engine.reading`). A prefill chunk past that C runs the
-whole-context `prefill{b}`: one more key per prefill bucket covers every prompt from position 0.
+per bucket and `prefill{b}@C` (and `row_prefill{b}@C`) for every C >= b: the same graphs reading
+only the first C slots of every full-length K/V buffer (`GraphShape.reads`; the engine runs the
+smallest that covers the call's rows, `Engine.reading`), so each chunk of a long prompt reads the K/V
+before it and its own, not the whole context.
 
 Built over the model's own modules, so every backend (`cpu`, `eager`, `xla`, `neuron`) and the
 benchmark suite take their graphs from here and nothing else decides their shapes: the batch, the
@@ -206,7 +206,7 @@ def graph_set(
 
     # an image's tokens see each other on a config bidirectional over them: its prefills take the blocks
     blocks = vision is not None and bidirectional_images(model.config)
-    firsts = {b: [c for c in sizes if c >= b][:1] for b in prefill_buckets}  # a prompt from 0's bucket
+    firsts = {b: [c for c in sizes if c >= b] for b in prefill_buckets}  # the buckets a chunk of b can read
     prefill = {
         b: keyed(f"prefill{b}", b, PREFILL_EXPERTS, firsts[b], hidden=hidden, image_blocks=blocks) for b in firsts
     }
