@@ -384,3 +384,55 @@ def test_batch_section_rows_equal_their_references_and_hf():
         assert row["experts_read"] == (
             "selective" if row["batch"] == 1 else "grouped"
         )  # from B x k = E (16 experts, top-4) a CPU graph reads each expert once
+
+
+def test_context_section_reads_fewer_bytes_in_its_buckets_and_equals_hf():
+    """The suite's context section in a tiny form (the 31B's tiny k_eq_v model, contexts 32 / 64 / 128,
+    graphs uncompiled: about a second): every decode step runs the bucket of its context and reads
+    fewer K/V bytes than the whole context, the bytes grow linearly in the slots of the full-length
+    buffers only (the rings are read whole at every bucket), the ratios are the figures' own, and the
+    long prompt's first token equals HF's sdpa forward in both deployments."""
+    options = SuiteOptions.quick(
+        sections=("context",),
+        backend="eager",
+        warmup=0,
+        medium_iters=1,
+        bandwidth_mb=32,
+        context_model="31b",
+        context_lengths=(32, 64, 128),
+        context_fill_limit=64,
+        context_prefill_bucket=16,
+        context_steps=4,
+    )
+    report = json.loads(json.dumps(run_suite("cpu", quick=True, options=options), default=str))
+    section = report["context"]
+    rows = {r["context"]: r for r in section["rows"]}
+    assert section["context_length"] == 128 and section["context_buckets"] == [32, 64]
+    assert [rows[c]["graph"] for c in (32, 64, 128)] == ["decode@32", "decode@64", "decode"]
+    assert [rows[c]["filled"] for c in (32, 64, 128)] == [True, True, False] and rows[128]["fill_s_computed"] > 0
+    assert rows[64]["chunks"] == math.ceil(60 / 16) and all(
+        r["prompt_tokens"] == r["context"] - 4 for r in rows.values()
+    )
+    weights = {r["bytes"]["weights"] for r in rows.values()}
+    assert len(weights) == 1
+    kv = {c: rows[c]["bytes"]["kv"] for c in rows}
+    assert kv[32] < kv[64] < kv[128] == section["kv_buffer_bytes"]
+    assert kv[128] - kv[64] == 2 * (kv[64] - kv[32]) > 0  # only the full-length buffers' slots grow
+    whole = rows[64]["whole_context"]
+    assert whole["graph"] == "decode" and whole["bytes"]["kv"] == kv[128] > kv[64]
+    assert rows[64]["bucket_speedup"] == pytest.approx(whole["step_s"] / rows[64]["step_s"])
+    gb_s = section["bandwidth_used_gb_s"]
+    for row in [*rows.values(), whole]:
+        assert row["bytes"]["total"] == pytest.approx(row["bytes"]["weights"] + row["bytes"]["kv"])
+        assert row["bytes_bound_s"] == pytest.approx(row["bytes"]["total"] / (gb_s * 1e9))
+        assert row["over_bytes_bound"] == pytest.approx(row["step_s"] / row["bytes_bound_s"]) and row["step_s"] > 0
+    assert section["max_over_bytes_bound"] == max(r["over_bytes_bound"] for r in rows.values())
+    ttft = section["ttft"]
+    assert ttft["prompt_tokens"] == 60 and [o["deployment_context"] for o in ttft["ours"]] == [128, 64]
+    for ours in ttft["ours"]:
+        assert ours["first_token"] == ttft["hf"]["first_token"] and ours["first_token_equal_hf"] is True
+        assert ours["chunks"] == 4 and ours["ttft_hf_over_ours"] == pytest.approx(ttft["hf"]["ttft_s"] / ours["ttft_s"])
+    met = {t["target"]: t for t in report["targets"]}
+    assert (
+        met["31b: decode step / bytes-bound time <= 1.2 at every context"]["value"] == section["max_over_bytes_bound"]
+    )

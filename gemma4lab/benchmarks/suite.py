@@ -17,7 +17,9 @@ three decode-side fixes: ring KV at 512-4,096 context (before/after), dense vs s
 full-precision graphs (`int8`: decode tok/s, bytes per step, their ratios, the logit error against
 the full-precision reference); and the image prefill of the trained vision fixtures (`images`: the
 compiled vision graph and image prefill against transformers' eager forward on the same
-`pixel_values`, as ratios). `targets` checks the issue's figures.
+`pixel_values`, as ratios); and long contexts (`context`: decode with context buckets at 512 to
+32K against the bytes each step reads, and an 8K prompt's TTFT against HF's sdpa prefill).
+`targets` checks the issue's figures.
 
 Method: one thread (recorded), warm-up runs excluded, medians over `iters` runs, and the paths of
 one model are measured interleaved (A, B, C, A, B, C, ...) so load from other processes on the
@@ -65,7 +67,7 @@ SUITES = ("cpu",)
 TINY_VARIANTS = tuple(VARIANTS)
 MEDIUM_MODELS = ("medium-dense", "medium-moe")
 SCHEMA_VERSION = 1
-SECTIONS = ("models", "ring_kv", "experts", "prefill_buckets", "int8", "batch", "mtp", "serve", "images")
+SECTIONS = ("models", "ring_kv", "experts", "prefill_buckets", "int8", "batch", "mtp", "serve", "images", "context")
 
 
 @dataclass
@@ -116,6 +118,14 @@ class SuiteOptions:
     prompt_lookup_new_tokens: int = 48
     # the images section (benchmarks/images.py): the trained vision fixtures' image prefill next to HF eager
     image_variants: tuple[str, ...] = ("e2b",)
+    # the context section (benchmarks/context.py): decode with context buckets at each context, the
+    # deployment's context the longest; prompts fill the contexts up to the fill limit (its prompt is
+    # also the TTFT prompt against HF's sdpa prefill), in chunks of the prefill bucket
+    context_model: str = "medium-dense"
+    context_lengths: tuple[int, ...] = (512, 2048, 8192, 32768)
+    context_fill_limit: int = 8192
+    context_prefill_bucket: int = 512
+    context_steps: int = 16
 
     @classmethod
     def quick(cls, **changes: Any) -> SuiteOptions:
@@ -346,6 +356,23 @@ def run_suite(
         report["images"] = bench_images(
             options.image_variants, backend=options.backend, warmup=options.warmup, iters=options.iters
         )
+    if "context" in options.sections:  # long contexts: decode buckets vs bytes, TTFT vs HF sdpa (benchmarks/context.py)
+        from gemma4lab.benchmarks.context import bench_context
+
+        say(f"context: {options.context_model} at {options.context_lengths}, TTFT of {options.context_fill_limit}")
+        report["context"] = bench_context(
+            options.context_model,
+            load_bench_model(options.context_model),
+            backend=options.backend,
+            contexts=options.context_lengths,
+            fill_limit=options.context_fill_limit,
+            prefill_bucket=options.context_prefill_bucket,
+            steps=options.context_steps,
+            warmup=options.warmup,
+            iters=options.medium_iters,
+            bandwidth_mb=options.bandwidth_mb,
+        )
+        torch._dynamo.reset()
     report["targets"] = check_targets(report)
     report["recommendation"] = recommended
     report["load_average_end"] = _load_average()

@@ -44,4 +44,15 @@ def check_targets(report: dict[str, Any]) -> list[dict[str, Any]]:
     for name, by_k in (mtp.get("prompt_lookup_speedup") or {}).items():
         for k, value in by_k.items():
             add(f"{name}: prompt-lookup speed-up (k = {k}, repeat-the-input prompts) >= 1.5", value, 1.5)
+    context = report.get("context")
+    if context:
+        name = context["model"]
+        add(
+            f"{name}: decode step / bytes-bound time <= 1.2 at every context",
+            context.get("max_over_bytes_bound"),
+            1.2,
+            True,
+        )
+        for ours in context["ttft"]["ours"]:
+            add(f"{name}: TTFT HF sdpa / ours >= 1.5 ({ours['label']})", ours["ttft_hf_over_ours"], 1.5)
     return targets
