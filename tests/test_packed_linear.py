@@ -80,10 +80,10 @@ def test_a_packed_linear_follows_its_weight():
         packed_linear.PackedLinear(nn.Linear(4, 4, bias=True), 4)
 
 
-def _engine(model, decode):
-    prefill, kv = device_graph(model, GraphShape(BATCH, BUCKET, CONTEXT, True), "dense"), decode.new_kv()
+def _engine(model, decode, batch=BATCH):
+    prefill, kv = device_graph(model, GraphShape(batch, BUCKET, CONTEXT, True), "dense"), decode.new_kv()
     steps = Steps(prefill={BUCKET: bind_kv(prefill, kv)}, decode=bind_kv(decode, kv))
-    return Engine.for_model(model, steps, batch=BATCH, context_length=CONTEXT)
+    return Engine.for_model(model, steps, batch=batch, context_length=CONTEXT)
 
 
 @needs_packing
@@ -158,22 +158,31 @@ def test_two_and_three_rows_keep_the_plain_layout_and_four_pack():
     assert packed_linear.packs(4, torch.float32, balance) is packed_linear.available()
 
 
-@needs_packing
-def test_a_batch_2_decode_graph_runs_plain_with_batch_1s_key_form_and_its_rows_equal_their_references(pack_small):
+@pytest.mark.parametrize("faster", [True, False], ids=["left-faster-here", "plain-faster-here"])
+def test_two_rows_run_weight_left_only_where_this_machine_measures_it_faster(pack_small, monkeypatch, faster):
+    """Batch 2 (two rows, bound by bytes): the large fp32 linears run `(W @ x.T).T` when the
+    per-process measurement says so (`left_is_faster`, stood in here both ways), else plain; never at
+    one row, for int8 or without a CPU balance; the form keys the program, and the rows equal their
+    own references either way."""
     from test_batch import _assert_rows_match
 
     from gemma4lib.models.loading import build_tiny
     from gemma4lib.models.variants import get_variant
     from gemma4lib.reference import random_prompt
 
-    model = build_tiny(get_variant("e2b"))
+    monkeypatch.setattr(packed_linear, "left_is_faster", lambda rows: faster)
+    model, balance = build_tiny(get_variant("e2b")), cpu_balance("eager")
     shape = GraphShape(2, 1, CONTEXT, True)
-    graph = device_graph(model, shape, "dense", compute_balance=cpu_balance("eager"))
-    assert graph.linear_form == "plain" and "linear_form" not in graph.key_parts()
-    assert not any(isinstance(m, packed_linear.PackedLinear) for m in graph.modules())
-    prefill, kv = device_graph(model, GraphShape(2, BUCKET, CONTEXT, True), "dense"), graph.new_kv()
-    steps = Steps(prefill={BUCKET: bind_kv(prefill, kv)}, decode=bind_kv(graph, kv))
-    engine = Engine.for_model(model, steps, batch=2, context_length=CONTEXT)
+    graph = device_graph(model, shape, "dense", compute_balance=balance)
+    left = [m for m in graph.modules() if isinstance(m, packed_linear.WeightLeftLinear)]
+    assert (graph.linear_form, bool(left)) == ((packed_linear.LEFT, True) if faster else ("plain", False))
+    assert ("linear_form" in graph.key_parts()) == faster
+    assert device_graph(model, GraphShape(1, 1, CONTEXT, True), "dense", compute_balance=balance).linear_form == "plain"
+    assert device_graph(model, shape, "dense", weights="int8", compute_balance=balance).linear_form == "plain"
+    assert device_graph(model, shape, "dense").linear_form == "plain"
+    x = torch.randn(2, 3, model.config.hidden_size)
+    lm_head = model.lm_head
+    assert torch.allclose(packed_linear.WeightLeftLinear(lm_head)(x), lm_head(x), atol=1e-5)
     prompts = [random_prompt(model.config.vocab_size, n, 100 + n) for n in LENGTHS[:2]]
-    generation = engine.generate_rows([Request(p, NEW) for p in prompts], keep_logits=True)
+    generation = _engine(model, graph, batch=2).generate_rows([Request(p, NEW) for p in prompts], keep_logits=True)
     _assert_rows_match(model, prompts, generation, new=NEW)

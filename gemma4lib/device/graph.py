@@ -24,6 +24,7 @@ transformers' own `shared_kv_states`, exactly as the reference does.
 from __future__ import annotations
 
 import copy
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -360,16 +361,20 @@ class DeviceGraph(nn.Module):
         self.expert_routing = (int(getattr(cfg, "top_k_experts", 0) or 0), int(getattr(cfg, "num_experts", 0) or 0))
         self.shape, self.expert_form = shape, expert_form
         # one CPU thread's small-M products: batched decode packs its large fp32 linears (`packed_linear`)
-        pack = not int8 and packed_linear.packs(self.rows, lm_head.weight.dtype, compute_balance)
-        if pack:
-            lm_head = packed_linear.maybe_pack(lm_head, self.rows)
+        # (two or three rows: weight-left where this machine measures it faster)
+        swap = None
+        if not int8 and packed_linear.packs(self.rows, lm_head.weight.dtype, compute_balance):
+            swap = functools.partial(packed_linear.maybe_pack, rows=self.rows)
+        elif not int8 and packed_linear.weight_left(self.rows, lm_head.weight.dtype, compute_balance):
+            swap = packed_linear.maybe_weight_left
+        lm_head = swap(lm_head) if swap else lm_head
         for layer in model.layers:
             if getattr(layer, "experts", None) is not None:
                 layer.experts = StaticExperts(layer.experts, self.experts_read, int8=int8)
             if int8:
                 _swap_linears(layer, Int8Linear.from_linear)
-            elif pack:
-                _swap_linears(layer, lambda linear: packed_linear.maybe_pack(linear, self.rows))
+            elif swap:
+                _swap_linears(layer, swap)
             layer.self_attn = _shallow_clone(layer.self_attn)
             layer.self_attn.config = attn_config
             # a parameter (the host's buffer, shared), not a buffer: the compiler folds buffers into the
@@ -378,9 +383,10 @@ class DeviceGraph(nn.Module):
                 layer.layer_scalar = nn.Parameter(scalar, requires_grad=False)
         self.model = model
         self.lm_head = lm_head
-        # "plain" unless a linear was packed: a graph whose program did not change keeps its key
+        # "plain" unless a linear was swapped: a graph whose program did not change keeps its key
         swapped = {type(m) for m in (lm_head, *model.modules())}
-        self.linear_form = packed_linear.FORM if packed_linear.PackedLinear in swapped else "plain"
+        forms = {packed_linear.PackedLinear: packed_linear.FORM, packed_linear.WeightLeftLinear: packed_linear.LEFT}
+        self.linear_form = next((form for cls, form in forms.items() if cls in swapped), "plain")
         self.layout, self.shape, self.inplace, self.expert_form = layout, shape, inplace, expert_form
         self.weights, self.attention = weights, attention
         self.every_position, self.returns_hidden = every_position, hidden

@@ -18,11 +18,13 @@ caches) oneDNN's per-call cost outweighs the layout. The same stack at B = 8 wit
 fixtures never pack.
 
 Below that, at two and three rows (a batch-2 decode, a verify of 2 or 3 tokens), the step is still
-bound by bytes and the plain layout runs: on a quiet machine (2026-12-02, one thread) `x @ W.T`
-over the medium-dense model's linears cost 1.09x / 1.18x an M = 1 pass at M = 2 / 3, where the
-weight-left product `(W @ x.T).T` cost 2.1x and the packed one 1.25x. (An earlier measurement at
-load average 7-13 had the plain product at 1.9x and chose weight-left; re-measured quiet, that
-form made a B = 2 step cost 1.94x a B = 1 step, so it was removed: docs/ROOFLINE.md "Batch 2".)
+bound by bytes, and which product streams the weights once depends on the CPU: on the 2026-12-02
+machine `x @ W.T` cost 1.09x / 1.18x an M = 1 pass at M = 2 / 3 and the weight-left `(W @ x.T).T`
+2.1x; on the 2026-12-06 one (AVX512) `x @ W.T` cost 2.0x / 2.8x and weight-left 0.85x / 1.3x (one
+thread, medium-dense's linear shapes; there main's B = 2 step ran no faster than B = 1 while the
+weight-left code of 2026-12-02 ran it at 2x: docs/ROOFLINE.md "Batch 2"). So the form is measured
+once per process (`left_is_faster`), and those graphs run weight-left (`WeightLeftLinear`) only where
+it is clearly faster; the program, and its cache key, follow the form.
 
 The cost is memory: a packed graph holds a second copy of its linears' weights (the host model
 keeps its own). The packed tensor is derived from the weight, so it is re-derived from the model's current weight
@@ -34,12 +36,18 @@ Neuron graphs never pack: their compute balance is None (bytes decide).
 
 from __future__ import annotations
 
+import functools
+import logging
 import platform
+import time
 
 import torch
 from torch import nn
 
+log = logging.getLogger(__name__)
+
 FORM = "onednn-packed"
+LEFT = "weight-left"
 MEASURED_ON = ("x86_64", "AMD64")
 PACK_MIN_ELEMENTS = 1 << 18  # smaller weights run no faster packed (module docstring)
 
@@ -58,6 +66,59 @@ def packs(rows: int, dtype: torch.dtype, flop_per_byte: float | None) -> bool:
     if flop_per_byte is None or dtype != torch.float32 or rows < 2 or not available():
         return False
     return 2.0 * rows >= flop_per_byte * torch.finfo(dtype).bits / 8
+
+
+@functools.cache
+def left_is_faster(rows: int) -> bool:
+    """Whether one thread here runs `(W @ x.T).T` in under 0.8x the time of `x @ W.T` at `rows` rows:
+    timed once per process, best of five, over eight 3072 x 1024 fp32 weights (96 MiB, past the caches)."""
+    weights, x, threads = [torch.randn(3072, 1024) for _ in range(8)], torch.randn(rows, 1024), torch.get_num_threads()
+
+    def best(product) -> float:
+        times = []
+        for _ in range(5):
+            started = time.perf_counter()
+            for w in weights:
+                product(w)
+            times.append(time.perf_counter() - started)
+        return min(times)
+
+    torch.set_num_threads(1)
+    try:
+        with torch.no_grad():
+            plain, left = best(lambda w: x @ w.T), best(lambda w: (w @ x.T).T)
+    finally:
+        torch.set_num_threads(threads)
+    log.info("%d rows on one thread: x @ W.T %.1f ms, (W @ x.T).T %.1f ms", rows, plain * 1e3, left * 1e3)
+    return left < 0.8 * plain
+
+
+def weight_left(rows: int, dtype: torch.dtype, flop_per_byte: float | None) -> bool:
+    """Whether a graph of `rows` tokens per call runs its large fp32 linears weight-left: more than one
+    row, still bound by bytes (not packed), on one CPU thread, and measured faster here (module docstring)."""
+    if flop_per_byte is None or dtype != torch.float32 or rows < 2 or packs(rows, dtype, flop_per_byte):
+        return False
+    return left_is_faster(rows)
+
+
+class WeightLeftLinear(nn.Module):
+    """A bias-free linear computed as `(W @ x.T).T` over the model's own weight (registered under the
+    same name, so a compiled package takes it at load time like the plain linear's)."""
+
+    def __init__(self, linear: nn.Module):
+        super().__init__()
+        if getattr(linear, "bias", None) is not None:
+            raise ValueError("WeightLeftLinear covers bias-free linears (every Gemma-4 projection is one)")
+        self.weight = linear.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, x.shape[-1])
+        return torch.mm(self.weight, flat.t()).t().reshape(*x.shape[:-1], self.weight.shape[0])
+
+
+def maybe_weight_left(linear: nn.Module) -> nn.Module:
+    """`linear` as a `WeightLeftLinear` when its weight is large enough to gain, else itself."""
+    return WeightLeftLinear(linear) if linear.weight.numel() >= PACK_MIN_ELEMENTS else linear
 
 
 class PackedLinear(nn.Module):
