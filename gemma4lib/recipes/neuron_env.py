@@ -160,25 +160,10 @@ def _matches(found: str, accepted: tuple[str, ...]) -> bool:
 def check_versions() -> list[dict[str, Any]]:
     """Found vs pinned, one row per package (the SDK set, then transformers)."""
     rows = []
-    for dist, accepted in SDK_PINS.items():
+    for dist, accepted in {**SDK_PINS, "transformers": (TRANSFORMERS_PIN,)}.items():
         found = metadata_version(dist)
-        rows.append(
-            {
-                "package": dist,
-                "pinned": list(accepted),
-                "found": found,
-                "ok": found is not None and _matches(found, accepted),
-            }
-        )
-    found = metadata_version("transformers")
-    rows.append(
-        {
-            "package": "transformers",
-            "pinned": [TRANSFORMERS_PIN],
-            "found": found,
-            "ok": found is not None and _matches(found, (TRANSFORMERS_PIN,)),
-        }
-    )
+        ok = found is not None and _matches(found, accepted)
+        rows.append({"package": dist, "pinned": list(accepted), "found": found, "ok": ok})
     return rows
 
 

@@ -150,7 +150,6 @@ class Scheduler:
         self._engine_lock = threading.Lock()  # held by the thread while it calls the engine; `paused` takes it
         self._outbox = Outbox()  # only the scheduler thread touches it
         self.steps = 0
-        self.admitted = 0
         self.metrics.queue_depth.set_function(lambda: len(self._waiting))
         self.metrics.rows_in_use.set_function(lambda: len(self._live))
 
@@ -320,7 +319,6 @@ class Scheduler:
             for row in batch:
                 self._fail(row, EngineFaultError(exc))
             return
-        self.admitted += len(batch)
         self._deliver(first)
 
     def _defer(self, free: int) -> bool:
