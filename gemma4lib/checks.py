@@ -127,11 +127,9 @@ class LogitsCheck:
         """One sentence: what was compared, the worst error, the tolerance and its origin."""
         head = "LOGITS_MATCH passed" if self.passed else "LOGITS_MATCH failed"
         text = (
-            f"{head}: max |device - reference| {self.max_err:.3g} at "
-            f"{self._where(self.worst_position)} (token id {self.worst_token_id}) "
-            f"{'<=' if self.passed else '>'} tolerance {self.tolerance:.3g} = "
-            f"max({self.factor:g} x spread {self.spread:.3g} [{self.precise_dtype} reference], "
-            f"floor {self.floor:g})"
+            f"{head}: max |device - reference| {self.max_err:.3g} at {self._where(self.worst_position)} (token id "
+            f"{self.worst_token_id}) {'<=' if self.passed else '>'} tolerance {self.tolerance:.3g} = "
+            f"max({self.factor:g} x spread {self.spread:.3g} [{self.precise_dtype} reference], floor {self.floor:g})"
         )
         first = self.first_failure
         if not self.passed and first is not None and first != self.worst_position:

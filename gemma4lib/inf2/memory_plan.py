@@ -1,27 +1,22 @@
 """Will a port fit on inf2? A plan per NeuronCore and for the compile host, computed from shapes.
 
-On inf2 every tensor-parallel rank is one NeuronCore with 16 GiB of HBM. What a rank holds is
-known before anything is loaded: its shard of the weights (the same cut `tp.shard` makes, counted
-on a meta-device model of the released config), its K/V buffers at the compiled context (KV heads
-replicated where a layer has fewer than the TP degree), and working memory. A configuration that
-cannot fit is refused before anything loads (`backends.preflight`), not half an hour into a compile. MoE experts
-count 1/tp of their bytes per rank whichever way the plan splits them (whole experts, or a slice
-of every expert: the plan's default): the shards have the same shapes.
+On inf2 every tensor-parallel rank is one NeuronCore with 16 GiB of HBM. What a rank holds is known
+before anything loads: its shard of the weights (the cut `tp.shard` makes, counted on a meta-device
+model of the released config), its K/V buffers at the compiled context (KV heads replicated where a
+layer has fewer than the TP degree), and working memory. So a configuration that cannot fit is
+refused before anything loads (`backends.preflight`), not half an hour into a compile. MoE experts
+count 1/tp of their bytes per rank whichever way the plan splits them (same shard shapes).
 
-What is computed and what is assumed:
-
-- weights and K/V per core: computed exactly from the released configs, bf16 (`weights="int8"`: the
-  linears NxD quantizes at 1 byte plus an fp32 scale per output row, `rank_weight_bytes`);
-- working memory per core: `WORKING_ALLOWANCE_GIB`, an allowance, not a measurement (the Neuron
-  runtime's reservation, the program's instructions, activations and scratch). Unverified on inf2;
-- host RAM for the compile: the compile host's plan (`compile_host`: what is computed, what is
-  measured, and what is not counted).
+Computed exactly from the released configs: weights and K/V per core, bf16 (`weights="int8"`: the
+linears NxD quantizes at 1 byte plus an fp32 scale per output row). Assumed: working memory per
+core, `WORKING_ALLOWANCE_GIB` (the runtime's reservation, instructions, activations, scratch;
+unverified on inf2). The compile host's RAM: `compile_host`.
 
 The compile needs no NeuronCore, so it may run on a larger host than the one that serves: a plan
 names `compile_host`, the run instance when its RAM holds the estimate, else the smallest inf2 size
-that does (same Inferentia2 chip, so its artifacts load on the run instance). E2B's ModelBuilder
-compile is the case: compile on an inf2.8xlarge, serve on the inf2.xlarge, or pick the trace
-recipe, whose compile fits the inf2.xlarge (`neuron_recipe`).
+that does (same chip, so its artifacts load on the run instance). E2B's ModelBuilder compile is the
+case: compile on an inf2.8xlarge and serve on the inf2.xlarge, or pick the trace recipe, whose
+compile fits the inf2.xlarge (`neuron_recipe`).
 """
 
 from __future__ import annotations
@@ -262,8 +257,7 @@ def plan_core_memory(
             f"{weights_gib:.1f} GiB of {'int8 ' if weights == 'int8' else ''}weights + {kv:.2f} GiB of K/V + "
             f"{f'{assistant_gib:.2f} GiB of assistant weights + ' if assistant_gib else ''}"
             f"{f'{vision_gib:.2f} GiB of vision weights and activations + ' if vision else ''}"
-            f"{WORKING_ALLOWANCE_GIB:.0f} GiB working "
-            f"memory exceed a NeuronCore's {capacity:.0f} GiB"
+            f"{WORKING_ALLOWANCE_GIB:.0f} GiB working memory exceed a NeuronCore's {capacity:.0f} GiB"
         )
     peak, basis = compile_peak_gb(v, recipe, dtype_bytes, tp)
     compile_host: str | None = instance
