@@ -239,12 +239,9 @@ def plan_core_memory(
         weights_gib = rank_weight_bytes(v, tp, weights, dtype_bytes) / GIB
         kv = _rank_kv_elements(v.name, tp, int(context_length), bool(ring)) * dtype_bytes * int(batch) / GIB
     assistant_gib = 0.0
-    if draft_tokens and weights_gib:
-        assistant_gib, kv = _draft_extra_gib(v, tp, int(context_length), bool(ring), int(draft_tokens), dtype_bytes)
-        kv = (
-            kv * int(batch)
-            + _rank_kv_elements(v.name, tp, int(context_length), bool(ring)) * dtype_bytes * int(batch) / GIB
-        )
+    if draft_tokens and weights_gib:  # the assistant's weights, and the rings' k + 1 extra slots per row
+        assistant_gib, extra = _draft_extra_gib(v, tp, int(context_length), bool(ring), int(draft_tokens), dtype_bytes)
+        kv += extra * int(batch)
     vision_gib, placement = 0.0, None
     if vision:
         from .vision_plan import vision_plan
