@@ -1,21 +1,18 @@
 """The three checks every run reports, because none implies the others.
 
-SEQ_MATCH: the compiled graph's tokens equal the host fp32 reference's, token for token: the compiler
-is faithful, as far as tokens show it. A confident model (the trained fixtures answer with margins of
-3-5 logits) hides logit errors of 0.1-0.3 behind unchanged tokens.
+SEQ_MATCH: the compiled graph's tokens equal the host fp32 reference's, token for token. A confident
+model (the trained fixtures answer with margins of 3-5 logits) hides logit errors of 0.1-0.3 behind
+unchanged tokens, so:
 
-LOGITS_MATCH: the device's logits at every generated position (the prefill's and each decode step's,
-so a fault that only touches the decode graph shows too) against the reference's for the same tokens
-(teacher forcing), within a tolerance taken from the reference's own numerical spread on that
-sequence (`logits_tolerance`; NxD Inference's `check_accuracy_logits` is the model for it).
+LOGITS_MATCH: the device's logits at every generated position (the prefill's and each decode step's)
+against the reference's for the same tokens (teacher forcing), within a tolerance taken from the
+reference's own numerical spread on that sequence (`logits_tolerance`; NxD Inference's
+`check_accuracy_logits` is the model for it).
 
 Coherence: the decoded answer makes sense (a predicate on the text). It proves the reference is
 right: a wrong chat template or PLE wiring shared by device and reference passes both equality
-checks in silence.
-
-A run record carries all three, and for smoke runs the same checks on a random-weights witness
-(`record["witness"]`); `failed_checks` is the one verdict the command line, the fault lab and
-papermill share.
+checks in silence. A run record carries all three (smoke runs: also on a random-weights witness);
+`failed_checks` is the one verdict the command line, the fault lab and papermill share.
 """
 
 from __future__ import annotations

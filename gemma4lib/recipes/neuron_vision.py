@@ -42,23 +42,14 @@ RECIPE = "vision_trace"
 PURPOSE = "the vision graph on one NeuronCore (torch_neuronx.trace)"
 FILE = "vision.pt"
 
-# neuronx-cc arguments for the vision graph (neuronx-cc CLI reference, aws-neuron-sdk
-# `compiler/neuronx-cc/api-reference-guide/neuron-compiler-cli-reference-guide.rst`):
-# - `--model-type=transformer` ("model-specific optimizations based upon type of model"; values
-#   `generic`, `transformer`): the encoder is a ViT, attention and MLP blocks like the decoder's;
-# - `--auto-cast=none`: the compiler's default is `matmult`, which casts FP32 matmuls to BF16. The
-#   fixtures and random models run in float32, and the soft tokens go straight into the prompt's
-#   embeddings, where an error shows as a logits mismatch (docs/IMAGES.md's fault lab: a scaled
-#   soft token fails LOGITS_MATCH at a 6.6e-5 tolerance). So the graph's own dtype, as for the
-#   decoders: fp32 soft tokens from an fp32 model, bf16 from a bf16 one (then the flag changes
-#   nothing). The pooler's standardisation is written in float32 by transformers and stays so;
-# - `--enable-mixed-precision-accumulation`: the compiler default, explicit for the same reason as
-#   the decoders' (`neuron_env.COMPILER_ARGS`): the arithmetic is part of the cache key;
-# - `-O1`: the graph runs once per image, not once per token; compile time matters more than the
-#   last few percent of its latency (the prefill keys' choice);
-# - left out: the decoders' `--tensorizer-options` (NxD Inference's decoder scheduling, tuned for
-#   collectives at TP > 1; this graph is on one core) and `--enable-saturate-infinity` (as for the
-#   decoders: no infinity should arise, and saturating one would hide it from the checks).
+# neuronx-cc arguments for the vision graph (neuronx-cc CLI reference), as the decoders'
+# (`neuron_env.COMPILER_ARGS`: the arithmetic is part of the cache key, no saturated infinities) but:
+# - `--auto-cast=none` matters here: the compiler's default `matmult` casts FP32 matmuls to BF16, and
+#   the fp32 fixtures' soft tokens go straight into the prompt's embeddings, where an error shows as a
+#   logits mismatch (docs/IMAGES.md's fault lab: a scaled soft token fails LOGITS_MATCH at 6.6e-5);
+# - `-O1`: the graph runs once per image, not per token; compile time matters more than its last
+#   few percent of latency (the prefill keys' choice);
+# - no `--tensorizer-options`: NxD Inference's decoder scheduling, tuned for collectives at TP > 1.
 # Unverified on inf2: no instance here.
 COMPILER_ARGS = "--model-type=transformer --auto-cast=none --enable-mixed-precision-accumulation -O1"
 
