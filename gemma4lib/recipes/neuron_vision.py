@@ -37,6 +37,7 @@ import torch
 
 from ..device.vision import VisionGraph
 from . import neuron_env
+from .neuron_trace import save  # noqa: F401  (the same TorchScript save: `neuron_vision.save`)
 
 RECIPE = "vision_trace"
 PURPOSE = "the vision graph on one NeuronCore (torch_neuronx.trace)"
@@ -79,13 +80,6 @@ def compile_vision(graph: VisionGraph, *, compiler_workdir: str | None = None) -
             compiler_args=compiler_args(),
             inline_weights_to_neff=True,  # (module docstring)
         )
-
-
-def save(traced: Any, path: str | Path) -> Path:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    torch.jit.save(traced, str(path))
-    return path
 
 
 def load(path: str | Path, core: int) -> Any:
