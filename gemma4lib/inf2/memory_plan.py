@@ -334,10 +334,9 @@ def require_fit(
     vision: bool = False,
 ) -> CoreMemoryPlan:
     """Raise when the released model cannot run at `tp` on `instance` (default: the variant's):
-    `TensorParallelError` for a degree inf2 cannot run, `DeviceMemoryError` for one that does not
-    fit a core or the compile host (with `draft_tokens`: the assistant's weights too; with `vision`:
-    the vision part on rank 0's core); the message
-    names configurations that fit."""
+    `TensorParallelError` for a degree inf2 cannot run, `DeviceMemoryError` for one that does not fit a
+    core or the compile host (with `draft_tokens`: the assistant's weights too; with `vision`: the
+    vision part on rank 0's core); the message names configurations that fit."""
     v = get_variant(variant) if isinstance(variant, str) else variant
     require_neuron_tp(v, tp, instance)
     plan = plan_core_memory(
@@ -364,9 +363,8 @@ def require_fit(
 def largest_context(variant: Variant | str, instance: str, *, ring: bool = True, step: int = 1024) -> tuple[int, int]:
     """(context, TP): the longest context, a multiple of `step` up to the released maximum, whose
     per-core plan fits a NeuronCore's HBM at a TP degree `instance` has the cores and host RAM for
-    ((0, 0): none).
-    Computed, unverified on inf2. The compiler's own RAM at long contexts is not in the plan: the
-    compile host's, which hardly grows with the context here, is no bound on it."""
+    ((0, 0): none). Computed, unverified on inf2. The compiler's own RAM at long contexts is not in the
+    plan: the compile host's, which hardly grows with the context here, is no bound on it."""
     v = get_variant(variant) if isinstance(variant, str) else variant
     best = (0, 0)
     cores = INSTANCES[instance].neuron_cores  # and the instance's RAM must hold the host side at that TP
