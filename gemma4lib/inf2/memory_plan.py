@@ -217,7 +217,6 @@ def plan_core_memory(
     batch: int = 1,
     draft_tokens: int | None = None,
     vision: bool = False,
-    vision_source: str = "defaults",
 ) -> CoreMemoryPlan:
     """The per-core memory plan of `variant` at `tp` (default: its recipe's) on `instance`
     (default: the variant's recommended instance) with `recipe` (default: `neuron_recipe`'s),
@@ -246,7 +245,7 @@ def plan_core_memory(
     if vision:
         from .vision_plan import vision_plan
 
-        part = vision_plan(v, vision_source, dtype_bytes)
+        part = vision_plan(v, dtype_bytes=dtype_bytes)
         vision_gib, placement = part.total_gib, part.placement
     capacity = float(HBM_PER_CORE_GIB)
     if weights_gib + kv + WORKING_ALLOWANCE_GIB + assistant_gib + vision_gib > capacity:
