@@ -53,11 +53,11 @@ def first_mismatch(device: Sequence[int], reference: Sequence[int]) -> int | Non
     return None if len(device) == len(reference) else min(len(device), len(reference))
 
 
-def expect_substring(expected: str, case_sensitive: bool = False) -> Coherence:
-    """Coherent when the answer contains `expected` (e.g. 'Paris')."""
+def expect_substring(expected: str) -> Coherence:
+    """Coherent when the answer contains `expected` (e.g. 'Paris'), in any case."""
 
     def predicate(answer: str) -> bool:
-        return expected in answer if case_sensitive else expected.lower() in answer.lower()
+        return expected.lower() in answer.lower()
 
     predicate.__name__ = f"contains({expected!r})"
     return predicate

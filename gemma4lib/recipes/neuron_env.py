@@ -24,7 +24,7 @@ import os
 import shlex
 import sys
 import types
-from collections.abc import Callable, MutableMapping
+from collections.abc import MutableMapping
 from typing import Any
 
 from ..environment import TRANSFORMERS_PIN as TRANSFORMERS_VERSION
@@ -273,16 +273,14 @@ def fx_shim_status(namespace: MutableMapping[str, Any] | None = None) -> str:
     return "needed" if FX_PARENT in modules else "no-transformers"
 
 
-def install_fx_shim(
-    namespace: MutableMapping[str, Any] | None = None, *, status: Callable[..., str] = fx_shim_status
-) -> str:
+def install_fx_shim(namespace: MutableMapping[str, Any] | None = None) -> str:
     """Install the shim into `namespace` (default `sys.modules`) only when needed.
 
     Returns the status afterwards: 'real' (left alone), 'shim' (installed now or before) or
     'no-transformers'.
     """
     modules = sys.modules if namespace is None else namespace
-    state = status(namespace)
+    state = fx_shim_status(namespace)
     if state != "needed":
         return state
     shim = _make_fx_shim()
