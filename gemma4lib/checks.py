@@ -1,21 +1,18 @@
 """The three checks every run reports, because none implies the others.
 
-SEQ_MATCH: the compiled graph's tokens equal the host fp32 reference's, token for token: the compiler
-is faithful, as far as tokens show it. A confident model (the trained fixtures answer with margins of
-3-5 logits) hides logit errors of 0.1-0.3 behind unchanged tokens.
+SEQ_MATCH: the compiled graph's tokens equal the host fp32 reference's, token for token. A confident
+model (the trained fixtures answer with margins of 3-5 logits) hides logit errors of 0.1-0.3 behind
+unchanged tokens, so:
 
-LOGITS_MATCH: the device's logits at every generated position (the prefill's and each decode step's,
-so a fault that only touches the decode graph shows too) against the reference's for the same tokens
-(teacher forcing), within a tolerance taken from the reference's own numerical spread on that
-sequence (`logits_tolerance`; NxD Inference's `check_accuracy_logits` is the model for it).
+LOGITS_MATCH: the device's logits at every generated position (the prefill's and each decode step's)
+against the reference's for the same tokens (teacher forcing), within a tolerance taken from the
+reference's own numerical spread on that sequence (`logits_tolerance`; NxD Inference's
+`check_accuracy_logits` is the model for it).
 
 Coherence: the decoded answer makes sense (a predicate on the text). It proves the reference is
 right: a wrong chat template or PLE wiring shared by device and reference passes both equality
-checks in silence.
-
-A run record carries all three, and for smoke runs the same checks on a random-weights witness
-(`record["witness"]`); `failed_checks` is the one verdict the command line, the fault lab and
-papermill share.
+checks in silence. A run record carries all three (smoke runs: also on a random-weights witness);
+`failed_checks` is the one verdict the command line, the fault lab and papermill share.
 """
 
 from __future__ import annotations
@@ -56,11 +53,11 @@ def first_mismatch(device: Sequence[int], reference: Sequence[int]) -> int | Non
     return None if len(device) == len(reference) else min(len(device), len(reference))
 
 
-def expect_substring(expected: str, case_sensitive: bool = False) -> Coherence:
-    """Coherent when the answer contains `expected` (e.g. 'Paris')."""
+def expect_substring(expected: str) -> Coherence:
+    """Coherent when the answer contains `expected` (e.g. 'Paris'), in any case."""
 
     def predicate(answer: str) -> bool:
-        return expected in answer if case_sensitive else expected.lower() in answer.lower()
+        return expected.lower() in answer.lower()
 
     predicate.__name__ = f"contains({expected!r})"
     return predicate
@@ -127,11 +124,9 @@ class LogitsCheck:
         """One sentence: what was compared, the worst error, the tolerance and its origin."""
         head = "LOGITS_MATCH passed" if self.passed else "LOGITS_MATCH failed"
         text = (
-            f"{head}: max |device - reference| {self.max_err:.3g} at "
-            f"{self._where(self.worst_position)} (token id {self.worst_token_id}) "
-            f"{'<=' if self.passed else '>'} tolerance {self.tolerance:.3g} = "
-            f"max({self.factor:g} x spread {self.spread:.3g} [{self.precise_dtype} reference], "
-            f"floor {self.floor:g})"
+            f"{head}: max |device - reference| {self.max_err:.3g} at {self._where(self.worst_position)} (token id "
+            f"{self.worst_token_id}) {'<=' if self.passed else '>'} tolerance {self.tolerance:.3g} = "
+            f"max({self.factor:g} x spread {self.spread:.3g} [{self.precise_dtype} reference], floor {self.floor:g})"
         )
         first = self.first_failure
         if not self.passed and first is not None and first != self.worst_position:

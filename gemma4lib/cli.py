@@ -51,17 +51,11 @@ def _add_port_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--context-buckets", help="comma-separated decode context sizes below the context, e.g. 256,512"
     )
-    parser.add_argument(
-        "--ring-kv",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="sliding layers keep only their window of K/V (default; --no-ring-kv: full length)",
-    )
-    parser.add_argument(
+    _switch(parser, "--ring-kv", "sliding layers keep only their window of K/V (default; --no-ring-kv: full length)")
+    _switch(
+        parser,
         "--row-prefill",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="with --batch > 1, also compile one-row prefill graphs: a request joining running rows alone "
+        "with --batch > 1, also compile one-row prefill graphs: a request joining running rows alone "
         "prefills one row, not the batch (default: on for `serve` on cpu/eager, off otherwise)",
     )
     parser.add_argument("--decode-experts", help="MoE decode form: dense | selective")
@@ -82,13 +76,17 @@ def _add_port_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--draft-tokens", type=int, help="drafts per verify step k (default 4 with --draft)")
     parser.add_argument("--assistant-checkpoint", help="full profile: the assistant's hub id or local folder")
     parser.add_argument("--verify-experts", help="MoE verify with --draft: dense | selective (default: fewer bytes)")
-    parser.add_argument(
+    _switch(
+        parser,
         "--witness",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="also run a seeded random-weights twin through the same graphs "
+        "also run a seeded random-weights twin through the same graphs "
         "(default: on for smoke runs of a trained fixture)",
     )
+
+
+def _switch(parser: argparse.ArgumentParser, flag: str, help: str) -> None:
+    """`--flag` / `--no-flag`, None when neither is given (the setting's own default then applies)."""
+    parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=help)
 
 
 def _settings(args: argparse.Namespace):

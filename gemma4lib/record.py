@@ -1,12 +1,10 @@
 """The run record: one versioned JSON document per run, built here and only here.
 
 `port.port()`, the notebooks, the fault lab, papermill's baselines and the summaries all read the same
-keys, so a device run (`backends.DeviceRun`) and the checks' report go in here and the record comes
-out with the verdict every reader applies: `failed_checks` (empty when every check held).
-
-Schema 2 added `schema`, LOGITS_MATCH's keys and the witness; a reader that needs a key a record
-lacks can tell an old record by `schema`. Schema 3 renamed the compiler's key from `recipe` to
-`compiler`: "recipe" now means only the inf2 recipe (`inf2_recipe`).
+keys, so a device run and the checks' report go in here and the record comes out with the verdict
+every reader applies: `failed_checks` (empty when every check held). `schema` tells an old record
+(2: LOGITS_MATCH's keys and the witness; 3: the compiler's key `recipe` renamed `compiler`, "recipe"
+now meaning only the inf2 recipe, `inf2_recipe`).
 """
 
 from __future__ import annotations

@@ -3,11 +3,9 @@
 Tokens in, tokens out. The engine holds `batch` rows over one set of K/V (held by the steps: host
 buffers on CPU, device states on XLA and inf2). A request is admitted into a free row (its prefill,
 other rows untouched), then every `step()` advances every live row at once: one decode step, or
-with a drafter k drafts and one verify of k + 1 tokens, each row keeping its own number. Each row
-has its own position, eos, token budget and sampling. `generate` runs a batch to the end (what
-`port` runs), a server admits and releases rows between steps (continuous batching). Every path
-(port, batches, drafting, the TP ranks, the XLA lane, the Neuron recipes, the notebooks, the
-benchmarks) runs this loop; there is no other.
+with a drafter k drafts and one verify of k + 1 tokens. Each row has its own position, eos, token
+budget and sampling. `generate` runs a batch to the end (what `port` runs), a server admits and
+releases rows between steps (continuous batching). Every path runs this loop; there is no other.
 """
 
 from __future__ import annotations
@@ -118,14 +116,11 @@ def encode_prompt(tokenizer: Any, prompt: str, chat: bool = True) -> list[int]:
 @dataclass
 class Steps:
     """The compiled graphs a backend hands the engine, each a callable over its own K/V (how the K/V are
-    held is the backend's business).
-
-    `prefill[bucket](*embeds, start, length)` and `decode(...)` return the logits of each row's last
-    valid token `[B, vocab]` (and its hidden state `[B, H]` when the assistant drafts); `verify(...)`
-    those of every position `[B, k + 1, ...]`; `draft(inputs_embeds, position)` the assistant's logits
-    and projected hidden state. `start`/`length`/`position` are int32 `[B]`. No prefill graphs (the
-    trace recipe): prompts are fed through `decode` token by token.
-    """
+    held is the backend's business). `prefill[bucket](*embeds, start, length)` and `decode(...)` return
+    the logits of each row's last valid token `[B, vocab]` (and its hidden state `[B, H]` when the
+    assistant drafts); `verify(...)` those of every position `[B, k + 1, ...]`; `draft(inputs_embeds,
+    position)` the assistant's logits and projected hidden state. `start`/`length`/`position` are int32
+    `[B]`. No prefill graphs (the trace recipe): prompts are fed through `decode` token by token."""
 
     prefill: dict[int, Step] = field(default_factory=dict)
     decode: Step | None = None

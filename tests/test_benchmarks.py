@@ -144,13 +144,13 @@ def test_selective_experts_on_expert_parallel_ranks_read_k_per_rank():
     shared = counts.lm_head + counts.other
     # expert split at TP=8: 16 whole experts per rank, each rank gathers 8 slices whether routed
     # there or not: 64 of 128
-    assert counts.device_params("selective", tp=8, expert_split="experts") - shared == pytest.approx(
+    assert roofline.device_params(counts, "selective", tp=8, expert_split="experts") - shared == pytest.approx(
         counts.experts * 64 / 128
     )
-    assert counts.device_params("selective", tp=1) - shared == pytest.approx(counts.experts * 8 / 128)
+    assert roofline.device_params(counts, "selective", tp=1) - shared == pytest.approx(counts.experts * 8 / 128)
     # TP=16: 8 experts per rank and 8 gathered: as many bytes as dense (selective stops paying off)
-    assert counts.device_params("selective", tp=16, expert_split="experts") == pytest.approx(
-        counts.device_params("dense")
+    assert roofline.device_params(counts, "selective", tp=16, expert_split="experts") == pytest.approx(
+        roofline.device_params(counts, "dense")
     )
     row = roofline.compare(
         None,
@@ -162,7 +162,7 @@ def test_selective_experts_on_expert_parallel_ranks_read_k_per_rank():
         expert_split="experts",
     )
     assert row["bytes_per_step"]["weights"] == pytest.approx(
-        counts.device_params("selective", tp=8, expert_split="experts") * 2
+        roofline.device_params(counts, "selective", tp=8, expert_split="experts") * 2
     )
 
 
@@ -171,15 +171,19 @@ def test_selective_experts_on_intermediate_split_ranks_read_k_in_total():
     share of the 8 routed experts, so the ranks together read 8 of 128, as one device would."""
     counts = params.count_params(params.meta_model("26b-a4b"))
     shared = counts.lm_head + counts.other
-    assert counts.moe_intermediate == 704 and counts.expert_split(8) == "intermediate"
+    assert counts.moe_intermediate == 704 and roofline.plan_split(counts, 8) == "intermediate"
     for tp in (2, 8, 16):
-        assert counts.device_params("selective", tp=tp) == pytest.approx(counts.device_params("selective"))
-        assert counts.device_params("selective", tp=tp, expert_split="intermediate") - shared == pytest.approx(
-            counts.experts * 8 / 128
+        assert roofline.device_params(counts, "selective", tp=tp) == pytest.approx(
+            roofline.device_params(counts, "selective")
         )
-    assert counts.device_params("dense", tp=8) == counts.device_params("dense", tp=8, expert_split="experts")
+        assert roofline.device_params(
+            counts, "selective", tp=tp, expert_split="intermediate"
+        ) - shared == pytest.approx(counts.experts * 8 / 128)
+    assert roofline.device_params(counts, "dense", tp=8) == roofline.device_params(
+        counts, "dense", tp=8, expert_split="experts"
+    )
     with pytest.raises(ValueError, match="expert_split"):
-        counts.device_params("selective", tp=8, expert_split="rows")
+        roofline.device_params(counts, "selective", tp=8, expert_split="rows")
     steps = roofline.decode_bytes("26b-a4b", context_length=2048, experts="selective", tp=8)
     assert steps.expert_split == "intermediate" and steps.weights / 1e9 == pytest.approx(7.65, rel=0.01)
     row = roofline.compare(

@@ -28,7 +28,7 @@ from gemma4lib.device.kv_layout import KVLayout
 from gemma4lib.inf2.hardware import BF16_FLOPS_PER_CORE, GB, INSTANCES
 from gemma4lib.inf2.params import count_params, meta_model
 
-from .roofline import decode_bytes
+from .roofline import decode_bytes, plan_split, read_fraction
 
 # The field report's author, the same two-graph E2B design on an inf2.xlarge (DESIGN.md §3): total
 # decode tok/s by batch size. Measured by them on inf2, not by this project.
@@ -65,7 +65,7 @@ def batch_decode_bytes(
     weights = one.weights
     if experts == "selective" and counts.num_experts and batch > 1:
         # k x s slices of E per row (s = tp under the expert split), all E once past the bound
-        per_row = counts.read_fraction("selective", tp, expert_split)
+        per_row = read_fraction(counts, "selective", tp, expert_split)
         read = {"selective": batch * per_row, "dense": 1.0}.get(experts_read or "", min(batch * per_row, 1.0))
         weights += (read - per_row) * counts.experts * one.dtype_bytes
     return {"weights": weights, "kv": one.kv * batch, "total": weights + one.kv * batch, "batch": float(batch)}
@@ -80,7 +80,7 @@ def batch_read_form(
     counts = count_params(lm)
     if not counts.num_experts:
         return "none"
-    split = counts.expert_split(tp, expert_split)
+    split = plan_split(counts, tp, expert_split)
     held = counts.num_experts // tp if split == "experts" else counts.num_experts
     return experts if batch == 1 else read_form(experts, batch, counts.top_k, held)
 

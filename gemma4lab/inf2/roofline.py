@@ -12,7 +12,7 @@ Bytes per step are computed from shapes, never measured:
   the host and is not counted. MoE experts: all of them for the `dense` form, only the routed
   top-k for the `selective` form: k / num_experts of the expert weights on one device and on TP
   ranks that each hold a slice of every expert (the intermediate split); k slices *per rank* on
-  ranks that each hold whole experts (the expert split), see `ParamCounts.device_params`.
+  ranks that each hold whole experts (the expert split), see `device_params`.
 - KV: every K/V buffer as allocated — a full-length buffer is read whole each step, masked or not;
   a ring buffer of a sliding layer holds `sliding_window` slots.
 - `weight_format="int8"` (`quant.py`): the attention and dense-MLP linears and the experts at one
@@ -30,10 +30,69 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from gemma4lib.device.experts import EXPERT_SPLITS, default_expert_split
 from gemma4lib.device.kv_layout import KVLayout
 from gemma4lib.errors import SettingsError, UnknownNameError
 from gemma4lib.inf2.hardware import GB, GIB, INSTANCES, Inf2Instance  # noqa: F401  (re-exported for callers)
-from gemma4lib.inf2.params import count_params, meta_model
+from gemma4lib.inf2.params import ParamCounts, count_params, meta_model
+
+# ---- what a decode step reads of a model's parameters (`params.ParamCounts`) ---------------------
+
+
+def plan_split(counts: ParamCounts, tp: int = 1, expert_split: str | None = None) -> str | None:
+    """The expert split a TP plan uses at `tp` (`experts.default_expert_split` unless given); None
+    for a dense model."""
+    if not counts.num_experts:
+        return None
+    if expert_split is not None:
+        if expert_split not in EXPERT_SPLITS:
+            raise UnknownNameError("expert_split", expert_split, EXPERT_SPLITS)
+        return expert_split
+    return default_expert_split(counts.num_experts, counts.moe_intermediate, max(1, tp))
+
+
+def device_params(counts: ParamCounts, experts: str = "dense", tp: int = 1, expert_split: str | None = None) -> float:
+    """Parameters read per decode step, summed over `tp` ranks (fractional for selective experts:
+    `top_k / num_experts` of the expert weights on one device or under the intermediate split,
+    `tp * top_k` whole-expert slices under the expert split; `tp.plan`'s rules)."""
+    if experts not in ("dense", "selective"):
+        raise UnknownNameError("experts form", experts, ("dense", "selective"))
+    read_experts = counts.experts
+    if experts == "selective" and counts.num_experts:
+        split = plan_split(counts, tp, expert_split)
+        slices = counts.top_k * (max(1, tp) if split == "experts" else 1)
+        read_experts = counts.experts * slices / counts.num_experts  # repeats count, as gathers read
+    return counts.lm_head + counts.other + read_experts
+
+
+def read_fraction(counts: ParamCounts, experts: str = "dense", tp: int = 1, expert_split: str | None = None) -> float:
+    """The share of the expert weights one decode step reads, summed over `tp` ranks
+    (`device_params`): 1 for dense, k / E (or tp * k / E under the expert split) for selective."""
+    if not counts.experts:
+        return 0.0
+    return (device_params(counts, experts, tp, expert_split) - counts.lm_head - counts.other) / counts.experts
+
+
+def weight_bytes(
+    counts: ParamCounts,
+    experts: str = "dense",
+    tp: int = 1,
+    expert_split: str | None = None,
+    dtype_bytes: int = 2,
+    weight_format: str = "bf16",
+) -> float:
+    """Weight bytes read per decode step, summed over `tp` ranks. `weight_format="int8"`: the
+    quantized weights at one byte each plus a 4-byte scale per output channel (`quant.py`).
+    Scales are counted once: on TP ranks a row-parallel weight's scales (o_proj, down_proj)
+    are replicated per rank, which this leaves out (under 5 % of those weights' bytes even for
+    the 26B-A4B's 88-wide expert slices at TP=8, under 2 % of a step)."""
+    params = device_params(counts, experts, tp, expert_split)
+    if weight_format != "int8":
+        return params * dtype_bytes
+    share = read_fraction(counts, experts, tp, expert_split)
+    full = (counts.lm_head + counts.other - counts.linear) * dtype_bytes
+    return full + counts.linear + 4 * counts.linear_rows + share * (counts.experts + 4 * counts.expert_rows)
+
 
 # ---- bytes per decode step ----------------------------------------------------------------------
 
@@ -76,10 +135,10 @@ def decode_bytes(
 ) -> DecodeBytes:
     """Bytes per decode step of `model`: a `LoadedModel`, a `*ForCausalLM`, or a variant name
     (its released config, counted on the meta device; bf16 unless `dtype_bytes` says otherwise).
-    `weight_format="int8"`: weight-only int8 (`ParamCounts.device_bytes`); K/V at `dtype_bytes`.
+    `weight_format="int8"`: weight-only int8 (`weight_bytes`); K/V at `dtype_bytes`.
 
     `tp`: the ranks the step is sharded over. Only selective experts depend on it, and only under
-    the expert split (`expert_split`, default: the TP plan's; see `ParamCounts.device_params`);
+    the expert split (`expert_split`, default: the TP plan's; see `device_params`);
     K/V heads replicated across ranks are not counted twice."""
     if isinstance(model, str):
         lm = meta_model(model)
@@ -90,9 +149,9 @@ def decode_bytes(
             dtype_bytes = next(lm.parameters()).element_size()
     counts = count_params(lm)
     layout = KVLayout.from_config(lm.config)
-    params = counts.device_params(experts, tp, expert_split)
+    params = device_params(counts, experts, tp, expert_split)
     return DecodeBytes(
-        weights=float(counts.device_bytes(experts, tp, expert_split, dtype_bytes, weight_format)),
+        weights=float(weight_bytes(counts, experts, tp, expert_split, dtype_bytes, weight_format)),
         kv=float(layout.buffer_bytes(context_length, ring, dtype_bytes, batch)),
         experts_form=experts if counts.num_experts else "none",
         ring=ring,
@@ -101,7 +160,7 @@ def decode_bytes(
         params_read=params,
         kv_full_length=float(layout.buffer_bytes(context_length, False, dtype_bytes, batch)),
         tp=tp,
-        expert_split=counts.expert_split(tp, expert_split),
+        expert_split=plan_split(counts, tp, expert_split),
         weight_format=weight_format,
     )
 

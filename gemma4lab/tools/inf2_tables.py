@@ -16,7 +16,7 @@ from typing import Any
 from gemma4lab.inf2.batch_roofline import BATCHES, batch_ceilings
 from gemma4lab.inf2.image_prefill import format_image_prefill_table, image_prefill_table
 from gemma4lab.inf2.prefill import prefill_estimate
-from gemma4lab.inf2.roofline import ceiling_tok_s, decode_bytes
+from gemma4lab.inf2.roofline import ceiling_tok_s, decode_bytes, device_params, plan_split
 from gemma4lib.inf2.hardware import GB, GIB, INSTANCES, NEURON_TP_DEGREES
 from gemma4lib.inf2.memory_plan import DEFAULT_CONTEXT, CoreMemoryPlan, plan_core_memory
 from gemma4lib.inf2.params import ParamCounts, count_params, meta_model
@@ -61,7 +61,7 @@ def inf2_table(
         lm = meta_model(variant)
         counts = count_params(lm)
         tp = variant.tp_degree
-        forms: list[tuple[str, str | None]] = [("dense", counts.expert_split(tp))]
+        forms: list[tuple[str, str | None]] = [("dense", plan_split(counts, tp))]
         if counts.num_experts:
             forms += [("selective", split) for split in _splits_at(counts, tp)]
         for context in contexts:
@@ -93,7 +93,7 @@ def inf2_table(
                         "fits_hbm": {},
                     }
                     # resident: ALL weights (every expert) + KV, whatever the read form
-                    resident = counts.device_params("dense") * dtype_bytes + steps.kv
+                    resident = device_params(counts) * dtype_bytes + steps.kv
                     for inst in INSTANCES.values():
                         row["ceiling_tok_s"][inst.name] = ceiling_tok_s(steps.total, inst.hbm_bytes_s)
                         row["fits_hbm"][inst.name] = resident <= inst.hbm_gib * GIB
@@ -103,7 +103,7 @@ def inf2_table(
 
 def _splits_at(counts: ParamCounts, tp: int) -> list[str]:
     """The expert splits possible at `tp`, the plan's default first."""
-    default = counts.expert_split(tp)
+    default = plan_split(counts, tp)
     possible = [
         s for s, n in (("intermediate", counts.moe_intermediate), ("experts", counts.num_experts)) if n and n % tp == 0
     ]

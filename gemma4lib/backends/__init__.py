@@ -31,13 +31,4 @@ def __getattr__(name: str) -> Any:
     return getattr(importlib.import_module(f"{__name__}.{_WHERE[name]}"), name)
 
 
-__all__ = [
-    "BACKENDS",
-    "Backend",
-    "CompiledGraphs",
-    "DeviceRun",
-    "backend_of",
-    "compile_graphs",
-    "get_backend",
-    "run_device",
-]
+__all__ = sorted(_WHERE)

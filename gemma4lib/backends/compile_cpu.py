@@ -1,17 +1,15 @@
 """The CPU recipe: torch.export the device graph and compile it with AOTInductor.
 
-The result is a loadable package (`graph.pt2`) in the artifact cache; a second run with the same key
-loads it. The K/V are graph inputs the compiled code updates in place, so prefill and decode share
-one set of host buffers. Parameters are handed to the package at load time (`load_constants`), the
-way a NEFF without inlined weights is loaded with a checkpoint, so one compile serves every model of
-the architecture (random, trained, a faulty copy); buffers (`layer_scalar`) are folded in by the
-compiler, so their values are part of the key.
+The result is a loadable package (`graph.pt2`) in the artifact cache, keyed by the exported program's
+digest. The K/V are graph inputs the compiled code updates in place, so prefill and decode share one
+set of host buffers. Parameters are handed to the package at load time (`load_constants`), the way a
+NEFF without inlined weights is loaded with a checkpoint, so one compile serves every model of the
+architecture (random, trained, a faulty copy); buffers are folded in, so their values are in the key.
 
-The key is the exported program's digest, so finding an entry needs an export (seconds per graph). A
-small index beside the entries remembers which program key a graph had, keyed by everything the
-export reads (config, shapes, the graph's parts, buffers, the modules' attributes, the library's
-source, the versions): a graph seen before loads without exporting again, and any change to those
-misses the index and exports, exactly as without it.
+Finding an entry by its program digest needs an export (seconds per graph), so a small index beside
+the entries remembers which program key a graph had, keyed by everything the export reads (config,
+shapes, the graph's parts, buffers, the modules' attributes, the library's source, the versions): a
+graph seen before loads without exporting again, and any change to those misses the index.
 """
 
 from __future__ import annotations

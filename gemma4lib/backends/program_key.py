@@ -1,18 +1,15 @@
 """What a compiled artifact depends on, as digests: the cache keys of every backend are built here.
 
 A cache that keys an artifact by less than what the compiler received serves an old program after
-a change to the graph code (an edit to the masks, the experts, the K/V writes), and the first
-people it misleads are the graph's own developers. So:
+a change to the graph code, and the first people it misleads are the graph's own developers. So:
 
-- `program_digest(exported)`: the program itself as torch.export hands it to a compiler: the
-  generated code of every graph module, the signature (which inputs are parameters, buffers,
-  mutated K/V), the names, shapes and dtypes of the state and the values of lifted constants. Any
-  change to what the graph computes changes it, whether it came from an edit, a monkeypatch or
+- `program_digest(exported)`: the program as torch.export hands it to a compiler (every graph
+  module's generated code, the signature, the state's names, shapes and dtypes, lifted constants'
+  values): any change to what the graph computes changes it, whether an edit, a monkeypatch or
   another transformers version; parameter *values* do not (they are loaded at run time).
-- `source_digest()`: the source files of the library modules that shape the graph, for backends
-  whose compiler input cannot be produced on this machine (Neuron: the rank graph holds NxD layers).
-- `models.weights_identity`: the weights' part of a key (their shapes, the bytes a compiler folds
-  in, and which weights a model holds, for artifacts that contain them).
+- `source_digest()`: the library's graph-shaping source files, for backends whose compiler input
+  cannot be produced on this machine (Neuron: the rank graph holds NxD layers).
+- `models.weights_identity`: the weights' part of a key, for artifacts that contain them.
 """
 
 from __future__ import annotations

@@ -28,7 +28,6 @@ from .preflight import preflight
 
 if TYPE_CHECKING:
     from ..models.loading import LoadedModel
-    from ..runtime import Drafter
     from ..settings import PortSettings
 
 # each row's compile functions; its facts are `facts.FACTS`'s row of the same name
@@ -67,11 +66,9 @@ def compile_graphs(
     *,
     graphs: GraphSet | None = None,
     progress: bool = False,
-    drafter: Drafter | None = None,
 ) -> CompiledGraphs:
-    """The settings' graphs compiled by their backend, under the generation engine. `graphs`: prebuilt
-    graphs (the fault lab's faulty ones; backends that take them). `drafter`: replaces the settings'
-    (any object with `propose`; it needs the verify graph, so `settings.draft` must be set)."""
+    """The settings' graphs compiled by their backend, under the generation engine with the settings'
+    drafter. `graphs`: prebuilt graphs (the fault lab's faulty ones; backends that take them)."""
     preflight(settings)
     backend = backend_of(settings)
     refuse_graphs(graphs, backend)
@@ -90,12 +87,11 @@ def compile_graphs(
             assistant=assistant,
         )
     compiled = backend.compile(graphs, model, settings, progress)
-    drafter = drafter or make_drafter(settings.draft)
     compiled.graphs, compiled.assistant = graphs, assistant
     stepping = graphs.decode or graphs.verify  # the run records how its batched MoE reads its experts
     if stepping is not None and stepping.experts_read != stepping.expert_form:
         compiled.info["experts_read"] = stepping.experts_read
-    compiled.runtime = engine_over(model, compiled.steps, graphs, drafter=drafter)
+    compiled.runtime = engine_over(model, compiled.steps, graphs, drafter=make_drafter(settings.draft))
     return compiled
 
 
@@ -115,20 +111,19 @@ def run_device(
     graphs: GraphSet | None = None,
     progress: bool = False,
     bench: bool = True,
-    drafter: Drafter | None = None,
 ) -> DeviceRun:
     """One device run: every request in its own row of the engine (keeping the logits that chose
     each token), the prefill logits check of row 0, and the benchmark when asked."""
     preflight(settings)
     backend = backend_of(settings)
     sampled = [i for i, r in enumerate(requests) if not r.sampling.greedy]
-    if sampled and (settings.draft or drafter) and not backend.samples_drafts:
+    if sampled and settings.draft and not backend.samples_drafts:
         raise SettingsError(
             f"requests {sampled} sample, and sampled drafted rows are verified by rejection sampling, which backend "
             f"{backend.name!r} (tp_degree {settings.tp_degree}) does not run: its drafting steps verify greedily; "
             f"sample without a draft there, or use tp_degree=1 on backend 'cpu', 'eager' or 'xla'"
         )
-    compiled = compile_graphs(model, settings, graphs=graphs, progress=progress, drafter=drafter)
+    compiled = compile_graphs(model, settings, graphs=graphs, progress=progress)
     return run_compiled(compiled, model, settings, requests, progress=progress, bench=bench)
 
 

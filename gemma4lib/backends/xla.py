@@ -4,68 +4,28 @@ torch-neuronx turns a module into HLO through torch_xla and hands that to neuron
 the same `DeviceGraph`s through torch_xla here checks, without inf2, that they lower through the
 XLA front end with no CPU fallback and no per-step recompilation. It runs in the lane's own
 environment (``scripts/setup_xla_env.sh`` → ``.venv-xla``: torch 2.9.0 + torch-xla 2.9.0); this
-module imports without torch_xla and imports it only when used.
-
-API (what ``port --backend xla`` builds on: `compile`)::
-
-    from gemma4lib.backends.xla import XLASession
-    from gemma4lib.device.build import device_graphs
-    from gemma4lib.device.graph import index_tensor
-    from gemma4lib.settings import PortSettings
-
-    graphs = device_graphs(model, PortSettings(variant="e2b", backend="xla"), inplace=False)
-    session = XLASession(graphs.named(), hlo_dir="artifacts/xla/e2b")   # "prefill64", "decode"
-    kv = session.new_kv("decode")                 # K/V buffers on the XLA device
-    logits = session.run("prefill64", embeds, ple, index_tensor([0]), index_tensor([20]), *kv)
-    logits = session.run("decode", embeds, ple, index_tensor([20]), index_tensor([1]), *kv)
-    session.report()   # {"xla_fallbacks": 0, "xla_compilations": {"prefill64": 1, "decode": 1}, ...}
-
-  `session_steps(graphs)` does this for a whole `GraphSet` and hands back `runtime.Steps` (the K/V
-  bound to every step), which the one generation loop, `runtime.Engine`, runs.
+module imports without torch_xla and imports it only when used. `compile` (``port --backend xla``)
+puts a whole `GraphSet` in one `XLASession` (`session_steps`) and hands the engine its `Steps`.
 
 - The graphs must be built with ``inplace=False`` (the functional form Neuron traces). The
   session deep-copies them onto the XLA device (weights shared between the graphs, the host model
   left untouched), so the host model stays the CPU reference.
-- A step takes host or device tensors, runs the graph, rebinds each K/V tensor passed in to its
-  updated value (``kv[i].copy_(new)``: on XLA an IR rebinding, not a data copy), and materialises
-  logits and K/V with one ``torch_xla.sync()`` (2.9's replacement for ``xm.mark_step()``), then
-  waits for it (``xm.wait_device_ops()``: execution is asynchronous and the counters below must be
-  exact). It returns the logits, an XLA tensor already computed: ``.cpu()`` is a transfer, no new graph.
-- Index inputs (``start``/``length`` ``[B]``, the draft's ``position`` ``[B]``) are graph data,
-  never constants, and int32 (`device.graph.INDEX_DTYPE`, as NxD Inference hands them to the
-  device): a step refuses any other integer dtype, so every run of the lane proves the graphs
-  receive int32 end to end.
-- Drafting (backend xla) puts its prefill, verify and draft graphs in one session: a target graph
-  built with ``hidden=True`` returns logits and hidden states before its K/V (a step returns them
-  as a tuple); `drafting.DraftGraph` reads the K/V and writes none (``writes_kv = False``)
-  and takes its position alone before them (``inputs_before_kv = 2``).
-- Images: the vision graph (`device.vision.VisionGraph`) rides in the same session. It reads and
-  writes no K/V (``writes_kv = False``) and takes its two inputs, pixel values and int32 patch
-  positions, alone (``inputs_before_kv = 2``); the engine moves its soft tokens to the host
-  embeddings as at TP 1 on cpu.
-- Call `use_fast_cpu_compile()` before the first device use to turn XLA:CPU's own backend
-  optimisation off (about half the compile time; the HLO handed over and the tokens are the same).
-- Per graph it counts XLA compilations (the ``CompileTime`` metric), executions (the
-  ``ExecuteComputation`` counter; one per step, or something in the graph forced a
-  materialisation), distinct graph hashes, and the ``aten::`` CPU-fallback counters (a fallback
-  is a graph break on inf2). The HLO text of each distinct graph is written to ``hlo_dir`` as
-  ``<graph>.<n>.hlo.txt``, with its op counts.
+- A step rebinds each K/V tensor passed in to its updated value (``kv[i].copy_(new)``: on XLA an IR
+  rebinding, not a data copy), materialises logits and K/V with one ``torch_xla.sync()`` (2.9's
+  ``xm.mark_step()``), then waits for it (``xm.wait_device_ops()``: execution is asynchronous and
+  the counters must be exact).
+- Index inputs are int32 graph data, never constants (`device.graph.INDEX_DTYPE`, as NxD Inference
+  hands them to the device): a step refuses any other integer dtype, so every run of the lane
+  proves the graphs receive int32 end to end.
+- Per graph it counts XLA compilations, executions (one per step, or something in the graph forced
+  a materialisation), distinct graph hashes and ``aten::`` CPU fallbacks (a fallback is a graph
+  break on inf2), and writes each distinct graph's HLO text to ``hlo_dir`` (`XLASession.report`).
   torch_xla caches compiled graphs per process by graph hash: a second session over identical
   graphs in the same process reports 0 compilations; the distinct-hash count is the same.
 - Tensor parallelism: torch_xla 2.9's multi-device CPU client (``CPU_NUM_DEVICES=N``) runs GSPMD
-  (``xr.use_spmd()`` + ``xs.mark_sharding`` on the session's device weights and K/V) but not
-  per-rank explicit collectives (``torch_xla.launch`` + ``xm.all_reduce`` aborts in XLA:CPU's
-  rendezvous: each device thread compiles its own HloModule and a channel-less all-reduce is keyed
-  by the module's unique id, so the ranks never meet).
-
-``report()`` returns::
-
-    {"xla_fallbacks": int,                       # sum of aten:: fallback counters, all graphs
-     "xla_fallback_ops": {"aten::op": n, ...},
-     "xla_compilations": {graph: n}, "xla_executions": {graph: n}, "xla_steps": {graph: n},
-     "xla_graph_hashes": {graph: n},            # distinct traced graphs per graph name
-     "hlo_files": [path, ...],
-     "hlo_op_counts": {graph: {"total": n, "dot": n, ...}}}   # of the first HLO of each graph
+  but not per-rank explicit collectives (``torch_xla.launch`` + ``xm.all_reduce`` aborts in
+  XLA:CPU's rendezvous: each device thread compiles its own HloModule and a channel-less all-reduce
+  is keyed by the module's unique id, so the ranks never meet).
 """
 
 from __future__ import annotations

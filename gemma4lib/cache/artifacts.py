@@ -152,8 +152,7 @@ class ArtifactCache:
         if free < wanted:
             raise CacheSpaceError(
                 f"the artifact cache {self.root} ({self.origin}) has {_gib(free)} free; the package about to be "
-                f"compiled needs about {_gib(wanted)} (estimated from the weights); free space there, or "
-                f"{_fix_hint()}"
+                f"compiled needs about {_gib(wanted)} (estimated from the weights); free space there, or {_fix_hint()}"
             )
         if stat.f_files and stat.f_favail < MIN_FREE_INODES:
             raise CacheSpaceError(

@@ -2,22 +2,20 @@
 they were compiled for.
 
 `python -m gemma4lib export ... --out DIR` writes it; `PortSettings(artifacts=DIR)` runs from it, the
-entries a read-only layer in front of the artifact cache: nothing is compiled or written. The layout:
+entries a read-only layer in front of the artifact cache: nothing is compiled or written.
 
-    DIR/manifest.json          what the entries were compiled for (below)
+    DIR/manifest.json          its builds: the settings and the graphs they build (a drafting port's
+                               plain-decode build too, which its benchmark compares against)
     DIR/entries/<key[:24]>/    cache entries as the artifact cache holds them: meta.json with the
-                               checksums, and the programs (CPU: AOTInductor `graph.pt2`;
-                               inf2: the ModelBuilder `model.pt` with its NEFFs and the per-rank
-                               shards in `weights/`, or the trace recipe's `model.pt`)
-
-The manifest lists its builds (the settings and the graphs they build; a drafting port's plain-decode
-build too, which its benchmark compares against).
+                               checksums, and the programs (CPU: AOTInductor `graph.pt2`; inf2: the
+                               ModelBuilder `model.pt` with its NEFFs and per-rank `weights/`, or the
+                               trace recipe's `model.pt`)
 
 A bundle that does not fit the run (other settings or shapes, package versions, a CPU without the
 vector instructions it was built for, another checkpoint's identity) is a `BundleError` naming what
-differs, before any device work (`check_settings`, `check_model`). Beyond the
-manifest each graph is still found by its full cache key, so a change the manifest does not name
-(the library's graph code, a compiler option) is a `BundleError` too, never a wrong program.
+differs, before any device work (`check_settings`, `check_model`). Each graph is still found by its
+full cache key, so a change the manifest does not name (the library's graph code, a compiler option)
+is a `BundleError` too, never a wrong program.
 """
 
 from __future__ import annotations

@@ -1,16 +1,12 @@
 """The build lock of one cache key: who holds it, since when, and a wait that ends.
 
 A plain blocking `flock` made a second run wait silently forever behind a stopped (Ctrl-Z) or hung
-compile, so:
-
-- the holder writes who it is (pid, host, since, command) into the lock file;
-- a waiter polls, and reports that holder while it waits (is it running, stopped, gone?);
-- a lock whose recorded holder is dead on this host but which is still held (its file descriptor
-  leaked into a surviving child, e.g. a forked compiler worker) is broken after a grace period;
-- the wait has a limit (`GEMMA4LIB_LOCK_WAIT_S`), then `CacheLockError` says who holds it and what
-  to do.
-
-A holder that dies releases its `flock` by itself (the kernel closes its descriptors).
+compile, so: the holder writes who it is (pid, host, since, command) into the lock file; a waiter
+polls and reports that holder while it waits (running, stopped, gone?); a lock whose recorded holder
+is dead on this host but which is still held (its descriptor leaked into a surviving child, e.g. a
+forked compiler worker) is broken after a grace period; the wait has a limit
+(`GEMMA4LIB_LOCK_WAIT_S`), then `CacheLockError` says who holds it and what to do. A holder that
+dies releases its `flock` by itself (the kernel closes its descriptors).
 """
 
 from __future__ import annotations

@@ -1,19 +1,16 @@
 """The device graph's attention: transformers' eager math with the query heads grouped per K/V head.
 
-transformers' eager attention (`eager_attention_forward`) first repeats every K/V head for its group
-of query heads (`repeat_kv`), then multiplies one query row per head against the keys. At decode
-that is a `[heads, 1, d] x [heads, d, slots]` product: a matrix-vector product per head, which
-Inductor on CPU fuses with the mask and softmax into one scalar C++ loop (~4 GFLOP/s on one core;
-docs/ROOFLINE.md). Folding the group into the rows instead, `[kv_heads, groups * tokens, d] x
-[kv_heads, d, slots]`, reads every K/V head once and gives a real matrix product per K/V head,
-which Inductor hands to its GEMM library. Same numbers, same ops (reshape, matmul, add, softmax):
-nothing a Neuron or XLA compiler cannot trace.
+transformers' eager attention repeats every K/V head for its group of query heads (`repeat_kv`),
+so decode is a matrix-vector product per head, which Inductor on CPU fuses into one scalar C++ loop
+(~4 GFLOP/s on one core; docs/ROOFLINE.md). Folding the group into the rows instead, `[kv_heads,
+groups * tokens, d] x [kv_heads, d, slots]`, reads every K/V head once and gives a real matrix
+product per K/V head, which Inductor hands to its GEMM library. Same numbers, same ops (reshape,
+matmul, add, softmax): nothing a Neuron or XLA compiler cannot trace.
 
 Query head `h` belongs to K/V head `h // groups`, the order `repeat_kv` uses. The group size comes
 from the tensors, not the module, so a TP rank's shard (its own head counts) works unchanged.
-
-Registered in transformers' `AttentionInterface` as `GROUPED`; `DeviceGraph` points its own clones of
-the attention modules at it through `graph_config`, without touching the host model.
+Registered in transformers' `AttentionInterface` as `GROUPED`; `DeviceGraph` points its own clones
+of the attention modules at it through `graph_config`, without touching the host model.
 """
 
 from __future__ import annotations

@@ -10,20 +10,11 @@
 
 What the draft sees (`draft_masks`): the K/V of every *committed* position before the last seen
 token `p` (full layers: all of them; sliding layers: the `sliding_window + 1` positions before `p`,
-as transformers' assistant masks them: its bidirectional window is inclusive, distance <= window). A
-verify step writes the K/V of all k + 1 tokens; after a partial acceptance the rejected drafts'
-slots hold stale K/V. The target never reads them: the next verify starts at the first rejected
-position and overwrites them before attending (its causal mask never reaches past its query).
-The draft masks them out (transformers' own generator lets its assistant see some of them; see
-docs/DRAFTING.md).
-
-Ring buffers: a sliding layer's ring must hold the window *plus k + 1* slots (`RoomyLayout`, room =
-k + 1). A verify writes up to k positions past what will be committed; with only `sliding_window`
-slots those writes would overwrite positions the next step's window still needs (and the draft
-reads one position further back than the target). With window + k + 1 slots, every slot a
-rejected token overwrote is claimed by `slot_positions` as a position older than any mask admits
-(worst case, nothing accepted: stale position s + k is claimed as s - window - 1, and the next
-draft reads back to s - window), so the masks exclude it.
+as transformers' assistant masks them: its window is inclusive). A rejected draft's stale K/V is
+never read: the target's next verify overwrites it before attending, the draft masks it out. A
+sliding layer's ring holds the window *plus k + 1* slots (`RoomyLayout`) so that a verify's writes
+past what is committed never overwrite a position a later window still needs. Why both hold, with
+the worst case worked through: docs/DRAFTING.md, "Rejected tokens and the K/V".
 """
 
 from __future__ import annotations

@@ -10,8 +10,6 @@ ple_dim]`, which is what `Gemma4TextModel.get_per_layer_inputs(ids)` computes.
 
 from __future__ import annotations
 
-import copy
-
 import torch
 from torch import nn
 
@@ -28,13 +26,10 @@ class HostEmbedder(nn.Module):
         self.num_layers, self.ple_dim = num_layers, ple_dim
 
     @classmethod
-    def from_text_model(cls, text_model: nn.Module, *, copy_tables: bool = False) -> HostEmbedder:
-        """The text model's own tables; `copy_tables` for a process that gets only the tables
-        (a rank started with spawn pickles them instead of the whole model)."""
+    def from_text_model(cls, text_model: nn.Module) -> HostEmbedder:
+        """The text model's own tables (shared, not copied)."""
         cfg = text_model.config
         tables = (text_model.embed_tokens, getattr(text_model, "embed_tokens_per_layer", None))
-        if copy_tables:
-            tables = tuple(copy.deepcopy(t) if t is not None else None for t in tables)
         return cls(*tables, int(cfg.num_hidden_layers), int(getattr(cfg, "hidden_size_per_layer_input", 0) or 0))
 
     @property

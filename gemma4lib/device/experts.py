@@ -1,22 +1,18 @@
 """Static-shape forms of the Gemma-4 MoE expert block.
 
 transformers' eager experts loop over the experts a batch happens to hit: a data-dependent
-Python loop that no tracer can capture. Two static replacements, same parameters, same math:
+Python loop that no tracer can capture. Static replacements, same parameters, same math:
 
-- `dense`: every token runs through every expert, then the outputs are weighted by the routed
-  top-k weights (zero for unrouted experts). Static shapes, and the expert dimension splits cleanly
-  across tensor-parallel ranks. Reads all expert weights every step.
+- `dense`: every token through every expert, weighted by the routed top-k weights (zero for the
+  others). Reads all expert weights every step; the expert dimension splits cleanly across ranks.
 - `selective`: gather the k routed experts' weight slices per token, then batched matmuls. Reads
   only k experts' weights: the decode form.
 
-A batch of B rows decoding one token each gathers per row: B x k slices, a routed expert that two
-rows share read twice. Below B x k = the experts held that is the static bound on distinct experts;
-from there `read_form` picks a form that reads each expert at most once (the graph's
-`experts_read`, in its cache key):
-- `grouped`, on a CPU target (cpu, eager: torch.export traces the per-expert counts as unbacked
-  sizes, AOTInductor runs them): the rows sorted by expert, each routed expert's weights read once
-  for the rows routed to it (B x k rows of products, as transformers' eager loop, in one program).
-- `dense`, on static-shape targets (xla, neuron): every held expert once.
+A batch of B rows gathers B x k slices, a routed expert that two rows share read twice; from B x k
+= the experts held on, `read_form` picks a form that reads each expert at most once (the graph's
+`experts_read`, in its cache key): `grouped` on a CPU target (the rows sorted by expert, each routed
+expert read once for its rows; torch.export traces the per-expert counts as unbacked sizes, which
+AOTInductor runs), `dense` on static-shape targets (xla, neuron).
 """
 
 from __future__ import annotations

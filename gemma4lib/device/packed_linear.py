@@ -1,37 +1,32 @@
 """oneDNN-packed linears for batched decode graphs built to run on one CPU thread (`cpu`, `eager`).
 
 Why: a decode step of B rows multiplies `[B, in]` by every `[out, in]` weight. From about four
-rows on, one thread's small-M product of the plain layout stops being bound by bytes and runs at
-25-37 GFLOP/s, a fifth of its GEMM rate (docs/ROOFLINE.md, "where a decode step's time goes").
-oneDNN's packed linear (`mkldnn._reorder_linear_weight` once, `mkldnn._linear_pointwise` per
-call; the ops Inductor's own freezing pass emits) lays the weight out in its kernel's blocked
-format ahead of time. On a stack of 1024 x 3072 linears compiled with AOTInductor (one process,
-interleaved) it measured 1.5x / 1.7x / 1.45x the plain layout's tok/s at B = 4 / 8 / 16 and 0.9x
-at B = 2, where the step is still bound by bytes. MKL's packed sgemm (`mkl._mkl_linear`) was
-slower at every B and its packed copy is 1.3-2.9x the weight's bytes. So a graph packs its
-linears only where arithmetic, not bytes, bounds the step: rows x 2 FLOP per weight element >=
-the thread's FLOPs per byte x the element's bytes (the balance `experts.read_form` uses too).
-Batch-1 graphs never pack. Nor do small weights: below 2^18 elements (1 MiB of fp32, in the
-caches) oneDNN's per-call cost outweighs the layout. The same stack at B = 8 with hidden h and
-3h-wide layers measured 0.25x / 0.68x / 0.99x / 1.09x / 1.47x / 1.76x for h = 64 / 128 / 256 /
-384 / 512 / 768 (weights of 12k / 49k / 197k / 442k / 786k / 1.8M elements), so the tiny
-fixtures never pack.
+rows on, one thread's small-M product of the plain layout stops being bound by bytes and runs at a
+fifth of its GEMM rate; oneDNN's packed linear (`mkldnn._reorder_linear_weight` once,
+`mkldnn._linear_pointwise` per call; the ops Inductor's own freezing pass emits) lays the weight out
+in its kernel's blocked format ahead of time and measured 1.45-1.7x the plain layout's tok/s at
+B = 4-16 (MKL's packed sgemm was slower at every B, and larger). So a graph packs its linears only
+where arithmetic, not bytes, bounds the step: rows x 2 FLOP per weight element >= the thread's FLOPs
+per byte x the element's bytes (the balance `experts.read_form` uses too). Batch-1 graphs never
+pack, nor do weights below 2^18 elements (oneDNN's per-call cost outweighs the layout there, so the
+tiny fixtures never pack), nor 2-3 rows (a batch-2 decode, a short verify: still bound by bytes).
+The figures: docs/ROOFLINE.md ("CPU: where a decode step's time goes", "CPU: batch 2", "CPU: packed
+linears").
 
-Below that, at two and three rows (a batch-2 decode, a verify of 2 or 3 tokens), the step is still
-bound by bytes, and which product streams the weights once depends on the CPU: on the 2026-12-02
-machine `x @ W.T` cost 1.09x / 1.18x an M = 1 pass at M = 2 / 3 and the weight-left `(W @ x.T).T`
-2.1x; on the 2026-12-06 one (AVX512) `x @ W.T` cost 2.0x / 2.8x and weight-left 0.85x / 1.3x (one
-thread, medium-dense's linear shapes; there main's B = 2 step ran no faster than B = 1 while the
-weight-left code of 2026-12-02 ran it at 2x: docs/ROOFLINE.md "Batch 2"). So the form is measured
+At two and three rows, which product streams the weights once depends on the CPU: on the 2026-12-02
+machine `x @ W.T` cost 1.09x / 1.18x an M = 1 pass at M = 2 / 3 (medium-dense's linears) and the
+weight-left `(W @ x.T).T` 2.1x; on the 2026-12-06 one (AVX512) `x @ W.T` cost 1.8-2.1x / 2.6-3.1x and
+weight-left 0.85x / 1.3x (one thread, 24 weights of 3072 x 1024 fp32; there main's B = 2 step ran
+no faster than B = 1 while the weight-left code of 2026-12-02 ran it at 2x: docs/ROOFLINE.md "Batch
+2"). So the form is measured
 once per process (`left_is_faster`), and those graphs run weight-left (`WeightLeftLinear`) only where
 it is clearly faster; the program, and its cache key, follow the form.
 
-The cost is memory: a packed graph holds a second copy of its linears' weights (the host model
-keeps its own). The packed tensor is derived from the weight, so it is re-derived from the model's current weight
-whenever a compiled package is handed its weights (`compile_cpu.load_weights` calls
-`repack_all`): one compile still serves every model of an architecture. Only fp32 weights pack,
-only where this was measured (x86-64 with oneDNN); elsewhere the plain layout runs. The XLA and
-Neuron graphs never pack: their compute balance is None (bytes decide).
+The cost is memory: a packed graph holds a second copy of its linears' weights. The packed tensor
+is re-derived from the model's current weight whenever a compiled package is handed its weights
+(`compile_cpu.load_weights` calls `repack_all`): one compile still serves every model of an
+architecture. Only fp32 weights pack, only where this was measured (x86-64 with oneDNN). The XLA
+and Neuron graphs never pack: their compute balance is None (bytes decide).
 """
 
 from __future__ import annotations

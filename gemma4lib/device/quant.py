@@ -1,29 +1,19 @@
 """Weight-only int8: per-output-channel symmetric scales, dequantized inside the device graph.
 
 Why weight-only: batch-1 decode reads every weight once per token, so its speed is bytes per
-token (docs/ROOFLINE.md). Storing the linear layers' weights as int8 with one fp32 scale per
-output channel roughly quarters them next to fp32 (halves them next to bf16); the activations,
-the K/V buffers, the embeddings (tied LM head), the norms and the MoE router stay as they are.
+token. The linear layers' weights (attention projections, dense MLP, MoE experts) are stored as
+int8 with `scale = max|row| / 127` per output channel (each row of the last dimension), clamped to
+[-127, 127]; activations, K/V, embeddings (tied LM head), norms and the router stay as they are.
 
-What is quantized: the attention projections (`q/k/v/o_proj`), the dense MLP (`gate/up/down_proj`)
-and the MoE experts (`gate_up_proj [E, 2I, H]`, `down_proj [E, H, I]`). For every weight the
-output channel is each row of its last dimension: `scale = max|row| / 127`,
-`q = round(w / scale)`, clamped to [-127, 127].
+`Int8Linear` casts, multiplies, then scales the output, the order NxD's quantized layers use. One
+token (decode) is a multiply-and-sum over the weight rows, not `linear`: Inductor fuses the cast
+into that reduction and reads the int8 bytes once, where `linear(x, q.to(dtype))` writes a
+dequantized copy first (measured 10x slower). Prompts (compute-bound) keep `linear`.
 
-How it runs: `Int8Linear` casts the int8 weight, multiplies, and applies the per-output-channel
-scale to the output, the order NxD's `QuantizedColumnParallel` / `QuantizedRowParallel` use with
-a per-channel config (`scale_dequantize` after the matmul). One token (decode) is written as a
-multiply-and-sum over the weight rows rather than `linear`: Inductor fuses the cast into that
-reduction and reads the int8 bytes once, while `linear(x, q.to(dtype))` makes it write a
-dequantized copy of the weight first and hand that to the GEMM. Measured here (8 weights of
-4096 x 2048, one thread, torch.compile): fp32 linear 21.7 ms, int8 `linear` 39.8 ms, int8
-multiply-and-sum 3.7 ms. Prompts (many tokens, compute-bound) keep `linear`.
-
-Checks: a quantized model's device graph is judged against *its own* host reference, the fp32 HF
-model with every quantized weight replaced by `q * scale` (`round_model_weights`). Quantizing those
-rounded weights again gives back the same int8 values (`quantize` is idempotent on its own output;
-tested), so SEQ_MATCH stays exact. The error int8 adds against full precision is measured
-separately (`benchmarks.suite`'s `int8` section, `tests/test_quant.py`).
+Checks: a quantized graph is judged against *its own* host reference, the HF model with every
+quantized weight replaced by `q * scale` (`round_model_weights`); quantizing those again gives the
+same int8 values, so SEQ_MATCH stays exact. Figures and the error against full precision:
+docs/ROOFLINE.md, "int8 weights".
 """
 
 from __future__ import annotations

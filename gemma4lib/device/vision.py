@@ -1,17 +1,14 @@
 """The vision graph: an image's pixels to the soft tokens the decoder reads, as one compiled graph
 of fixed shape (the image processor's patch budget), beside the decoder's prefill and decode graphs.
 
-What runs is transformers' own vision modules, unchanged: on E2B, E4B, 31B and 26B-A4B the
-`Gemma4VisionModel`'s patch embedder, encoder and pooler, then `Gemma4MultimodalEmbedder`; on the
-12B the encoder-free `Gemma4UnifiedVisionEmbedder` (patches projected straight into the decoder's
-width). Two things change, both data-dependent steps no static compiler takes: transformers strips
-the padding soft tokens with a boolean index (`hidden[pooler_mask]`, a data-dependent shape); the
-graph returns every slot `[images, slots, hidden]` and the host keeps each image's first
-`num_soft_tokens` (the pooler puts an image's valid tokens first, the processor pads at the end).
-And the encoder's padding mask is built here, by transformers' own `create_bidirectional_mask`
-with its "no padding: no mask" shortcut off (that shortcut reads `mask.all()` on the host, a CPU
-fallback and a second graph on XLA); the encoder takes the ready 4-D mask as it is. The values are
-the same: the shortcut only ever drops a mask of zeros, and `torch.export` already builds it whole.
+What runs is transformers' own vision modules, unchanged: the `Gemma4VisionModel`'s patch embedder,
+encoder and pooler, then `Gemma4MultimodalEmbedder`; on the 12B the encoder-free
+`Gemma4UnifiedVisionEmbedder`. Two data-dependent steps no static compiler takes are replaced, with
+the same values: transformers strips the padding soft tokens with a boolean index (a data-dependent
+shape), where the graph returns every slot `[images, slots, hidden]` and the host keeps each image's
+first `num_soft_tokens` (the pooler puts an image's valid tokens first); and the encoder's padding
+mask is built here, by transformers' own `create_bidirectional_mask` with its "no padding: no mask"
+shortcut off (the shortcut reads `mask.all()` on the host: a CPU fallback and a second graph on XLA).
 
 The soft tokens then go where PLE goes: into the decoder's input embeddings on the host
 (`runtime.Engine.admit`), at the image token positions the chat template and processor laid out.

@@ -1,16 +1,14 @@
 """How a verify step keeps drafts: the greedy rule, and sampling-mode speculative (rejection) sampling.
 
 Greedy (`greedy_verdict`): the drafts equal to the target's argmax, in order, are kept, then the
-target's own next token; every kept token is the target's argmax given the tokens before it, so the
-output is plain greedy decoding's whatever the drafts were.
+target's own next token, so the output is plain greedy decoding's whatever the drafts were.
 
 Rejection sampling (`verify_drafts`, `verify_batch`; Leviathan et al. 2023, algorithm 1): draft i is
-kept with probability min(1, p_i(x_i) / q_i(x_i)) (row i - 1 of `p`: the target's prediction at the
-draft's position); at the first rejection a token is drawn from normalize(max(0, p - q)) there, and
-if all k are kept a bonus token from p_k. At one position P(emit y) = min(q(y), p(y)) + (p(y) -
-q(y))^+ = p(y), so the emitted sequence has the target's distribution whatever q is; the proof and
-the edge cases (q(x) = 0: the test is `u * q < p`, no division; an all-rounding residual falls back
-to p; top-p supports that differ) are in docs/DRAFTING.md, "Sampling-mode verification".
+kept with probability min(1, p_i(x_i) / q_i(x_i)); at the first rejection a token is drawn from
+normalize(max(0, p - q)) there, and if all k are kept a bonus token from p_k. So the emitted sequence
+has the target's distribution whatever q is; the proof and the edge cases (q(x) = 0: the test is
+`u * q < p`, no division; an all-rounding residual falls back to p; differing top-p supports) are in
+docs/DRAFTING.md, "Sampling-mode verification".
 """
 
 from __future__ import annotations

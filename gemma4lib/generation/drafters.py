@@ -1,15 +1,13 @@
-"""Drafters: what proposes the tokens the engine's verify step checks.
+"""Drafters: what proposes the tokens the engine's verify step checks, behind one interface
+(`runtime.Drafter.propose(engine, counts)`):
 
-Three, behind one interface (`runtime.Drafter.propose(engine, counts)`):
 - `AssistantDrafter`: Gemma-4's own MTP assistant on the device (`device.drafting.DraftGraph`),
-  every row at once, reading the target's K/V (docs/DRAFTING.md). Sampled rows draw their drafts
-  from the assistant's q and hand q over for rejection sampling; a row draws only its own
-  `counts[row]` drafts from its own seeded generator, so what it draws depends on its request alone.
-- `PromptLookupDrafter`: n-gram matches in the row's own prompt and output (what transformers'
-  `prompt_lookup_num_tokens` and vLLM's ngram speculation do): no second model, no device work.
+  every row at once, reading the target's K/V (docs/DRAFTING.md). A sampled row draws its own
+  `counts[row]` drafts from the assistant's q with its own seeded generator (so what it draws
+  depends on its request alone) and hands q over for rejection sampling.
+- `PromptLookupDrafter`: n-gram matches in the row's own prompt and output (transformers'
+  `prompt_lookup_num_tokens`, vLLM's ngram speculation): no second model, no device work.
 - `CallableDrafter`: any `fn(history, n) -> tokens` (tests: always right, always wrong).
-
-Whatever a drafter proposes, greedy verification keeps the output equal to plain greedy decoding.
 """
 
 from __future__ import annotations

@@ -7,21 +7,17 @@ The ModelBuilder recipe, step by step (from NxD v2.28.0's `trace/model_builder.p
 1. the host model, loaded and read once (the cache key digests it): `model_gb`;
 2. `trace(initialize_model_weights=False)`: each key's module (one rank's weights at shard size plus
    its K/V states, `keys x rank_gb`) is built and kept, then traced and compiled;
-3. `shard_checkpoint`: the lazy loader builds the NxD-arranged checkpoint once, one key at a time
-   (`checkpoint_gb`), the first key's module is rebuilt on the meta device, and each rank's file is
-   written in turn: NxD's cut is a view, copied only where a row-parallel weight is cut along its
-   columns (`o_proj`, `down_proj`, the experts' `down`); safetensors writes the rest in place.
+3. `shard_checkpoint`: the lazy loader builds the NxD-arranged checkpoint once (`checkpoint_gb`) and
+   writes each rank's file in turn: NxD's cut is a view, copied only where a row-parallel weight is
+   cut along its columns (`o_proj`, `down_proj`, the experts' `down`).
 
 peak = process base + model + max(keys x rank, checkpoint + rank (the remaining key) + the copied cuts).
 
-The model, the ranks' weights and K/V and the checkpoint are computed from the released configs
-(meta device); the host side of steps 1-3 is measured on real-width E2B at reduced depth (`python -m
-gemma4lab.benchmarks.host_rss compile`, `docs/measurements/compile_host_e2b.json`). Not counted,
-unverified on inf2: the Neuron compiler's own RAM (neuronx-cc, its own process; inf2 users report a
-16k-token compile exhausting a 128 GB host) and torch-neuronx's HLO generation. The earlier
-3-copies estimate matched the field report's measured 182 GB for the 31B with its own eager port;
-this library's compile holds less. The trace recipe (`inline_weights_to_neff=False`): the host model
-plus one copy of the device weights (unverified on inf2).
+The sizes are computed from the released configs (meta device); the host side of steps 1-3 is
+measured on real-width E2B at reduced depth (`docs/measurements/compile_host_e2b.json`). Not counted,
+unverified on inf2: neuronx-cc's own RAM (its own process; users report a 16k-token compile
+exhausting a 128 GB host) and torch-neuronx's HLO generation. The trace recipe
+(`inline_weights_to_neff=False`): the host model plus one copy of the device weights.
 """
 
 from __future__ import annotations
@@ -108,7 +104,7 @@ def _counts(name: str, tp: int, overrides_key: tuple, context_length: int) -> di
         "checkpoint": checkpoint,
         "copied": copied,
         "kv": kv,
-        "device": int(counts.device_params("dense")),
+        "device": int(counts.lm_head + counts.other + counts.experts),
     }
 
 

@@ -1,13 +1,11 @@
 """`python -m gemma4lib doctor`: is this machine ready to compile and run a Gemma-4 port on inf2?
 
 `run_doctor(variant=None, tp=None)` returns a JSON-friendly report (`format_doctor` renders it),
-without importing the Neuron SDK: the environment against the pinned SDK 2.28 set
-(`recipes.neuron_env`), the Neuron devices, the NxD shim and PATH fixes it will need, and with
-`variant` the plans (per core, compile host, serving host; `vision=True` with the vision part), so
-a compile the kernel would kill half an hour in is warned about before it starts.
-
-The same plans over the whole family (every variant's, the vision tables, the image prefill floor)
-are the lab's: `python -m gemma4lab plan` (`gemma4lab.tools.inf2_tables.family_report`).
+without importing the Neuron SDK: the environment against the pinned SDK 2.28 set, the Neuron
+devices, the NxD shim and PATH fixes it will need, and with `variant` the plans (per core, compile
+host, serving host; `vision=True` with the vision part), so a compile the kernel would kill half an
+hour in is warned about before it starts. The whole family's plans are the lab's:
+`python -m gemma4lab plan` (`gemma4lab.tools.inf2_tables.family_report`).
 """
 
 from __future__ import annotations

@@ -1,27 +1,22 @@
 """Will a port fit on inf2? A plan per NeuronCore and for the compile host, computed from shapes.
 
-On inf2 every tensor-parallel rank is one NeuronCore with 16 GiB of HBM. What a rank holds is
-known before anything is loaded: its shard of the weights (the same cut `tp.shard` makes, counted
-on a meta-device model of the released config), its K/V buffers at the compiled context (KV heads
-replicated where a layer has fewer than the TP degree), and working memory. A configuration that
-cannot fit is refused before anything loads (`backends.preflight`), not half an hour into a compile. MoE experts
-count 1/tp of their bytes per rank whichever way the plan splits them (whole experts, or a slice
-of every expert: the plan's default): the shards have the same shapes.
+On inf2 every tensor-parallel rank is one NeuronCore with 16 GiB of HBM. What a rank holds is known
+before anything loads: its shard of the weights (the cut `tp.shard` makes, counted on a meta-device
+model of the released config), its K/V buffers at the compiled context (KV heads replicated where a
+layer has fewer than the TP degree), and working memory. So a configuration that cannot fit is
+refused before anything loads (`backends.preflight`), not half an hour into a compile. MoE experts
+count 1/tp of their bytes per rank whichever way the plan splits them (same shard shapes).
 
-What is computed and what is assumed:
-
-- weights and K/V per core: computed exactly from the released configs, bf16 (`weights="int8"`: the
-  linears NxD quantizes at 1 byte plus an fp32 scale per output row, `rank_weight_bytes`);
-- working memory per core: `WORKING_ALLOWANCE_GIB`, an allowance, not a measurement (the Neuron
-  runtime's reservation, the program's instructions, activations and scratch). Unverified on inf2;
-- host RAM for the compile: the compile host's plan (`compile_host`: what is computed, what is
-  measured, and what is not counted).
+Computed exactly from the released configs: weights and K/V per core, bf16 (`weights="int8"`: the
+linears NxD quantizes at 1 byte plus an fp32 scale per output row). Assumed: working memory per
+core, `WORKING_ALLOWANCE_GIB` (the runtime's reservation, instructions, activations, scratch;
+unverified on inf2). The compile host's RAM: `compile_host`.
 
 The compile needs no NeuronCore, so it may run on a larger host than the one that serves: a plan
 names `compile_host`, the run instance when its RAM holds the estimate, else the smallest inf2 size
-that does (same Inferentia2 chip, so its artifacts load on the run instance). E2B's ModelBuilder
-compile is the case: compile on an inf2.8xlarge, serve on the inf2.xlarge, or pick the trace
-recipe, whose compile fits the inf2.xlarge (`neuron_recipe`).
+that does (same chip, so its artifacts load on the run instance). E2B's ModelBuilder compile is the
+case: compile on an inf2.8xlarge and serve on the inf2.xlarge, or pick the trace recipe, whose
+compile fits the inf2.xlarge (`neuron_recipe`).
 """
 
 from __future__ import annotations
@@ -222,7 +217,6 @@ def plan_core_memory(
     batch: int = 1,
     draft_tokens: int | None = None,
     vision: bool = False,
-    vision_source: str = "defaults",
 ) -> CoreMemoryPlan:
     """The per-core memory plan of `variant` at `tp` (default: its recipe's) on `instance`
     (default: the variant's recommended instance) with `recipe` (default: `neuron_recipe`'s),
@@ -244,17 +238,14 @@ def plan_core_memory(
         weights_gib = rank_weight_bytes(v, tp, weights, dtype_bytes) / GIB
         kv = _rank_kv_elements(v.name, tp, int(context_length), bool(ring)) * dtype_bytes * int(batch) / GIB
     assistant_gib = 0.0
-    if draft_tokens and weights_gib:
-        assistant_gib, kv = _draft_extra_gib(v, tp, int(context_length), bool(ring), int(draft_tokens), dtype_bytes)
-        kv = (
-            kv * int(batch)
-            + _rank_kv_elements(v.name, tp, int(context_length), bool(ring)) * dtype_bytes * int(batch) / GIB
-        )
+    if draft_tokens and weights_gib:  # the assistant's weights, and the rings' k + 1 extra slots per row
+        assistant_gib, extra = _draft_extra_gib(v, tp, int(context_length), bool(ring), int(draft_tokens), dtype_bytes)
+        kv += extra * int(batch)
     vision_gib, placement = 0.0, None
     if vision:
         from .vision_plan import vision_plan
 
-        part = vision_plan(v, vision_source, dtype_bytes)
+        part = vision_plan(v, dtype_bytes=dtype_bytes)
         vision_gib, placement = part.total_gib, part.placement
     capacity = float(HBM_PER_CORE_GIB)
     if weights_gib + kv + WORKING_ALLOWANCE_GIB + assistant_gib + vision_gib > capacity:
@@ -262,8 +253,7 @@ def plan_core_memory(
             f"{weights_gib:.1f} GiB of {'int8 ' if weights == 'int8' else ''}weights + {kv:.2f} GiB of K/V + "
             f"{f'{assistant_gib:.2f} GiB of assistant weights + ' if assistant_gib else ''}"
             f"{f'{vision_gib:.2f} GiB of vision weights and activations + ' if vision else ''}"
-            f"{WORKING_ALLOWANCE_GIB:.0f} GiB working "
-            f"memory exceed a NeuronCore's {capacity:.0f} GiB"
+            f"{WORKING_ALLOWANCE_GIB:.0f} GiB working memory exceed a NeuronCore's {capacity:.0f} GiB"
         )
     peak, basis = compile_peak_gb(v, recipe, dtype_bytes, tp)
     compile_host: str | None = instance
@@ -343,10 +333,9 @@ def require_fit(
     vision: bool = False,
 ) -> CoreMemoryPlan:
     """Raise when the released model cannot run at `tp` on `instance` (default: the variant's):
-    `TensorParallelError` for a degree inf2 cannot run, `DeviceMemoryError` for one that does not
-    fit a core or the compile host (with `draft_tokens`: the assistant's weights too; with `vision`:
-    the vision part on rank 0's core); the message
-    names configurations that fit."""
+    `TensorParallelError` for a degree inf2 cannot run, `DeviceMemoryError` for one that does not fit a
+    core or the compile host (with `draft_tokens`: the assistant's weights too; with `vision`: the
+    vision part on rank 0's core); the message names configurations that fit."""
     v = get_variant(variant) if isinstance(variant, str) else variant
     require_neuron_tp(v, tp, instance)
     plan = plan_core_memory(
@@ -373,9 +362,8 @@ def require_fit(
 def largest_context(variant: Variant | str, instance: str, *, ring: bool = True, step: int = 1024) -> tuple[int, int]:
     """(context, TP): the longest context, a multiple of `step` up to the released maximum, whose
     per-core plan fits a NeuronCore's HBM at a TP degree `instance` has the cores and host RAM for
-    ((0, 0): none).
-    Computed, unverified on inf2. The compiler's own RAM at long contexts is not in the plan: the
-    compile host's, which hardly grows with the context here, is no bound on it."""
+    ((0, 0): none). Computed, unverified on inf2. The compiler's own RAM at long contexts is not in the
+    plan: the compile host's, which hardly grows with the context here, is no bound on it."""
     v = get_variant(variant) if isinstance(variant, str) else variant
     best = (0, 0)
     cores = INSTANCES[instance].neuron_cores  # and the instance's RAM must hold the host side at that TP

@@ -1,7 +1,8 @@
 """Parameter counts of a model as a port places them: on the device, on the host, per expert and per TP rank.
 
 Counted from shapes (a model on the meta device for the released sizes, `meta_model`), so the
-released variants are counted on any machine; `roofline.decode_bytes` and the memory plan read them.
+released variants are counted on any machine; the memory plan and the lab's roofline
+(`gemma4lab.inf2.roofline`: what a decode step reads of them) read them.
 """
 
 from __future__ import annotations
@@ -13,9 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..device.experts import EXPERT_SPLITS, default_expert_split
 from ..device.quant import LINEAR_WEIGHT_NAME
-from ..errors import UnknownNameError
 
 
 @dataclass
@@ -36,57 +35,6 @@ class ParamCounts:
     @property
     def total(self) -> int:
         return self.lm_head + self.ple_table + self.experts + self.other
-
-    def read_fraction(self, experts: str = "dense", tp: int = 1, expert_split: str | None = None) -> float:
-        """The share of the expert weights one decode step reads, summed over `tp` ranks
-        (`device_params`): 1 for dense, k / E (or tp * k / E under the expert split) for selective."""
-        if not self.experts:
-            return 0.0
-        return (self.device_params(experts, tp, expert_split) - self.lm_head - self.other) / self.experts
-
-    def device_bytes(
-        self,
-        experts: str = "dense",
-        tp: int = 1,
-        expert_split: str | None = None,
-        dtype_bytes: int = 2,
-        weight_format: str = "bf16",
-    ) -> float:
-        """Weight bytes read per decode step, summed over `tp` ranks. `weight_format="int8"`: the
-        quantized weights at one byte each plus a 4-byte scale per output channel (`quant.py`).
-        Scales are counted once: on TP ranks a row-parallel weight's scales (o_proj, down_proj)
-        are replicated per rank, which this leaves out (under 5 % of those weights' bytes even for
-        the 26B-A4B's 88-wide expert slices at TP=8, under 2 % of a step)."""
-        params = self.device_params(experts, tp, expert_split)
-        if weight_format != "int8":
-            return params * dtype_bytes
-        share = self.read_fraction(experts, tp, expert_split)
-        full = (self.lm_head + self.other - self.linear) * dtype_bytes
-        return full + self.linear + 4 * self.linear_rows + share * (self.experts + 4 * self.expert_rows)
-
-    def expert_split(self, tp: int = 1, expert_split: str | None = None) -> str | None:
-        """The split a TP plan uses at `tp` (`experts.default_expert_split` unless given); None
-        for a dense model."""
-        if not self.num_experts:
-            return None
-        if expert_split is not None:
-            if expert_split not in EXPERT_SPLITS:
-                raise UnknownNameError("expert_split", expert_split, EXPERT_SPLITS)
-            return expert_split
-        return default_expert_split(self.num_experts, self.moe_intermediate, max(1, tp))
-
-    def device_params(self, experts: str = "dense", tp: int = 1, expert_split: str | None = None) -> float:
-        """Parameters read per decode step, summed over `tp` ranks (fractional for selective experts:
-        `top_k / num_experts` of the expert weights on one device or under the intermediate split,
-        `tp * top_k` whole-expert slices under the expert split; `tp.plan`'s rules)."""
-        if experts not in ("dense", "selective"):
-            raise UnknownNameError("experts form", experts, ("dense", "selective"))
-        read_experts = self.experts
-        if experts == "selective" and self.num_experts:
-            split = self.expert_split(tp, expert_split)
-            slices = self.top_k * (max(1, tp) if split == "experts" else 1)
-            read_experts = self.experts * slices / self.num_experts  # repeats count, as gathers read
-        return self.lm_head + self.other + read_experts
 
 
 def count_params(lm: nn.Module) -> ParamCounts:

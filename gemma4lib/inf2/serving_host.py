@@ -9,13 +9,11 @@ in float32 twice and one widened LM-head block).
 peak = process base + model + max(shards, reference, spread). No host K/V: the neuron backend's
 device steps keep theirs on the cores (`host_kv_gb` stays in the plan, 0, for the tables' column).
 
-The model, shards and the spread's tensors are computed from the released configs (meta device).
-`PROCESS_BASE_GB` is measured on the CPU lane (`python -m gemma4lab.benchmarks.host_rss serving`),
-unverified on inf2 (torch-neuronx and the runtime add their own libraries); `OS_RESERVE_GIB` is an
-allowance, unverified. `from_pretrained` memory-maps a bf16 checkpoint loaded as bf16, but the
-model counts whole because the Neuron backend reads every weight before the compile (its cache key).
-Whether the runtime drops its host copy of the shards after `initialize` is unverified: if it keeps
-them, the shards stay on top of the model.
+Computed from the released configs (meta device): the model, the shards and the spread's tensors;
+the model counts whole, since the Neuron backend reads every weight before the compile (its cache
+key). Measured on the CPU lane, unverified on inf2: `PROCESS_BASE_GB` (`gemma4lab.benchmarks.host_rss
+serving`). Unverified: `OS_RESERVE_GIB`, and whether the runtime drops its host copy of the shards
+after `initialize` (if not, they stay on top of the model).
 """
 
 from __future__ import annotations

@@ -1,18 +1,15 @@
 """The vision part of a port on inf2: its weights, its graph's activations and where it runs.
 
-The released checkpoints' vision configs are not among the facts this project checked (DESIGN §2
-lists the text decoders only), so every figure here is **computed from transformers 5.23.0 config
-defaults, unverified against the released config.json** (`SOURCE`: `Gemma4VisionConfig()` for the
-encoder variants, the encoder-free `Gemma4UnifiedVisionConfig()` for the 12B, at the image
-processors' default patch budget, `PROCESSOR_DEFAULTS`). Parameters are counted on transformers'
-own modules on the meta device, as `params.meta_model` counts the decoders. Third-party copies of
-the 31B's and the 26B-A4B's tower report a larger one (`REPORTED`, cited there):
+The released vision configs are not among the facts this project checked (DESIGN §2 lists the text
+decoders only), so every figure here is **computed from transformers 5.23.0 config defaults,
+unverified against the released config.json** (`SOURCE`), at the image processors' default patch
+budget (`PROCESSOR_DEFAULTS`), counted on transformers' own modules on the meta device. Third-party
+copies of the 31B's and 26B-A4B's tower report a larger one (`REPORTED`):
 `vision_spec(variant, source="reported")` plans with it for comparison.
 
-Placement: the vision graph is its own compiled graph on one NeuronCore, not sharded (`PLACEMENT`),
-on the core that holds rank 0's shard (`recipes.neuron_vision.vision_core`); the plan counts it
-there. Its activations are planned as eager attention would hold them (one layer's full score
-matrix): an upper estimate, the compiler's scheduling is unverified.
+Placement: its own compiled graph on one NeuronCore, not sharded (`PLACEMENT`), the core of rank 0
+(`recipes.neuron_vision.vision_core`), where the plan counts it. Its activations are planned as eager
+attention holds them (one layer's full score matrix): an upper estimate.
 """
 
 from __future__ import annotations

@@ -36,9 +36,8 @@ def check_checkpoint_folder(path: Path) -> dict[str, Any]:
     config_file = path / "config.json"
     if not config_file.is_file():
         raise CheckpointError(
-            f"{path} has no config.json; point checkpoint at the folder that "
-            f"holds config.json, the *.safetensors weights and the tokenizer "
-            f"files"
+            f"{path} has no config.json; point checkpoint at the folder that holds config.json, the *.safetensors "
+            "weights and the tokenizer files"
         )
     try:
         config = json.loads(config_file.read_text())
@@ -118,9 +117,8 @@ def check_config_matches_variant(config: Any, variant: Variant, source: str = "t
     guess = sized or same
     hint = f"it looks like {' or '.join(guess)}: use variant={guess[0]!r} (its notebook) for it, or " if guess else ""
     raise VariantMismatchError(
-        f"{source} is not a checkpoint of variant {variant.name!r}: "
-        f"{'; '.join(diffs)}; {hint}point checkpoint at the {variant.name} "
-        f"weights ({variant.hf_id})"
+        f"{source} is not a checkpoint of variant {variant.name!r}: {'; '.join(diffs)}; {hint}point checkpoint at the "
+        f"{variant.name} weights ({variant.hf_id})"
     )
 
 
@@ -154,9 +152,8 @@ def _read_config(checkpoint: str, local: bool, hub: dict[str, Any], offline_reas
             raise _unreachable(checkpoint, reason) from None
         if _is_gated(exc) and token is not None:
             raise GatedCheckpointError(
-                f"the HF_TOKEN account has no access to {checkpoint!r} (a gated repository): "
-                f"accept the licence on the model page with that account, or use a token of an "
-                f"account that did"
+                f"the HF_TOKEN account has no access to {checkpoint!r} (a gated repository): accept the licence on the "
+                "model page with that account, or use a token of an account that did"
             ) from None
         if token is None:  # gated repo without a token (the hub answers 401 for every Gemma-4 id)
             raise GatedCheckpointError(
@@ -165,9 +162,8 @@ def _read_config(checkpoint: str, local: bool, hub: dict[str, Any], offline_reas
                 f"`export HF_TOKEN=...` (never pass it as a notebook parameter)"
             ) from None
         raise CheckpointError(
-            f"could not read the config of {checkpoint!r}: {type(exc).__name__}; "
-            f"check the id and the network, and that the HF_TOKEN account "
-            f"accepted the model's licence"
+            f"could not read the config of {checkpoint!r}: {type(exc).__name__}; check the id and the network, and "
+            "that the HF_TOKEN account accepted the model's licence"
         ) from None
 
 
@@ -227,9 +223,8 @@ def _shape_error(checkpoint: str, model_cls: type, config: Any, folder: Path | N
     diffs = shape_disagreements(model_cls, config, checkpoint_shapes(folder)) if folder else []
     if not diffs:
         return CheckpointError(
-            f"the weights of {checkpoint!r} do not have the shapes its "
-            f"config.json implies (transformers' LOAD REPORT above lists them); "
-            f"{fix}"
+            f"the weights of {checkpoint!r} do not have the shapes its config.json implies (transformers' LOAD REPORT "
+            f"above lists them); {fix}"
         )
     name, got, wanted = diffs[0]
     hint = ""
@@ -241,9 +236,8 @@ def _shape_error(checkpoint: str, model_cls: type, config: Any, folder: Path | N
             hint = f" (the weights have vocab_size {got[0]}, config.json says {get('vocab_size')})"
     more = f" and {len(diffs) - 1} more tensors" if len(diffs) > 1 else ""
     return CheckpointError(
-        f"config.json of {checkpoint!r} disagrees with its weights: {name} is "
-        f"{list(got)} in the weights but {list(wanted)} by config.json"
-        f"{hint}{more}; {fix}"
+        f"config.json of {checkpoint!r} disagrees with its weights: {name} is {list(got)} in the weights but "
+        f"{list(wanted)} by config.json{hint}{more}; {fix}"
     )
 
 
@@ -254,10 +248,9 @@ def _check_loading_info(info: dict[str, Any], checkpoint: str, text_prefix: str)
     text_missing = [k for k in missing if k.startswith(text_prefix)]
     if text_missing:
         raise CheckpointError(
-            f"{checkpoint!r} lacks {len(text_missing)} tensors of the text decoder "
-            f"(e.g. {text_missing[0]}) that its config.json asks for; transformers would fill them "
-            f"with random values. The download is incomplete or config.json belongs to another "
-            f"checkpoint: download the checkpoint again"
+            f"{checkpoint!r} lacks {len(text_missing)} tensors of the text decoder (e.g. {text_missing[0]}) that its "
+            "config.json asks for; transformers would fill them with random values. The download is incomplete or "
+            "config.json belongs to another checkpoint: download the checkpoint again"
         )
     if missing:
         log.warning(
@@ -325,10 +318,9 @@ def _load_tokenizer(checkpoint: str, hub: dict[str, Any]):
         return AutoTokenizer.from_pretrained(checkpoint, **hub)
     except (OSError, ValueError, TypeError) as exc:
         raise CheckpointError(
-            f"could not load the tokenizer of {checkpoint!r} "
-            f"({type(exc).__name__}); the folder needs the released tokenizer "
-            f"files (tokenizer.json, tokenizer_config.json, "
-            f"chat_template.jinja): download the checkpoint again"
+            f"could not load the tokenizer of {checkpoint!r} ({type(exc).__name__}); the folder needs the released "
+            "tokenizer files (tokenizer.json, tokenizer_config.json, chat_template.jinja): download the checkpoint "
+            "again"
         ) from None
 
 
@@ -346,9 +338,8 @@ def load_checkpoint(
         check_checkpoint_folder(path)
     elif _looks_like_path(str(checkpoint)):
         raise CheckpointError(
-            f"{checkpoint!r} is neither an existing folder nor a hub id "
-            f"(owner/name); check the path, or use a hub id such as "
-            f"{variant.hf_id!r}"
+            f"{checkpoint!r} is neither an existing folder nor a hub id (owner/name); check the path, or use a hub id "
+            f"such as {variant.hf_id!r}"
         )
     source = str(path) if local else checkpoint
     offline_reason, hub = None, {}

@@ -2,12 +2,10 @@
 
 No Gemma-4 tokenizer ships in any package (the real one comes with the checkpoint), so the tiny
 fixtures use this stand-in. It shares with the real one what the host runtime depends on: the special
-tokens at the real ids (`<pad>` 0, `<eos>` 1, `<bos>` 2, `<|turn>` 105, `<turn|>` 106; 3..104 filler
-`<unusedN>`); `<bos>` added by plain `tokenizer(text)` but rendered by the chat template itself; the
-chat template (`<bos><|turn>user\n{msg}<turn|>\n<|turn>model\n` with a generation prompt); and Gemma
-3's `<start_of_turn>` / `<end_of_turn>` NOT special, so written into a prompt they split into ordinary
-pieces, the failure the real tokenizer shows. The ordinary vocabulary is a byte-level BPE learnt from
-the synthetic corpus (810 tokens: every corpus word one token, any text still encodes).
+tokens at the real ids (`<pad>` 0, `<eos>` 1, `<bos>` 2, `<|turn>` 105, `<turn|>` 106); `<bos>` added
+by plain `tokenizer(text)` but rendered by the chat template itself; the chat template; and Gemma 3's
+`<start_of_turn>` / `<end_of_turn>` NOT special, so in a prompt they split into ordinary pieces, the
+failure the real tokenizer shows. The rest is a byte-level BPE learnt from the synthetic corpus.
 """
 
 from __future__ import annotations

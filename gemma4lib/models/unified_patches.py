@@ -3,16 +3,14 @@
 
 transformers 5.23.0 ships `Gemma4UnifiedImageProcessor` on its torchvision backend only, and no
 torchvision build imports beside the pinned CPU torch here (docs/IMAGES.md, "The 12B"). Where
-torchvision is installed `load_unified_processor` returns transformers' own processor; elsewhere
-this one, which reads and writes the same `preprocessor_config.json` and gives the same bytes
-(`tests/test_images.py` holds it to hashes transformers' processor wrote,
-`fixtures/vision/12b/processor_golden.json`).
+torchvision is installed `load_unified_processor` returns transformers' own; elsewhere this one, which
+reads and writes the same `preprocessor_config.json` and gives the same bytes (held by
+`tests/test_images.py` to hashes transformers' processor wrote).
 
-Per image, with `do_resize=False`: pixels in [0, 1] (`x * rescale_factor`, no normalisation), cut
-into `patch_size` patches and merged `pooling_kernel_size` x `pooling_kernel_size` into one model
-patch each (the `(k * patch)`-square block, flattened row by row, channels last), in row-major order
-of the merged grid with its (x, y) position; padded with zeros and position (-1, -1) to
-`max_soft_tokens`. Resizing is torchvision's: this class refuses it with what to do.
+Per image, with `do_resize=False`: pixels in [0, 1] (`x * rescale_factor`), cut into `patch_size`
+patches merged `pooling_kernel_size`-square into one model patch each (flattened row by row, channels
+last), in row-major order of the merged grid with its (x, y) position; padded with zeros and position
+(-1, -1) to `max_soft_tokens`. Resizing is torchvision's: this class refuses it with what to do.
 """
 
 from __future__ import annotations

@@ -1,13 +1,12 @@
 """Run a model's forward in a higher precision without a second copy of the model.
 
 The logit check's spread (`reference.logits_spread`) needs the forward in float32 (of a bf16 model)
-or float64 (of a float32 one). A `deepcopy(lm).to(high)` would hold a second, wider model (E2B: ~19 GB
+or float64 (of a float32 one); a `deepcopy(lm).to(high)` would hold a second, wider model (E2B: ~19 GB
 more on a 16 GiB inf2.xlarge). Here each module's parameters and buffers are cast when the forward
-reaches it and put back when it leaves (forward pre/post hooks), so one module is wide at a time, and
-the two large ones never whole: an `nn.Embedding` widens only the rows the ids look up (a lookup is a
-copy), a large `nn.Linear` (the tied LM head) runs in blocks of output rows (each output element the
-same dot product; `tests/test_serving_host.py` checks equality with the deep copy at real width).
-Afterwards every parameter and buffer holds its original tensor again (the same storage).
+reaches it and put back when it leaves (forward hooks), so one module is wide at a time and the two
+large ones never whole: an `nn.Embedding` widens only the rows looked up, a large `nn.Linear` (the
+tied LM head) runs in blocks of output rows (the same dot products; `tests/test_serving_host.py`
+checks equality with the deep copy at real width).
 """
 
 from __future__ import annotations

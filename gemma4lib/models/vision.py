@@ -1,17 +1,14 @@
 """The tiny multimodal fixtures: each variant's trained text decoder with a tiny vision part of the
-variant's real classes, trained on synthetic shapes (`shapes.py`) with the text weights frozen
-(docs/IMAGES.md, "The tiny multimodal fixtures").
+variant's real classes, trained on synthetic shapes (`shapes.py`) with the text weights frozen, so
+the text fixture stays byte-identical and the vision part must steer a decoder that never saw an
+image (docs/IMAGES.md, "The tiny multimodal fixtures").
 
-E2B, E4B, 31B and 26B-A4B carry `Gemma4VisionModel` (patch embedder, a bidirectional encoder, a
-pooler) and a `Gemma4MultimodalEmbedder` into the decoder's width; the 12B's unified class is
-encoder-free (`Gemma4UnifiedVisionEmbedder` projects merged patches straight into the decoder) and
-asks for bidirectional attention among an image's tokens on its sliding layers.
-
-Frozen, so the text fixture stays byte-identical (its hash, its answers, every text test) and the
-vision part must steer a decoder that never saw an image. `fixtures/vision/<variant>/` holds only
-the multimodal config, the vision weights and the image processor's config; the loader puts the text
-fixture's weights under it. `fixtures/vision/tokenizer/` is the text tokenizer with three filler
-specials renamed to Gemma-4's image tokens and a chat template that renders image parts.
+E2B, E4B, 31B and 26B-A4B carry `Gemma4VisionModel` and a `Gemma4MultimodalEmbedder`; the 12B's
+unified class is encoder-free (`Gemma4UnifiedVisionEmbedder`) and asks for bidirectional attention
+among an image's tokens on its sliding layers. `fixtures/vision/<variant>/` holds the multimodal
+config, the vision weights and the image processor's config (the loader puts the text fixture's
+weights under it); `fixtures/vision/tokenizer/` is the text tokenizer with three filler specials
+renamed to Gemma-4's image tokens and a chat template that renders image parts.
 """
 
 from __future__ import annotations

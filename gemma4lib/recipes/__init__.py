@@ -14,9 +14,3 @@ The host loops, the modules handed to the compilers and the sharded data paths a
 
 # the one list of inf2 recipes (`memory_plan.NEURON_RECIPES` is its names; a variant's default is `Variant.recipe`)
 RECIPE_MODULES = {"model_builder": "gemma4lib.recipes.neuron_model_builder", "trace": "gemma4lib.recipes.neuron_trace"}
-
-# Neuron-only entry points per module (each raises NeuronSDKMissingError without the SDK)
-NEURON_ENTRY_POINTS = {
-    "gemma4lib.recipes.neuron_trace": ("compile_trace", "load"),
-    "gemma4lib.recipes.neuron_model_builder": ("compile_model_builder", "load_model_builder", "NxDParallelFactory"),
-}

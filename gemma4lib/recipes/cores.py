@@ -44,9 +44,8 @@ def check_free(first_core: int, count: int, label: str) -> None:
         held = "; ".join(f"{c.label} on cores {c.cores.start}-{c.cores.stop - 1}" for c in busy)
         raise NeuronCoresBusyError(
             f"cannot load {label} onto NeuronCores {wanted.start}-{wanted.stop - 1}: {held} is still loaded and "
-            "referenced (e.g. the `compiled` of an earlier run of this cell). Release it first — `del compiled` "
-            "(and any runtime or generation object that holds it), then `import gc; gc.collect()`, and run "
-            "the cell again"
+            "referenced (e.g. the `compiled` of an earlier run of this cell). Release it first — `del compiled` (and "
+            "any runtime or generation object that holds it), then `import gc; gc.collect()`, and run the cell again"
         )
 
 

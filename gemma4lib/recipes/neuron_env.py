@@ -1,21 +1,18 @@
 """The inf2 environment: pinned Neuron SDK 2.28 versions, lazy SDK imports, and the two fixes the
 field report (README, "The family at a glance") needed before anything imports.
 
-Nothing here imports the Neuron SDK at module import time. The single source of truth for the
-pins is `SDK_PINS` (+ `TRANSFORMERS_PIN`); the doctor and every recipe read it.
+Nothing here imports the Neuron SDK at module import time. `SDK_PINS` (+ `TRANSFORMERS_PIN`) is the
+single source of the pins; the doctor and every recipe read it, through `metadata_version` (one
+function, so tests simulate any installation by monkeypatching it).
 
-- `require(module)`: import an SDK module or raise `NeuronSDKMissingError` that names the package,
-  the pinned version and how to get it (the DLAMI venv, or the Neuron pip repository; PyPI only has
+- `require(module)`: import an SDK module or raise `NeuronSDKMissingError` naming the package, the
+  pinned version and how to get it (the DLAMI venv or the Neuron pip repository; PyPI has only
   placeholders).
-- `install_fx_shim()`: `neuronx_distributed` imports `transformers.utils.fx.HFTracer` (its pipeline
-  tracer subclasses it), which transformers 5 removed. The shim is a one-class module installed
-  only when the real one is missing.
-- `apply_path_fix()`: `libneuronxla` locates the PJRT plugin by running the `libneuronpjrt-path`
-  console script from the venv's `bin`; a kernel started without activating the venv has no such
-  folder on PATH and the import fails ("libneuronpjrt-path" not found). Put `$VENV/bin` and
-  `/opt/aws/neuron/bin` on PATH.
-- Version checks go through `metadata_version` (importlib.metadata), so tests simulate any
-  installation by monkeypatching that one function.
+- `install_fx_shim()`: `neuronx_distributed` imports `transformers.utils.fx.HFTracer`, which
+  transformers 5 removed; a one-class module, installed only when the real one is missing.
+- `apply_path_fix()`: `libneuronxla` finds the PJRT plugin by running the `libneuronpjrt-path`
+  console script, which a kernel started without activating the venv does not have on PATH: put
+  `$VENV/bin` and `/opt/aws/neuron/bin` there.
 """
 
 from __future__ import annotations
@@ -27,7 +24,7 @@ import os
 import shlex
 import sys
 import types
-from collections.abc import Callable, MutableMapping
+from collections.abc import MutableMapping
 from typing import Any
 
 from ..environment import TRANSFORMERS_PIN as TRANSFORMERS_VERSION
@@ -107,21 +104,15 @@ MODULE_TO_DIST = {
 # flag decided against NxD's and NxD Inference's defaults at SDK 2.28:
 # - `--model-type=transformer --auto-cast=none`: as both (no automatic down-cast: the graph's own
 #   bf16 is what the CPU reference checks);
-# - `--enable-mixed-precision-accumulation`: the compiler's default already; kept explicit so the
-#   arithmetic the checks were tuned on does not follow a later default (NxD Inference turns it
-#   off only in its long-context mode), and it is part of every cache key;
-# - `--enable-saturate-infinity` (NxD v2.28.0 `trace/model_builder.py`'s default when no args are
-#   given): left out. Our masks are finite (`graph.py`: finfo.min, never -inf), so no infinity
-#   arises by design; saturating one would make the device differ from the CPU reference's IEEE
-#   arithmetic exactly where an overflow should show up in the checks;
-# - `--tensorizer-options='--enable-ccop-compute-overlap --cc-pipeline-tiling-factor=N
-#   --vectorize-strided-dma'`: taken from NxD Inference's 2.28 release (`models/model_wrapper.py`,
-#   which compiles every decoder it ships on inf2 with them: tiling 2 for context encoding, 1 for
-#   token generation). Scheduling options (collectives overlapped with compute at TP > 1, strided
-#   DMA vectorised): no change of arithmetic, so the checks hold either way. Unverified on inf2 with
-#   these graphs;
-# - `--lnc=1` (NxD Inference's logical-core setting): left out. Logical NeuronCores group cores on
-#   trn2 (NeuronCore-v3); inf2's NeuronCore-v2 has only LNC=1, the compiler's value there.
+# - `--enable-mixed-precision-accumulation`: the compiler's default, explicit so the arithmetic the
+#   checks were tuned on does not follow a later default; it is part of every cache key;
+# - `--enable-saturate-infinity` (NxD's default without args): left out. Our masks are finite
+#   (finfo.min, never -inf), so no infinity arises by design, and saturating one would hide from the
+#   checks exactly the overflow they should show;
+# - `--tensorizer-options=...` from NxD Inference's 2.28 `models/model_wrapper.py` (tiling 2 for
+#   context encoding, 1 for token generation): scheduling only (collectives overlapped with compute,
+#   strided DMA vectorised), no change of arithmetic. Unverified on inf2 with these graphs;
+# - `--lnc=1` left out: logical NeuronCores group cores on trn2; inf2 has only LNC=1.
 _COMMON_ARGS = "--model-type=transformer --auto-cast=none --enable-mixed-precision-accumulation"
 _TENSORIZER = (
     "--tensorizer-options='--enable-ccop-compute-overlap --cc-pipeline-tiling-factor={} --vectorize-strided-dma'"
@@ -160,25 +151,10 @@ def _matches(found: str, accepted: tuple[str, ...]) -> bool:
 def check_versions() -> list[dict[str, Any]]:
     """Found vs pinned, one row per package (the SDK set, then transformers)."""
     rows = []
-    for dist, accepted in SDK_PINS.items():
+    for dist, accepted in {**SDK_PINS, "transformers": (TRANSFORMERS_PIN,)}.items():
         found = metadata_version(dist)
-        rows.append(
-            {
-                "package": dist,
-                "pinned": list(accepted),
-                "found": found,
-                "ok": found is not None and _matches(found, accepted),
-            }
-        )
-    found = metadata_version("transformers")
-    rows.append(
-        {
-            "package": "transformers",
-            "pinned": [TRANSFORMERS_PIN],
-            "found": found,
-            "ok": found is not None and _matches(found, (TRANSFORMERS_PIN,)),
-        }
-    )
+        ok = found is not None and _matches(found, accepted)
+        rows.append({"package": dist, "pinned": list(accepted), "found": found, "ok": ok})
     return rows
 
 
@@ -297,16 +273,14 @@ def fx_shim_status(namespace: MutableMapping[str, Any] | None = None) -> str:
     return "needed" if FX_PARENT in modules else "no-transformers"
 
 
-def install_fx_shim(
-    namespace: MutableMapping[str, Any] | None = None, *, status: Callable[..., str] = fx_shim_status
-) -> str:
+def install_fx_shim(namespace: MutableMapping[str, Any] | None = None) -> str:
     """Install the shim into `namespace` (default `sys.modules`) only when needed.
 
     Returns the status afterwards: 'real' (left alone), 'shim' (installed now or before) or
     'no-transformers'.
     """
     modules = sys.modules if namespace is None else namespace
-    state = status(namespace)
+    state = fx_shim_status(namespace)
     if state != "needed":
         return state
     shim = _make_fx_shim()

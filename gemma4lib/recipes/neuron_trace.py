@@ -3,39 +3,30 @@ on-device K/V.
 
 What it teaches: a compiled graph can own state. One graph, one `torch_neuronx.trace` call, the K/V
 aliased by hand; nothing of NxD. What it costs: `torch_neuronx.trace` compiles one graph per call
-(SDK 2.28 signature: one `func`, one `example_inputs`; `input_output_aliases` marks that module's own
-parameters as state), and one traced module's state is not another traced module's: a separately
-traced prefill graph would hold its own K/V copy. SDK 2.28 does document a way to share state
-between graphs without NxD: `torch_neuronx.bucket_model_trace(func, example_inputs, bucket_config)`
-with `torch_neuronx.BucketModelConfig(bucket_kernel, shared_state_buffer=..., ...)`, one traced
-model over several bucket graphs (here: a prefill bucket and the decode step) that share a state
-buffer (aws-neuron-sdk v2.28.0 `api-torch-neuronx-trace.rst`, the autobucketing developer guide).
-It is the alternative to token-by-token prefill inside this recipe; this library does not use it
-(ModelBuilder's keys already share their K/V states, and its router picks a key by input shapes),
-and it is untried on inf2 with these graphs. So here the prompt runs through the decode graph one
-token per device step: a 128-token prompt is
-128 steps (~3 s at the field report's 44 tok/s for E2B), against one bucketed call (~11 ms
-computed, the lab's `gemma4lab.inf2.prefill.prefill_estimate`) in the ModelBuilder recipe, which E2B uses by default
-(`memory_plan.neuron_recipe`). Its compile is also the one that fits an inf2.xlarge's 16 GiB host
-(~14 GB against ModelBuilder's ~19 GB, `memory_plan.compile_peak_gb`).
+(SDK 2.28: one `func`, one `example_inputs`), and one traced module's state is not another's: a
+separately traced prefill graph would hold its own K/V copy. So the prompt runs through the decode
+graph one token per device step: a 128-token prompt is 128 steps (~3 s at the field report's 44
+tok/s for E2B), against one bucketed call (~11 ms computed, `gemma4lab.inf2.prefill`) in the
+ModelBuilder recipe, which E2B uses by default (`memory_plan.neuron_recipe`). SDK 2.28's
+`torch_neuronx.bucket_model_trace` with a `BucketModelConfig(shared_state_buffer=...)` would share
+one state buffer between a prefill bucket and the decode step without NxD; this library does not
+use it (ModelBuilder's keys already share their K/V) and it is untried on inf2 with these graphs.
+This recipe's compile is the one that fits an inf2.xlarge's 16 GiB host (~14 GB against
+ModelBuilder's ~19 GB, `memory_plan.compile_peak_gb`).
 
 The decode graph (`DeviceGraph(inplace=False)`, one token) is wrapped in a `KVParamModule`: its K/V
 buffers are parameters of the traced module and `input_output_aliases={param: output_index}` makes
-the compiled graph update them in place on the device, so nothing but the embeddings goes in and
-the logits come out each step (never token ids: a second traced module choosing them on the device
-would hold a K/V copy of its own, so the ids key, like the prefill buckets, is the ModelBuilder
-recipe's). Embedding and PLE tables stay on the host (2.35 B of E2B's 4.63 B
-parameters). The prompt is prefilled through the same decode graph token by token.
+the compiled graph update them in place on the device, so only the embeddings go in and the logits
+come out each step (never token ids: a second traced module choosing them would hold a K/V copy of
+its own). Embedding and PLE tables stay on the host.
 
 The weights are not inlined into the NEFF (`inline_weights_to_neff=False`): the compile host then
-holds the model and one copy of the device weights, not also the weights baked into the HLO and the
-NEFF, which is what lets an inf2.xlarge (16 GiB) compile E2B (`memory_plan.compile_peak_gb`). The
-price is one call after loading: `torch_neuronx.move_trace_to_device`, without which the separated
-weights would be copied from the host on every call.
+holds the model and one copy of the device weights, not also those baked into the HLO and the NEFF,
+which is what lets an inf2.xlarge compile E2B. The price is one `torch_neuronx.move_trace_to_device`
+after loading, without which the separated weights would be copied from the host on every call.
 
-Only the lines marked `# inf2-only` need the Neuron SDK; everything else runs on CPU, where
-`common.AliasEmulator` stands in for the device aliasing (tests drive the engine over exactly
-the module that would be traced).
+Only the lines marked `# inf2-only` need the Neuron SDK; on CPU `common.AliasEmulator` stands in for
+the device aliasing (tests drive the engine over exactly the module that would be traced).
 """
 
 from __future__ import annotations

@@ -2,36 +2,29 @@
 saved as its own artifact, loaded onto a core beside the decoder's.
 
 Why a plain trace and not a ModelBuilder key: the image encoder is small (transformers' default
-`Gemma4VisionConfig` is ~167M parameters, unchecked against a release, against billions in the
-decoder), reads and writes no
-K/V, and runs once per image at admission. It needs no tensor parallelism (every rank would hold
-the whole encoder anyway, as the gloo ranks do: "replicated: unsharded on every rank"), no
-aliased state (`input_output_aliases` stays empty) and no shared buffers, so the one-graph trace
-is the whole job: one `torch_neuronx.trace(func, example_inputs, compiler_args=...)` call (SDK
-2.28 `api-torch-neuronx-trace.rst`), its TorchScript saved with `torch.jit.save`.
+`Gemma4VisionConfig` is ~167M parameters, unchecked against a release), reads and writes no K/V and
+runs once per image at admission. It needs no tensor parallelism (every rank would hold the whole
+encoder anyway, as the gloo ranks do), no aliased state and no shared buffers, so one
+`torch_neuronx.trace` call is the whole job (SDK 2.28 `api-torch-neuronx-trace.rst`), its
+TorchScript saved with `torch.jit.save`.
 
-Why the weights stay inlined in the NEFF (`inline_weights_to_neff=True`, the SDK default, unlike
-`neuron_trace`'s decoder): the encoder's weights are small enough that holding them in the HLO and
-the NEFF costs the compile host little, the artifact is then self-contained, and loading is one
-`torch.jit.load` inside `torch_neuronx.neuron_cores_context(start_nc, nc_count=1)`, which the SDK
-documents as the most efficient placement (the model goes straight to that core; aws-neuron-sdk
-v2.28 `api-torch-neuronx-core-placement.rst`; the `torch_neuronx.experimental` one was deprecated
-in 2.25 and is no longer supported). No
-`move_trace_to_device` is needed: that call is for separated (non-inlined) weights.
+Why the weights stay inlined in the NEFF (the SDK default, unlike `neuron_trace`'s decoder): they
+are small enough to cost the compile host little, the artifact is then self-contained, and loading
+is one `torch.jit.load` inside `torch_neuronx.neuron_cores_context(start_nc, nc_count=1)`, the
+placement the SDK documents as the most efficient (v2.28 `api-torch-neuronx-core-placement.rst`; the
+`torch_neuronx.experimental` one is no longer supported). No `move_trace_to_device`: that call is
+for separated weights.
 
-Which core: the decoder holds NeuronCores 0 .. tp-1 (`backends.neuron`); the vision graph loads
-beside rank 0 on core 0 (`vision_core`), where the memory plan counts it (`inf2.memory_plan`: rank
-0's weights, K/V and working memory + the vision weights and activations must fit one core, else the
-preflight refuses). It costs no time: the engine runs it at admission, between decoder steps, never
-beside one. A port then holds exactly its TP degree in cores, so Ray replicas' TP groups start on a
-chip boundary and an inf2.48xlarge holds three TP=8 replicas with images, not two.
+Which core: the decoder holds NeuronCores 0 .. tp-1; the vision graph loads beside rank 0 on core 0
+(`vision_core`), where the memory plan counts it (rank 0's weights, K/V and working memory + the
+vision weights and activations must fit one core, else the preflight refuses). It costs no time:
+the engine runs it at admission, between decoder steps. A port then holds exactly its TP degree in
+cores, so an inf2.48xlarge holds three TP=8 replicas with images, not two.
 
-Why it should lower: `torch_neuronx.trace` records the graph through torch-xla into an HLO module
-(the SDK's trace notes), and this same graph runs in the XLA lane with 0 `aten::` CPU fallbacks and
-one execution per image (docs/IMAGES.md), its padding mask built whole in the graph
-(`device.vision`). That is evidence, not a run: no inf2 here.
-
-Only the lines marked `# inf2-only` need the Neuron SDK; the tests stand the SDK in with fakes.
+Why it should lower: `torch_neuronx.trace` records the graph through torch-xla, and this same graph
+runs in the XLA lane with 0 `aten::` CPU fallbacks and one execution per image (docs/IMAGES.md).
+That is evidence, not a run: no inf2 here. Only the lines marked `# inf2-only` need the Neuron SDK;
+the tests stand the SDK in with fakes.
 """
 
 from __future__ import annotations
@@ -44,28 +37,20 @@ import torch
 
 from ..device.vision import VisionGraph
 from . import neuron_env
+from .neuron_trace import save  # noqa: F401  (the same TorchScript save: `neuron_vision.save`)
 
 RECIPE = "vision_trace"
 PURPOSE = "the vision graph on one NeuronCore (torch_neuronx.trace)"
 FILE = "vision.pt"
 
-# neuronx-cc arguments for the vision graph (neuronx-cc CLI reference, aws-neuron-sdk
-# `compiler/neuronx-cc/api-reference-guide/neuron-compiler-cli-reference-guide.rst`):
-# - `--model-type=transformer` ("model-specific optimizations based upon type of model"; values
-#   `generic`, `transformer`): the encoder is a ViT, attention and MLP blocks like the decoder's;
-# - `--auto-cast=none`: the compiler's default is `matmult`, which casts FP32 matmuls to BF16. The
-#   fixtures and random models run in float32, and the soft tokens go straight into the prompt's
-#   embeddings, where an error shows as a logits mismatch (docs/IMAGES.md's fault lab: a scaled
-#   soft token fails LOGITS_MATCH at a 6.6e-5 tolerance). So the graph's own dtype, as for the
-#   decoders: fp32 soft tokens from an fp32 model, bf16 from a bf16 one (then the flag changes
-#   nothing). The pooler's standardisation is written in float32 by transformers and stays so;
-# - `--enable-mixed-precision-accumulation`: the compiler default, explicit for the same reason as
-#   the decoders' (`neuron_env.COMPILER_ARGS`): the arithmetic is part of the cache key;
-# - `-O1`: the graph runs once per image, not once per token; compile time matters more than the
-#   last few percent of its latency (the prefill keys' choice);
-# - left out: the decoders' `--tensorizer-options` (NxD Inference's decoder scheduling, tuned for
-#   collectives at TP > 1; this graph is on one core) and `--enable-saturate-infinity` (as for the
-#   decoders: no infinity should arise, and saturating one would hide it from the checks).
+# neuronx-cc arguments for the vision graph (neuronx-cc CLI reference), as the decoders'
+# (`neuron_env.COMPILER_ARGS`: the arithmetic is part of the cache key, no saturated infinities) but:
+# - `--auto-cast=none` matters here: the compiler's default `matmult` casts FP32 matmuls to BF16, and
+#   the fp32 fixtures' soft tokens go straight into the prompt's embeddings, where an error shows as a
+#   logits mismatch (docs/IMAGES.md's fault lab: a scaled soft token fails LOGITS_MATCH at 6.6e-5);
+# - `-O1`: the graph runs once per image, not per token; compile time matters more than its last
+#   few percent of latency (the prefill keys' choice);
+# - no `--tensorizer-options`: NxD Inference's decoder scheduling, tuned for collectives at TP > 1.
 # Unverified on inf2: no instance here.
 COMPILER_ARGS = "--model-type=transformer --auto-cast=none --enable-mixed-precision-accumulation -O1"
 
@@ -95,13 +80,6 @@ def compile_vision(graph: VisionGraph, *, compiler_workdir: str | None = None) -
             compiler_args=compiler_args(),
             inline_weights_to_neff=True,  # (module docstring)
         )
-
-
-def save(traced: Any, path: str | Path) -> Path:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    torch.jit.save(traced, str(path))
-    return path
 
 
 def load(path: str | Path, core: int) -> Any:

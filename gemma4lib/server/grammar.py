@@ -3,14 +3,12 @@
 `response_format` `json_schema` (and `json_object`: any object) compiles to an llguidance matcher
 over the served tokenizer, and so does a forced tool call (`tool_choice` required or named: the
 server opens the call, the grammar holds its name and syntax to the end marker). The row is watched
-(`runtime.LogitsWatch`): before each token the matcher's mask sets every token it forbids to -inf in
-that row's logits (the other rows' logits are never touched), and the chosen token advances the
-matcher. Once the value is complete only the eos tokens stay allowed, so the reply always parses
-(and validates), unless `max_tokens` cuts it.
+(`runtime.LogitsWatch`): before each token the mask sets what the matcher forbids to -inf in that
+row's logits alone, and the chosen token advances the matcher. Once the value is complete only eos
+stays allowed, so the reply always parses (and validates), unless `max_tokens` cuts it.
 
-llguidance: its wheel requires no torch of its own (to agree with the CPU pin and the Neuron SDK's),
-it takes Lark grammars with special tokens by id (the forced call's `<|"|>` strings), and on the
-tiny tokenizer a token's mask took ~0.25 ms (xgrammar was not measured here).
+Why llguidance: its wheel requires no torch of its own (to agree with the CPU pin and the Neuron
+SDK's), it takes Lark grammars with special tokens by id, and a token's mask took ~0.25 ms here.
 """
 
 from __future__ import annotations

@@ -12,8 +12,6 @@ import torch
 
 from ..runtime import LogitsWatch, softcap
 
-MAX_TOP = 20  # OpenAI's bound on top_logprobs
-
 
 class Forced:
     """Makes a row choose `tokens` in order, then lets it choose freely: a completions prompt echoed

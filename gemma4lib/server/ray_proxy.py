@@ -1,12 +1,11 @@
 """What Ray Serve's HTTP proxy answers when the replica holding a request dies: a 503 in OpenAI's shape.
 
 When a replica's actor dies mid-request, Serve's proxy logs the `RayActorError` and writes no
-response of its own (it does only for 408, 429 and 503), so uvicorn under it answers a bare `500
-Internal Server Error`. The proxy is Ray's code in Ray's process; its one hook is
-`RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH`, a function returning Starlette middlewares that wrap its
-ASGI app: `proxy_middlewares`. Its middleware answers a request the proxy ended without a response
-with OpenAI's error JSON, status 503 and `Retry-After`, and ends a stream cut after its first chunk
-with one error event (which the `openai` client raises as `APIError`), not a truncated body.
+response of its own, so uvicorn under it answers a bare `500 Internal Server Error`. The proxy's one
+hook is `RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH`, a function returning Starlette middlewares that
+wrap its ASGI app (`proxy_middlewares`): a request the proxy ended without a response gets OpenAI's
+error JSON, 503 and `Retry-After`; a stream cut after its first chunk ends with one error event (the
+`openai` client raises it as `APIError`), not a truncated body.
 
 The variable must be in the proxy actor's environment: `ray_app.start_ray` sets it before it starts a
 local cluster; for a cluster of your own, export it before `ray start`. This module imports only

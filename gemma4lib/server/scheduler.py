@@ -3,12 +3,11 @@
 Between two decode steps the scheduler frees the rows whose requests ended (eos, `max_tokens`, a
 stop string, a client gone), prefills waiting requests into the free rows (`engine.admit`: the
 other rows keep their state), then runs one `engine.step()` over every live row and hands each row's
-new text to its request. The engine is the one generation loop; this only chooses which requests it
-runs, and where: a request goes to the free row whose kept K/V hold the longest start of its prompt
-(its conversation's previous turn, `Engine.row_for`) and prefills only the rest. Only this thread
-calls the engine (it is not thread-safe; torch releases the GIL while a graph runs); requests reach
-it through a bounded queue, and all of one step's events go back to the asyncio loop in one wake-up
-(`Outbox`), so the HTTP thread spends less of the GIL on being woken.
+new text to its request. A request goes to the free row whose kept K/V hold the longest start of its
+prompt (its conversation's previous turn, `Engine.row_for`) and prefills only the rest. Only this
+thread calls the engine (it is not thread-safe; torch releases the GIL while a graph runs); requests
+reach it through a bounded queue, and all of one step's events go back to the asyncio loop in one
+wake-up (`Outbox`), so the HTTP thread spends less of the GIL on being woken.
 """
 
 from __future__ import annotations
@@ -150,7 +149,6 @@ class Scheduler:
         self._engine_lock = threading.Lock()  # held by the thread while it calls the engine; `paused` takes it
         self._outbox = Outbox()  # only the scheduler thread touches it
         self.steps = 0
-        self.admitted = 0
         self.metrics.queue_depth.set_function(lambda: len(self._waiting))
         self.metrics.rows_in_use.set_function(lambda: len(self._live))
 
@@ -320,7 +318,6 @@ class Scheduler:
             for row in batch:
                 self._fail(row, EngineFaultError(exc))
             return
-        self.admitted += len(batch)
         self._deliver(first)
 
     def _defer(self, free: int) -> bool:

@@ -2,13 +2,10 @@
 
 A streamed response and a plain one are the same deltas (the plain one joins them), so `stream=True`
 gives the plain call's text by construction. Each delta is a prefix of the decode of every token so
-far: a half-decoded UTF-8 character is held back, and so is a tail that might be the start of a stop
-string, until the next tokens settle it.
-
+far: a half-decoded UTF-8 character is held back, and so is a tail that might start a stop string.
 Decoding is incremental (as text-generation-inference and vLLM do): a new token's text is the decode
-of a window starting a few tokens back minus the same window's without it (both start at the same
-token, so a dropped leading space drops from both); re-decoding the whole reply cost the scheduler
-thread time that grew with the reply.
+of a window starting a few tokens back minus the same window's without it; re-decoding the whole
+reply cost the scheduler thread time that grew with the reply.
 """
 
 from __future__ import annotations

@@ -1,18 +1,14 @@
-"""The rank-local building blocks of a tensor-parallel graph.
-
-Each is the smallest thing that matches its NxD counterpart, so the Neuron recipe can swap them
-one for one:
+"""The rank-local building blocks of a tensor-parallel graph, each the smallest thing that matches
+its NxD counterpart, so the Neuron recipe can swap them one for one:
 
 - `ColumnShard`  ~ `ColumnParallelLinear`: holds this rank's output rows; optional all-gather.
 - `RowShard`     ~ `RowParallelLinear(input_is_parallel=True)`: holds this rank's input columns;
   the partial outputs are all-reduced.
 - `SPMDRankParam` ~ `SPMDRank`: the rank as an int32 *parameter* loaded from the rank's shard, so
   one compiled graph serves every rank.
-- `ShardedExperts`: the MoE experts of this rank, held as one `ColumnShard` (`gate_up`) and one
-  `RowShard` (`down`), cut by the plan's expert split (`tp.plan`'s rules: a 1/tp slice of every
-  expert, or E/tp whole experts). The slices are gathered straight from the shard weights (no
-  permuted view of the whole shard: the lab's `tools.hlo_audit` checks the lowered HLO).
-  `baked_rank=<int>` reproduces the field report's bug (README) in the expert split.
+- `ShardedExperts`: this rank's MoE experts, one `ColumnShard` (`gate_up`) and one `RowShard`
+  (`down`) cut by the plan's expert split, the slices gathered straight from the shard weights (no
+  permuted view of the whole shard). `baked_rank=<int>` reproduces the field report's bug (README).
 
 Collectives are a small object (`Collectives`): identity for one process, `torch.distributed`
 for the CPU gloo run. Modules keep it as a plain attribute, not a submodule.

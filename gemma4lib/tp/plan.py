@@ -6,27 +6,23 @@ all-reduce after attention and one after the feed-forward):
 
 - Attention: `q_proj` column-sharded by Q head, `o_proj` row-sharded over the same heads. `k_proj`/
   `v_proj` column-sharded by KV head when `kv_heads % tp == 0`; with fewer KV heads than ranks (31B
-  full layers: 4 at TP=8; 12B full layers: 1) *replicated*: each rank gets the KV head its Q heads
-  read (GQA: KV head = q_head // (q_heads // kv_heads)). `q_norm`/`k_norm` act per head_dim and are
-  replicated; k_eq_v layers have no `v_proj`; KV-shared layers own no K/V projections, and their Q
-  heads read the producer's rank-local K/V, which the same rule puts on the same rank.
+  full layers: 4 at TP=8; 12B: 1) *replicated*: each rank gets the KV head its Q heads read (GQA).
+  `q_norm`/`k_norm` are replicated; k_eq_v layers have no `v_proj`; KV-shared layers own no K/V
+  projections, and their Q heads read the producer's rank-local K/V, which the same rule puts there.
 - MLP (and the MoE block's dense MLP): `gate_proj`/`up_proj` column, `down_proj` row.
-- MoE experts: the fused `gate_up` column-sharded (its rows) and `down` row-sharded (its columns);
-  the router replicated, so every rank routes identically. Two splits (`expert_split`):
+- MoE experts: the fused `gate_up` column-sharded and `down` row-sharded; the router replicated, so
+  every rank routes identically. Two splits (`expert_split`), each a rank holding 1/tp of the bytes:
   * `"intermediate"` (the default wherever `moe_intermediate_size % tp == 0`; 26B-A4B at TP=8: 704 /
-    8 = 88): rank r holds columns [r*i, (r+1)*i) of every expert. `selective` (the decode form)
-    gathers the same k routed ids on every rank, exactly its share of the routed experts: the ranks
-    together read k experts' bytes per token, and nothing depends on the rank.
+    8 = 88): rank r holds columns [r*i, (r+1)*i) of every expert; `selective` gathers the same k
+    routed ids on every rank, so the ranks together read k experts' bytes per token.
   * `"experts"` (the recipe's first form; kept and tested): rank r owns experts [r*e, (r+1)*e).
     `dense` picks the rank's routing-weight columns with the *runtime* rank tensor; `selective`
     masks the routed ids to the rank's own, so with static shapes every rank reads k slices whether
     routed there or not: tp * k in total (64 of 128 experts per token on the 26B-A4B at TP=8).
-  Either way a rank holds 1/tp of the expert bytes, in tensors of the same shapes.
 - PLE gate/projection and `per_layer_model_projection`: replicated (small); the embedding and PLE
   tables stay on the host.
-- lm_head (tied to the embedding): column-sharded over the vocabulary and all-gathered. The biggest
-  matrix (1.4 B parameters on the 31B): replicated, every core would read all of it every step.
-  Replicated only when the vocabulary does not divide by tp.
+- lm_head (tied to the embedding, the biggest matrix: 1.4 B parameters on the 31B): column-sharded
+  over the vocabulary and all-gathered; replicated only when the vocabulary does not divide by tp.
 - Norms, router, `layer_scalar`: replicated. `layer_scalar` is a buffer; the sharder carries it
   (NxD's loader shards only parameters of parallel layers), and the rank graph holds it as a
   parameter so a compiled graph loads it with the weights instead of baking its init value in.

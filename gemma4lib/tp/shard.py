@@ -121,10 +121,7 @@ def shard_state_dict(
         if cut is None:
             continue
         new_key, value = cut
-        value = value.detach()
-        if dtype is not None and value.is_floating_point():
-            value = value.to(dtype)
-        out[new_key] = value.contiguous().clone()
+        out[new_key] = _as(value, dtype).contiguous().clone()
     out[RANK_KEY] = torch.tensor([rank], dtype=torch.int32)
     return out
 
