@@ -275,7 +275,8 @@ def test_retraining_e2b_reproduces_the_shipped_fixture(provenance, request):
         pytest.skip(f"fixtures were trained on another CPU type (recorded, here): {differs}")
     retrained = request.getfixturevalue("retrained_e2b")
     assert retrained.steps == rec["steps"]
-    assert state_sha256(retrained.loaded.lm) == rec["state_sha256"]
+    # scripts/train_needle.py, when it fine-tunes the fixture, keeps the state before it as base_state_sha256
+    assert state_sha256(retrained.loaded.lm) == rec.get("base_state_sha256", rec["state_sha256"])
 
 
 def test_cpu_type_names_what_the_retraining_test_compares():
