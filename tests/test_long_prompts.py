@@ -237,31 +237,27 @@ def test_no_reuse_where_the_ring_lost_what_the_rest_would_read(eager_batch):
     assert engine.row_for(Request(branch, 1), [0, 1]) == 1  # a row that keeps nothing before the LRU one
 
 
-def test_port_records_the_chunks_of_the_needle_prompt():
-    """`port` of the issue's needle prompt on the trained E2B (eager): the capital question after ~3,000
-    tokens of the corpus's general facts, in a 4,096-token context: HF's tokens and logits, and the
-    record says how many chunks the prefill ran. (Coherence waits for fixtures that answer it: the
-    fine-tune in `gemma4lab.training.needle` has not converged yet; issue 48 item 5.)"""
-    from gemma4lab.training.needle import needle_prompt
-    from gemma4lib.models.trained import load_trained
+def test_port_records_the_chunks_of_a_long_prompt():
+    """`port` of a question after a filler four buckets long (the trained E2B, eager): HF's tokens and
+    logits, and the record says how many chunks the prefill ran. (Coherence after a long filler waits
+    for fixtures trained for it: issue 48 item 5.)"""
     from gemma4lib.port import port
 
-    bucket = 512
+    filler = "The weather report for the coast says clouds, then sun, then a light wind from the west. " * 4
     settings = PortSettings(
         variant="e2b",
         backend="eager",
-        prompt=needle_prompt(load_trained("e2b").tokenizer, "What is the capital of France?"),
+        prompt=filler + "What is the capital of France?",
         expect=None,
-        context_length=4096,
-        prefill_buckets=(bucket,),
-        max_new_tokens=8,
+        context_length=320,
+        prefill_buckets=(32, 64),
+        max_new_tokens=12,
         iters=1,
         warmup=0,
         witness=False,
     )
     record = port(settings)
-    assert record["prompt_tokens"] > 3000
-    assert record["prefill_chunks"] == -(-record["prompt_tokens"] // bucket) > 1
+    assert record["prefill_chunks"] == -(-record["prompt_tokens"] // 64) >= 4
     assert record["seq_match"] and record["logits_match"], record["failed_checks"]
 
 
