@@ -128,7 +128,11 @@ class Steps:
     # `sampling [B, 3]` = (temperature, `draw`, top_p); -1 where its logits were not finite (`graph.choose_tokens`)
     decode_ids: Step | None = None
     verify: Step | None = None
+    # `verify_ids(*embeds, start, length, drafts)`: each row's greedy verdict `[B, k + 2]` (drafts kept, the
+    # target's k + 1 argmaxes; `graph.greedy_verdicts`) and, drafting with the assistant, the kept hidden `[B, H]`
+    verify_ids: Step | None = None
     draft: Step | None = None
+    draft_ids: Step | None = None  # the draft's argmax `[B]` and projected hidden: greedy rows' drafts
     vision: Step | None = None  # (pixel_values, position_ids) -> soft tokens [n, slots, hidden]; no K/V
     # one-row prefill per bucket, `row_prefill[bucket](row, *embeds, start, length)` with `[1, ...]`
     # inputs: writes only row `row`'s K/V, so a request that joins a running batch alone costs one
@@ -469,6 +473,11 @@ class Engine:
                 "log-probabilities and constrained output need each token's logits, which drafting's verify "
                 "does not hand out; send this request to a server started without drafting"
             )
+        if not request.sampling.greedy and self.steps.draft_ids is not None and self.steps.draft is None:
+            raise SettingsError(
+                "a sampled row drafts from the assistant's distribution, and this engine's draft returns only "
+                "its argmax (the ids keys: backend neuron); send temperature 0, or use a server without drafting"
+            )
         return self.bucket_for(len(ids))
 
     @staticmethod
@@ -801,6 +810,8 @@ class Engine:
             chunk[r, 1 : 1 + len(drafts[r])] = torch.tensor(drafts[r], dtype=torch.long)
             start[r], length[r] = row.position, 1 + len(drafts[r])
         reach = max(s + n for s, n in zip(start, length, strict=True))
+        if self.steps.verify_ids is not None and all(self._device_judges(self.rows[r]) for r in live):
+            return self._verdict_round(live, chunk, start, length, drafts, reach)
         out = self._call(self.reading("verify", self.steps.verify, reach), self.embed(chunk), start, length)
         v_logits, v_hidden = out[0], (out[1] if len(out) > 1 else None)
         new = {}
@@ -814,6 +825,37 @@ class Engine:
             row.position += n_ok + 1
             if v_hidden is not None:
                 row.hidden = v_hidden[r, n_ok].clone()
+            new[r] = kept
+        return new
+
+    def _device_judges(self, row: _Row) -> bool:
+        """Whether the device may judge this row's drafts (`Steps.verify_ids`): greedy, logits unread."""
+        return row.request.sampling.greedy and self._device_chooses(row)
+
+    def _verdict_round(self, live, chunk, start, length, drafts, reach) -> dict[int, list[int]]:
+        """The verify whose verdict the device gives (`Steps.verify_ids`): `k + 2` int32 a row come back
+        (and the kept position's hidden state), not `k + 1` rows of the vocabulary's logits."""
+        padded = torch.full((self.batch, self.draft_tokens), -1, dtype=INDEX_DTYPE)  # past a row's drafts: unread
+        for r in live:
+            padded[r, : len(drafts[r])] = torch.tensor(drafts[r], dtype=INDEX_DTYPE)
+        step = self.reading("verify_ids", self.steps.verify_ids, reach)
+        out = _outputs(step(*self.embed(chunk), index_tensor(start), index_tensor(length), padded), 2)
+        verdict, hidden = out[0], (out[1] if len(out) > 1 else None)
+        new = {}
+        for r in live:
+            row, n_ok = self.rows[r], int(verdict[r, 0])
+            tokens = [int(t) for t in verdict[r, 1 : n_ok + 2]]
+            if min(tokens) < 0:
+                row.finish, row.fault = "error", RuntimeError("the device found this row's logits not finite")
+                new[r] = []
+                continue
+            kept = self._emit(row, tokens, [None] * len(tokens))
+            row.accepted.append(n_ok)
+            row.emitted.append(len(kept))
+            row.drafted.append(len(drafts[r]))
+            row.position += n_ok + 1
+            if hidden is not None:
+                row.hidden = hidden[r].clone()
             new[r] = kept
         return new
 

@@ -203,6 +203,16 @@ def test_the_host_calls_the_key_by_its_inputs():
     assert [len(c) for c in calls] == [2, 4, 5] and logits.dtype == torch.float32
     assert calls[2][0].tolist() == [1] and calls[2][0].dtype == torch.int32
     assert drafting_steps(traced, (64,), has_ple=True).row_prefill == {}
+    calls.clear()
+    forward = lambda inputs: calls.append(inputs) or (torch.tensor([7], dtype=torch.int32), torch.zeros(1, 4))  # noqa: E731
+    ids = drafting_steps(
+        types.SimpleNamespace(nxd_model=types.SimpleNamespace(forward=forward)), (64,), True, chooses=True
+    )
+    assert ids.draft is None and ids.draft_ids is not None and ids.verify is not None
+    verdict, _ = ids.verify_ids(*[torch.zeros(1)] * 4, torch.zeros(1, K, dtype=torch.int32), torch.zeros(2))
+    token, _ = ids.draft_ids(torch.zeros(1, 1, 8), torch.tensor([3]))
+    assert [len(c) for c in calls] == [5, 2]  # the drafts go to the verify key, the host's K/V do not
+    assert token.dtype == verdict.dtype == torch.int32  # as the device gave them, not cast to float
 
 
 def test_a_prefill_bucket_shaped_like_verify_is_refused():
@@ -231,6 +241,66 @@ def test_backend_neuron_drafting_reaches_the_drafting_compile(monkeypatch):
     with pytest.raises(RuntimeError, match="stop: compile reached"):
         port_module.port(settings)
     assert reached[0]["draft_tokens"] == K and reached[0]["buckets"] == tuple(settings.prefill_buckets)
+    assert reached[0]["chooses"] is True  # neuron's logits would cross a bus: the ids keys are built
+
+
+def test_the_ids_keys_route_by_their_inputs_and_return_ids(tmp_path, monkeypatch):
+    """With `chooses` (backend neuron): `verify_ids` beside verify, its drafts `[B, k]` int32 last (one
+    input more: NxD routes it apart), the verify compiler set; `draft_ids` in place of draft."""
+    settings, model, assistant = _pair("e4b")
+    recorder = _Recorder()
+    monkeypatch.setattr(neuron_env, "require", lambda module, purpose="": recorder.module)
+    with pytest.raises(RuntimeError, match="stop: no Neuron compiler here"):
+        neuron_drafting.compile_drafting(
+            model, assistant, 2, tmp_path, context_length=128, buckets=(64,), draft_tokens=K, ring=True, chooses=True
+        )
+    adds = {args["key"]: args for kind, args in recorder.calls if kind == "add"}
+    assert list(adds) == ["prefill64", "verify", "verify_ids", "draft_ids"]
+    assert adds["verify_ids"]["inputs"] == [*adds["verify"]["inputs"], (1, K)]
+    assert adds["verify_ids"]["dtypes"][-1] == torch.int32
+    assert adds["verify_ids"]["compiler_args"] == adds["verify"]["compiler_args"]
+    assert adds["draft_ids"]["inputs"] == [(1, 1, 2 * model.config.hidden_size), (1,)]
+    shapes = [tuple(a["inputs"]) for a in adds.values()]
+    assert len(set(shapes)) == len(shapes)  # no two keys share their input shapes
+
+
+def test_the_ids_keys_run_on_cpu_and_return_bytes():
+    """E2B at TP = 1, the ids keys' modules from the NxD checkpoint through the host loop: the tokens
+    are the reference's, drafts kept, the verdict `k + 2` int32 a row and the draft's argmax 4 bytes."""
+    settings, model, assistant = _pair("e2b")
+    plan = make_plan(model.config, 1, model.variant)
+    checkpoint = neuron_drafting.drafting_checkpoint(model, assistant, plan, torch.float32)
+    shapes = neuron_drafting.drafting_shapes(128, (64,), K, True, chooses=True)
+    modules = neuron_drafting.build_drafting_modules(
+        model.config, assistant.model.config, plan, assistant.read_layers, shapes, K, factory=CpuParallelFactory(1)
+    )
+    missing, unexpected = modules["verify_ids"].load_state_dict(checkpoint, strict=False)
+    assert not unexpected and all(m.startswith("kv.") for m in missing)
+    from gemma4lib.generation.drafters import AssistantDrafter
+    from gemma4lib.runtime import Engine, Steps
+
+    returned = []
+
+    def watched(step):
+        def call(*args):
+            out = step(*args)
+            returned.append(out[0])
+            return out
+
+        return call
+
+    steps = Steps(
+        {64: KVDraftStep(modules["prefill64"])},
+        verify=KVDraftStep(modules["verify"]),
+        verify_ids=watched(KVDraftStep(modules["verify_ids"])),
+        draft_ids=watched(KVDraftStep(modules["draft_ids"])),
+    )
+    runtime = Engine.for_model(model, steps, batch=1, context_length=128, draft_tokens=K, drafter=AssistantDrafter())
+    ids = prompt_ids(model, settings)
+    generation = runtime.generate(ids, 24)
+    assert generation.tokens == reference_greedy(model.lm, ids, 24)
+    assert generation.accepted_per_step > 1.0
+    assert {tuple(t.shape) for t in returned} == {(1, K + 2), (1,)} and all(t.dtype == torch.int32 for t in returned)
 
 
 def test_the_memory_plan_counts_the_assistant_per_core():

@@ -568,7 +568,10 @@ DRAFT_K = 4
 def test_drafted_port_on_xla(xla_lane, variant):
     """`port(backend="xla", draft="assistant")`: the prefill, verify (k + 1 tokens, logits at every
     position) and draft graphs through torch_xla over one set of device K/V, trained target and
-    assistant: greedy-exact like on cpu, 0 fallbacks, one compilation per graph over every verify step."""
+    assistant: greedy-exact like on cpu, 0 fallbacks, one compilation per graph over every verify step.
+    Greedy rows draft by the assistant's argmax on the device (`draft_ids`: the logits draft never runs);
+    the checked generation keeps the target's logits (verify), the benchmark's rows keep none, so they
+    run the greedy verdict (`verify_ids`; issue 46 item 2)."""
     from gemma4lib.port import PortSettings, port
 
     witness = variant == "e2b"  # (the witness runs the same graphs again: once is enough for the lane)
@@ -582,10 +585,13 @@ def test_drafted_port_on_xla(xla_lane, variant):
     assert result["compiler"] == "torch-xla"
     assert not witness or (result["witness"]["seq_match"] and result["witness"]["logits_match"])
     assert result["xla_fallbacks"] == 0, result["xla_fallback_ops"]
-    graphs = {"prefill64", "verify", "draft"}
+    graphs = {"prefill64", "verify", "verify_ids", "draft_ids"}
     assert result["xla_compilations"] == dict.fromkeys(graphs, 1), result["xla_compilations"]
     assert result["xla_graph_hashes"] == dict.fromkeys(graphs, 1)
     assert result["xla_steps"]["verify"] > 1 and result["xla_executions"] == result["xla_steps"]
+    assert (
+        result["xla_steps"]["verify_ids"] > 1 and result["xla_steps"]["draft_ids"] >= result["xla_steps"]["verify_ids"]
+    )
     # the tiny MoE (16 experts, top 4): 5 tokens x 4 routed slices would read more than all 16
     assert result.get("verify_experts") == (None if variant == "e2b" else "dense")
 
@@ -619,7 +625,7 @@ def test_drafted_26b_selective_verify_on_xla_is_exact(xla_lane, k):
     # the selective verify is this test's own graph; the prefill and draft graphs (weights are data)
     # may already be compiled in this process by the port test (torch_xla caches by graph hash)
     compilations = figures["xla_compilations"]
-    assert compilations["verify"] == 1 and set(compilations) == {"prefill64", "verify", "draft"}, compilations
+    assert compilations["verify"] == 1 and set(compilations) == {"prefill64", "verify", "draft_ids"}, compilations
     assert all(n <= 1 for n in compilations.values()) and set(figures["xla_graph_hashes"].values()) == {1}
 
 
@@ -841,7 +847,7 @@ def test_hlo_audit_bytes_table_holds_its_bounds(xla_lane):
             assert {("prefill", b, t, False), ("prefill", b, t, True)} <= graphs, table
         k = hlo_audit.VERIFY_DRAFTS
         assert {("decode", b, 1, False), ("decode_ids", b, 1, False), ("verify", b, k + 1, False)} <= graphs
-        assert ("draft", b, 1, False) in graphs, table
+        assert {("verify_ids", b, k + 1, False), ("draft", b, 1, False), ("draft_ids", b, 1, False)} <= graphs, table
     joins = [r for r in rows if r.graph == "row_join"]
     assert [(r.batch, r.tokens) for r in joins] == [(graph_bytes.JOIN_BATCH, t) for t in graph_bytes.BUCKETS]
     vocab = model.config.vocab_size
@@ -852,8 +858,11 @@ def test_hlo_audit_bytes_table_holds_its_bounds(xla_lane):
             assert r.kv_bytes_written < r.new_positions_bytes, table
             continue
         assert r.kv_bytes_written == r.new_positions_bytes == 4 * r.scatter_elements, table
-        assert (r.new_positions_bytes == 0) == (r.graph == "draft"), table
+        assert (r.new_positions_bytes == 0) == r.graph.startswith("draft"), table
+        hidden = 4 * model.config.hidden_size  # fp32: the one hidden state a row hands the next draft
         returned = {"decode_ids": 4 * r.batch, "decode": 4 * r.batch * vocab, "row_join": 4 * vocab}
+        returned.update(verify_ids=r.batch * (4 * (k + 2) + hidden), draft_ids=r.batch * (4 + hidden))
+        returned.update(verify=r.batch * (k + 1) * (4 * vocab + hidden), draft=r.batch * (4 * vocab + hidden))
         assert r.bytes_returned == returned.get(r.graph, r.bytes_returned), table
     # a join writes one row's new positions, a quarter of the batch-4 prefill's, and reads one row's
     # K/V (what a batch-1 decode reads) and the old values of the slots it writes

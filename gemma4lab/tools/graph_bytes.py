@@ -2,7 +2,8 @@
 
 `hlo_audit` sets each decode graph's bytes *read* next to the roofline. This table covers every graph
 a port serves with (prefill at each bucket, decode with logits and the ids-returning decode, drafting's
-verify of k + 1 tokens and the assistant's draft, the one-row join), lowered from the tiny fixtures
+verify of k + 1 tokens and the assistant's draft, each with logits and in its ids form, the one-row
+join), lowered from the tiny fixtures
 (`hlo_audit._tiny`) through torch_xla and never executed, and tables per graph what a device across
 a bus pays for:
 
@@ -13,7 +14,9 @@ a bus pays for:
   dynamic-update-slices each returned K/V buffer is made of; a buffer returned any other way counts
   whole. Set against the **new positions' bytes**: for every K/V buffer `[B, heads, slots, D]`, the
   rows the call writes (B; a join 1; the draft, which only reads the K/V, 0) x its tokens x heads x D.
-- **Bytes returned to the host**: every output but the K/V (which stay on the device as state).
+- **Bytes returned to the host**: every output but the K/V (which stay on the device as state). An ids
+  graph's bound per row: 16 bytes for the decode; the verdict's k + 2 int32 for a greedy verify and the
+  argmax's one for the draft, each with the one hidden state the next draft starts from.
 - **Gather / scatter elements over the K/V**: the elements moved by the `gather` and `dynamic-slice`
   ops (their output) and the `scatter` and `dynamic-update-slice` ops (their updates) whose data
   operand is a K/V buffer: an entry parameter of the K/V, followed through reshapes, bitcasts,
@@ -52,6 +55,8 @@ import sys
 from collections.abc import Collection, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
+
+import torch
 
 from gemma4lab.tools import hlo_audit
 from gemma4lab.tools.hlo_audit import (
@@ -195,7 +200,7 @@ class GraphBytes:
     """One graph's row of the table (bytes of one execution; the module docstring defines each)."""
 
     variant: str
-    graph: str  # prefill | decode | decode_ids | verify | draft | row_join
+    graph: str  # prefill | decode | decode_ids | verify | verify_ids | draft | draft_ids | row_join
     batch: int  # rows of its K/V buffers (a join: the batch it joins)
     tokens: int  # query tokens per row: the bucket, 1 for decode and draft, k + 1 for verify
     ring: bool  # sliding layers as rings of the window's slots
@@ -209,6 +214,7 @@ class GraphBytes:
     elementwise: list[str] = field(default_factory=list)  # element-wise gathers / scatters over the K/V
     elementwise_into: list[str] = field(default_factory=list)  # element-wise gathers written into the K/V
     ring_longer: bool = False  # a ring prefill longer than its ring: the write bound does not apply
+    hidden_row_bytes: int = 0  # the hidden state a row hands the next draft (verify_ids, draft_ids)
 
     def failures(self) -> list[str]:
         """The bounds this row breaks (empty: it holds them all)."""
@@ -218,11 +224,19 @@ class GraphBytes:
                 f"writes {self.kv_bytes_written:,} K/V bytes for {self.new_positions_bytes:,} new "
                 f"(bound {WRITE_SLACK} x)"
             )
-        if self.graph == "decode_ids" and self.bytes_returned > IDS_BYTES_PER_ROW * self.batch:
-            out.append(f"returns {self.bytes_returned:,} bytes for {self.batch} rows (bound {IDS_BYTES_PER_ROW} a row)")
+        if self.ids_bound is not None and self.bytes_returned > self.ids_bound * self.batch:
+            out.append(f"returns {self.bytes_returned:,} bytes for {self.batch} rows (bound {self.ids_bound} a row)")
         out += [f"element-wise over the K/V: {e}" for e in self.elementwise]
         out += [f"element-wise into the K/V: {e}" for e in self.elementwise_into]
         return out
+
+    @property
+    def ids_bound(self) -> int | None:
+        """Bytes a row of an ids graph may return: a decode's `IDS_BYTES_PER_ROW`; a greedy verify's
+        verdict (k + 2 int32) and a draft's argmax (one), each with the one hidden state the next draft
+        starts from; None for a graph that returns logits."""
+        ids = {"decode_ids": IDS_BYTES_PER_ROW, "verify_ids": 4 * (self.tokens + 1), "draft_ids": 4}
+        return ids[self.graph] + self.hidden_row_bytes if self.graph in ids else None
 
     @property
     def rows(self) -> int:
@@ -232,8 +246,9 @@ class GraphBytes:
     @property
     def label(self) -> str:
         what = {"prefill": f"prefill {self.tokens}", "row_join": f"row join {self.tokens}"}
-        text = what.get(self.graph, "decode → ids" if self.graph == "decode_ids" else self.graph)
-        if self.graph == "verify":
+        ids = {"decode_ids": "decode → ids", "verify_ids": "verify → verdict", "draft_ids": "draft → ids"}
+        text = what.get(self.graph, ids.get(self.graph, self.graph))
+        if self.graph.startswith("verify"):
             text += f" ({self.tokens} tokens)"
         return text + (", ring" if self.ring else "")
 
@@ -272,8 +287,17 @@ def graph_row(variant: str, name: str, graph: Any, ring: bool) -> GraphBytes:
         scatter_elements=access.scatter_elements,
         elementwise=list(access.elementwise),
         elementwise_into=list(access.elementwise_into),
-        ring_longer=kind != "draft" and tokens > min(s[2] for s in shapes),
+        ring_longer=writes and tokens > min(s[2] for s in shapes),
+        hidden_row_bytes=_hidden_row_bytes(graph) if kind in ("verify_ids", "draft_ids") else 0,
     )
+
+
+def _hidden_row_bytes(graph: Any) -> int:
+    """Bytes of the one hidden state a row of `graph` returns for the next draft (0 when it returns none)."""
+    width = getattr(graph, "backbone", None)  # the draft graph's projected hidden: the target's width
+    if width is None:
+        width = graph.model.config.hidden_size if graph.returns_hidden else 0
+    return int(width) * torch.empty((), dtype=graph.dtype).element_size()
 
 
 def graph_sets(model: Any, batch: int) -> list[tuple[bool, Any, tuple[str, ...]]]:
@@ -291,12 +315,19 @@ def graph_sets(model: Any, batch: int) -> list[tuple[bool, Any, tuple[str, ...]]
     ring = graph_set(model, ring=True, prefill_buckets=BUCKETS, **common)
     assistant = LoadedAssistant(build_tiny_assistant(model.config, model.variant), "tiny", read_layers(model.layout))
     drafting = graph_set(
-        model, ring=False, prefill_buckets=(), draft_tokens=VERIFY_DRAFTS, hidden=True, assistant=assistant, **common
+        model,
+        ring=False,
+        prefill_buckets=(),
+        draft_tokens=VERIFY_DRAFTS,
+        hidden=True,
+        assistant=assistant,
+        chooses=True,
+        **common,
     )
     return [
         (False, plain, tuple(name for name, _ in plain)),
         (True, ring, tuple(f"prefill{b}" for b in BUCKETS)),
-        (False, drafting, ("verify", "draft")),
+        (False, drafting, ("verify", "verify_ids", "draft", "draft_ids")),
     ]
 
 
@@ -358,8 +389,6 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(name)s: %(message)s")
     os.environ.setdefault("PJRT_DEVICE", "CPU")
-    import torch
-
     torch.set_num_threads(1)
     variants = tuple(VARIANTS) if args.all else CI_VARIANTS
     rows = [row for name in variants for row in audit_rows(hlo_audit._tiny(name))]

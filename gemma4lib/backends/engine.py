@@ -26,7 +26,7 @@ if TYPE_CHECKING:
     from ..runtime import Drafter
 
 _BUCKETED = re.compile(r"(row_prefill|prefill)(\d+)")
-_SINGLE = ("decode", "decode_ids", "verify", "draft", "vision")
+_SINGLE = ("decode", "decode_ids", "verify", "verify_ids", "draft", "draft_ids", "vision")
 
 
 def named_steps(fns: Mapping[str, Step], kv: Sequence[torch.Tensor] | None = None) -> Steps:

@@ -336,7 +336,10 @@ def compile_drafting(graphs: GraphSet, model: LoadedModel, settings: PortSetting
     buckets = tuple(sorted(graphs.prefill))
     dtype = model.lm_head.weight.dtype
     joins = bool(graphs.row_prefill)  # `PortSettings.builds_row_prefill`: a join key per bucket
-    shapes = neuron_drafting.drafting_shapes(settings.context_length, buckets, k, settings.ring_kv, graphs.batch, joins)
+    chooses = settings.builds_decode_ids  # the ids keys: the verify's verdict, the draft's argmax
+    shapes = neuron_drafting.drafting_shapes(
+        settings.context_length, buckets, k, settings.ring_kv, graphs.batch, joins, chooses
+    )
     _, parts = neuron_cache_key(model, neuron_drafting.RECIPE, tp, shapes, neuron_env.COMPILER_ARGS, dtype)
     parts["assistant"] = {"config": assistant.model.config.to_json_string(use_diff=False)}
     parts["assistant"]["digest"] = assistant_digest(assistant)
@@ -358,6 +361,7 @@ def compile_drafting(graphs: GraphSet, model: LoadedModel, settings: PortSetting
                 compiler_workdir=workdir,
                 batch=graphs.batch,
                 joins=joins,
+                chooses=chooses,
             )
         return {"recipe": neuron_drafting.RECIPE, "tp": tp}
 
@@ -370,21 +374,29 @@ def compile_drafting(graphs: GraphSet, model: LoadedModel, settings: PortSetting
     cores.check_free(0, tp, label)
     vision = compile_vision(graphs.vision, model, settings, tp) if graphs.vision is not None else None
     traced = cores.claim(neuron_model_builder.load_model_builder(entry.path, tp), 0, tp, label)
-    steps = drafting_steps(traced, buckets, graphs.target.has_ple, joins)
+    steps = drafting_steps(traced, buckets, graphs.target.has_ple, joins, chooses)
     compiled = CompiledGraphs(
         steps, compile_s, [entry.hit], f"neuron-{neuron_drafting.RECIPE}", {"artifacts": {"drafting": str(entry.path)}}
     )
     return with_vision(compiled, vision)
 
 
-def drafting_steps(traced: Any, buckets: tuple[int, ...], has_ple: bool, joins: bool = False) -> Steps:
+def drafting_steps(
+    traced: Any, buckets: tuple[int, ...], has_ple: bool, joins: bool = False, chooses: bool = False
+) -> Steps:
     """The engine's `Steps` of a loaded drafting model: prefill per bucket, verify and draft (and a
-    join per bucket), each a key of the one NxD model (`recipes.neuron_drafting.NxDKeyStep`; the K/V
-    are device states)."""
+    join per bucket; with `chooses`, the greedy verdict's verify and the draft's argmax in place of its
+    logits), each a key of the one NxD model (`recipes.neuron_drafting.NxDKeyStep`; the K/V are device
+    states)."""
     from ..recipes.neuron_drafting import NxDKeyStep
 
     n = 4 if has_ple else 3
     keys = {f"prefill{int(b)}": NxDKeyStep(traced, n) for b in buckets}
-    steps = named_steps({**keys, "verify": NxDKeyStep(traced, n), "draft": NxDKeyStep(traced, 2)})
+    keys["verify"] = NxDKeyStep(traced, n)
+    if chooses:
+        keys.update(verify_ids=NxDKeyStep(traced, n + 1, ids=True), draft_ids=NxDKeyStep(traced, 2, ids=True))
+    else:
+        keys["draft"] = NxDKeyStep(traced, 2)
+    steps = named_steps(keys)
     steps.row_prefill = {int(b): row_step(NxDKeyStep(traced, n + 1)) for b in buckets} if joins else {}
     return steps

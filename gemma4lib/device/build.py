@@ -56,8 +56,11 @@ class GraphSet:
     row_prefill: dict[int, DeviceGraph | RowJoin] = field(default_factory=dict)
     # the loaded assistant the draft graph reads (drafting with it): loaded once per port, handed on
     assistant: LoadedAssistant | None = None
-    # decode that returns each row's token, not its logits (`DeviceGraph.chooses`: a device across a bus)
+    # decode, verify and draft that return token ids, not logits (`DeviceGraph.chooses`: a device across a
+    # bus): decode's row by row, verify's greedy verdict, the draft's argmax
     decode_ids: DeviceGraph | None = None
+    verify_ids: DeviceGraph | None = None
+    draft_ids: DraftGraph | None = None
     # context buckets by name, "decode@256": graphs reading the first 256 slots (module docstring)
     contexts: dict[str, DeviceGraph | RowJoin] = field(default_factory=dict)
 
@@ -70,7 +73,7 @@ class GraphSet:
         """Every graph by the name its compiled artifact and step carry."""
         out: dict[str, nn.Module] = {f"prefill{b}": g for b, g in sorted(self.prefill.items())}
         out.update({f"row_prefill{b}": g for b, g in sorted(self.row_prefill.items())})
-        for name in ("decode", "decode_ids", "verify", "draft", "vision"):
+        for name in ("decode", "decode_ids", "verify", "verify_ids", "draft", "draft_ids", "vision"):
             if getattr(self, name) is not None:
                 out[name] = getattr(self, name)
         return {**out, **self.contexts}
@@ -136,9 +139,9 @@ def device_graphs(
 ) -> GraphSet:
     """The graphs of `settings` over the model's own modules (`graph_set` with the settings' shapes).
     `inplace=False`: the functional form (XLA, Neuron). `compute_balance`: the backend's FLOPs per
-    byte (one CPU thread's for cpu/eager; None, bytes decide, elsewhere). `chooses`: also the decode
-    that returns token ids (`GraphSet.decode_ids`); None: where the settings' backend builds it
-    (`PortSettings.builds_decode_ids`)."""
+    byte (one CPU thread's for cpu/eager; None, bytes decide, elsewhere). `chooses`: also the steps
+    that return token ids (`GraphSet.decode_ids`, or `verify_ids` and `draft_ids` when drafting); None:
+    where the settings' backend builds them (`PortSettings.builds_decode_ids`)."""
     return graph_set(
         model,
         batch=settings.batch_size,
@@ -223,17 +226,32 @@ def graph_set(
         ids = keyed("decode_ids", 1, decode_experts, compute_balance=compute_balance, chooses=True) if chooses else None
         return GraphSet(prefill, decode, layout, vision=vision, row_prefill=rows, decode_ids=ids, contexts=contexts)
     verify_form = verify_expert_form(model.config, k, verify_experts)
-    verify = keyed("verify", k + 1, verify_form, every_position=True, hidden=hidden, compute_balance=compute_balance)
-    draft = None
+    verifying = dict(every_position=True, hidden=hidden, compute_balance=compute_balance)
+    verify = keyed("verify", k + 1, verify_form, **verifying)
+    verify_ids = keyed("verify_ids", k + 1, verify_form, chooses=True, **verifying) if chooses else None
+    draft = draft_ids = None
     if hidden:
         if assistant is None:
             raise SettingsError(
                 "draft='assistant' builds the assistant's draft graph: pass assistant=load_assistant(...)"
             )
-        draft = DraftGraph(assistant.model, layout, GraphShape(batch, 1, context_length, ring), assistant.read_layers)
+        one = GraphShape(batch, 1, context_length, ring)
+        draft = DraftGraph(assistant.model, layout, one, assistant.read_layers)
+        draft_ids = DraftGraph(assistant.model, layout, one, assistant.read_layers, chooses=True) if chooses else None
     assistant = assistant if draft is not None else None
     return GraphSet(
-        prefill, None, layout, verify, draft, k, vision=vision, row_prefill=rows, assistant=assistant, contexts=contexts
+        prefill,
+        None,
+        layout,
+        verify,
+        draft,
+        k,
+        vision=vision,
+        row_prefill=rows,
+        assistant=assistant,
+        contexts=contexts,
+        verify_ids=verify_ids,
+        draft_ids=draft_ids,
     )
 
 

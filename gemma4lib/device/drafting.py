@@ -106,12 +106,22 @@ class DraftGraph(nn.Module):
     transformers' `Gemma4AssistantForCausalLM.forward` builds its masks from a 2-D padding mask over
     the shared K/V's length; over position-indexed (and ring) buffers the masks come from the
     position instead (`draft_masks`), and the rest of the forward is the assistant's own modules.
+    `chooses=True` (greedy drafting on a device across a bus): the argmax `[B]` int32 in place of the
+    logits, 4 bytes a row, not the vocabulary (a sampled row needs q: the logits form).
     """
 
     def __init__(
-        self, assistant: nn.Module, layout: KVLayout, shape: GraphShape, read_layers: dict[str, int], **_: object
+        self,
+        assistant: nn.Module,
+        layout: KVLayout,
+        shape: GraphShape,
+        read_layers: dict[str, int],
+        *,
+        chooses: bool = False,
+        **_: object,
     ):
         super().__init__()
+        self.chooses = bool(chooses)
         self.model = _shallow_clone(assistant.model)
         # transformers' text model iterates a set of layer types: its order (and the exported
         # program's digest, the cache key) followed PYTHONHASHSEED; a list in layer order does not
@@ -138,6 +148,7 @@ class DraftGraph(nn.Module):
             "ordered_embeddings": self.masked_embedding is not None,
             "index_dtype": str(INDEX_DTYPE),
             "buffers": [list(s) for s in self.buffer_shapes()],
+            **({"chooses": True} if self.chooses else {}),
             **self.tags,
         }
 
@@ -167,4 +178,5 @@ class DraftGraph(nn.Module):
             logits = ordered_logits(self.masked_embedding, out, self.lm_head.weight)
         else:
             logits = self.lm_head(out)
-        return logits[:, 0, :].float(), self.post_projection(out)[:, 0, :]
+        first = torch.argmax(logits[:, 0, :], -1).to(INDEX_DTYPE) if self.chooses else logits[:, 0, :].float()
+        return first, self.post_projection(out)[:, 0, :]

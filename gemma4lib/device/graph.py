@@ -277,6 +277,18 @@ def choose_tokens(logits: torch.Tensor, sampling: torch.Tensor, cap: float | Non
     return torch.where(torch.isfinite(logits).all(-1), token, -1).to(INDEX_DTYPE)
 
 
+def greedy_verdicts(logits: torch.Tensor, drafts: torch.Tensor, length: torch.Tensor) -> torch.Tensor:
+    """A greedy verify's outcome per row from its raw logits `[B, T, vocab]`, the drafts `[B, T - 1]`
+    and its length (1 + its drafts): `[B, T + 1]` int32, the drafts kept, then the target's argmax at
+    every position (-1 where the logits are not finite; `acceptance.greedy_verdict` on the host).
+    The first mismatch by a minimum, not a cumulative product: one reduction on every compiler."""
+    predicted = torch.where(torch.isfinite(logits).all(-1), torch.argmax(logits, -1), -1).to(INDEX_DTYPE)
+    steps = torch.arange(drafts.shape[1], device=drafts.device)
+    same = (predicted[:, :-1] == drafts) & (steps[None, :] < (length[:, None] - 1))
+    kept = torch.where(same, drafts.shape[1], steps[None, :]).min(-1).values if drafts.shape[1] else length * 0
+    return torch.cat([kept.to(INDEX_DTYPE)[:, None], predicted], dim=1)
+
+
 def layer_types_in_order(config) -> list[str]:
     """The attention types in order of first use. transformers' text model iterates
     `set(config.layer_types)` to build one RoPE table per type; a set's order follows PYTHONHASHSEED,
@@ -315,9 +327,11 @@ class DeviceGraph(nn.Module):
     the row is idle and writes nothing), returns the raw (un-softcapped) logits: of each row's last
     valid token `[B, vocab]`, or of every position `[B, tokens, vocab]` with `every_position` (the
     verify). `hidden=True` also returns the final hidden states in the same layout (the assistant
-    drafts from them). `chooses=True` (a serving decode on a device across a bus) takes `sampling
-    [B, 3]` after `length` and returns each row's next token `[B]` int32 instead (`choose_tokens`):
-    4 bytes a row to the host, not the vocabulary's logits. With `inplace=True` the K/V tensors
+    drafts from them). `chooses=True` (a serving step on a device across a bus) returns token ids,
+    not the vocabulary's logits: a decode takes `sampling [B, 3]` after `length` and returns each
+    row's next token `[B]` int32 (`choose_tokens`: 4 bytes a row); a verify takes the drafts
+    `[B, tokens - 1]` int32 there and returns the greedy verdict `[B, tokens + 1]` (`greedy_verdicts`)
+    and, with `hidden`, the hidden state at the last kept position `[B, H]` only. With `inplace=True` the K/V tensors
     passed in are updated in place; with `inplace=False` the updated K/V follow the outputs.
 
     The graph holds a shallow clone of the text model (shared weights) without the word-embedding
@@ -448,8 +462,8 @@ class DeviceGraph(nn.Module):
         if self.image_blocks:
             inputs.append(torch.zeros(b, t, dtype=INDEX_DTYPE))
         inputs += [torch.zeros(b, dtype=INDEX_DTYPE), torch.ones(b, dtype=INDEX_DTYPE)]  # one per row
-        if self.chooses:
-            inputs.append(torch.zeros(b, 3))
+        if self.chooses:  # a verify's drafts, or a decode's sampling
+            inputs.append(torch.zeros(b, t - 1, dtype=INDEX_DTYPE) if self.every_position else torch.zeros(b, 3))
         inputs += self.new_kv()
         return tuple(inputs)
 
@@ -458,19 +472,24 @@ class DeviceGraph(nn.Module):
         return [torch.zeros(s, dtype=self.dtype) for s in shapes]
 
     def forward(self, inputs_embeds: torch.Tensor, *args: torch.Tensor):
-        if self.chooses:  # sampling follows length: take it out before the text model's inputs
+        if self.chooses:  # sampling (or the drafts) follows length: out before the text model's inputs
             at = self.num_inputs - 2
             sampling, args = args[at], (*args[:at], *args[at + 1 :])
         hidden, length, cache = self._hidden(inputs_embeds, *args)
-        if self.every_position:
-            out: tuple[torch.Tensor, ...] = (self.lm_head(hidden).float(),)
+        if self.every_position and self.chooses:  # the greedy verdict, the hidden state it keeps
+            verdict = greedy_verdicts(self.lm_head(hidden).float(), sampling, length)
+            index = verdict[:, 0].long().view(-1, 1, 1).expand(-1, 1, hidden.shape[-1])
+            out: tuple[torch.Tensor, ...] = (verdict,)
+            kept = torch.gather(hidden, 1, index)[:, 0, :]
+        elif self.every_position:
+            out = (self.lm_head(hidden).float(),)
             kept = hidden
         else:
             # the last valid token of a right-padded chunk, per row
             kept = last_valid(hidden, length)
             out = (self.lm_head(kept)[:, 0, :].float(),)
             kept = kept[:, 0, :]
-        if self.chooses:
+        if self.chooses and not self.every_position:
             out = (choose_tokens(out[0], sampling, self.cap),)
         if self.returns_hidden:
             out = (*out, kept)

@@ -44,13 +44,20 @@ class AssistantDrafter:
         drafts: dict[int, list[int]] = {r: [] for r in counts}
         qs: dict[int, list[torch.Tensor]] = {r: [] for r in counts}
         at = index_tensor(position)
+        # every row greedy: the draft that returns its argmax, where built (`Steps.draft_ids`), else q's logits
+        greedy = all(rows[r].request.sampling.greedy for r in counts)
+        step = engine.steps.draft_ids if greedy and engine.steps.draft_ids is not None else engine.steps.draft
+        if step is None:
+            raise SettingsError("sampled rows draft from the assistant's q: this backend's draft returns only ids")
         for i in range(max(counts.values())):
             x = torch.cat([engine.embed(token)[0], hidden], dim=-1)
-            out = engine.steps.draft(x, at)
+            out = step(x, at)
             logits, projected = (p.to("cpu") for p in out[:2])
             for r in [r for r, n in counts.items() if n > i]:  # a row done drafting draws no more numbers
                 sampling = rows[r].request.sampling
-                if sampling.greedy:
+                if logits.dim() == 1:  # the device's argmax
+                    t = int(logits[r])
+                elif sampling.greedy:
                     t = int(torch.argmax(logits[r]))
                 else:
                     q = sampling_probs(logits[r], sampling, None)  # the assistant's forward has no softcap

@@ -62,25 +62,33 @@ PURPOSE = "drafting in the ModelBuilder recipe (neuronx_distributed.trace.model_
 
 
 def drafting_shapes(
-    context_length: int, buckets: tuple[int, ...], k: int, ring: bool, batch: int = 1, joins: bool = False
+    context_length: int,
+    buckets: tuple[int, ...],
+    k: int,
+    ring: bool,
+    batch: int = 1,
+    joins: bool = False,
+    chooses: bool = False,
 ) -> dict[str, GraphShape]:
-    """The keys' shapes; a prefill bucket of k + 1 tokens would route like verify: refused (a join
-    takes its row index first, so it never routes like another key)."""
+    """The keys' shapes (`chooses`: the ids keys, `draft_rank_graph.IDS_KEYS`); a prefill bucket of
+    k + 1 tokens would route like verify: refused (a join takes its row index first, and the ids
+    verify its drafts last, so neither routes like another key)."""
     if k + 1 in buckets:
         raise SettingsError(
             f"a prefill bucket of {k + 1} tokens has the verify key's input shapes (draft_tokens={k} verifies "
             f"{k + 1} tokens) and NxD routes keys by shape: pick other prefill_buckets or another draft_tokens"
         )
-    return draft_key_shapes(context_length, tuple(sorted(buckets)), k, ring, batch, joins)
+    return draft_key_shapes(context_length, tuple(sorted(buckets)), k, ring, batch, joins, chooses)
 
 
 def key_example_inputs(loaded: Any, name: str, shape: GraphShape, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
     """A key's example inputs: the target device graph's own for prefill/verify
     (`common.key_inputs`), after a row index `[1]` for a join; `(inputs_embeds [B, 1, 2H], position
     [B])` for the draft key, its position in the dtype the target graph gives its indices (int32)."""
-    graph = device_graph(loaded, shape, "dense", inplace=False)
+    ids = name == "verify_ids"  # its drafts `[B, k]` last
+    graph = device_graph(loaded, shape, "dense", inplace=False, every_position=ids, chooses=ids)
     inputs = key_inputs(graph, dtype=dtype)
-    if name == "draft":
+    if name.startswith("draft"):
         hidden, b = int(loaded.config.hidden_size), shape.batch
         return (torch.zeros(b, 1, 2 * hidden, dtype=dtype), torch.zeros(b, dtype=index_dtype(inputs)))
     return (torch.zeros(1, dtype=index_dtype(inputs)), *inputs) if name.startswith("row_") else inputs
@@ -91,7 +99,7 @@ def key_compiler_args(name: str) -> str:
     Inference's speculation model); draft the decode set."""
     if "prefill" in name:  # the joins too
         return neuron_env.COMPILER_ARGS["prefill"]
-    return neuron_env.COMPILER_ARGS["verify" if name == "verify" else "decode"]
+    return neuron_env.COMPILER_ARGS["verify" if name.startswith("verify") else "decode"]
 
 
 def drafting_loader(loaded: Any, assistant: Any, plan: TPPlan, dtype: torch.dtype):
@@ -133,12 +141,14 @@ def compile_drafting(
     compiler_workdir: str | Path | None = None,
     batch: int = 1,
     joins: bool = False,
+    chooses: bool = False,
 ) -> Path:
     """Compile every drafting key for one rank, `batch` rows each (with `joins`, a one-row prefill
-    key per bucket beside them); save the model and the per-rank shards to `out_dir`."""
+    key per bucket beside them; with `chooses`, the ids keys); save the model and the per-rank shards
+    to `out_dir`."""
     model_builder, KeyInstance = instance_class()
     k = int(draft_tokens)
-    shapes = drafting_shapes(context_length, tuple(buckets), k, ring, batch, joins)
+    shapes = drafting_shapes(context_length, tuple(buckets), k, ring, batch, joins, chooses)
     plan = make_plan(loaded.config, tp, loaded.variant)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -190,11 +200,11 @@ def compile_drafting(
 class NxDKeyStep:
     """An engine step over the loaded NxD model: the key is routed by the input shapes;
     the K/V stay on the device as states, so the host passes only the inputs and gets
-    `(logits, hidden)`."""
+    `(logits, hidden)`, or `(ids, hidden)` from an ids key (`ids`)."""
 
-    def __init__(self, traced: Any, num_inputs: int):
-        self.traced, self.num_inputs = traced, num_inputs
+    def __init__(self, traced: Any, num_inputs: int, ids: bool = False):
+        self.traced, self.num_inputs, self.ids = traced, num_inputs, ids
 
     def __call__(self, *args: torch.Tensor):
         out = self.traced.nxd_model.forward(list(args[: self.num_inputs]))  # inf2-only
-        return out[0].float(), out[1]
+        return (out[0] if self.ids else out[0].float()), out[1]

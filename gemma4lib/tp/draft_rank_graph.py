@@ -39,6 +39,10 @@ from .plan import COLUMN, REPLICATE, AttentionPlan, TPPlan
 from .rank_graph import CpuParallelFactory, RankGraph, _Recording, build_rank_graph, materialize, with_shape
 
 DRAFT_MODES = ("prefill", "verify", "draft", "join")
+# the keys of a drafted run that return token ids where the logits would cross a bus (`DeviceGraph.chooses`):
+# the greedy verify's verdict beside the logits verify (the check's), and the draft's argmax in place of its
+# logits (the rank-graph backends draft greedily only: `BackendFacts.samples_drafts`)
+IDS_KEYS = ("verify_ids", "draft_ids")
 ASSISTANT_PREFIX, TARGET_PREFIX = "assistant.", "target."
 
 
@@ -60,10 +64,11 @@ def build_target_rank_graph(
     return graph
 
 
-def verify_of(graph: RankGraph, tokens: int) -> RankGraph:
-    """The verify graph over the same weights: `tokens` (k + 1) at each row's offset, every position."""
+def verify_of(graph: RankGraph, tokens: int, chooses: bool = False) -> RankGraph:
+    """The verify graph over the same weights: `tokens` (k + 1) at each row's offset, every position
+    (`chooses`: its greedy verdict instead of the logits, `DeviceGraph.chooses`)."""
     other = with_shape(graph, GraphShape(graph.shape.batch, tokens, graph.shape.context_length, graph.shape.ring))
-    other.every_position = True
+    other.every_position, other.chooses = True, chooses
     return other
 
 
@@ -123,9 +128,10 @@ def build_assistant_rank_graph(
     *,
     factory: Any = None,
     dtype: torch.dtype = torch.float32,
+    chooses: bool = False,
 ) -> DraftGraph:
     """The assistant's draft graph for one rank: shard-size factory layers, zeros elsewhere until
-    `assistant_shard` is loaded. `layout` is the rank's (roomy) K/V layout."""
+    `assistant_shard` is loaded. `layout` is the rank's (roomy) K/V layout; `chooses`: its argmax."""
     factory = _Recording(factory or CpuParallelFactory(plan.tp, dtype=dtype))
     plans = assistant_attention_plans(assistant_config, plan, read_layers)
     skeleton = _assistant_skeleton(assistant_config)
@@ -148,7 +154,7 @@ def build_assistant_rank_graph(
         skeleton.lm_head = factory.replicated(hidden, vocab)
     skeleton.pre_projection = factory.replicated(*reversed(skeleton.pre_projection.weight.shape))
     skeleton.post_projection = factory.replicated(*reversed(skeleton.post_projection.weight.shape))
-    graph = DraftGraph(skeleton, layout, shape, read_layers)
+    graph = DraftGraph(skeleton, layout, shape, read_layers, chooses=chooses)
     graph._factory_made = factory.made
     materialize(graph, assistant_config.get_text_config(), dtype)
     for p in graph.parameters():
@@ -254,13 +260,23 @@ def prefill_key_shapes(
 
 
 def draft_key_shapes(
-    context_length: int, buckets: tuple[int, ...], k: int, ring: bool, batch: int = 1, joins: bool = False
+    context_length: int,
+    buckets: tuple[int, ...],
+    k: int,
+    ring: bool,
+    batch: int = 1,
+    joins: bool = False,
+    chooses: bool = False,
 ) -> dict[str, GraphShape]:
     """The drafted run's keys: one prefill per bucket, verify (k + 1 tokens), draft (one token), and
-    with `joins` (a batch for a row to join) a one-row prefill per bucket, `row_prefill<tokens>`."""
+    with `joins` (a batch for a row to join) a one-row prefill per bucket, `row_prefill<tokens>`;
+    with `chooses`, `verify_ids` beside verify (the drafts, one input more, route it) and `draft_ids`
+    for draft (`IDS_KEYS`)."""
     shapes = prefill_key_shapes(context_length, buckets, ring, batch)
     shapes["verify"] = GraphShape(batch, k + 1, context_length, ring)
-    shapes["draft"] = GraphShape(batch, 1, context_length, ring)
+    if chooses:
+        shapes["verify_ids"] = shapes["verify"]
+    shapes["draft_ids" if chooses else "draft"] = GraphShape(batch, 1, context_length, ring)
     if joins and batch > 1:
         shapes.update({f"row_prefill{int(b)}": GraphShape(1, int(b), context_length, ring) for b in buckets})
     return shapes
@@ -284,16 +300,24 @@ def build_drafting_modules(
     prefill = {name: s for name, s in shapes.items() if name.startswith("prefill")}
     widest = max(prefill.values(), key=lambda s: s.tokens)
     base = build_target_rank_graph(config, plan, widest, k + 1, factory=factory, dtype=dtype, baked_rank=baked_rank)
+    name = "draft_ids" if "draft_ids" in shapes else "draft"
     draft = build_assistant_rank_graph(
-        assistant_config, plan, base.layout, shapes["draft"], read_layers, factory=factory, dtype=dtype
+        assistant_config,
+        plan,
+        base.layout,
+        shapes[name],
+        read_layers,
+        factory=factory,
+        dtype=dtype,
+        chooses=name != "draft",
     )
     first = DraftingRankModule(base, draft, "prefill")
     modules = {}
     for name, shape in shapes.items():
-        if name == "draft":
+        if name.startswith("draft"):
             modules[name] = first.sharing(base, "draft")
-        elif name == "verify":
-            modules[name] = first.sharing(verify_of(base, shape.tokens), "verify")
+        elif name.startswith("verify"):
+            modules[name] = first.sharing(verify_of(base, shape.tokens, chooses=name != "verify"), "verify")
         elif name.startswith("row_"):  # a join: the batch-1 prefill on one row of the batch's K/V
             modules[name] = first.sharing(RowJoin(with_shape(base, shape), base.shape.batch), "join")
         else:
