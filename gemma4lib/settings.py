@@ -298,13 +298,6 @@ class PortSettings:
                 f"{self.context_length // 2})"
             )
         self.context_buckets = tuple(c for c in sizes if c < self.context_length)
-        if self.context_buckets and self.draft is not None and self.backend_row.rank_graphs:
-            raise SettingsError(
-                f"context_buckets with draft={self.draft!r}: backend {self.backend!r} at tp_degree "
-                f"{self.tp_degree} drafts with rank graphs whose verify and draft keys read the whole context; "
-                f"leave context_buckets empty to draft there (the single-device backends "
-                f"{names_where(lambda f: not f.rank_graphs)} draft with buckets)"
-            )
 
     def _check_row_prefill(self) -> None:
         words = {"true": True, "1": True, "false": False, "0": False}  # `serve run ... row_prefill=true`

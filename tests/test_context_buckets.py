@@ -196,7 +196,6 @@ def test_cpu_compiled_buckets_equal_hf(ports):
         ({"context_buckets": (32, 32)}, "must ascend without repeats"),
         ({"context_buckets": (256,)}, "at most context_length 128"),
         ({"context_buckets": (0,)}, "at least 1"),
-        ({"context_buckets": (32,), "tp_degree": 2, "variant": "e4b", "draft": "assistant"}, "drafts with rank"),
     ],
 )
 def test_bad_context_buckets_are_refused_before_anything_loads(overrides, match):
@@ -217,6 +216,21 @@ def test_gloo_ranks_read_their_bucket_and_equal_hf():
     assert_rows_exact(model, result.rows, new)
     assert calls == [("prefill16", 32), ("prefill16", 32), *[("decode", _smallest(p + 1)) for p in range(26, 37)]]
     assert compiled.report()["ranks_agree"]
+
+
+def test_gloo_ranks_draft_in_the_bucket_of_their_drafts_and_equal_hf():
+    """TP = 2 over gloo with the assistant: the drafting modules at `verify@32`, `verify@64` and the
+    prefill buckets (the same weights and K/V); a 25-token row's verifies climb the buckets, the
+    tokens and teacher-forced logits equal HF's, and the ranks agree."""
+    model, compiled = _compiled(variant="e4b", backend="cpu", tp_degree=2, draft="assistant", draft_tokens=2)
+    assert {"verify@32", "verify@64", "prefill16@32"} <= set(compiled.graphs.contexts)
+    engine, new = compiled.runtime, 20
+    calls = _recorded(engine)
+    row = engine.generate(_prompts(model, (25,))[0], new, keep_logits=True)
+    assert_rows_exact(model, [row], new)
+    verifies = [reads for name, reads in calls if name == "verify"]
+    assert verifies[0] == 32 and 64 in verifies and verifies == sorted(verifies, key=lambda c: c or CONTEXT), verifies
+    assert compiled.report()["ranks_agree"]  # (random weights: the drafts' acceptance is not the point)
 
 
 def test_neuron_keys_of_each_bucket_route_by_their_positions(tmp_path, monkeypatch):

@@ -347,3 +347,71 @@ def test_the_draft_position_follows_the_graphs_index_dtype(tmp_path, monkeypatch
     adds = {a["key"]: a for kind, a in recorder.calls if kind == "add"}
     assert adds["draft"]["dtypes"][-1] == torch.int32
     assert all(adds[k]["dtypes"][-2:] == [torch.int32, torch.int32] for k in ("prefill64", "verify"))
+
+
+class _RoutedDrafting:
+    """A loaded drafting model on CPU: `neuron_drafting`'s own key modules (CPU layers, its checkpoint)
+    over one set of K/V parameters, each call routed by its inputs' shapes as NxD routes it."""
+
+    def __init__(self, model, assistant, shapes):
+        plan = make_plan(model.config, 1, model.variant)
+        checkpoint = neuron_drafting.drafting_checkpoint(model, assistant, plan, torch.float32)
+        modules = neuron_drafting.build_drafting_modules(
+            model.config, assistant.model.config, plan, assistant.read_layers, shapes, K,
+            factory=CpuParallelFactory(1), keyed=True,
+        )  # fmt: skip
+        next(iter(modules.values())).load_state_dict(checkpoint, strict=False)
+        self.routes, self.keys = {}, []
+        for name, shape in shapes.items():
+            inputs = neuron_drafting.key_example_inputs(model, name, shape, torch.float32)
+            self.routes[tuple(tuple(t.shape) for t in inputs)] = (name, KVDraftStep(modules[name]))
+        self.nxd_model = types.SimpleNamespace(forward=self.forward)
+
+    def forward(self, inputs):
+        name, step = self.routes[tuple(tuple(t.shape) for t in inputs)]
+        self.keys.append(name)
+        return step(*inputs)
+
+
+def test_drafting_keys_of_each_context_bucket_route_by_their_positions(tmp_path, monkeypatch):
+    """`backend="neuron"`, drafting with buckets (32, 64) in a 128-token context: the bucket keys
+    (`prefill16@32`, `verify@32`, `verify_ids@64`, ...) take their read positions first, so every key
+    routes apart; a row's verifies climb the buckets, with logits kept (the check) and as the greedy
+    verdict (a server's rows), and both runs equal HF's greedy tokens."""
+    from gemma4lib.port import compile_graphs
+    from gemma4lib.recipes import neuron_model_builder
+
+    monkeypatch.setenv("GEMMA4LIB_INSTANCE_TYPE", "inf2.8xlarge")
+    monkeypatch.setattr(neuron_env, "require_sdk", lambda *a, **k: None)
+    monkeypatch.setattr(neuron_env, "require", lambda *a, **k: None)
+    settings = PortSettings(
+        variant="e2b", backend="neuron", draft="assistant", draft_tokens=K, context_length=128,
+        prefill_buckets=(16,), context_buckets=(32, 64), cache_dir=str(tmp_path),
+    )  # fmt: skip
+    model = load_model(settings)
+    loaded = {}
+
+    def compile_stub(m, assistant, tp, folder, **kw):
+        shapes = neuron_drafting.drafting_shapes(
+            kw["context_length"], kw["buckets"], kw["draft_tokens"], kw["ring"], kw["batch"], kw["joins"],
+            kw["chooses"], kw["contexts"],
+        )  # fmt: skip
+        loaded["model"] = _RoutedDrafting(m, assistant, shapes)
+        (folder / "manifest.json").write_text("{}")
+
+    monkeypatch.setattr(neuron_drafting, "compile_drafting", compile_stub)
+    monkeypatch.setattr(neuron_model_builder, "load_model_builder", lambda path, tp: loaded["model"])
+    engine = compile_graphs(model, settings).runtime
+    routed = loaded["model"]
+    assert {"prefill16@32", "verify@32", "verify@64", "verify_ids@32", "verify_ids@64"} <= {
+        n for _, (n, _) in routed.routes.items()
+    }
+    assert len(routed.routes) == len({n for n, _ in routed.routes.values()})  # no two keys share input shapes
+    ids = prompt_ids(model, settings)
+    new = 60 - len(ids)  # from inside the first bucket to past the second
+    reference = reference_greedy(model.lm, ids, new)
+    for keep_logits, verify in ((True, "verify"), (False, "verify_ids")):
+        routed.keys.clear()
+        assert engine.generate(ids, new, keep_logits=keep_logits).tokens == reference
+        ran = [k for k in routed.keys if k.startswith(verify + "@") or k == verify]
+        assert ran[0] == f"{verify}@32" and f"{verify}@64" in ran, routed.keys

@@ -120,7 +120,7 @@ def rank_steps(rank: int, job: RankJob) -> tuple[dict[str, Any], list[torch.Tens
     """This rank's steps by name over one set of K/V parameters, those K/V, and the keys its shard lacked."""
     from ..device.drafting import RoomyLayout
     from ..recipes.common import AliasEmulator, KVParamModule
-    from ..tp.draft_rank_graph import KVDraftStep, build_drafting_modules, draft_key_shapes
+    from ..tp.draft_rank_graph import KVDraftStep, build_drafting_modules, draft_key_shapes, verify_of
     from ..tp.layers import TorchDistCollectives
     from ..tp.rank_graph import CpuParallelFactory, build_rank_graph, load_shard, with_shape
 
@@ -136,7 +136,7 @@ def rank_steps(rank: int, job: RankJob) -> tuple[dict[str, Any], list[torch.Tens
             job.assistant_config,
             job.plan,
             job.read_layers,
-            draft_key_shapes(ctx, job.buckets, k, ring, batch=b),
+            {**draft_key_shapes(ctx, job.buckets, k, ring, batch=b), **job.contexts},
             k,
             factory=factory,
             dtype=job.dtype,
@@ -158,13 +158,13 @@ def rank_steps(rank: int, job: RankJob) -> tuple[dict[str, Any], list[torch.Tens
     kv = KVParamModule(base)
     steps = {f"prefill{bucket}": AliasEmulator(kv.sharing(with_shape(base, shape(bucket)))) for bucket in job.buckets}
     if k:
-        verify = with_shape(base, shape(k + 1))
-        verify.every_position = True
-        steps["verify"] = AliasEmulator(kv.sharing(verify))
+        steps["verify"] = AliasEmulator(kv.sharing(verify_of(base, shape(k + 1))))
     else:
         steps["decode"] = AliasEmulator(kv.sharing(with_shape(base, shape(1), job.decode_experts)))
     for name, at in job.contexts.items():  # the same rank graph reading the first `at.reads` slots
-        steps[name] = AliasEmulator(kv.sharing(with_shape(base, at, job.decode_experts if at.tokens == 1 else None)))
+        graph = verify_of(base, at) if name.startswith("verify") else with_shape(base, at)
+        graph.expert_form = job.decode_experts if at.tokens == 1 else graph.expert_form
+        steps[name] = AliasEmulator(kv.sharing(graph))
     return steps, list(kv.kv), missing
 
 

@@ -10,6 +10,7 @@ everything but the compiler calls runs on CPU in the tests.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import shutil
 import tempfile
@@ -337,8 +338,9 @@ def compile_drafting(graphs: GraphSet, model: LoadedModel, settings: PortSetting
     dtype = model.lm_head.weight.dtype
     joins = bool(graphs.row_prefill)  # `PortSettings.builds_row_prefill`: a join key per bucket
     chooses = settings.builds_decode_ids  # the ids keys: the verify's verdict, the draft's argmax
+    contexts = {name: graph.shape for name, graph in graphs.contexts.items()}  # "verify@64": read positions first
     shapes = neuron_drafting.drafting_shapes(
-        settings.context_length, buckets, k, settings.ring_kv, graphs.batch, joins, chooses
+        settings.context_length, buckets, k, settings.ring_kv, graphs.batch, joins, chooses, contexts
     )
     _, parts = neuron_cache_key(model, neuron_drafting.RECIPE, tp, shapes, neuron_env.COMPILER_ARGS, dtype)
     parts["assistant"] = {"config": assistant.model.config.to_json_string(use_diff=False)}
@@ -362,6 +364,7 @@ def compile_drafting(graphs: GraphSet, model: LoadedModel, settings: PortSetting
                 batch=graphs.batch,
                 joins=joins,
                 chooses=chooses,
+                contexts=contexts,
             )
         return {"recipe": neuron_drafting.RECIPE, "tp": tp}
 
@@ -374,7 +377,7 @@ def compile_drafting(graphs: GraphSet, model: LoadedModel, settings: PortSetting
     cores.check_free(0, tp, label)
     vision = compile_vision(graphs.vision, model, settings, tp) if graphs.vision is not None else None
     traced = cores.claim(neuron_model_builder.load_model_builder(entry.path, tp), 0, tp, label)
-    steps = drafting_steps(traced, buckets, graphs.target.has_ple, joins, chooses)
+    steps = drafting_steps(traced, buckets, graphs.target.has_ple, joins, chooses, contexts)
     compiled = CompiledGraphs(
         steps, compile_s, [entry.hit], f"neuron-{neuron_drafting.RECIPE}", {"artifacts": {"drafting": str(entry.path)}}
     )
@@ -382,12 +385,17 @@ def compile_drafting(graphs: GraphSet, model: LoadedModel, settings: PortSetting
 
 
 def drafting_steps(
-    traced: Any, buckets: tuple[int, ...], has_ple: bool, joins: bool = False, chooses: bool = False
+    traced: Any,
+    buckets: tuple[int, ...],
+    has_ple: bool,
+    joins: bool = False,
+    chooses: bool = False,
+    contexts: dict[str, GraphShape] | None = None,
 ) -> Steps:
     """The engine's `Steps` of a loaded drafting model: prefill per bucket, verify and draft (and a
     join per bucket; with `chooses`, the greedy verdict's verify and the draft's argmax in place of its
-    logits), each a key of the one NxD model (`recipes.neuron_drafting.NxDKeyStep`; the K/V are device
-    states)."""
+    logits; a context bucket's keys, its read positions passed first), each a key of the one NxD model
+    (`recipes.neuron_drafting.NxDKeyStep`; the K/V are device states)."""
     from ..recipes.neuron_drafting import NxDKeyStep
 
     n = 4 if has_ple else 3
@@ -397,6 +405,11 @@ def drafting_steps(
         keys.update(verify_ids=NxDKeyStep(traced, n + 1, ids=True), draft_ids=NxDKeyStep(traced, 2, ids=True))
     else:
         keys["draft"] = NxDKeyStep(traced, 2)
+    for name, shape in (contexts or {}).items():
+        kind = name.partition("@")[0]
+        step = NxDKeyStep(traced, n + 1 + (kind == "verify_ids") + kind.startswith("row_"), ids=kind == "verify_ids")
+        keyed = functools.partial(step, torch.arange(shape.reads, dtype=torch.int32))  # the positions first
+        keys[name] = row_step(keyed) if kind.startswith("row_") else keyed
     steps = named_steps(keys)
     steps.row_prefill = {int(b): row_step(NxDKeyStep(traced, n + 1)) for b in buckets} if joins else {}
     return steps

@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import functools
 import json
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -69,8 +70,10 @@ def drafting_shapes(
     batch: int = 1,
     joins: bool = False,
     chooses: bool = False,
+    contexts: dict[str, GraphShape] | None = None,
 ) -> dict[str, GraphShape]:
-    """The keys' shapes (`chooses`: the ids keys, `draft_rank_graph.IDS_KEYS`); a prefill bucket of
+    """The keys' shapes (`chooses`: the ids keys, `draft_key_shapes`; `contexts`: the context
+    buckets' keys by name, "verify@64", each taking its read positions first); a prefill bucket of
     k + 1 tokens would route like verify: refused (a join takes its row index first, and the ids
     verify its drafts last, so neither routes like another key)."""
     if k + 1 in buckets:
@@ -78,13 +81,21 @@ def drafting_shapes(
             f"a prefill bucket of {k + 1} tokens has the verify key's input shapes (draft_tokens={k} verifies "
             f"{k + 1} tokens) and NxD routes keys by shape: pick other prefill_buckets or another draft_tokens"
         )
-    return draft_key_shapes(context_length, tuple(sorted(buckets)), k, ring, batch, joins, chooses)
+    return {
+        **draft_key_shapes(context_length, tuple(sorted(buckets)), k, ring, batch, joins, chooses),
+        **(contexts or {}),
+    }
 
 
 def key_example_inputs(loaded: Any, name: str, shape: GraphShape, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
     """A key's example inputs: the target device graph's own for prefill/verify
-    (`common.key_inputs`), after a row index `[1]` for a join; `(inputs_embeds [B, 1, 2H], position
-    [B])` for the draft key, its position in the dtype the target graph gives its indices (int32)."""
+    (`common.key_inputs`), after a row index `[1]` for a join and, first, a context bucket's read
+    positions `[C]`; `(inputs_embeds [B, 1, 2H], position [B])` for the draft key, its position in the
+    dtype the target graph gives its indices (int32)."""
+    if shape.reads:
+        at = torch.arange(shape.reads, dtype=torch.int32)
+        inner = key_example_inputs(loaded, name.partition("@")[0], replace(shape, reads=None), dtype)
+        return (at.to(index_dtype(inner)), *inner)
     ids = name == "verify_ids"  # its drafts `[B, k]` last
     graph = device_graph(loaded, shape, "dense", inplace=False, every_position=ids, chooses=ids)
     inputs = key_inputs(graph, dtype=dtype)
@@ -99,7 +110,7 @@ def key_compiler_args(name: str) -> str:
     Inference's speculation model); draft the decode set."""
     if "prefill" in name:  # the joins too
         return neuron_env.COMPILER_ARGS["prefill"]
-    return neuron_env.COMPILER_ARGS["verify" if name.startswith("verify") else "decode"]
+    return neuron_env.COMPILER_ARGS["verify" if name.startswith("verify") else "decode"]  # a bucket: its kind's
 
 
 def drafting_loader(loaded: Any, assistant: Any, plan: TPPlan, dtype: torch.dtype):
@@ -122,7 +133,7 @@ def key_module(config, assistant_config, plan, read_layers, shapes, k, name, dty
 
         factory = NxDParallelFactory(plan.tp, dtype)
     modules = build_drafting_modules(
-        config, assistant_config, plan, read_layers, shapes, k, factory=factory, dtype=dtype
+        config, assistant_config, plan, read_layers, shapes, k, factory=factory, dtype=dtype, keyed=True
     )
     return modules[name].eval()
 
@@ -142,13 +153,14 @@ def compile_drafting(
     batch: int = 1,
     joins: bool = False,
     chooses: bool = False,
+    contexts: dict[str, GraphShape] | None = None,
 ) -> Path:
     """Compile every drafting key for one rank, `batch` rows each (with `joins`, a one-row prefill
-    key per bucket beside them; with `chooses`, the ids keys); save the model and the per-rank shards
-    to `out_dir`."""
+    key per bucket beside them; with `chooses`, the ids keys; `contexts`, the context buckets' keys);
+    save the model and the per-rank shards to `out_dir`."""
     model_builder, KeyInstance = instance_class()
     k = int(draft_tokens)
-    shapes = drafting_shapes(context_length, tuple(buckets), k, ring, batch, joins, chooses)
+    shapes = drafting_shapes(context_length, tuple(buckets), k, ring, batch, joins, chooses, contexts)
     plan = make_plan(loaded.config, tp, loaded.variant)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -188,6 +200,7 @@ def compile_drafting(
         "variant": loaded.variant.name,
         "tp": tp,
         "keys": {n: [s.tokens, s.context_length, s.ring] for n, s in shapes.items()},
+        "context_buckets": sorted({s.reads for s in shapes.values() if s.reads}),
         "draft_tokens": k,
         "dtype": str(dtype),
         "assistant_reads_layers": dict(assistant.read_layers),

@@ -31,6 +31,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..device.context_key import ContextKey
 from ..device.drafting import DraftGraph, RoomyLayout
 from ..device.graph import GraphShape
 from ..device.row_join import RowJoin
@@ -39,10 +40,6 @@ from .plan import COLUMN, REPLICATE, AttentionPlan, TPPlan
 from .rank_graph import CpuParallelFactory, RankGraph, _Recording, build_rank_graph, materialize, with_shape
 
 DRAFT_MODES = ("prefill", "verify", "draft", "join")
-# the keys of a drafted run that return token ids where the logits would cross a bus (`DeviceGraph.chooses`):
-# the greedy verify's verdict beside the logits verify (the check's), and the draft's argmax in place of its
-# logits (the rank-graph backends draft greedily only: `BackendFacts.samples_drafts`)
-IDS_KEYS = ("verify_ids", "draft_ids")
 ASSISTANT_PREFIX, TARGET_PREFIX = "assistant.", "target."
 
 
@@ -64,10 +61,10 @@ def build_target_rank_graph(
     return graph
 
 
-def verify_of(graph: RankGraph, tokens: int, chooses: bool = False) -> RankGraph:
-    """The verify graph over the same weights: `tokens` (k + 1) at each row's offset, every position
-    (`chooses`: its greedy verdict instead of the logits, `DeviceGraph.chooses`)."""
-    other = with_shape(graph, GraphShape(graph.shape.batch, tokens, graph.shape.context_length, graph.shape.ring))
+def verify_of(graph: RankGraph, shape: GraphShape, chooses: bool = False) -> RankGraph:
+    """The verify graph over the same weights at `shape` (k + 1 tokens at each row's offset; a context
+    bucket's `reads`), every position (`chooses`: its greedy verdict, `DeviceGraph.chooses`)."""
+    other = with_shape(graph, shape)
     other.every_position, other.chooses = True, chooses
     return other
 
@@ -270,8 +267,9 @@ def draft_key_shapes(
 ) -> dict[str, GraphShape]:
     """The drafted run's keys: one prefill per bucket, verify (k + 1 tokens), draft (one token), and
     with `joins` (a batch for a row to join) a one-row prefill per bucket, `row_prefill<tokens>`;
-    with `chooses`, `verify_ids` beside verify (the drafts, one input more, route it) and `draft_ids`
-    for draft (`IDS_KEYS`)."""
+    with `chooses` (token ids where the logits would cross a bus), `verify_ids` beside verify (its drafts,
+    one input more, route it) and `draft_ids` for draft (the rank-graph backends draft greedily only:
+    `BackendFacts.samples_drafts`)."""
     shapes = prefill_key_shapes(context_length, buckets, ring, batch)
     shapes["verify"] = GraphShape(batch, k + 1, context_length, ring)
     if chooses:
@@ -293,11 +291,14 @@ def build_drafting_modules(
     factory: Any = None,
     dtype: torch.dtype = torch.float32,
     baked_rank: bool = False,
+    keyed: bool = False,
 ) -> dict[str, DraftingRankModule]:
     """Every key's module over one set of weights and K/V parameters (gloo ranks and tests; the
-    ModelBuilder recipe builds one per key with NxD's factory the same way)."""
+    ModelBuilder recipe builds one per key with NxD's factory the same way). A context bucket's
+    ("verify@64": `GraphShape.reads`) reads the first slots only; `keyed` (NxD keys, routed by their
+    inputs' shapes) wraps it in `ContextKey`, its read positions its first input."""
     factory = factory or CpuParallelFactory(plan.tp, dtype=dtype)
-    prefill = {name: s for name, s in shapes.items() if name.startswith("prefill")}
+    prefill = {name: s for name, s in shapes.items() if name.startswith("prefill") and not s.reads}
     widest = max(prefill.values(), key=lambda s: s.tokens)
     base = build_target_rank_graph(config, plan, widest, k + 1, factory=factory, dtype=dtype, baked_rank=baked_rank)
     name = "draft_ids" if "draft_ids" in shapes else "draft"
@@ -314,12 +315,15 @@ def build_drafting_modules(
     first = DraftingRankModule(base, draft, "prefill")
     modules = {}
     for name, shape in shapes.items():
-        if name.startswith("draft"):
+        kind = name.partition("@")[0]
+        if kind.startswith("draft"):
             modules[name] = first.sharing(base, "draft")
-        elif name.startswith("verify"):
-            modules[name] = first.sharing(verify_of(base, shape.tokens, chooses=name != "verify"), "verify")
-        elif name.startswith("row_"):  # a join: the batch-1 prefill on one row of the batch's K/V
-            modules[name] = first.sharing(RowJoin(with_shape(base, shape), base.shape.batch), "join")
+            continue
+        if kind.startswith("verify"):
+            target, mode = verify_of(base, shape, chooses=kind != "verify"), "verify"
+        elif kind.startswith("row_"):  # a join: the batch-1 prefill on one row of the batch's K/V
+            target, mode = RowJoin(with_shape(base, shape), base.shape.batch), "join"
         else:
-            modules[name] = first.sharing(with_shape(base, shape) if shape != base.shape else base, "prefill")
+            target, mode = (with_shape(base, shape) if shape != base.shape else base), "prefill"
+        modules[name] = first.sharing(ContextKey(target) if keyed and shape.reads else target, mode)
     return modules
