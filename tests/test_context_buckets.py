@@ -46,7 +46,7 @@ def _recorded(engine) -> list[tuple[str, int | None]]:
     steps = engine.steps
     steps.prefill = {b: wrap(f"prefill{b}", None, s) for b, s in steps.prefill.items()}
     steps.row_prefill = {b: wrap(f"row_prefill{b}", None, s) for b, s in steps.row_prefill.items()}
-    for name in ("decode", "verify"):
+    for name in ("decode", "verify", "draft"):
         if getattr(steps, name) is not None:
             setattr(steps, name, wrap(name, None, getattr(steps, name)))
     steps.contexts = {n: {c: wrap(n, c, s) for c, s in by.items()} for n, by in steps.contexts.items()}
@@ -114,6 +114,8 @@ def test_a_chunked_prefill_takes_the_bucket_of_each_chunks_reach():
 def test_drafting_verifies_in_the_bucket_of_its_drafts():
     model, compiled = _compiled(draft="assistant", draft_tokens=2)
     assert sorted(compiled.graphs.contexts) == [
+        "draft@32",
+        "draft@64",
         "prefill16@32",
         "prefill16@64",
         "prefill8@32",
@@ -125,8 +127,28 @@ def test_drafting_verifies_in_the_bucket_of_its_drafts():
     calls = _recorded(engine)
     row = engine.generate(_prompts(model, (25,))[0], new, keep_logits=True)
     assert_rows_exact(model, [row], new)
-    verifies = [reads for name, reads in calls if name == "verify"]
-    assert verifies[0] == 32 and verifies[-1] == 64 and verifies == sorted(verifies), verifies
+    for graph in ("verify", "draft"):  # the assistant's draft reads the committed K/V: its bucket too
+        reads = [c for name, c in calls if name == graph]
+        assert reads[0] == 32 and reads[-1] == 64 and reads == sorted(reads), (graph, reads)
+
+
+def test_a_draft_in_its_bucket_reads_no_slot_past_it():
+    """NaN past slot 32 of every full-length buffer: a drafted row that stays under 32 runs every
+    graph in its bucket (prefill, verify and the assistant's draft), equals HF and leaves the NaN in
+    place; the whole-context draft over the same buffers reads them (its logits are not finite)."""
+    model, compiled = _compiled(ring_kv=False, draft="assistant", draft_tokens=2)
+    engine, new = compiled.runtime, 10
+    for t in compiled.kv:
+        t[:, :, 32:] = float("nan")
+    calls = _recorded(engine)
+    row = engine.generate(_prompts(model, (14,))[0], new, keep_logits=True)
+    assert_rows_exact(model, [row], new)
+    assert {reads for _, reads in calls} == {32} and {"verify", "draft"} <= {name for name, _ in calls}
+    assert all(torch.isnan(t[:, :, 32:]).all() for t in compiled.kv)
+    x = torch.zeros(1, 1, 2 * model.config.hidden_size, dtype=engine.dtype)
+    at = torch.tensor([20], dtype=torch.int32)
+    assert torch.isfinite(engine.steps.contexts["draft"][32](x, at)[0]).all()
+    assert not torch.isfinite(compiled.steps.draft(x, at)[0]).all()
 
 
 def test_a_row_joining_a_running_batch_prefills_through_its_bucket():
@@ -219,17 +241,19 @@ def test_gloo_ranks_read_their_bucket_and_equal_hf():
 
 
 def test_gloo_ranks_draft_in_the_bucket_of_their_drafts_and_equal_hf():
-    """TP = 2 over gloo with the assistant: the drafting modules at `verify@32`, `verify@64` and the
-    prefill buckets (the same weights and K/V); a 25-token row's verifies climb the buckets, the
+    """TP = 2 over gloo with the assistant: the drafting modules at `verify@32`, `verify@64`, the
+    assistant's `draft@32`, `draft@64` and the prefill buckets (the same weights and K/V); a 25-token
+    row's verifies and drafts climb the buckets, the
     tokens and teacher-forced logits equal HF's, and the ranks agree."""
     model, compiled = _compiled(variant="e4b", backend="cpu", tp_degree=2, draft="assistant", draft_tokens=2)
-    assert {"verify@32", "verify@64", "prefill16@32"} <= set(compiled.graphs.contexts)
+    assert {"verify@32", "verify@64", "draft@32", "prefill16@32"} <= set(compiled.graphs.contexts)
     engine, new = compiled.runtime, 20
     calls = _recorded(engine)
     row = engine.generate(_prompts(model, (25,))[0], new, keep_logits=True)
     assert_rows_exact(model, [row], new)
-    verifies = [reads for name, reads in calls if name == "verify"]
-    assert verifies[0] == 32 and 64 in verifies and verifies == sorted(verifies, key=lambda c: c or CONTEXT), verifies
+    for graph in ("verify", "draft"):
+        reads = [c for name, c in calls if name == graph]
+        assert reads[0] == 32 and 64 in reads and reads == sorted(reads, key=lambda c: c or CONTEXT), (graph, reads)
     assert compiled.report()["ranks_agree"]  # (random weights: the drafts' acceptance is not the point)
 
 

@@ -160,6 +160,31 @@ def test_context_buckets_on_xla_compile_once_each_and_equal_hf(xla_lane):
     assert report["xla_fallbacks"] == 0 and report["xla_executions"] == report["xla_steps"]
 
 
+def test_context_buckets_on_xla_drafting_verifies_and_drafts_in_its_buckets(xla_lane):
+    """Drafting with the assistant, bucket 32 in a 72-token context: the checked row (logits kept)
+    runs verify@32 then verify, the assistant's draft_ids@32 then draft_ids, and a row nobody reads
+    the logits of runs verify_ids@32 then verify_ids; HF's greedy tokens both times, 0 fallbacks,
+    one compilation per graph."""
+    from gemma4lib.port import PortSettings, compile_graphs, load_model
+    from gemma4lib.reference import random_prompt, reference_greedy
+
+    settings = PortSettings(
+        variant="e2b", model="random", backend="xla", context_length=72, prefill_buckets=(16,), context_buckets=(32,),
+        draft="assistant", draft_tokens=2,
+    )  # fmt: skip
+    model = load_model(settings)
+    compiled = compile_graphs(model, settings)
+    ids, new = random_prompt(model.config.vocab_size, 20, 3), 24
+    expected = reference_greedy(model.lm, ids, new)
+    assert compiled.runtime.generate(ids, new, keep_logits=True).tokens == expected
+    assert compiled.runtime.generate(ids, new).tokens == expected
+    report = compiled.report()
+    assert report["xla_fallbacks"] == 0, report["xla_fallback_ops"]
+    for graph in ("verify", "verify_ids", "draft_ids"):
+        assert report["xla_steps"][f"{graph}@32"] > 0 and report["xla_steps"][graph] > 0, report["xla_steps"]
+    assert set(report["xla_compilations"].values()) == {1} and report["xla_executions"] == report["xla_steps"]
+
+
 def test_context_buckets_on_xla_a_join_runs_its_bucket(xla_lane):
     """With `row_prefill` at batch 2: row 0 joins (6 tokens), decodes a step, row 1 joins (20 tokens,
     two chunks) through the one-row join reading 32 slots (`row_prefill16@32`), then both decode

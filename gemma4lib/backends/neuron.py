@@ -407,7 +407,8 @@ def drafting_steps(
         keys["draft"] = NxDKeyStep(traced, 2)
     for name, shape in (contexts or {}).items():
         kind = name.partition("@")[0]
-        step = NxDKeyStep(traced, n + 1 + (kind == "verify_ids") + kind.startswith("row_"), ids=kind == "verify_ids")
+        inputs = 2 if kind.startswith("draft") else n + (kind == "verify_ids") + kind.startswith("row_")
+        step = NxDKeyStep(traced, inputs + 1, ids=kind.endswith("_ids"))
         keyed = functools.partial(step, torch.arange(shape.reads, dtype=torch.int32))  # the positions first
         keys[name] = row_step(keyed) if kind.startswith("row_") else keyed
     steps = named_steps(keys)

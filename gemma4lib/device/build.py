@@ -15,7 +15,7 @@ buckets, the context, the ring and the expert forms all come from the settings.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 import torch
@@ -238,6 +238,8 @@ def graph_set(
         one = GraphShape(batch, 1, context_length, ring)
         draft = DraftGraph(assistant.model, layout, one, assistant.read_layers)
         draft_ids = DraftGraph(assistant.model, layout, one, assistant.read_layers, chooses=True) if chooses else None
+        for name, graph in (("draft", draft), ("draft_ids", draft_ids)):
+            contexts.update({f"{name}@{c}": graph.at(replace(one, reads=c)) for c in sizes if graph is not None})
     assistant = assistant if draft is not None else None
     return GraphSet(
         prefill,

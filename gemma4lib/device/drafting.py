@@ -19,6 +19,7 @@ the worst case worked through: docs/DRAFTING.md, "Rejected tokens and the K/V".
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 
 import torch
@@ -66,14 +67,20 @@ def verify_expert_form(config, draft_tokens: int, asked: str | None = None) -> s
 
 
 def draft_masks(
-    layout: KVLayout, shape: GraphShape, position: torch.Tensor, dtype: torch.dtype
+    layout: KVLayout,
+    shape: GraphShape,
+    position: torch.Tensor,
+    dtype: torch.dtype,
+    positions: torch.Tensor | None = None,
 ) -> dict[str, torch.Tensor]:
     """Additive masks `[B, 1, 1, slots]` for a draft at each row's last seen token's `position` p:
-    slots holding committed positions < p (sliding: also >= p - 1 - window). See the module docstring."""
+    slots holding committed positions < p (sliding: also >= p - 1 - window), over the slots the graph
+    reads (a context bucket's first `shape.reads`; `positions`, a bucket key's input). See the module
+    docstring."""
     masks = {}
     for layer_type in sorted({layer.layer_type for layer in layout.layers}):
-        slots = layout.slots(layer_type, shape.context_length, shape.ring)
-        k_pos = slot_positions(position - 1, slots)  # [B, S]
+        slots = shape.slots_read(layout.slots(layer_type, shape.context_length, shape.ring))
+        k_pos = slot_positions(position - 1, slots, positions)  # [B, S]
         allowed = k_pos >= 0
         if layer_type == SLIDING:
             allowed = allowed & (k_pos >= (position - 1 - layout.sliding_window)[:, None])
@@ -107,8 +114,11 @@ class DraftGraph(nn.Module):
     the shared K/V's length; over position-indexed (and ring) buffers the masks come from the
     position instead (`draft_masks`), and the rest of the forward is the assistant's own modules.
     `chooses=True` (greedy drafting on a device across a bus): the argmax `[B]` int32 in place of the
-    logits, 4 bytes a row, not the vocabulary (a sampled row needs q: the logits form).
+    logits, 4 bytes a row, not the vocabulary (a sampled row needs q: the logits form). A context
+    bucket (`at`, `shape.reads`) reads the first slots of the full-length buffers only.
     """
+
+    image_blocks = False  # (what a context bucket's key, `ContextKey`, asks of the graph it wraps)
 
     def __init__(
         self,
@@ -138,8 +148,15 @@ class DraftGraph(nn.Module):
         self.dtype = self.pre_projection.weight.dtype
         self.inplace = True  # reads the K/V, never writes them
         self.writes_kv = False  # (the XLA session: no K/V outputs to rebind)
-        self.inputs_before_kv = 2  # inputs_embeds, position
+        self.inputs_before_kv = self.num_inputs = 2  # inputs_embeds, position
+        self.key_positions: torch.Tensor | None = None  # set for a call by `context_key.ContextKey`
         self.tags: dict[str, str] = {}
+
+    def at(self, shape: GraphShape) -> DraftGraph:
+        """The same graph (shared modules) at `shape`: a context bucket's, reading `shape.reads` slots."""
+        other = copy.copy(self)  # a new __dict__ sharing the submodule and parameter dicts
+        other.shape = shape
+        return other
 
     def key_parts(self) -> dict:
         return {
@@ -148,6 +165,7 @@ class DraftGraph(nn.Module):
             "ordered_embeddings": self.masked_embedding is not None,
             "index_dtype": str(INDEX_DTYPE),
             "buffers": [list(s) for s in self.buffer_shapes()],
+            **({"reads": self.shape.reads} if self.shape.reads else {}),
             **({"chooses": True} if self.chooses else {}),
             **self.tags,
         }
@@ -155,17 +173,21 @@ class DraftGraph(nn.Module):
     def buffer_shapes(self) -> list[tuple[int, ...]]:
         return self.layout.buffer_shapes(self.shape.batch, self.shape.context_length, self.shape.ring)
 
+    def new_kv(self) -> list[torch.Tensor]:
+        return [torch.zeros(s, dtype=self.dtype) for s in self.buffer_shapes()]
+
     def example_inputs(self) -> tuple[torch.Tensor, ...]:
         inputs = [
             torch.zeros(self.shape.batch, 1, 2 * self.backbone, dtype=self.dtype),
             torch.zeros(self.shape.batch, dtype=INDEX_DTYPE),
         ]
-        inputs += [torch.zeros(s, dtype=self.dtype) for s in self.buffer_shapes()]
-        return tuple(inputs)
+        return (*inputs, *self.new_kv())
 
     def forward(self, inputs_embeds: torch.Tensor, position: torch.Tensor, *kv: torch.Tensor):
+        if self.shape.reads:  # a bucket: the first slots of each full-length buffer
+            kv = tuple(t[:, :, : self.shape.reads] if t.shape[2] == self.shape.context_length else t for t in kv)
         shared = {t: (kv[2 * i], kv[2 * i + 1]) for t, i in self.kv_index.items()}
-        masks = draft_masks(self.layout, self.shape, position, inputs_embeds.dtype)
+        masks = draft_masks(self.layout, self.shape, position, inputs_embeds.dtype, self.key_positions)
         hidden = self.pre_projection(inputs_embeds)
         out = self.model(
             inputs_embeds=hidden,

@@ -46,7 +46,9 @@ class AssistantDrafter:
         at = index_tensor(position)
         # every row greedy: the draft that returns its argmax, where built (`Steps.draft_ids`), else q's logits
         greedy = all(rows[r].request.sampling.greedy for r in counts)
-        step = engine.steps.draft_ids if greedy and engine.steps.draft_ids is not None else engine.steps.draft
+        name = "draft_ids" if greedy and engine.steps.draft_ids is not None else "draft"
+        # it reads the committed K/V, positions < each row's: the context bucket that holds them
+        step = engine.reading(name, getattr(engine.steps, name), max(position))
         if step is None:
             raise SettingsError("sampled rows draft from the assistant's q: this backend's draft returns only ids")
         for i in range(max(counts.values())):

@@ -215,7 +215,8 @@ class DraftingRankModule(nn.Module):
 
     @property
     def num_inputs(self) -> int:
-        return 2 if self.mode == "draft" else self.target.num_inputs  # a join's counts its row index
+        # a join's counts its row index, a bucket key's its positions
+        return self.assistant.num_inputs if self.mode == "draft" else self.target.num_inputs
 
     def forward(self, *inputs: torch.Tensor):
         if self.mode == "draft":
@@ -316,8 +317,10 @@ def build_drafting_modules(
     modules = {}
     for name, shape in shapes.items():
         kind = name.partition("@")[0]
-        if kind.startswith("draft"):
-            modules[name] = first.sharing(base, "draft")
+        if kind.startswith("draft"):  # a bucket's reads the first slots (`DraftGraph.at`)
+            assistant = draft.at(shape) if shape.reads else draft
+            assistant = ContextKey(assistant) if keyed and shape.reads else assistant
+            modules[name] = DraftingRankModule(base, assistant, "draft", first.kv)
             continue
         if kind.startswith("verify"):
             target, mode = verify_of(base, shape, chooses=kind != "verify"), "verify"
