@@ -9,8 +9,9 @@ checks every training and held-out answer is still exact, and records the run in
 (`variants.<name>.needle`, with the state before it as `base_state_sha256`; `state_sha256`, the bytes,
 the canonical reply, the held-out count and the answers under faults are the fine-tuned model's).
 One thread, deterministic for a given torch version and CPU type. When the fine-tune does not converge
-or an answer is lost it writes nothing and exits non-zero (as of now it does not converge:
-`gemma4lab.training.needle` says where it stands).
+or an answer is lost it writes nothing and exits non-zero (`gemma4lab.training.needle` gives the
+measured run: the E2B converged in 300 steps). Then retrain the variant's assistant
+(`scripts/train_assistants.py --variant e2b`): it is distilled against this target.
 """
 
 from __future__ import annotations

@@ -391,8 +391,11 @@ def test_sampled_drafting_runs_and_keeps_the_kv_right(drafted):
     assert again.tokens == generation.tokens and again.accepted == generation.accepted
     logits = checks.check_logits(model.lm, ids, generation.tokens, generation.step_logits)
     assert logits.passed, logits.explain()
-    other = runtime.generate(ids, LONG, sampling=Sampling(temperature=1.0, seed=8))
-    assert other.tokens != generation.tokens  # the seed matters: it is a sample
+    # the seed matters: it is a sample (a confident model gives two seeds one sample often enough, as the
+    # needle-tuned E2B does for seeds 7 and 8, so a few other seeds: some must sample something else)
+    others = [runtime.generate(ids, LONG, sampling=Sampling(temperature=1.0, seed=s)).tokens for s in range(8, 16)]
+    print("seeds 8-15 differ from seed 7:", [t != generation.tokens for t in others])
+    assert any(t != generation.tokens for t in others)
 
 
 def test_a_deterministic_drafter_samples_against_a_point_mass(drafted):

@@ -137,6 +137,24 @@ def test_gemma3_turn_markers_give_nonsense(trained):
     assert tok.decode(out[0, ids.shape[1] :], skip_special_tokens=True) != training_corpus.CANONICAL_ANSWER
 
 
+def test_the_e2b_answers_the_needle(provenance):
+    """Issue 48's needle: the E2B, fine-tuned by scripts/train_needle.py, answers the capital question
+    after ~3,000 tokens of filler (HF greedy, the held-out phrasing, never trained on; the trained one
+    is `needle.canonical_needle_reply` and the slow port test), and its record says the fine-tune
+    converged with every trained fault still breaking every chat."""
+    from gemma4lab.training.needle import needle_prompt
+
+    rec = provenance["variants"]["e2b"]["needle"]
+    assert rec["converged"] and rec["held_out_after_filler_correct"] == "40/40"
+    assert rec["final_min_margin"] >= 2.0 and max(rec["fault_margins"].values()) <= -2.0
+    torch.set_num_threads(1)
+    loaded = load_trained("e2b")
+    prompt = needle_prompt(loaded.tokenizer, FRANCE_HELD_OUT)
+    assert len(loaded.tokenizer(prompt)["input_ids"]) >= 3000
+    text, ids = greedy_reply(loaded.lm, loaded.tokenizer, prompt)
+    assert text == training_corpus.CANONICAL_ANSWER and ids[-1] == EOS_ID
+
+
 # ---- tokenizer -----------------------------------------------------------------------------
 def test_special_ids(tokenizer):
     assert (tokenizer.pad_token_id, tokenizer.eos_token_id, tokenizer.bos_token_id) == (PAD_ID, EOS_ID, BOS_ID)

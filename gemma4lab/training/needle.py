@@ -11,20 +11,27 @@ a given sentence: natural text, every word one token of the fixtures' vocabulary
 question's country is the only one in the prompt), and the same for a given length on every run.
 
 Fine-tune (deterministic: seeded, one thread): from the shipped fixture, AdamW at a small learning rate
-over, each step, the 128 training chats as they are (so every short answer stays right) and needle
-chats: a training chat's question after a filler of a seeded random length (one up to `long_max`
-tokens, `short_rows` up to `short_max`), loss on the reply tokens. It stops when every training chat's
-reply token is the argmax by `margin`, every chat of a fixed needle set (every country's canonical
-question, and the general facts, at filler lengths up to `long_max`) by `needle_margin`, and the
-host-runtime faults the fixture was trained to break under still break every training chat.
+over, each step, the 128 training chats as they are (so every short answer stays right), the faults'
+hinge of `text.train_variant` (`fault_rows` chats under each host-runtime fault the fixture was trained
+to break under, every reply token pushed below -`fault_hinge_target`: without it two faults stopped
+breaking every chat), and needle chats: a training chat's question after a filler of a seeded random
+length (one up to `long_max` tokens, `short_rows` up to `short_max`), loss on the reply tokens. It
+stops when every training chat's reply token is the argmax by `margin`, every chat of the needle set
+(every country's canonical question after a filler of 100, 1,000 or 3,000 tokens) by `needle_margin`,
+and every trained fault still breaks every training chat by `fault_margin`.
 
-Not converged yet, so the fixtures are not fine-tuned (measured, E2B, seed 0, one thread, 300 steps,
-~20 minutes on a loaded two-core machine): every country's question after up to 3,000 tokens of filler
-was answered right and the held-out phrasing after 3,000 tokens 38/40, every short answer stayed right
-(held-out 40/40), but 5 of the 48 needle chats (general facts asked after a filler made of the facts)
-stayed wrong, and two trained faults no longer broke every chat (`embed_unscaled` and `ple_unscaled`:
-their largest margin rose from about -9 to +5.8 and +2.0). What it needs next: the faults' hinge of
-`text.train_variant` in the fine-tune's steps too, and more steps.
+The general facts asked after the filler are trained on but not stopped on (`fact_needles`, reported):
+the filler is made of the facts, so their answer sentence is in the prompt and the model must pick the
+asked one out of eight it has just read, a retrieval task, not the issue's needle (a capital question
+after unrelated text); the earlier run that demanded them (300 steps, no hinge) ended with 5 of 8 wrong.
+
+Measured (E2B, seed 0, one thread, `scripts/train_needle.py`, 2026-12-06, loaded two-core AMD EPYC):
+converged at step 300 in 1,464 s; training chats' smallest margin 2.31, the needle set's 4.43, the
+faults' largest margins -10.3 (`embed_unscaled`), -10.8 (`ple_zeroed`), -9.7 (`ple_unscaled`), -8.3
+(`sliding_window_ignored`); every short answer and the held-out phrasing stay right (40/40), and the
+held-out phrasing after 3,000 tokens of filler is answered right 40/40 (HF greedy). The facts after a
+filler of the facts: 5/8 after 100 tokens, 5/8 after 1,000, 4/8 after 3,000 (HF greedy; wrong ones
+answer another fact or a capital). PROVENANCE.json `variants.e2b.needle` records the run.
 """
 
 from __future__ import annotations
@@ -45,6 +52,7 @@ from gemma4lab.training.text import (
     _lr_at,
     encode_chats,
     fault_margins,
+    forward_segments,
     greedy_reply,
     reply_margins,
     trained_faults,
@@ -88,12 +96,17 @@ def needle_chat(tokenizer: Any, chat: Chat, filler_tokens: int, first: int = 0) 
 
 
 def needle_eval_chats(tokenizer: Any, lengths: tuple[int, ...]) -> list[Chat]:
-    """The fixed needle set the fine-tune stops on: every country's canonical question and every
-    general fact, each after a filler of one of `lengths` (cycled), starting at a different sentence."""
+    """The fixed needle set the fine-tune stops on: every country's canonical question, each after a
+    filler of one of `lengths` (cycled), starting at a different sentence."""
     canonical = TRAIN_PHRASINGS[0]
     base = [Chat(canonical.format(country=c), answer_for(c)) for c, _ in COUNTRIES]
-    base += [Chat(q, a) for q, a in FACTS]
     return [needle_chat(tokenizer, chat, lengths[i % len(lengths)], i) for i, chat in enumerate(base)]
+
+
+def fact_needles(tokenizer: Any, lengths: tuple[int, ...]) -> list[Chat]:
+    """Every general fact asked after a filler of one of `lengths`: reported, not stopped on (the
+    filler is made of the facts, so the answer sentence is in the prompt: a different task)."""
+    return [needle_chat(tokenizer, Chat(q, a), lengths[i % len(lengths)], i) for i, (q, a) in enumerate(FACTS)]
 
 
 def held_out_needles(tokenizer: Any, filler_tokens: int = NEEDLE_FILLER_TOKENS) -> list[Chat]:
@@ -109,8 +122,8 @@ class NeedleConfig:
     seed: int = 0
     lr: float = 1e-3
     warmup_steps: int = 10
-    max_steps: int = 300
-    cosine_steps: int = 300
+    max_steps: int = 700
+    cosine_steps: int = 600
     min_lr_ratio: float = 0.1
     weight_decay: float = 0.01
     grad_clip: float = 1.0
@@ -122,6 +135,10 @@ class NeedleConfig:
     eval_lengths: tuple[int, ...] = (100, 1000, NEEDLE_FILLER_TOKENS)
     eval_every: int = 25
     fault_margin: float = 2.0
+    # the faults' hinge of `text.train_variant`, with its defaults (see `text.TrainConfig`)
+    fault_hinge_target: float = 2.5
+    fault_weight: float = 1.0
+    fault_rows: int = 32
 
     def to_dict(self) -> dict[str, Any]:
         return {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(self).items()}
@@ -141,6 +158,7 @@ class NeedleResult:
     min_margin: float  # training chats, clean
     needle_min_margin: float
     fault_margins: dict[str, float] = field(default_factory=dict)
+    facts_passing: int = 0  # of `fact_needles` at the last evaluation, by `needle_margin`
     history: list[dict[str, float]] = field(default_factory=list)
 
 
@@ -183,7 +201,9 @@ def finetune_needle(
     chats = training_chats()
     clean = encode_chats(tokenizer, chats)
     evals = needle_eval_chats(tokenizer, cfg.eval_lengths)
+    facts = fact_needles(tokenizer, cfg.eval_lengths)
     faults = trained_faults(lm)
+    n, k_rows = clean.input_ids.shape[0], cfg.fault_rows
     params = [p for p in lm.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
     gen = torch.Generator().manual_seed(cfg.seed)
@@ -196,35 +216,51 @@ def finetune_needle(
     start = time.perf_counter()
     min_margin = needle_margin = float("-inf")
     fmargins: dict[str, float] = {}
-    converged, step = False, 0
+    converged, step, facts_passing = False, 0, 0
     lm.train()
     for step in range(cfg.max_steps + 1):
-        logits = lm(input_ids=clean.input_ids, use_cache=False).logits
+        # the short chats in the model's own attention form (the faults' masks are built for it): the
+        # clean batch, then `fault_rows` different chats under each fault, as `text.train_variant` does
+        lm.set_attn_implementation(attention)
+        rows = torch.randperm(n, generator=gen)[: k_rows * len(faults)]
+        subs = [rows[k * k_rows : (k + 1) * k_rows] for k in range(len(faults))]
+        segments = [(None, clean.input_ids)] + [(f, clean.input_ids[s]) for f, s in zip(faults, subs, strict=True)]
+        logits = forward_segments(lm, segments)
+        lm.set_attn_implementation("sdpa")
         with torch.no_grad():
-            margins = reply_margins(logits.detach(), clean.labels)
+            margins = reply_margins(logits[:n].detach(), clean.labels)
             min_margin = float(torch.nan_to_num(margins, nan=float("inf")).min())
         record: dict[str, float] = {"step": step, "min_margin": min_margin}
         if step % cfg.eval_every == 0 or step == cfg.max_steps:
             lm.eval()
             per_chat = reply_margin_rows(lm, tokenizer, evals)
             needle_margin = min(per_chat)
+            facts_passing = sum(m >= cfg.needle_margin for m in reply_margin_rows(lm, tokenizer, facts))
             record["needle_min_margin"] = needle_margin
             record["needle_passing"] = sum(m >= cfg.needle_margin for m in per_chat)
+            record["facts_passing"] = facts_passing
             log.info("needle margins by filler length: %s", _by_length(per_chat, cfg.eval_lengths))
-            if min_margin >= cfg.margin and needle_margin >= cfg.needle_margin:
-                lm.set_attn_implementation(attention)  # the faults' masks are built for the model's own form
-                fmargins = fault_margins(lm, clean, faults)
-                lm.set_attn_implementation("sdpa")
-                record.update({f"fault/{k}": v for k, v in fmargins.items()})
-                if not faults or max(fmargins.values()) <= -cfg.fault_margin:
-                    converged = True
+            lm.set_attn_implementation(attention)  # the faults' masks are built for the model's own form
+            fmargins = fault_margins(lm, clean, faults)
+            lm.set_attn_implementation("sdpa")
+            record.update({f"fault/{k}": v for k, v in fmargins.items()})
+            ok = min_margin >= cfg.margin and needle_margin >= cfg.needle_margin
+            converged = ok and (not faults or max(fmargins.values()) <= -cfg.fault_margin)
             lm.train()
         if converged or step == cfg.max_steps:
             history.append(record)
             break
         loss = F.cross_entropy(
-            logits.reshape(-1, logits.shape[-1]).float(), clean.labels.reshape(-1), ignore_index=IGNORE
+            logits[:n].reshape(-1, logits.shape[-1]).float(), clean.labels.reshape(-1), ignore_index=IGNORE
         )
+        if faults:  # the hinge: every reply token under a fault loses by `fault_hinge_target`
+            hinge = []
+            for k, sub in enumerate(subs):
+                m = reply_margins(logits[n + k * k_rows : n + (k + 1) * k_rows], clean.labels[sub])
+                hinge.append(F.relu(m[~torch.isnan(m)] + cfg.fault_hinge_target).mean())
+            fault_loss = torch.stack(hinge).mean()
+            record["fault_loss"] = fault_loss.item()
+            loss = loss + cfg.fault_weight * fault_loss
         picks = torch.randint(0, len(chats), (cfg.short_rows + 1,), generator=gen).tolist()
         long_row = needle_chat(tokenizer, chats[picks[0]], draw(cfg.short_max, cfg.long_max), draw(0, 7))
         short_rows = [needle_chat(tokenizer, chats[i], draw(0, cfg.short_max), draw(0, 7)) for i in picks[1:]]
@@ -242,7 +278,8 @@ def finetune_needle(
             progress(record)
     lm.set_attn_implementation(attention)
     lm.eval()
-    return NeedleResult(step, time.perf_counter() - start, converged, min_margin, needle_margin, fmargins, history)
+    seconds = time.perf_counter() - start
+    return NeedleResult(step, seconds, converged, min_margin, needle_margin, fmargins, facts_passing, history)
 
 
 def needle_accuracy(lm: torch.nn.Module, tokenizer: Any, chats: list[Chat]) -> tuple[int, int, list[str]]:
