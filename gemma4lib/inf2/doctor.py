@@ -19,18 +19,21 @@ import shutil
 import subprocess
 import sys
 import warnings
+from dataclasses import asdict
 from typing import Any
 
 from ..errors import LowHostMemoryWarning, TensorParallelError
 from ..models.variants import get_variant
 from ..recipes import neuron_env
-from .compile_host import KEYS, compile_host_plan
+from .compile_host import COMPILER_CALIBRATION, KEYS, compile_host_plan, compiler_bytes_per_mac
 from .hardware import GB, INSTANCES, dmi_instance_type, host_instance_type, host_ram_bytes, smallest_instance
 from .memory_plan import (
     COMPILE_CALIBRATION,
     DEFAULT_CONTEXT,
     HOST_HEADROOM,
     compile_peak_gb,
+    context_plan,
+    full_settings,
     largest_context,
     neuron_recipe,
     plan_core_memory,
@@ -39,6 +42,11 @@ from .memory_plan import (
 from .serving_host import serving_host_plan
 
 FAMILY_TABLES = "python -m gemma4lab plan"  # the lab command that prints every variant's plans
+COMPILER_NOTE = (
+    "compile-host bound: neuronx-cc's RAM assumed {per_mac:.3f} B per attention multiply-accumulate of a key (the "
+    f"largest {COMPILER_CALIBRATION['source']} allows; at least {{least:.3f}}), keys compiled at once "
+    "(NxD's ModelBuilder thread pool); unverified on inf2"
+)
 
 
 def estimate_compile_peak_gb(
@@ -248,7 +256,12 @@ def run_doctor(
             serving = serving_host_plan(v, tp, host_instance_type(), context_length=context_length, vision=vision)
             report["serving_host"] = {**serving.to_dict(), "summary": serving.summary()}
             longest = {i: largest_context(v, i) for i in INSTANCES}
-            report["contexts"] = {i: {"context": c, "tp": t} for i, (c, t) in longest.items()}
+            report["contexts"] = {
+                i: {"context": c, "tp": t, "binding": context_plan(v, i, t).binding if c else None}
+                for i, (c, t) in longest.items()
+            }
+            planned = context_plan(v, v.instance_type, v.tp_degree)
+            report["full_profile"] = {**full_settings(v), "plan": {**asdict(planned), "binding": planned.binding}}
             if not serving.fits:
                 warnings.append(serving.summary() + "; " + "; ".join(serving.problems))
         if devices["cores"] and tp > devices["cores"]:
@@ -294,9 +307,21 @@ def format_doctor(report: dict[str, Any]) -> str:
         e = report["compile_estimate"]
         host = e["smallest_instance_with_headroom"] or "no inf2 size"
         lines.append(f"{report['compile_host']['summary']}; compile on {host} or larger (20 % headroom)")
-    if "contexts" in report:  # per-core HBM only: the compiler's own RAM at long contexts is not planned
-        longest = [f"{i} {c['context']:,} (TP={c['tp']})" for i, c in report["contexts"].items() if c["context"]]
+    if "contexts" in report:  # the least of the HBM bound and the compile host's (its compiler RAM assumed)
+        longest = [
+            f"{i} {c['context']:,} (TP={c['tp']}, {c['binding']})"
+            for i, c in report["contexts"].items()
+            if c["context"]
+        ]
         lines.append("longest context per instance (computed, unverified on inf2): " + ", ".join(longest))
+        lines.append(COMPILER_NOTE.format(per_mac=compiler_bytes_per_mac(), least=compiler_bytes_per_mac(least=True)))
+        f, p = report["full_profile"], report["full_profile"]["plan"]
+        planned = min(p["device_context"], p["compile_context"])
+        lines.append(
+            f"full profile: context {f['context_length']:,}, prefill buckets {f['prefill_buckets']}, context buckets "
+            f"{f['context_buckets']} at TP={p['tp']} on {p['instance']} (planned {planned:,}: {p['binding']}; "
+            f"compile ~{p['compile_peak_gb']:.0f} GB on {p['compile_host']})"
+        )
     if "tp" in report:
         lines.append(f"TP={report['tp']['degree']}: " + ("ok" if report["tp"]["ok"] else report["tp"]["error"]))
     for w in report["warnings"]:
