@@ -119,6 +119,8 @@ def test_the_full_profile_notebook_command_and_readme_are_the_plan():
         row = next(line for line in readme.splitlines() if line.startswith(f"| {v.name.upper()} | `google"))
         plan = context_plan(name, v.instance_type, v.tp_degree)
         assert f" | {plan.context:,} ({plan.binding.split(' on ')[0]}) | " in row, (name, plan)
+        hopeful = context_plan(name, v.instance_type, v.tp_degree, least=True).context
+        assert hopeful >= plan.context and f"{v.name.upper()} {hopeful:,}" in " ".join(readme.split()), name
 
 
 def test_the_doctor_prints_the_bounds_the_assumption_and_the_full_profile(monkeypatch):
@@ -129,7 +131,9 @@ def test_the_doctor_prints_the_bounds_the_assumption_and_the_full_profile(monkey
     longest = next(line for line in text.splitlines() if line.startswith("longest context per instance"))
     for instance in ("inf2.24xlarge", "inf2.48xlarge"):
         context, tp = largest_context("31b", instance)
-        assert f"{instance} {context:,} (TP={tp}, {context_plan('31b', instance, tp).binding})" in longest
+        hopeful = context_plan("31b", instance, tp, least=True).context
+        binding = context_plan("31b", instance, tp).binding
+        assert f"{instance} {context:,} (TP={tp}, {binding}; {hopeful:,} at the least compiler RAM)" in longest
     assert "unverified" in longest
     assumed = next(line for line in text.splitlines() if line.startswith("compile-host bound"))
     assert f"{compiler_bytes_per_mac():.3f} B per attention" in assumed and "16K" in assumed

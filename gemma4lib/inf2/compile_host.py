@@ -47,8 +47,8 @@ COMPILER_CALIBRATION = {
     "fits": 8192,
     "fails": 16384,
     "instance": "inf2.48xlarge",
-    "source": "issue 48 and DESIGN.md section 3: NxD Inference's open 31B port reaches seq_len 8,192 on an "
-    "inf2.48xlarge (TP = 16) and runs out of host RAM compiling 16K",
+    "source": "NxD Inference's open 31B port reaches seq_len 8,192 on an inf2.48xlarge (TP = 16) and runs out "
+    "of host RAM compiling 16K (issue 48; DESIGN.md section 3)",
 }
 
 
@@ -92,10 +92,10 @@ class CompileHostPlan:
     def basis(self) -> str:
         step = self.steps[self.peak_step]
         return f"{self.base_gb:.1f} process + {self.model_gb:.1f} host model + {step:.1f} at {self.peak_step} " + (
-            f" (of which {self.compiler_gb:.1f} neuronx-cc: assumed proportional to attention work, "
+            f"(of which {self.compiler_gb:.1f} neuronx-cc: assumed proportional to attention work, "
             "calibrated on NxD Inference's 31B compiles; unverified)"
             if self.compiler_gb
-            else " (computed; measured on CPU at reduced depth; the compiler's own RAM not counted, unverified)"
+            else "(computed; measured on CPU at reduced depth; the compiler's own RAM not counted, unverified)"
         )
 
     def summary(self) -> str:
@@ -162,10 +162,10 @@ def compile_keys(context: int, prefill_buckets: tuple[int, ...], context_buckets
     return [(1, c) for c in reads] + [(b, c) for c in reads for b in prefill_buckets if b <= c]
 
 
-def compiler_gb(variant: Variant | str, tp: int, keys: list, ring: bool = True) -> float:
+def compiler_gb(variant: Variant | str, tp: int, keys: list, ring: bool = True, least: bool = False) -> float:
     """neuronx-cc's planned peak host RAM (GB) compiling `keys` (`compile_keys`): module docstring."""
     macs = [attention_macs(variant, tp, tokens, reads, ring) for tokens, reads in keys]
-    return compiler_bytes_per_mac() * max(macs[0], sum(macs[1:])) / GB
+    return compiler_bytes_per_mac(least) * max(macs[0], sum(macs[1:])) / GB
 
 
 def compile_host_plan(
@@ -179,12 +179,13 @@ def compile_host_plan(
     keys: int = KEYS,
     prefill_buckets: tuple[int, ...] = (),
     context_buckets: tuple[int, ...] = (),
+    least: bool = False,
 ) -> CompileHostPlan:
     """The compile host's plan of `variant` at `tp` (default: its recipe's) with `recipe` (default:
     the variant's) and `keys` ModelBuilder keys (a prefill key per bucket + decode); `layer_overrides`
     plans a reduced-depth model (how the plan is checked against a measurement on a machine that
     cannot hold the released one); with `prefill_buckets` the keys are those of the buckets (`compile_keys`)
-    and the compiler's own RAM is planned (`compiler_gb`)."""
+    and the compiler's own RAM is planned (`compiler_gb`; `least`: at the least coefficient its source allows)."""
     from .serving_host import PROCESS_BASE_GB
 
     v = get_variant(variant) if isinstance(variant, str) else variant
@@ -194,7 +195,7 @@ def compile_host_plan(
     c, layout = _counts(v.name, tp, key)
     kv = layout.buffer_bytes(int(context_length), True, 1)
     listed = compile_keys(int(context_length), tuple(prefill_buckets), tuple(context_buckets))
-    compiler = compiler_gb(v, tp, listed) if prefill_buckets and recipe == "model_builder" else 0.0
+    compiler = compiler_gb(v, tp, listed, least=least) if prefill_buckets and recipe == "model_builder" else 0.0
     return CompileHostPlan(
         v.name,
         tp,

@@ -43,9 +43,9 @@ from .serving_host import serving_host_plan
 
 FAMILY_TABLES = "python -m gemma4lab plan"  # the lab command that prints every variant's plans
 COMPILER_NOTE = (
-    "compile-host bound: neuronx-cc's RAM assumed {per_mac:.3f} B per attention multiply-accumulate of a key (the "
-    f"largest {COMPILER_CALIBRATION['source']} allows; at least {{least:.3f}}), keys compiled at once "
-    "(NxD's ModelBuilder thread pool); unverified on inf2"
+    "compile-host bound: neuronx-cc's RAM assumed {per_mac:.3f} B per attention multiply-accumulate of a key, the "
+    "keys compiled at once (NxD's ModelBuilder thread pool); the largest coefficient under which "
+    f"{COMPILER_CALIBRATION['source']} (at least {{least:.3f}}); unverified on inf2"
 )
 
 
@@ -257,7 +257,12 @@ def run_doctor(
             report["serving_host"] = {**serving.to_dict(), "summary": serving.summary()}
             longest = {i: largest_context(v, i) for i in INSTANCES}
             report["contexts"] = {
-                i: {"context": c, "tp": t, "binding": context_plan(v, i, t).binding if c else None}
+                i: {
+                    "context": c,
+                    "tp": t,
+                    "binding": context_plan(v, i, t).binding if c else None,
+                    "hopeful": context_plan(v, i, t, least=True).context if c else 0,
+                }
                 for i, (c, t) in longest.items()
             }
             planned = context_plan(v, v.instance_type, v.tp_degree)
@@ -309,7 +314,7 @@ def format_doctor(report: dict[str, Any]) -> str:
         lines.append(f"{report['compile_host']['summary']}; compile on {host} or larger (20 % headroom)")
     if "contexts" in report:  # the least of the HBM bound and the compile host's (its compiler RAM assumed)
         longest = [
-            f"{i} {c['context']:,} (TP={c['tp']}, {c['binding']})"
+            f"{i} {c['context']:,} (TP={c['tp']}, {c['binding']}; {c['hopeful']:,} at the least compiler RAM)"
             for i, c in report["contexts"].items()
             if c["context"]
         ]

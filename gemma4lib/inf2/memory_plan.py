@@ -406,30 +406,33 @@ def _bisect(fits, high: int, step: int) -> int:
     return low * step
 
 
-def compile_peak_at(v: Variant, tp: int, context: int) -> float:
-    """Planned compile-host peak (GB) of the ModelBuilder recipe at `context` with its planned buckets."""
+def compile_peak_at(v: Variant, tp: int, context: int, least: bool = False) -> float:
+    """Planned compile-host peak (GB) of the ModelBuilder recipe at `context` with its planned buckets
+    (`least`: the compiler's RAM at the least its calibration allows)."""
     from .compile_host import compile_host_plan
 
     prefill, sizes = planned_buckets(context)
     return compile_host_plan(
-        v, tp, "model_builder", context_length=context, prefill_buckets=prefill, context_buckets=sizes
+        v, tp, "model_builder", context_length=context, prefill_buckets=prefill, context_buckets=sizes, least=least
     ).peak_gb
 
 
-def context_plan(variant: Variant | str, instance: str, tp: int, *, ring: bool = True, step: int = 1024) -> ContextPlan:
+def context_plan(
+    variant: Variant | str, instance: str, tp: int, *, ring: bool = True, step: int = 1024, least: bool = False
+) -> ContextPlan:
     """The longest context (a multiple of `step`, up to the released maximum) of `variant` at `tp` on
     `instance`: its K/V fits a core beside the weights and its compile fits the compile host (the
-    instance, or the smallest inf2 whose RAM holds the compile at all: `plan_core_memory`). Computed,
-    unverified on inf2."""
+    instance, or the smallest inf2 whose RAM holds the compile at all: `plan_core_memory`; `least`: the
+    compiler's RAM at the least its calibration allows, the hopeful end). Computed, unverified on inf2."""
     v = get_variant(variant) if isinstance(variant, str) else variant
     room = HBM_PER_CORE_GIB - WORKING_ALLOWANCE_GIB - rank_weight_bytes(v, tp) / GIB  # what K/V may take
     device = _bisect(lambda c: _rank_kv_elements(v.name, tp, c, ring) * 2 / GIB <= room, v.released_context, step)
     host = plan_core_memory(v, tp, instance=instance, recipe="model_builder").compile_host
     ram = INSTANCES[host].host_ram_gib * GIB / GB if host else 0.0
-    compiled = _bisect(lambda c: compile_peak_at(v, tp, c) <= ram, device, step) if host else 0
+    compiled = _bisect(lambda c: compile_peak_at(v, tp, c, least) <= ram, device, step) if host else 0
     context = min(device, compiled)
     return ContextPlan(
-        v.name, instance, tp, device, compiled, host, compile_peak_at(v, tp, context) if context else 0.0
+        v.name, instance, tp, device, compiled, host, compile_peak_at(v, tp, context, least) if context else 0.0
     )
 
 
@@ -452,7 +455,10 @@ def full_settings(variant: Variant | str) -> dict[str, Any]:
     v = get_variant(variant) if isinstance(variant, str) else variant
     planned = context_plan(v, v.instance_type, v.tp_degree)
     if not planned.context:
-        raise DeviceMemoryError(f"{v.name} at TP={v.tp_degree} fits no context on {v.instance_type}")
+        raise DeviceMemoryError(
+            f"{v.name} at TP={v.tp_degree} fits no context on {v.instance_type}; `python -m gemma4lib doctor "
+            f"--variant {v.name}` names the instances where one fits"
+        )
     context = 1 << (planned.context.bit_length() - 1)
     prefill, sizes = planned_buckets(context)
     return {"context_length": context, "prefill_buckets": list(prefill), "context_buckets": list(sizes)}
