@@ -140,3 +140,16 @@ def test_the_doctor_prints_the_bounds_the_assumption_and_the_full_profile(monkey
     full = full_settings("31b")
     shown = next(line for line in text.splitlines() if line.startswith("full profile:"))
     assert re.search(rf"context {full['context_length']:,}, prefill buckets \[128, 512\]", shown), shown
+
+
+def test_the_warning_before_a_compile_counts_the_compilers_planned_ram():
+    """The neuron backend hands the compiled context and buckets to `warn_low_host_ram`: E2B's full profile
+    plans ~126 GB with the compiler on an inf2.8xlarge's 128 GiB (tight), where the host side alone is ~19 GB."""
+    from gemma4lib.inf2.doctor import compile_ram_warning, estimate_compile_peak_gb
+
+    ram = INSTANCES["inf2.8xlarge"].host_ram_gib * GIB
+    settings = full_settings("e2b")
+    full = estimate_compile_peak_gb("e2b", 1, **settings)
+    assert full["peak_gb"] == pytest.approx(compile_peak_at(VARIANTS["e2b"], 1, settings["context_length"]), abs=0.05)
+    assert "neuronx-cc" in full["basis"] and compile_ram_warning(full, ram).startswith("tight")
+    assert compile_ram_warning(estimate_compile_peak_gb("e2b", 1), ram) is None

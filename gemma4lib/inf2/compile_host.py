@@ -206,6 +206,6 @@ def compile_host_plan(
         c["copied"] * dtype_bytes / GB,
         c["checkpoint"] * dtype_bytes / GB,
         c["device"] * dtype_bytes / GB,
-        len(listed) if prefill_buckets else int(keys),
+        max(len(listed), int(keys)) if prefill_buckets else int(keys),
         compiler,
     )

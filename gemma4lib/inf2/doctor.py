@@ -50,14 +50,19 @@ COMPILER_NOTE = (
 
 
 def estimate_compile_peak_gb(
-    variant: Any, tp: int | None = None, bytes_per_param: int = 2, recipe: str | None = None, keys: int = KEYS
+    variant: Any,
+    tp: int | None = None,
+    bytes_per_param: int = 2,
+    recipe: str | None = None,
+    keys: int = KEYS,
+    **shapes: Any,
 ) -> dict[str, Any]:
     """Estimated peak host RAM (GB) of compiling `variant` with `recipe` (default: `neuron_recipe`'s)
-    at `tp` with `keys` ModelBuilder keys (`memory_plan`)."""
+    at `tp` with `keys` ModelBuilder keys (`memory_plan`; `shapes`: the context and buckets compiled)."""
     v = get_variant(variant) if isinstance(variant, str) else variant
     tp = tp or v.tp_degree
     recipe = neuron_recipe(v, tp, recipe)
-    peak, basis = compile_peak_gb(v, recipe, bytes_per_param, tp, keys)
+    peak, basis = compile_peak_gb(v, recipe, bytes_per_param, tp, keys, **shapes)
     host = smallest_instance(tp, peak * HOST_HEADROOM)
     return {
         "variant": v.name,
@@ -95,11 +100,14 @@ def compile_ram_warning(estimate: dict[str, Any], ram: int) -> str | None:
     return None
 
 
-def warn_low_host_ram(variant: Any, tp: int | None = None, recipe: str | None = None, keys: int = KEYS) -> str | None:
+def warn_low_host_ram(
+    variant: Any, tp: int | None = None, recipe: str | None = None, keys: int = KEYS, **shapes: Any
+) -> str | None:
     """Before a compile: warn (`LowHostMemoryWarning`, and the log) when this host's RAM is below or near
-    the estimated compile peak of `variant` with `recipe` and `keys` keys; returns the warning text
-    (None when it fits)."""
-    message = compile_ram_warning(estimate_compile_peak_gb(variant, tp, recipe=recipe, keys=keys), host_ram_bytes())
+    the estimated compile peak of `variant` with `recipe` and `keys` keys (`shapes`: the context and
+    buckets compiled, so the compiler's planned RAM counts); returns the warning text (None when it fits)."""
+    estimate = estimate_compile_peak_gb(variant, tp, recipe=recipe, keys=keys, **shapes)
+    message = compile_ram_warning(estimate, host_ram_bytes())
     if message:
         logging.getLogger(__name__).warning(message)
         warnings.warn(message, LowHostMemoryWarning, stacklevel=2)

@@ -98,13 +98,14 @@ def _rank_kv_elements(name: str, tp: int, context_length: int, ring: bool) -> in
 
 
 def compile_peak_gb(
-    variant: Variant, recipe: str, dtype_bytes: int = 2, tp: int | None = None, keys: int = KEYS
+    variant: Variant, recipe: str, dtype_bytes: int = 2, tp: int | None = None, keys: int = KEYS, **shapes: Any
 ) -> tuple[float, str]:
     """Planned peak host RAM (GB) of compiling `variant` with `recipe` at `tp` (default: its own) and
-    `keys` ModelBuilder keys, and what it is made of (`compile_host.compile_host_plan`)."""
+    `keys` ModelBuilder keys (`shapes`: context_length and the buckets, which count the compiler's RAM),
+    and what it is made of (`compile_host.compile_host_plan`)."""
     from .compile_host import compile_host_plan
 
-    plan = compile_host_plan(variant, tp, recipe, dtype_bytes=dtype_bytes, keys=keys)
+    plan = compile_host_plan(variant, tp, recipe, dtype_bytes=dtype_bytes, keys=keys, **shapes)
     return plan.peak_gb, plan.basis()
 
 
