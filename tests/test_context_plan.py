@@ -21,7 +21,9 @@ from gemma4lib.inf2.memory_plan import (
     largest_context,
     plan_core_memory,
     planned_buckets,
+    require_fit,
 )
+from gemma4lib.inf2.serving_host import serving_host_plan
 from gemma4lib.models.variants import VARIANTS
 from gemma4lib.settings import PortSettings
 
@@ -113,6 +115,9 @@ def test_the_full_profile_notebook_command_and_readme_are_the_plan():
         assert [planned["prefill_buckets"], planned["context_buckets"]] == list(map(list, planned_buckets(context)))
         s = PortSettings(variant=name, profile="full", backend="neuron", tp_degree=block["tp_degree"], **planned)
         assert (s.context_length, list(s.prefill_buckets), list(s.context_buckets)) == tuple(planned.values())
+        # what `backends.preflight` plans before anything loads holds at these shapes too
+        require_fit(name, v.tp_degree, instance=v.instance_type, context_length=context, ring=True)
+        assert serving_host_plan(v, v.tp_degree, v.instance_type, context_length=context).fits, name
         stem = next(p for p in (ROOT / "notebooks").glob("0[1-5]_*.py") if p.stem.endswith(name.replace("-", "_")))
         command = ", ".join(f"{k}: {json.dumps(x)}" for k, x in planned.items())
         assert f"checkpoint: {v.hf_id}, {command}" in stem.read_text(), stem.name
