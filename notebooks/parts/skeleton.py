@@ -413,8 +413,8 @@ if not on_inf2:
 #
 # A longer context on inf2 means a new compile: set `context_length` (and `prefill_buckets`, the
 # compiled prompt lengths, and `context_buckets`) and run again; the cache key changes with them, so
-# each context keeps its own artifact. Long contexts also raise the compile's host RAM (NxD Inference's
-# open 31B port compiles 8,192 on an inf2.48xlarge and runs out of host RAM at 16K: issue 48);
+# each context keeps its own artifact. Long contexts also raise the compile's host RAM
+# (NxD Inference's open 31B port compiles 8,192 on an inf2.48xlarge, not 16K; source: issue 48, 2026-12-05);
 # `python -m gemma4lib doctor --variant {{variant}}` ([`doctor`](00_overview.ipynb#doctor)) prints, per inf2 size,
 # the longest context whose K/V fits a core beside the weights and whose compile fits the compile host (the
 # compiler's RAM an assumed law on one published failure), and the full profile's shapes from it:
