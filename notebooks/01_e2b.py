@@ -51,11 +51,12 @@ status = nb.status_box("e2b")  # figures from the library's plans; the record ce
 # mkdir -p runs
 # GEMMA4LIB_CACHE=$PWD/.cache/gemma4lib papermill notebooks/01_e2b.ipynb runs/01_e2b.ipynb --cwd notebooks \
 #     -y "{profile: full, backend: neuron, tp_degree: 1,
-#     checkpoint: google/gemma-4-E2B-it, context_length: 1024, prefill_buckets: [128]}"
+#     checkpoint: google/gemma-4-E2B-it, context_length: 8192, prefill_buckets: [128, 512], context_buckets: [2048]}"
 # ```
 #
-# The status box's inf2 figures are planned at the context its "Contexts" line names, not at this
-# command's `context_length`: a shorter context holds less K/V than they count.
+# The status box's inf2 figures are planned at the context its "Contexts" line names; this command
+# compiles the longest context planned for the instance (its "longest context" row), rounded down to a
+# power of two, with the buckets planned for it (`memory_plan.full_settings`, `papermill_runs/profiles.json`).
 #
 # It writes only into gitignored folders of the repository: the executed notebook in `runs/`, the
 # run record at `results_path` (relative to `--cwd notebooks`) and the compiled graphs in
@@ -79,6 +80,7 @@ expect = "Paris"  # coherence: the answer must contain this
 max_new_tokens = 32
 context_length = 192  # the compiled K/V length (the image section's too: one compile serves both)
 prefill_buckets = [128]  # compiled prompt lengths, one graph each (a prompt runs the smallest that holds it)
+context_buckets = []  # full: smaller contexts decode is also compiled for, reading only that much K/V
 ring_kv = True  # sliding layers keep only their window of K/V (a ring); False: full-length buffers
 temperature = 0.7  # the sampling section only; every check decodes greedily
 top_p = 0.9
@@ -140,6 +142,7 @@ s = PortSettings(
     max_new_tokens=max_new_tokens,
     context_length=context_length,
     prefill_buckets=tuple(prefill_buckets),
+    context_buckets=tuple(context_buckets),
     ring_kv=ring_kv,
     warmup=warmup,
     iters=iters,
@@ -447,12 +450,13 @@ if not on_inf2:
 #   is refused with what to release.
 #
 # A longer context on inf2 means a new compile: set `context_length` (and `prefill_buckets`, the
-# compiled prompt lengths) and run again; the cache key changes with them, so
-# each context keeps its own artifact. Long contexts also raise the compile's host RAM (inf2 users
-# report a long-context compile exhausting a large compile host; source: inf2 users' public issue
-# reports, collected in this project's design notes, 2026-12);
-# `python -m gemma4lib doctor --variant e2b` ([`doctor`](00_overview.ipynb#doctor)) prints the compile host's estimate and,
-# per inf2 size, the longest context whose K/V fits a core beside the weights: computed, unverified on inf2.
+# compiled prompt lengths, and `context_buckets`) and run again; the cache key changes with them, so
+# each context keeps its own artifact. Long contexts also raise the compile's host RAM
+# (NxD Inference's open 31B port compiles 8,192 on an inf2.48xlarge, not 16K; source: issue 48, 2026-12-05);
+# `python -m gemma4lib doctor --variant e2b` ([`doctor`](00_overview.ipynb#doctor)) prints, per inf2 size,
+# the longest context whose K/V fits a core beside the weights and whose compile fits the compile host (the
+# compiler's RAM an assumed law on one published failure), and the full profile's shapes from it:
+# computed, unverified on inf2.
 
 # %% tags=["lesson"]
 if on_inf2 and s.neuron_recipe == "trace":  # inf2-only: the one-graph recipe, E2B at TP=1

@@ -40,11 +40,11 @@ status = nb.status_box("26b-a4b")  # figures from the library's plans; the recor
 # ```
 # GEMMA4LIB_CACHE=$PWD/.cache/gemma4lib papermill notebooks/05_26b_a4b.ipynb runs/05_26b_a4b.ipynb --cwd notebooks \
 #     -y "{profile: full, backend: neuron, tp_degree: 8,
-#     checkpoint: google/gemma-4-26B-A4B-it, context_length: 1024, prefill_buckets: [128], tp_demo: 0}"
+#     checkpoint: google/gemma-4-26B-A4B-it, context_length: 131072, prefill_buckets: [128, 512], context_buckets: [2048, 8192, 32768], tp_demo: 0}"
 # ```
 #
-# The status box's inf2 figures are planned at the context its "Contexts" line names, not at this
-# command's `context_length` (a shorter context: less K/V than they count).
+# The status box's inf2 figures are planned at the context its "Contexts" line names; this command
+# compiles the planned longest context (its "longest context" row) with the buckets planned for it.
 # %% tags=["parameters"]
 variant = "26b-a4b"
 profile = "smoke"  # "smoke": tiny model on CPU; "full": the real checkpoint on inf2
@@ -58,6 +58,7 @@ expect = "Paris"  # coherence: the answer must contain this
 max_new_tokens = 32
 context_length = 192  # the compiled K/V length (the image section's too: one compile serves both)
 prefill_buckets = [128]  # compiled prompt lengths, one graph each (a prompt runs the smallest that holds it)
+context_buckets = []  # full: smaller contexts decode is also compiled for, reading only that much K/V
 ring_kv = True  # sliding layers keep only their window of K/V (a ring); False: full-length buffers
 temperature = 0.7  # the sampling section only; every check decodes greedily
 top_p = 0.9
@@ -116,6 +117,7 @@ s = PortSettings(
     max_new_tokens=max_new_tokens,
     context_length=context_length,
     prefill_buckets=tuple(prefill_buckets),
+    context_buckets=tuple(context_buckets),
     ring_kv=ring_kv,
     warmup=warmup,
     iters=iters,
@@ -319,17 +321,25 @@ if tp_demo:
 #
 # The table plans one core at each context up to the released maximum (`nb.context_plan`); the loop
 # asks `largest_context`, per inf2 size, for the longest context whose K/V still fits beside the
-# weights, at a TP degree whose host side the instance's RAM holds (its serving-host plan). Both are computed from the released config and unverified on inf2; neither counts the
-# Neuron compiler's own RAM, which grows with the compiled length (README, the family table's note).
+# weights and whose compile fits the compile host's RAM, at a TP degree whose host side the instance's RAM
+# holds (its serving-host plan), and prints what HBM alone allows and which bound binds (`context_plan`).
+# All are computed from the released config and unverified on inf2; the compiler's own RAM, which grows
+# with the compiled length, is an assumed law on one published failure (README, the family table's note).
 
 # %% tags=["lesson"]
-from gemma4lib.inf2.memory_plan import largest_context
+from gemma4lib.inf2.memory_plan import context_plan, largest_context
 
 demos["contexts"] = nb.context_plan(variant)  # one core at its TP on its own instance (GiB, computed)
 display(demos["contexts"])
 for instance in ("inf2.24xlarge", "inf2.48xlarge"):
     context, tp = largest_context(variant, instance)  # at the fewest cores that reach it
-    print(f"{instance}: longest context {context:,} tokens, at TP={tp}" if context else f"{instance}: none fits")
+    bound = context_plan(variant, instance, tp) if context else None
+    print(
+        f"{instance}: longest context {context:,} tokens, at TP={tp} (HBM alone: {bound.device_context:,}; "
+        f"bound: {bound.binding})"
+        if bound
+        else f"{instance}: none fits"
+    )
 
 # %% [markdown]
 # ## 2. Build the device graph

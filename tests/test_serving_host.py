@@ -229,23 +229,22 @@ def test_doctor_prints_the_compile_host_peak_from_the_plan(monkeypatch):
     assert f"~{plan.peak_gb:.0f} GB peak" in line and "compile on inf2.24xlarge" in line and "unverified" in line
 
 
-def test_the_longest_context_is_the_per_core_bound_and_the_readme_says_it():
-    """`largest_context`: its context fits a core (the full plan agrees) and one step more does not,
-    unless it is the released maximum; a variant whose weights fit no core of an instance gets (0, 0);
-    the README's family table prints the figure for each variant's own instance."""
-    from pathlib import Path
-
-    from gemma4lib.inf2.memory_plan import largest_context, plan_core_memory
+def test_the_longest_context_is_the_best_degree_of_the_context_plan():
+    """`largest_context`: the longest `context_plan` (HBM and compile-host bounds: tests/test_context_plan.py)
+    over the TP degrees an instance has the cores and host RAM for, the fewest cores first; a variant whose
+    weights fit no core of an instance gets (0, 0)."""
+    from gemma4lib.inf2.hardware import INSTANCES
+    from gemma4lib.inf2.memory_plan import context_plan, largest_context
+    from gemma4lib.inf2.serving_host import serving_host_plan
     from gemma4lib.models.variants import VARIANTS
 
-    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
     for name, v in VARIANTS.items():
-        context, tp = largest_context(name, v.instance_type)
-        assert 0 < context <= v.released_context and tp in v.supported_tp
-        assert plan_core_memory(name, tp, instance=v.instance_type, context_length=context).fits
-        if context < v.released_context:
-            assert not plan_core_memory(name, tp, instance=v.instance_type, context_length=context + 1024).fits
-        row = next(line for line in readme.splitlines() if line.startswith(f"| {v.name.upper()} | `google"))
-        assert f" | {context:,} | " in row, (name, context)
+        instance = v.instance_type
+        context, tp = largest_context(name, instance)
+        assert 0 < context <= v.released_context and context == context_plan(name, instance, tp).context
+        cores = INSTANCES[instance].neuron_cores
+        for t in (t for t in v.supported_tp if t <= cores and serving_host_plan(v, t, instance).fits):
+            other = context_plan(name, instance, t).context
+            assert other < context if t < tp else other <= context, (name, t)
     assert largest_context("31b", "inf2.xlarge") == (0, 0)  # two cores cannot hold a quarter of its weights
     assert largest_context("e4b", "inf2.xlarge") == (0, 0)  # its cores could; its RAM cannot hold the host side

@@ -19,7 +19,7 @@ from typing import Any
 from gemma4lab.inf2.roofline import compare
 from gemma4lib.inf2.compile_host import compile_host_plan
 from gemma4lib.inf2.hardware import GB, GIB, INSTANCES
-from gemma4lib.inf2.memory_plan import DEFAULT_CONTEXT, plan_core_memory
+from gemma4lib.inf2.memory_plan import DEFAULT_CONTEXT, compile_peak_at, context_plan, full_settings, plan_core_memory
 from gemma4lib.inf2.serving_host import serving_host_plan
 from gemma4lib.models.variants import get_variant
 from gemma4lib.recipes.neuron_env import COMPILER_ARGS
@@ -62,6 +62,8 @@ def _inf2_rows(name: str) -> list[tuple[str, str, str]]:
         measured.append(f"prefill ~{fr.prefill_ms:g} ms")
     recipe = f" with its {fr.recipe} recipe" if fr.recipe else ""
     compile_host = core.compile_host or v.instance_type
+    planned, full = context_plan(v, v.instance_type, v.tp_degree), full_settings(v)
+    full_peak = compile_peak_at(v, v.tp_degree, full["context_length"])
     disk_gb = core.weights_gib * GIB / GB * v.tp_degree
     return [
         (
@@ -97,6 +99,15 @@ def _inf2_rows(name: str) -> list[tuple[str, str, str]]:
             ),
             "computed (`inf2.compile_host`; the compiler's own RAM unverified)"
             + (f"; {FIELD_REPORT}" if reported else ""),
+        ),
+        (
+            "longest context",
+            f"{planned.context:,} tokens at TP={v.tp_degree} (HBM alone: {planned.device_context:,}; bound: "
+            f"{planned.binding}); the full profile compiles {full['context_length']:,} with prefill buckets "
+            f"{full['prefill_buckets']} and context buckets {full['context_buckets']}: ~{full_peak:.0f} GB on the "
+            f"compile host with the compiler's RAM",
+            "computed (`memory_plan.context_plan`); the compiler's RAM an assumed law calibrated on NxD "
+            "Inference's 31B compiles (README, the family table's note), unverified on inf2",
         ),
         (
             "compile time",
@@ -156,8 +167,8 @@ def _markdown(name: str, finished: dict[str, Any] | None) -> str:
     contexts = (
         f"- **Contexts**: the inf2 figures below are planned at {DEFAULT_CONTEXT:,} tokens "
         "(`memory_plan.DEFAULT_CONTEXT`: the released model's K/V at that length, and the benchmark table's inf2 "
-        "column); the full-profile command in the Parameters section compiles the `context_length` it names, and "
-        f"a shorter one holds less K/V than planned; {here}."
+        "column), except the longest context's row; the full-profile command in the Parameters section compiles "
+        f"the `context_length` it names, which holds the K/V of that length instead; {here}."
     )
     lines = [
         f"**Status of this notebook** ({v.name}, smoke profile)",

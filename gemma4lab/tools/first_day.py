@@ -16,8 +16,9 @@ README to it. What each figure rests on:
 - compile: the field report's 31B (~39 min); for the others no figure was measured (unverified);
 - host reference: the greedy reference reads the host model once per generated token, at
   `HOST_GB_S`, an assumed host memory rate (unverified);
-- compile host: the peak of `compile_host.compile_host_plan` (computed, held to a CPU measurement
-  at reduced depth; the compiler's own RAM not counted: unverified), and the inf2 size it needs;
+- compile host: the peak of `compile_host.compile_host_plan` at the full profile's context and buckets
+  (`memory_plan.full_settings`; computed, its host side held to a CPU measurement at reduced depth, the
+  compiler's own RAM an assumed law: unverified), and the inf2 size it needs;
 - serving host: the peak of `serving_host.serving_host_plan` (computed; see there).
 """
 
@@ -27,7 +28,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from gemma4lib.inf2.hardware import GB
-from gemma4lib.inf2.memory_plan import plan_core_memory, rank_weight_bytes
+from gemma4lib.inf2.memory_plan import compile_peak_at, full_settings, plan_core_memory, rank_weight_bytes
 from gemma4lib.inf2.serving_host import NEW_TOKENS, serving_host_plan
 from gemma4lib.models.variants import VARIANTS, Variant, get_variant
 
@@ -56,6 +57,7 @@ class FirstDay:
     reference_min: float
     serving_peak_gb: float
     compile_peak_gb: float
+    context: int  # the full profile's, at which the compile is planned
 
     @property
     def disk_gb(self) -> float:
@@ -73,6 +75,7 @@ def first_day(variant: Variant | str) -> FirstDay:
     checkpoint = serving.model_gb
     shards = rank_weight_bytes(v, v.tp_degree) * v.tp_degree / GB
     ebs_gb_min = EBS_GP3_MIB_S * 2**20 * 60 / GB
+    context = full_settings(v)["context_length"]
     return FirstDay(
         v.name,
         v.tp_degree,
@@ -87,7 +90,8 @@ def first_day(variant: Variant | str) -> FirstDay:
         shards / ebs_gb_min,
         NEW_TOKENS * checkpoint / HOST_GB_S / 60,
         serving.peak_gb,
-        cores.compile_peak_gb,
+        compile_peak_at(v, v.tp_degree, context),
+        context,
     )
 
 
@@ -109,7 +113,7 @@ def format_first_day(rows: list[FirstDay]) -> str:
             f"{r.shards_gb:.1f} + {r.workdir_gb:.0f} (computed; workdir an allowance) | "
             f"~{r.download_min:.0f} min (at {DOWNLOAD_MB_S:.0f} MB/s, unverified) | "
             f"~{r.load_min:.1f} min (gp3 baseline, computed) | {compile_cell} | "
-            f"~{r.compile_peak_gb:.0f} GB (computed; compiler's own RAM unverified) | "
+            f"~{r.compile_peak_gb:.0f} GB at {r.context:,} tokens (computed; the compiler's RAM assumed, unverified) | "
             f"~{r.to_cores_min:.1f} min (gp3 baseline, computed; device copy unverified) | "
             f"~{r.reference_min:.1f} min ({NEW_TOKENS} tokens at {HOST_GB_S:.0f} GB/s, unverified) | "
             f"{r.serving_peak_gb:.1f} GB (computed) |"

@@ -1,7 +1,8 @@
 """The lab's inf2 tables: every variant's decode ceilings, prefill floors and batched ceilings as
 markdown (docs/ROOFLINE.md), a benchmark report's rows for `plots.measured_vs_ceiling`, and the
 family tables `python -m gemma4lab plan` prints (`family_report`): the per-core memory plan of every
-variant, the serving host of each, and the vision part's tables and image prefill floor.
+variant, the planned contexts per inf2 size (`context_table`), the serving host of each, and the vision
+part's tables and image prefill floor.
 
 Computed from shapes by the planners in `gemma4lib.inf2` (one variant at a time: what the port's
 preflight and `python -m gemma4lib doctor --variant V` check) and `gemma4lab.inf2`; this module only
@@ -11,6 +12,7 @@ runs them over the family and lays their rows out.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from dataclasses import asdict
 from typing import Any
 
 from gemma4lab.inf2.batch_roofline import BATCHES, batch_ceilings
@@ -18,7 +20,7 @@ from gemma4lab.inf2.image_prefill import format_image_prefill_table, image_prefi
 from gemma4lab.inf2.prefill import prefill_estimate
 from gemma4lab.inf2.roofline import ceiling_tok_s, decode_bytes, device_params, plan_split
 from gemma4lib.inf2.hardware import GB, GIB, INSTANCES, NEURON_TP_DEGREES
-from gemma4lib.inf2.memory_plan import DEFAULT_CONTEXT, CoreMemoryPlan, plan_core_memory
+from gemma4lib.inf2.memory_plan import DEFAULT_CONTEXT, CoreMemoryPlan, context_plan, largest_context, plan_core_memory
 from gemma4lib.inf2.params import ParamCounts, count_params, meta_model
 from gemma4lib.inf2.serving_host import ServingHostPlan, serving_host_plan
 from gemma4lib.inf2.vision_plan import PLACEMENT, REPORTED, SOURCE, VisionPlan, vision_plan
@@ -249,6 +251,47 @@ def format_serving_host(plans: list[ServingHostPlan]) -> str:
     return "\n".join(lines)
 
 
+TARGETS = (8192, 32768, 131072)  # issue 48 item 4's contexts, then each variant's released maximum
+
+
+def context_table() -> list[dict[str, Any]]:
+    """Per variant and inf2 size it runs on: the longest planned context (`largest_context`), both bounds,
+    and for 8K / 32K / 128K / the released maximum whether it fits, else the bound it breaks."""
+    rows = []
+    for v in VARIANTS.values():
+        for instance in INSTANCES:
+            context, tp = largest_context(v, instance)
+            if not context:
+                continue
+            plan = context_plan(v, instance, tp)
+            targets = [
+                (t, "fits" if t <= context else "HBM" if t > plan.device_context else "compile RAM")
+                for t in (*TARGETS, v.released_context)
+            ]
+            hopeful = context_plan(v, instance, tp, least=True).context  # the compiler at its least
+            rows.append(
+                {**asdict(plan), "context": context, "binding": plan.binding, "targets": targets, "hopeful": hopeful}
+            )
+    return rows
+
+
+def format_context_table(rows: list[dict[str, Any]]) -> str:
+    """Markdown rows of `context_table`."""
+    lines = [
+        "| variant | instance | TP | HBM bound | compile bound (host) | planned | 8K | 32K | 128K | released max | "
+        "planned at the least compiler RAM |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        marks = " | ".join(f"{m} ({t:,})" if i == 3 else m for i, (t, m) in enumerate(r["targets"]))
+        lines.append(
+            f"| {r['variant']} | {r['instance']} | {r['tp']} | {r['device_context']:,} | "
+            f"{r['compile_context']:,} ({r['compile_host']}, ~{r['compile_peak_gb']:.0f} GB at the planned) | "
+            f"{r['context']:,} ({r['binding']}) | {marks} | {r['hopeful']:,} |"
+        )
+    return "\n".join(lines)
+
+
 def serving_host_table() -> list[ServingHostPlan]:
     """Each variant at its recipe's TP on its recommended instance."""
     return [serving_host_plan(v) for v in VARIANTS.values()]
@@ -310,6 +353,7 @@ def family_report(context_length: int = DEFAULT_CONTEXT) -> dict[str, Any]:
             "plans": [p.to_dict() for p in plans],
             "table": format_plan_table(plans),
         },
+        "context_table": format_context_table(context_table()),
         "serving_host_table": format_serving_host(serving_host_table()),
         "vision": vision_report(context_length),
     }
@@ -323,6 +367,12 @@ def format_family(report: dict[str, Any]) -> str:
         f"an allowance, unverified on inf2):"
     ]
     lines += ["  " + row for row in m["table"].splitlines()]
+    lines.append(
+        "planned contexts per inf2 size (the least of the HBM bound and the compile host's, whose compiler RAM is "
+        "an assumed law calibrated on NxD Inference's 31B compiles: python -m gemma4lib doctor; computed, "
+        "unverified on inf2):"
+    )
+    lines += ["  " + row for row in report["context_table"].splitlines()]
     lines.append(
         "serving host per variant (bf16, prompt 128 + 64 new tokens; computed from the configs, the process "
         "base measured on CPU, unverified on inf2):"

@@ -232,7 +232,8 @@ def compile(graphs: GraphSet, model: LoadedModel, settings: PortSettings, progre
 
     def build(folder: Path) -> dict[str, Any]:
         if settings.profile == "full":  # the estimate is the released model's; tiny smoke models fit anywhere
-            warn_low_host_ram(model.variant, tp, recipe, len(key_graphs))  # before a compile the kernel might kill
+            shapes = {k: getattr(settings, k) for k in ("context_length", "prefill_buckets", "context_buckets")}
+            warn_low_host_ram(model.variant, tp, recipe, len(key_graphs), **shapes)  # before a kernel kill
         with compiler_workdir() as workdir, own_directory():  # workdir never inside the cache entry
             _compile(folder, workdir)
         return {"recipe": recipe, "tp": tp}

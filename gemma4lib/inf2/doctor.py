@@ -19,18 +19,21 @@ import shutil
 import subprocess
 import sys
 import warnings
+from dataclasses import asdict
 from typing import Any
 
 from ..errors import LowHostMemoryWarning, TensorParallelError
 from ..models.variants import get_variant
 from ..recipes import neuron_env
-from .compile_host import KEYS, compile_host_plan
+from .compile_host import COMPILER_CALIBRATION, KEYS, compile_host_plan, compiler_bytes_per_mac
 from .hardware import GB, INSTANCES, dmi_instance_type, host_instance_type, host_ram_bytes, smallest_instance
 from .memory_plan import (
     COMPILE_CALIBRATION,
     DEFAULT_CONTEXT,
     HOST_HEADROOM,
     compile_peak_gb,
+    context_plan,
+    full_settings,
     largest_context,
     neuron_recipe,
     plan_core_memory,
@@ -39,17 +42,27 @@ from .memory_plan import (
 from .serving_host import serving_host_plan
 
 FAMILY_TABLES = "python -m gemma4lab plan"  # the lab command that prints every variant's plans
+COMPILER_NOTE = (
+    "compile-host bound: neuronx-cc's RAM assumed {per_mac:.3f} B per attention multiply-accumulate of a key, the "
+    "keys compiled at once (NxD's ModelBuilder thread pool); the largest coefficient under which "
+    f"{COMPILER_CALIBRATION['source']} (at least {{least:.3f}}); unverified on inf2"
+)
 
 
 def estimate_compile_peak_gb(
-    variant: Any, tp: int | None = None, bytes_per_param: int = 2, recipe: str | None = None, keys: int = KEYS
+    variant: Any,
+    tp: int | None = None,
+    bytes_per_param: int = 2,
+    recipe: str | None = None,
+    keys: int = KEYS,
+    **shapes: Any,
 ) -> dict[str, Any]:
     """Estimated peak host RAM (GB) of compiling `variant` with `recipe` (default: `neuron_recipe`'s)
-    at `tp` with `keys` ModelBuilder keys (`memory_plan`)."""
+    at `tp` with `keys` ModelBuilder keys (`memory_plan`; `shapes`: the context and buckets compiled)."""
     v = get_variant(variant) if isinstance(variant, str) else variant
     tp = tp or v.tp_degree
     recipe = neuron_recipe(v, tp, recipe)
-    peak, basis = compile_peak_gb(v, recipe, bytes_per_param, tp, keys)
+    peak, basis = compile_peak_gb(v, recipe, bytes_per_param, tp, keys, **shapes)
     host = smallest_instance(tp, peak * HOST_HEADROOM)
     return {
         "variant": v.name,
@@ -87,11 +100,14 @@ def compile_ram_warning(estimate: dict[str, Any], ram: int) -> str | None:
     return None
 
 
-def warn_low_host_ram(variant: Any, tp: int | None = None, recipe: str | None = None, keys: int = KEYS) -> str | None:
+def warn_low_host_ram(
+    variant: Any, tp: int | None = None, recipe: str | None = None, keys: int = KEYS, **shapes: Any
+) -> str | None:
     """Before a compile: warn (`LowHostMemoryWarning`, and the log) when this host's RAM is below or near
-    the estimated compile peak of `variant` with `recipe` and `keys` keys; returns the warning text
-    (None when it fits)."""
-    message = compile_ram_warning(estimate_compile_peak_gb(variant, tp, recipe=recipe, keys=keys), host_ram_bytes())
+    the estimated compile peak of `variant` with `recipe` and `keys` keys (`shapes`: the context and
+    buckets compiled, so the compiler's planned RAM counts); returns the warning text (None when it fits)."""
+    estimate = estimate_compile_peak_gb(variant, tp, recipe=recipe, keys=keys, **shapes)
+    message = compile_ram_warning(estimate, host_ram_bytes())
     if message:
         logging.getLogger(__name__).warning(message)
         warnings.warn(message, LowHostMemoryWarning, stacklevel=2)
@@ -248,7 +264,17 @@ def run_doctor(
             serving = serving_host_plan(v, tp, host_instance_type(), context_length=context_length, vision=vision)
             report["serving_host"] = {**serving.to_dict(), "summary": serving.summary()}
             longest = {i: largest_context(v, i) for i in INSTANCES}
-            report["contexts"] = {i: {"context": c, "tp": t} for i, (c, t) in longest.items()}
+            report["contexts"] = {
+                i: {
+                    "context": c,
+                    "tp": t,
+                    "binding": context_plan(v, i, t).binding if c else None,
+                    "hopeful": context_plan(v, i, t, least=True).context if c else 0,
+                }
+                for i, (c, t) in longest.items()
+            }
+            planned = context_plan(v, v.instance_type, v.tp_degree)
+            report["full_profile"] = {**full_settings(v), "plan": {**asdict(planned), "binding": planned.binding}}
             if not serving.fits:
                 warnings.append(serving.summary() + "; " + "; ".join(serving.problems))
         if devices["cores"] and tp > devices["cores"]:
@@ -294,9 +320,21 @@ def format_doctor(report: dict[str, Any]) -> str:
         e = report["compile_estimate"]
         host = e["smallest_instance_with_headroom"] or "no inf2 size"
         lines.append(f"{report['compile_host']['summary']}; compile on {host} or larger (20 % headroom)")
-    if "contexts" in report:  # per-core HBM only: the compiler's own RAM at long contexts is not planned
-        longest = [f"{i} {c['context']:,} (TP={c['tp']})" for i, c in report["contexts"].items() if c["context"]]
+    if "contexts" in report:  # the least of the HBM bound and the compile host's (its compiler RAM assumed)
+        longest = [
+            f"{i} {c['context']:,} (TP={c['tp']}, {c['binding']}; {c['hopeful']:,} at the least compiler RAM)"
+            for i, c in report["contexts"].items()
+            if c["context"]
+        ]
         lines.append("longest context per instance (computed, unverified on inf2): " + ", ".join(longest))
+        lines.append(COMPILER_NOTE.format(per_mac=compiler_bytes_per_mac(), least=compiler_bytes_per_mac(least=True)))
+        f, p = report["full_profile"], report["full_profile"]["plan"]
+        planned = min(p["device_context"], p["compile_context"])
+        lines.append(
+            f"full profile: context {f['context_length']:,}, prefill buckets {f['prefill_buckets']}, context buckets "
+            f"{f['context_buckets']} at TP={p['tp']} on {p['instance']} (planned {planned:,}: {p['binding']}; "
+            f"compile ~{p['compile_peak_gb']:.0f} GB on {p['compile_host']})"
+        )
     if "tp" in report:
         lines.append(f"TP={report['tp']['degree']}: " + ("ok" if report["tp"]["ok"] else report["tp"]["error"]))
     for w in report["warnings"]:

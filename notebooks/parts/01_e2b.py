@@ -7,6 +7,8 @@ e2b
 google/gemma-4-E2B-it
 # -- part: tp --
 1
+# -- part: full_shapes --
+context_length: 8192, prefill_buckets: [128, 512], context_buckets: [2048]
 # -- part: instance --
 inf2.xlarge
 # -- part: header --

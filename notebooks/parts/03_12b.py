@@ -7,6 +7,8 @@ brief
 google/gemma-4-12B-it
 # -- part: tp --
 2
+# -- part: full_shapes --
+context_length: 2048, prefill_buckets: [128, 512], context_buckets: []
 # -- part: instance --
 inf2.8xlarge
 # -- part: header --
@@ -140,17 +142,25 @@ if tp_demo:
 #
 # The table plans one core at each context up to the released maximum (`nb.context_plan`); the loop
 # asks `largest_context`, per inf2 size, for the longest context whose K/V still fits beside the
-# weights, at a TP degree whose host side the instance's RAM holds (its serving-host plan). Both are computed from the released config and unverified on inf2; neither counts the
-# Neuron compiler's own RAM, which grows with the compiled length (README, the family table's note).
+# weights and whose compile fits the compile host's RAM, at a TP degree whose host side the instance's RAM
+# holds (its serving-host plan), and prints what HBM alone allows and which bound binds (`context_plan`).
+# All are computed from the released config and unverified on inf2; the compiler's own RAM, which grows
+# with the compiled length, is an assumed law on one published failure (README, the family table's note).
 
 # %%
-from gemma4lib.inf2.memory_plan import largest_context
+from gemma4lib.inf2.memory_plan import context_plan, largest_context
 
 demos["contexts"] = nb.context_plan(variant)  # one core at its TP on its own instance (GiB, computed)
 display(demos["contexts"])
 for instance in ("inf2.8xlarge", "inf2.24xlarge"):
     context, tp = largest_context(variant, instance)  # at the fewest cores that reach it
-    print(f"{instance}: longest context {context:,} tokens, at TP={tp}" if context else f"{instance}: none fits")
+    bound = context_plan(variant, instance, tp) if context else None
+    print(
+        f"{instance}: longest context {context:,} tokens, at TP={tp} (HBM alone: {bound.device_context:,}; "
+        f"bound: {bound.binding})"
+        if bound
+        else f"{instance}: none fits"
+    )
 # -- part: graph_note --
 # -- part: compile_note --
 # at TP=2: one rank compiled (the rank graph with NxD's parallel layers, the global KV head copied

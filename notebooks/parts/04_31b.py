@@ -7,6 +7,8 @@ brief
 google/gemma-4-31B-it
 # -- part: tp --
 8
+# -- part: full_shapes --
+context_length: 32768, prefill_buckets: [128, 512], context_buckets: [2048, 8192]
 # -- part: instance --
 inf2.24xlarge
 # -- part: header --
@@ -131,22 +133,31 @@ if tp_demo:
 # share of the heads. The cell's last lines measure that in the plan itself: past the sliding
 # window the rings stop growing, so what grows between two contexts is the full-attention layers'
 # K/V; it prints their part of a core's K/V at the longest context and what it would be without copies.
-# The loop gives both inf2 sizes the same figure: the recipe's TP degrees stop at eight
-# (`supported_tp`), so the larger instance adds cores to run more replicas, not room on each core.
+# HBM alone gives both inf2 sizes the same figure: the recipe's TP degrees stop at eight
+# (`supported_tp`), so the larger instance adds cores to run more replicas, not room on each core; its
+# larger host RAM does let a longer context compile.
 #
 # The table plans one core at each context up to the released maximum (`nb.context_plan`); the loop
 # asks `largest_context`, per inf2 size, for the longest context whose K/V still fits beside the
-# weights, at a TP degree whose host side the instance's RAM holds (its serving-host plan). Both are computed from the released config and unverified on inf2; neither counts the
-# Neuron compiler's own RAM, which grows with the compiled length (README, the family table's note).
+# weights and whose compile fits the compile host's RAM, at a TP degree whose host side the instance's RAM
+# holds (its serving-host plan), and prints what HBM alone allows and which bound binds (`context_plan`).
+# All are computed from the released config and unverified on inf2; the compiler's own RAM, which grows
+# with the compiled length, is an assumed law on one published failure (README, the family table's note).
 
 # %%
-from gemma4lib.inf2.memory_plan import largest_context, plan_core_memory
+from gemma4lib.inf2.memory_plan import context_plan, largest_context, plan_core_memory
 
 demos["contexts"] = nb.context_plan(variant)  # one core at its TP on its own instance (GiB, computed)
 display(demos["contexts"])
 for instance in ("inf2.24xlarge", "inf2.48xlarge"):
     context, tp = largest_context(variant, instance)  # at the fewest cores that reach it
-    print(f"{instance}: longest context {context:,} tokens, at TP={tp}" if context else f"{instance}: none fits")
+    bound = context_plan(variant, instance, tp) if context else None
+    print(
+        f"{instance}: longest context {context:,} tokens, at TP={tp} (HBM alone: {bound.device_context:,}; "
+        f"bound: {bound.binding})"
+        if bound
+        else f"{instance}: none fits"
+    )
 longest, ctx_tp = largest_context(variant, s.variant_spec.instance_type)
 kv = {c: plan_core_memory(variant, ctx_tp, context_length=c).kv_gib for c in (longest // 2, longest)}
 global_gib = 2 * (kv[longest] - kv[longest // 2])  # what grows past the window: the full-attention layers
