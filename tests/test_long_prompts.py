@@ -265,7 +265,8 @@ def test_port_records_the_chunks_of_a_long_prompt():
 def test_the_needle_port_answers_after_3000_tokens_of_filler():
     """Issue 48's done-when: `port --variant e2b --context-length 4096` (cpu, AOTInductor) of the capital
     question after ~3,000 tokens of filler passes SEQ_MATCH, LOGITS_MATCH and coherence, in 48 chunks
-    of the 64-token bucket. Slow: ~140 s of compiling, ~230 s in all, cold, on a loaded two-core machine."""
+    of the 64-token bucket. Slow: 241 s cold (~140 s of it compiling), 27 s with its graphs cached, measured
+    on a loaded two-core machine."""
     from gemma4lab.training.corpus import CANONICAL_PROMPT
     from gemma4lab.training.needle import needle_prompt
     from gemma4lib.models.trained import load_trained
