@@ -363,21 +363,24 @@ plots_serve.latency_and_throughput(levels, title, batch_rows=batch_size)
 # An agent asks the model which function to call, runs it itself, and sends the result back as a
 # `role: "tool"` message for the final answer. The request declares the function with a JSON schema
 # for its arguments, and `tool_choice` naming it forces the call: the server opens the reply with
-# Gemma-4's call marker and a grammar holds the name and arguments to the declaration, so the call
-# always parses, whatever the model would rather write. The reply's `tool_calls` carry it (an id, the
-# name, the arguments as JSON text).
+# Gemma-4's call marker and a grammar holds the name to the declared one and the arguments to Gemma-4's
+# object syntax, so the call always parses, whatever the model would rather write. The reply's
+# `tool_calls` carry it (an id, the name, the arguments as JSON text). The grammar does not hold the
+# arguments to the declared schema, so the agent checks them before it runs anything (here with
+# `jsonschema`) and sends an error back as the tool's result when they do not validate.
 #
 # The tiny trained models know neither tools nor Gemma-4's tool tokens (their tokenizer has none and
 # their chat template declares no tools), so this server refuses `tools` with a 400 naming the field,
 # and the cell prints that refusal. It then runs the same loop the way a client drives a model without
 # native tool calling: the call asked for as a structured reply whose schema is the call's (the
-# function's name, its arguments' schema). The grammar guarantees a valid call here too; which country
+# function's name, its arguments' schema). Here the grammar holds the arguments to their schema as
+# well (the structured reply below says how); which country
 # the model picks, and what its final reply says after a tool turn it was never trained on, is
 # whatever this tiny model writes (the cell prints both). On Gemma-4 itself the `try` branch runs.
 
 # %%
 tools_started = time.perf_counter()
-capitals = dict(COUNTRIES)
+capitals = dict(COUNTRIES[:4])  # the countries the tool knows: a short declaration fits the context
 
 
 def get_capital(country: str) -> str:
@@ -416,7 +419,7 @@ except BadRequestError as exc:  # the tiny fixtures: no tool tokens, no tools in
 call_args = json.loads(arguments)
 call_valid = name == "get_capital" and jsonschema.Draft202012Validator(parameters).is_valid(call_args)
 print(f"the call names get_capital and its arguments validate: {call_valid}")
-tool_result = get_capital(**call_args)
+tool_result = get_capital(**call_args) if call_valid else f"error: {arguments} does not match the declaration"
 print(f"ran {name}({call_args}) locally -> {tool_result!r}")
 loop = question + [said, {"role": "tool", "tool_call_id": call_id, "content": tool_result}]
 final = client.chat.completions.create(model=variant, messages=loop, max_tokens=max_tokens)
