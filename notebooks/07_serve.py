@@ -374,9 +374,10 @@ plots_serve.latency_and_throughput(levels, title, batch_rows=batch_size)
 # and the cell prints that refusal. It then runs the same loop the way a client drives a model without
 # native tool calling: the call asked for as a structured reply whose schema is the call's (the
 # function's name, its arguments' schema). Here the grammar holds the arguments to their schema as
-# well (the structured reply below says how); which country
-# the model picks, and what its final reply says after a tool turn it was never trained on, is
-# whatever this tiny model writes (the cell prints both). On Gemma-4 itself the `try` branch runs.
+# well (the structured reply below says how); which country the model picks, and what its final reply
+# says after a tool turn it was never trained on, is whatever this tiny model writes (the cell prints
+# both). A model whose template declares tools (Gemma-4's own) takes the `try` branch: not run here,
+# `tests/test_server_clients.py` runs this cell's branch against a scripted model that has the tokens.
 
 # %%
 tools_started = time.perf_counter()
