@@ -16,8 +16,9 @@
 # speaks (OpenAI's), serves many users at once, refuses politely when it is full, and can be
 # scaled out to more than one accelerator. This notebook starts that endpoint on the tiny trained
 # E2B (`python -m gemma4lib serve`), talks to it with the official `openai` client, puts it under
-# growing numbers of concurrent clients and measures what continuous batching buys, then shows the
-# inf2 route: one compiled bundle, several Ray Serve replicas loading it.
+# growing numbers of concurrent clients and measures what continuous batching buys, runs an agent's
+# tool loop and a structured reply through it, then shows the inf2 route: one compiled bundle,
+# several Ray Serve replicas loading it.
 #
 # Read `06_serving` first: the endpoint runs the batched graphs built there, through the same
 # engine (`runtime.Engine`), and explains only what a server adds on top.
@@ -80,9 +81,11 @@ results_path = "../runs/notebooks/serve.json"
 import asyncio
 import collections
 import dataclasses
+import json
 import time
 
 import httpx
+import jsonschema
 from IPython.display import display
 from openai import BadRequestError, OpenAI
 
@@ -355,6 +358,102 @@ title = f"tiny {variant} endpoint, {batch_size} rows, on this CPU"
 plots_serve.latency_and_throughput(levels, title, batch_rows=batch_size)
 
 # %% [markdown]
+# ## 5b. An agent's tool loop and a structured reply
+#
+# An agent asks the model which function to call, runs it itself, and sends the result back as a
+# `role: "tool"` message for the final answer. The request declares the function with a JSON schema
+# for its arguments, and `tool_choice` naming it forces the call: the server opens the reply with
+# Gemma-4's call marker and a grammar holds the name to the declared one and the arguments to Gemma-4's
+# object syntax, so the call always parses, whatever the model would rather write. The reply's
+# `tool_calls` carry it (an id, the name, the arguments as JSON text). The grammar does not hold the
+# arguments to the declared schema, so the agent checks them before it runs anything (here with
+# `jsonschema`) and sends an error back as the tool's result when they do not validate.
+#
+# The tiny trained models know neither tools nor Gemma-4's tool tokens (their tokenizer has none and
+# their chat template declares no tools), so this server refuses `tools` with a 400 naming the field,
+# and the cell prints that refusal. It then runs the same loop the way a client drives a model without
+# native tool calling: the call asked for as a structured reply whose schema is the call's (the
+# function's name, its arguments' schema). Here the grammar holds the arguments to their schema as
+# well (the structured reply below says how); which country the model picks, and what its final reply
+# says after a tool turn it was never trained on, is whatever this tiny model writes (the cell prints
+# both). A model whose template declares tools (Gemma-4's own) takes the `try` branch: not run here,
+# `tests/test_server_clients.py` runs this cell's branch against a scripted model that has the tokens.
+
+# %%
+tools_started = time.perf_counter()
+capitals = dict(COUNTRIES[:4])  # the countries the tool knows: a short declaration fits the context
+
+
+def get_capital(country: str) -> str:
+    """The tool the agent runs itself, on the arguments the model wrote."""
+    return capitals.get(country, "unknown")
+
+
+parameters = {"type": "object", "properties": {"country": {"enum": sorted(capitals)}}, "required": ["country"]}
+parameters["additionalProperties"] = False
+tool = {"type": "function", "function": {"name": "get_capital", "description": "A country's capital city."}}
+tool["function"]["parameters"] = parameters
+try:  # a model whose template declares tools: the server forces the call and parses it into tool_calls
+    first = client.chat.completions.create(
+        model=variant,
+        messages=question,
+        tools=[tool],
+        tool_choice={"type": "function", "function": {"name": "get_capital"}},
+        max_tokens=90,
+    )
+    (tool_call,) = first.choices[0].message.tool_calls
+    print(json.dumps(tool_call.model_dump(), indent=1))  # the raw call: id, type, function name and arguments
+    name, arguments, call_id = tool_call.function.name, tool_call.function.arguments, tool_call.id
+    said = first.choices[0].message.model_dump(exclude_none=True)  # the assistant's turn, its call in it
+except BadRequestError as exc:  # the tiny fixtures: no tool tokens, no tools in their template
+    if exc.body.get("param") != "tools":
+        raise
+    print(f"tools refused: {exc.status_code} {exc.body}")
+    call_schema = {"type": "object", "properties": {"name": {"const": "get_capital"}, "arguments": parameters}}
+    call_schema.update(required=["name", "arguments"], additionalProperties=False)
+    as_json = {"type": "json_schema", "json_schema": {"name": "tool_call", "schema": call_schema, "strict": True}}
+    first = client.chat.completions.create(model=variant, messages=question, response_format=as_json, max_tokens=90)
+    print("the call, as a structured reply:", first.choices[0].message.content)
+    reply_call = json.loads(first.choices[0].message.content)
+    name, arguments, call_id = reply_call["name"], json.dumps(reply_call["arguments"]), "call_0"
+    said = {"role": "assistant", "content": first.choices[0].message.content}
+call_args = json.loads(arguments)
+call_valid = name == "get_capital" and jsonschema.Draft202012Validator(parameters).is_valid(call_args)
+print(f"the call names get_capital and its arguments validate: {call_valid}")
+tool_result = get_capital(**call_args) if call_valid else f"error: {arguments} does not match the declaration"
+print(f"ran {name}({call_args}) locally -> {tool_result!r}")
+loop = question + [said, {"role": "tool", "tool_call_id": call_id, "content": tool_result}]
+final = client.chat.completions.create(model=variant, messages=loop, max_tokens=max_tokens)
+tool_final = final.choices[0].message.content
+print(f"final reply: {tool_final!r} (finish {final.choices[0].finish_reason})")
+
+# %% [markdown]
+# A **structured reply** is the same grammar on an ordinary answer: `response_format` with a
+# `json_schema` and `strict: true` holds every token of the reply to the schema, so `json.loads` never
+# fails and the object validates (`jsonschema` checks it here, as a client would). A string field is
+# bounded (`maxLength`) so a model that never closes its quote still ends within `max_tokens`; an
+# `enum` field can only be one of its values. The schema fixes the shape; the values are the model's.
+
+# %%
+schema = {
+    "type": "object",
+    "properties": {"country": {"type": "string", "maxLength": 16}, "capital": {"enum": sorted(capitals.values())}},
+    "required": ["country", "capital"],
+    "additionalProperties": False,
+}
+response_format = {"type": "json_schema", "json_schema": {"name": "capital", "schema": schema, "strict": True}}
+structured = client.chat.completions.create(
+    model=variant, messages=question, response_format=response_format, max_tokens=90
+)
+structured_text = structured.choices[0].message.content
+structured_reply = json.loads(structured_text)
+structured_valid = jsonschema.Draft202012Validator(schema).is_valid(structured_reply)
+print(f"structured reply: {structured_reply} (finish {structured.choices[0].finish_reason})")
+print(f"it validates against the schema: {structured_valid}")
+tools_s = time.perf_counter() - tools_started
+print(f"this section ran in {tools_s:.1f} s")
+
+# %% [markdown]
 # ## 6. Stop it: SIGTERM drains
 #
 # On SIGTERM the server stops taking requests (a new one gets 503 with `Retry-After`), lets every
@@ -424,10 +523,11 @@ else:
 # %% [markdown]
 # ## 8. Record
 #
-# One JSON record of this run: the answers, the error statuses, every load level, the server's
-# start-up and exit. `checks_passed` is true only when the plain reply says `expect`, the streamed
+# One JSON record of this run: the answers, the error statuses, every load level, the tool call and
+# the structured reply, the server's start-up and exit. `checks_passed` is true only when the plain reply says `expect`, the streamed
 # text equals it, the too-long request got its 400, the burst got at least one 429 with
-# `Retry-After`, every level completed with no mixed reply, and SIGTERM ended the server cleanly.
+# `Retry-After`, every level completed with no mixed reply, the tool call named its function with
+# arguments that validate, the structured reply validated, and SIGTERM ended the server cleanly.
 # The smoke job fails on a false one.
 
 # %%
@@ -439,6 +539,8 @@ checks = {
     "levels_complete": all(level.complete for level in levels),
     "none_mixed": sum(level.mixed for level in levels) == 0,
     "sigterm_exit_0": code == 0,
+    "tool_call_valid": call_valid,
+    "structured_reply_validates": structured_valid,
 }
 record = {
     "kind": "serve",
@@ -457,6 +559,9 @@ record = {
     "server_ready_s": server.ready_s,
     "compile_s": health.get("compile_s"),
     "sigterm_exit": code,
+    "tool_call": {"name": name, "arguments": call_args, "result": tool_result, "final": tool_final},
+    "structured_reply": structured_text,
+    "tools_s": tools_s,
     "checks": checks,
     "failed_checks": [name for name, ok in checks.items() if not ok],
     "checks_passed": all(checks.values()),

@@ -504,7 +504,8 @@ def test_06_serving_follows_its_sections_and_shows_the_recipe():
     assert len(nb.cells) <= SERVING_MAX_CELLS, f"06_serving has {len(nb.cells)} cells; at most {SERVING_MAX_CELLS}"
 
 
-SERVE_SECTIONS = [  # 07_serve: why, start, the client, errors and 429, load, metrics, plots, drain, inf2, record
+SERVE_SECTIONS = [  # 07_serve: why, start, the client, errors and 429, load, metrics, plots, tools and a
+    # structured reply, drain, inf2, record
     "### Runs on",
     "## Parameters",
     "## Setup",
@@ -515,6 +516,7 @@ SERVE_SECTIONS = [  # 07_serve: why, start, the client, errors and 429, load, me
     "## 4. N concurrent clients",
     "### What the server counted",
     "## 5. Plots",
+    "## 5b. An agent's tool loop and a structured reply",
     "## 6. Stop it",
     "## 7. On inf2",
     "## 8. Record",
@@ -529,6 +531,11 @@ SERVE_CALLS = [  # the endpoint's recipe, in the cells themselves
     "nb.load_levels_table(levels)",
     "/metrics",
     "plots_serve.latency_and_throughput(levels",
+    'tool_choice={"type": "function", "function": {"name": "get_capital"}}',  # the forced call
+    ".message.tool_calls",  # parsed by the server
+    '{"role": "tool", "tool_call_id": call_id, "content": tool_result}',  # the result sent back
+    '"json_schema": {"name": "capital", "schema": schema, "strict": True}',  # the structured reply
+    "jsonschema.Draft202012Validator(schema).is_valid(structured_reply)",  # validated as a client would
     "server.stop()",
     '"on the compile host, once: python -m gemma4lib export", *port_args',  # it compiles the bundle
     'args += ["--artifacts", artifacts]',  # the server on inf2 loads it

@@ -15,7 +15,7 @@ import asyncio
 
 import pytest
 from test_server import EOS
-from test_server_tools import MODEL, ScriptedEngine, tool_tokenizer  # noqa: F401 (a fixture)
+from test_server_tools import MODEL, ScriptedEngine, served, tool_tokenizer  # noqa: F401 (fixtures)
 
 from gemma4lab.serving.background import BackgroundServer
 from gemma4lib.server.launch import build_served
@@ -79,3 +79,36 @@ def test_langchain_bind_tools_gets_the_parsed_call(server):
     result = ToolMessage(get_capital(**first.tool_calls[0]["args"]), tool_call_id=first.tool_calls[0]["id"])
     final = bound.invoke([question, first, result])
     assert final.content == "The capital of France is Lutetia." and not final.tool_calls
+
+
+def test_the_notebooks_tool_loop_cell_takes_the_native_route_on_a_tool_template(served, capsys):  # noqa: F811
+    """07_serve's tool-loop cell against a server whose template declares tools (test_server_tools'
+    scripted engine, its rows held by the grammar): the `try` branch, which the tiny fixtures never
+    reach, forces the call, parses it from `tool_calls`, runs it, and sends the result back as a tool
+    turn (an error when the arguments break the declared schema, which the grammar does not hold them to);
+    the scripted model's final reply then quotes that result."""
+    import json
+    from pathlib import Path
+
+    import jsonschema
+    import nbformat
+    from openai import BadRequestError, OpenAI
+
+    from gemma4lib.models.corpus import COUNTRIES
+
+    path = Path(__file__).resolve().parent.parent / "notebooks" / "07_serve.ipynb"
+    (cell,) = [c.source for c in nbformat.read(str(path), as_version=4).cells if "tools_started =" in c.source]
+    server, _ = served
+    client = OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=30)
+    namespace = {"client": client, "variant": MODEL, "question": [{"role": "user", "content": "Capital of France?"}]}
+    namespace.update(
+        max_tokens=160, COUNTRIES=COUNTRIES, json=json, jsonschema=jsonschema, BadRequestError=BadRequestError
+    )
+    exec(compile(cell, "07_serve.ipynb[tool loop]", "exec"), {"time": __import__("time"), **namespace}, namespace)
+    printed = capsys.readouterr().out
+    assert "tools refused" not in printed and '"type": "function"' in printed  # the raw call, from tool_calls
+    # the grammar held the name; the arguments (this scripted model's keys) are checked, not trusted
+    valid = jsonschema.Draft202012Validator(namespace["parameters"]).is_valid(namespace["call_args"])
+    assert namespace["name"] == "get_capital" and namespace["call_valid"] is valid
+    print("arguments:", namespace["call_args"], "valid:", valid, "result:", namespace["tool_result"])
+    assert namespace["tool_final"] == f"The capital of France is {namespace['tool_result']}."
