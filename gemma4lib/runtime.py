@@ -818,15 +818,21 @@ class Engine:
         for r in live:
             row, d = self.rows[r], drafts[r]
             n_ok, tokens = self._judge(row, v_logits[r], d, proposals.get(r, ([], None))[1])
-            kept = self._emit(row, tokens, [v_logits[r, i] for i in range(len(tokens))])
-            row.accepted.append(n_ok)
-            row.emitted.append(len(kept))
-            row.drafted.append(len(d))
-            row.position += n_ok + 1
-            if v_hidden is not None:
-                row.hidden = v_hidden[r, n_ok].clone()
-            new[r] = kept
+            logits = [v_logits[r, i] for i in range(len(tokens))]
+            new[r] = self._advance(row, n_ok, tokens, logits, len(d), None if v_hidden is None else v_hidden[r, n_ok])
         return new
+
+    def _advance(self, row: _Row, n_ok: int, tokens: list[int], logits: Sequence, drafted: int, hidden) -> list[int]:
+        """A verified round's outcome for `row`: its tokens emitted, its counts, its position, the
+        hidden state its next draft starts from; the tokens kept."""
+        kept = self._emit(row, tokens, logits)
+        row.accepted.append(n_ok)
+        row.emitted.append(len(kept))
+        row.drafted.append(drafted)
+        row.position += n_ok + 1
+        if hidden is not None:
+            row.hidden = hidden.clone()
+        return kept
 
     def _device_judges(self, row: _Row) -> bool:
         """Whether the device may judge this row's drafts (`Steps.verify_ids`): greedy, logits unread."""
@@ -849,14 +855,9 @@ class Engine:
                 row.finish, row.fault = "error", RuntimeError("the device found this row's logits not finite")
                 new[r] = []
                 continue
-            kept = self._emit(row, tokens, [None] * len(tokens))
-            row.accepted.append(n_ok)
-            row.emitted.append(len(kept))
-            row.drafted.append(len(drafts[r]))
-            row.position += n_ok + 1
-            if hidden is not None:
-                row.hidden = hidden[r].clone()
-            new[r] = kept
+            new[r] = self._advance(
+                row, n_ok, tokens, [None] * len(tokens), len(drafts[r]), None if hidden is None else hidden[r]
+            )
         return new
 
     def _judge(

@@ -9,7 +9,7 @@ wired in (`registry`): a new backend is one module and one row (`Backend` is a `
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ..errors import UnknownNameError
 
@@ -49,36 +49,26 @@ class BackendFacts:
     checkpoint_dtype: str = "float32"  # what a released checkpoint is loaded as for it
 
 
+# cpu and eager differ only in their compiler and bundles: eager compiles nothing to bundle
+_CPU = BackendFacts(
+    "cpu",
+    "torch.export + AOTInductor, artifact cache",
+    "any CPU",
+    cpu_balance=True,
+    takes_graphs=True,
+    tp_ranks="gloo",
+    bundles=True,
+    row_prefill=True,
+    images=True,
+    request_images=True,
+    image_blocks=True,
+    int8=True,
+)
 FACTS: dict[str, BackendFacts] = {
     f.name: f
     for f in (
-        BackendFacts(
-            "cpu",
-            "torch.export + AOTInductor, artifact cache",
-            "any CPU",
-            cpu_balance=True,
-            takes_graphs=True,
-            tp_ranks="gloo",
-            bundles=True,
-            row_prefill=True,
-            images=True,
-            request_images=True,
-            image_blocks=True,
-            int8=True,
-        ),
-        BackendFacts(
-            "eager",
-            "none: the same graphs, uncompiled",
-            "any CPU",
-            cpu_balance=True,
-            takes_graphs=True,
-            tp_ranks="gloo",
-            row_prefill=True,
-            images=True,
-            request_images=True,
-            image_blocks=True,
-            int8=True,
-        ),
+        _CPU,
+        replace(_CPU, name="eager", compiler="none: the same graphs, uncompiled", bundles=False),
         BackendFacts(
             "xla",
             "torch_xla (the front end torch-neuronx uses)",

@@ -77,14 +77,6 @@ def _xla():
     return torch_xla, met
 
 
-def xla_available() -> bool:
-    try:
-        import torch_xla  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
 def xla_device():
     torch_xla, _ = _xla()
     return torch_xla.device()

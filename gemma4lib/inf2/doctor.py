@@ -50,19 +50,14 @@ COMPILER_NOTE = (
 
 
 def estimate_compile_peak_gb(
-    variant: Any,
-    tp: int | None = None,
-    bytes_per_param: int = 2,
-    recipe: str | None = None,
-    keys: int = KEYS,
-    **shapes: Any,
+    variant: Any, tp: int | None = None, recipe: str | None = None, keys: int = KEYS, **shapes: Any
 ) -> dict[str, Any]:
     """Estimated peak host RAM (GB) of compiling `variant` with `recipe` (default: `neuron_recipe`'s)
     at `tp` with `keys` ModelBuilder keys (`memory_plan`; `shapes`: the context and buckets compiled)."""
     v = get_variant(variant) if isinstance(variant, str) else variant
     tp = tp or v.tp_degree
     recipe = neuron_recipe(v, tp, recipe)
-    peak, basis = compile_peak_gb(v, recipe, bytes_per_param, tp, keys, **shapes)
+    peak, basis = compile_peak_gb(v, recipe, 2, tp, keys, **shapes)  # bf16 weights
     host = smallest_instance(tp, peak * HOST_HEADROOM)
     return {
         "variant": v.name,

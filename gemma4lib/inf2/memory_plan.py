@@ -320,42 +320,21 @@ def fitting_options(
     return sorted(fitting, key=lambda p: p.compile_host != p.instance)  # stable: size order kept
 
 
-def require_fit(
-    variant: Variant | str,
-    tp: int,
-    *,
-    instance: str | None,
-    context_length: int,
-    ring: bool,
-    recipe: str | None = None,
-    weights: str = "bf16",
-    batch: int = 1,
-    draft_tokens: int | None = None,
-    vision: bool = False,
-) -> CoreMemoryPlan:
+def require_fit(variant: Variant | str, tp: int, *, instance: str | None, **shapes: Any) -> CoreMemoryPlan:
     """Raise when the released model cannot run at `tp` on `instance` (default: the variant's):
     `TensorParallelError` for a degree inf2 cannot run, `DeviceMemoryError` for one that does not fit a
-    core or the compile host (with `draft_tokens`: the assistant's weights too; with `vision`: the
-    vision part on rank 0's core); the message names configurations that fit."""
+    core or the compile host; `shapes` are `plan_core_memory`'s (with `draft_tokens`: the assistant's
+    weights too; with `vision`: the vision part on rank 0's core); the message names configurations
+    that fit."""
     v = get_variant(variant) if isinstance(variant, str) else variant
     require_neuron_tp(v, tp, instance)
-    plan = plan_core_memory(
-        v,
-        tp,
-        instance=instance,
-        context_length=context_length,
-        ring=ring,
-        recipe=recipe,
-        weights=weights,
-        batch=batch,
-        draft_tokens=draft_tokens,
-        vision=vision,
-    )
+    plan = plan_core_memory(v, tp, instance=instance, **shapes)
     if not plan.fits:
+        batch, weights = shapes.get("batch", 1), shapes.get("weights", "bf16")
         at = f" with batch {batch}" if batch > 1 else ""
+        options = fitting_options(v, shapes["context_length"], shapes["ring"], weights, batch)
         raise DeviceMemoryError(
-            f"{v.name} at TP={tp} on {plan.instance}{at} does not fit: {'; '.join(plan.problems)}; "
-            f"use {_hint(fitting_options(v, context_length, ring, weights, batch))}"
+            f"{v.name} at TP={tp} on {plan.instance}{at} does not fit: {'; '.join(plan.problems)}; use {_hint(options)}"
         )
     return plan
 
