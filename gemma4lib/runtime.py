@@ -770,11 +770,7 @@ class Engine:
         for r in live:
             row, token = self.rows[r], int(ids[r])
             row.position += 1
-            if token < 0:
-                row.finish, row.fault = "error", RuntimeError("the device found this row's logits not finite")
-                new[r] = []
-            else:
-                new[r] = self._emit(row, [token], [None])
+            new[r] = self._device_fault(row) if token < 0 else self._emit(row, [token], [None])
         return new
 
     def _choose(self, row: _Row, logits: torch.Tensor) -> int | None:
@@ -834,6 +830,12 @@ class Engine:
             row.hidden = hidden.clone()
         return kept
 
+    @staticmethod
+    def _device_fault(row: _Row) -> list[int]:
+        """End `row` alone: the device marked a token -1, its logits not finite (`graph.choose_tokens`)."""
+        row.finish, row.fault = "error", RuntimeError("the device found this row's logits not finite")
+        return []
+
     def _device_judges(self, row: _Row) -> bool:
         """Whether the device may judge this row's drafts (`Steps.verify_ids`): greedy, logits unread."""
         return row.request.sampling.greedy and self._device_chooses(row)
@@ -852,8 +854,7 @@ class Engine:
             row, n_ok = self.rows[r], int(verdict[r, 0])
             tokens = [int(t) for t in verdict[r, 1 : n_ok + 2]]
             if min(tokens) < 0:
-                row.finish, row.fault = "error", RuntimeError("the device found this row's logits not finite")
-                new[r] = []
+                new[r] = self._device_fault(row)
                 continue
             new[r] = self._advance(
                 row, n_ok, tokens, [None] * len(tokens), len(drafts[r]), None if hidden is None else hidden[r]

@@ -162,8 +162,11 @@ def rank_steps(rank: int, job: RankJob) -> tuple[dict[str, Any], list[torch.Tens
     else:
         steps["decode"] = AliasEmulator(kv.sharing(with_shape(base, shape(1), job.decode_experts)))
     for name, at in job.contexts.items():  # the same rank graph reading the first `at.reads` slots
-        graph = verify_of(base, at) if name.startswith("verify") else with_shape(base, at)
-        graph.expert_form = job.decode_experts if at.tokens == 1 else graph.expert_form
+        graph = (
+            verify_of(base, at)
+            if name.startswith("verify")
+            else with_shape(base, at, job.decode_experts if at.tokens == 1 else None)
+        )
         steps[name] = AliasEmulator(kv.sharing(graph))
     return steps, list(kv.kv), missing
 
