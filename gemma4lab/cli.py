@@ -1,5 +1,6 @@
 """The lab's command line: `python -m gemma4lab bench` (the benchmark suite), `python -m gemma4lab
-faults` (the fault lab) and `python -m gemma4lab plan` (the inf2 plans of every variant). Beside the
+faults` (the fault lab), `python -m gemma4lab plan` (the inf2 plans of every variant) and `python -m
+gemma4lab doctor` (this machine against the pinned SDK, one variant's plans). Beside the
 library: it imports `gemma4lib`, never the other way round."""
 
 from __future__ import annotations
@@ -49,6 +50,14 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_doctor(args: argparse.Namespace) -> int:
+    from .tools.doctor import format_doctor, run_doctor
+
+    report = run_doctor(variant=args.variant, tp=args.tp, vision=args.vision)
+    print(json.dumps(report, default=str) if args.json else format_doctor(report))
+    return 0
+
+
 def cmd_plan(args: argparse.Namespace) -> int:
     from .tools.inf2_tables import family_report, format_family
 
@@ -74,6 +83,17 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.set_defaults(func=cmd_faults)
 
+    p = sub.add_parser("doctor", help="check this machine against the pinned Neuron SDK 2.28 set; one variant's plans")
+    p.add_argument("--variant")
+    p.add_argument("--tp", type=int)
+    p.add_argument(
+        "--vision",
+        action="store_true",
+        help="plan --variant with its vision part (weights + activations on one core; computed, unverified)",
+    )
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_doctor)
+
     p = sub.add_parser("bench", help="side-by-side decode benchmarks")
     p.add_argument("--suite", default="cpu")
     p.add_argument("--quick", action="store_true", help="tiny models only (schema check)")
@@ -85,7 +105,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser(
         "plan",
         help="every variant's per-core memory plan, serving host and vision part on inf2 (computed, unverified); "
-        "one variant: python -m gemma4lib doctor --variant V",
+        "one variant: python -m gemma4lab doctor --variant V",
     )
     p.add_argument("--context-length", type=int, default=DEFAULT_CONTEXT)
     p.add_argument("--json", action="store_true")

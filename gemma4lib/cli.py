@@ -1,4 +1,4 @@
-"""`python -m gemma4lib <command>`: port, export, serve, faults, doctor, bench.
+"""`python -m gemma4lib <command>`: port, export, serve.
 
 Every command prints human-readable text, or one JSON object with `--json`. Exit status is
 non-zero when a correctness check fails (`port`: SEQ_MATCH, LOGITS_MATCH or coherence, or the
@@ -257,14 +257,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return serve_loaded(load_engine(settings), args)
 
 
-def cmd_doctor(args: argparse.Namespace) -> int:
-    from .inf2.doctor import format_doctor, run_doctor
-
-    report = run_doctor(variant=args.variant, tp=args.tp, vision=args.vision)
-    print(json.dumps(report, default=str) if args.json else format_doctor(report))
-    return 0
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m gemma4lib", description=__doc__.splitlines()[0])
     parser.add_argument("-v", "--verbose", action="store_true")
@@ -316,17 +308,6 @@ def build_parser() -> argparse.ArgumentParser:
         "needs RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=1 exported)",
     )
     p.set_defaults(func=cmd_serve)
-
-    p = sub.add_parser("doctor", help="check the environment against the pinned Neuron SDK 2.28 set")
-    p.add_argument("--variant")
-    p.add_argument("--tp", type=int)
-    p.add_argument(
-        "--vision",
-        action="store_true",
-        help="plan --variant with its vision part (weights + activations on one core; computed, unverified)",
-    )
-    p.add_argument("--json", action="store_true")
-    p.set_defaults(func=cmd_doctor)
 
     return parser
 

@@ -77,7 +77,7 @@
 # *before* JupyterLab starts (a kernel inherits its environment when it starts),
 # `bash scripts/lab.sh --neuron` to open these notebooks on the Neuron venv's kernel without touching its
 # torch or SDK packages, the disk and the time of each step (each marked computed, field report or
-# unverified), and a troubleshooting table. `python -m gemma4lib doctor --variant e2b` ([`doctor`](#doctor)) prints the
+# unverified), and a troubleshooting table. `python -m gemma4lab doctor --variant e2b` ([`doctor`](#doctor)) prints the
 # plan of both memories that decide a run: the NeuronCores' [HBM](#hbm) and the serving host's RAM (the
 # model, the host tables, the weight shards at load time and the reference the checks run).
 
@@ -319,7 +319,7 @@ overview["variants_found"]
 #   call; its packed weight layout speeds up small-batch products on CPU (`device.packed_linear`).
 # - <a id="ttft"></a>**TTFT** (time to first token): from sending a request to its first text; it
 #   holds the wait in the queue and the prompt's prefill.
-# - <a id="doctor"></a>**`doctor`**: `python -m gemma4lib doctor`, which reports what this machine or
+# - <a id="doctor"></a>**`doctor`**: `python -m gemma4lab doctor`, which reports what this machine or
 #   inf2 host can run (RAM, venv, SDK pieces) and the memory plan for a variant before you start.
 #
 # ## Appendix: the field report

@@ -52,7 +52,7 @@ from gemma4lib.errors import (
     UnknownNameError,
     VariantMismatchError,
 )
-from gemma4lib.inf2 import doctor
+from gemma4lib.inf2 import compile_ram
 from gemma4lib.inf2.memory_plan import neuron_recipe, require_fit, require_neuron_tp
 from gemma4lib.models import checkpoint as checkpoint_module
 from gemma4lib.models import hub
@@ -355,8 +355,8 @@ def truncated_meta_then_get(ctx: Ctx) -> None:
 
 
 def low_ram(ctx: Ctx) -> str | None:
-    ctx.mp.setattr(doctor, "host_ram_bytes", lambda: 16 * 2**30)  # an inf2.xlarge
-    return doctor.warn_low_host_ram("31b", 8)
+    ctx.mp.setattr(compile_ram, "host_ram_bytes", lambda: 16 * 2**30)  # an inf2.xlarge
+    return compile_ram.warn_low_host_ram("31b", 8)
 
 
 def malformed_baseline(ctx: Ctx):
@@ -1000,7 +1000,7 @@ def test_low_ram_warning_comes_before_the_neuron_compile(tmp_path, monkeypatch):
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # the compiler workdir lands here, not in /tmp
     events = []
     monkeypatch.setattr(neuron_env, "require", lambda *a, **k: None)
-    monkeypatch.setattr(doctor, "host_ram_bytes", lambda: 4 * 2**30)
+    monkeypatch.setattr(compile_ram, "host_ram_bytes", lambda: 4 * 2**30)
 
     def compiler(*args, **kwargs):
         events.append("compile")
@@ -1018,6 +1018,8 @@ def test_doctor_reports_the_ram_estimate(monkeypatch):
     """E2B's ModelBuilder compile (its default) does not fit the 16 GiB inf2.xlarge it runs on: the
     doctor says where it does, and that the trace recipe's compile (weights kept out of the NEFF)
     fits here; the 12B's ModelBuilder compile does not fit a 16 GiB host either."""
+    from gemma4lab.tools import doctor
+
     monkeypatch.setattr(doctor, "host_ram_bytes", lambda: 16 * 2**30)
     report = doctor.run_doctor("e2b")
     assert report["compile_estimate"]["recipe"] == "model_builder"

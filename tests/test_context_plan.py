@@ -129,7 +129,7 @@ def test_the_full_profile_notebook_command_and_readme_are_the_plan():
 
 
 def test_the_doctor_prints_the_bounds_the_assumption_and_the_full_profile(monkeypatch):
-    from gemma4lib.inf2.doctor import format_doctor, run_doctor
+    from gemma4lab.tools.doctor import format_doctor, run_doctor
 
     monkeypatch.delenv("GEMMA4LIB_INSTANCE_TYPE", raising=False)
     text = format_doctor(run_doctor("31b"))
@@ -150,7 +150,7 @@ def test_the_doctor_prints_the_bounds_the_assumption_and_the_full_profile(monkey
 def test_the_warning_before_a_compile_counts_the_compilers_planned_ram():
     """The neuron backend hands the compiled context and buckets to `warn_low_host_ram`: E2B's full profile
     plans ~126 GB with the compiler on an inf2.8xlarge's 128 GiB (tight), where the host side alone is ~19 GB."""
-    from gemma4lib.inf2.doctor import compile_ram_warning, estimate_compile_peak_gb
+    from gemma4lib.inf2.compile_ram import compile_ram_warning, estimate_compile_peak_gb
 
     ram = INSTANCES["inf2.8xlarge"].host_ram_gib * GIB
     settings = full_settings("e2b")

@@ -38,7 +38,12 @@ def prompt(name, n=20):
 
 
 # besides the recipes: modules that must import without the SDK too (the vision graph's recipe included)
-CLEAN_IMPORTS = ["gemma4lib.recipes.neuron_env", "gemma4lib.inf2.doctor", "gemma4lib.recipes.neuron_vision"]
+CLEAN_IMPORTS = [
+    "gemma4lib.recipes.neuron_env",
+    "gemma4lib.inf2.compile_ram",
+    "gemma4lab.tools.doctor",
+    "gemma4lib.recipes.neuron_vision",
+]
 
 
 def test_recipe_modules_import_without_the_sdk():
@@ -129,7 +134,7 @@ def test_version_checks_against_the_pins(monkeypatch):
 
 
 def test_doctor_reports_the_sdk_missing():
-    from gemma4lib.inf2.doctor import format_doctor, run_doctor
+    from gemma4lab.tools.doctor import format_doctor, run_doctor
 
     if neuron_env.sdk_present():
         pytest.skip("Neuron SDK installed")
@@ -142,7 +147,7 @@ def test_doctor_reports_the_sdk_missing():
 
 
 def test_doctor_with_a_simulated_sdk(monkeypatch):
-    from gemma4lib.inf2 import doctor
+    from gemma4lab.tools import doctor
 
     pins = {d: v[0] for d, v in neuron_env.SDK_PINS.items()} | {"transformers": neuron_env.TRANSFORMERS_PIN}
     pins["neuronx-distributed"] = "0.16.0"
@@ -169,7 +174,7 @@ def test_compile_peak_estimate_is_the_compile_host_plan():
     model, the keys' modules and the lazily built NxD checkpoint, below the field report's 182 GB,
     which its own port measured while building three copies of the weights."""
     from gemma4lib.inf2.compile_host import compile_host_plan
-    from gemma4lib.inf2.doctor import estimate_compile_peak_gb
+    from gemma4lib.inf2.compile_ram import estimate_compile_peak_gb
     from gemma4lib.inf2.memory_plan import COMPILE_CALIBRATION
 
     est = estimate_compile_peak_gb("31b", 8)
@@ -902,7 +907,7 @@ def test_every_backends_example_inputs_have_int32_indices(tmp_path, monkeypatch)
 def test_the_doctor_names_the_2_28_image_by_name_and_date_not_the_ssm_latest():
     """SSM's `latest` image id now resolves to a 2.29+ image that fails the pins (SSM has no
     per-release parameter): the doctor tells the user how to pick the 2.28 DLAMI instead."""
-    from gemma4lib.inf2.doctor import format_doctor, run_doctor
+    from gemma4lab.tools.doctor import format_doctor, run_doctor
 
     text = format_doctor(run_doctor())
     (image,) = [line for line in text.splitlines() if line.strip().startswith("image:")]

@@ -140,7 +140,7 @@ def test_port_settings_refuse_a_serving_host_that_cannot_hold_the_model(monkeypa
 
 
 def test_doctor_prints_the_serving_host_of_e2b_on_an_inf2_xlarge(monkeypatch):
-    from gemma4lib.inf2.doctor import format_doctor, run_doctor
+    from gemma4lab.tools.doctor import format_doctor, run_doctor
 
     monkeypatch.delenv("GEMMA4LIB_INSTANCE_TYPE", raising=False)
     text = format_doctor(run_doctor("e2b"))
@@ -219,8 +219,8 @@ def test_the_compile_host_plan_holds_on_a_fresh_measurement(tmp_path):
 
 
 def test_doctor_prints_the_compile_host_peak_from_the_plan(monkeypatch):
+    from gemma4lab.tools.doctor import format_doctor, run_doctor
     from gemma4lib.inf2.compile_host import compile_host_plan
-    from gemma4lib.inf2.doctor import format_doctor, run_doctor
 
     monkeypatch.delenv("GEMMA4LIB_INSTANCE_TYPE", raising=False)
     text = format_doctor(run_doctor("31b"))

@@ -123,12 +123,11 @@ def test_doctor_plans_the_vision_part_and_the_lab_prints_the_family(capsys):
     """`doctor --variant V --vision` counts V's vision part in its plan; the family's vision tables
     and image prefill floor are the lab's `plan` command (`inf2_tables.family_report`), text and JSON."""
     from gemma4lab.cli import main as lab_main
+    from gemma4lab.tools.doctor import run_doctor
     from gemma4lab.tools.inf2_tables import family_report, format_family
-    from gemma4lib.cli import main
-    from gemma4lib.inf2.doctor import run_doctor
 
     assert run_doctor(variant="e2b", vision=True)["plan"]["vision_gib"] == pytest.approx(vision_plan("e2b").total_gib)
-    assert main(["doctor", "--variant", "e2b", "--vision", "--json"]) == 0
+    assert lab_main(["doctor", "--variant", "e2b", "--vision", "--json"]) == 0
     printed = json.loads(capsys.readouterr().out)
     assert printed["plan"]["vision_gib"] > 0 and "vision" not in printed
     report = family_report()

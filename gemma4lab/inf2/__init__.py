@@ -1,3 +1,3 @@
 """inf2 ceilings the lab computes for its benchmarks and notebooks.
 
-The library keeps what the doctor and the preflight need."""
+The library keeps what the preflight and the neuron backend's compile warning need."""

@@ -5,7 +5,7 @@ variant, the planned contexts per inf2 size (`context_table`), the serving host 
 part's tables and image prefill floor.
 
 Computed from shapes by the planners in `gemma4lib.inf2` (one variant at a time: what the port's
-preflight and `python -m gemma4lib doctor --variant V` check) and `gemma4lab.inf2`; this module only
+preflight and `python -m gemma4lab doctor --variant V` check) and `gemma4lab.inf2`; this module only
 runs them over the family and lays their rows out.
 """
 
@@ -369,7 +369,7 @@ def format_family(report: dict[str, Any]) -> str:
     lines += ["  " + row for row in m["table"].splitlines()]
     lines.append(
         "planned contexts per inf2 size (the least of the HBM bound and the compile host's, whose compiler RAM is "
-        "an assumed law calibrated on NxD Inference's 31B compiles: python -m gemma4lib doctor; computed, "
+        "an assumed law calibrated on NxD Inference's 31B compiles: python -m gemma4lab doctor; computed, "
         "unverified on inf2):"
     )
     lines += ["  " + row for row in report["context_table"].splitlines()]

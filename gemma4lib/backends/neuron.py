@@ -29,7 +29,7 @@ from ..device.graph import GraphShape
 from ..device.row_join import row_step
 from ..environment import program_versions
 from ..errors import SettingsError
-from ..inf2.doctor import warn_low_host_ram
+from ..inf2.compile_ram import warn_low_host_ram
 from ..inf2.memory_plan import neuron_recipe
 from ..models.weights_identity import weights_identity
 from ..recipes import cores, neuron_env, neuron_model_builder, neuron_trace, neuron_vision

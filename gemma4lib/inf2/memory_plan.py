@@ -436,7 +436,7 @@ def full_settings(variant: Variant | str) -> dict[str, Any]:
     planned = context_plan(v, v.instance_type, v.tp_degree)
     if not planned.context:
         raise DeviceMemoryError(
-            f"{v.name} at TP={v.tp_degree} fits no context on {v.instance_type}; `python -m gemma4lib doctor "
+            f"{v.name} at TP={v.tp_degree} fits no context on {v.instance_type}; `python -m gemma4lab doctor "
             f"--variant {v.name}` names the instances where one fits"
         )
     context = 1 << (planned.context.bit_length() - 1)

@@ -219,7 +219,7 @@ def require(module: str, purpose: str = "") -> types.ModuleType:
     except ImportError as exc:
         raise EnvironmentMismatchError(
             f"{module} is installed but failed to import ({exc}); check the versions with "
-            f"`python -m gemma4lib doctor` (pinned: Neuron SDK {NEURON_SDK_RELEASE})"
+            f"`python -m gemma4lab doctor` (pinned: Neuron SDK {NEURON_SDK_RELEASE})"
         ) from exc
 
 

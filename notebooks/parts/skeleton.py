@@ -415,7 +415,7 @@ if not on_inf2:
 # compiled prompt lengths, and `context_buckets`) and run again; the cache key changes with them, so
 # each context keeps its own artifact. Long contexts also raise the compile's host RAM
 # (NxD Inference's open 31B port compiles 8,192 on an inf2.48xlarge, not 16K; source: issue 48, 2026-12-05);
-# `python -m gemma4lib doctor --variant {{variant}}` ([`doctor`](00_overview.ipynb#doctor)) prints, per inf2 size,
+# `python -m gemma4lab doctor --variant {{variant}}` ([`doctor`](00_overview.ipynb#doctor)) prints, per inf2 size,
 # the longest context whose K/V fits a core beside the weights and whose compile fits the compile host (the
 # compiler's RAM an assumed law on one published failure), and the full profile's shapes from it:
 # computed, unverified on inf2.

@@ -1,10 +1,11 @@
-"""`python -m gemma4lib doctor`: is this machine ready to compile and run a Gemma-4 port on inf2?
+"""`python -m gemma4lab doctor`: is this machine ready to compile and run a Gemma-4 port on inf2?
 
 `run_doctor(variant=None, tp=None)` returns a JSON-friendly report (`format_doctor` renders it),
 without importing the Neuron SDK: the environment against the pinned SDK 2.28 set, the Neuron
 devices, the NxD shim and PATH fixes it will need, and with `variant` the plans (per core, compile
 host, serving host; `vision=True` with the vision part), so a compile the kernel would kill half an
-hour in is warned about before it starts. The whole family's plans are the lab's:
+hour in is warned about before it starts. A lab tool over the library's plans (the library keeps what
+its preflight and the neuron backend's compile warning need); every variant's plans at once:
 `python -m gemma4lab plan` (`gemma4lab.tools.inf2_tables.family_report`).
 """
 
@@ -12,34 +13,29 @@ from __future__ import annotations
 
 import glob
 import json
-import logging
 import os
 import platform
 import shutil
 import subprocess
 import sys
-import warnings
 from dataclasses import asdict
 from typing import Any
 
-from ..errors import LowHostMemoryWarning, TensorParallelError
-from ..models.variants import get_variant
-from ..recipes import neuron_env
-from .compile_host import COMPILER_CALIBRATION, KEYS, compile_host_plan, compiler_bytes_per_mac
-from .hardware import GB, INSTANCES, dmi_instance_type, host_instance_type, host_ram_bytes, smallest_instance
-from .memory_plan import (
-    COMPILE_CALIBRATION,
+from gemma4lib.errors import TensorParallelError
+from gemma4lib.inf2.compile_host import COMPILER_CALIBRATION, compile_host_plan, compiler_bytes_per_mac
+from gemma4lib.inf2.compile_ram import compile_ram_warning, estimate_compile_peak_gb
+from gemma4lib.inf2.hardware import GB, INSTANCES, dmi_instance_type, host_instance_type, host_ram_bytes
+from gemma4lib.inf2.memory_plan import (
     DEFAULT_CONTEXT,
-    HOST_HEADROOM,
-    compile_peak_gb,
     context_plan,
     full_settings,
     largest_context,
-    neuron_recipe,
     plan_core_memory,
     require_neuron_tp,
 )
-from .serving_host import serving_host_plan
+from gemma4lib.inf2.serving_host import serving_host_plan
+from gemma4lib.models.variants import get_variant
+from gemma4lib.recipes import neuron_env
 
 FAMILY_TABLES = "python -m gemma4lab plan"  # the lab command that prints every variant's plans
 COMPILER_NOTE = (
@@ -47,66 +43,6 @@ COMPILER_NOTE = (
     "keys compiled at once (NxD's ModelBuilder thread pool); the largest coefficient under which "
     f"{COMPILER_CALIBRATION['source']} (at least {{least:.3f}}); unverified on inf2"
 )
-
-
-def estimate_compile_peak_gb(
-    variant: Any, tp: int | None = None, recipe: str | None = None, keys: int = KEYS, **shapes: Any
-) -> dict[str, Any]:
-    """Estimated peak host RAM (GB) of compiling `variant` with `recipe` (default: `neuron_recipe`'s)
-    at `tp` with `keys` ModelBuilder keys (`memory_plan`; `shapes`: the context and buckets compiled)."""
-    v = get_variant(variant) if isinstance(variant, str) else variant
-    tp = tp or v.tp_degree
-    recipe = neuron_recipe(v, tp, recipe)
-    peak, basis = compile_peak_gb(v, recipe, 2, tp, keys, **shapes)  # bf16 weights
-    host = smallest_instance(tp, peak * HOST_HEADROOM)
-    return {
-        "variant": v.name,
-        "recipe": recipe,
-        "tp": tp,
-        "peak_gb": round(peak, 1),
-        "basis": basis,
-        "smallest_instance_with_headroom": host.name if host else None,
-        "calibration": COMPILE_CALIBRATION,
-    }
-
-
-def compile_ram_warning(estimate: dict[str, Any], ram: int) -> str | None:
-    """The warning for an `estimate_compile_peak_gb` result on a host with `ram` bytes (None if it fits)."""
-    peak = estimate["peak_gb"] * GB
-    if ram < peak:
-        trace = ""
-        if estimate["recipe"] == "model_builder" and estimate["tp"] == 1:
-            lean = compile_peak_gb(get_variant(estimate["variant"]), "trace")[0]
-            if lean * GB <= ram:
-                trace = (
-                    f", or neuron_recipe='trace' (~{lean:.1f} GB; the prompt then runs through the decode "
-                    "graph one token per device step)"
-                )
-        return (
-            f"compile of {estimate['variant']} will likely be killed: estimated peak {estimate['peak_gb']} GB "
-            f"host RAM > {ram / GB:.0f} GB here; compile on "
-            f"{estimate['smallest_instance_with_headroom'] or 'a larger host'} or add swap{trace}"
-        )
-    if ram < HOST_HEADROOM * peak:
-        return (
-            f"tight: estimated compile peak {estimate['peak_gb']} GB is within 20 % of the "
-            f"{ram / GB:.0f} GB host RAM; close other processes first"
-        )
-    return None
-
-
-def warn_low_host_ram(
-    variant: Any, tp: int | None = None, recipe: str | None = None, keys: int = KEYS, **shapes: Any
-) -> str | None:
-    """Before a compile: warn (`LowHostMemoryWarning`, and the log) when this host's RAM is below or near
-    the estimated compile peak of `variant` with `recipe` and `keys` keys (`shapes`: the context and
-    buckets compiled, so the compiler's planned RAM counts); returns the warning text (None when it fits)."""
-    estimate = estimate_compile_peak_gb(variant, tp, recipe=recipe, keys=keys, **shapes)
-    message = compile_ram_warning(estimate, host_ram_bytes())
-    if message:
-        logging.getLogger(__name__).warning(message)
-        warnings.warn(message, LowHostMemoryWarning, stacklevel=2)
-    return message
 
 
 def expected_environment() -> dict[str, Any]:
@@ -285,7 +221,7 @@ def run_doctor(
 def format_doctor(report: dict[str, Any]) -> str:
     e = report["expected"]
     lines = [
-        f"gemma4lib doctor — Neuron SDK {report['neuron_sdk_release']} target",
+        f"gemma4lab doctor — Neuron SDK {report['neuron_sdk_release']} target",
         f"expected: {e['dlami']} of SDK {report['neuron_sdk_release']}, venv {e['venv']}, Python {e['python']}",
         f"  image: {e['image']}",
         "  " + ", ".join(f"{k} {v}" for k, v in e["pins"].items()),
