@@ -42,6 +42,10 @@ GOAL_TOKENS_PER_S = {1: 2.0, 8: 4.0, 16: 4.0}
 # Reply length per model: the tiny E2B answers a capital question in 8 tokens (eos counted), so 8 is
 # a fixed length there; the random medium model rarely picks an eos among 32,768 ids.
 REPLY_TOKENS = {"e2b": 8}
+# the capital questions take 16 tokens or fewer with the template: ours prefills a 16-token graph for them,
+# as the peer prefills the prompt as it is (with the default 64 alone, the 2026-12-05 run prefilled 4x the
+# prompt: 0.47x the peer's TTFT at one client on medium-dense); a longer prompt takes the 64 one
+PREFILL_BUCKETS = (16, 64)
 DEFAULT_REPLY_TOKENS = 16
 
 
@@ -127,6 +131,7 @@ def bench_side_by_side(
     prompts: Sequence[str] | None = None,
     start_timeout_s: float = 1200.0,
     level_timeout_s: float = 300.0,
+    prefill_buckets: Sequence[int] = PREFILL_BUCKETS,
 ) -> dict[str, Any]:
     """Model `name` (a tiny variant or a medium config) saved once, served by both, measured level by level."""
     threads = threads or int(os.environ.get("GEMMA4LIB_THREADS", "1"))
@@ -140,6 +145,7 @@ def bench_side_by_side(
         "max_tokens": max_tokens,
         "prompts": len(prompts),
         "min_requests": min_requests,
+        "prefill_buckets": list(prefill_buckets),
         "peer": {"versions": {"transformers": versions().get("transformers")}, "device": "cpu"},
         "load_average_start": _load_average(),
     }
@@ -149,7 +155,7 @@ def bench_side_by_side(
         ours = ServerProcess(
             ["--variant", base_variant(name), "--model", "checkpoint", "--checkpoint", model, "--batch", str(batch)]
             + ["--backend", backend, "--threads", str(threads), "--max-queue", str(4 * max(levels))]
-            + ["--model-name", model]
+            + ["--model-name", model, "--prefill-buckets", ",".join(map(str, prefill_buckets))]
         )
         peer = PeerServer(folder, threads=threads)
         servers = dict(zip(SIDES, (ours, peer), strict=True))
