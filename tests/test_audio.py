@@ -162,3 +162,36 @@ def test_clips_refused_with_what_to_do(data, says):
 def test_missing_file_is_refused():
     with pytest.raises(AudioInputError, match="'no/such.wav' is not a WAV file"):
         audio.read_wav("no/such.wav")
+
+
+# ---- `port --audio`: refused before anything loads ---------------------------------------------------
+@pytest.mark.parametrize(
+    ("variant", "says"),
+    [
+        ("31b", r"the 31b does not hear \(no audio tower in its config\): pick e2b, e4b, 12b for audio"),
+        ("26b-a4b", r"the 26b-a4b does not hear .*pick e2b, e4b, 12b"),
+        ("e2b", r"the e2b hears, but its audio graph is not built yet \(issue 50"),
+        ("e4b", r"the e4b hears, but its audio graph is not built yet"),
+        ("12b", r"the 12b hears, but its audio graph is not built yet"),
+    ],
+)
+def test_port_audio_is_refused_before_loading(monkeypatch, capsys, variant, says):
+    """`port --audio` exits 2 with a SettingsError before `port` is called (nothing loads): the deaf
+    variants name the ones that hear; those that hear say the audio graph is not built yet, instead
+    of silently answering the text alone."""
+    import re
+
+    import gemma4lib.port
+    from gemma4lib.cli import main
+    from gemma4lib.errors import SettingsError
+    from gemma4lib.port import PortSettings
+
+    def no_port(*args, **kwargs):
+        raise AssertionError("port ran: the audio refusal came after loading")
+
+    monkeypatch.setattr(gemma4lib.port, "port", no_port)
+    clip = str(CLIPS / "france.wav")
+    assert main(["port", "--variant", variant, "--audio", clip, "--json"]) == 2
+    assert re.search(says, capsys.readouterr().err)
+    with pytest.raises(SettingsError, match=says):
+        PortSettings(variant=variant, audio=(clip,), images=(str(CLIPS.parent / "vision/images/red_circle.png"),))
