@@ -1,8 +1,6 @@
-"""The host side of an audio prompt (issue 50; no audio graph yet): read a WAV, make transformers'
-`Gemma4AudioFeatureExtractor` log-mel features and mask with the same numpy operations on the same
-dtypes (so bit-equal, not just close), count the soft tokens by `Gemma4Processor.replace_audio_token`'s
-rule (the 12B's `Gemma4UnifiedProcessor`: one per 640 samples) and expand the placeholders.
-"""
+"""The host side of an audio prompt (issue 50; no audio graph yet): read a WAV, transformers'
+`Gemma4AudioFeatureExtractor` log-mel and mask by the same numpy operations on the same dtypes (so
+bit-equal), the soft tokens by `Gemma4Processor`'s rule (12B: one per 640 samples), the placeholders."""
 
 from __future__ import annotations
 
@@ -62,7 +60,7 @@ def check_length(samples: np.ndarray) -> np.ndarray:
             f"per clip: cut it into clips of at most {MAX_SECONDS} s"
         )
     if len(samples) < FRAME // 2 + 1:
-        raise AudioInputError(f"the clip has {len(samples)} samples, too short for one soft token; send 10 ms or more")
+        raise AudioInputError(f"the clip has {len(samples)} samples, too short for one soft token; send over 10 ms")
     return samples
 
 
@@ -95,10 +93,7 @@ def expand_audio(tokenizer: Any, rendered: list[int], clips: Sequence[np.ndarray
 
     names = [getattr(tokenizer, name, None) for name in ("audio_token", "boa_token", "eoa_token")]
     if None in names:
-        raise AudioInputError(
-            f"this tokenizer has no audio tokens (audio_token, boa_token, eoa_token); the variants that hear "
-            f"({', '.join(HEARING_VARIANTS)}) come with them: load one of their checkpoints with its own tokenizer"
-        )
+        raise AudioInputError(f"this tokenizer has no audio tokens; use the one of a {HEARING_VARIANTS} checkpoint")
     token, begin, end = tokenizer.convert_tokens_to_ids(names)
     if rendered.count(token) != len(clips):
         raise AudioInputError(

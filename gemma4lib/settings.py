@@ -234,10 +234,7 @@ class PortSettings:
         name, hearing = self.variant_spec.name, ", ".join(HEARING_VARIANTS)
         if name not in HEARING_VARIANTS:
             raise SettingsError(f"the {name} does not hear (no audio tower in its config): pick {hearing} for audio")
-        raise SettingsError(
-            f"the {name} hears, but its audio graph is not built yet (issue 50; the host side is gemma4lib.audio): "
-            "send text or images for now"
-        )
+        raise SettingsError(f"the {name} hears, but its audio graph is not built yet (issue 50): send text or images")
 
     def check_image_blocks(self, bidirectional: bool | None = None) -> None:
         """An image's tokens see each other where the config asks (the 12B; its prefill graphs take

@@ -122,7 +122,7 @@ def test_placeholders_refuse_a_miscount_and_a_deaf_tokenizer(tokenizer):
     clip = noise(1.0)
     with pytest.raises(AudioInputError, match=r'2 clips for 1 audio parts.*\{"type": "audio"\}'):
         audio.expand_audio(tokenizer, list(rendered), [clip, clip])
-    with pytest.raises(AudioInputError, match="no audio tokens.*e2b, e4b, 12b"):
+    with pytest.raises(AudioInputError, match="no audio tokens.*e2b.*e4b.*12b"):
         audio.expand_audio(vision_tokenizer(load_trained("e2b").tokenizer), list(rendered), [clip])
 
 
@@ -195,3 +195,55 @@ def test_port_audio_is_refused_before_loading(monkeypatch, capsys, variant, says
     assert re.search(says, capsys.readouterr().err)
     with pytest.raises(SettingsError, match=says):
         PortSettings(variant=variant, audio=(clip,), images=(str(CLIPS.parent / "vision/images/red_circle.png"),))
+
+
+# ---- the endpoint's `input_audio` parts: decoded and checked, then a clear 400 ------------------------
+@pytest.fixture(scope="module")
+def served():
+    from test_server import serve_fake
+
+    from gemma4lib.models.tokenizer import load_tokenizer
+    from gemma4lib.models.trained import TOKENIZER_DIR
+
+    server, _ = serve_fake(load_tokenizer(TOKENIZER_DIR))
+    yield server
+    server.stop()
+
+
+def b64(data: bytes) -> str:
+    import base64
+
+    return base64.b64encode(data).decode()
+
+
+@pytest.mark.parametrize(
+    ("input_audio", "where", "says"),
+    [
+        ({"data": b64((CLIPS / "france.wav").read_bytes()), "format": "wav"}, "", "no audio graph is built yet"),
+        (
+            {"data": b64(wav_bytes(np.zeros(31 * audio.RATE, np.int16))), "format": "wav"},
+            ".input_audio",
+            "at most 30 s",
+        ),
+        ({"data": b64(b"\x89PNG\r\n\x1a\n" + bytes(64)), "format": "wav"}, ".input_audio", "not a WAV file"),
+        ({"data": b64(wav_bytes(np.zeros(800, np.int16), rate=8000)), "format": "wav"}, ".input_audio", "8000 Hz"),
+        ({"data": "not base64!", "format": "wav"}, ".input_audio", "not base64"),
+        ({"data": b64(b"ID3" + bytes(64)), "format": "mp3"}, ".input_audio", "'format': 'wav'"),
+        ({"data": "A" * (3 * 2**20), "format": "wav"}, ".input_audio", "larger than 2 MiB"),
+    ],
+    ids=["france", "31s", "png", "8kHz", "base64", "mp3", "huge"],
+)
+def test_openai_input_audio_parts_get_clear_400s(served, input_audio, where, says):
+    """The official `openai` client's `input_audio` part: a valid clip is read and checked, then
+    refused because no audio graph exists yet; a clip over 30 s, a non-WAV file, another rate, bad
+    base64, mp3 and an oversized payload are each a 400 naming the part and what to do."""
+    import openai
+    from test_server import MODEL, openai_client
+
+    content = [{"type": "input_audio", "input_audio": input_audio}, {"type": "text", "text": QUESTION}]
+    with pytest.raises(openai.BadRequestError) as caught:
+        openai_client(served).chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": content}], max_tokens=4
+        )
+    error = caught.value.body
+    assert error["param"] == "messages[0].content[0]" + where and says in error["message"], error
