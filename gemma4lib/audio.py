@@ -35,7 +35,7 @@ _FILTERS = _mel_filters()
 
 def read_wav(source: str | Path | bytes) -> np.ndarray:
     """The float32 samples in [-1, 1) of a 16 kHz 16-bit PCM WAV (a path or its bytes), channels
-    averaged; other rates are refused, since a resampler here would not be the one transformers uses."""
+    averaged; other rates are refused: a resampler here would not be transformers' (torchcodec or soxr)."""
     name = "the audio data" if isinstance(source, bytes) else repr(str(source))
     try:
         with wave.open(io.BytesIO(source) if isinstance(source, bytes) else str(source), "rb") as clip:

@@ -128,7 +128,7 @@ def test_placeholders_refuse_a_miscount_and_a_deaf_tokenizer(tokenizer):
 
 # ---- reading WAV files, and what is refused ------------------------------------------------------
 def test_read_wav_mono_stereo_and_bytes(tmp_path):
-    """16-bit samples scaled by 1/32768 (soundfile's and librosa's float convention); stereo averaged."""
+    """16-bit samples scaled by 1/32768 (libsndfile's float convention); stereo averaged."""
     left = np.arange(-800, 800, dtype=np.int16) * 40
     right = -left // 2
     path = tmp_path / "stereo.wav"
