@@ -229,7 +229,7 @@ class PortSettings:
         have no audio tower), on the variants that hear until the audio graph is built (issue 50)."""
         if not self.audio:
             return
-        from .audio import HEARING_VARIANTS
+        from .models.audio import HEARING_VARIANTS
 
         name, hearing = self.variant_spec.name, ", ".join(HEARING_VARIANTS)
         if name not in HEARING_VARIANTS:

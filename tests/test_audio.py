@@ -1,4 +1,4 @@
-"""Audio on the host side (issue 50): `gemma4lib.audio`'s features, mask, soft-token counts and
+"""Audio on the host side (issue 50): `gemma4lib.models.audio`'s features, mask, soft-token counts and
 placeholders against transformers' own `Gemma4AudioFeatureExtractor` / `Gemma4Processor` (the 12B:
 `Gemma4UnifiedProcessor`), the WAV reader, and the refusals (clip too long, not a 16 kHz 16-bit WAV,
 a variant that does not hear, the audio graph not built yet)."""
@@ -13,10 +13,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from gemma4lib import audio
 from gemma4lib.errors import AudioInputError
+from gemma4lib.models import audio
 
-CLIPS = Path(audio.__file__).resolve().parent / "fixtures" / "audio"
+CLIPS = Path(audio.__file__).resolve().parent.parent / "fixtures" / "audio"
 QUESTION = "What is said?"
 
 

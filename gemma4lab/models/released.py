@@ -23,9 +23,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from gemma4lib.audio import HEARING_VARIANTS
 from gemma4lib.environment import check_transformers
 from gemma4lib.errors import CheckpointError
+from gemma4lib.models.audio import HEARING_VARIANTS
 from gemma4lib.models.checkpoint import conditional_class
 from gemma4lib.models.variants import Variant, get_variant
 

@@ -1,6 +1,6 @@
 """Audio on the host side, for the tests and the coming audio fixtures (issue 50): the tiny vision
 tokenizer with Gemma-4's three audio tokens, and transformers' own processor built around it, so
-`gemma4lib.audio`'s placeholders can be compared with what transformers makes of the same messages.
+`gemma4lib.models.audio`'s placeholders can be compared with what transformers makes of the same messages.
 
 The token strings are the released ones (google/gemma-4-*-it tokenizer_config.json: `boa_token`
 "<|audio>", `audio_token` "<|audio|>", `eoa_token` "<audio|>"; Google's Gemma 4 prompt-formatting

@@ -64,7 +64,7 @@ def image_from_data_url(url: str, param: str) -> Any:
 def audio_from_input_audio(part: dict[str, Any] | None, param: str) -> Any:
     """The samples of an `{"input_audio": {"data": <base64>, "format": "wav"}}` part, checked as
     `audio.read_wav` checks a file (16 kHz 16-bit, at most 30 s), each refusal a 400 saying what to do."""
-    from ..audio import read_wav
+    from ..models.audio import read_wav
 
     data, kind = (part or {}).get("data"), (part or {}).get("format")
     if not isinstance(data, str) or kind != "wav":

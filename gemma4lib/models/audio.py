@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from .errors import AudioInputError
+from ..errors import AudioInputError
 
 HEARING_VARIANTS = ("e2b", "e4b", "12b")  # the released configs with an audio_config (31B, 26B-A4B: null)
 RATE, MAX_SECONDS = 16_000, 30  # the extractor's rate; its max_length 480,000 samples (750 soft tokens)
@@ -89,7 +89,7 @@ def expand_audio(tokenizer: Any, rendered: list[int], clips: Sequence[np.ndarray
     """Each audio token of the rendered prompt (the chat template's `{"type": "audio"}` part) becomes
     boa + that clip's soft tokens + eoa, with the tokenizer's own tokens (released: `<|audio>`,
     `<|audio|>`, `<audio|>`), as transformers' processor expands them."""
-    from .models.vision import expand_image_tokens
+    from .vision import expand_image_tokens
 
     names = [getattr(tokenizer, name, None) for name in ("audio_token", "boa_token", "eoa_token")]
     if None in names:
