@@ -110,6 +110,8 @@ def test_placeholders_equal_the_processors_ids(tokenizer, unified):
     text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     expected = transformers_processor(tokenizer, unified)(text=[text], audio=clips, add_special_tokens=False)
     assert ids == expected["input_ids"][0]
+    marked = [i for i, kind in enumerate(expected["mm_token_type_ids"][0]) if kind]  # its soft tokens (type 3)
+    assert marked == [i for i, t in enumerate(ids) if t == tokenizer.audio_token_id]
     assert ids.count(tokenizer.audio_token_id) == sum(audio.soft_tokens(c, unified) for c in clips) > 50
 
 
