@@ -43,6 +43,7 @@ def _add_port_args(parser: argparse.ArgumentParser) -> None:
         dest="images",
         help="an image file for the prompt (repeat for several); the vision graph joins the port (docs/IMAGES.md)",
     )
+    parser.add_argument("--audio", action="append", help="a 16 kHz WAV clip for the prompt (e2b, e4b, 12b; issue 50)")
     parser.add_argument("--batch", type=int, dest="batch_size", help="rows per batch (default 1): B different prompts")
     parser.add_argument("--prompts", help="the batch's prompts, separated by '|' (default: B capital questions)")
     parser.add_argument("--max-new-tokens", type=int)
@@ -107,8 +108,9 @@ def _settings_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     for flag in ("ring_kv", "row_prefill"):
         if getattr(args, flag, None) is not None:
             kwargs[flag] = getattr(args, flag)
-    if getattr(args, "images", None):
-        kwargs["images"] = tuple(args.images)
+    for many in ("images", "audio"):
+        if getattr(args, many, None):
+            kwargs[many] = tuple(getattr(args, many))
     if getattr(args, "vision", False):
         kwargs["vision"] = True
     return kwargs

@@ -57,6 +57,10 @@ class ImageInputError(Gemma4LibError, ValueError):
     """An image that cannot be read: a missing file, or one that is not an image."""
 
 
+class AudioInputError(Gemma4LibError, ValueError):
+    """A clip that cannot be heard: not a 16 kHz 16-bit WAV, over 30 s, or too short."""
+
+
 class NoVisionError(Gemma4LibError, ValueError):
     """Images for a checkpoint (or compiled engine) without a vision part."""
 

@@ -112,6 +112,8 @@ class PortSettings:
     # load the model's vision part and compile its vision graph without an image of its own, so that
     # requests can bring theirs (the endpoint's `image_url` parts, `serve --vision`); `images` implies it
     vision: bool = False
+    # audio clips (16 kHz WAV paths) for row 0's prompt (issue 50): refused until the audio graph is built
+    audio: tuple[Any, ...] = ()
     # batch_size > 1: also compile each bucket's prefill at batch 1, over one row of the batch's K/V, so
     # that a request joining running rows alone (a server's usual case) pays one row's prefill, not the
     # batch's; `serve` turns it on where the backend can (cpu, eager at TP 1)
@@ -135,6 +137,7 @@ class PortSettings:
         for name, minimum in _COUNTS.items():
             setattr(self, name, whole_number(name, getattr(self, name), minimum))
         self._check_images()
+        self._check_audio()
         buckets = _sizes(self.prefill_buckets)
         self.prefill_buckets = tuple(sorted(whole_number("prefill_buckets", b, 1) for b in buckets))
         if not self.prefill_buckets:
@@ -220,6 +223,18 @@ class PortSettings:
                 f"{', '.join(unsupported)} (docs/IMAGES.md says what is not reached yet)"
             )
         self.check_image_blocks()
+
+    def _check_audio(self) -> None:
+        """Audio is refused before anything loads: on the 31B and 26B-A4B always (their released configs
+        have no audio tower), on the variants that hear until the audio graph is built (issue 50)."""
+        if not self.audio:
+            return
+        from .models.audio import HEARING_VARIANTS
+
+        name, hearing = self.variant_spec.name, ", ".join(HEARING_VARIANTS)
+        if name not in HEARING_VARIANTS:
+            raise SettingsError(f"the {name} does not hear (no audio tower in its config): pick {hearing} for audio")
+        raise SettingsError(f"the {name} hears, but its audio graph is not built yet (issue 50): send text or images")
 
     def check_image_blocks(self, bidirectional: bool | None = None) -> None:
         """An image's tokens see each other where the config asks (the 12B; its prefill graphs take

@@ -414,7 +414,7 @@ def _error(response: httpx.Response, status: int) -> dict:
         (
             {"model": MODEL, "messages": [{"role": "user", "content": [{"type": "input_audio", "input_audio": {}}]}]},
             400,
-            "messages[0].content[0]",
+            "messages[0].content[0].input_audio",
             None,
         ),
     ],

@@ -25,13 +25,14 @@ from torch import nn
 
 from gemma4lib.environment import check_transformers
 from gemma4lib.errors import CheckpointError
+from gemma4lib.models.audio import HEARING_VARIANTS
 from gemma4lib.models.checkpoint import conditional_class
 from gemma4lib.models.variants import Variant, get_variant
 
 log = logging.getLogger(__name__)
 
 # Variants whose released checkpoint has an audio part (the others: audio_config null).
-AUDIO_VARIANTS = ("e2b", "e4b", "12b")
+AUDIO_VARIANTS = HEARING_VARIANTS
 # The released generation_config stops on <eos> and on <turn|> (the end of the model's turn).
 EOS_IDS = [1, 106]
 # Bookkeeping of the text config that a released text_config does not carry.

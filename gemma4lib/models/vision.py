@@ -108,13 +108,15 @@ def image_messages(question: str, n_images: int = 1) -> list[dict[str, Any]]:
     return [{"role": "user", "content": [*parts, {"type": "text", "text": question}]}]
 
 
-def expand_image_tokens(ids: list[int], soft_tokens: list[int]) -> list[int]:
+def expand_image_tokens(
+    ids: list[int], soft_tokens: list[int], token_id: int = IMAGE_TOKEN_ID, begin: int = BOI_ID, end: int = EOI_ID
+) -> list[int]:
     """Each image token of the rendered prompt becomes boi + that image's soft tokens + eoi, as the
-    transformers processor's `replace_image_token` does to the text."""
+    transformers processor's `replace_image_token` does to the text (an audio clip's: given its ids)."""
     out, image = [], 0
     for token in ids:
-        if token == IMAGE_TOKEN_ID:
-            out += [BOI_ID] + [IMAGE_TOKEN_ID] * int(soft_tokens[image]) + [EOI_ID]
+        if token == token_id:
+            out += [begin] + [token_id] * int(soft_tokens[image]) + [end]
             image += 1
         else:
             out.append(token)

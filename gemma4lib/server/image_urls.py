@@ -1,4 +1,5 @@
-"""Images in chat requests: OpenAI's `image_url` content parts, as data URLs, read into PIL images.
+"""Images in chat requests: OpenAI's `image_url` content parts, as data URLs, read into PIL images;
+and its `input_audio` parts, base64 WAV, read and checked (then refused: no audio graph yet, issue 50).
 
 Only `data:image/...;base64,...` URLs: the endpoint fetches nothing from the network (a server that
 fetched client-given URLs could be made to read internal addresses, and it would wait on someone
@@ -13,12 +14,14 @@ import binascii
 import io
 from typing import Any
 
+from ..errors import AudioInputError
 from .errors import RequestError
 
 # The largest decoded image taken (8 MiB): far above what one image's soft-token budget can use, and
 # small enough that a request cannot make the host decode something huge.
 MAX_IMAGE_BYTES = 8 * 2**20
 MAX_IMAGE_PIXELS = 4096 * 4096
+MAX_AUDIO_BYTES = 2 * 2**20  # 30 s of 16 kHz 16-bit stereo is 1.92 MB
 
 
 def image_from_data_url(url: str, param: str) -> Any:
@@ -56,3 +59,19 @@ def image_from_data_url(url: str, param: str) -> Any:
         raise RequestError(
             f"image_url.url does not hold an image PIL can read ({error.__class__.__name__}); send a PNG or JPEG", param
         ) from None
+
+
+def audio_from_input_audio(part: dict[str, Any] | None, param: str) -> Any:
+    """The samples of an `{"input_audio": {"data": <base64>, "format": "wav"}}` part, checked as
+    `audio.read_wav` checks a file (16 kHz 16-bit, at most 30 s), each refusal a 400 saying what to do."""
+    from ..models.audio import read_wav
+
+    data, kind = (part or {}).get("data"), (part or {}).get("format")
+    if not isinstance(data, str) or kind != "wav":
+        raise RequestError("an input_audio part is {'data': <base64 of a WAV file>, 'format': 'wav'}; send wav", param)
+    if len(data) > (MAX_AUDIO_BYTES * 4) // 3 + 4:
+        raise RequestError(f"the audio is larger than {MAX_AUDIO_BYTES // 2**20} MiB; send at most 30 s", param)
+    try:
+        return read_wav(base64.b64decode(data, validate=True))
+    except (binascii.Error, ValueError) as error:
+        raise RequestError(str(error) if isinstance(error, AudioInputError) else "data is not base64", param) from None

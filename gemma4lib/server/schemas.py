@@ -46,6 +46,7 @@ class ContentPart(_Body):
     type: str
     text: Text | None = None
     image_url: ImageURL | None = None
+    input_audio: dict[str, Any] | None = None
 
 
 class FunctionCall(_Body):

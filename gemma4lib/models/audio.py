@@ -1,0 +1,103 @@
+"""The host side of an audio prompt (issue 50; no audio graph yet): read a WAV, transformers'
+`Gemma4AudioFeatureExtractor` log-mel and mask by the same numpy operations on the same dtypes (so
+bit-equal), the soft tokens by `Gemma4Processor`'s rule (12B: one per 640 samples), the placeholders."""
+
+from __future__ import annotations
+
+import io
+import wave
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ..errors import AudioInputError
+
+HEARING_VARIANTS = ("e2b", "e4b", "12b")  # the released configs with an audio_config (31B, 26B-A4B: null)
+RATE, MAX_SECONDS = 16_000, 30  # the extractor's rate; its max_length 480,000 samples (750 soft tokens)
+FRAME, HOP, FFT, MELS, PAD_TO, MEL_FLOOR = 320, 160, 512, 128, 128, 1e-3  # 20 ms window, 10 ms hop
+UNIFIED_SAMPLES = 640  # the 12B: raw 40 ms frames, one soft token each
+
+
+def _mel_filters() -> np.ndarray:
+    """transformers' `mel_filter_bank` (HTK scale, no norm, float64): triangles over the rfft bins."""
+    mels = np.linspace(0.0, 2595.0 * np.log10(1.0 + 8000.0 / 700.0), MELS + 2)
+    edges = 700.0 * (np.power(10, mels / 2595.0) - 1.0)
+    slopes = edges[None, :] - np.linspace(0, RATE // 2, FFT // 2 + 1)[:, None]
+    down, up = -slopes[:, :-2] / np.diff(edges)[:-1], slopes[:, 2:] / np.diff(edges)[1:]
+    return np.maximum(np.zeros(1), np.minimum(down, up))
+
+
+_WINDOW = np.hanning(FRAME + 1)[:-1].astype(np.float32)  # periodic Hann
+_FILTERS = _mel_filters()
+
+
+def read_wav(source: str | Path | bytes) -> np.ndarray:
+    """The float32 samples in [-1, 1) of a 16 kHz 16-bit PCM WAV (a path or its bytes), channels
+    averaged; other rates are refused: a resampler here would not be transformers' (torchcodec or soxr)."""
+    name = "the audio data" if isinstance(source, bytes) else repr(str(source))
+    try:
+        with wave.open(io.BytesIO(source) if isinstance(source, bytes) else str(source), "rb") as clip:
+            rate, width, channels = clip.getframerate(), clip.getsampwidth(), clip.getnchannels()
+            data = clip.readframes(clip.getnframes())
+    except (wave.Error, EOFError, OSError) as error:
+        raise AudioInputError(f"{name} is not a WAV file ({error}); send a 16 kHz 16-bit PCM WAV") from None
+    if width != 2 or rate != RATE:
+        raise AudioInputError(
+            f"{name} is {8 * width}-bit at {rate} Hz; Gemma-4 hears 16-bit PCM at {RATE} Hz: convert it first, "
+            f"e.g. `ffmpeg -i IN -ar {RATE} -ac 1 -sample_fmt s16 OUT.wav`"
+        )
+    samples = np.frombuffer(data[: len(data) // (2 * channels) * 2 * channels], "<i2").reshape(-1, channels)
+    return check_length((samples.astype(np.float32) / 32768.0).mean(axis=1, dtype=np.float32))
+
+
+def check_length(samples: np.ndarray) -> np.ndarray:
+    """Refuse a clip over 30 s (transformers would cut it silently) or too short for one soft token."""
+    if len(samples) > RATE * MAX_SECONDS:
+        raise AudioInputError(
+            f"the clip is {len(samples) / RATE:.2f} s; Gemma-4 hears at most {MAX_SECONDS} s (750 soft tokens) "
+            f"per clip: cut it into clips of at most {MAX_SECONDS} s"
+        )
+    if len(samples) < FRAME // 2 + 1:
+        raise AudioInputError(f"the clip has {len(samples)} samples, too short for one soft token; send over 10 ms")
+    return samples
+
+
+def log_mel(samples: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The extractor's (features [frames, 128] float32, mask [frames] bool) for one clip: padded to a
+    multiple of 128 samples, 160 zeros before (semicausal), a frame valid when its last sample is real."""
+    n = len(check_length(samples))
+    tail = -n % PAD_TO
+    padded = np.pad(samples.astype(np.float32), (FRAME // 2, tail))
+    real = np.pad(np.ones(n, dtype=np.int32), (FRAME // 2, tail))
+    frames = np.lib.stride_tricks.sliding_window_view(padded, FRAME + 1)[None, ::HOP, :-1] * _WINDOW
+    spectrum = np.log(np.matmul(np.abs(np.fft.rfft(frames, n=FFT, axis=-1)), _FILTERS) + np.array(MEL_FLOOR))
+    mask = real[np.arange(frames.shape[1]) * HOP + FRAME].astype(bool)
+    return spectrum[0].astype(np.float32) * mask[:, None], mask
+
+
+def soft_tokens(samples: np.ndarray, unified: bool = False) -> int:
+    """The placeholder count: the mel mask through the encoder's two stride-2 convolutions (every 4th
+    frame), or for the 12B one per started 640-sample frame."""
+    if unified:
+        return -(-len(check_length(samples)) // UNIFIED_SAMPLES)
+    return int(log_mel(samples)[1][::4].sum())
+
+
+def expand_audio(tokenizer: Any, rendered: list[int], clips: Sequence[np.ndarray], unified: bool = False) -> list[int]:
+    """Each audio token of the rendered prompt (the chat template's `{"type": "audio"}` part) becomes
+    boa + that clip's soft tokens + eoa, with the tokenizer's own tokens (released: `<|audio>`,
+    `<|audio|>`, `<audio|>`), as transformers' processor expands them."""
+    from .vision import expand_image_tokens
+
+    names = [getattr(tokenizer, name, None) for name in ("audio_token", "boa_token", "eoa_token")]
+    if None in names:
+        raise AudioInputError(f"this tokenizer has no audio tokens; use the one of a {HEARING_VARIANTS} checkpoint")
+    token, begin, end = tokenizer.convert_tokens_to_ids(names)
+    if rendered.count(token) != len(clips):
+        raise AudioInputError(
+            f'{len(clips)} clips for {rendered.count(token)} audio parts in the prompt; give one {{"type": "audio"}} '
+            "content part per clip"
+        )
+    return expand_image_tokens(rendered, [soft_tokens(clip, unified) for clip in clips], token, begin, end)
