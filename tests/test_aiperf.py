@@ -45,3 +45,21 @@ def test_aiperf_drives_the_endpoint(tokenizer, tmp_path):  # noqa: F811
     assert run.complete and run.requests == BOUNDS["requests"] and run.errors == 0
     assert run.completion_tokens == generated  # aiperf's total is the server's own counter
     assert 0 < run.ttft_p50_ms <= run.ttft_p99_ms and run.output_tokens_per_s > 0
+
+
+def test_the_serve_bench_records_aiperfs_own_figures_beside_its_own(tokenizer):  # noqa: F811
+    """`bench --sections serve` hands its running server to aiperf at 1 and 8 streams (`aiperf_levels`)."""
+    from gemma4lab.benchmarks.serve import aiperf_levels
+
+    if find_aiperf() is None:
+        assert aiperf_levels("http://127.0.0.1:1", "m", 16, 30)["ran"] is False  # says why, runs nothing
+        pytest.skip("no aiperf: run scripts/setup_aiperf_env.sh (or set GEMMA4LIB_AIPERF to its executable)")
+    server, _ = serve_fake(tokenizer, batch=2, context_length=128)
+    try:
+        report = aiperf_levels(server.url, "fake", 16, 120)
+    finally:
+        server.stop()
+    assert report["ran"] and [row["clients"] for row in report["levels"]] == [1, 8]
+    for row in report["levels"]:
+        assert row["complete"] and row["requests"] == 16 and row["errors"] == 0, row
+        assert 0 < row["ttft_p50_ms"] <= row["ttft_p99_ms"] and row["output_tokens_per_s"] > 0, row

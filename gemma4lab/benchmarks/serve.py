@@ -5,7 +5,10 @@ GIL shared with the clients), bound to 127.0.0.1 on a free port; the clients are
 `openai` async client (`gemma4lab.serving.load.run_load`; at least `min_requests` requests per level, so the
 one-client level the others are divided by lasts long enough to measure). Per level: every response
 complete, none mixed (each greedy reply equal to the same prompt's reply sent alone), p50/p99 time
-to first token and the total tokens/s. The server gets SIGTERM at the end and drains. Every step is bounded in time.
+to first token and the total tokens/s. Where aiperf's venv exists (`scripts/setup_aiperf_env.sh`), a load
+generator nobody here wrote then drives the same server at 1 and 8 concurrent streams and its own figures are
+recorded beside ours (`aiperf`; otherwise the reason it did not run). The server gets SIGTERM at the end and
+drains. Every step is bounded in requests and time.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
+from gemma4lab.serving.aiperf import AIPERF_VERSION, aiperf_command, find_aiperf, run_aiperf
 from gemma4lab.serving.load import DEFAULT_LEVELS, run_load
 from gemma4lab.serving.process import ServerProcess
 from gemma4lib.models.corpus import COUNTRIES
@@ -76,6 +80,7 @@ def bench_serve(
             min_requests=min_requests,
             ignore_eos=ignore_eos,
         )
+        third_party = aiperf_levels(server.url, variant, max_tokens, level_timeout_s)
     finally:
         server.stop(60)
     by_clients = {row.clients: row for row in rows}
@@ -98,4 +103,25 @@ def bench_serve(
         "all_complete": all(row.complete for row in rows),
         "mixed": sum(row.mixed for row in rows),
         "speedup_8_over_1": eight.tokens_per_s / one.tokens_per_s if one and eight and one.tokens_per_s else None,
+        "aiperf": third_party,
     }
+
+
+def aiperf_levels(url: str, model: str, max_tokens: int, timeout_s: float, levels=(1, 8)) -> dict[str, Any]:
+    """aiperf's own figures at each of `levels` concurrent streams (16 requests of 16 prompt tokens and
+    `max_tokens` out, each level bounded by `timeout_s`), or why it did not run."""
+    import tempfile
+    from pathlib import Path
+
+    from gemma4lib.models.trained import TOKENIZER_DIR
+
+    binary = find_aiperf()
+    if binary is None:
+        return {"ran": False, "why": "no aiperf venv: scripts/setup_aiperf_env.sh (or GEMMA4LIB_AIPERF)"}
+    rows = []
+    for clients in levels:
+        with tempfile.TemporaryDirectory(prefix="gemma4lab-aiperf-") as tmp:
+            bounds = dict(concurrency=clients, requests=16, input_tokens=16, output_tokens=max_tokens)
+            command = aiperf_command(binary, url, model, TOKENIZER_DIR, Path(tmp), duration_s=timeout_s, **bounds)
+            rows.append({"clients": clients, **run_aiperf(command, Path(tmp), timeout_s + 60).as_dict()})
+    return {"ran": True, "version": AIPERF_VERSION, "levels": rows}
