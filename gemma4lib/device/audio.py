@@ -1,0 +1,88 @@
+"""The audio graph: a clip's features to the soft tokens the decoder reads, as one compiled graph of
+fixed shape (clips, frames, features) beside the vision graph (docs/AUDIO.md).
+
+What runs is transformers' own audio modules, unchanged, as `Gemma4Model.get_audio_features` calls
+them: on E2B/E4B the conformer `Gemma4AudioModel` over log-mel frames `[clips, frames, 128]` and their
+frame mask, then `embed_audio`; on the 12B the encoder-free `embed_audio` (RMSNorm + linear) over raw
+640-sample frames. transformers then keeps the valid soft tokens with a boolean index (a data-dependent
+shape); the graph instead returns every slot and the tower's own valid-token mask, and the host keeps
+each clip's valid tokens (a clip is padded at its end, so they come first).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+
+@dataclass(frozen=True)
+class AudioShape:
+    """Static shapes of the audio graph: clips per call, frames per clip (mel frames, or the 12B's
+    640-sample frames), values per frame (128 mel bins, or 640 samples)."""
+
+    clips: int
+    frames: int
+    features: int
+
+    @property
+    def phase(self) -> str:
+        return "audio"
+
+    @property
+    def key(self) -> dict:
+        """The shape's part of a cache key (as `GraphShape.key`)."""
+        return dict(vars(self))
+
+
+def has_audio(multimodal: nn.Module | None) -> bool:
+    """Whether a loaded `*ForConditionalGeneration` carries an audio part (E2B, E4B, 12B configs)."""
+    inner = getattr(multimodal, "model", None)
+    return inner is not None and getattr(inner, "embed_audio", None) is not None
+
+
+class _Parts(nn.Module):
+    """The audio modules a graph runs, with the audio config the program key reads."""
+
+    def __init__(self, multimodal: nn.Module):
+        super().__init__()
+        inner = multimodal.model
+        self.config = inner.config.audio_config
+        self.audio_tower = getattr(inner, "audio_tower", None)  # None on the 12B (encoder-free)
+        self.embed_audio = inner.embed_audio
+
+
+class AudioGraph(nn.Module):
+    """`forward(features [n, frames, features], mask [n, frames] bool)` -> (soft tokens
+    `[n, slots, text_hidden]`, valid `[n, slots]` bool) (module docstring). Shares the model's weights."""
+
+    def __init__(self, multimodal: nn.Module, shape: AudioShape):
+        super().__init__()
+        if not has_audio(multimodal):
+            raise ValueError("this model has no audio part (no audio_config): only e2b, e4b and 12b hear")
+        self.model = _Parts(multimodal)
+        self.shape = shape
+        self.encoder_free = self.model.audio_tower is None
+        self.dtype = next(self.model.embed_audio.parameters()).dtype
+        self.tags: dict[str, str] = {}
+        self.inputs_before_kv = 2  # features, mask (reads and writes no K/V, as the vision graph)
+        self.writes_kv = False
+
+    def key_parts(self) -> dict:
+        """What distinguishes this graph's program beyond config, weights and shapes (cache key)."""
+        return {"class": type(self).__qualname__, "encoder_free": self.encoder_free, **self.tags}
+
+    def example_inputs(self) -> tuple[torch.Tensor, ...]:
+        n, frames, features = self.shape.clips, self.shape.frames, self.shape.features
+        return torch.zeros(n, frames, features, dtype=self.dtype), torch.ones(n, frames, dtype=torch.bool)
+
+    def forward(self, features: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.encoder_free:
+            return self.model.embed_audio(inputs_embeds=features), mask
+        encoded = self.model.audio_tower(features, mask, return_dict=True)
+        return self.model.embed_audio(inputs_embeds=encoded.last_hidden_state), encoded.attention_mask
+
+
+def audio_graph(multimodal: nn.Module, clips: int, frames: int, features: int) -> AudioGraph:
+    return AudioGraph(multimodal, AudioShape(clips, frames, features))
