@@ -6,6 +6,8 @@ by the cpu backend's AOTInductor recipe as the vision graph is."""
 
 from __future__ import annotations
 
+import importlib.util
+import os
 from pathlib import Path
 
 import numpy as np
@@ -13,6 +15,7 @@ import pytest
 import torch
 
 from gemma4lib.device.audio import AudioGraph, audio_graph, has_audio
+from gemma4lib.device.graph import INDEX_DTYPE
 from gemma4lib.models import audio
 
 CLIPS = Path(audio.__file__).resolve().parent.parent / "fixtures" / "audio"
@@ -43,6 +46,11 @@ def mel_batch(clips: list[np.ndarray], frames: int = FRAMES) -> tuple[torch.Tens
     return features, mask
 
 
+def on(graph: AudioGraph, features: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The graph over a batch, its frame mask as int32 (as every backend takes index inputs)."""
+    return graph(features, mask.to(INDEX_DTYPE))
+
+
 def kept(tokens: torch.Tensor, valid: torch.Tensor) -> list[torch.Tensor]:
     """Each clip's valid soft tokens, as transformers' boolean index keeps them (host side)."""
     return [tokens[i][valid[i]] for i in range(tokens.shape[0])]
@@ -56,11 +64,12 @@ def test_soft_tokens_equal_transformers(hearing, clips):
     features, mask = mel_batch(clips)
     graph = audio_graph(hearing.multimodal, len(clips), FRAMES, features.shape[-1])
     with torch.no_grad():
-        tokens, valid = graph(features, mask)
+        tokens, valid = on(graph, features, mask)
         same = model.get_audio_features(features, mask, return_dict=True)
         assert torch.equal(tokens, same.pooler_output) and torch.equal(valid, same.attention_mask)
         assert tokens.shape == (len(clips), FRAMES // 4, hearing.config.hidden_size)
         assert valid.sum(1).tolist() == [audio.soft_tokens(c) for c in clips]
+        assert "_extract_block_context" not in vars(model.audio_tower.layers[0].self_attn)  # the host's unswapped
         for clip, ours in zip(clips, kept(tokens, valid), strict=True):
             mel, frame_mask = (torch.from_numpy(x)[None] for x in audio.log_mel(clip))
             alone = model.get_audio_features(mel, frame_mask, return_dict=True)
@@ -96,7 +105,7 @@ def test_prefill_logits_with_soft_tokens_equal_transformers(hearing, clips):
         features, mask = mel_batch(two, frames)
         if frames == processor_frames:
             assert torch.equal(features, inputs["input_features"]) and torch.equal(mask, inputs["input_features_mask"])
-        soft = torch.cat(kept(*audio_graph(hearing.multimodal, len(two), frames, audio.MELS)(features, mask)))
+        soft = torch.cat(kept(*on(audio_graph(hearing.multimodal, len(two), frames, audio.MELS), features, mask)))
         assert len(at) == len(soft) == sum(audio.soft_tokens(c) for c in two)
         parts = HostEmbedder.from_text_model(hearing.text_model).inputs(table_ids)
         parts[0][0, at] = soft
@@ -127,11 +136,35 @@ def test_compiled_audio_graph_equals_eager(hearing, clips):
     graph = audio_graph(hearing.multimodal, len(clips), FRAMES, features.shape[-1])
     compiled = compile_graph(graph, ArtifactCache())
     with torch.no_grad():
-        tokens, valid = graph(features, mask)
-    out_tokens, out_valid = compiled(features, mask)
+        tokens, valid = on(graph, features, mask)
+    out_tokens, out_valid = compiled(features, mask.to(INDEX_DTYPE))
     assert torch.equal(out_valid, valid)
     torch.testing.assert_close(out_tokens, tokens, rtol=0, atol=1e-4)
     assert compile_graph(graph, ArtifactCache()).cache_hit
+
+
+@pytest.mark.skipif(importlib.util.find_spec("torch_xla") is None, reason="the XLA lane's venv (.venv-xla)")
+def test_audio_graph_on_xla_without_fallbacks(hearing, clips):
+    """The XLA lane (PJRT_DEVICE=CPU): the audio graph lowers with 0 CPU fallbacks, compiles once for two
+    calls of other clips, and equals eager."""
+    if hearing.variant.name != "e2b":
+        pytest.skip("one lowering is enough: E4B's audio graph is the same program at other weights")
+    from gemma4lib.backends import xla as xla_backend
+
+    os.environ.setdefault("PJRT_DEVICE", "CPU")
+    xla_backend.use_fast_cpu_compile()
+    graph = audio_graph(hearing.multimodal, 2, FRAMES, audio.MELS)
+    session = xla_backend.XLASession({"audio": graph})
+    for pair in (clips[:2], clips[2:]):
+        features, mask = mel_batch(pair)
+        tokens, valid = session.run("audio", features, mask.to(INDEX_DTYPE))
+        with torch.no_grad():
+            eager_tokens, eager_valid = on(graph, features, mask)
+        assert torch.equal(valid.cpu(), eager_valid)
+        torch.testing.assert_close(tokens.cpu(), eager_tokens, rtol=0, atol=1e-4)
+    report = session.report()
+    assert report["xla_fallbacks"] == 0, report["xla_fallback_ops"]
+    assert report["xla_compilations"]["audio"] <= 1 and report["xla_steps"]["audio"] == 2, report
 
 
 def test_12b_frame_embedder_equals_transformers(clips):
@@ -149,7 +182,7 @@ def test_12b_frame_embedder_equals_transformers(clips):
     graph = audio_graph(model.multimodal, *features.shape)
     assert graph.encoder_free
     with torch.no_grad():
-        tokens, valid = graph(features, mask)
+        tokens, valid = on(graph, features, mask)
         reference = model.multimodal.model.get_audio_features(features, mask, return_dict=True)
     assert torch.equal(tokens, reference.pooler_output) and torch.equal(valid, reference.attention_mask)
     assert valid.sum(1).tolist() == [audio.soft_tokens(c, unified=True) for c in clips]

@@ -6,15 +6,22 @@ them: on E2B/E4B the conformer `Gemma4AudioModel` over log-mel frames `[clips, f
 frame mask, then `embed_audio`; on the 12B the encoder-free `embed_audio` (RMSNorm + linear) over raw
 640-sample frames. transformers then keeps the valid soft tokens with a boolean index (a data-dependent
 shape); the graph instead returns every slot and the tower's own valid-token mask, and the host keeps
-each clip's valid tokens (a clip is padded at its end, so they come first).
+each clip's valid tokens (a clip is padded at its end, so they come first). One op is swapped for the
+same values: the attention's overlapping K/V windows are `Tensor.unfold`, which torch_xla does not lower
+(a CPU fallback per call, a graph break on inf2); the graph's copies of the attention modules gather
+them by index instead (`_block_context`), the host model's are untouched.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import nn
+
+from .graph import INDEX_DTYPE, _shallow_clone
 
 
 @dataclass(frozen=True)
@@ -42,6 +49,15 @@ def has_audio(multimodal: nn.Module | None) -> bool:
     return inner is not None and getattr(inner, "embed_audio", None) is not None
 
 
+def _block_context(attn: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+    """transformers' `Gemma4AudioAttention._extract_block_context` (pad, then a window of context_size
+    every chunk_size) as one index gather: the same values, without `unfold` (module docstring)."""
+    hidden = F.pad(hidden, (0, 0, 0, 0, attn.max_past_horizon, attn.max_future_horizon + attn.chunk_size - 1))
+    blocks, device = (hidden.shape[1] - attn.context_size) // attn.chunk_size + 1, hidden.device
+    starts = torch.arange(blocks, device=device) * attn.chunk_size
+    return hidden[:, starts[:, None] + torch.arange(attn.context_size, device=device)]  # [B, blocks, context, ...]
+
+
 class _Parts(nn.Module):
     """The audio modules a graph runs, with the audio config the program key reads."""
 
@@ -49,13 +65,21 @@ class _Parts(nn.Module):
         super().__init__()
         inner = multimodal.model
         self.config = inner.config.audio_config
-        self.audio_tower = getattr(inner, "audio_tower", None)  # None on the 12B (encoder-free)
+        tower = getattr(inner, "audio_tower", None)  # None on the 12B (encoder-free)
+        if tower is not None:  # shallow clones down to each attention (shared weights): `_block_context`
+            tower = _shallow_clone(tower)
+            tower.layers = nn.ModuleList([_shallow_clone(layer) for layer in tower.layers])
+            for layer in tower.layers:
+                layer.self_attn = _shallow_clone(layer.self_attn)
+                layer.self_attn._extract_block_context = functools.partial(_block_context, layer.self_attn)
+        self.audio_tower = tower
         self.embed_audio = inner.embed_audio
 
 
 class AudioGraph(nn.Module):
-    """`forward(features [n, frames, features], mask [n, frames] bool)` -> (soft tokens
-    `[n, slots, text_hidden]`, valid `[n, slots]` bool) (module docstring). Shares the model's weights."""
+    """`forward(features [n, frames, features], mask [n, frames] int32, 1 on a clip's frames)` -> (soft
+    tokens `[n, slots, text_hidden]`, valid `[n, slots]` bool) (module docstring); the mask is int32 as
+    every backend takes index inputs (`device.graph.INDEX_DTYPE`). Shares the model's weights."""
 
     def __init__(self, multimodal: nn.Module, shape: AudioShape):
         super().__init__()
@@ -75,9 +99,10 @@ class AudioGraph(nn.Module):
 
     def example_inputs(self) -> tuple[torch.Tensor, ...]:
         n, frames, features = self.shape.clips, self.shape.frames, self.shape.features
-        return torch.zeros(n, frames, features, dtype=self.dtype), torch.ones(n, frames, dtype=torch.bool)
+        return torch.zeros(n, frames, features, dtype=self.dtype), torch.ones(n, frames, dtype=INDEX_DTYPE)
 
     def forward(self, features: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        mask = mask.bool()
         if self.encoder_free:
             return self.model.embed_audio(inputs_embeds=features), mask
         encoded = self.model.audio_tower(features, mask, return_dict=True)
