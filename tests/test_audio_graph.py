@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from gemma4lib.device.audio import AudioGraph, audio_graph, has_audio
+from gemma4lib.device.audio import AudioGraph, AudioShape, has_audio
 from gemma4lib.device.graph import INDEX_DTYPE
 from gemma4lib.models import audio
 
@@ -44,6 +44,10 @@ def mel_batch(clips: list[np.ndarray], frames: int = FRAMES) -> tuple[torch.Tens
         mel, valid = audio.log_mel(clip)
         features[i, : len(mel)], mask[i, : len(mel)] = torch.from_numpy(mel), torch.from_numpy(valid)
     return features, mask
+
+
+def audio_graph(multimodal, clips: int, frames: int, features: int) -> AudioGraph:
+    return AudioGraph(multimodal, AudioShape(clips, frames, features))
 
 
 def on(graph: AudioGraph, features: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

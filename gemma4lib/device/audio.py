@@ -1,15 +1,11 @@
-"""The audio graph: a clip's features to the soft tokens the decoder reads, as one compiled graph of
-fixed shape (clips, frames, features) beside the vision graph (docs/AUDIO.md).
-
-What runs is transformers' own audio modules, unchanged, as `Gemma4Model.get_audio_features` calls
-them: on E2B/E4B the conformer `Gemma4AudioModel` over log-mel frames `[clips, frames, 128]` and their
-frame mask, then `embed_audio`; on the 12B the encoder-free `embed_audio` (RMSNorm + linear) over raw
-640-sample frames. transformers then keeps the valid soft tokens with a boolean index (a data-dependent
-shape); the graph instead returns every slot and the tower's own valid-token mask, and the host keeps
-each clip's valid tokens (a clip is padded at its end, so they come first). One op is swapped for the
-same values: the attention's overlapping K/V windows are `Tensor.unfold`, which torch_xla does not lower
-(a CPU fallback per call, a graph break on inf2); the graph's copies of the attention modules gather
-them by index instead (`_block_context`), the host model's are untouched.
+"""The audio graph: clips' features to the soft tokens the decoder reads, one compiled graph of fixed
+shape beside the vision graph (docs/AUDIO.md). What runs is transformers' own modules as
+`Gemma4Model.get_audio_features` calls them: E2B/E4B the conformer `Gemma4AudioModel` over log-mel frames
+and their mask, then `embed_audio`; the 12B its encoder-free `embed_audio` over raw 640-sample frames.
+transformers keeps the valid soft tokens by a boolean index (a data-dependent shape); the graph returns
+every slot and the tower's valid mask, and the host keeps each clip's (they come first). One op is swapped
+for the same values: the attention's K/V windows are `Tensor.unfold`, which torch_xla does not lower (a
+CPU fallback, a graph break on inf2); the graph's clones of the attention gather them by index instead.
 """
 
 from __future__ import annotations
@@ -26,8 +22,7 @@ from .graph import INDEX_DTYPE, _shallow_clone
 
 @dataclass(frozen=True)
 class AudioShape:
-    """Static shapes of the audio graph: clips per call, frames per clip (mel frames, or the 12B's
-    640-sample frames), values per frame (128 mel bins, or 640 samples)."""
+    """Clips per call, frames per clip, values per frame (128 mel bins; the 12B: 640 samples)."""
 
     clips: int
     frames: int
@@ -39,19 +34,16 @@ class AudioShape:
 
     @property
     def key(self) -> dict:
-        """The shape's part of a cache key (as `GraphShape.key`)."""
         return dict(vars(self))
 
 
 def has_audio(multimodal: nn.Module | None) -> bool:
     """Whether a loaded `*ForConditionalGeneration` carries an audio part (E2B, E4B, 12B configs)."""
-    inner = getattr(multimodal, "model", None)
-    return inner is not None and getattr(inner, "embed_audio", None) is not None
+    return getattr(getattr(multimodal, "model", None), "embed_audio", None) is not None
 
 
 def _block_context(attn: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
-    """transformers' `Gemma4AudioAttention._extract_block_context` (pad, then a window of context_size
-    every chunk_size) as one index gather: the same values, without `unfold` (module docstring)."""
+    """transformers' `Gemma4AudioAttention._extract_block_context` as one index gather (module docstring)."""
     hidden = F.pad(hidden, (0, 0, 0, 0, attn.max_past_horizon, attn.max_future_horizon + attn.chunk_size - 1))
     blocks, device = (hidden.shape[1] - attn.context_size) // attn.chunk_size + 1, hidden.device
     starts = torch.arange(blocks, device=device) * attn.chunk_size
@@ -77,9 +69,8 @@ class _Parts(nn.Module):
 
 
 class AudioGraph(nn.Module):
-    """`forward(features [n, frames, features], mask [n, frames] int32, 1 on a clip's frames)` -> (soft
-    tokens `[n, slots, text_hidden]`, valid `[n, slots]` bool) (module docstring); the mask is int32 as
-    every backend takes index inputs (`device.graph.INDEX_DTYPE`). Shares the model's weights."""
+    """`forward(features [n, frames, features], mask [n, frames] int32: index inputs are, on every backend)`
+    -> (soft tokens `[n, slots, text_hidden]`, valid `[n, slots]` bool). Shares the model's weights."""
 
     def __init__(self, multimodal: nn.Module, shape: AudioShape):
         super().__init__()
@@ -107,7 +98,3 @@ class AudioGraph(nn.Module):
             return self.model.embed_audio(inputs_embeds=features), mask
         encoded = self.model.audio_tower(features, mask, return_dict=True)
         return self.model.embed_audio(inputs_embeds=encoded.last_hidden_state), encoded.attention_mask
-
-
-def audio_graph(multimodal: nn.Module, clips: int, frames: int, features: int) -> AudioGraph:
-    return AudioGraph(multimodal, AudioShape(clips, frames, features))
