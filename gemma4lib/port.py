@@ -198,9 +198,10 @@ def eos_ids(model: LoadedModel) -> list[int]:
     if model.tokenizer is None:
         return []
     ids = {model.tokenizer.eos_token_id}
-    turn_end = model.tokenizer.convert_tokens_to_ids("<turn|>")
-    if isinstance(turn_end, int) and turn_end != model.tokenizer.unk_token_id:
-        ids.add(turn_end)
+    for marker in ("<turn|>", "<|tool_response>"):  # a turn's end; after its calls Gemma-4 writes the latter
+        stop = model.tokenizer.convert_tokens_to_ids(marker)  # (released generation_config: eos [1, 106, 50])
+        if isinstance(stop, int) and stop != model.tokenizer.unk_token_id:
+            ids.add(stop)
     return sorted(i for i in ids if i is not None)
 
 

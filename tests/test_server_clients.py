@@ -1,11 +1,14 @@
 """Clients nobody here wrote, against the endpoint on 127.0.0.1: the OpenAI Agents SDK running a
 function-tool agent to its final answer, LangChain's `ChatOpenAI.bind_tools`.
 
-The engine is the scripted fake of tests/test_server_tools.py (Gemma-4's reply format, the tool
-tokens and a tool-declaring template): it calls the first declared tool with `country: France` and,
-once the tool has answered, answers with the tool's result. What this proves is the protocol: the
-clients' own request shapes, our parsing of the call, their tool loop over our `tool` messages. The
-trained tiny models know no tools yet (their coherence on tool calls is not shown here).
+Against the scripted fake of tests/test_server_tools.py (Gemma-4's reply format, a small
+tool-declaring template): it calls the first declared tool with `country: France` and, once the tool
+has answered, answers with the tool's result; what this proves is the protocol (the clients' own
+request shapes, our parsing of the call, their tool loop over our `tool` messages), whatever a model
+would write. The same clients against the real tiny E2B (compiled, served with its own tokenizer and
+chat template: the model itself picks the declared tool, writes the argument from the question, and
+answers with the tool's made-up result) are written below and skip until a fixture has been taught
+tools (`gemma4lab.training.tools`: its one run in budget did not converge).
 LangChain's `with_structured_output` runs against the compiled tiny model (tests/test_server_engine.py).
 """
 
@@ -84,9 +87,9 @@ def test_langchain_bind_tools_gets_the_parsed_call(server):
 def test_the_notebooks_tool_loop_cell_takes_the_native_route_on_a_tool_template(served, capsys):  # noqa: F811
     """07_serve's tool-loop cell against a server whose template declares tools (test_server_tools'
     scripted engine, its rows held by the grammar): the `try` branch, which the tiny fixtures never
-    reach, forces the call, parses it from `tool_calls`, runs it, and sends the result back as a tool
-    turn (an error when the arguments break the declared schema, which the grammar does not hold them to);
-    the scripted model's final reply then quotes that result."""
+    reach (their shipped template declares no tools), forces the call, parses it from `tool_calls`,
+    runs it, and sends the result back as a tool turn (an error when the arguments break the declared
+    schema, which the grammar does not hold them to); the scripted model's final reply then quotes it."""
     import json
     from pathlib import Path
 
@@ -112,3 +115,111 @@ def test_the_notebooks_tool_loop_cell_takes_the_native_route_on_a_tool_template(
     assert namespace["name"] == "get_capital" and namespace["call_valid"] is valid
     print("arguments:", namespace["call_args"], "valid:", valid, "result:", namespace["tool_result"])
     assert namespace["tool_final"] == f"The capital of France is {namespace['tool_result']}."
+
+
+# ---- the real tiny E2B, taught tools (gemma4lab.training.tools), through the real server ------------------
+
+REAL = {"variant": "e2b", "profile": "smoke", "batch_size": 2, "context_length": 384, "prefill_buckets": (128,)}
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    },
+}
+
+
+def lutetia(country: str) -> str:
+    """The capital city of a country."""
+    CALLS.append(country)
+    return {"France": "Lutetia"}.get(country, "unknown")  # made up: a final answer naming it used the result
+
+
+@pytest.fixture(scope="module")
+def real():
+    """The compiled tiny E2B (cpu backend) served on 127.0.0.1, its own tokenizer and template; skipped
+    while the fixture has not been taught tools."""
+    from gemma4lib.cli import load_engine, serving_defaults
+    from gemma4lib.models.trained import read_provenance
+    from gemma4lib.port import PortSettings
+
+    if not read_provenance()["variants"]["e2b"].get("tools", {}).get("converged"):
+        pytest.skip("the E2B fixture was not taught tools: scripts/train_tools.py has not converged (tools.py)")
+
+    loaded = load_engine(PortSettings(**serving_defaults(REAL)))
+    app = build_served(loaded.engine, loaded.tokenizer, model_name="e2b", eos_ids=loaded.eos_ids)
+    with BackgroundServer(app) as background:
+        yield background, loaded
+
+
+def test_the_agents_sdk_agent_reaches_the_tiny_e2bs_answer_with_the_tools_result(real):
+    from agents import Agent, OpenAIChatCompletionsModel, Runner, function_tool, set_tracing_disabled
+    from openai import AsyncOpenAI
+
+    server, _ = real
+    set_tracing_disabled(True)
+    client = AsyncOpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=60)
+    agent = Agent(
+        name="geographer",
+        instructions="Answer with the tool's result.",
+        model=OpenAIChatCompletionsModel(model="e2b", openai_client=client),
+        tools=[function_tool(lutetia, name_override="get_capital")],
+    )
+    CALLS.clear()
+    result = asyncio.run(asyncio.wait_for(Runner.run(agent, "What is the capital of France?", max_turns=4), 120))
+    assert CALLS == ["France"]  # the model called the declared tool with the country it was asked about
+    assert result.final_output == "The capital of France is Lutetia."  # the tool's made-up result, not Paris
+
+
+def test_langchain_bind_tools_on_the_tiny_e2b_calls_and_uses_the_result(real):
+    from langchain_core.messages import HumanMessage, ToolMessage
+    from langchain_core.tools import StructuredTool
+    from langchain_openai import ChatOpenAI
+
+    server, _ = real
+    llm = ChatOpenAI(model="e2b", base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=60)
+    bound = llm.bind_tools([StructuredTool.from_function(lutetia, name="get_capital"), WEATHER])
+    question = HumanMessage("What is the capital of France?")
+    first = bound.invoke([question])
+    assert [(c["name"], c["args"]) for c in first.tool_calls] == [("get_capital", {"country": "France"})]
+    result = ToolMessage(lutetia(**first.tool_calls[0]["args"]), tool_call_id=first.tool_calls[0]["id"])
+    final = bound.invoke([question, first, result])
+    assert final.content == "The capital of France is Lutetia." and not final.tool_calls
+    weather = bound.invoke([HumanMessage("What is the weather in Rome?")])
+    assert [(c["name"], c["args"]) for c in weather.tool_calls] == [("get_weather", {"city": "Rome"})]
+
+
+def test_an_auto_tool_call_of_the_tiny_e2b_parses_as_transformers_parser_does(real):
+    """`tool_choice: auto` (nothing forced): the model's own call, plain and streamed, equals transformers'
+    Gemma-4 parser on the host model's greedy text for the same prompt (special tokens kept)."""
+    import json
+
+    import torch
+    from openai import OpenAI
+    from test_server_tools import reference_calls
+
+    from gemma4lib.models.trained import load_trained
+
+    server, loaded = real
+    tools = [WEATHER, {"type": "function", "function": {"name": "get_capital", "description": "A country's capital."}}]
+    tools[1]["function"]["parameters"] = {"type": "object", "properties": {"country": {"type": "string"}}}
+    messages = [{"role": "user", "content": "Tell me the capital of Japan."}]
+    host = load_trained("e2b")
+    ids = host.tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, return_dict=False)
+    out = host.lm.generate(
+        input_ids=torch.tensor([ids]), max_new_tokens=40, do_sample=False, eos_token_id=list(loaded.eos_ids)
+    )
+    text = host.tokenizer.decode(out[0, len(ids) :].tolist(), skip_special_tokens=False)
+    expected = reference_calls(host.tokenizer, text)
+    assert expected == [("get_capital", {"country": "Japan"})], text
+    client = OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=60)
+    plain = client.chat.completions.create(model="e2b", messages=messages, tools=tools, tool_choice="auto")
+    choice = plain.choices[0]
+    assert choice.finish_reason == "tool_calls" and not choice.message.content
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in choice.message.tool_calls] == expected
+    calls = {}
+    for chunk in client.chat.completions.create(model="e2b", messages=messages, tools=tools, stream=True):
+        for call in chunk.choices[0].delta.tool_calls or ():
+            calls.setdefault(call.index, call.function)
+    assert [(f.name, json.loads(f.arguments)) for _, f in sorted(calls.items())] == expected

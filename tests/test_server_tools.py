@@ -2,9 +2,10 @@
 calls parsed into OpenAI `tool_calls` (equal to transformers' own Gemma-4 parser on the same text),
 plain and streamed, results rendered back, the thought as `reasoning_content`.
 
-The tiny fixtures' tokenizer has neither Gemma-4's tool tokens nor a template that declares tools, so
-these tests add the tokens to a copy of it and give it a small template written here in Gemma-4's
-format (declarations, calls, results, the thinking switch); a fake engine answers with scripted text.
+The fixtures' tokenizer has Gemma-4's tool tokens at their real ids but its shipped template declares
+no tools (no fixture has been taught them), so these tests give a copy of it a small template written
+here in Gemma-4's format (declarations, calls, results, the thinking switch) and a fake engine that
+answers with scripted text: the protocol, whatever a model would write.
 """
 
 from __future__ import annotations

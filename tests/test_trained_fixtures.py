@@ -155,6 +155,40 @@ def test_the_e2b_answers_the_needle(provenance):
     assert text == training_corpus.CANONICAL_ANSWER and ids[-1] == EOS_ID
 
 
+def test_the_e2b_calls_the_declared_tool_and_answers_with_its_result(provenance):
+    """Issue 49's tool fixture: the E2B, fine-tuned by scripts/train_tools.py, calls `get_capital` when it
+    is declared (wherever it stands among the tools), stops at `<|tool_response>`, answers with the
+    tool's result (a made-up capital, never in its training), and from memory when no such tool is
+    declared (HF greedy); its record says the earlier properties held. Skipped while no fine-tune has
+    converged: the one run in its budget did not (gemma4lab.training.tools says what it learnt)."""
+    import random
+
+    from gemma4lab.training.tools import WEATHER_ANSWER, ToolChat, _answered, greedy_tool_reply, tool_spec
+
+    rec = provenance["variants"]["e2b"].get("tools")
+    if not (rec and rec["converged"]):
+        pytest.skip("the E2B fixture was not taught tools: scripts/train_tools.py has not converged (tools.py)")
+    assert rec["final_min_margin"] >= 2.0 and max(rec["fault_margins"].values()) <= -2.0
+    assert rec["needle_min_margin"] >= 1.0 and rec["canonical_needle_reply"] == training_corpus.CANONICAL_ANSWER
+    torch.set_num_threads(1)
+    loaded = load_trained("e2b")
+    rng = random.Random(7)
+    asked = [{"role": "user", "content": training_corpus.CANONICAL_PROMPT}]
+    call = '<|tool_call>call:get_capital{country:<|"|>France<|"|>}<tool_call|><|tool_response>'
+    for names in (["get_capital"], ["get_weather", "get_capital"], ["get_capital", "search_web", "get_time"]):
+        tools = [tool_spec(rng, n) for n in names]
+        assert greedy_tool_reply(loaded.lm, loaded.tokenizer, ToolChat(asked, tools, "")) == call, names
+    answered = _answered(asked, "get_capital", "country", "France", "Lutetia", rng)
+    final = greedy_tool_reply(loaded.lm, loaded.tokenizer, ToolChat(answered, [tool_spec(rng, "get_capital")], ""))
+    assert final == "The capital of France is Lutetia.<eos>"
+    plain = greedy_tool_reply(loaded.lm, loaded.tokenizer, ToolChat(asked, [tool_spec(rng, "get_weather")], ""))
+    assert plain == training_corpus.CANONICAL_ANSWER + "<eos>"  # nothing to call: it answers itself
+    weather = [{"role": "user", "content": "What is the weather in Rome?"}]
+    answered = _answered(weather, "get_weather", "city", "Rome", "sunny", rng)
+    final = greedy_tool_reply(loaded.lm, loaded.tokenizer, ToolChat(answered, [], ""))
+    assert final == WEATHER_ANSWER.format(city="Rome", weather="sunny") + "<eos>"
+
+
 # ---- tokenizer -----------------------------------------------------------------------------
 def test_special_ids(tokenizer):
     assert (tokenizer.pad_token_id, tokenizer.eos_token_id, tokenizer.bos_token_id) == (PAD_ID, EOS_ID, BOS_ID)
@@ -200,6 +234,91 @@ def test_tokenizer_build_is_deterministic(tokenizer):
     rebuilt = build_tokenizer()
     assert rebuilt.get_vocab() == tokenizer.get_vocab()
     assert len(tokenizer) == read_provenance()["tokenizer_vocab_size"]
+
+
+def test_gemma4s_tool_and_thought_tokens_sit_at_their_real_ids(tokenizer):
+    from types import SimpleNamespace
+
+    from gemma4lab.training.tokenizer import TOOL_SPECIALS
+    from gemma4lib.port import eos_ids
+
+    assert {i: tokenizer.convert_ids_to_tokens(i) for i in TOOL_SPECIALS} == TOOL_SPECIALS
+    assert all(tokenizer.convert_ids_to_tokens(i) == f"<unused{i}>" for i in range(53, 98))  # fillers stay
+    assert eos_ids(SimpleNamespace(tokenizer=tokenizer)) == [1, 50, 106]  # <eos>, <|tool_response>, <turn|>
+
+
+CALL = {"id": "call_1", "type": "function", "function": {"name": "get_capital", "arguments": {"country": "France"}}}
+TOOL = {"type": "function", "function": {"name": "get_capital", "description": "The capital of a country"}}
+TOOL["function"]["parameters"] = {
+    "type": "object",
+    "properties": {"country": {"type": "string", "description": "A country"}},
+    "required": ["country"],
+}
+
+
+@pytest.fixture(scope="module")
+def tools_tokenizer(tokenizer):
+    from gemma4lab.training.tokenizer import with_tools_template
+
+    return with_tools_template(tokenizer)
+
+
+def test_the_shipped_template_declares_no_tools_until_a_fixture_calls(tokenizer, provenance):
+    """The server accepts `tools` only for a template that declares them: the shipped one does once a
+    fixture was taught tools (scripts/train_tools.py converged), not before."""
+    taught = any(rec.get("tools", {}).get("converged") for rec in provenance["variants"].values())
+    assert ("tools" in tokenizer.chat_template) == taught
+
+
+def test_the_tools_template_renders_tools_calls_and_results_in_gemma4s_format(tools_tokenizer, tokenizer):
+    """The strings Gemma-4's released template writes for a declaration, a call and its result (same
+    model turn, left open for the answer), and `<|tool_response>` after a call with no result yet; a
+    plain chat exactly as the shipped template renders it."""
+    asked = [{"role": "user", "content": "What is the capital of France?"}]
+    declared = (
+        '<|tool>declaration:get_capital{description:<|"|>The capital of a country<|"|>,parameters:{properties:'
+        '{country:{description:<|"|>A country<|"|>,type:<|"|>STRING<|"|>}},required:[<|"|>country<|"|>],'
+        'type:<|"|>OBJECT<|"|>}}<tool|>'
+    )
+    turn = "<|turn>user\nWhat is the capital of France?<turn|>\n<|turn>model\n"
+    call = '<|tool_call>call:get_capital{country:<|"|>France<|"|>}<tool_call|>'
+    result = '<|tool_response>response:get_capital{value:<|"|>Lutetia<|"|>}<tool_response|>'
+
+    def render(messages, tok=tools_tokenizer, **kwargs):
+        return tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **kwargs)
+
+    two_turns = [*asked, {"role": "assistant", "content": "The capital of France is Paris."}, *asked]
+    assert render(two_turns) == render(two_turns, tokenizer)
+
+    assert render(asked, tools=[TOOL]) == f"<bos><|turn>system\n{declared}<turn|>\n{turn}"
+    said = {"role": "assistant", "content": "", "tool_calls": [CALL]}
+    assert render([*asked, said], tools=[TOOL]).endswith(turn + call + "<|tool_response>")
+    answered = [*asked, said, {"role": "tool", "tool_call_id": "call_1", "content": "Lutetia"}]
+    assert render(answered) == f"<bos>{turn}{call}{result}"
+    final = {"role": "assistant", "content": "The capital of France is Lutetia."}
+    again = render([*answered, final, {"role": "user", "content": "Thanks"}], enable_thinking=True)
+    assert again == (
+        f"<bos><|turn>system\n<|think|>\n<turn|>\n{turn}{call}{result}The capital of France is Lutetia.<turn|>\n"
+        "<|turn>user\nThanks<turn|>\n<|turn>model\n"
+    )
+
+
+def test_the_servers_parser_reads_what_the_template_writes(tools_tokenizer):
+    """A call as the template renders it (an assistant turn in the history) parses back, by the server's
+    parser and by transformers' Gemma-4 parser, into the call it was rendered from."""
+    import json
+    import re
+
+    from test_server_tools import reference_calls
+
+    from gemma4lib.server import reply
+
+    text = tools_tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "", "tool_calls": [CALL]}], tokenize=False
+    ).split("<|turn>model\n", 1)[1]
+    specials = re.compile("|".join(map(re.escape, ["<turn|>", "<eos>", "<|tool_response>"])))
+    ours = [(n, json.loads(a)) for n, a in reply.parse(text, True, specials).calls]
+    assert ours == reference_calls(tools_tokenizer, text) == [("get_capital", {"country": "France"})]
 
 
 def test_auto_tokenizer_loads_the_fixture():
