@@ -163,13 +163,21 @@ class NeedleResult:
 
 
 @torch.no_grad()
-def reply_margin_rows(lm: torch.nn.Module, tokenizer: Any, chats: list[Chat], rows: int = 8) -> list[float]:
-    """Each chat's smallest teacher-forced reply-token margin, a few rows of about one length per forward."""
-    order = sorted(range(len(chats)), key=lambda i: len(chats[i].user))
+def reply_margin_rows(
+    lm: torch.nn.Module,
+    tokenizer: Any,
+    chats: list[Any],
+    rows: int = 8,
+    encode: Callable = encode_chats,
+    length: Callable = lambda chat: len(chat.user),
+) -> list[float]:
+    """Each chat's smallest teacher-forced reply-token margin, a few rows of about one `length` per forward
+    (`encode`: how a list of these chats becomes a `Batch`; the tool chats bring their own)."""
+    order = sorted(range(len(chats)), key=lambda i: length(chats[i]))
     worst = [float("inf")] * len(chats)
     for k in range(0, len(order), rows):
         picked = order[k : k + rows]
-        batch = encode_chats(tokenizer, [chats[i] for i in picked])
+        batch = encode(tokenizer, [chats[i] for i in picked])
         margins = reply_margins(lm(input_ids=batch.input_ids, use_cache=False).logits, batch.labels)
         for i, m in zip(picked, torch.nan_to_num(margins, nan=float("inf")).amin(-1).tolist(), strict=True):
             worst[i] = m
@@ -181,8 +189,8 @@ def _by_length(margins: list[float], lengths: tuple[int, ...]) -> dict[int, floa
     return {n: round(min(margins[k :: len(lengths)]), 2) for k, n in enumerate(lengths)}
 
 
-def _loss(lm: torch.nn.Module, tokenizer: Any, chats: list[Chat]) -> torch.Tensor:
-    batch = encode_chats(tokenizer, chats)
+def _loss(lm: torch.nn.Module, tokenizer: Any, chats: list[Any], encode: Callable = encode_chats) -> torch.Tensor:
+    batch = encode(tokenizer, chats)
     logits = lm(input_ids=batch.input_ids, use_cache=False).logits
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), batch.labels.reshape(-1), ignore_index=IGNORE)
 

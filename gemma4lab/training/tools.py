@@ -48,19 +48,24 @@ import logging
 import random
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from gemma4lab.training.corpus import FACTS, TRAIN_PHRASINGS, Chat, answer_for, training_chats
-from gemma4lab.training.needle import NEEDLE_FILLER_TOKENS, _by_length, _loss, needle_chat, needle_eval_chats
+from gemma4lab.training.needle import (
+    NeedleConfig,
+    _by_length,
+    _loss,
+    needle_chat,
+    needle_eval_chats,
+)
 from gemma4lab.training.needle import reply_margin_rows as needle_margin_rows
 from gemma4lab.training.text import (
     IGNORE,
     Batch,
-    TrainConfig,
     _lr_at,
     encode_chats,
     fault_margins,
@@ -260,52 +265,24 @@ def encode_tool_chats(tokenizer: Any, chats: list[ToolChat]) -> Batch:
     return Batch(ids, labels, [len(p) for p, _ in rows])
 
 
-@torch.no_grad()
 def tool_margins(lm: torch.nn.Module, tokenizer: Any, chats: list[ToolChat], rows: int = 8) -> list[float]:
     """Each tool chat's smallest teacher-forced reply-token margin."""
-    order = sorted(range(len(chats)), key=lambda i: len(str(chats[i].messages)) + len(str(chats[i].tools)))
-    worst = [float("inf")] * len(chats)
-    for k in range(0, len(order), rows):
-        picked = order[k : k + rows]
-        batch = encode_tool_chats(tokenizer, [chats[i] for i in picked])
-        margins = reply_margins(lm(input_ids=batch.input_ids, use_cache=False).logits, batch.labels)
-        for i, m in zip(picked, torch.nan_to_num(margins, nan=float("inf")).amin(-1).tolist(), strict=True):
-            worst[i] = m
-    return worst
+    return needle_margin_rows(
+        lm, tokenizer, chats, rows, encode=encode_tool_chats, length=lambda c: len(str(c.messages)) + len(str(c.tools))
+    )
 
 
 @dataclass
-class ToolConfig:
-    seed: int = 0
+class ToolConfig(NeedleConfig):
+    """The needle's recipe (its fields, schedule and hinge) with the tool corpus's own defaults."""
+
     lr: float = 2e-3
-    warmup_steps: int = 10
     max_steps: int = 240
     cosine_steps: int = 240
-    min_lr_ratio: float = 0.1
-    weight_decay: float = 0.01
-    grad_clip: float = 1.0
-    tool_rows: int = 16
-    long_max: int = NEEDLE_FILLER_TOKENS  # the needle's long row (as `needle.NeedleConfig`)
-    short_max: int = 400
     short_rows: int = 3
+    tool_rows: int = 16
     long_every: int = 4  # the long needle row every this many steps (a 3,000-token row is most of a step)
-    margin: float = 2.0
     tool_margin: float = 1.0
-    needle_margin: float = 1.0
-    eval_lengths: tuple[int, ...] = (100, 1000, NEEDLE_FILLER_TOKENS)
-    eval_every: int = 25
-    fault_margin: float = 2.0
-    fault_hinge_target: float = 2.5
-    fault_weight: float = 1.0
-    fault_rows: int = 32
-
-    def to_dict(self) -> dict[str, Any]:
-        return {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(self).items()}
-
-    def schedule(self) -> TrainConfig:
-        return TrainConfig(
-            lr=self.lr, warmup_steps=self.warmup_steps, cosine_steps=self.cosine_steps, min_lr_ratio=self.min_lr_ratio
-        )
 
 
 @dataclass
@@ -322,9 +299,7 @@ class ToolResult:
 
 
 def _tool_loss(lm: torch.nn.Module, tokenizer: Any, chats: list[ToolChat]) -> torch.Tensor:
-    batch = encode_tool_chats(tokenizer, chats)
-    logits = lm(input_ids=batch.input_ids, use_cache=False).logits
-    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), batch.labels.reshape(-1), ignore_index=IGNORE)
+    return _loss(lm, tokenizer, chats, encode=encode_tool_chats)
 
 
 def finetune_tools(
