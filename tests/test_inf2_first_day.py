@@ -32,12 +32,13 @@ from gemma4lib.recipes.common import DeviceStep, check_first_output, check_host_
 # ---- finding 4: int8 at its bytes; no host re-quantization for shapes -----------------------------
 def test_int8_is_counted_at_one_byte_plus_a_scale_per_row():
     """31B at TP=4: bf16 does not fit a core (14.3 GiB + K/V + working memory), int8 does."""
+    from gemma4lab.inf2.plans import core_summary
     from gemma4lib.inf2.params import count_params, meta_model
 
     bf16 = plan_core_memory("31b", 4, instance="inf2.24xlarge")
     int8 = plan_core_memory("31b", 4, instance="inf2.24xlarge", weights="int8")
-    assert not bf16.fits and int8.fits, (bf16.summary(), int8.summary())
-    assert "int8 weights" in int8.summary()
+    assert not bf16.fits and int8.fits, (core_summary(bf16), core_summary(int8))
+    assert "int8 weights" in core_summary(int8)
     counts = count_params(meta_model("e2b"))  # at TP=1 the rank holds every linear whole
     full = rank_weight_bytes("e2b", 1)
     assert rank_weight_bytes("e2b", 1, "int8") == full - counts.linear + 4 * counts.linear_rows

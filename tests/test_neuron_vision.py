@@ -289,6 +289,7 @@ def test_images_take_no_core_beyond_the_tp_degree_and_three_tp8_replicas_fit_an_
     inf2.48xlarge three TP=8 replicas with images fit (not two), each TP group on whole chips of its
     own. The plans say the vision part fits beside rank 0 for both TP=8 variants; a core it would
     overflow is refused by the full profile's preflight."""
+    from gemma4lab.inf2.plans import core_summary
     from gemma4lib.inf2.hardware import CORES_PER_CHIP, INSTANCES
     from gemma4lib.inf2.memory_plan import plan_core_memory
     from gemma4lib.server.ray_app import replica_resources
@@ -304,7 +305,7 @@ def test_images_take_no_core_beyond_the_tp_degree_and_three_tp8_replicas_fit_an_
         groups = [range(r * reserved, (r + 1) * reserved) for r in range(replicas)]
         assert replicas == 3 and all(g.start % CORES_PER_CHIP == 0 == len(g) % CORES_PER_CHIP for g in groups)
         plan = plan_core_memory(variant, 8, instance="inf2.48xlarge", vision=True)
-        assert plan.fits and plan.vision_gib > 0, plan.summary()  # the vision part counted on rank 0's core
+        assert plan.fits and plan.vision_gib > 0, core_summary(plan)  # the vision part counted on rank 0's core
     seen: list[bool] = []  # the full profile's preflight plans rank 0's core with the vision part on it
     monkeypatch.setattr("gemma4lib.backends.preflight.require_fit", lambda *a, **k: seen.append(k["vision"]))
     monkeypatch.setattr("gemma4lib.backends.preflight.require_serving_host", lambda *a, **k: None)

@@ -17,6 +17,7 @@ from typing import Any
 
 from gemma4lab.inf2.batch_roofline import BATCHES, batch_ceilings
 from gemma4lab.inf2.image_prefill import format_image_prefill_table, image_prefill_table
+from gemma4lab.inf2.plans import compile_elsewhere
 from gemma4lab.inf2.prefill import prefill_estimate
 from gemma4lab.inf2.roofline import ceiling_tok_s, decode_bytes, device_params, plan_split
 from gemma4lib.inf2.hardware import GB, GIB, INSTANCES, NEURON_TP_DEGREES
@@ -230,7 +231,7 @@ def format_plan_table(plans: list[CoreMemoryPlan]) -> str:
         lines.append(
             f"| {p.variant} | {p.recipe} | {p.tp} | {p.instance} | {p.weights_gib:.1f} GiB | "
             f"{p.kv_gib:.2f} GiB | {p.working_gib:.0f} GiB |{cell} {p.total_gib:.1f} GiB | "
-            f"~{p.compile_peak_gb:.0f} GB / {p.host_ram_gib} GiB{p._compile_elsewhere()} | "
+            f"~{p.compile_peak_gb:.0f} GB / {p.host_ram_gib} GiB{compile_elsewhere(p)} | "
             f"{'yes' if p.fits else 'no: ' + '; '.join(p.problems)} |"
         )
     return "\n".join(lines)

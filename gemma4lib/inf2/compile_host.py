@@ -98,11 +98,6 @@ class CompileHostPlan:
             else "(computed; measured on CPU at reduced depth; the compiler's own RAM not counted, unverified)"
         )
 
-    def summary(self) -> str:
-        return (
-            f"compile host: {self.variant} ({self.recipe}, TP={self.tp}): ~{self.peak_gb:.0f} GB peak = {self.basis()}"
-        )
-
 
 @functools.lru_cache(maxsize=64)
 def _counts(name: str, tp: int, overrides_key: tuple) -> tuple[dict[str, int], KVLayout]:
