@@ -1,13 +1,35 @@
-"""One-line summaries of the library's inf2 plans, for the doctor and the tests.
+"""The library's inf2 plans as reports: JSON-friendly data and one-line summaries, for the doctor,
+the family tables, the host-RSS benchmarks and the tests.
 
-The library builds its own refusal messages (`memory_plan.require_fit`); these lines only report a
-plan, so they live beside the lab tools that print them.
+The library builds its own refusal messages (`memory_plan.require_fit`, `serving_host.require_serving_host`)
+and never writes a plan out; these only report one, so they live beside the lab tools that print them.
 """
 
 from __future__ import annotations
 
+from dataclasses import asdict
+from typing import Any
+
 from gemma4lib.inf2.compile_host import CompileHostPlan
 from gemma4lib.inf2.memory_plan import CoreMemoryPlan
+from gemma4lib.inf2.serving_host import ServingHostPlan
+from gemma4lib.inf2.vision_plan import VisionPlan
+
+# each plan's derived figures (properties), written out beside its fields
+DERIVED: dict[type, tuple[str, ...]] = {
+    CoreMemoryPlan: ("total_gib", "fits"),
+    CompileHostPlan: ("steps", "peak_step", "peak_gb"),
+    ServingHostPlan: ("peak_gb", "available_gb", "peak_step", "fits"),
+    VisionPlan: ("total_gib",),
+}
+
+
+def plan_dict(plan: CoreMemoryPlan | CompileHostPlan | ServingHostPlan | VisionPlan) -> dict[str, Any]:
+    """A plan's fields and derived figures as JSON-friendly data (`problems` a list)."""
+    out = asdict(plan)
+    if "problems" in out:
+        out["problems"] = list(plan.problems)
+    return {**out, **{name: getattr(plan, name) for name in DERIVED[type(plan)]}}
 
 
 def compile_elsewhere(plan: CoreMemoryPlan) -> str:

@@ -21,7 +21,7 @@ import sys
 from dataclasses import asdict
 from typing import Any
 
-from gemma4lab.inf2.plans import compile_summary, core_summary
+from gemma4lab.inf2.plans import compile_summary, core_summary, plan_dict
 from gemma4lib.errors import TensorParallelError
 from gemma4lib.inf2.compile_host import COMPILER_CALIBRATION, compile_host_plan, compiler_bytes_per_mac
 from gemma4lib.inf2.compile_ram import compile_ram_warning, estimate_compile_peak_gb
@@ -223,13 +223,13 @@ def run_doctor(
             estimate = estimate_compile_peak_gb(v, tp)
             report["compile_estimate"] = estimate
             compile_plan = compile_host_plan(v, tp, estimate["recipe"])
-            report["compile_host"] = {**compile_plan.to_dict(), "summary": compile_summary(compile_plan)}
+            report["compile_host"] = {**plan_dict(compile_plan), "summary": compile_summary(compile_plan)}
             plan = plan_core_memory(v, tp, instance=dmi_instance_type(), context_length=context_length, vision=vision)
-            report["plan"] = plan.to_dict()
+            report["plan"] = plan_dict(plan)
             if not plan.fits:
                 warnings.append(core_summary(plan))
             serving = serving_host_plan(v, tp, host_instance_type(), context_length=context_length, vision=vision)
-            report["serving_host"] = {**serving.to_dict(), "summary": serving.summary()}
+            report["serving_host"] = {**plan_dict(serving), "summary": serving.summary()}
             longest = {i: largest_context(v, i) for i in INSTANCES}
             report["contexts"] = {
                 i: {

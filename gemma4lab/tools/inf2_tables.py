@@ -17,7 +17,7 @@ from typing import Any
 
 from gemma4lab.inf2.batch_roofline import BATCHES, batch_ceilings
 from gemma4lab.inf2.image_prefill import format_image_prefill_table, image_prefill_table
-from gemma4lab.inf2.plans import compile_elsewhere
+from gemma4lab.inf2.plans import compile_elsewhere, plan_dict
 from gemma4lab.inf2.prefill import prefill_estimate
 from gemma4lab.inf2.roofline import ceiling_tok_s, decode_bytes, device_params, plan_split
 from gemma4lib.inf2.hardware import GB, GIB, INSTANCES, NEURON_TP_DEGREES
@@ -330,14 +330,14 @@ def vision_report(context_length: int = DEFAULT_CONTEXT) -> dict[str, Any]:
     return {
         "source": SOURCE,
         "placement": PLACEMENT,
-        "parts": [p.to_dict() for p in parts],
+        "parts": [plan_dict(p) for p in parts],
         "table": format_vision_table(parts),
         "reported": {
-            "parts": [p.to_dict() for p in reported],
+            "parts": [plan_dict(p) for p in reported],
             "table": format_vision_table(reported),
             "sources": {name: r["source"] for name, r in REPORTED.items()},
         },
-        "plans": [p.to_dict() for p in plans],
+        "plans": [plan_dict(p) for p in plans],
         "plan_table": format_plan_table(plans),
         "image_prefill": prefill,
         "image_prefill_table": format_image_prefill_table(prefill),
@@ -351,7 +351,7 @@ def family_report(context_length: int = DEFAULT_CONTEXT) -> dict[str, Any]:
     return {
         "memory_plan": {
             "context_length": context_length,
-            "plans": [p.to_dict() for p in plans],
+            "plans": [plan_dict(p) for p in plans],
             "table": format_plan_table(plans),
         },
         "context_table": format_context_table(context_table()),

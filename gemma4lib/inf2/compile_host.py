@@ -32,7 +32,7 @@ HLO generation is not counted.
 from __future__ import annotations
 
 import functools
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any
 
 from ..device.kv_layout import SLIDING, KVLayout
@@ -85,9 +85,6 @@ class CompileHostPlan:
     @property
     def peak_gb(self) -> float:
         return self.base_gb + self.model_gb + self.steps[self.peak_step]
-
-    def to_dict(self) -> dict[str, Any]:
-        return {**asdict(self), "steps": self.steps, "peak_step": self.peak_step, "peak_gb": self.peak_gb}
 
     def basis(self) -> str:
         step = self.steps[self.peak_step]

@@ -22,7 +22,7 @@ compile fits the inf2.xlarge (`neuron_recipe`).
 from __future__ import annotations
 
 import functools
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
 from ..device.quant import LINEAR_WEIGHT_NAME
@@ -175,9 +175,6 @@ class CoreMemoryPlan:
     @property
     def fits(self) -> bool:
         return not self.problems
-
-    def to_dict(self) -> dict[str, Any]:
-        return {**asdict(self), "problems": list(self.problems), "total_gib": self.total_gib, "fits": self.fits}
 
 
 def plan_core_memory(
