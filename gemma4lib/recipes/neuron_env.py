@@ -219,12 +219,10 @@ def fx_shim_status(namespace: MutableMapping[str, Any] | None = None) -> str:
     """'real' (transformers has it), 'shim' (ours is installed), 'needed', or 'no-transformers'."""
     modules = sys.modules if namespace is None else namespace
     existing = modules.get(FX_MODULE)
+    if existing is not None and getattr(existing, "GEMMA4LIB_SHIM", False):
+        return "shim"
     if existing is not None:
-        return (
-            "shim"
-            if getattr(existing, "GEMMA4LIB_SHIM", False)
-            else ("real" if hasattr(existing, "HFTracer") else "needed")
-        )
+        return "real" if hasattr(existing, "HFTracer") else "needed"
     if namespace is None:
         try:
             importlib.import_module(FX_PARENT)
