@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import held_cores, release_core_claims
 from torch import nn
 
 from gemma4lib.backends.engine import engine_over
@@ -141,7 +142,7 @@ def test_the_compile_runs_in_a_directory_of_its_own(tmp_path, monkeypatch):
     (cwd,) = seen["cwd"]
     assert cwd != str(tmp_path) and not Path(cwd).exists()  # its own, removed
     assert compiled.compiler == "neuron-model_builder"
-    cores.release_all()
+    release_core_claims()
 
 
 # ---- finding 6: a second model on the same cores ------------------------------------------------------
@@ -150,7 +151,7 @@ class _Loaded(nn.Module):
 
 
 def test_a_second_load_on_busy_cores_is_refused_until_the_first_is_released():
-    cores.release_all()
+    release_core_claims()
     first = cores.claim(_Loaded(), 0, 2, "the first model")
     with pytest.raises(NeuronCoresBusyError, match=r"the first model on cores 0-1.*del compiled"):
         cores.check_free(1, 1, "the second model")
@@ -158,12 +159,12 @@ def test_a_second_load_on_busy_cores_is_refused_until_the_first_is_released():
     del first
     gc.collect()
     cores.check_free(0, 2, "the second model")  # released: allowed
-    assert cores.held() == []
+    assert held_cores() == []
 
 
 def test_compiling_again_while_the_first_model_lives_is_refused(tmp_path, monkeypatch):
     """A notebook's compile cell run twice: the second load would put a second copy on the cores."""
-    cores.release_all()
+    release_core_claims()
     compile_again = _neuron_compile(tmp_path, monkeypatch, {})
     first = compile_again()
     with pytest.raises(NeuronCoresBusyError, match="e2b \\(model_builder, TP=1\\).*del compiled"):
@@ -171,7 +172,7 @@ def test_compiling_again_while_the_first_model_lives_is_refused(tmp_path, monkey
     del first
     gc.collect()
     assert compile_again().cache_hits == [True]  # released: loads (from the cache) again
-    cores.release_all()
+    release_core_claims()
 
 
 # ---- finding 7: int8 rows reduced in float32 -----------------------------------------------------------

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import held_cores, release_core_claims
 from torch import nn
 
 from gemma4lib.backends.preflight import preflight
@@ -32,9 +33,9 @@ def random_e2b():
 @pytest.fixture(autouse=True)
 def _free_cores():
     """Each test starts and ends with no NeuronCore claimed (a claim outlives a failed test otherwise)."""
-    cores.release_all()
+    release_core_claims()
     yield
-    cores.release_all()
+    release_core_claims()
 
 
 def _image_settings(tmp_path, **chosen):
@@ -234,7 +235,7 @@ def test_backend_neuron_traces_the_vision_graph_once_and_places_it_beside_rank_0
     artifacts = compiled.info["artifacts"]
     assert set(artifacts) == {"decoder", "vision"} and artifacts["vision"] != artifacts["decoder"]
     assert (Path(artifacts["vision"]) / neuron_vision.FILE).is_file()
-    held = sorted(tuple(c["cores"]) for c in cores.held())
+    held = sorted(held_cores())
     assert held == [(0, 0), (0, 0)], held  # decoder on core 0 (TP=1), vision beside rank 0: one core in all
 
     with pytest.raises(NeuronCoresBusyError, match="onto NeuronCores 0-0"):
