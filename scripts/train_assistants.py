@@ -20,9 +20,10 @@ import torch
 
 from gemma4lab.training.assistant import AssistantTrainConfig, train_assistant
 from gemma4lab.training.machine import cpu_type
+from gemma4lab.training.text import MODEL_FILES
 from gemma4lib.cache.artifacts import sha256_file
 from gemma4lib.models.assistant import assistant_dir, assistant_spec, fully_shared_construction, load_assistant_folder
-from gemma4lib.models.trained import FIXTURES_DIR, MODEL_FILES, load_trained
+from gemma4lib.models.trained import FIXTURES_DIR, load_trained
 from gemma4lib.models.variants import VARIANTS, get_variant
 
 log = logging.getLogger("train_assistants")

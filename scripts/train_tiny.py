@@ -40,9 +40,9 @@ from gemma4lab.training.text import (  # noqa: E402
     state_sha256,
     train_variant,
 )
-from gemma4lab.training.tokenizer import build_tokenizer, save_tokenizer  # noqa: E402
+from gemma4lab.training.tokenizer import TOKENIZER_FILES, build_tokenizer, save_tokenizer  # noqa: E402
 from gemma4lib.models.tokenizer import load_tokenizer  # noqa: E402
-from gemma4lib.models.trained import TOKENIZER_FILES, sha256_file  # noqa: E402
+from gemma4lib.models.trained import sha256_file  # noqa: E402
 from gemma4lib.models.variants import VARIANTS, get_variant  # noqa: E402
 
 log = logging.getLogger("train_tiny")

@@ -9,6 +9,7 @@ caller sets GEMMA4LIB_CACHE: tests never read or fill the user's ~/.cache/gemma4
 from __future__ import annotations
 
 import base64
+import gc
 import io
 import os
 import shutil
@@ -23,6 +24,7 @@ import torch
 
 from gemma4lib.models.shapes import COLOURS, SHAPES
 from gemma4lib.models.variants import VARIANTS
+from gemma4lib.recipes import cores
 
 # One thread: the CPU numerics (and the seeds chosen for the tiny models) assume it, and the two
 # cores of a CI machine are shared with the notebook kernels.
@@ -135,6 +137,18 @@ def data_url(image: Any, kind: str = "png") -> str:
         image.save(buffer, format=kind.upper())
         raw = buffer.getvalue()
     return f"data:image/{kind};base64,{base64.b64encode(raw).decode('ascii')}"
+
+
+def held_cores() -> list[tuple[int, int]]:
+    """(first, last) NeuronCore of every live claim (`recipes.cores`)."""
+    return [(c.cores.start, c.cores.stop - 1) for c in cores._live()]
+
+
+def release_core_claims() -> None:
+    """Forget every NeuronCore claim, so a test starts and ends with none (one outlives a failed test
+    otherwise). It frees no device memory: the claimed models go when nothing references them."""
+    cores._CLAIMS.clear()
+    gc.collect()
 
 
 def parse_answer(text: str) -> tuple[str | None, str | None]:

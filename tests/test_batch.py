@@ -295,12 +295,13 @@ def test_batch_ceilings_count_weights_once_and_kv_and_selective_experts_per_row(
 
 
 def test_memory_plan_counts_kv_per_row_and_refuses_a_batch_that_does_not_fit():
+    from gemma4lab.inf2.plans import core_summary
     from gemma4lib.errors import DeviceMemoryError
     from gemma4lib.inf2.memory_plan import plan_core_memory, require_fit
 
     one = plan_core_memory("e2b", 1, context_length=8192, ring=False)
     many = plan_core_memory("e2b", 1, context_length=8192, ring=False, batch=32)
-    assert many.kv_gib == pytest.approx(32 * one.kv_gib) and "batch 32" in many.summary()
+    assert many.kv_gib == pytest.approx(32 * one.kv_gib) and "batch 32" in core_summary(many)
     with pytest.raises(DeviceMemoryError, match="with batch 512"):
         require_fit("e2b", 1, instance="inf2.xlarge", context_length=8192, ring=False, batch=512)
 

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import held_cores, release_core_claims
 from torch import nn
 
 from gemma4lib.backends.engine import engine_over
@@ -32,12 +33,13 @@ from gemma4lib.recipes.common import DeviceStep, check_first_output, check_host_
 # ---- finding 4: int8 at its bytes; no host re-quantization for shapes -----------------------------
 def test_int8_is_counted_at_one_byte_plus_a_scale_per_row():
     """31B at TP=4: bf16 does not fit a core (14.3 GiB + K/V + working memory), int8 does."""
+    from gemma4lab.inf2.plans import core_summary
     from gemma4lib.inf2.params import count_params, meta_model
 
     bf16 = plan_core_memory("31b", 4, instance="inf2.24xlarge")
     int8 = plan_core_memory("31b", 4, instance="inf2.24xlarge", weights="int8")
-    assert not bf16.fits and int8.fits, (bf16.summary(), int8.summary())
-    assert "int8 weights" in int8.summary()
+    assert not bf16.fits and int8.fits, (core_summary(bf16), core_summary(int8))
+    assert "int8 weights" in core_summary(int8)
     counts = count_params(meta_model("e2b"))  # at TP=1 the rank holds every linear whole
     full = rank_weight_bytes("e2b", 1)
     assert rank_weight_bytes("e2b", 1, "int8") == full - counts.linear + 4 * counts.linear_rows
@@ -140,7 +142,7 @@ def test_the_compile_runs_in_a_directory_of_its_own(tmp_path, monkeypatch):
     (cwd,) = seen["cwd"]
     assert cwd != str(tmp_path) and not Path(cwd).exists()  # its own, removed
     assert compiled.compiler == "neuron-model_builder"
-    cores.release_all()
+    release_core_claims()
 
 
 # ---- finding 6: a second model on the same cores ------------------------------------------------------
@@ -149,7 +151,7 @@ class _Loaded(nn.Module):
 
 
 def test_a_second_load_on_busy_cores_is_refused_until_the_first_is_released():
-    cores.release_all()
+    release_core_claims()
     first = cores.claim(_Loaded(), 0, 2, "the first model")
     with pytest.raises(NeuronCoresBusyError, match=r"the first model on cores 0-1.*del compiled"):
         cores.check_free(1, 1, "the second model")
@@ -157,12 +159,12 @@ def test_a_second_load_on_busy_cores_is_refused_until_the_first_is_released():
     del first
     gc.collect()
     cores.check_free(0, 2, "the second model")  # released: allowed
-    assert cores.held() == []
+    assert held_cores() == []
 
 
 def test_compiling_again_while_the_first_model_lives_is_refused(tmp_path, monkeypatch):
     """A notebook's compile cell run twice: the second load would put a second copy on the cores."""
-    cores.release_all()
+    release_core_claims()
     compile_again = _neuron_compile(tmp_path, monkeypatch, {})
     first = compile_again()
     with pytest.raises(NeuronCoresBusyError, match="e2b \\(model_builder, TP=1\\).*del compiled"):
@@ -170,7 +172,7 @@ def test_compiling_again_while_the_first_model_lives_is_refused(tmp_path, monkey
     del first
     gc.collect()
     assert compile_again().cache_hits == [True]  # released: loads (from the cache) again
-    cores.release_all()
+    release_core_claims()
 
 
 # ---- finding 7: int8 rows reduced in float32 -----------------------------------------------------------

@@ -584,16 +584,17 @@ def test_e2b_model_builder_prefill_and_decode_share_kv_on_cpu():
 def test_e2b_memory_plan_names_where_each_recipe_compiles():
     """ModelBuilder's compile of E2B does not fit an inf2.xlarge's host RAM, the trace's does: the
     plan still fits (compile elsewhere, same chip) and says so."""
+    from gemma4lab.inf2.plans import core_summary
     from gemma4lib.inf2.hardware import GB, GIB, INSTANCES
     from gemma4lib.inf2.memory_plan import plan_core_memory
 
     mb = plan_core_memory("e2b")
     assert mb.recipe == "model_builder" and mb.instance == "inf2.xlarge" and mb.fits
     assert mb.compile_peak_gb * GB > INSTANCES["inf2.xlarge"].host_ram_gib * GIB
-    assert mb.compile_host not in (None, "inf2.xlarge") and "compile on an" in mb.summary()
+    assert mb.compile_host not in (None, "inf2.xlarge") and "compile on an" in core_summary(mb)
     trace = plan_core_memory("e2b", recipe="trace")
     assert trace.recipe == "trace" and trace.compile_host == "inf2.xlarge" and trace.fits
-    assert trace.compile_peak_gb < mb.compile_peak_gb and "compile on an" not in trace.summary()
+    assert trace.compile_peak_gb < mb.compile_peak_gb and "compile on an" not in core_summary(trace)
     assert trace.weights_gib == mb.weights_gib  # same device weights per core either way
 
 
@@ -907,12 +908,12 @@ def test_every_backends_example_inputs_have_int32_indices(tmp_path, monkeypatch)
 def test_the_doctor_names_the_2_28_image_by_name_and_date_not_the_ssm_latest():
     """SSM's `latest` image id now resolves to a 2.29+ image that fails the pins (SSM has no
     per-release parameter): the doctor tells the user how to pick the 2.28 DLAMI instead."""
-    from gemma4lab.tools.doctor import format_doctor, run_doctor
+    from gemma4lab.tools.doctor import DLAMI_DATES, format_doctor, run_doctor
 
     text = format_doctor(run_doctor())
     (image,) = [line for line in text.splitlines() if line.strip().startswith("image:")]
     assert "describe-images" in image and neuron_env.DLAMI in image
-    assert all(date in image for date in neuron_env.DLAMI_DATES)
+    assert all(date in image for date in DLAMI_DATES)
     assert "gives only the newest image, not a 2.28 one" in image
     assert "(SSM " not in text  # the latest id is never offered as the image to start
 

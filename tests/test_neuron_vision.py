@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import held_cores, release_core_claims
 from torch import nn
 
 from gemma4lib.backends.preflight import preflight
@@ -32,9 +33,9 @@ def random_e2b():
 @pytest.fixture(autouse=True)
 def _free_cores():
     """Each test starts and ends with no NeuronCore claimed (a claim outlives a failed test otherwise)."""
-    cores.release_all()
+    release_core_claims()
     yield
-    cores.release_all()
+    release_core_claims()
 
 
 def _image_settings(tmp_path, **chosen):
@@ -234,7 +235,7 @@ def test_backend_neuron_traces_the_vision_graph_once_and_places_it_beside_rank_0
     artifacts = compiled.info["artifacts"]
     assert set(artifacts) == {"decoder", "vision"} and artifacts["vision"] != artifacts["decoder"]
     assert (Path(artifacts["vision"]) / neuron_vision.FILE).is_file()
-    held = sorted(tuple(c["cores"]) for c in cores.held())
+    held = sorted(held_cores())
     assert held == [(0, 0), (0, 0)], held  # decoder on core 0 (TP=1), vision beside rank 0: one core in all
 
     with pytest.raises(NeuronCoresBusyError, match="onto NeuronCores 0-0"):
@@ -289,6 +290,7 @@ def test_images_take_no_core_beyond_the_tp_degree_and_three_tp8_replicas_fit_an_
     inf2.48xlarge three TP=8 replicas with images fit (not two), each TP group on whole chips of its
     own. The plans say the vision part fits beside rank 0 for both TP=8 variants; a core it would
     overflow is refused by the full profile's preflight."""
+    from gemma4lab.inf2.plans import core_summary
     from gemma4lib.inf2.hardware import CORES_PER_CHIP, INSTANCES
     from gemma4lib.inf2.memory_plan import plan_core_memory
     from gemma4lib.server.ray_app import replica_resources
@@ -304,7 +306,7 @@ def test_images_take_no_core_beyond_the_tp_degree_and_three_tp8_replicas_fit_an_
         groups = [range(r * reserved, (r + 1) * reserved) for r in range(replicas)]
         assert replicas == 3 and all(g.start % CORES_PER_CHIP == 0 == len(g) % CORES_PER_CHIP for g in groups)
         plan = plan_core_memory(variant, 8, instance="inf2.48xlarge", vision=True)
-        assert plan.fits and plan.vision_gib > 0, plan.summary()  # the vision part counted on rank 0's core
+        assert plan.fits and plan.vision_gib > 0, core_summary(plan)  # the vision part counted on rank 0's core
     seen: list[bool] = []  # the full profile's preflight plans rank 0's core with the vision part on it
     monkeypatch.setattr("gemma4lib.backends.preflight.require_fit", lambda *a, **k: seen.append(k["vision"]))
     monkeypatch.setattr("gemma4lib.backends.preflight.require_serving_host", lambda *a, **k: None)

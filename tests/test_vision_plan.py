@@ -10,6 +10,7 @@ import json
 import pytest
 
 from gemma4lab.inf2.image_prefill import image_prefill_estimate, vision_flops
+from gemma4lab.inf2.plans import core_summary
 from gemma4lab.tools.inf2_tables import format_plan_table
 from gemma4lib.inf2.hardware import BF16_FLOPS_PER_CORE, GB, GIB
 from gemma4lib.inf2.memory_plan import plan_core_memory
@@ -61,7 +62,7 @@ def test_plan_total_grows_by_exactly_the_vision_bytes(variant, tp):
     grown = with_vision.total_gib - without.total_gib
     assert grown == pytest.approx(part.weights_gib + part.activations_gib, abs=1e-12)
     assert with_vision.weights_gib == without.weights_gib  # the decoder's shard is unchanged: vision is not sharded
-    assert with_vision.vision_placement == PLACEMENT and "no TP" in with_vision.summary()
+    assert with_vision.vision_placement == PLACEMENT and "no TP" in core_summary(with_vision)
     assert part.activations_gib > 0 and part.weights_gib > 0
     assert without.vision_gib == 0 and "vision" not in format_plan_table([without])
     assert "vision (rank 0's core)" in format_plan_table([with_vision])

@@ -182,6 +182,7 @@ def _compile_host(variant: str, folder: Path, tp: int, context_length: int) -> d
 def measure_compile(variant: str = "e2b", tp: int = 1, context_length: int = 2048) -> dict[str, Any]:
     """The compile host's side at both depths, measured and planned, and the per-layer fit held to
     the released plan (`inf2.compile_host`)."""
+    from gemma4lab.inf2.plans import plan_dict
     from gemma4lib.inf2.compile_host import compile_host_plan
 
     rows = []
@@ -193,7 +194,7 @@ def measure_compile(variant: str = "e2b", tp: int = 1, context_length: int = 204
             measured = _child(["compile-host", variant, str(folder), str(tp), str(context_length)])
             measured["wall_s"] = time.perf_counter() - started
         plan = compile_host_plan(variant, tp, "model_builder", context_length=context_length, layer_overrides=overrides)
-        rows.append({"layers": overrides["num_hidden_layers"], "measured": measured, "plan": plan.to_dict()})
+        rows.append({"layers": overrides["num_hidden_layers"], "measured": measured, "plan": plan_dict(plan)})
     (a, b) = rows
     slope = (b["measured"]["peak_gb"] - a["measured"]["peak_gb"]) / (b["plan"]["model_gb"] - a["plan"]["model_gb"])
     released = compile_host_plan(variant, tp, "model_builder", context_length=context_length)
@@ -204,7 +205,7 @@ def measure_compile(variant: str = "e2b", tp: int = 1, context_length: int = 204
         "context_length": context_length,
         "depths": rows,
         "fit": {"peak_gb_per_model_gb": slope, "released_peak_gb": fitted},
-        "released_plan": released.to_dict(),
+        "released_plan": plan_dict(released),
         "plan_over_fit": released.peak_gb / fitted,
         "plan_over_measured": [r["plan"]["peak_gb"] / r["measured"]["peak_gb"] for r in rows],
     }
@@ -263,6 +264,7 @@ def measure_serving(
     variant: str = "e2b", context_length: int = 1024, prompt_tokens: int = 128, new_tokens: int = 64
 ) -> dict[str, Any]:
     """Both depths measured and planned, the per-layer fit, and the released plan it is held to."""
+    from gemma4lab.inf2.plans import plan_dict
     from gemma4lib.inf2.serving_host import serving_host_plan
 
     shapes = dict(context_length=context_length, prompt_tokens=prompt_tokens, new_tokens=new_tokens)
@@ -275,7 +277,7 @@ def measure_serving(
             measured = _child(["serve", variant, str(folder), json.dumps(shapes)])
             measured["wall_s"] = time.perf_counter() - started
         plan = serving_host_plan(variant, 1, "inf2.xlarge", layer_overrides=overrides, **shapes)
-        rows.append({"layers": overrides["num_hidden_layers"], "measured": measured, "plan": plan.to_dict()})
+        rows.append({"layers": overrides["num_hidden_layers"], "measured": measured, "plan": plan_dict(plan)})
     (a, b) = rows
     slope = (b["measured"]["peak_gb"] - a["measured"]["peak_gb"]) / (b["plan"]["model_gb"] - a["plan"]["model_gb"])
     released = serving_host_plan(variant, 1, "inf2.xlarge", **shapes)
@@ -285,7 +287,7 @@ def measure_serving(
         "shapes": shapes,
         "depths": rows,
         "fit": {"peak_gb_per_model_gb": slope, "released_peak_gb": fitted},
-        "released_plan": released.to_dict(),
+        "released_plan": plan_dict(released),
         "plan_over_fit": released.peak_gb / fitted,
         "plan_over_measured": [r["plan"]["peak_gb"] / r["measured"]["peak_gb"] for r in rows],
     }

@@ -21,6 +21,7 @@ import sys
 from dataclasses import asdict
 from typing import Any
 
+from gemma4lab.inf2.plans import compile_summary, core_summary, plan_dict
 from gemma4lib.errors import TensorParallelError
 from gemma4lib.inf2.compile_host import COMPILER_CALIBRATION, compile_host_plan, compiler_bytes_per_mac
 from gemma4lib.inf2.compile_ram import compile_ram_warning, estimate_compile_peak_gb
@@ -45,16 +46,51 @@ COMPILER_NOTE = (
 )
 
 
+# The SSM parameter names only the newest image (aws-neuron-sdk v2.28.0 `dlami/index.rst`: "SSM
+# parameters support finding the latest DLAMI ID ... Support for finding specific Neuron SDK version
+# DLAMIs will be added in future releases"), which is now a 2.29+ image that fails the pins. So the
+# image is picked by name and creation date: made between the SDK 2.28.0 and 2.29.0 releases (the
+# aws-neuron-sdk tags v2.28.0 2026-02-26 and v2.29.0 2026-04-09; 2.28.1 of 2026-03-13 has the same
+# Python packages in its `n2-manifest.json`; the image names and ids themselves are unverified here).
+DLAMI_SSM_PARAMETER = "/aws/service/neuron/dlami/multi-framework/ubuntu-24.04/latest/image_id"
+DLAMI_DATES = ("2026-02-26", "2026-04-09")  # created on or after the first, before the second
+DLAMI_LOOKUP = (
+    f"aws ec2 describe-images --owners amazon --filters 'Name=name,Values={neuron_env.DLAMI} *' "
+    "--query 'sort_by(Images, &CreationDate)[].[CreationDate,Name,ImageId]' --output text"
+)
+
+
+def dlami_advice() -> str:
+    """How to pick the SDK 2.28 image (never the SSM `latest`, which resolves to a newer SDK)."""
+    start, end = DLAMI_DATES
+    return (
+        f"pick the {neuron_env.DLAMI} image of SDK {neuron_env.NEURON_SDK_RELEASE} by name and date: "
+        f"`{DLAMI_LOOKUP}` lists them; take the newest created from {start} and before {end} (SDK 2.29 and later "
+        f"fail the pins). The SSM parameter {DLAMI_SSM_PARAMETER} gives only the newest image, not a 2.28 one"
+    )
+
+
+def install_lines() -> list[str]:
+    """The shell lines that make the inf2 environment, in a clone of this repository on an instance
+    started from `neuron_env.DLAMI`. The venv's torch, torch-xla and SDK packages stay as they are:
+    gemma4lib does not depend on torch, so pip leaves them alone."""
+    return [
+        f"source {neuron_env.DLAMI_VENV_PATH}/bin/activate",
+        f"export PATH=$VIRTUAL_ENV/bin:{neuron_env.NEURON_BIN}:$PATH",
+        'pip install -e ".[notebooks]"',
+    ]
+
+
 def expected_environment() -> dict[str, Any]:
     """The inf2 environment this cookbook is written for, and the lines that make it."""
     return {
         "dlami": neuron_env.DLAMI,
-        "image": neuron_env.dlami_advice(),
+        "image": dlami_advice(),
         "venv": neuron_env.DLAMI_VENV_PATH,
         "python": neuron_env.INF2_PYTHON,
         "neuron_sdk": neuron_env.NEURON_SDK_RELEASE,
         "pins": {d: v[0] for d, v in neuron_env.SDK_PINS.items()} | {"transformers": neuron_env.TRANSFORMERS_PIN},
-        "install": neuron_env.install_lines(),
+        "install": install_lines(),
     }
 
 
@@ -187,13 +223,13 @@ def run_doctor(
             estimate = estimate_compile_peak_gb(v, tp)
             report["compile_estimate"] = estimate
             compile_plan = compile_host_plan(v, tp, estimate["recipe"])
-            report["compile_host"] = {**compile_plan.to_dict(), "summary": compile_plan.summary()}
+            report["compile_host"] = {**plan_dict(compile_plan), "summary": compile_summary(compile_plan)}
             plan = plan_core_memory(v, tp, instance=dmi_instance_type(), context_length=context_length, vision=vision)
-            report["plan"] = plan.to_dict()
+            report["plan"] = plan_dict(plan)
             if not plan.fits:
-                warnings.append(plan.summary())
+                warnings.append(core_summary(plan))
             serving = serving_host_plan(v, tp, host_instance_type(), context_length=context_length, vision=vision)
-            report["serving_host"] = {**serving.to_dict(), "summary": serving.summary()}
+            report["serving_host"] = {**plan_dict(serving), "summary": serving.summary()}
             longest = {i: largest_context(v, i) for i in INSTANCES}
             report["contexts"] = {
                 i: {

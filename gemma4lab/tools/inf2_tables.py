@@ -17,6 +17,7 @@ from typing import Any
 
 from gemma4lab.inf2.batch_roofline import BATCHES, batch_ceilings
 from gemma4lab.inf2.image_prefill import format_image_prefill_table, image_prefill_table
+from gemma4lab.inf2.plans import compile_elsewhere, plan_dict
 from gemma4lab.inf2.prefill import prefill_estimate
 from gemma4lab.inf2.roofline import ceiling_tok_s, decode_bytes, device_params, plan_split
 from gemma4lib.inf2.hardware import GB, GIB, INSTANCES, NEURON_TP_DEGREES
@@ -230,7 +231,7 @@ def format_plan_table(plans: list[CoreMemoryPlan]) -> str:
         lines.append(
             f"| {p.variant} | {p.recipe} | {p.tp} | {p.instance} | {p.weights_gib:.1f} GiB | "
             f"{p.kv_gib:.2f} GiB | {p.working_gib:.0f} GiB |{cell} {p.total_gib:.1f} GiB | "
-            f"~{p.compile_peak_gb:.0f} GB / {p.host_ram_gib} GiB{p._compile_elsewhere()} | "
+            f"~{p.compile_peak_gb:.0f} GB / {p.host_ram_gib} GiB{compile_elsewhere(p)} | "
             f"{'yes' if p.fits else 'no: ' + '; '.join(p.problems)} |"
         )
     return "\n".join(lines)
@@ -329,14 +330,14 @@ def vision_report(context_length: int = DEFAULT_CONTEXT) -> dict[str, Any]:
     return {
         "source": SOURCE,
         "placement": PLACEMENT,
-        "parts": [p.to_dict() for p in parts],
+        "parts": [plan_dict(p) for p in parts],
         "table": format_vision_table(parts),
         "reported": {
-            "parts": [p.to_dict() for p in reported],
+            "parts": [plan_dict(p) for p in reported],
             "table": format_vision_table(reported),
             "sources": {name: r["source"] for name, r in REPORTED.items()},
         },
-        "plans": [p.to_dict() for p in plans],
+        "plans": [plan_dict(p) for p in plans],
         "plan_table": format_plan_table(plans),
         "image_prefill": prefill,
         "image_prefill_table": format_image_prefill_table(prefill),
@@ -350,7 +351,7 @@ def family_report(context_length: int = DEFAULT_CONTEXT) -> dict[str, Any]:
     return {
         "memory_plan": {
             "context_length": context_length,
-            "plans": [p.to_dict() for p in plans],
+            "plans": [plan_dict(p) for p in plans],
             "table": format_plan_table(plans),
         },
         "context_table": format_context_table(context_table()),

@@ -10,6 +10,7 @@ from gemma4lab.training.corpus import tokenizer_texts
 from gemma4lib.models.tokenizer import BOS, BOS_ID, EOS, PAD, TURN_CLOSE, TURN_CLOSE_ID, TURN_OPEN, TURN_OPEN_ID
 
 DEFAULT_VOCAB_SIZE = 1024
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")  # the files a fixture hashes
 # Gemma-4's tool and thought specials at the real tokenizer's ids (google-deepmind/gemma's Gemma-4
 # tokenizer: `<|tool_response>` 50, the sampler's third stop token; its chat template and generation
 # config: eos [1, 106, 50]). They take the place of `<unusedN>` fillers, so the vocabulary's size and every

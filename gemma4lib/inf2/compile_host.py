@@ -32,7 +32,7 @@ HLO generation is not counted.
 from __future__ import annotations
 
 import functools
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any
 
 from ..device.kv_layout import SLIDING, KVLayout
@@ -86,9 +86,6 @@ class CompileHostPlan:
     def peak_gb(self) -> float:
         return self.base_gb + self.model_gb + self.steps[self.peak_step]
 
-    def to_dict(self) -> dict[str, Any]:
-        return {**asdict(self), "steps": self.steps, "peak_step": self.peak_step, "peak_gb": self.peak_gb}
-
     def basis(self) -> str:
         step = self.steps[self.peak_step]
         return f"{self.base_gb:.1f} process + {self.model_gb:.1f} host model + {step:.1f} at {self.peak_step} " + (
@@ -96,11 +93,6 @@ class CompileHostPlan:
             "calibrated on NxD Inference's 31B compiles; unverified)"
             if self.compiler_gb
             else "(computed; measured on CPU at reduced depth; the compiler's own RAM not counted, unverified)"
-        )
-
-    def summary(self) -> str:
-        return (
-            f"compile host: {self.variant} ({self.recipe}, TP={self.tp}): ~{self.peak_gb:.0f} GB peak = {self.basis()}"
         )
 
 

@@ -22,7 +22,7 @@ compile fits the inf2.xlarge (`neuron_recipe`).
 from __future__ import annotations
 
 import functools
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
 from ..device.quant import LINEAR_WEIGHT_NAME
@@ -175,34 +175,6 @@ class CoreMemoryPlan:
     @property
     def fits(self) -> bool:
         return not self.problems
-
-    def to_dict(self) -> dict[str, Any]:
-        return {**asdict(self), "problems": list(self.problems), "total_gib": self.total_gib, "fits": self.fits}
-
-    def _compile_elsewhere(self) -> str:
-        if self.compile_host in (None, self.instance):
-            return ""
-        return f" (compile on an {self.compile_host}, serve on the {self.instance})"
-
-    def _vision_note(self) -> str:
-        if not self.vision_placement:
-            return ""
-        return f" + {self.vision_gib:.2f} GiB vision (on the core of rank 0; {self.vision_placement})"
-
-    def _batch_note(self) -> str:
-        return f", batch {self.batch}" if self.batch > 1 else ""
-
-    def summary(self) -> str:
-        """One line: per-core use against capacity, and the compile host's need."""
-        verdict = "fits" if self.fits else "does not fit: " + "; ".join(self.problems)
-        return (
-            f"{self.variant} {self.recipe} TP={self.tp} on {self.instance}, context {self.context_length}"
-            f"{' (ring)' if self.ring else ''}{self._batch_note()}: per core {self.weights_gib:.1f} GiB "
-            f"{'int8 ' if self.weight_format == 'int8' else ''}weights + "
-            f"{self.kv_gib:.2f} GiB K/V + {self.working_gib:.1f} GiB working{self._vision_note()} = "
-            f"{self.total_gib:.1f} of {self.capacity_gib:.0f} GiB; compile host ~{self.compile_peak_gb:.0f} GB of "
-            f"{self.host_ram_gib} GiB{self._compile_elsewhere()} — {verdict}"
-        )
 
 
 def plan_core_memory(

@@ -83,16 +83,6 @@ class ServingHostPlan:
         }
         return max(steps, key=steps.get)
 
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            **asdict(self),
-            "problems": list(self.problems),
-            "peak_gb": self.peak_gb,
-            "available_gb": self.available_gb,
-            "peak_step": self.peak_step,
-            "fits": self.fits,
-        }
-
     def summary(self) -> str:
         """One line, under the words "serving host"."""
         verdict = "fits" if self.fits else "does not fit"

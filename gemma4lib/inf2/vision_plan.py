@@ -15,7 +15,7 @@ attention holds them (one layer's full score matrix): an upper estimate.
 from __future__ import annotations
 
 import functools
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -169,9 +169,6 @@ class VisionPlan:
     def total_gib(self) -> float:
         """What the plan adds on the core that runs the vision graph."""
         return self.weights_gib + self.activations_gib
-
-    def to_dict(self) -> dict[str, Any]:
-        return {**asdict(self), "total_gib": self.total_gib}
 
 
 def vision_plan(variant: Variant | str, source: str = "defaults", dtype_bytes: int = 2) -> VisionPlan:

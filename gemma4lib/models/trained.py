@@ -24,8 +24,6 @@ from .variants import Variant, get_variant
 from .weights_identity import declare_identity
 
 TOKENIZER_DIR = FIXTURES_DIR / "tokenizer"
-MODEL_FILES = ("config.json", "generation_config.json", "model.safetensors")
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 SOURCE = "tiny-trained"
 
 

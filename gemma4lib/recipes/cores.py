@@ -53,17 +53,3 @@ def claim(model: Any, first_core: int, count: int, label: str) -> Any:
     """Record that `model` now holds `count` cores from `first_core`; returns `model`."""
     _live().append(_Claim(weakref.ref(model), range(first_core, first_core + count), label))
     return model
-
-
-def held() -> list[dict[str, Any]]:
-    """What is loaded now, for a notebook or the doctor."""
-    return [{"label": c.label, "cores": [c.cores.start, c.cores.stop - 1]} for c in _live()]
-
-
-def release_all() -> int:
-    """Forget every claim; returns how many were dropped. It frees no device memory (the models
-    are freed when nothing references them): for a caller that unloaded them by other means."""
-    count = len(_live())
-    _CLAIMS.clear()
-    gc.collect()
-    return count

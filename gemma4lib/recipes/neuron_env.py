@@ -36,30 +36,6 @@ NEURON_SDK_RELEASE = "2.28"
 # one has it (Python 3.12, torch 2.9 venvs). The Ubuntu 22.04 DLAMI's venvs are Python 3.10 and the
 # AL2023 DLAMIs ship no PyTorch 2.9 environment.
 DLAMI = "Deep Learning AMI Neuron (Ubuntu 24.04)"
-# The SSM parameter names only the newest image (aws-neuron-sdk v2.28.0 `dlami/index.rst`: "SSM
-# parameters support finding the latest DLAMI ID ... Support for finding specific Neuron SDK version
-# DLAMIs will be added in future releases"), which is now a 2.29+ image that fails the pins. So the
-# image is picked by name and creation date: made between the SDK 2.28.0 and 2.29.0 releases (the
-# aws-neuron-sdk tags v2.28.0 2026-02-26 and v2.29.0 2026-04-09; 2.28.1 of 2026-03-13 has the same
-# Python packages in its `n2-manifest.json`; the image names and ids themselves are unverified here).
-DLAMI_SSM_PARAMETER = "/aws/service/neuron/dlami/multi-framework/ubuntu-24.04/latest/image_id"
-DLAMI_DATES = ("2026-02-26", "2026-04-09")  # created on or after the first, before the second
-DLAMI_LOOKUP = (
-    f"aws ec2 describe-images --owners amazon --filters 'Name=name,Values={DLAMI} *' "
-    "--query 'sort_by(Images, &CreationDate)[].[CreationDate,Name,ImageId]' --output text"
-)
-
-
-def dlami_advice() -> str:
-    """How to pick the SDK 2.28 image (never the SSM `latest`, which resolves to a newer SDK)."""
-    start, end = DLAMI_DATES
-    return (
-        f"pick the {DLAMI} image of SDK {NEURON_SDK_RELEASE} by name and date: `{DLAMI_LOOKUP}` lists them; take "
-        f"the newest created from {start} and before {end} (SDK 2.29 and later fail the pins). The SSM "
-        f"parameter {DLAMI_SSM_PARAMETER} gives only the newest image, not a 2.28 one"
-    )
-
-
 DLAMI_VENV = "aws_neuronx_venv_pytorch_2_9_nxd_inference"
 DLAMI_VENV_PATH = f"/opt/{DLAMI_VENV}"
 INF2_PYTHON = "3.12"
@@ -79,17 +55,6 @@ TRANSFORMERS_PIN = TRANSFORMERS_VERSION
 # scripts/check_inf2_resolves.sh): torch-neuronx 2.9.0.x is built against torch 2.9.0 and
 # torch-xla 2.9.0; the 2.28 docs support numpy 2.x and >= 1.21.6.
 SDK_CONSTRAINTS: dict[str, str] = {"torch": "==2.9.0", "torch-xla": "==2.9.0", "numpy": ">=1.21.6"}
-
-
-def install_lines() -> list[str]:
-    """The shell lines that make the inf2 environment, in a clone of this repository on an instance
-    started from `DLAMI`. The venv's torch, torch-xla and SDK packages stay as they are: gemma4lib
-    does not depend on torch, so pip leaves them alone."""
-    return [
-        f"source {DLAMI_VENV_PATH}/bin/activate",
-        f"export PATH=$VIRTUAL_ENV/bin:{NEURON_BIN}:$PATH",
-        'pip install -e ".[notebooks]"',
-    ]
 
 
 # import name -> distribution name
@@ -254,12 +219,10 @@ def fx_shim_status(namespace: MutableMapping[str, Any] | None = None) -> str:
     """'real' (transformers has it), 'shim' (ours is installed), 'needed', or 'no-transformers'."""
     modules = sys.modules if namespace is None else namespace
     existing = modules.get(FX_MODULE)
+    if existing is not None and getattr(existing, "GEMMA4LIB_SHIM", False):
+        return "shim"
     if existing is not None:
-        return (
-            "shim"
-            if getattr(existing, "GEMMA4LIB_SHIM", False)
-            else ("real" if hasattr(existing, "HFTracer") else "needed")
-        )
+        return "real" if hasattr(existing, "HFTracer") else "needed"
     if namespace is None:
         try:
             importlib.import_module(FX_PARENT)
