@@ -12,17 +12,10 @@ from pathlib import Path
 
 import pytest
 
+from gemma4lab.inf2.context import compile_peak_at, context_plan, full_settings, largest_context, planned_buckets
 from gemma4lib.inf2.compile_host import COMPILER_CALIBRATION, attention_macs, compile_keys, compiler_bytes_per_mac
 from gemma4lib.inf2.hardware import GB, GIB, INSTANCES
-from gemma4lib.inf2.memory_plan import (
-    compile_peak_at,
-    context_plan,
-    full_settings,
-    largest_context,
-    plan_core_memory,
-    planned_buckets,
-    require_fit,
-)
+from gemma4lib.inf2.memory_plan import plan_core_memory, require_fit
 from gemma4lib.inf2.serving_host import serving_host_plan
 from gemma4lib.models.variants import VARIANTS
 from gemma4lib.settings import PortSettings

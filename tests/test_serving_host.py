@@ -234,8 +234,8 @@ def test_the_longest_context_is_the_best_degree_of_the_context_plan():
     """`largest_context`: the longest `context_plan` (HBM and compile-host bounds: tests/test_context_plan.py)
     over the TP degrees an instance has the cores and host RAM for, the fewest cores first; a variant whose
     weights fit no core of an instance gets (0, 0)."""
+    from gemma4lab.inf2.context import context_plan, largest_context
     from gemma4lib.inf2.hardware import INSTANCES
-    from gemma4lib.inf2.memory_plan import context_plan, largest_context
     from gemma4lib.inf2.serving_host import serving_host_plan
     from gemma4lib.models.variants import VARIANTS
 

@@ -16,10 +16,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from gemma4lab.inf2.context import compile_peak_at, context_plan, full_settings
 from gemma4lab.inf2.roofline import compare
 from gemma4lib.inf2.compile_host import compile_host_plan
 from gemma4lib.inf2.hardware import GB, GIB, INSTANCES
-from gemma4lib.inf2.memory_plan import DEFAULT_CONTEXT, compile_peak_at, context_plan, full_settings, plan_core_memory
+from gemma4lib.inf2.memory_plan import DEFAULT_CONTEXT, plan_core_memory
 from gemma4lib.inf2.serving_host import serving_host_plan
 from gemma4lib.models.variants import get_variant
 from gemma4lib.recipes.neuron_env import COMPILER_ARGS
@@ -106,7 +107,7 @@ def _inf2_rows(name: str) -> list[tuple[str, str, str]]:
             f"{planned.binding}); the full profile compiles {full['context_length']:,} with prefill buckets "
             f"{full['prefill_buckets']} and context buckets {full['context_buckets']}: ~{full_peak:.0f} GB on the "
             f"compile host with the compiler's RAM",
-            "computed (`memory_plan.context_plan`); the compiler's RAM an assumed law calibrated on NxD "
+            "computed (`gemma4lab.inf2.context.context_plan`); the compiler's RAM an assumed law calibrated on NxD "
             "Inference's 31B compiles (README, the family table's note), unverified on inf2",
         ),
         (

@@ -21,19 +21,13 @@ import sys
 from dataclasses import asdict
 from typing import Any
 
+from gemma4lab.inf2.context import context_plan, full_settings, largest_context
 from gemma4lab.inf2.plans import compile_summary, core_summary, plan_dict
 from gemma4lib.errors import TensorParallelError
 from gemma4lib.inf2.compile_host import COMPILER_CALIBRATION, compile_host_plan, compiler_bytes_per_mac
 from gemma4lib.inf2.compile_ram import compile_ram_warning, estimate_compile_peak_gb
 from gemma4lib.inf2.hardware import GB, INSTANCES, dmi_instance_type, host_instance_type, host_ram_bytes
-from gemma4lib.inf2.memory_plan import (
-    DEFAULT_CONTEXT,
-    context_plan,
-    full_settings,
-    largest_context,
-    plan_core_memory,
-    require_neuron_tp,
-)
+from gemma4lib.inf2.memory_plan import DEFAULT_CONTEXT, plan_core_memory, require_neuron_tp
 from gemma4lib.inf2.serving_host import serving_host_plan
 from gemma4lib.models.variants import get_variant
 from gemma4lib.recipes import neuron_env

@@ -17,7 +17,7 @@ README to it. What each figure rests on:
 - host reference: the greedy reference reads the host model once per generated token, at
   `HOST_GB_S`, an assumed host memory rate (unverified);
 - compile host: the peak of `compile_host.compile_host_plan` at the full profile's context and buckets
-  (`memory_plan.full_settings`; computed, its host side held to a CPU measurement at reduced depth, the
+  (`gemma4lab.inf2.context.full_settings`; computed, its host side held to a CPU measurement at reduced depth, the
   compiler's own RAM an assumed law: unverified), and the inf2 size it needs;
 - serving host: the peak of `serving_host.serving_host_plan` (computed; see there).
 """
@@ -27,8 +27,9 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from gemma4lab.inf2.context import compile_peak_at, full_settings
 from gemma4lib.inf2.hardware import GB
-from gemma4lib.inf2.memory_plan import compile_peak_at, full_settings, plan_core_memory, rank_weight_bytes
+from gemma4lib.inf2.memory_plan import plan_core_memory, rank_weight_bytes
 from gemma4lib.inf2.serving_host import NEW_TOKENS, serving_host_plan
 from gemma4lib.models.variants import VARIANTS, Variant, get_variant
 

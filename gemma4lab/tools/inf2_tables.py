@@ -16,12 +16,13 @@ from dataclasses import asdict
 from typing import Any
 
 from gemma4lab.inf2.batch_roofline import BATCHES, batch_ceilings
+from gemma4lab.inf2.context import context_plan, largest_context
 from gemma4lab.inf2.image_prefill import format_image_prefill_table, image_prefill_table
 from gemma4lab.inf2.plans import compile_elsewhere, plan_dict
 from gemma4lab.inf2.prefill import prefill_estimate
 from gemma4lab.inf2.roofline import ceiling_tok_s, decode_bytes, device_params, plan_split
 from gemma4lib.inf2.hardware import GB, GIB, INSTANCES, NEURON_TP_DEGREES
-from gemma4lib.inf2.memory_plan import DEFAULT_CONTEXT, CoreMemoryPlan, context_plan, largest_context, plan_core_memory
+from gemma4lib.inf2.memory_plan import DEFAULT_CONTEXT, CoreMemoryPlan, plan_core_memory
 from gemma4lib.inf2.params import ParamCounts, count_params, meta_model
 from gemma4lib.inf2.serving_host import ServingHostPlan, serving_host_plan
 from gemma4lib.inf2.vision_plan import PLACEMENT, REPORTED, SOURCE, VisionPlan, vision_plan

@@ -145,7 +145,8 @@ if tp_demo:
 # with the compiled length, is an assumed law on one published failure (README, the family table's note).
 
 # %%
-from gemma4lib.inf2.memory_plan import context_plan, largest_context, plan_core_memory
+from gemma4lib.inf2.memory_plan import plan_core_memory
+from gemma4lab.inf2.context import context_plan, largest_context
 
 demos["contexts"] = nb.context_plan(variant)  # one core at its TP on its own instance (GiB, computed)
 display(demos["contexts"])

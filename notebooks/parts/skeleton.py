@@ -50,7 +50,7 @@ status = nb.status_box("{{variant}}")  # figures from the library's plans; the r
 #
 # The status box's inf2 figures are planned at the context its "Contexts" line names; this command
 # compiles the longest context planned for the instance (its "longest context" row), rounded down to a
-# power of two, with the buckets planned for it (`memory_plan.full_settings`, `papermill_runs/profiles.json`).
+# power of two, with the buckets planned for it (`gemma4lab.inf2.context.full_settings`, `papermill_runs/profiles.json`).
 #
 # It writes only into gitignored folders of the repository: the executed notebook in `runs/`, the
 # run record at `results_path` (relative to `--cwd notebooks`) and the compiled graphs in
