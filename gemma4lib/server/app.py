@@ -112,14 +112,14 @@ class Served:
         self, ids: list[int], body: schemas.SamplingFields, max_tokens: int | None, images: Any = None, watch=None
     ) -> EngineRequest:
         """The engine's request: the budget (default: the rest of the compiled context), the sampling,
-        the prompt's images (`runtime.ImagePrompt`, or None) and what watches its logits."""
+        the prompt's images (`runtime.MediaPrompt`, or None) and what watches its logits."""
         if max_tokens is None:
             max_tokens = max(1, room_for_new_tokens(len(ids), self.context_length, self.draft_tokens))
         temperature = 0.0 if body.temperature is None else body.temperature
         seed = body.seed if body.seed is not None else (random.randrange(2**31) if temperature > 0 else 0)
         sampling = Sampling(temperature=temperature, top_p=1.0 if body.top_p is None else body.top_p, seed=seed)
         eos = () if body.ignore_eos else self.eos_ids
-        return EngineRequest(ids, max_tokens, sampling, eos, images=images, watch=watch)
+        return EngineRequest(ids, max_tokens, sampling, eos, media=images, watch=watch)
 
 
 def chat_messages(body: schemas.ChatCompletionRequest, codec: Any) -> tuple[list[dict[str, Any]], list[Any]]:

@@ -101,7 +101,7 @@ class Codec:
 
     def chat_with_images(self, messages: list[dict[str, Any]], images: list[Any]) -> tuple[list[int], Any]:
         """Messages whose content holds `{"type": "image"}` parts, one per image in `images` (PIL):
-        the prompt ids with each image part expanded to its soft tokens, and the engine's `ImagePrompt`."""
+        the prompt ids with each image part expanded to its soft tokens, and the engine's `MediaPrompt`."""
         from ..images import image_prompt
 
         if self.processor is None or self.image_token_id is None:
