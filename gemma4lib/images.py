@@ -93,11 +93,6 @@ def require_vision(multimodal: Any, processor: Any, source: str = "this checkpoi
         )
 
 
-def image_prompt(tokenizer: Any, processor: Any, images: Sequence[Any], question: str, **kwargs: Any) -> MediaInputs:
-    """`media_prompt` with images only (the notebooks' call)."""
-    return media_prompt(tokenizer, processor, images, question, **kwargs)
-
-
 def media_prompt(
     tokenizer: Any,
     processor: Any,
@@ -156,3 +151,6 @@ def with_audio(media: MediaPrompt, ids: list[int], clips: Sequence[Any], token: 
     counts = tuple(hearing.soft_tokens(c, unified) for c in clips)
     positions = tuple(i for i, t in enumerate(ids) if t == token)
     return replace(media, audio=parts, audio_counts=counts, audio_positions=positions)
+
+
+image_prompt = media_prompt  # images only: the notebooks' name

@@ -373,7 +373,7 @@ class Engine:
         drafter: Drafter | None = None,
         pad_id: int = 0,
         image_blocks: bool = False,
-        audio_shape: tuple[int, int] | None = None,
+        audio_shape: tuple[int, int, int] | None = None,
     ):
         if (drafter is None) != (steps.verify is None):
             raise SettingsError("a drafter needs the verify graph and the verify graph a drafter: pass both or neither")
@@ -388,7 +388,7 @@ class Engine:
         self.pad_id = int(pad_id)
         # the prefill graphs take each token's image (`DeviceGraph.image_blocks`): `prefill_inputs`
         self.image_blocks = bool(image_blocks)
-        self.audio_shape = audio_shape  # the audio graph's (clips per call, frames): `audio_tokens`
+        self.audio_shape = audio_shape  # the audio graph's (clips per call, frames, values a frame): `audio_tokens`
 
     @classmethod
     def for_model(cls, model: LoadedModel, steps: Steps, **kwargs: Any) -> Engine:
@@ -552,7 +552,7 @@ class Engine:
     def audio_tokens(self, media: MediaPrompt) -> torch.Tensor:
         """The audio graph over the clips, `clips` per call at its fixed frames (each zero-padded at its end;
         a last call short of clips repeats its last clip): each clip's valid soft tokens in prompt order."""
-        clips, frames = self.audio_shape
+        clips, frames, _ = self.audio_shape
         todo, parts = list(media.audio), []
         for start in range(0, len(todo), clips):
             batch = todo[start : start + clips]

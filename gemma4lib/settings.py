@@ -116,6 +116,9 @@ class PortSettings:
     # audio clips (16 kHz WAV paths or bytes) for row 0's prompt: the audio graph joins the port's graphs
     # (docs/AUDIO.md); the default prompt becomes "Transcribe the audio." after the clips
     audio: tuple[Any, ...] = ()
+    # load the model's audio part and compile its audio graph (one clip of up to 30 s a call) without a clip
+    # of its own, so that requests can bring theirs (`serve --hear`: input_audio parts, /v1/audio/transcriptions)
+    hears: bool = False
     # batch_size > 1: also compile each bucket's prefill at batch 1, over one row of the batch's K/V, so
     # that a request joining running rows alone (a server's usual case) pays one row's prefill, not the
     # batch's; `serve` turns it on where the backend can (cpu, eager at TP 1)
@@ -227,26 +230,26 @@ class PortSettings:
         self.check_image_blocks()
 
     def _check_audio(self) -> None:
-        """Audio is refused before anything loads on the 31B and 26B-A4B (their released configs have no
-        audio tower), and where the running row has no audio graph; one prompt. With audio the default
-        prompt asks for a transcription (its expectation: the shipped clip's words, `port`) and the default
-        shapes grow as images' do (field comment)."""
+        """Audio is refused before loading on the 31B and 26B-A4B (no audio tower in their configs) and where
+        the running row has no audio graph; one prompt; the defaults change as the field comment says."""
         if isinstance(self.audio, (str, bytes)) or not isinstance(self.audio, (tuple, list)):
             self.audio = (self.audio,) if self.audio is not None else ()
         self.audio = tuple(self.audio)
-        if not self.audio:
+        if not self.audio and self.hears is False:
             return
         from .models.audio import HEARING_VARIANTS, TRANSCRIBE
 
         name, hearing = self.variant_spec.name, ", ".join(HEARING_VARIANTS)
         if name not in HEARING_VARIANTS:
             raise SettingsError(f"the {name} does not hear (no audio tower in its config): pick {hearing} for audio")
-        if not self.backend_row.audio or self.batch_size != 1 or self.prompts is not None:
+        if not self.backend_row.audio or (self.audio and (self.batch_size != 1 or self.prompts is not None)):
             raise SettingsError(
                 f"audio runs with one prompt on backend {names_where(lambda f: f.audio)} at tp_degree 1 so far, "
                 f"not batch_size {self.batch_size} on backend {self.backend!r} at tp_degree {self.tp_degree} "
                 f"(docs/AUDIO.md says what is not reached yet)"
             )
+        if not self.audio:
+            return
         if self.prompt == DEFAULT_PROMPT:
             self.prompt = TRANSCRIBE
             if self.expect == "Paris":

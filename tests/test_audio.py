@@ -217,7 +217,7 @@ def b64(data: bytes) -> str:
 @pytest.mark.parametrize(
     ("input_audio", "where", "says"),
     [
-        ({"data": b64((CLIPS / "france.wav").read_bytes()), "format": "wav"}, "", "no audio graph is built yet"),
+        ({"data": b64((CLIPS / "france.wav").read_bytes()), "format": "wav"}, "", "this server does not hear"),
         (
             {"data": b64(wav_bytes(np.zeros(31 * audio.RATE, np.int16))), "format": "wav"},
             ".input_audio",
@@ -233,7 +233,7 @@ def b64(data: bytes) -> str:
 )
 def test_openai_input_audio_parts_get_clear_400s(served, input_audio, where, says):
     """The official `openai` client's `input_audio` part: a valid clip is read and checked, then
-    refused because no audio graph exists yet; a clip over 30 s, a non-WAV file, another rate, bad
+    refused because this text server does not hear; a clip over 30 s, a non-WAV file, another rate, bad
     base64, mp3 and an oversized payload are each a 400 naming the part and what to do."""
     import openai
     from test_server import MODEL, openai_client

@@ -127,3 +127,82 @@ def test_audio_settings_refused_before_loading(kwargs, says):
 
     with pytest.raises(SettingsError, match=says):
         PortSettings(audio=[str(CLIPS / "france.wav")], **kwargs)
+
+
+# ---- the endpoint: input_audio parts and /v1/audio/transcriptions on a server that hears ----------------
+@pytest.fixture(scope="module")
+def hearing_server():
+    """`serve --hear` over the random E2B that hears, with the lab's audio tokenizer (the library's random
+    models have none), eager: one 30 s clip per audio-graph call."""
+    from gemma4lab.serving.background import BackgroundServer
+    from gemma4lab.training.audio import build_random_hearing
+    from gemma4lib.backends.registry import compile_graphs
+    from gemma4lib.port import eos_ids
+    from gemma4lib.server.launch import build_served
+
+    settings = PortSettings(
+        variant="e2b", model="random", backend="eager", hears=True, batch_size=2, context_length=128, max_new_tokens=6
+    )
+    model = build_random_hearing("e2b", seed=settings.seed)
+    engine = compile_graphs(model, settings).runtime
+    assert engine.audio_shape == (1, len(audio.features(audio.load_clip(bytes(_silence(30))))[0]), audio.MELS)
+    served = build_served(engine, model.tokenizer, model_name="e2b", eos_ids=tuple(eos_ids(model)))
+    with BackgroundServer(served) as background:
+        yield background, model
+
+
+def _silence(seconds: float) -> bytes:
+    import io
+    import wave
+
+    out = io.BytesIO()
+    with wave.open(out, "wb") as clip:
+        clip.setnchannels(1), clip.setsampwidth(2), clip.setframerate(audio.RATE)
+        clip.writeframes(bytes(2 * int(seconds * audio.RATE)))
+    return out.getvalue()
+
+
+def transformers_reply(model, messages, clip: bytes, max_new: int | None = 6) -> str:
+    """transformers' own greedy `generate(input_features=...)` on the prompt the server makes of `messages`
+    (`max_new` None: the server's default budget, the rest of its 128-token context)."""
+    from gemma4lib.port import eos_ids
+    from gemma4lib.reference import reference_for, reference_greedy
+    from gemma4lib.runtime import room_for_new_tokens
+    from gemma4lib.server.text import Codec
+
+    codec = Codec(model.tokenizer, hearing=(1, 1, audio.MELS))
+    ids, media = codec.chat_with_images(messages, [], [audio.read_wav(clip)])
+    eos, max_new = eos_ids(model), max_new or room_for_new_tokens(len(ids), 128)
+    tokens = reference_greedy(reference_for(model, media), ids, max_new, eos)
+    return codec.decode([t for t in tokens if t not in eos])
+
+
+def test_openai_client_sends_input_audio_and_a_transcription(hearing_server):
+    """The official `openai` client: a chat with an `input_audio` part, and `audio.transcriptions.create`
+    (multipart), each answered as transformers' `generate(input_features=...)` answers the same prompt; a
+    31 s clip and a file that is not a WAV are clear 400s."""
+    import base64
+
+    import openai
+    from test_server import openai_client
+
+    server, model = hearing_server
+    client = openai_client(server)
+    clip = (CLIPS / "capital_of_france.wav").read_bytes()
+    content = [
+        {"type": "input_audio", "input_audio": {"data": base64.b64encode(clip).decode(), "format": "wav"}},
+        {"type": "text", "text": "What is said?"},
+    ]
+    reply = client.chat.completions.create(
+        model="e2b", messages=[{"role": "user", "content": content}], max_tokens=6, temperature=0
+    )
+    messages = [{"role": "user", "content": [{"type": "audio"}, {"type": "text", "text": "What is said?"}]}]
+    assert reply.choices[0].message.content == transformers_reply(model, messages, clip)
+    text = client.audio.transcriptions.create(model="e2b", file=("france.wav", (CLIPS / "france.wav").read_bytes()))
+    asked = [{"role": "user", "content": [{"type": "audio"}, {"type": "text", "text": audio.TRANSCRIBE}]}]
+    expected = transformers_reply(model, asked, (CLIPS / "france.wav").read_bytes(), max_new=None)
+    assert text.text == expected
+    for data, says in ((_silence(31), "at most 30 s"), (b"\x89PNG\r\n\x1a\n" + bytes(64), "not a WAV file")):
+        with pytest.raises(openai.BadRequestError) as caught:
+            client.audio.transcriptions.create(model="e2b", file=("clip.wav", data))
+        assert caught.value.body["param"] == "file" and says in caught.value.body["message"], caught.value.body

@@ -100,7 +100,7 @@ def _shape(graphs: GraphSet | DeviceGraph) -> dict:
             "dtype": target.dtype,
             "draft_tokens": graphs.draft_tokens,
             "image_blocks": graphs.image_blocks,
-            "audio_shape": (graphs.audio.shape.clips, graphs.audio.shape.frames) if graphs.audio is not None else None,
+            "audio_shape": tuple(graphs.audio.shape.key.values()) if graphs.audio is not None else None,
             "verifies": graphs.verify is not None,
         }
     return {

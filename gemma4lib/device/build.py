@@ -18,6 +18,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -283,8 +284,8 @@ def image_graph(model: LoadedModel, settings: PortSettings) -> VisionGraph | Non
 def audio_graph(model: LoadedModel, settings: PortSettings) -> AudioGraph | None:
     """The audio graph when the settings carry clips: all of them in one call at the longest one's frames,
     as transformers' processor pads a prompt's clips (so its soft tokens are the reference's bit for bit);
-    None without audio."""
-    if not settings.audio:
+    a server that hears (`hears`): one clip of 30 s a call; None without audio."""
+    if not (settings.audio or settings.hears):
         return None
     from ..models import audio
 
@@ -294,6 +295,7 @@ def audio_graph(model: LoadedModel, settings: PortSettings) -> AudioGraph | None
             f"hears ({', '.join(audio.HEARING_VARIANTS)}: model='random', or a fixture trained to hear)"
         )
     unified = model.variant.unified
-    frames = max(len(audio.features(audio.load_clip(c), unified)[0]) for c in settings.audio)
+    clips = settings.audio or (np.zeros(audio.RATE * audio.MAX_SECONDS, np.float32),)  # a server: up to 30 s
+    frames = max(len(audio.features(audio.load_clip(c), unified)[0]) for c in clips)
     width = audio.UNIFIED_SAMPLES if unified else audio.MELS
-    return AudioGraph(model.multimodal, AudioShape(len(settings.audio), frames, width))
+    return AudioGraph(model.multimodal, AudioShape(len(clips), frames, width))

@@ -74,7 +74,7 @@ def build_served(
     metrics = ServerMetrics(engine.batch, replica=replica)
     scheduler = Scheduler(
         engine,
-        Codec(tokenizer, processor, image_token_id, allow_control_tokens),
+        Codec(tokenizer, processor, image_token_id, allow_control_tokens, getattr(engine, "audio_shape", None)),
         max_queue=max_queue,
         metrics=metrics,
         admit_wait_s=admit_wait_s,

@@ -16,7 +16,7 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
-from ..errors import BadPromptError, NoVisionError
+from ..errors import AudioInputError, BadPromptError, NoVisionError
 from ..models.tokenizer import require_chat_template
 
 PLACEHOLDER = "\ue000"  # a private-use character: where a special string of the content was
@@ -34,12 +34,18 @@ class Codec:
     """
 
     def __init__(
-        self, tokenizer: Any, processor: Any = None, image_token_id: int | None = None, allow_control_tokens=False
+        self,
+        tokenizer: Any,
+        processor: Any = None,
+        image_token_id: int | None = None,
+        allow_control_tokens=False,
+        hearing: tuple[int, ...] | None = None,
     ):
         require_chat_template(tokenizer)
         self.tokenizer, self._decoder = tokenizer, copy.deepcopy(tokenizer)
         # the image processor and image token of a model served with its vision part (`serve --vision`)
         self.processor, self.image_token_id = processor, image_token_id
+        self.hearing = hearing  # the engine's audio graph shape (`Engine.audio_shape`): None, a server that is deaf
         self.allow_control_tokens = allow_control_tokens
         self._lock, self._decode_lock = threading.Lock(), threading.Lock()
         specials = sorted({str(t) for t in tokenizer.added_tokens_decoder.values()} | {PLACEHOLDER}, key=len)[::-1]
@@ -99,20 +105,34 @@ class Codec:
                     ids.append(self.tokenizer.convert_tokens_to_ids(found[i]))
         return ids
 
-    def chat_with_images(self, messages: list[dict[str, Any]], images: list[Any]) -> tuple[list[int], Any]:
-        """Messages whose content holds `{"type": "image"}` parts, one per image in `images` (PIL):
-        the prompt ids with each image part expanded to its soft tokens, and the engine's `MediaPrompt`."""
-        from ..images import image_prompt
+    def chat_with_images(self, messages: list[dict[str, Any]], images: list[Any], clips=()) -> tuple[list[int], Any]:
+        """Messages whose content holds `{"type": "image"}` and `{"type": "audio"}` parts, one per image in
+        `images` (PIL) and clip in `clips` (16 kHz samples): the prompt ids with each part expanded to its
+        soft tokens, and the engine's `MediaPrompt`."""
+        from ..images import media_prompt
+        from ..models.audio import HEARING_VARIANTS, UNIFIED_SAMPLES
 
-        if self.processor is None or self.image_token_id is None:
+        if clips and self.hearing is None:
+            raise AudioInputError(
+                f"this server was started without an audio graph; start it with --hear (a model that hears: "
+                f"{', '.join(HEARING_VARIANTS)}) to send input_audio content parts, or send text or images"
+            )
+        if (images or not clips) and (self.processor is None or self.image_token_id is None):
             raise NoVisionError(
                 "this server was started without a vision part; start it with --vision (a model with a vision "
                 "part) to send image_url content parts, or send text only"
             )
         rendered = self.chat(messages)
         with self._lock:
-            inputs = image_prompt(
-                self.tokenizer, self.processor, images, "", image_token_id=self.image_token_id, rendered=rendered
+            inputs = media_prompt(
+                self.tokenizer,
+                self.processor,
+                images,
+                "",
+                image_token_id=-1 if self.image_token_id is None else self.image_token_id,
+                audio=clips,
+                rendered=rendered,
+                unified=bool(clips) and self.hearing[-1] == UNIFIED_SAMPLES,
             )
         return inputs.ids, inputs.prompt
 
