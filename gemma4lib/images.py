@@ -127,30 +127,28 @@ def media_prompt(
             f'{{"type": "image"}} content part per image (or pass fewer images)'
         )
     data = processor(images=pictures, return_tensors="pt") if pictures else {}
-    counts = tuple(int(n) for n in data.get("num_soft_tokens_per_image", ()))
-    ids = expand_image_tokens(rendered, list(counts))
-    heard = hearing.expand_audio(tokenizer, ids, clips, unified) if clips else ids
-    media = media_prompt_of(heard, data.get("pixel_values"), data.get("image_position_ids"), counts, image_token_id)
-    if clips:
-        media = with_audio(media, heard, clips, tokenizer.convert_tokens_to_ids(tokenizer.audio_token), unified)
-    return MediaInputs(heard, media.pixel_values, media.position_ids, media)
+    ids = expand_image_tokens(rendered, [int(n) for n in data.get("num_soft_tokens_per_image", ())])
+    ids = hearing.expand_audio(tokenizer, ids, clips, unified) if clips else ids
+    token = tokenizer.convert_tokens_to_ids(tokenizer.audio_token) if clips else -1
+    media = media_of(ids, data, image_token_id, clips, token, unified)
+    return MediaInputs(ids, media.pixel_values, media.position_ids, media)
 
 
-def media_prompt_of(ids: list[int], pixels: Any, position_ids: Any, counts: tuple[int, ...], token: int) -> MediaPrompt:
-    """The `MediaPrompt` of expanded `ids` with their images (the positions of image `token`)."""
-    return MediaPrompt(pixels, position_ids, counts, tuple(i for i, t in enumerate(ids) if t == token))
-
-
-def with_audio(media: MediaPrompt, ids: list[int], clips: Sequence[Any], token: int, unified: bool) -> MediaPrompt:
-    """`media` with the clips' features, soft-token counts and the positions of audio `token` in `ids`."""
-    from dataclasses import replace
-
+def media_of(
+    ids: list[int], data: Any, image_token: int, clips=(), audio_token: int = -1, unified=False
+) -> MediaPrompt:
+    """The `MediaPrompt` of expanded `ids`: the image processor's `data`, each clip's features and soft-token
+    count (`models.audio`), and the positions of the image and audio tokens."""
     from .models import audio as hearing
 
-    parts = tuple(tuple(torch.from_numpy(x) for x in hearing.features(c, unified)) for c in clips)
-    counts = tuple(hearing.soft_tokens(c, unified) for c in clips)
-    positions = tuple(i for i, t in enumerate(ids) if t == token)
-    return replace(media, audio=parts, audio_counts=counts, audio_positions=positions)
+    def at(token: int) -> tuple[int, ...]:
+        return tuple(i for i, t in enumerate(ids) if t == token)
+
+    heard = tuple(tuple(torch.from_numpy(x) for x in hearing.features(c, unified)) for c in clips)
+    counts = tuple(int(n) for n in data.get("num_soft_tokens_per_image", ()))
+    audio_counts = tuple(hearing.soft_tokens(c, unified) for c in clips)
+    pixels, positions = data.get("pixel_values"), data.get("image_position_ids")
+    return MediaPrompt(pixels, positions, counts, at(image_token), heard, audio_counts, at(audio_token))
 
 
 image_prompt = media_prompt  # images only: the notebooks' name

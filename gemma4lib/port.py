@@ -135,7 +135,7 @@ def image_expectation(images: tuple[Any, ...]) -> str | None:
 def image_rows(model: LoadedModel, settings: PortSettings) -> list[PromptRow]:
     """Row 0 with the settings' images and clips: the chat template with an image part per image and an
     audio part per clip (a random model, which has no tokenizer: seeded random ids around their blocks)."""
-    from .images import MediaInputs, load_image, media_prompt, media_prompt_of, require_vision, with_audio
+    from .images import MediaInputs, load_image, media_of, media_prompt, require_vision
     from .models import audio
     from .models.vision import BOI_ID, EOI_ID, IMAGE_TOKEN_ID, expand_image_tokens
 
@@ -166,8 +166,7 @@ def image_rows(model: LoadedModel, settings: PortSettings) -> list[PromptRow]:
     text = [t for t in text if t not in (BOI_ID, EOI_ID, IMAGE_TOKEN_ID, token_id, *heard)]
     ids = expand_image_tokens(text[:2] + [token_id] * len(pictures) + [heard[0]] * len(clips) + text[2:], counts)
     ids = expand_image_tokens(ids, [audio.soft_tokens(c, unified) for c in clips], *heard)
-    media = media_prompt_of(ids, data.get("pixel_values"), data.get("image_position_ids"), tuple(counts), token_id)
-    media = with_audio(media, ids, clips, heard[0], unified) if clips else media
+    media = media_of(ids, data, token_id, clips, heard[0], unified)
     return [PromptRow(ids, None, None, MediaInputs(ids, media.pixel_values, media.position_ids, media))]
 
 
@@ -418,15 +417,14 @@ def image_fields(images: Any, settings: PortSettings) -> dict[str, Any]:
 
 def audio_fields(media: Any, settings: PortSettings) -> dict[str, Any]:
     """What the record says about the prompt's clips: their soft tokens and where they sit, the audio
-    graph's shape (clips per call, frames, values per frame), and the files."""
+    graph's shape (clips a call, frames, values a frame), and the files."""
     frames = [len(f) for f, _ in media.audio]
     return {
         "count": len(media.audio_counts),
         "soft_tokens": list(media.audio_counts),
         "frames": frames,
-        "first_position": media.audio_positions[0] if media.audio_positions else None,
-        "last_position": media.audio_positions[-1] if media.audio_positions else None,
-        "audio_graph": [len(frames), max(frames), int(media.audio[0][0].shape[-1])],
+        "positions": [media.audio_positions[0], media.audio_positions[-1]],  # the first and the last
+        "audio_graph": [1, max(frames), int(media.audio[0][0].shape[-1])],
         "files": [str(a) for a in settings.audio if isinstance(a, (str, Path))],
     }
 

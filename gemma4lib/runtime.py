@@ -183,15 +183,12 @@ class Drafter(Protocol):
 
 @dataclass(frozen=True)
 class MediaPrompt:
-    """A prompt's images and audio clips as the host prepared them, and where their soft tokens go.
-
-    Images: `pixel_values [n, patches, patch_dim]` and `position_ids [n, patches, 2]`, the processor's
-    tensors (one image per vision-graph call); `counts[i]` image i's soft tokens (the first slots of its
-    graph output); `positions` the prompt positions of every image token, in order. Audio: `audio[i]`
-    clip i's `(features [frames, values], valid [frames] bool)` (log-mel; the 12B raw 640-sample frames),
-    `audio_counts[i]` its soft tokens, `audio_positions` those of every audio token. The engine runs the
-    vision and audio graphs at admission and writes the soft tokens over those positions' host
-    embeddings (their ids become `pad_id` for the host tables, as transformers does)."""
+    """A prompt's images and audio clips as the host prepared them, and where their soft tokens go:
+    the processor's `pixel_values [n, patches, patch_dim]` and `position_ids [n, patches, 2]`, image i's
+    `counts[i]` soft tokens; clip i's `audio[i]` = (features [frames, values], valid [frames] bool), its
+    `audio_counts[i]`; `positions` / `audio_positions` those of every image / audio token, in order. The
+    engine runs each image and clip through its graph at admission and writes the soft tokens over those
+    positions' host embeddings (their ids become `pad_id` for the host tables, as transformers does)."""
 
     pixel_values: torch.Tensor | None = None
     position_ids: torch.Tensor | None = None
@@ -388,7 +385,7 @@ class Engine:
         self.pad_id = int(pad_id)
         # the prefill graphs take each token's image (`DeviceGraph.image_blocks`): `prefill_inputs`
         self.image_blocks = bool(image_blocks)
-        self.audio_shape = audio_shape  # the audio graph's (clips per call, frames, values a frame): `audio_tokens`
+        self.audio_shape = audio_shape  # the audio graph's (clips a call: 1, frames, values a frame)
 
     @classmethod
     def for_model(cls, model: LoadedModel, steps: Steps, **kwargs: Any) -> Engine:
@@ -550,30 +547,22 @@ class Engine:
         return torch.cat(parts).to(self.dtype)
 
     def audio_tokens(self, media: MediaPrompt) -> torch.Tensor:
-        """The audio graph over the clips, `clips` per call at its fixed frames (each zero-padded at its end;
-        a last call short of clips repeats its last clip): each clip's valid soft tokens in prompt order."""
-        clips, frames, _ = self.audio_shape
-        todo, parts = list(media.audio), []
-        for start in range(0, len(todo), clips):
-            batch = todo[start : start + clips]
-            batch += batch[-1:] * (clips - len(batch))
-            if max(len(f) for f, _ in batch) > frames:
+        """The audio graph over each clip (zero-padded at its end to the graph's frames): its valid soft
+        tokens, in prompt order `[sum(audio_counts), hidden]`."""
+        frames, parts = self.audio_shape[1], []
+        for (values, valid), count in zip(media.audio, media.audio_counts, strict=True):
+            if len(values) > frames:
                 raise AudioInputError(
-                    f"a clip of {max(len(f) for f, _ in batch)} frames is longer than the compiled audio graph's "
-                    f"{frames}; send a shorter clip or compile with it (PortSettings(audio=[...]))"
+                    f"a clip of {len(values)} frames is longer than the compiled audio graph's {frames}; send a "
+                    "shorter clip, or compile for it (PortSettings(audio=[...]))"
                 )
-            features = torch.zeros(clips, frames, batch[0][0].shape[-1], dtype=self.dtype)
-            mask = torch.zeros(clips, frames, dtype=INDEX_DTYPE)
-            for i, (f, valid) in enumerate(batch):
-                features[i, : len(f)], mask[i, : len(f)] = f, valid.to(INDEX_DTYPE)
-            tokens, valid = _outputs(self.steps.audio(features, mask), 2)
-            parts += [tokens[i][valid[i].bool()] for i in range(min(clips, len(todo) - start))]
-        for part, count in zip(parts, media.audio_counts, strict=True):
-            if len(part) != count:
-                raise AudioInputError(
-                    f"the audio graph kept {len(part)} soft tokens of a clip the prompt holds {count} for; "
-                    "build the prompt with gemma4lib.images.media_prompt from the same clip"
-                )
+            features = torch.zeros(1, frames, values.shape[-1], dtype=self.dtype)
+            mask = torch.zeros(1, frames, dtype=INDEX_DTYPE)
+            features[0, : len(values)], mask[0, : len(values)] = values, valid.to(INDEX_DTYPE)
+            tokens, kept = _outputs(self.steps.audio(features, mask), 2)
+            parts.append(tokens[0][kept[0].bool()])
+            if len(parts[-1]) != count:
+                raise AudioInputError(f"the audio graph kept {len(parts[-1])} soft tokens of a clip given {count}")
         return torch.cat(parts).to(self.dtype)
 
     def prompt_embeds(self, request: Request, pad_to: int | None = None) -> list[torch.Tensor]:

@@ -68,15 +68,15 @@ def test_port_audio_matches_transformers(variant, clip):
 
 def test_clips_and_an_image_in_one_prompt():
     """Two clips and an image in one prompt (the media prompt: image part, audio parts, then the text): the
-    vision graph and the audio graph (both clips in one call at the longer one's frames) both run, and the
+    vision graph and the audio graph (a clip a call at the longer one's frames) both run, and the
     device equals transformers' forward with pixel_values and input_features together."""
     record = run(
         "e2b", ["france.wav", "italy.wav"], images=[str(RED_CIRCLE)], context_length=256, prefill_buckets=(128,)
     )
     assert record["seq_match"] and record["logits_match"], record["failed_checks"]
     assert record["images"]["soft_tokens"] == [16] and len(record["audio"]["soft_tokens"]) == 2
-    assert record["images"]["last_position"] < record["audio"]["first_position"]  # in the prompt's order
-    assert record["audio"]["audio_graph"][:2] == [2, max(record["audio"]["frames"])]
+    assert record["images"]["last_position"] < record["audio"]["positions"][0]  # in the prompt's order
+    assert record["audio"]["audio_graph"][:2] == [1, max(record["audio"]["frames"])]  # one clip a call
 
 
 def test_audio_on_the_cpu_backend():
@@ -170,7 +170,8 @@ def transformers_reply(model, messages, clip: bytes, max_new: int | None = 6) ->
     from gemma4lib.runtime import room_for_new_tokens
     from gemma4lib.server.text import Codec
 
-    codec = Codec(model.tokenizer, hearing=(1, 1, audio.MELS))
+    codec = Codec(model.tokenizer)
+    codec.hearing = (1, 1, audio.MELS)
     ids, media = codec.chat_with_images(messages, [], [audio.read_wav(clip)])
     eos, max_new = eos_ids(model), max_new or room_for_new_tokens(len(ids), 128)
     tokens = reference_greedy(reference_for(model, media), ids, max_new, eos)

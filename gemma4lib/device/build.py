@@ -282,9 +282,8 @@ def image_graph(model: LoadedModel, settings: PortSettings) -> VisionGraph | Non
 
 
 def audio_graph(model: LoadedModel, settings: PortSettings) -> AudioGraph | None:
-    """The audio graph when the settings carry clips: all of them in one call at the longest one's frames,
-    as transformers' processor pads a prompt's clips (so its soft tokens are the reference's bit for bit);
-    a server that hears (`hears`): one clip of 30 s a call; None without audio."""
+    """The audio graph when the settings carry clips: one clip a call at the longest one's frames, as
+    transformers' processor pads a prompt's clips; a server that hears (`hears`): 30 s; None without audio."""
     if not (settings.audio or settings.hears):
         return None
     from ..models import audio
@@ -298,4 +297,4 @@ def audio_graph(model: LoadedModel, settings: PortSettings) -> AudioGraph | None
     clips = settings.audio or (np.zeros(audio.RATE * audio.MAX_SECONDS, np.float32),)  # a server: up to 30 s
     frames = max(len(audio.features(audio.load_clip(c), unified)[0]) for c in clips)
     width = audio.UNIFIED_SAMPLES if unified else audio.MELS
-    return AudioGraph(model.multimodal, AudioShape(len(clips), frames, width))
+    return AudioGraph(model.multimodal, AudioShape(1, frames, width))

@@ -5,7 +5,9 @@ seeded random model that hears (`build_random_hearing`), the port's `model="rand
 
 from __future__ import annotations
 
+import hashlib
 import io
+import json
 import wave
 from collections.abc import Sequence
 from pathlib import Path
@@ -96,9 +98,6 @@ CLIPS_DIR = Path(__file__).resolve().parent.parent / "fixtures" / "audio"  # the
 def shipped_text(clips: Sequence[Any]) -> str | None:
     """The words of one shipped clip (a path or bytes matched by sha256 in the clips' PROVENANCE.json), what
     a transcription must say; None for anything else (no coherence rule applies)."""
-    import hashlib
-    import json
-
     if len(clips) != 1 or not isinstance(clips[0], (str, Path, bytes)):
         return None
     data = clips[0] if isinstance(clips[0], bytes) else Path(clips[0]).read_bytes()
@@ -148,34 +147,29 @@ def expand_audio(tokenizer: Any, rendered: list[int], clips: Sequence[np.ndarray
 
 
 def build_random_hearing(variant: str = "e2b", seed: int = 0) -> Any:
-    """A seeded random-weight tiny multimodal model that hears: `build_random_multimodal`'s (text and vision
-    weights unchanged, no tokenizer) with an audio part added: E2B/E4B the `TINY_AUDIO` conformer, the 12B
-    its encoder-free 640-sample frame embedder; the audio token ids are this module's."""
+    """A seeded random-weight tiny multimodal model that hears (no tokenizer): `build_random_multimodal`'s
+    (its weights kept) with an audio part added, E2B/E4B the `TINY_AUDIO` conformer, the 12B its
+    encoder-free 640-sample frame embedder, seeded apart; the audio token ids are this module's."""
     import torch
-    from torch import nn
+    import transformers
 
     from . import vision
     from .checkpoint import conditional_class
     from .weights_identity import declare_identity
 
     base = vision.build_random_multimodal(variant, seed=seed)
-    config = base.multimodal.config.to_dict()
-    if base.variant.unified:
-        from transformers.models.gemma4_unified import Gemma4UnifiedAudioConfig, Gemma4UnifiedConfig
-
-        config["audio_config"], config_cls = Gemma4UnifiedAudioConfig().to_dict(), Gemma4UnifiedConfig
-    else:
-        from transformers import Gemma4AudioConfig, Gemma4Config
-
-        config["audio_config"], config_cls = Gemma4AudioConfig(**TINY_AUDIO).to_dict(), Gemma4Config
-    config.update(audio_token_id=AUDIO_TOKEN_ID, boa_token_id=BOA_ID, eoa_token_id=EOA_ID, eoa_token_index=EOA_ID)
+    unified = base.variant.unified
+    part = transformers.Gemma4UnifiedAudioConfig() if unified else transformers.Gemma4AudioConfig(**TINY_AUDIO)
+    ids = dict(audio_token_id=AUDIO_TOKEN_ID, boa_token_id=BOA_ID, eoa_token_id=EOA_ID, eoa_token_index=EOA_ID)
+    config = base.multimodal.config.to_dict() | ids | {"audio_config": part.to_dict()}
+    config = (transformers.Gemma4UnifiedConfig if unified else transformers.Gemma4Config)(**config)
     with torch.random.fork_rng():
         torch.manual_seed(seed + 1000)
         full = conditional_class(base.variant)._from_config(
-            config_cls(**config), dtype=torch.float32, attn_implementation=base.variant.attn_implementation
+            config, dtype=torch.float32, attn_implementation=base.variant.attn_implementation
         )
         projection = full.model.embed_audio.embedding_projection  # soft tokens at the word embeddings' size
-        nn.init.normal_(projection.weight, std=2.0 / projection.in_features**0.5)
+        torch.nn.init.normal_(projection.weight, std=2.0 / projection.in_features**0.5)
     missing, unexpected = full.load_state_dict(base.multimodal.state_dict(), strict=False)
     if unexpected or any("audio" not in name for name in missing):
         raise AssertionError(f"the hearing model lost weights: {unexpected[:3]} {missing[:3]}")

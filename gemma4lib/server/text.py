@@ -34,18 +34,13 @@ class Codec:
     """
 
     def __init__(
-        self,
-        tokenizer: Any,
-        processor: Any = None,
-        image_token_id: int | None = None,
-        allow_control_tokens=False,
-        hearing: tuple[int, ...] | None = None,
+        self, tokenizer: Any, processor: Any = None, image_token_id: int | None = None, allow_control_tokens=False
     ):
         require_chat_template(tokenizer)
         self.tokenizer, self._decoder = tokenizer, copy.deepcopy(tokenizer)
         # the image processor and image token of a model served with its vision part (`serve --vision`)
         self.processor, self.image_token_id = processor, image_token_id
-        self.hearing = hearing  # the engine's audio graph shape (`Engine.audio_shape`): None, a server that is deaf
+        self.hearing = None  # the engine's audio graph shape (`Engine.audio_shape`, `build_served`); None: deaf
         self.allow_control_tokens = allow_control_tokens
         self._lock, self._decode_lock = threading.Lock(), threading.Lock()
         specials = sorted({str(t) for t in tokenizer.added_tokens_decoder.values()} | {PLACEHOLDER}, key=len)[::-1]
@@ -124,15 +119,9 @@ class Codec:
             )
         rendered = self.chat(messages)
         with self._lock:
+            kwargs = dict(audio=clips, rendered=rendered, unified=bool(clips) and self.hearing[-1] == UNIFIED_SAMPLES)
             inputs = media_prompt(
-                self.tokenizer,
-                self.processor,
-                images,
-                "",
-                image_token_id=-1 if self.image_token_id is None else self.image_token_id,
-                audio=clips,
-                rendered=rendered,
-                unified=bool(clips) and self.hearing[-1] == UNIFIED_SAMPLES,
+                self.tokenizer, self.processor, images, "", image_token_id=self.image_token_id or -1, **kwargs
             )
         return inputs.ids, inputs.prompt
 
