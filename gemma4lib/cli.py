@@ -293,12 +293,7 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="load the model's vision part: chat requests may carry image_url parts (data URLs; docs/IMAGES.md)",
     )
-    p.add_argument(
-        "--hear",
-        action="store_true",
-        dest="hears",
-        help="load the audio part: input_audio parts, /v1/audio/transcriptions (e2b, e4b, 12b; docs/AUDIO.md)",
-    )
+    p.add_argument("--hear", action="store_true", dest="hears", help="input_audio, transcriptions (docs/AUDIO.md)")
     p.add_argument("--drain-timeout", type=float, default=600.0, help="seconds SIGTERM waits for running requests")
     p.add_argument("--max-body-mb", type=float, default=4.0, help="request bodies over this get 413 (default 4)")
     p.add_argument(

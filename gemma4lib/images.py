@@ -109,14 +109,13 @@ def media_prompt(
     then `question`) through the chat template, expand every image part to boi + soft tokens + eoi and
     every audio part to boa + soft tokens + eoa as transformers' processor does (`rendered`: the
     template's ids, if encoded already), run the image processor, and take each clip's features
-    (`audio`: WAV paths, bytes or 16 kHz samples; `unified`: the 12B's raw frames). More images than
+    (`audio`: 16 kHz samples, `models.audio.read_wav`; `unified`: the 12B's raw frames). More images than
     image parts (or fewer) is a `TooManyImagesError`, clips and audio parts an `AudioInputError`."""
     from .models import audio as hearing
     from .models.vision import expand_image_tokens, image_messages
 
     pictures = [load_image(i) for i in images]
-    clips = [hearing.load_clip(c) for c in audio]
-    messages = messages if messages is not None else image_messages(question, len(pictures), len(clips))
+    messages = messages if messages is not None else image_messages(question, len(pictures), len(audio))
     if rendered is None:
         rendered = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
     rendered = list(rendered["input_ids"] if isinstance(rendered, dict) else rendered)
@@ -128,17 +127,16 @@ def media_prompt(
         )
     data = processor(images=pictures, return_tensors="pt") if pictures else {}
     ids = expand_image_tokens(rendered, [int(n) for n in data.get("num_soft_tokens_per_image", ())])
-    ids = hearing.expand_audio(tokenizer, ids, clips, unified) if clips else ids
-    token = tokenizer.convert_tokens_to_ids(tokenizer.audio_token) if clips else -1
-    media = media_of(ids, data, image_token_id, clips, token, unified)
+    ids = hearing.expand_audio(tokenizer, ids, audio, unified) if audio else ids
+    token = tokenizer.convert_tokens_to_ids(tokenizer.audio_token) if audio else -1
+    media = media_of(ids, data, image_token_id, audio, token, unified)
     return MediaInputs(ids, media.pixel_values, media.position_ids, media)
 
 
 def media_of(
     ids: list[int], data: Any, image_token: int, clips=(), audio_token: int = -1, unified=False
 ) -> MediaPrompt:
-    """The `MediaPrompt` of expanded `ids`: the image processor's `data`, each clip's features and soft-token
-    count (`models.audio`), and the positions of the image and audio tokens."""
+    """The `MediaPrompt` of expanded `ids`: the image processor's `data`, the clips' features and counts."""
     from .models import audio as hearing
 
     def at(token: int) -> tuple[int, ...]:

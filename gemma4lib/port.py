@@ -141,7 +141,7 @@ def image_rows(model: LoadedModel, settings: PortSettings) -> list[PromptRow]:
 
     if settings.images:
         require_vision(model.multimodal, model.processor, f"the {model.source} {model.variant.name} model")
-    config, unified = model.multimodal.config, model.variant.unified
+    config, unified, clips = model.multimodal.config, model.variant.unified, [audio.read_wav(c) for c in settings.audio]
     token_id = int(config.image_token_id)
     if model.tokenizer is not None:
         inputs = media_prompt(
@@ -150,7 +150,7 @@ def image_rows(model: LoadedModel, settings: PortSettings) -> list[PromptRow]:
             settings.images,
             settings.prompt,
             image_token_id=token_id,
-            audio=settings.audio,
+            audio=clips,
             unified=unified,
         )
         expect = settings.expect
@@ -158,7 +158,6 @@ def image_rows(model: LoadedModel, settings: PortSettings) -> list[PromptRow]:
             expect = image_expectation(settings.images) if settings.images else audio.shipped_text(settings.audio)
         return [PromptRow(inputs.ids, expect, settings.prompt, inputs)]
     pictures = [load_image(i) for i in settings.images]
-    clips = [audio.load_clip(c) for c in settings.audio]
     data = model.processor(images=pictures, return_tensors="pt") if pictures else {}
     counts = [int(n) for n in data.get("num_soft_tokens_per_image", ())]
     heard = [int(getattr(config, name, -1) or -1) for name in ("audio_token_id", "boa_token_id", "eoa_token_id")]
@@ -416,8 +415,7 @@ def image_fields(images: Any, settings: PortSettings) -> dict[str, Any]:
 
 
 def audio_fields(media: Any, settings: PortSettings) -> dict[str, Any]:
-    """What the record says about the prompt's clips: their soft tokens and where they sit, the audio
-    graph's shape (clips a call, frames, values a frame), and the files."""
+    """The record's clips: their soft tokens and where they sit, the audio graph's shape, the files."""
     frames = [len(f) for f, _ in media.audio]
     return {
         "count": len(media.audio_counts),

@@ -34,9 +34,8 @@ class MediaBound(nn.Module):
         self.multimodal, self.media = multimodal, media
         self.positions = tuple(int(p) for p in media.positions)
         self.config = multimodal.config.get_text_config()
-        inner = multimodal.model  # the audio part, kept narrow by the spread's wide forward (`upcast_forward`)
-        parts = (getattr(inner, "audio_tower", None), getattr(inner, "embed_audio", None)) if media.audio else ()
-        self.narrow_modules = tuple(m for m in parts if m is not None)
+        parts = [getattr(multimodal.model, n, None) for n in ("audio_tower", "embed_audio")] if media.audio else []
+        self.narrow_modules = tuple(m for m in parts if m is not None)  # the spread's wide forward keeps them
 
     def _image_kwargs(self, ids: torch.Tensor) -> dict[str, torch.Tensor]:
         types = torch.zeros_like(ids)

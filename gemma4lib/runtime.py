@@ -183,12 +183,10 @@ class Drafter(Protocol):
 
 @dataclass(frozen=True)
 class MediaPrompt:
-    """A prompt's images and audio clips as the host prepared them, and where their soft tokens go:
-    the processor's `pixel_values [n, patches, patch_dim]` and `position_ids [n, patches, 2]`, image i's
-    `counts[i]` soft tokens; clip i's `audio[i]` = (features [frames, values], valid [frames] bool), its
-    `audio_counts[i]`; `positions` / `audio_positions` those of every image / audio token, in order. The
-    engine runs each image and clip through its graph at admission and writes the soft tokens over those
-    positions' host embeddings (their ids become `pad_id` for the host tables, as transformers does)."""
+    """A prompt's images (the processor's `pixel_values`, `position_ids`; `counts[i]` soft tokens) and clips
+    (`audio[i]` = (features [frames, values], valid [frames] bool); `audio_counts[i]`), and the prompt
+    positions of every image / audio token. The engine runs their graphs at admission and writes the soft
+    tokens over those positions' host embeddings (ids there become `pad_id`, as transformers does)."""
 
     pixel_values: torch.Tensor | None = None
     position_ids: torch.Tensor | None = None
@@ -552,10 +550,7 @@ class Engine:
         frames, parts = self.audio_shape[1], []
         for (values, valid), count in zip(media.audio, media.audio_counts, strict=True):
             if len(values) > frames:
-                raise AudioInputError(
-                    f"a clip of {len(values)} frames is longer than the compiled audio graph's {frames}; send a "
-                    "shorter clip, or compile for it (PortSettings(audio=[...]))"
-                )
+                raise AudioInputError(f"a clip of {len(values)} frames, over the audio graph's {frames}: send less")
             features = torch.zeros(1, frames, values.shape[-1], dtype=self.dtype)
             mask = torch.zeros(1, frames, dtype=INDEX_DTYPE)
             features[0, : len(values)], mask[0, : len(values)] = values, valid.to(INDEX_DTYPE)

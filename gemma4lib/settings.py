@@ -113,11 +113,9 @@ class PortSettings:
     # load the model's vision part and compile its vision graph without an image of its own, so that
     # requests can bring theirs (the endpoint's `image_url` parts, `serve --vision`); `images` implies it
     vision: bool = False
-    # audio clips (16 kHz WAV paths or bytes) for row 0's prompt: the audio graph joins the port's graphs
-    # (docs/AUDIO.md); the default prompt becomes "Transcribe the audio." after the clips
+    # 16 kHz WAV clips (paths, bytes) for row 0's prompt, the audio graph beside (docs/AUDIO.md); prompt: transcribe
     audio: tuple[Any, ...] = ()
-    # load the model's audio part and compile its audio graph (one clip of up to 30 s a call) without a clip
-    # of its own, so that requests can bring theirs (`serve --hear`: input_audio parts, /v1/audio/transcriptions)
+    # the audio part and a 30 s audio graph without a clip, for requests' clips (`serve --hear`, docs/AUDIO.md)
     hears: bool = False
     # batch_size > 1: also compile each bucket's prefill at batch 1, over one row of the batch's K/V, so
     # that a request joining running rows alone (a server's usual case) pays one row's prefill, not the

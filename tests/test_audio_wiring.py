@@ -145,7 +145,7 @@ def hearing_server():
     )
     model = build_random_hearing("e2b", seed=settings.seed)
     engine = compile_graphs(model, settings).runtime
-    assert engine.audio_shape == (1, len(audio.features(audio.load_clip(bytes(_silence(30))))[0]), audio.MELS)
+    assert engine.audio_shape == (1, len(audio.features(audio.read_wav(_silence(30)))[0]), audio.MELS)
     served = build_served(engine, model.tokenizer, model_name="e2b", eos_ids=tuple(eos_ids(model)))
     with BackgroundServer(served) as background:
         yield background, model

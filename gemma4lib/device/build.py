@@ -22,9 +22,9 @@ import numpy as np
 import torch
 from torch import nn
 
-from ..errors import AudioInputError, SettingsError
+from ..errors import SettingsError
 from ..models.image_attention import bidirectional_images
-from .audio import AudioGraph, AudioShape, has_audio
+from .audio import AudioGraph, AudioShape
 from .drafting import DraftGraph, RoomyLayout, verify_expert_form
 from .graph import DeviceGraph, GraphShape
 from .kv_layout import KVLayout
@@ -282,19 +282,14 @@ def image_graph(model: LoadedModel, settings: PortSettings) -> VisionGraph | Non
 
 
 def audio_graph(model: LoadedModel, settings: PortSettings) -> AudioGraph | None:
-    """The audio graph when the settings carry clips: one clip a call at the longest one's frames, as
-    transformers' processor pads a prompt's clips; a server that hears (`hears`): 30 s; None without audio."""
+    """The audio graph of the settings' clips, one a call at the longest one's frames (as transformers pads
+    them); a server that hears: 30 s."""
     if not (settings.audio or settings.hears):
         return None
     from ..models import audio
 
-    if not has_audio(model.multimodal):
-        raise AudioInputError(
-            f"the {model.source} {model.variant.name} model has no audio part (no audio_config); load one that "
-            f"hears ({', '.join(audio.HEARING_VARIANTS)}: model='random', or a fixture trained to hear)"
-        )
     unified = model.variant.unified
-    clips = settings.audio or (np.zeros(audio.RATE * audio.MAX_SECONDS, np.float32),)  # a server: up to 30 s
-    frames = max(len(audio.features(audio.load_clip(c), unified)[0]) for c in clips)
+    clips = [audio.read_wav(c) for c in settings.audio] or [np.zeros(audio.RATE * audio.MAX_SECONDS, np.float32)]
+    frames = max(len(audio.features(c, unified)[0]) for c in clips)  # a server's: 30 s
     width = audio.UNIFIED_SAMPLES if unified else audio.MELS
     return AudioGraph(model.multimodal, AudioShape(1, frames, width))

@@ -1,7 +1,6 @@
 """The host side of an audio prompt (issue 50): read a WAV, transformers' `Gemma4AudioFeatureExtractor`
-log-mel and mask by the same numpy operations on the same dtypes (so bit-equal), the 12B's raw frames,
-the soft tokens by `Gemma4Processor`'s rule (12B: one per 640 samples), the placeholders; and the tiny
-seeded random model that hears (`build_random_hearing`), the port's `model="random"` with audio."""
+log-mel and mask by its numpy operations (bit-equal), the 12B's raw frames, the soft tokens by
+`Gemma4Processor`'s rule, the placeholders; the tiny random model that hears (`build_random_hearing`)."""
 
 from __future__ import annotations
 
@@ -24,8 +23,7 @@ TRANSCRIBE = "Transcribe the audio."  # the port's default prompt after the clip
 UNIFIED_SAMPLES = 640  # the 12B: raw 40 ms frames, one soft token each
 # the tiny tokenizer's fillers 6, 7, 8 carry the released audio tokens `<|audio>`, `<audio|>`, `<|audio|>`
 BOA_ID, EOA_ID, AUDIO_TOKEN_ID = 6, 7, 8
-# a conformer small enough for seconds-long tests: 2 layers of hidden 32; the first subsampling conv keeps
-# 128 channels (transformers sizes the projection after it as (channels[0] // 4) * channels[1])
+# 2 layers of width 32; the first conv keeps 128 channels (the projection after it: (channels[0] // 4) * channels[1])
 TINY_AUDIO = {
     "hidden_size": 32,
     "num_attention_heads": 2,
@@ -103,11 +101,6 @@ def shipped_text(clips: Sequence[Any]) -> str | None:
     data = clips[0] if isinstance(clips[0], bytes) else Path(clips[0]).read_bytes()
     files = json.loads((CLIPS_DIR / "PROVENANCE.json").read_text())["files"]
     return next((f["text"] for f in files.values() if f["sha256"] == hashlib.sha256(data).hexdigest()), None)
-
-
-def load_clip(clip: str | Path | bytes | np.ndarray) -> np.ndarray:
-    """A clip's samples: a WAV (path or bytes) read, float32 samples at 16 kHz checked."""
-    return check_length(np.asarray(clip, np.float32)) if isinstance(clip, np.ndarray) else read_wav(clip)
 
 
 def features(samples: np.ndarray, unified: bool = False) -> tuple[np.ndarray, np.ndarray]:

@@ -120,9 +120,8 @@ class _Widener:
 def upcast_forward(lm: nn.Module, dtype: torch.dtype) -> Iterator[nn.Module]:
     """Within the context, `lm`'s forward runs as `copy.deepcopy(lm).to(dtype)`'s would, one module
     widened at a time; on exit every tensor is the original again. Not thread-safe (the model's
-    tensors are swapped in place): run nothing else on `lm` meanwhile. `lm.narrow_modules` (the audio
-    part: transformers' conformer casts to float32 inside, so no wide forward of it exists) run as they
-    are, their output widened."""
+    tensors are swapped in place): run nothing else on `lm` meanwhile. `lm.narrow_modules` (the audio part:
+    transformers' conformer casts to float32 inside) run as they are, their output widened."""
     widener = _Widener(dtype)
     handles = []
     patched: list[nn.Module] = []

@@ -124,10 +124,9 @@ class Served:
 
 
 def chat_messages(body: schemas.ChatCompletionRequest, codec: Any) -> tuple[list[dict[str, Any]], list[Any], list[Any]]:
-    """Messages as the chat template takes them, the images of their `image_url` parts (PIL) and the clips
-    of their `input_audio` parts (samples), in order. A message with only text keeps its text as one string
-    (rendered exactly as before); one with media keeps its parts, each image as `{"type": "image"}` and each
-    clip as `{"type": "audio"}`, where the template expands them."""
+    """Messages as the chat template takes them, the images (PIL) and clips (samples) of their parts, in
+    order. A message with only text keeps its text as one string (rendered exactly as before); one with
+    media keeps its parts (`{"type": "image"}`, `{"type": "audio"}`), where the template expands them."""
     from .image_urls import audio_from_input_audio, image_from_data_url
 
     wanted = sum(1 for m in body.messages if isinstance(m.content, list) for p in m.content if p.type == "image_url")

@@ -101,16 +101,14 @@ class Codec:
         return ids
 
     def chat_with_images(self, messages: list[dict[str, Any]], images: list[Any], clips=()) -> tuple[list[int], Any]:
-        """Messages whose content holds `{"type": "image"}` and `{"type": "audio"}` parts, one per image in
-        `images` (PIL) and clip in `clips` (16 kHz samples): the prompt ids with each part expanded to its
-        soft tokens, and the engine's `MediaPrompt`."""
+        """Messages with `{"type": "image"}` / `{"type": "audio"}` parts, one per image (PIL) / clip (samples):
+        the prompt ids with each part expanded to its soft tokens, and the engine's `MediaPrompt`."""
         from ..images import media_prompt
         from ..models.audio import HEARING_VARIANTS, UNIFIED_SAMPLES
 
         if clips and self.hearing is None:
             raise AudioInputError(
-                f"this server was started without an audio graph; start it with --hear (a model that hears: "
-                f"{', '.join(HEARING_VARIANTS)}) to send input_audio content parts, or send text or images"
+                f"this server does not hear: start it with --hear ({', '.join(HEARING_VARIANTS)}) to send clips"
             )
         if (images or not clips) and (self.processor is None or self.image_token_id is None):
             raise NoVisionError(
