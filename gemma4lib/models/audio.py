@@ -129,7 +129,7 @@ def expand_audio(tokenizer: Any, rendered: list[int], clips: Sequence[np.ndarray
 
     names = [getattr(tokenizer, name, None) for name in ("audio_token", "boa_token", "eoa_token")]
     if None in names:
-        raise AudioInputError(f"this tokenizer has no audio tokens; use the one of a {HEARING_VARIANTS} checkpoint")
+        raise AudioInputError("no audio tokens in this tokenizer: load a model that hears (e2b, e4b, 12b; 'random')")
     token, begin, end = tokenizer.convert_tokens_to_ids(names)
     if rendered.count(token) != len(clips):
         raise AudioInputError(
