@@ -80,13 +80,12 @@ def test_clips_and_an_image_in_one_prompt():
 
 
 def test_audio_on_the_cpu_backend():
-    """The cpu backend compiles the audio graph with AOTInductor under its program digest (the artifact
-    cache: a second port is a hit for every graph) and the port still matches transformers."""
+    """The cpu backend compiles the audio graph with AOTInductor into the artifact cache beside prefill and
+    decode (a second compile of the same program is a hit: tests/test_audio_graph.py), and the port still
+    matches transformers."""
     record = run("e2b", ["france.wav"], backend="cpu")
     assert record["seq_match"] and record["logits_match"], record["failed_checks"]
-    assert "audio" in record["artifacts"]
-    again = run("e2b", ["france.wav"], backend="cpu")
-    assert all(again["cache_hits"]) and again["artifacts"] == record["artifacts"]
+    assert record["compiler"] != "none" and "audio" in record["artifacts"], record["artifacts"]
 
 
 def test_audio_soft_tokens_count_in_the_fit_check():
