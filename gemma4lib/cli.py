@@ -111,8 +111,9 @@ def _settings_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     for many in ("images", "audio"):
         if getattr(args, many, None):
             kwargs[many] = tuple(getattr(args, many))
-    if getattr(args, "vision", False):
-        kwargs["vision"] = True
+    for flag in ("vision", "hears"):
+        if getattr(args, flag, False):
+            kwargs[flag] = True
     return kwargs
 
 
@@ -292,6 +293,7 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="load the model's vision part: chat requests may carry image_url parts (data URLs; docs/IMAGES.md)",
     )
+    p.add_argument("--hear", action="store_true", dest="hears", help="input_audio, transcriptions (docs/AUDIO.md)")
     p.add_argument("--drain-timeout", type=float, default=600.0, help="seconds SIGTERM waits for running requests")
     p.add_argument("--max-body-mb", type=float, default=4.0, help="request bodies over this get 413 (default 4)")
     p.add_argument(

@@ -28,8 +28,8 @@ class PromptTooLongError(Gemma4LibError, ValueError):
         self, prompt_tokens: int, max_new_tokens: int, context_length: int, draft_tokens: int = 0, image_tokens: int = 0
     ):
         drafts = f" + {draft_tokens} draft slots a verify writes ahead" if draft_tokens else ""
-        of_images = f", {image_tokens} of them image soft tokens," if image_tokens else ""
-        fewer = " (or send fewer images)" if image_tokens else ""
+        of_images = f", {image_tokens} of them image or audio soft tokens," if image_tokens else ""
+        fewer = " (or send fewer images or shorter clips)" if image_tokens else ""
         message = (
             f"prompt ({prompt_tokens} tokens{of_images}) + max_new_tokens ({max_new_tokens}){drafts} need "
             f"{prompt_tokens + max_new_tokens - 1 + draft_tokens} K/V positions (the last new token is never fed "

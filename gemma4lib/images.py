@@ -1,6 +1,7 @@
-"""The host side of an image prompt: read the images, run the checkpoint's image processor, render
-the chat messages with image parts through the tokenizer's chat template, expand each image part to
-its soft tokens, and hand the engine a `runtime.ImagePrompt`.
+"""The host side of a prompt with images and audio: read the images and clips, run the checkpoint's
+image processor and the audio features (`models.audio`), render the chat messages with image and audio
+parts through the tokenizer's chat template, expand each part to its soft tokens, and hand the engine a
+`runtime.MediaPrompt`.
 
 Every bad input stops here with a library error that says what to do (`errors.ImageInputError`,
 `NoVisionError`, `TooManyImagesError`); a prompt too long for the compiled context is the engine's
@@ -18,7 +19,7 @@ from typing import Any
 import torch
 
 from .errors import ImageInputError, NoVisionError, TooManyImagesError
-from .runtime import ImagePrompt
+from .runtime import MediaPrompt
 
 log = logging.getLogger(__name__)
 
@@ -63,18 +64,18 @@ def find_image(image: Any) -> Any:
 
 
 @dataclass(frozen=True)
-class ImageInputs:
-    """What the host made of one prompt with images: the prompt ids (image parts expanded), the
-    processor's tensors, and the `ImagePrompt` the engine places."""
+class MediaInputs:
+    """What the host made of one prompt with images or audio: the prompt ids (parts expanded), the image
+    processor's tensors (None without images), and the `MediaPrompt` the engine places."""
 
     ids: list[int]
-    pixel_values: torch.Tensor
-    position_ids: torch.Tensor
-    prompt: ImagePrompt
+    pixel_values: torch.Tensor | None
+    position_ids: torch.Tensor | None
+    prompt: MediaPrompt
 
     @property
     def token_types(self) -> list[int]:
-        """transformers' `mm_token_type_ids`: 1 on the soft tokens."""
+        """transformers' `mm_token_type_ids`: 1 on the image soft tokens."""
         marked = set(self.prompt.positions)
         return [1 if i in marked else 0 for i in range(len(self.ids))]
 
@@ -92,24 +93,29 @@ def require_vision(multimodal: Any, processor: Any, source: str = "this checkpoi
         )
 
 
-def image_prompt(
+def media_prompt(
     tokenizer: Any,
     processor: Any,
     images: Sequence[Any],
     question: str,
     *,
     image_token_id: int,
+    audio: Sequence[Any] = (),
     messages: list[dict[str, Any]] | None = None,
     rendered: Sequence[int] | None = None,
-) -> ImageInputs:
-    """Render `messages` (default: one user turn with an image part per image, then `question`)
-    through the chat template, expand every image part to boi + soft tokens + eoi as transformers'
-    processor does (`rendered`: the template's ids, if encoded already), and run the image processor.
-    More images than image parts (or fewer) is a `TooManyImagesError`."""
+    unified: bool = False,
+) -> MediaInputs:
+    """Render `messages` (default: one user turn with an image part per image, an audio part per clip,
+    then `question`) through the chat template, expand every image part to boi + soft tokens + eoi and
+    every audio part to boa + soft tokens + eoa as transformers' processor does (`rendered`: the
+    template's ids, if encoded already), run the image processor, and take each clip's features
+    (`audio`: 16 kHz samples, `models.audio.read_wav`; `unified`: the 12B's raw frames). More images than
+    image parts (or fewer) is a `TooManyImagesError`, clips and audio parts an `AudioInputError`."""
+    from .models import audio as hearing
     from .models.vision import expand_image_tokens, image_messages
 
     pictures = [load_image(i) for i in images]
-    messages = messages if messages is not None else image_messages(question, len(pictures))
+    messages = messages if messages is not None else image_messages(question, len(pictures), len(audio))
     if rendered is None:
         rendered = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
     rendered = list(rendered["input_ids"] if isinstance(rendered, dict) else rendered)
@@ -119,9 +125,28 @@ def image_prompt(
             f"{len(pictures)} images for {parts} image parts in the prompt; give one "
             f'{{"type": "image"}} content part per image (or pass fewer images)'
         )
-    data = processor(images=pictures, return_tensors="pt")
-    counts = tuple(int(n) for n in data["num_soft_tokens_per_image"])
-    ids = expand_image_tokens(rendered, list(counts))
-    positions = tuple(i for i, t in enumerate(ids) if t == image_token_id)
-    prompt = ImagePrompt(data["pixel_values"], data["image_position_ids"], counts, positions)
-    return ImageInputs(ids, data["pixel_values"], data["image_position_ids"], prompt)
+    data = processor(images=pictures, return_tensors="pt") if pictures else {}
+    ids = expand_image_tokens(rendered, [int(n) for n in data.get("num_soft_tokens_per_image", ())])
+    ids = hearing.expand_audio(tokenizer, ids, audio, unified) if audio else ids
+    token = tokenizer.convert_tokens_to_ids(tokenizer.audio_token) if audio else -1
+    media = media_of(ids, data, image_token_id, audio, token, unified)
+    return MediaInputs(ids, media.pixel_values, media.position_ids, media)
+
+
+def media_of(
+    ids: list[int], data: Any, image_token: int, clips=(), audio_token: int = -1, unified=False
+) -> MediaPrompt:
+    """The `MediaPrompt` of expanded `ids`: the image processor's `data`, the clips' features and counts."""
+    from .models import audio as hearing
+
+    def at(token: int) -> tuple[int, ...]:
+        return tuple(i for i, t in enumerate(ids) if t == token)
+
+    heard = tuple(tuple(torch.from_numpy(x) for x in hearing.features(c, unified)) for c in clips)
+    counts = tuple(int(n) for n in data.get("num_soft_tokens_per_image", ()))
+    audio_counts = tuple(hearing.soft_tokens(c, unified) for c in clips)
+    pixels, positions = data.get("pixel_values"), data.get("image_position_ids")
+    return MediaPrompt(pixels, positions, counts, at(image_token), heard, audio_counts, at(audio_token))
+
+
+image_prompt = media_prompt  # images only: the notebooks' name

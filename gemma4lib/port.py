@@ -57,12 +57,12 @@ __all__ = [
 @dataclass(frozen=True)
 class PromptRow:
     """One row of a port: its prompt ids, the answer coherence expects (None: none), its text, and
-    its images as the host prepared them (`images.ImageInputs`; None: text only)."""
+    its images and clips as the host prepared them (`images.MediaInputs`; None: text only)."""
 
     ids: list[int]
     expect: str | None
     text: str | None
-    images: Any = None
+    media: Any = None
 
 
 # ---- stages ----------------------------------------------------------------------------------
@@ -81,7 +81,7 @@ def load_model(settings: PortSettings) -> LoadedModel:
 def _load_full_precision(settings: PortSettings) -> LoadedModel:
     variant = settings.variant_spec
     source = settings.model_source
-    if settings.wants_vision:
+    if settings.wants_vision or settings.audio or settings.hears:
         return _load_with_vision(settings, source)
     if source == "checkpoint":
         dtype = getattr(torch, backend_facts(settings.backend).checkpoint_dtype)
@@ -102,12 +102,16 @@ def _load_with_vision(settings: PortSettings, source: str) -> LoadedModel:
     variant = settings.variant_spec
     if source == "trained":
         model = vision.load_vision_fixture(variant)
+    elif source == "random" and (settings.audio or settings.hears):
+        from .models.audio import build_random_hearing
+
+        model = build_random_hearing(variant.name, seed=settings.seed)
     elif source == "random":
         model = vision.build_random_multimodal(variant, seed=settings.seed)
     else:
         raise NoVisionError(
-            f"images on a {source} model are not loaded by the port yet: the full-profile loader keeps only the "
-            f"text decoder; run the smoke profile (the tiny multimodal fixtures) or send text only"
+            f"images and audio on a {source} model are not loaded by the port yet: the full-profile loader keeps "
+            f"only the text decoder; run the smoke profile (the tiny multimodal fixtures) or send text only"
         )
     settings.check_image_blocks(bidirectional_images(model.config))  # its config, not only the variant, may ask
     return model
@@ -129,32 +133,40 @@ def image_expectation(images: tuple[Any, ...]) -> str | None:
 
 
 def image_rows(model: LoadedModel, settings: PortSettings) -> list[PromptRow]:
-    """Row 0 with the settings' images: the chat template with an image part per image (a random
-    model, which has no tokenizer: seeded random ids around one image block)."""
-    from .images import ImageInputs, load_image, require_vision
+    """Row 0 with the settings' images and clips: the chat template with an image part per image and an
+    audio part per clip (a random model, which has no tokenizer: seeded random ids around their blocks)."""
+    from .images import MediaInputs, load_image, media_of, media_prompt, require_vision
+    from .models import audio
     from .models.vision import BOI_ID, EOI_ID, IMAGE_TOKEN_ID, expand_image_tokens
 
-    require_vision(model.multimodal, model.processor, f"the {model.source} {model.variant.name} model")
-    token_id = int(model.multimodal.config.image_token_id)
+    if settings.images:
+        require_vision(model.multimodal, model.processor, f"the {model.source} {model.variant.name} model")
+    config, unified, clips = model.multimodal.config, model.variant.unified, [audio.read_wav(c) for c in settings.audio]
+    token_id = int(config.image_token_id)
     if model.tokenizer is not None:
-        from .images import image_prompt
-
-        inputs = image_prompt(
-            model.tokenizer, model.processor, settings.images, settings.prompt, image_token_id=token_id
+        inputs = media_prompt(
+            model.tokenizer,
+            model.processor,
+            settings.images,
+            settings.prompt,
+            image_token_id=token_id,
+            audio=clips,
+            unified=unified,
         )
-        expect = settings.expect if settings.expect is not None else image_expectation(settings.images)
+        expect = settings.expect
+        if expect is None:
+            expect = image_expectation(settings.images) if settings.images else audio.shipped_text(settings.audio)
         return [PromptRow(inputs.ids, expect, settings.prompt, inputs)]
     pictures = [load_image(i) for i in settings.images]
-    data = model.processor(images=pictures, return_tensors="pt")
-    counts = [int(n) for n in data["num_soft_tokens_per_image"]]
+    data = model.processor(images=pictures, return_tensors="pt") if pictures else {}
+    counts = [int(n) for n in data.get("num_soft_tokens_per_image", ())]
+    heard = [int(getattr(config, name, -1) or -1) for name in ("audio_token_id", "boa_token_id", "eoa_token_id")]
     text = random_prompt(model.config.vocab_size, settings.random_prompt_tokens, settings.seed + 1)
-    text = [t for t in text if t not in (BOI_ID, EOI_ID, IMAGE_TOKEN_ID, token_id)]
-    ids = expand_image_tokens(text[:2] + [token_id] * len(pictures) + text[2:], counts)
-    from .runtime import ImagePrompt
-
-    positions = tuple(i for i, t in enumerate(ids) if t == token_id)
-    prompt = ImagePrompt(data["pixel_values"], data["image_position_ids"], tuple(counts), positions)
-    return [PromptRow(ids, None, None, ImageInputs(ids, data["pixel_values"], data["image_position_ids"], prompt))]
+    text = [t for t in text if t not in (BOI_ID, EOI_ID, IMAGE_TOKEN_ID, token_id, *heard)]
+    ids = expand_image_tokens(text[:2] + [token_id] * len(pictures) + [heard[0]] * len(clips) + text[2:], counts)
+    ids = expand_image_tokens(ids, [audio.soft_tokens(c, unified) for c in clips], *heard)
+    media = media_of(ids, data, token_id, clips, heard[0], unified)
+    return [PromptRow(ids, None, None, MediaInputs(ids, media.pixel_values, media.position_ids, media))]
 
 
 def prompt_rows(model: LoadedModel, settings: PortSettings, *, vary: bool = True) -> list[PromptRow]:
@@ -163,7 +175,7 @@ def prompt_rows(model: LoadedModel, settings: PortSettings, *, vary: bool = True
     other rows. A tokenizer-less random model gets seeded random ids instead (no expectation): of
     different lengths (`vary`), or the witness's one prompt in every row (`vary=False`: its seed was
     chosen for that prompt's margins). With images: `image_rows`."""
-    if settings.images:
+    if settings.images or settings.audio:
         return image_rows(model, settings)
     if model.tokenizer is None:
         vocab, n = model.config.vocab_size, settings.random_prompt_tokens
@@ -187,7 +199,7 @@ def requests_for(rows: list[PromptRow], settings: PortSettings, eos: list[int]) 
             row.ids,
             settings.max_new_tokens,
             eos_token_ids=tuple(eos),
-            images=row.images.prompt if row.images is not None else None,
+            media=row.media.prompt if row.media is not None else None,
         )
         for row in rows
     ]
@@ -225,7 +237,7 @@ def judge_rows(
 def row_reference(model: LoadedModel, row: PromptRow) -> Any:
     """What a row is judged against: the text LM, or with images transformers' own multimodal model
     with them bound (`generate(pixel_values=...)` is the reference)."""
-    return reference_for(model, row.images.prompt if row.images is not None else None)
+    return reference_for(model, row.media.prompt if row.media is not None else None)
 
 
 def row_records(
@@ -374,8 +386,10 @@ def record_run(
             "logits_match": all_rows([r["logits_match"] for r in records]),
             "coherent": all_rows([r["coherent"] for r in records]),
         }
-    if rows[0].images is not None:
-        extra["images"] = image_fields(rows[0].images, settings)
+    if settings.images:
+        extra["images"] = image_fields(rows[0].media, settings)
+    if settings.audio:
+        extra["audio"] = audio_fields(rows[0].media.prompt, settings)
     if settings.draft == "assistant" and device_run.assistant is not None:
         extra.update(assisted_fields(model, device_run, rows[0], settings.max_new_tokens, eos))
     result = build_record(
@@ -400,6 +414,19 @@ def image_fields(images: Any, settings: PortSettings) -> dict[str, Any]:
     }
 
 
+def audio_fields(media: Any, settings: PortSettings) -> dict[str, Any]:
+    """The record's clips: their soft tokens and where they sit, the audio graph's shape, the files."""
+    frames = [len(f) for f, _ in media.audio]
+    return {
+        "count": len(media.audio_counts),
+        "soft_tokens": list(media.audio_counts),
+        "frames": frames,
+        "positions": [media.audio_positions[0], media.audio_positions[-1]],  # the first and the last
+        "audio_graph": [1, max(frames), int(media.audio[0][0].shape[-1])],
+        "files": [str(a) for a in settings.audio if isinstance(a, (str, Path))],
+    }
+
+
 def assisted_fields(
     model: LoadedModel, device_run: DeviceRun, row: PromptRow, max_new_tokens: int, eos: list[int]
 ) -> dict[str, Any]:
@@ -407,7 +434,7 @@ def assisted_fields(
     images: the reference model with them bound): its tokens must equal the device's
     (`hf_assisted_match`); its acceptance beside ours."""
     assistant = device_run.assistant
-    if row.images is not None and bidirectional_images(model.config):
+    if row.media is not None and bidirectional_images(model.config):
         # the intended image masks need generate's static cache, which assisted generate refuses
         # (`models.image_attention`); SEQ_MATCH against plain greedy on those masks still holds
         return {

@@ -23,27 +23,35 @@ from .models.upcast import upcast_forward
 log = logging.getLogger(__name__)
 
 
-class ImageBound(nn.Module):
-    """transformers' multimodal model with one prompt's images bound, called and generated like a
-    text LM (`forward` and `generate` pass the processor's tensors and the `mm_token_type_ids`), so
-    every reference function here runs HF's own image path on the very prompt the device ran."""
+class MediaBound(nn.Module):
+    """transformers' multimodal model with one prompt's images and audio bound, called and generated like a
+    text LM (`forward` and `generate` pass the processor's tensors: `pixel_values` and `mm_token_type_ids`,
+    `input_features` and their mask padded to the longest clip as its processor pads them), so every
+    reference function here runs HF's own image and audio path on the very prompt the device ran."""
 
-    def __init__(self, multimodal: nn.Module, pixel_values: torch.Tensor, position_ids: torch.Tensor, positions):
+    def __init__(self, multimodal: nn.Module, media: Any):
         super().__init__()
-        self.multimodal = multimodal
-        self.pixel_values, self.position_ids = pixel_values, position_ids
-        self.positions = tuple(int(p) for p in positions)
+        self.multimodal, self.media = multimodal, media
+        self.positions = tuple(int(p) for p in media.positions)
         self.config = multimodal.config.get_text_config()
+        parts = [getattr(multimodal.model, n, None) for n in ("audio_tower", "embed_audio")] if media.audio else []
+        self.narrow_modules = tuple(m for m in parts if m is not None)  # the spread's wide forward keeps them
 
     def _image_kwargs(self, ids: torch.Tensor) -> dict[str, torch.Tensor]:
         types = torch.zeros_like(ids)
         types[:, list(self.positions)] = 1
-        dtype = next(self.multimodal.parameters()).dtype
-        return {
-            "pixel_values": self.pixel_values.to(dtype),
-            "image_position_ids": self.position_ids,
-            "mm_token_type_ids": types,
-        }
+        dtype, media = next(self.multimodal.parameters()).dtype, self.media
+        out = {"mm_token_type_ids": types}
+        if media.pixel_values is not None:
+            out.update(pixel_values=media.pixel_values.to(dtype), image_position_ids=media.position_ids)
+        if media.audio:
+            frames = max(len(f) for f, _ in media.audio)
+            features = torch.zeros(len(media.audio), frames, media.audio[0][0].shape[-1], dtype=dtype)
+            mask = torch.zeros(len(media.audio), frames, dtype=torch.bool)
+            for i, (f, valid) in enumerate(media.audio):
+                features[i, : len(f)], mask[i, : len(f)] = f, valid
+            out.update(input_features=features, input_features_mask=mask)
+        return out
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, **kwargs: Any):
         image = self._image_kwargs(input_ids)
@@ -64,12 +72,12 @@ class ImageBound(nn.Module):
         self.multimodal.set_experts_implementation(experts)
 
 
-def reference_for(model: Any, images: Any = None) -> nn.Module:
-    """What a prompt is judged against: `model.lm` (the text LM) for text, or with `images` (a
-    `runtime.ImagePrompt`) transformers' own multimodal model with them bound (`ImageBound`)."""
-    if images is None:
+def reference_for(model: Any, media: Any = None) -> nn.Module:
+    """What a prompt is judged against: `model.lm` (the text LM) for text, or with `media` (a
+    `runtime.MediaPrompt`) transformers' own multimodal model with its images and audio bound (`MediaBound`)."""
+    if media is None:
         return model.lm
-    return ImageBound(model.multimodal, images.pixel_values, images.position_ids, images.positions)
+    return MediaBound(model.multimodal, media)
 
 
 def random_prompt(vocab_size: int, n: int, seed: int) -> list[int]:
@@ -179,7 +187,7 @@ def hf_assisted(
     """transformers' own `generate(assistant_model=...)` (greedy): its tokens and the number of
     target verify steps it ran (target forward calls after the prefill)."""
     calls = []
-    # an `ImageBound` generates through its multimodal model: count that model's forward calls
+    # a `MediaBound` generates through its multimodal model: count that model's forward calls
     hook = getattr(lm, "multimodal", lm).register_forward_pre_hook(lambda *_: calls.append(1))
     try:
         tokens, _ = hf_greedy(lm, prompt_ids, max_new_tokens, eos, assistant_model=assistant)

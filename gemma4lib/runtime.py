@@ -21,6 +21,7 @@ import torch
 from .device.embedder import HostEmbedder
 from .device.graph import INDEX_DTYPE, index_tensor, inverse_cdf, nucleus
 from .errors import (
+    AudioInputError,
     BadPromptError,
     BatchTooLargeError,
     NoVisionError,
@@ -134,6 +135,7 @@ class Steps:
     draft: Step | None = None
     draft_ids: Step | None = None  # the draft's argmax `[B]` and projected hidden: greedy rows' drafts
     vision: Step | None = None  # (pixel_values, position_ids) -> soft tokens [n, slots, hidden]; no K/V
+    audio: Step | None = None  # (features, mask) -> (soft tokens [clips, slots, hidden], valid); no K/V
     # one-row prefill per bucket, `row_prefill[bucket](row, *embeds, start, length)` with `[1, ...]`
     # inputs: writes only row `row`'s K/V, so a request that joins a running batch alone costs one
     # row's prefill, not the batch's (continuous batching; `PortSettings.row_prefill`)
@@ -180,23 +182,23 @@ class Drafter(Protocol):
 
 
 @dataclass(frozen=True)
-class ImagePrompt:
-    """A prompt's images as the image processor gave them, and where their soft tokens go.
+class MediaPrompt:
+    """A prompt's images (the processor's `pixel_values`, `position_ids`; `counts[i]` soft tokens) and clips
+    (`audio[i]` = (features [frames, values], valid [frames] bool); `audio_counts[i]`), and the prompt
+    positions of every image / audio token. The engine runs their graphs at admission and writes the soft
+    tokens over those positions' host embeddings (ids there become `pad_id`, as transformers does)."""
 
-    `pixel_values [n, patches, patch_dim]` and `position_ids [n, patches, 2]` are the processor's
-    tensors (one image per vision-graph call); `counts[i]` is image i's number of soft tokens (the
-    first slots of its graph output); `positions` the prompt positions of every image token, in order.
-    The engine runs the vision graph at admission and writes the soft tokens over those positions'
-    host embeddings (their ids become `pad_id` for the host tables, as transformers does)."""
-
-    pixel_values: torch.Tensor
-    position_ids: torch.Tensor
-    counts: tuple[int, ...]
-    positions: tuple[int, ...]
+    pixel_values: torch.Tensor | None = None
+    position_ids: torch.Tensor | None = None
+    counts: tuple[int, ...] = ()
+    positions: tuple[int, ...] = ()
+    audio: tuple[tuple[torch.Tensor, torch.Tensor], ...] = ()
+    audio_counts: tuple[int, ...] = ()
+    audio_positions: tuple[int, ...] = ()
 
     @property
     def soft_tokens(self) -> int:
-        return sum(self.counts)
+        return sum(self.counts) + sum(self.audio_counts)
 
 
 class LogitsWatch(Protocol):
@@ -211,14 +213,14 @@ class LogitsWatch(Protocol):
 
 @dataclass(frozen=True)
 class Request:
-    """One generation request: prompt ids, token budget, sampling, stop tokens, its images (None:
-    text only) and what watches its logits (None: nothing)."""
+    """One generation request: prompt ids, token budget, sampling, stop tokens, its images and audio
+    (None: text only) and what watches its logits (None: nothing)."""
 
     prompt_ids: Sequence[int]
     max_new_tokens: int
     sampling: Sampling = GREEDY
     eos_token_ids: Sequence[int] = ()
-    images: ImagePrompt | None = None
+    media: MediaPrompt | None = None
     watch: LogitsWatch | None = None
 
 
@@ -366,6 +368,7 @@ class Engine:
         drafter: Drafter | None = None,
         pad_id: int = 0,
         image_blocks: bool = False,
+        audio_shape: tuple[int, int, int] | None = None,
     ):
         if (drafter is None) != (steps.verify is None):
             raise SettingsError("a drafter needs the verify graph and the verify graph a drafter: pass both or neither")
@@ -380,6 +383,7 @@ class Engine:
         self.pad_id = int(pad_id)
         # the prefill graphs take each token's image (`DeviceGraph.image_blocks`): `prefill_inputs`
         self.image_blocks = bool(image_blocks)
+        self.audio_shape = audio_shape  # the audio graph's (clips a call: 1, frames, values a frame)
 
     @classmethod
     def for_model(cls, model: LoadedModel, steps: Steps, **kwargs: Any) -> Engine:
@@ -419,10 +423,10 @@ class Engine:
         bucket is refused."""
         n, size = len(request.prompt_ids), max(self.steps.prefill or [len(request.prompt_ids)])
         spans = []
-        if self.image_blocks and request.images is not None:
+        if self.image_blocks and request.media is not None:
             at = 0
-            for count in request.images.counts:
-                spans.append((request.images.positions[at], request.images.positions[at + int(count) - 1]))
+            for count in request.media.counts:
+                spans.append((request.media.positions[at], request.media.positions[at + int(count) - 1]))
                 at += int(count)
         out, offset = [], int(start)
         while offset < n:
@@ -466,7 +470,7 @@ class Engine:
                 draft_tokens=self.draft_tokens,
                 image_tokens=self._image_tokens(request),
             )
-        if request.images is not None:
+        if request.media is not None:
             self._check_images(request)
         if request.watch is not None and self.drafter is not None:
             raise SettingsError(
@@ -482,26 +486,36 @@ class Engine:
 
     @staticmethod
     def _image_tokens(request: Request) -> int:
-        return request.images.soft_tokens if request.images is not None else 0
+        return request.media.soft_tokens if request.media is not None else 0
 
     def _check_images(self, request: Request) -> None:
-        """An image request needs the vision graph, and one prompt position per soft token."""
-        images = request.images
-        if self.steps.vision is None:
+        """Images need the vision graph, audio the audio graph; one prompt position per soft token."""
+        media, n = request.media, len(request.prompt_ids)
+        if media.counts and self.steps.vision is None:
             raise NoVisionError(
                 "this engine was compiled without a vision graph; compile with images "
                 "(PortSettings(images=[...])) on a checkpoint that has a vision part"
             )
-        if len(images.positions) != images.soft_tokens or len(images.counts) != images.pixel_values.shape[0]:
-            raise TooManyImagesError(
-                f"{images.pixel_values.shape[0]} images with {images.soft_tokens} soft tokens, but the prompt has "
-                f"{len(images.positions)} image token positions; build the prompt with one image part per image "
-                f"(gemma4lib.images.image_prompt)"
+        if media.audio and (self.steps.audio is None or self.audio_shape is None):
+            raise AudioInputError(
+                "this engine was compiled without an audio graph; compile with audio "
+                "(PortSettings(audio=[...])) on a checkpoint that hears (e2b, e4b, 12b)"
             )
-        if images.positions and not 0 <= min(images.positions) <= max(images.positions) < len(request.prompt_ids):
-            raise BadPromptError(
-                "image token positions lie outside the prompt; build it with gemma4lib.images.image_prompt"
-            )
+        images = 0 if media.pixel_values is None else media.pixel_values.shape[0]
+        for what, parts, counts, positions in (
+            ("image", images, media.counts, media.positions),
+            ("audio", len(media.audio), media.audio_counts, media.audio_positions),
+        ):
+            if len(positions) != sum(counts) or len(counts) != parts:
+                raise TooManyImagesError(
+                    f"{parts} {what} parts with {sum(counts)} soft tokens, but the prompt has {len(positions)} "
+                    f"{what} token positions; build the prompt with one {what} part per {what} "
+                    f"(gemma4lib.images.media_prompt)"
+                )
+            if positions and not 0 <= min(positions) <= max(positions) < n:
+                raise BadPromptError(
+                    f"{what} token positions lie outside the prompt; build it with gemma4lib.images.media_prompt"
+                )
 
     # ---- rows -------------------------------------------------------------------------------------
     def free_rows(self) -> list[int]:
@@ -521,7 +535,7 @@ class Engine:
         """Word embeddings (scaled) and the PLE inputs on the host, right-padded with zeros."""
         return self.embedder.inputs(ids, pad_to, self.dtype)
 
-    def soft_tokens(self, images: ImagePrompt) -> torch.Tensor:
+    def soft_tokens(self, images: MediaPrompt) -> torch.Tensor:
         """The vision graph over each image: its soft tokens in prompt order `[sum(counts), hidden]`."""
         parts = []
         for i, count in enumerate(images.counts):
@@ -530,18 +544,38 @@ class Engine:
             parts.append(out[0, : int(count)])
         return torch.cat(parts).to(self.dtype)
 
+    def audio_tokens(self, media: MediaPrompt) -> torch.Tensor:
+        """The audio graph over each clip (zero-padded at its end to the graph's frames): its valid soft
+        tokens, in prompt order `[sum(audio_counts), hidden]`."""
+        frames, parts = self.audio_shape[1], []
+        for (values, valid), count in zip(media.audio, media.audio_counts, strict=True):
+            if len(values) > frames:
+                raise AudioInputError(f"a clip of {len(values)} frames, over the audio graph's {frames}: send less")
+            features = torch.zeros(1, frames, values.shape[-1], dtype=self.dtype)
+            mask = torch.zeros(1, frames, dtype=INDEX_DTYPE)
+            features[0, : len(values)], mask[0, : len(values)] = values, valid.to(INDEX_DTYPE)
+            tokens, kept = _outputs(self.steps.audio(features, mask), 2)
+            parts.append(tokens[0][kept[0].bool()])
+            if len(parts[-1]) != count:
+                raise AudioInputError(f"the audio graph kept {len(parts[-1])} soft tokens of a clip given {count}")
+        return torch.cat(parts).to(self.dtype)
+
     def prompt_embeds(self, request: Request, pad_to: int | None = None) -> list[torch.Tensor]:
         """A request's prompt inputs `[1, n or pad_to, ...]`: word embeddings (and PLE) on the host,
-        an image's soft tokens written over its token positions (their ids become `pad_id` for the
-        tables, as transformers' `Gemma4Model.forward` does)."""
+        an image's and a clip's soft tokens written over their token positions (their ids become `pad_id`
+        for the tables, as transformers' `Gemma4Model.forward` does)."""
         ids = torch.as_tensor([list(request.prompt_ids)], dtype=torch.long)
-        images = request.images
-        if images is None:
+        media = request.media
+        if media is None:
             return self.embed(ids, pad_to=pad_to)
-        at = torch.as_tensor(images.positions, dtype=torch.long)
-        ids[0, at] = self.pad_id
+        at = torch.as_tensor(media.positions, dtype=torch.long)
+        heard = torch.as_tensor(media.audio_positions, dtype=torch.long)
+        ids[0, at], ids[0, heard] = self.pad_id, self.pad_id
         parts = self.embed(ids, pad_to=pad_to)
-        parts[0][0, at] = self.soft_tokens(images)
+        if media.counts:
+            parts[0][0, at] = self.soft_tokens(media)
+        if media.audio:
+            parts[0][0, heard] = self.audio_tokens(media)
         return parts
 
     def prefill_inputs(self, request: Request, pad_to: int | None = None) -> list[torch.Tensor]:
@@ -550,7 +584,7 @@ class Engine:
         parts = self.prompt_embeds(request, pad_to=pad_to)
         if self.image_blocks:
             blocks = torch.zeros(1, parts[0].shape[1], dtype=INDEX_DTYPE)
-            images, at = request.images, 0
+            images, at = request.media, 0
             for i, count in enumerate(images.counts if images is not None else ()):
                 blocks[0, list(images.positions[at : at + int(count)])] = i + 1
                 at += int(count)
@@ -623,7 +657,7 @@ class Engine:
         drafts), `window` without, so a stale slot stays outside every window the target's prefill
         and the draft read exactly when the row never wrote past `start + k`; otherwise no reuse."""
         kept = self.kept.get(row)
-        if kept is None or request.images is not None:
+        if kept is None or request.media is not None:
             return 0
         ids, n = request.prompt_ids, 0
         limit = min(len(kept.tokens), len(ids) - 1)
@@ -881,7 +915,7 @@ class Engine:
         """Free `row` (finished, or ended early: a client gone, a stop string); its result. The row's
         K/V stay, and a later request that starts with its tokens may reuse them (`reusable`)."""
         state = self.rows.pop(row)
-        if state.request.images is None and state.finish != "error":  # an image's ids are not its content
+        if state.request.media is None and state.finish != "error":  # an image's ids are not its content
             drafts = state.drafted[-1] - state.accepted[-1] if state.drafted else 0  # written past `position`
             self.released += 1
             self.kept[row] = _Kept(tuple(state.history[: state.position]), state.position - 1 + drafts, self.released)

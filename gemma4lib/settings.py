@@ -9,6 +9,7 @@ plans, the SDK) is `backends.preflight`, run once before anything loads.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any
 
 from .backends.facts import BackendFacts, facts, names_where, row_at, runs_row_prefill, runs_tp, selectable
@@ -112,8 +113,10 @@ class PortSettings:
     # load the model's vision part and compile its vision graph without an image of its own, so that
     # requests can bring theirs (the endpoint's `image_url` parts, `serve --vision`); `images` implies it
     vision: bool = False
-    # audio clips (16 kHz WAV paths) for row 0's prompt (issue 50): refused until the audio graph is built
+    # 16 kHz WAV clips (paths, bytes) for row 0's prompt, the audio graph beside (docs/AUDIO.md); prompt: transcribe
     audio: tuple[Any, ...] = ()
+    # the audio part and a 30 s audio graph without a clip, for requests' clips (`serve --hear`, docs/AUDIO.md)
+    hears: bool = False
     # batch_size > 1: also compile each bucket's prefill at batch 1, over one row of the batch's K/V, so
     # that a request joining running rows alone (a server's usual case) pays one row's prefill, not the
     # batch's; `serve` turns it on where the backend can (cpu, eager at TP 1)
@@ -225,16 +228,32 @@ class PortSettings:
         self.check_image_blocks()
 
     def _check_audio(self) -> None:
-        """Audio is refused before anything loads: on the 31B and 26B-A4B always (their released configs
-        have no audio tower), on the variants that hear until the audio graph is built (issue 50)."""
-        if not self.audio:
+        """Audio is refused before loading on the 31B and 26B-A4B (no audio tower in their configs) and where
+        the running row has no audio graph; one prompt; the defaults change as the field comment says."""
+        if isinstance(self.audio, (str, bytes)) or not isinstance(self.audio, (tuple, list)):
+            self.audio = (self.audio,) if self.audio is not None else ()
+        self.audio = tuple(self.audio)
+        if not self.audio and self.hears is False:
             return
-        from .models.audio import HEARING_VARIANTS
+        from .models.audio import HEARING_VARIANTS, TRANSCRIBE
 
         name, hearing = self.variant_spec.name, ", ".join(HEARING_VARIANTS)
         if name not in HEARING_VARIANTS:
             raise SettingsError(f"the {name} does not hear (no audio tower in its config): pick {hearing} for audio")
-        raise SettingsError(f"the {name} hears, but its audio graph is not built yet (issue 50): send text or images")
+        if not self.backend_row.audio or (self.audio and (self.batch_size != 1 or self.prompts is not None)):
+            raise SettingsError(
+                f"audio runs with one prompt on backend {names_where(lambda f: f.audio)} at tp_degree 1 so far, "
+                f"not batch_size {self.batch_size} on backend {self.backend!r} at tp_degree {self.tp_degree} "
+                f"(docs/AUDIO.md says what is not reached yet)"
+            )
+        if not self.audio:
+            return
+        if self.prompt == DEFAULT_PROMPT:
+            self.prompt = TRANSCRIBE
+            if self.expect == "Paris":
+                self.expect = None  # the shipped clip's words instead (port.audio_expectation)
+        if tuple(_as_tuple(self.prefill_buckets)) == (64,) and self.context_length == 128:
+            self.prefill_buckets, self.context_length = (128,), 192
 
     def check_image_blocks(self, bidirectional: bool | None = None) -> None:
         """An image's tokens see each other where the config asks (the 12B; its prefill graphs take
@@ -375,5 +394,6 @@ class PortSettings:
         out["images"] = [
             i if isinstance(i, str) else str(i) if hasattr(i, "__fspath__") else repr(i) for i in self.images
         ]
+        out["audio"] = [str(a) if isinstance(a, (str, Path)) else f"<{type(a).__name__}>" for a in self.audio]
         out["model_source"] = self.model_source
         return out

@@ -528,7 +528,7 @@ if image_settings is not None:
     image_compiled = compile_graphs(vision_model, image_settings, graphs=image_graphs)  # per graph, cached
     display(nb.describe_compile(image_compiled))
     image_eos = eos_ids(vision_model)
-    request = Request(inputs.ids, image_settings.max_new_tokens, eos_token_ids=tuple(image_eos), images=inputs.prompt)
+    request = Request(inputs.ids, image_settings.max_new_tokens, eos_token_ids=tuple(image_eos), media=inputs.prompt)
     image_row = image_compiled.runtime.generate_rows([request], keep_logits=True).rows[0]  # vision runs at admit
     image_lm = reference_for(vision_model, inputs.prompt)  # transformers' multimodal model, this image bound
     image_reference = reference_greedy(image_lm, inputs.ids, image_settings.max_new_tokens, image_eos)

@@ -1,7 +1,7 @@
 """Audio on the host side (issue 50): `gemma4lib.models.audio`'s features, mask, soft-token counts and
 placeholders against transformers' own `Gemma4AudioFeatureExtractor` / `Gemma4Processor` (the 12B:
 `Gemma4UnifiedProcessor`), the WAV reader, and the refusals (clip too long, not a 16 kHz 16-bit WAV,
-a variant that does not hear, the audio graph not built yet)."""
+a variant that does not hear, the server without an audio path)."""
 
 from __future__ import annotations
 
@@ -172,15 +172,11 @@ def test_missing_file_is_refused():
     [
         ("31b", r"the 31b does not hear \(no audio tower in its config\): pick e2b, e4b, 12b for audio"),
         ("26b-a4b", r"the 26b-a4b does not hear .*pick e2b, e4b, 12b"),
-        ("e2b", r"the e2b hears, but its audio graph is not built yet \(issue 50"),
-        ("e4b", r"the e4b hears, but its audio graph is not built yet"),
-        ("12b", r"the 12b hears, but its audio graph is not built yet"),
     ],
 )
 def test_port_audio_is_refused_before_loading(monkeypatch, capsys, variant, says):
     """`port --audio` exits 2 with a SettingsError before `port` is called (nothing loads): the deaf
-    variants name the ones that hear; those that hear say the audio graph is not built yet, instead
-    of silently answering the text alone."""
+    variants name the ones that hear (the hearing ones run: tests/test_audio_wiring.py)."""
     import re
 
     import gemma4lib.port
@@ -221,7 +217,7 @@ def b64(data: bytes) -> str:
 @pytest.mark.parametrize(
     ("input_audio", "where", "says"),
     [
-        ({"data": b64((CLIPS / "france.wav").read_bytes()), "format": "wav"}, "", "no audio graph is built yet"),
+        ({"data": b64((CLIPS / "france.wav").read_bytes()), "format": "wav"}, "", "this server does not hear"),
         (
             {"data": b64(wav_bytes(np.zeros(31 * audio.RATE, np.int16))), "format": "wav"},
             ".input_audio",
@@ -237,7 +233,7 @@ def b64(data: bytes) -> str:
 )
 def test_openai_input_audio_parts_get_clear_400s(served, input_audio, where, says):
     """The official `openai` client's `input_audio` part: a valid clip is read and checked, then
-    refused because no audio graph exists yet; a clip over 30 s, a non-WAV file, another rate, bad
+    refused because this text server does not hear; a clip over 30 s, a non-WAV file, another rate, bad
     base64, mp3 and an oversized payload are each a 400 naming the part and what to do."""
     import openai
     from test_server import MODEL, openai_client

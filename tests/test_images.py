@@ -55,7 +55,7 @@ def _equal_to_transformers(variant, **chosen):
     )
     model = load_model(settings)
     rows = prompt_rows(model, settings)
-    assert rows[0].images.prompt.soft_tokens == 16
+    assert rows[0].media.prompt.soft_tokens == 16
     run = run_device(model, settings, requests_for(rows, settings, eos_ids(model)), bench=False)
     ((report, reference),) = judge_rows(model, settings, rows, [], run)
     assert run.tokens == reference and report.seq_match
@@ -105,7 +105,7 @@ def test_soft_tokens_change_the_answer(random_e2b):
     logits = []
     for name in ("red_circle.png", "blue_square.png"):
         inputs = image_prompt(tok, random_e2b.processor, [IMAGES / name], "What?", image_token_id=vision.IMAGE_TOKEN_ID)
-        result = engine.generate_rows([Request(inputs.ids, 1, images=inputs.prompt)]).rows[0]
+        result = engine.generate_rows([Request(inputs.ids, 1, media=inputs.prompt)]).rows[0]
         logits.append(result.first_logits)
     assert (logits[0] - logits[1]).abs().max() > 1e-2
 
@@ -231,7 +231,7 @@ def test_image_prompt_over_the_compiled_context(random_e2b):
     )
     rows = prompt_rows(random_e2b, settings)
     engine = _engine(random_e2b, settings)
-    with pytest.raises(PromptTooLongError, match="16 of them image soft tokens"):
+    with pytest.raises(PromptTooLongError, match="16 of them image or audio soft tokens"):
         engine.generate_rows(requests_for(rows, settings, []))
     assert not engine.rows  # refused before any device call: no row taken
 
@@ -252,7 +252,7 @@ def test_notebook_pictures(random_e2b):
     from gemma4lib.port import PortSettings, prompt_rows
 
     rows = prompt_rows(random_e2b, PortSettings(variant="e2b", model="random", images=(str(RED_CIRCLE),)))
-    inputs = rows[0].images
+    inputs = rows[0].media
     assert nbv.show_image(RED_CIRCLE).axes
     assert "16 soft tokens" in nbv.patch_picture(RED_CIRCLE, 4, 2).axes[0].get_title()
     layout = nbv.prompt_layout(inputs.ids, inputs.prompt.positions)
@@ -371,7 +371,7 @@ def test_device_masks_are_the_intended_masks(ring):
     n = len(inputs.ids)
     engine = Engine(None, _steps_stub(), batch=1, context_length=2 * n, vocab_size=1, cap=None, image_blocks=True)
     engine.prompt_embeds = lambda request, pad_to=None: [torch.zeros(1, n, 1)]  # only the blocks matter here
-    blocks = engine.prefill_inputs(Request(inputs.ids, 1, images=inputs.prompt))[-1]
+    blocks = engine.prefill_inputs(Request(inputs.ids, 1, media=inputs.prompt))[-1]
     assert sorted(set(blocks[0].tolist())) == [0, 1] and int(blocks.sum()) == 16
     shape = GraphShape(1, n, 2 * n, ring)
     device = build_masks(model.layout, shape, index_tensor([0]), index_tensor([n]), torch.float32, blocks)

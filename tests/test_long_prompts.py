@@ -16,7 +16,7 @@ from gemma4lib import checks
 from gemma4lib.errors import BadPromptError, PromptTooLongError
 from gemma4lib.port import PortSettings, compile_graphs, load_model
 from gemma4lib.reference import random_prompt, reference_greedy
-from gemma4lib.runtime import ImagePrompt, Request
+from gemma4lib.runtime import MediaPrompt, Request
 
 BUCKETS, NEW = (8, 16), 8
 LONGEST = max(BUCKETS)
@@ -107,17 +107,17 @@ def test_an_image_is_never_cut_by_a_chunk_and_one_longer_than_the_bucket_is_refu
 
     def image_at(first, count):
         pixels = torch.zeros(1, 4, 3)
-        return ImagePrompt(pixels, torch.zeros(1, 4, 2), (count,), tuple(range(first, first + count)))
+        return MediaPrompt(pixels, torch.zeros(1, 4, 2), (count,), tuple(range(first, first + count)))
 
     engine.image_blocks = True
     try:
-        plan = engine.chunks(Request(ids, 1, images=image_at(12, 10)))
+        plan = engine.chunks(Request(ids, 1, media=image_at(12, 10)))
         assert plan == [(0, 12), (12, 16), (28, 12)]
         with pytest.raises(BadPromptError, match="image of 17 soft tokens is longer than the largest prefill"):
-            engine.chunks(Request(ids, 1, images=image_at(4, 17)))
+            engine.chunks(Request(ids, 1, media=image_at(4, 17)))
     finally:
         engine.image_blocks = False
-    assert engine.chunks(Request(ids, 1, images=image_at(12, 10))) == [(0, 16), (16, 16), (32, 8)]
+    assert engine.chunks(Request(ids, 1, media=image_at(12, 10))) == [(0, 16), (16, 16), (32, 8)]
 
 
 def test_only_the_context_limits_a_prompt(eager_batch):
@@ -311,12 +311,12 @@ def test_an_image_inside_the_second_chunk_equals_transformers(variant, context_b
     ids = expand_image_tokens([*text[:40], token_id, *text[40:70]], list(counts))
     positions = tuple(i for i, t in enumerate(ids) if t == token_id)
     assert bucket <= positions[0] and positions[-1] < 2 * bucket and len(ids) > 2 * bucket
-    images = ImagePrompt(data["pixel_values"], data["image_position_ids"], counts, positions)
+    images = MediaPrompt(data["pixel_values"], data["image_position_ids"], counts, positions)
     chunk_reads = []
     if context_buckets:
         inner = engine.steps.contexts[f"prefill{bucket}"][64]
         engine.steps.contexts[f"prefill{bucket}"][64] = lambda *a: chunk_reads.append(int(a[-2][0])) or inner(*a)
-    row = engine.generate_rows([Request(ids, 6, images=images)], keep_logits=True).rows[0]
+    row = engine.generate_rows([Request(ids, 6, media=images)], keep_logits=True).rows[0]
     assert chunk_reads == ([0, bucket] if context_buckets else [])
     reference = reference_for(model, images)
     assert row.chunks == 3 and row.tokens == reference_greedy(reference, ids, 6) and len(set(row.tokens)) > 1

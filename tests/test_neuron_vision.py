@@ -259,17 +259,17 @@ def test_the_loaded_vision_step_feeds_its_soft_tokens_through_the_engine(inf2, t
     engine = registry.compile_graphs(model, settings).runtime
 
     row = prompt_rows(model, settings)[0]
-    images = row.images.prompt
+    images = row.media.prompt
     pattern = torch.arange(graph.slots * model.config.hidden_size, dtype=torch.float32)
     pattern = pattern.reshape(graph.slots, model.config.hidden_size)
     (count,) = images.counts
     soft = engine.soft_tokens(images)
     assert torch.equal(soft, pattern[:count].to(soft.dtype))  # the loaded module's output, first `count` slots
-    embeds = engine.prompt_embeds(Request(row.ids, 2, images=images))[0]
+    embeds = engine.prompt_embeds(Request(row.ids, 2, media=images))[0]
     assert torch.equal(embeds[0, list(images.positions)], soft)  # written over the image token positions
 
     before = int(engine.steps.vision.calls)
-    result = engine.generate_rows([Request(row.ids, 2, images=images)]).rows[0]
+    result = engine.generate_rows([Request(row.ids, 2, media=images)]).rows[0]
     assert len(result.tokens) == 2 and decoders[-1].calls >= 2
     assert int(engine.steps.vision.calls) - before == len(images.counts)  # once per image, at admission
 

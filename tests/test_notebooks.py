@@ -183,7 +183,7 @@ IMAGE_CALLS = [  # "What the model sees", in every variant notebook: the image p
     "nb.reference_masks(vision_model.multimodal",
     "build_graphs(vision_model, image_settings)",
     "compile_graphs(vision_model, image_settings, graphs=image_graphs)",
-    "images=inputs.prompt",
+    "media=inputs.prompt",
     "reference_for(vision_model, inputs.prompt)",
     "checks.evaluate(",
 ]

@@ -590,6 +590,25 @@ def test_image_port_on_xla(xla_lane, variant):
     assert result["hlo_op_counts"]["vision"]["dot"] > 0
 
 
+@pytest.mark.parametrize(("variant", "clip"), [("e2b", "france.wav"), ("12b", "japan.wav")])
+def test_audio_port_on_xla(xla_lane, variant, clip):
+    """`port(backend="xla", audio=[...])` on the tiny random model that hears (E2B: the conformer; the 12B:
+    its frame embedder): the audio graph runs in the same session as prefill and decode with 0 CPU
+    fallbacks, one compilation, one step per generation (the run, the warm-up and the timed run), and the
+    tokens and logits equal transformers' `generate(input_features=...)` (issue 50)."""
+    from gemma4lib.models.audio import CLIPS_DIR
+    from gemma4lib.port import PortSettings, port
+
+    settings = PortSettings(
+        variant=variant, model="random", backend="xla", audio=(str(CLIPS_DIR / clip),), max_new_tokens=6, iters=1
+    )
+    result = port(settings)
+    assert result["seq_match"] and result["logits_match"], result["failed_checks"]
+    assert result["xla_fallbacks"] == 0, result["xla_fallback_ops"]
+    assert result["xla_graph_hashes"]["audio"] == 1 and result["xla_compilations"]["audio"] <= 1
+    assert result["xla_steps"]["audio"] == 3 and result["xla_executions"] == result["xla_steps"]
+
+
 # ---- drafting with Gemma-4's own assistant (docs/DRAFTING.md) on the XLA lane -------------------
 
 DRAFT_K = 4

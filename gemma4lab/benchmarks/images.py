@@ -66,7 +66,7 @@ def bench_image_variant(
     request = requests_for(rows, settings, eos_ids(model))[0]
     compiled = compile_graphs(model, settings)
     engine = compiled.runtime
-    images = request.images
+    images = request.media
     inner = model.multimodal.model
     dtype = next(model.multimodal.parameters()).dtype
     hf_model = reference_for(model, images)

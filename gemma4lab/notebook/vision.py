@@ -2,7 +2,7 @@
 tokens land in the prompt, and the prefill attention mask over them. Every plot returns a
 matplotlib `Figure` (no pyplot, as `plots.py`); the tables are lists of dicts.
 
-The data comes from the port's own objects (`images.ImageInputs`, the model's configs) and, for the
+The data comes from the port's own objects (`images.MediaInputs`, the model's configs) and, for the
 mask, from transformers' own mask functions (what the reference runs), so the pictures show what
 runs, not a drawing of it.
 """

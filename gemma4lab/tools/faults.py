@@ -274,10 +274,10 @@ def soft_tokens_one_late(run: FaultRun) -> None:
     off-by-one in the placement; the reference places them where the processor said."""
 
     def shift(request: Request) -> Request:
-        images = request.images
+        images = request.media
         if images is None:
             return request
-        return replace(request, images=replace(images, positions=tuple(p + 1 for p in images.positions)))
+        return replace(request, media=replace(images, positions=tuple(p + 1 for p in images.positions)))
 
     run.request_edit = shift
 

@@ -13,11 +13,11 @@ import json
 from typing import Any
 
 from gemma4lab.training.vision import vision_tokenizer
+from gemma4lib.models.audio import AUDIO_TOKEN_ID, BOA_ID, EOA_ID, TINY_AUDIO  # noqa: F401 (the tests' names)
 from gemma4lib.models.tokenizer import BOS, EOS, PAD
 from gemma4lib.models.vision import IMAGE_TOKEN
 
 BOA, EOA, AUDIO_TOKEN = "<|audio>", "<audio|>", "<|audio|>"
-BOA_ID, EOA_ID, AUDIO_TOKEN_ID = 6, 7, 8
 
 # the vision template (`VISION_CHAT_TEMPLATE`) with audio parts rendered as the audio token, as the
 # released template does; the processor step expands it to boa + soft tokens + eoa
@@ -93,54 +93,13 @@ def transformers_processor(tokenizer, unified: bool = False) -> Any:
     return Processor(Extractor(), Gemma4ImageProcessorPil(), tokenizer, None, chat_template=tokenizer.chat_template)
 
 
-# A conformer small enough for seconds-long tests: 2 layers of hidden 32. The first subsampling conv keeps
-# 128 channels: transformers sizes the projection after it as (channels[0] // 4) * channels[1], which is
-# the mel bins after two stride-2 convs only when channels[0] == 128 (the released config's value).
-TINY_AUDIO = {
-    "hidden_size": 32,
-    "num_attention_heads": 2,
-    "num_hidden_layers": 2,
-    "subsampling_conv_channels": [128, 4],
-    "output_proj_dims": 32,
-}
-
-
 def build_random_hearing(variant: str = "e2b", seed: int = 0) -> Any:
-    """A seeded random-weight tiny multimodal model that hears: `build_random_multimodal`'s (text and
-    vision weights unchanged) with an audio part added: E2B/E4B the `TINY_AUDIO` conformer, the 12B its
-    encoder-free 640-sample frame embedder; the audio token ids are this module's. Its `tokenizer` is
-    `audio_tokenizer` over the trained fixture's."""
-    import torch
-    from torch import nn
+    """`gemma4lib.models.audio.build_random_hearing` with a tokenizer: `audio_tokenizer` over the trained
+    fixture's (the library's has none, as every random model's)."""
+    from dataclasses import replace
 
-    from gemma4lib.models import vision
-    from gemma4lib.models.checkpoint import conditional_class
+    from gemma4lib.models import audio
     from gemma4lib.models.trained import load_trained
-    from gemma4lib.models.weights_identity import declare_identity
 
-    base = vision.build_random_multimodal(variant, seed=seed)
-    config = base.multimodal.config.to_dict()
-    if base.variant.unified:
-        from transformers.models.gemma4_unified import Gemma4UnifiedAudioConfig, Gemma4UnifiedConfig
-
-        config["audio_config"], config_cls = Gemma4UnifiedAudioConfig().to_dict(), Gemma4UnifiedConfig
-    else:
-        from transformers import Gemma4AudioConfig, Gemma4Config
-
-        config["audio_config"], config_cls = Gemma4AudioConfig(**TINY_AUDIO).to_dict(), Gemma4Config
-    config.update(audio_token_id=AUDIO_TOKEN_ID, boa_token_id=BOA_ID, eoa_token_id=EOA_ID, eoa_token_index=EOA_ID)
-    with torch.random.fork_rng():
-        torch.manual_seed(seed + 1000)
-        full = conditional_class(base.variant)._from_config(
-            config_cls(**config), dtype=torch.float32, attn_implementation=base.variant.attn_implementation
-        )
-        projection = full.model.embed_audio.embedding_projection  # soft tokens at the word embeddings' size
-        nn.init.normal_(projection.weight, std=2.0 / projection.in_features**0.5)
-    missing, unexpected = full.load_state_dict(base.multimodal.state_dict(), strict=False)
-    if unexpected or any("audio" not in name for name in missing):
-        raise AssertionError(f"the hearing model lost weights: {unexpected[:3]} {missing[:3]}")
-    full.tie_weights()
-    tokenizer = audio_tokenizer(load_trained(base.variant.name).tokenizer)
-    model = vision.loaded(base.variant, full.eval(), tokenizer, base.processor, f"tiny-random-audio(seed={seed})")
-    declare_identity(model.lm, f"tiny-random-audio-lm:{base.variant.name}:{seed}")
-    return model
+    model = audio.build_random_hearing(variant, seed)
+    return replace(model, tokenizer=audio_tokenizer(load_trained(model.variant.name).tokenizer))

@@ -3,7 +3,7 @@
 `registry.compile_graphs` puts it over a backend's `Steps`; every caller that compiles graphs on
 its own (the benchmark suite's single graphs, the real-width and Gemma 3 checks, the XLA check)
 hands its callables here by the names `GraphSet.named()` gives them ("prefill16",
-"row_prefill16", "decode", "verify", "draft", "vision"; a context bucket's "decode@256"), so the
+"row_prefill16", "decode", "verify", "draft", "vision", "audio"; a context bucket's "decode@256"), so the
 engine's shape (rows, context, dtype, draft slots, image blocks) is read from the graphs in one place
 and never restated.
 """
@@ -26,13 +26,13 @@ if TYPE_CHECKING:
     from ..runtime import Drafter
 
 _BUCKETED = re.compile(r"(row_prefill|prefill)(\d+)")
-_SINGLE = ("decode", "decode_ids", "verify", "verify_ids", "draft", "draft_ids", "vision")
+_SINGLE = ("decode", "decode_ids", "verify", "verify_ids", "draft", "draft_ids", "vision", "audio")
 
 
 def named_steps(fns: Mapping[str, Step], kv: Sequence[torch.Tensor] | None = None) -> Steps:
     """`Steps` from callables named as `GraphSet.named()`. `kv`: the K/V buffers each takes as
     trailing inputs, bound here (`runtime.bind_kv`; a one-row prefill takes one row of them,
-    `bind_kv_rows`; the vision graph reads none). None: the callables hold their K/V themselves
+    `bind_kv_rows`; the vision and audio graphs read none). None: the callables hold their K/V themselves
     (device steps whose K/V are aliased state)."""
     prefill: dict[int, Step] = {}
     rows: dict[int, Step] = {}
@@ -47,7 +47,7 @@ def named_steps(fns: Mapping[str, Step], kv: Sequence[torch.Tensor] | None = Non
                 f"('prefill<bucket>', 'row_prefill<bucket>', {', '.join(map(repr, _SINGLE))}; '@<slots>' after "
                 f"one reads that many K/V slots)"
             )
-        if kv is not None and name != "vision":
+        if kv is not None and name not in ("vision", "audio"):
             fn = bind_kv_rows(fn, kv) if name.startswith("row_") else bind_kv(fn, kv)
         if reads:
             contexts.setdefault(name, {})[int(reads)] = fn
@@ -100,6 +100,7 @@ def _shape(graphs: GraphSet | DeviceGraph) -> dict:
             "dtype": target.dtype,
             "draft_tokens": graphs.draft_tokens,
             "image_blocks": graphs.image_blocks,
+            "audio_shape": tuple(graphs.audio.shape.key.values()) if graphs.audio is not None else None,
             "verifies": graphs.verify is not None,
         }
     return {

@@ -43,6 +43,7 @@ class BackendFacts:
     images: bool = False  # runs a prompt's images (the vision graph beside the decoder's)
     request_images: bool = False  # serves images per request (`vision=True` without images: the endpoint)
     image_blocks: bool = False  # its prefill graphs take the image blocks (the 12B's bidirectional image mask)
+    audio: bool = False  # runs a prompt's clips (the audio graph beside the decoder's)
     int8: bool = False  # builds weight-only int8 linears (single-device graphs; NxD's quantized layers)
     assistant_drafts_only: bool = False  # its drafting graphs are built for Gemma-4's assistant alone
     device_bound: bool = False  # needs the Neuron SDK and an inf2 memory plan (checked before loading)
@@ -62,6 +63,7 @@ _CPU = BackendFacts(
     images=True,
     request_images=True,
     image_blocks=True,
+    audio=True,
     int8=True,
 )
 FACTS: dict[str, BackendFacts] = {
@@ -80,6 +82,7 @@ FACTS: dict[str, BackendFacts] = {
             images=True,
             request_images=True,
             image_blocks=True,
+            audio=True,
             int8=True,
         ),
         BackendFacts(

@@ -99,7 +99,7 @@ def prefill_logits_error(model: LoadedModel, row: RowResult, request: Request | 
     """Max |device softcapped logits - HF logits| for the last prompt token of `row` (with the
     request's images bound to HF's multimodal model when it has any)."""
     device = softcap(row.first_logits.float(), model.config.final_logit_softcapping)
-    lm = reference_for(model, request.images if request is not None else None)  # with its images bound
+    lm = reference_for(model, request.media if request is not None else None)  # with its images bound
     return float((device - reference_last_logits(lm, row.prompt_ids)).abs().max())
 
 

@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..errors import AudioInputError
 from .graph import INDEX_DTYPE, _shallow_clone
 
 
@@ -75,7 +76,10 @@ class AudioGraph(nn.Module):
     def __init__(self, multimodal: nn.Module, shape: AudioShape):
         super().__init__()
         if not has_audio(multimodal):
-            raise ValueError("this model has no audio part (no audio_config): only e2b, e4b and 12b hear")
+            raise AudioInputError(
+                "this model has no audio part (no audio_config): only e2b, e4b and 12b hear; load one that does "
+                "(model='random', or a fixture trained to hear)"
+            )
         self.model = _Parts(multimodal)
         self.shape = shape
         self.encoder_free = self.model.audio_tower is None

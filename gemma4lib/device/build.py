@@ -18,11 +18,13 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 from torch import nn
 
 from ..errors import SettingsError
 from ..models.image_attention import bidirectional_images
+from .audio import AudioGraph, AudioShape
 from .drafting import DraftGraph, RoomyLayout, verify_expert_form
 from .graph import DeviceGraph, GraphShape
 from .kv_layout import KVLayout
@@ -52,6 +54,7 @@ class GraphSet:
     draft: DraftGraph | None = None
     draft_tokens: int = 0
     vision: VisionGraph | None = None  # pixels -> soft tokens, when the port has images (no K/V)
+    audio: AudioGraph | None = None  # clips' features -> soft tokens, when the port has audio (no K/V)
     # batch 1 prefill graphs per bucket over one row of the batch's K/V (`runtime.bind_kv_rows`)
     row_prefill: dict[int, DeviceGraph | RowJoin] = field(default_factory=dict)
     # the loaded assistant the draft graph reads (drafting with it): loaded once per port, handed on
@@ -73,7 +76,7 @@ class GraphSet:
         """Every graph by the name its compiled artifact and step carry."""
         out: dict[str, nn.Module] = {f"prefill{b}": g for b, g in sorted(self.prefill.items())}
         out.update({f"row_prefill{b}": g for b, g in sorted(self.row_prefill.items())})
-        for name in ("decode", "decode_ids", "verify", "verify_ids", "draft", "draft_ids", "vision"):
+        for name in ("decode", "decode_ids", "verify", "verify_ids", "draft", "draft_ids", "vision", "audio"):
             if getattr(self, name) is not None:
                 out[name] = getattr(self, name)
         return {**out, **self.contexts}
@@ -142,7 +145,7 @@ def device_graphs(
     byte (one CPU thread's for cpu/eager; None, bytes decide, elsewhere). `chooses`: also the steps
     that return token ids (`GraphSet.decode_ids`, or `verify_ids` and `draft_ids` when drafting); None:
     where the settings' backend builds them (`PortSettings.builds_decode_ids`)."""
-    return graph_set(
+    graphs = graph_set(
         model,
         batch=settings.batch_size,
         context_length=settings.context_length,
@@ -161,6 +164,8 @@ def device_graphs(
         row_prefill=settings.builds_row_prefill,
         chooses=settings.builds_decode_ids if chooses is None else chooses,
     )
+    graphs.audio = audio_graph(model, settings)
+    return graphs
 
 
 def graph_set(
@@ -274,3 +279,17 @@ def image_graph(model: LoadedModel, settings: PortSettings) -> VisionGraph | Non
     else:
         patch_dim = 3 * int(vision_config.patch_size) ** 2
     return vision_graph(model.multimodal, 1, patches, patch_dim)
+
+
+def audio_graph(model: LoadedModel, settings: PortSettings) -> AudioGraph | None:
+    """The audio graph of the settings' clips, one a call at the longest one's frames (as transformers pads
+    them); a server that hears: 30 s."""
+    if not (settings.audio or settings.hears):
+        return None
+    from ..models import audio
+
+    unified = model.variant.unified
+    clips = [audio.read_wav(c) for c in settings.audio] or [np.zeros(audio.RATE * audio.MAX_SECONDS, np.float32)]
+    frames = max(len(audio.features(c, unified)[0]) for c in clips)  # a server's: 30 s
+    width = audio.UNIFIED_SAMPLES if unified else audio.MELS
+    return AudioGraph(model.multimodal, AudioShape(1, frames, width))

@@ -1,10 +1,12 @@
-"""The host side of an audio prompt (issue 50; no audio graph yet): read a WAV, transformers'
-`Gemma4AudioFeatureExtractor` log-mel and mask by the same numpy operations on the same dtypes (so
-bit-equal), the soft tokens by `Gemma4Processor`'s rule (12B: one per 640 samples), the placeholders."""
+"""The host side of an audio prompt (issue 50): read a WAV, transformers' `Gemma4AudioFeatureExtractor`
+log-mel and mask by its numpy operations (bit-equal), the 12B's raw frames, the soft tokens by
+`Gemma4Processor`'s rule, the placeholders; the tiny random model that hears (`build_random_hearing`)."""
 
 from __future__ import annotations
 
+import hashlib
 import io
+import json
 import wave
 from collections.abc import Sequence
 from pathlib import Path
@@ -17,7 +19,18 @@ from ..errors import AudioInputError
 HEARING_VARIANTS = ("e2b", "e4b", "12b")  # the released configs with an audio_config (31B, 26B-A4B: null)
 RATE, MAX_SECONDS = 16_000, 30  # the extractor's rate; its max_length 480,000 samples (750 soft tokens)
 FRAME, HOP, FFT, MELS, PAD_TO, MEL_FLOOR = 320, 160, 512, 128, 128, 1e-3  # 20 ms window, 10 ms hop
+TRANSCRIBE = "Transcribe the audio."  # the port's default prompt after the clips (the fixtures' task T1)
 UNIFIED_SAMPLES = 640  # the 12B: raw 40 ms frames, one soft token each
+# the tiny tokenizer's fillers 6, 7, 8 carry the released audio tokens `<|audio>`, `<audio|>`, `<|audio|>`
+BOA_ID, EOA_ID, AUDIO_TOKEN_ID = 6, 7, 8
+# 2 layers of width 32; the first conv keeps 128 channels (the projection after it: (channels[0] // 4) * channels[1])
+TINY_AUDIO = {
+    "hidden_size": 32,
+    "num_attention_heads": 2,
+    "num_hidden_layers": 2,
+    "subsampling_conv_channels": [128, 4],
+    "output_proj_dims": 32,
+}
 
 
 def _mel_filters() -> np.ndarray:
@@ -77,6 +90,29 @@ def log_mel(samples: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return spectrum[0].astype(np.float32) * mask[:, None], mask
 
 
+CLIPS_DIR = Path(__file__).resolve().parent.parent / "fixtures" / "audio"  # the shipped clips, PROVENANCE.json
+
+
+def shipped_text(clips: Sequence[Any]) -> str | None:
+    """The words of one shipped clip (a path or bytes matched by sha256 in the clips' PROVENANCE.json), what
+    a transcription must say; None for anything else (no coherence rule applies)."""
+    if len(clips) != 1 or not isinstance(clips[0], (str, Path, bytes)):
+        return None
+    data = clips[0] if isinstance(clips[0], bytes) else Path(clips[0]).read_bytes()
+    files = json.loads((CLIPS_DIR / "PROVENANCE.json").read_text())["files"]
+    return next((f["text"] for f in files.values() if f["sha256"] == hashlib.sha256(data).hexdigest()), None)
+
+
+def features(samples: np.ndarray, unified: bool = False) -> tuple[np.ndarray, np.ndarray]:
+    """The audio graph's input for one clip, (values [frames, width], valid [frames] bool): the log-mel, or
+    for the 12B transformers' unified extractor's raw 640-sample frames (zero-padded at the end, all valid)."""
+    if not unified:
+        return log_mel(samples)
+    n = len(check_length(samples))
+    frames = np.pad(samples.astype(np.float32), (0, -n % UNIFIED_SAMPLES)).reshape(-1, UNIFIED_SAMPLES)
+    return frames, np.ones(len(frames), dtype=bool)
+
+
 def soft_tokens(samples: np.ndarray, unified: bool = False) -> int:
     """The placeholder count: the mel mask through the encoder's two stride-2 convolutions (every 4th
     frame), or for the 12B one per started 640-sample frame."""
@@ -93,7 +129,7 @@ def expand_audio(tokenizer: Any, rendered: list[int], clips: Sequence[np.ndarray
 
     names = [getattr(tokenizer, name, None) for name in ("audio_token", "boa_token", "eoa_token")]
     if None in names:
-        raise AudioInputError(f"this tokenizer has no audio tokens; use the one of a {HEARING_VARIANTS} checkpoint")
+        raise AudioInputError("no audio tokens in this tokenizer: load a model that hears (e2b, e4b, 12b; 'random')")
     token, begin, end = tokenizer.convert_tokens_to_ids(names)
     if rendered.count(token) != len(clips):
         raise AudioInputError(
@@ -101,3 +137,36 @@ def expand_audio(tokenizer: Any, rendered: list[int], clips: Sequence[np.ndarray
             "content part per clip"
         )
     return expand_image_tokens(rendered, [soft_tokens(clip, unified) for clip in clips], token, begin, end)
+
+
+def build_random_hearing(variant: str = "e2b", seed: int = 0) -> Any:
+    """A seeded random-weight tiny multimodal model that hears (no tokenizer): `build_random_multimodal`'s
+    (its weights kept) with an audio part added, E2B/E4B the `TINY_AUDIO` conformer, the 12B its
+    encoder-free 640-sample frame embedder, seeded apart; the audio token ids are this module's."""
+    import torch
+    import transformers
+
+    from . import vision
+    from .checkpoint import conditional_class
+    from .weights_identity import declare_identity
+
+    base = vision.build_random_multimodal(variant, seed=seed)
+    unified = base.variant.unified
+    part = transformers.Gemma4UnifiedAudioConfig() if unified else transformers.Gemma4AudioConfig(**TINY_AUDIO)
+    ids = dict(audio_token_id=AUDIO_TOKEN_ID, boa_token_id=BOA_ID, eoa_token_id=EOA_ID, eoa_token_index=EOA_ID)
+    config = base.multimodal.config.to_dict() | ids | {"audio_config": part.to_dict()}
+    config = (transformers.Gemma4UnifiedConfig if unified else transformers.Gemma4Config)(**config)
+    with torch.random.fork_rng():
+        torch.manual_seed(seed + 1000)
+        full = conditional_class(base.variant)._from_config(
+            config, dtype=torch.float32, attn_implementation=base.variant.attn_implementation
+        )
+        projection = full.model.embed_audio.embedding_projection  # soft tokens at the word embeddings' size
+        torch.nn.init.normal_(projection.weight, std=2.0 / projection.in_features**0.5)
+    missing, unexpected = full.load_state_dict(base.multimodal.state_dict(), strict=False)
+    if unexpected or any("audio" not in name for name in missing):
+        raise AssertionError(f"the hearing model lost weights: {unexpected[:3]} {missing[:3]}")
+    full.tie_weights()
+    model = vision.loaded(base.variant, full.eval(), None, base.processor, f"tiny-random-audio(seed={seed})")
+    declare_identity(model.lm, f"tiny-random-audio-lm:{base.variant.name}:{seed}")
+    return model

@@ -120,7 +120,8 @@ class _Widener:
 def upcast_forward(lm: nn.Module, dtype: torch.dtype) -> Iterator[nn.Module]:
     """Within the context, `lm`'s forward runs as `copy.deepcopy(lm).to(dtype)`'s would, one module
     widened at a time; on exit every tensor is the original again. Not thread-safe (the model's
-    tensors are swapped in place): run nothing else on `lm` meanwhile."""
+    tensors are swapped in place): run nothing else on `lm` meanwhile. `lm.narrow_modules` (the audio part:
+    transformers' conformer casts to float32 inside) run as they are, their output widened."""
     widener = _Widener(dtype)
     handles = []
     patched: list[nn.Module] = []
@@ -128,7 +129,13 @@ def upcast_forward(lm: nn.Module, dtype: torch.dtype) -> Iterator[nn.Module]:
     try:
         if experts == "grouped_mm":  # torch's grouped_mm takes no float64; the deep copy switched too
             lm.set_experts_implementation("eager")
-        for module in lm.modules():
+        narrow = getattr(lm, "narrow_modules", ())
+        kept = {id(m) for part in narrow for m in part.modules()}
+        for part in narrow:
+            handles.append(
+                part.register_forward_hook(lambda _m, _a, out: out.to(dtype) if isinstance(out, torch.Tensor) else None)
+            )
+        for module in (m for m in lm.modules() if id(m) not in kept):
             if isinstance(module, nn.Embedding):
                 handles.append(module.register_forward_pre_hook(widener.embed))
                 handles.append(module.register_forward_hook(widener.unembed))

@@ -102,9 +102,9 @@ def image_processor(variant: Variant | str):
 
 
 # ---- prompts with images ------------------------------------------------------------------------
-def image_messages(question: str, n_images: int = 1) -> list[dict[str, Any]]:
-    """One user turn: `n_images` image parts, then the question."""
-    parts: list[dict[str, Any]] = [{"type": "image"} for _ in range(n_images)]
+def image_messages(question: str, n_images: int = 1, n_audio: int = 0) -> list[dict[str, Any]]:
+    """One user turn: `n_images` image parts, `n_audio` audio parts, then the question."""
+    parts: list[dict[str, Any]] = [{"type": "image"}] * n_images + [{"type": "audio"}] * n_audio
     return [{"role": "user", "content": [*parts, {"type": "text", "text": question}]}]
 
 

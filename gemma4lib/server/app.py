@@ -11,6 +11,7 @@ lines of framing, and it ends open streams when uvicorn begins its shutdown (SIG
 from __future__ import annotations
 
 import asyncio
+import base64
 import dataclasses
 import json
 import logging
@@ -19,7 +20,7 @@ from collections.abc import AsyncIterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, Form, Request, UploadFile
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
@@ -112,20 +113,20 @@ class Served:
         self, ids: list[int], body: schemas.SamplingFields, max_tokens: int | None, images: Any = None, watch=None
     ) -> EngineRequest:
         """The engine's request: the budget (default: the rest of the compiled context), the sampling,
-        the prompt's images (`runtime.ImagePrompt`, or None) and what watches its logits."""
+        the prompt's images (`runtime.MediaPrompt`, or None) and what watches its logits."""
         if max_tokens is None:
             max_tokens = max(1, room_for_new_tokens(len(ids), self.context_length, self.draft_tokens))
         temperature = 0.0 if body.temperature is None else body.temperature
         seed = body.seed if body.seed is not None else (random.randrange(2**31) if temperature > 0 else 0)
         sampling = Sampling(temperature=temperature, top_p=1.0 if body.top_p is None else body.top_p, seed=seed)
         eos = () if body.ignore_eos else self.eos_ids
-        return EngineRequest(ids, max_tokens, sampling, eos, images=images, watch=watch)
+        return EngineRequest(ids, max_tokens, sampling, eos, media=images, watch=watch)
 
 
-def chat_messages(body: schemas.ChatCompletionRequest, codec: Any) -> tuple[list[dict[str, Any]], list[Any]]:
-    """Messages as the chat template takes them, and the images of their `image_url` parts (PIL, in
-    order). A message with only text keeps its text as one string (rendered exactly as before); one
-    with images keeps its parts, each image as `{"type": "image"}`, where the template expands it."""
+def chat_messages(body: schemas.ChatCompletionRequest, codec: Any) -> tuple[list[dict[str, Any]], list[Any], list[Any]]:
+    """Messages as the chat template takes them, the images (PIL) and clips (samples) of their parts, in
+    order. A message with only text keeps its text as one string (rendered exactly as before); one with
+    media keeps its parts (`{"type": "image"}`, `{"type": "audio"}`), where the template expands them."""
     from .image_urls import audio_from_input_audio, image_from_data_url
 
     wanted = sum(1 for m in body.messages if isinstance(m.content, list) for p in m.content if p.type == "image_url")
@@ -135,6 +136,7 @@ def chat_messages(body: schemas.ChatCompletionRequest, codec: Any) -> tuple[list
         codec.chat_with_images([], [])  # the server's own refusal (no vision part), before any decoding
     out: list[dict[str, Any]] = []
     images: list[Any] = []
+    clips: list[Any] = []
     for i, message in enumerate(body.messages):
         content: Any = message.content
         if isinstance(content, list):
@@ -149,16 +151,18 @@ def chat_messages(body: schemas.ChatCompletionRequest, codec: Any) -> tuple[list
                     images.append(image_from_data_url(part.image_url.url, f"{where}.image_url.url"))
                     parts.append({"type": "image"})
                 elif part.type == "input_audio":
-                    audio_from_input_audio(part.input_audio, f"{where}.input_audio")
-                    raise RequestError("no audio graph is built yet (issue 50): send text or images for now", where)
+                    clips.append(audio_from_input_audio(part.input_audio, f"{where}.input_audio"))
+                    if codec.hearing is None:
+                        raise RequestError("this server does not hear: start it with --hear (e2b, e4b, 12b)", where)
+                    parts.append({"type": "audio"})
                 else:
                     raise RequestError(f"content parts are text, image_url or input_audio, not {part.type!r}", where)
-            if any(p["type"] == "image" for p in parts):
+            if any(p["type"] != "text" for p in parts):
                 content = parts
             else:
                 content = "".join(p["text"] for p in parts)
         out.append({"role": message.role, "content": content or "", **tool_fields(message, i)})
-    return out, images
+    return out, images, clips
 
 
 def tool_fields(message: schemas.ChatMessage, i: int) -> dict[str, Any]:
@@ -211,11 +215,11 @@ def encode_chat(
     body: schemas.ChatCompletionRequest, codec: Any, tools: list[dict[str, Any]] | None, opening: str
 ) -> tuple[list[int], Any]:
     """The prompt ids and images of a chat request (on the encoding pool: decoding, templating)."""
-    messages, pictures = chat_messages(body, codec)
-    if pictures:
+    messages, pictures, clips = chat_messages(body, codec)
+    if pictures or clips:
         if tools or opening or body.thinking:
-            raise RequestError("images with tools or thinking are not implemented; send them apart", "messages")
-        return codec.chat_with_images(messages, pictures)
+            raise RequestError("media with tools or thinking are not implemented; send them apart", "messages")
+        return codec.chat_with_images(messages, pictures, clips)
     return codec.chat(messages, tools, body.thinking, opening), None
 
 
@@ -362,6 +366,21 @@ def create_app(served: Served) -> FastAPI:
             message, reason = reply.message((opening or "") + text, codec.specials, body.thinking, reason)
         logprobs = chat_logprobs(watch.entries, codec) if isinstance(watch, TokenLogprobs) else None
         return schemas.chat_response(rid, served.model_name, [(message, reason, logprobs)], usage)
+
+    @app.post("/v1/audio/transcriptions")
+    async def transcriptions(request: Request, file: UploadFile, model: str = Form()) -> dict[str, str]:
+        """OpenAI's transcription route (multipart: `file`, a 16 kHz WAV of at most 30 s; `model`): the
+        clip's words, by the prompt the fixtures learnt (`models.audio.TRANSCRIBE` after the clip), greedy."""
+        from ..models.audio import TRANSCRIBE
+        from .image_urls import MAX_AUDIO_BYTES, audio_from_input_audio
+
+        served.check_model(model)
+        data = base64.b64encode(await file.read(MAX_AUDIO_BYTES + 1)).decode()
+        clip = audio_from_input_audio({"data": data, "format": "wav"}, "file")  # a deaf server: the codec's 400
+        messages = [{"role": "user", "content": [{"type": "audio"}, {"type": "text", "text": TRANSCRIBE}]}]
+        ids, media = await off_loop(served, True, lambda: codec.chat_with_images(messages, [], [clip]))
+        ticket = scheduler.submit(served.engine_request(ids, schemas.SamplingFields(model=model), None, media), [])
+        return {"text": (await _collect(request, [ticket]))[0]}
 
     @app.post("/v1/completions")
     async def completions(body: schemas.CompletionRequest, request: Request) -> Any:

@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..errors import (
+    AudioInputError,
     BadPromptError,
     Gemma4LibError,
     ImageInputError,
@@ -115,6 +116,8 @@ def http_error(exc: BaseException) -> tuple[int, dict[str, Any], dict[str, str]]
         return 400, error_body(str(exc), "invalid_request_error", param, "invalid_value"), {}
     if isinstance(exc, (ImageInputError, NoVisionError, TooManyImagesError)):
         return 400, error_body(str(exc), "invalid_request_error", "messages", "invalid_image"), {}
+    if isinstance(exc, AudioInputError):
+        return 400, error_body(str(exc), "invalid_request_error", "messages", "invalid_audio"), {}
     if isinstance(exc, BadPromptError):
         return 400, error_body(str(exc), "invalid_request_error", "messages", "invalid_prompt"), {}
     if isinstance(exc, EngineFaultError):

@@ -72,9 +72,11 @@ def build_served(
     (a model served with its vision part) let chat requests carry `image_url` parts; `allow_control_tokens`
     parses special tokens in content (trusted clients only); bodies over `max_body` bytes get 413."""
     metrics = ServerMetrics(engine.batch, replica=replica)
+    codec = Codec(tokenizer, processor, image_token_id, allow_control_tokens)
+    codec.hearing = getattr(engine, "audio_shape", None)  # a server that hears (`serve --hear`)
     scheduler = Scheduler(
         engine,
-        Codec(tokenizer, processor, image_token_id, allow_control_tokens),
+        codec,
         max_queue=max_queue,
         metrics=metrics,
         admit_wait_s=admit_wait_s,

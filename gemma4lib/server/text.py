@@ -16,7 +16,7 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
-from ..errors import BadPromptError, NoVisionError
+from ..errors import AudioInputError, BadPromptError, NoVisionError
 from ..models.tokenizer import require_chat_template
 
 PLACEHOLDER = "\ue000"  # a private-use character: where a special string of the content was
@@ -40,6 +40,7 @@ class Codec:
         self.tokenizer, self._decoder = tokenizer, copy.deepcopy(tokenizer)
         # the image processor and image token of a model served with its vision part (`serve --vision`)
         self.processor, self.image_token_id = processor, image_token_id
+        self.hearing = None  # the engine's audio graph shape (`Engine.audio_shape`, `build_served`); None: deaf
         self.allow_control_tokens = allow_control_tokens
         self._lock, self._decode_lock = threading.Lock(), threading.Lock()
         specials = sorted({str(t) for t in tokenizer.added_tokens_decoder.values()} | {PLACEHOLDER}, key=len)[::-1]
@@ -99,20 +100,26 @@ class Codec:
                     ids.append(self.tokenizer.convert_tokens_to_ids(found[i]))
         return ids
 
-    def chat_with_images(self, messages: list[dict[str, Any]], images: list[Any]) -> tuple[list[int], Any]:
-        """Messages whose content holds `{"type": "image"}` parts, one per image in `images` (PIL):
-        the prompt ids with each image part expanded to its soft tokens, and the engine's `ImagePrompt`."""
-        from ..images import image_prompt
+    def chat_with_images(self, messages: list[dict[str, Any]], images: list[Any], clips=()) -> tuple[list[int], Any]:
+        """Messages with `{"type": "image"}` / `{"type": "audio"}` parts, one per image (PIL) / clip (samples):
+        the prompt ids with each part expanded to its soft tokens, and the engine's `MediaPrompt`."""
+        from ..images import media_prompt
+        from ..models.audio import HEARING_VARIANTS, UNIFIED_SAMPLES
 
-        if self.processor is None or self.image_token_id is None:
+        if clips and self.hearing is None:
+            raise AudioInputError(
+                f"this server does not hear: start it with --hear ({', '.join(HEARING_VARIANTS)}) to send clips"
+            )
+        if (images or not clips) and (self.processor is None or self.image_token_id is None):
             raise NoVisionError(
                 "this server was started without a vision part; start it with --vision (a model with a vision "
                 "part) to send image_url content parts, or send text only"
             )
         rendered = self.chat(messages)
         with self._lock:
-            inputs = image_prompt(
-                self.tokenizer, self.processor, images, "", image_token_id=self.image_token_id, rendered=rendered
+            kwargs = dict(audio=clips, rendered=rendered, unified=bool(clips) and self.hearing[-1] == UNIFIED_SAMPLES)
+            inputs = media_prompt(
+                self.tokenizer, self.processor, images, "", image_token_id=self.image_token_id or -1, **kwargs
             )
         return inputs.ids, inputs.prompt
 
