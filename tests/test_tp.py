@@ -17,6 +17,7 @@ import gc
 import pytest
 import torch
 
+from gemma4lab.tools.shard_report import shard_shapes
 from gemma4lib import checks
 from gemma4lib.backends import DeviceRun, gloo, registry
 from gemma4lib.device.experts import StaticExperts
@@ -30,7 +31,7 @@ from gemma4lib.settings import PortSettings
 from gemma4lib.tp.layers import ShardedExperts
 from gemma4lib.tp.plan import CANDIDATE_TP, COLUMN, REPLICATE, ROW, make_plan, tp_problems
 from gemma4lib.tp.rank_graph import CpuParallelFactory, build_rank_graph, load_shard, with_shape
-from gemma4lib.tp.shard import nxd_full_checkpoint, rank_tensor, shard_kv, shard_shapes, shard_state_dict
+from gemma4lib.tp.shard import iter_shards, nxd_full_checkpoint, rank_tensor, shard_kv, shard_state_dict
 
 NEW_TOKENS = 16
 PROMPT_TOKENS = 20  # longer than the tiny sliding window (8)
@@ -129,7 +130,8 @@ def test_sharded_equals_unsharded(name, tp):
     result = run(name, tp)
     assert_exact(name, result)
     assert result.compiler == "cpu-gloo-tp" and result.details["world"]["processes"] == tp
-    shapes = result.details["shard_shapes"]
+    m = tiny(name)  # the shards the ranks were handed: the same `iter_shards` over the same plan
+    shapes = shard_shapes(make_plan(m.config, tp, m.variant), lm=m.lm)
     assert shapes["tp"] == tp and shapes["identical_shapes_across_ranks"]
     assert [r["rank_tensor"] for r in shapes["ranks"]] == [[r] for r in range(tp)]
     assert all(r["has_layer_scalar"] for r in shapes["ranks"])
@@ -363,7 +365,9 @@ def test_intermediate_split_has_no_rank_to_bake_in():
 def test_layer_scalar_missing_from_shards_is_detected():
     result = run("12b", 2, include_buffers=False)
     assert any(k.endswith("layer_scalar") for k in result.details["missing_keys"])
-    assert not any(r["has_layer_scalar"] for r in result.details["shard_shapes"]["ranks"])
+    m = tiny("12b")  # the shards the ranks were handed, without the buffers
+    shards = list(iter_shards(m.lm, make_plan(m.config, 2, m.variant), include_buffers=False))
+    assert not any(r["has_layer_scalar"] for r in shard_shapes(make_plan(m.config, 2, m.variant), shards)["ranks"])
     assert not matches_reference("12b", result)
     assert result.prefill_logits_max_abs_diff > 0.1
 

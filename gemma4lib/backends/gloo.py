@@ -33,7 +33,7 @@ from ..device.graph import GraphShape
 from ..errors import RankProcessError, SettingsError, TensorParallelError, UnknownNameError
 from ..runtime import Steps
 from ..tp.plan import TPPlan, make_plan
-from ..tp.shard import iter_shards, shard_kv, shard_shapes
+from ..tp.shard import iter_shards, shard_kv
 from .base import CompiledGraphs
 from .engine import named_steps
 
@@ -420,7 +420,6 @@ def compile(graphs: GraphSet, model: LoadedModel, settings: PortSettings, progre
         job.assistant_shards = [assistant_shard(source, plan, r) for r in range(tp)]
     # context buckets (prefill ones only where the ranks prefill: not `cpu-seeded`)
     job.contexts = contexts = {n: g.shape for n, g in spec.contexts.items() if not (seeded and n.startswith("prefill"))}
-    shapes = shard_shapes(plan, shards)
     world = RankWorld(job, spec.start_method, spec.timeout_s)
     del job, shards  # the ranks hold them now
     timings: dict[str, float] = {"shard_s": round(shard_s, 3), "rank0_build_s": round(world.ready[0][2], 3)}
@@ -443,7 +442,6 @@ def compile(graphs: GraphSet, model: LoadedModel, settings: PortSettings, progre
         "expert_split": plan.expert_split,
         "decode_experts": settings.decode_experts,
         "tp_plan": plan.describe(),
-        "shard_shapes": shapes,
         "kv_shapes_per_rank": world.ready[0][1],
         "world": {"backend": "gloo", "processes": tp, "start_method": spec.start_method, "threads_per_process": 1},
     }

@@ -19,14 +19,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..errors import SettingsError, TensorParallelError
+from ..errors import TensorParallelError
 from .plan import COLUMN, REPLICATE, MoEPlan, TPPlan
 
 HOST_ONLY = ("model.embed_tokens.weight", "model.embed_tokens_per_layer.weight")
 RANK_KEY = "spmd_rank.rank"
 
 
-def _layer_key(key: str) -> tuple[int, str] | None:
+def layer_key(key: str) -> tuple[int, str] | None:
     parts = key.split(".")
     if len(parts) >= 4 and parts[0] == "model" and parts[1] == "layers" and parts[2].isdigit():
         return int(parts[2]), ".".join(parts[3:])
@@ -44,7 +44,7 @@ def rank_tensor(plan: TPPlan, key: str, tensor: torch.Tensor, rank: int) -> tupl
     tp = plan.tp
     if key == "lm_head.weight":
         return key, (_chunk(tensor, 0, tp, rank) if plan.lm_head == COLUMN else tensor)
-    located = _layer_key(key)
+    located = layer_key(key)
     if located is None:
         return key, tensor
     i, sub = located
@@ -175,58 +175,3 @@ def nxd_full_checkpoint(lm: nn.Module, plan: TPPlan, *, dtype: torch.dtype | Non
 def _as(value: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
     value = value.detach()
     return value.to(dtype) if dtype is not None and value.is_floating_point() else value
-
-
-def shard_shapes(
-    plan: TPPlan, shards: list[dict[str, torch.Tensor]] | None = None, lm: nn.Module | None = None
-) -> dict[str, Any]:
-    """JSON-friendly per-rank summary: tensor shapes (one representative layer per kind), what
-    each rank holds (KV heads, experts), parameter counts and bytes per rank."""
-    if shards is None:
-        if lm is None:
-            raise SettingsError("pass the shards or the reference model (lm=...) to compare against")
-        shards = list(iter_shards(lm, plan))
-    first = shards[0]
-    # one representative layer per (layer type, owns KV) kind
-    reps: dict[str, int] = {}
-    for lp in plan.layers:
-        kind = lp.attention.layer_type + ("" if lp.attention.owns_kv else " (kv-shared)")
-        reps.setdefault(kind, lp.index)
-    shapes: dict[str, Any] = {}
-    for key, value in first.items():
-        located = _layer_key(key)
-        if located is None:
-            shapes[key] = list(value.shape)
-            continue
-        i, sub = located
-        for kind, index in reps.items():
-            if index == i:
-                shapes.setdefault(f"layers[{kind}].{sub}", list(value.shape))
-    identical = all(
-        set(s) == set(first) and all(tuple(s[k].shape) == tuple(first[k].shape) for k in first) for s in shards
-    )
-    ranks = []
-    for r, s in enumerate(shards):
-        entry: dict[str, Any] = {
-            "rank": r,
-            "rank_tensor": s[RANK_KEY].tolist() if RANK_KEY in s else None,
-            "tensors": len(s),
-            "params": int(sum(v.numel() for k, v in s.items() if k != RANK_KEY)),
-            "bytes": int(sum(v.numel() * v.element_size() for v in s.values())),
-            "kv_heads": {lp.attention.layer_type: lp.attention.kv_heads_of(r) for lp in plan.layers},
-        }
-        moe = plan.moe
-        if moe is not None:
-            entry["experts"] = [moe.experts_of(r)[0], moe.experts_of(r)[-1]]
-            entry["expert_intermediate"] = list(moe.intermediate_of(r))  # [start, stop)
-        entry["has_layer_scalar"] = any(k.endswith(".layer_scalar") for k in s)
-        ranks.append(entry)
-    return {
-        "tp": plan.tp,
-        "identical_shapes_across_ranks": identical,
-        "shapes": shapes,
-        "ranks": ranks,
-        "kv_modes": plan.kv_modes(),
-        "lm_head": plan.lm_head,
-        "expert_split": plan.expert_split,
-    }
