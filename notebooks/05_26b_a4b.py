@@ -66,6 +66,7 @@ warmup = 1
 iters = 3
 threads = 1  # torch threads for the benchmark (recorded with it)
 image = "red_circle.png"  # "What the model sees": a shipped sample (blue_square.png, ...) or a path; None skips it
+clip = None  # "What the model hears": a shipped clip (france.wav, ...) or a 16 kHz WAV; None skips
 decode_experts = "selective"  # MoE decode: "selective" (the k routed experts) or "dense" (all)
 tp_demo = 2  # ranks of the rank-graph run on CPU processes (0: skip)
 results_path = "../runs/notebooks/26b-a4b.json"
@@ -86,6 +87,7 @@ interactive = False  # True: show the chat box at the end (needs a live Jupyter 
 
 # %%
 import time
+from pathlib import Path
 
 import torch
 from IPython.display import display
@@ -93,7 +95,8 @@ from IPython.display import display
 from gemma4lib import checks
 from gemma4lab import notebook as nb
 from gemma4lab.notebook import plots
-from gemma4lib.images import find_image, image_prompt
+from gemma4lib.images import find_image, image_prompt, media_prompt
+from gemma4lib.models import audio
 from gemma4lib.port import PortSettings, build_graphs, compile_graphs, eos_ids, load_model, prompt_ids
 from gemma4lib.port import image_expectation
 from gemma4lib.reference import reference_for, reference_greedy
@@ -599,6 +602,77 @@ if image_settings is not None:
     print(f"coherent {image_report.coherent}")
     print(image_report.logits.explain())
     demos["image"] = nb.image_demo(image_settings, inputs, image_report, image_compiled)
+
+# %% [markdown] tags=["lesson"]
+# <a id="what-the-model-hears"></a>
+# ## What the model hears
+#
+# As in [`01_e2b`](01_e2b.ipynb#what-the-model-hears), which explains the audio path once for the family:
+# the log-mel features on the host, one more graph (`audio`) beside prefill and decode, its soft tokens
+# written over the placeholders, the fixture taught to transcribe and to answer a spoken question, and the
+# three checks against transformers' `generate(input_features=...)`. What is this variant's own:
+#
+# The 26B-A4B has no audio part: its config's `audio_config` is null. `PortSettings(variant="26b-a4b",
+# audio=[...])` is refused before anything loads, naming the variants that hear (e2b, e4b, 12b), so
+# this section skips.
+
+# %% tags=["lesson"]
+audio_settings = None  # the smoke profile's multimodal fixture, which hears; variants without audio skip
+if clip and profile == "smoke":
+    clip_path = clip if Path(clip).is_file() else audio.CLIPS_DIR / clip  # a path, or a shipped clip by name
+    audio_settings = PortSettings(variant=variant, backend=backend, audio=[clip_path], witness=False)
+    hearing_model = load_model(audio_settings)  # the vision fixture with its audio part
+    unified, samples = hearing_model.variant.unified, audio.read_wav(clip_path)
+    print(f"features: {audio.RATE} Hz, a {audio.FRAME}-sample window every {audio.HOP} samples, {audio.MELS} mel bins;",
+          f"the 12B: raw frames of {audio.UNIFIED_SAMPLES} samples")  # fmt: skip
+    display(nb.sound_picture(samples, unified))  # the waveform and what the audio graph is given
+    ask = {  # the two tasks: the clip then "Transcribe the audio.", and the spoken question alone
+        "transcribe": None,
+        "spoken question": [{"role": "user", "content": [{"type": "audio"}]}],
+    }
+    asked = {
+        task: media_prompt(
+            hearing_model.tokenizer,
+            hearing_model.processor,
+            [],
+            audio_settings.prompt,
+            image_token_id=hearing_model.multimodal.config.image_token_id,
+            audio=[samples],
+            messages=messages,
+            unified=unified,
+        )
+        for task, messages in ask.items()
+    }
+    inputs = asked["transcribe"]
+    where = inputs.prompt.audio_positions  # the prompt positions whose embeddings the soft tokens replace
+    print(f"{inputs.prompt.audio_counts[0]} soft tokens at positions {where[0]}..{where[-1]} of {len(inputs.ids)}")
+    display(nb.layout_table(inputs.ids, where, hearing_model.tokenizer))
+    audio_graphs = build_graphs(hearing_model, audio_settings)  # prefill, decode and now `audio`
+    audio_compiled = compile_graphs(hearing_model, audio_settings, graphs=audio_graphs)  # prefill, decode: hits
+    display(nb.describe_compile(audio_compiled))
+    audio_eos = eos_ids(hearing_model)
+    words = audio.shipped_text([clip_path])  # a shipped clip's words (None for another file: no coherence rule)
+    expected = {"transcribe": words, "spoken question": expect if words == prompt else None}
+    audio_reports = {}
+    for task, asked_inputs in asked.items():
+        request = Request(asked_inputs.ids, audio_settings.max_new_tokens, eos_token_ids=tuple(audio_eos),
+                          media=asked_inputs.prompt)  # fmt: skip
+        audio_row = audio_compiled.runtime.generate_rows([request], keep_logits=True).rows[0]  # audio runs at admit
+        audio_lm = reference_for(hearing_model, asked_inputs.prompt)  # transformers' model, this clip bound
+        audio_reports[task] = report = checks.evaluate(
+            lm=audio_lm,
+            tokenizer=hearing_model.tokenizer,
+            prompt_ids=asked_inputs.ids,
+            tokens=audio_row.tokens,
+            reference=reference_greedy(audio_lm, asked_inputs.ids, audio_settings.max_new_tokens, audio_eos),
+            expect=expected[task],  # the clip's words; for the spoken question, the capital
+            step_logits=audio_row.step_logits,
+        )
+        print(f"{task}: device {report.answer!r}   transformers {report.reference_answer!r}")
+        print(f"  SEQ_MATCH {report.seq_match}  LOGITS_MATCH {report.logits_match}  coherent {report.coherent}")
+    demos["audio"] = nb.audio_demo(clip_path, inputs, audio_reports, audio_compiled)
+else:
+    print(f"skipped: profile={profile}, clip={clip!r}")
 
 # %% [markdown]
 # ## 7. Sampling, streaming and a conversation

@@ -35,6 +35,7 @@ from gemma4lab.notebook.architecture import (
     moe_report,
     ple_report,
 )
+from gemma4lab.notebook.audio import audio_demo, clip_table, sound_picture
 from gemma4lab.notebook.chat import chat
 from gemma4lab.notebook.display import (
     Table,
@@ -93,11 +94,13 @@ __all__ = [
     "Table",
     "answer_text",
     "attention_implementations_agree",
+    "audio_demo",
     "bandwidth_text",
     "batch_ceilings_table",
     "batch_rows_table",
     "batch_sweep_table",
     "bench_table",
+    "clip_table",
     "chat",
     "describe_compile",
     "describe_graphs",
@@ -143,6 +146,7 @@ __all__ = [
     "show_prompt",
     "show_settings",
     "side_by_side",
+    "sound_picture",
     "status_box",
     "token_labels",
     "tp_cpu_run",

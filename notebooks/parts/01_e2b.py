@@ -262,6 +262,15 @@ else:
 # other half, a projection of the input embeddings, sees the soft tokens themselves.
 # The fixture's config leaves `use_bidirectional_attention` unset, so the masks below are causal over
 # the image too.
+# -- part: clip --
+"capital_of_france.wav"
+# -- part: audio_note --
+# The E2B's audio part is an encoder: transformers' `Gemma4AudioModel`, a conformer. Two strided
+# convolutions each halve the number of mel frames, so one soft token stands for four frames; conformer
+# blocks attend over chunks of the clip, and `embed_audio` projects every soft token to the decoder's
+# width. The audio graph is those modules at a fixed shape (one clip per call, its frames padded to the
+# longest clip's as transformers pads them). As for images, the per-layer ([PLE](00_overview.ipynb#ple))
+# token rows at the soft tokens' positions are the pad token's.
 # -- part: plot_note --
 # The released model's measured bar is the field report's decode figure (the status box), measured with its
 # `torch_neuronx.trace` recipe, not with the ModelBuilder recipe this notebook compiles by default.

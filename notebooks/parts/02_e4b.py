@@ -265,6 +265,12 @@ if witness:  # why the random E4B's spread (its LOGITS_MATCH tolerance above) is
 # As on the E2B, the PLE token rows at the soft tokens' positions are the pad token's (the projection
 # half sees the soft tokens), and the masks stay causal over the image: the fixture's config leaves
 # `use_bidirectional_attention` unset.
+# -- part: clip --
+"capital_of_france.wav"
+# -- part: audio_note --
+# The E4B's audio part is the E2B's kind of encoder (the conformer `Gemma4AudioModel` and
+# `embed_audio`); the tiny fixtures give both the same audio part, so the audio graph is the same program
+# and a run after `01_e2b` finds it in the artifact cache.
 # -- part: plot_note --
 # The released model's measured bar is the field report's decode figure (the status box), measured with its hand-driven
 # TP recipe (`tp_alias`), not with the ModelBuilder recipe this notebook compiles.

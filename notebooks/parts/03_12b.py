@@ -259,6 +259,14 @@ display(nb.rank_module_table(one_rank, layers=(0, full)))  # one rank's layers: 
 # LOGITS_MATCH fails. This fixture's training stopped at its step limit before every training image
 # won by the margin asked (`converged: false` in `fixtures/vision/PROVENANCE.json`); it names every
 # held-out image right.
+# -- part: clip --
+"capital_of_france.wav"
+# -- part: audio_note --
+# The 12B has **no audio encoder**. Its processor cuts the raw samples into fixed frames (zero-padded
+# at the end; the frame length is printed below) and its audio embedder normalises each frame (an
+# RMSNorm) and projects it with one linear layer to the decoder's width: one soft token per started
+# frame, and the decoder does all the listening. The audio graph is that embedder; the picture below
+# draws the frames on the waveform instead of a spectrogram.
 # -- part: plot_note --
 # The field report gives no decode figure for the 12B (prefill only), so its bar is the computed
 # ceiling alone.

@@ -245,6 +245,12 @@ demos["equality_is_not_enough"]
 # the 12B's does (unverified here). The port reads the config: on cpu, eager and xla at TP=1 such a
 # config gets the 12B's image blocks (`03_12b`); the gloo ranks and the neuron decoder keys do not
 # take them yet, and refuse it once the loaded config is known, rather than run causal.
+# -- part: clip --
+None
+# -- part: audio_note --
+# The 31B has no audio part: its config's `audio_config` is null. `PortSettings(variant="31b",
+# audio=[...])` is refused before anything loads, naming the variants that hear (e2b, e4b, 12b), so
+# this section skips.
 # -- part: plot_note --
 # The field report gives no decode figure for the 31B (prefill only), so its bar is the computed
 # ceiling alone.
