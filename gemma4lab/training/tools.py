@@ -43,9 +43,17 @@ Measured, NOT converged (E2B, seed 0, one thread, 2026-12-06, loaded two-core AM
 - this recipe (`--tool-first-steps 300 --max-steps 200`, copy weight 5, lr 2e-3 constant): after the
   tool-first phase 77/204 (calls 3/34 capital, 0/34 weather; answers after the tool turn 13/34 capital,
   0/34 weather; no tool to call 34/34; facts with tools declared 27/34). The full recipe then restores
-  the faults' hinge (it drifts in the tool-first phase: training chats' margin -8.3 at step 10, back to
-  1.15 by step 125) and the tool set moves between 53 and 73/204 (steps 50-150), calls still 0-3 of 34.
-  Failing tokens, every evaluation: never the function's name (0), the value about 190, other about 100.
+  the faults' hinge (it drifts in the tool-first phase: training chats' margin -8.3 at step 10, 1.15 at
+  step 125) and ends at step 200 with 92/204, the most of any run (calls 7/34 capital, 0/34 weather;
+  answers after the tool turn 18/34 capital, 0/34 weather; no tool 34/34; facts 33/34), every earlier
+  property kept: training chats' margin 2.60, the needle set's 3.80, faults <= -7.35. Failing tokens
+  at every evaluation: never the function's name (0 of 204 chats), the value 178-208, other 66-261 (this
+  run's code counted the question's country in an answer as other; `failing_tokens` now calls it asked).
+  HF greedy: 19 of 68 exact (3 before), 11 of 36 on the held-out countries; held-out 40/40, after 3,000
+  tokens of filler 40/40. 2,425 s in all (other jobs shared the two cores). Still wrong: the country or
+  city ("Which city is the capital of Germany?" -> `get_capital{country:"Norway"}`, "The weather in
+  Jakarta is cold." for Paris, the result "cold" used right). Its log, parsed:
+  docs/measurements/tool_finetune_2026-12-06.json.
 
 Diagnosis (the failing tokens by kind, and on a tool-only scratch run of 150 steps the first wrong token
 of each chat): the model picks the right function every time but cannot bring the question's country or
