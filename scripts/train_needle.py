@@ -16,8 +16,6 @@ measured run: the E2B converged in 300 steps). Then retrain the variant's assist
 
 from __future__ import annotations
 
-import argparse
-import json
 import logging
 import os
 import sys
@@ -27,48 +25,23 @@ from pathlib import Path
 os.environ.setdefault("OMP_NUM_THREADS", "1")  # thread count changes the floating-point reduction order
 os.environ.setdefault("MKL_NUM_THREADS", "1")
 
-import torch  # noqa: E402
-
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from gemma4lab.training import corpus as training_corpus  # noqa: E402
 from gemma4lab.training.machine import cpu_type  # noqa: E402
-from gemma4lab.training.needle import (  # noqa: E402
-    NEEDLE_VARIANTS,
-    NeedleConfig,
-    finetune_needle,
-    held_out_needles,
-    needle_accuracy,
-    needle_prompt,
-)
-from gemma4lab.training.text import (  # noqa: E402
-    fault_answers,
-    greedy_reply,
-    held_out_accuracy,
-    save_fixture,
-    state_sha256,
-)
-from gemma4lib.models.trained import FIXTURES_DIR, load_trained  # noqa: E402
+from gemma4lab.training.needle import NEEDLE_VARIANTS, NeedleConfig, finetune_needle  # noqa: E402
+from gemma4lab.training.runs import fixture_checks, fixture_parser, start_run  # noqa: E402
+from gemma4lab.training.text import fault_answers, save_fixture, state_sha256  # noqa: E402
+from gemma4lib.models.trained import load_trained  # noqa: E402
 from gemma4lib.models.variants import get_variant  # noqa: E402
 
 log = logging.getLogger("train_needle")
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--variant", default=",".join(NEEDLE_VARIANTS), help="comma-separated variants")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", default=str(FIXTURES_DIR))
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
-    logging.getLogger("transformers").setLevel(logging.ERROR)
-    torch.set_num_threads(1)
-    torch.use_deterministic_algorithms(True)
-    out = Path(args.out)
-    prov_path = out / "PROVENANCE.json"
-    prov = json.loads(prov_path.read_text())
-    command = "python scripts/train_needle.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    args = fixture_parser(__doc__, NEEDLE_VARIANTS).parse_args(argv)
+    run = start_run(args, "train_needle.py", argv)
+    out, prov, command = run.out, run.provenance, run.command
     config = NeedleConfig(seed=args.seed)
     failed = []
     for name in (get_variant(v).name for v in args.variant.split(",")):
@@ -81,11 +54,11 @@ def main(argv=None) -> int:
                 log.info("  %s step %4d  %s", name, r["step"], {k: round(v, 3) for k, v in r.items() if k != "step"})
 
         result = finetune_needle(lm, tokenizer, config, progress)
-        text, ids = greedy_reply(lm, tokenizer, training_corpus.CANONICAL_PROMPT)
-        held_ok, held_n, held_failures = held_out_accuracy(lm, tokenizer)
-        needle_ok, needle_n, needle_failures = needle_accuracy(lm, tokenizer, held_out_needles(tokenizer))
-        needle_text, _ = greedy_reply(lm, tokenizer, needle_prompt(tokenizer, training_corpus.CANONICAL_PROMPT))
-        ok = text == training_corpus.CANONICAL_ANSWER and ids[-1:] == [tokenizer.eos_token_id] and held_ok == held_n
+        checks = fixture_checks(lm, tokenizer)
+        (held_ok, held_n, held_failures), (needle_ok, needle_n, needle_failures) = (
+            checks.held_out,
+            checks.held_out_after_filler,
+        )
         needle = {
             "command": command,
             "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
@@ -97,14 +70,14 @@ def main(argv=None) -> int:
             "final_min_margin": round(result.min_margin, 4),
             "needle_min_margin": round(result.needle_min_margin, 4),
             "fault_margins": {k: round(v, 4) for k, v in result.fault_margins.items()},
-            "canonical_needle_reply": needle_text,
+            "canonical_needle_reply": checks.canonical_needle_reply,
             "held_out_correct": f"{held_ok}/{held_n}",
             "held_out_after_filler_correct": f"{needle_ok}/{needle_n}",
             "held_out_after_filler_failures": needle_failures,
             "train_config": config.to_dict(),
         }
         log.info("%s: %s", name, needle)
-        if not (result.converged and ok and needle_text == training_corpus.CANONICAL_ANSWER):
+        if not (result.converged and checks.ok):
             failed.append(name)  # the fixture is left as it was
             continue
         target = out / name
@@ -115,7 +88,7 @@ def main(argv=None) -> int:
             {
                 "base_state_sha256": rec.get("base_state_sha256", base),
                 "state_sha256": state_sha256(lm),
-                "canonical_reply": text,
+                "canonical_reply": checks.canonical_reply,
                 "held_out_correct": f"{held_ok}/{held_n}",
                 "held_out_failures": held_failures,
                 "answers_under_faults": fault_answers(lm, tokenizer),
@@ -123,8 +96,7 @@ def main(argv=None) -> int:
                 "needle": needle,
             }
         )
-    prov["files"] = dict(sorted(prov["files"].items()))
-    prov_path.write_text(json.dumps(prov, indent=2) + "\n")
+    run.write_provenance()
     if failed:
         log.error("did not converge or lost an answer (fixture left unchanged): %s", failed)
         return 1

@@ -18,8 +18,6 @@ non-zero. Then retrain the variant's assistant (`scripts/train_assistants.py --v
 
 from __future__ import annotations
 
-import argparse
-import json
 import logging
 import os
 import sys
@@ -29,21 +27,12 @@ from pathlib import Path
 os.environ.setdefault("OMP_NUM_THREADS", "1")  # thread count changes the floating-point reduction order
 os.environ.setdefault("MKL_NUM_THREADS", "1")
 
-import torch  # noqa: E402
-
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from gemma4lab.training import corpus as training_corpus  # noqa: E402
 from gemma4lab.training.machine import cpu_type  # noqa: E402
-from gemma4lab.training.needle import held_out_needles, needle_accuracy, needle_prompt  # noqa: E402
-from gemma4lab.training.text import (  # noqa: E402
-    fault_answers,
-    greedy_reply,
-    held_out_accuracy,
-    save_fixture,
-    state_sha256,
-)
+from gemma4lab.training.runs import fixture_checks, fixture_parser, start_run  # noqa: E402
+from gemma4lab.training.text import fault_answers, save_fixture, state_sha256  # noqa: E402
 from gemma4lab.training.tokenizer import build_tokenizer, save_tokenizer, with_tools_template  # noqa: E402
 from gemma4lab.training.tools import (  # noqa: E402
     HELD_OUT_COUNTRIES,
@@ -55,7 +44,7 @@ from gemma4lab.training.tools import (  # noqa: E402
 )
 from gemma4lib.cache.artifacts import sha256_file  # noqa: E402
 from gemma4lib.models.tokenizer import load_tokenizer  # noqa: E402
-from gemma4lib.models.trained import FIXTURES_DIR, load_trained  # noqa: E402
+from gemma4lib.models.trained import load_trained  # noqa: E402
 from gemma4lib.models.variants import get_variant  # noqa: E402
 
 log = logging.getLogger("train_tools")
@@ -77,31 +66,24 @@ def write_tokenizer(out: Path, prov: dict, tools: bool) -> None:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--variant", default=",".join(TOOL_VARIANTS), help="comma-separated variants")
-    parser.add_argument("--seed", type=int, default=0)
+    parser = fixture_parser(__doc__, TOOL_VARIANTS)
     parser.add_argument("--max-steps", type=int, default=None, help="steps of this run; default the config's")
     parser.add_argument("--lr", type=float, default=None, help="peak learning rate; default the config's")
     parser.add_argument("--tool-rows", type=int, default=None, help="tool chats per step; default the config's")
-    parser.add_argument("--out", default=str(FIXTURES_DIR))
+    parser.add_argument("--tool-first-steps", type=int, default=None, help="steps of the tool-first phase")
+    parser.add_argument("--copy-weight", type=float, default=None, help="loss weight of name and value tokens")
     parser.add_argument(
         "--keep-unconverged-tools",
         action="store_true",
         help="save the weights when every earlier property holds but the tool set misses its margin (recorded)",
     )
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
-    logging.getLogger("transformers").setLevel(logging.ERROR)
-    torch.set_num_threads(1)
-    torch.use_deterministic_algorithms(True)
-    out = Path(args.out)
-    prov_path = out / "PROVENANCE.json"
-    prov = json.loads(prov_path.read_text())
+    run = start_run(args, "train_tools.py", argv)
+    out, prov, command = run.out, run.provenance, run.command
     write_tokenizer(out, prov, tools=False)  # the specials; the template only with a model that calls (below)
-    prov_path.write_text(json.dumps(prov, indent=2) + "\n")
-    command = "python scripts/train_tools.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    run.write_provenance()
     config = ToolConfig(seed=args.seed)
-    for key in ("max_steps", "lr", "tool_rows"):  # a continued run (from the fixture as it is now) may change them
+    for key in ("max_steps", "lr", "tool_rows", "tool_first_steps", "copy_weight"):  # a continued run may change them
         if getattr(args, key) is not None:
             setattr(config, key, getattr(args, key))
     config.cosine_steps = min(config.cosine_steps, config.max_steps)
@@ -116,13 +98,10 @@ def main(argv=None) -> int:
                 log.info("  %s step %4d  %s", name, r["step"], {k: round(v, 3) for k, v in r.items() if k != "step"})
 
         result = finetune_tools(lm, tokenizer, config, progress)
-        text, ids = greedy_reply(lm, tokenizer, training_corpus.CANONICAL_PROMPT)
-        held_ok, held_n, held_failures = held_out_accuracy(lm, tokenizer)
-        needle_ok, needle_n, needle_failures = needle_accuracy(lm, tokenizer, held_out_needles(tokenizer))
-        needle_text, _ = greedy_reply(lm, tokenizer, needle_prompt(tokenizer, training_corpus.CANONICAL_PROMPT))
+        checks = fixture_checks(lm, tokenizer)
+        (held_ok, held_n, held_failures), (needle_ok, needle_n, _) = checks.held_out, checks.held_out_after_filler
         tools_ok, tools_n, tools_failures = tool_accuracy(lm, tokenizer, tool_eval_chats()[::3])  # HF greedy: slow
         unseen_ok, unseen_n, unseen_failures = tool_accuracy(lm, tokenizer, tool_eval_chats(2, HELD_OUT_COUNTRIES))
-        ok = text == training_corpus.CANONICAL_ANSWER and ids[-1:] == [tokenizer.eos_token_id] and held_ok == held_n
         record = {
             "command": command,
             "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
@@ -140,13 +119,13 @@ def main(argv=None) -> int:
             "tool_set_failures": tools_failures,
             "unseen_countries_correct": f"{unseen_ok}/{unseen_n}",
             "unseen_countries_failures": unseen_failures,
-            "canonical_needle_reply": needle_text,
+            "canonical_needle_reply": checks.canonical_needle_reply,
             "held_out_correct": f"{held_ok}/{held_n}",
             "held_out_after_filler_correct": f"{needle_ok}/{needle_n}",
             "train_config": config.to_dict(),
         }
         log.info("%s: %s", name, record)
-        kept = ok and needle_text == training_corpus.CANONICAL_ANSWER and result.min_margin >= config.margin
+        kept = checks.ok and result.min_margin >= config.margin
         kept = kept and result.needle_min_margin >= config.needle_margin
         kept = kept and max(result.fault_margins.values()) <= -config.fault_margin  # every fault still breaks
         record["kept_unconverged"] = kept and args.keep_unconverged_tools and not result.converged
@@ -162,7 +141,7 @@ def main(argv=None) -> int:
         rec.update(
             {
                 "state_sha256": state_sha256(lm),
-                "canonical_reply": text,
+                "canonical_reply": checks.canonical_reply,
                 "held_out_correct": f"{held_ok}/{held_n}",
                 "held_out_failures": held_failures,
                 "answers_under_faults": fault_answers(lm, tokenizer),
@@ -171,8 +150,7 @@ def main(argv=None) -> int:
                 "tools_earlier": rec.get("tools_earlier", []) + ([rec["tools"]] if "tools" in rec else []),
             }
         )
-    prov["files"] = dict(sorted(prov["files"].items()))
-    prov_path.write_text(json.dumps(prov, indent=2) + "\n")
+    run.write_provenance()
     if failed:
         log.error("did not converge or lost an answer (weights left unchanged): %s", failed)
         return 1

@@ -48,6 +48,7 @@ import torch.nn.functional as F
 from gemma4lab.training.corpus import FACTS, HELD_OUT_PHRASING, TRAIN_PHRASINGS, Chat, answer_for, training_chats
 from gemma4lab.training.text import (
     IGNORE,
+    Batch,
     TrainConfig,
     _lr_at,
     encode_chats,
@@ -195,6 +196,50 @@ def _loss(lm: torch.nn.Module, tokenizer: Any, chats: list[Any], encode: Callabl
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), batch.labels.reshape(-1), ignore_index=IGNORE)
 
 
+def replay_loss(
+    lm: torch.nn.Module, clean: Batch, faults: tuple[str, ...], cfg: NeedleConfig, gen: torch.Generator, attention: str
+) -> tuple[torch.Tensor, float, dict[str, float]]:
+    """The training chats as they are, then `fault_rows` different ones under each trained fault (a fresh
+    draw each step), in the model's own attention form (the faults' masks are built for it), as
+    `text.train_variant` does: their loss with the faults' hinge (every reply token under a fault loses
+    by `fault_hinge_target`), the clean chats' smallest margin, and the hinge's value."""
+    n, k_rows = clean.input_ids.shape[0], cfg.fault_rows
+    lm.set_attn_implementation(attention)
+    rows = torch.randperm(n, generator=gen)[: k_rows * len(faults)]
+    subs = [rows[k * k_rows : (k + 1) * k_rows] for k in range(len(faults))]
+    segments = [(None, clean.input_ids)] + [(f, clean.input_ids[s]) for f, s in zip(faults, subs, strict=True)]
+    logits = forward_segments(lm, segments)
+    lm.set_attn_implementation("sdpa")
+    with torch.no_grad():
+        margins = reply_margins(logits[:n].detach(), clean.labels)
+        min_margin = float(torch.nan_to_num(margins, nan=float("inf")).min())
+    loss = F.cross_entropy(
+        logits[:n].reshape(-1, logits.shape[-1]).float(), clean.labels.reshape(-1), ignore_index=IGNORE
+    )
+    info: dict[str, float] = {}
+    if faults:
+        hinge = []
+        for k, sub in enumerate(subs):
+            m = reply_margins(logits[n + k * k_rows : n + (k + 1) * k_rows], clean.labels[sub])
+            hinge.append(F.relu(m[~torch.isnan(m)] + cfg.fault_hinge_target).mean())
+        fault_loss = torch.stack(hinge).mean()
+        info["fault_loss"] = fault_loss.item()
+        loss = loss + cfg.fault_weight * fault_loss
+    return loss, min_margin, info
+
+
+def needle_rows(tokenizer: Any, chats: list[Chat], cfg: NeedleConfig, gen: torch.Generator) -> tuple[Chat, list[Chat]]:
+    """A step's needle rows: one training chat after a long filler (`short_max`..`long_max` tokens),
+    `short_rows` after a short one (up to `short_max`), each filler from a drawn sentence."""
+
+    def draw(low: int, high: int) -> int:
+        return int(torch.randint(low, high + 1, (1,), generator=gen))
+
+    picks = torch.randint(0, len(chats), (cfg.short_rows + 1,), generator=gen).tolist()
+    long_row = needle_chat(tokenizer, chats[picks[0]], draw(cfg.short_max, cfg.long_max), draw(0, 7))
+    return long_row, [needle_chat(tokenizer, chats[i], draw(0, cfg.short_max), draw(0, 7)) for i in picks[1:]]
+
+
 def finetune_needle(
     lm: torch.nn.Module,
     tokenizer: Any,
@@ -211,15 +256,10 @@ def finetune_needle(
     evals = needle_eval_chats(tokenizer, cfg.eval_lengths)
     facts = fact_needles(tokenizer, cfg.eval_lengths)
     faults = trained_faults(lm)
-    n, k_rows = clean.input_ids.shape[0], cfg.fault_rows
     params = [p for p in lm.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
     gen = torch.Generator().manual_seed(cfg.seed)
     schedule = cfg.schedule()
-
-    def draw(low: int, high: int) -> int:
-        return int(torch.randint(low, high + 1, (1,), generator=gen))
-
     history: list[dict[str, float]] = []
     start = time.perf_counter()
     min_margin = needle_margin = float("-inf")
@@ -227,17 +267,7 @@ def finetune_needle(
     converged, step, facts_passing = False, 0, 0
     lm.train()
     for step in range(cfg.max_steps + 1):
-        # the short chats in the model's own attention form (the faults' masks are built for it): the
-        # clean batch, then `fault_rows` different chats under each fault, as `text.train_variant` does
-        lm.set_attn_implementation(attention)
-        rows = torch.randperm(n, generator=gen)[: k_rows * len(faults)]
-        subs = [rows[k * k_rows : (k + 1) * k_rows] for k in range(len(faults))]
-        segments = [(None, clean.input_ids)] + [(f, clean.input_ids[s]) for f, s in zip(faults, subs, strict=True)]
-        logits = forward_segments(lm, segments)
-        lm.set_attn_implementation("sdpa")
-        with torch.no_grad():
-            margins = reply_margins(logits[:n].detach(), clean.labels)
-            min_margin = float(torch.nan_to_num(margins, nan=float("inf")).min())
+        loss, min_margin, info = replay_loss(lm, clean, faults, cfg, gen, attention)
         record: dict[str, float] = {"step": step, "min_margin": min_margin}
         if step % cfg.eval_every == 0 or step == cfg.max_steps:
             lm.eval()
@@ -258,20 +288,8 @@ def finetune_needle(
         if converged or step == cfg.max_steps:
             history.append(record)
             break
-        loss = F.cross_entropy(
-            logits[:n].reshape(-1, logits.shape[-1]).float(), clean.labels.reshape(-1), ignore_index=IGNORE
-        )
-        if faults:  # the hinge: every reply token under a fault loses by `fault_hinge_target`
-            hinge = []
-            for k, sub in enumerate(subs):
-                m = reply_margins(logits[n + k * k_rows : n + (k + 1) * k_rows], clean.labels[sub])
-                hinge.append(F.relu(m[~torch.isnan(m)] + cfg.fault_hinge_target).mean())
-            fault_loss = torch.stack(hinge).mean()
-            record["fault_loss"] = fault_loss.item()
-            loss = loss + cfg.fault_weight * fault_loss
-        picks = torch.randint(0, len(chats), (cfg.short_rows + 1,), generator=gen).tolist()
-        long_row = needle_chat(tokenizer, chats[picks[0]], draw(cfg.short_max, cfg.long_max), draw(0, 7))
-        short_rows = [needle_chat(tokenizer, chats[i], draw(0, cfg.short_max), draw(0, 7)) for i in picks[1:]]
+        record.update(info)
+        long_row, short_rows = needle_rows(tokenizer, chats, cfg, gen)
         needle_loss = _loss(lm, tokenizer, [long_row]) + _loss(lm, tokenizer, short_rows)
         record.update(loss=loss.item(), needle_loss=needle_loss.item())
         lr = _lr_at(step, schedule)

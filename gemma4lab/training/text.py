@@ -102,21 +102,24 @@ class TrainResult:
 
 def encode_chats(tokenizer, chats: list[Chat]) -> Batch:
     """Prompt (rendered by the chat template, with the generation prompt) + reply + `<eos>`."""
-    rows, prompt_lengths = [], []
+    rows = []
     for chat in chats:
-        prompt = chat_prompt_ids(tokenizer, chat.user)
         reply = tokenizer(chat.reply, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
-        rows.append((prompt, reply))
-        prompt_lengths.append(len(prompt))
+        rows.append((chat_prompt_ids(tokenizer, chat.user), reply))
+    return pad_rows(rows, tokenizer.pad_token_id)
+
+
+def pad_rows(rows: list[tuple[list[int], list[int]]], pad_id: int) -> Batch:
+    """(prompt, reply) id rows right-padded with `pad_id` into a `Batch`, labels on the reply tokens only."""
     length = max(len(p) + len(r) for p, r in rows)
-    ids = torch.full((len(rows), length), tokenizer.pad_token_id, dtype=torch.long)
+    ids = torch.full((len(rows), length), pad_id, dtype=torch.long)
     labels = torch.full((len(rows), length), IGNORE, dtype=torch.long)
     for i, (prompt, reply) in enumerate(rows):
         seq = prompt + reply
         ids[i, : len(seq)] = torch.tensor(seq)
         # position t predicts token t+1: the last prompt position predicts the first reply token
         labels[i, len(prompt) - 1 : len(seq) - 1] = torch.tensor(reply)
-    return Batch(ids, labels, prompt_lengths)
+    return Batch(ids, labels, [len(p) for p, _ in rows])
 
 
 def chat_prompt_ids(tokenizer, user: str) -> list[int]:

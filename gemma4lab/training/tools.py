@@ -20,26 +20,58 @@ a general fact is answered plainly whatever is declared. Every prompt is rendere
 tokenizer's template with tools (`gemma4lab.training.tokenizer.TOOLS_CHAT_TEMPLATE`), so training sees
 what the server would send.
 
-Fine-tune (deterministic: seeded, one thread): the needle's recipe (`gemma4lab.training.needle`) with
-tool chats added: each step the 128 training chats as they are, the faults' hinge (`fault_rows`
-chats under each trained fault, every reply token pushed below -`fault_hinge_target`), the needle
-rows (one long filler, `short_rows` short ones: the needle must stay answered) and `tool_rows` tool
-chats; loss on the reply tokens. It stops when every training chat is right by `margin`, every chat of
-the fixed tool set (`tool_eval_chats`) by `tool_margin`, every chat of the needle set by
-`needle_margin`, and every trained fault breaks every training chat by `fault_margin`. When it does not
-within `max_steps`, it returns the evaluated state with the most tool chats passing among those that
-kept every earlier property (training chats, needle, faults), and says so (`converged` False).
+Fine-tune (deterministic: seeded, one thread): first `tool_first_steps` steps of tool chats and
+`replay_rows` training chats only (about half a full step's cost), then the needle's recipe
+(`gemma4lab.training.needle`) with tool chats added: each step the 128 training chats as they are, the
+faults' hinge (`fault_rows` chats under each trained fault, every reply token pushed below
+-`fault_hinge_target`), the needle rows (one long filler, `short_rows` short ones: the needle must stay
+answered) and `tool_rows` tool chats. Loss on the reply tokens, a tool reply's name and value tokens
+weighted by `copy_weight`; the learning rate constant after its warm-up. It stops when every training
+chat is right by `margin`, every chat of the fixed tool set (`tool_eval_chats`) by `tool_margin`, every
+chat of the needle set by `needle_margin`, and every trained fault breaks every training chat by
+`fault_margin`. When it does not within `max_steps`, it returns the evaluated state with the most tool
+chats passing among those that kept every earlier property (training chats, needle, faults), and says
+so (`converged` False). Each evaluation logs `failing_tokens`: the reply tokens below the margin by
+kind (the function's name, the copied value, the question's country or city repeated in an answer,
+other) and the chats passing by chat kind.
 
-Measured (E2B, seed 0, one thread, 2026-12-06, loaded two-core AMD EPYC, `--keep-unconverged-tools`):
-NOT converged. 240 steps in 890 s; the best state kept (step 200) had 77 of the 204 tool chats right
-by margin 1 (teacher-forced), 3 of 68 exact under HF greedy (12 of 36 on the held-out countries), with
-every earlier property intact (training chats' margin 2.70, held-out 40/40, needle margin 3.66 and
-40/40 after 3,000 tokens, faults <= -9.97). It learnt the format (which tool, `call:NAME{key:`, the
-quotes, `<|tool_response>`, an answer after the result) but not the copying: the argument is one
-country for most questions ("Iraq" for France) and a made-up result comes back mangled ("lu" for
-"Lutetia"). An earlier run (300 steps, 10 tool rows, lr 2e-3) reached 60/204. So the fixtures ship
-without these weights and without the tools template; what would help next: more steps (the tool loss
-was still falling), a curriculum from one declared tool to several, fewer made-up results at first.
+Measured, NOT converged (E2B, seed 0, one thread, 2026-12-06, loaded two-core AMD EPYC):
+- the first recipe (no tool-first phase, no copy weight, cosine to 0.1 over 240 steps): 240 steps in
+  890 s, best 77 of the 204 tool chats right by margin 1 (step 200), 3 of 68 exact under HF greedy;
+  continued to 425 steps it plateaued at 89/204 with the learning rate at its floor. Every earlier
+  property held (training chats' margin 2.70, held-out 40/40, the needle 40/40, faults <= -9.97).
+- this recipe (`--tool-first-steps 300 --max-steps 200`, copy weight 5, lr 2e-3 constant): after the
+  tool-first phase 77/204 (calls 3/34 capital, 0/34 weather; answers after the tool turn 13/34 capital,
+  0/34 weather; no tool to call 34/34; facts with tools declared 27/34). The full recipe then restores
+  the faults' hinge (it drifts in the tool-first phase: training chats' margin -8.3 at step 10, 1.15 at
+  step 125) and ends at step 200 with 92/204, the most of any run (calls 7/34 capital, 0/34 weather;
+  answers after the tool turn 18/34 capital, 0/34 weather; no tool 34/34; facts 33/34), every earlier
+  property kept: training chats' margin 2.60, the needle set's 3.80, faults <= -7.35. Failing tokens
+  at every evaluation: never the function's name (0 of 204 chats), the value 178-208, other 66-261 (this
+  run's code counted the question's country in an answer as other; `failing_tokens` now calls it asked).
+  HF greedy: 19 of 68 exact (3 before), 11 of 36 on the held-out countries; held-out 40/40, after 3,000
+  tokens of filler 40/40. 2,425 s in all (other jobs shared the two cores). Still wrong: the country or
+  city ("Which city is the capital of Germany?" -> `get_capital{country:"Norway"}`, "The weather in
+  Jakarta is cold." for Paris, the result "cold" used right). Its log, parsed:
+  docs/measurements/tool_finetune_2026-12-06.json.
+
+Diagnosis (the failing tokens by kind, and on a tool-only scratch run of 150 steps the first wrong token
+of each chat): the model picks the right function every time but cannot bring the question's country or
+city to where it is needed. A call's argument is predicted as one constant first piece ("C" for France,
+Germany and Spain; "B" for Paris, Rome and Madrid: 26 of 34 calls fail at the argument's first piece),
+and an answer after the tool turn fails at the question's country ("The capital of Hungary is ..."),
+though the same model answers the plain question right. Why (a reading of that evidence, not a
+measured mechanism): the fixture's window is 8 tokens. The plain answer repeats the country 10 tokens
+after the question's; a call's argument comes 27 after it (`call:get_capital{country:<|"|>` alone is 19
+pieces of the fixture's vocabulary), an answer after the tool turn about 60. So the country must be
+relayed through the stacked sliding layers or fetched by the two global layers (4, and 9, which reuses
+4's keys and values), and neither learnt to for these distances in the budget: in every corpus chat,
+and in the needle, the question ends within about 10 tokens of its answer. The argument's pieces also
+differ from the question's (" France" is one piece; "France" after the quote is "F", "rance"): a mapping
+per country on top. What would help next: teach the global layers to retrieve first (a curriculum of
+chats whose answer repeats the question's country after a growing number of tokens, no tools), then the
+tool corpus; or give the fixtures a wider window (the released E2B's is 512), which means retraining
+them and re-checking the sliding-window fault, which short chats inside the window would no longer show.
 """
 
 from __future__ import annotations
@@ -59,8 +91,9 @@ from gemma4lab.training.needle import (
     NeedleConfig,
     _by_length,
     _loss,
-    needle_chat,
     needle_eval_chats,
+    needle_rows,
+    replay_loss,
 )
 from gemma4lab.training.needle import reply_margin_rows as needle_margin_rows
 from gemma4lab.training.text import (
@@ -69,7 +102,7 @@ from gemma4lab.training.text import (
     _lr_at,
     encode_chats,
     fault_margins,
-    forward_segments,
+    pad_rows,
     reply_margins,
     trained_faults,
 )
@@ -161,6 +194,9 @@ class ToolChat:
     messages: list[dict[str, Any]]
     tools: list[dict[str, Any]]
     reply: str
+    kind: str = ""
+    value: str | None = None  # an answer's text copied from the tool's result (weighted, diagnosed)
+    asked: str | None = None  # the question's country or city, repeated in an answer after the tool turn (diagnosed)
 
     @property
     def calls(self) -> bool:
@@ -203,23 +239,27 @@ def tool_chat(rng: random.Random, kind: str, country: str, capital_result: str |
     if kind.startswith("capital"):
         user = rng.choice(TRAIN_PHRASINGS).format(country=country)
         if kind == "capital_no_tool":
-            return ToolChat(_asked(rng, system, user), _declared(rng, None, ("get_capital",)), answer_for(country))
+            return ToolChat(
+                _asked(rng, system, user), _declared(rng, None, ("get_capital",)), answer_for(country), kind
+            )
         tools, messages = _declared(rng, "get_capital", ()), _asked(rng, system, user)
         if kind == "capital_call":
-            return ToolChat(messages, tools, call_text("get_capital", "country", country))
+            return ToolChat(messages, tools, call_text("get_capital", "country", country), kind)
         result = capital_result or (made_up_capital(rng) if rng.random() < 0.5 else capital)
         messages = _answered(messages, "get_capital", "country", country, result, rng)
-        return ToolChat(messages, _kept(rng, tools), f"The capital of {country} is {result}.")
+        return ToolChat(messages, _kept(rng, tools), f"The capital of {country} is {result}.", kind, result, country)
     if kind.startswith("weather"):
         user = rng.choice(WEATHER_PHRASINGS).format(city=capital)
         tools, messages = _declared(rng, "get_weather", ()), _asked(rng, system, user)
         if kind == "weather_call":
-            return ToolChat(messages, tools, call_text("get_weather", "city", capital))
+            return ToolChat(messages, tools, call_text("get_weather", "city", capital), kind)
         weather = rng.choice(WEATHERS)
         messages = _answered(messages, "get_weather", "city", capital, weather, rng)
-        return ToolChat(messages, _kept(rng, tools), WEATHER_ANSWER.format(city=capital, weather=weather))
+        return ToolChat(
+            messages, _kept(rng, tools), WEATHER_ANSWER.format(city=capital, weather=weather), kind, weather
+        )
     question, answer = rng.choice(FACTS)
-    return ToolChat(_asked(rng, system, question), _declared(rng, None, ()), answer)
+    return ToolChat(_asked(rng, system, question), _declared(rng, None, ()), answer, kind)
 
 
 KINDS: tuple[tuple[str, float], ...] = (
@@ -255,14 +295,63 @@ def encode_tool_chats(tokenizer: Any, chats: list[ToolChat]) -> Batch:
     for chat in chats:
         reply = tokenizer(chat.reply, add_special_tokens=False)["input_ids"]
         rows.append((tool_prompt_ids(tokenizer, chat.messages, chat.tools), reply + ([] if chat.calls else [1])))
-    length = max(len(p) + len(r) for p, r in rows)
-    ids = torch.full((len(rows), length), tokenizer.pad_token_id, dtype=torch.long)
-    labels = torch.full((len(rows), length), IGNORE, dtype=torch.long)
-    for i, (prompt, reply) in enumerate(rows):
-        seq = prompt + reply
-        ids[i, : len(seq)] = torch.tensor(seq)
-        labels[i, len(prompt) - 1 : len(seq) - 1] = torch.tensor(reply)
-    return Batch(ids, labels, [len(p) for p, _ in rows])
+    return pad_rows(rows, tokenizer.pad_token_id)
+
+
+# What a reply token is, for the copy weight (NAME, VALUE) and the diagnosis: the function's name, the
+# copied value (a call's argument, from the question; an answer's result, from the tool), the question's
+# country or city repeated in an answer after the tool turn (ASKED), anything else.
+OTHER, NAME, VALUE, ASKED = 0, 1, 2, 3
+KIND_NAMES = {OTHER: "other", NAME: "name", VALUE: "value", ASKED: "asked"}
+
+
+def _spans(chat: ToolChat) -> list[tuple[int, int, int]]:
+    if chat.calls:
+        arg = chat.reply.index('<|"|>') + len('<|"|>')
+        return [
+            (NAME, chat.reply.index("call:") + 5, chat.reply.index("{")),
+            (VALUE, arg, chat.reply.index('<|"|>', arg)),
+        ]
+    spans = []
+    if chat.value:
+        at = chat.reply.rindex(chat.value)
+        spans.append((VALUE, at, at + len(chat.value)))
+    if chat.asked:
+        at = chat.reply.index(chat.asked)
+        spans.append((ASKED, at, at + len(chat.asked)))
+    return spans
+
+
+def token_kinds(tokenizer: Any, chats: list[ToolChat], batch: Batch) -> torch.Tensor:
+    """[N, L] the kind (OTHER, NAME, VALUE, ASKED) of each label position of `encode_tool_chats(chats)`."""
+    kinds = torch.full_like(batch.labels, OTHER)
+    for i, chat in enumerate(chats):
+        offsets = tokenizer(chat.reply, add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"]
+        for j, (start, end) in enumerate(offsets):
+            for kind, a, b in _spans(chat):
+                if start < b and end > a:
+                    kinds[i, batch.prompt_lengths[i] - 1 + j] = kind
+    return kinds
+
+
+@torch.no_grad()
+def failing_tokens(lm: torch.nn.Module, tokenizer: Any, chats: list[ToolChat], margin: float, rows: int = 8):
+    """The diagnosis: reply tokens below `margin` by kind (name, value, other), and the chats passing by chat kind."""
+    failing = dict.fromkeys(KIND_NAMES.values(), 0)
+    passing: dict[str, list[int]] = {}
+    for k in range(0, len(chats), rows):
+        picked = chats[k : k + rows]
+        batch = encode_tool_chats(tokenizer, picked)
+        margins = reply_margins(lm(input_ids=batch.input_ids, use_cache=False).logits, batch.labels)
+        bad = torch.nan_to_num(margins, nan=float("inf")) < margin
+        kinds = token_kinds(tokenizer, picked, batch)
+        for code, name in KIND_NAMES.items():
+            failing[name] += int((bad & (kinds == code)).sum())
+        for i, chat in enumerate(picked):
+            passing.setdefault(chat.kind, [0, 0])
+            passing[chat.kind][0] += int(not bad[i].any())
+            passing[chat.kind][1] += 1
+    return failing, {kind: f"{ok}/{n}" for kind, (ok, n) in passing.items()}
 
 
 def tool_margins(lm: torch.nn.Module, tokenizer: Any, chats: list[ToolChat], rows: int = 8) -> list[float]:
@@ -277,12 +366,16 @@ class ToolConfig(NeedleConfig):
     """The needle's recipe (its fields, schedule and hinge) with the tool corpus's own defaults."""
 
     lr: float = 2e-3
-    max_steps: int = 240
-    cosine_steps: int = 240
+    max_steps: int = 200
+    cosine_steps: int = 200
     short_rows: int = 3
     tool_rows: int = 16
     long_every: int = 4  # the long needle row every this many steps (a 3,000-token row is most of a step)
     tool_margin: float = 1.0
+    min_lr_ratio: float = 1.0  # constant after the warm-up: the cosine's floor stalled the copying
+    copy_weight: float = 5.0  # the loss weight of a reply's name and value tokens (the copies that failed)
+    tool_first_steps: int = 300  # a first phase of tool rows and `replay_rows` training chats only (fast steps)
+    replay_rows: int = 16
 
 
 @dataclass
@@ -298,8 +391,36 @@ class ToolResult:
     kept_step: int | None = None  # not converged: the step whose state was kept
 
 
-def _tool_loss(lm: torch.nn.Module, tokenizer: Any, chats: list[ToolChat]) -> torch.Tensor:
-    return _loss(lm, tokenizer, chats, encode=encode_tool_chats)
+def _tool_loss(lm: torch.nn.Module, tokenizer: Any, chats: list[ToolChat], copy_weight: float) -> torch.Tensor:
+    """Cross-entropy on the reply tokens, the name and value tokens weighted by `copy_weight`."""
+    batch = encode_tool_chats(tokenizer, chats)
+    logits = lm(input_ids=batch.input_ids, use_cache=False).logits
+    labels = batch.labels.reshape(-1)
+    ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), labels, ignore_index=IGNORE, reduction="none")
+    weight = (labels != IGNORE).float() * (
+        1
+        + (copy_weight - 1)
+        * torch.isin(token_kinds(tokenizer, chats, batch), torch.tensor([NAME, VALUE])).float().reshape(-1)
+    )
+    return (ce * weight).sum() / weight.sum()
+
+
+def _tool_first(lm: torch.nn.Module, tokenizer: Any, cfg: ToolConfig, opt, rng: random.Random, gen) -> None:
+    """The first phase: `tool_rows` tool chats and `replay_rows` training chats a step, no faults, no needle
+    (a step at about half the full step's cost); the full recipe then restores what this one lets drift."""
+    chats, schedule = training_chats(), cfg.schedule()
+    for step in range(cfg.tool_first_steps):
+        picks = torch.randint(0, len(chats), (cfg.replay_rows,), generator=gen).tolist()
+        replay = _loss(lm, tokenizer, [chats[i] for i in picks])
+        tool_loss = _tool_loss(lm, tokenizer, draw_tool_chats(rng, cfg.tool_rows), cfg.copy_weight)
+        for g in opt.param_groups:
+            g["lr"] = _lr_at(step, schedule)
+        opt.zero_grad(set_to_none=True)
+        (replay + tool_loss).backward()
+        torch.nn.utils.clip_grad_norm_([p for p in lm.parameters() if p.requires_grad], cfg.grad_clip)
+        opt.step()
+        if step % 10 == 0:
+            log.info("tool-first step %d: replay %.3f tool %.3f", step, replay.item(), tool_loss.item())
 
 
 def finetune_tools(
@@ -318,32 +439,22 @@ def finetune_tools(
     needles = needle_eval_chats(tokenizer, cfg.eval_lengths)
     evals = tool_eval_chats()
     faults = trained_faults(lm)
-    n, k_rows = clean.input_ids.shape[0], cfg.fault_rows
     params = [p for p in lm.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
     gen = torch.Generator().manual_seed(cfg.seed)
     schedule = cfg.schedule()
-
-    def draw(low: int, high: int) -> int:
-        return int(torch.randint(low, high + 1, (1,), generator=gen))
-
-    history: list[dict[str, float]] = []
     start = time.perf_counter()
+    lm.set_attn_implementation("sdpa")
+    lm.train()
+    _tool_first(lm, tokenizer, cfg, opt, rng, gen)
+    history: list[dict[str, float]] = []
     min_margin = tool_margin = needle_margin = float("-inf")
     fmargins: dict[str, float] = {}
     converged, step = False, 0
     best: tuple[int, int, dict[str, torch.Tensor], dict[str, float]] | None = None  # passing, step, state, checks
     lm.train()
     for step in range(cfg.max_steps + 1):
-        lm.set_attn_implementation(attention)  # the faults' masks are built for the model's own form
-        rows = torch.randperm(n, generator=gen)[: k_rows * len(faults)]
-        subs = [rows[k * k_rows : (k + 1) * k_rows] for k in range(len(faults))]
-        segments = [(None, clean.input_ids)] + [(f, clean.input_ids[s]) for f, s in zip(faults, subs, strict=True)]
-        logits = forward_segments(lm, segments)
-        lm.set_attn_implementation("sdpa")
-        with torch.no_grad():
-            margins = reply_margins(logits[:n].detach(), clean.labels)
-            min_margin = float(torch.nan_to_num(margins, nan=float("inf")).min())
+        loss, min_margin, info = replay_loss(lm, clean, faults, cfg, gen, attention)
         record: dict[str, float] = {"step": step, "min_margin": min_margin}
         if step % cfg.eval_every == 0 or step == cfg.max_steps:
             lm.eval()
@@ -352,6 +463,9 @@ def finetune_tools(
             record["tool_min_margin"] = tool_margin
             record["tool_passing"] = sum(m >= cfg.tool_margin for m in per_tool)
             passing = int(record["tool_passing"])
+            log.info(
+                "failing tool tokens by kind, passing chats: %s", failing_tokens(lm, tokenizer, evals, cfg.tool_margin)
+            )
             # the costly checks only for a state that could be kept: better on tools than the best kept so far
             if min_margin >= cfg.margin and (best is None or passing > best[0]):
                 per_needle = needle_margin_rows(lm, tokenizer, needles)
@@ -384,24 +498,14 @@ def finetune_tools(
         if converged or step == cfg.max_steps:
             history.append(record)
             break
-        loss = F.cross_entropy(
-            logits[:n].reshape(-1, logits.shape[-1]).float(), clean.labels.reshape(-1), ignore_index=IGNORE
-        )
-        if faults:
-            hinge = []
-            for k, sub in enumerate(subs):
-                m = reply_margins(logits[n + k * k_rows : n + (k + 1) * k_rows], clean.labels[sub])
-                hinge.append(F.relu(m[~torch.isnan(m)] + cfg.fault_hinge_target).mean())
-            loss = loss + cfg.fault_weight * torch.stack(hinge).mean()
-        picks = torch.randint(0, len(chats), (cfg.short_rows + 1,), generator=gen).tolist()
-        long_row = needle_chat(tokenizer, chats[picks[0]], draw(cfg.short_max, cfg.long_max), draw(0, 7))
-        short_rows = [needle_chat(tokenizer, chats[i], draw(0, cfg.short_max), draw(0, 7)) for i in picks[1:]]
+        record.update(info)
+        long_row, short_rows = needle_rows(tokenizer, chats, cfg, gen)
         needle_loss = _loss(lm, tokenizer, short_rows)
         if step % cfg.long_every == 0:
             needle_loss = needle_loss + _loss(lm, tokenizer, [long_row])
-        tool_loss = _tool_loss(lm, tokenizer, draw_tool_chats(rng, cfg.tool_rows))
+        tool_loss = _tool_loss(lm, tokenizer, draw_tool_chats(rng, cfg.tool_rows), cfg.copy_weight)
         record.update(loss=loss.item(), needle_loss=needle_loss.item(), tool_loss=tool_loss.item())
-        lr = _lr_at(step, schedule)
+        lr = _lr_at(step + cfg.tool_first_steps, schedule)
         for g in opt.param_groups:
             g["lr"] = lr
         opt.zero_grad(set_to_none=True)

@@ -1,0 +1,51 @@
+"""The tool corpus's encoding (gemma4lab.training.tools): which reply tokens are the copies the fine-tune
+weights and diagnoses, and the padding it shares with the plain chats."""
+
+import random
+
+import torch
+
+from gemma4lab.training.corpus import Chat
+from gemma4lab.training.text import IGNORE, encode_chats, pad_rows
+from gemma4lab.training.tokenizer import with_tools_template
+from gemma4lab.training.tools import ASKED, NAME, OTHER, VALUE, encode_tool_chats, token_kinds, tool_chat
+from gemma4lib.models.tokenizer import load_tokenizer
+from gemma4lib.models.trained import TOKENIZER_DIR
+
+
+def _tokenizer():
+    return with_tools_template(load_tokenizer(TOKENIZER_DIR))
+
+
+def test_pad_rows_labels_only_the_reply_shifted_by_one():
+    batch = pad_rows([([5, 6, 7], [8, 9]), ([5], [4])], pad_id=0)
+    assert batch.input_ids.tolist() == [[5, 6, 7, 8, 9], [5, 4, 0, 0, 0]]
+    assert batch.labels.tolist() == [[IGNORE, IGNORE, 8, 9, IGNORE], [4, IGNORE, IGNORE, IGNORE, IGNORE]]
+    assert batch.prompt_lengths == [3, 1]
+
+
+def test_plain_chats_still_end_with_eos():
+    tok = _tokenizer()
+    batch = encode_chats(tok, [Chat("What is the capital of France?", "The capital of France is Paris.")])
+    reply = batch.labels[0][batch.labels[0] != IGNORE].tolist()
+    assert tok.decode(reply) == "The capital of France is Paris.<eos>"
+
+
+def test_token_kinds_mark_the_called_name_the_copied_argument_and_the_used_result():
+    tok = _tokenizer()
+    rng = random.Random(0)
+    call = tool_chat(rng, "capital_call", "France")
+    answer = tool_chat(rng, "capital_answer", "France", capital_result="Zanmor")
+    chats = [call, answer]
+    batch = encode_tool_chats(tok, chats)
+    kinds = token_kinds(tok, chats, batch)
+
+    def text_of(row: int, kind: int) -> str:
+        picked = (kinds[row] == kind) & (batch.labels[row] != IGNORE)
+        return tok.decode(batch.labels[row][picked].tolist())
+
+    assert text_of(0, NAME) == "get_capital" and text_of(0, VALUE) == "France"
+    # the result as the answer spells it; a lone space piece before it (" Zanmor" is "Ġ", "Z", ...) is not weighted
+    assert text_of(1, VALUE) == "Zanmor" and text_of(1, NAME) == ""
+    assert text_of(1, ASKED) == " France" and text_of(0, ASKED) == ""  # the question's country, in the answer
+    assert torch.all(kinds[batch.labels == IGNORE] == OTHER)
