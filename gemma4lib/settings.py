@@ -242,7 +242,8 @@ class PortSettings:
             raise SettingsError(f"the {name} does not hear (no audio tower in its config): pick {hearing} for audio")
         if not self.backend_row.audio or (self.audio and (self.batch_size != 1 or self.prompts is not None)):
             raise SettingsError(
-                f"audio runs with one prompt on backend {names_where(lambda f: f.audio)} at tp_degree 1 so far, "
+                f"audio runs with one prompt on backend {names_where(lambda f: f.audio)} (cpu and eager at TP > 1 on "
+                "the gloo ranks) so far, "
                 f"not batch_size {self.batch_size} on backend {self.backend!r} at tp_degree {self.tp_degree} "
                 f"(docs/AUDIO.md says what is not reached yet)"
             )

@@ -7,6 +7,8 @@ prompt), the fit check, and what coherence expects of a shipped clip."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -79,13 +81,26 @@ def test_clips_and_an_image_in_one_prompt():
     assert record["audio"]["audio_graph"][:2] == [1, max(record["audio"]["frames"])]  # one clip a call
 
 
-def test_audio_on_the_cpu_backend():
+def test_audio_on_the_cpu_backend_and_from_a_bundle(tmp_path):
     """The cpu backend compiles the audio graph with AOTInductor into the artifact cache beside prefill and
-    decode (a second compile of the same program is a hit: tests/test_audio_graph.py), and the port still
-    matches transformers."""
-    record = run("e2b", ["france.wav"], backend="cpu")
+    decode (a second compile of the same program is a hit: tests/test_audio_graph.py); `export` carries it in
+    the bundle (its manifest names the graph and its shape), a port from the bundle compiles nothing and still
+    matches transformers, and a clip of another length is refused by the manifest before loading."""
+    from gemma4lib.errors import BundleError
+    from gemma4lib.export import export_bundle
+
+    kwargs = dict(variant="e2b", model="random", backend="cpu", max_new_tokens=6, iters=1, warmup=0)
+    clip = [str(CLIPS / "france.wav")]
+    manifest = export_bundle(PortSettings(audio=clip, **kwargs), tmp_path / "bundle")
+    (build,) = manifest["builds"]
+    assert build["graphs"][-1] == "audio" and build["settings"]["audio_graph"] == [1, 95, 128]
+    record = run("e2b", ["france.wav"], backend="cpu", artifacts=str(tmp_path / "bundle"))
     assert record["seq_match"] and record["logits_match"], record["failed_checks"]
     assert record["compiler"] != "none" and "audio" in record["artifacts"], record["artifacts"]
+    assert all(record["cache_hits"]) and record["compile_s"] == 0.0
+    longer = PortSettings(audio=[str(CLIPS / "capital_of_france.wav")], artifacts=str(tmp_path / "bundle"), **kwargs)
+    with pytest.raises(BundleError, match=r"audio_graph"):
+        port(longer)
 
 
 def test_audio_soft_tokens_count_in_the_fit_check():
@@ -116,9 +131,9 @@ def test_shipped_clips_expect_their_words(tmp_path):
         (dict(variant="31b"), r"the 31b does not hear .*pick e2b, e4b, 12b"),
         (
             dict(variant="e2b", batch_size=2),
-            "audio runs with one prompt on backend 'cpu', 'eager', 'xla' at tp_degree 1",
+            "audio runs with one prompt on backend 'cpu', 'eager', 'xla', 'neuron' .cpu and eager at TP > 1",
         ),
-        (dict(variant="e4b", tp_degree=2), "not batch_size 1 on backend 'cpu' at tp_degree 2"),
+        (dict(variant="e4b", tp_degree=2, batch_size=2), "not batch_size 2 on backend 'cpu' at tp_degree 2"),
     ],
 )
 def test_audio_settings_refused_before_loading(kwargs, says):
@@ -206,3 +221,95 @@ def test_openai_client_sends_input_audio_and_a_transcription(hearing_server):
         with pytest.raises(openai.BadRequestError) as caught:
             client.audio.transcriptions.create(model="e2b", file=("clip.wav", data))
         assert caught.value.body["param"] == "file" and says in caught.value.body["message"], caught.value.body
+
+
+# ---- the other backends: the gloo TP ranks and neuron (SDK stood in) ------------------------------------------
+def test_audio_at_tp2_on_the_gloo_ranks():
+    """TP 2 on the gloo ranks: the audio graph unsharded in the parent (it reads no K/V, as the vision graph),
+    the decoder sharded; tokens and logits as transformers' `generate(input_features=...)`. The 12B passes the
+    same way (docs/AUDIO.md); one variant here for CI's time."""
+    record = run("e4b", ["capital_of_france.wav"], backend="cpu", tp_degree=2)
+    assert record["compiler"] == "cpu-gloo-tp" and record["world"]["processes"] == 2 and record["ranks_agree"]
+    assert record["seq_match"] and record["logits_match"] and not record["failed_checks"], record["failed_checks"]
+    assert record["audio_graph"] == "unsharded, in the parent process (it reads no K/V)"
+    assert record["audio"]["audio_graph"] == [1, 215, 128]
+
+
+def test_audio_on_neuron_traces_its_own_artifact_beside_rank_0(tmp_path, monkeypatch):
+    """Backend neuron with the SDK stood in (the decoder keys stubbed as tests/test_neuron_vision.py does;
+    `torch_neuronx.trace` answers with a TorchScript module of fixed soft tokens and the eager graph's valid
+    mask for the clip): the audio graph is traced once, with the media towers' flags, into its own cache entry
+    under its own key (another clip length, another key; another prompt, the same), loaded on rank 0's core
+    beside the decoder; the engine writes the loaded module's valid soft tokens; a second compile reuses it."""
+    import gc
+    import types
+
+    from conftest import held_cores, release_core_claims
+    from test_neuron_vision import _stub_decoder
+    from torch import nn
+
+    from gemma4lib.backends import neuron, registry
+    from gemma4lib.device.build import audio_graph
+    from gemma4lib.port import load_model, prompt_rows
+    from gemma4lib.recipes import neuron_env, neuron_vision
+
+    monkeypatch.setenv("GEMMA4LIB_INSTANCE_TYPE", "inf2.8xlarge")
+    monkeypatch.setattr(neuron_env, "require_sdk", lambda *a, **k: None)
+    clip = str(CLIPS / "france.wav")
+    settings = PortSettings(variant="e2b", model="random", backend="neuron", audio=[clip], cache_dir=str(tmp_path))
+    model = load_model(settings)
+    graph = audio_graph(model, settings)
+    media = prompt_rows(model, settings)[0].media.prompt
+    features, valid = media.audio[0]
+    with torch.no_grad():
+        _, kept = graph(features[None], valid[None].to(torch.int32))
+    pattern = torch.arange(kept.numel() * model.config.hidden_size, dtype=torch.float32).reshape(*kept.shape, -1)
+
+    class Traced(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("pattern", pattern)
+            self.register_buffer("kept", kept)
+
+        def forward(self, features: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            return self.pattern.to(features.dtype), self.kept
+
+    traces, placements = [], []
+
+    class Cores:
+        def __init__(self, start_nc=-1, nc_count=-1):
+            placements.append((start_nc, nc_count))
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+    def trace(func, example_inputs, **kwargs):
+        traces.append({"func": func, "shapes": [tuple(t.shape) for t in example_inputs], **kwargs})
+        return torch.jit.script(Traced())
+
+    sdk = types.SimpleNamespace(trace=trace, neuron_cores_context=Cores)
+    monkeypatch.setattr(neuron_env, "require", lambda module, purpose="": sdk)
+    decoders = _stub_decoder(monkeypatch, model)
+    release_core_claims()
+    try:
+        compiled = registry.compile_graphs(model, settings)
+        assert len(traces) == 1 and traces[0]["compiler_args"] == neuron_vision.compiler_args()
+        assert traces[0]["shapes"] == [(1, len(features), 128), (1, len(features))]
+        assert placements == [(0, 1)] and sorted(held_cores()) == [(0, 0), (0, 0)]  # decoder and audio: core 0
+        artifacts = compiled.info["artifacts"]
+        assert set(artifacts) == {"decoder", "audio"} and (Path(artifacts["audio"]) / "audio.pt").is_file()
+        assert torch.equal(compiled.runtime.audio_tokens(media), pattern[kept])
+        args = neuron_vision.COMPILER_ARGS
+        key = neuron.tower_cache_key(model, graph, args)[0]
+        other = PortSettings(variant="e2b", model="random", audio=[str(CLIPS / "capital_of_france.wav")])
+        assert neuron.tower_cache_key(model, audio_graph(model, other), args)[0] != key
+        again = PortSettings(variant="e2b", model="random", audio=[clip], prompt="Say it twice.")
+        assert neuron.tower_cache_key(model, audio_graph(model, again), args)[0] == key
+        del compiled, decoders[:]
+        gc.collect()
+        assert registry.compile_graphs(model, settings).cache_hits == [True, True] and len(traces) == 1
+    finally:
+        release_core_claims()

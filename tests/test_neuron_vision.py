@@ -171,39 +171,39 @@ def test_the_vision_entry_points_raise_the_documented_error_without_the_sdk(rand
 
 # ---- the vision artifact's own cache key -----------------------------------------------------------------
 def test_the_vision_key_moves_with_vision_weights_config_and_shape_not_with_the_prompt(tmp_path, monkeypatch):
-    from gemma4lib.backends.neuron import vision_cache_key
+    from gemma4lib.backends.neuron import tower_cache_key
 
     monkeypatch.setenv("GEMMA4LIB_INSTANCE_TYPE", "inf2.8xlarge")
     monkeypatch.setattr(neuron_env, "require_sdk", lambda *a, **k: None)
     model = vision.build_random_multimodal("e2b", seed=3)  # its own: the test edits its weights and config
     args = neuron_vision.COMPILER_ARGS
     graph = image_graph(model, _image_settings(tmp_path))
-    key, parts = vision_cache_key(model, graph, args)
+    key, parts = tower_cache_key(model, graph, args)
     assert parts["recipe"] == "neuron-vision_trace" and set(parts["sdk"]) >= set(neuron_env.SDK_PINS)
     assert '"vision_config"' in parts["config"]
     # another prompt, context, decoder TP or text weights: the same vision program, the same key
     other = _image_settings(tmp_path, prompt="Which colour is it?", context_length=256, prefill_buckets=(128,))
-    assert vision_cache_key(model, image_graph(model, other), args)[0] == key
+    assert tower_cache_key(model, image_graph(model, other), args)[0] == key
     with torch.no_grad():
         model.lm_head.weight.add_(1.0)
-    assert vision_cache_key(model, image_graph(model, other), args)[0] == key
+    assert tower_cache_key(model, image_graph(model, other), args)[0] == key
     # another patch budget (shape), other compiler flags: another key
     wider = vision_graph(model.multimodal, 1, graph.shape.patches + 9, graph.shape.patch_dim)
-    assert vision_cache_key(model, wider, args)[0] != key
-    assert vision_cache_key(model, graph, args.replace("-O1", "-O2"))[0] != key
+    assert tower_cache_key(model, wider, args)[0] != key
+    assert tower_cache_key(model, graph, args.replace("-O1", "-O2"))[0] != key
     # the vision weights the NEFF inlines: an edit of the encoder or of the embedder moves the key
     tower_weight = next(model.multimodal.model.vision_tower.parameters())
     with torch.no_grad():
         tower_weight.add_(1e-3)
-    edited = vision_cache_key(model, graph, args)[0]
+    edited = tower_cache_key(model, graph, args)[0]
     assert edited != key
     with torch.no_grad():
         next(model.multimodal.model.embed_vision.parameters()).mul_(2.0)
-    assert vision_cache_key(model, graph, args)[0] not in (key, edited)
+    assert tower_cache_key(model, graph, args)[0] not in (key, edited)
     # the vision config
-    before = vision_cache_key(model, graph, args)[0]
+    before = tower_cache_key(model, graph, args)[0]
     model.multimodal.config.vision_config.layer_norm_eps = 1e-3
-    assert vision_cache_key(model, graph, args)[0] != before
+    assert tower_cache_key(model, graph, args)[0] != before
 
 
 # ---- the backend: compile, cache, place, serve ------------------------------------------------------------

@@ -99,6 +99,7 @@ FACTS: dict[str, BackendFacts] = {
             row_prefill=True,
             images=True,
             request_images=True,
+            audio=True,
             int8=True,
             assistant_drafts_only=True,
             device_bound=True,
@@ -113,6 +114,7 @@ FACTS: dict[str, BackendFacts] = {
             tp=True,
             rank_graphs=True,
             images=True,
+            audio=True,
         ),
     )
 }

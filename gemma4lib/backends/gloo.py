@@ -8,8 +8,8 @@ ModelBuilder recipe: it builds the rank graphs from the config (`tp.rank_graph`,
 the aliased outputs (`recipes.common`).
 
 The parent holds the one engine and no K/V: a step sends its name and inputs to every rank and
-returns rank 0's outputs, after checking every rank computed the same (`ranks_agree`). The vision
-graph reads no K/V, so it runs in the parent, unsharded. The workers end with the compiled steps
+returns rank 0's outputs, after checking every rank computed the same (`ranks_agree`). The media
+towers (vision, audio) read no K/V, so they run in the parent, unsharded. The workers end with the compiled steps
 (or `RankWorld.close()`), at interpreter exit, and within a second of the parent process's end.
 """
 
@@ -380,10 +380,11 @@ def compile(graphs: GraphSet, model: LoadedModel, settings: PortSettings, progre
     seeded = spec.prefill_from == "cpu-seeded"
     if seeded and spec.verify is not None:
         raise SettingsError("prefill='cpu-seeded' seeds plain decode; draft with prefill='graph' (or draft=None)")
-    if seeded and spec.vision is not None:
+    towers = [n for n in ("vision", "audio") if getattr(spec, n) is not None]
+    if seeded and towers:
         raise SettingsError(
-            "prefill='cpu-seeded' prefills token ids on the host, without an image's soft tokens; "
-            "run image requests with prefill='graph'"
+            "prefill='cpu-seeded' prefills token ids on the host, without images' or clips' soft tokens; "
+            "run media requests with prefill='graph'"
         )
     if spec.row_prefill:
         raise SettingsError("the gloo ranks prefill batch-shaped only: set row_prefill=False at tp_degree > 1")
@@ -431,7 +432,8 @@ def compile(graphs: GraphSet, model: LoadedModel, settings: PortSettings, progre
         decode=RemoteStep(world, "decode") if spec.decode is not None else None,
         verify=RemoteStep(world, "verify") if spec.verify is not None else None,
         draft=RemoteStep(world, "draft") if spec.draft is not None else None,
-        vision=spec.vision,  # reads no K/V: unsharded, in the parent
+        vision=spec.vision,  # the media towers read no K/V: unsharded, in the parent
+        audio=spec.audio,
         contexts=named_steps({n: RemoteStep(world, n) for n in contexts}).contexts,
     )
     info: dict[str, Any] = {
@@ -445,8 +447,7 @@ def compile(graphs: GraphSet, model: LoadedModel, settings: PortSettings, progre
         "kv_shapes_per_rank": world.ready[0][1],
         "world": {"backend": "gloo", "processes": tp, "start_method": spec.start_method, "threads_per_process": 1},
     }
-    if spec.vision is not None:
-        info["vision_graph"] = "unsharded, in the parent process (it reads no K/V)"
+    info.update({f"{n}_graph": "unsharded, in the parent process (it reads no K/V)" for n in towers})
 
     def report() -> dict[str, Any]:
         figures = {k: round(v, 3) for k, v in timings.items()}

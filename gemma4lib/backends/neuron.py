@@ -1,9 +1,9 @@
 """Backend `neuron`: the device graphs compiled for inf2 by the recipe `memory_plan.neuron_recipe`
 picks (`recipes.neuron_model_builder` by default, TP=1 included; `recipes.neuron_trace` on one core
 when `PortSettings.neuron_recipe="trace"`),
-cached in the artifact cache, wrapped in the host runtime. With images, the vision graph is its
-own artifact (`recipes.neuron_vision`: `torch_neuronx.trace` on one NeuronCore, rank 0's, under its
-own key `vision_cache_key`). Needs the Neuron SDK (checked before any work);
+cached in the artifact cache, wrapped in the host runtime. With images or clips, each media tower (vision,
+audio) is its own artifact (`recipes.neuron_vision`: `torch_neuronx.trace` on one NeuronCore, rank 0's,
+under its own key `tower_cache_key`). Needs the Neuron SDK (checked before any work);
 everything but the compiler calls runs on CPU in the tests.
 """
 
@@ -40,8 +40,11 @@ from .engine import named_steps
 from .program_key import source_digest
 
 if TYPE_CHECKING:
+    from ..device.audio import AudioGraph
     from ..device.build import GraphSet
     from ..device.vision import VisionGraph
+
+    MediaTower = VisionGraph | AudioGraph
     from ..models.assistant import LoadedAssistant
     from ..models.loading import LoadedModel
     from ..settings import PortSettings
@@ -117,21 +120,22 @@ def neuron_cache_key(
     return make_key(parts), parts
 
 
-def vision_cache_key(model: LoadedModel, graph: VisionGraph, compiler_args: str) -> tuple[str, dict]:
-    """Cache key of the vision artifact, apart from the decoder's (a new prompt, TP degree, batch or
-    context reuses it; only what is in its NEFF moves it): the multimodal config (its vision_config
-    included), the identity of the vision weights the NEFF inlines (the encoder's and the embedder's,
-    the loader's declaration or their bytes hashed once), the graph's shape and form, the compiler
-    arguments, the graph source and versions, as `neuron_cache_key`."""
-    tower = graph.model.vision_tower
+def tower_cache_key(model: LoadedModel, graph: MediaTower, compiler_args: str) -> tuple[str, dict]:
+    """Cache key of a media tower's artifact (vision, audio), apart from the decoder's (a new prompt, TP degree,
+    batch or context reuses it; only what is in its NEFF moves it): the multimodal config (its tower's config
+    included), the identity of the weights the NEFF inlines (the encoder's and the embedder's, the loader's
+    declaration or their bytes hashed once), the graph's shape and form, the compiler arguments, the graph
+    source and versions, as `neuron_cache_key`."""
+    name = graph.shape.phase
+    tower = getattr(graph.model, f"{name}_tower")
     parts = {
-        "recipe": f"neuron-{neuron_vision.RECIPE}",
+        "recipe": f"neuron-{neuron_vision.names(name)[0]}",
         "config": model.multimodal.config.to_json_string(use_diff=False),
         "weights": {
-            "vision_tower": weights_identity(tower) if tower is not None else None,
-            "embed_vision": weights_identity(graph.model.embed_vision),
+            f"{name}_tower": weights_identity(tower) if tower is not None else None,
+            f"embed_{name}": weights_identity(getattr(graph.model, f"embed_{name}")),
         },
-        "shape": [graph.shape.images, graph.shape.patches, graph.shape.patch_dim],
+        "shape": list(graph.shape.key.values()),
         "graph": graph.key_parts(),
         "compiler_args": compiler_args,
         "dtype": str(graph.dtype),
@@ -140,44 +144,46 @@ def vision_cache_key(model: LoadedModel, graph: VisionGraph, compiler_args: str)
     return make_key(parts), parts
 
 
-def compile_vision(graph: VisionGraph, model: LoadedModel, settings: PortSettings, tp: int) -> tuple[Any, Any, float]:
-    """The vision graph traced for one NeuronCore (or found in the artifact cache), loaded onto rank
-    0's core (`neuron_vision.vision_core`): (loaded module, cache entry, compile seconds). Called after
-    the decoder's cores (the vision core among them) were found free and before the decoder loads,
-    so a busy core is refused before anything goes to the device."""
-    key, parts = vision_cache_key(model, graph, neuron_vision.COMPILER_ARGS)
-    started = time.perf_counter()
+def compile_towers(graphs: GraphSet, model: LoadedModel, settings: PortSettings, tp: int) -> dict[str, tuple]:
+    """The set's media towers (vision, audio) each traced for one NeuronCore (or found in the artifact cache)
+    and loaded onto rank 0's core (`neuron_vision.vision_core`), by name: (loaded module, cache entry,
+    compile seconds). Called after the decoder's cores (rank 0's among them) were found free and before the
+    decoder loads, so a busy core is refused before anything goes to the device."""
+    out = {}
+    for name, graph in (("vision", graphs.vision), ("audio", graphs.audio)):
+        if graph is None:
+            continue
+        key, parts = tower_cache_key(model, graph, neuron_vision.COMPILER_ARGS)
+        recipe, file = neuron_vision.names(name)
+        started = time.perf_counter()
 
-    def build(folder: Path) -> dict[str, Any]:
-        with compiler_workdir() as workdir, own_directory():
-            traced = neuron_vision.compile_vision(graph, compiler_workdir=workdir)
-            neuron_vision.save(traced, folder / neuron_vision.FILE)
-        return {"recipe": neuron_vision.RECIPE, "core": neuron_vision.vision_core(tp)}
+        def build(folder: Path, graph=graph, file=file, recipe=recipe) -> dict[str, Any]:
+            with compiler_workdir() as workdir, own_directory():
+                neuron_vision.save(neuron_vision.compile_vision(graph, compiler_workdir=workdir), folder / file)
+            return {"recipe": recipe, "core": neuron_vision.vision_core(tp)}
 
-    need = sum(p.numel() * p.element_size() for p in graph.parameters())  # the NEFF inlines them
-    entry = cache_for(settings, model).get_or_build(
-        key, build, describe={k: v for k, v in parts.items() if k != "config"}, need_bytes=need
-    )
-    compile_s = 0.0 if entry.hit else time.perf_counter() - started
-    core = neuron_vision.vision_core(tp)
-    label = f"{model.variant.name} vision graph (one core) from {entry.path}"
-    loaded = cores.claim(neuron_vision.load(entry.file(neuron_vision.FILE), core), core, 1, label)
-    log.info("vision graph on NeuronCore %d (%s)", core, "cached" if entry.hit else f"compiled in {compile_s:.1f} s")
-    return loaded, entry, compile_s
+        need = sum(p.numel() * p.element_size() for p in graph.parameters())  # the NEFF inlines them
+        entry = cache_for(settings, model).get_or_build(
+            key, build, describe={k: v for k, v in parts.items() if k != "config"}, need_bytes=need
+        )
+        compile_s = 0.0 if entry.hit else time.perf_counter() - started
+        core = neuron_vision.vision_core(tp)
+        label = f"{model.variant.name} {name} graph (one core) from {entry.path}"
+        out[name] = (cores.claim(neuron_vision.load(entry.file(file), core), core, 1, label), entry, compile_s)
+        log.info("%s graph on NeuronCore %d (%s)", name, core, "cached" if entry.hit else f"built in {compile_s:.1f} s")
+    return out
 
 
-def with_vision(compiled: CompiledGraphs, vision: tuple[Any, Any, float] | None) -> CompiledGraphs:
-    """`compiled` with the loaded vision graph as `steps.vision` (it reads no K/V: the engine calls it
-    with pixels and int32 positions, once per image), its cache hit and artifact recorded."""
-    if vision is None:
-        return compiled
-    loaded, entry, compile_s = vision
-    compiled.steps.vision = loaded
-    compiled.compile_s += compile_s
-    compiled.cache_hits.append(entry.hit)
-    artifacts = compiled.info.get("artifacts")
-    named = artifacts if isinstance(artifacts, dict) else {"decoder": artifacts}
-    compiled.info["artifacts"] = {**named, "vision": str(entry.path)}
+def with_towers(compiled: CompiledGraphs, towers: dict[str, tuple]) -> CompiledGraphs:
+    """`compiled` with each loaded media tower as its step (`steps.vision`, `steps.audio`: they read no K/V;
+    the engine calls them at admission), their cache hits and artifacts recorded."""
+    for name, (loaded, entry, compile_s) in towers.items():
+        setattr(compiled.steps, name, loaded)
+        compiled.compile_s += compile_s
+        compiled.cache_hits.append(entry.hit)
+        artifacts = compiled.info.get("artifacts")
+        named = artifacts if isinstance(artifacts, dict) else {"decoder": artifacts}
+        compiled.info["artifacts"] = {**named, name: str(entry.path)}
     return compiled
 
 
@@ -268,8 +274,8 @@ def compile(graphs: GraphSet, model: LoadedModel, settings: PortSettings, progre
     vocab = int(model.config.vocab_size)
     label = f"{model.variant.name} ({recipe}, TP={tp}) from {entry.path}"
     cores.check_free(0, tp, label)  # a model an earlier call loaded and still referenced: refuse, before the device
-    # with images: the vision graph on rank 0's core, from its own cache entry (checked free with the decoder's)
-    vision = compile_vision(graphs.vision, model, settings, tp) if graphs.vision is not None else None
+    # with media: each tower on rank 0's core, from its own cache entry (checked free with the decoder's)
+    towers = compile_towers(graphs, model, settings, tp)
     if recipe == "trace":
         loaded = neuron_trace.load(entry.file("model.pt"))
         step = DeviceStep(cores.claim(loaded, 0, tp, label), n_inputs, vocab, aliases=states, index_dtype=indices)
@@ -298,7 +304,7 @@ def compile(graphs: GraphSet, model: LoadedModel, settings: PortSettings, progre
         f"neuron-{recipe}",
         {"artifacts": str(entry.path), "tp_degree": tp, "decode_experts": decode_experts, "weights": settings.weights},
     )
-    return with_vision(compiled, vision)
+    return with_towers(compiled, towers)
 
 
 def context_step(keyed: Any, name: str, key: ContextKey, vocab: int, states: int, indices: torch.dtype) -> Any:
@@ -376,13 +382,13 @@ def compile_drafting(graphs: GraphSet, model: LoadedModel, settings: PortSetting
     compile_s = 0.0 if entry.hit else time.perf_counter() - started
     label = f"{model.variant.name} (drafting keys, TP={tp}) from {entry.path}"
     cores.check_free(0, tp, label)
-    vision = compile_vision(graphs.vision, model, settings, tp) if graphs.vision is not None else None
+    towers = compile_towers(graphs, model, settings, tp)
     traced = cores.claim(neuron_model_builder.load_model_builder(entry.path, tp), 0, tp, label)
     steps = drafting_steps(traced, buckets, graphs.target.has_ple, joins, chooses, contexts)
     compiled = CompiledGraphs(
         steps, compile_s, [entry.hit], f"neuron-{neuron_drafting.RECIPE}", {"artifacts": {"drafting": str(entry.path)}}
     )
-    return with_vision(compiled, vision)
+    return with_towers(compiled, towers)
 
 
 def drafting_steps(

@@ -18,7 +18,6 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
-import numpy as np
 import torch
 from torch import nn
 
@@ -286,10 +285,6 @@ def audio_graph(model: LoadedModel, settings: PortSettings) -> AudioGraph | None
     them); a server that hears: 30 s."""
     if not (settings.audio or settings.hears):
         return None
-    from ..models import audio
+    from ..models.audio import graph_shape
 
-    unified = model.variant.unified
-    clips = [audio.read_wav(c) for c in settings.audio] or [np.zeros(audio.RATE * audio.MAX_SECONDS, np.float32)]
-    frames = max(len(audio.features(c, unified)[0]) for c in clips)  # a server's: 30 s
-    width = audio.UNIFIED_SAMPLES if unified else audio.MELS
-    return AudioGraph(model.multimodal, AudioShape(1, frames, width))
+    return AudioGraph(model.multimodal, AudioShape(*graph_shape(settings.audio, model.variant.unified)))

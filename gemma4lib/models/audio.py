@@ -113,6 +113,13 @@ def features(samples: np.ndarray, unified: bool = False) -> tuple[np.ndarray, np
     return frames, np.ones(len(frames), dtype=bool)
 
 
+def graph_shape(clips: Sequence[Any], unified: bool = False) -> tuple[int, int, int]:
+    """The audio graph's (clips a call, frames, values a frame) for `clips` (paths, bytes): one a call at the
+    longest one's frames, as transformers pads them; none (a server that hears): 30 s."""
+    samples = [read_wav(c) for c in clips] or [np.zeros(RATE * MAX_SECONDS, np.float32)]
+    return 1, max(len(features(s, unified)[0]) for s in samples), UNIFIED_SAMPLES if unified else MELS
+
+
 def soft_tokens(samples: np.ndarray, unified: bool = False) -> int:
     """The placeholder count: the mel mask through the encoder's two stride-2 convolutions (every 4th
     frame), or for the 12B one per started 640-sample frame."""

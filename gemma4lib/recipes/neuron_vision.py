@@ -1,5 +1,6 @@
 """The vision graph on inf2: `torch_neuronx.trace` of `device.vision.VisionGraph` on ONE NeuronCore,
-saved as its own artifact, loaded onto a core beside the decoder's.
+saved as its own artifact, loaded onto a core beside the decoder's. The audio graph
+(`device.audio.AudioGraph`, features and int32 mask in) is the other media tower and is traced alike.
 
 Why a plain trace and not a ModelBuilder key: the image encoder is small (transformers' default
 `Gemma4VisionConfig` is ~167M parameters, unchecked against a release), reads and writes no K/V and
@@ -35,13 +36,20 @@ from typing import Any
 
 import torch
 
+from ..device.audio import AudioGraph
 from ..device.vision import VisionGraph
 from . import neuron_env
 from .neuron_trace import save  # noqa: F401  (the same TorchScript save: `neuron_vision.save`)
 
-RECIPE = "vision_trace"
-PURPOSE = "the vision graph on one NeuronCore (torch_neuronx.trace)"
-FILE = "vision.pt"
+PURPOSE = "a media tower on one NeuronCore (torch_neuronx.trace)"
+
+
+def names(tower: str) -> tuple[str, str]:
+    """The recipe name and artifact file of media tower `tower` ("vision"; "audio", traced alike)."""
+    return f"{tower}_trace", f"{tower}.pt"
+
+
+RECIPE, FILE = names("vision")
 
 # neuronx-cc arguments for the vision graph (neuronx-cc CLI reference), as the decoders'
 # (`neuron_env.COMPILER_ARGS`: the arithmetic is part of the cache key, no saturated infinities) but:
@@ -66,10 +74,10 @@ def vision_core(tp: int) -> int:
     return 0
 
 
-def compile_vision(graph: VisionGraph, *, compiler_workdir: str | None = None) -> Any:
-    """Trace and compile the vision graph for one NeuronCore over its own example inputs (one image at
-    the processor's patch budget: `pixel_values [1, patches, patch_dim]`, `position_ids [1, patches,
-    2]` int32); returns the TorchScript module. No state: `input_output_aliases` is empty."""
+def compile_vision(graph: VisionGraph | AudioGraph, *, compiler_workdir: str | None = None) -> Any:
+    """Trace and compile a media tower for one NeuronCore over its own example inputs (one image at the
+    processor's patch budget: `pixel_values [1, patches, patch_dim]`, `position_ids [1, patches, 2]` int32;
+    one clip: features, int32 mask); returns the TorchScript module. No state: no aliased inputs."""
     torch_neuronx = neuron_env.require("torch_neuronx", PURPOSE)
     graph = graph.eval()
     with torch.no_grad():
