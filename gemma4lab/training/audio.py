@@ -9,10 +9,9 @@ page); the tiny tokenizer has no such tokens, so fillers 6, 7, 8 are renamed, as
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
-from gemma4lab.training.vision import vision_tokenizer
+from gemma4lab.training.vision import rename_fillers, vision_tokenizer
 from gemma4lib.models.tokenizer import BOS, EOS, PAD
 from gemma4lib.models.vision import IMAGE_TOKEN
 
@@ -41,21 +40,13 @@ AUDIO_CHAT_TEMPLATE = (
 def audio_tokenizer(text_tokenizer) -> Any:
     """The vision tokenizer (`vision_tokenizer`) with fillers 6, 7, 8 renamed to the audio tokens and
     the audio template; every other id unchanged."""
-    from tokenizers import Tokenizer
     from transformers import PreTrainedTokenizerFast
 
     base = vision_tokenizer(text_tokenizer)
-    spec = json.loads(base.backend_tokenizer.to_str())
     renames = {f"<unused{BOA_ID}>": BOA, f"<unused{EOA_ID}>": EOA, f"<unused{AUDIO_TOKEN_ID}>": AUDIO_TOKEN}
-    for added in spec["added_tokens"]:
-        added["content"] = renames.get(added["content"], added["content"])
-    vocab = spec["model"]["vocab"]
-    for old, new in renames.items():
-        if old in vocab:
-            vocab[new] = vocab.pop(old)
     special = {"image_token": base.image_token, "boi_token": base.boi_token, "eoi_token": base.eoi_token}
     tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=Tokenizer.from_str(json.dumps(spec)),
+        tokenizer_object=rename_fillers(base, renames),
         bos_token=BOS,
         eos_token=EOS,
         pad_token=PAD,
@@ -110,17 +101,29 @@ def build_random_hearing(variant: str = "e2b", seed: int = 0) -> Any:
     vision weights unchanged) with an audio part added: E2B/E4B the `TINY_AUDIO` conformer, the 12B its
     encoder-free 640-sample frame embedder; the audio token ids are this module's. Its `tokenizer` is
     `audio_tokenizer` over the trained fixture's."""
-    import torch
-    from torch import nn
-
     from gemma4lib.models import vision
-    from gemma4lib.models.checkpoint import conditional_class
     from gemma4lib.models.trained import load_trained
     from gemma4lib.models.weights_identity import declare_identity
 
     base = vision.build_random_multimodal(variant, seed=seed)
-    config = base.multimodal.config.to_dict()
-    if base.variant.unified:
+    full = with_hearing(base.variant, base.multimodal, seed)
+    tokenizer = audio_tokenizer(load_trained(base.variant.name).tokenizer)
+    model = vision.loaded(base.variant, full.eval(), tokenizer, base.processor, f"tiny-random-audio(seed={seed})")
+    declare_identity(model.lm, f"tiny-random-audio-lm:{base.variant.name}:{seed}")
+    return model
+
+
+def with_hearing(variant, multimodal, seed: int = 0) -> Any:
+    """`multimodal` (a tiny vision model: fixture or random) rebuilt with an audio part, its text and
+    vision weights copied unchanged: E2B/E4B the `TINY_AUDIO` conformer, the 12B its encoder-free
+    640-sample frame embedder, seeded by `seed`; the audio token ids are this module's."""
+    import torch
+    from torch import nn
+
+    from gemma4lib.models.checkpoint import conditional_class
+
+    config = multimodal.config.to_dict()
+    if variant.unified:
         from transformers.models.gemma4_unified import Gemma4UnifiedAudioConfig, Gemma4UnifiedConfig
 
         config["audio_config"], config_cls = Gemma4UnifiedAudioConfig().to_dict(), Gemma4UnifiedConfig
@@ -131,16 +134,13 @@ def build_random_hearing(variant: str = "e2b", seed: int = 0) -> Any:
     config.update(audio_token_id=AUDIO_TOKEN_ID, boa_token_id=BOA_ID, eoa_token_id=EOA_ID, eoa_token_index=EOA_ID)
     with torch.random.fork_rng():
         torch.manual_seed(seed + 1000)
-        full = conditional_class(base.variant)._from_config(
-            config_cls(**config), dtype=torch.float32, attn_implementation=base.variant.attn_implementation
+        full = conditional_class(variant)._from_config(
+            config_cls(**config), dtype=torch.float32, attn_implementation=variant.attn_implementation
         )
         projection = full.model.embed_audio.embedding_projection  # soft tokens at the word embeddings' size
         nn.init.normal_(projection.weight, std=2.0 / projection.in_features**0.5)
-    missing, unexpected = full.load_state_dict(base.multimodal.state_dict(), strict=False)
+    missing, unexpected = full.load_state_dict(multimodal.state_dict(), strict=False)
     if unexpected or any("audio" not in name for name in missing):
         raise AssertionError(f"the hearing model lost weights: {unexpected[:3]} {missing[:3]}")
     full.tie_weights()
-    tokenizer = audio_tokenizer(load_trained(base.variant.name).tokenizer)
-    model = vision.loaded(base.variant, full.eval(), tokenizer, base.processor, f"tiny-random-audio(seed={seed})")
-    declare_identity(model.lm, f"tiny-random-audio-lm:{base.variant.name}:{seed}")
-    return model
+    return full
