@@ -6,10 +6,11 @@ fixture's countries, spoken by several voices at several speeds and pitches, and
 - T2 spoken question: [clip of "What is the capital of X?"] alone -> the text fixture's answer
   ("The capital of X is Y.").
 
-Only the audio part (conformer + `embed_audio`) trains; the decoder and the vision part stay frozen, so
-the vision fixtures' text and vision weights stay bit-identical. Stage one teaches the tower to tell the
-country and the kind of clip through a linear probe (thrown away), as the vision tower's stage one did;
-stage two teaches it to speak to the frozen decoder through the reply loss."""
+Stage one teaches the audio part (conformer + `embed_audio`; the front end's convolutions frozen) to tell
+the country and the kind of clip through a linear probe (thrown away), as the vision tower's stage one
+did; stage two trains it with the decoder on the reply loss, the decoder rehearsing its text and image
+answers (a frozen decoder could not be taught: `HearTrainConfig.train_decoder`). Where this stands:
+docs/AUDIO.md "Fixtures that hear"."""
 
 from __future__ import annotations
 
@@ -257,7 +258,7 @@ class HearTrainConfig:
     probe_steps: int = 800
     probe_batch: int = 64
     probe_lr: float = 1e-2
-    steps: int = 700
+    steps: int = 600
     lr: float = 3e-3  # the decoder's peak (train_vision's joint stage used the same)
     audio_lr: float = 3e-3  # the conformer layers and `embed_audio`, from scratch
     batch: int = 24  # audio examples a step
