@@ -11,16 +11,19 @@ espeak-ng writes 22,050 Hz; the clips are resampled here once (scipy's polyphase
 from __future__ import annotations
 
 import hashlib
-import io
 import json
 import subprocess
+import sys
 import wave
 from pathlib import Path
 
 import numpy as np
-from scipy.signal import resample_poly
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from gemma4lab.training import hearing  # noqa: E402
+
 OUT = ROOT / "gemma4lib" / "fixtures" / "audio"
 VOICE, SPEED = "en-us", 150  # espeak-ng -v, -s (words per minute)
 RATE = 16_000
@@ -33,18 +36,8 @@ CLIPS = {
 
 
 def speak(text: str) -> tuple[np.ndarray, list[str]]:
-    """espeak-ng's float samples of `text` at 16 kHz, and the command that spoke them."""
-    command = ["espeak-ng", "-v", VOICE, "-s", str(SPEED), "--stdout", text]
-    raw = subprocess.run(command, check=True, capture_output=True).stdout
-    with wave.open(io.BytesIO(raw), "rb") as clip:
-        rate, frames = clip.getframerate(), clip.readframes(clip.getnframes())
-        if clip.getsampwidth() != 2 or clip.getnchannels() != 1:
-            raise SystemExit(f"espeak-ng gave {clip.getnchannels()} channels of {clip.getsampwidth()} bytes")
-    samples = np.frombuffer(frames, "<i2").astype(np.float64) / 32768.0
-    if rate != RATE:
-        gcd = np.gcd(RATE, rate)
-        samples = resample_poly(samples, RATE // gcd, rate // gcd)
-    return samples, command
+    """espeak-ng's float samples of `text` at 16 kHz in the clips' voice, and the command that spoke them."""
+    return hearing.speak(text, VOICE, SPEED)
 
 
 def main() -> None:

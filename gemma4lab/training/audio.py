@@ -9,11 +9,10 @@ page); the tiny tokenizer has no such tokens, so fillers 6, 7, 8 are renamed, as
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
-from gemma4lab.training.vision import vision_tokenizer
-from gemma4lib.models.audio import AUDIO_TOKEN_ID, BOA_ID, EOA_ID, TINY_AUDIO  # noqa: F401 (the tests' names)
+from gemma4lab.training.vision import rename_fillers, vision_tokenizer
+from gemma4lib.models.audio import AUDIO_TOKEN_ID, BOA_ID, EOA_ID, TINY_AUDIO, with_hearing  # noqa: F401 (the tests' names)
 from gemma4lib.models.tokenizer import BOS, EOS, PAD
 from gemma4lib.models.vision import IMAGE_TOKEN
 
@@ -41,21 +40,13 @@ AUDIO_CHAT_TEMPLATE = (
 def audio_tokenizer(text_tokenizer) -> Any:
     """The vision tokenizer (`vision_tokenizer`) with fillers 6, 7, 8 renamed to the audio tokens and
     the audio template; every other id unchanged."""
-    from tokenizers import Tokenizer
     from transformers import PreTrainedTokenizerFast
 
     base = vision_tokenizer(text_tokenizer)
-    spec = json.loads(base.backend_tokenizer.to_str())
     renames = {f"<unused{BOA_ID}>": BOA, f"<unused{EOA_ID}>": EOA, f"<unused{AUDIO_TOKEN_ID}>": AUDIO_TOKEN}
-    for added in spec["added_tokens"]:
-        added["content"] = renames.get(added["content"], added["content"])
-    vocab = spec["model"]["vocab"]
-    for old, new in renames.items():
-        if old in vocab:
-            vocab[new] = vocab.pop(old)
     special = {"image_token": base.image_token, "boi_token": base.boi_token, "eoi_token": base.eoi_token}
     tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=Tokenizer.from_str(json.dumps(spec)),
+        tokenizer_object=rename_fillers(base, renames),
         bos_token=BOS,
         eos_token=EOS,
         pad_token=PAD,

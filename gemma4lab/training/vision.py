@@ -355,23 +355,30 @@ VISION_CHAT_TEMPLATE = (
 )
 
 
-def vision_tokenizer(text_tokenizer):
-    """The text tokenizer with fillers 3, 4, 5 renamed `<|image>`, `<image|>`, `<|image|>` and the
-    vision chat template; every other id is unchanged."""
+def rename_fillers(tokenizer, renames: dict[str, str]):
+    """A copy of `tokenizer`'s backend (`tokenizers.Tokenizer`) with its filler specials renamed
+    ({old: new}) in place: same ids, so the vocabulary and every other id stay unchanged. One helper
+    for the vision tokens (fillers 3, 4, 5) and the audio tokens (6, 7, 8)."""
     from tokenizers import Tokenizer
-    from transformers import PreTrainedTokenizerFast
 
-    spec = json.loads(text_tokenizer.backend_tokenizer.to_str())
-    renames = {f"<unused{BOI_ID}>": BOI, f"<unused{EOI_ID}>": EOI, f"<unused{IMAGE_TOKEN_ID}>": IMAGE_TOKEN}
+    spec = json.loads(tokenizer.backend_tokenizer.to_str())
     for added in spec["added_tokens"]:
         added["content"] = renames.get(added["content"], added["content"])
     vocab = spec["model"]["vocab"]
     for old, new in renames.items():
         if old in vocab:
             vocab[new] = vocab.pop(old)
-    backend = Tokenizer.from_str(json.dumps(spec))
+    return Tokenizer.from_str(json.dumps(spec))
+
+
+def vision_tokenizer(text_tokenizer):
+    """The text tokenizer with fillers 3, 4, 5 renamed `<|image>`, `<image|>`, `<|image|>` and the
+    vision chat template; every other id is unchanged."""
+    from transformers import PreTrainedTokenizerFast
+
+    renames = {f"<unused{BOI_ID}>": BOI, f"<unused{EOI_ID}>": EOI, f"<unused{IMAGE_TOKEN_ID}>": IMAGE_TOKEN}
     tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=backend,
+        tokenizer_object=rename_fillers(text_tokenizer, renames),
         bos_token=BOS,
         eos_token=EOS,
         pad_token=PAD,

@@ -148,32 +148,40 @@ def expand_audio(tokenizer: Any, rendered: list[int], clips: Sequence[np.ndarray
 
 def build_random_hearing(variant: str = "e2b", seed: int = 0) -> Any:
     """A seeded random-weight tiny multimodal model that hears (no tokenizer): `build_random_multimodal`'s
-    (its weights kept) with an audio part added, E2B/E4B the `TINY_AUDIO` conformer, the 12B its
-    encoder-free 640-sample frame embedder, seeded apart; the audio token ids are this module's."""
-    import torch
-    import transformers
-
+    with an audio part added (`with_hearing`)."""
     from . import vision
-    from .checkpoint import conditional_class
     from .weights_identity import declare_identity
 
     base = vision.build_random_multimodal(variant, seed=seed)
-    unified = base.variant.unified
-    part = transformers.Gemma4UnifiedAudioConfig() if unified else transformers.Gemma4AudioConfig(**TINY_AUDIO)
-    ids = dict(audio_token_id=AUDIO_TOKEN_ID, boa_token_id=BOA_ID, eoa_token_id=EOA_ID, eoa_token_index=EOA_ID)
-    config = base.multimodal.config.to_dict() | ids | {"audio_config": part.to_dict()}
-    config = (transformers.Gemma4UnifiedConfig if unified else transformers.Gemma4Config)(**config)
-    with torch.random.fork_rng():
-        torch.manual_seed(seed + 1000)
-        full = conditional_class(base.variant)._from_config(
-            config, dtype=torch.float32, attn_implementation=base.variant.attn_implementation
-        )
-        projection = full.model.embed_audio.embedding_projection  # soft tokens at the word embeddings' size
-        torch.nn.init.normal_(projection.weight, std=2.0 / projection.in_features**0.5)
-    missing, unexpected = full.load_state_dict(base.multimodal.state_dict(), strict=False)
-    if unexpected or any("audio" not in name for name in missing):
-        raise AssertionError(f"the hearing model lost weights: {unexpected[:3]} {missing[:3]}")
-    full.tie_weights()
+    full = with_hearing(base.variant, base.multimodal, seed)
     model = vision.loaded(base.variant, full.eval(), None, base.processor, f"tiny-random-audio(seed={seed})")
     declare_identity(model.lm, f"tiny-random-audio-lm:{base.variant.name}:{seed}")
     return model
+
+
+def with_hearing(variant: Any, multimodal: Any, seed: int = 0) -> Any:
+    """`multimodal` (a tiny vision model: random, or the fixture the hearing recipe trains) rebuilt with an
+    audio part, its weights kept: E2B/E4B the `TINY_AUDIO` conformer, the 12B its encoder-free 640-sample
+    frame embedder, seeded apart; the audio token ids are this module's."""
+    import torch
+    import transformers
+
+    from .checkpoint import conditional_class
+
+    unified = variant.unified
+    part = transformers.Gemma4UnifiedAudioConfig() if unified else transformers.Gemma4AudioConfig(**TINY_AUDIO)
+    ids = dict(audio_token_id=AUDIO_TOKEN_ID, boa_token_id=BOA_ID, eoa_token_id=EOA_ID, eoa_token_index=EOA_ID)
+    config = multimodal.config.to_dict() | ids | {"audio_config": part.to_dict()}
+    config = (transformers.Gemma4UnifiedConfig if unified else transformers.Gemma4Config)(**config)
+    with torch.random.fork_rng():
+        torch.manual_seed(seed + 1000)
+        full = conditional_class(variant)._from_config(
+            config, dtype=torch.float32, attn_implementation=variant.attn_implementation
+        )
+        projection = full.model.embed_audio.embedding_projection  # soft tokens at the word embeddings' size
+        torch.nn.init.normal_(projection.weight, std=2.0 / projection.in_features**0.5)
+    missing, unexpected = full.load_state_dict(multimodal.state_dict(), strict=False)
+    if unexpected or any("audio" not in name for name in missing):
+        raise AssertionError(f"the hearing model lost weights: {unexpected[:3]} {missing[:3]}")
+    full.tie_weights()
+    return full

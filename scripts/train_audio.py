@@ -1,0 +1,187 @@
+#!/usr/bin/env python
+"""Teach the tiny multimodal fixtures to hear (issue 50): an audio part (a 2-layer conformer +
+`embed_audio`) added to gemma4lib/fixtures/vision/<variant>, trained on espeak-ng clips of the text
+fixture's countries (T1: transcribe a clip; T2: answer a spoken capital question), and written back
+with the audio tokenizer and the provenance.
+
+    sudo apt-get install -y espeak-ng   # training only: clips are spoken into $GEMMA4LIB_CACHE/espeak-clips
+    python scripts/train_audio.py --variant e2b --seed 0
+
+Writes `gemma4lib/fixtures/vision/tokenizer/` (the vision tokenizer with fillers 6, 7, 8 renamed to the
+audio tokens; every other id and the rendering of images and text unchanged), the variant's folder, and
+the `audio` section of `gemma4lib/fixtures/vision/PROVENANCE.json` (and its file hashes). One thread,
+deterministic. Exits non-zero when a shipped clip (gemma4lib/fixtures/audio) is misanswered, or the
+decoder, fine-tuned, lost a text or image answer the fixture gave before.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("MKL_NUM_THREADS", "1")
+
+import torch  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from gemma4lab.training import hearing  # noqa: E402
+from gemma4lab.training import vision as vision_training  # noqa: E402
+from gemma4lab.training.audio import audio_tokenizer, with_hearing  # noqa: E402
+from gemma4lab.training.text import held_out_accuracy  # noqa: E402
+from gemma4lib.cache.artifacts import sha256_file  # noqa: E402
+from gemma4lib.models import vision  # noqa: E402
+from gemma4lib.models.trained import load_trained  # noqa: E402
+
+log = logging.getLogger("train_audio")
+VARIANTS = ("e2b", "e4b")  # the 12B's encoder-free audio is not trained here yet (see docs/AUDIO.md)
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--variant", default="e2b", help=f"one of {', '.join(VARIANTS)} or 'all'")
+    p.add_argument("--out", default=str(vision.VISION_DIR))
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--steps", type=int, default=None, help="stage two's steps (default: HearTrainConfig's)")
+    p.add_argument("--quick", action="store_true", help="a smoke run of the script: one speaker each, 2 steps")
+    return p.parse_args(argv)
+
+
+def vision_answers(full, tokenizer, processor, seed: int) -> tuple[int, int, list[str]]:
+    """train_vision's held-out images and shipped samples, as `train_vision.py` judges them."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from train_vision import held_out  # noqa: PLC0415
+
+    correct, total, failures, _ = held_out(full, tokenizer, processor, seed)
+    return correct, total, failures
+
+
+def train_one(name: str, out: Path, seed: int, steps: int | None, quick: bool = False) -> dict:
+    torch.manual_seed(seed)
+    base = vision.load_vision_fixture(name, root=out)
+    text = load_trained(name)
+    tokenizer = audio_tokenizer(text.tokenizer)
+    before_text, text_total, _ = held_out_accuracy(base.multimodal, tokenizer)
+    before_images, image_total, _ = vision_answers(base.multimodal, tokenizer, base.processor, seed)
+    full = with_hearing(base.variant, base.multimodal, seed)
+    cfg = hearing.HearTrainConfig(seed=seed, **({"steps": steps} if steps else {}))
+    speakers, held_speakers = hearing.train_speakers(), list(hearing.HELD_OUT_SPEAKERS)
+    if quick:
+        cfg.probe_steps, cfg.steps, cfg.eval_every = 2, 2, 1
+        speakers, held_speakers = speakers[:1], held_speakers[:1]
+    started = time.perf_counter()
+    train = [c for s in speakers for c in hearing.speaker_clips(s)]
+    held = [c for s in held_speakers for c in hearing.speaker_clips(s)]
+    clip_seconds = round(time.perf_counter() - started, 1)
+    result = hearing.train_hearing(full, tokenizer, base.processor, train, held, cfg)
+    full = full.to(torch.bfloat16).to(torch.float32)  # the saved values (bf16): judge what ships
+    mels: dict = {}
+    train_right, _ = hearing.accuracy(full, tokenizer, hearing.examples_of(train), mels)
+    held_examples = hearing.examples_of(held)
+    held_right, held_misses = hearing.accuracy(full, tokenizer, held_examples, mels)
+    shipped = hearing.shipped_misses(full, tokenizer)
+    text_right, _, text_failures = held_out_accuracy(full, tokenizer)
+    image_right, _, image_failures = vision_answers(full, tokenizer, base.processor, seed)
+    files = vision_training.save_vision_fixture(full.to(torch.bfloat16), base.processor, out / name)
+    log.info(
+        "%s: train %d/%d, held out %d/%d, shipped misses %s, text %d/%d (was %d), images %d/%d (was %d)",
+        name,
+        train_right,
+        len(hearing.examples_of(train)),
+        held_right,
+        len(held_examples),
+        shipped,
+        text_right,
+        text_total,
+        before_text,
+        image_right,
+        image_total,
+        before_images,
+    )
+    record = {
+        "steps": result.steps,
+        "clip_seconds": clip_seconds,
+        "train_seconds": result.seconds,
+        "train_correct": f"{train_right}/{len(hearing.examples_of(train))}",
+        "held_out_correct": f"{held_right}/{len(held_examples)}",
+        "held_out_misses": held_misses,
+        "shipped_misses": shipped,
+        "decoder_fine_tuned": cfg.train_decoder,
+        "text_held_out_correct": f"{text_right}/{text_total}",
+        "text_held_out_before": f"{before_text}/{text_total}",
+        "text_held_out_failures": text_failures,
+        "images_held_out_correct": f"{image_right}/{image_total}",
+        "images_held_out_before": f"{before_images}/{image_total}",
+        "images_held_out_failures": image_failures,
+        "history": result.history,
+        "params_audio": sum(p.numel() for n, p in full.named_parameters() if "audio" in n),
+        "train_config": cfg.to_dict(),
+        "speakers": {"train": speakers, "held_out": held_speakers},
+    }
+    ok = not shipped and text_right >= before_text and image_right >= before_images
+    return {"record": record, "files": {f"{name}/{k}": v for k, v in files.items()}, "ok": ok}
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    torch.set_num_threads(1)
+    out = Path(args.out)
+    names = list(VARIANTS) if args.variant == "all" else [args.variant]
+    prov_path = out / "PROVENANCE.json"
+    prov = json.loads(prov_path.read_text())
+    tok_dir = out / "tokenizer"
+    audio_tokenizer(load_trained(names[0]).tokenizer).save_pretrained(str(tok_dir))
+    for f in sorted(tok_dir.iterdir()):
+        prov["files"][f"tokenizer/{f.name}"] = sha256_file(f)
+    prov_path.write_text(json.dumps(prov, indent=1, sort_keys=True) + "\n")  # the fixtures load verified
+    section = prov.setdefault("audio", {"variants": {}})
+    ok = True
+    for name in names:
+        started = time.perf_counter()
+        done = train_one(name, out, args.seed, args.steps, args.quick)
+        steps = f" --steps {args.steps}" if args.steps else ""
+        done["record"].update(
+            wall_seconds=round(time.perf_counter() - started, 1),
+            created=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            command=f"python scripts/train_audio.py --variant {name} --seed {args.seed}{steps}",
+            ok=done["ok"],
+        )
+        section["variants"][name] = done["record"]
+        prov["files"].update(done["files"])
+        ok = ok and done["ok"]
+    import subprocess
+
+    import transformers
+
+    espeak = subprocess.run(["espeak-ng", "--version"], check=True, capture_output=True, text=True).stdout
+    section.update(
+        script="scripts/train_audio.py",
+        espeak_ng=espeak.split("  Data at")[0].strip(),
+        seed=args.seed,
+        threads=1,
+        tasks={
+            "T1": f'[clip, "{hearing.TRANSCRIBE}"] -> the clip\'s words',
+            "T2": "[clip of a capital question] -> the text fixture's answer",
+        },
+        versions={
+            "torch": torch.__version__,
+            "transformers": transformers.__version__,
+            "python": platform.python_version(),
+        },
+    )
+    prov["files"] = dict(sorted(prov["files"].items()))
+    prov_path.write_text(json.dumps(prov, indent=1, sort_keys=True) + "\n")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

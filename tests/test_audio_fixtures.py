@@ -1,0 +1,64 @@
+"""The vision fixtures that hear (issue 50, `scripts/train_audio.py`): with transformers' own processor and
+greedy `generate(input_features=...)` (eager, no gemma4lib wiring), each transcribes the shipped clips
+(T1) and answers the spoken capital question (T2); the shipped tokenizer gained the audio tokens and
+still renders images and text as the vision tokenizer did."""
+
+from __future__ import annotations
+
+import pytest
+
+from gemma4lab.training import hearing
+from gemma4lib.models import audio, vision
+
+# the fixtures shipped hearing (scripts/train_audio.py; PROVENANCE.json "audio"): none yet. The first e2b run
+# (docs/AUDIO.md) misheard 2 of the 5 shipped answers and was not shipped; add a variant here when it ships.
+HEARING_FIXTURES: tuple[str, ...] = ()
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from gemma4lib.models.tokenizer import load_tokenizer
+
+    return load_tokenizer(vision.VISION_DIR / "tokenizer")
+
+
+@pytest.mark.parametrize("name", HEARING_FIXTURES)
+def test_fixture_transcribes_and_answers_the_shipped_clips(name, tokenizer):
+    model = vision.load_vision_fixture(name).multimodal
+    assert model.config.audio_config is not None
+    got = {}
+    for clip, (words, answer) in hearing.SHIPPED.items():
+        samples = audio.read_wav(hearing.CLIPS / clip)
+        got[(clip, "T1")] = (hearing.answer_clip(model, tokenizer, samples, "T1"), words)
+        if answer is not None:
+            got[(clip, "T2")] = (hearing.answer_clip(model, tokenizer, samples, "T2"), answer)
+    wrong = {k: v for k, v in got.items() if v[0] != v[1]}
+    assert not wrong, f"misanswered (got, expected): {wrong}"
+    assert got[("capital_of_france.wav", "T2")][0] == "The capital of France is Paris."
+
+
+def test_shipped_tokenizer_hears_and_renders_images_and_text_as_before():
+    from gemma4lab.training.audio import AUDIO_TOKEN, BOA, EOA
+    from gemma4lab.training.vision import vision_tokenizer
+    from gemma4lib.models.tokenizer import load_tokenizer
+    from gemma4lib.models.trained import load_trained
+
+    tokenizer = load_tokenizer(vision.VISION_DIR / "tokenizer")  # its own copy: the processor adds to one it wraps
+
+    before = vision_tokenizer(load_trained("e2b").tokenizer)
+    assert tokenizer.convert_tokens_to_ids([BOA, EOA, AUDIO_TOKEN]) == [6, 7, 8]
+    assert (tokenizer.audio_token, tokenizer.boa_token, tokenizer.eoa_token) == (AUDIO_TOKEN, BOA, EOA)
+    renamed = {"<unused6>": BOA, "<unused7>": EOA, "<unused8>": AUDIO_TOKEN}
+    assert {renamed.get(t, t): i for t, i in before.get_vocab().items()} == tokenizer.get_vocab()
+    chats = [
+        [{"role": "user", "content": "What is the capital of France?"}],
+        vision.image_messages("What is in the image?", 2),
+        [{"role": "user", "content": [{"type": "text", "text": " Hi "}, {"type": "image"}]}],
+    ]
+    for messages in chats:
+        for kwargs in ({"tokenize": False}, {"tokenize": True, "return_dict": False}):
+            assert tokenizer.apply_chat_template(messages, add_generation_prompt=True, **kwargs) == (
+                before.apply_chat_template(messages, add_generation_prompt=True, **kwargs)
+            )
+    spoken = tokenizer.apply_chat_template(hearing.transcribe_messages(), add_generation_prompt=True, tokenize=False)
+    assert spoken == f"<bos><|turn>user\n{AUDIO_TOKEN}{hearing.TRANSCRIBE}<turn|>\n<|turn>model\n"
