@@ -66,7 +66,7 @@ warmup = 1
 iters = 3
 threads = 1  # torch threads for the benchmark (recorded with it)
 image = "red_circle.png"  # "What the model sees": a shipped sample (blue_square.png, ...) or a path; None skips it
-clip = "capital_of_france.wav"  # "What the model hears": a shipped clip (france.wav, ...) or a 16 kHz WAV; None skips
+clip = None  # "What the model hears": a shipped clip (france.wav, ...) or a 16 kHz WAV; None skips
 tp_demo = 2  # ranks of the rank-graph run on CPU processes (0: skip)
 results_path = "../runs/notebooks/e4b.json"
 interactive = False  # True: show the chat box at the end (needs a live Jupyter front end)
@@ -580,8 +580,11 @@ if image_settings is not None:
 # three checks against transformers' `generate(input_features=...)`. What is this variant's own:
 #
 # The E4B's audio part is the E2B's kind of encoder (the conformer `Gemma4AudioModel` and
-# `embed_audio`); the tiny fixtures give both the same audio part, so the audio graph is the same program
-# and a run after `01_e2b` finds it in the artifact cache.
+# `embed_audio`). The port runs it (`port --variant e4b --audio CLIP`, on cpu, eager, xla and the gloo
+# ranks at TP=2, checked against transformers on a random model that hears in `tests/test_audio_wiring.py`),
+# but the tiny E4B fixture is not shipped hearing yet: its training run answered every shipped clip and lost
+# one of its image answers, which the training script does not allow ([docs/AUDIO.md](../docs/AUDIO.md)).
+# So this section has no clip to judge in the smoke profile and skips.
 
 # %% tags=["lesson"]
 audio_settings = None  # the smoke profile's multimodal fixture, which hears; variants without audio skip

@@ -10,9 +10,8 @@ import pytest
 from gemma4lab.training import hearing
 from gemma4lib.models import audio, vision
 
-# the fixtures shipped hearing (scripts/train_audio.py; PROVENANCE.json "audio"): none yet. The first e2b run
-# (docs/AUDIO.md) misheard 2 of the 5 shipped answers and was not shipped; add a variant here when it ships.
-HEARING_FIXTURES: tuple[str, ...] = ()
+# the fixtures shipped hearing (scripts/train_audio.py; PROVENANCE.json "audio"): add a variant when it ships
+HEARING_FIXTURES: tuple[str, ...] = ("e2b",)  # the fixtures that hear (PROVENANCE.json `audio`)
 
 
 @pytest.fixture(scope="module")
