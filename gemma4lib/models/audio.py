@@ -81,13 +81,17 @@ def log_mel(samples: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """The extractor's (features [frames, 128] float32, mask [frames] bool) for one clip: padded to a
     multiple of 128 samples, 160 zeros before (semicausal), a frame valid when its last sample is real."""
     n = len(check_length(samples))
-    tail = -n % PAD_TO
-    padded = np.pad(samples.astype(np.float32), (FRAME // 2, tail))
-    real = np.pad(np.ones(n, dtype=np.int32), (FRAME // 2, tail))
+    padded = np.pad(samples.astype(np.float32), (FRAME // 2, -n % PAD_TO))
     frames = np.lib.stride_tricks.sliding_window_view(padded, FRAME + 1)[None, ::HOP, :-1] * _WINDOW
     spectrum = np.log(np.matmul(np.abs(np.fft.rfft(frames, n=FFT, axis=-1)), _FILTERS) + np.array(MEL_FLOOR))
-    mask = real[np.arange(frames.shape[1]) * HOP + FRAME].astype(bool)
+    mask = _valid_frames(n)
     return spectrum[0].astype(np.float32) * mask[:, None], mask
+
+
+def _valid_frames(n: int) -> np.ndarray:
+    """`log_mel`'s mask from the clip's length alone (no spectrum): the soft-token count needs only this."""
+    real = np.pad(np.ones(n, dtype=np.int32), (FRAME // 2, -n % PAD_TO))
+    return real[np.arange((len(real) - FRAME - 1) // HOP + 1) * HOP + FRAME].astype(bool)
 
 
 CLIPS_DIR = Path(__file__).resolve().parent.parent / "fixtures" / "audio"  # the shipped clips, PROVENANCE.json
@@ -125,7 +129,7 @@ def soft_tokens(samples: np.ndarray, unified: bool = False) -> int:
     frame), or for the 12B one per started 640-sample frame."""
     if unified:
         return -(-len(check_length(samples)) // UNIFIED_SAMPLES)
-    return int(log_mel(samples)[1][::4].sum())
+    return int(_valid_frames(len(check_length(samples)))[::4].sum())
 
 
 def expand_audio(tokenizer: Any, rendered: list[int], clips: Sequence[np.ndarray], unified: bool = False) -> list[int]:
