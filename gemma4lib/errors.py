@@ -25,13 +25,13 @@ class PromptTooLongError(Gemma4LibError, ValueError):
     """Prompt + new tokens do not fit the compiled context; raised before any device work."""
 
     def __init__(
-        self, prompt_tokens: int, max_new_tokens: int, context_length: int, draft_tokens: int = 0, image_tokens: int = 0
+        self, prompt_tokens: int, max_new_tokens: int, context_length: int, draft_tokens: int = 0, media_tokens: int = 0
     ):
         drafts = f" + {draft_tokens} draft slots a verify writes ahead" if draft_tokens else ""
-        of_images = f", {image_tokens} of them image or audio soft tokens," if image_tokens else ""
-        fewer = " (or send fewer images or shorter clips)" if image_tokens else ""
+        of_media = f", {media_tokens} of them image or audio soft tokens," if media_tokens else ""
+        fewer = " (or send fewer images or shorter clips)" if media_tokens else ""
         message = (
-            f"prompt ({prompt_tokens} tokens{of_images}) + max_new_tokens ({max_new_tokens}){drafts} need "
+            f"prompt ({prompt_tokens} tokens{of_media}) + max_new_tokens ({max_new_tokens}){drafts} need "
             f"{prompt_tokens + max_new_tokens - 1 + draft_tokens} K/V positions (the last new token is never fed "
             f"back), more than the compiled context length {context_length}; "
             f"shorten the prompt{fewer}, lower max_new_tokens, or recompile with a larger context_length"

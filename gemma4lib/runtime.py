@@ -468,10 +468,10 @@ class Engine:
                 max_new,
                 self.context_length,
                 draft_tokens=self.draft_tokens,
-                image_tokens=self._image_tokens(request),
+                media_tokens=self._media_tokens(request),
             )
         if request.media is not None:
-            self._check_images(request)
+            self._check_media(request)
         if request.watch is not None and self.drafter is not None:
             raise SettingsError(
                 "log-probabilities and constrained output need each token's logits, which drafting's verify "
@@ -485,10 +485,10 @@ class Engine:
         return self.bucket_for(len(ids))
 
     @staticmethod
-    def _image_tokens(request: Request) -> int:
+    def _media_tokens(request: Request) -> int:
         return request.media.soft_tokens if request.media is not None else 0
 
-    def _check_images(self, request: Request) -> None:
+    def _check_media(self, request: Request) -> None:
         """Images need the vision graph, audio the audio graph; one prompt position per soft token."""
         media, n = request.media, len(request.prompt_ids)
         if media.counts and self.steps.vision is None:
@@ -502,12 +502,12 @@ class Engine:
                 "(PortSettings(audio=[...])) on a checkpoint that hears (e2b, e4b, 12b)"
             )
         images = 0 if media.pixel_values is None else media.pixel_values.shape[0]
-        for what, parts, counts, positions in (
-            ("image", images, media.counts, media.positions),
-            ("audio", len(media.audio), media.audio_counts, media.audio_positions),
+        for what, error, parts, counts, positions in (
+            ("image", TooManyImagesError, images, media.counts, media.positions),
+            ("audio", AudioInputError, len(media.audio), media.audio_counts, media.audio_positions),
         ):
             if len(positions) != sum(counts) or len(counts) != parts:
-                raise TooManyImagesError(
+                raise error(
                     f"{parts} {what} parts with {sum(counts)} soft tokens, but the prompt has {len(positions)} "
                     f"{what} token positions; build the prompt with one {what} part per {what} "
                     f"(gemma4lib.images.media_prompt)"

@@ -111,6 +111,28 @@ def test_audio_soft_tokens_count_in_the_fit_check():
         run("e2b", ["france.wav"], context_length=48, prefill_buckets=(32,))
 
 
+def test_audio_placeholders_miscounted_are_an_audio_error_the_server_answers_400():
+    """The engine's media check: a prompt whose audio positions disagree with its clips' soft tokens is an
+    `AudioInputError` (not an image error), which the server answers with a 400 naming `messages`."""
+    from dataclasses import replace
+
+    from gemma4lib.backends.registry import compile_graphs
+    from gemma4lib.errors import AudioInputError
+    from gemma4lib.port import prompt_rows, requests_for
+    from gemma4lib.server.errors import http_error
+
+    settings = PortSettings(variant="e2b", model="random", backend="eager", audio=[str(CLIPS / "italy.wav")])
+    model = audio.build_random_hearing("e2b", seed=settings.seed)
+    engine = compile_graphs(model, settings).runtime
+    (request,) = requests_for(prompt_rows(model, settings), settings, [])
+    engine.check(request)  # the right prompt fits
+    short = replace(request.media, audio_positions=request.media.audio_positions[:-1])
+    with pytest.raises(AudioInputError, match=r"1 audio parts with 20 soft tokens.*19 audio token positions") as err:
+        engine.check(replace(request, media=short))
+    status, body, _ = http_error(err.value)
+    assert status == 400 and body["error"]["param"] == "messages" and body["error"]["code"] == "invalid_audio"
+
+
 def test_shipped_clips_expect_their_words(tmp_path):
     """Coherence expects a shipped clip's words (PROVENANCE.json, matched by sha256, path or bytes); another
     file, or several clips, expect nothing; `expect` given wins."""

@@ -71,28 +71,17 @@ def clip_table(clips: dict[str, np.ndarray], unified: bool = False) -> list[dict
 def audio_demo(clip: Any, inputs: Any, reports: dict[str, Any], compiled: Any) -> dict[str, Any]:
     """What the run record keeps of the notebook's audio section: the clip, its soft tokens and where they
     sat, and per task (transcription, the spoken question) the answer and the three checks."""
+    from gemma4lab.notebook.records import report_checks
     from gemma4lib.models.audio import CLIPS_DIR
 
     shipped = Path(clip).resolve().parent == CLIPS_DIR
-    tasks = {}
-    for task, report in reports.items():
-        logits = report.logits
-        tasks[task] = {
-            "answer": report.answer,
-            "reference_answer": report.reference_answer,
-            "seq_match": report.seq_match,
-            "logits_match": report.logits_match,
-            "logits_max_err": logits.max_err if logits else None,
-            "logits_tolerance": logits.tolerance if logits else None,
-            "coherent": report.coherent,
-        }
     return {
         "clip": Path(clip).name if shipped else str(clip),  # a shipped clip by name: no machine path
         "soft_tokens": list(inputs.prompt.audio_counts),
         "positions": [inputs.prompt.audio_positions[0], inputs.prompt.audio_positions[-1]],
         "prompt_tokens": len(inputs.ids),
         "audio_input": list(inputs.prompt.audio[0][0].shape),
-        "tasks": tasks,
+        "tasks": {task: report_checks(report) for task, report in reports.items()},
         "compile_s": compiled.compile_s,
         "cache_hits": list(compiled.cache_hits),
     }

@@ -75,6 +75,21 @@ def record(
     return result
 
 
+def report_checks(report: checks.CheckReport) -> dict[str, Any]:
+    """What a notebook's image or audio section records of one checked answer: it, the reference's, and
+    the three checks (the logit error next to its tolerance)."""
+    logits = report.logits
+    return {
+        "answer": report.answer,
+        "reference_answer": report.reference_answer,
+        "seq_match": report.seq_match,
+        "logits_match": report.logits_match,
+        "logits_max_err": logits.max_err if logits else None,
+        "logits_tolerance": logits.tolerance if logits else None,
+        "coherent": report.coherent,
+    }
+
+
 def save_record(path: str | Path | None, data: Mapping[str, Any]) -> Path | None:
     """Write a JSON record atomically (nothing when `path` is empty)."""
     if not path:

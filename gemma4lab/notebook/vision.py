@@ -18,6 +18,7 @@ from matplotlib.figure import Figure
 
 from gemma4lab.notebook.display import Table
 from gemma4lab.notebook.formatting import mark_undecodable
+from gemma4lab.notebook.records import report_checks
 
 
 def show_image(image: Any, title: str | None = None) -> Figure:
@@ -93,7 +94,6 @@ def image_demo(settings: Any, inputs: Any, report: Any, compiled: Any) -> dict[s
     sat, the vision graph's input, the three checks and the compile time of the graphs it used."""
     from gemma4lib.images import SAMPLES_DIR
 
-    logits = report.logits
     image = settings.images[0]
     shipped = isinstance(image, (str, Path)) and Path(image).resolve().parent == SAMPLES_DIR
     return {
@@ -102,13 +102,7 @@ def image_demo(settings: Any, inputs: Any, report: Any, compiled: Any) -> dict[s
         "positions": [inputs.prompt.positions[0], inputs.prompt.positions[-1]],
         "prompt_tokens": len(inputs.ids),
         "vision_input": list(inputs.pixel_values.shape[1:]),
-        "answer": report.answer,
-        "reference_answer": report.reference_answer,
-        "seq_match": report.seq_match,
-        "logits_match": report.logits_match,
-        "logits_max_err": logits.max_err if logits else None,
-        "logits_tolerance": logits.tolerance if logits else None,
-        "coherent": report.coherent,
+        **report_checks(report),
         "compile_s": compiled.compile_s,
         "cache_hits": list(compiled.cache_hits),
     }

@@ -22,12 +22,25 @@ tolerance it crossed.
 | tensor-parallel rank read at trace time | device graph (TP) | FAIL, FAIL, FAIL | FAIL |
 | an image's soft tokens written one position late | host runtime (image) | ok, FAIL, ok | FAIL |
 | soft tokens scaled by sqrt(hidden) like words | device vision graph | ok, FAIL, ok | FAIL |
+| the host's log-mel on the Slaney mel scale | host, shared w/ reference (audio) | ok, ok, FAIL | ok |
+| the host's extractor hopping 20 ms, not 10 | host, shared w/ reference (audio) | ok, ok, FAIL | ok |
+| one audio placeholder too few in the device's prompt | host runtime (audio) | refused | - |
+| a padded clip's padding slots kept as soft tokens | device audio graph | refused | - |
+| the conformer attending a padded clip's padding frames | device audio graph | ok, ok, ok | ok |
 
 (* from decode step 1 on: the prefill logits are exact, so a prefill-only logit gate passes.)
 The image faults run the trained vision fixture on the red circle (`port --image`). Both leave its
 answer "A red circle." (its margins are wide: one soft token more or less, or all of them 16x too
 large, still reads as red and round), so SEQ_MATCH and coherence pass; the prefill logits move by
 2.0 and 4.6 against a tolerance of 6.6e-5 (eager, measured here) and the witness's tokens change.
+The audio faults play the fixture that hears "What is the capital of France?" (`port --audio`): the
+reference is handed the host's own features (`reference.MediaBound`), so a wrong mel scale or hop is
+shared with it and only coherence sees it (the answers: "What is the capital of Switzerland?", "Brazil").
+A miscounted placeholder, or padding slots kept, is refused by the engine's count check (an
+`AudioInputError`: `port` fails before any check). The conformer attending padding is caught by nothing,
+because it changes nothing: its attention and convolutions are causal and the extractor zeroes padded
+frames, so a clip's trailing padding never reaches a kept soft token (logits bit-equal to the clean run's,
+with "France" padded from 95 to 215 frames); `uncaught` in the report lists it.
 A fault shared by device and reference is invisible to both equality checks: only coherence sees
 it. A device fault that moves the logits by ~0.1 leaves a confident model's tokens and answer
 unchanged: only LOGITS_MATCH and the witness, whose near-ties turn logit errors into other
@@ -41,7 +54,8 @@ import copy
 import logging
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -52,10 +66,11 @@ from gemma4lib.backends import gloo
 from gemma4lib.backends.base import DeviceRun
 from gemma4lib.backends.registry import run_device
 from gemma4lib.checks import failure_reasons
+from gemma4lib.device.audio import AudioGraph
 from gemma4lib.device.graph import DeviceGraph, ExplicitKV, _shallow_clone
 from gemma4lib.device.kv_layout import FULL, SLIDING, KVLayout
 from gemma4lib.device.vision import VisionGraph
-from gemma4lib.errors import TensorParallelError
+from gemma4lib.errors import Gemma4LibError, TensorParallelError
 from gemma4lib.models.loading import LoadedModel
 from gemma4lib.models.variants import MOE_VARIANT
 from gemma4lib.port import (
@@ -83,6 +98,12 @@ GEMMA3_CHAT = "<bos><start_of_turn>user\n{prompt}<end_of_turn>\n<start_of_turn>m
 # weight change to the witness would also void the margins its seed was chosen for: with the
 # embedding scale unwired, the compiled witness flips a near-tie at token 24.)
 PROMPT, HOST, DEVICE, TP = "prompt", "host", "device", "tp"
+# the clip the audio faults (and their clean run) play the fixture that hears (its words: the answer);
+# the mask fault plays a shorter clip before it, padded to its length (a mask changes only padding)
+FAULT_CLIP, SHORT_CLIP = "capital_of_france.wav", "france.wav"
+BOTH_SAY = "France"  # what a coherent answer to the two clips names (their words: "France", "... of France?")
+# a fault the library's own guards refuse before any check runs (the port fails with that error)
+REFUSED = "refused"
 
 
 GraphEdit = Callable[[DeviceGraph], None]
@@ -111,6 +132,7 @@ class Fault:
     scope: str = DEVICE
     tp_degree: int = 1
     images: bool = False  # run on the trained vision fixture with a sample image
+    audio: tuple[str, ...] = ()  # shipped clips (`CLIPS_DIR`) the fixture that hears is played
 
     @property
     def shared_with_reference(self) -> bool:
@@ -306,6 +328,102 @@ def soft_tokens_word_scaled(run: FaultRun) -> GraphEdit:
     return edit
 
 
+# ---- audio faults: the host's features, the placeholder count, the encoder's mask ---------------
+@contextmanager
+def _host_extractor(**constants: Any) -> Iterator[None]:
+    """`gemma4lib.models.audio`'s extractor constants swapped while the host builds a prompt."""
+    from gemma4lib.models import audio as hearing
+
+    saved = {name: getattr(hearing, name) for name in constants}
+    for name, value in constants.items():
+        setattr(hearing, name, value)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            setattr(hearing, name, value)
+
+
+def mel_scale_slaney(run: FaultRun) -> None:
+    """The host's log-mel with librosa's default Slaney mel scale, not the extractor's HTK one: the
+    features the device hears and the reference is handed alike (port binds the host's features)."""
+    from transformers.audio_utils import mel_filter_bank
+
+    from gemma4lib.models import audio as hearing
+
+    slaney = mel_filter_bank(
+        num_frequency_bins=hearing.FFT // 2 + 1,
+        num_mel_filters=hearing.MELS,
+        min_frequency=0.0,
+        max_frequency=hearing.RATE / 2,
+        sampling_rate=hearing.RATE,
+        norm=None,
+        mel_scale="slaney",
+    )
+    with _host_extractor(_FILTERS=slaney):
+        run.rows = prompt_rows(run.model, run.settings)
+
+
+def hop_20ms(run: FaultRun) -> None:
+    """The host's extractor steps 20 ms (320 samples) a frame, not 10 ms: half the frames, and the
+    soft-token count (read from the same frames) halved with them, for device and reference alike."""
+    from gemma4lib.models import audio as hearing
+
+    with _host_extractor(HOP=2 * hearing.HOP):
+        run.rows = prompt_rows(run.model, run.settings)
+
+
+def audio_placeholders_one_short(run: FaultRun) -> None:
+    """The device's prompt has one `<|audio|>` placeholder too few for the clip (a count rule off by
+    one); the reference's prompt has the processor's count."""
+
+    def drop_last(request: Request) -> Request:
+        media = request.media
+        if media is None or not media.audio:
+            return request
+        last = media.audio_positions[-1]
+        ids = [t for i, t in enumerate(request.prompt_ids) if i != last]
+        counts = (*media.audio_counts[:-1], media.audio_counts[-1] - 1)
+        media = replace(media, audio_counts=counts, audio_positions=media.audio_positions[:-1])
+        return replace(request, prompt_ids=ids, media=media)
+
+    run.request_edit = drop_last
+
+
+class _MaskFault(torch.nn.Module):
+    """The conformer with its mask wrong: run as if every frame were valid (`padding_attended`, the valid
+    soft tokens still picked by the real mask), or run right with every slot reported valid."""
+
+    def __init__(self, tower: torch.nn.Module, padding_attended: bool):
+        super().__init__()
+        self.tower, self.padding_attended = tower, padding_attended
+
+    def forward(self, features: torch.Tensor, mask: torch.Tensor, **kwargs: Any) -> Any:
+        out = self.tower(features, torch.ones_like(mask) if self.padding_attended else mask, **kwargs)
+        # the subsampling's own mask of the real frames (two stride-2 steps), or every slot
+        out.attention_mask = mask[:, ::2][:, ::2] if self.padding_attended else torch.ones_like(out.attention_mask)
+        return out
+
+
+def _audio_mask_edit(padding_attended: bool, tag: str) -> GraphEdit:
+    def edit(graph: Any) -> None:
+        if isinstance(graph, AudioGraph) and graph.model.audio_tower is not None:
+            graph.model.audio_tower = _MaskFault(graph.model.audio_tower, padding_attended)
+            graph.tags["fault"] = tag
+
+    return edit
+
+
+def audio_padding_attended(run: FaultRun) -> GraphEdit:
+    """The audio graph hands the conformer an all-valid mask: padding frames convolved and attended."""
+    return _audio_mask_edit(True, "audio_padding_attended")
+
+
+def audio_valid_mask_ignored(run: FaultRun) -> GraphEdit:
+    """The audio graph reports every soft-token slot valid: a padded clip's padding slots kept."""
+    return _audio_mask_edit(False, "audio_valid_mask_ignored")
+
+
 def baked_tp_rank(run: FaultRun) -> None:
     """Marker: handled by the TP runner (every rank computes rank 0's experts)."""
 
@@ -392,6 +510,48 @@ FAULTS: tuple[Fault, ...] = (
         ("logits_match",),
         soft_tokens_word_scaled,
         images=True,
+    ),
+    Fault(
+        "mel_scale_slaney",
+        "the host's log-mel on the Slaney mel scale, not HTK",
+        "e2b",
+        ("coherence",),
+        mel_scale_slaney,
+        HOST,
+        audio=(FAULT_CLIP,),
+    ),
+    Fault(
+        "hop_20ms",
+        "the host's extractor hops 20 ms, not 10 ms",
+        "e2b",
+        ("coherence",),
+        hop_20ms,
+        HOST,
+        audio=(FAULT_CLIP,),
+    ),
+    Fault(
+        "audio_placeholders_one_short",
+        "the device's prompt has one audio placeholder too few",
+        "e2b",
+        (REFUSED,),
+        audio_placeholders_one_short,
+        audio=(FAULT_CLIP,),
+    ),
+    Fault(
+        "audio_padding_attended",
+        "the audio graph's conformer runs a padded clip's padding frames as valid",
+        "e2b",
+        (),  # no check: the conformer is causal, so trailing padding never reaches a kept soft token
+        audio_padding_attended,
+        audio=(SHORT_CLIP, FAULT_CLIP),
+    ),
+    Fault(
+        "audio_valid_mask_ignored",
+        "the audio graph reports a padded clip's padding slots as soft tokens",
+        "e2b",
+        (REFUSED,),
+        audio_valid_mask_ignored,
+        audio=(SHORT_CLIP, FAULT_CLIP),
     ),
     Fault(
         "baked_tp_rank",
@@ -483,35 +643,53 @@ def run_one(
     cache_dir: str | None = None,
     backend: str = "cpu",
     images: bool = False,
+    audio: tuple[str, ...] = (),
 ) -> dict[str, Any]:
     """Port the trained tiny `variant` with `fault` switched on (None: the clean run), witness
     included, and judge it with `port`'s own verdict; `images` (or an image fault): the trained
-    vision fixture on a sample image."""
+    vision fixture on a sample image; `audio` (or an audio fault's): the fixture that hears on shipped clips."""
     from gemma4lib.images import SAMPLES_DIR
+    from gemma4lib.models.audio import CLIPS_DIR
 
     started = time.perf_counter()
     images = images or (fault is not None and fault.images)
+    audio = fault.audio if fault is not None and fault.audio else audio
     shown = (str(SAMPLES_DIR / FAULT_IMAGE),) if images else ()
+    heard = tuple(str(CLIPS_DIR / clip) for clip in audio)
     settings = PortSettings(
-        variant=variant, model="trained", tp_degree=tp_degree, cache_dir=cache_dir, backend=backend, images=shown
+        variant=variant,
+        model="trained",
+        tp_degree=tp_degree,
+        cache_dir=cache_dir,
+        backend=backend,
+        images=shown,
+        audio=heard,
+        **({"expect": BOTH_SAY} if len(heard) > 1 else {}),
     )
     model = load_model(settings)
     run = FaultRun(model, settings, prompt_rows(model, settings))
     eos = eos_ids(model)
-    device_run = _backend_for_fault(fault, run).run(run, eos)
+    try:
+        device_run = _backend_for_fault(fault, run).run(run, eos)
+    except Gemma4LibError as error:
+        if fault is None or REFUSED not in fault.caught_by:
+            raise
+        return _refused(fault, variant, backend, (shown, heard), error, started)
     witness = _witness(fault, settings)
     record = record_run(settings, model, run.rows, eos, device_run, started, witness)
     failed = record["failed_checks"]
     as_predicted = True
-    if fault is not None:
+    if fault is not None:  # shared with the reference, or caught by nothing: exactly the predicted checks
         predicted = set(fault.caught_by)
-        as_predicted = set(failed) == predicted if fault.shared_with_reference else predicted <= set(failed)
+        exact = fault.shared_with_reference or not predicted
+        as_predicted = set(failed) == predicted if exact else predicted <= set(failed)
     return {
         "fault": fault.name if fault else "clean",
         "description": fault.description if fault else "no fault",
         "variant": variant,
         "tp_degree": tp_degree,
         "images": list(shown),
+        "audio": list(heard),
         "backend": backend,
         "scope": fault.scope if fault else None,
         "seq_match": record["seq_match"],
@@ -530,6 +708,40 @@ def run_one(
     }
 
 
+def _refused(
+    fault: Fault,
+    variant: str,
+    backend: str,
+    media: tuple[tuple[str, ...], tuple[str, ...]],
+    error: Exception,
+    started: float,
+) -> dict[str, Any]:
+    """The lab's entry for a fault the library refused before any check ran (no witness: it is refused too)."""
+    return {
+        "fault": fault.name,
+        "description": fault.description,
+        "variant": variant,
+        "tp_degree": fault.tp_degree,
+        "images": list(media[0]),
+        "audio": list(media[1]),
+        "backend": backend,
+        "scope": fault.scope,
+        "seq_match": None,
+        "logits_match": None,
+        "coherent": None,
+        "caught": True,
+        "caught_by": [REFUSED],
+        "reasons": [f"{type(error).__name__}: {error}"],
+        "predicted_checks": list(fault.caught_by),
+        "as_predicted": True,
+        **dict.fromkeys(LOGITS_KEYS),
+        "witness": {},
+        "answer": None,
+        "reference_answer": None,
+        "seconds": round(time.perf_counter() - started, 1),
+    }
+
+
 def run_fault_lab(
     variant: str | None = None, cache_dir: str | None = None, backend: str = "cpu", faults: list[str] | None = None
 ) -> dict[str, Any]:
@@ -540,15 +752,16 @@ def run_fault_lab(
     """
     named = None if faults is None else {get_fault(name).name for name in faults}
     chosen = [f for f in FAULTS if (variant is None or f.variant == variant) and (named is None or f.name in named)]
-    pairs = sorted({(f.variant, f.tp_degree, f.images) for f in chosen})
-    clean = [run_one(v, None, tp, cache_dir, backend, images) for v, tp, images in pairs]
+    pairs = sorted({(f.variant, f.tp_degree, f.images, f.audio) for f in chosen})
+    clean = [run_one(v, None, tp, cache_dir, backend, images, audio) for v, tp, images, audio in pairs]
     runs = [run_one(f.variant, f, f.tp_degree, cache_dir, backend) for f in chosen]
     clean_ok = all(not r["caught"] and r["coherent"] for r in clean)
-    all_caught = all(r["caught"] for r in runs)
+    all_caught = all(r["caught"] for r in runs if r["predicted_checks"])
     return {
         "ok": clean_ok and all_caught,
         "clean_ok": clean_ok,
         "all_caught": all_caught,
+        "uncaught": [r["fault"] for r in runs if not r["caught"]],  # findings: faults no check sees
         "all_as_predicted": all(r["as_predicted"] for r in runs),
         "backend": backend,
         "clean": clean,
@@ -578,8 +791,9 @@ def format_fault_report(report: dict[str, Any]) -> str:
             f"{(', '.join(r['caught_by']) or '-'):<40} {(r['answer'] or '')[:40]!r}"
         )
     rows.append(
-        f"ok={report['ok']} (clean runs pass: {report['clean_ok']}, every fault caught: "
+        f"ok={report['ok']} (clean runs pass: {report['clean_ok']}, every fault with a predicted catch caught: "
         f"{report['all_caught']}, each by the predicted checks: "
         f"{report['all_as_predicted']}; backend {report['backend']})"
+        + (f"; changing nothing a check sees: {', '.join(report['uncaught'])}" if report["uncaught"] else "")
     )
     return "\n".join(rows)
