@@ -226,7 +226,7 @@ def b64(data: bytes) -> str:
         ({"data": b64(b"\x89PNG\r\n\x1a\n" + bytes(64)), "format": "wav"}, ".input_audio", "not a WAV file"),
         ({"data": b64(wav_bytes(np.zeros(800, np.int16), rate=8000)), "format": "wav"}, ".input_audio", "8000 Hz"),
         ({"data": "not base64!", "format": "wav"}, ".input_audio", "not base64"),
-        ({"data": b64(b"ID3" + bytes(64)), "format": "mp3"}, ".input_audio", "cannot be decoded as MP3"),
+        ({"data": b64(b"ID3" + bytes(64)), "format": "mp3"}, ".input_audio", "not a WAV file nor an MP3"),
         ({"data": b64((CLIPS / "france.wav").read_bytes()), "format": "flac"}, ".input_audio", "'wav' or 'mp3'"),
         ({"data": "A" * (3 * 2**20), "format": "wav"}, ".input_audio", "larger than 2 MiB"),
     ],

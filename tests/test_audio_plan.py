@@ -11,12 +11,13 @@ import pytest
 import torch
 import transformers
 
+from gemma4lab.inf2.audio_plan import audio_plan, plan_with_audio
 from gemma4lab.inf2.plans import core_summary
 from gemma4lab.tools.inf2_tables import format_plan_table
 from gemma4lib.errors import UnknownNameError
 from gemma4lib.inf2.hardware import GIB
 from gemma4lib.inf2.memory_plan import plan_core_memory
-from gemma4lib.inf2.vision_plan import PLACEMENT, audio_plan, vision_plan
+from gemma4lib.inf2.vision_plan import PLACEMENT, vision_plan
 from gemma4lib.models.checkpoint import conditional_class
 from gemma4lib.models.loading import text_config
 from gemma4lib.models.variants import get_variant
@@ -56,18 +57,18 @@ def test_audio_bytes_are_the_real_width_models_audio_parameters(variant):
 
 def test_audio_sits_beside_vision_on_rank_0s_core_and_the_summary_says_so():
     plain = plan_core_memory("e4b", 2)
-    both = plan_core_memory("e4b", 2, vision=True, audio=True)
+    both = plan_with_audio("e4b", 2, vision=True)
     grown = both.total_gib - plain.total_gib
     assert grown == pytest.approx(vision_plan("e4b").total_gib + audio_plan("e4b").total_gib, abs=1e-12)
     assert both.weights_gib == plain.weights_gib and both.vision_placement == PLACEMENT  # not sharded: no TP
     line = core_summary(both)
     assert f"{both.audio_gib:.2f} GiB audio (on the core of rank 0" in line and "GiB vision +" in line
-    only = plan_core_memory("12b", 2, audio=True)
+    only = plan_with_audio("12b", 2)
     assert only.vision_gib == 0 and "audio" in core_summary(only) and "GiB vision" not in core_summary(only)
     table = format_plan_table([plain, both])
     assert "audio (rank 0's core)" in table and "vision (rank 0's core)" in table
     with pytest.raises(UnknownNameError, match="e2b, e4b, 12b"):
-        plan_core_memory("31b", 8, audio=True)
+        plan_with_audio("31b", 8)
 
 
 def test_doctor_and_plan_show_the_audio_part(capsys):

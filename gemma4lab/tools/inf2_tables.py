@@ -15,6 +15,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import asdict
 from typing import Any
 
+from gemma4lab.inf2.audio_plan import AUDIO_SOURCE, audio_plan, plan_with_audio
 from gemma4lab.inf2.batch_roofline import BATCHES, batch_ceilings
 from gemma4lab.inf2.context import context_plan, largest_context
 from gemma4lab.inf2.image_prefill import format_image_prefill_table, image_prefill_table
@@ -25,7 +26,7 @@ from gemma4lib.inf2.hardware import GB, GIB, INSTANCES, NEURON_TP_DEGREES
 from gemma4lib.inf2.memory_plan import DEFAULT_CONTEXT, CoreMemoryPlan, plan_core_memory
 from gemma4lib.inf2.params import ParamCounts, count_params, meta_model
 from gemma4lib.inf2.serving_host import ServingHostPlan, serving_host_plan
-from gemma4lib.inf2.vision_plan import AUDIO_SOURCE, PLACEMENT, REPORTED, SOURCE, VisionPlan, audio_plan, vision_plan
+from gemma4lib.inf2.vision_plan import PLACEMENT, REPORTED, SOURCE, VisionPlan, vision_plan
 from gemma4lib.models.audio import HEARING_VARIANTS
 from gemma4lib.models.variants import VARIANTS, get_variant
 
@@ -211,15 +212,16 @@ def plan_table(
     context_length: int = DEFAULT_CONTEXT, ring: bool = True, vision: bool = False, audio: bool = False
 ) -> list[CoreMemoryPlan]:
     """Each variant at its recipe's TP on its instance, plus the next smaller TP (to show why not);
-    `vision` / `audio`: with that media tower on rank 0's core (`plan_core_memory`; audio: the variants
-    that hear only)."""
+    `vision` / `audio`: with that media tower on rank 0's core (`plan_core_memory`, `audio_plan.plan_with_audio`;
+    audio: the variants that hear only)."""
     plans = []
     for v in VARIANTS.values():
         if audio and v.name not in HEARING_VARIANTS:
             continue
         degrees = [t for t in v.supported_tp if t in NEURON_TP_DEGREES and t <= v.tp_degree]
         for tp in sorted({v.tp_degree, *degrees[-2:]}):
-            plans.append(plan_core_memory(v, tp, context_length=context_length, ring=ring, vision=vision, audio=audio))
+            plan = plan_with_audio if audio else plan_core_memory
+            plans.append(plan(v, tp, context_length=context_length, ring=ring, vision=vision))
     return plans
 
 
@@ -328,7 +330,7 @@ def format_vision_table(plans: list[VisionPlan]) -> str:
 
 
 def audio_table() -> list[VisionPlan]:
-    """The audio part of every variant that hears (`vision_plan.audio_plan`: one 30 s clip)."""
+    """The audio part of every variant that hears (`audio_plan.audio_plan`: one 30 s clip)."""
     return [audio_plan(n) for n in HEARING_VARIANTS]
 
 
@@ -351,7 +353,7 @@ def format_audio_table(plans: list[VisionPlan]) -> str:
 
 def audio_report(context_length: int = DEFAULT_CONTEXT) -> dict[str, Any]:
     """The audio section of `family_report`: each hearing variant's audio part and its per-core plans with
-    vision and audio both on rank 0's core (computed, unverified; `vision_plan.AUDIO_SOURCE`)."""
+    vision and audio both on rank 0's core (computed, unverified; `audio_plan.AUDIO_SOURCE`)."""
     parts, plans = audio_table(), plan_table(context_length, vision=True, audio=True)
     return {
         "source": AUDIO_SOURCE,

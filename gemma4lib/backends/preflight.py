@@ -72,8 +72,7 @@ def _check_inf2(settings: PortSettings) -> None:
             weights=settings.weights,
             batch=settings.batch_size,
             draft_tokens=settings.draft_tokens if settings.draft else None,
-            vision=settings.wants_vision,  # on rank 0's core (`neuron_vision.vision_core`), as is audio
-            audio=bool(settings.audio) or settings.hears,
+            vision=settings.wants_vision,  # on rank 0's core (`neuron_vision.vision_core`)
         )
         require_serving_host(  # the host that serves and checks: model, shards, reference, spread
             variant,

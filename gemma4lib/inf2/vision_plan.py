@@ -1,4 +1,4 @@
-"""The media towers of a port on inf2 (vision; audio: `audio_plan`): their weights, activations and placement.
+"""The vision part of a port on inf2: its weights, its graph's activations and where it runs.
 
 The released vision configs are not among the facts this project checked (DESIGN §2 lists the text
 decoders only), so every figure here is **computed from transformers 5.23.0 config defaults,
@@ -7,9 +7,9 @@ budget (`PROCESSOR_DEFAULTS`), counted on transformers' own modules on the meta 
 copies of the 31B's and 26B-A4B's tower report a larger one (`REPORTED`):
 `vision_spec(variant, source="reported")` plans with it for comparison.
 
-Placement: each tower its own compiled graph on one NeuronCore, not sharded (`PLACEMENT`), the core of rank 0
-(`recipes.neuron_vision.vision_core`), where the plan counts it. Its activations are planned as eager
-attention holds them (one layer's full score matrix): an upper estimate.
+Placement: its own compiled graph on one NeuronCore, not sharded (`PLACEMENT`; the audio graph's too, the lab's
+`inf2.audio_plan`), rank 0's core (`recipes.neuron_vision.vision_core`), where the plan counts it. Its activations
+are planned as eager attention holds them (one layer's full score matrix): an upper estimate.
 """
 
 from __future__ import annotations
@@ -18,13 +18,11 @@ import functools
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
 from torch import nn
 
 from ..environment import TRANSFORMERS_PIN
 from ..errors import UnknownNameError
-from ..models.audio import HEARING_VARIANTS, MAX_SECONDS, MELS, RATE, graph_shape, soft_tokens
 from ..models.variants import REPORTED_VISION, Variant, get_variant
 from .hardware import GIB
 
@@ -33,13 +31,7 @@ SOURCE = (
     "Gemma4UnifiedVisionConfig() and the image processors' patch_size 16, max_soft_tokens 280, "
     "pooling_kernel_size 3), unverified against the released config.json"
 )
-PLACEMENT = (
-    "replicated on one core: each media graph (vision, audio) is its own compiled graph on one NeuronCore, no TP"
-)
-AUDIO_SOURCE = (
-    f"computed from transformers {TRANSFORMERS_PIN} config defaults (Gemma4AudioConfig() / Gemma4UnifiedAudioConfig())"
-    " at the real text width, one 30 s clip (the `serve --hear` graph), unverified against the released config.json"
-)
+PLACEMENT = "replicated on one core: each media graph (vision, audio) is its own graph on one NeuronCore, no TP"
 # The image processors' defaults (transformers 5.23.0 `Gemma4ImageProcessorPil`, `Gemma4UnifiedImageProcessor`)
 PROCESSOR_DEFAULTS = {"patch_size": 16, "max_soft_tokens": 280, "pooling_kernel_size": 3}
 IMAGE_MARKERS = 2  # `<|image>` and `<image|>` around an image's soft tokens in the prompt
@@ -200,60 +192,3 @@ def vision_plan(variant: Variant | str, source: str = "defaults", dtype_bytes: i
         spec.source,
         dtype_bytes,
     )
-
-
-def audio_modules(variant: Variant) -> nn.Module:
-    """transformers' own audio modules of `variant` on the meta device at its real text width, their config as
-    `.config`: the conformer `Gemma4AudioModel` + `embed_audio` (E2B, E4B), or the 12B's `embed_audio` alone."""
-    import transformers
-    from transformers.models.gemma4 import modeling_gemma4 as g4
-    from transformers.models.gemma4_unified import modeling_gemma4_unified as g4u
-
-    from ..models.loading import text_config
-
-    parts, text = nn.Module(), text_config(variant, "real")
-    with torch.device("meta"):
-        if variant.unified:
-            parts.config = transformers.Gemma4UnifiedAudioConfig()
-            parts.embed_audio = g4u.Gemma4UnifiedMultimodalEmbedder(parts.config, text)
-        else:
-            parts.config = transformers.Gemma4AudioConfig()
-            parts.audio_tower = g4.Gemma4AudioModel(parts.config)
-            parts.embed_audio = g4.Gemma4MultimodalEmbedder(parts.config, text)
-    return parts
-
-
-def audio_activation_bytes(config: Any, frames: int, tokens: int, text_hidden: int, dtype_bytes: int = 2) -> int:
-    """The audio graph's largest working set for one clip of `frames` log-mel frames (`tokens` soft tokens), as
-    eager holds it: the features, the residual stream and the largest of the first convolution's output with its
-    normed copy, one layer's attention in float32 (q, k, v, the K/V windows, the three [heads, blocks, chunk,
-    context] score tensors) and its feed-forward's two [tokens, 4 x hidden]; then the soft tokens out. The 12B:
-    its frames, their normed copy and the soft tokens. An upper estimate; unverified on inf2."""
-    out = tokens * text_hidden * dtype_bytes
-    if config.model_type == "gemma4_unified_audio":
-        return 2 * frames * int(config.audio_embed_dim) * dtype_bytes + out
-    h, chunk, heads = int(config.hidden_size), int(config.attention_chunk_size), int(config.num_attention_heads)
-    context = chunk + int(config.attention_context_left) - 1 + int(config.attention_context_right)
-    blocks = -(-tokens // chunk)
-    conv = 2 * int(config.subsampling_conv_channels[0]) * -(-frames // 2) * (MELS // 2) * dtype_bytes
-    attention = 4 * ((3 * tokens + 2 * blocks * context) * h + 3 * heads * blocks * chunk * context)
-    mlp = 2 * tokens * 4 * h * dtype_bytes
-    return frames * MELS * dtype_bytes + 2 * tokens * h * dtype_bytes + max(conv, attention, mlp) + out
-
-
-@functools.lru_cache(maxsize=8)
-def audio_plan(variant: str, dtype_bytes: int = 2) -> VisionPlan:
-    """The audio part of `variant` (e2b, e4b, 12b) on inf2 for one 30 s clip, on rank 0's core (`AUDIO_SOURCE`)."""
-    v = get_variant(variant)
-    if v.name not in HEARING_VARIANTS:
-        raise UnknownNameError("variant that hears", v.name, HEARING_VARIANTS)
-    parts, (_, frames, _) = audio_modules(v), graph_shape([], v.unified)
-    tokens = soft_tokens(np.zeros(RATE * MAX_SECONDS, np.float32), v.unified)
-    params, buffers = sum(p.numel() for p in parts.parameters()), sum(b.numel() for b in parts.buffers())
-    tower = sum(p.numel() for p in parts.audio_tower.parameters()) if hasattr(parts, "audio_tower") else 0
-    working = audio_activation_bytes(parts.config, frames, tokens, parts.embed_audio.text_hidden_size, dtype_bytes)
-    layers = int(getattr(parts.config, "num_hidden_layers", 0))
-    return VisionPlan(
-        v.name, params, tower, params - tower, (params + buffers) * dtype_bytes / GIB, working / GIB, frames, tokens,
-        layers, v.unified, PLACEMENT, AUDIO_SOURCE, dtype_bytes, "audio",
-    )  # fmt: skip
