@@ -53,7 +53,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 def cmd_doctor(args: argparse.Namespace) -> int:
     from .tools.doctor import format_doctor, run_doctor
 
-    report = run_doctor(variant=args.variant, tp=args.tp, vision=args.vision)
+    report = run_doctor(variant=args.variant, tp=args.tp, vision=args.vision, audio=args.audio)
     print(json.dumps(report, default=str) if args.json else format_doctor(report))
     return 0
 
@@ -90,6 +90,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--vision",
         action="store_true",
         help="plan --variant with its vision part (weights + activations on one core; computed, unverified)",
+    )
+    p.add_argument(
+        "--audio",
+        action="store_true",
+        help="plan --variant (e2b, e4b, 12b) with its audio part, 30 s graph, on rank 0's core (computed, unverified)",
     )
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_doctor)

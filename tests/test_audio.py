@@ -226,15 +226,16 @@ def b64(data: bytes) -> str:
         ({"data": b64(b"\x89PNG\r\n\x1a\n" + bytes(64)), "format": "wav"}, ".input_audio", "not a WAV file"),
         ({"data": b64(wav_bytes(np.zeros(800, np.int16), rate=8000)), "format": "wav"}, ".input_audio", "8000 Hz"),
         ({"data": "not base64!", "format": "wav"}, ".input_audio", "not base64"),
-        ({"data": b64(b"ID3" + bytes(64)), "format": "mp3"}, ".input_audio", "'format': 'wav'"),
+        ({"data": b64(b"ID3" + bytes(64)), "format": "mp3"}, ".input_audio", "not a WAV file nor an MP3"),
+        ({"data": b64((CLIPS / "france.wav").read_bytes()), "format": "flac"}, ".input_audio", "'wav' or 'mp3'"),
         ({"data": "A" * (3 * 2**20), "format": "wav"}, ".input_audio", "larger than 2 MiB"),
     ],
-    ids=["france", "31s", "png", "8kHz", "base64", "mp3", "huge"],
+    ids=["france", "31s", "png", "8kHz", "base64", "corrupt-mp3", "flac", "huge"],
 )
 def test_openai_input_audio_parts_get_clear_400s(served, input_audio, where, says):
     """The official `openai` client's `input_audio` part: a valid clip is read and checked, then
     refused because this text server does not hear; a clip over 30 s, a non-WAV file, another rate, bad
-    base64, mp3 and an oversized payload are each a 400 naming the part and what to do."""
+    base64, a corrupt mp3, another format and an oversized payload are each a 400 naming the part and what to do."""
     import openai
     from test_server import MODEL, openai_client
 

@@ -245,6 +245,64 @@ def test_openai_client_sends_input_audio_and_a_transcription(hearing_server):
         assert caught.value.body["param"] == "file" and says in caught.value.body["message"], caught.value.body
 
 
+def mp3_of(name: str) -> bytes:
+    """A shipped clip as a 16 kHz MP3 (MPEG-2 Layer III) written by the pinned soundfile (libsndfile + LAME)."""
+    import io
+
+    soundfile = pytest.importorskip("soundfile")
+    out = io.BytesIO()
+    soundfile.write(out, audio.read_wav(CLIPS / name), audio.RATE, format="MP3", subtype="MPEG_LAYER_III")
+    return out.getvalue()
+
+
+@pytest.fixture(scope="module")
+def trained_hearing_server():
+    """`serve --hear` over the shipped E2B fixture that hears (trained: the words of a clip are judged), eager."""
+    from gemma4lab.serving.background import BackgroundServer
+    from gemma4lib.backends.registry import compile_graphs
+    from gemma4lib.port import eos_ids, load_model
+    from gemma4lib.server.launch import build_served
+
+    settings = PortSettings(variant="e2b", backend="eager", hears=True, context_length=128, max_new_tokens=12)
+    assert settings.model_source == "trained"
+    model = load_model(settings)
+    engine = compile_graphs(model, settings).runtime
+    served = build_served(engine, model.tokenizer, model_name="e2b", eos_ids=tuple(eos_ids(model)))
+    with BackgroundServer(served) as background:
+        yield background
+
+
+def test_openai_client_sends_mp3_as_input_audio_and_for_transcription(trained_hearing_server):
+    """OpenAI's `input_audio` format "mp3" and an MP3 upload to the transcription route, the MP3 made in the test
+    from a shipped clip: decoded by libsndfile at 16 kHz (the WAV's length and soft-token count, lossy samples),
+    the trained E2B's replies equal the WAV's (the clip's words; the spoken question answered); a corrupt MP3 is
+    a clear 400."""
+    import base64
+
+    import openai
+    from test_server import openai_client
+
+    client = openai_client(trained_hearing_server)
+    wav, mp3 = (CLIPS / "capital_of_france.wav").read_bytes(), mp3_of("capital_of_france.wav")
+    heard, samples = audio.read_wav(mp3), audio.read_wav(wav)
+    assert len(heard) == len(samples) and audio.soft_tokens(heard) == audio.soft_tokens(samples)
+    assert 0 < float(abs(heard - samples).max()) < 0.1  # lossy, not silence
+
+    def spoken(data: bytes, kind: str) -> str:  # task T2: the clip alone, a spoken question
+        part = {"type": "input_audio", "input_audio": {"data": base64.b64encode(data).decode(), "format": kind}}
+        reply = client.chat.completions.create(
+            model="e2b", messages=[{"role": "user", "content": [part]}], max_tokens=12, temperature=0
+        )
+        return reply.choices[0].message.content
+
+    assert spoken(mp3, "mp3") == spoken(wav, "wav") == "The capital of France is Paris."
+    words = [client.audio.transcriptions.create(model="e2b", file=f).text for f in (("q.mp3", mp3), ("q.wav", wav))]
+    assert words[0] == words[1] == audio.shipped_text([wav])
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.audio.transcriptions.create(model="e2b", file=("clip.mp3", mp3[:64] + bytes(4096)))
+    assert caught.value.body["param"] == "file" and "not a WAV file nor an MP3" in caught.value.body["message"]
+
+
 # ---- the other backends: the gloo TP ranks and neuron (SDK stood in) ------------------------------------------
 def test_audio_at_tp2_on_the_gloo_ranks():
     """TP 2 on the gloo ranks: the audio graph unsharded in the parent (it reads no K/V, as the vision graph),

@@ -36,7 +36,7 @@ def deployment(tmp_path_factory):
     export_bundle(PortSettings(variant="e2b", profile="smoke", batch_size=4), str(bundle))
     settings = PortSettings(variant="e2b", profile="smoke", batch_size=4, artifacts=str(bundle))
     options = RayOptions(replicas=2, port=free_port(), max_queue=32)
-    url = deploy(settings, options, load_engine_from, num_cpus=2)
+    url = deploy(settings, options, load_engine_from, num_cpus=3)  # 2 text replicas + the one that hears
     try:
         yield url
     finally:
@@ -192,11 +192,55 @@ def test_a_killed_replica_is_restarted_from_the_bundle(deployment):
     )
 
 
+@pytest.fixture(scope="module")
+def hearing_deployment(deployment, tmp_path_factory):
+    """`serve --hear` under Ray on the same local cluster: a second app, one replica of the E2B fixture that hears
+    (its bundle carries the 30 s audio graph), under /hearing; deleted when the module ends (the cluster stops)."""
+    from ray import serve
+
+    from gemma4lib.cli import load_engine_from
+    from gemma4lib.export import export_bundle
+    from gemma4lib.port import PortSettings
+    from gemma4lib.server.ray_app import RayOptions, build_app
+
+    bundle = tmp_path_factory.mktemp("bundle") / "e2b-hears"
+    export_bundle(PortSettings(variant="e2b", profile="smoke", batch_size=2, hears=True), str(bundle))
+    settings = PortSettings(variant="e2b", profile="smoke", batch_size=2, hears=True, artifacts=str(bundle))
+    app = build_app(settings, RayOptions(replicas=1, max_queue=8), load_engine_from)
+    serve.run(app, name="hearing", route_prefix="/hearing")
+    try:
+        yield deployment + "/hearing"
+    finally:
+        serve.delete("hearing")
+
+
+@pytest.mark.slow
+def test_a_ray_replica_that_hears_answers_input_audio_and_transcriptions(hearing_deployment):
+    """The official `openai` client against a Ray replica built with clips: an `input_audio` part (the spoken
+    question, answered) and /v1/audio/transcriptions (the clip's words), as the single-process server answers."""
+    import base64
+
+    from openai import OpenAI
+
+    from gemma4lib.models import audio
+
+    client = OpenAI(base_url=hearing_deployment + "/v1", api_key="none", timeout=120, max_retries=0)
+    wav = (audio.CLIPS_DIR / "capital_of_france.wav").read_bytes()
+    part = {"type": "input_audio", "input_audio": {"data": base64.b64encode(wav).decode(), "format": "wav"}}
+    reply = client.chat.completions.create(
+        model="e2b", messages=[{"role": "user", "content": [part]}], max_tokens=12, temperature=0
+    )
+    assert reply.choices[0].message.content == "The capital of France is Paris."
+    words = client.audio.transcriptions.create(model="e2b", file=("question.wav", wav)).text
+    assert words == audio.shipped_text([wav]) == "What is the capital of France?"
+
+
 @pytest.mark.parametrize(
     ("backend", "tp", "vision", "want"),
     [
         ("neuron", 2, False, {"neuron_cores": 2}),
         ("neuron", 2, True, {"neuron_cores": 2}),  # the vision graph beside rank 0: no core of its own
+        ("neuron", 2, "hears", {"neuron_cores": 2}),  # the audio graph too (`serve --hear`): no extra core
         ("cpu", 1, False, None),
     ],
 )
@@ -206,8 +250,9 @@ def test_replicas_reserve_their_cores_and_scaling_comes_from_options(backend, tp
     from gemma4lib.server.ray_app import RayOptions, deployment_options, split_options
 
     settings = SimpleNamespace(
-        backend=backend, tp_degree=tp, batch_size=4, artifacts="b", variant="e2b", wants_vision=vision
-    )
+        backend=backend, tp_degree=tp, batch_size=4, artifacts="b", variant="e2b", wants_vision=vision is True,
+        hears=vision == "hears",
+    )  # fmt: skip
     fixed = deployment_options(settings, RayOptions(replicas=3, max_queue=16))
     assert fixed["num_replicas"] == 3 and "autoscaling_config" not in fixed
     assert fixed["ray_actor_options"].get("resources") == want and fixed["ray_actor_options"]["num_cpus"] == 1

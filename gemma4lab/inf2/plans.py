@@ -43,11 +43,9 @@ def core_summary(plan: CoreMemoryPlan) -> str:
     """One line: per-core use against capacity, and the compile host's need."""
     verdict = "fits" if plan.fits else "does not fit: " + "; ".join(plan.problems)
     batch = f", batch {plan.batch}" if plan.batch > 1 else ""
-    vision = (
-        f" + {plan.vision_gib:.2f} GiB vision (on the core of rank 0; {plan.vision_placement})"
-        if plan.vision_placement
-        else ""
-    )
+    towers = (("vision", plan.vision_gib), ("audio", plan.audio_gib))
+    media = " + ".join(f"{gib:.2f} GiB {name}" for name, gib in towers if gib)
+    vision = f" + {media} (on the core of rank 0; {plan.vision_placement})" if plan.vision_placement else ""
     return (
         f"{plan.variant} {plan.recipe} TP={plan.tp} on {plan.instance}, context {plan.context_length}"
         f"{' (ring)' if plan.ring else ''}{batch}: per core {plan.weights_gib:.1f} GiB "

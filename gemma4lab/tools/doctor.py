@@ -21,6 +21,7 @@ import sys
 from dataclasses import asdict
 from typing import Any
 
+from gemma4lab.inf2.audio_plan import plan_with_audio
 from gemma4lab.inf2.context import context_plan, full_settings, largest_context
 from gemma4lab.inf2.plans import compile_summary, core_summary, plan_dict
 from gemma4lib.errors import TensorParallelError
@@ -146,11 +147,15 @@ def _path_report() -> dict[str, Any]:
 
 
 def run_doctor(
-    variant: str | None = None, tp: int | None = None, context_length: int = DEFAULT_CONTEXT, vision: bool = False
+    variant: str | None = None,
+    tp: int | None = None,
+    context_length: int = DEFAULT_CONTEXT,
+    vision: bool = False,
+    audio: bool = False,
 ) -> dict[str, Any]:
     """The report: expected environment vs this machine, devices, fixes, RAM vs compile peak and the
-    per-core and serving-host plans for `variant` at `context_length` (with `vision`: its plans count
-    the vision part), plus warnings and a verdict."""
+    per-core and serving-host plans for `variant` at `context_length` (with `vision` / `audio`: its per-core
+    plan counts that part on rank 0's core), plus warnings and a verdict."""
     warnings: list[str] = []
     versions = neuron_env.check_versions()
     sdk = neuron_env.sdk_present()
@@ -218,8 +223,10 @@ def run_doctor(
             report["compile_estimate"] = estimate
             compile_plan = compile_host_plan(v, tp, estimate["recipe"])
             report["compile_host"] = {**plan_dict(compile_plan), "summary": compile_summary(compile_plan)}
-            plan = plan_core_memory(v, tp, instance=dmi_instance_type(), context_length=context_length, vision=vision)
-            report["plan"] = plan_dict(plan)
+            plan = (plan_with_audio if audio else plan_core_memory)(
+                v, tp, instance=dmi_instance_type(), context_length=context_length, vision=vision
+            )
+            report["plan"] = {**plan_dict(plan), "summary": core_summary(plan)}
             if not plan.fits:
                 warnings.append(core_summary(plan))
             serving = serving_host_plan(v, tp, host_instance_type(), context_length=context_length, vision=vision)
@@ -275,6 +282,8 @@ def format_doctor(report: dict[str, Any]) -> str:
     else:
         lines.append("PATH fix: " + ("ok" if report["path"]["ok"] else "missing — " + report["path"]["fix"]))
     lines.append(f"host RAM: {report['host_ram_gb']} GB")
+    if "plan" in report:
+        lines.append("per NeuronCore: " + report["plan"]["summary"])
     if "serving_host" in report:
         lines.append(report["serving_host"]["summary"])
     if "compile_host" in report:
@@ -302,5 +311,5 @@ def format_doctor(report: dict[str, Any]) -> str:
         lines.append(f"WARNING: {w}")
     verdict = "ready for inf2" if report["ok"] else "fix the warnings above" if report["sdk_present"] else None
     lines.append(f"verdict: {verdict or 'CPU profile only'}")
-    lines.append(f"every variant's plans, the vision tables and the image prefill floor: {FAMILY_TABLES}")
+    lines.append(f"every variant's plans, the vision and audio tables and the image prefill floor: {FAMILY_TABLES}")
     return "\n".join(lines)

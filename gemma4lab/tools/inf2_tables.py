@@ -15,6 +15,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import asdict
 from typing import Any
 
+from gemma4lab.inf2.audio_plan import AUDIO_SOURCE, audio_plan, plan_with_audio
 from gemma4lab.inf2.batch_roofline import BATCHES, batch_ceilings
 from gemma4lab.inf2.context import context_plan, largest_context
 from gemma4lab.inf2.image_prefill import format_image_prefill_table, image_prefill_table
@@ -26,6 +27,7 @@ from gemma4lib.inf2.memory_plan import DEFAULT_CONTEXT, CoreMemoryPlan, plan_cor
 from gemma4lib.inf2.params import ParamCounts, count_params, meta_model
 from gemma4lib.inf2.serving_host import ServingHostPlan, serving_host_plan
 from gemma4lib.inf2.vision_plan import PLACEMENT, REPORTED, SOURCE, VisionPlan, vision_plan
+from gemma4lib.models.audio import HEARING_VARIANTS
 from gemma4lib.models.variants import VARIANTS, get_variant
 
 
@@ -206,29 +208,35 @@ def format_batch_table(rows: Sequence[dict[str, Any]]) -> str:
 # ---- the family tables (`python -m gemma4lab plan`) ----------------------------------------------
 
 
-def plan_table(context_length: int = DEFAULT_CONTEXT, ring: bool = True, vision: bool = False) -> list[CoreMemoryPlan]:
+def plan_table(
+    context_length: int = DEFAULT_CONTEXT, ring: bool = True, vision: bool = False, audio: bool = False
+) -> list[CoreMemoryPlan]:
     """Each variant at its recipe's TP on its instance, plus the next smaller TP (to show why not);
-    `vision`: with the vision part on rank 0's core (`plan_core_memory`)."""
+    `vision` / `audio`: with that media tower on rank 0's core (`plan_core_memory`, `audio_plan.plan_with_audio`;
+    audio: the variants that hear only)."""
     plans = []
     for v in VARIANTS.values():
+        if audio and v.name not in HEARING_VARIANTS:
+            continue
         degrees = [t for t in v.supported_tp if t in NEURON_TP_DEGREES and t <= v.tp_degree]
         for tp in sorted({v.tp_degree, *degrees[-2:]}):
-            plans.append(plan_core_memory(v, tp, context_length=context_length, ring=ring, vision=vision))
+            plan = plan_with_audio if audio else plan_core_memory
+            plans.append(plan(v, tp, context_length=context_length, ring=ring, vision=vision))
     return plans
 
 
 def format_plan_table(plans: list[CoreMemoryPlan]) -> str:
-    """Markdown rows of `plan_table` (GiB per NeuronCore; compile host RAM in GB); a vision column
-    when a plan carries the vision part."""
-    vision = any(p.vision_placement for p in plans)
-    extra = " vision (rank 0's core) |" if vision else ""
+    """Markdown rows of `plan_table` (GiB per NeuronCore; compile host RAM in GB); a vision (audio) column
+    when a plan carries the vision (audio) part."""
+    towers = [name for name in ("vision", "audio") if any(getattr(p, f"{name}_gib") for p in plans)]
+    extra = "".join(f" {name} (rank 0's core) |" for name in towers)
     lines = [
         "| variant | recipe | TP | instance | weights/core | K/V/core | working |" + extra + " total / 16 GiB | "
         "compile host | fits |",
-        "|---|---|---|---|---|---|---|" + ("---|" if vision else "") + "---|---|---|",
+        "|---|---|---|---|---|---|---|" + "---|" * len(towers) + "---|---|---|",
     ]
     for p in plans:
-        cell = f" {p.vision_gib:.2f} GiB |" if vision else ""
+        cell = "".join(f" {getattr(p, f'{name}_gib'):.2f} GiB |" for name in towers)
         lines.append(
             f"| {p.variant} | {p.recipe} | {p.tp} | {p.instance} | {p.weights_gib:.1f} GiB | "
             f"{p.kv_gib:.2f} GiB | {p.working_gib:.0f} GiB |{cell} {p.total_gib:.1f} GiB | "
@@ -321,6 +329,42 @@ def format_vision_table(plans: list[VisionPlan]) -> str:
     return "\n".join(lines)
 
 
+def audio_table() -> list[VisionPlan]:
+    """The audio part of every variant that hears (`audio_plan.audio_plan`: one 30 s clip)."""
+    return [audio_plan(n) for n in HEARING_VARIANTS]
+
+
+def format_audio_table(plans: list[VisionPlan]) -> str:
+    """Markdown rows of `audio_table` (GiB on rank 0's core, beside the vision graph)."""
+    lines = [
+        "| variant | audio part | params (tower + embedder) | weights | activations (eager, 30 s) | "
+        "frames -> soft tokens | on inf2 |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for p in plans:
+        kind = "encoder-free frame embedder" if p.encoder_free else f"conformer, {p.layers} layers"
+        lines.append(
+            f"| {p.variant} | {kind} | {p.params / 1e6:,.1f}M ({p.tower_params / 1e6:,.1f}M + "
+            f"{p.embedder_params / 1e6:,.1f}M) | {p.weights_gib:.3f} GiB | {p.activations_gib:.3f} GiB | "
+            f"{p.patches:,} -> {p.soft_tokens} | rank 0's core, no TP, no extra core |"
+        )
+    return "\n".join(lines)
+
+
+def audio_report(context_length: int = DEFAULT_CONTEXT) -> dict[str, Any]:
+    """The audio section of `family_report`: each hearing variant's audio part and its per-core plans with
+    vision and audio both on rank 0's core (computed, unverified; `audio_plan.AUDIO_SOURCE`)."""
+    parts, plans = audio_table(), plan_table(context_length, vision=True, audio=True)
+    return {
+        "source": AUDIO_SOURCE,
+        "placement": PLACEMENT,
+        "parts": [plan_dict(p) for p in parts],
+        "table": format_audio_table(parts),
+        "plans": [plan_dict(p) for p in plans],
+        "plan_table": format_plan_table(plans),
+    }
+
+
 def vision_report(context_length: int = DEFAULT_CONTEXT) -> dict[str, Any]:
     """The vision section of `family_report`: every variant's vision part, the per-core plans with it, and the
     image prefill floor (computed, unverified; `vision_plan.SOURCE`), with the third-party widths
@@ -358,6 +402,7 @@ def family_report(context_length: int = DEFAULT_CONTEXT) -> dict[str, Any]:
         "context_table": format_context_table(context_table()),
         "serving_host_table": format_serving_host(serving_host_table()),
         "vision": vision_report(context_length),
+        "audio": audio_report(context_length),
     }
 
 
@@ -392,4 +437,9 @@ def format_family(report: dict[str, Any]) -> str:
         "190 TFLOPS bf16 per chip, one core's share; computed, unverified on inf2):"
     )
     lines += ["  " + row for row in vision["image_prefill_table"].splitlines()]
+    audio = report["audio"]
+    lines.append(f"audio part per variant that hears ({audio['source']}; {audio['placement']}):")
+    lines += ["  " + row for row in audio["table"].splitlines()]
+    lines.append(f"memory plan per NeuronCore with the vision and audio parts (context {m['context_length']}):")
+    lines += ["  " + row for row in audio["plan_table"].splitlines()]
     return "\n".join(lines)

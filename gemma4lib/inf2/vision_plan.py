@@ -7,9 +7,9 @@ budget (`PROCESSOR_DEFAULTS`), counted on transformers' own modules on the meta 
 copies of the 31B's and 26B-A4B's tower report a larger one (`REPORTED`):
 `vision_spec(variant, source="reported")` plans with it for comparison.
 
-Placement: its own compiled graph on one NeuronCore, not sharded (`PLACEMENT`), the core of rank 0
-(`recipes.neuron_vision.vision_core`), where the plan counts it. Its activations are planned as eager
-attention holds them (one layer's full score matrix): an upper estimate.
+Placement: its own compiled graph on one NeuronCore, not sharded (`PLACEMENT`; the audio graph's too, the lab's
+`inf2.audio_plan`), rank 0's core (`recipes.neuron_vision.vision_core`), where the plan counts it. Its activations
+are planned as eager attention holds them (one layer's full score matrix): an upper estimate.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ SOURCE = (
     "Gemma4UnifiedVisionConfig() and the image processors' patch_size 16, max_soft_tokens 280, "
     "pooling_kernel_size 3), unverified against the released config.json"
 )
-PLACEMENT = "replicated on one core: the vision graph is its own compiled graph on one NeuronCore, no TP"
+PLACEMENT = "replicated on one core: each media graph (vision, audio) is its own graph on one NeuronCore, no TP"
 # The image processors' defaults (transformers 5.23.0 `Gemma4ImageProcessorPil`, `Gemma4UnifiedImageProcessor`)
 PROCESSOR_DEFAULTS = {"patch_size": 16, "max_soft_tokens": 280, "pooling_kernel_size": 3}
 IMAGE_MARKERS = 2  # `<|image>` and `<image|>` around an image's soft tokens in the prompt
@@ -164,10 +164,11 @@ class VisionPlan:
     placement: str
     source: str
     dtype_bytes: int = 2
+    tower: str = "vision"  # or "audio": `patches` are then its input frames, `soft_tokens` 25 a second
 
     @property
     def total_gib(self) -> float:
-        """What the plan adds on the core that runs the vision graph."""
+        """What the plan adds on the core that runs the tower's graph."""
         return self.weights_gib + self.activations_gib
 
 

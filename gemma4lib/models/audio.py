@@ -47,22 +47,29 @@ _FILTERS = _mel_filters()
 
 
 def read_wav(source: str | Path | bytes) -> np.ndarray:
-    """The float32 samples in [-1, 1) of a 16 kHz 16-bit PCM WAV (a path or its bytes), channels
+    """The float32 samples in [-1, 1) of a 16 kHz 16-bit PCM WAV or a 16 kHz MP3 (a path or its bytes), channels
     averaged; other rates are refused: a resampler here would not be transformers' (torchcodec or soxr)."""
     name = "the audio data" if isinstance(source, bytes) else repr(str(source))
     try:
-        with wave.open(io.BytesIO(source) if isinstance(source, bytes) else str(source), "rb") as clip:
-            rate, width, channels = clip.getframerate(), clip.getsampwidth(), clip.getnchannels()
-            data = clip.readframes(clip.getnframes())
-    except (wave.Error, EOFError, OSError) as error:
-        raise AudioInputError(f"{name} is not a WAV file ({error}); send a 16 kHz 16-bit PCM WAV") from None
+        raw = source if isinstance(source, bytes) else Path(source).read_bytes()
+        if raw[:3] == b"ID3" or raw[:2] >= b"\xff\xe0":  # an ID3 tag or an MPEG frame's sync bits: an MP3
+            import soundfile  # its wheel's libsndfile (>= 1.1 decodes MPEG), pinned in the `serve` extra
+
+            samples, rate, width = *soundfile.read(io.BytesIO(raw), dtype="float32", always_2d=True), 2
+        else:
+            with wave.open(io.BytesIO(raw), "rb") as clip:
+                rate, width, channels = clip.getframerate(), clip.getsampwidth(), clip.getnchannels()
+                data = clip.readframes(clip.getnframes())
+            samples = np.frombuffer(data[: len(data) // (2 * channels) * 2 * channels], "<i2").reshape(-1, channels)
+            samples = samples.astype(np.float32) / 32768.0
+    except (wave.Error, EOFError, OSError, RuntimeError) as error:  # soundfile's LibsndfileError is a RuntimeError
+        raise AudioInputError(f"{name} is not a WAV file nor an MP3 ({error}); send a 16 kHz WAV or MP3") from None
     if width != 2 or rate != RATE:
         raise AudioInputError(
             f"{name} is {8 * width}-bit at {rate} Hz; Gemma-4 hears 16-bit PCM at {RATE} Hz: convert it first, "
             f"e.g. `ffmpeg -i IN -ar {RATE} -ac 1 -sample_fmt s16 OUT.wav`"
         )
-    samples = np.frombuffer(data[: len(data) // (2 * channels) * 2 * channels], "<i2").reshape(-1, channels)
-    return check_length((samples.astype(np.float32) / 32768.0).mean(axis=1, dtype=np.float32))
+    return check_length(samples.mean(axis=1, dtype=np.float32))
 
 
 def check_length(samples: np.ndarray) -> np.ndarray:

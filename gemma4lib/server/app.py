@@ -369,7 +369,7 @@ def create_app(served: Served) -> FastAPI:
 
     @app.post("/v1/audio/transcriptions")
     async def transcriptions(request: Request, file: UploadFile, model: str = Form()) -> dict[str, str]:
-        """OpenAI's transcription route (multipart: `file`, a 16 kHz WAV of at most 30 s; `model`): the
+        """OpenAI's transcription route (multipart: `file`, a 16 kHz WAV or MP3 of at most 30 s; `model`): the
         clip's words, by the prompt the fixtures learnt (`models.audio.TRANSCRIBE` after the clip), greedy."""
         from ..models.audio import TRANSCRIBE
         from .image_urls import MAX_AUDIO_BYTES, audio_from_input_audio

@@ -1,5 +1,5 @@
 """Images in chat requests: OpenAI's `image_url` content parts, as data URLs, read into PIL images;
-and its `input_audio` parts, base64 WAV, read and checked (then refused: no audio graph yet, issue 50).
+and its `input_audio` parts, base64 WAV or MP3, read and checked.
 
 Only `data:image/...;base64,...` URLs: the endpoint fetches nothing from the network (a server that
 fetched client-given URLs could be made to read internal addresses, and it would wait on someone
@@ -62,13 +62,13 @@ def image_from_data_url(url: str, param: str) -> Any:
 
 
 def audio_from_input_audio(part: dict[str, Any] | None, param: str) -> Any:
-    """The samples of an `{"input_audio": {"data": <base64>, "format": "wav"}}` part, checked as
-    `audio.read_wav` checks a file (16 kHz 16-bit, at most 30 s), each refusal a 400 saying what to do."""
+    """The samples of an `{"input_audio": {"data": <base64>, "format": "wav" | "mp3"}}` part, checked as
+    `audio.read_wav` checks a file (16 kHz, at most 30 s; read by its bytes), each refusal a 400 saying what to do."""
     from ..models.audio import read_wav
 
     data, kind = (part or {}).get("data"), (part or {}).get("format")
-    if not isinstance(data, str) or kind != "wav":
-        raise RequestError("an input_audio part is {'data': <base64 of a WAV file>, 'format': 'wav'}; send wav", param)
+    if not isinstance(data, str) or kind not in ("wav", "mp3"):
+        raise RequestError("an input_audio part is {'data': <base64 of a WAV or MP3>, 'format': 'wav' or 'mp3'}", param)
     if len(data) > (MAX_AUDIO_BYTES * 4) // 3 + 4:
         raise RequestError(f"the audio is larger than {MAX_AUDIO_BYTES // 2**20} MiB; send at most 30 s", param)
     try:

@@ -84,9 +84,9 @@ def settings_kwargs(settings: Any) -> dict[str, Any]:
 
 
 def replica_resources(settings: Any) -> dict[str, Any]:
-    """What one replica reserves: its TP degree in NeuronCores on inf2, images and clips or not (the media
-    towers sit on rank 0's core: `neuron_vision.vision_core`), so every replica's TP group starts on a chip
-    boundary; one CPU elsewhere."""
+    """What one replica reserves: its TP degree in NeuronCores on inf2, images and clips or not (the vision and the
+    `serve --hear` audio graphs sit on rank 0's core, `neuron_vision.vision_core`: no extra core, their bytes in its
+    plan), so every replica's TP group starts on a chip boundary; one CPU elsewhere."""
     if backend_facts(settings.backend).device_bound:  # inf2-only
         return {"num_cpus": 1, "resources": {"neuron_cores": int(settings.tp_degree)}}
     return {"num_cpus": 1}
