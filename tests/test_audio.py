@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import io
 import json
+import sys
 import wave
 from pathlib import Path
 
@@ -164,6 +165,13 @@ def test_clips_refused_with_what_to_do(data, says):
 def test_missing_file_is_refused():
     with pytest.raises(AudioInputError, match="'no/such.wav' is not a WAV file"):
         audio.read_wav("no/such.wav")
+
+
+def test_an_mp3_without_soundfile_says_what_to_install(monkeypatch):
+    """An install without the `serve` extra meets an MP3 with an AudioInputError (a 400), not an ImportError."""
+    monkeypatch.setitem(sys.modules, "soundfile", None)  # `import soundfile` raises ImportError
+    with pytest.raises(AudioInputError, match=r"an MP3 needs `soundfile` \(pip install -e '.\[serve\]'\)"):
+        audio.read_wav(b"ID3" + bytes(64))
 
 
 # ---- `port --audio`: refused before anything loads ---------------------------------------------------

@@ -47,14 +47,16 @@ _FILTERS = _mel_filters()
 
 
 def read_wav(source: str | Path | bytes) -> np.ndarray:
-    """The float32 samples in [-1, 1) of a 16 kHz 16-bit PCM WAV or a 16 kHz MP3 (a path or its bytes), channels
-    averaged; other rates are refused: a resampler here would not be transformers' (torchcodec or soxr)."""
+    """The float32 samples of a 16 kHz 16-bit WAV or 16 kHz MP3 (path or bytes), channels averaged; other
+    rates are refused: a resampler here would not be transformers' (torchcodec or soxr)."""
     name = "the audio data" if isinstance(source, bytes) else repr(str(source))
     try:
         raw = source if isinstance(source, bytes) else Path(source).read_bytes()
         if raw[:3] == b"ID3" or raw[:2] >= b"\xff\xe0":  # an ID3 tag or an MPEG frame's sync bits: an MP3
-            import soundfile  # its wheel's libsndfile (>= 1.1 decodes MPEG), pinned in the `serve` extra
-
+            try:
+                import soundfile  # its wheel's libsndfile (>= 1.1 decodes MPEG), pinned in the `serve` extra
+            except ImportError:
+                raise AudioInputError("an MP3 needs `soundfile` (pip install -e '.[serve]'); or send a WAV") from None
             samples, rate, width = *soundfile.read(io.BytesIO(raw), dtype="float32", always_2d=True), 2
         else:
             with wave.open(io.BytesIO(raw), "rb") as clip:
