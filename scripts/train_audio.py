@@ -51,28 +51,36 @@ def parse_args(argv=None):
     p.add_argument("--out", default=str(vision.VISION_DIR))
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--steps", type=int, default=None, help="stage two's steps (default: HearTrainConfig's)")
+    p.add_argument(
+        "--image-batch", type=int, default=None, help="images rehearsed per joint step (default: HearTrainConfig's)"
+    )
     p.add_argument("--quick", action="store_true", help="a smoke run of the script: one speaker each, 2 steps")
     return p.parse_args(argv)
 
 
-def vision_answers(full, tokenizer, processor, seed: int) -> tuple[int, int, list[str]]:
-    """train_vision's held-out images and shipped samples, as `train_vision.py` judges them."""
+def vision_answers(full, tokenizer, processor, seed: int) -> tuple[int, int, list[str], list[str]]:
+    """train_vision's held-out images and shipped samples, as `train_vision.py` judges them: the misses,
+    then those of the shipped samples alone."""
     sys.path.insert(0, str(ROOT / "scripts"))
     from train_vision import held_out  # noqa: PLC0415
 
-    correct, total, failures, _ = held_out(full, tokenizer, processor, seed)
-    return correct, total, failures
+    correct, total, failures, sample_failures = held_out(full, tokenizer, processor, seed)
+    return correct, total, failures, sample_failures
 
 
-def train_one(name: str, out: Path, seed: int, steps: int | None, quick: bool = False) -> dict:
+def train_one(
+    name: str, out: Path, seed: int, steps: int | None, quick: bool = False, image_batch: int | None = None
+) -> dict:
     torch.manual_seed(seed)
     base = vision.load_vision_fixture(name, root=out)
     text = load_trained(name)
     tokenizer = audio_tokenizer(text.tokenizer)
     before_text, text_total, _ = held_out_accuracy(base.multimodal, tokenizer)
-    before_images, image_total, _ = vision_answers(base.multimodal, tokenizer, base.processor, seed)
+    before_images, image_total, _, _ = vision_answers(base.multimodal, tokenizer, base.processor, seed)
     full = with_hearing(base.variant, base.multimodal, seed)
     cfg = hearing.HearTrainConfig(seed=seed, **({"steps": steps} if steps else {}))
+    if image_batch is not None:
+        cfg.image_batch = image_batch
     speakers, held_speakers = hearing.train_speakers(), list(hearing.HELD_OUT_SPEAKERS)
     if quick:
         cfg.probe_steps, cfg.steps, cfg.eval_every = 2, 2, 1
@@ -89,7 +97,7 @@ def train_one(name: str, out: Path, seed: int, steps: int | None, quick: bool = 
     held_right, held_misses = hearing.accuracy(full, tokenizer, held_examples, mels)
     shipped = hearing.shipped_misses(full, tokenizer)
     text_right, _, text_failures = held_out_accuracy(full, tokenizer)
-    image_right, _, image_failures = vision_answers(full, tokenizer, base.processor, seed)
+    image_right, _, image_failures, sample_failures = vision_answers(full, tokenizer, base.processor, seed)
     files = vision_training.save_vision_fixture(full.to(torch.bfloat16), base.processor, out / name)
     log.info(
         "%s: train %d/%d, held out %d/%d, shipped misses %s, text %d/%d (was %d), images %d/%d (was %d)",
@@ -121,6 +129,7 @@ def train_one(name: str, out: Path, seed: int, steps: int | None, quick: bool = 
         "images_held_out_correct": f"{image_right}/{image_total}",
         "images_held_out_before": f"{before_images}/{image_total}",
         "images_held_out_failures": image_failures,
+        "images_sample_failures": sample_failures,  # of those, the shipped samples (fixtures/vision/images)
         "history": result.history,
         "params_audio": sum(p.numel() for n, p in full.named_parameters() if "audio" in n),
         "train_config": cfg.to_dict(),
@@ -147,8 +156,9 @@ def main(argv=None) -> int:
     ok = True
     for name in names:
         started = time.perf_counter()
-        done = train_one(name, out, args.seed, args.steps, args.quick)
+        done = train_one(name, out, args.seed, args.steps, args.quick, args.image_batch)
         steps = f" --steps {args.steps}" if args.steps else ""
+        steps += f" --image-batch {args.image_batch}" if args.image_batch is not None else ""
         done["record"].update(
             wall_seconds=round(time.perf_counter() - started, 1),
             created=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
