@@ -52,7 +52,11 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--steps", type=int, default=None, help="stage two's steps (default: HearTrainConfig's)")
     p.add_argument(
-        "--image-batch", type=int, default=None, help="images rehearsed per joint step (default: HearTrainConfig's)"
+        "--set",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="a HearTrainConfig field for this run, e.g. --set image_batch=12 --set lr=2e-3 (repeatable)",
     )
     p.add_argument("--quick", action="store_true", help="a smoke run of the script: one speaker each, 2 steps")
     return p.parse_args(argv)
@@ -68,8 +72,20 @@ def vision_answers(full, tokenizer, processor, seed: int) -> tuple[int, int, lis
     return correct, total, failures, sample_failures
 
 
+def config_changes(pairs: list[str]) -> dict:
+    """`--set NAME=VALUE` pairs as HearTrainConfig values, each cast to its field's default's type."""
+    defaults, changes = hearing.HearTrainConfig().to_dict(), {}
+    for pair in pairs:
+        name, _, value = pair.partition("=")
+        if name not in defaults or name in ("seed", "steps"):
+            raise SystemExit(f"--set {pair}: not a HearTrainConfig field (--seed and --steps have their own options)")
+        kind = type(defaults[name])
+        changes[name] = value.lower() in ("1", "true", "yes") if kind is bool else kind(value)
+    return changes
+
+
 def train_one(
-    name: str, out: Path, seed: int, steps: int | None, quick: bool = False, image_batch: int | None = None
+    name: str, out: Path, seed: int, steps: int | None, quick: bool = False, changes: dict | None = None
 ) -> dict:
     torch.manual_seed(seed)
     base = vision.load_vision_fixture(name, root=out)
@@ -78,9 +94,7 @@ def train_one(
     before_text, text_total, _ = held_out_accuracy(base.multimodal, tokenizer)
     before_images, image_total, _, _ = vision_answers(base.multimodal, tokenizer, base.processor, seed)
     full = with_hearing(base.variant, base.multimodal, seed)
-    cfg = hearing.HearTrainConfig(seed=seed, **({"steps": steps} if steps else {}))
-    if image_batch is not None:
-        cfg.image_batch = image_batch
+    cfg = hearing.HearTrainConfig(seed=seed, **({"steps": steps} if steps else {}), **(changes or {}))
     speakers, held_speakers = hearing.train_speakers(), list(hearing.HELD_OUT_SPEAKERS)
     if quick:
         cfg.probe_steps, cfg.steps, cfg.eval_every = 2, 2, 1
@@ -156,9 +170,9 @@ def main(argv=None) -> int:
     ok = True
     for name in names:
         started = time.perf_counter()
-        done = train_one(name, out, args.seed, args.steps, args.quick, args.image_batch)
+        done = train_one(name, out, args.seed, args.steps, args.quick, config_changes(args.set))
         steps = f" --steps {args.steps}" if args.steps else ""
-        steps += f" --image-batch {args.image_batch}" if args.image_batch is not None else ""
+        steps += "".join(f" --set {pair}" for pair in args.set)
         done["record"].update(
             wall_seconds=round(time.perf_counter() - started, 1),
             created=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
