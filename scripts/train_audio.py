@@ -51,28 +51,50 @@ def parse_args(argv=None):
     p.add_argument("--out", default=str(vision.VISION_DIR))
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--steps", type=int, default=None, help="stage two's steps (default: HearTrainConfig's)")
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="a HearTrainConfig field for this run, e.g. --set image_batch=12 --set lr=2e-3 (repeatable)",
+    )
     p.add_argument("--quick", action="store_true", help="a smoke run of the script: one speaker each, 2 steps")
     return p.parse_args(argv)
 
 
-def vision_answers(full, tokenizer, processor, seed: int) -> tuple[int, int, list[str]]:
-    """train_vision's held-out images and shipped samples, as `train_vision.py` judges them."""
+def vision_answers(full, tokenizer, processor, seed: int) -> tuple[int, int, list[str], list[str]]:
+    """train_vision's held-out images and shipped samples, as `train_vision.py` judges them: the misses,
+    then those of the shipped samples alone."""
     sys.path.insert(0, str(ROOT / "scripts"))
     from train_vision import held_out  # noqa: PLC0415
 
-    correct, total, failures, _ = held_out(full, tokenizer, processor, seed)
-    return correct, total, failures
+    correct, total, failures, sample_failures = held_out(full, tokenizer, processor, seed)
+    return correct, total, failures, sample_failures
 
 
-def train_one(name: str, out: Path, seed: int, steps: int | None, quick: bool = False) -> dict:
+def config_changes(pairs: list[str]) -> dict:
+    """`--set NAME=VALUE` pairs as HearTrainConfig values, each cast to its field's default's type."""
+    defaults, changes = hearing.HearTrainConfig().to_dict(), {}
+    for pair in pairs:
+        name, _, value = pair.partition("=")
+        if name not in defaults or name in ("seed", "steps"):
+            raise SystemExit(f"--set {pair}: not a HearTrainConfig field (--seed and --steps have their own options)")
+        kind = type(defaults[name])
+        changes[name] = value.lower() in ("1", "true", "yes") if kind is bool else kind(value)
+    return changes
+
+
+def train_one(
+    name: str, out: Path, seed: int, steps: int | None, quick: bool = False, changes: dict | None = None
+) -> dict:
     torch.manual_seed(seed)
     base = vision.load_vision_fixture(name, root=out)
     text = load_trained(name)
     tokenizer = audio_tokenizer(text.tokenizer)
     before_text, text_total, _ = held_out_accuracy(base.multimodal, tokenizer)
-    before_images, image_total, _ = vision_answers(base.multimodal, tokenizer, base.processor, seed)
+    before_images, image_total, _, _ = vision_answers(base.multimodal, tokenizer, base.processor, seed)
     full = with_hearing(base.variant, base.multimodal, seed)
-    cfg = hearing.HearTrainConfig(seed=seed, **({"steps": steps} if steps else {}))
+    cfg = hearing.HearTrainConfig(seed=seed, **({"steps": steps} if steps else {}), **(changes or {}))
     speakers, held_speakers = hearing.train_speakers(), list(hearing.HELD_OUT_SPEAKERS)
     if quick:
         cfg.probe_steps, cfg.steps, cfg.eval_every = 2, 2, 1
@@ -89,7 +111,7 @@ def train_one(name: str, out: Path, seed: int, steps: int | None, quick: bool = 
     held_right, held_misses = hearing.accuracy(full, tokenizer, held_examples, mels)
     shipped = hearing.shipped_misses(full, tokenizer)
     text_right, _, text_failures = held_out_accuracy(full, tokenizer)
-    image_right, _, image_failures = vision_answers(full, tokenizer, base.processor, seed)
+    image_right, _, image_failures, sample_failures = vision_answers(full, tokenizer, base.processor, seed)
     files = vision_training.save_vision_fixture(full.to(torch.bfloat16), base.processor, out / name)
     log.info(
         "%s: train %d/%d, held out %d/%d, shipped misses %s, text %d/%d (was %d), images %d/%d (was %d)",
@@ -121,6 +143,7 @@ def train_one(name: str, out: Path, seed: int, steps: int | None, quick: bool = 
         "images_held_out_correct": f"{image_right}/{image_total}",
         "images_held_out_before": f"{before_images}/{image_total}",
         "images_held_out_failures": image_failures,
+        "images_sample_failures": sample_failures,  # of those, the shipped samples (fixtures/vision/images)
         "history": result.history,
         "params_audio": sum(p.numel() for n, p in full.named_parameters() if "audio" in n),
         "train_config": cfg.to_dict(),
@@ -147,8 +170,9 @@ def main(argv=None) -> int:
     ok = True
     for name in names:
         started = time.perf_counter()
-        done = train_one(name, out, args.seed, args.steps, args.quick)
+        done = train_one(name, out, args.seed, args.steps, args.quick, config_changes(args.set))
         steps = f" --steps {args.steps}" if args.steps else ""
+        steps += "".join(f" --set {pair}" for pair in args.set)
         done["record"].update(
             wall_seconds=round(time.perf_counter() - started, 1),
             created=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),

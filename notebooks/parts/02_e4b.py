@@ -271,8 +271,9 @@ None
 # The E4B's audio part is the E2B's kind of encoder (the conformer `Gemma4AudioModel` and
 # `embed_audio`). The port runs it (`port --variant e4b --audio CLIP`, on cpu, eager, xla and the gloo
 # ranks at TP=2, checked against transformers on a random model that hears in `tests/test_audio_wiring.py`),
-# but the tiny E4B fixture is not shipped hearing yet: its training run answered every shipped clip and lost
-# one of its image answers, which the training script does not allow ([docs/AUDIO.md](../docs/AUDIO.md)).
+# but the tiny E4B fixture is not shipped hearing yet: its two training runs (6 and 12 shape images rehearsed a
+# step) answered every shipped clip and lost one and two of its image answers (a square read as a circle),
+# which the training script does not allow ([docs/AUDIO.md](../docs/AUDIO.md)).
 # So this section has no clip to judge in the smoke profile and skips.
 # -- part: plot_note --
 # The released model's measured bar is the field report's decode figure (the status box), measured with its hand-driven
