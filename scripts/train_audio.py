@@ -42,7 +42,11 @@ from gemma4lib.models import vision  # noqa: E402
 from gemma4lib.models.trained import load_trained  # noqa: E402
 
 log = logging.getLogger("train_audio")
-VARIANTS = ("e2b", "e4b")  # the 12B's encoder-free audio is not trained here yet (see docs/AUDIO.md)
+VARIANTS = ("e2b", "e4b", "12b")
+# per variant: the recipe's class (the 12B has no conformer: `hearing.UnifiedHearConfig`) and its settings
+RECIPES: dict[str, tuple[type, dict]] = {
+    "12b": (hearing.UnifiedHearConfig, {"probe_steps": 1600, "steps": 2000, "image_batch": 12, "image_per_class": 48})
+}
 
 
 def parse_args(argv=None):
@@ -52,6 +56,8 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--steps", type=int, default=None, help="stage two's steps (default: HearTrainConfig's)")
     p.add_argument("--quick", action="store_true", help="a smoke run of the script: one speaker each, 2 steps")
+    p.add_argument("--probe-steps", type=int, default=None, help="stage one's steps (default: the recipe's)")
+    p.add_argument("--speakers", type=int, default=None, help="a reduced run: the first N training speakers")
     return p.parse_args(argv)
 
 
@@ -64,7 +70,15 @@ def vision_answers(full, tokenizer, processor, seed: int) -> tuple[int, int, lis
     return correct, total, failures
 
 
-def train_one(name: str, out: Path, seed: int, steps: int | None, quick: bool = False) -> dict:
+def train_one(
+    name: str,
+    out: Path,
+    seed: int,
+    steps: int | None,
+    quick: bool = False,
+    probe_steps: int | None = None,
+    n_speakers: int | None = None,
+) -> dict:
     torch.manual_seed(seed)
     base = vision.load_vision_fixture(name, root=out)
     text = load_trained(name)
@@ -72,8 +86,10 @@ def train_one(name: str, out: Path, seed: int, steps: int | None, quick: bool = 
     before_text, text_total, _ = held_out_accuracy(base.multimodal, tokenizer)
     before_images, image_total, _ = vision_answers(base.multimodal, tokenizer, base.processor, seed)
     full = with_hearing(base.variant, base.multimodal, seed)
-    cfg = hearing.HearTrainConfig(seed=seed, **({"steps": steps} if steps else {}))
-    speakers, held_speakers = hearing.train_speakers(), list(hearing.HELD_OUT_SPEAKERS)
+    kind, settings = RECIPES.get(name, (hearing.HearTrainConfig, {}))
+    overrides = {"steps": steps, "probe_steps": probe_steps}
+    cfg = kind(seed=seed, **(settings | {k: v for k, v in overrides.items() if v is not None}))
+    speakers, held_speakers = hearing.train_speakers()[:n_speakers], list(hearing.HELD_OUT_SPEAKERS)
     if quick:
         cfg.probe_steps, cfg.steps, cfg.eval_every = 2, 2, 1
         speakers, held_speakers = speakers[:1], held_speakers[:1]
@@ -147,8 +163,10 @@ def main(argv=None) -> int:
     ok = True
     for name in names:
         started = time.perf_counter()
-        done = train_one(name, out, args.seed, args.steps, args.quick)
+        done = train_one(name, out, args.seed, args.steps, args.quick, args.probe_steps, args.speakers)
         steps = f" --steps {args.steps}" if args.steps else ""
+        steps += f" --probe-steps {args.probe_steps}" if args.probe_steps else ""
+        steps += f" --speakers {args.speakers}" if args.speakers else ""
         done["record"].update(
             wall_seconds=round(time.perf_counter() - started, 1),
             created=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
