@@ -42,7 +42,11 @@ from gemma4lib.models import vision  # noqa: E402
 from gemma4lib.models.trained import load_trained  # noqa: E402
 
 log = logging.getLogger("train_audio")
-VARIANTS = ("e2b", "e4b")  # the 12B's encoder-free audio is not trained here yet (see docs/AUDIO.md)
+VARIANTS = ("e2b", "e4b", "12b")
+# per variant: the recipe's class (the 12B has no conformer: `hearing.UnifiedHearConfig`) and its settings
+RECIPES: dict[str, tuple[type, dict]] = {
+    "12b": (hearing.UnifiedHearConfig, {"probe_steps": 1600, "steps": 2000, "image_batch": 12, "image_per_class": 48})
+}
 
 
 def parse_args(argv=None):
@@ -59,6 +63,7 @@ def parse_args(argv=None):
         help="a HearTrainConfig field for this run, e.g. --set image_batch=12 --set lr=2e-3 (repeatable)",
     )
     p.add_argument("--quick", action="store_true", help="a smoke run of the script: one speaker each, 2 steps")
+    p.add_argument("--speakers", type=int, default=None, help="a reduced run: the first N training speakers")
     return p.parse_args(argv)
 
 
@@ -72,20 +77,26 @@ def vision_answers(full, tokenizer, processor, seed: int) -> tuple[int, int, lis
     return correct, total, failures, sample_failures
 
 
-def config_changes(pairs: list[str]) -> dict:
-    """`--set NAME=VALUE` pairs as HearTrainConfig values, each cast to its field's default's type."""
-    defaults, changes = hearing.HearTrainConfig().to_dict(), {}
+def config_changes(kind: type, pairs: list[str]) -> dict:
+    """`--set NAME=VALUE` pairs as the recipe's config values, each cast to its field's default's type."""
+    defaults, changes = kind().to_dict(), {}
     for pair in pairs:
         name, _, value = pair.partition("=")
         if name not in defaults or name in ("seed", "steps"):
-            raise SystemExit(f"--set {pair}: not a HearTrainConfig field (--seed and --steps have their own options)")
-        kind = type(defaults[name])
-        changes[name] = value.lower() in ("1", "true", "yes") if kind is bool else kind(value)
+            raise SystemExit(f"--set {pair}: not a {kind.__name__} field (--seed and --steps have their own options)")
+        field = type(defaults[name])
+        changes[name] = value.lower() in ("1", "true", "yes") if field is bool else field(value)
     return changes
 
 
 def train_one(
-    name: str, out: Path, seed: int, steps: int | None, quick: bool = False, changes: dict | None = None
+    name: str,
+    out: Path,
+    seed: int,
+    steps: int | None,
+    quick: bool = False,
+    pairs: list[str] | None = None,
+    n_speakers: int | None = None,
 ) -> dict:
     torch.manual_seed(seed)
     base = vision.load_vision_fixture(name, root=out)
@@ -94,8 +105,10 @@ def train_one(
     before_text, text_total, _ = held_out_accuracy(base.multimodal, tokenizer)
     before_images, image_total, _, _ = vision_answers(base.multimodal, tokenizer, base.processor, seed)
     full = with_hearing(base.variant, base.multimodal, seed)
-    cfg = hearing.HearTrainConfig(seed=seed, **({"steps": steps} if steps else {}), **(changes or {}))
-    speakers, held_speakers = hearing.train_speakers(), list(hearing.HELD_OUT_SPEAKERS)
+    kind, settings = RECIPES.get(name, (hearing.HearTrainConfig, {}))
+    changes = settings | ({"steps": steps} if steps else {}) | config_changes(kind, pairs or [])
+    cfg = kind(seed=seed, **changes)
+    speakers, held_speakers = hearing.train_speakers()[:n_speakers], list(hearing.HELD_OUT_SPEAKERS)
     if quick:
         cfg.probe_steps, cfg.steps, cfg.eval_every = 2, 2, 1
         speakers, held_speakers = speakers[:1], held_speakers[:1]
@@ -170,9 +183,10 @@ def main(argv=None) -> int:
     ok = True
     for name in names:
         started = time.perf_counter()
-        done = train_one(name, out, args.seed, args.steps, args.quick, config_changes(args.set))
+        done = train_one(name, out, args.seed, args.steps, args.quick, args.set, args.speakers)
         steps = f" --steps {args.steps}" if args.steps else ""
         steps += "".join(f" --set {pair}" for pair in args.set)
+        steps += f" --speakers {args.speakers}" if args.speakers else ""
         done["record"].update(
             wall_seconds=round(time.perf_counter() - started, 1),
             created=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),

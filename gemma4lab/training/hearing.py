@@ -9,8 +9,9 @@ fixture's countries, spoken by several voices at several speeds and pitches, and
 Stage one teaches the audio part (conformer + `embed_audio`; the front end's convolutions frozen) to tell
 the country and the kind of clip through a linear probe (thrown away), as the vision tower's stage one
 did; stage two trains it with the decoder on the reply loss, the decoder rehearsing its text and image
-answers (a frozen decoder could not be taught: `HearTrainConfig.train_decoder`). Where this stands:
-docs/AUDIO.md "Fixtures that hear"."""
+answers (a frozen decoder could not be taught: `HearTrainConfig.train_decoder`). The 12B has no conformer
+(raw 640-sample frames -> RMSNorm + linear): its stage one probes log energies of the soft tokens instead
+(`UnifiedHearConfig`, `energy_probe_stage`). Where this stands: docs/AUDIO.md "Fixtures that hear"."""
 
 from __future__ import annotations
 
@@ -140,8 +141,27 @@ def reply_of(clip: Clip, kind: str) -> str:
     return clip.text if kind == "T1" else answer_for(clip.country)
 
 
-def encode(tokenizer, examples: list[tuple[Clip, str]], mels: dict[int, tuple[np.ndarray, np.ndarray]]) -> Encoded:
-    """Encode (clip, task) pairs; `mels` caches each clip's log-mel by id."""
+def is_unified(model: nn.Module) -> bool:
+    """The 12B: no audio tower, raw 640-sample frames through `embed_audio` alone."""
+    return getattr(model.config.audio_config, "model_type", "") == "gemma4_unified_audio"
+
+
+def clip_features(clip: Clip, mels, unified: bool = False) -> tuple[np.ndarray, np.ndarray]:
+    """A clip's audio input (log-mel, or the 12B's raw frames) and mask, cached in `mels` by id."""
+    if id(clip) not in mels:
+        mels[id(clip)] = audio.features(clip.samples, unified)
+    return mels[id(clip)]
+
+
+def encode(
+    tokenizer,
+    examples: list[tuple[Clip, str]],
+    mels: dict[int, tuple[np.ndarray, np.ndarray]],
+    unified: bool = False,
+    leads: list[int] | None = None,
+) -> Encoded:
+    """Encode (clip, task) pairs; `mels` caches each clip's log-mel (the 12B: raw frames) by id. `leads`
+    (the 12B's training only): that many zero samples before each clip, so its frames fall at another phase."""
     prompts = {
         "T1": tokenizer.apply_chat_template(
             transcribe_messages(), add_generation_prompt=True, tokenize=True, return_dict=False
@@ -151,11 +171,12 @@ def encode(tokenizer, examples: list[tuple[Clip, str]], mels: dict[int, tuple[np
         ),
     }
     rows, feats = [], []
-    for clip, kind in examples:
-        if id(clip) not in mels:
-            mels[id(clip)] = audio.log_mel(clip.samples)
-        mel, valid = mels[id(clip)]
-        count = int(valid[::4].sum())
+    for i, (clip, kind) in enumerate(examples):
+        if leads:
+            mel, valid = audio.features(np.pad(clip.samples, (leads[i], 0)), unified)
+        else:
+            mel, valid = clip_features(clip, mels, unified)
+        count = len(mel) if unified else int(valid[::4].sum())
         prompt = expand_image_tokens(list(prompts[kind]), [count], AUDIO_TOKEN_ID, BOA_ID, EOA_ID)
         reply = tokenizer(reply_of(clip, kind), add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
         rows.append((prompt, reply))
@@ -166,7 +187,7 @@ def encode(tokenizer, examples: list[tuple[Clip, str]], mels: dict[int, tuple[np
     ids = torch.full((n, length), tokenizer.pad_token_id, dtype=torch.long)
     labels = torch.full((n, length), -100, dtype=torch.long)
     attention = torch.zeros((n, length), dtype=torch.long)
-    features = torch.zeros(n, frames, audio.MELS)
+    features = torch.zeros(n, frames, feats[0][0].shape[-1])
     mask = torch.zeros(n, frames, dtype=torch.bool)
     for i, ((prompt, reply), (mel, valid)) in enumerate(zip(rows, feats, strict=True)):
         seq = prompt + reply
@@ -229,12 +250,11 @@ class CachedFrontEnd(nn.Module):
         return self.inner.input_proj_linear(hidden), valid
 
 
-def padded_mels(clips: list[Clip], mels) -> tuple[torch.Tensor, torch.Tensor]:
+def padded_mels(clips: list[Clip], mels, unified: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     for c in clips:
-        if id(c) not in mels:
-            mels[id(c)] = audio.log_mel(c.samples)
+        clip_features(c, mels, unified)
     frames = max(len(mels[id(c)][0]) for c in clips)
-    features = torch.zeros(len(clips), frames, audio.MELS)
+    features = torch.zeros(len(clips), frames, mels[id(clips[0])][0].shape[-1])
     mask = torch.zeros(len(clips), frames, dtype=torch.bool)
     for i, c in enumerate(clips):
         mel, valid = mels[id(c)]
@@ -296,7 +316,7 @@ def accuracy(model: nn.Module, tokenizer, examples, mels, chunk: int = 64) -> tu
     model.eval()
     for s in range(0, len(examples), chunk):
         part = examples[s : s + chunk]
-        hits = greedy_hits(model, encode(tokenizer, part, mels))
+        hits = greedy_hits(model, encode(tokenizer, part, mels, is_unified(model)))
         right += int(hits.sum())
         misses += [f"{c.speaker} {k}: {reply_of(c, k)}" for (c, k), h in zip(part, hits.tolist(), strict=True) if not h]
     return right, misses
@@ -362,6 +382,76 @@ def probe_stage(model, cached, params, train, held_out, mels, cfg, generator) ->
     return history
 
 
+@dataclass
+class UnifiedHearConfig(HearTrainConfig):
+    """The 12B's recipe: no conformer, so stage one shapes `embed_audio`'s linear map of raw frames into
+    a learned filter bank (`energy_probe_stage`); the decoder must then learn to listen."""
+
+    probe_segments: int = 4  # the clip cut in this many equal parts, each pooled apart (a coarse time axis)
+    # each training example's clip after 0-639 random zero samples (its frames at another phase): a lever
+    # for held-out speakers (a linear map of raw frames is phase-sensitive), built but not yet tried
+    random_lead: bool = False
+
+
+def energy_probe_stage(model, params, train, held_out, mels, cfg: UnifiedHearConfig, generator) -> list[dict[str, Any]]:
+    """Stage one for the 12B: a linear probe (thrown away) on log energy per soft-token channel (each
+    channel a learned filter of the 640-sample frame: its output squared), averaged over each of
+    `probe_segments` parts of the clip. A probe on the mean soft token cannot work here: a linear map of
+    zero-mean audio averages to about zero."""
+    embed, parts = model.model.embed_audio, cfg.probe_segments
+    width = int(model.config.get_text_config().hidden_size)
+    probe = nn.Linear(width * parts, len(NAMES) + 2)
+    opt = torch.optim.AdamW(params + list(probe.parameters()), lr=cfg.probe_lr, weight_decay=0.0, betas=(0.9, 0.98))
+    history, started, n = [], time.perf_counter(), len(NAMES)
+
+    def run(clips: list[Clip]) -> tuple[torch.Tensor, torch.Tensor]:
+        frames, valid = padded_mels(clips, mels, unified=True)
+        energy = embed(frames).pow(2)  # [clips, frames, width]
+        length = valid.sum(1, keepdim=True).float()
+        part = (torch.arange(frames.shape[1])[None].float() * parts / length).long().clamp(max=parts - 1)
+        weights = nn.functional.one_hot(part, parts).float() * valid[..., None]
+        weights = weights / weights.sum(1, keepdim=True).clamp(min=1.0)
+        pooled = torch.log1p(torch.einsum("btk,bth->bkh", weights, energy)).flatten(1)
+        logits = probe(pooled)
+        country = torch.tensor([NAMES.index(c.country) for c in clips])
+        kind = torch.tensor([int(c.question) for c in clips])
+        loss = nn.functional.cross_entropy(logits[:, :n], country) + nn.functional.cross_entropy(logits[:, n:], kind)
+        return loss, (logits[:, :n].argmax(-1) == country) & (logits[:, n:].argmax(-1) == kind)
+
+    for step in range(1, cfg.probe_steps + 1):
+        for g in opt.param_groups:
+            g["lr"] = cfg.probe_lr * lr_factor(step, cfg.probe_steps, cfg)
+        rows = torch.randperm(len(train), generator=generator)[: cfg.probe_batch].tolist()
+        loss, _ = run([train[i] for i in rows])
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        if step % (cfg.eval_every * 2) == 0 or step == cfg.probe_steps:
+            with torch.no_grad():
+                hits = torch.cat([run(held_out[s : s + cfg.chunk])[1] for s in range(0, len(held_out), cfg.chunk)])
+                train_hits = torch.cat([run(train[s : s + cfg.chunk])[1] for s in range(0, len(train), cfg.chunk)])
+            got, fit = float(hits.float().mean()), float(train_hits.float().mean())
+            log.info(
+                "energy probe step %d loss %.4f train %.3f held-out %.3f (%.0f s)",
+                step,
+                float(loss),
+                fit,
+                got,
+                time.perf_counter() - started,
+            )
+            history.append(
+                {
+                    "stage": "probe",
+                    "step": step,
+                    "loss": round(float(loss), 4),
+                    "train": round(fit, 4),
+                    "held_out": round(got, 4),
+                }
+            )
+    return history
+
+
 def train_hearing(
     model: nn.Module, tokenizer, processor, train: list[Clip], held_out: list[Clip], cfg: HearTrainConfig
 ) -> HearResult:
@@ -374,8 +464,9 @@ def train_hearing(
     from gemma4lab.training.text import encode_chats
 
     torch.manual_seed(cfg.seed)
-    tower = model.model.audio_tower
-    front = tower.subsample_conv_projection
+    unified = is_unified(model)
+    tower = None if unified else model.model.audio_tower
+    front = None if unified else tower.subsample_conv_projection
     own = [p for n, p in model.named_parameters() if "audio" in n and not n.startswith(FROZEN_FRONT)]
     decoder = [p for n, p in model.named_parameters() if n.startswith("model.language_model.")]
     for p in model.parameters():
@@ -389,11 +480,14 @@ def train_hearing(
     params = [p for g in groups for p in g["params"]]
     started, history = time.perf_counter(), []
     mels: dict[int, tuple[np.ndarray, np.ndarray]] = {}
-    cached = CachedFrontEnd(front, train, mels)
-    log.info("front end cached for %d clips (%.0f s)", len(train), time.perf_counter() - started)
-    history += probe_stage(
-        model, cached, own, train, held_out, mels, cfg, generator := torch.Generator().manual_seed(cfg.seed)
-    )
+    generator = torch.Generator().manual_seed(cfg.seed)
+    if unified:  # the 12B: only `embed_audio` before the decoder
+        cached = None
+        history += energy_probe_stage(model, own, train, held_out, mels, cfg, generator)
+    else:
+        cached = CachedFrontEnd(front, train, mels)
+        log.info("front end cached for %d clips (%.0f s)", len(train), time.perf_counter() - started)
+        history += probe_stage(model, cached, own, train, held_out, mels, cfg, generator)
     text = encode_chats(tokenizer, training_chats()) if cfg.train_decoder else None
     images = None
     if cfg.train_decoder and cfg.image_batch:
@@ -405,12 +499,18 @@ def train_hearing(
         for g in opt.param_groups:
             g["lr"] = g["peak"] * lr_factor(step, cfg.steps, cfg)
         rows = torch.randperm(len(pool), generator=generator)[: cfg.batch].tolist()
-        batch = encode(tokenizer, [pool[i] for i in rows], mels)
-        cached.batch, tower.subsample_conv_projection = batch.clips, cached
-        try:
+        leads = None
+        if unified and getattr(cfg, "random_lead", False):
+            leads = torch.randint(0, audio.UNIFIED_SAMPLES, (len(rows),), generator=generator).tolist()
+        batch = encode(tokenizer, [pool[i] for i in rows], mels, unified, leads)
+        if unified:
             loss = _ce(logits_of(model, batch), batch.labels)
-        finally:
-            tower.subsample_conv_projection = front
+        else:
+            cached.batch, tower.subsample_conv_projection = batch.clips, cached
+            try:
+                loss = _ce(logits_of(model, batch), batch.labels)
+            finally:
+                tower.subsample_conv_projection = front
         if text is not None and cfg.text_batch:  # the text answers, without a clip
             rows = torch.randperm(text.input_ids.shape[0], generator=generator)[: cfg.text_batch]
             ids = text.input_ids[rows]
@@ -456,7 +556,7 @@ def answer_clip(model: nn.Module, tokenizer, samples: np.ndarray, kind: str, max
 
     messages = transcribe_messages() if kind == "T1" else spoken_messages()
     text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    inputs = transformers_processor(tokenizer)(
+    inputs = transformers_processor(tokenizer, is_unified(model))(
         text=[text], audio=[samples], add_special_tokens=False, return_tensors="pt"
     )
     out = model.generate(
