@@ -66,7 +66,7 @@ warmup = 1
 iters = 3
 threads = 1  # torch threads for the benchmark (recorded with it)
 image = "red_circle.png"  # "What the model sees": a shipped sample (blue_square.png, ...) or a path; None skips it
-clip = None  # "What the model hears": a shipped clip (france.wav, ...) or a 16 kHz WAV; None skips
+clip = "capital_of_france.wav"  # "What the model hears": a shipped clip (france.wav, ...) or a 16 kHz WAV; None skips
 tp_demo = 2  # ranks of the rank-graph run on CPU processes (0: skip)
 results_path = "../runs/notebooks/e4b.json"
 interactive = False  # True: show the chat box at the end (needs a live Jupyter front end)
@@ -579,13 +579,12 @@ if image_settings is not None:
 # written over the placeholders, the fixture taught to transcribe and to answer a spoken question, and the
 # three checks against transformers' `generate(input_features=...)`. What is this variant's own:
 #
-# The E4B's audio part is the E2B's kind of encoder (the conformer `Gemma4AudioModel` and
-# `embed_audio`). The port runs it (`port --variant e4b --audio CLIP`, on cpu, eager, xla and the gloo
-# ranks at TP=2, checked against transformers on a random model that hears in `tests/test_audio_wiring.py`),
-# but the tiny E4B fixture is not shipped hearing yet: its two training runs (6 and 12 shape images rehearsed a
-# step) answered every shipped clip and lost one and two of its image answers (a square read as a circle),
-# which the training script does not allow ([docs/AUDIO.md](../docs/AUDIO.md)).
-# So this section has no clip to judge in the smoke profile and skips.
+# The E4B's audio part is the E2B's kind of encoder: the conformer `Gemma4AudioModel` (two strided
+# convolutions, so one soft token per four mel frames, then conformer blocks over chunks of the clip) and
+# `embed_audio`, which projects each soft token to the decoder's width. The audio graph is those modules
+# at a fixed shape, compiled once like the vision graph, and it reads no K/V. The tiny E4B fixture
+# learnt to hear from synthesized speech ([docs/AUDIO.md](../docs/AUDIO.md) has its training record,
+# including the runs that were not shipped because they cost an image answer).
 
 # %% tags=["lesson"]
 audio_settings = None  # the smoke profile's multimodal fixture, which hears; variants without audio skip

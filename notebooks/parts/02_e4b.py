@@ -266,15 +266,14 @@ if witness:  # why the random E4B's spread (its LOGITS_MATCH tolerance above) is
 # half sees the soft tokens), and the masks stay causal over the image: the fixture's config leaves
 # `use_bidirectional_attention` unset.
 # -- part: clip --
-None
+"capital_of_france.wav"
 # -- part: audio_note --
-# The E4B's audio part is the E2B's kind of encoder (the conformer `Gemma4AudioModel` and
-# `embed_audio`). The port runs it (`port --variant e4b --audio CLIP`, on cpu, eager, xla and the gloo
-# ranks at TP=2, checked against transformers on a random model that hears in `tests/test_audio_wiring.py`),
-# but the tiny E4B fixture is not shipped hearing yet: its two training runs (6 and 12 shape images rehearsed a
-# step) answered every shipped clip and lost one and two of its image answers (a square read as a circle),
-# which the training script does not allow ([docs/AUDIO.md](../docs/AUDIO.md)).
-# So this section has no clip to judge in the smoke profile and skips.
+# The E4B's audio part is the E2B's kind of encoder: the conformer `Gemma4AudioModel` (two strided
+# convolutions, so one soft token per four mel frames, then conformer blocks over chunks of the clip) and
+# `embed_audio`, which projects each soft token to the decoder's width. The audio graph is those modules
+# at a fixed shape, compiled once like the vision graph, and it reads no K/V. The tiny E4B fixture
+# learnt to hear from synthesized speech ([docs/AUDIO.md](../docs/AUDIO.md) has its training record,
+# including the runs that were not shipped because they cost an image answer).
 # -- part: plot_note --
 # The released model's measured bar is the field report's decode figure (the status box), measured with its hand-driven
 # TP recipe (`tp_alias`), not with the ModelBuilder recipe this notebook compiles.
