@@ -339,9 +339,9 @@ def probe_stage(model, cached, params, train, held_out, mels, cfg, generator) ->
     tower, front = model.model.audio_tower, model.model.audio_tower.subsample_conv_projection
     probe = nn.Linear(int(model.config.get_text_config().hidden_size), len(NAMES) + 2)
     opt = torch.optim.AdamW(params + list(probe.parameters()), lr=cfg.probe_lr, weight_decay=0.0, betas=(0.9, 0.98))
-    history, started = [], time.perf_counter()
 
     def run(clips: list[Clip], use_cache: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        model.train(use_cache)  # training steps run the cached front end, held-out batches run it whole
         features, mask = padded_mels(clips, mels)
         cached.batch = clips
         if use_cache:
@@ -358,8 +358,17 @@ def probe_stage(model, cached, params, train, held_out, mels, cfg, generator) ->
         loss = nn.functional.cross_entropy(logits[:, :n], country) + nn.functional.cross_entropy(logits[:, n:], kind)
         return loss, (logits[:, :n].argmax(-1) == country) & (logits[:, n:].argmax(-1) == kind)
 
+    return probe_loop(run, params, opt, train, held_out, cfg, generator, "probe")
+
+
+def probe_loop(
+    run, params, opt, train, held_out, cfg, generator, label: str, fit: bool = False
+) -> list[dict[str, Any]]:
+    """A stage one's steps, shared by `probe_stage` and `energy_probe_stage`: `run(clips, training)` gives
+    the loss and the hits of one batch; every `2 * eval_every` steps (and the last) the held-out hits (with
+    `fit`, the training clips' too) are logged and kept in the history."""
+    history, started = [], time.perf_counter()
     for step in range(1, cfg.probe_steps + 1):
-        model.train()
         for g in opt.param_groups:
             g["lr"] = cfg.probe_lr * lr_factor(step, cfg.probe_steps, cfg)
         rows = torch.randperm(len(train), generator=generator)[: cfg.probe_batch].tolist()
@@ -369,17 +378,28 @@ def probe_stage(model, cached, params, train, held_out, mels, cfg, generator) ->
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
         if step % (cfg.eval_every * 2) == 0 or step == cfg.probe_steps:
-            model.eval()
             with torch.no_grad():
-                hits = torch.cat(
-                    [run(held_out[s : s + cfg.chunk], False)[1] for s in range(0, len(held_out), cfg.chunk)]
-                )
-            got = float(hits.float().mean())
+                got = _hit_rate(run, held_out, cfg.chunk)
+                fitted = _hit_rate(run, train, cfg.chunk) if fit else None
+            seen = "" if fitted is None else f" train {fitted:.3f}"
             log.info(
-                "probe step %d loss %.4f held-out %.3f (%.0f s)", step, float(loss), got, time.perf_counter() - started
+                "%s step %d loss %.4f%s held-out %.3f (%.0f s)",
+                label,
+                step,
+                float(loss),
+                seen,
+                got,
+                time.perf_counter() - started,
             )
-            history.append({"stage": "probe", "step": step, "loss": round(float(loss), 4), "held_out": round(got, 4)})
+            row = {"stage": "probe", "step": step, "loss": round(float(loss), 4)}
+            if fitted is not None:
+                row["train"] = round(fitted, 4)
+            history.append({**row, "held_out": round(got, 4)})
     return history
+
+
+def _hit_rate(run, clips: list[Clip], chunk: int) -> float:
+    return float(torch.cat([run(clips[s : s + chunk], False)[1] for s in range(0, len(clips), chunk)]).float().mean())
 
 
 @dataclass
@@ -402,9 +422,9 @@ def energy_probe_stage(model, params, train, held_out, mels, cfg: UnifiedHearCon
     width = int(model.config.get_text_config().hidden_size)
     probe = nn.Linear(width * parts, len(NAMES) + 2)
     opt = torch.optim.AdamW(params + list(probe.parameters()), lr=cfg.probe_lr, weight_decay=0.0, betas=(0.9, 0.98))
-    history, started, n = [], time.perf_counter(), len(NAMES)
+    n = len(NAMES)
 
-    def run(clips: list[Clip]) -> tuple[torch.Tensor, torch.Tensor]:
+    def run(clips: list[Clip], training: bool) -> tuple[torch.Tensor, torch.Tensor]:
         frames, valid = padded_mels(clips, mels, unified=True)
         energy = embed(frames).pow(2)  # [clips, frames, width]
         length = valid.sum(1, keepdim=True).float()
@@ -418,38 +438,7 @@ def energy_probe_stage(model, params, train, held_out, mels, cfg: UnifiedHearCon
         loss = nn.functional.cross_entropy(logits[:, :n], country) + nn.functional.cross_entropy(logits[:, n:], kind)
         return loss, (logits[:, :n].argmax(-1) == country) & (logits[:, n:].argmax(-1) == kind)
 
-    for step in range(1, cfg.probe_steps + 1):
-        for g in opt.param_groups:
-            g["lr"] = cfg.probe_lr * lr_factor(step, cfg.probe_steps, cfg)
-        rows = torch.randperm(len(train), generator=generator)[: cfg.probe_batch].tolist()
-        loss, _ = run([train[i] for i in rows])
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        opt.step()
-        if step % (cfg.eval_every * 2) == 0 or step == cfg.probe_steps:
-            with torch.no_grad():
-                hits = torch.cat([run(held_out[s : s + cfg.chunk])[1] for s in range(0, len(held_out), cfg.chunk)])
-                train_hits = torch.cat([run(train[s : s + cfg.chunk])[1] for s in range(0, len(train), cfg.chunk)])
-            got, fit = float(hits.float().mean()), float(train_hits.float().mean())
-            log.info(
-                "energy probe step %d loss %.4f train %.3f held-out %.3f (%.0f s)",
-                step,
-                float(loss),
-                fit,
-                got,
-                time.perf_counter() - started,
-            )
-            history.append(
-                {
-                    "stage": "probe",
-                    "step": step,
-                    "loss": round(float(loss), 4),
-                    "train": round(fit, 4),
-                    "held_out": round(got, 4),
-                }
-            )
-    return history
+    return probe_loop(run, params, opt, train, held_out, cfg, generator, "energy probe", fit=True)
 
 
 def train_hearing(
