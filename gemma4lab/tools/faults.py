@@ -674,15 +674,9 @@ def run_one(
     except Gemma4LibError as error:
         if fault is None or REFUSED not in fault.caught_by:
             raise
-        return _refused(fault, variant, backend, (shown, heard), error, started)
-    witness = _witness(fault, settings)
-    record = record_run(settings, model, run.rows, eos, device_run, started, witness)
-    failed = record["failed_checks"]
-    as_predicted = True
-    if fault is not None:  # shared with the reference, or caught by nothing: exactly the predicted checks
-        predicted = set(fault.caught_by)
-        exact = fault.shared_with_reference or not predicted
-        as_predicted = set(failed) == predicted if exact else predicted <= set(failed)
+        outcome = _refused(fault, error)  # no witness: it is refused too
+    else:
+        outcome = _judged(fault, settings, model, run, eos, device_run, started)
     return {
         "fault": fault.name if fault else "clean",
         "description": fault.description if fault else "no fault",
@@ -692,6 +686,24 @@ def run_one(
         "audio": list(heard),
         "backend": backend,
         "scope": fault.scope if fault else None,
+        **outcome,
+        "seconds": round(time.perf_counter() - started, 1),
+    }
+
+
+def _judged(
+    fault: Fault | None, settings: PortSettings, model: Any, run: FaultRun, eos: Any, device_run: Any, started: float
+) -> dict[str, Any]:
+    """A run's checks by `port`'s own verdict, the witness's, and whether they are the predicted ones."""
+    witness = _witness(fault, settings)
+    record = record_run(settings, model, run.rows, eos, device_run, started, witness)
+    failed = record["failed_checks"]
+    as_predicted = True
+    if fault is not None:  # shared with the reference, or caught by nothing: exactly the predicted checks
+        predicted = set(fault.caught_by)
+        exact = fault.shared_with_reference or not predicted
+        as_predicted = set(failed) == predicted if exact else predicted <= set(failed)
+    return {
         "seq_match": record["seq_match"],
         "logits_match": record["logits_match"],
         "coherent": record["coherent"],
@@ -704,31 +716,13 @@ def run_one(
         "witness": {k: witness.get(k) for k in WITNESS_KEYS},
         "answer": record["answer"],
         "reference_answer": record["reference_answer"],
-        "seconds": round(time.perf_counter() - started, 1),
     }
 
 
-def _refused(
-    fault: Fault,
-    variant: str,
-    backend: str,
-    media: tuple[tuple[str, ...], tuple[str, ...]],
-    error: Exception,
-    started: float,
-) -> dict[str, Any]:
-    """The lab's entry for a fault the library refused before any check ran (no witness: it is refused too)."""
+def _refused(fault: Fault, error: Exception) -> dict[str, Any]:
+    """The outcome of a fault the library refused before any check ran: its error, as predicted."""
     return {
-        "fault": fault.name,
-        "description": fault.description,
-        "variant": variant,
-        "tp_degree": fault.tp_degree,
-        "images": list(media[0]),
-        "audio": list(media[1]),
-        "backend": backend,
-        "scope": fault.scope,
-        "seq_match": None,
-        "logits_match": None,
-        "coherent": None,
+        **dict.fromkeys(("seq_match", "logits_match", "coherent")),
         "caught": True,
         "caught_by": [REFUSED],
         "reasons": [f"{type(error).__name__}: {error}"],
@@ -738,7 +732,6 @@ def _refused(
         "witness": {},
         "answer": None,
         "reference_answer": None,
-        "seconds": round(time.perf_counter() - started, 1),
     }
 
 
