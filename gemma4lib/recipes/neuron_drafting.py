@@ -1,41 +1,10 @@
 """Drafting in the ModelBuilder recipe: prefill, verify and draft keys over the one set of K/V states.
 
-The keys (`tp.draft_rank_graph.draft_key_shapes`): `prefill<bucket>` (the target's rank graph over
-the prompt, returning the last token's logits and hidden state), `verify` (k + 1 tokens at an
-offset, logits and hidden states at every position) and `draft` (the assistant's step over the
-rank's shard of the target's K/V). There is no decode key: the verify key is the per-step target
-graph. Every key's module is a `DraftingRankModule` built with NxD's parallel layers
-(`NxDParallelFactory`), so all hold the same parameters (`target.*`, `assistant.*`, `kv.*`). What
-that buys, from NxD v2.28.0 `trace/model_builder.py` and `trace/trace.py`:
-
-- `shard_checkpoint` shards with the *first* key's module and `preprocess_checkpoint` drops every
-  checkpoint key that module lacks: the assistant's weights survive only because every key holds them.
-- The K/V states: `build_state_initializer` allocates the states named by the first key's metaneff
-  (its aliased inputs, `INPUT_STATE`), and each key binds states by name. A key that only reads a
-  state has no way to say so in v1: a parameter it does not alias would be a *weight*
-  (`INPUT_WEIGHT`), looked up in the checkpoint. So the draft key aliases every K/V parameter to an
-  output that is that parameter, unchanged: the same states as the other keys, never written
-  (`DraftingRankModule.forward`). Whether the compiler elides the identity write-back or copies
-  every state per draft step is unknown and unverified on inf2 (docs/DRAFTING.md gives the
-  measurement that tells).
-- Routing: `NxDModel.forward(inputs: List[Tensor])` picks the key by the input shapes, so no two
-  keys may share them (a prefill bucket of k + 1 tokens would collide with verify: refused). The
-  saved executor is traced with one key's arity, and the draft key takes two inputs where the
-  target keys take three or four, so the host calls `traced.nxd_model.forward([...])` directly
-  (`NxDKeyStep`).
-- Weight layout: no key is the priority model. NxD lays out the priority key's weights for it and
-  transforms the checkpoint on load with a program built from that key's weights only; the
-  assistant's (draft key) and the target's (other keys) are never all in one key, and what that
-  transform does to weights outside its program is not documented. So drafting compiles without
-  the layout optimisation (a cost on inf2, unmeasured). NxD Inference fuses draft and target into
-  one key with priority 0 instead (`fused_speculation_model`, `models/model_base.py`); that needs
-  one graph running the draft steps and the verify, not this host loop's separate steps.
-
-Compiler arguments: prefill keys the prefill set (-O1), verify its own set (-O2, tiling 2: NxD
-Inference's k-token speculation model keeps tiling 2), draft the decode set (-O2, tiling 1). The
-host loop is the engine (`runtime.Engine` with the `AssistantDrafter`) over `NxDKeyStep`s. The assistant's checkpoint:
-`tp.draft_rank_graph.assistant_nxd_full`, laid out so NxD's contiguous cut gives each rank
-`assistant_shard(rank)`. Lines that need the SDK are marked `# inf2-only`.
+Every key's module is a `DraftingRankModule` holding the same parameters (`target.*`, `assistant.*`,
+`kv.*`); the draft key aliases every K/V state unchanged; no key is the priority model; the host loop is
+the engine with the `AssistantDrafter` over `NxDKeyStep`s. Why, from NxD v2.28.0's model builder, and
+the compiler arguments of each key: docs/NEURON.md, "Drafting". Lines that need the SDK are marked
+`# inf2-only`.
 """
 
 from __future__ import annotations
@@ -189,7 +158,7 @@ def compile_drafting(
             ),
             example_inputs=[key_example_inputs(loaded, name, shape, dtype)],
             compiler_args=key_compiler_args(name),
-            priority_model_idx=None,  # see the module docstring: no weight layout optimisation
+            priority_model_idx=None,  # no weight layout optimisation (docs/NEURON.md)
         )
     traced = builder.trace(initialize_model_weights=False)  # inf2-only
     torch.jit.save(traced, str(out / "model.pt"))  # inf2-only

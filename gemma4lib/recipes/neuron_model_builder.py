@@ -1,66 +1,10 @@
 """The recipe of every variant (E2B TP=1, E4B TP=2, 12B TP=2, 31B TP=8, 26B-A4B TP=8; any supported
 degree): NxD ModelBuilder (v1), compile one rank, load per-rank weights.
 
-At TP=1 (E2B) the same code compiles one core: the parallel layers hold whole weights, every
-collective is over a group of one, and what the recipe adds over `neuron_trace` is the prefill key
-sharing the decode key's K/V states, so the prompt is one device call per bucket.
-
-The rank graph (`tp.rank_graph.RankGraph`) is the same one the CPU gloo run executes; here its
-rank-local layers come from NxD (`NxDParallelFactory`): `ColumnParallelLinear`,
-`RowParallelLinear(input_is_parallel=True)` and `SPMDRank` for the rank. The graph is built from
-the config on the meta device with shard-size layers, so `module_cls()` never holds the full model.
-
-- A key per prefill bucket, `prefill<tokens>` (`tp.draft_rank_graph.prefill_key_shapes`, as the drafting
-  recipe's), and `decode` (1 token), each a `BaseModelInstance` whose `get()` returns the
-  `KVParamModule` and its `{kv_param: output_index}` aliases. All modules have the same K/V
-  parameter names, so NxD keeps one set of K/V state buffers per rank for every graph. The NxD
-  model routes a call by its input shapes, so a short prompt runs its own bucket.
-- Context buckets (`PortSettings.context_buckets`): `decode@C`, `prefill<b>@C`, ... read the first C
-  slots of the full-length K/V; each takes the read positions `[C]` first, so NxD routes it by shape
-  (`device.context_key`).
-- The decode key is the priority model (`priority_model_idx=0`): NxD compiles it first, lets the
-  compiler choose the weights' on-device layout for it, and applies that layout to the prefill
-  graph too. Decode reads every weight once per token, so its layout is the one worth optimising
-  (NxD Inference does the same for its token-generation model).
-- PLE models (E2B, E4B): the per-layer inputs are a fourth input computed on the host, like the
-  embeddings; the PLE projections are replicated on every rank.
-- MoE (26B-A4B): the plan's `expert_split` decides what a rank holds. By default (TP=8: the
-  experts' intermediate size 704 splits into 8 x 88) every rank holds a 1/tp slice of every
-  expert: gate/up rows in its `ColumnParallelLinear`, down columns in its `RowParallelLinear`,
-  one all-reduce; `expert_split="experts"` gives each rank E/tp whole experts instead (the first
-  form, kept for comparison: its selective decode reads tp x k slices over all ranks, not k). The
-  prefill graph's experts are all-experts-dense; the decode graph's take `decode_experts`
-  (`selective`: each rank gathers the routed top-k slices from its own parallel linears' weights
-  and sums over ranks with the reduction `RowParallelLinear` uses). Same parameters either way,
-  so one checkpoint serves both graphs.
-- `checkpoint_loader` returns `tp.shard.nxd_full_checkpoint`: every sharded tensor laid out so that
-  NxD's contiguous split gives back exactly our shard for each rank (K/V heads already replicated
-  per rank where KV heads < TP; the fused expert weights rank-major under the intermediate split),
-  plus `layer_scalar` (held as a parameter by the rank graph, so it is a weight, not a traced-in
-  constant) and `spmd_rank.rank = arange(tp)`.
-- `weights="int8"` (weight-only int8, `quant.py`): NxD 0.17's own quantized layers. After the
-  rank module is built, `neuronx_distributed.quantization.quantize.convert` (per-channel config
-  `get_default_per_channel_custom_qconfig_dict()`: int8, symmetric, scale per output channel,
-  no activation quantization) swaps the attention and dense-MLP `ColumnParallelLinear` /
-  `RowParallelLinear` for `QuantizedColumnParallel` / `QuantizedRowParallel`; their forward casts
-  the int8 weight, multiplies, and scales the output, the order `quant.Int8Linear` uses on CPU.
-  `QuantizedRowParallel` would then all-reduce its partial outputs in bf16 (NxD v2.28.0
-  `quantization/quantization_layers.py`), where `RowParallelLinear` casts them to float32 first;
-  `reduce_rows_in_float32` gives it `RowParallelLinear`'s float32 sum, so int8 at TP > 1 rounds
-  like the bf16 rank graph and is checked against the same host reference and tolerance.
-  The checkpoint holds those weights as int8 plus `<name>.scale` `[out, 1]` fp32 (NxD shards a
-  column-parallel layer's scale with its rows and replicates a row-parallel one's).
-  The MoE experts stay bf16 on inf2: `ShardedExperts`' selective decode indexes the parallel
-  linears' `.weight` directly (an int8 tensor after `convert`, whose scales it would not apply),
-  and NxD's per-channel scale of the row-parallel fused `down` `[H, E * I]` is one per hidden row
-  over all experts, not per expert as on CPU. Quantizing them needs an int8 gather in
-  `tp.layers.ShardedExperts` and a CPU twin of the quantized parallel layers to test it against.
-  Unverified on inf2: the int8 path is driven here by recording fakes only.
-- `builder.trace(initialize_model_weights=False)` -> `torch.jit.save`; `builder.shard_checkpoint`
-  writes `tp{rank}_sharded_checkpoint.safetensors`; loading is `torch.jit.load` +
-  `nxd_model.initialize(weights_per_rank, start_rank_tensor)`.
-
-Lines that need the SDK are marked `# inf2-only`.
+A key per prefill bucket (and context bucket) and `decode`, all over one set of K/V states; the rank graph
+is the one the CPU gloo run executes, its layers NxD's (`NxDParallelFactory`). How the keys, the priority
+model, PLE, the MoE's expert split, int8 and the checkpoint fit NxD v2.28.0: docs/NEURON.md, "The
+ModelBuilder recipe". Lines that need the SDK are marked `# inf2-only`.
 """
 
 from __future__ import annotations
@@ -305,7 +249,7 @@ def compile_model_builder(
     `decode_experts`: the decode graph's MoE expert form (`dense` | `selective`); prefill is dense.
     `expert_split`: how the ranks share the MoE experts (`intermediate` | `experts`; default: the
     plan's, the intermediate split where it divides).
-    `weights`: "int8" quantizes the attention and dense-MLP linears with NxD's layers (module docstring).
+    `weights`: "int8" quantizes the attention and dense-MLP linears with NxD's layers (docs/NEURON.md).
     `graphs`: `{key: graph}`, the device graphs the keys are compiled for (the backend's
     `device_graphs`: the settings' batch, buckets, context and ring); their shapes and example inputs
     are the keys'. Without them: `bucket_shapes(context_length, buckets, ring, batch)`'s keys."""

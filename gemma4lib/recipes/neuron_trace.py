@@ -1,32 +1,8 @@
 """The simplest recipe (one NeuronCore, on request): `torch_neuronx.trace` of the decode graph with
-on-device K/V.
-
-What it teaches: a compiled graph can own state. One graph, one `torch_neuronx.trace` call, the K/V
-aliased by hand; nothing of NxD. What it costs: `torch_neuronx.trace` compiles one graph per call
-(SDK 2.28: one `func`, one `example_inputs`), and one traced module's state is not another's: a
-separately traced prefill graph would hold its own K/V copy. So the prompt runs through the decode
-graph one token per device step: a 128-token prompt is 128 steps (~3 s at the field report's 44
-tok/s for E2B), against one bucketed call (~11 ms computed, `gemma4lab.inf2.prefill`) in the
-ModelBuilder recipe, which E2B uses by default (`memory_plan.neuron_recipe`). SDK 2.28's
-`torch_neuronx.bucket_model_trace` with a `BucketModelConfig(shared_state_buffer=...)` would share
-one state buffer between a prefill bucket and the decode step without NxD; this library does not
-use it (ModelBuilder's keys already share their K/V) and it is untried on inf2 with these graphs.
-This recipe's compile is the one that fits an inf2.xlarge's 16 GiB host (~14 GB against
-ModelBuilder's ~19 GB, `memory_plan.compile_peak_gb`).
-
-The decode graph (`DeviceGraph(inplace=False)`, one token) is wrapped in a `KVParamModule`: its K/V
-buffers are parameters of the traced module and `input_output_aliases={param: output_index}` makes
-the compiled graph update them in place on the device, so only the embeddings go in and the logits
-come out each step (never token ids: a second traced module choosing them would hold a K/V copy of
-its own). Embedding and PLE tables stay on the host.
-
-The weights are not inlined into the NEFF (`inline_weights_to_neff=False`): the compile host then
-holds the model and one copy of the device weights, not also those baked into the HLO and the NEFF,
-which is what lets an inf2.xlarge compile E2B. The price is one `torch_neuronx.move_trace_to_device`
-after loading, without which the separated weights would be copied from the host on every call.
-
-Only the lines marked `# inf2-only` need the Neuron SDK; on CPU `common.AliasEmulator` stands in for
-the device aliasing (tests drive the engine over exactly the module that would be traced).
+on-device K/V (`KVParamModule`: the K/V are the traced module's parameters, aliased to its outputs), the
+prompt prefilled token by token; it fits an inf2.xlarge's compile host. Why each choice (aliasing, weights
+not inlined, one graph per trace call): docs/NEURON.md, "The trace recipe". Only the lines marked
+`# inf2-only` need the Neuron SDK; on CPU `common.AliasEmulator` stands in for the device aliasing.
 """
 
 from __future__ import annotations

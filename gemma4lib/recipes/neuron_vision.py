@@ -1,31 +1,8 @@
 """The vision graph on inf2: `torch_neuronx.trace` of `device.vision.VisionGraph` on ONE NeuronCore,
-saved as its own artifact, loaded onto a core beside the decoder's. The audio graph
+saved as its own artifact, loaded onto rank 0's core (`vision_core`) beside the decoder's. The audio graph
 (`device.audio.AudioGraph`, features and int32 mask in) is the other media tower and is traced alike.
-
-Why a plain trace and not a ModelBuilder key: the image encoder is small (transformers' default
-`Gemma4VisionConfig` is ~167M parameters, unchecked against a release), reads and writes no K/V and
-runs once per image at admission. It needs no tensor parallelism (every rank would hold the whole
-encoder anyway, as the gloo ranks do), no aliased state and no shared buffers, so one
-`torch_neuronx.trace` call is the whole job (SDK 2.28 `api-torch-neuronx-trace.rst`), its
-TorchScript saved with `torch.jit.save`.
-
-Why the weights stay inlined in the NEFF (the SDK default, unlike `neuron_trace`'s decoder): they
-are small enough to cost the compile host little, the artifact is then self-contained, and loading
-is one `torch.jit.load` inside `torch_neuronx.neuron_cores_context(start_nc, nc_count=1)`, the
-placement the SDK documents as the most efficient (v2.28 `api-torch-neuronx-core-placement.rst`; the
-`torch_neuronx.experimental` one is no longer supported). No `move_trace_to_device`: that call is
-for separated weights.
-
-Which core: the decoder holds NeuronCores 0 .. tp-1; the vision graph loads beside rank 0 on core 0
-(`vision_core`), where the memory plan counts it (rank 0's weights, K/V and working memory + the
-vision weights and activations must fit one core, else the preflight refuses). It costs no time:
-the engine runs it at admission, between decoder steps. A port then holds exactly its TP degree in
-cores, so an inf2.48xlarge holds three TP=8 replicas with images, not two.
-
-Why it should lower: `torch_neuronx.trace` records the graph through torch-xla, and this same graph
-runs in the XLA lane with 0 `aten::` CPU fallbacks and one execution per image (docs/IMAGES.md).
-That is evidence, not a run: no inf2 here. Only the lines marked `# inf2-only` need the Neuron SDK;
-the tests stand the SDK in with fakes.
+Why a plain trace, inlined weights, that core: docs/NEURON.md, "The media graphs". Only the lines marked
+`# inf2-only` need the Neuron SDK; the tests stand the SDK in with fakes.
 """
 
 from __future__ import annotations
@@ -69,7 +46,7 @@ def compiler_args() -> list[str]:
 
 
 def vision_core(tp: int) -> int:
-    """The NeuronCore the vision graph loads onto: rank 0's, whatever the degree (module docstring;
+    """The NeuronCore the vision graph loads onto: rank 0's, whatever the degree (docs/NEURON.md;
     relative to the cores visible to this process, as the SDK's placement indices are)."""
     return 0
 
@@ -86,7 +63,7 @@ def compile_vision(graph: VisionGraph | AudioGraph, *, compiler_workdir: str | N
             graph.example_inputs(),
             compiler_workdir=compiler_workdir,
             compiler_args=compiler_args(),
-            inline_weights_to_neff=True,  # (module docstring)
+            inline_weights_to_neff=True,  # (docs/NEURON.md)
         )
 
 
