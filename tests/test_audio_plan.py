@@ -11,10 +11,10 @@ import pytest
 import torch
 import transformers
 
-from gemma4lab.inf2.audio_plan import audio_plan, plan_with_audio
 from gemma4lab.inf2.plans import core_summary
 from gemma4lab.tools.inf2_tables import format_plan_table
 from gemma4lib.errors import UnknownNameError
+from gemma4lib.inf2.audio_plan import audio_plan
 from gemma4lib.inf2.hardware import GIB
 from gemma4lib.inf2.memory_plan import plan_core_memory
 from gemma4lib.inf2.vision_plan import PLACEMENT, vision_plan
@@ -57,18 +57,18 @@ def test_audio_bytes_are_the_real_width_models_audio_parameters(variant):
 
 def test_audio_sits_beside_vision_on_rank_0s_core_and_the_summary_says_so():
     plain = plan_core_memory("e4b", 2)
-    both = plan_with_audio("e4b", 2, vision=True)
+    both = plan_core_memory("e4b", 2, vision=True, audio=True)
     grown = both.total_gib - plain.total_gib
     assert grown == pytest.approx(vision_plan("e4b").total_gib + audio_plan("e4b").total_gib, abs=1e-12)
     assert both.weights_gib == plain.weights_gib and both.vision_placement == PLACEMENT  # not sharded: no TP
     line = core_summary(both)
     assert f"{both.audio_gib:.2f} GiB audio (on the core of rank 0" in line and "GiB vision +" in line
-    only = plan_with_audio("12b", 2)
+    only = plan_core_memory("12b", 2, audio=True)
     assert only.vision_gib == 0 and "audio" in core_summary(only) and "GiB vision" not in core_summary(only)
     table = format_plan_table([plain, both])
     assert "audio (rank 0's core)" in table and "vision (rank 0's core)" in table
     with pytest.raises(UnknownNameError, match="e2b, e4b, 12b"):
-        plan_with_audio("31b", 8)
+        plan_core_memory("31b", 8, audio=True)
 
 
 def test_doctor_and_plan_show_the_audio_part(capsys):
@@ -77,3 +77,29 @@ def test_doctor_and_plan_show_the_audio_part(capsys):
     assert lab_main(["doctor", "--variant", "e2b", "--vision", "--audio", "--json"]) == 0
     printed = json.loads(capsys.readouterr().out)["plan"]
     assert printed["audio_gib"] == pytest.approx(audio_plan("e2b").total_gib) and "GiB audio" in printed["summary"]
+
+
+def test_the_full_profiles_preflight_counts_the_audio_part(monkeypatch):
+    """A port that hears is planned with its audio part on rank 0's core and in the serving host's RAM: at the
+    largest batch where the E2B at TP 1 fits a core without audio but not with it, the preflight refuses the
+    run that hears (naming the audio part) and passes the same run deaf; the serving host's model grows by the
+    audio weights."""
+    from gemma4lib.backends.preflight import preflight
+    from gemma4lib.errors import DeviceMemoryError
+    from gemma4lib.inf2.serving_host import serving_host_plan
+    from gemma4lib.recipes import neuron_env
+    from gemma4lib.settings import PortSettings
+
+    monkeypatch.setenv("GEMMA4LIB_INSTANCE_TYPE", "inf2.xlarge")
+    monkeypatch.setattr(neuron_env, "require_sdk", lambda *a, **k: None)
+    monkeypatch.setattr("gemma4lib.backends.preflight.require_serving_host", lambda *a, **k: None)
+    batches = [b for b in range(1, 129) if plan_core_memory("e2b", 1, context_length=32768, batch=b).fits]
+    batch = batches[-1]  # its K/V grows with the batch; the audio part does not
+    assert not plan_core_memory("e2b", 1, context_length=32768, batch=batch, audio=True).fits
+    run = {"variant": "e2b", "backend": "neuron", "profile": "full", "context_length": 32768, "batch_size": batch}
+    preflight(PortSettings(**run))
+    with pytest.raises(DeviceMemoryError, match="GiB of audio weights and activations"):
+        preflight(PortSettings(**run, hears=True))
+    deaf, hearing = serving_host_plan("e2b", 1), serving_host_plan("e2b", 1, audio=True)
+    assert hearing.model_gb - deaf.model_gb == pytest.approx(audio_plan("e2b").weights_gib * GIB / 1e9)
+    assert f"audio {hearing.audio_gb:.2f}" in hearing.summary()

@@ -21,7 +21,6 @@ import sys
 from dataclasses import asdict
 from typing import Any
 
-from gemma4lab.inf2.audio_plan import plan_with_audio
 from gemma4lab.inf2.context import context_plan, full_settings, largest_context
 from gemma4lab.inf2.plans import compile_summary, core_summary, plan_dict
 from gemma4lib.errors import TensorParallelError
@@ -223,13 +222,15 @@ def run_doctor(
             report["compile_estimate"] = estimate
             compile_plan = compile_host_plan(v, tp, estimate["recipe"])
             report["compile_host"] = {**plan_dict(compile_plan), "summary": compile_summary(compile_plan)}
-            plan = (plan_with_audio if audio else plan_core_memory)(
-                v, tp, instance=dmi_instance_type(), context_length=context_length, vision=vision
+            plan = plan_core_memory(
+                v, tp, instance=dmi_instance_type(), context_length=context_length, vision=vision, audio=audio
             )
             report["plan"] = {**plan_dict(plan), "summary": core_summary(plan)}
             if not plan.fits:
                 warnings.append(core_summary(plan))
-            serving = serving_host_plan(v, tp, host_instance_type(), context_length=context_length, vision=vision)
+            serving = serving_host_plan(
+                v, tp, host_instance_type(), context_length=context_length, vision=vision, audio=audio
+            )
             report["serving_host"] = {**plan_dict(serving), "summary": serving.summary()}
             longest = {i: largest_context(v, i) for i in INSTANCES}
             report["contexts"] = {

@@ -15,13 +15,13 @@ from collections.abc import Iterable, Sequence
 from dataclasses import asdict
 from typing import Any
 
-from gemma4lab.inf2.audio_plan import AUDIO_SOURCE, audio_plan, plan_with_audio
 from gemma4lab.inf2.batch_roofline import BATCHES, batch_ceilings
 from gemma4lab.inf2.context import context_plan, largest_context
 from gemma4lab.inf2.image_prefill import format_image_prefill_table, image_prefill_table
 from gemma4lab.inf2.plans import compile_elsewhere, plan_dict
 from gemma4lab.inf2.prefill import prefill_estimate
 from gemma4lab.inf2.roofline import ceiling_tok_s, decode_bytes, device_params, plan_split
+from gemma4lib.inf2.audio_plan import AUDIO_SOURCE, audio_plan
 from gemma4lib.inf2.hardware import GB, GIB, INSTANCES, NEURON_TP_DEGREES
 from gemma4lib.inf2.memory_plan import DEFAULT_CONTEXT, CoreMemoryPlan, plan_core_memory
 from gemma4lib.inf2.params import ParamCounts, count_params, meta_model
@@ -212,7 +212,7 @@ def plan_table(
     context_length: int = DEFAULT_CONTEXT, ring: bool = True, vision: bool = False, audio: bool = False
 ) -> list[CoreMemoryPlan]:
     """Each variant at its recipe's TP on its instance, plus the next smaller TP (to show why not);
-    `vision` / `audio`: with that media tower on rank 0's core (`plan_core_memory`, `audio_plan.plan_with_audio`;
+    `vision` / `audio`: with that media tower on rank 0's core (`plan_core_memory`;
     audio: the variants that hear only)."""
     plans = []
     for v in VARIANTS.values():
@@ -220,8 +220,7 @@ def plan_table(
             continue
         degrees = [t for t in v.supported_tp if t in NEURON_TP_DEGREES and t <= v.tp_degree]
         for tp in sorted({v.tp_degree, *degrees[-2:]}):
-            plan = plan_with_audio if audio else plan_core_memory
-            plans.append(plan(v, tp, context_length=context_length, ring=ring, vision=vision))
+            plans.append(plan_core_memory(v, tp, context_length=context_length, ring=ring, vision=vision, audio=audio))
     return plans
 
 

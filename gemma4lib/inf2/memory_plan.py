@@ -166,7 +166,7 @@ class CoreMemoryPlan:
     # with vision: the vision part's weights + its graph's activations on the one core that runs it
     # (`vision_plan`: computed from transformers 5.23.0 config defaults, unverified against the release)
     vision_gib: float = 0.0
-    vision_placement: str | None = None  # the media graphs' (vision, audio: their 30 s graph, the lab's `audio_plan`)
+    vision_placement: str | None = None  # the media graphs' (vision, audio: their 30 s graph, `audio_plan`)
     audio_gib: float = 0.0
 
     @property
@@ -191,14 +191,14 @@ def plan_core_memory(
     batch: int = 1,
     draft_tokens: int | None = None,
     vision: bool = False,
-    audio_gib: float = 0.0,
+    audio: bool = False,
 ) -> CoreMemoryPlan:
     """The per-core memory plan of `variant` at `tp` (default: its recipe's) on `instance`
     (default: the variant's recommended instance) with `recipe` (default: `neuron_recipe`'s),
     serving `batch` rows (K/V x batch); `weights="int8"` counts the quantized linears at their
     int8 bytes (`rank_weight_bytes`); `draft_tokens` adds the MTP assistant's weights per core
     (`mtp_roofline`, an assumed shape) and the rings' k + 1 extra slots; `vision` adds the vision part
-    (`vision_plan`), `audio_gib` the audio part (the lab's `audio_plan`), on rank 0's core, the one that runs
+    (`vision_plan`), `audio` the audio part (`audio_plan`: one 30 s clip's graph), on rank 0's core, the one that runs
     them. Problems are listed, never raised here."""
     v = get_variant(variant) if isinstance(variant, str) else variant
     tp = int(tp or v.tp_degree)
@@ -217,18 +217,20 @@ def plan_core_memory(
     if draft_tokens and weights_gib:  # the assistant's weights, and the rings' k + 1 extra slots per row
         assistant_gib, extra = _draft_extra_gib(v, tp, int(context_length), bool(ring), int(draft_tokens), dtype_bytes)
         kv += extra * int(batch)
-    vision_gib, placement = 0.0, None
-    if vision or audio_gib:
+    vision_gib, audio_gib, placement = 0.0, 0.0, None
+    if vision or audio:
+        from .audio_plan import audio_plan
         from .vision_plan import PLACEMENT, vision_plan
 
         vision_gib, placement = vision_plan(v, dtype_bytes=dtype_bytes).total_gib if vision else 0.0, PLACEMENT
+        audio_gib = audio_plan(v.name, dtype_bytes).total_gib if audio else 0.0
     capacity = float(HBM_PER_CORE_GIB)
     if weights_gib + kv + WORKING_ALLOWANCE_GIB + assistant_gib + vision_gib + audio_gib > capacity:
         problems.append(
             f"{weights_gib:.1f} GiB of {'int8 ' if weights == 'int8' else ''}weights + {kv:.2f} GiB of K/V + "
             f"{f'{assistant_gib:.2f} GiB of assistant weights + ' if assistant_gib else ''}"
             f"{f'{vision_gib:.2f} GiB of vision weights and activations + ' if vision else ''}"
-            f"{f'{audio_gib:.2f} GiB of audio weights and activations + ' if audio_gib else ''}"
+            f"{f'{audio_gib:.2f} GiB of audio weights and activations + ' if audio else ''}"
             f"{WORKING_ALLOWANCE_GIB:.0f} GiB working memory exceed a NeuronCore's {capacity:.0f} GiB"
         )
     peak, basis = compile_peak_gb(v, recipe, dtype_bytes, tp)

@@ -53,9 +53,10 @@ class ServingHostPlan:
     host_ram_gib: int
     os_reserve_gib: float = OS_RESERVE_GIB
     problems: tuple[str, ...] = field(default_factory=tuple)
-    # of model_gb: the vision part the host's multimodal reference holds (`vision_plan`; computed from
-    # transformers 5.23.0 config defaults, unverified against the released config.json)
+    # of model_gb: the vision and audio parts the host's multimodal reference holds (`vision_plan`,
+    # `audio_plan`; computed from transformers 5.23.0 config defaults, unverified against the released config.json)
     vision_gb: float = 0.0
+    audio_gb: float = 0.0
 
     @property
     def transient_gb(self) -> float:
@@ -90,7 +91,8 @@ class ServingHostPlan:
             f"serving host: {self.variant} TP={self.tp} on {self.instance}: ~{self.peak_gb:.1f} GB peak of "
             f"{self.available_gb:.1f} GB ({self.host_ram_gib} GiB less {self.os_reserve_gib:g} GiB for the OS) = "
             f"{self.base_gb:.1f} process + {self.model_gb:.1f} model (host tables {self.host_tables_gb:.1f}"
-            f"{f', vision {self.vision_gb:.2f}' if self.vision_gb else ''}) + "
+            f"{f', vision {self.vision_gb:.2f}' if self.vision_gb else ''}"
+            f"{f', audio {self.audio_gb:.2f}' if self.audio_gb else ''}) + "
             f"{self.transient_gb:.1f} at its peak step ({self.peak_step}) — {verdict}"
         )
 
@@ -150,6 +152,7 @@ def serving_host_plan(
     weights: str = "bf16",
     layer_overrides: dict[str, Any] | None = None,
     vision: bool = False,
+    audio: bool = False,
 ) -> ServingHostPlan:
     """The serving host's plan for `variant` at `tp` (default: its recipe's) on `instance`
     (default: the variant's), for the full profile's shapes. `layer_overrides` (e.g.
@@ -157,7 +160,7 @@ def serving_host_plan(
     against a measurement on a machine that cannot hold the released one. `weights="int8"`: the
     shards hold the quantized linears at 1 byte plus a scale per row; the host model stays in its
     load dtype (the int8-rounded weights, `quant.round_model_weights`). `vision`: the host model is
-    the multimodal one (the image reference), its vision part at the load dtype too."""
+    the multimodal one (the image reference), its vision part at the load dtype too; `audio`: its audio part."""
     v = get_variant(variant) if isinstance(variant, str) else variant
     tp = int(tp or v.tp_degree)
     instance = instance or v.instance_type
@@ -167,12 +170,12 @@ def serving_host_plan(
     c = _counts(v.name, tp, key)
     kv = 0  # no host K/V on neuron (the module docstring)
     tokens = int(prompt_tokens) + int(new_tokens)
-    vision_bytes = 0.0
-    if vision:
-        from .vision_plan import vision_plan
+    from .audio_plan import audio_plan
+    from .vision_plan import vision_plan
 
-        vision_bytes = vision_plan(v, dtype_bytes=dtype_bytes).weights_gib * GIB
-    model = (c["params"] + c["buffers"]) * dtype_bytes + vision_bytes
+    vision_bytes = vision_plan(v, dtype_bytes=dtype_bytes).weights_gib * GIB if vision else 0.0
+    audio_bytes = audio_plan(v.name, dtype_bytes).weights_gib * GIB if audio else 0.0
+    model = (c["params"] + c["buffers"]) * dtype_bytes + vision_bytes + audio_bytes
     shard_bytes = c["shard"] * dtype_bytes
     if weights == "int8":
         shard_bytes += c["shard_linear"] * (1 - dtype_bytes) + 4 * c["shard_linear_rows"]
@@ -200,6 +203,7 @@ def serving_host_plan(
         spread / GB,
         INSTANCES[instance].host_ram_gib,
         vision_gb=vision_bytes / GB,
+        audio_gb=audio_bytes / GB,
     )
     if plan.peak_gb > plan.available_gb:
         problems.append(

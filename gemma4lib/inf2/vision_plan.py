@@ -7,7 +7,7 @@ budget (`PROCESSOR_DEFAULTS`), counted on transformers' own modules on the meta 
 copies of the 31B's and 26B-A4B's tower report a larger one (`REPORTED`):
 `vision_spec(variant, source="reported")` plans with it for comparison.
 
-Placement: its own compiled graph on one NeuronCore, not sharded (`PLACEMENT`; the audio graph's too, the lab's
+Placement: its own compiled graph on one NeuronCore, not sharded (`PLACEMENT`; the audio graph's too,
 `inf2.audio_plan`), rank 0's core (`recipes.neuron_vision.vision_core`), where the plan counts it. Its activations
 are planned as eager attention holds them (one layer's full score matrix): an upper estimate.
 """

@@ -5,9 +5,9 @@ Every figure is **computed from transformers 5.23.0's default audio configs (`Ge
 (`AUDIO_SOURCE`), counted on transformers' own modules on the meta device, for one 30 s clip: the graph
 `serve --hear` compiles (750 soft tokens). The audio graph sits beside the vision graph on rank 0's core
 (`recipes.neuron_vision.vision_core`; `vision_plan.PLACEMENT`): no core of its own, so a Ray replica reserves its
-TP degree with audio or without (`ray_app.replica_resources`); `memory_plan.plan_core_memory(audio_gib=...)`
-counts it there. The plan is the vision plan's type (`VisionPlan`, `tower="audio"`): `patches` are then the
-graph's input frames.
+TP degree with audio or without (`ray_app.replica_resources`); `memory_plan.plan_core_memory(audio=True)`
+counts it there, as the port's preflight does for a run that hears (the serving host counts its weights). The
+plan is the vision plan's type (`VisionPlan`, `tower="audio"`): `patches` are then the graph's input frames.
 """
 
 from __future__ import annotations
@@ -19,13 +19,13 @@ import numpy as np
 import torch
 from torch import nn
 
-from gemma4lib.environment import TRANSFORMERS_PIN
-from gemma4lib.errors import UnknownNameError
-from gemma4lib.inf2.hardware import GIB
-from gemma4lib.inf2.vision_plan import PLACEMENT, VisionPlan
-from gemma4lib.models.audio import HEARING_VARIANTS, MAX_SECONDS, MELS, RATE, graph_shape, soft_tokens
-from gemma4lib.models.loading import text_config
-from gemma4lib.models.variants import Variant, get_variant
+from ..environment import TRANSFORMERS_PIN
+from ..errors import UnknownNameError
+from ..models.audio import HEARING_VARIANTS, MAX_SECONDS, MELS, RATE, graph_shape, soft_tokens
+from ..models.loading import text_config
+from ..models.variants import Variant, get_variant
+from .hardware import GIB
+from .vision_plan import PLACEMENT, VisionPlan
 
 AUDIO_SOURCE = (
     f"computed from transformers {TRANSFORMERS_PIN} config defaults (Gemma4AudioConfig() / Gemma4UnifiedAudioConfig())"
@@ -97,13 +97,3 @@ def audio_plan(variant: str, dtype_bytes: int = 2) -> VisionPlan:
         dtype_bytes,
         "audio",
     )
-
-
-def plan_with_audio(variant: Variant | str, tp: int | None = None, **kwargs: Any) -> Any:
-    """`plan_core_memory` with the audio part of `variant` on rank 0's core (`audio_plan`), bf16 unless
-    `dtype_bytes` says otherwise."""
-    from gemma4lib.inf2.memory_plan import plan_core_memory
-
-    v = get_variant(variant) if isinstance(variant, str) else variant
-    audio_gib = audio_plan(v.name, kwargs.get("dtype_bytes", 2)).total_gib
-    return plan_core_memory(v, tp, audio_gib=audio_gib, **kwargs)
