@@ -146,7 +146,7 @@ def media_of(
     counts = tuple(int(n) for n in data.get("num_soft_tokens_per_image", ()))
     audio_counts = tuple(hearing.soft_tokens(c, unified) for c in clips)
     pixels, positions = data.get("pixel_values"), data.get("image_position_ids")
-    return MediaPrompt(pixels, positions, counts, at(image_token), heard, audio_counts, at(audio_token))
+    return MediaPrompt(pixels, positions, counts, at(image_token), heard, audio_counts, at(audio_token), tuple(clips))
 
 
 image_prompt = media_prompt  # images only: the notebooks' name

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .errors import SettingsError
+from .errors import AudioInputError, SettingsError
 from .models.image_attention import generate_kwargs, intended_masks
 from .models.upcast import upcast_forward
 
@@ -26,8 +26,8 @@ log = logging.getLogger(__name__)
 class MediaBound(nn.Module):
     """transformers' multimodal model with one prompt's images and audio bound, called and generated like a
     text LM (`forward` and `generate` pass the processor's tensors: `pixel_values` and `mm_token_type_ids`,
-    `input_features` and their mask padded to the longest clip as its processor pads them), so every
-    reference function here runs HF's own image and audio path on the very prompt the device ran."""
+    `input_features` and their mask from transformers' own feature extractor on the raw clips, never the host's
+    features), so every reference function here runs HF's own image and audio path on the prompt the device ran."""
 
     def __init__(self, multimodal: nn.Module, media: Any):
         super().__init__()
@@ -44,14 +44,26 @@ class MediaBound(nn.Module):
         out = {"mm_token_type_ids": types}
         if media.pixel_values is not None:
             out.update(pixel_values=media.pixel_values.to(dtype), image_position_ids=media.position_ids)
-        if media.audio:
-            frames = max(len(f) for f, _ in media.audio)
-            features = torch.zeros(len(media.audio), frames, media.audio[0][0].shape[-1], dtype=dtype)
-            mask = torch.zeros(len(media.audio), frames, dtype=torch.bool)
-            for i, (f, valid) in enumerate(media.audio):
-                features[i, : len(f)], mask[i, : len(f)] = f, valid
-            out.update(input_features=features, input_features_mask=mask)
+        if media.clips:
+            out.update(self._audio_kwargs(dtype))
         return out
+
+    def _audio_kwargs(self, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+        """transformers' extractor on the raw samples (a host extractor bug is then the device's alone: LOGITS_MATCH
+        sees it); a soft-token count unlike the prompt's is refused, as transformers' model would fail on it."""
+        from transformers.models.gemma4 import feature_extraction_gemma4 as mel
+        from transformers.models.gemma4_unified import feature_extraction_gemma4_unified as frames
+
+        unified = self.config.model_type.startswith("gemma4_unified")
+        extractor = frames.Gemma4UnifiedAudioFeatureExtractor() if unified else mel.Gemma4AudioFeatureExtractor()
+        data = extractor([c.astype("float32") for c in self.media.clips], return_tensors="pt")
+        counts = data["input_features_mask"][:, :: 1 if unified else 4].sum(1).tolist()
+        if tuple(counts) != tuple(self.media.audio_counts):
+            raise AudioInputError(
+                f"transformers' feature extractor gives {counts} soft tokens for the clips where the prompt holds "
+                f"{list(self.media.audio_counts)}: the host's audio features are not transformers' (docs/AUDIO.md)"
+            )
+        return {"input_features": data["input_features"].to(dtype), "input_features_mask": data["input_features_mask"]}
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, **kwargs: Any):
         image = self._image_kwargs(input_ids)

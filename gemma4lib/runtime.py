@@ -195,6 +195,7 @@ class MediaPrompt:
     audio: tuple[tuple[torch.Tensor, torch.Tensor], ...] = ()
     audio_counts: tuple[int, ...] = ()
     audio_positions: tuple[int, ...] = ()
+    clips: tuple[Any, ...] = ()  # the raw 16 kHz samples, for the reference's own feature extractor
 
     @property
     def soft_tokens(self) -> int:

@@ -98,6 +98,9 @@ GEMMA3_CHAT = "<bos><start_of_turn>user\n{prompt}<end_of_turn>\n<start_of_turn>m
 # weight change to the witness would also void the margins its seed was chosen for: with the
 # embedding scale unwired, the compiled witness flips a near-tie at token 24.)
 PROMPT, HOST, DEVICE, TP = "prompt", "host", "device", "tp"
+# the host's own audio features: the device hears them, the reference does not (it runs transformers' extractor
+# on the raw clip, `reference.MediaBound`), and the witness runs clean
+FEATURES = "host features"
 # the clip the audio faults (and their clean run) play the fixture that hears (its words: the answer);
 # the mask fault plays a shorter clip before it, padded to its length (a mask changes only padding)
 FAULT_CLIP, SHORT_CLIP = "capital_of_france.wav", "france.wav"
@@ -345,8 +348,8 @@ def _host_extractor(**constants: Any) -> Iterator[None]:
 
 
 def mel_scale_slaney(run: FaultRun) -> None:
-    """The host's log-mel with librosa's default Slaney mel scale, not the extractor's HTK one: the
-    features the device hears and the reference is handed alike (port binds the host's features)."""
+    """The host's log-mel with librosa's default Slaney mel scale, not the extractor's HTK one: the features
+    the device hears (the reference runs transformers' extractor on the raw clip)."""
     from transformers.audio_utils import mel_filter_bank
 
     from gemma4lib.models import audio as hearing
@@ -365,8 +368,8 @@ def mel_scale_slaney(run: FaultRun) -> None:
 
 
 def hop_20ms(run: FaultRun) -> None:
-    """The host's extractor steps 20 ms (320 samples) a frame, not 10 ms: half the frames, and the
-    soft-token count (read from the same frames) halved with them, for device and reference alike."""
+    """The host's extractor steps 20 ms (320 samples) a frame, not 10 ms: half the frames, and the soft-token
+    count (read from the same frames) halved with them; the reference's extractor counts twice as many."""
     from gemma4lib.models import audio as hearing
 
     with _host_extractor(HOP=2 * hearing.HOP):
@@ -515,18 +518,18 @@ FAULTS: tuple[Fault, ...] = (
         "mel_scale_slaney",
         "the host's log-mel on the Slaney mel scale, not HTK",
         "e2b",
-        ("coherence",),
+        ("seq_match", "logits_match", "coherence"),
         mel_scale_slaney,
-        HOST,
+        FEATURES,
         audio=(FAULT_CLIP,),
     ),
     Fault(
         "hop_20ms",
         "the host's extractor hops 20 ms, not 10 ms",
         "e2b",
-        ("coherence",),
+        (REFUSED,),  # by the reference: its extractor's soft-token count is not the prompt's
         hop_20ms,
-        HOST,
+        FEATURES,
         audio=(FAULT_CLIP,),
     ),
     Fault(
