@@ -24,7 +24,6 @@ from .backends.preflight import preflight
 from .backends.registry import compile_graphs, run_device  # stages a notebook shows (and `port` runs)
 from .device.build import device_graphs as build_graphs  # the notebooks' name for the settings' graphs
 from .device.quant import round_model_weights
-from .errors import NoVisionError
 from .generation.prompts import random_prompt_lengths
 from .models.checkpoint import load_checkpoint
 from .models.image_attention import bidirectional_images
@@ -94,9 +93,8 @@ def _load_full_precision(settings: PortSettings) -> LoadedModel:
 
 
 def _load_with_vision(settings: PortSettings, source: str) -> LoadedModel:
-    """The model with its vision part: the tiny multimodal fixture, or a seeded random multimodal
-    build of the same architecture (the witness). A checkpoint's vision part is not loaded yet
-    (docs/IMAGES.md): refused with what to do."""
+    """The model with its vision (and audio) part: the tiny multimodal fixture, a seeded random multimodal
+    build of the same architecture (the witness), or a released checkpoint's whole model."""
     from .models import vision
 
     variant = settings.variant_spec
@@ -108,11 +106,9 @@ def _load_with_vision(settings: PortSettings, source: str) -> LoadedModel:
         model = build_random_hearing(variant.name, seed=settings.seed)
     elif source == "random":
         model = vision.build_random_multimodal(variant, seed=settings.seed)
-    else:
-        raise NoVisionError(
-            f"images and audio on a {source} model are not loaded by the port yet: the full-profile loader keeps "
-            f"only the text decoder; run the smoke profile (the tiny multimodal fixtures) or send text only"
-        )
+    else:  # a released checkpoint: its whole multimodal model
+        dtype = getattr(torch, backend_facts(settings.backend).checkpoint_dtype)
+        model = load_checkpoint(variant, settings.checkpoint or variant.hf_id, dtype=dtype, media=True)
     settings.check_image_blocks(bidirectional_images(model.config))  # its config, not only the variant, may ask
     return model
 

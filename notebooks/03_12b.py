@@ -511,11 +511,11 @@ display(nb.witness_table(witness))
 # held-out image right.
 #
 # The first cell shows the patch grid, where the soft tokens sit in the prompt and the prefill masks;
-# the second compiles and runs it. The full profile skips the section (the checkpoint loader keeps
-# only the text decoder so far: [docs/IMAGES.md](../docs/IMAGES.md)).
+# the second compiles and runs it. The full profile skips the section (not yet run with a released
+# checkpoint on inf2: [docs/IMAGES.md](../docs/IMAGES.md)).
 
 # %% tags=["lesson"]
-image_settings = None  # the smoke profile's vision fixture; the full profile's loader keeps only the text decoder
+image_settings = None  # the smoke profile's vision fixture (the full profile skips: not yet run on inf2)
 if image and profile == "smoke":
     image_settings = PortSettings(variant=variant, backend=backend, images=[find_image(image)], witness=False)
     vision_model = load_model(image_settings)  # the multimodal fixture: vision part + a decoder trained to read it

@@ -128,3 +128,27 @@ def test_full_profile_port_on_cpu(released, variant):
     assert result["coherent"] is True and "Paris" in result["answer"], result["answer"]
     assert result["tokens"][-1] in (1, 106), "the answer must end with <eos> or <turn|>"
     assert result["prefill_logits_max_abs_diff"] <= PREFILL_LOGITS_ATOL
+
+
+def test_a_released_checkpoints_images_and_audio_go_through_the_full_profile(tmp_path):
+    """A checkpoint folder with the whole multimodal model (the E2B fixture that sees and hears, saved with
+    its image processor and tokenizer, as a release ships them) runs the full profile with an image and with
+    a clip: the loader keeps the vision and audio parts (`load_checkpoint(media=True)`), and the port's
+    verdict is the smoke fixture's: SEQ_MATCH, LOGITS_MATCH and coherence on what was shown and said."""
+    import shutil
+
+    from gemma4lib.images import SAMPLES_DIR
+    from gemma4lib.models.audio import CLIPS_DIR
+    from gemma4lib.models.vision import VISION_DIR
+
+    for part in (VISION_DIR / "e2b", VISION_DIR / "tokenizer"):
+        shutil.copytree(part, tmp_path, dirs_exist_ok=True)
+    full = dict(profile="full", checkpoint=str(tmp_path), backend="cpu", warmup=0, iters=1, **SMOKE_SHAPES)
+    for media, said in (
+        ({"images": (str(SAMPLES_DIR / "red_circle.png"),)}, "red circle"),
+        ({"audio": (str(CLIPS_DIR / "capital_of_france.wav"),)}, "capital of france"),
+    ):
+        result = port(PortSettings(variant="e2b", **full, **media))
+        assert result["model_source"] == str(tmp_path) and result["profile"] == "full", result["model_source"]
+        assert result["seq_match"] and result["logits_match"], (result["first_mismatch"], result["logits_explain"])
+        assert result["coherent"] and said in result["answer"].lower(), result["answer"]

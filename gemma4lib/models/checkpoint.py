@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from ..environment import check_transformers
-from ..errors import CheckpointError, GatedCheckpointError, NotGemma4Error, VariantMismatchError
+from ..errors import CheckpointError, GatedCheckpointError, NotGemma4Error, NoVisionError, VariantMismatchError
 from .checkpoint_identity import folder_identity
 from .hub import _is_connection_error, _is_gated, _unreachable, hf_token, hub_offline, probe_hub
 from .loading import LoadedModel, _text_classes
@@ -273,10 +273,10 @@ TEXT_MODEL_TYPES = ("gemma4_text", "gemma4_unified_text")
 
 
 def _load_text_lm(
-    variant: Variant, config: Any, checkpoint: str, local: bool, dtype: torch.dtype, hub: dict[str, Any]
+    variant: Variant, config: Any, checkpoint: str, local: bool, dtype: torch.dtype, hub: dict[str, Any], media=False
 ) -> nn.Module:
     """The `*ForCausalLM` of a text-only folder, or the text decoder of a released multimodal
-    one."""
+    one (`media`: the whole multimodal model)."""
     text_only = config.model_type in TEXT_MODEL_TYPES
     if text_only:
         _, model_cls = _text_classes(variant)
@@ -308,7 +308,9 @@ def _load_text_lm(
             f"again (e.g. `hf download {checkpoint} --force-download`)"
         ) from None
     _check_loading_info(info, checkpoint, text_prefix)
-    return model if text_only else extract_text_lm(variant, model)
+    if media and text_only:
+        raise NoVisionError(f"{checkpoint!r} is a text-only checkpoint: send text only, or load a released one")
+    return model if text_only or media else extract_text_lm(variant, model)
 
 
 def _load_tokenizer(checkpoint: str, hub: dict[str, Any]):
@@ -325,12 +327,13 @@ def _load_tokenizer(checkpoint: str, hub: dict[str, Any]):
 
 
 def load_checkpoint(
-    variant: Variant, checkpoint: str, dtype: torch.dtype = torch.bfloat16, with_tokenizer: bool = True
+    variant: Variant, checkpoint: str, dtype: torch.dtype = torch.bfloat16, with_tokenizer: bool = True, media=False
 ) -> LoadedModel:
     """Load a real checkpoint (hub id or folder) and keep only the text decoder (the released
     multimodal `*ForConditionalGeneration`'s `model.language_model` with the tied LM head; a text-only
-    folder loads as the `*ForCausalLM` itself). The token comes from `HF_TOKEN` only; offline, a hub id
-    loads from the local hub cache or fails at once with `HubUnreachableError`."""
+    folder loads as the `*ForCausalLM` itself); `media`: the whole multimodal model and the image processor
+    saved with it (`vision.loaded`). The token comes from `HF_TOKEN` only; offline, a hub id loads from the
+    local hub cache or fails at once with `HubUnreachableError`."""
     check_transformers()
     path = Path(checkpoint).expanduser()
     local = path.exists()
@@ -362,11 +365,16 @@ def load_checkpoint(
     if with_tokenizer:  # before the weights: a tokenizer that cannot chat fails in a second
         tokenizer = _load_tokenizer(source, hub)
         require_chat_template(tokenizer, repr(checkpoint))
-    lm = _load_text_lm(variant, config, source, local, dtype, hub)
+    lm = _load_text_lm(variant, config, source, local, dtype, hub, media)
     folder = _weights_folder(source, local, hub)
+    model = LoadedModel(variant, lm.eval(), tokenizer, source)
+    if media:
+        from .vision import folder_processor, loaded
+
+        model = loaded(variant, lm, tokenizer, folder_processor(variant, source, **hub), source)
     if folder is not None:  # the files' own digests: no weight is hashed as float32 per compile
-        declare_identity(lm, f"{folder_identity(folder)}:{dtype}")
-    return LoadedModel(variant, lm.eval(), tokenizer, source)
+        declare_identity(model.lm, f"{folder_identity(folder)}:{dtype}")
+    return model
 
 
 def extract_text_lm(variant: Variant, full: nn.Module) -> nn.Module:

@@ -211,8 +211,6 @@ def verify_vision_hashes(root: Path | None = None, variants: list[str] | None = 
 def load_vision_fixture(variant: Variant | str, root: Path | None = None, verify: bool = True):
     """The tiny multimodal fixture of a variant as a `LoadedModel` (fp32, `multimodal` and the image
     processor set; the tokenizer is the vision tokenizer)."""
-    from transformers import AutoImageProcessor
-
     from .checkpoint import conditional_class
     from .tokenizer import load_tokenizer
     from .weights_identity import declare_identity
@@ -231,19 +229,24 @@ def load_vision_fixture(variant: Variant | str, root: Path | None = None, verify
     full = conditional_class(variant).from_pretrained(
         str(folder), dtype=torch.float32, attn_implementation=variant.attn_implementation
     )
-    if variant.unified:  # AutoImageProcessor would import transformers' torchvision-only class
-        from .unified_patches import load_unified_processor
-
-        processor = load_unified_processor(folder)
-    else:
-        processor = AutoImageProcessor.from_pretrained(str(folder))
-    tokenizer = load_tokenizer(root / "tokenizer")
+    processor, tokenizer = folder_processor(variant, str(folder)), load_tokenizer(root / "tokenizer")
     from ..cache.artifacts import sha256_file
 
     declare_identity(full, f"vision-fixture:{variant.name}:{sha256_file(folder / 'model.safetensors')}")
     model = loaded(variant, full, tokenizer, processor, SOURCE)
     declare_identity(model.lm, f"vision-fixture-lm:{variant.name}:{sha256_file(folder / 'model.safetensors')}")
     return model
+
+
+def folder_processor(variant: Variant, source: str, **hub: Any):
+    """The image processor saved with a model (a folder or a hub id)."""
+    from transformers import AutoImageProcessor
+
+    if variant.unified:  # AutoImageProcessor would import transformers' torchvision-only class
+        from .unified_patches import load_unified_processor
+
+        return load_unified_processor(Path(source))
+    return AutoImageProcessor.from_pretrained(source, **hub)
 
 
 def build_random_multimodal(variant: Variant | str, seed: int = 0):

@@ -740,7 +740,8 @@ display(nb.witness_table(witness))
 # The first cell shows what the host makes of the image: the patch grid (thin lines) and the cells
 # that become one soft token each (thick lines), where the soft tokens sit in the prompt, and
 # transformers' prefill masks over them. The second compiles and runs it. The full profile skips the
-# section: the checkpoint loader keeps only the text decoder so far ([docs/IMAGES.md](../docs/IMAGES.md)).
+# section: `port` loads a released checkpoint's vision part, but this section has not run one on inf2
+# yet ([docs/IMAGES.md](../docs/IMAGES.md)).
 {{/full}}
 {{#brief}}
 # As in [`01_e2b`](01_e2b.ipynb#what-the-model-sees), which explains the image path once for the family: soft
@@ -751,12 +752,12 @@ display(nb.witness_table(witness))
 {{image_note}}
 #
 # The first cell shows the patch grid, where the soft tokens sit in the prompt and the prefill masks;
-# the second compiles and runs it. The full profile skips the section (the checkpoint loader keeps
-# only the text decoder so far: [docs/IMAGES.md](../docs/IMAGES.md)).
+# the second compiles and runs it. The full profile skips the section (not yet run with a released
+# checkpoint on inf2: [docs/IMAGES.md](../docs/IMAGES.md)).
 {{/brief}}
 
 # %% tags=["lesson"]
-image_settings = None  # the smoke profile's vision fixture; the full profile's loader keeps only the text decoder
+image_settings = None  # the smoke profile's vision fixture (the full profile skips: not yet run on inf2)
 if image and profile == "smoke":
     image_settings = PortSettings(variant=variant, backend=backend, images=[find_image(image)], witness=False)
     vision_model = load_model(image_settings)  # the multimodal fixture: vision part + a decoder trained to read it
