@@ -17,6 +17,7 @@ decoder, fine-tuned, lost a text or image answer the fixture gave before.
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import logging
 import os
@@ -116,7 +117,13 @@ def train_one(
     train = [c for s in speakers for c in hearing.speaker_clips(s)]
     held = [c for s in held_speakers for c in hearing.speaker_clips(s)]
     clip_seconds = round(time.perf_counter() - started, 1)
-    result = hearing.train_hearing(full, tokenizer, base.processor, train, held, cfg)
+
+    def images_right(model) -> int:  # judged as what ships: the weights rounded to bf16
+        rounded = copy.deepcopy(model).to(torch.bfloat16).to(torch.float32)
+        return vision_answers(rounded, tokenizer, base.processor, seed)[0]
+
+    check = images_right if cfg.keep_best else None
+    result = hearing.train_hearing(full, tokenizer, base.processor, train, held, cfg, check, before_images)
     full = full.to(torch.bfloat16).to(torch.float32)  # the saved values (bf16): judge what ships
     mels: dict = {}
     train_right, _ = hearing.accuracy(full, tokenizer, hearing.examples_of(train), mels)
@@ -143,6 +150,7 @@ def train_one(
     )
     record = {
         "steps": result.steps,
+        "kept_step": result.kept_step,  # keep_best: the step restored (None: the last)
         "clip_seconds": clip_seconds,
         "train_seconds": result.seconds,
         "train_correct": f"{train_right}/{len(hearing.examples_of(train))}",

@@ -61,3 +61,24 @@ def test_shipped_tokenizer_hears_and_renders_images_and_text_as_before():
             )
     spoken = tokenizer.apply_chat_template(hearing.transcribe_messages(), add_generation_prompt=True, tokenize=False)
     assert spoken == f"<bos><|turn>user\n{AUDIO_TOKEN}{hearing.TRANSCRIBE}<turn|>\n<|turn>model\n"
+
+
+def test_distill_rehearsal_holds_the_decoder_to_its_own_logits_before_hearing():
+    """`HearTrainConfig.rehearse`: the KL is zero at the teacher's distribution and positive away from it,
+    only the label positions count, and "both" adds the CE the default ("ce") uses alone."""
+    import torch
+
+    torch.manual_seed(0)
+    logits = torch.randn(2, 5, 11)
+    labels = torch.full((2, 5), -100)
+    labels[:, 2:4] = torch.tensor([[3, 7], [1, 1]])
+    teacher = logits.log_softmax(-1)
+    ce = torch.nn.functional.cross_entropy(logits[labels != -100], labels[labels != -100])
+    assert torch.allclose(hearing.rehearsal_loss(logits, labels, None, "ce"), ce)
+    assert float(hearing.rehearsal_loss(logits, labels, teacher, "distill")) == pytest.approx(0.0, abs=1e-6)
+    assert torch.allclose(hearing.rehearsal_loss(logits, labels, teacher, "both"), ce)
+    moved = teacher.clone()
+    moved[:, :2] = torch.randn(2, 2, 11).log_softmax(-1)  # off the label positions: not counted
+    assert float(hearing.rehearsal_loss(logits, labels, moved, "distill")) == pytest.approx(0.0, abs=1e-6)
+    away = torch.randn(2, 5, 11).log_softmax(-1)
+    assert float(hearing.rehearsal_loss(logits, labels, away, "distill")) > 0.1

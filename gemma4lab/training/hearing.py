@@ -22,6 +22,7 @@ import subprocess
 import tempfile
 import time
 import wave
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -295,6 +296,13 @@ class HearTrainConfig:
     min_lr_ratio: float = 0.1
     eval_every: int = 100
     chunk: int = 64  # examples per forward when judging
+    # the rehearsal's loss: "ce" (the labels), "distill" (KL toward the decoder's own logits before
+    # hearing, on the same batches' label positions: learning without forgetting) or "both"
+    rehearse: str = "ce"
+    rehearse_weight: float = 1.0  # the rehearsal losses' weight beside the audio reply loss
+    # with an `image_check` given to `train_hearing`: restore the last evaluated step whose images are
+    # at least `images_floor` and whose held-out speakers are the best so far
+    keep_best: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -327,6 +335,29 @@ class HearResult:
     steps: int
     seconds: float
     history: list[dict[str, Any]] = field(default_factory=list)
+    kept_step: int | None = None  # with `keep_best`: the step restored (None: the last, none qualified)
+
+
+REHEARSE = ("ce", "distill", "both")
+
+
+def teacher_log_probs(forward: Callable[[torch.Tensor], torch.Tensor], rows: int, chunk: int = 64) -> torch.Tensor:
+    """The frozen decoder's log-probabilities on every rehearsal row, computed once before hearing
+    (`forward(index)` gives the logits of those rows): the distillation targets."""
+    with torch.no_grad():
+        parts = [forward(torch.arange(s, min(s + chunk, rows))).float().log_softmax(-1) for s in range(0, rows, chunk)]
+    return torch.cat(parts)
+
+
+def rehearsal_loss(logits: torch.Tensor, labels: torch.Tensor, teacher: torch.Tensor | None, mode: str) -> torch.Tensor:
+    """The rehearsal batch's loss under `HearTrainConfig.rehearse`: CE on the labels and/or the KL from
+    the teacher's distribution (`teacher`: its log-probabilities on the same rows) at the label positions."""
+    loss = _ce(logits, labels) if mode in ("ce", "both") else logits.new_zeros(())
+    if mode in ("distill", "both"):
+        on = labels != -100
+        student = logits.float()[on].log_softmax(-1)
+        loss = loss + nn.functional.kl_div(student, teacher[on], log_target=True, reduction="batchmean")
+    return loss
 
 
 def _ce(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -442,11 +473,21 @@ def energy_probe_stage(model, params, train, held_out, mels, cfg: UnifiedHearCon
 
 
 def train_hearing(
-    model: nn.Module, tokenizer, processor, train: list[Clip], held_out: list[Clip], cfg: HearTrainConfig
+    model: nn.Module,
+    tokenizer,
+    processor,
+    train: list[Clip],
+    held_out: list[Clip],
+    cfg: HearTrainConfig,
+    image_check: Callable[[nn.Module], int] | None = None,
+    images_floor: int = 0,
 ) -> HearResult:
     """Teach `model` T1 and T2 on `train` (the vision tower and the audio front end frozen; the
     conformer layers, `embed_audio` and, with `train_decoder`, the decoder move), judging greedy
-    exactness on `held_out` every `eval_every` steps. Deterministic on one thread."""
+    exactness on `held_out` every `eval_every` steps (and, given `image_check`, the images the model
+    answers right: with `keep_best`, the step kept). Deterministic on one thread."""
+    import copy
+
     from gemma4lab.training import vision as vision_training
     from gemma4lab.training.corpus import training_chats
     from gemma4lab.training.shapes import shape_images
@@ -481,7 +522,25 @@ def train_hearing(
     images = None
     if cfg.train_decoder and cfg.image_batch:
         images = vision_training.encode_examples(tokenizer, processor, shape_images(cfg.image_per_class, cfg.seed))
+    if cfg.rehearse not in REHEARSE:
+        raise ValueError(f"rehearse={cfg.rehearse!r}: use one of {', '.join(REHEARSE)}")
+    text_teacher = image_teacher = None
+    if cfg.rehearse != "ce" and cfg.train_decoder:  # before any step: the decoder as it was
+        model.eval()
+        started_teacher = time.perf_counter()
+        if text is not None:
+            mask = (text.input_ids != tokenizer.pad_token_id).long()
+            text_teacher = teacher_log_probs(
+                lambda i: model(input_ids=text.input_ids[i], attention_mask=mask[i], use_cache=False).logits,
+                text.input_ids.shape[0],
+            )
+        if images is not None:
+            image_teacher = teacher_log_probs(
+                lambda i: vision_training.logits_of(model, images, i), images["input_ids"].shape[0]
+            )
+        log.info("rehearsal teacher computed (%.0f s)", time.perf_counter() - started_teacher)
     pool, judge = examples_of(train), examples_of(held_out)
+    best, kept, kept_step = -1, None, None
     step = 0
     for step in range(1, cfg.steps + 1):
         model.train()
@@ -504,29 +563,37 @@ def train_hearing(
             rows = torch.randperm(text.input_ids.shape[0], generator=generator)[: cfg.text_batch]
             ids = text.input_ids[rows]
             out = model(input_ids=ids, attention_mask=(ids != tokenizer.pad_token_id).long(), use_cache=False)
-            loss = loss + _ce(out.logits, text.labels[rows])
+            teacher = None if text_teacher is None else text_teacher[rows]
+            loss = loss + cfg.rehearse_weight * rehearsal_loss(out.logits, text.labels[rows], teacher, cfg.rehearse)
         if images is not None:  # the shapes, read by the frozen vision part
             index = torch.randperm(images["input_ids"].shape[0], generator=generator)[: cfg.image_batch]
-            loss = loss + _ce(vision_training.logits_of(model, images, index), images["labels"][index])
+            logits = vision_training.logits_of(model, images, index)
+            teacher = None if image_teacher is None else image_teacher[index]
+            loss = loss + cfg.rehearse_weight * rehearsal_loss(logits, images["labels"][index], teacher, cfg.rehearse)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
         if step % cfg.eval_every == 0 or step == cfg.steps:
             right, _ = accuracy(model, tokenizer, judge, mels, cfg.chunk)
-            log.info(
-                "step %d loss %.4f held-out %d/%d (%.0f s)",
-                step,
-                float(loss),
-                right,
-                len(judge),
-                time.perf_counter() - started,
-            )
-            history.append({"step": step, "loss": round(float(loss), 4), "held_out": f"{right}/{len(judge)}"})
+            row = {"step": step, "loss": round(float(loss), 4), "held_out": f"{right}/{len(judge)}"}
+            if image_check is not None:
+                checked = time.perf_counter()
+                row["images"] = image_check(model)
+                row["image_check_seconds"] = round(time.perf_counter() - checked, 1)
+                if cfg.keep_best and row["images"] >= images_floor and right >= best:
+                    best, kept_step = right, step
+                    kept = copy.deepcopy(model.state_dict())
+            log.info("step %d (%.0f s): %s", step, time.perf_counter() - started, row)
+            history.append(row)
+    if kept is not None and kept_step != step:
+        model.load_state_dict(kept)
+    if cfg.keep_best:
+        log.info("kept step %s (held-out %d/%d)", kept_step, best, len(judge))
     model.eval()
     for p in model.parameters():
         p.requires_grad_(False)
-    return HearResult(step, round(time.perf_counter() - started, 1), history)
+    return HearResult(step, round(time.perf_counter() - started, 1), history, kept_step)
 
 
 # ---- judging with transformers' own processor and generate -------------------------------------
