@@ -79,8 +79,10 @@ docs/measurements/tool_finetune_2026-12-06_curriculum.json): 900 retrieval steps
 then 150 tool-first steps: 127 of 204 tool chats by margin (the same 150 tool-first steps alone: 36), the calls'
 argument's first piece the argmax in 67 of 68 calls (alone: 14; 53 after the retrieval phase, before any tool
 chat), calls 32/34 capital and 20/34 weather (alone: 0 and 0), answers after the tool turn 14/34 capital and
-0/34 weather, no tool 33/34, facts 28/34; 90 retrieval steps did nothing (13/68). Still failing: the weather
-answer (its result word, and the city), the value 104 tokens. Not yet a full run (~45 minutes):
+0/34 weather, no tool 33/34, facts 28/34; 90 retrieval steps did nothing (13/68). With the recipe's 300
+tool-first steps (the same retrieval phase, reproduced exactly): 147/204 (the recorded run's phase: 77), first
+piece 68/68, calls 33/34 and 24/34, answers after the tool turn 18/34 and 5/34, no tool 33/34, facts 34/34.
+Still failing: the weather answer (its result word, and the city), 82 value tokens. Not yet a full run (~45 min):
 `scripts/train_tools.py --variant e2b --retrieval-steps 900` is the next try.
 """
 
