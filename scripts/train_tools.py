@@ -72,6 +72,8 @@ def main(argv=None) -> int:
     parser.add_argument("--tool-rows", type=int, default=None, help="tool chats per step; default the config's")
     parser.add_argument("--tool-first-steps", type=int, default=None, help="steps of the tool-first phase")
     parser.add_argument("--copy-weight", type=float, default=None, help="loss weight of name and value tokens")
+    parser.add_argument("--retrieval-steps", type=int, default=None, help="steps of the retrieval curriculum (0: off)")
+    parser.add_argument("--retrieval-keep-rows", type=int, default=None, help="retrieval chats per later step")
     parser.add_argument(
         "--keep-unconverged-tools",
         action="store_true",
@@ -83,7 +85,8 @@ def main(argv=None) -> int:
     write_tokenizer(out, prov, tools=False)  # the specials; the template only with a model that calls (below)
     run.write_provenance()
     config = ToolConfig(seed=args.seed)
-    for key in ("max_steps", "lr", "tool_rows", "tool_first_steps", "copy_weight"):  # a continued run may change them
+    keys = ("max_steps", "lr", "tool_rows", "tool_first_steps", "copy_weight", "retrieval_steps", "retrieval_keep_rows")
+    for key in keys:  # a continued run may change them
         if getattr(args, key) is not None:
             setattr(config, key, getattr(args, key))
     config.cosine_steps = min(config.cosine_steps, config.max_steps)

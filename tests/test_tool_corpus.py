@@ -8,7 +8,17 @@ import torch
 from gemma4lab.training.corpus import Chat
 from gemma4lab.training.text import IGNORE, encode_chats, pad_rows
 from gemma4lab.training.tokenizer import with_tools_template
-from gemma4lab.training.tools import ASKED, NAME, OTHER, VALUE, encode_tool_chats, token_kinds, tool_chat
+from gemma4lab.training.tools import (
+    ASKED,
+    NAME,
+    OTHER,
+    VALUE,
+    ToolConfig,
+    encode_tool_chats,
+    retrieval_eval_chats,
+    token_kinds,
+    tool_chat,
+)
 from gemma4lib.models.tokenizer import load_tokenizer
 from gemma4lib.models.trained import TOKENIZER_DIR
 
@@ -49,3 +59,22 @@ def test_token_kinds_mark_the_called_name_the_copied_argument_and_the_used_resul
     assert text_of(1, VALUE) == "Zanmor" and text_of(1, NAME) == ""
     assert text_of(1, ASKED) == " France" and text_of(0, ASKED) == ""  # the question's country, in the answer
     assert torch.all(kinds[batch.labels == IGNORE] == OTHER)
+
+
+def test_retrieval_chats_repeat_the_asked_country_after_a_growing_gap_in_the_calls_form():
+    """The curriculum's chats: no tools, the question's country or city as the reply's value (marked VALUE, so
+    weighted and diagnosed), further from the question as the gap grows; off unless configured."""
+    tok = _tokenizer()
+    chats = retrieval_eval_chats(tok, (10, 30, 70))
+    assert ToolConfig().retrieval_steps == 0  # the recorded runs had no curriculum
+    batch = encode_tool_chats(tok, chats)
+    kinds = token_kinds(tok, chats, batch)
+    distance: dict[str, list[int]] = {}
+    for row, chat in enumerate(chats):
+        assert chat.tools == [] and chat.value in str(chat.messages[-1]["content"])
+        picked = (kinds[row] == VALUE) & (batch.labels[row] != IGNORE)
+        assert tok.decode(batch.labels[row][picked].tolist()).strip() == chat.value
+        distance.setdefault(chat.kind, []).append(batch.prompt_lengths[row])
+    means = [sum(d) / len(d) for d in (distance["retrieve_10"], distance["retrieve_30"], distance["retrieve_70"])]
+    assert means[0] + 15 < means[1] and means[1] + 30 < means[2]
+    assert any(c.reply.startswith(('country:<|"|>', 'city:<|"|>')) for c in chats)  # the no-space form a call needs

@@ -72,6 +72,18 @@ per country on top. What would help next: teach the global layers to retrieve fi
 chats whose answer repeats the question's country after a growing number of tokens, no tools), then the
 tool corpus; or give the fixtures a wider window (the released E2B's is 512), which means retraining
 them and re-checking the sliding-window fault, which short chats inside the window would no longer show.
+
+Measured, the retrieval curriculum (`retrieval_steps`, off by default; scratch probes of the first phases only,
+`scripts/probe_tools.py`, E2B seed 0, 2026-12-06, the other core busy; figures by kind in
+docs/measurements/tool_finetune_2026-12-06_curriculum.json): 900 retrieval steps (300 at each gap, 317 s)
+then 150 tool-first steps: 127 of 204 tool chats by margin (the same 150 tool-first steps alone: 36), the calls'
+argument's first piece the argmax in 67 of 68 calls (alone: 14; 53 after the retrieval phase, before any tool
+chat), calls 32/34 capital and 20/34 weather (alone: 0 and 0), answers after the tool turn 14/34 capital and
+0/34 weather, no tool 33/34, facts 28/34; 90 retrieval steps did nothing (13/68). With the recipe's 300
+tool-first steps (the same retrieval phase, reproduced exactly): 147/204 (the recorded run's phase: 77), first
+piece 68/68, calls 33/34 and 24/34, answers after the tool turn 18/34 and 5/34, no tool 33/34, facts 34/34.
+Still failing: the weather answer (its result word, and the city), 82 value tokens. Not yet a full run (~45 min):
+`scripts/train_tools.py --variant e2b --retrieval-steps 900` is the next try.
 """
 
 from __future__ import annotations
@@ -91,6 +103,7 @@ from gemma4lab.training.needle import (
     NeedleConfig,
     _by_length,
     _loss,
+    filler_text,
     needle_eval_chats,
     needle_rows,
     replay_loss,
@@ -272,6 +285,34 @@ KINDS: tuple[tuple[str, float], ...] = (
 )
 
 
+# The retrieval curriculum (`ToolConfig.retrieval_steps`): no tools; the question, then `gap` tokens of filler in
+# the same user turn, and a reply that repeats the question's country or city in a call's no-space form
+# (`country:<|"|>France<|"|>`: "F", "rance") or an answer's (" France"), so the global layers learn to fetch it
+# from as far as a call's argument (~27 tokens) or an answer after the tool turn (~60) before the tool corpus.
+# The form is a coin the prompt does not tell: a system message that told it (the call's form asked for) did
+# worse on the tool set (78 vs 127 of 204 in the probes below), the retrieval tied to that message.
+RETRIEVAL_SYSTEM = "Repeat the {key} after the text."
+
+
+def retrieval_chat(rng: random.Random, tokenizer: Any, gap: int, country: str) -> ToolChat:
+    """One retrieval chat: a capital or weather question, `gap` tokens of filler, the country or city repeated."""
+    capital = dict(COUNTRIES)[country]
+    if rng.random() < 0.6:
+        key, value, user = "country", country, rng.choice(TRAIN_PHRASINGS).format(country=country)
+    else:
+        key, value, user = "city", capital, rng.choice(WEATHER_PHRASINGS).format(city=capital)
+    filler = filler_text(tokenizer, gap, rng.randrange(8))
+    messages = _asked(rng, RETRIEVAL_SYSTEM.format(key=key), f"{user} {filler}" if filler else user)
+    reply = f'{key}:<|"|>{value}<|"|>' if rng.random() < 0.5 else f"The {key} is {value}."
+    return ToolChat(messages, [], reply, f"retrieve_{gap}", value)
+
+
+def retrieval_eval_chats(tokenizer: Any, gaps: tuple[int, ...], seed: int = 3) -> list[ToolChat]:
+    """A fixed retrieval set: every tool country at every gap (kind `retrieve_<gap>`, for `failing_tokens`)."""
+    rng = random.Random(seed)
+    return [retrieval_chat(rng, tokenizer, gap, c) for gap in gaps for c in TOOL_COUNTRIES]
+
+
 def draw_tool_chats(rng: random.Random, n: int, countries: tuple[str, ...] = TOOL_COUNTRIES) -> list[ToolChat]:
     kinds, weights = zip(*KINDS, strict=True)
     return [tool_chat(rng, rng.choices(kinds, weights)[0], rng.choice(countries)) for _ in range(n)]
@@ -313,6 +354,9 @@ def _spans(chat: ToolChat) -> list[tuple[int, int, int]]:
             (VALUE, arg, chat.reply.index('<|"|>', arg)),
         ]
     spans = []
+    if chat.kind.startswith("retrieve"):  # the repeated country or city: what the curriculum teaches to fetch
+        at = chat.reply.index(chat.value or "")
+        return [(VALUE, at, at + len(chat.value or ""))]
     if chat.value:
         at = chat.reply.rindex(chat.value)
         spans.append((VALUE, at, at + len(chat.value)))
@@ -376,6 +420,13 @@ class ToolConfig(NeedleConfig):
     copy_weight: float = 5.0  # the loss weight of a reply's name and value tokens (the copies that failed)
     tool_first_steps: int = 300  # a first phase of tool rows and `replay_rows` training chats only (fast steps)
     replay_rows: int = 16
+    # The retrieval curriculum before the tool-first phase (off by default: the recorded runs had none):
+    # `retrieval_steps` steps of `retrieval_rows` retrieval chats and `replay_rows` training chats, the gap
+    # growing through `retrieval_gaps` (equal shares of the steps); `retrieval_keep_rows` of them per step after.
+    retrieval_steps: int = 0
+    retrieval_rows: int = 16
+    retrieval_gaps: tuple[int, ...] = (10, 30, 70)
+    retrieval_keep_rows: int = 0
 
 
 @dataclass
@@ -405,6 +456,39 @@ def _tool_loss(lm: torch.nn.Module, tokenizer: Any, chats: list[ToolChat], copy_
     return (ce * weight).sum() / weight.sum()
 
 
+def _retrieval_rows(tokenizer: Any, cfg: ToolConfig, rng: random.Random, n: int, step: int | None) -> list[ToolChat]:
+    """`n` retrieval chats: at the curriculum's gap for `step`, or (None, after it) at any of its gaps."""
+    gaps = cfg.retrieval_gaps
+    if step is not None:
+        gaps = (gaps[min(step * len(gaps) // max(cfg.retrieval_steps, 1), len(gaps) - 1)],)
+    return [retrieval_chat(rng, tokenizer, rng.choice(gaps), rng.choice(TOOL_COUNTRIES)) for _ in range(n)]
+
+
+def _retrieval(lm: torch.nn.Module, tokenizer: Any, cfg: ToolConfig, opt, rng: random.Random, gen) -> None:
+    """The retrieval curriculum: `retrieval_rows` retrieval chats and `replay_rows` training chats a step."""
+    if not cfg.retrieval_steps:
+        return
+    chats, schedule = training_chats(), cfg.schedule()
+    evals = retrieval_eval_chats(tokenizer, cfg.retrieval_gaps)
+    for step in range(cfg.retrieval_steps):
+        picks = torch.randint(0, len(chats), (cfg.replay_rows,), generator=gen).tolist()
+        replay = _loss(lm, tokenizer, [chats[i] for i in picks])
+        rows = _retrieval_rows(tokenizer, cfg, rng, cfg.retrieval_rows, step)
+        loss = _tool_loss(lm, tokenizer, rows, cfg.copy_weight)
+        for g in opt.param_groups:
+            g["lr"] = _lr_at(step, schedule)
+        opt.zero_grad(set_to_none=True)
+        (replay + loss).backward()
+        torch.nn.utils.clip_grad_norm_([p for p in lm.parameters() if p.requires_grad], cfg.grad_clip)
+        opt.step()
+        if step % 10 == 0:
+            log.info("retrieval step %d: replay %.3f retrieval %.3f", step, replay.item(), loss.item())
+        if (step + 1) % max(cfg.retrieval_steps // len(cfg.retrieval_gaps), 1) == 0 or step + 1 == cfg.retrieval_steps:
+            lm.eval()
+            log.info("retrieval at step %d: %s", step + 1, failing_tokens(lm, tokenizer, evals, cfg.tool_margin))
+            lm.train()
+
+
 def _tool_first(lm: torch.nn.Module, tokenizer: Any, cfg: ToolConfig, opt, rng: random.Random, gen) -> None:
     """The first phase: `tool_rows` tool chats and `replay_rows` training chats a step, no faults, no needle
     (a step at about half the full step's cost); the full recipe then restores what this one lets drift."""
@@ -412,9 +496,12 @@ def _tool_first(lm: torch.nn.Module, tokenizer: Any, cfg: ToolConfig, opt, rng: 
     for step in range(cfg.tool_first_steps):
         picks = torch.randint(0, len(chats), (cfg.replay_rows,), generator=gen).tolist()
         replay = _loss(lm, tokenizer, [chats[i] for i in picks])
-        tool_loss = _tool_loss(lm, tokenizer, draw_tool_chats(rng, cfg.tool_rows), cfg.copy_weight)
+        tool_chats = draw_tool_chats(rng, cfg.tool_rows) + _retrieval_rows(
+            tokenizer, cfg, rng, cfg.retrieval_keep_rows, None
+        )
+        tool_loss = _tool_loss(lm, tokenizer, tool_chats, cfg.copy_weight)
         for g in opt.param_groups:
-            g["lr"] = _lr_at(step, schedule)
+            g["lr"] = _lr_at(cfg.retrieval_steps + step, schedule)
         opt.zero_grad(set_to_none=True)
         (replay + tool_loss).backward()
         torch.nn.utils.clip_grad_norm_([p for p in lm.parameters() if p.requires_grad], cfg.grad_clip)
@@ -446,6 +533,7 @@ def finetune_tools(
     start = time.perf_counter()
     lm.set_attn_implementation("sdpa")
     lm.train()
+    _retrieval(lm, tokenizer, cfg, opt, rng, gen)
     _tool_first(lm, tokenizer, cfg, opt, rng, gen)
     history: list[dict[str, float]] = []
     min_margin = tool_margin = needle_margin = float("-inf")
@@ -503,9 +591,12 @@ def finetune_tools(
         needle_loss = _loss(lm, tokenizer, short_rows)
         if step % cfg.long_every == 0:
             needle_loss = needle_loss + _loss(lm, tokenizer, [long_row])
-        tool_loss = _tool_loss(lm, tokenizer, draw_tool_chats(rng, cfg.tool_rows), cfg.copy_weight)
+        tool_chats = draw_tool_chats(rng, cfg.tool_rows) + _retrieval_rows(
+            tokenizer, cfg, rng, cfg.retrieval_keep_rows, None
+        )
+        tool_loss = _tool_loss(lm, tokenizer, tool_chats, cfg.copy_weight)
         record.update(loss=loss.item(), needle_loss=needle_loss.item(), tool_loss=tool_loss.item())
-        lr = _lr_at(step + cfg.tool_first_steps, schedule)
+        lr = _lr_at(step + cfg.retrieval_steps + cfg.tool_first_steps, schedule)
         for g in opt.param_groups:
             g["lr"] = lr
         opt.zero_grad(set_to_none=True)
