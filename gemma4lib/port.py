@@ -28,6 +28,7 @@ from .generation.prompts import random_prompt_lengths
 from .models.checkpoint import load_checkpoint
 from .models.image_attention import bidirectional_images
 from .models.loading import LoadedModel, build_tiny
+from .models.weights_identity import declare_identity, declared_identity
 from .record import build_record, write_result
 from .reference import hf_assisted, random_prompt, reference_for, reference_greedy, teacher_forced_logits
 from .runtime import Request, encode_prompt
@@ -106,9 +107,14 @@ def _load_with_vision(settings: PortSettings, source: str) -> LoadedModel:
         model = build_random_hearing(variant.name, seed=settings.seed)
     elif source == "random":
         model = vision.build_random_multimodal(variant, seed=settings.seed)
-    else:  # a released checkpoint: its whole multimodal model
+    else:  # a released checkpoint: its whole multimodal model and the image processor saved with it
         dtype = getattr(torch, backend_facts(settings.backend).checkpoint_dtype)
-        model = load_checkpoint(variant, settings.checkpoint or variant.hf_id, dtype=dtype, media=True)
+        full = load_checkpoint(variant, settings.checkpoint or variant.hf_id, dtype=dtype, media=True)
+        model = vision.loaded(
+            variant, full.lm, full.tokenizer, vision.folder_processor(variant, full.source), full.source
+        )
+        if (identity := declared_identity(full.lm)) is not None:  # the files' digests, not a hash per compile
+            declare_identity(model.lm, f"{identity}:text")
     settings.check_image_blocks(bidirectional_images(model.config))  # its config, not only the variant, may ask
     return model
 

@@ -331,9 +331,9 @@ def load_checkpoint(
 ) -> LoadedModel:
     """Load a real checkpoint (hub id or folder) and keep only the text decoder (the released
     multimodal `*ForConditionalGeneration`'s `model.language_model` with the tied LM head; a text-only
-    folder loads as the `*ForCausalLM` itself); `media`: the whole multimodal model and the image processor
-    saved with it (`vision.loaded`). The token comes from `HF_TOKEN` only; offline, a hub id loads from the
-    local hub cache or fails at once with `HubUnreachableError`."""
+    folder loads as the `*ForCausalLM` itself); `media`: the whole multimodal model as `lm` (`port` adds the
+    image processor saved with it: `vision.loaded`). The token comes from `HF_TOKEN` only; offline, a hub id
+    loads from the local hub cache or fails at once with `HubUnreachableError`."""
     check_transformers()
     path = Path(checkpoint).expanduser()
     local = path.exists()
@@ -367,14 +367,9 @@ def load_checkpoint(
         require_chat_template(tokenizer, repr(checkpoint))
     lm = _load_text_lm(variant, config, source, local, dtype, hub, media)
     folder = _weights_folder(source, local, hub)
-    model = LoadedModel(variant, lm.eval(), tokenizer, source)
-    if media:
-        from .vision import folder_processor, loaded
-
-        model = loaded(variant, lm, tokenizer, folder_processor(variant, source, **hub), source)
     if folder is not None:  # the files' own digests: no weight is hashed as float32 per compile
-        declare_identity(model.lm, f"{folder_identity(folder)}:{dtype}")
-    return model
+        declare_identity(lm, f"{folder_identity(folder)}:{dtype}")
+    return LoadedModel(variant, lm.eval(), tokenizer, source)
 
 
 def extract_text_lm(variant: Variant, full: nn.Module) -> nn.Module:

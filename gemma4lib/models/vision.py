@@ -239,7 +239,7 @@ def load_vision_fixture(variant: Variant | str, root: Path | None = None, verify
 
 
 def folder_processor(variant: Variant, source: str, **hub: Any):
-    """The image processor saved with a model (a folder or a hub id)."""
+    """The image processor saved with a model (a folder, or a hub id: huggingface_hub reads `HF_TOKEN` itself)."""
     from transformers import AutoImageProcessor
 
     if variant.unified:  # AutoImageProcessor would import transformers' torchvision-only class
