@@ -36,6 +36,7 @@ class MediaBound(nn.Module):
         self.config = multimodal.config.get_text_config()
         parts = [getattr(multimodal.model, n, None) for n in ("audio_tower", "embed_audio")] if media.audio else []
         self.narrow_modules = tuple(m for m in parts if m is not None)  # the spread's wide forward keeps them
+        self.audio = self._audio_features() if media.clips else {}  # once: the spread calls forward dozens of times
 
     def _image_kwargs(self, ids: torch.Tensor) -> dict[str, torch.Tensor]:
         types = torch.zeros_like(ids)
@@ -44,11 +45,11 @@ class MediaBound(nn.Module):
         out = {"mm_token_type_ids": types}
         if media.pixel_values is not None:
             out.update(pixel_values=media.pixel_values.to(dtype), image_position_ids=media.position_ids)
-        if media.clips:
-            out.update(self._audio_kwargs(dtype))
+        if self.audio:
+            out.update(input_features=self.audio["input_features"].to(dtype), input_features_mask=self.audio["mask"])
         return out
 
-    def _audio_kwargs(self, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    def _audio_features(self) -> dict[str, torch.Tensor]:
         """transformers' extractor on the raw samples (a host extractor bug is then the device's alone: LOGITS_MATCH
         sees it); a soft-token count unlike the prompt's is refused, as transformers' model would fail on it."""
         from transformers.models.gemma4 import feature_extraction_gemma4 as mel
@@ -63,7 +64,7 @@ class MediaBound(nn.Module):
                 f"transformers' feature extractor gives {counts} soft tokens for the clips where the prompt holds "
                 f"{list(self.media.audio_counts)}: the host's audio features are not transformers' (docs/AUDIO.md)"
             )
-        return {"input_features": data["input_features"].to(dtype), "input_features_mask": data["input_features_mask"]}
+        return {"input_features": data["input_features"], "mask": data["input_features_mask"]}
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, **kwargs: Any):
         image = self._image_kwargs(input_ids)
