@@ -81,7 +81,7 @@ def load_model(settings: PortSettings) -> LoadedModel:
 def _load_full_precision(settings: PortSettings) -> LoadedModel:
     variant = settings.variant_spec
     source = settings.model_source
-    if settings.wants_vision or settings.audio or settings.hears:
+    if settings.wants_vision or settings.wants_audio:
         return _load_with_vision(settings, source)
     if source == "checkpoint":
         dtype = getattr(torch, backend_facts(settings.backend).checkpoint_dtype)
@@ -101,7 +101,7 @@ def _load_with_vision(settings: PortSettings, source: str) -> LoadedModel:
     variant = settings.variant_spec
     if source == "trained":
         model = vision.load_vision_fixture(variant)
-    elif source == "random" and (settings.audio or settings.hears):
+    elif source == "random" and settings.wants_audio:
         from .models.audio import build_random_hearing
 
         model = build_random_hearing(variant.name, seed=settings.seed)

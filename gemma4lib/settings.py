@@ -233,7 +233,7 @@ class PortSettings:
         if isinstance(self.audio, (str, bytes)) or not isinstance(self.audio, (tuple, list)):
             self.audio = (self.audio,) if self.audio is not None else ()
         self.audio = tuple(self.audio)
-        if not self.audio and self.hears is False:
+        if not self.wants_audio:
             return
         from .models.audio import HEARING_VARIANTS, TRANSCRIBE
 
@@ -382,6 +382,11 @@ class PortSettings:
     def wants_vision(self) -> bool:
         """Whether the model's vision part is loaded and its vision graph compiled."""
         return bool(self.images) or self.vision
+
+    @property
+    def wants_audio(self) -> bool:
+        """Whether the model's audio part is loaded and its audio graph compiled (clips, or a server that hears)."""
+        return bool(self.audio) or self.hears
 
     @property
     def wants_witness(self) -> bool:

@@ -73,7 +73,7 @@ def _check_inf2(settings: PortSettings) -> None:
             batch=settings.batch_size,
             draft_tokens=settings.draft_tokens if settings.draft else None,
             vision=settings.wants_vision,  # on rank 0's core (`neuron_vision.vision_core`), and audio beside it
-            audio=bool(settings.audio) or settings.hears,
+            audio=settings.wants_audio,
         )
         require_serving_host(  # the host that serves and checks: model, shards, reference, spread
             variant,
@@ -85,7 +85,7 @@ def _check_inf2(settings: PortSettings) -> None:
             new_tokens=settings.max_new_tokens,
             weights=settings.weights,
             vision=settings.wants_vision,  # the host's multimodal reference holds their weights too
-            audio=bool(settings.audio) or settings.hears,
+            audio=settings.wants_audio,
         )
     else:  # tiny models fit anywhere; the degree must still be one inf2 can run
         require_neuron_tp(variant, settings.tp_degree, instance)

@@ -75,7 +75,7 @@ def settings_facts(settings: PortSettings) -> dict[str, Any]:
     facts["prefill_buckets"] = list(facts["prefill_buckets"])
     if settings.context_buckets:  # only when set: bundles exported without them still match their runs
         facts["context_buckets"] = list(settings.context_buckets)
-    if settings.audio or settings.hears:  # likewise: the audio graph's shape (its clips' frames)
+    if settings.wants_audio:  # likewise: the audio graph's shape (its clips' frames)
         from ..models.audio import graph_shape
 
         facts["audio_graph"] = list(graph_shape(settings.audio, settings.variant_spec.unified))
@@ -89,7 +89,7 @@ def graph_names(settings: PortSettings) -> list[str]:
     prefill = [f"prefill{b}" for b in settings.prefill_buckets]
     if settings.builds_row_prefill:
         prefill += [f"row_prefill{b}" for b in settings.prefill_buckets]
-    media = [n for n, on in (("vision", settings.wants_vision), ("audio", settings.audio or settings.hears)) if on]
+    media = [n for n, on in (("vision", settings.wants_vision), ("audio", settings.wants_audio)) if on]
     if settings.draft is None:
         return [*prefill, "decode", *media]
     return [*prefill, "verify", *(["draft"] if settings.draft == "assistant" else []), *media]

@@ -283,7 +283,7 @@ def image_graph(model: LoadedModel, settings: PortSettings) -> VisionGraph | Non
 def audio_graph(model: LoadedModel, settings: PortSettings) -> AudioGraph | None:
     """The audio graph of the settings' clips, one a call at the longest one's frames (as transformers pads
     them); a server that hears: 30 s."""
-    if not (settings.audio or settings.hears):
+    if not settings.wants_audio:
         return None
     from ..models.audio import graph_shape
 
