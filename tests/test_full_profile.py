@@ -152,3 +152,21 @@ def test_a_released_checkpoints_images_and_audio_go_through_the_full_profile(tmp
         assert result["model_source"] == str(tmp_path) and result["profile"] == "full", result["model_source"]
         assert result["seq_match"] and result["logits_match"], (result["first_mismatch"], result["logits_explain"])
         assert result["coherent"] and said in result["answer"].lower(), result["answer"]
+
+
+def test_the_12bs_image_processor_loads_from_a_hub_id_in_the_hub_cache(tmp_path):
+    """A hub id (not a folder) reaches the 12B's processor through the hub's cache, as `port` passes
+    `checkpoint or variant.hf_id`: the cache's layout, read offline."""
+    import gemma4lib
+    from gemma4lib.models.vision import folder_processor
+
+    snapshot = tmp_path / "models--google--gemma-4-12b-it" / "snapshots" / ("0" * 40)
+    snapshot.mkdir(parents=True)
+    (tmp_path / "models--google--gemma-4-12b-it" / "refs").mkdir()
+    (tmp_path / "models--google--gemma-4-12b-it" / "refs" / "main").write_text("0" * 40)
+    shipped = Path(gemma4lib.__file__).parent / "fixtures" / "vision" / "12b" / "preprocessor_config.json"
+    (snapshot / "preprocessor_config.json").write_text(shipped.read_text())
+    processor = folder_processor(get_variant("12b"), "google/gemma-4-12b-it", cache_dir=tmp_path, local_files_only=True)
+    assert processor.to_dict() == folder_processor(get_variant("12b"), str(shipped.parent)).to_dict()
+    with pytest.raises(OSError):  # not in the cache: transformers says so, no path built from the id
+        folder_processor(get_variant("12b"), "google/other", cache_dir=tmp_path, local_files_only=True)

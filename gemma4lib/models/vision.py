@@ -243,9 +243,11 @@ def folder_processor(variant: Variant, source: str, **hub: Any):
     from transformers import AutoImageProcessor
 
     if variant.unified:  # AutoImageProcessor would import transformers' torchvision-only class
-        from .unified_patches import load_unified_processor
+        from transformers.utils import cached_file
 
-        return load_unified_processor(Path(source))
+        from .unified_patches import CONFIG_NAME, load_unified_processor
+
+        return load_unified_processor(Path(cached_file(source, CONFIG_NAME, **hub)).parent)  # a hub id: its cache
     return AutoImageProcessor.from_pretrained(source, **hub)
 
 
