@@ -24,7 +24,6 @@ from ..errors import UnknownNameError
 from ..models.audio import HEARING_VARIANTS, MAX_SECONDS, MELS, RATE, graph_shape, soft_tokens
 from ..models.loading import text_config
 from ..models.variants import Variant, get_variant
-from .hardware import GIB
 from .vision_plan import PLACEMENT, VisionPlan
 
 AUDIO_SOURCE = (
@@ -81,19 +80,6 @@ def audio_plan(variant: str, dtype_bytes: int = 2) -> VisionPlan:
     params, buffers = sum(p.numel() for p in parts.parameters()), sum(b.numel() for b in parts.buffers())
     tower = sum(p.numel() for p in parts.audio_tower.parameters()) if hasattr(parts, "audio_tower") else 0
     working = audio_activation_bytes(parts.config, frames, tokens, parts.embed_audio.text_hidden_size, dtype_bytes)
-    return VisionPlan(
-        v.name,
-        params,
-        tower,
-        params - tower,
-        (params + buffers) * dtype_bytes / GIB,
-        working / GIB,
-        frames,
-        tokens,
-        int(getattr(parts.config, "num_hidden_layers", 0)),
-        v.unified,
-        PLACEMENT,
-        AUDIO_SOURCE,
-        dtype_bytes,
-        "audio",
-    )
+    layers, counts = int(getattr(parts.config, "num_hidden_layers", 0)), (params, tower, buffers)
+    shape = (frames, tokens, layers, v.unified, PLACEMENT, AUDIO_SOURCE)
+    return VisionPlan.counted(v.name, counts, working, *shape, dtype_bytes=dtype_bytes, tower="audio")

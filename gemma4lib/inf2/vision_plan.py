@@ -166,6 +166,17 @@ class VisionPlan:
     dtype_bytes: int = 2
     tower: str = "vision"  # or "audio": `patches` are then its input frames, `soft_tokens` 25 a second
 
+    @classmethod
+    def counted(
+        cls, name: str, counts: tuple[int, int, int], working: float, *shape: Any, dtype_bytes: int, tower: str
+    ) -> VisionPlan:
+        """From the (params, tower params, buffers) counts and the activations' bytes; `shape`: patches to source."""
+        params, tower_params, buffers = counts
+        weights = (params + buffers) * dtype_bytes / GIB
+        return cls(
+            name, params, tower_params, params - tower_params, weights, working / GIB, *shape, dtype_bytes, tower
+        )
+
     @property
     def total_gib(self) -> float:
         """What the plan adds on the core that runs the tower's graph."""
@@ -176,19 +187,6 @@ def vision_plan(variant: Variant | str, source: str = "defaults", dtype_bytes: i
     """The vision part of `variant` on inf2 (module docstring: computed, unverified)."""
     v = get_variant(variant) if isinstance(variant, str) else variant
     spec = vision_spec(v, source)
-    params, tower, buffers = _counts(v.name, source)
-    return VisionPlan(
-        v.name,
-        params,
-        tower,
-        params - tower,
-        (params + buffers) * dtype_bytes / GIB,
-        activation_bytes(spec, dtype_bytes) / GIB,
-        spec.patches,
-        spec.soft_tokens,
-        spec.layers,
-        spec.encoder_free,
-        PLACEMENT,
-        spec.source,
-        dtype_bytes,
-    )
+    shape = (spec.patches, spec.soft_tokens, spec.layers, spec.encoder_free, PLACEMENT, spec.source)
+    working, counts = activation_bytes(spec, dtype_bytes), _counts(v.name, source)
+    return VisionPlan.counted(v.name, counts, working, *shape, dtype_bytes=dtype_bytes, tower="vision")

@@ -273,7 +273,7 @@ TEXT_MODEL_TYPES = ("gemma4_text", "gemma4_unified_text")
 
 
 def _load_text_lm(
-    variant: Variant, config: Any, checkpoint: str, local: bool, dtype: torch.dtype, hub: dict[str, Any], media=False
+    variant: Variant, config: Any, checkpoint: str, local: bool, dtype: torch.dtype, hub: dict, media: bool = False
 ) -> nn.Module:
     """The `*ForCausalLM` of a text-only folder, or the text decoder of a released multimodal
     one (`media`: the whole multimodal model)."""
@@ -327,7 +327,11 @@ def _load_tokenizer(checkpoint: str, hub: dict[str, Any]):
 
 
 def load_checkpoint(
-    variant: Variant, checkpoint: str, dtype: torch.dtype = torch.bfloat16, with_tokenizer: bool = True, media=False
+    variant: Variant,
+    checkpoint: str,
+    dtype: torch.dtype = torch.bfloat16,
+    with_tokenizer: bool = True,
+    media: bool = False,
 ) -> LoadedModel:
     """Load a real checkpoint (hub id or folder) and keep only the text decoder (the released
     multimodal `*ForConditionalGeneration`'s `model.language_model` with the tied LM head; a text-only
