@@ -2,6 +2,7 @@
 """A short scratch probe of the tool recipe's first phases (no fault hinge, no needle, nothing saved).
 
     python scripts/probe_tools.py --retrieval-steps 90 --tool-first-steps 150
+    python scripts/probe_tools.py --fixtures /tmp/run/fixtures   # no training: a saved run's failing pieces
 
 Why: a full `scripts/train_tools.py` run costs ~40 minutes; whether a change to the first phases (the
 retrieval curriculum, `ToolConfig.retrieval_*`) moves the failing tokens shows in a few. It loads the shipped
@@ -35,6 +36,7 @@ from gemma4lab.training.tools import (  # noqa: E402
     _tool_first,
     encode_tool_chats,
     failing_tokens,
+    kind_shares,
     token_kinds,
     tool_eval_chats,
 )
@@ -59,17 +61,46 @@ def first_piece_right(lm, tokenizer, chats) -> str:
     return f"{ok}/{len(calls)}"
 
 
+@torch.no_grad()
+def value_pieces_failing(lm, tokenizer, chats, margin: float) -> dict[str, dict[str, int]]:
+    """By chat kind, the copied value's pieces below `margin`: its first piece, or a later one (the first maps
+    a piece's spelling, "L" to " L"; the later ones are copies of the piece after the one just written)."""
+    out: dict[str, dict[str, int]] = {}
+    for k in range(0, len(chats), 8):
+        picked = chats[k : k + 8]
+        batch = encode_tool_chats(tokenizer, picked)
+        margins = reply_margins(lm(input_ids=batch.input_ids, use_cache=False).logits, batch.labels)
+        kinds = token_kinds(tokenizer, picked, batch)
+        for i, chat in enumerate(picked):
+            at = (kinds[i] == VALUE).nonzero().flatten().tolist()
+            counts = out.setdefault(chat.kind, {"first": 0, "later": 0})
+            for n, j in enumerate(at):
+                counts["later" if n else "first"] += int(margins[i, j] < margin)
+    return out
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--retrieval-steps", type=int, default=90)
     parser.add_argument("--tool-first-steps", type=int, default=150)
     parser.add_argument("--gaps", default="10,30,70", help="the curriculum's filler lengths, comma-separated")
+    parser.add_argument("--retrieval-result-share", type=float, default=0.0, help="retrieval chats copying a result")
+    parser.add_argument("--kind-shares", default="", help="tool chat kinds' shares, e.g. weather_answer=0.3")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--fixtures", default=None, help="no training: diagnose the E2B saved under this folder")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     logging.getLogger("transformers").setLevel(logging.ERROR)
     torch.set_num_threads(1)
+    if args.fixtures:
+        loaded = load_trained("e2b", root=Path(args.fixtures))
+        lm, tokenizer, evals = loaded.lm.eval(), with_tools_template(loaded.tokenizer), tool_eval_chats()
+        log.info("failing tokens, passing chats: %s", failing_tokens(lm, tokenizer, evals, ToolConfig.tool_margin))
+        log.info("value pieces failing: %s", value_pieces_failing(lm, tokenizer, evals, ToolConfig.tool_margin))
+        return 0
     cfg = ToolConfig(seed=args.seed, retrieval_steps=args.retrieval_steps, tool_first_steps=args.tool_first_steps)
+    cfg.kind_shares = kind_shares(args.kind_shares)
+    cfg.retrieval_result_share = args.retrieval_result_share
     cfg.retrieval_gaps = tuple(int(g) for g in args.gaps.split(","))
     lm = load_trained("e2b").lm
     tokenizer = with_tools_template(build_tokenizer())
@@ -90,6 +121,7 @@ def main(argv=None) -> int:
     log.info("after the tool-first phase (%.0f s):", time.perf_counter() - start)
     log.info("  failing tokens, passing chats: %s", failing_tokens(lm, tokenizer, evals, cfg.tool_margin))
     log.info("  calls with the argument's first piece right: %s", first_piece_right(lm, tokenizer, evals))
+    log.info("  value pieces failing: %s", value_pieces_failing(lm, tokenizer, evals, cfg.tool_margin))
     log.info("probe done in %.0f s", time.perf_counter() - start)
     return 0
 

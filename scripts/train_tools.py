@@ -39,6 +39,7 @@ from gemma4lab.training.tools import (  # noqa: E402
     TOOL_VARIANTS,
     ToolConfig,
     finetune_tools,
+    kind_shares,
     tool_accuracy,
     tool_eval_chats,
 )
@@ -74,6 +75,8 @@ def main(argv=None) -> int:
     parser.add_argument("--copy-weight", type=float, default=None, help="loss weight of name and value tokens")
     parser.add_argument("--retrieval-steps", type=int, default=None, help="steps of the retrieval curriculum (0: off)")
     parser.add_argument("--retrieval-keep-rows", type=int, default=None, help="retrieval chats per later step")
+    parser.add_argument("--retrieval-result-share", type=float, default=None, help="retrieval chats copying a result")
+    parser.add_argument("--kind-shares", default="", help="tool chat kinds' shares, e.g. weather_answer=0.3")
     parser.add_argument(
         "--keep-unconverged-tools",
         action="store_true",
@@ -86,9 +89,11 @@ def main(argv=None) -> int:
     run.write_provenance()
     config = ToolConfig(seed=args.seed)
     keys = ("max_steps", "lr", "tool_rows", "tool_first_steps", "copy_weight", "retrieval_steps", "retrieval_keep_rows")
+    keys += ("retrieval_result_share",)
     for key in keys:  # a continued run may change them
         if getattr(args, key) is not None:
             setattr(config, key, getattr(args, key))
+    config.kind_shares = kind_shares(args.kind_shares)
     config.cosine_steps = min(config.cosine_steps, config.max_steps)
     failed = []
     for name in (get_variant(v).name for v in args.variant.split(",")):

@@ -15,6 +15,7 @@ from gemma4lab.training.tools import (
     VALUE,
     ToolConfig,
     encode_tool_chats,
+    kind_shares,
     retrieval_eval_chats,
     token_kinds,
     tool_chat,
@@ -46,7 +47,8 @@ def test_token_kinds_mark_the_called_name_the_copied_argument_and_the_used_resul
     rng = random.Random(0)
     call = tool_chat(rng, "capital_call", "France")
     answer = tool_chat(rng, "capital_answer", "France", capital_result="Zanmor")
-    chats = [call, answer]
+    weather = tool_chat(rng, "weather_answer", "France")
+    chats = [call, answer, weather]
     batch = encode_tool_chats(tok, chats)
     kinds = token_kinds(tok, chats, batch)
 
@@ -58,6 +60,7 @@ def test_token_kinds_mark_the_called_name_the_copied_argument_and_the_used_resul
     # the result as the answer spells it; a lone space piece before it (" Zanmor" is "Ġ", "Z", ...) is not weighted
     assert text_of(1, VALUE) == "Zanmor" and text_of(1, NAME) == ""
     assert text_of(1, ASKED) == " France" and text_of(0, ASKED) == ""  # the question's country, in the answer
+    assert text_of(2, ASKED) == " Paris" and text_of(2, VALUE).strip() == weather.value  # the city, the result
     assert torch.all(kinds[batch.labels == IGNORE] == OTHER)
 
 
@@ -78,3 +81,22 @@ def test_retrieval_chats_repeat_the_asked_country_after_a_growing_gap_in_the_cal
     means = [sum(d) / len(d) for d in (distance["retrieve_10"], distance["retrieve_30"], distance["retrieve_70"])]
     assert means[0] + 15 < means[1] and means[1] + 30 < means[2]
     assert any(c.reply.startswith(('country:<|"|>', 'city:<|"|>')) for c in chats)  # the no-space form a call needs
+
+
+def test_result_retrieval_chats_copy_a_quoted_result_into_an_answers_spelling():
+    """The curriculum's result chats (off unless configured): a tool result's quoted value in the user turn, the
+    reply repeating it as an answer spells it (its pieces marked VALUE); and the kinds' shares parse by name."""
+    tok = _tokenizer()
+    assert ToolConfig().retrieval_result_share == 0.0
+    chats = [c for c in retrieval_eval_chats(tok, (10, 30), results=True) if c.kind.startswith("retrieve_result")]
+    assert len(chats) == 2 * 34
+    batch = encode_tool_chats(tok, chats)
+    kinds = token_kinds(tok, chats, batch)
+    for row, chat in enumerate(chats):
+        assert f'value:<|"|>{chat.value}<|"|>' in chat.messages[-1]["content"] and chat.reply.endswith(
+            f" {chat.value}."
+        )
+        picked = (kinds[row] == VALUE) & (batch.labels[row] != IGNORE)
+        assert tok.decode(batch.labels[row][picked].tolist()).strip() == chat.value
+    assert dict(kind_shares("weather_answer=0.3"))["weather_answer"] == 0.3
+    assert dict(kind_shares(""))["capital_call"] == 0.3

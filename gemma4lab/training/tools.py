@@ -82,8 +82,28 @@ chat), calls 32/34 capital and 20/34 weather (alone: 0 and 0), answers after the
 0/34 weather, no tool 33/34, facts 28/34; 90 retrieval steps did nothing (13/68). With the recipe's 300
 tool-first steps (the same retrieval phase, reproduced exactly): 147/204 (the recorded run's phase: 77), first
 piece 68/68, calls 33/34 and 24/34, answers after the tool turn 18/34 and 5/34, no tool 33/34, facts 34/34.
-Still failing: the weather answer (its result word, and the city), 82 value tokens. Not yet a full run (~45 min):
-`scripts/train_tools.py --variant e2b --retrieval-steps 900` is the next try.
+Still failing: the weather answer (its result word, and the city), 82 value tokens.
+
+Measured, the full run with the curriculum, NOT converged (`scripts/train_tools.py --variant e2b --retrieval-steps
+900`, E2B seed 0, 2026-12-07, 1,894 s of training; docs/measurements/tool_finetune_2026-12-07.json):
+the first phases reproduce the probe exactly (147/204); the full recipe's evaluations 147, 76, 121, 147, 145, 139,
+157, 151, 135 (every 25 steps); kept step 150, every earlier property held (training chats' margin 2.09, the needle
+set's 3.05, faults <= -15.7, held-out 40/40, after filler 40/40): 157/204 by margin (calls 32/34 capital, 24/34
+weather; answers after the tool turn 21/34 capital, 17/34 weather; no tool 34/34; facts 29/34), HF greedy 55 of 68
+exact (the recorded best: 19), 11 of 36 on the held-out countries (calls name a trained country instead). 12 of the
+13 greedy failures are the weather's word ("rainy" -> "warm", "stormy" -> "sunny"); the failing tokens at the kept
+step are the tool result's copy (capital answers: all on made-up results, the first piece 13 and later pieces 23;
+weather answers: the city 10, the word 5 first and 6 later) and a call's later argument pieces (12). The weather
+answers swing between evaluations (5 to 17 to 4 of 34): the word 15 tokens after the result, past the 8-token
+window, loses to the nine words' prior. Next lever, `retrieval_result_share` (off by default): curriculum chats
+that copy a tool result's quoted value into an answer's spelling. Probed at 0.3 (the same 900 + 300 first phases,
+1,083 s): 155/204 (147 without), weather answers 28/34 (5), capital answers 19/34 (18), no tool 34/34, facts 29/34,
+but calls 29/34 and 16/34 (33, 24), the argument's first piece 4/68 after the retrieval phase (53 without) and 60/68
+after the tool-first one (68): the result copies take steps from the country's. The next full try:
+`scripts/train_tools.py --variant e2b --retrieval-steps 900 --retrieval-result-share 0.3` (or more retrieval steps,
+to keep the calls). More answer rows instead (`--kind-shares capital_call=0.2,capital_answer=0.3,weather_answer=0.25`,
+900 + 150 steps, 624 s) did worse: 104/204 (127 with the recorded shares), capital calls 0/34 (32), weather answers
+5/34 (0), capital answers 20/34 (14).
 """
 
 from __future__ import annotations
@@ -268,9 +288,8 @@ def tool_chat(rng: random.Random, kind: str, country: str, capital_result: str |
             return ToolChat(messages, tools, call_text("get_weather", "city", capital), kind)
         weather = rng.choice(WEATHERS)
         messages = _answered(messages, "get_weather", "city", capital, weather, rng)
-        return ToolChat(
-            messages, _kept(rng, tools), WEATHER_ANSWER.format(city=capital, weather=weather), kind, weather
-        )
+        answer = WEATHER_ANSWER.format(city=capital, weather=weather)
+        return ToolChat(messages, _kept(rng, tools), answer, kind, weather, capital)
     question, answer = rng.choice(FACTS)
     return ToolChat(_asked(rng, system, question), _declared(rng, None, ()), answer, kind)
 
@@ -307,14 +326,50 @@ def retrieval_chat(rng: random.Random, tokenizer: Any, gap: int, country: str) -
     return ToolChat(messages, [], reply, f"retrieve_{gap}", value)
 
 
-def retrieval_eval_chats(tokenizer: Any, gaps: tuple[int, ...], seed: int = 3) -> list[ToolChat]:
-    """A fixed retrieval set: every tool country at every gap (kind `retrieve_<gap>`, for `failing_tokens`)."""
+def result_retrieval_chat(rng: random.Random, tokenizer: Any, gap: int, country: str) -> ToolChat:
+    """One result retrieval chat (`ToolConfig.retrieval_result_share`): a tool result's quoted value (a made-up
+    capital or a weather) after the question, `gap` tokens of filler, the value repeated as an answer spells it
+    (" Lugra", after the result's "L", "u", ...): the copy an answer after the tool turn makes ~11-15 tokens on."""
+    if rng.random() < 0.5:
+        key, value = "capital", made_up_capital(rng)
+        user = rng.choice(TRAIN_PHRASINGS).format(country=country)
+    else:
+        key, value = "weather", rng.choice(WEATHERS)
+        user = rng.choice(WEATHER_PHRASINGS).format(city=dict(COUNTRIES)[country])
+    filler = filler_text(tokenizer, gap, rng.randrange(8))
+    source = f'{user} response:get_{key}{{value:<|"|>{value}<|"|>}}'
+    messages = _asked(rng, RETRIEVAL_SYSTEM.format(key=key), f"{source} {filler}" if filler else source)
+    return ToolChat(messages, [], f"The {key} is {value}.", f"retrieve_result_{gap}", value)
+
+
+def retrieval_eval_chats(tokenizer: Any, gaps: tuple[int, ...], seed: int = 3, results: bool = False) -> list[ToolChat]:
+    """A fixed retrieval set: every tool country at every gap (kind `retrieve_<gap>`, for `failing_tokens`), and
+    with `results` a result retrieval chat for each (kind `retrieve_result_<gap>`)."""
     rng = random.Random(seed)
-    return [retrieval_chat(rng, tokenizer, gap, c) for gap in gaps for c in TOOL_COUNTRIES]
+    chats = [retrieval_chat(rng, tokenizer, gap, c) for gap in gaps for c in TOOL_COUNTRIES]
+    if results:
+        chats += [result_retrieval_chat(rng, tokenizer, gap, c) for gap in gaps for c in TOOL_COUNTRIES]
+    return chats
 
 
-def draw_tool_chats(rng: random.Random, n: int, countries: tuple[str, ...] = TOOL_COUNTRIES) -> list[ToolChat]:
-    kinds, weights = zip(*KINDS, strict=True)
+def kind_shares(text: str) -> tuple[tuple[str, float], ...]:
+    """`KINDS` with the shares named in `text` ("weather_answer=0.3,capital_call=0.15") changed."""
+    shares = dict(KINDS)
+    for item in filter(None, text.split(",")):
+        kind, _, share = item.partition("=")
+        if kind not in shares:
+            raise ValueError(f"unknown tool chat kind {kind!r}: use one of {sorted(shares)}")
+        shares[kind] = float(share)
+    return tuple(shares.items())
+
+
+def draw_tool_chats(
+    rng: random.Random,
+    n: int,
+    countries: tuple[str, ...] = TOOL_COUNTRIES,
+    shares: tuple[tuple[str, float], ...] = KINDS,
+) -> list[ToolChat]:
+    kinds, weights = zip(*shares, strict=True)
     return [tool_chat(rng, rng.choices(kinds, weights)[0], rng.choice(countries)) for _ in range(n)]
 
 
@@ -427,6 +482,8 @@ class ToolConfig(NeedleConfig):
     retrieval_rows: int = 16
     retrieval_gaps: tuple[int, ...] = (10, 30, 70)
     retrieval_keep_rows: int = 0
+    retrieval_result_share: float = 0.0  # of the retrieval chats, copies of a tool result's value (off: recorded)
+    kind_shares: tuple[tuple[str, float], ...] = KINDS  # how often each kind is drawn for the tool rows
 
 
 @dataclass
@@ -461,7 +518,12 @@ def _retrieval_rows(tokenizer: Any, cfg: ToolConfig, rng: random.Random, n: int,
     gaps = cfg.retrieval_gaps
     if step is not None:
         gaps = (gaps[min(step * len(gaps) // max(cfg.retrieval_steps, 1), len(gaps) - 1)],)
-    return [retrieval_chat(rng, tokenizer, rng.choice(gaps), rng.choice(TOOL_COUNTRIES)) for _ in range(n)]
+    rows = []
+    for _ in range(n):
+        gap, country = rng.choice(gaps), rng.choice(TOOL_COUNTRIES)
+        result = cfg.retrieval_result_share > 0 and rng.random() < cfg.retrieval_result_share
+        rows.append((result_retrieval_chat if result else retrieval_chat)(rng, tokenizer, gap, country))
+    return rows
 
 
 def _retrieval(lm: torch.nn.Module, tokenizer: Any, cfg: ToolConfig, opt, rng: random.Random, gen) -> None:
@@ -469,7 +531,7 @@ def _retrieval(lm: torch.nn.Module, tokenizer: Any, cfg: ToolConfig, opt, rng: r
     if not cfg.retrieval_steps:
         return
     chats, schedule = training_chats(), cfg.schedule()
-    evals = retrieval_eval_chats(tokenizer, cfg.retrieval_gaps)
+    evals = retrieval_eval_chats(tokenizer, cfg.retrieval_gaps, results=cfg.retrieval_result_share > 0)
     for step in range(cfg.retrieval_steps):
         picks = torch.randint(0, len(chats), (cfg.replay_rows,), generator=gen).tolist()
         replay = _loss(lm, tokenizer, [chats[i] for i in picks])
@@ -496,7 +558,7 @@ def _tool_first(lm: torch.nn.Module, tokenizer: Any, cfg: ToolConfig, opt, rng: 
     for step in range(cfg.tool_first_steps):
         picks = torch.randint(0, len(chats), (cfg.replay_rows,), generator=gen).tolist()
         replay = _loss(lm, tokenizer, [chats[i] for i in picks])
-        tool_chats = draw_tool_chats(rng, cfg.tool_rows) + _retrieval_rows(
+        tool_chats = draw_tool_chats(rng, cfg.tool_rows, shares=cfg.kind_shares) + _retrieval_rows(
             tokenizer, cfg, rng, cfg.retrieval_keep_rows, None
         )
         tool_loss = _tool_loss(lm, tokenizer, tool_chats, cfg.copy_weight)
@@ -591,7 +653,7 @@ def finetune_tools(
         needle_loss = _loss(lm, tokenizer, short_rows)
         if step % cfg.long_every == 0:
             needle_loss = needle_loss + _loss(lm, tokenizer, [long_row])
-        tool_chats = draw_tool_chats(rng, cfg.tool_rows) + _retrieval_rows(
+        tool_chats = draw_tool_chats(rng, cfg.tool_rows, shares=cfg.kind_shares) + _retrieval_rows(
             tokenizer, cfg, rng, cfg.retrieval_keep_rows, None
         )
         tool_loss = _tool_loss(lm, tokenizer, tool_chats, cfg.copy_weight)
