@@ -34,7 +34,7 @@ import torch  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from gemma4lab.training import hearing  # noqa: E402
+from gemma4lab.training import hearing, vision_repair  # noqa: E402
 from gemma4lab.training import vision as vision_training  # noqa: E402
 from gemma4lab.training.audio import audio_tokenizer, with_hearing  # noqa: E402
 from gemma4lab.training.text import held_out_accuracy  # noqa: E402
@@ -45,8 +45,21 @@ from gemma4lib.models.trained import load_trained  # noqa: E402
 log = logging.getLogger("train_audio")
 VARIANTS = ("e2b", "e4b", "12b")
 # per variant: the recipe's class (the 12B has no conformer: `hearing.UnifiedHearConfig`) and its settings
+# (the 12B's vision repair: docs/measurements/hearing_12b_unshipped_2026-12-06.json runs 8-10, images 49 -> 51/52)
 RECIPES: dict[str, tuple[type, dict]] = {
-    "12b": (hearing.UnifiedHearConfig, {"probe_steps": 1600, "steps": 2000, "image_batch": 12, "image_per_class": 48})
+    "12b": (
+        hearing.UnifiedHearConfig,
+        {
+            "probe_steps": 1600,
+            "steps": 2000,
+            "image_batch": 12,
+            "image_per_class": 48,
+            "vision_repair_steps": 150,
+            "vision_repair_lr": 1e-3,
+            "vision_repair_every": 10,
+            "vision_repair_per_class": 8,
+        },
+    )
 }
 
 
@@ -65,6 +78,13 @@ def parse_args(argv=None):
     )
     p.add_argument("--quick", action="store_true", help="a smoke run of the script: one speaker each, 2 steps")
     p.add_argument("--speakers", type=int, default=None, help="a reduced run: the first N training speakers")
+    p.add_argument(
+        "--from-hearing",
+        default=None,
+        metavar="DIR",
+        help="skip the hearing: start from a run's written end state (DIR/<variant>, an --out folder) "
+        "and run only what follows it (the vision repair, the judging): a probe, not a shipping run",
+    )
     return p.parse_args(argv)
 
 
@@ -76,6 +96,31 @@ def vision_answers(full, tokenizer, processor, seed: int) -> tuple[int, int, lis
 
     correct, total, failures, sample_failures = held_out(full, tokenizer, processor, seed)
     return correct, total, failures, sample_failures
+
+
+def judged(full, tokenizer, processor, train, held, seed: int) -> dict:
+    """Every figure the ship rule reads, on `full` as it is: training and held-out clips, shipped clips,
+    text, images."""
+    mels: dict = {}
+    train_right, _ = hearing.accuracy(full, tokenizer, hearing.examples_of(train), mels)
+    held_right, held_misses = hearing.accuracy(full, tokenizer, hearing.examples_of(held), mels)
+    text_right, text_total, text_failures = held_out_accuracy(full, tokenizer)
+    image_right, image_total, image_failures, sample_failures = vision_answers(full, tokenizer, processor, seed)
+    return {
+        "train": f"{train_right}/{len(hearing.examples_of(train))}",
+        "held_out": f"{held_right}/{len(hearing.examples_of(held))}",
+        "held_out_misses": held_misses,
+        "shipped_misses": hearing.shipped_misses(full, tokenizer),
+        "text": (text_right, text_total),
+        "text_failures": text_failures,
+        "images": (image_right, image_total),
+        "image_failures": image_failures,
+        "sample_failures": sample_failures,
+    }
+
+
+# what the vision repair must leave exactly as it found it (it trains image soft tokens only)
+UNCHANGED_BY_REPAIR = ("train", "held_out", "held_out_misses", "shipped_misses", "text", "text_failures")
 
 
 def config_changes(kind: type, pairs: list[str]) -> dict:
@@ -98,6 +143,7 @@ def train_one(
     quick: bool = False,
     pairs: list[str] | None = None,
     n_speakers: int | None = None,
+    from_hearing: str | None = None,
 ) -> dict:
     torch.manual_seed(seed)
     base = vision.load_vision_fixture(name, root=out)
@@ -123,23 +169,54 @@ def train_one(
         return vision_answers(rounded, tokenizer, base.processor, seed)[0]
 
     check = images_right if cfg.keep_best else None
-    result = hearing.train_hearing(full, tokenizer, base.processor, train, held, cfg, check, before_images)
+    if from_hearing:  # a probe of what follows the hearing, from a run's written end state
+        full = vision.load_vision_fixture(name, root=Path(from_hearing)).multimodal
+        result = hearing.HearResult(0, 0.0, [], None)
+    else:
+        result = hearing.train_hearing(full, tokenizer, base.processor, train, held, cfg, check, before_images)
     full = full.to(torch.bfloat16).to(torch.float32)  # the saved values (bf16): judge what ships
-    mels: dict = {}
-    train_right, _ = hearing.accuracy(full, tokenizer, hearing.examples_of(train), mels)
-    held_examples = hearing.examples_of(held)
-    held_right, held_misses = hearing.accuracy(full, tokenizer, held_examples, mels)
-    shipped = hearing.shipped_misses(full, tokenizer)
-    text_right, _, text_failures = held_out_accuracy(full, tokenizer)
-    image_right, _, image_failures, sample_failures = vision_answers(full, tokenizer, base.processor, seed)
+    figures, repair = judged(full, tokenizer, base.processor, train, held, seed), None
+    if cfg.vision_repair_steps:
+        log.info("%s before the vision repair: %s", name, {k: v for k, v in figures.items() if "misses" not in k})
+        frozen_before = vision_repair.frozen_sha256(full)
+        fixed = vision_repair.repair_vision(
+            full,
+            tokenizer,
+            base.processor,
+            cfg.vision_repair_steps,
+            cfg.vision_repair_lr,
+            cfg.vision_repair_every,
+            seed,
+            images_right,
+            image_total,
+            cfg.vision_repair_per_class,
+        )
+        full = full.to(torch.bfloat16).to(torch.float32)
+        frozen_after = vision_repair.frozen_sha256(full)
+        before, figures = figures, judged(full, tokenizer, base.processor, train, held, seed)
+        repair = {
+            "steps": fixed.steps,
+            "kept_step": fixed.kept_step,
+            "seconds": fixed.seconds,
+            "history": fixed.history,
+            "params": sum(p.numel() for p in vision_repair.repair_parameters(full)),
+            "frozen_sha256_before": frozen_before,
+            "frozen_sha256_after": frozen_after,
+            "frozen_identical": frozen_before == frozen_after,
+            "unchanged_figures": {k: before[k] == figures[k] for k in UNCHANGED_BY_REPAIR},
+            "images_before_repair": "{}/{}".format(*before["images"]),
+            "images_failures_before_repair": before["image_failures"],
+        }
+        log.info("%s vision repair: %s", name, {k: v for k, v in repair.items() if k != "history"})
     files = vision_training.save_vision_fixture(full.to(torch.bfloat16), base.processor, out / name)
+    train_right, held_right = figures["train"], figures["held_out"]
+    (text_right, _), (image_right, _) = figures["text"], figures["images"]
+    shipped = figures["shipped_misses"]
     log.info(
-        "%s: train %d/%d, held out %d/%d, shipped misses %s, text %d/%d (was %d), images %d/%d (was %d)",
+        "%s: train %s, held out %s, shipped misses %s, text %d/%d (was %d), images %d/%d (was %d)",
         name,
         train_right,
-        len(hearing.examples_of(train)),
         held_right,
-        len(held_examples),
         shipped,
         text_right,
         text_total,
@@ -153,24 +230,27 @@ def train_one(
         "kept_step": result.kept_step,  # keep_best: the step restored (None: the last)
         "clip_seconds": clip_seconds,
         "train_seconds": result.seconds,
-        "train_correct": f"{train_right}/{len(hearing.examples_of(train))}",
-        "held_out_correct": f"{held_right}/{len(held_examples)}",
-        "held_out_misses": held_misses,
+        "train_correct": train_right,
+        "held_out_correct": held_right,
+        "held_out_misses": figures["held_out_misses"],
         "shipped_misses": shipped,
         "decoder_fine_tuned": cfg.train_decoder,
         "text_held_out_correct": f"{text_right}/{text_total}",
         "text_held_out_before": f"{before_text}/{text_total}",
-        "text_held_out_failures": text_failures,
+        "text_held_out_failures": figures["text_failures"],
         "images_held_out_correct": f"{image_right}/{image_total}",
         "images_held_out_before": f"{before_images}/{image_total}",
-        "images_held_out_failures": image_failures,
-        "images_sample_failures": sample_failures,  # of those, the shipped samples (fixtures/vision/images)
+        "images_held_out_failures": figures["image_failures"],
+        "images_sample_failures": figures["sample_failures"],  # of those, the shipped samples (fixtures/vision/images)
+        "vision_repair": repair,  # None: no repair phase (vision_repair_steps 0)
         "history": result.history,
         "params_audio": sum(p.numel() for n, p in full.named_parameters() if "audio" in n),
         "train_config": cfg.to_dict(),
         "speakers": {"train": speakers, "held_out": held_speakers},
     }
     ok = not shipped and text_right >= before_text and image_right >= before_images
+    if repair is not None:  # the repair's claim, checked: nothing but the images moved
+        ok = ok and repair["frozen_identical"] and all(repair["unchanged_figures"].values())
     return {"record": record, "files": {f"{name}/{k}": v for k, v in files.items()}, "ok": ok}
 
 
@@ -191,10 +271,11 @@ def main(argv=None) -> int:
     ok = True
     for name in names:
         started = time.perf_counter()
-        done = train_one(name, out, args.seed, args.steps, args.quick, args.set, args.speakers)
+        done = train_one(name, out, args.seed, args.steps, args.quick, args.set, args.speakers, args.from_hearing)
         steps = f" --steps {args.steps}" if args.steps else ""
         steps += "".join(f" --set {pair}" for pair in args.set)
         steps += f" --speakers {args.speakers}" if args.speakers else ""
+        steps += f" --from-hearing {args.from_hearing}" if args.from_hearing else ""
         done["record"].update(
             wall_seconds=round(time.perf_counter() - started, 1),
             created=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),

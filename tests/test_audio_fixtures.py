@@ -82,3 +82,33 @@ def test_distill_rehearsal_holds_the_decoder_to_its_own_logits_before_hearing():
     assert float(hearing.rehearsal_loss(logits, labels, moved, "distill")) == pytest.approx(0.0, abs=1e-6)
     away = torch.randn(2, 5, 11).log_softmax(-1)
     assert float(hearing.rehearsal_loss(logits, labels, away, "distill")) > 0.1
+
+
+def test_vision_repair_hash_covers_all_but_the_vision_part_and_the_decoder_subset_is_the_last_layers():
+    """`vision_repair.frozen_sha256` (the repair's proof that text and audio were not touched) moves with any
+    decoder or audio weight and ignores the vision part's; `hearing.decoder_trains` picks the last N layers and
+    the final norm (all of the decoder at 0)."""
+    import torch
+    from torch import nn
+
+    from gemma4lab.training import vision_repair
+
+    model = nn.Module()
+    model.model = nn.Module()
+    model.model.embed_vision = nn.Linear(3, 2)
+    model.model.embed_audio = nn.Linear(3, 2)
+    model.model.language_model = nn.Linear(2, 2)
+    assert vision_repair.repair_parameters(model) == list(model.model.embed_vision.parameters())
+    before = vision_repair.frozen_sha256(model)
+    with torch.no_grad():
+        model.model.embed_vision.weight.add_(1.0)
+    assert vision_repair.frozen_sha256(model) == before
+    for part in (model.model.embed_audio, model.model.language_model):
+        with torch.no_grad():
+            part.bias[0] = torch.nextafter(part.bias[0], torch.tensor(1e9))  # one ulp
+        assert vision_repair.frozen_sha256(model) != before
+        before = vision_repair.frozen_sha256(model)
+    names = [f"model.language_model.layers.{i}.mlp.up_proj.weight" for i in range(6)]
+    names += ["model.language_model.norm.weight", "model.language_model.embed_tokens.weight", "model.embed_audio.x"]
+    assert [n for n in names if hearing.decoder_trains(n, 6, 2)] == names[4:7]
+    assert [n for n in names if hearing.decoder_trains(n, 6, 0)] == names[:8]
