@@ -66,7 +66,7 @@ warmup = 1
 iters = 3
 threads = 1  # torch threads for the benchmark (recorded with it)
 image = "red_circle.png"  # "What the model sees": a shipped sample (blue_square.png, ...) or a path; None skips it
-clip = None  # "What the model hears": a shipped clip (france.wav, ...) or a 16 kHz WAV; None skips
+clip = "capital_of_france.wav"  # "What the model hears": a shipped clip (france.wav, ...) or a 16 kHz WAV; None skips
 tp_demo = 2  # ranks of the rank-graph run on CPU processes (0: skip)
 results_path = "../runs/notebooks/12b.json"
 interactive = False  # True: show the chat box at the end (needs a live Jupyter front end)
@@ -507,8 +507,8 @@ display(nb.witness_table(witness))
 # prefill logits off by whole logits, not rounding); the blue square became "A green square." and the
 # green triangle "A green circle.". `tests/test_images.py` builds that graph on purpose, on a random-weight 12B, and asserts
 # LOGITS_MATCH fails. This fixture's training stopped at its step limit before every training image
-# won by the margin asked (`converged: false` in `fixtures/vision/PROVENANCE.json`); it names every
-# held-out image right.
+# won by the margin asked (`converged: false` in `fixtures/vision/PROVENANCE.json`). Since it was also
+# taught to hear (below) it names 51 of the 52 held-out images right: a blue circle reads as a triangle.
 #
 # The first cell shows the patch grid, where the soft tokens sit in the prompt and the prefill masks;
 # the second compiles and runs it. The full profile skips the section (not yet run with a released
@@ -576,10 +576,10 @@ if image_settings is not None:
 # The 12B has **no audio encoder**. Its processor cuts the raw samples into fixed frames (zero-padded
 # at the end) and its audio embedder normalises each frame (an RMSNorm) and projects it with one linear
 # layer to the decoder's width: one soft token per started frame, and the decoder does all the
-# listening. The port runs it (`port --variant 12b --audio CLIP`: the audio graph is that embedder, on
-# cpu, eager, xla and the gloo ranks, checked against transformers on a random model that hears in
-# `tests/test_audio_wiring.py`), but the tiny 12B fixture has not been taught to listen yet
-# ([docs/AUDIO.md](../docs/AUDIO.md)), so this section has no clip to judge in the smoke profile and skips.
+# listening. The audio graph is that embedder, compiled once like the vision graph; it reads no K/V.
+# Because the decoder does the listening, teaching the tiny 12B to hear moved its decoder, and that
+# cost it image answers; its recipe then re-fits the image embedder (`embed_vision`) alone to the moved
+# decoder, which leaves every text and audio output unchanged ([docs/AUDIO.md](../docs/AUDIO.md) has the runs).
 
 # %% tags=["lesson"]
 audio_settings = None  # the smoke profile's multimodal fixture, which hears; variants without audio skip

@@ -11,7 +11,8 @@ Writes `gemma4lib/fixtures/vision/tokenizer/` (the vision tokenizer with fillers
 audio tokens; every other id and the rendering of images and text unchanged), the variant's folder, and
 the `audio` section of `gemma4lib/fixtures/vision/PROVENANCE.json` (and its file hashes). One thread,
 deterministic. Exits non-zero when a shipped clip (gemma4lib/fixtures/audio) is misanswered, or the
-decoder, fine-tuned, lost a text or image answer the fixture gave before.
+decoder, fine-tuned, lost a text answer the fixture gave before, or image answers beyond the vision fixture's
+own shipping rule (`train_vision.shippable`: every shipped sample named, at most one held-out miss in 50).
 """
 
 from __future__ import annotations
@@ -248,7 +249,14 @@ def train_one(
         "train_config": cfg.to_dict(),
         "speakers": {"train": speakers, "held_out": held_speakers},
     }
-    ok = not shipped and text_right >= before_text and image_right >= before_images
+    # images: none lost, or train_vision's own shipping rule (every shipped sample named, at most one held-out
+    # miss in 50), since these weights replace the vision fixture; text: none lost
+    from train_vision import MAX_HELD_OUT_MISSES  # noqa: PLC0415 (scripts/ is on the path: vision_answers)
+
+    images_ok = image_right >= before_images or (
+        not figures["sample_failures"] and image_total - image_right <= MAX_HELD_OUT_MISSES * image_total
+    )
+    ok = not shipped and text_right >= before_text and images_ok
     if repair is not None:  # the repair's claim, checked: nothing but the images moved
         ok = ok and repair["frozen_identical"] and all(repair["unchanged_figures"].values())
     return {"record": record, "files": {f"{name}/{k}": v for k, v in files.items()}, "ok": ok}

@@ -11,7 +11,7 @@ from gemma4lab.training import hearing
 from gemma4lib.models import audio, vision
 
 # the fixtures shipped hearing (scripts/train_audio.py; PROVENANCE.json "audio"): add a variant when it ships
-HEARING_FIXTURES: tuple[str, ...] = ("e2b", "e4b")  # the fixtures that hear (PROVENANCE.json `audio`)
+HEARING_FIXTURES: tuple[str, ...] = ("e2b", "e4b", "12b")  # the fixtures that hear (PROVENANCE.json `audio`)
 
 
 @pytest.fixture(scope="module")

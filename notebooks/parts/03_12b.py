@@ -257,18 +257,18 @@ display(nb.rank_module_table(one_rank, layers=(0, full)))  # one rank's layers: 
 # prefill logits off by whole logits, not rounding); the blue square became "A green square." and the
 # green triangle "A green circle.". `tests/test_images.py` builds that graph on purpose, on a random-weight 12B, and asserts
 # LOGITS_MATCH fails. This fixture's training stopped at its step limit before every training image
-# won by the margin asked (`converged: false` in `fixtures/vision/PROVENANCE.json`); it names every
-# held-out image right.
+# won by the margin asked (`converged: false` in `fixtures/vision/PROVENANCE.json`). Since it was also
+# taught to hear (below) it names 51 of the 52 held-out images right: a blue circle reads as a triangle.
 # -- part: clip --
-None
+"capital_of_france.wav"
 # -- part: audio_note --
 # The 12B has **no audio encoder**. Its processor cuts the raw samples into fixed frames (zero-padded
 # at the end) and its audio embedder normalises each frame (an RMSNorm) and projects it with one linear
 # layer to the decoder's width: one soft token per started frame, and the decoder does all the
-# listening. The port runs it (`port --variant 12b --audio CLIP`: the audio graph is that embedder, on
-# cpu, eager, xla and the gloo ranks, checked against transformers on a random model that hears in
-# `tests/test_audio_wiring.py`), but the tiny 12B fixture has not been taught to listen yet
-# ([docs/AUDIO.md](../docs/AUDIO.md)), so this section has no clip to judge in the smoke profile and skips.
+# listening. The audio graph is that embedder, compiled once like the vision graph; it reads no K/V.
+# Because the decoder does the listening, teaching the tiny 12B to hear moved its decoder, and that
+# cost it image answers; its recipe then re-fits the image embedder (`embed_vision`) alone to the moved
+# decoder, which leaves every text and audio output unchanged ([docs/AUDIO.md](../docs/AUDIO.md) has the runs).
 # -- part: plot_note --
 # The field report gives no decode figure for the 12B (prefill only), so its bar is the computed
 # ceiling alone.
