@@ -508,7 +508,7 @@ display(nb.witness_table(witness))
 # green triangle "A green circle.". `tests/test_images.py` builds that graph on purpose, on a random-weight 12B, and asserts
 # LOGITS_MATCH fails. This fixture's training stopped at its step limit before every training image
 # won by the margin asked (`converged: false` in `fixtures/vision/PROVENANCE.json`). Since it was also
-# taught to hear (below) it names 51 of the 52 held-out images right: a blue circle reads as a triangle.
+# taught to hear (below) it names all its held-out images but one right: a blue circle reads as a triangle.
 #
 # The first cell shows the patch grid, where the soft tokens sit in the prompt and the prefill masks;
 # the second compiles and runs it. The full profile skips the section (not yet run with a released

@@ -258,7 +258,7 @@ display(nb.rank_module_table(one_rank, layers=(0, full)))  # one rank's layers: 
 # green triangle "A green circle.". `tests/test_images.py` builds that graph on purpose, on a random-weight 12B, and asserts
 # LOGITS_MATCH fails. This fixture's training stopped at its step limit before every training image
 # won by the margin asked (`converged: false` in `fixtures/vision/PROVENANCE.json`). Since it was also
-# taught to hear (below) it names 51 of the 52 held-out images right: a blue circle reads as a triangle.
+# taught to hear (below) it names all its held-out images but one right: a blue circle reads as a triangle.
 # -- part: clip --
 "capital_of_france.wav"
 # -- part: audio_note --
