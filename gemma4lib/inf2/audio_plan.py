@@ -24,7 +24,7 @@ from ..errors import UnknownNameError
 from ..models.audio import HEARING_VARIANTS, MAX_SECONDS, MELS, RATE, graph_shape, soft_tokens
 from ..models.loading import text_config
 from ..models.variants import Variant, get_variant
-from .vision_plan import PLACEMENT, VisionPlan
+from .vision_plan import VisionPlan
 
 AUDIO_SOURCE = (
     f"computed from transformers {TRANSFORMERS_PIN} config defaults (Gemma4AudioConfig() / Gemma4UnifiedAudioConfig())"
@@ -81,5 +81,7 @@ def audio_plan(variant: str, dtype_bytes: int = 2) -> VisionPlan:
     tower = sum(p.numel() for p in parts.audio_tower.parameters()) if hasattr(parts, "audio_tower") else 0
     working = audio_activation_bytes(parts.config, frames, tokens, parts.embed_audio.text_hidden_size, dtype_bytes)
     layers, counts = int(getattr(parts.config, "num_hidden_layers", 0)), (params, tower, buffers)
-    shape = (frames, tokens, layers, v.unified, PLACEMENT, AUDIO_SOURCE)
-    return VisionPlan.counted(v.name, counts, working, *shape, dtype_bytes=dtype_bytes, tower="audio")
+    shape = {"patches": frames, "soft_tokens": tokens, "layers": layers, "source": AUDIO_SOURCE}
+    return VisionPlan.counted(
+        v.name, counts, working, **shape, encoder_free=v.unified, dtype_bytes=dtype_bytes, tower="audio"
+    )

@@ -167,14 +167,13 @@ class VisionPlan:
     tower: str = "vision"  # or "audio": `patches` are then its input frames, `soft_tokens` 25 a second
 
     @classmethod
-    def counted(
-        cls, name: str, counts: tuple[int, int, int], working: float, *shape: Any, dtype_bytes: int, tower: str
-    ) -> VisionPlan:
-        """From the (params, tower params, buffers) counts and the activations' bytes; `shape`: patches to source."""
+    def counted(cls, name: str, counts: tuple[int, int, int], working: float, **shape: Any) -> VisionPlan:
+        """From the (params, tower params, buffers) counts and the activations' bytes; `shape`: the other fields
+        by name (patches, soft_tokens, layers, encoder_free, source, dtype_bytes, tower)."""
         params, tower_params, buffers = counts
-        weights = (params + buffers) * dtype_bytes / GIB
+        weights = (params + buffers) * shape["dtype_bytes"] / GIB
         return cls(
-            name, params, tower_params, params - tower_params, weights, working / GIB, *shape, dtype_bytes, tower
+            name, params, tower_params, params - tower_params, weights, working / GIB, placement=PLACEMENT, **shape
         )
 
     @property
@@ -187,6 +186,8 @@ def vision_plan(variant: Variant | str, source: str = "defaults", dtype_bytes: i
     """The vision part of `variant` on inf2 (module docstring: computed, unverified)."""
     v = get_variant(variant) if isinstance(variant, str) else variant
     spec = vision_spec(v, source)
-    shape = (spec.patches, spec.soft_tokens, spec.layers, spec.encoder_free, PLACEMENT, spec.source)
     working, counts = activation_bytes(spec, dtype_bytes), _counts(v.name, source)
-    return VisionPlan.counted(v.name, counts, working, *shape, dtype_bytes=dtype_bytes, tower="vision")
+    shape = {"patches": spec.patches, "soft_tokens": spec.soft_tokens, "layers": spec.layers, "source": spec.source}
+    return VisionPlan.counted(
+        v.name, counts, working, **shape, encoder_free=spec.encoder_free, dtype_bytes=dtype_bytes, tower="vision"
+    )
