@@ -76,9 +76,16 @@ fi
 start=$(date +%s)
 [[ -n "${FORCE:-}" ]] && rm -rf "$VENV"
 "$PYTHON" -m venv "$VENV"
-"$VENV/bin/python" -m pip install --quiet --upgrade pip
-"$VENV/bin/python" -m pip install --quiet "${REQUIREMENTS[@]}"
+# through uv, as setup_env.sh: the ~7 GB of CUDA wheels fetched and unpacked in parallel (pip took 1,643 s
+# in CI, niced beside the main suite)
+cd "$REPO"
+# shellcheck source=scripts/uv_args.sh
+source scripts/uv_args.sh
+"$VENV/bin/python" -m pip install --quiet "$(PYTHON="$PYTHON" installer_pin)"
+uv_args_from_pip "$VENV/bin/python"
+uv=("$VENV/bin/python" -m uv pip install --quiet --python "$VENV/bin/python" "${uv_args[@]}")
+"${uv[@]}" "${REQUIREMENTS[@]}"
 # (the filter: setuptools' editable-install banner, see setup_env.sh)
-PYTHONWARNINGS="ignore:Editable installation:UserWarning" "$VENV/bin/python" -m pip install --quiet --no-deps -e "$REPO"
+PYTHONWARNINGS="ignore:Editable installation:UserWarning" "${uv[@]}" --no-deps -e "$REPO"
 check || { echo "setup_xla_env: installed, but the pins do not check out" >&2; exit 1; }
 echo "setup_xla_env: $VENV ready in $(( $(date +%s) - start ))s ($(du -sh "$VENV" | cut -f1))"
