@@ -104,6 +104,12 @@ after the tool-first one (68): the result copies take steps from the country's. 
 to keep the calls). More answer rows instead (`--kind-shares capital_call=0.2,capital_answer=0.3,weather_answer=0.25`,
 900 + 150 steps, 624 s) did worse: 104/204 (127 with the recorded shares), capital calls 0/34 (32), weather answers
 5/34 (0), capital answers 20/34 (14).
+
+Measured, that full try, NOT converged (`--retrieval-result-share 0.3`, 2026-12-07, 2,963 s of training on a loaded
+machine; the file's `second_run`): evaluations 155, 78, 138, 144, 155, 143, 130, 164, 171, kept step 200 (the last,
+still rising), every earlier property held (needle 3.34, faults <= -11.3): 171/204 (calls 31/34 capital, 20/34
+weather; answers 21/34 capital, 33/34 weather; no tool 34/34; facts 32/34). The result share fixed the weather
+answers; what fails is the later pieces of a copied city (capital answers 19, weather calls 12). Next: more steps.
 """
 
 from __future__ import annotations
