@@ -475,14 +475,21 @@ def test_a_full_queue_gets_429_with_retry_after(tokenizer):
         body = {"model": MODEL, "messages": ask("France"), "max_tokens": 40}
         results.append(httpx.post(server.url + "/v1/chat/completions", json=body, timeout=30).status_code)
 
+    def reached(state: tuple[int, int]) -> bool:
+        deadline = time.monotonic() + 30  # HTTP threads on a loaded two-core machine
+        while (scheduler.rows_in_use, scheduler.waiting) != state and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return (scheduler.rows_in_use, scheduler.waiting) == state
+
     threads = [threading.Thread(target=post) for _ in range(3)]
     try:
-        for t in threads:
+        # the first holds the row before the other two queue: three started at once can all queue before the
+        # first is admitted, and then the queue is full (a 429) for the third
+        threads[0].start()
+        assert reached((1, 0))
+        for t in threads[1:]:
             t.start()
-        deadline = time.monotonic() + 30  # three HTTP threads on a loaded two-core machine
-        while (scheduler.rows_in_use, scheduler.waiting) != (1, 2) and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert (scheduler.rows_in_use, scheduler.waiting) == (1, 2)
+        assert reached((1, 2))
         full = httpx.post(server.url + "/v1/chat/completions", json={"model": MODEL, "messages": ask("Peru")})
         assert _error(full, 429)["code"] == "queue_full"
         assert int(full.headers["retry-after"]) >= 1
