@@ -22,13 +22,13 @@ from torch import nn
 from gemma4lib.inf2.hardware import BF16_FLOPS_PER_CORE, GB, INSTANCES
 from gemma4lib.inf2.vision_plan import (
     IMAGE_MARKERS,
-    REPORTED,
     SOURCE,
     VisionSpec,
     vision_modules,
     vision_plan,
     vision_spec,
 )
+from gemma4lib.models.variants import REPORTED_VISION as REPORTED
 from gemma4lib.models.variants import VARIANTS, get_variant
 
 from .prefill import prefill_estimate

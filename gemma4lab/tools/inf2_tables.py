@@ -26,8 +26,9 @@ from gemma4lib.inf2.hardware import GB, GIB, INSTANCES, NEURON_TP_DEGREES
 from gemma4lib.inf2.memory_plan import DEFAULT_CONTEXT, CoreMemoryPlan, plan_core_memory
 from gemma4lib.inf2.params import ParamCounts, count_params, meta_model
 from gemma4lib.inf2.serving_host import ServingHostPlan, serving_host_plan
-from gemma4lib.inf2.vision_plan import PLACEMENT, REPORTED, SOURCE, VisionPlan, vision_plan
+from gemma4lib.inf2.vision_plan import PLACEMENT, SOURCE, VisionPlan, vision_plan
 from gemma4lib.models.audio import HEARING_VARIANTS
+from gemma4lib.models.variants import REPORTED_VISION as REPORTED
 from gemma4lib.models.variants import VARIANTS, get_variant
 
 

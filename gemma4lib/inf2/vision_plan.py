@@ -4,7 +4,7 @@ The released vision configs are not among the facts this project checked (DESIGN
 decoders only), so every figure here is **computed from transformers 5.23.0 config defaults,
 unverified against the released config.json** (`SOURCE`), at the image processors' default patch
 budget (`PROCESSOR_DEFAULTS`), counted on transformers' own modules on the meta device. Third-party
-copies of the 31B's and 26B-A4B's tower report a larger one (`REPORTED`):
+copies of the 31B's and 26B-A4B's tower report a larger one (`variants.REPORTED_VISION`):
 `vision_spec(variant, source="reported")` plans with it for comparison.
 
 Placement: its own compiled graph on one NeuronCore, not sharded (`PLACEMENT`; the audio graph's too,
@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypedDict, Unpack
 
 import torch
 from torch import nn
@@ -37,8 +37,6 @@ PROCESSOR_DEFAULTS = {"patch_size": 16, "max_soft_tokens": 280, "pooling_kernel_
 IMAGE_MARKERS = 2  # `<|image>` and `<image|>` around an image's soft tokens in the prompt
 SOFTMAX_BYTES = 4  # eager attention's softmax runs in float32
 
-# Vision towers reported by third parties for two releases (`variants.REPORTED_VISION`)
-REPORTED: dict[str, dict[str, Any]] = REPORTED_VISION
 VISION_SOURCES = ("defaults", "reported")
 
 
@@ -62,7 +60,7 @@ class VisionSpec:
 
 
 def vision_config(variant: Variant | str, source: str = "defaults", **overrides: Any) -> Any:
-    """transformers 5.23.0's default vision config of the variant's kind (`REPORTED` widths with
+    """transformers 5.23.0's default vision config of the variant's kind (`REPORTED_VISION` widths with
     `source="reported"` where a report exists), with `overrides`."""
     v = get_variant(variant) if isinstance(variant, str) else variant
     if source not in VISION_SOURCES:
@@ -73,7 +71,7 @@ def vision_config(variant: Variant | str, source: str = "defaults", **overrides:
         return Gemma4UnifiedVisionConfig(**overrides)
     from transformers import Gemma4VisionConfig
 
-    reported = REPORTED.get(v.name, {}).get("config", {}) if source == "reported" else {}
+    reported = REPORTED_VISION.get(v.name, {}).get("config", {}) if source == "reported" else {}
     return Gemma4VisionConfig(**{**reported, **overrides})
 
 
@@ -84,14 +82,13 @@ def vision_spec(variant: Variant | str, source: str = "defaults", max_soft_token
     v = get_variant(variant) if isinstance(variant, str) else variant
     config = vision_config(v, source)
     soft = int(max_soft_tokens or PROCESSOR_DEFAULTS["max_soft_tokens"])
-    pool = int(config.pooling_kernel_size)
-    patch = int(config.patch_size)
+    pool, patch = int(config.pooling_kernel_size), int(config.patch_size)
     text_hidden = int(text_config(v, "real").hidden_size)
     if v.unified:  # one merged (pool x patch)^2 patch per soft token
         patches, patch_dim = soft, 3 * (pool * patch) ** 2
     else:
         patches, patch_dim = soft * pool**2, 3 * patch**2
-    label = REPORTED[v.name]["source"] if source == "reported" and v.name in REPORTED else SOURCE
+    label = REPORTED_VISION[v.name]["source"] if source == "reported" and v.name in REPORTED_VISION else SOURCE
     return VisionSpec(v.name, v.unified, config, text_hidden, patches, soft, patch_dim, label)
 
 
@@ -119,9 +116,8 @@ def _counts(name: str, source: str) -> tuple[int, int, int]:
     spec = vision_spec(name, source)
     modules = vision_modules(spec.config, spec.text_hidden)
     tower = getattr(modules, "vision_tower", None)
-    params = sum(p.numel() for p in modules.parameters())
+    params, buffers = sum(p.numel() for p in modules.parameters()), sum(b.numel() for b in modules.buffers())
     tower_params = sum(p.numel() for p in tower.parameters()) if tower is not None else 0
-    buffers = sum(b.numel() for b in modules.buffers())
     return params, tower_params, buffers
 
 
@@ -147,6 +143,18 @@ def activation_bytes(spec: VisionSpec, dtype_bytes: int = 2) -> int:
     return inputs + stream + max(attention, mlp, pooler) + out
 
 
+class PlanShape(TypedDict):
+    """A plan's fields besides its counts, each required by name (`VisionPlan.counted`)."""
+
+    patches: int
+    soft_tokens: int
+    layers: int
+    encoder_free: bool
+    source: str
+    dtype_bytes: int
+    tower: str
+
+
 @dataclass(frozen=True)
 class VisionPlan:
     """What the vision part adds on inf2 for one variant (bf16 unless `dtype_bytes` says otherwise)."""
@@ -167,14 +175,11 @@ class VisionPlan:
     tower: str = "vision"  # or "audio": `patches` are then its input frames, `soft_tokens` 25 a second
 
     @classmethod
-    def counted(cls, name: str, counts: tuple[int, int, int], working: float, **shape: Any) -> VisionPlan:
-        """From the (params, tower params, buffers) counts and the activations' bytes; `shape`: the other fields
-        by name (patches, soft_tokens, layers, encoder_free, source, dtype_bytes, tower)."""
+    def counted(cls, name: str, counts: tuple[int, int, int], working: float, **shape: Unpack[PlanShape]) -> VisionPlan:
+        """From the (params, tower params, buffers) counts and the activations' bytes; `shape`: the other fields."""
         params, tower_params, buffers = counts
-        weights = (params + buffers) * shape["dtype_bytes"] / GIB
-        return cls(
-            name, params, tower_params, params - tower_params, weights, working / GIB, placement=PLACEMENT, **shape
-        )
+        weights, work = (params + buffers) * shape["dtype_bytes"] / GIB, working / GIB
+        return cls(name, params, tower_params, params - tower_params, weights, work, placement=PLACEMENT, **shape)
 
     @property
     def total_gib(self) -> float:
