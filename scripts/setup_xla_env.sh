@@ -17,7 +17,7 @@
 set -euo pipefail
 
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-VENV="${VENV:-$REPO/.venv-xla}"
+VENV="$(realpath -m "${VENV:-$REPO/.venv-xla}")"  # absolute: the install runs from $REPO
 PYTHON="${PYTHON:-python3.11}"
 
 # The pins are read, never copied: torch and torch-xla from `SDK_CONSTRAINTS` in
