@@ -140,3 +140,24 @@ def test_a_graph_seen_before_loads_without_exporting_and_an_edit_exports_again(t
     assert index_key(graph, {}) != before
     edited = compile_graph(graph, cache)
     assert edited.info["export_s"] > 0 and edited.entry.key == first.entry.key and edited.compile_s == 0.0
+
+
+def test_a_model_without_experts_has_one_key_whatever_expert_form_is_asked():
+    """The port asks for `decode_experts="selective"`, a benchmark builds "dense": on E2B, which has no
+    experts, the two programs are the same, so one key (the serving notebook compiled this decode twice);
+    on the MoE the form changes the program, and the key."""
+    from gemma4lib.backends.compile_cpu import DEFAULT_COMPILER_OPTIONS, RECIPE, export_graph, graph_key
+    from gemma4lib.cache.artifacts import make_key
+    from gemma4lib.device.build import device_graph
+    from gemma4lib.device.graph import GraphShape
+    from gemma4lib.port import PortSettings, load_model
+
+    def key(graph):
+        return make_key(graph_key(graph, RECIPE, DEFAULT_COMPILER_OPTIONS, export_graph(graph)))
+
+    shape = GraphShape(1, 1, 128, True)
+    dense = load_model(PortSettings(variant="e2b"))
+    assert key(device_graph(dense, shape, "selective")) == key(device_graph(dense, shape, "dense"))
+    moe = load_model(PortSettings(variant="26b-a4b"))
+    forms = [device_graph(moe, shape, form).key_parts()["expert_form"] for form in ("selective", "dense")]
+    assert forms == ["selective", "dense"]

@@ -412,10 +412,11 @@ class DeviceGraph(nn.Module):
 
     def key_parts(self) -> dict:
         """What distinguishes this graph's program beyond config, weights and shapes (cache key)."""
+        routed = self.expert_routing[1] > 0  # without experts the form asked for changes nothing: one key
         return {
             "class": type(self).__qualname__,
             "inplace": self.inplace,
-            "expert_form": self.expert_form,
+            "expert_form": self.expert_form if routed else "dense",
             "attention": self.attention,
             "producers": [layer.producer for layer in self.layout.layers],
             "outputs": {"every_position": self.every_position, "hidden": self.returns_hidden},
@@ -424,7 +425,7 @@ class DeviceGraph(nn.Module):
             **({"weights": self.weights} if self.weights == "int8" else {}),
             # only when a batch changes them: every other graph's key stays as it was
             **({"linear_form": self.linear_form} if self.linear_form != "plain" else {}),
-            **({"experts_read": self.experts_read} if self.experts_read != self.expert_form else {}),
+            **({"experts_read": self.experts_read} if routed and self.experts_read != self.expert_form else {}),
             **({"image_blocks": True} if self.image_blocks else {}),
             **({"chooses": True} if self.chooses else {}),
             **self.tags,
