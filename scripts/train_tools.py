@@ -76,6 +76,7 @@ def main(argv=None) -> int:
     parser.add_argument("--retrieval-steps", type=int, default=None, help="steps of the retrieval curriculum (0: off)")
     parser.add_argument("--retrieval-keep-rows", type=int, default=None, help="retrieval chats per later step")
     parser.add_argument("--retrieval-result-share", type=float, default=None, help="retrieval chats copying a result")
+    parser.add_argument("--retrieval-keep-result-share", type=float, default=None, help="of the kept rows, copies")
     parser.add_argument("--kind-shares", default="", help="tool chat kinds' shares, e.g. weather_answer=0.3")
     parser.add_argument(
         "--keep-unconverged-tools",
@@ -89,7 +90,7 @@ def main(argv=None) -> int:
     run.write_provenance()
     config = ToolConfig(seed=args.seed)
     keys = ("max_steps", "lr", "tool_rows", "tool_first_steps", "copy_weight", "retrieval_steps", "retrieval_keep_rows")
-    keys += ("retrieval_result_share",)
+    keys += ("retrieval_result_share", "retrieval_keep_result_share")
     for key in keys:  # a continued run may change them
         if getattr(args, key) is not None:
             setattr(config, key, getattr(args, key))

@@ -114,6 +114,13 @@ with `--max-steps 400` (`third_run`; its first 200 steps repeat these exactly): 
 capital, 30/34 weather; answers 21/34 capital, 34/34 weather; no tool and facts 34/34), about 10 chats per 200
 steps, every earlier property held (training chats 5.82, needle 5.75, faults <= -12.6). The capital answer, which
 copies the tool's result, is what stays short.
+
+Measured, the copy practised after the curriculum, worse (2026-12-07, fifteenth session; the file's `fourth_run`):
+the same recipe with `--retrieval-keep-rows 8 --retrieval-keep-result-share 1.0` (eight result-copy chats a step in the
+later phases). Its retrieval phase repeats the second run's evaluations exactly, on another machine. Then 138/204 after
+the tool-first phase (155 without the rows) and 135 at step 200 (171), where it was stopped: capital answers 19/34
+(21), weather calls 5/34 (20), weather answers 18/34 (33). Copying a result quoted in a user turn does not carry over
+to the answer after a tool turn, and the rows take steps from the calls.
 """
 
 from __future__ import annotations
@@ -493,6 +500,8 @@ class ToolConfig(NeedleConfig):
     retrieval_gaps: tuple[int, ...] = (10, 30, 70)
     retrieval_keep_rows: int = 0
     retrieval_result_share: float = 0.0  # of the retrieval chats, copies of a tool result's value (off: recorded)
+    # of the `retrieval_keep_rows` after the curriculum, result copies (None: `retrieval_result_share`)
+    retrieval_keep_result_share: float | None = None
     kind_shares: tuple[tuple[str, float], ...] = KINDS  # how often each kind is drawn for the tool rows
 
 
@@ -528,10 +537,13 @@ def _retrieval_rows(tokenizer: Any, cfg: ToolConfig, rng: random.Random, n: int,
     gaps = cfg.retrieval_gaps
     if step is not None:
         gaps = (gaps[min(step * len(gaps) // max(cfg.retrieval_steps, 1), len(gaps) - 1)],)
+    share = cfg.retrieval_result_share
+    if step is None and cfg.retrieval_keep_result_share is not None:
+        share = cfg.retrieval_keep_result_share
     rows = []
     for _ in range(n):
         gap, country = rng.choice(gaps), rng.choice(TOOL_COUNTRIES)
-        result = cfg.retrieval_result_share > 0 and rng.random() < cfg.retrieval_result_share
+        result = share > 0 and rng.random() < share
         rows.append((result_retrieval_chat if result else retrieval_chat)(rng, tokenizer, gap, country))
     return rows
 
