@@ -8,7 +8,7 @@ Why: a full `scripts/train_tools.py` run costs ~40 minutes; whether a change to 
 retrieval curriculum, `ToolConfig.retrieval_*`) moves the failing tokens shows in a few. It loads the shipped
 fixture (read only), runs `_retrieval` then `_tool_first` from `gemma4lab.training.tools`, and logs the tool
 set's `failing_tokens` by kind, the chats passing by chat kind, and how many calls get the argument's first
-piece as the argmax (the diagnosis: 26 of 34 calls failed there).
+piece as the argmax (the diagnosis: 26 of 34 calls failed there), and which answers copy a made-up result.
 """
 
 from __future__ import annotations
@@ -40,6 +40,7 @@ from gemma4lab.training.tools import (  # noqa: E402
     token_kinds,
     tool_eval_chats,
 )
+from gemma4lib.models.corpus import COUNTRIES  # noqa: E402
 from gemma4lib.models.trained import load_trained  # noqa: E402
 
 log = logging.getLogger("probe_tools")
@@ -79,6 +80,28 @@ def value_pieces_failing(lm, tokenizer, chats, margin: float) -> dict[str, dict[
     return out
 
 
+@torch.no_grad()
+def copies_by_repeat(lm, tokenizer, chats, margin: float) -> dict[str, str]:
+    """Answers after a tool turn that copy a made-up result, right by `margin` (every reply piece) of those
+    whose name repeats a piece ("Gratordor": `or` twice) and of those that do not: a copy that follows only
+    the last piece written cannot tell a repeated piece's two places apart."""
+    real = {capital for _, capital in COUNTRIES}
+    made_up = [c for c in chats if c.kind == "capital_answer" and c.value not in real]
+    counts = {"repeats": [0, 0], "no_repeat": [0, 0]}
+    for k in range(0, len(made_up), 8):
+        picked = made_up[k : k + 8]
+        batch = encode_tool_chats(tokenizer, picked)
+        margins = reply_margins(lm(input_ids=batch.input_ids, use_cache=False).logits, batch.labels)
+        margins = torch.nan_to_num(margins, nan=float("inf"))
+        kinds = token_kinds(tokenizer, picked, batch)
+        for i in range(len(picked)):
+            pieces = batch.labels[i][kinds[i] == VALUE].tolist()
+            group = counts["repeats" if len(set(pieces)) < len(pieces) else "no_repeat"]
+            group[0] += int(bool((margins[i] >= margin).all()))
+            group[1] += 1
+    return {name: f"{ok}/{n}" for name, (ok, n) in counts.items()}
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--retrieval-steps", type=int, default=90)
@@ -97,6 +120,7 @@ def main(argv=None) -> int:
         lm, tokenizer, evals = loaded.lm.eval(), with_tools_template(loaded.tokenizer), tool_eval_chats()
         log.info("failing tokens, passing chats: %s", failing_tokens(lm, tokenizer, evals, ToolConfig.tool_margin))
         log.info("value pieces failing: %s", value_pieces_failing(lm, tokenizer, evals, ToolConfig.tool_margin))
+        log.info("made-up results copied: %s", copies_by_repeat(lm, tokenizer, evals, ToolConfig.tool_margin))
         return 0
     cfg = ToolConfig(seed=args.seed, retrieval_steps=args.retrieval_steps, tool_first_steps=args.tool_first_steps)
     cfg.kind_shares = kind_shares(args.kind_shares)
@@ -122,6 +146,7 @@ def main(argv=None) -> int:
     log.info("  failing tokens, passing chats: %s", failing_tokens(lm, tokenizer, evals, cfg.tool_margin))
     log.info("  calls with the argument's first piece right: %s", first_piece_right(lm, tokenizer, evals))
     log.info("  value pieces failing: %s", value_pieces_failing(lm, tokenizer, evals, cfg.tool_margin))
+    log.info("  made-up results copied: %s", copies_by_repeat(lm, tokenizer, evals, cfg.tool_margin))
     log.info("probe done in %.0f s", time.perf_counter() - start)
     return 0
 
