@@ -128,6 +128,11 @@ capital (21 of the 34). Not one of the 13 made-up results is copied, with a repe
 model answers a capital from what it knows and ignores the result's name. The weather word, one of nine it knows, it
 mostly takes from the result (28/34). What it has not learnt is to copy an unseen name piece by piece (an induction
 copy), so the next lever is that copy itself, taught where it is short and easy before it is asked across a tool turn.
+A first probe of that (`--retrieval-steps 2400 --tool-first-steps 0 --gaps 0,0,10,10 --retrieval-result-share 1.0`,
+714 s): result copies only, 1,200 steps at gap 0 then 1,200 at gap 10. The gap-0 set reached 38/68, which is its 38
+weather words; the gap-10 set 37/68 (35 weather words, so at least 2 of 33 capitals), and the gap-0 set fell back to
+0/68. The copy learnt is tied to one distance, and a made-up name is hardly copied after about 19,000 capital copies:
+this fixture (one global layer, 8-token window) does not pick up a content-addressed copy from these chats.
 """
 
 from __future__ import annotations
