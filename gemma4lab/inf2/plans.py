@@ -20,7 +20,7 @@ DERIVED: dict[type, tuple[str, ...]] = {
     CoreMemoryPlan: ("total_gib", "fits"),
     CompileHostPlan: ("steps", "peak_step", "peak_gb"),
     ServingHostPlan: ("peak_gb", "available_gb", "peak_step", "fits"),
-    VisionPlan: ("total_gib",),
+    VisionPlan: ("embedder_params", "weights_gib", "activations_gib", "total_gib"),
 }
 
 

@@ -80,8 +80,8 @@ def audio_plan(variant: str, dtype_bytes: int = 2) -> VisionPlan:
     params, buffers = sum(p.numel() for p in parts.parameters()), sum(b.numel() for b in parts.buffers())
     tower = sum(p.numel() for p in parts.audio_tower.parameters()) if hasattr(parts, "audio_tower") else 0
     working = audio_activation_bytes(parts.config, frames, tokens, parts.embed_audio.text_hidden_size, dtype_bytes)
-    layers, counts = int(getattr(parts.config, "num_hidden_layers", 0)), (params, tower, buffers)
-    shape = {"patches": frames, "soft_tokens": tokens, "layers": layers, "source": AUDIO_SOURCE}
-    return VisionPlan.counted(
-        v.name, counts, working, **shape, encoder_free=v.unified, dtype_bytes=dtype_bytes, tower="audio"
-    )
+    return VisionPlan(
+        variant=v.name, params=params, tower_params=tower, buffers=buffers, activation_bytes=working, patches=frames,
+        soft_tokens=tokens, layers=int(getattr(parts.config, "num_hidden_layers", 0)), encoder_free=v.unified,
+        source=AUDIO_SOURCE, dtype_bytes=dtype_bytes, tower="audio",
+    )  # fmt: skip

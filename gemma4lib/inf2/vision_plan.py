@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Any, TypedDict, Unpack
+from typing import Any
 
 import torch
 from torch import nn
@@ -143,43 +143,36 @@ def activation_bytes(spec: VisionSpec, dtype_bytes: int = 2) -> int:
     return inputs + stream + max(attention, mlp, pooler) + out
 
 
-class PlanShape(TypedDict):
-    """A plan's fields besides its counts, each required by name (`VisionPlan.counted`)."""
-
-    patches: int
-    soft_tokens: int
-    layers: int
-    encoder_free: bool
-    source: str
-    dtype_bytes: int
-    tower: str
-
-
 @dataclass(frozen=True)
 class VisionPlan:
-    """What the vision part adds on inf2 for one variant (bf16 unless `dtype_bytes` says otherwise)."""
+    """What the vision part adds on inf2 for one variant (bf16 unless `dtype_bytes` says otherwise): the
+    counts as fields, the figures derived from them as properties."""
 
     variant: str
     params: int
     tower_params: int
-    embedder_params: int
-    weights_gib: float
-    activations_gib: float
+    buffers: int
+    activation_bytes: int
     patches: int
     soft_tokens: int
     layers: int
     encoder_free: bool
-    placement: str
     source: str
     dtype_bytes: int = 2
     tower: str = "vision"  # or "audio": `patches` are then its input frames, `soft_tokens` 25 a second
+    placement: str = PLACEMENT
 
-    @classmethod
-    def counted(cls, name: str, counts: tuple[int, int, int], working: float, **shape: Unpack[PlanShape]) -> VisionPlan:
-        """From the (params, tower params, buffers) counts and the activations' bytes; `shape`: the other fields."""
-        params, tower_params, buffers = counts
-        weights, work = (params + buffers) * shape["dtype_bytes"] / GIB, working / GIB
-        return cls(name, params, tower_params, params - tower_params, weights, work, placement=PLACEMENT, **shape)
+    @property
+    def embedder_params(self) -> int:
+        return self.params - self.tower_params
+
+    @property
+    def weights_gib(self) -> float:
+        return (self.params + self.buffers) * self.dtype_bytes / GIB
+
+    @property
+    def activations_gib(self) -> float:
+        return self.activation_bytes / GIB
 
     @property
     def total_gib(self) -> float:
@@ -191,8 +184,9 @@ def vision_plan(variant: Variant | str, source: str = "defaults", dtype_bytes: i
     """The vision part of `variant` on inf2 (module docstring: computed, unverified)."""
     v = get_variant(variant) if isinstance(variant, str) else variant
     spec = vision_spec(v, source)
-    working, counts = activation_bytes(spec, dtype_bytes), _counts(v.name, source)
-    shape = {"patches": spec.patches, "soft_tokens": spec.soft_tokens, "layers": spec.layers, "source": spec.source}
-    return VisionPlan.counted(
-        v.name, counts, working, **shape, encoder_free=spec.encoder_free, dtype_bytes=dtype_bytes, tower="vision"
-    )
+    params, tower_params, buffers = _counts(v.name, source)
+    return VisionPlan(
+        variant=v.name, params=params, tower_params=tower_params, buffers=buffers,
+        activation_bytes=activation_bytes(spec, dtype_bytes), patches=spec.patches, soft_tokens=spec.soft_tokens,
+        layers=spec.layers, encoder_free=spec.encoder_free, source=spec.source, dtype_bytes=dtype_bytes,
+    )  # fmt: skip
