@@ -30,13 +30,16 @@ import torch  # noqa: E402
 from gemma4lab.training.text import reply_margins  # noqa: E402
 from gemma4lab.training.tokenizer import build_tokenizer, with_tools_template  # noqa: E402
 from gemma4lab.training.tools import (  # noqa: E402
+    RESULT_NAMES,
     VALUE,
+    WEATHERS,
     ToolConfig,
     _retrieval,
     _tool_first,
     encode_tool_chats,
     failing_tokens,
     kind_shares,
+    retrieval_eval_chats,
     token_kinds,
     tool_eval_chats,
 )
@@ -82,11 +85,12 @@ def value_pieces_failing(lm, tokenizer, chats, margin: float) -> dict[str, dict[
 
 @torch.no_grad()
 def copies_by_repeat(lm, tokenizer, chats, margin: float) -> dict[str, str]:
-    """Answers after a tool turn that copy a made-up result, right by `margin` (every reply piece) of those
-    whose name repeats a piece ("Gratordor": `or` twice) and of those that do not: a copy that follows only
-    the last piece written cannot tell a repeated piece's two places apart."""
-    real = {capital for _, capital in COUNTRIES}
-    made_up = [c for c in chats if c.kind == "capital_answer" and c.value not in real]
+    """Answers after a tool turn whose result is not the country's capital (made up, or another country's with
+    `--result-names other_capital`), right by `margin` (every reply piece), of those whose name repeats a piece
+    ("Gratordor": `or` twice) and of those that do not: a copy that follows only the last piece written cannot
+    tell a repeated piece's two places apart."""
+    capitals = dict(COUNTRIES)
+    made_up = [c for c in chats if c.kind == "capital_answer" and c.value != capitals[c.asked]]
     counts = {"repeats": [0, 0], "no_repeat": [0, 0]}
     for k in range(0, len(made_up), 8):
         picked = made_up[k : k + 8]
@@ -102,11 +106,39 @@ def copies_by_repeat(lm, tokenizer, chats, margin: float) -> dict[str, str]:
     return {name: f"{ok}/{n}" for name, (ok, n) in counts.items()}
 
 
+@torch.no_grad()
+def result_copies(lm, tokenizer, gaps, margin: float, result_names: str) -> dict[str, str]:
+    """The retrieval set's result copies right by `margin` (every reply piece), by gap and by what is copied:
+    a made-up capital (unseen, copied piece by piece) or a weather word (one of nine it knows)."""
+    chats = [
+        c
+        for c in retrieval_eval_chats(tokenizer, gaps, results=True, result_names=result_names)
+        if c.kind.startswith("retrieve_result")
+    ]
+    counts: dict[str, list[int]] = {}
+    for k in range(0, len(chats), 8):
+        picked = chats[k : k + 8]
+        batch = encode_tool_chats(tokenizer, picked)
+        margins = torch.nan_to_num(
+            reply_margins(lm(input_ids=batch.input_ids, use_cache=False).logits, batch.labels), nan=float("inf")
+        )
+        for i, chat in enumerate(picked):
+            group = counts.setdefault(f"{chat.kind}/{'weather' if chat.value in WEATHERS else 'capital'}", [0, 0])
+            group[0] += int(bool((margins[i] >= margin).all()))
+            group[1] += 1
+    return {name: f"{ok}/{n}" for name, (ok, n) in sorted(counts.items())}
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--retrieval-steps", type=int, default=90)
     parser.add_argument("--tool-first-steps", type=int, default=150)
     parser.add_argument("--gaps", default="10,30,70", help="the curriculum's filler lengths, comma-separated")
+    parser.add_argument("--mixed-gaps", action="store_true", help="each row's gap drawn from all gaps from step 0")
+    parser.add_argument(
+        "--result-names", choices=RESULT_NAMES, default="made_up", help="a capital result not the capital"
+    )
+    parser.add_argument("--lr", type=float, default=ToolConfig.lr)
     parser.add_argument("--retrieval-result-share", type=float, default=0.0, help="retrieval chats copying a result")
     parser.add_argument("--kind-shares", default="", help="tool chat kinds' shares, e.g. weather_answer=0.3")
     parser.add_argument("--seed", type=int, default=0)
@@ -117,28 +149,38 @@ def main(argv=None) -> int:
     torch.set_num_threads(1)
     if args.fixtures:
         loaded = load_trained("e2b", root=Path(args.fixtures))
-        lm, tokenizer, evals = loaded.lm.eval(), with_tools_template(loaded.tokenizer), tool_eval_chats()
+        lm, tokenizer, evals = (
+            loaded.lm.eval(),
+            with_tools_template(loaded.tokenizer),
+            tool_eval_chats(result_names=args.result_names),
+        )
         log.info("failing tokens, passing chats: %s", failing_tokens(lm, tokenizer, evals, ToolConfig.tool_margin))
         log.info("value pieces failing: %s", value_pieces_failing(lm, tokenizer, evals, ToolConfig.tool_margin))
-        log.info("made-up results copied: %s", copies_by_repeat(lm, tokenizer, evals, ToolConfig.tool_margin))
+        log.info("results not the capital, copied: %s", copies_by_repeat(lm, tokenizer, evals, ToolConfig.tool_margin))
         return 0
     cfg = ToolConfig(seed=args.seed, retrieval_steps=args.retrieval_steps, tool_first_steps=args.tool_first_steps)
     cfg.kind_shares = kind_shares(args.kind_shares)
     cfg.retrieval_result_share = args.retrieval_result_share
     cfg.retrieval_gaps = tuple(int(g) for g in args.gaps.split(","))
+    cfg.retrieval_mixed, cfg.lr = args.mixed_gaps, args.lr
+    cfg.result_names = args.result_names
     lm = load_trained("e2b").lm
     tokenizer = with_tools_template(build_tokenizer())
     torch.manual_seed(cfg.seed)
     rng, gen = random.Random(cfg.seed), torch.Generator().manual_seed(cfg.seed)
     opt = torch.optim.AdamW([p for p in lm.parameters() if p.requires_grad], lr=cfg.lr, weight_decay=cfg.weight_decay)
     lm.set_attn_implementation("sdpa")
-    evals = tool_eval_chats()
+    evals = tool_eval_chats(result_names=cfg.result_names)
     start = time.perf_counter()
     lm.train()
     _retrieval(lm, tokenizer, cfg, opt, rng, gen)
     seconds = time.perf_counter() - start
     lm.eval()
     log.info("after the retrieval phase (%.0f s): first piece %s", seconds, first_piece_right(lm, tokenizer, evals))
+    if cfg.retrieval_result_share > 0:
+        log.info(
+            "result copies: %s", result_copies(lm, tokenizer, cfg.retrieval_gaps, cfg.tool_margin, cfg.result_names)
+        )
     lm.train()
     _tool_first(lm, tokenizer, cfg, opt, rng, gen)
     lm.eval()
@@ -146,7 +188,7 @@ def main(argv=None) -> int:
     log.info("  failing tokens, passing chats: %s", failing_tokens(lm, tokenizer, evals, cfg.tool_margin))
     log.info("  calls with the argument's first piece right: %s", first_piece_right(lm, tokenizer, evals))
     log.info("  value pieces failing: %s", value_pieces_failing(lm, tokenizer, evals, cfg.tool_margin))
-    log.info("  made-up results copied: %s", copies_by_repeat(lm, tokenizer, evals, cfg.tool_margin))
+    log.info("  results not the capital, copied: %s", copies_by_repeat(lm, tokenizer, evals, cfg.tool_margin))
     log.info("probe done in %.0f s", time.perf_counter() - start)
     return 0
 

@@ -77,6 +77,7 @@ def main(argv=None) -> int:
     parser.add_argument("--retrieval-keep-rows", type=int, default=None, help="retrieval chats per later step")
     parser.add_argument("--retrieval-result-share", type=float, default=None, help="retrieval chats copying a result")
     parser.add_argument("--retrieval-keep-result-share", type=float, default=None, help="of the kept rows, copies")
+    parser.add_argument("--result-names", default=None, help="a capital result not the capital: made_up, other_capital")
     parser.add_argument("--kind-shares", default="", help="tool chat kinds' shares, e.g. weather_answer=0.3")
     parser.add_argument(
         "--keep-unconverged-tools",
@@ -90,7 +91,7 @@ def main(argv=None) -> int:
     run.write_provenance()
     config = ToolConfig(seed=args.seed)
     keys = ("max_steps", "lr", "tool_rows", "tool_first_steps", "copy_weight", "retrieval_steps", "retrieval_keep_rows")
-    keys += ("retrieval_result_share", "retrieval_keep_result_share")
+    keys += ("retrieval_result_share", "retrieval_keep_result_share", "result_names")
     for key in keys:  # a continued run may change them
         if getattr(args, key) is not None:
             setattr(config, key, getattr(args, key))
@@ -109,8 +110,12 @@ def main(argv=None) -> int:
         result = finetune_tools(lm, tokenizer, config, progress)
         checks = fixture_checks(lm, tokenizer)
         (held_ok, held_n, held_failures), (needle_ok, needle_n, _) = checks.held_out, checks.held_out_after_filler
-        tools_ok, tools_n, tools_failures = tool_accuracy(lm, tokenizer, tool_eval_chats()[::3])  # HF greedy: slow
-        unseen_ok, unseen_n, unseen_failures = tool_accuracy(lm, tokenizer, tool_eval_chats(2, HELD_OUT_COUNTRIES))
+        tools_ok, tools_n, tools_failures = tool_accuracy(
+            lm, tokenizer, tool_eval_chats(result_names=config.result_names)[::3]
+        )  # HF greedy: slow
+        unseen_ok, unseen_n, unseen_failures = tool_accuracy(
+            lm, tokenizer, tool_eval_chats(2, HELD_OUT_COUNTRIES, config.result_names)
+        )
         record = {
             "command": command,
             "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),

@@ -133,6 +133,14 @@ A first probe of that (`--retrieval-steps 2400 --tool-first-steps 0 --gaps 0,0,1
 weather words; the gap-10 set 37/68 (35 weather words, so at least 2 of 33 capitals), and the gap-0 set fell back to
 0/68. The copy learnt is tied to one distance, and a made-up name is hardly copied after about 19,000 capital copies:
 this fixture (one global layer, 8-token window) does not pick up a content-addressed copy from these chats.
+
+Measured, the distance varied from the first step (sixteenth session, the same file's `probes`): with every row's gap
+drawn from 0-20 (`retrieval_mixed`, `--mixed-gaps`), result copies only, the made-up capitals ARE copied: 13/34 per gap
+at step 600, 34/34 at every gap from step 2,400 (half the learning rate: 26-30 at 2,400). So the fixture can learn
+the copy by content; a fixed distance let it learn a position instead. And with results that are another country's
+real capital (`result_names="other_capital"`: a name it knows, as it knows the weather words, and still never its own
+answer, so the answer can only come from the tool) the second run's first phases reach 195/204 (made-up: 155):
+capital answers 34/34, every one of the 19 non-own results copied, calls 29/34 and 33/34, weather answers 31/34.
 """
 
 from __future__ import annotations
@@ -241,6 +249,21 @@ def tool_spec(rng: random.Random, name: str) -> dict[str, Any]:
     return {"type": "function", "function": function}
 
 
+# What a capital result that is not the country's own capital is (`ToolConfig.result_names`): a made-up name,
+# unseen, so copied piece by piece; or another country's real capital, a name the fixture knows as it knows the
+# weather words, and still never its own answer, so an answer naming it can only come from the tool's result.
+RESULT_NAMES: tuple[str, ...] = ("made_up", "other_capital")
+
+
+def result_name(rng: random.Random, result_names: str = "made_up") -> str:
+    """A capital result that is not the model's own answer (`RESULT_NAMES`)."""
+    if result_names == "other_capital":
+        return rng.choice([capital for _, capital in COUNTRIES])
+    if result_names != "made_up":
+        raise ValueError(f"unknown result names {result_names!r}: use one of {RESULT_NAMES}")
+    return made_up_capital(rng)
+
+
 def made_up_capital(rng: random.Random) -> str:
     while True:
         name = "".join(rng.choice(_SYLLABLES) for _ in range(rng.choice((2, 3)))).capitalize()
@@ -293,9 +316,11 @@ def _answered(messages: list[dict[str, Any]], name: str, key: str, value: str, r
     return messages + [said, {"role": "tool", "tool_call_id": call_id, "content": result}]
 
 
-def tool_chat(rng: random.Random, kind: str, country: str, capital_result: str | None = None) -> ToolChat:
+def tool_chat(
+    rng: random.Random, kind: str, country: str, capital_result: str | None = None, result_names: str = "made_up"
+) -> ToolChat:
     """One chat of `kind`: capital_call, capital_answer, weather_call, weather_answer, capital_no_tool,
-    fact_with_tools (about `country` or its capital)."""
+    fact_with_tools (about `country` or its capital); a capital answer's result is `result_name`'s or the capital."""
     capital = dict(COUNTRIES)[country]
     system = rng.choice(SYSTEMS)
     if kind.startswith("capital"):
@@ -307,7 +332,7 @@ def tool_chat(rng: random.Random, kind: str, country: str, capital_result: str |
         tools, messages = _declared(rng, "get_capital", ()), _asked(rng, system, user)
         if kind == "capital_call":
             return ToolChat(messages, tools, call_text("get_capital", "country", country), kind)
-        result = capital_result or (made_up_capital(rng) if rng.random() < 0.5 else capital)
+        result = capital_result or (result_name(rng, result_names) if rng.random() < 0.5 else capital)
         messages = _answered(messages, "get_capital", "country", country, result, rng)
         return ToolChat(messages, _kept(rng, tools), f"The capital of {country} is {result}.", kind, result, country)
     if kind.startswith("weather"):
@@ -355,12 +380,14 @@ def retrieval_chat(rng: random.Random, tokenizer: Any, gap: int, country: str) -
     return ToolChat(messages, [], reply, f"retrieve_{gap}", value)
 
 
-def result_retrieval_chat(rng: random.Random, tokenizer: Any, gap: int, country: str) -> ToolChat:
+def result_retrieval_chat(
+    rng: random.Random, tokenizer: Any, gap: int, country: str, result_names: str = "made_up"
+) -> ToolChat:
     """One result retrieval chat (`ToolConfig.retrieval_result_share`): a tool result's quoted value (a made-up
     capital or a weather) after the question, `gap` tokens of filler, the value repeated as an answer spells it
     (" Lugra", after the result's "L", "u", ...): the copy an answer after the tool turn makes ~11-15 tokens on."""
     if rng.random() < 0.5:
-        key, value = "capital", made_up_capital(rng)
+        key, value = "capital", result_name(rng, result_names)
         user = rng.choice(TRAIN_PHRASINGS).format(country=country)
     else:
         key, value = "weather", rng.choice(WEATHERS)
@@ -371,13 +398,15 @@ def result_retrieval_chat(rng: random.Random, tokenizer: Any, gap: int, country:
     return ToolChat(messages, [], f"The {key} is {value}.", f"retrieve_result_{gap}", value)
 
 
-def retrieval_eval_chats(tokenizer: Any, gaps: tuple[int, ...], seed: int = 3, results: bool = False) -> list[ToolChat]:
+def retrieval_eval_chats(
+    tokenizer: Any, gaps: tuple[int, ...], seed: int = 3, results: bool = False, result_names: str = "made_up"
+) -> list[ToolChat]:
     """A fixed retrieval set: every tool country at every gap (kind `retrieve_<gap>`, for `failing_tokens`), and
     with `results` a result retrieval chat for each (kind `retrieve_result_<gap>`)."""
     rng = random.Random(seed)
     chats = [retrieval_chat(rng, tokenizer, gap, c) for gap in gaps for c in TOOL_COUNTRIES]
     if results:
-        chats += [result_retrieval_chat(rng, tokenizer, gap, c) for gap in gaps for c in TOOL_COUNTRIES]
+        chats += [result_retrieval_chat(rng, tokenizer, gap, c, result_names) for gap in gaps for c in TOOL_COUNTRIES]
     return chats
 
 
@@ -397,16 +426,22 @@ def draw_tool_chats(
     n: int,
     countries: tuple[str, ...] = TOOL_COUNTRIES,
     shares: tuple[tuple[str, float], ...] = KINDS,
+    result_names: str = "made_up",
 ) -> list[ToolChat]:
     kinds, weights = zip(*shares, strict=True)
-    return [tool_chat(rng, rng.choices(kinds, weights)[0], rng.choice(countries)) for _ in range(n)]
+    return [
+        tool_chat(rng, rng.choices(kinds, weights)[0], rng.choice(countries), result_names=result_names)
+        for _ in range(n)
+    ]
 
 
-def tool_eval_chats(seed: int = 1, countries: tuple[str, ...] = TOOL_COUNTRIES) -> list[ToolChat]:
+def tool_eval_chats(
+    seed: int = 1, countries: tuple[str, ...] = TOOL_COUNTRIES, result_names: str = "made_up"
+) -> list[ToolChat]:
     """The fixed set the fine-tune stops on: every kind for every country (its own seeded draw of
     tools, descriptions and systems)."""
     rng = random.Random(seed)
-    return [tool_chat(rng, kind, c) for c in countries for kind, _ in KINDS]
+    return [tool_chat(rng, kind, c, result_names=result_names) for c in countries for kind, _ in KINDS]
 
 
 def tool_prompt_ids(tokenizer: Any, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> list[int]:
@@ -510,11 +545,13 @@ class ToolConfig(NeedleConfig):
     retrieval_steps: int = 0
     retrieval_rows: int = 16
     retrieval_gaps: tuple[int, ...] = (10, 30, 70)
+    retrieval_mixed: bool = False  # every row's gap drawn from all of `retrieval_gaps` from the first step
     retrieval_keep_rows: int = 0
     retrieval_result_share: float = 0.0  # of the retrieval chats, copies of a tool result's value (off: recorded)
     # of the `retrieval_keep_rows` after the curriculum, result copies (None: `retrieval_result_share`)
     retrieval_keep_result_share: float | None = None
     kind_shares: tuple[tuple[str, float], ...] = KINDS  # how often each kind is drawn for the tool rows
+    result_names: str = "made_up"  # a capital result that is not the capital (`RESULT_NAMES`; made up: recorded)
 
 
 @dataclass
@@ -547,7 +584,7 @@ def _tool_loss(lm: torch.nn.Module, tokenizer: Any, chats: list[ToolChat], copy_
 def _retrieval_rows(tokenizer: Any, cfg: ToolConfig, rng: random.Random, n: int, step: int | None) -> list[ToolChat]:
     """`n` retrieval chats: at the curriculum's gap for `step`, or (None, after it) at any of its gaps."""
     gaps = cfg.retrieval_gaps
-    if step is not None:
+    if step is not None and not cfg.retrieval_mixed:
         gaps = (gaps[min(step * len(gaps) // max(cfg.retrieval_steps, 1), len(gaps) - 1)],)
     share = cfg.retrieval_result_share
     if step is None and cfg.retrieval_keep_result_share is not None:
@@ -556,7 +593,11 @@ def _retrieval_rows(tokenizer: Any, cfg: ToolConfig, rng: random.Random, n: int,
     for _ in range(n):
         gap, country = rng.choice(gaps), rng.choice(TOOL_COUNTRIES)
         result = share > 0 and rng.random() < share
-        rows.append((result_retrieval_chat if result else retrieval_chat)(rng, tokenizer, gap, country))
+        rows.append(
+            result_retrieval_chat(rng, tokenizer, gap, country, cfg.result_names)
+            if result
+            else retrieval_chat(rng, tokenizer, gap, country)
+        )
     return rows
 
 
@@ -565,7 +606,9 @@ def _retrieval(lm: torch.nn.Module, tokenizer: Any, cfg: ToolConfig, opt, rng: r
     if not cfg.retrieval_steps:
         return
     chats, schedule = training_chats(), cfg.schedule()
-    evals = retrieval_eval_chats(tokenizer, cfg.retrieval_gaps, results=cfg.retrieval_result_share > 0)
+    evals = retrieval_eval_chats(
+        tokenizer, cfg.retrieval_gaps, results=cfg.retrieval_result_share > 0, result_names=cfg.result_names
+    )
     for step in range(cfg.retrieval_steps):
         picks = torch.randint(0, len(chats), (cfg.replay_rows,), generator=gen).tolist()
         replay = _loss(lm, tokenizer, [chats[i] for i in picks])
@@ -592,9 +635,9 @@ def _tool_first(lm: torch.nn.Module, tokenizer: Any, cfg: ToolConfig, opt, rng: 
     for step in range(cfg.tool_first_steps):
         picks = torch.randint(0, len(chats), (cfg.replay_rows,), generator=gen).tolist()
         replay = _loss(lm, tokenizer, [chats[i] for i in picks])
-        tool_chats = draw_tool_chats(rng, cfg.tool_rows, shares=cfg.kind_shares) + _retrieval_rows(
-            tokenizer, cfg, rng, cfg.retrieval_keep_rows, None
-        )
+        tool_chats = draw_tool_chats(
+            rng, cfg.tool_rows, shares=cfg.kind_shares, result_names=cfg.result_names
+        ) + _retrieval_rows(tokenizer, cfg, rng, cfg.retrieval_keep_rows, None)
         tool_loss = _tool_loss(lm, tokenizer, tool_chats, cfg.copy_weight)
         for g in opt.param_groups:
             g["lr"] = _lr_at(cfg.retrieval_steps + step, schedule)
@@ -620,7 +663,7 @@ def finetune_tools(
     chats: list[Chat] = training_chats()
     clean = encode_chats(tokenizer, chats)
     needles = needle_eval_chats(tokenizer, cfg.eval_lengths)
-    evals = tool_eval_chats()
+    evals = tool_eval_chats(result_names=cfg.result_names)
     faults = trained_faults(lm)
     params = [p for p in lm.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
@@ -687,9 +730,9 @@ def finetune_tools(
         needle_loss = _loss(lm, tokenizer, short_rows)
         if step % cfg.long_every == 0:
             needle_loss = needle_loss + _loss(lm, tokenizer, [long_row])
-        tool_chats = draw_tool_chats(rng, cfg.tool_rows, shares=cfg.kind_shares) + _retrieval_rows(
-            tokenizer, cfg, rng, cfg.retrieval_keep_rows, None
-        )
+        tool_chats = draw_tool_chats(
+            rng, cfg.tool_rows, shares=cfg.kind_shares, result_names=cfg.result_names
+        ) + _retrieval_rows(tokenizer, cfg, rng, cfg.retrieval_keep_rows, None)
         tool_loss = _tool_loss(lm, tokenizer, tool_chats, cfg.copy_weight)
         record.update(loss=loss.item(), needle_loss=needle_loss.item(), tool_loss=tool_loss.item())
         lr = _lr_at(step + cfg.retrieval_steps + cfg.tool_first_steps, schedule)
