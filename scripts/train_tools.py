@@ -77,6 +77,8 @@ def main(argv=None) -> int:
     parser.add_argument("--retrieval-keep-rows", type=int, default=None, help="retrieval chats per later step")
     parser.add_argument("--retrieval-result-share", type=float, default=None, help="retrieval chats copying a result")
     parser.add_argument("--retrieval-keep-result-share", type=float, default=None, help="of the kept rows, copies")
+    parser.add_argument("--retrieval-gaps", default=None, help="the curriculum's filler lengths, e.g. 0,4,8,12,16,20")
+    parser.add_argument("--retrieval-mixed", action="store_true", help="every row's gap from all gaps")
     parser.add_argument("--result-names", default=None, help="a capital result not the capital: made_up, other_capital")
     parser.add_argument("--kind-shares", default="", help="tool chat kinds' shares, e.g. weather_answer=0.3")
     parser.add_argument(
@@ -95,6 +97,9 @@ def main(argv=None) -> int:
     for key in keys:  # a continued run may change them
         if getattr(args, key) is not None:
             setattr(config, key, getattr(args, key))
+    if args.retrieval_gaps:
+        config.retrieval_gaps = tuple(int(g) for g in args.retrieval_gaps.split(","))
+    config.retrieval_mixed = args.retrieval_mixed
     config.kind_shares = kind_shares(args.kind_shares)
     config.cosine_steps = min(config.cosine_steps, config.max_steps)
     failed = []
