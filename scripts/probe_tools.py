@@ -50,82 +50,62 @@ log = logging.getLogger("probe_tools")
 
 
 @torch.no_grad()
-def first_piece_right(lm, tokenizer, chats) -> str:
-    """Calls whose argument's first piece is the argmax by a margin > 0, of the calls."""
-    calls = [c for c in chats if c.calls]
-    ok = 0
-    for k in range(0, len(calls), 8):
-        picked = calls[k : k + 8]
-        batch = encode_tool_chats(tokenizer, picked)
-        margins = reply_margins(lm(input_ids=batch.input_ids, use_cache=False).logits, batch.labels)
-        kinds = token_kinds(tokenizer, picked, batch)
-        for i in range(len(picked)):
-            first = int((kinds[i] == VALUE).nonzero()[0])
-            ok += int(margins[i, first] > 0)
-    return f"{ok}/{len(calls)}"
-
-
-@torch.no_grad()
-def value_pieces_failing(lm, tokenizer, chats, margin: float) -> dict[str, dict[str, int]]:
-    """By chat kind, the copied value's pieces below `margin`: its first piece, or a later one (the first maps
-    a piece's spelling, "L" to " L"; the later ones are copies of the piece after the one just written)."""
-    out: dict[str, dict[str, int]] = {}
+def scored(lm, tokenizer, chats):
+    """Each chat with its reply's margins (NaN off the reply made +inf), token kinds and labels, 8 chats a batch."""
     for k in range(0, len(chats), 8):
         picked = chats[k : k + 8]
         batch = encode_tool_chats(tokenizer, picked)
         margins = reply_margins(lm(input_ids=batch.input_ids, use_cache=False).logits, batch.labels)
-        kinds = token_kinds(tokenizer, picked, batch)
+        margins, kinds = torch.nan_to_num(margins, nan=float("inf")), token_kinds(tokenizer, picked, batch)
         for i, chat in enumerate(picked):
-            at = (kinds[i] == VALUE).nonzero().flatten().tolist()
-            counts = out.setdefault(chat.kind, {"first": 0, "later": 0})
-            for n, j in enumerate(at):
-                counts["later" if n else "first"] += int(margins[i, j] < margin)
+            yield chat, margins[i], kinds[i], batch.labels[i]
+
+
+def right(counts: dict[str, list[int]], chat_key: str, ok: bool) -> None:
+    group = counts.setdefault(chat_key, [0, 0])
+    group[0], group[1] = group[0] + int(ok), group[1] + 1
+
+
+def first_piece_right(lm, tokenizer, chats) -> str:
+    """Calls whose argument's first piece is the argmax by a margin > 0, of the calls."""
+    calls = [c for c in chats if c.calls]
+    ok = sum(int(m[int((k == VALUE).nonzero()[0])] > 0) for _, m, k, _ in scored(lm, tokenizer, calls))
+    return f"{ok}/{len(calls)}"
+
+
+def value_pieces_failing(lm, tokenizer, chats, margin: float) -> dict[str, dict[str, int]]:
+    """By chat kind, the copied value's pieces below `margin`: its first piece, or a later one (the first maps
+    a piece's spelling, "L" to " L"; the later ones are copies of the piece after the one just written)."""
+    out: dict[str, dict[str, int]] = {}
+    for chat, margins, kinds, _ in scored(lm, tokenizer, chats):
+        counts = out.setdefault(chat.kind, {"first": 0, "later": 0})
+        for n, j in enumerate((kinds == VALUE).nonzero().flatten().tolist()):
+            counts["later" if n else "first"] += int(margins[j] < margin)
     return out
 
 
-@torch.no_grad()
 def copies_by_repeat(lm, tokenizer, chats, margin: float) -> dict[str, str]:
     """Answers after a tool turn whose result is not the country's capital (made up, or another country's with
     `--result-names other_capital`), right by `margin` (every reply piece), of those whose name repeats a piece
     ("Gratordor": `or` twice) and of those that do not: a copy that follows only the last piece written cannot
     tell a repeated piece's two places apart."""
     capitals = dict(COUNTRIES)
-    made_up = [c for c in chats if c.kind == "capital_answer" and c.value != capitals[c.asked]]
+    others = [c for c in chats if c.kind == "capital_answer" and c.value != capitals[c.asked]]
     counts = {"repeats": [0, 0], "no_repeat": [0, 0]}
-    for k in range(0, len(made_up), 8):
-        picked = made_up[k : k + 8]
-        batch = encode_tool_chats(tokenizer, picked)
-        margins = reply_margins(lm(input_ids=batch.input_ids, use_cache=False).logits, batch.labels)
-        margins = torch.nan_to_num(margins, nan=float("inf"))
-        kinds = token_kinds(tokenizer, picked, batch)
-        for i in range(len(picked)):
-            pieces = batch.labels[i][kinds[i] == VALUE].tolist()
-            group = counts["repeats" if len(set(pieces)) < len(pieces) else "no_repeat"]
-            group[0] += int(bool((margins[i] >= margin).all()))
-            group[1] += 1
+    for _, margins, kinds, labels in scored(lm, tokenizer, others):
+        pieces = labels[kinds == VALUE].tolist()
+        right(counts, "repeats" if len(set(pieces)) < len(pieces) else "no_repeat", bool((margins >= margin).all()))
     return {name: f"{ok}/{n}" for name, (ok, n) in counts.items()}
 
 
-@torch.no_grad()
 def result_copies(lm, tokenizer, gaps, margin: float, result_names: str) -> dict[str, str]:
     """The retrieval set's result copies right by `margin` (every reply piece), by gap and by what is copied:
-    a made-up capital (unseen, copied piece by piece) or a weather word (one of nine it knows)."""
-    chats = [
-        c
-        for c in retrieval_eval_chats(tokenizer, gaps, results=True, result_names=result_names)
-        if c.kind.startswith("retrieve_result")
-    ]
+    a capital result (made up or another country's) or a weather word (one of nine it knows)."""
+    chats = retrieval_eval_chats(tokenizer, gaps, results=True, result_names=result_names)
     counts: dict[str, list[int]] = {}
-    for k in range(0, len(chats), 8):
-        picked = chats[k : k + 8]
-        batch = encode_tool_chats(tokenizer, picked)
-        margins = torch.nan_to_num(
-            reply_margins(lm(input_ids=batch.input_ids, use_cache=False).logits, batch.labels), nan=float("inf")
-        )
-        for i, chat in enumerate(picked):
-            group = counts.setdefault(f"{chat.kind}/{'weather' if chat.value in WEATHERS else 'capital'}", [0, 0])
-            group[0] += int(bool((margins[i] >= margin).all()))
-            group[1] += 1
+    for chat, margins, _, _ in scored(lm, tokenizer, [c for c in chats if c.kind.startswith("retrieve_result")]):
+        copied = "weather" if chat.value in WEATHERS else "capital"
+        right(counts, f"{chat.kind}/{copied}", bool((margins >= margin).all()))
     return {name: f"{ok}/{n}" for name, (ok, n) in sorted(counts.items())}
 
 
