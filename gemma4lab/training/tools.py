@@ -141,6 +141,9 @@ the copy by content; a fixed distance let it learn a position instead. And with 
 real capital (`result_names="other_capital"`: a name it knows, as it knows the weather words, and still never its own
 answer, so the answer can only come from the tool) the second run's first phases reach 195/204 (made-up: 155):
 capital answers 34/34, every one of the 19 non-own results copied, calls 29/34 and 33/34, weather answers 31/34.
+With made-up results kept and both copies mixed over gaps 0-70 (2,400 retrieval steps, half result copies, then the
+300 tool-first steps): 191/204, calls 34/34 and 34/34, capital answers 29/34, and 11 of the 13 made-up results copied
+(fixed gaps: 0 of 13). That is the curriculum the next full run takes (`--retrieval-mixed`).
 """
 
 from __future__ import annotations
