@@ -143,7 +143,10 @@ answer, so the answer can only come from the tool) the second run's first phases
 capital answers 34/34, every one of the 19 non-own results copied, calls 29/34 and 33/34, weather answers 31/34.
 With made-up results kept and both copies mixed over gaps 0-70 (2,400 retrieval steps, half result copies, then the
 300 tool-first steps): 191/204, calls 34/34 and 34/34, capital answers 29/34, and 11 of the 13 made-up results copied
-(fixed gaps: 0 of 13). That is the curriculum the next full run takes (`--retrieval-mixed`).
+(fixed gaps: 0 of 13). That is the curriculum the next full run takes (`--retrieval-mixed`). The full recipe with
+other-capital results (`fifth_run`): NOT converged, 202/204 at step 400 (two capital calls short), every earlier
+property held, HF greedy 67/68; swapped into a clone, the image, audio, trained-text and drafting tests pass on it
+(135), except the E2B assistant's retraining, which follows its target: shipping a tool fixture retrains it.
 """
 
 from __future__ import annotations
