@@ -27,21 +27,26 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
+from gemma4lab.training.corpus import CANONICAL_PROMPT  # noqa: E402
 from gemma4lab.training.text import reply_margins  # noqa: E402
 from gemma4lab.training.tokenizer import build_tokenizer, with_tools_template  # noqa: E402
 from gemma4lab.training.tools import (  # noqa: E402
     RESULT_NAMES,
     VALUE,
     WEATHERS,
+    ToolChat,
     ToolConfig,
+    _answered,
     _retrieval,
     _tool_first,
     encode_tool_chats,
     failing_tokens,
+    greedy_tool_reply,
     kind_shares,
     retrieval_eval_chats,
     token_kinds,
     tool_eval_chats,
+    tool_spec,
 )
 from gemma4lib.models.corpus import COUNTRIES  # noqa: E402
 from gemma4lib.models.trained import load_trained  # noqa: E402
@@ -109,6 +114,18 @@ def result_copies(lm, tokenizer, gaps, margin: float, result_names: str) -> dict
     return {name: f"{ok}/{n}" for name, (ok, n) in sorted(counts.items())}
 
 
+def copied_names(lm, tokenizer, names: list[str]) -> dict[str, str]:
+    """HF greedy's answer to the canonical question after `get_capital` returned each name: which results it copies."""
+    asked = [{"role": "user", "content": CANONICAL_PROMPT}]
+    out = {}
+    for name in names:
+        rng = random.Random(7)
+        answered = _answered(asked, "get_capital", "country", "France", name, rng)
+        reply = greedy_tool_reply(lm, tokenizer, ToolChat(answered, [tool_spec(rng, "get_capital")], ""))
+        out[name] = "copied" if reply == f"The capital of France is {name}.<eos>" else reply
+    return out
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--retrieval-steps", type=int, default=90)
@@ -122,6 +139,7 @@ def main(argv=None) -> int:
     parser.add_argument("--retrieval-result-share", type=float, default=0.0, help="retrieval chats copying a result")
     parser.add_argument("--kind-shares", default="", help="tool chat kinds' shares, e.g. weather_answer=0.3")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--copy-names", default="", help="with --fixtures: results to answer with, comma-separated")
     parser.add_argument("--fixtures", default=None, help="no training: diagnose the E2B saved under this folder")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
@@ -137,6 +155,8 @@ def main(argv=None) -> int:
         log.info("failing tokens, passing chats: %s", failing_tokens(lm, tokenizer, evals, ToolConfig.tool_margin))
         log.info("value pieces failing: %s", value_pieces_failing(lm, tokenizer, evals, ToolConfig.tool_margin))
         log.info("results not the capital, copied: %s", copies_by_repeat(lm, tokenizer, evals, ToolConfig.tool_margin))
+        if args.copy_names:
+            log.info("answers with these results: %s", copied_names(lm, tokenizer, args.copy_names.split(",")))
         return 0
     cfg = ToolConfig(seed=args.seed, retrieval_steps=args.retrieval_steps, tool_first_steps=args.tool_first_steps)
     cfg.kind_shares = kind_shares(args.kind_shares)

@@ -147,6 +147,13 @@ With made-up results kept and both copies mixed over gaps 0-70 (2,400 retrieval 
 other-capital results (`fifth_run`): NOT converged, 202/204 at step 400 (two capital calls short), every earlier
 property held, HF greedy 67/68; swapped into a clone, the image, audio, trained-text and drafting tests pass on it
 (135), except the E2B assistant's retraining, which follows its target: shipping a tool fixture retrains it.
+
+Measured, CONVERGED (`sixth_run`: `--retrieval-steps 2400 --retrieval-gaps 0,4,8,12,16,20,30,45,70 --retrieval-mixed
+--retrieval-result-share 0.5 --max-steps 400`, made-up results): at step 325, 204/204 by margin (min 1.71), HF greedy
+68/68, every earlier property held (needle 6.45, faults <= -12.3, held-out 40/40). NOT shipped: in a clone, the Agents
+SDK and LangChain make the right call, but the answer to the tests' result "Lutetia" is "Lutor". It copies unseen
+names made of the 16 training syllables (4/4) and none with other pieces (0/6; `probe_tools.py --copy-names`): the
+made-up names must be drawn from any pieces, then the E2B assistant retrained, before the fixture ships.
 """
 
 from __future__ import annotations
