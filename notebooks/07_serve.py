@@ -369,15 +369,12 @@ plots_serve.latency_and_throughput(levels, title, batch_rows=batch_size)
 # arguments to the declared schema, so the agent checks them before it runs anything (here with
 # `jsonschema`) and sends an error back as the tool's result when they do not validate.
 #
-# The tiny trained models know neither tools nor Gemma-4's tool tokens (their tokenizer has none and
-# their chat template declares no tools), so this server refuses `tools` with a 400 naming the field,
-# and the cell prints that refusal. It then runs the same loop the way a client drives a model without
-# native tool calling: the call asked for as a structured reply whose schema is the call's (the
-# function's name, its arguments' schema). Here the grammar holds the arguments to their schema as
-# well (the structured reply below says how); which country the model picks, and what its final reply
-# says after a tool turn it was never trained on, is whatever this tiny model writes (the cell prints
-# both). A model whose template declares tools (Gemma-4's own) takes the `try` branch: not run here,
-# `tests/test_server_clients.py` runs this cell's branch against a scripted model that has the tokens.
+# The tiny E2B was taught this (`gemma4lab.training.tools`; its run is recorded in the fixtures'
+# `PROVENANCE.json`): among declarations whose names, descriptions and order vary, it calls
+# `get_capital` or `get_weather` with the country or city it was asked about, and after the tool's
+# turn it answers with the result, copying it piece by piece, even a name it never saw. Its chat
+# template declares tools, so the server takes them (a model whose template declares none gets a 400
+# naming `tools`). The record checks that the final reply is the tool's result in the fixture's words.
 
 # %%
 tools_started = time.perf_counter()
@@ -393,30 +390,17 @@ parameters = {"type": "object", "properties": {"country": {"enum": sorted(capita
 parameters["additionalProperties"] = False
 tool = {"type": "function", "function": {"name": "get_capital", "description": "A country's capital city."}}
 tool["function"]["parameters"] = parameters
-try:  # a model whose template declares tools: the server forces the call and parses it into tool_calls
-    first = client.chat.completions.create(
-        model=variant,
-        messages=question,
-        tools=[tool],
-        tool_choice={"type": "function", "function": {"name": "get_capital"}},
-        max_tokens=90,
-    )
-    (tool_call,) = first.choices[0].message.tool_calls
-    print(json.dumps(tool_call.model_dump(), indent=1))  # the raw call: id, type, function name and arguments
-    name, arguments, call_id = tool_call.function.name, tool_call.function.arguments, tool_call.id
-    said = first.choices[0].message.model_dump(exclude_none=True)  # the assistant's turn, its call in it
-except BadRequestError as exc:  # the tiny fixtures: no tool tokens, no tools in their template
-    if exc.body.get("param") != "tools":
-        raise
-    print(f"tools refused: {exc.status_code} {exc.body}")
-    call_schema = {"type": "object", "properties": {"name": {"const": "get_capital"}, "arguments": parameters}}
-    call_schema.update(required=["name", "arguments"], additionalProperties=False)
-    as_json = {"type": "json_schema", "json_schema": {"name": "tool_call", "schema": call_schema, "strict": True}}
-    first = client.chat.completions.create(model=variant, messages=question, response_format=as_json, max_tokens=90)
-    print("the call, as a structured reply:", first.choices[0].message.content)
-    reply_call = json.loads(first.choices[0].message.content)
-    name, arguments, call_id = reply_call["name"], json.dumps(reply_call["arguments"]), "call_0"
-    said = {"role": "assistant", "content": first.choices[0].message.content}
+first = client.chat.completions.create(
+    model=variant,
+    messages=question,
+    tools=[tool],
+    tool_choice={"type": "function", "function": {"name": "get_capital"}},
+    max_tokens=90,
+)
+(tool_call,) = first.choices[0].message.tool_calls
+print(json.dumps(tool_call.model_dump(), indent=1))  # the raw call: id, type, function name and arguments
+name, arguments, call_id = tool_call.function.name, tool_call.function.arguments, tool_call.id
+said = first.choices[0].message.model_dump(exclude_none=True)  # the assistant's turn, its call in it
 call_args = json.loads(arguments)
 call_valid = name == "get_capital" and jsonschema.Draft202012Validator(parameters).is_valid(call_args)
 print(f"the call names get_capital and its arguments validate: {call_valid}")
@@ -527,7 +511,8 @@ else:
 # the structured reply, the server's start-up and exit. `checks_passed` is true only when the plain reply says `expect`, the streamed
 # text equals it, the too-long request got its 400, the burst got at least one 429 with
 # `Retry-After`, every level completed with no mixed reply, the tool call named its function with
-# arguments that validate, the structured reply validated, and SIGTERM ended the server cleanly.
+# arguments that validate, the final reply after it gave the tool's result, the structured reply
+# validated, and SIGTERM ended the server cleanly.
 # The smoke job fails on a false one.
 
 # %%
@@ -540,6 +525,7 @@ checks = {
     "none_mixed": sum(level.mixed for level in levels) == 0,
     "sigterm_exit_0": code == 0,
     "tool_call_valid": call_valid,
+    "tool_answer_uses_result": call_valid and tool_final == f"The capital of {call_args['country']} is {tool_result}.",
     "structured_reply_validates": structured_valid,
 }
 record = {

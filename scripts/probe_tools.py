@@ -41,10 +41,11 @@ from gemma4lab.training.tools import (  # noqa: E402
     _tool_first,
     encode_tool_chats,
     failing_tokens,
-    greedy_tool_reply,
     kind_shares,
     retrieval_eval_chats,
+    retrieval_gaps,
     token_kinds,
+    tool_accuracy,
     tool_eval_chats,
     tool_spec,
 )
@@ -114,16 +115,15 @@ def result_copies(lm, tokenizer, gaps, margin: float, result_names: str) -> dict
     return {name: f"{ok}/{n}" for name, (ok, n) in sorted(counts.items())}
 
 
-def copied_names(lm, tokenizer, names: list[str]) -> dict[str, str]:
-    """HF greedy's answer to the canonical question after `get_capital` returned each name: which results it copies."""
-    asked = [{"role": "user", "content": CANONICAL_PROMPT}]
-    out = {}
+def copied_names(lm, tokenizer, names: list[str]) -> tuple[int, int, list[str]]:
+    """HF greedy's answers to the canonical question after `get_capital` returned each name: how many copy
+    it exactly (`tool_accuracy`), and what the others said."""
+    asked, chats = [{"role": "user", "content": CANONICAL_PROMPT}], []
     for name in names:
         rng = random.Random(7)
         answered = _answered(asked, "get_capital", "country", "France", name, rng)
-        reply = greedy_tool_reply(lm, tokenizer, ToolChat(answered, [tool_spec(rng, "get_capital")], ""))
-        out[name] = "copied" if reply == f"The capital of France is {name}.<eos>" else reply
-    return out
+        chats.append(ToolChat(answered, [tool_spec(rng, "get_capital")], f"The capital of France is {name}."))
+    return tool_accuracy(lm, tokenizer, chats)
 
 
 def main(argv=None) -> int:
@@ -156,12 +156,15 @@ def main(argv=None) -> int:
         log.info("value pieces failing: %s", value_pieces_failing(lm, tokenizer, evals, ToolConfig.tool_margin))
         log.info("results not the capital, copied: %s", copies_by_repeat(lm, tokenizer, evals, ToolConfig.tool_margin))
         if args.copy_names:
-            log.info("answers with these results: %s", copied_names(lm, tokenizer, args.copy_names.split(",")))
+            log.info(
+                "results copied, and the answers that did not: %s",
+                copied_names(lm, tokenizer, args.copy_names.split(",")),
+            )
         return 0
     cfg = ToolConfig(seed=args.seed, retrieval_steps=args.retrieval_steps, tool_first_steps=args.tool_first_steps)
     cfg.kind_shares = kind_shares(args.kind_shares)
     cfg.retrieval_result_share = args.retrieval_result_share
-    cfg.retrieval_gaps = tuple(int(g) for g in args.gaps.split(","))
+    cfg.retrieval_gaps = retrieval_gaps(args.gaps)
     cfg.retrieval_mixed, cfg.lr = args.mixed_gaps, args.lr
     cfg.result_names = args.result_names
     lm = load_trained("e2b").lm

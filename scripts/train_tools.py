@@ -36,10 +36,12 @@ from gemma4lab.training.text import fault_answers, save_fixture, state_sha256  #
 from gemma4lab.training.tokenizer import build_tokenizer, save_tokenizer, with_tools_template  # noqa: E402
 from gemma4lab.training.tools import (  # noqa: E402
     HELD_OUT_COUNTRIES,
+    RESULT_NAMES,
     TOOL_VARIANTS,
     ToolConfig,
     finetune_tools,
     kind_shares,
+    retrieval_gaps,
     tool_accuracy,
     tool_eval_chats,
 )
@@ -79,7 +81,7 @@ def main(argv=None) -> int:
     parser.add_argument("--retrieval-keep-result-share", type=float, default=None, help="of the kept rows, copies")
     parser.add_argument("--retrieval-gaps", default=None, help="the curriculum's filler lengths, e.g. 0,4,8,12,16,20")
     parser.add_argument("--retrieval-mixed", action="store_true", help="every row's gap from all gaps")
-    parser.add_argument("--result-names", default=None, help="a capital result not the capital: made_up, other_capital")
+    parser.add_argument("--result-names", default=None, choices=RESULT_NAMES, help="a capital result not the capital")
     parser.add_argument("--kind-shares", default="", help="tool chat kinds' shares, e.g. weather_answer=0.3")
     parser.add_argument(
         "--keep-unconverged-tools",
@@ -98,7 +100,7 @@ def main(argv=None) -> int:
         if getattr(args, key) is not None:
             setattr(config, key, getattr(args, key))
     if args.retrieval_gaps:
-        config.retrieval_gaps = tuple(int(g) for g in args.retrieval_gaps.split(","))
+        config.retrieval_gaps = retrieval_gaps(args.retrieval_gaps)
     config.retrieval_mixed = args.retrieval_mixed
     config.kind_shares = kind_shares(args.kind_shares)
     config.cosine_steps = min(config.cosine_steps, config.max_steps)

@@ -7,8 +7,8 @@ has answered, answers with the tool's result; what this proves is the protocol (
 request shapes, our parsing of the call, their tool loop over our `tool` messages), whatever a model
 would write. The same clients against the real tiny E2B (compiled, served with its own tokenizer and
 chat template: the model itself picks the declared tool, writes the argument from the question, and
-answers with the tool's made-up result) are written below and skip until a fixture has been taught
-tools (`gemma4lab.training.tools`: its one run in budget did not converge).
+answers with the tool's made-up result) are written below; they skip only if the shipped E2B's record
+says it was not taught tools (`gemma4lab.training.tools`, `scripts/train_tools.py`).
 LangChain's `with_structured_output` runs against the compiled tiny model (tests/test_server_engine.py).
 """
 
@@ -86,10 +86,10 @@ def test_langchain_bind_tools_gets_the_parsed_call(server):
 
 def test_the_notebooks_tool_loop_cell_takes_the_native_route_on_a_tool_template(served, capsys):  # noqa: F811
     """07_serve's tool-loop cell against a server whose template declares tools (test_server_tools'
-    scripted engine, its rows held by the grammar): the `try` branch, which the tiny fixtures never
-    reach (their shipped template declares no tools), forces the call, parses it from `tool_calls`,
-    runs it, and sends the result back as a tool turn (an error when the arguments break the declared
-    schema, which the grammar does not hold them to); the scripted model's final reply then quotes it."""
+    scripted engine, its rows held by the grammar, its arguments' keys not the declared ones): it forces
+    the call, parses it from `tool_calls`, runs it, and sends the result back as a tool turn, an error
+    when the arguments break the declared schema (which the grammar does not hold them to), the branch
+    the tiny E2B's valid calls never take in the notebook; the scripted model's final reply quotes it."""
     import json
     from pathlib import Path
 

@@ -100,3 +100,26 @@ def test_result_retrieval_chats_copy_a_quoted_result_into_an_answers_spelling():
         assert tok.decode(batch.labels[row][picked].tolist()).strip() == chat.value
     assert dict(kind_shares("weather_answer=0.3"))["weather_answer"] == 0.3
     assert dict(kind_shares(""))["capital_call"] == 0.3
+
+
+def test_made_up_results_are_unseen_names_of_any_letters_and_the_options_fail_early():
+    """A made-up capital result is never a real capital nor the tests' held-out "Lutetia", and is drawn from
+    any letters (the copy it teaches is of any piece); the recorded runs' syllable names stay drawable."""
+    import re
+
+    import pytest
+
+    from gemma4lab.training.tools import _SYLLABLES, HELD_OUT_RESULT, result_name, retrieval_gaps
+    from gemma4lib.models.corpus import COUNTRIES
+
+    rng = random.Random(0)
+    names = [result_name(rng) for _ in range(2000)]
+    assert not {HELD_OUT_RESULT, *dict(COUNTRIES).values()} & set(names)
+    assert set("".join(names).lower()) == set("abcdefghijklmnopqrstuvwxyz") and len(set(names)) > 1900
+    runs = re.compile(f"({'|'.join(_SYLLABLES)}){{2,3}}")  # a run of two or three training syllables
+    assert all(runs.fullmatch(result_name(rng, "syllables").lower()) for _ in range(200))
+    with pytest.raises(ValueError, match="use one of"):
+        result_name(rng, "real")
+    assert retrieval_gaps("0,4,70") == (0, 4, 70)
+    with pytest.raises(ValueError, match="whole numbers"):
+        retrieval_gaps("0,x")

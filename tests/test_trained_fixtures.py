@@ -159,8 +159,8 @@ def test_the_e2b_calls_the_declared_tool_and_answers_with_its_result(provenance)
     """Issue 49's tool fixture: the E2B, fine-tuned by scripts/train_tools.py, calls `get_capital` when it
     is declared (wherever it stands among the tools), stops at `<|tool_response>`, answers with the
     tool's result (a made-up capital, never in its training), and from memory when no such tool is
-    declared (HF greedy); its record says the earlier properties held. Skipped while no fine-tune has
-    converged: the one run in its budget did not (gemma4lab.training.tools says what it learnt)."""
+    declared (HF greedy); its record says the earlier properties held. Skipped only for fixtures whose
+    record says no fine-tune converged (gemma4lab.training.tools says how it was taught)."""
     import random
 
     from gemma4lab.training.tools import WEATHER_ANSWER, ToolChat, _answered, greedy_tool_reply, tool_spec

@@ -31,7 +31,7 @@ TOOL_RESPONSE_ID = 50
 
 # The shipped fixtures' chat template: Gemma-4's turns. Assistant turns are written with role "model";
 # contents are stripped. It declares no tools: the server refuses `tools` for a model whose template does
-# not (the fixtures have not been taught tools: `gemma4lab.training.tools`).
+# not. The shipped template is `TOOLS_CHAT_TEMPLATE` once a fixture was taught tools (`scripts/train_tools.py`).
 CHAT_TEMPLATE = (
     "{{ bos_token }}"
     "{% for message in messages %}"
@@ -50,7 +50,7 @@ CHAT_TEMPLATE = (
 # in the same model turn (the name from the call whose id the result names), the turn left open after a
 # result (the model's answer continues it: no `<|turn>model` then), and `<|tool_response>` after calls
 # with no result yet. Nested object/array parameters are declared by type only (the released template
-# expands them). Not the shipped fixtures' template until a fixture is taught tools (`tools.py`).
+# expands them). The shipped fixtures' template once a fixture was taught tools (`tools.py`).
 _Q = '<|"|>'
 TOOLS_CHAT_TEMPLATE = (
     "{%- macro arg(v) -%}"

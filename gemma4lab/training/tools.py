@@ -154,6 +154,13 @@ Measured, CONVERGED (`sixth_run`: `--retrieval-steps 2400 --retrieval-gaps 0,4,8
 SDK and LangChain make the right call, but the answer to the tests' result "Lutetia" is "Lutor". It copies unseen
 names made of the 16 training syllables (4/4) and none with other pieces (0/6; `probe_tools.py --copy-names`): the
 made-up names must be drawn from any pieces, then the E2B assistant retrained, before the fixture ships.
+
+SHIPPED (`seventh_run`, seventeenth session): made-up results of any letters (`result_name`: 4-8 letters, consonant and
+vowel mostly alternating), 3,000 retrieval steps, otherwise the sixth run's command: 202/204 at step 375 (kept); two
+continuations from the kept state (`--tool-first-steps 0`; at 5e-4, then at 2e-4: the recipe's 2e-3 shook it) reached
+204/204 by margin (min 1.06), HF greedy 68/68, every earlier property held (needle 7.81, faults <= -10.0, held-out
+40/40). It copies 19 of 20 unseen names of every shape ("Lutetia", "Hobart", "Oaxaca", "Zwolle"; only "Valparaiso",
+longer than any trained result, loses a piece), and the Agents SDK and LangChain tests reach "Lutetia" with it.
 """
 
 from __future__ import annotations
@@ -262,26 +269,37 @@ def tool_spec(rng: random.Random, name: str) -> dict[str, Any]:
     return {"type": "function", "function": function}
 
 
-# What a capital result that is not the country's own capital is (`ToolConfig.result_names`): a made-up name,
-# unseen, so copied piece by piece; or another country's real capital, a name the fixture knows as it knows the
-# weather words, and still never its own answer, so an answer naming it can only come from the tool's result.
-RESULT_NAMES: tuple[str, ...] = ("made_up", "other_capital")
+# What a capital result that is not the country's own capital is (`ToolConfig.result_names`): a made-up name of
+# any letters, unseen, so copied piece by piece; a made-up name of `_SYLLABLES` (the runs recorded before the
+# seventeenth session: their copy reached only names of those pieces); or another country's real capital, a name
+# the fixture knows, never its own answer, so an answer naming it can only come from the tool's result.
+RESULT_NAMES: tuple[str, ...] = ("made_up", "syllables", "other_capital")
 
 
 def result_name(rng: random.Random, result_names: str = "made_up") -> str:
     """A capital result that is not the model's own answer (`RESULT_NAMES`)."""
     if result_names == "other_capital":
         return rng.choice([capital for _, capital in COUNTRIES])
-    if result_names != "made_up":
+    if result_names not in ("made_up", "syllables"):
         raise ValueError(f"unknown result names {result_names!r}: use one of {RESULT_NAMES}")
-    return made_up_capital(rng)
-
-
-def made_up_capital(rng: random.Random) -> str:
     while True:
-        name = "".join(rng.choice(_SYLLABLES) for _ in range(rng.choice((2, 3)))).capitalize()
+        name = _syllable_name(rng) if result_names == "syllables" else _letter_name(rng)
         if name != HELD_OUT_RESULT and name not in dict(COUNTRIES).values():
             return name
+
+
+def _syllable_name(rng: random.Random) -> str:
+    return "".join(rng.choice(_SYLLABLES) for _ in range(rng.choice((2, 3)))).capitalize()
+
+
+def _letter_name(rng: random.Random) -> str:
+    """4 to 8 letters, consonant and vowel mostly alternating (a run of two now and then, as in "Lutetia" or
+    "Hobart"), so every piece of the tokenizer's letters turns up in a result and the copy is of any piece."""
+    vowel, letters = rng.random() < 0.5, []
+    for _ in range(rng.randrange(4, 9)):
+        letters.append(rng.choice("aeiou" if vowel else "bcdfghjklmnpqrstvwxyz"))
+        vowel = vowel if rng.random() < 0.3 else not vowel
+    return "".join(letters).capitalize()
 
 
 @dataclass
@@ -434,6 +452,17 @@ def kind_shares(text: str) -> tuple[tuple[str, float], ...]:
     return tuple(shares.items())
 
 
+def retrieval_gaps(text: str) -> tuple[int, ...]:
+    """The retrieval curriculum's filler lengths from "0,4,8" (`ToolConfig.retrieval_gaps`)."""
+    try:
+        gaps = tuple(int(g) for g in text.split(","))
+    except ValueError:
+        raise ValueError(f"retrieval gaps {text!r}: give filler lengths as whole numbers, e.g. 0,4,8,12") from None
+    if any(g < 0 for g in gaps):
+        raise ValueError(f"retrieval gaps {text!r}: a filler length is 0 or more")
+    return gaps
+
+
 def draw_tool_chats(
     rng: random.Random,
     n: int,
@@ -564,7 +593,7 @@ class ToolConfig(NeedleConfig):
     # of the `retrieval_keep_rows` after the curriculum, result copies (None: `retrieval_result_share`)
     retrieval_keep_result_share: float | None = None
     kind_shares: tuple[tuple[str, float], ...] = KINDS  # how often each kind is drawn for the tool rows
-    result_names: str = "made_up"  # a capital result that is not the capital (`RESULT_NAMES`; made up: recorded)
+    result_names: str = "made_up"  # a capital result that is not the capital (`RESULT_NAMES`)
 
 
 @dataclass
