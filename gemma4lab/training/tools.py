@@ -294,7 +294,7 @@ def _syllable_name(rng: random.Random) -> str:
 
 def _letter_name(rng: random.Random) -> str:
     """4 to 8 letters, consonant and vowel mostly alternating (a run of two now and then, as in "Lutetia" or
-    "Hobart"), so every piece of the tokenizer's letters turns up in a result and the copy is of any piece."""
+    "Hobart"), so every letter turns up in the results and the copy learnt is not of a few fixed pieces."""
     vowel, letters = rng.random() < 0.5, []
     for _ in range(rng.randrange(4, 9)):
         letters.append(rng.choice("aeiou" if vowel else "bcdfghjklmnpqrstvwxyz"))
