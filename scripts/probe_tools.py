@@ -173,7 +173,7 @@ def main(argv=None) -> int:
     rng, gen = random.Random(cfg.seed), torch.Generator().manual_seed(cfg.seed)
     opt = torch.optim.AdamW([p for p in lm.parameters() if p.requires_grad], lr=cfg.lr, weight_decay=cfg.weight_decay)
     lm.set_attn_implementation("sdpa")
-    evals = tool_eval_chats(result_names=cfg.result_names)
+    evals = tool_eval_chats(result_names=cfg.result_names, shares=cfg.kind_shares)
     start = time.perf_counter()
     lm.train()
     _retrieval(lm, tokenizer, cfg, opt, rng, gen)

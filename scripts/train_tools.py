@@ -118,10 +118,10 @@ def main(argv=None) -> int:
         checks = fixture_checks(lm, tokenizer)
         (held_ok, held_n, held_failures), (needle_ok, needle_n, _) = checks.held_out, checks.held_out_after_filler
         tools_ok, tools_n, tools_failures = tool_accuracy(
-            lm, tokenizer, tool_eval_chats(result_names=config.result_names)[::3]
+            lm, tokenizer, tool_eval_chats(result_names=config.result_names, shares=config.kind_shares)[::3]
         )  # HF greedy: slow
         unseen_ok, unseen_n, unseen_failures = tool_accuracy(
-            lm, tokenizer, tool_eval_chats(2, HELD_OUT_COUNTRIES, config.result_names)
+            lm, tokenizer, tool_eval_chats(2, HELD_OUT_COUNTRIES, config.result_names, config.kind_shares)
         )
         record = {
             "command": command,

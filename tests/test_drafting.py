@@ -104,6 +104,43 @@ def test_drafting_equals_plain_greedy_across_the_window(drafted, variant):
     assert hf_steps >= 1
 
 
+TOOL_CALL = '<|tool_call>call:get_capital{country:<|"|>France<|"|>}<tool_call|><|tool_response>'
+THOUGHT_CALL = "<|channel>thought\nI will call get_capital for France.<channel|>" + TOOL_CALL
+
+
+def test_the_e2b_assistant_drafts_the_targets_tool_call_and_thought():
+    """The E2B assistant distilled on the tool corpus too (`tool_chats_every`, gemma4lab.training.assistant) drafts
+    the target's call (and its thought, when the target was taught one): greedy-exact (the engine's tokens and
+    logits are the reference's) and most drafts kept (the assistant distilled on the plain chats only: 1.0 token a
+    step on this call, no draft kept). Skipped while the assistant's record distilled the plain chats only."""
+    import random
+
+    from gemma4lab.training.tools import tool_prompt_ids, tool_spec
+    from gemma4lib.models.trained import read_provenance
+
+    recorded = read_provenance()["assistants"]["e2b"]
+    if not recorded["train_config"].get("tool_chats_every"):
+        pytest.skip("the E2B assistant was distilled on the plain chats only (scripts/train_assistants.py)")
+    cases = [(False, TOOL_CALL)]
+    if dict(recorded["train_config"]["tool_kinds"]).get("capital_call_thought"):  # its target was taught to think
+        cases.append((True, THOUGHT_CALL))
+    settings = PortSettings(
+        variant="e2b", backend="eager", draft="assistant", draft_tokens=K, context_length=384, prefill_buckets=(320,)
+    )
+    model = load_model(settings)
+    runtime = compile_graphs(model, settings).runtime
+    tools = [tool_spec(random.Random(0), "get_weather"), tool_spec(random.Random(1), "get_capital")]
+    asked = [{"role": "user", "content": "What is the capital of France?"}]
+    for thinking, expected in cases:
+        ids = tool_prompt_ids(model.tokenizer, asked, tools, thinking)
+        n = len(model.tokenizer(expected, add_special_tokens=False)["input_ids"])
+        reference = reference_greedy(model.lm, ids, n)
+        generation = runtime.generate(ids, n, keep_logits=True)
+        _checked(model, ids, generation, reference)
+        assert model.tokenizer.decode(generation.tokens, skip_special_tokens=False) == expected
+        assert generation.accepted_per_step >= 2.5, (thinking, generation.accepted_per_step)
+
+
 def test_drafting_over_full_length_buffers(drafted):
     """Without rings the rejected drafts' slots are simply overwritten by the next verify."""
     settings, model, assistant, graphs, runtime, ids = drafted.get("e2b", ring=False)

@@ -223,3 +223,48 @@ def test_an_auto_tool_call_of_the_tiny_e2b_parses_as_transformers_parser_does(re
         for call in chunk.choices[0].delta.tool_calls or ():
             calls.setdefault(call.index, call.function)
     assert [(f.name, json.loads(f.arguments)) for _, f in sorted(calls.items())] == expected
+
+
+def test_the_tiny_e2b_thinks_into_reasoning_content_then_answers_or_calls(real):
+    """Thinking on (`chat_template_kwargs.enable_thinking`, vLLM's spelling): the fixture taught a short thought
+    (gemma4lab.training.tools, `THOUGHT_KINDS`) thinks first; the thought comes back as `reasoning_content`, plain
+    and streamed, never in `content`; then it answers, or calls the declared tool. Its answer with thinking off is
+    unchanged. Skipped for a fixture whose record says it was not taught to think."""
+    import json
+
+    from openai import OpenAI
+    from test_server_tools import streamed
+
+    from gemma4lib.models.trained import read_provenance
+
+    shares = dict(read_provenance()["variants"]["e2b"]["tools"]["train_config"]["kind_shares"])
+    if not shares.get("capital_thought"):
+        pytest.skip("the E2B fixture was not taught to think: its last tool run drew no thinking kind (tools.py)")
+    server, _ = real
+    client = OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=60)
+    think = {"chat_template_kwargs": {"enable_thinking": True}}
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    plain = client.chat.completions.create(model="e2b", messages=messages, max_tokens=64, extra_body=think)
+    message = plain.choices[0].message
+    assert message.model_extra["reasoning_content"] == "I know the capital of France."
+    assert message.content == "The capital of France is Paris." and plain.choices[0].finish_reason == "stop"
+    assert streamed(client, model="e2b", messages=messages, max_tokens=64, extra_body=think) == (
+        message.content,
+        message.model_extra["reasoning_content"],
+        [],
+        "stop",
+    )
+    off = client.chat.completions.create(model="e2b", messages=messages, max_tokens=64)
+    assert off.choices[0].message.content == "The capital of France is Paris."
+    assert not (off.choices[0].message.model_extra or {}).get("reasoning_content")
+    tools = [WEATHER, {"type": "function", "function": {"name": "get_capital", "description": "A country's capital."}}]
+    tools[1]["function"]["parameters"] = {"type": "object", "properties": {"country": {"type": "string"}}}
+    called = client.chat.completions.create(
+        model="e2b", messages=messages, tools=tools, max_tokens=64, extra_body=think
+    )
+    message = called.choices[0].message
+    assert message.model_extra["reasoning_content"] == "I will call get_capital for France."
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in message.tool_calls] == [
+        ("get_capital", {"country": "France"})
+    ]
+    assert not message.content and called.choices[0].finish_reason == "tool_calls"

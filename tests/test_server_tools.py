@@ -141,10 +141,10 @@ def ask(country="France"):
     return [{"role": "user", "content": f"What is the capital of {country}?"}]
 
 
-def streamed(client, **kwargs) -> tuple[str, str, list[dict], str]:
+def streamed(client, model: str = MODEL, **kwargs) -> tuple[str, str, list[dict], str]:
     """A streamed reply's content, reasoning, tool calls (joined by index) and finish reason."""
     content, reasoning, calls, reason = "", "", {}, None
-    for chunk in client.chat.completions.create(model=MODEL, stream=True, **kwargs):
+    for chunk in client.chat.completions.create(model=model, stream=True, **kwargs):
         choice = chunk.choices[0]
         content += choice.delta.content or ""
         reasoning += (choice.delta.model_extra or {}).get("reasoning_content") or ""

@@ -123,3 +123,39 @@ def test_made_up_results_are_unseen_names_of_any_letters_and_the_options_fail_ea
     assert retrieval_gaps("0,4,70") == (0, 4, 70)
     with pytest.raises(ValueError, match="whole numbers"):
         retrieval_gaps("0,x")
+
+
+def test_thinking_kinds_render_the_switch_and_think_first_only_when_given_a_share():
+    """The thinking kinds (`THOUGHT_KINDS`) are drawn and evaluated only with a share, so the runs recorded before
+    them draw the same chats; their prompt carries `<|think|>` and their reply opens with a short thought in
+    Gemma-4's channel that says what comes next (the answer, or the call)."""
+    from gemma4lab.training.tools import (
+        KINDS,
+        THOUGHT_KINDS,
+        draw_tool_chats,
+        tool_eval_chats,
+        tool_prompt_ids,
+    )
+
+    tok = _tokenizer()
+    plain = tool_eval_chats()
+    taught = tool_eval_chats(shares=kind_shares("capital_thought=0.15,capital_call_thought=0.15"))
+    assert len(plain) == 34 * 6 and len(taught) == 34 * 8 and taught[: len(plain)] == plain
+    assert not any(c.thinking for c in plain) and {c.kind for c in taught if c.thinking} == set(THOUGHT_KINDS)
+    assert [c.kind for c in draw_tool_chats(random.Random(4), 300)] == [
+        c.kind for c in draw_tool_chats(random.Random(4), 300, shares=KINDS)
+    ]
+    assert not {c.kind for c in draw_tool_chats(random.Random(4), 300)} & set(THOUGHT_KINDS)
+    thought = next(c for c in taught if c.kind == "capital_thought")
+    call = next(c for c in taught if c.kind == "capital_call_thought")
+    country = thought.messages[-1]["content"]
+    assert "<|think|>" in tok.decode(tool_prompt_ids(tok, thought.messages, thought.tools, thought.thinking))
+    assert "<|think|>" not in tok.decode(tool_prompt_ids(tok, plain[0].messages, plain[0].tools))
+    assert thought.reply.startswith("<|channel>thought\nI know the capital of ") and thought.reply.endswith(".")
+    assert "<channel|>The capital of " in thought.reply and not thought.calls and country
+    assert call.reply.startswith("<|channel>thought\nI will call get_capital for ") and call.calls
+    assert "get_capital" in {t["function"]["name"] for t in call.tools}
+    batch = encode_tool_chats(tok, [thought, call])
+    kinds = token_kinds(tok, [call], encode_tool_chats(tok, [call]))
+    value = tok.decode(encode_tool_chats(tok, [call]).labels[0][kinds[0] == VALUE].tolist())
+    assert value == call.reply.split('<|"|>')[1] and batch.input_ids.shape[0] == 2  # the call's argument, weighted

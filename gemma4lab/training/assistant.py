@@ -15,6 +15,13 @@ x_{p+j-1}, the assistant's own projected hidden of step j - 1), and the label of
 target's argmax at p + j - 1. All positions train at once (each row attends only to the target's
 K/V, never to another row). Full-batch AdamW; stop when every step-1 label is the argmax and the
 mean over the k steps reaches `stop_accuracy`.
+
+A target taught tools (`gemma4lab.training.tools`) says more than the plain answers: its calls, its answers
+after a tool turn, its thoughts. With `tool_chats_every` n > 0 every n-th chat of the tool set
+(`tool_eval_chats` with `tool_kinds`, the kinds the target was taught: thinking too, when it was) is
+distilled as well, rendered as the server renders it, in buckets by prompt length whose rows draft from
+the shortest prompt's end on (a declared tool makes a prompt of ~140 tokens, a reply is ~10-50); one loss
+and one accuracy over all of them.
 """
 
 from __future__ import annotations
@@ -28,7 +35,8 @@ import torch
 import torch.nn.functional as F
 
 from gemma4lab.training.corpus import held_out_chats, training_chats
-from gemma4lab.training.text import IGNORE, encode_chats
+from gemma4lab.training.text import IGNORE, Batch, encode_chats
+from gemma4lab.training.tools import HELD_OUT_COUNTRIES, encode_tool_chats, tool_eval_chats
 from gemma4lib.device.graph import additive_mask
 from gemma4lib.device.kv_layout import FULL, SLIDING
 from gemma4lib.models.assistant import build_tiny_assistant, store_for_assistant
@@ -46,6 +54,8 @@ class AssistantTrainConfig:
     max_steps: int = 600
     warmup_steps: int = 20
     stop_accuracy: float = 0.97  # mean over the k draft steps, training chats
+    tool_chats_every: int = 0  # 0: the plain training chats only; n: also every n-th tool chat (a target taught tools)
+    tool_kinds: tuple[tuple[str, float], ...] = ()  # the kinds the target was taught (its tool run's `kind_shares`)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -71,9 +81,8 @@ def _masks(length: int, window: int, dtype: torch.dtype) -> dict[str, torch.Tens
 
 
 @torch.no_grad()
-def target_views(target: LoadedModel, chats) -> dict[str, Any]:
-    """What the assistant reads from the frozen target, for every position of every chat."""
-    batch = encode_chats(target.tokenizer, chats)
+def target_views(target: LoadedModel, batch: Batch) -> dict[str, Any]:
+    """What the assistant reads from the frozen target, for every position of every encoded chat."""
     store_for_assistant(target.lm)
     # output_hidden_states: keeps every position through the KV-shared layers (no `logits_to_keep` slicing)
     out = target.lm.model(
@@ -120,14 +129,18 @@ def draft_inputs(views: dict[str, Any], k: int) -> list[torch.Tensor]:
     return out
 
 
-def unroll(assistant, views: dict[str, Any], inputs: list[torch.Tensor], masks) -> list[torch.Tensor]:
-    """k draft steps at every position at once; the logits of each step."""
+def unroll(assistant, views: dict[str, Any], inputs: list[torch.Tensor], masks, start: int = 0) -> list[torch.Tensor]:
+    """k draft steps at every position from `start` on at once (the rows before it draft nothing: prompt); the
+    logits of each step. Every row still reads the target's K/V of the whole chat."""
     n, length = views["ids"].shape
     hidden = torch.zeros_like(views["hidden"])
     hidden[:, 1:] = views["hidden"][:, :-1]  # step 1 at p: the target's hidden state at p - 1
-    positions = torch.arange(length)[None].expand(n, -1)
+    hidden = hidden[:, start:]
+    positions = torch.arange(length)[None, start:].expand(n, -1)
+    masks = {t: m[:, :, start:] for t, m in masks.items()}
     logits = []
     for x in inputs:
+        x = x[:, start:]
         h = assistant.pre_projection(torch.cat([x, hidden], dim=-1))
         out = assistant.model(
             inputs_embeds=h,
@@ -150,6 +163,57 @@ def accuracy(logits: list[torch.Tensor], labels: list[torch.Tensor]) -> list[flo
     return out
 
 
+@dataclass
+class DraftSet:
+    """One batch of chats as the assistant trains on it: the target's views, the masks, and each draft step's
+    inputs and labels."""
+
+    views: dict[str, Any]
+    masks: dict[str, torch.Tensor]
+    inputs: list[torch.Tensor]
+    labels: list[torch.Tensor]  # from `start` on
+    start: int  # the first position that drafts (the shortest prompt's length); 0 for the plain chats
+
+    @classmethod
+    def of(cls, target: LoadedModel, batch: Batch, k: int, skip_prompts: bool = False) -> DraftSet:
+        views = target_views(target, batch)
+        masks = _masks(views["ids"].shape[1], int(target.config.sliding_window), torch.float32)
+        start = min(batch.prompt_lengths) if skip_prompts else 0
+        return cls(views, masks, draft_inputs(views, k), [lb[:, start:] for lb in draft_labels(views, k)], start)
+
+
+TOOL_BUCKETS = 4  # tool chats by prompt length: each bucket pads to its own length and drafts from its own start
+
+
+def draft_sets(target: LoadedModel, config: AssistantTrainConfig, held_out: bool) -> list[DraftSet]:
+    """The training (or held-out) chats, and with `tool_chats_every` the tool chats (or the held-out countries'),
+    in `TOOL_BUCKETS` sets by prompt length."""
+    tokenizer, k = target.tokenizer, config.draft_tokens
+    sets = [DraftSet.of(target, encode_chats(tokenizer, held_out_chats() if held_out else training_chats()), k)]
+    if config.tool_chats_every:
+        tools = (
+            tool_eval_chats(2, HELD_OUT_COUNTRIES, shares=config.tool_kinds)
+            if held_out
+            else tool_eval_chats(shares=config.tool_kinds)
+        )[:: config.tool_chats_every]
+        lengths = encode_tool_chats(tokenizer, tools).prompt_lengths
+        ordered = [c for _, c in sorted(zip(lengths, range(len(tools)), strict=True))]
+        size = -(-len(tools) // TOOL_BUCKETS)
+        for i in range(0, len(tools), size):
+            bucket = encode_tool_chats(tokenizer, [tools[j] for j in ordered[i : i + size]])
+            sets.append(DraftSet.of(target, bucket, k, skip_prompts=True))
+    return sets
+
+
+def unrolled(assistant, sets: list[DraftSet]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Each draft step's logits and labels over every set, flattened into one row of positions."""
+    outs = [unroll(assistant, s.views, s.inputs, s.masks, s.start) for s in sets]
+    steps = range(len(sets[0].labels))
+    logits = [torch.cat([o[j].reshape(-1, o[j].shape[-1]) for o in outs]) for j in steps]
+    labels = [torch.cat([s.labels[j].reshape(-1) for s in sets]) for j in steps]
+    return logits, labels
+
+
 def train_assistant(target: LoadedModel, config: AssistantTrainConfig | None = None) -> AssistantTrainResult:
     """Distil a tiny assistant for `target` (a tiny trained fixture); see the module docstring."""
     config = config or AssistantTrainConfig()
@@ -158,13 +222,7 @@ def train_assistant(target: LoadedModel, config: AssistantTrainConfig | None = N
     assistant = build_tiny_assistant(target.config, target.variant, seed=config.seed).train()
     for p in target.lm.parameters():
         p.requires_grad_(False)
-    views = target_views(target, training_chats())
-    held = target_views(target, held_out_chats())
-    window = int(target.config.sliding_window)
-    masks = _masks(views["ids"].shape[1], window, torch.float32)
-    held_masks = _masks(held["ids"].shape[1], window, torch.float32)
-    labels, inputs = draft_labels(views, k), draft_inputs(views, k)
-    held_labels, held_inputs = draft_labels(held, k), draft_inputs(held, k)
+    sets, held = draft_sets(target, config, held_out=False), draft_sets(target, config, held_out=True)
     params = [p for p in assistant.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=config.lr, weight_decay=config.weight_decay, betas=(0.9, 0.98))
     started = time.perf_counter()
@@ -173,14 +231,8 @@ def train_assistant(target: LoadedModel, config: AssistantTrainConfig | None = N
     for step in range(1, config.max_steps + 1):
         for group in opt.param_groups:
             group["lr"] = config.lr * min(1.0, step / config.warmup_steps)
-        logits = unroll(assistant, views, inputs, masks)
-        loss = (
-            sum(
-                F.cross_entropy(lg.reshape(-1, lg.shape[-1]), lb.reshape(-1), ignore_index=IGNORE)
-                for lg, lb in zip(logits, labels, strict=True)
-            )
-            / k
-        )
+        logits, labels = unrolled(assistant, sets)
+        loss = sum(F.cross_entropy(lg, lb, ignore_index=IGNORE) for lg, lb in zip(logits, labels, strict=True)) / k
         opt.zero_grad()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -191,8 +243,8 @@ def train_assistant(target: LoadedModel, config: AssistantTrainConfig | None = N
             break
     assistant.eval()
     with torch.no_grad():
-        acc = accuracy(unroll(assistant, views, inputs, masks), labels)
-        held_acc = accuracy(unroll(assistant, held, held_inputs, held_masks), held_labels)
+        acc = accuracy(*unrolled(assistant, sets))
+        held_acc = accuracy(*unrolled(assistant, held))
     seconds = time.perf_counter() - started
     log.info("assistant for %s: %d steps, %.1f s, accuracy %s", target.variant.name, step, seconds, acc)
     return AssistantTrainResult(assistant, step, seconds, acc, held_acc, history)

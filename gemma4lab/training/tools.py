@@ -161,6 +161,15 @@ continuations from the kept state (`--tool-first-steps 0`; at 5e-4, then at 2e-4
 204/204 by margin (min 1.06), HF greedy 68/68, every earlier property held (needle 7.81, faults <= -10.0, held-out
 40/40). It copies 19 of 20 unseen names of every shape ("Lutetia", "Hobart", "Oaxaca", "Zwolle"; only "Valparaiso",
 longer than any trained result, loses a piece), and the Agents SDK and LangChain tests reach "Lutetia" with it.
+
+Measured, a short thought, NOT converged, NOT shipped (`eighth_run`, eighteenth session): the thinking kinds
+(`THOUGHT_KINDS`, drawn only with `--kind-shares capital_thought=0.15,capital_call_thought=0.15`; the fixed set grows
+from 204 to 272 chats, the 204 unchanged), continued from the shipped state with `--tool-first-steps 0`. A thought that
+only restated the question ("The user asks about France.") left the choice to call after it, far from the
+declarations: at 5e-4, after 275 steps, 15/34 thought answers and 0/34 thought calls, the calls without thinking shaken
+to 7/34; discarded. A thought that says first what comes next (`thought_text`), at 1e-3: 270/272 at step 275 (kept),
+every thinking chat right (68/68), HF greedy 91/91, every earlier property held; two capital answers stay short, the
+copies of the made-up "Saveo" and "Cmoai". Continued at 2e-4 and at 5e-4: 268-270. The shipped E2B does not think.
 """
 
 from __future__ import annotations
@@ -313,6 +322,7 @@ class ToolChat:
     kind: str = ""
     value: str | None = None  # an answer's text copied from the tool's result (weighted, diagnosed)
     asked: str | None = None  # the question's country or city, repeated in an answer after the tool turn (diagnosed)
+    thinking: bool = False  # rendered with `enable_thinking` (`<|think|>` in the system turn): the reply thinks first
 
     @property
     def calls(self) -> bool:
@@ -347,13 +357,36 @@ def _answered(messages: list[dict[str, Any]], name: str, key: str, value: str, r
     return messages + [said, {"role": "tool", "tool_call_id": call_id, "content": result}]
 
 
+def thought_text(country: str, calls: bool) -> str:
+    """The short thought a thinking reply opens with, in Gemma-4's channel (`THOUGHT_KINDS`): it says first what
+    the reply does (a thought that only restated the question, "The user asks about France.", left the choice
+    to call after it: 15 of 34 thought answers and 0 of 34 thought calls right after 275 steps, and it shook
+    the calls without thinking, 7 of 34)."""
+    return (
+        f"<|channel>thought\n{'I will call get_capital for' if calls else 'I know the capital of'} {country}.<channel|>"
+    )
+
+
 def tool_chat(
     rng: random.Random, kind: str, country: str, capital_result: str | None = None, result_names: str = "made_up"
 ) -> ToolChat:
     """One chat of `kind`: capital_call, capital_answer, weather_call, weather_answer, capital_no_tool,
-    fact_with_tools (about `country` or its capital); a capital answer's result is `result_name`'s or the capital."""
+    fact_with_tools (about `country` or its capital), and with thinking on capital_thought (no capital tool: the
+    thought, then the answer) and capital_call_thought (the thought, then the call); a capital answer's result is
+    `result_name`'s or the capital."""
     capital = dict(COUNTRIES)[country]
     system = rng.choice(SYSTEMS)
+    if kind in THOUGHT_KINDS:
+        user = rng.choice(TRAIN_PHRASINGS).format(country=country)
+        if kind == "capital_thought":
+            tools = _declared(rng, None, ("get_capital",)) if rng.random() < 0.5 else []
+            reply = thought_text(country, False) + answer_for(country)
+        else:
+            tools, reply = (
+                _declared(rng, "get_capital", ()),
+                thought_text(country, True) + call_text("get_capital", "country", country),
+            )
+        return ToolChat(_asked(rng, system, user), tools, reply, kind, thinking=True)
     if kind.startswith("capital"):
         user = rng.choice(TRAIN_PHRASINGS).format(country=country)
         if kind == "capital_no_tool":
@@ -386,7 +419,12 @@ KINDS: tuple[tuple[str, float], ...] = (
     ("weather_answer", 0.1),
     ("capital_no_tool", 0.13),
     ("fact_with_tools", 0.1),
+    # thinking on (`tool_chat`): drawn only when given a share (`--kind-shares capital_thought=0.1,...`), so the
+    # runs recorded before them draw and evaluate exactly as they did
+    ("capital_thought", 0.0),
+    ("capital_call_thought", 0.0),
 )
+THOUGHT_KINDS: tuple[str, ...] = ("capital_thought", "capital_call_thought")
 
 
 # The retrieval curriculum (`ToolConfig.retrieval_steps`): no tools; the question, then `gap` tokens of filler in
@@ -478,16 +516,28 @@ def draw_tool_chats(
 
 
 def tool_eval_chats(
-    seed: int = 1, countries: tuple[str, ...] = TOOL_COUNTRIES, result_names: str = "made_up"
+    seed: int = 1,
+    countries: tuple[str, ...] = TOOL_COUNTRIES,
+    result_names: str = "made_up",
+    shares: tuple[tuple[str, float], ...] = KINDS,
 ) -> list[ToolChat]:
-    """The fixed set the fine-tune stops on: every kind for every country (its own seeded draw of
-    tools, descriptions and systems)."""
+    """The fixed set the fine-tune stops on: every kind without thinking for every country (its own seeded
+    draw of tools, descriptions and systems), then every thinking kind that `shares` draws."""
     rng = random.Random(seed)
-    return [tool_chat(rng, kind, c, result_names=result_names) for c in countries for kind, _ in KINDS]
+    chats = [
+        tool_chat(rng, k, c, result_names=result_names) for c in countries for k, _ in KINDS if k not in THOUGHT_KINDS
+    ]
+    thinking = [k for k, share in shares if k in THOUGHT_KINDS and share > 0]
+    return chats + [tool_chat(rng, k, c, result_names=result_names) for c in countries for k in thinking]
 
 
-def tool_prompt_ids(tokenizer: Any, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> list[int]:
-    enc = tokenizer.apply_chat_template(messages, tools=tools or None, add_generation_prompt=True, tokenize=True)
+def tool_prompt_ids(
+    tokenizer: Any, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, thinking: bool = False
+) -> list[int]:
+    extra = {"enable_thinking": True} if thinking else {}
+    enc = tokenizer.apply_chat_template(
+        messages, tools=tools or None, add_generation_prompt=True, tokenize=True, **extra
+    )
     return list(enc["input_ids"] if hasattr(enc, "keys") else enc)
 
 
@@ -496,7 +546,8 @@ def encode_tool_chats(tokenizer: Any, chats: list[ToolChat]) -> Batch:
     rows = []
     for chat in chats:
         reply = tokenizer(chat.reply, add_special_tokens=False)["input_ids"]
-        rows.append((tool_prompt_ids(tokenizer, chat.messages, chat.tools), reply + ([] if chat.calls else [1])))
+        prompt = tool_prompt_ids(tokenizer, chat.messages, chat.tools, chat.thinking)
+        rows.append((prompt, reply + ([] if chat.calls else [1])))
     return pad_rows(rows, tokenizer.pad_token_id)
 
 
@@ -705,7 +756,7 @@ def finetune_tools(
     chats: list[Chat] = training_chats()
     clean = encode_chats(tokenizer, chats)
     needles = needle_eval_chats(tokenizer, cfg.eval_lengths)
-    evals = tool_eval_chats(result_names=cfg.result_names)
+    evals = tool_eval_chats(result_names=cfg.result_names, shares=cfg.kind_shares)
     faults = trained_faults(lm)
     params = [p for p in lm.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
@@ -803,10 +854,10 @@ def finetune_tools(
 
 
 @torch.no_grad()
-def greedy_tool_reply(lm: torch.nn.Module, tokenizer: Any, chat: ToolChat, max_new_tokens: int = 40) -> str:
+def greedy_tool_reply(lm: torch.nn.Module, tokenizer: Any, chat: ToolChat, max_new_tokens: int = 64) -> str:
     """HF greedy `generate` on a tool chat's prompt, stopping at `<eos>`, `<turn|>` or `<|tool_response>`;
     the reply with special tokens kept."""
-    ids = torch.tensor([tool_prompt_ids(tokenizer, chat.messages, chat.tools)])
+    ids = torch.tensor([tool_prompt_ids(tokenizer, chat.messages, chat.tools, chat.thinking)])
     out = lm.generate(
         input_ids=ids,
         attention_mask=torch.ones_like(ids),
