@@ -197,10 +197,10 @@ def draft_sets(target: LoadedModel, config: AssistantTrainConfig, held_out: bool
             else tool_eval_chats(shares=config.tool_kinds)
         )[:: config.tool_chats_every]
         lengths = encode_tool_chats(tokenizer, tools).prompt_lengths
-        ordered = [c for _, c in sorted(zip(lengths, range(len(tools)), strict=True))]
+        by_length = [i for _, i in sorted(zip(lengths, range(len(tools)), strict=True))]  # chat indices
         size = -(-len(tools) // TOOL_BUCKETS)
-        for i in range(0, len(tools), size):
-            bucket = encode_tool_chats(tokenizer, [tools[j] for j in ordered[i : i + size]])
+        for first in range(0, len(tools), size):
+            bucket = encode_tool_chats(tokenizer, [tools[i] for i in by_length[first : first + size]])
             sets.append(DraftSet.of(target, bucket, k, skip_prompts=True))
     return sets
 
