@@ -65,18 +65,16 @@ def main(argv=None) -> int:
     prov = json.loads(prov_path.read_text())
     names = list(VARIANTS) if args.variant == "all" else [get_variant(args.variant).name]
     command = "python scripts/train_assistants.py " + " ".join(argv if argv is not None else sys.argv[1:])
-    config = AssistantTrainConfig(seed=args.seed)
+    base = AssistantTrainConfig(seed=args.seed)
     records = dict(prov.get("assistants", {}))
     files = dict(prov["files"])
     for name in names:
         variant = get_variant(name)
         target = load_trained(variant, root=out)
-        tools = prov["variants"][name].get("tools", {})
+        tools, config = prov["variants"][name].get("tools", {}), base
         if tools.get("converged"):  # the kinds it was taught, as its tool run drew them
             kinds = tuple((kind, share) for kind, share in tools["train_config"]["kind_shares"])
-            config = replace(config, tool_chats_every=TOOL_CHATS_EVERY, tool_kinds=kinds)
-        else:
-            config = replace(config, tool_chats_every=0, tool_kinds=())
+            config = replace(base, tool_chats_every=TOOL_CHATS_EVERY, tool_kinds=kinds)
         result = train_assistant(target, config)
         path = assistant_dir(variant, out)
         for fname, digest in save_assistant(result.assistant, path, variant).items():

@@ -128,6 +128,14 @@ WEATHER = {
         "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
     },
 }
+CAPITAL = {
+    "type": "function",
+    "function": {
+        "name": "get_capital",
+        "description": "A country's capital.",
+        "parameters": {"type": "object", "properties": {"country": {"type": "string"}}},
+    },
+}
 
 
 def lutetia(country: str) -> str:
@@ -202,8 +210,7 @@ def test_an_auto_tool_call_of_the_tiny_e2b_parses_as_transformers_parser_does(re
     from gemma4lib.models.trained import load_trained
 
     server, loaded = real
-    tools = [WEATHER, {"type": "function", "function": {"name": "get_capital", "description": "A country's capital."}}]
-    tools[1]["function"]["parameters"] = {"type": "object", "properties": {"country": {"type": "string"}}}
+    tools = [WEATHER, CAPITAL]
     messages = [{"role": "user", "content": "Tell me the capital of Japan."}]
     host = load_trained("e2b")
     ids = host.tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, return_dict=False)
@@ -257,8 +264,7 @@ def test_the_tiny_e2b_thinks_into_reasoning_content_then_answers_or_calls(real):
     off = client.chat.completions.create(model="e2b", messages=messages, max_tokens=64)
     assert off.choices[0].message.content == "The capital of France is Paris."
     assert not (off.choices[0].message.model_extra or {}).get("reasoning_content")
-    tools = [WEATHER, {"type": "function", "function": {"name": "get_capital", "description": "A country's capital."}}]
-    tools[1]["function"]["parameters"] = {"type": "object", "properties": {"country": {"type": "string"}}}
+    tools = [WEATHER, CAPITAL]
     called = client.chat.completions.create(
         model="e2b", messages=messages, tools=tools, max_tokens=64, extra_body=think
     )

@@ -142,20 +142,19 @@ def test_thinking_kinds_render_the_switch_and_think_first_only_when_given_a_shar
     taught = tool_eval_chats(shares=kind_shares("capital_thought=0.15,capital_call_thought=0.15"))
     assert len(plain) == 34 * 6 and len(taught) == 34 * 8 and taught[: len(plain)] == plain
     assert not any(c.thinking for c in plain) and {c.kind for c in taught if c.thinking} == set(THOUGHT_KINDS)
-    assert [c.kind for c in draw_tool_chats(random.Random(4), 300)] == [
-        c.kind for c in draw_tool_chats(random.Random(4), 300, shares=KINDS)
-    ]
-    assert not {c.kind for c in draw_tool_chats(random.Random(4), 300)} & set(THOUGHT_KINDS)
+    before = tuple((k, share) for k, share in KINDS if k not in THOUGHT_KINDS)  # the kinds of the recorded runs
+    drawn = [(c.kind, c.reply) for c in draw_tool_chats(random.Random(4), 300)]
+    assert drawn == [(c.kind, c.reply) for c in draw_tool_chats(random.Random(4), 300, shares=before)]
+    assert not {kind for kind, _ in drawn} & set(THOUGHT_KINDS)
     thought = next(c for c in taught if c.kind == "capital_thought")
     call = next(c for c in taught if c.kind == "capital_call_thought")
-    country = thought.messages[-1]["content"]
     assert "<|think|>" in tok.decode(tool_prompt_ids(tok, thought.messages, thought.tools, thought.thinking))
     assert "<|think|>" not in tok.decode(tool_prompt_ids(tok, plain[0].messages, plain[0].tools))
     assert thought.reply.startswith("<|channel>thought\nI know the capital of ") and thought.reply.endswith(".")
-    assert "<channel|>The capital of " in thought.reply and not thought.calls and country
+    assert "<channel|>The capital of " in thought.reply and not thought.calls
     assert call.reply.startswith("<|channel>thought\nI will call get_capital for ") and call.calls
     assert "get_capital" in {t["function"]["name"] for t in call.tools}
-    batch = encode_tool_chats(tok, [thought, call])
-    kinds = token_kinds(tok, [call], encode_tool_chats(tok, [call]))
-    value = tok.decode(encode_tool_chats(tok, [call]).labels[0][kinds[0] == VALUE].tolist())
-    assert value == call.reply.split('<|"|>')[1] and batch.input_ids.shape[0] == 2  # the call's argument, weighted
+    batch = encode_tool_chats(tok, [call])
+    kinds = token_kinds(tok, [call], batch)
+    value = tok.decode(batch.labels[0][kinds[0] == VALUE].tolist())
+    assert value == call.reply.split('<|"|>')[1]  # the call's argument, weighted
