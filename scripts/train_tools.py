@@ -75,6 +75,7 @@ def main(argv=None) -> int:
     parser.add_argument("--tool-rows", type=int, default=None, help="tool chats per step; default the config's")
     parser.add_argument("--tool-first-steps", type=int, default=None, help="steps of the tool-first phase")
     parser.add_argument("--copy-weight", type=float, default=None, help="loss weight of name and value tokens")
+    parser.add_argument("--eval-every", type=int, default=None, help="steps between evaluations; default the config's")
     parser.add_argument("--retrieval-steps", type=int, default=None, help="steps of the retrieval curriculum (0: off)")
     parser.add_argument("--retrieval-keep-rows", type=int, default=None, help="retrieval chats per later step")
     parser.add_argument("--retrieval-result-share", type=float, default=None, help="retrieval chats copying a result")
@@ -94,8 +95,8 @@ def main(argv=None) -> int:
     write_tokenizer(out, prov, tools=False)  # the specials; the template only with a model that calls (below)
     run.write_provenance()
     config = ToolConfig(seed=args.seed)
-    keys = ("max_steps", "lr", "tool_rows", "tool_first_steps", "copy_weight", "retrieval_steps", "retrieval_keep_rows")
-    keys += ("retrieval_result_share", "retrieval_keep_result_share", "result_names")
+    keys = ("max_steps", "lr", "tool_rows", "tool_first_steps", "copy_weight", "eval_every", "retrieval_steps")
+    keys += ("retrieval_keep_rows", "retrieval_result_share", "retrieval_keep_result_share", "result_names")
     for key in keys:  # a continued run may change them
         if getattr(args, key) is not None:
             setattr(config, key, getattr(args, key))
