@@ -172,14 +172,15 @@ every thinking chat right (68/68), HF greedy 91/91, every earlier property held;
 copies of the made-up "Saveo" and "Cmoai". Continued at 2e-4 and at 5e-4: 268-270. The shipped E2B does not think.
 
 Measured, the short thought again, NOT converged (`ninth_run`, nineteenth session). From the kept 270/272 state: four
-result copies a step beside the recipe (`--retrieval-keep-rows 4`), 268-270; another draw of the rows (seed 1, 3e-4),
-271 once (step 50), then 270; small steps from there (1e-4, evaluated every 5), 270-271; a probe's margin hinge on the
-reply tokens, 254-270. From the shipped state at a lower thinking share (0.08 each), 183-198 by step 100. What stays
-short is one copy: "Saveo", `S`+`ave`+`o`, where the model's second choice is another piece (`um`, `ac`); the shipped
-state itself passes it by 1.06 only. The seventh run's whole recipe from the needle's state (its retrieval curriculum
-first) with the thinking kinds drawn from the start: at 0.15 each, 263/272 at best; at 0.1 each, 269 at its last step
-(every earlier property held, HF greedy 91/91), and its continuation at 5e-4 (the seventh run's first) 270-271, one
-capital answer short. That state (271) is where the next continuation (2e-4, as the seventh run's second) starts.
+result copies a step beside the recipe (`--retrieval-keep-rows 4`), 256-270; another draw of the rows (seed 1, 3e-4),
+271 once (step 50), then 269-270; small steps from there (1e-4, evaluated every 5), 270-271; a probe's margin hinge on
+the reply tokens, 254-270. From the shipped state at a lower thinking share (0.08 each), 183-198 by step 100. What
+stays short is one copy: "Saveo", `S`+`ave`+`o`, where the model's second choice is another piece (`um`, `ac`); the
+shipped state itself passes it by 1.06 only. The seventh run's whole recipe from the needle's state (its retrieval
+curriculum first) with the thinking kinds drawn from the start: at 0.15 each, 263/272 at best; at 0.1 each, 269 at its
+last step (every earlier property held, HF greedy 91/91), and its continuation at 5e-4 (the seventh run's first)
+267-271, one capital answer short. That state (271) is where the next continuation (2e-4, as the seventh run's second)
+starts.
 """
 
 from __future__ import annotations
