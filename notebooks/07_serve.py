@@ -17,8 +17,8 @@
 # scaled out to more than one accelerator. This notebook starts that endpoint on the tiny trained
 # E2B (`python -m gemma4lib serve`), talks to it with the official `openai` client, puts it under
 # growing numbers of concurrent clients and measures what continuous batching buys, runs an agent's
-# tool loop and a structured reply through it, then shows the inf2 route: one compiled bundle,
-# several Ray Serve replicas loading it.
+# tool loop, a thought and a structured reply through it, then shows the inf2 route: one compiled
+# bundle, several Ray Serve replicas loading it.
 #
 # Read `06_serving` first: the endpoint runs the batched graphs built there, through the same
 # engine (`runtime.Engine`), and explains only what a server adds on top.
@@ -57,6 +57,7 @@ prefill_buckets = [128]
 prompt = "What is the capital of France?"
 expect = "Paris"
 max_tokens = 24  # each request's completion budget
+think_tokens = 48  # a thinking request's budget: the thought and the answer after it (inf2: room for a long thought)
 max_queue = 8  # requests waiting for a row; one more gets 429
 burst = 24  # requests sent at once to fill the queue
 client_levels = [1, 2, 4, 8]  # concurrent streaming clients
@@ -358,7 +359,7 @@ title = f"tiny {variant} endpoint, {batch_size} rows, on this CPU"
 plots_serve.latency_and_throughput(levels, title, batch_rows=batch_size)
 
 # %% [markdown]
-# ## 5b. An agent's tool loop and a structured reply
+# ## 5b. An agent's tool loop, a thought and a structured reply
 #
 # An agent asks the model which function to call, runs it itself, and sends the result back as a
 # `role: "tool"` message for the final answer. The request declares the function with a JSON schema
@@ -410,6 +411,30 @@ loop = question + [said, {"role": "tool", "tool_call_id": call_id, "content": to
 final = client.chat.completions.create(model=variant, messages=loop, max_tokens=max_tokens)
 tool_final = final.choices[0].message.content
 print(f"final reply: {tool_final!r} (finish {final.choices[0].finish_reason})")
+
+# %% [markdown]
+# **Thinking.** Gemma-4 can think before it answers: `<|think|>` in the system turn switches it on, and
+# the thought comes back in its own channel, `<|channel>thought\n…<channel|>`, before the reply. The
+# server renders the switch when the request asks for it with vLLM's spelling,
+# `chat_template_kwargs: {"enable_thinking": true}` (the `openai` client sends it in `extra_body`), and
+# parses the channel out: the thought arrives as `reasoning_content` (a streamed reply sends it as
+# deltas of that field), never mixed into `content`. The thought spends the same `max_tokens`, so the
+# request leaves room for it (`think_tokens`). The tiny E2B was taught a one-line thought that says
+# what it will do next; the real Gemma-4 thinks at length, so on inf2 give `think_tokens` room for a
+# real thought. The record checks that the thought came back apart from an answer that still says
+# `expect`.
+
+# %%
+thinking = client.chat.completions.create(
+    model=variant,
+    messages=question,
+    max_tokens=think_tokens,
+    extra_body={"chat_template_kwargs": {"enable_thinking": True}},
+)
+thought = (thinking.choices[0].message.model_extra or {}).get("reasoning_content")
+thought_answer = thinking.choices[0].message.content
+print(f"reasoning_content: {thought!r}")
+print(f"content:           {thought_answer!r} (finish {thinking.choices[0].finish_reason})")
 
 # %% [markdown]
 # A **structured reply** is the same grammar on an ordinary answer: `response_format` with a
@@ -507,13 +532,13 @@ else:
 # %% [markdown]
 # ## 8. Record
 #
-# One JSON record of this run: the answers, the error statuses, every load level, the tool call and
-# the structured reply, the server's start-up and exit. `checks_passed` is true only when the plain reply says `expect`, the streamed
-# text equals it, the too-long request got its 400, the burst got at least one 429 with
-# `Retry-After`, every level completed with no mixed reply, the tool call named its function with
-# arguments that validate, the final reply after it gave the tool's result, the structured reply
-# validated, and SIGTERM ended the server cleanly.
-# The smoke job fails on a false one.
+# One JSON record of this run: the answers, the error statuses, every load level, the tool call, the
+# thought and the structured reply, the server's start-up and exit. `checks_passed` is true only
+# when the plain reply says `expect`, the streamed text equals it, the too-long request got its 400,
+# the burst got at least one 429 with `Retry-After`, every level completed with no mixed reply, the
+# tool call named its function with arguments that validate, the final reply after it gave the
+# tool's result, the structured reply validated, the thought came back apart from an answer that
+# says `expect`, and SIGTERM ended the server cleanly. The smoke job fails on a false one.
 
 # %%
 checks = {
@@ -527,6 +552,11 @@ checks = {
     "tool_call_valid": call_valid,
     "tool_answer_uses_result": call_valid and tool_final == f"The capital of {call_args['country']} is {tool_result}.",
     "structured_reply_validates": structured_valid,
+    "thought_apart_from_answer": bool(thought)
+    and bool(thought_answer)
+    and thought not in thought_answer
+    and "<|channel>" not in thought_answer
+    and expect in thought_answer,
 }
 record = {
     "kind": "serve",
@@ -547,6 +577,7 @@ record = {
     "sigterm_exit": code,
     "tool_call": {"name": name, "arguments": call_args, "result": tool_result, "final": tool_final},
     "structured_reply": structured_text,
+    "thinking": {"reasoning_content": thought, "content": thought_answer},
     "tools_s": tools_s,
     "checks": checks,
     "failed_checks": [name for name, ok in checks.items() if not ok],

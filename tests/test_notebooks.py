@@ -506,8 +506,8 @@ def test_06_serving_follows_its_sections_and_shows_the_recipe():
     assert len(nb.cells) <= SERVING_MAX_CELLS, f"06_serving has {len(nb.cells)} cells; at most {SERVING_MAX_CELLS}"
 
 
-SERVE_SECTIONS = [  # 07_serve: why, start, the client, errors and 429, load, metrics, plots, tools and a
-    # structured reply, drain, inf2, record
+SERVE_SECTIONS = [  # 07_serve: why, start, the client, errors and 429, load, metrics, plots, tools, a thought
+    # and a structured reply, drain, inf2, record
     "### Runs on",
     "## Parameters",
     "## Setup",
@@ -518,7 +518,7 @@ SERVE_SECTIONS = [  # 07_serve: why, start, the client, errors and 429, load, me
     "## 4. N concurrent clients",
     "### What the server counted",
     "## 5. Plots",
-    "## 5b. An agent's tool loop and a structured reply",
+    "## 5b. An agent's tool loop, a thought and a structured reply",
     "## 6. Stop it",
     "## 7. On inf2",
     "## 8. Record",
@@ -538,6 +538,8 @@ SERVE_CALLS = [  # the endpoint's recipe, in the cells themselves
     '{"role": "tool", "tool_call_id": call_id, "content": tool_result}',  # the result sent back
     '"json_schema": {"name": "capital", "schema": schema, "strict": True}',  # the structured reply
     "jsonschema.Draft202012Validator(schema).is_valid(structured_reply)",  # validated as a client would
+    'extra_body={"chat_template_kwargs": {"enable_thinking": True}}',  # thinking on, vLLM's spelling
+    '.get("reasoning_content")',  # the thought, apart from the content
     "server.stop()",
     '"on the compile host, once: python -m gemma4lib export", *port_args',  # it compiles the bundle
     'args += ["--artifacts", artifacts]',  # the server on inf2 loads it

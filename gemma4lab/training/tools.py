@@ -155,12 +155,13 @@ SDK and LangChain make the right call, but the answer to the tests' result "Lute
 names made of the 16 training syllables (4/4) and none with other pieces (0/6; `probe_tools.py --copy-names`): the
 made-up names must be drawn from any pieces, then the E2B assistant retrained, before the fixture ships.
 
-SHIPPED (`seventh_run`, seventeenth session): made-up results of any letters (`result_name`: 4-8 letters, consonant and
-vowel mostly alternating), 3,000 retrieval steps, otherwise the sixth run's command: 202/204 at step 375 (kept); two
-continuations from the kept state (`--tool-first-steps 0`; at 5e-4, then at 2e-4: the recipe's 2e-3 shook it) reached
-204/204 by margin (min 1.06), HF greedy 68/68, every earlier property held (needle 7.81, faults <= -10.0, held-out
-40/40). It copies 19 of 20 unseen names of every shape ("Lutetia", "Hobart", "Oaxaca", "Zwolle"; only "Valparaiso",
-longer than any trained result, loses a piece), and the Agents SDK and LangChain tests reach "Lutetia" with it.
+Shipped before the thought (`seventh_run`, seventeenth session): made-up results of any letters (`result_name`: 4-8
+letters, consonant and vowel mostly alternating), 3,000 retrieval steps, otherwise the sixth run's command: 202/204 at
+step 375 (kept); two continuations from the kept state (`--tool-first-steps 0`; at 5e-4, then at 2e-4: the recipe's
+2e-3 shook it) reached 204/204 by margin (min 1.06), HF greedy 68/68, every earlier property held (needle 7.81, faults
+<= -10.0, held-out 40/40). It copies 19 of 20 unseen names of every shape ("Lutetia", "Hobart", "Oaxaca", "Zwolle";
+only "Valparaiso", longer than any trained result, loses a piece), and the Agents SDK and LangChain tests reach
+"Lutetia" with it.
 
 Measured, a short thought, NOT converged, NOT shipped (`eighth_run`, eighteenth session): the thinking kinds
 (`THOUGHT_KINDS`, drawn only with `--kind-shares capital_thought=0.15,capital_call_thought=0.15`; the fixed set grows
@@ -169,7 +170,7 @@ only restated the question ("The user asks about France.") left the choice to ca
 declarations: at 5e-4, after 275 steps, 15/34 thought answers and 0/34 thought calls, the calls without thinking shaken
 to 7/34; discarded. A thought that says first what comes next (`thought_text`), at 1e-3: 270/272 at step 275 (kept),
 every thinking chat right (68/68), HF greedy 91/91, every earlier property held; two capital answers stay short, the
-copies of the made-up "Saveo" and "Cmoai". Continued at 2e-4 and at 5e-4: 268-270. The shipped E2B does not think.
+copies of the made-up "Saveo" and "Cmoai". Continued at 2e-4 and at 5e-4: 268-270.
 
 Measured, the short thought again, NOT converged (`ninth_run`, nineteenth session). From the kept 270/272 state: four
 result copies a step beside the recipe (`--retrieval-keep-rows 4`), 256-270; another draw of the rows (seed 1, 3e-4),
@@ -181,6 +182,15 @@ curriculum first) with the thinking kinds drawn from the start: at 0.15 each, 26
 last step (every earlier property held, HF greedy 91/91), and its continuation at 5e-4 (the seventh run's first)
 267-271, one capital answer short. That state (271) is where the next continuation (2e-4, as the seventh run's second)
 starts.
+
+SHIPPED, the short thought (`tenth_run`, twentieth session): H's kept state continued at 2e-4 (the seventh run's
+second continuation) with two draws of the rows, run side by side. Seed 0 stayed at 270-271; seed 1 (`--seed 1
+--tool-first-steps 0 --lr 2e-4 --kind-shares capital_thought=0.1,capital_call_thought=0.1`) passed all 272 chats by
+margin at step 75 (min 1.17; the seventh run's state passed its 204 by 1.06), every thinking chat and both made-up
+copies that had stayed short, every earlier property held (training chats 6.62, needle 5.63, faults <= -11.6, held-out
+40/40, after filler 40/40), HF greedy 91/91. The E2B's chain (G10, H, this run) is in the fixtures' `PROVENANCE.json`;
+the E2B assistant was retrained on it (`scripts/train_assistants.py --variant e2b`, which distils the thinking kinds
+too).
 """
 
 from __future__ import annotations
