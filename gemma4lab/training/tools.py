@@ -165,23 +165,23 @@ only "Valparaiso", longer than any trained result, loses a piece), and the Agent
 
 Measured, a short thought, NOT converged, NOT shipped (`eighth_run`, eighteenth session): the thinking kinds
 (`THOUGHT_KINDS`, drawn only with `--kind-shares capital_thought=0.15,capital_call_thought=0.15`; the fixed set grows
-from 204 to 272 chats, the 204 unchanged), continued from the shipped state with `--tool-first-steps 0`. A thought that
-only restated the question ("The user asks about France.") left the choice to call after it, far from the
-declarations: at 5e-4, after 275 steps, 15/34 thought answers and 0/34 thought calls, the calls without thinking shaken
-to 7/34; discarded. A thought that says first what comes next (`thought_text`), at 1e-3: 270/272 at step 275 (kept),
-every thinking chat right (68/68), HF greedy 91/91, every earlier property held; two capital answers stay short, the
-copies of the made-up "Saveo" and "Cmoai". Continued at 2e-4 and at 5e-4: 268-270.
+from 204 to 272 chats, the 204 unchanged), continued from the seventh run's (then shipped) state with
+`--tool-first-steps 0`. A thought that only restated the question ("The user asks about France.") left the choice to
+call after it, far from the declarations: at 5e-4, after 275 steps, 15/34 thought answers and 0/34 thought calls, the
+calls without thinking shaken to 7/34; discarded. A thought that says first what comes next (`thought_text`), at 1e-3:
+270/272 at step 275 (kept), every thinking chat right (68/68), HF greedy 91/91, every earlier property held; two
+capital answers stay short, the copies of the made-up "Saveo" and "Cmoai". Continued at 2e-4 and at 5e-4: 268-270.
 
 Measured, the short thought again, NOT converged (`ninth_run`, nineteenth session). From the kept 270/272 state: four
 result copies a step beside the recipe (`--retrieval-keep-rows 4`), 256-270; another draw of the rows (seed 1, 3e-4),
 271 once (step 50), then 269-270; small steps from there (1e-4, evaluated every 5), 270-271; a probe's margin hinge on
-the reply tokens, 254-270. From the shipped state at a lower thinking share (0.08 each), 183-198 by step 100. What
-stays short is one copy: "Saveo", `S`+`ave`+`o`, where the model's second choice is another piece (`um`, `ac`); the
-shipped state itself passes it by 1.06 only. The seventh run's whole recipe from the needle's state (its retrieval
-curriculum first) with the thinking kinds drawn from the start: at 0.15 each, 263/272 at best; at 0.1 each, 269 at its
-last step (every earlier property held, HF greedy 91/91), and its continuation at 5e-4 (the seventh run's first)
-267-271, one capital answer short. That state (271) is where the next continuation (2e-4, as the seventh run's second)
-starts.
+the reply tokens, 254-270. From the seventh run's state at a lower thinking share (0.08 each), 183-198 by step 100.
+What stays short is one copy: "Saveo", `S`+`ave`+`o`, where the model's second choice is another piece (`um`, `ac`);
+the seventh run's state itself passes it by 1.06 only. The seventh run's whole recipe from the needle's state (its
+retrieval curriculum first) with the thinking kinds drawn from the start: at 0.15 each, 263/272 at best; at 0.1 each,
+269 at its last step (every earlier property held, HF greedy 91/91), and its continuation at 5e-4 (the seventh run's
+first) 267-271, one capital answer short. That state (271) is where the next continuation (2e-4, as the seventh run's
+second) starts.
 
 SHIPPED, the short thought (`tenth_run`, twentieth session): H's kept state continued at 2e-4 (the seventh run's
 second continuation) with two draws of the rows, run side by side. Seed 0 stayed at 270-271; seed 1 (`--seed 1
